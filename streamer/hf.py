@@ -1,0 +1,374 @@
+"""Hugging Face GPT-J checkpoints in and out, one tensor at a time.
+
+A 6B checkpoint is larger than the memory this runtime is built to save, so
+nothing here ever holds a whole model: `HFCheckpoint` opens shards lazily and
+reads one tensor per call, and `HFExporter` holds at most one shard before it
+goes to disk.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from layers import GPTJ, IGNORED_CHECKPOINT_SUFFIXES, CheckpointMismatch, ConfigError, GPTJConfig, check_state_dict
+from streamer.errors import CheckpointError
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Searched in this order: safetensors first, because a pickle can only be read
+# safely through torch's restricted unpickler and is slower to open.
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                 "pytorch_model.bin", "pytorch_model.bin.index.json")
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+# Errors torch.load raises for files that are not a weights-only, mmap-able pickle.
+_PICKLE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor lives and what it is, known without reading its data."""
+
+    shard: str
+    shape: tuple[int, ...]
+    dtype: str  # torch's name ("float32") or safetensors' code for dtypes torch lacks ("F8_E4M3")
+
+    def __post_init__(self) -> None:
+        if not self.shard or any(d < 0 for d in self.shape):
+            raise ValueError(f"invalid tensor entry {self}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class HFCheckpoint:
+    """A GPT-J checkpoint folder: config.json plus safetensors or (weights-only) pickle weights."""
+
+    def __init__(self, root: Path, config: GPTJConfig, entries: dict[str, _Entry],
+                 shards: dict[str, Any]) -> None:
+        self.root = root
+        self.config = config
+        self._entries = entries
+        self._shards = shards  # file name -> safe_open handle, or the mmap-ed dict a pickle holds
+
+    @classmethod
+    def open(cls, directory: str | Path) -> HFCheckpoint:
+        root = Path(directory)
+        if not root.is_dir():
+            raise CheckpointError(f"{root} is not a folder; pass the folder that holds config.json and the weights")
+        config = _read_config(root)
+        layout = next((name for name in _WEIGHT_FILES if (root / name).is_file()), None)
+        if layout is None:
+            raise CheckpointError(f"{root} holds no weights; expected one of {', '.join(_WEIGHT_FILES)}")
+        if layout.endswith(".index.json"):
+            wanted = _read_index(root, layout)
+            files = sorted(set(wanted.values()))
+        else:
+            wanted, files = None, [layout]
+        entries: dict[str, _Entry] = {}
+        shards: dict[str, Any] = {}
+        for name in files:
+            shards[name], found = _open_shard(root, name)
+            keys = found if wanted is None else [k for k, f in wanted.items() if f == name]
+            for key in keys:
+                if key not in found:
+                    raise CheckpointError(f"{layout} puts {key!r} in {name}, which does not hold it; "
+                                          "re-save the checkpoint or fix the index")
+                if not key.endswith(IGNORED_CHECKPOINT_SUFFIXES):
+                    entries[key] = found[key]
+        return cls(root, config, entries, shards)
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the shard mappings; the checkpoint cannot be read afterwards."""
+        self._shards.clear()
+
+    def keys(self) -> list[str]:
+        """Every tensor name, in storage order (shard by shard), minus buffers that hold no learned state."""
+        return list(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entry(key).shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._entry(key).dtype
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
+            raise CheckpointError(f"{key} in {self.root} is stored as {name}; only float32, bfloat16 and "
+                                  "float16 weights are supported: convert the checkpoint to one of them")
+        return dtype
+
+    def read(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One tensor as a fresh CPU tensor of `dtype` that the caller owns."""
+        entry = self._entry(key)
+        self.dtype(key)
+        if not self._shards:
+            raise CheckpointError(f"{self.root} was closed; open it again to read {key}")
+        source = self._shards[entry.shard]
+        try:
+            tensor = source[key] if isinstance(source, dict) else source.get_tensor(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read {key} from {self.root / entry.shard} ({_brief(exc)}); "
+                                  "the file is damaged: download or export it again") from None
+        # Both sources hand out views of a file mapping that later reads share,
+        # so a caller writing into them would corrupt the checkpoint's next read.
+        return tensor.to(dtype=dtype, copy=True)
+
+    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, tensor) one at a time in storage order; only the tensor just yielded is held."""
+        for key in self._entries:
+            yield key, self.read(key, dtype)
+
+    def validate(self) -> None:
+        """Check names, shapes and dtypes against the model config.json describes, reading no tensor data."""
+        for key in self._entries:
+            self.dtype(key)
+        given = {k: torch.empty(e.shape, device="meta") for k, e in self._entries.items()}
+        try:
+            check_state_dict(expected_tensors(self.config), given)
+        except CheckpointMismatch as exc:
+            raise CheckpointError(f"{self.root}: {exc}".replace("\n", "\\n")) from None
+
+    def _entry(self, key: str) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise CheckpointError(f"{self.root} has no tensor named {key!r}; its keys start with "
+                                  f"{list(self._entries)[:3]}") from None
+
+
+def expected_tensors(cfg: GPTJConfig) -> dict[str, torch.Tensor]:
+    """The HF state dict a config describes, as meta tensors: names and shapes, no memory."""
+    try:
+        with torch.device("meta"):
+            return GPTJ(cfg, init=False).state_dict()
+    except (RuntimeError, OverflowError, ValueError) as exc:
+        raise CheckpointError(f"the config describes a model that cannot be built ({_brief(exc)}); "
+                              "check its sizes (n_embd, n_layer, vocab_size, n_inner)") from None
+
+
+def _read_config(root: Path) -> GPTJConfig:
+    path = root / "config.json"
+    try:
+        return GPTJConfig.from_hf(path)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    except (TypeError, ValueError, OSError) as exc:  # values of the wrong JSON type, unreadable file
+        raise CheckpointError(f"{path} is not a valid GPT-J config ({_brief(exc)}); fix or replace it") from None
+
+
+def _read_index(root: Path, name: str) -> dict[str, str]:
+    """The index's weight_map, each shard checked to be a file inside `root`."""
+    path = root / name
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON ({_brief(exc)}); re-save the checkpoint") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path} has no 'weight_map' object of tensor name -> shard file; re-save the checkpoint")
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{path}: the shard of {key!r} must be a file name, got {shard!r}")
+        _inside(root, shard, path)
+    return weight_map
+
+
+def _inside(root: Path, shard: str, index: Path) -> Path:
+    """Refuse shard names that leave the checkpoint folder: an index must not make us read arbitrary files."""
+    relative = Path(shard)
+    if not shard or "\x00" in shard or relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(f"{index} names shard {shard!r}, which is not a file inside {root}; "
+                              "shards must be plain file names in the checkpoint folder")
+    try:
+        resolved = (root / relative).resolve()
+        escapes = not resolved.is_relative_to(root.resolve())
+        exists = resolved.is_file()
+    except (OSError, RuntimeError) as exc:  # name too long, symlink loop
+        raise CheckpointError(f"{index} names shard {shard!r}, which cannot be opened ({_brief(exc)})") from None
+    if escapes:
+        raise CheckpointError(f"{index} names shard {shard!r}, which links outside {root}; "
+                              "copy the shard into the checkpoint folder")
+    if not exists:
+        raise CheckpointError(f"shard {shard!r} listed in {index} is missing from {root}; "
+                              "download or copy it next to the index")
+    return resolved
+
+
+def _open_shard(root: Path, name: str) -> tuple[Any, dict[str, _Entry]]:
+    path = root / name
+    if name.endswith(".safetensors"):
+        try:
+            handle = safe_open(str(path), framework="pt")
+            found = {}
+            for key in handle.offset_keys():
+                view = handle.get_slice(key)
+                code = view.get_dtype()
+                dtype = _SAFETENSORS_DTYPES.get(code)
+                found[key] = _Entry(name, tuple(view.get_shape()), _dtype_name(dtype) if dtype else code)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({_brief(exc)}); "
+                                  "download or export it again") from None
+        return handle, found
+    try:
+        # weights_only: a pickle can run arbitrary code; torch's restricted
+        # unpickler only rebuilds tensors and plain containers. mmap: the
+        # file's pages are read on demand, so opening costs no memory.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except _PICKLE_ERRORS as exc:
+        raise CheckpointError(f"{path} is not a weights-only PyTorch checkpoint ({_brief(exc)}); "
+                              "convert it to safetensors") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path} must hold a flat dict of tensor name -> tensor; "
+                              "save the model's state_dict() itself")
+    return state, {k: _Entry(name, tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}
+
+
+class HFExporter:
+    """Write a GPT-J checkpoint that `transformers.GPTJForCausalLM.from_pretrained` loads, tensor by tensor.
+
+    with HFExporter(out_dir, cfg, dtype=torch.bfloat16) as export:
+        for key, tensor in tensors:
+            export.add(key, tensor)
+
+    Everything goes to a hidden sibling folder first (`staging_dir`, where
+    other files such as a tokenizer may be saved too) that replaces `directory`
+    only once every tensor is written: a failed export leaves nothing behind.
+    One shard (`max_shard_bytes`, or one tensor if larger) is in memory at a time.
+    """
+
+    def __init__(self, directory: str | Path, cfg: GPTJConfig, dtype: torch.dtype = torch.float32,
+                 max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise CheckpointError(f"cannot export as {dtype}; choose float32, bfloat16 or float16")
+        if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+            raise CheckpointError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is a file; choose a folder to export to")
+        if not overwrite and self.directory.is_dir() and any(self.directory.iterdir()):
+            raise CheckpointError(f"{self.directory} is not empty; choose a new folder or pass overwrite=True")
+        self.cfg, self.dtype, self.max_shard_bytes = cfg, dtype, max_shard_bytes
+        self._expected = expected_tensors(cfg)
+        self.staging_dir = self.directory.parent / f".{self.directory.name}.partial-{uuid.uuid4().hex[:8]}"
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shard_keys: list[list[str]] = []
+        self._written: set[str] = set()
+        self._total_bytes = 0
+
+    def __enter__(self) -> HFExporter:
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        self.staging_dir.mkdir()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            return
+        try:
+            self._finish()
+        except BaseException:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            raise
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor under its HF name; a full shard is written out before the next one starts."""
+        if not self.staging_dir.is_dir():
+            raise RuntimeError("HFExporter.add() must be called inside its `with` block")
+        expected = self._expected.get(key)
+        if expected is None:
+            raise CheckpointError(f"{key!r} is not a tensor of a GPT-J model with this config; "
+                                  f"valid names look like {next(iter(self._expected))!r}")
+        if key in self._written or key in self._pending:
+            raise CheckpointError(f"{key} was added twice; add each tensor once")
+        if tuple(tensor.shape) != tuple(expected.shape):
+            raise CheckpointError(f"{key} has shape {tuple(tensor.shape)}; the config needs {tuple(expected.shape)}")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{key} is {tensor.dtype}; weights must be floating point")
+        # copy=True: the caller's tensor may be a view into a larger buffer it
+        # reuses (the host store's slabs); safetensors needs owned, contiguous data.
+        owned = tensor.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
+        size = owned.numel() * owned.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[key] = owned
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        index = len(self._shard_keys)
+        save_file(self._pending, str(self.staging_dir / f"shard-{index}.tmp"), metadata={"format": "pt"})
+        self._shard_keys.append(list(self._pending))
+        self._written.update(self._pending)
+        self._total_bytes += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+    def _finish(self) -> None:
+        if self._pending:
+            self._flush()
+        missing = sorted(set(self._expected) - self._written)
+        if missing:
+            raise CheckpointError(f"export to {self.directory} is incomplete: {len(missing)} tensors were never "
+                                  f"added, e.g. {missing[:3]}; add every tensor of the model")
+        count = len(self._shard_keys)
+        # Hugging Face's own naming: one file needs no index.
+        names = (["model.safetensors"] if count == 1
+                 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        for i, name in enumerate(names):
+            os.replace(self.staging_dir / f"shard-{i}.tmp", self.staging_dir / name)
+        if count > 1:
+            weight_map = {k: name for name, keys in zip(names, self._shard_keys) for k in sorted(keys)}
+            _write_json(self.staging_dir / "model.safetensors.index.json",
+                        {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
+        _write_json(self.staging_dir / "config.json", {**self.cfg.to_hf(), "dtype": _dtype_name(self.dtype)})
+        for path in [*self.staging_dir.iterdir(), self.staging_dir]:
+            _fsync(path)
+        self._swap_in()
+
+    def _swap_in(self) -> None:
+        """Replace the destination with the staging folder, the old one removed only after the rename."""
+        if self.directory.exists():
+            retired = self.directory.parent / f".{self.directory.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.directory, retired)
+            os.replace(self.staging_dir, self.directory)
+            shutil.rmtree(retired)
+        else:
+            os.replace(self.staging_dir, self.directory)
+        _fsync(self.directory.parent)
+
+
+def _brief(exc: BaseException) -> str:
+    """A library's error as one line: torch and safetensors messages can span a page."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
