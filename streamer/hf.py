@@ -265,9 +265,8 @@ class HFExporter:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is a file; choose a folder to export to")
-        if not overwrite and self.directory.is_dir() and any(self.directory.iterdir()):
-            raise CheckpointError(f"{self.directory} is not empty; choose a new folder or pass overwrite=True")
-        self.cfg, self.dtype, self.max_shard_bytes = cfg, dtype, max_shard_bytes
+        self.cfg, self.dtype, self.max_shard_bytes, self.overwrite = cfg, dtype, max_shard_bytes, overwrite
+        self._refuse_to_overwrite()
         self._expected = expected_tensors(cfg)
         self.staging_dir = self.directory.parent / f".{self.directory.name}.partial-{uuid.uuid4().hex[:8]}"
         self._pending: dict[str, torch.Tensor] = {}
@@ -277,8 +276,12 @@ class HFExporter:
         self._total_bytes = 0
 
     def __enter__(self) -> HFExporter:
-        self.directory.parent.mkdir(parents=True, exist_ok=True)
-        self.staging_dir.mkdir()
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            self.staging_dir.mkdir()
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {self.staging_dir} ({exc.strerror}); "
+                                  "choose a folder you can write to") from None
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
@@ -287,6 +290,10 @@ class HFExporter:
             return
         try:
             self._finish()
+        except OSError as exc:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            raise CheckpointError(f"writing {self.directory} failed ({exc.strerror}: {exc.filename}); "
+                                  "free disk space or choose another folder") from None
         except BaseException:
             shutil.rmtree(self.staging_dir, ignore_errors=True)
             raise
@@ -315,8 +322,12 @@ class HFExporter:
         self._pending_bytes += size
 
     def _flush(self) -> None:
-        index = len(self._shard_keys)
-        save_file(self._pending, str(self.staging_dir / f"shard-{index}.tmp"), metadata={"format": "pt"})
+        path = self.staging_dir / f"shard-{len(self._shard_keys)}.tmp"
+        try:
+            save_file(self._pending, str(path), metadata={"format": "pt"})
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"cannot write {path} ({_brief(exc)}); free disk space or choose another "
+                                  "folder") from None
         self._shard_keys.append(list(self._pending))
         self._written.update(self._pending)
         self._total_bytes += self._pending_bytes
@@ -344,8 +355,13 @@ class HFExporter:
             _fsync(path)
         self._swap_in()
 
+    def _refuse_to_overwrite(self) -> None:
+        if not self.overwrite and self.directory.is_dir() and any(self.directory.iterdir()):
+            raise CheckpointError(f"{self.directory} is not empty; choose a new folder or pass overwrite=True")
+
     def _swap_in(self) -> None:
         """Replace the destination with the staging folder, the old one removed only after the rename."""
+        self._refuse_to_overwrite()  # again: something may have been written there during the export
         if self.directory.exists():
             retired = self.directory.parent / f".{self.directory.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(self.directory, retired)

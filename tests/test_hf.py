@@ -341,3 +341,15 @@ def test_iter_tensors_holds_one_tensor_at_a_time(tmp_path):
                             cwd=Path(__file__).parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
     peak = int(result.stdout.split()[-1])
     assert peak < total / 4, f"streaming held {peak / 2**20:.1f} MiB of a {total / 2**20:.1f} MiB checkpoint"
+
+
+def test_write_failure_is_a_checkpoint_error_and_leaves_nothing(hf_state, tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("streamer.hf.save_file", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device.*free disk space"):
+        with HFExporter(tmp_path / "out", GPTJConfig(**TINY)) as export:
+            for key, tensor in hf_state.items():
+                export.add(key, tensor)
+    assert list(tmp_path.iterdir()) == []
