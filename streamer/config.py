@@ -1,0 +1,138 @@
+"""The trainer's settings: one frozen dataclass each for the run and the learning-rate schedule."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memory_model import DeviceSpec, parse_size
+from streamer.errors import StreamerError
+from streamer.layout import DTYPES, Placement, dtype_name
+
+
+class ConfigError(StreamerError):
+    """Trainer settings that cannot run; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """constant, or linear warmup then cosine / linear decay to min_lr_ratio * lr at total_steps."""
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "cosine", "linear"):
+            raise ConfigError(f"schedule must be 'constant', 'cosine' or 'linear', got {self.kind!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.kind != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ConfigError(f"a {self.kind} schedule needs total_steps > warmup_steps ({self.warmup_steps})")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def lr_at(self, step: int, base_lr: float) -> float:
+        """Learning rate of optimizer step `step` (1-based, as torch counts Adam steps)."""
+        if step <= self.warmup_steps:
+            return base_lr * step / self.warmup_steps if self.warmup_steps else base_lr
+        if self.kind == "constant":
+            return base_lr
+        assert self.total_steps is not None
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
+        return base_lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * shape)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+    grad_accum: int = 1
+    compute_dtype: torch.dtype | str = torch.bfloat16
+    moment_dtype: str = "fp32"
+    activations: str = "resident"
+    store: str | Placement = "ram"
+    update_on: str = "device"
+    prefetch: int = 1
+    device: str = "cpu"
+    budget: None | int | str | DeviceSpec = None
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    update_chunk: int = 16 * 2**20
+    nonfinite: str = "stop"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compute_dtype, str):
+            if self.compute_dtype not in DTYPES:
+                raise ConfigError(f"compute_dtype must be one of {list(DTYPES)}, got {self.compute_dtype!r}")
+            object.__setattr__(self, "compute_dtype", DTYPES[self.compute_dtype])
+        dtype_name(self.compute_dtype)
+        object.__setattr__(self, "store", Placement.of(self.store))
+        choices = {"activations": ("resident", "checkpoint"), "update_on": ("device", "host"),
+                   "nonfinite": ("stop", "skip"), "moment_dtype": ("fp32", "bf16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr must be a positive number, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ConfigError("eps must be > 0 and weight_decay >= 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        for name in ("grad_accum", "update_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda", "meta"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        if self.budget is None:
+            return None
+        if isinstance(self.budget, DeviceSpec):
+            return self.budget.memory_bytes
+        try:
+            return parse_size(self.budget)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def replace(self, **changes: Any) -> "TrainerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["compute_dtype"] = dtype_name(self.compute_dtype)
+        out["store"] = self.store.to_dict()
+        out["schedule"] = dataclasses.asdict(self.schedule)
+        out["betas"] = list(self.betas)
+        out["budget"] = self.budget.name if isinstance(self.budget, DeviceSpec) else self.budget
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "TrainerConfig":
+        raw = dict(raw)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown trainer setting(s) {unknown}; valid: {sorted(known)}")
+        if isinstance(raw.get("store"), dict):
+            raw["store"] = Placement(**raw["store"])
+        if isinstance(raw.get("schedule"), dict):
+            raw["schedule"] = LRSchedule(**raw["schedule"])
+        if "betas" in raw:
+            raw["betas"] = tuple(raw["betas"])
+        return cls(**raw)

@@ -1,0 +1,104 @@
+"""How a unit's tensors sit in one flat slab, and where each slab kind lives."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from layers import GPTJConfig, build_unit, unit_hf_key, unit_names
+from streamer.errors import StoreError
+
+TIERS = ("ram", "disk")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise StoreError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    key: str  # the unit module's own key, e.g. "attn.q_proj.weight"
+    hf_key: str  # e.g. "transformer.h.3.attn.q_proj.weight"
+    shape: tuple[int, ...]
+    offset: int  # in elements, inside the unit's flat slab
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def decay(self) -> bool:
+        """AdamW decays matrices and embeddings, not biases or LayerNorm parameters (HF Trainer's rule)."""
+        return len(self.shape) >= 2
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    name: str
+    slots: tuple[TensorSlot, ...]  # decayed tensors first, so decay is one contiguous prefix
+
+    @classmethod
+    def of(cls, cfg: GPTJConfig, unit: str) -> "UnitLayout":
+        module = build_unit(cfg, unit)
+        params = list(module.named_parameters())
+        ordered = [p for p in params if p[1].dim() >= 2] + [p for p in params if p[1].dim() < 2]
+        slots, offset = [], 0
+        for key, param in ordered:
+            slots.append(TensorSlot(key, unit_hf_key(unit, key), tuple(param.shape), offset))
+            offset += param.numel()
+        return cls(unit, tuple(slots))
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def decay_numel(self) -> int:
+        return sum(s.numel for s in self.slots if s.decay)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit's parameters as views of `flat`; one split node, so autograd's backward is one cat."""
+        pieces = flat.split_with_sizes([s.numel for s in self.slots])
+        return {s.key: piece.view(s.shape) for s, piece in zip(self.slots, pieces)}
+
+
+def model_layouts(cfg: GPTJConfig) -> tuple[UnitLayout, ...]:
+    return tuple(UnitLayout.of(cfg, unit) for unit in unit_names(cfg))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which tier holds each slab kind. `state` is fp32 master + Adam moments: what a commit makes durable.
+
+    Compute weights are a cache of the master weights (rebuilt from them on open), so they may live anywhere.
+    """
+
+    compute: str = "ram"
+    state: str = "ram"
+    grad: str = "ram"
+
+    def __post_init__(self) -> None:
+        for kind in ("compute", "state", "grad"):
+            if getattr(self, kind) not in TIERS:
+                raise StoreError(f"placement.{kind} must be one of {TIERS}, got {getattr(self, kind)!r}")
+        if self.state == "disk" and self.grad != "disk":
+            # A step commits by journaling durable gradients and rolling the update forward after a crash.
+            raise StoreError("placement with state on disk needs grad on disk too (the commit journal replays it)")
+
+    @classmethod
+    def of(cls, store: "str | Placement") -> "Placement":
+        if isinstance(store, Placement):
+            return store
+        if store not in TIERS:
+            raise StoreError(f"store must be 'ram', 'disk' or a Placement, got {store!r}")
+        return cls(store, store, store)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"compute": self.compute, "state": self.state, "grad": self.grad}

@@ -1,0 +1,107 @@
+"""How streamed weights enter autograd without staying on the device, and how activations are charged.
+
+A unit's parameters are views of one flat device buffer. `StreamedWeights` puts that buffer into the
+graph without saving it; its backward hands the flat weight gradient to a sink (the offload). While a unit's
+forward runs, `SavedTensorRecorder` sees every tensor autograd saves: one that lives in the unit's weight
+buffer is packed as a handle and unpacked, in backward, from the buffer streamed in again; any other is an
+activation, charged to the ledger once per storage until the unit's backward is done.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from memory_model import Ledger
+
+
+class Residency(enum.Enum):
+    NOT_AVAILABLE = "not_available"
+    INFLIGHT = "inflight"
+    AVAILABLE = "available"
+
+
+@dataclass
+class UnitState:
+    """One unit's device residency, owned by the runtime (never attributes patched onto tensors)."""
+
+    name: str
+    residency: Residency = Residency.NOT_AVAILABLE
+    buffer: torch.Tensor | None = None
+
+    def weights(self) -> torch.Tensor:
+        if self.residency is not Residency.AVAILABLE or self.buffer is None:
+            raise RuntimeError(f"unit {self.name}'s weights are not on the device ({self.residency.value})")
+        return self.buffer
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage. `data_ptr()` is 0 for every meta tensor, so use the StorageImpl."""
+    return t.untyped_storage()._cdata
+
+
+class StreamedWeights(torch.autograd.Function):
+    """flat weights -> the same values as a graph node that saves nothing and sends its gradient to `sink`."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, flat: torch.Tensor, sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.sink = sink
+        return flat.detach()
+
+    @staticmethod
+    def backward(ctx, grad_flat: torch.Tensor) -> tuple[None, None, None]:
+        ctx.sink(grad_flat)
+        return None, None, None
+
+
+@dataclass(frozen=True)
+class WeightHandle:
+    state: UnitState
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class SavedTensorRecorder:
+    """Packs streamed weights as handles and charges every other saved storage to the ledger."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._charged: dict[int, int] = {}  # storage key -> ledger handle
+        self._owned: dict[str, list[int]] = {}  # unit -> storage keys it charged
+
+    def hooks(self, state: UnitState) -> torch.autograd.graph.saved_tensors_hooks:
+        weight_key = storage_key(state.weights())
+        owned = self._owned.setdefault(state.name, [])
+
+        def pack(t: torch.Tensor) -> torch.Tensor | WeightHandle:
+            key = storage_key(t)
+            if key == weight_key:
+                return WeightHandle(state, t.size(), t.stride(), t.storage_offset())
+            if key not in self._charged:
+                nbytes = t.untyped_storage().nbytes()
+                self._charged[key] = self.ledger.allocate("activations", state.name, nbytes,
+                                                          f"saved {tuple(t.shape)} {t.dtype}")
+                owned.append(key)
+            return t
+
+        def unpack(packed: torch.Tensor | WeightHandle) -> torch.Tensor:
+            if isinstance(packed, WeightHandle):
+                return packed.state.weights().as_strided(packed.size, packed.stride, packed.offset)
+            return packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def charge(self, unit: str, t: torch.Tensor, what: str) -> None:
+        """Charge a tensor the runtime itself keeps (a checkpointed block input)."""
+        key = storage_key(t)
+        if key not in self._charged:
+            self._charged[key] = self.ledger.allocate("activations", unit, t.untyped_storage().nbytes(), what)
+            self._owned.setdefault(unit, []).append(key)
+
+    def release(self, unit: str) -> None:
+        """The unit's backward is done: its saved tensors are gone with its graph."""
+        for key in self._owned.pop(unit, []):
+            self.ledger.free(self._charged.pop(key))

@@ -1,0 +1,294 @@
+"""Runs a schedule: prefetch the next resources, compute the current event, release what is done.
+
+The loop reads as the pipeline it is — issue loads `prefetch` resources ahead, wait for the current one,
+compute, hand results back, release — and every device byte it creates is charged to the ledger in
+program order (never from the I/O thread), so the accounting is the same on every run.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.func import functional_call
+
+from layers import GPTJConfig, build_unit, causal_lm_loss
+from memory_model import Ledger, Trace
+from streamer.config import TrainerConfig
+from streamer.errors import StreamerError
+from streamer.layout import UnitLayout
+from streamer.optim import adamw_chunk
+from streamer.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
+from streamer.schedule import Event, Resource, StateChunk, Weights, lookahead
+from streamer.store import HostStore, UnitWriter
+from streamer.transport import IOWorker, Loaded, Transport
+
+
+class NonFiniteError(StreamerError):
+    """A loss or gradient that is NaN or infinite; nothing of that step was committed."""
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass
+class StepContext:
+    """What one step's events share: its micro-batches, graphs, gradient norms and update settings."""
+
+    micro_batches: list[MicroBatch]
+    step: int  # the optimizer step being made (1-based)
+    lr: float
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grad_sq_norms: dict[str, float] = field(default_factory=dict)
+    clip_coef: float | None = None
+    on_first_update: Callable[["StepContext"], None] | None = None
+
+
+class Executor:
+    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: HostStore | None, ledger: Ledger,
+                 trace: Trace, layouts: dict[str, UnitLayout]) -> None:
+        self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
+        self.device = torch.device(tc.device)
+        self.dtype = tc.compute_dtype
+        self.transport = Transport(store, self.device, self.dtype)
+        self.worker = IOWorker(threaded=self.device.type != "meta" and tc.prefetch > 0)
+        self.shells = {kind: build_unit(cfg, name) for kind, name in
+                       (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
+        self.states = {u: UnitState(u) for u in layouts}
+        self.recorder = SavedTensorRecorder(ledger)
+        self.anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
+        self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
+        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._offloads: dict[str, tuple[cf.Future[float], int]] = {}
+        self._flowing_grad: tuple[torch.Tensor, int] | None = None
+        self._writers: dict[str, UnitWriter] = {}
+        self._scratch: torch.Tensor | None = None
+
+    # --- the pipeline ----------------------------------------------------------------------------
+    def run(self, events: list[Event], ctx: StepContext) -> None:
+        for i, event in enumerate(events):
+            for resource in [event.resource, *lookahead(events, i, self.tc.prefetch)]:
+                if resource not in self._inflight:
+                    self._issue(resource)
+            tensors = self._acquire(event.resource)
+            with self.trace.span(event.unit, event.phase, step=ctx.step, micro=event.micro):
+                if event.phase == "forward":
+                    self._forward(event, tensors, ctx)
+                elif event.phase == "backward":
+                    self._backward(event, ctx)
+                else:
+                    self._update(event.resource, tensors, ctx)
+            if i + 1 == len(events) or events[i + 1].resource != event.resource:
+                self._release(event.resource)
+        self.worker.drain()
+
+    def _issue(self, resource: Resource) -> None:
+        if isinstance(resource, Weights):
+            numel = self.layouts[resource.unit].numel
+            handles = [self.ledger.allocate("weights", resource.unit, numel * self.dtype.itemsize,
+                                            "compute weights")]
+            self.states[resource.unit].residency = Residency.INFLIGHT
+            job = lambda: self._traced(resource.unit, "load", lambda: self.transport.load_weights(resource.unit, numel))
+        else:
+            handles = []
+            if self.tc.update_on == "device":
+                count = resource.count
+                handles = [self.ledger.allocate("optimizer", resource.unit, count * 12, "master, exp_avg, exp_avg_sq"),
+                           self.ledger.allocate("gradients", resource.unit, count * 4, "fp32 gradient")]
+            job = lambda: self._traced(resource.unit, "load", lambda: self.transport.load_state(
+                resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host"))
+        self._inflight[resource] = (self.worker.submit(job), handles)
+
+    def _traced(self, unit: str, phase: str, job: Callable[[], Loaded]) -> Loaded:
+        with self.trace.span(unit, phase):
+            return job()
+
+    def _acquire(self, resource: Resource) -> dict[str, torch.Tensor]:
+        tensors = self._inflight[resource][0].result().wait()
+        if isinstance(resource, Weights):
+            state = self.states[resource.unit]
+            state.buffer, state.residency = tensors["weights"], Residency.AVAILABLE
+        return tensors
+
+    def _release(self, resource: Resource) -> None:
+        future, handles = self._inflight.pop(resource)
+        for handle in handles:
+            self.ledger.free(handle)
+        if isinstance(resource, Weights):
+            state = self.states[resource.unit]
+            if self.transport.owns(state.buffer, resource.unit, "compute"):
+                self.transport.give_back(state.buffer)
+            state.buffer, state.residency = None, Residency.NOT_AVAILABLE
+
+    # --- forward and backward ------------------------------------------------------------------------
+    def _call_unit(self, unit: str, x: torch.Tensor, micro: int) -> torch.Tensor:
+        state = self.states[unit]
+        flat = StreamedWeights.apply(self.anchor, state.weights(), lambda g: self._offload(unit, micro, g))
+        kind = unit.split(".", 1)[0]
+        self.forward_calls[unit] += 1
+        return functional_call(self.shells[kind], self.layouts[unit].views(flat), (x,))
+
+    def _forward(self, event: Event, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
+        unit, micro = event.unit, event.micro
+        batch = ctx.micro_batches[micro]
+        if unit == "embed":
+            with self.recorder.hooks(self.states[unit]):
+                self._graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
+            return
+        previous = self._previous_output(unit)
+        x = previous.detach().requires_grad_(torch.is_grad_enabled())
+        if unit == "head":
+            with self.recorder.hooks(self.states[unit]):
+                loss = causal_lm_loss(self._call_unit(unit, x, micro), batch.labels)
+            ctx.losses.append(loss.detach())
+            self._graphs[unit] = (x, loss / len(ctx.micro_batches))
+        elif self.tc.activations == "checkpoint":
+            self.recorder.charge(unit, x, "checkpointed block input")
+            with torch.no_grad():
+                self._graphs[unit] = (x, self._call_unit(unit, x, micro))
+        else:
+            with self.recorder.hooks(self.states[unit]):
+                self._graphs[unit] = (x, self._call_unit(unit, x, micro))
+
+    def _previous_output(self, unit: str) -> torch.Tensor:
+        names = list(self.layouts)
+        return self._graphs[names[names.index(unit) - 1]][1]
+
+    def _backward(self, event: Event, ctx: StepContext) -> None:
+        unit, micro = event.unit, event.micro
+        x, y = self._graphs.pop(unit)
+        if unit == "head":
+            logits_grad = self.ledger.allocate("workspace", unit, x.shape[0] * x.shape[1] * self.cfg.vocab_size * 4,
+                                               "logits gradient")
+            y.backward()
+            self.ledger.free(logits_grad)
+        else:
+            incoming, incoming_handle = self._flowing_grad
+            if unit.startswith("block") and self.tc.activations == "checkpoint":
+                with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
+                    y = self._call_unit(unit, x, micro)  # recompute: the only second forward, by policy
+            torch.autograd.backward(y, incoming)
+            self.ledger.free(incoming_handle)
+        del y
+        self.recorder.release(unit)
+        self._flowing_grad = None
+        if unit != "embed":
+            grad = x.grad
+            self._flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
+                                                             "gradient w.r.t. the unit's input"))
+        self._finish_offload(unit, ctx)
+
+    def _offload(self, unit: str, micro: int, grad: torch.Tensor) -> None:
+        """StreamedWeights' backward: the unit's weight gradient leaves for the host accumulator."""
+        handle = self.ledger.allocate("gradients", unit, grad.numel() * grad.element_size(), "weight gradient")
+        first, last = micro == 0, micro == self.tc.grad_accum - 1
+        self._offloads[unit] = (self.worker.submit(lambda: self._traced_offload(unit, grad, first, last)), handle)
+
+    def _traced_offload(self, unit: str, grad: torch.Tensor, first: bool, last: bool) -> float:
+        with self.trace.span(unit, "offload"):
+            if self.store is None:
+                return 0.0
+            host = self.transport.to_host(grad)
+            if self.store.spec.placement.grad == "disk" and self._scratch is None:
+                self._scratch = torch.empty(max(lay.numel for lay in self.layouts.values()), dtype=torch.float32)
+            scratch = None if self._scratch is None else self._scratch[:grad.numel()]
+            total = self.store.accumulate_grad(unit, host, first, scratch)
+            if host is not grad:
+                self.transport.give_back(host, "pinned")
+            return float(total.double().square().sum()) if last else 0.0
+
+    def _finish_offload(self, unit: str, ctx: StepContext) -> None:
+        future, handle = self._offloads.pop(unit)
+        sq_norm = future.result()
+        self.ledger.free(handle)
+        if len(ctx.losses) == len(ctx.micro_batches):
+            ctx.grad_sq_norms[unit] = sq_norm
+
+    # --- update --------------------------------------------------------------------------------------
+    def clip_coef(self, ctx: StepContext) -> float:
+        """torch.nn.utils.clip_grad_norm_'s coefficient over every unit's gradient."""
+        for unit, sq in ctx.grad_sq_norms.items():
+            if not math.isfinite(sq):
+                raise NonFiniteError(f"non-finite gradient in {unit} at step {ctx.step} (the first unit its "
+                                     "backward reached); nothing was committed — lower the lr or check the data")
+        if self.tc.max_grad_norm is None:
+            return 1.0
+        total = math.sqrt(sum(ctx.grad_sq_norms.values()))
+        return min(1.0, self.tc.max_grad_norm / (total + 1e-6))
+
+    def _update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
+        if ctx.clip_coef is None:
+            ctx.clip_coef = self.clip_coef(ctx)
+            if ctx.on_first_update is not None:
+                ctx.on_first_update(ctx)
+        layout = self.layouts[chunk.unit]
+        adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc, ctx.step, ctx.lr, ctx.clip_coef)
+        new_compute, handle = None, None
+        if not self.store_is_master():
+            new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
+                                                        on_host=self.tc.update_on == "host")
+            if self.tc.update_on == "device":
+                handle = self.ledger.allocate("weights", chunk.unit, chunk.count * self.dtype.itemsize,
+                                              "new compute weights")
+            new_compute.copy_(tensors["master"])
+        self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step))
+        if handle is not None:
+            self.ledger.free(handle)
+
+    def store_is_master(self) -> bool:
+        return self.dtype == torch.float32
+
+    def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
+                    new_compute: torch.Tensor | None, step: int) -> None:
+        if self.store is None:
+            return
+        with self.trace.span(chunk.unit, "writeback"):
+            if chunk.unit not in self._writers:
+                self._writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
+            writer = self._writers[chunk.unit]
+            values = {**tensors, "compute": new_compute}
+            for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
+                if values[kind] is not None:
+                    host = self.transport.to_host(values[kind])
+                    writer.write(kind, chunk.start, host)
+                    if host is not values[kind]:
+                        self.transport.give_back(host, "pinned")
+            for kind, t in values.items():
+                if t is not None and self.transport.owns(t, chunk.unit, kind):
+                    self.transport.give_back(t)
+            if chunk.last:
+                self._writers.pop(chunk.unit).__exit__(None, None, None)
+
+    def clear_graphs(self) -> None:
+        """After a forward-only pass: drop the hidden states it kept."""
+        self._graphs.clear()
+
+    def abort(self) -> None:
+        """A step stopped part-way: wait for the I/O in flight, release everything, discard the new versions."""
+        self.worker.drain()
+        for resource in list(self._inflight):
+            self._release(resource)
+        for unit in list(self._offloads):
+            self.ledger.free(self._offloads.pop(unit)[1])
+        if self._flowing_grad is not None:
+            self.ledger.free(self._flowing_grad[1])
+            self._flowing_grad = None
+        for unit in list(self._graphs):
+            self.recorder.release(unit)
+        self._graphs.clear()
+        for writer in self._writers.values():
+            writer.__exit__(RuntimeError, None, None)
+        self._writers.clear()
+
+    def close(self) -> None:
+        self.worker.close()
+        for writer in self._writers.values():
+            writer.__exit__(RuntimeError, None, None)
+        self._writers.clear()

@@ -1,0 +1,231 @@
+"""StreamingTrainer: the public face of the runtime (DESIGN.md's API)."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from layers import GPTJConfig, build_unit, check_state_dict, init_weights, unit_names
+from memory_model import Ledger, Trace
+from streamer.config import TrainerConfig
+from streamer.errors import StoreError, StreamerError
+from streamer.layout import dtype_name, model_layouts
+from streamer.runtime import Executor, MicroBatch, NonFiniteError, StepContext
+from streamer.schedule import forward_events, step_events, update_events
+from streamer.store import HostStore, StoreSpec, chunks
+
+
+class StreamingTrainer:
+    """Full AdamW fine-tuning with one unit's weights, gradients and Adam state on the device at a time."""
+
+    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
+                 *, _store: HostStore | None = None) -> None:
+        self.cfg, self.tc = cfg, tc or TrainerConfig()
+        self.units = unit_names(cfg)
+        self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
+        self.losses: list[float] = []
+        if self.tc.device == "meta":
+            self.store = None
+        elif _store is not None:
+            self.store = _store
+        else:
+            if store_dir is None:
+                if self.tc.store.state == "disk" or self.tc.store.compute == "disk":
+                    raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
+                store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
+            spec = StoreSpec(cfg, dtype_name(self.tc.compute_dtype), self.tc.moment_dtype, self.tc.store,
+                             self.tc.update_chunk)
+            self.store = HostStore.create(store_dir, spec, pin=self.tc.device.startswith("cuda"))
+        layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
+        self.layouts = {lay.name: lay for lay in layouts}
+        self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
+                             hint_context={"activations": self.tc.activations})
+        self.trace = Trace(self.ledger, meta={"params": cfg.num_params(), "baseline_bytes": 16 * cfg.num_params(),
+                                              "budget": self.tc.budget_bytes, "device": self.tc.device})
+        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts)
+        if _store is None and self.store is not None:
+            self._initialize(seed=self.tc.seed)
+
+    # --- construction ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, store_dir: str | Path, overrides: Mapping[str, Any] | None = None) -> "StreamingTrainer":
+        """Continue from a store: its last committed step, finishing a step a crash interrupted."""
+        store = HostStore.open(store_dir)
+        saved = dict(store.manifest["trainer"].get("config", {}))
+        tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
+        if tc.store != store.spec.placement:
+            raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
+                             "the placement of an existing store cannot change")
+        trainer = cls(store.spec.config, tc, _store=store)
+        trainer.losses = list(store.manifest["trainer"].get("losses", []))
+        trainer.extra_state = dict(store.manifest["trainer"].get("extra", {}))
+        if (journal := store.journal) is not None:
+            trainer._roll_forward(journal)
+        return trainer
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
+                        store_dir: str | Path | None = None) -> "StreamingTrainer":
+        """Import a Hugging Face GPT-J folder tensor by tensor (about one unit in memory at a time)."""
+        from streamer.hf import HFCheckpoint
+        checkpoint = HFCheckpoint.open(hf_dir)
+        checkpoint.validate()
+        trainer = cls(checkpoint.config, tc, store_dir, _store=None)
+        trainer._write_units(lambda unit: {s.key: checkpoint.read(s.hf_key) for s in trainer.layouts[unit].slots})
+        return trainer
+
+    def _initialize(self, seed: int) -> None:
+        """HF's initialisation, one unit at a time, seeded per unit so the result does not depend on order."""
+        def init(unit: str) -> dict[str, torch.Tensor]:
+            torch.manual_seed(seed * 1_000_003 + self.units.index(unit))
+            module = build_unit(self.cfg, unit, device="cpu")
+            init_weights(module)
+            return dict(module.state_dict())
+        self._write_units(init)
+
+    def _write_units(self, tensors_of: Any) -> None:
+        assert self.store is not None
+        for unit in self.units:
+            layout, tensors = self.layouts[unit], tensors_of(unit)
+            master = torch.empty(layout.numel, dtype=torch.float32)
+            for slot in layout.slots:
+                master[slot.offset:slot.offset + slot.numel].copy_(tensors[slot.key].reshape(-1))
+            self._write_initial_state(unit, master)
+        self.store.finish_step(self.store.step, self._trainer_state())
+
+    def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
+        store = self.store
+        with store.unit_writer(unit, store.step) as writer:
+            for start, count in chunks(master.numel(), store.spec.chunk):
+                piece = master[start:start + count]
+                zeros = torch.zeros(count, dtype=torch.float32)
+                for kind, values in (("master", piece), ("exp_avg", zeros), ("exp_avg_sq", zeros),
+                                     ("compute", piece.to(self.tc.compute_dtype))):
+                    if kind != "compute" or not store.spec.compute_is_master:
+                        writer.write(kind, start, values)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-keyed weights (GPTJForCausalLM's state_dict); resets the Adam moments."""
+        expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in self.layouts.values() for s in lay.slots}
+        given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+        check_state_dict(expected, given)
+        self._write_units(lambda unit: {s.key: given[s.hf_key] for s in self.layouts[unit].slots})
+
+    # --- training --------------------------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        return self.store.step if self.store is not None else 0
+
+    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> list[MicroBatch]:
+        labels = input_ids if labels is None else labels
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+            raise StreamerError(f"input_ids must be (batch, seq) and labels the same shape; got "
+                                f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
+        if input_ids.shape[1] > self.cfg.n_positions:
+            raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
+                                f"n_positions={self.cfg.n_positions}; use --seq <= {self.cfg.n_positions}")
+        if input_ids.shape[0] % self.tc.grad_accum:
+            raise StreamerError(f"batch {input_ids.shape[0]} is not divisible by grad_accum={self.tc.grad_accum}")
+        device = self.executor.device
+        return [MicroBatch(i.to(device), l.to(device)) for i, l in
+                zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum))]
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """One optimizer step over the batch (split into grad_accum micro-batches); returns the mean loss."""
+        micro = self._micro_batches(input_ids, labels)
+        self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
+        step = self.step_count + 1
+        ctx = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.lr), on_first_update=self._journal)
+        numels = {u: lay.numel for u, lay in self.layouts.items()}
+        events = step_events(self.units, len(micro), numels, self.tc.update_chunk)
+        try:
+            self.executor.run(events, ctx)
+        except NonFiniteError:
+            self.executor.abort()
+            if self.tc.nonfinite == "stop":
+                raise
+            return float("nan")
+        loss = self._mean_loss(ctx)
+        self.losses.append(loss)
+        if self.store is not None:
+            self.store.finish_step(step, self._trainer_state())
+        return loss
+
+    def _mean_loss(self, ctx: StepContext) -> float:
+        if self.executor.device.type == "meta":
+            return float("nan")
+        return float(torch.stack(ctx.losses).mean())
+
+    def _journal(self, ctx: StepContext) -> None:
+        """Before the first update: the loss must be finite, then the step is journaled (durable)."""
+        loss = self._mean_loss(ctx)
+        if self.executor.device.type != "meta" and not torch.isfinite(torch.tensor(loss)):
+            raise NonFiniteError(f"loss is {loss} at step {ctx.step}; nothing was committed — "
+                                 "lower the lr or check the data")
+        if self.store is not None:
+            state = self._trainer_state(extra_losses=[loss])
+            self.store.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
+
+    def _roll_forward(self, journal: dict[str, Any]) -> None:
+        """Finish an update a crash interrupted: the same gradients, lr and clip coefficient, so bit-identical."""
+        step = journal["step"]
+        pending = [u for u in self.units if self.store.unit_version(u) != step]
+        ctx = StepContext([], step, journal["lr"], clip_coef=journal["clip_coef"])
+        numels = {u: lay.numel for u, lay in self.layouts.items()}
+        self.executor.run(update_events(pending, numels, self.tc.update_chunk), ctx)
+        trainer_state = journal["trainer"]
+        self.losses = list(trainer_state.get("losses", []))
+        self.extra_state = dict(trainer_state.get("extra", {}))
+        self.store.finish_step(step, trainer_state)
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """Mean loss with streamed forward passes only; no state changes."""
+        micro = self._micro_batches(input_ids, labels)
+        losses = []
+        for batch in micro:
+            ctx = StepContext([batch], self.step_count, 0.0)
+            with torch.no_grad():
+                self.executor.run(forward_events(self.units), ctx)
+            self.executor.clear_graphs()
+            losses.append(ctx.losses[0])
+        return float(torch.stack(losses).mean()) if self.executor.device.type != "meta" else float("nan")
+
+    def _trainer_state(self, extra_losses: list[float] | None = None) -> dict[str, Any]:
+        return {"config": self.tc.to_dict(), "losses": self.losses + (extra_losses or []),
+                "extra": self.extra_state}
+
+    def save(self) -> None:
+        """Make the current step durable (the disk tier already is after every step)."""
+        if self.store is not None:
+            self.store.save(self._trainer_state())
+
+    # --- weights out -----------------------------------------------------------------------------
+    def unit_master(self, unit: str) -> torch.Tensor:
+        """A unit's fp32 master weights as one flat host tensor."""
+        layout = self.layouts[unit]
+        out = torch.empty(layout.numel, dtype=torch.float32)
+        for start, count in chunks(layout.numel, self.store.spec.chunk):
+            self.store.read_state(unit, "master", start, out[start:start + count])
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-keyed fp32 master weights (copies)."""
+        out = {}
+        for unit in self.units:
+            flat = self.unit_master(unit)
+            for slot in self.layouts[unit].slots:
+                out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    def close(self) -> None:
+        self.executor.close()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "StreamingTrainer":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
