@@ -1,0 +1,60 @@
+"""Byte sizes as users write them ("3GiB", "40GB") and as people read them."""
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+
+# Decimal (SI) and binary (IEC) units are both common in budgets; "GB" and "GiB" differ by 7%, so both
+# spellings are kept exact instead of guessing what a bare "G" means.
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_ACCEPTED = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+class SizeError(ValueError):
+    """A byte size that cannot be read; the message lists the accepted units."""
+
+
+def parse_size(value: int | str) -> int:
+    """'3GiB' -> 3221225472, '3GB' -> 3000000000, '512' -> 512; an int passes through.
+
+    Fractions are allowed ('1.5GiB') and rounded to the nearest byte.
+    """
+    if isinstance(value, bool):
+        raise SizeError(f"a size must be an integer number of bytes or a string like '3GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise SizeError(f"a size cannot be negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise SizeError(f"a size must be an integer number of bytes or a string like '3GiB', got {value!r}")
+    match = _SIZE.match(value)
+    if match is None:
+        raise SizeError(f"cannot read {value!r} as a size; write a non-negative number and a unit: {_ACCEPTED}")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower() if unit else "b")
+    if factor is None:
+        raise SizeError(f"unknown unit {unit!r} in {value!r}; accepted units: {_ACCEPTED}")
+    try:
+        scaled = Decimal(number) * factor
+    except InvalidOperation:
+        raise SizeError(f"cannot read {value!r} as a size; accepted units: {_ACCEPTED}") from None
+    return int(scaled.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def format_size(nbytes: int | float) -> str:
+    """Binary units, about three significant figures: 1536 -> '1.50 KiB'."""
+    size = float(nbytes)
+    sign = "-" if size < 0 else ""
+    size = abs(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    if unit == "B":
+        return f"{sign}{int(size)} B"
+    return f"{sign}{size:.0f} {unit}" if size >= 100 else f"{sign}{size:.2f} {unit}"

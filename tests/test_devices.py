@@ -1,0 +1,152 @@
+"""Device specs: size parsing, presets, links, the calibrated `local` device and its cache."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import memory_model.calibrate as calibrate
+from memory_model import DEVICE_PRESETS, DeviceSpec, Link, SizeError, device_spec, format_size, parse_size
+from memory_model.calibrate import CalibrationSizes
+
+TINY = CalibrationSizes(matmul_n=32, copy_bytes=2**16, disk_bytes=2**16, update_params=2**12, repeats=1)
+
+
+# --- parse_size ------------------------------------------------------------------------------------------------
+def test_parse_size_units() -> None:
+    assert parse_size("3GiB") == 3 * 2**30
+    assert parse_size("3GB") == 3_000_000_000
+    assert parse_size("512") == 512
+    assert parse_size("1.5 KiB") == 1536
+    assert parse_size("40gb") == 40 * 10**9
+    assert parse_size(123) == 123
+
+
+@pytest.mark.parametrize("bad", ["3XB", "", "GiB", "-1GiB", "1e9", "3 G iB", "1..5GB"])
+def test_parse_size_rejects_garbage_and_names_units(bad: str) -> None:
+    with pytest.raises(SizeError) as err:
+        parse_size(bad)
+    assert "GiB" in str(err.value) and "GB" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, None, [3]])
+def test_parse_size_rejects_non_sizes(bad: object) -> None:
+    with pytest.raises(SizeError):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_size_error_is_a_value_error() -> None:
+    assert issubclass(SizeError, ValueError)
+
+
+@given(st.integers(min_value=0, max_value=2**50),
+       st.sampled_from([("B", 1), ("KB", 10**3), ("MB", 10**6), ("GB", 10**9), ("TB", 10**12), ("KiB", 2**10),
+                        ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)]),
+       st.sampled_from(["", " "]))
+def test_parse_size_roundtrips_integers(n: int, unit: tuple[str, int], space: str) -> None:
+    assert parse_size(f"{n}{space}{unit[0]}") == n * unit[1]
+
+
+@given(st.text(max_size=12))
+def test_parse_size_never_crashes_otherwise(text: str) -> None:
+    try:
+        assert parse_size(text) >= 0
+    except SizeError:
+        pass
+
+
+def test_format_size() -> None:
+    assert format_size(512) == "512 B"
+    assert format_size(1536) == "1.50 KiB"
+    assert format_size(1000 * 2**20) == "1000 MiB"
+    assert format_size(3 * 2**30) == "3.00 GiB"
+
+
+# --- presets and links ---------------------------------------------------------------------------------------------
+def test_presets_exist_with_sources() -> None:
+    assert set(DEVICE_PRESETS) == {"cs2", "a100-40g", "a100-80g", "h100-80g", "h200", "rtx4090"}
+    for name, spec in DEVICE_PRESETS.items():
+        assert spec.name == name and spec.source
+        assert spec.flops["bf16"] > spec.flops["fp32"] > 0
+        assert not spec.same_memory
+    assert DEVICE_PRESETS["cs2"].memory_bytes == 40 * 10**9
+    assert DEVICE_PRESETS["cs2"].h2d.bandwidth_bytes_per_s == 150e9
+    assert DEVICE_PRESETS["h100-80g"].flops["bf16"] == 989e12
+    assert device_spec("cs2") is DEVICE_PRESETS["cs2"]
+
+
+def test_unknown_device_lists_choices() -> None:
+    with pytest.raises(ValueError, match="cs2.*local"):
+        device_spec("tpu-v9")
+
+
+def test_link_time() -> None:
+    link = Link(100e9, 1e-5)
+    assert link.time(0) == 0.0
+    assert link.time(10**9) == pytest.approx(1e-5 + 0.01)
+    with pytest.raises(ValueError):
+        Link(0)
+    with pytest.raises(ValueError):
+        Link(1e9, -1.0)
+
+
+def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
+    spec = DEVICE_PRESETS["h100-80g"]
+    with pytest.raises(AttributeError):
+        spec.memory_bytes = 1  # type: ignore[misc]
+    again = DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec
+    raw = spec.to_dict()
+    with pytest.raises(ValueError, match="missing"):
+        DeviceSpec.from_dict({**raw, "flops": {"bf16": 1e12}})
+    with pytest.raises(ValueError, match="memory_bytes"):
+        DeviceSpec.from_dict({**raw, "memory_bytes": 0})
+    with pytest.raises(ValueError, match="unknown"):
+        DeviceSpec.from_dict({**raw, "colour": "green"})
+    flops = {"bf16": 1e12, "fp32": 1e11}
+    made = DeviceSpec.from_dict({**raw, "flops": flops})
+    flops["bf16"] = 0  # the spec keeps its own copy
+    assert made.flops["bf16"] == 1e12
+
+
+# --- local calibration -------------------------------------------------------------------------------------------
+def test_calibrate_measures_this_machine(tmp_path) -> None:
+    spec = calibrate.calibrate(tmp_path, TINY)
+    assert spec.name == "local" and spec.same_memory
+    assert spec.flops["bf16"] > 0 and spec.flops["fp32"] > 0
+    assert spec.disk_read_bw > 0 and spec.disk_write_bw > 0 and spec.host_update_bw > 0
+    assert spec.h2d == spec.d2h and spec.memory_bytes == spec.host_ram_bytes
+    assert list(tmp_path.iterdir()) == []  # the disk test cleans up after itself
+
+
+def test_local_spec_is_cached_and_refreshable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
+    calls = []
+    real = calibrate.calibrate
+    monkeypatch.setattr(calibrate, "calibrate", lambda d, s=None: calls.append(d) or real(d, s))
+    first = device_spec("local", cache_dir=tmp_path)
+    assert (tmp_path / calibrate.CACHE_NAME).is_file() and len(calls) == 1
+    assert device_spec("local", cache_dir=tmp_path) == first and len(calls) == 1
+    device_spec("local", cache_dir=tmp_path, refresh=True)
+    assert len(calls) == 2
+
+
+def test_stale_or_damaged_cache_is_recalibrated(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
+    cache = tmp_path / calibrate.CACHE_NAME
+    device_spec("local", cache_dir=tmp_path)
+    payload = json.loads(cache.read_text())
+    payload["fingerprint"]["cpus"] = -1  # as if copied from another machine
+    payload["spec"]["source"] = "stale"
+    cache.write_text(json.dumps(payload))
+    assert device_spec("local", cache_dir=tmp_path).source != "stale"
+    cache.write_text("{not json")
+    assert device_spec("local", cache_dir=tmp_path).name == "local"
+    assert json.loads(cache.read_text())["version"] == calibrate.CACHE_VERSION
+
+
+def test_local_without_cache_dir(monkeypatch) -> None:
+    monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
+    assert device_spec("local").same_memory
