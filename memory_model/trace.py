@@ -1,0 +1,243 @@
+"""A memory trace: per layer and phase, when it ran, on which thread, and what the device held.
+
+Spans come from the runtime (`with trace.span("block.3", "forward", step=1, micro=0): ...`); the device's
+bytes by category over time come from the ledger itself (every allocate/free), so the plot and the Chrome
+counters show the real shape of the step rather than samples at span ends. The JSON layout is documented
+in docs/TRACE_SCHEMA.md.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+from rich.table import Table
+
+from memory_model.ledger import CATEGORIES, Ledger
+from memory_model.render import plot_trace, trace_table
+
+PHASES = ("load", "forward", "backward", "recompute", "offload", "update", "commit", "eval", "generate")
+SCHEMA = "weight-streaming.trace"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SpanEvent:
+    """One span. Times are seconds since the trace started; bytes are device bytes from the ledger."""
+
+    layer: str
+    phase: str
+    step: int | None
+    micro: int | None
+    start_s: float
+    end_s: float
+    thread: str
+    ok: bool  # False when the span's body raised (e.g. DeviceOutOfMemory): the trace shows where it failed
+    device_bytes: dict[str, int]  # by category when the span ended
+    peak_bytes: int  # the highest device total while the span was open
+    peak_breakdown: dict[str, int]  # by category at that moment
+    host_rss_bytes: int  # this process's resident set when the span ended
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """The device's bytes by category (in CATEGORIES order) right after an allocation or a free."""
+
+    t_s: float
+    bytes: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes)
+
+
+class Trace:
+    """Spans and memory samples of a run; exports JSON, Chrome trace, a PNG plot, a rich table, a summary."""
+
+    def __init__(self, ledger: Ledger | None, meta: dict[str, Any] | None = None) -> None:
+        self.ledger = ledger
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.events: list[SpanEvent] = []
+        self.samples: list[MemorySample] = []
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._process = psutil.Process()
+        if ledger is not None:
+            breakdown = ledger.breakdown()
+            self.samples.append(MemorySample(0.0, tuple(breakdown[c] for c in CATEGORIES)))
+            ledger.add_listener(self._on_change)
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _on_change(self, breakdown: dict[str, int]) -> None:
+        # Called under the ledger's lock, so samples arrive in allocation order from every thread.
+        self.samples.append(MemorySample(self._now(), tuple(breakdown[c] for c in CATEGORIES)))
+
+    def close(self) -> None:
+        """Stop sampling the ledger (the trace keeps what it has)."""
+        if self.ledger is not None:
+            self.ledger.remove_listener(self._on_change)
+            self.ledger = None
+
+    @contextmanager
+    def span(self, layer: str, phase: str, step: int | None = None, micro: int | None = None) -> Iterator[None]:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
+        if self.ledger is None:
+            raise RuntimeError("this trace has no ledger (loaded from JSON, or closed); it cannot record spans")
+        ledger = self.ledger
+        window = ledger.open_window()
+        start = self._now()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            stats = ledger.close_window(window)
+            event = SpanEvent(
+                layer=layer, phase=phase, step=step, micro=micro, start_s=start, end_s=self._now(),
+                thread=threading.current_thread().name, ok=ok, device_bytes=ledger.breakdown(),
+                peak_bytes=stats.peak, peak_breakdown=stats.peak_breakdown,
+                host_rss_bytes=self._process.memory_info().rss,
+            )
+            with self._lock:
+                self.events.append(event)
+
+    # --- selections ----------------------------------------------------------------------
+    def spans(self, step: int | None = None) -> list[SpanEvent]:
+        """Spans in start order, of one step or all."""
+        with self._lock:
+            chosen = [e for e in self.events if step is None or e.step == step]
+        return sorted(chosen, key=lambda e: e.start_s)
+
+    def time_range(self, step: int | None = None) -> tuple[float, float]:
+        spans = self.spans(step)
+        if step is not None and not spans:
+            raise ValueError(f"the trace has no spans of step {step}; steps: {self.steps()}")
+        if not spans:
+            end = self.samples[-1].t_s if self.samples else 0.0
+            return 0.0, end
+        return min(e.start_s for e in spans), max(e.end_s for e in spans)
+
+    def steps(self) -> list[int]:
+        return sorted({e.step for e in self.events if e.step is not None})
+
+    # --- summaries -------------------------------------------------------------------------
+    def summary(self, step: int | None = None) -> dict[str, Any]:
+        """Peak device bytes (and where), time per phase, per-layer peaks, host RSS peak."""
+        spans = self.spans(step)
+        start, end = self.time_range(step)
+        top = max(spans, key=lambda e: e.peak_bytes, default=None)
+        by_phase: dict[str, float] = {}
+        layers: dict[str, dict[str, Any]] = {}
+        for e in spans:
+            by_phase[e.phase] = by_phase.get(e.phase, 0.0) + e.duration_s
+            row = layers.setdefault(e.layer, {"peak_bytes": 0, "peak_phase": None, "time_by_phase_s": {}})
+            if e.peak_bytes >= row["peak_bytes"]:
+                row["peak_bytes"], row["peak_phase"] = e.peak_bytes, e.phase
+            row["time_by_phase_s"][e.phase] = row["time_by_phase_s"].get(e.phase, 0.0) + e.duration_s
+        return {
+            "spans": len(spans), "steps": self.steps() if step is None else [step],
+            "duration_s": end - start,
+            "peak_bytes": top.peak_bytes if top else 0,
+            "peak_breakdown": dict(top.peak_breakdown) if top else dict.fromkeys(CATEGORIES, 0),
+            "peak_at": ({"layer": top.layer, "phase": top.phase, "step": top.step, "micro": top.micro}
+                        if top else None),
+            "failed_spans": sum(not e.ok for e in spans),
+            "time_by_phase_s": by_phase,
+            "host_rss_peak_bytes": max((e.host_rss_bytes for e in spans), default=0),
+            "layers": layers,
+        }
+
+    # --- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            events = [asdict(e) for e in self.events]
+        return {
+            "schema": SCHEMA, "version": SCHEMA_VERSION, "meta": self.meta, "categories": list(CATEGORIES),
+            "events": events,
+            "memory": {"columns": ["t_s", *CATEGORIES], "rows": [[s.t_s, *s.bytes] for s in list(self.samples)]},
+            "summary": self.summary(),
+        }
+
+    def to_json(self, path: Path | str) -> None:
+        # meta is the caller's; a value JSON cannot hold (a Path, a dtype) is written as its str().
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, default=str))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Trace":
+        if raw.get("schema") != SCHEMA or raw.get("version") != SCHEMA_VERSION:
+            raise ValueError(f"not a version {SCHEMA_VERSION} {SCHEMA} file "
+                             f"(schema {raw.get('schema')!r}, version {raw.get('version')!r})")
+        if list(raw.get("categories", ())) != list(CATEGORIES):
+            raise ValueError(f"trace categories {raw.get('categories')} differ from {list(CATEGORIES)}")
+        trace = cls(None, raw.get("meta", {}))
+        names = {f.name for f in fields(SpanEvent)}
+        for e in raw["events"]:
+            if set(e) != names:
+                raise ValueError(f"trace event fields {sorted(e)} differ from {sorted(names)}")
+            trace.events.append(SpanEvent(**e))
+        if raw["memory"]["columns"] != ["t_s", *CATEGORIES]:
+            raise ValueError(f"memory columns {raw['memory']['columns']} differ from {['t_s', *CATEGORIES]}")
+        trace.samples = [MemorySample(row[0], tuple(row[1:])) for row in raw["memory"]["rows"]]
+        return trace
+
+    @classmethod
+    def from_json(cls, path: Path | str) -> "Trace":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # --- Chrome trace event format (chrome://tracing, ui.perfetto.dev) ---------------------------
+    def to_chrome(self, path: Path | str) -> None:
+        Path(path).write_text(json.dumps(self.chrome_events(), default=str))
+
+    def chrome_events(self) -> dict[str, Any]:
+        """Complete ("X") events per span on one track per thread, counters ("C") for device bytes and RSS."""
+        pid = 1
+        spans = self.spans()
+        tids: dict[str, int] = {}
+        for e in spans:
+            tids.setdefault(e.thread, len(tids) + 1)
+        out: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+             "args": {"name": f"weight-streaming {self.meta.get('model', '')}".strip()}},
+            *({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+              for name, tid in tids.items()),
+        ]
+        for e in spans:
+            out.append({
+                "name": f"{e.phase} {e.layer}", "cat": e.phase, "ph": "X", "pid": pid, "tid": tids[e.thread],
+                "ts": _us(e.start_s), "dur": _us(e.duration_s),
+                "args": {"step": e.step, "micro": e.micro, "ok": e.ok, "peak_bytes": e.peak_bytes,
+                         **{f"peak_{c}": e.peak_breakdown[c] for c in CATEGORIES},
+                         "host_rss_bytes": e.host_rss_bytes},
+            })
+            out.append({"name": "host RSS bytes", "ph": "C", "pid": pid, "ts": _us(e.end_s),
+                        "args": {"rss": e.host_rss_bytes}})
+        for s in list(self.samples):
+            out.append({"name": "device bytes", "ph": "C", "pid": pid, "ts": _us(s.t_s),
+                        "args": dict(zip(CATEGORIES, s.bytes))})
+        out.sort(key=lambda ev: ev.get("ts", -1))
+        return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
+
+    # --- views (render.py) ---------------------------------------------------------------------
+    def plot(self, path: Path | str, step: int | None = None) -> None:
+        """PNG: device bytes stacked by category over time, with the budget and 16 B/param baseline lines."""
+        plot_trace(self, Path(path), step)
+
+    def table(self, step: int | None = None) -> Table:
+        """A rich table, one row per layer: its peak, the makeup of that peak, time in each phase."""
+        return trace_table(self, step)
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)

@@ -1,0 +1,223 @@
+"""Traces: spans and samples, the JSON schema of docs/TRACE_SCHEMA.md, Chrome trace, PNG plot, rich table."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from rich.console import Console
+
+from memory_model import CATEGORIES, PHASES, DeviceOutOfMemory, Ledger, Trace
+
+META = {"model": "gptj-debug", "batch": 2, "seq": 16, "budget": "4KiB", "baseline_bytes": 16 * 300, "params": 300}
+
+
+def _run(trace: Trace, ledger: Ledger, steps: int = 2) -> None:
+    """A toy step: load, forward, backward (with a gradient) and update, two layers."""
+    for step in range(1, steps + 1):
+        acts = []
+        for layer in ("block.0", "block.1"):
+            with trace.span(layer, "load", step=step):
+                w = ledger.allocate("weights", layer, 400, "weights")
+            with trace.span(layer, "forward", step=step, micro=0):
+                acts.append(ledger.allocate("activations", layer, 300))
+                tmp = ledger.allocate("workspace", layer, 500)
+                ledger.free(tmp)
+            ledger.free(w)
+        for layer, act in zip(("block.1", "block.0"), reversed(acts)):
+            with trace.span(layer, "backward", step=step, micro=0):
+                w = ledger.allocate("weights", layer, 400)
+                g = ledger.allocate("gradients", layer, 400)
+                ledger.free(act)
+            with trace.span(layer, "offload", step=step):
+                ledger.free(g)
+                ledger.free(w)
+        with trace.span("block.0", "update", step=step):
+            o = ledger.allocate("optimizer", "block.0", 1200)
+            ledger.free(o)
+
+
+@pytest.fixture
+def traced() -> tuple[Trace, Ledger]:
+    ledger = Ledger(4096)
+    trace = Trace(ledger, META)
+    _run(trace, ledger)
+    return trace, ledger
+
+
+def test_spans_record_time_threads_and_window_peaks(traced) -> None:
+    trace, ledger = traced
+    assert len(trace.events) == 2 * (2 * 2 + 2 * 2 + 1)
+    fwd = [e for e in trace.events if e.phase == "forward" and e.layer == "block.1" and e.step == 1][0]
+    assert fwd.peak_bytes == 400 + 300 + 300 + 500  # block.1 weights, both activations, the scratch
+    assert fwd.peak_breakdown["workspace"] == 500 and fwd.device_bytes["workspace"] == 0
+    assert fwd.end_s >= fwd.start_s >= 0 and fwd.thread == threading.current_thread().name and fwd.ok
+    assert fwd.host_rss_bytes > 0 and fwd.micro == 0
+    assert max(e.peak_bytes for e in trace.events) == ledger.peak
+    starts = [e.start_s for e in trace.spans()]
+    assert starts == sorted(starts)
+    assert trace.steps() == [1, 2] and {e.step for e in trace.spans(2)} == {2}
+
+
+def test_samples_follow_every_change(traced) -> None:
+    trace, ledger = traced
+    assert trace.samples[0].bytes == (0,) * len(CATEGORIES)
+    assert max(s.total for s in trace.samples) == ledger.peak
+    assert trace.samples[-1].total == 0
+    times = [s.t_s for s in trace.samples]
+    assert times == sorted(times)
+    trace.close()
+    ledger.allocate("weights", "x", 1)
+    assert trace.samples[-1].total == 0  # detached
+    with pytest.raises(RuntimeError):
+        with trace.span("x", "load"):
+            pass
+
+
+def test_failed_span_is_recorded_and_the_error_propagates() -> None:
+    ledger = Ledger(100)
+    trace = Trace(ledger, {})
+    with pytest.raises(DeviceOutOfMemory):
+        with trace.span("block.0", "forward", step=1):
+            ledger.allocate("activations", "block.0", 200)
+    (event,) = trace.events
+    assert not event.ok and event.layer == "block.0"
+    assert trace.summary()["failed_spans"] == 1
+
+
+def test_unknown_phase_is_rejected(traced) -> None:
+    trace, _ = traced
+    with pytest.raises(ValueError, match="forward"):
+        with trace.span("block.0", "fwd"):
+            pass
+
+
+def test_spans_from_two_threads(traced) -> None:
+    trace, ledger = traced
+
+    def io() -> None:
+        with trace.span("block.0", "load", step=3):
+            h = ledger.allocate("weights", "block.0", 10)
+            ledger.free(h)
+
+    worker = threading.Thread(target=io, name="io")
+    with trace.span("block.1", "forward", step=3):
+        worker.start()
+        worker.join()
+    assert {e.thread for e in trace.spans(3)} == {"io", threading.current_thread().name}
+    chrome = trace.chrome_events()
+    tids = {e["tid"] for e in chrome["traceEvents"] if e["ph"] == "X"}
+    assert len(tids) == 2
+
+
+# --- JSON ---------------------------------------------------------------------------------------------------
+EVENT_TYPES = {"layer": str, "phase": str, "step": (int, type(None)), "micro": (int, type(None)), "start_s": float,
+               "end_s": float, "thread": str, "ok": bool, "device_bytes": dict, "peak_bytes": int,
+               "peak_breakdown": dict, "host_rss_bytes": int}
+
+
+def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
+    trace, _ = traced
+    path = tmp_path / "trace.json"
+    trace.to_json(path)
+    raw = json.loads(path.read_text())
+    assert raw["schema"] == "weight-streaming.trace" and raw["version"] == 1
+    assert raw["categories"] == list(CATEGORIES) and raw["meta"] == META
+    assert set(raw) == {"schema", "version", "meta", "categories", "events", "memory", "summary"}
+    for event in raw["events"]:
+        assert set(event) == set(EVENT_TYPES)
+        for key, kind in EVENT_TYPES.items():
+            assert isinstance(event[key], kind), key
+        assert event["phase"] in PHASES
+        assert set(event["device_bytes"]) == set(event["peak_breakdown"]) == set(CATEGORIES)
+        assert sum(event["peak_breakdown"].values()) == event["peak_bytes"]
+    assert raw["memory"]["columns"] == ["t_s", *CATEGORIES]
+    assert all(len(row) == 1 + len(CATEGORIES) for row in raw["memory"]["rows"])
+    summary = raw["summary"]
+    for key in ("spans", "steps", "duration_s", "peak_bytes", "peak_breakdown", "peak_at", "failed_spans",
+                "time_by_phase_s", "host_rss_peak_bytes", "layers"):
+        assert key in summary
+    assert summary["peak_bytes"] == max(e["peak_bytes"] for e in raw["events"])
+
+
+def test_json_roundtrip(traced, tmp_path) -> None:
+    trace, _ = traced
+    path = tmp_path / "trace.json"
+    trace.to_json(path)
+    again = Trace.from_json(path)
+    assert again.events == trace.events and again.samples == trace.samples and again.meta == trace.meta
+    assert again.summary() == trace.summary()
+    with pytest.raises(RuntimeError):
+        with again.span("block.0", "load"):
+            pass
+
+
+def test_json_rejects_other_files(tmp_path) -> None:
+    with pytest.raises(ValueError, match="weight-streaming.trace"):
+        Trace.from_dict({"schema": "something-else", "version": 1})
+    with pytest.raises(ValueError, match="version"):
+        Trace.from_dict({"schema": "weight-streaming.trace", "version": 99})
+
+
+def test_meta_values_json_cannot_hold_are_written_as_text(tmp_path) -> None:
+    trace = Trace(Ledger(None), {"store": tmp_path})
+    trace.to_json(tmp_path / "t.json")
+    assert Trace.from_json(tmp_path / "t.json").meta == {"store": str(tmp_path)}
+
+
+# --- Chrome trace ---------------------------------------------------------------------------------------------------
+def test_chrome_trace(traced, tmp_path) -> None:
+    trace, _ = traced
+    path = tmp_path / "trace.chrome.json"
+    trace.to_chrome(path)
+    raw = json.loads(path.read_text())
+    events = raw["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == len(trace.events)
+    for e in spans:
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= set(e) and e["dur"] >= 0
+    counters = [e for e in events if e["ph"] == "C"]
+    device = [e for e in counters if e["name"] == "device bytes"]
+    assert len(device) == len(trace.samples) and set(device[0]["args"]) == set(CATEGORIES)
+    assert any(e["name"] == "host RSS bytes" for e in counters)
+    assert any(e["ph"] == "M" and e["name"] == "thread_name" for e in events)
+    stamps = [e["ts"] for e in events if "ts" in e]
+    assert stamps == sorted(stamps)
+
+
+# --- plot, table, summary -----------------------------------------------------------------------------------------
+def test_plot_writes_a_png(traced, tmp_path) -> None:
+    trace, _ = traced
+    for step in (None, 2):
+        path = tmp_path / f"memory-{step}.png"
+        trace.plot(path, step=step)
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="step 7"):
+        trace.plot(tmp_path / "none.png", step=7)
+
+
+def test_table_has_a_row_per_layer(traced) -> None:
+    trace, _ = traced
+    table = trace.table()
+    assert table.row_count == 2
+    headers = [c.header for c in table.columns]
+    assert headers[:2] == ["layer", "peak"] and all(c in headers for c in CATEGORIES)
+    assert {"load ms", "forward ms", "backward ms", "offload ms", "update ms"} <= set(headers)
+    console = Console(record=True, width=200)
+    console.print(trace.table(step=1))
+    text = console.export_text()
+    assert "block.0" in text and "block.1" in text
+
+
+def test_summary(traced) -> None:
+    trace, ledger = traced
+    summary = trace.summary()
+    assert summary["peak_bytes"] == ledger.peak
+    assert sum(summary["peak_breakdown"].values()) == summary["peak_bytes"]
+    assert summary["peak_at"]["layer"] in ("block.0", "block.1")
+    assert summary["spans"] == len(trace.events) and summary["steps"] == [1, 2]
+    assert summary["time_by_phase_s"]["forward"] == pytest.approx(
+        sum(e.duration_s for e in trace.events if e.phase == "forward"))
+    assert set(summary["layers"]) == {"block.0", "block.1"}
+    assert trace.summary(step=1)["steps"] == [1]
