@@ -48,6 +48,8 @@ class StepContext:
     grad_sq_norms: dict[str, float] = field(default_factory=dict)
     clip_coef: float | None = None
     on_first_update: Callable[["StepContext"], None] | None = None
+    # For "infer" events: called with (unit, run) where run(*args) calls the unit with its streamed weights.
+    infer: Callable[[str, Callable[..., torch.Tensor]], None] | None = None
 
 
 class Executor:
@@ -70,6 +72,7 @@ class Executor:
         self._flowing_grad: tuple[torch.Tensor, int] | None = None
         self._writers: dict[str, UnitWriter] = {}
         self._scratch: torch.Tensor | None = None
+        self._write_backs: list[cf.Future[None]] = []
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
@@ -83,11 +86,16 @@ class Executor:
                     self._forward(event, tensors, ctx)
                 elif event.phase == "backward":
                     self._backward(event, ctx)
+                elif event.phase == "infer":
+                    ctx.infer(event.unit, lambda *args, unit=event.unit: self._call_plain(unit, *args))
                 else:
                     self._update(event.resource, tensors, ctx)
             if i + 1 == len(events) or events[i + 1].resource != event.resource:
                 self._release(event.resource)
         self.worker.drain()
+        write_backs, self._write_backs = self._write_backs, []
+        for future in write_backs:
+            future.result()  # a failed write (disk full, ...) must stop the step before it commits
 
     def _issue(self, resource: Resource) -> None:
         if isinstance(resource, Weights):
@@ -134,6 +142,12 @@ class Executor:
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
         return functional_call(self.shells[kind], self.layouts[unit].views(flat), (x,))
+
+    def _call_plain(self, unit: str, *args: object) -> torch.Tensor:
+        """A unit's forward with its streamed weights and no autograd (generation)."""
+        kind = unit.split(".", 1)[0]
+        with torch.no_grad():
+            return functional_call(self.shells[kind], self.layouts[unit].views(self.states[unit].weights()), args)
 
     def _forward(self, event: Event, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
@@ -238,7 +252,7 @@ class Executor:
                 handle = self.ledger.allocate("weights", chunk.unit, chunk.count * self.dtype.itemsize,
                                               "new compute weights")
             new_compute.copy_(tensors["master"])
-        self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step))
+        self._write_backs.append(self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step)))
         if handle is not None:
             self.ledger.free(handle)
 
@@ -249,7 +263,7 @@ class Executor:
                     new_compute: torch.Tensor | None, step: int) -> None:
         if self.store is None:
             return
-        with self.trace.span(chunk.unit, "writeback"):
+        with self.trace.span(chunk.unit, "offload"):
             if chunk.unit not in self._writers:
                 self._writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
             writer = self._writers[chunk.unit]

@@ -30,7 +30,7 @@ Resource = Weights | StateChunk
 
 @dataclass(frozen=True)
 class Event:
-    phase: str  # "forward" | "backward" | "update"
+    phase: str  # "forward" | "backward" | "update" | "infer"
     resource: Resource
     micro: int = 0
 
@@ -63,8 +63,13 @@ def update_events(units: list[str], numels: dict[str, int], chunk: int) -> list[
 
 
 def forward_events(units: list[str]) -> list[Event]:
-    """Inference (evaluation, generation): forward only."""
+    """Evaluation: the training forward (loss in the head), without a backward."""
     return [Event("forward", Weights(u)) for u in units]
+
+
+def inference_events(units: list[str]) -> list[Event]:
+    """Generation: each unit called by the caller's code (KV caches, sampling) with its streamed weights."""
+    return [Event("infer", Weights(u)) for u in units]
 
 
 def lookahead(events: list[Event], index: int, depth: int) -> list[Resource]:
