@@ -65,6 +65,9 @@ class GPTJAttention(nn.Module):
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
+            if cache.length != start_pos:
+                raise ValueError(f"KV cache holds {cache.length} positions but start_pos is {start_pos}; "
+                                 "they must agree or queries would see the wrong keys")
             k, v = cache.append(k, v)  # (B, H, start_pos + T, D)
             # Query i (absolute position start_pos + i) sees keys 0..start_pos + i.
             mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=start_pos)

@@ -68,8 +68,9 @@ class GPTJConfig:
             )
         if not isinstance(self.layer_norm_epsilon, (int, float)) or not 0 < self.layer_norm_epsilon < 1:
             raise ConfigError(f"layer_norm_epsilon must be in (0, 1), got {self.layer_norm_epsilon!r}")
-        if self.tie_word_embeddings:
-            raise ConfigError("tie_word_embeddings=True is not GPT-J: its embedding and lm_head are separate")
+        if self.tie_word_embeddings is not False:
+            raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
+                              f"got {self.tie_word_embeddings!r}")
 
     # --- derived shapes -------------------------------------------------------------
     @property
@@ -105,7 +106,7 @@ class GPTJConfig:
     def from_dict(cls, fields: Mapping[str, Any]) -> "GPTJConfig":
         """Build from our own field names; an unknown field is an error, not ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
+        unknown = sorted(str(k) for k in set(fields) - known)
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**fields)
@@ -125,7 +126,13 @@ class GPTJConfig:
                    "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}
         for alias, name in aliases.items():
             if alias in raw:
-                raw.setdefault(name, raw.pop(alias))
+                value = raw.pop(alias)
+                if name in raw and raw[name] != value:
+                    raise ConfigError(f"{alias}={value} contradicts {name}={raw[name]}; keep one of them")
+                raw[name] = value
+        # The published GPT-J config says "rotary": true; rotary is not optional here.
+        if raw.pop("rotary", True) is not True:
+            raise ConfigError("rotary=false (no rotary embedding) is not GPT-J; remove it or set it to true")
         if raw.get("rotary_dim", 64) is None:
             raise ConfigError("rotary_dim=None (rotary over the whole head) is not supported; set rotary_dim")
         fields = {k: v for k, v in raw.items() if k not in _HF_IGNORED_KEYS}

@@ -313,8 +313,6 @@ _ELEUTHER_GPTJ_6B_CONFIG = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="layers/config.py does not know the legacy 'rotary': true key of the published config")
 def test_from_hf_reads_the_published_gptj_6b_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(_ELEUTHER_GPTJ_6B_CONFIG))
     assert GPTJConfig.from_hf(tmp_path) == GPTJConfig.preset("gptj-6b")
@@ -434,8 +432,6 @@ def test_config_validation(fields: dict[str, Any]) -> None:
         assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="layers/config.py checks tie_word_embeddings by truthiness, not type")
 @pytest.mark.parametrize("value", [None, 0, ""])
 def test_tie_word_embeddings_rejects_non_bool(value: Any) -> None:
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
@@ -490,8 +486,6 @@ def test_kv_cache_and_positions_beyond_capacity_raise() -> None:
         ours(_tokens(cfg, 1, cfg.n_positions + 1))
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="GPTJAttention builds its mask from start_pos without checking cache.length")
 @torch.no_grad()
 def test_kv_cache_rejects_start_pos_that_disagrees_with_its_length() -> None:
     cfg = CONFIGS["debug"]
