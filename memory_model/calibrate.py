@@ -19,12 +19,10 @@ import psutil
 import torch
 
 from memory_model.devices import DeviceSpec, Link
+from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM
 
 CACHE_NAME = "device-local.json"
 CACHE_VERSION = 1
-# AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 7 fp32 words per
-# parameter. The planner prices the update with the same count, so measured and predicted agree.
-UPDATE_BYTES_PER_PARAM = 28
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ def measure_update(params: int, repeats: int) -> float:
         adamw([p], [g], [m], [v], [], [step], amsgrad=False, beta1=0.9, beta2=0.95, lr=1e-4,
               weight_decay=0.1, eps=1e-8, maximize=False)
 
-    return UPDATE_BYTES_PER_PARAM * params / _best_time(run, repeats)
+    return UPDATE_TOUCHED_BYTES_PER_PARAM * params / _best_time(run, repeats)
 
 
 def fingerprint() -> dict[str, Any]:
@@ -156,7 +154,7 @@ def calibrate(directory: Path, sizes: CalibrationSizes | None = None) -> DeviceS
                 f"{fp['threads']} threads, torch {fp['torch']}"),
         notes=(f"matmul {sizes.matmul_n}^3; copy {sizes.copy_bytes} B into an existing buffer; "
                f"disk {sizes.disk_bytes} B with fsync, page cache dropped before the read; "
-               f"AdamW on {sizes.update_params} fp32 params, {UPDATE_BYTES_PER_PARAM} B/param touched",
+               f"AdamW on {sizes.update_params} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param touched",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
 

@@ -1,0 +1,256 @@
+"""The analytic plan of one training step: device bytes by category at every event, the peak, and time.
+
+The planner walks the same event list the runtime executes (streamer/schedule.py): the forward and backward
+of every micro-batch, then the update in chunks. At each event the device holds the event's own resource
+and the next `prefetch` distinct resources (a unit's compute weights, or one update chunk's state), the
+activations of every unit whose forward ran and whose backward has not, and during a backward the unit's
+weight gradient and workspace. docs/ARCHITECTURE.md states this charging contract; docs/MEMORY_MODEL.md
+derives every formula and the time model.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from rich.table import Table
+
+from memory_model.devices import DeviceSpec
+from memory_model.ledger import CATEGORIES
+from memory_model.shapes import (
+    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, ModelShape, PlanConfig, backward_workspace_bytes,
+    block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
+)
+from memory_model.steps import Resource, StepEvent, resident_sets, step_events
+from memory_model.timing import simulate
+from memory_model.units import format_size
+
+BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_avg, exp_avg_sq (mixed precision)
+_MAX_BATCH_SEARCH = 2**24
+
+
+@dataclass(frozen=True)
+class UnitRow:
+    """One unit's bytes (per device), FLOPs and times over one step."""
+
+    unit: str
+    params: int
+    weight_bytes: int  # compute weights while on the device
+    gradient_bytes: int  # its weight gradient on the device, during its backward
+    optimizer_bytes: int  # fp32 master + moments (on the host; streamed through the device in chunks)
+    activation_bytes: int  # held from its forward to its backward, per micro-batch
+    recompute_bytes: int  # saved tensors recomputed during its backward (checkpoint policy)
+    workspace_bytes: int  # during its backward
+    forward_flops: int  # per step, every micro-batch
+    backward_flops: int  # per step, recompute included
+    h2d_bytes: int
+    d2h_bytes: int
+    disk_read_bytes: int
+    disk_write_bytes: int
+    load_s: float  # weights and update-state loads
+    forward_s: float
+    backward_s: float
+    offload_s: float  # gradient and updated-state write-backs, host accumulation included
+    update_s: float  # AdamW over its chunks
+    peak_bytes: int  # the device total at its highest event
+    peak_phase: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    device: DeviceSpec
+    config: PlanConfig
+    params: int
+    baseline_bytes: int  # 16 B/param
+    resident_baseline_bytes: int  # 16 B/param + every unit's resident activations for one micro-batch
+    peak_device_bytes: int
+    peak_breakdown: dict[str, int]
+    peak_at: tuple[str, str]  # (unit, phase) of the first event at the peak
+    fits: bool
+    host_store_bytes: int  # compute weights, master, moments and gradient accumulator
+    host_fits: bool  # the RAM tier needs the whole store in host RAM
+    step_time_s: float
+    tokens_per_s: float
+    utilisation: float  # model FLOPs per second / the device's peak rate for the compute dtype
+    model_flops: int  # per step and device: 6 N T-style, no recompute
+    bottleneck: str  # "compute" | "load" | "write-back": the busiest of the three pipeline stages
+    max_batch_seq: tuple[int, int]  # the largest batch at this seq that fits (0 when none), and seq
+    max_seq: int  # the largest seq at this batch that fits, up to n_positions (0 when none)
+    rows: tuple[UnitRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shape", "device", "config")}
+        out["model"] = asdict(self.shape)
+        out["device"] = self.device.name
+        out["device_memory_bytes"] = self.device.memory_bytes
+        out["config"] = asdict(self.config)
+        out["peak_at"] = {"unit": self.peak_at[0], "phase": self.peak_at[1]}
+        out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
+        out["rows"] = [asdict(r) for r in self.rows]
+        return out
+
+    def table(self) -> Table:
+        """Per unit: bytes on the device and time per phase; the caption holds the totals."""
+        table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
+                            f"{self.config.activations}, {self.config.compute_dtype}")
+        for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
+                     "fwd ms", "bwd ms", "offload ms", "update ms"):
+            table.add_column(name, justify="left" if name == "unit" else "right")
+        for r in self.rows:
+            table.add_row(r.unit, f"{r.params:,}", format_size(r.weight_bytes), format_size(r.gradient_bytes),
+                          format_size(r.activation_bytes + r.recompute_bytes), format_size(r.workspace_bytes),
+                          format_size(r.peak_bytes),
+                          *(f"{t * 1e3:.1f}" for t in (r.load_s, r.forward_s, r.backward_s, r.offload_s,
+                                                       r.update_s)))
+        parts = ", ".join(f"{c} {format_size(self.peak_breakdown[c])}" for c in CATEGORIES)
+        table.caption = (f"peak {format_size(self.peak_device_bytes)} at {self.peak_at[1]} {self.peak_at[0]} "
+                         f"({parts}); {'fits' if self.fits else 'does NOT fit'} "
+                         f"{format_size(self.device.memory_bytes)}; 16 B/param baseline "
+                         f"{format_size(self.baseline_bytes)} ({self.baseline_bytes / self.peak_device_bytes:.1f}x); "
+                         f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, "
+                         f"utilisation {self.utilisation:.0%} ({self.bottleneck}-bound)")
+        return table
+
+
+# --- memory -----------------------------------------------------------------------------------------------------
+def _activations(shape: ModelShape, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
+    """(held from forward to backward, recomputed during backward) for one unit and micro-batch."""
+    es = cfg.dtype_bytes
+    if unit == "embed":
+        return embed_saved_bytes(shape, batch, seq), 0
+    if unit == "head":
+        return head_saved_bytes(shape, batch, seq, es), 0
+    if cfg.activations == "checkpoint":
+        kept = checkpoint_input_bytes(shape, batch, seq, es)
+        # The recompute re-saves the kept input itself (same storage, charged once) and, in fp32, charges
+        # the shared rotary table for the duration of this block's backward.
+        return kept, block_saved_bytes(shape, batch, seq, es) - kept
+    # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
+    return block_saved_bytes(shape, batch, seq, es, rotary=(es != 4 or unit == "block.0")), 0
+
+
+def _resource_bytes(resource: Resource, shape: ModelShape, cfg: PlanConfig) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) device bytes charged while a resource is loaded or in flight."""
+    if resource[0] == "weights":
+        return shape.unit_params(resource[1]) * cfg.dtype_bytes, 0, 0
+    if cfg.update_on == "host":
+        return 0, 0, 0
+    count = resource[3]
+    return 0, count * GRAD_ACCUM_BYTES_PER_PARAM, count * OPTIMIZER_BYTES_PER_PARAM
+
+
+def _memory_walk(shape: ModelShape, cfg: PlanConfig, events: list[StepEvent], resident: list[list[Resource]],
+                 batch: int, seq: int) -> list[tuple[StepEvent, tuple[int, ...]]]:
+    """Device bytes by category (CATEGORIES order) at the highest moment of every event.
+
+    That moment is the end of a forward (all of the unit's saved tensors exist), the point in a backward
+    where the weight gradient appears (activations, recompute and workspace still held), and an update
+    chunk's new compute weights being written.
+    """
+    es = cfg.dtype_bytes
+    held: dict[str, int] = {}
+    moments = []
+    for event, res in zip(events, resident):
+        weights = grads = optim = activations = workspace = 0
+        for r in res:
+            w, g, o = _resource_bytes(r, shape, cfg)
+            weights, grads, optim = weights + w, grads + g, optim + o
+        if event.phase == "update":
+            if cfg.update_on == "device":
+                weights += event.resource[3] * cfg.new_compute_bytes
+        else:
+            kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
+            if event.phase == "forward":
+                held[event.unit] = kept
+            activations = sum(held.values())
+            if event.phase == "backward":
+                grads += shape.unit_params(event.unit) * es
+                workspace = backward_workspace_bytes(shape, event.unit, batch, seq, es)
+                activations += recompute
+                del held[event.unit]
+        moments.append((event, (weights, grads, optim, activations, workspace)))
+    return moments
+
+
+def peak_device_bytes(shape: ModelShape, cfg: PlanConfig) -> int:
+    """The step's peak device bytes (what plan() reports), without the time model."""
+    events = step_events(shape, cfg)
+    resident = resident_sets(events, cfg.prefetch)
+    return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
+
+
+def _largest(fits: Any, low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n) (monotone), or low - 1 when none."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _max_shapes(shape: ModelShape, cfg: PlanConfig, capacity: int) -> tuple[int, int]:
+    group = cfg.grad_accum * cfg.devices
+
+    def micro_fits(micro: int) -> bool:
+        return peak_device_bytes(shape, replace(cfg, batch=micro * group)) <= capacity
+
+    bound = 1
+    while bound < _MAX_BATCH_SEARCH and micro_fits(bound * 2):
+        bound *= 2
+    max_micro = _largest(micro_fits, 1, min(bound * 2, _MAX_BATCH_SEARCH))
+    max_seq = _largest(lambda t: peak_device_bytes(shape, replace(cfg, seq=t)) <= capacity, 1, shape.n_positions)
+    return max_micro * group, max_seq
+
+
+def plan(shape: ModelShape, device: DeviceSpec, cfg: PlanConfig) -> Plan:
+    """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`."""
+    if cfg.seq > shape.n_positions:
+        raise ValueError(f"seq {cfg.seq} exceeds the model's context n_positions={shape.n_positions}")
+    units = shape.unit_names()
+    micro, seq, es = cfg.micro_batch, cfg.seq, cfg.dtype_bytes
+
+    events = step_events(shape, cfg)
+    resident = resident_sets(events, cfg.prefetch)
+    moments = _memory_walk(shape, cfg, events, resident, micro, seq)
+    peak_event, peak_bytes = max(moments, key=lambda m: sum(m[1]))
+    peak = sum(peak_bytes)
+    timeline = simulate(events, resident, shape, cfg, device)
+
+    rows = []
+    for u in units:
+        params = shape.unit_params(u)
+        kept, recompute = _activations(shape, cfg, u, micro, seq)
+        fwd = forward_flops(shape, u, micro, seq) * cfg.grad_accum
+        recompute_flops = fwd if cfg.activations == "checkpoint" and u.startswith("block.") else 0
+        t = timeline.per_unit[u]
+        unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
+        rows.append(UnitRow(
+            unit=u, params=params, weight_bytes=params * es, gradient_bytes=params * es,
+            optimizer_bytes=params * OPTIMIZER_BYTES_PER_PARAM, activation_bytes=kept, recompute_bytes=recompute,
+            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
+            backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
+            disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
+            backward_s=t.backward_s, offload_s=t.offload_s, update_s=t.update_s,
+            peak_bytes=unit_peak, peak_phase=unit_phase,
+        ))
+
+    params = shape.params()
+    resident_cfg = replace(cfg, activations="resident")
+    resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
+    model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
+    host_store = params * (es + OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+    max_batch, max_seq = _max_shapes(shape, cfg, device.memory_bytes)
+    step_s = timeline.end_s
+    return Plan(
+        shape=shape, device=device, config=cfg, params=params,
+        baseline_bytes=BASELINE_BYTES_PER_PARAM * params,
+        resident_baseline_bytes=BASELINE_BYTES_PER_PARAM * params + resident_acts,
+        peak_device_bytes=peak, peak_breakdown=dict(zip(CATEGORIES, peak_bytes)),
+        peak_at=(peak_event.unit, peak_event.phase), fits=peak <= device.memory_bytes,
+        host_store_bytes=host_store, host_fits=cfg.store == "disk" or host_store <= device.host_ram_bytes,
+        step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
+        utilisation=model_flops / step_s / device.flops_for(cfg.compute_dtype),
+        model_flops=model_flops, bottleneck=timeline.bottleneck(),
+        max_batch_seq=(max_batch, seq), max_seq=max_seq, rows=tuple(rows),
+    )

@@ -1,0 +1,181 @@
+"""The model's shape, the plan's settings, and the per-unit byte and FLOP formulas the planner adds up.
+
+The activation formulas are measured, not guessed: tests/test_planner.py runs layers.GPTJBlock /
+GPTJHead / GPTJEmbedding under `saved_tensors_hooks` and checks these against the unique storages autograd
+saves (weights excluded, as the runtime packs those as handles). Derivation in docs/MEMORY_MODEL.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memory_model.devices import DTYPE_BYTES
+
+ACTIVATION_POLICIES = ("resident", "checkpoint")
+UPDATE_PLACES = ("device", "host")
+STORE_TIERS = ("ram", "disk")
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
+GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
+# AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
+# parameter (calibrate.py measures the `local` update bandwidth with the same count).
+UPDATE_TOUCHED_BYTES_PER_PARAM = 28
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-J decoder's shape; the runtime builds it from layers.GPTJConfig (same field names)."""
+
+    vocab_size: int
+    n_positions: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    rotary_dim: int
+    inner_dim: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive_int("ModelShape", f.name, getattr(self, f.name))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.rotary_dim % 2 or self.rotary_dim > self.n_embd // self.n_head:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most the head dimension")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelShape":
+        """From any object with GPT-J config attributes (layers.GPTJConfig, transformers.GPTJConfig-like)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    def block_params(self) -> int:
+        d, f = self.n_embd, self.inner_dim
+        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.n_embd
+
+    def head_params(self) -> int:
+        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
+
+    def params(self) -> int:
+        return self.embed_params() + self.n_layer * self.block_params() + self.head_params()
+
+    def unit_names(self) -> list[str]:
+        return ["embed", *(f"block.{i}" for i in range(self.n_layer)), "head"]
+
+    def unit_params(self, unit: str) -> int:
+        if unit == "embed":
+            return self.embed_params()
+        if unit == "head":
+            return self.head_params()
+        return self.block_params()
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """One training step's settings. `batch` is the step's global batch: grad_accum micro-batches on each of
+    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices."""
+
+    batch: int
+    seq: int
+    activations: str = "resident"
+    compute_dtype: str = "bf16"
+    prefetch: int = 1
+    update_on: str = "device"
+    grad_accum: int = 1
+    update_chunk: int = 16 * 2**20
+    store: str = "ram"
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq", "grad_accum", "update_chunk", "devices"):
+            _positive_int("PlanConfig", name, getattr(self, name))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"PlanConfig.prefetch must be an integer >= 0, got {self.prefetch!r}")
+        choices = {"activations": ACTIVATION_POLICIES, "compute_dtype": tuple(DTYPE_BYTES),
+                   "update_on": UPDATE_PLACES, "store": STORE_TIERS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"PlanConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.batch % (self.grad_accum * self.devices):
+            raise ValueError(f"batch {self.batch} does not split into grad_accum={self.grad_accum} micro-batches "
+                             f"on devices={self.devices}; use a multiple of {self.grad_accum * self.devices}")
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one micro-batch on one device."""
+        return self.batch // (self.grad_accum * self.devices)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def new_compute_bytes(self) -> int:
+        """Per parameter, the compute-dtype copy an update writes; none in fp32, where master is compute."""
+        return 0 if self.compute_dtype == "fp32" else self.dtype_bytes
+
+
+# --- activations: what autograd saves, per unit and micro-batch (B sequences of T tokens) ------------------
+# es is the compute dtype's size. On the cpu: LayerNorm keeps mean and rstd in the input dtype, and SDPA takes
+# its flash path for both dtypes, saving q, k, v, the output and an fp32 logsumexp (never the T x T scores).
+
+def rotary_table_bytes(shape: ModelShape, seq: int, es: int) -> int:
+    """sin and cos. In bf16 each block casts its own (T, R/2) copies; in fp32 the cast is a no-op and the
+    saved tensors are views of the cached (n_positions, R/2) tables, one storage for the whole model."""
+    half = shape.rotary_dim // 2
+    return 2 * shape.n_positions * half * 4 if es == 4 else 2 * seq * half * es
+
+
+def block_saved_bytes(shape: ModelShape, batch: int, seq: int, es: int, rotary: bool = True) -> int:
+    """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged)."""
+    n, d, f = batch * seq, shape.n_embd, shape.inner_dim
+    tensors = es * (
+        n * d  # h: the block input, saved by ln_1
+        + n * d  # x = ln_1(h), shared by q/k/v_proj and fc_in
+        + 4 * n * d  # rotated q and k, v, and the attention output (saved by SDPA and out_proj)
+        + 2 * n * f  # fc_in output (gelu's input) and gelu output (fc_out's input)
+    )
+    stats = 2 * n * es + 4 * batch * shape.n_head * seq  # LayerNorm mean, rstd; SDPA logsumexp (fp32)
+    return tensors + stats + (rotary_table_bytes(shape, seq, es) if rotary else 0)
+
+
+def head_saved_bytes(shape: ModelShape, batch: int, seq: int, es: int) -> int:
+    n = batch * seq
+    return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (lm_head's input)
+            + 2 * n * es  # ln_f mean, rstd
+            + 4 * n * shape.vocab_size  # log_softmax output, fp32 (B*T, vocab)
+            + 8 * n + 4)  # the shifted int64 labels, and cross-entropy's total weight
+
+
+def embed_saved_bytes(shape: ModelShape, batch: int, seq: int) -> int:
+    return 8 * batch * seq  # the int64 token ids
+
+
+def checkpoint_input_bytes(shape: ModelShape, batch: int, seq: int, es: int) -> int:
+    return batch * seq * shape.n_embd * es
+
+
+def backward_workspace_bytes(shape: ModelShape, unit: str, batch: int, seq: int, es: int) -> int:
+    """Charged while a unit's backward runs: the head's fp32 logits gradient; for a block or the embedding,
+    the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. its input is charged once its
+    backward is done, when its activations are gone: never above this moment."""
+    if unit == "head":
+        return 4 * batch * seq * shape.vocab_size
+    return batch * seq * shape.n_embd * es
+
+
+# --- FLOPs ---------------------------------------------------------------------------------------------------
+def forward_flops(shape: ModelShape, unit: str, batch: int, seq: int) -> int:
+    """Matmul FLOPs of one forward. Attention counts the full T x T (QK^T and AV) although the mask makes
+    half of it zeros: the usual MFU convention, and an upper bound on what a flash kernel does."""
+    n, d = batch * seq, shape.n_embd
+    if unit == "embed":
+        return 0  # a gather
+    if unit == "head":
+        return 2 * n * d * shape.vocab_size
+    return 2 * n * (4 * d * d + 2 * d * shape.inner_dim) + 4 * batch * seq * seq * d

@@ -1,0 +1,137 @@
+"""Time of a step: the seconds of every load, compute and write-back, overlapped the way the runtime does.
+
+The runtime has one compute thread and one I/O worker that runs jobs in submission order (loads, gradient
+offloads, update write-backs). Event k issues the loads of its resident set that are not in flight when it
+starts, waits for its own, computes; a backward then waits for its gradient's offload (synchronous: one
+gradient on the device at most); an update chunk's write-back is left queued. Assumptions are listed in
+docs/MEMORY_MODEL.md ("Time model").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memory_model.devices import DeviceSpec
+from memory_model.shapes import (
+    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, PlanConfig,
+    forward_flops,
+)
+from memory_model.steps import Resource, StepEvent
+
+
+@dataclass
+class UnitTimes:
+    """One unit's share of a step: seconds per stage (before overlap) and bytes over each link."""
+
+    load_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    offload_s: float = 0.0
+    update_s: float = 0.0
+    h2d: int = 0
+    d2h: int = 0
+    disk_read: int = 0
+    disk_write: int = 0
+
+
+@dataclass
+class Timeline:
+    end_s: float
+    per_unit: dict[str, UnitTimes]
+    busy: dict[str, float] = field(default_factory=dict)  # "compute" and "io" seconds, before overlap
+
+    def bottleneck(self) -> str:
+        return max(self.busy, key=self.busy.__getitem__)
+
+
+def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
+    # The cpu device is the host's RAM: a RAM-tier slab is handed over as it is, nothing crosses a link.
+    if device.same_memory or nbytes == 0:
+        return 0.0
+    return (device.h2d if direction == "h2d" else device.d2h).time(nbytes)
+
+
+def _load(resource: Resource, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
+    if resource[0] == "weights":
+        nbytes = shape.unit_params(resource[1]) * cfg.dtype_bytes
+    else:  # master, moments and the fp32 gradient accumulator of one chunk
+        nbytes = resource[3] * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+    disk = nbytes if cfg.store == "disk" else 0
+    h2d = nbytes if resource[0] == "weights" or cfg.update_on == "device" else 0
+    seconds = _link(h2d, device, "h2d") + disk / device.disk_read_bw
+    times.load_s += seconds
+    times.h2d += h2d
+    times.disk_read += disk
+    return seconds
+
+
+def _compute(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec) -> float:
+    if event.phase == "update":
+        bandwidth = device.device_mem_bandwidth if cfg.update_on == "device" else device.host_update_bw
+        return event.resource[3] * UPDATE_TOUCHED_BYTES_PER_PARAM / bandwidth
+    fwd = forward_flops(shape, event.unit, cfg.micro_batch, cfg.seq)
+    if event.phase == "backward":
+        recompute = fwd if cfg.activations == "checkpoint" and event.unit.startswith("block.") else 0
+        fwd = 2 * fwd + recompute
+    return fwd / device.flops_for(cfg.compute_dtype)
+
+
+def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
+    es, disk = cfg.dtype_bytes, cfg.store == "disk"
+    if event.phase == "backward":
+        params = shape.unit_params(event.unit)
+        grad = params * es
+        first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
+        # The host folds every device's gradient into its fp32 accumulator (the first micro-batch writes it,
+        # later ones read and write it); after the last one it reads it once more for the global norm.
+        touched = cfg.devices * params * (es + (4 if first else 8)) + (4 * params if last else 0)
+        read = 0 if first or not disk else 4 * params
+        write = 4 * params if disk else 0
+        seconds = (_link(grad, device, "d2h") + touched / device.host_update_bw
+                   + read / device.disk_read_bw + write / device.disk_write_bw)
+        times.d2h += grad
+    else:  # an update chunk: new master, moments and compute weights go back to the store
+        out = event.resource[3] * (OPTIMIZER_BYTES_PER_PARAM + cfg.new_compute_bytes)
+        d2h = out if cfg.update_on == "device" else 0
+        read, write = 0, out if disk else 0
+        seconds = _link(d2h, device, "d2h") + write / device.disk_write_bw
+        times.d2h += d2h
+    times.offload_s += seconds
+    times.disk_read += read
+    times.disk_write += write
+    return seconds
+
+
+def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: ModelShape, cfg: PlanConfig,
+             device: DeviceSpec) -> Timeline:
+    per_unit = {u: UnitTimes() for u in shape.unit_names()}
+    busy = {"compute": 0.0, "io": 0.0}
+    clock = io_free = 0.0
+    in_flight: set[Resource] = set()
+    ready: dict[Resource, float] = {}
+    for k, event in enumerate(events):
+        for r in resident[k]:
+            if r not in in_flight:
+                seconds = _load(r, shape, cfg, device, per_unit[r[1]])
+                io_free = max(io_free, clock) + seconds
+                ready[r] = io_free
+                in_flight.add(r)
+                busy["io"] += seconds
+        compute = _compute(event, shape, cfg, device)
+        times = per_unit[event.unit]
+        if event.phase == "update":
+            times.update_s += compute
+        elif event.phase == "forward":
+            times.forward_s += compute
+        else:
+            times.backward_s += compute
+        clock = max(clock, ready[event.resource]) + compute
+        busy["compute"] += compute
+        if event.phase != "forward":
+            seconds = _write_back(event, shape, cfg, device, times)
+            io_free = max(io_free, clock) + seconds
+            busy["io"] += seconds
+            if event.phase == "backward":
+                clock = io_free  # the runtime waits for the gradient's offload before the next event
+        if k + 1 == len(events) or events[k + 1].resource != event.resource:
+            in_flight.discard(event.resource)
+    return Timeline(max(clock, io_free), per_unit, busy)

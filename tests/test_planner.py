@@ -1,0 +1,336 @@
+"""The planner: activation formulas measured on the real layers, the charging walk replayed on a Ledger,
+the GPT-J-6B bar, time-model properties and the JSON of a plan."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from layers import PRESETS, GPTJBlock, GPTJConfig, GPTJEmbedding, GPTJHead, causal_lm_loss
+from memory_model import (CATEGORIES, DEVICE_PRESETS, DeviceSpec, Ledger, Link, ModelShape, PlanConfig,
+                          peak_device_bytes, plan)
+from memory_model.shapes import (GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, backward_workspace_bytes,
+                                 block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes)
+from memory_model.steps import resident_sets, step_events
+
+GIB = 2**30
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CS2 = DEVICE_PRESETS["cs2"]
+GPTJ_6B = ModelShape.from_config(GPTJConfig.preset("gptj-6b"))
+
+
+# --- measuring what autograd saves ------------------------------------------------------------------------------
+class SavedStorages:
+    """Like the runtime's recorder: each saved storage charged once, to the first unit that saves it,
+    parameters excluded (the runtime packs streamed weights as handles)."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self.owner: dict[int, str] = {}
+        self.bytes: dict[str, int] = {}
+
+    def charge(self, unit: str, t: torch.Tensor) -> None:
+        key = t.untyped_storage().data_ptr()
+        if key not in self.params and key not in self.owner:
+            self.owner[key] = unit
+            self.bytes[unit] = self.bytes.get(unit, 0) + t.untyped_storage().nbytes()
+
+    def hooks(self, unit: str) -> torch.autograd.graph.saved_tensors_hooks:
+        self.bytes.setdefault(unit, 0)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.charge(unit, t) or t, lambda t: t)
+
+
+def _random_config(rng: random.Random) -> GPTJConfig:
+    n_head = rng.choice([2, 4, 6])
+    head_dim = rng.choice([8, 16, 24])
+    return GPTJConfig(vocab_size=rng.randint(50, 400), n_positions=rng.choice([64, 128]),
+                      n_embd=n_head * head_dim, n_layer=2, n_head=n_head,
+                      rotary_dim=2 * rng.randint(1, head_dim // 2), n_inner=rng.randint(20, 300))
+
+
+def _units(cfg: GPTJConfig, dtype: torch.dtype) -> tuple[GPTJEmbedding, list[GPTJBlock], GPTJHead]:
+    torch.manual_seed(0)
+    blocks = [GPTJBlock(cfg).to(dtype) for _ in range(cfg.n_layer)]
+    return GPTJEmbedding(cfg).to(dtype), blocks, GPTJHead(cfg).to(dtype)
+
+
+CASES = [(seed, dtype) for seed in range(4) for dtype in DTYPES]
+
+
+@pytest.mark.parametrize("seed,dtype", CASES)
+def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str) -> None:
+    """One unit at a time, nothing shared: the per-unit formulas against torch's own saved tensors."""
+    rng = random.Random(seed)
+    cfg = _random_config(rng)
+    shape, es = ModelShape.from_config(cfg), DTYPES[dtype].itemsize
+    batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
+    embed, (block, _), head = _units(cfg, DTYPES[dtype])
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    h = torch.randn(batch, seq, cfg.n_embd, dtype=DTYPES[dtype], requires_grad=True)
+    measured = {}
+    for name, run in (("embed", lambda: embed(ids)), ("block", lambda: block(h)),
+                      ("head", lambda: causal_lm_loss(head(h), ids))):
+        saved = SavedStorages([embed, block, head])
+        with saved.hooks(name):
+            run()
+        measured[name] = saved.bytes[name]
+    expected = {"embed": embed_saved_bytes(shape, batch, seq), "block": block_saved_bytes(shape, batch, seq, es),
+                "head": head_saved_bytes(shape, batch, seq, es)}
+    for name in expected:
+        assert expected[name] == pytest.approx(measured[name], rel=0.02), name
+
+
+@pytest.mark.parametrize("seed,dtype", CASES)
+def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int, dtype: str) -> None:
+    """The whole model, storages shared across units as the runtime sees them (the fp32 rotary tables are
+    one storage for every block; block j's saved input is block j-1's output)."""
+    rng = random.Random(100 + seed)
+    cfg = _random_config(rng)
+    shape = ModelShape.from_config(cfg)
+    batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
+    embed, blocks, head = _units(cfg, DTYPES[dtype])
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    saved = SavedStorages([embed, *blocks, head])
+    with saved.hooks("embed"):
+        x = embed(ids)
+    inputs = []
+    for i, block in enumerate(blocks):
+        inputs.append(x)
+        with saved.hooks(f"block.{i}"):
+            x = block(x)
+    with saved.hooks("head"):
+        causal_lm_loss(head(x), ids)
+    cfg_plan = PlanConfig(batch=batch, seq=seq, compute_dtype=dtype)
+    rows = {r.unit: r for r in plan(shape, CS2, cfg_plan).rows}
+    for unit, nbytes in saved.bytes.items():
+        assert rows[unit].activation_bytes == pytest.approx(nbytes, rel=0.02), unit
+
+    # Checkpoint: the block input is charged first; the recompute charges everything else it saves.
+    rows = {r.unit: r for r in plan(shape, CS2, replace(cfg_plan, activations="checkpoint")).rows}
+    last = f"block.{cfg.n_layer - 1}"
+    recompute = SavedStorages([*blocks])
+    recompute.charge("input", inputs[-1])
+    with recompute.hooks(last):
+        blocks[-1](inputs[-1].detach().requires_grad_())
+    assert rows[last].activation_bytes == recompute.bytes["input"]
+    assert rows[last].recompute_bytes == pytest.approx(recompute.bytes[last], rel=0.02)
+
+
+# --- the charging walk, replayed on a real Ledger ---------------------------------------------------------------
+def _replay(shape: ModelShape, cfg: PlanConfig) -> Ledger:
+    """Allocate and free in the runtime's order (docs/ARCHITECTURE.md); the planner never sees this code."""
+    ledger = Ledger(None)
+    events = step_events(shape, cfg)
+    resident = resident_sets(events, cfg.prefetch)
+    es, b, t = cfg.dtype_bytes, cfg.micro_batch, cfg.seq
+    in_flight: dict[tuple, list[int]] = {}
+    acts: dict[str, int] = {}
+    flowing = None
+    for k, e in enumerate(events):
+        for r in resident[k]:
+            if r in in_flight:
+                continue
+            if r[0] == "weights":
+                in_flight[r] = [ledger.allocate("weights", r[1], shape.unit_params(r[1]) * es)]
+            elif cfg.update_on == "device":
+                in_flight[r] = [ledger.allocate("optimizer", r[1], r[3] * OPTIMIZER_BYTES_PER_PARAM),
+                                ledger.allocate("gradients", r[1], r[3] * GRAD_ACCUM_BYTES_PER_PARAM)]
+            else:
+                in_flight[r] = []
+        kind = e.unit.split(".")[0]
+        if e.phase == "forward":
+            if kind == "block" and cfg.activations == "checkpoint":
+                nbytes = checkpoint_input_bytes(shape, b, t, es)
+            elif kind == "block":
+                nbytes = block_saved_bytes(shape, b, t, es, rotary=es != 4 or e.unit == "block.0")
+            else:
+                nbytes = embed_saved_bytes(shape, b, t) if kind == "embed" else head_saved_bytes(shape, b, t, es)
+            acts[e.unit] = ledger.allocate("activations", e.unit, nbytes)
+        elif e.phase == "backward":
+            extra = []
+            if kind == "head":
+                extra.append(ledger.allocate("workspace", "head", backward_workspace_bytes(shape, "head", b, t, es)))
+            if kind == "block" and cfg.activations == "checkpoint":
+                extra.append(ledger.allocate("activations", e.unit, block_saved_bytes(shape, b, t, es)
+                                             - checkpoint_input_bytes(shape, b, t, es)))
+            grad = ledger.allocate("gradients", e.unit, shape.unit_params(e.unit) * es)
+            for h in extra + ([flowing] if flowing else []):
+                ledger.free(h)
+            ledger.free(acts.pop(e.unit))
+            flowing = None if kind == "embed" else ledger.allocate("workspace", e.unit, b * t * shape.n_embd * es)
+            ledger.free(grad)
+        elif cfg.update_on == "device" and cfg.compute_dtype != "fp32":
+            ledger.free(ledger.allocate("weights", e.unit, e.resource[3] * es))
+        if k + 1 == len(events) or events[k + 1].resource != e.resource:
+            for h in in_flight.pop(e.resource):
+                ledger.free(h)
+    assert ledger.in_use == 0 and ledger.live() == 0
+    return ledger
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_layer=st.integers(1, 4), d=st.sampled_from([16, 32, 64]), vocab=st.integers(10, 300),
+       micro=st.integers(1, 3), seq=st.integers(1, 64), accum=st.integers(1, 3), prefetch=st.integers(0, 3),
+       activations=st.sampled_from(["resident", "checkpoint"]), dtype=st.sampled_from(["bf16", "fp32"]),
+       update_on=st.sampled_from(["device", "host"]), chunk=st.sampled_from([100, 5_000, 16 * 2**20]))
+def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accum, prefetch, activations, dtype,
+                                             update_on, chunk) -> None:
+    shape = ModelShape(vocab, 64, d, n_layer, 4, 4, 4 * d)
+    cfg = PlanConfig(batch=micro * accum, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch,
+                     update_on=update_on, grad_accum=accum, update_chunk=chunk)
+    ledger = _replay(shape, cfg)
+    p = plan(shape, CS2, cfg)
+    assert p.peak_device_bytes == ledger.peak == peak_device_bytes(shape, cfg)
+    assert p.peak_breakdown == ledger.peak_breakdown
+
+
+# --- the bar: GPT-J-6B on a CS-2 ---------------------------------------------------------------------------------
+def test_gptj_6b_checkpoint_fits_in_3_gib_30x_below_the_baseline() -> None:
+    assert GPTJ_6B.params() == 6_050_882_784 == PRESETS["gptj-6b"].num_params()
+    assert GPTJ_6B.block_params() == 201_355_264
+    cfg = PlanConfig(batch=1, seq=2048, activations="checkpoint", compute_dtype="bf16")
+    p = plan(GPTJ_6B, CS2, cfg)
+    assert p.baseline_bytes == 16 * 6_050_882_784 and round(p.baseline_bytes / GIB, 1) == 90.2
+    assert p.peak_device_bytes <= 3 * GIB
+    assert p.baseline_bytes / p.peak_device_bytes >= 30
+    assert p.fits and sum(p.peak_breakdown.values()) == p.peak_device_bytes
+    resident = plan(GPTJ_6B, CS2, replace(cfg, activations="resident"))
+    assert p.peak_device_bytes < resident.peak_device_bytes < 10 * GIB and resident.fits
+    assert resident.peak_breakdown["activations"] > 20 * p.peak_breakdown["activations"] / 3
+    assert p.resident_baseline_bytes == resident.resident_baseline_bytes > p.baseline_bytes
+
+
+def test_plan_json() -> None:
+    p = plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=2048, activations="checkpoint"))
+    raw = json.loads(json.dumps(p.to_json()))
+    for key in ("params", "baseline_bytes", "resident_baseline_bytes", "peak_device_bytes", "peak_breakdown",
+                "peak_at", "fits", "step_time_s", "tokens_per_s", "utilisation", "max_batch_seq", "rows", "config",
+                "model", "device"):
+        assert key in raw, key
+    assert isinstance(raw["peak_device_bytes"], int) and set(raw["peak_breakdown"]) == set(CATEGORIES)
+    assert len(raw["rows"]) == GPTJ_6B.n_layer + 2 and raw["rows"][1]["unit"] == "block.0"
+    for row in raw["rows"]:
+        for key in ("weight_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "h2d_bytes",
+                    "d2h_bytes", "disk_read_bytes", "disk_write_bytes"):
+            assert isinstance(row[key], int), key
+    assert raw["device"] == "cs2" and raw["config"]["activations"] == "checkpoint"
+
+
+def test_plan_table_renders() -> None:
+    console = Console(record=True, width=220)
+    console.print(plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=2048, activations="checkpoint")).table())
+    text = console.export_text()
+    assert "block.27" in text and "16 B/param baseline" in text and "fits" in text
+
+
+# --- fit and search ------------------------------------------------------------------------------------------------
+def test_does_not_fit_a_small_device_and_the_largest_batch_does() -> None:
+    cfg = PlanConfig(batch=8, seq=2048, activations="resident")
+    p = plan(GPTJ_6B, DEVICE_PRESETS["rtx4090"], cfg)
+    assert not p.fits
+    best, seq = p.max_batch_seq
+    assert seq == 2048 and 1 <= best < 8
+    assert plan(GPTJ_6B, DEVICE_PRESETS["rtx4090"], replace(cfg, batch=best)).fits
+    assert peak_device_bytes(GPTJ_6B, replace(cfg, batch=best + 1)) > DEVICE_PRESETS["rtx4090"].memory_bytes
+    short = p.max_seq
+    assert 0 < short < 2048
+    assert peak_device_bytes(GPTJ_6B, replace(cfg, seq=short)) <= DEVICE_PRESETS["rtx4090"].memory_bytes
+    assert peak_device_bytes(GPTJ_6B, replace(cfg, seq=short + 1)) > DEVICE_PRESETS["rtx4090"].memory_bytes
+
+
+def test_nothing_fits_a_tiny_device() -> None:
+    tiny = replace(CS2, name="tiny", memory_bytes=2**20)
+    p = plan(GPTJ_6B, tiny, PlanConfig(batch=1, seq=128))
+    assert not p.fits and p.max_batch_seq == (0, 128) and p.max_seq == 0
+
+
+def test_prefetch_and_update_place_change_the_peak_as_documented() -> None:
+    base = PlanConfig(batch=1, seq=2048, activations="checkpoint")
+    p0, p1, p2 = (plan(GPTJ_6B, CS2, replace(base, prefetch=n)) for n in (0, 1, 2))
+    assert p0.peak_breakdown["weights"] < p1.peak_breakdown["weights"] < p2.peak_breakdown["weights"]
+    update = plan(GPTJ_6B, CS2, replace(base, update_chunk=2**30))  # one chunk holds a whole unit
+    assert update.peak_at[1] == "update" and update.peak_breakdown["optimizer"] > 0
+    host = plan(GPTJ_6B, CS2, replace(base, update_chunk=2**30, update_on="host"))
+    assert host.peak_breakdown["optimizer"] == 0 and host.peak_at[1] != "update"
+
+
+# --- time ----------------------------------------------------------------------------------------------------------
+def test_time_model_properties() -> None:
+    base = PlanConfig(batch=4, seq=2048, activations="checkpoint")
+    h100 = DEVICE_PRESETS["h100-80g"]
+    p1 = plan(GPTJ_6B, h100, base)
+    p0 = plan(GPTJ_6B, h100, replace(base, prefetch=0))
+    assert p0.step_time_s > p1.step_time_s > 0
+    assert plan(GPTJ_6B, h100, replace(base, store="disk")).step_time_s > p1.step_time_s
+    assert p1.tokens_per_s == pytest.approx(4 * 2048 / p1.step_time_s)
+    assert 0 < p1.utilisation <= 1
+    resident = plan(GPTJ_6B, h100, replace(base, activations="resident"))
+    assert resident.step_time_s <= p1.step_time_s  # no recompute
+    assert sum(r.backward_flops for r in p1.rows) > sum(r.backward_flops for r in resident.rows)
+    slow_link = replace(h100, h2d=Link(1e9), d2h=Link(1e9))
+    assert plan(GPTJ_6B, slow_link, base).bottleneck == "io"
+    fast_link = replace(h100, h2d=Link(1e15), d2h=Link(1e15), host_update_bw=1e15, flops={"bf16": 1e12, "fp32": 1e11})
+    assert plan(GPTJ_6B, fast_link, base).bottleneck == "compute"
+
+
+def test_compute_bound_step_time_is_the_flops() -> None:
+    """With free I/O the step is the FLOPs over the rate, recompute included, plus the AdamW sweep."""
+    free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                      flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
+    cfg = PlanConfig(batch=1, seq=512, activations="checkpoint")
+    p = plan(GPTJ_6B, free, cfg)
+    flops = sum(r.forward_flops + r.backward_flops for r in p.rows)
+    assert p.step_time_s == pytest.approx(flops / 1e12, rel=1e-3)
+    assert p.utilisation == pytest.approx(p.model_flops / flops, rel=1e-3)
+
+
+def test_same_memory_device_moves_bytes_without_link_time() -> None:
+    local = replace(CS2, name="local", same_memory=True)
+    cfg = PlanConfig(batch=1, seq=256)
+    shared, linked = plan(GPTJ_6B, local, cfg), plan(GPTJ_6B, CS2, cfg)
+    assert [r.h2d_bytes for r in shared.rows] == [r.h2d_bytes for r in linked.rows]
+    assert all(r.h2d_bytes > 0 for r in shared.rows)
+    assert sum(r.load_s for r in shared.rows) == 0 < sum(r.load_s for r in linked.rows)
+
+
+def test_bytes_over_each_link_per_step() -> None:
+    cfg = PlanConfig(batch=2, seq=128, grad_accum=2, store="disk")
+    p = plan(GPTJ_6B, CS2, cfg)
+    block = p.rows[5]
+    # weights in for the forward and the backward of each micro-batch, plus the state in for the update
+    assert block.h2d_bytes == 2 * 2 * block.weight_bytes + block.params * 16
+    assert block.d2h_bytes == 2 * block.gradient_bytes + block.params * (12 + 2)
+    assert block.disk_read_bytes == block.h2d_bytes + 4 * block.params  # + the accumulator re-read, micro 1
+    assert block.disk_write_bytes == 2 * 4 * block.params + block.params * 14
+
+
+# --- validation ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [dict(batch=0), dict(seq=-1), dict(activations="offload"), dict(prefetch=-1),
+                                 dict(compute_dtype="fp16"), dict(update_on="disk"), dict(store="nvme"),
+                                 dict(batch=3, grad_accum=2), dict(update_chunk=0), dict(devices=0)])
+def test_plan_config_rejects(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        PlanConfig(**{"batch": 2, "seq": 16, **bad})
+
+
+def test_model_shape_matches_layers_and_validates() -> None:
+    for cfg in PRESETS.values():
+        assert ModelShape.from_config(cfg).params() == cfg.num_params()
+    with pytest.raises(ValueError):
+        ModelShape(100, 64, 30, 2, 4, 4, 120)  # 30 not divisible by 4 heads
+    with pytest.raises(ValueError):
+        plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=4096))
+
+
+def test_devices_split_batch_and_update() -> None:
+    one = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint"))
+    four = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
+    assert four.peak_breakdown["activations"] < one.peak_breakdown["activations"]
+    assert sum(r.update_s for r in four.rows) < sum(r.update_s for r in one.rows)
