@@ -20,7 +20,7 @@ class ResidentTrainer:
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=tc.lr, betas=tc.betas, eps=tc.eps)
+            lr=tc.lr, betas=tc.betas, eps=tc.eps, fused=True)
         self.steps = 0
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:

@@ -18,6 +18,7 @@ from torch.func import functional_call
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
+from streamer.distributed import DataParallel
 from streamer.errors import StreamerError
 from streamer.layout import UnitLayout
 from streamer.optim import adamw_chunk
@@ -45,16 +46,24 @@ class StepContext:
     step: int  # the optimizer step being made (1-based)
     lr: float
     losses: list[torch.Tensor] = field(default_factory=list)
-    grad_sq_norms: dict[str, float] = field(default_factory=dict)
     clip_coef: float | None = None
+    mean_loss: float | None = None
     on_first_update: Callable[["StepContext"], None] | None = None
     # For "infer" events: called with (unit, run) where run(*args) calls the unit with its streamed weights.
     infer: Callable[[str, Callable[..., torch.Tensor]], None] | None = None
 
 
+@dataclass
+class PendingOffload:
+    unit: str
+    last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
+    future: cf.Future[float]
+    handle: int  # the ledger charge of the gradient on the device
+
+
 class Executor:
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: HostStore | None, ledger: Ledger,
-                 trace: Trace, layouts: dict[str, UnitLayout]) -> None:
+                 trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None) -> None:
         self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
         self.device = torch.device(tc.device)
         self.dtype = tc.compute_dtype
@@ -68,7 +77,10 @@ class Executor:
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._offloads: dict[str, tuple[cf.Future[float], int]] = {}
+        self._pending_offload: PendingOffload | None = None
+        self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
+        self.units = list(layouts)
+        self.data_parallel = data_parallel
         self._flowing_grad: tuple[torch.Tensor, int] | None = None
         self._writers: dict[str, UnitWriter] = {}
         self._scratch: torch.Tensor | None = None
@@ -76,6 +88,8 @@ class Executor:
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
+        if any(e.phase == "backward" for e in events):
+            self.grad_sq_norms = {}
         for i, event in enumerate(events):
             for resource in [event.resource, *lookahead(events, i, self.tc.prefetch)]:
                 if resource not in self._inflight:
@@ -197,16 +211,27 @@ class Executor:
             grad = x.grad
             self._flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))
-        self._finish_offload(unit, ctx)
+        if unit == self.units[0]:
+            self._finish_pending_offload()  # the update (or the next micro-batch) needs every gradient home
 
     def _offload(self, unit: str, micro: int, grad: torch.Tensor) -> None:
-        """StreamedWeights' backward: the unit's weight gradient leaves for the host accumulator."""
+        """StreamedWeights' backward: the unit's weight gradient leaves for the host accumulator.
+
+        The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward;
+        it is finished only now, so at most one unit's gradient is on the device.
+        """
+        self._finish_pending_offload()
         handle = self.ledger.allocate("gradients", unit, grad.numel() * grad.element_size(), "weight gradient")
         first, last = micro == 0, micro == self.tc.grad_accum - 1
-        self._offloads[unit] = (self.worker.submit(lambda: self._traced_offload(unit, grad, first, last)), handle)
+        reduction = self.data_parallel.start_reduce(grad) if self.data_parallel is not None else None
+        job = lambda: self._traced_offload(unit, grad, first, last, reduction)
+        self._pending_offload = PendingOffload(unit, last, self.worker.submit(job), handle)
 
-    def _traced_offload(self, unit: str, grad: torch.Tensor, first: bool, last: bool) -> float:
+    def _traced_offload(self, unit: str, grad: torch.Tensor, first: bool, last: bool,
+                        reduction: object | None) -> float:
         with self.trace.span(unit, "offload"):
+            if reduction is not None:
+                grad = self.data_parallel.finish_reduce(reduction)
             if self.store is None:
                 return 0.0
             host = self.transport.to_host(grad)
@@ -216,25 +241,28 @@ class Executor:
             total = self.store.accumulate_grad(unit, host, first, scratch)
             if host is not grad:
                 self.transport.give_back(host, "pinned")
-            return float(total.double().square().sum()) if last else 0.0
+            # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
+            return float(torch.linalg.vector_norm(total)) ** 2 if last else 0.0
 
-    def _finish_offload(self, unit: str, ctx: StepContext) -> None:
-        future, handle = self._offloads.pop(unit)
-        sq_norm = future.result()
-        self.ledger.free(handle)
-        if len(ctx.losses) == len(ctx.micro_batches):
-            ctx.grad_sq_norms[unit] = sq_norm
+    def _finish_pending_offload(self) -> None:
+        pending, self._pending_offload = self._pending_offload, None
+        if pending is None:
+            return
+        sq_norm = pending.future.result()
+        self.ledger.free(pending.handle)
+        if pending.last:
+            self.grad_sq_norms[pending.unit] = sq_norm
 
     # --- update --------------------------------------------------------------------------------------
     def clip_coef(self, ctx: StepContext) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient over every unit's gradient."""
-        for unit, sq in ctx.grad_sq_norms.items():
+        for unit, sq in self.grad_sq_norms.items():
             if not math.isfinite(sq):
                 raise NonFiniteError(f"non-finite gradient in {unit} at step {ctx.step} (the first unit its "
                                      "backward reached); nothing was committed — lower the lr or check the data")
         if self.tc.max_grad_norm is None:
             return 1.0
-        total = math.sqrt(sum(ctx.grad_sq_norms.values()))
+        total = math.sqrt(sum(self.grad_sq_norms.values()))
         return min(1.0, self.tc.max_grad_norm / (total + 1e-6))
 
     def _update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
@@ -289,8 +317,9 @@ class Executor:
         self.worker.drain()
         for resource in list(self._inflight):
             self._release(resource)
-        for unit in list(self._offloads):
-            self.ledger.free(self._offloads.pop(unit)[1])
+        if self._pending_offload is not None:
+            self.ledger.free(self._pending_offload.handle)
+            self._pending_offload = None
         if self._flowing_grad is not None:
             self.ledger.free(self._flowing_grad[1])
             self._flowing_grad = None

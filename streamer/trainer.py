@@ -10,11 +10,12 @@ import torch
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights, unit_names
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
+from streamer.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
 from streamer.layout import dtype_name, model_layouts
 from streamer.runtime import Executor, MicroBatch, NonFiniteError, StepContext
 from streamer.schedule import forward_events, step_events, update_events
-from streamer.store import HostStore, StoreSpec, chunks
+from streamer.store import JOURNAL, HostStore, StoreSpec, chunks
 
 
 class StreamingTrainer:
@@ -26,6 +27,9 @@ class StreamingTrainer:
         self.units = unit_names(cfg)
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
         self.losses: list[float] = []
+        self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(self.tc.device)
+        if store_dir is not None and self.data_parallel is not None:
+            store_dir = Path(store_dir) / f"rank{self.data_parallel.rank}"
         if self.tc.device == "meta":
             self.store = None
         elif _store is not None:
@@ -44,7 +48,7 @@ class StreamingTrainer:
                              hint_context={"activations": self.tc.activations})
         self.trace = Trace(self.ledger, meta={"params": cfg.num_params(), "baseline_bytes": 16 * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
-        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts)
+        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel)
         if _store is None and self.store is not None:
             self._initialize(seed=self.tc.seed)
 
@@ -52,7 +56,14 @@ class StreamingTrainer:
     @classmethod
     def open(cls, store_dir: str | Path, overrides: Mapping[str, Any] | None = None) -> "StreamingTrainer":
         """Continue from a store: its last committed step, finishing a step a crash interrupted."""
+        device = dict(overrides or {}).get("device", "cpu")
+        data_parallel = DataParallel.from_environment(device)
+        if data_parallel is not None:
+            store_dir = Path(store_dir) / f"rank{data_parallel.rank}"
         store = HostStore.open(store_dir)
+        journal = store.journal
+        if data_parallel is not None:
+            journal = _agree_on_journal(data_parallel, store, journal)
         saved = dict(store.manifest["trainer"].get("config", {}))
         tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
         if tc.store != store.spec.placement:
@@ -61,7 +72,7 @@ class StreamingTrainer:
         trainer = cls(store.spec.config, tc, _store=store)
         trainer.losses = list(store.manifest["trainer"].get("losses", []))
         trainer.extra_state = dict(store.manifest["trainer"].get("extra", {}))
-        if (journal := store.journal) is not None:
+        if journal is not None:
             trainer._roll_forward(journal)
         return trainer
 
@@ -126,8 +137,11 @@ class StreamingTrainer:
         if input_ids.shape[1] > self.cfg.n_positions:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
                                 f"n_positions={self.cfg.n_positions}; use --seq <= {self.cfg.n_positions}")
+        if self.data_parallel is not None:
+            input_ids, labels = self.data_parallel.shard(input_ids), self.data_parallel.shard(labels)
         if input_ids.shape[0] % self.tc.grad_accum:
-            raise StreamerError(f"batch {input_ids.shape[0]} is not divisible by grad_accum={self.tc.grad_accum}")
+            raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
+                                f"grad_accum={self.tc.grad_accum}")
         device = self.executor.device
         return [MicroBatch(i.to(device), l.to(device)) for i, l in
                 zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum))]
@@ -154,9 +168,11 @@ class StreamingTrainer:
         return loss
 
     def _mean_loss(self, ctx: StepContext) -> float:
-        if self.executor.device.type == "meta":
-            return float("nan")
-        return float(torch.stack(ctx.losses).mean())
+        """The loss over the global batch (every rank's micro-batches); computed once per step."""
+        if ctx.mean_loss is None:
+            local = float("nan") if self.executor.device.type == "meta" else float(torch.stack(ctx.losses).mean())
+            ctx.mean_loss = local if self.data_parallel is None else self.data_parallel.mean(local)
+        return ctx.mean_loss
 
     def _journal(self, ctx: StepContext) -> None:
         """Before the first update: the loss must be finite, then the step is journaled (durable)."""
@@ -167,6 +183,8 @@ class StreamingTrainer:
         if self.store is not None:
             state = self._trainer_state(extra_losses=[loss])
             self.store.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
+        if self.data_parallel is not None:
+            self.data_parallel.barrier()  # no rank updates a weight before every rank has journaled the step
 
     def _roll_forward(self, journal: dict[str, Any]) -> None:
         """Finish an update a crash interrupted: the same gradients, lr and clip coefficient, so bit-identical."""
@@ -229,3 +247,16 @@ class StreamingTrainer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _agree_on_journal(data_parallel: DataParallel, store: HostStore,
+                      journal: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Roll a journaled step forward only if every rank journaled it; otherwise no rank updated anything yet."""
+    views = data_parallel.gather((store.step, None if journal is None else journal["step"]))
+    if journal is not None and any(j != journal["step"] for _, j in views):
+        (store.root / JOURNAL).unlink()
+        journal = None
+    steps = {step for step, _ in views}
+    if len(steps) != 1 and journal is None:
+        raise StoreError(f"the ranks' stores are at different steps {sorted(steps)}; restore them from one backup")
+    return journal

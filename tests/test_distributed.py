@@ -1,0 +1,77 @@
+"""Data parallel with 2 gloo processes equals one process on the same global batch, and resumes."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from layers import GPTJConfig
+from streamer import StreamingTrainer, TrainerConfig
+
+CFG = GPTJConfig.preset("gptj-debug")
+TC = TrainerConfig(lr=1e-3, compute_dtype=torch.float32, store="disk", max_grad_norm=1.0, update_chunk=10_000)
+
+
+def global_batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, CFG.vocab_size, (4, 32), generator=g) for _ in range(n)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, run: str, phases: list[tuple[str, int]], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    data = global_batches(sum(n for _, n in phases))
+    done = 0
+    for how, steps in phases:
+        trainer = StreamingTrainer(CFG, TC, store_dir=run) if how == "new" else StreamingTrainer.open(run)
+        for _ in range(steps):
+            trainer.step(data[done])
+            done += 1
+        trainer.close()
+    torch.save({"state": trainer.state_dict(), "losses": trainer.losses}, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def run_data_parallel(tmp_path: Path, phases: list[tuple[str, int]]) -> list[dict]:
+    out = str(tmp_path / "result")
+    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "run"), phases, out), nprocs=2, join=True)
+    return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+def single_process(tmp_path: Path, steps: int) -> dict:
+    # Two ranks of 2 rows each average to the same gradient as one process with 2 micro-batches of 2 rows.
+    with StreamingTrainer(CFG, TC.replace(grad_accum=2), store_dir=tmp_path / "single") as trainer:
+        for ids in global_batches(steps):
+            trainer.step(ids)
+        return {"state": trainer.state_dict(), "losses": trainer.losses}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    ranks = run_data_parallel(tmp_path, [("new", 3)])
+    reference = single_process(tmp_path, 3)
+    assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0  # every rank applied the same update
+    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_data_parallel_resume(tmp_path):
+    ranks = run_data_parallel(tmp_path, [("new", 2), ("open", 1)])
+    reference = single_process(tmp_path, 3)
+    assert (tmp_path / "run" / "rank0").is_dir() and (tmp_path / "run" / "rank1").is_dir()
+    assert _max_diff(ranks[1]["state"], reference["state"]) <= 1e-5
