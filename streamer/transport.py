@@ -66,7 +66,8 @@ class Transport:
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
-        self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
+        # Free buffers, each with the event after which the stream that last used it is done with it (CUDA).
+        self._pool: dict[tuple[int, torch.dtype, str], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()
 
     # --- buffers ------------------------------------------------------------------------------
@@ -74,8 +75,11 @@ class Transport:
         """A reusable buffer: fresh allocations page-fault at a quarter of the speed of reused memory."""
         with self._lock:
             free = self._pool.get((numel, dtype, where))
-            if free:
-                return free.pop()
+            buffer, released = free.pop() if free else (None, None)
+        if buffer is not None:
+            if released is not None:
+                torch.cuda.current_stream().wait_event(released)  # kernels queued on it may still read it
+            return buffer
         if where == "pinned":
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         return torch.empty(numel, dtype=dtype, device=self.device if where == "device" else "cpu")
@@ -83,8 +87,12 @@ class Transport:
     def give_back(self, t: torch.Tensor, where: str = "device") -> None:
         if self.mode == "meta":
             return
+        released = None
+        if self.mode == "cuda" and where == "device":
+            released = torch.cuda.Event()
+            released.record(torch.cuda.current_stream())
         with self._lock:
-            self._pool.setdefault((t.numel(), t.dtype, where), []).append(t)
+            self._pool.setdefault((t.numel(), t.dtype, where), []).append((t, released))
 
     def owns(self, t: torch.Tensor, unit: str, kind: str) -> bool:
         """False when `t` is the store's own RAM slab (handed over zero-copy), which must not be pooled."""
@@ -110,10 +118,8 @@ class Transport:
         out = self._take(numel, dtype, "device")
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
         if ram is None:
-            host_ref = host
-            out.record_stream(torch.cuda.current_stream())
             torch.cuda.current_stream().synchronize()  # the pinned staging buffer is reused next
-            self.give_back(host_ref, "pinned")
+            self.give_back(host, "pinned")
         return out
 
     def _on_side_stream(self, job: Callable[[], dict[str, torch.Tensor]]) -> Loaded:
