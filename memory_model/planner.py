@@ -4,13 +4,13 @@ The planner walks the same event list the runtime executes (streamer/schedule.py
 of every micro-batch, then the update in chunks. At each event the device holds the event's own resource
 and the next `prefetch` distinct resources (a unit's compute weights, or one update chunk's state), the
 activations of every unit whose forward ran and whose backward has not, and during a backward the unit's
-weight gradient and workspace. docs/ARCHITECTURE.md states this charging contract; docs/MEMORY_MODEL.md
-derives every formula and the time model.
+weight gradient and workspace. docs/MEMORY_MODEL.md states this charging contract (as streamer/runtime.py
+implements it) and derives every formula and the time model.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from rich.table import Table
 
@@ -57,6 +57,8 @@ class UnitRow:
 
 @dataclass(frozen=True)
 class Plan:
+    """One step of `shape` on `device` under `config`: bytes (per device), fit, time, and the baselines."""
+
     shape: ModelShape
     device: DeviceSpec
     config: PlanConfig
@@ -72,8 +74,8 @@ class Plan:
     step_time_s: float
     tokens_per_s: float
     utilisation: float  # model FLOPs per second / the device's peak rate for the compute dtype
-    model_flops: int  # per step and device: 6 N T-style, no recompute
-    bottleneck: str  # "compute" | "load" | "write-back": the busiest of the three pipeline stages
+    model_flops: int  # per step and device: 3 x forward matmul FLOPs (attention included), no recompute
+    bottleneck: str  # "compute" | "io": the busier of the compute thread and the I/O worker
     max_batch_seq: tuple[int, int]  # the largest batch at this seq that fits (0 when none), and seq
     max_seq: int  # the largest seq at this batch that fits, up to n_positions (0 when none)
     rows: tuple[UnitRow, ...]
@@ -179,7 +181,15 @@ def peak_device_bytes(shape: ModelShape, cfg: PlanConfig) -> int:
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
-def _largest(fits: Any, low: int, high: int) -> int:
+def _train_peak(shape: ModelShape, cfg: PlanConfig) -> int:
+    """The peak of the forward and backward passes alone. No update state is fetched before the last
+    backward (the lookahead stops at it), so these events' resident sets do not depend on the update."""
+    events = [e for e in step_events(shape, replace(cfg, update_chunk=shape.params())) if e.phase != "update"]
+    resident = resident_sets(events, cfg.prefetch)
+    return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
     """The largest n in [low, high] with fits(n) (monotone), or low - 1 when none."""
     if not fits(low):
         return low - 1
@@ -189,17 +199,21 @@ def _largest(fits: Any, low: int, high: int) -> int:
     return low
 
 
-def _max_shapes(shape: ModelShape, cfg: PlanConfig, capacity: int) -> tuple[int, int]:
+def _max_shapes(shape: ModelShape, cfg: PlanConfig, capacity: int, update_peak: int) -> tuple[int, int]:
+    """Largest batch at cfg.seq and largest seq at cfg.batch that fit; the update pass does not depend on
+    either, so it is walked once (update_peak) and the search walks the forward and backward only."""
+    if update_peak > capacity:
+        return 0, 0
     group = cfg.grad_accum * cfg.devices
 
     def micro_fits(micro: int) -> bool:
-        return peak_device_bytes(shape, replace(cfg, batch=micro * group)) <= capacity
+        return _train_peak(shape, replace(cfg, batch=micro * group)) <= capacity
 
     bound = 1
     while bound < _MAX_BATCH_SEARCH and micro_fits(bound * 2):
         bound *= 2
     max_micro = _largest(micro_fits, 1, min(bound * 2, _MAX_BATCH_SEARCH))
-    max_seq = _largest(lambda t: peak_device_bytes(shape, replace(cfg, seq=t)) <= capacity, 1, shape.n_positions)
+    max_seq = _largest(lambda t: _train_peak(shape, replace(cfg, seq=t)) <= capacity, 1, shape.n_positions)
     return max_micro * group, max_seq
 
 
@@ -240,7 +254,8 @@ def plan(shape: ModelShape, device: DeviceSpec, cfg: PlanConfig) -> Plan:
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
     host_store = params * (es + OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
-    max_batch, max_seq = _max_shapes(shape, cfg, device.memory_bytes)
+    update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
+    max_batch, max_seq = _max_shapes(shape, cfg, device.memory_bytes, update_peak)
     step_s = timeline.end_s
     return Plan(
         shape=shape, device=device, config=cfg, params=params,

@@ -38,25 +38,34 @@ def step_events(shape: ModelShape, cfg: PlanConfig) -> list[StepEvent]:
     return events
 
 
-def lookahead(events: list[StepEvent], index: int, depth: int) -> list[Resource]:
+def lookahead(events: list[StepEvent], index: int, depth: int,
+              last_backward: dict[str, int] | None = None) -> list[Resource]:
     """The next `depth` distinct resources after event `index`'s own, in order of first use.
 
     A unit's update state is not fetched while any of its backward events is still to run (its gradient is
     final only once the last micro-batch's backward has been offloaded), so the lookahead stops there.
+    `last_backward` (unit -> index of its last backward event) may be passed to avoid recomputing it.
     """
+    if last_backward is None:
+        last_backward = _last_backward(events)
     current = events[index].resource
-    pending_backward = {e.unit for e in events[index:] if e.phase == "backward"}
     seen: list[Resource] = []
-    for event in events[index + 1:]:
+    for k in range(index + 1, len(events)):  # not a slice: that would copy the whole tail per event
         if len(seen) >= depth:
             break
-        if event.resource[0] == "chunk" and event.unit in pending_backward:
+        event = events[k]
+        if event.resource[0] == "chunk" and last_backward.get(event.unit, -1) >= index:
             break
         if event.resource != current and event.resource not in seen:
             seen.append(event.resource)
     return seen
 
 
+def _last_backward(events: list[StepEvent]) -> dict[str, int]:
+    return {e.unit: k for k, e in enumerate(events) if e.phase == "backward"}
+
+
 def resident_sets(events: list[StepEvent], prefetch: int) -> list[list[Resource]]:
     """What is loaded or in flight while each event runs: its own resource, then its lookahead."""
-    return [[e.resource, *lookahead(events, k, prefetch)] for k, e in enumerate(events)]
+    last_backward = _last_backward(events)
+    return [[e.resource, *lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
