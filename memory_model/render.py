@@ -54,8 +54,9 @@ def plot_trace(trace: "Trace", path: Path, step: int | None = None) -> None:
             ax.axhline(value / scale, color=color, linestyle=style, linewidth=1.2,
                        label=f"{label} {format_size(value)}")
     if baseline and peak:
-        ax.set_title(f"{trace.meta.get('model', 'model')}: device peak {format_size(peak)}, "
-                     f"{baseline / peak:.1f}x below the 16 B/param baseline", fontsize=10)
+        model = f"{trace.meta['model']}: " if trace.meta.get("model") else ""
+        ax.set_title(f"{model}device peak {format_size(peak)}, {baseline / peak:.1f}x below the 16 B/param baseline",
+                     fontsize=10)
     ax.set_xlabel("seconds" + (f" into step {step}" if step is not None else ""))
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_xlim(0, max(end - start, 1e-9))
