@@ -26,7 +26,7 @@ def adamw_chunk(state: dict[str, torch.Tensor], start: int, decay_end: int, tc: 
         if lo == hi:
             continue
         # adam() advances the step tensor itself: hand it the count before this step.
-        steps = [torch.tensor(float(step - 1), device=device)]
+        steps = [torch.tensor(float(step - 1), device=device if fused else "cpu")]
         adam([state["master"][lo:hi]], [grad[lo:hi]], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]],
              [], steps, foreach=False, fused=fused or None, decoupled_weight_decay=True, amsgrad=False,
              beta1=tc.betas[0], beta2=tc.betas[1], lr=lr, weight_decay=weight_decay, eps=tc.eps, maximize=False)
