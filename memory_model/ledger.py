@@ -208,7 +208,7 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
 
     Estimated from the usage at the failure point, which is a lower bound on the step's real peak;
     hints may carry `planned_peak_bytes` (the planner's peak) to size the budget and device advice.
-    Known hints: activations ("resident"|"checkpoint"), batch, seq, planned_peak_bytes.
+    Known hints: activations ("resident"|"checkpoint"), batch, seq, grad_accum, planned_peak_bytes.
     """
     total = sum(needed.values())
     required = max(total, int(hints.get("planned_peak_bytes") or 0))
@@ -216,16 +216,17 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
     scaled = sum(needed[c] for c in _BATCH_SCALED)
     if hints.get("activations") == "resident" and needed["activations"] == max(needed.values()):
         out.append("`--activations checkpoint` (activations dominate; keep only each block's input)")
-    batch = hints.get("batch")
-    if isinstance(batch, int) and batch > 1 and scaled > 0:
+    batch, accum = hints.get("batch"), hints.get("grad_accum") or 1
+    micro = batch // accum if isinstance(batch, int) and isinstance(accum, int) and accum >= 1 else 0
+    if micro > 1 and scaled > 0:  # activations and workspace scale with the micro-batch
         fixed = total - scaled
-        smaller = math.floor((capacity - fixed) / (scaled / batch)) if capacity > fixed else 0
-        smaller = min(smaller, batch - 1)
+        smaller = math.floor((capacity - fixed) / (scaled / micro)) if capacity > fixed else 0
+        smaller = min(smaller, micro - 1)
         if smaller >= 1:
             seq = hints.get("seq")
             shape = f"{smaller} x {seq}" if seq else str(smaller)
-            out.append(f"a smaller batch: at most about {shape} (--batch {smaller}, or --grad-accum to split "
-                       f"the batch into micro-batches)")
+            out.append(f"a smaller batch: at most about {shape} per micro-batch (--batch {smaller * accum}, or "
+                       f"--grad-accum {math.ceil(batch / smaller)} to keep the batch of {batch})")
     budget_gib = math.ceil(required / 2**30 * 10) / 10
     out.append(f"a larger budget: --budget {budget_gib:g}GiB or more")
     roomy = [name for name, spec in DEVICE_PRESETS.items() if spec.memory_bytes >= required]

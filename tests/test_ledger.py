@@ -189,7 +189,7 @@ def test_oom_message_names_request_breakdown_and_fixes() -> None:
         assert part in msg
     assert "To fit:" in msg
     assert "--activations checkpoint" in msg
-    assert "a smaller batch: at most about 3 x 2048 (--batch 3" in msg
+    assert "a smaller batch: at most about 3 x 2048 per micro-batch (--batch 3, or --grad-accum 2" in msg
     assert "--budget 9GiB" in msg
     assert "a100-40g" in msg and "cs2" in msg
     assert isinstance(err, RuntimeError)
@@ -214,6 +214,15 @@ def test_oom_when_checkpointing_or_batch_one_does_not_suggest_them() -> None:
         ledger.allocate("workspace", "head", 2 * 2**30)
     msg = str(info.value)
     assert "--activations checkpoint" not in msg and "smaller batch" not in msg
+
+
+def test_smaller_batch_advice_is_per_micro_batch() -> None:
+    ledger = Ledger(8 * 2**30, hint_context={"batch": 16, "grad_accum": 4, "seq": 1024})
+    _fill(ledger)  # 5 GiB of activations for a micro-batch of 4
+    with pytest.raises(DeviceOutOfMemory) as info:
+        ledger.allocate("activations", "block.3", 2 * 2**30)
+    assert "at most about 3 x 1024 per micro-batch (--batch 12, or --grad-accum 6 to keep the batch of 16)" \
+        in str(info.value)
 
 
 def test_planned_peak_hint_sizes_the_advice() -> None:
