@@ -1,0 +1,201 @@
+"""`streamer`: plan | train | generate | export | trace | bench (also `python -m streamer`).
+
+Every user error (bad flags, files, settings, a budget that cannot fit) is printed as one line,
+`error: <what is wrong and the fix>`, with exit status 2; never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from dataclasses import MISSING, fields
+from typing import Callable, NoReturn, Sequence
+
+from layers import CheckpointMismatch, ConfigError
+from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
+from streamer.errors import StreamerError
+from streamer.run import DEMO_DEFAULTS, RunConfig
+
+USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
+
+TOP_EXAMPLES = """\
+examples:
+  streamer train                                   the demo: a small GPT-J streamed under a 64 MiB budget
+  streamer plan --model gptj-6b --device cs2 --batch 1 --seq 2048
+  streamer train --from-pretrained ./gptj-hf --data train.jsonl --budget 3GiB --steps 500
+  streamer generate runs/demo-20260101-120000 --prompt "The for statement"
+  streamer export runs/demo-20260101-120000 ./exported-hf
+  streamer trace runs/demo-20260101-120000
+run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md has the details."""
+
+TRAIN_EXAMPLES = """\
+examples:
+  streamer train                                   the demo (about 2 minutes on 2 cores)
+  streamer train --steps 3 --run /tmp/quick        a quick look
+  streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
+      --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint
+  streamer train --config run.toml --steps 50      a TOML file of the same settings; flags win
+  streamer train --resume runs/demo-20260101-120000 --steps 120
+
+--data: a .txt file (blank lines separate documents) or .jsonl with {"text": ...} or
+{"prompt": ..., "completion": ...} records (the loss covers the completion only).
+Every run writes its resolved settings to RUN/config.toml."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line that names the --help to read."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field, so the flags and run.toml's keys cannot drift apart."""
+    hints = typing.get_type_hints(RunConfig)
+    for f in fields(RunConfig):
+        types = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        default = f.default if f.default is not MISSING else None
+        shown = f" (default: {default}" + (f"; demo: {DEMO_DEFAULTS[f.name]})" if f.name in DEMO_DEFAULTS else ")")
+        flag = "--" + f.name.replace("_", "-")
+        if types == [bool]:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=f.metadata["help"] + shown)
+        else:
+            metavar = f.metadata["metavar"] or {int: "N", float: "X"}[types[0]]
+            parser.add_argument(flag, type=types[0], default=argparse.SUPPRESS, metavar=metavar,
+                                help=f.metadata["help"] + ("" if default is None else shown))
+
+
+def build_parser() -> Parser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = Parser(prog="streamer", description="Full fine-tuning of GPT-J models larger than the device, "
+                                                 "by streaming one layer at a time.",
+                    epilog=TOP_EXAMPLES, formatter_class=formatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+
+    train = commands.add_parser("train", help="fine-tune (no arguments: the demo)", epilog=TRAIN_EXAMPLES,
+                                formatter_class=formatter, description="Train with streamed layers; "
+                                "with no arguments, the built-in demo.")
+    train.add_argument("--config", metavar="TOML", help="settings file; its keys are the flags with _ for -")
+    train.add_argument("--resume", metavar="RUN", help="continue RUN from its last committed step")
+    _add_run_flags(train)
+    train.set_defaults(func=_lazy("streamer.cli_train", "train_command"))
+
+    plan = commands.add_parser("plan", help="device memory and time of a training step, before running it",
+                               formatter_class=formatter, description="The analytic plan of one training step.",
+                               epilog="examples:\n  streamer plan --model gptj-6b --device cs2 --batch 1 --seq 2048\n"
+                                      "  streamer plan --model gptj-6b --device a100-40g --batch 8 --seq 2048 "
+                                      "--activations checkpoint --dry-run\n"
+                                      "  streamer plan --model ./gptj-hf/config.json --device local --json")
+    plan.add_argument("--model", default="gptj-6b", help="a preset or a config.json (default: gptj-6b)")
+    plan.add_argument("--device", default="cs2",
+                      help=f"a device preset ({', '.join(DEVICE_PRESETS)}) or local (this machine, measured "
+                           "once and cached in runs/) (default: cs2)")
+    plan.add_argument("--batch", type=int, default=1, help="global batch (default: 1)")
+    plan.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    plan.add_argument("--activations", choices=("resident", "checkpoint"), default="resident")
+    plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    plan.add_argument("--grad-accum", type=int, default=1)
+    plan.add_argument("--prefetch", type=int, default=1)
+    plan.add_argument("--update-on", choices=("device", "host"), default="device")
+    plan.add_argument("--store", choices=("ram", "disk"), default="ram")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="also run the real schedule on meta tensors and report its ledger's peak")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_lazy("streamer.cli_tools", "plan_command"))
+
+    generate = commands.add_parser("generate", help="sample text from a run, streaming its layers",
+                                   formatter_class=formatter, description="Generate with streamed layers and "
+                                   "a KV cache; works for models larger than the budget.",
+                                   epilog="examples:\n  streamer generate RUN --prompt \"The for statement\"\n"
+                                          "  streamer generate RUN --prompt \"Summary:\" --temperature 0 "
+                                          "--max-new-tokens 80\n  streamer generate RUN --prompt Hi --top-k 40 "
+                                          "--top-p 0.9 --seed 3 --budget 32MiB")
+    generate.add_argument("run", metavar="RUN", help="a run directory")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: 0, off)")
+    generate.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: 0.95; 1 is off)")
+    generate.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every token")
+    generate.add_argument("--budget", help="device budget (default: the run's)")
+    generate.add_argument("--device", help="torch device (default: the run's)")
+    generate.set_defaults(func=_lazy("streamer.cli_tools", "generate_command"))
+
+    export = commands.add_parser("export", help="write a run as a Hugging Face GPT-J folder",
+                                 formatter_class=formatter, description="Export the master weights and the "
+                                 "tokenizer; transformers.GPTJForCausalLM.from_pretrained loads the result.",
+                                 epilog="examples:\n  streamer export RUN ./hf-out\n"
+                                        "  streamer export RUN ./hf-out --dtype bf16 --max-shard-size 2GB "
+                                        "--overwrite")
+    export.add_argument("run", metavar="RUN", help="a run directory")
+    export.add_argument("hf_dir", metavar="HF_DIR", help="the folder to write (must be new or empty)")
+    export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="weights' dtype (default: fp32, the master weights exactly)")
+    export.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
+    export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
+    export.set_defaults(func=_lazy("streamer.cli_tools", "export_command"))
+
+    trace = commands.add_parser("trace", help="the per-layer memory table and plot of a run",
+                                formatter_class=formatter, description="Show a run's memory trace.",
+                                epilog="examples:\n  streamer trace RUN\n  streamer trace RUN --step 3 "
+                                       "--out step3.png --chrome step3.json\n  streamer trace RUN/trace.json --json")
+    trace.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
+    trace.add_argument("--step", type=int, help="one step (default: the last)")
+    trace.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
+    trace.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
+    trace.add_argument("--json", action="store_true", help="print the summary as JSON")
+    trace.set_defaults(func=_lazy("streamer.cli_tools", "trace_command"))
+
+    commands.add_parser("bench", help="benchmarks (see `streamer bench --help`)", add_help=False)
+    return parser
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """Import a command's module only when it runs: `streamer --help` stays fast."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+        return getattr(importlib.import_module(module), name)(args)
+    return run
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        import streamer.bench as bench
+    except ModuleNotFoundError as exc:
+        if exc.name != "streamer.bench":
+            raise
+        raise StreamerError("`streamer bench` is not available: streamer/bench.py is missing from this "
+                            "installation; reinstall weight-streaming (pip install -e .)") from None
+    parser = Parser(prog="streamer bench", formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(argv))
+    return result if isinstance(result, int) else 0
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}; check the path, its permissions and free space"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["bench"]:
+            return _bench(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; a training run continues from its last committed step with "
+              "`streamer train --resume RUN`", file=sys.stderr)
+        return 130

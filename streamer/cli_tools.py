@@ -1,0 +1,181 @@
+"""`streamer plan | generate | export | trace`, and the memory summary lines `train` prints too."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from layers import PRESETS, GPTJConfig
+from memory_model import (
+    CATEGORIES, DeviceSpec, ModelShape, PlanConfig, Trace, device_spec, format_size, parse_size, plan,
+)
+from streamer.errors import StreamerError
+from streamer.generate import Sampling, complete
+from streamer.run import RunConfig, RunDir, RunError
+from streamer.tokenizer import Tokenizer, load_tokenizer
+from streamer.trainer import StreamingTrainer
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --- plan ------------------------------------------------------------------------------------------------------
+def plan_command(args: argparse.Namespace) -> int:
+    model_cfg = PRESETS[args.model] if args.model in PRESETS else GPTJConfig.from_hf(args.model)
+    device = _device(args.device)
+    try:
+        plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=args.dtype,
+                              prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
+                              store=args.store)
+        result = plan(ModelShape.from_config(model_cfg), device, plan_cfg)
+    except ValueError as exc:
+        raise StreamerError(f"cannot plan this step: {exc}") from None
+    out = result.to_json()
+    if args.dry_run:
+        from streamer.config import TrainerConfig
+        from streamer.dryrun import dry_run
+        tc = TrainerConfig(compute_dtype=args.dtype, activations=args.activations, grad_accum=args.grad_accum,
+                           prefetch=args.prefetch, update_on=args.update_on)
+        ledger = dry_run(model_cfg, tc, args.batch, args.seq)
+        out["dry_run_peak_device_bytes"] = ledger.peak
+        out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    console = Console(soft_wrap=True)
+    console.print(result.table())
+    if args.dry_run:
+        measured = out["dry_run_peak_device_bytes"]
+        console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
+                      f"({_breakdown(out['dry_run_peak_breakdown'])}); analytic "
+                      f"{format_size(result.peak_device_bytes)} ({_breakdown(result.peak_breakdown)})")
+    for note in device.notes:
+        console.print(f"[dim]note: {note}[/]")
+    return 0
+
+
+def _device(name: str) -> DeviceSpec:
+    try:
+        return device_spec(name, cache_dir=Path("runs") if name == "local" else None)
+    except ValueError as exc:
+        raise StreamerError(str(exc)) from None
+
+
+# --- generate -------------------------------------------------------------------------------------------------
+def generate_command(args: argparse.Namespace) -> int:
+    run = RunDir.open(args.run)
+    overrides: dict[str, Any] = {}
+    if args.device is not None:
+        overrides["device"] = args.device
+    if args.budget is not None:
+        overrides["budget"] = RunConfig(budget=args.budget).budget_bytes()
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                        use_cache=not args.no_cache)
+    tokenizer = load_tokenizer(run.tokenizer)
+    console = Console(soft_wrap=True)
+    with open_trainer(run, overrides) as trainer:
+        begin = time.perf_counter()
+        text = complete(trainer, tokenizer, args.prompt, sampling)
+        elapsed = time.perf_counter() - begin
+        console.print(args.prompt, style="dim", end="", markup=False, highlight=False)
+        console.print(text, markup=False, highlight=False)
+        budget = trainer.tc.budget_bytes
+        console.print(f"[dim]{len(tokenizer.encode(text))} tokens in {elapsed:.1f} s, every layer streamed per "
+                      f"token; device peak {format_size(trainer.ledger.peak)} of "
+                      f"{format_size(budget) if budget else 'no'} budget, model {trainer.cfg.num_params():,} params[/]")
+    return 0
+
+
+def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None) -> StreamingTrainer:
+    """The run's trainer at its last committed step; `overrides` replace trainer settings (device, budget)."""
+    saved = run.read_config().trainer_config().to_dict()
+    return StreamingTrainer.open(run.store, overrides={**saved, **(overrides or {})})
+
+
+# --- export ---------------------------------------------------------------------------------------------------
+def export_command(args: argparse.Namespace) -> int:
+    run = RunDir.open(args.run)
+    tokenizer = load_tokenizer(run.tokenizer)
+    with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
+        begin = time.perf_counter()
+        export_hf(trainer, tokenizer, args.hf_dir, EXPORT_DTYPES[args.dtype], parse_size(args.max_shard_size),
+                  overwrite=args.overwrite)
+        step = trainer.step_count
+    files = sorted(p.name for p in Path(args.hf_dir).iterdir())
+    Console(soft_wrap=True).print(
+        f"exported step {step} of {run.root} to {args.hf_dir} in {time.perf_counter() - begin:.1f} s: "
+        f"{', '.join(files)}\nload it with transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})",
+        markup=False, highlight=False)
+    return 0
+
+
+def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
+    """Write the trainer's master weights as a Hugging Face GPT-J folder, one unit in memory at a time."""
+    from streamer.hf import HFExporter
+    if max_shard_bytes <= 0:
+        raise RunError("--max-shard-size must be more than 0 bytes")
+    with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite) as exporter:
+        for unit in trainer.units:
+            flat = trainer.unit_master(unit)
+            for slot in trainer.layouts[unit].slots:
+                exporter.add(slot.hf_key, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+        if tokenizer is not None:
+            tokenizer.save(exporter.staging_dir)
+
+
+# --- trace ----------------------------------------------------------------------------------------------------
+def trace_command(args: argparse.Namespace) -> int:
+    source = Path(args.run)
+    path = source if source.is_file() else RunDir.open(source).trace_json
+    if not path.is_file():
+        raise RunError(f"{source} has no trace.json yet (it is written when `streamer train` finishes steps); "
+                       "train it first")
+    try:
+        trace = Trace.from_json(path)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RunError(f"{path} is not a weight-streaming trace ({exc}); pass a run directory or its trace.json") \
+            from None
+    steps = trace.steps()
+    if not steps:
+        raise RunError(f"{path} records no training step; train the run first")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        raise RunError(f"--step {step} is not in the trace; it holds steps {steps[0]}..{steps[-1]}")
+    summary = trace.summary(step)
+    out = Path(args.out) if args.out else path.with_name("memory.png")
+    trace.plot(out, step=step)
+    if args.chrome:
+        trace.to_chrome(args.chrome)
+    if args.json:
+        print(json.dumps({"step": step, "plot": str(out), **summary, "meta": trace.meta}, indent=2, default=str))
+        return 0
+    console = Console(soft_wrap=True)
+    console.print(trace.table(step=step))
+    for line in memory_lines(summary, trace.meta):
+        console.print(line)
+    console.print(f"plot: {out}" + (f"; Chrome trace: {args.chrome}" if args.chrome else ""))
+    return 0
+
+
+def memory_lines(summary: dict[str, Any], meta: dict[str, Any], planned: int | None = None) -> list[str]:
+    """The measured device peak against the budget, the planner and the 16 B/param baseline."""
+    peak = summary["peak_bytes"]
+    budget = meta.get("budget")
+    lines = [f"device peak {format_size(peak)} ({_breakdown(summary['peak_breakdown'])})"
+             + (f" within a {format_size(budget)} budget" if budget else "")
+             + (f"; the planner predicts {format_size(planned)}" if planned is not None else "")]
+    if meta.get("params") and meta.get("baseline_bytes") and peak:
+        baseline = meta["baseline_bytes"]
+        lines.append(f"16 B/param baseline (all training state on the device): {meta['params']:,} params -> "
+                     f"{format_size(baseline)}, {baseline / peak:.1f}x the streamed peak")
+    lines.append(f"host RSS peak {format_size(summary['host_rss_peak_bytes'])}")
+    return lines
+
+
+def _breakdown(parts: dict[str, int]) -> str:
+    return ", ".join(f"{c} {format_size(parts.get(c, 0))}" for c in CATEGORIES)

@@ -1,0 +1,282 @@
+"""`streamer train`: settings -> tokenizer and data -> streamed training under a progress bar -> memory report.
+
+A run is resumable at every committed step: the data order's position goes into `trainer.extra_state`,
+which the store commits atomically with the step, so `--resume` sees exactly the batches an uninterrupted
+run would have seen.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from layers import GPTJConfig
+from memory_model import ModelShape, PlanConfig, format_size, peak_device_bytes
+from streamer.cli_tools import memory_lines
+from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.generate import Sampling, complete
+from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
+from streamer.trainer import StreamingTrainer
+
+
+@dataclass
+class Session:
+    """Everything one `streamer train` invocation works with."""
+
+    cfg: RunConfig
+    run: RunDir
+    trainer: StreamingTrainer
+    tokenizer: Tokenizer
+    stream: BatchStream
+    held_out: Dataset | None
+
+
+def train_command(args: argparse.Namespace) -> int:
+    explicit = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
+    console = Console(soft_wrap=True)
+    session = resume(args.resume, explicit, args.config) if args.resume else start(explicit, args.config, console)
+    with session.trainer:
+        console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
+        trained, seconds = train(session, console)
+        report(session, trained, seconds, console)
+    return 0
+
+
+# --- setting up ------------------------------------------------------------------------------------------------
+def start(explicit: dict, config_file: str | None, console: Console) -> Session:
+    """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
+    cfg = resolve(explicit, config_file)
+    cfg = replace(cfg, run=cfg.run or _default_run_dir(cfg)).with_absolute_paths()
+    model_cfg = cfg.model_config()
+    _check_seq(cfg, model_cfg)
+    with console.status("tokenizer and data"):
+        tokenizer = _tokenizer(cfg, model_cfg)
+        dataset = _dataset(cfg, tokenizer)
+    run = RunDir.create(cfg.run)
+    trainer = None
+    try:
+        tc = cfg.trainer_config()
+        with console.status("importing the checkpoint" if cfg.from_pretrained else "initialising the store"):
+            trainer = (StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
+                       else StreamingTrainer(model_cfg, tc, run.store))
+        tokenizer.save(run.tokenizer)
+        run.write_config(cfg)
+    except BaseException:
+        if trainer is not None:
+            trainer.close()
+        _discard(run)  # a run that never started would otherwise block its --run name
+        raise
+    train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+    return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out)
+
+
+def resume(path: str, explicit: dict, config_file: str | None) -> Session:
+    """Continue a run from its last committed step, with the data order where that step left it."""
+    if config_file is not None or "run" in explicit:
+        raise RunError("--resume continues RUN with its own config.toml; drop --config and --run "
+                       "(flags such as --steps still apply)")
+    run = RunDir.open(path)
+    saved = run.read_config()
+    cfg = replace(saved, **explicit, run=os.path.abspath(path)).with_absolute_paths()
+    fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
+    if fixed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
+        raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
+                       f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
+                       "or start a new --run")
+    tokenizer = load_tokenizer(run.tokenizer)
+    dataset = _dataset(cfg, tokenizer)
+    trainer = StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict())
+    try:
+        train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+        stream = BatchStream(train_set, cfg.batch, cfg.seed)
+        if "data" in trainer.extra_state:
+            stream.load_state_dict(trainer.extra_state["data"])
+        elif trainer.step_count:
+            raise RunError(f"{run.store} holds no data position (it was not written by `streamer train`); "
+                           "start a new run with --from-pretrained after exporting it")
+        run.write_config(cfg)
+    except BaseException:
+        trainer.close()
+        raise
+    return Session(cfg, run, trainer, tokenizer, stream, held_out)
+
+
+def _default_run_dir(cfg: RunConfig) -> str:
+    base = Path("runs") / f"{cfg.name()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
+
+
+def _discard(run: RunDir) -> None:
+    """Remove what this invocation wrote into the run directory (it was new or empty)."""
+    shutil.rmtree(run.root, ignore_errors=True)
+
+
+def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
+    if cfg.seq > model_cfg.n_positions:
+        raise RunError(f"--seq {cfg.seq} exceeds the model's context (n_positions={model_cfg.n_positions}); "
+                       f"use --seq {model_cfg.n_positions} or less")
+
+
+def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
+    """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
+    source = cfg.tokenizer or cfg.from_pretrained
+    if source is not None:
+        tokenizer = load_tokenizer(source)
+    else:
+        vocab = cfg.vocab_size or model_cfg.vocab_size
+        if vocab < MIN_VOCAB:
+            raise RunError(f"the model's vocab_size {model_cfg.vocab_size} cannot hold a byte-level BPE "
+                           f"(>= {MIN_VOCAB} ids); pass --tokenizer or choose a model with a larger vocabulary")
+        tokenizer = train_bpe(_texts(cfg), min(vocab, model_cfg.vocab_size))
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise RunError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                       f"{model_cfg.vocab_size}; use a tokenizer made for this model or --vocab-size "
+                       f"{model_cfg.vocab_size} or less")
+    return tokenizer
+
+
+def _texts(cfg: RunConfig) -> list[str]:
+    if cfg.data is None:
+        return demo_corpus()
+    return [text for e in read_examples(cfg.data) for text in (e.text, e.completion) if text]
+
+
+def _dataset(cfg: RunConfig, tokenizer: Tokenizer) -> Dataset:
+    if cfg.data is None:
+        return tokenize(demo_corpus(), tokenizer, cfg.seq)
+    return load_dataset(cfg.data, tokenizer, cfg.seq, pack=cfg.pack)
+
+
+def _describe(s: Session) -> str:
+    cfg, tc = s.cfg, s.trainer.tc
+    budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
+    data = "Python's help topics (demo)" if cfg.data is None else cfg.data
+    model = cfg.from_pretrained or cfg.model
+    return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
+            f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens; batch {cfg.batch}"
+            f"{f' in {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}, {cfg.dtype}, "
+            f"{cfg.activations} activations, {cfg.store} store, {budget} budget")
+
+
+# --- training ------------------------------------------------------------------------------------------------
+def train(s: Session, console: Console) -> tuple[int, float]:
+    """Steps until --steps; returns (steps trained, seconds spent in them)."""
+    cfg, trainer, run = s.cfg, s.trainer, s.run
+    first = trainer.step_count
+    if first >= cfg.steps:
+        console.print(f"{run.root} is at step {first} of --steps {cfg.steps}: nothing to train; "
+                      "raise --steps to continue")
+        return 0, 0.0
+    budget = trainer.tc.budget_bytes
+    process = psutil.Process()
+    seconds = 0.0
+    columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
+               TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
+        while trainer.step_count < cfg.steps:
+            ids, labels = next(s.stream)
+            trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
+            begin = time.perf_counter()
+            loss = trainer.step(ids, labels)
+            elapsed = time.perf_counter() - begin
+            seconds += elapsed
+            step, rss = trainer.step_count, process.memory_info().rss
+            record = {"step": step, "loss": loss, "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
+                      "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
+                      "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
+            run.append_metrics(record)
+            progress.update(task, completed=step, stats=(
+                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
+                f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
+                f"RSS {format_size(rss)}"))
+            if cfg.store == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
+                trainer.save()  # the RAM tier is durable only when saved
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                evaluate(s, progress.console)
+    return trainer.step_count - first, seconds
+
+
+def evaluate(s: Session, console: Console) -> float | None:
+    """Mean loss over the first --eval-batches held-out batches; printed with perplexity and logged."""
+    if s.held_out is None:
+        return None
+    cfg, losses = s.cfg, []
+    for i, (ids, labels) in enumerate(s.held_out.batches(cfg.batch)):
+        usable = ids.shape[0] - ids.shape[0] % cfg.grad_accum  # the trainer splits into grad_accum micro-batches
+        if i == cfg.eval_batches or usable == 0:
+            break
+        losses.append(s.trainer.evaluate(ids[:usable], labels[:usable]))
+        _release_forward_charges(s.trainer)
+    if not losses:
+        return None
+    loss = sum(losses) / len(losses)
+    step = s.trainer.step_count
+    s.run.append_metrics({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
+    console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
+    return loss
+
+
+def _release_forward_charges(trainer: StreamingTrainer) -> None:
+    """StreamingTrainer.evaluate() leaves the checkpointed block inputs of its forward charged to the ledger
+    until each block's next backward, raising the next step's peak by one such set per evaluated batch;
+    nothing else is charged between steps, so free them here."""
+    for unit in trainer.units:
+        trainer.executor.recorder.release(unit)
+
+
+# --- the report ----------------------------------------------------------------------------------------------
+def report(s: Session, trained: int, seconds: float, console: Console) -> None:
+    """Memory table and comparison with the baseline, trace files, final eval, a sample."""
+    cfg, trainer, run = s.cfg, s.trainer, s.run
+    if trained:
+        last = trainer.step_count
+        trace = trainer.trace
+        trace.meta.update(model=cfg.from_pretrained or cfg.model, run=str(run.root), batch=cfg.batch, seq=cfg.seq,
+                          grad_accum=cfg.grad_accum, activations=cfg.activations, dtype=cfg.dtype, store=cfg.store,
+                          steps=[last - trained + 1, last])
+        # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
+        trace.to_json(run.trace_json)
+        trace.to_chrome(run.trace_chrome)
+        trace.plot(run.plot, step=last)
+        console.print(trace.table(step=last))
+        for line in memory_lines(trace.summary(), trace.meta, planned=_planned_peak(s)):
+            console.print(line)
+        console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
+                      f"({seconds / trained:.2f} s/step)")
+    evaluate(s, console)
+    prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
+    new_tokens = min(cfg.sample_tokens, trainer.cfg.n_positions - len(prompt_ids))
+    if new_tokens > 0:
+        sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.seed)
+        text = complete(trainer, s.tokenizer, cfg.sample_prompt, sampling)
+        console.print("sample: ", end="")
+        console.print(cfg.sample_prompt, style="dim", end="", markup=False, highlight=False)
+        console.print(text, markup=False, highlight=False)
+    if trained:
+        console.print(f"trace: {run.trace_json} (Chrome/Perfetto: {run.trace_chrome}); plot: {run.plot}")
+    console.print(f"next: streamer generate {run.root} --prompt \"...\" | streamer export {run.root} HF_DIR | "
+                  f"streamer train --resume {run.root} --steps {cfg.steps * 2}", markup=False, highlight=False)
+
+
+def _planned_peak(s: Session) -> int:
+    """The analytic planner's peak for this run's step (memory_model.planner), to set beside the measured one."""
+    cfg = s.cfg
+    plan_cfg = PlanConfig(batch=cfg.batch, seq=cfg.seq, activations=cfg.activations, compute_dtype=cfg.dtype,
+                          prefetch=cfg.prefetch, update_on=cfg.update_on, grad_accum=cfg.grad_accum,
+                          update_chunk=cfg.update_chunk, store=cfg.store)
+    return peak_device_bytes(ModelShape.from_config(s.trainer.cfg), plan_cfg)

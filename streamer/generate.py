@@ -1,0 +1,163 @@
+"""Text generation with streamed layers: greedy, temperature, top-k and top-p sampling, with a KV cache.
+
+A model larger than the device budget cannot stay on the device, so every forward pass (the prompt's
+prefill, then one pass per new token) runs the executor's "infer" events: the units stream in with
+prefetch, in order, and the ledger charges their weights as in training. Each block's KV cache stays on
+the device between passes (charged as activations), so a new token costs one position of compute per
+block instead of the whole sequence; `use_cache=False` recomputes the whole sequence each time (the
+reference the cache is tested against).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from layers import KVCache
+from memory_model import PHASES
+from streamer.errors import StreamerError
+from streamer.runtime import StepContext
+from streamer.schedule import inference_events
+
+if TYPE_CHECKING:
+    from streamer.tokenizer import Tokenizer
+    from streamer.trainer import StreamingTrainer
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. temperature 0 is greedy (argmax); top_k 0 and top_p 1 are off."""
+
+    max_new_tokens: int = 40
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise StreamerError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise StreamerError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise StreamerError(f"top_k must be an integer >= 0 (0 is off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise StreamerError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
+
+
+def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """(B, vocab) float logits -> (B,) next token ids."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if sampling.top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach top_p: the most likely token always stays.
+        beyond = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, ordered.masked_fill(beyond, -math.inf))
+    probs = logits.softmax(dim=-1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampling = Sampling(),
+             stop_id: int | None = None) -> torch.Tensor:
+    """(B, T) prompt ids -> (B, T + n) with n <= max_new_tokens; stops early once every row emitted stop_id."""
+    cfg, device, dtype = trainer.cfg, trainer.executor.device, trainer.tc.compute_dtype
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise StreamerError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
+    batch, prompt_len = input_ids.shape
+    total = prompt_len + sampling.max_new_tokens
+    if total > cfg.n_positions:
+        raise StreamerError(f"the prompt ({prompt_len} tokens) plus {sampling.max_new_tokens} new tokens exceeds the "
+                            f"model's context of {cfg.n_positions}; shorten the prompt or lower --max-new-tokens")
+    caches, handles = None, []
+    if sampling.use_cache:
+        caches = [KVCache.empty(cfg, batch, total, dtype, device) for _ in range(cfg.n_layer)]
+        handles = [trainer.ledger.allocate("activations", f"block.{i}", 2 * c.keys.numel() * c.keys.element_size(),
+                                           "KV cache") for i, c in enumerate(caches)]
+    try:
+        generator = torch.Generator().manual_seed(sampling.seed)
+        tokens = input_ids.to(device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        step_input, start_pos = tokens, 0
+        for _ in range(sampling.max_new_tokens):
+            logits = _streamed_forward(trainer, step_input, start_pos, caches)
+            chosen = sample_next(logits, sampling, generator)
+            if stop_id is not None:
+                chosen = chosen.masked_fill(finished, stop_id)  # a finished row only pads
+                finished |= chosen == stop_id
+            tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+            if finished.all():
+                break
+            if caches is not None:
+                step_input, start_pos = chosen[:, None], tokens.shape[1] - 1
+            else:
+                step_input = tokens
+    finally:
+        for handle in handles:
+            trainer.ledger.free(handle)
+    return tokens.cpu()
+
+
+def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: int,
+                      caches: list[KVCache] | None) -> torch.Tensor:
+    """One pass of every unit over `ids` (at positions start_pos...); the last position's logits (B, vocab)."""
+    held: dict[str, Any] = {}
+
+    def infer(unit: str, run: Any) -> None:
+        if unit == "embed":
+            held["h"] = run(ids)  # (B, T, d)
+            held["handle"] = trainer.ledger.allocate("workspace", unit, held["h"].numel() * held["h"].element_size(),
+                                                     "hidden state")
+        elif unit == "head":
+            held["logits"] = run(held["h"][:, -1:])[:, -1]  # (B, vocab): only the next token is needed
+        else:
+            block = int(unit.split(".", 1)[1])
+            held["h"] = run(held["h"], start_pos, None if caches is None else caches[block])
+
+    try:
+        with _trace_infer_as_generate(trainer):
+            trainer.executor.run(inference_events(trainer.units),
+                                 StepContext([], trainer.step_count, 0.0, infer=infer))
+    finally:
+        if "handle" in held:
+            trainer.ledger.free(held["handle"])
+    return held["logits"]
+
+
+@contextmanager
+def _trace_infer_as_generate(trainer: StreamingTrainer) -> Iterator[None]:
+    """The executor records "infer" spans, a phase the trace does not know (it calls it "generate"):
+    name them "generate" while generating."""
+    if "infer" in PHASES:
+        yield
+        return
+    executor, trace = trainer.executor, trainer.executor.trace
+
+    class Renamed:
+        def span(self, layer: str, phase: str, *args: Any, **kwargs: Any) -> Any:
+            return trace.span(layer, "generate" if phase == "infer" else phase, *args, **kwargs)
+
+    executor.trace = Renamed()
+    try:
+        yield
+    finally:
+        executor.trace = trace
+
+
+def complete(trainer: StreamingTrainer, tokenizer: Tokenizer, prompt: str, sampling: Sampling = Sampling()) -> str:
+    """The text generated after `prompt` (an empty prompt starts from end-of-text), up to end-of-text."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    out = generate(trainer, torch.tensor([ids]), sampling, stop_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    if out and out[-1] == tokenizer.eos_id:
+        out = out[:-1]
+    return tokenizer.decode(out)

@@ -1,0 +1,225 @@
+"""The `streamer` command: the demo, resume, run settings and directories, one-line errors, plan, bench."""
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from layers import GPTJConfig
+from streamer.cli import main
+from streamer.cli_tools import open_trainer
+from streamer.run import DEMO_DEFAULTS, RunConfig, RunDir, RunError, read_toml, resolve
+from streamer.tokenizer import train_bpe
+
+TINY = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
+
+
+def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse: --help and usage errors
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def fails(capsys, *argv: object) -> str:
+    """The command fails with exit status 2 and exactly one line on stderr, no traceback."""
+    rc, _, err = run_cli(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny model's config.json, a text file and a tokenizer folder for fast runs."""
+    from pydoc_data.topics import topics
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "config.json").write_text(json.dumps(TINY.to_hf()))
+    texts = [topics[k] for k in sorted(topics)[:30]]
+    (root / "train.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts))
+    train_bpe(texts, vocab_size=TINY.vocab_size).save(root / "tok")
+    return root
+
+
+def tiny_args(setup: Path, run: Path, steps: int, *extra: object) -> list[object]:
+    return ["train", "--model", setup / "config.json", "--data", setup / "train.txt", "--tokenizer", setup / "tok",
+            "--run", run, "--steps", steps, "--batch", 4, "--seq", 32, "--dtype", "fp32", "--lr", 3e-3,
+            "--sample-tokens", 0, "--eval-every", 0, *extra]
+
+
+# --- the demo ----------------------------------------------------------------------------------------------------
+def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
+    run = tmp_path / "demo"
+    rc, out, err = run_cli(capsys, "train", "--steps", 3, "--run", run, "--eval-every", 2, "--sample-tokens", 8)
+    assert rc == 0, err
+    for expected in ("device memory by layer", "16 B/param baseline", "the planner predicts", "eval loss",
+                     "sample: ", "trace.json"):
+        assert expected in out
+    saved = RunDir.open(run).read_config()
+    assert saved.steps == 3 and saved.budget == DEMO_DEFAULTS["budget"] and saved.activations == "checkpoint"
+    metrics = RunDir(run).read_metrics()
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    assert any("eval_loss" in m for m in metrics)
+    budget = RunConfig(budget=DEMO_DEFAULTS["budget"]).budget_bytes()
+    assert max(m.get("device_peak_bytes", 0) for m in metrics) <= budget
+    for name in ("trace.json", "trace.chrome.json", "memory.png"):
+        assert (run / name).stat().st_size > 0
+
+    rc, out, _ = run_cli(capsys, "trace", run, "--out", tmp_path / "plot.png")
+    assert rc == 0 and "device memory by layer" in out and (tmp_path / "plot.png").is_file()
+    rc, out, _ = run_cli(capsys, "trace", run, "--json")
+    summary = json.loads(out)
+    assert summary["step"] == 3 and 0 < summary["peak_bytes"] <= 64 * 2**20
+
+    greedy = ("generate", run, "--prompt", "The for statement", "--max-new-tokens", 6, "--temperature", 0)
+    rc, cached, _ = run_cli(capsys, *greedy)
+    assert rc == 0 and cached.startswith("The for statement")
+    rc, recomputed, _ = run_cli(capsys, *greedy, "--no-cache")
+    assert rc == 0 and recomputed.splitlines()[0] == cached.splitlines()[0]
+
+    assert "already holds a run" in fails(capsys, "train", "--steps", 3, "--run", run)
+
+
+# --- resume ------------------------------------------------------------------------------------------------------
+def test_resume_sees_the_batches_an_uninterrupted_run_sees(capsys, tmp_path, tiny_setup):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli(capsys, *tiny_args(tiny_setup, straight, 4))[0] == 0
+    assert run_cli(capsys, *tiny_args(tiny_setup, split, 2))[0] == 0
+    rc, out, err = run_cli(capsys, "train", "--resume", split, "--steps", 4)
+    assert rc == 0, err
+    losses = [[m["loss"] for m in RunDir(r).read_metrics() if "loss" in m] for r in (straight, split)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    with open_trainer(RunDir(straight)) as a, open_trainer(RunDir(split)) as b:
+        assert a.step_count == b.step_count == 4
+        sa, sb = a.state_dict(), b.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert RunDir(split).read_config().steps == 4
+
+    rc, out, _ = run_cli(capsys, "train", "--resume", split, "--steps", 4)
+    assert rc == 0 and "nothing to train" in out
+    assert "--batch cannot change" in fails(capsys, "train", "--resume", split, "--batch", 8)
+    assert "drop --config and --run" in fails(capsys, "train", "--resume", split, "--run", tmp_path / "x")
+    assert "not a run directory" in fails(capsys, "train", "--resume", tmp_path / "nothing")
+
+
+# --- one-line errors ---------------------------------------------------------------------------------------------
+def test_bad_input_is_one_line_with_the_fix(capsys, tmp_path, tiny_setup):
+    run = tmp_path / "r"
+    assert "unknown unit 'XB'" in fails(capsys, "train", "--budget", "3XB", "--run", run)
+    assert "--steps must be an integer >= 1" in fails(capsys, "train", "--steps", 0, "--run", run)
+    assert "--steps must be an integer >= 1" in fails(capsys, "train", "--steps", -4, "--run", run)
+    assert "invalid int value" in fails(capsys, "train", "--steps", "many")
+    assert "--seq 1000 exceeds" in fails(capsys, "train", "--seq", 1000, "--run", run)
+    assert "neither a preset" in fails(capsys, "train", "--model", "gptj-huge", "--run", run)
+    assert "does not split" in fails(capsys, "train", "--batch", 6, "--grad-accum", 4, "--run", run)
+    assert not run.exists()  # nothing was created for a run that could not start
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "thesis.txt").write_text("precious")
+    assert "never overwritten" in fails(capsys, "train", "--steps", 1, "--run", occupied)
+    assert [p.name for p in occupied.iterdir()] == ["thesis.txt"]
+    assert (occupied / "thesis.txt").read_text() == "precious"
+
+    oom = fails(capsys, *tiny_args(tiny_setup, tmp_path / "oom", 1, "--budget", "8KiB"))
+    assert "device out of memory" in oom and "--budget" in oom
+    assert "unknown device" in fails(capsys, "plan", "--device", "abacus")
+    assert "exceeds the model's context" in fails(capsys, "plan", "--seq", 4096)
+    assert "not a run directory" in fails(capsys, "generate", tmp_path, "--prompt", "x")
+    assert "no trace.json" in fails(capsys, "trace", tmp_path / "oom")  # the run exists at step 0
+
+
+def test_bench_is_dispatched_lazily_or_reported_missing(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "streamer.bench", None)  # import fails as for a missing module
+    assert "streamer bench` is not available" in fails(capsys, "bench")
+    seen = {}
+    fake = types.ModuleType("streamer.bench")
+    fake.add_arguments = lambda parser: parser.add_argument("--quick", action="store_true")
+    fake.run = lambda args: seen.setdefault("quick", args.quick) and 0
+    monkeypatch.setitem(sys.modules, "streamer.bench", fake)
+    assert run_cli(capsys, "bench", "--quick")[0] == 0 and seen == {"quick": True}
+
+
+def test_every_command_has_help_with_examples(capsys):
+    for command in ([], ["train"], ["plan"], ["generate"], ["export"], ["trace"]):
+        rc, out, _ = run_cli(capsys, *command, "--help")
+        assert rc == 0 and "examples:" in out
+
+
+# --- plan --------------------------------------------------------------------------------------------------------
+def test_plan_json_for_gptj_6b(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--device", "cs2", "--batch", 1, "--seq", 2048, "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["params"] == 6_050_882_784 and plan["baseline_bytes"] == 16 * 6_050_882_784
+    assert isinstance(plan["peak_device_bytes"], int) and plan["fits"] is True and plan["step_time_s"] > 0
+    assert sum(plan["peak_breakdown"].values()) == plan["peak_device_bytes"] and len(plan["rows"]) == 30
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--device", "cs2")
+    assert rc == 0 and "16 B/param baseline" in out
+
+
+def test_plan_dry_run_reports_the_runtime_ledger(capsys):
+    rc, out, err = run_cli(capsys, "plan", "--model", "gptj-demo", "--device", "rtx4090", "--batch", 4, "--seq", 128,
+                           "--activations", "checkpoint", "--dry-run", "--json")
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["dry_run_peak_device_bytes"] == sum(plan["dry_run_peak_breakdown"].values()) > 0
+    assert plan["dry_run_peak_device_bytes"] == plan["peak_device_bytes"]  # planner and runtime agree
+
+
+# --- settings ----------------------------------------------------------------------------------------------------
+def test_sizes_in_both_units_and_validation():
+    assert RunConfig(budget="3GB").budget_bytes() == 3 * 10**9
+    assert RunConfig(budget="3GiB").budget_bytes() == 3 * 2**30
+    assert RunConfig(budget="a100-40g").budget_bytes() == 40960 * 2**20
+    for bad in ({"budget": "3XB"}, {"budget": "0"}, {"steps": 0}, {"lr": -1.0}, {"schedule": "sawtooth"},
+                {"steps": True}, {"batch": 2.5}, {"dtype": "fp8"}, {"warmup": 10, "steps": 10, "schedule": "cosine"},
+                {"eval_fraction": 1.0}, {"device": "tpu"}):
+        with pytest.raises(RunError):
+            RunConfig(**bad)
+
+
+def test_resolution_order_and_the_demo(tmp_path):
+    assert resolve({}).steps == DEMO_DEFAULTS["steps"] and resolve({}).budget == DEMO_DEFAULTS["budget"]
+    data = tmp_path / "d.txt"
+    data.write_text("x")
+    assert resolve({"data": str(data)}).budget is None  # demo defaults only for the demo
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 7\nlr = 1\ndata = "d.txt"\nbatch = 4\n')
+    cfg = resolve({"batch": 2}, toml)
+    assert (cfg.steps, cfg.lr, cfg.batch, cfg.data) == (7, 1.0, 2, str(data))  # flags win; paths from the file
+    toml.write_text("stepz = 7\n")
+    with pytest.raises(RunError, match="unknown setting.*stepz"):
+        resolve({}, toml)
+    toml.write_text("steps = \n")
+    with pytest.raises(RunError, match="not valid TOML"):
+        resolve({}, toml)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0), pack=st.booleans(),
+       budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-80g"])))
+def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
+    cfg = RunConfig(sample_prompt=prompt, steps=steps, lr=lr, pack=pack, budget=budget, warmup=0)
+    assert RunConfig(**tomllib.loads(cfg.to_toml())) == cfg
+
+
+def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("d.txt").write_text("x")
+    cfg = RunConfig(data="d.txt", run="r").with_absolute_paths()
+    run = RunDir.create(cfg.run)
+    run.write_config(cfg)
+    assert read_toml(run.config)["data"] == str(tmp_path / "d.txt")
+    assert run.read_config() == cfg and RunDir.is_run("r")
+    with pytest.raises(RunError, match="already holds a run"):
+        RunDir.create("r")
