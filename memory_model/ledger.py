@@ -227,9 +227,17 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
             shape = f"{smaller} x {seq}" if seq else str(smaller)
             out.append(f"a smaller batch: at most about {shape} per micro-batch (--batch {smaller * accum}, or "
                        f"--grad-accum {math.ceil(batch / smaller)} to keep the batch of {batch})")
-    budget_gib = math.ceil(required / 2**30 * 10) / 10
-    out.append(f"a larger budget: --budget {budget_gib:g}GiB or more")
+    out.append(f"a larger budget: --budget {_round_up_size(required)} or more")
     roomy = [name for name, spec in DEVICE_PRESETS.items() if spec.memory_bytes >= required]
     if roomy:
         out.append(f"another device preset with room for {format_size(required)}: {', '.join(roomy)}")
     return out
+
+
+def _round_up_size(nbytes: int) -> str:
+    """A budget to type: GiB with one decimal from 1 GiB, whole MiB or KiB below; never below nbytes."""
+    if nbytes >= 2**30:
+        return f"{math.ceil(nbytes / 2**30 * 10) / 10:g}GiB"
+    if nbytes >= 2**20:
+        return f"{math.ceil(nbytes / 2**20)}MiB"
+    return f"{max(1, math.ceil(nbytes / 2**10))}KiB"

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from memory_model import CATEGORIES, DeviceOutOfMemory, Ledger
+from memory_model import CATEGORIES, DeviceOutOfMemory, Ledger, parse_size
 
 LAYERS = ("embed", "block.0", "block.1", "head")
 
@@ -223,6 +223,15 @@ def test_smaller_batch_advice_is_per_micro_batch() -> None:
         ledger.allocate("activations", "block.3", 2 * 2**30)
     assert "at most about 3 x 1024 per micro-batch (--batch 12, or --grad-accum 6 to keep the batch of 16)" \
         in str(info.value)
+
+
+def test_budget_advice_in_a_unit_that_fits_the_size() -> None:
+    ledger = Ledger(2**20)
+    ledger.allocate("weights", "embed", 2**20 - 10)
+    with pytest.raises(DeviceOutOfMemory) as info:
+        ledger.allocate("activations", "embed", 20_000)
+    assert "--budget 2MiB or more" in str(info.value)
+    assert parse_size("2MiB") >= 2**20 + 19_990
 
 
 def test_planned_peak_hint_sizes_the_advice() -> None:
