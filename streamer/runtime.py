@@ -78,7 +78,8 @@ class Executor:
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pending_offload: PendingOffload | None = None
-        self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
+        self.grad_sq_norms: dict[str, float] = {}
+        self._step = 0  # per unit, of the step's final gradient, in backward order
         self.units = list(layouts)
         self.data_parallel = data_parallel
         self._flowing_grad: tuple[torch.Tensor, int] | None = None
@@ -88,12 +89,13 @@ class Executor:
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
+        self._step = ctx.step
         if any(e.phase == "backward" for e in events):
             self.grad_sq_norms = {}
         for i, event in enumerate(events):
             for resource in [event.resource, *lookahead(events, i, self.tc.prefetch)]:
                 if resource not in self._inflight:
-                    self._issue(resource)
+                    self._issue(resource, ctx.step)
             tensors = self._acquire(event.resource)
             with self.trace.span(event.unit, event.phase, step=ctx.step, micro=event.micro):
                 if event.phase == "forward":
@@ -111,25 +113,25 @@ class Executor:
         for future in write_backs:
             future.result()  # a failed write (disk full, ...) must stop the step before it commits
 
-    def _issue(self, resource: Resource) -> None:
+    def _issue(self, resource: Resource, step: int) -> None:
         if isinstance(resource, Weights):
             numel = self.layouts[resource.unit].numel
             handles = [self.ledger.allocate("weights", resource.unit, numel * self.dtype.itemsize,
                                             "compute weights")]
             self.states[resource.unit].residency = Residency.INFLIGHT
-            job = lambda: self._traced(resource.unit, "load", lambda: self.transport.load_weights(resource.unit, numel))
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(resource.unit, numel))
         else:
             handles = []
             if self.tc.update_on == "device":
                 count = resource.count
                 handles = [self.ledger.allocate("optimizer", resource.unit, count * 12, "master, exp_avg, exp_avg_sq"),
                            self.ledger.allocate("gradients", resource.unit, count * 4, "fp32 gradient")]
-            job = lambda: self._traced(resource.unit, "load", lambda: self.transport.load_state(
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host"))
         self._inflight[resource] = (self.worker.submit(job), handles)
 
-    def _traced(self, unit: str, phase: str, job: Callable[[], Loaded]) -> Loaded:
-        with self.trace.span(unit, phase):
+    def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
+        with self.trace.span(unit, "load", step=step):
             return job()
 
     def _acquire(self, resource: Resource) -> dict[str, torch.Tensor]:
@@ -224,12 +226,13 @@ class Executor:
         handle = self.ledger.allocate("gradients", unit, grad.numel() * grad.element_size(), "weight gradient")
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grad) if self.data_parallel is not None else None
-        job = lambda: self._traced_offload(unit, grad, first, last, reduction)
+        step = self._step
+        job = lambda: self._traced_offload(unit, step, grad, first, last, reduction)
         self._pending_offload = PendingOffload(unit, last, self.worker.submit(job), handle)
 
-    def _traced_offload(self, unit: str, grad: torch.Tensor, first: bool, last: bool,
+    def _traced_offload(self, unit: str, step: int, grad: torch.Tensor, first: bool, last: bool,
                         reduction: object | None) -> float:
-        with self.trace.span(unit, "offload"):
+        with self.trace.span(unit, "offload", step=step):
             if reduction is not None:
                 grad = self.data_parallel.finish_reduce(reduction)
             if self.store is None:
@@ -291,7 +294,7 @@ class Executor:
                     new_compute: torch.Tensor | None, step: int) -> None:
         if self.store is None:
             return
-        with self.trace.span(chunk.unit, "offload"):
+        with self.trace.span(chunk.unit, "offload", step=step):
             if chunk.unit not in self._writers:
                 self._writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
             writer = self._writers[chunk.unit]

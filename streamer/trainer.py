@@ -45,8 +45,9 @@ class StreamingTrainer:
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
         self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
-                             hint_context={"activations": self.tc.activations})
-        self.trace = Trace(self.ledger, meta={"params": cfg.num_params(), "baseline_bytes": 16 * cfg.num_params(),
+                             hint_context={"activations": self.tc.activations, "grad_accum": self.tc.grad_accum})
+        self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
+                                              "baseline_bytes": 16 * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
         self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel)
         if _store is None and self.store is not None:
@@ -143,13 +144,15 @@ class StreamingTrainer:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
                                 f"grad_accum={self.tc.grad_accum}")
         device = self.executor.device
-        return [MicroBatch(i.to(device), l.to(device)) for i, l in
+        # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
+        return [MicroBatch(i.to(device, copy=True), l.to(device, copy=True)) for i, l in
                 zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum))]
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """One optimizer step over the batch (split into grad_accum micro-batches); returns the mean loss."""
         micro = self._micro_batches(input_ids, labels)
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
+        self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
         ctx = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.lr), on_first_update=self._journal)
         numels = {u: lay.numel for u, lay in self.layouts.items()}
