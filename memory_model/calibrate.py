@@ -22,7 +22,7 @@ from memory_model.devices import DeviceSpec, Link
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,11 @@ class CalibrationSizes:
     copy_bytes: int = 256 * 2**20
     disk_bytes: int = 256 * 2**20
     update_params: int = 64 * 2**20
+    allreduce_bytes: int = 32 * 2**20
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        for f in ("matmul_n", "copy_bytes", "disk_bytes", "update_params", "repeats"):
+        for f in ("matmul_n", "copy_bytes", "disk_bytes", "update_params", "allreduce_bytes", "repeats"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{f} must be a positive integer, got {value!r}")
@@ -102,7 +103,7 @@ def measure_disk(directory: Path, nbytes: int) -> tuple[float, float]:
 
 
 def measure_update(params: int, repeats: int) -> float:
-    """Bytes of AdamW state touched per second by torch's own AdamW kernel on one flat fp32 tensor."""
+    """Bytes of AdamW state touched per second by torch's fused AdamW kernel (the runtime's) on one flat tensor."""
     from torch.optim.adamw import adamw
 
     p, g = torch.zeros(params), torch.full((params,), 1e-3)
@@ -110,10 +111,42 @@ def measure_update(params: int, repeats: int) -> float:
     step = torch.tensor(0.0)
 
     def run() -> None:
-        adamw([p], [g], [m], [v], [], [step], amsgrad=False, beta1=0.9, beta2=0.95, lr=1e-4,
+        adamw([p], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.95, lr=1e-4,
               weight_decay=0.1, eps=1e-8, maximize=False)
 
     return UPDATE_TOUCHED_BYTES_PER_PARAM * params / _best_time(run, repeats)
+
+
+def _allreduce_worker(rank: int, port: int, nbytes: int, repeats: int, results: Any) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = torch.ones(nbytes // 4)
+    seconds = _best_time(lambda: dist.all_reduce(t), repeats)
+    if rank == 0:
+        results.put(seconds)
+    dist.destroy_process_group()
+
+
+def measure_allreduce(nbytes: int, repeats: int) -> float:
+    """Bus bandwidth of a 2-process gloo all-reduce on this host: the data-parallel link of the cpu device.
+
+    With two ranks a ring all-reduce moves 2 (n-1)/n = 1 times the data, so bus and algorithm bandwidth agree.
+    """
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, nbytes, repeats, results)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode != 0 for proc in procs) or results.empty():
+        raise RuntimeError("the 2-process gloo all-reduce measurement failed")
+    return nbytes / results.get()
 
 
 def fingerprint() -> dict[str, Any]:
@@ -143,18 +176,20 @@ def calibrate(directory: Path, sizes: CalibrationSizes | None = None) -> DeviceS
     copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
     read_bw, write_bw = measure_disk(directory, sizes.disk_bytes)
     update_bw = measure_update(sizes.update_params, sizes.repeats)
+    allreduce_bw = measure_allreduce(sizes.allreduce_bytes, sizes.repeats)
     ram = psutil.virtual_memory().total
     link = Link(copy_bw, latency)
     fp = fingerprint()
     return DeviceSpec(
         name="local", memory_bytes=ram, h2d=link, d2h=link, flops=flops, device_mem_bandwidth=update_bw,
         host_ram_bytes=ram, disk_read_bw=read_bw, disk_write_bw=write_bw, host_update_bw=update_bw,
-        same_memory=True,
+        same_memory=True, interconnect=Link(allreduce_bw),
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {fp['processor']}, "
                 f"{fp['threads']} threads, torch {fp['torch']}"),
         notes=(f"matmul {sizes.matmul_n}^3; copy {sizes.copy_bytes} B into an existing buffer; "
                f"disk {sizes.disk_bytes} B with fsync, page cache dropped before the read; "
-               f"AdamW on {sizes.update_params} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param touched",
+               f"AdamW on {sizes.update_params} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param touched; "
+               f"2-process gloo all-reduce of {sizes.allreduce_bytes} B",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
 

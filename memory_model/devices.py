@@ -58,6 +58,9 @@ class DeviceSpec:
     disk_write_bw: float
     host_update_bw: float  # elementwise work on the host (update_on="host"), bytes touched per second
     same_memory: bool = False  # host and device share one memory (the cpu device): copies are free
+    # Device-to-device link for data-parallel all-reduce (ring bus bandwidth per direction); None: the
+    # devices have no peer link and exchange through the host (d2h then h2d).
+    interconnect: Link | None = None
     source: str = ""
     notes: tuple[str, ...] = field(default=())  # assumptions behind the figures, shown to users
 
@@ -72,6 +75,8 @@ class DeviceSpec:
             _positive(name, getattr(self, name))
         if not isinstance(self.h2d, Link) or not isinstance(self.d2h, Link):
             raise ValueError("h2d and d2h must be Link objects")
+        if self.interconnect is not None and not isinstance(self.interconnect, Link):
+            raise ValueError("interconnect must be a Link or None")
         missing = sorted(set(DTYPE_BYTES) - set(self.flops))
         if missing:
             raise ValueError(f"flops must give a rate for every compute dtype; missing {missing}")
@@ -80,6 +85,15 @@ class DeviceSpec:
         # A private copy: the dataclass is frozen, the caller's dict is not.
         object.__setattr__(self, "flops", dict(self.flops))
         object.__setattr__(self, "notes", tuple(self.notes))
+
+    def allreduce_time(self, nbytes: int, devices: int) -> float:
+        """Ring all-reduce of nbytes over `devices`: each device sends and receives 2 (n-1)/n of the data."""
+        if devices <= 1 or nbytes == 0:
+            return 0.0
+        moved = int(2 * (devices - 1) / devices * nbytes)
+        if self.interconnect is not None:
+            return self.interconnect.time(moved)
+        return self.d2h.time(moved) + self.h2d.time(moved)
 
     def flops_for(self, dtype: str) -> float:
         try:
@@ -91,6 +105,9 @@ class DeviceSpec:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["h2d"] = {"bandwidth_bytes_per_s": self.h2d.bandwidth_bytes_per_s, "latency_s": self.h2d.latency_s}
         out["d2h"] = {"bandwidth_bytes_per_s": self.d2h.bandwidth_bytes_per_s, "latency_s": self.d2h.latency_s}
+        if self.interconnect is not None:
+            out["interconnect"] = {"bandwidth_bytes_per_s": self.interconnect.bandwidth_bytes_per_s,
+                                   "latency_s": self.interconnect.latency_s}
         out["notes"] = list(self.notes)
         return out
 
@@ -103,6 +120,8 @@ class DeviceSpec:
         values = dict(raw)
         values["h2d"] = Link(**raw["h2d"])
         values["d2h"] = Link(**raw["d2h"])
+        if raw.get("interconnect") is not None:
+            values["interconnect"] = Link(**raw["interconnect"])
         values["notes"] = tuple(raw.get("notes", ()))
         return cls(**values)
 
@@ -119,9 +138,11 @@ _HOST_ASSUMED = ("host: NVMe 7 GB/s read, 5 GB/s write and a 100 GB/s host AdamW
 
 
 def _gpu(name: str, memory_mib: int, link_gbps: float, bf16_tflops: float, fp32_tflops: float,
-         hbm_gbps: float, host_ram: int, source: str, notes: tuple[str, ...] = ()) -> DeviceSpec:
+         hbm_gbps: float, host_ram: int, source: str, notes: tuple[str, ...] = (),
+         nvlink_gbps: float | None = None) -> DeviceSpec:
     link = Link(link_gbps * GB, _LINK_LATENCY)
     return DeviceSpec(
+        interconnect=None if nvlink_gbps is None else Link(nvlink_gbps * GB, _LINK_LATENCY),
         name=name, memory_bytes=memory_mib * MiB, h2d=link, d2h=link,
         flops={"bf16": bf16_tflops * TB, "fp32": fp32_tflops * TB}, device_mem_bandwidth=hbm_gbps * GB,
         host_ram_bytes=host_ram, disk_read_bw=_NVME_READ, disk_write_bw=_NVME_WRITE,
@@ -142,27 +163,34 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         h2d=Link(150 * GB, _LINK_LATENCY), d2h=Link(150 * GB, _LINK_LATENCY),
         flops={"bf16": 7.5e15, "fp32": 1.875e15}, device_mem_bandwidth=20e15,
         host_ram_bytes=4 * TB, disk_read_bw=_NVME_READ, disk_write_bw=_NVME_WRITE,
-        host_update_bw=_SERVER_UPDATE_BW,
+        host_update_bw=_SERVER_UPDATE_BW, interconnect=Link(150 * GB, _LINK_LATENCY),
         source="Cerebras CS-2 product brief; AnandTech WSE-2 (2021): 40 GB SRAM, 20 PB/s, 1.2 Tb/s I/O",
         notes=("150 GB/s is taken in EACH direction (12 x 100 GbE, full duplex): ASSUMED",
                "7.5 PFLOP/s bf16 and 1/4 of it for fp32 are ASSUMED (no published dense figure)",
                "MemoryX host: 4 TB RAM (smallest configuration), NVMe 7/5 GB/s, 100 GB/s update: ASSUMED",
+               "several CS-2s reduce gradients through SwarmX at the 150 GB/s I/O rate: ASSUMED",
                "link latency 10 us per transfer is ASSUMED"),
     ),
-    # NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 1555 GB/s HBM2 (40 GB),
+    # Data-parallel peers: NVLink 3 (A100) 600 GB/s and NVLink 4 (H100, H200) 900 GB/s in both directions
+# together, so 300 and 450 GB/s each way (NVIDIA datasheets); the RTX 4090 has no NVLink (through the host).
+# NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 1555 GB/s HBM2 (40 GB),
     # 2039 GB/s HBM2e (80 GB SXM); PCIe Gen4 x16 gives ~25 GB/s per direction in practice (32 GB/s raw).
     # Memory is the total nvidia-smi reports. DGX A100 ships 1 TB of host RAM.
     "a100-40g": _gpu("a100-40g", 40960, 25, 312, 19.5, 1555, 1 * TB,
-                     "NVIDIA A100 datasheet; PCIe Gen4 x16 ~25 GB/s effective; DGX A100 host", (_FP32_NOTE,)),
+                     "NVIDIA A100 datasheet; PCIe Gen4 x16 ~25 GB/s effective; DGX A100 host", (_FP32_NOTE,),
+                     nvlink_gbps=300),
     "a100-80g": _gpu("a100-80g", 81920, 25, 312, 19.5, 2039, 1 * TB,
-                     "NVIDIA A100 80GB datasheet; PCIe Gen4 x16 ~25 GB/s effective; DGX A100 host", (_FP32_NOTE,)),
+                     "NVIDIA A100 80GB datasheet; PCIe Gen4 x16 ~25 GB/s effective; DGX A100 host", (_FP32_NOTE,),
+                     nvlink_gbps=300),
     # NVIDIA H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32;
     # PCIe Gen5 x16 host link, ~55 GB/s per direction measured in practice (64 GB/s raw). DGX H100: 2 TB.
     "h100-80g": _gpu("h100-80g", 81559, 55, 989, 67, 3350, 2 * TB,
-                     "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16 ~55 GB/s effective; DGX H100 host", (_FP32_NOTE,)),
+                     "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16 ~55 GB/s effective; DGX H100 host", (_FP32_NOTE,),
+                     nvlink_gbps=450),
     # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s, same compute as H100 SXM, PCIe Gen5. DGX H200: 2 TB.
     "h200": _gpu("h200", 143771, 55, 989, 67, 4800, 2 * TB,
-                 "NVIDIA H200 datasheet; PCIe Gen5 x16 ~55 GB/s effective; DGX H200 host", (_FP32_NOTE,)),
+                 "NVIDIA H200 datasheet; PCIe Gen5 x16 ~55 GB/s effective; DGX H200 host", (_FP32_NOTE,),
+                 nvlink_gbps=450),
     # NVIDIA Ada (RTX 4090) whitepaper: 24 GB GDDR6X at 1008 GB/s, 165.2 TFLOP/s bf16 dense with fp32
     # accumulate, 82.6 TFLOP/s fp32; PCIe Gen4 x16. Host: a 128 GiB workstation (ASSUMED).
     "rtx4090": _gpu("rtx4090", 24564, 25, 165.2, 82.6, 1008, 128 * GiB,

@@ -33,8 +33,8 @@ def step_events(shape: ModelShape, cfg: PlanConfig) -> list[StepEvent]:
         events += [StepEvent(u, "backward", micro, ("weights", u)) for u in reversed(units)]
     chunks = [(u, start, min(cfg.update_chunk, shape.unit_params(u) - start))
               for u in units for start in range(0, shape.unit_params(u), cfg.update_chunk)]
-    # Data-parallel devices split the update: device 0 takes every devices-th chunk.
-    events += [StepEvent(u, "update", 0, ("chunk", u, start, count)) for u, start, count in chunks[::cfg.devices]]
+    # Under data parallel every device applies the whole update to its own copy (the runtime's choice).
+    events += [StepEvent(u, "update", 0, ("chunk", u, start, count)) for u, start, count in chunks]
     return events
 
 

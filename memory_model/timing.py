@@ -2,8 +2,9 @@
 
 The runtime has one compute thread and one I/O worker that runs jobs in submission order (loads, gradient
 offloads, update write-backs). Event k issues the loads of its resident set that are not in flight when it
-starts, waits for its own, computes; a backward then waits for its gradient's offload (synchronous: one
-gradient on the device at most); an update chunk's write-back is left queued. Assumptions are listed in
+starts, waits for its own, computes; a backward's gradient offload (with its all-reduce under data parallel)
+overlaps the next unit's backward and is waited for when that one's gradient appears; an update chunk's
+write-back is left queued. Assumptions are listed in
 docs/MEMORY_MODEL.md ("Time model").
 """
 from __future__ import annotations
@@ -81,13 +82,14 @@ def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: De
         params = shape.unit_params(event.unit)
         grad = params * es
         first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
-        # The host folds every device's gradient into its fp32 accumulator (the first micro-batch writes it,
-        # later ones read and write it); after the last one it reads it once more for the global norm.
-        touched = cfg.devices * params * (es + (4 if first else 8)) + (4 * params if last else 0)
+        # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones
+        # read and write it); after the last one it reads it once more for the global norm. Under data
+        # parallel the offload first waits for the fp32 all-reduce of this gradient.
+        touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
         read = 0 if first or not disk else 4 * params
         write = 4 * params if disk else 0
-        seconds = (_link(grad, device, "d2h") + touched / device.host_update_bw
-                   + read / device.disk_read_bw + write / device.disk_write_bw)
+        seconds = (device.allreduce_time(4 * params, cfg.devices) + _link(grad, device, "d2h")
+                   + touched / device.host_update_bw + read / device.disk_read_bw + write / device.disk_write_bw)
         times.d2h += grad
     else:  # an update chunk: new master, moments and compute weights go back to the store
         out = event.resource[3] * (OPTIMIZER_BYTES_PER_PARAM + cfg.new_compute_bytes)
@@ -106,6 +108,8 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
     per_unit = {u: UnitTimes() for u in shape.unit_names()}
     busy = {"compute": 0.0, "io": 0.0}
     clock = io_free = 0.0
+    offload_done = 0.0  # when the last gradient offload (queued on the I/O worker) finishes
+    first_unit = shape.unit_names()[0]
     in_flight: set[Resource] = set()
     ready: dict[Resource, float] = {}
     for k, event in enumerate(events):
@@ -126,12 +130,18 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
             times.backward_s += compute
         clock = max(clock, ready[event.resource]) + compute
         busy["compute"] += compute
+        if event.phase == "backward":
+            # The previous unit's offload overlapped this backward; it is waited for when this gradient
+            # appears, and the first unit's own offload before the update or the next micro-batch.
+            clock = max(clock, offload_done)
         if event.phase != "forward":
             seconds = _write_back(event, shape, cfg, device, times)
             io_free = max(io_free, clock) + seconds
             busy["io"] += seconds
             if event.phase == "backward":
-                clock = io_free  # the runtime waits for the gradient's offload before the next event
+                offload_done = io_free
+                if event.unit == first_unit:
+                    clock = io_free
         if k + 1 == len(events) or events[k + 1].resource != event.resource:
             in_flight.discard(event.resource)
     return Timeline(max(clock, io_free), per_unit, busy)
