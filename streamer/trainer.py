@@ -166,6 +166,10 @@ class StreamingTrainer:
             return float("nan")
         loss = self._mean_loss(ctx)
         self.losses.append(loss)
+        if self.executor.device.type == "cuda":
+            # The allocator's own peak beside the ledger's (docs/MEMORY_MODEL.md: CUDA workspace allowance).
+            self.trace.meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.executor.device)
+            self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
             self.store.finish_step(step, self._trainer_state())
         return loss
