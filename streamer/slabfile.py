@@ -1,14 +1,55 @@
-"""Positional reads and writes between files and tensors, without staging copies."""
+"""Positional reads and writes between files and tensors without staging copies, and the slab file trailer.
+
+Every state file ends in a fixed-size trailer naming its unit, its generation, its data length and the crc32
+of its data, so a file can be checked on its own: a torn, truncated, renamed or foreign file is recognised
+even when no manifest lists it yet (a unit rolled forward after a crash).
+"""
 from __future__ import annotations
 
 import errno
 import os
+import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from streamer.errors import StoreError
+
+_TRAILER = struct.Struct("<8s40sQQI4x")  # magic, unit name, generation, data bytes, crc32, padding
+TRAILER_BYTES = _TRAILER.size
+_MAGIC = b"WSSLAB01"
+
+
+@dataclass(frozen=True)
+class Trailer:
+    unit: str
+    generation: int
+    data_bytes: int
+    crc: int
+
+    def pack(self) -> bytes:
+        name = self.unit.encode()
+        if len(name) > 40:
+            raise ValueError(f"unit name {self.unit!r} is longer than the trailer's 40 bytes")
+        return _TRAILER.pack(_MAGIC, name, self.generation, self.data_bytes, self.crc)
+
+    @classmethod
+    def read(cls, path: Path, unit: str) -> "Trailer":
+        """The trailer of `path`, or a StoreError naming the unit and the file if there is none."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(-TRAILER_BYTES, os.SEEK_END)
+                raw = f.read(TRAILER_BYTES)
+        except OSError as exc:  # also a file shorter than the trailer (seek before the start)
+            raise StoreError(f"unit {unit}: cannot read {path} ({exc.strerror or exc}); the store is damaged — "
+                             "restore the run directory from a backup") from None
+        magic, name, generation, data_bytes, crc = _TRAILER.unpack(raw)
+        if magic != _MAGIC:
+            raise StoreError(f"unit {unit}: {path} has no slab trailer (truncated, or not written by this tool); "
+                             "restore the run directory from a backup")
+        return cls(name.rstrip(b"\0").decode(errors="replace"), generation, data_bytes, crc)
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -20,15 +61,18 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 def pread_into(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
     view, done = _bytes_view(out), 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise StoreError(f"cannot read {path}: {exc.strerror}") from None
         if n == 0:
             raise StoreError(f"{path} is truncated (wanted {len(view)} bytes at offset {offset}); "
                              "the store is damaged: restore it or start a new run")
         done += n
 
 
-def pwrite_from(fd: int, src: torch.Tensor, offset: int, path: Path) -> None:
-    view, done = _bytes_view(src), 0
+def pwrite_from(fd: int, src: torch.Tensor | bytes, offset: int, path: Path) -> None:
+    view, done = (memoryview(src) if isinstance(src, bytes) else _bytes_view(src)), 0
     try:
         while done < len(view):
             done += os.pwritev(fd, [view[done:]], offset + done)
@@ -37,21 +81,22 @@ def pwrite_from(fd: int, src: torch.Tensor, offset: int, path: Path) -> None:
 
 
 def disk_error(exc: OSError, path: Path) -> StoreError:
-    if exc.errno == errno.ENOSPC:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StoreError(f"disk full while writing {path}; the last committed step is intact: "
                           "free space and continue with --resume")
-    return StoreError(f"cannot write {path}: {exc.strerror}")
+    return StoreError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def crc32_of(t: torch.Tensor, crc: int = 0) -> int:
     return zlib.crc32(_bytes_view(t), crc)
 
 
-def file_crc32(path: Path, block: int = 1 << 24) -> int:
-    crc = 0
+def file_crc32(path: Path, length: int, block: int = 1 << 24) -> int:
+    """crc32 of the first `length` bytes of `path` (zlib releases the GIL, so files can be checked in parallel)."""
+    crc, left = 0, length
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(block):
-            crc = zlib.crc32(chunk, crc)
+        while left and (chunk := f.read(min(block, left))):
+            crc, left = zlib.crc32(chunk, crc), left - len(chunk)
     return crc
 
 
@@ -74,4 +119,5 @@ def write_json_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise disk_error(exc, path) from None

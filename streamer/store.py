@@ -1,14 +1,17 @@
 """Host store: each unit's compute weights, fp32 master weights, Adam moments and gradient, in RAM or files.
 
-Commits (docs/STORE.md): a disk-tier step is durable once its gradients are fsynced and the journal names the
-step; each unit's new state is written to `<unit>.<step>.state.tmp`, fsynced and renamed, and the old version
-deleted. A crash mid-update leaves every unit at step s or s+1, and `open()` reports the journal so the trainer
-rolls the remaining units forward from the same gradients: bit-identical to an uninterrupted run.
+Commits (docs/STORE.md): every commit writes a new *generation* of each unit's state file. A disk-tier step
+is durable once its gradients are fsynced and `journal.json` names it; then each unit's next generation is
+written to a tmp file, fsynced and renamed, and its old generation deleted. A crash mid-update leaves every
+unit at step s or s+1, and `open()` reports the journal so the trainer rolls the rest forward from the same
+gradients: bit-identical to an uninterrupted run. Other commits (the first write, loading weights, a RAM-tier
+save) keep the old generation until the manifest names the new one.
 """
 from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,13 +19,16 @@ from typing import Any
 import torch
 
 from layers import GPTJConfig
+from streamer.commit import (
+    FORMAT, JOURNAL, MANIFEST, Commit, UnitWriter, check_units, grad_name, lock_run_dir, read_journal, read_manifest,
+    state_name,
+)
 from streamer.errors import StoreError
-from streamer.layout import DTYPES, Placement, UnitLayout, model_layouts
+from streamer.layout import DTYPES, Placement, model_layouts
 from streamer.slabfile import (
-    crc32_of, disk_error, file_crc32, fsync_dir, pread_into, pwrite_from, write_json_atomic,
+    TRAILER_BYTES, Trailer, crc32_of, disk_error, file_crc32, pread_into, pwrite_from, write_json_atomic,
 )
 
-MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/1"
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -38,8 +44,12 @@ class StoreSpec:
         for name in ("compute_dtype", "moment_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise StoreError(f"{name} must be one of {list(DTYPES)}, got {getattr(self, name)!r}")
-        if not isinstance(self.chunk, int) or self.chunk <= 0:
+        if not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk <= 0:
             raise StoreError(f"chunk must be a positive number of parameters, got {self.chunk!r}")
+        if self.placement.compute == "disk" and self.placement.state != "disk":
+            # Disk compute weights live in the state files, which a RAM-state store writes only on save().
+            raise StoreError("placement compute='disk' needs state='disk' (compute weights are stored in the "
+                             "state files); use store='disk' or keep compute in RAM")
 
     @property
     def compute_is_master(self) -> bool:
@@ -63,9 +73,14 @@ class StoreSpec:
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "StoreSpec":
-        return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
-                   Placement(**raw["placement"]), raw["chunk"])
+    def from_dict(cls, raw: Any) -> "StoreSpec":
+        try:
+            if set(raw) != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
+                raise ValueError(f"fields {sorted(map(str, raw))}")
+            return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
+                       Placement(**raw["placement"]), raw["chunk"])
+        except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
+            raise StoreError(f"store spec is malformed ({exc})") from None
 
 
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:
@@ -76,11 +91,14 @@ def chunks(numel: int, size: int) -> list[tuple[int, int]]:
 class HostStore:
     """Owns every slab; the runtime asks it for ranges of a unit's slabs and hands back new values."""
 
-    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin: bool) -> None:
-        self.root, self.spec, self.manifest = root, spec, manifest
+    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin: bool, lock: int) -> None:
+        self.root, self.spec, self.manifest, self._lock = root, spec, manifest, lock
         self.layouts = {lay.name: lay for lay in model_layouts(spec.config)}
         self.step: int = manifest["step"] if manifest["step"] is not None else 0
-        self.versions: dict[str, int] = dict(manifest.get("units", {}))
+        self.generation: int = manifest["generation"]
+        self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file
+        self.commit: Commit | None = None
+        self._grad_crc: dict[str, int] = {}
         self._ram: dict[tuple[str, str], torch.Tensor] = {}
         self._fds: dict[str, int] = {}
         tiers = {"compute": spec.placement.compute, "grad": spec.placement.grad}
@@ -99,73 +117,109 @@ class HostStore:
             raise StoreError(f"{root} exists and is not empty; choose a new run directory "
                              "(or continue an existing run with --resume)")
         (root / "slabs").mkdir(parents=True, exist_ok=True)
-        manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "units": {}, "trainer": {}}
-        return cls(root, spec, manifest, pin)
+        manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
+                    "crc": {}, "trainer": {}}
+        return cls(root, spec, manifest, pin, lock_run_dir(root))
 
     @classmethod
     def open(cls, root: str | Path, pin: bool = False, verify: bool = True) -> "HostStore":
+        """Open a store at its last commit. `verify`: check every state file's crc32 (a full read)."""
         root = Path(root)
-        path = root / MANIFEST
-        if not path.is_file():
-            raise StoreError(f"{root} is not a weight-streaming store (no {MANIFEST}); "
-                             "pass the run directory a training run created")
+        manifest = read_manifest(root)
         try:
-            manifest = json.loads(path.read_text())
-            if manifest.get("format") != FORMAT:
-                raise ValueError(f"format {manifest.get('format')!r}")
             spec = StoreSpec.from_dict(manifest["spec"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StoreError(f"{path} is damaged or from another tool ({exc}); it was left untouched") from None
-        if manifest["step"] is None:
-            raise StoreError(f"{root} was never saved (a RAM-tier store is written by trainer.save()); "
-                             "nothing to continue from")
-        store = cls(root, spec, manifest, pin)
-        store._load_units(verify)
+        except StoreError as exc:
+            raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
+        lock = lock_run_dir(root)
+        try:
+            store = cls(root, spec, manifest, pin, lock)
+            check_units(root, manifest, list(store.layouts))
+            store._load_units(verify)
+        except BaseException:
+            os.close(lock)
+            raise
         return store
 
     @property
     def journal(self) -> dict[str, Any] | None:
-        """The step that was committed but whose update did not finish, if any (see `roll_forward`)."""
-        path = self.root / JOURNAL
-        return json.loads(path.read_text()) if path.is_file() else None
+        """The journaled step after the committed one, if any: after a crash, the trainer rolls it forward."""
+        if self.spec.placement.state != "disk":
+            return None
+        return read_journal(self.root, self.manifest, list(self.layouts))
 
     def unit_version(self, unit: str) -> int:
-        return self.versions[unit]
+        """The step whose state this unit holds (one ahead of the manifest once its update is durable)."""
+        return self.step + 1 if self.versions[unit] > self.generation else self.step
 
-    def _state_path(self, unit: str, version: int) -> Path:
-        return self.root / "slabs" / f"{unit}.{version}.state"
+    def _state_path(self, unit: str, generation: int) -> Path:
+        return self.root / "slabs" / state_name(unit, generation)
 
     def _grad_path(self, unit: str) -> Path:
-        return self.root / "slabs" / f"{unit}.grad"
+        return self.root / "slabs" / grad_name(unit)
 
     def _load_units(self, verify: bool) -> None:
+        """Check every unit's state file (size, trailer, crc32), then fill the RAM tier; nothing is written
+        unless all of them are sound."""
         journal = self.journal
-        crcs = self.manifest.setdefault("crc", {})
+        expected: dict[str, int | None] = {}
         for unit in self.layouts:
             path = self._state_path(unit, self.versions[unit])
-            if journal is not None and (rolled := self._state_path(unit, journal["step"])).is_file():
-                # This unit's update finished before the crash; its checksum was never in a manifest.
-                self.versions[unit], path = journal["step"], rolled
-                crcs[rolled.name] = file_crc32(rolled)
-            if not path.is_file():
-                raise StoreError(f"unit {unit}: slab file {path} is missing; the store is incomplete — "
-                                 "restore the run directory from a backup")
-            expected = self._state_bytes(unit)
-            if path.stat().st_size != expected:
-                raise StoreError(f"unit {unit}: {path} has {path.stat().st_size} bytes, expected {expected} "
-                                 "(truncated or from another run)")
-            if verify and crcs.get(path.name) is not None and file_crc32(path) != crcs[path.name]:
-                raise StoreError(f"unit {unit}: checksum mismatch in {path}; the file is corrupted — "
-                                 "restore the run directory from a backup")
-            self._fill_ram_from_file(unit, path)
+            expected[unit] = self.manifest["crc"].get(path.name)
+            if journal is not None and self._state_path(unit, journal["generation"]).is_file():
+                self.versions[unit], expected[unit] = journal["generation"], None  # updated before the crash
+            self._check_state_file(unit)
+        if verify:
+            self._verify_crcs(expected, journal)
+        for unit in self.layouts:
+            self._fill_ram_from_file(unit, self._state_path(unit, self.versions[unit]))
+        if journal is None:
+            (self.root / JOURNAL).unlink(missing_ok=True)  # one whose step the manifest already has
         self._cleanup_stray_files()
 
+    def _check_state_file(self, unit: str) -> None:
+        path = self._state_path(unit, self.versions[unit])
+        if not path.is_file():
+            raise StoreError(f"unit {unit}: state file {path} is missing; the store is incomplete — "
+                             "restore the run directory from a backup")
+        trailer, data = Trailer.read(path, unit), self._state_bytes(unit)
+        if path.stat().st_size != data + TRAILER_BYTES:
+            raise StoreError(f"unit {unit}: {path} has {path.stat().st_size} bytes, expected "
+                             f"{data + TRAILER_BYTES} (truncated or from another run)")
+        if (trailer.unit, trailer.generation, trailer.data_bytes) != (unit, self.versions[unit], data):
+            raise StoreError(f"unit {unit}: {path} holds unit {trailer.unit!r} generation {trailer.generation}; "
+                             "the file was renamed or copied from another run")
+
+    def _verify_crcs(self, expected: dict[str, int | None], journal: dict[str, Any] | None) -> None:
+        """crc32 of every state file (against its trailer and the manifest) and, before a roll-forward, of the
+        journaled gradients of the units still to update. Two threads: zlib releases the GIL."""
+        checks = []
+        for unit in self.layouts:
+            path = self._state_path(unit, self.versions[unit])
+            wanted = {Trailer.read(path, unit).crc} | ({expected[unit]} if expected[unit] is not None else set())
+            checks.append((unit, path, self._state_bytes(unit), wanted))
+            if journal is not None and self.versions[unit] != journal["generation"]:
+                grad = self._grad_path(unit)
+                if not grad.is_file() or grad.stat().st_size != self.layouts[unit].numel * 4:
+                    raise StoreError(f"unit {unit}: gradient file {grad} is missing or truncated, so step "
+                                     f"{journal['step']} cannot be finished — restore the run directory")
+                checks.append((unit, grad, self.layouts[unit].numel * 4, {journal["grad_crc"][unit]}))
+        with ThreadPoolExecutor(2) as pool:
+            crcs = list(pool.map(lambda c: file_crc32(c[1], c[2]), checks))
+        for (unit, path, _, wanted), crc in zip(checks, crcs):
+            if len(wanted) != 1 or crc not in wanted:
+                raise StoreError(f"unit {unit}: checksum mismatch in {path}; the file is corrupted — "
+                                 "restore the run directory from a backup")
+
     def _cleanup_stray_files(self) -> None:
+        """Other generations and tmp files: what a crash or an unfinished commit left behind."""
         keep = {self._state_path(u, v).name for u, v in self.versions.items()}
         keep |= {self._grad_path(u).name for u in self.layouts}
         for path in (self.root / "slabs").iterdir():
             if path.name not in keep:
+                self._close(path)
                 path.unlink()
+        for name in (MANIFEST, JOURNAL):
+            (self.root / (name + ".tmp")).unlink(missing_ok=True)
 
     # --- file layout --------------------------------------------------------------------
     def _chunk_bytes(self, count: int) -> int:
@@ -185,11 +239,14 @@ class HostStore:
             offset += count * self.spec.kind_dtype(k).itemsize
         raise KeyError(kind)
 
-    def _fd(self, path: Path, flags: int = os.O_RDWR) -> int:
+    def _fd(self, path: Path, create: bool = False) -> int:
+        """A cached descriptor; only writers create files, so a missing file read is an error naming it."""
         key = str(path)
         if key not in self._fds:
             try:
-                self._fds[key] = os.open(path, flags | os.O_CREAT, 0o644)
+                self._fds[key] = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+            except FileNotFoundError:
+                raise StoreError(f"{path} is missing; the store is incomplete — restore the run directory") from None
             except OSError as exc:
                 raise disk_error(exc, path) from None
         return self._fds[key]
@@ -203,6 +260,9 @@ class HostStore:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self._lock >= 0:
+            os.close(self._lock)  # releases the flock
+            self._lock = -1
 
     # --- reads ----------------------------------------------------------------------------
     def ram(self, unit: str, kind: str) -> torch.Tensor | None:
@@ -242,8 +302,7 @@ class HostStore:
         wanted = [k for k in self.spec.file_kinds() if (unit, k) in self._ram]
         if not wanted and not rebuild_compute:
             return
-        fd = self._fd(path, os.O_RDONLY)
-        master = torch.empty(0)
+        fd = self._fd(path)
         for start, count in chunks(self.layouts[unit].numel, self.spec.chunk):
             for kind in wanted:
                 pread_into(fd, self._ram[unit, kind][start:start + count],
@@ -263,6 +322,7 @@ class HostStore:
 
         `scratch` is an fp32 buffer of the unit's size for the disk tier (reused across calls).
         """
+        self.check_consistent()  # an open commit may replay these gradients: never overwrite them
         if (ram := self.ram(unit, "grad")) is not None:
             ram.copy_(grad) if first else ram.add_(grad)
             return ram
@@ -273,102 +333,80 @@ class HostStore:
         else:
             pread_into(self._fd(path), scratch, 0, path)
             scratch.add_(grad)
-        pwrite_from(self._fd(path), scratch, 0, path)
+        pwrite_from(self._fd(path, create=True), scratch, 0, path)
+        if self.spec.placement.state == "disk":
+            self._grad_crc[unit] = crc32_of(scratch)  # the last call of a step leaves the journaled value
         return scratch
 
     def sync_grads(self) -> None:
         """Make this step's gradients durable: the journal that follows may replay the update from them."""
         if self.spec.placement.grad == "disk":
             for unit in self.layouts:
-                os.fsync(self._fd(self._grad_path(unit)))
+                try:
+                    os.fsync(self._fd(self._grad_path(unit)))
+                except OSError as exc:
+                    raise disk_error(exc, self._grad_path(unit)) from None
 
     # --- updates and commits ----------------------------------------------------------------
+    def check_consistent(self) -> None:
+        """Raise if an update stopped part-way in this process: units hold two different steps."""
+        if self.commit is None:
+            return
+        if self.commit.journaled:
+            raise StoreError(f"step {self.commit.step} is committed but its update was interrupted; reopen the "
+                             "run (StreamingTrainer.open or `streamer train --resume`) to finish it")
+        raise StoreError(f"writing step {self.commit.step}'s state was interrupted, so this process holds a mix "
+                         "of two steps; reopen the run from its last commit")
+
     def begin_step(self, step: int, record: dict[str, Any]) -> None:
         """Journal step `step` (everything needed to replay its update) once its gradients are durable."""
-        if self.spec.placement.state == "disk":
+        self.check_consistent()
+        journaled = self.spec.placement.state == "disk"
+        if journaled:
             self.sync_grads()
-            write_json_atomic(self.root / JOURNAL, json.dumps({"step": step, **record}))
+            grad_crc = {unit: self._grad_crc[unit] for unit in self.layouts}
+            write_json_atomic(self.root / JOURNAL, json.dumps(
+                {"step": step, "generation": self.generation + 1, "grad_crc": grad_crc, **record}))
+        self.commit = Commit(step, self.generation + 1, journaled)
 
     def unit_writer(self, unit: str, step: int) -> "UnitWriter":
-        """Where an update hands back a unit's new state; disk-tier state is written to a new version file."""
-        return UnitWriter(self, unit, step, persist=self.spec.placement.state == "disk")
+        """Where an update hands back a unit's new state; disk-tier state is written to a new generation."""
+        if self.commit is None:  # rolling a journaled step forward, or the first write or loaded weights
+            journal = self.journal
+            self.commit = Commit(step, self.generation + 1, journal is not None and journal["step"] == step)
+        return UnitWriter(self, unit, self.commit, persist=self.spec.placement.state == "disk")
 
     def finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
         """All units are at `step`: the disk tier writes the manifest; the RAM tier just advances."""
+        if self.spec.placement.state == "disk":  # a roll-forward may find every unit already written
+            self.generation = max([self.generation, *self.versions.values()])
         self.step = step
         self.manifest["trainer"] = trainer_state
         if self.spec.placement.state == "disk":
             self._write_manifest()
-            (self.root / JOURNAL).unlink(missing_ok=True)
+            (self.root / JOURNAL).unlink(missing_ok=True)  # a stale journal is recognised by its step on open
+            self._cleanup_stray_files()
+        self.commit = None
 
     def save(self, trainer_state: dict[str, Any]) -> None:
-        """Persist RAM-tier state at the current step (new version files, manifest, then old files go)."""
+        """Persist RAM-tier state at the current step (new generation, manifest, then the old files go)."""
+        self.check_consistent()
         self.manifest["trainer"] = trainer_state
         if self.spec.placement.state == "disk":
             self._write_manifest()
             return
+        commit = Commit(self.step, self.generation + 1, journaled=False)
         for unit, lay in self.layouts.items():
-            with UnitWriter(self, unit, self.step, persist=True) as writer:
+            with UnitWriter(self, unit, commit, persist=True) as writer:
                 for start, count in chunks(lay.numel, self.spec.chunk):
                     for kind in self.spec.file_kinds():
                         writer.write(kind, start, self._ram[unit, kind][start:start + count])
+        self.generation = commit.generation
         self._write_manifest()
         self._cleanup_stray_files()
 
     def _write_manifest(self) -> None:
-        self.manifest.update(step=self.step, units=dict(self.versions))
+        current = {state_name(u, g) for u, g in self.versions.items()}
+        self.manifest.update(step=self.step, generation=self.generation, units=dict(self.versions),
+                             crc={k: v for k, v in self.manifest["crc"].items() if k in current})
         write_json_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
-
-
-class UnitWriter:
-    """Writes one unit's next state version chunk by chunk; closing makes it durable and retires the old one."""
-
-    def __init__(self, store: HostStore, unit: str, step: int, persist: bool) -> None:
-        self.store, self.unit, self.step, self.on_disk = store, unit, step, persist
-        self.tmp = store._state_path(unit, step).with_suffix(".state.tmp")
-        self._crc, self._next = 0, 0
-
-    def __enter__(self) -> "UnitWriter":
-        return self
-
-    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
-        """Hand back new values for `kind` of elements [start, start + n); chunks in order, kinds in file order."""
-        store = self.store
-        if (ram := store._ram.get((self.unit, kind))) is not None:
-            target = ram[start:start + values.numel()]
-            if target.data_ptr() != values.data_ptr():
-                target.copy_(values)
-        if not self.on_disk or kind not in store.spec.file_kinds():
-            return
-        values = values.to(store.spec.kind_dtype(kind)).contiguous()
-        offset = store._kind_offset(self.unit, kind, start, values.numel())
-        if offset != self._next:
-            raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
-        pwrite_from(store._fd(self.tmp), values, offset, self.tmp)
-        self._crc = crc32_of(values, self._crc)
-        self._next = offset + values.numel() * values.element_size()
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        store = self.store
-        if not self.on_disk:
-            return
-        if exc_type is not None:
-            store._close(self.tmp)
-            self.tmp.unlink(missing_ok=True)
-            return
-        final = store._state_path(self.unit, self.step)
-        try:
-            os.fsync(store._fd(self.tmp))
-            store._close(self.tmp)
-            os.replace(self.tmp, final)
-            fsync_dir(final.parent)
-        except OSError as exc:
-            raise disk_error(exc, final) from None
-        old = store.versions.get(self.unit)
-        store.versions[self.unit] = self.step
-        store.manifest.setdefault("crc", {})[final.name] = self._crc
-        if old is not None and old != self.step:
-            old_path = store._state_path(self.unit, old)
-            store._close(old_path)
-            old_path.unlink(missing_ok=True)
-            store.manifest["crc"].pop(old_path.name, None)

@@ -1,0 +1,195 @@
+"""How a store commits: its two records, read strictly, and the writer of a unit's next state generation.
+
+- `manifest.json`: the last committed step, the generation of every unit's state file, their checksums and
+  the trainer's state (config, losses, the caller's data order and RNG).
+- `journal.json` (disk tier): a step whose gradients are durable and whose update may be unfinished, with
+  what replaying it needs (lr, clip coefficient, gradient checksums, the trainer state after the step).
+- `UnitWriter`: a unit's next generation, written to a tmp file, fsynced, renamed into place.
+
+Records are written with `write_json_atomic` (tmp + fsync + rename + folder fsync); anything malformed in
+them is a StoreError naming the file. See docs/STORE.md.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from streamer.errors import StoreError
+from streamer.slabfile import Trailer, crc32_of, disk_error, fsync_dir, pwrite_from
+
+if TYPE_CHECKING:
+    from streamer.store import HostStore
+
+MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/2"
+_RESTORE = "restore the run directory from a backup or start a new run"
+
+
+def state_name(unit: str, generation: int) -> str:
+    return f"{unit}.{generation}.state"
+
+
+def grad_name(unit: str) -> str:
+    return f"{unit}.grad"
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StoreError(f"{path} cannot be read ({exc}); it was left untouched — {_RESTORE}") from None
+
+
+def _check(path: Path, ok: bool, what: str) -> None:
+    if not ok:
+        raise StoreError(f"{path} is damaged or from another tool ({what}); it was left untouched — {_RESTORE}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_crc(value: Any) -> bool:
+    return _is_count(value) and value < 2**32
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    """The manifest's fields, type-checked (the spec itself is checked by StoreSpec.from_dict)."""
+    path = root / MANIFEST
+    if not path.is_file():
+        if (root / "slabs").is_dir():
+            raise StoreError(f"{root} has no {MANIFEST}: nothing was committed (the run stopped before its first "
+                             "step, or a RAM-tier run was never saved); delete the folder and start again")
+        raise StoreError(f"{root} is not a weight-streaming store (no {MANIFEST}); "
+                         "pass the run directory a training run created")
+    raw = _load(path)
+    _check(path, isinstance(raw, dict), "not a JSON object")
+    _check(path, raw.get("format") == FORMAT, f"format {raw.get('format')!r}, expected {FORMAT!r}")
+    for key in ("spec", "trainer", "units", "crc"):
+        _check(path, isinstance(raw.get(key), dict), f"'{key}' must be an object")
+    _check(path, _is_count(raw.get("step")), "'step' must be a non-negative integer")
+    _check(path, _is_count(raw.get("generation")), "'generation' must be a non-negative integer")
+    _check(path, all(_is_count(g) and g <= raw["generation"] for g in raw["units"].values()),
+           "'units' must map units to generations")
+    _check(path, all(_is_crc(c) for c in raw["crc"].values()), "'crc' must map files to crc32 values")
+    return raw
+
+
+def check_units(root: Path, manifest: dict[str, Any], units: list[str]) -> None:
+    """The manifest names a state generation for exactly the model's units."""
+    missing, extra = sorted(set(units) - set(manifest["units"])), sorted(set(manifest["units"]) - set(units))
+    _check(root / MANIFEST, not missing and not extra, f"units missing {missing}, unexpected {extra}")
+
+
+def read_journal(root: Path, manifest: dict[str, Any], units: list[str]) -> dict[str, Any] | None:
+    """The journaled step that follows the manifest's, or None (no journal, or one already committed)."""
+    path = root / JOURNAL
+    if not path.is_file():
+        return None
+    raw = _load(path)
+    _check(path, isinstance(raw, dict), "not a JSON object")
+    _check(path, _is_count(raw.get("step")) and _is_count(raw.get("generation")), "'step'/'generation'")
+    if raw["step"] <= manifest["step"]:
+        return None  # finish_step committed it; only the journal's removal did not reach the disk
+    _check(path, raw["step"] == manifest["step"] + 1 and raw["generation"] == manifest["generation"] + 1,
+           f"journal step {raw['step']} does not follow manifest step {manifest['step']}")
+    _check(path, _is_number(raw.get("lr")) and _is_number(raw.get("clip_coef")), "'lr'/'clip_coef'")
+    _check(path, isinstance(raw.get("trainer"), dict), "'trainer' must be an object")
+    crcs = raw.get("grad_crc")
+    _check(path, isinstance(crcs, dict) and set(crcs) == set(units) and all(map(_is_crc, crcs.values())),
+           "'grad_crc' must give a crc32 for every unit")
+    return raw
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A commit in progress: `step`'s state goes to `generation`. A journaled one survives a crash."""
+
+    step: int
+    generation: int
+    journaled: bool
+
+
+def lock_run_dir(root: Path) -> int:
+    """An exclusive lock on the run directory for this process's lifetime (released by the kernel on exit)."""
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StoreError(f"{root} is in use by another training or tool process; wait for it to finish "
+                         "(two writers would corrupt the store)") from None
+    return fd
+
+
+class UnitWriter:
+    """Writes one unit's next state generation chunk by chunk; closing makes it durable.
+
+    Within a journaled commit the old generation is deleted at once (the journal can rebuild it, so disk
+    holds one unit's extra copy at a time); otherwise it stays until the manifest names the new one.
+    """
+
+    def __init__(self, store: HostStore, unit: str, commit: Commit, persist: bool) -> None:
+        self.store, self.unit, self.commit, self.on_disk = store, unit, commit, persist
+        self.final = store._state_path(unit, commit.generation)
+        self.tmp = self.final.with_suffix(".state.tmp")
+        self._crc, self._next = 0, 0
+
+    def __enter__(self) -> "UnitWriter":
+        return self
+
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        """Hand back new values for `kind` of elements [start, start + n); chunks in order, kinds in file order."""
+        store = self.store
+        if (ram := store._ram.get((self.unit, kind))) is not None:
+            target = ram[start:start + values.numel()]
+            if target.data_ptr() != values.data_ptr():
+                target.copy_(values)
+        if not self.on_disk or kind not in store.spec.file_kinds():
+            return
+        values = values.to(store.spec.kind_dtype(kind)).contiguous()
+        offset = store._kind_offset(self.unit, kind, start, values.numel())
+        if offset != self._next:
+            raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
+        pwrite_from(store._fd(self.tmp, create=self._next == 0), values, offset, self.tmp)
+        self._crc = crc32_of(values, self._crc)
+        self._next = offset + values.numel() * values.element_size()
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        store = self.store
+        if not self.on_disk:
+            return
+        if exc_type is not None:
+            store._close(self.tmp)
+            self.tmp.unlink(missing_ok=True)
+            return
+        size = store._state_bytes(self.unit)
+        if self._next != size:
+            raise ValueError(f"unit {self.unit}: {self._next} of {size} state bytes were written")
+        trailer = Trailer(self.unit, self.commit.generation, size, self._crc)
+        try:
+            pwrite_from(store._fd(self.tmp), trailer.pack(), size, self.tmp)
+            os.fsync(store._fd(self.tmp))
+            store._close(self.tmp)
+            os.replace(self.tmp, self.final)
+            fsync_dir(self.final.parent)
+        except (OSError, StoreError) as exc:
+            store._close(self.tmp)
+            self.tmp.unlink(missing_ok=True)
+            raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None
+        old = store.versions.get(self.unit)
+        store.versions[self.unit] = self.commit.generation
+        store.manifest["crc"][self.final.name] = self._crc
+        if old is not None and old != self.commit.generation and self.commit.journaled:
+            old_path = store._state_path(self.unit, old)
+            store._close(old_path)
+            old_path.unlink(missing_ok=True)
