@@ -1,0 +1,266 @@
+"""Crash safety and resume, disk full, and non-finite values (issue #6).
+
+The kill tests fork children from a forkserver that has imported torch (tests/crash_driver.py). Each chain
+kills one run again and again at targeted points (in forward, backward, update, mid-write of a gradient or
+state slab, before an fsync, right after a rename, during the roll-forward of a previous crash) and at random
+times; after every kill the store on disk is checked to hold one step or a journaled step and its successor,
+and every other time it is opened here and compared with the reference run's weights at that step.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import crash_driver
+from crash_driver import CFG, Job, Kill
+from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
+from streamer.slabfile import TRAILER_BYTES, Trailer, file_crc32
+from streamer.store import HostStore
+
+STEPS, KILLS = 20, 12  # per chain
+
+
+@pytest.fixture(scope="module")
+def forkserver() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    # Not crash_driver itself: Python 3.11's forkserver preloads without the test folder on sys.path.
+    # torch._dynamo: the first op on a meta tensor (building a unit) imports it, ~0.7 s per child otherwise.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "layers", "streamer"])
+    return ctx
+
+
+def run_child(ctx: Any, job: Job, kill_after: float | None = None) -> int:
+    """The child's exit code (-9: SIGKILL); `kill_after` seconds: killed from here at that time."""
+    process = ctx.Process(target=crash_driver.train, args=(job,))
+    process.start()
+    process.join(kill_after if kill_after is not None else 120)
+    if process.is_alive():
+        assert kill_after is not None, "the child hung"
+        process.kill()
+        process.join()
+    return process.exitcode
+
+
+def steps_on_disk(store: Path) -> tuple[dict[str, int], dict | None]:
+    """The step each unit's state file holds, read without changing anything, and the pending journal.
+
+    Every file used must be whole (trailer, size, crc32); without a pending journal all units hold the
+    manifest's step, with one each unit holds that step or the journaled next one.
+    """
+    manifest = json.loads((store / "manifest.json").read_text())
+    journal_path = store / "journal.json"
+    journal = json.loads(journal_path.read_text()) if journal_path.exists() else None
+    if journal is not None and journal["step"] <= manifest["step"]:
+        journal = None  # committed; only its removal was cut short
+    steps = {}
+    for unit, generation in manifest["units"].items():
+        path, step = store / "slabs" / f"{unit}.{generation}.state", manifest["step"]
+        if journal is not None:
+            assert journal["step"] == manifest["step"] + 1
+            rolled = store / "slabs" / f"{unit}.{journal['generation']}.state"
+            if rolled.exists():
+                path, step = rolled, journal["step"]
+        trailer = Trailer.read(path, unit)
+        assert path.stat().st_size == trailer.data_bytes + TRAILER_BYTES
+        assert file_crc32(path, trailer.data_bytes) == trailer.crc
+        steps[unit] = step
+    if journal is None:
+        assert set(steps.values()) == {manifest["step"]}
+    return steps, journal
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"differ: {different}"
+
+
+def state_files(store: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((store / "slabs").glob("*.state"))}
+
+
+def kill_plan(rnd: random.Random, calls: dict[str, dict[str, int]], done: int, journal_pending: bool) -> Kill | float:
+    """The next kill: often in the roll-forward when a crash left one, else a target in the next step or two,
+    or a random time (seconds)."""
+    if journal_pending and rnd.random() < 0.5:
+        return Kill(rnd.choice(["pwritev", "replace", "fsync"]), rnd.randint(1, 3), step=None)
+    step = done + rnd.choice([1, 1, 2])
+    counts = calls[str(step)]
+    target = rnd.choice(["forward", "backward", "update", "pwritev-grad", "pwritev-state", "fsync", "replace",
+                         "time"])
+    if target == "time":
+        return rnd.uniform(0.0, 0.3)
+    grad_writes = (CFG.n_layer + 2) * 2  # units x micro-batches: the first pwritev calls of a step
+    if target == "pwritev-grad":
+        return Kill("pwritev", rnd.randint(1, grad_writes), step)
+    if target == "pwritev-state":
+        return Kill("pwritev", rnd.randint(grad_writes + 1, counts["pwritev"]), step)
+    return Kill(target, rnd.randint(1, counts[target]), step)
+
+
+@pytest.mark.parametrize("dtype,compute", [("bf16", "disk"), ("fp32", "disk"), ("bf16", "ram")])
+def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dtype, compute):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    job = Job(str(ref / "store"), STEPS, dtype, compute, record=str(ref), out=str(ref / "out.pt"))
+    assert run_child(forkserver, job) == 0
+    calls = json.loads((ref / "calls.json").read_text())
+    reference = torch.load(ref / "out.pt")
+    store, rnd = tmp_path / "store", random.Random(f"kill-{dtype}-{compute}")
+
+    # A kill before the first commit leaves a folder that says so, and is never taken for a store.
+    assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, kill=Kill("pwritev", 3, step=None))) == -9
+    with pytest.raises(StoreError, match="nothing was committed"):
+        StreamingTrainer.open(store)
+    shutil.rmtree(store)
+    assert run_child(forkserver, Job(str(store), 1, dtype, compute)) == 0
+
+    done, journal, kills, log = 1, None, 0, []
+    while kills < KILLS:
+        assert done < STEPS - 2, f"the run ended before {KILLS} kills: {log}"
+        kill = kill_plan(rnd, calls, done, journal is not None)
+        if isinstance(kill, Kill):
+            assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, kill=kill)) == -9, kill
+        else:  # a random instant of a run of two more steps (it may also finish them)
+            code = run_child(forkserver, Job(str(store), done + 2, dtype, compute), kill_after=kill)
+            assert code in (-9, 0), f"child failed ({code})"
+            kill = kill if code == -9 else None
+        kills += kill is not None
+        steps, journal = steps_on_disk(store)
+        done = max(steps.values())  # a journaled step is finished by the next open
+        log.append((kill, steps, journal is not None))
+        if kills % 2 == 0:  # resume here: roll forward and compare with the reference at that step
+            with StreamingTrainer.open(store) as trainer:
+                done, journal = trainer.step_count, None
+                assert_same_weights(trainer.state_dict(), torch.load(ref / f"state.{done}.pt"))
+
+    assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, out=str(tmp_path / "out.pt"))) == 0
+    resumed = torch.load(tmp_path / "out.pt")
+    assert_same_weights(resumed["state"], reference["state"])
+    assert resumed["losses"] == reference["losses"] and resumed["extra"] == reference["extra"]
+    assert state_files(store) == state_files(ref / "store")  # Adam moments and compute weights too
+
+
+# --- disk full ------------------------------------------------------------------------------------------
+
+DEBUG_TC = TrainerConfig(store="disk", compute_dtype="bf16", grad_accum=2, update_chunk=8192, lr=3e-3)
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, CFG.vocab_size, (4, 32), generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
+    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path_factory.mktemp("ref") / "run") as trainer:
+        for ids in batches(4):
+            trainer.step(ids)
+        return trainer.state_dict(), trainer.losses
+
+
+def fail_on_call(monkeypatch, name: str, n: int, error: int = errno.ENOSPC) -> None:
+    """os.<name> raises `error` from its n-th call on (the disk stays full)."""
+    original, count = getattr(os, name), [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] >= n:
+            raise OSError(error, os.strerror(error))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, failing)
+
+
+# Step 3's pwritev calls 1-8 write gradients (before the journal), later ones the new state (after it). Its
+# fsyncs: 1-4 gradients, 5-6 the journal and its folder, 7-14 the units' new files, 15-16 the manifest.
+@pytest.mark.parametrize("name,n,committed", [("pwritev", 5, 2), ("pwritev", 30, 3), ("pwritev", 75, 3),
+                                              ("fsync", 3, 2), ("fsync", 5, 2), ("fsync", 15, 3)])
+def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, monkeypatch, uninterrupted,
+                                                                    name, n, committed):
+    data = batches(4)
+    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "run") as trainer:
+        for ids in data[:2]:
+            trainer.step(ids)
+        with monkeypatch.context() as patch:
+            fail_on_call(patch, name, n)
+            with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
+                trainer.step(data[2])
+        if committed == 3:  # the journal holds step 3: this process must not train on a half-updated model
+            with pytest.raises(StoreError, match="reopen the run"):
+                trainer.step(data[3])
+    assert not list((tmp_path / "run" / "slabs").glob("*.tmp")) or committed == 3
+    with StreamingTrainer.open(tmp_path / "run") as trainer:  # space is back: roll forward if journaled
+        assert trainer.step_count == committed
+        for ids in data[committed:]:
+            trainer.step(ids)
+        assert_same_weights(trainer.state_dict(), uninterrupted[0])
+        assert trainer.losses == uninterrupted[1]
+
+
+# --- non-finite values ------------------------------------------------------------------------------------
+
+def poison_gradient(monkeypatch, unit: str) -> None:
+    original = HostStore.accumulate_grad
+
+    def poisoned(self, name, grad, first, scratch):
+        if name == unit:
+            grad = grad.clone()
+            grad[0] = float("inf")
+        return original(self, name, grad, first, scratch)
+
+    monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
+
+
+def test_nonfinite_gradient_stops_naming_the_first_unit_and_commits_nothing(tmp_path, monkeypatch):
+    data = batches(2)
+    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])
+        before = trainer.state_dict()
+        with monkeypatch.context() as patch:
+            poison_gradient(patch, "block.0")
+            with pytest.raises(NonFiniteError, match="block.0"):
+                trainer.step(data[1])
+        assert trainer.step_count == 1
+    assert not (tmp_path / "run" / "journal.json").exists()
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert trainer.step_count == 1 and len(trainer.losses) == 1
+        state = trainer.state_dict()
+        assert all(torch.isfinite(t).all() for t in state.values())
+        assert_same_weights(state, before)
+
+
+def test_nonfinite_loss_names_the_head(tmp_path):
+    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "run") as trainer:
+        weights = trainer.state_dict()
+        weights["lm_head.bias"][3] = float("inf")
+        trainer.load_state_dict(weights)
+        with pytest.raises(NonFiniteError, match="head|loss"):
+            trainer.step(batches(1)[0])
+        assert trainer.step_count == 0
+
+
+def test_nonfinite_skip_drops_the_step_and_training_goes_on(tmp_path, monkeypatch):
+    data = batches(3)
+    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "clean") as trainer:
+        for ids in (data[0], data[2]):
+            trainer.step(ids)
+        clean = trainer.state_dict()
+    with StreamingTrainer(CFG, DEBUG_TC.replace(nonfinite="skip"), store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])
+        with monkeypatch.context() as patch:
+            poison_gradient(patch, "block.1")
+            assert torch.isnan(torch.tensor(trainer.step(data[1])))
+        assert trainer.step_count == 1
+        trainer.step(data[2])
+        assert trainer.step_count == 2
+        assert_same_weights(trainer.state_dict(), clean)
