@@ -1,0 +1,288 @@
+"""The host store: file layout, commits that are not journaled, integrity checks on open, disk cost, lock."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from layers import GPTJConfig
+from streamer import Placement, StoreError, StreamingTrainer, TrainerConfig
+from streamer.slabfile import TRAILER_BYTES, Trailer
+from streamer.store import HostStore, StoreSpec
+
+CFG = GPTJConfig.preset("gptj-debug")
+DISK = TrainerConfig(store="disk", compute_dtype="bf16", update_chunk=8192, lr=3e-3)
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, CFG.vocab_size, (2, 32), generator=g) for _ in range(n)]
+
+
+def trained(root: Path, tc: TrainerConfig = DISK, steps: int = 2) -> dict[str, torch.Tensor]:
+    with StreamingTrainer(CFG, tc, store_dir=root) as trainer:
+        for ids in batches(steps):
+            trainer.step(ids)
+        trainer.save()
+        return trainer.state_dict()
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def fail_writes_after(monkeypatch, n: int) -> None:
+    original, count = os.pwritev, [0]
+
+    def failing(*args: Any) -> int:
+        count[0] += 1
+        if count[0] > n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(*args)
+
+    monkeypatch.setattr(os, "pwritev", failing)
+
+
+# --- layout ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype):
+    trained(tmp_path / "run", DISK.replace(compute_dtype=dtype))
+    slabs = sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir())
+    units = ["block.0", "block.1", "embed", "head"]
+    assert slabs == sorted([f"{u}.3.state" for u in units] + [f"{u}.grad" for u in units])  # generation 3
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["units"] == {u: 3 for u in units}
+    assert not (tmp_path / "run" / "journal.json").exists()
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        for unit, layout in trainer.layouts.items():
+            path = tmp_path / "run" / "slabs" / f"{unit}.3.state"
+            chunk_bytes = 4 * 3 + (2 if dtype == "bf16" else 0)  # master, exp_avg, exp_avg_sq (+ compute)
+            assert path.stat().st_size == layout.numel * chunk_bytes + TRAILER_BYTES
+            trailer = Trailer.read(path, unit)
+            assert (trailer.unit, trailer.generation) == (unit, 3)
+            assert manifest["crc"][path.name] == trailer.crc
+
+
+def test_ram_tier_is_durable_only_after_save_and_resumes_identically(tmp_path):
+    ram = DISK.replace(store="ram")
+    data = batches(4)
+    with StreamingTrainer(CFG, ram, store_dir=tmp_path / "run") as trainer:
+        with pytest.raises(StoreError, match="nothing was committed"):
+            HostStore.open(tmp_path / "run")  # never saved (and the lock is checked after the manifest)
+        for ids in data[:2]:
+            trainer.step(ids)
+        trainer.save()
+        trainer.step(data[2])  # not saved: lost on a crash, by design
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert trainer.step_count == 2
+        for ids in data[2:]:
+            trainer.step(ids)
+        resumed = trainer.state_dict()
+    with StreamingTrainer(CFG, ram, store_dir=tmp_path / "ref") as trainer:
+        for ids in data:
+            trainer.step(ids)
+        assert same(resumed, trainer.state_dict())
+
+
+def test_compute_on_disk_with_state_in_ram_is_rejected(tmp_path):
+    with pytest.raises(StoreError, match="compute='disk' needs state='disk'"):
+        StreamingTrainer(CFG, DISK.replace(store=Placement("disk", "ram", "ram")), store_dir=tmp_path / "run")
+
+
+# --- commits without a journal ------------------------------------------------------------------------------
+
+def test_failed_weight_load_keeps_the_committed_step(tmp_path, monkeypatch):
+    """Loading weights rewrites every unit at the same step: the old generation stays until the manifest moves."""
+    before = trained(tmp_path / "run")
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        other = {k: v + 1 for k, v in before.items()}
+        with monkeypatch.context() as patch:
+            fail_writes_after(patch, 9)  # the embedding's file written and renamed, then the disk is full
+            with pytest.raises(StoreError, match="disk full"):
+                trainer.load_state_dict(other)
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert trainer.step_count == 2 and same(trainer.state_dict(), before)
+        trainer.load_state_dict(other)  # with space, the load commits
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert same(trainer.state_dict(), other)
+
+
+def test_failed_ram_tier_save_keeps_the_previous_save(tmp_path, monkeypatch):
+    ram = DISK.replace(store="ram")
+    data = batches(3)
+    with StreamingTrainer(CFG, ram, store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])
+        trainer.save()
+        saved = trainer.state_dict()
+        trainer.step(data[1])
+        with monkeypatch.context() as patch:
+            fail_writes_after(patch, 6)
+            with pytest.raises(StoreError, match="disk full"):
+                trainer.save()
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert trainer.step_count == 1 and same(trainer.state_dict(), saved)
+    assert not list((tmp_path / "run" / "slabs").glob("*.tmp"))
+
+
+# --- integrity -------------------------------------------------------------------------------------------------
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _damage(kind: str, slabs: Path) -> Path:
+    state = slabs / "block.1.3.state"
+    if kind == "flipped byte":
+        _flip_byte(state, 1000)
+    elif kind == "flipped trailer crc":
+        _flip_byte(state, state.stat().st_size - 8)
+    elif kind == "truncated":
+        os.truncate(state, state.stat().st_size - 100)
+    elif kind == "shorter than a trailer":
+        os.truncate(state, 10)
+    elif kind == "missing":
+        state.unlink()
+    elif kind == "another unit's file":
+        shutil.copy(slabs / "block.0.3.state", state)
+    return state
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("flipped byte", "checksum mismatch"), ("flipped trailer crc", "checksum mismatch"),
+    ("truncated", "truncated|bytes, expected"), ("shorter than a trailer", "cannot read|no slab trailer"),
+    ("missing", "missing"), ("another unit's file", "holds unit 'block.0'")])
+def test_damaged_state_file_is_named_and_nothing_is_touched(tmp_path, kind, match):
+    trained(tmp_path / "run")
+    path = _damage(kind, tmp_path / "run" / "slabs")
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(StoreError, match=match) as error:
+        StreamingTrainer.open(tmp_path / "run")
+    assert "unit block.1" in str(error.value) and str(path) in str(error.value)
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_verify_false_skips_the_crc_but_not_the_size_checks(tmp_path):
+    trained(tmp_path / "run")
+    _damage("flipped byte", tmp_path / "run" / "slabs")
+    HostStore.open(tmp_path / "run", verify=False).close()
+    _damage("truncated", tmp_path / "run" / "slabs")
+    with pytest.raises(StoreError, match="unit block.1"):
+        HostStore.open(tmp_path / "run", verify=False)
+
+
+def _journaled_crash(root: Path, monkeypatch) -> None:
+    """Two steps, then a third whose update stops (disk full) after the journal: a roll-forward is pending."""
+    data = batches(3)
+    with StreamingTrainer(CFG, DISK, store_dir=root) as trainer:
+        for ids in data[:2]:
+            trainer.step(ids)
+        with monkeypatch.context() as patch:
+            fail_writes_after(patch, 4 + 12)  # the gradients, then a unit and a bit
+            with pytest.raises(StoreError, match="disk full"):
+                trainer.step(data[2])
+    assert (root / "journal.json").exists()
+
+
+def test_corrupted_gradient_blocks_the_roll_forward(tmp_path, monkeypatch):
+    _journaled_crash(tmp_path / "run", monkeypatch)
+    _flip_byte(tmp_path / "run" / "slabs" / "head.grad", 20)
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(StoreError, match=r"unit head: checksum mismatch in .*head\.grad"):
+        StreamingTrainer.open(tmp_path / "run")
+    assert snapshot(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda j: {**j, "step": j["step"] + 1}, "does not follow"),
+    (lambda j: {k: v for k, v in j.items() if k != "grad_crc"}, "grad_crc"),
+    (lambda j: "not json{", "cannot be read"),
+])
+def test_damaged_journal_is_an_error(tmp_path, monkeypatch, edit, match):
+    _journaled_crash(tmp_path / "run", monkeypatch)
+    path = tmp_path / "run" / "journal.json"
+    changed = edit(json.loads(path.read_text()))
+    path.write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    with pytest.raises(StoreError, match=match) as error:
+        StreamingTrainer.open(tmp_path / "run")
+    assert "journal.json" in str(error.value)
+
+
+def test_stale_journal_is_ignored_and_removed(tmp_path):
+    """The manifest was written but the journal's removal did not reach the disk (power loss)."""
+    data = batches(3)
+    with StreamingTrainer(CFG, DISK, store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])
+        original = trainer.store.finish_step
+        kept = {}
+
+        def keep_journal(step: int, state: dict) -> None:
+            kept["journal"] = (tmp_path / "run" / "journal.json").read_text()
+            original(step, state)
+
+        trainer.store.finish_step = keep_journal
+        trainer.step(data[1])
+        weights = trainer.state_dict()
+    (tmp_path / "run" / "journal.json").write_text(kept["journal"])
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert trainer.step_count == 2 and same(trainer.state_dict(), weights)
+    assert not (tmp_path / "run" / "journal.json").exists()
+
+
+def test_not_a_store_and_an_unfinished_first_commit(tmp_path):
+    with pytest.raises(StoreError, match="not a weight-streaming store"):
+        HostStore.open(tmp_path)
+    (tmp_path / "slabs").mkdir()
+    with pytest.raises(StoreError, match="nothing was committed.*delete the folder"):
+        HostStore.open(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="not empty"):
+        HostStore.create(tmp_path, StoreSpec(CFG))
+
+
+# --- lock and disk cost ---------------------------------------------------------------------------------------
+
+def test_one_process_at_a_time(tmp_path):
+    trained(tmp_path / "run")
+    store = HostStore.open(tmp_path / "run")
+    with pytest.raises(StoreError, match="in use by another"):
+        HostStore.open(tmp_path / "run")
+    store.close()
+    HostStore.open(tmp_path / "run").close()
+
+
+def test_disk_holds_one_state_plus_gradients_plus_one_unit(tmp_path, monkeypatch):
+    """docs/STORE.md's disk cost, measured at every rename and fsync of two steps."""
+    data = batches(3)
+    with StreamingTrainer(CFG, DISK, store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])
+        slabs = tmp_path / "run" / "slabs"
+        state = {p.name: p.stat().st_size for p in slabs.glob("*.state")}
+        grads = sum(p.stat().st_size for p in slabs.glob("*.grad"))
+        peak = [0]
+
+        def measure(original: Any) -> Any:
+            def wrapper(*args: Any) -> Any:
+                result = original(*args)
+                peak[0] = max(peak[0], sum(p.stat().st_size for p in slabs.iterdir()))
+                return result
+            return wrapper
+
+        monkeypatch.setattr(os, "replace", measure(os.replace))
+        monkeypatch.setattr(os, "fsync", measure(os.fsync))
+        for ids in data[1:]:
+            trainer.step(ids)
+    assert peak[0] <= sum(state.values()) + grads + max(state.values())
+    assert peak[0] > sum(state.values()) + grads  # the one transient copy is there
