@@ -24,6 +24,7 @@ import crash_driver
 from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
 from streamer.slabfile import TRAILER_BYTES, Trailer, file_crc32
+from streamer.soak import soak
 from streamer.store import HostStore
 
 STEPS, KILLS = 20, 12  # per chain
@@ -264,3 +265,16 @@ def test_nonfinite_skip_drops_the_step_and_training_goes_on(tmp_path, monkeypatc
         trainer.step(data[2])
         assert trainer.step_count == 2
         assert_same_weights(trainer.state_dict(), clean)
+
+
+# --- soak ---------------------------------------------------------------------------------------------------
+
+def test_short_soak_disk_tier_is_flat_and_matches_the_ram_tier():
+    """The 500-step soak (python -m streamer.soak, docs/STORE.md) in small: 40 steps, watched after 10."""
+    report = soak(steps=40, warmup=10)
+    assert report.soaked.store == "disk" and report.other is not None and report.other.store == "ram"
+    assert report.same_loss, "the disk tier's loss curve differs from the RAM tier's"
+    assert report.fd_growth == 0, f"open file descriptors grew: {report.soaked.fds}"
+    assert report.rss_growth < 0.05, report.summary()
+    assert report.soaked.losses[-1] < report.soaked.losses[0] - 1.0  # it trains
+    assert report.passed
