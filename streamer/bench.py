@@ -1,0 +1,232 @@
+"""`streamer bench`: our runtime against what users would pick instead, on this machine, in one run.
+
+Every contender runs in its own process (clean peak RSS) in ABBA-ordered blocks; the tables and the
+BENCHMARKS.md this command writes hold only numbers measured in the run (see streamer/bench_compare.py).
+`--quick` is a smoke run of the harness on a tiny model (the test suite runs it), not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import shlex
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from layers import GPTJConfig
+from memory_model import ModelShape, PlanConfig, plan
+from memory_model.calibrate import CalibrationSizes, local_spec
+from streamer.bench_compare import (
+    DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
+    Outcome, data_parallel, disk_tier, gpu, memory, overhead, planner, scale, utilisation, versus_deepspeed,
+    versus_hf, where_time_goes,
+)
+from streamer.bench_machine import (
+    ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
+)
+from streamer.bench_report import write_markdown
+from streamer.bench_runs import Result, Runner
+from streamer.bench_worker import RunSpec
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one bench run measures; `--quick` swaps in tiny sizes so the harness runs in seconds."""
+
+    model: str
+    second: GPTJConfig  # the planner's second model size
+    batch: int
+    seq: int
+    rounds: int
+    warmup: int
+    steps: int
+    deepspeed: bool
+    scale: bool
+    scale_candidates: tuple[str, ...]  # presets tried largest first (plus a fitted width), or the tiny one
+    scale_warmup: int
+    scale_steps: int
+    data_parallel: bool
+    profile: bool
+    matmul_n: int
+    disk_test_bytes: int
+    reserve_fraction: float
+    reserve_min_bytes: int
+    quick: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Settings":
+        if args.quick:
+            return cls(model="gptj-debug", second=GPTJConfig.preset("gptj-demo"), batch=1, seq=32, rounds=1,
+                       warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
+                       scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
+                       disk_test_bytes=16 * 2**20, reserve_fraction=0.0, reserve_min_bytes=0, quick=True)
+        base = GPTJConfig.preset(args.model)
+        # The second size keeps the model's vocabulary and context and shrinks width and depth.
+        second = dataclasses.replace(base, n_embd=base.n_embd * 3 // 4, n_layer=max(1, base.n_layer * 3 // 5),
+                                     n_head=max(1, base.n_head * 3 // 4))
+        if args.steps * args.rounds < 5:
+            raise SystemExit("the medians need at least 5 timed steps: --steps x --rounds >= 5")
+        return cls(model=args.model, second=second, batch=args.batch, seq=args.seq, rounds=args.rounds,
+                   warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
+                   scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
+                   data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=4 * GiB,
+                   reserve_fraction=0.25, reserve_min_bytes=16 * GiB, quick=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.add_argument("--quick", action="store_true", help="smoke run of the harness on a tiny model (< 60 s)")
+    parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
+                        "none: a smoke run must not replace the measured report)")
+    parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=2, help="blocks per contender, in ABBA order")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every block")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--scale-steps", type=int, default=2, help="timed steps of the scale run")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed comparison")
+    parser.add_argument("--no-scale", action="store_true", help="skip the scale run (the longest one)")
+    parser.add_argument("--workdir", type=Path, help="where stores and logs go (default: a temp dir, removed)")
+    parser.add_argument("--child-timeout", type=float, default=4 * 3600, help="seconds one block may take")
+
+
+def _spec(label: str, contender: str, cfg: GPTJConfig, s: Settings, **kw: object) -> RunSpec:
+    fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, **kw}
+    return RunSpec(label=label, contender=contender, model=dataclasses.asdict(cfg), **fields)
+
+
+def _main_specs(cfg: GPTJConfig, s: Settings) -> tuple[list[RunSpec], dict[str, str]]:
+    specs = [_spec(STREAM_RAM, "stream", cfg, s, profile=s.profile),
+             _spec(RESIDENT, "resident", cfg, s, profile=s.profile),
+             _spec(HF_FP32, "hf", cfg, s, dtype="fp32", profile=s.profile),
+             _spec(HF_BF16, "hf", cfg, s, profile=s.profile),
+             _spec(STREAM_DISK, "stream", cfg, s, tier="disk")]
+    skipped = {}
+    if not s.deepspeed:
+        why = "--quick" if s.quick else "--no-deepspeed"
+        skipped = {DS_CPU: why, DS_NVME: why}
+    elif importlib.util.find_spec("deepspeed") is None:
+        why = "deepspeed is not installed (pip install -c constraints.txt -e '.[bench]')"
+        skipped = {DS_CPU: why, DS_NVME: why}
+    else:
+        specs += [_spec(DS_CPU, "deepspeed", cfg, s), _spec(DS_NVME, "deepspeed", cfg, s, tier="disk")]
+    return specs, skipped
+
+
+def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
+    if s.quick:
+        return [ModelChoice(name, GPTJConfig.preset(name)) for name in s.scale_candidates]
+    six, four, small = s.scale_candidates
+    out = [ModelChoice(six, GPTJConfig.preset(six)), ModelChoice(six, GPTJConfig.preset(six), "bf16"),
+           ModelChoice(four, GPTJConfig.preset(four))]
+    fitted = fitted_width(four, budget)
+    if fitted is not None and fitted.params > GPTJConfig.preset(small).num_params():
+        out.append(fitted)
+    return out + [ModelChoice(small, GPTJConfig.preset(small))]
+
+
+def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
+    """The planner's prediction for each of our single-process streamed runs, on the `local` device
+    (device_spec("local") calibrated now; --quick calibrates with tiny sizes)."""
+    sizes = CalibrationSizes(matmul_n=256, copy_bytes=2**20, disk_bytes=2**20, update_params=2**16,
+                             allreduce_bytes=2**16, repeats=1) if quick else None
+    local = local_spec(workdir, refresh=True, sizes=sizes)
+    out = {}
+    for label in (STREAM_RAM, SECOND, STREAM_DISK, SCALE):
+        r = results.get(label)
+        if r is None or not r.ok:
+            continue
+        cfg = GPTJConfig.from_dict(r.spec.model)
+        out[label] = plan(ModelShape.from_config(cfg), local,
+                          PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype, store=r.spec.tier))
+    return out
+
+
+def _output(args: argparse.Namespace) -> Path | None:
+    """BENCHMARKS.md holds a measured run: a --quick smoke run writes a report only where it is told to."""
+    return args.output or (None if args.quick else Path("BENCHMARKS.md"))
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (rebuilt from the options that differ from the defaults)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}")
+             for k, v in vars(args).items() if k in defaults and v != defaults[k]]
+    return " ".join(["streamer bench", *flags])
+
+
+def run(args: argparse.Namespace) -> int:
+    s = Settings.from_args(args)
+    console, started = Console(), time.time()
+    if not console.is_terminal:
+        console.width = 200  # a log file: no terminal to fold the wide tables for
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="streamer-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        machine = describe()
+        console.print("[bold]machine[/]: " + "; ".join(machine.lines()))
+        peaks_first = matmul_peaks(s.matmul_n)
+        disk = {"start": raw_disk(workdir, s.disk_test_bytes)}
+        runner = Runner(workdir, console, args.child_timeout)
+        cfg = GPTJConfig.preset(s.model)
+        specs, skipped = _main_specs(cfg, s)
+        results = runner.compare(specs, s.rounds)
+        results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
+        if s.data_parallel and importlib.util.find_spec("streamer.distributed") is not None:
+            cores = max(1, machine.cores)
+            dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
+                  _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, cores // 2))]
+            results.update(runner.compare(dp, s.rounds))
+        else:
+            why = "--quick" if s.quick else "streamer has no data-parallel support yet"
+            skipped.update({DP_1: why, DP_2: why})
+        pick = None
+        if s.scale:
+            free, budget = disk_budget(workdir, s.reserve_fraction, s.reserve_min_bytes)
+            pick = pick_scale_model(_scale_candidates(s, budget), free, budget)
+            if pick.chosen is not None:
+                disk["scale"] = raw_disk(workdir, s.disk_test_bytes)
+                spec = _spec(SCALE, "stream", pick.chosen.config, s, tier="disk", warmup=s.scale_warmup,
+                             steps=s.scale_steps, moment_dtype=pick.chosen.moment_dtype)
+                results.update(runner.compare([spec], 1))
+        else:
+            skipped[SCALE] = "--no-scale"
+        peaks_last = matmul_peaks(s.matmul_n)
+        peaks = Peaks(max(peaks_first.bf16_flops, peaks_last.bf16_flops),
+                      max(peaks_first.fp32_flops, peaks_last.fp32_flops), s.matmul_n)
+        ctx = Context(results=results, peaks=peaks, plans=_plans(results, workdir, s.quick), scale=pick,
+                      skipped=skipped, disk={STREAM_DISK: disk["start"], SCALE: disk.get("scale", disk["start"])})
+        outcomes: list[Outcome] = [overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
+                                   utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
+                                   gpu(ctx, machine.gpu), *where_time_goes(ctx)]
+        for outcome in outcomes:
+            console.print(outcome.section.rich())
+        targets = [t for o in outcomes for t in o.targets]
+        console.print("\n".join(targets))
+        lines = machine.lines() + [
+            f"matmul peak (best of {s.matmul_n}^3, start and end of the run): bf16 {peaks.bf16_flops / 1e9:,.0f} "
+            f"GFLOP/s, fp32 {peaks.fp32_flops / 1e9:,.0f} GFLOP/s",
+            *(f"raw disk ({name}, {d.nbytes / GiB:.2f} GiB file in {d.where}): read {d.read_bytes_per_s / 1e9:.2f} "
+              f"GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s" for name, d in disk.items()),
+            f"model {s.model}, batch {s.batch} x seq {s.seq}; {s.rounds} blocks per contender (ABBA order), "
+            f"{s.warmup} warm-up + {s.steps} timed steps per block" + ("; --quick: harness check only, the "
+                                                                     "numbers mean nothing" if s.quick else "")]
+        output = _output(args)
+        if output is not None:
+            write_markdown(output, lines, _command(args), time.time() - started, targets,
+                           [o.section for o in outcomes])
+            console.print(f"wrote {output}")
+        return 0
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,323 @@
+"""The issue's comparisons as tables: each turns measured results into a Section and its target verdicts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from layers import GPTJConfig
+from memory_model import BASELINE_BYTES_PER_PARAM, ModelShape, Plan
+from memory_model.shapes import forward_flops
+from streamer.bench_machine import DiskBandwidth, Peaks, ScalePick
+from streamer.bench_report import Section, params, percent, rate, ratio, seconds, size, verdict
+from streamer.bench_runs import Result
+
+STREAM_RAM = "ours streamed, RAM tier"
+STREAM_DISK = "ours streamed, disk tier"
+RESIDENT = "ours resident"
+HF_FP32 = "HF transformers, fp32"
+HF_BF16 = "HF transformers, bf16 autocast"
+DS_CPU = "DeepSpeed ZeRO-3, CPU offload"
+DS_NVME = "DeepSpeed ZeRO-3, NVMe offload"
+SECOND = "ours streamed, RAM tier, second size"
+DP_1 = "ours streamed, 1 process"
+DP_2 = "ours streamed, 2 processes"
+SCALE = "ours streamed, disk tier, scale run"
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Context:
+    results: dict[str, Result]
+    peaks: Peaks
+    disk: dict[str, DiskBandwidth]  # result label -> the raw disk measurement nearest to it in time
+    plans: dict[str, Plan]  # result label -> the planner's prediction for that run (local device)
+    scale: ScalePick | None
+    skipped: dict[str, str] = field(default_factory=dict)  # result label -> why it did not run
+
+
+@dataclass(frozen=True)
+class Outcome:
+    section: Section
+    targets: tuple[str, ...] = ()
+
+
+def _get(ctx: Context, label: str) -> Result | None:
+    result = ctx.results.get(label)
+    return result if result is not None and result.ok else None
+
+
+def _missing(ctx: Context, label: str) -> str:
+    if label in ctx.skipped:
+        return f"not run: {ctx.skipped[label]}"
+    result = ctx.results.get(label)
+    return f"failed: {result.error}" if result is not None else "not run"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _target(name: str, value: str, met: bool | None, why: str = "") -> str:
+    return f"{name}: {verdict(met)} ({value})" + (f" — {why}" if why else "")
+
+
+def _timing_row(ctx: Context, label: str, *extra: str) -> tuple[str, ...]:
+    r = _get(ctx, label)
+    if r is None:
+        return (label, _missing(ctx, label), *("—" for _ in range(2 + len(extra))))
+    return (label, seconds(r.median_s), r.steps_note, f"{r.tokens_per_s:,.0f}", *extra)
+
+
+def overhead(ctx: Context) -> Outcome:
+    resident, stream = _get(ctx, RESIDENT), _get(ctx, STREAM_RAM)
+    value = _div(stream and stream.median_s, resident and resident.median_s)
+    met = None if value is None else value <= 1.10
+    rows = (_timing_row(ctx, RESIDENT, "1.00x", "", ""),
+            _timing_row(ctx, STREAM_RAM, ratio(value), "<= 1.10x", verdict(met)))
+    section = Section("1. Streaming overhead: streamed (RAM tier, resident activations) vs our resident training",
+                      ("run", "step (median)", "timed steps", "tokens/s", "vs resident", "target", "status"), rows,
+                      ("Same model, dtype (bf16 compute, fp32 master and Adam state), batch and sequence.",))
+    return Outcome(section, (_target("1. streamed / resident step <= 1.10x", ratio(value), met),))
+
+
+def _rss_cells(r: Result | None, reference: Result | None) -> tuple[str, str, str]:
+    if r is None:
+        return "—", "—", "—"
+    return size(r.rss_peak_bytes), ratio(_div(r.rss_peak_bytes, reference and reference.rss_peak_bytes)), \
+        size(r.process_rss_peak_bytes)
+
+
+def versus_hf(ctx: Context) -> Outcome:
+    hf = [r for r in (_get(ctx, HF_FP32), _get(ctx, HF_BF16)) if r is not None]
+    faster = min(hf, key=lambda r: r.median_s, default=None)
+    leaner = min(hf, key=lambda r: r.rss_peak_bytes, default=None)
+    rows = []
+    for label in (HF_FP32, HF_BF16, STREAM_RAM, STREAM_DISK):
+        r = _get(ctx, label)
+        time_ratio = _div(r and r.median_s, faster and faster.median_s)
+        rows.append(_timing_row(ctx, label, ratio(time_ratio), *_rss_cells(r, leaner)))
+    ram, disk = _get(ctx, STREAM_RAM), _get(ctx, STREAM_DISK)
+    step_value = _div(ram and ram.median_s, faster and faster.median_s)
+    rss_value = _div(disk and disk.rss_peak_bytes, leaner and leaner.rss_peak_bytes)
+    notes = (f"Step ratios are against the faster HF run ({faster.label if faster else '—'}); RSS ratios against "
+             f"the leaner one ({leaner.label if leaner else '—'}). Peak RSS (steps) is the process's high-water mark "
+             "from the first warm-up step on (reset after setup); process peak includes building the model.",
+             "Our RSS includes the host store (RAM tier: all weights, gradients and Adam state live in the process).")
+    section = Section("2. vs Hugging Face transformers + torch.optim.AdamW (resident)",
+                      ("run", "step (median)", "timed steps", "tokens/s", "step vs faster HF", "peak RSS (steps)",
+                       "RSS vs leaner HF", "process peak RSS"), tuple(rows), notes)
+    return Outcome(section, (
+        _target("2. streamed (RAM) step / faster HF <= 0.7x", ratio(step_value),
+                None if step_value is None else step_value <= 0.7),
+        _target("2. disk-tier peak RSS / leaner HF <= 0.25x", ratio(rss_value),
+                None if rss_value is None else rss_value <= 0.25)))
+
+
+def versus_deepspeed(ctx: Context) -> Outcome:
+    ds = [r for r in (_get(ctx, DS_CPU), _get(ctx, DS_NVME)) if r is not None]
+    faster = min(ds, key=lambda r: r.median_s, default=None)
+    rows, verdicts = [], []
+    for label in (DS_CPU, DS_NVME, STREAM_RAM, STREAM_DISK):
+        r = _get(ctx, label)
+        speedup = _div(faster and faster.median_s, r and r.median_s)
+        rss = _div(r and r.rss_peak_bytes, faster and faster.rss_peak_bytes)
+        status = ""
+        if label in (STREAM_RAM, STREAM_DISK):
+            met = None if speedup is None or rss is None else speedup >= 2.0 and rss <= 1.0
+            status = verdict(met)
+            verdicts.append(_target(f"3. {label}: >= 2x faster than the faster DeepSpeed mode at no more peak RSS",
+                                    f"{ratio(speedup)} faster, {ratio(rss)} the RSS", met))
+        setup = f"{max(r.setup_s):.0f} s" if r is not None else "—"
+        rows.append(_timing_row(ctx, label, ratio(speedup), size(r.rss_peak_bytes) if r else "—", ratio(rss),
+                                setup, status))
+    notes = (f"Speed-ups and RSS ratios are against the faster DeepSpeed mode ({faster.label if faster else '—'}).",
+             "DeepSpeed runs CPU-only (DS_ACCELERATOR=cpu, gloo, one process), bf16 mixed precision, AdamW with the "
+             "same hyper-parameters and clipping; its ops compile during setup, never in a timed step.")
+    section = Section("3. vs DeepSpeed ZeRO-3 with CPU and NVMe offload",
+                      ("run", "step (median)", "timed steps", "tokens/s", "faster DS / this", "peak RSS (steps)",
+                       "RSS vs faster DS", "setup (max)", "target >= 2x at <= RSS"), tuple(rows), notes)
+    return Outcome(section, tuple(verdicts))
+
+
+def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source: str) -> tuple[tuple[str, ...], str]:
+    r, raw = _get(ctx, label), ctx.disk.get(label)
+    if r is None or raw is None:
+        return (label, _missing(ctx, label), *("—" for _ in range(9))), _target(
+            f"4. {label}", "unmeasured", None)
+    read = _div(r.io.get("rchar"), r.phases.get("load_busy"))
+    write = _div(r.io.get("wchar"), r.phases.get("offload_busy"))
+    io_s = r.phases.get("io_busy")
+    bound = max(io_s or 0.0, compute_s or 0.0) or None
+    overlap = _div(r.median_s, bound)
+    read_pct, write_pct = _div(read, raw.read_bytes_per_s), _div(write, raw.write_bytes_per_s)
+    bw_met = None if read_pct is None or write_pct is None else min(read_pct, write_pct) >= 0.8
+    overlap_met = None if overlap is None else overlap <= 1.15
+    row = (label, f"{rate(read)} ({percent(read_pct)} of {rate(raw.read_bytes_per_s)})",
+           f"{rate(write)} ({percent(write_pct)} of {rate(raw.write_bytes_per_s)})",
+           f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
+           f"{size(r.io.get('wchar'))} / {size(r.io.get('write_bytes'))}",
+           seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap),
+           verdict(bw_met), verdict(overlap_met))
+    line = (f"4. {label}: bandwidth >= 80% of raw: {verdict(bw_met)} (read {percent(read_pct)}, write "
+            f"{percent(write_pct)}); step <= 1.15x max(I/O, compute): {verdict(overlap_met)} ({ratio(overlap)})")
+    return row, line
+
+
+def disk_tier(ctx: Context) -> Outcome:
+    ram = _get(ctx, STREAM_RAM)
+    scale = _get(ctx, SCALE)
+    rows, lines = [], []
+    for label, compute, source in (
+            (STREAM_DISK, ram.median_s if ram else None, "RAM-tier step, same model"),
+            (SCALE, scale.phases.get("compute_busy") if scale else None, "compute spans")):
+        row, line = _disk_row(ctx, label, compute, source)
+        rows.append(row)
+        lines.append(line)
+    notes = ("Achieved bandwidth = bytes passed to read/write calls in a step (/proc/self/io rchar, wchar) over the "
+             "wall time the I/O worker spent in load / offload spans. Raw = sequential buffered write + fsync and "
+             "read with the page cache dropped, on the same disk in the same run.",
+             "'read / storage' and 'written / storage' per step: bytes the calls moved vs bytes that reached the "
+             "block device (read_bytes, write_bytes): a store smaller than free RAM is read from the page cache.",
+             "Compute for the scale run is the union of its forward/backward/update spans, which include waits for "
+             "gradient offloads: an upper bound.")
+    section = Section("4. Disk tier: bandwidth and overlap",
+                      ("run", "read (achieved, % raw)", "write (achieved, % raw)", "read / storage per step",
+                       "written / storage per step", "step", "I/O busy", "compute", "step / max(I/O, compute)",
+                       ">= 80% raw", "<= 1.15x"), tuple(rows), notes)
+    return Outcome(section, tuple(lines))
+
+
+def utilisation(ctx: Context) -> Outcome:
+    rows = []
+    for label, r in ctx.results.items():
+        if not r.ok:
+            continue
+        shape = ModelShape.from_config(GPTJConfig.from_dict(r.spec.model))
+        # The planner's count: 3 x the forward's matmul FLOPs (backward = 2 x forward), no recompute.
+        flops = 3 * sum(forward_flops(shape, u, r.spec.batch, r.spec.seq) for u in shape.unit_names())
+        achieved = flops / r.median_s
+        rows.append((label, params(r.params), f"{flops / 1e12:.3g}", seconds(r.median_s),
+                     f"{achieved / 1e9:,.0f}", percent(achieved / ctx.peaks.bf16_flops)))
+    notes = (f"Peak: best of timed {ctx.peaks.n}^3 matmuls in this run: bf16 {ctx.peaks.bf16_flops / 1e9:,.0f} "
+             f"GFLOP/s, fp32 {ctx.peaks.fp32_flops / 1e9:,.0f} GFLOP/s. Model FLOPs per step = 3 x the forward's "
+             "matmul FLOPs (memory_model.planner), the same count for every contender of a model.",)
+    return Outcome(Section("5. Utilisation: model FLOP/s vs this CPU's measured bf16 matmul peak",
+                           ("run", "params", "model TFLOP/step", "step", "achieved GFLOP/s", "MFU (bf16 peak)"),
+                           tuple(rows), notes))
+
+
+def scale(ctx: Context) -> Outcome:
+    pick, r = ctx.scale, _get(ctx, SCALE)
+    notes = []
+    if pick is not None:
+        notes.append(f"Free disk {size(pick.free_bytes)}; the run may use {size(pick.budget_bytes)} (the rest is "
+                     "left to other users of the disk). Candidates, largest first: " + "; ".join(
+                         f"{c.describe()} store {size(c.store_bytes)} {'fits' if fits else 'does not fit'}"
+                         for c, fits in pick.considered))
+    if r is None or pick is None or pick.chosen is None:
+        why = _missing(ctx, SCALE) if pick is None or pick.chosen is not None else "no candidate fits the disk"
+        return Outcome(Section("6. Scale on this machine", ("model", "status"), (("—", why),), tuple(notes)),
+                       (_target("6. >= 3B params at peak RSS <= 8 GiB", why, None),))
+    chosen, p = pick.chosen, r.phases
+    stretch = chosen.params >= 6e9  # GPT-J-6B itself; bf16 Adam moments are acceptable for it (stated)
+    met = chosen.params >= 3e9 and (chosen.moment_dtype == "fp32" or stretch) and r.rss_peak_bytes <= 8 * GiB
+    row = (chosen.describe(), size(chosen.store_bytes), r.steps_note, seconds(r.median_s),
+           f"{r.tokens_per_s:,.1f}", size(r.rss_peak_bytes),
+           f"{seconds(p.get('load_busy'))} / {seconds(p.get('offload_busy'))} / {seconds(p.get('io_busy'))}",
+           f"{seconds(p.get('forward'))} / {seconds(p.get('backward'))} / {seconds(p.get('update'))}",
+           verdict(met), verdict(stretch))
+    notes.append("Where the time goes, per step: I/O = load / offload / either busy (wall time of the I/O spans); "
+                 "compute = forward / backward / update spans. Fewer than 5 timed steps: each step moves the "
+                 "whole store through the disk twice (stated, not hidden).")
+    section = Section("6. Scale on this machine (disk tier, fp32 master weights)",
+                      ("model", "store on disk", "timed steps", "step (median)", "tokens/s", "peak RSS (steps)",
+                       "I/O: load / offload / busy", "compute: fwd / bwd / update", ">= 3B at <= 8 GiB",
+                       "stretch: GPT-J-6B"), (row,), tuple(notes))
+    return Outcome(section, (_target("6. >= 3B params at peak RSS <= 8 GiB",
+                                     f"{chosen.params / 1e9:.2f}B, {size(r.rss_peak_bytes)}", met),
+                             _target("6. stretch: GPT-J-6B", chosen.describe(), stretch)))
+
+
+def memory(ctx: Context) -> Outcome:
+    rows = []
+    for label, r in ctx.results.items():
+        if r.ok and r.spec.contender == "stream":
+            baseline = BASELINE_BYTES_PER_PARAM * r.params
+            parts = ", ".join(f"{k} {size(v)}" for k, v in r.ledger_peak_breakdown.items() if v)
+            rows.append((label, params(r.params), size(baseline), size(r.ledger_peak_bytes),
+                         ratio(_div(baseline, r.ledger_peak_bytes)), parts))
+    return Outcome(Section("7. Memory: peak device memory (ledger) vs the 16 B/param baseline",
+                           ("run", "params", "16 B/param", "ledger peak", "baseline / peak", "peak breakdown"),
+                           tuple(rows), ("Only our runs keep a ledger; for the others see peak RSS above.",)))
+
+
+def planner(ctx: Context) -> Outcome:
+    rows, within = [], []
+    for label, plan in ctx.plans.items():
+        r = _get(ctx, label)
+        if r is None:
+            continue
+        time_err = plan.step_time_s / r.median_s - 1
+        peak_err = plan.peak_device_bytes / r.ledger_peak_bytes - 1
+        ok = abs(time_err) <= 0.20 and abs(peak_err) <= 0.05
+        if plan.config.store == "ram":
+            within.append(ok)
+        rows.append((label, params(plan.params), plan.config.store, seconds(plan.step_time_s),
+                     seconds(r.median_s), f"{time_err:+.0%}", size(plan.peak_device_bytes), size(r.ledger_peak_bytes),
+                     f"{peak_err:+.1%}", verdict(ok)))
+    met = None if len(within) < 2 else all(within)
+    notes = ("memory_model.plan on device_spec('local') calibrated in this run; bar: step within 20% and peak within "
+             "5%, for at least two model sizes (RAM tier).",)
+    section = Section("Planner vs measured", ("run", "params", "store", "predicted step", "measured step",
+                                              "step error", "predicted peak", "ledger peak", "peak error", "status"),
+                      tuple(rows), notes)
+    return Outcome(section, (_target("planner within 20% (time) and 5% (peak) for two sizes",
+                                     f"{sum(within)}/{len(within)} RAM-tier sizes", met),))
+
+
+def data_parallel(ctx: Context) -> Outcome:
+    one, two = _get(ctx, DP_1), _get(ctx, DP_2)
+    if one is None and two is None:
+        why = _missing(ctx, DP_1)
+        return Outcome(Section("Data parallel: tokens/s with 1 and 2 processes", ("run", "status"), ((DP_2, why),)))
+    rows = []
+    for label, r in ((DP_1, one), (DP_2, two)):
+        if r is None:
+            rows.append((label, _missing(ctx, label), "—", "—", "—", "—"))
+            continue
+        threads = r.spec.threads or "default"
+        rows.append((label, f"{r.spec.world} x {threads} threads", f"{r.spec.batch} x {r.spec.seq}",
+                     seconds(r.median_s), f"{r.tokens_per_s:,.0f}", size(r.rss_peak_bytes)))
+    speedup = _div(two and two.tokens_per_s, one and one.tokens_per_s)
+    return Outcome(Section("Data parallel: tokens/s with 1 and 2 processes (torch.distributed, gloo)",
+                           ("run", "processes", "global batch", "step (median)", "tokens/s", "peak RSS per process"),
+                           tuple(rows), (f"2 processes / 1 process: {ratio(speedup)} the tokens/s, same cores.",)))
+
+
+def gpu(ctx: Context, device: str) -> Outcome:
+    why = ("unmeasured (no GPU in this run)" if not device
+           else f"unmeasured: this bench runs CPU contenders only ({device})")
+    rows = tuple((name, why) for name in (
+        "1. streaming overhead on the GPU", "7. ledger peak vs 16 B/param on the GPU",
+        "GPT-J-6B (random init) streamed on one GPU, <= 16 GiB budget: tokens/s, TFLOP/s, MFU (target >= 400 "
+        "TFLOP/s on an H100)"))
+    return Outcome(Section("On a CUDA GPU", ("comparison", "result"), rows),
+                   (f"GPU: GPT-J-6B streamed >= 400 TFLOP/s on an H100: {why}",))
+
+
+def where_time_goes(ctx: Context) -> list[Outcome]:
+    phases = [(label, r) for label, r in ctx.results.items() if r.ok and r.phases]
+    rows = tuple((label, *(seconds(r.phases.get(k)) for k in ("forward", "backward", "update", "load",
+                                                                "offload", "io_busy")), seconds(r.median_s))
+                 for label, r in phases)
+    out = [Outcome(Section("Where our step time goes (trace spans, median per step)",
+                           ("run", "forward", "backward", "update", "load", "offload", "I/O busy", "step"), rows,
+                           ("forward/backward/update run on the main thread; load/offload on the I/O worker, "
+                            "overlapped with them.",)))]
+    for label, r in ctx.results.items():
+        if r.ok and r.profile:
+            total = sum(p[1] for p in r.profile) or 1.0
+            out.append(Outcome(Section(
+                f"Profile: {label} — top operators by self CPU time (one extra step after the timed ones)",
+                ("operator", "self CPU", "share of listed", "calls"),
+                tuple((name, seconds(s), percent(s / total), str(calls)) for name, s, calls in r.profile))))
+    return out

@@ -1,0 +1,162 @@
+"""What `streamer bench` measures about the machine itself: description, matmul peak, raw disk bandwidth, and
+the largest GPT-J-shaped model whose disk-tier store fits the free disk."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from layers import GPTJConfig
+from memory_model import format_size
+from streamer.bench_report import params
+from memory_model.calibrate import measure_disk, measure_matmul_flops
+from streamer.store import StoreSpec
+
+STORE_KINDS = ("compute", "master", "exp_avg", "exp_avg_sq", "grad")  # everything a disk-tier store holds
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    cores: int
+    ram_bytes: int
+    torch: str
+    python: str
+    kernel: str
+    commit: str
+    date: str
+    gpu: str  # "" when torch sees none
+    libraries: tuple[str, ...]  # "name version" of the contenders' libraries, or "name: not installed"
+
+    def lines(self) -> list[str]:
+        return [f"CPU: {self.cpu}, {self.cores} cores; RAM {format_size(self.ram_bytes)}",
+                f"GPU: {self.gpu or 'none (torch sees no CUDA device)'}",
+                f"torch {self.torch}, Python {self.python}, Linux {self.kernel}; " + ", ".join(self.libraries),
+                f"commit {self.commit}; date {self.date}"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(name: str) -> str:
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{name}: not installed"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def describe() -> Machine:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return Machine(cpu=_cpu_model(), cores=os.cpu_count() or 1, ram_bytes=psutil.virtual_memory().total,
+                   torch=torch.__version__, python=platform.python_version(), kernel=platform.release(),
+                   commit=_commit(), date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+                   gpu=gpu, libraries=tuple(_version(n) for n in ("transformers", "deepspeed")))
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Best of `repeats` timed square matmuls with torch's default threads, measured in this run."""
+
+    bf16_flops: float
+    fp32_flops: float
+    n: int
+
+
+def matmul_peaks(n: int, repeats: int = 5) -> Peaks:
+    return Peaks(measure_matmul_flops(torch.bfloat16, n, repeats), measure_matmul_flops(torch.float32, n, repeats), n)
+
+
+@dataclass(frozen=True)
+class DiskBandwidth:
+    """Sequential buffered write + fsync, then read with the file dropped from the page cache."""
+
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    nbytes: int
+    where: str
+
+
+def raw_disk(directory: Path, nbytes: int) -> DiskBandwidth:
+    read, write = measure_disk(directory, nbytes)
+    return DiskBandwidth(read, write, nbytes, str(directory))
+
+
+# --- the scale run -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelChoice:
+    name: str
+    config: GPTJConfig
+    moment_dtype: str = "fp32"
+
+    @property
+    def params(self) -> int:
+        return self.config.num_params()
+
+    @property
+    def store_bytes(self) -> int:
+        """Bytes of a disk-tier store of this model (bf16 compute weights), from the store's own dtypes."""
+        spec = StoreSpec(self.config, "bf16", self.moment_dtype)
+        return self.params * sum(spec.kind_dtype(k).itemsize for k in STORE_KINDS)
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{self.name} ({params(self.params)} params: d_model {c.n_embd}, {c.n_layer} layers, "
+                f"{c.n_head} heads; {self.moment_dtype} Adam moments)")
+
+
+def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32") -> ModelChoice | None:
+    """A preset's width with as many layers as a disk budget holds (None when not even one block fits)."""
+    base = GPTJConfig.preset(preset)
+    one = ModelChoice(preset, dataclasses.replace(base, n_layer=1), moment_dtype)
+    two = ModelChoice(preset, dataclasses.replace(base, n_layer=2), moment_dtype)
+    per_block = two.store_bytes - one.store_bytes
+    layers = min(base.n_layer, (budget_bytes - (one.store_bytes - per_block)) // per_block)
+    if layers < 1:
+        return None
+    return ModelChoice(f"{preset} width, {layers} layers", dataclasses.replace(base, n_layer=int(layers)), moment_dtype)
+
+
+@dataclass(frozen=True)
+class ScalePick:
+    chosen: ModelChoice | None
+    free_bytes: int
+    budget_bytes: int
+    considered: tuple[tuple[ModelChoice, bool], ...]  # (candidate, fits), largest first
+
+
+def disk_budget(directory: Path, reserve_fraction: float, reserve_min_bytes: int) -> tuple[int, int]:
+    """(free bytes, what the scale run may use): other users of the disk keep the reserve."""
+    free = shutil.disk_usage(directory).free
+    return free, max(0, free - max(int(free * reserve_fraction), reserve_min_bytes))
+
+
+def pick_scale_model(candidates: list[ModelChoice], free: int, budget: int) -> ScalePick:
+    """The first (largest) candidate whose store fits the budget."""
+    considered = tuple((c, c.store_bytes <= budget) for c in candidates)
+    chosen = next((c for c, fits in considered if fits), None)
+    return ScalePick(chosen, free, budget, considered)

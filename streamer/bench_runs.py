@@ -1,0 +1,169 @@
+"""Running contenders for `streamer bench`: one child process per block, blocks in ABBA order, medians.
+
+Each contender runs in `rounds` blocks (a fresh process each: warm-up, then timed steps), and the order of
+the contenders reverses every round, so that slow drift on a shared machine (other jobs starting and
+stopping) falls on every contender alike. A contender's steps from all blocks are pooled for the median.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from rich.console import Console
+
+from streamer.bench_worker import RESULT_TAG, Measured, RunSpec
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Result:
+    """A contender's blocks merged: timed steps pooled, peaks maxed, per-step counters as medians."""
+
+    spec: RunSpec
+    ok: bool
+    error: str
+    params: int
+    blocks: int
+    setup_s: tuple[float, ...]
+    step_s: tuple[float, ...]
+    rss_peak_bytes: int
+    process_rss_peak_bytes: int
+    io: dict[str, float]
+    phases: dict[str, float]
+    ledger_peak_bytes: int
+    ledger_peak_breakdown: dict[str, int]
+    profile: tuple[tuple[str, float, int], ...]
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.step_s) if self.ok and self.step_s else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        median = self.median_s
+        return None if median is None else self.spec.batch * self.spec.seq / median
+
+    @property
+    def steps_note(self) -> str:
+        return f"{len(self.step_s)} ({self.blocks}x{self.spec.steps}, {self.spec.warmup} warm-up each)"
+
+
+def _median_by_key(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for row in rows for k in row}
+    return {k: statistics.median(row[k] for row in rows if k in row) for k in sorted(keys)}
+
+
+def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
+    failed = next((b for b in blocks if not b.ok), None)
+    good = [b for b in blocks if b.ok]
+    return Result(
+        spec=spec, ok=failed is None and bool(good), error=failed.error if failed else "",
+        params=max((b.params for b in good), default=0), blocks=len(blocks),
+        setup_s=tuple(b.setup_s for b in good), step_s=tuple(s for b in good for s in b.step_s),
+        rss_peak_bytes=max((b.step_rss_peak_bytes for b in good), default=0),
+        process_rss_peak_bytes=max((b.process_rss_peak_bytes for b in good), default=0),
+        io=_median_by_key([row for b in good for row in b.io]),
+        phases=_median_by_key([row for b in good for row in b.phases]),
+        ledger_peak_bytes=max((b.ledger_peak_bytes for b in good), default=0),
+        ledger_peak_breakdown=max(good, key=lambda b: b.ledger_peak_bytes).ledger_peak_breakdown if good else {},
+        profile=tuple(tuple(p) for b in good for p in b.profile),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+class Runner:
+    def __init__(self, workdir: Path, console: Console, child_timeout_s: float) -> None:
+        self.workdir, self.console, self.child_timeout_s = workdir, console, child_timeout_s
+        self.blocks_run = 0
+
+    def _env(self, spec: RunSpec, rank: int, port: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+        env["PYTHONUNBUFFERED"] = "1"
+        if spec.contender == "deepspeed":
+            env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; without it, it looks for CUDA
+        if spec.world > 1:  # what torchrun would set for this rank
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world),
+                       LOCAL_WORLD_SIZE=str(spec.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return env
+
+    def block(self, spec: RunSpec, round_index: int) -> Measured:
+        """One fresh process per rank; the result is rank 0's, with the largest peak RSS of any rank."""
+        run_dir = self.workdir / "runs" / f"{_slug(spec.label)}-r{round_index}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        spec_json = json.dumps({**json.loads(spec.to_json()), "workdir": str(run_dir)})
+        port = _free_port()
+        logs = [run_dir / f"rank{rank}.log" for rank in range(spec.world)]
+        procs = []
+        for rank, log in enumerate(logs):
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "streamer.bench_worker", spec_json],
+                                              stdout=out, stderr=subprocess.STDOUT, env=self._env(spec, rank, port)))
+        results = [self._wait(proc, log, spec.label) for proc, log in zip(procs, logs)]
+        shutil.rmtree(run_dir, ignore_errors=True)  # a disk-tier store can be tens of GB
+        first = results[0]
+        if first.ok and spec.world > 1:
+            failed = next((r for r in results if not r.ok), None)
+            if failed is not None:
+                first.ok, first.error = False, failed.error
+            first.step_rss_peak_bytes = max(r.step_rss_peak_bytes for r in results)
+            first.process_rss_peak_bytes = max(r.process_rss_peak_bytes for r in results)
+        self.blocks_run += 1
+        return first
+
+    def _wait(self, proc: subprocess.Popen, log: Path, label: str) -> Measured:
+        try:
+            proc.wait(timeout=self.child_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return Measured(label, ok=False, error=f"no result within {self.child_timeout_s:.0f} s (killed)")
+        text = log.read_text(errors="replace")
+        for line in reversed(text.splitlines()):
+            if line.startswith(RESULT_TAG):
+                raw = json.loads(line[len(RESULT_TAG):])
+                return Measured(**{f.name: raw[f.name] for f in fields(Measured)})
+        tail = " | ".join(text.strip().splitlines()[-6:])
+        return Measured(label, ok=False, error=f"exit status {proc.returncode} without a result: {tail}"[-2000:])
+
+    def compare(self, specs: list[RunSpec], rounds: int) -> dict[str, Result]:
+        """Every spec in `rounds` blocks; odd rounds run the contenders in reverse order (ABBA)."""
+        blocks: dict[str, list[Measured]] = {s.label: [] for s in specs}
+        for r in range(rounds):
+            for spec in specs if r % 2 == 0 else list(reversed(specs)):
+                # One profiled step, in the last block only, so that the profiler never slows a timed step.
+                spec = dataclasses.replace(spec, profile=spec.profile and r == rounds - 1)
+                self.console.print(f"[bold]{spec.label}[/]: round {r + 1}/{rounds} "
+                                   f"({spec.warmup} warm-up + {spec.steps} timed steps) ...")
+                measured = self.block(spec, r)
+                blocks[spec.label].append(measured)
+                if measured.ok:
+                    self.console.print(f"  median {statistics.median(measured.step_s):.3g} s/step "
+                                       f"(setup {measured.setup_s:.0f} s), "
+                                       f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB")
+                else:
+                    self.console.print(f"  [red]failed[/]: {measured.error[:300]}")
+        return {s.label: merge(s, blocks[s.label]) for s in specs}

@@ -1,0 +1,292 @@
+"""One contender of `streamer bench`, alone in its own process so that its peak RSS is its own.
+
+`python -m streamer.bench_worker '<RunSpec JSON>'` builds the contender, runs `warmup` untimed and `steps`
+timed optimizer steps on random token batches, and prints one line `BENCH-RESULT {json}` (other libraries
+print freely on stdout; the tag marks ours). Contenders: our streamed trainer (RAM or disk tier), our
+resident trainer, Hugging Face transformers + torch AdamW, DeepSpeed ZeRO-3 with CPU or NVMe offload.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+RESULT_TAG = "BENCH-RESULT "
+CONTENDERS = ("stream", "resident", "hf", "deepspeed")
+IO_COUNTERS = ("rchar", "wchar", "read_bytes", "write_bytes")
+IO_PHASES, COMPUTE_PHASES = ("load", "offload"), ("forward", "backward", "update")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one child measures. `tier` is where the training state lives: ram, or disk (DeepSpeed: nvme)."""
+
+    label: str
+    contender: str
+    model: dict[str, Any]  # layers.GPTJConfig fields
+    batch: int
+    seq: int
+    dtype: str = "bf16"  # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
+    tier: str = "ram"
+    moment_dtype: str = "fp32"
+    warmup: int = 2
+    steps: int = 5
+    world: int = 1  # data-parallel processes (ours only); the parent starts one child per rank
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    profile: bool = False  # one more step under torch.profiler after the timed ones
+    workdir: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.contender not in CONTENDERS:
+            raise ValueError(f"contender must be one of {CONTENDERS}, got {self.contender!r}")
+        if self.dtype not in ("bf16", "fp32") or self.tier not in ("ram", "disk"):
+            raise ValueError(f"dtype must be bf16|fp32 and tier ram|disk, got {self.dtype!r}, {self.tier!r}")
+        for name in ("batch", "seq", "steps", "world"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.threads < 0:
+            raise ValueError("warmup and threads must be >= 0")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        return cls(**json.loads(text))
+
+
+@dataclass
+class Measured:
+    """What the child reports; lists hold one entry per timed step."""
+
+    label: str
+    ok: bool = True
+    error: str = ""
+    params: int = 0
+    setup_s: float = 0.0
+    warmup_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_rss_peak_bytes: int = 0  # VmHWM over the steps (the high-water mark is reset after setup)
+    process_rss_peak_bytes: int = 0  # ru_maxrss: setup included
+    io: list[dict[str, int]] = field(default_factory=list)  # /proc/self/io deltas per timed step
+    phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step
+    ledger_peak_bytes: int = 0
+    ledger_peak_breakdown: dict[str, int] = field(default_factory=dict)
+    profile: list[tuple[str, float, int]] = field(default_factory=list)  # (op, self CPU s, calls)
+
+
+# --- contenders ---------------------------------------------------------------------------------------------
+class Contender:
+    """A step function and, for ours, the trace of each step."""
+
+    def __init__(self, step: Callable[[Any], float], params: int, trainer: Any = None) -> None:
+        self.step, self.params, self.trainer = step, params, trainer
+
+
+def _gptj_config(spec: RunSpec) -> Any:
+    from layers import GPTJConfig
+    return GPTJConfig.from_dict(spec.model)
+
+
+def _ours(spec: RunSpec) -> Contender:
+    from layers import GPTJ
+    from streamer import StreamingTrainer, TrainerConfig
+    from streamer.resident import ResidentTrainer
+    cfg = _gptj_config(spec)
+    tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations="resident",
+                       moment_dtype=spec.moment_dtype, seed=spec.seed)
+    if spec.contender == "stream":
+        trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
+        return Contender(trainer.step, cfg.num_params(), trainer)
+    resident = ResidentTrainer(cfg, tc, GPTJ(cfg).state_dict())
+    return Contender(resident.step, cfg.num_params())
+
+
+def _hf_model(spec: RunSpec) -> Any:
+    from transformers import GPTJConfig as HFConfig
+    fields = {k: v for k, v in _gptj_config(spec).to_hf().items() if k not in ("architectures", "model_type")}
+    return HFConfig(**fields)
+
+
+def _hf(spec: RunSpec) -> Contender:
+    """What a user writes: GPTJForCausalLM, torch AdamW with decay / no-decay groups, clipping, autocast."""
+    import torch
+    from transformers import GPTJForCausalLM
+    model = GPTJForCausalLM(_hf_model(spec))
+    model.train()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    def step(ids: torch.Tensor) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.dtype == "bf16"):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return float(loss)
+
+    return Contender(step, sum(p.numel() for p in params))
+
+
+def _deepspeed(spec: RunSpec) -> Contender:
+    """ZeRO-3, parameters and optimizer offloaded to CPU memory or to NVMe files, one gloo process."""
+    import logging
+    import socket
+
+    import torch
+    import torch._dynamo  # noqa: F401  zero.Init patches tensor constructors; dynamo must import before it
+    with socket.socket() as s:  # a free port for the one-process gloo group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(launcher_env)
+    import deepspeed
+    from transformers import GPTJForCausalLM
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if spec.tier == "ram":
+        offload = {"device": "cpu"}
+    else:
+        nvme = Path(spec.workdir) / "nvme"
+        nvme.mkdir(parents=True, exist_ok=True)
+        offload = {"device": "nvme", "nvme_path": str(nvme)}
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                   "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload)},
+        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }
+    deepspeed.init_distributed(dist_backend="gloo")
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = GPTJForCausalLM(_hf_model(spec))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(ids: torch.Tensor) -> float:
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    return Contender(step, _gptj_config(spec).num_params())
+
+
+# --- measurement ---------------------------------------------------------------------------------------------
+def _io_counters() -> dict[str, int]:
+    """Bytes this process passed to read/write calls (rchar, wchar) and that reached the storage layer."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {}
+    raw = dict(line.split(": ") for line in lines)
+    return {k: int(raw[k]) for k in IO_COUNTERS if k in raw}
+
+
+def _reset_rss_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _rss_peak() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _union_s(spans: list[Any]) -> float:
+    """Wall seconds covered by at least one span (spans on several threads overlap)."""
+    total, end = 0.0, float("-inf")
+    for span in sorted(spans, key=lambda s: s.start_s):
+        if span.end_s > end:
+            total += span.end_s - max(span.start_s, end)
+            end = span.end_s
+    return total
+
+
+def _phases(trainer: Any, step: int) -> dict[str, float]:
+    spans = trainer.trace.spans(step)
+    out = {phase: sum(s.duration_s for s in spans if s.phase == phase) for phase in (*COMPUTE_PHASES, *IO_PHASES)}
+    for name, phases in (("load", ("load",)), ("offload", ("offload",)), ("io", IO_PHASES),
+                         ("compute", COMPUTE_PHASES)):
+        out[f"{name}_busy"] = _union_s([s for s in spans if s.phase in phases])
+    return out
+
+
+def _profile_step(step: Callable[[], float], rows: int = 15) -> list[tuple[str, float, int]]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    averages = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+    return [(a.key, a.self_cpu_time_total / 1e6, a.count) for a in averages[:rows]]
+
+
+def measure(spec: RunSpec) -> Measured:
+    import torch
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    out = Measured(spec.label)
+    start = time.perf_counter()
+    builder = {"stream": _ours, "resident": _ours, "hf": _hf, "deepspeed": _deepspeed}[spec.contender]
+    contender = builder(spec)
+    out.setup_s, out.params = time.perf_counter() - start, contender.params
+    vocab = spec.model.get("vocab_size", 50400)
+    generator = torch.Generator().manual_seed(spec.seed)
+
+    def one_step() -> float:
+        return contender.step(torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator))
+
+    _reset_rss_peak()
+    for _ in range(spec.warmup):
+        t0 = time.perf_counter()
+        one_step()
+        out.warmup_s.append(time.perf_counter() - t0)
+    for i in range(spec.steps):
+        io_before, t0 = _io_counters(), time.perf_counter()
+        out.losses.append(one_step())
+        out.step_s.append(time.perf_counter() - t0)
+        io_after = _io_counters()
+        out.io.append({k: io_after[k] - io_before[k] for k in io_after})
+        if contender.trainer is not None:
+            out.phases.append(_phases(contender.trainer, contender.trainer.step_count))
+    out.step_rss_peak_bytes = _rss_peak()
+    if contender.trainer is not None:
+        out.ledger_peak_bytes = contender.trainer.ledger.peak
+        out.ledger_peak_breakdown = contender.trainer.ledger.peak_breakdown
+    if spec.profile:
+        out.profile = _profile_step(one_step)
+    out.process_rss_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def main(argv: list[str]) -> int:
+    spec = RunSpec.from_json(argv[0])
+    try:
+        result = measure(spec)
+    except Exception as exc:  # reported to the parent, which records it in BENCHMARKS.md as the result
+        traceback.print_exc()
+        result = Measured(spec.label, ok=False, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:2000])
+    print(RESULT_TAG + json.dumps(dataclasses.asdict(result)), flush=True)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""`streamer bench`: the harness runs end to end (`--quick`), and its pieces compute what they claim.
+
+These check the harness, not the numbers: `--quick` measures a tiny model and says so in its report.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from layers import GPTJConfig
+from streamer import bench
+from streamer.bench_machine import ModelChoice, fitted_width, pick_scale_model
+from streamer.bench_report import Section
+from streamer.bench_runs import Runner, merge
+from streamer.bench_worker import Measured, RunSpec, _union_s
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_section(tmp_path):
+    out = tmp_path / "BENCH.md"
+    assert bench.run(_parse(["--quick", "--output", str(out), "--workdir", str(tmp_path / "work")])) == 0
+    text = out.read_text()
+    for title in ("1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed", "4. Disk tier",
+                  "5. Utilisation", "6. Scale", "7. Memory", "Planner vs measured", "Data parallel",
+                  "On a CUDA GPU", "## Targets"):
+        assert title in text
+    assert "command: `streamer bench --quick --output" in text
+    assert "CPU: " in text and "torch " in text
+    assert "unmeasured (no GPU in this run)" in text or "GPU: none" not in text
+    # Every contender of the quick run produced timed steps (none failed, none silently missing).
+    assert "failed:" not in text
+    assert "not run: --quick" in text  # DeepSpeed and data parallel are skipped, and say why
+    # Stores and logs are removed after each block: the scale run's store does not linger.
+    assert not list((tmp_path / "work" / "runs").glob("*/store"))
+
+
+def test_worker_reports_a_failure_instead_of_numbers(tmp_path):
+    """A contender that cannot run is recorded with its error, never with made-up times."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    spec = RunSpec(label="broken", contender="stream", model={**dataclasses.asdict(cfg), "n_head": 3}, batch=1, seq=8,
+                   warmup=0, steps=1)
+    result = Runner(tmp_path, console=_Quiet(), child_timeout_s=120).block(spec, 0)
+    assert not result.ok and result.step_s == []
+    assert "n_head" in result.error or "divisible" in result.error
+
+
+def test_worker_measures_our_streamed_trainer(tmp_path):
+    cfg = GPTJConfig.preset("gptj-debug")
+    spec = RunSpec(label="ours", contender="stream", model=dataclasses.asdict(cfg), batch=1, seq=16, tier="disk",
+                   warmup=1, steps=2)
+    result = Runner(tmp_path, console=_Quiet(), child_timeout_s=300).block(spec, 0)
+    assert result.ok, result.error
+    assert len(result.step_s) == 2 and len(result.warmup_s) == 1 and all(t > 0 for t in result.step_s)
+    assert result.ledger_peak_bytes > 0 and result.step_rss_peak_bytes > 0
+    assert {"forward", "backward", "update", "load", "offload", "io_busy"} <= set(result.phases[0])
+    assert result.io[0]["wchar"] > 0  # a disk-tier step writes its new state
+
+
+class _Quiet:
+    def print(self, *_: object, **__: object) -> None:
+        pass
+
+
+def _measured(label: str, steps: list[float], rss: int, ok: bool = True) -> Measured:
+    return Measured(label, ok=ok, error="" if ok else "boom", params=10, setup_s=1.0, step_s=steps,
+                    step_rss_peak_bytes=rss, io=[{"rchar": 4}] * len(steps), phases=[{"load": 1.0}] * len(steps))
+
+
+def test_merge_pools_steps_and_takes_the_highest_peak():
+    spec = RunSpec(label="a", contender="hf", model={}, batch=2, seq=8, steps=3)
+    merged = merge(spec, [_measured("a", [3.0, 1.0, 2.0], 100), _measured("a", [5.0, 4.0, 6.0], 300)])
+    assert merged.ok and merged.step_s == (3.0, 1.0, 2.0, 5.0, 4.0, 6.0)
+    assert merged.median_s == 3.5 and merged.tokens_per_s == 16 / 3.5
+    assert merged.rss_peak_bytes == 300 and merged.io == {"rchar": 4}
+    failed = merge(spec, [_measured("a", [1.0], 1), _measured("a", [], 0, ok=False)])
+    assert not failed.ok and failed.error == "boom" and failed.median_s is None
+
+
+def test_abba_order_reverses_every_round(tmp_path, monkeypatch):
+    order = []
+    runner = Runner(tmp_path, console=_Quiet(), child_timeout_s=1)
+    monkeypatch.setattr(runner, "block", lambda spec, r: order.append((spec.label, r)) or _measured(
+        spec.label, [1.0], 1))
+    specs = [RunSpec(label=x, contender="hf", model={}, batch=1, seq=1) for x in "ABC"]
+    runner.compare(specs, rounds=2)
+    assert order == [("A", 0), ("B", 0), ("C", 0), ("C", 1), ("B", 1), ("A", 1)]
+
+
+def test_union_of_overlapping_spans():
+    class S:
+        def __init__(self, a: float, b: float) -> None:
+            self.start_s, self.end_s = a, b
+    assert _union_s([S(0, 2), S(1, 3), S(5, 6)]) == pytest.approx(4.0)
+    assert _union_s([]) == 0.0
+
+
+def test_scale_pick_takes_the_largest_store_that_fits():
+    four = ModelChoice("gptj-4b", GPTJConfig.preset("gptj-4b"))
+    small = ModelChoice("gptj-2.7b", GPTJConfig.preset("gptj-2.7b"))
+    # 18 B/param: bf16 compute weights, fp32 master, two fp32 moments, fp32 gradient accumulator.
+    assert four.store_bytes == 18 * four.params
+    assert ModelChoice("x", four.config, "bf16").store_bytes == 14 * four.params
+    pick = pick_scale_model([four, small], free=10**12, budget=small.store_bytes + 1)
+    assert pick.chosen is small and [fits for _, fits in pick.considered] == [False, True]
+    fitted = fitted_width("gptj-4b", small.store_bytes)
+    assert fitted is not None and fitted.store_bytes <= small.store_bytes
+    deeper = dataclasses.replace(fitted.config, n_layer=fitted.config.n_layer + 1)
+    assert ModelChoice("y", deeper).store_bytes > small.store_bytes
+    assert fitted_width("gptj-4b", 1000) is None
+
+
+def test_section_renders_markdown_and_rejects_ragged_rows():
+    section = Section("T", ("a", "b"), (("x|y", "1"),), ("note",))
+    text = section.markdown()
+    assert "| x\\|y | 1 |" in text and "- note" in text
+    with pytest.raises(ValueError):
+        Section("T", ("a", "b"), (("only one",),))
+
+
+def test_spec_round_trips_and_validates():
+    spec = RunSpec(label="a", contender="deepspeed", model={"n_layer": 2}, batch=1, seq=4, tier="disk")
+    assert RunSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError):
+        RunSpec(label="a", contender="jax", model={}, batch=1, seq=4)
+
+
+def test_command_lists_only_changed_options():
+    args = _parse(["--quick", "--output", "x y.md"])
+    assert bench._command(args) == "streamer bench --quick --output 'x y.md'"
+    assert bench._command(_parse([])) == "streamer bench"
+
+
+def test_quick_writes_no_report_unless_told_where():
+    """The repository's BENCHMARKS.md holds a measured run; a smoke run must not replace it by default."""
+    assert bench._output(_parse(["--quick"])) is None
+    assert bench._output(_parse([])) == Path("BENCHMARKS.md")
+    assert bench._output(_parse(["--quick", "--output", "x.md"])) == Path("x.md")
+
+
+def test_every_section_renders_when_nothing_ran():
+    """Skipped or failed contenders become 'not run' / 'failed' cells, never a crash after an hour of runs."""
+    from streamer.bench_compare import (
+        STREAM_RAM, Context, data_parallel, disk_tier, gpu, memory, overhead, planner, scale, utilisation,
+        versus_deepspeed, versus_hf, where_time_goes,
+    )
+    from streamer.bench_machine import Peaks
+    spec = RunSpec(label=STREAM_RAM, contender="stream", model={}, batch=1, seq=1)
+    ctx = Context(results={STREAM_RAM: merge(spec, [_measured(STREAM_RAM, [], 0, ok=False)])},
+                  peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, scale=None, skipped={"x": "--quick"})
+    outcomes = [overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx), utilisation(ctx), scale(ctx),
+                memory(ctx), planner(ctx), data_parallel(ctx), gpu(ctx, ""), *where_time_goes(ctx)]
+    text = "".join(o.section.markdown() for o in outcomes)
+    assert "failed: boom" in text
+    assert all("unmeasured" in t or "NOT met" in t for o in outcomes for t in o.targets)
