@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamer.errors import StoreError
-from streamer.slabfile import Trailer, crc32_of, disk_error, fsync_dir, pwrite_from
+from streamer.slabfile import Trailer, disk_error, fsync_dir, pwrite_from
 
 if TYPE_CHECKING:
     from streamer.store import HostStore
@@ -142,7 +142,7 @@ class UnitWriter:
         self.store, self.unit, self.commit, self.on_disk = store, unit, commit, persist
         self.final = store._state_path(unit, commit.generation)
         self.tmp = self.final.with_suffix(".state.tmp")
-        self._crc, self._next = 0, 0
+        self._next = 0
 
     def __enter__(self) -> "UnitWriter":
         return self
@@ -161,7 +161,6 @@ class UnitWriter:
         if offset != self._next:
             raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
         pwrite_from(store._fd(self.tmp, create=self._next == 0), values, offset, self.tmp)
-        self._crc = crc32_of(values, self._crc)
         self._next = offset + values.numel() * values.element_size()
 
     def __exit__(self, exc_type: object, *_: object) -> None:
@@ -175,9 +174,10 @@ class UnitWriter:
         size = store._state_bytes(self.unit)
         if self._next != size:
             raise ValueError(f"unit {self.unit}: {self._next} of {size} state bytes were written")
-        trailer = Trailer(self.unit, self.commit.generation, size, self._crc)
         try:
-            pwrite_from(store._fd(self.tmp), trailer.pack(), size, self.tmp)
+            crc = store.sync_and_checksum(store._fd(self.tmp), self.tmp, size)
+            pwrite_from(store._fd(self.tmp), Trailer(self.unit, self.commit.generation, size, crc).pack(), size,
+                        self.tmp)
             os.fsync(store._fd(self.tmp))
             store._close(self.tmp)
             os.replace(self.tmp, self.final)
@@ -188,7 +188,7 @@ class UnitWriter:
             raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None
         old = store.versions.get(self.unit)
         store.versions[self.unit] = self.commit.generation
-        store.manifest["crc"][self.final.name] = self._crc
+        store.manifest["crc"][self.final.name] = crc
         if old is not None and old != self.commit.generation and self.commit.journaled:
             old_path = store._state_path(self.unit, old)
             store._close(old_path)

@@ -26,7 +26,8 @@ from streamer.commit import (
 from streamer.errors import StoreError
 from streamer.layout import DTYPES, Placement, model_layouts
 from streamer.slabfile import (
-    TRAILER_BYTES, Trailer, crc32_of, disk_error, file_crc32, pread_into, pwrite_from, write_json_atomic,
+    TRAILER_BYTES, Trailer, checksum_while_syncing, disk_error, file_crc32, pread_into, pwrite_from,
+    write_json_atomic,
 )
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -99,6 +100,7 @@ class HostStore:
         self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file
         self.commit: Commit | None = None
         self._grad_crc: dict[str, int] = {}
+        self._checksums: ThreadPoolExecutor | None = None
         self._ram: dict[tuple[str, str], torch.Tensor] = {}
         self._fds: dict[str, int] = {}
         tiers = {"compute": spec.placement.compute, "grad": spec.placement.grad}
@@ -257,6 +259,9 @@ class HostStore:
             os.close(fd)
 
     def close(self) -> None:
+        if self._checksums is not None:
+            self._checksums.shutdown()
+            self._checksums = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -334,18 +339,20 @@ class HostStore:
             pread_into(self._fd(path), scratch, 0, path)
             scratch.add_(grad)
         pwrite_from(self._fd(path, create=True), scratch, 0, path)
-        if self.spec.placement.state == "disk":
-            self._grad_crc[unit] = crc32_of(scratch)  # the last call of a step leaves the journaled value
         return scratch
 
     def sync_grads(self) -> None:
-        """Make this step's gradients durable: the journal that follows may replay the update from them."""
+        """Make this step's gradients durable, and checksum them: the journal may replay the update from them."""
         if self.spec.placement.grad == "disk":
-            for unit in self.layouts:
-                try:
-                    os.fsync(self._fd(self._grad_path(unit)))
-                except OSError as exc:
-                    raise disk_error(exc, self._grad_path(unit)) from None
+            for unit, layout in self.layouts.items():
+                path = self._grad_path(unit)
+                self._grad_crc[unit] = self.sync_and_checksum(self._fd(path), path, layout.numel * 4)
+
+    def sync_and_checksum(self, fd: int, path: Path, length: int) -> int:
+        """Flush a file written through the page cache; returns the crc32 of its first `length` bytes."""
+        if self._checksums is None:
+            self._checksums = ThreadPoolExecutor(1, thread_name_prefix="store-crc")
+        return checksum_while_syncing(fd, path, length, self._checksums)
 
     # --- updates and commits ----------------------------------------------------------------
     def check_consistent(self) -> None:

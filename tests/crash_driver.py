@@ -25,7 +25,8 @@ from streamer import Placement, StreamingTrainer, TrainerConfig
 from streamer.runtime import Executor
 
 CFG = GPTJConfig.preset("gptj-debug")
-TARGETS = ("forward", "backward", "update", "pwritev", "fsync", "replace")
+TARGETS = ("forward", "backward", "update", "pwritev", "fdatasync", "fsync", "replace")
+OS_TARGETS = ("pwritev", "fdatasync", "fsync", "replace")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class _Tripwire:
 
     def install(self) -> None:
         for name in TARGETS:
-            owner: Any = os if name in ("pwritev", "fsync", "replace") else Executor
+            owner: Any = os if name in OS_TARGETS else Executor
             attr = name if owner is os else f"_{name}"
             setattr(owner, attr, self.wrap(name, getattr(owner, attr)))
 

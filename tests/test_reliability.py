@@ -89,15 +89,19 @@ def state_files(store: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((store / "slabs").glob("*.state"))}
 
 
-def kill_plan(rnd: random.Random, calls: dict[str, dict[str, int]], done: int, journal_pending: bool) -> Kill | float:
-    """The next kill: often in the roll-forward when a crash left one, else a target in the next step or two,
-    or a random time (seconds)."""
-    if journal_pending and rnd.random() < 0.5:
-        return Kill(rnd.choice(["pwritev", "replace", "fsync"]), rnd.randint(1, 3), step=None)
+def kill_plan(rnd: random.Random, calls: dict[str, dict[str, int]], done: int, units_pending: int | None
+              ) -> Kill | float:
+    """The next kill: often in the roll-forward when a crash left one (`units_pending` not None), else a
+    target in the next step or two, or a random time (seconds)."""
+    if units_pending is not None and rnd.random() < 0.5:
+        if units_pending:  # each pending unit writes, syncs and renames a file; then comes the manifest
+            target = rnd.choice(["pwritev", "replace", "fdatasync", "fsync"])
+            return Kill(target, 1 if target == "fdatasync" else rnd.randint(1, 2), step=None)
+        return Kill(rnd.choice(["replace", "fsync"]), 1, step=None)  # only the manifest is left to write
     step = done + rnd.choice([1, 1, 2])
     counts = calls[str(step)]
-    target = rnd.choice(["forward", "backward", "update", "pwritev-grad", "pwritev-state", "fsync", "replace",
-                         "time"])
+    target = rnd.choice(["forward", "backward", "update", "pwritev-grad", "pwritev-state", "fdatasync", "fsync",
+                         "replace", "time"])
     if target == "time":
         return rnd.uniform(0.0, 0.3)
     grad_writes = (CFG.n_layer + 2) * 2  # units x micro-batches: the first pwritev calls of a step
@@ -125,19 +129,20 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dty
     shutil.rmtree(store)
     assert run_child(forkserver, Job(str(store), 1, dtype, compute)) == 0
 
-    done, journal, kills, log = 1, None, 0, []
+    done, journal, steps, kills, log = 1, None, {}, 0, []
     while kills < KILLS:
         assert done < STEPS - 2, f"the run ended before {KILLS} kills: {log}"
-        kill = kill_plan(rnd, calls, done, journal is not None)
+        pending = None if journal is None else sum(s != journal["step"] for s in steps.values())
+        kill = kill_plan(rnd, calls, done, pending)
         if isinstance(kill, Kill):
-            assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, kill=kill)) == -9, kill
+            assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, kill=kill)) == -9, (kill, log)
         else:  # a random instant of a run of two more steps (it may also finish them)
             code = run_child(forkserver, Job(str(store), done + 2, dtype, compute), kill_after=kill)
             assert code in (-9, 0), f"child failed ({code})"
             kill = kill if code == -9 else None
         kills += kill is not None
         steps, journal = steps_on_disk(store)
-        done = max(steps.values())  # a journaled step is finished by the next open
+        done = max(steps.values()) if journal is None else journal["step"]  # the next open finishes it
         log.append((kill, steps, journal is not None))
         if kills % 2 == 0:  # resume here: roll forward and compare with the reference at that step
             with StreamingTrainer.open(store) as trainer:
@@ -183,9 +188,11 @@ def fail_on_call(monkeypatch, name: str, n: int, error: int = errno.ENOSPC) -> N
 
 
 # Step 3's pwritev calls 1-8 write gradients (before the journal), later ones the new state (after it). Its
-# fsyncs: 1-4 gradients, 5-6 the journal and its folder, 7-14 the units' new files, 15-16 the manifest.
+# fdatasyncs: 1-4 the gradients, 5-8 the units' new files; fsyncs: 1-2 the journal and its folder, 3-10 the
+# units' trailers and the folder, 11-12 the manifest.
 @pytest.mark.parametrize("name,n,committed", [("pwritev", 5, 2), ("pwritev", 30, 3), ("pwritev", 75, 3),
-                                              ("fsync", 3, 2), ("fsync", 5, 2), ("fsync", 15, 3)])
+                                              ("fdatasync", 2, 2), ("fsync", 1, 2), ("fdatasync", 6, 3),
+                                              ("fsync", 11, 3)])
 def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, monkeypatch, uninterrupted,
                                                                     name, n, committed):
     data = batches(4)
