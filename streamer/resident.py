@@ -1,4 +1,9 @@
-"""Ordinary resident training of the same model: the reference the streamed runtime must equal and beat."""
+"""Ordinary resident training of the same model: the reference the streamed runtime must equal and beat.
+
+It holds what the streamer streams, all at once: compute weights in the compute dtype, fp32 master weights,
+fused AdamW state, fp32 gradients. So "streamed vs resident" compares the same arithmetic, not autocast's
+per-step weight casts against the streamer's bf16 copies.
+"""
 from __future__ import annotations
 
 from typing import Mapping
@@ -10,16 +15,18 @@ from streamer.config import TrainerConfig
 
 
 class ResidentTrainer:
-    """layers.GPTJ with fp32 parameters, autocast to the compute dtype, torch AdamW (decay on matrices only)."""
-
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.cfg, self.tc = cfg, tc
         self.model = GPTJ(cfg, init=False)
         self.model.load_hf_state_dict(dict(state_dict))
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.model.to(tc.compute_dtype)
+        params = list(self.model.parameters())
+        # fp32 compute weights are the master weights; otherwise the masters are a separate fp32 copy.
+        self.masters = params if tc.compute_dtype == torch.float32 else [
+            torch.nn.Parameter(p.detach().float()) for p in params]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": [m for m in self.masters if m.dim() >= 2], "weight_decay": tc.weight_decay},
+             {"params": [m for m in self.masters if m.dim() < 2], "weight_decay": 0.0}],
             lr=tc.lr, betas=tc.betas, eps=tc.eps, fused=True)
         self.steps = 0
 
@@ -29,14 +36,21 @@ class ResidentTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.tc.schedule.lr_at(self.steps, self.tc.lr)
         self.optimizer.zero_grad(set_to_none=True)
+        params = list(self.model.parameters())
         losses = []
-        autocast = self.tc.compute_dtype != torch.float32
         for ids, lab in zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum)):
-            with torch.autocast("cpu", dtype=self.tc.compute_dtype, enabled=autocast):
-                loss = causal_lm_loss(self.model(ids), lab)
+            loss = causal_lm_loss(self.model(ids), lab)
             (loss / self.tc.grad_accum).backward()
             losses.append(loss.detach())
+            if self.masters is not params:  # fold each micro-batch's gradient into fp32, as the streamer does
+                for p, m in zip(params, self.masters):
+                    m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                    p.grad = None
         if self.tc.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.masters, self.tc.max_grad_norm)
         self.optimizer.step()
+        if self.masters is not params:
+            with torch.no_grad():
+                for p, m in zip(params, self.masters):
+                    p.copy_(m)
         return float(torch.stack(losses).mean())
