@@ -1,8 +1,9 @@
-"""Positional reads and writes between files and tensors without staging copies, and the slab file trailer.
+"""Slab files: positional reads and writes between files and tensors without staging copies, and checks.
 
 Every state file ends in a fixed-size trailer naming its unit, its generation, its data length and the crc32
 of its data, so a file can be checked on its own: a torn, truncated, renamed or foreign file is recognised
-even when no manifest lists it yet (a unit rolled forward after a crash).
+even when no manifest lists it yet (a unit rolled forward after a crash). Every check names the unit and
+the file, and only reads.
 """
 from __future__ import annotations
 
@@ -51,6 +52,45 @@ class Trailer:
             raise StoreError(f"unit {unit}: {path} has no slab trailer (truncated, or not written by this tool); "
                              "restore the run directory from a backup")
         return cls(name.rstrip(b"\0").decode(errors="replace"), generation, data_bytes, crc)
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """A file whose first `length` bytes must have a crc32 in `expected` (two values: its records disagree)."""
+
+    unit: str
+    path: Path
+    length: int
+    expected: frozenset[int]
+
+
+def check_size(unit: str, path: Path, size: int, what: str) -> None:
+    if not path.is_file():
+        raise StoreError(f"unit {unit}: {what} {path} is missing; the store is incomplete — "
+                         "restore the run directory from a backup")
+    if path.stat().st_size != size:
+        raise StoreError(f"unit {unit}: {what} {path} has {path.stat().st_size} bytes, expected {size} "
+                         "(truncated or from another run)")
+
+
+def check_state_file(unit: str, path: Path, generation: int, data_bytes: int) -> Trailer:
+    """The trailer of a unit's state file, once the file's size and trailer say it is that unit's generation."""
+    check_size(unit, path, data_bytes + TRAILER_BYTES, "state file")
+    trailer = Trailer.read(path, unit)
+    if (trailer.unit, trailer.generation, trailer.data_bytes) != (unit, generation, data_bytes):
+        raise StoreError(f"unit {unit}: {path} holds unit {trailer.unit!r} generation {trailer.generation}; "
+                         "the file was renamed or copied from another run")
+    return trailer
+
+
+def verify_checksums(checks: list[Checksum]) -> None:
+    """Read every file once, two at a time (zlib releases the GIL, so reading one overlaps summing another)."""
+    with ThreadPoolExecutor(2) as pool:
+        crcs = list(pool.map(lambda c: file_crc32(c.path, c.length), checks))
+    for check, crc in zip(checks, crcs):
+        if len(check.expected) != 1 or crc not in check.expected:
+            raise StoreError(f"unit {check.unit}: checksum mismatch in {check.path}; the file is corrupted — "
+                             "restore the run directory from a backup")
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +27,8 @@ from streamer.commit import (
 from streamer.errors import StoreError
 from streamer.layout import DTYPES, Placement, model_layouts
 from streamer.slabfile import (
-    TRAILER_BYTES, Trailer, checksum_while_syncing, disk_error, file_crc32, pread_into, pwrite_from,
-    write_json_atomic,
+    Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, pread_into, pwrite_from,
+    verify_checksums, write_json_atomic,
 )
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -103,6 +104,7 @@ class HostStore:
         self._checksums: ThreadPoolExecutor | None = None
         self._ram: dict[tuple[str, str], torch.Tensor] = {}
         self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
         tiers = {"compute": spec.placement.compute, "grad": spec.placement.grad}
         tiers.update({k: spec.placement.state for k in STATE_KINDS})
         for unit, lay in self.layouts.items():
@@ -160,57 +162,29 @@ class HostStore:
         return self.root / "slabs" / grad_name(unit)
 
     def _load_units(self, verify: bool) -> None:
-        """Check every unit's state file (size, trailer, crc32), then fill the RAM tier; nothing is written
-        unless all of them are sound."""
+        """Check every unit's state file (size, trailer, crc32) and, with a journal, the gradients to replay;
+        then fill the RAM tier. Nothing is written or deleted unless all of them are sound."""
         journal = self.journal
-        expected: dict[str, int | None] = {}
-        for unit in self.layouts:
-            path = self._state_path(unit, self.versions[unit])
-            expected[unit] = self.manifest["crc"].get(path.name)
+        checks = []
+        for unit, layout in self.layouts.items():
+            expected = self.manifest["crc"].get(state_name(unit, self.versions[unit]))
             if journal is not None and self._state_path(unit, journal["generation"]).is_file():
-                self.versions[unit], expected[unit] = journal["generation"], None  # updated before the crash
-            self._check_state_file(unit)
+                self.versions[unit], expected = journal["generation"], None  # updated before the crash
+            elif journal is not None:  # still to update: the roll-forward replays its journaled gradient
+                grad = self._grad_path(unit)
+                check_size(unit, grad, layout.numel * 4, f"gradient file (needed to finish step {journal['step']})")
+                checks.append(Checksum(unit, grad, layout.numel * 4, frozenset({journal["grad_crc"][unit]})))
+            path = self._state_path(unit, self.versions[unit])
+            trailer = check_state_file(unit, path, self.versions[unit], self._state_bytes(unit))
+            wanted = {trailer.crc} | ({expected} if expected is not None else set())
+            checks.append(Checksum(unit, path, trailer.data_bytes, frozenset(wanted)))
         if verify:
-            self._verify_crcs(expected, journal)
+            verify_checksums(checks)
         for unit in self.layouts:
             self._fill_ram_from_file(unit, self._state_path(unit, self.versions[unit]))
         if journal is None:
             (self.root / JOURNAL).unlink(missing_ok=True)  # one whose step the manifest already has
         self._cleanup_stray_files()
-
-    def _check_state_file(self, unit: str) -> None:
-        path = self._state_path(unit, self.versions[unit])
-        if not path.is_file():
-            raise StoreError(f"unit {unit}: state file {path} is missing; the store is incomplete — "
-                             "restore the run directory from a backup")
-        trailer, data = Trailer.read(path, unit), self._state_bytes(unit)
-        if path.stat().st_size != data + TRAILER_BYTES:
-            raise StoreError(f"unit {unit}: {path} has {path.stat().st_size} bytes, expected "
-                             f"{data + TRAILER_BYTES} (truncated or from another run)")
-        if (trailer.unit, trailer.generation, trailer.data_bytes) != (unit, self.versions[unit], data):
-            raise StoreError(f"unit {unit}: {path} holds unit {trailer.unit!r} generation {trailer.generation}; "
-                             "the file was renamed or copied from another run")
-
-    def _verify_crcs(self, expected: dict[str, int | None], journal: dict[str, Any] | None) -> None:
-        """crc32 of every state file (against its trailer and the manifest) and, before a roll-forward, of the
-        journaled gradients of the units still to update. Two threads: zlib releases the GIL."""
-        checks = []
-        for unit in self.layouts:
-            path = self._state_path(unit, self.versions[unit])
-            wanted = {Trailer.read(path, unit).crc} | ({expected[unit]} if expected[unit] is not None else set())
-            checks.append((unit, path, self._state_bytes(unit), wanted))
-            if journal is not None and self.versions[unit] != journal["generation"]:
-                grad = self._grad_path(unit)
-                if not grad.is_file() or grad.stat().st_size != self.layouts[unit].numel * 4:
-                    raise StoreError(f"unit {unit}: gradient file {grad} is missing or truncated, so step "
-                                     f"{journal['step']} cannot be finished — restore the run directory")
-                checks.append((unit, grad, self.layouts[unit].numel * 4, {journal["grad_crc"][unit]}))
-        with ThreadPoolExecutor(2) as pool:
-            crcs = list(pool.map(lambda c: file_crc32(c[1], c[2]), checks))
-        for (unit, path, _, wanted), crc in zip(checks, crcs):
-            if len(wanted) != 1 or crc not in wanted:
-                raise StoreError(f"unit {unit}: checksum mismatch in {path}; the file is corrupted — "
-                                 "restore the run directory from a backup")
 
     def _cleanup_stray_files(self) -> None:
         """Other generations and tmp files: what a crash or an unfinished commit left behind."""
@@ -244,17 +218,19 @@ class HostStore:
     def _fd(self, path: Path, create: bool = False) -> int:
         """A cached descriptor; only writers create files, so a missing file read is an error naming it."""
         key = str(path)
-        if key not in self._fds:
-            try:
-                self._fds[key] = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-            except FileNotFoundError:
-                raise StoreError(f"{path} is missing; the store is incomplete — restore the run directory") from None
-            except OSError as exc:
-                raise disk_error(exc, path) from None
-        return self._fds[key]
+        with self._fd_lock:  # the I/O thread and the main thread both open files
+            if key not in self._fds:
+                try:
+                    self._fds[key] = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+                except FileNotFoundError:
+                    raise StoreError(f"{path} is missing; the store is incomplete — restore the run folder") from None
+                except OSError as exc:
+                    raise disk_error(exc, path) from None
+            return self._fds[key]
 
     def _close(self, path: Path) -> None:
-        fd = self._fds.pop(str(path), None)
+        with self._fd_lock:
+            fd = self._fds.pop(str(path), None)
         if fd is not None:
             os.close(fd)
 
