@@ -4,8 +4,8 @@
 
 Passes when the resident set grows less than 5% from the end of the warm-up to the last step, the number
 of open file descriptors does not grow, and the loss curve equals, bit for bit, the same run in the other
-tier (RAM for a disk soak). The data is the interpreter's help text as bytes (the debug preset's vocabulary is 256), so the
-loss falls as a real run's would.
+tier (RAM for a disk soak). The data is the interpreter's help text as bytes (the debug preset's vocabulary
+is 256), so the loss falls as a real run's would.
 """
 from __future__ import annotations
 

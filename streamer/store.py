@@ -27,8 +27,8 @@ from streamer.commit import (
 from streamer.errors import StoreError
 from streamer.layout import DTYPES, Placement, model_layouts
 from streamer.slabfile import (
-    Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, pread_into, pwrite_from,
-    verify_checksums, write_json_atomic,
+    Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
+    pwrite_from, verify_checksums, write_json_atomic,
 )
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -121,6 +121,8 @@ class HostStore:
             raise StoreError(f"{root} exists and is not empty; choose a new run directory "
                              "(or continue an existing run with --resume)")
         (root / "slabs").mkdir(parents=True, exist_ok=True)
+        for folder in (root.parent, root):  # the run directory's own entries survive a power loss too
+            fsync_dir(folder)
         manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
                     "crc": {}, "trainer": {}}
         return cls(root, spec, manifest, pin, lock_run_dir(root))
