@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -136,13 +137,13 @@ class HostStore:
             spec = StoreSpec.from_dict(manifest["spec"])
         except StoreError as exc:
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
-        lock = lock_run_dir(root)
+        lock, store = lock_run_dir(root), None
         try:
             store = cls(root, spec, manifest, pin, lock)
             check_units(root, manifest, list(store.layouts))
             store._load_units(verify)
         except BaseException:
-            os.close(lock)
+            store.close() if store is not None else os.close(lock)
             raise
         return store
 
@@ -189,11 +190,12 @@ class HostStore:
         self._cleanup_stray_files()
 
     def _cleanup_stray_files(self) -> None:
-        """Other generations and tmp files: what a crash or an unfinished commit left behind."""
+        """Other generations and tmp files: what a crash or an unfinished commit left behind (files of any
+        other name are not ours, and stay)."""
         keep = {self._state_path(u, v).name for u, v in self.versions.items()}
-        keep |= {self._grad_path(u).name for u in self.layouts}
         for path in (self.root / "slabs").iterdir():
-            if path.name not in keep:
+            ours = re.fullmatch(r"(.+)\.\d+\.state(\.tmp)?", path.name)
+            if ours and ours.group(1) in self.layouts and path.name not in keep and path.is_file():
                 self._close(path)
                 path.unlink()
         for name in (MANIFEST, JOURNAL):

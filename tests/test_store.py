@@ -295,3 +295,15 @@ def test_missing_gradient_blocks_the_roll_forward_even_without_verify(tmp_path, 
     (tmp_path / "run" / "slabs" / "head.grad").unlink()
     with pytest.raises(StoreError, match=r"unit head: gradient file \(needed to finish step 3\) .* is missing"):
         HostStore.open(tmp_path / "run", verify=False)
+
+
+def test_open_removes_debris_of_its_own_and_nothing_else(tmp_path):
+    trained(tmp_path / "run")
+    slabs = tmp_path / "run" / "slabs"
+    (slabs / "block.0.7.state.tmp").write_bytes(b"torn")  # a crash's leftovers
+    (slabs / "head.2.state").write_bytes(b"old generation")
+    (slabs / "notes.txt").write_text("the user's")
+    (slabs / "other.1.state").write_text("not a unit of this model")
+    HostStore.open(tmp_path / "run").close()
+    assert sorted(p.name for p in slabs.iterdir() if not p.name.endswith((".3.state", ".grad"))) == [
+        "notes.txt", "other.1.state"]
