@@ -17,6 +17,16 @@ class ConfigError(StreamerError):
     """Trainer settings that cannot run; the message names the fix."""
 
 
+def _require(name: str, value: Any, kind: str, optional: bool = False) -> None:
+    """`kind`: "int" (not a bool) or "number" (finite int or float, not a bool); a wrong type is a ConfigError."""
+    if optional and value is None:
+        return
+    ok = not isinstance(value, bool) and (
+        isinstance(value, int) if kind == "int" else isinstance(value, (int, float)) and math.isfinite(value))
+    if not ok:
+        raise ConfigError(f"{name} must be {'an integer' if kind == 'int' else 'a finite number'}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     """constant, or linear warmup then cosine / linear decay to min_lr_ratio * lr at total_steps."""
@@ -27,6 +37,9 @@ class LRSchedule:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        _require("warmup_steps", self.warmup_steps, "int")
+        _require("total_steps", self.total_steps, "int", optional=True)
+        _require("min_lr_ratio", self.min_lr_ratio, "number")
         if self.kind not in ("constant", "cosine", "linear"):
             raise ConfigError(f"schedule must be 'constant', 'cosine' or 'linear', got {self.kind!r}")
         if self.warmup_steps < 0:
@@ -70,6 +83,19 @@ class TrainerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("lr", "eps", "weight_decay"):
+            _require(name, getattr(self, name), "number")
+        _require("max_grad_norm", self.max_grad_norm, "number", optional=True)
+        for name in ("grad_accum", "update_chunk", "prefetch", "seed"):
+            _require(name, getattr(self, name), "int")
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        for beta in self.betas:
+            _require("betas", beta, "number")
+        if not isinstance(self.device, str):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.schedule, LRSchedule):
+            raise ConfigError(f"schedule must be an LRSchedule or its fields, got {self.schedule!r}")
         if isinstance(self.compute_dtype, str):
             if self.compute_dtype not in DTYPES:
                 raise ConfigError(f"compute_dtype must be one of {list(DTYPES)}, got {self.compute_dtype!r}")
@@ -98,6 +124,7 @@ class TrainerConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
+        self.budget_bytes  # a malformed budget fails here, not at the first step
 
     @property
     def budget_bytes(self) -> int | None:
@@ -129,10 +156,12 @@ class TrainerConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown trainer setting(s) {unknown}; valid: {sorted(known)}")
-        if isinstance(raw.get("store"), dict):
-            raw["store"] = Placement(**raw["store"])
-        if isinstance(raw.get("schedule"), dict):
-            raw["schedule"] = LRSchedule(**raw["schedule"])
-        if "betas" in raw:
+        for name, kind in (("store", Placement), ("schedule", LRSchedule)):
+            if isinstance(raw.get(name), dict):
+                try:
+                    raw[name] = kind(**raw[name])
+                except TypeError as exc:  # an unknown or missing field
+                    raise ConfigError(f"{name}: {exc}") from None
+        if isinstance(raw.get("betas"), list):
             raw["betas"] = tuple(raw["betas"])
         return cls(**raw)

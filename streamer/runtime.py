@@ -147,8 +147,8 @@ class Executor:
             self.ledger.free(handle)
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
-            if self.transport.owns(state.buffer, resource.unit, "compute"):
-                self.transport.give_back(state.buffer)
+            if state.buffer is not None and self.transport.owns(state.buffer, resource.unit, "compute"):
+                self.transport.give_back(state.buffer)  # (None: loaded ahead, then the step was aborted)
             state.buffer, state.residency = None, Residency.NOT_AVAILABLE
 
     # --- forward and backward ------------------------------------------------------------------------
@@ -332,6 +332,7 @@ class Executor:
         for writer in self._writers.values():
             writer.__exit__(RuntimeError, None, None)
         self._writers.clear()
+        self._write_backs.clear()  # their failures were reported; the next step must not raise them again
 
     def close(self) -> None:
         self.worker.close()

@@ -22,7 +22,7 @@ class StreamingTrainer:
     """Full AdamW fine-tuning with one unit's weights, gradients and Adam state on the device at a time."""
 
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
-                 *, _store: HostStore | None = None) -> None:
+                 *, _store: HostStore | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         self.units = unit_names(cfg)
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
@@ -50,7 +50,7 @@ class StreamingTrainer:
                                               "baseline_bytes": 16 * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
         self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel)
-        if _store is None and self.store is not None:
+        if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
     # --- construction ----------------------------------------------------------------------------
@@ -62,19 +62,24 @@ class StreamingTrainer:
         if data_parallel is not None:
             store_dir = Path(store_dir) / f"rank{data_parallel.rank}"
         store = HostStore.open(store_dir)
-        journal = store.journal
-        if data_parallel is not None:
-            journal = _agree_on_journal(data_parallel, store, journal)
-        saved = dict(store.manifest["trainer"].get("config", {}))
-        tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
-        if tc.store != store.spec.placement:
-            raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
-                             "the placement of an existing store cannot change")
-        trainer = cls(store.spec.config, tc, _store=store)
-        trainer.losses = list(store.manifest["trainer"].get("losses", []))
-        trainer.extra_state = dict(store.manifest["trainer"].get("extra", {}))
-        if journal is not None:
-            trainer._roll_forward(journal)
+        trainer = None
+        try:  # on any error, let go of the store (and its lock) before saying why
+            journal = store.journal
+            if data_parallel is not None:
+                journal = _agree_on_journal(data_parallel, store, journal)
+            saved = dict(store.manifest["trainer"].get("config", {}))
+            tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
+            if tc.store != store.spec.placement:
+                raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
+                                 "the placement of an existing store cannot change")
+            trainer = cls(store.spec.config, tc, _store=store)
+            trainer.losses = list(store.manifest["trainer"].get("losses", []))
+            trainer.extra_state = dict(store.manifest["trainer"].get("extra", {}))
+            if journal is not None:
+                trainer._roll_forward(journal)
+        except BaseException:
+            trainer.close() if trainer is not None else store.close()
+            raise
         return trainer
 
     @classmethod
@@ -84,8 +89,12 @@ class StreamingTrainer:
         from streamer.hf import HFCheckpoint
         checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
-        trainer = cls(checkpoint.config, tc, store_dir, _store=None)
-        trainer._write_units(lambda unit: {s.key: checkpoint.read(s.hf_key) for s in trainer.layouts[unit].slots})
+        trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)
+        try:
+            trainer._write_units(lambda unit: {s.key: checkpoint.read(s.hf_key) for s in trainer.layouts[unit].slots})
+        except BaseException:
+            trainer.close()
+            raise
         return trainer
 
     def _initialize(self, seed: int) -> None:
@@ -151,6 +160,8 @@ class StreamingTrainer:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """One optimizer step over the batch (split into grad_accum micro-batches); returns the mean loss."""
         micro = self._micro_batches(input_ids, labels)
+        if self.store is not None:
+            self.store.check_consistent()  # an update stopped part-way in this process: the run must be reopened
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
@@ -164,6 +175,9 @@ class StreamingTrainer:
             if self.tc.nonfinite == "stop":
                 raise
             return float("nan")
+        except BaseException:
+            self.executor.abort()  # the store keeps what was committed and refuses to train on from a mix
+            raise
         loss = self._mean_loss(ctx)
         self.losses.append(loss)
         if self.executor.device.type == "cuda":

@@ -136,8 +136,6 @@ def test_any_file_tail_is_a_trailer_or_a_store_error(tail, keep_magic):
 _VALID = TrainerConfig().to_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="TrainerConfig.from_dict raises TypeError/AttributeError on wrongly typed "
-                   "values (e.g. {'eps': None}); streamer/config.py needs type checks — remove this marker with them")
 @SETTINGS
 @given(raw=st.dictionaries(st.sampled_from([*_VALID, "bogus"]), JSON | st.sampled_from(list(_VALID.values())),
                            max_size=6),
