@@ -83,6 +83,21 @@ class Trace:
         # Called under the ledger's lock, so samples arrive in allocation order from every thread.
         self.samples.append(MemorySample(self._now(), tuple(breakdown[c] for c in CATEGORIES)))
 
+    def keep_last_steps(self, steps: int) -> None:
+        """Forget spans and memory samples older than the last `steps` steps: a long run's trace stays bounded."""
+        if steps < 1:
+            raise ValueError(f"keep at least one step, got {steps}")
+        with self._lock:
+            recent = sorted({e.step for e in self.events if e.step is not None})[-steps:]
+            if not recent:
+                return
+            cutoff = min(e.start_s for e in self.events if e.step == recent[0])
+            self.events = [e for e in self.events
+                           if (e.step is not None and e.step >= recent[0]) or (e.step is None and e.end_s >= cutoff)]
+        # Samples are appended in time order from the ledger's listener; delete the old prefix in place.
+        old = next((i for i, sample in enumerate(self.samples) if sample.t_s >= cutoff), len(self.samples))
+        del self.samples[:old]
+
     def close(self) -> None:
         """Stop sampling the ledger (the trace keeps what it has)."""
         if self.ledger is not None:

@@ -81,12 +81,13 @@ class TrainerConfig:
     update_chunk: int = 16 * 2**20
     nonfinite: str = "stop"
     seed: int = 0
+    trace_steps: int = 8  # the trace keeps this many recent steps, so a long run's memory stays flat
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps", "weight_decay"):
             _require(name, getattr(self, name), "number")
         _require("max_grad_norm", self.max_grad_norm, "number", optional=True)
-        for name in ("grad_accum", "update_chunk", "prefetch", "seed"):
+        for name in ("grad_accum", "update_chunk", "prefetch", "seed", "trace_steps"):
             _require(name, getattr(self, name), "int")
         if not isinstance(self.betas, tuple) or len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
@@ -115,7 +116,7 @@ class TrainerConfig:
             raise ConfigError("eps must be > 0 and weight_decay >= 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
-        for name in ("grad_accum", "update_chunk"):
+        for name in ("grad_accum", "update_chunk", "trace_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:

@@ -221,3 +221,16 @@ def test_summary(traced) -> None:
         sum(e.duration_s for e in trace.events if e.phase == "forward"))
     assert set(summary["layers"]) == {"block.0", "block.1"}
     assert trace.summary(step=1)["steps"] == [1]
+
+
+def test_keep_last_steps_bounds_a_long_run() -> None:
+    ledger = Ledger(None)
+    trace = Trace(ledger)
+    for step in range(1, 21):
+        with trace.span("block.0", "forward", step=step):
+            handle = ledger.allocate("weights", "block.0", 100)
+            ledger.free(handle)
+        trace.keep_last_steps(3)
+    assert trace.steps() == [18, 19, 20]
+    assert all(s.t_s >= min(e.start_s for e in trace.events) for s in trace.samples)
+    assert len(trace.samples) <= 3 * 2 + 1
