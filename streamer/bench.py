@@ -56,6 +56,7 @@ class Settings:
     profile: bool
     matmul_n: int
     disk_test_bytes: int
+    disk_repeats: int
     reserve_fraction: float
     reserve_min_bytes: int
     quick: bool
@@ -66,7 +67,8 @@ class Settings:
             return cls(model="gptj-debug", second=GPTJConfig.preset("gptj-demo"), batch=1, seq=32, rounds=1,
                        warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
-                       disk_test_bytes=16 * 2**20, reserve_fraction=0.0, reserve_min_bytes=0, quick=True)
+                       disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
+                       quick=True)
         base = GPTJConfig.preset(args.model)
         # The second size keeps the model's vocabulary and context and shrinks width and depth.
         second = dataclasses.replace(base, n_embd=base.n_embd * 3 // 4, n_layer=max(1, base.n_layer * 3 // 5),
@@ -76,7 +78,7 @@ class Settings:
         return cls(model=args.model, second=second, batch=args.batch, seq=args.seq, rounds=args.rounds,
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
                    scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
-                   data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=4 * GiB,
+                   data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=2 * GiB, disk_repeats=3,
                    reserve_fraction=0.25, reserve_min_bytes=16 * GiB, quick=False)
 
 
@@ -88,9 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=2, help="blocks per contender, in ABBA order")
+    parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every block")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per block")
     parser.add_argument("--scale-steps", type=int, default=2, help="timed steps of the scale run")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed comparison")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale run (the longest one)")
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         machine = describe()
         console.print("[bold]machine[/]: " + "; ".join(machine.lines()))
         peaks_first = matmul_peaks(s.matmul_n)
-        disk = {"start": raw_disk(workdir, s.disk_test_bytes)}
+        disk = {"start": raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)}
         runner = Runner(workdir, console, args.child_timeout)
         cfg = GPTJConfig.preset(s.model)
         specs, skipped = _main_specs(cfg, s)
@@ -195,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             free, budget = disk_budget(workdir, s.reserve_fraction, s.reserve_min_bytes)
             pick = pick_scale_model(_scale_candidates(s, budget), free, budget)
             if pick.chosen is not None:
-                disk["scale"] = raw_disk(workdir, s.disk_test_bytes)
+                disk["scale"] = raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)
                 spec = _spec(SCALE, "stream", pick.chosen.config, s, tier="disk", warmup=s.scale_warmup,
                              steps=s.scale_steps, moment_dtype=pick.chosen.moment_dtype)
                 results.update(runner.compare([spec], 1))
@@ -216,8 +218,9 @@ def run(args: argparse.Namespace) -> int:
         lines = machine.lines() + [
             f"matmul peak (best of {s.matmul_n}^3, start and end of the run): bf16 {peaks.bf16_flops / 1e9:,.0f} "
             f"GFLOP/s, fp32 {peaks.fp32_flops / 1e9:,.0f} GFLOP/s",
-            *(f"raw disk ({name}, {d.nbytes / GiB:.2f} GiB file in {d.where}): read {d.read_bytes_per_s / 1e9:.2f} "
-              f"GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s" for name, d in disk.items()),
+            *(f"raw disk ({name}; best of {d.repeats} x {d.nbytes / GiB:.2f} GiB in {d.where}): read "
+              f"{d.read_bytes_per_s / 1e9:.2f} GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s"
+              for name, d in disk.items()),
             f"model {s.model}, batch {s.batch} x seq {s.seq}; {s.rounds} blocks per contender (ABBA order), "
             f"{s.warmup} warm-up + {s.steps} timed steps per block" + ("; --quick: harness check only, the "
                                                                      "numbers mean nothing" if s.quick else "")]

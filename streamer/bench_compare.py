@@ -22,6 +22,10 @@ DP_1 = "ours streamed, 1 process"
 DP_2 = "ours streamed, 2 processes"
 SCALE = "ours streamed, disk tier, scale run"
 GiB = 2**30
+OTHERS = "others' load (cores)"
+SHARED_NOTE = ("others' load: mean CPU cores that processes outside the bench kept busy during that contender's "
+               "blocks (/proc/stat minus the bench's own CPU time); the machine is shared, so a contender timed "
+               "under more load is slowed by it.")
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,8 @@ def _target(name: str, value: str, met: bool | None, why: str = "") -> str:
 def _timing_row(ctx: Context, label: str, *extra: str) -> tuple[str, ...]:
     r = _get(ctx, label)
     if r is None:
-        return (label, _missing(ctx, label), *("—" for _ in range(2 + len(extra))))
-    return (label, seconds(r.median_s), r.steps_note, f"{r.tokens_per_s:,.0f}", *extra)
+        return (label, _missing(ctx, label), *("—" for _ in range(3 + len(extra))))
+    return (label, seconds(r.median_s), r.steps_note, f"{r.tokens_per_s:,.0f}", f"{r.others_cores:.1f}", *extra)
 
 
 def overhead(ctx: Context) -> Outcome:
@@ -74,8 +78,10 @@ def overhead(ctx: Context) -> Outcome:
     rows = (_timing_row(ctx, RESIDENT, "1.00x", "", ""),
             _timing_row(ctx, STREAM_RAM, ratio(value), "<= 1.10x", verdict(met)))
     section = Section("1. Streaming overhead: streamed (RAM tier, resident activations) vs our resident training",
-                      ("run", "step (median)", "timed steps", "tokens/s", "vs resident", "target", "status"), rows,
-                      ("Same model, dtype (bf16 compute, fp32 master and Adam state), batch and sequence.",))
+                      ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "vs resident", "target", "status"),
+                      rows,
+                      ("Same model, dtype (bf16 compute, fp32 master and Adam state), batch and sequence.",
+                       SHARED_NOTE))
     return Outcome(section, (_target("1. streamed / resident step <= 1.10x", ratio(value), met),))
 
 
@@ -101,9 +107,11 @@ def versus_hf(ctx: Context) -> Outcome:
     notes = (f"Step ratios are against the faster HF run ({faster.label if faster else '—'}); RSS ratios against "
              f"the leaner one ({leaner.label if leaner else '—'}). Peak RSS (steps) is the process's high-water mark "
              "from the first warm-up step on (reset after setup); process peak includes building the model.",
-             "Our RSS includes the host store (RAM tier: all weights, gradients and Adam state live in the process).")
+             "Our RSS includes the host store (RAM tier: all weights, gradients and Adam state live in the process).",
+             SHARED_NOTE)
     section = Section("2. vs Hugging Face transformers + torch.optim.AdamW (resident)",
-                      ("run", "step (median)", "timed steps", "tokens/s", "step vs faster HF", "peak RSS (steps)",
+                      ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "step vs faster HF",
+                       "peak RSS (steps)",
                        "RSS vs leaner HF", "process peak RSS"), tuple(rows), notes)
     return Outcome(section, (
         _target("2. streamed (RAM) step / faster HF <= 0.7x", ratio(step_value),
@@ -131,9 +139,10 @@ def versus_deepspeed(ctx: Context) -> Outcome:
                                 setup, status))
     notes = (f"Speed-ups and RSS ratios are against the faster DeepSpeed mode ({faster.label if faster else '—'}).",
              "DeepSpeed runs CPU-only (DS_ACCELERATOR=cpu, gloo, one process), bf16 mixed precision, AdamW with the "
-             "same hyper-parameters and clipping; its ops compile during setup, never in a timed step.")
+             "same hyper-parameters and clipping; its ops compile during setup, never in a timed step.", SHARED_NOTE)
     section = Section("3. vs DeepSpeed ZeRO-3 with CPU and NVMe offload",
-                      ("run", "step (median)", "timed steps", "tokens/s", "faster DS / this", "peak RSS (steps)",
+                      ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "faster DS / this",
+                       "peak RSS (steps)",
                        "RSS vs faster DS", "setup (max)", "target >= 2x at <= RSS"), tuple(rows), notes)
     return Outcome(section, tuple(verdicts))
 
@@ -174,7 +183,7 @@ def disk_tier(ctx: Context) -> Outcome:
         lines.append(line)
     notes = ("Achieved bandwidth = bytes passed to read/write calls in a step (/proc/self/io rchar, wchar) over the "
              "wall time the I/O worker spent in load / offload spans. Raw = sequential buffered write + fsync and "
-             "read with the page cache dropped, on the same disk in the same run.",
+             "read with the page cache dropped, on the same disk in the same run (best of several tries).",
              "'read / storage' and 'written / storage' per step: bytes the calls moved vs bytes that reached the "
              "block device (read_bytes, write_bytes): a store smaller than free RAM is read from the page cache.",
              "Compute for the scale run is the union of its forward/backward/update spans, which include waits for "

@@ -93,17 +93,19 @@ def matmul_peaks(n: int, repeats: int = 5) -> Peaks:
 
 @dataclass(frozen=True)
 class DiskBandwidth:
-    """Sequential buffered write + fsync, then read with the file dropped from the page cache."""
+    """Sequential buffered write + fsync, then read with the file dropped from the page cache; the best of
+    `repeats` (the disk is shared: a single try measures whoever else was writing as much as the disk)."""
 
     read_bytes_per_s: float
     write_bytes_per_s: float
     nbytes: int
+    repeats: int
     where: str
 
 
-def raw_disk(directory: Path, nbytes: int) -> DiskBandwidth:
-    read, write = measure_disk(directory, nbytes)
-    return DiskBandwidth(read, write, nbytes, str(directory))
+def raw_disk(directory: Path, nbytes: int, repeats: int) -> DiskBandwidth:
+    tries = [measure_disk(directory, nbytes) for _ in range(repeats)]
+    return DiskBandwidth(max(r for r, _ in tries), max(w for _, w in tries), nbytes, repeats, str(directory))
 
 
 # --- the scale run -------------------------------------------------------------------------------------------

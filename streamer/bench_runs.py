@@ -10,11 +10,13 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -34,6 +36,7 @@ class Result:
     error: str
     params: int
     blocks: int
+    others_cores: float  # mean over its blocks
     setup_s: tuple[float, ...]
     step_s: tuple[float, ...]
     rss_peak_bytes: int
@@ -73,6 +76,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
     return Result(
         spec=spec, ok=failed is None and bool(good), error=failed.error if failed else "",
         params=max((b.params for b in good), default=0), blocks=len(blocks),
+        others_cores=statistics.fmean(b.others_cores for b in blocks) if blocks else 0.0,
         setup_s=tuple(b.setup_s for b in good), step_s=tuple(s for b in good for s in b.step_s),
         rss_peak_bytes=max((b.step_rss_peak_bytes for b in good), default=0),
         process_rss_peak_bytes=max((b.process_rss_peak_bytes for b in good), default=0),
@@ -82,6 +86,25 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         ledger_peak_breakdown=max(good, key=lambda b: b.ledger_peak_bytes).ledger_peak_breakdown if good else {},
         profile=tuple(tuple(p) for b in good for p in b.profile),
     )
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds all processes used, CPU seconds this process and its waited-for children used)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return time.monotonic(), 0.0, 0.0
+    busy = sum(ticks) - ticks[3] - ticks[4]  # user nice system irq softirq: everything but idle and iowait
+    ours = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), ours
+
+
+def _others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Mean CPU cores that other users of the machine kept busy between two readings: timings on a shared
+    machine mean little without it."""
+    wall = after[0] - before[0]
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall if wall > 0 else 0.0
 
 
 def _free_port() -> int:
@@ -97,7 +120,6 @@ def _slug(text: str) -> str:
 class Runner:
     def __init__(self, workdir: Path, console: Console, child_timeout_s: float) -> None:
         self.workdir, self.console, self.child_timeout_s = workdir, console, child_timeout_s
-        self.blocks_run = 0
 
     def _env(self, spec: RunSpec, rank: int, port: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
@@ -117,12 +139,13 @@ class Runner:
         spec_json = json.dumps({**json.loads(spec.to_json()), "workdir": str(run_dir)})
         port = _free_port()
         logs = [run_dir / f"rank{rank}.log" for rank in range(spec.world)]
-        procs = []
+        procs, before = [], _cpu_seconds()
         for rank, log in enumerate(logs):
             with open(log, "w") as out:
                 procs.append(subprocess.Popen([sys.executable, "-m", "streamer.bench_worker", spec_json],
                                               stdout=out, stderr=subprocess.STDOUT, env=self._env(spec, rank, port)))
         results = [self._wait(proc, log, spec.label) for proc, log in zip(procs, logs)]
+        others = _others_cores(before, _cpu_seconds())
         shutil.rmtree(run_dir, ignore_errors=True)  # a disk-tier store can be tens of GB
         first = results[0]
         if first.ok and spec.world > 1:
@@ -131,7 +154,7 @@ class Runner:
                 first.ok, first.error = False, failed.error
             first.step_rss_peak_bytes = max(r.step_rss_peak_bytes for r in results)
             first.process_rss_peak_bytes = max(r.process_rss_peak_bytes for r in results)
-        self.blocks_run += 1
+        first.others_cores = others
         return first
 
     def _wait(self, proc: subprocess.Popen, log: Path, label: str) -> Measured:
@@ -163,7 +186,8 @@ class Runner:
                 if measured.ok:
                     self.console.print(f"  median {statistics.median(measured.step_s):.3g} s/step "
                                        f"(setup {measured.setup_s:.0f} s), "
-                                       f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB")
+                                       f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB, "
+                                       f"others' load {measured.others_cores:.1f} cores")
                 else:
                     self.console.print(f"  [red]failed[/]: {measured.error[:300]}")
         return {s.label: merge(s, blocks[s.label]) for s in specs}

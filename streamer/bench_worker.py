@@ -76,6 +76,7 @@ class Measured:
     step_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_rss_peak_bytes: int = 0  # VmHWM over the steps (the high-water mark is reset after setup)
+    others_cores: float = 0.0  # CPU cores other processes kept busy meanwhile (the parent measures it)
     process_rss_peak_bytes: int = 0  # ru_maxrss: setup included
     io: list[dict[str, int]] = field(default_factory=list)  # /proc/self/io deltas per timed step
     phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step

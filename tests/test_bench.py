@@ -14,7 +14,7 @@ from layers import GPTJConfig
 from streamer import bench
 from streamer.bench_machine import ModelChoice, fitted_width, pick_scale_model
 from streamer.bench_report import Section
-from streamer.bench_runs import Runner, merge
+from streamer.bench_runs import Runner, _others_cores, merge
 from streamer.bench_worker import Measured, RunSpec, _union_s
 
 
@@ -63,6 +63,7 @@ def test_worker_measures_our_streamed_trainer(tmp_path):
     assert result.ledger_peak_bytes > 0 and result.step_rss_peak_bytes > 0
     assert {"forward", "backward", "update", "load", "offload", "io_busy"} <= set(result.phases[0])
     assert result.io[0]["wchar"] > 0  # a disk-tier step writes its new state
+    assert result.others_cores >= 0.0
 
 
 class _Quiet:
@@ -93,6 +94,12 @@ def test_abba_order_reverses_every_round(tmp_path, monkeypatch):
     specs = [RunSpec(label=x, contender="hf", model={}, batch=1, seq=1) for x in "ABC"]
     runner.compare(specs, rounds=2)
     assert order == [("A", 0), ("B", 0), ("C", 0), ("C", 1), ("B", 1), ("A", 1)]
+
+
+def test_others_load_is_cpu_time_not_ours_over_wall_time():
+    # 10 s of wall time; the machine used 25 CPU-seconds, the bench 15 of them: others kept 1 core busy.
+    assert _others_cores((0.0, 100.0, 50.0), (10.0, 125.0, 65.0)) == pytest.approx(1.0)
+    assert _others_cores((0.0, 100.0, 50.0), (10.0, 110.0, 65.0)) == 0.0  # tick rounding never goes negative
 
 
 def test_union_of_overlapping_spans():
