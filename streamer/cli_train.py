@@ -13,6 +13,7 @@ import shutil
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import psutil
 from rich.console import Console
@@ -22,10 +23,13 @@ from layers import GPTJConfig
 from memory_model import ModelShape, PlanConfig, format_size, peak_device_bytes
 from streamer.cli_tools import memory_lines
 from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
 from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, resolve
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,12 +42,19 @@ class Session:
     tokenizer: Tokenizer
     stream: BatchStream
     held_out: Dataset | None
+    parallel: DataParallel | None = None
+
+    @property
+    def lead(self) -> bool:
+        """The process that prints, logs and writes the run's files (rank 0 under torchrun)."""
+        return self.parallel is None or self.parallel.rank == 0
 
 
 def train_command(args: argparse.Namespace) -> int:
     explicit = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
     console = Console(soft_wrap=True)
-    session = resume(args.resume, explicit, args.config) if args.resume else start(explicit, args.config, console)
+    session = resume(args.resume, explicit, args.config, console) if args.resume else \
+        start(explicit, args.config, console)
     with session.trainer:
         console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
         trained, seconds = train(session, console)
@@ -55,31 +66,48 @@ def train_command(args: argparse.Namespace) -> int:
 def start(explicit: dict, config_file: str | None, console: Console) -> Session:
     """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
     cfg = resolve(explicit, config_file)
+    parallel = _join(cfg, console)
     cfg = replace(cfg, run=cfg.run or _default_run_dir(cfg)).with_absolute_paths()
     model_cfg = cfg.model_config()
     _check_seq(cfg, model_cfg)
-    with console.status("tokenizer and data"):
+    run, lead = RunDir(Path(cfg.run)), parallel is None or parallel.rank == 0
+
+    def first_files() -> tuple[Tokenizer, Dataset]:
+        """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
         dataset = _dataset(cfg, tokenizer)
-    run = RunDir.create(cfg.run)
+        RunDir.create(run.root)
+        try:
+            tokenizer.save(run.tokenizer)
+        except BaseException:
+            _discard(run)
+            raise
+        return tokenizer, dataset
+
+    with console.status("tokenizer and data"):
+        made = _together(parallel, first_files, everyone=False)
+    tokenizer = made[0] if lead else load_tokenizer(run.tokenizer)  # every process reads the lead's tokenizer
+    dataset = made[1] if lead else _dataset(cfg, tokenizer)
     trainer = None
     try:
         tc = cfg.trainer_config()
         with console.status("importing the checkpoint" if cfg.from_pretrained else "initialising the store"):
-            trainer = (StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
-                       else StreamingTrainer(model_cfg, tc, run.store))
-        tokenizer.save(run.tokenizer)
-        run.write_config(cfg)
+            trainer = _together(parallel, lambda: (
+                StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
+                else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
+        if lead:
+            run.write_config(cfg)
     except BaseException:
         if trainer is not None:
             trainer.close()
-        _discard(run)  # a run that never started would otherwise block its --run name
+        if lead:
+            _discard(run)  # a run that never started would otherwise block its --run name
         raise
     train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
-    return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out)
+    return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out, parallel)
 
 
-def resume(path: str, explicit: dict, config_file: str | None) -> Session:
+def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session:
     """Continue a run from its last committed step, with the data order where that step left it."""
     if config_file is not None or "run" in explicit:
         raise RunError("--resume continues RUN with its own config.toml; drop --config and --run "
@@ -93,9 +121,15 @@ def resume(path: str, explicit: dict, config_file: str | None) -> Session:
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
                        f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
                        "or start a new --run")
+    parallel = _join(cfg, console)
+    world = 1 if parallel is None else parallel.world
+    if run.processes() != world:
+        raise RunError(f"{path} was trained by {run.processes()} process(es) and this is {world}; resume it with "
+                       f"the same number (torchrun --nproc_per_node {run.processes()} for more than one)")
     tokenizer = load_tokenizer(run.tokenizer)
     dataset = _dataset(cfg, tokenizer)
-    trainer = StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict())
+    trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
+                        undo=StreamingTrainer.close)
     try:
         train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
         stream = BatchStream(train_set, cfg.batch, cfg.seed)
@@ -104,11 +138,51 @@ def resume(path: str, explicit: dict, config_file: str | None) -> Session:
         elif trainer.step_count:
             raise RunError(f"{run.store} holds no data position (it was not written by `streamer train`); "
                            "start a new run with --from-pretrained after exporting it")
-        run.write_config(cfg)
+        if parallel is None or parallel.rank == 0:
+            run.write_config(cfg)
     except BaseException:
         trainer.close()
         raise
-    return Session(cfg, run, trainer, tokenizer, stream, held_out)
+    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
+
+
+def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
+    """Under torchrun (WORLD_SIZE > 1): this process's place in the group; only rank 0 prints."""
+    parallel = DataParallel.from_environment(cfg.device)
+    if parallel is None:
+        return None
+    console.quiet = parallel.rank != 0
+    if cfg.run is None:
+        raise RunError("under torchrun every process must use the same run directory: pass --run DIR")
+    if cfg.batch % (parallel.world * cfg.grad_accum):
+        raise RunError(f"--batch {cfg.batch} does not split over {parallel.world} processes x --grad-accum "
+                       f"{cfg.grad_accum}; use a multiple of {parallel.world * cfg.grad_accum}")
+    return parallel
+
+
+def _together(parallel: DataParallel | None, work: Callable[[], T], everyone: bool = True,
+              undo: Callable[[T], None] | None = None) -> T | None:
+    """Run `work` in every process (or only rank 0); if it fails in any, it fails in all, with one message.
+
+    Without this a process whose setup failed would leave the others waiting for it in the first step.
+    """
+    if parallel is None:
+        return work()
+    result, error = None, None
+    if everyone or parallel.rank == 0:
+        try:
+            result = work()
+        except Exception as exc:  # every process must reach the gather below
+            error = exc
+    messages = parallel.gather(None if error is None else " ".join(str(error).split()))
+    if error is not None:
+        raise error
+    failed = next((m for m in messages if m), None)
+    if failed is not None:
+        if undo is not None and result is not None:
+            undo(result)
+        raise RunError(f"another process failed: {failed}")
+    return result
 
 
 def _default_run_dir(cfg: RunConfig) -> str:
@@ -186,7 +260,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     seconds = 0.0
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=console, disable=not s.lead) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
         while trainer.step_count < cfg.steps:
             ids, labels = next(s.stream)
@@ -199,7 +273,8 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             record = {"step": step, "loss": loss, "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
                       "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
-            run.append_metrics(record)
+            if s.lead:
+                run.append_metrics(record)
             progress.update(task, completed=step, stats=(
                 f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
                 f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
@@ -216,17 +291,21 @@ def evaluate(s: Session, console: Console) -> float | None:
     if s.held_out is None:
         return None
     cfg, losses = s.cfg, []
+    # The trainer splits a batch over the processes, then into grad_accum micro-batches.
+    split = cfg.grad_accum * (1 if s.parallel is None else s.parallel.world)
     for i, (ids, labels) in enumerate(s.held_out.batches(cfg.batch)):
-        usable = ids.shape[0] - ids.shape[0] % cfg.grad_accum  # the trainer splits into grad_accum micro-batches
+        usable = ids.shape[0] - ids.shape[0] % split
         if i == cfg.eval_batches or usable == 0:
             break
-        losses.append(s.trainer.evaluate(ids[:usable], labels[:usable]))
+        local = s.trainer.evaluate(ids[:usable], labels[:usable])
+        losses.append(local if s.parallel is None else s.parallel.mean(local))
         _release_forward_charges(s.trainer)
     if not losses:
         return None
     loss = sum(losses) / len(losses)
     step = s.trainer.step_count
-    s.run.append_metrics({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
+    if s.lead:
+        s.run.append_metrics({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
     console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
     return loss
 
@@ -243,7 +322,7 @@ def _release_forward_charges(trainer: StreamingTrainer) -> None:
 def report(s: Session, trained: int, seconds: float, console: Console) -> None:
     """Memory table and comparison with the baseline, trace files, final eval, a sample."""
     cfg, trainer, run = s.cfg, s.trainer, s.run
-    if trained:
+    if trained and s.lead:
         last = trainer.step_count
         trace = trainer.trace
         trace.meta.update(model=cfg.from_pretrained or cfg.model, run=str(run.root), batch=cfg.batch, seq=cfg.seq,
@@ -259,6 +338,8 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
                       f"({seconds / trained:.2f} s/step)")
     evaluate(s, console)
+    if not s.lead:
+        return
     prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
     new_tokens = min(cfg.sample_tokens, trainer.cfg.n_positions - len(prompt_ids))
     if new_tokens > 0:
@@ -278,5 +359,6 @@ def _planned_peak(s: Session) -> int:
     cfg = s.cfg
     plan_cfg = PlanConfig(batch=cfg.batch, seq=cfg.seq, activations=cfg.activations, compute_dtype=cfg.dtype,
                           prefetch=cfg.prefetch, update_on=cfg.update_on, grad_accum=cfg.grad_accum,
-                          update_chunk=cfg.update_chunk, store=cfg.store)
+                          update_chunk=cfg.update_chunk, store=cfg.store,
+                          devices=1 if s.parallel is None else s.parallel.world)
     return peak_device_bytes(ModelShape.from_config(s.trainer.cfg), plan_cfg)

@@ -282,6 +282,14 @@ class RunDir:
     def plot(self) -> Path:
         return self.root / "memory.png"
 
+    def processes(self) -> int:
+        """How many data-parallel processes trained the run: each keeps its own store in store/rank<N>."""
+        return len(list(self.store.glob("rank*"))) or 1
+
+    def store_to_read(self) -> Path:
+        """A store with the run's weights (every process's store holds the same ones)."""
+        return self.store / "rank0" if self.processes() > 1 else self.store
+
     @staticmethod
     def is_run(path: str | Path) -> bool:
         return (Path(path) / "config.toml").is_file()
