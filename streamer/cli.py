@@ -30,7 +30,7 @@ run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md ha
 
 TRAIN_EXAMPLES = """\
 examples:
-  streamer train                                   the demo (about 2 minutes on 2 cores)
+  streamer train                                   the demo (under 2 minutes on 2 cores)
   streamer train --steps 3 --run /tmp/quick        a quick look
   streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
       --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint

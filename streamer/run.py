@@ -180,7 +180,7 @@ PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run")
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
 DEMO_DEFAULTS: dict[str, Any] = {
-    "steps": 60, "lr": 1e-3, "schedule": "cosine", "warmup": 5, "min_lr_ratio": 0.1,
+    "steps": 80, "lr": 1e-3, "schedule": "cosine", "warmup": 5, "min_lr_ratio": 0.1,
     "activations": "checkpoint", "update_chunk": 2**20, "budget": "64MiB", "eval_every": 20,
 }
 # Settings a resumed run may change: none of them alters the data order or the store's layout.
