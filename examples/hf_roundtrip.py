@@ -5,8 +5,9 @@
 Without --hf-dir a small random GPT-J is made with transformers and saved as sharded safetensors beside a
 tokenizer trained offline. With --hf-dir, any GPT-J folder in Hugging Face layout works (config.json,
 model.safetensors or shards with model.safetensors.index.json, or pytorch_model.bin; tokenizer.json or
-vocab.json + merges.txt): the import reads one tensor at a time, so the process grows by about one layer,
-not by the model. The CLI does the same with `streamer train --from-pretrained DIR` and `streamer export`.
+vocab.json + merges.txt): the import reads one tensor at a time, so the process grows by a few units'
+worth of memory (measured on a 355M model: 819 MiB, against 1,355 MiB of fp32 weights; the largest unit is
+197 MiB), not by the model. The CLI does the same with `streamer train --from-pretrained DIR` and `streamer export`.
 """
 from __future__ import annotations
 
@@ -36,20 +37,28 @@ def make_checkpoint(path: Path) -> None:
     train_bpe(demo_corpus(), vocab_size=SMALL.vocab_size).save(path)
 
 
-class PeakRSS:
-    """The process's resident set sampled every 5 ms while the block runs; peak growth above the start."""
+class PeakMemory:
+    """This process's private (anonymous) memory, sampled every 5 ms while the block runs; its peak growth.
 
-    def __enter__(self) -> "PeakRSS":
+    Private, not RSS: RSS also counts the checkpoint's file pages that safetensors maps while reading, which
+    belong to the kernel's page cache and are dropped under memory pressure.
+    """
+
+    def __enter__(self) -> "PeakMemory":
         self.process = psutil.Process()
-        self.start = self.peak = self.process.memory_info().rss
+        self.start = self.peak = self._private()
         self._running = True
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
+    def _private(self) -> int:
+        info = self.process.memory_info()
+        return info.rss - info.shared
+
     def _sample(self) -> None:
         while self._running:
-            self.peak = max(self.peak, self.process.memory_info().rss)
+            self.peak = max(self.peak, self._private())
             threading.Event().wait(0.005)
 
     def __exit__(self, *_: object) -> None:
@@ -75,12 +84,13 @@ def main() -> None:
     print(f"source: {source}: {', '.join(sorted(p.name for p in source.iterdir()))}")
 
     tc = TrainerConfig(lr=1e-4, store="disk", activations="checkpoint")
-    with PeakRSS() as rss:
+    with PeakMemory() as memory:
         trainer = StreamingTrainer.from_pretrained(source, tc, store_dir=args.out / "store")
     cfg = trainer.cfg
     largest_unit = max(lay.numel for lay in trainer.layouts.values()) * 4 / 2**20
     print(f"imported {cfg.num_params():,} params ({cfg.num_params() * 4 / 2**20:,.1f} MiB in fp32) tensor by "
-          f"tensor: the process grew by at most {rss.growth_mib:,.1f} MiB (largest unit {largest_unit:,.1f} MiB)")
+          f"tensor: private memory grew by at most {memory.growth_mib:,.1f} MiB (largest unit {largest_unit:,.1f} "
+          "MiB in fp32)")
 
     tokenizer = load_tokenizer(source)
     seq = min(128, cfg.n_positions)
