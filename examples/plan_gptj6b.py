@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
 
 from layers import GPTJConfig
 from memory_model import DEVICE_PRESETS, ModelShape, PlanConfig, format_size, plan
 from streamer import TrainerConfig
 from streamer.dryrun import dry_run
+from streamer.console import make_console
 
 POLICIES = ("resident", "checkpoint")
 
@@ -44,7 +44,7 @@ def main() -> None:
                           "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", p.bottleneck,
                           str(p.max_batch_seq[0]) if p.max_batch_seq[0] else "[red]none[/]")
-    console = Console()
+    console = make_console()
     console.print(table)
     if args.dry_run:
         for policy in POLICIES:

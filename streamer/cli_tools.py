@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from layers import PRESETS, GPTJConfig
 from memory_model import (
@@ -19,6 +18,7 @@ from streamer.generate import Sampling, complete
 from streamer.run import RunConfig, RunDir, RunError
 from streamer.tokenizer import Tokenizer, load_tokenizer
 from streamer.trainer import StreamingTrainer
+from streamer.console import make_console
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,7 +46,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
-    console = Console(soft_wrap=True)
+    console = make_console()
     console.print(result.table())
     if args.dry_run:
         measured = out["dry_run_peak_device_bytes"]
@@ -76,7 +76,7 @@ def generate_command(args: argparse.Namespace) -> int:
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                         use_cache=not args.no_cache)
     tokenizer = load_tokenizer(run.tokenizer)
-    console = Console(soft_wrap=True)
+    console = make_console()
     with open_trainer(run, overrides) as trainer:
         begin = time.perf_counter()
         text = complete(trainer, tokenizer, args.prompt, sampling)
@@ -106,7 +106,7 @@ def export_command(args: argparse.Namespace) -> int:
                   overwrite=args.overwrite)
         step = trainer.step_count
     files = sorted(p.name for p in Path(args.hf_dir).iterdir())
-    Console(soft_wrap=True).print(
+    make_console().print(
         f"exported step {step} of {run.root} to {args.hf_dir} in {time.perf_counter() - begin:.1f} s: "
         f"{', '.join(files)}\nload it with transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})",
         markup=False, highlight=False)
@@ -154,7 +154,7 @@ def trace_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"step": step, "plot": str(out), **summary, "meta": trace.meta}, indent=2, default=str))
         return 0
-    console = Console(soft_wrap=True)
+    console = make_console()
     console.print(trace.table(step=step))
     for line in memory_lines(summary, trace.meta):
         console.print(line)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import psutil
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from layers import GPTJConfig
@@ -28,6 +27,7 @@ from streamer.generate import Sampling, complete
 from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, resolve
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
+from streamer.console import make_console
 
 T = TypeVar("T")
 
@@ -52,7 +52,7 @@ class Session:
 
 def train_command(args: argparse.Namespace) -> int:
     explicit = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
-    console = Console(soft_wrap=True)
+    console = make_console()
     session = resume(args.resume, explicit, args.config, console) if args.resume else \
         start(explicit, args.config, console)
     with session.trainer:

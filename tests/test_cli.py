@@ -10,6 +10,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+import streamer
 import torch
 import torch.multiprocessing as mp
 from hypothesis import given, settings
@@ -170,6 +172,9 @@ def test_bad_input_is_one_line_with_the_fix(capsys, tmp_path, tiny_setup):
 
 
 def test_bench_is_dispatched_lazily_or_reported_missing(capsys, monkeypatch):
+    # `import streamer.bench as bench` reads the package attribute first once the real module was imported
+    # (by another test in this process), so both it and sys.modules are replaced.
+    monkeypatch.delattr(streamer, "bench", raising=False)
     monkeypatch.setitem(sys.modules, "streamer.bench", None)  # import fails as for a missing module
     assert "streamer bench` is not available" in fails(capsys, "bench")
     seen = {}
@@ -177,6 +182,7 @@ def test_bench_is_dispatched_lazily_or_reported_missing(capsys, monkeypatch):
     fake.add_arguments = lambda parser: parser.add_argument("--quick", action="store_true")
     fake.run = lambda args: seen.setdefault("quick", args.quick) and 0
     monkeypatch.setitem(sys.modules, "streamer.bench", fake)
+    monkeypatch.setattr(streamer, "bench", fake, raising=False)
     assert run_cli(capsys, "bench", "--quick")[0] == 0 and seen == {"quick": True}
 
 
