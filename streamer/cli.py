@@ -161,8 +161,9 @@ def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _bench(argv: list[str]) -> int:
+    import importlib
     try:
-        import streamer.bench as bench
+        bench = importlib.import_module("streamer.bench")
     except ModuleNotFoundError as exc:
         if exc.name != "streamer.bench":
             raise
