@@ -6,6 +6,7 @@ Every user error (bad flags, files, settings, a budget that cannot fit) is print
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import typing
 from dataclasses import MISSING, fields
@@ -155,13 +156,11 @@ def build_parser() -> Parser:
 def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     """Import a command's module only when it runs: `streamer --help` stays fast."""
     def run(args: argparse.Namespace) -> int:
-        import importlib
         return getattr(importlib.import_module(module), name)(args)
     return run
 
 
 def _bench(argv: list[str]) -> int:
-    import importlib
     try:
         bench = importlib.import_module("streamer.bench")
     except ModuleNotFoundError as exc:
