@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import psutil
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from layers import GPTJConfig
@@ -299,7 +300,6 @@ def evaluate(s: Session, console: Console) -> float | None:
             break
         local = s.trainer.evaluate(ids[:usable], labels[:usable])
         losses.append(local if s.parallel is None else s.parallel.mean(local))
-        _release_forward_charges(s.trainer)
     if not losses:
         return None
     loss = sum(losses) / len(losses)
@@ -308,14 +308,6 @@ def evaluate(s: Session, console: Console) -> float | None:
         s.run.append_metrics({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
     console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
     return loss
-
-
-def _release_forward_charges(trainer: StreamingTrainer) -> None:
-    """StreamingTrainer.evaluate() leaves the checkpointed block inputs of its forward charged to the ledger
-    until each block's next backward, raising the next step's peak by one such set per evaluated batch;
-    nothing else is charged between steps, so free them here."""
-    for unit in trainer.units:
-        trainer.executor.recorder.release(unit)
 
 
 # --- the report ----------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memory_model import DeviceSpec, parse_size
+from memory_model import DEVICE_PRESETS, DeviceSpec, parse_size
 from streamer.errors import StreamerError
 from streamer.layout import DTYPES, Placement, dtype_name
 
@@ -133,6 +133,8 @@ class TrainerConfig:
             return None
         if isinstance(self.budget, DeviceSpec):
             return self.budget.memory_bytes
+        if isinstance(self.budget, str) and self.budget in DEVICE_PRESETS:  # a preset saved by name
+            return DEVICE_PRESETS[self.budget].memory_bytes
         try:
             return parse_size(self.budget)
         except ValueError as exc:

@@ -10,14 +10,12 @@ reference the cache is tested against).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from layers import KVCache
-from memory_model import PHASES
 from streamer.errors import StreamerError
 from streamer.runtime import StepContext
 from streamer.schedule import inference_events
@@ -125,33 +123,11 @@ def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: i
             held["h"] = run(held["h"], start_pos, None if caches is None else caches[block])
 
     try:
-        with _trace_infer_as_generate(trainer):
-            trainer.executor.run(inference_events(trainer.units),
-                                 StepContext([], trainer.step_count, 0.0, infer=infer))
+        trainer.executor.run(inference_events(trainer.units), StepContext([], trainer.step_count, 0.0, infer=infer))
     finally:
         if "handle" in held:
             trainer.ledger.free(held["handle"])
     return held["logits"]
-
-
-@contextmanager
-def _trace_infer_as_generate(trainer: StreamingTrainer) -> Iterator[None]:
-    """The executor records "infer" spans, a phase the trace does not know (it calls it "generate"):
-    name them "generate" while generating."""
-    if "infer" in PHASES:
-        yield
-        return
-    executor, trace = trainer.executor, trainer.executor.trace
-
-    class Renamed:
-        def span(self, layer: str, phase: str, *args: Any, **kwargs: Any) -> Any:
-            return trace.span(layer, "generate" if phase == "infer" else phase, *args, **kwargs)
-
-    executor.trace = Renamed()
-    try:
-        yield
-    finally:
-        executor.trace = trace
 
 
 def complete(trainer: StreamingTrainer, tokenizer: Tokenizer, prompt: str, sampling: Sampling = Sampling()) -> str:

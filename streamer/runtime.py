@@ -97,7 +97,8 @@ class Executor:
                 if resource not in self._inflight:
                     self._issue(resource, ctx.step)
             tensors = self._acquire(event.resource)
-            with self.trace.span(event.unit, event.phase, step=ctx.step, micro=event.micro):
+            phase = "generate" if event.phase == "infer" else event.phase  # the trace's name for inference
+            with self.trace.span(event.unit, phase, step=ctx.step, micro=event.micro):
                 if event.phase == "forward":
                     self._forward(event, tensors, ctx)
                 elif event.phase == "backward":
@@ -312,7 +313,9 @@ class Executor:
                 self._writers.pop(chunk.unit).__exit__(None, None, None)
 
     def clear_graphs(self) -> None:
-        """After a forward-only pass: drop the hidden states it kept."""
+        """After a forward-only pass: drop the hidden states it kept and the activations it charged."""
+        for unit in self.units:
+            self.recorder.release(unit)
         self._graphs.clear()
 
     def abort(self) -> None:

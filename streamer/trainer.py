@@ -112,7 +112,8 @@ class StreamingTrainer:
             layout, tensors = self.layouts[unit], tensors_of(unit)
             master = torch.empty(layout.numel, dtype=torch.float32)
             for slot in layout.slots:
-                master[slot.offset:slot.offset + slot.numel].copy_(tensors[slot.key].reshape(-1))
+                master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
+            del tensors  # one copy of the unit (its flat master) while its state is written
             self._write_initial_state(unit, master)
         self.store.finish_step(self.store.step, self._trainer_state())
 
