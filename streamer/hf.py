@@ -284,7 +284,7 @@ class HFExporter:
                                   "choose a folder you can write to") from None
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None:
             shutil.rmtree(self.staging_dir, ignore_errors=True)
             return
