@@ -95,6 +95,8 @@ def build_parser() -> Parser:
     plan.add_argument("--batch", type=int, default=1, help="global batch (default: 1)")
     plan.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
     plan.add_argument("--activations", choices=("resident", "checkpoint"), default="resident")
+    plan.add_argument("--devices", type=int, default=1,
+                      help="data-parallel devices: adds the gradient all-reduce and prints the scaling curve")
     plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     plan.add_argument("--grad-accum", type=int, default=1)
     plan.add_argument("--prefetch", type=int, default=1)

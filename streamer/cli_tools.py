@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import time
 from pathlib import Path
@@ -30,11 +31,17 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=args.dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
-                              store=args.store)
-        result = plan(ModelShape.from_config(model_cfg), device, plan_cfg)
+                              store=args.store, devices=args.devices)
+        shape = ModelShape.from_config(model_cfg)
+        result = plan(shape, device, plan_cfg)
+        # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
+        counts = [n for n in (2**k for k in range(args.devices.bit_length())) if n <= args.devices] + [args.devices]
+        scaling = [{"devices": n, **{k: v for k, v in plan(shape, device, replace(plan_cfg, devices=n)).to_json().items()
+                                     if k in ("step_time_s", "tokens_per_s", "peak_device_bytes")}}
+                   for n in sorted(set(counts)) if args.batch % (n * args.grad_accum) == 0]
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
-    out = result.to_json()
+    out = {**result.to_json(), "scaling": scaling}
     if args.dry_run:
         from streamer.config import TrainerConfig
         from streamer.dryrun import dry_run
@@ -53,6 +60,10 @@ def plan_command(args: argparse.Namespace) -> int:
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
                       f"({_breakdown(out['dry_run_peak_breakdown'])}); analytic "
                       f"{format_size(result.peak_device_bytes)} ({_breakdown(result.peak_breakdown)})")
+    if args.devices > 1:
+        console.print("data-parallel scaling (same global batch): " + "; ".join(
+            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s, {row['step_time_s']:.2f} s/step"
+            for row in scaling))
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
     return 0

@@ -259,3 +259,14 @@ def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monke
     assert run.read_config() == cfg and RunDir.is_run("r")
     with pytest.raises(RunError, match="already holds a run"):
         RunDir.create("r")
+
+
+def test_plan_devices_prices_the_all_reduce_and_prints_the_scaling_curve(capsys):
+    args = ("plan", "--model", "gptj-6b", "--device", "h100-80g", "--batch", 64, "--seq", 2048,
+            "--activations", "checkpoint")
+    rc, out, _ = run_cli(capsys, *args, "--devices", 4, "--json")
+    curve = json.loads(out)["scaling"]
+    assert rc == 0 and [row["devices"] for row in curve] == [1, 2, 4]
+    assert curve[0]["tokens_per_s"] < curve[1]["tokens_per_s"] < curve[2]["tokens_per_s"]
+    rc, out, _ = run_cli(capsys, *args, "--devices", 4)
+    assert rc == 0 and "data-parallel scaling" in out
