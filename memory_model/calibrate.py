@@ -152,13 +152,14 @@ def measure_allreduce(nbytes: int, repeats: int) -> float:
 def fingerprint() -> dict[str, Any]:
     """What must not change for a cached calibration to stay valid."""
     return {
-        "machine": platform.machine(), "processor": _cpu_model(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "processor": cpu_model(), "cpus": os.cpu_count(),
         "threads": torch.get_num_threads(), "ram_bytes": psutil.virtual_memory().total,
         "torch": torch.__version__,
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -20,6 +20,7 @@ from memory_model import format_size
 from streamer.bench_report import params
 from memory_model.calibrate import measure_disk, measure_matmul_flops
 from streamer.store import StoreSpec
+from memory_model.calibrate import cpu_model
 
 STORE_KINDS = ("compute", "master", "exp_avg", "exp_avg_sq", "grad")  # everything a disk-tier store holds
 
@@ -44,16 +45,6 @@ class Machine:
                 f"commit {self.commit}; date {self.date}"]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _version(name: str) -> str:
     try:
         return f"{name} {importlib.metadata.version(name)}"
@@ -72,7 +63,7 @@ def _commit() -> str:
 
 def describe() -> Machine:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    return Machine(cpu=_cpu_model(), cores=os.cpu_count() or 1, ram_bytes=psutil.virtual_memory().total,
+    return Machine(cpu=cpu_model(), cores=os.cpu_count() or 1, ram_bytes=psutil.virtual_memory().total,
                    torch=torch.__version__, python=platform.python_version(), kernel=platform.release(),
                    commit=_commit(), date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
                    gpu=gpu, libraries=tuple(_version(n) for n in ("transformers", "deepspeed")))
