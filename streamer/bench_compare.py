@@ -152,22 +152,28 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
     if r is None or raw is None:
         return (label, _missing(ctx, label), *("—" for _ in range(9))), _target(
             f"4. {label}", "unmeasured", None)
-    read = _div(r.io.get("rchar"), r.phases.get("load_busy"))
-    write = _div(r.io.get("wchar"), r.phases.get("offload_busy"))
     io_s = r.phases.get("io_busy")
     bound = max(io_s or 0.0, compute_s or 0.0) or None
     overlap = _div(r.median_s, bound)
-    read_pct, write_pct = _div(read, raw.read_bytes_per_s), _div(write, raw.write_bytes_per_s)
-    bw_met = None if read_pct is None or write_pct is None else min(read_pct, write_pct) >= 0.8
     overlap_met = None if overlap is None else overlap <= 1.15
-    row = (label, f"{rate(read)} ({percent(read_pct)} of {rate(raw.read_bytes_per_s)})",
-           f"{rate(write)} ({percent(write_pct)} of {rate(raw.write_bytes_per_s)})",
-           f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
+    cells, judged = [], []
+    for calls, storage, busy, raw_rate in (("rchar", "read_bytes", "load_busy", raw.read_bytes_per_s),
+                                           ("wchar", "write_bytes", "offload_busy", raw.write_bytes_per_s)):
+        achieved = _div(r.io.get(calls), r.phases.get(busy))
+        share = _div(achieved, raw_rate)
+        if r.io.get(storage, 0) < 0.5 * r.io.get(calls, 0):
+            # Mostly served by the page cache: a memory copy, not the disk; no verdict on the disk's bandwidth.
+            cells.append(f"{rate(achieved)} (page cache: not judged)")
+        else:
+            judged.append(share)
+            cells.append(f"{rate(achieved)} ({percent(share)} of {rate(raw_rate)})")
+    bw_met = None if not judged or None in judged else min(judged) >= 0.8
+    row = (label, *cells, f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
            f"{size(r.io.get('wchar'))} / {size(r.io.get('write_bytes'))}",
            seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap),
            verdict(bw_met), verdict(overlap_met))
-    line = (f"4. {label}: bandwidth >= 80% of raw: {verdict(bw_met)} (read {percent(read_pct)}, write "
-            f"{percent(write_pct)}); step <= 1.15x max(I/O, compute): {verdict(overlap_met)} ({ratio(overlap)})")
+    line = (f"4. {label}: bandwidth >= 80% of raw: {verdict(bw_met)} (read {cells[0]}, write {cells[1]}); "
+            f"step <= 1.15x max(I/O, compute): {verdict(overlap_met)} ({ratio(overlap)})")
     return row, line
 
 

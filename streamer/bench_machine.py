@@ -102,9 +102,14 @@ def raw_disk(directory: Path, nbytes: int, repeats: int) -> DiskBandwidth:
 # --- the scale run -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelChoice:
+    """A scale-run candidate. fp32 compute weights are the master weights themselves (no bf16 copy in the
+    store: 16 instead of 18 B/param), so on a short disk they buy a larger model; master weights and the
+    Adam moments are fp32 unless `moment_dtype` says bf16 (acceptable for GPT-J-6B only)."""
+
     name: str
     config: GPTJConfig
     moment_dtype: str = "fp32"
+    compute_dtype: str = "bf16"
 
     @property
     def params(self) -> int:
@@ -112,26 +117,29 @@ class ModelChoice:
 
     @property
     def store_bytes(self) -> int:
-        """Bytes of a disk-tier store of this model (bf16 compute weights), from the store's own dtypes."""
-        spec = StoreSpec(self.config, "bf16", self.moment_dtype)
-        return self.params * sum(spec.kind_dtype(k).itemsize for k in STORE_KINDS)
+        """Bytes of a disk-tier store of this model, from the store's own dtypes."""
+        spec = StoreSpec(self.config, self.compute_dtype, self.moment_dtype)
+        kinds = [k for k in STORE_KINDS if k != "compute" or not spec.compute_is_master]
+        return self.params * sum(spec.kind_dtype(k).itemsize for k in kinds)
 
     def describe(self) -> str:
         c = self.config
         return (f"{self.name} ({params(self.params)} params: d_model {c.n_embd}, {c.n_layer} layers, "
-                f"{c.n_head} heads; {self.moment_dtype} Adam moments)")
+                f"{c.n_head} heads; {self.compute_dtype} compute, {self.moment_dtype} Adam moments)")
 
 
-def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32") -> ModelChoice | None:
+def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32",
+                 compute_dtype: str = "bf16") -> ModelChoice | None:
     """A preset's width with as many layers as a disk budget holds (None when not even one block fits)."""
     base = GPTJConfig.preset(preset)
-    one = ModelChoice(preset, dataclasses.replace(base, n_layer=1), moment_dtype)
-    two = ModelChoice(preset, dataclasses.replace(base, n_layer=2), moment_dtype)
+    one, two = (ModelChoice(preset, dataclasses.replace(base, n_layer=n), moment_dtype, compute_dtype)
+                for n in (1, 2))
     per_block = two.store_bytes - one.store_bytes
     layers = min(base.n_layer, (budget_bytes - (one.store_bytes - per_block)) // per_block)
     if layers < 1:
         return None
-    return ModelChoice(f"{preset} width, {layers} layers", dataclasses.replace(base, n_layer=int(layers)), moment_dtype)
+    return ModelChoice(f"{preset} width, {layers} layers", dataclasses.replace(base, n_layer=int(layers)),
+                       moment_dtype, compute_dtype)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,8 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     # 18 B/param: bf16 compute weights, fp32 master, two fp32 moments, fp32 gradient accumulator.
     assert four.store_bytes == 18 * four.params
     assert ModelChoice("x", four.config, "bf16").store_bytes == 14 * four.params
+    # fp32 compute weights are the master weights: no separate copy.
+    assert ModelChoice("x", four.config, "fp32", "fp32").store_bytes == 16 * four.params
     pick = pick_scale_model([four, small], free=10**12, budget=small.store_bytes + 1)
     assert pick.chosen is small and [fits for _, fits in pick.considered] == [False, True]
     fitted = fitted_width("gptj-4b", small.store_bytes)
@@ -123,6 +125,8 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     deeper = dataclasses.replace(fitted.config, n_layer=fitted.config.n_layer + 1)
     assert ModelChoice("y", deeper).store_bytes > small.store_bytes
     assert fitted_width("gptj-4b", 1000) is None
+    wider = fitted_width("gptj-4b", small.store_bytes, "fp32", "fp32")
+    assert wider is not None and wider.config.n_layer > fitted.config.n_layer
 
 
 def test_section_renders_markdown_and_rejects_ragged_rows():
@@ -168,3 +172,19 @@ def test_every_section_renders_when_nothing_ran():
     text = "".join(o.section.markdown() for o in outcomes)
     assert "failed: boom" in text
     assert all("unmeasured" in t or "NOT met" in t for o in outcomes for t in o.targets)
+
+
+def test_disk_bandwidth_is_judged_only_where_the_disk_served_it():
+    from streamer.bench_compare import STREAM_DISK, Context, disk_tier
+    from streamer.bench_machine import DiskBandwidth, Peaks
+    spec = RunSpec(label=STREAM_DISK, contender="stream", model={}, batch=1, seq=1, tier="disk")
+    block = _measured(STREAM_DISK, [2.0], 1)
+    # Reads came from the page cache (nothing reached the device); writes did, at half the raw rate.
+    block.io = [{"rchar": 8e9, "read_bytes": 0, "wchar": 4e9, "write_bytes": 4e9}]
+    block.phases = [{"load_busy": 1.0, "offload_busy": 4.0, "io_busy": 1.9}]
+    raw = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=2e9, nbytes=1, repeats=1, where="x")
+    ctx = Context(results={STREAM_DISK: merge(spec, [block])}, peaks=Peaks(1.0, 1.0, 1), disk={STREAM_DISK: raw},
+                  plans={}, scale=None)
+    row = disk_tier(ctx).section.rows[0]
+    assert "page cache: not judged" in row[1] and "50% of 2.00 GB/s" in row[2]
+    assert row[-2:] == ("NOT met", "met")  # 2.0 s step vs max(1.9 s I/O, no compute reference): 1.05x
