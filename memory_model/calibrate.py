@@ -19,10 +19,11 @@ import psutil
 import torch
 
 from memory_model.devices import DeviceSpec, Link
-from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM
+from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
+from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, forward_flops
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,80 @@ def measure_update(params: int, repeats: int) -> float:
     return UPDATE_TOUCHED_BYTES_PER_PARAM * params / _best_time(run, repeats)
 
 
+def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor],
+                      repeats: int) -> tuple[float, float]:
+    """Best forward and best backward seconds of `run` (a scalar-valued graph), fresh graph each time."""
+    run().backward()  # warm-up
+    forward = backward = float("inf")
+    for _ in range(repeats):
+        for p in params:
+            p.grad = None
+        start = time.perf_counter()
+        out = run()
+        middle = time.perf_counter()
+        out.backward()
+        forward, backward = min(forward, middle - start), min(backward, time.perf_counter() - middle)
+    return forward, backward
+
+
+def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int) -> KernelCosts:
+    """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of a reference
+    shape: each one's time less its matmuls at `matmul_flops`, per counted element. The vocabulary is GPT-J's:
+    a smaller one fits the logits in cache and times the loss too fast. `fold_params`: size of the timed
+    gradient fold (the runtime's offload on the host)."""
+    from layers import GPTJConfig
+    from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
+    from layers.loss import causal_lm_loss
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    cfg = GPTJConfig(vocab_size=50400, n_positions=512, n_embd=512, n_layer=1, n_head=8, rotary_dim=32)
+    shape, batch, seq = ModelShape.from_config(cfg), 1, 512
+    n, torch_state = batch * seq, torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        q, k, v = (torch.randn(batch, cfg.n_head, seq, cfg.head_dim, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+        attn_fwd, attn_bwd = _forward_backward(sdpa, [q, k, v], repeats)
+        attn = attention_flops(shape, batch, seq)
+
+        block = GPTJBlock(cfg).to(dtype)
+        x = torch.randn(batch, seq, cfg.n_embd, dtype=dtype, requires_grad=True)
+        fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats)
+        # The runtime gathers each unit's weight gradients into a new flat tensor: time that at a unit's
+        # size (fresh memory is page-faulted in every time), not the small block's (it stays in cache).
+        pieces = torch.zeros(fold_params, dtype=dtype).chunk(8)
+        assembly_s = _best_time(lambda: torch.cat(pieces), repeats)
+        matmul_s = (forward_flops(shape, "block.0", batch, seq) - attn) / matmul_flops
+        width = n * elementwise_width(shape)
+
+        head = GPTJHead(cfg).to(dtype)
+        labels = torch.randint(0, cfg.vocab_size, (batch, seq))
+        head_fwd, head_bwd = _forward_backward(lambda: causal_lm_loss(head(x), labels), [x, *head.parameters()],
+                                               repeats)
+        head_matmul_s, logits = forward_flops(shape, "head", batch, seq) / matmul_flops, n * cfg.vocab_size
+
+        embed = GPTJEmbedding(cfg).to(dtype)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+        _, embed_bwd = _forward_backward(lambda: embed(ids).float().sum(), list(embed.parameters()), repeats)
+
+        grad, accumulator = torch.full((fold_params,), 1e-3, dtype=dtype), torch.empty(fold_params)
+        fold_s = _best_time(lambda: torch.linalg.vector_norm(accumulator.copy_(grad)), repeats)
+    finally:
+        torch.random.set_rng_state(torch_state)
+    # A residual below zero is timing noise around a kernel that costs ~nothing.
+    return KernelCosts(
+        attention_forward_flops=attn / attn_fwd, attention_backward_flops=2 * attn / attn_bwd,
+        elementwise_forward_s=max(0.0, fwd - matmul_s - attn_fwd) / width,
+        elementwise_backward_s=max(0.0, bwd - 2 * matmul_s - attn_bwd) / width,
+        logits_forward_s=max(0.0, head_fwd - head_matmul_s) / logits,
+        logits_backward_s=max(0.0, head_bwd - 2 * head_matmul_s) / logits,
+        embedding_backward_s=embed_bwd / (cfg.vocab_size * cfg.n_embd),
+        gradient_assembly_bytes_per_s=2 * fold_params * pieces[0].element_size() / assembly_s,
+        # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
+        gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s)
+
+
 def _allreduce_worker(rank: int, port: int, nbytes: int, repeats: int, results: Any) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -174,6 +249,8 @@ def calibrate(directory: Path, sizes: CalibrationSizes | None = None) -> DeviceS
     sizes = DEFAULT_SIZES if sizes is None else sizes
     flops = {name: measure_matmul_flops(dtype, sizes.matmul_n, sizes.repeats)
              for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    kernels = {name: measure_kernel_costs(name, rate, sizes.update_params, sizes.repeats)
+               for name, rate in flops.items()}
     copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
     read_bw, write_bw = measure_disk(directory, sizes.disk_bytes)
     update_bw = measure_update(sizes.update_params, sizes.repeats)
@@ -184,13 +261,14 @@ def calibrate(directory: Path, sizes: CalibrationSizes | None = None) -> DeviceS
     return DeviceSpec(
         name="local", memory_bytes=ram, h2d=link, d2h=link, flops=flops, device_mem_bandwidth=update_bw,
         host_ram_bytes=ram, disk_read_bw=read_bw, disk_write_bw=write_bw, host_update_bw=update_bw,
-        same_memory=True, interconnect=Link(allreduce_bw),
+        same_memory=True, interconnect=Link(allreduce_bw), kernels=kernels,
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {fp['processor']}, "
                 f"{fp['threads']} threads, torch {fp['torch']}"),
         notes=(f"matmul {sizes.matmul_n}^3; copy {sizes.copy_bytes} B into an existing buffer; "
                f"disk {sizes.disk_bytes} B with fsync, page cache dropped before the read; "
                f"AdamW on {sizes.update_params} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param touched; "
-               f"2-process gloo all-reduce of {sizes.allreduce_bytes} B",
+               f"2-process gloo all-reduce of {sizes.allreduce_bytes} B; kernel costs on a d=512, 8-head, "
+               "vocab 50400 GPT-J block, head and embedding at 1 x 512 tokens",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
 

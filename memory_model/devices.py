@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from memory_model.kernels import KernelCosts
+
 # Bytes per element of each compute dtype the planner and the runtime support.
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -61,6 +63,8 @@ class DeviceSpec:
     # Device-to-device link for data-parallel all-reduce (ring bus bandwidth per direction); None: the
     # devices have no peer link and exchange through the host (d2h then h2d).
     interconnect: Link | None = None
+    # Measured costs besides the matmuls, by compute dtype (see kernels.py); empty: the matmul-only model.
+    kernels: dict[str, KernelCosts] = field(default_factory=dict)
     source: str = ""
     notes: tuple[str, ...] = field(default=())  # assumptions behind the figures, shown to users
 
@@ -82,8 +86,13 @@ class DeviceSpec:
             raise ValueError(f"flops must give a rate for every compute dtype; missing {missing}")
         for dtype, rate in self.flops.items():
             _positive(f"flops[{dtype!r}]", rate)
-        # A private copy: the dataclass is frozen, the caller's dict is not.
+        for dtype, costs in self.kernels.items():
+            if dtype not in DTYPE_BYTES or not isinstance(costs, KernelCosts):
+                raise ValueError(f"kernels maps a compute dtype {sorted(DTYPE_BYTES)} to KernelCosts; "
+                                 f"got {dtype!r}: {type(costs).__name__}")
+        # Private copies: the dataclass is frozen, the caller's dicts are not.
         object.__setattr__(self, "flops", dict(self.flops))
+        object.__setattr__(self, "kernels", dict(self.kernels))
         object.__setattr__(self, "notes", tuple(self.notes))
 
     def allreduce_time(self, nbytes: int, devices: int) -> float:
@@ -108,6 +117,7 @@ class DeviceSpec:
         if self.interconnect is not None:
             out["interconnect"] = {"bandwidth_bytes_per_s": self.interconnect.bandwidth_bytes_per_s,
                                    "latency_s": self.interconnect.latency_s}
+        out["kernels"] = {dtype: costs.to_dict() for dtype, costs in self.kernels.items()}
         out["notes"] = list(self.notes)
         return out
 
@@ -122,6 +132,7 @@ class DeviceSpec:
         values["d2h"] = Link(**raw["d2h"])
         if raw.get("interconnect") is not None:
             values["interconnect"] = Link(**raw["interconnect"])
+        values["kernels"] = {dtype: KernelCosts.from_dict(c) for dtype, c in raw.get("kernels", {}).items()}
         values["notes"] = tuple(raw.get("notes", ()))
         return cls(**values)
 

@@ -16,6 +16,7 @@ from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, PlanConfig,
     forward_flops,
 )
+from memory_model.kernels import attention_flops
 from memory_model.steps import Resource, StepEvent
 
 
@@ -69,11 +70,28 @@ def _compute(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: Devic
     if event.phase == "update":
         bandwidth = device.device_mem_bandwidth if cfg.update_on == "device" else device.host_update_bw
         return event.resource[3] * UPDATE_TOUCHED_BYTES_PER_PARAM / bandwidth
-    fwd = forward_flops(shape, event.unit, cfg.micro_batch, cfg.seq)
-    if event.phase == "backward":
-        recompute = fwd if cfg.activations == "checkpoint" and event.unit.startswith("block.") else 0
-        fwd = 2 * fwd + recompute
-    return fwd / device.flops_for(cfg.compute_dtype)
+    unit, rate = event.unit, device.flops_for(cfg.compute_dtype)
+    costs = device.kernels.get(cfg.compute_dtype)
+    matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
+    if costs is None:  # the matmul-only model: attention at the matmul rate, nothing else costs time
+        forward = matmuls / rate
+        backward = 2 * forward
+    else:
+        if unit.startswith("block."):
+            matmuls -= attention_flops(shape, cfg.micro_batch, cfg.seq)
+        forward = matmuls / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
+        grad_bytes = shape.unit_params(unit) * cfg.dtype_bytes
+        backward = 2 * matmuls / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq, grad_bytes)
+    if event.phase == "forward":
+        return forward
+    recompute = forward if cfg.activations == "checkpoint" and unit.startswith("block.") else 0.0
+    return backward + recompute
+
+
+def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
+    """The runtime folds a gradient on the compute thread when the device is the host's own cores and the
+    accumulator is in RAM (streamer/runtime.py): the fold then adds to the compute time."""
+    return device.same_memory and cfg.store == "ram" and cfg.devices == 1
 
 
 def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
@@ -88,8 +106,10 @@ def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: De
         touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
         read = 0 if first or not disk else 4 * params
         write = 4 * params if disk else 0
+        costs = device.kernels.get(cfg.compute_dtype)
+        fold_bw = device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s
         seconds = (device.allreduce_time(4 * params, cfg.devices) + _link(grad, device, "d2h")
-                   + touched / device.host_update_bw + read / device.disk_read_bw + write / device.disk_write_bw)
+                   + touched / fold_bw + read / device.disk_read_bw + write / device.disk_write_bw)
         times.d2h += grad
     else:  # an update chunk: new master, moments and compute weights go back to the store
         out = event.resource[3] * (OPTIMIZER_BYTES_PER_PARAM + cfg.new_compute_bytes)
@@ -111,6 +131,7 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
     offload_done = 0.0  # when the last gradient offload (queued on the I/O worker) finishes
     first_unit = shape.unit_names()[0]
     in_flight: set[Resource] = set()
+    inline = folds_inline(cfg, device)
     ready: dict[Resource, float] = {}
     for k, event in enumerate(events):
         for r in resident[k]:
@@ -134,7 +155,11 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
             # The previous unit's offload overlapped this backward; it is waited for when this gradient
             # appears, and the first unit's own offload before the update or the next micro-batch.
             clock = max(clock, offload_done)
-        if event.phase != "forward":
+        if event.phase == "backward" and inline:
+            seconds = _write_back(event, shape, cfg, device, times)
+            clock += seconds
+            busy["compute"] += seconds
+        elif event.phase != "forward":
             seconds = _write_back(event, shape, cfg, device, times)
             io_free = max(io_free, clock) + seconds
             busy["io"] += seconds

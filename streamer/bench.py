@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 disk["scale"] = raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)
                 spec = _spec(SCALE, "stream", pick.chosen.config, s, tier="disk", warmup=s.scale_warmup,
                              steps=s.scale_steps, moment_dtype=pick.chosen.moment_dtype,
-                             dtype=pick.chosen.compute_dtype)
+                             dtype=pick.chosen.compute_dtype, activations="checkpoint")
                 results.update(runner.compare([spec], 1))
         else:
             skipped[SCALE] = "--no-scale"

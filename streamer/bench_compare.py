@@ -240,6 +240,9 @@ def scale(ctx: Context) -> Outcome:
            f"{seconds(p.get('load_busy'))} / {seconds(p.get('offload_busy'))} / {seconds(p.get('io_busy'))}",
            f"{seconds(p.get('forward'))} / {seconds(p.get('backward'))} / {seconds(p.get('update'))}",
            verdict(met), verdict(stretch))
+    kept = " (block inputs kept, blocks recomputed in backward)" if r.spec.activations == "checkpoint" else ""
+    notes.append(f"Activations: {r.spec.activations}{kept}, batch "
+                 f"{r.spec.batch} x {r.spec.seq}, {r.spec.dtype} compute.")
     notes.append("Where the time goes, per step: I/O = load / offload / either busy (wall time of the I/O spans); "
                  "compute = forward / backward / update spans. Fewer than 5 timed steps: each step moves the "
                  "whole store through the disk twice (stated, not hidden).")

@@ -36,6 +36,7 @@ class RunSpec:
     dtype: str = "bf16"  # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
     tier: str = "ram"
     moment_dtype: str = "fp32"
+    activations: str = "resident"  # ours: resident, or checkpoint (the scale run keeps block inputs only)
     warmup: int = 2
     steps: int = 5
     world: int = 1  # data-parallel processes (ours only); the parent starts one child per rank
@@ -47,6 +48,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.contender not in CONTENDERS:
             raise ValueError(f"contender must be one of {CONTENDERS}, got {self.contender!r}")
+        if self.activations not in ("resident", "checkpoint"):
+            raise ValueError(f"activations must be resident|checkpoint, got {self.activations!r}")
         if self.dtype not in ("bf16", "fp32") or self.tier not in ("ram", "disk"):
             raise ValueError(f"dtype must be bf16|fp32 and tier ram|disk, got {self.dtype!r}, {self.tier!r}")
         for name in ("batch", "seq", "steps", "world"):
@@ -103,7 +106,7 @@ def _ours(spec: RunSpec) -> Contender:
     from streamer import StreamingTrainer, TrainerConfig
     from streamer.resident import ResidentTrainer
     cfg = _gptj_config(spec)
-    tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations="resident",
+    tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations=spec.activations,
                        moment_dtype=spec.moment_dtype, seed=spec.seed)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")

@@ -69,6 +69,12 @@ class Executor:
         self.dtype = tc.compute_dtype
         self.transport = Transport(store, self.device, self.dtype)
         self.worker = IOWorker(threaded=self.device.type != "meta" and tc.prefetch > 0)
+        # On a cpu device the host's fold of a RAM-tier gradient runs on the cores the compute uses: on the
+        # I/O worker it overlaps nothing and only oversubscribes them (each thread brings its own OpenMP team),
+        # so it runs inline with every core. Disk writes and all-reduces still overlap on the worker.
+        inline = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
+                  and data_parallel is None)
+        self.fold_worker = IOWorker(threaded=False) if inline else self.worker
         self.shells = {kind: build_unit(cfg, name) for kind, name in
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.states = {u: UnitState(u) for u in layouts}
@@ -229,7 +235,7 @@ class Executor:
         reduction = self.data_parallel.start_reduce(grad) if self.data_parallel is not None else None
         step = self._step
         job = lambda: self._traced_offload(unit, step, grad, first, last, reduction)
-        self._pending_offload = PendingOffload(unit, last, self.worker.submit(job), handle)
+        self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handle)
 
     def _traced_offload(self, unit: str, step: int, grad: torch.Tensor, first: bool, last: bool,
                         reduction: object | None) -> float:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import memory_model.calibrate as calibrate
 from memory_model import DEVICE_PRESETS, DeviceSpec, Link, SizeError, device_spec, format_size, parse_size
 from memory_model.calibrate import CalibrationSizes
+from memory_model.kernels import KernelCosts
 
 TINY = CalibrationSizes(matmul_n=32, copy_bytes=2**16, disk_bytes=2**16, update_params=2**12, repeats=1)
 
@@ -119,6 +120,26 @@ def test_calibrate_measures_this_machine(tmp_path) -> None:
     assert spec.disk_read_bw > 0 and spec.disk_write_bw > 0 and spec.host_update_bw > 0
     assert spec.h2d == spec.d2h and spec.memory_bytes == spec.host_ram_bytes
     assert list(tmp_path.iterdir()) == []  # the disk test cleans up after itself
+    for dtype in ("bf16", "fp32"):  # the costs besides the matmuls, measured on real GPT-J units
+        costs = spec.kernels[dtype]
+        assert costs.attention_forward_flops > 0 and costs.attention_backward_flops > 0
+        assert costs.logits_forward_s >= 0 and costs.embedding_backward_s > 0  # residuals: >= 0 by design
+        assert costs.gradient_fold_bytes_per_s > 0 and costs.gradient_assembly_bytes_per_s > 0
+    assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_kernel_costs_are_validated_and_roundtrip() -> None:
+    good = KernelCosts(1e11, 1e11, 1e-9, 2e-9, 1e-9, 2e-9, 1e-10, 1e10, 1e10)
+    assert KernelCosts.from_dict(good.to_dict()) == good
+    with pytest.raises(ValueError, match="attention_forward_flops must be a finite number > 0"):
+        KernelCosts.from_dict({**good.to_dict(), "attention_forward_flops": 0.0})
+    with pytest.raises(ValueError, match="elementwise_forward_s must be a finite number >= 0"):
+        KernelCosts.from_dict({**good.to_dict(), "elementwise_forward_s": float("nan")})
+    with pytest.raises(ValueError, match="needs exactly the fields"):
+        KernelCosts.from_dict({"attention_forward_flops": 1.0})
+    raw = DEVICE_PRESETS["h100-80g"].to_dict()
+    with pytest.raises(ValueError, match="kernels maps a compute dtype"):
+        DeviceSpec.from_dict({**raw, "kernels": {"fp8": good.to_dict()}})
 
 
 def test_local_spec_is_cached_and_refreshable(tmp_path, monkeypatch) -> None:

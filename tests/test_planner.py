@@ -291,6 +291,46 @@ def test_compute_bound_step_time_is_the_flops() -> None:
     assert p.utilisation == pytest.approx(p.model_flops / flops, rel=1e-3)
 
 
+def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
+    """With kernel costs, attention leaves the matmul rate and each unit pays its counted elements."""
+    from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
+    free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                      flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
+    costs = KernelCosts(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
+                        elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
+                        embedding_backward_s=5e-10, gradient_assembly_bytes_per_s=1e10,
+                        gradient_fold_bytes_per_s=1e18)
+    shape, cfg = ModelShape.from_config(GPTJConfig.preset("gptj-350m")), PlanConfig(batch=1, seq=512)
+    base, costed = plan(shape, free, cfg), plan(shape, replace(free, kernels={"bf16": costs}), cfg)
+    n, attn = 512, attention_flops(shape, 1, 512)
+    block = {r.unit: r for r in costed.rows}["block.0"]
+    mm = (block.forward_flops - attn) / 1e12
+    assert block.forward_s == pytest.approx(mm + attn / 1e11 + 1e-9 * n * elementwise_width(shape))
+    grad_bytes = shape.block_params() * 2
+    assert block.backward_s == pytest.approx(2 * mm + 2 * attn / 5e10 + 2e-9 * n * elementwise_width(shape)
+                                             + 2 * grad_bytes / 1e10)
+    head = {r.unit: r for r in costed.rows}["head"]
+    assert head.forward_s == pytest.approx(head.forward_flops / 1e12 + 3e-9 * n * shape.vocab_size)
+    embed = {r.unit: r for r in costed.rows}["embed"]
+    assert embed.backward_s > 0 == {r.unit: r for r in base.rows}["embed"].backward_s
+    assert costed.step_time_s > base.step_time_s
+    assert plan(shape, replace(free, kernels={"fp32": costs}), cfg).step_time_s == base.step_time_s  # per dtype
+
+
+def test_a_cpu_device_folds_gradients_on_the_compute_thread() -> None:
+    """The runtime folds RAM-tier gradients inline on a cpu device: that time is no longer hidden."""
+    slow_fold = DeviceSpec(name="local", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                           flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                           disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e9)
+    shape, cfg = ModelShape.from_config(GPTJConfig.preset("gptj-350m")), PlanConfig(batch=1, seq=512)
+    overlapped, inline = plan(shape, slow_fold, cfg), plan(shape, replace(slow_fold, same_memory=True), cfg)
+    serial = sum(r.forward_s + r.backward_s + r.update_s + r.offload_s for r in inline.rows)
+    assert sum(r.offload_s for r in inline.rows) > 0.1  # 10 B/param at 1 GB/s: about 0.35 s for 350M
+    assert inline.step_time_s == pytest.approx(serial, rel=1e-6)  # nothing overlaps the fold any more
+    assert overlapped.step_time_s < serial
+
+
 def test_same_memory_device_moves_bytes_without_link_time() -> None:
     local = replace(CS2, name="local", same_memory=True)
     cfg = PlanConfig(batch=1, seq=256)

@@ -1,0 +1,83 @@
+"""The work besides the big matmuls: attention, elementwise kernels, the loss, gradient assembly.
+
+On a GPU these are small next to the matmuls and the presets leave them out (the matmul-only model). On a
+CPU they are most of a block's time: a GPT-J-350M block's forward spends about 6 ms in matmuls and 13 ms in
+LayerNorm, rotary, GELU, casts, residual adds and the attention kernel. The `local` spec measures each on
+a real layers.GPTJBlock / GPTJHead / GPTJEmbedding (calibrate.measure_kernel_costs) and the planner scales
+them to other shapes with the counts below. Derivation in docs/MEMORY_MODEL.md ("Kernel costs").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # devices.py holds KernelCosts and shapes.py imports devices.py
+    from memory_model.shapes import ModelShape
+
+
+def attention_flops(shape: ModelShape, batch: int, seq: int) -> int:
+    """QK^T and AV of one block's forward, the full T x T (the convention forward_flops uses too)."""
+    return 4 * batch * seq * seq * shape.n_embd
+
+
+def elementwise_width(shape: ModelShape) -> int:
+    """What a block's elementwise traffic scales with per token: the d-wide tensors of the attention side
+    (LayerNorm, q/k/v rotary and transposes, residual adds) and the f-wide ones of the MLP (GELU, bias)."""
+    return shape.n_embd + shape.inner_dim
+
+
+@dataclass(frozen=True)
+class KernelCosts:
+    """Measured costs of one compute dtype. Rates are FLOP/s, the rest seconds per counted element."""
+
+    attention_forward_flops: float  # causal scaled_dot_product_attention, forward
+    attention_backward_flops: float  # and its backward
+    elementwise_forward_s: float  # per token x elementwise_width of a block's forward
+    elementwise_backward_s: float  # and of its backward
+    logits_forward_s: float  # per logit (token x vocab): the fp32 cast and the loss
+    logits_backward_s: float  # per logit: the loss's backward, the cast back, the bias gradient
+    embedding_backward_s: float  # per element of the dense embedding gradient (zeroed, then scattered into)
+    gradient_assembly_bytes_per_s: float  # a unit's weight gradients gathered into one flat tensor
+    gradient_fold_bytes_per_s: float  # the host folding a gradient into its fp32 accumulator, and the norm
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            rate = f.name.endswith(("_flops", "_per_s"))
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < 0 or (rate and value == 0)):
+                raise ValueError(f"KernelCosts.{f.name} must be a finite number {'> 0' if rate else '>= 0'}, "
+                                 f"got {value!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "KernelCosts":
+        known = {f.name for f in fields(cls)}
+        if set(raw) != known:
+            raise ValueError(f"KernelCosts needs exactly the fields {sorted(known)}, got {sorted(raw)}")
+        return cls(**raw)
+
+    def forward_s(self, shape: ModelShape, unit: str, batch: int, seq: int) -> float:
+        """Seconds of one forward beyond its matmuls (attention's included here, not in the matmuls)."""
+        n = batch * seq
+        if unit == "embed":
+            return 0.0
+        if unit == "head":
+            return self.logits_forward_s * n * shape.vocab_size
+        return (attention_flops(shape, batch, seq) / self.attention_forward_flops
+                + self.elementwise_forward_s * n * elementwise_width(shape))
+
+    def backward_s(self, shape: ModelShape, unit: str, batch: int, seq: int, grad_bytes: int) -> float:
+        """Seconds of one backward beyond its matmuls; `grad_bytes`: the unit's weight gradient in the
+        compute dtype, assembled into one flat tensor for the offload."""
+        n = batch * seq
+        assembly = 2 * grad_bytes / self.gradient_assembly_bytes_per_s  # read the pieces, write the flat copy
+        if unit == "embed":
+            return self.embedding_backward_s * shape.vocab_size * shape.n_embd + assembly
+        if unit == "head":
+            return self.logits_backward_s * n * shape.vocab_size + assembly
+        return (2 * attention_flops(shape, batch, seq) / self.attention_backward_flops
+                + self.elementwise_backward_s * n * elementwise_width(shape) + assembly)
