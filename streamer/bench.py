@@ -150,7 +150,8 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
             continue
         cfg = GPTJConfig.from_dict(r.spec.model)
         out[label] = plan(ModelShape.from_config(cfg), local,
-                          PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype, store=r.spec.tier))
+                          PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype, store=r.spec.tier,
+                                     activations=r.spec.activations))
     return out
 
 
