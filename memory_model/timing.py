@@ -155,18 +155,18 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
             # The previous unit's offload overlapped this backward; it is waited for when this gradient
             # appears, and the first unit's own offload before the update or the next micro-batch.
             clock = max(clock, offload_done)
-        if event.phase == "backward" and inline:
+        if event.phase != "forward":
             seconds = _write_back(event, shape, cfg, device, times)
-            clock += seconds
-            busy["compute"] += seconds
-        elif event.phase != "forward":
-            seconds = _write_back(event, shape, cfg, device, times)
-            io_free = max(io_free, clock) + seconds
-            busy["io"] += seconds
-            if event.phase == "backward":
-                offload_done = io_free
-                if event.unit == first_unit:
-                    clock = io_free
+            if event.phase == "backward" and inline:
+                clock += seconds
+                busy["compute"] += seconds
+            else:
+                io_free = max(io_free, clock) + seconds
+                busy["io"] += seconds
+                if event.phase == "backward":
+                    offload_done = io_free
+                    if event.unit == first_unit:
+                        clock = io_free
         if k + 1 == len(events) or events[k + 1].resource != event.resource:
             in_flight.discard(event.resource)
     return Timeline(max(clock, io_free), per_unit, busy)

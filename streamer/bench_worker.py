@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from memory_model.shapes import ACTIVATION_POLICIES
+
 RESULT_TAG = "BENCH-RESULT "
 CONTENDERS = ("stream", "resident", "hf", "deepspeed")
 IO_COUNTERS = ("rchar", "wchar", "read_bytes", "write_bytes")
@@ -48,8 +50,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.contender not in CONTENDERS:
             raise ValueError(f"contender must be one of {CONTENDERS}, got {self.contender!r}")
-        if self.activations not in ("resident", "checkpoint"):
-            raise ValueError(f"activations must be resident|checkpoint, got {self.activations!r}")
+        if self.activations not in ACTIVATION_POLICIES:
+            raise ValueError(f"activations must be one of {ACTIVATION_POLICIES}, got {self.activations!r}")
         if self.dtype not in ("bf16", "fp32") or self.tier not in ("ram", "disk"):
             raise ValueError(f"dtype must be bf16|fp32 and tier ram|disk, got {self.dtype!r}, {self.tier!r}")
         for name in ("batch", "seq", "steps", "world"):
