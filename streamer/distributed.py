@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from streamer.errors import StreamerError
+from streamer.layout import fold_into
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,11 @@ class DataParallel:
                                 f"use a multiple of {self.world}")
         return batch.chunk(self.world)[self.rank]
 
-    def start_reduce(self, grad: torch.Tensor) -> Reduction:
+    def start_reduce(self, pieces: Sequence[torch.Tensor]) -> Reduction:
+        """All-reduce a gradient given as tensors laid end to end, as one flat tensor."""
         # Summed in fp32: a bf16 sum over ranks would round every partial sum.
-        flat = grad.float()
+        flat = fold_into(torch.empty(sum(p.numel() for p in pieces), dtype=torch.float32, device=pieces[0].device),
+                         pieces, first=True)
         return Reduction(flat, dist.all_reduce(flat, async_op=True))
 
     def finish_reduce(self, reduction: Reduction) -> torch.Tensor:

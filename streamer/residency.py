@@ -1,7 +1,7 @@
 """How streamed weights enter autograd without staying on the device, and how activations are charged.
 
-A unit's parameters are views of one flat device buffer. `StreamedWeights` puts that buffer into the
-graph without saving it; its backward hands the flat weight gradient to a sink (the offload). While a unit's
+A unit's parameters are views of one flat device buffer. `StreamedWeights` puts them into the graph
+without saving them; its backward hands the parameters' gradients to a sink (the offload). While a unit's
 forward runs, `SavedTensorRecorder` sees every tensor autograd saves: one that lives in the unit's weight
 buffer is packed as a handle and unpacked, in backward, from the buffer streamed in again; any other is an
 activation, charged to the ledger once per storage until the unit's backward is done.
@@ -9,6 +9,7 @@ activation, charged to the ledger once per storage until the unit's backward is 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,17 +44,23 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class StreamedWeights(torch.autograd.Function):
-    """flat weights -> the same values as a graph node that saves nothing and sends its gradient to `sink`."""
+    """flat weights -> the unit's parameters (views of it, in layout order) as graph nodes that save nothing.
+
+    Backward hands `sink` the parameters' gradients as autograd made them, one per parameter: the host
+    folds each into its place, so they are never gathered into one flat tensor on the device.
+    """
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, flat: torch.Tensor, sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def forward(ctx, anchor: torch.Tensor, flat: torch.Tensor, shapes: tuple[tuple[int, ...], ...],
+                sink: Callable[[tuple[torch.Tensor, ...]], None]) -> tuple[torch.Tensor, ...]:
         ctx.sink = sink
-        return flat.detach()
+        pieces = flat.detach().split_with_sizes([math.prod(shape) for shape in shapes])
+        return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes))
 
     @staticmethod
-    def backward(ctx, grad_flat: torch.Tensor) -> tuple[None, None, None]:
-        ctx.sink(grad_flat)
-        return None, None, None
+    def backward(ctx, *grads: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.sink(grads)
+        return None, None, None, None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import concurrent.futures as cf
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.func import functional_call
@@ -161,11 +161,12 @@ class Executor:
 
     # --- forward and backward ------------------------------------------------------------------------
     def _call_unit(self, unit: str, x: torch.Tensor, micro: int) -> torch.Tensor:
-        state = self.states[unit]
-        flat = StreamedWeights.apply(self.anchor, state.weights(), lambda g: self._offload(unit, micro, g))
+        layout = self.layouts[unit]
+        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout.shapes,
+                                       lambda grads: self._offload(unit, micro, grads))
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
-        return functional_call(self.shells[kind], self.layouts[unit].views(flat), (x,))
+        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x,))
 
     def _call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
@@ -224,34 +225,36 @@ class Executor:
         if unit == self.units[0]:
             self._finish_pending_offload()  # the update (or the next micro-batch) needs every gradient home
 
-    def _offload(self, unit: str, micro: int, grad: torch.Tensor) -> None:
-        """StreamedWeights' backward: the unit's weight gradient leaves for the host accumulator.
+    def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
+        """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
+        accumulator.
 
         The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward;
         it is finished only now, so at most one unit's gradient is on the device.
         """
         self._finish_pending_offload()
-        handle = self.ledger.allocate("gradients", unit, grad.numel() * grad.element_size(), "weight gradient")
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        handle = self.ledger.allocate("gradients", unit, nbytes, "weight gradient")
         first, last = micro == 0, micro == self.tc.grad_accum - 1
-        reduction = self.data_parallel.start_reduce(grad) if self.data_parallel is not None else None
+        reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step = self._step
-        job = lambda: self._traced_offload(unit, step, grad, first, last, reduction)
+        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction)
         self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handle)
 
-    def _traced_offload(self, unit: str, step: int, grad: torch.Tensor, first: bool, last: bool,
+    def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
                         reduction: object | None) -> float:
         with self.trace.span(unit, "offload", step=step):
             if reduction is not None:
-                grad = self.data_parallel.finish_reduce(reduction)
+                grads = [self.data_parallel.finish_reduce(reduction)]
             if self.store is None:
                 return 0.0
-            host = self.transport.to_host(grad)
+            host = self.transport.pieces_to_host(grads)
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(lay.numel for lay in self.layouts.values()), dtype=torch.float32)
-            scratch = None if self._scratch is None else self._scratch[:grad.numel()]
+            scratch = None if self._scratch is None else self._scratch[:self.layouts[unit].numel]
             total = self.store.accumulate_grad(unit, host, first, scratch)
-            if host is not grad:
-                self.transport.give_back(host, "pinned")
+            if host is not grads:
+                self.transport.give_back(host[0], "pinned")
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
             return float(torch.linalg.vector_norm(total)) ** 2 if last else 0.0
 

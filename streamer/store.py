@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from streamer.commit import (
     state_name,
 )
 from streamer.errors import StoreError
-from streamer.layout import DTYPES, Placement, model_layouts
+from streamer.layout import DTYPES, Placement, fold_into, model_layouts
 from streamer.slabfile import (
     Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
     pwrite_from, verify_checksums, write_json_atomic,
@@ -302,22 +302,21 @@ class HostStore:
         self._close(path)
 
     # --- gradients -------------------------------------------------------------------------
-    def accumulate_grad(self, unit: str, grad: torch.Tensor, first: bool, scratch: torch.Tensor | None) -> torch.Tensor:
-        """Add a host-side gradient into the unit's fp32 accumulator; returns the accumulated fp32 values.
+    def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
+                        scratch: torch.Tensor | None) -> torch.Tensor:
+        """Add a host-side gradient (tensors laid end to end in layout order: one per parameter, or one flat)
+        into the unit's fp32 accumulator; returns the accumulated fp32 values.
 
         `scratch` is an fp32 buffer of the unit's size for the disk tier (reused across calls).
         """
         self.check_consistent()  # an open commit may replay these gradients: never overwrite them
         if (ram := self.ram(unit, "grad")) is not None:
-            ram.copy_(grad) if first else ram.add_(grad)
-            return ram
+            return fold_into(ram, grads, first)
         assert scratch is not None, "disk-tier gradients need a scratch buffer"
         path = self._grad_path(unit)
-        if first:
-            scratch.copy_(grad)
-        else:
+        if not first:
             pread_into(self._fd(path), scratch, 0, path)
-            scratch.add_(grad)
+        fold_into(scratch, grads, first)
         pwrite_from(self._fd(path, create=True), scratch, 0, path)
         return scratch
 

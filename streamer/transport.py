@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -185,3 +185,16 @@ class Transport:
         host.copy_(t, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         return host
+
+    def pieces_to_host(self, pieces: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """Device tensors laid end to end, on the host: `pieces` itself where they share memory, else one
+        pinned flat tensor they are copied into (each copy lands in place, with no device-side gather)."""
+        if self.mode != "cuda":
+            return pieces
+        host = self._take(sum(p.numel() for p in pieces), pieces[0].dtype, "pinned")
+        offset = 0
+        for piece in pieces:
+            host[offset:offset + piece.numel()].view(piece.shape).copy_(piece, non_blocking=True)
+            offset += piece.numel()
+        torch.cuda.current_stream().synchronize()
+        return [host]

@@ -220,11 +220,11 @@ def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, mo
 def poison_gradient(monkeypatch, unit: str) -> None:
     original = HostStore.accumulate_grad
 
-    def poisoned(self, name, grad, first, scratch):
+    def poisoned(self, name, grads, first, scratch):
         if name == unit:
-            grad = grad.clone()
-            grad[0] = float("inf")
-        return original(self, name, grad, first, scratch)
+            grads = [g.clone() for g in grads]
+            grads[0].view(-1)[0] = float("inf")
+        return original(self, name, grads, first, scratch)
 
     monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
 
