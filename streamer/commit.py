@@ -26,7 +26,8 @@ from streamer.slabfile import Trailer, disk_error, fsync_dir, pwrite_from
 if TYPE_CHECKING:
     from streamer.store import HostStore
 
-MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/2"
+MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/3"
+_CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3-64
 _RESTORE = "restore the run directory from a backup or start a new run"
 
 
@@ -54,8 +55,8 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_crc(value: Any) -> bool:
-    return _is_count(value) and value < 2**32
+def _is_checksum(value: Any) -> bool:
+    return _is_count(value) and value < 2**64
 
 
 def _is_number(value: Any) -> bool:
@@ -73,14 +74,18 @@ def read_manifest(root: Path) -> dict[str, Any]:
                          "pass the run directory a training run created")
     raw = _load(path)
     _check(path, isinstance(raw, dict), "not a JSON object")
+    if raw.get("format") == _CRC32_FORMAT:
+        raise StoreError(f"{root} was written by an earlier weight-streaming ({_CRC32_FORMAT}, crc32 checksums); "
+                         "export it to a Hugging Face checkpoint with that version and start a new run from it")
     _check(path, raw.get("format") == FORMAT, f"format {raw.get('format')!r}, expected {FORMAT!r}")
-    for key in ("spec", "trainer", "units", "crc"):
+    for key in ("spec", "trainer", "units", "checksums"):
         _check(path, isinstance(raw.get(key), dict), f"'{key}' must be an object")
     _check(path, _is_count(raw.get("step")), "'step' must be a non-negative integer")
     _check(path, _is_count(raw.get("generation")), "'generation' must be a non-negative integer")
     _check(path, all(_is_count(g) and g <= raw["generation"] for g in raw["units"].values()),
            "'units' must map units to generations")
-    _check(path, all(_is_crc(c) for c in raw["crc"].values()), "'crc' must map files to crc32 values")
+    _check(path, all(_is_checksum(c) for c in raw["checksums"].values()),
+           "'checksums' must map files to xxh3-64 values")
     return raw
 
 
@@ -104,9 +109,9 @@ def read_journal(root: Path, manifest: dict[str, Any], units: list[str]) -> dict
            f"journal step {raw['step']} does not follow manifest step {manifest['step']}")
     _check(path, _is_number(raw.get("lr")) and _is_number(raw.get("clip_coef")), "'lr'/'clip_coef'")
     _check(path, isinstance(raw.get("trainer"), dict), "'trainer' must be an object")
-    crcs = raw.get("grad_crc")
-    _check(path, isinstance(crcs, dict) and set(crcs) == set(units) and all(map(_is_crc, crcs.values())),
-           "'grad_crc' must give a crc32 for every unit")
+    sums = raw.get("grad_checksums")
+    _check(path, isinstance(sums, dict) and set(sums) == set(units) and all(map(_is_checksum, sums.values())),
+           "'grad_checksums' must give an xxh3-64 checksum for every unit")
     return raw
 
 
@@ -175,8 +180,8 @@ class UnitWriter:
         if self._next != size:
             raise ValueError(f"unit {self.unit}: {self._next} of {size} state bytes were written")
         try:
-            crc = store.sync_and_checksum(store._fd(self.tmp), self.tmp, size)
-            pwrite_from(store._fd(self.tmp), Trailer(self.unit, self.commit.generation, size, crc).pack(), size,
+            checksum = store.sync_and_checksum(store._fd(self.tmp), self.tmp, size)
+            pwrite_from(store._fd(self.tmp), Trailer(self.unit, self.commit.generation, size, checksum).pack(), size,
                         self.tmp)
             os.fsync(store._fd(self.tmp))
             store._close(self.tmp)
@@ -188,7 +193,7 @@ class UnitWriter:
             raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None
         old = store.versions.get(self.unit)
         store.versions[self.unit] = self.commit.generation
-        store.manifest["crc"][self.final.name] = crc
+        store.manifest["checksums"][self.final.name] = checksum
         if old is not None and old != self.commit.generation and self.commit.journaled:
             old_path = store._state_path(self.unit, old)
             store._close(old_path)

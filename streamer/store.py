@@ -101,7 +101,7 @@ class HostStore:
         self.generation: int = manifest["generation"]
         self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file
         self.commit: Commit | None = None
-        self._grad_crc: dict[str, int] = {}
+        self._grad_checksums: dict[str, int] = {}
         self._checksums: ThreadPoolExecutor | None = None
         self._ram: dict[tuple[str, str], torch.Tensor] = {}
         self._fds: dict[str, int] = {}
@@ -125,12 +125,12 @@ class HostStore:
         for folder in (root.parent, root):  # the run directory's own entries survive a power loss too
             fsync_dir(folder)
         manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
-                    "crc": {}, "trainer": {}}
+                    "checksums": {}, "trainer": {}}
         return cls(root, spec, manifest, pin, lock_run_dir(root))
 
     @classmethod
     def open(cls, root: str | Path, pin: bool = False, verify: bool = True) -> "HostStore":
-        """Open a store at its last commit. `verify`: check every state file's crc32 (a full read)."""
+        """Open a store at its last commit. `verify`: check every state file's checksum (a full read)."""
         root = Path(root)
         manifest = read_manifest(root)
         try:
@@ -165,21 +165,21 @@ class HostStore:
         return self.root / "slabs" / grad_name(unit)
 
     def _load_units(self, verify: bool) -> None:
-        """Check every unit's state file (size, trailer, crc32) and, with a journal, the gradients to replay;
+        """Check every unit's state file (size, trailer, checksum) and, with a journal, the gradients to replay;
         then fill the RAM tier. Nothing is written or deleted unless all of them are sound."""
         journal = self.journal
         checks = []
         for unit, layout in self.layouts.items():
-            expected = self.manifest["crc"].get(state_name(unit, self.versions[unit]))
+            expected = self.manifest["checksums"].get(state_name(unit, self.versions[unit]))
             if journal is not None and self._state_path(unit, journal["generation"]).is_file():
                 self.versions[unit], expected = journal["generation"], None  # updated before the crash
             elif journal is not None:  # still to update: the roll-forward replays its journaled gradient
                 grad = self._grad_path(unit)
                 check_size(unit, grad, layout.numel * 4, f"gradient file (needed to finish step {journal['step']})")
-                checks.append(Checksum(unit, grad, layout.numel * 4, frozenset({journal["grad_crc"][unit]})))
+                checks.append(Checksum(unit, grad, layout.numel * 4, frozenset({journal["grad_checksums"][unit]})))
             path = self._state_path(unit, self.versions[unit])
             trailer = check_state_file(unit, path, self.versions[unit], self._state_bytes(unit))
-            wanted = {trailer.crc} | ({expected} if expected is not None else set())
+            wanted = {trailer.checksum} | ({expected} if expected is not None else set())
             checks.append(Checksum(unit, path, trailer.data_bytes, frozenset(wanted)))
         if verify:
             verify_checksums(checks)
@@ -325,12 +325,12 @@ class HostStore:
         if self.spec.placement.grad == "disk":
             for unit, layout in self.layouts.items():
                 path = self._grad_path(unit)
-                self._grad_crc[unit] = self.sync_and_checksum(self._fd(path), path, layout.numel * 4)
+                self._grad_checksums[unit] = self.sync_and_checksum(self._fd(path), path, layout.numel * 4)
 
     def sync_and_checksum(self, fd: int, path: Path, length: int) -> int:
-        """Flush a file written through the page cache; returns the crc32 of its first `length` bytes."""
+        """Flush a file written through the page cache; returns the checksum of its first `length` bytes."""
         if self._checksums is None:
-            self._checksums = ThreadPoolExecutor(1, thread_name_prefix="store-crc")
+            self._checksums = ThreadPoolExecutor(1, thread_name_prefix="store-checksum")
         return checksum_while_syncing(fd, path, length, self._checksums)
 
     # --- updates and commits ----------------------------------------------------------------
@@ -350,9 +350,9 @@ class HostStore:
         journaled = self.spec.placement.state == "disk"
         if journaled:
             self.sync_grads()
-            grad_crc = {unit: self._grad_crc[unit] for unit in self.layouts}
+            grad_checksums = {unit: self._grad_checksums[unit] for unit in self.layouts}
             write_json_atomic(self.root / JOURNAL, json.dumps(
-                {"step": step, "generation": self.generation + 1, "grad_crc": grad_crc, **record}))
+                {"step": step, "generation": self.generation + 1, "grad_checksums": grad_checksums, **record}))
         self.commit = Commit(step, self.generation + 1, journaled)
 
     def unit_writer(self, unit: str, step: int) -> "UnitWriter":
@@ -394,5 +394,5 @@ class HostStore:
     def _write_manifest(self) -> None:
         current = {state_name(u, g) for u, g in self.versions.items()}
         self.manifest.update(step=self.step, generation=self.generation, units=dict(self.versions),
-                             crc={k: v for k, v in self.manifest["crc"].items() if k in current})
+                             checksums={k: v for k, v in self.manifest["checksums"].items() if k in current})
         write_json_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=1))

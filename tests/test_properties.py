@@ -122,7 +122,7 @@ def test_store_spec_from_any_dict_is_a_spec_or_a_store_error(raw):
 def test_any_file_tail_is_a_trailer_or_a_store_error(tail, keep_magic):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "block.0.1.state"
-        if keep_magic and len(tail) >= TRAILER_BYTES:  # past the magic: any unit name, generation, size, crc
+        if keep_magic and len(tail) >= TRAILER_BYTES:  # past the magic: any unit name, generation, size, checksum
             tail = tail[:-TRAILER_BYTES] + b"WSSLAB01" + tail[-TRAILER_BYTES + 8:]
         path.write_bytes(tail)
         try:

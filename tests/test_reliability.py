@@ -23,7 +23,7 @@ import torch
 import crash_driver
 from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
-from streamer.slabfile import TRAILER_BYTES, Trailer, file_crc32
+from streamer.slabfile import TRAILER_BYTES, Trailer, file_checksum
 from streamer.soak import soak
 from streamer.store import HostStore
 
@@ -54,7 +54,7 @@ def run_child(ctx: Any, job: Job, kill_after: float | None = None) -> int:
 def steps_on_disk(store: Path) -> tuple[dict[str, int], dict | None]:
     """The step each unit's state file holds, read without changing anything, and the pending journal.
 
-    Every file used must be whole (trailer, size, crc32); without a pending journal all units hold the
+    Every file used must be whole (trailer, size, checksum); without a pending journal all units hold the
     manifest's step, with one each unit holds that step or the journaled next one.
     """
     manifest = json.loads((store / "manifest.json").read_text())
@@ -72,7 +72,7 @@ def steps_on_disk(store: Path) -> tuple[dict[str, int], dict | None]:
                 path, step = rolled, journal["step"]
         trailer = Trailer.read(path, unit)
         assert path.stat().st_size == trailer.data_bytes + TRAILER_BYTES
-        assert file_crc32(path, trailer.data_bytes) == trailer.crc
+        assert file_checksum(path, trailer.data_bytes) == trailer.checksum
         steps[unit] = step
     if journal is None:
         assert set(steps.values()) == {manifest["step"]}

@@ -71,7 +71,7 @@ def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype
             assert path.stat().st_size == layout.numel * chunk_bytes + TRAILER_BYTES
             trailer = Trailer.read(path, unit)
             assert (trailer.unit, trailer.generation) == (unit, 3)
-            assert manifest["crc"][path.name] == trailer.crc
+            assert manifest["checksums"][path.name] == trailer.checksum
 
 
 def test_ram_tier_is_durable_only_after_save_and_resumes_identically(tmp_path):
@@ -147,7 +147,7 @@ def _damage(kind: str, slabs: Path) -> Path:
     state = slabs / "block.1.3.state"
     if kind == "flipped byte":
         _flip_byte(state, 1000)
-    elif kind == "flipped trailer crc":
+    elif kind == "flipped trailer checksum":
         _flip_byte(state, state.stat().st_size - 8)
     elif kind == "truncated":
         os.truncate(state, state.stat().st_size - 100)
@@ -163,7 +163,7 @@ def _damage(kind: str, slabs: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind,match", [
-    ("flipped byte", "checksum mismatch"), ("flipped trailer crc", "checksum mismatch"),
+    ("flipped byte", "checksum mismatch"), ("flipped trailer checksum", "checksum mismatch"),
     ("truncated", "bytes, expected .*truncated"), ("zeroed trailer", "no slab trailer"),
     ("missing", "missing"), ("another unit's file", "holds unit 'block.0'")])
 def test_damaged_state_file_is_named_and_nothing_is_touched(tmp_path, kind, match):
@@ -176,7 +176,7 @@ def test_damaged_state_file_is_named_and_nothing_is_touched(tmp_path, kind, matc
     assert snapshot(tmp_path / "run") == before
 
 
-def test_verify_false_skips_the_crc_but_not_the_size_checks(tmp_path):
+def test_verify_false_skips_the_checksum_but_not_the_size_checks(tmp_path):
     trained(tmp_path / "run")
     _damage("flipped byte", tmp_path / "run" / "slabs")
     HostStore.open(tmp_path / "run", verify=False).close()
@@ -209,7 +209,7 @@ def test_corrupted_gradient_blocks_the_roll_forward(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda j: {**j, "step": j["step"] + 1}, "does not follow"),
-    (lambda j: {k: v for k, v in j.items() if k != "grad_crc"}, "grad_crc"),
+    (lambda j: {k: v for k, v in j.items() if k != "grad_checksums"}, "grad_checksums"),
     (lambda j: "not json{", "cannot be read"),
 ])
 def test_damaged_journal_is_an_error(tmp_path, monkeypatch, edit, match):
@@ -307,3 +307,24 @@ def test_open_removes_debris_of_its_own_and_nothing_else(tmp_path):
     HostStore.open(tmp_path / "run").close()
     assert sorted(p.name for p in slabs.iterdir() if not p.name.endswith((".3.state", ".grad"))) == [
         "notes.txt", "other.1.state"]
+
+
+def test_a_store_of_the_crc32_format_is_refused_with_the_way_out_and_left_untouched(tmp_path):
+    trained(tmp_path / "run")
+    manifest_path = tmp_path / "run" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format": "weight-streaming-store/2"}))
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(StoreError, match="earlier weight-streaming .*export it to a Hugging Face checkpoint"):
+        StreamingTrainer.open(tmp_path / "run")
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_a_state_file_with_a_crc32_trailer_is_named(tmp_path):
+    trained(tmp_path / "run")
+    state = tmp_path / "run" / "slabs" / "block.1.3.state"
+    with open(state, "r+b") as f:
+        f.seek(-TRAILER_BYTES, os.SEEK_END)
+        f.write(b"WSSLAB01")
+    with pytest.raises(StoreError, match="unit block.1: .*earlier weight-streaming \\(crc32"):
+        StreamingTrainer.open(tmp_path / "run")
