@@ -23,7 +23,7 @@ from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, forward_flops
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,6 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         block = GPTJBlock(cfg).to(dtype)
         x = torch.randn(batch, seq, cfg.n_embd, dtype=dtype, requires_grad=True)
         fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats)
-        # The runtime gathers each unit's weight gradients into a new flat tensor: time that at a unit's
-        # size (fresh memory is page-faulted in every time), not the small block's (it stays in cache).
-        pieces = torch.zeros(fold_params, dtype=dtype).chunk(8)
-        assembly_s = _best_time(lambda: torch.cat(pieces), repeats)
         matmul_s = (forward_flops(shape, "block.0", batch, seq) - attn) / matmul_flops
         width = n * elementwise_width(shape)
 
@@ -187,7 +183,6 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         logits_forward_s=max(0.0, head_fwd - head_matmul_s) / logits,
         logits_backward_s=max(0.0, head_bwd - 2 * head_matmul_s) / logits,
         embedding_backward_s=embed_bwd / (cfg.vocab_size * cfg.n_embd),
-        gradient_assembly_bytes_per_s=2 * fold_params * pieces[0].element_size() / assembly_s,
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s)
 

@@ -1,4 +1,4 @@
-"""The work besides the big matmuls: attention, elementwise kernels, the loss, gradient assembly.
+"""The work besides the big matmuls: attention, elementwise kernels, the loss, the gradient fold.
 
 On a GPU these are small next to the matmuls and the presets leave them out (the matmul-only model). On a
 CPU they are most of a block's time: a GPT-J-350M block's forward spends about 6 ms in matmuls and 13 ms in
@@ -38,7 +38,6 @@ class KernelCosts:
     logits_forward_s: float  # per logit (token x vocab): the fp32 cast and the loss
     logits_backward_s: float  # per logit: the loss's backward, the cast back, the bias gradient
     embedding_backward_s: float  # per element of the dense embedding gradient (zeroed, then scattered into)
-    gradient_assembly_bytes_per_s: float  # a unit's weight gradients gathered into one flat tensor
     gradient_fold_bytes_per_s: float  # the host folding a gradient into its fp32 accumulator, and the norm
 
     def __post_init__(self) -> None:
@@ -70,14 +69,12 @@ class KernelCosts:
         return (attention_flops(shape, batch, seq) / self.attention_forward_flops
                 + self.elementwise_forward_s * n * elementwise_width(shape))
 
-    def backward_s(self, shape: ModelShape, unit: str, batch: int, seq: int, grad_bytes: int) -> float:
-        """Seconds of one backward beyond its matmuls; `grad_bytes`: the unit's weight gradient in the
-        compute dtype, assembled into one flat tensor for the offload."""
+    def backward_s(self, shape: ModelShape, unit: str, batch: int, seq: int) -> float:
+        """Seconds of one backward beyond its matmuls (the weight gradients leave as they are, per parameter)."""
         n = batch * seq
-        assembly = 2 * grad_bytes / self.gradient_assembly_bytes_per_s  # read the pieces, write the flat copy
         if unit == "embed":
-            return self.embedding_backward_s * shape.vocab_size * shape.n_embd + assembly
+            return self.embedding_backward_s * shape.vocab_size * shape.n_embd
         if unit == "head":
-            return self.logits_backward_s * n * shape.vocab_size + assembly
+            return self.logits_backward_s * n * shape.vocab_size
         return (2 * attention_flops(shape, batch, seq) / self.attention_backward_flops
-                + self.elementwise_backward_s * n * elementwise_width(shape) + assembly)
+                + self.elementwise_backward_s * n * elementwise_width(shape))

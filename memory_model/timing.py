@@ -80,8 +80,7 @@ def _compute(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: Devic
         if unit.startswith("block."):
             matmuls -= attention_flops(shape, cfg.micro_batch, cfg.seq)
         forward = matmuls / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
-        grad_bytes = shape.unit_params(unit) * cfg.dtype_bytes
-        backward = 2 * matmuls / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq, grad_bytes)
+        backward = 2 * matmuls / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
     if event.phase == "forward":
         return forward
     recompute = forward if cfg.activations == "checkpoint" and unit.startswith("block.") else 0.0
