@@ -64,18 +64,16 @@ class UnitLayout:
     def decay_numel(self) -> int:
         return sum(s.numel for s in self.slots if s.decay)
 
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(s.shape for s in self.slots)
-
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The unit's parameters as views of `flat`."""
         pieces = flat.split_with_sizes([s.numel for s in self.slots])
         return {s.key: piece.view(s.shape) for s, piece in zip(self.slots, pieces)}
 
 
-def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool) -> torch.Tensor:
+def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
+              non_blocking: bool = False) -> torch.Tensor:
     """Copy (`first`) or add `pieces`, which laid end to end make one flat tensor, into `flat`; returns `flat`.
+    `non_blocking`: the copies are device-to-pinned-host transfers the caller synchronizes.
 
     A unit's gradient arrives as one tensor per parameter: folding each into its place skips the cat that
     would gather them into one flat tensor first (one more copy of the unit's gradient, into fresh memory).
@@ -83,7 +81,7 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool) -
     offset = 0
     for piece in pieces:
         target = flat[offset:offset + piece.numel()].view(piece.shape)
-        target.copy_(piece) if first else target.add_(piece)
+        target.copy_(piece, non_blocking=non_blocking) if first else target.add_(piece)
         offset += piece.numel()
     if offset != flat.numel():
         raise ValueError(f"gradient pieces hold {offset} elements, the flat tensor {flat.numel()}")

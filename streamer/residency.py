@@ -9,13 +9,13 @@ activation, charged to the ledger once per storage until the unit's backward is 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from memory_model import Ledger
+from streamer.layout import UnitLayout
 
 
 class Residency(enum.Enum):
@@ -51,11 +51,10 @@ class StreamedWeights(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, flat: torch.Tensor, shapes: tuple[tuple[int, ...], ...],
+    def forward(ctx, anchor: torch.Tensor, flat: torch.Tensor, layout: UnitLayout,
                 sink: Callable[[tuple[torch.Tensor, ...]], None]) -> tuple[torch.Tensor, ...]:
         ctx.sink = sink
-        pieces = flat.detach().split_with_sizes([math.prod(shape) for shape in shapes])
-        return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes))
+        return tuple(layout.views(flat.detach()).values())
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[None, None, None, None]:

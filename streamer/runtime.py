@@ -162,7 +162,7 @@ class Executor:
     # --- forward and backward ------------------------------------------------------------------------
     def _call_unit(self, unit: str, x: torch.Tensor, micro: int) -> torch.Tensor:
         layout = self.layouts[unit]
-        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout.shapes,
+        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                        lambda grads: self._offload(unit, micro, grads))
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1

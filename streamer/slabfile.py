@@ -1,9 +1,9 @@
 """Slab files: positional reads and writes between files and tensors without staging copies, and checks.
 
 Every state file ends in a fixed-size trailer naming its unit, its generation, its data length and the
-checksum (xxh3-64) of its data, so a file can be checked on its own: a torn, truncated, renamed or foreign file is recognised
-even when no manifest lists it yet (a unit rolled forward after a crash). Every check names the unit and
-the file, and only reads.
+checksum (xxh3-64) of its data, so a file can be checked on its own: a torn, truncated, renamed or foreign
+file is recognised even when no manifest lists it yet (a unit rolled forward after a crash). Every check
+names the unit and the file, and only reads.
 """
 from __future__ import annotations
 

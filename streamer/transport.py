@@ -17,6 +17,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from streamer.layout import fold_into
 from streamer.store import STATE_KINDS, HostStore
 
 T = TypeVar("T")
@@ -192,9 +193,6 @@ class Transport:
         if self.mode != "cuda":
             return pieces
         host = self._take(sum(p.numel() for p in pieces), pieces[0].dtype, "pinned")
-        offset = 0
-        for piece in pieces:
-            host[offset:offset + piece.numel()].view(piece.shape).copy_(piece, non_blocking=True)
-            offset += piece.numel()
+        fold_into(host, pieces, first=True, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         return [host]
