@@ -22,7 +22,7 @@ USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, Device
 TOP_EXAMPLES = """\
 examples:
   streamer train                                   the demo: a small GPT-J streamed under a 64 MiB budget
-  streamer plan --model gptj-6b --device cs2 --batch 1 --seq 2048
+  streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer train --from-pretrained ./gptj-hf --data train.jsonl --budget 3GiB --steps 500
   streamer generate runs/demo-20260101-120000 --prompt "The for statement"
   streamer export runs/demo-20260101-120000 ./exported-hf
@@ -32,7 +32,7 @@ run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md ha
 TRAIN_EXAMPLES = """\
 examples:
   streamer train                                   the demo (under 2 minutes on 2 cores)
-  streamer train --steps 3 --run /tmp/quick        a quick look
+  streamer train --steps 3 --run-dir /tmp/quick    a quick look
   streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
       --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint
   streamer train --config run.toml --steps 50      a TOML file of the same settings; flags win
@@ -84,24 +84,24 @@ def build_parser() -> Parser:
 
     plan = commands.add_parser("plan", help="device memory and time of a training step, before running it",
                                formatter_class=formatter, description="The analytic plan of one training step.",
-                               epilog="examples:\n  streamer plan --model gptj-6b --device cs2 --batch 1 --seq 2048\n"
-                                      "  streamer plan --model gptj-6b --device a100-40g --batch 8 --seq 2048 "
+                               epilog="examples:\n  streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048\n"
+                                      "  streamer plan --model gptj-6b --target a100-40g --batch 8 --seq 2048 "
                                       "--activations checkpoint --dry-run\n"
-                                      "  streamer plan --model ./gptj-hf/config.json --device local --json")
+                                      "  streamer plan --model ./gptj-hf/config.json --target local --json")
     plan.add_argument("--model", default="gptj-6b", help="a preset or a config.json (default: gptj-6b)")
-    plan.add_argument("--device", default="cs2",
-                      help=f"a device preset ({', '.join(DEVICE_PRESETS)}) or local (this machine, measured "
+    plan.add_argument("--target", default="cs2",
+                      help=f"the simulated device: a preset ({', '.join(DEVICE_PRESETS)}) or local (this machine, measured "
                            "once and cached in runs/) (default: cs2)")
     plan.add_argument("--batch", type=int, default=1, help="global batch (default: 1)")
     plan.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
     plan.add_argument("--activations", choices=("resident", "checkpoint"), default="resident")
-    plan.add_argument("--devices", type=int, default=1,
-                      help="data-parallel devices: adds the gradient all-reduce and prints the scaling curve")
+    plan.add_argument("--ranks", type=int, default=1,
+                      help="data-parallel processes (one device each): adds the gradient all-reduce and prints the scaling curve")
     plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     plan.add_argument("--grad-accum", type=int, default=1)
     plan.add_argument("--prefetch", type=int, default=1)
     plan.add_argument("--update-on", choices=("device", "host"), default="device")
-    plan.add_argument("--store", choices=("ram", "disk"), default="ram")
+    plan.add_argument("--store", choices=("ram", "disk"), default=RunConfig.store)
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -68,10 +68,10 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
     """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
     cfg = resolve(explicit, config_file)
     parallel = _join(cfg, console)
-    cfg = replace(cfg, run=cfg.run or _default_run_dir(cfg)).with_absolute_paths()
+    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg)).with_absolute_paths()
     model_cfg = cfg.model_config()
     _check_seq(cfg, model_cfg)
-    run, lead = RunDir(Path(cfg.run)), parallel is None or parallel.rank == 0
+    run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
     def first_files() -> tuple[Tokenizer, Dataset]:
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
@@ -102,7 +102,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
         if trainer is not None:
             trainer.close()
         if lead:
-            _discard(run)  # a run that never started would otherwise block its --run name
+            _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
     train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
     return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out, parallel)
@@ -110,18 +110,18 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
 
 def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session:
     """Continue a run from its last committed step, with the data order where that step left it."""
-    if config_file is not None or "run" in explicit:
-        raise RunError("--resume continues RUN with its own config.toml; drop --config and --run "
+    if config_file is not None or "run_dir" in explicit:
+        raise RunError("--resume continues RUN with its own config.toml; drop --config and --run-dir "
                        "(flags such as --steps still apply)")
     run = RunDir.open(path)
     saved = run.read_config()
-    cfg = replace(saved, **explicit, run=os.path.abspath(path)).with_absolute_paths()
+    cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
                        f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
-                       "or start a new --run")
+                       "or start a new --run-dir")
     parallel = _join(cfg, console)
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:
@@ -153,8 +153,8 @@ def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
     if parallel is None:
         return None
     console.quiet = parallel.rank != 0
-    if cfg.run is None:
-        raise RunError("under torchrun every process must use the same run directory: pass --run DIR")
+    if cfg.run_dir is None:
+        raise RunError("under torchrun every process must use the same run directory: pass --run-dir DIR")
     if cfg.batch % (parallel.world * cfg.grad_accum):
         raise RunError(f"--batch {cfg.batch} does not split over {parallel.world} processes x --grad-accum "
                        f"{cfg.grad_accum}; use a multiple of {parallel.world * cfg.grad_accum}")

@@ -2,7 +2,7 @@
 
 A run directory (`RunDir`) holds:
 
-    config.toml        the resolved RunConfig; `streamer train --config RUN/config.toml --run NEW` repeats it
+    config.toml        the resolved RunConfig; `streamer train --config RUN/config.toml --run-dir NEW` repeats it
     store/             the host store: weights, fp32 master, Adam moments, gradients (docs/STORE.md)
     tokenizer/         tokenizer.json and the two files transformers reads beside it
     metrics.jsonl      one JSON object per optimizer step and per evaluation
@@ -53,7 +53,7 @@ class RunConfig:
     tokenizer: str | None = _setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
                                            "(default: --from-pretrained's, else a BPE trained on the data)", "DIR")
     vocab_size: int | None = _setting(None, "vocabulary of the trained BPE (default: the model's)")
-    run: str | None = _setting(None, "the run directory (default: runs/<name>-<time>)", "DIR")
+    run_dir: str | None = _setting(None, "the run directory (default: runs/<name>-<time>)", "DIR")
     steps: int = _setting(100, "optimizer steps in all (with --resume: the new total)")
     batch: int = _setting(8, "sequences per optimizer step (the global batch)")
     seq: int = _setting(128, "tokens per sequence")
@@ -175,7 +175,7 @@ class RunConfig:
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
-PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run")
+PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
@@ -299,16 +299,16 @@ class RunDir:
         """A new run in `path`, which must not exist or be an empty folder: nothing is ever overwritten."""
         root = Path(path)
         if root.exists() and not root.is_dir():
-            raise RunError(f"--run {root} is a file; choose a folder name for the run")
+            raise RunError(f"--run-dir {root} is a file; choose a folder name for the run")
         if cls.is_run(root):
             raise RunError(f"{root} already holds a run; continue it with `streamer train --resume {root}` "
-                           "or choose a new --run")
+                           "or choose a new --run-dir")
         if root.is_dir() and any(root.iterdir()):
-            raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run")
+            raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run-dir")
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run") from None
+            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run-dir") from None
         return cls(root)
 
     @classmethod
