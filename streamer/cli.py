@@ -61,10 +61,26 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         if types == [bool]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=f.metadata["help"] + shown)
+        elif typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag, nargs="+", action=_Numbers, default=argparse.SUPPRESS,
+                                metavar=("B1", "B2"), help=f.metadata["help"] + shown.replace(
+                                    str(default), ",".join(map(str, default))))
         else:
             metavar = f.metadata["metavar"] or {int: "N", float: "X"}[types[0]]
             parser.add_argument(flag, type=types[0], default=argparse.SUPPRESS, metavar=metavar,
                                 help=f.metadata["help"] + ("" if default is None else shown))
+
+
+class _Numbers(argparse.Action):
+    """`--betas 0.9,0.95` or `--betas 0.9 0.95`: a tuple of numbers (RunConfig checks how many)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        try:
+            numbers = tuple(float(v) for v in ",".join(values).split(",") if v.strip())
+        except ValueError:
+            parser.error(f"{option_string} takes numbers such as 0.9,0.95, got {' '.join(values)!r}")
+        setattr(namespace, self.dest, numbers)
 
 
 def build_parser() -> Parser:

@@ -25,7 +25,7 @@ from streamer.cli_tools import memory_lines
 from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
-from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, resolve
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
 from streamer.console import make_console
@@ -68,8 +68,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
     """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
     cfg = resolve(explicit, config_file)
     parallel = _join(cfg, console)
-    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg)).with_absolute_paths()
-    model_cfg = cfg.model_config()
+    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg), sample_prompt=_sample_prompt(cfg))
+    cfg = cfg.with_absolute_paths()
+    model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
@@ -77,6 +78,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
         dataset = _dataset(cfg, tokenizer)
+        _check_held_out(cfg, dataset, 1 if parallel is None else parallel.world)
         RunDir.create(run.root)
         try:
             tokenizer.save(run.tokenizer)
@@ -116,6 +118,7 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     run = RunDir.open(path)
     saved = run.read_config()
     cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
@@ -206,6 +209,14 @@ def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
                        f"use --seq {model_cfg.n_positions} or less")
 
 
+def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
+    """The model to initialise: a model trained from scratch on a BPE trained here gets at least the MIN_VOCAB ids
+    a byte-level BPE needs (gptj-debug's 256 embeddings cannot hold 256 bytes plus end-of-text)."""
+    if cfg.from_pretrained is None and cfg.tokenizer is None and model_cfg.vocab_size < MIN_VOCAB:
+        return replace(model_cfg, vocab_size=MIN_VOCAB)
+    return model_cfg
+
+
 def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
     """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
     source = cfg.tokenizer or cfg.from_pretrained
@@ -234,6 +245,34 @@ def _dataset(cfg: RunConfig, tokenizer: Tokenizer) -> Dataset:
     if cfg.data is None:
         return tokenize(demo_corpus(), tokenizer, cfg.seq)
     return load_dataset(cfg.data, tokenizer, cfg.seq, pack=cfg.pack)
+
+
+def _check_held_out(cfg: RunConfig, dataset: Dataset, world: int) -> None:
+    """An --eval-fraction that holds out fewer sequences than one evaluation batch needs is an error, not a
+    run that silently never evaluates."""
+    if cfg.eval_fraction == 0:
+        return
+    _, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+    needed = cfg.grad_accum * world  # an evaluation batch splits like a training batch
+    got = 0 if held_out is None else len(held_out)
+    if got < needed:
+        fix = (f"raise --eval-fraction to {min(0.5, needed / len(dataset)):.2g} or more, or pass"
+               if len(dataset) > needed else "add data, lower --seq, or pass")
+        raise RunError(f"--eval-fraction {cfg.eval_fraction} holds out {got} of the data's {len(dataset)} sequences"
+                       f" of --seq {cfg.seq} tokens and an evaluation needs {needed}; {fix} --eval-fraction 0 to "
+                       "train without evaluation")
+
+
+def _sample_prompt(cfg: RunConfig) -> str:
+    """--sample-prompt, else the data's first prompt (or first words): the demo's prompt fits only the demo."""
+    if cfg.sample_prompt is not None:
+        return cfg.sample_prompt
+    if cfg.data is None:
+        return DEFAULT_PROMPT
+    first = next(iter(read_examples(cfg.data)), None)
+    if first is None:
+        return ""
+    return first.text if first.completion is not None else " ".join(first.text.split()[:8])
 
 
 def _describe(s: Session) -> str:
