@@ -110,6 +110,8 @@ class RunConfig:
                                                "the first example's prompt or first words; else %r)"
                                          % DEFAULT_PROMPT.replace("%", "%%"), "TEXT")
     sample_tokens: int = _setting(40, "tokens of that sample (0: no sample)")
+    log_every: int = _setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
+                                 "(a terminal gets a progress bar)")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -217,11 +219,12 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps")
+             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "log_every")
 CHOICES = {"schedule": SCHEDULES, "dtype": COMPUTE_DTYPES, "store": STORE_TIERS, "activations": ACTIVATION_POLICIES,
            "update_on": UPDATE_PLACES, "moment_dtype": MOMENT_DTYPES, "nonfinite": NONFINITE_POLICIES}
 INT_MINIMUMS = {"steps": 1, "batch": 1, "seq": 2, "grad_accum": 1, "warmup": 0, "prefetch": 0, "update_chunk": 1,
-                "seed": 0, "eval_every": 0, "eval_batches": 1, "save_every": 1, "sample_tokens": 0, "trace_steps": 1}
+                "seed": 0, "eval_every": 0, "eval_batches": 1, "save_every": 1, "sample_tokens": 0, "trace_steps": 1,
+                "log_every": 1}
 
 
 def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> RunConfig:
@@ -241,7 +244,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         model = values.get("model")
         if "seq" not in given and isinstance(model, str) and model in PRESETS:  # the default fits every preset
             values["seq"] = min(RunConfig.seq, PRESETS[model].n_positions)
-        steps = values["steps"]
+        steps = values.get("steps", RunConfig.steps)
         if demo and "warmup" not in given and type(steps) is int:  # a short demo (`--steps 3`) still decays
             values["warmup"] = min(DEMO_DEFAULTS["warmup"], steps // 10)
         return RunConfig(**values)
