@@ -121,8 +121,8 @@ class RunConfig:
         if self.vocab_size is not None and self.vocab_size < 257:
             raise SettingError("vocab_size", f"must be >= 257 (256 bytes + end-of-text), got {self.vocab_size}")
         if self.batch % self.grad_accum:
-            raise RunError(f"--batch {self.batch} does not split into --grad-accum {self.grad_accum} micro-batches; "
-                           f"use a multiple of {self.grad_accum}")
+            raise SettingError("batch", f"{self.batch} does not split into --grad-accum {self.grad_accum} "
+                                        f"micro-batches; use a multiple of {self.grad_accum}")
         for name in ("lr", "eps"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise SettingError(name, f"must be a positive number, got {getattr(self, name)}")

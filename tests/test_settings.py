@@ -190,3 +190,4 @@ def test_flags_shared_between_subcommands_agree():
         if flag in train and field in CHOICES:
             assert action.choices == CHOICES[field], flag
     assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
+    assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps
