@@ -235,7 +235,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         if given.get("model") is not None and given.get("from_pretrained") is not None:
             raise SettingError("model", "conflicts with --from-pretrained, whose config.json is the model; "
                                         "drop one of them")
-        if given.get("from_pretrained") is not None and given.get("data") is None:
+        if isinstance(given.get("from_pretrained"), str) and given.get("data") is None:
             raise SettingError("from_pretrained", "needs --data: the demo text is only the demo's; pass --data "
                                                   "FILE (.txt or .jsonl) to fine-tune on")
         demo = given.get("data") is None and given.get("from_pretrained") is None and \

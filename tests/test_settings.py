@@ -72,6 +72,12 @@ def test_a_wrong_setting_file_from_the_shell(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == 'error: --config run.toml: steps must be a positive integer, got "3"\n'
     assert [p.name for p in tmp_path.iterdir()] == ["run.toml"]
+    (tmp_path / "hf").mkdir()
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--from-pretrained", "hf"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: --from-pretrained needs --data") and \
+        done.stderr.count("\n") == 1 and "pass --data FILE" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run.toml"]
 
 
 def test_flag_errors_name_the_flag_and_conflicts_are_errors(capsys, tmp_path, tiny_setup):
