@@ -72,8 +72,10 @@ def train_command(args: argparse.Namespace) -> int:
     except (DiskFull, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise RunError(f"disk full ({exc}); {session.run.root} keeps its last committed step: free space and "
-                       f"continue with `streamer train --resume {session.run.root}`") from None
+        root = session.run.root
+        raise RunError(f"disk full while writing {exc.path if isinstance(exc, DiskFull) else exc.filename}; "
+                       f"{root} keeps its last committed step: free space and continue with "
+                       f"`streamer train --resume {root}` (or the same command again)") from None
     return 0
 
 

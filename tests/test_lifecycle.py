@@ -141,6 +141,41 @@ def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, refe
     assert "step_s" not in restored  # rebuilt from the store's losses, which keep no timings
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 96 MiB tmpfs (mounting one needs root; elsewhere the test is skipped)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96M", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_keeps_the_last_step_and_says_how_to_continue(tiny_setup, reference, small_disk):
+    run, filler = small_disk / "run", small_disk / "filler"
+    argv = train_argv(tiny_setup, run, tokenizer=False)
+    proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while metric_lines(run) < 1 and proc.poll() is None:
+        time.sleep(0.001)
+    with filler.open("wb") as out:  # every free byte, while step 2 trains
+        try:
+            while True:
+                out.write(b"\0" * 2**20)
+                out.flush()
+        except OSError:
+            pass
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert f"free space and continue with `streamer train --resume {run}`" in err
+    filler.unlink()
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert_same_run(run, reference)
+
+
 # --- torchrun ----------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path):
