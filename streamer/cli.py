@@ -32,7 +32,8 @@ run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md ha
 TRAIN_EXAMPLES = """\
 examples:
   streamer train                                   the demo (under 2 minutes on 2 cores)
-  streamer train --steps 3 --run-dir /tmp/quick    a quick look
+  streamer train --steps 3 --run-dir /tmp/quick    a quick look; the same command again continues it
+  streamer train --steps 6 --run-dir /tmp/quick    ... to step 6 (other settings than its own are refused)
   streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
       --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint
   streamer train --config run.toml --steps 50      a TOML file of the same settings; flags win
@@ -40,7 +41,9 @@ examples:
 
 --data: a .txt file (blank lines separate documents) or .jsonl with {"text": ...} or
 {"prompt": ..., "completion": ...} records (the loss covers the completion only).
-Every run writes its resolved settings to RUN/config.toml."""
+Every run writes its resolved settings to RUN/config.toml. A run killed at any point (set-up included)
+continues from its last committed step when the same command is run again. The host RAM and disk the
+store needs are checked before anything is written."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -216,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; a training run continues from its last committed step with "
-              "`streamer train --resume RUN`", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        run_dir = getattr(exc, "run_dir", None)  # set by `streamer train` once its run folder exists
+        print("interrupted" + (f"; continue from the last committed step with `streamer train --resume {run_dir}`"
+                               if run_dir else ""), file=sys.stderr)
         return 130

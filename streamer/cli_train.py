@@ -7,6 +7,7 @@ run would have seen.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import shutil
@@ -25,7 +26,9 @@ from streamer.cli_tools import memory_lines
 from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.resources import check_host_resources
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, resolve
+from streamer.slabfile import DiskFull
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
 from streamer.console import make_console
@@ -56,22 +59,43 @@ def train_command(args: argparse.Namespace) -> int:
     console = make_console()
     session = resume(args.resume, explicit, args.config, console) if args.resume else \
         start(explicit, args.config, console)
-    with session.trainer:
-        console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
-        trained, seconds = train(session, console)
-        report(session, trained, seconds, console)
+    if session is None:  # the run is already at --steps: nothing was changed
+        return 0
+    try:
+        with session.trainer:
+            console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
+            trained, seconds = train(session, console)
+            report(session, trained, seconds, console)
+    except KeyboardInterrupt as exc:
+        exc.run_dir = str(session.run.root)  # `streamer.cli.main` names it in the way to continue
+        raise
+    except (DiskFull, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        root = session.run.root
+        raise RunError(f"disk full while writing {exc.path if isinstance(exc, DiskFull) else exc.filename}; "
+                       f"{root} keeps its last committed step: free space and continue with "
+                       f"`streamer train --resume {root}` (or the same command again)") from None
     return 0
 
 
 # --- setting up ------------------------------------------------------------------------------------------------
-def start(explicit: dict, config_file: str | None, console: Console) -> Session:
-    """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
+def start(explicit: dict, config_file: str | None, console: Console) -> Session | None:
+    """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml.
+
+    A --run-dir that already holds a run with these settings is continued instead (rerunning a command after a
+    kill continues it). Set-up marks the folder (RunDir.SETUP_MARK) until config.toml is written, so a rerun
+    knows a set-up that was killed part-way for its own and starts it again.
+    """
     cfg = resolve(explicit, config_file)
+    if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
+        return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
     cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg), sample_prompt=_sample_prompt(cfg))
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
+    check_host_resources(cfg, model_cfg)
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
     def first_files() -> tuple[Tokenizer, Dataset]:
@@ -98,8 +122,11 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
             trainer = _together(parallel, lambda: (
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
+            if cfg.store == "ram":
+                trainer.save()  # step 0 on disk: what a RAM-tier run killed before its first save resumes from
         if lead:
-            run.write_config(cfg)
+            run.write_config(cfg)  # the run exists from here on
+            run.finish_setup()
     except BaseException:
         if trainer is not None:
             trainer.close()
@@ -110,7 +137,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
     return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out, parallel)
 
 
-def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session:
+def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session | None:
     """Continue a run from its last committed step, with the data order where that step left it."""
     if config_file is not None or "run_dir" in explicit:
         raise RunError("--resume continues RUN with its own config.toml; drop --config and --run-dir "
@@ -118,18 +145,47 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     run = RunDir.open(path)
     saved = run.read_config()
     cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
-    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
                        f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
                        "or start a new --run-dir")
+    return _continue(run, cfg, console)
+
+
+def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Console) -> Session | None:
+    """`--run-dir DIR` naming an existing run: continue it if the settings are its own (but for RESUMABLE ones)."""
+    run = RunDir.open(cfg.run_dir)
+    saved = run.read_config()
+    # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them
+    # (the demo's warmup from --steps) does not count as a change.
+    same = resolve({**explicit, **{k: getattr(saved, k) for k in RESUMABLE}}, config_file).with_absolute_paths()
+    changed = [f"{_flag(k)} {getattr(saved, k)} there, {getattr(same, k)} here" for k in
+               (f.name for f in fields(RunConfig)) if k not in RESUMABLE and getattr(same, k) != getattr(saved, k)]
+    if changed:
+        raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
+                       f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
+    return _continue(run, replace(same, **{k: getattr(cfg, k) for k in RESUMABLE}), console, rerun=True)
+
+
+def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
+    """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     parallel = _join(cfg, console)
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:
-        raise RunError(f"{path} was trained by {run.processes()} process(es) and this is {world}; resume it with "
-                       f"the same number (torchrun --nproc_per_node {run.processes()} for more than one)")
+        raise RunError(f"{run.root} was trained by {run.processes()} process(es) and this is {world}; resume it "
+                       f"with the same number (torchrun --nproc_per_node {run.processes()} for more than one)")
+    done = run.committed_step()
+    if done >= cfg.steps:
+        past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
+        console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
+                      "raise --steps to continue it", markup=False, highlight=False)
+        return None
+    if rerun:
+        console.print(f"{run.root} holds this run at step {done}: continuing it to step {cfg.steps}",
+                      markup=False, highlight=False)
     tokenizer = load_tokenizer(run.tokenizer)
     dataset = _dataset(cfg, tokenizer)
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
@@ -144,6 +200,8 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
                            "start a new run with --from-pretrained after exporting it")
         if parallel is None or parallel.rank == 0:
             run.write_config(cfg)
+            run.finish_setup()  # a set-up killed after writing config.toml left its mark
+            run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
     except BaseException:
         trainer.close()
         raise
@@ -201,6 +259,7 @@ def _default_run_dir(cfg: RunConfig) -> str:
 def _discard(run: RunDir) -> None:
     """Remove what this invocation wrote into the run directory (it was new or empty)."""
     shutil.rmtree(run.root, ignore_errors=True)
+    run.finish_setup()  # lets go of the set-up mark's lock
 
 
 def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
@@ -291,10 +350,6 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     """Steps until --steps; returns (steps trained, seconds spent in them)."""
     cfg, trainer, run = s.cfg, s.trainer, s.run
     first = trainer.step_count
-    if first >= cfg.steps:
-        console.print(f"{run.root} is at step {first} of --steps {cfg.steps}: nothing to train; "
-                      "raise --steps to continue")
-        return 0, 0.0
     budget = trainer.tc.budget_bytes
     process = psutil.Process()
     seconds = 0.0

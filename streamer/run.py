@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -28,8 +29,10 @@ from typing import Any, Iterator
 from layers import PRESETS, GPTJConfig
 from memory_model import DEVICE_PRESETS, SizeError, parse_size
 from memory_model.shapes import ACTIVATION_POLICIES, STORE_TIERS, UPDATE_PLACES
+from streamer.commit import lock_file, read_journal, read_manifest
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
+from streamer.slabfile import write_json_atomic
 
 
 class RunError(StreamerError):
@@ -70,7 +73,8 @@ class RunConfig:
     tokenizer: str | None = _setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
                                            "(default: --from-pretrained's, else a BPE trained on the data)", "DIR")
     vocab_size: int | None = _setting(None, "vocabulary of the trained BPE (default: the model's)")
-    run_dir: str | None = _setting(None, "the run directory (default: runs/<name>-<time>)", "DIR")
+    run_dir: str | None = _setting(None, "the run directory; one holding this run (same settings) is continued "
+                                         "(default: runs/<name>-<time>)", "DIR")
     steps: int = _setting(100, "optimizer steps in all (with --resume: the new total)")
     batch: int = _setting(8, "sequences per optimizer step (the global batch)")
     seq: int = _setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)")
@@ -208,6 +212,11 @@ class RunConfig:
 
 
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir")
+# In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
+# again, if it holds nothing but what set-up writes.
+SETUP_MARK = "setup.incomplete"
+_SETUP_FILES = {SETUP_MARK, "tokenizer", "store", "config.toml.tmp"}
+_SETUP_LOCKS: dict[Path, int] = {}  # run folder -> this process's locked descriptor of its SETUP_MARK
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
@@ -386,20 +395,35 @@ class RunDir:
 
     @classmethod
     def create(cls, path: str | Path) -> RunDir:
-        """A new run in `path`, which must not exist or be an empty folder: nothing is ever overwritten."""
+        """A new run in `path`, which must not exist, be empty, or hold a set-up that was killed part-way (its
+        SETUP_MARK, no config.toml, nothing but set-up files), which is cleared. Nothing else is ever overwritten.
+        The mark stays, locked by this process, until `finish_setup`."""
         root = Path(path)
         if root.exists() and not root.is_dir():
             raise RunError(f"--run-dir {root} is a file; choose a folder name for the run")
         if cls.is_run(root):
             raise RunError(f"{root} already holds a run; continue it with `streamer train --resume {root}` "
                            "or choose a new --run-dir")
-        if root.is_dir() and any(root.iterdir()):
+        entries = {p.name for p in root.iterdir()} if root.is_dir() else set()
+        if entries and not (SETUP_MARK in entries and entries <= _SETUP_FILES):
             raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run-dir")
+        busy = RunError(f"{root} is being set up by another process; wait for it to finish or choose another --run-dir")
         try:
             root.mkdir(parents=True, exist_ok=True)
+            _SETUP_LOCKS[root] = lock_file(root / SETUP_MARK, busy)
         except OSError as exc:
             raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run-dir") from None
+        for name in entries - {SETUP_MARK}:  # the mark stays: a kill while clearing leaves a set-up still known
+            path = root / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         return cls(root)
+
+    def finish_setup(self) -> None:
+        """config.toml is in place: the run exists, and the set-up mark (if a kill left one) can go."""
+        (self.root / SETUP_MARK).unlink(missing_ok=True)
+        fd = _SETUP_LOCKS.pop(self.root, None)
+        if fd is not None:
+            os.close(fd)
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:
@@ -423,6 +447,41 @@ class RunDir:
             out.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The records; a last line that a kill cut short is left out."""
         if not self.metrics.is_file():
             return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        lines = [line for line in self.metrics.read_text().splitlines() if line.strip()]
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if i < len(lines) - 1:
+                    raise RunError(f"{self.metrics} line {i + 1} is not JSON; fix or delete that line") from None
+        return records
+
+    def committed_step(self) -> int:
+        """The step a run continues from: its store's last commit, or the step journaled after it (whose
+        gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
+        what they agree on. Reads only."""
+        stores = sorted(self.store.glob("rank*")) or [self.store]
+        steps = []
+        for root in stores:
+            manifest = read_manifest(root)
+            journal = read_journal(root, manifest, list(manifest["units"]))
+            steps.append(manifest["step"] if journal is None else journal["step"])
+        return min(steps)
+
+    def keep_metrics_through(self, step: int, losses: list[float], tc: TrainerConfig) -> None:
+        """metrics.jsonl holds each step up to the committed `step` exactly once: records of later steps (a kill
+        came before they were committed, or a RAM-tier run's steps since its last save) go, and a step committed
+        before a kill could log it gets its record back from the store's losses (without timings)."""
+        records = self.read_metrics()
+        kept = [r for r in records if r.get("step", 0) <= step]
+        logged = {r["step"] for r in kept if "loss" in r}
+        if len(losses) == step:
+            kept += [{"step": n, "loss": losses[n - 1], "lr": tc.schedule.lr_at(n, tc.lr)}
+                     for n in range(1, step + 1) if n not in logged]
+        kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
+        if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):
+            write_json_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))

@@ -17,13 +17,9 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layers import GPTJConfig
 from streamer.cli import main
 from streamer.cli_tools import open_trainer
 from streamer.run import DEMO_DEFAULTS, RunConfig, RunDir, RunError, read_toml, resolve
-from streamer.tokenizer import train_bpe
-
-TINY = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
 
 
 def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
@@ -42,18 +38,6 @@ def fails(capsys, *argv: object) -> str:
     assert rc == 2, err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory):
-    """A tiny model's config.json, a text file and a tokenizer folder for fast runs."""
-    from pydoc_data.topics import topics
-    root = tmp_path_factory.mktemp("tiny")
-    (root / "config.json").write_text(json.dumps(TINY.to_hf()))
-    texts = [topics[k] for k in sorted(topics)[:30]]
-    (root / "train.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts))
-    train_bpe(texts, vocab_size=TINY.vocab_size).save(root / "tok")
-    return root
 
 
 def tiny_args(setup: Path, run: Path, steps: int, *extra: object) -> list[object]:
@@ -92,7 +76,8 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
     rc, recomputed, _ = run_cli(capsys, *greedy, "--no-cache")
     assert rc == 0 and recomputed.splitlines()[0] == cached.splitlines()[0]
 
-    assert "already holds a run" in fails(capsys, "train", "--steps", 3, "--run-dir", run)
+    rc, out, _ = run_cli(capsys, "train", "--steps", 3, "--run-dir", run)  # the same command again
+    assert rc == 0 and "is at step 3, finished" in out
 
 
 # --- resume ------------------------------------------------------------------------------------------------------
