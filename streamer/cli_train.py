@@ -121,7 +121,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
             if cfg.store == "ram":
-                trainer.save()  # step 0 on disk: what a RAM-tier run killed before its first save resumes from
+                # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
+                # before its first --save-every save resumes from.
+                _together(parallel, trainer.save)
         if lead:
             run.write_config(cfg)  # the run exists from here on
             run.finish_setup()
