@@ -86,17 +86,26 @@ def files_of(root: Path) -> dict[str, tuple[int, bytes]]:
 def test_killed_at_every_stage_the_same_command_finishes_the_same_run(tiny_setup, reference, tmp_path):
     run = tmp_path / "run"
     argv = train_argv(tiny_setup, run, tokenizer=False)  # the tokenizer is trained and written by set-up, too
+
+    def fresh(path: Path) -> Callable[[], Callable[[], bool]]:
+        """A condition, made as an attempt starts: `path` was (re)written by that attempt, not left by the one
+        killed before it (set-up clears those and writes them again)."""
+        def made() -> Callable[[], bool]:
+            started = time.time_ns()
+            return lambda: path.exists() and path.stat().st_mtime_ns > started
+        return made
+
     stages = {
-        "set-up marked the folder": lambda: (run / SETUP_MARK).exists(),
-        "tokenizer written": lambda: (run / "tokenizer").is_dir(),
-        "store being created": lambda: (run / "store" / "slabs").is_dir(),
-        "store initialised": lambda: (run / "store" / "manifest.json").exists(),
-        "config.toml written": lambda: RunDir.is_run(run),
-        "mid-run, after step 1's record": lambda: metric_lines(run) >= 1,
-        "mid-run, after step 3's record": lambda: metric_lines(run) >= 4,  # steps 1, 2, the eval at 2, step 3
+        "set-up marked the folder": lambda: lambda: (run / SETUP_MARK).exists(),  # the first attempt: no folder yet
+        "tokenizer written": fresh(run / "tokenizer"),
+        "store being created": fresh(run / "store" / "slabs"),
+        "store initialised": fresh(run / "store" / "manifest.json"),
+        "config.toml written": lambda: lambda: RunDir.is_run(run),
+        "mid-run, after step 1's record": lambda: lambda: metric_lines(run) >= 1,
+        "mid-run, after step 3's record": lambda: lambda: metric_lines(run) >= 4,  # steps 1, 2, the eval at 2, 3
     }
-    for stage, ready in stages.items():
-        killed = kill_when(argv, ready)
+    for stage, condition in stages.items():
+        killed = kill_when(argv, condition())
         assert killed.returncode == -signal.SIGKILL, (stage, killed.stderr)
     done = streamer(*argv)
     assert done.returncode == 0, done.stderr
