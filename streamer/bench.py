@@ -91,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every block")
+    # Not --warmup: in `streamer train` that is the learning-rate warmup.
+    parser.add_argument("--untimed-steps", dest="warmup", type=int, default=2,
+                        help="untimed steps at the start of every block")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per block")
     parser.add_argument("--scale-steps", type=int, default=2, help="timed steps of the scale run")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed comparison")

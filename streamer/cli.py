@@ -15,7 +15,7 @@ from typing import Callable, NoReturn, Sequence
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
-from streamer.run import DEMO_DEFAULTS, RunConfig
+from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
 
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 
@@ -64,10 +64,26 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         if types == [bool]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=f.metadata["help"] + shown)
+        elif typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag, nargs="+", action=_Numbers, default=argparse.SUPPRESS,
+                                metavar=("B1", "B2"), help=f.metadata["help"] + shown.replace(
+                                    str(default), ",".join(map(str, default))))
         else:
             metavar = f.metadata["metavar"] or {int: "N", float: "X"}[types[0]]
             parser.add_argument(flag, type=types[0], default=argparse.SUPPRESS, metavar=metavar,
                                 help=f.metadata["help"] + ("" if default is None else shown))
+
+
+class _Numbers(argparse.Action):
+    """`--betas 0.9,0.95` or `--betas 0.9 0.95`: a tuple of numbers (RunConfig checks how many)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        try:
+            numbers = tuple(float(v) for v in ",".join(values).split(",") if v.strip())
+        except ValueError:
+            parser.error(f"{option_string} takes numbers such as 0.9,0.95, got {' '.join(values)!r}")
+        setattr(namespace, self.dest, numbers)
 
 
 def build_parser() -> Parser:
@@ -91,20 +107,23 @@ def build_parser() -> Parser:
                                       "  streamer plan --model gptj-6b --target a100-40g --batch 8 --seq 2048 "
                                       "--activations checkpoint --dry-run\n"
                                       "  streamer plan --model ./gptj-hf/config.json --target local --json")
-    plan.add_argument("--model", default="gptj-6b", help="a preset or a config.json (default: gptj-6b)")
+    # The flags plan shares with train take train's names, choices and defaults (tests/test_settings.py checks).
+    plan.add_argument("--model", default=RunConfig.model, help=f"a preset or a config.json (default: {RunConfig.model})")
     plan.add_argument("--target", default="cs2",
                       help=f"the simulated device: a preset ({', '.join(DEVICE_PRESETS)}) or local (this machine, measured "
                            "once and cached in runs/) (default: cs2)")
-    plan.add_argument("--batch", type=int, default=1, help="global batch (default: 1)")
-    plan.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    plan.add_argument("--activations", choices=("resident", "checkpoint"), default="resident")
+    plan.add_argument("--batch", type=int, default=RunConfig.batch, help=f"global batch (default: {RunConfig.batch})")
+    plan.add_argument("--seq", type=int, default=RunConfig.seq, help=f"tokens per sequence (default: {RunConfig.seq})")
+    plan.add_argument("--activations", choices=CHOICES["activations"], default=RunConfig.activations)
     plan.add_argument("--ranks", type=int, default=1,
                       help="data-parallel processes (one device each): adds the gradient all-reduce and prints the scaling curve")
-    plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    plan.add_argument("--grad-accum", type=int, default=1)
-    plan.add_argument("--prefetch", type=int, default=1)
-    plan.add_argument("--update-on", choices=("device", "host"), default="device")
-    plan.add_argument("--store", choices=("ram", "disk"), default=RunConfig.store)
+    plan.add_argument("--dtype", choices=CHOICES["dtype"], default=RunConfig.dtype)
+    plan.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum)
+    plan.add_argument("--prefetch", type=int, default=RunConfig.prefetch)
+    plan.add_argument("--update-on", choices=CHOICES["update_on"], default=RunConfig.update_on)
+    plan.add_argument("--update-chunk", type=int, default=RunConfig.update_chunk,
+                      help="parameters per update chunk (default: %(default)s)")
+    plan.add_argument("--store", choices=CHOICES["store"], default=RunConfig.store)
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

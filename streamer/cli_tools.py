@@ -31,7 +31,7 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=args.dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
-                              store=args.store, devices=args.ranks)
+                              update_chunk=args.update_chunk, store=args.store, devices=args.ranks)
         shape = ModelShape.from_config(model_cfg)
         result = plan(shape, device, plan_cfg)
         # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
@@ -46,7 +46,7 @@ def plan_command(args: argparse.Namespace) -> int:
         from streamer.config import TrainerConfig
         from streamer.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=args.dtype, activations=args.activations, grad_accum=args.grad_accum,
-                           prefetch=args.prefetch, update_on=args.update_on)
+                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)

@@ -27,7 +27,7 @@ from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
 from streamer.resources import check_host_resources
-from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, _flag, resolve
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, read_toml, resolve
 from streamer.slabfile import DiskFull
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
@@ -91,8 +91,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
-    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg)).with_absolute_paths()
-    model_cfg = cfg.model_config()
+    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg), sample_prompt=_sample_prompt(cfg))
+    cfg = cfg.with_absolute_paths()
+    model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
     check_host_resources(cfg, model_cfg)
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
@@ -101,6 +102,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
         dataset = _dataset(cfg, tokenizer)
+        _check_held_out(cfg, dataset, 1 if parallel is None else parallel.world)
         RunDir.create(run.root)
         try:
             tokenizer.save(run.tokenizer)
@@ -145,6 +147,7 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     run = RunDir.open(path)
     saved = run.read_config()
     cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
@@ -166,7 +169,11 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     if changed:
         raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
                        f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
-    return _continue(run, replace(same, **{k: getattr(cfg, k) for k in RESUMABLE}), console, rerun=True)
+    # As with --resume: the RESUMABLE settings this command names apply; the others stay the run's own (the
+    # sample prompt derived from the data, say).
+    named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
+    return _continue(run, replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k in named},
+                                  run_dir=os.path.abspath(run.root)), console, rerun=True)
 
 
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
@@ -267,6 +274,14 @@ def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
                        f"use --seq {model_cfg.n_positions} or less")
 
 
+def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
+    """The model to initialise: a model trained from scratch on a BPE trained here gets at least the MIN_VOCAB ids
+    a byte-level BPE needs (gptj-debug's 256 embeddings cannot hold 256 bytes plus end-of-text)."""
+    if cfg.from_pretrained is None and cfg.tokenizer is None and model_cfg.vocab_size < MIN_VOCAB:
+        return replace(model_cfg, vocab_size=MIN_VOCAB)
+    return model_cfg
+
+
 def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
     """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
     source = cfg.tokenizer or cfg.from_pretrained
@@ -297,6 +312,34 @@ def _dataset(cfg: RunConfig, tokenizer: Tokenizer) -> Dataset:
     return load_dataset(cfg.data, tokenizer, cfg.seq, pack=cfg.pack)
 
 
+def _check_held_out(cfg: RunConfig, dataset: Dataset, world: int) -> None:
+    """An --eval-fraction that holds out fewer sequences than one evaluation batch needs is an error, not a
+    run that silently never evaluates."""
+    if cfg.eval_fraction == 0:
+        return
+    _, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+    needed = cfg.grad_accum * world  # an evaluation batch splits like a training batch
+    got = 0 if held_out is None else len(held_out)
+    if got < needed:
+        fix = (f"raise --eval-fraction to {min(0.5, needed / len(dataset)):.2g} or more, or pass"
+               if len(dataset) > needed else "add data, lower --seq, or pass")
+        raise RunError(f"--eval-fraction {cfg.eval_fraction} holds out {got} of the data's {len(dataset)} sequences"
+                       f" of --seq {cfg.seq} tokens and an evaluation needs {needed}; {fix} --eval-fraction 0 to "
+                       "train without evaluation")
+
+
+def _sample_prompt(cfg: RunConfig) -> str:
+    """--sample-prompt, else the data's first prompt (or first words): the demo's prompt fits only the demo."""
+    if cfg.sample_prompt is not None:
+        return cfg.sample_prompt
+    if cfg.data is None:
+        return DEFAULT_PROMPT
+    first = next(iter(read_examples(cfg.data)), None)
+    if first is None:
+        return ""
+    return first.text if first.completion is not None else " ".join(first.text.split()[:8])
+
+
 def _describe(s: Session) -> str:
     cfg, tc = s.cfg, s.trainer.tc
     budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
@@ -318,7 +361,9 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     seconds = 0.0
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, console=console, disable=not s.lead) as progress:
+    plain = not console.is_terminal  # a log or a pipe gets one flushed line per step, not a redrawn bar
+    began = time.perf_counter()
+    with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
         while trainer.step_count < cfg.steps:
             ids, labels = next(s.stream)
@@ -337,11 +382,26 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                 f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
                 f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
                 f"RSS {format_size(rss)}"))
+            if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
+                console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
+                              markup=False, highlight=False)
             if cfg.store == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 evaluate(s, progress.console)
     return trainer.step_count - first, seconds
+
+
+def _progress_line(record: dict, steps: int, elapsed: float, done: int) -> str:
+    """`step 3/80 loss 7.812 lr 6.00e-04 1,024 tok/s elapsed 0:00:03 eta 0:01:17`: one step, for logs."""
+    eta = elapsed / done * (steps - record["step"])
+    return (f"step {record['step']}/{steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:,.0f} tok/s elapsed {_clock(elapsed)} eta {_clock(eta)}")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def evaluate(s: Session, console: Console) -> float | None:
