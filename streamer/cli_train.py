@@ -147,7 +147,6 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     run = RunDir.open(path)
     saved = run.read_config()
     cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
-    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
@@ -178,6 +177,7 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
 
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     parallel = _join(cfg, console)
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:

@@ -18,7 +18,8 @@ from streamer.cli_train import fit_vocabulary
 from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunDir, RunError, resolve
 from streamer.tokenizer import MIN_VOCAB
 
-from tests.test_cli import TINY, fails, run_cli, tiny_args, tiny_setup  # noqa: F401 (a fixture)
+from conftest import TINY_RUN_MODEL as TINY
+from tests.test_cli import fails, run_cli, tiny_args
 
 
 # --- settings files: wrong types, out-of-range values, unknown keys ---------------------------------------------
