@@ -27,7 +27,7 @@ from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
 from streamer.resources import check_host_resources
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, resolve
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, read_toml, resolve
 from streamer.slabfile import DiskFull
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
@@ -123,7 +123,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
             if cfg.store == "ram":
-                trainer.save()  # step 0 on disk: what a RAM-tier run killed before its first save resumes from
+                # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
+                # before its first --save-every save resumes from.
+                _together(parallel, trainer.save)
         if lead:
             run.write_config(cfg)  # the run exists from here on
             run.finish_setup()
@@ -166,7 +168,11 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     if changed:
         raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
                        f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
-    return _continue(run, replace(same, **{k: getattr(cfg, k) for k in RESUMABLE}), console, rerun=True)
+    # As with --resume: the RESUMABLE settings this command names apply; the others stay the run's own (the
+    # sample prompt derived from the data, say).
+    named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
+    return _continue(run, replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k in named},
+                                  run_dir=os.path.abspath(run.root)), console, rerun=True)
 
 
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:

@@ -75,7 +75,8 @@ class StoreSpec:
         """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
         tiers = {"compute": self.placement.compute, "grad": self.placement.grad,
                  **{k: self.placement.state for k in STATE_KINDS}}
-        return tuple(k for k, tier in tiers.items() if tier == "ram" and not (k == "compute" and self.compute_is_master))
+        return tuple(k for k, tier in tiers.items()
+                     if tier == "ram" and not (k == "compute" and self.compute_is_master))
 
     def chunk_bytes(self, count: int) -> int:
         """Bytes of one chunk of `count` parameters in a state file (every file kind, interleaved)."""

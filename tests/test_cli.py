@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import tomllib
 import types
@@ -13,7 +11,6 @@ import pytest
 
 import streamer
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,33 +97,6 @@ def test_resume_sees_the_batches_an_uninterrupted_run_sees(capsys, tmp_path, tin
     assert "--batch cannot change" in fails(capsys, "train", "--resume", split, "--batch", 8)
     assert "drop --config and --run-dir" in fails(capsys, "train", "--resume", split, "--run-dir", tmp_path / "x")
     assert "not a run directory" in fails(capsys, "train", "--resume", tmp_path / "nothing")
-
-
-def _rank_main(rank: int, port: int, argv_phases: list[list[str]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    torch.set_num_threads(1)
-    for argv in argv_phases:
-        assert main(argv) == 0
-    torch.distributed.destroy_process_group()
-
-
-def test_torchrun_data_parallel_equals_one_process_and_resumes(capsys, tmp_path, tiny_setup):
-    """Two processes with 2 rows each make the same steps as one process with 2 micro-batches of 2 rows."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    parallel, single = tmp_path / "parallel", tmp_path / "single"
-    phases = [[str(a) for a in tiny_args(tiny_setup, parallel, 2)],
-              ["train", "--resume", str(parallel), "--steps", "3"]]
-    mp.spawn(_rank_main, args=(port, phases), nprocs=2, join=True)
-    assert run_cli(capsys, *tiny_args(tiny_setup, single, 3, "--grad-accum", 2))[0] == 0
-    assert RunDir(parallel).processes() == 2
-    losses = [[m["loss"] for m in RunDir(r).read_metrics() if "loss" in m] for r in (parallel, single)]
-    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5)  # rank 0 alone logs
-    with open_trainer(RunDir(parallel)) as a, open_trainer(RunDir(single)) as b:
-        sa, sb = a.state_dict(), b.state_dict()
-        assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-5
-    assert "trained by 2 process(es)" in fails(capsys, "train", "--resume", parallel, "--steps", 4)
 
 
 # --- one-line errors ---------------------------------------------------------------------------------------------
