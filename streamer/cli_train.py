@@ -10,6 +10,7 @@ import argparse
 import errno
 import math
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass, fields, replace
@@ -459,8 +460,11 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         console.print(text, markup=False, highlight=False)
     if trained:
         console.print(f"trace: {run.trace_json} (Chrome/Perfetto: {run.trace_chrome}); plot: {run.plot}")
-    console.print(f"next: streamer generate {run.root} --prompt \"...\" | streamer export {run.root} HF_DIR | "
-                  f"streamer train --resume {run.root} --steps {cfg.steps * 2}", markup=False, highlight=False)
+    folder = shlex.quote(str(run.root))
+    console.print("next (one command per line):\n" + "\n".join(f"  {command}" for command in (
+        f"streamer generate {folder} --prompt 'Once upon a time'",
+        f"streamer export {folder} {shlex.quote(str(run.root) + '-hf')}",
+        f"streamer train --resume {folder} --steps {cfg.steps * 2}")), markup=False, highlight=False)
 
 
 def _planned_peak(s: Session) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import tomllib
 import types
@@ -48,6 +49,7 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
     run = tmp_path / "demo"
     rc, out, err = run_cli(capsys, "train", "--steps", 3, "--run-dir", run, "--eval-every", 2, "--sample-tokens", 8)
     assert rc == 0, err
+    trained_out = out
     for expected in ("device memory by layer", "16 B/param baseline", "the planner predicts", "eval loss",
                      "sample: ", "trace.json"):
         assert expected in out
@@ -72,6 +74,16 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
     assert rc == 0 and cached.startswith("The for statement")
     rc, recomputed, _ = run_cli(capsys, *greedy, "--no-cache")
     assert rc == 0 and recomputed.splitlines()[0] == cached.splitlines()[0]
+
+    # The hint's commands are pasted one per line: each runs as printed (generation kept short).
+    hint = trained_out[trained_out.index("next (one command per line):"):].splitlines()[1:4]
+    commands = [shlex.split(line) for line in hint]
+    assert [c[:2] for c in commands] == [["streamer", "generate"], ["streamer", "export"], ["streamer", "train"]]
+    assert "|" not in "".join(hint)
+    rc, out, err = run_cli(capsys, *commands[0][1:], "--max-new-tokens", 2)
+    assert rc == 0, err
+    rc, out, err = run_cli(capsys, *commands[1][1:])
+    assert rc == 0 and (Path(commands[1][3]) / "config.json").is_file(), err
 
     rc, out, _ = run_cli(capsys, "train", "--steps", 3, "--run-dir", run)  # the same command again
     assert rc == 0 and "is at step 3, finished" in out
