@@ -97,7 +97,9 @@ def build_parser() -> Parser:
     plan.add_argument("--activations", choices=("resident", "checkpoint"), default="resident")
     plan.add_argument("--devices", type=int, default=1,
                       help="data-parallel devices: adds the gradient all-reduce and prints the scaling curve")
-    plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    plan.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                      help="compute dtype (default: auto: for local, bf16 if this CPU runs it natively and faster "
+                           "than fp32, else fp32; bf16 for the presets, which all run it natively)")
     plan.add_argument("--grad-accum", type=int, default=1)
     plan.add_argument("--prefetch", type=int, default=1)
     plan.add_argument("--update-on", choices=("device", "host"), default="device")

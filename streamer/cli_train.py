@@ -25,6 +25,7 @@ from streamer.cli_tools import memory_lines
 from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
+from streamer.hardware import resolve_compute_dtype
 from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, resolve
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
@@ -68,6 +69,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
     """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
     cfg = resolve(explicit, config_file)
     parallel = _join(cfg, console)
+    cfg = replace(cfg, dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
     cfg = replace(cfg, run=cfg.run or _default_run_dir(cfg)).with_absolute_paths()
     model_cfg = cfg.model_config()
     _check_seq(cfg, model_cfg)
@@ -123,6 +125,9 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
                        f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
                        "or start a new --run")
     parallel = _join(cfg, console)
+    dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
+    if dtype.emulated:
+        console.print(dtype.reason, markup=False, highlight=False)
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:
         raise RunError(f"{path} was trained by {run.processes()} process(es) and this is {world}; resume it with "
@@ -159,6 +164,14 @@ def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
         raise RunError(f"--batch {cfg.batch} does not split over {parallel.world} processes x --grad-accum "
                        f"{cfg.grad_accum}; use a multiple of {parallel.world * cfg.grad_accum}")
     return parallel
+
+
+def _compute_dtype(cfg: RunConfig, parallel: DataParallel | None, console: Console) -> str:
+    """--dtype on this hardware (auto: bf16 where it is native and fast, else fp32), printed with its reason.
+    Every process takes the lead's choice: their stores and gradient all-reduces must agree."""
+    choice = resolve_compute_dtype(cfg.device, cfg.dtype)
+    console.print(choice.reason, markup=False, highlight=False)
+    return choice.dtype if parallel is None else parallel.gather(choice.dtype)[0]
 
 
 def _together(parallel: DataParallel | None, work: Callable[[], T], everyone: bool = True,

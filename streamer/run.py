@@ -65,8 +65,9 @@ class RunConfig:
     min_lr_ratio: float = _setting(0.0, "the cosine/linear schedule ends at this fraction of --lr")
     weight_decay: float = _setting(0.1, "AdamW weight decay (matrices only)")
     max_grad_norm: float = _setting(1.0, "clip gradients to this global norm (0: no clipping)")
-    dtype: str = _setting("bf16", "compute dtype: bf16 or fp32 (master weights and Adam state are fp32)",
-                          "DTYPE")
+    dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and faster than "
+                                  "fp32, else fp32; config.toml records the choice), bf16 or fp32 (master weights "
+                                  "and Adam state are fp32)", "DTYPE")
     device: str = _setting("cpu", "torch device: cpu or cuda", "DEVICE")
     budget: str | None = _setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
                                         "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), "SIZE")
@@ -106,8 +107,8 @@ class RunConfig:
             if not 0 <= getattr(self, name) < high:
                 raise RunError(f"{_flag(name)} must be in [0, 1{')' if name == 'eval_fraction' else ']'}, "
                                f"got {getattr(self, name)}")
-        choices = {"schedule": ("constant", "cosine", "linear"), "dtype": ("bf16", "fp32"), "store": ("ram", "disk"),
-                   "activations": ("resident", "checkpoint"), "update_on": ("device", "host")}
+        choices = {"schedule": ("constant", "cosine", "linear"), "dtype": ("auto", "bf16", "fp32"),
+                   "store": ("ram", "disk"), "activations": ("resident", "checkpoint"), "update_on": ("device", "host")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise RunError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
