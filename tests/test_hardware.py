@@ -25,6 +25,7 @@ from streamer.hardware import (
 from streamer.run import RunConfig, RunError
 
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+ROOT = Path(__file__).resolve().parents[1]
 NATIVE = MatmulProbe(bf16_flops=205e9, fp32_flops=103e9, n=256)  # this machine's AVX512-BF16, measured
 EMULATED = MatmulProbe(bf16_flops=3.2e9, fp32_flops=103e9, n=256)  # the same CPU capped to AVX2, measured
 
@@ -158,3 +159,17 @@ def test_plan_auto_on_the_local_target_uses_the_probe_and_calibrates_that_dtype(
                             env={**os.environ, **AVX2}, cwd=tmp_path)
     assert json.loads(preset.stdout)["config"]["compute_dtype"] == "bf16"  # GPUs run bf16 natively
 
+
+# --- gpu-check without a GPU ----------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, gpu-check runs the whole check")
+def test_gpu_check_says_there_is_no_gpu_and_exits_0(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "sees no CUDA device" in done.stdout and "nothing to check on this machine" in done.stdout
+    stamp = tmp_path / "installed"  # `make gpu-check` itself, with this interpreter instead of a fresh .venv
+    stamp.touch()
+    made = subprocess.run(["make", "-s", "gpu-check", f"PY={sys.executable}", f"STAMP={stamp}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert "sees no CUDA device" in made.stdout
