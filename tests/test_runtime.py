@@ -106,16 +106,17 @@ def test_ledger_holds_at_most_prefetch_plus_one_units(tmp_path, prefetch):
 
 
 def test_bf16_loss_curve_tracks_resident_bf16(tmp_path):
-    """bf16 compute: 50 steps stay within 2% of our resident bf16 reference (fp32 master weights in both)."""
+    """bf16 compute: 20 steps track our resident bf16 reference (fp32 master weights in both). Short, so that
+    a CPU without native bf16 runs it in seconds."""
     tc = TrainerConfig(lr=3e-3, compute_dtype=torch.bfloat16, max_grad_norm=1.0)
-    data = (batches(2, batch=4, seq=32, seed=1) * 25)  # a few batches, seen again: the curve has to move
+    data = (batches(2, batch=4, seq=32, seed=1) * 10)  # a few batches, seen again: the curve has to move
     with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run") as trainer:
         resident = ResidentTrainer(DEBUG, tc, trainer.state_dict())
         streamed = [trainer.step(ids) for ids in data]
     reference = [resident.step(ids) for ids in data]
     assert streamed[-1] < streamed[0] - 0.3  # it learns
     for s, r in zip(streamed, reference):
-        assert abs(s - r) <= 0.02 * r
+        assert abs(s - r) <= 0.005 * r  # measured: at most 0.047% (0.021% with bf16 emulated on AVX2)
 
 
 def test_grad_accum_must_divide_batch(tmp_path):
