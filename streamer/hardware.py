@@ -121,7 +121,9 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
         raise StreamerError(f"--dtype must be auto, bf16 or fp32, got {requested!r}")
     kind = device.split(":")[0]
     if kind == "meta":
-        return DtypeChoice("bf16" if requested == "auto" else requested, "meta tensors: bf16 unless asked otherwise")
+        dtype = "bf16" if requested == "auto" else requested
+        why = "what GPUs run" if requested == "auto" else f"--dtype {requested}"
+        return DtypeChoice(dtype, f"compute dtype {dtype} on meta tensors ({why})")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise StreamerError(f"--device {device} but torch sees no CUDA GPU; use --device cpu")
