@@ -33,6 +33,7 @@ from streamer.bench_report import write_markdown
 from streamer.bench_runs import Result, Runner
 from streamer.bench_worker import RunSpec
 from streamer.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.run import COMPUTE_DTYPES
 
 GiB = 2**30
 
@@ -91,13 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
                         "none: a smoke run must not replace the measured report)")
     parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto",
                         help="compute dtype of our runs and DeepSpeed's (default auto: bf16 if this CPU runs it "
                              "natively and faster than fp32, else fp32); the HF pair stays fp32 and bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every block")
+    # Not --warmup: in `streamer train` that is the learning-rate warmup.
+    parser.add_argument("--untimed-steps", dest="warmup", type=int, default=2,
+                        help="untimed steps at the start of every block")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per block")
     parser.add_argument("--scale-steps", type=int, default=2, help="timed steps of the scale run")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed comparison")

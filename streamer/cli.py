@@ -15,14 +15,14 @@ from typing import Callable, NoReturn, Sequence
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
-from streamer.run import DEMO_DEFAULTS, RunConfig
+from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
 
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 
 TOP_EXAMPLES = """\
 examples:
   streamer train                                   the demo: a small GPT-J streamed under a 64 MiB budget
-  streamer plan --model gptj-6b --device cs2 --batch 1 --seq 2048
+  streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer train --from-pretrained ./gptj-hf --data train.jsonl --budget 3GiB --steps 500
   streamer generate runs/demo-20260101-120000 --prompt "The for statement"
   streamer export runs/demo-20260101-120000 ./exported-hf
@@ -32,7 +32,8 @@ run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md ha
 TRAIN_EXAMPLES = """\
 examples:
   streamer train                                   the demo (under 2 minutes on 2 cores)
-  streamer train --steps 3 --run /tmp/quick        a quick look
+  streamer train --steps 3 --run-dir /tmp/quick    a quick look; the same command again continues it
+  streamer train --steps 6 --run-dir /tmp/quick    ... to step 6 (other settings than its own are refused)
   streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
       --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint
   streamer train --config run.toml --steps 50      a TOML file of the same settings; flags win
@@ -40,7 +41,9 @@ examples:
 
 --data: a .txt file (blank lines separate documents) or .jsonl with {"text": ...} or
 {"prompt": ..., "completion": ...} records (the loss covers the completion only).
-Every run writes its resolved settings to RUN/config.toml."""
+Every run writes its resolved settings to RUN/config.toml. A run killed at any point (set-up included)
+continues from its last committed step when the same command is run again. The host RAM and disk the
+store needs are checked before anything is written."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -61,10 +64,26 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         if types == [bool]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=f.metadata["help"] + shown)
+        elif typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag, nargs="+", action=_Numbers, default=argparse.SUPPRESS,
+                                metavar=("B1", "B2"), help=f.metadata["help"] + shown.replace(
+                                    str(default), ",".join(map(str, default))))
         else:
             metavar = f.metadata["metavar"] or {int: "N", float: "X"}[types[0]]
             parser.add_argument(flag, type=types[0], default=argparse.SUPPRESS, metavar=metavar,
                                 help=f.metadata["help"] + ("" if default is None else shown))
+
+
+class _Numbers(argparse.Action):
+    """`--betas 0.9,0.95` or `--betas 0.9 0.95`: a tuple of numbers (RunConfig checks how many)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        try:
+            numbers = tuple(float(v) for v in ",".join(values).split(",") if v.strip())
+        except ValueError:
+            parser.error(f"{option_string} takes numbers such as 0.9,0.95, got {' '.join(values)!r}")
+        setattr(namespace, self.dest, numbers)
 
 
 def build_parser() -> Parser:
@@ -84,26 +103,29 @@ def build_parser() -> Parser:
 
     plan = commands.add_parser("plan", help="device memory and time of a training step, before running it",
                                formatter_class=formatter, description="The analytic plan of one training step.",
-                               epilog="examples:\n  streamer plan --model gptj-6b --device cs2 --batch 1 --seq 2048\n"
-                                      "  streamer plan --model gptj-6b --device a100-40g --batch 8 --seq 2048 "
+                               epilog="examples:\n  streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048\n"
+                                      "  streamer plan --model gptj-6b --target a100-40g --batch 8 --seq 2048 "
                                       "--activations checkpoint --dry-run\n"
-                                      "  streamer plan --model ./gptj-hf/config.json --device local --json")
-    plan.add_argument("--model", default="gptj-6b", help="a preset or a config.json (default: gptj-6b)")
-    plan.add_argument("--device", default="cs2",
-                      help=f"a device preset ({', '.join(DEVICE_PRESETS)}) or local (this machine, measured "
+                                      "  streamer plan --model ./gptj-hf/config.json --target local --json")
+    # The flags plan shares with train take train's names, choices and defaults (tests/test_settings.py checks).
+    plan.add_argument("--model", default=RunConfig.model, help=f"a preset or a config.json (default: {RunConfig.model})")
+    plan.add_argument("--target", default="cs2",
+                      help=f"the simulated device: a preset ({', '.join(DEVICE_PRESETS)}) or local (this machine, measured "
                            "once and cached in runs/) (default: cs2)")
-    plan.add_argument("--batch", type=int, default=1, help="global batch (default: 1)")
-    plan.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    plan.add_argument("--activations", choices=("resident", "checkpoint"), default="resident")
-    plan.add_argument("--devices", type=int, default=1,
-                      help="data-parallel devices: adds the gradient all-reduce and prints the scaling curve")
-    plan.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+    plan.add_argument("--batch", type=int, default=RunConfig.batch, help=f"global batch (default: {RunConfig.batch})")
+    plan.add_argument("--seq", type=int, default=RunConfig.seq, help=f"tokens per sequence (default: {RunConfig.seq})")
+    plan.add_argument("--activations", choices=CHOICES["activations"], default=RunConfig.activations)
+    plan.add_argument("--ranks", type=int, default=1,
+                      help="data-parallel processes (one device each): adds the gradient all-reduce and prints the scaling curve")
+    plan.add_argument("--dtype", choices=CHOICES["dtype"], default=RunConfig.dtype,
                       help="compute dtype (default: auto: for local, bf16 if this CPU runs it natively and faster "
                            "than fp32, else fp32; bf16 for the presets, which all run it natively)")
-    plan.add_argument("--grad-accum", type=int, default=1)
-    plan.add_argument("--prefetch", type=int, default=1)
-    plan.add_argument("--update-on", choices=("device", "host"), default="device")
-    plan.add_argument("--store", choices=("ram", "disk"), default="ram")
+    plan.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum)
+    plan.add_argument("--prefetch", type=int, default=RunConfig.prefetch)
+    plan.add_argument("--update-on", choices=CHOICES["update_on"], default=RunConfig.update_on)
+    plan.add_argument("--update-chunk", type=int, default=RunConfig.update_chunk,
+                      help="parameters per update chunk (default: %(default)s)")
+    plan.add_argument("--store", choices=CHOICES["store"], default=RunConfig.store)
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -199,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; a training run continues from its last committed step with "
-              "`streamer train --resume RUN`", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        run_dir = getattr(exc, "run_dir", None)  # set by `streamer train` once its run folder exists
+        print("interrupted" + (f"; continue from the last committed step with `streamer train --resume {run_dir}`"
+                               if run_dir else ""), file=sys.stderr)
         return 130

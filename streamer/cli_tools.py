@@ -29,17 +29,17 @@ EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 # --- plan ------------------------------------------------------------------------------------------------------
 def plan_command(args: argparse.Namespace) -> int:
     model_cfg = PRESETS[args.model] if args.model in PRESETS else GPTJConfig.from_hf(args.model)
-    choice = plan_dtype(args.device, args.dtype)
+    choice = plan_dtype(args.target, args.dtype)
     dtype = choice.dtype
-    device = _device(args.device, ModelShape.from_config(model_cfg), dtype)
+    device = _device(args.target, ModelShape.from_config(model_cfg), dtype)
     try:
         plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
-                              store=args.store, devices=args.devices)
+                              update_chunk=args.update_chunk, store=args.store, devices=args.ranks)
         shape = ModelShape.from_config(model_cfg)
         result = plan(shape, device, plan_cfg)
         # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
-        counts = [n for n in (2**k for k in range(args.devices.bit_length())) if n <= args.devices] + [args.devices]
+        counts = [n for n in (2**k for k in range(args.ranks.bit_length())) if n <= args.ranks] + [args.ranks]
         scaling = [{"devices": n, **{k: v for k, v in plan(shape, device, replace(plan_cfg, devices=n)).to_json().items()
                                      if k in ("step_time_s", "tokens_per_s", "peak_device_bytes")}}
                    for n in sorted(set(counts)) if args.batch % (n * args.grad_accum) == 0]
@@ -50,7 +50,7 @@ def plan_command(args: argparse.Namespace) -> int:
         from streamer.config import TrainerConfig
         from streamer.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=args.activations, grad_accum=args.grad_accum,
-                           prefetch=args.prefetch, update_on=args.update_on)
+                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
@@ -65,7 +65,7 @@ def plan_command(args: argparse.Namespace) -> int:
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
                       f"({_breakdown(out['dry_run_peak_breakdown'])}); analytic "
                       f"{format_size(result.peak_device_bytes)} ({_breakdown(result.peak_breakdown)})")
-    if args.devices > 1:
+    if args.ranks > 1:
         console.print("data-parallel scaling (same global batch): " + "; ".join(
             f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s, {row['step_time_s']:.2f} s/step"
             for row in scaling))

@@ -7,6 +7,7 @@ run would have seen.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import shutil
@@ -26,7 +27,9 @@ from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
 from streamer.hardware import resolve_compute_dtype
-from streamer.run import RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.resources import check_host_resources
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, read_toml, resolve
+from streamer.slabfile import DiskFull
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
 from streamer.console import make_console
@@ -57,28 +60,51 @@ def train_command(args: argparse.Namespace) -> int:
     console = make_console()
     session = resume(args.resume, explicit, args.config, console) if args.resume else \
         start(explicit, args.config, console)
-    with session.trainer:
-        console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
-        trained, seconds = train(session, console)
-        report(session, trained, seconds, console)
+    if session is None:  # the run is already at --steps: nothing was changed
+        return 0
+    try:
+        with session.trainer:
+            console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
+            trained, seconds = train(session, console)
+            report(session, trained, seconds, console)
+    except KeyboardInterrupt as exc:
+        exc.run_dir = str(session.run.root)  # `streamer.cli.main` names it in the way to continue
+        raise
+    except (DiskFull, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        root = session.run.root
+        raise RunError(f"disk full while writing {exc.path if isinstance(exc, DiskFull) else exc.filename}; "
+                       f"{root} keeps its last committed step: free space and continue with "
+                       f"`streamer train --resume {root}` (or the same command again)") from None
     return 0
 
 
 # --- setting up ------------------------------------------------------------------------------------------------
-def start(explicit: dict, config_file: str | None, console: Console) -> Session:
-    """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml."""
+def start(explicit: dict, config_file: str | None, console: Console) -> Session | None:
+    """A new run: resolve the settings, build the tokenizer and data, create the store, write config.toml.
+
+    A --run-dir that already holds a run with these settings is continued instead (rerunning a command after a
+    kill continues it). Set-up marks the folder (RunDir.SETUP_MARK) until config.toml is written, so a rerun
+    knows a set-up that was killed part-way for its own and starts it again.
+    """
     cfg = resolve(explicit, config_file)
+    if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
+        return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
     cfg = replace(cfg, dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
-    cfg = replace(cfg, run=cfg.run or _default_run_dir(cfg)).with_absolute_paths()
-    model_cfg = cfg.model_config()
+    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg), sample_prompt=_sample_prompt(cfg))
+    cfg = cfg.with_absolute_paths()
+    model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
-    run, lead = RunDir(Path(cfg.run)), parallel is None or parallel.rank == 0
+    check_host_resources(cfg, model_cfg)
+    run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
     def first_files() -> tuple[Tokenizer, Dataset]:
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
         dataset = _dataset(cfg, tokenizer)
+        _check_held_out(cfg, dataset, 1 if parallel is None else parallel.world)
         RunDir.create(run.root)
         try:
             tokenizer.save(run.tokenizer)
@@ -98,40 +124,81 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session:
             trainer = _together(parallel, lambda: (
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
+            if cfg.store == "ram":
+                # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
+                # before its first --save-every save resumes from.
+                _together(parallel, trainer.save)
         if lead:
-            run.write_config(cfg)
+            run.write_config(cfg)  # the run exists from here on
+            run.finish_setup()
     except BaseException:
         if trainer is not None:
             trainer.close()
         if lead:
-            _discard(run)  # a run that never started would otherwise block its --run name
+            _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
     train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
     return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out, parallel)
 
 
-def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session:
+def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session | None:
     """Continue a run from its last committed step, with the data order where that step left it."""
-    if config_file is not None or "run" in explicit:
-        raise RunError("--resume continues RUN with its own config.toml; drop --config and --run "
+    if config_file is not None or "run_dir" in explicit:
+        raise RunError("--resume continues RUN with its own config.toml; drop --config and --run-dir "
                        "(flags such as --steps still apply)")
     run = RunDir.open(path)
     saved = run.read_config()
-    cfg = replace(saved, **explicit, run=os.path.abspath(path)).with_absolute_paths()
+    cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
                        f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
-                       "or start a new --run")
+                       "or start a new --run-dir")
+    return _continue(run, cfg, console)
+
+
+def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Console) -> Session | None:
+    """`--run-dir DIR` naming an existing run: continue it if the settings are its own (but for RESUMABLE ones)."""
+    run = RunDir.open(cfg.run_dir)
+    saved = run.read_config()
+    # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them
+    # (the demo's warmup from --steps) does not count as a change.
+    same = resolve({**explicit, **{k: getattr(saved, k) for k in RESUMABLE}}, config_file).with_absolute_paths()
+    if same.dtype == "auto":  # the run recorded what auto chose when it started
+        same = replace(same, dtype=saved.dtype)
+    changed = [f"{_flag(k)} {getattr(saved, k)} there, {getattr(same, k)} here" for k in
+               (f.name for f in fields(RunConfig)) if k not in RESUMABLE and getattr(same, k) != getattr(saved, k)]
+    if changed:
+        raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
+                       f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
+    # As with --resume: the RESUMABLE settings this command names apply; the others stay the run's own (the
+    # sample prompt derived from the data, say).
+    named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
+    return _continue(run, replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k in named},
+                                  run_dir=os.path.abspath(run.root)), console, rerun=True)
+
+
+def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
+    """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     parallel = _join(cfg, console)
     dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
     if dtype.emulated:
         console.print(dtype.reason, markup=False, highlight=False)
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:
-        raise RunError(f"{path} was trained by {run.processes()} process(es) and this is {world}; resume it with "
-                       f"the same number (torchrun --nproc_per_node {run.processes()} for more than one)")
+        raise RunError(f"{run.root} was trained by {run.processes()} process(es) and this is {world}; resume it "
+                       f"with the same number (torchrun --nproc_per_node {run.processes()} for more than one)")
+    done = run.committed_step()
+    if done >= cfg.steps:
+        past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
+        console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
+                      "raise --steps to continue it", markup=False, highlight=False)
+        return None
+    if rerun:
+        console.print(f"{run.root} holds this run at step {done}: continuing it to step {cfg.steps}",
+                      markup=False, highlight=False)
     tokenizer = load_tokenizer(run.tokenizer)
     dataset = _dataset(cfg, tokenizer)
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
@@ -146,6 +213,8 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
                            "start a new run with --from-pretrained after exporting it")
         if parallel is None or parallel.rank == 0:
             run.write_config(cfg)
+            run.finish_setup()  # a set-up killed after writing config.toml left its mark
+            run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
     except BaseException:
         trainer.close()
         raise
@@ -158,8 +227,8 @@ def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
     if parallel is None:
         return None
     console.quiet = parallel.rank != 0
-    if cfg.run is None:
-        raise RunError("under torchrun every process must use the same run directory: pass --run DIR")
+    if cfg.run_dir is None:
+        raise RunError("under torchrun every process must use the same run directory: pass --run-dir DIR")
     if cfg.batch % (parallel.world * cfg.grad_accum):
         raise RunError(f"--batch {cfg.batch} does not split over {parallel.world} processes x --grad-accum "
                        f"{cfg.grad_accum}; use a multiple of {parallel.world * cfg.grad_accum}")
@@ -211,12 +280,21 @@ def _default_run_dir(cfg: RunConfig) -> str:
 def _discard(run: RunDir) -> None:
     """Remove what this invocation wrote into the run directory (it was new or empty)."""
     shutil.rmtree(run.root, ignore_errors=True)
+    run.finish_setup()  # lets go of the set-up mark's lock
 
 
 def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
     if cfg.seq > model_cfg.n_positions:
         raise RunError(f"--seq {cfg.seq} exceeds the model's context (n_positions={model_cfg.n_positions}); "
                        f"use --seq {model_cfg.n_positions} or less")
+
+
+def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
+    """The model to initialise: a model trained from scratch on a BPE trained here gets at least the MIN_VOCAB ids
+    a byte-level BPE needs (gptj-debug's 256 embeddings cannot hold 256 bytes plus end-of-text)."""
+    if cfg.from_pretrained is None and cfg.tokenizer is None and model_cfg.vocab_size < MIN_VOCAB:
+        return replace(model_cfg, vocab_size=MIN_VOCAB)
+    return model_cfg
 
 
 def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
@@ -249,6 +327,34 @@ def _dataset(cfg: RunConfig, tokenizer: Tokenizer) -> Dataset:
     return load_dataset(cfg.data, tokenizer, cfg.seq, pack=cfg.pack)
 
 
+def _check_held_out(cfg: RunConfig, dataset: Dataset, world: int) -> None:
+    """An --eval-fraction that holds out fewer sequences than one evaluation batch needs is an error, not a
+    run that silently never evaluates."""
+    if cfg.eval_fraction == 0:
+        return
+    _, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+    needed = cfg.grad_accum * world  # an evaluation batch splits like a training batch
+    got = 0 if held_out is None else len(held_out)
+    if got < needed:
+        fix = (f"raise --eval-fraction to {min(0.5, needed / len(dataset)):.2g} or more, or pass"
+               if len(dataset) > needed else "add data, lower --seq, or pass")
+        raise RunError(f"--eval-fraction {cfg.eval_fraction} holds out {got} of the data's {len(dataset)} sequences"
+                       f" of --seq {cfg.seq} tokens and an evaluation needs {needed}; {fix} --eval-fraction 0 to "
+                       "train without evaluation")
+
+
+def _sample_prompt(cfg: RunConfig) -> str:
+    """--sample-prompt, else the data's first prompt (or first words): the demo's prompt fits only the demo."""
+    if cfg.sample_prompt is not None:
+        return cfg.sample_prompt
+    if cfg.data is None:
+        return DEFAULT_PROMPT
+    first = next(iter(read_examples(cfg.data)), None)
+    if first is None:
+        return ""
+    return first.text if first.completion is not None else " ".join(first.text.split()[:8])
+
+
 def _describe(s: Session) -> str:
     cfg, tc = s.cfg, s.trainer.tc
     budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
@@ -265,16 +371,14 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     """Steps until --steps; returns (steps trained, seconds spent in them)."""
     cfg, trainer, run = s.cfg, s.trainer, s.run
     first = trainer.step_count
-    if first >= cfg.steps:
-        console.print(f"{run.root} is at step {first} of --steps {cfg.steps}: nothing to train; "
-                      "raise --steps to continue")
-        return 0, 0.0
     budget = trainer.tc.budget_bytes
     process = psutil.Process()
     seconds = 0.0
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, console=console, disable=not s.lead) as progress:
+    plain = not console.is_terminal  # a log or a pipe gets one flushed line per step, not a redrawn bar
+    began = time.perf_counter()
+    with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
         while trainer.step_count < cfg.steps:
             ids, labels = next(s.stream)
@@ -293,11 +397,26 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                 f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
                 f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
                 f"RSS {format_size(rss)}"))
+            if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
+                console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
+                              markup=False, highlight=False)
             if cfg.store == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 evaluate(s, progress.console)
     return trainer.step_count - first, seconds
+
+
+def _progress_line(record: dict, steps: int, elapsed: float, done: int) -> str:
+    """`step 3/80 loss 7.812 lr 6.00e-04 1,024 tok/s elapsed 0:00:03 eta 0:01:17`: one step, for logs."""
+    eta = elapsed / done * (steps - record["step"])
+    return (f"step {record['step']}/{steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:,.0f} tok/s elapsed {_clock(elapsed)} eta {_clock(eta)}")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def evaluate(s: Session, console: Console) -> float | None:

@@ -126,13 +126,18 @@ class Commit:
 
 def lock_run_dir(root: Path) -> int:
     """An exclusive lock on the run directory for this process's lifetime (released by the kernel on exit)."""
-    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    return lock_file(root / "lock", StoreError(f"{root} is in use by another training or tool process; wait for "
+                                               "it to finish (two writers would corrupt the store)"))
+
+
+def lock_file(path: Path, busy: Exception) -> int:
+    """The descriptor of `path` (created if need be), flocked exclusively; `busy` is raised if another has it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise StoreError(f"{root} is in use by another training or tool process; wait for it to finish "
-                         "(two writers would corrupt the store)") from None
+        raise busy from None
     return fd
 
 

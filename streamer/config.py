@@ -51,15 +51,31 @@ class LRSchedule:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def lr_at(self, step: int, base_lr: float) -> float:
-        """Learning rate of optimizer step `step` (1-based, as torch counts Adam steps)."""
-        if step <= self.warmup_steps:
-            return base_lr * step / self.warmup_steps if self.warmup_steps else base_lr
+        """Learning rate of optimizer step `step` (1-based, as torch counts Adam steps).
+
+        Identical to Hugging Face's schedulers (transformers.get_constant_schedule_with_warmup,
+        get_linear_schedule_with_warmup, get_cosine_schedule_with_warmup and, with min_lr_ratio,
+        get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=...)), whose lambda at scheduler index step - 1
+        sets the lr of optimizer step `step`: so step 1 of a warmup trains at lr 0. The same float operations in
+        the same order make the values bit-equal. HF has no linear schedule with a floor: ours scales the linear
+        factor as its cosine does, factor * (1 - min_lr_ratio) + min_lr_ratio, so min_lr_ratio 0 is HF's
+        linear exactly (and any ratio is get_polynomial_decay_schedule_with_warmup(power=1, lr_end=ratio * lr)
+        up to rounding). Past total_steps the decay stays at its end value.
+        """
+        current = step - 1
+        if current < self.warmup_steps:
+            return base_lr * (float(current) / float(max(1, self.warmup_steps)))
         if self.kind == "constant":
-            return base_lr
+            return base_lr * 1.0
         assert self.total_steps is not None
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
-        return base_lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * shape)
+        current = min(current, self.total_steps)
+        decay_steps = float(max(1, self.total_steps - self.warmup_steps))
+        if self.kind == "cosine":
+            progress = float(current - self.warmup_steps) / decay_steps
+            factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+        else:
+            factor = max(0.0, float(self.total_steps - current) / decay_steps)
+        return base_lr * max(0, factor * (1 - self.min_lr_ratio) + self.min_lr_ratio)
 
 
 @dataclass(frozen=True)

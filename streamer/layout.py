@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from layers import GPTJConfig, build_unit, unit_hf_key, unit_names
 from streamer.errors import StoreError
@@ -40,6 +41,17 @@ class TensorSlot:
         return len(self.shape) >= 2
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """Skips torch.nn.init's fills while a layout reads a unit's shapes: on meta tensors the first normal_
+    imports torch._dynamo (about 1 s), which the resource check before a run should not wait for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class UnitLayout:
     name: str
@@ -47,7 +59,8 @@ class UnitLayout:
 
     @classmethod
     def of(cls, cfg: GPTJConfig, unit: str) -> "UnitLayout":
-        module = build_unit(cfg, unit)
+        with _ShapesOnly():
+            module = build_unit(cfg, unit)
         params = list(module.named_parameters())
         ordered = [p for p in params if p[1].dim() >= 2] + [p for p in params if p[1].dim() < 2]
         slots, offset = [], 0

@@ -2,7 +2,7 @@
 
 A run directory (`RunDir`) holds:
 
-    config.toml        the resolved RunConfig; `streamer train --config RUN/config.toml --run NEW` repeats it
+    config.toml        the resolved RunConfig; `streamer train --config RUN/config.toml --run-dir NEW` repeats it
     store/             the host store: weights, fp32 master, Adam moments, gradients (docs/STORE.md)
     tokenizer/         tokenizer.json and the two files transformers reads beside it
     metrics.jsonl      one JSON object per optimizer step and per evaluation
@@ -15,23 +15,44 @@ null), and paths are written absolute so that a run can be resumed from any work
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from layers import PRESETS, GPTJConfig
 from memory_model import DEVICE_PRESETS, SizeError, parse_size
+from memory_model.shapes import ACTIVATION_POLICIES, STORE_TIERS, UPDATE_PLACES
+from streamer.commit import lock_file, read_journal, read_manifest
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
+from streamer.hardware import RESOLVED_DTYPES
+from streamer.slabfile import write_json_atomic
 
 
 class RunError(StreamerError):
     """Run settings or a run directory that cannot be used; the message names the fix."""
+
+
+class SettingError(RunError):
+    """One setting's value is wrong: `key` names it, so an error can say where it came from (flag or file)."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{_flag(key)} {problem}")
+        self.key, self.problem = key, problem
+
+
+# The choices of the settings that several subcommands share (train, plan): one place, so they cannot drift.
+COMPUTE_DTYPES = ("auto", *RESOLVED_DTYPES)  # auto: streamer/hardware.py
+SCHEDULES = ("constant", "cosine", "linear")
+MOMENT_DTYPES = ("fp32", "bf16")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _setting(default: Any, help: str, metavar: str | None = None) -> Any:
@@ -53,10 +74,11 @@ class RunConfig:
     tokenizer: str | None = _setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
                                            "(default: --from-pretrained's, else a BPE trained on the data)", "DIR")
     vocab_size: int | None = _setting(None, "vocabulary of the trained BPE (default: the model's)")
-    run: str | None = _setting(None, "the run directory (default: runs/<name>-<time>)", "DIR")
+    run_dir: str | None = _setting(None, "the run directory; one holding this run (same settings) is continued "
+                                         "(default: runs/<name>-<time>)", "DIR")
     steps: int = _setting(100, "optimizer steps in all (with --resume: the new total)")
     batch: int = _setting(8, "sequences per optimizer step (the global batch)")
-    seq: int = _setting(128, "tokens per sequence")
+    seq: int = _setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)")
     grad_accum: int = _setting(1, "micro-batches the batch is split into")
     lr: float = _setting(1e-4, "peak learning rate")
     schedule: str = _setting("constant", "learning-rate schedule after warmup: constant, cosine or linear",
@@ -65,6 +87,13 @@ class RunConfig:
     min_lr_ratio: float = _setting(0.0, "the cosine/linear schedule ends at this fraction of --lr")
     weight_decay: float = _setting(0.1, "AdamW weight decay (matrices only)")
     max_grad_norm: float = _setting(1.0, "clip gradients to this global norm (0: no clipping)")
+    betas: tuple[float, float] = _setting((0.9, 0.95), "AdamW's moment decay rates, each in [0, 1): B1,B2 or B1 B2")
+    eps: float = _setting(1e-8, "AdamW's epsilon, added to the root of the second moment")
+    moment_dtype: str = _setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
+                                 "DTYPE")
+    nonfinite: str = _setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
+                                      "(nothing is updated; the next batch follows)", "POLICY")
+    trace_steps: int = _setting(8, "optimizer steps the memory trace keeps (the latest ones)")
     dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and faster than "
                                   "fp32, else fp32; config.toml records the choice), bf16 or fp32 (master weights "
                                   "and Adam state are fp32)", "DTYPE")
@@ -83,43 +112,49 @@ class RunConfig:
     eval_every: int = _setting(50, "evaluate every N steps (0: only at the end)")
     eval_batches: int = _setting(4, "held-out batches per evaluation")
     save_every: int = _setting(50, "with --store ram: write the store to disk every N steps (and at the end)")
-    sample_prompt: str = _setting(DEFAULT_PROMPT, "prompt of the sample generated at the end", "TEXT")
+    sample_prompt: str | None = _setting(None, "prompt of the sample generated at the end (default: with --data, "
+                                               "the first example's prompt or first words; else %r)"
+                                         % DEFAULT_PROMPT.replace("%", "%%"), "TEXT")
     sample_tokens: int = _setting(40, "tokens of that sample (0: no sample)")
+    log_every: int = _setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
+                                 "(a terminal gets a progress bar)")
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for name, low in (("steps", 1), ("batch", 1), ("seq", 2), ("grad_accum", 1), ("warmup", 0),
-                          ("prefetch", 0), ("update_chunk", 1), ("seed", 0), ("eval_every", 0), ("eval_batches", 1),
-                          ("save_every", 1), ("sample_tokens", 0)):
+        for name, low in INT_MINIMUMS.items():
             if getattr(self, name) < low:
-                raise RunError(f"{_flag(name)} must be an integer >= {low}, got {getattr(self, name)}")
+                raise SettingError(name, f"must be {_integer(low)}, got {getattr(self, name)}")
         if self.vocab_size is not None and self.vocab_size < 257:
-            raise RunError(f"--vocab-size must be >= 257 (256 bytes + end-of-text), got {self.vocab_size}")
+            raise SettingError("vocab_size", f"must be >= 257 (256 bytes + end-of-text), got {self.vocab_size}")
         if self.batch % self.grad_accum:
-            raise RunError(f"--batch {self.batch} does not split into --grad-accum {self.grad_accum} micro-batches; "
-                           f"use a multiple of {self.grad_accum}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise RunError(f"--lr must be a positive number, got {self.lr}")
+            raise SettingError("batch", f"{self.batch} does not split into --grad-accum {self.grad_accum} "
+                                        f"micro-batches; use a multiple of {self.grad_accum}")
+        for name in ("lr", "eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise SettingError(name, f"must be a positive number, got {getattr(self, name)}")
         for name in ("weight_decay", "max_grad_norm"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise RunError(f"{_flag(name)} must be a number >= 0, got {getattr(self, name)}")
+                raise SettingError(name, f"must be a number >= 0, got {getattr(self, name)}")
         for name, high in (("eval_fraction", 1.0), ("min_lr_ratio", 1.0 + 1e-12)):
             if not 0 <= getattr(self, name) < high:
-                raise RunError(f"{_flag(name)} must be in [0, 1{')' if name == 'eval_fraction' else ']'}, "
-                               f"got {getattr(self, name)}")
-        choices = {"schedule": ("constant", "cosine", "linear"), "dtype": ("auto", "bf16", "fp32"),
-                   "store": ("ram", "disk"), "activations": ("resident", "checkpoint"), "update_on": ("device", "host")}
-        for name, allowed in choices.items():
+                raise SettingError(name, f"must be in [0, 1{')' if name == 'eval_fraction' else ']'}, "
+                                         f"got {getattr(self, name)}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise SettingError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise RunError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                raise SettingError(name, f"must be one of {', '.join(allowed)}, got {_shown(getattr(self, name))}")
+        if self.from_pretrained is not None and self.model != DEMO_MODEL:
+            raise SettingError("model", f"{self.model!r} conflicts with --from-pretrained, whose config.json is the "
+                                        "model; drop one of them")
         if self.schedule != "constant" and self.warmup >= self.steps:
-            raise RunError(f"--warmup {self.warmup} leaves no steps to decay over with --steps {self.steps}; "
-                           "lower --warmup or raise --steps")
+            raise SettingError("warmup", f"{self.warmup} leaves no steps to decay over with --steps {self.steps}; "
+                                         "lower --warmup or raise --steps")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise RunError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+            raise SettingError("device", f"must be cpu, cuda or cuda:N, got {_shown(self.device)}")
         self.budget_bytes()
         if self.model not in PRESETS and not Path(self.model).exists():
-            raise RunError(f"--model {self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+            raise SettingError("model", f"{self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
                            "config.json or folder holding one")
 
     # --- derived settings -------------------------------------------------------------------------
@@ -131,9 +166,10 @@ class RunConfig:
         try:
             size = parse_size(self.budget)
         except SizeError as exc:
-            raise RunError(f"--budget: {exc}, or a device preset ({', '.join(DEVICE_PRESETS)})") from None
+            raise SettingError("budget", f"{_shown(self.budget)}: {exc}, or a device preset "
+                                         f"({', '.join(DEVICE_PRESETS)})") from None
         if size <= 0:
-            raise RunError("--budget must be more than 0 bytes; leave it out for no limit")
+            raise SettingError("budget", "must be more than 0 bytes; leave it out for no limit")
         return size
 
     def model_config(self) -> GPTJConfig:
@@ -149,7 +185,8 @@ class RunConfig:
             lr=self.lr, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None,
             grad_accum=self.grad_accum, compute_dtype=self.dtype, activations=self.activations, store=self.store,
             update_on=self.update_on, prefetch=self.prefetch, device=self.device, budget=self.budget_bytes(),
-            schedule=schedule, update_chunk=self.update_chunk, seed=self.seed)
+            schedule=schedule, update_chunk=self.update_chunk, seed=self.seed, betas=self.betas, eps=self.eps,
+            moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps)
 
     def name(self) -> str:
         """A short name for the default run directory."""
@@ -164,7 +201,7 @@ class RunConfig:
         lines = ["# weight-streaming run settings: the keys are `streamer train`'s flags with _ for -"]
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None and not (f.name == "model" and self.from_pretrained is not None):
                 lines.append(f"{f.name} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
 
@@ -176,7 +213,12 @@ class RunConfig:
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
-PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run")
+PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir")
+# In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
+# again, if it holds nothing but what set-up writes.
+SETUP_MARK = "setup.incomplete"
+_SETUP_FILES = {SETUP_MARK, "tokenizer", "store", "config.toml.tmp"}
+_SETUP_LOCKS: dict[Path, int] = {}  # run folder -> this process's locked descriptor of its SETUP_MARK
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
@@ -184,20 +226,50 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "steps": 80, "lr": 1e-3, "schedule": "cosine", "warmup": 5, "min_lr_ratio": 0.1,
     "activations": "checkpoint", "update_chunk": 2**20, "budget": "64MiB", "eval_every": 20,
 }
-# Settings a resumed run may change: none of them alters the data order or the store's layout.
+# Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
+# not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
+# beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-             "device", "budget", "prefetch")
+             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "log_every")
+CHOICES = {"schedule": SCHEDULES, "dtype": COMPUTE_DTYPES, "store": STORE_TIERS, "activations": ACTIVATION_POLICIES,
+           "update_on": UPDATE_PLACES, "moment_dtype": MOMENT_DTYPES, "nonfinite": NONFINITE_POLICIES}
+INT_MINIMUMS = {"steps": 1, "batch": 1, "seq": 2, "grad_accum": 1, "warmup": 0, "prefetch": 0, "update_chunk": 1,
+                "seed": 0, "eval_every": 0, "eval_batches": 1, "save_every": 1, "sample_tokens": 0, "trace_steps": 1,
+                "log_every": 1}
 
 
 def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> RunConfig:
     """RunConfig from the flags given (`explicit`, no Nones), over a TOML file, over the (demo) defaults."""
-    given = {**(read_toml(config_file) if config_file is not None else {}), **explicit}
-    demo = given.get("data") is None and given.get("from_pretrained") is None and \
-        given.get("model", DEMO_MODEL) == DEMO_MODEL
-    values = {**(DEMO_DEFAULTS if demo else {}), **given}
-    if demo and "warmup" not in given:  # a short demo (`--steps 3`) still gets a schedule that decays
-        values["warmup"] = min(DEMO_DEFAULTS["warmup"], values["steps"] // 10)
-    return RunConfig(**values)
+    from_file = read_toml(config_file) if config_file is not None else {}
+    given = {**from_file, **explicit}
+    with _blame(config_file, set(from_file) - set(explicit)):
+        if given.get("model") is not None and given.get("from_pretrained") is not None:
+            raise SettingError("model", "conflicts with --from-pretrained, whose config.json is the model; "
+                                        "drop one of them")
+        if isinstance(given.get("from_pretrained"), str) and given.get("data") is None:
+            raise SettingError("from_pretrained", "needs --data: the demo text is only the demo's; pass --data "
+                                                  "FILE (.txt or .jsonl) to fine-tune on")
+        demo = given.get("data") is None and given.get("from_pretrained") is None and \
+            given.get("model", DEMO_MODEL) == DEMO_MODEL
+        values = {**(DEMO_DEFAULTS if demo else {}), **given}
+        model = values.get("model")
+        if "seq" not in given and isinstance(model, str) and model in PRESETS:  # the default fits every preset
+            values["seq"] = min(RunConfig.seq, PRESETS[model].n_positions)
+        steps = values.get("steps", RunConfig.steps)
+        if demo and "warmup" not in given and type(steps) is int:  # a short demo (`--steps 3`) still decays
+            values["warmup"] = min(DEMO_DEFAULTS["warmup"], steps // 10)
+        return RunConfig(**values)
+
+
+@contextlib.contextmanager
+def _blame(config_file: str | Path | None, file_keys: set[str]) -> Iterator[None]:
+    """A wrong setting that came from the settings file is reported as `--config FILE: key problem`."""
+    try:
+        yield
+    except SettingError as exc:
+        if config_file is None or exc.key not in file_keys:
+            raise
+        raise RunError(f"--config {config_file}: {exc.key} {exc.problem}") from None
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -214,7 +286,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     known = [f.name for f in fields(RunConfig)]
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise RunError(f"--config {path}: unknown setting(s) {unknown}; valid keys: {', '.join(known)}")
+        verb = "is not a setting" if len(unknown) == 1 else "are not settings"
+        raise RunError(f"--config {path}: {', '.join(unknown)} {verb}; valid keys: {', '.join(known)}")
     for key in [*PATH_KEYS, "model"]:
         value = raw.get(key)
         if isinstance(value, str) and not (key == "model" and value in PRESETS):
@@ -227,6 +300,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     # A JSON string is a TOML basic string, except that TOML wants DEL escaped too.
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007F")
 
@@ -235,18 +310,43 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _integer(low: int) -> str:
+    return "a positive integer" if low == 1 else f"an integer >= {low}"
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it: TOML and JSON agree on strings, numbers and lists."""
+    if value is None:
+        return "nothing"
+    try:
+        return json.dumps(list(value) if isinstance(value, tuple) else value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _check_types(cfg: RunConfig) -> None:
     """TOML and keyword callers can pass any type: check each against the annotation (an int is a float)."""
     hints = typing.get_type_hints(RunConfig)
+    wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
+        if typing.get_origin(hints[f.name]) is tuple:  # betas: two numbers, from TOML a list
+            numbers = isinstance(value, (list, tuple)) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            if not numbers or len(value) != 2:
+                raise SettingError(f.name, f"must be two numbers in [0, 1), got {_shown(value)}")
+            object.__setattr__(cfg, f.name, tuple(float(v) for v in value))
+            continue
         allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
         if float in allowed and isinstance(value, int) and not isinstance(value, bool):
             object.__setattr__(cfg, f.name, float(value))
             continue
         if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
-            wanted = " or ".join("nothing" if t is type(None) else t.__name__ for t in allowed)
-            raise RunError(f"{_flag(f.name)} must be {wanted}, got {value!r}")
+            kind = next(t for t in allowed if t is not type(None))
+            what = _integer(INT_MINIMUMS[f.name]) if f.name in INT_MINIMUMS else wanted[kind]
+            if f.name in CHOICES:
+                what = "one of " + ", ".join(CHOICES[f.name])
+            raise SettingError(f.name, f"must be {what}, got {_shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -297,20 +397,35 @@ class RunDir:
 
     @classmethod
     def create(cls, path: str | Path) -> RunDir:
-        """A new run in `path`, which must not exist or be an empty folder: nothing is ever overwritten."""
+        """A new run in `path`, which must not exist, be empty, or hold a set-up that was killed part-way (its
+        SETUP_MARK, no config.toml, nothing but set-up files), which is cleared. Nothing else is ever overwritten.
+        The mark stays, locked by this process, until `finish_setup`."""
         root = Path(path)
         if root.exists() and not root.is_dir():
-            raise RunError(f"--run {root} is a file; choose a folder name for the run")
+            raise RunError(f"--run-dir {root} is a file; choose a folder name for the run")
         if cls.is_run(root):
             raise RunError(f"{root} already holds a run; continue it with `streamer train --resume {root}` "
-                           "or choose a new --run")
-        if root.is_dir() and any(root.iterdir()):
-            raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run")
+                           "or choose a new --run-dir")
+        entries = {p.name for p in root.iterdir()} if root.is_dir() else set()
+        if entries and not (SETUP_MARK in entries and entries <= _SETUP_FILES):
+            raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run-dir")
+        busy = RunError(f"{root} is being set up by another process; wait for it to finish or choose another --run-dir")
         try:
             root.mkdir(parents=True, exist_ok=True)
+            _SETUP_LOCKS[root] = lock_file(root / SETUP_MARK, busy)
         except OSError as exc:
-            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run") from None
+            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run-dir") from None
+        for name in entries - {SETUP_MARK}:  # the mark stays: a kill while clearing leaves a set-up still known
+            path = root / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         return cls(root)
+
+    def finish_setup(self) -> None:
+        """config.toml is in place: the run exists, and the set-up mark (if a kill left one) can go."""
+        (self.root / SETUP_MARK).unlink(missing_ok=True)
+        fd = _SETUP_LOCKS.pop(self.root, None)
+        if fd is not None:
+            os.close(fd)
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:
@@ -320,7 +435,9 @@ class RunDir:
         return cls(root)
 
     def read_config(self) -> RunConfig:
-        return RunConfig(**read_toml(self.config))
+        values = read_toml(self.config)
+        with _blame(self.config, set(values)):
+            return RunConfig(**values)
 
     def write_config(self, cfg: RunConfig) -> None:
         tmp = self.config.with_suffix(".toml.tmp")
@@ -332,6 +449,41 @@ class RunDir:
             out.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The records; a last line that a kill cut short is left out."""
         if not self.metrics.is_file():
             return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        lines = [line for line in self.metrics.read_text().splitlines() if line.strip()]
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if i < len(lines) - 1:
+                    raise RunError(f"{self.metrics} line {i + 1} is not JSON; fix or delete that line") from None
+        return records
+
+    def committed_step(self) -> int:
+        """The step a run continues from: its store's last commit, or the step journaled after it (whose
+        gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
+        what they agree on. Reads only."""
+        stores = sorted(self.store.glob("rank*")) or [self.store]
+        steps = []
+        for root in stores:
+            manifest = read_manifest(root)
+            journal = read_journal(root, manifest, list(manifest["units"]))
+            steps.append(manifest["step"] if journal is None else journal["step"])
+        return min(steps)
+
+    def keep_metrics_through(self, step: int, losses: list[float], tc: TrainerConfig) -> None:
+        """metrics.jsonl holds each step up to the committed `step` exactly once: records of later steps (a kill
+        came before they were committed, or a RAM-tier run's steps since its last save) go, and a step committed
+        before a kill could log it gets its record back from the store's losses (without timings)."""
+        records = self.read_metrics()
+        kept = [r for r in records if r.get("step", 0) <= step]
+        logged = {r["step"] for r in kept if "loss" in r}
+        if len(losses) == step:
+            kept += [{"step": n, "loss": losses[n - 1], "lr": tc.schedule.lr_at(n, tc.lr)}
+                     for n in range(1, step + 1) if n not in logged]
+        kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
+        if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):
+            write_json_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))

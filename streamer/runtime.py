@@ -254,7 +254,7 @@ class Executor:
             scratch = None if self._scratch is None else self._scratch[:self.layouts[unit].numel]
             total = self.store.accumulate_grad(unit, host, first, scratch)
             if host is not grads:
-                self.transport.give_back(host[0], "pinned")
+                self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
             return float(torch.linalg.vector_norm(total)) ** 2 if last else 0.0
 
@@ -315,7 +315,7 @@ class Executor:
                     host = self.transport.to_host(values[kind])
                     writer.write(kind, chunk.start, host)
                     if host is not values[kind]:
-                        self.transport.give_back(host, "pinned")
+                        self.transport.give_back(host)
             for kind, t in values.items():
                 if t is not None and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)

@@ -125,10 +125,18 @@ def pwrite_from(fd: int, src: torch.Tensor | bytes, offset: int, path: Path) -> 
         raise disk_error(exc, path) from None
 
 
+class DiskFull(StoreError):
+    """A write found no space left; what was committed before it is intact."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"disk full while writing {path}; the last committed step is intact: "
+                         "free space and continue with --resume")
+        self.path = path
+
+
 def disk_error(exc: OSError, path: Path) -> StoreError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StoreError(f"disk full while writing {path}; the last committed step is intact: "
-                          "free space and continue with --resume")
+        return DiskFull(path)
     return StoreError(f"cannot write {path}: {exc.strerror or exc}")
 
 

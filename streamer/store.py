@@ -20,15 +20,15 @@ from typing import Any, Sequence
 
 import torch
 
-from layers import GPTJConfig
+from layers import GPTJConfig, unit_names
 from streamer.commit import (
     FORMAT, JOURNAL, MANIFEST, Commit, UnitWriter, check_units, grad_name, lock_run_dir, read_journal, read_manifest,
     state_name,
 )
 from streamer.errors import StoreError
-from streamer.layout import DTYPES, Placement, fold_into, model_layouts
+from streamer.layout import DTYPES, Placement, UnitLayout, fold_into, model_layouts
 from streamer.slabfile import (
-    Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
+    TRAILER_BYTES, Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
     pwrite_from, verify_checksums, write_json_atomic,
 )
 
@@ -71,6 +71,37 @@ class StoreSpec:
         with_compute = self.placement.compute == "disk" and not self.compute_is_master
         return STATE_KINDS + (("compute",) if with_compute else ())
 
+    def ram_kinds(self) -> tuple[str, ...]:
+        """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
+        tiers = {"compute": self.placement.compute, "grad": self.placement.grad,
+                 **{k: self.placement.state for k in STATE_KINDS}}
+        return tuple(k for k, tier in tiers.items()
+                     if tier == "ram" and not (k == "compute" and self.compute_is_master))
+
+    def chunk_bytes(self, count: int) -> int:
+        """Bytes of one chunk of `count` parameters in a state file (every file kind, interleaved)."""
+        return sum(count * self.kind_dtype(k).itemsize for k in self.file_kinds())
+
+    def state_bytes(self, numel: int) -> int:
+        """Data bytes of a state file of a unit of `numel` parameters (the trailer follows them)."""
+        return sum(self.chunk_bytes(c) for _, c in chunks(numel, self.chunk))
+
+    def host_bytes(self) -> tuple[int, int]:
+        """(RAM, disk) bytes of the whole store at its largest. State files are written on every commit (the RAM
+        tier's on a save), and while one is committed a unit has two generations on disk: the old one is
+        deleted only once the new one is in place. Disk-tier gradients have a file of their own."""
+        ram = disk = 0
+        numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
+        for unit in unit_names(self.config):
+            kind = unit.split(".")[0]
+            if kind not in numels:
+                numels[kind] = UnitLayout.of(self.config, unit).numel
+            numel = numels[kind]
+            ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
+            disk += 2 * (self.state_bytes(numel) + TRAILER_BYTES)
+            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" else 0
+        return ram, disk
+
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.__dict__, "compute_dtype": self.compute_dtype,
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk}
@@ -106,13 +137,10 @@ class HostStore:
         self._ram: dict[tuple[str, str], torch.Tensor] = {}
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
-        tiers = {"compute": spec.placement.compute, "grad": spec.placement.grad}
-        tiers.update({k: spec.placement.state for k in STATE_KINDS})
         for unit, lay in self.layouts.items():
-            for kind, tier in tiers.items():
-                if tier == "ram" and not (kind == "compute" and spec.compute_is_master):
-                    buf = torch.zeros(lay.numel, dtype=spec.kind_dtype(kind))
-                    self._ram[unit, kind] = buf.pin_memory() if pin else buf
+            for kind in spec.ram_kinds():
+                buf = torch.zeros(lay.numel, dtype=spec.kind_dtype(kind))
+                self._ram[unit, kind] = buf.pin_memory() if pin else buf
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -202,17 +230,14 @@ class HostStore:
             (self.root / (name + ".tmp")).unlink(missing_ok=True)
 
     # --- file layout --------------------------------------------------------------------
-    def _chunk_bytes(self, count: int) -> int:
-        return sum(count * self.spec.kind_dtype(k).itemsize for k in self.spec.file_kinds())
-
     def _state_bytes(self, unit: str) -> int:
-        return sum(self._chunk_bytes(c) for _, c in chunks(self.layouts[unit].numel, self.spec.chunk))
+        return self.spec.state_bytes(self.layouts[unit].numel)
 
     def _kind_offset(self, unit: str, kind: str, start: int, count: int) -> int:
         """Byte offset of `kind`'s piece of the chunk starting at element `start` (chunk-interleaved file)."""
         if start % self.spec.chunk:
             raise ValueError("state ranges start on chunk boundaries")
-        offset = (start // self.spec.chunk) * self._chunk_bytes(self.spec.chunk)
+        offset = (start // self.spec.chunk) * self.spec.chunk_bytes(self.spec.chunk)
         for k in self.spec.file_kinds():
             if k == kind:
                 return offset

@@ -39,9 +39,8 @@ class StreamingTrainer:
                 if self.tc.store.state == "disk" or self.tc.store.compute == "disk":
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
-            spec = StoreSpec(cfg, dtype_name(self.tc.compute_dtype), self.tc.moment_dtype, self.tc.store,
-                             self.tc.update_chunk)
-            self.store = HostStore.create(store_dir, spec, pin=self.tc.device.startswith("cuda"))
+            self.store = HostStore.create(store_dir, store_spec(cfg, self.tc),
+                                          pin=self.tc.device.startswith("cuda"))
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
         self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
@@ -270,6 +269,11 @@ class StreamingTrainer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def store_spec(cfg: GPTJConfig, tc: TrainerConfig) -> StoreSpec:
+    """The layout of the store a trainer with these settings creates."""
+    return StoreSpec(cfg, dtype_name(tc.compute_dtype), tc.moment_dtype, tc.store, tc.update_chunk)
 
 
 def _agree_on_journal(data_parallel: DataParallel, store: HostStore,

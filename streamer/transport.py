@@ -73,7 +73,13 @@ class Transport:
 
     # --- buffers ------------------------------------------------------------------------------
     def _take(self, numel: int, dtype: torch.dtype, where: str) -> torch.Tensor:
-        """A reusable buffer: fresh allocations page-fault at a quarter of the speed of reused memory."""
+        """A reusable buffer: fresh allocations page-fault at a quarter of the speed of reused memory.
+
+        `where`: "device", or "pinned" for a host buffer an accelerator copies from. Where the device is the
+        host (cpu), both are the same plain memory and share one pool.
+        """
+        if self.mode == "shared":
+            where = "device"
         with self._lock:
             free = self._pool.get((numel, dtype, where))
             buffer, released = free.pop() if free else (None, None)
@@ -85,9 +91,11 @@ class Transport:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         return torch.empty(numel, dtype=dtype, device=self.device if where == "device" else "cpu")
 
-    def give_back(self, t: torch.Tensor, where: str = "device") -> None:
+    def give_back(self, t: torch.Tensor) -> None:
+        """Return a buffer `_take` gave out to the pool of its kind (told apart by the tensor's own device)."""
         if self.mode == "meta":
             return
+        where = "pinned" if self.mode == "cuda" and t.device.type == "cpu" else "device"
         released = None
         if self.mode == "cuda" and where == "device":
             released = torch.cuda.Event()
@@ -120,7 +128,7 @@ class Transport:
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
         if ram is None:
             torch.cuda.current_stream().synchronize()  # the pinned staging buffer is reused next
-            self.give_back(host, "pinned")
+            self.give_back(host)
         return out
 
     def _on_side_stream(self, job: Callable[[], dict[str, torch.Tensor]]) -> Loaded:
@@ -148,7 +156,7 @@ class Transport:
         `on_host`: the update runs on the host copy (update_on="host"), so nothing crosses the link.
         """
         store = self.store
-        to_device = self._to_host_buffer if on_host and self.mode == "cuda" else self._to_device
+        to_device = self._to_host_buffer if on_host else self._to_device
 
         def job() -> dict[str, torch.Tensor]:
             out = {}

@@ -1,6 +1,8 @@
 """Helpers shared by the test files."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import pytest
@@ -31,6 +33,23 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(1 + 0.2 * noise)
             else:
                 p.copy_(0.1 * noise)
+
+
+TINY_RUN_MODEL = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """For fast `streamer train` runs: TINY_RUN_MODEL's config.json, train.txt and a tokenizer folder tok/."""
+    from pydoc_data.topics import topics
+
+    from streamer.tokenizer import train_bpe
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "config.json").write_text(json.dumps(TINY_RUN_MODEL.to_hf()))
+    texts = [topics[k] for k in sorted(topics)[:30]]
+    (root / "train.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts))
+    train_bpe(texts, vocab_size=TINY_RUN_MODEL.vocab_size).save(root / "tok")
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -62,7 +62,7 @@ def test_hf_folder_trains_exports_and_loads_in_transformers(layout, tmp_path, ti
     tokenizer.save(source)
     assert (layout == "sharded") == (source / "model.safetensors.index.json").is_file()
 
-    assert main(["train", "--from-pretrained", str(source), "--data", str(summaries), "--run", str(run),
+    assert main(["train", "--from-pretrained", str(source), "--data", str(summaries), "--run-dir", str(run),
                  "--steps", "3", "--batch", "4", "--seq", str(SEQ), "--dtype", "fp32", "--lr", "3e-3",
                  "--eval-every", "0", "--sample-tokens", "4", "--activations", "checkpoint",
                  "--budget", "2MiB"]) == 0  # below the model's 16 B/param (2.5 MiB): it must stream
@@ -115,7 +115,7 @@ def test_export_refuses_a_folder_with_files_unless_told(capsys, tmp_path, tiny_h
     source, run, out = tmp_path / "source", tmp_path / "run", tmp_path / "out"
     save_checkpoint(tiny_hf_model(CFG, seed=3), source, "single")
     tokenizer.save(source)
-    assert main(["train", "--from-pretrained", str(source), "--data", str(summaries), "--run", str(run),
+    assert main(["train", "--from-pretrained", str(source), "--data", str(summaries), "--run-dir", str(run),
                  "--steps", "1", "--batch", "2", "--seq", str(SEQ), "--eval-every", "0", "--sample-tokens", "0",
                  "--store", "ram"]) == 0
     out.mkdir()

@@ -117,7 +117,7 @@ def test_a_training_run_under_the_avx2_cap_picks_fp32_records_it_and_resumes_wit
     run = tmp_path / "run"
     flags = [*_tiny_run_flags(tmp_path), "--steps", "2"]
     env = {**os.environ, **AVX2}
-    first = subprocess.run([sys.executable, "-m", "streamer", "train", "--run", str(run), *flags],
+    first = subprocess.run([sys.executable, "-m", "streamer", "train", "--run-dir", str(run), *flags],
                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "compute dtype fp32: bf16 matmul" in first.stdout and "(no native bf16)" in first.stdout
@@ -130,10 +130,15 @@ def test_a_training_run_under_the_avx2_cap_picks_fp32_records_it_and_resumes_wit
     assert again.returncode == 0, again.stderr
     assert tomllib.loads((run / "config.toml").read_text())["dtype"] == "fp32"
     assert "fp32" in next(line for line in again.stdout.splitlines() if line.startswith("run "))
+    # Rerunning the first command (auto again) continues the run too: auto means the dtype it recorded.
+    rerun = subprocess.run([sys.executable, "-m", "streamer", "train", "--run-dir", str(run), *flags[:-1], "4"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "continuing it to step 4" in rerun.stdout and "compute dtype" not in rerun.stdout
 
 
 def test_an_explicit_bf16_run_and_its_generate_warn_where_bf16_is_emulated(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--run", str(tmp_path / "run"),
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--run-dir", str(tmp_path / "run"),
                            *_tiny_run_flags(tmp_path), "--steps", "1", "--dtype", "bf16"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **AVX2}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -147,7 +152,7 @@ def test_an_explicit_bf16_run_and_its_generate_warn_where_bf16_is_emulated(tmp_p
 
 
 def test_plan_auto_on_the_local_target_uses_the_probe_and_calibrates_that_dtype(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "streamer", "plan", "--model", "gptj-debug", "--device", "local",
+    done = subprocess.run([sys.executable, "-m", "streamer", "plan", "--model", "gptj-debug", "--target", "local",
                            "--batch", "2", "--seq", "32", "--json"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **AVX2}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -124,3 +124,22 @@ def test_grad_accum_must_divide_batch(tmp_path):
     with StreamingTrainer(DEBUG, TrainerConfig(grad_accum=3), store_dir=tmp_path / "run") as trainer:
         with pytest.raises(StreamerError, match="not divisible by grad_accum"):
             trainer.step(batches(1)[0])
+
+
+def test_host_update_on_a_cpu_device_with_a_bf16_disk_store(tmp_path):
+    """The host update is the path a GPU box runs (the update where the store lives), also with the device
+    being the CPU: nothing of it is charged to the device, and its weights are the device update's."""
+    results = {}
+    for update_on in ("device", "host"):
+        tc = TrainerConfig(compute_dtype=torch.bfloat16, store="disk", update_on=update_on, update_chunk=10_000)
+        with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / update_on) as trainer:
+            charged: set[str] = set()
+            allocate = trainer.ledger.allocate
+            trainer.ledger.allocate = lambda category, *a, **k: charged.add(category) or allocate(category, *a, **k)
+            for ids in batches(2, batch=2, seq=16):
+                trainer.step(ids)
+            results[update_on] = charged, trainer.state_dict()
+    assert "optimizer" in results["device"][0] and "optimizer" not in results["host"][0]
+    device_state, host_state = results["device"][1], results["host"][1]
+    # The same AdamW kernels on the same fp32 tensors in the same order: equal to the bit.
+    assert all(torch.equal(device_state[k], host_state[k]) for k in device_state)

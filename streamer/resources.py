@@ -1,0 +1,98 @@
+"""Host memory and disk a run needs, checked before `streamer train` writes anything.
+
+The store's size comes from its own layout (`StoreSpec.host_bytes`): RAM slabs (pinned on CUDA) for the RAM
+tier, and on the run folder's filesystem every unit's state file twice (a commit writes the new generation before
+it deletes the old one) plus, on the disk tier, its gradient file. Under torchrun each process keeps a store of
+its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this machine's RAM.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from layers import PRESETS, GPTJConfig
+from memory_model import format_size
+from streamer.config import TrainerConfig
+from streamer.run import RunConfig, RunError
+from streamer.trainer import store_spec
+
+# Beside the store: the process itself (torch, the batch, CPU activations) in RAM; tokenizer, metrics and
+# traces on disk. Both are small next to a model that comes near the limit, so a fixed margin plus a fraction.
+RAM_HEADROOM = (2**30, 0.10)
+DISK_HEADROOM = (64 * 2**20, 0.02)
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """Bytes of RAM and of disk a run's stores need at their largest, headroom included."""
+
+    ram: int
+    disk: int
+
+    @classmethod
+    def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
+        ram, disk = store_spec(model_cfg, tc).host_bytes()
+        return cls(_with_headroom(ram * stores_in_ram, RAM_HEADROOM),
+                   _with_headroom(disk * stores_on_disk, DISK_HEADROOM))
+
+    def fits(self, free_ram: int, free_disk: int) -> bool:
+        return self.ram <= free_ram and self.disk <= free_disk
+
+
+def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
+    return nbytes + headroom[0] + int(nbytes * headroom[1]) if nbytes else 0
+
+
+def check_host_resources(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
+    """Raise a RunError naming needed and free sizes and what would fit, if the run's stores cannot fit."""
+    folder = _existing_ancestor(Path(cfg.run_dir))
+    problem = shortfall(cfg, model_cfg, psutil.virtual_memory().available, shutil.disk_usage(folder).free, folder)
+    if problem is not None:
+        raise RunError(problem)
+
+
+def shortfall(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: int, folder: Path) -> str | None:
+    """Why the run cannot fit in `free_ram` and `free_disk` (at `folder`), and what would; None if it fits."""
+    on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    tc = cfg.trainer_config()
+    need = HostNeed.of(model_cfg, tc, on_disk, in_ram)
+    if need.fits(free_ram, free_disk):
+        return None
+    short = []
+    if need.ram > free_ram:
+        pinned = ", pinned" if cfg.device.startswith("cuda") else ""
+        short.append(f"{format_size(need.ram)} of RAM (--store {cfg.store}{pinned}; {format_size(free_ram)} "
+                     "available)")
+    if need.disk > free_disk:
+        short.append(f"{format_size(need.disk)} of disk in {folder} (two state generations while a step commits; "
+                     f"{format_size(free_disk)} free)")
+    variants = {"--store disk": {"store": "disk"}, "--moment-dtype bf16": {"moment_dtype": "bf16"},
+                "--store disk --moment-dtype bf16": {"store": "disk", "moment_dtype": "bf16"}}
+    would_fit = []
+    for flags, changes in variants.items():
+        changed = tc.replace(**changes)
+        if changed != tc and HostNeed.of(model_cfg, changed, on_disk, in_ram).fits(free_ram, free_disk):
+            would_fit.append(flags)
+            break  # the first, least drastic change that fits
+    smaller = [(name, preset) for name, preset in PRESETS.items() if preset.num_params() < model_cfg.num_params()
+               and HostNeed.of(preset, tc, on_disk, in_ram).fits(free_ram, free_disk)]
+    if smaller:
+        would_fit.append(f"a smaller model (--model {max(smaller, key=lambda p: p[1].num_params())[0]})")
+    else:
+        would_fit.append("a smaller model")
+    if need.disk > free_disk:
+        would_fit.append("a --run-dir on a filesystem with more free space")
+    return f"the run's host store needs {' and '.join(short)}, headroom included; what would fit: " + \
+        ", or ".join(would_fit)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The run folder, or the nearest folder above it that exists: where it will be created."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -1,0 +1,271 @@
+"""A run's life through the `streamer train` command, each test a subprocess as a user runs it: killed at any
+instant (set-up included) and rerun, interrupted, resumed with fewer steps, launched by torchrun, and refused
+before writing anything when the host cannot hold its store."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from conftest import TINY_RUN_MODEL as TINY
+from layers import GPTJConfig
+from streamer.cli_tools import open_trainer
+from streamer.run import RunDir, SETUP_MARK, resolve
+
+STEPS = 4
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: bit-identical results
+
+
+def train_argv(setup: Path, run: Path, *extra: object, tokenizer: bool = True) -> list[str]:
+    argv = ["train", "--model", setup / "config.json", "--data", setup / "train.txt", "--run-dir", run,
+            "--steps", STEPS, "--batch", 4, "--seq", 32, "--dtype", "fp32", "--lr", 3e-3, "--sample-tokens", 0,
+            "--eval-every", 2, *(("--tokenizer", setup / "tok") if tokenizer else ()), *extra]
+    return [str(a) for a in argv]
+
+
+def streamer(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamer", *argv], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+
+
+def kill_when(argv: list[str], ready: Callable[[], bool], sig: int = signal.SIGKILL) -> subprocess.CompletedProcess:
+    """Start the command, send `sig` as soon as `ready()` (a file the stage writes appeared), wait for it."""
+    proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while not ready() and proc.poll() is None:
+        time.sleep(0.001)
+    assert proc.poll() is None, f"the run ended before the stage to interrupt: {proc.communicate()}"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def metric_lines(run: Path) -> int:
+    return len(RunDir(run).metrics.read_text().splitlines()) if RunDir(run).metrics.is_file() else 0
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    with open_trainer(RunDir(run)) as trainer:
+        assert trainer.step_count == STEPS
+        return trainer.state_dict()
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    """Bit-identical weights, and every step logged exactly once, with the uninterrupted run's loss."""
+    a, b = weights(run), weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = {r["step"]: r["loss"] for r in RunDir(reference).read_metrics() if "loss" in r}
+    steps = [r["step"] for r in RunDir(run).read_metrics() if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert {r["step"]: r["loss"] for r in RunDir(run).read_metrics() if "loss" in r} == losses
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_setup, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    done = streamer(*train_argv(tiny_setup, run, tokenizer=False))
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+def files_of(root: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_killed_at_every_stage_the_same_command_finishes_the_same_run(tiny_setup, reference, tmp_path):
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, tokenizer=False)  # the tokenizer is trained and written by set-up, too
+
+    def fresh(path: Path) -> Callable[[], Callable[[], bool]]:
+        """A condition, made as an attempt starts: `path` was (re)written by that attempt, not left by the one
+        killed before it (set-up clears those and writes them again)."""
+        def made() -> Callable[[], bool]:
+            started = time.time_ns()
+            return lambda: path.exists() and path.stat().st_mtime_ns > started
+        return made
+
+    stages = {
+        "set-up marked the folder": lambda: lambda: (run / SETUP_MARK).exists(),  # the first attempt: no folder yet
+        "tokenizer written": fresh(run / "tokenizer"),
+        "store being created": fresh(run / "store" / "slabs"),
+        "store initialised": fresh(run / "store" / "manifest.json"),
+        "config.toml written": lambda: lambda: RunDir.is_run(run),
+        "mid-run, after step 1's record": lambda: lambda: metric_lines(run) >= 1,
+        "mid-run, after step 3's record": lambda: lambda: metric_lines(run) >= 4,  # steps 1, 2, the eval at 2, 3
+    }
+    for stage, condition in stages.items():
+        killed = kill_when(argv, condition())
+        assert killed.returncode == -signal.SIGKILL, (stage, killed.stderr)
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert "continuing it to step" in done.stdout
+    assert_same_run(run, reference)
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == \
+        (reference / "tokenizer" / "tokenizer.json").read_bytes()
+    assert not (run / SETUP_MARK).exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_names_the_folder_and_resume_logs_every_step_once(tiny_setup, reference, tmp_path):
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, tokenizer=False)
+    stopped = kill_when(argv, lambda: metric_lines(run) >= 2, signal.SIGINT)
+    assert stopped.returncode == 130, stopped.stderr
+    assert f"`streamer train --resume {run}`" in stopped.stderr.strip().splitlines()[-1]
+    done = streamer("train", "--resume", str(run))
+    assert done.returncode == 0, done.stderr
+    assert_same_run(run, reference)
+
+    before = files_of(run)
+    fewer = streamer("train", "--resume", str(run), "--steps", "2")
+    assert fewer.returncode == 0 and f"is at step {STEPS}, past --steps 2" in fewer.stdout, fewer
+    assert streamer(*train_argv(tiny_setup, run, tokenizer=False)).returncode == 0  # the same command: finished
+    other = streamer(*train_argv(tiny_setup, run, "--seq", 16, tokenizer=False))
+    assert other.returncode == 2 and other.stderr.count("\n") == 1 and "--seq 32 there, 16 here" in other.stderr
+    assert files_of(run) == before  # none of the three changed a byte or a timestamp
+
+
+@pytest.mark.slow
+def test_a_ram_tier_run_killed_mid_run_continues_from_its_last_save(tiny_setup, reference, tmp_path):
+    """The RAM tier is durable at --save-every saves: steps after the last one are trained again, logged once."""
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--store", "ram", "--save-every", 2, tokenizer=False)
+    killed = kill_when(argv, lambda: metric_lines(run) >= 4)  # step 3 logged; the last save was step 2's
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert "holds this run at step 2: continuing it to step 4" in done.stdout
+    assert_same_run(run, reference)  # and bit-identical to the disk tier's run
+
+
+def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, reference, tmp_path):
+    """The committed step is the truth: a record past it goes, a committed step without one gets it back."""
+    run = tmp_path / "run"
+    assert streamer(*train_argv(tiny_setup, run, "--steps", 3, tokenizer=False)).returncode == 0
+    lines = RunDir(run).metrics.read_text().splitlines()
+    step3 = next(i for i, line in enumerate(lines) if json.loads(line).get("step") == 3)
+    # As if killed after step 3 committed but before its record, and during a later record's write.
+    RunDir(run).metrics.write_text("\n".join(lines[:step3]) + '\n{"step": 4, "loss": 1.0}\n{"step": 5, "lo')
+    done = streamer(*train_argv(tiny_setup, run, tokenizer=False))
+    assert done.returncode == 0, done.stderr
+    assert_same_run(run, reference)
+    restored = next(r for r in RunDir(run).read_metrics() if r["step"] == 3 and "loss" in r)
+    assert "step_s" not in restored  # rebuilt from the store's losses, which keep no timings
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 96 MiB tmpfs (mounting one needs root; elsewhere the test is skipped)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96M", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_keeps_the_last_step_and_says_how_to_continue(tiny_setup, reference, small_disk):
+    run, filler = small_disk / "run", small_disk / "filler"
+    argv = train_argv(tiny_setup, run, tokenizer=False)
+    proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while metric_lines(run) < 1 and proc.poll() is None:
+        time.sleep(0.001)
+    with filler.open("wb") as out:  # every free byte, while step 2 trains
+        try:
+            while True:
+                out.write(b"\0" * 2**20)
+                out.flush()
+        except OSError:
+            pass
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert f"free space and continue with `streamer train --resume {run}`" in err
+    filler.unlink()
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert_same_run(run, reference)
+
+
+# --- torchrun ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path):
+    """`torchrun --nproc_per_node 2 -m streamer train --run-dir D`: 2 rows per process make the same steps as one
+    process with 2 micro-batches of 2 rows; rerunning the command with more --steps continues D."""
+    parallel, single = tmp_path / "parallel", tmp_path / "single"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "streamer"]
+    for steps in (2, 3):
+        done = subprocess.run([*torchrun, *train_argv(tiny_setup, parallel, "--steps", steps)], env=ENV,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "holds this run at step 2: continuing it to step 3" in done.stdout
+    assert streamer(*train_argv(tiny_setup, single, "--steps", 3, "--grad-accum", 2)).returncode == 0
+    assert RunDir(parallel).processes() == 2
+    with open_trainer(RunDir(parallel)) as a, open_trainer(RunDir(single)) as b:
+        assert a.step_count == b.step_count == 3
+        sa, sb = a.state_dict(), b.state_dict()
+        # Measured max |difference| 0.0 (fp32, gloo): the two ranks' halves are summed in the same order as the
+        # single process's two micro-batches, so the weights are bit-identical (the brief's bound was 1e-5).
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    logged = [r["step"] for r in RunDir(parallel).read_metrics() if "loss" in r]
+    assert logged == [1, 2, 3]  # rank 0 alone logs
+    alone = streamer("train", "--resume", str(parallel), "--steps", "4")
+    assert alone.returncode == 2 and "trained by 2 process(es) and this is 1" in alone.stderr
+
+
+# --- host resources ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("store, short", [("disk", "of disk"), ("ram", "of RAM")])
+def test_a_store_the_host_cannot_hold_is_refused_before_writing(tmp_path, store, short):
+    huge = tmp_path / "huge.json"  # about 400 billion parameters: more than any test machine holds
+    huge.write_text(json.dumps(GPTJConfig(n_embd=4096, n_layer=2000, n_head=16, rotary_dim=64).to_hf()))
+    run = tmp_path / "run"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = streamer("train", "--model", str(huge), "--run-dir", str(run), "--store", store, "--steps", "1")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: the run's host store needs ") and short in done.stderr
+    assert "a smaller model (--model gptj-" in done.stderr
+    # CPU seconds rather than wall time, which on a shared machine is anyone's: measured 2.1 to 2.6 s of CPU,
+    # mostly importing torch (wall 3.0 s at load average 3.7 on 2 cores, 4.3 to 7.5 s at load 10).
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu < 5, cpu
+    assert not run.exists() and list(tmp_path.iterdir()) == [huge]
+
+
+def test_the_disk_need_is_what_a_store_writes(tmp_path):
+    """host_bytes' disk figure is the files of a committed step plus one more state generation (a commit's)."""
+    from streamer import StreamingTrainer, TrainerConfig
+    from streamer.trainer import store_spec
+    tc = TrainerConfig(compute_dtype="fp32", store="disk", update_chunk=5_000)
+    with StreamingTrainer(TINY, tc, store_dir=tmp_path / "store") as trainer:
+        trainer.step(torch.randint(0, TINY.vocab_size, (2, 16)))
+        slabs = {p.name: p.stat().st_size for p in (tmp_path / "store" / "slabs").iterdir()}
+    ram, disk = store_spec(TINY, tc).host_bytes()
+    states = sum(size for name, size in slabs.items() if name.endswith(".state"))
+    assert ram == 0 and disk == sum(slabs.values()) + states
+
+
+def test_what_would_fit_names_the_change(tmp_path):
+    from streamer.resources import shortfall
+    cfg = resolve({"model": "gptj-1.3b", "store": "ram", "run_dir": str(tmp_path / "r")})
+    model_cfg = cfg.model_config()
+    gib = 2**30
+    assert shortfall(cfg, model_cfg, 64 * gib, 64 * gib, tmp_path) is None
+    ram_short = shortfall(cfg, model_cfg, 8 * gib, 64 * gib, tmp_path)
+    assert "of RAM (--store ram; 8.00 GiB available)" in ram_short and "what would fit: --store disk" in ram_short
+    disk_short = shortfall(replace(cfg, store="disk"), model_cfg, 64 * gib, 36 * gib, tmp_path)  # 43 GiB; 32 in bf16
+    assert f"of disk in {tmp_path}" in disk_short and "--moment-dtype bf16" in disk_short
+    assert "a --run-dir on a filesystem with more free space" in disk_short

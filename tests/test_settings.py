@@ -1,0 +1,200 @@
+"""Every setting reachable as a flag and a run.toml key, validated once, errors that name the key and its source."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from layers import PRESETS
+from streamer.bench import add_arguments as bench_arguments
+from streamer.cli import build_parser, main
+from streamer.cli_train import fit_vocabulary
+from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.tokenizer import MIN_VOCAB
+
+from conftest import TINY_RUN_MODEL as TINY
+from tests.test_cli import fails, run_cli, tiny_args
+
+
+# --- settings files: wrong types, out-of-range values, unknown keys ---------------------------------------------
+def _toml(value: object) -> str:
+    return _toml_value(tuple(value) if isinstance(value, list) else value)
+
+
+WRONG = st.one_of(
+    # an integer setting given a string, a float, a boolean, a list, or a value below its minimum
+    st.sampled_from(sorted(INT_MINIMUMS)).flatmap(lambda key: st.tuples(st.just(key), st.one_of(
+        st.integers(-10**6, -1).map(lambda v: v + min(0, INT_MINIMUMS[key])).map(
+            lambda v: min(v, INT_MINIMUMS[key] - 1)),
+        st.text(max_size=5), st.floats(allow_nan=False, allow_infinity=False), st.booleans(),
+        st.lists(st.integers(), max_size=2)))),
+    # a choice setting given a value outside its choices (or another type)
+    st.sampled_from(sorted(CHOICES)).flatmap(lambda key: st.tuples(st.just(key), st.one_of(
+        st.text(max_size=8).filter(lambda v: v not in CHOICES[key]), st.integers(), st.booleans()))),
+    # numbers out of range
+    st.tuples(st.sampled_from(["lr", "eps"]), st.floats(max_value=0.0, allow_nan=False)),
+    st.tuples(st.sampled_from(["weight_decay", "max_grad_norm"]), st.floats(max_value=-1e-9, allow_nan=False)),
+    st.tuples(st.just("eval_fraction"), st.one_of(st.floats(min_value=1.0), st.floats(max_value=-1e-9))),
+    st.tuples(st.just("min_lr_ratio"), st.floats(min_value=1.001, allow_infinity=False)),
+    st.tuples(st.just("betas"), st.one_of(st.lists(st.floats(0, 0.99), max_size=3).filter(lambda v: len(v) != 2),
+                                          st.lists(st.floats(1.0, 10.0), min_size=2, max_size=2), st.text(max_size=4))),
+    st.tuples(st.sampled_from(["lr", "sample_prompt", "budget", "pack"]), st.lists(st.integers(), max_size=2)),
+    # unknown keys
+    st.tuples(st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True).filter(
+        lambda k: k not in RunConfig.__dataclass_fields__), st.integers()),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=WRONG, good_steps=st.integers(1, 5))
+def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_path, monkeypatch, bad, good_steps):
+    monkeypatch.chdir(tmp_path)
+    key, value = bad
+    toml = tmp_path / "run.toml"
+    lines = [f"steps = {good_steps}", f"run_dir = {_toml(str(tmp_path / 'run'))}"]
+    toml.write_text("\n".join([line for line in lines if not line.startswith(key + " ")] + [f"{key} = {_toml(value)}"]))
+    before = sorted(tmp_path.iterdir())
+    line = fails(capsys, "train", "--config", toml)
+    assert line.startswith(f"error: --config {toml}: {key} "), line
+    assert "Traceback" not in line
+    assert sorted(tmp_path.iterdir()) == before  # no run folder, nothing else
+
+
+def test_a_wrong_setting_file_from_the_shell(tmp_path):
+    (tmp_path / "run.toml").write_text('steps = "3"\n')
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--config", "run.toml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == 'error: --config run.toml: steps must be a positive integer, got "3"\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["run.toml"]
+    (tmp_path / "hf").mkdir()
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--from-pretrained", "hf"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: --from-pretrained needs --data") and \
+        done.stderr.count("\n") == 1 and "pass --data FILE" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run.toml"]
+
+
+def test_flag_errors_name_the_flag_and_conflicts_are_errors(capsys, tmp_path, tiny_setup):
+    assert fails(capsys, "train", "--steps", 0) == "error: --steps must be a positive integer, got 0"
+    assert "--eps must be a positive number" in fails(capsys, "train", "--eps", 0)
+    assert "--betas must be two numbers in [0, 1)" in fails(capsys, "train", "--betas", "0.9,1.5")
+    assert "--moment-dtype must be one of fp32, bf16" in fails(capsys, "train", "--moment-dtype", "fp16")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    assert "--model" in fails(capsys, "train", "--from-pretrained", hf, "--model", "gptj-debug", "--data", "x.txt") \
+        and "conflicts with --from-pretrained" in fails(capsys, "train", "--from-pretrained", hf, "--model",
+                                                        "gptj-demo", "--data", "x.txt")
+    assert "pass --data" in fails(capsys, "train", "--from-pretrained", hf)
+    one = tmp_path / "one.txt"
+    one.write_text("just a few words of text " * 3)  # one sequence of 32 tokens
+    line = fails(capsys, *tiny_args(tiny_setup, tmp_path / "r", 1, "--data", one))
+    assert "--eval-fraction 0.05 holds out 0" in line and "--eval-fraction 0 to train without evaluation" in line
+    assert not (tmp_path / "r").exists()
+    # 18 sequences: 5% holds out one, and an evaluation batch split in --grad-accum 4 needs 4
+    one.write_text("just a few words of text " * 40)
+    line = fails(capsys, *tiny_args(tiny_setup, tmp_path / "r", 1, "--data", one, "--grad-accum", 4))
+    assert "an evaluation needs 4; raise --eval-fraction to" in line and not (tmp_path / "r").exists()
+
+
+def test_new_settings_reach_the_trainer_and_config_toml():
+    cfg = RunConfig(betas=[0.8, 0.99], eps=1e-6, moment_dtype="bf16", nonfinite="skip", trace_steps=3)
+    tc = cfg.trainer_config()
+    assert (tc.betas, tc.eps, tc.moment_dtype, tc.nonfinite, tc.trace_steps) == ((0.8, 0.99), 1e-6, "bf16", "skip", 3)
+    args = build_parser().parse_args(["train", "--betas", "0.8", "0.99", "--eps", "1e-6", "--moment-dtype", "bf16",
+                                      "--nonfinite", "skip", "--trace-steps", "3"])
+    assert resolve({k: getattr(args, k) for k in RunConfig.__dataclass_fields__ if hasattr(args, k)}) == \
+        resolve({"betas": (0.8, 0.99), "eps": 1e-6, "moment_dtype": "bf16", "nonfinite": "skip", "trace_steps": 3})
+    pretrained = RunConfig(from_pretrained="/ckpt", data="/d.txt")
+    assert "from_pretrained = " in pretrained.to_toml() and "model = " not in pretrained.to_toml()
+
+
+# --- every preset on the default data ---------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_gets_a_vocabulary_and_sequence_that_fit(preset):
+    cfg = resolve({"model": preset})
+    model = fit_vocabulary(cfg, cfg.model_config())
+    assert model.vocab_size >= MIN_VOCAB and cfg.seq <= model.n_positions
+    assert model.vocab_size == max(MIN_VOCAB, PRESETS[preset].vocab_size)  # only a too-small vocabulary grows
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`streamer train --model gptj-debug` on the default data, stdout piped: per-step progress lines."""
+    run = tmp_path_factory.mktemp("debug") / "run"
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--model", "gptj-debug", "--steps", "3",
+                           "--run-dir", str(run), "--sample-tokens", "4", "--schedule", "linear", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300)
+    return run, done
+
+
+def test_gptj_debug_trains_on_the_default_data_with_plain_progress(debug_run):
+    run, done = debug_run
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ") and " tok/s " in line]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], done.stdout
+    metrics = [m for m in RunDir(run).read_metrics() if "loss" in m]
+    for line, m in zip(lines, metrics):  # the line shows the lr the step trained with: 0 on warmup step 1
+        assert f"loss {m['loss']:.4f} lr {m['lr']:.2e} " in line and " elapsed " in line and " eta " in line
+    assert [m["lr"] for m in metrics] == [0.0, 1e-4, 0.5e-4]  # HF's linear warmup 1 of 3 steps
+    assert "sample: The for statement is used to" in done.stdout  # the demo's data, the demo's prompt
+
+
+def test_log_every_and_what_resume_may_change(capsys, debug_run):
+    run, done = debug_run
+    assert done.returncode == 0, done.stderr
+    assert "--betas cannot change" in fails(capsys, "train", "--resume", run, "--betas", "0.8,0.9")
+    assert "--moment-dtype cannot change" in fails(capsys, "train", "--resume", run, "--moment-dtype", "bf16")
+    rc, out, err = run_cli(capsys, "train", "--resume", run, "--steps", 7, "--eps", 1e-6, "--log-every", 2,
+                           "--sample-tokens", 0)
+    assert rc == 0, err
+    assert [line.split()[1] for line in out.splitlines() if " tok/s " in line and line.startswith("step ")] == \
+        ["4/7", "6/7", "7/7"]
+    assert RunDir(run).read_config().eps == 1e-6
+    assert {"eps", "nonfinite", "trace_steps", "log_every"} <= set(RESUMABLE)
+    assert not {"betas", "moment_dtype"} & set(RESUMABLE)
+
+
+def test_sample_prompt_comes_from_the_data(capsys, tmp_path, tiny_setup):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Question {i}:", "completion": " an answer"}) for i in range(20)))
+    rc, out, err = run_cli(capsys, *tiny_args(tiny_setup, tmp_path / "r", 1, "--data", data, "--sample-tokens", 2))
+    assert rc == 0, err
+    assert "sample: Question 0:" in out and RunDir(tmp_path / "r").read_config().sample_prompt == "Question 0:"
+
+
+# --- one name per concept across subcommands --------------------------------------------------------------------
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def test_flags_shared_between_subcommands_agree():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    bench = argparse.ArgumentParser()
+    bench_arguments(bench)
+    train, plan, generate = (_flags(commands[c]) for c in ("train", "plan", "generate"))
+    shared = (set(plan) | set(generate)) & set(train) - {"-h", "--help"}
+    assert {"--dtype", "--store", "--activations", "--update-on", "--grad-accum", "--prefetch", "--batch", "--seq",
+            "--model", "--update-chunk", "--device", "--budget", "--seed"} <= shared
+    defaults = RunConfig()
+    for flag in shared:
+        field = flag[2:].replace("-", "_")
+        for other in (plan, generate):
+            if flag not in other:
+                continue
+            assert other[flag].choices in (None, CHOICES.get(field)), flag
+            # generate's None means "the run's own setting", the only other default allowed
+            assert other[flag].default in (getattr(defaults, field), None if other is generate else "x"), flag
+    for flag, action in _flags(bench).items():  # bench measures its own fixed comparison: names and choices only
+        field = flag[2:].replace("-", "_")
+        if flag in train and field in CHOICES:
+            assert action.choices == CHOICES[field], flag
+    assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
+    assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps
