@@ -1,17 +1,23 @@
-"""The `local` device: this machine measured (matmul rates, copy and disk bandwidth, an AdamW sweep).
+"""The `local` device: this machine measured (matmul rate, kernel costs, copy and disk bandwidth, an AdamW sweep).
 
 The cpu device and the host are the same RAM, so the spec says `same_memory=True`: host<->device copies
-cost no time for the RAM tier. The result is cached as JSON in the run directory and reused while the
-machine's fingerprint (cpu, thread count, RAM, torch version) is unchanged.
+cost no time for the RAM tier. The compute probes measure one compute dtype (the one being planned) on the
+planned model's own block and head, narrowed and shortened to fit a time budget, so that a calibration
+takes seconds even where that dtype is emulated. The result is cached as JSON in the run directory and
+reused while the machine's fingerprint (cpu, thread count, RAM, torch version), the dtype and the probed
+shape are unchanged.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,46 +27,101 @@ import torch
 from memory_model.devices import DeviceSpec, Link
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, forward_flops
+from memory_model.units import format_size
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 4
+CACHE_VERSION = 5
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# A CPU spends about twice a block's matmul time again in LayerNorm, GELU, rotary, casts and attention
+# (kernels.py): the kernel-cost probe's length is chosen as if its time were 3x its matmuls'.
+_PROBE_OVERHEAD = 3
 
 
 @dataclass(frozen=True)
 class CalibrationSizes:
-    """How big each measurement is; the defaults finish in a few seconds on a 2-core machine."""
+    """Upper bounds of each measurement. The planned model sizes the compute probes below them (its width
+    and vocabulary), and `compute_seconds` bounds those in time: a calibration takes under 10 s on 2 cores."""
 
-    matmul_n: int = 2048
-    copy_bytes: int = 256 * 2**20
-    disk_bytes: int = 256 * 2**20
-    update_params: int = 64 * 2**20
+    matmul_n: int = 2048  # largest side of the timed square matmul (the peak rate of the dtype)
+    probe_width: int = 1024  # widest d_model of the kernel-cost block and head (whole heads of the model's size)
+    probe_tokens: int = 512  # most tokens the kernel-cost probe runs
+    compute_seconds: float = 4.0  # the matmul and kernel-cost probes together (a quarter for the matmul)
+    copy_bytes: int = 64 * 2**20
+    disk_bytes: int = 64 * 2**20
+    update_params: int = 8 * 2**20
     allreduce_bytes: int = 32 * 2**20
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        for f in ("matmul_n", "copy_bytes", "disk_bytes", "update_params", "allreduce_bytes", "repeats"):
+        for f in ("matmul_n", "probe_width", "probe_tokens", "copy_bytes", "disk_bytes", "update_params",
+                  "allreduce_bytes", "repeats"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{f} must be a positive integer, got {value!r}")
+        if isinstance(self.compute_seconds, bool) or not isinstance(self.compute_seconds, (int, float)) \
+                or not math.isfinite(self.compute_seconds) or self.compute_seconds <= 0:
+            raise ValueError(f"compute_seconds must be a positive number, got {self.compute_seconds!r}")
 
 
 DEFAULT_SIZES = CalibrationSizes()
 
 
-def _best_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: first-touch page faults and kernel selection are not the steady state
+def _best_time(fn: Callable[[], None], repeats: int, seconds: float = math.inf) -> float:
+    """Best of a warm-up and `repeats` timed calls; the repeats stop once `seconds` have passed.
+
+    The warm-up (first-touch page faults, kernel selection) is timed too and can only lose the min, unless it
+    took the whole budget: then the call is slow enough that those costs are a small part of it."""
+    deadline = time.perf_counter() + seconds
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(1 + repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
     return max(best, 1e-9)
 
 
-def measure_matmul_flops(dtype: torch.dtype, n: int, repeats: int) -> float:
+def measure_matmul_flops(dtype: torch.dtype, n: int, repeats: int, seconds: float = math.inf) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype)
-    return 2 * n**3 / _best_time(lambda: torch.mm(a, b, out=out), repeats)
+    return 2 * n**3 / _best_time(lambda: torch.mm(a, b, out=out), repeats, seconds)
+
+
+def matmul_side(dtype: torch.dtype, largest: int, repeats: int, seconds: float) -> int:
+    """The square matmul side, 256 doubled up to `largest`, whose warm-up and repeats fit in what is left of
+    `seconds`: twice the side is 8x the FLOPs at no lower rate, so each doubling is judged by the last one."""
+    n, deadline = min(256, largest), time.perf_counter() + seconds
+    while n * 2 <= largest:
+        took = 2 * n**3 / measure_matmul_flops(dtype, n, 0)
+        if (1 + repeats) * 8 * took > deadline - time.perf_counter():
+            break
+        n *= 2
+    return n
+
+
+def probe_shape(shape: ModelShape, sizes: CalibrationSizes) -> ModelShape:
+    """The block and head the kernel costs are measured on: the planned model's vocabulary, head size, rotary
+    and MLP ratio, at most `probe_width` wide (whole heads), one layer, up to `probe_tokens` positions."""
+    head_dim = shape.n_embd // shape.n_head
+    heads = max(1, min(shape.n_head, sizes.probe_width // head_dim))
+    width = heads * head_dim
+    inner = max(1, shape.inner_dim * width // shape.n_embd)
+    return ModelShape(vocab_size=shape.vocab_size, n_positions=sizes.probe_tokens, n_embd=width, n_layer=1,
+                      n_head=heads, rotary_dim=shape.rotary_dim, inner_dim=inner)
+
+
+def probe_tokens(probe: ModelShape, matmul_flops: float, repeats: int, seconds: float) -> int:
+    """The most tokens (a power of two from 8 up to the probe's positions) whose kernel-cost runs fit
+    `seconds`: a warm-up and `repeats` forward and backward passes (3x the forward's matmuls) of the block
+    and the head, at _PROBE_OVERHEAD times their matmul time."""
+    def cost(tokens: int) -> float:
+        flops = sum(forward_flops(probe, unit, 1, tokens) for unit in ("block.0", "head"))
+        return (1 + repeats) * 3 * flops * _PROBE_OVERHEAD / matmul_flops
+    tokens = 8
+    while tokens * 2 <= probe.n_positions and cost(tokens * 2) <= seconds:
+        tokens *= 2
+    return min(tokens, probe.n_positions)
 
 
 def measure_copy(nbytes: int, repeats: int) -> tuple[float, float]:
@@ -119,11 +180,13 @@ def measure_update(params: int, repeats: int) -> float:
 
 
 def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor],
-                      repeats: int) -> tuple[float, float]:
-    """Best forward and best backward seconds of `run` (a scalar-valued graph), fresh graph each time."""
-    run().backward()  # warm-up
+                      repeats: int, deadline: float) -> tuple[float, float]:
+    """Best forward and best backward seconds of a warm-up and `repeats` runs of `run` (a scalar-valued graph),
+    fresh graph each time; the repeats stop at `deadline` (time.perf_counter()), as in _best_time."""
     forward = backward = float("inf")
-    for _ in range(repeats):
+    for i in range(1 + repeats):
+        if i and time.perf_counter() > deadline:
+            break
         for p in params:
             p.grad = None
         start = time.perf_counter()
@@ -134,45 +197,51 @@ def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor
     return forward, backward
 
 
-def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int) -> KernelCosts:
-    """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of a reference
-    shape: each one's time less its matmuls at `matmul_flops`, per counted element. The vocabulary is GPT-J's:
-    a smaller one fits the logits in cache and times the loss too fast. `fold_params`: size of the timed
-    gradient fold (the runtime's offload on the host)."""
+def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int,
+                         probe: ModelShape, tokens: int, seconds: float = math.inf) -> KernelCosts:
+    """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of shape `probe`
+    (probe_shape: the planned model's vocabulary, so that the logits are as large against the caches as in
+    the run) at 1 x `tokens`: each one's time less its matmuls at `matmul_flops`, per counted element.
+    `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
+    the measurements together stop after `seconds`."""
     from layers import GPTJConfig
     from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
     from layers.loss import causal_lm_loss
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    cfg = GPTJConfig(vocab_size=50400, n_positions=512, n_embd=512, n_layer=1, n_head=8, rotary_dim=32)
-    shape, batch, seq = ModelShape.from_config(cfg), 1, 512
+    dtype = DTYPES[dtype_name]
+    cfg = GPTJConfig(vocab_size=probe.vocab_size, n_positions=max(tokens, probe.n_positions), n_embd=probe.n_embd,
+                     n_layer=1, n_head=probe.n_head, rotary_dim=probe.rotary_dim, n_inner=probe.inner_dim)
+    shape, batch, seq = ModelShape.from_config(cfg), 1, tokens
     n, torch_state = batch * seq, torch.random.get_rng_state()
+    deadline = time.perf_counter() + seconds
     torch.manual_seed(0)
     try:
         q, k, v = (torch.randn(batch, cfg.n_head, seq, cfg.head_dim, dtype=dtype, requires_grad=True)
                    for _ in range(3))
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
-        attn_fwd, attn_bwd = _forward_backward(sdpa, [q, k, v], repeats)
+        attn_fwd, attn_bwd = _forward_backward(sdpa, [q, k, v], repeats, deadline)
         attn = attention_flops(shape, batch, seq)
 
         block = GPTJBlock(cfg).to(dtype)
         x = torch.randn(batch, seq, cfg.n_embd, dtype=dtype, requires_grad=True)
-        fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats)
+        fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats, deadline)
         matmul_s = (forward_flops(shape, "block.0", batch, seq) - attn) / matmul_flops
         width = n * elementwise_width(shape)
 
         head = GPTJHead(cfg).to(dtype)
         labels = torch.randint(0, cfg.vocab_size, (batch, seq))
         head_fwd, head_bwd = _forward_backward(lambda: causal_lm_loss(head(x), labels), [x, *head.parameters()],
-                                               repeats)
+                                               repeats, deadline)
         head_matmul_s, logits = forward_flops(shape, "head", batch, seq) / matmul_flops, n * cfg.vocab_size
 
         embed = GPTJEmbedding(cfg).to(dtype)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-        _, embed_bwd = _forward_backward(lambda: embed(ids).float().sum(), list(embed.parameters()), repeats)
+        _, embed_bwd = _forward_backward(lambda: embed(ids).float().sum(), list(embed.parameters()), repeats,
+                                         deadline)
 
         grad, accumulator = torch.full((fold_params,), 1e-3, dtype=dtype), torch.empty(fold_params)
-        fold_s = _best_time(lambda: torch.linalg.vector_norm(accumulator.copy_(grad)), repeats)
+        fold_s = _best_time(lambda: torch.linalg.vector_norm(accumulator.copy_(grad)), repeats,
+                            max(0.0, deadline - time.perf_counter()))
     finally:
         torch.random.set_rng_state(torch_state)
     # A residual below zero is timing noise around a kernel that costs ~nothing.
@@ -187,36 +256,32 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s)
 
 
-def _allreduce_worker(rank: int, port: int, nbytes: int, repeats: int, results: Any) -> None:
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    t = torch.ones(nbytes // 4)
-    seconds = _best_time(lambda: dist.all_reduce(t), repeats)
-    if rank == 0:
-        results.put(seconds)
-    dist.destroy_process_group()
-
-
 def measure_allreduce(nbytes: int, repeats: int) -> float:
-    """Bus bandwidth of a 2-process gloo all-reduce on this host: the data-parallel link of the cpu device.
+    """Bus bandwidth of a 2-rank gloo all-reduce on this host: the data-parallel link of the cpu device.
 
-    With two ranks a ring all-reduce moves 2 (n-1)/n = 1 times the data, so bus and algorithm bandwidth agree.
+    The two ranks are threads of this process, each with its own gloo group over loopback TCP (the transport
+    two processes use): spawning two processes would cost seconds of importing torch. With two ranks a ring
+    all-reduce moves 2 (n-1)/n = 1 times the data, so bus and algorithm bandwidth agree.
     """
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, nbytes, repeats, results)) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
-    if any(proc.exitcode != 0 for proc in procs) or results.empty():
-        raise RuntimeError("the 2-process gloo all-reduce measurement failed")
-    return nbytes / results.get()
+    import torch.distributed as dist
+    store, seconds, errors = dist.HashStore(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
+            t = torch.ones(nbytes // 4)
+            seconds[r] = _best_time(lambda: group.allreduce([t]).wait(), repeats)
+        except Exception as exc:  # reported below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors or 0 not in seconds:
+        raise RuntimeError(f"the 2-rank gloo all-reduce measurement failed: {errors[0] if errors else 'no time'}")
+    return nbytes / seconds[0]
 
 
 def fingerprint() -> dict[str, Any]:
@@ -239,13 +304,19 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def calibrate(directory: Path, sizes: CalibrationSizes | None = None) -> DeviceSpec:
-    """Measure this machine now; the disk test writes its temp file in `directory`."""
+def calibrate(directory: Path, shape: ModelShape, dtype: str, sizes: CalibrationSizes | None = None) -> DeviceSpec:
+    """Measure this machine now for planning `shape` in compute dtype `dtype` ("bf16" or "fp32"); the disk
+    test writes its temp file in `directory`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"cannot calibrate compute dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     sizes = DEFAULT_SIZES if sizes is None else sizes
-    flops = {name: measure_matmul_flops(dtype, sizes.matmul_n, sizes.repeats)
-             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
-    kernels = {name: measure_kernel_costs(name, rate, sizes.update_params, sizes.repeats)
-               for name, rate in flops.items()}
+    matmul_s = sizes.compute_seconds / 4
+    n = matmul_side(DTYPES[dtype], sizes.matmul_n, sizes.repeats, matmul_s)
+    flops = measure_matmul_flops(DTYPES[dtype], n, sizes.repeats, matmul_s)
+    probe = probe_shape(shape, sizes)
+    tokens = probe_tokens(probe, flops, sizes.repeats, sizes.compute_seconds - matmul_s)
+    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens,
+                                   sizes.compute_seconds - matmul_s)
     copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
     read_bw, write_bw = measure_disk(directory, sizes.disk_bytes)
     update_bw = measure_update(sizes.update_params, sizes.repeats)
@@ -254,45 +325,59 @@ def calibrate(directory: Path, sizes: CalibrationSizes | None = None) -> DeviceS
     link = Link(copy_bw, latency)
     fp = fingerprint()
     return DeviceSpec(
-        name="local", memory_bytes=ram, h2d=link, d2h=link, flops=flops, device_mem_bandwidth=update_bw,
+        name="local", memory_bytes=ram, h2d=link, d2h=link, flops={dtype: flops}, device_mem_bandwidth=update_bw,
         host_ram_bytes=ram, disk_read_bw=read_bw, disk_write_bw=write_bw, host_update_bw=update_bw,
-        same_memory=True, interconnect=Link(allreduce_bw), kernels=kernels,
+        same_memory=True, interconnect=Link(allreduce_bw), kernels={dtype: kernels},
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {fp['processor']}, "
-                f"{fp['threads']} threads, torch {fp['torch']}"),
-        notes=(f"matmul {sizes.matmul_n}^3; copy {sizes.copy_bytes} B into an existing buffer; "
-               f"disk {sizes.disk_bytes} B with fsync, page cache dropped before the read; "
-               f"AdamW on {sizes.update_params} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param touched; "
-               f"2-process gloo all-reduce of {sizes.allreduce_bytes} B; kernel costs on a d=512, 8-head, "
-               "vocab 50400 GPT-J block, head and embedding at 1 x 512 tokens",
+                f"{fp['threads']} threads, torch {fp['torch']}, {dtype} compute"),
+        notes=(f"{dtype} matmul {n}^3; kernel costs on a d={probe.n_embd}, {probe.n_head}-head, "
+               f"vocab {probe.vocab_size} GPT-J block, head and embedding at 1 x {tokens} tokens (the planned "
+               f"model's, narrowed to fit {sizes.compute_seconds:g} s); copy {format_size(sizes.copy_bytes)} into an "
+               f"existing buffer; disk {format_size(sizes.disk_bytes)} with fsync, page cache dropped before the "
+               f"read; AdamW on {sizes.update_params:,} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param "
+               f"touched; 2-rank gloo all-reduce of {format_size(sizes.allreduce_bytes)}",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
 
 
-def local_spec(cache_dir: Path | None, refresh: bool = False, sizes: CalibrationSizes | None = None) -> DeviceSpec:
-    """The cached calibration in cache_dir when it matches this machine, else a fresh one (then cached)."""
+def local_spec(cache_dir: Path | None, shape: ModelShape, dtype: str, refresh: bool = False,
+               sizes: CalibrationSizes | None = None) -> DeviceSpec:
+    """The cached calibration in cache_dir when it matches this machine, the dtype and the probed shape, else
+    a fresh one (then cached beside the others)."""
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
-            return calibrate(Path(tmp), sizes)
+            return calibrate(Path(tmp), shape, dtype, sizes)
     path = cache_dir / CACHE_NAME
-    if not refresh and path.is_file():
-        cached = _read_cache(path)
-        if cached is not None:
-            return cached
-    spec = calibrate(cache_dir, sizes)
-    payload = {"version": CACHE_VERSION, "fingerprint": fingerprint(), "spec": spec.to_dict(),
-               "sizes": asdict(DEFAULT_SIZES if sizes is None else sizes)}
+    key = _cache_key(shape, dtype, DEFAULT_SIZES if sizes is None else sizes)
+    entries = _read_cache(path)
+    if not refresh and key in entries:
+        try:
+            return DeviceSpec.from_dict(entries[key])
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged: measured again below
+    spec = calibrate(cache_dir, shape, dtype, sizes)
+    payload = {"version": CACHE_VERSION, "fingerprint": fingerprint(),
+               "entries": {**entries, key: spec.to_dict()}}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)  # atomic: a concurrent reader sees the old cache or the new one, never half
     return spec
 
 
-def _read_cache(path: Path) -> DeviceSpec | None:
-    """A cache from another machine, an older format or a damaged file is ignored (and then rewritten)."""
+def _cache_key(shape: ModelShape, dtype: str, sizes: CalibrationSizes) -> str:
+    """What a calibration measured: the dtype, the probed block and head, and the sizes' bounds."""
+    probe = asdict(probe_shape(shape, sizes))
+    return json.dumps({"dtype": dtype, "probe": probe, "sizes": asdict(sizes)}, sort_keys=True)
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cached calibrations by key; a cache from another machine, an older format or a damaged file
+    counts as none (and is then rewritten)."""
     try:
         payload = json.loads(path.read_text())
         if payload.get("version") != CACHE_VERSION or payload.get("fingerprint") != fingerprint():
-            return None
-        return DeviceSpec.from_dict(payload["spec"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+            return {}
+        entries = payload["entries"]
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}

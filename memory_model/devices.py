@@ -8,9 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memory_model.kernels import KernelCosts
+
+if TYPE_CHECKING:  # shapes.py imports this module
+    from memory_model.shapes import ModelShape
 
 # Bytes per element of each compute dtype the planner and the runtime support.
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -81,9 +84,10 @@ class DeviceSpec:
             raise ValueError("h2d and d2h must be Link objects")
         if self.interconnect is not None and not isinstance(self.interconnect, Link):
             raise ValueError("interconnect must be a Link or None")
-        missing = sorted(set(DTYPE_BYTES) - set(self.flops))
-        if missing:
-            raise ValueError(f"flops must give a rate for every compute dtype; missing {missing}")
+        # The presets rate every dtype; `local` only the one it was calibrated for (flops_for names the gap).
+        if not self.flops or set(self.flops) - set(DTYPE_BYTES):
+            raise ValueError(f"flops must rate one or more of the compute dtypes {sorted(DTYPE_BYTES)}, "
+                             f"got {sorted(self.flops)}")
         for dtype, rate in self.flops.items():
             _positive(f"flops[{dtype!r}]", rate)
         for dtype, costs in self.kernels.items():
@@ -108,7 +112,8 @@ class DeviceSpec:
         try:
             return self.flops[dtype]
         except KeyError:
-            raise ValueError(f"no compute rate for dtype {dtype!r}; known: {sorted(self.flops)}") from None
+            raise ValueError(f"{self.name} has no compute rate for dtype {dtype!r}, only for {sorted(self.flops)}"
+                             + ("; calibrate it for that dtype" if self.name == "local" else "")) from None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -210,12 +215,16 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
 }
 
 
-def device_spec(name: str, cache_dir: Path | str | None = None, refresh: bool = False) -> DeviceSpec:
-    """A preset by name, or "local": this machine, calibrated once and cached as JSON in cache_dir."""
+def device_spec(name: str, cache_dir: Path | str | None = None, refresh: bool = False,
+                shape: ModelShape | None = None, dtype: str | None = None) -> DeviceSpec:
+    """A preset by name, or "local": this machine, calibrated for planning `shape` in compute dtype `dtype`
+    (both required for local) and cached as JSON in cache_dir."""
     if name == "local":
+        if shape is None or dtype is None:
+            raise ValueError("the local device is calibrated for a model and a compute dtype: pass shape and dtype")
         # Calibration needs torch; importing it only here keeps planning (and `import memory_model`) light.
         from memory_model.calibrate import local_spec
-        return local_spec(None if cache_dir is None else Path(cache_dir), refresh=refresh)
+        return local_spec(None if cache_dir is None else Path(cache_dir), shape, dtype, refresh=refresh)
     try:
         return DEVICE_PRESETS[name]
     except KeyError:

@@ -23,7 +23,7 @@ from memory_model import ModelShape, PlanConfig, plan
 from memory_model.calibrate import CalibrationSizes, local_spec
 from streamer.bench_compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
-    Outcome, data_parallel, disk_tier, gpu, memory, overhead, planner, scale, utilisation, versus_deepspeed,
+    Outcome, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation, versus_deepspeed,
     versus_hf, where_time_goes,
 )
 from streamer.bench_machine import (
@@ -32,6 +32,8 @@ from streamer.bench_machine import (
 from streamer.bench_report import write_markdown
 from streamer.bench_runs import Result, Runner
 from streamer.bench_worker import RunSpec
+from streamer.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.run import COMPUTE_DTYPES
 
 GiB = 2**30
 
@@ -60,15 +62,17 @@ class Settings:
     reserve_fraction: float
     reserve_min_bytes: int
     quick: bool
+    compute: DtypeChoice  # our contenders' compute dtype (--dtype resolved on this CPU) and why
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
+        compute = resolve_compute_dtype("cpu", args.dtype)
         if args.quick:
             return cls(model="gptj-debug", second=GPTJConfig.preset("gptj-demo"), batch=1, seq=32, rounds=1,
                        warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
-                       quick=True)
+                       quick=True, compute=compute)
         base = GPTJConfig.preset(args.model)
         # The second size keeps the model's vocabulary and context and shrinks width and depth.
         second = dataclasses.replace(base, n_embd=base.n_embd * 3 // 4, n_layer=max(1, base.n_layer * 3 // 5),
@@ -79,7 +83,7 @@ class Settings:
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
                    scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
                    data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=2 * GiB, disk_repeats=3,
-                   reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False)
+                   reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
                         "none: a smoke run must not replace the measured report)")
     parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto",
+                        help="compute dtype of our runs and DeepSpeed's (default auto: bf16 if this CPU runs it "
+                             "natively and faster than fp32, else fp32); the HF pair stays fp32 and bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")
@@ -103,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(label: str, contender: str, cfg: GPTJConfig, s: Settings, **kw: object) -> RunSpec:
-    fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, **kw}
+    fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, "dtype": s.compute.dtype, **kw}
     return RunSpec(label=label, contender=contender, model=dataclasses.asdict(cfg), **fields)
 
 
@@ -111,7 +118,7 @@ def _main_specs(cfg: GPTJConfig, s: Settings) -> tuple[list[RunSpec], dict[str, 
     specs = [_spec(STREAM_RAM, "stream", cfg, s, profile=s.profile),
              _spec(RESIDENT, "resident", cfg, s, profile=s.profile),
              _spec(HF_FP32, "hf", cfg, s, dtype="fp32", profile=s.profile),
-             _spec(HF_BF16, "hf", cfg, s, profile=s.profile),
+             _spec(HF_BF16, "hf", cfg, s, dtype="bf16", profile=s.profile),
              _spec(STREAM_DISK, "stream", cfg, s, tier="disk")]
     skipped = {}
     if not s.deepspeed:
@@ -126,34 +133,38 @@ def _main_specs(cfg: GPTJConfig, s: Settings) -> tuple[list[RunSpec], dict[str, 
 
 
 def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
-    """Largest model first; for one model, bf16 compute before fp32 (bf16 matmuls are faster) and fp32 Adam
-    moments before bf16 ones (bf16 moments only for GPT-J-6B, the stretch goal)."""
+    """Largest model first; for one model, bf16 compute before fp32 (where bf16 matmuls are the faster ones:
+    fp32 compute only buys a smaller store) and fp32 Adam moments before bf16 ones (bf16 moments only for
+    GPT-J-6B, the stretch goal). Where this CPU emulates bf16, fp32 compute only."""
     if s.quick:
-        return [ModelChoice(name, GPTJConfig.preset(name)) for name in s.scale_candidates]
+        return [ModelChoice(name, GPTJConfig.preset(name), compute_dtype=s.compute.dtype)
+                for name in s.scale_candidates]
     six, four, small = s.scale_candidates
+    computes = ("bf16", "fp32") if s.compute.dtype == "bf16" else ("fp32",)
     out = [ModelChoice(six, GPTJConfig.preset(six), moments, compute)
-           for moments in ("fp32", "bf16") for compute in ("bf16", "fp32")]
+           for moments in ("fp32", "bf16") for compute in computes]
     out += [ModelChoice(name, GPTJConfig.preset(name), "fp32", compute)
-            for name in (four, small) for compute in ("bf16", "fp32")]
-    out += [c for c in (fitted_width(four, budget, "fp32", compute) for compute in ("bf16", "fp32")) if c]
+            for name in (four, small) for compute in computes]
+    out += [c for c in (fitted_width(four, budget, "fp32", compute) for compute in computes) if c]
     return sorted(out, key=lambda c: -c.params)  # stable: the preference order holds within one size
 
 
 def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
     """The planner's prediction for each of our single-process streamed runs, on the `local` device
-    (device_spec("local") calibrated now; --quick calibrates with tiny sizes)."""
-    sizes = CalibrationSizes(matmul_n=256, copy_bytes=2**20, disk_bytes=2**20, update_params=2**16,
-                             allreduce_bytes=2**16, repeats=1) if quick else None
-    local = local_spec(workdir, refresh=True, sizes=sizes)
-    out = {}
+    calibrated now for that run's model and dtype (--quick calibrates with tiny sizes)."""
+    sizes = CalibrationSizes(matmul_n=256, probe_tokens=64, compute_seconds=1.0, copy_bytes=2**20,
+                             disk_bytes=2**20, update_params=2**16, allreduce_bytes=2**16, repeats=1) if quick else None
+    out, calibrated = {}, set()
     for label in (STREAM_RAM, SECOND, STREAM_DISK, SCALE):
         r = results.get(label)
         if r is None or not r.ok:
             continue
-        cfg = GPTJConfig.from_dict(r.spec.model)
-        out[label] = plan(ModelShape.from_config(cfg), local,
-                          PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype, store=r.spec.tier,
-                                     activations=r.spec.activations))
+        shape = ModelShape.from_config(GPTJConfig.from_dict(r.spec.model))
+        fresh = (shape, r.spec.dtype) not in calibrated  # measured now once, then from the cache it wrote
+        calibrated.add((shape, r.spec.dtype))
+        local = local_spec(workdir, shape, r.spec.dtype, refresh=fresh, sizes=sizes)
+        out[label] = plan(shape, local, PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype,
+                                                   store=r.spec.tier, activations=r.spec.activations))
     return out
 
 
@@ -182,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         machine = describe()
         console.print("[bold]machine[/]: " + "; ".join(machine.lines()))
+        console.print(s.compute.reason, markup=False, highlight=False)
         peaks_first = matmul_peaks(s.matmul_n)
         disk = {"start": raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)}
         runner = Runner(workdir, console, args.child_timeout)
@@ -213,8 +225,9 @@ def run(args: argparse.Namespace) -> int:
         peaks = Peaks(max(peaks_first.bf16_flops, peaks_last.bf16_flops),
                       max(peaks_first.fp32_flops, peaks_last.fp32_flops), s.matmul_n)
         ctx = Context(results=results, peaks=peaks, plans=_plans(results, workdir, s.quick), scale=pick,
-                      skipped=skipped, disk={STREAM_DISK: disk["start"], SCALE: disk.get("scale", disk["start"])})
-        outcomes: list[Outcome] = [overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
+                      skipped=skipped, disk={STREAM_DISK: disk["start"], SCALE: disk.get("scale", disk["start"])},
+                      compute=s.compute)
+        outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
                                    gpu(ctx, machine.gpu), *where_time_goes(ctx)]
         for outcome in outcomes:

@@ -9,6 +9,7 @@ from memory_model.shapes import forward_flops
 from streamer.bench_machine import DiskBandwidth, Peaks, ScalePick
 from streamer.bench_report import Section, params, percent, rate, ratio, seconds, size, verdict
 from streamer.bench_runs import Result
+from streamer.hardware import DtypeChoice
 
 STREAM_RAM = "ours streamed, RAM tier"
 STREAM_DISK = "ours streamed, disk tier"
@@ -35,6 +36,7 @@ class Context:
     disk: dict[str, DiskBandwidth]  # result label -> the raw disk measurement nearest to it in time
     plans: dict[str, Plan]  # result label -> the planner's prediction for that run (local device)
     scale: ScalePick | None
+    compute: DtypeChoice  # our runs' compute dtype and why (--dtype resolved on this CPU)
     skipped: dict[str, str] = field(default_factory=dict)  # result label -> why it did not run
 
 
@@ -71,6 +73,18 @@ def _timing_row(ctx: Context, label: str, *extra: str) -> tuple[str, ...]:
     return (label, seconds(r.median_s), r.steps_note, f"{r.tokens_per_s:,.0f}", f"{r.others_cores:.1f}", *extra)
 
 
+def dtypes(ctx: Context) -> Outcome:
+    """Which compute dtype each run used, and why."""
+    why = {HF_FP32: "fixed: the fp32 reference a user runs without bf16 hardware",
+           HF_BF16: "fixed: torch.autocast bf16, what a user writes for bf16 hardware",
+           DS_CPU: "as ours (bf16 mixed precision when bf16)", DS_NVME: "as ours (bf16 mixed precision when bf16)",
+           SCALE: "as ours; where bf16 is native, fp32 compute may win for its smaller store (section 6)"}
+    rows = tuple((label, r.spec.dtype, why.get(label, ctx.compute.reason)) for label, r in ctx.results.items())
+    return Outcome(Section("Compute dtype of each run", ("run", "compute dtype", "why"), rows,
+                           ("Ours follow `streamer bench --dtype` (default auto: bf16 where this CPU runs it "
+                            "natively and at least as fast as fp32).",)))
+
+
 def overhead(ctx: Context) -> Outcome:
     resident, stream = _get(ctx, RESIDENT), _get(ctx, STREAM_RAM)
     value = _div(stream and stream.median_s, resident and resident.median_s)
@@ -80,7 +94,8 @@ def overhead(ctx: Context) -> Outcome:
     section = Section("1. Streaming overhead: streamed (RAM tier, resident activations) vs our resident training",
                       ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "vs resident", "target", "status"),
                       rows,
-                      ("Same model, dtype (bf16 compute, fp32 master and Adam state), batch and sequence.",
+                      (f"Same model, dtype ({ctx.compute.dtype} compute, fp32 master and Adam state), batch and "
+                       "sequence.",
                        SHARED_NOTE))
     return Outcome(section, (_target("1. streamed / resident step <= 1.10x", ratio(value), met),))
 
@@ -138,8 +153,9 @@ def versus_deepspeed(ctx: Context) -> Outcome:
         rows.append(_timing_row(ctx, label, ratio(speedup), size(r.rss_peak_bytes) if r else "—", ratio(rss),
                                 setup, status))
     notes = (f"Speed-ups and RSS ratios are against the faster DeepSpeed mode ({faster.label if faster else '—'}).",
-             "DeepSpeed runs CPU-only (DS_ACCELERATOR=cpu, gloo, one process), bf16 mixed precision, AdamW with the "
-             "same hyper-parameters and clipping; its ops compile during setup, never in a timed step.", SHARED_NOTE)
+             "DeepSpeed runs CPU-only (DS_ACCELERATOR=cpu, gloo, one process) in our compute dtype (bf16 mixed "
+             "precision when bf16), AdamW with the same hyper-parameters and clipping; its ops compile during "
+             "setup, never in a timed step.", SHARED_NOTE)
     section = Section("3. vs DeepSpeed ZeRO-3 with CPU and NVMe offload",
                       ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "faster DS / this",
                        "peak RSS (steps)",
@@ -210,13 +226,15 @@ def utilisation(ctx: Context) -> Outcome:
         # The planner's count: 3 x the forward's matmul FLOPs (backward = 2 x forward), no recompute.
         flops = 3 * sum(forward_flops(shape, u, r.spec.batch, r.spec.seq) for u in shape.unit_names())
         achieved = flops / r.median_s
-        rows.append((label, params(r.params), f"{flops / 1e12:.3g}", seconds(r.median_s),
-                     f"{achieved / 1e9:,.0f}", percent(achieved / ctx.peaks.bf16_flops)))
+        peak = ctx.peaks.bf16_flops if r.spec.dtype == "bf16" else ctx.peaks.fp32_flops
+        rows.append((label, params(r.params), r.spec.dtype, f"{flops / 1e12:.3g}", seconds(r.median_s),
+                     f"{achieved / 1e9:,.0f}", percent(achieved / peak)))
     notes = (f"Peak: best of timed {ctx.peaks.n}^3 matmuls in this run: bf16 {ctx.peaks.bf16_flops / 1e9:,.0f} "
              f"GFLOP/s, fp32 {ctx.peaks.fp32_flops / 1e9:,.0f} GFLOP/s. Model FLOPs per step = 3 x the forward's "
              "matmul FLOPs (memory_model.planner), the same count for every contender of a model.",)
-    return Outcome(Section("5. Utilisation: model FLOP/s vs this CPU's measured bf16 matmul peak",
-                           ("run", "params", "model TFLOP/step", "step", "achieved GFLOP/s", "MFU (bf16 peak)"),
+    return Outcome(Section("5. Utilisation: model FLOP/s vs this CPU's measured matmul peak in the run's dtype",
+                           ("run", "params", "dtype", "model TFLOP/step", "step", "achieved GFLOP/s",
+                            "MFU (peak of its dtype)"),
                            tuple(rows), notes))
 
 
@@ -312,8 +330,8 @@ def data_parallel(ctx: Context) -> Outcome:
 
 
 def gpu(ctx: Context, device: str) -> Outcome:
-    why = ("unmeasured (no GPU in this run)" if not device
-           else f"unmeasured: this bench runs CPU contenders only ({device})")
+    why = ("unmeasured (no GPU in this run; `make gpu-check` measures it on a CUDA machine)" if not device
+           else f"unmeasured: this bench runs CPU contenders only ({device}); `make gpu-check` measures it")
     rows = tuple((name, why) for name in (
         "1. streaming overhead on the GPU", "7. ledger peak vs 16 B/param on the GPU",
         "GPT-J-6B (random init) streamed on one GPU, <= 16 GiB budget: tokens/s, TFLOP/s, MFU (target >= 400 "

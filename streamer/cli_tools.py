@@ -16,6 +16,8 @@ from memory_model import (
 )
 from streamer.errors import StreamerError
 from streamer.generate import Sampling, complete
+from streamer.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.layout import dtype_name
 from streamer.run import RunConfig, RunDir, RunError
 from streamer.tokenizer import Tokenizer, load_tokenizer
 from streamer.trainer import StreamingTrainer
@@ -27,9 +29,11 @@ EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 # --- plan ------------------------------------------------------------------------------------------------------
 def plan_command(args: argparse.Namespace) -> int:
     model_cfg = PRESETS[args.model] if args.model in PRESETS else GPTJConfig.from_hf(args.model)
-    device = _device(args.target)
+    choice = plan_dtype(args.target, args.dtype)
+    dtype = choice.dtype
+    device = _device(args.target, ModelShape.from_config(model_cfg), dtype)
     try:
-        plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=args.dtype,
+        plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
                               update_chunk=args.update_chunk, store=args.store, devices=args.ranks)
         shape = ModelShape.from_config(model_cfg)
@@ -41,11 +45,11 @@ def plan_command(args: argparse.Namespace) -> int:
                    for n in sorted(set(counts)) if args.batch % (n * args.grad_accum) == 0]
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
-    out = {**result.to_json(), "scaling": scaling}
+    out = {**result.to_json(), "scaling": scaling, "compute_dtype_reason": choice.reason}
     if args.dry_run:
         from streamer.config import TrainerConfig
         from streamer.dryrun import dry_run
-        tc = TrainerConfig(compute_dtype=args.dtype, activations=args.activations, grad_accum=args.grad_accum,
+        tc = TrainerConfig(compute_dtype=dtype, activations=args.activations, grad_accum=args.grad_accum,
                            prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
@@ -54,6 +58,7 @@ def plan_command(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, default=str))
         return 0
     console = make_console()
+    console.print(choice.reason, markup=False, highlight=False)
     console.print(result.table())
     if args.dry_run:
         measured = out["dry_run_peak_device_bytes"]
@@ -69,9 +74,21 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device(name: str) -> DeviceSpec:
+def plan_dtype(target: str, requested: str) -> DtypeChoice:
+    """--dtype for a plan: this CPU's choice for the local target; the presets' GPUs and wafer all run bf16
+    natively, so auto is bf16 for them."""
+    if target == "local":
+        return resolve_compute_dtype("cpu", requested)
+    if requested == "auto":
+        return DtypeChoice("bf16", f"compute dtype bf16: {target} runs bf16 natively")
+    return DtypeChoice(requested, f"compute dtype {requested} (--dtype {requested})")
+
+
+def _device(name: str, shape: ModelShape, dtype: str) -> DeviceSpec:
     try:
-        return device_spec(name, cache_dir=Path("runs") if name == "local" else None)
+        if name == "local":
+            return device_spec(name, cache_dir=Path("runs"), shape=shape, dtype=dtype)
+        return device_spec(name)
     except ValueError as exc:
         raise StreamerError(str(exc)) from None
 
@@ -89,6 +106,10 @@ def generate_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(run.tokenizer)
     console = make_console()
     with open_trainer(run, overrides) as trainer:
+        # The run's recorded dtype (its store holds compute weights in it); say so where it is emulated.
+        dtype = resolve_compute_dtype(trainer.tc.device, dtype_name(trainer.tc.compute_dtype))
+        if dtype.emulated:
+            console.print(dtype.reason, markup=False, highlight=False)
         begin = time.perf_counter()
         text = complete(trainer, tokenizer, args.prompt, sampling)
         elapsed = time.perf_counter() - begin

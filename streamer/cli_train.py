@@ -27,6 +27,7 @@ from streamer.cli_tools import memory_lines
 from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
+from streamer.hardware import resolve_compute_dtype
 from streamer.resources import check_host_resources
 from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, read_toml, resolve
 from streamer.slabfile import DiskFull
@@ -92,6 +93,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
+    cfg = replace(cfg, dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
     cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg), sample_prompt=_sample_prompt(cfg))
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
@@ -164,6 +166,8 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them
     # (the demo's warmup from --steps) does not count as a change.
     same = resolve({**explicit, **{k: getattr(saved, k) for k in RESUMABLE}}, config_file).with_absolute_paths()
+    if same.dtype == "auto":  # the run recorded what auto chose when it started
+        same = replace(same, dtype=saved.dtype)
     changed = [f"{_flag(k)} {getattr(saved, k)} there, {getattr(same, k)} here" for k in
                (f.name for f in fields(RunConfig)) if k not in RESUMABLE and getattr(same, k) != getattr(saved, k)]
     if changed:
@@ -180,6 +184,9 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
     cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     parallel = _join(cfg, console)
+    dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
+    if dtype.emulated:
+        console.print(dtype.reason, markup=False, highlight=False)
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:
         raise RunError(f"{run.root} was trained by {run.processes()} process(es) and this is {world}; resume it "
@@ -227,6 +234,14 @@ def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
         raise RunError(f"--batch {cfg.batch} does not split over {parallel.world} processes x --grad-accum "
                        f"{cfg.grad_accum}; use a multiple of {parallel.world * cfg.grad_accum}")
     return parallel
+
+
+def _compute_dtype(cfg: RunConfig, parallel: DataParallel | None, console: Console) -> str:
+    """--dtype on this hardware (auto: bf16 where it is native and fast, else fp32), printed with its reason.
+    Every process takes the lead's choice: their stores and gradient all-reduces must agree."""
+    choice = resolve_compute_dtype(cfg.device, cfg.dtype)
+    console.print(choice.reason, markup=False, highlight=False)
+    return choice.dtype if parallel is None else parallel.gather(choice.dtype)[0]
 
 
 def _together(parallel: DataParallel | None, work: Callable[[], T], everyone: bool = True,

@@ -10,6 +10,7 @@ import torch
 
 from memory_model import DEVICE_PRESETS, DeviceSpec, parse_size
 from streamer.errors import StreamerError
+from streamer.hardware import resolve_compute_dtype
 from streamer.layout import DTYPES, Placement, dtype_name
 
 
@@ -85,7 +86,7 @@ class TrainerConfig:
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
     grad_accum: int = 1
-    compute_dtype: torch.dtype | str = torch.bfloat16
+    compute_dtype: torch.dtype | str = "auto"  # auto: bf16 where the device runs it natively, else fp32
     moment_dtype: str = "fp32"
     activations: str = "resident"
     store: str | Placement = "ram"
@@ -113,9 +114,11 @@ class TrainerConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.schedule, LRSchedule):
             raise ConfigError(f"schedule must be an LRSchedule or its fields, got {self.schedule!r}")
+        if isinstance(self.compute_dtype, str) and self.compute_dtype == "auto":
+            object.__setattr__(self, "compute_dtype", resolve_compute_dtype(self.device).dtype)
         if isinstance(self.compute_dtype, str):
             if self.compute_dtype not in DTYPES:
-                raise ConfigError(f"compute_dtype must be one of {list(DTYPES)}, got {self.compute_dtype!r}")
+                raise ConfigError(f"compute_dtype must be auto or one of {list(DTYPES)}, got {self.compute_dtype!r}")
             object.__setattr__(self, "compute_dtype", DTYPES[self.compute_dtype])
         dtype_name(self.compute_dtype)
         object.__setattr__(self, "store", Placement.of(self.store))

@@ -19,11 +19,11 @@ class ResidentTrainer:
         self.cfg, self.tc = cfg, tc
         self.model = GPTJ(cfg, init=False)
         self.model.load_hf_state_dict(dict(state_dict))
-        self.model.to(tc.compute_dtype)
+        self.model.to(device=tc.device, dtype=tc.compute_dtype)
         params = list(self.model.parameters())
         # fp32 compute weights are the master weights; otherwise the masters are a separate fp32 copy.
-        self.masters = params if tc.compute_dtype == torch.float32 else [
-            torch.nn.Parameter(p.detach().float()) for p in params]
+        self.separate_masters = tc.compute_dtype != torch.float32
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in params] if self.separate_masters else params
         self.optimizer = torch.optim.AdamW(
             [{"params": [m for m in self.masters if m.dim() >= 2], "weight_decay": tc.weight_decay},
              {"params": [m for m in self.masters if m.dim() < 2], "weight_decay": 0.0}],
@@ -32,6 +32,7 @@ class ResidentTrainer:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         labels = input_ids if labels is None else labels
+        input_ids, labels = input_ids.to(self.tc.device), labels.to(self.tc.device)
         self.steps += 1
         for group in self.optimizer.param_groups:
             group["lr"] = self.tc.schedule.lr_at(self.steps, self.tc.lr)
@@ -42,14 +43,14 @@ class ResidentTrainer:
             loss = causal_lm_loss(self.model(ids), lab)
             (loss / self.tc.grad_accum).backward()
             losses.append(loss.detach())
-            if self.masters is not params:  # fold each micro-batch's gradient into fp32, as the streamer does
+            if self.separate_masters:  # fold each micro-batch's gradient into fp32, as the streamer does
                 for p, m in zip(params, self.masters):
                     m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
                     p.grad = None
         if self.tc.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.masters, self.tc.max_grad_norm)
         self.optimizer.step()
-        if self.masters is not params:
+        if self.separate_masters:
             with torch.no_grad():
                 for p, m in zip(params, self.masters):
                     p.copy_(m)

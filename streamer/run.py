@@ -32,6 +32,7 @@ from memory_model.shapes import ACTIVATION_POLICIES, STORE_TIERS, UPDATE_PLACES
 from streamer.commit import lock_file, read_journal, read_manifest
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
+from streamer.hardware import RESOLVED_DTYPES
 from streamer.slabfile import write_json_atomic
 
 
@@ -48,7 +49,7 @@ class SettingError(RunError):
 
 
 # The choices of the settings that several subcommands share (train, plan): one place, so they cannot drift.
-COMPUTE_DTYPES = ("bf16", "fp32")
+COMPUTE_DTYPES = ("auto", *RESOLVED_DTYPES)  # auto: streamer/hardware.py
 SCHEDULES = ("constant", "cosine", "linear")
 MOMENT_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -93,8 +94,9 @@ class RunConfig:
     nonfinite: str = _setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
                                       "(nothing is updated; the next batch follows)", "POLICY")
     trace_steps: int = _setting(8, "optimizer steps the memory trace keeps (the latest ones)")
-    dtype: str = _setting("bf16", "compute dtype: bf16 or fp32 (master weights and Adam state are fp32)",
-                          "DTYPE")
+    dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and faster than "
+                                  "fp32, else fp32; config.toml records the choice), bf16 or fp32 (master weights "
+                                  "and Adam state are fp32)", "DTYPE")
     device: str = _setting("cpu", "torch device: cpu or cuda", "DEVICE")
     budget: str | None = _setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
                                         "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), "SIZE")

@@ -12,10 +12,14 @@ import pytest
 
 from layers import GPTJConfig
 from streamer import bench
+from streamer.bench_compare import HF_FP32, STREAM_RAM
 from streamer.bench_machine import ModelChoice, fitted_width, pick_scale_model
 from streamer.bench_report import Section
 from streamer.bench_runs import Runner, _others_cores, merge
 from streamer.bench_worker import Measured, RunSpec, _union_s
+from streamer.hardware import DtypeChoice, resolve_compute_dtype
+
+FP32 = DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -29,13 +33,16 @@ def test_quick_run_writes_every_section(tmp_path):
     out = tmp_path / "BENCH.md"
     assert bench.run(_parse(["--quick", "--output", str(out), "--workdir", str(tmp_path / "work")])) == 0
     text = out.read_text()
-    for title in ("1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed", "4. Disk tier",
+    for title in ("Compute dtype of each run", "1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed", "4. Disk tier",
                   "5. Utilisation", "6. Scale", "7. Memory", "Planner vs measured", "Data parallel",
                   "On a CUDA GPU", "## Targets"):
         assert title in text
     assert "command: `streamer bench --quick --output" in text
     assert "CPU: " in text and "torch " in text
-    assert "unmeasured (no GPU in this run)" in text or "GPU: none" not in text
+    assert "unmeasured (no GPU in this run; `make gpu-check`" in text or "GPU: none" not in text
+    # Each run says its compute dtype and why: ours follow --dtype auto on this CPU, the HF pair is fixed.
+    ours = resolve_compute_dtype("cpu")
+    assert f"| {STREAM_RAM} | {ours.dtype} | {ours.reason} |" in text and f"| {HF_FP32} | fp32 | fixed" in text
     # Every contender of the quick run produced timed steps (none failed, none silently missing).
     assert "failed:" not in text
     assert "not run: --quick" in text  # DeepSpeed and data parallel are skipped, and say why
@@ -160,14 +167,14 @@ def test_quick_writes_no_report_unless_told_where():
 def test_every_section_renders_when_nothing_ran():
     """Skipped or failed contenders become 'not run' / 'failed' cells, never a crash after an hour of runs."""
     from streamer.bench_compare import (
-        STREAM_RAM, Context, data_parallel, disk_tier, gpu, memory, overhead, planner, scale, utilisation,
+        STREAM_RAM, Context, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation,
         versus_deepspeed, versus_hf, where_time_goes,
     )
     from streamer.bench_machine import Peaks
     spec = RunSpec(label=STREAM_RAM, contender="stream", model={}, batch=1, seq=1)
     ctx = Context(results={STREAM_RAM: merge(spec, [_measured(STREAM_RAM, [], 0, ok=False)])},
-                  peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, scale=None, skipped={"x": "--quick"})
-    outcomes = [overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx), utilisation(ctx), scale(ctx),
+                  peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, scale=None, compute=FP32, skipped={"x": "--quick"})
+    outcomes = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx), utilisation(ctx), scale(ctx),
                 memory(ctx), planner(ctx), data_parallel(ctx), gpu(ctx, ""), *where_time_goes(ctx)]
     text = "".join(o.section.markdown() for o in outcomes)
     assert "failed: boom" in text
@@ -184,7 +191,7 @@ def test_disk_bandwidth_is_judged_only_where_the_disk_served_it():
     block.phases = [{"load_busy": 1.0, "offload_busy": 4.0, "io_busy": 1.9}]
     raw = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=2e9, nbytes=1, repeats=1, where="x")
     ctx = Context(results={STREAM_DISK: merge(spec, [block])}, peaks=Peaks(1.0, 1.0, 1), disk={STREAM_DISK: raw},
-                  plans={}, scale=None)
+                  plans={}, scale=None, compute=FP32)
     row = disk_tier(ctx).section.rows[0]
     assert "page cache: not judged" in row[1] and "50% of 2.00 GB/s" in row[2]
     assert row[-2:] == ("NOT met", "met")  # 2.0 s step vs max(1.9 s I/O, no compute reference): 1.05x

@@ -8,11 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import memory_model.calibrate as calibrate
-from memory_model import DEVICE_PRESETS, DeviceSpec, Link, SizeError, device_spec, format_size, parse_size
+from layers import PRESETS
+from memory_model import DEVICE_PRESETS, DeviceSpec, Link, ModelShape, SizeError, device_spec, format_size, parse_size
 from memory_model.calibrate import CalibrationSizes
 from memory_model.kernels import KernelCosts
 
-TINY = CalibrationSizes(matmul_n=32, copy_bytes=2**16, disk_bytes=2**16, update_params=2**12, repeats=1)
+TINY = CalibrationSizes(matmul_n=32, probe_tokens=16, compute_seconds=0.5, copy_bytes=2**16, disk_bytes=2**16,
+                        update_params=2**12, repeats=1)
+DEBUG = ModelShape.from_config(PRESETS["gptj-debug"])
 
 
 # --- parse_size ------------------------------------------------------------------------------------------------
@@ -100,8 +103,11 @@ def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
     again = DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
     assert again == spec
     raw = spec.to_dict()
-    with pytest.raises(ValueError, match="missing"):
-        DeviceSpec.from_dict({**raw, "flops": {"bf16": 1e12}})
+    assert DeviceSpec.from_dict({**raw, "flops": {"bf16": 1e12}}).flops == {"bf16": 1e12}  # local rates one dtype
+    with pytest.raises(ValueError, match="one or more of the compute dtypes"):
+        DeviceSpec.from_dict({**raw, "flops": {}})
+    with pytest.raises(ValueError, match="one or more of the compute dtypes"):
+        DeviceSpec.from_dict({**raw, "flops": {"fp8": 1e12}})
     with pytest.raises(ValueError, match="memory_bytes"):
         DeviceSpec.from_dict({**raw, "memory_bytes": 0})
     with pytest.raises(ValueError, match="unknown"):
@@ -113,19 +119,35 @@ def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
 
 
 # --- local calibration -------------------------------------------------------------------------------------------
-def test_calibrate_measures_this_machine(tmp_path) -> None:
-    spec = calibrate.calibrate(tmp_path, TINY)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_calibrate_measures_this_machine_in_one_dtype(tmp_path, dtype) -> None:
+    spec = calibrate.calibrate(tmp_path, DEBUG, dtype, TINY)
     assert spec.name == "local" and spec.same_memory
-    assert spec.flops["bf16"] > 0 and spec.flops["fp32"] > 0
+    assert set(spec.flops) == set(spec.kernels) == {dtype} and spec.flops[dtype] > 0
     assert spec.disk_read_bw > 0 and spec.disk_write_bw > 0 and spec.host_update_bw > 0
     assert spec.h2d == spec.d2h and spec.memory_bytes == spec.host_ram_bytes
     assert list(tmp_path.iterdir()) == []  # the disk test cleans up after itself
-    for dtype in ("bf16", "fp32"):  # the costs besides the matmuls, measured on real GPT-J units
-        costs = spec.kernels[dtype]
-        assert costs.attention_forward_flops > 0 and costs.attention_backward_flops > 0
-        assert costs.logits_forward_s >= 0 and costs.embedding_backward_s > 0  # residuals: >= 0 by design
-        assert costs.gradient_fold_bytes_per_s > 0
+    costs = spec.kernels[dtype]  # the costs besides the matmuls, measured on the model's own units
+    assert costs.attention_forward_flops > 0 and costs.attention_backward_flops > 0
+    assert costs.logits_forward_s >= 0 and costs.embedding_backward_s > 0  # residuals: >= 0 by design
+    assert costs.gradient_fold_bytes_per_s > 0
+    assert "vocab 256" in spec.notes[0]  # gptj-debug's head, not a fixed GPT-J-6B one
     assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    with pytest.raises(ValueError, match="no compute rate for dtype 'fp8'"):
+        spec.flops_for("fp8")
+
+
+def test_calibration_probes_are_sized_from_the_model() -> None:
+    sizes = CalibrationSizes()
+    six = calibrate.probe_shape(ModelShape.from_config(PRESETS["gptj-6b"]), sizes)
+    # GPT-J-6B narrowed to 1024 wide in whole 256-wide heads, its MLP ratio, rotary and vocabulary kept.
+    assert (six.n_embd, six.n_head, six.inner_dim, six.rotary_dim, six.vocab_size, six.n_layer) == \
+        (1024, 4, 4096, 64, 50400, 1)
+    assert calibrate.probe_shape(DEBUG, sizes).n_embd == DEBUG.n_embd  # narrow models stay as they are
+    # The probe's length follows the matmul rate: a CPU 100x slower gets 8 tokens, not minutes of probing.
+    assert calibrate.probe_tokens(six, 1e15, 3, 3.0) == six.n_positions
+    assert calibrate.probe_tokens(six, 1e9, 3, 3.0) == 8
+    assert calibrate.probe_tokens(six, 1e11, 3, 3.0) in (16, 32, 64)
 
 
 def test_kernel_costs_are_validated_and_roundtrip() -> None:
@@ -142,32 +164,41 @@ def test_kernel_costs_are_validated_and_roundtrip() -> None:
         DeviceSpec.from_dict({**raw, "kernels": {"fp8": good.to_dict()}})
 
 
-def test_local_spec_is_cached_and_refreshable(tmp_path, monkeypatch) -> None:
+def test_local_spec_is_cached_per_dtype_and_model_and_refreshable(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
     calls = []
     real = calibrate.calibrate
-    monkeypatch.setattr(calibrate, "calibrate", lambda d, s=None: calls.append(d) or real(d, s))
-    first = device_spec("local", cache_dir=tmp_path)
-    assert (tmp_path / calibrate.CACHE_NAME).is_file() and len(calls) == 1
-    assert device_spec("local", cache_dir=tmp_path) == first and len(calls) == 1
-    device_spec("local", cache_dir=tmp_path, refresh=True)
-    assert len(calls) == 2
+    monkeypatch.setattr(calibrate, "calibrate", lambda d, shape, dtype, s=None: calls.append(dtype) or
+                        real(d, shape, dtype, s))
+    first = device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32")
+    assert (tmp_path / calibrate.CACHE_NAME).is_file() and calls == ["fp32"]
+    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32") == first and calls == ["fp32"]
+    device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="bf16")  # another dtype: measured, kept beside
+    wider = ModelShape(**{**DEBUG.__dict__, "n_embd": 128, "inner_dim": 512})
+    device_spec("local", cache_dir=tmp_path, shape=wider, dtype="fp32")  # another probe shape: measured too
+    assert calls == ["fp32", "bf16", "fp32"]
+    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32") == first and len(calls) == 3
+    device_spec("local", cache_dir=tmp_path, refresh=True, shape=DEBUG, dtype="fp32")
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="pass shape and dtype"):
+        device_spec("local", cache_dir=tmp_path)
 
 
 def test_stale_or_damaged_cache_is_recalibrated(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
     cache = tmp_path / calibrate.CACHE_NAME
-    device_spec("local", cache_dir=tmp_path)
+    device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32")
     payload = json.loads(cache.read_text())
     payload["fingerprint"]["cpus"] = -1  # as if copied from another machine
-    payload["spec"]["source"] = "stale"
+    (key,) = payload["entries"]
+    payload["entries"][key]["source"] = "stale"
     cache.write_text(json.dumps(payload))
-    assert device_spec("local", cache_dir=tmp_path).source != "stale"
+    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32").source != "stale"
     cache.write_text("{not json")
-    assert device_spec("local", cache_dir=tmp_path).name == "local"
+    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32").name == "local"
     assert json.loads(cache.read_text())["version"] == calibrate.CACHE_VERSION
 
 
 def test_local_without_cache_dir(monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
-    assert device_spec("local").same_memory
+    assert device_spec("local", shape=DEBUG, dtype="fp32").same_memory

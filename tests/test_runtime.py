@@ -60,6 +60,20 @@ def test_fp32_equals_hf_adamw(tmp_path, activations, store, update_on):
     assert losses[0] > 5.0
 
 
+def test_resident_fp32_equals_hf_adamw(tmp_path):
+    """The resident reference in fp32, where its compute weights are its master weights, updates like HF."""
+    tc = TrainerConfig(lr=1e-3, grad_accum=2, max_grad_norm=1.0, compute_dtype=torch.float32)
+    data = batches(3)
+    with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run") as trainer:
+        start = trainer.state_dict()
+    ref_state, ref_losses = hf_reference(start, data, tc)
+    resident = ResidentTrainer(DEBUG, tc, start)
+    losses = [resident.step(ids) for ids in data]
+    state = resident.model.state_dict()
+    assert losses == pytest.approx(ref_losses, abs=1e-5)  # measured: 2.4e-7
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 1e-5  # measured: 1.2e-6
+
+
 def test_resident_forward_runs_once_per_micro_batch(tmp_path):
     tc = TrainerConfig(compute_dtype=torch.float32, grad_accum=2, activations="resident")
     with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run") as trainer:
@@ -92,16 +106,17 @@ def test_ledger_holds_at_most_prefetch_plus_one_units(tmp_path, prefetch):
 
 
 def test_bf16_loss_curve_tracks_resident_bf16(tmp_path):
-    """bf16 compute: 50 steps stay within 2% of our resident bf16 reference (fp32 master weights in both)."""
+    """bf16 compute: 20 steps track our resident bf16 reference (fp32 master weights in both). Short, so that
+    a CPU without native bf16 runs it in seconds."""
     tc = TrainerConfig(lr=3e-3, compute_dtype=torch.bfloat16, max_grad_norm=1.0)
-    data = (batches(2, batch=4, seq=32, seed=1) * 25)  # a few batches, seen again: the curve has to move
+    data = (batches(2, batch=4, seq=32, seed=1) * 10)  # a few batches, seen again: the curve has to move
     with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run") as trainer:
         resident = ResidentTrainer(DEBUG, tc, trainer.state_dict())
         streamed = [trainer.step(ids) for ids in data]
     reference = [resident.step(ids) for ids in data]
     assert streamed[-1] < streamed[0] - 0.3  # it learns
     for s, r in zip(streamed, reference):
-        assert abs(s - r) <= 0.02 * r
+        assert abs(s - r) <= 0.005 * r  # measured: at most 0.047% (0.021% with bf16 emulated on AVX2)
 
 
 def test_grad_accum_must_divide_batch(tmp_path):

@@ -1,0 +1,135 @@
+"""Which compute dtype the hardware runs fast: bf16 where it is native and at least as fast as fp32, else fp32.
+
+A CUDA GPU has native bf16 matmuls from compute capability 8.0 (Ampere) on. A CPU is asked directly: a short
+probe times the same small matmul in both dtypes, because an AVX2-only CPU (most laptops, many cloud VMs)
+emulates bf16 at a hundredth of its fp32 rate while one with AVX512-BF16 or AMX runs it twice as fast.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from streamer.errors import StreamerError
+
+RESOLVED_DTYPES = ("bf16", "fp32")  # what auto resolves to
+BF16_MIN_CAPABILITY = (8, 0)
+# 256^3 separates the cases by 2x either way (measured on AVX512-BF16, natively and capped to AVX2: bf16
+# 205 vs fp32 103 GFLOP/s, and 3.2 vs 103) and an emulated bf16 matmul of it still takes only ~10 ms.
+PROBE_N = 256
+PROBE_REPEATS = 5
+PROBE_SECONDS = 0.4  # the timed repeats stop here; the first of each dtype always runs
+
+
+@dataclass(frozen=True)
+class MatmulProbe:
+    """Best-of-repeats rates of one n x n matmul in each dtype, on one thread."""
+
+    bf16_flops: float
+    fp32_flops: float
+    n: int
+
+    @property
+    def bf16_is_fast(self) -> bool:
+        return self.bf16_flops >= self.fp32_flops
+
+    def rates(self) -> str:
+        return f"bf16 matmul {self.bf16_flops / 1e9:,.1f} GFLOP/s vs fp32 {self.fp32_flops / 1e9:,.1f}"
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The compute dtype a run uses and one line saying why."""
+
+    dtype: str
+    reason: str
+    emulated: bool = False  # bf16 was asked for on hardware that only emulates it: `reason` is a warning
+
+    def __post_init__(self) -> None:
+        if self.dtype not in RESOLVED_DTYPES:
+            raise ValueError(f"dtype must be one of {RESOLVED_DTYPES}, got {self.dtype!r}")
+
+
+def probe_cpu(n: int = PROBE_N, repeats: int = PROBE_REPEATS, seconds: float = PROBE_SECONDS) -> MatmulProbe:
+    """Time an n x n matmul in bf16 and fp32, alternating, on one thread.
+
+    One thread, because on a busy machine a multi-threaded matmul this small mostly measures how long its
+    threads wait to be scheduled (~12 ms per call on a loaded 2-core box, whatever the dtype).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        operands = {dtype: [torch.randn(n, n, generator=generator).to(dtype) for _ in range(2)]
+                    for dtype in (torch.bfloat16, torch.float32)}
+        best = {dtype: float("inf") for dtype in operands}
+        for dtype, (a, b) in operands.items():
+            torch.mm(a, b)  # warm-up: kernel selection and first-touch page faults
+        deadline = time.perf_counter() + seconds
+        for i in range(repeats):
+            if i and time.perf_counter() > deadline:
+                break
+            for dtype, (a, b) in operands.items():
+                start = time.perf_counter()
+                torch.mm(a, b)
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    flops = 2 * n**3
+    return MatmulProbe(flops / max(best[torch.bfloat16], 1e-9), flops / max(best[torch.float32], 1e-9), n)
+
+
+@functools.cache
+def cpu_probe() -> MatmulProbe:
+    """This process's CPU probe, measured once."""
+    return probe_cpu()
+
+
+def choose_for_cpu(probe: MatmulProbe, requested: str) -> DtypeChoice:
+    rates = f"{probe.rates()} on this CPU"
+    if requested == "auto":
+        if probe.bf16_is_fast:
+            return DtypeChoice("bf16", f"compute dtype bf16: {rates}")
+        return DtypeChoice("fp32", f"compute dtype fp32: {rates} (no native bf16)")
+    if requested == "bf16" and not probe.bf16_is_fast:
+        return DtypeChoice("bf16", f"warning: --dtype bf16 is emulated on this CPU ({rates}); "
+                                   "--dtype auto would use fp32", emulated=True)
+    return DtypeChoice(requested, f"compute dtype {requested} (--dtype {requested})")
+
+
+def choose_for_cuda(name: str, capability: tuple[int, int], requested: str) -> DtypeChoice:
+    gpu = f"{name} (compute capability {capability[0]}.{capability[1]})"
+    native = tuple(capability) >= BF16_MIN_CAPABILITY
+    if requested == "auto":
+        if native:
+            return DtypeChoice("bf16", f"compute dtype bf16: {gpu} runs bf16 natively")
+        return DtypeChoice("fp32", f"compute dtype fp32: {gpu} has no native bf16 (needs 8.0 or newer)")
+    if requested == "bf16" and not native:
+        return DtypeChoice("bf16", f"warning: --dtype bf16 is emulated on {gpu}; --dtype auto would use fp32",
+                           emulated=True)
+    return DtypeChoice(requested, f"compute dtype {requested} (--dtype {requested})")
+
+
+def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
+    """`requested` ("auto", "bf16" or "fp32") on torch device `device` ("cpu", "cuda", "cuda:N", "meta").
+
+    Meta tensors have no speed: auto means bf16 there, the dtype the GPUs a dry run stands for train in.
+    """
+    if requested not in ("auto", *RESOLVED_DTYPES):
+        raise StreamerError(f"--dtype must be auto, bf16 or fp32, got {requested!r}")
+    kind = device.split(":")[0]
+    if kind == "meta":
+        dtype = "bf16" if requested == "auto" else requested
+        why = "what GPUs run" if requested == "auto" else f"--dtype {requested}"
+        return DtypeChoice(dtype, f"compute dtype {dtype} on meta tensors ({why})")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise StreamerError(f"--device {device} but torch sees no CUDA GPU; use --device cpu")
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        return choose_for_cuda(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index), requested)
+    if requested == "fp32":  # nothing to check: every CPU runs fp32 natively
+        return DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
+    return choose_for_cpu(cpu_probe(), requested)
