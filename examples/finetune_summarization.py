@@ -4,9 +4,10 @@
 
 Makes a small prompt/completion JSONL (reports of who bought what where, and their one-line summaries),
 trains a small GPT-J from scratch with streamed layers under a device budget, prints the held-out loss as
-it falls, and generates a summary for a report the model has not seen. The same run from the shell:
+it falls, and generates a summary for a report the model has not seen. The same data from the shell (with the
+demo's model and budget; the loss covers the completions there too):
 
-    streamer train --data runs/summarization/reports.jsonl --model config.json --steps 150 --seq 64 ...
+    streamer train --data runs/summarization/reports.jsonl --steps 150 --seq 64 --batch 16 --eval-fraction 0.1
 
 Everything runs offline in about a minute on 2 CPU cores.
 """
