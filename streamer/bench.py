@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
     parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto",
                         help="compute dtype of our runs and DeepSpeed's (default auto: bf16 if this CPU runs it "
-                             "natively and faster than fp32, else fp32); the HF pair stays fp32 and bf16")
+                             "natively and at least as fast as fp32, else fp32); the HF pair stays fp32 and bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")

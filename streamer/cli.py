@@ -118,8 +118,8 @@ def build_parser() -> Parser:
     plan.add_argument("--ranks", type=int, default=1,
                       help="data-parallel processes (one device each): adds the gradient all-reduce and prints the scaling curve")
     plan.add_argument("--dtype", choices=CHOICES["dtype"], default=RunConfig.dtype,
-                      help="compute dtype (default: auto: for local, bf16 if this CPU runs it natively and faster "
-                           "than fp32, else fp32; bf16 for the presets, which all run it natively)")
+                      help="compute dtype (default: auto: for local, bf16 if this CPU runs it natively and at least "
+                           "as fast as fp32, else fp32; bf16 for the presets, which all run it natively)")
     plan.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum)
     plan.add_argument("--prefetch", type=int, default=RunConfig.prefetch)
     plan.add_argument("--update-on", choices=CHOICES["update_on"], default=RunConfig.update_on)

@@ -94,9 +94,9 @@ class RunConfig:
     nonfinite: str = _setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
                                       "(nothing is updated; the next batch follows)", "POLICY")
     trace_steps: int = _setting(8, "optimizer steps the memory trace keeps (the latest ones)")
-    dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and faster than "
-                                  "fp32, else fp32; config.toml records the choice), bf16 or fp32 (master weights "
-                                  "and Adam state are fp32)", "DTYPE")
+    dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
+                                  "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
+                                  "weights and Adam state are fp32)", "DTYPE")
     device: str = _setting("cpu", "torch device: cpu or cuda", "DEVICE")
     budget: str | None = _setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
                                         "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), "SIZE")
