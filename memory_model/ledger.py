@@ -208,8 +208,10 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
 
     Estimated from the usage at the failure point, which is a lower bound on the step's real peak;
     hints may carry `planned_peak_bytes` (the planner's peak) to size the budget and device advice.
-    Known hints: activations ("resident"|"checkpoint"), batch, seq, grad_accum, planned_peak_bytes.
+    Known hints: advise (a callable(needed, capacity, hints) -> suggestions, used instead), activations ("resident"|"checkpoint"), batch, seq, grad_accum, planned_peak_bytes.
     """
+    if callable(hints.get("advise")):  # the caller's planner-sized advice (streamer.advice)
+        return list(hints["advise"](needed, capacity, hints))
     total = sum(needed.values())
     required = max(total, int(hints.get("planned_peak_bytes") or 0))
     out: list[str] = []
@@ -227,14 +229,14 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
             shape = f"{smaller} x {seq}" if seq else str(smaller)
             out.append(f"a smaller batch: at most about {shape} per micro-batch (--batch {smaller * accum}, or "
                        f"--grad-accum {math.ceil(batch / smaller)} to keep the batch of {batch})")
-    out.append(f"a larger budget: --budget {_round_up_size(required)} or more")
+    out.append(f"a larger budget: --budget {round_up_size(required)} or more")
     roomy = [name for name, spec in DEVICE_PRESETS.items() if spec.memory_bytes >= required]
     if roomy:
         out.append(f"another device preset with room for {format_size(required)}: {', '.join(roomy)}")
     return out
 
 
-def _round_up_size(nbytes: int) -> str:
+def round_up_size(nbytes: int) -> str:
     """A budget to type: GiB with one decimal from 1 GiB, whole MiB or KiB below; never below nbytes."""
     if nbytes >= 2**30:
         return f"{math.ceil(nbytes / 2**30 * 10) / 10:g}GiB"

@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from layers import GPTJConfig
-from memory_model import ModelShape, PlanConfig, format_size, peak_device_bytes
+from memory_model import format_size
+from streamer.advice import check_fits, ledger_advice, planned_peak
 from streamer.cli_tools import memory_lines
 from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.distributed import DataParallel
@@ -63,6 +64,7 @@ def train_command(args: argparse.Namespace) -> int:
         start(explicit, args.config, console)
     if session is None:  # the run is already at --steps: nothing was changed
         return 0
+    session.trainer.ledger.hint_context["advise"] = ledger_advice(session.trainer.cfg, session.cfg, _devices(session))
     try:
         with session.trainer:
             console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
@@ -99,6 +101,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
     check_host_resources(cfg, model_cfg)
+    check_fits(model_cfg, cfg, 1 if parallel is None else parallel.world)
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
     def first_files() -> tuple[Tokenizer, Dataset]:
@@ -484,9 +487,8 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
 
 def _planned_peak(s: Session) -> int:
     """The analytic planner's peak for this run's step (memory_model.planner), to set beside the measured one."""
-    cfg = s.cfg
-    plan_cfg = PlanConfig(batch=cfg.batch, seq=cfg.seq, activations=cfg.activations, compute_dtype=cfg.dtype,
-                          prefetch=cfg.prefetch, update_on=cfg.update_on, grad_accum=cfg.grad_accum,
-                          update_chunk=cfg.update_chunk, store=cfg.store,
-                          devices=1 if s.parallel is None else s.parallel.world)
-    return peak_device_bytes(ModelShape.from_config(s.trainer.cfg), plan_cfg)
+    return planned_peak(s.trainer.cfg, s.cfg, _devices(s))
+
+
+def _devices(s: Session) -> int:
+    return 1 if s.parallel is None else s.parallel.world

@@ -131,11 +131,12 @@ def test_bad_input_is_one_line_with_the_fix(capsys, tmp_path, tiny_setup):
     assert (occupied / "thesis.txt").read_text() == "precious"
 
     oom = fails(capsys, *tiny_args(tiny_setup, tmp_path / "oom", 1, "--budget", "8KiB"))
-    assert "device out of memory" in oom and "--budget" in oom
+    assert "is too small" in oom and "by the planner" in oom and "--budget" in oom  # refused before set-up
+    assert not (tmp_path / "oom").exists()
     assert "unknown device" in fails(capsys, "plan", "--target", "abacus")
     assert "exceeds the model's context" in fails(capsys, "plan", "--seq", 4096)
     assert "not a run directory" in fails(capsys, "generate", tmp_path, "--prompt", "x")
-    assert "no trace.json" in fails(capsys, "trace", tmp_path / "oom")  # the run exists at step 0
+    assert "not a run directory" in fails(capsys, "trace", tmp_path / "oom")
 
 
 def test_bench_is_dispatched_lazily_or_reported_missing(capsys, monkeypatch):

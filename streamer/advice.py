@@ -1,0 +1,84 @@
+"""Will a run fit its device budget, and if not, which settings would: every alternative is re-planned.
+
+The analytic planner (memory_model.planner) sizes a run's step before anything is built, so `streamer train`
+refuses a run that cannot fit in seconds, and a DeviceOutOfMemory raised mid-step carries the same advice
+(the trainer's ledger calls `ledger_advice` through its hints) rather than one sized from the failed allocation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Callable
+
+from layers import GPTJConfig
+from memory_model import DEVICE_PRESETS, ModelShape, PlanConfig, format_size, peak_device_bytes, plan
+from memory_model.ledger import round_up_size
+from streamer.run import RunConfig, RunError
+
+# The real step's ledger peak minus the planner's, measured on CPU (one step, budget off) for gptj-demo
+# (2x64, 8x128) and a 2-layer d64 model (2x16, 4x64) over resident/checkpoint x device/host update x
+# grad-accum 1/2 x fp32/bf16 (56 runs): equal in 50, 8 bytes over in 6 (grad-accum 2; ratio 1.000022 at most).
+PLAN_MARGIN_BYTES = 1024
+
+
+def plan_config(cfg: RunConfig, devices: int = 1) -> PlanConfig:
+    """The planner's view of a run's step."""
+    return PlanConfig(batch=cfg.batch, seq=cfg.seq, activations=cfg.activations, compute_dtype=cfg.dtype,
+                      prefetch=cfg.prefetch, update_on=cfg.update_on, grad_accum=cfg.grad_accum,
+                      update_chunk=cfg.update_chunk, store=cfg.store, devices=devices)
+
+
+def planned_peak(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> int:
+    """The analytic planner's peak device bytes for one step of this run."""
+    return peak_device_bytes(ModelShape.from_config(model_cfg), plan_config(cfg, devices))
+
+
+def _needs(shape: ModelShape, pc: PlanConfig) -> int:
+    """The budget a step needs: the planner's peak with the margin the real ledger was measured to need."""
+    return peak_device_bytes(shape, pc) + PLAN_MARGIN_BYTES
+
+
+def alternatives(shape: ModelShape, pc: PlanConfig, budget: int) -> list[str]:
+    """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
+    the batch, checkpointed activations, the host update. Only those that fit are listed."""
+    out = [f"--budget {round_up_size(_needs(shape, pc))}"]
+    per_device = pc.batch // pc.devices
+    for k in range(pc.grad_accum + 1, per_device + 1):
+        if per_device % k == 0 and _needs(shape, replace(pc, grad_accum=k)) <= budget:
+            out.append(f"--grad-accum {k} (micro-batches of {per_device // k}, the batch of {pc.batch} kept)")
+            break
+    if pc.activations == "resident" and _needs(shape, replace(pc, activations="checkpoint")) <= budget:
+        out.append("--activations checkpoint")
+    if pc.update_on == "device" and _needs(shape, replace(pc, update_on="host")) <= budget:
+        out.append("--update-on host")
+    return out
+
+
+def _breakdown(shape: ModelShape, pc: PlanConfig) -> str:
+    """The planned peak by category, e.g. `57.1 MiB (weights 6 MiB, activations 40 MiB, ...)`."""
+    planned = plan(shape, next(iter(DEVICE_PRESETS.values())), pc)  # any device: only bytes are read
+    parts = ", ".join(f"{c} {format_size(b)}" for c, b in planned.peak_breakdown.items() if b)
+    return f"{format_size(planned.peak_device_bytes)} ({parts})"
+
+
+def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
+    """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
+    cannot fit its --budget; nothing when there is no budget or it fits."""
+    budget = cfg.budget_bytes()
+    shape, pc = ModelShape.from_config(model_cfg), plan_config(cfg, devices)
+    if budget is None or _needs(shape, pc) <= budget:
+        return
+    raise RunError(f"--budget {cfg.budget} ({format_size(budget)}) is too small: a step needs "
+                   f"{_breakdown(shape, pc)} by the planner. To fit, one of: {'; or '.join(alternatives(shape, pc, budget))}")
+
+
+def ledger_advice(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1
+                  ) -> Callable[[dict[str, int], int, dict[str, Any]], list[str]]:
+    """For the ledger's hints (`advise`): a DeviceOutOfMemory mid-step names the planner's alternatives."""
+    shape, pc = ModelShape.from_config(model_cfg), plan_config(cfg, devices)
+
+    def advise(needed: dict[str, int], capacity: int, hints: dict[str, Any]) -> list[str]:
+        return [f"the planner puts a step's peak at {_breakdown(shape, pc)}; one of "
+                + "; or ".join(alternatives(shape, pc, capacity))]
+
+    return advise
