@@ -83,20 +83,40 @@ class Trace:
         # Called under the ledger's lock, so samples arrive in allocation order from every thread.
         self.samples.append(MemorySample(self._now(), tuple(breakdown[c] for c in CATEGORIES)))
 
-    def keep_last_steps(self, steps: int) -> None:
-        """Forget spans and memory samples older than the last `steps` steps: a long run's trace stays bounded."""
-        if steps < 1:
-            raise ValueError(f"keep at least one step, got {steps}")
+    def keep_last_steps(self, steps: int, every: int = 0) -> None:
+        """Forget spans and memory samples of steps other than the last `steps` and, with `every` > 0, every
+        `every`-th step (steps every, 2*every, ...): a long run's trace holds at most steps/every + `steps` steps."""
+        if steps < 1 or every < 0:
+            raise ValueError(f"keep at least one step and every >= 0 (0: none), got steps={steps}, every={every}")
         with self._lock:
             recent = sorted({e.step for e in self.events if e.step is not None})[-steps:]
             if not recent:
                 return
             cutoff = min(e.start_s for e in self.events if e.step == recent[0])
+            windows = self._step_windows({e.step for e in self.events if e.step is not None and e.step < recent[0]
+                                          and every and e.step % every == 0})
+
+            def kept(t_start: float, t_end: float) -> bool:
+                return t_end >= cutoff or any(lo <= t_start and t_end <= hi for lo, hi in windows)
+
             self.events = [e for e in self.events
-                           if (e.step is not None and e.step >= recent[0]) or (e.step is None and e.end_s >= cutoff)]
-        # Samples are appended in time order from the ledger's listener; delete the old prefix in place.
-        old = next((i for i, sample in enumerate(self.samples) if sample.t_s >= cutoff), len(self.samples))
-        del self.samples[:old]
+                           if (e.step is not None and (e.step >= recent[0] or (every and e.step % every == 0)))
+                           or (e.step is None and kept(e.start_s, e.end_s))]
+        if not windows:  # samples are appended in time order from the ledger's listener: delete the old prefix
+            old = next((i for i, sample in enumerate(self.samples) if sample.t_s >= cutoff), len(self.samples))
+            del self.samples[:old]
+        else:
+            self.samples[:] = [sample for sample in self.samples if kept(sample.t_s, sample.t_s)]
+
+    def _step_windows(self, steps: set[int]) -> list[tuple[float, float]]:
+        """For each step, the time from its first span's start to its last span's end."""
+        starts: dict[int, float] = {}
+        ends: dict[int, float] = {}
+        for e in self.events:
+            if e.step in steps:
+                starts[e.step] = min(starts.get(e.step, e.start_s), e.start_s)
+                ends[e.step] = max(ends.get(e.step, e.end_s), e.end_s)
+        return [(starts[step], ends[step]) for step in sorted(starts)]
 
     def close(self) -> None:
         """Stop sampling the ledger (the trace keeps what it has)."""

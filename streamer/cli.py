@@ -165,11 +165,15 @@ def build_parser() -> Parser:
     export.set_defaults(func=_lazy("streamer.cli_tools", "export_command"))
 
     trace = commands.add_parser("trace", help="the per-layer memory table and plot of a run",
-                                formatter_class=formatter, description="Show a run's memory trace.",
-                                epilog="examples:\n  streamer trace RUN\n  streamer trace RUN --step 3 "
-                                       "--out step3.png --chrome step3.json\n  streamer trace RUN/trace.json --json")
+                                formatter_class=formatter, description="Show a run's memory trace. A run's trace keeps its last --trace-steps "
+                                "steps (default 8) and, if trained with --trace-every N, every Nth step; "
+                                "--step picks one of them.",
+                                epilog="examples:\n  streamer trace RUN\n"
+                                       "  streamer train --run-dir RUN --steps 300 --trace-every 100\n"
+                                       "  streamer trace RUN --step 100 --out step100.png --chrome step100.json\n"
+                                       "  streamer trace RUN/trace.json --json")
     trace.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
-    trace.add_argument("--step", type=int, help="one step (default: the last)")
+    trace.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the last)")
     trace.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
     trace.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
     trace.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -161,6 +161,17 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
 
 
 # --- trace ----------------------------------------------------------------------------------------------------
+def step_ranges(steps: list[int]) -> str:
+    """Sorted step numbers as runs of consecutive ones: [10, 20, 29, 30, 31] -> '10, 20, 29..31'."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
 def trace_command(args: argparse.Namespace) -> int:
     source = Path(args.run)
     path = source if source.is_file() else RunDir.open(source).trace_json
@@ -177,7 +188,9 @@ def trace_command(args: argparse.Namespace) -> int:
         raise RunError(f"{path} records no training step; train the run first")
     step = steps[-1] if args.step is None else args.step
     if step not in steps:
-        raise RunError(f"--step {step} is not in the trace; it holds steps {steps[0]}..{steps[-1]}")
+        raise RunError(f"--step {step} is not in the trace; it holds steps {step_ranges(steps)} (the last "
+                       "--trace-steps, default 8, and every --trace-every-th); to keep others, train with "
+                       "--trace-every N or a larger --trace-steps")
     summary = trace.summary(step)
     out = Path(args.out) if args.out else path.with_name("memory.png")
     trace.plot(out, step=step)

@@ -99,12 +99,13 @@ class TrainerConfig:
     nonfinite: str = "stop"
     seed: int = 0
     trace_steps: int = 8  # the trace keeps this many recent steps, so a long run's memory stays flat
+    trace_every: int = 0  # ... and every Nth step (0: none): at most steps/N more, still flat per step
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps", "weight_decay"):
             _require(name, getattr(self, name), "number")
         _require("max_grad_norm", self.max_grad_norm, "number", optional=True)
-        for name in ("grad_accum", "update_chunk", "prefetch", "seed", "trace_steps"):
+        for name in ("grad_accum", "update_chunk", "prefetch", "seed", "trace_steps", "trace_every"):
             _require(name, getattr(self, name), "int")
         if not isinstance(self.betas, tuple) or len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
@@ -138,6 +139,8 @@ class TrainerConfig:
         for name in ("grad_accum", "update_chunk", "trace_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.trace_every < 0:
+            raise ConfigError(f"trace_every must be an integer >= 0 (0: off), got {self.trace_every!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda", "meta"):

@@ -94,6 +94,8 @@ class RunConfig:
     nonfinite: str = _setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
                                       "(nothing is updated; the next batch follows)", "POLICY")
     trace_steps: int = _setting(8, "optimizer steps the memory trace keeps (the latest ones)")
+    trace_every: int = _setting(0, "also keep every Nth step in the memory trace (N, 2N, ...; 0: only the latest "
+                                   "--trace-steps); it then holds at most steps/N + --trace-steps steps", "N")
     dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
                                   "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
                                   "weights and Adam state are fp32)", "DTYPE")
@@ -186,7 +188,8 @@ class RunConfig:
             grad_accum=self.grad_accum, compute_dtype=self.dtype, activations=self.activations, store=self.store,
             update_on=self.update_on, prefetch=self.prefetch, device=self.device, budget=self.budget_bytes(),
             schedule=schedule, update_chunk=self.update_chunk, seed=self.seed, betas=self.betas, eps=self.eps,
-            moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps)
+            moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps,
+            trace_every=self.trace_every)
 
     def name(self) -> str:
         """A short name for the default run directory."""
@@ -230,12 +233,12 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "log_every")
+             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every")
 CHOICES = {"schedule": SCHEDULES, "dtype": COMPUTE_DTYPES, "store": STORE_TIERS, "activations": ACTIVATION_POLICIES,
            "update_on": UPDATE_PLACES, "moment_dtype": MOMENT_DTYPES, "nonfinite": NONFINITE_POLICIES}
 INT_MINIMUMS = {"steps": 1, "batch": 1, "seq": 2, "grad_accum": 1, "warmup": 0, "prefetch": 0, "update_chunk": 1,
                 "seed": 0, "eval_every": 0, "eval_batches": 1, "save_every": 1, "sample_tokens": 0, "trace_steps": 1,
-                "log_every": 1}
+                "trace_every": 0, "log_every": 1}
 
 
 def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> RunConfig:

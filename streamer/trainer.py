@@ -186,7 +186,7 @@ class StreamingTrainer:
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
             self.store.finish_step(step, self._trainer_state())
-        self.trace.keep_last_steps(self.tc.trace_steps)
+        self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
 
     def _mean_loss(self, ctx: StepContext) -> float:

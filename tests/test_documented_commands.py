@@ -10,6 +10,7 @@ documented is skipped silently.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import os
 import re
@@ -29,7 +30,7 @@ SUBCOMMANDS = ("train", "plan", "generate", "export", "trace", "bench")
 # Commands the test does not run, each with the reason; CI itself runs these two.
 NOT_RUN = {"make demo": "CI runs the README's commands from a clean clone", "make test": "CI's own command"}
 # Sizes that would take minutes are shrunk to these at most (flags keep their place and meaning).
-AT_MOST = {"--steps": 2, "--seq": 32, "--max-new-tokens": 8, "--batch": 8}
+AT_MOST = {"--steps": 2, "--warmup": 1, "--seq": 64, "--max-new-tokens": 8, "--batch": 8}
 
 
 # --- extraction ------------------------------------------------------------------------------------------------
@@ -82,7 +83,8 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     from streamer.tokenizer import load_tokenizer
     root = tmp_path_factory.mktemp("documented")
     hf = root / "hf"
-    tiny_hf_model(TINY_RUN_MODEL).save_pretrained(hf)
+    # The default --seq (128) fits its context, as it does a real checkpoint's.
+    tiny_hf_model(dataclasses.replace(TINY_RUN_MODEL, n_positions=128)).save_pretrained(hf)
     load_tokenizer(tiny_setup / "tok").save(hf)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": " ".join(topics[k].split()[:8]) + "\nTopic:", "completion": f" {k}"})

@@ -234,3 +234,18 @@ def test_keep_last_steps_bounds_a_long_run() -> None:
     assert trace.steps() == [18, 19, 20]
     assert all(s.t_s >= min(e.start_s for e in trace.events) for s in trace.samples)
     assert len(trace.samples) <= 3 * 2 + 1
+
+
+def test_keep_every_nth_step_stays_bounded() -> None:
+    """Every 5th step and the last 2: at most steps/5 + 2 steps; each kept step keeps its own memory samples."""
+    ledger = Ledger(None)
+    trace = Trace(ledger)
+    for step in range(1, 24):
+        with trace.span("block.0", "forward", step=step):
+            handle = ledger.allocate("weights", "block.0", 100 * step)
+            ledger.free(handle)
+        trace.keep_last_steps(2, every=5)
+    assert trace.steps() == [5, 10, 15, 20, 22, 23]
+    assert sorted({s.total for s in trace.samples} - {0}) == [500, 1000, 1500, 2000, 2200, 2300]
+    with pytest.raises(ValueError, match="every >= 0"):
+        trace.keep_last_steps(2, every=-1)
