@@ -169,8 +169,8 @@ def build_parser() -> Parser:
                                 "steps (default 8) and, if trained with --trace-every N, every Nth step; "
                                 "--step picks one of them.",
                                 epilog="examples:\n  streamer trace RUN\n"
-                                       "  streamer train --run-dir RUN --steps 300 --trace-every 100\n"
-                                       "  streamer trace RUN --step 100 --out step100.png --chrome step100.json\n"
+                                       "  streamer train --run-dir runs/traced --steps 300 --trace-every 100\n"
+                                       "  streamer trace runs/traced --step 100 --out step100.png --chrome step100.json\n"
                                        "  streamer trace RUN/trace.json --json")
     trace.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
     trace.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the last)")
