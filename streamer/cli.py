@@ -15,7 +15,7 @@ from typing import Callable, NoReturn, Sequence
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
-from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
+from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig, flag
 
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 
@@ -60,17 +60,17 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         types = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
         default = f.default if f.default is not MISSING else None
         shown = f" (default: {default}" + (f"; demo: {DEMO_DEFAULTS[f.name]})" if f.name in DEMO_DEFAULTS else ")")
-        flag = "--" + f.name.replace("_", "-")
+        name = flag(f.name)
         if types == [bool]:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=f.metadata["help"] + shown)
         elif typing.get_origin(hints[f.name]) is tuple:
-            parser.add_argument(flag, nargs="+", action=_Numbers, default=argparse.SUPPRESS,
+            parser.add_argument(name, nargs="+", action=_Numbers, default=argparse.SUPPRESS,
                                 metavar=("B1", "B2"), help=f.metadata["help"] + shown.replace(
                                     str(default), ",".join(map(str, default))))
         else:
             metavar = f.metadata["metavar"] or {int: "N", float: "X"}[types[0]]
-            parser.add_argument(flag, type=types[0], default=argparse.SUPPRESS, metavar=metavar,
+            parser.add_argument(name, type=types[0], default=argparse.SUPPRESS, metavar=metavar,
                                 help=f.metadata["help"] + ("" if default is None else shown))
 
 

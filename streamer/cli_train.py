@@ -30,7 +30,7 @@ from streamer.distributed import DataParallel
 from streamer.generate import Sampling, complete
 from streamer.hardware import resolve_compute_dtype
 from streamer.resources import check_host_resources
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, _flag, read_toml, resolve
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, flag, read_toml, resolve
 from streamer.slabfile import DiskFull
 from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
@@ -155,9 +155,9 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
     fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
     if fixed:
-        flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
+        flags = ", ".join(flag(k) for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
-                       f"them); only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can, "
+                       f"them); only {', '.join(flag(k) for k in RESUMABLE)} can, "
                        "or start a new --run-dir")
     return _continue(run, cfg, console)
 
@@ -171,7 +171,7 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     same = resolve({**explicit, **{k: getattr(saved, k) for k in RESUMABLE}}, config_file).with_absolute_paths()
     if same.dtype == "auto":  # the run recorded what auto chose when it started
         same = replace(same, dtype=saved.dtype)
-    changed = [f"{_flag(k)} {getattr(saved, k)} there, {getattr(same, k)} here" for k in
+    changed = [f"{flag(k)} {getattr(saved, k)} there, {getattr(same, k)} here" for k in
                (f.name for f in fields(RunConfig)) if k not in RESUMABLE and getattr(same, k) != getattr(saved, k)]
     if changed:
         raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "

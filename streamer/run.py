@@ -44,7 +44,7 @@ class SettingError(RunError):
     """One setting's value is wrong: `key` names it, so an error can say where it came from (flag or file)."""
 
     def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"{_flag(key)} {problem}")
+        super().__init__(f"{flag(key)} {problem}")
         self.key, self.problem = key, problem
 
 
@@ -309,7 +309,8 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007F")
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """The command-line flag of a setting: `grad_accum` -> `--grad-accum`."""
     return "--" + name.replace("_", "-")
 
 
