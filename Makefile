@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)
-	$(VENV)/bin/streamer bench
+	$(PY) -m benchmarks.bench
 
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py

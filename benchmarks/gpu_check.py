@@ -43,12 +43,12 @@ sys.path.insert(0, str(ROOT))  # this checkout's packages, whatever the venv has
 from layers import GPTJConfig  # noqa: E402
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, ModelShape, Plan, PlanConfig  # noqa: E402
 from memory_model import format_size, plan  # noqa: E402
-from memory_model.calibrate import measure_update  # noqa: E402
+from streamer.runtime.calibrate import measure_update  # noqa: E402
 from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
-from streamer.bench_machine import STORE_KINDS  # noqa: E402
-from streamer.hardware import resolve_compute_dtype  # noqa: E402
-from streamer.layout import model_layouts  # noqa: E402
-from streamer.store import StoreSpec  # noqa: E402
+from benchmarks.machine import STORE_KINDS  # noqa: E402
+from streamer.runtime.hardware import resolve_compute_dtype  # noqa: E402
+from streamer.store.layout import model_layouts  # noqa: E402
+from streamer.store.host import StoreSpec  # noqa: E402
 
 GiB = 2**30
 GOAL_PEAK_BYTES = 16 * GiB  # device peak at 1 x 2048

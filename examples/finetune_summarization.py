@@ -22,9 +22,9 @@ import torch
 
 from layers import GPTJConfig
 from streamer import LRSchedule, StreamingTrainer, TrainerConfig
-from streamer.data import BatchStream, load_dataset
+from streamer.io.data import BatchStream, load_dataset
 from streamer.generate import Sampling, complete
-from streamer.tokenizer import train_bpe
+from streamer.io.tokenizer import train_bpe
 
 NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun"]
 ITEMS = ["apples", "bicycles", "candles", "drums", "easels", "flutes", "guitars", "hammers", "inks", "jackets"]

@@ -21,9 +21,9 @@ import transformers
 
 from layers import GPTJ, GPTJConfig
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.cli_tools import export_hf
-from streamer.data import BatchStream, demo_corpus, tokenize
-from streamer.tokenizer import load_tokenizer, train_bpe
+from streamer.cli.tools import export_hf
+from streamer.io.data import BatchStream, demo_corpus, tokenize
+from streamer.io.tokenizer import load_tokenizer, train_bpe
 
 SMALL = GPTJConfig(vocab_size=1024, n_positions=128, n_embd=128, n_layer=4, n_head=4, rotary_dim=16)
 SHARD = 1_000_000  # bytes: small enough that the small model is written as several shards

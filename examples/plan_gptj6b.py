@@ -17,7 +17,7 @@ from rich.table import Table
 from layers import GPTJConfig
 from memory_model import DEVICE_PRESETS, ModelShape, PlanConfig, format_size, plan
 from streamer import TrainerConfig
-from streamer.dryrun import dry_run
+from streamer.runtime.dryrun import dry_run
 from streamer.console import make_console
 
 POLICIES = ("resident", "checkpoint")

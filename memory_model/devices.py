@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memory_model.kernels import KernelCosts
+from memory_model.units import COMPUTE_DTYPES
 
 if TYPE_CHECKING:  # shapes.py imports this module
     from memory_model.shapes import ModelShape
 
 # Bytes per element of each compute dtype the planner and the runtime support.
-DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 GB = 10**9
 GiB = 2**30
@@ -85,14 +85,14 @@ class DeviceSpec:
         if self.interconnect is not None and not isinstance(self.interconnect, Link):
             raise ValueError("interconnect must be a Link or None")
         # The presets rate every dtype; `local` only the one it was calibrated for (flops_for names the gap).
-        if not self.flops or set(self.flops) - set(DTYPE_BYTES):
-            raise ValueError(f"flops must rate one or more of the compute dtypes {sorted(DTYPE_BYTES)}, "
+        if not self.flops or set(self.flops) - set(COMPUTE_DTYPES):
+            raise ValueError(f"flops must rate one or more of the compute dtypes {sorted(COMPUTE_DTYPES)}, "
                              f"got {sorted(self.flops)}")
         for dtype, rate in self.flops.items():
             _positive(f"flops[{dtype!r}]", rate)
         for dtype, costs in self.kernels.items():
-            if dtype not in DTYPE_BYTES or not isinstance(costs, KernelCosts):
-                raise ValueError(f"kernels maps a compute dtype {sorted(DTYPE_BYTES)} to KernelCosts; "
+            if dtype not in COMPUTE_DTYPES or not isinstance(costs, KernelCosts):
+                raise ValueError(f"kernels maps a compute dtype {sorted(COMPUTE_DTYPES)} to KernelCosts; "
                                  f"got {dtype!r}: {type(costs).__name__}")
         # Private copies: the dataclass is frozen, the caller's dicts are not.
         object.__setattr__(self, "flops", dict(self.flops))
@@ -215,16 +215,9 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
 }
 
 
-def device_spec(name: str, cache_dir: Path | str | None = None, refresh: bool = False,
-                shape: ModelShape | None = None, dtype: str | None = None) -> DeviceSpec:
-    """A preset by name, or "local": this machine, calibrated for planning `shape` in compute dtype `dtype`
-    (both required for local) and cached as JSON in cache_dir."""
-    if name == "local":
-        if shape is None or dtype is None:
-            raise ValueError("the local device is calibrated for a model and a compute dtype: pass shape and dtype")
-        # Calibration needs torch; importing it only here keeps planning (and `import memory_model`) light.
-        from memory_model.calibrate import local_spec
-        return local_spec(None if cache_dir is None else Path(cache_dir), shape, dtype, refresh=refresh)
+def device_spec(name: str) -> DeviceSpec:
+    """A preset by name. "local" (this machine) is measured, not described: the runtime calibrates it
+    (streamer.runtime.calibrate.local_spec), which keeps this package free of torch."""
     try:
         return DEVICE_PRESETS[name]
     except KeyError:

@@ -1,10 +1,10 @@
 """The analytic plan of one training step: device bytes by category at every event, the peak, and time.
 
-The planner walks the same event list the runtime executes (streamer/schedule.py): the forward and backward
+The planner walks the same event list the runtime executes (streamer/runtime/schedule.py): the forward and backward
 of every micro-batch, then the update in chunks. At each event the device holds the event's own resource
 and the next `prefetch` distinct resources (a unit's compute weights, or one update chunk's state), the
 activations of every unit whose forward ran and whose backward has not, and during a backward the unit's
-weight gradient and workspace. docs/MEMORY_MODEL.md states this charging contract (as streamer/runtime.py
+weight gradient and workspace. docs/MEMORY_MODEL.md states this charging contract (as streamer/runtime/executor.py
 implements it) and derives every formula and the time model.
 """
 from __future__ import annotations

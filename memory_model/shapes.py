@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from memory_model.devices import DTYPE_BYTES
+from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
 ACTIVATION_POLICIES = ("resident", "checkpoint")
 UPDATE_PLACES = ("device", "host")
@@ -96,7 +96,7 @@ class PlanConfig:
             _positive_int("PlanConfig", name, getattr(self, name))
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"PlanConfig.prefetch must be an integer >= 0, got {self.prefetch!r}")
-        choices = {"activations": ACTIVATION_POLICIES, "compute_dtype": tuple(DTYPE_BYTES),
+        choices = {"activations": ACTIVATION_POLICIES, "compute_dtype": COMPUTE_DTYPES,
                    "update_on": UPDATE_PLACES, "store": STORE_TIERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

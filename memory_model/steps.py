@@ -1,4 +1,4 @@
-"""The step as the runtime executes it (streamer/schedule.py), reduced to what costs memory and time.
+"""The step as the runtime executes it (streamer/runtime/schedule.py), reduced to what costs memory and time.
 
 Each event needs one resource: a unit's compute weights, or one update chunk's state (on the device, or on
 the host for update_on="host"). When event k starts, its resource and the next `prefetch` distinct resources

@@ -89,7 +89,7 @@ def _compute(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: Devic
 
 def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
     """The runtime folds a gradient on the compute thread when the device is the host's own cores and the
-    accumulator is in RAM (streamer/runtime.py): the fold then adds to the compute time."""
+    accumulator is in RAM (streamer/runtime/executor.py): the fold then adds to the compute time."""
     return device.same_memory and cfg.store == "ram" and cfg.devices == 1
 
 

@@ -1,8 +1,13 @@
-"""Byte sizes as users write them ("3GiB", "40GB") and as people read them."""
+"""Byte sizes as users write them ("3GiB", "40GB") and as people read them; the bytes of each dtype."""
 from __future__ import annotations
 
 import re
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+
+# Bytes per element of every dtype the runtime stores, computes or exports in, by the names users write.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The dtypes a step computes in (fp16 only exports: its range needs loss scaling, which the runtime lacks).
+COMPUTE_DTYPES = ("bf16", "fp32")
 
 # Decimal (SI) and binary (IEC) units are both common in budgets; "GB" and "GiB" differ by 7%, so both
 # spellings are kept exact instead of guessing what a bare "G" means.

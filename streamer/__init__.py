@@ -1,8 +1,8 @@
 """The weight-streaming runtime: host store, step schedule, streamed execution, CLI."""
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import CheckpointError, DataError, StoreError, StreamerError, TokenizerError
-from streamer.layout import Placement
-from streamer.runtime import NonFiniteError
+from streamer.store.layout import Placement
+from streamer.runtime.executor import NonFiniteError
 from streamer.trainer import StreamingTrainer
 
 __all__ = [

@@ -10,8 +10,8 @@ import torch
 
 from memory_model import DEVICE_PRESETS, DeviceSpec, parse_size
 from streamer.errors import StreamerError
-from streamer.hardware import resolve_compute_dtype
-from streamer.layout import DTYPES, Placement, dtype_name
+from streamer.runtime.hardware import resolve_compute_dtype
+from streamer.store.layout import DTYPES, Placement, dtype_name
 
 
 class ConfigError(StreamerError):

@@ -17,11 +17,11 @@ import torch
 
 from layers import KVCache
 from streamer.errors import StreamerError
-from streamer.runtime import StepContext
-from streamer.schedule import inference_events
+from streamer.runtime.executor import StepContext
+from streamer.runtime.schedule import inference_events
 
 if TYPE_CHECKING:
-    from streamer.tokenizer import Tokenizer
+    from streamer.io.tokenizer import Tokenizer
     from streamer.trainer import StreamingTrainer
 
 

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from layers import PRESETS, GPTJConfig
-from memory_model import DEVICE_PRESETS, SizeError, parse_size
+from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS, SizeError, parse_size
 from memory_model.shapes import ACTIVATION_POLICIES, STORE_TIERS, UPDATE_PLACES
-from streamer.commit import lock_file, read_journal, read_manifest
+from streamer.store.commit import lock_file, read_journal, read_manifest
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
-from streamer.hardware import RESOLVED_DTYPES
-from streamer.slabfile import write_json_atomic
+from streamer.store.slabfile import write_json_atomic
 
 
 class RunError(StreamerError):
@@ -49,7 +48,7 @@ class SettingError(RunError):
 
 
 # The choices of the settings that several subcommands share (train, plan): one place, so they cannot drift.
-COMPUTE_DTYPES = ("auto", *RESOLVED_DTYPES)  # auto: streamer/hardware.py
+DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: streamer/runtime/hardware.py
 SCHEDULES = ("constant", "cosine", "linear")
 MOMENT_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -234,7 +233,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every")
-CHOICES = {"schedule": SCHEDULES, "dtype": COMPUTE_DTYPES, "store": STORE_TIERS, "activations": ACTIVATION_POLICIES,
+CHOICES = {"schedule": SCHEDULES, "dtype": DTYPE_CHOICES, "store": STORE_TIERS, "activations": ACTIVATION_POLICIES,
            "update_on": UPDATE_PLACES, "moment_dtype": MOMENT_DTYPES, "nonfinite": NONFINITE_POLICIES}
 INT_MINIMUMS = {"steps": 1, "batch": 1, "seq": 2, "grad_accum": 1, "warmup": 0, "prefetch": 0, "update_chunk": 1,
                 "seed": 0, "eval_every": 0, "eval_batches": 1, "save_every": 1, "sample_tokens": 0, "trace_steps": 1,

@@ -10,12 +10,12 @@ import torch
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights, unit_names
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
-from streamer.distributed import DataParallel
+from streamer.runtime.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
-from streamer.layout import dtype_name, model_layouts
-from streamer.runtime import Executor, MicroBatch, NonFiniteError, StepContext
-from streamer.schedule import forward_events, step_events, update_events
-from streamer.store import JOURNAL, HostStore, StoreSpec, chunks
+from streamer.store.layout import dtype_name, model_layouts
+from streamer.runtime.executor import Executor, MicroBatch, NonFiniteError, StepContext
+from streamer.runtime.schedule import forward_events, step_events, update_events
+from streamer.store.host import JOURNAL, HostStore, StoreSpec, chunks
 
 
 class StreamingTrainer:
@@ -85,7 +85,7 @@ class StreamingTrainer:
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
         """Import a Hugging Face GPT-J folder tensor by tensor (about one unit in memory at a time)."""
-        from streamer.hf import HFCheckpoint
+        from streamer.io.hf import HFCheckpoint
         checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
         trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)

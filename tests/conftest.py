@@ -43,7 +43,7 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """For fast `streamer train` runs: TINY_RUN_MODEL's config.json, train.txt and a tokenizer folder tok/."""
     from pydoc_data.topics import topics
 
-    from streamer.tokenizer import train_bpe
+    from streamer.io.tokenizer import train_bpe
     root = tmp_path_factory.mktemp("tiny")
     (root / "config.json").write_text(json.dumps(TINY_RUN_MODEL.to_hf()))
     texts = [topics[k] for k in sorted(topics)[:30]]

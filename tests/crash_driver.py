@@ -22,7 +22,7 @@ import torch
 
 from layers import GPTJConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
-from streamer.runtime import Executor
+from streamer.runtime.executor import Executor
 
 CFG = GPTJConfig.preset("gptj-debug")
 TARGETS = ("forward", "backward", "update", "pwritev", "fdatasync", "fsync", "replace")

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from layers import GPTJConfig
-from streamer import bench
-from streamer.bench_compare import HF_FP32, STREAM_RAM
-from streamer.bench_machine import ModelChoice, fitted_width, pick_scale_model
-from streamer.bench_report import Section
-from streamer.bench_runs import Runner, _others_cores, merge
-from streamer.bench_worker import Measured, RunSpec, _union_s
-from streamer.hardware import DtypeChoice, resolve_compute_dtype
+from benchmarks import bench
+from benchmarks.compare import HF_FP32, STREAM_RAM
+from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model
+from benchmarks.report import Section
+from benchmarks.runs import Runner, _others_cores, merge
+from benchmarks.worker import Measured, RunSpec, _union_s
+from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 FP32 = DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
 
@@ -166,11 +166,11 @@ def test_quick_writes_no_report_unless_told_where():
 
 def test_every_section_renders_when_nothing_ran():
     """Skipped or failed contenders become 'not run' / 'failed' cells, never a crash after an hour of runs."""
-    from streamer.bench_compare import (
+    from benchmarks.compare import (
         STREAM_RAM, Context, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation,
         versus_deepspeed, versus_hf, where_time_goes,
     )
-    from streamer.bench_machine import Peaks
+    from benchmarks.machine import Peaks
     spec = RunSpec(label=STREAM_RAM, contender="stream", model={}, batch=1, seq=1)
     ctx = Context(results={STREAM_RAM: merge(spec, [_measured(STREAM_RAM, [], 0, ok=False)])},
                   peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, scale=None, compute=FP32, skipped={"x": "--quick"})
@@ -182,8 +182,8 @@ def test_every_section_renders_when_nothing_ran():
 
 
 def test_disk_bandwidth_is_judged_only_where_the_disk_served_it():
-    from streamer.bench_compare import STREAM_DISK, Context, disk_tier
-    from streamer.bench_machine import DiskBandwidth, Peaks
+    from benchmarks.compare import STREAM_DISK, Context, disk_tier
+    from benchmarks.machine import DiskBandwidth, Peaks
     spec = RunSpec(label=STREAM_DISK, contender="stream", model={}, batch=1, seq=1, tier="disk")
     block = _measured(STREAM_DISK, [2.0], 1)
     # Reads came from the page cache (nothing reached the device); writes did, at half the raw rate.

@@ -18,7 +18,7 @@ import torch
 
 from layers import GPTJConfig
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.resident import ResidentTrainer
+from benchmarks.resident import ResidentTrainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU; `make gpu-check` runs these on one")

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamer.data import BatchStream, Dataset, Example, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.io.data import BatchStream, Dataset, Example, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.errors import DataError
 
 EOS = 256
@@ -188,7 +188,7 @@ def test_missing_file_and_bad_settings(tmp_path):
 
 
 def test_with_a_trained_tokenizer(tmp_path):
-    from streamer.tokenizer import train_bpe
+    from streamer.io.tokenizer import train_bpe
 
     tok = train_bpe(demo_corpus(), vocab_size=512)
     path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": "def f():", "completion": " return 1"}])

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import memory_model.calibrate as calibrate
+import streamer.runtime.calibrate as calibrate
 from layers import PRESETS
 from memory_model import DEVICE_PRESETS, DeviceSpec, Link, ModelShape, SizeError, device_spec, format_size, parse_size
-from memory_model.calibrate import CalibrationSizes
+from streamer.runtime.calibrate import CalibrationSizes
 from memory_model.kernels import KernelCosts
 
 TINY = CalibrationSizes(matmul_n=32, probe_tokens=16, compute_seconds=0.5, copy_bytes=2**16, disk_bytes=2**16,
@@ -170,35 +170,33 @@ def test_local_spec_is_cached_per_dtype_and_model_and_refreshable(tmp_path, monk
     real = calibrate.calibrate
     monkeypatch.setattr(calibrate, "calibrate", lambda d, shape, dtype, s=None: calls.append(dtype) or
                         real(d, shape, dtype, s))
-    first = device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32")
+    first = calibrate.local_spec(tmp_path, DEBUG, "fp32")
     assert (tmp_path / calibrate.CACHE_NAME).is_file() and calls == ["fp32"]
-    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32") == first and calls == ["fp32"]
-    device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="bf16")  # another dtype: measured, kept beside
+    assert calibrate.local_spec(tmp_path, DEBUG, "fp32") == first and calls == ["fp32"]
+    calibrate.local_spec(tmp_path, DEBUG, "bf16")  # another dtype: measured, kept beside
     wider = ModelShape(**{**DEBUG.__dict__, "n_embd": 128, "inner_dim": 512})
-    device_spec("local", cache_dir=tmp_path, shape=wider, dtype="fp32")  # another probe shape: measured too
+    calibrate.local_spec(tmp_path, wider, "fp32")  # another probe shape: measured too
     assert calls == ["fp32", "bf16", "fp32"]
-    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32") == first and len(calls) == 3
-    device_spec("local", cache_dir=tmp_path, refresh=True, shape=DEBUG, dtype="fp32")
+    assert calibrate.local_spec(tmp_path, DEBUG, "fp32") == first and len(calls) == 3
+    calibrate.local_spec(tmp_path, DEBUG, "fp32", refresh=True)
     assert len(calls) == 4
-    with pytest.raises(ValueError, match="pass shape and dtype"):
-        device_spec("local", cache_dir=tmp_path)
 
 
 def test_stale_or_damaged_cache_is_recalibrated(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
     cache = tmp_path / calibrate.CACHE_NAME
-    device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32")
+    calibrate.local_spec(tmp_path, DEBUG, "fp32")
     payload = json.loads(cache.read_text())
     payload["fingerprint"]["cpus"] = -1  # as if copied from another machine
     (key,) = payload["entries"]
     payload["entries"][key]["source"] = "stale"
     cache.write_text(json.dumps(payload))
-    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32").source != "stale"
+    assert calibrate.local_spec(tmp_path, DEBUG, "fp32").source != "stale"
     cache.write_text("{not json")
-    assert device_spec("local", cache_dir=tmp_path, shape=DEBUG, dtype="fp32").name == "local"
+    assert calibrate.local_spec(tmp_path, DEBUG, "fp32").name == "local"
     assert json.loads(cache.read_text())["version"] == calibrate.CACHE_VERSION
 
 
 def test_local_without_cache_dir(monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
-    assert device_spec("local", shape=DEBUG, dtype="fp32").same_memory
+    assert calibrate.local_spec(None, DEBUG, "fp32").same_memory

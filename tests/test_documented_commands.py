@@ -81,7 +81,7 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     """A trained run (3 steps), a Hugging Face folder, prompt/completion data and a settings file."""
     from pydoc_data.topics import topics
 
-    from streamer.tokenizer import load_tokenizer
+    from streamer.io.tokenizer import load_tokenizer
     root = tmp_path_factory.mktemp("documented")
     hf = root / "hf"
     # The default --seq (128) fits its context, as it does a real checkpoint's.
@@ -154,7 +154,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     if program == "streamer":
         return [sys.executable, "-m", "streamer", *out]
     if program == "python":
-        if out[:2] == ["-m", "streamer.soak"]:
+        if out[:2] == ["-m", "benchmarks.soak"]:
             out += ["--warmup", "1", "--no-compare"]
         if out and out[0].endswith(".py"):
             out[0] = str(ROOT / out[0])

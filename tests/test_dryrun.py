@@ -7,7 +7,7 @@ import torch
 from layers import GPTJConfig
 from memory_model import ModelShape, PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.dryrun import dry_run
+from streamer.runtime.dryrun import dry_run
 
 
 def shape_of(cfg: GPTJConfig) -> ModelShape:

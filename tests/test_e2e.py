@@ -16,11 +16,11 @@ from pydoc_data.topics import topics
 
 from layers import GPTJ, IGNORE_INDEX, GPTJConfig
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.cli import main
-from streamer.cli_tools import open_trainer
-from streamer.data import load_dataset
+from streamer.cli.main import main
+from streamer.cli.tools import open_trainer
+from streamer.io.data import load_dataset
 from streamer.run import RunDir
-from streamer.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from streamer.io.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 CFG = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
 SEQ = 64

@@ -7,7 +7,7 @@ import torch
 from layers import GPTJ, GPTJConfig
 from streamer import StreamerError, StreamingTrainer, TrainerConfig
 from streamer.generate import Sampling, complete, generate, sample_next
-from streamer.tokenizer import train_bpe
+from streamer.io.tokenizer import train_bpe
 
 DEBUG = GPTJConfig.preset("gptj-debug")
 TINY = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)

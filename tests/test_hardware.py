@@ -18,9 +18,9 @@ import torch
 
 from layers import GPTJConfig
 from streamer import TrainerConfig
-from streamer.cli_tools import plan_dtype
+from streamer.cli.tools import plan_dtype
 from streamer.errors import StreamerError
-from streamer.hardware import (
+from streamer.runtime.hardware import (
     DtypeChoice, MatmulProbe, choose_for_cpu, choose_for_cuda, cpu_probe, probe_cpu, resolve_compute_dtype,
 )
 from streamer.run import RunConfig, RunError
@@ -106,7 +106,7 @@ def test_trainer_config_resolves_auto() -> None:
 
 # --- for real, capped to AVX2 ----------------------------------------------------------------------------------
 def test_the_isa_cap_takes_effect_in_a_fresh_process() -> None:
-    capped = _python("import torch; from streamer.hardware import resolve_compute_dtype as r; "
+    capped = _python("import torch; from streamer.runtime.hardware import resolve_compute_dtype as r; "
                      "print(torch.backends.cpu.get_cpu_capability()); print(r('cpu').reason)", AVX2)
     capability, reason = capped.splitlines()
     assert capability == "AVX2"

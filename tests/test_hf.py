@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from layers import GPTJConfig
 from streamer.errors import CheckpointError, StreamerError
-from streamer.hf import HFCheckpoint, HFExporter, expected_tensors
+from streamer.io.hf import HFCheckpoint, HFExporter, expected_tensors
 
 TINY = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, rotary_dim=4)
 
@@ -326,7 +326,7 @@ def test_iter_tensors_holds_one_tensor_at_a_time(tmp_path):
     total = cfg.num_params() * 4
     script = textwrap.dedent(f"""
         import torch
-        from streamer.hf import HFCheckpoint
+        from streamer.io.hf import HFCheckpoint
         def anon():
             line = next(l for l in open("/proc/self/status") if l.startswith("RssAnon"))
             return int(line.split()[1]) * 1024
@@ -347,7 +347,7 @@ def test_write_failure_is_a_checkpoint_error_and_leaves_nothing(hf_state, tmp_pa
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("streamer.hf.save_file", full_disk)
+    monkeypatch.setattr("streamer.io.hf.save_file", full_disk)
     with pytest.raises(CheckpointError, match="No space left on device.*free disk space"):
         with HFExporter(tmp_path / "out", GPTJConfig(**TINY)) as export:
             for key, tensor in hf_state.items():

@@ -19,7 +19,7 @@ import torch
 
 from conftest import TINY_RUN_MODEL as TINY
 from layers import GPTJConfig
-from streamer.cli_tools import open_trainer
+from streamer.cli.tools import open_trainer
 from streamer.run import RunDir, SETUP_MARK, resolve
 
 STEPS = 4

@@ -23,9 +23,9 @@ import torch
 import crash_driver
 from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
-from streamer.slabfile import TRAILER_BYTES, Trailer, file_checksum
-from streamer.soak import soak
-from streamer.store import HostStore
+from streamer.store.slabfile import TRAILER_BYTES, Trailer, file_checksum
+from benchmarks.soak import soak
+from streamer.store.host import HostStore
 
 STEPS, KILLS = 20, 12  # per chain
 
@@ -277,7 +277,7 @@ def test_nonfinite_skip_drops_the_step_and_training_goes_on(tmp_path, monkeypatc
 # --- soak ---------------------------------------------------------------------------------------------------
 
 def test_short_soak_disk_tier_is_flat_and_matches_the_ram_tier():
-    """The 500-step soak (python -m streamer.soak, docs/STORE.md) in small: 40 steps, watched after 10."""
+    """The 500-step soak (python -m benchmarks.soak, docs/STORE.md) in small: 40 steps, watched after 10."""
     report = soak(steps=40, warmup=10)
     assert report.soaked.store == "disk" and report.other is not None and report.other.store == "ram"
     assert report.same_loss, "the disk tier's loss curve differs from the RAM tier's"

@@ -9,7 +9,7 @@ import transformers
 
 from layers import GPTJConfig
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.resident import ResidentTrainer
+from benchmarks.resident import ResidentTrainer
 
 DEBUG = GPTJConfig.preset("gptj-debug")
 

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layers import PRESETS
-from streamer.bench import add_arguments as bench_arguments
-from streamer.cli import build_parser, main
-from streamer.cli_train import fit_vocabulary
+from benchmarks.bench import add_arguments as bench_arguments
+from streamer.cli.main import build_parser, main
+from streamer.cli.train import fit_vocabulary
 from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunDir, RunError, resolve
-from streamer.tokenizer import MIN_VOCAB
+from streamer.io.tokenizer import MIN_VOCAB
 
 from conftest import TINY_RUN_MODEL as TINY
 from tests.test_cli import fails, run_cli, tiny_args

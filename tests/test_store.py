@@ -13,8 +13,8 @@ import torch
 
 from layers import GPTJConfig
 from streamer import Placement, StoreError, StreamingTrainer, TrainerConfig
-from streamer.slabfile import TRAILER_BYTES, Trailer
-from streamer.store import HostStore, StoreSpec
+from streamer.store.slabfile import TRAILER_BYTES, Trailer
+from streamer.store.host import HostStore, StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
 DISK = TrainerConfig(store="disk", compute_dtype="bf16", update_chunk=8192, lr=3e-3)

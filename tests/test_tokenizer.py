@@ -9,7 +9,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from streamer.errors import TokenizerError
-from streamer.tokenizer import EOS_TOKEN, Tokenizer, load_tokenizer, train_bpe
+from streamer.io.tokenizer import EOS_TOKEN, Tokenizer, load_tokenizer, train_bpe
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",

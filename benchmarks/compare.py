@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from layers import GPTJConfig
 from memory_model import BASELINE_BYTES_PER_PARAM, ModelShape, Plan
 from memory_model.shapes import forward_flops
-from streamer.bench_machine import DiskBandwidth, Peaks, ScalePick
-from streamer.bench_report import Section, params, percent, rate, ratio, seconds, size, verdict
-from streamer.bench_runs import Result
-from streamer.hardware import DtypeChoice
+from benchmarks.machine import DiskBandwidth, Peaks, ScalePick
+from benchmarks.report import Section, params, percent, rate, ratio, seconds, size, verdict
+from benchmarks.runs import Result
+from streamer.runtime.hardware import DtypeChoice
 
 STREAM_RAM = "ours streamed, RAM tier"
 STREAM_DISK = "ours streamed, disk tier"

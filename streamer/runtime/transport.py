@@ -17,8 +17,8 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from streamer.layout import fold_into
-from streamer.store import STATE_KINDS, HostStore
+from streamer.store.layout import fold_into
+from streamer.store.host import STATE_KINDS, HostStore
 
 T = TypeVar("T")
 

@@ -16,10 +16,11 @@ from memory_model import (
 )
 from streamer.errors import StreamerError
 from streamer.generate import Sampling, complete
-from streamer.hardware import DtypeChoice, resolve_compute_dtype
-from streamer.layout import dtype_name
+from streamer.runtime.calibrate import local_spec
+from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.store.layout import dtype_name
 from streamer.run import RunConfig, RunDir, RunError
-from streamer.tokenizer import Tokenizer, load_tokenizer
+from streamer.io.tokenizer import Tokenizer, load_tokenizer
 from streamer.trainer import StreamingTrainer
 from streamer.console import make_console
 
@@ -48,7 +49,7 @@ def plan_command(args: argparse.Namespace) -> int:
     out = {**result.to_json(), "scaling": scaling, "compute_dtype_reason": choice.reason}
     if args.dry_run:
         from streamer.config import TrainerConfig
-        from streamer.dryrun import dry_run
+        from streamer.runtime.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=args.activations, grad_accum=args.grad_accum,
                            prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
@@ -87,7 +88,7 @@ def plan_dtype(target: str, requested: str) -> DtypeChoice:
 def _device(name: str, shape: ModelShape, dtype: str) -> DeviceSpec:
     try:
         if name == "local":
-            return device_spec(name, cache_dir=Path("runs"), shape=shape, dtype=dtype)
+            return local_spec(Path("runs"), shape, dtype)
         return device_spec(name)
     except ValueError as exc:
         raise StreamerError(str(exc)) from None
@@ -148,7 +149,7 @@ def export_command(args: argparse.Namespace) -> int:
 def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
     """Write the trainer's master weights as a Hugging Face GPT-J folder, one unit in memory at a time."""
-    from streamer.hf import HFExporter
+    from streamer.io.hf import HFExporter
     if max_shard_bytes <= 0:
         raise RunError("--max-shard-size must be more than 0 bytes")
     with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite) as exporter:

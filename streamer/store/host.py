@@ -21,13 +21,13 @@ from typing import Any, Sequence
 import torch
 
 from layers import GPTJConfig, unit_names
-from streamer.commit import (
+from streamer.store.commit import (
     FORMAT, JOURNAL, MANIFEST, Commit, UnitWriter, check_units, grad_name, lock_run_dir, read_journal, read_manifest,
     state_name,
 )
 from streamer.errors import StoreError
-from streamer.layout import DTYPES, Placement, UnitLayout, fold_into, model_layouts
-from streamer.slabfile import (
+from streamer.store.layout import DTYPES, Placement, UnitLayout, fold_into, model_layouts
+from streamer.store.slabfile import (
     TRAILER_BYTES, Checksum, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
     pwrite_from, verify_checksums, write_json_atomic,
 )

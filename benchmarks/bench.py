@@ -1,7 +1,7 @@
 """`streamer bench`: our runtime against what users would pick instead, on this machine, in one run.
 
 Every contender runs in its own process (clean peak RSS) in ABBA-ordered blocks; the tables and the
-BENCHMARKS.md this command writes hold only numbers measured in the run (see streamer/bench_compare.py).
+BENCHMARKS.md this command writes hold only numbers measured in the run (see benchmarks/compare.py).
 `--quick` is a smoke run of the harness on a tiny model (the test suite runs it), not a measurement.
 """
 from __future__ import annotations
@@ -20,20 +20,21 @@ from rich.console import Console
 
 from layers import GPTJConfig
 from memory_model import ModelShape, PlanConfig, plan
-from memory_model.calibrate import CalibrationSizes, local_spec
-from streamer.bench_compare import (
+from streamer.runtime.calibrate import CalibrationSizes, local_spec
+from benchmarks.compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
     Outcome, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation, versus_deepspeed,
     versus_hf, where_time_goes,
 )
-from streamer.bench_machine import (
+from benchmarks.machine import (
     ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
 )
-from streamer.bench_report import write_markdown
-from streamer.bench_runs import Result, Runner
-from streamer.bench_worker import RunSpec
-from streamer.hardware import DtypeChoice, resolve_compute_dtype
-from streamer.run import COMPUTE_DTYPES
+from benchmarks.report import write_markdown
+from benchmarks.runs import Result, Runner
+from benchmarks.worker import RunSpec
+from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.cli.main import Parser, guarded
+from streamer.run import DTYPE_CHOICES
 
 GiB = 2**30
 
@@ -92,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
                         "none: a smoke run must not replace the measured report)")
     parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
-    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="compute dtype of our runs and DeepSpeed's (default auto: bf16 if this CPU runs it "
                              "natively and at least as fast as fp32, else fp32); the HF pair stays fp32 and bf16")
     parser.add_argument("--batch", type=int, default=1)
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         specs, skipped = _main_specs(cfg, s)
         results = runner.compare(specs, s.rounds)
         results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
-        if s.data_parallel and importlib.util.find_spec("streamer.distributed") is not None:
+        if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
             cores = max(1, machine.cores)
             dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
                   _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, cores // 2))]
@@ -252,3 +253,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="streamer bench", formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return guarded(lambda: run(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

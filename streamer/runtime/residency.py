@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from memory_model import Ledger
-from streamer.layout import UnitLayout
+from streamer.store.layout import UnitLayout
 
 
 class Residency(enum.Enum):

@@ -17,10 +17,10 @@ import torch
 
 from layers import GPTJConfig
 from memory_model import format_size
-from streamer.bench_report import params
-from memory_model.calibrate import measure_disk, measure_matmul_flops
-from streamer.store import StoreSpec
-from memory_model.calibrate import cpu_model
+from benchmarks.report import params
+from streamer.runtime.calibrate import measure_disk, measure_matmul_flops
+from streamer.store.host import StoreSpec
+from streamer.runtime.calibrate import cpu_model
 
 STORE_KINDS = ("compute", "master", "exp_avg", "exp_avg_sq", "grad")  # everything a disk-tier store holds
 

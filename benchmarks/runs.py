@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from streamer.bench_worker import RESULT_TAG, Measured, RunSpec
+from benchmarks.worker import RESULT_TAG, Measured, RunSpec
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -142,7 +142,7 @@ class Runner:
         procs, before = [], _cpu_seconds()
         for rank, log in enumerate(logs):
             with open(log, "w") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", "streamer.bench_worker", spec_json],
+                procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.worker", spec_json],
                                               stdout=out, stderr=subprocess.STDOUT, env=self._env(spec, rank, port)))
         results = [self._wait(proc, log, spec.label) for proc, log in zip(procs, logs)]
         others = _others_cores(before, _cpu_seconds())

@@ -18,14 +18,14 @@ from torch.func import functional_call
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
-from streamer.distributed import DataParallel
+from streamer.runtime.distributed import DataParallel
 from streamer.errors import StreamerError
-from streamer.layout import UnitLayout
-from streamer.optim import adamw_chunk
-from streamer.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.schedule import Event, Resource, StateChunk, Weights, lookahead
-from streamer.store import HostStore, UnitWriter
-from streamer.transport import IOWorker, Loaded, Transport
+from streamer.store.layout import UnitLayout
+from streamer.runtime.optim import adamw_chunk
+from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
+from streamer.runtime.schedule import Event, Resource, StateChunk, Weights, lookahead
+from streamer.store.host import HostStore, UnitWriter
+from streamer.runtime.transport import IOWorker, Loaded, Transport
 
 
 class NonFiniteError(StreamerError):

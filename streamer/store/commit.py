@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamer.errors import StoreError
-from streamer.slabfile import Trailer, disk_error, fsync_dir, pwrite_from
+from streamer.store.slabfile import Trailer, disk_error, fsync_dir, pwrite_from
 
 if TYPE_CHECKING:
-    from streamer.store import HostStore
+    from streamer.store.host import HostStore
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/3"
 _CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3-64

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from memory_model import COMPUTE_DTYPES
 from streamer.errors import StreamerError
 
-RESOLVED_DTYPES = ("bf16", "fp32")  # what auto resolves to
 BF16_MIN_CAPABILITY = (8, 0)
 # 256^3 separates the cases by 2x either way (measured on AVX512-BF16, natively and capped to AVX2: bf16
 # 205 vs fp32 103 GFLOP/s, and 3.2 vs 103) and an emulated bf16 matmul of it still takes only ~10 ms.
@@ -48,8 +48,8 @@ class DtypeChoice:
     emulated: bool = False  # bf16 was asked for on hardware that only emulates it: `reason` is a warning
 
     def __post_init__(self) -> None:
-        if self.dtype not in RESOLVED_DTYPES:
-            raise ValueError(f"dtype must be one of {RESOLVED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
 
 
 def probe_cpu(n: int = PROBE_N, repeats: int = PROBE_REPEATS, seconds: float = PROBE_SECONDS) -> MatmulProbe:
@@ -117,7 +117,7 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
 
     Meta tensors have no speed: auto means bf16 there, the dtype the GPUs a dry run stands for train in.
     """
-    if requested not in ("auto", *RESOLVED_DTYPES):
+    if requested not in ("auto", *COMPUTE_DTYPES):
         raise StreamerError(f"--dtype must be auto, bf16 or fp32, got {requested!r}")
     kind = device.split(":")[0]
     if kind == "meta":

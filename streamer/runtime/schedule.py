@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamer.store import chunks
+from streamer.store.host import chunks
 
 
 @dataclass(frozen=True)

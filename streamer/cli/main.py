@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import subprocess
 import sys
 import typing
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from layers import CheckpointMismatch, ConfigError
@@ -17,6 +20,8 @@ from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
 from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig, flag
 
+# The source checkout this package was installed from in editable mode, where benchmarks/ lives.
+CHECKOUT = Path(__file__).resolve().parents[2]
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 
 TOP_EXAMPLES = """\
@@ -99,7 +104,7 @@ def build_parser() -> Parser:
     train.add_argument("--config", metavar="TOML", help="settings file; its keys are the flags with _ for -")
     train.add_argument("--resume", metavar="RUN", help="continue RUN from its last committed step")
     _add_run_flags(train)
-    train.set_defaults(func=_lazy("streamer.cli_train", "train_command"))
+    train.set_defaults(func=_lazy("streamer.cli.train", "train_command"))
 
     plan = commands.add_parser("plan", help="device memory and time of a training step, before running it",
                                formatter_class=formatter, description="The analytic plan of one training step.",
@@ -129,7 +134,7 @@ def build_parser() -> Parser:
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.set_defaults(func=_lazy("streamer.cli_tools", "plan_command"))
+    plan.set_defaults(func=_lazy("streamer.cli.tools", "plan_command"))
 
     generate = commands.add_parser("generate", help="sample text from a run, streaming its layers",
                                    formatter_class=formatter, description="Generate with streamed layers and "
@@ -148,7 +153,7 @@ def build_parser() -> Parser:
     generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every token")
     generate.add_argument("--budget", help="device budget (default: the run's)")
     generate.add_argument("--device", help="torch device (default: the run's)")
-    generate.set_defaults(func=_lazy("streamer.cli_tools", "generate_command"))
+    generate.set_defaults(func=_lazy("streamer.cli.tools", "generate_command"))
 
     export = commands.add_parser("export", help="write a run as a Hugging Face GPT-J folder",
                                  formatter_class=formatter, description="Export the master weights and the "
@@ -162,7 +167,7 @@ def build_parser() -> Parser:
                         help="weights' dtype (default: fp32, the master weights exactly)")
     export.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
-    export.set_defaults(func=_lazy("streamer.cli_tools", "export_command"))
+    export.set_defaults(func=_lazy("streamer.cli.tools", "export_command"))
 
     trace = commands.add_parser("trace", help="the per-layer memory table and plot of a run",
                                 formatter_class=formatter, description="Show a run's memory trace. A run's trace keeps its last --trace-steps "
@@ -177,7 +182,7 @@ def build_parser() -> Parser:
     trace.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
     trace.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
     trace.add_argument("--json", action="store_true", help="print the summary as JSON")
-    trace.set_defaults(func=_lazy("streamer.cli_tools", "trace_command"))
+    trace.set_defaults(func=_lazy("streamer.cli.tools", "trace_command"))
 
     commands.add_parser("bench", help="benchmarks (see `streamer bench --help`)", add_help=False)
     return parser
@@ -191,17 +196,15 @@ def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _bench(argv: list[str]) -> int:
-    try:
-        bench = importlib.import_module("streamer.bench")
-    except ModuleNotFoundError as exc:
-        if exc.name != "streamer.bench":
-            raise
-        raise StreamerError("`streamer bench` is not available: streamer/bench.py is missing from this "
-                            "installation; reinstall weight-streaming (pip install -e .)") from None
-    parser = Parser(prog="streamer bench", formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_arguments(parser)
-    result = bench.run(parser.parse_args(argv))
-    return result if isinstance(result, int) else 0
+    """The benchmarks live beside the package in a source checkout (they are not part of the runtime):
+    run them there as their own process, so that nothing in streamer imports them."""
+    checkout = CHECKOUT
+    if not (checkout / "benchmarks" / "bench.py").is_file():
+        raise StreamerError("`streamer bench` runs from a source checkout and benchmarks/ is not beside this "
+                            f"installation ({checkout}); clone the repository, `pip install -e .` it and run "
+                            "`make bench`")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench", *argv], env=env).returncode
 
 
 def _one_line(exc: BaseException) -> str:
@@ -213,15 +216,24 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return guarded(lambda: _bench(argv[1:]))
+    return guarded(lambda: _dispatch(argv))
+
+
+def _dispatch(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a command; a user error becomes one line and exit status 2, Ctrl-C names how to continue."""
     try:
-        if argv[:1] == ["bench"]:
-            return _bench(argv[1:])
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return 2
-        return args.func(args)
+        return command()
     except USER_ERRORS as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -1,11 +1,11 @@
 """Soak test: a long run of the debug preset, watching memory, file handles and the loss.
 
-    python -m streamer.soak --steps 500 --store disk
+    python -m benchmarks.soak --steps 500 --store disk
 
 Passes when the resident set grows less than 5% from the end of the warm-up to the last step, the number
 of open file descriptors does not grow, and the loss curve equals, bit for bit, the same run in the other
 tier (RAM for a disk soak). The data is the interpreter's help text as bytes (the debug preset's vocabulary
-is 256), so the loss falls as a real run's would. The compute dtype is auto (streamer/hardware.py).
+is 256), so the loss falls as a real run's would. The compute dtype is auto (streamer/runtime/hardware.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 from layers import GPTJConfig
 from streamer.config import TrainerConfig
-from streamer.data import demo_corpus
+from streamer.io.data import demo_corpus
 from streamer.trainer import StreamingTrainer
 
 MAX_RSS_GROWTH = 0.05
@@ -112,7 +112,7 @@ def soak(steps: int = 500, warmup: int = 50, store: str = "disk", compare: bool 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamer.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=50, help="steps before RSS and descriptors are watched")
     parser.add_argument("--store", choices=["disk", "ram"], default="disk", help="the tier soaked")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from streamer.errors import StreamerError
-from streamer.layout import fold_into
+from streamer.store.layout import fold_into
 
 
 @dataclass(frozen=True)

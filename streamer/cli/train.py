@@ -24,15 +24,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from layers import GPTJConfig
 from memory_model import format_size
 from streamer.advice import check_fits, ledger_advice, planned_peak
-from streamer.cli_tools import memory_lines
-from streamer.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
-from streamer.distributed import DataParallel
+from streamer.cli.tools import memory_lines
+from streamer.io.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.runtime.distributed import DataParallel
 from streamer.generate import Sampling, complete
-from streamer.hardware import resolve_compute_dtype
+from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.resources import check_host_resources
 from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, flag, read_toml, resolve
-from streamer.slabfile import DiskFull
-from streamer.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
+from streamer.store.slabfile import DiskFull
+from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.trainer import StreamingTrainer
 from streamer.console import make_console
 
@@ -71,7 +71,7 @@ def train_command(args: argparse.Namespace) -> int:
             trained, seconds = train(session, console)
             report(session, trained, seconds, console)
     except KeyboardInterrupt as exc:
-        exc.run_dir = str(session.run.root)  # `streamer.cli.main` names it in the way to continue
+        exc.run_dir = str(session.run.root)  # `streamer.cli.main.main` names it in the way to continue
         raise
     except (DiskFull, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):

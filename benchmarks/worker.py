@@ -1,6 +1,6 @@
 """One contender of `streamer bench`, alone in its own process so that its peak RSS is its own.
 
-`python -m streamer.bench_worker '<RunSpec JSON>'` builds the contender, runs `warmup` untimed and `steps`
+`python -m benchmarks.worker '<RunSpec JSON>'` builds the contender, runs `warmup` untimed and `steps`
 timed optimizer steps on random token batches, and prints one line `BENCH-RESULT {json}` (other libraries
 print freely on stdout; the tag marks ours). Contenders: our streamed trainer (RAM or disk tier), our
 resident trainer, Hugging Face transformers + torch AdamW, DeepSpeed ZeRO-3 with CPU or NVMe offload.
@@ -106,7 +106,7 @@ def _gptj_config(spec: RunSpec) -> Any:
 def _ours(spec: RunSpec) -> Contender:
     from layers import GPTJ
     from streamer import StreamingTrainer, TrainerConfig
-    from streamer.resident import ResidentTrainer
+    from benchmarks.resident import ResidentTrainer
     cfg = _gptj_config(spec)
     tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations=spec.activations,
                        moment_dtype=spec.moment_dtype, seed=spec.seed)

@@ -1,0 +1,1 @@
+"""Measurements of the runtime against its alternatives; not part of the installed package."""

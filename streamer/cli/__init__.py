@@ -1,0 +1,1 @@
+"""The `streamer` command: one module per subcommand; main.py parses and dispatches."""

@@ -1,0 +1,1 @@
+"""What comes in and goes out: Hugging Face checkpoints, tokenizers, datasets."""
