@@ -1,4 +1,4 @@
-"""StreamingTrainer: the public face of the runtime (DESIGN.md's API)."""
+"""StreamingTrainer: the runtime's public Python API (README.md, "Python API")."""
 from __future__ import annotations
 
 import tempfile

@@ -71,8 +71,8 @@ class Executor:
         self.worker = IOWorker(threaded=self.device.type != "meta" and tc.prefetch > 0)
         # On a cpu device the host's fold of a RAM-tier gradient runs on the cores the compute uses; on the
         # I/O worker it oversubscribes them (each thread brings its own OpenMP team), so it runs inline:
-        # gptj-350m, 1x512, bf16, 12 steps each from alternating bench_worker processes: median 2.06 s/step
-        # inline against 2.19 s on the worker (issue #7). Disk writes and all-reduces still use the worker.
+        # measured faster inline on gptj-350m (`streamer bench`, BENCHMARKS.md). Disk writes and all-reduces
+        # still use the worker.
         inline = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                   and data_parallel is None)
         self.fold_worker = IOWorker(threaded=False) if inline else self.worker

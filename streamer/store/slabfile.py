@@ -142,7 +142,7 @@ def disk_error(exc: OSError, path: Path) -> StoreError:
 
 def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
     """xxh3-64 of the first `length` bytes of `path`: several times faster than zlib's crc32, which kept a core
-    busy for as long as a step's writes took to flush (issue #7)."""
+    busy for as long as a step's writes took to flush."""
     digest, left = xxhash.xxh3_64(), length
     with open(path, "rb", buffering=0) as f:
         while left and (chunk := f.read(min(block, left))):

@@ -1,0 +1,144 @@
+"""The structure docs/ARCHITECTURE.md describes, checked against the code: import directions, no import
+cycles, no reaching into another module's private names, modules under the size limit, memory_model without
+torch, and the module table naming exactly the modules that exist."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("layers", "memory_model", "streamer", "benchmarks")
+# Who may import whom: layers <- memory_model <- streamer; benchmarks use them all; nothing imports benchmarks.
+MAY_IMPORT = {
+    "layers": {"layers"},
+    "memory_model": {"layers", "memory_model"},
+    "streamer": {"layers", "memory_model", "streamer"},
+    "benchmarks": {"layers", "memory_model", "streamer", "benchmarks"},
+}
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names taken from it) for every import in the file, at any depth (function-level too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def _ours(module: str) -> str | None:
+    """The module of this project an import resolves to (the longest known prefix), else None."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in MODULES:
+            return ".".join(parts[:end])
+    return None
+
+
+def _edges() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for module, names in _imports(path):
+            target = _ours(module)
+            if target is None:
+                continue
+            # `from package import submodule` imports the submodule, not only the package's face.
+            subs = {f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES}
+            graph[name] |= subs or {target}
+    for name in graph:
+        graph[name].discard(name)
+    return graph
+
+
+def test_packages_import_only_downwards_and_nothing_imports_benchmarks() -> None:
+    wrong = [f"{name} imports {target}" for name, targets in _edges().items() for target in targets
+             if target.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]]
+    assert not wrong, "imports against the direction layers <- memory_model <- streamer <- benchmarks:\n" + \
+        "\n".join(wrong)
+
+
+def test_no_import_cycles() -> None:
+    graph = _edges()
+    # A package's __init__ re-exports its modules; importing the package face from inside is not a cycle of
+    # design, so faces are left out of the cycle search.
+    faces = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    cycles, state = [], {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node] - faces):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for name in sorted(set(graph) - faces):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """The _names a module defines: functions, classes, module and class attributes, self._x assignments."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    trees = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+    defined = {name: _private_names(tree) for name, tree in trees.items()}
+    wrong = []
+    for name, tree in trees.items():
+        for module, names in _imports(MODULES[name]):
+            if _ours(module) is not None and _ours(module) != name:
+                wrong += [f"{name} imports {module}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
+        others = set().union(*(d for other, d in defined.items() if other != name)) - defined[name]
+        for node in ast.walk(tree):  # obj._name, where only another module of ours defines _name
+            if isinstance(node, ast.Attribute) and node.attr in others:
+                wrong.append(f"{name}:{node.lineno} uses {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_modules_stay_under_the_size_limit() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_memory_model_imports_without_torch() -> None:
+    modules = sorted(name for name in MODULES if name.split(".")[0] == "memory_model")
+    code = "import sys; sys.modules['torch'] = None\n" + "".join(f"import {m}\n" for m in modules)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_architecture_module_table_names_every_module() -> None:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", text, flags=re.M))
+    actual = {str(path.relative_to(ROOT)) for path in MODULES.values() if path.name not in ("__init__.py",
+                                                                                              "__main__.py")}
+    assert listed == actual, (f"docs/ARCHITECTURE.md's module table lacks {sorted(actual - listed)} and names "
+                              f"missing modules {sorted(listed - actual)}")
