@@ -17,13 +17,13 @@ from torch.func import functional_call
 
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
+from memory_model.schedule import Event, Resource, StateChunk, Weights, released_after, resident_sets
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
 from streamer.errors import StreamerError
 from streamer.store.layout import UnitLayout
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.runtime.schedule import Event, Resource, StateChunk, Weights, lookahead
 from streamer.store.host import HostStore, UnitWriter
 from streamer.runtime.transport import IOWorker, Loaded, Transport
 
@@ -99,8 +99,8 @@ class Executor:
         self._step = ctx.step
         if any(e.phase == "backward" for e in events):
             self.grad_sq_norms = {}
-        for i, event in enumerate(events):
-            for resource in [event.resource, *lookahead(events, i, self.tc.prefetch)]:
+        for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
+            for resource in resident:
                 if resource not in self._inflight:
                     self._issue(resource, ctx.step)
             tensors = self._acquire(event.resource)
@@ -114,7 +114,7 @@ class Executor:
                     ctx.infer(event.unit, lambda *args, unit=event.unit: self._call_plain(unit, *args))
                 else:
                     self._update(event.resource, tensors, ctx)
-            if i + 1 == len(events) or events[i + 1].resource != event.resource:
+            if released_after(events, i):
                 self._release(event.resource)
         self.worker.drain()
         write_backs, self._write_backs = self._write_backs, []
