@@ -21,7 +21,9 @@ from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes,
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
 )
-from memory_model.schedule import Event, Resource, Weights, resident_sets, step_events
+from memory_model.schedule import (
+    Charge, Event, Resource, resident_sets, resource_charges, step_events, update_charges,
+)
 from memory_model.timing import simulate
 from memory_model.units import format_size
 
@@ -132,14 +134,9 @@ def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq:
     return block_saved_bytes(shape, batch, seq, es, rotary=(es != 4 or unit == "block.0")), 0
 
 
-def _resource_bytes(resource: Resource, shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) device bytes charged while a resource is loaded or in flight."""
-    if isinstance(resource, Weights):
-        return shape.unit_params(resource.unit) * cfg.dtype_bytes, 0, 0
-    if cfg.update_on == "host":
-        return 0, 0, 0
-    count = resource.count
-    return 0, count * GRAD_ACCUM_BYTES_PER_PARAM, count * OPTIMIZER_BYTES_PER_PARAM
+def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None:
+    for charge in charges:
+        bytes_by_category[charge.category] += charge.nbytes
 
 
 def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
@@ -154,24 +151,21 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
     held: dict[str, int] = {}
     moments = []
     for event, res in zip(events, resident):
-        weights = grads = optim = activations = workspace = 0
-        for r in res:
-            w, g, o = _resource_bytes(r, shape, cfg)
-            weights, grads, optim = weights + w, grads + g, optim + o
+        at = dict.fromkeys(CATEGORIES, 0)
+        for r in res:  # the executor allocates these same charges when it issues the load
+            _add(at, resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on))
         if event.phase == "update":
-            if cfg.update_on == "device":
-                weights += event.resource.count * cfg.new_compute_bytes
+            _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
         else:
             kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
             if event.phase == "forward":
                 held[event.unit] = kept
-            activations = sum(held.values())
+            at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
-                grads += shape.unit_params(event.unit) * es
-                workspace = backward_workspace_bytes(shape, event.unit, batch, seq, es)
-                activations += recompute
+                at["gradients"] += shape.unit_params(event.unit) * es
+                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
-        moments.append((event, (weights, grads, optim, activations, workspace)))
+        moments.append((event, tuple(at.values())))
     return moments
 
 

@@ -6,11 +6,16 @@ in flight (`resident_sets`); after it, its resource is released unless the next 
 (`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
 backward into the next one's forward). A resource released and needed again later is loaded again.
 streamer/runtime/executor.py, memory_model/planner.py, memory_model/timing.py and the dry run all walk
-these lists, so the planner's peak and the runtime's ledger come from one schedule.
+these lists, so the planner's peak and the runtime's ledger come from one schedule. What a resource costs
+on the device while it is held (`resource_charges`) and what an update chunk writes there
+(`update_charges`) are stated here once: the executor allocates exactly these on its ledger and the planner
+adds up the same numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,34 @@ class Event:
     @property
     def unit(self) -> str:
         return self.resource.unit
+
+
+@dataclass(frozen=True)
+class Charge:
+    """Device bytes of one ledger category, held for a while by one unit."""
+
+    category: str  # one of memory_model.ledger.CATEGORIES
+    nbytes: int
+    what: str
+
+
+def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, update_on: str) -> tuple[Charge, ...]:
+    """What a resource holds on the device from its load being issued until its release: a unit's compute
+    weights, or one chunk's master, moments and fp32 gradient (nothing when the update runs on the host)."""
+    if isinstance(resource, Weights):
+        return (Charge("weights", unit_numel * dtype_bytes, "compute weights"),)
+    if update_on == "host":
+        return ()
+    return (Charge("optimizer", resource.count * OPTIMIZER_BYTES_PER_PARAM, "master, exp_avg, exp_avg_sq"),
+            Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
+
+
+def update_charges(chunk: StateChunk, new_compute_bytes: int, update_on: str) -> tuple[Charge, ...]:
+    """What an update chunk adds while it runs: its new compute-dtype weights, written on the device before
+    they go back to the store (`new_compute_bytes` per parameter; 0 in fp32, where master is compute)."""
+    if update_on == "host" or new_compute_bytes == 0:
+        return ()
+    return (Charge("weights", chunk.count * new_compute_bytes, "new compute weights"),)
 
 
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:

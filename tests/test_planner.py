@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -15,9 +17,9 @@ from rich.console import Console
 from layers import PRESETS, GPTJBlock, GPTJConfig, GPTJEmbedding, GPTJHead, causal_lm_loss
 from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, Ledger, Link, PlanConfig,
                           peak_device_bytes, plan)
-from memory_model.shapes import (GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, backward_workspace_bytes,
-                                 block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes)
-from memory_model.schedule import Weights, released_after, resident_sets, step_events
+from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
+                                 embed_saved_bytes, head_saved_bytes)
+from memory_model.schedule import released_after, resident_sets, resource_charges, step_events, update_charges
 
 GIB = 2**30
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -124,7 +126,8 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
 
 # --- the charging walk, replayed on a real Ledger ---------------------------------------------------------------
 def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
-    """Allocate and free in the runtime's order (docs/ARCHITECTURE.md); the planner never sees this code."""
+    """Allocate and free in the executor's order, with the executor's loop over the shared schedule and its
+    charges (memory_model/schedule.py); the planner's moment-by-moment walk never sees this code."""
     ledger = Ledger(None)
     units = shape.unit_names()
     events = step_events(units, cfg.grad_accum, {u: shape.unit_params(u) for u in units}, cfg.update_chunk)
@@ -135,15 +138,9 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     flowing = None
     for k, e in enumerate(events):
         for r in resident[k]:
-            if r in in_flight:
-                continue
-            if isinstance(r, Weights):
-                in_flight[r] = [ledger.allocate("weights", r.unit, shape.unit_params(r.unit) * es)]
-            elif cfg.update_on == "device":
-                in_flight[r] = [ledger.allocate("optimizer", r.unit, r.count * OPTIMIZER_BYTES_PER_PARAM),
-                                ledger.allocate("gradients", r.unit, r.count * GRAD_ACCUM_BYTES_PER_PARAM)]
-            else:
-                in_flight[r] = []
+            if r not in in_flight:
+                in_flight[r] = [ledger.allocate(c.category, r.unit, c.nbytes)
+                                for c in resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on)]
         kind = e.unit.split(".")[0]
         if e.phase == "forward":
             if kind == "block" and cfg.activations == "checkpoint":
@@ -166,8 +163,9 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
             ledger.free(acts.pop(e.unit))
             flowing = None if kind == "embed" else ledger.allocate("workspace", e.unit, b * t * shape.n_embd * es)
             ledger.free(grad)
-        elif cfg.update_on == "device" and cfg.compute_dtype != "fp32":
-            ledger.free(ledger.allocate("weights", e.unit, e.resource.count * es))
+        else:
+            for c in update_charges(e.resource, cfg.new_compute_bytes, cfg.update_on):
+                ledger.free(ledger.allocate(c.category, e.unit, c.nbytes))
         if released_after(events, k):
             for h in in_flight.pop(e.resource):
                 ledger.free(h)
@@ -381,3 +379,13 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     h100 = [plan(GPTJ_6B, device_spec("h100-80g"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
                                                              devices=n)).tokens_per_s for n in (1, 2, 4)]
     assert h100[0] < h100[1] < h100[2]
+
+def test_the_planner_runs_without_torch() -> None:
+    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config) import no torch."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from layers.config import GPTJConfig\n"
+            "from memory_model import PlanConfig, device_spec, plan\n"
+            "p = plan(GPTJConfig.preset('gptj-debug'), device_spec('cs2'), PlanConfig(batch=1, seq=16))\n"
+            "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config']"
