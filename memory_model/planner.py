@@ -85,7 +85,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shape", "device", "config")}
-        out["model"] = asdict(self.shape)
+        out["model"] = {**asdict(self.shape), "inner_dim": self.shape.inner_dim}  # resolved when n_inner is None
         out["device"] = self.device.name
         out["device_memory_bytes"] = self.device.memory_bytes
         out["config"] = asdict(self.config)
