@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from layers import GPTJConfig
-from memory_model import ModelShape, PlanConfig, plan
+from memory_model import PlanConfig, plan
 from streamer.runtime.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
@@ -160,7 +160,7 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
         r = results.get(label)
         if r is None or not r.ok:
             continue
-        shape = ModelShape.from_config(GPTJConfig.from_dict(r.spec.model))
+        shape = GPTJConfig.from_dict(r.spec.model)
         fresh = (shape, r.spec.dtype) not in calibrated  # measured now once, then from the cache it wrote
         calibrated.add((shape, r.spec.dtype))
         local = local_spec(workdir, shape, r.spec.dtype, refresh=fresh, sizes=sizes)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's packages, whatever the venv has installed
 
 from layers import GPTJConfig  # noqa: E402
-from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, ModelShape, Plan, PlanConfig  # noqa: E402
+from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, Plan, PlanConfig  # noqa: E402
 from memory_model import format_size, plan  # noqa: E402
 from streamer.runtime.calibrate import measure_update  # noqa: E402
 from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
@@ -202,7 +202,7 @@ def gpu_spec(name: str, total: int, h2d: float, d2h: float, peak: float, host_up
 
 # --- 3. the benchmark ----------------------------------------------------------------------------------------
 def predict(cfg: GPTJConfig, spec: DeviceSpec, tc: TrainerConfig, batch: int, seq: int) -> Plan:
-    return plan(ModelShape.from_config(cfg), spec,
+    return plan(cfg, spec,
                 PlanConfig(batch=batch, seq=seq, activations=tc.activations, compute_dtype="bf16",
                            prefetch=tc.prefetch, update_on=tc.update_on, update_chunk=tc.update_chunk, store="ram"))
 

@@ -15,7 +15,7 @@ import argparse
 from rich.table import Table
 
 from layers import GPTJConfig
-from memory_model import DEVICE_PRESETS, ModelShape, PlanConfig, format_size, plan
+from memory_model import DEVICE_PRESETS, PlanConfig, format_size, plan
 from streamer import TrainerConfig
 from streamer.runtime.dryrun import dry_run
 from streamer.console import make_console
@@ -31,7 +31,6 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = GPTJConfig.preset("gptj-6b")
-    shape = ModelShape.from_config(cfg)
     table = Table(title=f"GPT-J-6B ({cfg.num_params():,} params), batch {args.batch} x {args.seq}, bf16, "
                         f"16 B/param baseline {format_size(16 * cfg.num_params())}")
     for column in ("device", "memory", "policy", "peak", "fits", "16 B/p ÷ peak", "step s", "tok/s", "bound",
@@ -39,7 +38,7 @@ def main() -> None:
         table.add_column(column, justify="left" if column in ("device", "policy", "bound") else "right")
     for name, device in DEVICE_PRESETS.items():
         for policy in POLICIES:
-            p = plan(shape, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy))
+            p = plan(cfg, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy))
             table.add_row(name, format_size(device.memory_bytes), policy, format_size(p.peak_device_bytes),
                           "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", p.bottleneck,
@@ -49,7 +48,7 @@ def main() -> None:
     if args.dry_run:
         for policy in POLICIES:
             ledger = dry_run(cfg, TrainerConfig(activations=policy), args.batch, args.seq)
-            planned = plan(shape, DEVICE_PRESETS["cs2"], PlanConfig(batch=args.batch, seq=args.seq,
+            planned = plan(cfg, DEVICE_PRESETS["cs2"], PlanConfig(batch=args.batch, seq=args.seq,
                                                                     activations=policy)).peak_device_bytes
             console.print(f"dry run, {policy}: the runtime's ledger peaks at {format_size(ledger.peak)}; "
                           f"the planner says {format_size(planned)}")

@@ -83,16 +83,27 @@ class GPTJConfig:
 
     def block_params(self) -> int:
         d, f = self.n_embd, self.inner_dim
-        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)
+        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
 
     def embed_params(self) -> int:
         return self.vocab_size * self.n_embd
 
     def head_params(self) -> int:
-        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size
+        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
 
     def num_params(self) -> int:
         return self.embed_params() + self.n_layer * self.block_params() + self.head_params()
+
+    def unit_names(self) -> list[str]:
+        """The streamed units in execution order: 'embed', 'block.0' … 'block.{L-1}', 'head'."""
+        return ["embed", *(f"block.{i}" for i in range(self.n_layer)), "head"]
+
+    def unit_params(self, unit: str) -> int:
+        if unit == "embed":
+            return self.embed_params()
+        if unit == "head":
+            return self.head_params()
+        return self.block_params()
 
     # --- construction ----------------------------------------------------------------
     @classmethod

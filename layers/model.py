@@ -46,7 +46,7 @@ class GPTJ(nn.Module):
 
 def unit_names(cfg: GPTJConfig) -> list[str]:
     """The streamed units in execution order: 'embed', 'block.0' … 'block.{L-1}', 'head'."""
-    return ["embed", *(f"block.{i}" for i in range(cfg.n_layer)), "head"]
+    return cfg.unit_names()
 
 
 def build_unit(cfg: GPTJConfig, unit: str, device: torch.device | str = "meta") -> nn.Module:

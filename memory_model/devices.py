@@ -8,13 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memory_model.kernels import KernelCosts
 from memory_model.units import COMPUTE_DTYPES
 
-if TYPE_CHECKING:  # shapes.py imports this module
-    from memory_model.shapes import ModelShape
 
 # Bytes per element of each compute dtype the planner and the runtime support.
 

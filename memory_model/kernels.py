@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # devices.py holds KernelCosts and shapes.py imports devices.py
-    from memory_model.shapes import ModelShape
+from layers.config import GPTJConfig
 
 
-def attention_flops(shape: ModelShape, batch: int, seq: int) -> int:
+def attention_flops(shape: GPTJConfig, batch: int, seq: int) -> int:
     """QK^T and AV of one block's forward, the full T x T (the convention forward_flops uses too)."""
     return 4 * batch * seq * seq * shape.n_embd
 
 
-def elementwise_width(shape: ModelShape) -> int:
+def elementwise_width(shape: GPTJConfig) -> int:
     """What a block's elementwise traffic scales with per token: the d-wide tensors of the attention side
     (LayerNorm, q/k/v rotary and transposes, residual adds) and the f-wide ones of the MLP (GELU, bias)."""
     return shape.n_embd + shape.inner_dim
@@ -59,7 +58,7 @@ class KernelCosts:
             raise ValueError(f"KernelCosts needs exactly the fields {sorted(known)}, got {sorted(raw)}")
         return cls(**raw)
 
-    def forward_s(self, shape: ModelShape, unit: str, batch: int, seq: int) -> float:
+    def forward_s(self, shape: GPTJConfig, unit: str, batch: int, seq: int) -> float:
         """Seconds of one forward beyond its matmuls (attention's included here, not in the matmuls)."""
         n = batch * seq
         if unit == "embed":
@@ -69,7 +68,7 @@ class KernelCosts:
         return (attention_flops(shape, batch, seq) / self.attention_forward_flops
                 + self.elementwise_forward_s * n * elementwise_width(shape))
 
-    def backward_s(self, shape: ModelShape, unit: str, batch: int, seq: int) -> float:
+    def backward_s(self, shape: GPTJConfig, unit: str, batch: int, seq: int) -> float:
         """Seconds of one backward beyond its matmuls (the weight gradients leave as they are, per parameter)."""
         n = batch * seq
         if unit == "embed":

@@ -1,6 +1,6 @@
 """The analytic plan of one training step: device bytes by category at every event, the peak, and time.
 
-The planner walks the same event list the runtime executes (streamer/runtime/schedule.py): the forward and backward
+The planner walks the event list the runtime executes (memory_model/schedule.py): the forward and backward
 of every micro-batch, then the update in chunks. At each event the device holds the event's own resource
 and the next `prefetch` distinct resources (a unit's compute weights, or one update chunk's state), the
 activations of every unit whose forward ran and whose backward has not, and during a backward the unit's
@@ -14,13 +14,16 @@ from typing import Any, Callable
 
 from rich.table import Table
 
+from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, ModelShape, PlanConfig, backward_workspace_bytes,
+    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes,
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
 )
-from memory_model.steps import Resource, StepEvent, resident_sets, step_events
+from memory_model.schedule import (
+    Charge, Event, Resource, resident_sets, resource_charges, step_events, update_charges,
+)
 from memory_model.timing import simulate
 from memory_model.units import format_size
 
@@ -59,7 +62,7 @@ class UnitRow:
 class Plan:
     """One step of `shape` on `device` under `config`: bytes (per device), fit, time, and the baselines."""
 
-    shape: ModelShape
+    shape: GPTJConfig
     device: DeviceSpec
     config: PlanConfig
     params: int
@@ -82,7 +85,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shape", "device", "config")}
-        out["model"] = asdict(self.shape)
+        out["model"] = {**asdict(self.shape), "inner_dim": self.shape.inner_dim}  # resolved when n_inner is None
         out["device"] = self.device.name
         out["device_memory_bytes"] = self.device.memory_bytes
         out["config"] = asdict(self.config)
@@ -115,7 +118,7 @@ class Plan:
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
-def _activations(shape: ModelShape, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
+def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """(held from forward to backward, recomputed during backward) for one unit and micro-batch."""
     es = cfg.dtype_bytes
     if unit == "embed":
@@ -131,18 +134,13 @@ def _activations(shape: ModelShape, cfg: PlanConfig, unit: str, batch: int, seq:
     return block_saved_bytes(shape, batch, seq, es, rotary=(es != 4 or unit == "block.0")), 0
 
 
-def _resource_bytes(resource: Resource, shape: ModelShape, cfg: PlanConfig) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) device bytes charged while a resource is loaded or in flight."""
-    if resource[0] == "weights":
-        return shape.unit_params(resource[1]) * cfg.dtype_bytes, 0, 0
-    if cfg.update_on == "host":
-        return 0, 0, 0
-    count = resource[3]
-    return 0, count * GRAD_ACCUM_BYTES_PER_PARAM, count * OPTIMIZER_BYTES_PER_PARAM
+def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None:
+    for charge in charges:
+        bytes_by_category[charge.category] += charge.nbytes
 
 
-def _memory_walk(shape: ModelShape, cfg: PlanConfig, events: list[StepEvent], resident: list[list[Resource]],
-                 batch: int, seq: int) -> list[tuple[StepEvent, tuple[int, ...]]]:
+def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
+                 batch: int, seq: int) -> list[tuple[Event, tuple[int, ...]]]:
     """Device bytes by category (CATEGORIES order) at the highest moment of every event.
 
     That moment is the end of a forward (all of the unit's saved tensors exist), the point in a backward
@@ -153,38 +151,42 @@ def _memory_walk(shape: ModelShape, cfg: PlanConfig, events: list[StepEvent], re
     held: dict[str, int] = {}
     moments = []
     for event, res in zip(events, resident):
-        weights = grads = optim = activations = workspace = 0
-        for r in res:
-            w, g, o = _resource_bytes(r, shape, cfg)
-            weights, grads, optim = weights + w, grads + g, optim + o
+        at = dict.fromkeys(CATEGORIES, 0)
+        for r in res:  # the executor allocates these same charges when it issues the load
+            _add(at, resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on))
         if event.phase == "update":
-            if cfg.update_on == "device":
-                weights += event.resource[3] * cfg.new_compute_bytes
+            _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
         else:
             kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
             if event.phase == "forward":
                 held[event.unit] = kept
-            activations = sum(held.values())
+            at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
-                grads += shape.unit_params(event.unit) * es
-                workspace = backward_workspace_bytes(shape, event.unit, batch, seq, es)
-                activations += recompute
+                at["gradients"] += shape.unit_params(event.unit) * es
+                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
-        moments.append((event, (weights, grads, optim, activations, workspace)))
+        moments.append((event, tuple(at.values())))
     return moments
 
 
-def peak_device_bytes(shape: ModelShape, cfg: PlanConfig) -> int:
+def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
+    """The runtime's step for this model and config; `update=False` leaves out the update chunks."""
+    units = shape.unit_names()
+    numels = {u: shape.unit_params(u) for u in units}
+    return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [])
+
+
+def peak_device_bytes(shape: GPTJConfig, cfg: PlanConfig) -> int:
     """The step's peak device bytes (what plan() reports), without the time model."""
-    events = step_events(shape, cfg)
+    events = _events(shape, cfg)
     resident = resident_sets(events, cfg.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
-def _train_peak(shape: ModelShape, cfg: PlanConfig) -> int:
+def _train_peak(shape: GPTJConfig, cfg: PlanConfig) -> int:
     """The peak of the forward and backward passes alone. No update state is fetched before the last
     backward (the lookahead stops at it), so these events' resident sets do not depend on the update."""
-    events = [e for e in step_events(shape, replace(cfg, update_chunk=shape.params())) if e.phase != "update"]
+    events = _events(shape, cfg, update=False)
     resident = resident_sets(events, cfg.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
@@ -199,7 +201,7 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
     return low
 
 
-def _max_shapes(shape: ModelShape, cfg: PlanConfig, capacity: int, update_peak: int) -> tuple[int, int]:
+def _max_shapes(shape: GPTJConfig, cfg: PlanConfig, capacity: int, update_peak: int) -> tuple[int, int]:
     """Largest batch at cfg.seq and largest seq at cfg.batch that fit; the update pass does not depend on
     either, so it is walked once (update_peak) and the search walks the forward and backward only."""
     if update_peak > capacity:
@@ -217,14 +219,14 @@ def _max_shapes(shape: ModelShape, cfg: PlanConfig, capacity: int, update_peak: 
     return max_micro * group, max_seq
 
 
-def plan(shape: ModelShape, device: DeviceSpec, cfg: PlanConfig) -> Plan:
+def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
     """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`."""
     if cfg.seq > shape.n_positions:
         raise ValueError(f"seq {cfg.seq} exceeds the model's context n_positions={shape.n_positions}")
     units = shape.unit_names()
     micro, seq, es = cfg.micro_batch, cfg.seq, cfg.dtype_bytes
 
-    events = step_events(shape, cfg)
+    events = _events(shape, cfg)
     resident = resident_sets(events, cfg.prefetch)
     moments = _memory_walk(shape, cfg, events, resident, micro, seq)
     peak_event, peak_bytes = max(moments, key=lambda m: sum(m[1]))
@@ -249,7 +251,7 @@ def plan(shape: ModelShape, device: DeviceSpec, cfg: PlanConfig) -> Plan:
             peak_bytes=unit_peak, peak_phase=unit_phase,
         ))
 
-    params = shape.params()
+    params = shape.num_params()
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum

@@ -1,4 +1,5 @@
-"""The model's shape, the plan's settings, and the per-unit byte and FLOP formulas the planner adds up.
+"""The plan's settings, and the per-unit byte and FLOP formulas the planner adds up for a model's shape
+(layers.config.GPTJConfig: the one place that counts a model's parameters).
 
 The activation formulas are measured, not guessed: tests/test_planner.py runs layers.GPTJBlock /
 GPTJHead / GPTJEmbedding under `saved_tensors_hooks` and checks these against the unique storages autograd
@@ -6,9 +7,10 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from layers.config import GPTJConfig
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
 ACTIVATION_POLICIES = ("resident", "checkpoint")
@@ -24,55 +26,6 @@ UPDATE_TOUCHED_BYTES_PER_PARAM = 28
 def _positive_int(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A GPT-J decoder's shape; the runtime builds it from layers.GPTJConfig (same field names)."""
-
-    vocab_size: int
-    n_positions: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    rotary_dim: int
-    inner_dim: int
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            _positive_int("ModelShape", f.name, getattr(self, f.name))
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.rotary_dim % 2 or self.rotary_dim > self.n_embd // self.n_head:
-            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most the head dimension")
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "ModelShape":
-        """From any object with GPT-J config attributes (layers.GPTJConfig, transformers.GPTJConfig-like)."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
-
-    def block_params(self) -> int:
-        d, f = self.n_embd, self.inner_dim
-        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
-
-    def embed_params(self) -> int:
-        return self.vocab_size * self.n_embd
-
-    def head_params(self) -> int:
-        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
-
-    def params(self) -> int:
-        return self.embed_params() + self.n_layer * self.block_params() + self.head_params()
-
-    def unit_names(self) -> list[str]:
-        return ["embed", *(f"block.{i}" for i in range(self.n_layer)), "head"]
-
-    def unit_params(self, unit: str) -> int:
-        if unit == "embed":
-            return self.embed_params()
-        if unit == "head":
-            return self.head_params()
-        return self.block_params()
 
 
 @dataclass(frozen=True)
@@ -124,14 +77,14 @@ class PlanConfig:
 # es is the compute dtype's size. On the cpu: LayerNorm keeps mean and rstd in the input dtype, and SDPA takes
 # its flash path for both dtypes, saving q, k, v, the output and an fp32 logsumexp (never the T x T scores).
 
-def rotary_table_bytes(shape: ModelShape, seq: int, es: int) -> int:
+def rotary_table_bytes(shape: GPTJConfig, seq: int, es: int) -> int:
     """sin and cos. In bf16 each block casts its own (T, R/2) copies; in fp32 the cast is a no-op and the
     saved tensors are views of the cached (n_positions, R/2) tables, one storage for the whole model."""
     half = shape.rotary_dim // 2
     return 2 * shape.n_positions * half * 4 if es == 4 else 2 * seq * half * es
 
 
-def block_saved_bytes(shape: ModelShape, batch: int, seq: int, es: int, rotary: bool = True) -> int:
+def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: bool = True) -> int:
     """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged)."""
     n, d, f = batch * seq, shape.n_embd, shape.inner_dim
     tensors = es * (
@@ -144,7 +97,7 @@ def block_saved_bytes(shape: ModelShape, batch: int, seq: int, es: int, rotary: 
     return tensors + stats + (rotary_table_bytes(shape, seq, es) if rotary else 0)
 
 
-def head_saved_bytes(shape: ModelShape, batch: int, seq: int, es: int) -> int:
+def head_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
     n = batch * seq
     return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (lm_head's input)
             + 2 * n * es  # ln_f mean, rstd
@@ -152,15 +105,15 @@ def head_saved_bytes(shape: ModelShape, batch: int, seq: int, es: int) -> int:
             + 8 * n + 4)  # the shifted int64 labels, and cross-entropy's total weight
 
 
-def embed_saved_bytes(shape: ModelShape, batch: int, seq: int) -> int:
+def embed_saved_bytes(shape: GPTJConfig, batch: int, seq: int) -> int:
     return 8 * batch * seq  # the int64 token ids
 
 
-def checkpoint_input_bytes(shape: ModelShape, batch: int, seq: int, es: int) -> int:
+def checkpoint_input_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
     return batch * seq * shape.n_embd * es
 
 
-def backward_workspace_bytes(shape: ModelShape, unit: str, batch: int, seq: int, es: int) -> int:
+def backward_workspace_bytes(shape: GPTJConfig, unit: str, batch: int, seq: int, es: int) -> int:
     """Charged while a unit's backward runs: the head's fp32 logits gradient; for a block or the embedding,
     the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. its input is charged once its
     backward is done, when its activations are gone: never above this moment."""
@@ -170,7 +123,7 @@ def backward_workspace_bytes(shape: ModelShape, unit: str, batch: int, seq: int,
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------
-def forward_flops(shape: ModelShape, unit: str, batch: int, seq: int) -> int:
+def forward_flops(shape: GPTJConfig, unit: str, batch: int, seq: int) -> int:
     """Matmul FLOPs of one forward. Attention counts the full T x T (QK^T and AV) although the mask makes
     half of it zeros: the usual MFU convention, and an upper bound on what a flash kernel does."""
     n, d = batch * seq, shape.n_embd

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, PlanConfig,
+    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, PlanConfig,
     forward_flops,
 )
 from memory_model.kernels import attention_flops
-from memory_model.steps import Resource, StepEvent
+from memory_model.schedule import Event, Resource, Weights, released_after
 
 
 @dataclass
@@ -52,13 +53,14 @@ def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
     return (device.h2d if direction == "h2d" else device.d2h).time(nbytes)
 
 
-def _load(resource: Resource, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
-    if resource[0] == "weights":
-        nbytes = shape.unit_params(resource[1]) * cfg.dtype_bytes
+def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
+    weights = isinstance(resource, Weights)
+    if weights:
+        nbytes = shape.unit_params(resource.unit) * cfg.dtype_bytes
     else:  # master, moments and the fp32 gradient accumulator of one chunk
-        nbytes = resource[3] * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+        nbytes = resource.count * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
     disk = nbytes if cfg.store == "disk" else 0
-    h2d = nbytes if resource[0] == "weights" or cfg.update_on == "device" else 0
+    h2d = nbytes if weights or cfg.update_on == "device" else 0
     seconds = _link(h2d, device, "h2d") + disk / device.disk_read_bw
     times.load_s += seconds
     times.h2d += h2d
@@ -66,10 +68,10 @@ def _load(resource: Resource, shape: ModelShape, cfg: PlanConfig, device: Device
     return seconds
 
 
-def _compute(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec) -> float:
+def _compute(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
     if event.phase == "update":
         bandwidth = device.device_mem_bandwidth if cfg.update_on == "device" else device.host_update_bw
-        return event.resource[3] * UPDATE_TOUCHED_BYTES_PER_PARAM / bandwidth
+        return event.resource.count * UPDATE_TOUCHED_BYTES_PER_PARAM / bandwidth
     unit, rate = event.unit, device.flops_for(cfg.compute_dtype)
     costs = device.kernels.get(cfg.compute_dtype)
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
@@ -93,7 +95,7 @@ def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
     return device.same_memory and cfg.store == "ram" and cfg.devices == 1
 
 
-def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
+def _write_back(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
     es, disk = cfg.dtype_bytes, cfg.store == "disk"
     if event.phase == "backward":
         params = shape.unit_params(event.unit)
@@ -111,7 +113,7 @@ def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: De
                    + touched / fold_bw + read / device.disk_read_bw + write / device.disk_write_bw)
         times.d2h += grad
     else:  # an update chunk: new master, moments and compute weights go back to the store
-        out = event.resource[3] * (OPTIMIZER_BYTES_PER_PARAM + cfg.new_compute_bytes)
+        out = event.resource.count * (OPTIMIZER_BYTES_PER_PARAM + cfg.new_compute_bytes)
         d2h = out if cfg.update_on == "device" else 0
         read, write = 0, out if disk else 0
         seconds = _link(d2h, device, "d2h") + write / device.disk_write_bw
@@ -122,7 +124,7 @@ def _write_back(event: StepEvent, shape: ModelShape, cfg: PlanConfig, device: De
     return seconds
 
 
-def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: ModelShape, cfg: PlanConfig,
+def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJConfig, cfg: PlanConfig,
              device: DeviceSpec) -> Timeline:
     per_unit = {u: UnitTimes() for u in shape.unit_names()}
     busy = {"compute": 0.0, "io": 0.0}
@@ -135,7 +137,7 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
     for k, event in enumerate(events):
         for r in resident[k]:
             if r not in in_flight:
-                seconds = _load(r, shape, cfg, device, per_unit[r[1]])
+                seconds = _load(r, shape, cfg, device, per_unit[r.unit])
                 io_free = max(io_free, clock) + seconds
                 ready[r] = io_free
                 in_flight.add(r)
@@ -166,6 +168,6 @@ def simulate(events: list[StepEvent], resident: list[list[Resource]], shape: Mod
                     offload_done = io_free
                     if event.unit == first_unit:
                         clock = io_free
-        if k + 1 == len(events) or events[k + 1].resource != event.resource:
+        if released_after(events, k):
             in_flight.discard(event.resource)
     return Timeline(max(clock, io_free), per_unit, busy)

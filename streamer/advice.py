@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from layers import GPTJConfig
-from memory_model import DEVICE_PRESETS, ModelShape, PlanConfig, format_size, peak_device_bytes, plan
+from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
 from memory_model.ledger import round_up_size
 from streamer.run import RunConfig, RunError
 
@@ -30,15 +30,15 @@ def plan_config(cfg: RunConfig, devices: int = 1) -> PlanConfig:
 
 def planned_peak(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> int:
     """The analytic planner's peak device bytes for one step of this run."""
-    return peak_device_bytes(ModelShape.from_config(model_cfg), plan_config(cfg, devices))
+    return peak_device_bytes(model_cfg, plan_config(cfg, devices))
 
 
-def _needs(shape: ModelShape, pc: PlanConfig) -> int:
+def _needs(shape: GPTJConfig, pc: PlanConfig) -> int:
     """The budget a step needs: the planner's peak with the margin the real ledger was measured to need."""
     return peak_device_bytes(shape, pc) + PLAN_MARGIN_BYTES
 
 
-def alternatives(shape: ModelShape, pc: PlanConfig, budget: int) -> list[str]:
+def alternatives(shape: GPTJConfig, pc: PlanConfig, budget: int) -> list[str]:
     """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
     the batch, checkpointed activations, the host update. Only those that fit are listed."""
     out = [f"--budget {round_up_size(_needs(shape, pc))}"]
@@ -54,7 +54,7 @@ def alternatives(shape: ModelShape, pc: PlanConfig, budget: int) -> list[str]:
     return out
 
 
-def _breakdown(shape: ModelShape, pc: PlanConfig) -> str:
+def _breakdown(shape: GPTJConfig, pc: PlanConfig) -> str:
     """The planned peak by category, e.g. `57.1 MiB (weights 6 MiB, activations 40 MiB, ...)`."""
     planned = plan(shape, next(iter(DEVICE_PRESETS.values())), pc)  # any device: only bytes are read
     parts = ", ".join(f"{c} {format_size(b)}" for c, b in planned.peak_breakdown.items() if b)
@@ -65,20 +65,21 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
     """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
     cannot fit its --budget; nothing when there is no budget or it fits."""
     budget = cfg.budget_bytes()
-    shape, pc = ModelShape.from_config(model_cfg), plan_config(cfg, devices)
-    if budget is None or _needs(shape, pc) <= budget:
+    pc = plan_config(cfg, devices)
+    if budget is None or _needs(model_cfg, pc) <= budget:
         return
     raise RunError(f"--budget {cfg.budget} ({format_size(budget)}) is too small: a step needs "
-                   f"{_breakdown(shape, pc)} by the planner. To fit, one of: {'; or '.join(alternatives(shape, pc, budget))}")
+                   f"{_breakdown(model_cfg, pc)} by the planner. To fit, one of: "
+                   f"{'; or '.join(alternatives(model_cfg, pc, budget))}")
 
 
 def ledger_advice(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1
                   ) -> Callable[[dict[str, int], int, dict[str, Any]], list[str]]:
     """For the ledger's hints (`advise`): a DeviceOutOfMemory mid-step names the planner's alternatives."""
-    shape, pc = ModelShape.from_config(model_cfg), plan_config(cfg, devices)
+    pc = plan_config(cfg, devices)
 
     def advise(needed: dict[str, int], capacity: int, hints: dict[str, Any]) -> list[str]:
-        return [f"the planner puts a step's peak at {_breakdown(shape, pc)}; one of "
-                + "; or ".join(alternatives(shape, pc, capacity))]
+        return [f"the planner puts a step's peak at {_breakdown(model_cfg, pc)}; one of "
+                + "; or ".join(alternatives(model_cfg, pc, capacity))]
 
     return advise

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layers import KVCache
+from memory_model.schedule import inference_events
 from streamer.errors import StreamerError
 from streamer.runtime.executor import StepContext
-from streamer.runtime.schedule import inference_events
 
 if TYPE_CHECKING:
     from streamer.io.tokenizer import Tokenizer

@@ -14,8 +14,8 @@ from streamer.runtime.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import dtype_name, model_layouts
 from streamer.runtime.executor import Executor, MicroBatch, NonFiniteError, StepContext
-from streamer.runtime.schedule import forward_events, step_events, update_events
-from streamer.store.host import JOURNAL, HostStore, StoreSpec, chunks
+from memory_model.schedule import chunks, forward_events, step_events, update_events
+from streamer.store.host import JOURNAL, HostStore, StoreSpec
 
 
 class StreamingTrainer:

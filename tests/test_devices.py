@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -9,13 +10,13 @@ from hypothesis import strategies as st
 
 import streamer.runtime.calibrate as calibrate
 from layers import PRESETS
-from memory_model import DEVICE_PRESETS, DeviceSpec, Link, ModelShape, SizeError, device_spec, format_size, parse_size
+from memory_model import DEVICE_PRESETS, DeviceSpec, Link, SizeError, device_spec, format_size, parse_size
 from streamer.runtime.calibrate import CalibrationSizes
 from memory_model.kernels import KernelCosts
 
 TINY = CalibrationSizes(matmul_n=32, probe_tokens=16, compute_seconds=0.5, copy_bytes=2**16, disk_bytes=2**16,
                         update_params=2**12, repeats=1)
-DEBUG = ModelShape.from_config(PRESETS["gptj-debug"])
+DEBUG = PRESETS["gptj-debug"]
 
 
 # --- parse_size ------------------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def test_calibrate_measures_this_machine_in_one_dtype(tmp_path, dtype) -> None:
 
 def test_calibration_probes_are_sized_from_the_model() -> None:
     sizes = CalibrationSizes()
-    six = calibrate.probe_shape(ModelShape.from_config(PRESETS["gptj-6b"]), sizes)
+    six = calibrate.probe_shape(PRESETS["gptj-6b"], sizes)
     # GPT-J-6B narrowed to 1024 wide in whole 256-wide heads, its MLP ratio, rotary and vocabulary kept.
     assert (six.n_embd, six.n_head, six.inner_dim, six.rotary_dim, six.vocab_size, six.n_layer) == \
         (1024, 4, 4096, 64, 50400, 1)
@@ -174,7 +175,7 @@ def test_local_spec_is_cached_per_dtype_and_model_and_refreshable(tmp_path, monk
     assert (tmp_path / calibrate.CACHE_NAME).is_file() and calls == ["fp32"]
     assert calibrate.local_spec(tmp_path, DEBUG, "fp32") == first and calls == ["fp32"]
     calibrate.local_spec(tmp_path, DEBUG, "bf16")  # another dtype: measured, kept beside
-    wider = ModelShape(**{**DEBUG.__dict__, "n_embd": 128, "inner_dim": 512})
+    wider = replace(DEBUG, n_embd=128, n_inner=512)
     calibrate.local_spec(tmp_path, wider, "fp32")  # another probe shape: measured too
     assert calls == ["fp32", "bf16", "fp32"]
     assert calibrate.local_spec(tmp_path, DEBUG, "fp32") == first and len(calls) == 3

@@ -5,14 +5,9 @@ import pytest
 import torch
 
 from layers import GPTJConfig
-from memory_model import ModelShape, PlanConfig, device_spec, plan
+from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.runtime.dryrun import dry_run
-
-
-def shape_of(cfg: GPTJConfig) -> ModelShape:
-    return ModelShape(cfg.vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.rotary_dim,
-                      cfg.inner_dim)
 
 
 def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
@@ -20,7 +15,7 @@ def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
     ledger = dry_run(cfg, TrainerConfig(activations="checkpoint", compute_dtype="bf16"), batch=1, seq=2048)
     assert ledger.peak <= 3 * 2**30
     assert 16 * cfg.num_params() / ledger.peak >= 30  # vs the 16 B/param baseline (90.2 GiB)
-    predicted = plan(shape_of(cfg), device_spec("cs2"), PlanConfig(batch=1, seq=2048, activations="checkpoint"))
+    predicted = plan(cfg, device_spec("cs2"), PlanConfig(batch=1, seq=2048, activations="checkpoint"))
     # Measured: the planner is 8,200 bytes below the dry run's 2,557,817,740 (3.2e-6 relative).
     assert predicted.peak_device_bytes == pytest.approx(ledger.peak, rel=3e-5)
 
@@ -36,7 +31,7 @@ def test_planner_matches_dry_run(n_embd, n_head, n_layer, rotary, inner, batch, 
                      rotary_dim=rotary, n_inner=inner)
     tc = TrainerConfig(activations=activations, compute_dtype=dtype, prefetch=prefetch, update_chunk=20_000)
     ledger = dry_run(cfg, tc, batch, seq)
-    predicted = plan(shape_of(cfg), device_spec("h100-80g"), PlanConfig(
+    predicted = plan(cfg, device_spec("h100-80g"), PlanConfig(
         batch=batch, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch, update_chunk=20_000))
     # Measured: at most 768 bytes apart (1.03e-3 relative, the 64-wide bf16 case), planner below the dry run.
     assert predicted.peak_device_bytes == pytest.approx(ledger.peak, rel=0.01)

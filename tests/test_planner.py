@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -13,16 +15,16 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from layers import PRESETS, GPTJBlock, GPTJConfig, GPTJEmbedding, GPTJHead, causal_lm_loss
-from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, Ledger, Link, ModelShape, PlanConfig,
+from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, Ledger, Link, PlanConfig,
                           peak_device_bytes, plan)
-from memory_model.shapes import (GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, backward_workspace_bytes,
-                                 block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes)
-from memory_model.steps import resident_sets, step_events
+from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
+                                 embed_saved_bytes, head_saved_bytes)
+from memory_model.schedule import released_after, resident_sets, resource_charges, step_events, update_charges
 
 GIB = 2**30
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CS2 = DEVICE_PRESETS["cs2"]
-GPTJ_6B = ModelShape.from_config(GPTJConfig.preset("gptj-6b"))
+GPTJ_6B = GPTJConfig.preset("gptj-6b")
 
 
 # --- measuring what autograd saves ------------------------------------------------------------------------------
@@ -68,7 +70,7 @@ def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str) -> No
     """One unit at a time, nothing shared: the per-unit formulas against torch's own saved tensors."""
     rng = random.Random(seed)
     cfg = _random_config(rng)
-    shape, es = ModelShape.from_config(cfg), DTYPES[dtype].itemsize
+    shape, es = cfg, DTYPES[dtype].itemsize
     batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
     embed, (block, _), head = _units(cfg, DTYPES[dtype])
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
@@ -92,7 +94,7 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
     one storage for every block; block j's saved input is block j-1's output)."""
     rng = random.Random(100 + seed)
     cfg = _random_config(rng)
-    shape = ModelShape.from_config(cfg)
+    shape = cfg
     batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
     embed, blocks, head = _units(cfg, DTYPES[dtype])
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
@@ -123,10 +125,12 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
 
 
 # --- the charging walk, replayed on a real Ledger ---------------------------------------------------------------
-def _replay(shape: ModelShape, cfg: PlanConfig) -> Ledger:
-    """Allocate and free in the runtime's order (docs/ARCHITECTURE.md); the planner never sees this code."""
+def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
+    """Allocate and free in the executor's order, with the executor's loop over the shared schedule and its
+    charges (memory_model/schedule.py); the planner's moment-by-moment walk never sees this code."""
     ledger = Ledger(None)
-    events = step_events(shape, cfg)
+    units = shape.unit_names()
+    events = step_events(units, cfg.grad_accum, {u: shape.unit_params(u) for u in units}, cfg.update_chunk)
     resident = resident_sets(events, cfg.prefetch)
     es, b, t = cfg.dtype_bytes, cfg.micro_batch, cfg.seq
     in_flight: dict[tuple, list[int]] = {}
@@ -134,15 +138,9 @@ def _replay(shape: ModelShape, cfg: PlanConfig) -> Ledger:
     flowing = None
     for k, e in enumerate(events):
         for r in resident[k]:
-            if r in in_flight:
-                continue
-            if r[0] == "weights":
-                in_flight[r] = [ledger.allocate("weights", r[1], shape.unit_params(r[1]) * es)]
-            elif cfg.update_on == "device":
-                in_flight[r] = [ledger.allocate("optimizer", r[1], r[3] * OPTIMIZER_BYTES_PER_PARAM),
-                                ledger.allocate("gradients", r[1], r[3] * GRAD_ACCUM_BYTES_PER_PARAM)]
-            else:
-                in_flight[r] = []
+            if r not in in_flight:
+                in_flight[r] = [ledger.allocate(c.category, r.unit, c.nbytes)
+                                for c in resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on)]
         kind = e.unit.split(".")[0]
         if e.phase == "forward":
             if kind == "block" and cfg.activations == "checkpoint":
@@ -165,9 +163,10 @@ def _replay(shape: ModelShape, cfg: PlanConfig) -> Ledger:
             ledger.free(acts.pop(e.unit))
             flowing = None if kind == "embed" else ledger.allocate("workspace", e.unit, b * t * shape.n_embd * es)
             ledger.free(grad)
-        elif cfg.update_on == "device" and cfg.compute_dtype != "fp32":
-            ledger.free(ledger.allocate("weights", e.unit, e.resource[3] * es))
-        if k + 1 == len(events) or events[k + 1].resource != e.resource:
+        else:
+            for c in update_charges(e.resource, cfg.new_compute_bytes, cfg.update_on):
+                ledger.free(ledger.allocate(c.category, e.unit, c.nbytes))
+        if released_after(events, k):
             for h in in_flight.pop(e.resource):
                 ledger.free(h)
     assert ledger.in_use == 0 and ledger.live() == 0
@@ -181,7 +180,7 @@ def _replay(shape: ModelShape, cfg: PlanConfig) -> Ledger:
        update_on=st.sampled_from(["device", "host"]), chunk=st.sampled_from([100, 5_000, 16 * 2**20]))
 def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accum, prefetch, activations, dtype,
                                              update_on, chunk) -> None:
-    shape = ModelShape(vocab, 64, d, n_layer, 4, 4, 4 * d)
+    shape = GPTJConfig(vocab_size=vocab, n_positions=64, n_embd=d, n_layer=n_layer, n_head=4, rotary_dim=4)
     cfg = PlanConfig(batch=micro * accum, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch,
                      update_on=update_on, grad_accum=accum, update_chunk=chunk)
     ledger = _replay(shape, cfg)
@@ -192,7 +191,7 @@ def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accu
 
 # --- the bar: GPT-J-6B on a CS-2 ---------------------------------------------------------------------------------
 def test_gptj_6b_checkpoint_fits_in_3_gib_30x_below_the_baseline() -> None:
-    assert GPTJ_6B.params() == 6_050_882_784 == PRESETS["gptj-6b"].num_params()
+    assert GPTJ_6B.num_params() == 6_050_882_784 == PRESETS["gptj-6b"].num_params()
     assert GPTJ_6B.block_params() == 201_355_264
     cfg = PlanConfig(batch=1, seq=2048, activations="checkpoint", compute_dtype="bf16")
     p = plan(GPTJ_6B, CS2, cfg)
@@ -300,7 +299,7 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
     costs = KernelCosts(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
                         elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
                         embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18)
-    shape, cfg = ModelShape.from_config(GPTJConfig.preset("gptj-350m")), PlanConfig(batch=1, seq=512)
+    shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
     base, costed = plan(shape, free, cfg), plan(shape, replace(free, kernels={"bf16": costs}), cfg)
     n, attn = 512, attention_flops(shape, 1, 512)
     block = {r.unit: r for r in costed.rows}["block.0"]
@@ -320,7 +319,7 @@ def test_a_cpu_device_folds_gradients_on_the_compute_thread() -> None:
     slow_fold = DeviceSpec(name="local", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
                            flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
                            disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e9)
-    shape, cfg = ModelShape.from_config(GPTJConfig.preset("gptj-350m")), PlanConfig(batch=1, seq=512)
+    shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
     overlapped, inline = plan(shape, slow_fold, cfg), plan(shape, replace(slow_fold, same_memory=True), cfg)
     serial = sum(r.forward_s + r.backward_s + r.update_s + r.offload_s for r in inline.rows)
     assert sum(r.offload_s for r in inline.rows) > 0.1  # 10 B/param at 1 GB/s: about 0.35 s for 350M
@@ -357,11 +356,9 @@ def test_plan_config_rejects(bad: dict) -> None:
         PlanConfig(**{"batch": 2, "seq": 16, **bad})
 
 
-def test_model_shape_matches_layers_and_validates() -> None:
+def test_unit_params_add_up_to_the_model_and_the_plan_checks_its_context() -> None:
     for cfg in PRESETS.values():
-        assert ModelShape.from_config(cfg).params() == cfg.num_params()
-    with pytest.raises(ValueError):
-        ModelShape(100, 64, 30, 2, 4, 4, 120)  # 30 not divisible by 4 heads
+        assert sum(cfg.unit_params(u) for u in cfg.unit_names()) == cfg.num_params()
     with pytest.raises(ValueError):
         plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=4096))
 
@@ -373,7 +370,7 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     four = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
     assert four.peak_breakdown["activations"] < one.peak_breakdown["activations"]
     assert sum(r.update_s for r in four.rows) == pytest.approx(sum(r.update_s for r in one.rows))
-    ring = 2 * 3 / 4 * 4 * GPTJ_6B.params()  # fp32 gradients, ring all-reduce over 4 devices
+    ring = 2 * 3 / 4 * 4 * GPTJ_6B.num_params()  # fp32 gradients, ring all-reduce over 4 devices
     extra_offload = sum(r.offload_s for r in four.rows) - sum(r.offload_s for r in one.rows)
     assert extra_offload >= ring / CS2.interconnect.bandwidth_bytes_per_s
     # Weight streaming is I/O-bound at small batches: more devices only add the all-reduce. Where compute
@@ -382,3 +379,13 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     h100 = [plan(GPTJ_6B, device_spec("h100-80g"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
                                                              devices=n)).tokens_per_s for n in (1, 2, 4)]
     assert h100[0] < h100[1] < h100[2]
+
+def test_the_planner_runs_without_torch() -> None:
+    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config) import no torch."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from layers.config import GPTJConfig\n"
+            "from memory_model import PlanConfig, device_spec, plan\n"
+            "p = plan(GPTJConfig.preset('gptj-debug'), device_spec('cs2'), PlanConfig(batch=1, seq=16))\n"
+            "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config']"

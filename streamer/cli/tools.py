@@ -12,7 +12,7 @@ import torch
 
 from layers import PRESETS, GPTJConfig
 from memory_model import (
-    CATEGORIES, DeviceSpec, ModelShape, PlanConfig, Trace, device_spec, format_size, parse_size, plan,
+    CATEGORIES, DeviceSpec, PlanConfig, Trace, device_spec, format_size, parse_size, plan,
 )
 from streamer.errors import StreamerError
 from streamer.generate import Sampling, complete
@@ -32,16 +32,15 @@ def plan_command(args: argparse.Namespace) -> int:
     model_cfg = PRESETS[args.model] if args.model in PRESETS else GPTJConfig.from_hf(args.model)
     choice = plan_dtype(args.target, args.dtype)
     dtype = choice.dtype
-    device = _device(args.target, ModelShape.from_config(model_cfg), dtype)
+    device = _device(args.target, model_cfg, dtype)
     try:
         plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
                               update_chunk=args.update_chunk, store=args.store, devices=args.ranks)
-        shape = ModelShape.from_config(model_cfg)
-        result = plan(shape, device, plan_cfg)
+        result = plan(model_cfg, device, plan_cfg)
         # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
         counts = [n for n in (2**k for k in range(args.ranks.bit_length())) if n <= args.ranks] + [args.ranks]
-        scaling = [{"devices": n, **{k: v for k, v in plan(shape, device, replace(plan_cfg, devices=n)).to_json().items()
+        scaling = [{"devices": n, **{k: v for k, v in plan(model_cfg, device, replace(plan_cfg, devices=n)).to_json().items()
                                      if k in ("step_time_s", "tokens_per_s", "peak_device_bytes")}}
                    for n in sorted(set(counts)) if args.batch % (n * args.grad_accum) == 0]
     except ValueError as exc:
@@ -85,7 +84,7 @@ def plan_dtype(target: str, requested: str) -> DtypeChoice:
     return DtypeChoice(requested, f"compute dtype {requested} (--dtype {requested})")
 
 
-def _device(name: str, shape: ModelShape, dtype: str) -> DeviceSpec:
+def _device(name: str, shape: GPTJConfig, dtype: str) -> DeviceSpec:
     try:
         if name == "local":
             return local_spec(Path("runs"), shape, dtype)

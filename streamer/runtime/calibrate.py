@@ -24,9 +24,10 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec, Link
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
-from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, ModelShape, forward_flops
+from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops
 from memory_model.units import format_size
 
 CACHE_NAME = "device-local.json"
@@ -100,18 +101,18 @@ def matmul_side(dtype: torch.dtype, largest: int, repeats: int, seconds: float) 
     return n
 
 
-def probe_shape(shape: ModelShape, sizes: CalibrationSizes) -> ModelShape:
+def probe_shape(shape: GPTJConfig, sizes: CalibrationSizes) -> GPTJConfig:
     """The block and head the kernel costs are measured on: the planned model's vocabulary, head size, rotary
     and MLP ratio, at most `probe_width` wide (whole heads), one layer, up to `probe_tokens` positions."""
     head_dim = shape.n_embd // shape.n_head
     heads = max(1, min(shape.n_head, sizes.probe_width // head_dim))
     width = heads * head_dim
     inner = max(1, shape.inner_dim * width // shape.n_embd)
-    return ModelShape(vocab_size=shape.vocab_size, n_positions=sizes.probe_tokens, n_embd=width, n_layer=1,
-                      n_head=heads, rotary_dim=shape.rotary_dim, inner_dim=inner)
+    return GPTJConfig(vocab_size=shape.vocab_size, n_positions=sizes.probe_tokens, n_embd=width, n_layer=1,
+                      n_head=heads, rotary_dim=shape.rotary_dim, n_inner=inner)
 
 
-def probe_tokens(probe: ModelShape, matmul_flops: float, repeats: int, seconds: float) -> int:
+def probe_tokens(probe: GPTJConfig, matmul_flops: float, repeats: int, seconds: float) -> int:
     """The most tokens (a power of two from 8 up to the probe's positions) whose kernel-cost runs fit
     `seconds`: a warm-up and `repeats` forward and backward passes (3x the forward's matmuls) of the block
     and the head, at _PROBE_OVERHEAD times their matmul time."""
@@ -198,20 +199,19 @@ def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor
 
 
 def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int,
-                         probe: ModelShape, tokens: int, seconds: float = math.inf) -> KernelCosts:
+                         probe: GPTJConfig, tokens: int, seconds: float = math.inf) -> KernelCosts:
     """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of shape `probe`
     (probe_shape: the planned model's vocabulary, so that the logits are as large against the caches as in
     the run) at 1 x `tokens`: each one's time less its matmuls at `matmul_flops`, per counted element.
     `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
     the measurements together stop after `seconds`."""
-    from layers import GPTJConfig
     from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
     from layers.loss import causal_lm_loss
 
     dtype = DTYPES[dtype_name]
     cfg = GPTJConfig(vocab_size=probe.vocab_size, n_positions=max(tokens, probe.n_positions), n_embd=probe.n_embd,
                      n_layer=1, n_head=probe.n_head, rotary_dim=probe.rotary_dim, n_inner=probe.inner_dim)
-    shape, batch, seq = ModelShape.from_config(cfg), 1, tokens
+    shape, batch, seq = cfg, 1, tokens
     n, torch_state = batch * seq, torch.random.get_rng_state()
     deadline = time.perf_counter() + seconds
     torch.manual_seed(0)
@@ -304,7 +304,7 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def calibrate(directory: Path, shape: ModelShape, dtype: str, sizes: CalibrationSizes | None = None) -> DeviceSpec:
+def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: CalibrationSizes | None = None) -> DeviceSpec:
     """Measure this machine now for planning `shape` in compute dtype `dtype` ("bf16" or "fp32"); the disk
     test writes its temp file in `directory`."""
     if dtype not in DTYPES:
@@ -340,7 +340,7 @@ def calibrate(directory: Path, shape: ModelShape, dtype: str, sizes: Calibration
     )
 
 
-def local_spec(cache_dir: Path | None, shape: ModelShape, dtype: str, refresh: bool = False,
+def local_spec(cache_dir: Path | None, shape: GPTJConfig, dtype: str, refresh: bool = False,
                sizes: CalibrationSizes | None = None) -> DeviceSpec:
     """The cached calibration in cache_dir when it matches this machine, the dtype and the probed shape, else
     a fresh one (then cached beside the others)."""
@@ -364,7 +364,7 @@ def local_spec(cache_dir: Path | None, shape: ModelShape, dtype: str, refresh: b
     return spec
 
 
-def _cache_key(shape: ModelShape, dtype: str, sizes: CalibrationSizes) -> str:
+def _cache_key(shape: GPTJConfig, dtype: str, sizes: CalibrationSizes) -> str:
     """What a calibration measured: the dtype, the probed block and head, and the sizes' bounds."""
     probe = asdict(probe_shape(shape, sizes))
     return json.dumps({"dtype": dtype, "probe": probe, "sizes": asdict(sizes)}, sort_keys=True)

@@ -17,13 +17,15 @@ from torch.func import functional_call
 
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
+from memory_model.schedule import (
+    Event, Resource, StateChunk, Weights, released_after, resident_sets, resource_charges, update_charges,
+)
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
 from streamer.errors import StreamerError
 from streamer.store.layout import UnitLayout
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.runtime.schedule import Event, Resource, StateChunk, Weights, lookahead
 from streamer.store.host import HostStore, UnitWriter
 from streamer.runtime.transport import IOWorker, Loaded, Transport
 
@@ -99,8 +101,8 @@ class Executor:
         self._step = ctx.step
         if any(e.phase == "backward" for e in events):
             self.grad_sq_norms = {}
-        for i, event in enumerate(events):
-            for resource in [event.resource, *lookahead(events, i, self.tc.prefetch)]:
+        for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
+            for resource in resident:
                 if resource not in self._inflight:
                     self._issue(resource, ctx.step)
             tensors = self._acquire(event.resource)
@@ -114,7 +116,7 @@ class Executor:
                     ctx.infer(event.unit, lambda *args, unit=event.unit: self._call_plain(unit, *args))
                 else:
                     self._update(event.resource, tensors, ctx)
-            if i + 1 == len(events) or events[i + 1].resource != event.resource:
+            if released_after(events, i):
                 self._release(event.resource)
         self.worker.drain()
         write_backs, self._write_backs = self._write_backs, []
@@ -122,18 +124,13 @@ class Executor:
             future.result()  # a failed write (disk full, ...) must stop the step before it commits
 
     def _issue(self, resource: Resource, step: int) -> None:
+        numel = self.layouts[resource.unit].numel
+        handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
+                   for c in resource_charges(resource, numel, self.dtype.itemsize, self.tc.update_on)]
         if isinstance(resource, Weights):
-            numel = self.layouts[resource.unit].numel
-            handles = [self.ledger.allocate("weights", resource.unit, numel * self.dtype.itemsize,
-                                            "compute weights")]
             self.states[resource.unit].residency = Residency.INFLIGHT
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(resource.unit, numel))
         else:
-            handles = []
-            if self.tc.update_on == "device":
-                count = resource.count
-                handles = [self.ledger.allocate("optimizer", resource.unit, count * 12, "master, exp_avg, exp_avg_sq"),
-                           self.ledger.allocate("gradients", resource.unit, count * 4, "fp32 gradient")]
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host"))
         self._inflight[resource] = (self.worker.submit(job), handles)
@@ -286,16 +283,15 @@ class Executor:
                 ctx.on_first_update(ctx)
         layout = self.layouts[chunk.unit]
         adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc, ctx.step, ctx.lr, ctx.clip_coef)
-        new_compute, handle = None, None
+        new_compute, handles = None, []
         if not self.store_is_master():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
                                                         on_host=self.tc.update_on == "host")
-            if self.tc.update_on == "device":
-                handle = self.ledger.allocate("weights", chunk.unit, chunk.count * self.dtype.itemsize,
-                                              "new compute weights")
+            handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
+                       for c in update_charges(chunk, self.dtype.itemsize, self.tc.update_on)]
             new_compute.copy_(tensors["master"])
         self._write_backs.append(self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step)))
-        if handle is not None:
+        for handle in handles:
             self.ledger.free(handle)
 
     def store_is_master(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from layers import GPTJConfig, unit_names
+from memory_model.schedule import chunks
 from streamer.store.commit import (
     FORMAT, JOURNAL, MANIFEST, Commit, UnitWriter, check_units, grad_name, lock_run_dir, read_journal, read_manifest,
     state_name,
@@ -115,11 +116,6 @@ class StoreSpec:
                        Placement(**raw["placement"]), raw["chunk"])
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None
-
-
-def chunks(numel: int, size: int) -> list[tuple[int, int]]:
-    """(start, count) pieces of a slab, in file order."""
-    return [(s, min(size, numel - s)) for s in range(0, numel, size)]
 
 
 class HostStore:

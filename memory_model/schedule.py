@@ -1,0 +1,144 @@
+"""A training step as an ordered list of compute events: the runtime executes it, the planner prices it.
+
+Each event names the resource it needs on the device (a unit's compute weights, or one chunk of a unit's
+optimizer state). While event k runs, its resource and the next `prefetch` distinct resources are loaded or
+in flight (`resident_sets`); after it, its resource is released unless the next event uses it too
+(`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
+backward into the next one's forward). A resource released and needed again later is loaded again.
+streamer/runtime/executor.py, memory_model/planner.py, memory_model/timing.py and the dry run all walk
+these lists, so the planner's peak and the runtime's ledger come from one schedule. What a resource costs
+on the device while it is held (`resource_charges`) and what an update chunk writes there
+(`update_charges`) are stated here once: the executor allocates exactly these on its ledger and the planner
+adds up the same numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+
+
+@dataclass(frozen=True)
+class Weights:
+    unit: str
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    unit: str
+    start: int
+    count: int
+    last: bool  # the unit's final chunk: its new state version can be closed after it
+
+
+Resource = Weights | StateChunk
+
+
+@dataclass(frozen=True)
+class Event:
+    phase: str  # "forward" | "backward" | "update" | "infer"
+    resource: Resource
+    micro: int = 0
+
+    @property
+    def unit(self) -> str:
+        return self.resource.unit
+
+
+@dataclass(frozen=True)
+class Charge:
+    """Device bytes of one ledger category, held for a while by one unit."""
+
+    category: str  # one of memory_model.ledger.CATEGORIES
+    nbytes: int
+    what: str
+
+
+def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, update_on: str) -> tuple[Charge, ...]:
+    """What a resource holds on the device from its load being issued until its release: a unit's compute
+    weights, or one chunk's master, moments and fp32 gradient (nothing when the update runs on the host)."""
+    if isinstance(resource, Weights):
+        return (Charge("weights", unit_numel * dtype_bytes, "compute weights"),)
+    if update_on == "host":
+        return ()
+    return (Charge("optimizer", resource.count * OPTIMIZER_BYTES_PER_PARAM, "master, exp_avg, exp_avg_sq"),
+            Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
+
+
+def update_charges(chunk: StateChunk, new_compute_bytes: int, update_on: str) -> tuple[Charge, ...]:
+    """What an update chunk adds while it runs: its new compute-dtype weights, written on the device before
+    they go back to the store (`new_compute_bytes` per parameter; 0 in fp32, where master is compute)."""
+    if update_on == "host" or new_compute_bytes == 0:
+        return ()
+    return (Charge("weights", chunk.count * new_compute_bytes, "new compute weights"),)
+
+
+def chunks(numel: int, size: int) -> list[tuple[int, int]]:
+    """(start, count) pieces of a slab, in file order: the update's chunks and the store's I/O pieces."""
+    return [(s, min(size, numel - s)) for s in range(0, numel, size)]
+
+
+def step_events(units: list[str], micro_batches: int, numels: dict[str, int], chunk: int,
+                update_units: list[str] | None = None) -> list[Event]:
+    """Forward and backward of every micro-batch, then the update of `update_units` (default: all) in
+    chunks of at most `chunk` parameters.
+
+    The update follows the whole backward because clipping needs the global gradient norm. Under data
+    parallel every device applies the whole update to its own copy.
+    """
+    events: list[Event] = []
+    for micro in range(micro_batches):
+        events += [Event("forward", Weights(u), micro) for u in units]
+        events += [Event("backward", Weights(u), micro) for u in reversed(units)]
+    events += update_events(units if update_units is None else update_units, numels, chunk)
+    return events
+
+
+def update_events(units: list[str], numels: dict[str, int], chunk: int) -> list[Event]:
+    events = []
+    for unit in units:
+        pieces = chunks(numels[unit], chunk)
+        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1))
+                   for i, (start, count) in enumerate(pieces)]
+    return events
+
+
+def forward_events(units: list[str]) -> list[Event]:
+    """Evaluation: the training forward (loss in the head), without a backward."""
+    return [Event("forward", Weights(u)) for u in units]
+
+
+def inference_events(units: list[str]) -> list[Event]:
+    """Generation: each unit called by the caller's code (KV caches, sampling) with its streamed weights."""
+    return [Event("infer", Weights(u)) for u in units]
+
+
+def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
+    """What is loaded or in flight while each event runs: its own resource, then its lookahead."""
+    last_backward = {e.unit: k for k, e in enumerate(events) if e.phase == "backward"}
+    return [[e.resource, *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
+
+
+def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[str, int]) -> list[Resource]:
+    """The next `depth` distinct resources after event `index`'s own, in order of first use.
+
+    A unit's optimizer state is not fetched while any of its backward events is still to run (its gradient
+    is final only once the last micro-batch's backward has been offloaded), so the lookahead stops there.
+    `last_backward` maps a unit to the index of its last backward event.
+    """
+    current = events[index].resource
+    seen: list[Resource] = []
+    for k in range(index + 1, len(events)):  # not a slice: that would copy the whole tail per event
+        if len(seen) >= depth:
+            break
+        event = events[k]
+        if isinstance(event.resource, StateChunk) and last_backward.get(event.unit, -1) >= index:
+            break
+        if event.resource != current and event.resource not in seen:
+            seen.append(event.resource)
+    return seen
+
+
+def released_after(events: list[Event], index: int) -> bool:
+    """Event `index`'s resource leaves the device after it: the next event (if any) needs another."""
+    return index + 1 == len(events) or events[index + 1].resource != events[index].resource
