@@ -5,7 +5,8 @@ executor, trainer) depends on these two abstract classes only; `streamer.store.h
 them over two back ends, RAM slabs (`streamer.store.ram`) and chunk-interleaved files
 (`streamer.store.files`), chosen per kind of slab by the spec's `Placement`.
 
-Call order (one process holds a store; every call comes from it, reads and writes from its one I/O thread):
+Call order (one process holds a store, under a lock on its folder; calls come from the runtime's main thread
+and its one I/O thread, which share the file descriptors under a lock of their own):
 
 1. `HostStore.create(root, spec)` (a new, empty store at step 0) or `HostStore.open(root)` (the last
    commit; `journal` then names a step a crash interrupted after it was committed).
@@ -20,10 +21,11 @@ Call order (one process holds a store; every call comes from it, reads and write
    - the update, per unit: `read_state` of each chunk (master, moments, grad), and a `unit_writer` taking
      the chunks' new values in order, closed after the unit's last chunk;
    - `finish_step(s + 1, trainer_state)`.
-   A step that fails before `begin_step` leaves the store at s; one that fails after it leaves the store
-   refusing to go on (`check_consistent` raises) until it is reopened and rolled forward.
+   A step that fails before `begin_step` leaves the store at s, ready for another try; one that fails after
+   it leaves the store refusing to go on (`check_consistent` raises) until it is reopened: the disk tier
+   then rolls the step forward, the RAM tier returns to its last `save`.
 5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is).
-6. `close()`: releases the files and the run directory's lock.
+6. `close()`: releases the files and the lock on the store's folder.
 
 Reads never change the store; ranges of state kinds start on chunk boundaries (`spec.chunk`).
 """
