@@ -48,7 +48,7 @@ from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
 from benchmarks.machine import STORE_KINDS  # noqa: E402
 from streamer.runtime.hardware import resolve_compute_dtype  # noqa: E402
 from streamer.store.layout import model_layouts  # noqa: E402
-from streamer.store.host import StoreSpec  # noqa: E402
+from streamer.store.spec import StoreSpec  # noqa: E402
 
 GiB = 2**30
 GOAL_PEAK_BYTES = 16 * GiB  # device peak at 1 x 2048

@@ -19,7 +19,7 @@ from layers import GPTJConfig
 from memory_model import format_size
 from benchmarks.report import params
 from streamer.runtime.calibrate import measure_disk, measure_matmul_flops
-from streamer.store.host import StoreSpec
+from streamer.store.spec import StoreSpec
 from streamer.runtime.calibrate import cpu_model
 
 STORE_KINDS = ("compute", "master", "exp_avg", "exp_avg_sq", "grad")  # everything a disk-tier store holds

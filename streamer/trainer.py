@@ -15,14 +15,16 @@ from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import dtype_name, model_layouts
 from streamer.runtime.executor import Executor, MicroBatch, NonFiniteError, StepContext
 from memory_model.schedule import chunks, forward_events, step_events, update_events
-from streamer.store.host import JOURNAL, HostStore, StoreSpec
+from streamer.store.host import HostStore
+from streamer.store.interface import Store
+from streamer.store.spec import StoreSpec
 
 
 class StreamingTrainer:
     """Full AdamW fine-tuning with one unit's weights, gradients and Adam state on the device at a time."""
 
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
-                 *, _store: HostStore | None = None, _initialize: bool = True) -> None:
+                 *, _store: Store | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         self.units = unit_names(cfg)
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
@@ -66,14 +68,14 @@ class StreamingTrainer:
             journal = store.journal
             if data_parallel is not None:
                 journal = _agree_on_journal(data_parallel, store, journal)
-            saved = dict(store.manifest["trainer"].get("config", {}))
+            saved = dict(store.trainer_state.get("config", {}))
             tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
             if tc.store != store.spec.placement:
                 raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
             trainer = cls(store.spec.config, tc, _store=store)
-            trainer.losses = list(store.manifest["trainer"].get("losses", []))
-            trainer.extra_state = dict(store.manifest["trainer"].get("extra", {}))
+            trainer.losses = list(store.trainer_state.get("losses", []))
+            trainer.extra_state = dict(store.trainer_state.get("extra", {}))
             if journal is not None:
                 trainer._roll_forward(journal)
         except BaseException:
@@ -276,12 +278,12 @@ def store_spec(cfg: GPTJConfig, tc: TrainerConfig) -> StoreSpec:
     return StoreSpec(cfg, dtype_name(tc.compute_dtype), tc.moment_dtype, tc.store, tc.update_chunk)
 
 
-def _agree_on_journal(data_parallel: DataParallel, store: HostStore,
+def _agree_on_journal(data_parallel: DataParallel, store: Store,
                       journal: dict[str, Any] | None) -> dict[str, Any] | None:
     """Roll a journaled step forward only if every rank journaled it; otherwise no rank updated anything yet."""
     views = data_parallel.gather((store.step, None if journal is None else journal["step"]))
     if journal is not None and any(j != journal["step"] for _, j in views):
-        (store.root / JOURNAL).unlink()
+        store.discard_journal()
         journal = None
     steps = {step for step, _ in views}
     if len(steps) != 1 and journal is None:

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from layers import GPTJConfig
 from streamer import StoreError, StreamerError, StreamingTrainer, TrainerConfig
 from streamer.store.slabfile import TRAILER_BYTES, Trailer
-from streamer.store.host import HostStore, StoreSpec
+from streamer.store.host import HostStore
+from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),

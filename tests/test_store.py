@@ -14,7 +14,8 @@ import torch
 from layers import GPTJConfig
 from streamer import Placement, StoreError, StreamingTrainer, TrainerConfig
 from streamer.store.slabfile import TRAILER_BYTES, Trailer
-from streamer.store.host import HostStore, StoreSpec
+from streamer.store.host import HostStore
+from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
 DISK = TrainerConfig(store="disk", compute_dtype="bf16", update_chunk=8192, lr=3e-3)
@@ -328,3 +329,32 @@ def test_a_state_file_with_a_crc32_trailer_is_named(tmp_path):
         f.write(b"WSSLAB01")
     with pytest.raises(StoreError, match="unit block.1: .*earlier weight-streaming \\(crc32"):
         StreamingTrainer.open(tmp_path / "run")
+
+
+def test_the_runtime_uses_the_store_only_through_its_interface():
+    """Every attribute transport, executor and trainer take from a store (or a writer it gave) is one the
+    interface declares: a back end can change without the runtime knowing."""
+    import ast
+    import inspect
+
+    from streamer.store.interface import StateWriter, Store
+    declared = {name for cls in (Store, StateWriter) for name in (*vars(cls), *cls.__annotations__)}
+    used: dict[str, set[str]] = {}
+    root = Path(__file__).resolve().parents[1]
+    for path in ("streamer/runtime/transport.py", "streamer/runtime/executor.py", "streamer/trainer.py"):
+        for node in ast.walk(ast.parse((root / path).read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value  # `store.x`, `self.store.x`, `writer.x` or `self._writers[unit].x`
+            if isinstance(owner, ast.Subscript):
+                name = "writer" if getattr(owner.value, "attr", None) == "_writers" else None
+            elif isinstance(owner, ast.Attribute):
+                name = owner.attr if getattr(owner.value, "id", None) == "self" else None
+            else:
+                name = getattr(owner, "id", None)
+            if name in ("store", "_store", "writer"):
+                used.setdefault(node.attr, set()).add(path)
+    assert used, "the scan found no store calls: it no longer matches the code"
+    assert {name: paths for name, paths in used.items() if name not in declared} == {}
+    assert not any(name.startswith("_") for name in declared - {"__enter__", "__exit__"} if name in used)
+    assert inspect.isabstract(Store) and inspect.isabstract(StateWriter)

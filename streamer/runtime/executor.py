@@ -26,7 +26,7 @@ from streamer.errors import StreamerError
 from streamer.store.layout import UnitLayout
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.store.host import HostStore, UnitWriter
+from streamer.store.interface import StateWriter, Store
 from streamer.runtime.transport import IOWorker, Loaded, Transport
 
 
@@ -64,7 +64,7 @@ class PendingOffload:
 
 
 class Executor:
-    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: HostStore | None, ledger: Ledger,
+    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: Store | None, ledger: Ledger,
                  trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None) -> None:
         self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
         self.device = torch.device(tc.device)
@@ -92,7 +92,7 @@ class Executor:
         self.units = list(layouts)
         self.data_parallel = data_parallel
         self._flowing_grad: tuple[torch.Tensor, int] | None = None
-        self._writers: dict[str, UnitWriter] = {}
+        self._writers: dict[str, StateWriter] = {}
         self._scratch: torch.Tensor | None = None
         self._write_backs: list[cf.Future[None]] = []
 
@@ -316,7 +316,7 @@ class Executor:
                 if t is not None and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)
             if chunk.last:
-                self._writers.pop(chunk.unit).__exit__(None, None, None)
+                self._writers.pop(chunk.unit).close()
 
     def clear_graphs(self) -> None:
         """After a forward-only pass: drop the hidden states it kept and the activations it charged."""
@@ -339,12 +339,12 @@ class Executor:
             self.recorder.release(unit)
         self._graphs.clear()
         for writer in self._writers.values():
-            writer.__exit__(RuntimeError, None, None)
+            writer.discard()
         self._writers.clear()
         self._write_backs.clear()  # their failures were reported; the next step must not raise them again
 
     def close(self) -> None:
         self.worker.close()
         for writer in self._writers.values():
-            writer.__exit__(RuntimeError, None, None)
+            writer.discard()
         self._writers.clear()

@@ -17,8 +17,9 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from streamer.store.interface import Store
 from streamer.store.layout import fold_into
-from streamer.store.host import STATE_KINDS, HostStore
+from streamer.store.spec import STATE_KINDS
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ class Loaded:
 
 
 class Transport:
-    def __init__(self, store: HostStore | None, device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(self, store: Store | None, device: torch.device, compute_dtype: torch.dtype) -> None:
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
@@ -105,7 +106,7 @@ class Transport:
 
     def owns(self, t: torch.Tensor, unit: str, kind: str) -> bool:
         """False when `t` is the store's own RAM slab (handed over zero-copy), which must not be pooled."""
-        ram = self.store.ram(unit, kind) if self.store is not None else None
+        ram = self.store.slab(unit, kind) if self.store is not None else None
         return ram is None or t.untyped_storage().data_ptr() != ram.untyped_storage().data_ptr()
 
     # --- host -> device -----------------------------------------------------------------------------
@@ -144,7 +145,7 @@ class Transport:
         store = self.store
 
         def job() -> dict[str, torch.Tensor]:
-            ram = store.ram(unit, "compute") if store is not None else None
+            ram = store.slab(unit, "compute") if store is not None else None
             fill = (lambda out: store.read_compute(unit, out)) if store is not None else None
             return {"weights": self._to_device(fill, ram, numel, self.compute_dtype)}
 
@@ -161,7 +162,7 @@ class Transport:
         def job() -> dict[str, torch.Tensor]:
             out = {}
             for kind in (*STATE_KINDS, "grad"):
-                ram = store.ram(unit, kind) if store is not None else None
+                ram = store.slab(unit, kind) if store is not None else None
                 fill = (lambda host, k=kind: store.read_state(unit, k, start, host)) if store is not None else None
                 out[kind] = to_device(fill, None if ram is None else ram[start:start + count], count, torch.float32)
             return out
@@ -178,7 +179,7 @@ class Transport:
 
     def compute_target(self, unit: str, start: int, count: int, on_host: bool) -> torch.Tensor:
         """Where an update writes a chunk's new compute weights: straight into the RAM slab when it is reachable."""
-        ram = self.store.ram(unit, "compute") if self.store is not None else None
+        ram = self.store.slab(unit, "compute") if self.store is not None else None
         if ram is not None and (self.mode == "shared" or on_host):
             return ram[start:start + count]
         if self.mode == "meta":

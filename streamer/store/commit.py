@@ -1,10 +1,9 @@
-"""How a store commits: its two records, read strictly, and the writer of a unit's next state generation.
+"""How a store commits: its two records, read strictly, the commit in progress, and the run directory's lock.
 
 - `manifest.json`: the last committed step, the generation of every unit's state file, their checksums and
   the trainer's state (config, losses, the caller's data order and RNG).
 - `journal.json` (disk tier): a step whose gradients are durable and whose update may be unfinished, with
   what replaying it needs (lr, clip coefficient, gradient checksums, the trainer state after the step).
-- `UnitWriter`: a unit's next generation, written to a tmp file, fsynced, renamed into place.
 
 Records are written with `write_json_atomic` (tmp + fsync + rename + folder fsync); anything malformed in
 them is a StoreError naming the file. See docs/STORE.md.
@@ -16,15 +15,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from streamer.errors import StoreError
-from streamer.store.slabfile import Trailer, disk_error, fsync_dir, pwrite_from
-
-if TYPE_CHECKING:
-    from streamer.store.host import HostStore
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/3"
 _CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3-64
@@ -139,67 +132,3 @@ def lock_file(path: Path, busy: Exception) -> int:
         os.close(fd)
         raise busy from None
     return fd
-
-
-class UnitWriter:
-    """Writes one unit's next state generation chunk by chunk; closing makes it durable.
-
-    Within a journaled commit the old generation is deleted at once (the journal can rebuild it, so disk
-    holds one unit's extra copy at a time); otherwise it stays until the manifest names the new one.
-    """
-
-    def __init__(self, store: HostStore, unit: str, commit: Commit, persist: bool) -> None:
-        self.store, self.unit, self.commit, self.on_disk = store, unit, commit, persist
-        self.final = store._state_path(unit, commit.generation)
-        self.tmp = self.final.with_suffix(".state.tmp")
-        self._next = 0
-
-    def __enter__(self) -> "UnitWriter":
-        return self
-
-    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
-        """Hand back new values for `kind` of elements [start, start + n); chunks in order, kinds in file order."""
-        store = self.store
-        if (ram := store._ram.get((self.unit, kind))) is not None:
-            target = ram[start:start + values.numel()]
-            if target.data_ptr() != values.data_ptr():
-                target.copy_(values)
-        if not self.on_disk or kind not in store.spec.file_kinds():
-            return
-        values = values.to(store.spec.kind_dtype(kind)).contiguous()
-        offset = store._kind_offset(self.unit, kind, start, values.numel())
-        if offset != self._next:
-            raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
-        pwrite_from(store._fd(self.tmp, create=self._next == 0), values, offset, self.tmp)
-        self._next = offset + values.numel() * values.element_size()
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        store = self.store
-        if not self.on_disk:
-            return
-        if exc_type is not None:
-            store._close(self.tmp)
-            self.tmp.unlink(missing_ok=True)
-            return
-        size = store._state_bytes(self.unit)
-        if self._next != size:
-            raise ValueError(f"unit {self.unit}: {self._next} of {size} state bytes were written")
-        try:
-            checksum = store.sync_and_checksum(store._fd(self.tmp), self.tmp, size)
-            pwrite_from(store._fd(self.tmp), Trailer(self.unit, self.commit.generation, size, checksum).pack(), size,
-                        self.tmp)
-            os.fsync(store._fd(self.tmp))
-            store._close(self.tmp)
-            os.replace(self.tmp, self.final)
-            fsync_dir(self.final.parent)
-        except (OSError, StoreError) as exc:
-            store._close(self.tmp)
-            self.tmp.unlink(missing_ok=True)
-            raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None
-        old = store.versions.get(self.unit)
-        store.versions[self.unit] = self.commit.generation
-        store.manifest["checksums"][self.final.name] = checksum
-        if old is not None and old != self.commit.generation and self.commit.journaled:
-            old_path = store._state_path(self.unit, old)
-            store._close(old_path)
-            old_path.unlink(missing_ok=True)

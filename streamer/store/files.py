@@ -1,0 +1,172 @@
+"""The file back end: each unit's chunk-interleaved state files (one per generation) and its gradient file.
+
+    slabs/<unit>.<generation>.state   master | exp_avg | exp_avg_sq [| compute] per chunk, then a trailer
+    slabs/<unit>.grad                 the fp32 gradient of the step in progress
+
+A generation is written once, to a tmp file renamed into place when complete (`GenerationWriter`), and
+never rewritten. Which generation is current, and when an old one may go, is the store's business
+(streamer.store.host); this module only reads, writes, checks and deletes the files it is told to.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from streamer.errors import StoreError
+from streamer.store.commit import grad_name, state_name
+from streamer.store.slabfile import (
+    Checksum, Trailer, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
+    pwrite_from,
+)
+from streamer.store.spec import StoreSpec
+
+
+class StateFiles:
+    """Positional reads and writes of a store's files through cached descriptors (the I/O thread and the
+    main thread share them), and the checksums of what is written."""
+
+    def __init__(self, folder: Path, spec: StoreSpec, numels: dict[str, int]) -> None:
+        self.folder, self.spec, self.numels = folder, spec, numels
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._checksums: ThreadPoolExecutor | None = None
+
+    def state_path(self, unit: str, generation: int) -> Path:
+        return self.folder / state_name(unit, generation)
+
+    def grad_path(self, unit: str) -> Path:
+        return self.folder / grad_name(unit)
+
+    def state_bytes(self, unit: str) -> int:
+        """Data bytes of the unit's state file (the trailer follows them)."""
+        return self.spec.state_bytes(self.numels[unit])
+
+    # --- descriptors ------------------------------------------------------------------------
+    def descriptor(self, path: Path, create: bool = False) -> int:
+        """A cached descriptor; only writers create files, so a missing file read is an error naming it."""
+        key = str(path)
+        with self._fd_lock:
+            if key not in self._fds:
+                try:
+                    self._fds[key] = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+                except FileNotFoundError:
+                    raise StoreError(f"{path} is missing; the store is incomplete — restore the run folder") from None
+                except OSError as exc:
+                    raise disk_error(exc, path) from None
+            return self._fds[key]
+
+    def release(self, path: Path) -> None:
+        """Close the cached descriptor of `path`, if any (before it is renamed or deleted)."""
+        with self._fd_lock:
+            fd = self._fds.pop(str(path), None)
+        if fd is not None:
+            os.close(fd)
+
+    def delete(self, path: Path) -> None:
+        self.release(path)
+        path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._checksums is not None:
+            self._checksums.shutdown()
+            self._checksums = None
+        with self._fd_lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    # --- state files ------------------------------------------------------------------------
+    def read(self, unit: str, generation: int, kind: str, start: int, out: torch.Tensor) -> None:
+        """Elements [start, start + out.numel()) of `kind` (one chunk at most), in the stored dtype."""
+        path = self.state_path(unit, generation)
+        pread_into(self.descriptor(path), out, self.spec.kind_offset(kind, start, out.numel()), path)
+
+    def check(self, unit: str, generation: int) -> Trailer:
+        """The trailer of a state file whose size and trailer say it is that unit's generation."""
+        return check_state_file(unit, self.state_path(unit, generation), generation, self.state_bytes(unit))
+
+    def new_generation(self, unit: str, generation: int) -> "GenerationWriter":
+        return GenerationWriter(self, unit, generation)
+
+    def remove_strays(self, current: dict[str, int]) -> None:
+        """Delete other generations and tmp files of the store's units: what a crash or an unfinished commit
+        left behind (files of any other name are not ours, and stay)."""
+        keep = {state_name(u, g) for u, g in current.items()}
+        for path in self.folder.iterdir():
+            ours = re.fullmatch(r"(.+)\.\d+\.state(\.tmp)?", path.name)
+            if ours and ours.group(1) in self.numels and path.name not in keep and path.is_file():
+                self.delete(path)
+
+    # --- gradient files ---------------------------------------------------------------------
+    def read_grad(self, unit: str, start: int, out: torch.Tensor) -> None:
+        """fp32 gradient elements [start, start + out.numel())."""
+        path = self.grad_path(unit)
+        pread_into(self.descriptor(path), out, start * 4, path)
+
+    def write_grad(self, unit: str, values: torch.Tensor) -> None:
+        """The unit's whole fp32 gradient (the file is created on the first write)."""
+        path = self.grad_path(unit)
+        pwrite_from(self.descriptor(path, create=True), values, 0, path)
+
+    def grad_check(self, unit: str, checksum: int, step: int) -> Checksum:
+        """What verifying the gradient a journaled step `step` replays reads: the file must have that checksum."""
+        path, length = self.grad_path(unit), self.numels[unit] * 4
+        check_size(unit, path, length, f"gradient file (needed to finish step {step})")
+        return Checksum(unit, path, length, frozenset({checksum}))
+
+    def sync_grad(self, unit: str) -> int:
+        """Make the unit's gradient durable; returns its checksum."""
+        path = self.grad_path(unit)
+        return self.sync_and_checksum(path, self.numels[unit] * 4)
+
+    def sync_and_checksum(self, path: Path, length: int) -> int:
+        """Flush a file written through the page cache; returns the checksum of its first `length` bytes."""
+        if self._checksums is None:
+            self._checksums = ThreadPoolExecutor(1, thread_name_prefix="store-checksum")
+        return checksum_while_syncing(self.descriptor(path), path, length, self._checksums)
+
+
+class GenerationWriter:
+    """Writes one unit's state file of a new generation, front to back, to a tmp file; `finish` seals it
+    (checksum, trailer, fsync) and renames it into place, `discard` deletes it."""
+
+    def __init__(self, files: StateFiles, unit: str, generation: int) -> None:
+        self.files, self.unit, self.generation = files, unit, generation
+        self.final = files.state_path(unit, generation)
+        self.tmp = self.final.with_suffix(".state.tmp")
+        self._next = 0
+
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        spec = self.files.spec
+        values = values.to(spec.kind_dtype(kind)).contiguous()
+        offset = spec.kind_offset(kind, start, values.numel())
+        if offset != self._next:
+            raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
+        pwrite_from(self.files.descriptor(self.tmp, create=self._next == 0), values, offset, self.tmp)
+        self._next = offset + values.numel() * values.element_size()
+
+    def finish(self) -> int:
+        """Seal and rename the file; returns the checksum of its data."""
+        files, size = self.files, self.files.state_bytes(self.unit)
+        if self._next != size:
+            raise ValueError(f"unit {self.unit}: {self._next} of {size} state bytes were written")
+        try:
+            checksum = files.sync_and_checksum(self.tmp, size)
+            trailer = Trailer(self.unit, self.generation, size, checksum).pack()
+            pwrite_from(files.descriptor(self.tmp), trailer, size, self.tmp)
+            os.fsync(files.descriptor(self.tmp))
+            files.release(self.tmp)
+            os.replace(self.tmp, self.final)
+            fsync_dir(self.final.parent)
+        except (OSError, StoreError) as exc:
+            files.delete(self.tmp)
+            raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None
+        return checksum
+
+    def discard(self) -> None:
+        self.files.delete(self.tmp)

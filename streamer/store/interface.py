@@ -1,0 +1,144 @@
+"""The host store as the runtime sees it: `Store`, and the `StateWriter` that takes a unit's new state.
+
+In the spirit of torch.distributed.checkpoint's StorageWriter/StorageReader, the runtime (transport,
+executor, trainer) depends on these two abstract classes only; `streamer.store.host.HostStore` implements
+them over two back ends, RAM slabs (`streamer.store.ram`) and chunk-interleaved files
+(`streamer.store.files`), chosen per kind of slab by the spec's `Placement`.
+
+Call order (one process holds a store, under a lock on its folder; calls come from the runtime's main thread
+and its one I/O thread, which share the file descriptors under a lock of their own):
+
+1. `HostStore.create(root, spec)` (a new, empty store at step 0) or `HostStore.open(root)` (the last
+   commit; `journal` then names a step a crash interrupted after it was committed).
+2. A new store, or new weights: for every unit, `unit_writer(unit, step)`, `write` its state chunk by chunk,
+   close the writer; then `finish_step(step, trainer_state)`.
+3. A roll-forward, when `journal` is not None: the update of step `journal["step"]` for every unit whose
+   `unit_version` is behind it (reads and `unit_writer` as in a training step), then `finish_step`.
+4. Per training step s + 1, `check_consistent()` first, then:
+   - forward and backward, per unit: `read_compute` (or `slab(unit, "compute")`, zero-copy), then
+     `accumulate_grad` once per micro-batch (`first` on the first);
+   - `begin_step(s + 1, record)`: from here the step is committed (disk tier: journaled);
+   - the update, per unit: `read_state` of each chunk (master, moments, grad), and a `unit_writer` taking
+     the chunks' new values in order, closed after the unit's last chunk;
+   - `finish_step(s + 1, trainer_state)`.
+   A step that fails before `begin_step` leaves the store at s, ready for another try; one that fails after
+   it leaves the store refusing to go on (`check_consistent` raises) until it is reopened: the disk tier
+   then rolls the step forward, the RAM tier returns to its last `save`.
+5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is).
+6. `close()`: releases the files and the lock on the store's folder.
+
+Reads never change the store; ranges of state kinds start on chunk boundaries (`spec.chunk`).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+from streamer.store.layout import UnitLayout
+from streamer.store.spec import StoreSpec
+
+
+class StateWriter(ABC):
+    """Takes one unit's new state for one commit. Chunks arrive in order and, within a chunk, kinds in the
+    spec's file order (master, exp_avg, exp_avg_sq, compute). `close` makes the new state durable where its
+    tier is on disk; `discard` drops it (the commit then stays unfinished)."""
+
+    @abstractmethod
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        """New values of `kind` for elements [start, start + values.numel())."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Every chunk is written: make the unit's new state the one the store holds."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Give up this unit's new state (an aborted step): nothing of it is kept on disk."""
+
+    def __enter__(self) -> "StateWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.close() if exc_type is None else self.discard()
+
+
+class Store(ABC):
+    """Every unit's compute weights, fp32 master weights, Adam moments and fp32 gradient accumulator.
+
+    `spec` is what the store holds and where; `layouts` every unit's flat layout; `step` the last committed
+    step. The kinds are "compute", "master", "exp_avg", "exp_avg_sq" and "grad".
+    """
+
+    spec: StoreSpec
+    layouts: dict[str, UnitLayout]
+    step: int
+
+    # --- the committed state ---------------------------------------------------------------
+    @property
+    @abstractmethod
+    def journal(self) -> dict[str, Any] | None:
+        """The step committed after `step` whose update a crash interrupted (its lr, clip_coef, trainer
+        state), to be rolled forward; None when there is none."""
+
+    @abstractmethod
+    def discard_journal(self) -> None:
+        """Forget the journaled step (data parallel: another rank never journaled it, so none updated)."""
+
+    @property
+    @abstractmethod
+    def trainer_state(self) -> dict[str, Any]:
+        """The trainer state given to the last commit (config, losses, the caller's extra state)."""
+
+    @abstractmethod
+    def unit_version(self, unit: str) -> int:
+        """The step whose state `unit` holds: `step`, or `step + 1` once a journaled update reached it."""
+
+    # --- reads -----------------------------------------------------------------------------
+    @abstractmethod
+    def slab(self, unit: str, kind: str) -> torch.Tensor | None:
+        """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned on CUDA), for
+        zero-copy use; None when it is on disk. Read it; change it only through a `StateWriter`, which
+        skips the copy when handed a view of the slab itself."""
+
+    @abstractmethod
+    def read_compute(self, unit: str, out: torch.Tensor) -> None:
+        """The unit's compute weights into `out` (numel of the unit, the compute dtype)."""
+
+    @abstractmethod
+    def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
+        """Elements [start, start + out.numel()) of a state kind or "grad", converted to out's dtype."""
+
+    # --- writes ----------------------------------------------------------------------------
+    @abstractmethod
+    def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
+                        scratch: torch.Tensor | None) -> torch.Tensor:
+        """Copy (`first`) or add a host-side gradient (tensors laid end to end in layout order) into the
+        unit's fp32 accumulator; returns the accumulated values. `scratch`: an fp32 buffer of the unit's size,
+        needed where gradients are on disk."""
+
+    @abstractmethod
+    def check_consistent(self) -> None:
+        """Raise if an update stopped part-way in this process, so units hold two different steps."""
+
+    @abstractmethod
+    def begin_step(self, step: int, record: dict[str, Any]) -> None:
+        """The commit point of `step`, before its first update; `record` (lr, clip_coef, trainer) is what a
+        roll-forward needs. The disk tier makes the gradients durable and journals it."""
+
+    @abstractmethod
+    def unit_writer(self, unit: str, step: int) -> StateWriter:
+        """Where `unit`'s state at `step` goes (a training update, a roll-forward or new weights)."""
+
+    @abstractmethod
+    def finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
+        """Every unit is at `step`: the commit is complete (the disk tier writes its manifest)."""
+
+    @abstractmethod
+    def save(self, trainer_state: dict[str, Any]) -> None:
+        """Make the current step durable (the RAM tier writes every unit's state file, then the manifest)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the files and the run directory's lock; the store object is unusable afterwards."""

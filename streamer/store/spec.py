@@ -1,0 +1,112 @@
+"""What a host store holds and how its state files are laid out: `StoreSpec`, written into every manifest.
+
+Torch appears only for dtypes; nothing here reads or writes a file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from layers import GPTJConfig, unit_names
+from memory_model.schedule import chunks
+from streamer.errors import StoreError
+from streamer.store.layout import DTYPES, Placement, UnitLayout
+from streamer.store.slabfile import TRAILER_BYTES
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    config: GPTJConfig
+    compute_dtype: str = "bf16"
+    moment_dtype: str = "fp32"
+    placement: Placement = field(default_factory=Placement)
+    chunk: int = 16 * 2**20  # params per update chunk; also the interleave unit of state files
+
+    def __post_init__(self) -> None:
+        for name in ("compute_dtype", "moment_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise StoreError(f"{name} must be one of {list(DTYPES)}, got {getattr(self, name)!r}")
+        if not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk <= 0:
+            raise StoreError(f"chunk must be a positive number of parameters, got {self.chunk!r}")
+        if self.placement.compute == "disk" and self.placement.state != "disk":
+            # Disk compute weights live in the state files, which a RAM-state store writes only on save().
+            raise StoreError("placement compute='disk' needs state='disk' (compute weights are stored in the "
+                             "state files); use store='disk' or keep compute in RAM")
+
+    @property
+    def compute_is_master(self) -> bool:
+        """fp32 compute weights are the master weights themselves: no second copy."""
+        return self.compute_dtype == "fp32"
+
+    def kind_dtype(self, kind: str) -> torch.dtype:
+        if kind == "master" or kind == "grad":
+            return torch.float32
+        if kind == "compute":
+            return DTYPES[self.compute_dtype]
+        return DTYPES[self.moment_dtype]
+
+    def file_kinds(self) -> tuple[str, ...]:
+        """Kinds stored, chunk-interleaved, in a unit's state file."""
+        with_compute = self.placement.compute == "disk" and not self.compute_is_master
+        return STATE_KINDS + (("compute",) if with_compute else ())
+
+    def ram_kinds(self) -> tuple[str, ...]:
+        """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
+        tiers = {"compute": self.placement.compute, "grad": self.placement.grad,
+                 **{k: self.placement.state for k in STATE_KINDS}}
+        return tuple(k for k, tier in tiers.items()
+                     if tier == "ram" and not (k == "compute" and self.compute_is_master))
+
+    def chunk_bytes(self, count: int) -> int:
+        """Bytes of one chunk of `count` parameters in a state file (every file kind, interleaved)."""
+        return sum(count * self.kind_dtype(k).itemsize for k in self.file_kinds())
+
+    def state_bytes(self, numel: int) -> int:
+        """Data bytes of a state file of a unit of `numel` parameters (the trailer follows them)."""
+        return sum(self.chunk_bytes(c) for _, c in chunks(numel, self.chunk))
+
+    def host_bytes(self) -> tuple[int, int]:
+        """(RAM, disk) bytes of the whole store at its largest. State files are written on every commit (the RAM
+        tier's on a save), and while one is committed a unit has two generations on disk: the old one is
+        deleted only once the new one is in place. Disk-tier gradients have a file of their own."""
+        ram = disk = 0
+        numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
+        for unit in unit_names(self.config):
+            kind = unit.split(".")[0]
+            if kind not in numels:
+                numels[kind] = UnitLayout.of(self.config, unit).numel
+            numel = numels[kind]
+            ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
+            disk += 2 * (self.state_bytes(numel) + TRAILER_BYTES)
+            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" else 0
+        return ram, disk
+
+    def kind_offset(self, kind: str, start: int, count: int) -> int:
+        """Byte offset, in a state file, of `kind`'s piece of the chunk of `count` elements starting at element
+        `start` (chunks are interleaved: every file kind of chunk 0, then of chunk 1, ...)."""
+        if start % self.chunk:
+            raise ValueError("state ranges start on chunk boundaries")
+        offset = (start // self.chunk) * self.chunk_bytes(self.chunk)
+        for k in self.file_kinds():
+            if k == kind:
+                return offset
+            offset += count * self.kind_dtype(k).itemsize
+        raise KeyError(kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.__dict__, "compute_dtype": self.compute_dtype,
+                "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "StoreSpec":
+        try:
+            if set(raw) != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
+                raise ValueError(f"fields {sorted(map(str, raw))}")
+            return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
+                       Placement(**raw["placement"]), raw["chunk"])
+        except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
+            raise StoreError(f"store spec is malformed ({exc})") from None
