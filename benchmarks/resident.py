@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from layers import GPTJ, GPTJConfig, causal_lm_loss
+from layers import GPTJ, GPTJConfig, causal_lm_loss, weight_decayed
 from streamer.config import TrainerConfig
 
 
@@ -25,8 +25,8 @@ class ResidentTrainer:
         self.separate_masters = tc.compute_dtype != torch.float32
         self.masters = [torch.nn.Parameter(p.detach().float()) for p in params] if self.separate_masters else params
         self.optimizer = torch.optim.AdamW(
-            [{"params": [m for m in self.masters if m.dim() >= 2], "weight_decay": tc.weight_decay},
-             {"params": [m for m in self.masters if m.dim() < 2], "weight_decay": 0.0}],
+            [{"params": [m for m in self.masters if weight_decayed(m.shape)], "weight_decay": tc.weight_decay},
+             {"params": [m for m in self.masters if not weight_decayed(m.shape)], "weight_decay": 0.0}],
             lr=tc.lr, betas=tc.betas, eps=tc.eps, fused=True)
         self.steps = 0
 

@@ -1,6 +1,8 @@
 """The resident reference model; its state_dict is key-for-key Hugging Face's GPTJForCausalLM."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -9,6 +11,11 @@ from layers.config import GPTJConfig
 
 # Buffers that old GPT-J checkpoints carry and that hold no learned state.
 IGNORED_CHECKPOINT_SUFFIXES = ("attn.bias", "attn.masked_bias")
+
+
+def weight_decayed(shape: Sequence[int]) -> bool:
+    """AdamW decays matrices and embeddings, not biases or LayerNorm parameters (HF Trainer's rule)."""
+    return len(shape) >= 2
 
 
 class _Transformer(nn.Module):

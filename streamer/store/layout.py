@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from layers import GPTJConfig, build_unit, unit_hf_key, unit_names
+from layers import GPTJConfig, build_unit, unit_hf_key, unit_names, weight_decayed
 from streamer.errors import StoreError
 
 TIERS = ("ram", "disk")
@@ -37,8 +37,7 @@ class TensorSlot:
 
     @property
     def decay(self) -> bool:
-        """AdamW decays matrices and embeddings, not biases or LayerNorm parameters (HF Trainer's rule)."""
-        return len(self.shape) >= 2
+        return weight_decayed(self.shape)
 
 
 class _ShapesOnly(TorchFunctionMode):
