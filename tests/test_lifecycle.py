@@ -164,6 +164,46 @@ def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, refe
     assert "step_s" not in restored  # rebuilt from the store's losses, which keep no timings
 
 
+# The `streamer` command with the gradient of its n-th step attempts poisoned (inf in block.0's first gradient):
+# the runtime's own non-finite check fires, as a real overflow would, with no hook in the product.
+POISONED_STREAMER = """
+import sys
+from streamer.cli import main
+from streamer.store import HostStore
+from streamer.trainer import StreamingTrainer
+poisoned, attempts = {int(n) for n in sys.argv.pop(1).split(",")}, [0]
+step, accumulate = StreamingTrainer.step, HostStore.accumulate_grad
+def counted(self, *args, **kwargs):
+    attempts[0] += 1
+    return step(self, *args, **kwargs)
+def poison(self, unit, grads, *args):
+    if attempts[0] in poisoned and unit == "block.0":
+        grads = [g.clone() for g in grads]
+        grads[0].view(-1)[0] = float("inf")
+    return accumulate(self, unit, grads, *args)
+StreamingTrainer.step, HostStore.accumulate_grad = counted, poison
+sys.exit(main())
+"""
+
+
+def test_nonfinite_skip_logs_each_attempt_under_its_step(tiny_setup, tmp_path):
+    """Attempts 2 and 3 are both step 2 (the first was skipped), attempt 5 is step 3: each is logged as a
+    skipped step 2, 2, 3 before that step's own record, and every step has exactly one record with a loss."""
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--nonfinite", "skip", "--eval-every", 0)
+    done = subprocess.run([sys.executable, "-c", POISONED_STREAMER, "2,3,5", *argv], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.count("skipped: non-finite loss or gradient") == 3, done.stdout
+    records = [r for r in RunDir(run).read_metrics() if "eval_loss" not in r]  # the end-of-run evaluation's
+    assert [(r["step"], r.get("skipped", False)) for r in records] == \
+        [(1, False), (2, True), (2, True), (2, False), (3, True), (3, False), (4, False)]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+    assert not any("loss" in r for r in records if r.get("skipped"))
+    with open_trainer(RunDir(run)) as trainer:
+        assert trainer.step_count == STEPS
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 96 MiB tmpfs (mounting one needs root; elsewhere the test is skipped)."""
