@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 import os
+import random
 import resource
 import signal
 import subprocess
@@ -73,8 +74,10 @@ def assert_same_run(run: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_setup, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
+    began = time.perf_counter()
     done = streamer(*train_argv(tiny_setup, run, tokenizer=False))
     assert done.returncode == 0, done.stderr
+    (run.parent / "wall_seconds").write_text(str(time.perf_counter() - began))  # the span random kills draw from
     return run
 
 
@@ -147,6 +150,34 @@ def test_a_ram_tier_run_killed_mid_run_continues_from_its_last_save(tiny_setup, 
     assert done.returncode == 0, done.stderr
     assert "holds this run at step 2: continuing it to step 4" in done.stdout
     assert_same_run(run, reference)  # and bit-identical to the disk tier's run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, seed", [(signal.SIGKILL, 2201), (signal.SIGINT, 2202)])
+def test_killed_at_random_instants_the_same_command_logs_every_step_once(tiny_setup, reference, tmp_path, sig, seed):
+    """Twice per trial the command is signalled after a delay drawn from a seeded RNG within an uninterrupted
+    run's wall time (interpreter start, set-up and training alike), then rerun to the end."""
+    rng = random.Random(seed)
+    span = float((reference.parent / "wall_seconds").read_text())
+    for trial in range(2):
+        run = tmp_path / f"run{trial}"
+        argv = train_argv(tiny_setup, run, tokenizer=False)
+        delays = [rng.uniform(0, span) for _ in range(2)]
+        where = f"seed {seed}, trial {trial}, {signal.Signals(sig).name} after {[round(d, 3) for d in delays]} s"
+        for delay in delays:
+            proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            time.sleep(delay)
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=120)
+            # 0: it finished first; -SIGINT: interrupted before Python's own handler was in place.
+            assert proc.returncode in (0, -sig, 130), (where, proc.returncode, err)
+        done = streamer(*argv)
+        assert done.returncode == 0, (where, done.stderr)
+        try:
+            assert_same_run(run, reference)
+        except AssertionError as failed:
+            raise AssertionError(f"{where}: {failed}") from None
 
 
 def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, reference, tmp_path):
