@@ -118,7 +118,8 @@ def test_bf16_loss_curve_tracks_resident_bf16(tmp_path):
     reference = [resident.step(ids) for ids in data]
     assert streamed[-1] < streamed[0] - 0.3  # it learns
     for s, r in zip(streamed, reference):
-        assert abs(s - r) <= 0.005 * r  # measured: at most 0.047% (0.021% with bf16 emulated on AVX2)
+        # measured at most 0.047% (native, 2 threads; 0.022% on 1) and 0.029% (AVX2 cap, 1 thread; 0.021% on 2); 8x
+        assert abs(s - r) <= 0.004 * r
 
 
 def test_grad_accum_must_divide_batch(tmp_path):
