@@ -1,6 +1,7 @@
 """A run that cannot fit its --budget is refused before anything is written, with alternatives that fit."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -23,14 +24,23 @@ def _train(*args: object) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("budget,extra", [
-    ("3MiB", ()), ("7MiB", ()), ("16MiB", ()),
-    ("40MiB", ("--activations", "resident")),  # batch, checkpoint and budget alternatives
-    ("100MiB", ("--activations", "resident")),
+# A model of neither preset's shape, given as a config.json: three layers, a wider embedding than gptj-debug.
+CUSTOM = GPTJConfig(vocab_size=384, n_positions=64, n_embd=96, n_layer=3, n_head=4, rotary_dim=8)
+
+
+@pytest.mark.parametrize("model,batch,seq,budget,extra", [
+    ("gptj-demo", 8, 128, "3MiB", ()), ("gptj-demo", 8, 128, "7MiB", ()), ("gptj-demo", 8, 128, "16MiB", ()),
+    ("gptj-demo", 8, 128, "40MiB", ("--activations", "resident")),  # batch, checkpoint and budget alternatives
+    ("gptj-demo", 8, 128, "100MiB", ("--activations", "resident")),
+    ("gptj-debug", 8, 64, "1MiB", ()), ("gptj-debug", 8, 64, "4MiB", ("--activations", "resident")),
+    ("custom", 6, 48, "1MiB", ()),
 ])
-def test_too_small_budget_exits_fast_and_its_first_alternative_trains(tmp_path, budget, extra):
+def test_too_small_budget_exits_fast_and_its_first_alternative_trains(tmp_path, model, batch, seq, budget, extra):
     run = tmp_path / "run"
-    base = ["--model", "gptj-demo", "--batch", 8, "--seq", 128, "--run-dir", run, *RERUN, *extra]
+    if model == "custom":
+        model = tmp_path / "config.json"
+        model.write_text(json.dumps(CUSTOM.to_hf()))
+    base = ["--model", model, "--batch", batch, "--seq", seq, "--run-dir", run, *RERUN, *extra]
     started = time.monotonic()
     refused = _train(*base, "--budget", budget)
     assert refused.returncode == 2, refused.stderr

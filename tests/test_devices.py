@@ -90,7 +90,7 @@ def test_unknown_device_lists_choices() -> None:
 def test_link_time() -> None:
     link = Link(100e9, 1e-5)
     assert link.time(0) == 0.0
-    assert link.time(10**9) == pytest.approx(1e-5 + 0.01)
+    assert link.time(10**9) == 1e-5 + 0.01  # measured equal: latency plus bytes / bandwidth
     with pytest.raises(ValueError):
         Link(0)
     with pytest.raises(ValueError):

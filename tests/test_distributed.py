@@ -65,8 +65,9 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     ranks = run_data_parallel(tmp_path, [("new", 3)])
     reference = single_process(tmp_path, 3)
     assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0  # every rank applied the same update
-    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5
-    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # measured 2.4e-6 (native) / 2.6e-6 (AVX2 cap)
+    # measured 0 (native) / 2.4e-7 (AVX2 cap); 8x margin
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
 
 
 @pytest.mark.slow
@@ -74,4 +75,4 @@ def test_data_parallel_resume(tmp_path):
     ranks = run_data_parallel(tmp_path, [("new", 2), ("open", 1)])
     reference = single_process(tmp_path, 3)
     assert (tmp_path / "run" / "rank0").is_dir() and (tmp_path / "run" / "rank1").is_dir()
-    assert _max_diff(ranks[1]["state"], reference["state"]) <= 1e-5
+    assert _max_diff(ranks[1]["state"], reference["state"]) <= 1e-5  # measured 2.4e-6 (native) / 2.6e-6 (AVX2 cap)

@@ -83,7 +83,7 @@ def test_hf_folder_trains_exports_and_loads_in_transformers(layout, tmp_path, ti
     ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (exported(ids).logits - reference(ids)).abs().max().item()
-    assert diff < 1e-4, diff
+    assert diff < 1.4e-5, diff  # measured 1.19e-6 (native) / 1.43e-6 (AVX2 cap); 10x margin
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     ours = load_tokenizer(out)
@@ -107,8 +107,9 @@ def test_completion_only_loss_matches_transformers_with_masked_labels(tiny_hf_mo
         trainer.load_state_dict(model.state_dict())
         masked, full = trainer.evaluate(ids, labels), trainer.evaluate(ids, ids)
     with torch.no_grad():
+        # measured 1.43e-6 (native) / 0 (AVX2 cap); 7x margin
         assert masked == pytest.approx(model(ids, labels=labels).loss.item(), abs=1e-5)
-    assert masked != pytest.approx(full, abs=1e-3)
+    assert masked != pytest.approx(full, abs=1e-3)  # they differ by 0.136 (measured): a real difference, not noise
 
 
 def test_export_refuses_a_folder_with_files_unless_told(capsys, tmp_path, tiny_hf_model, tokenizer, summaries):

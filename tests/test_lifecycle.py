@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 import os
+import random
 import resource
 import signal
 import subprocess
@@ -73,8 +74,10 @@ def assert_same_run(run: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_setup, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
+    began = time.perf_counter()
     done = streamer(*train_argv(tiny_setup, run, tokenizer=False))
     assert done.returncode == 0, done.stderr
+    (run.parent / "wall_seconds").write_text(str(time.perf_counter() - began))  # the span random kills draw from
     return run
 
 
@@ -149,6 +152,34 @@ def test_a_ram_tier_run_killed_mid_run_continues_from_its_last_save(tiny_setup, 
     assert_same_run(run, reference)  # and bit-identical to the disk tier's run
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, seed", [(signal.SIGKILL, 2201), (signal.SIGINT, 2202)])
+def test_killed_at_random_instants_the_same_command_logs_every_step_once(tiny_setup, reference, tmp_path, sig, seed):
+    """Twice per trial the command is signalled after a delay drawn from a seeded RNG within an uninterrupted
+    run's wall time (interpreter start, set-up and training alike), then rerun to the end."""
+    rng = random.Random(seed)
+    span = float((reference.parent / "wall_seconds").read_text())
+    for trial in range(2):
+        run = tmp_path / f"run{trial}"
+        argv = train_argv(tiny_setup, run, tokenizer=False)
+        delays = [rng.uniform(0, span) for _ in range(2)]
+        where = f"seed {seed}, trial {trial}, {signal.Signals(sig).name} after {[round(d, 3) for d in delays]} s"
+        for delay in delays:
+            proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            time.sleep(delay)
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=120)
+            # 0: it finished first; -SIGINT: interrupted before Python's own handler was in place.
+            assert proc.returncode in (0, -sig, 130), (where, proc.returncode, err)
+        done = streamer(*argv)
+        assert done.returncode == 0, (where, done.stderr)
+        try:
+            assert_same_run(run, reference)
+        except AssertionError as failed:
+            raise AssertionError(f"{where}: {failed}") from None
+
+
 def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, reference, tmp_path):
     """The committed step is the truth: a record past it goes, a committed step without one gets it back."""
     run = tmp_path / "run"
@@ -162,6 +193,46 @@ def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, refe
     assert_same_run(run, reference)
     restored = next(r for r in RunDir(run).read_metrics() if r["step"] == 3 and "loss" in r)
     assert "step_s" not in restored  # rebuilt from the store's losses, which keep no timings
+
+
+# The `streamer` command with the gradient of its n-th step attempts poisoned (inf in block.0's first gradient):
+# the runtime's own non-finite check fires, as a real overflow would, with no hook in the product.
+POISONED_STREAMER = """
+import sys
+from streamer.cli import main
+from streamer.store.host import HostStore
+from streamer.trainer import StreamingTrainer
+poisoned, attempts = {int(n) for n in sys.argv.pop(1).split(",")}, [0]
+step, accumulate = StreamingTrainer.step, HostStore.accumulate_grad
+def counted(self, *args, **kwargs):
+    attempts[0] += 1
+    return step(self, *args, **kwargs)
+def poison(self, unit, grads, *args):
+    if attempts[0] in poisoned and unit == "block.0":
+        grads = [g.clone() for g in grads]
+        grads[0].view(-1)[0] = float("inf")
+    return accumulate(self, unit, grads, *args)
+StreamingTrainer.step, HostStore.accumulate_grad = counted, poison
+sys.exit(main())
+"""
+
+
+def test_nonfinite_skip_logs_each_attempt_under_its_step(tiny_setup, tmp_path):
+    """Attempts 2 and 3 are both step 2 (the first was skipped), attempt 5 is step 3: each is logged as a
+    skipped step 2, 2, 3 before that step's own record, and every step has exactly one record with a loss."""
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--nonfinite", "skip", "--eval-every", 0)
+    done = subprocess.run([sys.executable, "-c", POISONED_STREAMER, "2,3,5", *argv], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.count("skipped: non-finite loss or gradient") == 3, done.stdout
+    records = [r for r in RunDir(run).read_metrics() if "eval_loss" not in r]  # the end-of-run evaluation's
+    assert [(r["step"], r.get("skipped", False)) for r in records] == \
+        [(1, False), (2, True), (2, True), (2, False), (3, True), (3, False), (4, False)]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+    assert not any("loss" in r for r in records if r.get("skipped"))
+    with open_trainer(RunDir(run)) as trainer:
+        assert trainer.step_count == STEPS
 
 
 @pytest.fixture

@@ -54,7 +54,8 @@ def test_fp32_equals_hf_adamw(tmp_path, activations, store, update_on):
         ref_state, ref_losses = hf_reference(trainer.state_dict(), data, tc)
         losses = [trainer.step(ids) for ids in data]
         state = trainer.state_dict()
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert losses == pytest.approx(ref_losses, abs=2e-6)  # measured 2.4e-7 (native and AVX2 cap); 8x margin
+    # measured 1.24e-6 (native) / 9.5e-7 (AVX2 cap); 8x margin
     assert max((state[k] - ref_state[k]).abs().max().item() for k in state) <= 1e-5
     # Clipping was active (the bar asks for it), so the comparison covers the global norm.
     assert losses[0] > 5.0
@@ -70,8 +71,9 @@ def test_resident_fp32_equals_hf_adamw(tmp_path):
     resident = ResidentTrainer(DEBUG, tc, start)
     losses = [resident.step(ids) for ids in data]
     state = resident.model.state_dict()
-    assert losses == pytest.approx(ref_losses, abs=1e-5)  # measured: 2.4e-7
-    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 1e-5  # measured: 1.2e-6
+    assert losses == pytest.approx(ref_losses, abs=2e-6)  # measured 2.4e-7 (native and AVX2 cap); 8x margin
+    # measured 1.25e-6 (native) / 9.5e-7 (AVX2 cap); 8x margin
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 1e-5
 
 
 def test_resident_forward_runs_once_per_micro_batch(tmp_path):
@@ -116,7 +118,8 @@ def test_bf16_loss_curve_tracks_resident_bf16(tmp_path):
     reference = [resident.step(ids) for ids in data]
     assert streamed[-1] < streamed[0] - 0.3  # it learns
     for s, r in zip(streamed, reference):
-        assert abs(s - r) <= 0.005 * r  # measured: at most 0.047% (0.021% with bf16 emulated on AVX2)
+        # measured at most 0.047% (native, 2 threads; 0.022% on 1) and 0.029% (AVX2 cap, 1 thread; 0.021% on 2); 8x
+        assert abs(s - r) <= 0.004 * r
 
 
 def test_grad_accum_must_divide_batch(tmp_path):

@@ -217,8 +217,8 @@ def test_summary(traced) -> None:
     assert sum(summary["peak_breakdown"].values()) == summary["peak_bytes"]
     assert summary["peak_at"]["layer"] in ("block.0", "block.1")
     assert summary["spans"] == len(trace.events) and summary["steps"] == [1, 2]
-    assert summary["time_by_phase_s"]["forward"] == pytest.approx(
-        sum(e.duration_s for e in trace.events if e.phase == "forward"))
+    assert summary["time_by_phase_s"]["forward"] == sum(  # measured equal: the same sum in the same order
+        e.duration_s for e in trace.events if e.phase == "forward")
     assert set(summary["layers"]) == {"block.0", "block.1"}
     assert trace.summary(step=1)["steps"] == [1]
 

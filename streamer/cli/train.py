@@ -388,15 +388,24 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             ids, labels = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
+            step = trainer.step_count + 1
             loss = trainer.step(ids, labels)
             elapsed = time.perf_counter() - begin
             seconds += elapsed
-            step, rss = trainer.step_count, process.memory_info().rss
-            record = {"step": step, "loss": loss, "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
+            rss = process.memory_info().rss
+            skipped = trainer.step_count < step  # --nonfinite skip: nothing committed, the next batch tries step again
+            # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
+            record = {"step": step, **({"skipped": True} if skipped else {"loss": loss}),
+                      "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
                       "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
             if s.lead:
                 run.append_metrics(record)
+            if skipped:
+                if s.lead:
+                    progress.console.print(f"step {step} skipped: non-finite loss or gradient (--nonfinite skip); "
+                                           "the next batch tries it again", markup=False, highlight=False)
+                continue
             progress.update(task, completed=step, stats=(
                 f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
                 f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
