@@ -199,7 +199,7 @@ def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, refe
 # the runtime's own non-finite check fires, as a real overflow would, with no hook in the product.
 POISONED_STREAMER = """
 import sys
-from streamer.cli import main
+from streamer.cli.main import main
 from streamer.store.host import HostStore
 from streamer.trainer import StreamingTrainer
 poisoned, attempts = {int(n) for n in sys.argv.pop(1).split(",")}, [0]
