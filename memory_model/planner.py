@@ -22,7 +22,7 @@ from memory_model.shapes import (
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
 )
 from memory_model.schedule import (
-    Charge, Event, Resource, resident_sets, resource_charges, step_events, update_charges,
+    Charge, Event, Resource, gradient_charges, resident_sets, resource_charges, step_events, update_charges,
 )
 from memory_model.timing import simulate
 from memory_model.units import format_size
@@ -162,7 +162,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
                 held[event.unit] = kept
             at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
-                at["gradients"] += shape.unit_params(event.unit) * es
+                _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))

@@ -65,6 +65,16 @@ def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, upda
             Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
 
 
+def gradient_charges(unit_numel: int, dtype_bytes: int, ranks: int) -> tuple[Charge, ...]:
+    """A unit's weight gradient on the device from its backward until its offload is finished; under data
+    parallel also the flat fp32 copy the all-reduce sums (in fp32: a bf16 sum over ranks would round every
+    partial sum)."""
+    charges = (Charge("gradients", unit_numel * dtype_bytes, "weight gradient"),)
+    if ranks > 1:
+        charges += (Charge("gradients", unit_numel * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient for the all-reduce"),)
+    return charges
+
+
 def update_charges(chunk: StateChunk, new_compute_bytes: int, update_on: str) -> tuple[Charge, ...]:
     """What an update chunk adds while it runs: its new compute-dtype weights, written on the device before
     they go back to the store (`new_compute_bytes` per parameter; 0 in fp32, where master is compute)."""

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from layers import GPTJConfig
+from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 
 CFG = GPTJConfig.preset("gptj-debug")
@@ -38,7 +39,7 @@ def _rank_main(rank: int, world: int, port: int, run: str, phases: list[tuple[st
             trainer.step(data[done])
             done += 1
         trainer.close()
-    torch.save({"state": trainer.state_dict(), "losses": trainer.losses}, f"{out}.{rank}")
+    torch.save({"state": trainer.state_dict(), "losses": trainer.losses, "peak": trainer.ledger.peak}, f"{out}.{rank}")
     torch.distributed.destroy_process_group()
 
 
@@ -68,6 +69,11 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # measured 2.4e-6 (native) / 2.6e-6 (AVX2 cap)
     # measured 0 (native) / 2.4e-7 (AVX2 cap); 8x margin
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
+    # Each rank's device peak, the all-reduce's flat fp32 gradient included, is what the planner predicts.
+    planned = plan(CFG, device_spec("h100-80g"), PlanConfig(batch=4, seq=32, compute_dtype="fp32", store="disk",
+                                                           update_chunk=10_000, devices=2)).peak_device_bytes
+    print("planned", planned, "measured", [r["peak"] for r in ranks])
+    assert [r["peak"] for r in ranks] == [planned, planned]
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ from torch.func import functional_call
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, released_after, resident_sets, resource_charges, update_charges,
+    Event, Resource, StateChunk, Weights, gradient_charges, released_after, resident_sets, resource_charges,
+    update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -60,7 +61,7 @@ class PendingOffload:
     unit: str
     last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
     future: cf.Future[float]
-    handle: int  # the ledger charge of the gradient on the device
+    handles: list[int]  # the ledger charges of the gradient on the device
 
 
 class Executor:
@@ -230,13 +231,14 @@ class Executor:
         it is finished only now, so at most one unit's gradient is on the device.
         """
         self._finish_pending_offload()
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        handle = self.ledger.allocate("gradients", unit, nbytes, "weight gradient")
+        ranks = 1 if self.data_parallel is None else self.data_parallel.world
+        handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
+                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step = self._step
         job = lambda: self._traced_offload(unit, step, grads, first, last, reduction)
-        self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handle)
+        self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handles)
 
     def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
                         reduction: object | None) -> float:
@@ -260,7 +262,8 @@ class Executor:
         if pending is None:
             return
         sq_norm = pending.future.result()
-        self.ledger.free(pending.handle)
+        for handle in pending.handles:
+            self.ledger.free(handle)
         if pending.last:
             self.grad_sq_norms[pending.unit] = sq_norm
 
@@ -330,7 +333,8 @@ class Executor:
         for resource in list(self._inflight):
             self._release(resource)
         if self._pending_offload is not None:
-            self.ledger.free(self._pending_offload.handle)
+            for handle in self._pending_offload.handles:
+                self.ledger.free(handle)
             self._pending_offload = None
         if self._flowing_grad is not None:
             self.ledger.free(self._flowing_grad[1])
