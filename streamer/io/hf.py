@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from layers import GPTJ, IGNORED_CHECKPOINT_SUFFIXES, CheckpointMismatch, ConfigError, GPTJConfig, check_state_dict
 from streamer.errors import CheckpointError
+from streamer.store.slabfile import fsync_path
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Searched in this order: safetensors first, because a pickle can only be read
@@ -352,7 +353,7 @@ class HFExporter:
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
         _write_json(self.staging_dir / "config.json", {**self.cfg.to_hf(), "dtype": _dtype_name(self.dtype)})
         for path in [*self.staging_dir.iterdir(), self.staging_dir]:
-            _fsync(path)
+            fsync_path(path)
         self._swap_in()
 
     def _refuse_to_overwrite(self) -> None:
@@ -369,7 +370,7 @@ class HFExporter:
             shutil.rmtree(retired)
         else:
             os.replace(self.staging_dir, self.directory)
-        _fsync(self.directory.parent)
+        fsync_path(self.directory.parent)
 
 
 def _brief(exc: BaseException) -> str:
@@ -382,9 +383,3 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

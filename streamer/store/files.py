@@ -20,7 +20,7 @@ import torch
 from streamer.errors import StoreError
 from streamer.store.commit import grad_name, state_name
 from streamer.store.slabfile import (
-    Checksum, Trailer, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_dir, pread_into,
+    Checksum, Trailer, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path, pread_into,
     pwrite_from,
 )
 from streamer.store.spec import StoreSpec
@@ -162,7 +162,7 @@ class GenerationWriter:
             os.fsync(files.descriptor(self.tmp))
             files.release(self.tmp)
             os.replace(self.tmp, self.final)
-            fsync_dir(self.final.parent)
+            fsync_path(self.final.parent)
         except (OSError, StoreError) as exc:
             files.delete(self.tmp)
             raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None

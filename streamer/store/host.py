@@ -29,7 +29,7 @@ from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, Store
 from streamer.store.layout import fold_into, model_layouts
 from streamer.store.ram import RamSlabs
-from streamer.store.slabfile import Checksum, fsync_dir, verify_checksums, write_json_atomic
+from streamer.store.slabfile import Checksum, fsync_path, verify_checksums, write_json_atomic
 from streamer.store.spec import StoreSpec
 
 
@@ -57,7 +57,7 @@ class HostStore(Store):
                              "(or continue an existing run with --resume)")
         (root / "slabs").mkdir(parents=True, exist_ok=True)
         for folder in (root.parent, root):  # the run directory's own entries survive a power loss too
-            fsync_dir(folder)
+            fsync_path(folder)
         manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
                     "checksums": {}, "trainer": {}}
         return cls(root, spec, manifest, pin, lock_run_dir(root))

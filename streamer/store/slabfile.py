@@ -165,7 +165,8 @@ def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExe
     return checksum
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a folder's entries (a rename is durable only once its folder is flushed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -182,7 +183,7 @@ def write_json_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise disk_error(exc, path) from None
