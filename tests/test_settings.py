@@ -15,7 +15,8 @@ from layers import PRESETS
 from benchmarks.bench import add_arguments as bench_arguments
 from streamer.cli.main import build_parser, main
 from streamer.cli.train import fit_vocabulary
-from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunError, resolve
+from streamer.run_dir import RunDir
 from streamer.io.tokenizer import MIN_VOCAB
 
 from conftest import TINY_RUN_MODEL as TINY
