@@ -6,10 +6,11 @@ import time
 from typing import Any
 
 from memory_model import format_size
+from memory_model.settings import budget_bytes
 from streamer.console import make_console
 from streamer.generate import Sampling, complete
 from streamer.io.tokenizer import load_tokenizer
-from streamer.run import RunConfig
+from streamer.run import SettingError
 from streamer.run_dir import RunDir
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.layout import dtype_name
@@ -22,7 +23,7 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.device is not None:
         overrides["device"] = args.device
     if args.budget is not None:
-        overrides["budget"] = RunConfig(budget=args.budget).budget_bytes()
+        overrides["budget"] = budget_bytes(args.budget, SettingError)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                         use_cache=not args.no_cache)
     tokenizer = load_tokenizer(run.tokenizer)

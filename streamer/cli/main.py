@@ -15,7 +15,8 @@ from typing import Callable, NoReturn, Sequence
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
-from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig, flag
+from memory_model.settings import flag
+from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
 
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 

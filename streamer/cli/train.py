@@ -24,7 +24,8 @@ from streamer.console import make_console
 from streamer.io.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.resources import check_host_resources
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, flag, read_toml, resolve
+from memory_model.settings import flag
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.hardware import resolve_compute_dtype
