@@ -6,7 +6,6 @@ refuses a run that cannot fit in seconds, and a DeviceOutOfMemory raised mid-ste
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Callable
 
