@@ -40,7 +40,7 @@ class LRSchedule:
     kind: str = setting("constant", "learning-rate schedule after warmup: constant, cosine or linear",
                         Choice(SCHEDULES), "KIND")
     warmup_steps: int = setting(0, "linear warmup steps", Integer(0))
-    total_steps: int | None = setting(None, "the step the decay ends at", Integer())
+    total_steps: int | None = setting(None, "the step the decay ends at", Integer(0))
     min_lr_ratio: float = setting(0.0, "the cosine/linear schedule ends at this fraction of --lr", Number(0.0, 1.0))
 
     def __post_init__(self) -> None:
