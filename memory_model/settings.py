@@ -12,9 +12,6 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Sequence
 
-from memory_model.devices import DEVICE_PRESETS, DeviceSpec
-from memory_model.units import SizeError, parse_size
-
 
 class SettingError(ValueError):
     """One setting's value is wrong: `key` names it, so an error can say where it came from (flag or file)."""
@@ -166,21 +163,3 @@ def checks_of(cls: type, kind: type) -> dict[str, Any]:
     """The checks of a dataclass's fields of one kind, by name: `checks_of(RunConfig, Choice)`."""
     return {f.name: f.metadata["check"] for f in fields(cls) if isinstance(f.metadata.get("check"), kind)}
 
-
-def budget_bytes(budget: None | int | str | DeviceSpec, error: Callable[[str, str], Exception] = SettingError
-                 ) -> int | None:
-    """A device budget in bytes: None (no limit), a device preset or spec (its memory), or a size ("64MiB",
-    3000000000). The one reading of --budget, for the run's settings, the trainer and `generate`."""
-    if budget is None:
-        return None
-    if isinstance(budget, DeviceSpec):
-        return budget.memory_bytes
-    if isinstance(budget, str) and budget in DEVICE_PRESETS:
-        return DEVICE_PRESETS[budget].memory_bytes
-    try:
-        size = parse_size(budget)
-    except SizeError as exc:
-        raise error("budget", f"{shown(budget)}: {exc}, or a device preset ({', '.join(DEVICE_PRESETS)})") from None
-    if size <= 0:
-        raise error("budget", "must be more than 0 bytes; leave it out for no limit")
-    return size

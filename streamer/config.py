@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from memory_model import DeviceSpec, PlanConfig
-from memory_model.settings import Choice, Integer, Number, Pair, budget_bytes, check_settings, same_setting, setting
+from memory_model.devices import budget_bytes
+from memory_model.settings import Choice, Integer, Number, Pair, check_settings, same_setting, setting
 from streamer.errors import StreamerError
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.layout import DTYPES, Placement, dtype_name

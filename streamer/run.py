@@ -18,9 +18,10 @@ from typing import Any, Iterator
 
 from layers import PRESETS, GPTJConfig
 from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS, PlanConfig
+from memory_model.devices import budget_bytes
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
-    Choice, Integer, Number, Switch, Text, budget_bytes, check_settings, checks_of, same_setting, setting, shown,
+    Choice, Integer, Number, Switch, Text, check_settings, checks_of, same_setting, setting, shown,
 )
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from memory_model import format_size
-from memory_model.settings import budget_bytes
+from memory_model.devices import budget_bytes
 from streamer.console import make_console
 from streamer.generate import Sampling, complete
 from streamer.io.tokenizer import load_tokenizer
