@@ -14,11 +14,13 @@ import resource
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memory_model.shapes import ACTIVATION_POLICIES
+from memory_model import PlanConfig
+from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
+from streamer.config import TrainerConfig
 
 RESULT_TAG = "BENCH-RESULT "
 CONTENDERS = ("stream", "resident", "hf", "deepspeed")
@@ -30,35 +32,26 @@ IO_PHASES, COMPUTE_PHASES = ("load", "offload"), ("forward", "backward", "update
 class RunSpec:
     """What one child measures. `tier` is where the training state lives: ram, or disk (DeepSpeed: nvme)."""
 
-    label: str
-    contender: str
+    label: str = setting(MISSING, "the contender's name in the tables", Text())
+    contender: str = setting(MISSING, "whose trainer runs", Choice(CONTENDERS))
     model: dict[str, Any]  # layers.GPTJConfig fields
-    batch: int
-    seq: int
-    dtype: str = "bf16"  # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
-    tier: str = "ram"
-    moment_dtype: str = "fp32"
-    activations: str = "resident"  # ours: resident, or checkpoint (the scale run keeps block inputs only)
-    warmup: int = 2
-    steps: int = 5
-    world: int = 1  # data-parallel processes (ours only); the parent starts one child per rank
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    profile: bool = False  # one more step under torch.profiler after the timed ones
-    workdir: str = ""
-    seed: int = 0
+    batch: int = same_setting(PlanConfig, "batch")
+    seq: int = same_setting(PlanConfig, "seq")
+    # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
+    dtype: str = same_setting(PlanConfig, "compute_dtype")
+    tier: str = same_setting(PlanConfig, "store")  # DeepSpeed: disk is nvme offload
+    moment_dtype: str = same_setting(TrainerConfig, "moment_dtype")
+    activations: str = same_setting(PlanConfig, "activations")  # the scale run checkpoints
+    warmup: int = setting(2, "untimed steps first", Integer(0))
+    steps: int = setting(5, "timed steps", Integer())
+    world: int = setting(1, "data-parallel processes (ours only); the parent starts one child per rank", Integer())
+    threads: int = setting(0, "torch intra-op threads; 0 keeps torch's default", Integer(0))
+    profile: bool = setting(False, "one more step under torch.profiler after the timed ones", Switch())
+    workdir: str = setting("", "the folder of the contender's files", Text())
+    seed: int = same_setting(TrainerConfig, "seed")
 
     def __post_init__(self) -> None:
-        if self.contender not in CONTENDERS:
-            raise ValueError(f"contender must be one of {CONTENDERS}, got {self.contender!r}")
-        if self.activations not in ACTIVATION_POLICIES:
-            raise ValueError(f"activations must be one of {ACTIVATION_POLICIES}, got {self.activations!r}")
-        if self.dtype not in ("bf16", "fp32") or self.tier not in ("ram", "disk"):
-            raise ValueError(f"dtype must be bf16|fp32 and tier ram|disk, got {self.dtype!r}, {self.tier!r}")
-        for name in ("batch", "seq", "steps", "world"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0 or self.threads < 0:
-            raise ValueError("warmup and threads must be >= 0")
+        check_settings(self, lambda key, problem: ValueError(f"{key} {problem}"))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

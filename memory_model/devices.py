@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memory_model.kernels import KernelCosts
-from memory_model.units import COMPUTE_DTYPES
+from memory_model.settings import SettingError, shown
+from memory_model.units import COMPUTE_DTYPES, SizeError, parse_size
 
 
 # Bytes per element of each compute dtype the planner and the runtime support.
@@ -220,3 +221,22 @@ def device_spec(name: str) -> DeviceSpec:
         return DEVICE_PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown device {name!r}; choose one of: {', '.join([*DEVICE_PRESETS, 'local'])}") from None
+
+
+def budget_bytes(budget: None | int | str | DeviceSpec, error: Callable[[str, str], Exception] = SettingError
+                 ) -> int | None:
+    """A device budget in bytes: None (no limit), a device preset or spec (its memory), or a size ("64MiB",
+    3000000000). The one reading of --budget, for the run's settings, the trainer and `generate`."""
+    if budget is None:
+        return None
+    if isinstance(budget, DeviceSpec):
+        return budget.memory_bytes
+    if isinstance(budget, str) and budget in DEVICE_PRESETS:
+        return DEVICE_PRESETS[budget].memory_bytes
+    try:
+        size = parse_size(budget)
+    except SizeError as exc:
+        raise error("budget", f"{shown(budget)}: {exc}, or a device preset ({', '.join(DEVICE_PRESETS)})") from None
+    if size <= 0:
+        raise error("budget", "must be more than 0 bytes; leave it out for no limit")
+    return size

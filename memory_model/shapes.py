@@ -7,10 +7,11 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from layers.config import GPTJConfig
+from memory_model.settings import Choice, Integer, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
 ACTIVATION_POLICIES = ("resident", "checkpoint")
@@ -31,29 +32,26 @@ def _positive_int(owner: str, name: str, value: Any) -> None:
 @dataclass(frozen=True)
 class PlanConfig:
     """One training step's settings. `batch` is the step's global batch: grad_accum micro-batches on each of
-    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices."""
+    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices. The run's settings
+    (streamer.run.RunConfig) declare these fields again with `same_setting`: one help text and one check."""
 
-    batch: int
-    seq: int
-    activations: str = "resident"
-    compute_dtype: str = "bf16"
-    prefetch: int = 1
-    update_on: str = "device"
-    grad_accum: int = 1
-    update_chunk: int = 16 * 2**20
-    store: str = "ram"
-    devices: int = 1
+    batch: int = setting(MISSING, "sequences per optimizer step (the global batch)", Integer())
+    seq: int = setting(MISSING, "tokens per sequence", Integer())
+    activations: str = setting("resident", "resident (no recompute) or checkpoint (keep block inputs only)",
+                               Choice(ACTIVATION_POLICIES), "POLICY")
+    compute_dtype: str = setting("bf16", "compute dtype", Choice(COMPUTE_DTYPES), "DTYPE")
+    prefetch: int = setting(1, "units loaded ahead of the one computing", Integer(0))
+    update_on: str = setting("device", "run AdamW on the device (streamed state) or on the host",
+                             Choice(UPDATE_PLACES), "WHERE")
+    grad_accum: int = setting(1, "micro-batches the batch is split into", Integer())
+    update_chunk: int = setting(16 * 2**20, "parameters per update chunk: the optimizer state on the device at once",
+                                Integer())
+    store: str = setting("ram", "where the host store lives: ram, or disk (committed every step)",
+                         Choice(STORE_TIERS), "TIER")
+    devices: int = setting(1, "data-parallel processes, one device each", Integer())
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq", "grad_accum", "update_chunk", "devices"):
-            _positive_int("PlanConfig", name, getattr(self, name))
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"PlanConfig.prefetch must be an integer >= 0, got {self.prefetch!r}")
-        choices = {"activations": ACTIVATION_POLICIES, "compute_dtype": COMPUTE_DTYPES,
-                   "update_on": UPDATE_PLACES, "store": STORE_TIERS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"PlanConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        check_settings(self)
         if self.batch % (self.grad_accum * self.devices):
             raise ValueError(f"batch {self.batch} does not split into grad_accum={self.grad_accum} micro-batches "
                              f"on devices={self.devices}; use a multiple of {self.grad_accum * self.devices}")

@@ -6,7 +6,6 @@ refuses a run that cannot fit in seconds, and a DeviceOutOfMemory raised mid-ste
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -21,16 +20,9 @@ from streamer.run import RunConfig, RunError
 PLAN_MARGIN_BYTES = 1024
 
 
-def plan_config(cfg: RunConfig, devices: int = 1) -> PlanConfig:
-    """The planner's view of a run's step."""
-    return PlanConfig(batch=cfg.batch, seq=cfg.seq, activations=cfg.activations, compute_dtype=cfg.dtype,
-                      prefetch=cfg.prefetch, update_on=cfg.update_on, grad_accum=cfg.grad_accum,
-                      update_chunk=cfg.update_chunk, store=cfg.store, devices=devices)
-
-
 def planned_peak(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> int:
     """The analytic planner's peak device bytes for one step of this run."""
-    return peak_device_bytes(model_cfg, plan_config(cfg, devices))
+    return peak_device_bytes(model_cfg, cfg.plan_config(devices))
 
 
 def _needs(shape: GPTJConfig, pc: PlanConfig) -> int:
@@ -65,7 +57,7 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
     """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
     cannot fit its --budget; nothing when there is no budget or it fits."""
     budget = cfg.budget_bytes()
-    pc = plan_config(cfg, devices)
+    pc = cfg.plan_config(devices)
     if budget is None or _needs(model_cfg, pc) <= budget:
         return
     raise RunError(f"--budget {cfg.budget} ({format_size(budget)}) is too small: a step needs "
@@ -76,7 +68,7 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
 def ledger_advice(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1
                   ) -> Callable[[dict[str, int], int, dict[str, Any]], list[str]]:
     """For the ledger's hints (`advise`): a DeviceOutOfMemory mid-step names the planner's alternatives."""
-    pc = plan_config(cfg, devices)
+    pc = cfg.plan_config(devices)
 
     def advise(needed: dict[str, int], capacity: int, hints: dict[str, Any]) -> list[str]:
         return [f"the planner puts a step's peak at {_breakdown(model_cfg, pc)}; one of "

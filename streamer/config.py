@@ -1,4 +1,9 @@
-"""The trainer's settings: one frozen dataclass each for the run and the learning-rate schedule."""
+"""The trainer's settings: one frozen dataclass each for the run and the learning-rate schedule.
+
+The fields that are also the run's (`streamer train`'s flags, RunConfig) are declared here once with their help
+text and check (memory_model.settings); those of the step are PlanConfig's. RunConfig declares them again
+with `same_setting`, so a flag, a TOML key and a keyword argument are checked alike.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +13,9 @@ from typing import Any
 
 import torch
 
-from memory_model import DEVICE_PRESETS, DeviceSpec, parse_size
+from memory_model import DeviceSpec, PlanConfig
+from memory_model.devices import budget_bytes
+from memory_model.settings import Choice, Integer, Number, Pair, check_settings, same_setting, setting
 from streamer.errors import StreamerError
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.layout import DTYPES, Placement, dtype_name
@@ -18,37 +25,29 @@ class ConfigError(StreamerError):
     """Trainer settings that cannot run; the message names the fix."""
 
 
-def _require(name: str, value: Any, kind: str, optional: bool = False) -> None:
-    """`kind`: "int" (not a bool) or "number" (finite int or float, not a bool); a wrong type is a ConfigError."""
-    if optional and value is None:
-        return
-    ok = not isinstance(value, bool) and (
-        isinstance(value, int) if kind == "int" else isinstance(value, (int, float)) and math.isfinite(value))
-    if not ok:
-        raise ConfigError(f"{name} must be {'an integer' if kind == 'int' else 'a finite number'}, got {value!r}")
+SCHEDULES = ("constant", "cosine", "linear")
+MOMENT_DTYPES = ("fp32", "bf16")
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def _error(key: str, problem: str) -> ConfigError:
+    return ConfigError(f"{key} {problem}")
 
 
 @dataclass(frozen=True)
 class LRSchedule:
     """constant, or linear warmup then cosine / linear decay to min_lr_ratio * lr at total_steps."""
 
-    kind: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
+    kind: str = setting("constant", "learning-rate schedule after warmup: constant, cosine or linear",
+                        Choice(SCHEDULES), "KIND")
+    warmup_steps: int = setting(0, "linear warmup steps", Integer(0))
+    total_steps: int | None = setting(None, "the step the decay ends at", Integer(0))
+    min_lr_ratio: float = setting(0.0, "the cosine/linear schedule ends at this fraction of --lr", Number(0.0, 1.0))
 
     def __post_init__(self) -> None:
-        _require("warmup_steps", self.warmup_steps, "int")
-        _require("total_steps", self.total_steps, "int", optional=True)
-        _require("min_lr_ratio", self.min_lr_ratio, "number")
-        if self.kind not in ("constant", "cosine", "linear"):
-            raise ConfigError(f"schedule must be 'constant', 'cosine' or 'linear', got {self.kind!r}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        check_settings(self, _error)
         if self.kind != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ConfigError(f"a {self.kind} schedule needs total_steps > warmup_steps ({self.warmup_steps})")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def lr_at(self, step: int, base_lr: float) -> float:
         """Learning rate of optimizer step `step` (1-based, as torch counts Adam steps).
@@ -80,38 +79,41 @@ class LRSchedule:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    max_grad_norm: float | None = 1.0
-    grad_accum: int = 1
+    lr: float = setting(1e-4, "peak learning rate", Number(0.0, low_open=True))
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW's moment decay rates, each in [0, 1): B1,B2 or B1 B2",
+                                         Pair(Number(0.0, 1.0, high_open=True)))
+    eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", Number(0.0, low_open=True))
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", Number(0.0))
+    max_grad_norm: float | None = 1.0  # None: no clipping (the run's flag says 0)
+    grad_accum: int = same_setting(PlanConfig, "grad_accum")
     compute_dtype: torch.dtype | str = "auto"  # auto: bf16 where the device runs it natively, else fp32
-    moment_dtype: str = "fp32"
-    activations: str = "resident"
+    moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
+                                Choice(MOMENT_DTYPES), "DTYPE")
+    activations: str = same_setting(PlanConfig, "activations")
     store: str | Placement = "ram"
-    update_on: str = "device"
-    prefetch: int = 1
+    update_on: str = same_setting(PlanConfig, "update_on")
+    prefetch: int = same_setting(PlanConfig, "prefetch")
     device: str = "cpu"
     budget: None | int | str | DeviceSpec = None
     schedule: LRSchedule = field(default_factory=LRSchedule)
-    update_chunk: int = 16 * 2**20
-    nonfinite: str = "stop"
-    seed: int = 0
-    trace_steps: int = 8  # the trace keeps this many recent steps, so a long run's memory stays flat
-    trace_every: int = 0  # ... and every Nth step (0: none): at most steps/N more, still flat per step
+    update_chunk: int = same_setting(PlanConfig, "update_chunk")
+    nonfinite: str = setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
+                                     "(nothing is updated; the next batch follows)", Choice(NONFINITE_POLICIES),
+                             "POLICY")
+    seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
+    # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
+    # stays flat: at most steps/N more.
+    trace_steps: int = setting(8, "optimizer steps the memory trace keeps (the latest ones)", Integer())
+    trace_every: int = setting(0, "also keep every Nth step in the memory trace (N, 2N, ...; 0: only the latest "
+                                  "--trace-steps); it then holds at most steps/N + --trace-steps steps", Integer(0),
+                               "N")
 
     def __post_init__(self) -> None:
-        for name in ("lr", "eps", "weight_decay"):
-            _require(name, getattr(self, name), "number")
-        _require("max_grad_norm", self.max_grad_norm, "number", optional=True)
-        for name in ("grad_accum", "update_chunk", "prefetch", "seed", "trace_steps", "trace_every"):
-            _require(name, getattr(self, name), "int")
-        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        for beta in self.betas:
-            _require("betas", beta, "number")
-        if not isinstance(self.device, str):
+        check_settings(self, _error)
+        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool) or not isinstance(
+                self.max_grad_norm, (int, float)) or not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm)):
+            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "meta"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.schedule, LRSchedule):
             raise ConfigError(f"schedule must be an LRSchedule or its fields, got {self.schedule!r}")
@@ -123,44 +125,13 @@ class TrainerConfig:
             object.__setattr__(self, "compute_dtype", DTYPES[self.compute_dtype])
         dtype_name(self.compute_dtype)
         object.__setattr__(self, "store", Placement.of(self.store))
-        choices = {"activations": ("resident", "checkpoint"), "update_on": ("device", "host"),
-                   "nonfinite": ("stop", "skip"), "moment_dtype": ("fp32", "bf16")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"lr must be a positive number, got {self.lr}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.weight_decay < 0:
-            raise ConfigError("eps must be > 0 and weight_decay >= 0")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
-        for name in ("grad_accum", "update_chunk", "trace_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.trace_every < 0:
-            raise ConfigError(f"trace_every must be an integer >= 0 (0: off), got {self.trace_every!r}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ConfigError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
-        if self.device.split(":")[0] not in ("cpu", "cuda", "meta"):
-            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
         self.budget_bytes  # a malformed budget fails here, not at the first step
 
     @property
     def budget_bytes(self) -> int | None:
-        if self.budget is None:
-            return None
-        if isinstance(self.budget, DeviceSpec):
-            return self.budget.memory_bytes
-        if isinstance(self.budget, str) and self.budget in DEVICE_PRESETS:  # a preset saved by name
-            return DEVICE_PRESETS[self.budget].memory_bytes
-        try:
-            return parse_size(self.budget)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        return budget_bytes(self.budget, _error)
 
     def replace(self, **changes: Any) -> "TrainerConfig":
         return dataclasses.replace(self, **changes)
@@ -187,6 +158,4 @@ class TrainerConfig:
                     raw[name] = kind(**raw[name])
                 except TypeError as exc:  # an unknown or missing field
                     raise ConfigError(f"{name}: {exc}") from None
-        if isinstance(raw.get("betas"), list):
-            raw["betas"] = tuple(raw["betas"])
         return cls(**raw)

@@ -1,12 +1,5 @@
-"""A training run: its settings (`RunConfig`: the flags of `streamer train`, the keys of run.toml) and its folder.
-
-A run directory (`RunDir`) holds:
-
-    config.toml        the resolved RunConfig; `streamer train --config RUN/config.toml --run-dir NEW` repeats it
-    store/             the host store: weights, fp32 master, Adam moments, gradients (docs/STORE.md)
-    tokenizer/         tokenizer.json and the two files transformers reads beside it
-    metrics.jsonl      one JSON object per optimizer step and per evaluation
-    trace.json         the memory trace of the latest session; trace.chrome.json, memory.png: its views
+"""A training run's settings (`RunConfig`: the flags of `streamer train`, the keys of run.toml and of a run
+folder's config.toml; the folder itself is streamer/run_dir.py).
 
 Settings resolve in this order, later winning: RunConfig's defaults, the demo's defaults (only when nothing
 names a model or data: `streamer train` alone is the demo), the `--config` TOML file, the flags. TOML is read
@@ -17,45 +10,35 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import shutil
 import tomllib
-import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from layers import PRESETS, GPTJConfig
-from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS, SizeError, parse_size
-from memory_model.shapes import ACTIVATION_POLICIES, STORE_TIERS, UPDATE_PLACES
-from streamer.store.commit import lock_file, read_journal, read_manifest
+from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS, PlanConfig
+from memory_model.devices import budget_bytes
+from memory_model.settings import SettingError as BaseSettingError
+from memory_model.settings import (
+    Choice, Integer, Number, Switch, Text, check_settings, checks_of, same_setting, setting, shown,
+)
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
-from streamer.store.slabfile import write_json_atomic
 
 
 class RunError(StreamerError):
     """Run settings or a run directory that cannot be used; the message names the fix."""
 
 
-class SettingError(RunError):
-    """One setting's value is wrong: `key` names it, so an error can say where it came from (flag or file)."""
+class SettingError(RunError, BaseSettingError):
+    """One run setting's value is wrong: `key` names it, so an error can say where it came from (flag or file)."""
 
     def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"{flag(key)} {problem}")
-        self.key, self.problem = key, problem
+        BaseSettingError.__init__(self, key, problem)
 
 
-# The choices of the settings that several subcommands share (train, plan): one place, so they cannot drift.
 DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: streamer/runtime/hardware.py
-SCHEDULES = ("constant", "cosine", "linear")
-MOMENT_DTYPES = ("fp32", "bf16")
-NONFINITE_POLICIES = ("stop", "skip")
-
-
-def _setting(default: Any, help: str, metavar: str | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "metavar": metavar})
 
 
 DEMO_MODEL = "gptj-demo"
@@ -64,87 +47,68 @@ DEFAULT_PROMPT = "The for statement is used to"
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: str = _setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
-                       "PRESET|CONFIG")
-    from_pretrained: str | None = _setting(None, "a Hugging Face GPT-J folder to fine-tune (its weights and tokenizer)",
-                                          "HF_DIR")
-    data: str | None = _setting(None, "a .txt file, or .jsonl of {\"text\"} or {\"prompt\", \"completion\"} records "
-                                      "(default: Python's own help topics)", "FILE")
-    tokenizer: str | None = _setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
-                                           "(default: --from-pretrained's, else a BPE trained on the data)", "DIR")
-    vocab_size: int | None = _setting(None, "vocabulary of the trained BPE (default: the model's)")
-    run_dir: str | None = _setting(None, "the run directory; one holding this run (same settings) is continued "
-                                         "(default: runs/<name>-<time>)", "DIR")
-    steps: int = _setting(100, "optimizer steps in all (with --resume: the new total)")
-    batch: int = _setting(8, "sequences per optimizer step (the global batch)")
-    seq: int = _setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)")
-    grad_accum: int = _setting(1, "micro-batches the batch is split into")
-    lr: float = _setting(1e-4, "peak learning rate")
-    schedule: str = _setting("constant", "learning-rate schedule after warmup: constant, cosine or linear",
-                             "KIND")
-    warmup: int = _setting(0, "linear warmup steps")
-    min_lr_ratio: float = _setting(0.0, "the cosine/linear schedule ends at this fraction of --lr")
-    weight_decay: float = _setting(0.1, "AdamW weight decay (matrices only)")
-    max_grad_norm: float = _setting(1.0, "clip gradients to this global norm (0: no clipping)")
-    betas: tuple[float, float] = _setting((0.9, 0.95), "AdamW's moment decay rates, each in [0, 1): B1,B2 or B1 B2")
-    eps: float = _setting(1e-8, "AdamW's epsilon, added to the root of the second moment")
-    moment_dtype: str = _setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
-                                 "DTYPE")
-    nonfinite: str = _setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
-                                      "(nothing is updated; the next batch follows)", "POLICY")
-    trace_steps: int = _setting(8, "optimizer steps the memory trace keeps (the latest ones)")
-    trace_every: int = _setting(0, "also keep every Nth step in the memory trace (N, 2N, ...; 0: only the latest "
-                                   "--trace-steps); it then holds at most steps/N + --trace-steps steps", "N")
-    dtype: str = _setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
-                                  "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
-                                  "weights and Adam state are fp32)", "DTYPE")
-    device: str = _setting("cpu", "torch device: cpu or cuda", "DEVICE")
-    budget: str | None = _setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
-                                        "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), "SIZE")
-    store: str = _setting("disk", "where the host store lives: ram, or disk (committed every step)", "TIER")
-    activations: str = _setting("resident", "resident (no recompute) or checkpoint (keep block inputs only)",
-                                "POLICY")
-    update_on: str = _setting("device", "run AdamW on the device (streamed state) or on the host", "WHERE")
-    prefetch: int = _setting(1, "units loaded ahead of the one computing")
-    update_chunk: int = _setting(16 * 2**20, "parameters per update chunk: the optimizer state on the device at once")
-    seed: int = _setting(0, "seed of the initialisation, the data split and the data order")
-    pack: bool = _setting(False, "pack several prompt/completion examples into one sequence")
-    eval_fraction: float = _setting(0.05, "fraction of sequences held out for evaluation")
-    eval_every: int = _setting(50, "evaluate every N steps (0: only at the end)")
-    eval_batches: int = _setting(4, "held-out batches per evaluation")
-    save_every: int = _setting(50, "with --store ram: write the store to disk every N steps (and at the end)")
-    sample_prompt: str | None = _setting(None, "prompt of the sample generated at the end (default: with --data, "
-                                               "the first example's prompt or first words; else %r)"
-                                         % DEFAULT_PROMPT.replace("%", "%%"), "TEXT")
-    sample_tokens: int = _setting(40, "tokens of that sample (0: no sample)")
-    log_every: int = _setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
-                                 "(a terminal gets a progress bar)")
+    """`streamer train`'s settings, flat (each is a flag and a TOML key). Those of the step (PlanConfig), the
+    optimizer (TrainerConfig) and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
+
+    model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
+                         Text(), "PRESET|CONFIG")
+    from_pretrained: str | None = setting(None, "a Hugging Face GPT-J folder to fine-tune (its weights and "
+                                                "tokenizer)", Text(), "HF_DIR")
+    data: str | None = setting(None, "a .txt file, or .jsonl of {\"text\"} or {\"prompt\", \"completion\"} records "
+                                     "(default: Python's own help topics)", Text(), "FILE")
+    tokenizer: str | None = setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
+                                          "(default: --from-pretrained's, else a BPE trained on the data)", Text(), "DIR")
+    vocab_size: int | None = setting(None, "vocabulary of the trained BPE (default: the model's)",
+                                     Integer(257, " (256 bytes + end-of-text)"))
+    run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
+                                        "(default: runs/<name>-<time>)", Text(), "DIR")
+    steps: int = setting(100, "optimizer steps in all (with --resume: the new total)", Integer())
+    batch: int = same_setting(PlanConfig, "batch", 8)
+    seq: int = setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)", Integer(2))
+    grad_accum: int = same_setting(PlanConfig, "grad_accum")
+    lr: float = same_setting(TrainerConfig, "lr")
+    schedule: str = same_setting(LRSchedule, "kind")
+    warmup: int = same_setting(LRSchedule, "warmup_steps")
+    min_lr_ratio: float = same_setting(LRSchedule, "min_lr_ratio")
+    weight_decay: float = same_setting(TrainerConfig, "weight_decay")
+    max_grad_norm: float = setting(1.0, "clip gradients to this global norm (0: no clipping)", Number(0.0))
+    betas: tuple[float, float] = same_setting(TrainerConfig, "betas")
+    eps: float = same_setting(TrainerConfig, "eps")
+    moment_dtype: str = same_setting(TrainerConfig, "moment_dtype")
+    nonfinite: str = same_setting(TrainerConfig, "nonfinite")
+    trace_steps: int = same_setting(TrainerConfig, "trace_steps")
+    trace_every: int = same_setting(TrainerConfig, "trace_every")
+    dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
+                                 "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
+                                 "weights and Adam state are fp32)", Choice(DTYPE_CHOICES), "DTYPE")
+    device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
+    budget: str | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
+                                       "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), Text(), "SIZE")
+    store: str = same_setting(PlanConfig, "store", "disk")
+    activations: str = same_setting(PlanConfig, "activations")
+    update_on: str = same_setting(PlanConfig, "update_on")
+    prefetch: int = same_setting(PlanConfig, "prefetch")
+    update_chunk: int = same_setting(PlanConfig, "update_chunk")
+    seed: int = same_setting(TrainerConfig, "seed")
+    pack: bool = setting(False, "pack several prompt/completion examples into one sequence", Switch())
+    eval_fraction: float = setting(0.05, "fraction of sequences held out for evaluation",
+                                   Number(0.0, 1.0, high_open=True))
+    eval_every: int = setting(50, "evaluate every N steps (0: only at the end)", Integer(0))
+    eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
+    save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end)",
+                              Integer())
+    sample_prompt: str | None = setting(None, "prompt of the sample generated at the end (default: with --data, "
+                                              "the first example's prompt or first words; else %r)"
+                                        % DEFAULT_PROMPT.replace("%", "%%"), Text(), "TEXT")
+    sample_tokens: int = setting(40, "tokens of that sample (0: no sample)", Integer(0))
+    log_every: int = setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
+                                "(a terminal gets a progress bar)", Integer())
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        for name, low in INT_MINIMUMS.items():
-            if getattr(self, name) < low:
-                raise SettingError(name, f"must be {_integer(low)}, got {getattr(self, name)}")
-        if self.vocab_size is not None and self.vocab_size < 257:
-            raise SettingError("vocab_size", f"must be >= 257 (256 bytes + end-of-text), got {self.vocab_size}")
+        check_settings(self, SettingError)
         if self.batch % self.grad_accum:
             raise SettingError("batch", f"{self.batch} does not split into --grad-accum {self.grad_accum} "
                                         f"micro-batches; use a multiple of {self.grad_accum}")
-        for name in ("lr", "eps"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise SettingError(name, f"must be a positive number, got {getattr(self, name)}")
-        for name in ("weight_decay", "max_grad_norm"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise SettingError(name, f"must be a number >= 0, got {getattr(self, name)}")
-        for name, high in (("eval_fraction", 1.0), ("min_lr_ratio", 1.0 + 1e-12)):
-            if not 0 <= getattr(self, name) < high:
-                raise SettingError(name, f"must be in [0, 1{')' if name == 'eval_fraction' else ']'}, "
-                                         f"got {getattr(self, name)}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise SettingError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise SettingError(name, f"must be one of {', '.join(allowed)}, got {_shown(getattr(self, name))}")
         if self.from_pretrained is not None and self.model != DEMO_MODEL:
             raise SettingError("model", f"{self.model!r} conflicts with --from-pretrained, whose config.json is the "
                                         "model; drop one of them")
@@ -152,7 +116,7 @@ class RunConfig:
             raise SettingError("warmup", f"{self.warmup} leaves no steps to decay over with --steps {self.steps}; "
                                          "lower --warmup or raise --steps")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise SettingError("device", f"must be cpu, cuda or cuda:N, got {_shown(self.device)}")
+            raise SettingError("device", f"must be cpu, cuda or cuda:N, got {shown(self.device)}")
         self.budget_bytes()
         if self.model not in PRESETS and not Path(self.model).exists():
             raise SettingError("model", f"{self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
@@ -160,24 +124,19 @@ class RunConfig:
 
     # --- derived settings -------------------------------------------------------------------------
     def budget_bytes(self) -> int | None:
-        if self.budget is None:
-            return None
-        if self.budget in DEVICE_PRESETS:
-            return DEVICE_PRESETS[self.budget].memory_bytes
-        try:
-            size = parse_size(self.budget)
-        except SizeError as exc:
-            raise SettingError("budget", f"{_shown(self.budget)}: {exc}, or a device preset "
-                                         f"({', '.join(DEVICE_PRESETS)})") from None
-        if size <= 0:
-            raise SettingError("budget", "must be more than 0 bytes; leave it out for no limit")
-        return size
+        return budget_bytes(self.budget, SettingError)
 
     def model_config(self) -> GPTJConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
             return GPTJConfig.from_hf(self.from_pretrained)
         return PRESETS[self.model] if self.model in PRESETS else GPTJConfig.from_hf(self.model)
+
+    def plan_config(self, devices: int = 1) -> PlanConfig:
+        """The planner's view of this run's step on `devices` data-parallel devices."""
+        return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
+                          prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
+                          update_chunk=self.update_chunk, store=self.store, devices=devices)
 
     def trainer_config(self) -> TrainerConfig:
         schedule = LRSchedule(self.schedule, self.warmup, None if self.schedule == "constant" else self.steps,
@@ -216,11 +175,6 @@ class RunConfig:
 
 
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir")
-# In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
-# again, if it holds nothing but what set-up writes.
-SETUP_MARK = "setup.incomplete"
-_SETUP_FILES = {SETUP_MARK, "tokenizer", "store", "config.toml.tmp"}
-_SETUP_LOCKS: dict[Path, int] = {}  # run folder -> this process's locked descriptor of its SETUP_MARK
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
@@ -233,18 +187,16 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every")
-CHOICES = {"schedule": SCHEDULES, "dtype": DTYPE_CHOICES, "store": STORE_TIERS, "activations": ACTIVATION_POLICIES,
-           "update_on": UPDATE_PLACES, "moment_dtype": MOMENT_DTYPES, "nonfinite": NONFINITE_POLICIES}
-INT_MINIMUMS = {"steps": 1, "batch": 1, "seq": 2, "grad_accum": 1, "warmup": 0, "prefetch": 0, "update_chunk": 1,
-                "seed": 0, "eval_every": 0, "eval_batches": 1, "save_every": 1, "sample_tokens": 0, "trace_steps": 1,
-                "trace_every": 0, "log_every": 1}
+# The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
+CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items()}
+INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items()}
 
 
 def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> RunConfig:
     """RunConfig from the flags given (`explicit`, no Nones), over a TOML file, over the (demo) defaults."""
     from_file = read_toml(config_file) if config_file is not None else {}
     given = {**from_file, **explicit}
-    with _blame(config_file, set(from_file) - set(explicit)):
+    with blame(config_file, set(from_file) - set(explicit)):
         if given.get("model") is not None and given.get("from_pretrained") is not None:
             raise SettingError("model", "conflicts with --from-pretrained, whose config.json is the model; "
                                         "drop one of them")
@@ -264,7 +216,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
 
 
 @contextlib.contextmanager
-def _blame(config_file: str | Path | None, file_keys: set[str]) -> Iterator[None]:
+def blame(config_file: str | Path | None, file_keys: set[str]) -> Iterator[None]:
     """A wrong setting that came from the settings file is reported as `--config FILE: key problem`."""
     try:
         yield
@@ -306,187 +258,3 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     # A JSON string is a TOML basic string, except that TOML wants DEL escaped too.
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007F")
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a setting: `grad_accum` -> `--grad-accum`."""
-    return "--" + name.replace("_", "-")
-
-
-def _integer(low: int) -> str:
-    return "a positive integer" if low == 1 else f"an integer >= {low}"
-
-
-def _shown(value: Any) -> str:
-    """A value as the user wrote it: TOML and JSON agree on strings, numbers and lists."""
-    if value is None:
-        return "nothing"
-    try:
-        return json.dumps(list(value) if isinstance(value, tuple) else value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _check_types(cfg: RunConfig) -> None:
-    """TOML and keyword callers can pass any type: check each against the annotation (an int is a float)."""
-    hints = typing.get_type_hints(RunConfig)
-    wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if typing.get_origin(hints[f.name]) is tuple:  # betas: two numbers, from TOML a list
-            numbers = isinstance(value, (list, tuple)) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-            if not numbers or len(value) != 2:
-                raise SettingError(f.name, f"must be two numbers in [0, 1), got {_shown(value)}")
-            object.__setattr__(cfg, f.name, tuple(float(v) for v in value))
-            continue
-        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
-        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-            object.__setattr__(cfg, f.name, float(value))
-            continue
-        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
-            kind = next(t for t in allowed if t is not type(None))
-            what = _integer(INT_MINIMUMS[f.name]) if f.name in INT_MINIMUMS else wanted[kind]
-            if f.name in CHOICES:
-                what = "one of " + ", ".join(CHOICES[f.name])
-            raise SettingError(f.name, f"must be {what}, got {_shown(value)}")
-
-
-@dataclass(frozen=True)
-class RunDir:
-    """A run's folder and the names of what it holds (see the module docstring)."""
-
-    root: Path
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.toml"
-
-    @property
-    def store(self) -> Path:
-        return self.root / "store"
-
-    @property
-    def tokenizer(self) -> Path:
-        return self.root / "tokenizer"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def trace_json(self) -> Path:
-        return self.root / "trace.json"
-
-    @property
-    def trace_chrome(self) -> Path:
-        return self.root / "trace.chrome.json"
-
-    @property
-    def plot(self) -> Path:
-        return self.root / "memory.png"
-
-    def processes(self) -> int:
-        """How many data-parallel processes trained the run: each keeps its own store in store/rank<N>."""
-        return len(list(self.store.glob("rank*"))) or 1
-
-    def store_to_read(self) -> Path:
-        """A store with the run's weights (every process's store holds the same ones)."""
-        return self.store / "rank0" if self.processes() > 1 else self.store
-
-    @staticmethod
-    def is_run(path: str | Path) -> bool:
-        return (Path(path) / "config.toml").is_file()
-
-    @classmethod
-    def create(cls, path: str | Path) -> RunDir:
-        """A new run in `path`, which must not exist, be empty, or hold a set-up that was killed part-way (its
-        SETUP_MARK, no config.toml, nothing but set-up files), which is cleared. Nothing else is ever overwritten.
-        The mark stays, locked by this process, until `finish_setup`."""
-        root = Path(path)
-        if root.exists() and not root.is_dir():
-            raise RunError(f"--run-dir {root} is a file; choose a folder name for the run")
-        if cls.is_run(root):
-            raise RunError(f"{root} already holds a run; continue it with `streamer train --resume {root}` "
-                           "or choose a new --run-dir")
-        entries = {p.name for p in root.iterdir()} if root.is_dir() else set()
-        if entries and not (SETUP_MARK in entries and entries <= _SETUP_FILES):
-            raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run-dir")
-        busy = RunError(f"{root} is being set up by another process; wait for it to finish or choose another --run-dir")
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            _SETUP_LOCKS[root] = lock_file(root / SETUP_MARK, busy)
-        except OSError as exc:
-            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run-dir") from None
-        for name in entries - {SETUP_MARK}:  # the mark stays: a kill while clearing leaves a set-up still known
-            path = root / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        return cls(root)
-
-    def finish_setup(self) -> None:
-        """config.toml is in place: the run exists, and the set-up mark (if a kill left one) can go."""
-        (self.root / SETUP_MARK).unlink(missing_ok=True)
-        fd = _SETUP_LOCKS.pop(self.root, None)
-        if fd is not None:
-            os.close(fd)
-
-    @classmethod
-    def open(cls, path: str | Path) -> RunDir:
-        root = Path(path)
-        if not cls.is_run(root):
-            raise RunError(f"{root} is not a run directory (no config.toml); pass a folder `streamer train` made")
-        return cls(root)
-
-    def read_config(self) -> RunConfig:
-        values = read_toml(self.config)
-        with _blame(self.config, set(values)):
-            return RunConfig(**values)
-
-    def write_config(self, cfg: RunConfig) -> None:
-        tmp = self.config.with_suffix(".toml.tmp")
-        tmp.write_text(cfg.to_toml(), encoding="utf-8")
-        tmp.replace(self.config)  # atomic: a run is a run once its whole config is there
-
-    def append_metrics(self, record: dict[str, Any]) -> None:
-        with self.metrics.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(record) + "\n")
-
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """The records; a last line that a kill cut short is left out."""
-        if not self.metrics.is_file():
-            return []
-        lines = [line for line in self.metrics.read_text().splitlines() if line.strip()]
-        records = []
-        for i, line in enumerate(lines):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                if i < len(lines) - 1:
-                    raise RunError(f"{self.metrics} line {i + 1} is not JSON; fix or delete that line") from None
-        return records
-
-    def committed_step(self) -> int:
-        """The step a run continues from: its store's last commit, or the step journaled after it (whose
-        gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
-        what they agree on. Reads only."""
-        stores = sorted(self.store.glob("rank*")) or [self.store]
-        steps = []
-        for root in stores:
-            manifest = read_manifest(root)
-            journal = read_journal(root, manifest, list(manifest["units"]))
-            steps.append(manifest["step"] if journal is None else journal["step"])
-        return min(steps)
-
-    def keep_metrics_through(self, step: int, losses: list[float], tc: TrainerConfig) -> None:
-        """metrics.jsonl holds each step up to the committed `step` exactly once: records of later steps (a kill
-        came before they were committed, or a RAM-tier run's steps since its last save) go, and a step committed
-        before a kill could log it gets its record back from the store's losses (without timings)."""
-        records = self.read_metrics()
-        kept = [r for r in records if r.get("step", 0) <= step]
-        logged = {r["step"] for r in kept if "loss" in r}
-        if len(losses) == step:
-            kept += [{"step": n, "loss": losses[n - 1], "lr": tc.schedule.lr_at(n, tc.lr)}
-                     for n in range(1, step + 1) if n not in logged]
-        kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
-        if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):
-            write_json_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-import streamer.cli.main as cli_main
+import streamer.cli.bench as cli_bench
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer.cli.main import main
-from streamer.cli.tools import open_trainer
-from streamer.run import DEMO_DEFAULTS, RunConfig, RunDir, RunError, read_toml, resolve
+from streamer.cli.generate import open_trainer
+from streamer.run import DEMO_DEFAULTS, RunConfig, RunError, read_toml, resolve
+from streamer.run_dir import RunDir
 
 
 def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
@@ -144,7 +145,7 @@ def test_bench_runs_the_checkouts_benchmarks_or_says_where_they_are(capsys, monk
     done = subprocess.run([sys.executable, "-m", "streamer", "bench", "--help"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     assert done.returncode == 0 and "usage: streamer bench" in done.stdout and "--quick" in done.stdout
-    monkeypatch.setattr(cli_main, "CHECKOUT", tmp_path)
+    monkeypatch.setattr(cli_bench, "CHECKOUT", tmp_path)
     assert "runs from a source checkout" in fails(capsys, "bench")
 
 

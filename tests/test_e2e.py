@@ -17,9 +17,9 @@ from pydoc_data.topics import topics
 from layers import GPTJ, IGNORE_INDEX, GPTJConfig
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.cli.main import main
-from streamer.cli.tools import open_trainer
+from streamer.cli.generate import open_trainer
 from streamer.io.data import load_dataset
-from streamer.run import RunDir
+from streamer.run_dir import RunDir
 from streamer.io.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 CFG = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)

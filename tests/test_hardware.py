@@ -18,7 +18,7 @@ import torch
 
 from layers import GPTJConfig
 from streamer import TrainerConfig
-from streamer.cli.tools import plan_dtype
+from streamer.cli.plan import plan_dtype
 from streamer.errors import StreamerError
 from streamer.runtime.hardware import (
     DtypeChoice, MatmulProbe, choose_for_cpu, choose_for_cuda, cpu_probe, probe_cpu, resolve_compute_dtype,

@@ -20,8 +20,9 @@ import torch
 
 from conftest import TINY_RUN_MODEL as TINY
 from layers import GPTJConfig
-from streamer.cli.tools import open_trainer
-from streamer.run import RunDir, SETUP_MARK, resolve
+from streamer.cli.generate import open_trainer
+from streamer.run import resolve
+from streamer.run_dir import SETUP_MARK, RunDir
 
 STEPS = 4
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: bit-identical results

@@ -12,10 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layers import PRESETS
+from memory_model import PlanConfig
+from benchmarks.worker import RunSpec
 from benchmarks.bench import add_arguments as bench_arguments
 from streamer.cli.main import build_parser, main
 from streamer.cli.train import fit_vocabulary
-from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunDir, RunError, resolve
+from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunError, resolve
+from streamer.run_dir import RunDir
+from streamer.config import ConfigError, LRSchedule, TrainerConfig
 from streamer.io.tokenizer import MIN_VOCAB
 
 from conftest import TINY_RUN_MODEL as TINY
@@ -64,6 +68,32 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
     assert line.startswith(f"error: --config {toml}: {key} "), line
     assert "Traceback" not in line
     assert sorted(tmp_path.iterdir()) == before  # no run folder, nothing else
+
+
+# The run's settings that belong to the step, the optimizer or the schedule: (owner, owner's name, run's name).
+SHARED = [(PlanConfig, name, name) for name in ("batch", "grad_accum", "activations", "prefetch", "update_on",
+                                                "update_chunk", "store")] + \
+    [(TrainerConfig, name, name) for name in ("lr", "betas", "eps", "weight_decay", "moment_dtype", "nonfinite", "seed",
+                                               "trace_steps", "trace_every")] + \
+    [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"), (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
+
+
+def test_every_setting_is_declared_once_and_checked_alike_everywhere():
+    for name, f in RunConfig.__dataclass_fields__.items():
+        assert f.metadata["help"] and "check" in f.metadata, name
+    for owner, name, run_name in SHARED:
+        assert RunConfig.__dataclass_fields__[run_name].metadata["check"] is \
+            owner.__dataclass_fields__[name].metadata["check"], run_name
+    # the same wrong value reads the same from the run's settings, the trainer API, the planner and bench
+    wrong = [(RunError, lambda: RunConfig(grad_accum=0)), (ConfigError, lambda: TrainerConfig(grad_accum=0)),
+             (ValueError, lambda: PlanConfig(batch=1, seq=2, grad_accum=0)),
+             (ValueError, lambda: RunSpec(label="a", contender="hf", model={}, batch=0, seq=2))]
+    messages = []
+    for error, make in wrong:
+        with pytest.raises(error) as caught:
+            make()
+        messages.append(str(caught.value).split(" ", 1)[1])
+    assert set(messages) == {"must be a positive integer, got 0"}, messages
 
 
 def test_a_wrong_setting_file_from_the_shell(tmp_path):

@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import subprocess
 import sys
 import typing
 from dataclasses import MISSING, fields
-from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
-from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig, flag
+from memory_model.settings import flag
+from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
 
-# The source checkout this package was installed from in editable mode, where benchmarks/ lives.
-CHECKOUT = Path(__file__).resolve().parents[2]
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 
 TOP_EXAMPLES = """\
@@ -134,7 +130,7 @@ def build_parser() -> Parser:
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.set_defaults(func=_lazy("streamer.cli.tools", "plan_command"))
+    plan.set_defaults(func=_lazy("streamer.cli.plan", "plan_command"))
 
     generate = commands.add_parser("generate", help="sample text from a run, streaming its layers",
                                    formatter_class=formatter, description="Generate with streamed layers and "
@@ -153,7 +149,7 @@ def build_parser() -> Parser:
     generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every token")
     generate.add_argument("--budget", help="device budget (default: the run's)")
     generate.add_argument("--device", help="torch device (default: the run's)")
-    generate.set_defaults(func=_lazy("streamer.cli.tools", "generate_command"))
+    generate.set_defaults(func=_lazy("streamer.cli.generate", "generate_command"))
 
     export = commands.add_parser("export", help="write a run as a Hugging Face GPT-J folder",
                                  formatter_class=formatter, description="Export the master weights and the "
@@ -167,7 +163,7 @@ def build_parser() -> Parser:
                         help="weights' dtype (default: fp32, the master weights exactly)")
     export.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
-    export.set_defaults(func=_lazy("streamer.cli.tools", "export_command"))
+    export.set_defaults(func=_lazy("streamer.cli.export", "export_command"))
 
     trace = commands.add_parser("trace", help="the per-layer memory table and plot of a run",
                                 formatter_class=formatter, description="Show a run's memory trace. A run's trace keeps its last --trace-steps "
@@ -182,7 +178,7 @@ def build_parser() -> Parser:
     trace.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
     trace.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
     trace.add_argument("--json", action="store_true", help="print the summary as JSON")
-    trace.set_defaults(func=_lazy("streamer.cli.tools", "trace_command"))
+    trace.set_defaults(func=_lazy("streamer.cli.trace", "trace_command"))
 
     commands.add_parser("bench", help="benchmarks (see `streamer bench --help`)", add_help=False)
     return parser
@@ -195,18 +191,6 @@ def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def _bench(argv: list[str]) -> int:
-    """The benchmarks live beside the package in a source checkout (they are not part of the runtime):
-    run them there as their own process, so that nothing in streamer imports them."""
-    checkout = CHECKOUT
-    if not (checkout / "benchmarks" / "bench.py").is_file():
-        raise StreamerError("`streamer bench` runs from a source checkout and benchmarks/ is not beside this "
-                            f"installation ({checkout}); clone the repository, `pip install -e .` it and run "
-                            "`make bench`")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "benchmarks.bench", *argv], env=env).returncode
-
-
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
@@ -217,7 +201,8 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        return guarded(lambda: _bench(argv[1:]))
+        from streamer.cli.bench import bench_command
+        return guarded(lambda: bench_command(argv[1:]))
     return guarded(lambda: _dispatch(argv))
 
 

@@ -8,53 +8,31 @@ from __future__ import annotations
 
 import argparse
 import errno
-import math
 import os
-import shlex
 import shutil
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
-import psutil
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from layers import GPTJConfig
-from memory_model import format_size
-from streamer.advice import check_fits, ledger_advice, planned_peak
-from streamer.cli.tools import memory_lines
-from streamer.io.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
-from streamer.runtime.distributed import DataParallel
-from streamer.generate import Sampling, complete
-from streamer.runtime.hardware import resolve_compute_dtype
-from streamer.resources import check_host_resources
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunDir, RunError, flag, read_toml, resolve
-from streamer.store.slabfile import DiskFull
-from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
-from streamer.trainer import StreamingTrainer
+from streamer.advice import check_fits, ledger_advice
+from streamer.cli.training import Session, describe, report, train
 from streamer.console import make_console
+from streamer.io.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
+from streamer.resources import check_host_resources
+from memory_model.settings import flag
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve
+from streamer.run_dir import RunDir
+from streamer.runtime.distributed import DataParallel
+from streamer.runtime.hardware import resolve_compute_dtype
+from streamer.store.slabfile import DiskFull
+from streamer.trainer import StreamingTrainer
 
 T = TypeVar("T")
-
-
-@dataclass
-class Session:
-    """Everything one `streamer train` invocation works with."""
-
-    cfg: RunConfig
-    run: RunDir
-    trainer: StreamingTrainer
-    tokenizer: Tokenizer
-    stream: BatchStream
-    held_out: Dataset | None
-    parallel: DataParallel | None = None
-
-    @property
-    def lead(self) -> bool:
-        """The process that prints, logs and writes the run's files (rank 0 under torchrun)."""
-        return self.parallel is None or self.parallel.rank == 0
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -64,10 +42,10 @@ def train_command(args: argparse.Namespace) -> int:
         start(explicit, args.config, console)
     if session is None:  # the run is already at --steps: nothing was changed
         return 0
-    session.trainer.ledger.hint_context["advise"] = ledger_advice(session.trainer.cfg, session.cfg, _devices(session))
+    session.trainer.ledger.hint_context["advise"] = ledger_advice(session.trainer.cfg, session.cfg, session.devices)
     try:
         with session.trainer:
-            console.print(f"run [bold]{session.run.root}[/]: {_describe(session)}")
+            console.print(f"run [bold]{session.run.root}[/]: {describe(session)}")
             trained, seconds = train(session, console)
             report(session, trained, seconds, console)
     except KeyboardInterrupt as exc:
@@ -357,147 +335,3 @@ def _sample_prompt(cfg: RunConfig) -> str:
     if first is None:
         return ""
     return first.text if first.completion is not None else " ".join(first.text.split()[:8])
-
-
-def _describe(s: Session) -> str:
-    cfg, tc = s.cfg, s.trainer.tc
-    budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
-    data = "Python's help topics (demo)" if cfg.data is None else cfg.data
-    model = cfg.from_pretrained or cfg.model
-    return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
-            f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens; batch {cfg.batch}"
-            f"{f' in {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}, {cfg.dtype}, "
-            f"{cfg.activations} activations, {cfg.store} store, {budget} budget")
-
-
-# --- training ------------------------------------------------------------------------------------------------
-def train(s: Session, console: Console) -> tuple[int, float]:
-    """Steps until --steps; returns (steps trained, seconds spent in them)."""
-    cfg, trainer, run = s.cfg, s.trainer, s.run
-    first = trainer.step_count
-    budget = trainer.tc.budget_bytes
-    process = psutil.Process()
-    seconds = 0.0
-    columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
-               TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    plain = not console.is_terminal  # a log or a pipe gets one flushed line per step, not a redrawn bar
-    began = time.perf_counter()
-    with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
-        task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
-        while trainer.step_count < cfg.steps:
-            ids, labels = next(s.stream)
-            trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
-            begin = time.perf_counter()
-            step = trainer.step_count + 1
-            loss = trainer.step(ids, labels)
-            elapsed = time.perf_counter() - begin
-            seconds += elapsed
-            rss = process.memory_info().rss
-            skipped = trainer.step_count < step  # --nonfinite skip: nothing committed, the next batch tries step again
-            # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
-            record = {"step": step, **({"skipped": True} if skipped else {"loss": loss}),
-                      "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
-                      "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
-                      "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
-            if s.lead:
-                run.append_metrics(record)
-            if skipped:
-                if s.lead:
-                    progress.console.print(f"step {step} skipped: non-finite loss or gradient (--nonfinite skip); "
-                                           "the next batch tries it again", markup=False, highlight=False)
-                continue
-            progress.update(task, completed=step, stats=(
-                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
-                f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
-                f"RSS {format_size(rss)}"))
-            if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
-                console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
-                              markup=False, highlight=False)
-            if cfg.store == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
-                trainer.save()  # the RAM tier is durable only when saved
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                evaluate(s, progress.console)
-    return trainer.step_count - first, seconds
-
-
-def _progress_line(record: dict, steps: int, elapsed: float, done: int) -> str:
-    """`step 3/80 loss 7.812 lr 6.00e-04 1,024 tok/s elapsed 0:00:03 eta 0:01:17`: one step, for logs."""
-    eta = elapsed / done * (steps - record["step"])
-    return (f"step {record['step']}/{steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-            f"{record['tokens_per_s']:,.0f} tok/s elapsed {_clock(elapsed)} eta {_clock(eta)}")
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
-
-
-def evaluate(s: Session, console: Console) -> float | None:
-    """Mean loss over the first --eval-batches held-out batches; printed with perplexity and logged."""
-    if s.held_out is None:
-        return None
-    cfg, losses = s.cfg, []
-    # The trainer splits a batch over the processes, then into grad_accum micro-batches.
-    split = cfg.grad_accum * (1 if s.parallel is None else s.parallel.world)
-    for i, (ids, labels) in enumerate(s.held_out.batches(cfg.batch)):
-        usable = ids.shape[0] - ids.shape[0] % split
-        if i == cfg.eval_batches or usable == 0:
-            break
-        local = s.trainer.evaluate(ids[:usable], labels[:usable])
-        losses.append(local if s.parallel is None else s.parallel.mean(local))
-    if not losses:
-        return None
-    loss = sum(losses) / len(losses)
-    step = s.trainer.step_count
-    if s.lead:
-        s.run.append_metrics({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
-    console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
-    return loss
-
-
-# --- the report ----------------------------------------------------------------------------------------------
-def report(s: Session, trained: int, seconds: float, console: Console) -> None:
-    """Memory table and comparison with the baseline, trace files, final eval, a sample."""
-    cfg, trainer, run = s.cfg, s.trainer, s.run
-    if trained and s.lead:
-        last = trainer.step_count
-        trace = trainer.trace
-        trace.meta.update(model=cfg.from_pretrained or cfg.model, run=str(run.root), batch=cfg.batch, seq=cfg.seq,
-                          grad_accum=cfg.grad_accum, activations=cfg.activations, dtype=cfg.dtype, store=cfg.store,
-                          steps=[last - trained + 1, last])
-        # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
-        trace.to_json(run.trace_json)
-        trace.to_chrome(run.trace_chrome)
-        trace.plot(run.plot, step=last)
-        console.print(trace.table(step=last))
-        for line in memory_lines(trace.summary(), trace.meta, planned=_planned_peak(s)):
-            console.print(line)
-        console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
-                      f"({seconds / trained:.2f} s/step)")
-    evaluate(s, console)
-    if not s.lead:
-        return
-    prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
-    new_tokens = min(cfg.sample_tokens, trainer.cfg.n_positions - len(prompt_ids))
-    if new_tokens > 0:
-        sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.seed)
-        text = complete(trainer, s.tokenizer, cfg.sample_prompt, sampling)
-        console.print("sample: ", end="")
-        console.print(cfg.sample_prompt, style="dim", end="", markup=False, highlight=False)
-        console.print(text, markup=False, highlight=False)
-    if trained:
-        console.print(f"trace: {run.trace_json} (Chrome/Perfetto: {run.trace_chrome}); plot: {run.plot}")
-    folder = shlex.quote(str(run.root))
-    console.print("next (one command per line):\n" + "\n".join(f"  {command}" for command in (
-        f"streamer generate {folder} --prompt 'Once upon a time'",
-        f"streamer export {folder} {shlex.quote(str(run.root) + '-hf')}",
-        f"streamer train --resume {folder} --steps {cfg.steps * 2}")), markup=False, highlight=False)
-
-
-def _planned_peak(s: Session) -> int:
-    """The analytic planner's peak for this run's step (memory_model.planner), to set beside the measured one."""
-    return planned_peak(s.trainer.cfg, s.cfg, _devices(s))
-
-
-def _devices(s: Session) -> int:
-    return 1 if s.parallel is None else s.parallel.world

@@ -1,0 +1,50 @@
+"""`streamer export`: write a run as a Hugging Face GPT-J folder."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from memory_model import parse_size
+from streamer.cli.generate import open_trainer
+from streamer.console import make_console
+from streamer.io.tokenizer import Tokenizer, load_tokenizer
+from streamer.run import RunError
+from streamer.run_dir import RunDir
+from streamer.trainer import StreamingTrainer
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_command(args: argparse.Namespace) -> int:
+    run = RunDir.open(args.run)
+    tokenizer = load_tokenizer(run.tokenizer)
+    with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
+        begin = time.perf_counter()
+        export_hf(trainer, tokenizer, args.hf_dir, EXPORT_DTYPES[args.dtype], parse_size(args.max_shard_size),
+                  overwrite=args.overwrite)
+        step = trainer.step_count
+    files = sorted(p.name for p in Path(args.hf_dir).iterdir())
+    make_console().print(
+        f"exported step {step} of {run.root} to {args.hf_dir} in {time.perf_counter() - begin:.1f} s: "
+        f"{', '.join(files)}\nload it with transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})",
+        markup=False, highlight=False)
+    return 0
+
+
+def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
+    """Write the trainer's master weights as a Hugging Face GPT-J folder, one unit in memory at a time."""
+    from streamer.io.hf import HFExporter
+    if max_shard_bytes <= 0:
+        raise RunError("--max-shard-size must be more than 0 bytes")
+    with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite) as exporter:
+        for unit in trainer.units:
+            flat = trainer.unit_master(unit)
+            for slot in trainer.layouts[unit].slots:
+                exporter.add(slot.hf_key, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+        if tokenizer is not None:
+            tokenizer.save(exporter.staging_dir)
+

@@ -1,0 +1,52 @@
+"""`streamer generate`: sample text from a run, streaming its layers; `open_trainer` opens a run's trainer."""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from memory_model import format_size
+from memory_model.devices import budget_bytes
+from streamer.console import make_console
+from streamer.generate import Sampling, complete
+from streamer.io.tokenizer import load_tokenizer
+from streamer.run import SettingError
+from streamer.run_dir import RunDir
+from streamer.runtime.hardware import resolve_compute_dtype
+from streamer.store.layout import dtype_name
+from streamer.trainer import StreamingTrainer
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    run = RunDir.open(args.run)
+    overrides: dict[str, Any] = {}
+    if args.device is not None:
+        overrides["device"] = args.device
+    if args.budget is not None:
+        overrides["budget"] = budget_bytes(args.budget, SettingError)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                        use_cache=not args.no_cache)
+    tokenizer = load_tokenizer(run.tokenizer)
+    console = make_console()
+    with open_trainer(run, overrides) as trainer:
+        # The run's recorded dtype (its store holds compute weights in it); say so where it is emulated.
+        dtype = resolve_compute_dtype(trainer.tc.device, dtype_name(trainer.tc.compute_dtype))
+        if dtype.emulated:
+            console.print(dtype.reason, markup=False, highlight=False)
+        begin = time.perf_counter()
+        text = complete(trainer, tokenizer, args.prompt, sampling)
+        elapsed = time.perf_counter() - begin
+        console.print(args.prompt, style="dim", end="", markup=False, highlight=False)
+        console.print(text, markup=False, highlight=False)
+        budget = trainer.tc.budget_bytes
+        console.print(f"[dim]{len(tokenizer.encode(text))} tokens in {elapsed:.1f} s, every layer streamed per "
+                      f"token; device peak {format_size(trainer.ledger.peak)} of "
+                      f"{format_size(budget) if budget else 'no'} budget, model {trainer.cfg.num_params():,} params[/]")
+    return 0
+
+
+def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None) -> StreamingTrainer:
+    """The run's trainer at its last committed step; `overrides` replace trainer settings (device, budget)."""
+    saved = run.read_config().trainer_config().to_dict()
+    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **(overrides or {})})
+

@@ -1,0 +1,77 @@
+"""`streamer trace`: a run's per-layer memory table and plot; the memory summary lines `train` prints too."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from memory_model import CATEGORIES, Trace, format_size
+from streamer.console import make_console
+from streamer.run import RunError
+from streamer.run_dir import RunDir
+
+
+def step_ranges(steps: list[int]) -> str:
+    """Sorted step numbers as runs of consecutive ones: [10, 20, 29, 30, 31] -> '10, 20, 29..31'."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def trace_command(args: argparse.Namespace) -> int:
+    source = Path(args.run)
+    path = source if source.is_file() else RunDir.open(source).trace_json
+    if not path.is_file():
+        raise RunError(f"{source} has no trace.json yet (it is written when `streamer train` finishes steps); "
+                       "train it first")
+    try:
+        trace = Trace.from_json(path)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RunError(f"{path} is not a weight-streaming trace ({exc}); pass a run directory or its trace.json") \
+            from None
+    steps = trace.steps()
+    if not steps:
+        raise RunError(f"{path} records no training step; train the run first")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        raise RunError(f"--step {step} is not in the trace; it holds steps {step_ranges(steps)} (the last "
+                       "--trace-steps, default 8, and every --trace-every-th); to keep others, train with "
+                       "--trace-every N or a larger --trace-steps")
+    summary = trace.summary(step)
+    out = Path(args.out) if args.out else path.with_name("memory.png")
+    trace.plot(out, step=step)
+    if args.chrome:
+        trace.to_chrome(args.chrome)
+    if args.json:
+        print(json.dumps({"step": step, "plot": str(out), **summary, "meta": trace.meta}, indent=2, default=str))
+        return 0
+    console = make_console()
+    console.print(trace.table(step=step))
+    for line in memory_lines(summary, trace.meta):
+        console.print(line)
+    console.print(f"plot: {out}" + (f"; Chrome trace: {args.chrome}" if args.chrome else ""))
+    return 0
+
+
+def memory_lines(summary: dict[str, Any], meta: dict[str, Any], planned: int | None = None) -> list[str]:
+    """The measured device peak against the budget, the planner and the 16 B/param baseline."""
+    peak = summary["peak_bytes"]
+    budget = meta.get("budget")
+    lines = [f"device peak {format_size(peak)} ({breakdown(summary['peak_breakdown'])})"
+             + (f" within a {format_size(budget)} budget" if budget else "")
+             + (f"; the planner predicts {format_size(planned)}" if planned is not None else "")]
+    if meta.get("params") and meta.get("baseline_bytes") and peak:
+        baseline = meta["baseline_bytes"]
+        lines.append(f"16 B/param baseline (all training state on the device): {meta['params']:,} params -> "
+                     f"{format_size(baseline)}, {baseline / peak:.1f}x the streamed peak")
+    lines.append(f"host RSS peak {format_size(summary['host_rss_peak_bytes'])}")
+    return lines
+
+
+def breakdown(parts: dict[str, int]) -> str:
+    return ", ".join(f"{c} {format_size(parts.get(c, 0))}" for c in CATEGORIES)

@@ -1,0 +1,167 @@
+"""A run's folder (`RunDir`): what it holds, how it is created, opened and continued.
+
+    config.toml        the resolved RunConfig; `streamer train --config RUN/config.toml --run-dir NEW` repeats it
+    store/             the host store: weights, fp32 master, Adam moments, gradients (docs/STORE.md)
+    tokenizer/         tokenizer.json and the two files transformers reads beside it
+    metrics.jsonl      one JSON object per optimizer step and per evaluation
+    trace.json         the memory trace of the latest session; trace.chrome.json, memory.png: its views
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from streamer.config import TrainerConfig
+from streamer.run import RunConfig, RunError, blame, read_toml
+from streamer.store.commit import lock_file, read_journal, read_manifest
+from streamer.store.slabfile import write_json_atomic
+
+# In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
+# again, if it holds nothing but what set-up writes.
+SETUP_MARK = "setup.incomplete"
+_SETUP_FILES = {SETUP_MARK, "tokenizer", "store", "config.toml.tmp"}
+_SETUP_LOCKS: dict[Path, int] = {}  # run folder -> this process's locked descriptor of its SETUP_MARK
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run's folder and the names of what it holds (see the module docstring)."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def store(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def trace_json(self) -> Path:
+        return self.root / "trace.json"
+
+    @property
+    def trace_chrome(self) -> Path:
+        return self.root / "trace.chrome.json"
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "memory.png"
+
+    def processes(self) -> int:
+        """How many data-parallel processes trained the run: each keeps its own store in store/rank<N>."""
+        return len(list(self.store.glob("rank*"))) or 1
+
+    def store_to_read(self) -> Path:
+        """A store with the run's weights (every process's store holds the same ones)."""
+        return self.store / "rank0" if self.processes() > 1 else self.store
+
+    @staticmethod
+    def is_run(path: str | Path) -> bool:
+        return (Path(path) / "config.toml").is_file()
+
+    @classmethod
+    def create(cls, path: str | Path) -> RunDir:
+        """A new run in `path`, which must not exist, be empty, or hold a set-up that was killed part-way (its
+        SETUP_MARK, no config.toml, nothing but set-up files), which is cleared. Nothing else is ever overwritten.
+        The mark stays, locked by this process, until `finish_setup`."""
+        root = Path(path)
+        if root.exists() and not root.is_dir():
+            raise RunError(f"--run-dir {root} is a file; choose a folder name for the run")
+        if cls.is_run(root):
+            raise RunError(f"{root} already holds a run; continue it with `streamer train --resume {root}` "
+                           "or choose a new --run-dir")
+        entries = {p.name for p in root.iterdir()} if root.is_dir() else set()
+        if entries and not (SETUP_MARK in entries and entries <= _SETUP_FILES):
+            raise RunError(f"{root} exists and is not a run directory; it is never overwritten: choose a new --run-dir")
+        busy = RunError(f"{root} is being set up by another process; wait for it to finish or choose another --run-dir")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _SETUP_LOCKS[root] = lock_file(root / SETUP_MARK, busy)
+        except OSError as exc:
+            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run-dir") from None
+        for name in entries - {SETUP_MARK}:  # the mark stays: a kill while clearing leaves a set-up still known
+            path = root / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return cls(root)
+
+    def finish_setup(self) -> None:
+        """config.toml is in place: the run exists, and the set-up mark (if a kill left one) can go."""
+        (self.root / SETUP_MARK).unlink(missing_ok=True)
+        fd = _SETUP_LOCKS.pop(self.root, None)
+        if fd is not None:
+            os.close(fd)
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunDir:
+        root = Path(path)
+        if not cls.is_run(root):
+            raise RunError(f"{root} is not a run directory (no config.toml); pass a folder `streamer train` made")
+        return cls(root)
+
+    def read_config(self) -> RunConfig:
+        values = read_toml(self.config)
+        with blame(self.config, set(values)):
+            return RunConfig(**values)
+
+    def write_config(self, cfg: RunConfig) -> None:
+        tmp = self.config.with_suffix(".toml.tmp")
+        tmp.write_text(cfg.to_toml(), encoding="utf-8")
+        tmp.replace(self.config)  # atomic: a run is a run once its whole config is there
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with self.metrics.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """The records; a last line that a kill cut short is left out."""
+        if not self.metrics.is_file():
+            return []
+        lines = [line for line in self.metrics.read_text().splitlines() if line.strip()]
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if i < len(lines) - 1:
+                    raise RunError(f"{self.metrics} line {i + 1} is not JSON; fix or delete that line") from None
+        return records
+
+    def committed_step(self) -> int:
+        """The step a run continues from: its store's last commit, or the step journaled after it (whose
+        gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
+        what they agree on. Reads only."""
+        stores = sorted(self.store.glob("rank*")) or [self.store]
+        steps = []
+        for root in stores:
+            manifest = read_manifest(root)
+            journal = read_journal(root, manifest, list(manifest["units"]))
+            steps.append(manifest["step"] if journal is None else journal["step"])
+        return min(steps)
+
+    def keep_metrics_through(self, step: int, losses: list[float], tc: TrainerConfig) -> None:
+        """metrics.jsonl holds each step up to the committed `step` exactly once: records of later steps (a kill
+        came before they were committed, or a RAM-tier run's steps since its last save) go, and a step committed
+        before a kill could log it gets its record back from the store's losses (without timings)."""
+        records = self.read_metrics()
+        kept = [r for r in records if r.get("step", 0) <= step]
+        logged = {r["step"] for r in kept if "loss" in r}
+        if len(losses) == step:
+            kept += [{"step": n, "loss": losses[n - 1], "lr": tc.schedule.lr_at(n, tc.lr)}
+                     for n in range(1, step + 1) if n not in logged]
+        kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
+        if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):
+            write_json_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
