@@ -1,4 +1,4 @@
-"""The issue's comparisons as tables: each turns measured results into a Section and its target verdicts."""
+"""The benchmark's comparisons as tables: each turns measured results into a Section and its target verdicts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
