@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, PlanConfig,
-    forward_flops,
+    OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, PlanConfig, forward_flops,
 )
 from memory_model.kernels import attention_flops
-from memory_model.schedule import Event, Resource, Weights, released_after
+from memory_model.schedule import Event, Resource, Weights, released_after, resource_charges
 
 
 @dataclass
@@ -55,10 +54,10 @@ def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
 
 def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
     weights = isinstance(resource, Weights)
-    if weights:
-        nbytes = shape.unit_params(resource.unit) * cfg.dtype_bytes
-    else:  # master, moments and the fp32 gradient accumulator of one chunk
-        nbytes = resource.count * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+    # What a load moves is what the resource holds on a device that runs the update (the schedule's charges);
+    # with the update on the host a chunk is read from disk but does not cross the link.
+    nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_params(resource.unit), cfg.dtype_bytes,
+                                                      "device"))
     disk = nbytes if cfg.store == "disk" else 0
     h2d = nbytes if weights or cfg.update_on == "device" else 0
     seconds = _link(h2d, device, "h2d") + disk / device.disk_read_bw
