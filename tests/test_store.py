@@ -358,3 +358,10 @@ def test_the_runtime_uses_the_store_only_through_its_interface():
     assert {name: paths for name, paths in used.items() if name not in declared} == {}
     assert not any(name.startswith("_") for name in declared - {"__enter__", "__exit__"} if name in used)
     assert inspect.isabstract(Store) and inspect.isabstract(StateWriter)
+
+
+def test_the_torch_dtypes_are_the_sized_dtypes() -> None:
+    # memory_model sizes dtypes without torch; the store's torch dtypes must be the same names and sizes.
+    from memory_model import DTYPE_BYTES
+    from streamer.store.layout import DTYPES
+    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == DTYPE_BYTES

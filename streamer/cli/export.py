@@ -12,10 +12,10 @@ from streamer.cli.generate import open_trainer
 from streamer.console import make_console
 from streamer.io.tokenizer import Tokenizer, load_tokenizer
 from streamer.run import RunError
+from streamer.store.layout import DTYPES
 from streamer.run_dir import RunDir
 from streamer.trainer import StreamingTrainer
 
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def export_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(run.tokenizer)
     with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
         begin = time.perf_counter()
-        export_hf(trainer, tokenizer, args.hf_dir, EXPORT_DTYPES[args.dtype], parse_size(args.max_shard_size),
+        export_hf(trainer, tokenizer, args.hf_dir, DTYPES[args.dtype], parse_size(args.max_shard_size),
                   overwrite=args.overwrite)
         step = trainer.step_count
     files = sorted(p.name for p in Path(args.hf_dir).iterdir())

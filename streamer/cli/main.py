@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from typing import Callable, NoReturn, Sequence
 
 from layers import CheckpointMismatch, ConfigError
-from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, SizeError
+from memory_model import DEVICE_PRESETS, DTYPE_BYTES, DeviceOutOfMemory, SizeError
 from streamer.errors import StreamerError
 from memory_model.settings import flag
 from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
@@ -159,7 +159,7 @@ def build_parser() -> Parser:
                                         "--overwrite")
     export.add_argument("run", metavar="RUN", help="a run directory")
     export.add_argument("hf_dir", metavar="HF_DIR", help="the folder to write (must be new or empty)")
-    export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    export.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32",
                         help="weights' dtype (default: fp32, the master weights exactly)")
     export.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")

@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 
 from layers import GPTJ, IGNORED_CHECKPOINT_SUFFIXES, CheckpointMismatch, ConfigError, GPTJConfig, check_state_dict
 from streamer.errors import CheckpointError
+from streamer.store.layout import DTYPES
 from streamer.store.slabfile import fsync_path
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = tuple(DTYPES.values())
 # Searched in this order: safetensors first, because a pickle can only be read
 # safely through torch's restricted unpickler and is slower to open.
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",

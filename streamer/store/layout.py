@@ -11,6 +11,7 @@ from layers import GPTJConfig, build_unit, unit_hf_key, unit_names, weight_decay
 from streamer.errors import StoreError
 
 TIERS = ("ram", "disk")
+# The torch dtype of each name memory_model.DTYPE_BYTES sizes (the same names, the same byte sizes).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
