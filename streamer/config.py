@@ -1,8 +1,9 @@
 """The trainer's settings: one frozen dataclass each for the run and the learning-rate schedule.
 
-The fields that are also the run's (`streamer train`'s flags, RunConfig) are declared here once with their help
-text and check (memory_model.settings); those of the step are PlanConfig's. RunConfig declares them again
-with `same_setting`, so a flag, a TOML key and a keyword argument are checked alike.
+TrainerConfig's keywords are flat. Those of the optimizer are OptimizerConfig's (streamer/runtime/optim.py) and
+those of the step PlanConfig's, taken with `same_setting`; the seed and trace cadence are declared here once
+with their help text and check (memory_model.settings). RunConfig declares them all again with `same_setting`,
+so a flag, a TOML key and a keyword argument are checked alike.
 """
 from __future__ import annotations
 

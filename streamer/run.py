@@ -21,7 +21,7 @@ from memory_model import PlanConfig
 from memory_model.devices import budget_bytes
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
-    Choice, Integer, Number, Text, check_settings, checks_of, same_setting, setting, shown,
+    Choice, Integer, Number, Text, check_settings, checks_of, same_setting, setting,
 )
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
@@ -48,7 +48,8 @@ DEFAULT_PROMPT = "The for statement is used to"
 @dataclass(frozen=True)
 class RunConfig:
     """`streamer train`'s settings, flat (each is a flag and a TOML key). Those of the step (PlanConfig), the
-    optimizer (TrainerConfig) and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
+    optimizer (OptimizerConfig), the device (DeviceConfig), the data (DataConfig), the trainer (TrainerConfig)
+    and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
 
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
