@@ -32,9 +32,8 @@ from benchmarks.machine import (
 from benchmarks.report import write_markdown
 from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
-from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.runtime.hardware import DTYPE_CHOICES, DtypeChoice, resolve_compute_dtype
 from streamer.cli.main import Parser, guarded
-from streamer.run import DTYPE_CHOICES
 
 GiB = 2**30
 

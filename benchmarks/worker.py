@@ -21,6 +21,7 @@ from typing import Any, Callable
 from memory_model import PlanConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
+from streamer.runtime.optim import OptimizerConfig
 
 RESULT_TAG = "BENCH-RESULT "
 CONTENDERS = ("stream", "resident", "hf", "deepspeed")
@@ -40,7 +41,7 @@ class RunSpec:
     # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
     dtype: str = same_setting(PlanConfig, "compute_dtype")
     tier: str = same_setting(PlanConfig, "store")  # DeepSpeed: disk is nvme offload
-    moment_dtype: str = same_setting(TrainerConfig, "moment_dtype")
+    moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     activations: str = same_setting(PlanConfig, "activations")  # the scale run checkpoints
     warmup: int = setting(2, "untimed steps first", Integer(0))
     steps: int = setting(5, "timed steps", Integer())

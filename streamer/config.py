@@ -1,12 +1,14 @@
 """The trainer's settings: one frozen dataclass each for the run and the learning-rate schedule.
 
-The fields that are also the run's (`streamer train`'s flags, RunConfig) are declared here once with their help
-text and check (memory_model.settings); those of the step are PlanConfig's. RunConfig declares them again
-with `same_setting`, so a flag, a TOML key and a keyword argument are checked alike.
+TrainerConfig's keywords are flat. Those of the optimizer are OptimizerConfig's (streamer/runtime/optim.py) and
+those of the step PlanConfig's, taken with `same_setting`; the seed and trace cadence are declared here once
+with their help text and check (memory_model.settings). RunConfig declares them all again with `same_setting`,
+so a flag, a TOML key and a keyword argument are checked alike.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,19 +17,14 @@ import torch
 
 from memory_model import DeviceSpec, PlanConfig
 from memory_model.devices import budget_bytes
-from memory_model.settings import Choice, Integer, Number, Pair, check_settings, same_setting, setting
-from streamer.errors import StreamerError
+from memory_model.settings import Choice, Integer, Number, check_settings, same_setting, setting
+from streamer.errors import ConfigError
 from streamer.runtime.hardware import resolve_compute_dtype
+from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import DTYPES, Placement, dtype_name
 
 
-class ConfigError(StreamerError):
-    """Trainer settings that cannot run; the message names the fix."""
-
-
 SCHEDULES = ("constant", "cosine", "linear")
-MOMENT_DTYPES = ("fp32", "bf16")
-NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _error(key: str, problem: str) -> ConfigError:
@@ -79,16 +76,14 @@ class LRSchedule:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    lr: float = setting(1e-4, "peak learning rate", Number(0.0, low_open=True))
-    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW's moment decay rates, each in [0, 1): B1,B2 or B1 B2",
-                                         Pair(Number(0.0, 1.0, high_open=True)))
-    eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", Number(0.0, low_open=True))
-    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", Number(0.0))
-    max_grad_norm: float | None = 1.0  # None: no clipping (the run's flag says 0)
+    lr: float = same_setting(OptimizerConfig, "lr")
+    betas: tuple[float, float] = same_setting(OptimizerConfig, "betas")
+    eps: float = same_setting(OptimizerConfig, "eps")
+    weight_decay: float = same_setting(OptimizerConfig, "weight_decay")
+    max_grad_norm: float | None = OptimizerConfig.max_grad_norm  # None: no clipping
     grad_accum: int = same_setting(PlanConfig, "grad_accum")
     compute_dtype: torch.dtype | str = "auto"  # auto: bf16 where the device runs it natively, else fp32
-    moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
-                                Choice(MOMENT_DTYPES), "DTYPE")
+    moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     activations: str = same_setting(PlanConfig, "activations")
     store: str | Placement = "ram"
     update_on: str = same_setting(PlanConfig, "update_on")
@@ -97,9 +92,7 @@ class TrainerConfig:
     budget: None | int | str | DeviceSpec = None
     schedule: LRSchedule = field(default_factory=LRSchedule)
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
-    nonfinite: str = setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
-                                     "(nothing is updated; the next batch follows)", Choice(NONFINITE_POLICIES),
-                             "POLICY")
+    nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
     # stays flat: at most steps/N more.
@@ -110,9 +103,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
-        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool) or not isinstance(
-                self.max_grad_norm, (int, float)) or not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm)):
-            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
+        self.optimizer  # checks max_grad_norm, which no `setting` check covers
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "meta"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.schedule, LRSchedule):
@@ -128,6 +119,11 @@ class TrainerConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
         self.budget_bytes  # a malformed budget fails here, not at the first step
+
+    @functools.cached_property
+    def optimizer(self) -> OptimizerConfig:
+        """The optimizer's settings among the trainer's (computed once: the update reads them per chunk)."""
+        return OptimizerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimizerConfig)})
 
     @property
     def budget_bytes(self) -> int | None:

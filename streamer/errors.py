@@ -14,6 +14,10 @@ class CheckpointError(StreamerError):
     """A Hugging Face checkpoint that cannot be read, validated or written."""
 
 
+class ConfigError(StreamerError):
+    """Trainer settings that cannot run; the message names the fix."""
+
+
 class DataError(StreamerError):
     """A training data source that cannot be turned into sequences."""
 

@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from layers import PRESETS, GPTJConfig
-from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS, PlanConfig
+from memory_model import PlanConfig
 from memory_model.devices import budget_bytes
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
-    Choice, Integer, Number, Switch, Text, check_settings, checks_of, same_setting, setting, shown,
+    Choice, Integer, Number, Text, check_settings, checks_of, same_setting, setting,
 )
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
+from streamer.io.data import DataConfig
+from streamer.runtime.hardware import DeviceConfig
+from streamer.runtime.optim import OptimizerConfig
 
 
 class RunError(StreamerError):
@@ -38,9 +41,6 @@ class SettingError(RunError, BaseSettingError):
         BaseSettingError.__init__(self, key, problem)
 
 
-DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: streamer/runtime/hardware.py
-
-
 DEMO_MODEL = "gptj-demo"
 DEFAULT_PROMPT = "The for statement is used to"
 
@@ -48,51 +48,45 @@ DEFAULT_PROMPT = "The for statement is used to"
 @dataclass(frozen=True)
 class RunConfig:
     """`streamer train`'s settings, flat (each is a flag and a TOML key). Those of the step (PlanConfig), the
-    optimizer (TrainerConfig) and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
+    optimizer (OptimizerConfig), the device (DeviceConfig), the data (DataConfig), the trainer (TrainerConfig)
+    and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
 
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
     from_pretrained: str | None = setting(None, "a Hugging Face GPT-J folder to fine-tune (its weights and "
                                                 "tokenizer)", Text(), "HF_DIR")
-    data: str | None = setting(None, "a .txt file, or .jsonl of {\"text\"} or {\"prompt\", \"completion\"} records "
-                                     "(default: Python's own help topics)", Text(), "FILE")
-    tokenizer: str | None = setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
-                                          "(default: --from-pretrained's, else a BPE trained on the data)", Text(), "DIR")
-    vocab_size: int | None = setting(None, "vocabulary of the trained BPE (default: the model's)",
-                                     Integer(257, " (256 bytes + end-of-text)"))
+    data: str | None = same_setting(DataConfig, "data")
+    tokenizer: str | None = same_setting(DataConfig, "tokenizer")
+    vocab_size: int | None = same_setting(DataConfig, "vocab_size")
     run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
                                         "(default: runs/<name>-<time>)", Text(), "DIR")
     steps: int = setting(100, "optimizer steps in all (with --resume: the new total)", Integer())
     batch: int = same_setting(PlanConfig, "batch", 8)
     seq: int = setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)", Integer(2))
     grad_accum: int = same_setting(PlanConfig, "grad_accum")
-    lr: float = same_setting(TrainerConfig, "lr")
+    lr: float = same_setting(OptimizerConfig, "lr")
     schedule: str = same_setting(LRSchedule, "kind")
     warmup: int = same_setting(LRSchedule, "warmup_steps")
     min_lr_ratio: float = same_setting(LRSchedule, "min_lr_ratio")
-    weight_decay: float = same_setting(TrainerConfig, "weight_decay")
+    weight_decay: float = same_setting(OptimizerConfig, "weight_decay")
     max_grad_norm: float = setting(1.0, "clip gradients to this global norm (0: no clipping)", Number(0.0))
-    betas: tuple[float, float] = same_setting(TrainerConfig, "betas")
-    eps: float = same_setting(TrainerConfig, "eps")
-    moment_dtype: str = same_setting(TrainerConfig, "moment_dtype")
-    nonfinite: str = same_setting(TrainerConfig, "nonfinite")
+    betas: tuple[float, float] = same_setting(OptimizerConfig, "betas")
+    eps: float = same_setting(OptimizerConfig, "eps")
+    moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
+    nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
     trace_steps: int = same_setting(TrainerConfig, "trace_steps")
     trace_every: int = same_setting(TrainerConfig, "trace_every")
-    dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
-                                 "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
-                                 "weights and Adam state are fp32)", Choice(DTYPE_CHOICES), "DTYPE")
-    device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
-    budget: str | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
-                                       "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), Text(), "SIZE")
+    dtype: str = same_setting(DeviceConfig, "dtype")
+    device: str = same_setting(DeviceConfig, "device")
+    budget: str | None = same_setting(DeviceConfig, "budget")
     store: str = same_setting(PlanConfig, "store", "disk")
     activations: str = same_setting(PlanConfig, "activations")
     update_on: str = same_setting(PlanConfig, "update_on")
     prefetch: int = same_setting(PlanConfig, "prefetch")
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
     seed: int = same_setting(TrainerConfig, "seed")
-    pack: bool = setting(False, "pack several prompt/completion examples into one sequence", Switch())
-    eval_fraction: float = setting(0.05, "fraction of sequences held out for evaluation",
-                                   Number(0.0, 1.0, high_open=True))
+    pack: bool = same_setting(DataConfig, "pack")
+    eval_fraction: float = same_setting(DataConfig, "eval_fraction")
     eval_every: int = setting(50, "evaluate every N steps (0: only at the end)", Integer(0))
     eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
     save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end)",
@@ -115,9 +109,10 @@ class RunConfig:
         if self.schedule != "constant" and self.warmup >= self.steps:
             raise SettingError("warmup", f"{self.warmup} leaves no steps to decay over with --steps {self.steps}; "
                                          "lower --warmup or raise --steps")
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise SettingError("device", f"must be cpu, cuda or cuda:N, got {shown(self.device)}")
-        self.budget_bytes()
+        try:
+            self.device_config()
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
         if self.model not in PRESETS and not Path(self.model).exists():
             raise SettingError("model", f"{self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
                            "config.json or folder holding one")
@@ -125,6 +120,9 @@ class RunConfig:
     # --- derived settings -------------------------------------------------------------------------
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError)
+
+    def device_config(self) -> DeviceConfig:
+        return DeviceConfig(**{f.name: getattr(self, f.name) for f in fields(DeviceConfig)})
 
     def model_config(self) -> GPTJConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
@@ -137,6 +135,9 @@ class RunConfig:
         return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
                           prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
                           update_chunk=self.update_chunk, store=self.store, devices=devices)
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
 
     def trainer_config(self) -> TrainerConfig:
         schedule = LRSchedule(self.schedule, self.warmup, None if self.schedule == "constant" else self.steps,

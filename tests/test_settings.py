@@ -20,6 +20,9 @@ from streamer.cli.train import fit_vocabulary
 from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunError, resolve
 from streamer.run_dir import RunDir
 from streamer.config import ConfigError, LRSchedule, TrainerConfig
+from streamer.io.data import DataConfig
+from streamer.runtime.hardware import DeviceConfig
+from streamer.runtime.optim import OptimizerConfig
 from streamer.io.tokenizer import MIN_VOCAB
 
 from conftest import TINY_RUN_MODEL as TINY
@@ -70,11 +73,15 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
     assert sorted(tmp_path.iterdir()) == before  # no run folder, nothing else
 
 
-# The run's settings that belong to the step, the optimizer or the schedule: (owner, owner's name, run's name).
+# The run's settings that belong to the step, the optimizer, the device, the data, the trainer or the schedule:
+# (owner, owner's name, run's name).
+OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "moment_dtype", "nonfinite")
 SHARED = [(PlanConfig, name, name) for name in ("batch", "grad_accum", "activations", "prefetch", "update_on",
                                                 "update_chunk", "store")] + \
-    [(TrainerConfig, name, name) for name in ("lr", "betas", "eps", "weight_decay", "moment_dtype", "nonfinite", "seed",
-                                               "trace_steps", "trace_every")] + \
+    [(OptimizerConfig, name, name) for name in OPTIMIZER] + \
+    [(DeviceConfig, name, name) for name in ("dtype", "device", "budget")] + \
+    [(DataConfig, name, name) for name in ("data", "tokenizer", "vocab_size", "pack", "eval_fraction")] + \
+    [(TrainerConfig, name, name) for name in ("seed", "trace_steps", "trace_every")] + \
     [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"), (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
 
 
@@ -84,6 +91,13 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
     for owner, name, run_name in SHARED:
         assert RunConfig.__dataclass_fields__[run_name].metadata["check"] is \
             owner.__dataclass_fields__[name].metadata["check"], run_name
+    for name in OPTIMIZER:  # the trainer API's flat keywords are the optimizer's settings
+        assert TrainerConfig.__dataclass_fields__[name].metadata["check"] is \
+            OptimizerConfig.__dataclass_fields__[name].metadata["check"], name
+    run = RunConfig(lr=3e-4, eps=1e-6, pack=True, eval_fraction=0.1, budget="64MiB")
+    assert run.data_config() == DataConfig(pack=True, eval_fraction=0.1)
+    assert run.device_config() == DeviceConfig(budget="64MiB")
+    assert run.trainer_config().optimizer == OptimizerConfig(lr=3e-4, eps=1e-6)
     # the same wrong value reads the same from the run's settings, the trainer API, the planner and bench
     wrong = [(RunError, lambda: RunConfig(grad_accum=0)), (ConfigError, lambda: TrainerConfig(grad_accum=0)),
              (ValueError, lambda: PlanConfig(batch=1, seq=2, grad_accum=0)),

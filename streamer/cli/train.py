@@ -21,7 +21,7 @@ from layers import GPTJConfig
 from streamer.advice import check_fits, ledger_advice
 from streamer.cli.training import Session, describe, report, train
 from streamer.console import make_console
-from streamer.io.data import BatchStream, Dataset, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.io.data import BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.resources import check_host_resources
 from memory_model.settings import flag
@@ -85,7 +85,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     def first_files() -> tuple[Tokenizer, Dataset]:
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
-        dataset = _dataset(cfg, tokenizer)
+        dataset = _dataset(cfg.data_config(), tokenizer, cfg.seq)
         _check_held_out(cfg, dataset, 1 if parallel is None else parallel.world)
         RunDir.create(run.root)
         try:
@@ -98,7 +98,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     with console.status("tokenizer and data"):
         made = _together(parallel, first_files, everyone=False)
     tokenizer = made[0] if lead else load_tokenizer(run.tokenizer)  # every process reads the lead's tokenizer
-    dataset = made[1] if lead else _dataset(cfg, tokenizer)
+    dataset = made[1] if lead else _dataset(cfg.data_config(), tokenizer, cfg.seq)
     trainer = None
     try:
         tc = cfg.trainer_config()
@@ -182,7 +182,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         console.print(f"{run.root} holds this run at step {done}: continuing it to step {cfg.steps}",
                       markup=False, highlight=False)
     tokenizer = load_tokenizer(run.tokenizer)
-    dataset = _dataset(cfg, tokenizer)
+    dataset = _dataset(cfg.data_config(), tokenizer, cfg.seq)
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
                         undo=StreamingTrainer.close)
     try:
@@ -281,15 +281,16 @@ def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
 
 def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
     """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
-    source = cfg.tokenizer or cfg.from_pretrained
+    data = cfg.data_config()
+    source = data.tokenizer or cfg.from_pretrained
     if source is not None:
         tokenizer = load_tokenizer(source)
     else:
-        vocab = cfg.vocab_size or model_cfg.vocab_size
+        vocab = data.vocab_size or model_cfg.vocab_size
         if vocab < MIN_VOCAB:
             raise RunError(f"the model's vocab_size {model_cfg.vocab_size} cannot hold a byte-level BPE "
                            f"(>= {MIN_VOCAB} ids); pass --tokenizer or choose a model with a larger vocabulary")
-        tokenizer = train_bpe(_texts(cfg), min(vocab, model_cfg.vocab_size))
+        tokenizer = train_bpe(_texts(data), min(vocab, model_cfg.vocab_size))
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise RunError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                        f"{model_cfg.vocab_size}; use a tokenizer made for this model or --vocab-size "
@@ -297,16 +298,16 @@ def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
     return tokenizer
 
 
-def _texts(cfg: RunConfig) -> list[str]:
-    if cfg.data is None:
+def _texts(data: DataConfig) -> list[str]:
+    if data.data is None:
         return demo_corpus()
-    return [text for e in read_examples(cfg.data) for text in (e.text, e.completion) if text]
+    return [text for e in read_examples(data.data) for text in (e.text, e.completion) if text]
 
 
-def _dataset(cfg: RunConfig, tokenizer: Tokenizer) -> Dataset:
-    if cfg.data is None:
-        return tokenize(demo_corpus(), tokenizer, cfg.seq)
-    return load_dataset(cfg.data, tokenizer, cfg.seq, pack=cfg.pack)
+def _dataset(data: DataConfig, tokenizer: Tokenizer, seq: int) -> Dataset:
+    if data.data is None:
+        return tokenize(demo_corpus(), tokenizer, seq)
+    return load_dataset(data.data, tokenizer, seq, pack=data.pack)
 
 
 def _check_held_out(cfg: RunConfig, dataset: Dataset, world: int) -> None:

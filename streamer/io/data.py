@@ -17,7 +17,30 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol
 import torch
 
 from layers import IGNORE_INDEX
+from memory_model.settings import Integer, Number, Switch, Text, check_settings, flag, setting
 from streamer.errors import DataError
+
+
+def _setting_error(key: str, problem: str) -> DataError:
+    return DataError(f"{flag(key)} {problem}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What a run trains and evaluates on, and the tokenizer that reads it (each a `streamer train` flag)."""
+
+    data: str | None = setting(None, "a .txt file, or .jsonl of {\"text\"} or {\"prompt\", \"completion\"} records "
+                                     "(default: Python's own help topics)", Text(), "FILE")
+    tokenizer: str | None = setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
+                                          "(default: --from-pretrained's, else a BPE trained on the data)", Text(), "DIR")
+    vocab_size: int | None = setting(None, "vocabulary of the trained BPE (default: the model's)",
+                                     Integer(257, " (256 bytes + end-of-text)"))
+    pack: bool = setting(False, "pack several prompt/completion examples into one sequence", Switch())
+    eval_fraction: float = setting(0.05, "fraction of sequences held out for evaluation",
+                                   Number(0.0, 1.0, high_open=True))
+
+    def __post_init__(self) -> None:
+        check_settings(self, _setting_error)
 
 
 class TokenizerLike(Protocol):

@@ -285,7 +285,7 @@ class Executor:
             if ctx.on_first_update is not None:
                 ctx.on_first_update(ctx)
         layout = self.layouts[chunk.unit]
-        adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc, ctx.step, ctx.lr, ctx.clip_coef)
+        adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
         new_compute, handles = None, []
         if not self.store_is_master():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,

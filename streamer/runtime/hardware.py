@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from memory_model import COMPUTE_DTYPES
+from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS
+from memory_model.devices import budget_bytes
+from memory_model.settings import Choice, SettingError, Text, check_settings, setting, shown
 from streamer.errors import StreamerError
 
+DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: resolve_compute_dtype
 BF16_MIN_CAPABILITY = (8, 0)
 # 256^3 separates the cases by 2x either way (measured on AVX512-BF16, natively and capped to AVX2: bf16
 # 205 vs fp32 103 GFLOP/s, and 3.2 vs 103) and an emulated bf16 matmul of it still takes only ~10 ms.
@@ -133,3 +136,25 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
     if requested == "fp32":  # nothing to check: every CPU runs fp32 natively
         return DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
     return choose_for_cpu(cpu_probe(), requested)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where a run computes: the torch device, its compute dtype and its memory budget (each a `streamer train`
+    flag). Wrong values raise memory_model's SettingError, which the run reports as its own."""
+
+    dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
+                                 "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
+                                 "weights and Adam state are fp32)", Choice(DTYPE_CHOICES), "DTYPE")
+    device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
+    budget: str | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
+                                       "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), Text(), "SIZE")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise SettingError("device", f"must be cpu, cuda or cuda:N, got {shown(self.device)}")
+        self.budget_bytes()
+
+    def budget_bytes(self) -> int | None:
+        return budget_bytes(self.budget, SettingError)

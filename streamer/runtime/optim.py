@@ -1,13 +1,50 @@
-"""The AdamW update of one chunk of a unit's flat state, with torch's own Adam kernels."""
+"""The optimizer's settings (`OptimizerConfig`) and the AdamW update of one chunk of a unit's flat state, with
+torch's own Adam kernels."""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch.optim.adam import adam
 
-from streamer.config import TrainerConfig
+from memory_model.settings import Choice, Number, Pair, check_settings, setting
+from streamer.errors import ConfigError
+
+MOMENT_DTYPES = ("fp32", "bf16")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
-def adamw_chunk(state: dict[str, torch.Tensor], start: int, decay_end: int, tc: TrainerConfig,
+def _error(key: str, problem: str) -> ConfigError:
+    return ConfigError(f"{key} {problem}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, gradient clipping, the moments' dtype in the store, and what a non-finite step does."""
+
+    lr: float = setting(1e-4, "peak learning rate", Number(0.0, low_open=True))
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW's moment decay rates, each in [0, 1): B1,B2 or B1 B2",
+                                         Pair(Number(0.0, 1.0, high_open=True)))
+    eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", Number(0.0, low_open=True))
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", Number(0.0))
+    # None: no clipping. `streamer train --max-grad-norm` says 0 instead (a flag cannot be None), so the run
+    # declares its own flag and passes `or None`.
+    max_grad_norm: float | None = 1.0
+    moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
+                                Choice(MOMENT_DTYPES), "DTYPE")
+    nonfinite: str = setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
+                                     "(nothing is updated; the next batch follows)", Choice(NONFINITE_POLICIES),
+                             "POLICY")
+
+    def __post_init__(self) -> None:
+        check_settings(self, _error)
+        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool) or not isinstance(
+                self.max_grad_norm, (int, float)) or not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm)):
+            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
+
+
+def adamw_chunk(state: dict[str, torch.Tensor], start: int, decay_end: int, tc: OptimizerConfig,
                 step: int, lr: float, clip_coef: float) -> None:
     """Update master/exp_avg/exp_avg_sq in place from grad for elements [start, start + n) of a unit.
 

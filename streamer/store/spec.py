@@ -11,6 +11,7 @@ import torch
 
 from layers import GPTJConfig, unit_names
 from memory_model.schedule import chunks
+from memory_model.settings import Choice, Integer, check_settings, setting
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
@@ -18,20 +19,21 @@ from streamer.store.slabfile import TRAILER_BYTES
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
+def _error(key: str, problem: str) -> StoreError:
+    return StoreError(f"{key} {problem}")
+
+
 @dataclass(frozen=True)
 class StoreSpec:
     config: GPTJConfig
-    compute_dtype: str = "bf16"
-    moment_dtype: str = "fp32"
+    compute_dtype: str = setting("bf16", "dtype of the compute weights", Choice(tuple(DTYPES)), "DTYPE")
+    moment_dtype: str = setting("fp32", "dtype of the Adam moments", Choice(tuple(DTYPES)), "DTYPE")
     placement: Placement = field(default_factory=Placement)
-    chunk: int = 16 * 2**20  # params per update chunk; also the interleave unit of state files
+    chunk: int = setting(16 * 2**20, "parameters per update chunk; also the interleave unit of state files",
+                         Integer(1, " (a number of parameters)"))
 
     def __post_init__(self) -> None:
-        for name in ("compute_dtype", "moment_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise StoreError(f"{name} must be one of {list(DTYPES)}, got {getattr(self, name)!r}")
-        if not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk <= 0:
-            raise StoreError(f"chunk must be a positive number of parameters, got {self.chunk!r}")
+        check_settings(self, _error)
         if self.placement.compute == "disk" and self.placement.state != "disk":
             # Disk compute weights live in the state files, which a RAM-state store writes only on save().
             raise StoreError("placement compute='disk' needs state='disk' (compute weights are stored in the "
