@@ -255,13 +255,16 @@ def test_a_disk_that_fills_mid_run_keeps_the_last_step_and_says_how_to_continue(
                             stderr=subprocess.PIPE, text=True)
     while metric_lines(run) < 1 and proc.poll() is None:
         time.sleep(0.001)
-    with filler.open("wb") as out:  # every free byte, while step 2 trains
+    # The run is stopped while the disk fills: otherwise a fast machine can finish the remaining steps first.
+    proc.send_signal(signal.SIGSTOP)
+    with filler.open("wb") as out:  # every free byte, before step 2's writes
         try:
             while True:
                 out.write(b"\0" * 2**20)
                 out.flush()
         except OSError:
             pass
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and err.count("\n") == 1, err
     assert f"free space and continue with `streamer train --resume {run}`" in err
