@@ -16,7 +16,7 @@ _LAZY = {
     "IGNORE_INDEX": "layers.loss", "causal_lm_loss": "layers.loss",
     "GPTJ": "layers.model", "IGNORED_CHECKPOINT_SUFFIXES": "layers.model", "CheckpointMismatch": "layers.model",
     "build_unit": "layers.model", "check_state_dict": "layers.model", "unit_hf_key": "layers.model",
-    "unit_names": "layers.model", "unit_prefix": "layers.model", "weight_decayed": "layers.model",
+    "unit_prefix": "layers.model", "weight_decayed": "layers.model",
 }
 
 __all__ = ["PRESETS", "ConfigError", "GPTJConfig", *_LAZY]

@@ -51,11 +51,6 @@ class GPTJ(nn.Module):
         self.load_state_dict(clean, strict=True)
 
 
-def unit_names(cfg: GPTJConfig) -> list[str]:
-    """The streamed units in execution order: 'embed', 'block.0' … 'block.{L-1}', 'head'."""
-    return cfg.unit_names()
-
-
 def build_unit(cfg: GPTJConfig, unit: str, device: torch.device | str = "meta") -> nn.Module:
     """An empty module of a unit's type (on `meta` by default: a shell for torch.func.functional_call)."""
     kind = unit.split(".", 1)[0]

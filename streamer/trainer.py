@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from layers import GPTJConfig, build_unit, check_state_dict, init_weights, unit_names
+from layers import GPTJConfig, build_unit, check_state_dict, init_weights
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -26,7 +26,7 @@ class StreamingTrainer:
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
                  *, _store: Store | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
-        self.units = unit_names(cfg)
+        self.units = cfg.unit_names()
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
         self.losses: list[float] = []
         self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(self.tc.device)

@@ -18,7 +18,7 @@ from transformers.models.gptj.modeling_gptj import GPTJBlock as HFGPTJBlock
 
 from layers import (
     PRESETS, CheckpointMismatch, ConfigError, GPTJ, GPTJBlock, GPTJConfig, KVCache, build_unit, causal_lm_loss,
-    unit_hf_key, unit_names,
+    unit_hf_key,
 )
 
 HFFactory = Callable[..., transformers.GPTJForCausalLM]
@@ -197,7 +197,7 @@ def test_units_partition_the_state_dict(name: str) -> None:
     with torch.device("meta"):
         model_shapes = {k: v.shape for k, v in GPTJ(cfg, init=False).state_dict().items()}
     unit_shapes: dict[str, torch.Size] = {}
-    for unit in unit_names(cfg):
+    for unit in cfg.unit_names():
         for key, tensor in build_unit(cfg, unit).state_dict().items():
             hf_key = unit_hf_key(unit, key)
             assert hf_key not in unit_shapes, f"{hf_key} belongs to two units"

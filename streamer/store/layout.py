@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from layers import GPTJConfig, build_unit, unit_hf_key, unit_names, weight_decayed
+from layers import GPTJConfig, build_unit, unit_hf_key, weight_decayed
 from streamer.errors import StoreError
 
 TIERS = ("ram", "disk")
@@ -102,7 +102,7 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
 
 
 def model_layouts(cfg: GPTJConfig) -> tuple[UnitLayout, ...]:
-    return tuple(UnitLayout.of(cfg, unit) for unit in unit_names(cfg))
+    return tuple(UnitLayout.of(cfg, unit) for unit in cfg.unit_names())
 
 
 @dataclass(frozen=True)

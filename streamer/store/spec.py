@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from layers import GPTJConfig, unit_names
+from layers import GPTJConfig
 from memory_model.schedule import chunks
 from memory_model.settings import Choice, Integer, check_settings, setting
 from streamer.errors import StoreError
@@ -77,7 +77,7 @@ class StoreSpec:
         deleted only once the new one is in place. Disk-tier gradients have a file of their own."""
         ram = disk = 0
         numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
-        for unit in unit_names(self.config):
+        for unit in self.config.unit_names():
             kind = unit.split(".")[0]
             if kind not in numels:
                 numels[kind] = UnitLayout.of(self.config, unit).numel
