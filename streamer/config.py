@@ -27,10 +27,6 @@ from streamer.store.layout import DTYPES, Placement, dtype_name
 SCHEDULES = ("constant", "cosine", "linear")
 
 
-def _error(key: str, problem: str) -> ConfigError:
-    return ConfigError(f"{key} {problem}")
-
-
 @dataclass(frozen=True)
 class LRSchedule:
     """constant, or linear warmup then cosine / linear decay to min_lr_ratio * lr at total_steps."""
@@ -42,7 +38,7 @@ class LRSchedule:
     min_lr_ratio: float = setting(0.0, "the cosine/linear schedule ends at this fraction of --lr", Number(0.0, 1.0))
 
     def __post_init__(self) -> None:
-        check_settings(self, _error)
+        check_settings(self, ConfigError.of)
         if self.kind != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ConfigError(f"a {self.kind} schedule needs total_steps > warmup_steps ({self.warmup_steps})")
 
@@ -102,7 +98,7 @@ class TrainerConfig:
                                "N")
 
     def __post_init__(self) -> None:
-        check_settings(self, _error)
+        check_settings(self, ConfigError.of)
         self.optimizer  # checks max_grad_norm, which no `setting` check covers
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "meta"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
@@ -127,7 +123,7 @@ class TrainerConfig:
 
     @property
     def budget_bytes(self) -> int | None:
-        return budget_bytes(self.budget, _error)
+        return budget_bytes(self.budget, ConfigError.of)
 
     def replace(self, **changes: Any) -> "TrainerConfig":
         return dataclasses.replace(self, **changes)

@@ -17,6 +17,11 @@ class CheckpointError(StreamerError):
 class ConfigError(StreamerError):
     """Trainer settings that cannot run; the message names the fix."""
 
+    @classmethod
+    def of(cls, key: str, problem: str) -> "ConfigError":
+        """The error check_settings raises for one trainer setting: `lr must be ..., got ...`."""
+        return cls(f"{key} {problem}")
+
 
 class DataError(StreamerError):
     """A training data source that cannot be turned into sequences."""

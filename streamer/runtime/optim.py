@@ -15,10 +15,6 @@ MOMENT_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-def _error(key: str, problem: str) -> ConfigError:
-    return ConfigError(f"{key} {problem}")
-
-
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW, gradient clipping, the moments' dtype in the store, and what a non-finite step does."""
@@ -38,7 +34,7 @@ class OptimizerConfig:
                              "POLICY")
 
     def __post_init__(self) -> None:
-        check_settings(self, _error)
+        check_settings(self, ConfigError.of)
         if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool) or not isinstance(
                 self.max_grad_norm, (int, float)) or not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm)):
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
