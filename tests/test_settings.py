@@ -224,21 +224,22 @@ def test_flags_shared_between_subcommands_agree():
     bench = argparse.ArgumentParser()
     bench_arguments(bench)
     train, plan, generate = (_flags(commands[c]) for c in ("train", "plan", "generate"))
-    shared = (set(plan) | set(generate)) & set(train) - {"-h", "--help"}
-    assert {"--dtype", "--store", "--activations", "--update-on", "--grad-accum", "--prefetch", "--batch", "--seq",
-            "--model", "--update-chunk", "--device", "--budget", "--seed"} <= shared
+    step = {"--dtype", "--store", "--activations", "--update-on", "--grad-accum", "--prefetch", "--batch", "--seq",
+            "--model", "--update-chunk"}
+    # plan's and bench's shared flags are generated from the same declarations as train's: type, metavar, arity
+    # (bench's --steps is its own: timed steps per block)
+    for other, shared in ((plan, step), (_flags(bench), {"--model", "--batch", "--seq", "--dtype"})):
+        assert shared <= set(other) & set(train)
+        for flag in shared:
+            ours, trains = other[flag], train[flag]
+            assert (ours.type, ours.metavar, ours.nargs, ours.choices) == \
+                (trains.type, trains.metavar, trains.nargs, trains.choices), flag
+    # plan resolves its settings as train does: a flag not given is absent, so --config and the defaults apply
+    assert all(plan[flag].default is argparse.SUPPRESS for flag in step)
     defaults = RunConfig()
-    for flag in shared:
-        field = flag[2:].replace("-", "_")
-        for other in (plan, generate):
-            if flag not in other:
-                continue
-            assert other[flag].choices in (None, CHOICES.get(field)), flag
-            # generate's None means "the run's own setting", the only other default allowed
-            assert other[flag].default in (getattr(defaults, field), None if other is generate else "x"), flag
-    for flag, action in _flags(bench).items():  # bench measures its own fixed comparison: names and choices only
-        field = flag[2:].replace("-", "_")
-        if flag in train and field in CHOICES:
-            assert action.choices == CHOICES[field], flag
+    for flag in {"--device", "--budget", "--seed"}:
+        assert flag in generate and flag in train
+        # generate's None means "the run's own setting", the only other default allowed
+        assert generate[flag].default in (getattr(defaults, flag[2:]), None), flag
     assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
     assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps
