@@ -5,6 +5,7 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from streamer.io.data import DataConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
 from streamer.io.tokenizer import MIN_VOCAB
+from streamer.trainer import store_spec
 
 from conftest import TINY_RUN_MODEL as TINY
 from tests.test_cli import fails, run_cli, tiny_args
@@ -108,6 +110,26 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
             make()
         messages.append(str(caught.value).split(" ", 1)[1])
     assert set(messages) == {"must be a positive integer, got 0"}, messages
+
+
+def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
+    cfg = RunConfig(model="gptj-debug", dtype="fp32", batch=4, grad_accum=2, lr=3e-4, betas=(0.8, 0.9),
+                    schedule="cosine", warmup=3, steps=9, moment_dtype="bf16", store="ram", update_chunk=4096,
+                    budget="64MiB", pack=True, max_grad_norm=0)
+    tree, tc = cfg.tree(), cfg.trainer_config()
+    assert tree.model == PRESETS["gptj-debug"] and tree.step == cfg.plan_config()
+    assert tree.optimizer == tc.optimizer and tree.optimizer.max_grad_norm is None  # 0 on the command line
+    assert tree.schedule == tc.schedule == LRSchedule("cosine", 3, 9)
+    assert tree.store == store_spec(tree.model, tc) and tree.device == DeviceConfig("fp32", budget="64MiB")
+    assert tree.data == DataConfig(pack=True)
+    # every flat setting taken from an owner with same_setting lands in that owner's config in the tree
+    parts = {type(part): part for part in vars(tree).values()}
+    for f in fields(RunConfig):
+        owner = f.metadata.get("owner")
+        if owner in parts:
+            assert getattr(parts[owner], f.metadata["owner_name"]) == getattr(cfg, f.name), f.name
+    with pytest.raises(ValueError, match="resolve --dtype auto"):
+        RunConfig().tree()
 
 
 def test_a_wrong_setting_file_from_the_shell(tmp_path):

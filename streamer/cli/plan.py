@@ -54,8 +54,9 @@ def plan_command(args: argparse.Namespace) -> int:
     dtype = choice.dtype
     device = _device(args.target, model_cfg, dtype)
     try:
-        plan_cfg = replace(cfg, dtype=dtype).plan_config(args.ranks)
-        result = plan(model_cfg, device, plan_cfg)
+        settings = replace(cfg, dtype=dtype).tree(model_cfg, args.ranks)
+        plan_cfg = settings.step
+        result = plan(settings.model, device, plan_cfg)
         # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
         counts = [n for n in (2**k for k in range(args.ranks.bit_length())) if n <= args.ranks] + [args.ranks]
         scaling = [{"devices": n, **{k: v for k, v in plan(model_cfg, device, replace(plan_cfg, devices=n)).to_json().items()
