@@ -1,7 +1,6 @@
 """`streamer bench`: the benchmarks of a source checkout, run as their own process."""
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -11,12 +10,6 @@ from streamer.errors import StreamerError
 
 # The source checkout this package was installed from in editable mode, where benchmarks/ lives.
 CHECKOUT = Path(__file__).resolve().parents[2]
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Only a name in `streamer --help`: benchmarks/bench.py parses the command's own flags
-    (`streamer.cli.main.main` hands it the arguments before any parsing)."""
-    commands.add_parser("bench", help="benchmarks (see `streamer bench --help`)", add_help=False)
 
 
 def bench_command(argv: list[str]) -> int:

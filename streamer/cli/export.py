@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from memory_model import parse_size
-from streamer.cli.flags import add_command
+from streamer.cli.flags import declare_command
 from streamer.cli.generate import open_trainer
 from streamer.console import make_console
 from streamer.io.tokenizer import Tokenizer, load_tokenizer
@@ -24,10 +24,9 @@ examples:
   streamer export RUN ./hf-out --dtype bf16 --max-shard-size 2GB --overwrite"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "export", export_command, help="write a run as a Hugging Face GPT-J folder",
-                         description="Export the master weights and the tokenizer; "
-                         "transformers.GPTJForCausalLM.from_pretrained loads the result.", examples=EXAMPLES)
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, export_command, "Export the master weights and the tokenizer; "
+                    "transformers.GPTJForCausalLM.from_pretrained loads the result.", EXAMPLES)
     parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument("hf_dir", metavar="HF_DIR", help="the folder to write (must be new or empty)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",

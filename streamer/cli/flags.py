@@ -61,14 +61,12 @@ class _Numbers(argparse.Action):
         setattr(namespace, self.dest, numbers)
 
 
-def add_command(commands: Any, name: str, run: Callable[[argparse.Namespace], int], help: str, description: str,
-                examples: str) -> argparse.ArgumentParser:
-    """A subcommand's parser: its one-line help, its description, its examples after the flags, and the
-    function that runs it."""
-    parser = commands.add_parser(name, help=help, description=description, epilog=examples,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def declare_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], description: str,
+                    examples: str) -> None:
+    """A subcommand's parser (made by `streamer.cli.main`): its description, its examples after the flags,
+    and the function that runs it."""
+    parser.description, parser.epilog = description, examples
     parser.set_defaults(func=run)
-    return parser
 
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:

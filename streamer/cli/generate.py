@@ -7,7 +7,7 @@ from typing import Any
 
 from memory_model import format_size
 from memory_model.devices import budget_bytes
-from streamer.cli.flags import add_command
+from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.generate import Sampling, complete
 from streamer.io.tokenizer import load_tokenizer
@@ -24,10 +24,9 @@ examples:
   streamer generate RUN --prompt Hi --top-k 40 --top-p 0.9 --seed 3 --budget 32MiB"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "generate", generate_command, help="sample text from a run, streaming its layers",
-                         description="Generate with streamed layers and a KV cache; works for models larger than "
-                         "the budget.", examples=EXAMPLES)
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, generate_command, "Generate with streamed layers and a KV cache; works for models "
+                    "larger than the budget.", EXAMPLES)
     parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")

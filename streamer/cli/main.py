@@ -1,22 +1,31 @@
 """`streamer`: plan | train | generate | export | trace | bench (also `python -m streamer`).
 
-This module builds the top parser and dispatches; each subcommand's module declares its own flags and
-examples (`add_parser`). Every user error (bad flags, files, settings, a budget that cannot fit) is printed
-as one line, `error: <what is wrong and the fix>`, with exit status 2; never a traceback.
+This module builds the top parser and dispatches; each subcommand's module (streamer/cli/<command>.py)
+declares its own flags and examples (`declare`). Only the module of the command that runs is imported:
+`streamer --help` loads none of them. Every user error (bad flags, files, settings, a budget that cannot
+fit) is printed as one line, `error: <what is wrong and the fix>`, with exit status 2; never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterable, NoReturn, Sequence
 
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DeviceOutOfMemory, SizeError
-from streamer.cli import bench, export, generate, plan, trace, train
 from streamer.errors import StreamerError
 
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
-COMMANDS = (train, plan, generate, export, trace, bench)  # in `streamer --help`'s order
+# Each command and its line in `streamer --help`; `bench` hands its arguments to benchmarks/bench.py.
+COMMANDS = {
+    "train": "fine-tune (no arguments: the demo)",
+    "plan": "device memory and time of a training step, before running it",
+    "generate": "sample text from a run, streaming its layers",
+    "export": "write a run as a Hugging Face GPT-J folder",
+    "trace": "the per-layer memory table and plot of a run",
+    "bench": "benchmarks (see `streamer bench --help`)",
+}
 
 TOP_EXAMPLES = """\
 examples:
@@ -36,13 +45,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
 
 
-def build_parser() -> Parser:
+def build_parser(declared: Iterable[str] = tuple(COMMANDS)[:-1]) -> Parser:
+    """The `streamer` parser, with the flags of the `declared` commands (their modules are imported)."""
     parser = Parser(prog="streamer", description="Full fine-tuning of GPT-J models larger than the device, "
                                                  "by streaming one layer at a time.",
                     epilog=TOP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for command in COMMANDS:
-        command.add_parser(commands)
+    for name, line in COMMANDS.items():
+        command = commands.add_parser(name, help=line, add_help=name != "bench",
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name in declared:
+            importlib.import_module(f"streamer.cli.{name}").declare(command)
     return parser
 
 
@@ -56,12 +69,13 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        return guarded(lambda: bench.bench_command(argv[1:]))
+        from streamer.cli.bench import bench_command
+        return guarded(lambda: bench_command(argv[1:]))
     return guarded(lambda: _dispatch(argv))
 
 
 def _dispatch(argv: list[str]) -> int:
-    parser = build_parser()
+    parser = build_parser(argv[:1])  # only the command named (argparse takes it first), if any
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

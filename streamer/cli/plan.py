@@ -8,7 +8,7 @@ from pathlib import Path
 
 from layers import GPTJConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, device_spec, format_size, plan
-from streamer.cli.flags import add_command, add_config_flag, add_run_flags, given
+from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.console import make_console
 from streamer.errors import StreamerError
@@ -30,9 +30,8 @@ Settings resolve as in `streamer train`: its defaults (the demo's when nothing n
 --config, then the flags; so `streamer plan` with train's flags plans the step that train runs."""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "plan", plan_command, help="device memory and time of a training step, before "
-                         "running it", description="The analytic plan of one training step.", examples=EXAMPLES)
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, plan_command, "The analytic plan of one training step.", EXAMPLES)
     add_config_flag(parser)
     parser.add_argument("--target", default="cs2", help=f"the simulated device: a preset ({', '.join(DEVICE_PRESETS)}) "
                         "or local (this machine, measured once and cached in runs/) (default: cs2)")

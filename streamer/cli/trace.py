@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from memory_model import CATEGORIES, Trace, format_size
-from streamer.cli.flags import add_command
+from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.run import RunError
 from streamer.run_dir import RunDir
@@ -20,11 +20,10 @@ examples:
   streamer trace RUN/trace.json --json"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "trace", trace_command, help="the per-layer memory table and plot of a run",
-                         description="Show a run's memory trace. A run's trace keeps its last --trace-steps steps "
-                         "(default 8) and, if trained with --trace-every N, every Nth step; --step picks one of "
-                         "them.", examples=EXAMPLES)
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, trace_command, "Show a run's memory trace. A run's trace keeps its last --trace-steps "
+                    "steps (default 8) and, if trained with --trace-every N, every Nth step; --step picks one of "
+                    "them.", EXAMPLES)
     parser.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
     parser.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the last)")
     parser.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from layers import GPTJConfig
 from streamer.advice import check_fits, ledger_advice
-from streamer.cli.flags import add_command, add_config_flag, add_run_flags, given
+from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.training import Session, describe, report, train
 from streamer.console import make_console
 from streamer.io.data import BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, read_examples, tokenize
@@ -52,10 +52,9 @@ continues from its last committed step when the same command is run again. The h
 store needs are checked before anything is written."""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "train", train_command, help="fine-tune (no arguments: the demo)",
-                         description="Train with streamed layers; with no arguments, the built-in demo.",
-                         examples=EXAMPLES)
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, train_command, "Train with streamed layers; with no arguments, the built-in demo.",
+                    EXAMPLES)
     add_config_flag(parser)
     parser.add_argument("--resume", metavar="RUN", help="continue RUN from its last committed step")
     add_run_flags(parser)
