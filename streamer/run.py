@@ -66,7 +66,8 @@ class Settings:
 class RunConfig:
     """`streamer train`'s settings, flat (each is a flag and a TOML key). Those of the step (PlanConfig), the
     optimizer (OptimizerConfig), the device (DeviceConfig), the data (DataConfig), the trainer (TrainerConfig)
-    and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
+    and the schedule (LRSchedule) are declared by their owners: `same_setting`; `tree()` gives them back as
+    the owners' configs."""
 
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
