@@ -20,6 +20,7 @@ from rich.console import Console
 
 from layers import GPTJConfig
 from memory_model import PlanConfig, plan
+from memory_model.settings import check_settings, same_setting
 from streamer.runtime.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
@@ -32,20 +33,23 @@ from benchmarks.machine import (
 from benchmarks.report import write_markdown
 from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
-from streamer.runtime.hardware import DTYPE_CHOICES, DtypeChoice, resolve_compute_dtype
+from streamer.cli.flags import add_run_flags
 from streamer.cli.main import Parser, guarded
+from streamer.run import SettingError
+from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What one bench run measures; `--quick` swaps in tiny sizes so the harness runs in seconds."""
+    """What one bench run measures; `--quick` swaps in tiny sizes so the harness runs in seconds. The step's
+    sizes are the run's settings, checked as `streamer train` checks them."""
 
     model: str
     second: GPTJConfig  # the planner's second model size
-    batch: int
-    seq: int
+    batch: int = same_setting(PlanConfig, "batch")
+    seq: int = same_setting(PlanConfig, "seq")
     rounds: int
     warmup: int
     steps: int
@@ -63,6 +67,9 @@ class Settings:
     reserve_min_bytes: int
     quick: bool
     compute: DtypeChoice  # our contenders' compute dtype (--dtype resolved on this CPU) and why
+
+    def __post_init__(self) -> None:
+        check_settings(self, SettingError)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
@@ -91,12 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run of the harness on a tiny model (< 60 s)")
     parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
                         "none: a smoke run must not replace the measured report)")
-    parser.add_argument("--model", default="gptj-350m", help="preset of the comparisons 1-5 (default gptj-350m)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="compute dtype of our runs and DeepSpeed's (default auto: bf16 if this CPU runs it "
-                             "natively and at least as fast as fp32, else fp32); the HF pair stays fp32 and bf16")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=512)
+    # The flags shared with `streamer train`: its names, types and checks, with the comparison's own sizes.
+    add_run_flags(parser, only=("model", "batch", "seq", "dtype"),
+                  defaults={"model": "gptj-350m", "batch": 1, "seq": 512, "dtype": "auto"},
+                  help={"model": "preset of the comparisons 1-5", "seq": "tokens per sequence",
+                        "dtype": "compute dtype of our runs and DeepSpeed's: auto (bf16 if this CPU runs it natively "
+                                 "and at least as fast as fp32, else fp32), bf16 or fp32; the HF pair stays fp32 "
+                                 "and bf16"})
     parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")
     # Not --warmup: in `streamer train` that is the learning-rate warmup.
     parser.add_argument("--untimed-steps", dest="warmup", type=int, default=2,

@@ -136,10 +136,18 @@ def setting(default: Any, help: str, check: Check, metavar: str | None = None, o
 
 def same_setting(owner: type, name: str, default: Any = MISSING, help: str | None = None) -> Any:
     """`owner`'s setting `name` declared again in another class (the run's flat settings hold the step's and
-    the optimizer's): the same check and metavar; its own default or help where they differ."""
+    the optimizer's): the same check and metavar; its own default or help where they differ. The field
+    remembers its owner, so `owned` can build the owner's config back from the flat class."""
     meta = owner.__dataclass_fields__[name].metadata
-    return setting(owner.__dataclass_fields__[name].default if default is MISSING else default,
-                   meta["help"] if help is None else help, meta["check"], meta["metavar"], meta["optional"])
+    taken = setting(owner.__dataclass_fields__[name].default if default is MISSING else default,
+                    meta["help"] if help is None else help, meta["check"], meta["metavar"], meta["optional"])
+    return field(default=taken.default, metadata={**taken.metadata, "owner": owner, "owner_name": name})
+
+
+def owned(obj: Any, owner: type) -> dict[str, Any]:
+    """The values of `obj`'s settings taken from `owner` with `same_setting`, by the owner's field names:
+    `PlanConfig(**owned(run, PlanConfig), ...)`."""
+    return {f.metadata["owner_name"]: getattr(obj, f.name) for f in fields(obj) if f.metadata.get("owner") is owner}
 
 
 def check_settings(obj: Any, error: Callable[[str, str], Exception] = SettingError,

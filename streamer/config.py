@@ -19,7 +19,7 @@ from memory_model import DeviceSpec, PlanConfig
 from memory_model.devices import budget_bytes
 from memory_model.settings import Choice, Integer, Number, check_settings, same_setting, setting
 from streamer.errors import ConfigError
-from streamer.runtime.hardware import resolve_compute_dtype
+from streamer.runtime.hardware import check_device, resolve_compute_dtype
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import DTYPES, Placement, dtype_name
 
@@ -100,8 +100,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_settings(self, ConfigError.of)
         self.optimizer  # checks max_grad_norm, which no `setting` check covers
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "meta"):
-            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        # A malformed device or budget fails here, not at the first step.
+        check_device(self.device, self.budget, ConfigError.of, meta=True)
         if not isinstance(self.schedule, LRSchedule):
             raise ConfigError(f"schedule must be an LRSchedule or its fields, got {self.schedule!r}")
         if isinstance(self.compute_dtype, str) and self.compute_dtype == "auto":
@@ -114,7 +114,6 @@ class TrainerConfig:
         object.__setattr__(self, "store", Placement.of(self.store))
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
-        self.budget_bytes  # a malformed budget fails here, not at the first step
 
     @functools.cached_property
     def optimizer(self) -> OptimizerConfig:

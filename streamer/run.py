@@ -17,17 +17,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from layers import PRESETS, GPTJConfig
-from memory_model import PlanConfig
+from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.devices import budget_bytes
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
-    Choice, Integer, Number, Text, check_settings, checks_of, same_setting, setting,
+    Choice, Integer, Number, Text, check_settings, checks_of, owned, same_setting, setting,
 )
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
 from streamer.io.data import DataConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
+from streamer.store.layout import Placement
+from streamer.store.spec import StoreSpec
 
 
 class RunError(StreamerError):
@@ -46,10 +48,26 @@ DEFAULT_PROMPT = "The for statement is used to"
 
 
 @dataclass(frozen=True)
+class Settings:
+    """A run's settings as the tree of their owners' configs, each checked by its owner: what the planner
+    (`step`), the optimizer, the learning-rate schedule, the device, the data and the store are given.
+    `RunConfig.tree()` builds it; RunConfig itself stays flat because the flags and TOML keys are."""
+
+    model: GPTJConfig
+    step: PlanConfig
+    optimizer: OptimizerConfig
+    schedule: LRSchedule
+    device: DeviceConfig
+    data: DataConfig
+    store: StoreSpec
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """`streamer train`'s settings, flat (each is a flag and a TOML key). Those of the step (PlanConfig), the
     optimizer (OptimizerConfig), the device (DeviceConfig), the data (DataConfig), the trainer (TrainerConfig)
-    and the schedule (LRSchedule) are declared by their owners: `same_setting`."""
+    and the schedule (LRSchedule) are declared by their owners: `same_setting`; `tree()` gives them back as
+    the owners' configs."""
 
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
@@ -121,8 +139,20 @@ class RunConfig:
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError)
 
+    def tree(self, model: GPTJConfig | None = None, devices: int = 1) -> Settings:
+        """These settings as their owners' configs, for `model` (default: `model_config()`; train passes the
+        shape its vocabulary was fitted to) on `devices` data-parallel devices. --dtype must be resolved
+        first (`replace(cfg, dtype=...)`): the step and the store are laid out in a real dtype."""
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"resolve --dtype {self.dtype} to bf16 or fp32 before building the settings tree")
+        model = self.model_config() if model is None else model
+        return Settings(model=model, step=self.plan_config(devices), optimizer=self.optimizer_config(),
+                        schedule=self.lr_schedule(), device=self.device_config(), data=self.data_config(),
+                        store=StoreSpec(model, self.dtype, self.moment_dtype, Placement.of(self.store),
+                                        self.update_chunk))
+
     def device_config(self) -> DeviceConfig:
-        return DeviceConfig(**{f.name: getattr(self, f.name) for f in fields(DeviceConfig)})
+        return DeviceConfig(**owned(self, DeviceConfig))
 
     def model_config(self) -> GPTJConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
@@ -132,23 +162,25 @@ class RunConfig:
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
-        return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
-                          prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
-                          update_chunk=self.update_chunk, store=self.store, devices=devices)
+        return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices)
 
     def data_config(self) -> DataConfig:
-        return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
+        return DataConfig(**owned(self, DataConfig))
+
+    def optimizer_config(self) -> OptimizerConfig:
+        # The flag says 0 for no clipping (a flag cannot be None).
+        return OptimizerConfig(**owned(self, OptimizerConfig), max_grad_norm=self.max_grad_norm or None)
+
+    def lr_schedule(self) -> LRSchedule:
+        return LRSchedule(**owned(self, LRSchedule), total_steps=None if self.schedule == "constant" else self.steps)
 
     def trainer_config(self) -> TrainerConfig:
-        schedule = LRSchedule(self.schedule, self.warmup, None if self.schedule == "constant" else self.steps,
-                              self.min_lr_ratio)
-        return TrainerConfig(
-            lr=self.lr, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None,
-            grad_accum=self.grad_accum, compute_dtype=self.dtype, activations=self.activations, store=self.store,
-            update_on=self.update_on, prefetch=self.prefetch, device=self.device, budget=self.budget_bytes(),
-            schedule=schedule, update_chunk=self.update_chunk, seed=self.seed, betas=self.betas, eps=self.eps,
-            moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps,
-            trace_every=self.trace_every)
+        """The trainer API's flat keywords: the optimizer's, the step's, the device's and the trainer's own."""
+        optimizer = self.optimizer_config()
+        step = {k: v for k, v in owned(self, PlanConfig).items() if k in TrainerConfig.__dataclass_fields__}
+        return TrainerConfig(**{f.name: getattr(optimizer, f.name) for f in fields(optimizer)}, **step,
+                             **owned(self, TrainerConfig), compute_dtype=self.dtype, device=self.device,
+                             budget=self.budget_bytes(), schedule=self.lr_schedule())
 
     def name(self) -> str:
         """A short name for the default run directory."""

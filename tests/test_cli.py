@@ -175,6 +175,26 @@ def test_plan_dry_run_reports_the_runtime_ledger(capsys):
     assert plan["dry_run_peak_device_bytes"] == plan["peak_device_bytes"]  # planner and runtime agree
 
 
+def test_plan_loads_settings_as_train_does(capsys, tmp_path):
+    """Defaults, then the demo's, then --config, then flags: the step `streamer train` would run."""
+    def planned(*args: object) -> dict:
+        rc, out, err = run_cli(capsys, "plan", "--target", "rtx4090", "--json", *args)
+        assert rc == 0, err
+        return json.loads(out)["config"]
+
+    demo = planned()
+    assert (demo["batch"], demo["seq"], demo["activations"], demo["update_chunk"]) == (8, 128, "checkpoint", 2**20)
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "gptj-debug"\nbatch = 4\ngrad_accum = 2\nactivations = "checkpoint"\nsteps = 9\n')
+    from_file = planned("--config", toml, "--batch", 6)
+    assert (from_file["batch"], from_file["grad_accum"], from_file["activations"]) == (6, 2, "checkpoint")
+    assert from_file["seq"] == 64 and from_file["update_chunk"] == 16 * 2**20  # gptj-debug's context; no demo
+    assert fails(capsys, "plan", "--config", toml, "--batch", 5) == \
+        "error: --batch 5 does not split into --grad-accum 2 micro-batches; use a multiple of 2"
+    toml.write_text("batch = 0\n")
+    assert fails(capsys, "plan", "--config", toml) == f"error: --config {toml}: batch must be a positive integer, got 0"
+
+
 # --- settings ----------------------------------------------------------------------------------------------------
 def test_sizes_in_both_units_and_validation():
     assert RunConfig(budget="3GB").budget_bytes() == 3 * 10**9

@@ -5,6 +5,7 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from streamer.io.data import DataConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
 from streamer.io.tokenizer import MIN_VOCAB
+from streamer.trainer import store_spec
 
 from conftest import TINY_RUN_MODEL as TINY
 from tests.test_cli import fails, run_cli, tiny_args
@@ -108,6 +110,26 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
             make()
         messages.append(str(caught.value).split(" ", 1)[1])
     assert set(messages) == {"must be a positive integer, got 0"}, messages
+
+
+def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
+    cfg = RunConfig(model="gptj-debug", dtype="fp32", batch=4, grad_accum=2, lr=3e-4, betas=(0.8, 0.9),
+                    schedule="cosine", warmup=3, steps=9, moment_dtype="bf16", store="ram", update_chunk=4096,
+                    budget="64MiB", pack=True, max_grad_norm=0)
+    tree, tc = cfg.tree(), cfg.trainer_config()
+    assert tree.model == PRESETS["gptj-debug"] and tree.step == cfg.plan_config()
+    assert tree.optimizer == tc.optimizer and tree.optimizer.max_grad_norm is None  # 0 on the command line
+    assert tree.schedule == tc.schedule == LRSchedule("cosine", 3, 9)
+    assert tree.store == store_spec(tree.model, tc) and tree.device == DeviceConfig("fp32", budget="64MiB")
+    assert tree.data == DataConfig(pack=True)
+    # every flat setting taken from an owner with same_setting lands in that owner's config in the tree
+    parts = {type(part): part for part in vars(tree).values()}
+    for f in fields(RunConfig):
+        owner = f.metadata.get("owner")
+        if owner in parts:
+            assert getattr(parts[owner], f.metadata["owner_name"]) == getattr(cfg, f.name), f.name
+    with pytest.raises(ValueError, match="resolve --dtype auto"):
+        RunConfig().tree()
 
 
 def test_a_wrong_setting_file_from_the_shell(tmp_path):
@@ -224,21 +246,22 @@ def test_flags_shared_between_subcommands_agree():
     bench = argparse.ArgumentParser()
     bench_arguments(bench)
     train, plan, generate = (_flags(commands[c]) for c in ("train", "plan", "generate"))
-    shared = (set(plan) | set(generate)) & set(train) - {"-h", "--help"}
-    assert {"--dtype", "--store", "--activations", "--update-on", "--grad-accum", "--prefetch", "--batch", "--seq",
-            "--model", "--update-chunk", "--device", "--budget", "--seed"} <= shared
+    step = {"--dtype", "--store", "--activations", "--update-on", "--grad-accum", "--prefetch", "--batch", "--seq",
+            "--model", "--update-chunk"}
+    # plan's and bench's shared flags are generated from the same declarations as train's: type, metavar, arity
+    # (bench's --steps is its own: timed steps per block)
+    for other, shared in ((plan, step), (_flags(bench), {"--model", "--batch", "--seq", "--dtype"})):
+        assert shared <= set(other) & set(train)
+        for flag in shared:
+            ours, trains = other[flag], train[flag]
+            assert (ours.type, ours.metavar, ours.nargs, ours.choices) == \
+                (trains.type, trains.metavar, trains.nargs, trains.choices), flag
+    # plan resolves its settings as train does: a flag not given is absent, so --config and the defaults apply
+    assert all(plan[flag].default is argparse.SUPPRESS for flag in step)
     defaults = RunConfig()
-    for flag in shared:
-        field = flag[2:].replace("-", "_")
-        for other in (plan, generate):
-            if flag not in other:
-                continue
-            assert other[flag].choices in (None, CHOICES.get(field)), flag
-            # generate's None means "the run's own setting", the only other default allowed
-            assert other[flag].default in (getattr(defaults, field), None if other is generate else "x"), flag
-    for flag, action in _flags(bench).items():  # bench measures its own fixed comparison: names and choices only
-        field = flag[2:].replace("-", "_")
-        if flag in train and field in CHOICES:
-            assert action.choices == CHOICES[field], flag
+    for flag in {"--device", "--budget", "--seed"}:
+        assert flag in generate and flag in train
+        # generate's None means "the run's own setting", the only other default allowed
+        assert generate[flag].default in (getattr(defaults, flag[2:]), None), flag
     assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
     assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from memory_model import parse_size
+from streamer.cli.flags import declare_command
 from streamer.cli.generate import open_trainer
 from streamer.console import make_console
 from streamer.io.tokenizer import Tokenizer, load_tokenizer
@@ -16,6 +17,22 @@ from streamer.store.layout import DTYPES
 from streamer.run_dir import RunDir
 from streamer.trainer import StreamingTrainer
 
+
+EXAMPLES = """\
+examples:
+  streamer export RUN ./hf-out
+  streamer export RUN ./hf-out --dtype bf16 --max-shard-size 2GB --overwrite"""
+
+
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, export_command, "Export the master weights and the tokenizer; "
+                    "transformers.GPTJForCausalLM.from_pretrained loads the result.", EXAMPLES)
+    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="the folder to write (must be new or empty)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                        help="weights' dtype (default: fp32, the master weights exactly)")
+    parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
 
 
 def export_command(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 
 from memory_model import format_size
 from memory_model.devices import budget_bytes
+from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.generate import Sampling, complete
 from streamer.io.tokenizer import load_tokenizer
@@ -15,6 +16,27 @@ from streamer.run_dir import RunDir
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.layout import dtype_name
 from streamer.trainer import StreamingTrainer
+
+EXAMPLES = """\
+examples:
+  streamer generate RUN --prompt "The for statement"
+  streamer generate RUN --prompt "Summary:" --temperature 0 --max-new-tokens 80
+  streamer generate RUN --prompt Hi --top-k 40 --top-p 0.9 --seed 3 --budget 32MiB"""
+
+
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, generate_command, "Generate with streamed layers and a KV cache; works for models "
+                    "larger than the budget.", EXAMPLES)
+    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: 0, off)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: 0.95; 1 is off)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every token")
+    parser.add_argument("--budget", help="device budget (default: the run's)")
+    parser.add_argument("--device", help="torch device (default: the run's)")
 
 
 def generate_command(args: argparse.Namespace) -> int:

@@ -7,9 +7,28 @@ from pathlib import Path
 from typing import Any
 
 from memory_model import CATEGORIES, Trace, format_size
+from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.run import RunError
 from streamer.run_dir import RunDir
+
+EXAMPLES = """\
+examples:
+  streamer trace RUN
+  streamer train --run-dir runs/traced --steps 300 --trace-every 100
+  streamer trace runs/traced --step 100 --out step100.png --chrome step100.json
+  streamer trace RUN/trace.json --json"""
+
+
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, trace_command, "Show a run's memory trace. A run's trace keeps its last --trace-steps "
+                    "steps (default 8) and, if trained with --trace-every N, every Nth step; --step picks one of "
+                    "them.", EXAMPLES)
+    parser.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
+    parser.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the last)")
+    parser.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
+    parser.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def step_ranges(steps: list[int]) -> str:

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from layers import GPTJConfig
 from streamer.advice import check_fits, ledger_advice
+from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.training import Session, describe, report, train
 from streamer.console import make_console
 from streamer.io.data import BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, read_examples, tokenize
@@ -34,9 +35,33 @@ from streamer.trainer import StreamingTrainer
 
 T = TypeVar("T")
 
+EXAMPLES = """\
+examples:
+  streamer train                                   the demo (under 2 minutes on 2 cores)
+  streamer train --steps 3 --run-dir /tmp/quick    a quick look; the same command again continues it
+  streamer train --steps 6 --run-dir /tmp/quick    ... to step 6 (other settings than its own are refused)
+  streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
+      --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint
+  streamer train --config run.toml --steps 50      a TOML file of the same settings; flags win
+  streamer train --resume runs/demo-20260101-120000 --steps 120
+
+--data: a .txt file (blank lines separate documents) or .jsonl with {"text": ...} or
+{"prompt": ..., "completion": ...} records (the loss covers the completion only).
+Every run writes its resolved settings to RUN/config.toml. A run killed at any point (set-up included)
+continues from its last committed step when the same command is run again. The host RAM and disk the
+store needs are checked before anything is written."""
+
+
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, train_command, "Train with streamed layers; with no arguments, the built-in demo.",
+                    EXAMPLES)
+    add_config_flag(parser)
+    parser.add_argument("--resume", metavar="RUN", help="continue RUN from its last committed step")
+    add_run_flags(parser)
+
 
 def train_command(args: argparse.Namespace) -> int:
-    explicit = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
+    explicit = given(args)
     console = make_console()
     session = resume(args.resume, explicit, args.config, console) if args.resume else \
         start(explicit, args.config, console)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -152,9 +153,17 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise SettingError("device", f"must be cpu, cuda or cuda:N, got {shown(self.device)}")
-        self.budget_bytes()
+        check_device(self.device, self.budget)
 
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError)
+
+
+def check_device(device: Any, budget: Any, error: Callable[[str, str], Exception] = SettingError,
+                 meta: bool = False) -> None:
+    """The one check of where a run computes, for the run's settings and the trainer API: a torch device
+    (`meta` too where a dry run may ask for it) and a budget that `budget_bytes` reads."""
+    kinds = ("cpu", "cuda", "meta") if meta else ("cpu", "cuda")
+    if not isinstance(device, str) or device.split(":")[0] not in kinds:
+        raise error("device", f"must be {', '.join(kinds)} or cuda:N, got {shown(device)}")
+    budget_bytes(budget, error)
