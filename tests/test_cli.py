@@ -206,7 +206,7 @@ def test_resolution_order_and_the_demo(tmp_path):
 
 @settings(max_examples=60, deadline=None)
 @given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0), pack=st.booleans(),
-       budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-80g"])))
+       budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
 def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
     cfg = RunConfig(sample_prompt=prompt, steps=steps, lr=lr, pack=pack, budget=budget, warmup=0)
     assert RunConfig(**tomllib.loads(cfg.to_toml())) == cfg
@@ -225,7 +225,7 @@ def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monke
 
 
 def test_plan_devices_prices_the_all_reduce_and_prints_the_scaling_curve(capsys):
-    args = ("plan", "--model", "gptj-6b", "--target", "h100-80g", "--batch", 64, "--seq", 2048,
+    args = ("plan", "--model", "gptj-6b", "--target", "h100-sxm", "--batch", 64, "--seq", 2048,
             "--activations", "checkpoint", "--store", "ram")  # on disk every rank waits on its own drive
     rc, out, _ = run_cli(capsys, *args, "--ranks", 4, "--json")
     curve = json.loads(out)["scaling"]

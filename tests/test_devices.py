@@ -71,14 +71,14 @@ def test_format_size() -> None:
 
 # --- presets and links ---------------------------------------------------------------------------------------------
 def test_presets_exist_with_sources() -> None:
-    assert set(DEVICE_PRESETS) == {"cs2", "a100-40g", "a100-80g", "h100-80g", "h200", "rtx4090"}
+    assert set(DEVICE_PRESETS) == {"cs2", "a100-40g", "a100-80g", "h100-sxm", "h200", "rtx4090"}
     for name, spec in DEVICE_PRESETS.items():
         assert spec.name == name and spec.source
         assert spec.flops["bf16"] > spec.flops["fp32"] > 0
         assert not spec.same_memory
     assert DEVICE_PRESETS["cs2"].memory_bytes == 40 * 10**9
     assert DEVICE_PRESETS["cs2"].h2d.bandwidth_bytes_per_s == 150e9
-    assert DEVICE_PRESETS["h100-80g"].flops["bf16"] == 989e12
+    assert DEVICE_PRESETS["h100-sxm"].flops["bf16"] == 989e12
     assert device_spec("cs2") is DEVICE_PRESETS["cs2"]
 
 
@@ -98,7 +98,7 @@ def test_link_time() -> None:
 
 
 def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
-    spec = DEVICE_PRESETS["h100-80g"]
+    spec = DEVICE_PRESETS["h100-sxm"]
     with pytest.raises(AttributeError):
         spec.memory_bytes = 1  # type: ignore[misc]
     again = DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
@@ -160,7 +160,7 @@ def test_kernel_costs_are_validated_and_roundtrip() -> None:
         KernelCosts.from_dict({**good.to_dict(), "elementwise_forward_s": float("nan")})
     with pytest.raises(ValueError, match="needs exactly the fields"):
         KernelCosts.from_dict({"attention_forward_flops": 1.0})
-    raw = DEVICE_PRESETS["h100-80g"].to_dict()
+    raw = DEVICE_PRESETS["h100-sxm"].to_dict()
     with pytest.raises(ValueError, match="kernels maps a compute dtype"):
         DeviceSpec.from_dict({**raw, "kernels": {"fp8": good.to_dict()}})
 

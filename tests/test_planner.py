@@ -262,7 +262,7 @@ def test_prefetch_and_update_place_change_the_peak_as_documented() -> None:
 # --- time ----------------------------------------------------------------------------------------------------------
 def test_time_model_properties() -> None:
     base = PlanConfig(batch=4, seq=2048, activations="checkpoint")
-    h100 = DEVICE_PRESETS["h100-80g"]
+    h100 = DEVICE_PRESETS["h100-sxm"]
     p1 = plan(GPTJ_6B, h100, base)
     p0 = plan(GPTJ_6B, h100, replace(base, prefetch=0))
     assert p0.step_time_s > p1.step_time_s > 0
@@ -380,7 +380,7 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     # Weight streaming is I/O-bound at small batches: more devices only add the all-reduce. Where compute
     # dominates (64 x 2048 on an H100), splitting the batch scales.
     assert four.tokens_per_s < one.tokens_per_s
-    h100 = [plan(GPTJ_6B, device_spec("h100-80g"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
+    h100 = [plan(GPTJ_6B, device_spec("h100-sxm"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
                                                              devices=n)).tokens_per_s for n in (1, 2, 4)]
     assert h100[0] < h100[1] < h100[2]
 
