@@ -134,7 +134,8 @@ class RunConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
         return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
                           prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
-                          update_chunk=self.update_chunk, store=self.store, devices=devices)
+                          update_chunk=self.update_chunk, store=self.store, devices=devices,
+                          moment_dtype=self.moment_dtype)
 
     def data_config(self) -> DataConfig:
         return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
