@@ -17,6 +17,7 @@ from memory_model import DEVICE_PRESETS, DTYPE_BYTES, DeviceOutOfMemory, SizeErr
 from streamer.errors import StreamerError
 from memory_model.settings import flag
 from streamer.run import CHOICES, DEMO_DEFAULTS, RunConfig
+from streamer.cli import whatif
 
 USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, DeviceOutOfMemory, OSError)
 
@@ -123,14 +124,26 @@ def build_parser() -> Parser:
                            "as fast as fp32, else fp32; bf16 for the presets, which all run it natively)")
     plan.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum)
     plan.add_argument("--prefetch", type=int, default=RunConfig.prefetch)
-    plan.add_argument("--update-on", choices=CHOICES["update_on"], default=RunConfig.update_on)
+    plan.add_argument("--update-on", choices=CHOICES["update_on"], default=None,
+                      help="where AdamW runs (default: the target's: host for cs2/cs3, whose MemoryX runs the "
+                           "update; device for the GPUs and local)")
     plan.add_argument("--update-chunk", type=int, default=RunConfig.update_chunk,
                       help="parameters per update chunk (default: %(default)s)")
     plan.add_argument("--store", choices=CHOICES["store"], default=RunConfig.store)
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    whatif.add_flags(plan)
     plan.set_defaults(func=_lazy("streamer.cli.plan", "plan_command"))
+
+    devices = commands.add_parser("devices", help="the device catalogue: every figure with its basis and source",
+                                  formatter_class=formatter, description="The simulated devices' figures.",
+                                  epilog="examples:\n  streamer devices\n  streamer devices --json")
+    devices.add_argument("--json", action="store_true", help="every figure as {value, basis, source}")
+    devices.add_argument("--local", action="store_true", help="also calibrate and list this machine (seconds)")
+    devices.add_argument("--model", default=RunConfig.model, help="the model --local sizes its probes for")
+    devices.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32", help="the dtype --local measures")
+    devices.set_defaults(func=_lazy("streamer.cli.devices", "devices_command"))
 
     generate = commands.add_parser("generate", help="sample text from a run, streaming its layers",
                                    formatter_class=formatter, description="Generate with streamed layers and "
