@@ -13,7 +13,7 @@ from typing import Any
 
 SWEEP_BATCHES = (1, 4, 16, 64)
 SWEEP_SEQS = (512, 2048)
-SWEEP_TARGETS = ("cs2", "cs3", "a100-80g", "h100-sxm", "h100-pcie", "gh200", "rtx4090")
+SWEEP_TARGETS = ("cs2", "h100-sxm", "gh200", "rtx4090")
 SWEEP_TIERS = ("ram", "disk")
 SWEEP_UPDATES = ("device", "host")
 
