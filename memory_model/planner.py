@@ -85,8 +85,10 @@ class Plan:
     bottleneck: str  # the resource busy longest in the step (timing.RESOURCES)
     resource_s: dict[str, float]  # seconds each resource is busy per step, before overlap
     link_bytes: dict[str, int]  # bytes per step and device over h2d, d2h, and read from / written to disk
-    max_batch_seq: tuple[int, int]  # the largest batch at this seq that fits (0 when none), and seq
-    max_seq: int  # the largest seq at this batch that fits, up to n_positions (0 when none)
+    # The largest batch at this seq that fits (0 when none), and seq; the largest seq at this batch that fits, up
+    # to n_positions (0 when none). None when not searched (plan(..., limits=False): the sweep).
+    max_batch_seq: tuple[int, int] | None
+    max_seq: int | None
     rows: tuple[UnitRow, ...]
 
     def to_json(self) -> dict[str, Any]:
@@ -96,7 +98,8 @@ class Plan:
         out["device_memory_bytes"] = self.device.memory_bytes
         out["config"] = asdict(self.config)
         out["peak_at"] = {"unit": self.peak_at[0], "phase": self.peak_at[1]}
-        out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
+        if self.max_batch_seq is not None:
+            out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
         out["rows"] = [asdict(r) for r in self.rows]
         out.update(self.summary())
         return out
@@ -236,8 +239,9 @@ def _max_shapes(shape: GPTJConfig, cfg: PlanConfig, capacity: int, update_peak: 
     return max_micro * group, max_seq
 
 
-def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
-    """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`."""
+def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True) -> Plan:
+    """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`;
+    `limits` also searches the largest batch and seq that fit (most of the cost of a plan)."""
     if cfg.seq > shape.n_positions:
         raise ValueError(f"seq {cfg.seq} exceeds the model's context n_positions={shape.n_positions}")
     units = shape.unit_names()
@@ -275,7 +279,8 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
     host_store = params * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
-    max_batch, max_seq = _max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
+    max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
+                          if limits else (None, None))
     step_s = timeline.end_s
     return Plan(
         shape=shape, device=device, config=cfg, params=params,
@@ -292,5 +297,5 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
         link_bytes={"h2d": sum(r.h2d_bytes for r in rows), "d2h": sum(r.d2h_bytes for r in rows),
                     "disk_read": sum(r.disk_read_bytes for r in rows),
                     "disk_write": sum(r.disk_write_bytes for r in rows)},
-        max_batch_seq=(max_batch, seq), max_seq=max_seq, rows=tuple(rows),
+        max_batch_seq=None if max_batch is None else (max_batch, seq), max_seq=max_seq, rows=tuple(rows),
     )

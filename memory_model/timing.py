@@ -166,45 +166,60 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
     per_unit, queues = timeline.per_unit, _Queues(timeline)
     clock = 0.0  # the compute thread
     offload_done = 0.0  # when the last gradient offload finishes
-    gradient_final: dict[str, float] = {}  # unit -> when its last micro-batch's gradient is folded on the host
     first_unit = shape.unit_names()[0]
     in_flight: set[Resource] = set()
     ready: dict[Resource, float] = {}
-    # The host's cores run a host update; on a cpu device those are the compute thread's own cores.
+    # The host's cores run a host update; on a cpu device those are the compute thread's own cores. Overlapped,
+    # a unit's chunks are booked on the host as soon as its last gradient is folded, between later folds.
     host_update = cfg.update_on == "host" and not device.same_memory
+    early = host_update and cfg.update_overlap == "backward"
+    chunks = {u: [e for e in events if e.phase == "update" and e.unit == u] for u in shape.unit_names()}
+    booked: set[Event] = set()
     ends = [0.0]
+
+    def host_chunk(event: Event, after: float) -> None:
+        times = per_unit[event.unit]
+        if event.resource not in in_flight:  # overlapped: the host reads the state when it starts
+            ready[event.resource] = _load(event.resource, shape, cfg, device, times, queues, after)
+            in_flight.add(event.resource)
+        compute = _compute(event, shape, cfg, device)
+        times.update_s += compute
+        done = queues.run("host compute", max(after, ready[event.resource]), compute)
+        ends.append(_state_out(event, cfg, device, times, queues, done))
+        booked.add(event)
+
     for k, event in enumerate(events):
+        if event in booked:
+            continue
         for r in resident[k]:
             if r not in in_flight:
                 ready[r] = _load(r, shape, cfg, device, per_unit[r.unit], queues, clock)
                 in_flight.add(r)
+        if event.phase == "update" and host_update:
+            host_chunk(event, clock)
+            continue
         compute = _compute(event, shape, cfg, device)
         times = per_unit[event.unit]
+        clock = max(clock, ready[event.resource]) + compute
         if event.phase == "update":
             times.update_s += compute
-            if host_update:
-                after = gradient_final[event.unit] if cfg.update_overlap == "backward" else clock
-                done = queues.run("host compute", max(after, ready[event.resource]), compute)
-            else:
-                resource = "host compute" if cfg.update_on == "host" else "device compute"
-                clock = max(clock, ready[event.resource]) + compute
-                queues.busy[resource] += compute
-                done = clock
-            ends.append(_state_out(event, cfg, device, times, queues, done))
+            queues.busy["host compute" if cfg.update_on == "host" else "device compute"] += compute
+            ends.append(_state_out(event, cfg, device, times, queues, clock))
         else:
+            queues.busy["device compute"] += compute
             if event.phase == "forward":
                 times.forward_s += compute
             else:
                 times.backward_s += compute
-            clock = max(clock, ready[event.resource]) + compute
-            queues.busy["device compute"] += compute
         if event.phase == "backward":
             # The previous unit's offload overlapped this backward; it is waited for when this gradient
             # appears, and the first unit's own offload before the update or the next micro-batch.
             clock = max(clock, offload_done)
             inline_s, offload_done = _gradient_out(event, shape, cfg, device, times, queues, clock)
             clock += inline_s
-            gradient_final[event.unit] = offload_done
+            if early and event.micro == cfg.grad_accum - 1:
+                for chunk in chunks[event.unit]:
+                    host_chunk(chunk, offload_done)
             if event.unit == first_unit:
                 clock = max(clock, offload_done)
         if released_after(events, k):

@@ -409,3 +409,17 @@ def test_the_planner_runs_without_torch() -> None:
             "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config']"
+
+
+def test_a_host_update_overlapped_with_the_backward_hides_behind_it() -> None:
+    """MemoryX and ZeRO-Offload's delayed update: a unit's host AdamW starts once its gradient is final, on the
+    host's cores, while the device computes the backward of the units before it."""
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    cfg = PlanConfig(batch=64, seq=2048, activations="checkpoint", update_on="host")
+    after = plan(GPTJ_6B, h100, cfg)
+    overlapped = plan(GPTJ_6B, h100, replace(cfg, update_overlap="backward"))
+    assert overlapped.step_time_s < after.step_time_s
+    assert overlapped.resource_s["host compute"] == pytest.approx(after.resource_s["host compute"])
+    # The update's seconds are the host's: the device computes the same either way.
+    assert overlapped.resource_s["device compute"] == after.resource_s["device compute"]
+    assert after.step_time_s >= after.resource_s["device compute"] + sum(r.update_s for r in after.rows) * 0.99

@@ -13,7 +13,7 @@ from typing import Any
 
 SWEEP_BATCHES = (1, 4, 16, 64)
 SWEEP_SEQS = (512, 2048)
-SWEEP_TARGETS = ("cs2", "h100-sxm", "gh200", "rtx4090")
+SWEEP_TARGETS = ("cs2", "cs3", "a100-80g", "h100-sxm", "h100-pcie", "gh200", "rtx4090")
 SWEEP_TIERS = ("ram", "disk")
 SWEEP_UPDATES = ("device", "host")
 
@@ -78,11 +78,11 @@ def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
             continue
         device = device_spec(target)
         p = plan(shape, device, PlanConfig(batch=batch, seq=seq, activations=activations, store=tier,
-                                            update_on=update))
-        flops = p.model_flops
-        moved = sum(p.link_bytes.values())
+                                            update_on=update), limits=False)
+        # Intensity against the busier host link (they are full duplex: each direction has its own bandwidth).
+        moved = max(p.link_bytes["h2d"], p.link_bytes["d2h"])
         rows.append({"batch": batch, "seq": seq, "target": target, "tier": tier, "update_on": update,
-                     **p.summary(), "flops_per_byte": flops / moved if moved else float("inf"),
+                     **p.summary(), "flops_per_byte": p.model_flops / moved if moved else float("inf"),
                      "peak_flops": device.flops_for("bf16"),
                      "achievable_flops": device.flops_for("bf16") * device.matmul_efficiency,
                      "h2d_bytes_per_s": device.h2d.bandwidth_bytes_per_s * device.bandwidth_efficiency})
@@ -97,8 +97,9 @@ def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
 
 
 def _roofline(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Achieved model FLOP/s against model FLOPs per byte moved between host and device, per target, under
-    each target's roof: min(achievable FLOP/s, intensity x achievable h2d bandwidth)."""
+    """Achieved model FLOP/s against model FLOPs per byte over the busier host link, per target, under each
+    target's roof: min(achievable FLOP/s, intensity x achievable link bandwidth). Points well below their roof
+    are bound by something else: the host update, the disk, or exposed latency."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -114,7 +115,7 @@ def _roofline(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.plot(xs, [min(roof, x * bw) for x in xs], color=dots.get_facecolor()[0], linewidth=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("model FLOPs per byte over the host links")
+    ax.set_xlabel("model FLOPs per byte over the busier host link")
     ax.set_ylabel("model FLOP/s (predicted)")
     ax.set_title("what-if sweep: achieved vs each device's achievable roof")
     ax.legend(fontsize=8)
