@@ -55,7 +55,7 @@ def plan_command(args: argparse.Namespace) -> int:
         from streamer.config import TrainerConfig
         from streamer.runtime.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=args.activations, grad_accum=args.grad_accum,
-                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
+                           prefetch=args.prefetch, update_on=plan_cfg.update_on, update_chunk=args.update_chunk)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
