@@ -140,8 +140,10 @@ def build_parser() -> Parser:
                                   formatter_class=formatter, description="The simulated devices' figures.",
                                   epilog="examples:\n  streamer devices\n  streamer devices --json")
     devices.add_argument("--json", action="store_true", help="every figure as {value, basis, source}")
-    devices.add_argument("--local", action="store_true", help="also calibrate and list this machine (seconds)")
-    devices.add_argument("--model", default=RunConfig.model, help="the model --local sizes its probes for")
+    devices.add_argument("--local", action="store_true", help="also calibrate this machine again (seconds; the cache under runs/ that plan "
+                              "--target local and --compare read) and list it")
+    devices.add_argument("--model", default=RunConfig.model,
+                         help="the model --local sizes its probes for: a preset or a config.json")
     devices.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32", help="the dtype --local measures")
     devices.set_defaults(func=_lazy("streamer.cli.devices", "devices_command"))
 
