@@ -15,11 +15,11 @@ from memory_model import DeviceSpec, Plan, PlanConfig, device_spec, format_size,
 from memory_model.baselines import Baseline, baselines
 from streamer.cli.devices import apply_sets
 from streamer.cli.trace import breakdown
+from streamer.cli.whatif import compare, sweep
 from streamer.console import make_console
 from streamer.errors import StreamerError
 from streamer.runtime.calibrate import local_spec
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
-from streamer.cli.whatif import compare, sweep
 
 
 # What the scaling curve means (printed with it): Cerebras' 16 CS-3 = 15.3x is measured the same way.
