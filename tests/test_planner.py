@@ -423,3 +423,19 @@ def test_a_host_update_overlapped_with_the_backward_hides_behind_it() -> None:
     # The update's seconds are the host's: the device computes the same either way.
     assert overlapped.resource_s["device compute"] == after.resource_s["device compute"]
     assert after.step_time_s >= after.resource_s["device compute"] + sum(r.update_s for r in after.rows) * 0.99
+
+
+def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> None:
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    cfg = PlanConfig(batch=8, seq=2048, activations="checkpoint", update_on="host")
+    fp32, bf16 = plan(GPTJ_6B, h100, cfg), plan(GPTJ_6B, h100, replace(cfg, moment_dtype="bf16"))
+    assert fp32.host_store_bytes - bf16.host_store_bytes == 4 * GPTJ_6B.num_params()  # two moments, 2 B less each
+    assert sum(r.update_s for r in bf16.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 20 / 28)
+    # The CUDA context is not the model's: a peak that leaves less than it free does not fit.
+    tight = replace(h100, memory_bytes=fp32.peak_device_bytes + h100.reserve_bytes - 1)
+    assert not plan(GPTJ_6B, tight, cfg).fits
+    assert plan(GPTJ_6B, replace(tight, memory_bytes=tight.memory_bytes + 1), cfg).fits
+    # Each data-parallel rank holds its own store; one MemoryX serves every CS-2.
+    eight = plan(GPTJ_6B, h100, replace(cfg, devices=8))
+    assert eight.host_stores == 8 and plan(GPTJ_6B, CS2, replace(cfg, devices=8)).host_stores == 1
+    assert not plan(GPTJ_6B, replace(h100, host_ram_bytes=4 * fp32.host_store_bytes), replace(cfg, devices=8)).host_fits
