@@ -38,7 +38,8 @@ def main() -> None:
         table.add_column(column, justify="left" if column in ("device", "policy", "bound") else "right")
     for name, device in DEVICE_PRESETS.items():
         for policy in POLICIES:
-            p = plan(cfg, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy))
+            p = plan(cfg, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy,
+                                             update_on=device.update_on))  # MemoryX updates on the host
             table.add_row(name, format_size(device.memory_bytes), policy, format_size(p.peak_device_bytes),
                           "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", p.bottleneck,

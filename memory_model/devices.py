@@ -1,21 +1,21 @@
 """What a device is to the cost model: a memory capacity, links to the host, compute rates, and the host side.
 
-Every preset figure carries its source; figures no vendor publishes are marked ASSUMED here and in
-docs/MEMORY_MODEL.md. `local` is measured on the machine it runs on (see calibrate.py).
+Every number of a spec has a `Figure` behind it (value, basis, source): the presets' are in catalogue.py,
+`local`'s are measured on the machine it runs on (streamer/runtime/calibrate.py). `FIGURES` names the
+numeric fields, so that `streamer devices` lists them and `--set field=value` overrides any of them.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from memory_model.catalogue import PRESET_FIGURES, PRESET_NOTES, PRESET_SYSTEM, Figure
 from memory_model.kernels import KernelCosts
 from memory_model.settings import SettingError, shown
 from memory_model.units import COMPUTE_DTYPES, SizeError, parse_size
 
-
-# Bytes per element of each compute dtype the planner and the runtime support.
 
 GB = 10**9
 GiB = 2**30
@@ -69,6 +69,16 @@ class DeviceSpec:
     kernels: dict[str, KernelCosts] = field(default_factory=dict)
     source: str = ""
     notes: tuple[str, ...] = field(default=())  # assumptions behind the figures, shown to users
+    # Achievable shares of the peaks (catalogue.py): matmul and attention FLOP/s, and every bandwidth.
+    matmul_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+    reserve_bytes: int = 0  # device memory the runtime takes before any tensor (the CUDA context)
+    update_on: str = "device"  # where the update runs unless the plan says otherwise
+    # How data-parallel gradients are summed: "ring" (over `interconnect`, or through the host when None) or
+    # "in-network" (a broadcast/reduce tree such as SwarmX: each device sends its gradient once, at line rate).
+    reduce: str = "ring"
+    figures: dict[str, Figure] = field(default_factory=dict)  # FIGURES name -> value, basis, source
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -93,19 +103,39 @@ class DeviceSpec:
             if dtype not in COMPUTE_DTYPES or not isinstance(costs, KernelCosts):
                 raise ValueError(f"kernels maps a compute dtype {sorted(COMPUTE_DTYPES)} to KernelCosts; "
                                  f"got {dtype!r}: {type(costs).__name__}")
+        for name in ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            _positive(name, value)
+            if value > 1:
+                raise ValueError(f"{name} is a share of the peak, at most 1, got {value!r}")
+        if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be an integer >= 0, got {self.reserve_bytes!r}")
+        if self.update_on not in ("device", "host") or self.reduce not in ("ring", "in-network"):
+            raise ValueError(f"update_on is device or host and reduce is ring or in-network, got "
+                             f"{self.update_on!r}, {self.reduce!r}")
         # Private copies: the dataclass is frozen, the caller's dicts are not.
+        object.__setattr__(self, "figures", dict(self.figures))
         object.__setattr__(self, "flops", dict(self.flops))
         object.__setattr__(self, "kernels", dict(self.kernels))
         object.__setattr__(self, "notes", tuple(self.notes))
 
+    def link_time(self, link: Link, nbytes: int) -> float:
+        """Seconds to move nbytes over one of this device's links at its achievable share of the peak."""
+        return 0.0 if nbytes == 0 else link.latency_s + nbytes / (link.bandwidth_bytes_per_s * self.bandwidth_efficiency)
+
     def allreduce_time(self, nbytes: int, devices: int) -> float:
-        """Ring all-reduce of nbytes over `devices`: each device sends and receives 2 (n-1)/n of the data."""
+        """Summing nbytes of gradient over `devices`, beyond each device's own offload of it. A ring sends and
+        receives 2 (n-1)/n of the data; an in-network tree sums in flight at line rate as the offload passes
+        through it (SwarmX), which adds one hop latency per level of a 4-ary tree, not bytes."""
         if devices <= 1 or nbytes == 0:
             return 0.0
+        if self.reduce == "in-network":
+            assert self.interconnect is not None
+            return (math.ceil(math.log(devices, 4)) + 1) * self.interconnect.latency_s
         moved = int(2 * (devices - 1) / devices * nbytes)
         if self.interconnect is not None:
-            return self.interconnect.time(moved)
-        return self.d2h.time(moved) + self.h2d.time(moved)
+            return self.link_time(self.interconnect, moved)
+        return self.link_time(self.d2h, moved) + self.link_time(self.h2d, moved)
 
     def flops_for(self, dtype: str) -> float:
         try:
@@ -123,6 +153,7 @@ class DeviceSpec:
                                    "latency_s": self.interconnect.latency_s}
         out["kernels"] = {dtype: costs.to_dict() for dtype, costs in self.kernels.items()}
         out["notes"] = list(self.notes)
+        out["figures"] = {name: f.to_dict() for name, f in self.figures.items()}
         return out
 
     @classmethod
@@ -138,80 +169,61 @@ class DeviceSpec:
             values["interconnect"] = Link(**raw["interconnect"])
         values["kernels"] = {dtype: KernelCosts.from_dict(c) for dtype, c in raw.get("kernels", {}).items()}
         values["notes"] = tuple(raw.get("notes", ()))
+        values["figures"] = {name: Figure(**f) for name, f in raw.get("figures", {}).items()}
         return cls(**values)
 
 
-# Host side of a GPU server when the vendor sheet says nothing about it (ASSUMED): one PCIe Gen4 NVMe
-# drive for the store, and a CPU that sweeps AdamW state at ~100 GB/s (a fraction of a dual-socket
-# server's ~300-400 GB/s DRAM bandwidth, since AdamW reads 16 and writes 12 bytes per parameter).
-_NVME_READ, _NVME_WRITE = 7 * GB, 5 * GB
-_SERVER_UPDATE_BW = 100 * GB
-# Per-transfer setup cost of a DMA over PCIe or of one streamed message (ASSUMED, order of magnitude).
-_LINK_LATENCY = 10e-6
-_HOST_ASSUMED = ("host: NVMe 7 GB/s read, 5 GB/s write and a 100 GB/s host AdamW sweep are ASSUMED",
-                 "link latency 10 us per transfer is ASSUMED")
+# The numeric fields of a spec under the names the catalogue, `streamer devices` and `--set` use.
+FIGURES = ("memory_bytes", "reserve_bytes", "h2d_bytes_per_s", "d2h_bytes_per_s", "link_latency_s", "bf16_flops",
+           "fp32_flops", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
+           "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw",
+           "interconnect_bytes_per_s", "interconnect_latency_s")
+_DIRECT = ("memory_bytes", "reserve_bytes", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
+           "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw")
+_INTEGERS = ("memory_bytes", "reserve_bytes", "host_ram_bytes")
 
 
-def _gpu(name: str, memory_mib: int, link_gbps: float, bf16_tflops: float, fp32_tflops: float,
-         hbm_gbps: float, host_ram: int, source: str, notes: tuple[str, ...] = (),
-         nvlink_gbps: float | None = None) -> DeviceSpec:
-    link = Link(link_gbps * GB, _LINK_LATENCY)
-    return DeviceSpec(
-        interconnect=None if nvlink_gbps is None else Link(nvlink_gbps * GB, _LINK_LATENCY),
-        name=name, memory_bytes=memory_mib * MiB, h2d=link, d2h=link,
-        flops={"bf16": bf16_tflops * TB, "fp32": fp32_tflops * TB}, device_mem_bandwidth=hbm_gbps * GB,
-        host_ram_bytes=host_ram, disk_read_bw=_NVME_READ, disk_write_bw=_NVME_WRITE,
-        host_update_bw=_SERVER_UPDATE_BW, source=source, notes=_HOST_ASSUMED + notes,
-    )
+def figure_values(spec: DeviceSpec) -> dict[str, float]:
+    """The spec's numbers by FIGURES name (a dtype it has no rate for, or a missing peer link, left out)."""
+    out: dict[str, float] = {name: getattr(spec, name) for name in _DIRECT}
+    out.update(h2d_bytes_per_s=spec.h2d.bandwidth_bytes_per_s, d2h_bytes_per_s=spec.d2h.bandwidth_bytes_per_s,
+               link_latency_s=spec.h2d.latency_s)
+    out.update({f"{dtype}_flops": rate for dtype, rate in spec.flops.items()})
+    if spec.interconnect is not None:
+        out.update(interconnect_bytes_per_s=spec.interconnect.bandwidth_bytes_per_s,
+                   interconnect_latency_s=spec.interconnect.latency_s)
+    return {name: out[name] for name in FIGURES if name in out}
 
 
-_FP32_NOTE = "fp32 rate is the non-tensor-core FP32 peak: torch leaves TF32 matmul off by default"
+def with_figures(spec: DeviceSpec, figures: dict[str, Figure]) -> DeviceSpec:
+    """`spec` with the given figures replacing its own (values and provenance): `--set` and the presets."""
+    unknown = sorted(set(figures) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown device field(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
+    values = {**figure_values(spec), **{name: f.value for name, f in figures.items()}}
+    direct = {name: int(values[name]) if name in _INTEGERS else values[name] for name in _DIRECT}
+    peer = None
+    if "interconnect_bytes_per_s" in values:
+        peer = Link(values["interconnect_bytes_per_s"], values.get("interconnect_latency_s", 0.0))
+    return replace(spec, **direct, h2d=Link(values["h2d_bytes_per_s"], values["link_latency_s"]),
+                   d2h=Link(values["d2h_bytes_per_s"], values["link_latency_s"]),
+                   flops={d: values[f"{d}_flops"] for d in COMPUTE_DTYPES if f"{d}_flops" in values},
+                   interconnect=peer, figures={**spec.figures, **figures})
 
-DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    # Cerebras CS-2 / WSE-2 (Cerebras product brief; AnandTech, "Cerebras Unveils Wafer Scale Engine Two",
-    # 2021): 40 GB on-wafer SRAM at 20 PB/s; 12 x 100 GbE = 1.2 Tb/s = 150 GB/s of external I/O.
-    # Cerebras publishes no dense FLOP/s figure: 7.5 PFLOP/s half precision is an estimate (850,000 cores x
-    # 8 FLOP/cycle x ~1.1 GHz). MemoryX (the host that holds weights and runs the update) is sized from
-    # 4 TB up; the smallest configuration is taken.
-    "cs2": DeviceSpec(
-        name="cs2", memory_bytes=40 * GB,
-        h2d=Link(150 * GB, _LINK_LATENCY), d2h=Link(150 * GB, _LINK_LATENCY),
-        flops={"bf16": 7.5e15, "fp32": 1.875e15}, device_mem_bandwidth=20e15,
-        host_ram_bytes=4 * TB, disk_read_bw=_NVME_READ, disk_write_bw=_NVME_WRITE,
-        host_update_bw=_SERVER_UPDATE_BW, interconnect=Link(150 * GB, _LINK_LATENCY),
-        source="Cerebras CS-2 product brief; AnandTech WSE-2 (2021): 40 GB SRAM, 20 PB/s, 1.2 Tb/s I/O",
-        notes=("150 GB/s is taken in EACH direction (12 x 100 GbE, full duplex): ASSUMED",
-               "7.5 PFLOP/s bf16 and 1/4 of it for fp32 are ASSUMED (no published dense figure)",
-               "MemoryX host: 4 TB RAM (smallest configuration), NVMe 7/5 GB/s, 100 GB/s update: ASSUMED",
-               "several CS-2s reduce gradients through SwarmX at the 150 GB/s I/O rate: ASSUMED",
-               "link latency 10 us per transfer is ASSUMED"),
-    ),
-    # Data-parallel peers: NVLink 3 (A100) 600 GB/s and NVLink 4 (H100, H200) 900 GB/s in both directions
-# together, so 300 and 450 GB/s each way (NVIDIA datasheets); the RTX 4090 has no NVLink (through the host).
-# NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 1555 GB/s HBM2 (40 GB),
-    # 2039 GB/s HBM2e (80 GB SXM); PCIe Gen4 x16 gives ~25 GB/s per direction in practice (32 GB/s raw).
-    # Memory is the total nvidia-smi reports. DGX A100 ships 1 TB of host RAM.
-    "a100-40g": _gpu("a100-40g", 40960, 25, 312, 19.5, 1555, 1 * TB,
-                     "NVIDIA A100 datasheet; PCIe Gen4 x16 ~25 GB/s effective; DGX A100 host", (_FP32_NOTE,),
-                     nvlink_gbps=300),
-    "a100-80g": _gpu("a100-80g", 81920, 25, 312, 19.5, 2039, 1 * TB,
-                     "NVIDIA A100 80GB datasheet; PCIe Gen4 x16 ~25 GB/s effective; DGX A100 host", (_FP32_NOTE,),
-                     nvlink_gbps=300),
-    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32;
-    # PCIe Gen5 x16 host link, ~55 GB/s per direction measured in practice (64 GB/s raw). DGX H100: 2 TB.
-    "h100-80g": _gpu("h100-80g", 81559, 55, 989, 67, 3350, 2 * TB,
-                     "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16 ~55 GB/s effective; DGX H100 host", (_FP32_NOTE,),
-                     nvlink_gbps=450),
-    # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s, same compute as H100 SXM, PCIe Gen5. DGX H200: 2 TB.
-    "h200": _gpu("h200", 143771, 55, 989, 67, 4800, 2 * TB,
-                 "NVIDIA H200 datasheet; PCIe Gen5 x16 ~55 GB/s effective; DGX H200 host", (_FP32_NOTE,),
-                 nvlink_gbps=450),
-    # NVIDIA Ada (RTX 4090) whitepaper: 24 GB GDDR6X at 1008 GB/s, 165.2 TFLOP/s bf16 dense with fp32
-    # accumulate, 82.6 TFLOP/s fp32; PCIe Gen4 x16. Host: a 128 GiB workstation (ASSUMED).
-    "rtx4090": _gpu("rtx4090", 24564, 25, 165.2, 82.6, 1008, 128 * GiB,
-                    "NVIDIA Ada Lovelace whitepaper (RTX 4090); PCIe Gen4 x16 ~25 GB/s effective",
-                    ("workstation host with 128 GiB RAM is ASSUMED",)),
-}
+
+def _preset(name: str) -> DeviceSpec:
+    figures = PRESET_FIGURES[name]
+    v = {key: f.value for key, f in figures.items()}
+    update_on, reduce = PRESET_SYSTEM[name]
+    base = DeviceSpec(name=name, memory_bytes=1, h2d=Link(1.0), d2h=Link(1.0), flops={"bf16": 1.0},
+                      device_mem_bandwidth=1.0, host_ram_bytes=1, disk_read_bw=1.0, disk_write_bw=1.0,
+                      host_update_bw=1.0, update_on=update_on, reduce=reduce, notes=PRESET_NOTES.get(name, ()),
+                      interconnect=Link(1.0) if "interconnect_bytes_per_s" in v else None,
+                      source="docs/MEMORY_MODEL.md, Device catalogue (`streamer devices` lists every figure)")
+    return with_figures(base, figures)
+
+
+DEVICE_PRESETS: dict[str, DeviceSpec] = {name: _preset(name) for name in PRESET_FIGURES}
 
 
 def device_spec(name: str) -> DeviceSpec:
@@ -225,14 +237,14 @@ def device_spec(name: str) -> DeviceSpec:
 
 def budget_bytes(budget: None | int | str | DeviceSpec, error: Callable[[str, str], Exception] = SettingError
                  ) -> int | None:
-    """A device budget in bytes: None (no limit), a device preset or spec (its memory), or a size ("64MiB",
+    """A device budget in bytes: None (no limit), a device preset or spec (its memory less its reserve), or a size ("64MiB",
     3000000000). The one reading of --budget, for the run's settings, the trainer and `generate`."""
     if budget is None:
         return None
-    if isinstance(budget, DeviceSpec):
-        return budget.memory_bytes
     if isinstance(budget, str) and budget in DEVICE_PRESETS:
-        return DEVICE_PRESETS[budget].memory_bytes
+        budget = DEVICE_PRESETS[budget]
+    if isinstance(budget, DeviceSpec):  # what tensors may take: the memory less the runtime's own reserve
+        return budget.memory_bytes - budget.reserve_bytes
     try:
         size = parse_size(budget)
     except SizeError as exc:

@@ -18,17 +18,20 @@ from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes,
+    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes,
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
 )
 from memory_model.schedule import (
     Charge, Event, Resource, gradient_charges, resident_sets, resource_charges, step_events, update_charges,
 )
-from memory_model.timing import simulate
+from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
 
 BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_avg, exp_avg_sq (mixed precision)
 _MAX_BATCH_SEARCH = 2**24
+# Ranks of one plan that share a host (and its RAM) when each holds its own store: an 8-GPU server (DGX,
+# HGX) is ASSUMED. With an in-network reduce (MemoryX and SwarmX) one store serves every system.
+_RANKS_PER_HOST = 8
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class UnitRow:
     params: int
     weight_bytes: int  # compute weights while on the device
     gradient_bytes: int  # its weight gradient on the device, during its backward
-    optimizer_bytes: int  # fp32 master + moments (on the host; streamed through the device in chunks)
+    optimizer_bytes: int  # fp32 master + moments in their dtype (on the host; streamed through the device in chunks)
     activation_bytes: int  # held from its forward to its backward, per micro-batch
     recompute_bytes: int  # saved tensors recomputed during its backward (checkpoint policy)
     workspace_bytes: int  # during its backward
@@ -71,16 +74,21 @@ class Plan:
     peak_device_bytes: int
     peak_breakdown: dict[str, int]
     peak_at: tuple[str, str]  # (unit, phase) of the first event at the peak
-    fits: bool
-    host_store_bytes: int  # compute weights, master, moments and gradient accumulator
-    host_fits: bool  # the RAM tier needs the whole store in host RAM
+    fits: bool  # the peak plus the device's reserve (CUDA context) fit its memory
+    host_store_bytes: int  # per rank: compute weights, master, moments and gradient accumulator
+    host_stores: int  # stores on one host: ranks sharing it, each with its own store (1 with an in-network reduce)
+    host_fits: bool  # the RAM tier needs every store of the host in its RAM
     step_time_s: float
     tokens_per_s: float
-    utilisation: float  # model FLOPs per second / the device's peak rate for the compute dtype
+    utilisation: float  # MFU: model FLOPs per second / the device's dense peak for the compute dtype
     model_flops: int  # per step and device: 3 x forward matmul FLOPs (attention included), no recompute
-    bottleneck: str  # "compute" | "io": the busier of the compute thread and the I/O worker
-    max_batch_seq: tuple[int, int]  # the largest batch at this seq that fits (0 when none), and seq
-    max_seq: int  # the largest seq at this batch that fits, up to n_positions (0 when none)
+    bottleneck: str  # the resource busy longest in the step (timing.RESOURCES)
+    resource_s: dict[str, float]  # seconds each resource is busy per step, before overlap
+    link_bytes: dict[str, int]  # bytes per step and device over h2d, d2h, and read from / written to disk
+    # The largest batch at this seq that fits (0 when none), and seq; the largest seq at this batch that fits, up
+    # to n_positions (0 when none). None when not searched (plan(..., limits=False): the sweep).
+    max_batch_seq: tuple[int, int] | None
+    max_seq: int | None
     rows: tuple[UnitRow, ...]
 
     def to_json(self) -> dict[str, Any]:
@@ -90,9 +98,18 @@ class Plan:
         out["device_memory_bytes"] = self.device.memory_bytes
         out["config"] = asdict(self.config)
         out["peak_at"] = {"unit": self.peak_at[0], "phase": self.peak_at[1]}
-        out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
+        if self.max_batch_seq is not None:
+            out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
         out["rows"] = [asdict(r) for r in self.rows]
+        out.update(self.summary())
         return out
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers under short names: the what-if sweep's columns and `plan --json`'s top keys."""
+        return {"step_s": self.step_time_s, "peak_bytes": self.peak_device_bytes, "tokens_per_s": self.tokens_per_s,
+                "model_flops_per_s": self.model_flops / self.step_time_s, "mfu": self.utilisation,
+                "bottleneck": self.bottleneck, "fits": self.fits, "host_fits": self.host_fits,
+                **{f"{name}_bytes_per_step": n for name, n in self.link_bytes.items()}}
 
     def table(self) -> Table:
         """Per unit: bytes on the device and time per phase; the caption holds the totals."""
@@ -110,10 +127,13 @@ class Plan:
         parts = ", ".join(f"{c} {format_size(self.peak_breakdown[c])}" for c in CATEGORIES)
         table.caption = (f"peak {format_size(self.peak_device_bytes)} at {self.peak_at[1]} {self.peak_at[0]} "
                          f"({parts}); {'fits' if self.fits else 'does NOT fit'} "
-                         f"{format_size(self.device.memory_bytes)}; 16 B/param baseline "
+                         f"{format_size(self.device.memory_bytes)}"
+                         f"{f' less a {format_size(self.device.reserve_bytes)} reserve' if self.device.reserve_bytes else ''}"
+                         f"; 16 B/param baseline "
                          f"{format_size(self.baseline_bytes)} ({self.baseline_bytes / self.peak_device_bytes:.1f}x); "
                          f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, "
-                         f"utilisation {self.utilisation:.0%} ({self.bottleneck}-bound)")
+                         f"MFU {self.utilisation:.0%} (bound by {self.bottleneck}; busy s: "
+                         + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")")
         return table
 
 
@@ -219,8 +239,9 @@ def _max_shapes(shape: GPTJConfig, cfg: PlanConfig, capacity: int, update_peak: 
     return max_micro * group, max_seq
 
 
-def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
-    """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`."""
+def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True) -> Plan:
+    """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`;
+    `limits` also searches the largest batch and seq that fit (most of the cost of a plan)."""
     if cfg.seq > shape.n_positions:
         raise ValueError(f"seq {cfg.seq} exceeds the model's context n_positions={shape.n_positions}")
     units = shape.unit_names()
@@ -243,7 +264,7 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, weight_bytes=params * es, gradient_bytes=params * es,
-            optimizer_bytes=params * OPTIMIZER_BYTES_PER_PARAM, activation_bytes=kept, recompute_bytes=recompute,
+            optimizer_bytes=params * (4 + cfg.moment_bytes), activation_bytes=kept, recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
@@ -255,19 +276,26 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> Plan:
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
-    host_store = params * (es + OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+    host_store = params * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
+    stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
-    max_batch, max_seq = _max_shapes(shape, cfg, device.memory_bytes, update_peak)
+    max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
+                          if limits else (None, None))
     step_s = timeline.end_s
     return Plan(
         shape=shape, device=device, config=cfg, params=params,
         baseline_bytes=BASELINE_BYTES_PER_PARAM * params,
         resident_baseline_bytes=BASELINE_BYTES_PER_PARAM * params + resident_acts,
         peak_device_bytes=peak, peak_breakdown=dict(zip(CATEGORIES, peak_bytes)),
-        peak_at=(peak_event.unit, peak_event.phase), fits=peak <= device.memory_bytes,
-        host_store_bytes=host_store, host_fits=cfg.store == "disk" or host_store <= device.host_ram_bytes,
+        peak_at=(peak_event.unit, peak_event.phase), fits=peak + device.reserve_bytes <= device.memory_bytes,
+        host_store_bytes=host_store, host_stores=stores,
+        host_fits=cfg.store == "disk" or host_store * stores <= device.host_ram_bytes,
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.compute_dtype),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),
-        max_batch_seq=(max_batch, seq), max_seq=max_seq, rows=tuple(rows),
+        resource_s={r: timeline.busy[r] for r in RESOURCES},
+        link_bytes={"h2d": sum(r.h2d_bytes for r in rows), "d2h": sum(r.d2h_bytes for r in rows),
+                    "disk_read": sum(r.disk_read_bytes for r in rows),
+                    "disk_write": sum(r.disk_write_bytes for r in rows)},
+        max_batch_seq=None if max_batch is None else (max_batch, seq), max_seq=max_seq, rows=tuple(rows),
     )

@@ -17,10 +17,13 @@ from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 ACTIVATION_POLICIES = ("resident", "checkpoint")
 UPDATE_PLACES = ("device", "host")
 STORE_TIERS = ("ram", "disk")
+OVERLAP_MODES = ("none", "backward")
+MOMENT_DTYPES = ("fp32", "bf16")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
 # AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
-# parameter (calibrate.py measures the `local` update bandwidth with the same count).
+# parameter (calibrate.py measures the `local` update bandwidth with the same count; PlanConfig's
+# update_touched_bytes counts the moments in their dtype).
 UPDATE_TOUCHED_BYTES_PER_PARAM = 28
 
 
@@ -49,6 +52,12 @@ class PlanConfig:
     store: str = setting("ram", "where the host store lives: ram, or disk (committed every step)",
                          Choice(STORE_TIERS), "TIER")
     devices: int = setting(1, "data-parallel processes, one device each", Integer())
+    moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
+                                Choice(MOMENT_DTYPES), "DTYPE")
+    # Not a runtime setting: the runtime updates after the backward. MemoryX and ZeRO-Offload's delayed
+    # update start a unit's host update once its gradient is final; the planner can price that.
+    update_overlap: str = setting("none", "a host update starts after the backward (none) or as soon as each "
+                                  "unit's gradient is final (backward)", Choice(OVERLAP_MODES), "MODE")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -64,6 +73,21 @@ class PlanConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def moment_bytes(self) -> int:
+        """Per parameter, both Adam moments in the store."""
+        return 2 * DTYPE_BYTES[self.moment_dtype]
+
+    @property
+    def store_bytes_per_param(self) -> int:
+        """What an update writes back per parameter: fp32 master, the moments, and the new compute weights."""
+        return 4 + self.moment_bytes + self.new_compute_bytes
+
+    @property
+    def update_touched_bytes(self) -> int:
+        """AdamW reads master, gradient and moments and writes master and moments (28 B/param in fp32)."""
+        return 4 + 4 + 4 + 2 * self.moment_bytes
 
     @property
     def new_compute_bytes(self) -> int:

@@ -1,11 +1,13 @@
-"""Time of a step: the seconds of every load, compute and write-back, overlapped the way the runtime does.
+"""Time of a step: the seconds of every load, compute and write-back, on the resources that do them.
 
-The runtime has one compute thread and one I/O worker that runs jobs in submission order (loads, gradient
-offloads, update write-backs). Event k issues the loads of its resident set that are not in flight when it
-starts, waits for its own, computes; a backward's gradient offload (with its all-reduce under data parallel)
-overlaps the next unit's backward and is waited for when that one's gradient appears; an update chunk's
-write-back is left queued. Assumptions are listed in
-docs/MEMORY_MODEL.md ("Time model").
+Each resource is a queue that does one thing at a time: the device's compute, the host-to-device and the
+device-to-host link (separate queues: PCIe, NVLink-C2C and Ethernet are full duplex), the peer interconnect,
+the host's cores (the gradient fold and a host update) and the disk. Event k issues the loads of its
+resident set that are not in flight (disk read, then h2d), waits for its own, computes; a backward's
+gradient goes d2h (after its all-reduce under data parallel), is folded on the host and written to disk,
+overlapping the next unit's backward, and is waited for when that one's gradient appears. A host update runs
+on the host's cores, after the backward or (update_overlap="backward") as soon as the unit's gradient is
+final. Rates are the catalogue's achievable shares of the peaks. docs/MEMORY_MODEL.md ("Time model").
 """
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from dataclasses import dataclass, field
 
 from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
-from memory_model.shapes import (
-    OPTIMIZER_BYTES_PER_PARAM, UPDATE_TOUCHED_BYTES_PER_PARAM, PlanConfig, forward_flops,
-)
+from memory_model.shapes import PlanConfig, forward_flops
 from memory_model.kernels import attention_flops
 from memory_model.schedule import Event, Resource, Weights, released_after, resource_charges
+
+RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
 
 
 @dataclass
@@ -39,20 +41,39 @@ class UnitTimes:
 class Timeline:
     end_s: float
     per_unit: dict[str, UnitTimes]
-    busy: dict[str, float] = field(default_factory=dict)  # "compute" and "io" seconds, before overlap
+    busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(RESOURCES, 0.0))  # seconds per resource
 
     def bottleneck(self) -> str:
+        """The resource busy longest in the step: the one that bounds it."""
         return max(self.busy, key=self.busy.__getitem__)
+
+
+class _Queues:
+    """When each resource is next free; `run` books `seconds` on it starting no earlier than `after`."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.free = dict.fromkeys(RESOURCES, 0.0)
+        self.busy = timeline.busy
+
+    def run(self, resource: str, after: float, seconds: float) -> float:
+        if seconds == 0.0:
+            return after
+        start = max(after, self.free[resource])
+        self.free[resource] = start + seconds
+        self.busy[resource] += seconds
+        return start + seconds
 
 
 def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
     # The cpu device is the host's RAM: a RAM-tier slab is handed over as it is, nothing crosses a link.
     if device.same_memory or nbytes == 0:
         return 0.0
-    return (device.h2d if direction == "h2d" else device.d2h).time(nbytes)
+    return device.link_time(device.h2d if direction == "h2d" else device.d2h, nbytes)
 
 
-def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
+def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
+          queues: _Queues, issued: float) -> float:
+    """Book a load (disk read, then the h2d copy); returns when it is on the device."""
     weights = isinstance(resource, Weights)
     # What a load moves is what the resource holds on a device that runs the update (the schedule's charges);
     # with the update on the host a chunk is read from disk but does not cross the link.
@@ -60,28 +81,32 @@ def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: Device
                                                       "device"))
     disk = nbytes if cfg.store == "disk" else 0
     h2d = nbytes if weights or cfg.update_on == "device" else 0
-    seconds = _link(h2d, device, "h2d") + disk / device.disk_read_bw
-    times.load_s += seconds
+    read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d")
+    times.load_s += read_s + copy_s
     times.h2d += h2d
     times.disk_read += disk
-    return seconds
+    return queues.run("h2d", queues.run("disk", issued, read_s), copy_s)
 
 
 def _compute(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
     if event.phase == "update":
-        bandwidth = device.device_mem_bandwidth if cfg.update_on == "device" else device.host_update_bw
-        return event.resource.count * UPDATE_TOUCHED_BYTES_PER_PARAM / bandwidth
-    unit, rate = event.unit, device.flops_for(cfg.compute_dtype)
+        if cfg.update_on == "device":
+            bandwidth = device.device_mem_bandwidth * device.bandwidth_efficiency
+        else:
+            bandwidth = device.host_update_bw  # a measured or published update rate: already achievable
+        return event.resource.count * cfg.update_touched_bytes / bandwidth
+    unit = event.unit
+    rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
     costs = device.kernels.get(cfg.compute_dtype)
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
-    if costs is None:  # the matmul-only model: attention at the matmul rate, nothing else costs time
-        forward = matmuls / rate
+    attention = attention_flops(shape, cfg.micro_batch, cfg.seq) if unit.startswith("block.") else 0
+    if costs is None:  # the matmul-only model: attention at its own achievable rate, nothing else costs time
+        attention_rate = device.flops_for(cfg.compute_dtype) * device.attention_efficiency
+        forward = (matmuls - attention) / rate + attention / attention_rate
         backward = 2 * forward
     else:
-        if unit.startswith("block."):
-            matmuls -= attention_flops(shape, cfg.micro_batch, cfg.seq)
-        forward = matmuls / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
-        backward = 2 * matmuls / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
+        forward = (matmuls - attention) / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
+        backward = 2 * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
     if event.phase == "forward":
         return forward
     recompute = forward if cfg.activations == "checkpoint" and unit.startswith("block.") else 0.0
@@ -94,79 +119,110 @@ def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
     return device.same_memory and cfg.store == "ram" and cfg.devices == 1
 
 
-def _write_back(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes) -> float:
+def _gradient_out(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
+                  queues: _Queues, clock: float) -> tuple[float, float]:
+    """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
     es, disk = cfg.dtype_bytes, cfg.store == "disk"
-    if event.phase == "backward":
-        params = shape.unit_params(event.unit)
-        grad = params * es
-        first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
-        # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones
-        # read and write it); after the last one it reads it once more for the global norm. Under data
-        # parallel the offload first waits for the fp32 all-reduce of this gradient.
-        touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
-        read = 0 if first or not disk else 4 * params
-        write = 4 * params if disk else 0
-        costs = device.kernels.get(cfg.compute_dtype)
-        fold_bw = device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s
-        seconds = (device.allreduce_time(4 * params, cfg.devices) + _link(grad, device, "d2h")
-                   + touched / fold_bw + read / device.disk_read_bw + write / device.disk_write_bw)
-        times.d2h += grad
-    else:  # an update chunk: new master, moments and compute weights go back to the store
-        out = event.resource.count * (OPTIMIZER_BYTES_PER_PARAM + cfg.new_compute_bytes)
-        d2h = out if cfg.update_on == "device" else 0
-        read, write = 0, out if disk else 0
-        seconds = _link(d2h, device, "d2h") + write / device.disk_write_bw
-        times.d2h += d2h
-    times.offload_s += seconds
+    params = shape.unit_params(event.unit)
+    grad = params * es
+    first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
+    # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones
+    # read and write it); after the last one it reads it once more for the global norm. Under data
+    # parallel the offload first waits for the fp32 all-reduce of this gradient.
+    touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
+    read = 0 if first or not disk else 4 * params
+    write = 4 * params if disk else 0
+    costs = device.kernels.get(cfg.compute_dtype)
+    fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
+    disk_s = read / device.disk_read_bw + write / device.disk_write_bw
+    reduce_s, d2h_s = device.allreduce_time(4 * params, cfg.devices), _link(grad, device, "d2h")
+    times.d2h += grad
     times.disk_read += read
     times.disk_write += write
-    return seconds
+    times.offload_s += reduce_s + d2h_s + fold_s + disk_s
+    if folds_inline(cfg, device):
+        queues.busy["host compute"] += fold_s
+        return fold_s, clock + fold_s
+    done = queues.run("d2h", queues.run("interconnect", clock, reduce_s), d2h_s)
+    return 0.0, queues.run("disk", queues.run("host compute", done, fold_s), disk_s)
+
+
+def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes, queues: _Queues,
+               after: float) -> float:
+    """Book an update chunk's write-back (new master, moments and compute weights to the store)."""
+    out = event.resource.count * cfg.store_bytes_per_param
+    d2h = out if cfg.update_on == "device" else 0
+    write = out if cfg.store == "disk" else 0
+    d2h_s, write_s = _link(d2h, device, "d2h"), write / device.disk_write_bw
+    times.d2h += d2h
+    times.disk_write += write
+    times.offload_s += d2h_s + write_s
+    return queues.run("disk", queues.run("d2h", after, d2h_s), write_s)
 
 
 def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJConfig, cfg: PlanConfig,
              device: DeviceSpec) -> Timeline:
-    per_unit = {u: UnitTimes() for u in shape.unit_names()}
-    busy = {"compute": 0.0, "io": 0.0}
-    clock = io_free = 0.0
-    offload_done = 0.0  # when the last gradient offload (queued on the I/O worker) finishes
+    timeline = Timeline(0.0, {u: UnitTimes() for u in shape.unit_names()})
+    per_unit, queues = timeline.per_unit, _Queues(timeline)
+    clock = 0.0  # the compute thread
+    offload_done = 0.0  # when the last gradient offload finishes
     first_unit = shape.unit_names()[0]
     in_flight: set[Resource] = set()
-    inline = folds_inline(cfg, device)
     ready: dict[Resource, float] = {}
+    # The host's cores run a host update; on a cpu device those are the compute thread's own cores. Overlapped,
+    # a unit's chunks are booked on the host as soon as its last gradient is folded, between later folds.
+    host_update = cfg.update_on == "host" and not device.same_memory
+    early = host_update and cfg.update_overlap == "backward"
+    chunks = {u: [e for e in events if e.phase == "update" and e.unit == u] for u in shape.unit_names()}
+    booked: set[Event] = set()
+    ends = [0.0]
+
+    def host_chunk(event: Event, after: float) -> None:
+        times = per_unit[event.unit]
+        if event.resource not in in_flight:  # overlapped: the host reads the state when it starts
+            ready[event.resource] = _load(event.resource, shape, cfg, device, times, queues, after)
+            in_flight.add(event.resource)
+        compute = _compute(event, shape, cfg, device)
+        times.update_s += compute
+        done = queues.run("host compute", max(after, ready[event.resource]), compute)
+        ends.append(_state_out(event, cfg, device, times, queues, done))
+        booked.add(event)
+
     for k, event in enumerate(events):
+        if event in booked:
+            continue
         for r in resident[k]:
             if r not in in_flight:
-                seconds = _load(r, shape, cfg, device, per_unit[r.unit])
-                io_free = max(io_free, clock) + seconds
-                ready[r] = io_free
+                ready[r] = _load(r, shape, cfg, device, per_unit[r.unit], queues, clock)
                 in_flight.add(r)
-                busy["io"] += seconds
+        if event.phase == "update" and host_update:
+            host_chunk(event, clock)
+            continue
         compute = _compute(event, shape, cfg, device)
         times = per_unit[event.unit]
+        clock = max(clock, ready[event.resource]) + compute
         if event.phase == "update":
             times.update_s += compute
-        elif event.phase == "forward":
-            times.forward_s += compute
+            queues.busy["host compute" if cfg.update_on == "host" else "device compute"] += compute
+            ends.append(_state_out(event, cfg, device, times, queues, clock))
         else:
-            times.backward_s += compute
-        clock = max(clock, ready[event.resource]) + compute
-        busy["compute"] += compute
+            queues.busy["device compute"] += compute
+            if event.phase == "forward":
+                times.forward_s += compute
+            else:
+                times.backward_s += compute
         if event.phase == "backward":
             # The previous unit's offload overlapped this backward; it is waited for when this gradient
             # appears, and the first unit's own offload before the update or the next micro-batch.
             clock = max(clock, offload_done)
-        if event.phase != "forward":
-            seconds = _write_back(event, shape, cfg, device, times)
-            if event.phase == "backward" and inline:
-                clock += seconds
-                busy["compute"] += seconds
-            else:
-                io_free = max(io_free, clock) + seconds
-                busy["io"] += seconds
-                if event.phase == "backward":
-                    offload_done = io_free
-                    if event.unit == first_unit:
-                        clock = io_free
+            inline_s, offload_done = _gradient_out(event, shape, cfg, device, times, queues, clock)
+            clock += inline_s
+            if early and event.micro == cfg.grad_accum - 1:
+                for chunk in chunks[event.unit]:
+                    host_chunk(chunk, offload_done)
+            if event.unit == first_unit:
+                clock = max(clock, offload_done)
         if released_after(events, k):
             in_flight.discard(event.resource)
-    return Timeline(max(clock, io_free), per_unit, busy)
+    timeline.end_s = max(clock, offload_done, *ends, *queues.free.values())
+    return timeline

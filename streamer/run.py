@@ -162,7 +162,8 @@ class RunConfig:
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
-        return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices)
+        return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices,
+                          moment_dtype=self.moment_dtype)
 
     def data_config(self) -> DataConfig:
         return DataConfig(**owned(self, DataConfig))

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 import streamer.runtime.calibrate as calibrate
 from layers import PRESETS
 from memory_model import DEVICE_PRESETS, DeviceSpec, Link, SizeError, device_spec, format_size, parse_size
+from memory_model.catalogue import BASES, Figure
+from memory_model.devices import FIGURES, figure_values, with_figures
 from streamer.runtime.calibrate import CalibrationSizes
 from memory_model.kernels import KernelCosts
 
@@ -71,15 +73,58 @@ def test_format_size() -> None:
 
 # --- presets and links ---------------------------------------------------------------------------------------------
 def test_presets_exist_with_sources() -> None:
-    assert set(DEVICE_PRESETS) == {"cs2", "a100-40g", "a100-80g", "h100-80g", "h200", "rtx4090"}
+    assert set(DEVICE_PRESETS) == {"cs2", "cs3", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "gh200",
+                                   "rtx4090"}
     for name, spec in DEVICE_PRESETS.items():
         assert spec.name == name and spec.source
         assert spec.flops["bf16"] > spec.flops["fp32"] > 0
         assert not spec.same_memory
+        assert spec.matmul_efficiency < 1 and spec.bandwidth_efficiency < 1  # achievable, below the peaks
     assert DEVICE_PRESETS["cs2"].memory_bytes == 40 * 10**9
     assert DEVICE_PRESETS["cs2"].h2d.bandwidth_bytes_per_s == 150e9
-    assert DEVICE_PRESETS["h100-80g"].flops["bf16"] == 989e12
+    assert DEVICE_PRESETS["h100-sxm"].flops["bf16"] == 989e12
     assert device_spec("cs2") is DEVICE_PRESETS["cs2"]
+
+
+def test_every_number_of_every_device_has_a_basis_and_sourced_ones_a_source(tmp_path) -> None:
+    local = calibrate.calibrate(tmp_path, DEBUG, "fp32", TINY)
+    for spec in [*DEVICE_PRESETS.values(), local]:
+        values = figure_values(spec)
+        assert set(values) <= set(FIGURES) and set(spec.figures) == set(values), spec.name
+        for name, value in values.items():
+            figure = spec.figures[name]
+            assert figure.value == value and figure.basis in BASES, (spec.name, name)
+            assert figure.source, (spec.name, name)  # sourced and derived name it; assumed and measured say how
+    assert {f.basis for f in local.figures.values()} == {"measured"}
+    with pytest.raises(ValueError, match="basis is one of"):
+        Figure(1.0, "guessed", "x")
+    with pytest.raises(ValueError, match="needs its source"):
+        Figure(1.0, "sourced")
+
+
+def test_published_figures_the_simulator_must_use() -> None:
+    cs2, cs3, h100 = DEVICE_PRESETS["cs2"], DEVICE_PRESETS["cs3"], DEVICE_PRESETS["h100-sxm"]
+    assert cs2.flops["bf16"] == 7.5e15 and cs2.figures["bf16_flops"].basis == "derived"  # Andromeda 120 PF / 16
+    assert cs3.flops["bf16"] == 15e15  # dense, not the 125 PF sparsity-weighted "AI compute"
+    assert cs2.update_on == cs3.update_on == "host" and cs2.reduce == "in-network"  # MemoryX updates, SwarmX sums
+    assert h100.matmul_efficiency == 0.801 and h100.memory_bytes == 81559 * 2**20
+    assert h100.h2d.bandwidth_bytes_per_s == h100.d2h.bandwidth_bytes_per_s == 63e9  # per direction, not the total
+    assert DEVICE_PRESETS["gh200"].h2d.bandwidth_bytes_per_s == 450e9
+
+
+def test_set_overrides_a_figure_and_marks_it() -> None:
+    spec = with_figures(DEVICE_PRESETS["h100-sxm"], {"h2d_bytes_per_s": Figure(1e9, "assumed", "--set")})
+    assert spec.h2d.bandwidth_bytes_per_s == 1e9 and spec.d2h.bandwidth_bytes_per_s == 63e9
+    assert spec.figures["h2d_bytes_per_s"].source == "--set"
+    with pytest.raises(ValueError, match="unknown device field"):
+        with_figures(spec, {"warp_speed": Figure(1.0, "assumed", "x")})
+
+
+def test_in_network_reduce_costs_hops_not_bytes() -> None:
+    cs2, h100 = DEVICE_PRESETS["cs2"], DEVICE_PRESETS["h100-sxm"]
+    assert cs2.allreduce_time(10**9, 16) == 3 * cs2.interconnect.latency_s  # ceil(log4 16) + 1 levels
+    assert cs2.allreduce_time(10**12, 16) == cs2.allreduce_time(10**9, 16)
+    assert h100.allreduce_time(10**12, 16) > 10 * h100.allreduce_time(10**9, 16)  # a ring moves bytes
 
 
 def test_unknown_device_lists_choices() -> None:
@@ -98,7 +143,7 @@ def test_link_time() -> None:
 
 
 def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
-    spec = DEVICE_PRESETS["h100-80g"]
+    spec = DEVICE_PRESETS["h100-sxm"]
     with pytest.raises(AttributeError):
         spec.memory_bytes = 1  # type: ignore[misc]
     again = DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
@@ -160,7 +205,7 @@ def test_kernel_costs_are_validated_and_roundtrip() -> None:
         KernelCosts.from_dict({**good.to_dict(), "elementwise_forward_s": float("nan")})
     with pytest.raises(ValueError, match="needs exactly the fields"):
         KernelCosts.from_dict({"attention_forward_flops": 1.0})
-    raw = DEVICE_PRESETS["h100-80g"].to_dict()
+    raw = DEVICE_PRESETS["h100-sxm"].to_dict()
     with pytest.raises(ValueError, match="kernels maps a compute dtype"):
         DeviceSpec.from_dict({**raw, "kernels": {"fp8": good.to_dict()}})
 

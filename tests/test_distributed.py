@@ -70,7 +70,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     # measured 0 (native) / 2.4e-7 (AVX2 cap); 8x margin
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
     # Each rank's device peak, the all-reduce's flat fp32 gradient included, is what the planner predicts.
-    planned = plan(CFG, device_spec("h100-80g"), PlanConfig(batch=4, seq=32, compute_dtype="fp32", store="disk",
+    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(batch=4, seq=32, compute_dtype="fp32", store="disk",
                                                            update_chunk=10_000, devices=2)).peak_device_bytes
     print("planned", planned, "measured", [r["peak"] for r in ranks])
     assert [r["peak"] for r in ranks] == [planned, planned]

@@ -236,11 +236,12 @@ def test_does_not_fit_a_small_device_and_the_largest_batch_does() -> None:
     best, seq = p.max_batch_seq
     assert seq == 2048 and 1 <= best < 8
     assert plan(GPTJ_6B, DEVICE_PRESETS["rtx4090"], replace(cfg, batch=best)).fits
-    assert peak_device_bytes(GPTJ_6B, replace(cfg, batch=best + 1)) > DEVICE_PRESETS["rtx4090"].memory_bytes
+    usable = DEVICE_PRESETS["rtx4090"].memory_bytes - DEVICE_PRESETS["rtx4090"].reserve_bytes  # less the CUDA context
+    assert peak_device_bytes(GPTJ_6B, replace(cfg, batch=best + 1)) > usable
     short = p.max_seq
     assert 0 < short < 2048
-    assert peak_device_bytes(GPTJ_6B, replace(cfg, seq=short)) <= DEVICE_PRESETS["rtx4090"].memory_bytes
-    assert peak_device_bytes(GPTJ_6B, replace(cfg, seq=short + 1)) > DEVICE_PRESETS["rtx4090"].memory_bytes
+    assert peak_device_bytes(GPTJ_6B, replace(cfg, seq=short)) <= usable
+    assert peak_device_bytes(GPTJ_6B, replace(cfg, seq=short + 1)) > usable
 
 
 def test_nothing_fits_a_tiny_device() -> None:
@@ -262,7 +263,7 @@ def test_prefetch_and_update_place_change_the_peak_as_documented() -> None:
 # --- time ----------------------------------------------------------------------------------------------------------
 def test_time_model_properties() -> None:
     base = PlanConfig(batch=4, seq=2048, activations="checkpoint")
-    h100 = DEVICE_PRESETS["h100-80g"]
+    h100 = DEVICE_PRESETS["h100-sxm"]
     p1 = plan(GPTJ_6B, h100, base)
     p0 = plan(GPTJ_6B, h100, replace(base, prefetch=0))
     assert p0.step_time_s > p1.step_time_s > 0
@@ -273,9 +274,17 @@ def test_time_model_properties() -> None:
     assert resident.step_time_s <= p1.step_time_s  # no recompute
     assert sum(r.backward_flops for r in p1.rows) > sum(r.backward_flops for r in resident.rows)
     slow_link = replace(h100, h2d=Link(1e9), d2h=Link(1e9))
-    assert plan(GPTJ_6B, slow_link, base).bottleneck == "io"
+    assert plan(GPTJ_6B, slow_link, base).bottleneck == "h2d"  # weights in twice, gradients out once
     fast_link = replace(h100, h2d=Link(1e15), d2h=Link(1e15), host_update_bw=1e15, flops={"bf16": 1e12, "fp32": 1e11})
-    assert plan(GPTJ_6B, fast_link, base).bottleneck == "compute"
+    assert plan(GPTJ_6B, fast_link, base).bottleneck == "device compute"
+    # A host update is the host's work, not the device's: a slow host bounds the step as "host compute".
+    slow_host = replace(h100, host_update_bw=1e9)
+    assert plan(GPTJ_6B, slow_host, replace(base, update_on="host")).bottleneck == "host compute"
+    # The links are full duplex: gradients out do not wait for weights in.
+    p = plan(GPTJ_6B, h100, base)
+    assert p.step_time_s < p.resource_s["device compute"] + p.resource_s["h2d"] + p.resource_s["d2h"]
+    # No prediction above the achievable share of the peak.
+    assert p.utilisation <= h100.matmul_efficiency
 
 
 def test_compute_bound_step_time_is_the_flops() -> None:
@@ -369,18 +378,25 @@ def test_unit_params_add_up_to_the_model_and_the_plan_checks_its_context() -> No
 
 def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     """Data parallel as the runtime does it: each device takes batch/devices rows, applies the whole update
-    to its own copy, and all-reduces every unit's fp32 gradient over the interconnect."""
-    one = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint"))
-    four = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
+    to its own copy, and all-reduces every unit's fp32 gradient over the interconnect (a ring on GPUs; on
+    SwarmX the reduce happens in the network and costs hop latency only)."""
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    one = plan(GPTJ_6B, h100, PlanConfig(batch=8, seq=1024, activations="checkpoint"))
+    four = plan(GPTJ_6B, h100, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
     assert four.peak_breakdown["activations"] < one.peak_breakdown["activations"]
     assert sum(r.update_s for r in four.rows) == sum(r.update_s for r in one.rows)  # measured equal
     ring = 2 * 3 / 4 * 4 * GPTJ_6B.num_params()  # fp32 gradients, ring all-reduce over 4 devices
     extra_offload = sum(r.offload_s for r in four.rows) - sum(r.offload_s for r in one.rows)
-    assert extra_offload >= ring / CS2.interconnect.bandwidth_bytes_per_s
+    assert extra_offload >= ring / h100.interconnect.bandwidth_bytes_per_s
+    cs_one = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint"))
+    cs_four = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
+    levels = 2  # ceil(log4 4) + 1
+    assert sum(r.offload_s for r in cs_four.rows) - sum(r.offload_s for r in cs_one.rows) == pytest.approx(
+        levels * CS2.interconnect.latency_s * len(GPTJ_6B.unit_names()))
     # Weight streaming is I/O-bound at small batches: more devices only add the all-reduce. Where compute
     # dominates (64 x 2048 on an H100), splitting the batch scales.
-    assert four.tokens_per_s < one.tokens_per_s
-    h100 = [plan(GPTJ_6B, device_spec("h100-80g"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
+    assert cs_four.tokens_per_s < cs_one.tokens_per_s
+    h100 = [plan(GPTJ_6B, device_spec("h100-sxm"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
                                                              devices=n)).tokens_per_s for n in (1, 2, 4)]
     assert h100[0] < h100[1] < h100[2]
 
@@ -393,3 +409,33 @@ def test_the_planner_runs_without_torch() -> None:
             "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config']"
+
+
+def test_a_host_update_overlapped_with_the_backward_hides_behind_it() -> None:
+    """MemoryX and ZeRO-Offload's delayed update: a unit's host AdamW starts once its gradient is final, on the
+    host's cores, while the device computes the backward of the units before it."""
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    cfg = PlanConfig(batch=64, seq=2048, activations="checkpoint", update_on="host")
+    after = plan(GPTJ_6B, h100, cfg)
+    overlapped = plan(GPTJ_6B, h100, replace(cfg, update_overlap="backward"))
+    assert overlapped.step_time_s < after.step_time_s
+    assert overlapped.resource_s["host compute"] == pytest.approx(after.resource_s["host compute"])
+    # The update's seconds are the host's: the device computes the same either way.
+    assert overlapped.resource_s["device compute"] == after.resource_s["device compute"]
+    assert after.step_time_s >= after.resource_s["device compute"] + sum(r.update_s for r in after.rows) * 0.99
+
+
+def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> None:
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    cfg = PlanConfig(batch=8, seq=2048, activations="checkpoint", update_on="host")
+    fp32, bf16 = plan(GPTJ_6B, h100, cfg), plan(GPTJ_6B, h100, replace(cfg, moment_dtype="bf16"))
+    assert fp32.host_store_bytes - bf16.host_store_bytes == 4 * GPTJ_6B.num_params()  # two moments, 2 B less each
+    assert sum(r.update_s for r in bf16.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 20 / 28)
+    # The CUDA context is not the model's: a peak that leaves less than it free does not fit.
+    tight = replace(h100, memory_bytes=fp32.peak_device_bytes + h100.reserve_bytes - 1)
+    assert not plan(GPTJ_6B, tight, cfg).fits
+    assert plan(GPTJ_6B, replace(tight, memory_bytes=tight.memory_bytes + 1), cfg).fits
+    # Each data-parallel rank holds its own store; one MemoryX serves every CS-2.
+    eight = plan(GPTJ_6B, h100, replace(cfg, devices=8))
+    assert eight.host_stores == 8 and plan(GPTJ_6B, CS2, replace(cfg, devices=8)).host_stores == 1
+    assert not plan(GPTJ_6B, replace(h100, host_ram_bytes=4 * fp32.host_store_bytes), replace(cfg, devices=8)).host_fits

@@ -19,7 +19,8 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = 
                   defaults: Mapping[str, Any] | None = None, help: Mapping[str, str] | None = None) -> None:
     """One flag per RunConfig field (those named in `only`, in RunConfig's order), so the flags and run.toml's
     keys cannot drift apart. `defaults`: a command's own default for a field, stored in the namespace (a
-    command that does not resolve a RunConfig, such as bench); `help`: a command's own help text for one."""
+    command that does not resolve a RunConfig, such as bench); `help`: a command's own help text for one
+    (a text that names its own "(default: ...)" is shown as it is)."""
     names = None if only is None else set(only)
     defaults, help = defaults or {}, help or {}
     hints = typing.get_type_hints(RunConfig)
@@ -30,8 +31,8 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = 
         own = f.name in defaults
         default = defaults[f.name] if own else (f.default if f.default is not MISSING else None)
         demo = f"; demo: {DEMO_DEFAULTS[f.name]}" if f.name in DEMO_DEFAULTS and not own else ""
-        shown = f" (default: {default}{demo})"
         text = help.get(f.name, f.metadata["help"])
+        shown = "" if "(default:" in text else f" (default: {default}{demo})"
         kwargs: dict[str, Any] = {"default": default if own else argparse.SUPPRESS}
         if types == [bool]:
             kwargs.update(action=argparse.BooleanOptionalAction, help=text + shown)

@@ -24,6 +24,7 @@ COMMANDS = {
     "generate": "sample text from a run, streaming its layers",
     "export": "write a run as a Hugging Face GPT-J folder",
     "trace": "the per-layer memory table and plot of a run",
+    "devices": "the device catalogue: every figure with its basis and source",
     "bench": "benchmarks (see `streamer bench --help`)",
 }
 

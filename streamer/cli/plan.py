@@ -3,22 +3,29 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
+
+from rich.table import Table
 
 from layers import GPTJConfig
-from memory_model import DEVICE_PRESETS, DeviceSpec, device_spec, format_size, plan
+from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
+from memory_model.baselines import Baseline, baselines
+from streamer.cli.devices import apply_sets
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
+from streamer.cli.whatif import add_flags, compare, sweep
 from streamer.console import make_console
 from streamer.errors import StreamerError
-from streamer.run import resolve
+from streamer.run import read_toml, resolve
 from streamer.runtime.calibrate import local_spec
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk")
+                 "update_chunk", "moment_dtype")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
@@ -40,35 +47,52 @@ def declare(parser: argparse.ArgumentParser) -> None:
     add_run_flags(parser, only=STEP_SETTINGS, help={
         "model": "a preset or a config.json",
         "dtype": "compute dtype: auto (for local, bf16 if this CPU runs it natively and at least as fast as fp32, "
-                 "else fp32; bf16 for the presets, which all run it natively), bf16 or fp32"})
+                 "else fp32; bf16 for the presets, which all run it natively), bf16 or fp32",
+        "update_on": "run AdamW on the device (streamed state) or on the host (default: the target's place: host "
+                     "for cs2 and cs3, whose MemoryX runs the update; device for the GPUs and local)"})
+    add_flags(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="also run the real schedule on meta tensors and report its ledger's peak")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+# What the scaling curve means (printed with it): Cerebras' 16 CS-3 = 15.3x is measured the same way.
+SCALING_ASSUMPTION = ("weak scaling: each device keeps its own micro-batches, so n devices train an n times "
+                      "larger global batch; efficiency = tokens/s on n / (n x tokens/s on 1)")
+
+
 def plan_command(args: argparse.Namespace) -> int:
-    cfg = resolve(given(args), args.config)
+    if args.compare:
+        return _print_compare(compare(args.compare, args.set), args.json)
+    explicit = given(args)
+    cfg = resolve(explicit, args.config)
+    if args.sweep:
+        began = time.perf_counter()
+        table, png, points = sweep(cfg.model, cfg.activations, args.sweep)
+        print(f"{points} points in {time.perf_counter() - began:.1f} s: {table}, {png}")
+        return 0
     model_cfg = cfg.model_config()
     choice = plan_dtype(args.target, cfg.dtype)
     dtype = choice.dtype
-    device = _device(args.target, model_cfg, dtype)
+    device = apply_sets(_device(args.target, model_cfg, dtype), args.set)
     try:
-        settings = replace(cfg, dtype=dtype).tree(model_cfg, args.ranks)
-        plan_cfg = settings.step
-        result = plan(settings.model, device, plan_cfg)
-        # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
-        counts = [n for n in (2**k for k in range(args.ranks.bit_length())) if n <= args.ranks] + [args.ranks]
-        scaling = [{"devices": n, **{k: v for k, v in plan(model_cfg, device, replace(plan_cfg, devices=n)).to_json().items()
-                                     if k in ("step_time_s", "tokens_per_s", "peak_device_bytes")}}
-                   for n in sorted(set(counts)) if cfg.batch % (n * cfg.grad_accum) == 0]
+        step = replace(cfg, dtype=dtype).tree(model_cfg, args.ranks).step
+        # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights).
+        named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
+        plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on,
+                           update_overlap=args.update_overlap)
+        result = plan(model_cfg, device, plan_cfg)
+        scaling = _scaling(model_cfg, device, plan_cfg)
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
-    out = {**result.to_json(), "scaling": scaling, "compute_dtype_reason": choice.reason}
+    others = baselines(model_cfg, args.ranks, plan_cfg.dtype_bytes)
+    out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
+           "compute_dtype_reason": choice.reason, "alternatives": [asdict(b) for b in others]}
     if args.dry_run:
         from streamer.config import TrainerConfig
         from streamer.runtime.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=cfg.activations, grad_accum=cfg.grad_accum,
-                           prefetch=cfg.prefetch, update_on=cfg.update_on, update_chunk=cfg.update_chunk)
+                           prefetch=cfg.prefetch, update_on=plan_cfg.update_on, update_chunk=cfg.update_chunk)
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
@@ -78,17 +102,51 @@ def plan_command(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(choice.reason, markup=False, highlight=False)
     console.print(result.table())
+    console.print(_alternatives(result, others))
     if args.dry_run:
         measured = out["dry_run_peak_device_bytes"]
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
                       f"({breakdown(out['dry_run_peak_breakdown'])}); analytic "
                       f"{format_size(result.peak_device_bytes)} ({breakdown(result.peak_breakdown)})")
     if args.ranks > 1:
-        console.print("data-parallel scaling (same global batch): " + "; ".join(
-            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s, {row['step_time_s']:.2f} s/step"
+        console.print(f"data-parallel scaling ({SCALING_ASSUMPTION}; reduce: {device.reduce}): " + "; ".join(
+            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s ({row['efficiency']:.1%} of linear)"
             for row in scaling))
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
+    return 0
+
+
+def _scaling(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dict[str, float]]:
+    """Tokens/s on 1, 2, 4, ... up to cfg.devices devices, each with cfg's micro-batches (SCALING_ASSUMPTION)."""
+    per_device = cfg.batch // cfg.devices
+    counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
+    rows = [(n, plan(shape, device, replace(cfg, devices=n, batch=per_device * n))) for n in counts]
+    one = rows[0][1].tokens_per_s
+    return [{"devices": n, "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s,
+             "efficiency": p.tokens_per_s / (n * one)} for n, p in rows]
+
+
+def _alternatives(result: Plan, others: list[Baseline]) -> Table:
+    table = Table(title=f"model-state memory of the alternatives, same model ({result.params:,} params), "
+                        "activations extra in every row")
+    for name in ("scheme", "device", "host RAM", "NVMe", "formula", "source"):
+        table.add_column(name, justify="right" if name in ("device", "host RAM", "NVMe") else "left")
+    table.add_row("weight streaming (this plan's peak)", format_size(result.peak_device_bytes),
+                  format_size(result.host_store_bytes * result.host_stores), "-", "planned", "memory_model.plan")
+    for b in others:
+        table.add_row(b.name, format_size(b.device_bytes), format_size(b.host_bytes) if b.host_bytes else "-",
+                      format_size(b.nvme_bytes) if b.nvme_bytes else "-", b.formula, b.source)
+    return table
+
+
+def _print_compare(out: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{out['run']}: step {out['predicted_step_s']:.4g} s predicted, {out['measured_step_s']:.4g} s measured "
+          f"({out['step_error']:+.1%}); device peak {format_size(out['predicted_peak_bytes'])} predicted, "
+          f"{format_size(out['measured_peak_bytes'])} measured ({out['peak_error']:+.2%})")
     return 0
 
 

@@ -16,7 +16,7 @@ import platform
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -25,13 +25,14 @@ import psutil
 import torch
 
 from layers.config import GPTJConfig
-from memory_model.devices import DeviceSpec, Link
+from memory_model.catalogue import Figure
+from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops
 from memory_model.units import format_size
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU spends about twice a block's matmul time again in LayerNorm, GELU, rotary, casts and attention
 # (kernels.py): the kernel-cost probe's length is chosen as if its time were 3x its matmuls'.
@@ -324,7 +325,7 @@ def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: Calibration
     ram = psutil.virtual_memory().total
     link = Link(copy_bw, latency)
     fp = fingerprint()
-    return DeviceSpec(
+    spec = DeviceSpec(
         name="local", memory_bytes=ram, h2d=link, d2h=link, flops={dtype: flops}, device_mem_bandwidth=update_bw,
         host_ram_bytes=ram, disk_read_bw=read_bw, disk_write_bw=write_bw, host_update_bw=update_bw,
         same_memory=True, interconnect=Link(allreduce_bw), kernels={dtype: kernels},
@@ -338,6 +339,16 @@ def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: Calibration
                f"touched; 2-rank gloo all-reduce of {format_size(sizes.allreduce_bytes)}",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
+    return replace(spec, figures={name: Figure(value, "measured", _MEASURED_BY.get(name, spec.notes[0]))
+                                  for name, value in figure_values(spec).items()})
+
+
+# How each figure of `local` is known, beyond the probes its first note lists (calibrate() above).
+_ADAMW = "torch fused AdamW on an 8 Mi-element fp32 tensor, 28 B/param touched"
+_MEASURED_BY = {"memory_bytes": "psutil: the whole RAM, shared by the cpu device and the host",
+                "host_ram_bytes": "psutil: the whole RAM", "reserve_bytes": "a cpu device has no runtime context",
+                "matmul_efficiency": "1: the rates are measured (achieved, not datasheet peaks)",
+                "host_update_bw": _ADAMW, "device_mem_bandwidth": _ADAMW}
 
 
 def local_spec(cache_dir: Path | None, shape: GPTJConfig, dtype: str, refresh: bool = False,

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam
 
-from memory_model.settings import Choice, Number, Pair, check_settings, setting
+from memory_model.shapes import PlanConfig
+from memory_model.settings import Choice, Number, Pair, check_settings, same_setting, setting
 from streamer.errors import ConfigError
 
-MOMENT_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
@@ -27,8 +27,7 @@ class OptimizerConfig:
     # None: no clipping. `streamer train --max-grad-norm` says 0 instead (a flag cannot be None), so the run
     # declares its own flag and passes `or None`.
     max_grad_norm: float | None = 1.0
-    moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
-                                Choice(MOMENT_DTYPES), "DTYPE")
+    moment_dtype: str = same_setting(PlanConfig, "moment_dtype")  # the planner prices the store's moments too
     nonfinite: str = setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
                                      "(nothing is updated; the next batch follows)", Choice(NONFINITE_POLICIES),
                              "POLICY")

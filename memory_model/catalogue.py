@@ -1,0 +1,190 @@
+"""The device presets' figures: every number with its basis and, where published, its source.
+
+A figure is `sourced` (a vendor document, paper or public measurement says it), `derived` (arithmetic on
+sourced figures, stated), `measured` (timed on this machine: the `local` device) or `assumed` (nothing
+published; the reason is given). The collected quotes are in docs/MEMORY_MODEL.md ("Device catalogue").
+Link and memory-bandwidth figures are one direction's peak; `bandwidth_efficiency` is the achievable share of
+it, and `matmul_efficiency` / `attention_efficiency` the achievable share of the dense peak FLOP/s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BASES = ("sourced", "derived", "measured", "assumed")
+GB, MiB, GiB, TB = 10**9, 2**20, 2**30, 10**12
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number of a device: its value, how it is known, and where from."""
+
+    value: float
+    basis: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.basis not in BASES:
+            raise ValueError(f"a figure's basis is one of {', '.join(BASES)}, got {self.basis!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
+            raise ValueError(f"a figure's value must be a finite number, got {self.value!r}")
+        if self.basis in ("sourced", "derived", "assumed") and not self.source:
+            raise ValueError(f"a {self.basis} figure needs its source (or, when assumed, its reason)")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"value": self.value, "basis": self.basis, "source": self.source}
+
+
+def _s(value: float, source: str) -> Figure:
+    return Figure(value, "sourced", source)
+
+
+def _d(value: float, source: str) -> Figure:
+    return Figure(value, "derived", source)
+
+
+def _a(value: float, reason: str) -> Figure:
+    return Figure(value, "assumed", reason)
+
+
+# --- sources quoted more than once ------------------------------------------------------------------------------
+_MAMF = "stas00/ml-engineering compute/accelerator/README.md, MAMF table (best measured bf16 GEMM / dense peak)"
+_FA3 = "Shah et al., FlashAttention-3 (arXiv 2407.08608): 'FP16 reaching up to 740 TFLOPs/s (75% utilization)'"
+_FA_AMPERE = ("assumed: Ampere/Ada attention kernels reach at most the GEMM ceiling; FlashAttention-3 "
+              "(arXiv 2407.08608) reports 75% on Hopper")
+_CPU_ADAM = ("derived: DeepSpeed CPU-Adam 1.41 B params/s (PR #735: optimizer step 56 s -> 8.2 s on an 11.6B "
+             "GPT-2) x 28 B touched per parameter")
+_CONTEXT = ("discuss.pytorch.org 'What is the reason for pytorch's GPU memory floor': the first CUDA call "
+            "takes 723 MiB (the CUDA context); allocator fragmentation not included")
+_NVME = "one PCIe Gen4 NVMe drive (7 GB/s read, 5 GB/s write, drive datasheets' class)"
+_LATENCY = "per-transfer DMA setup cost, order of magnitude; no published figure"
+_GEN5 = "derived: PCIe Gen5 x16 32 GT/s x 16 x 128/130 / 8 = 63.0 GB/s per direction"
+_GEN4 = "derived: PCIe Gen4 x16 16 GT/s x 16 x 128/130 / 8 = 31.5 GB/s per direction"
+_GEN5_EFF = "derived: nvbandwidth issue #24, H100 device_to_host_memcpy 52.77 GB/s / 63.0 raw"
+_GEN4_EFF = "derived: ZaidQureshi/bam issue #54, A100 PCIe Gen4 measured peak 25 GB/s / 31.5 raw"
+_NVLINK4 = "sourced: NVLink 4 900 GB/s total = 450 GB/s per direction (NVIDIA datasheet; nccl issue #1264)"
+_DGX = "a DGX-class server's RAM (DGX A100 1 TB, DGX H100/H200 2 TB per NVIDIA's DGX pages)"
+
+
+def _host(ram: Figure) -> dict[str, Figure]:
+    """The host side of a GPU server: RAM, an NVMe drive and DeepSpeed's CPU-Adam rate."""
+    return {"host_ram_bytes": ram, "disk_read_bw": _a(7 * GB, _NVME),
+            "disk_write_bw": _a(5 * GB, _NVME), "host_update_bw": _d(1.41e9 * 28, _CPU_ADAM),
+            "link_latency_s": _a(10e-6, _LATENCY)}
+
+
+def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
+    """A Cerebras system with MemoryX (parameter store and update) and SwarmX (broadcast/reduce tree)."""
+    io = _d(150 * GB, "derived: 1.2 Tb/s system I/O (12 x 100 GbE, full duplex; cerebras.net/glossary/swarmx) "
+                      "/ 8 = 150 GB/s each way")
+    return {
+        "memory_bytes": sram, "reserve_bytes": _a(0, "assumed: no runtime context is carved out of the SRAM"),
+        "h2d_bytes_per_s": io, "d2h_bytes_per_s": io, "link_latency_s": _a(10e-6, _LATENCY),
+        "bf16_flops": bf16,
+        "fp32_flops": _a(bf16.value / 4, "assumed: 1 FP32 FMA per core per cycle, 1/4 of the FP16 SIMD rate; "
+                                         "no figure published"),
+        "matmul_efficiency": _a(0.8, "assumed: Cerebras publishes no achievable rate; the GPU GEMM ceiling "
+                                     "(MAMF 80-86%) is taken"),
+        "attention_efficiency": _a(0.8, "assumed: as matmul_efficiency"),
+        "bandwidth_efficiency": _a(0.95, "assumed: 100 GbE payload after Ethernet/IP framing, 93-97%"),
+        "device_mem_bandwidth": sram_bw,
+        "host_ram_bytes": _s(4 * TB, "cerebras.net/glossary/memoryx: MemoryX 'can scale from 4TB to 2.4PB' "
+                                     "(smallest taken)"),
+        "disk_read_bw": _a(150 * GB, "assumed: MemoryX 'can match or exceed the I/O bandwidth of a CS-2' "
+                                     "(glossary/memoryx), so its flash tier is taken at the wafer's 150 GB/s"),
+        "disk_write_bw": _a(150 * GB, "assumed: as disk_read_bw"),
+        "host_update_bw": _a(3e9 * 28, "assumed: MemoryX AdamW at 3 B params/s (28 B touched each), the "
+                                       "middle of 1-10 B params/s for 12-24 DDR5 nodes; Cerebras publishes none"),
+        "interconnect_bytes_per_s": io,
+        "interconnect_latency_s": _a(50e-6, "assumed: SwarmX per tree level, upper end of 5-50 us for 100 GbE "
+                                            "and a CPU reduce; no figure published"),
+    }
+
+
+def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, link_eff: Figure,
+         matmul_eff: Figure, attention_eff: Figure, datasheet: str, nvlink: Figure | None,
+         ram: Figure) -> dict[str, Figure]:
+    figures = {
+        "memory_bytes": memory, "reserve_bytes": _s(723 * MiB, _CONTEXT),
+        "h2d_bytes_per_s": link, "d2h_bytes_per_s": link,
+        "bf16_flops": _s(bf16, f"{datasheet}: bf16 tensor, dense (half the sparse figure)"),
+        "fp32_flops": _s(fp32, f"{datasheet}: FP32 non-tensor (torch leaves TF32 matmul off by default)"),
+        "matmul_efficiency": matmul_eff, "attention_efficiency": attention_eff, "bandwidth_efficiency": link_eff,
+        "device_mem_bandwidth": _s(hbm, f"{datasheet}: memory bandwidth"),
+        **_host(ram),
+    }
+    if nvlink is not None:
+        figures["interconnect_bytes_per_s"] = nvlink
+        figures["interconnect_latency_s"] = _a(10e-6, _LATENCY)
+    return figures
+
+
+_H100_SHEET = "NVIDIA H100 datasheet (hpctech.co.jp reproduction)"
+_H100_MEM = _s(81559 * MiB, "nvidia-smi on H100 80GB (public logs): '0MiB / 81559MiB' (NVIDIA's 80 GB)")
+_H100_MATMUL = _s(0.801, f"{_MAMF}: 'NVIDIA H100 SXM 792.1 989 80.1%'")
+_GEN5_LINK, _GEN5_E = _d(63.0 * GB, _GEN5), _d(0.84, _GEN5_EFF)
+_GEN4_LINK, _GEN4_E = _d(31.5 * GB, _GEN4), _d(0.79, _GEN4_EFF)
+_A100_SHEET = "NVIDIA A100 datasheet (glennklockwood.com/garden/processors/A100)"
+_A100_MATMUL = _s(0.859, f"{_MAMF}: A100 SXM 267.9 of 312 TFLOPS (85.9%)")
+
+PRESET_FIGURES: dict[str, dict[str, Figure]] = {
+    "cs2": _wafer(
+        _d(7.5e15, "derived: Andromeda '120 Petaflops of dense compute at 16-bit half precision' / 16 CS-2"),
+        _s(40 * GB, "AnandTech WSE-2 (anandtech.com/Show/Index/16626): 'On-board SRAM 18 GB 40 GB'"),
+        _s(20e15, "AnandTech WSE-2: 'Memory Bandwidth 9 PB/s 20 PB/s'")),
+    "cs3": _wafer(
+        _d(15e15, "derived: 125 PF 'AI compute' x (120 dense / 1000 AI, Andromeda's ratio) = 15 PF; "
+                  "Cerebras publishes no dense figure (uncertain, 14-17 PF)"),
+        _s(44 * GB, "ALCF CS-3 user guide: '900K processing cores, each providing 48KB ... total of 44GB'"),
+        _s(21e15, "Argonne SC24 tutorial (Cerebras): 'extremely high bandwidth - 21 PB/s'")),
+    "a100-40g": _gpu(_a(40960 * MiB, "assumed: 40 GiB nominal (binary-sized like the H100's 80 GB); the "
+                                     "CUDA-visible total is a little lower"),
+                     312e12, 19.5e12, 1555 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
+                     _a(0.859, _FA_AMPERE), _A100_SHEET,
+                     _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX)),
+    "a100-80g": _gpu(_a(81920 * MiB, "assumed: 80 GiB nominal; the CUDA-visible total is a little lower"),
+                     312e12, 19.5e12, 2039 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
+                     _a(0.859, _FA_AMPERE), "NVIDIA A100 80GB datasheet (thundercompute.com A100 guide: 2,039 GB/s SXM)",
+                     _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX)),
+    "h100-sxm": _gpu(_H100_MEM, 989e12, 67e12, 3350 * GB, _GEN5_LINK, _GEN5_E, _H100_MATMUL, _s(0.75, _FA3),
+                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX)),
+    "h100-pcie": _gpu(_a(81559 * MiB, "assumed: the SXM part's CUDA-visible 81559 MiB (both are '80 GB')"),
+                      756e12, 51e12, 2000 * GB, _GEN5_LINK, _GEN5_E,
+                      _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die, lower clocks)"),
+                      _a(0.75, "assumed: FlashAttention-3's H100 share (arXiv 2407.08608)"),
+                      "NVIDIA H100 PCIe datasheet / product brief",
+                      _s(300 * GB, "H100 PCIe datasheet: 'NVLINK: 600GB/s' (bridge, 2 cards; per direction 300)"),
+                      _a(2 * TB, _DGX)),
+    "h200": _gpu(_s(143771 * MiB, "nvidia-smi on H200 (cuda-samples issue #311): '0MiB / 143771MiB'"),
+                 989e12, 67e12, 4800 * GB, _GEN5_LINK,
+                 _d(0.84, f"{_GEN5_EFF} (the H100's Gen5 host link measurement)"),
+                 _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die)"),
+                 _a(0.75, "assumed: FlashAttention-3's H100 share (same GH100 die)"),
+                 "AnandTech SC23 H200 (anandtech.com/Show/Index/21136)", _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX)),
+    "gh200": _gpu(_s(96 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): 'Up to 96 GB of HBM3 memory'"),
+                  989e12, 67e12, 4000 * GB,
+                  _s(450 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): NVLink-C2C '900 GB/s total bandwidth, "
+                               "450 GB/s per direction'"),
+                  _d(0.77, "derived: nvbandwidth issue #23, GH200 host-to-device CE 346 GB/s / 450"),
+                  _s(0.830, f"{_MAMF}: 'NVIDIA GH200 SXM 821.0 989 83.0%'"), _s(0.75, _FA3),
+                  "NVIDIA GH200 whitepaper (datacrunch.io), same Hopper GPU as H100 SXM", None,
+                  _s(480 * GB, "the Grace CPU's LPDDR5X, 'Up to 480 GB' (GH200 whitepaper via datacrunch.io)")),
+    "rtx4090": _gpu(_a(24564 * MiB, "assumed: nvidia-smi's usual 24564 MiB for the '24 GB' card"),
+                    165.2e12, 82.6e12, 1008 * GB, _GEN4_LINK, _GEN4_E,
+                    _a(0.80, "assumed: no MAMF figure for Ada; the Hopper/Ampere GEMM ceiling (80-86%)"),
+                    _a(0.80, _FA_AMPERE), "NVIDIA Ada whitepaper, Table 2 (RTX 4090)", None,
+                    _a(128 * GiB, "assumed: a workstation with 128 GiB RAM")),
+}
+
+# The default update place and the data-parallel reduction of each family: MemoryX performs the weight update
+# ("Weight updates are performed by the MemoryX service", cerebras.net/glossary/memoryx) and SwarmX sums the
+# gradients in the network at line rate (glossary/swarmx); GPUs update on the device and all-reduce in a ring.
+PRESET_SYSTEM: dict[str, tuple[str, str]] = {
+    name: (("host", "in-network") if name.startswith("cs") else ("device", "ring")) for name in PRESET_FIGURES
+}
+PRESET_NOTES: dict[str, tuple[str, ...]] = {
+    "cs2": ("host = MemoryX (weights, optimizer state, the update); data parallel = SwarmX broadcast/reduce tree",),
+    "cs3": ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "
+            "+30%: uncertain)",),
+    "gh200": ("host link = NVLink-C2C to the Grace CPU's LPDDR5X (the store's RAM tier)",),
+}

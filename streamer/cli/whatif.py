@@ -1,0 +1,123 @@
+"""`streamer plan`'s what-ifs: --set, --compare RUN_DIR (prediction vs a finished run), --sweep (CSV + roofline).
+
+Only argparse is imported at the top: `add_flags` runs whenever the command line is parsed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import statistics
+from pathlib import Path
+from typing import Any
+
+SWEEP_BATCHES = (1, 4, 16, 64)
+SWEEP_SEQS = (512, 2048)
+SWEEP_TARGETS = ("cs2", "cs3", "a100-80g", "h100-sxm", "h100-pcie", "gh200", "rtx4090")
+SWEEP_TIERS = ("ram", "disk")
+SWEEP_UPDATES = ("device", "host")
+
+
+def add_flags(plan: argparse.ArgumentParser) -> None:
+    """The what-if flags of `streamer plan`, kept together."""
+    plan.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="override one figure of the target (repeatable; `streamer devices` lists the fields)")
+    plan.add_argument("--update-overlap", choices=("none", "backward"), default="none",
+                      help="a host update starts after the backward (none: what the runtime does) or as soon as "
+                           "each unit's gradient is final (backward: MemoryX, ZeRO-Offload's delayed update)")
+    plan.add_argument("--compare", metavar="RUN_DIR",
+                      help="replay a finished CPU run's settings on the local target: predicted vs measured "
+                           "step time and device peak")
+    plan.add_argument("--sweep", metavar="DIR",
+                      help="plan batch x seq x target x tier x update place; write DIR/sweep.csv and "
+                           "DIR/roofline.png")
+
+
+def compare(run_dir: str, sets: list[str]) -> dict[str, Any]:
+    """The plan of a run's own settings on this machine beside what the run measured (its metrics.jsonl:
+    the median step time after the first step, which pays for warm-up, and the ledger's peak)."""
+    from memory_model import plan
+    from streamer.cli.devices import apply_sets
+    from streamer.errors import StreamerError
+    from streamer.run_dir import RunDir
+    from streamer.runtime.calibrate import local_spec
+
+    run = RunDir.open(run_dir)
+    cfg = run.read_config()
+    if cfg.device != "cpu":
+        raise StreamerError(f"--compare replays runs on the cpu device (the calibrated local target); {run_dir} "
+                            f"ran on {cfg.device}")
+    steps = [r for r in run.read_metrics() if "step_s" in r and not r.get("skipped")]
+    if len(steps) < 2:
+        raise StreamerError(f"{run_dir} has {len(steps)} timed step(s); --compare needs 2 or more (the first "
+                            "pays for warm-up): train it longer with --steps")
+    shape = cfg.model_config()
+    device = apply_sets(local_spec(Path("runs"), shape, cfg.dtype), sets)
+    predicted = plan(shape, device, cfg.plan_config())
+    measured_step = statistics.median(r["step_s"] for r in steps[1:])
+    measured_peak = max(r["device_peak_bytes"] for r in steps)
+    return {"run": str(run_dir), "predicted_step_s": predicted.step_time_s, "measured_step_s": measured_step,
+            "step_error": predicted.step_time_s / measured_step - 1,
+            "predicted_peak_bytes": predicted.peak_device_bytes, "measured_peak_bytes": measured_peak,
+            "peak_error": predicted.peak_device_bytes / measured_peak - 1, "steps_measured": len(steps) - 1,
+            "bottleneck": predicted.bottleneck}
+
+
+def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
+    """Plan every point of the grid; write the CSV and the roofline plot. Returns their paths and the count."""
+    from layers import PRESETS, GPTJConfig
+    from memory_model import PlanConfig, device_spec, plan
+
+    shape = PRESETS[model] if model in PRESETS else GPTJConfig.from_hf(model)
+    rows = []
+    for batch, seq, target, tier, update in itertools.product(SWEEP_BATCHES, SWEEP_SEQS, SWEEP_TARGETS,
+                                                               SWEEP_TIERS, SWEEP_UPDATES):
+        if seq > shape.n_positions:
+            continue
+        device = device_spec(target)
+        p = plan(shape, device, PlanConfig(batch=batch, seq=seq, activations=activations, store=tier,
+                                            update_on=update), limits=False)
+        # Intensity against the busier host link (they are full duplex: each direction has its own bandwidth).
+        moved = max(p.link_bytes["h2d"], p.link_bytes["d2h"])
+        rows.append({"batch": batch, "seq": seq, "target": target, "tier": tier, "update_on": update,
+                     **p.summary(), "flops_per_byte": p.model_flops / moved if moved else float("inf"),
+                     "peak_flops": device.flops_for("bf16"),
+                     "achievable_flops": device.flops_for("bf16") * device.matmul_efficiency,
+                     "h2d_bytes_per_s": device.h2d.bandwidth_bytes_per_s * device.bandwidth_efficiency})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "sweep.csv"
+    with table.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return table, _roofline(rows, out / "roofline.png"), len(rows)
+
+
+def _roofline(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Achieved model FLOP/s against model FLOPs per byte over the busier host link, per target, under each
+    target's roof: min(achievable FLOP/s, intensity x achievable link bandwidth). Points well below their roof
+    are bound by something else: the host update, the disk, or exposed latency."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target and r["flops_per_byte"] != float("inf")]
+        dots = ax.scatter([r["flops_per_byte"] for r in mine], [r["model_flops_per_s"] for r in mine], s=12,
+                          label=target)
+        lo, hi = min(r["flops_per_byte"] for r in mine), max(r["flops_per_byte"] for r in mine)
+        xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
+        roof, bw = mine[0]["achievable_flops"], mine[0]["h2d_bytes_per_s"]
+        ax.plot(xs, [min(roof, x * bw) for x in xs], color=dots.get_facecolor()[0], linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("model FLOPs per byte over the busier host link")
+    ax.set_ylabel("model FLOP/s (predicted)")
+    ax.set_title("what-if sweep: achieved vs each device's achievable roof")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

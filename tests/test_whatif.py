@@ -1,0 +1,79 @@
+"""The simulator's what-ifs: the device catalogue as users see it, plan's summary keys and scaling, the sweep,
+and a prediction replayed against a real run."""
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+from test_cli import run_cli, tiny_args
+
+from memory_model import DEVICE_PRESETS
+from memory_model.catalogue import BASES
+
+
+def test_devices_json_has_a_basis_for_every_number(capsys):
+    rc, out, _ = run_cli(capsys, "devices", "--json")
+    listed = json.loads(out)
+    assert rc == 0 and [d["name"] for d in listed] == list(DEVICE_PRESETS)
+    for device in listed:
+        for name, figure in device["fields"].items():
+            assert set(figure) == {"value", "basis", "source"} and figure["basis"] in BASES, (device["name"], name)
+            assert isinstance(figure["value"], (int, float)) and figure["source"]
+    rc, out, _ = run_cli(capsys, "devices")
+    assert rc == 0 and "matmul_efficiency" in out and "in-network" in out
+
+
+def test_plan_json_summary_and_no_prediction_above_the_achievable(capsys):
+    for target in DEVICE_PRESETS:
+        rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", target, "--batch", 64, "--seq", 2048,
+                             "--activations", "checkpoint", "--json")
+        planned = json.loads(out)
+        assert rc == 0
+        for key in ("step_s", "peak_bytes", "tokens_per_s", "model_flops_per_s", "mfu", "h2d_bytes_per_step",
+                    "d2h_bytes_per_step", "bottleneck"):
+            assert key in planned, key
+        assert 0 < planned["mfu"] <= DEVICE_PRESETS[target].matmul_efficiency
+        assert {a["name"] for a in planned["alternatives"]} >= {"ZeRO-3", "FSDP CPU offload"}
+    # cs2 defaults to the update in MemoryX; a --set figure is used and reported as set.
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "cs2", "--batch", 8, "--seq", 2048,
+                         "--set", "host_update_bw=1e9", "--json")
+    planned = json.loads(out)
+    assert planned["config"]["update_on"] == "host" and planned["bottleneck"] == "host compute"
+    rc, _, err = run_cli(capsys, "plan", "--target", "cs2", "--set", "warp=9")
+    assert rc == 2 and "--set takes field=number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_swarmx_scales_gptj_6b_near_linearly_on_16_cs2(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "cs2", "--ranks", 16, "--batch", 1024,
+                         "--seq", 2048, "--activations", "checkpoint", "--json")
+    planned = json.loads(out)
+    assert rc == 0 and planned["scaling"][-1]["devices"] == 16
+    assert planned["scaling"][-1]["efficiency"] >= 0.95
+    # A ring over NVLink does not come for free: the GPU curve stays below the in-network one.
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "h100-sxm", "--ranks", 16, "--batch", 256,
+                         "--seq", 2048, "--activations", "checkpoint", "--json")
+    assert json.loads(out)["scaling"][-1]["efficiency"] < planned["scaling"][-1]["efficiency"]
+
+
+def test_sweep_writes_100_points_in_under_10_seconds(capsys, tmp_path):
+    began = time.perf_counter()
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--activations", "checkpoint", "--sweep", tmp_path)
+    took = time.perf_counter() - began
+    with (tmp_path / "sweep.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rc == 0 and len(rows) >= 100 and took / len(rows) * 100 < 10, (len(rows), took)
+    assert {"batch", "seq", "target", "tier", "update_on", "step_s", "mfu", "peak_bytes"} <= set(rows[0])
+    assert (tmp_path / "roofline.png").stat().st_size > 10_000
+
+
+def test_compare_replays_a_finished_run(capsys, tmp_path, tiny_setup, monkeypatch):
+    run = tmp_path / "run"
+    assert run_cli(capsys, *tiny_args(tiny_setup, run, 3))[0] == 0
+    monkeypatch.chdir(tmp_path)  # the local calibration is cached under ./runs
+    rc, out, _ = run_cli(capsys, "plan", "--compare", run, "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["predicted_step_s"] > 0 and result["measured_step_s"] > 0
+    assert abs(result["predicted_peak_bytes"] / result["measured_peak_bytes"] - 1) <= 0.05
+    rc, out, _ = run_cli(capsys, "plan", "--compare", run)
+    assert rc == 0 and "predicted" in out and "measured" in out
