@@ -84,6 +84,7 @@ class RunConfig:
     update_on: str = same_setting(PlanConfig, "update_on")
     prefetch: int = same_setting(PlanConfig, "prefetch")
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
+    update_timing: str = same_setting(PlanConfig, "update_timing")
     seed: int = same_setting(TrainerConfig, "seed")
     pack: bool = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")
@@ -134,7 +135,8 @@ class RunConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
         return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
                           prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
-                          update_chunk=self.update_chunk, store=self.store, devices=devices)
+                          update_chunk=self.update_chunk, store=self.store, devices=devices,
+                          update_timing=self.update_timing)
 
     def data_config(self) -> DataConfig:
         return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
@@ -148,7 +150,7 @@ class RunConfig:
             update_on=self.update_on, prefetch=self.prefetch, device=self.device, budget=self.budget_bytes(),
             schedule=schedule, update_chunk=self.update_chunk, seed=self.seed, betas=self.betas, eps=self.eps,
             moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps,
-            trace_every=self.trace_every)
+            trace_every=self.trace_every, update_timing=self.update_timing)
 
     def name(self) -> str:
         """A short name for the default run directory."""

@@ -18,8 +18,8 @@ from torch.func import functional_call
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, gradient_charges, released_after, resident_sets, resource_charges,
-    update_charges,
+    Event, Resource, StateChunk, Weights, gradient_charges, is_fused, released_after, resident_sets,
+    resource_charges, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -33,6 +33,11 @@ from streamer.runtime.transport import IOWorker, Loaded, Transport
 
 class NonFiniteError(StreamerError):
     """A loss or gradient that is NaN or infinite; nothing of that step was committed."""
+
+
+class ClippingNeeded(Exception):
+    """A fused update ran unclipped, but the gradient norm so far already makes the clip coefficient below 1:
+    the step must be undone and made again with the update after the backward (which knows the coefficient)."""
 
 
 @dataclass
@@ -60,7 +65,7 @@ class StepContext:
 class PendingOffload:
     unit: str
     last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
-    future: cf.Future[float]
+    future: cf.Future[tuple[float, torch.Tensor | None]]  # (squared norm, accumulated gradient) when last
     handles: list[int]  # the ledger charges of the gradient on the device
 
 
@@ -96,10 +101,13 @@ class Executor:
         self._writers: dict[str, StateWriter] = {}
         self._scratch: torch.Tensor | None = None
         self._write_backs: list[cf.Future[None]] = []
+        self._fused = False  # the running step's update is fused into its backward
+        self._final_grads: dict[str, torch.Tensor | None] = {}  # a fused step's gradients awaiting their update
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
         self._step = ctx.step
+        self._fused = is_fused(events)
         if any(e.phase == "backward" for e in events):
             self.grad_sq_norms = {}
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
@@ -133,7 +141,8 @@ class Executor:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(resource.unit, numel))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
-                resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host"))
+                resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
+                with_grad=not self._fused))
         self._inflight[resource] = (self.worker.submit(job), handles)
 
     def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
@@ -220,8 +229,8 @@ class Executor:
             grad = x.grad
             self._flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))
-        if unit == self.units[0]:
-            self._finish_pending_offload()  # the update (or the next micro-batch) needs every gradient home
+        if unit == self.units[0] or (self._fused and micro == self.tc.grad_accum - 1):
+            self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
         """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
@@ -236,36 +245,38 @@ class Executor:
                    for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
-        step = self._step
-        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction)
+        step, persist = self._step, not (self._fused and last)
+        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
         self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handles)
 
     def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
-                        reduction: object | None) -> float:
+                        reduction: object | None, persist: bool) -> tuple[float, torch.Tensor | None]:
         with self.trace.span(unit, "offload", step=step):
             if reduction is not None:
                 grads = [self.data_parallel.finish_reduce(reduction)]
             if self.store is None:
-                return 0.0
+                return 0.0, None
             host = self.transport.pieces_to_host(grads)
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(lay.numel for lay in self.layouts.values()), dtype=torch.float32)
             scratch = None if self._scratch is None else self._scratch[:self.layouts[unit].numel]
-            total = self.store.accumulate_grad(unit, host, first, scratch)
+            total = self.store.accumulate_grad(unit, host, first, scratch, persist)
             if host is not grads:
                 self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
-            return float(torch.linalg.vector_norm(total)) ** 2 if last else 0.0
+            return (float(torch.linalg.vector_norm(total)) ** 2, total) if last else (0.0, None)
 
     def _finish_pending_offload(self) -> None:
         pending, self._pending_offload = self._pending_offload, None
         if pending is None:
             return
-        sq_norm = pending.future.result()
+        sq_norm, total = pending.future.result()
         for handle in pending.handles:
             self.ledger.free(handle)
         if pending.last:
             self.grad_sq_norms[pending.unit] = sq_norm
+            if self._fused:
+                self._final_grads[pending.unit] = total
 
     # --- update --------------------------------------------------------------------------------------
     def clip_coef(self, ctx: StepContext) -> float:
@@ -280,12 +291,18 @@ class Executor:
         return min(1.0, self.tc.max_grad_norm / (total + 1e-6))
 
     def _update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
-        if ctx.clip_coef is None:
+        if self._fused:
+            tensors = self._fused_inputs(chunk, tensors, ctx)
+        elif ctx.clip_coef is None:
             ctx.clip_coef = self.clip_coef(ctx)
             if ctx.on_first_update is not None:
                 ctx.on_first_update(ctx)
         layout = self.layouts[chunk.unit]
         adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
+        if self._fused:
+            grad = tensors.pop("grad")
+            if grad.device.type != "cpu":
+                self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
         new_compute, handles = None, []
         if not self.store_is_master():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
@@ -296,6 +313,23 @@ class Executor:
         self._write_backs.append(self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step)))
         for handle in handles:
             self.ledger.free(handle)
+
+    def _fused_inputs(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
+                      ctx: StepContext) -> dict[str, torch.Tensor]:
+        """A fused update chunk's state and its gradient from the backward, once the step so far allows it.
+
+        It runs with clip coefficient 1 (`ctx.clip_coef`), so it stands only while the norm of the gradients
+        summed so far keeps the coefficient at 1: the norm only grows, so a coefficient below 1 now is below
+        1 for the step, and the step is made again after the backward (`ClippingNeeded`). A non-finite
+        gradient stops the step here, before this unit's update, as it would before the separate update.
+        """
+        if chunk.start == 0 and self.clip_coef(ctx) != 1.0:
+            raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
+        total = self._final_grads[chunk.unit]
+        if chunk.last:
+            del self._final_grads[chunk.unit]
+        grad = self.transport.grad_chunk(total, chunk.start, chunk.count, on_host=self.tc.update_on == "host")
+        return {**tensors, "grad": grad}
 
     def store_is_master(self) -> bool:
         return self.dtype == torch.float32
@@ -346,6 +380,7 @@ class Executor:
             writer.discard()
         self._writers.clear()
         self._write_backs.clear()  # their failures were reported; the next step must not raise them again
+        self._final_grads.clear()
 
     def close(self) -> None:
         self.worker.close()

@@ -151,23 +151,36 @@ class Transport:
 
         return self._on_side_stream(job)
 
-    def load_state(self, unit: str, start: int, count: int, on_host: bool) -> Loaded:
+    def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True) -> Loaded:
         """fp32 master, exp_avg, exp_avg_sq and grad of one chunk (moments stored in bf16 are widened).
 
         `on_host`: the update runs on the host copy (update_on="host"), so nothing crosses the link.
+        `with_grad=False`: the gradient comes from the backward (`grad_chunk`), not from the store.
         """
         store = self.store
         to_device = self._to_host_buffer if on_host else self._to_device
 
         def job() -> dict[str, torch.Tensor]:
             out = {}
-            for kind in (*STATE_KINDS, "grad"):
+            for kind in (*STATE_KINDS, "grad") if with_grad else STATE_KINDS:
                 ram = store.slab(unit, kind) if store is not None else None
                 fill = (lambda host, k=kind: store.read_state(unit, k, start, host)) if store is not None else None
                 out[kind] = to_device(fill, None if ram is None else ram[start:start + count], count, torch.float32)
             return out
 
         return self._on_side_stream(job)
+
+    def grad_chunk(self, total: torch.Tensor, start: int, count: int, on_host: bool) -> torch.Tensor:
+        """A chunk of a unit's final fp32 gradient (a host tensor) where the update runs: a view where that is
+        the host's own memory, else a device copy (a pooled buffer: `give_back` it)."""
+        if self.mode == "meta":
+            return torch.empty(count, dtype=torch.float32, device="meta")
+        piece = total[start:start + count]
+        if on_host or self.mode == "shared":
+            return piece
+        out = self._take(count, torch.float32, "device")
+        out.copy_(piece)  # synchronous: the next unit's fold reuses the host buffer
+        return out
 
     def _to_host_buffer(self, fill: Callable[[torch.Tensor], None], ram: torch.Tensor | None,
                         numel: int, dtype: torch.dtype) -> torch.Tensor:

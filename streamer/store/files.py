@@ -35,6 +35,12 @@ class StateFiles:
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._checksums: ThreadPoolExecutor | None = None
+        self.bytes_read = self.bytes_written = 0  # data bytes, for the step's I/O report
+
+    def count_bytes(self, read: int = 0, written: int = 0) -> None:
+        with self._fd_lock:  # the main thread and the I/O thread both read and write
+            self.bytes_read += read
+            self.bytes_written += written
 
     def state_path(self, unit: str, generation: int) -> Path:
         return self.folder / state_name(unit, generation)
@@ -85,6 +91,7 @@ class StateFiles:
         """Elements [start, start + out.numel()) of `kind` (one chunk at most), in the stored dtype."""
         path = self.state_path(unit, generation)
         pread_into(self.descriptor(path), out, self.spec.kind_offset(kind, start, out.numel()), path)
+        self.count_bytes(read=out.numel() * out.element_size())
 
     def check(self, unit: str, generation: int) -> Trailer:
         """The trailer of a state file whose size and trailer say it is that unit's generation."""
@@ -107,11 +114,13 @@ class StateFiles:
         """fp32 gradient elements [start, start + out.numel())."""
         path = self.grad_path(unit)
         pread_into(self.descriptor(path), out, start * 4, path)
+        self.count_bytes(read=out.numel() * 4)
 
     def write_grad(self, unit: str, values: torch.Tensor) -> None:
         """The unit's whole fp32 gradient (the file is created on the first write)."""
         path = self.grad_path(unit)
         pwrite_from(self.descriptor(path, create=True), values, 0, path)
+        self.count_bytes(written=values.numel() * 4)
 
     def grad_check(self, unit: str, checksum: int, step: int) -> Checksum:
         """What verifying the gradient a journaled step `step` replays reads: the file must have that checksum."""
@@ -148,6 +157,7 @@ class GenerationWriter:
         if offset != self._next:
             raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
         pwrite_from(self.files.descriptor(self.tmp, create=self._next == 0), values, offset, self.tmp)
+        self.files.count_bytes(written=values.numel() * values.element_size())
         self._next = offset + values.numel() * values.element_size()
 
     def finish(self) -> int:
