@@ -58,6 +58,7 @@ class StreamingTrainer:
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
+        self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -224,6 +225,7 @@ class StreamingTrainer:
         try:
             return self._run_step(micro, step, fused=True)
         except ClippingNeeded:
+            self.clipped_redos += 1
             return None
 
     def _check_loss(self, ctx: StepContext) -> None:

@@ -19,6 +19,7 @@ from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
 DISK = TrainerConfig(store="disk", compute_dtype="bf16", update_chunk=8192, lr=3e-3)
+JOURNALED = DISK.replace(update_timing="after-backward")  # the update after the backward: gradients on disk
 
 
 def batches(n: int) -> list[torch.Tensor]:
@@ -56,12 +57,14 @@ def fail_writes_after(monkeypatch, n: int) -> None:
 
 # --- layout ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype):
-    trained(tmp_path / "run", DISK.replace(compute_dtype=dtype))
+@pytest.mark.parametrize("dtype,timing", [("bf16", "after-backward"), ("fp32", "after-backward"), ("bf16", "fused")])
+def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype, timing):
+    trained(tmp_path / "run", DISK.replace(compute_dtype=dtype, update_timing=timing))
     slabs = sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir())
     units = ["block.0", "block.1", "embed", "head"]
-    assert slabs == sorted([f"{u}.3.state" for u in units] + [f"{u}.grad" for u in units])  # generation 3
+    # generation 3; a fused update keeps its one micro-batch's gradient in memory: no gradient file
+    grads = [f"{u}.grad" for u in units] if timing == "after-backward" else []
+    assert slabs == sorted([f"{u}.3.state" for u in units] + grads)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["units"] == {u: 3 for u in units}
     assert not (tmp_path / "run" / "journal.json").exists()
@@ -189,7 +192,7 @@ def test_verify_false_skips_the_checksum_but_not_the_size_checks(tmp_path):
 def _journaled_crash(root: Path, monkeypatch) -> None:
     """Two steps, then a third whose update stops (disk full) after the journal: a roll-forward is pending."""
     data = batches(3)
-    with StreamingTrainer(CFG, DISK, store_dir=root) as trainer:
+    with StreamingTrainer(CFG, JOURNALED, store_dir=root) as trainer:
         for ids in data[:2]:
             trainer.step(ids)
         with monkeypatch.context() as patch:
@@ -226,7 +229,7 @@ def test_damaged_journal_is_an_error(tmp_path, monkeypatch, edit, match):
 def test_stale_journal_is_ignored_and_removed(tmp_path):
     """The manifest was written but the journal's removal did not reach the disk (power loss)."""
     data = batches(3)
-    with StreamingTrainer(CFG, DISK, store_dir=tmp_path / "run") as trainer:
+    with StreamingTrainer(CFG, JOURNALED, store_dir=tmp_path / "run") as trainer:
         trainer.step(data[0])
         original = trainer.store.finish_step
         kept = {}

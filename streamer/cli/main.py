@@ -127,6 +127,7 @@ def build_parser() -> Parser:
     plan.add_argument("--update-chunk", type=int, default=RunConfig.update_chunk,
                       help="parameters per update chunk (default: %(default)s)")
     plan.add_argument("--store", choices=CHOICES["store"], default=RunConfig.store)
+    plan.add_argument("--update-timing", choices=CHOICES["update_timing"], default=RunConfig.update_timing)
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

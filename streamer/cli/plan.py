@@ -23,7 +23,8 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
-                              update_chunk=args.update_chunk, store=args.store, devices=args.ranks)
+                              update_chunk=args.update_chunk, store=args.store, devices=args.ranks,
+                              update_timing=args.update_timing)
         result = plan(model_cfg, device, plan_cfg)
         # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
         counts = [n for n in (2**k for k in range(args.ranks.bit_length())) if n <= args.ranks] + [args.ranks]
@@ -37,7 +38,8 @@ def plan_command(args: argparse.Namespace) -> int:
         from streamer.config import TrainerConfig
         from streamer.runtime.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=args.activations, grad_accum=args.grad_accum,
-                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
+                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk,
+                           store=args.store, update_timing=args.update_timing)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)

@@ -28,7 +28,7 @@ from streamer.store.layout import UnitLayout
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import StateWriter, Store
-from streamer.runtime.transport import IOWorker, Loaded, Transport
+from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
 class NonFiniteError(StreamerError):
@@ -76,14 +76,9 @@ class Executor:
         self.device = torch.device(tc.device)
         self.dtype = tc.compute_dtype
         self.transport = Transport(store, self.device, self.dtype)
-        self.worker = IOWorker(threaded=self.device.type != "meta" and tc.prefetch > 0)
-        # On a cpu device the host's fold of a RAM-tier gradient runs on the cores the compute uses; on the
-        # I/O worker it oversubscribes them (each thread brings its own OpenMP team), so it runs inline:
-        # measured faster inline on gptj-350m (`streamer bench`, BENCHMARKS.md). Disk writes and all-reduces
-        # still use the worker.
-        inline = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
-                  and data_parallel is None)
-        self.fold_worker = IOWorker(threaded=False) if inline else self.worker
+        inline_fold = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
+                       and data_parallel is None)
+        self.io = IOQueues(threaded=self.device.type != "meta" and tc.prefetch > 0, inline_fold=inline_fold)
         self.shells = {kind: build_unit(cfg, name) for kind, name in
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.states = {u: UnitState(u) for u in layouts}
@@ -127,7 +122,7 @@ class Executor:
                     self._update(event.resource, tensors, ctx)
             if released_after(events, i):
                 self._release(event.resource)
-        self.worker.drain()
+        self.io.drain()
         write_backs, self._write_backs = self._write_backs, []
         for future in write_backs:
             future.result()  # a failed write (disk full, ...) must stop the step before it commits
@@ -143,7 +138,7 @@ class Executor:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
                 with_grad=not self._fused))
-        self._inflight[resource] = (self.worker.submit(job), handles)
+        self._inflight[resource] = (self.io.reads.submit(job), handles)
 
     def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
         with self.trace.span(unit, "load", step=step):
@@ -247,7 +242,7 @@ class Executor:
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step, persist = self._step, not (self._fused and last)
         job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
-        self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handles)
+        self._pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 
     def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
                         reduction: object | None, persist: bool) -> tuple[float, torch.Tensor | None]:
@@ -310,7 +305,8 @@ class Executor:
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
                        for c in update_charges(chunk, self.dtype.itemsize, self.tc.update_on)]
             new_compute.copy_(tensors["master"])
-        self._write_backs.append(self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step)))
+        job = lambda: self._write_back(chunk, tensors, new_compute, ctx.step)
+        self._write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)
 
@@ -363,7 +359,7 @@ class Executor:
 
     def abort(self) -> None:
         """A step stopped part-way: wait for the I/O in flight, release everything, discard the new versions."""
-        self.worker.drain()
+        self.io.drain()
         for resource in list(self._inflight):
             self._release(resource)
         if self._pending_offload is not None:
@@ -383,7 +379,7 @@ class Executor:
         self._final_grads.clear()
 
     def close(self) -> None:
-        self.worker.close()
+        self.io.close()
         for writer in self._writers.values():
             writer.discard()
         self._writers.clear()

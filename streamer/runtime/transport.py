@@ -1,4 +1,4 @@
-"""Moving slabs between the host store and the device, on one I/O worker.
+"""Moving slabs between the host store and the device, on the executor's I/O threads.
 
 Three cases, one interface:
 - `shared`: the device is the CPU, the host's own memory. A RAM-tier slab is handed over as it is (a copy
@@ -25,8 +25,8 @@ T = TypeVar("T")
 
 
 class IOWorker:
-    """One background thread; jobs run in submission order, so a unit's state file is written sequentially
-    and an update never reads a gradient before its offload has finished."""
+    """One background thread (or none: jobs run at once); jobs run in submission order, so the write-backs
+    on one worker write a unit's state file sequentially."""
 
     def __init__(self, threaded: bool) -> None:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stream-io") if threaded else None
@@ -48,6 +48,28 @@ class IOWorker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class IOQueues:
+    """The executor's I/O threads. Loads go to `reads`; gradient offloads and update write-backs to `writes`,
+    so a unit's state file is written in order while the next unit's reads proceed (an update reads a
+    gradient only once every offload has been waited for, at the end of the backward, and the offloads of
+    one unit's micro-batches are ordered on their one queue). `folds` is where a gradient is folded into the
+    host accumulator: `writes`, or inline (`inline_fold`) where the device is the host's own cores and the
+    accumulator is in RAM, since on a thread of its own the fold oversubscribes the cores the compute uses
+    (each thread brings its own OpenMP team; measured faster inline on gptj-350m, BENCHMARKS.md)."""
+
+    def __init__(self, threaded: bool, inline_fold: bool) -> None:
+        self.reads, self.writes = IOWorker(threaded), IOWorker(threaded)
+        self.folds = IOWorker(threaded=False) if inline_fold else self.writes
+
+    def drain(self) -> None:
+        self.reads.drain()
+        self.writes.drain()
+
+    def close(self) -> None:
+        self.reads.close()
+        self.writes.close()
 
 
 @dataclass
