@@ -59,6 +59,7 @@ class StreamingTrainer:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
         self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
+        self._speculate = True  # the next step tries the fused update (the last one did not clip)
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -177,9 +178,11 @@ class StreamingTrainer:
         step = self.step_count + 1
         moved = self.store.bytes_moved() if self.store is not None else (0, 0)
         try:
-            ctx = self._fused_step(micro, step) if self.fused else None
+            ctx = self._fused_step(micro, step) if self.fused and self._speculate else None
             if ctx is None:  # after the backward, or a fused step that clipping undid, made again
                 ctx = self._run_step(micro, step, fused=False)
+                # Clipping comes in runs (early training): speculate again only after a step that did not clip.
+                self._speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
             if self.tc.nonfinite == "stop":
                 raise
@@ -226,6 +229,7 @@ class StreamingTrainer:
             return self._run_step(micro, step, fused=True)
         except ClippingNeeded:
             self.clipped_redos += 1
+            self._speculate = False
             return None
 
     def _check_loss(self, ctx: StepContext) -> None:
