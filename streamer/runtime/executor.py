@@ -69,6 +69,20 @@ class PendingOffload:
     handles: list[int]  # the ledger charges of the gradient on the device
 
 
+@dataclass
+class RunningStep:
+    """What the running step's events hand on to later ones."""
+
+    step: int = 0  # the optimizer step being made
+    fused: bool = False  # its update is fused into its backward
+    graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # (input, output)
+    flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
+    pending_offload: PendingOffload | None = None
+    final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update
+    writers: dict[str, StateWriter] = field(default_factory=dict)  # units whose new state is being written
+    write_backs: list[cf.Future[None]] = field(default_factory=list)
+
+
 class Executor:
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: Store | None, ledger: Ledger,
                  trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None) -> None:
@@ -86,23 +100,16 @@ class Executor:
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
-        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._pending_offload: PendingOffload | None = None
-        self.grad_sq_norms: dict[str, float] = {}
-        self._step = 0  # per unit, of the step's final gradient, in backward order
+        self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self.units = list(layouts)
         self.data_parallel = data_parallel
-        self._flowing_grad: tuple[torch.Tensor, int] | None = None
-        self._writers: dict[str, StateWriter] = {}
         self._scratch: torch.Tensor | None = None
-        self._write_backs: list[cf.Future[None]] = []
-        self._fused = False  # the running step's update is fused into its backward
-        self._final_grads: dict[str, torch.Tensor | None] = {}  # a fused step's gradients awaiting their update
+        self.current = RunningStep()
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
-        self._step = ctx.step
-        self._fused = is_fused(events)
+        self.current.step = ctx.step
+        self.current.fused = is_fused(events)
         if any(e.phase == "backward" for e in events):
             self.grad_sq_norms = {}
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
@@ -123,7 +130,7 @@ class Executor:
             if released_after(events, i):
                 self._release(event.resource)
         self.io.drain()
-        write_backs, self._write_backs = self._write_backs, []
+        write_backs, self.current.write_backs = self.current.write_backs, []
         for future in write_backs:
             future.result()  # a failed write (disk full, ...) must stop the step before it commits
 
@@ -137,7 +144,7 @@ class Executor:
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
-                with_grad=not self._fused))
+                with_grad=not self.current.fused))
         self._inflight[resource] = (self.io.reads.submit(job), handles)
 
     def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
@@ -181,7 +188,7 @@ class Executor:
         batch = ctx.micro_batches[micro]
         if unit == "embed":
             with self.recorder.hooks(self.states[unit]):
-                self._graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
+                self.current.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
             return
         previous = self._previous_output(unit)
         x = previous.detach().requires_grad_(torch.is_grad_enabled())
@@ -189,29 +196,29 @@ class Executor:
             with self.recorder.hooks(self.states[unit]):
                 loss = causal_lm_loss(self._call_unit(unit, x, micro), batch.labels)
             ctx.losses.append(loss.detach())
-            self._graphs[unit] = (x, loss / len(ctx.micro_batches))
+            self.current.graphs[unit] = (x, loss / len(ctx.micro_batches))
         elif self.tc.activations == "checkpoint":
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():
-                self._graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
         else:
             with self.recorder.hooks(self.states[unit]):
-                self._graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
 
     def _previous_output(self, unit: str) -> torch.Tensor:
         names = list(self.layouts)
-        return self._graphs[names[names.index(unit) - 1]][1]
+        return self.current.graphs[names[names.index(unit) - 1]][1]
 
     def _backward(self, event: Event, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
-        x, y = self._graphs.pop(unit)
+        x, y = self.current.graphs.pop(unit)
         if unit == "head":
             logits_grad = self.ledger.allocate("workspace", unit, x.shape[0] * x.shape[1] * self.cfg.vocab_size * 4,
                                                "logits gradient")
             y.backward()
             self.ledger.free(logits_grad)
         else:
-            incoming, incoming_handle = self._flowing_grad
+            incoming, incoming_handle = self.current.flowing_grad
             if unit.startswith("block") and self.tc.activations == "checkpoint":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
                     y = self._call_unit(unit, x, micro)  # recompute: the only second forward, by policy
@@ -219,12 +226,12 @@ class Executor:
             self.ledger.free(incoming_handle)
         del y
         self.recorder.release(unit)
-        self._flowing_grad = None
+        self.current.flowing_grad = None
         if unit != "embed":
             grad = x.grad
-            self._flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
+            self.current.flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))
-        if unit == self.units[0] or (self._fused and micro == self.tc.grad_accum - 1):
+        if unit == self.units[0] or (self.current.fused and micro == self.tc.grad_accum - 1):
             self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
@@ -240,9 +247,9 @@ class Executor:
                    for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
-        step, persist = self._step, not (self._fused and last)
+        step, persist = self.current.step, not (self.current.fused and last)
         job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
-        self._pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
+        self.current.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 
     def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
                         reduction: object | None, persist: bool) -> tuple[float, torch.Tensor | None]:
@@ -262,7 +269,7 @@ class Executor:
             return (float(torch.linalg.vector_norm(total)) ** 2, total) if last else (0.0, None)
 
     def _finish_pending_offload(self) -> None:
-        pending, self._pending_offload = self._pending_offload, None
+        pending, self.current.pending_offload = self.current.pending_offload, None
         if pending is None:
             return
         sq_norm, total = pending.future.result()
@@ -270,8 +277,8 @@ class Executor:
             self.ledger.free(handle)
         if pending.last:
             self.grad_sq_norms[pending.unit] = sq_norm
-            if self._fused:
-                self._final_grads[pending.unit] = total
+            if self.current.fused:
+                self.current.final_grads[pending.unit] = total
 
     # --- update --------------------------------------------------------------------------------------
     def clip_coef(self, ctx: StepContext) -> float:
@@ -286,7 +293,7 @@ class Executor:
         return min(1.0, self.tc.max_grad_norm / (total + 1e-6))
 
     def _update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
-        if self._fused:
+        if self.current.fused:
             tensors = self._fused_inputs(chunk, tensors, ctx)
         elif ctx.clip_coef is None:
             ctx.clip_coef = self.clip_coef(ctx)
@@ -294,7 +301,7 @@ class Executor:
                 ctx.on_first_update(ctx)
         layout = self.layouts[chunk.unit]
         adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
-        if self._fused:
+        if self.current.fused:
             grad = tensors.pop("grad")
             if grad.device.type != "cpu":
                 self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
@@ -306,7 +313,7 @@ class Executor:
                        for c in update_charges(chunk, self.dtype.itemsize, self.tc.update_on)]
             new_compute.copy_(tensors["master"])
         job = lambda: self._write_back(chunk, tensors, new_compute, ctx.step)
-        self._write_backs.append(self.io.writes.submit(job))
+        self.current.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)
 
@@ -321,9 +328,9 @@ class Executor:
         """
         if chunk.start == 0 and self.clip_coef(ctx) != 1.0:
             raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
-        total = self._final_grads[chunk.unit]
+        total = self.current.final_grads[chunk.unit]
         if chunk.last:
-            del self._final_grads[chunk.unit]
+            del self.current.final_grads[chunk.unit]
         grad = self.transport.grad_chunk(total, chunk.start, chunk.count, on_host=self.tc.update_on == "host")
         return {**tensors, "grad": grad}
 
@@ -335,9 +342,9 @@ class Executor:
         if self.store is None:
             return
         with self.trace.span(chunk.unit, "offload", step=step):
-            if chunk.unit not in self._writers:
-                self._writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
-            writer = self._writers[chunk.unit]
+            if chunk.unit not in self.current.writers:
+                self.current.writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
+            writer = self.current.writers[chunk.unit]
             values = {**tensors, "compute": new_compute}
             for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
                 if values[kind] is not None:
@@ -349,37 +356,37 @@ class Executor:
                 if t is not None and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)
             if chunk.last:
-                self._writers.pop(chunk.unit).close()
+                self.current.writers.pop(chunk.unit).close()
 
     def clear_graphs(self) -> None:
         """After a forward-only pass: drop the hidden states it kept and the activations it charged."""
         for unit in self.units:
             self.recorder.release(unit)
-        self._graphs.clear()
+        self.current.graphs.clear()
 
     def abort(self) -> None:
         """A step stopped part-way: wait for the I/O in flight, release everything, discard the new versions."""
         self.io.drain()
         for resource in list(self._inflight):
             self._release(resource)
-        if self._pending_offload is not None:
-            for handle in self._pending_offload.handles:
+        if self.current.pending_offload is not None:
+            for handle in self.current.pending_offload.handles:
                 self.ledger.free(handle)
-            self._pending_offload = None
-        if self._flowing_grad is not None:
-            self.ledger.free(self._flowing_grad[1])
-            self._flowing_grad = None
-        for unit in list(self._graphs):
+            self.current.pending_offload = None
+        if self.current.flowing_grad is not None:
+            self.ledger.free(self.current.flowing_grad[1])
+            self.current.flowing_grad = None
+        for unit in list(self.current.graphs):
             self.recorder.release(unit)
-        self._graphs.clear()
-        for writer in self._writers.values():
+        self.current.graphs.clear()
+        for writer in self.current.writers.values():
             writer.discard()
-        self._writers.clear()
-        self._write_backs.clear()  # their failures were reported; the next step must not raise them again
-        self._final_grads.clear()
+        self.current.writers.clear()
+        self.current.write_backs.clear()  # their failures were reported; the next step must not raise them again
+        self.current.final_grads.clear()
 
     def close(self) -> None:
         self.io.close()
-        for writer in self._writers.values():
+        for writer in self.current.writers.values():
             writer.discard()
-        self._writers.clear()
+        self.current.writers.clear()
