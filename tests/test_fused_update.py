@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import poison_gradient
 from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
 from memory_model.shapes import PlanConfig
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.errors import ConfigError
-from streamer.store.host import HostStore
 
 CFG = GPTJConfig.preset("gptj-debug")
 STEPS = 4
@@ -32,18 +32,6 @@ def batches(n: int, seed: int = 3) -> list[torch.Tensor]:
     return [torch.randint(0, CFG.vocab_size, (2, 16), generator=g) for _ in range(n)]
 
 
-def poison(monkeypatch: pytest.MonkeyPatch, unit: str) -> None:
-    original = HostStore.accumulate_grad
-
-    def poisoned(self, name, grads, first, scratch, persist=True):
-        if name == unit:
-            grads = [g.clone() for g in grads]
-            grads[0].view(-1)[0] = float("nan")
-        return original(self, name, grads, first, scratch, persist)
-
-    monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
-
-
 def train(root: Path, tc: TrainerConfig, monkeypatch: pytest.MonkeyPatch,
           poisoned_step: int | None = None) -> tuple[list[float], dict[str, torch.Tensor], int, list[float]]:
     """Losses, final weights, steps made again after the backward, and each step's gradient norm."""
@@ -52,7 +40,7 @@ def train(root: Path, tc: TrainerConfig, monkeypatch: pytest.MonkeyPatch,
         for step, ids in enumerate(batches(STEPS)):
             with monkeypatch.context() as patch:
                 if step == poisoned_step:
-                    poison(patch, "block.1")
+                    poison_gradient(patch, "block.1", float("nan"))
                 trainer.step(ids)
             norms.append(sum(trainer.executor.grad_sq_norms.values()) ** 0.5)
         return trainer.losses, trainer.state_dict(), trainer.clipped_redos, norms

@@ -25,7 +25,7 @@ from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
 from streamer.store.slabfile import TRAILER_BYTES, Trailer, file_checksum
 from benchmarks.soak import soak
-from streamer.store.host import HostStore
+from conftest import poison_gradient
 
 STEPS, KILLS = 20, 12  # per chain
 
@@ -190,6 +190,16 @@ def fail_on_call(monkeypatch, name: str, n: int, error: int = errno.ENOSPC) -> N
     monkeypatch.setattr(os, name, failing)
 
 
+def fill_disk_in_step_3(trainer: StreamingTrainer, data: list[torch.Tensor], monkeypatch, name: str, n: int) -> None:
+    """Two steps, then a third whose n-th call of os.<name> on finds the disk full."""
+    for ids in data[:2]:
+        trainer.step(ids)
+    with monkeypatch.context() as patch:
+        fail_on_call(patch, name, n)
+        with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
+            trainer.step(data[2])
+
+
 # Step 3's pwritev calls 1-8 write gradients (before the journal), later ones the new state (after it). Its
 # fdatasyncs: 1-4 the gradients, 5-8 the units' new files; fsyncs: 1-2 the journal and its folder, 3-10 the
 # units' trailers and the folder, 11-12 the manifest.
@@ -200,12 +210,7 @@ def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, mo
                                                                     name, n, committed):
     data = batches(4)
     with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "run") as trainer:
-        for ids in data[:2]:
-            trainer.step(ids)
-        with monkeypatch.context() as patch:
-            fail_on_call(patch, name, n)
-            with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
-                trainer.step(data[2])
+        fill_disk_in_step_3(trainer, data, monkeypatch, name, n)
         if committed == 3:  # the journal holds step 3: this process must not train on a half-updated model
             with pytest.raises(StoreError, match="reopen the run"):
                 trainer.step(data[3])
@@ -225,12 +230,7 @@ def test_disk_full_in_a_fused_step_rolls_it_back_and_training_goes_on(tmp_path, 
     too, which trains on once space is back and ends as the uninterrupted run (after the backward) did."""
     data = batches(4)
     with StreamingTrainer(CFG, DEBUG_TC.replace(update_timing="fused"), store_dir=tmp_path / "run") as trainer:
-        for ids in data[:2]:
-            trainer.step(ids)
-        with monkeypatch.context() as patch:
-            fail_on_call(patch, name, n)
-            with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
-                trainer.step(data[2])
+        fill_disk_in_step_3(trainer, data, monkeypatch, name, n)
         assert trainer.step_count == 2
         assert not list((tmp_path / "run" / "slabs").glob("*.tmp"))
         for ids in data[2:]:
@@ -240,18 +240,6 @@ def test_disk_full_in_a_fused_step_rolls_it_back_and_training_goes_on(tmp_path, 
 
 
 # --- non-finite values ------------------------------------------------------------------------------------
-
-def poison_gradient(monkeypatch, unit: str) -> None:
-    original = HostStore.accumulate_grad
-
-    def poisoned(self, name, grads, first, scratch, persist=True):
-        if name == unit:
-            grads = [g.clone() for g in grads]
-            grads[0].view(-1)[0] = float("inf")
-        return original(self, name, grads, first, scratch, persist)
-
-    monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
-
 
 def test_nonfinite_gradient_stops_naming_the_first_unit_and_commits_nothing(tmp_path, monkeypatch):
     data = batches(2)
