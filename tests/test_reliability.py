@@ -171,7 +171,16 @@ def batches(n: int) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
-    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path_factory.mktemp("ref") / "run") as trainer:
+    return _run_through(DEBUG_TC, tmp_path_factory.mktemp("ref") / "run")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_unclipped(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
+    return _run_through(DEBUG_TC.replace(max_grad_norm=None), tmp_path_factory.mktemp("ref") / "run")
+
+
+def _run_through(tc: TrainerConfig, root: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+    with StreamingTrainer(CFG, tc, store_dir=root) as trainer:
         for ids in batches(4):
             trainer.step(ids)
         return trainer.state_dict(), trainer.losses
@@ -200,10 +209,11 @@ def fill_disk_in_step_3(trainer: StreamingTrainer, data: list[torch.Tensor], mon
             trainer.step(data[2])
 
 
-# Step 3's pwritev calls 1-8 write gradients (before the journal), later ones the new state (after it). Its
+# Step 3's pwritev calls 1-8 write gradients (before the journal), 9-19 the new state files (after it: per unit
+# its staged data, its unaligned tail and its trailer). Its
 # fdatasyncs: 1-4 the gradients, 5-8 the units' new files; fsyncs: 1-2 the journal and its folder, 3-10 the
 # units' trailers and the folder, 11-12 the manifest.
-@pytest.mark.parametrize("name,n,committed", [("pwritev", 5, 2), ("pwritev", 30, 3), ("pwritev", 75, 3),
+@pytest.mark.parametrize("name,n,committed", [("pwritev", 5, 2), ("pwritev", 12, 3), ("pwritev", 19, 3),
                                               ("fdatasync", 2, 2), ("fsync", 1, 2), ("fdatasync", 6, 3),
                                               ("fsync", 11, 3)])
 def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, monkeypatch, uninterrupted,
@@ -223,20 +233,23 @@ def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, mo
         assert trainer.losses == uninterrupted[1]
 
 
-@pytest.mark.parametrize("name,n", [("pwritev", 3), ("pwritev", 40), ("fdatasync", 2), ("fsync", 3)])
-def test_disk_full_in_a_fused_step_rolls_it_back_and_training_goes_on(tmp_path, monkeypatch, uninterrupted,
-                                                                      name, n):
+# A fused step (no clipping, so that every step is one) writes the first micro-batch's gradients with pwritev
+# calls 1-4, then the units' new state files; fdatasync 1-4 flush those files, fsync their trailers and folder.
+@pytest.mark.parametrize("name,n", [("pwritev", 3), ("pwritev", 10), ("fdatasync", 2), ("fsync", 3)])
+def test_disk_full_in_a_fused_step_rolls_it_back_and_training_goes_on(tmp_path, monkeypatch,
+                                                                      uninterrupted_unclipped, name, n):
     """A fused step has no journal: a failed write returns every unit to the previous step, in this process
     too, which trains on once space is back and ends as the uninterrupted run (after the backward) did."""
     data = batches(4)
-    with StreamingTrainer(CFG, DEBUG_TC.replace(update_timing="fused"), store_dir=tmp_path / "run") as trainer:
+    fused = DEBUG_TC.replace(update_timing="fused", max_grad_norm=None)
+    with StreamingTrainer(CFG, fused, store_dir=tmp_path / "run") as trainer:
         fill_disk_in_step_3(trainer, data, monkeypatch, name, n)
-        assert trainer.step_count == 2
+        assert trainer.step_count == 2 and trainer.clipped_redos == 0
         assert not list((tmp_path / "run" / "slabs").glob("*.tmp"))
         for ids in data[2:]:
             trainer.step(ids)
-        assert_same_weights(trainer.state_dict(), uninterrupted[0])
-        assert trainer.losses == uninterrupted[1]
+        assert_same_weights(trainer.state_dict(), uninterrupted_unclipped[0])
+        assert trainer.losses == uninterrupted_unclipped[1]
 
 
 # --- non-finite values ------------------------------------------------------------------------------------
