@@ -166,7 +166,7 @@ def versus_deepspeed(ctx: Context) -> Outcome:
 def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source: str) -> tuple[tuple[str, ...], str]:
     r, raw = _get(ctx, label), ctx.disk.get(label)
     if r is None or raw is None:
-        return (label, _missing(ctx, label), *("—" for _ in range(9))), _target(
+        return (label, _missing(ctx, label), *("—" for _ in range(10))), _target(
             f"4. {label}", "unmeasured", None)
     io_s = r.phases.get("io_busy")
     bound = max(io_s or 0.0, compute_s or 0.0) or None
@@ -184,7 +184,9 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
             judged.append(share)
             cells.append(f"{rate(achieved)} ({percent(share)} of {rate(raw_rate)})")
     bw_met = None if not judged or None in judged else min(judged) >= 0.8
-    row = (label, *cells, f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
+    per_param = [_div(r.io.get(k), r.params) for k in ("store_read", "store_written")]
+    row = (label, *cells, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
+           f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
            f"{size(r.io.get('wchar'))} / {size(r.io.get('write_bytes'))}",
            seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap),
            verdict(bw_met), verdict(overlap_met))
@@ -203,7 +205,9 @@ def disk_tier(ctx: Context) -> Outcome:
         row, line = _disk_row(ctx, label, compute, source)
         rows.append(row)
         lines.append(line)
-    notes = ("Achieved bandwidth = bytes passed to read/write calls in a step (/proc/self/io rchar, wchar) over the "
+    notes = ("Store B/param: the data bytes the store's files were asked for in a step, per parameter (trailers "
+             "and the checksums' read-back aside): the figure the planner prices (docs/MEMORY_MODEL.md, disk bytes).",
+             "Achieved bandwidth = bytes passed to read/write calls in a step (/proc/self/io rchar, wchar) over the "
              "wall time the I/O worker spent in load / offload spans. Raw = sequential buffered write + fsync and "
              "read with the page cache dropped, on the same disk in the same run (best of several tries).",
              "'read / storage' and 'written / storage' per step: bytes the calls moved vs bytes that reached the "
@@ -211,7 +215,8 @@ def disk_tier(ctx: Context) -> Outcome:
              "Compute for the scale run is the union of its forward/backward/update spans, which include waits for "
              "gradient offloads: an upper bound.")
     section = Section("4. Disk tier: bandwidth and overlap",
-                      ("run", "read (achieved, % raw)", "write (achieved, % raw)", "read / storage per step",
+                      ("run", "read (achieved, % raw)", "write (achieved, % raw)",
+                       "store B/param per step (read / written)", "read / storage per step",
                        "written / storage per step", "step", "I/O busy", "compute", "step / max(I/O, compute)",
                        ">= 80% raw", "<= 1.15x"), tuple(rows), notes)
     return Outcome(section, tuple(lines))

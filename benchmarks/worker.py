@@ -26,6 +26,7 @@ from streamer.runtime.optim import OptimizerConfig
 RESULT_TAG = "BENCH-RESULT "
 CONTENDERS = ("stream", "resident", "hf", "deepspeed")
 IO_COUNTERS = ("rchar", "wchar", "read_bytes", "write_bytes")
+STORE_COUNTERS = ("store_read", "store_written")
 IO_PHASES, COMPUTE_PHASES = ("load", "offload"), ("forward", "backward", "update")
 
 
@@ -267,6 +268,8 @@ def measure(spec: RunSpec) -> Measured:
         out.io.append({k: io_after[k] - io_before[k] for k in io_after})
         if contender.trainer is not None:
             out.phases.append(_phases(contender.trainer, contender.trainer.step_count))
+            # what the store's files were asked for (data only), the figure the planner prices
+            out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes))
     out.step_rss_peak_bytes = _rss_peak()
     if contender.trainer is not None:
         out.ledger_peak_bytes = contender.trainer.ledger.peak

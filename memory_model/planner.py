@@ -22,10 +22,11 @@ from memory_model.shapes import (
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
 )
 from memory_model.schedule import (
-    Charge, Event, Resource, gradient_charges, resident_sets, resource_charges, step_events, update_charges,
+    Charge, Event, Resource, StoreBytes, disk_bytes, gradient_charges, resident_sets, resource_charges,
+    step_events, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
-from memory_model.units import format_size
+from memory_model.units import DTYPE_BYTES, format_size
 
 BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_avg, exp_avg_sq (mixed precision)
 _MAX_BATCH_SEARCH = 2**24
@@ -176,6 +177,10 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
             _add(at, resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on))
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
+            if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
+                # gradient w.r.t. this unit's input waits for the next unit's backward
+                at["activations"] = sum(held.values())
+                at["workspace"] = 0 if event.unit == "embed" else batch * seq * shape.n_embd * es
         else:
             kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
             if event.phase == "forward":
@@ -193,7 +198,18 @@ def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Eve
     """The runtime's step for this model and config; `update=False` leaves out the update chunks."""
     units = shape.unit_names()
     numels = {u: shape.unit_params(u) for u in units}
-    return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [])
+    return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [],
+                       fused=cfg.fused)
+
+
+def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
+    """(read, written) bytes of the store's files in one step: the disk tier's I/O (none in RAM)."""
+    if cfg.store != "disk":
+        return 0, 0
+    compute = cfg.new_compute_bytes
+    sizes = StoreBytes(compute_read=compute or 4, compute_written=compute, moment=DTYPE_BYTES[cfg.moment_dtype])
+    numels = {u: shape.unit_params(u) for u in shape.unit_names()}
+    return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, sizes, cfg.grad_accum)
 
 
 def peak_device_bytes(shape: GPTJConfig, cfg: PlanConfig) -> int:
@@ -204,9 +220,10 @@ def peak_device_bytes(shape: GPTJConfig, cfg: PlanConfig) -> int:
 
 
 def _train_peak(shape: GPTJConfig, cfg: PlanConfig) -> int:
-    """The peak of the forward and backward passes alone. No update state is fetched before the last
-    backward (the lookahead stops at it), so these events' resident sets do not depend on the update."""
-    events = _events(shape, cfg, update=False)
+    """The peak of the forward and backward passes (and of a fused update, which runs inside them). No update
+    state after the backward is fetched before the last backward (the lookahead stops at it), so these
+    events' resident sets do not depend on that update."""
+    events = _events(shape, cfg, update=cfg.fused)
     resident = resident_sets(events, cfg.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 

@@ -89,19 +89,36 @@ def chunks(numel: int, size: int) -> list[tuple[int, int]]:
 
 
 def step_events(units: list[str], micro_batches: int, numels: dict[str, int], chunk: int,
-                update_units: list[str] | None = None) -> list[Event]:
-    """Forward and backward of every micro-batch, then the update of `update_units` (default: all) in
-    chunks of at most `chunk` parameters.
+                update_units: list[str] | None = None, fused: bool = False) -> list[Event]:
+    """Forward and backward of every micro-batch, and the update of `update_units` (default: all) in chunks
+    of at most `chunk` parameters.
 
-    The update follows the whole backward because clipping needs the global gradient norm. Under data
-    parallel every device applies the whole update to its own copy.
+    After the backward (`fused=False`): the update follows the whole backward, clipped by the global norm
+    the backward has just summed. Fused: each unit's update follows its backward in the last micro-batch,
+    as soon as its gradient is final, speculatively unclipped (the executor undoes and redoes a step whose
+    clipping triggers). Under data parallel every device applies the whole update to its own copy.
     """
+    update_units = units if update_units is None else update_units
     events: list[Event] = []
     for micro in range(micro_batches):
         events += [Event("forward", Weights(u), micro) for u in units]
-        events += [Event("backward", Weights(u), micro) for u in reversed(units)]
-    events += update_events(units if update_units is None else update_units, numels, chunk)
+        for u in reversed(units):
+            events.append(Event("backward", Weights(u), micro))
+            if fused and micro == micro_batches - 1 and u in update_units:
+                events += update_events([u], numels, chunk)
+    if not fused:
+        events += update_events(update_units, numels, chunk)
     return events
+
+
+def is_fused(events: list[Event]) -> bool:
+    """Some update runs before a backward: the update is fused into the backward."""
+    seen_update = False
+    for event in events:
+        seen_update |= event.phase == "update"
+        if seen_update and event.phase == "backward":
+            return True
+    return False
 
 
 def update_events(units: list[str], numels: dict[str, int], chunk: int) -> list[Event]:
@@ -124,8 +141,11 @@ def inference_events(units: list[str]) -> list[Event]:
 
 
 def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
-    """What is loaded or in flight while each event runs: its own resource, then its lookahead."""
-    last_backward = {e.unit: k for k, e in enumerate(events) if e.phase == "backward"}
+    """What is loaded or in flight while each event runs: its own resource, then its lookahead.
+
+    A fused update takes its gradient from the backward, not from the store, so its state chunks may be
+    fetched while the backward still runs; the update after the backward loads the gradient with them."""
+    last_backward = {} if is_fused(events) else {e.unit: k for k, e in enumerate(events) if e.phase == "backward"}
     return [[e.resource, *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
 
 
@@ -134,7 +154,7 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
 
     A unit's optimizer state is not fetched while any of its backward events is still to run (its gradient
     is final only once the last micro-batch's backward has been offloaded), so the lookahead stops there.
-    `last_backward` maps a unit to the index of its last backward event.
+    `last_backward` maps a unit to the index of its last backward event (empty when no load holds a gradient).
     """
     current = events[index].resource
     seen: list[Resource] = []
@@ -152,3 +172,55 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
 def released_after(events: list[Event], index: int) -> bool:
     """Event `index`'s resource leaves the device after it: the next event (if any) needs another."""
     return index + 1 == len(events) or events[index + 1].resource != events[index].resource
+
+
+def load_order(events: list[Event], prefetch: int) -> list[Resource]:
+    """Every load a step issues, in order, as the executor issues them: a resource is loaded when it enters
+    a resident set and is not on the device, and leaves after its last consecutive use."""
+    loaded: set[Resource] = set()
+    order: list[Resource] = []
+    for index, (event, resident) in enumerate(zip(events, resident_sets(events, prefetch))):
+        for resource in resident:
+            if resource not in loaded:
+                loaded.add(resource)
+                order.append(resource)
+        if released_after(events, index):
+            loaded.discard(event.resource)
+    return order
+
+
+@dataclass(frozen=True)
+class StoreBytes:
+    """Bytes per parameter of what a disk store holds: the compute weights a load reads (4 where the fp32
+    masters are the compute weights), the compute copy an update writes (0 then), each Adam moment."""
+
+    compute_read: int
+    compute_written: int
+    moment: int
+
+
+def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
+               micro_batches: int) -> tuple[int, int]:
+    """(read, written) bytes of a disk-tier step: exactly what the store's files are asked for (the state
+    files' trailers and the checksums' read-back from the page cache aside).
+
+    Loads: compute weights, or a chunk's master and moments, plus its fp32 gradient after the backward. The
+    gradient accumulator: the first micro-batch writes it, later ones read and write it, except that the
+    last one of a fused step keeps it in memory for the update. Updates write master, moments and compute.
+    """
+    fused = is_fused(events)
+    state = OPTIMIZER_BYTES_PER_PARAM - 8 + 2 * sizes.moment  # fp32 master and the two moments
+    read = written = 0
+    for resource in load_order(events, prefetch):
+        if isinstance(resource, Weights):
+            read += numels[resource.unit] * sizes.compute_read
+        else:
+            read += resource.count * (state + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM))
+    for event in events:
+        if event.phase == "backward":
+            grad = numels[event.unit] * GRAD_ACCUM_BYTES_PER_PARAM
+            read += grad if event.micro > 0 else 0
+            written += 0 if fused and event.micro == micro_batches - 1 else grad
+        elif event.phase == "update":
+            written += event.resource.count * (state + sizes.compute_written)
+    return read, written

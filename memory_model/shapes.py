@@ -19,6 +19,7 @@ UPDATE_PLACES = ("device", "host")
 STORE_TIERS = ("ram", "disk")
 OVERLAP_MODES = ("none", "backward")
 MOMENT_DTYPES = ("fp32", "bf16")
+UPDATE_TIMINGS = ("auto", "fused", "after-backward")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
 # AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
@@ -58,12 +59,22 @@ class PlanConfig:
     # update start a unit's host update once its gradient is final; the planner can price that.
     update_overlap: str = setting("none", "a host update starts after the backward (none) or as soon as each "
                                   "unit's gradient is final (backward)", Choice(OVERLAP_MODES), "MODE")
+    update_timing: str = setting(
+        "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; "
+                "gradients never reach the store; needs the disk tier and one process), after-backward (a "
+                "separate phase), or auto (fused where it is allowed)", Choice(UPDATE_TIMINGS), "WHEN")
 
     def __post_init__(self) -> None:
         check_settings(self)
         if self.batch % (self.grad_accum * self.devices):
             raise ValueError(f"batch {self.batch} does not split into grad_accum={self.grad_accum} micro-batches "
                              f"on devices={self.devices}; use a multiple of {self.grad_accum * self.devices}")
+        fused_update(self.update_timing, self.store, self.devices)  # an impossible "fused" fails here
+
+    @property
+    def fused(self) -> bool:
+        """The update runs inside the last micro-batch's backward (memory_model.shapes.fused_update)."""
+        return fused_update(self.update_timing, self.store, self.devices)
 
     @property
     def micro_batch(self) -> int:
@@ -93,6 +104,18 @@ class PlanConfig:
     def new_compute_bytes(self) -> int:
         """Per parameter, the compute-dtype copy an update writes; none in fp32, where master is compute."""
         return 0 if self.compute_dtype == "fp32" else self.dtype_bytes
+
+
+def fused_update(timing: str, state_tier: str, devices: int) -> bool:
+    """Whether AdamW runs inside backward. The fused update is speculative (clip coefficient 1) and a step
+    whose clipping triggers, or whose gradient is not finite, is undone by going back to the previous
+    generation of the state files: so the state must be on disk. Under data parallel the ranks commit
+    together through the journal, which the fused update does not write, so it needs one process."""
+    allowed = state_tier == "disk" and devices == 1
+    if timing == "fused" and not allowed:
+        raise ValueError("update_timing='fused' needs the state on disk (store='disk') and one process: the "
+                         "speculative update is undone from the previous state files; use 'after-backward' or 'auto'")
+    return timing == "fused" or (timing == "auto" and allowed)
 
 
 # --- activations: what autograd saves, per unit and micro-batch (B sequences of T tokens) ------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
-from memory_model.shapes import PlanConfig, forward_flops
+from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, forward_flops
 from memory_model.kernels import attention_flops
 from memory_model.schedule import Event, Resource, Weights, released_after, resource_charges
 
@@ -80,6 +80,8 @@ def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: Device
     nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_params(resource.unit), cfg.dtype_bytes,
                                                       "device"))
     disk = nbytes if cfg.store == "disk" else 0
+    if cfg.fused and not weights:  # a fused update's gradient comes from the backward, not from the disk
+        disk -= resource.count * GRAD_ACCUM_BYTES_PER_PARAM
     h2d = nbytes if weights or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d")
     times.load_s += read_s + copy_s
@@ -131,7 +133,7 @@ def _gradient_out(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: Devi
     # parallel the offload first waits for the fp32 all-reduce of this gradient.
     touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
     read = 0 if first or not disk else 4 * params
-    write = 4 * params if disk else 0
+    write = 4 * params if disk and not (cfg.fused and last) else 0  # a fused update keeps the last one
     costs = device.kernels.get(cfg.compute_dtype)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from memory_model import DeviceSpec, PlanConfig
+from memory_model.shapes import fused_update
 from memory_model.devices import budget_bytes
 from memory_model.settings import Choice, Integer, Number, check_settings, same_setting, setting
 from streamer.errors import ConfigError
@@ -88,6 +89,7 @@ class TrainerConfig:
     budget: None | int | str | DeviceSpec = None
     schedule: LRSchedule = field(default_factory=LRSchedule)
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
+    update_timing: str = same_setting(PlanConfig, "update_timing")
     nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
@@ -112,6 +114,10 @@ class TrainerConfig:
             object.__setattr__(self, "compute_dtype", DTYPES[self.compute_dtype])
         dtype_name(self.compute_dtype)
         object.__setattr__(self, "store", Placement.of(self.store))
+        try:
+            fused_update(self.update_timing, self.store.state, 1)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
 

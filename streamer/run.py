@@ -102,6 +102,7 @@ class RunConfig:
     update_on: str = same_setting(PlanConfig, "update_on")
     prefetch: int = same_setting(PlanConfig, "prefetch")
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
+    update_timing: str = same_setting(PlanConfig, "update_timing")
     seed: int = same_setting(TrainerConfig, "seed")
     pack: bool = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")

@@ -13,8 +13,9 @@ from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import dtype_name, model_layouts
-from streamer.runtime.executor import Executor, MicroBatch, NonFiniteError, StepContext
+from streamer.runtime.executor import ClippingNeeded, Executor, MicroBatch, NonFiniteError, StepContext
 from memory_model.schedule import chunks, forward_events, step_events, update_events
+from memory_model.shapes import fused_update
 from streamer.store.host import HostStore
 from streamer.store.interface import Store
 from streamer.store.spec import StoreSpec
@@ -51,6 +52,14 @@ class StreamingTrainer:
                                               "baseline_bytes": 16 * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
         self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel)
+        ranks = 1 if self.data_parallel is None else self.data_parallel.world
+        try:
+            self.fused = fused_update(self.tc.update_timing, self.tc.store.state, ranks)
+        except ValueError as exc:
+            raise StreamerError(str(exc)) from None
+        self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
+        self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
+        self._speculate = True  # the next step tries the fused update (the last one did not clip)
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -167,19 +176,17 @@ class StreamingTrainer:
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
-        ctx = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.lr), on_first_update=self._journal)
-        numels = {u: lay.numel for u, lay in self.layouts.items()}
-        events = step_events(self.units, len(micro), numels, self.tc.update_chunk)
+        moved = self.store.bytes_moved() if self.store is not None else (0, 0)
         try:
-            self.executor.run(events, ctx)
+            ctx = self._fused_step(micro, step) if self.fused and self._speculate else None
+            if ctx is None:  # after the backward, or a fused step that clipping undid, made again
+                ctx = self._run_step(micro, step, fused=False)
+                # Clipping comes in runs (early training): speculate again only after a step that did not clip.
+                self._speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
-            self.executor.abort()
             if self.tc.nonfinite == "stop":
                 raise
             return float("nan")
-        except BaseException:
-            self.executor.abort()  # the store keeps what was committed and refuses to train on from a mix
-            raise
         loss = self._mean_loss(ctx)
         self.losses.append(loss)
         if self.executor.device.type == "cuda":
@@ -188,8 +195,48 @@ class StreamingTrainer:
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
             self.store.finish_step(step, self._trainer_state())
+            self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved))
+            self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
+
+    def _run_step(self, micro: list[MicroBatch], step: int, fused: bool) -> StepContext:
+        """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
+        the store then refuses to train on until it is reopened and rolled forward)."""
+        lr = self.tc.schedule.lr_at(step, self.tc.lr)
+        # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
+        ctx = StepContext(micro, step, lr, clip_coef=1.0) if fused else StepContext(micro, step, lr,
+                                                                                  on_first_update=self._journal)
+        numels = {u: lay.numel for u, lay in self.layouts.items()}
+        events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused)
+        if fused and self.store is not None:
+            self.store.begin_speculative_step(step)
+        try:
+            self.executor.run(events, ctx)
+            if fused:
+                self._check_loss(ctx)
+        except BaseException:
+            self.executor.abort()
+            if fused and self.store is not None:
+                self.store.rollback()  # back to the previous state files: the step never happened
+            raise
+        return ctx
+
+    def _fused_step(self, micro: list[MicroBatch], step: int) -> StepContext | None:
+        """The step with the update fused into the backward; None when clipping undid it (made again after the
+        backward: the gradients are recomputed, so the result is the same bit for bit)."""
+        try:
+            return self._run_step(micro, step, fused=True)
+        except ClippingNeeded:
+            self.clipped_redos += 1
+            self._speculate = False
+            return None
+
+    def _check_loss(self, ctx: StepContext) -> None:
+        loss = self._mean_loss(ctx)
+        if self.executor.device.type != "meta" and not torch.isfinite(torch.tensor(loss)):
+            raise NonFiniteError(f"loss is {loss} at step {ctx.step}; nothing was committed — "
+                                 "lower the lr or check the data")
 
     def _mean_loss(self, ctx: StepContext) -> float:
         """The loss over the global batch (every rank's micro-batches); computed once per step."""
@@ -200,10 +247,8 @@ class StreamingTrainer:
 
     def _journal(self, ctx: StepContext) -> None:
         """Before the first update: the loss must be finite, then the step is journaled (durable)."""
+        self._check_loss(ctx)
         loss = self._mean_loss(ctx)
-        if self.executor.device.type != "meta" and not torch.isfinite(torch.tensor(loss)):
-            raise NonFiniteError(f"loss is {loss} at step {ctx.step}; nothing was committed — "
-                                 "lower the lr or check the data")
         if self.store is not None:
             state = self._trainer_state(extra_losses=[loss])
             self.store.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})

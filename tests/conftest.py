@@ -64,3 +64,17 @@ def tiny_hf_model() -> Callable[..., "transformers.GPTJForCausalLM"]:
         return model
 
     return build
+
+
+def poison_gradient(monkeypatch: pytest.MonkeyPatch, unit: str, value: float = float("inf")) -> None:
+    """Every gradient of `unit` that reaches the host store gets `value` in its first element."""
+    from streamer.store.host import HostStore
+    original = HostStore.accumulate_grad
+
+    def poisoned(self, name, grads, first, scratch, persist=True):
+        if name == unit:
+            grads = [g.clone() for g in grads]
+            grads[0].view(-1)[0] = value
+        return original(self, name, grads, first, scratch, persist)
+
+    monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)

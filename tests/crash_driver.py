@@ -46,15 +46,18 @@ class Job:
     steps: int
     dtype: str
     compute: str = "disk"  # the compute weights' tier ("ram": rebuilt from the masters on open)
+    timing: str = "fused"  # the update fused into the backward, or "after-backward" (journaled)
     kill: Kill | None = None
     record: str | None = None  # a folder: the state after every step and each step's call counts (reference run)
     out: str | None = None  # where the finished run leaves its final weights and losses
 
 
-def trainer_config(dtype: str, compute: str) -> TrainerConfig:
+def trainer_config(dtype: str, compute: str, timing: str) -> TrainerConfig:
     # Several chunks per unit, two micro-batches: a kill can land between any two writes of a step.
+    # Fused: no clipping, so that every step is fused (a step that clips is made again after the backward).
     return TrainerConfig(store=Placement(compute, "disk", "disk"), compute_dtype=dtype, grad_accum=2,
-                         update_chunk=8192, lr=3e-3, seed=7)
+                         update_chunk=8192, lr=3e-3, seed=7, update_timing=timing,
+                         max_grad_norm=None if timing == "fused" else 1.0)
 
 
 class _Tripwire:
@@ -106,7 +109,7 @@ def train(job: Job) -> None:
     if (store / "manifest.json").exists():
         trainer = StreamingTrainer.open(store)
     else:
-        trainer = StreamingTrainer(CFG, trainer_config(job.dtype, job.compute), store_dir=store)
+        trainer = StreamingTrainer(CFG, trainer_config(job.dtype, job.compute, job.timing), store_dir=store)
     with trainer:
         rng = torch.Generator()
         if "rng" in trainer.extra_state:

@@ -349,21 +349,26 @@ def test_same_memory_device_moves_bytes_without_link_time() -> None:
     assert sum(r.load_s for r in shared.rows) == 0 < sum(r.load_s for r in linked.rows)
 
 
-def test_bytes_over_each_link_per_step() -> None:
-    cfg = PlanConfig(batch=2, seq=128, grad_accum=2, store="disk")
+@pytest.mark.parametrize("timing", ["after-backward", "fused"])
+def test_bytes_over_each_link_per_step(timing: str) -> None:
+    cfg = PlanConfig(batch=2, seq=128, grad_accum=2, store="disk", update_timing=timing)
     p = plan(GPTJ_6B, CS2, cfg)
     block = p.rows[5]
     # weights in for the forward and the backward of each micro-batch, plus the state in for the update
     assert block.h2d_bytes == 2 * 2 * block.weight_bytes + block.params * 16
     assert block.d2h_bytes == 2 * block.gradient_bytes + block.params * (12 + 2)
-    assert block.disk_read_bytes == block.h2d_bytes + 4 * block.params  # + the accumulator re-read, micro 1
-    assert block.disk_write_bytes == 2 * 4 * block.params + block.params * 14
+    # + the accumulator re-read in micro-batch 1; a fused update takes its gradient from there, not the disk
+    fused = timing == "fused"
+    assert block.disk_read_bytes == block.h2d_bytes + 4 * block.params - fused * 4 * block.params
+    # the accumulator written in each micro-batch (a fused step keeps the last one), the new state
+    assert block.disk_write_bytes == (1 if fused else 2) * 4 * block.params + block.params * 14
 
 
 # --- validation ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [dict(batch=0), dict(seq=-1), dict(activations="offload"), dict(prefetch=-1),
                                  dict(compute_dtype="fp16"), dict(update_on="disk"), dict(store="nvme"),
-                                 dict(batch=3, grad_accum=2), dict(update_chunk=0), dict(devices=0)])
+                                 dict(batch=3, grad_accum=2), dict(update_chunk=0), dict(devices=0),
+                                 dict(update_timing="fused"), dict(update_timing="fused", store="disk", devices=2)])
 def test_plan_config_rejects(bad: dict) -> None:
     with pytest.raises(ValueError):
         PlanConfig(**{"batch": 2, "seq": 16, **bad})

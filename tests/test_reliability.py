@@ -25,7 +25,7 @@ from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
 from streamer.store.slabfile import TRAILER_BYTES, Trailer, file_checksum
 from benchmarks.soak import soak
-from streamer.store.host import HostStore
+from conftest import poison_gradient
 
 STEPS, KILLS = 20, 12  # per chain
 
@@ -112,22 +112,24 @@ def kill_plan(rnd: random.Random, calls: dict[str, dict[str, int]], done: int, u
     return Kill(target, rnd.randint(1, counts[target]), step)
 
 
-@pytest.mark.parametrize("dtype,compute", [("bf16", "disk"), ("fp32", "disk"), ("bf16", "ram")])
-def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dtype, compute):
+@pytest.mark.parametrize("dtype,compute,timing", [("bf16", "disk", "fused"), ("fp32", "disk", "after-backward"),
+                                                 ("bf16", "ram", "after-backward"), ("fp32", "ram", "fused")])
+def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dtype, compute, timing):
     ref = tmp_path / "ref"
     ref.mkdir()
-    job = Job(str(ref / "store"), STEPS, dtype, compute, record=str(ref), out=str(ref / "out.pt"))
+    job = Job(str(ref / "store"), STEPS, dtype, compute, timing, record=str(ref), out=str(ref / "out.pt"))
     assert run_child(forkserver, job) == 0
     calls = json.loads((ref / "calls.json").read_text())
     reference = torch.load(ref / "out.pt")
-    store, rnd = tmp_path / "store", random.Random(f"kill-{dtype}-{compute}")
+    store, rnd = tmp_path / "store", random.Random(f"kill-{dtype}-{compute}-{timing}")
 
     # A kill before the first commit leaves a folder that says so, and is never taken for a store.
-    assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, kill=Kill("pwritev", 3, step=None))) == -9
+    first_write = Kill("pwritev", 3, step=None)
+    assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, timing, kill=first_write)) == -9
     with pytest.raises(StoreError, match="nothing was committed"):
         StreamingTrainer.open(store)
     shutil.rmtree(store)
-    assert run_child(forkserver, Job(str(store), 1, dtype, compute)) == 0
+    assert run_child(forkserver, Job(str(store), 1, dtype, compute, timing)) == 0
 
     done, journal, steps, kills, log = 1, None, {}, 0, []
     while kills < KILLS:
@@ -135,9 +137,9 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dty
         pending = None if journal is None else sum(s != journal["step"] for s in steps.values())
         kill = kill_plan(rnd, calls, done, pending)
         if isinstance(kill, Kill):
-            assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, kill=kill)) == -9, (kill, log)
+            assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, timing, kill=kill)) == -9, (kill, log)
         else:  # a random instant of a run of two more steps (it may also finish them)
-            code = run_child(forkserver, Job(str(store), done + 2, dtype, compute), kill_after=kill)
+            code = run_child(forkserver, Job(str(store), done + 2, dtype, compute, timing), kill_after=kill)
             assert code in (-9, 0), f"child failed ({code})"
             kill = kill if code == -9 else None
         kills += kill is not None
@@ -149,7 +151,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dty
                 done, journal = trainer.step_count, None
                 assert_same_weights(trainer.state_dict(), torch.load(ref / f"state.{done}.pt"))
 
-    assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, out=str(tmp_path / "out.pt"))) == 0
+    assert run_child(forkserver, Job(str(store), STEPS, dtype, compute, timing, out=str(tmp_path / "out.pt"))) == 0
     resumed = torch.load(tmp_path / "out.pt")
     assert_same_weights(resumed["state"], reference["state"])
     assert resumed["losses"] == reference["losses"] and resumed["extra"] == reference["extra"]
@@ -158,7 +160,8 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dty
 
 # --- disk full ------------------------------------------------------------------------------------------
 
-DEBUG_TC = TrainerConfig(store="disk", compute_dtype="bf16", grad_accum=2, update_chunk=8192, lr=3e-3)
+DEBUG_TC = TrainerConfig(store="disk", compute_dtype="bf16", grad_accum=2, update_chunk=8192, lr=3e-3,
+                         update_timing="after-backward")  # the journaled commit; fused below
 
 
 def batches(n: int) -> list[torch.Tensor]:
@@ -168,7 +171,16 @@ def batches(n: int) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
-    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path_factory.mktemp("ref") / "run") as trainer:
+    return _run_through(DEBUG_TC, tmp_path_factory.mktemp("ref") / "run")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_unclipped(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
+    return _run_through(DEBUG_TC.replace(max_grad_norm=None), tmp_path_factory.mktemp("ref") / "run")
+
+
+def _run_through(tc: TrainerConfig, root: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+    with StreamingTrainer(CFG, tc, store_dir=root) as trainer:
         for ids in batches(4):
             trainer.step(ids)
         return trainer.state_dict(), trainer.losses
@@ -187,22 +199,28 @@ def fail_on_call(monkeypatch, name: str, n: int, error: int = errno.ENOSPC) -> N
     monkeypatch.setattr(os, name, failing)
 
 
-# Step 3's pwritev calls 1-8 write gradients (before the journal), later ones the new state (after it). Its
+def fill_disk_in_step_3(trainer: StreamingTrainer, data: list[torch.Tensor], monkeypatch, name: str, n: int) -> None:
+    """Two steps, then a third whose n-th call of os.<name> on finds the disk full."""
+    for ids in data[:2]:
+        trainer.step(ids)
+    with monkeypatch.context() as patch:
+        fail_on_call(patch, name, n)
+        with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
+            trainer.step(data[2])
+
+
+# Step 3's pwritev calls 1-8 write gradients (before the journal), 9-19 the new state files (after it: per unit
+# its staged data, its unaligned tail and its trailer). Its
 # fdatasyncs: 1-4 the gradients, 5-8 the units' new files; fsyncs: 1-2 the journal and its folder, 3-10 the
 # units' trailers and the folder, 11-12 the manifest.
-@pytest.mark.parametrize("name,n,committed", [("pwritev", 5, 2), ("pwritev", 30, 3), ("pwritev", 75, 3),
+@pytest.mark.parametrize("name,n,committed", [("pwritev", 5, 2), ("pwritev", 12, 3), ("pwritev", 19, 3),
                                               ("fdatasync", 2, 2), ("fsync", 1, 2), ("fdatasync", 6, 3),
                                               ("fsync", 11, 3)])
 def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, monkeypatch, uninterrupted,
                                                                     name, n, committed):
     data = batches(4)
     with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "run") as trainer:
-        for ids in data[:2]:
-            trainer.step(ids)
-        with monkeypatch.context() as patch:
-            fail_on_call(patch, name, n)
-            with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
-                trainer.step(data[2])
+        fill_disk_in_step_3(trainer, data, monkeypatch, name, n)
         if committed == 3:  # the journal holds step 3: this process must not train on a half-updated model
             with pytest.raises(StoreError, match="reopen the run"):
                 trainer.step(data[3])
@@ -215,19 +233,26 @@ def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, mo
         assert trainer.losses == uninterrupted[1]
 
 
+# A fused step (no clipping, so that every step is one) writes the first micro-batch's gradients with pwritev
+# calls 1-4, then the units' new state files; fdatasync 1-4 flush those files, fsync their trailers and folder.
+@pytest.mark.parametrize("name,n", [("pwritev", 3), ("pwritev", 10), ("fdatasync", 2), ("fsync", 3)])
+def test_disk_full_in_a_fused_step_rolls_it_back_and_training_goes_on(tmp_path, monkeypatch,
+                                                                      uninterrupted_unclipped, name, n):
+    """A fused step has no journal: a failed write returns every unit to the previous step, in this process
+    too, which trains on once space is back and ends as the uninterrupted run (after the backward) did."""
+    data = batches(4)
+    fused = DEBUG_TC.replace(update_timing="fused", max_grad_norm=None)
+    with StreamingTrainer(CFG, fused, store_dir=tmp_path / "run") as trainer:
+        fill_disk_in_step_3(trainer, data, monkeypatch, name, n)
+        assert trainer.step_count == 2 and trainer.clipped_redos == 0
+        assert not list((tmp_path / "run" / "slabs").glob("*.tmp"))
+        for ids in data[2:]:
+            trainer.step(ids)
+        assert_same_weights(trainer.state_dict(), uninterrupted_unclipped[0])
+        assert trainer.losses == uninterrupted_unclipped[1]
+
+
 # --- non-finite values ------------------------------------------------------------------------------------
-
-def poison_gradient(monkeypatch, unit: str) -> None:
-    original = HostStore.accumulate_grad
-
-    def poisoned(self, name, grads, first, scratch):
-        if name == unit:
-            grads = [g.clone() for g in grads]
-            grads[0].view(-1)[0] = float("inf")
-        return original(self, name, grads, first, scratch)
-
-    monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
-
 
 def test_nonfinite_gradient_stops_naming_the_first_unit_and_commits_nothing(tmp_path, monkeypatch):
     data = batches(2)

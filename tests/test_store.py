@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -13,12 +14,14 @@ import torch
 
 from layers import GPTJConfig
 from streamer import Placement, StoreError, StreamingTrainer, TrainerConfig
+from streamer.store import direct
 from streamer.store.slabfile import TRAILER_BYTES, Trailer
 from streamer.store.host import HostStore
 from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
 DISK = TrainerConfig(store="disk", compute_dtype="bf16", update_chunk=8192, lr=3e-3)
+JOURNALED = DISK.replace(update_timing="after-backward")  # the update after the backward: gradients on disk
 
 
 def batches(n: int) -> list[torch.Tensor]:
@@ -56,12 +59,15 @@ def fail_writes_after(monkeypatch, n: int) -> None:
 
 # --- layout ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype):
-    trained(tmp_path / "run", DISK.replace(compute_dtype=dtype))
+@pytest.mark.parametrize("dtype,timing", [("bf16", "after-backward"), ("fp32", "after-backward"), ("bf16", "fused")])
+def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype, timing):
+    # (no clipping: a fused step that clips is made again after the backward, which writes gradient files)
+    trained(tmp_path / "run", DISK.replace(compute_dtype=dtype, update_timing=timing, max_grad_norm=None))
     slabs = sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir())
     units = ["block.0", "block.1", "embed", "head"]
-    assert slabs == sorted([f"{u}.3.state" for u in units] + [f"{u}.grad" for u in units])  # generation 3
+    # generation 3; a fused update keeps its one micro-batch's gradient in memory: no gradient file
+    grads = [f"{u}.grad" for u in units] if timing == "after-backward" else []
+    assert slabs == sorted([f"{u}.3.state" for u in units] + grads)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["units"] == {u: 3 for u in units}
     assert not (tmp_path / "run" / "journal.json").exists()
@@ -101,6 +107,53 @@ def test_compute_on_disk_with_state_in_ram_is_rejected(tmp_path):
         StreamingTrainer(CFG, DISK.replace(store=Placement("disk", "ram", "ram")), store_dir=tmp_path / "run")
 
 
+# --- writes past the page cache ------------------------------------------------------------------------------
+
+def _no_direct_open(monkeypatch) -> None:
+    """A filesystem without O_DIRECT (older tmpfs): opening with the flag is EINVAL."""
+    original = os.open
+
+    def refusing(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return original(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+
+
+def _direct_writes_refused(monkeypatch) -> None:
+    """O_DIRECT opens, but the device's block is larger than the writes' alignment: each direct write is EINVAL."""
+    original = os.pwritev
+
+    def pwritev(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return original(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+
+
+def test_state_files_are_the_same_bytes_with_and_without_direct_writes(tmp_path, monkeypatch):
+    """Every state file is written past the page cache where the filesystem allows it, else through it; the
+    files, their checksums and a reopened run are the same either way. A stage larger than a unit's file
+    and one smaller (its writes then cross several stages) both run."""
+    tc = DISK.replace(update_chunk=3000)
+    trained(tmp_path / "direct", tc)
+    monkeypatch.setattr(direct, "STAGE_BYTES", 8 * 4096)
+    trained(tmp_path / "small-stage", tc)
+    with monkeypatch.context() as patch:
+        _no_direct_open(patch)
+        trained(tmp_path / "cached", tc)
+    with monkeypatch.context() as patch:
+        _direct_writes_refused(patch)
+        trained(tmp_path / "refused", tc)
+    reference = snapshot(tmp_path / "direct")
+    for run in ("small-stage", "cached", "refused"):
+        assert snapshot(tmp_path / run) == reference, run
+        with StreamingTrainer.open(tmp_path / run) as trainer:  # verifies every checksum
+            assert trainer.step_count == 2
+
+
 # --- commits without a journal ------------------------------------------------------------------------------
 
 def test_failed_weight_load_keeps_the_committed_step(tmp_path, monkeypatch):
@@ -109,7 +162,8 @@ def test_failed_weight_load_keeps_the_committed_step(tmp_path, monkeypatch):
     with StreamingTrainer.open(tmp_path / "run") as trainer:
         other = {k: v + 1 for k, v in before.items()}
         with monkeypatch.context() as patch:
-            fail_writes_after(patch, 9)  # the embedding's file written and renamed, then the disk is full
+            # the embedding's file written (its staged data, tail and trailer) and renamed, then the disk is full
+            fail_writes_after(patch, 3)
             with pytest.raises(StoreError, match="disk full"):
                 trainer.load_state_dict(other)
     with StreamingTrainer.open(tmp_path / "run") as trainer:
@@ -189,11 +243,11 @@ def test_verify_false_skips_the_checksum_but_not_the_size_checks(tmp_path):
 def _journaled_crash(root: Path, monkeypatch) -> None:
     """Two steps, then a third whose update stops (disk full) after the journal: a roll-forward is pending."""
     data = batches(3)
-    with StreamingTrainer(CFG, DISK, store_dir=root) as trainer:
+    with StreamingTrainer(CFG, JOURNALED, store_dir=root) as trainer:
         for ids in data[:2]:
             trainer.step(ids)
         with monkeypatch.context() as patch:
-            fail_writes_after(patch, 4 + 12)  # the gradients, then a unit and a bit
+            fail_writes_after(patch, 4 + 4)  # the gradients, then a unit (<= 3 writes: staged, tail, trailer) and a bit
             with pytest.raises(StoreError, match="disk full"):
                 trainer.step(data[2])
     assert (root / "journal.json").exists()
@@ -226,7 +280,7 @@ def test_damaged_journal_is_an_error(tmp_path, monkeypatch, edit, match):
 def test_stale_journal_is_ignored_and_removed(tmp_path):
     """The manifest was written but the journal's removal did not reach the disk (power loss)."""
     data = batches(3)
-    with StreamingTrainer(CFG, DISK, store_dir=tmp_path / "run") as trainer:
+    with StreamingTrainer(CFG, JOURNALED, store_dir=tmp_path / "run") as trainer:
         trainer.step(data[0])
         original = trainer.store.finish_step
         kept = {}

@@ -89,6 +89,11 @@ def memory_lines(summary: dict[str, Any], meta: dict[str, Any], planned: int | N
         lines.append(f"16 B/param baseline (all training state on the device): {meta['params']:,} params -> "
                      f"{format_size(baseline)}, {baseline / peak:.1f}x the streamed peak")
     lines.append(f"host RSS peak {format_size(summary['host_rss_peak_bytes'])}")
+    if meta.get("params") and meta.get("step_disk_read_bytes") is not None:
+        read, written, params = meta["step_disk_read_bytes"], meta["step_disk_write_bytes"], meta["params"]
+        if read or written:
+            lines.append(f"store files, last step: read {format_size(read)} ({read / params:.2f} B/param), "
+                         f"written {format_size(written)} ({written / params:.2f} B/param)")
     return lines
 
 

@@ -18,8 +18,8 @@ from torch.func import functional_call
 from layers import GPTJConfig, build_unit, causal_lm_loss
 from memory_model import Ledger, Trace
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, gradient_charges, released_after, resident_sets, resource_charges,
-    update_charges,
+    Event, Resource, StateChunk, Weights, gradient_charges, is_fused, released_after, resident_sets,
+    resource_charges, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -28,11 +28,16 @@ from streamer.store.layout import UnitLayout
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import StateWriter, Store
-from streamer.runtime.transport import IOWorker, Loaded, Transport
+from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
 class NonFiniteError(StreamerError):
     """A loss or gradient that is NaN or infinite; nothing of that step was committed."""
+
+
+class ClippingNeeded(Exception):
+    """A fused update ran unclipped, but the gradient norm so far already makes the clip coefficient below 1:
+    the step must be undone and made again with the update after the backward (which knows the coefficient)."""
 
 
 @dataclass
@@ -60,8 +65,22 @@ class StepContext:
 class PendingOffload:
     unit: str
     last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
-    future: cf.Future[float]
+    future: cf.Future[tuple[float, torch.Tensor | None]]  # (squared norm, accumulated gradient) when last
     handles: list[int]  # the ledger charges of the gradient on the device
+
+
+@dataclass
+class RunningStep:
+    """What the running step's events hand on to later ones."""
+
+    step: int = 0  # the optimizer step being made
+    fused: bool = False  # its update is fused into its backward
+    graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # (input, output)
+    flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
+    pending_offload: PendingOffload | None = None
+    final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update
+    writers: dict[str, StateWriter] = field(default_factory=dict)  # units whose new state is being written
+    write_backs: list[cf.Future[None]] = field(default_factory=list)
 
 
 class Executor:
@@ -71,14 +90,9 @@ class Executor:
         self.device = torch.device(tc.device)
         self.dtype = tc.compute_dtype
         self.transport = Transport(store, self.device, self.dtype)
-        self.worker = IOWorker(threaded=self.device.type != "meta" and tc.prefetch > 0)
-        # On a cpu device the host's fold of a RAM-tier gradient runs on the cores the compute uses; on the
-        # I/O worker it oversubscribes them (each thread brings its own OpenMP team), so it runs inline:
-        # measured faster inline on gptj-350m (`streamer bench`, BENCHMARKS.md). Disk writes and all-reduces
-        # still use the worker.
-        inline = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
-                  and data_parallel is None)
-        self.fold_worker = IOWorker(threaded=False) if inline else self.worker
+        inline_fold = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
+                       and data_parallel is None)
+        self.io = IOQueues(threaded=self.device.type != "meta" and tc.prefetch > 0, inline_fold=inline_fold)
         self.shells = {kind: build_unit(cfg, name) for kind, name in
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.states = {u: UnitState(u) for u in layouts}
@@ -86,20 +100,16 @@ class Executor:
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
-        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._pending_offload: PendingOffload | None = None
-        self.grad_sq_norms: dict[str, float] = {}
-        self._step = 0  # per unit, of the step's final gradient, in backward order
+        self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self.units = list(layouts)
         self.data_parallel = data_parallel
-        self._flowing_grad: tuple[torch.Tensor, int] | None = None
-        self._writers: dict[str, StateWriter] = {}
         self._scratch: torch.Tensor | None = None
-        self._write_backs: list[cf.Future[None]] = []
+        self.current = RunningStep()
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
-        self._step = ctx.step
+        self.current.step = ctx.step
+        self.current.fused = is_fused(events)
         if any(e.phase == "backward" for e in events):
             self.grad_sq_norms = {}
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
@@ -119,8 +129,8 @@ class Executor:
                     self._update(event.resource, tensors, ctx)
             if released_after(events, i):
                 self._release(event.resource)
-        self.worker.drain()
-        write_backs, self._write_backs = self._write_backs, []
+        self.io.drain()
+        write_backs, self.current.write_backs = self.current.write_backs, []
         for future in write_backs:
             future.result()  # a failed write (disk full, ...) must stop the step before it commits
 
@@ -133,8 +143,9 @@ class Executor:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(resource.unit, numel))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
-                resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host"))
-        self._inflight[resource] = (self.worker.submit(job), handles)
+                resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
+                with_grad=not self.current.fused))
+        self._inflight[resource] = (self.io.reads.submit(job), handles)
 
     def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
         with self.trace.span(unit, "load", step=step):
@@ -177,7 +188,7 @@ class Executor:
         batch = ctx.micro_batches[micro]
         if unit == "embed":
             with self.recorder.hooks(self.states[unit]):
-                self._graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
+                self.current.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
             return
         previous = self._previous_output(unit)
         x = previous.detach().requires_grad_(torch.is_grad_enabled())
@@ -185,29 +196,29 @@ class Executor:
             with self.recorder.hooks(self.states[unit]):
                 loss = causal_lm_loss(self._call_unit(unit, x, micro), batch.labels)
             ctx.losses.append(loss.detach())
-            self._graphs[unit] = (x, loss / len(ctx.micro_batches))
+            self.current.graphs[unit] = (x, loss / len(ctx.micro_batches))
         elif self.tc.activations == "checkpoint":
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():
-                self._graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
         else:
             with self.recorder.hooks(self.states[unit]):
-                self._graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
 
     def _previous_output(self, unit: str) -> torch.Tensor:
         names = list(self.layouts)
-        return self._graphs[names[names.index(unit) - 1]][1]
+        return self.current.graphs[names[names.index(unit) - 1]][1]
 
     def _backward(self, event: Event, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
-        x, y = self._graphs.pop(unit)
+        x, y = self.current.graphs.pop(unit)
         if unit == "head":
             logits_grad = self.ledger.allocate("workspace", unit, x.shape[0] * x.shape[1] * self.cfg.vocab_size * 4,
                                                "logits gradient")
             y.backward()
             self.ledger.free(logits_grad)
         else:
-            incoming, incoming_handle = self._flowing_grad
+            incoming, incoming_handle = self.current.flowing_grad
             if unit.startswith("block") and self.tc.activations == "checkpoint":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
                     y = self._call_unit(unit, x, micro)  # recompute: the only second forward, by policy
@@ -215,13 +226,13 @@ class Executor:
             self.ledger.free(incoming_handle)
         del y
         self.recorder.release(unit)
-        self._flowing_grad = None
+        self.current.flowing_grad = None
         if unit != "embed":
             grad = x.grad
-            self._flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
+            self.current.flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))
-        if unit == self.units[0]:
-            self._finish_pending_offload()  # the update (or the next micro-batch) needs every gradient home
+        if unit == self.units[0] or (self.current.fused and micro == self.tc.grad_accum - 1):
+            self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
         """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
@@ -236,36 +247,38 @@ class Executor:
                    for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
-        step = self._step
-        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction)
-        self._pending_offload = PendingOffload(unit, last, self.fold_worker.submit(job), handles)
+        step, persist = self.current.step, not (self.current.fused and last)
+        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
+        self.current.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 
     def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
-                        reduction: object | None) -> float:
+                        reduction: object | None, persist: bool) -> tuple[float, torch.Tensor | None]:
         with self.trace.span(unit, "offload", step=step):
             if reduction is not None:
                 grads = [self.data_parallel.finish_reduce(reduction)]
             if self.store is None:
-                return 0.0
+                return 0.0, None
             host = self.transport.pieces_to_host(grads)
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(lay.numel for lay in self.layouts.values()), dtype=torch.float32)
             scratch = None if self._scratch is None else self._scratch[:self.layouts[unit].numel]
-            total = self.store.accumulate_grad(unit, host, first, scratch)
+            total = self.store.accumulate_grad(unit, host, first, scratch, persist)
             if host is not grads:
                 self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
-            return float(torch.linalg.vector_norm(total)) ** 2 if last else 0.0
+            return (float(torch.linalg.vector_norm(total)) ** 2, total) if last else (0.0, None)
 
     def _finish_pending_offload(self) -> None:
-        pending, self._pending_offload = self._pending_offload, None
+        pending, self.current.pending_offload = self.current.pending_offload, None
         if pending is None:
             return
-        sq_norm = pending.future.result()
+        sq_norm, total = pending.future.result()
         for handle in pending.handles:
             self.ledger.free(handle)
         if pending.last:
             self.grad_sq_norms[pending.unit] = sq_norm
+            if self.current.fused:
+                self.current.final_grads[pending.unit] = total
 
     # --- update --------------------------------------------------------------------------------------
     def clip_coef(self, ctx: StepContext) -> float:
@@ -280,12 +293,18 @@ class Executor:
         return min(1.0, self.tc.max_grad_norm / (total + 1e-6))
 
     def _update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
-        if ctx.clip_coef is None:
+        if self.current.fused:
+            tensors = self._fused_inputs(chunk, tensors, ctx)
+        elif ctx.clip_coef is None:
             ctx.clip_coef = self.clip_coef(ctx)
             if ctx.on_first_update is not None:
                 ctx.on_first_update(ctx)
         layout = self.layouts[chunk.unit]
         adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
+        if self.current.fused:
+            grad = tensors.pop("grad")
+            if grad.device.type != "cpu":
+                self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
         new_compute, handles = None, []
         if not self.store_is_master():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
@@ -293,9 +312,27 @@ class Executor:
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
                        for c in update_charges(chunk, self.dtype.itemsize, self.tc.update_on)]
             new_compute.copy_(tensors["master"])
-        self._write_backs.append(self.worker.submit(lambda: self._write_back(chunk, tensors, new_compute, ctx.step)))
+        job = lambda: self._write_back(chunk, tensors, new_compute, ctx.step)
+        self.current.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)
+
+    def _fused_inputs(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
+                      ctx: StepContext) -> dict[str, torch.Tensor]:
+        """A fused update chunk's state and its gradient from the backward, once the step so far allows it.
+
+        It runs with clip coefficient 1 (`ctx.clip_coef`), so it stands only while the norm of the gradients
+        summed so far keeps the coefficient at 1: the norm only grows, so a coefficient below 1 now is below
+        1 for the step, and the step is made again after the backward (`ClippingNeeded`). A non-finite
+        gradient stops the step here, before this unit's update, as it would before the separate update.
+        """
+        if chunk.start == 0 and self.clip_coef(ctx) != 1.0:
+            raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
+        total = self.current.final_grads[chunk.unit]
+        if chunk.last:
+            del self.current.final_grads[chunk.unit]
+        grad = self.transport.grad_chunk(total, chunk.start, chunk.count, on_host=self.tc.update_on == "host")
+        return {**tensors, "grad": grad}
 
     def store_is_master(self) -> bool:
         return self.dtype == torch.float32
@@ -305,9 +342,9 @@ class Executor:
         if self.store is None:
             return
         with self.trace.span(chunk.unit, "offload", step=step):
-            if chunk.unit not in self._writers:
-                self._writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
-            writer = self._writers[chunk.unit]
+            if chunk.unit not in self.current.writers:
+                self.current.writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
+            writer = self.current.writers[chunk.unit]
             values = {**tensors, "compute": new_compute}
             for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
                 if values[kind] is not None:
@@ -319,36 +356,37 @@ class Executor:
                 if t is not None and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)
             if chunk.last:
-                self._writers.pop(chunk.unit).close()
+                self.current.writers.pop(chunk.unit).close()
 
     def clear_graphs(self) -> None:
         """After a forward-only pass: drop the hidden states it kept and the activations it charged."""
         for unit in self.units:
             self.recorder.release(unit)
-        self._graphs.clear()
+        self.current.graphs.clear()
 
     def abort(self) -> None:
         """A step stopped part-way: wait for the I/O in flight, release everything, discard the new versions."""
-        self.worker.drain()
+        self.io.drain()
         for resource in list(self._inflight):
             self._release(resource)
-        if self._pending_offload is not None:
-            for handle in self._pending_offload.handles:
+        if self.current.pending_offload is not None:
+            for handle in self.current.pending_offload.handles:
                 self.ledger.free(handle)
-            self._pending_offload = None
-        if self._flowing_grad is not None:
-            self.ledger.free(self._flowing_grad[1])
-            self._flowing_grad = None
-        for unit in list(self._graphs):
+            self.current.pending_offload = None
+        if self.current.flowing_grad is not None:
+            self.ledger.free(self.current.flowing_grad[1])
+            self.current.flowing_grad = None
+        for unit in list(self.current.graphs):
             self.recorder.release(unit)
-        self._graphs.clear()
-        for writer in self._writers.values():
+        self.current.graphs.clear()
+        for writer in self.current.writers.values():
             writer.discard()
-        self._writers.clear()
-        self._write_backs.clear()  # their failures were reported; the next step must not raise them again
+        self.current.writers.clear()
+        self.current.write_backs.clear()  # their failures were reported; the next step must not raise them again
+        self.current.final_grads.clear()
 
     def close(self) -> None:
-        self.worker.close()
-        for writer in self._writers.values():
+        self.io.close()
+        for writer in self.current.writers.values():
             writer.discard()
-        self._writers.clear()
+        self.current.writers.clear()

@@ -110,11 +110,13 @@ def read_journal(root: Path, manifest: dict[str, Any], units: list[str]) -> dict
 
 @dataclass(frozen=True)
 class Commit:
-    """A commit in progress: `step`'s state goes to `generation`. A journaled one survives a crash."""
+    """A commit in progress: `step`'s state goes to `generation`. A journaled one survives a crash; a
+    speculative one (the fused update) may still be rolled back to the previous generation, which it keeps."""
 
     step: int
     generation: int
     journaled: bool
+    speculative: bool = False
 
 
 def lock_run_dir(root: Path) -> int:

@@ -19,9 +19,10 @@ import torch
 
 from streamer.errors import StoreError
 from streamer.store.commit import grad_name, state_name
+from streamer.store.direct import SequentialFile, StagingPool
 from streamer.store.slabfile import (
-    Checksum, Trailer, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path, pread_into,
-    pwrite_from,
+    Checksum, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path,
+    pread_into, pwrite_from,
 )
 from streamer.store.spec import StoreSpec
 
@@ -35,6 +36,13 @@ class StateFiles:
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._checksums: ThreadPoolExecutor | None = None
+        self.bytes_read = self.bytes_written = 0  # data bytes, for the step's I/O report
+        self.staging = StagingPool()  # for the state files' writers (one at a time, on the I/O thread)
+
+    def count_bytes(self, read: int = 0, written: int = 0) -> None:
+        with self._fd_lock:  # the main thread and the I/O thread both read and write
+            self.bytes_read += read
+            self.bytes_written += written
 
     def state_path(self, unit: str, generation: int) -> Path:
         return self.folder / state_name(unit, generation)
@@ -72,6 +80,7 @@ class StateFiles:
         path.unlink(missing_ok=True)
 
     def close(self) -> None:
+        self.staging.close()
         if self._checksums is not None:
             self._checksums.shutdown()
             self._checksums = None
@@ -85,6 +94,7 @@ class StateFiles:
         """Elements [start, start + out.numel()) of `kind` (one chunk at most), in the stored dtype."""
         path = self.state_path(unit, generation)
         pread_into(self.descriptor(path), out, self.spec.kind_offset(kind, start, out.numel()), path)
+        self.count_bytes(read=out.numel() * out.element_size())
 
     def check(self, unit: str, generation: int) -> Trailer:
         """The trailer of a state file whose size and trailer say it is that unit's generation."""
@@ -107,11 +117,13 @@ class StateFiles:
         """fp32 gradient elements [start, start + out.numel())."""
         path = self.grad_path(unit)
         pread_into(self.descriptor(path), out, start * 4, path)
+        self.count_bytes(read=out.numel() * 4)
 
     def write_grad(self, unit: str, values: torch.Tensor) -> None:
         """The unit's whole fp32 gradient (the file is created on the first write)."""
         path = self.grad_path(unit)
         pwrite_from(self.descriptor(path, create=True), values, 0, path)
+        self.count_bytes(written=values.numel() * 4)
 
     def grad_check(self, unit: str, checksum: int, step: int) -> Checksum:
         """What verifying the gradient a journaled step `step` replays reads: the file must have that checksum."""
@@ -132,14 +144,16 @@ class StateFiles:
 
 
 class GenerationWriter:
-    """Writes one unit's state file of a new generation, front to back, to a tmp file; `finish` seals it
-    (checksum, trailer, fsync) and renames it into place, `discard` deletes it."""
+    """Writes one unit's state file of a new generation, front to back, to a tmp file (past the page cache
+    where the filesystem allows it, streamer.store.direct); `finish` seals it (flush, trailer, fsync) and
+    renames it into place, `discard` deletes it."""
 
     def __init__(self, files: StateFiles, unit: str, generation: int) -> None:
         self.files, self.unit, self.generation = files, unit, generation
         self.final = files.state_path(unit, generation)
         self.tmp = self.final.with_suffix(".state.tmp")
         self._next = 0
+        self._out: SequentialFile | None = None
 
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
         spec = self.files.spec
@@ -147,26 +161,31 @@ class GenerationWriter:
         offset = spec.kind_offset(kind, start, values.numel())
         if offset != self._next:
             raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
-        pwrite_from(self.files.descriptor(self.tmp, create=self._next == 0), values, offset, self.tmp)
+        if self._out is None:
+            self._out = SequentialFile(self.tmp, self.files.staging)
+        self._out.write(bytes_view(values))
+        self.files.count_bytes(written=values.numel() * values.element_size())
         self._next = offset + values.numel() * values.element_size()
 
     def finish(self) -> int:
         """Seal and rename the file; returns the checksum of its data."""
-        files, size = self.files, self.files.state_bytes(self.unit)
-        if self._next != size:
+        size = self.files.state_bytes(self.unit)
+        if self._next != size or self._out is None:
             raise ValueError(f"unit {self.unit}: {self._next} of {size} state bytes were written")
         try:
-            checksum = files.sync_and_checksum(self.tmp, size)
+            checksum = self._out.finish()
             trailer = Trailer(self.unit, self.generation, size, checksum).pack()
-            pwrite_from(files.descriptor(self.tmp), trailer, size, self.tmp)
-            os.fsync(files.descriptor(self.tmp))
-            files.release(self.tmp)
+            pwrite_from(self._out.fd, trailer, size, self.tmp)
+            os.fsync(self._out.fd)
+            self._out.close()
             os.replace(self.tmp, self.final)
             fsync_path(self.final.parent)
         except (OSError, StoreError) as exc:
-            files.delete(self.tmp)
+            self.discard()
             raise exc if isinstance(exc, StoreError) else disk_error(exc, self.final) from None
         return checksum
 
     def discard(self) -> None:
+        if self._out is not None:
+            self._out.close()
         self.files.delete(self.tmp)

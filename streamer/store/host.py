@@ -179,7 +179,7 @@ class HostStore(Store):
 
     # --- gradients -------------------------------------------------------------------------
     def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
-                        scratch: torch.Tensor | None) -> torch.Tensor:
+                        scratch: torch.Tensor | None, persist: bool = True) -> torch.Tensor:
         self.check_consistent()  # an open commit may replay these gradients: never overwrite them
         if (ram := self._slabs.get(unit, "grad")) is not None:
             return fold_into(ram, grads, first)
@@ -187,8 +187,12 @@ class HostStore(Store):
         if not first:
             self._files.read_grad(unit, 0, scratch)
         fold_into(scratch, grads, first)
-        self._files.write_grad(unit, scratch)
+        if persist:
+            self._files.write_grad(unit, scratch)
         return scratch
+
+    def bytes_moved(self) -> tuple[int, int]:
+        return self._files.bytes_read, self._files.bytes_written
 
     def sync_grads(self) -> None:
         """Make this step's gradients durable, and checksum them: the journal may replay the update from them."""
@@ -198,7 +202,7 @@ class HostStore(Store):
 
     # --- updates and commits ----------------------------------------------------------------
     def check_consistent(self) -> None:
-        if self.commit is None:
+        if self.commit is None or self.commit.speculative:
             return
         if self.commit.journaled:
             raise StoreError(f"step {self.commit.step} is committed but its update was interrupted; reopen the "
@@ -215,6 +219,20 @@ class HostStore(Store):
             write_json_atomic(self.root / JOURNAL, json.dumps(
                 {"step": step, "generation": self.generation + 1, "grad_checksums": grad_checksums, **record}))
         self.commit = Commit(step, self.generation + 1, journaled)
+
+    def begin_speculative_step(self, step: int) -> None:
+        self.check_consistent()
+        assert self.spec.placement.state == "disk", "a speculative step returns to the previous state files"
+        self.commit = Commit(step, self.generation + 1, journaled=False, speculative=True)
+
+    def rollback(self) -> None:
+        committed = self.manifest["units"]
+        for unit in self.layouts:
+            if self.versions[unit] != committed[unit]:
+                self._files.delete(self._files.state_path(unit, self.versions[unit]))
+                self.versions[unit] = committed[unit]
+                self._fill_ram_from_file(unit)  # RAM kinds (compute, say) were updated in place
+        self.commit = None
 
     def unit_writer(self, unit: str, step: int) -> "UnitWriter":
         """Disk-tier state is written to a new generation; RAM-tier state goes straight into its slabs."""

@@ -14,7 +14,7 @@ and its one I/O thread, which share the file descriptors under a lock of their o
    close the writer; then `finish_step(step, trainer_state)`.
 3. A roll-forward, when `journal` is not None: the update of step `journal["step"]` for every unit whose
    `unit_version` is behind it (reads and `unit_writer` as in a training step), then `finish_step`.
-4. Per training step s + 1, `check_consistent()` first, then:
+4. Per training step s + 1 with the update after the backward, `check_consistent()` first, then:
    - forward and backward, per unit: `read_compute` (or `slab(unit, "compute")`, zero-copy), then
      `accumulate_grad` once per micro-batch (`first` on the first);
    - `begin_step(s + 1, record)`: from here the step is committed (disk tier: journaled);
@@ -24,6 +24,10 @@ and its one I/O thread, which share the file descriptors under a lock of their o
    A step that fails before `begin_step` leaves the store at s, ready for another try; one that fails after
    it leaves the store refusing to go on (`check_consistent` raises) until it is reopened: the disk tier
    then rolls the step forward, the RAM tier returns to its last `save`.
+   With the update fused into the backward (the state on disk): `begin_speculative_step(s + 1)`, then per
+   unit its reads and `accumulate_grad` (the last one with `persist=False`), and at once its update through a
+   `unit_writer`; then `finish_step` (the manifest is the commit point), or `rollback()` to return every unit
+   to step s (clipping triggered, a value was not finite, or anything failed).
 5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is).
 6. `close()`: releases the files and the lock on the store's folder.
 
@@ -113,10 +117,16 @@ class Store(ABC):
     # --- writes ----------------------------------------------------------------------------
     @abstractmethod
     def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
-                        scratch: torch.Tensor | None) -> torch.Tensor:
+                        scratch: torch.Tensor | None, persist: bool = True) -> torch.Tensor:
         """Copy (`first`) or add a host-side gradient (tensors laid end to end in layout order) into the
         unit's fp32 accumulator; returns the accumulated values. `scratch`: an fp32 buffer of the unit's size,
-        needed where gradients are on disk."""
+        needed where gradients are on disk. `persist=False`: the sum is only returned, not stored on disk
+        (a fused update's final gradient, which nothing reads back)."""
+
+    @abstractmethod
+    def bytes_moved(self) -> tuple[int, int]:
+        """(read, written) bytes of the store's files since it was opened: state and gradient data, not the
+        trailers or the checksums' read-back."""
 
     @abstractmethod
     def check_consistent(self) -> None:
@@ -126,6 +136,15 @@ class Store(ABC):
     def begin_step(self, step: int, record: dict[str, Any]) -> None:
         """The commit point of `step`, before its first update; `record` (lr, clip_coef, trainer) is what a
         roll-forward needs. The disk tier makes the gradients durable and journals it."""
+
+    @abstractmethod
+    def begin_speculative_step(self, step: int) -> None:
+        """Start `step` with its update fused into the backward: each unit's new state goes to the next
+        generation while the previous one stays until `finish_step`, so `rollback` can return to it."""
+
+    @abstractmethod
+    def rollback(self) -> None:
+        """Abandon a speculative step: every unit is back at the last committed step, in files and RAM."""
 
     @abstractmethod
     def unit_writer(self, unit: str, step: int) -> StateWriter:

@@ -97,14 +97,14 @@ def verify_checksums(checks: list[Checksum]) -> None:
                              "restore the run directory from a backup")
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
+def bytes_view(t: torch.Tensor) -> memoryview:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("file I/O needs a contiguous CPU tensor")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def pread_into(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
-    view, done = _bytes_view(out), 0
+    view, done = bytes_view(out), 0
     while done < len(view):
         try:
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -117,7 +117,7 @@ def pread_into(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
 
 
 def pwrite_from(fd: int, src: torch.Tensor | bytes, offset: int, path: Path) -> None:
-    view, done = (memoryview(src) if isinstance(src, bytes) else _bytes_view(src)), 0
+    view, done = (memoryview(src) if isinstance(src, bytes) else bytes_view(src)), 0
     try:
         while done < len(view):
             done += os.pwritev(fd, [view[done:]], offset + done)

@@ -1,0 +1,157 @@
+"""A file written once, front to back, past the page cache (O_DIRECT) where the filesystem allows it.
+
+A state file is written once and not read again by the process that writes it. Through the page cache every
+byte is first copied into the cache, written back by the kernel at its own pace, flushed at the commit and
+then read back from the cache for its checksum, while the cache holds a second copy of what the store
+streams. With O_DIRECT the bytes go from a page-aligned staging buffer to the disk in large sequential
+writes, and the checksum (xxh3-64) is summed from that buffer as it goes: the bytes the disk receives.
+
+O_DIRECT needs buffer, file offset and length aligned to the device's block. The staging buffer is page
+aligned and written whole; a file's unaligned tail goes through an ordinary descriptor, as does everything
+where the filesystem refuses O_DIRECT (tmpfs: EINVAL at open) or a direct write fails alignment (EINVAL).
+`finish` flushes the file (fdatasync): a commit's only flush of its data.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import xxhash
+
+from streamer.store.slabfile import disk_error
+
+ALIGN = 4096  # the largest logical block size in use; any smaller one divides it
+STAGE_BYTES = 32 * 2**20  # large enough that each write streams at the disk's sequential speed
+
+
+class StagingPool:
+    """Page-aligned staging buffers, reused: a fresh mapping is page-faulted in at every first touch."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+
+    def take(self) -> mmap.mmap:
+        return self._free.pop() if self._free else mmap.mmap(-1, STAGE_BYTES)
+
+    def give_back(self, stage: mmap.mmap) -> None:
+        self._free.append(stage)
+
+    def close(self) -> None:
+        for stage in self._free:
+            stage.close()
+        self._free.clear()
+
+
+class SequentialFile:
+    """One file written front to back from offset 0; `finish` returns the checksum of everything written."""
+
+    def __init__(self, path: Path, pool: StagingPool) -> None:
+        self.path, self._pool = path, pool
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise disk_error(exc, path) from None
+        self._direct = _open_direct(path)
+        self._stage = pool.take() if self._direct is not None else None
+        self._fill = 0  # bytes staged
+        self._offset = 0  # file offset of the staging buffer's first byte
+        self._digest = xxhash.xxh3_64()
+
+    @property
+    def direct(self) -> bool:
+        return self._direct is not None
+
+    def write(self, data: memoryview) -> None:
+        self._digest.update(data)
+        done = 0
+        while done < len(data) and self._stage is not None:
+            n = min(len(data) - done, STAGE_BYTES - self._fill)
+            self._stage[self._fill:self._fill + n] = data[done:done + n]
+            self._fill, done = self._fill + n, done + n
+            if self._fill == STAGE_BYTES:
+                self._flush_stage(STAGE_BYTES)
+        if done < len(data):  # through the page cache
+            self._pwritev(self.fd, data[done:], self._offset)
+            self._offset += len(data) - done
+
+    def finish(self) -> int:
+        """Write what is staged (its aligned part directly, the tail through the page cache), flush the file's
+        data to the disk, and return the checksum of its bytes."""
+        if self._stage is not None and self._fill:
+            aligned = self._fill - self._fill % ALIGN
+            if aligned:
+                self._flush_stage(aligned)  # the tail moves to the front of the stage
+            if self._stage is not None and self._fill:
+                with memoryview(self._stage) as stage:
+                    self._pwritev(self.fd, stage[:self._fill], self._offset)
+                self._offset += self._fill
+                self._fill = 0
+        try:
+            os.fdatasync(self.fd)  # the file's data, whichever descriptor wrote it
+        except OSError as exc:
+            raise disk_error(exc, self.path) from None
+        return self._digest.intdigest()
+
+    def close(self) -> None:
+        if self._stage is not None:
+            self._pool.give_back(self._stage)
+            self._stage = None
+        for fd in (self._direct, self.fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._direct, self.fd = None, -1
+
+    def _flush_stage(self, length: int) -> None:
+        """Write the first `length` (aligned) staged bytes at the buffer's offset; keep the rest staged."""
+        with memoryview(self._stage) as stage:
+            try:
+                self._pwritev(self._direct, stage[:length], self._offset)
+            except _Unaligned:
+                os.close(self._direct)  # this file's block is larger than ALIGN: the page cache from here on
+                self._direct = None
+                self._pwritev(self.fd, stage[:length], self._offset)
+        self._offset += length
+        rest = self._fill - length
+        if rest:
+            self._stage[:rest] = self._stage[length:self._fill]
+        self._fill = rest
+        if self._direct is None:
+            self._drain_stage_to_cache()
+
+    def _drain_stage_to_cache(self) -> None:
+        stage, self._stage = self._stage, None
+        if self._fill:
+            with memoryview(stage) as view:
+                self._pwritev(self.fd, view[:self._fill], self._offset)
+            self._offset += self._fill
+            self._fill = 0
+        self._pool.give_back(stage)
+
+    def _pwritev(self, fd: int, view: memoryview, offset: int) -> None:
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwritev(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and fd == self._direct:
+                raise _Unaligned() from None
+            raise disk_error(exc, self.path) from None
+
+
+class _Unaligned(Exception):
+    """A direct write the filesystem refused for its alignment."""
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second, O_DIRECT descriptor of `path`, or None where the platform or filesystem has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # tmpfs and others: no direct I/O
+            return None
+        raise disk_error(exc, path) from None

@@ -1,0 +1,138 @@
+"""The update fused into the backward: bit-identical to the update after the backward, and its disk bytes.
+
+A fused update runs unclipped as each unit's gradient becomes final; a step whose clipping triggers is
+rolled back to the previous state files and made again after the backward, and a step with a non-finite
+gradient is rolled back and skipped. These tests compare both schedules weight for weight over steps that
+clip and steps that do not, with gradient accumulation and with a poisoned gradient, and compare the bytes
+the store's files moved with the planner's count for the same step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import poison_gradient
+from layers import GPTJConfig
+from memory_model.planner import step_disk_bytes
+from memory_model.shapes import PlanConfig
+from streamer import Placement, StreamingTrainer, TrainerConfig
+from streamer.errors import ConfigError
+
+CFG = GPTJConfig.preset("gptj-debug")
+STEPS = 4
+# Small chunks so that every unit's update has several; lr large enough for the norm to move between steps.
+DISK = TrainerConfig(store="disk", compute_dtype="fp32", update_chunk=5000, lr=3e-3, nonfinite="skip")
+
+
+def batches(n: int, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CFG.vocab_size, (2, 16), generator=g) for _ in range(n)]
+
+
+def train(root: Path, tc: TrainerConfig, monkeypatch: pytest.MonkeyPatch,
+          poisoned_step: int | None = None) -> tuple[list[float], dict[str, torch.Tensor], int, list[float]]:
+    """Losses, final weights, steps made again after the backward, and each step's gradient norm."""
+    norms = []
+    with StreamingTrainer(CFG, tc, store_dir=root) as trainer:
+        for step, ids in enumerate(batches(STEPS)):
+            with monkeypatch.context() as patch:
+                if step == poisoned_step:
+                    poison_gradient(patch, "block.1", float("nan"))
+                trainer.step(ids)
+            norms.append(sum(trainer.executor.grad_sq_norms.values()) ** 0.5)
+        return trainer.losses, trainer.state_dict(), trainer.clipped_redos, norms
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("accum,moments,dtype", [(1, "fp32", "fp32"), (2, "bf16", "bf16"), (1, "bf16", "fp32")])
+def test_fused_update_is_bit_identical_when_clipping_triggers_on_some_steps(tmp_path, monkeypatch, accum,
+                                                                            moments, dtype):
+    base = DISK.replace(grad_accum=accum, moment_dtype=moments, compute_dtype=dtype)
+    unclipped = train(tmp_path / "free", base.replace(max_grad_norm=None), monkeypatch)
+    norms = sorted(unclipped[3])
+    # A threshold between the steps' norms: the early steps clip, the later ones do not (or the reverse).
+    limit = (norms[1] + norms[2]) / 2
+    after = train(tmp_path / "after", base.replace(max_grad_norm=limit, update_timing="after-backward"), monkeypatch)
+    fused = train(tmp_path / "fused", base.replace(max_grad_norm=limit, update_timing="fused"), monkeypatch)
+    assert after[0] == fused[0]
+    assert_same(after[1], fused[1])
+    clipped = [n > limit for n in after[3]]
+    assert 0 < sum(clipped) < STEPS, "the threshold must make some steps clip and leave others"
+    # A fused step that clips is made again after the backward, and so are the steps after it until one does
+    # not clip: a redo at each step that clips after one that did not.
+    assert fused[2] == sum(c and (i == 0 or not clipped[i - 1]) for i, c in enumerate(clipped))
+    assert after[2] == 0
+
+
+def test_fused_update_without_clipping_matches_and_never_redoes(tmp_path, monkeypatch):
+    after = train(tmp_path / "after", DISK.replace(max_grad_norm=None, update_timing="after-backward"), monkeypatch)
+    fused = train(tmp_path / "fused", DISK.replace(max_grad_norm=None), monkeypatch)
+    assert after[0] == fused[0] and fused[2] == 0
+    assert_same(after[1], fused[1])
+
+
+# The compute weights in RAM (bf16, rebuilt from the masters): the rollback refills them from the files too.
+@pytest.mark.parametrize("accum,store", [(1, "disk"), (2, "disk"), (1, Placement("ram", "disk", "disk"))])
+def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_path, monkeypatch, accum, store):
+    tc = DISK.replace(grad_accum=accum, store=store, compute_dtype="bf16" if store != "disk" else "fp32",
+                      max_grad_norm=None)  # every step fused (a step that clips is made again after the backward)
+    after = train(tmp_path / "after", tc.replace(update_timing="after-backward"), monkeypatch, poisoned_step=1)
+    fused = train(tmp_path / "fused", tc.replace(update_timing="fused"), monkeypatch, poisoned_step=1)
+    assert len(after[0]) == len(fused[0]) == STEPS - 1
+    assert after[0] == fused[0]
+    assert_same(after[1], fused[1])
+    manifest = json.loads((tmp_path / "fused" / "manifest.json").read_text())
+    assert manifest["step"] == STEPS - 1
+    # No other generation, no tmp file and no journal is left of the rolled-back step.
+    names = sorted(p.name for p in (tmp_path / "fused" / "slabs").iterdir() if p.suffix != ".grad")
+    assert names == sorted(f"{u}.{g}.state" for u, g in manifest["units"].items())
+    assert not (tmp_path / "fused" / "journal.json").exists()
+
+
+def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, monkeypatch):
+    ram = train(tmp_path / "ram", DISK.replace(store="ram", max_grad_norm=None), monkeypatch)
+    fused = train(tmp_path / "fused", DISK.replace(update_timing="fused", max_grad_norm=None), monkeypatch)
+    assert fused[2] == 0
+    assert ram[0] == fused[0]
+    assert_same(ram[1], fused[1])
+
+
+def test_fused_update_needs_the_state_on_disk():
+    with pytest.raises(ConfigError, match="needs the state on disk"):
+        TrainerConfig(store="ram", update_timing="fused")
+    assert not PlanConfig(batch=1, seq=8, store="ram").fused
+    assert PlanConfig(batch=1, seq=8, store="disk").fused
+    assert not PlanConfig(batch=2, seq=8, store="disk", devices=2).fused
+
+
+@pytest.mark.parametrize("timing", ["fused", "after-backward"])
+@pytest.mark.parametrize("accum,moments,dtype,prefetch", [(1, "fp32", "bf16", 1), (2, "bf16", "fp32", 2),
+                                                          (1, "bf16", "bf16", 0)])
+def test_store_bytes_per_step_are_the_planners(tmp_path, timing, accum, moments, dtype, prefetch):
+    tc = DISK.replace(grad_accum=accum, moment_dtype=moments, compute_dtype=dtype, prefetch=prefetch,
+                      update_timing=timing, max_grad_norm=None)
+    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
+        for ids in batches(2):
+            trainer.step(ids)
+            plan = PlanConfig(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch,
+                              update_chunk=tc.update_chunk, store="disk", update_timing=timing,
+                              moment_dtype=moments)
+            assert trainer.step_bytes == step_disk_bytes(CFG, plan)
+
+
+def test_fused_bytes_per_parameter_are_the_floor_but_the_compute_copy():
+    """Per parameter, fused, fp32 master, bf16 compute: reads are the weights twice (forward, backward; the
+    head's once, as it stays from its forward into its backward) plus master and moments; writes are master,
+    moments and the compute copy. The gradient never reaches the store."""
+    n, head = CFG.num_params(), CFG.unit_params("head")
+    for moments, state in (("bf16", 4 + 4), ("fp32", 4 + 8)):
+        plan = PlanConfig(batch=2, seq=16, store="disk", update_timing="fused", moment_dtype=moments)
+        assert step_disk_bytes(CFG, plan) == ((2 + 2 + state) * n - 2 * head, (state + 2) * n)
