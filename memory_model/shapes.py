@@ -97,10 +97,20 @@ def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: 
 
 def head_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
     n = batch * seq
-    return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (lm_head's input)
+    return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (the chunked loss's input)
             + 2 * n * es  # ln_f mean, rstd
-            + 4 * n * shape.vocab_size  # log_softmax output, fp32 (B*T, vocab)
-            + 8 * n + 4)  # the shifted int64 labels, and cross-entropy's total weight
+            + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
+            + 8 * n)  # the shifted int64 labels
+
+
+# fp32 logits in one vocabulary chunk of the head's loss (layers.loss.chunked_lm_loss): 128 MiB. Larger
+# chunks only make fewer, wider matmuls; the full (tokens x vocab) logits never exist.
+LOSS_CHUNK_LOGITS = 2**25
+
+
+def loss_vocab_chunk(shape: GPTJConfig, tokens: int) -> int:
+    """Vocabulary rows per chunk of the head's loss for a micro-batch of `tokens` positions."""
+    return max(1, min(shape.vocab_size, LOSS_CHUNK_LOGITS // max(1, tokens)))
 
 
 def embed_saved_bytes(shape: GPTJConfig, batch: int, seq: int) -> int:
@@ -112,12 +122,15 @@ def checkpoint_input_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> 
 
 
 def backward_workspace_bytes(shape: GPTJConfig, unit: str, batch: int, seq: int, es: int) -> int:
-    """Charged while a unit's backward runs: the head's fp32 logits gradient; for a block or the embedding,
-    the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. its input is charged once its
-    backward is done, when its activations are gone: never above this moment."""
+    """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient and its
+    compute-dtype copy, and the fp32 sum of the gradient w.r.t. its input over the chunks. A block or the
+    embedding: the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. a unit's input is
+    charged once its backward is done, when its activations are gone: never above this moment."""
+    n = batch * seq
     if unit == "head":
-        return 4 * batch * seq * shape.vocab_size
-    return batch * seq * shape.n_embd * es
+        cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
+        return (4 + cast) * n * loss_vocab_chunk(shape, n) + 4 * n * shape.n_embd
+    return n * shape.n_embd * es
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from typing import Callable, Sequence
 import torch
 from torch.func import functional_call
 
-from layers import GPTJConfig, build_unit, causal_lm_loss
+from layers import GPTJConfig, build_unit
 from memory_model import Ledger, Trace
+from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
     Event, Resource, StateChunk, Weights, gradient_charges, released_after, resident_sets, resource_charges,
     update_charges,
@@ -158,13 +159,13 @@ class Executor:
             state.buffer, state.residency = None, Residency.NOT_AVAILABLE
 
     # --- forward and backward ------------------------------------------------------------------------
-    def _call_unit(self, unit: str, x: torch.Tensor, micro: int) -> torch.Tensor:
+    def _call_unit(self, unit: str, x: torch.Tensor, micro: int, *args: object) -> torch.Tensor:
         layout = self.layouts[unit]
         params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                        lambda grads: self._offload(unit, micro, grads))
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
-        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x,))
+        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x, *args))
 
     def _call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
@@ -183,7 +184,8 @@ class Executor:
         x = previous.detach().requires_grad_(torch.is_grad_enabled())
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
-                loss = causal_lm_loss(self._call_unit(unit, x, micro), batch.labels)
+                chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
+                loss = self._call_unit(unit, x, micro, batch.labels, chunk)
             ctx.losses.append(loss.detach())
             self._graphs[unit] = (x, loss / len(ctx.micro_batches))
         elif self.tc.activations == "checkpoint":
@@ -202,8 +204,8 @@ class Executor:
         unit, micro = event.unit, event.micro
         x, y = self._graphs.pop(unit)
         if unit == "head":
-            logits_grad = self.ledger.allocate("workspace", unit, x.shape[0] * x.shape[1] * self.cfg.vocab_size * 4,
-                                               "logits gradient")
+            nbytes = backward_workspace_bytes(self.cfg, unit, x.shape[0], x.shape[1], self.dtype.itemsize)
+            logits_grad = self.ledger.allocate("workspace", unit, nbytes, "a vocabulary chunk's logits gradient")
             y.backward()
             self.ledger.free(logits_grad)
         else:
