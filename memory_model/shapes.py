@@ -7,10 +7,11 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from layers.config import GPTJConfig
+from memory_model.lora import LoraConfig, target_shape
 from memory_model.settings import Choice, Integer, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
@@ -49,6 +50,7 @@ class PlanConfig:
     store: str = setting("ram", "where the host store lives: ram, or disk (committed every step)",
                          Choice(STORE_TIERS), "TIER")
     devices: int = setting(1, "data-parallel processes, one device each", Integer())
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -93,6 +95,32 @@ def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: 
     )
     stats = 2 * n * es + 4 * batch * shape.n_head * seq  # LayerNorm mean, rstd; SDPA logsumexp (fp32)
     return tensors + stats + (rotary_table_bytes(shape, seq, es) if rotary else 0)
+
+
+def frozen_block_saved_bytes(shape: GPTJConfig, lora: LoraConfig, batch: int, seq: int, es: int, first: bool,
+                             rotary: bool = True) -> int:
+    """What a block with frozen weights and LoRA adapters saves: only what the gradients w.r.t. its input and
+    its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
+    (the block after the embedding), so only the paths from its adapters save anything."""
+    n, d, f, r = batch * seq, shape.n_embd, shape.inner_dim, lora.rank
+    targets, plain, grad_in = set(lora.target_names), lora.dropout == 0, not first
+    attention = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})  # SDPA's inputs need a gradient
+    total = (n * d * es + 2 * n * es) if grad_in else 0  # h and ln_1's mean and rstd
+    total += n * d * es if plain and targets & {"q_proj", "k_proj", "v_proj", "fc_in"} else 0  # x, the adapters'
+    total += 3 * n * d * es + 4 * batch * shape.n_head * seq if attention else 0  # rotated q, k, v; logsumexp
+    total += n * d * es if attention or (plain and "out_proj" in targets) else 0  # the attention output
+    rotates = grad_in or bool(targets & {"q_proj", "k_proj"})
+    total += rotary_table_bytes(shape, seq, es) if rotary and rotates else 0
+    total += n * f * es if grad_in or "fc_in" in targets else 0  # gelu's input
+    total += n * f * es if plain and "fc_out" in targets else 0  # gelu's output, fc_out's adapter input
+    for target in targets:  # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
+        fan_in, fan_out = target_shape(shape, target)
+        input_grad = grad_in or (target == "out_proj" and attention) or (target == "fc_out" and "fc_in" in targets)
+        total += n * r * es + (0 if es == 4 else es * r * (fan_out + (fan_in if input_grad else 0)))
+        # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would
+        # keep a bool mask instead: n x in bytes; not measured here).
+        total += 0 if plain else n * fan_in * es * (2 if input_grad else 1)
+    return total
 
 
 def head_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 from layers import PRESETS, GPTJConfig
 from memory_model import PlanConfig
 from memory_model.devices import budget_bytes
+from memory_model.lora import LoraConfig
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
     Choice, Integer, Number, Text, check_settings, checks_of, same_setting, setting,
@@ -74,6 +75,10 @@ class RunConfig:
     eps: float = same_setting(OptimizerConfig, "eps")
     moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
+    lora_rank: int = same_setting(LoraConfig, "rank")
+    lora_alpha: float = same_setting(LoraConfig, "alpha")
+    lora_dropout: float = same_setting(LoraConfig, "dropout")
+    lora_targets: str = same_setting(LoraConfig, "targets")
     trace_steps: int = same_setting(TrainerConfig, "trace_steps")
     trace_every: int = same_setting(TrainerConfig, "trace_every")
     dtype: str = same_setting(DeviceConfig, "dtype")
@@ -113,6 +118,10 @@ class RunConfig:
             self.device_config()
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
+        try:
+            self.lora_config()
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
         if self.model not in PRESETS and not Path(self.model).exists():
             raise SettingError("model", f"{self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
                            "config.json or folder holding one")
@@ -124,6 +133,9 @@ class RunConfig:
     def device_config(self) -> DeviceConfig:
         return DeviceConfig(**{f.name: getattr(self, f.name) for f in fields(DeviceConfig)})
 
+    def lora_config(self) -> LoraConfig:
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
+
     def model_config(self) -> GPTJConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
@@ -134,7 +146,7 @@ class RunConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
         return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
                           prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
-                          update_chunk=self.update_chunk, store=self.store, devices=devices)
+                          update_chunk=self.update_chunk, store=self.store, devices=devices, lora=self.lora_config())
 
     def data_config(self) -> DataConfig:
         return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
@@ -148,7 +160,8 @@ class RunConfig:
             update_on=self.update_on, prefetch=self.prefetch, device=self.device, budget=self.budget_bytes(),
             schedule=schedule, update_chunk=self.update_chunk, seed=self.seed, betas=self.betas, eps=self.eps,
             moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps,
-            trace_every=self.trace_every)
+            trace_every=self.trace_every, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout, lora_targets=self.lora_targets)
 
     def name(self) -> str:
         """A short name for the default run directory."""

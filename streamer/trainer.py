@@ -14,7 +14,8 @@ from streamer.runtime.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import dtype_name, model_layouts
 from streamer.runtime.executor import Executor, MicroBatch, NonFiniteError, StepContext
-from memory_model.schedule import chunks, forward_events, step_events, update_events
+from streamer.runtime.lora import Adapters
+from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
 from streamer.store.host import HostStore
 from streamer.store.interface import Store
 from streamer.store.spec import StoreSpec
@@ -50,7 +51,13 @@ class StreamingTrainer:
         self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
                                               "baseline_bytes": 16 * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
-        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel)
+        self.adapters = None
+        if self.tc.lora.enabled:
+            if self.data_parallel is not None:
+                raise StreamerError("LoRA does not run under data parallel yet; train it in one process")
+            self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(self.tc.device), self.tc.seed)
+        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
+                                 self.adapters)
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -74,6 +81,8 @@ class StreamingTrainer:
                 raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
             trainer = cls(store.spec.config, tc, _store=store)
+            if trainer.adapters is not None:
+                trainer.adapters.load(store.root, store.step)
             trainer.losses = list(store.trainer_state.get("losses", []))
             trainer.extra_state = dict(store.trainer_state.get("extra", {}))
             if journal is not None:
@@ -116,7 +125,7 @@ class StreamingTrainer:
                 master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
             del tensors  # one copy of the unit (its flat master) while its state is written
             self._write_initial_state(unit, master)
-        self.store.finish_step(self.store.step, self._trainer_state())
+        self._finish_step(self.store.step, self._trainer_state())
 
     def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
         store = self.store
@@ -169,11 +178,18 @@ class StreamingTrainer:
         step = self.step_count + 1
         ctx = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.lr), on_first_update=self._journal)
         numels = {u: lay.numel for u, lay in self.layouts.items()}
-        events = step_events(self.units, len(micro), numels, self.tc.update_chunk)
+        if self.adapters is None:
+            events = step_events(self.units, len(micro), numels, self.tc.update_chunk)
+        else:
+            events = frozen_base_events(self.units, len(micro))
         try:
             self.executor.run(events, ctx)
+            if self.adapters is not None:
+                self._update_adapters(ctx)
         except NonFiniteError:
             self.executor.abort()
+            if self.adapters is not None:
+                self.adapters.zero_grad()
             if self.tc.nonfinite == "stop":
                 raise
             return float("nan")
@@ -187,9 +203,29 @@ class StreamingTrainer:
             self.trace.meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.executor.device)
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
-            self.store.finish_step(step, self._trainer_state())
+            self._finish_step(step, self._trainer_state())
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
+
+    def _update_adapters(self, ctx: StepContext) -> None:
+        """LoRA's update, after the last backward: clip by the adapters' global gradient norm, then AdamW."""
+        loss = self._mean_loss(ctx)
+        if self.executor.device.type != "meta" and not torch.isfinite(torch.tensor(loss)):
+            raise NonFiniteError(f"loss is {loss} at step {ctx.step}; nothing was committed — "
+                                 "lower the lr or check the data")
+        self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}
+        clip = self.executor.clip_coef(ctx)
+        with self.trace.span("lora", "update", step=ctx.step):
+            self.adapters.step(ctx.lr, clip)
+
+    def _finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
+        """Commit a step; a LoRA run's adapters are written first where the store commits to disk."""
+        durable = self.store.spec.placement.state == "disk"
+        if self.adapters is not None and durable:
+            self.adapters.save(self.store.root, step)
+        self.store.finish_step(step, trainer_state)
+        if self.adapters is not None and durable:
+            self.adapters.prune(self.store.root, step)
 
     def _mean_loss(self, ctx: StepContext) -> float:
         """The loss over the global batch (every rank's micro-batches); computed once per step."""
@@ -241,7 +277,11 @@ class StreamingTrainer:
     def save(self) -> None:
         """Make the current step durable (the disk tier already is after every step)."""
         if self.store is not None:
+            if self.adapters is not None:
+                self.adapters.save(self.store.root, self.store.step)
             self.store.save(self._trainer_state())
+            if self.adapters is not None:
+                self.adapters.prune(self.store.root, self.store.step)
 
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
@@ -252,11 +292,18 @@ class StreamingTrainer:
             self.store.read_state(unit, "master", start, out[start:start + count])
         return out
 
+    def merged_unit_master(self, unit: str) -> torch.Tensor:
+        """unit_master with LoRA's adapters merged into the weights they adapt (the model that was trained)."""
+        flat = self.unit_master(unit)
+        if self.adapters is not None:
+            self.adapters.merge_into(unit, flat, self.layouts[unit])
+        return flat
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-keyed fp32 master weights (copies)."""
+        """HF-keyed fp32 weights (copies), LoRA's adapters merged."""
         out = {}
         for unit in self.units:
-            flat = self.unit_master(unit)
+            flat = self.merged_unit_master(unit)
             for slot in self.layouts[unit].slots:
                 out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out

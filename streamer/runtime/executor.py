@@ -7,6 +7,7 @@ program order (never from the I/O thread), so the accounting is the same on ever
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,15 +18,17 @@ from torch.func import functional_call
 
 from layers import GPTJConfig, build_unit
 from memory_model import Ledger, Trace
+from layers.lora import add_adapters
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, gradient_charges, released_after, resident_sets, resource_charges,
-    update_charges,
+    Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, released_after, resident_sets,
+    resource_charges, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
 from streamer.errors import StreamerError
 from streamer.store.layout import UnitLayout
+from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import StateWriter, Store
@@ -67,7 +70,8 @@ class PendingOffload:
 
 class Executor:
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: Store | None, ledger: Ledger,
-                 trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None) -> None:
+                 trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
+                 adapters: Adapters | None = None) -> None:
         self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
         self.device = torch.device(tc.device)
         self.dtype = tc.compute_dtype
@@ -84,6 +88,15 @@ class Executor:
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.states = {u: UnitState(u) for u in layouts}
         self.recorder = SavedTensorRecorder(ledger)
+        # LoRA: the base is frozen (no weight gradients, no update); the adapters are on the device for the run.
+        self.adapters = adapters
+        self._training = False  # dropout on (a training step) or off (evaluation, generation)
+        if adapters is not None:
+            add_adapters(self.shells["block"], adapters.lora.target_names, adapters.lora.rank,
+                         adapters.lora.scaling, adapters.lora.dropout)
+            self.recorder.resident |= adapters.storages()
+            for c in adapter_charges(adapters.numel()):
+                ledger.allocate(c.category, "lora", c.nbytes, c.what)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
@@ -101,7 +114,8 @@ class Executor:
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
         self._step = ctx.step
-        if any(e.phase == "backward" for e in events):
+        self._training = any(e.phase == "backward" for e in events)
+        if self._training:
             self.grad_sq_norms = {}
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
             for resource in resident:
@@ -161,17 +175,25 @@ class Executor:
     # --- forward and backward ------------------------------------------------------------------------
     def _call_unit(self, unit: str, x: torch.Tensor, micro: int, *args: object) -> torch.Tensor:
         layout = self.layouts[unit]
-        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
-                                       lambda grads: self._offload(unit, micro, grads))
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
+        if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
+            shell = self.shells[kind].train(self._training)
+            named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
+            with self.adapters.dropout_rng(self._step, micro, unit) if kind == "block" else contextlib.nullcontext():
+                return functional_call(shell, named, (x, *args))
+        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
+                                       lambda grads: self._offload(unit, micro, grads))
         return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x, *args))
 
     def _call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
         kind = unit.split(".", 1)[0]
+        named = self.layouts[unit].views(self.states[unit].weights())
+        if self.adapters is not None:
+            named.update(self.adapters.for_unit(unit, self.dtype))
         with torch.no_grad():
-            return functional_call(self.shells[kind], self.layouts[unit].views(self.states[unit].weights()), args)
+            return functional_call(self.shells[kind].train(False), named, args)
 
     def _forward(self, event: Event, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
@@ -181,7 +203,11 @@ class Executor:
                 self._graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
             return
         previous = self._previous_output(unit)
-        x = previous.detach().requires_grad_(torch.is_grad_enabled())
+        # A frozen base needs no gradient w.r.t. the embedding's output: the embedding has no backward.
+        frozen_first = self.adapters is not None and self.units.index(unit) == 1
+        if frozen_first:
+            del self._graphs[self.units[0]]  # no backward will come for it
+        x = previous.detach().requires_grad_(torch.is_grad_enabled() and not frozen_first)
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
                 chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
@@ -218,7 +244,7 @@ class Executor:
         del y
         self.recorder.release(unit)
         self._flowing_grad = None
-        if unit != "embed":
+        if unit != "embed" and x.grad is not None:  # (None: the first block of a frozen base)
             grad = x.grad
             self._flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))
