@@ -31,14 +31,15 @@ class LoraLinear(nn.Linear):
 
 
 def add_adapters(module: nn.Module, targets: tuple[str, ...], rank: int, scaling: float, dropout: float) -> nn.Module:
-    """Replace every nn.Linear of `module` named in `targets` (its last name: 'q_proj') by a LoraLinear on
-    the same device and dtype; returns `module`."""
+    """Replace every nn.Linear of `module` named in `targets` (its last name: 'q_proj') by a LoraLinear with
+    the same weight and bias and new adapters on their device and dtype; returns `module`."""
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.Linear) and not isinstance(child, LoraLinear) and name.rsplit(".", 1)[-1] in targets:
             parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
             with torch.device(child.weight.device):
                 lora = LoraLinear(child.in_features, child.out_features, child.bias is not None, rank, scaling,
                                   dropout).to(child.weight.dtype)
+            lora.weight, lora.bias = child.weight, child.bias  # the projection itself, kept
             setattr(parent, name.rsplit(".", 1)[-1], lora)
     return module
 

@@ -163,6 +163,9 @@ def build_parser() -> Parser:
                         help="weights' dtype (default: fp32, the master weights exactly)")
     export.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
+    export.add_argument("--format", choices=("hf", "peft"), default="hf",
+                        help="hf: full weights, LoRA's adapters merged (default); peft: a LoRA run's adapters as a "
+                             "PEFT adapter folder")
     export.set_defaults(func=_lazy("streamer.cli.export", "export_command"))
 
     trace = commands.add_parser("trace", help="the per-layer memory table and plot of a run",
