@@ -127,6 +127,10 @@ def build_parser() -> Parser:
     plan.add_argument("--update-chunk", type=int, default=RunConfig.update_chunk,
                       help="parameters per update chunk (default: %(default)s)")
     plan.add_argument("--store", choices=CHOICES["store"], default=RunConfig.store)
+    plan.add_argument("--lora-rank", type=int, default=RunConfig.lora_rank,
+                      help="LoRA adapters of this rank on a frozen base (default: 0, full fine-tuning)")
+    plan.add_argument("--lora-targets", default=RunConfig.lora_targets,
+                      help="projections with adapters (default: %(default)s)")
     plan.add_argument("--dry-run", action="store_true",
                       help="also run the real schedule on meta tensors and report its ledger's peak")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from layers import PRESETS, GPTJConfig
 from memory_model import DeviceSpec, PlanConfig, device_spec, format_size, plan
+from memory_model.lora import LoraConfig
 from streamer.cli.trace import breakdown
 from streamer.console import make_console
 from streamer.errors import StreamerError
@@ -21,9 +22,10 @@ def plan_command(args: argparse.Namespace) -> int:
     dtype = choice.dtype
     device = _device(args.target, model_cfg, dtype)
     try:
+        lora = LoraConfig(rank=args.lora_rank, targets=args.lora_targets)
         plan_cfg = PlanConfig(batch=args.batch, seq=args.seq, activations=args.activations, compute_dtype=dtype,
                               prefetch=args.prefetch, update_on=args.update_on, grad_accum=args.grad_accum,
-                              update_chunk=args.update_chunk, store=args.store, devices=args.ranks)
+                              update_chunk=args.update_chunk, store=args.store, devices=args.ranks, lora=lora)
         result = plan(model_cfg, device, plan_cfg)
         # The scaling curve: the same global batch on 1, 2, 4, ... devices (those the batch divides into).
         counts = [n for n in (2**k for k in range(args.ranks.bit_length())) if n <= args.ranks] + [args.ranks]
@@ -37,7 +39,8 @@ def plan_command(args: argparse.Namespace) -> int:
         from streamer.config import TrainerConfig
         from streamer.runtime.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=args.activations, grad_accum=args.grad_accum,
-                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk)
+                           prefetch=args.prefetch, update_on=args.update_on, update_chunk=args.update_chunk,
+                           lora_rank=args.lora_rank, lora_targets=args.lora_targets)
         ledger = dry_run(model_cfg, tc, args.batch, args.seq)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
