@@ -299,11 +299,11 @@ class StreamingTrainer:
             self.adapters.merge_into(unit, flat, self.layouts[unit])
         return flat
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-keyed fp32 weights (copies), LoRA's adapters merged."""
+    def state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
+        """HF-keyed fp32 weights (copies), LoRA's adapters merged; `merged=False`: the frozen base alone."""
         out = {}
         for unit in self.units:
-            flat = self.merged_unit_master(unit)
+            flat = self.merged_unit_master(unit) if merged else self.unit_master(unit)
             for slot in self.layouts[unit].slots:
                 out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out

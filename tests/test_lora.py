@@ -22,16 +22,6 @@ CFG = GPTJConfig.preset("gptj-debug")
 TARGETS = "q_proj,v_proj,out_proj,fc_in,fc_out"
 
 
-def _base_state(trainer: StreamingTrainer) -> dict[str, torch.Tensor]:
-    """The frozen base, HF-keyed: the store's masters without the adapters merged."""
-    out = {}
-    for unit in trainer.units:
-        flat = trainer.unit_master(unit)
-        for slot in trainer.layouts[unit].slots:
-            out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-    return out
-
-
 def _reference(base: dict[str, torch.Tensor], adapters: Adapters) -> tuple[GPTJ, list[torch.Tensor]]:
     """A resident GPTJ with the trainer's adapters copied into LoraLinear modules; the adapters' tensors."""
     model = GPTJ(CFG, init=False)
@@ -59,12 +49,12 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
         for tensors in trainer.adapters.params.values():  # B starts at zero; make the adapters matter
             for t in tensors.values():
                 t.data.normal_(0, 0.05)
-        base = _base_state(trainer)
+        base = trainer.state_dict(merged=False)
         model, leaves = _reference(base, trainer.adapters)
         files = sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir())
         loss = trainer.step(ids)
-        assert _base_state(trainer).keys() == base.keys()
-        assert all(torch.equal(v, base[k]) for k, v in _base_state(trainer).items())
+        assert trainer.state_dict(merged=False).keys() == base.keys()
+        assert all(torch.equal(v, base[k]) for k, v in trainer.state_dict(merged=False).items())
         assert sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir()) == files  # no new generation
         streamed = [t.detach().clone() for tensors in trainer.adapters.params.values() for t in tensors.values()]
 
@@ -134,7 +124,7 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == TARGETS.split(",")
 
     with open_trainer(RunDir(run)) as trainer:
-        base, state, cfg = _base_state(trainer), trainer.state_dict(), trainer.cfg  # the data's vocabulary
+        base, state, cfg = trainer.state_dict(merged=False), trainer.state_dict(), trainer.cfg  # the data's vocabulary
     hf_base = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.to_hf()))
     hf_base.load_state_dict(base, strict=False)  # the attention bias buffers are HF's own
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
