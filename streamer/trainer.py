@@ -53,8 +53,6 @@ class StreamingTrainer:
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
         self.adapters = None
         if self.tc.lora.enabled:
-            if self.data_parallel is not None:
-                raise StreamerError("LoRA does not run under data parallel yet; train it in one process")
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(self.tc.device), self.tc.seed)
         self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
                                  self.adapters)
@@ -187,14 +185,12 @@ class StreamingTrainer:
             if self.adapters is not None:
                 self._update_adapters(ctx)
         except NonFiniteError:
-            self.executor.abort()
-            if self.adapters is not None:
-                self.adapters.zero_grad()
+            self._abort()
             if self.tc.nonfinite == "stop":
                 raise
             return float("nan")
         except BaseException:
-            self.executor.abort()  # the store keeps what was committed and refuses to train on from a mix
+            self._abort()  # the store keeps what was committed and refuses to train on from a mix
             raise
         loss = self._mean_loss(ctx)
         self.losses.append(loss)
@@ -207,12 +203,22 @@ class StreamingTrainer:
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
 
+    def _abort(self) -> None:
+        self.executor.abort()
+        if self.adapters is not None:
+            self.adapters.zero_grad()  # a later step must not add to this one's partial gradients
+
     def _update_adapters(self, ctx: StepContext) -> None:
         """LoRA's update, after the last backward: clip by the adapters' global gradient norm, then AdamW."""
         loss = self._mean_loss(ctx)
         if self.executor.device.type != "meta" and not torch.isfinite(torch.tensor(loss)):
             raise NonFiniteError(f"loss is {loss} at step {ctx.step}; nothing was committed — "
                                  "lower the lr or check the data")
+        if self.data_parallel is not None:
+            handle = self.ledger.allocate("gradients", "lora", self.adapters.numel() * 4,
+                                          "fp32 adapter gradients for the all-reduce")
+            self.adapters.all_reduce(self.data_parallel)
+            self.ledger.free(handle)
         self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}
         clip = self.executor.clip_coef(ctx)
         with self.trace.span("lora", "update", step=ctx.step):

@@ -17,8 +17,8 @@ import torch
 from torch.func import functional_call
 
 from layers import GPTJConfig, build_unit
-from memory_model import Ledger, Trace
 from layers.lora import add_adapters
+from memory_model import Ledger, Trace
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
     Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, released_after, resident_sets,

@@ -17,6 +17,7 @@ from layers import GPTJConfig
 from layers.lora import init_adapters
 from memory_model.lora import LoraConfig, target_shape
 from streamer.errors import StoreError
+from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import UnitLayout
 
@@ -81,6 +82,15 @@ class Adapters:
         if not grads or self.device.type == "meta":
             return 0.0
         return float(sum(torch.linalg.vector_norm(g) ** 2 for g in grads))
+
+    def all_reduce(self, data_parallel: DataParallel) -> None:
+        """Average the adapters' gradients over the ranks (in fp32, in one flat tensor, as the base's are)."""
+        grads = [t.grad for t in self.leaves()]
+        flat = data_parallel.finish_reduce(data_parallel.start_reduce(grads))
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def step(self, lr: float, clip_coef: float) -> None:
         """AdamW on every adapter (torch's; decay on A and B, as HF Trainer decays every matrix)."""
