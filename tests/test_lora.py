@@ -15,6 +15,7 @@ from memory_model.schedule import adapter_charges
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.cli.generate import open_trainer
 from streamer.cli.main import main
+from streamer.errors import ConfigError
 from streamer.run_dir import RunDir
 from streamer.runtime.lora import Adapters
 
@@ -141,3 +142,12 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:
         assert (loaded(input_ids=ids).logits - expected).abs().max().item() <= 1e-4
         assert (exported(ids).logits - expected).abs().max().item() <= 1e-4
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "4"]) == 0
+
+
+def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "gptj-debug", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        'error: --lora-targets must be distinct names among q_proj,k_proj,v_proj,out_proj,fc_in,fc_out, '
+        'got "q_proj,lm_head"')
+    with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
+        TrainerConfig(lora_rank=-1)
