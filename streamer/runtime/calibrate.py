@@ -229,8 +229,9 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
 
         head = GPTJHead(cfg).to(dtype)
         labels = torch.randint(0, cfg.vocab_size, (batch, seq))
-        head_fwd, head_bwd = _forward_backward(lambda: head(x, labels, loss_vocab_chunk(cfg, n)), [x, *head.parameters()],
-                                               repeats, deadline)
+        chunk = loss_vocab_chunk(cfg, n)
+        head_fwd, head_bwd = _forward_backward(lambda: head(x, labels, chunk), [x, *head.parameters()], repeats,
+                                               deadline)
         head_matmul_s, logits = forward_flops(shape, "head", batch, seq) / matmul_flops, n * cfg.vocab_size
 
         embed = GPTJEmbedding(cfg).to(dtype)
