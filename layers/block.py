@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.config import GPTJConfig
+from layers.loss import chunked_lm_loss
 from layers.rotary import apply_rotary, positions_sincos
 
 
@@ -101,15 +102,21 @@ class GPTJBlock(nn.Module):
 
 
 class GPTJHead(nn.Module):
-    """Final LayerNorm and the language-model head; logits are returned in float32."""
+    """Final LayerNorm and the language-model head: float32 logits, or with labels the causal-LM loss."""
 
     def __init__(self, cfg: GPTJConfig) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(h)).float()  # (B, T, vocab)
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0) -> torch.Tensor:
+        """Logits (B, T, vocab); given labels (B, T), the loss instead, its logits `vocab_chunk` vocabulary
+        rows at a time (layers.loss.chunked_lm_loss) so that neither they nor their gradient exist whole."""
+        x = self.ln_f(h)
+        if labels is None:
+            return self.lm_head(x).float()  # (B, T, vocab)
+        chunk = vocab_chunk or self.lm_head.out_features
+        return chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, chunk)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

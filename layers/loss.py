@@ -1,4 +1,4 @@
-"""Causal-LM loss with Hugging Face semantics."""
+"""Causal-LM loss with Hugging Face semantics, from full logits or from the head's input in vocabulary chunks."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +7,79 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """labels[t+1] as the target of position t, -100 after the last (HF's ForCausalLMLoss shift)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of position t predicting labels[t+1]; labels equal to -100 are not counted.
 
     logits: (B, T, vocab), labels: (B, T). The shift happens here, as in HF's ForCausalLMLoss.
     """
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T)
-    return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels(labels).flatten(), ignore_index=IGNORE_INDEX)
+
+
+def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, labels: torch.Tensor,
+                    vocab_chunk: int) -> torch.Tensor:
+    """causal_lm_loss(F.linear(x, weight, bias), labels) without the (B, T, vocab) logits or their gradient.
+
+    The logits are computed `vocab_chunk` vocabulary rows at a time: the forward keeps only each position's
+    log-sum-exp, and the backward computes each chunk's logits again to form its gradient. Every weight row's
+    gradient is still one matmul over all positions; the input's gradient is summed over the chunks in fp32.
+    """
+    return _ChunkedLMLoss.apply(x.flatten(0, 1), weight, bias, shift_labels(labels).flatten(), vocab_chunk)
+
+
+def _vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + chunk, vocab)) for lo in range(0, vocab, chunk)]
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """fp32 logits of vocabulary rows [lo, hi): the compute-dtype linear, then the cast (as GPTJHead does)."""
+    return F.linear(x, weight[lo:hi], bias[lo:hi]).float()  # (N, hi - lo)
+
+
+def _in_chunk(targets: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which targets fall in [lo, hi), and their column there (clamped, so gather works on every row and
+    on meta tensors, where a boolean index cannot be sized)."""
+    return (targets >= lo) & (targets < hi), (targets - lo).clamp(0, hi - lo - 1).unsqueeze(1)
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+                vocab_chunk: int) -> torch.Tensor:
+        n = x.shape[0]
+        lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
+        for lo, hi in _vocab_slices(weight.shape[0], vocab_chunk):
+            logits = _chunk_logits(x, weight, bias, lo, hi)
+            lse_parts.append(torch.logsumexp(logits, dim=1))
+            inside, column = _in_chunk(targets, lo, hi)
+            target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
+            del logits
+        lse = torch.logsumexp(torch.stack(lse_parts), dim=0)  # (N,) fp32
+        valid = targets != IGNORE_INDEX
+        loss = torch.where(valid, lse - target_logit, 0.0).sum() / valid.sum()
+        ctx.vocab_chunk = vocab_chunk
+        ctx.save_for_backward(x, weight, bias, targets, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, bias, targets, lse = ctx.saved_tensors
+        valid = targets != IGNORE_INDEX
+        # d loss / d logit = (softmax - onehot) / valid count on counted rows, as cross_entropy's mean has it.
+        row_scale = (valid.float() * (grad_loss.float() / valid.sum())).unsqueeze(1)  # (N, 1)
+        grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
+        for lo, hi in _vocab_slices(weight.shape[0], ctx.vocab_chunk):
+            grad = _chunk_logits(x, weight, bias, lo, hi).sub_(lse.unsqueeze(1)).exp_()  # softmax, fp32
+            inside, column = _in_chunk(targets, lo, hi)
+            grad.scatter_add_(1, column, -inside.float().unsqueeze(1)).mul_(row_scale)
+            grad = grad.to(x.dtype)  # the logits' gradient in the compute dtype, as the cast's backward gives it
+            grad_weight[lo:hi] = grad.t() @ x
+            grad_bias[lo:hi] = grad.sum(0)
+            grad_x += grad @ weight[lo:hi]
+            del grad
+        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None

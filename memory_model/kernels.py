@@ -35,7 +35,7 @@ class KernelCosts:
     elementwise_forward_s: float  # per token x elementwise_width of a block's forward
     elementwise_backward_s: float  # and of its backward
     logits_forward_s: float  # per logit (token x vocab): the fp32 cast and the loss
-    logits_backward_s: float  # per logit: the loss's backward, the cast back, the bias gradient
+    logits_backward_s: float  # per logit: each chunk's logits again (and their matmul), the loss's backward, bias grad
     embedding_backward_s: float  # per element of the dense embedding gradient (zeroed, then scattered into)
     gradient_fold_bytes_per_s: float  # the host folding a gradient into its fp32 accumulator, and the norm
 

@@ -18,11 +18,13 @@ from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes,
-    block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, head_saved_bytes,
+    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
+    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
 )
+from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    Charge, Event, Resource, StoreBytes, disk_bytes, gradient_charges, resident_sets, resource_charges,
+    Charge, Event, Resource, StoreBytes, adapter_charges, disk_bytes, frozen_base_events, gradient_charges,
+    resident_sets, resource_charges,
     step_events, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
@@ -142,10 +144,12 @@ class Plan:
 def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """(held from forward to backward, recomputed during backward) for one unit and micro-batch."""
     es = cfg.dtype_bytes
-    if unit == "embed":
-        return embed_saved_bytes(shape, batch, seq), 0
+    if unit == "embed":  # with a frozen base nothing in the embedding needs a gradient: it saves nothing
+        return (0 if cfg.lora.enabled else embed_saved_bytes(shape, batch, seq)), 0
     if unit == "head":
         return head_saved_bytes(shape, batch, seq, es), 0
+    if cfg.lora.enabled:
+        return _frozen_block_activations(shape, cfg, unit, batch, seq)
     if cfg.activations == "checkpoint":
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         # The recompute re-saves the kept input itself (same storage, charged once) and, in fp32, charges
@@ -153,6 +157,20 @@ def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq:
         return kept, block_saved_bytes(shape, batch, seq, es) - kept
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
     return block_saved_bytes(shape, batch, seq, es, rotary=(es != 4 or unit == "block.0")), 0
+
+
+def _frozen_block_activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
+    """_activations of a LoRA block. The first block's input needs no gradient, so it does not save it (its
+    recompute re-saves nothing of the kept input); the fp32 rotary table goes to the first block that
+    rotates a tensor needing a gradient."""
+    es, first = cfg.dtype_bytes, unit == "block.0"
+    if cfg.activations == "checkpoint":
+        kept = checkpoint_input_bytes(shape, batch, seq, es)
+        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first)
+        return kept, saved - (0 if first else kept)
+    rotates_first = bool(set(cfg.lora.target_names) & {"q_proj", "k_proj"})
+    owner = "block.0" if rotates_first else "block.1"
+    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=es != 4 or unit == owner), 0
 
 
 def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None:
@@ -171,8 +189,10 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
     es = cfg.dtype_bytes
     held: dict[str, int] = {}
     moments = []
+    lora = adapter_charges(adapter_params(shape, cfg.lora))  # held for the whole run (none without LoRA)
     for event, res in zip(events, resident):
         at = dict.fromkeys(CATEGORIES, 0)
+        _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
             _add(at, resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on))
         if event.phase == "update":
@@ -187,7 +207,8 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
                 held[event.unit] = kept
             at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
-                _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices))
+                if not cfg.lora.enabled:  # a frozen base has no weight gradient
+                    _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
@@ -197,6 +218,8 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
 def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
     """The runtime's step for this model and config; `update=False` leaves out the update chunks."""
     units = shape.unit_names()
+    if cfg.lora.enabled:
+        return frozen_base_events(units, cfg.grad_accum)
     numels = {u: shape.unit_params(u) for u in units}
     return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [],
                        fused=cfg.fused)
@@ -271,7 +294,7 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     peak = sum(peak_bytes)
     timeline = simulate(events, resident, shape, cfg, device)
 
-    rows = []
+    rows, frozen = [], cfg.lora.enabled
     for u in units:
         params = shape.unit_params(u)
         kept, recompute = _activations(shape, cfg, u, micro, seq)
@@ -280,8 +303,9 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
         t = timeline.per_unit[u]
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
-            unit=u, params=params, weight_bytes=params * es, gradient_bytes=params * es,
-            optimizer_bytes=params * (4 + cfg.moment_bytes), activation_bytes=kept, recompute_bytes=recompute,
+            unit=u, params=params, weight_bytes=params * es, gradient_bytes=0 if frozen else params * es,
+            optimizer_bytes=0 if frozen else params * (4 + cfg.moment_bytes), activation_bytes=kept,
+            recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,

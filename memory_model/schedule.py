@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 
 
@@ -83,6 +84,13 @@ def update_charges(chunk: StateChunk, new_compute_bytes: int, update_on: str) ->
     return (Charge("weights", chunk.count * new_compute_bytes, "new compute weights"),)
 
 
+def adapter_charges(adapter_numel: int) -> tuple[Charge, ...]:
+    """LoRA's adapters, on the device for the whole run: fp32 weights, their gradient and AdamW moments."""
+    return (Charge("weights", adapter_numel * ADAPTER_WEIGHT_BYTES, "LoRA adapters"),
+            Charge("gradients", adapter_numel * ADAPTER_GRAD_BYTES, "LoRA adapter gradients"),
+            Charge("optimizer", adapter_numel * ADAPTER_MOMENT_BYTES, "LoRA adapters' exp_avg, exp_avg_sq"))
+
+
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:
     """(start, count) pieces of a slab, in file order: the update's chunks and the store's I/O pieces."""
     return [(s, min(size, numel - s)) for s in range(0, numel, size)]
@@ -119,6 +127,17 @@ def is_fused(events: list[Event]) -> bool:
         if seen_update and event.phase == "backward":
             return True
     return False
+
+
+def frozen_base_events(units: list[str], micro_batches: int) -> list[Event]:
+    """LoRA's step on a frozen base: forward and backward of every micro-batch, and no update events (the
+    adapters stay on the device and are updated there after the last backward). The first unit, the
+    embedding, has no backward: it holds no adapters and its input is token ids."""
+    events: list[Event] = []
+    for micro in range(micro_batches):
+        events += [Event("forward", Weights(u), micro) for u in units]
+        events += [Event("backward", Weights(u), micro) for u in reversed(units[1:])]
+    return events
 
 
 def update_events(units: list[str], numels: dict[str, int], chunk: int) -> list[Event]:

@@ -7,10 +7,11 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from layers.config import GPTJConfig
+from memory_model.lora import LoraConfig, target_shape
 from memory_model.settings import Choice, Integer, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
@@ -63,6 +64,7 @@ class PlanConfig:
         "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; "
                 "gradients never reach the store; needs the disk tier and one process), after-backward (a "
                 "separate phase), or auto (fused where it is allowed)", Choice(UPDATE_TIMINGS), "WHEN")
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -74,7 +76,7 @@ class PlanConfig:
     @property
     def fused(self) -> bool:
         """The update runs inside the last micro-batch's backward (memory_model.shapes.fused_update)."""
-        return fused_update(self.update_timing, self.store, self.devices)
+        return not self.lora.enabled and fused_update(self.update_timing, self.store, self.devices)
 
     @property
     def micro_batch(self) -> int:
@@ -142,12 +144,48 @@ def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: 
     return tensors + stats + (rotary_table_bytes(shape, seq, es) if rotary else 0)
 
 
+def frozen_block_saved_bytes(shape: GPTJConfig, lora: LoraConfig, batch: int, seq: int, es: int, first: bool,
+                             rotary: bool = True) -> int:
+    """What a block with frozen weights and LoRA adapters saves: only what the gradients w.r.t. its input and
+    its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
+    (the block after the embedding), so only the paths from its adapters save anything."""
+    n, d, f, r = batch * seq, shape.n_embd, shape.inner_dim, lora.rank
+    targets, plain, grad_in = set(lora.target_names), lora.dropout == 0, not first
+    attention = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})  # SDPA's inputs need a gradient
+    total = (n * d * es + 2 * n * es) if grad_in else 0  # h and ln_1's mean and rstd
+    total += n * d * es if plain and targets & {"q_proj", "k_proj", "v_proj", "fc_in"} else 0  # x, the adapters'
+    total += 3 * n * d * es + 4 * batch * shape.n_head * seq if attention else 0  # rotated q, k, v; logsumexp
+    total += n * d * es if attention or (plain and "out_proj" in targets) else 0  # the attention output
+    rotates = grad_in or bool(targets & {"q_proj", "k_proj"})
+    total += rotary_table_bytes(shape, seq, es) if rotary and rotates else 0
+    total += n * f * es if grad_in or "fc_in" in targets else 0  # gelu's input
+    total += n * f * es if plain and "fc_out" in targets else 0  # gelu's output, fc_out's adapter input
+    for target in targets:  # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
+        fan_in, fan_out = target_shape(shape, target)
+        input_grad = grad_in or (target == "out_proj" and attention) or (target == "fc_out" and "fc_in" in targets)
+        total += n * r * es + (0 if es == 4 else es * r * (fan_out + (fan_in if input_grad else 0)))
+        # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would
+        # keep a bool mask instead: n x in bytes; not measured here).
+        total += 0 if plain else n * fan_in * es * (2 if input_grad else 1)
+    return total
+
+
 def head_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
     n = batch * seq
-    return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (lm_head's input)
+    return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (the chunked loss's input)
             + 2 * n * es  # ln_f mean, rstd
-            + 4 * n * shape.vocab_size  # log_softmax output, fp32 (B*T, vocab)
-            + 8 * n + 4)  # the shifted int64 labels, and cross-entropy's total weight
+            + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
+            + 8 * n)  # the shifted int64 labels
+
+
+# fp32 logits in one vocabulary chunk of the head's loss (layers.loss.chunked_lm_loss): 128 MiB. Larger
+# chunks only make fewer, wider matmuls; the full (tokens x vocab) logits never exist.
+LOSS_CHUNK_LOGITS = 2**25
+
+
+def loss_vocab_chunk(shape: GPTJConfig, tokens: int) -> int:
+    """Vocabulary rows per chunk of the head's loss for a micro-batch of `tokens` positions."""
+    return max(1, min(shape.vocab_size, LOSS_CHUNK_LOGITS // max(1, tokens)))
 
 
 def embed_saved_bytes(shape: GPTJConfig, batch: int, seq: int) -> int:
@@ -159,12 +197,15 @@ def checkpoint_input_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> 
 
 
 def backward_workspace_bytes(shape: GPTJConfig, unit: str, batch: int, seq: int, es: int) -> int:
-    """Charged while a unit's backward runs: the head's fp32 logits gradient; for a block or the embedding,
-    the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. its input is charged once its
-    backward is done, when its activations are gone: never above this moment."""
+    """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient and its
+    compute-dtype copy, and the fp32 sum of the gradient w.r.t. its input over the chunks. A block or the
+    embedding: the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. a unit's input is
+    charged once its backward is done, when its activations are gone: never above this moment."""
+    n = batch * seq
     if unit == "head":
-        return 4 * batch * seq * shape.vocab_size
-    return batch * seq * shape.n_embd * es
+        cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
+        return (4 + cast) * n * loss_vocab_chunk(shape, n) + 4 * n * shape.n_embd
+    return n * shape.n_embd * es
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import torch
 from memory_model import DeviceSpec, PlanConfig
 from memory_model.shapes import fused_update
 from memory_model.devices import budget_bytes
-from memory_model.settings import Choice, Integer, Number, check_settings, same_setting, setting
+from memory_model.lora import LoraConfig
+from memory_model.settings import Choice, Integer, Number, SettingError, check_settings, same_setting, setting
 from streamer.errors import ConfigError
 from streamer.runtime.hardware import check_device, resolve_compute_dtype
 from streamer.runtime.optim import OptimizerConfig
@@ -91,6 +92,10 @@ class TrainerConfig:
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
     update_timing: str = same_setting(PlanConfig, "update_timing")
     nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
+    lora_rank: int = same_setting(LoraConfig, "rank")
+    lora_alpha: float = same_setting(LoraConfig, "alpha")
+    lora_dropout: float = same_setting(LoraConfig, "dropout")
+    lora_targets: str = same_setting(LoraConfig, "targets")
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
     # stays flat: at most steps/N more.
@@ -104,6 +109,10 @@ class TrainerConfig:
         self.optimizer  # checks max_grad_norm, which no `setting` check covers
         # A malformed device or budget fails here, not at the first step.
         check_device(self.device, self.budget, ConfigError.of, meta=True)
+        try:
+            self.lora
+        except SettingError as exc:
+            raise ConfigError.of(exc.key, exc.problem) from None
         if not isinstance(self.schedule, LRSchedule):
             raise ConfigError(f"schedule must be an LRSchedule or its fields, got {self.schedule!r}")
         if isinstance(self.compute_dtype, str) and self.compute_dtype == "auto":
@@ -125,6 +134,11 @@ class TrainerConfig:
     def optimizer(self) -> OptimizerConfig:
         """The optimizer's settings among the trainer's (computed once: the update reads them per chunk)."""
         return OptimizerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimizerConfig)})
+
+    @functools.cached_property
+    def lora(self) -> LoraConfig:
+        """LoRA's settings among the trainer's (rank 0: full fine-tuning)."""
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
     @property
     def budget_bytes(self) -> int | None:

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 from layers import PRESETS, GPTJConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.devices import budget_bytes
+from memory_model.lora import LoraConfig
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
     Choice, Integer, Number, Text, check_settings, checks_of, owned, same_setting, setting,
@@ -92,6 +93,10 @@ class RunConfig:
     eps: float = same_setting(OptimizerConfig, "eps")
     moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
+    lora_rank: int = same_setting(LoraConfig, "rank")
+    lora_alpha: float = same_setting(LoraConfig, "alpha")
+    lora_dropout: float = same_setting(LoraConfig, "dropout")
+    lora_targets: str = same_setting(LoraConfig, "targets")
     trace_steps: int = same_setting(TrainerConfig, "trace_steps")
     trace_every: int = same_setting(TrainerConfig, "trace_every")
     dtype: str = same_setting(DeviceConfig, "dtype")
@@ -132,6 +137,10 @@ class RunConfig:
             self.device_config()
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
+        try:
+            self.lora_config()
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
         if self.model not in PRESETS and not Path(self.model).exists():
             raise SettingError("model", f"{self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
                            "config.json or folder holding one")
@@ -155,6 +164,9 @@ class RunConfig:
     def device_config(self) -> DeviceConfig:
         return DeviceConfig(**owned(self, DeviceConfig))
 
+    def lora_config(self) -> LoraConfig:
+        return LoraConfig(**owned(self, LoraConfig))
+
     def model_config(self) -> GPTJConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
@@ -164,7 +176,7 @@ class RunConfig:
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
         return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices,
-                          moment_dtype=self.moment_dtype)
+                          moment_dtype=self.moment_dtype, lora=self.lora_config())
 
     def data_config(self) -> DataConfig:
         return DataConfig(**owned(self, DataConfig))
@@ -182,7 +194,8 @@ class RunConfig:
         step = {k: v for k, v in owned(self, PlanConfig).items() if k in TrainerConfig.__dataclass_fields__}
         return TrainerConfig(**{f.name: getattr(optimizer, f.name) for f in fields(optimizer)}, **step,
                              **owned(self, TrainerConfig), compute_dtype=self.dtype, device=self.device,
-                             budget=self.budget_bytes(), schedule=self.lr_schedule())
+                             budget=self.budget_bytes(), schedule=self.lr_schedule(),
+                             **{f"lora_{k}": v for k, v in owned(self, LoraConfig).items()})
 
     def name(self) -> str:
         """A short name for the default run directory."""

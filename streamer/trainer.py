@@ -14,7 +14,8 @@ from streamer.runtime.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import dtype_name, model_layouts
 from streamer.runtime.executor import ClippingNeeded, Executor, MicroBatch, NonFiniteError, StepContext
-from memory_model.schedule import chunks, forward_events, step_events, update_events
+from streamer.runtime.lora import Adapters
+from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
 from memory_model.shapes import fused_update
 from streamer.store.host import HostStore
 from streamer.store.interface import Store
@@ -51,10 +52,15 @@ class StreamingTrainer:
         self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
                                               "baseline_bytes": 16 * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
-        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel)
+        self.adapters = None
+        if self.tc.lora.enabled:
+            self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(self.tc.device), self.tc.seed)
+        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
+                                 self.adapters)
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
         try:
-            self.fused = fused_update(self.tc.update_timing, self.tc.store.state, ranks)
+            # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
+            self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state, ranks)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
@@ -83,6 +89,8 @@ class StreamingTrainer:
                 raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
             trainer = cls(store.spec.config, tc, _store=store)
+            if trainer.adapters is not None:
+                trainer.adapters.load(store.root, store.step)
             trainer.losses = list(store.trainer_state.get("losses", []))
             trainer.extra_state = dict(store.trainer_state.get("extra", {}))
             if journal is not None:
@@ -125,7 +133,7 @@ class StreamingTrainer:
                 master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
             del tensors  # one copy of the unit (its flat master) while its state is written
             self._write_initial_state(unit, master)
-        self.store.finish_step(self.store.step, self._trainer_state())
+        self._finish_step(self.store.step, self._trainer_state())
 
     def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
         store = self.store
@@ -194,7 +202,7 @@ class StreamingTrainer:
             self.trace.meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.executor.device)
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
-            self.store.finish_step(step, self._trainer_state())
+            self._finish_step(step, self._trainer_state())
             self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved))
             self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
@@ -208,15 +216,20 @@ class StreamingTrainer:
         ctx = StepContext(micro, step, lr, clip_coef=1.0) if fused else StepContext(micro, step, lr,
                                                                                   on_first_update=self._journal)
         numels = {u: lay.numel for u, lay in self.layouts.items()}
-        events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused)
+        if self.adapters is None:
+            events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused)
+        else:
+            events = frozen_base_events(self.units, len(micro))
         if fused and self.store is not None:
             self.store.begin_speculative_step(step)
         try:
             self.executor.run(events, ctx)
-            if fused:
+            if self.adapters is not None:
+                self._update_adapters(ctx)
+            elif fused:
                 self._check_loss(ctx)
         except BaseException:
-            self.executor.abort()
+            self._abort()
             if fused and self.store is not None:
                 self.store.rollback()  # back to the previous state files: the step never happened
             raise
@@ -231,6 +244,33 @@ class StreamingTrainer:
             self.clipped_redos += 1
             self._speculate = False
             return None
+
+    def _abort(self) -> None:
+        self.executor.abort()
+        if self.adapters is not None:
+            self.adapters.zero_grad()  # a later step must not add to this one's partial gradients
+
+    def _update_adapters(self, ctx: StepContext) -> None:
+        """LoRA's update, after the last backward: clip by the adapters' global gradient norm, then AdamW."""
+        self._check_loss(ctx)
+        if self.data_parallel is not None:
+            handle = self.ledger.allocate("gradients", "lora", self.adapters.numel() * 4,
+                                          "fp32 adapter gradients for the all-reduce")
+            self.adapters.all_reduce(self.data_parallel)
+            self.ledger.free(handle)
+        self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}
+        clip = self.executor.clip_coef(ctx)
+        with self.trace.span("lora", "update", step=ctx.step):
+            self.adapters.step(ctx.lr, clip)
+
+    def _finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
+        """Commit a step; a LoRA run's adapters are written first where the store commits to disk."""
+        durable = self.store.spec.placement.state == "disk"
+        if self.adapters is not None and durable:
+            self.adapters.save(self.store.root, step)
+        self.store.finish_step(step, trainer_state)
+        if self.adapters is not None and durable:
+            self.adapters.prune(self.store.root, step)
 
     def _check_loss(self, ctx: StepContext) -> None:
         loss = self._mean_loss(ctx)
@@ -286,7 +326,11 @@ class StreamingTrainer:
     def save(self) -> None:
         """Make the current step durable (the disk tier already is after every step)."""
         if self.store is not None:
+            if self.adapters is not None:
+                self.adapters.save(self.store.root, self.store.step)
             self.store.save(self._trainer_state())
+            if self.adapters is not None:
+                self.adapters.prune(self.store.root, self.store.step)
 
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
@@ -297,11 +341,18 @@ class StreamingTrainer:
             self.store.read_state(unit, "master", start, out[start:start + count])
         return out
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-keyed fp32 master weights (copies)."""
+    def merged_unit_master(self, unit: str) -> torch.Tensor:
+        """unit_master with LoRA's adapters merged into the weights they adapt (the model that was trained)."""
+        flat = self.unit_master(unit)
+        if self.adapters is not None:
+            self.adapters.merge_into(unit, flat, self.layouts[unit])
+        return flat
+
+    def state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
+        """HF-keyed fp32 weights (copies), LoRA's adapters merged; `merged=False`: the frozen base alone."""
         out = {}
         for unit in self.units:
-            flat = self.unit_master(unit)
+            flat = self.merged_unit_master(unit) if merged else self.unit_master(unit)
             for slot in self.layouts[unit].slots:
                 out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out

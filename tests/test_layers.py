@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from transformers.models.gptj.modeling_gptj import GPTJBlock as HFGPTJBlock
 
 from layers import (
-    PRESETS, CheckpointMismatch, ConfigError, GPTJ, GPTJBlock, GPTJConfig, KVCache, build_unit, causal_lm_loss,
-    unit_hf_key,
+    PRESETS, CheckpointMismatch, ConfigError, GPTJ, GPTJBlock, GPTJConfig, GPTJHead, KVCache, build_unit,
+    causal_lm_loss, unit_hf_key,
 )
 
 HFFactory = Callable[..., transformers.GPTJForCausalLM]
@@ -169,6 +169,57 @@ def test_loss_ignores_minus_100_and_shifts_labels() -> None:
     picked = [(0, 1, 5), (0, 2, 6), (1, 0, 1)]  # (b, t, target=labels[b, t+1])
     expected = -sum(torch.log_softmax(logits[b, t], -1)[y] for b, t, y in picked) / len(picked)
     torch.testing.assert_close(causal_lm_loss(logits, labels), expected, rtol=0, atol=0)  # measured 0 (native, AVX2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_chunk", [1, 7, 64, 301])
+def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: int) -> None:
+    """The head's loss in vocabulary chunks: the loss and every gradient of causal_lm_loss on full logits."""
+    cfg = GPTJConfig(vocab_size=301, n_positions=64, n_embd=48, n_layer=1, n_head=4, rotary_dim=4)
+    torch.manual_seed(0)
+    head = GPTJHead(cfg).to(dtype)
+    torch.nn.init.normal_(head.lm_head.weight, std=0.1)
+    torch.nn.init.normal_(head.lm_head.bias, std=0.1)
+    h = torch.randn(2, 33, cfg.n_embd, dtype=dtype, requires_grad=True)
+    labels = _labels(cfg, 2, 33, ignored_fraction=0.3)
+    results = []
+    for loss_of in (lambda: causal_lm_loss(head(h), labels), lambda: head(h, labels, vocab_chunk)):
+        h.grad = None
+        head.zero_grad()
+        loss = loss_of()
+        (0.5 * loss).backward()  # a scale, as the executor's 1 / micro-batches
+        results.append([loss.detach(), h.grad, *(p.grad for p in head.parameters())])
+    # Relative to each tensor's largest entry. fp32: measured at most 6.3e-7 (the sums run in another order).
+    # bf16: the loss within 1.6e-7, gradients within 8.8e-3 (the input's gradient is summed over the chunks
+    # after each chunk's matmul rounds to bf16: about two bf16 steps); a single chunk is bit-identical.
+    tolerance = {torch.float32: (2e-6, 2e-6), torch.bfloat16: (1e-6, 2**-6)}[dtype]
+    for i, (full, chunked) in enumerate(zip(*results)):
+        scale = full.float().abs().max().item()
+        assert scale > 0
+        assert (full.float() - chunked.float()).abs().max().item() <= tolerance[min(i, 1)] * scale, i
+        if vocab_chunk == cfg.vocab_size and dtype == torch.bfloat16:
+            assert torch.equal(full, chunked), i
+
+
+def test_chunked_loss_never_builds_the_full_logits() -> None:
+    """No tensor of the chunked loss's forward or backward is as large as the (tokens x vocab) logits."""
+    cfg = GPTJConfig(vocab_size=1000, n_positions=64, n_embd=16, n_layer=1, n_head=2, rotary_dim=4)
+    head = GPTJHead(cfg)
+    h = torch.randn(1, 64, cfg.n_embd, requires_grad=True)
+    labels = _labels(cfg, 1, 64, ignored_fraction=0.0)
+    largest = 0
+
+    class Sizes(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            nonlocal largest
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                largest = max(largest, out.numel())
+            return out
+
+    with Sizes():
+        head(h, labels, vocab_chunk=100).backward()
+    assert largest == 64 * 100  # measured: one chunk's logits (64 positions x 100 rows); the full are 64 x 1000
 
 
 # --- state dict, parameter counts --------------------------------------------------------

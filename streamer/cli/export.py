@@ -1,7 +1,10 @@
-"""`streamer export`: write a run as a Hugging Face GPT-J folder."""
+"""`streamer export`: write a run as a Hugging Face GPT-J folder (LoRA's adapters merged), or a LoRA run's
+adapters as a PEFT adapter folder."""
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -33,6 +36,9 @@ def declare(parser: argparse.ArgumentParser) -> None:
                         help="weights' dtype (default: fp32, the master weights exactly)")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     parser.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
+    parser.add_argument("--format", choices=("hf", "peft"), default="hf",
+                        help="hf: full weights, LoRA's adapters merged (default); peft: a LoRA run's adapters as a "
+                             "PEFT adapter folder")
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -40,26 +46,56 @@ def export_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(run.tokenizer)
     with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
         begin = time.perf_counter()
-        export_hf(trainer, tokenizer, args.hf_dir, DTYPES[args.dtype], parse_size(args.max_shard_size),
-                  overwrite=args.overwrite)
+        if args.format == "peft":
+            export_peft(trainer, args.hf_dir, run.read_config().from_pretrained, overwrite=args.overwrite)
+            how = (f"peft.PeftModel.from_pretrained(transformers.GPTJForCausalLM.from_pretrained(BASE), "
+                   f"{args.hf_dir!r})")
+        else:
+            export_hf(trainer, tokenizer, args.hf_dir, DTYPES[args.dtype], parse_size(args.max_shard_size),
+                      overwrite=args.overwrite)
+            how = f"transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})"
         step = trainer.step_count
     files = sorted(p.name for p in Path(args.hf_dir).iterdir())
     make_console().print(
         f"exported step {step} of {run.root} to {args.hf_dir} in {time.perf_counter() - begin:.1f} s: "
-        f"{', '.join(files)}\nload it with transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})",
-        markup=False, highlight=False)
+        f"{', '.join(files)}\nload it with {how}", markup=False, highlight=False)
     return 0
+
+
+def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:
+    """Write a LoRA run's adapters as PEFT writes them for GPT-J: adapter_config.json and
+    adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight')."""
+    from safetensors.torch import save_file
+
+    from layers import unit_prefix
+    if trainer.adapters is None:
+        raise RunError("this run trained every weight (no --lora-rank): export it without --format peft")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise RunError(f"{out} is not empty; choose a new folder or pass --overwrite")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lora = trainer.tc.lora
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": list(lora.target_names),
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = trainer.adapters.hf_state_dict({unit: unit_prefix(unit) for unit in trainer.units})
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
-    """Write the trainer's master weights as a Hugging Face GPT-J folder, one unit in memory at a time."""
+    """Write the trainer's master weights (LoRA's adapters merged) as a Hugging Face GPT-J folder, one unit in
+    memory at a time."""
     from streamer.io.hf import HFExporter
     if max_shard_bytes <= 0:
         raise RunError("--max-shard-size must be more than 0 bytes")
     with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite) as exporter:
         for unit in trainer.units:
-            flat = trainer.unit_master(unit)
+            flat = trainer.merged_unit_master(unit)
             for slot in trainer.layouts[unit].slots:
                 exporter.add(slot.hf_key, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
         if tokenizer is not None:

@@ -28,7 +28,7 @@ from layers.config import GPTJConfig
 from memory_model.catalogue import Figure
 from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
-from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops
+from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
 from memory_model.units import format_size
 
 CACHE_NAME = "device-local.json"
@@ -207,7 +207,6 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
     `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
     the measurements together stop after `seconds`."""
     from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
-    from layers.loss import causal_lm_loss
 
     dtype = DTYPES[dtype_name]
     cfg = GPTJConfig(vocab_size=probe.vocab_size, n_positions=max(tokens, probe.n_positions), n_embd=probe.n_embd,
@@ -231,8 +230,9 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
 
         head = GPTJHead(cfg).to(dtype)
         labels = torch.randint(0, cfg.vocab_size, (batch, seq))
-        head_fwd, head_bwd = _forward_backward(lambda: causal_lm_loss(head(x), labels), [x, *head.parameters()],
-                                               repeats, deadline)
+        chunk = loss_vocab_chunk(cfg, n)
+        head_fwd, head_bwd = _forward_backward(lambda: head(x, labels, chunk), [x, *head.parameters()], repeats,
+                                               deadline)
         head_matmul_s, logits = forward_flops(shape, "head", batch, seq) / matmul_flops, n * cfg.vocab_size
 
         embed = GPTJEmbedding(cfg).to(dtype)

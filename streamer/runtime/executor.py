@@ -7,6 +7,7 @@ program order (never from the I/O thread), so the accounting is the same on ever
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,16 +16,19 @@ from typing import Callable, Sequence
 import torch
 from torch.func import functional_call
 
-from layers import GPTJConfig, build_unit, causal_lm_loss
+from layers import GPTJConfig, build_unit
+from layers.lora import add_adapters
 from memory_model import Ledger, Trace
+from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, gradient_charges, is_fused, released_after, resident_sets,
-    resource_charges, update_charges,
+    Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, is_fused, released_after,
+    resident_sets, resource_charges, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
 from streamer.errors import StreamerError
 from streamer.store.layout import UnitLayout
+from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import StateWriter, Store
@@ -75,6 +79,7 @@ class RunningStep:
 
     step: int = 0  # the optimizer step being made
     fused: bool = False  # its update is fused into its backward
+    training: bool = False  # dropout on (a training step) or off (evaluation, generation)
     graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # (input, output)
     flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
     pending_offload: PendingOffload | None = None
@@ -85,7 +90,8 @@ class RunningStep:
 
 class Executor:
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: Store | None, ledger: Ledger,
-                 trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None) -> None:
+                 trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
+                 adapters: Adapters | None = None) -> None:
         self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
         self.device = torch.device(tc.device)
         self.dtype = tc.compute_dtype
@@ -97,6 +103,14 @@ class Executor:
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.states = {u: UnitState(u) for u in layouts}
         self.recorder = SavedTensorRecorder(ledger)
+        # LoRA: the base is frozen (no weight gradients, no update); the adapters are on the device for the run.
+        self.adapters = adapters
+        if adapters is not None:
+            add_adapters(self.shells["block"], adapters.lora.target_names, adapters.lora.rank,
+                         adapters.lora.scaling, adapters.lora.dropout)
+            self.recorder.resident |= adapters.storages()
+            for c in adapter_charges(adapters.numel()):
+                ledger.allocate(c.category, "lora", c.nbytes, c.what)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
@@ -110,7 +124,8 @@ class Executor:
     def run(self, events: list[Event], ctx: StepContext) -> None:
         self.current.step = ctx.step
         self.current.fused = is_fused(events)
-        if any(e.phase == "backward" for e in events):
+        self.current.training = any(e.phase == "backward" for e in events)
+        if self.current.training:
             self.grad_sq_norms = {}
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
             for resource in resident:
@@ -169,19 +184,27 @@ class Executor:
             state.buffer, state.residency = None, Residency.NOT_AVAILABLE
 
     # --- forward and backward ------------------------------------------------------------------------
-    def _call_unit(self, unit: str, x: torch.Tensor, micro: int) -> torch.Tensor:
+    def _call_unit(self, unit: str, x: torch.Tensor, micro: int, *args: object) -> torch.Tensor:
         layout = self.layouts[unit]
-        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
-                                       lambda grads: self._offload(unit, micro, grads))
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
-        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x,))
+        if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
+            shell = self.shells[kind].train(self.current.training)
+            named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
+            with self.adapters.dropout_rng(self.current.step, micro, unit) if kind == "block" else contextlib.nullcontext():
+                return functional_call(shell, named, (x, *args))
+        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
+                                       lambda grads: self._offload(unit, micro, grads))
+        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x, *args))
 
     def _call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
         kind = unit.split(".", 1)[0]
+        named = self.layouts[unit].views(self.states[unit].weights())
+        if self.adapters is not None:
+            named.update(self.adapters.for_unit(unit, self.dtype))
         with torch.no_grad():
-            return functional_call(self.shells[kind], self.layouts[unit].views(self.states[unit].weights()), args)
+            return functional_call(self.shells[kind].train(False), named, args)
 
     def _forward(self, event: Event, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
@@ -191,10 +214,15 @@ class Executor:
                 self.current.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro))
             return
         previous = self._previous_output(unit)
-        x = previous.detach().requires_grad_(torch.is_grad_enabled())
+        # A frozen base needs no gradient w.r.t. the embedding's output: the embedding has no backward.
+        frozen_first = self.adapters is not None and self.units.index(unit) == 1
+        if frozen_first:
+            del self.current.graphs[self.units[0]]  # no backward will come for it
+        x = previous.detach().requires_grad_(torch.is_grad_enabled() and not frozen_first)
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
-                loss = causal_lm_loss(self._call_unit(unit, x, micro), batch.labels)
+                chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
+                loss = self._call_unit(unit, x, micro, batch.labels, chunk)
             ctx.losses.append(loss.detach())
             self.current.graphs[unit] = (x, loss / len(ctx.micro_batches))
         elif self.tc.activations == "checkpoint":
@@ -213,8 +241,8 @@ class Executor:
         unit, micro = event.unit, event.micro
         x, y = self.current.graphs.pop(unit)
         if unit == "head":
-            logits_grad = self.ledger.allocate("workspace", unit, x.shape[0] * x.shape[1] * self.cfg.vocab_size * 4,
-                                               "logits gradient")
+            nbytes = backward_workspace_bytes(self.cfg, unit, x.shape[0], x.shape[1], self.dtype.itemsize)
+            logits_grad = self.ledger.allocate("workspace", unit, nbytes, "a vocabulary chunk's logits gradient")
             y.backward()
             self.ledger.free(logits_grad)
         else:
@@ -227,7 +255,7 @@ class Executor:
         del y
         self.recorder.release(unit)
         self.current.flowing_grad = None
-        if unit != "embed":
+        if unit != "embed" and x.grad is not None:  # (None: the first block of a frozen base)
             grad = x.grad
             self.current.flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))

@@ -77,6 +77,7 @@ class SavedTensorRecorder:
         self.ledger = ledger
         self._charged: dict[int, int] = {}  # storage key -> ledger handle
         self._owned: dict[str, list[int]] = {}  # unit -> storage keys it charged
+        self.resident: set[int] = set()  # storages charged for the whole run elsewhere (LoRA's adapters)
 
     def hooks(self, state: UnitState) -> torch.autograd.graph.saved_tensors_hooks:
         weight_key = storage_key(state.weights())
@@ -86,7 +87,7 @@ class SavedTensorRecorder:
             key = storage_key(t)
             if key == weight_key:
                 return WeightHandle(state, t.size(), t.stride(), t.storage_offset())
-            if key not in self._charged:
+            if key not in self._charged and key not in self.resident:
                 nbytes = t.untyped_storage().nbytes()
                 self._charged[key] = self.ledger.allocate("activations", state.name, nbytes,
                                                           f"saved {tuple(t.shape)} {t.dtype}")

@@ -1,0 +1,51 @@
+"""LoRA: a frozen projection plus a trainable low-rank update, as PEFT's lora.Linear computes it.
+
+y = x W^T + b + scaling * B(A(dropout(x))), with A: (r, in) and B: (out, r). The adapters' keys inside a unit,
+`attn.q_proj.lora_A.weight`, are PEFT's own (its saved adapters prefix them with `base_model.model.` and the
+unit's Hugging Face prefix).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoraLinear(nn.Linear):
+    """nn.Linear (same `weight` and `bias`) with adapters `lora_A.weight` and `lora_B.weight` beside it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, scaling: float,
+                 dropout: float) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_features, bias=False)
+        self.scaling, self.dropout = scaling, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        x = F.dropout(x, self.dropout) if self.dropout > 0 and self.training else x
+        # The adapters arrive in x's dtype (the runtime casts its fp32 adapters before the call).
+        return base + F.linear(F.linear(x, self.lora_A.weight), self.lora_B.weight) * self.scaling
+
+
+def add_adapters(module: nn.Module, targets: tuple[str, ...], rank: int, scaling: float, dropout: float) -> nn.Module:
+    """Replace every nn.Linear of `module` named in `targets` (its last name: 'q_proj') by a LoraLinear with
+    the same weight and bias and new adapters on their device and dtype; returns `module`."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear) and not isinstance(child, LoraLinear) and name.rsplit(".", 1)[-1] in targets:
+            parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+            with torch.device(child.weight.device):
+                lora = LoraLinear(child.in_features, child.out_features, child.bias is not None, rank, scaling,
+                                  dropout).to(child.weight.dtype)
+            lora.weight, lora.bias = child.weight, child.bias  # the projection itself, kept
+            setattr(parent, name.rsplit(".", 1)[-1], lora)
+    return module
+
+
+def init_adapters(a: torch.Tensor, b: torch.Tensor) -> None:
+    """PEFT's default initialisation: A as nn.Linear's (kaiming uniform, a = sqrt(5)), B zero, so a new
+    adapter leaves the model's output unchanged."""
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    nn.init.zeros_(b)

@@ -1,0 +1,63 @@
+"""LoRA's settings (`LoraConfig`) and what its adapters add to a step: their parameters and the device bytes
+they hold for the whole run (what a frozen block saves is memory_model.shapes.frozen_block_saved_bytes).
+
+With LoRA the base model is frozen: its weights stream in for the forward and again for the backward (which
+computes only the gradient w.r.t. each unit's input), and nothing of the base is updated or written. The
+adapters (a rank-r pair A: r x in, B: out x r beside each targeted projection of every block) stay on the
+device with their gradients and AdamW moments, in fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layers.config import GPTJConfig
+from memory_model.settings import Integer, Number, SettingError, Text, check_settings, setting, shown
+
+# A block's projections that can carry adapters, by the names Hugging Face and PEFT give them.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+# fp32 adapter, its gradient, exp_avg and exp_avg_sq.
+ADAPTER_WEIGHT_BYTES, ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES = 4, 4, 8
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on a frozen, streamed base; rank 0 is full fine-tuning (no adapters)."""
+
+    rank: int = setting(0, "LoRA: train rank-R adapters on a frozen base (0: full fine-tuning)", Integer(0), "R")
+    alpha: float = setting(16.0, "LoRA: the adapters' output is scaled by alpha / rank", Number(0.0, low_open=True),
+                           "A")
+    dropout: float = setting(0.0, "LoRA: dropout probability on the adapters' input", Number(0.0, 1.0, high_open=True),
+                             "P")
+    targets: str = setting("q_proj,v_proj", "LoRA: comma-separated projections of every block that get adapters, "
+                           "among " + ",".join(LORA_TARGETS), Text(), "NAMES")
+
+    def __post_init__(self) -> None:
+        check_settings(self, lambda key, problem: SettingError(f"lora_{key}", problem))
+        names = self.target_names
+        if not names or len(set(names)) != len(names) or any(n not in LORA_TARGETS for n in names):
+            raise SettingError("lora_targets", f"must be distinct names among {','.join(LORA_TARGETS)}, "
+                                               f"got {shown(self.targets)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.targets.split(",") if n.strip())
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def target_shape(shape: GPTJConfig, target: str) -> tuple[int, int]:
+    """(in_features, out_features) of a block projection."""
+    d, f = shape.n_embd, shape.inner_dim
+    return {"fc_in": (d, f), "fc_out": (f, d)}.get(target, (d, d))
+
+
+def adapter_params(shape: GPTJConfig, lora: LoraConfig) -> int:
+    """Parameters of every adapter of the model: r x (in + out) per target and block."""
+    per_block = sum(lora.rank * sum(target_shape(shape, t)) for t in lora.target_names)
+    return shape.n_layer * per_block if lora.enabled else 0

@@ -1,0 +1,158 @@
+"""LoRA's adapters on the device: every block's A and B in fp32, their gradients and torch's AdamW.
+
+The base model streams read-only (memory_model/lora.py); these tensors never leave the device during a
+run. A commit writes them with the optimizer's state to `lora-<step>.pt` in the store's folder, so resuming
+continues bit-identically, and the export merges them into the base or writes them as a PEFT adapter.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from layers import GPTJConfig
+from layers.lora import init_adapters
+from memory_model.lora import LoraConfig, target_shape
+from streamer.errors import StoreError
+from streamer.runtime.distributed import DataParallel
+from streamer.runtime.optim import OptimizerConfig
+from streamer.store.layout import UnitLayout
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def target_key(target: str) -> str:
+    """A projection's key inside a block: 'q_proj' -> 'attn.q_proj', 'fc_in' -> 'mlp.fc_in'."""
+    return ("attn." if target in _ATTENTION else "mlp.") + target
+
+
+class Adapters:
+    def __init__(self, cfg: GPTJConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
+                 seed: int) -> None:
+        self.cfg, self.lora, self.device, self.seed = cfg, lora, device, seed
+        self.params: dict[str, dict[str, torch.Tensor]] = {}  # unit -> key in the unit -> fp32 leaf
+        for i in range(cfg.n_layer):
+            unit, tensors = f"block.{i}", {}
+            torch.manual_seed(seed * 1_000_003 + 500_009 + i)  # per block, as the base is initialised per unit
+            for target in lora.target_names:
+                fan_in, fan_out = target_shape(cfg, target)
+                a, b = torch.empty(lora.rank, fan_in), torch.empty(fan_out, lora.rank)
+                init_adapters(a, b)
+                tensors[f"{target_key(target)}.lora_A.weight"] = a.to(device).requires_grad_()
+                tensors[f"{target_key(target)}.lora_B.weight"] = b.to(device).requires_grad_()
+            self.params[unit] = tensors
+        self.optimizer = torch.optim.AdamW(
+            self.leaves(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay, foreach=False if device.type == "meta" else None)
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [t for tensors in self.params.values() for t in tensors.values()]
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.leaves())
+
+    def storages(self) -> set[int]:
+        """Identities of the adapters' storages: resident, so not an activation when autograd saves one."""
+        return {t.untyped_storage()._cdata for t in self.leaves()}
+
+    def for_unit(self, unit: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The unit's adapters in the compute dtype (a cast inside the graph: the gradient reaches the fp32
+        leaves)."""
+        return {key: t.to(dtype) for key, t in self.params.get(unit, {}).items()}
+
+    @contextlib.contextmanager
+    def dropout_rng(self, step: int, micro: int, unit: str) -> Iterator[None]:
+        """Dropout masks drawn from a seed of (step, micro-batch, unit): a checkpointed block's recompute
+        draws the masks its forward drew, and a resumed run the masks an uninterrupted one would."""
+        if self.lora.dropout == 0:
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            index = int(unit.split(".")[1])
+            torch.manual_seed(((self.seed * 1_000_003 + step) * 1_009 + micro) * 10_007 + index)
+            yield
+
+    # --- the update ---------------------------------------------------------------------------------------
+    def grad_sq_norm(self) -> float:
+        grads = [t.grad for t in self.leaves() if t.grad is not None]
+        if not grads or self.device.type == "meta":
+            return 0.0
+        return float(sum(torch.linalg.vector_norm(g) ** 2 for g in grads))
+
+    def all_reduce(self, data_parallel: DataParallel) -> None:
+        """Average the adapters' gradients over the ranks (in fp32, in one flat tensor, as the base's are)."""
+        grads = [t.grad for t in self.leaves()]
+        flat = data_parallel.finish_reduce(data_parallel.start_reduce(grads))
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        """AdamW on every adapter (torch's; decay on A and B, as HF Trainer decays every matrix)."""
+        if self.device.type != "meta":
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if clip_coef != 1.0:
+                for t in self.leaves():
+                    t.grad.mul_(clip_coef)
+            self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)  # kept allocated: the ledger charges them for the run
+
+    # --- weights out ------------------------------------------------------------------------------------
+    def merge_into(self, unit: str, flat: torch.Tensor, layout: UnitLayout) -> None:
+        """Add scaling * B @ A to the targeted weights of a unit's flat fp32 master (the merged export)."""
+        views = layout.views(flat)
+        for target in self.lora.target_names:
+            key = target_key(target)
+            tensors = self.params.get(unit)
+            if tensors is not None:
+                a, b = tensors[f"{key}.lora_A.weight"].detach().cpu(), tensors[f"{key}.lora_B.weight"].detach().cpu()
+                views[f"{key}.weight"].add_(b @ a, alpha=self.lora.scaling)
+
+    def hf_state_dict(self, prefix_of: dict[str, str]) -> dict[str, torch.Tensor]:
+        """Adapters under PEFT's keys: 'base_model.model.transformer.h.0.attn.q_proj.lora_A.weight'."""
+        return {f"base_model.model.{prefix_of[unit]}{key}": t.detach().cpu().contiguous()
+                for unit, tensors in self.params.items() for key, t in tensors.items()}
+
+    # --- commits ------------------------------------------------------------------------------------------
+    @staticmethod
+    def path(folder: Path, step: int) -> Path:
+        return folder / f"lora-{step:08d}.pt"
+
+    def save(self, folder: Path, step: int) -> None:
+        """Write the adapters and AdamW's state for `step` (durably), then remove older steps' files."""
+        state = {"params": {f"{u}/{k}": t.detach().cpu() for u, ts in self.params.items() for k, t in ts.items()},
+                 "optimizer": self.optimizer.state_dict()}
+        path = self.path(folder, step)
+        partial = path.with_suffix(".partial")
+        with open(partial, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+
+    def prune(self, folder: Path, step: int) -> None:
+        """After the store committed `step`: older adapter files are no longer needed."""
+        for old in folder.glob("lora-*.pt"):
+            if old != self.path(folder, step):
+                old.unlink(missing_ok=True)
+
+    def load(self, folder: Path, step: int) -> None:
+        path = self.path(folder, step)
+        if not path.is_file():
+            raise StoreError(f"{path} is missing: this LoRA run's adapters for its last commit (step {step}) are "
+                             "gone; restore the file or start a new run")
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        with torch.no_grad():
+            for unit, tensors in self.params.items():
+                for key, t in tensors.items():
+                    t.copy_(state["params"][f"{unit}/{key}"])
+        self.optimizer.load_state_dict(state["optimizer"])
