@@ -87,6 +87,8 @@ class RunConfig:
     seed: int = same_setting(TrainerConfig, "seed")
     pack: bool = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")
+    eval_data: str | None = same_setting(DataConfig, "eval_data")
+    chat_template: str | None = same_setting(DataConfig, "chat_template")
     eval_every: int = setting(50, "evaluate every N steps (0: only at the end)", Integer(0))
     eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
     save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end)",
@@ -175,7 +177,7 @@ class RunConfig:
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
-PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir")
+PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
@@ -203,7 +205,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
                                         "drop one of them")
         if isinstance(given.get("from_pretrained"), str) and given.get("data") is None:
             raise SettingError("from_pretrained", "needs --data: the demo text is only the demo's; pass --data "
-                                                  "FILE (.txt or .jsonl) to fine-tune on")
+                                                  "FILE (.txt, .jsonl, .parquet or .csv) to fine-tune on")
         demo = given.get("data") is None and given.get("from_pretrained") is None and \
             given.get("model", DEMO_MODEL) == DEMO_MODEL
         values = {**(DEMO_DEFAULTS if demo else {}), **given}

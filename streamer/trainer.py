@@ -1,6 +1,7 @@
 """StreamingTrainer: the runtime's public Python API (README.md, "Python API")."""
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -190,6 +191,11 @@ class StreamingTrainer:
             self.store.finish_step(step, self._trainer_state())
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
+
+    @property
+    def grad_norm(self) -> float:
+        """The global gradient norm of the last step, before clipping (0 before any step)."""
+        return math.sqrt(sum(self.executor.grad_sq_norms.values()))
 
     def _mean_loss(self, ctx: StepContext) -> float:
         """The loss over the global batch (every rank's micro-batches); computed once per step."""

@@ -1,4 +1,4 @@
-"""`streamer`: plan | train | generate | export | trace | bench (also `python -m streamer`).
+"""`streamer`: plan | train | eval | generate | export | trace | bench (also `python -m streamer`).
 
 Every user error (bad flags, files, settings, a budget that cannot fit) is printed as one line,
 `error: <what is wrong and the fix>`, with exit status 2; never a traceback.
@@ -26,6 +26,7 @@ examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer train --from-pretrained ./gptj-hf --data train.jsonl --budget 3GiB --steps 500
   streamer generate runs/demo-20260101-120000 --prompt "The for statement"
+  streamer eval runs/demo-20260101-120000 --data train.jsonl
   streamer export runs/demo-20260101-120000 ./exported-hf
   streamer trace runs/demo-20260101-120000
 run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md has the details."""
@@ -150,6 +151,19 @@ def build_parser() -> Parser:
     generate.add_argument("--budget", help="device budget (default: the run's)")
     generate.add_argument("--device", help="torch device (default: the run's)")
     generate.set_defaults(func=_lazy("streamer.cli.generate", "generate_command"))
+
+    evaluate = commands.add_parser("eval", help="loss and perplexity of a run on a data file",
+                                   formatter_class=formatter, description="Evaluate a run's model on held-out "
+                                   "data (any --data format) with streamed forward passes.",
+                                   epilog="examples:\n  streamer eval RUN --data train.jsonl\n"
+                                          "  streamer eval RUN --data train.jsonl --batch 2 --budget 32MiB")
+    evaluate.add_argument("run", metavar="RUN", help="a run directory")
+    evaluate.add_argument("--data", required=True, metavar="FILE", help="the data to evaluate on, read like "
+                          "the run's --data at its --seq")
+    evaluate.add_argument("--batch", type=int, help="sequences per forward pass (default: the run's micro-batch)")
+    evaluate.add_argument("--budget", help="device budget (default: the run's)")
+    evaluate.add_argument("--device", help="torch device (default: the run's)")
+    evaluate.set_defaults(func=_lazy("streamer.cli.eval", "eval_command"))
 
     export = commands.add_parser("export", help="write a run as a Hugging Face GPT-J folder",
                                  formatter_class=formatter, description="Export the master weights and the "

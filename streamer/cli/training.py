@@ -71,6 +71,8 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     began = time.perf_counter()
     with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
+        if first == 0 and cfg.eval_every:
+            evaluate(s, progress.console)  # the baseline every later evaluation is read against
         while trainer.step_count < cfg.steps:
             ids, labels = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
