@@ -26,6 +26,7 @@ from memory_model.settings import (
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
 from streamer.io.data import DataConfig
+from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
 
@@ -97,6 +98,7 @@ class RunConfig:
                                               "the first example's prompt or first words; else %r)"
                                         % DEFAULT_PROMPT.replace("%", "%%"), Text(), "TEXT")
     sample_tokens: int = setting(40, "tokens of that sample (0: no sample)", Integer(0))
+    report_to: str = same_setting(ReportConfig, "report_to")
     log_every: int = setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
                                 "(a terminal gets a progress bar)", Integer())
 
@@ -113,6 +115,7 @@ class RunConfig:
                                          "lower --warmup or raise --steps")
         try:
             self.device_config()
+            self.report_config()
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
         if self.model not in PRESETS and not Path(self.model).exists():
@@ -137,6 +140,9 @@ class RunConfig:
         return PlanConfig(batch=self.batch, seq=self.seq, activations=self.activations, compute_dtype=self.dtype,
                           prefetch=self.prefetch, update_on=self.update_on, grad_accum=self.grad_accum,
                           update_chunk=self.update_chunk, store=self.store, devices=devices)
+
+    def report_config(self) -> ReportConfig:
+        return ReportConfig(self.report_to)
 
     def data_config(self) -> DataConfig:
         return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
@@ -189,7 +195,8 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every")
+             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
+             "report_to")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items()}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items()}

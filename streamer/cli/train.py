@@ -23,6 +23,7 @@ from streamer.cli.training import Session, describe, report, train
 from streamer.console import make_console
 from streamer.io.data import BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
+from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
 from memory_model.settings import flag
 from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve
@@ -45,6 +46,10 @@ def train_command(args: argparse.Namespace) -> int:
     session.trainer.ledger.hint_context["advise"] = ledger_advice(session.trainer.cfg, session.cfg, session.devices)
     try:
         with session.trainer:
+            if session.lead:
+                session.reporters = Reporters(session.cfg.report_config(), session.run.root,
+                                              {f.name: getattr(session.cfg, f.name) for f in fields(RunConfig)},
+                                              session.trainer.step_count)
             console.print(f"run [bold]{session.run.root}[/]: {describe(session)}")
             trained, seconds = train(session, console)
             report(session, trained, seconds, console)
@@ -58,6 +63,9 @@ def train_command(args: argparse.Namespace) -> int:
         raise RunError(f"disk full while writing {exc.path if isinstance(exc, DiskFull) else exc.filename}; "
                        f"{root} keeps its last committed step: free space and continue with "
                        f"`streamer train --resume {root}` (or the same command again)") from None
+    finally:
+        if session.reporters is not None:
+            session.reporters.close()
     return 0
 
 
@@ -70,6 +78,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     knows a set-up that was killed part-way for its own and starts it again.
     """
     cfg = resolve(explicit, config_file)
+    cfg.report_config().check_installed()
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
@@ -164,6 +173,7 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
     cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
+    cfg.report_config().check_installed()
     parallel = _join(cfg, console)
     dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
     if dtype.emulated:
