@@ -80,6 +80,7 @@ class RunConfig:
     dtype: str = same_setting(DeviceConfig, "dtype")
     device: str = same_setting(DeviceConfig, "device")
     budget: str | None = same_setting(DeviceConfig, "budget")
+    pin_memory: str = same_setting(DeviceConfig, "pin_memory")
     store: str = same_setting(PlanConfig, "store", "disk")
     activations: str = same_setting(PlanConfig, "activations")
     update_on: str = same_setting(PlanConfig, "update_on")
@@ -153,7 +154,8 @@ class RunConfig:
         return TrainerConfig(
             lr=self.lr, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None,
             grad_accum=self.grad_accum, compute_dtype=self.dtype, activations=self.activations, store=self.store,
-            update_on=self.update_on, prefetch=self.prefetch, device=self.device, budget=self.budget_bytes(),
+            update_on=self.update_on, prefetch=self.prefetch, device=self.device, pin_memory=self.pin_memory,
+            budget=self.budget_bytes(),
             schedule=schedule, update_chunk=self.update_chunk, seed=self.seed, betas=self.betas, eps=self.eps,
             moment_dtype=self.moment_dtype, nonfinite=self.nonfinite, trace_steps=self.trace_steps,
             trace_every=self.trace_every)
@@ -193,10 +195,11 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
-# beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
+# beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout. pin_memory
+# only says which host memory is page-locked.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
-             "report_to")
+             "report_to", "pin_memory")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items()}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items()}
