@@ -76,25 +76,27 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def save(self, directory: str | Path) -> None:
-        """A loaded tokenizer's own files, copied verbatim; a trained one's tokenizer.json plus the two small files
-        `transformers.AutoTokenizer` reads beside it. A chat template that is not the files' own (one from
+        """A loaded tokenizer's own files, copied verbatim; a trained one's (or what a loaded one's lack)
+        tokenizer.json plus the two small files `transformers.AutoTokenizer` reads beside it. A chat template that is not the files' own (one from
         --chat-template) goes into chat_template.jinja, which transformers prefers to tokenizer_config.json's."""
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            if self.source is not None:
-                copied = [name for name in TOKENIZER_FILES if (self.source / name).is_file()]
-                for name in copied:
-                    shutil.copyfile(self.source / name, path / name)
-            else:
-                self._write_files(path)
+            copied = [name for name in TOKENIZER_FILES if self.source is not None and (self.source / name).is_file()]
+            for name in copied:
+                shutil.copyfile(self.source / name, path / name)
+            # What the source lacks (OpenAI's encoder.json + vocab.bpe have no tokenizer.json, which
+            # AutoTokenizer needs, nor a config naming the special tokens) is written as for a trained one.
+            if "tokenizer.json" not in copied:
+                self.backend.save(str(path / "tokenizer.json"))
+            if "tokenizer_config.json" not in copied:
+                self._write_config(path)
             if self.chat_template is not None and self.chat_template != _chat_template(path):
                 (path / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
         except OSError as exc:
             raise TokenizerError(f"cannot save the tokenizer to {path} ({exc}); choose a writable folder") from None
 
-    def _write_files(self, path: Path) -> None:
-        self.backend.save(str(path / "tokenizer.json"))
+    def _write_config(self, path: Path) -> None:
         specials = {"bos_token": self.bos_token or self.eos_token, "eos_token": self.eos_token,
                     "unk_token": self.eos_token}
         (path / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
