@@ -91,7 +91,7 @@ class RunConfig:
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")
     eval_data: str | None = same_setting(DataConfig, "eval_data")
     chat_template: str | None = same_setting(DataConfig, "chat_template")
-    eval_every: int = setting(50, "evaluate every N steps (0: only at the end)", Integer(0))
+    eval_every: int = setting(50, "evaluate before the first step and every N steps (0: only at the end)", Integer(0))
     eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
     save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end)",
                               Integer())
