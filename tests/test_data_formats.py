@@ -38,7 +38,8 @@ def _jsonl(path: Path, records: list[object]) -> Path:
 
 
 def _learned(dataset, row: int = 0) -> str:
-    ids = [i for i, label in zip(dataset.input_ids[row].tolist(), dataset.labels[row].tolist()) if label != IGNORE_INDEX]
+    pairs = zip(dataset.input_ids[row].tolist(), dataset.labels[row].tolist())
+    ids = [i for i, label in pairs if label != IGNORE_INDEX]
     return bytes(i for i in ids if i != EOS).decode()
 
 

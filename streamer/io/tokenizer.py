@@ -77,8 +77,9 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> None:
         """A loaded tokenizer's own files, copied verbatim; a trained one's (or what a loaded one's lack)
-        tokenizer.json plus the two small files `transformers.AutoTokenizer` reads beside it. A chat template that is not the files' own (one from
-        --chat-template) goes into chat_template.jinja, which transformers prefers to tokenizer_config.json's."""
+        tokenizer.json plus the two small files `transformers.AutoTokenizer` reads beside it. A chat template
+        that is not the files' own (one from --chat-template) goes into chat_template.jinja, which transformers
+        prefers to tokenizer_config.json's."""
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
