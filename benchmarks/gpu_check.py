@@ -262,8 +262,9 @@ def benchmark(model: str, seq: int, clock: Clock, bench: Bench) -> None:
                     f"- {model} store: {store_note}"]
     if moments is None:
         return
+    # pin_memory all: the store chosen above is sized as pinned RAM, and pinned slabs cross without staging.
     tc = TrainerConfig(compute_dtype="bf16", moment_dtype=moments, store="ram", activations="checkpoint",
-                       device="cuda", budget=GOAL_PEAK_BYTES, seed=0)
+                       device="cuda", budget=GOAL_PEAK_BYTES, seed=0, pin_memory="all")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(tmp) / "store")

@@ -21,7 +21,7 @@ from memory_model.devices import budget_bytes
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Number, SettingError, check_settings, same_setting, setting
 from streamer.errors import ConfigError
-from streamer.runtime.hardware import check_device, resolve_compute_dtype
+from streamer.runtime.hardware import DeviceConfig, check_device, resolve_compute_dtype
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import DTYPES, Placement, dtype_name
 
@@ -87,6 +87,7 @@ class TrainerConfig:
     update_on: str = same_setting(PlanConfig, "update_on")
     prefetch: int = same_setting(PlanConfig, "prefetch")
     device: str = "cpu"
+    pin_memory: str = same_setting(DeviceConfig, "pin_memory")
     budget: None | int | str | DeviceSpec = None
     schedule: LRSchedule = field(default_factory=LRSchedule)
     update_chunk: int = same_setting(PlanConfig, "update_chunk")

@@ -1,9 +1,12 @@
 """Host memory and disk a run needs, checked before `streamer train` writes anything.
 
-The store's size comes from its own layout (`StoreSpec.host_bytes`): RAM slabs (pinned on CUDA) for the RAM
-tier, and on the run folder's filesystem every unit's state file twice (a commit writes the new generation before
-it deletes the old one) plus, on the disk tier, its gradient file. Under torchrun each process keeps a store of
-its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this machine's RAM.
+The store's size comes from its own layout (`StoreSpec.host_bytes`): RAM slabs for the RAM tier, and on the run
+folder's filesystem every unit's state file twice (a commit writes the new generation before it deletes the old
+one) plus, on the disk tier, its gradient file. On CUDA the transport's pool of staging buffers
+(`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned (page-locked:
+never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Under torchrun each
+process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this
+machine's RAM.
 """
 from __future__ import annotations
 
@@ -28,16 +31,21 @@ DISK_HEADROOM = (64 * 2**20, 0.02)
 
 @dataclass(frozen=True)
 class HostNeed:
-    """Bytes of RAM and of disk a run's stores need at their largest, headroom included."""
+    """Bytes of RAM and of disk a run's stores need at their largest, headroom included, and of that RAM the
+    bytes pinned (no headroom: they are exact)."""
 
     ram: int
     disk: int
+    pinned: int = 0
 
     @classmethod
     def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
-        ram, disk = store_spec(model_cfg, tc).host_bytes()
-        return cls(_with_headroom(ram * stores_in_ram, RAM_HEADROOM),
-                   _with_headroom(disk * stores_on_disk, DISK_HEADROOM))
+        spec = store_spec(model_cfg, tc)
+        ram, disk = spec.host_bytes()
+        staging = spec.staging_bytes() if tc.device.startswith("cuda") else 0
+        pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.pin_memory] if staging else 0
+        return cls(_with_headroom((ram + staging) * stores_in_ram, RAM_HEADROOM),
+                   _with_headroom(disk * stores_on_disk, DISK_HEADROOM), pinned * stores_in_ram)
 
     def fits(self, free_ram: int, free_disk: int) -> bool:
         return self.ram <= free_ram and self.disk <= free_disk
@@ -64,7 +72,7 @@ def shortfall(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: i
         return None
     short = []
     if need.ram > free_ram:
-        pinned = ", pinned" if cfg.device.startswith("cuda") else ""
+        pinned = f", {format_size(need.pinned)} pinned with --pin-memory {cfg.pin_memory}" if need.pinned else ""
         short.append(f"{format_size(need.ram)} of RAM (--store {cfg.store}{pinned}; {format_size(free_ram)} "
                      "available)")
     if need.disk > free_disk:

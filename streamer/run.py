@@ -27,6 +27,7 @@ from memory_model.settings import (
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import StreamerError
 from streamer.io.data import DataConfig
+from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import Placement
@@ -102,6 +103,7 @@ class RunConfig:
     dtype: str = same_setting(DeviceConfig, "dtype")
     device: str = same_setting(DeviceConfig, "device")
     budget: str | None = same_setting(DeviceConfig, "budget")
+    pin_memory: str = same_setting(DeviceConfig, "pin_memory")
     store: str = same_setting(PlanConfig, "store", "disk")
     activations: str = same_setting(PlanConfig, "activations")
     update_on: str = same_setting(PlanConfig, "update_on")
@@ -111,7 +113,9 @@ class RunConfig:
     seed: int = same_setting(TrainerConfig, "seed")
     pack: bool = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")
-    eval_every: int = setting(50, "evaluate every N steps (0: only at the end)", Integer(0))
+    eval_data: str | None = same_setting(DataConfig, "eval_data")
+    chat_template: str | None = same_setting(DataConfig, "chat_template")
+    eval_every: int = setting(50, "evaluate before the first step and every N steps (0: only at the end)", Integer(0))
     eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
     save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end)",
                               Integer())
@@ -119,6 +123,7 @@ class RunConfig:
                                               "the first example's prompt or first words; else %r)"
                                         % DEFAULT_PROMPT.replace("%", "%%"), Text(), "TEXT")
     sample_tokens: int = setting(40, "tokens of that sample (0: no sample)", Integer(0))
+    report_to: str = same_setting(ReportConfig, "report_to")
     log_every: int = setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
                                 "(a terminal gets a progress bar)", Integer())
 
@@ -135,6 +140,7 @@ class RunConfig:
                                          "lower --warmup or raise --steps")
         try:
             self.device_config()
+            self.report_config()
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
         try:
@@ -178,6 +184,9 @@ class RunConfig:
         return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices,
                           moment_dtype=self.moment_dtype, lora=self.lora_config())
 
+    def report_config(self) -> ReportConfig:
+        return ReportConfig(self.report_to)
+
     def data_config(self) -> DataConfig:
         return DataConfig(**owned(self, DataConfig))
 
@@ -194,6 +203,7 @@ class RunConfig:
         step = {k: v for k, v in owned(self, PlanConfig).items() if k in TrainerConfig.__dataclass_fields__}
         return TrainerConfig(**{f.name: getattr(optimizer, f.name) for f in fields(optimizer)}, **step,
                              **owned(self, TrainerConfig), compute_dtype=self.dtype, device=self.device,
+                             pin_memory=self.pin_memory,
                              budget=self.budget_bytes(), schedule=self.lr_schedule(),
                              **{f"lora_{k}": v for k, v in owned(self, LoraConfig).items()})
 
@@ -222,7 +232,7 @@ class RunConfig:
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
-PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir")
+PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);
 # its warmup is a tenth of --steps, at most 5.
@@ -232,9 +242,11 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
-# beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout.
+# beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout. pin_memory
+# only says which host memory is page-locked.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every")
+             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
+             "report_to", "pin_memory")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items()}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items()}
@@ -250,7 +262,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
                                         "drop one of them")
         if isinstance(given.get("from_pretrained"), str) and given.get("data") is None:
             raise SettingError("from_pretrained", "needs --data: the demo text is only the demo's; pass --data "
-                                                  "FILE (.txt or .jsonl) to fine-tune on")
+                                                  "FILE (.txt, .jsonl, .parquet or .csv) to fine-tune on")
         demo = given.get("data") is None and given.get("from_pretrained") is None and \
             given.get("model", DEMO_MODEL) == DEMO_MODEL
         values = {**(DEMO_DEFAULTS if demo else {}), **given}

@@ -1,6 +1,7 @@
 """StreamingTrainer: the runtime's public Python API (README.md, "Python API")."""
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,6 +18,7 @@ from streamer.runtime.executor import ClippingNeeded, Executor, MicroBatch, NonF
 from streamer.runtime.lora import Adapters
 from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
 from memory_model.shapes import fused_update
+from streamer.store.commit import read_manifest
 from streamer.store.host import HostStore
 from streamer.store.interface import Store
 from streamer.store.spec import StoreSpec
@@ -44,7 +46,7 @@ class StreamingTrainer:
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
             self.store = HostStore.create(store_dir, store_spec(cfg, self.tc),
-                                          pin=self.tc.device.startswith("cuda"))
+                                          _pin_memory(self.tc.device, self.tc.pin_memory))
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
         self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
@@ -77,7 +79,11 @@ class StreamingTrainer:
         data_parallel = DataParallel.from_environment(device)
         if data_parallel is not None:
             store_dir = Path(store_dir) / f"rank{data_parallel.rank}"
-        store = HostStore.open(store_dir)
+        # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
+        # pin_memory comes from the overrides, else from the settings the store was committed with.
+        settings = {**read_manifest(Path(store_dir)).get("trainer", {}).get("config", {}), **dict(overrides or {})}
+        store = HostStore.open(store_dir, _pin_memory(str(settings.get("device", "cpu")),
+                                                      settings.get("pin_memory", TrainerConfig.pin_memory)))
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal
@@ -207,6 +213,11 @@ class StreamingTrainer:
             self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
+
+    @property
+    def grad_norm(self) -> float:
+        """The global gradient norm of the last step, before clipping (0 before any step)."""
+        return math.sqrt(sum(self.executor.grad_sq_norms.values()))
 
     def _run_step(self, micro: list[MicroBatch], step: int, fused: bool) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
@@ -367,6 +378,11 @@ class StreamingTrainer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _pin_memory(device: str, pin_memory: str) -> str:
+    """The store's pin_memory: what the settings ask for on CUDA, nothing elsewhere."""
+    return pin_memory if device.startswith("cuda") else "none"
 
 
 def store_spec(cfg: GPTJConfig, tc: TrainerConfig) -> StoreSpec:

@@ -166,11 +166,11 @@ def test_resume_refuses_a_different_setup(change, match):
     ("empty.jsonl", "\n\n", "holds no text"),
     ("bad.jsonl", '{"text": "a"}\n{"text": \n', r"bad.jsonl line 2 is not valid JSON"),
     ("list.jsonl", '{"text": "a"}\n[1, 2]\n', r"list.jsonl line 2 holds a JSON list"),
-    ("keys.jsonl", '{"prompt": "a"}\n', r"keys.jsonl line 1 has neither 'text' nor 'prompt' \+ 'completion'"),
-    ("type.jsonl", '{"text": 3}\n', r"type.jsonl line 1: 'text' must be a string"),
+    ("keys.jsonl", '{"prompt": "a"}\n', r"keys.jsonl line 1 is none of .*\(its fields: \['prompt'\]\)"),
+    ("type.jsonl", '{"text": 3}\n', r"type.jsonl line 1: field 'text' must be a string"),
     ("latin1.txt", "caf\xe9".encode("latin-1"), "not UTF-8"),
     ("short.txt", "abc", r"short.txt: the data holds 4 tokens, fewer than one sequence of seq=8"),
-    ("data.csv", "a,b", "use a .txt or .jsonl"),
+    ("data.xml", "a,b", "use a .txt, .jsonl, .parquet or .csv file"),
 ])
 def test_data_errors_name_the_problem(tmp_path, name, content, match):
     path = _write(tmp_path / name, content)

@@ -81,6 +81,13 @@ def test_loads_gpt2_style_vocab_and_merges(tok, tmp_path, names):
     for text in [*TEXTS, f"a{EOS_TOKEN}b"]:
         assert loaded.encode(text) == tok.encode(text)
         assert loaded.decode(loaded.encode(text)) == text
+    # Saved: its own files verbatim, and the tokenizer.json + config transformers needs that they lack.
+    loaded.save(tmp_path / "saved")
+    assert (tmp_path / "saved" / names[0]).read_bytes() == (tmp_path / names[0]).read_bytes()
+    assert load_tokenizer(tmp_path / "saved").encode(TEXTS[2]) == tok.encode(TEXTS[2])
+    import transformers
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert hf(TEXTS[1], add_special_tokens=False)["input_ids"] == tok.encode(TEXTS[1])
 
 
 def test_eos_token_named_by_tokenizer_config(tmp_path):

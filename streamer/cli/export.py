@@ -1,5 +1,5 @@
-"""`streamer export`: write a run as a Hugging Face GPT-J folder (LoRA's adapters merged), or a LoRA run's
-adapters as a PEFT adapter folder."""
+"""`streamer export`: write a run as a Hugging Face GPT-J folder (LoRA's adapters merged) with its tokenizer's
+files as they were given, or a LoRA run's adapters as a PEFT adapter folder."""
 from __future__ import annotations
 
 import argparse
@@ -89,15 +89,22 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
 def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
     """Write the trainer's master weights (LoRA's adapters merged) as a Hugging Face GPT-J folder, one unit in
-    memory at a time."""
+    memory at a time.
+
+    With a tokenizer: its files (copied verbatim where it was loaded from a folder, so the chat template, special
+    tokens, model_max_length and padding side are the user's), and its bos/eos ids in config.json and
+    generation_config.json, which `generate` in transformers reads to stop where `streamer generate` stops.
+    """
     from streamer.io.hf import HFExporter
     if max_shard_bytes <= 0:
         raise RunError("--max-shard-size must be more than 0 bytes")
-    with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite) as exporter:
+    token_ids = None if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite, token_ids) as exporter:
         for unit in trainer.units:
             flat = trainer.merged_unit_master(unit)
             for slot in trainer.layouts[unit].slots:
                 exporter.add(slot.hf_key, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
         if tokenizer is not None:
             tokenizer.save(exporter.staging_dir)
+            (exporter.staging_dir / "generation_config.json").write_text(json.dumps(token_ids, indent=2) + "\n")
 

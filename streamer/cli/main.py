@@ -1,4 +1,4 @@
-"""`streamer`: plan | train | generate | export | trace | bench (also `python -m streamer`).
+"""`streamer`: train | plan | eval | generate | export | trace | devices | bench (also `python -m streamer`).
 
 This module builds the top parser and dispatches; each subcommand's module (streamer/cli/<command>.py)
 declares its own flags and examples (`declare`). Only the module of the command that runs is imported:
@@ -21,6 +21,7 @@ USER_ERRORS = (StreamerError, ConfigError, CheckpointMismatch, SizeError, Device
 COMMANDS = {
     "train": "fine-tune (no arguments: the demo)",
     "plan": "device memory and time of a training step, before running it",
+    "eval": "loss and perplexity of a run on a data file",
     "generate": "sample text from a run, streaming its layers",
     "export": "write a run as a Hugging Face GPT-J folder",
     "trace": "the per-layer memory table and plot of a run",
@@ -34,6 +35,7 @@ examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer train --from-pretrained ./gptj-hf --data train.jsonl --budget 3GiB --steps 500
   streamer generate runs/demo-20260101-120000 --prompt "The for statement"
+  streamer eval runs/demo-20260101-120000 --data train.jsonl
   streamer export runs/demo-20260101-120000 ./exported-hf
   streamer trace runs/demo-20260101-120000
 run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md has the details."""

@@ -24,6 +24,7 @@ from streamer.cli.training import Session, describe, report, train
 from streamer.console import make_console
 from streamer.io.data import BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, read_examples, tokenize
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
+from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
 from memory_model.settings import flag
 from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve
@@ -70,6 +71,10 @@ def train_command(args: argparse.Namespace) -> int:
     session.trainer.ledger.hint_context["advise"] = ledger_advice(session.trainer.cfg, session.cfg, session.devices)
     try:
         with session.trainer:
+            if session.lead:
+                session.reporters = Reporters(session.cfg.report_config(), session.run.root,
+                                              {f.name: getattr(session.cfg, f.name) for f in fields(RunConfig)},
+                                              session.trainer.step_count)
             console.print(f"run [bold]{session.run.root}[/]: {describe(session)}")
             trained, seconds = train(session, console)
             report(session, trained, seconds, console)
@@ -83,6 +88,9 @@ def train_command(args: argparse.Namespace) -> int:
         raise RunError(f"disk full while writing {exc.path if isinstance(exc, DiskFull) else exc.filename}; "
                        f"{root} keeps its last committed step: free space and continue with "
                        f"`streamer train --resume {root}` (or the same command again)") from None
+    finally:
+        if session.reporters is not None:
+            session.reporters.close()
     return 0
 
 
@@ -95,6 +103,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     knows a set-up that was killed part-way for its own and starts it again.
     """
     cfg = resolve(explicit, config_file)
+    cfg.report_config().check_installed()
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
@@ -111,7 +120,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
         dataset = _dataset(cfg.data_config(), tokenizer, cfg.seq)
-        _check_held_out(cfg, dataset, 1 if parallel is None else parallel.world)
+        _check_held_out(cfg, dataset, tokenizer, 1 if parallel is None else parallel.world)
         RunDir.create(run.root)
         try:
             tokenizer.save(run.tokenizer)
@@ -144,7 +153,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         if lead:
             _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
-    train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+    train_set, held_out = _split(cfg, dataset, tokenizer)
     return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out, parallel)
 
 
@@ -189,6 +198,7 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
     cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
+    cfg.report_config().check_installed()
     parallel = _join(cfg, console)
     dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
     if dtype.emulated:
@@ -211,7 +221,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
                         undo=StreamingTrainer.close)
     try:
-        train_set, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+        train_set, held_out = _split(cfg, dataset, tokenizer)
         stream = BatchStream(train_set, cfg.batch, cfg.seed)
         if "data" in trainer.extra_state:
             stream.load_state_dict(trainer.extra_state["data"])
@@ -316,6 +326,8 @@ def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
             raise RunError(f"the model's vocab_size {model_cfg.vocab_size} cannot hold a byte-level BPE "
                            f"(>= {MIN_VOCAB} ids); pass --tokenizer or choose a model with a larger vocabulary")
         tokenizer = train_bpe(_texts(data), min(vocab, model_cfg.vocab_size))
+    if data.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(data.chat_template)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise RunError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                        f"{model_cfg.vocab_size}; use a tokenizer made for this model or --vocab-size "
@@ -335,14 +347,24 @@ def _dataset(data: DataConfig, tokenizer: Tokenizer, seq: int) -> Dataset:
     return load_dataset(data.data, tokenizer, seq, pack=data.pack)
 
 
-def _check_held_out(cfg: RunConfig, dataset: Dataset, world: int) -> None:
-    """An --eval-fraction that holds out fewer sequences than one evaluation batch needs is an error, not a
-    run that silently never evaluates."""
-    if cfg.eval_fraction == 0:
+def _split(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer) -> tuple[Dataset, Dataset | None]:
+    """(train, held-out): all of --data and --eval-data when it is given, else --eval-fraction of --data."""
+    if cfg.eval_data is not None:
+        return dataset, load_dataset(cfg.eval_data, tokenizer, cfg.seq, pack=cfg.pack)
+    return dataset.split(cfg.eval_fraction, cfg.seed)
+
+
+def _check_held_out(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer, world: int) -> None:
+    """Held-out data with fewer sequences than one evaluation batch needs is an error, not a run that silently
+    never evaluates."""
+    if cfg.eval_fraction == 0 and cfg.eval_data is None:
         return
-    _, held_out = dataset.split(cfg.eval_fraction, cfg.seed)
+    _, held_out = _split(cfg, dataset, tokenizer)
     needed = cfg.grad_accum * world  # an evaluation batch splits like a training batch
     got = 0 if held_out is None else len(held_out)
+    if got < needed and cfg.eval_data is not None:
+        raise RunError(f"--eval-data {cfg.eval_data} holds {got} sequences of --seq {cfg.seq} tokens and an "
+                       f"evaluation needs {needed}; add held-out data or lower --seq")
     if got < needed:
         fix = (f"raise --eval-fraction to {min(0.5, needed / len(dataset)):.2g} or more, or pass"
                if len(dataset) > needed else "add data, lower --seq, or pass")

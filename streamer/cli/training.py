@@ -16,6 +16,7 @@ from streamer.cli.trace import memory_lines
 from streamer.generate import Sampling, complete
 from streamer.io.data import BatchStream, Dataset
 from streamer.io.tokenizer import Tokenizer
+from streamer.reporting import Reporters
 from streamer.run import RunConfig
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel
@@ -33,6 +34,15 @@ class Session:
     stream: BatchStream
     held_out: Dataset | None
     parallel: DataParallel | None = None
+    reporters: Reporters | None = None  # --report-to, in the lead process only
+
+    def log(self, record: dict) -> None:
+        """One record into RUN/metrics.jsonl and to --report-to's reporters (the lead process only)."""
+        if not self.lead:
+            return
+        self.run.append_metrics(record)
+        if self.reporters is not None:
+            self.reporters.log(record["step"], record)
 
     @property
     def lead(self) -> bool:
@@ -71,6 +81,8 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     began = time.perf_counter()
     with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
+        if first == 0 and cfg.eval_every:
+            evaluate(s, progress.console)  # the baseline every later evaluation is read against
         while trainer.step_count < cfg.steps:
             ids, labels = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
@@ -84,10 +96,9 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
             record = {"step": step, **({"skipped": True} if skipped else {"loss": loss}),
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
-                      "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
+                      "grad_norm": trainer.grad_norm, "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
                       "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
-            if s.lead:
-                run.append_metrics(record)
+            s.log(record)
             if skipped:
                 if s.lead:
                     progress.console.print(f"step {step} skipped: non-finite loss or gradient (--nonfinite skip); "
@@ -136,8 +147,7 @@ def evaluate(s: Session, console: Console) -> float | None:
         return None
     loss = sum(losses) / len(losses)
     step = s.trainer.step_count
-    if s.lead:
-        s.run.append_metrics({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
+    s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
     console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
     return loss
 

@@ -1,24 +1,23 @@
-"""Fine-tuning data: text and prompt/completion files to fixed-length token sequences, and a resumable batch order.
+"""Fine-tuning data: examples to fixed-length token sequences, and a resumable batch order.
 
-Sources: a `.txt` file (documents separated by blank lines, or the whole file as
-one document) or a `.jsonl` file with `{"text": ...}` or
-`{"prompt": ..., "completion": ...}` records. Text is concatenated with an
-end-of-text token between documents and cut into sequences of exactly `seq`
-tokens. A prompt/completion example stays whole in one sequence and only its
-completion (and end-of-text) is learned.
+The files and their records are read by streamer/io/records.py. Text is concatenated with an end-of-text token
+between documents and cut into sequences of exactly `seq` tokens. A prompt/completion example (Alpaca records are
+ones) or a conversation stays whole in one sequence; only the completion (and end-of-text), or the assistant
+turns, are learned.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Protocol
+from typing import Iterable, Iterator, Mapping, Protocol
 
 import torch
 
 from layers import IGNORE_INDEX
 from memory_model.settings import Integer, Number, Switch, Text, check_settings, flag, setting
 from streamer.errors import DataError
+from streamer.io.chat import chat_pieces
+from streamer.io.records import Example, read_examples
 
 
 def _setting_error(key: str, problem: str) -> DataError:
@@ -29,15 +28,21 @@ def _setting_error(key: str, problem: str) -> DataError:
 class DataConfig:
     """What a run trains and evaluates on, and the tokenizer that reads it (each a `streamer train` flag)."""
 
-    data: str | None = setting(None, "a .txt file, or .jsonl of {\"text\"} or {\"prompt\", \"completion\"} records "
-                                     "(default: Python's own help topics)", Text(), "FILE")
+    data: str | None = setting(None, "a .txt file; .jsonl, .parquet or .csv of {\"text\"}, {\"prompt\", "
+                                     "\"completion\"}, Alpaca {\"instruction\", \"input\", \"output\"} or chat "
+                                     "{\"messages\"} records; or a datasets save_to_disk folder (default: Python's "
+                                     "own help topics)", Text(), "FILE")
     tokenizer: str | None = setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
                                           "(default: --from-pretrained's, else a BPE trained on the data)", Text(), "DIR")
     vocab_size: int | None = setting(None, "vocabulary of the trained BPE (default: the model's)",
                                      Integer(257, " (256 bytes + end-of-text)"))
     pack: bool = setting(False, "pack several prompt/completion examples into one sequence", Switch())
-    eval_fraction: float = setting(0.05, "fraction of sequences held out for evaluation",
-                                   Number(0.0, 1.0, high_open=True))
+    eval_fraction: float = setting(0.05, "fraction of sequences held out for evaluation (unused with "
+                                         "--eval-data)", Number(0.0, 1.0, high_open=True))
+    eval_data: str | None = setting(None, "held-out data to evaluate on, in any --data format (default: "
+                                          "--eval-fraction of --data)", Text(), "FILE")
+    chat_template: str | None = setting(None, "a Jinja chat template for {\"messages\"} records (default: the "
+                                              "tokenizer's chat_template)", Text(), "FILE")
 
     def __post_init__(self) -> None:
         check_settings(self, _setting_error)
@@ -45,21 +50,11 @@ class DataConfig:
 
 class TokenizerLike(Protocol):
     eos_id: int
+    eos_token: str
+    bos_token: str | None
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class Example:
-    """One document (`completion is None`) or one prompt/completion pair, with where it came from."""
-
-    text: str
-    completion: str | None = None
-    where: str = "text"  # for error messages: "train.jsonl line 7"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text, str) or not isinstance(self.completion, (str, type(None))):
-            raise DataError(f"{self.where}: text, prompt and completion must be strings")
 
 
 def demo_corpus() -> list[str]:
@@ -67,73 +62,6 @@ def demo_corpus() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[name] for name in sorted(topics)]
-
-
-def read_examples(path: str | Path, whole_file: bool = False) -> list[Example]:
-    """The examples a `.txt` or `.jsonl` file holds; `whole_file` makes a `.txt` file one document."""
-    path = Path(path)
-    if path.suffix not in (".txt", ".jsonl"):
-        raise DataError(f"{path}: unknown data format {path.suffix!r}; use a .txt or .jsonl file")
-    try:
-        content = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist; pass an existing .txt or .jsonl file") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
-                        "re-encode it as UTF-8") from None
-    except OSError as exc:
-        raise DataError(f"cannot read {path} ({exc.strerror}); check the path and its permissions") from None
-    examples = _read_jsonl(path, content) if path.suffix == ".jsonl" else _read_text(path, content, whole_file)
-    if not examples:
-        raise DataError(f"{path} holds no text; add documents to it or choose another file")
-    return examples
-
-
-def _read_text(path: Path, content: str, whole_file: bool) -> list[Example]:
-    if whole_file:
-        return [Example(content, where=str(path))] if content.strip() else []
-    examples, lines, start = [], [], 1
-    for number, line in enumerate([*content.split("\n"), ""], start=1):
-        if line.strip():
-            if not lines:
-                start = number
-            lines.append(line)
-        elif lines:
-            examples.append(Example("\n".join(lines), where=f"{path} line {start}"))
-            lines = []
-    return examples
-
-
-def _read_jsonl(path: Path, content: str) -> list[Example]:
-    examples = []
-    for number, line in enumerate(content.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}); "
-                            "write one JSON object per line") from None
-        examples.append(_record_example(record, where))
-    return examples
-
-
-def _record_example(record: Any, where: str) -> Example:
-    if not isinstance(record, dict):
-        raise DataError(f"{where} holds a JSON {type(record).__name__}; each line must be an object "
-                        'like {"text": ...} or {"prompt": ..., "completion": ...}')
-    if "prompt" in record and "completion" in record:
-        fields = {"prompt": record["prompt"], "completion": record["completion"]}
-    elif "text" in record:
-        fields = {"text": record["text"]}
-    else:
-        raise DataError(f"{where} has neither 'text' nor 'prompt' + 'completion' (keys: {sorted(record)[:5]}); "
-                        "give each record one of them")
-    for name, value in fields.items():
-        if not isinstance(value, str):
-            raise DataError(f"{where}: {name!r} must be a string, got {type(value).__name__}")
-    return Example(fields.get("text", fields.get("prompt")), fields.get("completion"), where)
 
 
 @dataclass(frozen=True)
@@ -183,7 +111,9 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
     Each prompt/completion example becomes prompt + completion + end-of-text,
     with labels -100 on the prompt; it gets a sequence of its own, padded
     (input end-of-text, label -100), or with `pack` shares one with the next
-    examples that still fit. An example longer than `seq` is an error, never cut.
+    examples that still fit. A conversation is its rendered pieces, labels -100
+    on all but the assistant turns (the template writes its own end of turn).
+    An example longer than `seq` is an error, never cut.
     """
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 2:
         raise DataError(f"seq must be an integer >= 2 (a token and the one it predicts), got {seq!r}")
@@ -192,15 +122,15 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
     rows: list[tuple[list[int], list[int]]] = []
     for example in examples:
         example = example if isinstance(example, Example) else Example(example)
-        if example.completion is None:
+        if example.completion is None and example.messages is None:
             stream += tokenizer.encode(example.text) + [eos]
             continue
-        prompt, completion = tokenizer.encode(example.text), tokenizer.encode(example.completion) + [eos]
-        length = len(prompt) + len(completion)
+        ids, labels = _supervised(example, tokenizer)
+        length = len(ids)
         if length > seq:
-            raise DataError(f"{example.where}: prompt + completion is {length} tokens, longer than seq={seq}; "
+            what = "the conversation" if example.messages is not None else "prompt + completion"
+            raise DataError(f"{example.where}: {what} is {length} tokens, longer than seq={seq}; "
                             "raise --seq or shorten the example")
-        ids, labels = prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
         if pack and rows and len(rows[-1][0]) + length <= seq:
             rows[-1][0].extend(ids)
             rows[-1][1].extend(labels)
@@ -217,6 +147,23 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
         padded[i, :len(ids)] = torch.tensor(ids)
         masked[i, :len(labels)] = torch.tensor(labels)
     return Dataset(torch.cat([text, padded]), torch.cat([text.clone(), masked]))
+
+
+def _supervised(example: Example, tokenizer: TokenizerLike) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a prompt/completion pair or a conversation: only what the model answers is learned."""
+    if example.messages is None:
+        pieces = ((example.text, False), (example.completion or "", True))
+        tail = [tokenizer.eos_id]
+    else:
+        specials = {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token or tokenizer.eos_token}
+        pieces, tail = chat_pieces(example.messages, tokenizer.chat_template, specials, example.where), []
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, learned in pieces:
+        piece = tokenizer.encode(text)
+        ids += piece
+        labels += piece if learned else [IGNORE_INDEX] * len(piece)
+    return ids + tail, labels + tail
 
 
 def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: bool = False,

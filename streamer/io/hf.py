@@ -255,11 +255,13 @@ class HFExporter:
     Everything goes to a hidden sibling folder first (`staging_dir`, where
     other files such as a tokenizer may be saved too) that replaces `directory`
     only once every tensor is written: a failed export leaves nothing behind.
-    One shard (`max_shard_bytes`, or one tensor if larger) is in memory at a time.
+    One shard (`max_shard_bytes`, or one tensor if larger) is in memory at a time. `token_ids` (bos_token_id,
+    eos_token_id: the tokenizer's) replace config.json's defaults.
     """
 
     def __init__(self, directory: str | Path, cfg: GPTJConfig, dtype: torch.dtype = torch.float32,
-                 max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
+                 max_shard_bytes: int = 2 * 2**30, overwrite: bool = False,
+                 token_ids: dict[str, int] | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"cannot export as {dtype}; choose float32, bfloat16 or float16")
         if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
@@ -268,6 +270,7 @@ class HFExporter:
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is a file; choose a folder to export to")
         self.cfg, self.dtype, self.max_shard_bytes, self.overwrite = cfg, dtype, max_shard_bytes, overwrite
+        self.token_ids = dict(token_ids or {})
         self._refuse_to_overwrite()
         self._expected = expected_tensors(cfg)
         self.staging_dir = self.directory.parent / f".{self.directory.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -352,7 +355,8 @@ class HFExporter:
             weight_map = {k: name for name, keys in zip(names, self._shard_keys) for k in sorted(keys)}
             _write_json(self.staging_dir / "model.safetensors.index.json",
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
-        _write_json(self.staging_dir / "config.json", {**self.cfg.to_hf(), "dtype": _dtype_name(self.dtype)})
+        _write_json(self.staging_dir / "config.json",
+                    {**self.cfg.to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
         for path in [*self.staging_dir.iterdir(), self.staging_dir]:
             fsync_path(path)
         self._swap_in()

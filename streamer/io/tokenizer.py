@@ -6,7 +6,8 @@ Nothing here downloads: a tokenizer is either trained on text the user has
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -21,6 +22,13 @@ EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB = 257
 # (vocab, merges) file names: Hugging Face's, then OpenAI's original GPT-2 names.
 _BPE_FILE_PAIRS = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
+# A loaded tokenizer's own files, copied verbatim into the run and from there into an export, so that
+# transformers.AutoTokenizer reads the chat template, special tokens, model_max_length and padding side the
+# user chose. chat_template.jinja is where recent transformers keep the template (it wins over the config's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "encoder.json", "vocab.bpe", "chat_template.jinja",
+                   "chat_template.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 @dataclass(frozen=True)
@@ -29,15 +37,31 @@ class Tokenizer:
 
     backend: tokenizers.Tokenizer
     eos_token: str = EOS_TOKEN
+    bos_token: str | None = None  # None: the end-of-text token, as GPT-2 and GPT-J use it
+    chat_template: str | None = None  # Jinja, as transformers' apply_chat_template renders it
+    source: Path | None = None  # the folder it was loaded from, whose files `save` copies verbatim
 
     def __post_init__(self) -> None:
-        if self.backend.token_to_id(self.eos_token) is None:
-            raise TokenizerError(f"the tokenizer has no end-of-text token {self.eos_token!r}; "
-                                 "add it to the vocabulary or name the right one in tokenizer_config.json")
+        for name, token in (("end-of-text", self.eos_token), ("beginning-of-text", self.bos_token)):
+            if token is not None and self.backend.token_to_id(token) is None:
+                raise TokenizerError(f"the tokenizer has no {name} token {token!r}; "
+                                     "add it to the vocabulary or name the right one in tokenizer_config.json")
 
     @property
     def eos_id(self) -> int:
         return self.backend.token_to_id(self.eos_token)
+
+    @property
+    def bos_id(self) -> int:
+        return self.backend.token_to_id(self.bos_token or self.eos_token)
+
+    def with_chat_template(self, path: str | Path) -> Tokenizer:
+        """This tokenizer rendering chats with the Jinja template in `path` (`--chat-template FILE`)."""
+        try:
+            return replace(self, chat_template=Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"cannot read --chat-template {path} ({_brief(exc)}); pass a UTF-8 Jinja "
+                                 "template file") from None
 
     @property
     def vocab_size(self) -> int:
@@ -52,18 +76,34 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def save(self, directory: str | Path) -> None:
-        """Write tokenizer.json plus the two small files `transformers.AutoTokenizer` reads beside it."""
+        """A loaded tokenizer's own files, copied verbatim; a trained one's (or what a loaded one's lack)
+        tokenizer.json plus the two small files `transformers.AutoTokenizer` reads beside it. A chat template
+        that is not the files' own (one from --chat-template) goes into chat_template.jinja, which transformers
+        prefers to tokenizer_config.json's."""
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            self.backend.save(str(path / "tokenizer.json"))
-            specials = {"bos_token": self.eos_token, "eos_token": self.eos_token, "unk_token": self.eos_token}
-            (path / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": False,
-                      "clean_up_tokenization_spaces": False, **specials}
-            (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            copied = [name for name in TOKENIZER_FILES if self.source is not None and (self.source / name).is_file()]
+            for name in copied:
+                shutil.copyfile(self.source / name, path / name)
+            # What the source lacks (OpenAI's encoder.json + vocab.bpe have no tokenizer.json, which
+            # AutoTokenizer needs, nor a config naming the special tokens) is written as for a trained one.
+            if "tokenizer.json" not in copied:
+                self.backend.save(str(path / "tokenizer.json"))
+            if "tokenizer_config.json" not in copied:
+                self._write_config(path)
+            if self.chat_template is not None and self.chat_template != _chat_template(path):
+                (path / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
         except OSError as exc:
             raise TokenizerError(f"cannot save the tokenizer to {path} ({exc}); choose a writable folder") from None
+
+    def _write_config(self, path: Path) -> None:
+        specials = {"bos_token": self.bos_token or self.eos_token, "eos_token": self.eos_token,
+                    "unk_token": self.eos_token}
+        (path / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": False,
+                  "clean_up_tokenization_spaces": False, **specials}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -89,14 +129,15 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     path = Path(directory)
     if not path.is_dir():
         raise TokenizerError(f"{path} is not a folder; pass the folder that holds tokenizer.json")
-    eos = _eos_token(path)
+    eos, bos = _special_token(path, "eos_token") or EOS_TOKEN, _special_token(path, "bos_token")
+    found = {"eos_token": eos, "bos_token": bos, "chat_template": _chat_template(path), "source": path.resolve()}
     if (path / "tokenizer.json").is_file():
         try:
             backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:  # the Rust side raises plain Exception for every parse error
             raise TokenizerError(f"{path / 'tokenizer.json'} is not a valid tokenizer ({_brief(exc)}); "
                                  "replace it or delete it to use vocab.json + merges.txt") from None
-        return Tokenizer(backend, eos)
+        return Tokenizer(backend, **found)
     for vocab, merges in _BPE_FILE_PAIRS:
         if (path / vocab).is_file() and (path / merges).is_file():
             try:
@@ -108,7 +149,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             # The end-of-text token is an ordinary vocab entry in these files;
             # registering it as special stops BPE from splitting it in text.
             backend.add_special_tokens([tokenizers.AddedToken(eos, special=True)])
-            return Tokenizer(backend, eos)
+            return Tokenizer(backend, **found)
     raise TokenizerError(f"{path} holds no tokenizer: expected tokenizer.json, or vocab.json + merges.txt "
                          "(or encoder.json + vocab.bpe); train one with train_bpe or copy the files there")
 
@@ -119,21 +160,39 @@ def _byte_level(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
     return backend
 
 
-def _eos_token(path: Path) -> str:
-    """The end-of-text token a folder's tokenizer_config.json or special_tokens_map.json names."""
+def _json_object(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{file} is not a JSON object ({_brief(exc)}); fix or delete it") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{file} is not a JSON object (it holds a {type(raw).__name__}); fix or delete it")
+    return raw
+
+
+def _special_token(path: Path, key: str) -> str | None:
+    """The token (eos_token, bos_token) a folder's tokenizer_config.json or special_tokens_map.json names."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        file = path / name
-        if not file.is_file():
-            continue
-        try:
-            token = json.loads(file.read_text()).get("eos_token")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-            raise TokenizerError(f"{file} is not a JSON object ({_brief(exc)}); fix or delete it") from None
+        token = _json_object(path / name).get(key)
         if isinstance(token, dict):  # transformers' serialized AddedToken
             token = token.get("content")
         if isinstance(token, str) and token:
             return token
-    return EOS_TOKEN
+    return None
+
+
+def _chat_template(path: Path) -> str | None:
+    """The folder's chat template: chat_template.jinja, else tokenizer_config.json's (a string, or transformers'
+    list of named templates, of which "default" is the one apply_chat_template uses)."""
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        return (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = _json_object(path / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
 
 
 def _brief(exc: BaseException) -> str:

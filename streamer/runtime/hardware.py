@@ -17,6 +17,7 @@ from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS
 from memory_model.devices import budget_bytes
 from memory_model.settings import Choice, SettingError, Text, check_settings, setting, shown
 from streamer.errors import StreamerError
+from streamer.store.spec import PIN_MODES
 
 DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: resolve_compute_dtype
 BF16_MIN_CAPABILITY = (8, 0)
@@ -141,8 +142,9 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where a run computes: the torch device, its compute dtype and its memory budget (each a `streamer train`
-    flag). Wrong values raise memory_model's SettingError, which the run reports as its own."""
+    """Where a run computes: the torch device, its compute dtype, its memory budget and the host memory pinned
+    for it (each a `streamer train` flag). Wrong values raise memory_model's SettingError, which the run reports
+    as its own."""
 
     dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
                                  "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
@@ -150,6 +152,8 @@ class DeviceConfig:
     device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
     budget: str | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
                                        "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), Text(), "SIZE")
+    pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), staging "
+                                         "(a bounded pool of staging buffers) or none", Choice(PIN_MODES), "MODE")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -3,8 +3,11 @@
 Three cases, one interface:
 - `shared`: the device is the CPU, the host's own memory. A RAM-tier slab is handed over as it is (a copy
   would change nothing); a disk-tier slab is read straight into a reused buffer.
-- `cuda`: RAM slabs are pinned; bytes cross on a side stream with non-blocking copies, and the compute
-  stream waits on an event before it touches them. Disk slabs are read into pinned staging first.
+- `cuda`: bytes cross on a side stream with non-blocking copies, and the compute stream waits on an event
+  before it touches them. They cross from and to staging buffers of a bounded pool (`StagingPool`), pinned
+  unless the store's `pin_memory` is "none": disk slabs are read into one, a RAM slab is copied into one
+  (pin_memory "staging") or crosses straight from the slab (pinned with "all"; pageable with "none", which the
+  CUDA driver then stages itself).
 - `meta`: shapes only, for the dry run (the real schedule and ledger, no memory, no I/O).
 The ledger is charged by the executor, not here, so its accounting does not depend on thread timing.
 """
@@ -85,11 +88,47 @@ class Loaded:
         return self.tensors
 
 
+class StagingPool:
+    """Host buffers copies to and from the device go through, reused by size, at most `limit` bytes pooled.
+
+    A buffer asked for once the pool holds `limit` bytes is plain pageable memory, handed out once and dropped
+    when given back: a copy through it is slower (the driver stages it), never wrong. So pinned memory stays
+    within `limit`, whatever the schedule asks for (StoreSpec.staging_bytes sizes it for what a step holds).
+    """
+
+    def __init__(self, limit: int, pin: bool) -> None:
+        self.limit, self.pin = limit, pin
+        self.pooled_bytes = 0  # every pooled buffer's bytes, free or handed out
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._pooled: set[int] = set()  # data_ptr of every pooled buffer
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        size = numel * dtype.itemsize
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                return free.pop()
+            if self.pooled_bytes + size > self.limit:
+                return torch.empty(numel, dtype=dtype)
+            self.pooled_bytes += size
+            buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+            self._pooled.add(buffer.data_ptr())
+            return buffer
+
+    def give_back(self, t: torch.Tensor) -> None:
+        with self._lock:
+            if t.data_ptr() in self._pooled:
+                self._free.setdefault((t.numel(), t.dtype), []).append(t)
+
+
 class Transport:
     def __init__(self, store: Store | None, device: torch.device, compute_dtype: torch.dtype) -> None:
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
+        self.staging = None if store is None or self.mode != "cuda" else \
+            StagingPool(store.spec.staging_bytes(), pin=store.pin_memory != "none")
         # Free buffers, each with the event after which the stream that last used it is done with it (CUDA).
         self._pool: dict[tuple[int, torch.dtype, str], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()
@@ -111,7 +150,7 @@ class Transport:
                 torch.cuda.current_stream().wait_event(released)  # kernels queued on it may still read it
             return buffer
         if where == "pinned":
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return self.staging.take(numel, dtype) if self.staging is not None else torch.empty(numel, dtype=dtype)
         return torch.empty(numel, dtype=dtype, device=self.device if where == "device" else "cpu")
 
     def give_back(self, t: torch.Tensor) -> None:
@@ -119,6 +158,9 @@ class Transport:
         if self.mode == "meta":
             return
         where = "pinned" if self.mode == "cuda" and t.device.type == "cpu" else "device"
+        if where == "pinned" and self.staging is not None:
+            self.staging.give_back(t)
+            return
         released = None
         if self.mode == "cuda" and where == "device":
             released = torch.cuda.Event()
@@ -143,14 +185,15 @@ class Transport:
             out = self._take(numel, dtype, "device")
             out.copy_(ram) if ram is not None else fill(out)
             return out
-        host = ram
-        if host is None:
-            host = self._take(numel, dtype, "pinned")
-            fill(host)
+        # A pinned slab crosses as it is; so does a pageable one when nothing is pinned (the driver stages it).
+        direct = ram is not None and (ram.is_pinned() or self.store.pin_memory == "none")
+        host = ram if direct else self._take(numel, dtype, "pinned")
+        if not direct:
+            fill(host) if ram is None else host.copy_(ram)
         out = self._take(numel, dtype, "device")
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
-        if ram is None:
-            torch.cuda.current_stream().synchronize()  # the pinned staging buffer is reused next
+        if not direct:
+            torch.cuda.current_stream().synchronize()  # the staging buffer is reused next
             self.give_back(host)
         return out
 

@@ -30,14 +30,17 @@ from streamer.store.interface import StateWriter, Store
 from streamer.store.layout import fold_into, model_layouts
 from streamer.store.ram import RamSlabs
 from streamer.store.slabfile import Checksum, fsync_path, verify_checksums, write_json_atomic
-from streamer.store.spec import StoreSpec
+from streamer.store.spec import PIN_MODES, StoreSpec
 
 
 class HostStore(Store):
     """Owns every slab; the runtime asks it for ranges of a unit's slabs and hands back new values."""
 
-    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin: bool, lock: int) -> None:
+    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int) -> None:
+        if pin_memory not in PIN_MODES:
+            raise StoreError(f"pin_memory must be one of {', '.join(PIN_MODES)}, got {pin_memory!r}")
         self.root, self.spec, self.manifest, self._lock = root, spec, manifest, lock
+        self.pin_memory = pin_memory
         self.layouts = {lay.name: lay for lay in model_layouts(spec.config)}
         self.step: int = manifest["step"] if manifest["step"] is not None else 0
         self.generation: int = manifest["generation"]
@@ -45,12 +48,12 @@ class HostStore(Store):
         self.commit: Commit | None = None
         self._grad_checksums: dict[str, int] = {}
         numels = {unit: lay.numel for unit, lay in self.layouts.items()}
-        self._slabs = RamSlabs(spec, numels, pin)
+        self._slabs = RamSlabs(spec, numels, pin=pin_memory == "all")
         self._files = StateFiles(root / "slabs", spec, numels)
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
-    def create(cls, root: str | Path, spec: StoreSpec, pin: bool = False) -> "HostStore":
+    def create(cls, root: str | Path, spec: StoreSpec, pin_memory: str = "none") -> "HostStore":
         root = Path(root)
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             raise StoreError(f"{root} exists and is not empty; choose a new run directory "
@@ -60,10 +63,10 @@ class HostStore(Store):
             fsync_path(folder)
         manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
                     "checksums": {}, "trainer": {}}
-        return cls(root, spec, manifest, pin, lock_run_dir(root))
+        return cls(root, spec, manifest, pin_memory, lock_run_dir(root))
 
     @classmethod
-    def open(cls, root: str | Path, pin: bool = False, verify: bool = True) -> "HostStore":
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostStore":
         """Open a store at its last commit. `verify`: check every state file's checksum (a full read)."""
         root = Path(root)
         manifest = read_manifest(root)
@@ -73,7 +76,7 @@ class HostStore(Store):
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
         lock, store = lock_run_dir(root), None
         try:
-            store = cls(root, spec, manifest, pin, lock)
+            store = cls(root, spec, manifest, pin_memory, lock)
             check_units(root, manifest, list(store.layouts))
             store._load_units(verify)
         except BaseException:

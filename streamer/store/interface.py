@@ -72,12 +72,15 @@ class Store(ABC):
     """Every unit's compute weights, fp32 master weights, Adam moments and fp32 gradient accumulator.
 
     `spec` is what the store holds and where; `layouts` every unit's flat layout; `step` the last committed
-    step. The kinds are "compute", "master", "exp_avg", "exp_avg_sq" and "grad".
+    step; `pin_memory` the host memory pinned for a CUDA device (`PIN_MODES`: "all" pins the RAM slabs too;
+    the transport's staging buffers are pinned unless it is "none"). The kinds are "compute", "master",
+    "exp_avg", "exp_avg_sq" and "grad".
     """
 
     spec: StoreSpec
     layouts: dict[str, UnitLayout]
     step: int
+    pin_memory: str
 
     # --- the committed state ---------------------------------------------------------------
     @property
@@ -102,7 +105,7 @@ class Store(ABC):
     # --- reads -----------------------------------------------------------------------------
     @abstractmethod
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
-        """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned on CUDA), for
+        """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned if `pin_memory` is all), for
         zero-copy use; None when it is on disk. Read it; change it only through a `StateWriter`, which
         skips the copy when handed a view of the slab itself."""
 

@@ -1,4 +1,4 @@
-"""The RAM back end: one flat host tensor (a slab) per unit and kind placed in RAM, pinned on CUDA."""
+"""The RAM back end: one flat host tensor (a slab) per unit and kind placed in RAM, pinned with pin_memory all."""
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,14 @@ from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+# Host memory pinned for copies to and from a CUDA device (page-locked, so the DMA engine reads it while the host
+# works on): the RAM store's slabs too, only a bounded pool of staging buffers, or nothing.
+PIN_MODES = ("all", "staging", "none")
+# The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
+# their way to the device (two whole units), plus a chunk of every state kind and the gradient, for the chunk
+# being updated and the one loaded next.
+STAGING_UNITS = 2
+STAGING_CHUNK_SETS = 2
 
 
 def _error(key: str, problem: str) -> StoreError:
@@ -86,6 +94,17 @@ class StoreSpec:
             disk += 2 * (self.state_bytes(numel) + TRAILER_BYTES)
             disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" else 0
         return ram, disk
+
+    def staging_bytes(self) -> int:
+        """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
+        buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
+        largest = max(UnitLayout.of(self.config, unit).numel for unit in self._unit_kinds())
+        chunk = min(self.chunk, largest)
+        return 4 * (STAGING_UNITS * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
+
+    def _unit_kinds(self) -> list[str]:
+        """One unit of each type: every block has the same shapes."""
+        return list({unit.split(".")[0]: unit for unit in self.config.unit_names()}.values())
 
     def kind_offset(self, kind: str, start: int, count: int) -> int:
         """Byte offset, in a state file, of `kind`'s piece of the chunk of `count` elements starting at element

@@ -1,0 +1,76 @@
+"""`streamer eval`: the loss and perplexity of a run's model on a data file, with streamed forward passes."""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+from layers import IGNORE_INDEX
+from memory_model.devices import budget_bytes
+from streamer.cli.flags import declare_command
+from streamer.cli.generate import open_trainer
+from streamer.console import make_console
+from streamer.io.data import Dataset, load_dataset
+from streamer.io.tokenizer import load_tokenizer
+from streamer.run import RunError, SettingError
+from streamer.run_dir import RunDir
+from streamer.trainer import StreamingTrainer
+
+EXAMPLES = """\
+examples:
+  streamer eval RUN --data train.jsonl
+  streamer eval RUN --data train.jsonl --batch 2 --budget 32MiB"""
+
+
+def declare(parser: argparse.ArgumentParser) -> None:
+    declare_command(parser, eval_command, "Evaluate a run's model on held-out data (any --data format) with "
+                    "streamed forward passes.", EXAMPLES)
+    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("--data", required=True, metavar="FILE", help="the data to evaluate on, read like the "
+                        "run's --data at its --seq")
+    parser.add_argument("--batch", type=int, help="sequences per forward pass (default: the run's micro-batch)")
+    parser.add_argument("--budget", help="device budget (default: the run's)")
+    parser.add_argument("--device", help="torch device (default: the run's)")
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    run = RunDir.open(args.run)
+    cfg = run.read_config()
+    overrides: dict[str, Any] = {}
+    if args.device is not None:
+        overrides["device"] = args.device
+    if args.budget is not None:
+        overrides["budget"] = budget_bytes(args.budget, SettingError)
+    if args.batch is not None and args.batch < 1:
+        raise RunError(f"--batch must be a positive integer, got {args.batch}")
+    tokenizer = load_tokenizer(run.tokenizer)
+    dataset = load_dataset(args.data, tokenizer, cfg.seq, pack=cfg.pack)
+    begin = time.perf_counter()
+    # One micro-batch per call, of the run's micro-batch size unless --batch says otherwise: what its budget holds.
+    with open_trainer(run, {**overrides, "grad_accum": 1}) as trainer:
+        loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.grad_accum)
+        step = trainer.step_count
+    make_console().print(
+        f"{args.data}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):,.2f} over {len(dataset)} sequences "
+        f"({tokens:,} predicted tokens) of {cfg.seq} tokens, step {step} of {run.root}, "
+        f"{time.perf_counter() - begin:.1f} s", markup=False, highlight=False)
+    return 0
+
+
+def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int) -> tuple[float, int]:
+    """(mean loss per predicted token, predicted tokens) over every sequence of `dataset`, with a trainer whose
+    grad_accum is 1 (its loss is then the mean over the batch's predicted tokens).
+
+    Each batch's mean is weighted by the tokens it predicts, so the result does not depend on the batch size
+    (a prompt/completion sequence predicts only its completion).
+    """
+    total, tokens = 0.0, 0
+    for ids, labels in dataset.batches(batch):
+        count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if count:
+            total += trainer.evaluate(ids, labels) * count
+            tokens += count
+    if tokens == 0:
+        raise RunError("the data holds no token to predict; pass data with text or completions")
+    return total / tokens, tokens

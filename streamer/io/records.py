@@ -1,0 +1,197 @@
+"""Reading fine-tuning data files into `Example`s: documents, prompt/completion pairs and conversations.
+
+`.txt`: documents separated by blank lines (or the whole file as one). `.jsonl`, one record per line, and
+`.parquet` / `.csv` files or a folder a Hugging Face `datasets.Dataset.save_to_disk` wrote, one record per row
+(read through the optional `datasets` package, without the hub). A record is one of
+- `{"text": ...}`: a document, learned whole;
+- `{"prompt": ..., "completion": ...}`: only the completion is learned;
+- `{"instruction": ..., "input": ..., "output": ...}` (Alpaca; `input` may be empty or absent): written with
+  Alpaca's own prompt, only the output is learned;
+- `{"messages": [{"role": ..., "content": ...}, ...]}`: a conversation, rendered with the tokenizer's chat
+  template when it is tokenized; only the assistant turns are learned.
+A record that fits none of them, or a field of the wrong type, is an error naming the file, line (row) and field.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from streamer.errors import DataError
+from streamer.io.chat import check_messages
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+TABLE_SUFFIXES = (".parquet", ".csv")
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py), so a model tuned on Alpaca data
+# here is prompted the way the data's authors intended.
+ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                     "context. Write a response that appropriately completes the request.\n\n"
+                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+RECORD_KINDS = ('{"text"}, {"prompt", "completion"}, {"instruction", "input", "output"} (Alpaca) or '
+                '{"messages"} (chat)')
+
+
+@dataclass(frozen=True)
+class Example:
+    """One document (`completion is None`), one prompt/completion pair, or one conversation (`messages`, whose
+    `text` is its contents joined, for training a tokenizer), with where it came from."""
+
+    text: str
+    completion: str | None = None
+    where: str = "text"  # for error messages: "train.jsonl line 7"
+    messages: tuple[dict[str, Any], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not isinstance(self.completion, (str, type(None))):
+            raise DataError(f"{self.where}: text, prompt and completion must be strings")
+
+
+def read_examples(path: str | Path, whole_file: bool = False) -> list[Example]:
+    """The examples a data file or `datasets` folder holds; `whole_file` makes a `.txt` file one document."""
+    path = Path(path)
+    if path.is_dir():
+        examples = [_record_example(r, w) for r, w in _dataset_rows(path)]
+    elif path.suffix in TABLE_SUFFIXES:
+        if not path.is_file():
+            raise DataError(f"{path} does not exist; pass an existing {path.suffix} file")
+        examples = [_record_example(r, w) for r, w in _dataset_rows(path)]
+    elif path.suffix in TEXT_SUFFIXES:
+        content = _read_text_file(path)
+        examples = _read_jsonl(path, content) if path.suffix == ".jsonl" else _read_text(path, content, whole_file)
+    else:
+        raise DataError(f"{path}: unknown data format {path.suffix!r}; use a .txt, .jsonl, .parquet or .csv file "
+                        "or a datasets save_to_disk folder")
+    if not examples:
+        raise DataError(f"{path} holds no text; add documents to it or choose another file")
+    return examples
+
+
+def _read_text_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; pass an existing .txt or .jsonl file") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                        "re-encode it as UTF-8") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc.strerror}); check the path and its permissions") from None
+
+
+def _read_text(path: Path, content: str, whole_file: bool) -> list[Example]:
+    if whole_file:
+        return [Example(content, where=str(path))] if content.strip() else []
+    examples, lines, start = [], [], 1
+    for number, line in enumerate([*content.split("\n"), ""], start=1):
+        if line.strip():
+            if not lines:
+                start = number
+            lines.append(line)
+        elif lines:
+            examples.append(Example("\n".join(lines), where=f"{path} line {start}"))
+            lines = []
+    return examples
+
+
+def _read_jsonl(path: Path, content: str) -> list[Example]:
+    examples = []
+    for number, line in enumerate(content.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                            "write one JSON object per line") from None
+        examples.append(_record_example(record, where))
+    return examples
+
+
+def _record_example(record: Any, where: str) -> Example:
+    if not isinstance(record, dict):
+        raise DataError(f"{where} holds a JSON {type(record).__name__}; each record must be an object like "
+                        f"{RECORD_KINDS}")
+    if "messages" in record:
+        messages = check_messages(record["messages"], where)
+        return Example("\n".join(m["content"] for m in messages), where=where, messages=tuple(messages))
+    if "instruction" in record and "output" in record:
+        fields = _strings(record, ("instruction", "input", "output"), where, optional=("input",))
+        template = ALPACA_WITH_INPUT if fields.get("input") else ALPACA_NO_INPUT
+        return Example(template.format(instruction=fields["instruction"], input=fields.get("input", "")),
+                       fields["output"], where)
+    if "prompt" in record and "completion" in record:
+        fields = _strings(record, ("prompt", "completion"), where)
+        return Example(fields["prompt"], fields["completion"], where)
+    if "text" in record:
+        return Example(_strings(record, ("text",), where)["text"], where=where)
+    raise DataError(f"{where} is none of {RECORD_KINDS} (its fields: {sorted(record)[:6]}); give each record "
+                    "one of them")
+
+
+def _strings(record: dict, names: tuple[str, ...], where: str, optional: tuple[str, ...] = ()) -> dict[str, str]:
+    out = {}
+    for name in names:
+        value = record.get(name)
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+        out[name] = value
+    return out
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
+    """(record, "FILE row N") for each row of a .parquet/.csv file or a `save_to_disk` folder, via `datasets`."""
+    datasets = _import_datasets(path)
+    cache = tempfile.mkdtemp(prefix="ws-datasets-")  # datasets' Arrow cache; gone once the rows are read
+    try:
+        try:
+            if path.is_dir():
+                table = datasets.load_from_disk(str(path), keep_in_memory=True)
+            else:
+                # A CSV cell is text: " 2" stays a string, an empty cell stays "" (pandas would make 2 and NaN).
+                as_text = {"features": _text_columns(datasets, path), "keep_default_na": False} \
+                    if path.suffix == ".csv" else {}
+                table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", cache_dir=cache,
+                                              keep_in_memory=True, **as_text)
+        except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
+            raise DataError(f"cannot read {path} with datasets ({' '.join(str(exc).split())[:200]}); pass a "
+                            ".parquet or .csv file or a folder Dataset.save_to_disk wrote") from None
+        if isinstance(table, datasets.DatasetDict):
+            if "train" not in table:
+                raise DataError(f"{path} holds the splits {sorted(table)} and no 'train'; pass the folder of one "
+                                "split (DatasetDict.save_to_disk writes one per split)")
+            table = table["train"]
+        for number, row in enumerate(table, start=1):
+            yield row, f"{path} row {number}"
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _text_columns(datasets: Any, path: Path) -> Any:
+    """Every column of a CSV file's header as a string column."""
+    try:
+        with path.open(newline="", encoding="utf-8") as file:
+            header = next(csv.reader(file), [])
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise DataError(f"cannot read {path} ({exc}); pass a UTF-8 CSV file with a header row") from None
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def _import_datasets(path: Path) -> Any:
+    # Data is read from local files only: the hub is never asked, even for a builder's scripts.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"reading {path} needs the `datasets` package: pip install 'weight-streaming[data]' "
+                        "(or convert the data to .jsonl)") from None
+    return datasets

@@ -1,0 +1,103 @@
+"""--pin-memory all|staging|none: the staging pool's bound, the resource check's arithmetic, resume honouring it.
+
+These run on a CPU: the pool is exercised with pageable buffers and CUDA is only pretended where a setting is
+checked; the copies through pinned memory themselves are CUDA-only.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import TINY_RUN_MODEL as TINY
+from layers import PRESETS
+from streamer import trainer as trainer_module
+from streamer.config import TrainerConfig
+from streamer.resources import RAM_HEADROOM, HostNeed, shortfall
+from streamer.run import RESUMABLE, resolve
+from streamer.runtime.transport import StagingPool
+from streamer.store.layout import UnitLayout
+from streamer.store.spec import STATE_KINDS, StoreSpec
+from streamer.trainer import StreamingTrainer, store_spec
+
+
+def test_the_staging_pool_never_holds_more_than_its_limit():
+    pool = StagingPool(limit=1000, pin=False)
+    a, b = pool.take(100, torch.float32), pool.take(100, torch.float32)  # 400 bytes each: pooled
+    beyond = pool.take(100, torch.float32)  # 1200 > 1000: pageable, handed out once
+    assert pool.pooled_bytes == 800
+    small = pool.take(50, torch.float32)  # 200 more fits exactly
+    assert pool.pooled_bytes == 1000
+    for t in (a, b, beyond, small):
+        pool.give_back(t)
+    again = [pool.take(100, torch.float32) for _ in range(3)]
+    pooled = {a.data_ptr(), b.data_ptr()}
+    assert {t.data_ptr() for t in again[:2]} == pooled  # reused, not allocated again
+    assert again[2].data_ptr() not in pooled and pool.pooled_bytes == 1000  # the one beyond was dropped
+    assert pool.take(50, torch.float32).data_ptr() == small.data_ptr()
+
+
+def test_staging_bytes_hold_two_units_and_two_chunk_sets():
+    spec = StoreSpec(PRESETS["gptj-6b"])
+    cfg = PRESETS["gptj-6b"]
+    largest = max(UnitLayout.of(cfg, unit).numel for unit in cfg.unit_names())
+    assert largest >= cfg.vocab_size * cfg.n_embd  # the embedding or the head, not a block
+    assert spec.staging_bytes() == 4 * (2 * largest + 2 * (len(STATE_KINDS) + 1) * spec.chunk)
+    ram, _ = spec.host_bytes()
+    assert spec.staging_bytes() < ram / 40  # 2.04 GiB against the 101 GiB `all` would pin
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _need(mode: str, device: str = "cuda") -> HostNeed:
+    tc = TrainerConfig(device=device, compute_dtype="bf16", store="ram", pin_memory=mode)
+    return HostNeed.of(PRESETS["gptj-350m"], tc, stores_on_disk=1, stores_in_ram=2)
+
+
+def test_the_resource_check_counts_the_pool_and_says_what_is_pinned(pretend_cuda):
+    tc = TrainerConfig(device="cuda", compute_dtype="bf16", store="ram")
+    spec = store_spec(PRESETS["gptj-350m"], tc)
+    ram, _ = spec.host_bytes()
+    staging = spec.staging_bytes()
+    needs = {mode: _need(mode) for mode in ("all", "staging", "none")}
+    # The same RAM whatever is pinned: two stores (LOCAL_WORLD_SIZE 2) and their pools, with headroom.
+    total = 2 * (ram + staging)
+    assert {n.ram for n in needs.values()} == {total + RAM_HEADROOM[0] + int(total * RAM_HEADROOM[1])}
+    assert needs["all"].pinned == 2 * (ram + staging)
+    assert needs["staging"].pinned == 2 * staging
+    assert needs["none"].pinned == 0
+    cpu = _need("all", device="cpu")  # no pool, nothing pinned without a CUDA device
+    assert cpu.pinned == 0 and cpu.ram < needs["none"].ram
+
+
+def test_the_shortfall_names_the_pinned_bytes(pretend_cuda, tmp_path):
+    cfg = resolve({"model": "gptj-1.3b", "store": "ram", "run_dir": str(tmp_path / "r"), "device": "cuda",
+                   "dtype": "bf16", "pin_memory": "all"})
+    message = shortfall(cfg, cfg.model_config(), 8 * 2**30, 64 * 2**30, tmp_path)
+    assert "pinned with --pin-memory all" in message
+    assert "pinned" not in shortfall(replace(cfg, pin_memory="none"), cfg.model_config(), 8 * 2**30, 64 * 2**30,
+                                     tmp_path)
+
+
+def test_resume_honours_pin_memory(tmp_path, monkeypatch):
+    assert "pin_memory" in RESUMABLE  # it changes no layout: a resume may change it
+    tc = TrainerConfig(compute_dtype="fp32", store="disk", pin_memory="all")
+    StreamingTrainer(TINY, tc, tmp_path / "store").close()
+    asked = []
+    real = trainer_module._pin_memory
+    monkeypatch.setattr(trainer_module, "_pin_memory", lambda device, mode: asked.append(mode) or real(device, mode))
+    with StreamingTrainer.open(tmp_path / "store") as trainer:  # the store's own setting
+        assert trainer.tc.pin_memory == "all" and trainer.store.pin_memory == "none"  # a CPU pins nothing
+    with StreamingTrainer.open(tmp_path / "store", overrides={"pin_memory": "staging"}) as trainer:
+        assert trainer.tc.pin_memory == "staging"
+    assert asked == ["all", "staging"]
+
+
+def test_only_cuda_pins():
+    assert trainer_module._pin_memory("cpu", "all") == "none"
+    assert trainer_module._pin_memory("cuda:0", "all") == "all"
+    assert trainer_module._pin_memory("cuda", "staging") == "staging"
