@@ -11,6 +11,8 @@ final. Rates are the catalogue's achievable shares of the peaks. docs/MEMORY_MOD
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 
 from layers.config import GPTJConfig
@@ -49,19 +51,37 @@ class Timeline:
 
 
 class _Queues:
-    """When each resource is next free; `run` books `seconds` on it starting no earlier than `after`."""
+    """Each resource's busy intervals; `run` books `seconds` in its first idle gap from `after` on. A job booked
+    ahead (a host update waiting for its gradient) leaves the time before it to jobs booked later."""
 
     def __init__(self, timeline: Timeline) -> None:
-        self.free = dict.fromkeys(RESOURCES, 0.0)
+        self.intervals: dict[str, list[list[float]]] = {r: [] for r in RESOURCES}  # sorted, disjoint [start, end]
         self.busy = timeline.busy
 
     def run(self, resource: str, after: float, seconds: float) -> float:
         if seconds == 0.0:
             return after
-        start = max(after, self.free[resource])
-        self.free[resource] = start + seconds
+        booked = self.intervals[resource]
+        i = bisect.bisect_right(booked, [after, math.inf]) - 1
+        start = max(after, booked[i][1]) if i >= 0 else after
+        i += 1
+        while i < len(booked) and booked[i][0] < start + seconds:
+            start, i = max(start, booked[i][1]), i + 1
+        end = start + seconds
+        # Insert, merging with the neighbours it touches, so a queue that never idles stays one interval.
+        if i > 0 and booked[i - 1][1] == start:
+            booked[i - 1][1] = end
+            if i < len(booked) and booked[i][0] == end:
+                booked[i - 1][1] = booked.pop(i)[1]
+        elif i < len(booked) and booked[i][0] == end:
+            booked[i][0] = start
+        else:
+            booked.insert(i, [start, end])
         self.busy[resource] += seconds
-        return start + seconds
+        return end
+
+    def last_end(self) -> float:
+        return max((b[-1][1] for b in self.intervals.values() if b), default=0.0)
 
 
 def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
@@ -226,5 +246,5 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
                 clock = max(clock, offload_done)
         if released_after(events, k):
             in_flight.discard(event.resource)
-    timeline.end_s = max(clock, offload_done, *ends, *queues.free.values())
+    timeline.end_s = max(clock, offload_done, *ends, queues.last_end())
     return timeline
