@@ -31,7 +31,7 @@ examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer plan --model gptj-6b --target a100-40g --batch 8 --seq 2048 --activations checkpoint --dry-run
   streamer plan --model ./gptj-hf/config.json --target local --json
-  streamer plan --config run.toml --target rtx4090  the step of `streamer train --config run.toml`
+  streamer plan --config run.toml --target rtx4090    the step `streamer train --config run.toml` runs
 
 Settings resolve as in `streamer train`: its defaults (the demo's when nothing names a model or data), then
 --config, then the flags; so `streamer plan` with train's flags plans the step that train runs."""
