@@ -121,14 +121,17 @@ def _compute(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpe
     rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
     costs = device.kernels.get(cfg.compute_dtype)
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
+    # A backward's matmuls: the gradient w.r.t. the input and w.r.t. the weights; a frozen (LoRA) base makes
+    # only the first (its adapters' matmuls are rank-sized, left out).
+    passes = 1 if cfg.lora.enabled else 2
     attention = attention_flops(shape, cfg.micro_batch, cfg.seq) if unit.startswith("block.") else 0
     if costs is None:  # the matmul-only model: attention at its own achievable rate, nothing else costs time
         attention_rate = device.flops_for(cfg.compute_dtype) * device.attention_efficiency
         forward = (matmuls - attention) / rate + attention / attention_rate
-        backward = 2 * forward
+        backward = passes * forward
     else:
         forward = (matmuls - attention) / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
-        backward = 2 * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
+        backward = passes * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
     if event.phase == "forward":
         return forward
     recompute = forward if cfg.activations == "checkpoint" and unit.startswith("block.") else 0.0
@@ -233,7 +236,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
                 times.forward_s += compute
             else:
                 times.backward_s += compute
-        if event.phase == "backward":
+        if event.phase == "backward" and not cfg.lora.enabled:  # a frozen base has no gradient to offload
             # The previous unit's offload overlapped this backward; it is waited for when this gradient
             # appears, and the first unit's own offload before the update or the next micro-batch.
             clock = max(clock, offload_done)
