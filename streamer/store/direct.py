@@ -39,8 +39,8 @@ class StagingPool:
         self._free.append(stage)
 
     def close(self) -> None:
-        for stage in self._free:
-            stage.close()
+        # Dropped, not closed: a failed write's traceback may still hold a view of one, and a mapping is
+        # unmapped when its last reference goes.
         self._free.clear()
 
 
