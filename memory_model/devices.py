@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, Callable
 
 from memory_model.catalogue import PRESET_FIGURES, PRESET_NOTES, PRESET_SYSTEM, Figure

@@ -7,7 +7,7 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from layers.config import GPTJConfig

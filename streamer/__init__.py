@@ -3,7 +3,7 @@ tokenizers and data (io/), the trainer API and the `streamer` command (cli/)."""
 from streamer.config import LRSchedule, TrainerConfig
 from streamer.errors import CheckpointError, DataError, StoreError, StreamerError, TokenizerError
 from streamer.store.layout import Placement
-from streamer.runtime.executor import NonFiniteError
+from streamer.runtime.step import NonFiniteError
 from streamer.trainer import StreamingTrainer
 
 __all__ = [

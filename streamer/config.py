@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from layers import GPTJConfig
 from memory_model import DeviceSpec, PlanConfig
 from memory_model.shapes import fused_update
 from memory_model.devices import budget_bytes
@@ -24,6 +25,7 @@ from streamer.errors import ConfigError
 from streamer.runtime.hardware import DeviceConfig, check_device, resolve_compute_dtype
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import DTYPES, Placement, dtype_name
+from streamer.store.spec import StoreSpec
 
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -144,6 +146,10 @@ class TrainerConfig:
     @property
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, ConfigError.of)
+
+    def store_spec(self, model: GPTJConfig) -> StoreSpec:
+        """The layout of the store a trainer with these settings creates for `model`."""
+        return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk)
 
     def replace(self, **changes: Any) -> "TrainerConfig":
         return dataclasses.replace(self, **changes)

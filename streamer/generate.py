@@ -18,7 +18,7 @@ import torch
 from layers import KVCache
 from memory_model.schedule import inference_events
 from streamer.errors import StreamerError
-from streamer.runtime.executor import StepContext
+from streamer.runtime.step import StepContext
 
 if TYPE_CHECKING:
     from streamer.io.tokenizer import Tokenizer

@@ -21,7 +21,6 @@ from layers import PRESETS, GPTJConfig
 from memory_model import format_size
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
-from streamer.trainer import store_spec
 
 # Beside the store: the process itself (torch, the batch, CPU activations) in RAM; tokenizer, metrics and
 # traces on disk. Both are small next to a model that comes near the limit, so a fixed margin plus a fraction.
@@ -40,7 +39,7 @@ class HostNeed:
 
     @classmethod
     def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
-        spec = store_spec(model_cfg, tc)
+        spec = tc.store_spec(model_cfg)
         ram, disk = spec.host_bytes()
         staging = spec.staging_bytes() if tc.device.startswith("cuda") else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.pin_memory] if staging else 0

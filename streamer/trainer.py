@@ -13,15 +13,15 @@ from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
 from streamer.errors import StoreError, StreamerError
-from streamer.store.layout import dtype_name, model_layouts
-from streamer.runtime.executor import ClippingNeeded, Executor, MicroBatch, NonFiniteError, StepContext
+from streamer.store.layout import model_layouts
+from streamer.runtime.executor import Executor
+from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext
 from streamer.runtime.lora import Adapters
 from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostStore
 from streamer.store.interface import Store
-from streamer.store.spec import StoreSpec
 
 
 class StreamingTrainer:
@@ -45,7 +45,7 @@ class StreamingTrainer:
                 if self.tc.store.state == "disk" or self.tc.store.compute == "disk":
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
-            self.store = HostStore.create(store_dir, store_spec(cfg, self.tc),
+            self.store = HostStore.create(store_dir, self.tc.store_spec(cfg),
                                           _pin_memory(self.tc.device, self.tc.pin_memory))
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
@@ -383,11 +383,6 @@ class StreamingTrainer:
 def _pin_memory(device: str, pin_memory: str) -> str:
     """The store's pin_memory: what the settings ask for on CUDA, nothing elsewhere."""
     return pin_memory if device.startswith("cuda") else "none"
-
-
-def store_spec(cfg: GPTJConfig, tc: TrainerConfig) -> StoreSpec:
-    """The layout of the store a trainer with these settings creates."""
-    return StoreSpec(cfg, dtype_name(tc.compute_dtype), tc.moment_dtype, tc.store, tc.update_chunk)
 
 
 def _agree_on_journal(data_parallel: DataParallel, store: Store,

@@ -19,7 +19,7 @@ from streamer.run import RESUMABLE, resolve
 from streamer.runtime.transport import StagingPool
 from streamer.store.layout import UnitLayout
 from streamer.store.spec import STATE_KINDS, StoreSpec
-from streamer.trainer import StreamingTrainer, store_spec
+from streamer.trainer import StreamingTrainer
 
 
 def test_the_staging_pool_never_holds_more_than_its_limit():
@@ -60,7 +60,7 @@ def _need(mode: str, device: str = "cuda") -> HostNeed:
 
 def test_the_resource_check_counts_the_pool_and_says_what_is_pinned(pretend_cuda):
     tc = TrainerConfig(device="cuda", compute_dtype="bf16", store="ram")
-    spec = store_spec(PRESETS["gptj-350m"], tc)
+    spec = tc.store_spec(PRESETS["gptj-350m"])
     ram, _ = spec.host_bytes()
     staging = spec.staging_bytes()
     needs = {mode: _need(mode) for mode in ("all", "staging", "none")}

@@ -25,7 +25,6 @@ from streamer.io.data import DataConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
 from streamer.io.tokenizer import MIN_VOCAB
-from streamer.trainer import store_spec
 
 from conftest import TINY_RUN_MODEL as TINY
 from tests.test_cli import fails, run_cli, tiny_args
@@ -120,7 +119,7 @@ def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
     assert tree.model == PRESETS["gptj-debug"] and tree.step == cfg.plan_config()
     assert tree.optimizer == tc.optimizer and tree.optimizer.max_grad_norm is None  # 0 on the command line
     assert tree.schedule == tc.schedule == LRSchedule("cosine", 3, 9)
-    assert tree.store == store_spec(tree.model, tc) and tree.device == DeviceConfig("fp32", budget="64MiB")
+    assert tree.store == tc.store_spec(tree.model) and tree.device == DeviceConfig("fp32", budget="64MiB")
     assert tree.data == DataConfig(pack=True)
     # every flat setting taken from an owner with same_setting lands in that owner's config in the tree
     parts = {type(part): part for part in vars(tree).values()}

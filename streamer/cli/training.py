@@ -70,7 +70,7 @@ def describe(s: Session) -> str:
 # --- training ------------------------------------------------------------------------------------------------
 def train(s: Session, console: Console) -> tuple[int, float]:
     """Steps until --steps; returns (steps trained, seconds spent in them)."""
-    cfg, trainer, run = s.cfg, s.trainer, s.run
+    cfg, trainer = s.cfg, s.trainer
     first = trainer.step_count
     budget = trainer.tc.budget_bytes
     process = psutil.Process()

@@ -10,7 +10,6 @@ import concurrent.futures as cf
 import contextlib
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -26,66 +25,13 @@ from memory_model.schedule import (
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
-from streamer.errors import StreamerError
 from streamer.store.layout import UnitLayout
 from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.store.interface import StateWriter, Store
+from streamer.store.interface import Store
+from streamer.runtime.step import ClippingNeeded, NonFiniteError, PendingOffload, RunningStep, StepContext
 from streamer.runtime.transport import IOQueues, Loaded, Transport
-
-
-class NonFiniteError(StreamerError):
-    """A loss or gradient that is NaN or infinite; nothing of that step was committed."""
-
-
-class ClippingNeeded(Exception):
-    """A fused update ran unclipped, but the gradient norm so far already makes the clip coefficient below 1:
-    the step must be undone and made again with the update after the backward (which knows the coefficient)."""
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-
-
-@dataclass
-class StepContext:
-    """What one step's events share: its micro-batches, graphs, gradient norms and update settings."""
-
-    micro_batches: list[MicroBatch]
-    step: int  # the optimizer step being made (1-based)
-    lr: float
-    losses: list[torch.Tensor] = field(default_factory=list)
-    clip_coef: float | None = None
-    mean_loss: float | None = None
-    on_first_update: Callable[["StepContext"], None] | None = None
-    # For "infer" events: called with (unit, run) where run(*args) calls the unit with its streamed weights.
-    infer: Callable[[str, Callable[..., torch.Tensor]], None] | None = None
-
-
-@dataclass
-class PendingOffload:
-    unit: str
-    last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
-    future: cf.Future[tuple[float, torch.Tensor | None]]  # (squared norm, accumulated gradient) when last
-    handles: list[int]  # the ledger charges of the gradient on the device
-
-
-@dataclass
-class RunningStep:
-    """What the running step's events hand on to later ones."""
-
-    step: int = 0  # the optimizer step being made
-    fused: bool = False  # its update is fused into its backward
-    training: bool = False  # dropout on (a training step) or off (evaluation, generation)
-    graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # (input, output)
-    flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
-    pending_offload: PendingOffload | None = None
-    final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update
-    writers: dict[str, StateWriter] = field(default_factory=dict)  # units whose new state is being written
-    write_backs: list[cf.Future[None]] = field(default_factory=list)
 
 
 class Executor:

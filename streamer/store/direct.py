@@ -26,7 +26,7 @@ ALIGN = 4096  # the largest logical block size in use; any smaller one divides i
 STAGE_BYTES = 32 * 2**20  # large enough that each write streams at the disk's sequential speed
 
 
-class StagingPool:
+class AlignedBuffers:
     """Page-aligned staging buffers, reused: a fresh mapping is page-faulted in at every first touch."""
 
     def __init__(self) -> None:
@@ -47,7 +47,7 @@ class StagingPool:
 class SequentialFile:
     """One file written front to back from offset 0; `finish` returns the checksum of everything written."""
 
-    def __init__(self, path: Path, pool: StagingPool) -> None:
+    def __init__(self, path: Path, pool: AlignedBuffers) -> None:
         self.path, self._pool = path, pool
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -19,7 +19,7 @@ import torch
 
 from streamer.errors import StoreError
 from streamer.store.commit import grad_name, state_name
-from streamer.store.direct import SequentialFile, StagingPool
+from streamer.store.direct import SequentialFile, AlignedBuffers
 from streamer.store.slabfile import (
     Checksum, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path,
     pread_into, pwrite_from,
@@ -37,7 +37,7 @@ class StateFiles:
         self._fd_lock = threading.Lock()
         self._checksums: ThreadPoolExecutor | None = None
         self.bytes_read = self.bytes_written = 0  # data bytes, for the step's I/O report
-        self.staging = StagingPool()  # for the state files' writers (one at a time, on the I/O thread)
+        self.staging = AlignedBuffers()  # for the state files' writers (one at a time, on the I/O thread)
 
     def count_bytes(self, read: int = 0, written: int = 0) -> None:
         with self._fd_lock:  # the main thread and the I/O thread both read and write
