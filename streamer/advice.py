@@ -32,7 +32,8 @@ def _needs(shape: GPTJConfig, pc: PlanConfig) -> int:
 
 def alternatives(shape: GPTJConfig, pc: PlanConfig, budget: int) -> list[str]:
     """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
-    the batch, checkpointed activations, the host update. Only those that fit are listed."""
+    the batch, checkpointed activations, the host update, the update after the backward. Only those that fit
+    are listed."""
     out = [f"--budget {round_up_size(_needs(shape, pc))}"]
     per_device = pc.batch // pc.devices
     for k in range(pc.grad_accum + 1, per_device + 1):
@@ -43,6 +44,9 @@ def alternatives(shape: GPTJConfig, pc: PlanConfig, budget: int) -> list[str]:
         out.append("--activations checkpoint")
     if pc.update_on == "device" and _needs(shape, replace(pc, update_on="host")) <= budget:
         out.append("--update-on host")
+    # A fused update holds a unit's optimizer state while later units' activations are still on the device.
+    if pc.fused and _needs(shape, replace(pc, update_timing="after-backward")) <= budget:
+        out.append("--update-timing after-backward")
     return out
 
 

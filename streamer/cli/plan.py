@@ -123,7 +123,10 @@ def _scaling(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dic
     """Tokens/s on 1, 2, 4, ... up to cfg.devices devices, each with cfg's micro-batches (SCALING_ASSUMPTION)."""
     per_device = cfg.batch // cfg.devices
     counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
-    rows = [(n, plan(shape, device, replace(cfg, devices=n, batch=per_device * n))) for n in counts]
+    # One schedule for every point: a single device could fuse its update, the planned ranks cannot.
+    timing = cfg.update_timing if cfg.fused else "after-backward"
+    rows = [(n, plan(shape, device, replace(cfg, devices=n, batch=per_device * n, update_timing=timing)))
+            for n in counts]
     one = rows[0][1].tokens_per_s
     return [{"devices": n, "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s,
              "efficiency": p.tokens_per_s / (n * one)} for n, p in rows]

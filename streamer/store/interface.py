@@ -36,6 +36,7 @@ Reads never change the store; ranges of state kinds start on chunk boundaries (`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -71,12 +72,14 @@ class StateWriter(ABC):
 class Store(ABC):
     """Every unit's compute weights, fp32 master weights, Adam moments and fp32 gradient accumulator.
 
-    `spec` is what the store holds and where; `layouts` every unit's flat layout; `step` the last committed
+    `root` is the store's folder (a trainer keeps files of its own beside the store's: LoRA's adapters);
+    `spec` what the store holds and where; `layouts` every unit's flat layout; `step` the last committed
     step; `pin_memory` the host memory pinned for a CUDA device (`PIN_MODES`: "all" pins the RAM slabs too;
     the transport's staging buffers are pinned unless it is "none"). The kinds are "compute", "master",
     "exp_avg", "exp_avg_sq" and "grad".
     """
 
+    root: Path
     spec: StoreSpec
     layouts: dict[str, UnitLayout]
     step: int
