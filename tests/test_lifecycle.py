@@ -236,6 +236,23 @@ def test_nonfinite_skip_logs_each_attempt_under_its_step(tiny_setup, tmp_path):
         assert trainer.step_count == STEPS
 
 
+def test_nonfinite_skip_stops_when_every_batch_is_non_finite(tiny_setup, tmp_path):
+    """Step 2 is non-finite on every batch: the run stops after MAX_SKIPPED_ATTEMPTS attempts with one line,
+    keeping step 1, instead of retrying forever."""
+    from streamer.cli.training import MAX_SKIPPED_ATTEMPTS
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--nonfinite", "skip", "--eval-every", 0)
+    attempts = ",".join(str(n) for n in range(2, 2 + 2 * MAX_SKIPPED_ATTEMPTS))
+    done = subprocess.run([sys.executable, "-c", POISONED_STREAMER, attempts, *argv], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"step 2 was non-finite on {MAX_SKIPPED_ATTEMPTS} batches in a row" in done.stderr, done.stderr
+    records = [r for r in RunDir(run).read_metrics() if "eval_loss" not in r]
+    assert [(r["step"], r.get("skipped", False)) for r in records] == [(1, False)] + [(2, True)] * MAX_SKIPPED_ATTEMPTS
+    with open_trainer(RunDir(run)) as trainer:
+        assert trainer.step_count == 1
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 96 MiB tmpfs (mounting one needs root; elsewhere the test is skipped)."""

@@ -20,7 +20,12 @@ from streamer.reporting import Reporters
 from streamer.run import RunConfig
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel
+from streamer.errors import StreamerError
 from streamer.trainer import StreamingTrainer
+
+# --nonfinite skip moves on to the next batch, which gets past a few bad batches; a model whose every step is
+# non-finite (a diverged run, an lr far too high) would otherwise retry the same step forever.
+MAX_SKIPPED_ATTEMPTS = 10
 
 
 @dataclass
@@ -79,6 +84,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     plain = not console.is_terminal  # a log or a pipe gets one flushed line per step, not a redrawn bar
     began = time.perf_counter()
+    attempts = 0  # consecutive skipped attempts at the same step
     with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
         if first == 0 and cfg.eval_every:
@@ -94,11 +100,17 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             rss = process.memory_info().rss
             skipped = trainer.step_count < step  # --nonfinite skip: nothing committed, the next batch tries step again
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
-            record = {"step": step, **({"skipped": True} if skipped else {"loss": loss}),
+            outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm}
+            record = {"step": step, **outcome,
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
-                      "grad_norm": trainer.grad_norm, "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
+                      "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
                       "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
             s.log(record)
+            attempts = attempts + 1 if skipped else 0
+            if attempts == MAX_SKIPPED_ATTEMPTS:
+                raise StreamerError(f"step {step} was non-finite on {attempts} batches in a row, so --nonfinite skip "
+                                    f"cannot make progress; the run keeps step {step - 1}: lower --lr or check the "
+                                    "data, then run the same command again")
             if skipped:
                 if s.lead:
                     progress.console.print(f"step {step} skipped: non-finite loss or gradient (--nonfinite skip); "
