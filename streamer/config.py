@@ -20,7 +20,9 @@ from memory_model import DeviceSpec, PlanConfig
 from memory_model.shapes import fused_update
 from memory_model.devices import budget_bytes
 from memory_model.lora import LoraConfig
-from memory_model.settings import Choice, Integer, Number, SettingError, check_settings, same_setting, setting
+from memory_model.settings import (
+    Choice, Integer, Number, SettingError, check_settings, owned, same_setting, setting,
+)
 from streamer.errors import ConfigError
 from streamer.runtime.hardware import DeviceConfig, check_device, resolve_compute_dtype
 from streamer.runtime.optim import OptimizerConfig
@@ -141,7 +143,7 @@ class TrainerConfig:
     @functools.cached_property
     def lora(self) -> LoraConfig:
         """LoRA's settings among the trainer's (rank 0: full fine-tuning)."""
-        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
+        return LoraConfig(**owned(self, LoraConfig))
 
     @property
     def budget_bytes(self) -> int | None:

@@ -30,7 +30,6 @@ from streamer.io.data import DataConfig
 from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import OptimizerConfig
-from streamer.store.layout import Placement
 from streamer.store.spec import StoreSpec
 
 
@@ -164,8 +163,7 @@ class RunConfig:
         model = self.model_config() if model is None else model
         return Settings(model=model, step=self.plan_config(devices), optimizer=self.optimizer_config(),
                         schedule=self.lr_schedule(), device=self.device_config(), data=self.data_config(),
-                        store=StoreSpec(model, self.dtype, self.moment_dtype, Placement.of(self.store),
-                                        self.update_chunk))
+                        store=self.trainer_config().store_spec(model))
 
     def device_config(self) -> DeviceConfig:
         return DeviceConfig(**owned(self, DeviceConfig))
