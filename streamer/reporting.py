@@ -38,8 +38,9 @@ class ReportConfig:
         check_settings(self, ReportSettingError)
         unknown = [n for n in self.targets if n not in REPORTERS]
         if unknown or (self.report_to != "none" and not self.targets):
-            raise ReportSettingError("report_to", f"{self.report_to!r} names {', '.join(unknown) or 'nothing'} "
-                                                  f"known; give {', '.join(REPORTERS)}, both comma-separated, or none")
+            what = f"an unknown target ({', '.join(unknown)})" if unknown else "no target"
+            raise ReportSettingError("report_to", f"{self.report_to!r} names {what}; give "
+                                                  f"{', '.join(REPORTERS)}, both comma-separated, or none")
 
     @property
     def targets(self) -> tuple[str, ...]:

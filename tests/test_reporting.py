@@ -76,3 +76,5 @@ def test_report_to_names_known_reporters():
     for bad in ("tensorbored", "", ",", "none,wandb"):
         with pytest.raises(ReportSettingError, match="--report-to"):
             ReportConfig(bad)
+    with pytest.raises(ReportSettingError, match=r"an unknown target \(tensorbored\)"):
+        ReportConfig("tensorbored")
