@@ -23,12 +23,12 @@ from memory_model.shapes import (
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    Charge, Event, Resource, StoreBytes, adapter_charges, disk_bytes, frozen_base_events, gradient_charges,
+    Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gradient_charges,
     resident_sets, resource_charges,
-    step_events, update_charges,
+    step_events, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
-from memory_model.units import DTYPE_BYTES, format_size
+from memory_model.units import format_size
 
 BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_avg, exp_avg_sq (mixed precision)
 _MAX_BATCH_SEARCH = 2**24
@@ -222,17 +222,15 @@ def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Eve
         return frozen_base_events(units, cfg.grad_accum)
     numels = {u: shape.unit_params(u) for u in units}
     return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [],
-                       fused=cfg.fused)
+                       fused=cfg.fused, master_from_weights=cfg.store == "disk")
 
 
 def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
     """(read, written) bytes of the store's files in one step: the disk tier's I/O (none in RAM)."""
     if cfg.store != "disk":
         return 0, 0
-    compute = cfg.new_compute_bytes
-    sizes = StoreBytes(compute_read=compute or 4, compute_written=compute, moment=DTYPE_BYTES[cfg.moment_dtype])
     numels = {u: shape.unit_params(u) for u in shape.unit_names()}
-    return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, sizes, cfg.grad_accum)
+    return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum)
 
 
 def peak_device_bytes(shape: GPTJConfig, cfg: PlanConfig) -> int:

@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
-from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
+from memory_model.units import DTYPE_BYTES
+
+MASTER_BYTES = 4  # the fp32 master weights, per parameter
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class StateChunk:
     start: int
     count: int
     last: bool  # the unit's final chunk: its new state version can be closed after it
+    # False: the chunk's fp32 master is not loaded with its moments but taken from the unit's last weights load
+    # (a fused update on a store whose weights loads read the master), so the master is read once per step.
+    master: bool = True
 
 
 Resource = Weights | StateChunk
@@ -97,7 +103,8 @@ def chunks(numel: int, size: int) -> list[tuple[int, int]]:
 
 
 def step_events(units: list[str], micro_batches: int, numels: dict[str, int], chunk: int,
-                update_units: list[str] | None = None, fused: bool = False) -> list[Event]:
+                update_units: list[str] | None = None, fused: bool = False,
+                master_from_weights: bool = False) -> list[Event]:
     """Forward and backward of every micro-batch, and the update of `update_units` (default: all) in chunks
     of at most `chunk` parameters.
 
@@ -105,6 +112,8 @@ def step_events(units: list[str], micro_batches: int, numels: dict[str, int], ch
     the backward has just summed. Fused: each unit's update follows its backward in the last micro-batch,
     as soon as its gradient is final, speculatively unclipped (the executor undoes and redoes a step whose
     clipping triggers). Under data parallel every device applies the whole update to its own copy.
+    `master_from_weights`: the weights loads read the fp32 master (the disk tier keeps no compute-dtype
+    copy), so a fused update takes each unit's master from its backward's load instead of reading it again.
     """
     update_units = units if update_units is None else update_units
     events: list[Event] = []
@@ -113,7 +122,7 @@ def step_events(units: list[str], micro_batches: int, numels: dict[str, int], ch
         for u in reversed(units):
             events.append(Event("backward", Weights(u), micro))
             if fused and micro == micro_batches - 1 and u in update_units:
-                events += update_events([u], numels, chunk)
+                events += update_events([u], numels, chunk, with_master=not master_from_weights)
     if not fused:
         events += update_events(update_units, numels, chunk)
     return events
@@ -140,11 +149,11 @@ def frozen_base_events(units: list[str], micro_batches: int) -> list[Event]:
     return events
 
 
-def update_events(units: list[str], numels: dict[str, int], chunk: int) -> list[Event]:
+def update_events(units: list[str], numels: dict[str, int], chunk: int, with_master: bool = True) -> list[Event]:
     events = []
     for unit in units:
         pieces = chunks(numels[unit], chunk)
-        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1))
+        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1, with_master))
                    for i, (start, count) in enumerate(pieces)]
     return events
 
@@ -208,14 +217,37 @@ def load_order(events: list[Event], prefetch: int) -> list[Resource]:
     return order
 
 
+def loads_keeping_master(events: list[Event], prefetch: int) -> list[bool]:
+    """Per load of `load_order`: whether it is a weights load whose fp32 master the unit's update takes (a
+    chunk with `master=False`): the unit's last weights load in the step, the one its last backward uses."""
+    order = load_order(events, prefetch)
+    borrowing = {e.unit for e in events if isinstance(e.resource, StateChunk) and not e.resource.master}
+    last = {r.unit: k for k, r in enumerate(order) if isinstance(r, Weights) and r.unit in borrowing}
+    return [last.get(r.unit) == k for k, r in enumerate(order)]
+
+
 @dataclass(frozen=True)
 class StoreBytes:
-    """Bytes per parameter of what a disk store holds: the compute weights a load reads (4 where the fp32
-    masters are the compute weights), the compute copy an update writes (0 then), each Adam moment."""
+    """Bytes per parameter a disk store's files move: what a weights load reads (4: the fp32 master, which
+    it casts to the compute dtype; 0 where the compute weights are in RAM) and each Adam moment. An update
+    writes the fp32 master and the moments; the disk tier keeps no compute-dtype copy."""
 
-    compute_read: int
-    compute_written: int
+    weights: int
     moment: int
+
+
+def store_bytes(cfg: PlanConfig) -> StoreBytes:
+    """What the disk tier's files move per parameter: a weights load reads the fp32 master and casts it."""
+    return StoreBytes(weights=MASTER_BYTES if cfg.store == "disk" else 0, moment=DTYPE_BYTES[cfg.moment_dtype])
+
+
+def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
+    """Bytes one load reads from the store's files: a unit's weights, or a chunk's moments with its fp32
+    master (unless taken from the weights load) and, after the backward, its fp32 gradient."""
+    if isinstance(resource, Weights):
+        return numel * sizes.weights
+    master = MASTER_BYTES if resource.master else 0
+    return resource.count * (master + 2 * sizes.moment + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM))
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
@@ -223,23 +255,18 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     """(read, written) bytes of a disk-tier step: exactly what the store's files are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
-    Loads: compute weights, or a chunk's master and moments, plus its fp32 gradient after the backward. The
-    gradient accumulator: the first micro-batch writes it, later ones read and write it, except that the
-    last one of a fused step keeps it in memory for the update. Updates write master, moments and compute.
+    Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
+    write it, except that the last one of a fused step keeps it in memory for the update. Updates write the
+    fp32 master and the moments.
     """
     fused = is_fused(events)
-    state = OPTIMIZER_BYTES_PER_PARAM - 8 + 2 * sizes.moment  # fp32 master and the two moments
-    read = written = 0
-    for resource in load_order(events, prefetch):
-        if isinstance(resource, Weights):
-            read += numels[resource.unit] * sizes.compute_read
-        else:
-            read += resource.count * (state + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM))
+    read = sum(load_disk_bytes(r, numels[r.unit], sizes, fused) for r in load_order(events, prefetch))
+    written = 0
     for event in events:
         if event.phase == "backward":
             grad = numels[event.unit] * GRAD_ACCUM_BYTES_PER_PARAM
             read += grad if event.micro > 0 else 0
             written += 0 if fused and event.micro == micro_batches - 1 else grad
         elif event.phase == "update":
-            written += event.resource.count * (state + sizes.compute_written)
+            written += event.resource.count * (MASTER_BYTES + 2 * sizes.moment)
     return read, written

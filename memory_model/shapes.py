@@ -104,8 +104,9 @@ class PlanConfig:
 
     @property
     def new_compute_bytes(self) -> int:
-        """Per parameter, the compute-dtype copy an update writes; none in fp32, where master is compute."""
-        return 0 if self.compute_dtype == "fp32" else self.dtype_bytes
+        """Per parameter, the compute-dtype copy an update writes; none in fp32, where master is compute, and
+        none on the disk tier, whose loads cast the fp32 master (a copy would cost its bytes on every step)."""
+        return 0 if self.compute_dtype == "fp32" or self.store == "disk" else self.dtype_bytes
 
 
 def fused_update(timing: str, state_tier: str, devices: int) -> bool:

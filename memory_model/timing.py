@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
-from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, forward_flops
+from memory_model.shapes import PlanConfig, forward_flops
 from memory_model.kernels import attention_flops
-from memory_model.schedule import Event, Resource, Weights, released_after, resource_charges
+from memory_model.schedule import (
+    Event, Resource, Weights, load_disk_bytes, released_after, resource_charges, store_bytes,
+)
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
 
@@ -99,9 +101,8 @@ def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: Device
     # with the update on the host a chunk is read from disk but does not cross the link.
     nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_params(resource.unit), cfg.dtype_bytes,
                                                       "device"))
-    disk = nbytes if cfg.store == "disk" else 0
-    if cfg.fused and not weights:  # a fused update's gradient comes from the backward, not from the disk
-        disk -= resource.count * GRAD_ACCUM_BYTES_PER_PARAM
+    disk = load_disk_bytes(resource, shape.unit_params(resource.unit), store_bytes(cfg), cfg.fused) \
+        if cfg.store == "disk" else 0
     h2d = nbytes if weights or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d")
     times.load_s += read_s + copy_s

@@ -228,7 +228,8 @@ class StreamingTrainer:
                                                                                   on_first_update=self._journal)
         numels = {u: lay.numel for u, lay in self.layouts.items()}
         if self.adapters is None:
-            events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused)
+            events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
+                                 master_from_weights=self.tc.store.loads_read_master(self.tc.compute_dtype == torch.float32))
         else:
             events = frozen_base_events(self.units, len(micro))
         if fused and self.store is not None:

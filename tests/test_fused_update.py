@@ -97,9 +97,12 @@ def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_pat
     assert not (tmp_path / "fused" / "journal.json").exists()
 
 
-def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, monkeypatch):
-    ram = train(tmp_path / "ram", DISK.replace(store="ram", max_grad_norm=None), monkeypatch)
-    fused = train(tmp_path / "fused", DISK.replace(update_timing="fused", max_grad_norm=None), monkeypatch)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, monkeypatch, dtype):
+    """bf16: the RAM tier's compute copy and the disk tier's cast of the master on each load are the same."""
+    base = DISK.replace(compute_dtype=dtype, max_grad_norm=None)
+    ram = train(tmp_path / "ram", base.replace(store="ram"), monkeypatch)
+    fused = train(tmp_path / "fused", base.replace(update_timing="fused"), monkeypatch)
     assert fused[2] == 0
     assert ram[0] == fused[0]
     assert_same(ram[1], fused[1])
@@ -128,11 +131,12 @@ def test_store_bytes_per_step_are_the_planners(tmp_path, timing, accum, moments,
             assert trainer.step_bytes == step_disk_bytes(CFG, plan)
 
 
-def test_fused_bytes_per_parameter_are_the_floor_but_the_compute_copy():
-    """Per parameter, fused, fp32 master, bf16 compute: reads are the weights twice (forward, backward; the
-    head's once, as it stays from its forward into its backward) plus master and moments; writes are master,
-    moments and the compute copy. The gradient never reaches the store."""
+def test_fused_bytes_per_parameter_are_the_floor():
+    """Per parameter, fused, fp32 master, bf16 compute: reads are the fp32 master twice (forward; backward,
+    whose load also gives the update its master; the head's once, as it stays from its forward into its
+    backward) plus the moments; writes are master and moments. No compute copy, and the gradient never
+    reaches the store."""
     n, head = CFG.num_params(), CFG.unit_params("head")
-    for moments, state in (("bf16", 4 + 4), ("fp32", 4 + 8)):
+    for moments, moment_bytes in (("bf16", 4), ("fp32", 8)):
         plan = PlanConfig(batch=2, seq=16, store="disk", update_timing="fused", moment_dtype=moments)
-        assert step_disk_bytes(CFG, plan) == ((2 + 2 + state) * n - 2 * head, (state + 2) * n)
+        assert step_disk_bytes(CFG, plan) == ((4 + 4 + moment_bytes) * n - 4 * head, (4 + moment_bytes) * n)

@@ -74,7 +74,7 @@ def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype
     with StreamingTrainer.open(tmp_path / "run") as trainer:
         for unit, layout in trainer.layouts.items():
             path = tmp_path / "run" / "slabs" / f"{unit}.3.state"
-            chunk_bytes = 4 * 3 + (2 if dtype == "bf16" else 0)  # master, exp_avg, exp_avg_sq (+ compute)
+            chunk_bytes = 4 * 3  # master, exp_avg, exp_avg_sq: a load casts the master, no compute copy
             assert path.stat().st_size == layout.numel * chunk_bytes + TRAILER_BYTES
             trailer = Trailer.read(path, unit)
             assert (trailer.unit, trailer.generation) == (unit, 3)
@@ -373,6 +373,25 @@ def test_a_store_of_the_crc32_format_is_refused_with_the_way_out_and_left_untouc
     with pytest.raises(StoreError, match="earlier weight-streaming .*export it to a Hugging Face checkpoint"):
         StreamingTrainer.open(tmp_path / "run")
     assert snapshot(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("tc,refused", [(DISK, True), (DISK.replace(store="ram"), False),
+                                         (DISK.replace(compute_dtype="fp32"), False)])
+def test_a_store_of_format_3_opens_unless_its_state_files_hold_a_compute_copy(tmp_path, tc, refused):
+    """Format 3's disk tier kept a bf16 copy in its state files: that is refused, untouched; its stores without
+    one have format 4's files and open as they are."""
+    weights = trained(tmp_path / "run", tc)
+    manifest_path = tmp_path / "run" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format": "weight-streaming-store/3"}))
+    before = snapshot(tmp_path / "run")
+    if refused:
+        with pytest.raises(StoreError, match="kept a compute copy .*export it to a Hugging Face checkpoint"):
+            StreamingTrainer.open(tmp_path / "run")
+        assert snapshot(tmp_path / "run") == before
+        return
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        assert all(torch.equal(weights[k], v) for k, v in trainer.state_dict().items())
 
 
 def test_a_state_file_with_a_crc32_trailer_is_named(tmp_path):

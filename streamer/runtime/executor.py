@@ -20,8 +20,8 @@ from layers.lora import add_adapters
 from memory_model import Ledger, Trace
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, is_fused, released_after,
-    resident_sets, resource_charges, update_charges,
+    Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, is_fused, loads_keeping_master,
+    released_after, resident_sets, resource_charges, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -73,10 +73,11 @@ class Executor:
         self.current.training = any(e.phase == "backward" for e in events)
         if self.current.training:
             self.grad_sq_norms = {}
+        keeping_master = iter(loads_keeping_master(events, self.tc.prefetch))  # in the order loads are issued
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
             for resource in resident:
                 if resource not in self._inflight:
-                    self._issue(resource, ctx.step)
+                    self._issue(resource, ctx.step, keep_master=next(keeping_master))
             tensors = self._acquire(event.resource)
             phase = "generate" if event.phase == "infer" else event.phase  # the trace's name for inference
             with self.trace.span(event.unit, phase, step=ctx.step, micro=event.micro):
@@ -95,17 +96,19 @@ class Executor:
         for future in write_backs:
             future.result()  # a failed write (disk full, ...) must stop the step before it commits
 
-    def _issue(self, resource: Resource, step: int) -> None:
+    def _issue(self, resource: Resource, step: int, keep_master: bool) -> None:
         numel = self.layouts[resource.unit].numel
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, numel, self.dtype.itemsize, self.tc.update_on)]
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
-            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(resource.unit, numel))
+            from_master = self.tc.store.loads_read_master(self.dtype == torch.float32)
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
+                resource.unit, numel, from_master, keep_master))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
-                with_grad=not self.current.fused))
+                with_grad=not self.current.fused, with_master=resource.master))
         self._inflight[resource] = (self.io.reads.submit(job), handles)
 
     def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
@@ -117,6 +120,8 @@ class Executor:
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
             state.buffer, state.residency = tensors["weights"], Residency.AVAILABLE
+            if "master" in tensors:
+                self.current.kept_masters[resource.unit] = tensors["master"]
         return tensors
 
     def _release(self, resource: Resource) -> None:
@@ -125,7 +130,9 @@ class Executor:
             self.ledger.free(handle)
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
-            if state.buffer is not None and self.transport.owns(state.buffer, resource.unit, "compute"):
+            kept = self.current.kept_masters.get(resource.unit)
+            if (state.buffer is not None and state.buffer is not kept
+                    and self.transport.owns(state.buffer, resource.unit, "compute")):
                 self.transport.give_back(state.buffer)  # (None: loaded ahead, then the step was aborted)
             state.buffer, state.residency = None, Residency.NOT_AVAILABLE
 
@@ -273,6 +280,9 @@ class Executor:
             ctx.clip_coef = self.clip_coef(ctx)
             if ctx.on_first_update is not None:
                 ctx.on_first_update(ctx)
+        if not chunk.master:  # the master the unit's weights load kept, updated in place
+            tensors = {**tensors, "master": self.transport.host_chunk(
+                self.current.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.tc.update_on == "host")}
         layout = self.layouts[chunk.unit]
         adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
         if self.current.fused:
@@ -280,7 +290,7 @@ class Executor:
             if grad.device.type != "cpu":
                 self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
         new_compute, handles = None, []
-        if not self.store_is_master():
+        if self.store_keeps_compute():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
                                                         on_host=self.tc.update_on == "host")
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
@@ -305,11 +315,12 @@ class Executor:
         total = self.current.final_grads[chunk.unit]
         if chunk.last:
             del self.current.final_grads[chunk.unit]
-        grad = self.transport.grad_chunk(total, chunk.start, chunk.count, on_host=self.tc.update_on == "host")
+        grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.tc.update_on == "host")
         return {**tensors, "grad": grad}
 
-    def store_is_master(self) -> bool:
-        return self.dtype == torch.float32
+    def store_keeps_compute(self) -> bool:
+        """An update writes new compute-dtype weights: the store has a compute copy (in RAM), not fp32."""
+        return self.dtype != torch.float32 and self.tc.store.compute == "ram"
 
     def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
                     new_compute: torch.Tensor | None, step: int) -> None:
@@ -326,11 +337,15 @@ class Executor:
                     writer.write(kind, chunk.start, host)
                     if host is not values[kind]:
                         self.transport.give_back(host)
+            kept = self.current.kept_masters.get(chunk.unit)
             for kind, t in values.items():
-                if t is not None and self.transport.owns(t, chunk.unit, kind):
+                borrowed = kind == "master" and kept is not None and t.device == kept.device  # a view of it
+                if t is not None and not borrowed and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)
             if chunk.last:
                 self.current.writers.pop(chunk.unit).close()
+                if kept is not None:
+                    self.transport.give_back(self.current.kept_masters.pop(chunk.unit))
 
     def clear_graphs(self) -> None:
         """After a forward-only pass: drop the hidden states it kept and the activations it charged."""
@@ -358,6 +373,9 @@ class Executor:
         self.current.writers.clear()
         self.current.write_backs.clear()  # their failures were reported; the next step must not raise them again
         self.current.final_grads.clear()
+        for master in self.current.kept_masters.values():
+            self.transport.give_back(master)
+        self.current.kept_masters.clear()
 
     def close(self) -> None:
         self.io.close()

@@ -61,5 +61,8 @@ class RunningStep:
     flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
     pending_offload: PendingOffload | None = None
     final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update
+    # Fused, on a store whose loads cast the fp32 master: the master each unit's last weights load read, which
+    # its update takes and updates in place (read once per step).
+    kept_masters: dict[str, torch.Tensor] = field(default_factory=dict)
     writers: dict[str, StateWriter] = field(default_factory=dict)  # units whose new state is being written
     write_backs: list[cf.Future[None]] = field(default_factory=list)

@@ -206,28 +206,49 @@ class Transport:
             ready.record(self.side_stream)
         return Loaded(tensors, ready)
 
-    def load_weights(self, unit: str, numel: int) -> Loaded:
+    def load_weights(self, unit: str, numel: int, from_master: bool, keep_master: bool = False) -> Loaded:
+        """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its fp32
+        master read and cast on the host, so only compute-dtype bytes cross the link and the ledger's charge
+        is the cast weights. `keep_master`: the host fp32 master comes back too ("master"), for the unit's
+        fused update, which updates it in place (`host_chunk`); `give_back` it once written."""
         store = self.store
 
         def job() -> dict[str, torch.Tensor]:
-            ram = store.slab(unit, "compute") if store is not None else None
-            fill = (lambda out: store.read_compute(unit, out)) if store is not None else None
-            return {"weights": self._to_device(fill, ram, numel, self.compute_dtype)}
+            if not from_master:
+                ram = store.slab(unit, "compute") if store is not None else None
+                return {"weights": self._to_device(None, ram, numel, self.compute_dtype)}
+            if self.mode == "meta":
+                master = torch.empty(numel, dtype=torch.float32, device="meta")
+            else:
+                master = self._take(numel, torch.float32, "pinned")
+                store.read_master(unit, master)
+            if self.mode == "shared" and self.compute_dtype == torch.float32:
+                weights = master  # the master is the compute weights, in the device's own memory
+            else:
+                weights = self._to_device(lambda out: out.copy_(master), None, numel, self.compute_dtype)
+            if keep_master:
+                return {"weights": weights, "master": master}
+            if weights is not master:
+                self.give_back(master)
+            return {"weights": weights}
 
         return self._on_side_stream(job)
 
-    def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True) -> Loaded:
+    def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True,
+                   with_master: bool = True) -> Loaded:
         """fp32 master, exp_avg, exp_avg_sq and grad of one chunk (moments stored in bf16 are widened).
 
         `on_host`: the update runs on the host copy (update_on="host"), so nothing crosses the link.
-        `with_grad=False`: the gradient comes from the backward (`grad_chunk`), not from the store.
+        `with_grad=False`: the gradient comes from the backward (`host_chunk`), not from the store.
+        `with_master=False`: so does the master (the one the unit's weights load kept).
         """
         store = self.store
         to_device = self._to_host_buffer if on_host else self._to_device
+        kinds = [k for k in (*STATE_KINDS, "grad") if (k != "grad" or with_grad) and (k != "master" or with_master)]
 
         def job() -> dict[str, torch.Tensor]:
             out = {}
-            for kind in (*STATE_KINDS, "grad") if with_grad else STATE_KINDS:
+            for kind in kinds:
                 ram = store.slab(unit, kind) if store is not None else None
                 fill = (lambda host, k=kind: store.read_state(unit, k, start, host)) if store is not None else None
                 out[kind] = to_device(fill, None if ram is None else ram[start:start + count], count, torch.float32)
@@ -235,9 +256,10 @@ class Transport:
 
         return self._on_side_stream(job)
 
-    def grad_chunk(self, total: torch.Tensor, start: int, count: int, on_host: bool) -> torch.Tensor:
-        """A chunk of a unit's final fp32 gradient (a host tensor) where the update runs: a view where that is
-        the host's own memory, else a device copy (a pooled buffer: `give_back` it)."""
+    def host_chunk(self, total: torch.Tensor, start: int, count: int, on_host: bool) -> torch.Tensor:
+        """A chunk of a unit's fp32 host tensor (its final gradient, or the master its weights load kept) where
+        the update runs: a view where that is the host's own memory, else a device copy (a pooled buffer:
+        `give_back` it)."""
         if self.mode == "meta":
             return torch.empty(count, dtype=torch.float32, device="meta")
         piece = total[start:start + count]

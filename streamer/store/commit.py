@@ -19,8 +19,11 @@ from typing import Any
 
 from streamer.errors import StoreError
 
-MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/3"
+MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/4"
 _CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3-64
+# Format 3's disk tier also kept a compute-dtype copy in its state files; format 4 casts the fp32 master. Its
+# stores without that copy (RAM tier, fp32 compute) have the same files as format 4.
+_COMPUTE_COPY_FORMAT = "weight-streaming-store/3"
 _RESTORE = "restore the run directory from a backup or start a new run"
 
 
@@ -70,6 +73,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
     if raw.get("format") == _CRC32_FORMAT:
         raise StoreError(f"{root} was written by an earlier weight-streaming ({_CRC32_FORMAT}, crc32 checksums); "
                          "export it to a Hugging Face checkpoint with that version and start a new run from it")
+    if raw.get("format") == _COMPUTE_COPY_FORMAT:
+        _upgrade_format_3(root, raw)
     _check(path, raw.get("format") == FORMAT, f"format {raw.get('format')!r}, expected {FORMAT!r}")
     for key in ("spec", "trainer", "units", "checksums"):
         _check(path, isinstance(raw.get(key), dict), f"'{key}' must be an object")
@@ -80,6 +85,18 @@ def read_manifest(root: Path) -> dict[str, Any]:
     _check(path, all(_is_checksum(c) for c in raw["checksums"].values()),
            "'checksums' must map files to xxh3-64 values")
     return raw
+
+
+def _upgrade_format_3(root: Path, raw: dict[str, Any]) -> None:
+    """A format-3 manifest is read as format 4 where its state files are the same, and refused where they
+    hold the disk tier's compute-dtype copy (nothing on disk is changed either way)."""
+    spec = raw.get("spec")
+    placement = spec.get("placement") if isinstance(spec, dict) else None
+    if isinstance(placement, dict) and placement.get("compute") == "disk" and spec.get("compute_dtype") != "fp32":
+        raise StoreError(f"{root} was written by an earlier weight-streaming whose disk tier kept a compute copy "
+                         f"in its state files ({_COMPUTE_COPY_FORMAT}); export it to a Hugging Face checkpoint "
+                         "with that version (`streamer export`) and start a new run from it")
+    raw["format"] = FORMAT
 
 
 def check_units(root: Path, manifest: dict[str, Any], units: list[str]) -> None:

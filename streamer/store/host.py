@@ -159,13 +159,12 @@ class HostStore(Store):
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
         return self._slabs.get(unit, kind)
 
-    def read_compute(self, unit: str, out: torch.Tensor) -> None:
-        kind = "master" if self.spec.compute_is_master else "compute"
-        if (ram := self._slabs.get(unit, kind)) is not None:
+    def read_master(self, unit: str, out: torch.Tensor) -> None:
+        if (ram := self._slabs.get(unit, "master")) is not None:
             out.copy_(ram)
             return
         for start, count in chunks(self.layouts[unit].numel, self.spec.chunk):
-            self._files.read(unit, self.versions[unit], kind, start, out[start:start + count])
+            self._files.read(unit, self.versions[unit], "master", start, out[start:start + count])
 
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
         stored = self.spec.kind_dtype(kind)

@@ -15,8 +15,8 @@ and its one I/O thread, which share the file descriptors under a lock of their o
 3. A roll-forward, when `journal` is not None: the update of step `journal["step"]` for every unit whose
    `unit_version` is behind it (reads and `unit_writer` as in a training step), then `finish_step`.
 4. Per training step s + 1 with the update after the backward, `check_consistent()` first, then:
-   - forward and backward, per unit: `read_compute` (or `slab(unit, "compute")`, zero-copy), then
-     `accumulate_grad` once per micro-batch (`first` on the first);
+   - forward and backward, per unit: `slab(unit, "compute")` (zero-copy) or, where that is None, `read_master`
+     (cast on the way to the device), then `accumulate_grad` once per micro-batch (`first` on the first);
    - `begin_step(s + 1, record)`: from here the step is committed (disk tier: journaled);
    - the update, per unit: `read_state` of each chunk (master, moments, grad), and a `unit_writer` taking
      the chunks' new values in order, closed after the unit's last chunk;
@@ -26,7 +26,7 @@ and its one I/O thread, which share the file descriptors under a lock of their o
    then rolls the step forward, the RAM tier returns to its last `save`.
    With the update fused into the backward (the state on disk): `begin_speculative_step(s + 1)`, then per
    unit its reads and `accumulate_grad` (the last one with `persist=False`), and at once its update through a
-   `unit_writer`; then `finish_step` (the manifest is the commit point), or `rollback()` to return every unit
+   `unit_writer` (its chunks' masters are the ones its last `read_master` read, not read again); then `finish_step` (the manifest is the commit point), or `rollback()` to return every unit
    to step s (clipping triggered, a value was not finite, or anything failed).
 5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is).
 6. `close()`: releases the files and the lock on the store's folder.
@@ -47,8 +47,8 @@ from streamer.store.spec import StoreSpec
 
 class StateWriter(ABC):
     """Takes one unit's new state for one commit. Chunks arrive in order and, within a chunk, kinds in the
-    spec's file order (master, exp_avg, exp_avg_sq, compute). `close` makes the new state durable where its
-    tier is on disk; `discard` drops it (the commit then stays unfinished)."""
+    order master, exp_avg, exp_avg_sq, compute (a RAM copy only). `close` makes the new state durable where
+    its tier is on disk; `discard` drops it (the commit then stays unfinished)."""
 
     @abstractmethod
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
@@ -113,8 +113,9 @@ class Store(ABC):
         skips the copy when handed a view of the slab itself."""
 
     @abstractmethod
-    def read_compute(self, unit: str, out: torch.Tensor) -> None:
-        """The unit's compute weights into `out` (numel of the unit, the compute dtype)."""
+    def read_master(self, unit: str, out: torch.Tensor) -> None:
+        """The unit's fp32 master weights into `out` (numel of the unit, fp32): what a load casts to the
+        compute dtype where the store keeps no compute copy (`slab(unit, "compute")` is None)."""
 
     @abstractmethod
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:

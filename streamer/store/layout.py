@@ -109,7 +109,9 @@ def model_layouts(cfg: GPTJConfig) -> tuple[UnitLayout, ...]:
 class Placement:
     """Which tier holds each slab kind. `state` is fp32 master + Adam moments: what a commit makes durable.
 
-    Compute weights are a cache of the master weights (rebuilt from them on open), so they may live anywhere.
+    Compute weights are a cache of the master weights: "ram" keeps a compute-dtype copy in RAM (rebuilt from
+    the masters on open, rewritten by every update); "disk" keeps none, and a load reads the fp32 master from
+    the state files and casts it on its way to the device.
     """
 
     compute: str = "ram"
@@ -123,6 +125,11 @@ class Placement:
         if self.state == "disk" and self.grad != "disk":
             # A step commits by journaling durable gradients and rolling the update forward after a crash.
             raise StoreError("placement with state on disk needs grad on disk too (the commit journal replays it)")
+
+    def loads_read_master(self, compute_is_master: bool) -> bool:
+        """A weights load reads the fp32 master from the state files (and casts it): there is no compute copy
+        in RAM, and fp32 compute weights are the masters themselves."""
+        return self.compute == "disk" or (compute_is_master and self.state == "disk")
 
     @classmethod
     def of(cls, store: "str | Placement") -> "Placement":

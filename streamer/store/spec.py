@@ -20,10 +20,11 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # Host memory pinned for copies to and from a CUDA device (page-locked, so the DMA engine reads it while the host
 # works on): the RAM store's slabs too, only a bounded pool of staging buffers, or nothing.
 PIN_MODES = ("all", "staging", "none")
-# The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
-# their way to the device (two whole units), plus a chunk of every state kind and the gradient, for the chunk
-# being updated and the one loaded next.
-STAGING_UNITS = 2
+# The staging pool holds, at once, one unit's fp32 gradient on its way to the store, one unit's fp32 master
+# read from disk on its way to the device and the one a fused update takes from its backward's load (three
+# whole units), plus a chunk of every state kind and the gradient, for the chunk being updated and the one
+# loaded next.
+STAGING_UNITS = 3
 STAGING_CHUNK_SETS = 2
 
 
@@ -43,9 +44,10 @@ class StoreSpec:
     def __post_init__(self) -> None:
         check_settings(self, _error)
         if self.placement.compute == "disk" and self.placement.state != "disk":
-            # Disk compute weights live in the state files, which a RAM-state store writes only on save().
-            raise StoreError("placement compute='disk' needs state='disk' (compute weights are stored in the "
-                             "state files); use store='disk' or keep compute in RAM")
+            # Disk compute weights are cast from the state files' masters, which a RAM-state store writes only
+            # on save().
+            raise StoreError("placement compute='disk' needs state='disk' (compute weights are read from the "
+                             "state files' fp32 masters); use store='disk' or keep compute in RAM")
 
     @property
     def compute_is_master(self) -> bool:
@@ -60,9 +62,10 @@ class StoreSpec:
         return DTYPES[self.moment_dtype]
 
     def file_kinds(self) -> tuple[str, ...]:
-        """Kinds stored, chunk-interleaved, in a unit's state file."""
-        with_compute = self.placement.compute == "disk" and not self.compute_is_master
-        return STATE_KINDS + (("compute",) if with_compute else ())
+        """Kinds stored, chunk-interleaved, in a unit's state file. No compute-dtype copy: with compute on
+        disk a load reads the fp32 master and casts it, so a step reads the master once for the backward and
+        the update together and never writes a copy (docs/STORE.md)."""
+        return STATE_KINDS
 
     def ram_kinds(self) -> tuple[str, ...]:
         """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
