@@ -136,8 +136,18 @@ class Plan:
                          f"{format_size(self.baseline_bytes)} ({self.baseline_bytes / self.peak_device_bytes:.1f}x); "
                          f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, "
                          f"MFU {self.utilisation:.0%} (bound by {self.bottleneck}; busy s: "
-                         + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")")
+                         + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")"
+                         + self._disk_volume())
         return table
+
+    def _disk_volume(self) -> str:
+        """The disk tier's bytes per step (what the SSD's write endurance pays for), or nothing in RAM."""
+        read, written = self.link_bytes["disk_read"], self.link_bytes["disk_write"]
+        if not written:
+            return ""
+        return (f"; disk per step: read {format_size(read)} ({read / self.params:.2f} B/param), written "
+                f"{format_size(written)} ({written / self.params:.2f} B/param; {written * 1000 / 1e12:.1f} TB "
+                "per 1,000 steps)")
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
