@@ -35,7 +35,7 @@ from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
 from streamer.cli.flags import add_run_flags
 from streamer.cli.main import Parser, guarded
-from streamer.run import SettingError
+from streamer.run import RunConfig, SettingError
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 GiB = 2**30
@@ -67,15 +67,19 @@ class Settings:
     reserve_min_bytes: int
     quick: bool
     compute: DtypeChoice  # our contenders' compute dtype (--dtype resolved on this CPU) and why
+    max_grad_norm: float = same_setting(RunConfig, "max_grad_norm")
 
     def __post_init__(self) -> None:
         check_settings(self, SettingError)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
+        if args.only_scale and args.no_scale:
+            raise SystemExit("--only-scale and --no-scale exclude each other; pass one of them")
         compute = resolve_compute_dtype("cpu", args.dtype)
         if args.quick:
-            return cls(model="gptj-debug", second=GPTJConfig.preset("gptj-demo"), batch=1, seq=32, rounds=1,
+            return cls(model="gptj-debug", second=GPTJConfig.preset("gptj-demo"), batch=1, seq=32,
+                       max_grad_norm=args.max_grad_norm, rounds=1,
                        warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
@@ -86,7 +90,8 @@ class Settings:
                                      n_head=max(1, base.n_head * 3 // 4))
         if args.steps * args.rounds < 5:
             raise SystemExit("the medians need at least 5 timed steps: --steps x --rounds >= 5")
-        return cls(model=args.model, second=second, batch=args.batch, seq=args.seq, rounds=args.rounds,
+        return cls(model=args.model, second=second, batch=args.batch, seq=args.seq,
+                   max_grad_norm=args.max_grad_norm, rounds=args.rounds,
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
                    scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
                    data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=2 * GiB, disk_repeats=3,
@@ -96,15 +101,18 @@ class Settings:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.add_argument("--quick", action="store_true", help="smoke run of the harness on a tiny model (< 60 s)")
-    parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
-                        "none: a smoke run must not replace the measured report)")
+    parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick or "
+                        "--only-scale, none: a partial run must not replace the measured report)")
     # The flags shared with `streamer train`: its names, types and checks, with the comparison's own sizes.
-    add_run_flags(parser, only=("model", "batch", "seq", "dtype"),
-                  defaults={"model": "gptj-350m", "batch": 1, "seq": 512, "dtype": "auto"},
+    add_run_flags(parser, only=("model", "batch", "seq", "dtype", "max_grad_norm"),
+                  defaults={"model": "gptj-350m", "batch": 1, "seq": 512, "dtype": "auto", "max_grad_norm": 0.0},
                   help={"model": "preset of the comparisons 1-5", "seq": "tokens per sequence",
                         "dtype": "compute dtype of our runs and DeepSpeed's: auto (bf16 if this CPU runs it natively "
                                  "and at least as fast as fp32, else fp32), bf16 or fp32; the HF pair stays fp32 "
-                                 "and bf16"})
+                                 "and bf16",
+                        "max_grad_norm": "every contender clips gradients to this global norm (0: none; random "
+                                         "tokens' gradients clip on every step, and a fused update that clips is "
+                                         "made again after the backward) (default: 0)"})
     parser.add_argument("--rounds", type=int, default=4, help="blocks per contender, in ABBA order")
     # Not --warmup: in `streamer train` that is the learning-rate warmup.
     parser.add_argument("--untimed-steps", dest="warmup", type=int, default=2,
@@ -113,12 +121,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-steps", type=int, default=2, help="timed steps of the scale run")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed comparison")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale run (the longest one)")
+    parser.add_argument("--only-scale", action="store_true",
+                        help="run the scale run alone (the largest model whose store the disk holds, GPT-J-6B where "
+                             "it fits, on the disk tier), to measure it on a quiet machine")
     parser.add_argument("--workdir", type=Path, help="where stores and logs go (default: a temp dir, removed)")
     parser.add_argument("--child-timeout", type=float, default=4 * 3600, help="seconds one block may take")
 
 
 def _spec(label: str, contender: str, cfg: GPTJConfig, s: Settings, **kw: object) -> RunSpec:
-    fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, "dtype": s.compute.dtype, **kw}
+    fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, "dtype": s.compute.dtype,
+              "max_grad_norm": s.max_grad_norm, **kw}
     return RunSpec(label=label, contender=contender, model=dataclasses.asdict(cfg), **fields)
 
 
@@ -141,19 +153,16 @@ def _main_specs(cfg: GPTJConfig, s: Settings) -> tuple[list[RunSpec], dict[str, 
 
 
 def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
-    """Largest model first; for one model, bf16 compute before fp32 (where bf16 matmuls are the faster ones:
-    fp32 compute only buys a smaller store) and fp32 Adam moments before bf16 ones (bf16 moments only for
-    GPT-J-6B, the stretch goal). Where this CPU emulates bf16, fp32 compute only."""
+    """Largest model first, in the run's compute dtype (the store is the same in either: loads cast the fp32
+    master); for one model, fp32 Adam moments before bf16 ones (bf16 moments only for GPT-J-6B, the stretch
+    goal)."""
+    compute = s.compute.dtype
     if s.quick:
-        return [ModelChoice(name, GPTJConfig.preset(name), compute_dtype=s.compute.dtype)
-                for name in s.scale_candidates]
+        return [ModelChoice(name, GPTJConfig.preset(name), compute_dtype=compute) for name in s.scale_candidates]
     six, four, small = s.scale_candidates
-    computes = ("bf16", "fp32") if s.compute.dtype == "bf16" else ("fp32",)
-    out = [ModelChoice(six, GPTJConfig.preset(six), moments, compute)
-           for moments in ("fp32", "bf16") for compute in computes]
-    out += [ModelChoice(name, GPTJConfig.preset(name), "fp32", compute)
-            for name in (four, small) for compute in computes]
-    out += [c for c in (fitted_width(four, budget, "fp32", compute) for compute in computes) if c]
+    out = [ModelChoice(six, GPTJConfig.preset(six), moments, compute) for moments in ("fp32", "bf16")]
+    out += [ModelChoice(name, GPTJConfig.preset(name), "fp32", compute) for name in (four, small)]
+    out += [c for c in (fitted_width(four, budget, "fp32", compute),) if c]
     return sorted(out, key=lambda c: -c.params)  # stable: the preference order holds within one size
 
 
@@ -172,13 +181,30 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
         calibrated.add((shape, r.spec.dtype))
         local = local_spec(workdir, shape, r.spec.dtype, refresh=fresh, sizes=sizes)
         out[label] = plan(shape, local, PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype,
-                                                   store=r.spec.tier, activations=r.spec.activations))
+                                                   store=r.spec.tier, activations=r.spec.activations,
+                                                   moment_dtype=r.spec.moment_dtype))
     return out
 
 
+def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
+                  skipped: dict[str, str]) -> dict[str, Result]:
+    """Comparisons 1-5, the planner's second size and data parallel (adding to `skipped` what is not run)."""
+    results = runner.compare(specs, s.rounds)
+    results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
+    if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
+        dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
+              _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, max(1, cores) // 2))]
+        results.update(runner.compare(dp, s.rounds))
+    else:
+        why = "--quick" if s.quick else "streamer has no data-parallel support yet"
+        skipped.update({DP_1: why, DP_2: why})
+    return results
+
+
 def _output(args: argparse.Namespace) -> Path | None:
-    """BENCHMARKS.md holds a measured run: a --quick smoke run writes a report only where it is told to."""
-    return args.output or (None if args.quick else Path("BENCHMARKS.md"))
+    """BENCHMARKS.md holds a full measured run: a --quick smoke run or a scale run alone writes a report only
+    where it is told to."""
+    return args.output or (None if args.quick or args.only_scale else Path("BENCHMARKS.md"))
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -207,16 +233,9 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner(workdir, console, args.child_timeout)
         cfg = GPTJConfig.preset(s.model)
         specs, skipped = _main_specs(cfg, s)
-        results = runner.compare(specs, s.rounds)
-        results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
-        if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
-            cores = max(1, machine.cores)
-            dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
-                  _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, cores // 2))]
-            results.update(runner.compare(dp, s.rounds))
-        else:
-            why = "--quick" if s.quick else "streamer has no data-parallel support yet"
-            skipped.update({DP_1: why, DP_2: why})
+        results = {} if args.only_scale else _compare_main(runner, specs, s, machine.cores, skipped)
+        if args.only_scale:
+            skipped = dict.fromkeys((*(spec.label for spec in specs), *skipped, SECOND, DP_1, DP_2), "--only-scale")
         pick = None
         if s.scale:
             free, budget = disk_budget(workdir, s.reserve_fraction, s.reserve_min_bytes)

@@ -185,7 +185,7 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
             cells.append(f"{rate(achieved)} ({percent(share)} of {rate(raw_rate)})")
     bw_met = None if not judged or None in judged else min(judged) >= 0.8
     per_param = [_div(r.io.get(k), r.params) for k in ("store_read", "store_written")]
-    row = (label, *cells, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
+    row = (f"{label} ({r.update_schedule})", *cells, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
            f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
            f"{size(r.io.get('wchar'))} / {size(r.io.get('write_bytes'))}",
            seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap),
@@ -249,7 +249,8 @@ def scale(ctx: Context) -> Outcome:
     if pick is not None:
         notes.append(f"Free disk {size(pick.free_bytes)}; the run may use {size(pick.budget_bytes)} (the rest is "
                      "left to other users of the disk). Candidates, largest first: " + "; ".join(
-                         f"{c.describe()} store {size(c.store_bytes)} {'fits' if fits else 'does not fit'}"
+                         f"{c.describe()} store {size(c.store_bytes)} (at most {size(c.disk_bytes)} during a "
+                         f"fused step) {'fits' if fits else 'does not fit'}"
                          for c, fits in pick.considered))
     if r is None or pick is None or pick.chosen is None:
         why = _missing(ctx, SCALE) if pick is None or pick.chosen is not None else "no candidate fits the disk"

@@ -19,10 +19,10 @@ from layers import GPTJConfig
 from memory_model import format_size
 from benchmarks.report import params
 from streamer.runtime.calibrate import measure_disk, measure_matmul_flops
+from streamer.store.layout import Placement
 from streamer.store.spec import StoreSpec
 from streamer.runtime.calibrate import cpu_model
 
-STORE_KINDS = ("compute", "master", "exp_avg", "exp_avg_sq", "grad")  # everything a disk-tier store holds
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,8 @@ def raw_disk(directory: Path, nbytes: int, repeats: int) -> DiskBandwidth:
 # --- the scale run -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelChoice:
-    """A scale-run candidate. fp32 compute weights are the master weights themselves (no bf16 copy in the
-    store: 16 instead of 18 B/param), so on a short disk they buy a larger model; master weights and the
-    Adam moments are fp32 unless `moment_dtype` says bf16 (acceptable for GPT-J-6B only)."""
+    """A scale-run candidate. The disk tier stores the fp32 master and the Adam moments only (loads cast the
+    master to the compute dtype): 12 B/param, or 8 with bf16 moments (acceptable for GPT-J-6B only)."""
 
     name: str
     config: GPTJConfig
@@ -117,10 +116,17 @@ class ModelChoice:
 
     @property
     def store_bytes(self) -> int:
-        """Bytes of a disk-tier store of this model, from the store's own dtypes."""
-        spec = StoreSpec(self.config, self.compute_dtype, self.moment_dtype)
-        kinds = [k for k in STORE_KINDS if k != "compute" or not spec.compute_is_master]
-        return self.params * sum(spec.kind_dtype(k).itemsize for k in kinds)
+        """Data bytes of a disk-tier store of this model between steps (its state files), from the store's
+        own layout."""
+        spec = StoreSpec(self.config, self.compute_dtype, self.moment_dtype, Placement.of("disk"))
+        return sum(spec.state_bytes(self.config.unit_params(u)) for u in self.config.unit_names())
+
+    @property
+    def disk_bytes(self) -> int:
+        """What the run needs on disk at its largest: a fused step writes every unit's next generation while
+        the previous one stays (its rollback, should clipping trigger) until the step commits. The scale run
+        does not clip, so no step writes gradient files."""
+        return 2 * self.store_bytes
 
     def describe(self) -> str:
         c = self.config
@@ -134,8 +140,8 @@ def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32",
     base = GPTJConfig.preset(preset)
     one, two = (ModelChoice(preset, dataclasses.replace(base, n_layer=n), moment_dtype, compute_dtype)
                 for n in (1, 2))
-    per_block = two.store_bytes - one.store_bytes
-    layers = min(base.n_layer, (budget_bytes - (one.store_bytes - per_block)) // per_block)
+    per_block = two.disk_bytes - one.disk_bytes
+    layers = min(base.n_layer, (budget_bytes - (one.disk_bytes - per_block)) // per_block)
     if layers < 1:
         return None
     return ModelChoice(f"{preset} width, {layers} layers", dataclasses.replace(base, n_layer=int(layers)),
@@ -157,7 +163,7 @@ def disk_budget(directory: Path, reserve_fraction: float, reserve_min_bytes: int
 
 
 def pick_scale_model(candidates: list[ModelChoice], free: int, budget: int) -> ScalePick:
-    """The first (largest) candidate whose store fits the budget."""
-    considered = tuple((c, c.store_bytes <= budget) for c in candidates)
+    """The first (largest) candidate whose disk footprint fits the budget."""
+    considered = tuple((c, c.disk_bytes <= budget) for c in candidates)
     chosen = next((c for c, fits in considered if fits), None)
     return ScalePick(chosen, free, budget, considered)

@@ -46,6 +46,15 @@ class Result:
     ledger_peak_bytes: int
     ledger_peak_breakdown: dict[str, int]
     profile: tuple[tuple[str, float, int], ...]
+    fused: bool  # ours: the update fused into the backward
+    redone_steps: int  # of the timed fused steps, those clipping made again after the backward
+
+    @property
+    def update_schedule(self) -> str:
+        if not self.fused:
+            return "update after the backward"
+        redone = f", {self.redone_steps} of {len(self.step_s)} timed steps redone (clipping)" if self.redone_steps else ""
+        return "update fused into the backward" + redone
 
     @property
     def label(self) -> str:
@@ -85,6 +94,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         ledger_peak_bytes=max((b.ledger_peak_bytes for b in good), default=0),
         ledger_peak_breakdown=max(good, key=lambda b: b.ledger_peak_bytes).ledger_peak_breakdown if good else {},
         profile=tuple(tuple(p) for b in good for p in b.profile),
+        fused=any(b.fused for b in good), redone_steps=sum(b.redone_steps for b in good),
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from memory_model import PlanConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
+from streamer.run import RunConfig
 from streamer.runtime.optim import OptimizerConfig
 
 RESULT_TAG = "BENCH-RESULT "
@@ -44,6 +45,9 @@ class RunSpec:
     tier: str = same_setting(PlanConfig, "store")  # DeepSpeed: disk is nvme offload
     moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     activations: str = same_setting(PlanConfig, "activations")  # the scale run checkpoints
+    # Every contender clips at this global norm (0: none). Random tokens' gradients clip on every step, and a
+    # fused update whose clipping triggers is made again after the backward: bench runs without, by default.
+    max_grad_norm: float = same_setting(RunConfig, "max_grad_norm")
     warmup: int = setting(2, "untimed steps first", Integer(0))
     steps: int = setting(5, "timed steps", Integer())
     world: int = setting(1, "data-parallel processes (ours only); the parent starts one child per rank", Integer())
@@ -82,6 +86,8 @@ class Measured:
     phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step
     ledger_peak_bytes: int = 0
     ledger_peak_breakdown: dict[str, int] = field(default_factory=dict)
+    fused: bool = False  # ours: the update is fused into the backward where no clipping triggers
+    redone_steps: int = 0  # ours: timed fused steps that clipping made again after the backward
     profile: list[tuple[str, float, int]] = field(default_factory=list)  # (op, self CPU s, calls)
 
 
@@ -104,7 +110,7 @@ def _ours(spec: RunSpec) -> Contender:
     from benchmarks.resident import ResidentTrainer
     cfg = _gptj_config(spec)
     tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations=spec.activations,
-                       moment_dtype=spec.moment_dtype, seed=spec.seed)
+                       moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm or None)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
         return Contender(trainer.step, cfg.num_params(), trainer)
@@ -134,7 +140,8 @@ def _hf(spec: RunSpec) -> Contender:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.dtype == "bf16"):
             loss = model(ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if spec.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
         optimizer.step()
         return float(loss)
 
@@ -164,7 +171,8 @@ def _deepspeed(spec: RunSpec) -> Contender:
         nvme.mkdir(parents=True, exist_ok=True)
         offload = {"device": "nvme", "nvme_path": str(nvme)}
     config = {
-        "train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
+        "gradient_clipping": spec.max_grad_norm,  # 0: none
         "bf16": {"enabled": spec.dtype == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                    "weight_decay": 0.1}},
@@ -256,10 +264,12 @@ def measure(spec: RunSpec) -> Measured:
         return contender.step(torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator))
 
     _reset_rss_peak()
+    trainer = contender.trainer
     for _ in range(spec.warmup):
         t0 = time.perf_counter()
         one_step()
         out.warmup_s.append(time.perf_counter() - t0)
+    redone_before = trainer.clipped_redos if trainer is not None else 0
     for i in range(spec.steps):
         io_before, t0 = _io_counters(), time.perf_counter()
         out.losses.append(one_step())
@@ -271,7 +281,8 @@ def measure(spec: RunSpec) -> Measured:
             # what the store's files were asked for (data only), the figure the planner prices
             out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes))
     out.step_rss_peak_bytes = _rss_peak()
-    if contender.trainer is not None:
+    if trainer is not None:
+        out.fused, out.redone_steps = trainer.fused, trainer.clipped_redos - redone_before
         out.ledger_peak_bytes = contender.trainer.ledger.peak
         out.ledger_peak_breakdown = contender.trainer.ledger.peak_breakdown
     if spec.profile:

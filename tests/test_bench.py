@@ -120,20 +120,18 @@ def test_union_of_overlapping_spans():
 def test_scale_pick_takes_the_largest_store_that_fits():
     four = ModelChoice("gptj-4b", GPTJConfig.preset("gptj-4b"))
     small = ModelChoice("gptj-2.7b", GPTJConfig.preset("gptj-2.7b"))
-    # 18 B/param: bf16 compute weights, fp32 master, two fp32 moments, fp32 gradient accumulator.
-    assert four.store_bytes == 18 * four.params
-    assert ModelChoice("x", four.config, "bf16").store_bytes == 14 * four.params
-    # fp32 compute weights are the master weights: no separate copy.
-    assert ModelChoice("x", four.config, "fp32", "fp32").store_bytes == 16 * four.params
-    pick = pick_scale_model([four, small], free=10**12, budget=small.store_bytes + 1)
+    # 12 B/param: fp32 master, two fp32 moments; no compute copy (loads cast the master), whatever the dtype.
+    assert four.store_bytes == 12 * four.params == ModelChoice("x", four.config, "fp32", "fp32").store_bytes
+    assert ModelChoice("x", four.config, "bf16").store_bytes == 8 * four.params
+    # A fused step keeps the previous generation until it commits: twice the store at its largest.
+    assert four.disk_bytes == 2 * four.store_bytes
+    pick = pick_scale_model([four, small], free=10**12, budget=small.disk_bytes + 1)
     assert pick.chosen is small and [fits for _, fits in pick.considered] == [False, True]
-    fitted = fitted_width("gptj-4b", small.store_bytes)
-    assert fitted is not None and fitted.store_bytes <= small.store_bytes
+    fitted = fitted_width("gptj-4b", small.disk_bytes)
+    assert fitted is not None and fitted.disk_bytes <= small.disk_bytes
     deeper = dataclasses.replace(fitted.config, n_layer=fitted.config.n_layer + 1)
-    assert ModelChoice("y", deeper).store_bytes > small.store_bytes
+    assert ModelChoice("y", deeper).disk_bytes > small.disk_bytes
     assert fitted_width("gptj-4b", 1000) is None
-    wider = fitted_width("gptj-4b", small.store_bytes, "fp32", "fp32")
-    assert wider is not None and wider.config.n_layer > fitted.config.n_layer
 
 
 def test_section_renders_markdown_and_rejects_ragged_rows():
