@@ -24,7 +24,7 @@ from memory_model.shapes import (
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
     Charge, Event, Resource, StoreBytes, adapter_charges, disk_bytes, frozen_base_events, gradient_charges,
-    resident_sets, resource_charges,
+    resident_sets, resource_charges, shard_numel,
     step_events, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
@@ -78,7 +78,7 @@ class Plan:
     peak_breakdown: dict[str, int]
     peak_at: tuple[str, str]  # (unit, phase) of the first event at the peak
     fits: bool  # the peak plus the device's reserve (CUDA context) fit its memory
-    host_store_bytes: int  # per rank: compute weights, master, moments and gradient accumulator
+    host_store_bytes: int  # per rank (1/N with the state sharded): compute weights, master, moments, gradient
     host_stores: int  # stores on one host: ranks sharing it, each with its own store (1 with an in-network reduce)
     host_fits: bool  # the RAM tier needs every store of the host in its RAM
     step_time_s: float
@@ -317,7 +317,8 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
-    host_store = params * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
+    shards = cfg.devices if cfg.data_parallel == "sharded" else 1  # each rank stores its slice of every unit
+    host_store = shard_numel(params, shards) * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)

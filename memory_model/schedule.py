@@ -91,6 +91,14 @@ def adapter_charges(adapter_numel: int) -> tuple[Charge, ...]:
             Charge("optimizer", adapter_numel * ADAPTER_MOMENT_BYTES, "LoRA adapters' exp_avg, exp_avg_sq"))
 
 
+def shard_numel(numel: int, shards: int) -> int:
+    """Elements of a unit's flat state each of `shards` data-parallel processes stores and updates when the state
+    is sharded: rank r owns [r * n, (r + 1) * n) of the unit padded with zeros to `shards * n` elements, so every
+    rank's slice has one size (what an all-gather and a reduce-scatter of equal pieces need). The zero padding
+    stays zero: its gradient is zero, so AdamW leaves it there."""
+    return -(-numel // shards)
+
+
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:
     """(start, count) pieces of a slab, in file order: the update's chunks and the store's I/O pieces."""
     return [(s, min(size, numel - s)) for s in range(0, numel, size)]
@@ -104,7 +112,9 @@ def step_events(units: list[str], micro_batches: int, numels: dict[str, int], ch
     After the backward (`fused=False`): the update follows the whole backward, clipped by the global norm
     the backward has just summed. Fused: each unit's update follows its backward in the last micro-batch,
     as soon as its gradient is final, speculatively unclipped (the executor undoes and redoes a step whose
-    clipping triggers). Under data parallel every device applies the whole update to its own copy.
+    clipping triggers). Under data parallel every device applies the whole update to its own copy; with the
+    state sharded, `numels` are the slices each device owns (`shard_numel`) and each updates only its slice (its
+    forward and backward still see whole units: the slices are all-gathered when a unit's weights load).
     """
     update_units = units if update_units is None else update_units
     events: list[Event] = []
