@@ -69,3 +69,46 @@ def test_sharded_run_refuses_another_number_of_processes(tmp_path):
     with pytest.raises(StoreError, match=r"holds 1/2 of a run's state .* torchrun --nproc-per-node 2"):
         StreamingTrainer.open(tmp_path / "run" / "rank0")
     assert len(list((tmp_path / "run" / "rank0" / "slabs").iterdir())) > 0  # nothing was deleted
+
+
+def _killed_main(rank: int, world: int, port: int, run: str) -> None:
+    """Two steps; rank 1 SIGKILLs itself at its second state write of step 2, after every rank journaled it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    data = global_batches(2)
+    trainer = StreamingTrainer(CFG, SHARDED, store_dir=run)
+    trainer.step(data[0])
+    if rank == 1:
+        write_back, writes = trainer.executor._write_back, []
+
+        def dying(*args: object) -> None:
+            writes.append(args)
+            if len(writes) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            write_back(*args)
+
+        trainer.executor._write_back = dying
+    trainer.step(data[1])
+    trainer.step(data[1])  # rank 0 waits here for rank 1, which is gone
+
+
+def _resumed_main(rank: int, world: int, port: int, run: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    with StreamingTrainer.open(run) as trainer:
+        steps = trainer.step_count
+        trainer.step(global_batches(3)[2])
+        torch.save({"state": trainer.state_dict(), "steps": steps}, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_update_resumes_to_the_uninterrupted_result(tmp_path):
+    run = str(tmp_path / "run")
+    with pytest.raises(mp.ProcessExitedException):
+        mp.spawn(_killed_main, args=(2, _free_port(), run), nprocs=2, join=True)
+    out = str(tmp_path / "result")
+    mp.spawn(_resumed_main, args=(2, _free_port(), run, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert [r["steps"] for r in ranks] == [2, 2]  # the journaled step 2 was rolled forward on rank 1
+    assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3)["state"]) <= 1e-5

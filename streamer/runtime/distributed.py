@@ -151,12 +151,17 @@ def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> No
 
 def agree_on_journal(data_parallel: DataParallel, store: Store,
                      journal: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Roll a journaled step forward only if every rank journaled it; otherwise no rank updated anything yet."""
+    """Roll a journaled step forward only if every rank journaled it or already committed it (a rank that
+    finished its update before another crashed); otherwise no rank has updated anything of it yet."""
     views = data_parallel.gather((store.step, None if journal is None else journal["step"]))
-    if journal is not None and any(j != journal["step"] for _, j in views):
+
+    def everyone_reached(step: int) -> bool:
+        return all(j == step or committed >= step for committed, j in views)
+
+    if journal is not None and not everyone_reached(journal["step"]):
         store.discard_journal()
         journal = None
-    steps = {step for step, _ in views}
-    if len(steps) != 1 and journal is None:
+    steps = {j if j is not None and everyone_reached(j) else committed for committed, j in views}
+    if len(steps) != 1:
         raise StoreError(f"the ranks' stores are at different steps {sorted(steps)}; restore them from one backup")
     return journal
