@@ -24,7 +24,7 @@ from memory_model.shapes import (
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
     Charge, Event, Resource, StoreBytes, adapter_charges, disk_bytes, frozen_base_events, gradient_charges,
-    resident_sets, resource_charges, shard_numel,
+    gathered_numel, resident_sets, resource_charges, shard_numel,
     step_events, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
@@ -194,7 +194,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            _add(at, resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on))
+            _add(at, resource_charges(r, gathered_numel(shape.unit_params(r.unit), cfg.shards), es, cfg.update_on))
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
@@ -208,7 +208,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
             at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices))
+                    _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices, cfg.shards > 1))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
@@ -220,7 +220,7 @@ def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Eve
     units = shape.unit_names()
     if cfg.lora.enabled:
         return frozen_base_events(units, cfg.grad_accum)
-    numels = {u: shape.unit_params(u) for u in units}
+    numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in units}  # what each rank updates
     return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [],
                        fused=cfg.fused)
 
@@ -231,7 +231,7 @@ def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
         return 0, 0
     compute = cfg.new_compute_bytes
     sizes = StoreBytes(compute_read=compute or 4, compute_written=compute, moment=DTYPE_BYTES[cfg.moment_dtype])
-    numels = {u: shape.unit_params(u) for u in shape.unit_names()}
+    numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, sizes, cfg.grad_accum)
 
 
@@ -317,8 +317,7 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
-    shards = cfg.devices if cfg.data_parallel == "sharded" else 1  # each rank stores its slice of every unit
-    host_store = shard_numel(params, shards) * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
+    host_store = shard_numel(params, cfg.shards) * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)

@@ -66,13 +66,19 @@ def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, upda
             Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
 
 
-def gradient_charges(unit_numel: int, dtype_bytes: int, ranks: int) -> tuple[Charge, ...]:
+def gradient_charges(unit_numel: int, dtype_bytes: int, ranks: int, sharded: bool = False) -> tuple[Charge, ...]:
     """A unit's weight gradient on the device from its backward until its offload is finished; under data
     parallel also the flat fp32 copy the all-reduce sums (in fp32: a bf16 sum over ranks would round every
-    partial sum)."""
+    partial sum). With the state sharded that copy is padded to equal slices (`gathered_numel`) and is
+    reduce-scattered into this rank's slice of the sum."""
     charges = (Charge("gradients", unit_numel * dtype_bytes, "weight gradient"),)
-    if ranks > 1:
+    if ranks > 1 and not sharded:
         charges += (Charge("gradients", unit_numel * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient for the all-reduce"),)
+    elif ranks > 1:
+        charges += (Charge("gradients", gathered_numel(unit_numel, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
+                           "fp32 gradient for the reduce-scatter"),
+                    Charge("gradients", shard_numel(unit_numel, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
+                           "this rank's slice of the summed gradient"))
     return charges
 
 
@@ -97,6 +103,12 @@ def shard_numel(numel: int, shards: int) -> int:
     rank's slice has one size (what an all-gather and a reduce-scatter of equal pieces need). The zero padding
     stays zero: its gradient is zero, so AdamW leaves it there."""
     return -(-numel // shards)
+
+
+def gathered_numel(numel: int, shards: int) -> int:
+    """Elements of a unit's weights on the device when `shards` ranks each hold a slice: every slice
+    all-gathered, the padding included (`numel` itself for one shard)."""
+    return shard_numel(numel, shards) * shards
 
 
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:

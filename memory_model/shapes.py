@@ -85,6 +85,11 @@ class PlanConfig:
         return not self.lora.enabled and fused_update(self.update_timing, self.store, self.devices)
 
     @property
+    def shards(self) -> int:
+        """The slices each unit's state is stored in, one per device (1: every device stores it whole)."""
+        return self.devices if self.data_parallel == "sharded" else 1
+
+    @property
     def micro_batch(self) -> int:
         """Sequences in one micro-batch on one device."""
         return self.batch // (self.grad_accum * self.devices)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer
 from streamer.errors import StoreError
 from tests.test_distributed import CFG, TC, _free_port, _max_diff, _rank_main, global_batches, single_process
@@ -41,6 +39,12 @@ def test_two_sharded_ranks_equal_one_process(tmp_path, store):
     print("max abs difference vs one process", diff)
     assert diff <= 1e-5
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
+    # Each rank's device peak (the whole unit all-gathered, the padded fp32 gradient and its reduce-scattered
+    # slice included) is what the planner predicts for sharded ranks.
+    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(
+        batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=10_000, devices=2,
+        data_parallel="sharded")).peak_device_bytes
+    assert [r["peak"] for r in ranks] == [planned, planned]
 
 
 @pytest.mark.slow
@@ -66,7 +70,7 @@ def test_sharded_run_refuses_another_number_of_processes(tmp_path):
     run_sharded(tmp_path, [("new", 1)])
     with pytest.raises(StoreError, match=r"2 process\(es\) and this is 1; resume it with torchrun --nproc-per-node 2"):
         StreamingTrainer.open(tmp_path / "run")
-    with pytest.raises(StoreError, match=r"holds 1/2 of a run's state .* torchrun --nproc-per-node 2"):
+    with pytest.raises(StoreError, match=r"holds 1/2 of a run.s state .* torchrun --nproc-per-node 2 opens it"):
         StreamingTrainer.open(tmp_path / "run" / "rank0")
     assert len(list((tmp_path / "run" / "rank0" / "slabs").iterdir())) > 0  # nothing was deleted
 

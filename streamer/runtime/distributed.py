@@ -142,8 +142,10 @@ def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> No
     """A store of one rank's slices opens only in that many processes, under the mode it was written with."""
     shards, world = store.spec.shards, 1 if parallel is None else parallel.world
     if shards > 1 and shards != world:
+        # generate, export and eval read one store in one process: the slices are not merged for them (yet).
         raise StoreError(f"{store.root} holds 1/{shards} of a run's state (--data-parallel sharded over {shards} "
-                         f"processes) and this is {world}; open the run with torchrun --nproc-per-node {shards}")
+                         f"processes) and this is {world}; only training under torchrun --nproc-per-node {shards} "
+                         "opens it (generate, export and eval need a run trained with --data-parallel replicated)")
     if (mode == "sharded") != (shards > 1) and world > 1:
         was = "sharded" if shards > 1 else "replicated"
         raise StoreError(f"{store.root} was written with --data-parallel {was}; resume it with --data-parallel {was}")

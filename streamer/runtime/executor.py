@@ -20,8 +20,8 @@ from layers.lora import add_adapters
 from memory_model import Ledger, Trace
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, is_fused, released_after,
-    resident_sets, resource_charges, update_charges,
+    Event, Resource, StateChunk, Weights, adapter_charges, gathered_numel, gradient_charges, is_fused,
+    released_after, resident_sets, resource_charges, shard_numel, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -99,7 +99,7 @@ class Executor:
     def _issue(self, resource: Resource, step: int) -> None:
         numel = self.layouts[resource.unit].numel
         stored = self.stored_numel(resource.unit)
-        on_device = numel if stored == numel else stored * self.data_parallel.world  # all-gathered, padded
+        on_device = gathered_numel(numel, self._shards())  # sharded: every rank's slice, all-gathered
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.tc.update_on)]
         if isinstance(resource, Weights):
@@ -123,16 +123,18 @@ class Executor:
                 state.buffer, state.residency = self._whole_unit(resource.unit, tensors["weights"]), Residency.AVAILABLE
         return tensors
 
+    def _shards(self) -> int:
+        """The slices each unit's state is stored in: the ranks, with the state sharded; else 1."""
+        return self.data_parallel.world if self.data_parallel is not None and self.data_parallel.sharded else 1
+
     def stored_numel(self, unit: str) -> int:
         """Elements of `unit` the store holds and the update walks: the unit, or this rank's slice of it."""
-        numel = self.layouts[unit].numel
-        return numel if self.data_parallel is None else self.data_parallel.stored_numel(numel)
+        return shard_numel(self.layouts[unit].numel, self._shards())
 
     def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
-        """The unit's weights as loaded, or (sharded) every rank's slice of them all-gathered on the device.
-
-        The gather runs on the compute thread, in program order, so every rank issues its collectives in the
-        same order; the slice's load from the store still overlaps the compute before it."""
+        """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device: on the
+        compute thread, in program order, so every rank issues its collectives in the same order (the slice's
+        load from the store still overlaps the compute before it)."""
         numel = self.layouts[unit].numel
         if weights.numel() == numel:
             return weights
@@ -234,8 +236,7 @@ class Executor:
                                                              "gradient w.r.t. the unit's input"))
         if unit == self.units[0] or (self.current.fused and micro == self.tc.grad_accum - 1):
             self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
-        if unit == self.units[0] and micro == self.tc.grad_accum - 1 and self.data_parallel is not None \
-                and self.data_parallel.sharded:
+        if unit == self.units[0] and micro == self.tc.grad_accum - 1 and self._shards() > 1:
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
@@ -248,7 +249,8 @@ class Executor:
         self._finish_pending_offload()
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
-                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks)]
+                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
+                                             self._shards() > 1)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step, persist = self.current.step, not (self.current.fused and last)
