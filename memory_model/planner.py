@@ -23,9 +23,8 @@ from memory_model.shapes import (
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gradient_charges,
-    resident_sets, resource_charges,
-    step_events, store_bytes, update_charges,
+    Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gathered_numel, gradient_charges,
+    resident_sets, resource_charges, shard_numel, step_events, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -78,7 +77,7 @@ class Plan:
     peak_breakdown: dict[str, int]
     peak_at: tuple[str, str]  # (unit, phase) of the first event at the peak
     fits: bool  # the peak plus the device's reserve (CUDA context) fit its memory
-    host_store_bytes: int  # per rank: compute weights, master, moments and gradient accumulator
+    host_store_bytes: int  # per rank (1/N with the state sharded): compute weights, master, moments, gradient
     host_stores: int  # stores on one host: ranks sharing it, each with its own store (1 with an in-network reduce)
     host_fits: bool  # the RAM tier needs every store of the host in its RAM
     step_time_s: float
@@ -204,7 +203,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            _add(at, resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on))
+            _add(at, resource_charges(r, gathered_numel(shape.unit_params(r.unit), cfg.shards), es, cfg.update_on))
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
@@ -218,7 +217,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
             at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices))
+                    _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices, cfg.shards > 1))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
@@ -230,7 +229,7 @@ def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Eve
     units = shape.unit_names()
     if cfg.lora.enabled:
         return frozen_base_events(units, cfg.grad_accum)
-    numels = {u: shape.unit_params(u) for u in units}
+    numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in units}  # what each rank updates
     return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [],
                        fused=cfg.fused, master_from_weights=cfg.store == "disk")
 
@@ -239,7 +238,7 @@ def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
     """(read, written) bytes of the store's files in one step: the disk tier's I/O (none in RAM)."""
     if cfg.store != "disk":
         return 0, 0
-    numels = {u: shape.unit_params(u) for u in shape.unit_names()}
+    numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum)
 
 
@@ -325,7 +324,7 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
-    host_store = params * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
+    host_store = shard_numel(params, cfg.shards) * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)

@@ -72,13 +72,19 @@ def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, upda
             Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
 
 
-def gradient_charges(unit_numel: int, dtype_bytes: int, ranks: int) -> tuple[Charge, ...]:
+def gradient_charges(unit_numel: int, dtype_bytes: int, ranks: int, sharded: bool = False) -> tuple[Charge, ...]:
     """A unit's weight gradient on the device from its backward until its offload is finished; under data
     parallel also the flat fp32 copy the all-reduce sums (in fp32: a bf16 sum over ranks would round every
-    partial sum)."""
+    partial sum). With the state sharded that copy is padded to equal slices (`gathered_numel`) and is
+    reduce-scattered into this rank's slice of the sum."""
     charges = (Charge("gradients", unit_numel * dtype_bytes, "weight gradient"),)
-    if ranks > 1:
+    if ranks > 1 and not sharded:
         charges += (Charge("gradients", unit_numel * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient for the all-reduce"),)
+    elif ranks > 1:
+        charges += (Charge("gradients", gathered_numel(unit_numel, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
+                           "fp32 gradient for the reduce-scatter"),
+                    Charge("gradients", shard_numel(unit_numel, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
+                           "this rank's slice of the summed gradient"))
     return charges
 
 
@@ -97,6 +103,20 @@ def adapter_charges(adapter_numel: int) -> tuple[Charge, ...]:
             Charge("optimizer", adapter_numel * ADAPTER_MOMENT_BYTES, "LoRA adapters' exp_avg, exp_avg_sq"))
 
 
+def shard_numel(numel: int, shards: int) -> int:
+    """Elements of a unit's flat state each of `shards` data-parallel processes stores and updates when the state
+    is sharded: rank r owns [r * n, (r + 1) * n) of the unit padded with zeros to `shards * n` elements, so every
+    rank's slice has one size (what an all-gather and a reduce-scatter of equal pieces need). The zero padding
+    stays zero: its gradient is zero, so AdamW leaves it there."""
+    return -(-numel // shards)
+
+
+def gathered_numel(numel: int, shards: int) -> int:
+    """Elements of a unit's weights on the device when `shards` ranks each hold a slice: every slice
+    all-gathered, the padding included (`numel` itself for one shard)."""
+    return shard_numel(numel, shards) * shards
+
+
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:
     """(start, count) pieces of a slab, in file order: the update's chunks and the store's I/O pieces."""
     return [(s, min(size, numel - s)) for s in range(0, numel, size)]
@@ -111,7 +131,9 @@ def step_events(units: list[str], micro_batches: int, numels: dict[str, int], ch
     After the backward (`fused=False`): the update follows the whole backward, clipped by the global norm
     the backward has just summed. Fused: each unit's update follows its backward in the last micro-batch,
     as soon as its gradient is final, speculatively unclipped (the executor undoes and redoes a step whose
-    clipping triggers). Under data parallel every device applies the whole update to its own copy.
+    clipping triggers). Under data parallel every device applies the whole update to its own copy; with the
+    state sharded, `numels` are the slices each device owns (`shard_numel`) and each updates only its slice (its
+    forward and backward still see whole units: the slices are all-gathered when a unit's weights load).
     `master_from_weights`: the weights loads read the fp32 master (the disk tier keeps no compute-dtype
     copy), so a fused update takes each unit's master from its backward's load instead of reading it again.
     """

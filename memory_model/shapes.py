@@ -21,6 +21,7 @@ STORE_TIERS = ("ram", "disk")
 OVERLAP_MODES = ("none", "backward")
 MOMENT_DTYPES = ("fp32", "bf16")
 UPDATE_TIMINGS = ("auto", "fused", "after-backward")
+DATA_PARALLEL_MODES = ("replicated", "sharded")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
 # AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
@@ -54,6 +55,11 @@ class PlanConfig:
     store: str = setting("ram", "where the host store lives: ram, or disk (committed every step)",
                          Choice(STORE_TIERS), "TIER")
     devices: int = setting(1, "data-parallel processes, one device each", Integer())
+    data_parallel: str = setting(
+        "replicated", "with more than one process: every process keeps a whole store (replicated), or each keeps "
+                      "and updates its 1/N slice of every unit's state and the weights are all-gathered for "
+                      "compute (sharded: 1/N of the host RAM and disk per process)", Choice(DATA_PARALLEL_MODES),
+        "MODE")
     moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
                                 Choice(MOMENT_DTYPES), "DTYPE")
     # Not a runtime setting: the runtime updates after the backward. MemoryX and ZeRO-Offload's delayed
@@ -77,6 +83,11 @@ class PlanConfig:
     def fused(self) -> bool:
         """The update runs inside the last micro-batch's backward (memory_model.shapes.fused_update)."""
         return not self.lora.enabled and fused_update(self.update_timing, self.store, self.devices)
+
+    @property
+    def shards(self) -> int:
+        """The slices each unit's state is stored in, one per device (1: every device stores it whole)."""
+        return self.devices if self.data_parallel == "sharded" else 1
 
     @property
     def micro_batch(self) -> int:

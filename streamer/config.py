@@ -96,6 +96,7 @@ class TrainerConfig:
     schedule: LRSchedule = field(default_factory=LRSchedule)
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
     update_timing: str = same_setting(PlanConfig, "update_timing")
+    data_parallel: str = same_setting(PlanConfig, "data_parallel")
     nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
     lora_rank: int = same_setting(LoraConfig, "rank")
     lora_alpha: float = same_setting(LoraConfig, "alpha")
@@ -149,9 +150,12 @@ class TrainerConfig:
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, ConfigError.of)
 
-    def store_spec(self, model: GPTJConfig) -> StoreSpec:
-        """The layout of the store a trainer with these settings creates for `model`."""
-        return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk)
+    def store_spec(self, model: GPTJConfig, processes: int = 1) -> StoreSpec:
+        """The layout of the store a trainer with these settings creates for `model`, in each of `processes`
+        data-parallel processes (with the state sharded, each holds its slice)."""
+        shards = processes if self.data_parallel == "sharded" else 1
+        return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk,
+                         shards)
 
     def replace(self, **changes: Any) -> "TrainerConfig":
         return dataclasses.replace(self, **changes)

@@ -6,7 +6,7 @@ one) plus, on the disk tier, its gradient file. On CUDA the transport's pool of 
 (`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned (page-locked:
 never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Under torchrun each
 process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this
-machine's RAM.
+machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class HostNeed:
 
     @classmethod
     def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
-        spec = tc.store_spec(model_cfg)
+        spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
         ram, disk = spec.host_bytes()
         staging = spec.staging_bytes() if tc.device.startswith("cuda") else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.pin_memory] if staging else 0

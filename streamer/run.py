@@ -109,6 +109,7 @@ class RunConfig:
     prefetch: int = same_setting(PlanConfig, "prefetch")
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
     update_timing: str = same_setting(PlanConfig, "update_timing")
+    data_parallel: str = same_setting(PlanConfig, "data_parallel")
     seed: int = same_setting(TrainerConfig, "seed")
     pack: bool = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")

@@ -11,7 +11,7 @@ import torch
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
-from streamer.runtime.distributed import DataParallel
+from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dir
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
@@ -33,9 +33,11 @@ class StreamingTrainer:
         self.units = cfg.unit_names()
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
         self.losses: list[float] = []
-        self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(self.tc.device)
+        self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(
+            self.tc.device, sharded=self.tc.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
             store_dir = Path(store_dir) / f"rank{self.data_parallel.rank}"
+        processes = 1 if self.data_parallel is None else self.data_parallel.world
         if self.tc.device == "meta":
             self.store = None
         elif _store is not None:
@@ -45,7 +47,7 @@ class StreamingTrainer:
                 if self.tc.store.state == "disk" or self.tc.store.compute == "disk":
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
-            self.store = HostStore.create(store_dir, self.tc.store_spec(cfg),
+            self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, processes),
                                           _pin_memory(self.tc.device, self.tc.pin_memory))
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
@@ -77,8 +79,7 @@ class StreamingTrainer:
         """Continue from a store: its last committed step, finishing a step a crash interrupted."""
         device = dict(overrides or {}).get("device", "cpu")
         data_parallel = DataParallel.from_environment(device)
-        if data_parallel is not None:
-            store_dir = Path(store_dir) / f"rank{data_parallel.rank}"
+        store_dir = rank_store_dir(Path(store_dir), data_parallel)
         # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
         # pin_memory comes from the overrides, else from the settings the store was committed with.
         settings = {**read_manifest(Path(store_dir)).get("trainer", {}).get("config", {}), **dict(overrides or {})}
@@ -88,9 +89,10 @@ class StreamingTrainer:
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal
             if data_parallel is not None:
-                journal = _agree_on_journal(data_parallel, store, journal)
+                journal = agree_on_journal(data_parallel, store, journal)
             saved = dict(store.trainer_state.get("config", {}))
             tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
+            check_sharding(store, tc.data_parallel, data_parallel)
             if tc.store != store.spec.placement:
                 raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
@@ -143,6 +145,8 @@ class StreamingTrainer:
 
     def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
         store = self.store
+        if store.spec.shards > 1:
+            master = self.data_parallel.own_slice(master)
         with store.unit_writer(unit, store.step) as writer:
             for start, count in chunks(master.numel(), store.spec.chunk):
                 piece = master[start:start + count]
@@ -226,7 +230,7 @@ class StreamingTrainer:
         # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
         ctx = StepContext(micro, step, lr, clip_coef=1.0) if fused else StepContext(micro, step, lr,
                                                                                   on_first_update=self._journal)
-        numels = {u: lay.numel for u, lay in self.layouts.items()}
+        numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
         if self.adapters is None:
             events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
                                  master_from_weights=self.tc.store.loads_read_master(self.tc.compute_dtype == torch.float32))
@@ -312,7 +316,7 @@ class StreamingTrainer:
         step = journal["step"]
         pending = [u for u in self.units if self.store.unit_version(u) != step]
         ctx = StepContext([], step, journal["lr"], clip_coef=journal["clip_coef"])
-        numels = {u: lay.numel for u, lay in self.layouts.items()}
+        numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
         self.executor.run(update_events(pending, numels, self.tc.update_chunk), ctx)
         trainer_state = journal["trainer"]
         self.losses = list(trainer_state.get("losses", []))
@@ -347,11 +351,15 @@ class StreamingTrainer:
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
         """A unit's fp32 master weights as one flat host tensor."""
-        layout = self.layouts[unit]
-        out = torch.empty(layout.numel, dtype=torch.float32)
-        for start, count in chunks(layout.numel, self.store.spec.chunk):
+        stored = self.executor.stored_numel(unit)
+        out = torch.empty(stored, dtype=torch.float32)
+        for start, count in chunks(stored, self.store.spec.chunk):
             self.store.read_state(unit, "master", start, out[start:start + count])
-        return out
+        if self.store.spec.shards == 1:
+            return out
+        # Sharded: every rank's slice, so every rank must ask for the same unit at the same time.
+        whole = self.data_parallel.gather_slices(torch.empty(stored * self.store.spec.shards), out)
+        return whole[:self.layouts[unit].numel]
 
     def merged_unit_master(self, unit: str) -> torch.Tensor:
         """unit_master with LoRA's adapters merged into the weights they adapt (the model that was trained)."""
@@ -384,16 +392,3 @@ class StreamingTrainer:
 def _pin_memory(device: str, pin_memory: str) -> str:
     """The store's pin_memory: what the settings ask for on CUDA, nothing elsewhere."""
     return pin_memory if device.startswith("cuda") else "none"
-
-
-def _agree_on_journal(data_parallel: DataParallel, store: Store,
-                      journal: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Roll a journaled step forward only if every rank journaled it; otherwise no rank updated anything yet."""
-    views = data_parallel.gather((store.step, None if journal is None else journal["step"]))
-    if journal is not None and any(j != journal["step"] for _, j in views):
-        store.discard_journal()
-        journal = None
-    steps = {step for step, _ in views}
-    if len(steps) != 1 and journal is None:
-        raise StoreError(f"the ranks' stores are at different steps {sorted(steps)}; restore them from one backup")
-    return journal

@@ -25,7 +25,7 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk", "moment_dtype", "update_timing", "lora_rank", "lora_targets")
+                 "update_chunk", "moment_dtype", "update_timing", "data_parallel", "lora_rank", "lora_targets")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048

@@ -240,7 +240,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
 
 def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
     """Under torchrun (WORLD_SIZE > 1): this process's place in the group; only rank 0 prints."""
-    parallel = DataParallel.from_environment(cfg.device)
+    parallel = DataParallel.from_environment(cfg.device, sharded=cfg.data_parallel == "sharded")
     if parallel is None:
         return None
     console.quiet = parallel.rank != 0

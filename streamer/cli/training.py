@@ -184,13 +184,18 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
                       f"({seconds / trained:.2f} s/step)")
     evaluate(s, console)
-    if not s.lead:
+    # With the state sharded a unit's weights are all-gathered: every process takes part in the (seeded) sample.
+    sharded = s.parallel is not None and s.parallel.sharded
+    if not s.lead and not sharded:
         return
     prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
     new_tokens = min(cfg.sample_tokens, trainer.cfg.n_positions - len(prompt_ids))
     if new_tokens > 0:
         sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.seed)
         text = complete(trainer, s.tokenizer, cfg.sample_prompt, sampling)
+    if not s.lead:
+        return
+    if new_tokens > 0:
         console.print("sample: ", end="")
         console.print(cfg.sample_prompt, style="dim", end="", markup=False, highlight=False)
         console.print(text, markup=False, highlight=False)

@@ -4,6 +4,14 @@ Every rank streams the same layers from its own copy of the store and computes o
 batch; each unit's weight gradient is all-reduced as soon as that unit's backward produces it, while the
 next unit's backward runs. All ranks then apply the same update, so their stores stay identical.
 
+Sharded (`sharded`, `--data-parallel sharded`): each rank's store holds only its slice of every unit's flat
+state (`memory_model.schedule.shard_numel`: master, moments, compute copy and gradient accumulator), so host
+RAM and disk per rank are 1/N. A unit's weights load as the rank's slice and are all-gathered into the whole
+unit on the device; its gradient is reduce-scattered (summed in fp32) so each rank receives only its slice, and
+each rank updates only its slice. The squared gradient norms are summed over the ranks, so every rank clips by
+the same global norm and sees the same non-finite gradient. (gloo in the pinned torch has both
+all_gather_into_tensor and reduce_scatter_tensor, as nccl has.)
+
 Commits: a rank journals step s, then waits for every rank to have journaled it before touching any weight.
 So after a crash either all ranks hold the journal (every rank rolls forward) or some do not (then no rank
 has updated anything yet, and the journals are dropped): no rank ever commits a step the others have not.
@@ -12,38 +20,72 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from streamer.errors import StreamerError
+from memory_model.schedule import shard_numel
+from streamer.errors import StoreError, StreamerError
+from streamer.store.interface import Store
 from streamer.store.layout import fold_into
 
 
 @dataclass(frozen=True)
 class Reduction:
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # the summed gradient (this rank's slice of it, sharded)
     work: Any  # torch.distributed Work handle
+    source: torch.Tensor | None = None  # a reduce-scatter's input, kept alive until the work is done
 
 
 @dataclass(frozen=True)
 class DataParallel:
     rank: int
     world: int
+    sharded: bool = False  # each rank stores and updates only its slice of every unit's state
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
             raise StreamerError(f"rank {self.rank} is outside a world of {self.world} processes")
 
     @classmethod
-    def from_environment(cls, device: str) -> "DataParallel | None":
+    def from_environment(cls, device: str, sharded: bool = False) -> "DataParallel | None":
         """The process group torchrun describes in the environment (WORLD_SIZE > 1), else None."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(), sharded)
+
+    # --- the sharded state ---------------------------------------------------------------------------
+    def stored_numel(self, unit_numel: int) -> int:
+        """Elements of a unit this rank's store holds and updates: all of them, or its slice."""
+        return shard_numel(unit_numel, self.world) if self.sharded else unit_numel
+
+    def slice_start(self, unit_numel: int) -> int:
+        """Where this rank's slice starts in the unit's flat state (0 when it holds the whole unit)."""
+        return self.rank * self.stored_numel(unit_numel) if self.sharded else 0
+
+    def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a unit's whole flat tensor, zero-padded at the unit's end (a copy)."""
+        size = self.stored_numel(flat.numel())
+        out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        piece = flat[self.rank * size:(self.rank + 1) * size]
+        out[:piece.numel()].copy_(piece)
+        return out
+
+    def gather_slices(self, out: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of a unit, in rank order, into `out` (world x the slice; the padding last)."""
+        dist.all_gather_into_tensor(out, piece)
+        return out
+
+    def sum_squares(self, sq_norms: dict[str, float]) -> dict[str, float]:
+        """Per-unit squared gradient norms of every rank's slices, summed: the norms of the whole gradients.
+        Every rank holds the same units in the same (backward) order."""
+        t = torch.tensor(list(sq_norms.values()), dtype=torch.float64)
+        dist.all_reduce(t)
+        return dict(zip(sq_norms, t.tolist()))
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the global batch."""
@@ -53,11 +95,18 @@ class DataParallel:
         return batch.chunk(self.world)[self.rank]
 
     def start_reduce(self, pieces: Sequence[torch.Tensor]) -> Reduction:
-        """All-reduce a gradient given as tensors laid end to end, as one flat tensor."""
+        """All-reduce a gradient given as tensors laid end to end, as one flat tensor; sharded, reduce-scatter
+        it (zero-padded to world x the slice) so this rank receives the sum of its slice only."""
         # Summed in fp32: a bf16 sum over ranks would round every partial sum.
-        flat = fold_into(torch.empty(sum(p.numel() for p in pieces), dtype=torch.float32, device=pieces[0].device),
-                         pieces, first=True)
-        return Reduction(flat, dist.all_reduce(flat, async_op=True))
+        numel = sum(p.numel() for p in pieces)
+        size = self.stored_numel(numel) * (self.world if self.sharded else 1)
+        flat = torch.empty(size, dtype=torch.float32, device=pieces[0].device)
+        fold_into(flat[:numel], pieces, first=True)
+        if not self.sharded:
+            return Reduction(flat, dist.all_reduce(flat, async_op=True))
+        flat[numel:].zero_()
+        mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
+        return Reduction(mine, dist.reduce_scatter_tensor(mine, flat, async_op=True), flat)
 
     def finish_reduce(self, reduction: Reduction) -> torch.Tensor:
         reduction.work.wait()
@@ -75,3 +124,46 @@ class DataParallel:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value)
         return out
+
+
+def rank_store_dir(run_store: Path, parallel: DataParallel | None) -> Path:
+    """The store this process opens: `run_store` itself, or under torchrun its rank's `rank<N>` folder. A store
+    written by another number of processes is refused, untouched, with the number to resume it with."""
+    processes = len(list(run_store.glob("rank*"))) or 1
+    world = 1 if parallel is None else parallel.world
+    if run_store.is_dir() and processes != world:
+        how = f"torchrun --nproc-per-node {processes}" if processes > 1 else "one process (no torchrun)"
+        raise StoreError(f"{run_store} holds the stores of {processes} process(es) and this is {world}; resume "
+                         f"it with {how}")
+    return run_store if parallel is None else run_store / f"rank{parallel.rank}"
+
+
+def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> None:
+    """A store of one rank's slices opens only in that many processes, under the mode it was written with."""
+    shards, world = store.spec.shards, 1 if parallel is None else parallel.world
+    if shards > 1 and shards != world:
+        # generate, export and eval read one store in one process: the slices are not merged for them (yet).
+        raise StoreError(f"{store.root} holds 1/{shards} of a run's state (--data-parallel sharded over {shards} "
+                         f"processes) and this is {world}; only training under torchrun --nproc-per-node {shards} "
+                         "opens it (generate, export and eval need a run trained with --data-parallel replicated)")
+    if (mode == "sharded") != (shards > 1) and world > 1:
+        was = "sharded" if shards > 1 else "replicated"
+        raise StoreError(f"{store.root} was written with --data-parallel {was}; resume it with --data-parallel {was}")
+
+
+def agree_on_journal(data_parallel: DataParallel, store: Store,
+                     journal: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Roll a journaled step forward only if every rank journaled it or already committed it (a rank that
+    finished its update before another crashed); otherwise no rank has updated anything of it yet."""
+    views = data_parallel.gather((store.step, None if journal is None else journal["step"]))
+
+    def everyone_reached(step: int) -> bool:
+        return all(j == step or committed >= step for committed, j in views)
+
+    if journal is not None and not everyone_reached(journal["step"]):
+        store.discard_journal()
+        journal = None
+    steps = {j if j is not None and everyone_reached(j) else committed for committed, j in views}
+    if len(steps) != 1:
+        raise StoreError(f"the ranks' stores are at different steps {sorted(steps)}; restore them from one backup")
+    return journal

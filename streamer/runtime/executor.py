@@ -20,8 +20,8 @@ from layers.lora import add_adapters
 from memory_model import Ledger, Trace
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from memory_model.schedule import (
-    Event, Resource, StateChunk, Weights, adapter_charges, gradient_charges, is_fused, loads_keeping_master,
-    released_after, resident_sets, resource_charges, update_charges,
+    Event, Resource, StateChunk, Weights, adapter_charges, gathered_numel, gradient_charges, is_fused,
+    loads_keeping_master, released_after, resident_sets, resource_charges, shard_numel, update_charges,
 )
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
@@ -63,6 +63,7 @@ class Executor:
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self.units = list(layouts)
         self.data_parallel = data_parallel
+        self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
         self._scratch: torch.Tensor | None = None
         self.current = RunningStep()
 
@@ -98,13 +99,15 @@ class Executor:
 
     def _issue(self, resource: Resource, step: int, keep_master: bool) -> None:
         numel = self.layouts[resource.unit].numel
+        stored = self.stored_numel(resource.unit)
+        on_device = gathered_numel(numel, self._shards())  # sharded: every rank's slice, all-gathered
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
-                   for c in resource_charges(resource, numel, self.dtype.itemsize, self.tc.update_on)]
+                   for c in resource_charges(resource, on_device, self.dtype.itemsize, self.tc.update_on)]
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
             from_master = self.tc.store.loads_read_master(self.dtype == torch.float32)
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
-                resource.unit, numel, from_master, keep_master))
+                resource.unit, stored, from_master, keep_master))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
@@ -119,10 +122,34 @@ class Executor:
         tensors = self._inflight[resource][0].result().wait()
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
-            state.buffer, state.residency = tensors["weights"], Residency.AVAILABLE
             if "master" in tensors:
                 self.current.kept_masters[resource.unit] = tensors["master"]
+            if state.residency is not Residency.AVAILABLE:  # (the head's backward acquires what its forward did)
+                state.buffer, state.residency = self._whole_unit(resource.unit, tensors["weights"]), Residency.AVAILABLE
         return tensors
+
+    def _shards(self) -> int:
+        """The slices each unit's state is stored in: the ranks, with the state sharded; else 1."""
+        return self.data_parallel.world if self.data_parallel is not None and self.data_parallel.sharded else 1
+
+    def stored_numel(self, unit: str) -> int:
+        """Elements of `unit` the store holds and the update walks: the unit, or this rank's slice of it."""
+        return shard_numel(self.layouts[unit].numel, self._shards())
+
+    def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
+        """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device: on the
+        compute thread, in program order, so every rank issues its collectives in the same order (the slice's
+        load from the store still overlaps the compute before it)."""
+        numel = self.layouts[unit].numel
+        if weights.numel() == numel:
+            return weights
+        gathered = self.transport.device_buffer(weights.numel() * self.data_parallel.world, weights.dtype)
+        self.data_parallel.gather_slices(gathered, weights)
+        # (in fp32 the slice may be the master a fused update keeps: that one is given back after the update)
+        if weights is not self.current.kept_masters.get(unit) and self.transport.owns(weights, unit, "compute"):
+            self.transport.give_back(weights)
+        self._gathered[unit] = gathered
+        return gathered[:numel]
 
     def _release(self, resource: Resource) -> None:
         future, handles = self._inflight.pop(resource)
@@ -131,7 +158,10 @@ class Executor:
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
             kept = self.current.kept_masters.get(resource.unit)
-            if (state.buffer is not None and state.buffer is not kept
+            gathered = self._gathered.pop(resource.unit, None)
+            if gathered is not None:
+                self.transport.give_back(gathered)
+            elif (state.buffer is not None and state.buffer is not kept
                     and self.transport.owns(state.buffer, resource.unit, "compute")):
                 self.transport.give_back(state.buffer)  # (None: loaded ahead, then the step was aborted)
             state.buffer, state.residency = None, Residency.NOT_AVAILABLE
@@ -214,6 +244,8 @@ class Executor:
                                                              "gradient w.r.t. the unit's input"))
         if unit == self.units[0] or (self.current.fused and micro == self.tc.grad_accum - 1):
             self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
+        if unit == self.units[0] and micro == self.tc.grad_accum - 1 and self._shards() > 1:
+            self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
         """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
@@ -225,7 +257,8 @@ class Executor:
         self._finish_pending_offload()
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
-                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks)]
+                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
+                                             self._shards() > 1)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step, persist = self.current.step, not (self.current.fused and last)
@@ -241,8 +274,8 @@ class Executor:
                 return 0.0, None
             host = self.transport.pieces_to_host(grads)
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
-                self._scratch = torch.empty(max(lay.numel for lay in self.layouts.values()), dtype=torch.float32)
-            scratch = None if self._scratch is None else self._scratch[:self.layouts[unit].numel]
+                self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
+            scratch = None if self._scratch is None else self._scratch[:self.stored_numel(unit)]
             total = self.store.accumulate_grad(unit, host, first, scratch, persist)
             if host is not grads:
                 self.transport.give_back(host[0])
@@ -284,7 +317,9 @@ class Executor:
             tensors = {**tensors, "master": self.transport.host_chunk(
                 self.current.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.tc.update_on == "host")}
         layout = self.layouts[chunk.unit]
-        adamw_chunk(tensors, chunk.start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
+        # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
+        start = chunk.start + (0 if self.data_parallel is None else self.data_parallel.slice_start(layout.numel))
+        adamw_chunk(tensors, start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
         if self.current.fused:
             grad = tensors.pop("grad")
             if grad.device.type != "cpu":

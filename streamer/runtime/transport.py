@@ -153,6 +153,10 @@ class Transport:
             return self.staging.take(numel, dtype) if self.staging is not None else torch.empty(numel, dtype=dtype)
         return torch.empty(numel, dtype=dtype, device=self.device if where == "device" else "cpu")
 
+    def device_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable device buffer (a unit's all-gathered weights, say); `give_back` it when done."""
+        return self._take(numel, dtype, "device")
+
     def give_back(self, t: torch.Tensor) -> None:
         """Return a buffer `_take` gave out to the pool of its kind (told apart by the tensor's own device)."""
         if self.mode == "meta":

@@ -47,9 +47,10 @@ class HostStore(Store):
         self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file
         self.commit: Commit | None = None
         self._grad_checksums: dict[str, int] = {}
-        numels = {unit: lay.numel for unit, lay in self.layouts.items()}
-        self._slabs = RamSlabs(spec, numels, pin=pin_memory == "all")
-        self._files = StateFiles(root / "slabs", spec, numels)
+        # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
+        self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
+        self._slabs = RamSlabs(spec, self.numels, pin=pin_memory == "all")
+        self._files = StateFiles(root / "slabs", spec, self.numels)
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -142,7 +143,7 @@ class HostStore(Store):
         if not wanted and not rebuild_compute:
             return
         generation = self.versions[unit]
-        for start, count in chunks(self.layouts[unit].numel, self.spec.chunk):
+        for start, count in chunks(self.numels[unit], self.spec.chunk):
             for kind in wanted:
                 self._files.read(unit, generation, kind, start, self._slabs.get(unit, kind)[start:start + count])
             if rebuild_compute:
@@ -163,7 +164,7 @@ class HostStore(Store):
         if (ram := self._slabs.get(unit, "master")) is not None:
             out.copy_(ram)
             return
-        for start, count in chunks(self.layouts[unit].numel, self.spec.chunk):
+        for start, count in chunks(self.numels[unit], self.spec.chunk):
             self._files.read(unit, self.versions[unit], "master", start, out[start:start + count])
 
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
@@ -276,9 +277,9 @@ class HostStore(Store):
             self._write_manifest()
             return
         commit = Commit(self.step, self.generation + 1, journaled=False)
-        for unit, lay in self.layouts.items():
+        for unit, numel in self.numels.items():
             with self._writer(unit, commit, persist=True) as writer:
-                for start, count in chunks(lay.numel, self.spec.chunk):
+                for start, count in chunks(numel, self.spec.chunk):
                     for kind in self.spec.file_kinds():
                         writer.write(kind, start, self._slabs.get(unit, kind)[start:start + count])
         self.generation = commit.generation

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from layers import GPTJConfig
-from memory_model.schedule import chunks
+from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import Choice, Integer, check_settings, setting
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
@@ -40,6 +40,8 @@ class StoreSpec:
     placement: Placement = field(default_factory=Placement)
     chunk: int = setting(16 * 2**20, "parameters per update chunk; also the interleave unit of state files",
                          Integer(1, " (a number of parameters)"))
+    # Data parallel with the state sharded: this store holds one rank's `shard_numel` slice of every unit.
+    shards: int = 1
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
@@ -48,6 +50,10 @@ class StoreSpec:
             # on save().
             raise StoreError("placement compute='disk' needs state='disk' (compute weights are read from the "
                              "state files' fp32 masters); use store='disk' or keep compute in RAM")
+
+    def stored_numel(self, unit_numel: int) -> int:
+        """Elements of a unit of `unit_numel` parameters this store holds: the whole unit, or one rank's slice."""
+        return shard_numel(unit_numel, self.shards)
 
     @property
     def compute_is_master(self) -> bool:
@@ -91,7 +97,7 @@ class StoreSpec:
         for unit in self.config.unit_names():
             kind = unit.split(".")[0]
             if kind not in numels:
-                numels[kind] = UnitLayout.of(self.config, unit).numel
+                numels[kind] = self.stored_numel(UnitLayout.of(self.config, unit).numel)
             numel = numels[kind]
             ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
             disk += 2 * (self.state_bytes(numel) + TRAILER_BYTES)
@@ -101,7 +107,7 @@ class StoreSpec:
     def staging_bytes(self) -> int:
         """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
         buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
-        largest = max(UnitLayout.of(self.config, unit).numel for unit in self._unit_kinds())
+        largest = max(self.stored_numel(UnitLayout.of(self.config, unit).numel) for unit in self._unit_kinds())
         chunk = min(self.chunk, largest)
         return 4 * (STAGING_UNITS * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
 
@@ -122,15 +128,17 @@ class StoreSpec:
         raise KeyError(kind)
 
     def to_dict(self) -> dict[str, Any]:
+        sharded = {"shards": self.shards} if self.shards > 1 else {}  # a whole store's manifest reads as before
         return {"config": self.config.__dict__, "compute_dtype": self.compute_dtype,
-                "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk}
+                "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
+                **sharded}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "StoreSpec":
         try:
-            if set(raw) != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
+            if set(raw) - {"shards"} != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
             return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
-                       Placement(**raw["placement"]), raw["chunk"])
+                       Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None

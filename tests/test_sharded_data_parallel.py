@@ -1,0 +1,118 @@
+"""Data parallel with the state sharded: 2 gloo processes, each storing and updating half of every unit, equal
+one process on the same global batch, resume, refuse another number of processes, and store half the bytes."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from memory_model import PlanConfig, device_spec, plan
+from streamer import StreamingTrainer
+from streamer.errors import StoreError
+from tests.test_distributed import CFG, TC, _free_port, _max_diff, _rank_main, global_batches, single_process
+
+SHARDED = TC.replace(data_parallel="sharded")
+
+
+def run_sharded(tmp_path: Path, phases: list[tuple[str, int]], tc=SHARDED) -> list[dict]:
+    out = str(tmp_path / "result")
+    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "run"), phases, out, tc), nprocs=2, join=True)
+    return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["disk", "ram"])
+def test_two_sharded_ranks_equal_one_process(tmp_path, store):
+    tc = SHARDED.replace(store=store)
+    ranks = run_sharded(tmp_path, [("new", 3)], tc)
+    reference = single_process(tmp_path, 3, tc.replace(data_parallel="replicated"))
+    assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0  # the same gathered weights on every rank
+    diff = _max_diff(ranks[0]["state"], reference["state"])
+    print("max abs difference vs one process", diff)
+    assert diff <= 1e-5
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
+    # Each rank's device peak (the whole unit all-gathered, the padded fp32 gradient and its reduce-scattered
+    # slice included) is what the planner predicts for sharded ranks.
+    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(
+        batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=10_000, devices=2,
+        data_parallel="sharded")).peak_device_bytes
+    assert [r["peak"] for r in ranks] == [planned, planned]
+
+
+@pytest.mark.slow
+def test_sharded_resume_equals_one_process_and_each_store_is_half(tmp_path):
+    ranks = run_sharded(tmp_path, [("new", 2), ("open", 1)])
+    reference = single_process(tmp_path, 3)
+    assert _max_diff(ranks[1]["state"], reference["state"]) <= 1e-5
+    replicated = tmp_path / "replicated"
+    replicated.mkdir()
+    run_sharded(replicated, [("new", 1)], TC)
+    whole = _bytes_under(replicated / "run" / "rank0")
+    halves = [_bytes_under(tmp_path / "run" / f"rank{r}") for r in range(2)]
+    print("per-rank store bytes: replicated", whole, "sharded", halves)
+    assert all(0.45 * whole <= half <= 0.55 * whole for half in halves)
+
+
+def _open_alone(run: Path) -> None:
+    StreamingTrainer.open(run)
+
+
+@pytest.mark.slow
+def test_sharded_run_refuses_another_number_of_processes(tmp_path):
+    run_sharded(tmp_path, [("new", 1)])
+    with pytest.raises(StoreError, match=r"2 process\(es\) and this is 1; resume it with torchrun --nproc-per-node 2"):
+        StreamingTrainer.open(tmp_path / "run")
+    with pytest.raises(StoreError, match=r"holds 1/2 of a run.s state .* torchrun --nproc-per-node 2 opens it"):
+        StreamingTrainer.open(tmp_path / "run" / "rank0")
+    assert len(list((tmp_path / "run" / "rank0" / "slabs").iterdir())) > 0  # nothing was deleted
+
+
+def _killed_main(rank: int, world: int, port: int, run: str) -> None:
+    """Two steps; rank 1 SIGKILLs itself at its second state write of step 2, after every rank journaled it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    data = global_batches(2)
+    trainer = StreamingTrainer(CFG, SHARDED, store_dir=run)
+    trainer.step(data[0])
+    if rank == 1:
+        write_back, writes = trainer.executor._write_back, []
+
+        def dying(*args: object) -> None:
+            writes.append(args)
+            if len(writes) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            write_back(*args)
+
+        trainer.executor._write_back = dying
+    trainer.step(data[1])
+    trainer.step(data[1])  # rank 0 waits here for rank 1, which is gone
+
+
+def _resumed_main(rank: int, world: int, port: int, run: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    with StreamingTrainer.open(run) as trainer:
+        steps = trainer.step_count
+        trainer.step(global_batches(3)[2])
+        torch.save({"state": trainer.state_dict(), "steps": steps}, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_update_resumes_to_the_uninterrupted_result(tmp_path):
+    run = str(tmp_path / "run")
+    with pytest.raises(mp.ProcessExitedException):
+        mp.spawn(_killed_main, args=(2, _free_port(), run), nprocs=2, join=True)
+    out = str(tmp_path / "result")
+    mp.spawn(_resumed_main, args=(2, _free_port(), run, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert [r["steps"] for r in ranks] == [2, 2]  # the journaled step 2 was rolled forward on rank 1
+    assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3)["state"]) <= 1e-5
