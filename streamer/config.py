@@ -151,7 +151,8 @@ class TrainerConfig:
 
     def store_spec(self, model: GPTJConfig) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`."""
-        return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk)
+        return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk,
+                         frozen=self.lora.enabled)
 
     def replace(self, **changes: Any) -> "TrainerConfig":
         return dataclasses.replace(self, **changes)

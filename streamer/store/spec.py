@@ -11,7 +11,7 @@ import torch
 
 from layers import GPTJConfig
 from memory_model.schedule import chunks
-from memory_model.settings import Choice, Integer, check_settings, setting
+from memory_model.settings import Choice, Integer, Switch, check_settings, setting
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
@@ -39,6 +39,9 @@ class StoreSpec:
     placement: Placement = field(default_factory=Placement)
     chunk: int = setting(16 * 2**20, "parameters per update chunk; also the interleave unit of state files",
                          Integer(1, " (a number of parameters)"))
+    # LoRA trains adapters beside a frozen base: the store then holds the base's compute weights alone, written
+    # once (no master, no moments, no gradient), and a step only reads them.
+    frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
@@ -49,8 +52,9 @@ class StoreSpec:
 
     @property
     def compute_is_master(self) -> bool:
-        """fp32 compute weights are the master weights themselves: no second copy."""
-        return self.compute_dtype == "fp32"
+        """fp32 compute weights are the master weights themselves: no second copy (a frozen base has no masters:
+        its compute weights are all it stores)."""
+        return self.compute_dtype == "fp32" and not self.frozen
 
     def kind_dtype(self, kind: str) -> torch.dtype:
         if kind == "master" or kind == "grad":
@@ -59,15 +63,22 @@ class StoreSpec:
             return DTYPES[self.compute_dtype]
         return DTYPES[self.moment_dtype]
 
+    def stored_kinds(self) -> tuple[str, ...]:
+        """Kinds the store holds, in RAM or in files, in file order; fp32 compute weights are the masters."""
+        return (() if self.frozen else STATE_KINDS) + (() if self.compute_is_master else ("compute",))
+
     def file_kinds(self) -> tuple[str, ...]:
         """Kinds stored, chunk-interleaved, in a unit's state file."""
+        if self.frozen:
+            return ("compute",)
         with_compute = self.placement.compute == "disk" and not self.compute_is_master
         return STATE_KINDS + (("compute",) if with_compute else ())
 
     def ram_kinds(self) -> tuple[str, ...]:
         """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
-        tiers = {"compute": self.placement.compute, "grad": self.placement.grad,
-                 **{k: self.placement.state for k in STATE_KINDS}}
+        tiers = {"compute": self.placement.compute}
+        if not self.frozen:
+            tiers.update({"grad": self.placement.grad, **{k: self.placement.state for k in STATE_KINDS}})
         return tuple(k for k, tier in tiers.items()
                      if tier == "ram" and not (k == "compute" and self.compute_is_master))
 
@@ -82,7 +93,8 @@ class StoreSpec:
     def host_bytes(self) -> tuple[int, int]:
         """(RAM, disk) bytes of the whole store at its largest. State files are written on every commit (the RAM
         tier's on a save), and while one is committed a unit has two generations on disk: the old one is
-        deleted only once the new one is in place. Disk-tier gradients have a file of their own."""
+        deleted only once the new one is in place. Disk-tier gradients have a file of their own. A frozen
+        base's state files are written once, when its weights are (nothing a step does changes them)."""
         ram = disk = 0
         numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
         for unit in self.config.unit_names():
@@ -91,8 +103,8 @@ class StoreSpec:
                 numels[kind] = UnitLayout.of(self.config, unit).numel
             numel = numels[kind]
             ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
-            disk += 2 * (self.state_bytes(numel) + TRAILER_BYTES)
-            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" else 0
+            disk += (1 if self.frozen else 2) * (self.state_bytes(numel) + TRAILER_BYTES)
+            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" and not self.frozen else 0
         return ram, disk
 
     def staging_bytes(self) -> int:
@@ -120,14 +132,16 @@ class StoreSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.__dict__, "compute_dtype": self.compute_dtype,
-                "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk}
+                "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
+                "frozen": self.frozen}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "StoreSpec":
         try:
-            if set(raw) != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
+            # A store written before `frozen` existed holds a full training state, whatever its run trained.
+            if set(raw) - {"frozen"} != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
             return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
-                       Placement(**raw["placement"]), raw["chunk"])
+                       Placement(**raw["placement"]), raw["chunk"], raw.get("frozen", False))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None
