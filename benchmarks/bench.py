@@ -30,6 +30,7 @@ from benchmarks.compare import (
 from benchmarks.machine import (
     ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
 )
+from benchmarks.lora import FULL, lora_pair, lora_versus_full
 from benchmarks.report import write_markdown
 from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         specs, skipped = _main_specs(cfg, s)
         results = runner.compare(specs, s.rounds)
         results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
+        results.update(runner.compare(lora_pair(_spec(FULL, "stream", cfg, s)), s.rounds))
         if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
             cores = max(1, machine.cores)
             dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
@@ -237,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
                       compute=s.compute)
         outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
-                                   gpu(ctx, machine.gpu), *where_time_goes(ctx)]
+                                   gpu(ctx, machine.gpu), lora_versus_full(ctx), *where_time_goes(ctx)]
         for outcome in outcomes:
             console.print(outcome.section.rich())
         targets = [t for o in outcomes for t in o.targets]
