@@ -30,6 +30,7 @@ from benchmarks.compare import (
 from benchmarks.machine import (
     ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
 )
+from benchmarks.lora import FULL, LORA, lora_pair, lora_versus_full
 from benchmarks.report import write_markdown
 from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
@@ -191,6 +192,7 @@ def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
     """Comparisons 1-5, the planner's second size and data parallel (adding to `skipped` what is not run)."""
     results = runner.compare(specs, s.rounds)
     results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
+    results.update(runner.compare(lora_pair(_spec(FULL, "stream", GPTJConfig.preset(s.model), s)), s.rounds))
     if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
         dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
               _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, max(1, cores) // 2))]
@@ -235,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         specs, skipped = _main_specs(cfg, s)
         results = {} if args.only_scale else _compare_main(runner, specs, s, machine.cores, skipped)
         if args.only_scale:
-            skipped = dict.fromkeys((*(spec.label for spec in specs), *skipped, SECOND, DP_1, DP_2), "--only-scale")
+            skipped = dict.fromkeys((*(spec.label for spec in specs), *skipped, SECOND, FULL, LORA, DP_1, DP_2),
+                                    "--only-scale")
         pick = None
         if s.scale:
             free, budget = disk_budget(workdir, s.reserve_fraction, s.reserve_min_bytes)
@@ -256,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                       compute=s.compute)
         outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
-                                   gpu(ctx, machine.gpu), *where_time_goes(ctx)]
+                                   gpu(ctx, machine.gpu), lora_versus_full(ctx), *where_time_goes(ctx)]
         for outcome in outcomes:
             console.print(outcome.section.rich())
         targets = [t for o in outcomes for t in o.targets]

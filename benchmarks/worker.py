@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memory_model import PlanConfig
+from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig
@@ -55,6 +56,7 @@ class RunSpec:
     profile: bool = setting(False, "one more step under torch.profiler after the timed ones", Switch())
     workdir: str = setting("", "the folder of the contender's files", Text())
     seed: int = same_setting(TrainerConfig, "seed")
+    lora_rank: int = same_setting(LoraConfig, "rank")  # ours streamed only
 
     def __post_init__(self) -> None:
         check_settings(self, lambda key, problem: ValueError(f"{key} {problem}"))
@@ -110,7 +112,8 @@ def _ours(spec: RunSpec) -> Contender:
     from benchmarks.resident import ResidentTrainer
     cfg = _gptj_config(spec)
     tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations=spec.activations,
-                       moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm or None)
+                       moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm or None,
+                       lora_rank=spec.lora_rank)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
         return Contender(trainer.step, cfg.num_params(), trainer)

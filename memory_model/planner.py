@@ -24,7 +24,7 @@ from memory_model.shapes import (
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
     Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gathered_numel, gradient_charges,
-    resident_sets, resource_charges, shard_numel, step_events, store_bytes, update_charges,
+    load_order, resident_sets, resource_charges, shard_numel, step_events, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -78,6 +78,7 @@ class Plan:
     peak_at: tuple[str, str]  # (unit, phase) of the first event at the peak
     fits: bool  # the peak plus the device's reserve (CUDA context) fit its memory
     host_store_bytes: int  # per rank (1/N with the state sharded): compute weights, master, moments, gradient
+    # (a frozen LoRA base: its compute weights alone)
     host_stores: int  # stores on one host: ranks sharing it, each with its own store (1 with an in-network reduce)
     host_fits: bool  # the RAM tier needs every store of the host in its RAM
     step_time_s: float
@@ -238,6 +239,9 @@ def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
     """(read, written) bytes of the store's files in one step: the disk tier's I/O (none in RAM)."""
     if cfg.store != "disk":
         return 0, 0
+    if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
+        events = _events(shape, cfg)
+        return sum(shape.unit_params(r.unit) for r in load_order(events, cfg.prefetch)) * cfg.dtype_bytes, 0
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum)
 
@@ -324,7 +328,9 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
-    host_store = shard_numel(params, cfg.shards) * (es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM)
+    # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient.
+    state = es if frozen else es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM
+    host_store = shard_numel(params, cfg.shards) * state
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)

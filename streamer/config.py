@@ -155,7 +155,7 @@ class TrainerConfig:
         data-parallel processes (with the state sharded, each holds its slice)."""
         shards = processes if self.data_parallel == "sharded" else 1
         return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk,
-                         shards)
+                         shards, frozen=self.lora.enabled)
 
     def replace(self, **changes: Any) -> "TrainerConfig":
         return dataclasses.replace(self, **changes)

@@ -96,6 +96,8 @@ class StreamingTrainer:
             if tc.store != store.spec.placement:
                 raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
+            if store.spec.frozen and not tc.lora.enabled:
+                raise StoreError(f"{store_dir} holds a LoRA run's frozen base only; resume it with its --lora-rank")
             trainer = cls(store.spec.config, tc, _store=store)
             if trainer.adapters is not None:
                 trainer.adapters.load(store.root, store.step)
@@ -150,11 +152,11 @@ class StreamingTrainer:
         with store.unit_writer(unit, store.step) as writer:
             for start, count in chunks(master.numel(), store.spec.chunk):
                 piece = master[start:start + count]
-                zeros = torch.zeros(count, dtype=torch.float32)
-                for kind, values in (("master", piece), ("exp_avg", zeros), ("exp_avg_sq", zeros),
-                                     ("compute", piece.to(self.tc.compute_dtype))):
-                    if kind != "compute" or not store.spec.compute_is_master:
-                        writer.write(kind, start, values)
+                zeros = None if store.spec.frozen else torch.zeros(count, dtype=torch.float32)  # LoRA: no moments
+                values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros,
+                          "compute": piece.to(self.tc.compute_dtype)}
+                for kind in store.spec.stored_kinds():
+                    writer.write(kind, start, values[kind])
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-keyed weights (GPTJForCausalLM's state_dict); resets the Adam moments."""
@@ -350,7 +352,7 @@ class StreamingTrainer:
 
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
-        """A unit's fp32 master weights as one flat host tensor."""
+        """A unit's fp32 master weights as one flat host tensor (a frozen base's: its compute weights)."""
         stored = self.executor.stored_numel(unit)
         out = torch.empty(stored, dtype=torch.float32)
         for start, count in chunks(stored, self.store.spec.chunk):

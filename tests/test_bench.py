@@ -35,7 +35,7 @@ def test_quick_run_writes_every_section(tmp_path):
     text = out.read_text()
     for title in ("Compute dtype of each run", "1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed", "4. Disk tier",
                   "5. Utilisation", "6. Scale", "7. Memory", "Planner vs measured", "Data parallel",
-                  "On a CUDA GPU", "## Targets"):
+                  "On a CUDA GPU", "LoRA vs full fine-tuning", "## Targets"):
         assert title in text
     assert "command: `streamer bench --quick --output" in text
     assert "CPU: " in text and "torch " in text

@@ -47,6 +47,7 @@ class HostStore(Store):
         self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file
         self.commit: Commit | None = None
         self._grad_checksums: dict[str, int] = {}
+        self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
         self._slabs = RamSlabs(spec, self.numels, pin=pin_memory == "all")
@@ -161,6 +162,10 @@ class HostStore(Store):
         return self._slabs.get(unit, kind)
 
     def read_master(self, unit: str, out: torch.Tensor) -> None:
+        if self.spec.frozen:  # a frozen base's weights are its compute weights: widened into `out`
+            for start, count in chunks(self.numels[unit], self.spec.chunk):
+                self.read_state(unit, "compute", start, out[start:start + count])
+            return
         if (ram := self._slabs.get(unit, "master")) is not None:
             out.copy_(ram)
             return
@@ -168,6 +173,8 @@ class HostStore(Store):
             self._files.read(unit, self.versions[unit], "master", start, out[start:start + count])
 
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
+        if kind == "master" and self.spec.frozen:
+            kind = "compute"  # a frozen base's weights are its compute weights
         stored = self.spec.kind_dtype(kind)
         if (ram := self._slabs.get(unit, kind)) is not None:
             out.copy_(ram[start:start + out.numel()])
@@ -242,7 +249,10 @@ class HostStore(Store):
         if self.commit is None:  # rolling a journaled step forward, or the first write or loaded weights
             journal = self.journal
             self.commit = Commit(step, self.generation + 1, journal is not None and journal["step"] == step)
-        return self._writer(unit, self.commit, persist=self.spec.placement.state == "disk")
+        persist = self.spec.placement.state == "disk"
+        if not persist:
+            self._unsaved.add(unit)
+        return self._writer(unit, self.commit, persist)
 
     def _writer(self, unit: str, commit: Commit, persist: bool) -> "UnitWriter":
         file = self._files.new_generation(unit, commit.generation) if persist else None
@@ -278,11 +288,14 @@ class HostStore(Store):
             return
         commit = Commit(self.step, self.generation + 1, journaled=False)
         for unit, numel in self.numels.items():
+            if self.spec.frozen and unit not in self._unsaved:
+                continue  # a frozen base changes only when new weights are written: its state file holds it
             with self._writer(unit, commit, persist=True) as writer:
                 for start, count in chunks(numel, self.spec.chunk):
                     for kind in self.spec.file_kinds():
                         writer.write(kind, start, self._slabs.get(unit, kind)[start:start + count])
         self.generation = commit.generation
+        self._unsaved.clear()
         self._write_manifest()
         self._remove_strays()
 

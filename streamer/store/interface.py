@@ -76,7 +76,8 @@ class Store(ABC):
     `spec` what the store holds and where; `layouts` every unit's flat layout; `step` the last committed
     step; `pin_memory` the host memory pinned for a CUDA device (`PIN_MODES`: "all" pins the RAM slabs too;
     the transport's staging buffers are pinned unless it is "none"). The kinds are "compute", "master",
-    "exp_avg", "exp_avg_sq" and "grad".
+    "exp_avg", "exp_avg_sq" and "grad"; a frozen base (`spec.frozen`, LoRA) holds "compute" alone, which a read
+    of "master" returns, and is never updated.
     """
 
     root: Path

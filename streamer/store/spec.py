@@ -11,7 +11,7 @@ import torch
 
 from layers import GPTJConfig
 from memory_model.schedule import chunks, shard_numel
-from memory_model.settings import Choice, Integer, check_settings, setting
+from memory_model.settings import Choice, Integer, Switch, check_settings, setting
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
@@ -42,6 +42,9 @@ class StoreSpec:
                          Integer(1, " (a number of parameters)"))
     # Data parallel with the state sharded: this store holds one rank's `shard_numel` slice of every unit.
     shards: int = 1
+    # LoRA trains adapters beside a frozen base: the store then holds the base's compute weights alone, written
+    # once (no master, no moments, no gradient), and a step only reads them.
+    frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
@@ -57,8 +60,9 @@ class StoreSpec:
 
     @property
     def compute_is_master(self) -> bool:
-        """fp32 compute weights are the master weights themselves: no second copy."""
-        return self.compute_dtype == "fp32"
+        """fp32 compute weights are the master weights themselves: no second copy (a frozen base has no masters:
+        its compute weights are all it stores)."""
+        return self.compute_dtype == "fp32" and not self.frozen
 
     def kind_dtype(self, kind: str) -> torch.dtype:
         if kind == "master" or kind == "grad":
@@ -67,16 +71,22 @@ class StoreSpec:
             return DTYPES[self.compute_dtype]
         return DTYPES[self.moment_dtype]
 
+    def stored_kinds(self) -> tuple[str, ...]:
+        """Kinds the store holds, in RAM or in files, in file order; fp32 compute weights are the masters."""
+        return (() if self.frozen else STATE_KINDS) + (() if self.compute_is_master else ("compute",))
+
     def file_kinds(self) -> tuple[str, ...]:
         """Kinds stored, chunk-interleaved, in a unit's state file. No compute-dtype copy: with compute on
         disk a load reads the fp32 master and casts it, so a step reads the master once for the backward and
-        the update together and never writes a copy (docs/STORE.md)."""
-        return STATE_KINDS
+        the update together and never writes a copy (docs/STORE.md). A frozen base stores its compute weights
+        alone."""
+        return ("compute",) if self.frozen else STATE_KINDS
 
     def ram_kinds(self) -> tuple[str, ...]:
         """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
-        tiers = {"compute": self.placement.compute, "grad": self.placement.grad,
-                 **{k: self.placement.state for k in STATE_KINDS}}
+        tiers = {"compute": self.placement.compute}
+        if not self.frozen:
+            tiers.update({"grad": self.placement.grad, **{k: self.placement.state for k in STATE_KINDS}})
         return tuple(k for k, tier in tiers.items()
                      if tier == "ram" and not (k == "compute" and self.compute_is_master))
 
@@ -91,7 +101,8 @@ class StoreSpec:
     def host_bytes(self) -> tuple[int, int]:
         """(RAM, disk) bytes of the whole store at its largest. State files are written on every commit (the RAM
         tier's on a save), and while one is committed a unit has two generations on disk: the old one is
-        deleted only once the new one is in place. Disk-tier gradients have a file of their own."""
+        deleted only once the new one is in place. Disk-tier gradients have a file of their own. A frozen
+        base's state files are written once, when its weights are (nothing a step does changes them)."""
         ram = disk = 0
         numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
         for unit in self.config.unit_names():
@@ -100,8 +111,8 @@ class StoreSpec:
                 numels[kind] = self.stored_numel(UnitLayout.of(self.config, unit).numel)
             numel = numels[kind]
             ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
-            disk += 2 * (self.state_bytes(numel) + TRAILER_BYTES)
-            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" else 0
+            disk += (1 if self.frozen else 2) * (self.state_bytes(numel) + TRAILER_BYTES)
+            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" and not self.frozen else 0
         return ram, disk
 
     def staging_bytes(self) -> int:
@@ -131,14 +142,15 @@ class StoreSpec:
         sharded = {"shards": self.shards} if self.shards > 1 else {}  # a whole store's manifest reads as before
         return {"config": self.config.__dict__, "compute_dtype": self.compute_dtype,
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
-                **sharded}
+                **sharded, "frozen": self.frozen}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "StoreSpec":
         try:
-            if set(raw) - {"shards"} != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
+            # A store written before `frozen` existed holds a full training state, whatever its run trained.
+            if set(raw) - {"shards", "frozen"} != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
             return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
-                       Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1))
+                       Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None

@@ -1,0 +1,74 @@
+"""`streamer bench`'s LoRA pair: the worker trains adapters on the frozen base, and the section divides the
+measured rows and prices GPT-J-6B both ways with the planner."""
+from __future__ import annotations
+
+import dataclasses
+
+from layers import GPTJConfig
+from memory_model import PlanConfig, device_spec, plan
+from memory_model.lora import LoraConfig
+from benchmarks.compare import STREAM_RAM, Context
+from benchmarks.lora import FULL, LORA, LORA_RANK, PLANNED, lora_pair, lora_versus_full, store_bytes
+from benchmarks.machine import Peaks
+from benchmarks.report import size
+from benchmarks.runs import Runner, merge
+from benchmarks.worker import Measured, RunSpec
+from streamer.runtime.hardware import DtypeChoice
+
+CFG = GPTJConfig.preset("gptj-debug")
+FP32 = DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
+
+
+class _Quiet:
+    def print(self, *_: object, **__: object) -> None:
+        pass
+
+
+def _context(results: dict, skipped: dict | None = None) -> Context:
+    return Context(results=results, peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, scale=None, compute=FP32,
+                   skipped=skipped or {})
+
+
+def test_the_pair_differs_only_in_the_adapters() -> None:
+    base = RunSpec(label=STREAM_RAM, contender="stream", model=dataclasses.asdict(CFG), batch=1, seq=16)
+    full, lora = lora_pair(base)
+    assert (full.label, full.lora_rank, lora.label, lora.lora_rank) == (FULL, 0, LORA, LORA_RANK)
+    assert dataclasses.replace(lora, label=FULL, lora_rank=0) == full
+    # The full store holds at least fp32 master, moments and gradient (16 B/param); LoRA's the bf16 weights alone.
+    assert store_bytes(full) >= 16 * CFG.num_params() and store_bytes(lora) == 2 * CFG.num_params()
+
+
+def test_worker_trains_lora_with_less_device_and_host_memory(tmp_path) -> None:
+    base = RunSpec(label="x", contender="stream", model=dataclasses.asdict(CFG), batch=1, seq=16, warmup=1,
+                   steps=1, dtype="fp32")
+    runner = Runner(tmp_path, console=_Quiet(), child_timeout_s=300)
+    full, lora = (runner.block(spec, 0) for spec in lora_pair(base))
+    assert full.ok and lora.ok, (full.error, lora.error)
+    assert lora.ledger_peak_breakdown["gradients"] == 4 * (CFG.n_layer * 2 * LORA_RANK * 2 * CFG.n_embd)
+    assert lora.ledger_peak_bytes < full.ledger_peak_bytes
+    assert all(row["store_read"] == 0 and row["store_written"] == 0 for row in lora.io)  # the RAM tier
+
+
+def test_section_divides_the_measured_rows_and_plans_gptj6b() -> None:
+    model = dataclasses.asdict(CFG)
+    specs = {label: RunSpec(label=label, contender="stream", model=model, batch=1, seq=8, lora_rank=rank)
+             for label, rank in ((FULL, 0), (LORA, LORA_RANK))}
+    measured = {FULL: (4.0, 800, 600), LORA: (2.0, 400, 150)}
+    results = {label: merge(specs[label], [Measured(label, step_s=[t], step_rss_peak_bytes=rss,
+                                                    ledger_peak_bytes=peak)])
+               for label, (t, rss, peak) in measured.items()}
+    rows = lora_versus_full(_context(results)).section.rows
+    assert rows[2][:4] == ("LoRA / full", "0.50x", "0.50x", "0.25x")
+    assert rows[2][4] == f"{store_bytes(specs[LORA]) / store_bytes(specs[FULL]):.2f}x"
+    six = GPTJConfig.preset("gptj-6b")
+    for row, lora in zip(rows[3:], (LoraConfig(), LoraConfig(rank=LORA_RANK))):
+        p = plan(six, device_spec("h100-sxm"), dataclasses.replace(PLANNED, lora=lora), limits=False)
+        assert row[3] == f"{size(p.peak_device_bytes)} (planned)" and row[4] == f"{size(p.host_store_bytes)} (planned)"
+    assert rows[4][4] == f"{size(2 * six.num_params())} (planned)"  # the frozen base in bf16, nothing else
+
+
+def test_section_says_why_a_row_is_missing() -> None:
+    spec = RunSpec(label=FULL, contender="stream", model={}, batch=1, seq=1)
+    failed = merge(spec, [Measured(FULL, ok=False, error="boom")])
+    rows = lora_versus_full(_context({FULL: failed}, {LORA: "--no-lora"})).section.rows
+    assert rows[0][1] == "failed: boom" and rows[1][1] == "not run: --no-lora" and rows[2][1] == "—"
