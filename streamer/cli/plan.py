@@ -76,11 +76,10 @@ def plan_command(args: argparse.Namespace) -> int:
     dtype = choice.dtype
     device = with_sets(_device(args.target, model_cfg, dtype), cfg.set, SettingError)
     try:
-        step = replace(cfg, dtype=dtype).tree(model_cfg, args.ranks).step
+        step = replace(cfg, dtype=dtype).plan_config(args.ranks)
         # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights).
         named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
-        plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on,
-                           update_overlap=args.update_overlap)
+        plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on)
         result = plan(model_cfg, device, plan_cfg)
         scaling = _scaling(model_cfg, device, plan_cfg)
     except ValueError as exc:

@@ -20,9 +20,6 @@ SWEEP_UPDATES = ("device", "host")
 
 def add_flags(plan: argparse.ArgumentParser) -> None:
     """The what-if flags of `streamer plan`, kept together."""
-    plan.add_argument("--update-overlap", choices=("none", "backward"), default="none",
-                      help="a host update starts after the backward (none: what the runtime does) or as soon as "
-                           "each unit's gradient is final (backward: MemoryX, ZeRO-Offload's delayed update)")
     plan.add_argument("--compare", metavar="RUN_DIR",
                       help="replay a finished CPU run's settings on the local target: predicted vs measured "
                            "step time and device peak")
