@@ -54,8 +54,10 @@ _FA_AMPERE = ("assumed: Ampere/Ada attention kernels reach at most the GEMM ceil
               "(arXiv 2407.08608) reports 75% on Hopper")
 _CPU_ADAM = ("derived: DeepSpeed CPU-Adam 1.41 B params/s (PR #735: optimizer step 56 s -> 8.2 s on an 11.6B "
              "GPT-2) x 28 B touched per parameter")
-_CONTEXT = ("discuss.pytorch.org 'What is the reason for pytorch's GPU memory floor': the first CUDA call "
-            "takes 723 MiB (the CUDA context); allocator fragmentation not included")
+_CONTEXT = ("assumed: no published figure per GPU (the reference notes have none); one user report, "
+            "discuss.pytorch.org 'What is the reason for pytorch's GPU memory floor': the first CUDA call takes "
+            "723 MiB (the CUDA context; it varies with the driver, CUDA version and loaded kernels); the caching "
+            "allocator's fragmentation is not included")
 _NVME = "one PCIe Gen4 NVMe drive (7 GB/s read, 5 GB/s write, drive datasheets' class)"
 _LATENCY = "per-transfer DMA setup cost, order of magnitude; no published figure"
 _GEN5 = "derived: PCIe Gen5 x16 32 GT/s x 16 x 128/130 / 8 = 63.0 GB/s per direction"
@@ -105,7 +107,7 @@ def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, lin
          matmul_eff: Figure, attention_eff: Figure, datasheet: str, nvlink: Figure | None,
          ram: Figure) -> dict[str, Figure]:
     figures = {
-        "memory_bytes": memory, "reserve_bytes": _s(723 * MiB, _CONTEXT),
+        "memory_bytes": memory, "reserve_bytes": _a(723 * MiB, _CONTEXT),
         "h2d_bytes_per_s": link, "d2h_bytes_per_s": link,
         "bf16_flops": _s(bf16, f"{datasheet}: bf16 tensor, dense (half the sparse figure)"),
         "fp32_flops": _s(fp32, f"{datasheet}: FP32 non-tensor (torch leaves TF32 matmul off by default)"),

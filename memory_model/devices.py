@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from memory_model.catalogue import PRESET_FIGURES, PRESET_NOTES, PRESET_SYSTEM, Figure
 from memory_model.kernels import KernelCosts
-from memory_model.settings import SettingError, shown
+from memory_model.settings import Assignments, Number, SettingError, shown
 from memory_model.units import COMPUTE_DTYPES, SizeError, parse_size
 
 
@@ -210,6 +210,44 @@ def with_figures(spec: DeviceSpec, figures: dict[str, Figure]) -> DeviceSpec:
                    interconnect=peer, figures={**spec.figures, **figures})
 
 
+# `--set FIELD=NUMBER`: one figure replaced, for `streamer plan` and `streamer train` (RunConfig's `set`, recorded
+# in a run's config.toml so that --resume and `plan --compare` replay it).
+FIGURE_SETS = Assignments(FIGURES)
+SET_SOURCE = "set on the command line (--set)"
+
+
+def _figure_check(name: str) -> Number:
+    """What a figure may be: a share of a peak is in (0, 1]; a reserve or a latency may be nothing."""
+    if name.endswith("_efficiency"):
+        return Number(0.0, 1.0, low_open=True)
+    return Number(0.0, low_open=name not in ("reserve_bytes", "link_latency_s", "interconnect_latency_s"))
+
+
+def parse_sets(sets: Sequence[str], error: Callable[[str, str], Exception] = SettingError) -> dict[str, Figure]:
+    """--set's FIELD=NUMBER items as figures (basis assumed, source: the command line); a later one wins."""
+    figures: dict[str, Figure] = {}
+    for item in sets:
+        if FIGURE_SETS((item,)) is None:
+            raise error("set", f"takes FIELD=NUMBER with FIELD one of {', '.join(FIGURES)} (`streamer devices` "
+                               f"lists them), got {shown(item)}")
+        name, _, text = item.partition("=")
+        check = _figure_check(name)
+        if check(float(text)) is None:
+            raise error("set", f"{name} must be {check.wanted()}, got {text}")
+        figures[name] = Figure(float(text), "assumed", SET_SOURCE)
+    return figures
+
+
+def with_sets(spec: DeviceSpec, sets: Sequence[str], error: Callable[[str, str], Exception] = SettingError
+              ) -> DeviceSpec:
+    """`spec` with each --set figure in place of its own."""
+    figures = parse_sets(sets, error)
+    try:
+        return with_figures(spec, figures) if figures else spec
+    except ValueError as exc:
+        raise error("set", f"{' '.join(sets)} on {spec.name}: {exc}") from None
+
+
 def _preset(name: str) -> DeviceSpec:
     figures = PRESET_FIGURES[name]
     v = {key: f.value for key, f in figures.items()}
@@ -234,15 +272,21 @@ def device_spec(name: str) -> DeviceSpec:
         raise ValueError(f"unknown device {name!r}; choose one of: {', '.join([*DEVICE_PRESETS, 'local'])}") from None
 
 
-def budget_bytes(budget: None | int | str | DeviceSpec, error: Callable[[str, str], Exception] = SettingError
-                 ) -> int | None:
-    """A device budget in bytes: None (no limit), a device preset or spec (its memory less its reserve), or a size ("64MiB",
-    3000000000). The one reading of --budget, for the run's settings, the trainer and `generate`."""
+def budget_bytes(budget: None | int | str | DeviceSpec, error: Callable[[str, str], Exception] = SettingError,
+                 sets: Sequence[str] = ()) -> int | None:
+    """A device budget in bytes: None (no limit), a device preset or spec (its memory less its reserve, after
+    the --set figures), or a size ("64MiB", 3000000000). The one reading of --budget, for the run's settings,
+    the trainer and `generate`."""
+    parse_sets(sets, error)  # a wrong --set fails here whatever the budget
     if budget is None:
         return None
     if isinstance(budget, str) and budget in DEVICE_PRESETS:
         budget = DEVICE_PRESETS[budget]
     if isinstance(budget, DeviceSpec):  # what tensors may take: the memory less the runtime's own reserve
+        budget = with_sets(budget, sets, error)
+        if budget.reserve_bytes >= budget.memory_bytes:
+            raise error("set", f"leaves {budget.name} no memory: reserve_bytes {budget.reserve_bytes} >= memory_bytes "
+                               f"{budget.memory_bytes}; lower reserve_bytes")
         return budget.memory_bytes - budget.reserve_bytes
     try:
         size = parse_size(budget)

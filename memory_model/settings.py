@@ -124,7 +124,34 @@ class Switch:
         return value if isinstance(value, bool) else None
 
 
-Check = Integer | Number | Pair | Choice | Text | Switch
+@dataclass(frozen=True)
+class Assignments:
+    """`NAME=NUMBER` items, each NAME one of `names` (TOML gives a list, a repeated flag a list): kept as a tuple
+    of the items as written. What each number may be is its owner's check (`devices.parse_sets`)."""
+
+    names: tuple[str, ...]
+
+    def wanted(self) -> str:
+        return f"NAME=NUMBER items with NAME one of {', '.join(self.names)}"
+
+    def __call__(self, value: Any) -> Any:
+        if not isinstance(value, (list, tuple)):
+            return None
+        for item in value:
+            name, sep, number = item.partition("=") if isinstance(item, str) else ("", "", "")
+            if not sep or name not in self.names or Number()(_number(number)) is None:
+                return None
+        return tuple(value)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+Check = Integer | Number | Pair | Choice | Text | Switch | Assignments
 
 
 def setting(default: Any, help: str, check: Check, metavar: str | None = None, optional: bool = False) -> Any:

@@ -12,15 +12,14 @@ from typing import Any
 
 from layers.config import GPTJConfig
 from memory_model.lora import LoraConfig, target_shape
-from memory_model.settings import Choice, Integer, check_settings, setting
+from memory_model.settings import Choice, Integer, SettingError, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
 ACTIVATION_POLICIES = ("resident", "checkpoint")
 UPDATE_PLACES = ("device", "host")
 STORE_TIERS = ("ram", "disk")
-OVERLAP_MODES = ("none", "backward")
 MOMENT_DTYPES = ("fp32", "bf16")
-UPDATE_TIMINGS = ("auto", "fused", "after-backward")
+UPDATE_TIMINGS = ("auto", "fused", "after-backward", "overlapped")
 DATA_PARALLEL_MODES = ("replicated", "sharded")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
@@ -62,14 +61,14 @@ class PlanConfig:
         "MODE")
     moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
                                 Choice(MOMENT_DTYPES), "DTYPE")
-    # Not a runtime setting: the runtime updates after the backward. MemoryX and ZeRO-Offload's delayed
-    # update start a unit's host update once its gradient is final; the planner can price that.
-    update_overlap: str = setting("none", "a host update starts after the backward (none) or as soon as each "
-                                  "unit's gradient is final (backward)", Choice(OVERLAP_MODES), "MODE")
     update_timing: str = setting(
-        "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; "
-                "gradients never reach the store; needs the disk tier and one process), after-backward (a "
-                "separate phase), or auto (fused where it is allowed)", Choice(UPDATE_TIMINGS), "WHEN")
+        "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; an "
+                "update on the host then overlaps the backward of the units before it; gradients never reach the "
+                "store; needs the disk tier and one process), after-backward (a separate phase), auto (fused "
+                "where it is allowed), or overlapped (`streamer plan` only, with --update-on host: each unit's "
+                "host update starts once its gradient is folded into the store, as LoHan and ZeRO-Offload "
+                "overlap it; the runtime clips by the global norm, known only after the backward)",
+        Choice(UPDATE_TIMINGS), "WHEN")
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
     def __post_init__(self) -> None:
@@ -78,6 +77,9 @@ class PlanConfig:
             raise ValueError(f"batch {self.batch} does not split into grad_accum={self.grad_accum} micro-batches "
                              f"on devices={self.devices}; use a multiple of {self.grad_accum * self.devices}")
         fused_update(self.update_timing, self.store, self.devices)  # an impossible "fused" fails here
+        if self.update_timing == "overlapped" and self.update_on != "host":
+            raise SettingError("update_timing", "overlapped overlaps a host update with the backward: add "
+                                                "--update-on host, or use --update-timing auto")
 
     @property
     def fused(self) -> bool:
@@ -127,8 +129,10 @@ def fused_update(timing: str, state_tier: str, devices: int) -> bool:
     together through the journal, which the fused update does not write, so it needs one process."""
     allowed = state_tier == "disk" and devices == 1
     if timing == "fused" and not allowed:
-        raise ValueError("update_timing='fused' needs the state on disk (store='disk') and one process: the "
-                         "speculative update is undone from the previous state files; use 'after-backward' or 'auto'")
+        why = f"--store {state_tier}" if state_tier != "disk" else f"{devices} processes"
+        raise SettingError("update_timing", f"fused needs the state on disk (--store disk) and one process, not "
+                                            f"{why}: the speculative update is undone from the previous state files;"
+                                            " use --update-timing after-backward or auto")
     return timing == "fused" or (timing == "auto" and allowed)
 
 

@@ -6,8 +6,9 @@ the host's cores (the gradient fold and a host update) and the disk. Event k iss
 resident set that are not in flight (disk read, then h2d), waits for its own, computes; a backward's
 gradient goes d2h (after its all-reduce under data parallel), is folded on the host and written to disk,
 overlapping the next unit's backward, and is waited for when that one's gradient appears. A host update runs
-on the host's cores, after the backward or (update_overlap="backward") as soon as the unit's gradient is
-final. Rates are the catalogue's achievable shares of the peaks. docs/MEMORY_MODEL.md ("Time model").
+on the host's cores once the unit's gradient is folded: after the backward (update_timing "after-backward"),
+or, "fused" into the backward or "overlapped" with it, while the device computes the backward of the units
+before it. Rates are the catalogue's achievable shares of the peaks. docs/MEMORY_MODEL.md ("Time model").
 """
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
     # The host's cores run a host update; on a cpu device those are the compute thread's own cores. Overlapped,
     # a unit's chunks are booked on the host as soon as its last gradient is folded, between later folds.
     host_update = cfg.update_on == "host" and not device.same_memory
-    early = host_update and cfg.update_overlap == "backward"
+    early = host_update and cfg.update_timing == "overlapped"
     chunks = {u: [e for e in events if e.phase == "update" and e.unit == u] for u in shape.unit_names()}
     booked: set[Event] = set()
     ends = [0.0]
@@ -221,8 +222,8 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
             if r not in in_flight:
                 ready[r] = _load(r, shape, cfg, device, per_unit[r.unit], queues, clock)
                 in_flight.add(r)
-        if event.phase == "update" and host_update:
-            host_chunk(event, clock)
+        if event.phase == "update" and host_update:  # fused: once the unit's gradient is folded
+            host_chunk(event, max(clock, offload_done))
             continue
         compute = _compute(event, shape, cfg, device)
         times = per_unit[event.unit]

@@ -133,6 +133,9 @@ class TrainerConfig:
             fused_update(self.update_timing, self.store.state, 1)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.update_timing == "overlapped":
+            raise ConfigError("--update-timing overlapped is planned only (`streamer plan`): the runtime clips by "
+                              "the global norm, known only after the backward; use auto, fused or after-backward")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
 

@@ -102,6 +102,7 @@ class RunConfig:
     dtype: str = same_setting(DeviceConfig, "dtype")
     device: str = same_setting(DeviceConfig, "device")
     budget: str | None = same_setting(DeviceConfig, "budget")
+    set: tuple[str, ...] = same_setting(DeviceConfig, "set")
     pin_memory: str = same_setting(DeviceConfig, "pin_memory")
     store: str = same_setting(PlanConfig, "store", "disk")
     activations: str = same_setting(PlanConfig, "activations")
@@ -153,7 +154,7 @@ class RunConfig:
 
     # --- derived settings -------------------------------------------------------------------------
     def budget_bytes(self) -> int | None:
-        return budget_bytes(self.budget, SettingError)
+        return budget_bytes(self.budget, SettingError, self.set)
 
     def tree(self, model: GPTJConfig | None = None, devices: int = 1) -> Settings:
         """These settings as their owners' configs, for `model` (default: `model_config()`; train passes the
@@ -242,10 +243,10 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout. pin_memory
-# only says which host memory is page-locked.
+# only says which host memory is page-locked; `set` only describes the simulated device.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
-             "report_to", "pin_memory")
+             "report_to", "pin_memory", "set")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items()}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items()}

@@ -122,6 +122,12 @@ def test_bad_input_is_one_line_with_the_fix(capsys, tmp_path, tiny_setup):
     assert "--seq 1000 exceeds" in fails(capsys, "train", "--seq", 1000, "--run-dir", run)
     assert "neither a preset" in fails(capsys, "train", "--model", "gptj-huge", "--run-dir", run)
     assert "does not split" in fails(capsys, "train", "--batch", 6, "--grad-accum", 4, "--run-dir", run)
+    # The update timing's errors name the flags, as typed.
+    fused = fails(capsys, "train", "--update-timing", "fused", "--store", "ram", "--run-dir", run)
+    assert "--update-timing fused needs the state on disk (--store disk)" in fused and "not --store ram" in fused
+    assert "--update-timing after-backward" in fused and "update_timing=" not in fused
+    assert "planned only" in fails(capsys, "train", "--update-timing", "overlapped", "--run-dir", run)
+    assert "add --update-on host" in fails(capsys, "plan", "--update-timing", "overlapped", "--update-on", "device")
     assert not run.exists()  # nothing was created for a run that could not start
 
     occupied = tmp_path / "occupied"

@@ -26,7 +26,7 @@ from conftest import TINY_RUN_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("streamer", "torchrun", "python", "make")
-SUBCOMMANDS = ("train", "plan", "generate", "export", "trace", "bench")
+SUBCOMMANDS = ("train", "plan", "generate", "export", "trace", "calibrate", "bench")
 # Commands the test does not run, each with the reason; CI itself runs these two.
 NOT_RUN = {"make demo": "CI runs the README's commands from a clean clone", "make test": "CI's own command"}
 # Sizes that would take minutes are shrunk to these at most (flags keep their place and meaning).

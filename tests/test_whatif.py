@@ -6,7 +6,7 @@ import csv
 import json
 import time
 
-from test_cli import run_cli, tiny_args
+from test_cli import fails, run_cli, tiny_args
 
 from memory_model import DEVICE_PRESETS
 from memory_model.catalogue import BASES
@@ -40,8 +40,10 @@ def test_plan_json_summary_and_no_prediction_above_the_achievable(capsys):
                          "--set", "host_update_bw=1e9", "--json")
     planned = json.loads(out)
     assert planned["config"]["update_on"] == "host" and planned["bottleneck"] == "host compute"
-    rc, _, err = run_cli(capsys, "plan", "--target", "cs2", "--set", "warp=9")
-    assert rc == 2 and "--set takes field=number" in err and len(err.strip().splitlines()) == 1
+    for wrong, says in (("warp=9", "NAME one of memory_bytes"), ("matmul_efficiency=2", "in (0, 1]"),
+                        ("memory_bytes", "NAME=NUMBER")):
+        err = fails(capsys, "plan", "--target", "cs2", "--set", wrong)
+        assert err.startswith("error: --set") and says in err, err
 
 
 def test_swarmx_scales_gptj_6b_near_linearly_on_16_cs2(capsys):
@@ -67,13 +69,29 @@ def test_sweep_writes_100_points_in_under_10_seconds(capsys, tmp_path):
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
 
 
-def test_compare_replays_a_finished_run(capsys, tmp_path, tiny_setup, monkeypatch):
-    run = tmp_path / "run"
-    assert run_cli(capsys, *tiny_args(tiny_setup, run, 3))[0] == 0
+def test_compare_replays_a_finished_run_with_its_own_set_figures(capsys, tmp_path, tiny_setup, monkeypatch):
+    run, slow = tmp_path / "run", ("--set", "fp32_flops=1e8")
+    assert run_cli(capsys, *tiny_args(tiny_setup, run, 3, *slow))[0] == 0
+    assert 'set = ["fp32_flops=1e8"]' in (run / "config.toml").read_text()  # what --resume and --compare replay
     monkeypatch.chdir(tmp_path)  # the local calibration is cached under ./runs
     rc, out, _ = run_cli(capsys, "plan", "--compare", run, "--json")
     result = json.loads(out)
     assert rc == 0 and result["predicted_step_s"] > 0 and result["measured_step_s"] > 0
     assert abs(result["predicted_peak_bytes"] / result["measured_peak_bytes"] - 1) <= 0.05
+    # The command's own --set goes over the run's: a 100x faster matmul predicts a shorter step.
+    rc, out, _ = run_cli(capsys, "plan", "--compare", run, "--set", "fp32_flops=1e10", "--json")
+    assert rc == 0 and json.loads(out)["predicted_step_s"] < result["predicted_step_s"]
     rc, out, _ = run_cli(capsys, "plan", "--compare", run)
     assert rc == 0 and "predicted" in out and "measured" in out
+    # --resume keeps the run's figures unless it names its own.
+    assert run_cli(capsys, "train", "--resume", run, "--steps", 4)[0] == 0
+    assert 'set = ["fp32_flops=1e8"]' in (run / "config.toml").read_text()
+
+
+def test_train_budget_preset_honours_set_and_a_wrong_set_is_one_line(capsys, tmp_path, tiny_setup):
+    # rtx4090 less a reserve that leaves it 1 MiB: the tiny run's step no longer fits, refused before set-up.
+    err = fails(capsys, *tiny_args(tiny_setup, tmp_path / "r", 1, "--budget", "rtx4090",
+                                   "--set", f"reserve_bytes={DEVICE_PRESETS['rtx4090'].memory_bytes - 2**20}"))
+    assert "--budget" in err and "by the planner" in err and not (tmp_path / "r").exists()
+    err = fails(capsys, *tiny_args(tiny_setup, tmp_path / "r", 1, "--set", "bf16_flops=fast"))
+    assert err.startswith("error: --set must be NAME=NUMBER") and not (tmp_path / "r").exists()

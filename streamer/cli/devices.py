@@ -10,14 +10,12 @@ from rich.table import Table
 from layers import PRESETS, GPTJConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec
 from memory_model.catalogue import Figure
-from memory_model.devices import FIGURES, with_figures
+from memory_model.devices import FIGURES
 from streamer.cli.flags import declare_command
 from streamer.console import make_console
-from streamer.errors import StreamerError
 from streamer.run import RunConfig
 from streamer.runtime.calibrate import local_spec
 
-SET_SOURCE = "set on the command line (--set)"
 EXAMPLES = """\
 examples:
   streamer devices
@@ -63,21 +61,3 @@ def _cell(figure: Figure | None) -> str:
     if figure is None:
         return "-"
     return f"{figure.value:.4g} {figure.basis[0].upper()}"
-
-
-def apply_sets(spec: DeviceSpec, sets: list[str]) -> DeviceSpec:
-    """`spec` with each `field=value` of --set replacing its figure (basis assumed, source: the command line)."""
-    figures = {}
-    for item in sets:
-        name, sep, text = item.partition("=")
-        try:
-            value = float(text)
-        except ValueError:
-            value = None
-        if not sep or name not in FIGURES or value is None:
-            raise StreamerError(f"--set takes field=number with a field of {', '.join(FIGURES)}; got {item!r}")
-        figures[name] = Figure(value, "assumed", SET_SOURCE)
-    try:
-        return with_figures(spec, figures) if figures else spec
-    except ValueError as exc:
-        raise StreamerError(f"--set {' '.join(sets)}: {exc}") from None

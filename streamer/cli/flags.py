@@ -11,7 +11,7 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Callable, Iterable, Mapping
 
-from memory_model.settings import flag
+from memory_model.settings import Assignments, flag
 from streamer.run import DEMO_DEFAULTS, RunConfig
 
 
@@ -34,7 +34,9 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = 
         text = help.get(f.name, f.metadata["help"])
         shown = "" if "(default:" in text else f" (default: {default}{demo})"
         kwargs: dict[str, Any] = {"default": default if own else argparse.SUPPRESS}
-        if types == [bool]:
+        if isinstance(f.metadata["check"], Assignments):  # repeated: `--set a=1 --set b=2`
+            kwargs.update(action="append", metavar=f.metadata["metavar"], help=text)
+        elif types == [bool]:
             kwargs.update(action=argparse.BooleanOptionalAction, help=text + shown)
         elif typing.get_origin(hints[f.name]) is tuple:
             kwargs.update(nargs="+", action=_Numbers, metavar=("B1", "B2"),

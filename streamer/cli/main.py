@@ -1,4 +1,4 @@
-"""`streamer`: train | plan | eval | generate | export | trace | devices | bench (also `python -m streamer`).
+"""`streamer`: train | plan | eval | generate | export | trace | devices | calibrate | bench (also `python -m streamer`).
 
 This module builds the top parser and dispatches; each subcommand's module (streamer/cli/<command>.py)
 declares its own flags and examples (`declare`). Only the module of the command that runs is imported:
@@ -26,6 +26,7 @@ COMMANDS = {
     "export": "write a run as a Hugging Face GPT-J folder",
     "trace": "the per-layer memory table and plot of a run",
     "devices": "the device catalogue: every figure with its basis and source",
+    "calibrate": "measure this machine: the cpu as the local device, or a CUDA GPU against its preset",
     "bench": "benchmarks (see `streamer bench --help`)",
 }
 

@@ -13,19 +13,19 @@ from rich.table import Table
 from layers import GPTJConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
-from streamer.cli.devices import apply_sets
+from memory_model.devices import with_sets
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
 from streamer.console import make_console
 from streamer.errors import StreamerError
-from streamer.run import read_toml, resolve
+from streamer.run import SettingError, read_toml, resolve
 from streamer.runtime.calibrate import local_spec
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk", "moment_dtype", "update_timing", "data_parallel", "lora_rank", "lora_targets")
+                 "update_chunk", "moment_dtype", "update_timing", "data_parallel", "lora_rank", "lora_targets", "set")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
@@ -63,7 +63,7 @@ SCALING_ASSUMPTION = ("weak scaling: each device keeps its own micro-batches, so
 
 def plan_command(args: argparse.Namespace) -> int:
     if args.compare:
-        return _print_compare(compare(args.compare, args.set), args.json)
+        return _print_compare(compare(args.compare, given(args).get("set", ())), args.json)
     explicit = given(args)
     cfg = resolve(explicit, args.config)
     if args.sweep:
@@ -74,13 +74,12 @@ def plan_command(args: argparse.Namespace) -> int:
     model_cfg = cfg.model_config()
     choice = plan_dtype(args.target, cfg.dtype)
     dtype = choice.dtype
-    device = apply_sets(_device(args.target, model_cfg, dtype), args.set)
+    device = with_sets(_device(args.target, model_cfg, dtype), cfg.set, SettingError)
     try:
-        step = replace(cfg, dtype=dtype).tree(model_cfg, args.ranks).step
+        step = replace(cfg, dtype=dtype).plan_config(args.ranks)
         # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights).
         named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
-        plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on,
-                           update_overlap=args.update_overlap)
+        plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on)
         result = plan(model_cfg, device, plan_cfg)
         scaling = _scaling(model_cfg, device, plan_cfg)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""`streamer plan`'s what-ifs: --set, --compare RUN_DIR (prediction vs a finished run), --sweep (CSV + roofline).
+"""`streamer plan`'s what-ifs: --compare RUN_DIR (prediction vs a finished run), --sweep (CSV + roofline).
 
 Only argparse is imported at the top: `add_flags` runs whenever the command line is parsed.
 """
@@ -20,11 +20,6 @@ SWEEP_UPDATES = ("device", "host")
 
 def add_flags(plan: argparse.ArgumentParser) -> None:
     """The what-if flags of `streamer plan`, kept together."""
-    plan.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="override one figure of the target (repeatable; `streamer devices` lists the fields)")
-    plan.add_argument("--update-overlap", choices=("none", "backward"), default="none",
-                      help="a host update starts after the backward (none: what the runtime does) or as soon as "
-                           "each unit's gradient is final (backward: MemoryX, ZeRO-Offload's delayed update)")
     plan.add_argument("--compare", metavar="RUN_DIR",
                       help="replay a finished CPU run's settings on the local target: predicted vs measured "
                            "step time and device peak")
@@ -33,12 +28,14 @@ def add_flags(plan: argparse.ArgumentParser) -> None:
                            "DIR/roofline.png")
 
 
-def compare(run_dir: str, sets: list[str]) -> dict[str, Any]:
-    """The plan of a run's own settings on this machine beside what the run measured (its metrics.jsonl:
-    the median step time after the first step, which pays for warm-up, and the ledger's peak)."""
+def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
+    """The plan of a run's own settings on this machine (its --set figures, then `sets`) beside what the run
+    measured (its metrics.jsonl: the median step time after the first step, which pays for warm-up, and the
+    ledger's peak)."""
     from memory_model import plan
-    from streamer.cli.devices import apply_sets
+    from memory_model.devices import with_sets
     from streamer.errors import StreamerError
+    from streamer.run import SettingError
     from streamer.run_dir import RunDir
     from streamer.runtime.calibrate import local_spec
 
@@ -52,7 +49,7 @@ def compare(run_dir: str, sets: list[str]) -> dict[str, Any]:
         raise StreamerError(f"{run_dir} has {len(steps)} timed step(s); --compare needs 2 or more (the first "
                             "pays for warm-up): train it longer with --steps")
     shape = cfg.model_config()
-    device = apply_sets(local_spec(Path("runs"), shape, cfg.dtype), sets)
+    device = with_sets(local_spec(Path("runs"), shape, cfg.dtype), (*cfg.set, *sets), SettingError)
     predicted = plan(shape, device, cfg.plan_config())
     measured_step = statistics.median(r["step_s"] for r in steps[1:])
     measured_peak = max(r["device_peak_bytes"] for r in steps)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS
-from memory_model.devices import budget_bytes
+from memory_model.devices import FIGURE_SETS, budget_bytes
 from memory_model.settings import Choice, SettingError, Text, check_settings, setting, shown
 from streamer.errors import StreamerError
 from streamer.store.spec import PIN_MODES
@@ -152,22 +152,26 @@ class DeviceConfig:
     device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
     budget: str | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
                                        "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), Text(), "SIZE")
+    set: tuple[str, ...] = setting((), "replace one figure of the run's simulated device (repeatable; `streamer "
+                                       "devices` lists the fields): the --budget preset's, and the calibrated local "
+                                       "device's that `streamer plan --compare` replays the run on",
+                                   FIGURE_SETS, "FIELD=NUMBER")
     pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), staging "
                                          "(a bounded pool of staging buffers) or none", Choice(PIN_MODES), "MODE")
 
     def __post_init__(self) -> None:
         check_settings(self)
-        check_device(self.device, self.budget)
+        check_device(self.device, self.budget, sets=self.set)
 
     def budget_bytes(self) -> int | None:
-        return budget_bytes(self.budget, SettingError)
+        return budget_bytes(self.budget, SettingError, self.set)
 
 
 def check_device(device: Any, budget: Any, error: Callable[[str, str], Exception] = SettingError,
-                 meta: bool = False) -> None:
+                 meta: bool = False, sets: Sequence[str] = ()) -> None:
     """The one check of where a run computes, for the run's settings and the trainer API: a torch device
     (`meta` too where a dry run may ask for it) and a budget that `budget_bytes` reads."""
     kinds = ("cpu", "cuda", "meta") if meta else ("cpu", "cuda")
     if not isinstance(device, str) or device.split(":")[0] not in kinds:
         raise error("device", f"must be {', '.join(kinds)} or cuda:N, got {shown(device)}")
-    budget_bytes(budget, error)
+    budget_bytes(budget, error, sets)
