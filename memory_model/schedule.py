@@ -4,7 +4,9 @@ Each event names the resource it needs on the device (a unit's compute weights, 
 optimizer state). While event k runs, its resource and the next `prefetch` distinct resources are loaded or
 in flight (`resident_sets`); after it, its resource is released unless the next event uses it too
 (`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
-backward into the next one's forward). A resource released and needed again later is loaded again.
+backward into the next one's forward). A resource released and needed again later is loaded again. Where
+weights loads read the fp32 master (the disk tier), a fused update's chunks take theirs from the unit's last
+weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time.
 streamer/runtime/executor.py, memory_model/planner.py, memory_model/timing.py and the dry run all walk
 these lists, so the planner's peak and the runtime's ledger come from one schedule. What a resource costs
 on the device while it is held (`resource_charges`) and what an update chunk writes there
@@ -34,7 +36,7 @@ class StateChunk:
     count: int
     last: bool  # the unit's final chunk: its new state version can be closed after it
     # False: the chunk's fp32 master is not loaded with its moments but taken from the unit's last weights load
-    # (a fused update on a store whose weights loads read the master), so the master is read once per step.
+    # (a fused update on a store whose weights loads read the master): one read serves backward and update.
     master: bool = True
 
 
