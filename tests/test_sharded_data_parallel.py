@@ -116,3 +116,11 @@ def test_a_rank_killed_mid_update_resumes_to_the_uninterrupted_result(tmp_path):
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     assert [r["steps"] for r in ranks] == [2, 2]  # the journaled step 2 was rolled forward on rank 1
     assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3)["state"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_lora_on_a_sharded_base_equals_one_process_and_resumes(tmp_path):
+    tc = TC.replace(lr=1e-2, lora_rank=4, lora_targets="q_proj,v_proj,fc_out")
+    ranks = run_sharded(tmp_path, [("new", 2), ("open", 1)], tc.replace(data_parallel="sharded"))
+    # The adapters, whole on every rank, are all-reduced (not scattered); the frozen base is gathered.
+    assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3, tc)["state"]) <= 1e-5  # measured 0

@@ -94,15 +94,17 @@ class DataParallel:
                                 f"use a multiple of {self.world}")
         return batch.chunk(self.world)[self.rank]
 
-    def start_reduce(self, pieces: Sequence[torch.Tensor]) -> Reduction:
+    def start_reduce(self, pieces: Sequence[torch.Tensor], whole: bool = False) -> Reduction:
         """All-reduce a gradient given as tensors laid end to end, as one flat tensor; sharded, reduce-scatter
-        it (zero-padded to world x the slice) so this rank receives the sum of its slice only."""
+        it (zero-padded to world x the slice) so this rank receives the sum of its slice only. `whole`: every
+        rank receives the whole sum even when sharded (LoRA's adapters, which every rank keeps whole)."""
         # Summed in fp32: a bf16 sum over ranks would round every partial sum.
         numel = sum(p.numel() for p in pieces)
-        size = self.stored_numel(numel) * (self.world if self.sharded else 1)
+        scatter = self.sharded and not whole
+        size = shard_numel(numel, self.world) * self.world if scatter else numel
         flat = torch.empty(size, dtype=torch.float32, device=pieces[0].device)
         fold_into(flat[:numel], pieces, first=True)
-        if not self.sharded:
+        if not scatter:
             return Reduction(flat, dist.all_reduce(flat, async_op=True))
         flat[numel:].zero_()
         mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
