@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from layers import PRESETS
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer
+from streamer.resources import DISK_HEADROOM, HostNeed
 from streamer.errors import StoreError
 from tests.test_distributed import CFG, TC, _free_port, _max_diff, _rank_main, global_batches, single_process
 
@@ -124,3 +127,14 @@ def test_lora_on_a_sharded_base_equals_one_process_and_resumes(tmp_path):
     ranks = run_sharded(tmp_path, [("new", 2), ("open", 1)], tc.replace(data_parallel="sharded"))
     # The adapters, whole on every rank, are all-reduced (not scattered); the frozen base is gathered.
     assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3, tc)["state"]) <= 1e-5  # measured 0
+
+
+def test_the_resource_check_and_the_planner_count_each_processes_slice():
+    replicated = HostNeed.of(CFG, TC, stores_on_disk=2, stores_in_ram=2)
+    sharded = HostNeed.of(CFG, SHARDED, stores_on_disk=2, stores_in_ram=2)
+    margin = DISK_HEADROOM[0]  # the fixed part of the headroom; the rest is a fraction of the stores
+    assert sharded.disk - margin == pytest.approx((replicated.disk - margin) / 2, rel=0.01)
+    step = PlanConfig(batch=8, seq=2048, devices=4)
+    whole = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), step).host_store_bytes
+    quarter = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), replace(step, data_parallel="sharded")).host_store_bytes
+    assert quarter == pytest.approx(whole / 4, rel=1e-6)
