@@ -55,7 +55,8 @@ class DataParallel:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+            # nccl for device tensors; gloo beside it for the host's (a loss, the squared norms, a host slice).
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
         return cls(dist.get_rank(), dist.get_world_size(), sharded)
 
     # --- the sharded state ---------------------------------------------------------------------------
