@@ -64,16 +64,16 @@ def test_sharded_resume_equals_one_process_and_each_store_is_half(tmp_path):
     assert all(0.45 * whole <= half <= 0.55 * whole for half in halves)
 
 
-def _open_alone(run: Path) -> None:
-    StreamingTrainer.open(run)
-
-
 @pytest.mark.slow
-def test_sharded_run_refuses_another_number_of_processes(tmp_path):
-    run_sharded(tmp_path, [("new", 1)])
-    with pytest.raises(StoreError, match=r"2 process\(es\) and this is 1; resume it with torchrun --nproc-per-node 2"):
-        StreamingTrainer.open(tmp_path / "run")
-    with pytest.raises(StoreError, match=r"holds 1/2 of a run.s state .* torchrun --nproc-per-node 2 opens it"):
+def test_one_process_reads_a_sharded_run_and_refuses_to_train_it(tmp_path):
+    ranks = run_sharded(tmp_path, [("new", 2)])
+    with StreamingTrainer.open(tmp_path / "run") as alone:  # every rank's slice: how generate and export read it
+        assert alone.step_count == 2
+        assert _max_diff(alone.state_dict(), ranks[0]["state"]) == 0.0
+        with pytest.raises(StoreError, match=r"sharded over 2 processes, read here by one; train it with torchrun "
+                                             r"--nproc-per-node 2"):
+            alone.step(global_batches(1)[0])
+    with pytest.raises(StoreError, match=r"holds 1/2 of a run's state .* or train with torchrun --nproc-per-node 2"):
         StreamingTrainer.open(tmp_path / "run" / "rank0")
     assert len(list((tmp_path / "run" / "rank0" / "slabs").iterdir())) > 0  # nothing was deleted
 
