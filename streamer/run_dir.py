@@ -66,8 +66,11 @@ class RunDir:
         return len(list(self.store.glob("rank*"))) or 1
 
     def store_to_read(self) -> Path:
-        """A store with the run's weights (every process's store holds the same ones)."""
-        return self.store / "rank0" if self.processes() > 1 else self.store
+        """A store with the run's weights: every process's store holds the same ones, unless the state is sharded
+        (then the folder of every rank's slice, which one process reads as one store)."""
+        if self.processes() == 1 or read_manifest(self.store / "rank0")["spec"].get("shards", 1) > 1:
+            return self.store
+        return self.store / "rank0"
 
     @staticmethod
     def is_run(path: str | Path) -> bool:

@@ -11,7 +11,7 @@ import torch
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights
 from memory_model import Ledger, Trace
 from streamer.config import TrainerConfig
-from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dir
+from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dirs
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
@@ -21,6 +21,7 @@ from memory_model.schedule import chunks, forward_events, frozen_base_events, st
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostStore
+from streamer.store.shards import MergedShards
 from streamer.store.interface import Store
 
 
@@ -79,12 +80,13 @@ class StreamingTrainer:
         """Continue from a store: its last committed step, finishing a step a crash interrupted."""
         device = dict(overrides or {}).get("device", "cpu")
         data_parallel = DataParallel.from_environment(device)
-        store_dir = rank_store_dir(Path(store_dir), data_parallel)
+        store_dirs = rank_store_dirs(Path(store_dir), data_parallel)  # several: a sharded run, read in one process
         # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
         # pin_memory comes from the overrides, else from the settings the store was committed with.
-        settings = {**read_manifest(Path(store_dir)).get("trainer", {}).get("config", {}), **dict(overrides or {})}
-        store = HostStore.open(store_dir, _pin_memory(str(settings.get("device", "cpu")),
-                                                      settings.get("pin_memory", TrainerConfig.pin_memory)))
+        settings = {**read_manifest(store_dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
+        store = MergedShards.open(store_dirs) if len(store_dirs) > 1 else HostStore.open(
+            store_dirs[0], _pin_memory(str(settings.get("device", "cpu")),
+                                       settings.get("pin_memory", TrainerConfig.pin_memory)))
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal
@@ -94,7 +96,7 @@ class StreamingTrainer:
             tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
             check_sharding(store, tc.data_parallel, data_parallel)
             if tc.store != store.spec.placement:
-                raise StoreError(f"{store_dir} was created with placement {store.spec.placement.to_dict()}; "
+                raise StoreError(f"{store.root} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
             if store.spec.frozen and not tc.lora.enabled:
                 raise StoreError(f"{store_dir} holds a LoRA run's frozen base only; resume it with its --lora-rank")

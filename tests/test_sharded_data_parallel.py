@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from layers import PRESETS
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer
+from streamer.resources import DISK_HEADROOM, HostNeed
 from streamer.errors import StoreError
 from tests.test_distributed import CFG, TC, _free_port, _max_diff, _rank_main, global_batches, single_process
 
@@ -61,16 +64,16 @@ def test_sharded_resume_equals_one_process_and_each_store_is_half(tmp_path):
     assert all(0.45 * whole <= half <= 0.55 * whole for half in halves)
 
 
-def _open_alone(run: Path) -> None:
-    StreamingTrainer.open(run)
-
-
 @pytest.mark.slow
-def test_sharded_run_refuses_another_number_of_processes(tmp_path):
-    run_sharded(tmp_path, [("new", 1)])
-    with pytest.raises(StoreError, match=r"2 process\(es\) and this is 1; resume it with torchrun --nproc-per-node 2"):
-        StreamingTrainer.open(tmp_path / "run")
-    with pytest.raises(StoreError, match=r"holds 1/2 of a run.s state .* torchrun --nproc-per-node 2 opens it"):
+def test_one_process_reads_a_sharded_run_and_refuses_to_train_it(tmp_path):
+    ranks = run_sharded(tmp_path, [("new", 2)])
+    with StreamingTrainer.open(tmp_path / "run") as alone:  # every rank's slice: how generate and export read it
+        assert alone.step_count == 2
+        assert _max_diff(alone.state_dict(), ranks[0]["state"]) == 0.0
+        with pytest.raises(StoreError, match=r"sharded over 2 processes, read here by one; train it with torchrun "
+                                             r"--nproc-per-node 2"):
+            alone.step(global_batches(1)[0])
+    with pytest.raises(StoreError, match=r"holds 1/2 of a run's state .* or train with torchrun --nproc-per-node 2"):
         StreamingTrainer.open(tmp_path / "run" / "rank0")
     assert len(list((tmp_path / "run" / "rank0" / "slabs").iterdir())) > 0  # nothing was deleted
 
@@ -116,3 +119,22 @@ def test_a_rank_killed_mid_update_resumes_to_the_uninterrupted_result(tmp_path):
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     assert [r["steps"] for r in ranks] == [2, 2]  # the journaled step 2 was rolled forward on rank 1
     assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3)["state"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_lora_on_a_sharded_base_equals_one_process_and_resumes(tmp_path):
+    tc = TC.replace(lr=1e-2, lora_rank=4, lora_targets="q_proj,v_proj,fc_out")
+    ranks = run_sharded(tmp_path, [("new", 2), ("open", 1)], tc.replace(data_parallel="sharded"))
+    # The adapters, whole on every rank, are all-reduced (not scattered); the frozen base is gathered.
+    assert _max_diff(ranks[0]["state"], single_process(tmp_path, 3, tc)["state"]) <= 1e-5  # measured 0
+
+
+def test_the_resource_check_and_the_planner_count_each_processes_slice():
+    replicated = HostNeed.of(CFG, TC, stores_on_disk=2, stores_in_ram=2)
+    sharded = HostNeed.of(CFG, SHARDED, stores_on_disk=2, stores_in_ram=2)
+    margin = DISK_HEADROOM[0]  # the fixed part of the headroom; the rest is a fraction of the stores
+    assert sharded.disk - margin == pytest.approx((replicated.disk - margin) / 2, rel=0.01)
+    step = PlanConfig(batch=8, seq=2048, devices=4)
+    whole = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), step).host_store_bytes
+    quarter = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), replace(step, data_parallel="sharded")).host_store_bytes
+    assert quarter == pytest.approx(whole / 4, rel=1e-6)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from memory_model.schedule import shard_numel
 from streamer.errors import StoreError, StreamerError
+from streamer.store.commit import read_manifest
 from streamer.store.interface import Store
 from streamer.store.layout import fold_into
 
@@ -55,7 +56,8 @@ class DataParallel:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+            # nccl for device tensors; gloo beside it for the host's (a loss, the squared norms, a host slice).
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
         return cls(dist.get_rank(), dist.get_world_size(), sharded)
 
     # --- the sharded state ---------------------------------------------------------------------------
@@ -94,15 +96,17 @@ class DataParallel:
                                 f"use a multiple of {self.world}")
         return batch.chunk(self.world)[self.rank]
 
-    def start_reduce(self, pieces: Sequence[torch.Tensor]) -> Reduction:
+    def start_reduce(self, pieces: Sequence[torch.Tensor], whole: bool = False) -> Reduction:
         """All-reduce a gradient given as tensors laid end to end, as one flat tensor; sharded, reduce-scatter
-        it (zero-padded to world x the slice) so this rank receives the sum of its slice only."""
+        it (zero-padded to world x the slice) so this rank receives the sum of its slice only. `whole`: every
+        rank receives the whole sum even when sharded (LoRA's adapters, which every rank keeps whole)."""
         # Summed in fp32: a bf16 sum over ranks would round every partial sum.
         numel = sum(p.numel() for p in pieces)
-        size = self.stored_numel(numel) * (self.world if self.sharded else 1)
+        scatter = self.sharded and not whole
+        size = shard_numel(numel, self.world) * self.world if scatter else numel
         flat = torch.empty(size, dtype=torch.float32, device=pieces[0].device)
         fold_into(flat[:numel], pieces, first=True)
-        if not self.sharded:
+        if not scatter:
             return Reduction(flat, dist.all_reduce(flat, async_op=True))
         flat[numel:].zero_()
         mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
@@ -126,26 +130,29 @@ class DataParallel:
         return out
 
 
-def rank_store_dir(run_store: Path, parallel: DataParallel | None) -> Path:
-    """The store this process opens: `run_store` itself, or under torchrun its rank's `rank<N>` folder. A store
-    written by another number of processes is refused, untouched, with the number to resume it with."""
+def rank_store_dirs(run_store: Path, parallel: DataParallel | None) -> list[Path]:
+    """The store this process opens: `run_store` itself, or under torchrun its rank's `rank<N>` folder; for one
+    process reading a run sharded over N processes (generate, export, eval), every rank's store, in rank order.
+    A store written by another number of processes is refused, untouched, with the number to resume it with."""
     processes = len(list(run_store.glob("rank*"))) or 1
     world = 1 if parallel is None else parallel.world
     if run_store.is_dir() and processes != world:
+        ranks = [run_store / f"rank{r}" for r in range(processes)]
+        if parallel is None and read_manifest(ranks[0])["spec"].get("shards", 1) == processes:
+            return ranks
         how = f"torchrun --nproc-per-node {processes}" if processes > 1 else "one process (no torchrun)"
         raise StoreError(f"{run_store} holds the stores of {processes} process(es) and this is {world}; resume "
                          f"it with {how}")
-    return run_store if parallel is None else run_store / f"rank{parallel.rank}"
+    return [run_store if parallel is None else run_store / f"rank{parallel.rank}"]
 
 
 def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> None:
     """A store of one rank's slices opens only in that many processes, under the mode it was written with."""
     shards, world = store.spec.shards, 1 if parallel is None else parallel.world
     if shards > 1 and shards != world:
-        # generate, export and eval read one store in one process: the slices are not merged for them (yet).
         raise StoreError(f"{store.root} holds 1/{shards} of a run's state (--data-parallel sharded over {shards} "
-                         f"processes) and this is {world}; only training under torchrun --nproc-per-node {shards} "
-                         "opens it (generate, export and eval need a run trained with --data-parallel replicated)")
+                         f"processes) and this is {world}; open {store.root.parent} (every slice, to read it) or "
+                         f"train with torchrun --nproc-per-node {shards}")
     if (mode == "sharded") != (shards > 1) and world > 1:
         was = "sharded" if shards > 1 else "replicated"
         raise StoreError(f"{store.root} was written with --data-parallel {was}; resume it with --data-parallel {was}")

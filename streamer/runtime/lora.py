@@ -86,7 +86,7 @@ class Adapters:
     def all_reduce(self, data_parallel: DataParallel) -> None:
         """Average the adapters' gradients over the ranks (in fp32, in one flat tensor, as the base's are)."""
         grads = [t.grad for t in self.leaves()]
-        flat = data_parallel.finish_reduce(data_parallel.start_reduce(grads))
+        flat = data_parallel.finish_reduce(data_parallel.start_reduce(grads, whole=True))
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
