@@ -228,8 +228,7 @@ def parse_sets(sets: Sequence[str], error: Callable[[str, str], Exception] = Set
     figures: dict[str, Figure] = {}
     for item in sets:
         if FIGURE_SETS((item,)) is None:
-            raise error("set", f"takes FIELD=NUMBER with FIELD one of {', '.join(FIGURES)} (`streamer devices` "
-                               f"lists them), got {shown(item)}")
+            raise error("set", f"must be {FIGURE_SETS.wanted()} (`streamer devices` lists them), got {shown(item)}")
         name, _, text = item.partition("=")
         check = _figure_check(name)
         if check(float(text)) is None:

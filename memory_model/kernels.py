@@ -38,6 +38,9 @@ class KernelCosts:
     logits_backward_s: float  # per logit: each chunk's logits again (and their matmul), the loss's backward, bias grad
     embedding_backward_s: float  # per element of the dense embedding gradient (zeroed, then scattered into)
     gradient_fold_bytes_per_s: float  # the host folding a gradient into its fp32 accumulator, and the norm
+    # An update's new compute weights: its fp32 master cast to the compute dtype (4 + es bytes per parameter),
+    # as costly as AdamW itself on a CPU; none in fp32, where the master is the compute copy.
+    compute_cast_bytes_per_s: float
 
     def __post_init__(self) -> None:
         for f in fields(self):

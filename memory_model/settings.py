@@ -126,13 +126,13 @@ class Switch:
 
 @dataclass(frozen=True)
 class Assignments:
-    """`NAME=NUMBER` items, each NAME one of `names` (TOML gives a list, a repeated flag a list): kept as a tuple
+    """`FIELD=NUMBER` items, each FIELD one of `names` (TOML gives a list, a repeated flag a list): kept as a tuple
     of the items as written. What each number may be is its owner's check (`devices.parse_sets`)."""
 
     names: tuple[str, ...]
 
     def wanted(self) -> str:
-        return f"NAME=NUMBER items with NAME one of {', '.join(self.names)}"
+        return f"FIELD=NUMBER items with FIELD one of {', '.join(self.names)}"
 
     def __call__(self, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):

@@ -113,15 +113,20 @@ def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: Device
 
 
 def _compute(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
+    costs = device.kernels.get(cfg.compute_dtype)
     if event.phase == "update":
         if cfg.update_on == "device":
             bandwidth = device.device_mem_bandwidth * device.bandwidth_efficiency
         else:
             bandwidth = device.host_update_bw  # a measured or published update rate: already achievable
-        return event.resource.count * cfg.update_touched_bytes / bandwidth
+        # The new compute weights (the master cast down) where the kernels beside the matmuls are measured;
+        # the matmul-only model leaves this elementwise kernel out with the others.
+        cast = 0.0
+        if costs is not None and cfg.new_compute_bytes:
+            cast = event.resource.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
+        return event.resource.count * cfg.update_touched_bytes / bandwidth + cast
     unit = event.unit
     rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
-    costs = device.kernels.get(cfg.compute_dtype)
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
     # A backward's matmuls: the gradient w.r.t. the input and w.r.t. the weights; a frozen (LoRA) base makes
     # only the first (its adapters' matmuls are rank-sized, left out).

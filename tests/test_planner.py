@@ -308,9 +308,13 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
                       disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
     costs = KernelCosts(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
                         elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
-                        embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18)
+                        embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9)
     shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
     base, costed = plan(shape, free, cfg), plan(shape, replace(free, kernels={"bf16": costs}), cfg)
+    # The update casts each parameter's new master to bf16: 4 B read and 2 B written, at the measured rate.
+    update_s = {r.unit: r for r in costed.rows}["block.0"].update_s
+    assert update_s == pytest.approx({r.unit: r for r in base.rows}["block.0"].update_s
+                                     + shape.unit_params("block.0") * 6 / 1e9, rel=1e-12)
     n, attn = 512, attention_flops(shape, 1, 512)
     block = {r.unit: r for r in costed.rows}["block.0"]
     mm = (block.forward_flops - attn) / 1e12

@@ -40,8 +40,8 @@ def test_plan_json_summary_and_no_prediction_above_the_achievable(capsys):
                          "--set", "host_update_bw=1e9", "--json")
     planned = json.loads(out)
     assert planned["config"]["update_on"] == "host" and planned["bottleneck"] == "host compute"
-    for wrong, says in (("warp=9", "NAME one of memory_bytes"), ("matmul_efficiency=2", "in (0, 1]"),
-                        ("memory_bytes", "NAME=NUMBER")):
+    for wrong, says in (("warp=9", "FIELD one of memory_bytes"), ("matmul_efficiency=2", "in (0, 1]"),
+                        ("memory_bytes", "FIELD=NUMBER")):
         err = fails(capsys, "plan", "--target", "cs2", "--set", wrong)
         assert err.startswith("error: --set") and says in err, err
 
@@ -94,4 +94,4 @@ def test_train_budget_preset_honours_set_and_a_wrong_set_is_one_line(capsys, tmp
                                    "--set", f"reserve_bytes={DEVICE_PRESETS['rtx4090'].memory_bytes - 2**20}"))
     assert "--budget" in err and "by the planner" in err and not (tmp_path / "r").exists()
     err = fails(capsys, *tiny_args(tiny_setup, tmp_path / "r", 1, "--set", "bf16_flops=fast"))
-    assert err.startswith("error: --set must be NAME=NUMBER") and not (tmp_path / "r").exists()
+    assert err.startswith("error: --set must be FIELD=NUMBER") and not (tmp_path / "r").exists()

@@ -48,6 +48,8 @@ def declare(parser: argparse.ArgumentParser) -> None:
         "model": "a preset or a config.json",
         "dtype": "compute dtype: auto (for local, bf16 if this CPU runs it natively and at least as fast as fp32, "
                  "else fp32; bf16 for the presets, which all run it natively), bf16 or fp32",
+        "set": "replace one figure of --target (repeatable; `streamer devices` lists the fields); with "
+               "--compare, on top of the run's own",
         "update_on": "run AdamW on the device (streamed state) or on the host (default: the target's place: host "
                      "for cs2 and cs3, whose MemoryX runs the update; device for the GPUs and local)"})
     add_flags(parser)

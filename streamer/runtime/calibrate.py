@@ -32,7 +32,7 @@ from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, l
 from memory_model.units import format_size
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU spends about twice a block's matmul time again in LayerNorm, GELU, rotary, casts and attention
 # (kernels.py): the kernel-cost probe's length is chosen as if its time were 3x its matmuls'.
@@ -243,6 +243,7 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         grad, accumulator = torch.full((fold_params,), 1e-3, dtype=dtype), torch.empty(fold_params)
         fold_s = _best_time(lambda: torch.linalg.vector_norm(accumulator.copy_(grad)), repeats,
                             max(0.0, deadline - time.perf_counter()))
+        cast_s = _best_time(lambda: grad.copy_(accumulator), repeats, max(0.0, deadline - time.perf_counter()))
     finally:
         torch.random.set_rng_state(torch_state)
     # A residual below zero is timing noise around a kernel that costs ~nothing.
@@ -254,7 +255,8 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         logits_backward_s=max(0.0, head_bwd - 2 * head_matmul_s) / logits,
         embedding_backward_s=embed_bwd / (cfg.vocab_size * cfg.n_embd),
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
-        gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s)
+        gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
+        compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s)
 
 
 def measure_allreduce(nbytes: int, repeats: int) -> float:
