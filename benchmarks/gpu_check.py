@@ -43,9 +43,10 @@ sys.path.insert(0, str(ROOT))  # this checkout's packages, whatever the venv has
 from layers import GPTJConfig  # noqa: E402
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, Plan, PlanConfig  # noqa: E402
 from memory_model import format_size, plan  # noqa: E402
+from streamer.errors import StreamerError  # noqa: E402
 from streamer.runtime.calibrate import measure_update  # noqa: E402
+from streamer.runtime.calibrate_device import preset_for  # noqa: E402
 from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
-from benchmarks.machine import STORE_KINDS  # noqa: E402
 from streamer.runtime.hardware import resolve_compute_dtype  # noqa: E402
 from streamer.store.layout import model_layouts  # noqa: E402
 from streamer.store.spec import StoreSpec  # noqa: E402
@@ -168,7 +169,8 @@ def pinned_rounds_up() -> bool:
 def pinned_store_bytes(cfg: GPTJConfig, moment_dtype: str, rounded: bool) -> int:
     """Pinned RAM of a RAM-tier store with bf16 compute weights: one slab per unit and kind."""
     spec = StoreSpec(cfg, "bf16", moment_dtype)
-    sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg) for kind in STORE_KINDS]
+    sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg)
+             for kind in spec.ram_kinds()]
     return sum(1 << (s - 1).bit_length() if rounded else s for s in sizes)
 
 
@@ -191,10 +193,10 @@ def gpu_spec(name: str, total: int, h2d: float, d2h: float, peak: float, host_up
              ) -> tuple[DeviceSpec, str | None]:
     """The planner's device: the matching preset with this machine's measured link, matmul peak, host AdamW
     rate and memory; (spec, preset name or None when no preset matches)."""
-    lowered = name.lower()
-    preset = next((p for key, p in (("gh200", "gh200"), ("h200", "h200"), ("h100 pcie", "h100-pcie"),
-                                    ("h100", "h100-sxm"), ("4090", "rtx4090"),
-                                    ("a100", "a100-80g" if total > 48 * GiB else "a100-40g")) if key in lowered), None)
+    try:
+        preset: str | None = preset_for(name)
+    except StreamerError:
+        preset = None
     base = DEVICE_PRESETS[preset or "h100-sxm"]
     spec = replace(base, name=f"{name} (measured)", memory_bytes=total, h2d=Link(h2d, base.h2d.latency_s),
                    d2h=Link(d2h, base.d2h.latency_s), flops={**base.flops, "bf16": peak}, host_update_bw=host_update,

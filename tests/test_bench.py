@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,13 @@ def test_disk_bandwidth_is_judged_only_where_the_disk_served_it():
     row = disk_tier(ctx).section.rows[0]
     assert "page cache: not judged" in row[1] and "50% of 2.00 GB/s" in row[2]
     assert row[-2:] == ("NOT met", "met")  # 2.0 s step vs max(1.9 s I/O, no compute reference): 1.05x
+
+
+def test_gpu_check_imports_and_says_why_it_measures_nothing_without_a_gpu() -> None:
+    """`make gpu-check`'s command on a machine with no CUDA device: it exits 0 and says there is nothing to
+    check (so a broken import in it fails here, not first on a GPU)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "sees no CUDA device" in done.stdout
