@@ -1,8 +1,10 @@
 """Host memory and disk a run needs, checked before `streamer train` writes anything.
 
 The store's size comes from its own layout (`StoreSpec.host_bytes`): RAM slabs for the RAM tier, and on the run
-folder's filesystem every unit's state file twice (a commit writes the new generation before it deletes the old
-one) plus, on the disk tier, its gradient file. On CUDA the transport's pool of staging buffers
+folder's filesystem every unit's state file, twice while a fused step or a RAM-tier save commits (the previous
+generation stays until the manifest names the new one; the disk tier's journaled update after the backward
+keeps one unit's twice at a time), plus, on the disk tier, its gradient file. With `--update-timing auto` a disk
+too small for a fused step's second generation runs the update after the backward instead. On CUDA the transport's pool of staging buffers
 (`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned (page-locked:
 never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Under torchrun each
 process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
 from layers import PRESETS, GPTJConfig
 from memory_model import format_size
+from memory_model.shapes import fused_update
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
 
@@ -40,7 +43,7 @@ class HostNeed:
     @classmethod
     def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
-        ram, disk = spec.host_bytes()
+        ram, disk = spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, stores_on_disk))
         staging = spec.staging_bytes() if tc.device.startswith("cuda") else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.pin_memory] if staging else 0
         return cls(_with_headroom((ram + staging) * stores_in_ram, RAM_HEADROOM),
@@ -50,16 +53,40 @@ class HostNeed:
         return self.ram <= free_ram and self.disk <= free_disk
 
 
+def _fused(tc: TrainerConfig, processes: int) -> bool:
+    """The update runs fused into the backward (speculatively: every unit's previous state stays until commit)."""
+    return not tc.lora.enabled and fused_update(tc.update_timing, tc.store.state, processes)
+
+
 def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
     return nbytes + headroom[0] + int(nbytes * headroom[1]) if nbytes else 0
 
 
-def check_host_resources(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
-    """Raise a RunError naming needed and free sizes and what would fit, if the run's stores cannot fit."""
+def check_host_resources(cfg: RunConfig, model_cfg: GPTJConfig) -> tuple[RunConfig, str | None]:
+    """`fit_host_resources` against this machine's available RAM and the run folder's free disk."""
     folder = _existing_ancestor(Path(cfg.run_dir))
-    problem = shortfall(cfg, model_cfg, psutil.virtual_memory().available, shutil.disk_usage(folder).free, folder)
-    if problem is not None:
+    return fit_host_resources(cfg, model_cfg, psutil.virtual_memory().available, shutil.disk_usage(folder).free,
+                              folder)
+
+
+def fit_host_resources(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: int,
+                       folder: Path) -> tuple[RunConfig, str | None]:
+    """The run's settings, if its stores fit, with a line saying what was changed to make them fit (or None).
+    `--update-timing auto` on a disk with no room for a fused step's second generation of every unit becomes
+    after-backward, whose journaled commit holds one unit's twice. Otherwise raise a RunError naming needed
+    and free sizes and what would fit."""
+    problem = shortfall(cfg, model_cfg, free_ram, free_disk, folder)
+    if problem is None:
+        return cfg, None
+    if cfg.update_timing != "auto":
         raise RunError(problem)
+    journaled = replace(cfg, update_timing="after-backward")
+    problem = shortfall(journaled, model_cfg, free_ram, free_disk, folder)
+    if problem is None:
+        return journaled, (f"--update-timing auto: a fused step keeps every unit's previous state on disk until it "
+                           f"commits, and {folder} has {format_size(free_disk)} free, too little for that; the "
+                           "update runs after the backward (a journaled commit holds one unit's state twice)")
+    raise RunError(problem)
 
 
 def shortfall(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: int, folder: Path) -> str | None:
@@ -75,9 +102,10 @@ def shortfall(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: i
         short.append(f"{format_size(need.ram)} of RAM (--store {cfg.store}{pinned}; {format_size(free_ram)} "
                      "available)")
     if need.disk > free_disk:
-        short.append(f"{format_size(need.disk)} of disk in {folder} (two state generations while a step commits; "
-                     f"{format_size(free_disk)} free)")
-    variants = {"--store disk": {"store": "disk"}, "--moment-dtype bf16": {"moment_dtype": "bf16"},
+        generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
+        short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
+                     f"commits; {format_size(free_disk)} free)")
+    variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}, "--moment-dtype bf16": {"moment_dtype": "bf16"},
                 "--store disk --moment-dtype bf16": {"store": "disk", "moment_dtype": "bf16"}}
     would_fit = []
     for flags, changes in variants.items():

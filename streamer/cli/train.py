@@ -112,7 +112,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
-    check_host_resources(cfg, model_cfg)
+    cfg, changed = check_host_resources(cfg, model_cfg)  # config.toml records a change: resume keeps it
+    if changed is not None:
+        console.print(changed, markup=False, highlight=False)
     check_fits(model_cfg, cfg, 1 if parallel is None else parallel.world)
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 

@@ -98,12 +98,14 @@ class StoreSpec:
         """Data bytes of a state file of a unit of `numel` parameters (the trailer follows them)."""
         return sum(self.chunk_bytes(c) for _, c in chunks(numel, self.chunk))
 
-    def host_bytes(self) -> tuple[int, int]:
+    def host_bytes(self, every_unit_twice: bool = True) -> tuple[int, int]:
         """(RAM, disk) bytes of the whole store at its largest. State files are written on every commit (the RAM
-        tier's on a save), and while one is committed a unit has two generations on disk: the old one is
-        deleted only once the new one is in place. Disk-tier gradients have a file of their own. A frozen
-        base's state files are written once, when its weights are (nothing a step does changes them)."""
-        ram = disk = 0
+        tier's on a save), and the old generation of a unit is deleted only once its new one is in place. A
+        journaled commit (the disk tier's update after the backward) deletes each old one at once, so one unit
+        at a time has two; a speculative (fused) step or a save keeps every old one until the manifest names
+        the new ones (`every_unit_twice`). Disk-tier gradients have a file of their own. A frozen base's state
+        files are written once, when its weights are (nothing a step does changes them)."""
+        ram = states = largest = grads = 0
         numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
         for unit in self.config.unit_names():
             kind = unit.split(".")[0]
@@ -111,9 +113,11 @@ class StoreSpec:
                 numels[kind] = self.stored_numel(UnitLayout.of(self.config, unit).numel)
             numel = numels[kind]
             ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
-            disk += (1 if self.frozen else 2) * (self.state_bytes(numel) + TRAILER_BYTES)
-            disk += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" and not self.frozen else 0
-        return ram, disk
+            state = self.state_bytes(numel) + TRAILER_BYTES
+            states, largest = states + state, max(largest, state)
+            grads += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" and not self.frozen else 0
+        second = 0 if self.frozen else states if every_unit_twice else largest
+        return ram, states + second + grads
 
     def staging_bytes(self) -> int:
         """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
