@@ -1,5 +1,6 @@
 """Data parallel with the state sharded: 2 gloo processes, each storing and updating half of every unit, equal
-one process on the same global batch, resume, refuse another number of processes, and store half the bytes."""
+one process on the same global batch, resume (after a SIGKILL too), store half the bytes each, are read by one
+process and refuse to be trained by another number of processes."""
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ def test_two_sharded_ranks_equal_one_process(tmp_path, store):
     assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0  # the same gathered weights on every rank
     diff = _max_diff(ranks[0]["state"], reference["state"])
     print("max abs difference vs one process", diff)
-    assert diff <= 1e-5
+    assert diff <= 1e-5  # measured 4.3e-6 (native) / 2.6e-6 (AVX2 cap), both tiers
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
     # Each rank's device peak (the whole unit all-gathered, the padded fp32 gradient and its reduce-scattered
     # slice included) is what the planner predicts for sharded ranks.
@@ -51,31 +52,24 @@ def test_two_sharded_ranks_equal_one_process(tmp_path, store):
 
 
 @pytest.mark.slow
-def test_sharded_resume_equals_one_process_and_each_store_is_half(tmp_path):
+def test_sharded_resume_store_size_and_one_process_reading_it(tmp_path):
     ranks = run_sharded(tmp_path, [("new", 2), ("open", 1)])
     reference = single_process(tmp_path, 3)
     assert _max_diff(ranks[1]["state"], reference["state"]) <= 1e-5
-    replicated = tmp_path / "replicated"
-    replicated.mkdir()
-    run_sharded(replicated, [("new", 1)], TC)
-    whole = _bytes_under(replicated / "run" / "rank0")
+    # One process's store is what each replicated rank keeps; each sharded rank keeps half of it.
+    whole = _bytes_under(tmp_path / "single")
     halves = [_bytes_under(tmp_path / "run" / f"rank{r}") for r in range(2)]
     print("per-rank store bytes: replicated", whole, "sharded", halves)
     assert all(0.45 * whole <= half <= 0.55 * whole for half in halves)
-
-
-@pytest.mark.slow
-def test_one_process_reads_a_sharded_run_and_refuses_to_train_it(tmp_path):
-    ranks = run_sharded(tmp_path, [("new", 2)])
     with StreamingTrainer.open(tmp_path / "run") as alone:  # every rank's slice: how generate and export read it
-        assert alone.step_count == 2
+        assert alone.step_count == 3
         assert _max_diff(alone.state_dict(), ranks[0]["state"]) == 0.0
         with pytest.raises(StoreError, match=r"sharded over 2 processes, read here by one; train it with torchrun "
                                              r"--nproc-per-node 2"):
             alone.step(global_batches(1)[0])
     with pytest.raises(StoreError, match=r"holds 1/2 of a run's state .* or train with torchrun --nproc-per-node 2"):
         StreamingTrainer.open(tmp_path / "run" / "rank0")
-    assert len(list((tmp_path / "run" / "rank0" / "slabs").iterdir())) > 0  # nothing was deleted
+    assert _bytes_under(tmp_path / "run" / "rank0") == halves[0]  # refusing changed nothing
 
 
 def _killed_main(rank: int, world: int, port: int, run: str) -> None:
