@@ -93,3 +93,20 @@ def test_lora_on_two_gloo_ranks_equals_one_process_and_resumes(tmp_path):
     assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0  # the same adapters on every rank
     assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # measured 0 (merged weights)
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)  # measured 2.4e-7
+
+
+def test_each_torchrun_process_on_cuda_takes_the_gpu_of_its_local_rank(monkeypatch):
+    """Without it every process of a machine would allocate on the first GPU (unverified on GPU: the calls are
+    recorded, not made)."""
+    import torch.distributed as dist
+    from streamer.runtime.distributed import DataParallel
+    chosen = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert DataParallel.from_environment("cuda") == DataParallel(1, 2)
+    assert chosen == [1]
+    assert DataParallel.from_environment("cpu") == DataParallel(1, 2) and chosen == [1]

@@ -55,6 +55,8 @@ class DataParallel:
         """The process group torchrun describes in the environment (WORLD_SIZE > 1), else None."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
+        if device == "cuda":  # torchrun's processes on one machine: one GPU each, not all of them on the first
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             # nccl for device tensors; gloo beside it for the host's (a loss, the squared norms, a host slice).
             dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
