@@ -15,7 +15,7 @@ from streamer.runtime.distributed import DataParallel, agree_on_journal, check_s
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
-from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext
+from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
 from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
 from memory_model.shapes import fused_update
@@ -278,8 +278,8 @@ class StreamingTrainer:
                                           "fp32 adapter gradients for the all-reduce")
             self.adapters.all_reduce(self.data_parallel)
             self.ledger.free(handle)
-        self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}
-        clip = self.executor.clip_coef(ctx)
+        self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}  # the step's reported norm
+        clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.max_grad_norm, ctx.step)
         with self.trace.span("lora", "update", step=ctx.step):
             self.adapters.step(ctx.lr, clip)
 

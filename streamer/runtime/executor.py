@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import math
 from collections import Counter
 from typing import Callable, Sequence
 
@@ -30,7 +29,7 @@ from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import Store
-from streamer.runtime.step import ClippingNeeded, NonFiniteError, PendingOffload, RunningStep, StepContext
+from streamer.runtime.step import ClippingNeeded, PendingOffload, RunningStep, StepContext, clip_coefficient
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
@@ -63,6 +62,7 @@ class Executor:
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self.units = list(layouts)
         self.data_parallel = data_parallel
+        self.shards = data_parallel.world if data_parallel is not None and data_parallel.sharded else 1  # per unit
         self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
         self._scratch: torch.Tensor | None = None
         self.current = RunningStep()
@@ -100,7 +100,7 @@ class Executor:
     def _issue(self, resource: Resource, step: int, keep_master: bool) -> None:
         numel = self.layouts[resource.unit].numel
         stored = self.stored_numel(resource.unit)
-        on_device = gathered_numel(numel, self._shards())  # sharded: every rank's slice, all-gathered
+        on_device = gathered_numel(numel, self.shards)  # sharded: every rank's slice, all-gathered
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.tc.update_on)]
         if isinstance(resource, Weights):
@@ -128,25 +128,19 @@ class Executor:
                 state.buffer, state.residency = self._whole_unit(resource.unit, tensors["weights"]), Residency.AVAILABLE
         return tensors
 
-    def _shards(self) -> int:
-        """The slices each unit's state is stored in: the ranks, with the state sharded; else 1."""
-        return self.data_parallel.world if self.data_parallel is not None and self.data_parallel.sharded else 1
-
     def stored_numel(self, unit: str) -> int:
         """Elements of `unit` the store holds and the update walks: the unit, or this rank's slice of it."""
-        return shard_numel(self.layouts[unit].numel, self._shards())
+        return shard_numel(self.layouts[unit].numel, self.shards)
 
     def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
-        """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device: on the
-        compute thread, in program order, so every rank issues its collectives in the same order (the slice's
-        load from the store still overlaps the compute before it)."""
+        """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device, here on the
+        compute thread so that every rank issues its collectives in the same order."""
         numel = self.layouts[unit].numel
         if weights.numel() == numel:
             return weights
-        gathered = self.transport.device_buffer(weights.numel() * self.data_parallel.world, weights.dtype)
-        self.data_parallel.gather_slices(gathered, weights)
-        # (in fp32 the slice may be the master a fused update keeps: that one is given back after the update)
-        if weights is not self.current.kept_masters.get(unit) and self.transport.owns(weights, unit, "compute"):
+        gathered = self.data_parallel.gather_slices(
+            self.transport.device_buffer(weights.numel() * self.data_parallel.world, weights.dtype), weights)
+        if self.transport.owns(weights, unit, "compute"):  # (sharded means no fused update: no kept master)
             self.transport.give_back(weights)
         self._gathered[unit] = gathered
         return gathered[:numel]
@@ -244,7 +238,7 @@ class Executor:
                                                              "gradient w.r.t. the unit's input"))
         if unit == self.units[0] or (self.current.fused and micro == self.tc.grad_accum - 1):
             self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
-        if unit == self.units[0] and micro == self.tc.grad_accum - 1 and self._shards() > 1:
+        if unit == self.units[0] and micro == self.tc.grad_accum - 1 and self.shards > 1:
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
@@ -258,7 +252,7 @@ class Executor:
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
                    for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
-                                             self._shards() > 1)]
+                                             self.shards > 1)]
         first, last = micro == 0, micro == self.tc.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step, persist = self.current.step, not (self.current.fused and last)
@@ -295,22 +289,11 @@ class Executor:
                 self.current.final_grads[pending.unit] = total
 
     # --- update --------------------------------------------------------------------------------------
-    def clip_coef(self, ctx: StepContext) -> float:
-        """torch.nn.utils.clip_grad_norm_'s coefficient over every unit's gradient."""
-        for unit, sq in self.grad_sq_norms.items():
-            if not math.isfinite(sq):
-                raise NonFiniteError(f"non-finite gradient in {unit} at step {ctx.step} (the first unit its "
-                                     "backward reached); nothing was committed — lower the lr or check the data")
-        if self.tc.max_grad_norm is None:
-            return 1.0
-        total = math.sqrt(sum(self.grad_sq_norms.values()))
-        return min(1.0, self.tc.max_grad_norm / (total + 1e-6))
-
     def _update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
         if self.current.fused:
             tensors = self._fused_inputs(chunk, tensors, ctx)
         elif ctx.clip_coef is None:
-            ctx.clip_coef = self.clip_coef(ctx)
+            ctx.clip_coef = clip_coefficient(self.grad_sq_norms, self.tc.max_grad_norm, ctx.step)
             if ctx.on_first_update is not None:
                 ctx.on_first_update(ctx)
         if not chunk.master:  # the master the unit's weights load kept, updated in place
@@ -345,7 +328,7 @@ class Executor:
         1 for the step, and the step is made again after the backward (`ClippingNeeded`). A non-finite
         gradient stops the step here, before this unit's update, as it would before the separate update.
         """
-        if chunk.start == 0 and self.clip_coef(ctx) != 1.0:
+        if chunk.start == 0 and clip_coefficient(self.grad_sq_norms, self.tc.max_grad_norm, ctx.step) != 1.0:
             raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
         total = self.current.final_grads[chunk.unit]
         if chunk.last:
@@ -403,9 +386,7 @@ class Executor:
         for unit in list(self.current.graphs):
             self.recorder.release(unit)
         self.current.graphs.clear()
-        for writer in self.current.writers.values():
-            writer.discard()
-        self.current.writers.clear()
+        self.current.discard_writers()
         self.current.write_backs.clear()  # their failures were reported; the next step must not raise them again
         self.current.final_grads.clear()
         for master in self.current.kept_masters.values():
@@ -414,6 +395,4 @@ class Executor:
 
     def close(self) -> None:
         self.io.close()
-        for writer in self.current.writers.values():
-            writer.discard()
-        self.current.writers.clear()
+        self.current.discard_writers()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,3 +67,21 @@ class RunningStep:
     kept_masters: dict[str, torch.Tensor] = field(default_factory=dict)
     writers: dict[str, StateWriter] = field(default_factory=dict)  # units whose new state is being written
     write_backs: list[cf.Future[None]] = field(default_factory=list)
+
+    def discard_writers(self) -> None:
+        """Give up the new state of every unit being written (an aborted step; a close part-way)."""
+        for writer in self.writers.values():
+            writer.discard()
+        self.writers.clear()
+
+
+def clip_coefficient(sq_norms: dict[str, float], max_grad_norm: float | None, step: int) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient over every unit's gradient, from each unit's squared norm
+    (in backward order); a NonFiniteError names the first unit whose gradient is not finite."""
+    for unit, sq in sq_norms.items():
+        if not math.isfinite(sq):
+            raise NonFiniteError(f"non-finite gradient in {unit} at step {step} (the first unit its backward "
+                                 "reached); nothing was committed — lower the lr or check the data")
+    if max_grad_norm is None:
+        return 1.0
+    return min(1.0, max_grad_norm / (math.sqrt(sum(sq_norms.values())) + 1e-6))
