@@ -20,11 +20,11 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # Host memory pinned for copies to and from a CUDA device (page-locked, so the DMA engine reads it while the host
 # works on): the RAM store's slabs too, only a bounded pool of staging buffers, or nothing.
 PIN_MODES = ("all", "staging", "none")
-# The staging pool holds, at once, one unit's fp32 gradient on its way to the store, one unit's fp32 master
-# read from disk on its way to the device and the one a fused update takes from its backward's load (three
-# whole units), plus a chunk of every state kind and the gradient, for the chunk being updated and the one
-# loaded next.
-STAGING_UNITS = 3
+# The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
+# their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
+# update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
+# being updated and the one loaded next.
+STAGING_UNITS = 2
 STAGING_CHUNK_SETS = 2
 
 
@@ -103,7 +103,8 @@ class StoreSpec:
         buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
         largest = max(UnitLayout.of(self.config, unit).numel for unit in self._unit_kinds())
         chunk = min(self.chunk, largest)
-        return 4 * (STAGING_UNITS * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
+        units = STAGING_UNITS + self.placement.loads_read_master(self.compute_is_master)
+        return 4 * (units * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
 
     def _unit_kinds(self) -> list[str]:
         """One unit of each type: every block has the same shapes."""
