@@ -143,14 +143,15 @@ class StreamingTrainer:
 
     def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
         store = self.store
+        compute_copy = "compute" in store.spec.ram_kinds()  # none on disk (loads cast the master) nor in fp32
         with store.unit_writer(unit, store.step) as writer:
             for start, count in chunks(master.numel(), store.spec.chunk):
                 piece = master[start:start + count]
                 zeros = torch.zeros(count, dtype=torch.float32)
-                for kind, values in (("master", piece), ("exp_avg", zeros), ("exp_avg_sq", zeros),
-                                     ("compute", piece.to(self.tc.compute_dtype))):
-                    if kind != "compute" or not store.spec.compute_is_master:
-                        writer.write(kind, start, values)
+                for kind, values in (("master", piece), ("exp_avg", zeros), ("exp_avg_sq", zeros)):
+                    writer.write(kind, start, values)
+                if compute_copy:
+                    writer.write("compute", start, piece.to(self.tc.compute_dtype))
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-keyed weights (GPTJForCausalLM's state_dict); resets the Adam moments."""
@@ -229,7 +230,8 @@ class StreamingTrainer:
         numels = {u: lay.numel for u, lay in self.layouts.items()}
         if self.adapters is None:
             events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
-                                 master_from_weights=self.tc.store.loads_read_master(self.tc.compute_dtype == torch.float32))
+                                 master_from_weights=self.tc.store.loads_read_master(
+                                     self.tc.compute_dtype == torch.float32))
         else:
             events = frozen_base_events(self.units, len(micro))
         if fused and self.store is not None:
