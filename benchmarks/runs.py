@@ -55,7 +55,8 @@ class Result:
             return "update after the backward"
         if not self.redone_steps:
             return "update fused into the backward"
-        return f"update fused into the backward, {self.redone_steps} of {len(self.step_s)} timed steps redone (clipping)"
+        return (f"update fused into the backward, {self.redone_steps} of {len(self.step_s)} timed steps redone "
+                "(clipping)")
 
     @property
     def label(self) -> str:
