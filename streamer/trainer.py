@@ -65,6 +65,7 @@ class StreamingTrainer:
             self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state, ranks)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
+        self.master_from_weights = self.tc.store.loads_read_master(self.tc.compute_dtype == torch.float32)
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
         self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
         self._speculate = True  # the next step tries the fused update (the last one did not clip)
@@ -148,10 +149,9 @@ class StreamingTrainer:
             for start, count in chunks(master.numel(), store.spec.chunk):
                 piece = master[start:start + count]
                 zeros = torch.zeros(count, dtype=torch.float32)
-                for kind, values in (("master", piece), ("exp_avg", zeros), ("exp_avg_sq", zeros)):
+                copy = (("compute", piece.to(self.tc.compute_dtype)),) if compute_copy else ()
+                for kind, values in (("master", piece), ("exp_avg", zeros), ("exp_avg_sq", zeros), *copy):
                     writer.write(kind, start, values)
-                if compute_copy:
-                    writer.write("compute", start, piece.to(self.tc.compute_dtype))
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-keyed weights (GPTJForCausalLM's state_dict); resets the Adam moments."""
@@ -230,8 +230,7 @@ class StreamingTrainer:
         numels = {u: lay.numel for u, lay in self.layouts.items()}
         if self.adapters is None:
             events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
-                                 master_from_weights=self.tc.store.loads_read_master(
-                                     self.tc.compute_dtype == torch.float32))
+                                 master_from_weights=self.master_from_weights)
         else:
             events = frozen_base_events(self.units, len(micro))
         if fused and self.store is not None:
