@@ -45,7 +45,6 @@ from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, Pl
 from memory_model import format_size, plan  # noqa: E402
 from streamer.runtime.calibrate import measure_update  # noqa: E402
 from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
-from benchmarks.machine import STORE_KINDS  # noqa: E402
 from streamer.runtime.hardware import resolve_compute_dtype  # noqa: E402
 from streamer.store.layout import model_layouts  # noqa: E402
 from streamer.store.spec import StoreSpec  # noqa: E402
@@ -168,7 +167,7 @@ def pinned_rounds_up() -> bool:
 def pinned_store_bytes(cfg: GPTJConfig, moment_dtype: str, rounded: bool) -> int:
     """Pinned RAM of a RAM-tier store with bf16 compute weights: one slab per unit and kind."""
     spec = StoreSpec(cfg, "bf16", moment_dtype)
-    sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg) for kind in STORE_KINDS]
+    sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg) for kind in spec.ram_kinds()]
     return sum(1 << (s - 1).bit_length() if rounded else s for s in sizes)
 
 
