@@ -169,8 +169,7 @@ def pinned_rounds_up() -> bool:
 def pinned_store_bytes(cfg: GPTJConfig, moment_dtype: str, rounded: bool) -> int:
     """Pinned RAM of a RAM-tier store with bf16 compute weights: one slab per unit and kind."""
     spec = StoreSpec(cfg, "bf16", moment_dtype)
-    sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg)
-             for kind in spec.ram_kinds()]
+    sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg) for kind in spec.ram_kinds()]
     return sum(1 << (s - 1).bit_length() if rounded else s for s in sizes)
 
 

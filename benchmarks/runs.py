@@ -53,8 +53,10 @@ class Result:
     def update_schedule(self) -> str:
         if not self.fused:
             return "update after the backward"
-        redone = f", {self.redone_steps} of {len(self.step_s)} timed steps redone (clipping)" if self.redone_steps else ""
-        return "update fused into the backward" + redone
+        if not self.redone_steps:
+            return "update fused into the backward"
+        return (f"update fused into the backward, {self.redone_steps} of {len(self.step_s)} timed steps redone "
+                "(clipping)")
 
     @property
     def label(self) -> str:

@@ -49,3 +49,21 @@ def test_dry_run_equals_the_real_runs_ledger(tmp_path):
     for category in ("weights", "gradients", "optimizer", "workspace"):
         assert dry.peak_breakdown[category] == real[1][category]
     assert dry.peak == pytest.approx(real[0], rel=0.015)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype):
+    """The disk tier's fused step (weights cast from the fp32 master, the update's master from the backward's
+    load, no new compute weights): the same streamed charges in the real run, the dry run and the plan."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig(compute_dtype=dtype, update_chunk=20_000, store="disk", max_grad_norm=None)
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
+        assert trainer.fused and trainer.clipped_redos == 0
+        real = trainer.ledger.peak_breakdown
+    dry = dry_run(cfg, tc, 2, 48)
+    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype=dtype,
+                                                           update_chunk=20_000, store="disk"))
+    for category in ("weights", "gradients", "optimizer", "workspace"):
+        assert dry.peak_breakdown[category] == real[category]
+    assert planned.peak_device_bytes == pytest.approx(dry.peak, rel=0.015)

@@ -17,7 +17,7 @@ from streamer.config import TrainerConfig
 from streamer.resources import RAM_HEADROOM, HostNeed, shortfall
 from streamer.run import RESUMABLE, resolve
 from streamer.runtime.transport import StagingPool
-from streamer.store.layout import UnitLayout
+from streamer.store.layout import Placement, UnitLayout
 from streamer.store.spec import STATE_KINDS, StoreSpec
 from streamer.trainer import StreamingTrainer
 
@@ -46,6 +46,9 @@ def test_staging_bytes_hold_two_units_and_two_chunk_sets():
     assert spec.staging_bytes() == 4 * (2 * largest + 2 * (len(STATE_KINDS) + 1) * spec.chunk)
     ram, _ = spec.host_bytes()
     assert spec.staging_bytes() < ram / 40  # 2.04 GiB against the 101 GiB `all` would pin
+    # On the disk tier a load reads the fp32 master, and a fused update keeps one: a third unit.
+    disk = StoreSpec(PRESETS["gptj-6b"], placement=Placement.of("disk"))
+    assert disk.staging_bytes() == spec.staging_bytes() + 4 * largest
 
 
 @pytest.fixture

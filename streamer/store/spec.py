@@ -20,11 +20,11 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # Host memory pinned for copies to and from a CUDA device (page-locked, so the DMA engine reads it while the host
 # works on): the RAM store's slabs too, only a bounded pool of staging buffers, or nothing.
 PIN_MODES = ("all", "staging", "none")
-# The staging pool holds, at once, one unit's fp32 gradient on its way to the store, one unit's fp32 master
-# read from disk on its way to the device and the one a fused update takes from its backward's load (three
-# whole units), plus a chunk of every state kind and the gradient, for the chunk being updated and the one
-# loaded next.
-STAGING_UNITS = 3
+# The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
+# their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
+# update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
+# being updated and the one loaded next.
+STAGING_UNITS = 2
 STAGING_CHUNK_SETS = 2
 
 
@@ -72,8 +72,9 @@ class StoreSpec:
         return DTYPES[self.moment_dtype]
 
     def stored_kinds(self) -> tuple[str, ...]:
-        """Kinds the store holds, in RAM or in files, in file order; fp32 compute weights are the masters."""
-        return (() if self.frozen else STATE_KINDS) + (() if self.compute_is_master else ("compute",))
+        """Kinds the store holds, in its files or its RAM slabs, gradients aside: no compute copy on the disk
+        tier (loads cast the master) nor in fp32 (the compute weights are the masters)."""
+        return tuple(dict.fromkeys(k for k in (*self.file_kinds(), *self.ram_kinds()) if k != "grad"))
 
     def file_kinds(self) -> tuple[str, ...]:
         """Kinds stored, chunk-interleaved, in a unit's state file. No compute-dtype copy: with compute on
@@ -124,7 +125,8 @@ class StoreSpec:
         buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
         largest = max(self.stored_numel(UnitLayout.of(self.config, unit).numel) for unit in self._unit_kinds())
         chunk = min(self.chunk, largest)
-        return 4 * (STAGING_UNITS * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
+        units = STAGING_UNITS + self.placement.loads_read_master(self.compute_is_master)
+        return 4 * (units * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
 
     def _unit_kinds(self) -> list[str]:
         """One unit of each type: every block has the same shapes."""
