@@ -22,7 +22,16 @@ PLAN_MARGIN_BYTES = 1024
 
 def planned_peak(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> int:
     """The analytic planner's peak device bytes for one step of this run."""
-    return peak_device_bytes(model_cfg, cfg.plan_config(devices))
+    return peak_device_bytes(model_cfg, peak_plan_config(model_cfg, cfg, devices))
+
+
+def peak_plan_config(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> PlanConfig:
+    """The run's step as its peak is planned: a fused step that clipping would change is undone and made again
+    after the backward, so with clipping on it is whichever of the two schedules peaks higher."""
+    pc = cfg.plan_config(devices)
+    if not (pc.fused and cfg.max_grad_norm):
+        return pc
+    return max((pc, replace(pc, update_timing="after-backward")), key=lambda p: peak_device_bytes(model_cfg, p))
 
 
 def _needs(shape: GPTJConfig, pc: PlanConfig) -> int:
@@ -61,7 +70,7 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
     """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
     cannot fit its --budget; nothing when there is no budget or it fits."""
     budget = cfg.budget_bytes()
-    pc = cfg.plan_config(devices)
+    pc = peak_plan_config(model_cfg, cfg, devices)
     if budget is None or _needs(model_cfg, pc) <= budget:
         return
     raise RunError(f"--budget {cfg.budget} ({format_size(budget)}) is too small: a step needs "
@@ -72,7 +81,7 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
 def ledger_advice(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1
                   ) -> Callable[[dict[str, int], int, dict[str, Any]], list[str]]:
     """For the ledger's hints (`advise`): a DeviceOutOfMemory mid-step names the planner's alternatives."""
-    pc = cfg.plan_config(devices)
+    pc = peak_plan_config(model_cfg, cfg, devices)
 
     def advise(needed: dict[str, int], capacity: int, hints: dict[str, Any]) -> list[str]:
         return [f"the planner puts a step's peak at {_breakdown(model_cfg, pc)}; one of "

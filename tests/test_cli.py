@@ -6,6 +6,7 @@ import shlex
 import sys
 import tomllib
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memory_model import format_size, peak_device_bytes
+from streamer.advice import planned_peak
 from streamer.cli.main import main
 from streamer.cli.generate import open_trainer
 from streamer.run import DEMO_DEFAULTS, RunConfig, RunError, read_toml, resolve
@@ -88,6 +91,23 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
 
     rc, out, _ = run_cli(capsys, "train", "--steps", 3, "--run-dir", run)  # the same command again
     assert rc == 0 and "is at step 3, finished" in out
+
+
+def test_a_disk_tier_run_whose_fused_steps_clip_stays_within_the_planned_peak(capsys, tmp_path, tiny_setup):
+    """Clipping (on by default) undoes a fused step and makes it again after the backward, whose peak can be
+    the higher one: the planned peak the run reports (and its budget check uses) covers both schedules."""
+    run = tmp_path / "r"
+    args = tiny_args(tiny_setup, run, 2, "--store", "disk", "--max-grad-norm", 1e-6)
+    args[args.index("--batch") + 1] = 1
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    cfg = RunDir.open(run).read_config()
+    measured = max(m["device_peak_bytes"] for m in RunDir(run).read_metrics() if "device_peak_bytes" in m)
+    fused = cfg.plan_config()
+    after = replace(fused, update_timing="after-backward")
+    assert fused.fused and peak_device_bytes(cfg.model_config(), fused) < measured  # the redo peaked higher
+    assert measured <= planned_peak(cfg.model_config(), cfg) == peak_device_bytes(cfg.model_config(), after)
+    assert f"the planner predicts {format_size(planned_peak(cfg.model_config(), cfg))}" in out
 
 
 # --- resume ------------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     from streamer.errors import StreamerError
     from streamer.run import SettingError
     from streamer.run_dir import RunDir
+    from streamer.advice import peak_plan_config
     from streamer.runtime.calibrate import local_spec
 
     run = RunDir.open(run_dir)
@@ -50,7 +51,7 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
                             "pays for warm-up): train it longer with --steps")
     shape = cfg.model_config()
     device = with_sets(local_spec(Path("runs"), shape, cfg.dtype), (*cfg.set, *sets), SettingError)
-    predicted = plan(shape, device, cfg.plan_config())
+    predicted = plan(shape, device, peak_plan_config(shape, cfg))  # the schedule a clipped fused step runs
     measured_step = statistics.median(r["step_s"] for r in steps[1:])
     measured_peak = max(r["device_peak_bytes"] for r in steps)
     return {"run": str(run_dir), "predicted_step_s": predicted.step_time_s, "measured_step_s": measured_step,
