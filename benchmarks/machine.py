@@ -103,35 +103,44 @@ def raw_disk(directory: Path, nbytes: int, repeats: int) -> DiskBandwidth:
 @dataclass(frozen=True)
 class ModelChoice:
     """A scale-run candidate. The disk tier stores the fp32 master and the Adam moments only (loads cast the
-    master to the compute dtype): 12 B/param, or 8 with bf16 moments (acceptable for GPT-J-6B only)."""
+    master to the compute dtype): 12 B/param, or 8 with bf16 moments (acceptable for GPT-J-6B only). The
+    update is fused into the backward where the disk holds a second generation of every unit, else it runs
+    after the backward."""
 
     name: str
     config: GPTJConfig
     moment_dtype: str = "fp32"
     compute_dtype: str = "bf16"
+    update_timing: str = "fused"
 
     @property
     def params(self) -> int:
         return self.config.num_params()
 
+    def _spec(self) -> StoreSpec:
+        return StoreSpec(self.config, self.compute_dtype, self.moment_dtype, Placement.of("disk"))
+
     @property
     def store_bytes(self) -> int:
         """Data bytes of a disk-tier store of this model between steps (its state files), from the store's
         own layout."""
-        spec = StoreSpec(self.config, self.compute_dtype, self.moment_dtype, Placement.of("disk"))
-        return sum(spec.state_bytes(self.config.unit_params(u)) for u in self.config.unit_names())
+        return sum(self._spec().state_bytes(self.config.unit_params(u)) for u in self.config.unit_names())
 
     @property
     def disk_bytes(self) -> int:
-        """What the run needs on disk at its largest: a fused step writes every unit's next generation while
-        the previous one stays (its rollback, should clipping trigger) until the step commits. The scale run
-        does not clip, so no step writes gradient files."""
-        return 2 * self.store_bytes
+        """What the run needs on disk at its largest. Fused: every unit's next generation beside the previous
+        one (its rollback, should clipping trigger) until the step commits; the scale run does not clip, so no
+        step writes gradient files. After the backward: the gradient files and one unit's second generation
+        (`StoreSpec.host_bytes`)."""
+        if self.update_timing == "fused":
+            return 2 * self.store_bytes
+        return self._spec().host_bytes(every_unit_twice=False)[1]
 
     def describe(self) -> str:
         c = self.config
         return (f"{self.name} ({params(self.params)} params: d_model {c.n_embd}, {c.n_layer} layers, "
-                f"{c.n_head} heads; {self.compute_dtype} compute, {self.moment_dtype} Adam moments)")
+                f"{c.n_head} heads; {self.compute_dtype} compute, {self.moment_dtype} Adam moments, update "
+                f"{self.update_timing})")
 
 
 def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32",

@@ -49,6 +49,7 @@ class RunSpec:
     # Every contender clips at this global norm (0: none). Random tokens' gradients clip on every step, and a
     # fused update whose clipping triggers is made again after the backward: bench runs without, by default.
     max_grad_norm: float = same_setting(RunConfig, "max_grad_norm")
+    update_timing: str = same_setting(PlanConfig, "update_timing")  # ours streamed only
     warmup: int = setting(2, "untimed steps first", Integer(0))
     steps: int = setting(5, "timed steps", Integer())
     world: int = setting(1, "data-parallel processes (ours only); the parent starts one child per rank", Integer())
@@ -113,7 +114,7 @@ def _ours(spec: RunSpec) -> Contender:
     cfg = _gptj_config(spec)
     tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations=spec.activations,
                        moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm or None,
-                       lora_rank=spec.lora_rank)
+                       lora_rank=spec.lora_rank, update_timing=spec.update_timing)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
         return Contender(trainer.step, cfg.num_params(), trainer)

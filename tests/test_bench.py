@@ -128,6 +128,11 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     assert ModelChoice("x", four.config, "bf16").store_bytes == 8 * four.params
     # A fused step keeps the previous generation until it commits: twice the store at its largest.
     assert four.disk_bytes == 2 * four.store_bytes
+    # After the backward: one store, its gradient files (4 B/param) and one unit's second generation.
+    journaled = ModelChoice("gptj-4b", four.config, update_timing="after-backward")
+    block = four.store_bytes // four.config.n_layer
+    assert 16 * four.params < journaled.disk_bytes < 16 * four.params + 2 * block < four.disk_bytes
+    assert pick_scale_model([four, journaled], free=10**12, budget=journaled.disk_bytes).chosen is journaled
     pick = pick_scale_model([four, small], free=10**12, budget=small.disk_bytes + 1)
     assert pick.chosen is small and [fits for _, fits in pick.considered] == [False, True]
     fitted = fitted_width("gptj-4b", small.disk_bytes)
