@@ -10,7 +10,7 @@ RAM and disk per rank are 1/N. A unit's weights load as the rank's slice and are
 unit on the device; its gradient is reduce-scattered (summed in fp32) so each rank receives only its slice, and
 each rank updates only its slice. The squared gradient norms are summed over the ranks, so every rank clips by
 the same global norm and sees the same non-finite gradient. (gloo in the pinned torch has both
-all_gather_into_tensor and reduce_scatter_tensor, as nccl has.)
+all_gather_into_tensor and reduce_scatter_single, as nccl has.)
 
 Commits: a rank journals step s, then waits for every rank to have journaled it before touching any weight.
 So after a crash either all ranks hold the journal (every rank rolls forward) or some do not (then no rank
@@ -112,7 +112,7 @@ class DataParallel:
             return Reduction(flat, dist.all_reduce(flat, async_op=True))
         flat[numel:].zero_()
         mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
-        return Reduction(mine, dist.reduce_scatter_tensor(mine, flat, async_op=True), flat)
+        return Reduction(mine, dist.reduce_scatter_single(mine, flat, async_op=True), flat)
 
     def finish_reduce(self, reduction: Reduction) -> torch.Tensor:
         reduction.work.wait()

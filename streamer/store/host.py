@@ -139,7 +139,8 @@ class HostStore(Store):
     def _fill_ram_from_file(self, unit: str) -> None:
         """Load RAM-tier kinds from a unit's state file; RAM compute weights are rebuilt from the masters."""
         file_kinds = self.spec.file_kinds()
-        rebuild_compute = self._slabs.holds(unit, "compute")  # a RAM copy, cast from the masters
+        # A RAM copy, cast from the masters (a frozen base's files hold its compute weights themselves).
+        rebuild_compute = self._slabs.holds(unit, "compute") and "compute" not in file_kinds
         wanted = [k for k in file_kinds if self._slabs.holds(unit, k)]
         if not wanted and not rebuild_compute:
             return

@@ -79,8 +79,8 @@ class MergedShards(Store):
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
         return None  # no store holds a whole unit
 
-    def read_compute(self, unit: str, out: torch.Tensor) -> None:
-        self._read(unit, "master" if self.spec.compute_is_master else "compute", 0, out)
+    def read_master(self, unit: str, out: torch.Tensor) -> None:
+        self._read(unit, "master", 0, out)
 
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
         self._read(unit, kind, start, out)
