@@ -315,6 +315,7 @@ class Executor:
                        for c in update_charges(chunk, self.dtype.itemsize, self.tc.update_on)]
             new_compute.copy_(tensors["master"])
         job = lambda: self._write_back(chunk, tensors, new_compute, ctx.step)
+        self.current.wait_for_writes(self.tc.prefetch)
         self.current.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)

@@ -68,6 +68,13 @@ class RunningStep:
     writers: dict[str, StateWriter] = field(default_factory=dict)  # units whose new state is being written
     write_backs: list[cf.Future[None]] = field(default_factory=list)
 
+    def wait_for_writes(self, unfinished: int) -> None:
+        """Block until at most `unfinished` write-backs are still running: updates can outrun the disk, and a
+        write that waits holds its chunk's new state in host memory (all of the model's, else, at 6B)."""
+        running = [f for f in self.write_backs if not f.done()]
+        if len(running) > unfinished:
+            cf.wait(running[:len(running) - unfinished])
+
     def discard_writers(self) -> None:
         """Give up the new state of every unit being written (an aborted step; a close part-way)."""
         for writer in self.writers.values():
