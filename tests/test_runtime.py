@@ -146,3 +146,23 @@ def test_host_update_on_a_cpu_device_with_a_bf16_disk_store(tmp_path):
     device_state, host_state = results["device"][1], results["host"][1]
     # The same AdamW kernels on the same fp32 tensors in the same order: equal to the bit.
     assert all(torch.equal(device_state[k], host_state[k]) for k in device_state)
+
+
+def test_an_update_waits_for_the_disk_once_prefetch_write_backs_are_unfinished():
+    """Each unfinished write-back holds its chunk's new state in RAM: updates that outrun the disk wait."""
+    import concurrent.futures as cf
+    import threading
+    from streamer.runtime.step import RunningStep
+    disk = threading.Event()
+    with cf.ThreadPoolExecutor(1) as writes:
+        step = RunningStep()
+        step.write_backs = [writes.submit(disk.wait) for _ in range(3)]
+        update = threading.Thread(target=step.wait_for_writes, args=(2,))
+        update.start()
+        update.join(0.3)
+        assert update.is_alive()  # three writes unfinished, two allowed
+        disk.set()
+        update.join(5)
+        assert not update.is_alive()
+        step.wait_for_writes(0)
+        assert all(f.done() for f in step.write_backs)
