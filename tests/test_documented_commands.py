@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_RUN_MODEL
+from layers import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("streamer", "torchrun", "python", "make")
@@ -140,6 +141,9 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
         out.append(word)
     train = out.index("train") + 1 if "train" in out[:4] and program in ("streamer", "torchrun") else None
     if train is not None:
+        model = out.index("--model") + 1 if "--model" in out else None
+        if model is not None and out[model] in PRESETS and PRESETS[out[model]].num_params() > 10**9:
+            out[model] = "gptj-debug"  # a measurement at scale, shown with its command: its flags still run
         if "--resume" in out or str(run_copy) in out:
             out[out.index("--steps") + 1] = "4"  # past the stand-in run's 3 steps, so there is a step to train
         out += ["--sample-tokens", "0", "--eval-every", "0"]
