@@ -68,7 +68,6 @@ class StreamingTrainer:
             self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state, ranks)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
-        self.master_from_weights = self.tc.store.loads_read_master(self.tc.compute_dtype == torch.float32)
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
         self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
         self._speculate = True  # the next step tries the fused update (the last one did not clip)
@@ -238,7 +237,7 @@ class StreamingTrainer:
         numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
         if self.adapters is None:
             events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
-                                 master_from_weights=self.master_from_weights)
+                                 master_from_weights=self.executor.loads_read_master)
         else:
             events = frozen_base_events(self.units, len(micro))
         if fused and self.store is not None:

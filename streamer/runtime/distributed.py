@@ -63,9 +63,14 @@ class DataParallel:
         return cls(dist.get_rank(), dist.get_world_size(), sharded)
 
     # --- the sharded state ---------------------------------------------------------------------------
+    @property
+    def shards(self) -> int:
+        """The slices each unit's state is stored in: one per rank, sharded; else 1 (every rank stores it whole)."""
+        return self.world if self.sharded else 1
+
     def stored_numel(self, unit_numel: int) -> int:
         """Elements of a unit this rank's store holds and updates: all of them, or its slice."""
-        return shard_numel(unit_numel, self.world) if self.sharded else unit_numel
+        return shard_numel(unit_numel, self.shards)
 
     def slice_start(self, unit_numel: int) -> int:
         """Where this rank's slice starts in the unit's flat state (0 when it holds the whole unit)."""

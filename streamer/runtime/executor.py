@@ -62,7 +62,9 @@ class Executor:
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self.units = list(layouts)
         self.data_parallel = data_parallel
-        self.shards = data_parallel.world if data_parallel is not None and data_parallel.sharded else 1  # per unit
+        self.shards = 1 if data_parallel is None else data_parallel.shards  # the slices of each unit's state
+        # Weights loads read the fp32 master and cast it (the schedule's `master_from_weights`), for the run.
+        self.loads_read_master = tc.store.loads_read_master(self.dtype == torch.float32)
         self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
         self._scratch: torch.Tensor | None = None
         self.current = RunningStep()
@@ -105,9 +107,8 @@ class Executor:
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.tc.update_on)]
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
-            from_master = self.tc.store.loads_read_master(self.dtype == torch.float32)
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
-                resource.unit, stored, from_master, keep_master))
+                resource.unit, stored, self.loads_read_master, keep_master))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
@@ -301,7 +302,7 @@ class Executor:
                 self.current.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.tc.update_on == "host")}
         layout = self.layouts[chunk.unit]
         # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
-        start = chunk.start + (0 if self.data_parallel is None else self.data_parallel.slice_start(layout.numel))
+        start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
         adamw_chunk(tensors, start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
         if self.current.fused:
             grad = tensors.pop("grad")
