@@ -163,15 +163,8 @@ class HostStore(Store):
         return self._slabs.get(unit, kind)
 
     def read_master(self, unit: str, out: torch.Tensor) -> None:
-        if self.spec.frozen:  # a frozen base's weights are its compute weights: widened into `out`
-            for start, count in chunks(self.numels[unit], self.spec.chunk):
-                self.read_state(unit, "compute", start, out[start:start + count])
-            return
-        if (ram := self._slabs.get(unit, "master")) is not None:
-            out.copy_(ram)
-            return
         for start, count in chunks(self.numels[unit], self.spec.chunk):
-            self._files.read(unit, self.versions[unit], "master", start, out[start:start + count])
+            self.read_state(unit, "master", start, out[start:start + count])
 
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
         if kind == "master" and self.spec.frozen:
