@@ -249,8 +249,8 @@ def scale(ctx: Context) -> Outcome:
     if pick is not None:
         notes.append(f"Free disk {size(pick.free_bytes)}; the run may use {size(pick.budget_bytes)} (the rest is "
                      "left to other users of the disk). Candidates, largest first: " + "; ".join(
-                         f"{c.describe()} store {size(c.store_bytes)} (at most {size(c.disk_bytes)} during a "
-                         f"fused step) {'fits' if fits else 'does not fit'}"
+                         f"{c.describe()} store {size(c.store_bytes)} (at most {size(c.disk_bytes)} on disk, update "
+                         f"{c.update_timing}) {'fits' if fits else 'does not fit'}"
                          for c, fits in pick.considered))
     if r is None or pick is None or pick.chosen is None:
         why = _missing(ctx, SCALE) if pick is None or pick.chosen is not None else "no candidate fits the disk"

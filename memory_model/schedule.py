@@ -21,7 +21,7 @@ from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
 from memory_model.units import DTYPE_BYTES
 
-MASTER_BYTES = 4  # the fp32 master weights, per parameter
+MASTER_BYTES = DTYPE_BYTES["fp32"]  # the fp32 master weights, per parameter
 
 
 @dataclass(frozen=True)
