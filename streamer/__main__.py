@@ -1,6 +1,6 @@
 """`python -m streamer` is the `streamer` command."""
 import sys
 
-from streamer.cli.main import main
+from streamer.cli.launch import main
 
 sys.exit(main())

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from layers import GPTJConfig
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.runtime.distributed import leave_process_group
 
 CFG = GPTJConfig.preset("gptj-debug")
 TC = TrainerConfig(lr=1e-3, compute_dtype=torch.float32, store="disk", max_grad_norm=1.0, update_chunk=10_000)
@@ -41,7 +42,7 @@ def _rank_main(rank: int, world: int, port: int, run: str, phases: list[tuple[st
             done += 1
         trainer.close()
     torch.save({"state": trainer.state_dict(), "losses": trainer.losses, "peak": trainer.ledger.peak}, f"{out}.{rank}")
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 def run_data_parallel(tmp_path: Path, phases: list[tuple[str, int]], tc: TrainerConfig = TC) -> list[dict]:

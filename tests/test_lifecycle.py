@@ -181,6 +181,24 @@ def test_killed_at_random_instants_the_same_command_logs_every_step_once(tiny_se
             raise AssertionError(f"{where}: {failed}") from None
 
 
+def test_ctrl_c_while_the_libraries_load_stops_the_command_cleanly():
+    """A Ctrl-C inside numpy's import (delivered as `streamer` starts importing it) exits 130 saying so, where
+    Python's own handler could leave numpy half-loaded and fail with an unrelated ImportError (exit 1)."""
+    interrupt_at_numpy = (
+        "import builtins, os, signal, sys\n"
+        "real_import = builtins.__import__\n"
+        "def interrupting(name, *args, **kwargs):\n"
+        "    if name == 'numpy' and 'numpy' not in sys.modules:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = interrupting\n"
+        "from streamer.cli.launch import main\n"
+        "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", interrupt_at_numpy, "--help"], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (130, "interrupted")
+
+
 def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, reference, tmp_path):
     """The committed step is the truth: a record past it goes, a committed step without one gets it back."""
     run = tmp_path / "run"

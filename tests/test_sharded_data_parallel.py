@@ -17,6 +17,7 @@ from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer
 from streamer.resources import DISK_HEADROOM, HostNeed
 from streamer.errors import StoreError
+from streamer.runtime.distributed import leave_process_group
 from tests.test_distributed import CFG, TC, _free_port, _max_diff, _rank_main, global_batches, single_process
 
 SHARDED = TC.replace(data_parallel="sharded")
@@ -100,7 +101,7 @@ def _resumed_main(rank: int, world: int, port: int, run: str, out: str) -> None:
         steps = trainer.step_count
         trainer.step(global_batches(3)[2])
         torch.save({"state": trainer.state_dict(), "steps": steps}, f"{out}.{rank}")
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.slow

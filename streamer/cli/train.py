@@ -29,7 +29,7 @@ from streamer.resources import check_host_resources
 from memory_model.settings import flag
 from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve
 from streamer.run_dir import RunDir
-from streamer.runtime.distributed import DataParallel
+from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.slabfile import DiskFull
 from streamer.trainer import StreamingTrainer
@@ -78,6 +78,8 @@ def train_command(args: argparse.Namespace) -> int:
             console.print(f"run [bold]{session.run.root}[/]: {describe(session)}")
             trained, seconds = train(session, console)
             report(session, trained, seconds, console)
+        if session.parallel is not None:
+            leave_process_group()
     except KeyboardInterrupt as exc:
         exc.run_dir = str(session.run.root)  # `streamer.cli.main.main` names it in the way to continue
         raise

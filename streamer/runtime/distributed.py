@@ -10,7 +10,7 @@ RAM and disk per rank are 1/N. A unit's weights load as the rank's slice and are
 unit on the device; its gradient is reduce-scattered (summed in fp32) so each rank receives only its slice, and
 each rank updates only its slice. The squared gradient norms are summed over the ranks, so every rank clips by
 the same global norm and sees the same non-finite gradient. (gloo in the pinned torch has both
-all_gather_into_tensor and reduce_scatter_single, as nccl has.)
+all_gather_single and reduce_scatter_single, as nccl has.)
 
 Commits: a rank journals step s, then waits for every rank to have journaled it before touching any weight.
 So after a crash either all ranks hold the journal (every rank rolls forward) or some do not (then no rank
@@ -19,6 +19,7 @@ has updated anything yet, and the journals are dropped): no rank ever commits a 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -86,7 +87,7 @@ class DataParallel:
 
     def gather_slices(self, out: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         """Every rank's slice of a unit, in rank order, into `out` (world x the slice; the padding last)."""
-        dist.all_gather_into_tensor(out, piece)
+        dist.all_gather_single(out, piece)
         return out
 
     def sum_squares(self, sq_norms: dict[str, float]) -> dict[str, float]:
@@ -135,6 +136,19 @@ class DataParallel:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value)
         return out
+
+
+def leave_process_group() -> None:
+    """Wait for every rank, then destroy the process group: the last thing a data-parallel process does.
+    A gloo worker thread drops a finished collective's tensors just after the caller has moved on, and when
+    it drops a tensor's last reference it needs the GIL; a process whose interpreter shuts down meanwhile
+    aborts (SIGABRT, "terminate called without an active exception", about once in ten 2-rank runs). The
+    group's threads outlive destroy_process_group (torch.distributed.nn, imported with torch._dynamo, keeps
+    the group in default arguments), so after the barrier this thread sleeps, the GIL free, while they do."""
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.1)
+        dist.destroy_process_group()
 
 
 def rank_store_dirs(run_store: Path, parallel: DataParallel | None) -> list[Path]:

@@ -1,0 +1,24 @@
+"""The `streamer` command's entry point (and `python -m streamer`'s): a Ctrl-C while the libraries load stops
+the command at once, as Ctrl-C should.
+
+Left to Python's own handler, a KeyboardInterrupt raised inside numpy's or torch's import can leave a
+half-loaded module that then fails with an unrelated error (an ImportError or a RecursionError, exit status
+1). Nothing has been read or written before the libraries have loaded, so there is nothing to finish."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+
+def main() -> int:
+    previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
+    from streamer.cli.main import main as run_command
+    signal.signal(signal.SIGINT, previous)
+    return run_command()
+
+
+def _interrupted_while_loading(signum: int, frame: FrameType | None) -> None:
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
