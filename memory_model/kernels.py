@@ -41,6 +41,11 @@ class KernelCosts:
     # An update's new compute weights: its fp32 master cast to the compute dtype (4 + es bytes per parameter),
     # as costly as AdamW itself on a CPU; none in fp32, where the master is the compute copy.
     compute_cast_bytes_per_s: float
+    # What an event costs whatever its size (the runtime's hand-offs and bookkeeping, each small kernel's
+    # dispatch), measured on models too small for their kernels to take time: per forward, backward or
+    # update event, and per step besides its events (streamer/runtime/event_cost.py).
+    event_s: float
+    step_s: float
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from layers.config import GPTJConfig
 from memory_model.devices import DeviceSpec
 from memory_model.shapes import PlanConfig, forward_flops
-from memory_model.kernels import attention_flops
+from memory_model.kernels import KernelCosts, attention_flops
 from memory_model.schedule import (
     Event, Resource, Weights, load_disk_bytes, released_after, resource_charges, store_bytes,
 )
@@ -114,6 +114,12 @@ def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: Device
 
 def _compute(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
     costs = device.kernels.get(cfg.compute_dtype)
+    fixed = 0.0 if costs is None else costs.event_s
+    return fixed + _kernels(event, shape, cfg, device, costs)
+
+
+def _kernels(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec,
+             costs: KernelCosts | None) -> float:
     if event.phase == "update":
         if cfg.update_on == "device":
             bandwidth = device.device_mem_bandwidth * device.bandwidth_efficiency
@@ -256,5 +262,8 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
                 clock = max(clock, offload_done)
         if released_after(events, k):
             in_flight.discard(event.resource)
-    timeline.end_s = max(clock, offload_done, *ends, queues.last_end())
+    costs = device.kernels.get(cfg.compute_dtype)
+    step_s = 0.0 if costs is None else costs.step_s  # the step's own fixed cost (the loss, the commit)
+    queues.busy["device compute"] += step_s
+    timeline.end_s = max(clock, offload_done, *ends, queues.last_end()) + step_s
     return timeline

@@ -21,7 +21,10 @@ _HOMES = {
     "NonFiniteError": "streamer.runtime.step", "Placement": "streamer.store.layout",
     "StreamingTrainer": "streamer.trainer",
 }
-__all__ = sorted(_HOMES)
+__all__ = [
+    "CheckpointError", "DataError", "LRSchedule", "NonFiniteError", "Placement", "StoreError", "StreamerError",
+    "StreamingTrainer", "TokenizerError", "TrainerConfig",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -308,7 +308,8 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
                       disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
     costs = KernelCosts(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
                         elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
-                        embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9)
+                        embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9,
+                        event_s=0.0, step_s=0.0)
     shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
     base, costed = plan(shape, free, cfg), plan(shape, replace(free, kernels={"bf16": costs}), cfg)
     # The update casts each parameter's new master to bf16: 4 B read and 2 B written, at the measured rate.
@@ -328,6 +329,26 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
     assert embed.backward_s > 0 == {r.unit: r for r in base.rows}["embed"].backward_s
     assert costed.step_time_s > base.step_time_s
     assert plan(shape, replace(free, kernels={"fp32": costs}), cfg).step_time_s == base.step_time_s  # per dtype
+
+
+def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
+    """A measured fixed cost per forward, backward and update event, and one per step: on a device whose
+    I/O is free, the step grows by exactly that many of them."""
+    from memory_model.kernels import KernelCosts
+    from memory_model.schedule import step_events
+    free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                      flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
+    costs = dict(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
+                 elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
+                 embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9)
+    shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig(batch=2, seq=64, grad_accum=2)
+    base = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=0.0, step_s=0.0)}), cfg)
+    fixed = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=1e-3, step_s=2e-3)}), cfg)
+    units = shape.unit_names()
+    events = step_events(units, 2, {u: shape.unit_params(u) for u in units}, cfg.update_chunk, fused=cfg.fused)
+    assert len(events) > 2 * 2 * len(units)  # two micro-batches' forwards and backwards, and the updates
+    assert fixed.step_time_s == pytest.approx(base.step_time_s + len(events) * 1e-3 + 2e-3, rel=1e-12)
 
 
 def test_a_cpu_device_folds_gradients_on_the_compute_thread() -> None:

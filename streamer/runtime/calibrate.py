@@ -30,9 +30,10 @@ from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
 from memory_model.units import format_size
+from streamer.runtime.event_cost import measure_fixed_costs
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU spends about twice a block's matmul time again in LayerNorm, GELU, rotary, casts and attention
 # (kernels.py): the kernel-cost probe's length is chosen as if its time were 3x its matmuls'.
@@ -246,6 +247,7 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         cast_s = _best_time(lambda: grad.copy_(accumulator), repeats, max(0.0, deadline - time.perf_counter()))
     finally:
         torch.random.set_rng_state(torch_state)
+    fixed = measure_fixed_costs(dtype)
     # A residual below zero is timing noise around a kernel that costs ~nothing.
     return KernelCosts(
         attention_forward_flops=attn / attn_fwd, attention_backward_flops=2 * attn / attn_bwd,
@@ -256,7 +258,8 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         embedding_backward_s=embed_bwd / (cfg.vocab_size * cfg.n_embd),
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
-        compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s)
+        compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
+        event_s=fixed.event_s, step_s=fixed.step_s)
 
 
 def measure_allreduce(nbytes: int, repeats: int) -> float:
