@@ -43,9 +43,12 @@ class KernelCosts:
     compute_cast_bytes_per_s: float
     # What an event costs whatever its size (the runtime's hand-offs and bookkeeping, each small kernel's
     # dispatch), measured on models too small for their kernels to take time: per forward, backward or
-    # update event, and per step besides its events (streamer/runtime/event_cost.py).
+    # update event, and per step besides its events (streamer/runtime/host_costs.py).
     event_s: float
     step_s: float
+    # The host's cores moving a disk-tier byte through the page cache (written into it, read from it): on a
+    # cpu device the same cores compute, so a disk-tier step's bytes take this time from its compute.
+    page_cache_bytes_per_s: float
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -264,6 +264,11 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
             in_flight.discard(event.resource)
     costs = device.kernels.get(cfg.compute_dtype)
     step_s = 0.0 if costs is None else costs.step_s  # the step's own fixed cost (the loss, the commit)
+    if costs is not None and device.same_memory and cfg.store == "disk":
+        # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
+        # cores that compute, so the copies take their time from the step.
+        moved = sum(t.disk_read + t.disk_write for t in per_unit.values())
+        step_s += moved / costs.page_cache_bytes_per_s
     queues.busy["device compute"] += step_s
     timeline.end_s = max(clock, offload_done, *ends, queues.last_end()) + step_s
     return timeline

@@ -309,7 +309,7 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
     costs = KernelCosts(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
                         elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
                         embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9,
-                        event_s=0.0, step_s=0.0)
+                        event_s=0.0, step_s=0.0, page_cache_bytes_per_s=1e18)
     shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
     base, costed = plan(shape, free, cfg), plan(shape, replace(free, kernels={"bf16": costs}), cfg)
     # The update casts each parameter's new master to bf16: 4 B read and 2 B written, at the measured rate.
@@ -343,8 +343,8 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
                  elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
                  embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9)
     shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig(batch=2, seq=64, grad_accum=2)
-    base = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=0.0, step_s=0.0)}), cfg)
-    fixed = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=1e-3, step_s=2e-3)}), cfg)
+    base = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=0.0, step_s=0.0, page_cache_bytes_per_s=1e18)}), cfg)
+    fixed = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=1e-3, step_s=2e-3, page_cache_bytes_per_s=1e18)}), cfg)
     units = shape.unit_names()
     events = step_events(units, 2, {u: shape.unit_params(u) for u in units}, cfg.update_chunk, fused=cfg.fused)
     assert len(events) > 2 * 2 * len(units)  # two micro-batches' forwards and backwards, and the updates

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 import threading
 import time
@@ -30,13 +31,12 @@ from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
 from memory_model.units import format_size
-from streamer.runtime.event_cost import measure_fixed_costs
+from streamer.runtime.host_costs import measure_fixed_costs, measure_page_cache
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# A CPU spends about twice a block's matmul time again in LayerNorm, GELU, rotary, casts and attention
-# (kernels.py): the kernel-cost probe's length is chosen as if its time were 3x its matmuls'.
+# A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
 
 
@@ -200,13 +200,13 @@ def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor
     return forward, backward
 
 
-def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int,
-                         probe: GPTJConfig, tokens: int, seconds: float = math.inf) -> KernelCosts:
+def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int, probe: GPTJConfig,
+                         tokens: int, page_cache_bytes_per_s: float, seconds: float = math.inf) -> KernelCosts:
     """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of shape `probe`
     (probe_shape: the planned model's vocabulary, so that the logits are as large against the caches as in
     the run) at 1 x `tokens`: each one's time less its matmuls at `matmul_flops`, per counted element.
     `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
-    the measurements together stop after `seconds`."""
+    the measurements together stop after `seconds`; the page cache's rate and the fixed costs: host_costs.py."""
     from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
 
     dtype = DTYPES[dtype_name]
@@ -259,7 +259,7 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
         compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
-        event_s=fixed.event_s, step_s=fixed.step_s)
+        event_s=fixed.event_s, step_s=fixed.step_s, page_cache_bytes_per_s=page_cache_bytes_per_s)
 
 
 def measure_allreduce(nbytes: int, repeats: int) -> float:
@@ -302,12 +302,11 @@ def fingerprint() -> dict[str, Any]:
 def cpu_model() -> str:
     """The CPU's name as /proc/cpuinfo gives it."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor()
 
 
 def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: CalibrationSizes | None = None) -> DeviceSpec:
@@ -321,10 +320,12 @@ def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: Calibration
     flops = measure_matmul_flops(DTYPES[dtype], n, sizes.repeats, matmul_s)
     probe = probe_shape(shape, sizes)
     tokens = probe_tokens(probe, flops, sizes.repeats, sizes.compute_seconds - matmul_s)
-    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens,
+    page_cache = measure_page_cache(directory, sizes.disk_bytes, sizes.repeats)
+    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens, page_cache,
                                    sizes.compute_seconds - matmul_s)
     copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
-    read_bw, write_bw = measure_disk(directory, sizes.disk_bytes)
+    tries = [measure_disk(directory, sizes.disk_bytes) for _ in range(sizes.repeats)]  # one write: 0.42-1.70 GB/s
+    read_bw, write_bw = (statistics.median(t[i] for t in tries) for i in (0, 1))
     update_bw = measure_update(sizes.update_params, sizes.repeats)
     allreduce_bw = measure_allreduce(sizes.allreduce_bytes, sizes.repeats)
     ram = psutil.virtual_memory().total
@@ -339,9 +340,9 @@ def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: Calibration
         notes=(f"{dtype} matmul {n}^3; kernel costs on a d={probe.n_embd}, {probe.n_head}-head, "
                f"vocab {probe.vocab_size} GPT-J block, head and embedding at 1 x {tokens} tokens (the planned "
                f"model's, narrowed to fit {sizes.compute_seconds:g} s); copy {format_size(sizes.copy_bytes)} into an "
-               f"existing buffer; disk {format_size(sizes.disk_bytes)} with fsync, page cache dropped before the "
-               f"read; AdamW on {sizes.update_params:,} fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param "
-               f"touched; 2-rank gloo all-reduce of {format_size(sizes.allreduce_bytes)}",
+               f"existing buffer; disk: median of {sizes.repeats} x {format_size(sizes.disk_bytes)} with fsync, "
+               f"read with the page cache dropped; AdamW on {sizes.update_params:,} fp32 params, "
+               f"{UPDATE_TOUCHED_BYTES_PER_PARAM} B/param; 2-rank all-reduce of {format_size(sizes.allreduce_bytes)}",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
     return replace(spec, figures={name: Figure(value, "measured", _MEASURED_BY.get(name, spec.notes[0]))
