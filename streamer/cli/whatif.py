@@ -9,7 +9,12 @@ import csv
 import itertools
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layers import GPTJConfig
+    from memory_model.devices import DeviceSpec
+    from streamer.run import RunConfig
 
 SWEEP_BATCHES = (1, 4, 16, 64)
 SWEEP_SEQS = (512, 2048)
@@ -62,7 +67,7 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
             "bottleneck": predicted.bottleneck}
 
 
-def replayed_steps(shape: Any, device: Any, cfg: Any, steps: list[dict[str, Any]]) -> list[float]:
+def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps: list[dict[str, Any]]) -> list[float]:
     """The planned time of each step the run logged, on the schedule the trainer ran it with. With clipping
     on, a fused step is speculative: one whose gradient norm exceeded --max-grad-norm was undone and made
     again after the backward, and the steps after it ran after the backward until one did not clip. The undone
