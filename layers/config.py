@@ -71,6 +71,12 @@ class GPTJConfig:
         if self.tie_word_embeddings is not False:
             raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
                               f"got {self.tie_word_embeddings!r}")
+        # Every tensor's byte size must fit a 64-bit count: 16 bytes of training state per parameter, and the
+        # fp32 rotary table of n_positions x rotary_dim.
+        if 16 * max(self.num_params(), self.n_positions * self.rotary_dim) >= 2**63:
+            raise ConfigError(f"a model of {self.num_params():,} parameters (vocab_size {self.vocab_size}, n_embd "
+                              f"{self.n_embd}, n_layer {self.n_layer}, n_positions {self.n_positions}) is too "
+                              "large to address; check the config's sizes")
 
     # --- derived shapes -------------------------------------------------------------
     @property

@@ -81,6 +81,18 @@ def _open_copy(source: Path, name: str, edit: Any) -> None:
             pass
 
 
+@pytest.mark.parametrize("vocab_size", [2**55, 2**63])
+def test_a_manifest_whose_model_is_too_large_to_address_is_a_store_error(run_dirs, tmp_path, vocab_size):
+    """Hypothesis found these: torch failed to size the embedding (an overflow), not the manifest's check."""
+    root = tmp_path / "run"
+    shutil.copytree(run_dirs["committed"], root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["spec"]["config"]["vocab_size"] = vocab_size
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="store spec is malformed .*too large to address"):
+        HostStore.open(root)
+
+
 @SETTINGS
 @given(data=st.data(), new=JSON, delete=st.booleans(), replace_all=st.booleans())
 def test_any_manifest_opens_or_is_a_store_error(run_dirs, data, new, delete, replace_all):
