@@ -81,15 +81,22 @@ def _open_copy(source: Path, name: str, edit: Any) -> None:
             pass
 
 
-@pytest.mark.parametrize("vocab_size", [2**55, 2**63])
-def test_a_manifest_whose_model_is_too_large_to_address_is_a_store_error(run_dirs, tmp_path, vocab_size):
-    """Hypothesis found these: torch failed to size the embedding (an overflow), not the manifest's check."""
+@pytest.mark.parametrize("vocab_size, error", [
+    (2**55, "store spec is malformed .*too large to address"), (2**63, "store spec is malformed .*too large"),
+    (2**28, r"unit embed: state file .* bytes, expected \d+ \(truncated or from another run\)")])
+def test_a_manifest_naming_a_far_larger_model_is_refused_before_allocating(run_dirs, tmp_path, monkeypatch,
+                                                                          vocab_size, error):
+    """Hypothesis found the first two (torch overflowed sizing the embedding). The third must be refused by the
+    state files' sizes before any RAM slab is allocated: a RAM-tier store of its model is hundreds of GB."""
+    def allocating(*args: object, **kwargs: object) -> None:
+        raise AssertionError("RAM slabs allocated before the state files' sizes were checked")
+    monkeypatch.setattr("streamer.store.host.RamSlabs", allocating)
     root = tmp_path / "run"
     shutil.copytree(run_dirs["committed"], root)
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["spec"]["config"]["vocab_size"] = vocab_size
     (root / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(StoreError, match="store spec is malformed .*too large to address"):
+    with pytest.raises(StoreError, match=error):
         HostStore.open(root)
 
 

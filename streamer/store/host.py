@@ -29,7 +29,7 @@ from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, Store
 from streamer.store.layout import fold_into, model_layouts
 from streamer.store.ram import RamSlabs
-from streamer.store.slabfile import Checksum, fsync_path, verify_checksums, write_json_atomic
+from streamer.store.slabfile import TRAILER_BYTES, Checksum, check_size, fsync_path, verify_checksums, write_json_atomic
 from streamer.store.spec import PIN_MODES, StoreSpec
 
 
@@ -50,8 +50,14 @@ class HostStore(Store):
         self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
-        self._slabs = RamSlabs(spec, self.numels, pin=pin_memory == "all")
         self._files = StateFiles(root / "slabs", spec, self.numels)
+        # Every committed state file has its unit's size under this spec before the RAM slabs are allocated:
+        # a manifest naming another (maybe far larger) model is refused, not allocated first.
+        for unit, generation in self.versions.items():
+            if unit in self.numels:
+                check_size(unit, self._files.state_path(unit, generation), self._files.state_bytes(unit)
+                           + TRAILER_BYTES, "state file")
+        self._slabs = RamSlabs(spec, self.numels, pin=pin_memory == "all")
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
