@@ -51,12 +51,13 @@ class HostStore(Store):
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
         self._files = StateFiles(root / "slabs", spec, self.numels)
-        # Every committed state file has its unit's size under this spec before the RAM slabs are allocated:
-        # a manifest naming another (maybe far larger) model is refused, not allocated first.
+        # A committed state file on disk has its unit's size under this spec, checked before the RAM slabs are
+        # allocated: a manifest naming another (maybe far larger) model is refused, not allocated first. (A
+        # missing one is the journal's to account for: opening rolls the step forward or reports it.)
         for unit, generation in self.versions.items():
-            if unit in self.numels:
-                check_size(unit, self._files.state_path(unit, generation), self._files.state_bytes(unit)
-                           + TRAILER_BYTES, "state file")
+            path = self._files.state_path(unit, generation) if unit in self.numels else None
+            if path is not None and path.is_file():
+                check_size(unit, path, self._files.state_bytes(unit) + TRAILER_BYTES, "state file")
         self._slabs = RamSlabs(spec, self.numels, pin=pin_memory == "all")
 
     # --- lifecycle ----------------------------------------------------------------------
