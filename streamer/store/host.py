@@ -29,7 +29,7 @@ from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, Store
 from streamer.store.layout import fold_into, model_layouts
 from streamer.store.ram import RamSlabs
-from streamer.store.slabfile import TRAILER_BYTES, Checksum, check_size, fsync_path, verify_checksums, write_json_atomic
+from streamer.store.slabfile import Checksum, fsync_path, verify_checksums, write_json_atomic
 from streamer.store.spec import PIN_MODES, StoreSpec
 
 
@@ -51,14 +51,12 @@ class HostStore(Store):
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
         self._files = StateFiles(root / "slabs", spec, self.numels)
-        # A committed state file on disk has its unit's size under this spec, checked before the RAM slabs are
-        # allocated: a manifest naming another (maybe far larger) model is refused, not allocated first. (A
-        # missing one is the journal's to account for: opening rolls the step forward or reports it.)
-        for unit, generation in self.versions.items():
-            path = self._files.state_path(unit, generation) if unit in self.numels else None
-            if path is not None and path.is_file():
-                check_size(unit, path, self._files.state_bytes(unit) + TRAILER_BYTES, "state file")
-        self._slabs = RamSlabs(spec, self.numels, pin=pin_memory == "all")
+        self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
+
+    def _allocate_ram(self) -> None:
+        """The RAM tier's slabs. An opened store allocates them only after its files match its manifest, so
+        a manifest naming another (maybe far larger) model is refused, not allocated first."""
+        self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory == "all")
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -72,7 +70,9 @@ class HostStore(Store):
             fsync_path(folder)
         manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
                     "checksums": {}, "trainer": {}}
-        return cls(root, spec, manifest, pin_memory, lock_run_dir(root))
+        store = cls(root, spec, manifest, pin_memory, lock_run_dir(root))
+        store._allocate_ram()
+        return store
 
     @classmethod
     def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostStore":
@@ -132,6 +132,7 @@ class HostStore(Store):
             checks.append(Checksum(unit, path, trailer.data_bytes, frozenset(wanted)))
         if verify:
             verify_checksums(checks)
+        self._allocate_ram()
         for unit in self.layouts:
             self._fill_ram_from_file(unit)
         if journal is None:
