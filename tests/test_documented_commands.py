@@ -142,7 +142,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     train = out.index("train") + 1 if "train" in out[:4] and program in ("streamer", "torchrun") else None
     if train is not None:
         model = out.index("--model") + 1 if "--model" in out else None
-        if model is not None and out[model] in PRESETS and PRESETS[out[model]].num_params() > 10**9:
+        if model is not None and out[model] in PRESETS and PRESETS[out[model]].num_params() > 3 * 10**8:
             out[model] = "gptj-debug"  # a measurement at scale, shown with its command: its flags still run
         if "--resume" in out or str(run_copy) in out:
             out[out.index("--steps") + 1] = "4"  # past the stand-in run's 3 steps, so there is a step to train
