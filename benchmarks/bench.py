@@ -85,7 +85,7 @@ class Settings:
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
                        quick=True, compute=compute)
-        base = GPTJConfig.preset(args.model)
+        base = GPTJConfig.named(args.model)
         # The second size keeps the model's vocabulary and context and shrinks width and depth.
         second = dataclasses.replace(base, n_embd=base.n_embd * 3 // 4, n_layer=max(1, base.n_layer * 3 // 5),
                                      n_head=max(1, base.n_head * 3 // 4))
@@ -193,7 +193,7 @@ def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
     """Comparisons 1-5, the planner's second size and data parallel (adding to `skipped` what is not run)."""
     results = runner.compare(specs, s.rounds)
     results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
-    results.update(runner.compare(lora_pair(_spec(FULL, "stream", GPTJConfig.preset(s.model), s)), s.rounds))
+    results.update(runner.compare(lora_pair(_spec(FULL, "stream", GPTJConfig.named(s.model), s)), s.rounds))
     if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
         dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
               _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, max(1, cores) // 2))]
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         peaks_first = matmul_peaks(s.matmul_n)
         disk = {"start": raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)}
         runner = Runner(workdir, console, args.child_timeout)
-        cfg = GPTJConfig.preset(s.model)
+        cfg = GPTJConfig.named(s.model)
         specs, skipped = _main_specs(cfg, s)
         results = {} if args.only_scale else _compare_main(runner, specs, s, machine.cores, skipped)
         if args.only_scale:

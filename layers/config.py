@@ -120,6 +120,16 @@ class GPTJConfig:
             raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
     @classmethod
+    def named(cls, model: str | Path) -> "GPTJConfig":
+        """What a --model names: a preset, else a Hugging Face config.json or a folder holding one."""
+        if str(model) in PRESETS:
+            return PRESETS[str(model)]
+        if not Path(model).exists():
+            raise ConfigError(f"{str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                              "config.json or folder holding one")
+        return cls.from_hf(model)
+
+    @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> "GPTJConfig":
         """Build from our own field names; an unknown field is an error, not ignored."""
         known = {f.name for f in dataclasses.fields(cls)}

@@ -177,7 +177,7 @@ class RunConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
             return GPTJConfig.from_hf(self.from_pretrained)
-        return PRESETS[self.model] if self.model in PRESETS else GPTJConfig.from_hf(self.model)
+        return GPTJConfig.named(self.model)
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from layers import GPTJConfig
+from layers import ConfigError, GPTJConfig
 from benchmarks import bench
 from benchmarks.compare import HF_FP32, STREAM_RAM
 from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model
@@ -211,3 +212,14 @@ def test_gpu_check_imports_and_says_why_it_measures_nothing_without_a_gpu() -> N
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "sees no CUDA device" in done.stdout
+
+
+def test_model_is_a_preset_or_a_config_file(tmp_path):
+    """--model takes what `streamer train --model` takes: a preset, or a config.json (the ~100M comparison)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gptj", "vocab_size": 512, "n_positions": 64, "n_embd": 64,
+                                  "n_layer": 3, "n_head": 4, "rotary_dim": 8}))
+    settings = bench.Settings.from_args(_parse(["--model", str(config)]))
+    assert settings.second.n_layer == 1 and settings.second.vocab_size == 512
+    with pytest.raises(ConfigError, match="neither a preset"):
+        bench.Settings.from_args(_parse(["--model", str(tmp_path / "missing.json")]))

@@ -94,10 +94,10 @@ def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps:
 
 def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
     """Plan every point of the grid; write the CSV and the roofline plot. Returns their paths and the count."""
-    from layers import PRESETS, GPTJConfig
+    from layers import GPTJConfig
     from memory_model import PlanConfig, device_spec, plan
 
-    shape = PRESETS[model] if model in PRESETS else GPTJConfig.from_hf(model)
+    shape = GPTJConfig.named(model)
     rows = []
     for batch, seq, target, tier, update in itertools.product(SWEEP_BATCHES, SWEEP_SEQS, SWEEP_TARGETS,
                                                                SWEEP_TIERS, SWEEP_UPDATES):
