@@ -270,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
             f"matmul peak (best of {s.matmul_n}^3, start and end of the run): bf16 {peaks.bf16_flops / 1e9:,.0f} "
             f"GFLOP/s, fp32 {peaks.fp32_flops / 1e9:,.0f} GFLOP/s",
             *(f"raw disk ({name}; best of {d.repeats} x {d.nbytes / GiB:.2f} GiB in {d.where}): read "
-              f"{d.read_bytes_per_s / 1e9:.2f} GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s"
+              f"{d.read_bytes_per_s / 1e9:.2f} GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s, reading and writing at "
+              f"once {d.shared_bytes_per_s / 1e9:.2f} GB/s in all"
               for name, d in disk.items()),
             f"model {s.model}, batch {s.batch} x seq {s.seq}; {s.rounds} blocks per contender (ABBA order), "
             f"{s.warmup} warm-up + {s.steps} timed steps per block" + ("; --quick: harness check only, the "

@@ -166,7 +166,7 @@ def versus_deepspeed(ctx: Context) -> Outcome:
 def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source: str) -> tuple[tuple[str, ...], str]:
     r, raw = _get(ctx, label), ctx.disk.get(label)
     if r is None or raw is None:
-        return (label, _missing(ctx, label), *("—" for _ in range(10))), _target(
+        return (label, _missing(ctx, label), *("—" for _ in range(11))), _target(
             f"4. {label}", "unmeasured", None)
     io_s = r.phases.get("io_busy")
     bound = max(io_s or 0.0, compute_s or 0.0) or None
@@ -184,14 +184,19 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
             judged.append(share)
             cells.append(f"{rate(achieved)} ({percent(share)} of {rate(raw_rate)})")
     bw_met = None if not judged or None in judged else min(judged) >= 0.8
+    # The floor the disk sets: what reached it in a step, at the rate it moves bytes reading and writing at once.
+    storage = r.io.get("read_bytes", 0) + r.io.get("write_bytes", 0)
+    floor_s = _div(storage, raw.shared_bytes_per_s)
+    floor = f"{seconds(floor_s)} ({ratio(_div(r.median_s, floor_s))})"
     per_param = [_div(r.io.get(k), r.params) for k in ("store_read", "store_written")]
     row = (f"{label} ({r.update_schedule})", *cells, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
            f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
            f"{size(r.io.get('wchar'))} / {size(r.io.get('write_bytes'))}",
-           seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap),
+           seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap), floor,
            verdict(bw_met), verdict(overlap_met))
     line = (f"4. {label}: bandwidth >= 80% of raw: {verdict(bw_met)} (read {cells[0]}, write {cells[1]}); "
-            f"step <= 1.15x max(I/O, compute): {verdict(overlap_met)} ({ratio(overlap)})")
+            f"step <= 1.15x max(I/O, compute): {verdict(overlap_met)} ({ratio(overlap)}); disk floor (step / "
+            f"floor): {floor}")
     return row, line
 
 
@@ -210,6 +215,9 @@ def disk_tier(ctx: Context) -> Outcome:
              "Achieved bandwidth = bytes passed to read/write calls in a step (/proc/self/io rchar, wchar) over the "
              "wall time the I/O worker spent in load / offload spans. Raw = sequential buffered write + fsync and "
              "read with the page cache dropped, on the same disk in the same run (best of several tries).",
+             "Disk floor: the bytes that reached the block device in a step (read + written) over the rate the "
+             "disk moves them reading one file while writing another (the store's own writer), measured in the "
+             "same run: no schedule on this disk steps faster, whatever it overlaps.",
              "'read / storage' and 'written / storage' per step: bytes the calls moved vs bytes that reached the "
              "block device (read_bytes, write_bytes): a store smaller than free RAM is read from the page cache.",
              "Compute for the scale run is the union of its forward/backward/update spans, which include waits for "
@@ -218,7 +226,7 @@ def disk_tier(ctx: Context) -> Outcome:
                       ("run", "read (achieved, % raw)", "write (achieved, % raw)",
                        "store B/param per step (read / written)", "read / storage per step",
                        "written / storage per step", "step", "I/O busy", "compute", "step / max(I/O, compute)",
-                       ">= 80% raw", "<= 1.15x"), tuple(rows), notes)
+                       "disk floor (step / floor)", ">= 80% raw", "<= 1.15x"), tuple(rows), notes)
     return Outcome(section, tuple(lines))
 
 

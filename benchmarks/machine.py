@@ -9,6 +9,9 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from layers import GPTJConfig
 from memory_model import format_size
 from benchmarks.report import params
 from streamer.runtime.calibrate import measure_disk, measure_matmul_flops
+from streamer.store.direct import AlignedBuffers, SequentialFile
 from streamer.store.layout import Placement
 from streamer.store.spec import StoreSpec
 from streamer.runtime.calibrate import cpu_model
@@ -84,19 +88,59 @@ def matmul_peaks(n: int, repeats: int = 5) -> Peaks:
 
 @dataclass(frozen=True)
 class DiskBandwidth:
-    """Sequential buffered write + fsync, then read with the file dropped from the page cache; the best of
-    `repeats` (the disk is shared: a single try measures whoever else was writing as much as the disk)."""
+    """Sequential buffered write + fsync, then read with the file dropped from the page cache, and the two at
+    once; the best of `repeats` (the disk is shared: a single try measures whoever else was writing as much as
+    the disk)."""
 
     read_bytes_per_s: float
     write_bytes_per_s: float
     nbytes: int
     repeats: int
     where: str
+    shared_bytes_per_s: float  # bytes read plus bytes written per second, reading and writing at once
 
 
 def raw_disk(directory: Path, nbytes: int, repeats: int) -> DiskBandwidth:
     tries = [measure_disk(directory, nbytes) for _ in range(repeats)]
-    return DiskBandwidth(max(r for r, _ in tries), max(w for _, w in tries), nbytes, repeats, str(directory))
+    shared = max(read_while_writing(directory, nbytes) for _ in range(repeats))
+    return DiskBandwidth(max(r for r, _ in tries), max(w for _, w in tries), nbytes, repeats, str(directory), shared)
+
+
+def read_while_writing(directory: Path, nbytes: int) -> float:
+    """Bytes per second the disk moves reading one file (dropped from the page cache) while the store's own
+    writer (O_DIRECT where the filesystem allows it) writes and flushes another, `nbytes` each: the rate a
+    disk-tier step's reads and writes share, as they reach one device."""
+    piece = min(nbytes, 8 * 2**20)
+    data = memoryview(os.urandom(piece))
+    paths = [Path(tempfile.mkstemp(prefix="disk-shared-", dir=directory)[1]) for _ in range(2)]
+    buffers = AlignedBuffers()
+
+    def write(path: Path) -> None:
+        out = SequentialFile(path, buffers)
+        try:
+            for offset in range(0, nbytes, piece):
+                out.write(data[:min(piece, nbytes - offset)])
+            out.finish()
+        finally:
+            out.close()
+
+    try:
+        write(paths[0])
+        source = os.open(paths[0], os.O_RDONLY)
+        os.posix_fadvise(source, 0, 0, os.POSIX_FADV_DONTNEED)  # in case it went through the page cache
+        into = bytearray(piece)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(1) as writer:
+            written = writer.submit(write, paths[1])  # its writes and flushes release the GIL
+            for offset in range(0, nbytes, piece):
+                os.preadv(source, [memoryview(into)[:min(piece, nbytes - offset)]], offset)
+            written.result()
+        os.close(source)
+        return 2 * nbytes / (time.perf_counter() - start)
+    finally:
+        buffers.close()
+        for path in paths:
+            path.unlink()
 
 
 # --- the scale run -------------------------------------------------------------------------------------------

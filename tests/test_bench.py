@@ -196,12 +196,14 @@ def test_disk_bandwidth_is_judged_only_where_the_disk_served_it():
     # Reads came from the page cache (nothing reached the device); writes did, at half the raw rate.
     block.io = [{"rchar": 8e9, "read_bytes": 0, "wchar": 4e9, "write_bytes": 4e9}]
     block.phases = [{"load_busy": 1.0, "offload_busy": 4.0, "io_busy": 1.9}]
-    raw = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=2e9, nbytes=1, repeats=1, where="x")
+    raw = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=2e9, nbytes=1, repeats=1, where="x",
+                        shared_bytes_per_s=1e9)
     ctx = Context(results={STREAM_DISK: merge(spec, [block])}, peaks=Peaks(1.0, 1.0, 1), disk={STREAM_DISK: raw},
                   plans={}, scale=None, compute=FP32)
     row = disk_tier(ctx).section.rows[0]
     assert "page cache: not judged" in row[1] and "50% of 2.00 GB/s" in row[2]
     assert row[-2:] == ("NOT met", "met")  # 2.0 s step vs max(1.9 s I/O, no compute reference): 1.05x
+    assert row[-3] == "4 s (0.50x)"  # 4 GB reached the disk at 1 GB/s reading and writing at once
 
 
 def test_gpu_check_imports_and_says_why_it_measures_nothing_without_a_gpu() -> None:
