@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from layers import GPTJConfig
 from streamer import Placement, StoreError, StreamingTrainer, TrainerConfig
 from streamer.store import direct
 from streamer.store.slabfile import TRAILER_BYTES, Trailer
+from streamer.store.files import StateFiles
 from streamer.store.host import HostStore
 from streamer.store.spec import StoreSpec
 
@@ -343,6 +345,38 @@ def test_disk_holds_one_state_plus_gradients_plus_one_unit(tmp_path, monkeypatch
             trainer.step(ids)
     assert peak[0] <= sum(state.values()) + grads + max(state.values())
     assert peak[0] > sum(state.values()) + grads  # the one transient copy is there
+
+
+def test_a_commit_deletes_the_replaced_generation_while_the_next_step_runs(tmp_path, monkeypatch):
+    """The trainer does not wait for a commit's unlinks (slow for large files); the next generation's first
+    file does, so the disk never holds a third generation of a unit, and nothing is left once closed."""
+    returned, unlinks = [threading.Event() for _ in range(3)], []  # one per step
+
+    def unlink_after_the_step_returned(paths: list[Path]) -> None:
+        # The n-th commit's unlinks wait for its step to return: a trainer waiting for them times out here.
+        unlinks.append(returned[len(unlinks)].wait(timeout=30))
+        for path in paths:
+            path.unlink()
+
+    opened = direct.SequentialFile.__init__
+    generations_at_new_file = []
+
+    def counting(self: Any, path: Path, pool: Any) -> None:
+        unit = path.name.split(".state")[0].rsplit(".", 1)[0]
+        generations_at_new_file.append(len(list(path.parent.glob(f"{unit}.*.state*"))) + 1)
+        opened(self, path, pool)
+
+    monkeypatch.setattr(StateFiles, "_delete_all", staticmethod(unlink_after_the_step_returned))
+    monkeypatch.setattr(direct.SequentialFile, "__init__", counting)
+    fused = DISK.replace(update_timing="fused", max_grad_norm=None)
+    with StreamingTrainer(CFG, fused, store_dir=tmp_path / "run") as trainer:
+        for ids, step_returned in zip(batches(3), returned):
+            trainer.step(ids)
+            step_returned.set()
+    assert unlinks == [True, True, True]
+    assert max(generations_at_new_file) == 2
+    units = ["block.0", "block.1", "embed", "head"]
+    assert sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir()) == sorted(f"{u}.4.state" for u in units)
 
 
 def test_missing_gradient_blocks_the_roll_forward_even_without_verify(tmp_path, monkeypatch):
