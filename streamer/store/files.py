@@ -85,15 +85,15 @@ class StateFiles:
         self.staging.close()
         try:
             self.settle()
-        finally:
+        finally:  # a failed deletion is raised, with every thread stopped and descriptor closed
             for pool in (self._checksums, self._cleanup):
                 if pool is not None:
                     pool.shutdown()
             self._checksums = self._cleanup = None
-        with self._fd_lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+            with self._fd_lock:
+                fds, self._fds = list(self._fds.values()), {}
+            for fd in fds:
+                os.close(fd)
 
     # --- state files ------------------------------------------------------------------------
     def read(self, unit: str, generation: int, kind: str, start: int, out: torch.Tensor) -> None:
