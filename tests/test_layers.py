@@ -70,7 +70,9 @@ def test_logits_match_hf(tiny_hf_model: HFFactory, cfg: GPTJConfig) -> None:
 @st.composite
 def small_configs(draw: st.DrawFn) -> GPTJConfig:
     n_head = draw(st.integers(1, 4))
-    head_dim = draw(st.integers(2, 12))
+    # At least 4 features: a layer norm over 2 divides by the gap between two values, and two correct fp32
+    # implementations then differed by 2.5e-5 (n_embd=2, one head; seen once in a clean-clone run).
+    head_dim = draw(st.integers(2 if n_head > 1 else 4, 12))
     return GPTJConfig(
         vocab_size=draw(st.integers(2, 80)), n_positions=draw(st.integers(1, 24)), n_embd=n_head * head_dim,
         n_layer=draw(st.integers(1, 3)), n_head=n_head, rotary_dim=2 * draw(st.integers(1, head_dim // 2)),
