@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from layers import PRESETS, GPTJConfig
+from layers import PRESETS, ConfigError, GPTJConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.devices import budget_bytes
 from memory_model.lora import LoraConfig
@@ -148,9 +148,10 @@ class RunConfig:
             self.lora_config()
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
-        if self.model not in PRESETS and not Path(self.model).exists():
-            raise SettingError("model", f"{self.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
-                           "config.json or folder holding one")
+        try:
+            GPTJConfig.named(self.model)
+        except ConfigError as exc:
+            raise SettingError("model", str(exc)) from None
 
     # --- derived settings -------------------------------------------------------------------------
     def budget_bytes(self) -> int | None:

@@ -118,13 +118,13 @@ class StateFiles:
         about 14 ms a file here, and a commit's deletions on the trainer's thread delayed every step by as
         much (0.2 s of a 1.6 s step). `settle` waits for them; a crash before they finish leaves strays the
         next open deletes."""
+        self.settle()  # the last commit's strays are gone before the folder is listed again
         keep = {state_name(u, g) for u, g in current.items()}
         strays = []
         for path in self.folder.iterdir():
             ours = re.fullmatch(r"(.+)\.\d+\.state(\.tmp)?", path.name)
             if ours and ours.group(1) in self.numels and path.name not in keep and path.is_file():
                 strays.append(path)
-        self.settle()
         for path in strays:
             self.release(path)  # its descriptor now: the process holds none of a replaced generation
         if strays:
