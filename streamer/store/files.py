@@ -115,8 +115,8 @@ class StateFiles:
         what a crash or an unfinished commit left behind (files of any other name are not ours, and stay).
 
         The files are chosen now and deleted on a helper thread: unlinking a large file frees its extents,
-        about 14 ms a file here, and a commit's deletions on the trainer's thread delayed every step by as
-        much (0.2 s of a 1.6 s step). `settle` waits for them; a crash before they finish leaves strays the
+        and a commit's deletions on the trainer's thread left a 0.2 s gap between the steps of a 100M model
+        (14 files; 1.6 s steps) in its Chrome trace. `settle` waits for them; a crash before they finish leaves strays the
         next open deletes."""
         self.settle()  # the last commit's strays are gone before the folder is listed again
         keep = {state_name(u, g) for u, g in current.items()}
