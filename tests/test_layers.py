@@ -14,7 +14,6 @@ import torch
 import transformers
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from transformers.models.gptj.modeling_gptj import GPTJBlock as HFGPTJBlock
 
 from layers import (
     PRESETS, CheckpointMismatch, ConfigError, GPTJ, GPTJBlock, GPTJConfig, GPTJHead, KVCache, build_unit,
@@ -119,16 +118,15 @@ def test_bf16_error_is_bounded_and_comparable_to_hf(tiny_hf_model: HFFactory, cf
 
 @torch.no_grad()
 def test_block_matches_hf_block(tiny_hf_model: HFFactory) -> None:
+    """One block against transformers' own, reached through the model's public forward: hidden_states[0]
+    is block 0's input and hidden_states[1] its output (the last entry is after the final layer norm)."""
     cfg = CONFIGS["rotary-whole-head"]
-    hf_block: HFGPTJBlock = tiny_hf_model(cfg).transformer.h[1]
+    hf = tiny_hf_model(cfg)
     block = GPTJBlock(cfg)
-    block.load_state_dict(hf_block.state_dict(), strict=True)
-    B, T = 2, cfg.n_positions
-    h = torch.randn(B, T, cfg.n_embd, generator=torch.Generator().manual_seed(0))
-    # HF's block takes the additive causal mask its model would build; without one it attends everywhere.
-    mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]  # (1, 1, T, T)
-    expected = hf_block(h, attention_mask=mask, position_ids=torch.arange(T)[None])[0]
-    torch.testing.assert_close(block(h), expected, rtol=0, atol=4e-6)  # measured 4.8e-7 (native and AVX2 cap); 8x
+    block.load_state_dict(hf.transformer.h[0].state_dict(), strict=True)
+    ids = _tokens(cfg, batch=2, length=cfg.n_positions)
+    hidden = hf(ids, output_hidden_states=True, use_cache=False).hidden_states
+    torch.testing.assert_close(block(hidden[0]), hidden[1], rtol=0, atol=4e-6)  # measured 4.8e-7; 8x
 
 
 # --- loss and gradients ----------------------------------------------------------------
