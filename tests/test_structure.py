@@ -18,7 +18,9 @@ MAY_IMPORT = {
     "streamer": {"layers", "memory_model", "streamer"},
     "benchmarks": {"layers", "memory_model", "streamer", "benchmarks"},
 }
-MAX_LINES = 400
+# A module past this many lines says why at the top of its docstring ("Long because ..."): it is a prompt to
+# look for a second concern, not a budget to squeeze code under.
+LONG_MODULE = 600
 
 
 def _module_name(path: Path) -> str:
@@ -123,9 +125,10 @@ def test_no_module_takes_another_modules_private_names() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_modules_stay_under_the_size_limit() -> None:
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+def test_long_modules_say_why() -> None:
+    silent = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > LONG_MODULE
+              and "Long because" not in (ast.get_docstring(ast.parse(path.read_text())) or "")}
+    assert not silent, f"modules over {LONG_MODULE} lines without 'Long because ...' in their docstring: {silent}"
 
 
 def test_memory_model_imports_without_torch() -> None:
