@@ -322,6 +322,29 @@ def test_one_process_at_a_time(tmp_path):
     HostStore.open(tmp_path / "run").close()
 
 
+def test_readers_share_the_lock_write_nothing_and_refuse_to_write(tmp_path, monkeypatch):
+    weights = trained(tmp_path / "run")
+    (tmp_path / "run" / "lock").unlink()  # an archive without it: a reader creates it only where it can
+    before = snapshot(tmp_path / "run")
+    with StreamingTrainer.open(tmp_path / "run", read_only=True) as a, \
+            StreamingTrainer.open(tmp_path / "run", read_only=True) as b:  # readers together
+        assert same(a.state_dict(), weights) and same(b.state_dict(), weights)
+        with pytest.raises(StoreError, match="in use by another"):
+            HostStore.open(tmp_path / "run")  # a writer waits for the readers
+        with pytest.raises(StoreError, match="opened for reading"):
+            a.step(batches(1)[0])
+    assert snapshot(tmp_path / "run") == {**before, "lock": b""}
+    writer = HostStore.open(tmp_path / "run")
+    with pytest.raises(StoreError, match="being trained by another process"):
+        HostStore.open(tmp_path / "run", read_only=True)  # and readers for the writer
+    writer.close()
+    _journaled_crash(tmp_path / "crashed", monkeypatch)
+    before = snapshot(tmp_path / "crashed")
+    with pytest.raises(StoreError, match="step 3 was interrupted.*streamer train --resume"):
+        StreamingTrainer.open(tmp_path / "crashed", read_only=True)  # finishing it would write
+    assert snapshot(tmp_path / "crashed") == before
+
+
 def test_disk_holds_one_state_plus_gradients_plus_one_unit(tmp_path, monkeypatch):
     """docs/STORE.md's disk cost, measured at every rename and fsync of two steps."""
     data = batches(3)
