@@ -95,21 +95,26 @@ def test_a_read_only_run_serves_every_reading_command(capsys, tiny_setup, shared
     for path in (out, shared_folder / "home"):
         path.mkdir()
         path.chmod(0o777)  # the commands' own user writes its exports, plots and caches here
-    (run / "store" / "lock").unlink()  # an archive without the lock file: reading must not need to create it
-    _chmod_tree(run, writable=False)
-    before = _state(run)
+    bare = shared_folder / "archived"  # an archive without the lock file: reading must not need to create it
+    shutil.copytree(run, bare)
+    (bare / "store" / "lock").unlink()
+    for folder in (run, bare):
+        _chmod_tree(folder, writable=False)
+    before = _state(run), _state(bare)
     results = _run_read_only(shared_folder, run, [
         ["generate", str(run), "--prompt", "The for statement", "--max-new-tokens", "4"],
         ["eval", str(run), "--data", str(data)],
         ["export", str(run), str(out / "hf")],
         ["trace", str(run)],
         ["trace", str(run), "--out", str(out / "memory.png")],
+        ["generate", str(bare), "--prompt", "The for statement", "--max-new-tokens", "4"],
     ])
     for result in results:
         assert result["rc"] == 0 and result["err"] == "", result
-    generate, evaluated, exported, trace, plotted = (r["out"] for r in results)
-    assert "tokens in" in generate and "perplexity" in evaluated and "exported step 2" in exported
+    generate, evaluated, exported, trace, plotted, archived = (r["out"] for r in results)
+    assert "tokens in" in generate and archived.splitlines()[0] == generate.splitlines()[0]  # the same text
+    assert "perplexity" in evaluated and "exported step 2" in exported
     assert (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
     assert f"plot: not written ({run} is read-only); pass --out FILE.png" in trace
     assert f"plot: {out / 'memory.png'}" in plotted and (out / "memory.png").stat().st_size > 10_000
-    assert _state(run) == before  # nothing created, changed or removed in the run folder
+    assert (_state(run), _state(bare)) == before  # nothing created, changed or removed in the run folders
