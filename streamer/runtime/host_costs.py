@@ -1,5 +1,5 @@
-"""What the runtime costs the host's cores beyond the kernels: a fixed cost per compute event and per step, and
-the copying of each disk-tier byte through the page cache.
+"""What the runtime costs the host beyond the kernels: a fixed cost per compute event and per step, the copying
+of each disk-tier byte through the page cache, and each flush of a disk-tier commit.
 
 Fixed costs. The kernel costs (memory_model/kernels.py) scale with tokens, widths and parameters; besides
 them every event pays for the executor's hand-offs (the load's future, the ledger, the trace's span),
@@ -12,6 +12,11 @@ its events is the step's own (the loss, the commit, the bookkeeping of a step).
 Page cache. A disk-tier byte is written into the page cache and read back from it (or from the disk into
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
 time to the compute. It is timed as a buffered write (before its fsync) and a read of the cached pages.
+
+Flushes. A disk-tier commit makes each file durable: a state file or a record is written, flushed, renamed
+and its folder flushed (`streamer.store.slabfile.write_json_atomic`, `GenerationWriter.finish`). Besides the
+bytes, each flush waits for the disk whatever the file's size: a few milliseconds, most of a tiny model's
+commit. It is timed as that sequence on a one-page file, per flush.
 """
 from __future__ import annotations
 
@@ -32,9 +37,18 @@ _TOKENS = 8
 
 
 @dataclass(frozen=True)
-class FixedCosts:
+class HostCosts:
     event_s: float  # per forward, backward or update event
     step_s: float  # per optimizer step, besides its events
+    page_cache_bytes_per_s: float  # a disk-tier byte through the page cache
+    flush_s: float  # per flush of a disk-tier commit
+
+
+def measure_host_costs(directory: Path, dtype: torch.dtype, disk_bytes: int, repeats: int) -> HostCosts:
+    """Every cost of the module doc; the disk's probes write their files in `directory`."""
+    event_s, step_s = measure_fixed_costs(dtype)
+    return HostCosts(event_s, step_s, measure_page_cache(directory, disk_bytes, repeats),
+                     measure_flush(directory, repeats))
 
 
 def _tiny(layers: int) -> GPTJConfig:
@@ -61,7 +75,7 @@ def _step_seconds(cfg: GPTJConfig, dtype: torch.dtype, steps: int) -> tuple[floa
     return statistics.median(seconds), len(events)
 
 
-def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> FixedCosts:
+def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, float]:
     """The event's and the step's fixed seconds, from the shallow and the deep tiny model (module doc)."""
     torch_state = torch.random.get_rng_state()
     try:
@@ -70,7 +84,36 @@ def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> FixedCosts:
         torch.random.set_rng_state(torch_state)
     # Timing noise can make the deeper model no slower: an event then costs nothing measurable.
     event_s = max(0.0, (deep_s - shallow_s) / (deep_events - shallow_events))
-    return FixedCosts(event_s, max(0.0, shallow_s - shallow_events * event_s))
+    return event_s, max(0.0, shallow_s - shallow_events * event_s)
+
+
+def measure_flush(directory: Path, repeats: int) -> float:
+    """Seconds of one flush as a commit makes them: the median over `repeats` one-page files, each written,
+    flushed, renamed and its folder flushed, of half the two flushes' time."""
+    directory.mkdir(parents=True, exist_ok=True)
+    page = os.urandom(4096)
+    flushes = []
+    for _ in range(repeats):
+        fd, name = tempfile.mkstemp(prefix="flush-calibration-", suffix=".tmp", dir=directory)
+        final = Path(name).with_suffix("")
+        try:
+            os.write(fd, page)
+            start = time.perf_counter()
+            os.fsync(fd)
+            file_s = time.perf_counter() - start
+            os.replace(name, final)
+            folder = os.open(directory, os.O_RDONLY)
+            try:
+                start = time.perf_counter()
+                os.fsync(folder)
+                flushes.append((file_s + time.perf_counter() - start) / 2)
+            finally:
+                os.close(folder)
+        finally:
+            os.close(fd)
+            Path(name).unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
+    return statistics.median(flushes)
 
 
 def measure_page_cache(directory: Path, nbytes: int, repeats: int) -> float:
