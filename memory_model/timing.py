@@ -25,6 +25,9 @@ from memory_model.schedule import (
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
+# A unit's new state file is sealed with three flushes (streamer/store/files.py, GenerationWriter.finish): its
+# data, then its trailer and size, then its folder once it is renamed into place.
+SEAL_FLUSHES = 3
 
 
 @dataclass
@@ -193,7 +196,7 @@ def _flush_s(cfg: PlanConfig, device: DeviceSpec) -> float:
 
 def commit_flushes(shape: GPTJConfig, cfg: PlanConfig) -> int:
     """The flushes a disk-tier step's commit makes on the trainer's thread (streamer/store/host.py), besides the
-    two that seal each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
+    SEAL_FLUSHES of each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
     update after the backward) first each unit's gradient file, and the journal and its folder; LoRA's
     adapters file before the manifest."""
     if cfg.store != "disk":
@@ -206,12 +209,12 @@ def commit_flushes(shape: GPTJConfig, cfg: PlanConfig) -> int:
 def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes, queues: _Queues,
                after: float, seals: bool) -> float:
     """Book an update chunk's write-back (new master, moments and compute weights to the store); `seals`: the
-    unit's last chunk, after which its new state file is flushed, renamed and its folder flushed."""
+    unit's last chunk, after which its new state file is sealed (SEAL_FLUSHES)."""
     out = event.resource.count * cfg.store_bytes_per_param
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
     d2h_s = _link(d2h, device, "d2h")
-    write_s = write / device.disk_write_bw + (2 * _flush_s(cfg, device) if seals else 0.0)
+    write_s = write / device.disk_write_bw + (SEAL_FLUSHES * _flush_s(cfg, device) if seals else 0.0)
     times.d2h += d2h
     times.disk_write += write
     times.offload_s += d2h_s + write_s

@@ -345,6 +345,25 @@ def test_readers_share_the_lock_write_nothing_and_refuse_to_write(tmp_path, monk
     assert snapshot(tmp_path / "crashed") == before
 
 
+@pytest.mark.parametrize("tc", [DISK, JOURNALED], ids=["fused", "journaled"])
+def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
+    """The flushes (fsync, fdatasync) of a disk-tier step are the ones the planner counts: SEAL_FLUSHES per
+    unit's state file and the commit's own (timing.commit_flushes)."""
+    from memory_model import PlanConfig
+    from memory_model.timing import SEAL_FLUSHES, commit_flushes
+
+    data = batches(3)
+    with StreamingTrainer(CFG, tc.replace(max_grad_norm=None), store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])  # unclipped: a fused step is not undone and made again
+        flushes = []
+        for name in ("fsync", "fdatasync"):
+            monkeypatch.setattr(os, name, lambda fd, flush=getattr(os, name): flushes.append(fd) or flush(fd))
+        trainer.step(data[1])
+        assert trainer.fused == (tc is DISK)
+    planned = PlanConfig(batch=2, seq=32, store="disk", update_timing=tc.update_timing, update_chunk=tc.update_chunk)
+    assert len(flushes) == SEAL_FLUSHES * len(CFG.unit_names()) + commit_flushes(CFG, planned)
+
+
 def test_disk_holds_one_state_plus_gradients_plus_one_unit(tmp_path, monkeypatch):
     """docs/STORE.md's disk cost, measured at every rename and fsync of two steps."""
     data = batches(3)

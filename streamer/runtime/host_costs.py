@@ -13,10 +13,10 @@ Page cache. A disk-tier byte is written into the page cache and read back from i
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
 time to the compute. It is timed as a buffered write (before its fsync) and a read of the cached pages.
 
-Flushes. A disk-tier commit makes each file durable: a state file or a record is written, flushed, renamed
-and its folder flushed (`streamer.store.slabfile.write_json_atomic`, `GenerationWriter.finish`). Besides the
-bytes, each flush waits for the disk whatever the file's size: a few milliseconds, most of a tiny model's
-commit. It is timed as that sequence on a one-page file, per flush.
+Flushes. A disk-tier commit makes each file durable: a record is written, flushed, renamed and its folder
+flushed (`streamer.store.slabfile.write_json_atomic`); a state file likewise, its data flushed first
+(`GenerationWriter.finish`). Besides the bytes, each flush waits for the disk whatever the file's size: a
+few milliseconds, most of a tiny model's commit. It is timed as a record's sequence on a one-page file.
 """
 from __future__ import annotations
 
