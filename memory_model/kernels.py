@@ -49,6 +49,9 @@ class KernelCosts:
     # The host's cores moving a disk-tier byte through the page cache (written into it, read from it): on a
     # cpu device the same cores compute, so a disk-tier step's bytes take this time from its compute.
     page_cache_bytes_per_s: float
+    # One flush (fsync) of a small file just written: what a disk-tier commit pays per file it makes durable
+    # besides the file's bytes (the disk's rates price those). Most of a tiny model's disk-tier commit.
+    flush_s: float
 
     def __post_init__(self) -> None:
         for f in fields(self):

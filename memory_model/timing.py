@@ -25,6 +25,9 @@ from memory_model.schedule import (
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
+# A unit's new state file is sealed with three flushes (streamer/store/files.py, GenerationWriter.finish): its
+# data, then its trailer and size, then its folder once it is renamed into place.
+SEAL_FLUSHES = 3
 
 
 @dataclass
@@ -185,13 +188,33 @@ def _gradient_out(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: Devi
     return 0.0, queues.run("disk", queues.run("host compute", done, fold_s), disk_s)
 
 
+def _flush_s(cfg: PlanConfig, device: DeviceSpec) -> float:
+    """One flush of a disk-tier commit (a file made durable), where it is measured (`local`); else none."""
+    costs = device.kernels.get(cfg.compute_dtype)
+    return costs.flush_s if costs is not None and cfg.store == "disk" else 0.0
+
+
+def commit_flushes(shape: GPTJConfig, cfg: PlanConfig) -> int:
+    """The flushes a disk-tier step's commit makes on the trainer's thread (streamer/store/host.py), besides the
+    SEAL_FLUSHES of each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
+    update after the backward) first each unit's gradient file, and the journal and its folder; LoRA's
+    adapters file before the manifest."""
+    if cfg.store != "disk":
+        return 0
+    if cfg.lora.enabled:
+        return 1 + 2
+    return 2 if cfg.fused else len(shape.unit_names()) + 2 + 2
+
+
 def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes, queues: _Queues,
-               after: float) -> float:
-    """Book an update chunk's write-back (new master, moments and compute weights to the store)."""
+               after: float, seals: bool) -> float:
+    """Book an update chunk's write-back (new master, moments and compute weights to the store); `seals`: the
+    unit's last chunk, after which its new state file is sealed (SEAL_FLUSHES)."""
     out = event.resource.count * cfg.store_bytes_per_param
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
-    d2h_s, write_s = _link(d2h, device, "d2h"), write / device.disk_write_bw
+    d2h_s = _link(d2h, device, "d2h")
+    write_s = write / device.disk_write_bw + (SEAL_FLUSHES * _flush_s(cfg, device) if seals else 0.0)
     times.d2h += d2h
     times.disk_write += write
     times.offload_s += d2h_s + write_s
@@ -223,7 +246,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
         compute = _compute(event, shape, cfg, device)
         times.update_s += compute
         done = queues.run("host compute", max(after, ready[event.resource]), compute)
-        ends.append(_state_out(event, cfg, device, times, queues, done))
+        ends.append(_state_out(event, cfg, device, times, queues, done, event is chunks[event.unit][-1]))
         booked.add(event)
 
     for k, event in enumerate(events):
@@ -242,7 +265,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
         if event.phase == "update":
             times.update_s += compute
             queues.busy["host compute" if cfg.update_on == "host" else "device compute"] += compute
-            ends.append(_state_out(event, cfg, device, times, queues, clock))
+            ends.append(_state_out(event, cfg, device, times, queues, clock, event is chunks[event.unit][-1]))
         else:
             queues.busy["device compute"] += compute
             if event.phase == "forward":
@@ -264,6 +287,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJCon
             in_flight.discard(event.resource)
     costs = device.kernels.get(cfg.compute_dtype)
     step_s = 0.0 if costs is None else costs.step_s  # the step's own fixed cost (the loss, the commit)
+    step_s += commit_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each
     if costs is not None and device.same_memory and cfg.store == "disk":
         # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
         # cores that compute, so the copies take their time from the step.

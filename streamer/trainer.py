@@ -76,8 +76,10 @@ class StreamingTrainer:
 
     # --- construction ----------------------------------------------------------------------------
     @classmethod
-    def open(cls, store_dir: str | Path, overrides: Mapping[str, Any] | None = None) -> "StreamingTrainer":
-        """Continue from a store: its last committed step, finishing a step a crash interrupted."""
+    def open(cls, store_dir: str | Path, overrides: Mapping[str, Any] | None = None,
+             read_only: bool = False) -> "StreamingTrainer":
+        """Continue from a store: its last committed step, finishing a step a crash interrupted. `read_only`: read
+        it without writing in its folder, which may be read-only (HostStore.open)."""
         device = dict(overrides or {}).get("device", "cpu")
         data_parallel = DataParallel.from_environment(device)
         store_dirs = rank_store_dirs(Path(store_dir), data_parallel)  # several: a sharded run, read in one process
@@ -86,7 +88,7 @@ class StreamingTrainer:
         settings = {**read_manifest(store_dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
         store = MergedShards.open(store_dirs) if len(store_dirs) > 1 else HostStore.open(
             store_dirs[0], _pin_memory(str(settings.get("device", "cpu")),
-                                       settings.get("pin_memory", TrainerConfig.pin_memory)))
+                                       settings.get("pin_memory", TrainerConfig.pin_memory)), read_only=read_only)
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal

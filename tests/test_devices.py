@@ -176,7 +176,7 @@ def test_calibrate_measures_this_machine_in_one_dtype(tmp_path, dtype) -> None:
     costs = spec.kernels[dtype]  # the costs besides the matmuls, measured on the model's own units
     assert costs.attention_forward_flops > 0 and costs.attention_backward_flops > 0
     assert costs.logits_forward_s >= 0 and costs.embedding_backward_s > 0  # residuals: >= 0 by design
-    assert costs.gradient_fold_bytes_per_s > 0
+    assert costs.gradient_fold_bytes_per_s > 0 and costs.flush_s > 0  # a commit waits for the disk
     assert "vocab 256" in spec.notes[0]  # gptj-debug's head, not a fixed GPT-J-6B one
     assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ValueError, match="no compute rate for dtype 'fp8'"):
@@ -197,7 +197,7 @@ def test_calibration_probes_are_sized_from_the_model() -> None:
 
 
 def test_kernel_costs_are_validated_and_roundtrip() -> None:
-    good = KernelCosts(1e11, 1e11, 1e-9, 2e-9, 1e-9, 2e-9, 1e-10, 1e10, 1e10, 5e-4, 1e-3, 4e9)
+    good = KernelCosts(1e11, 1e11, 1e-9, 2e-9, 1e-9, 2e-9, 1e-10, 1e10, 1e10, 5e-4, 1e-3, 4e9, 5e-3)
     assert KernelCosts.from_dict(good.to_dict()) == good
     with pytest.raises(ValueError, match="attention_forward_flops must be a finite number > 0"):
         KernelCosts.from_dict({**good.to_dict(), "attention_forward_flops": 0.0})

@@ -1,6 +1,8 @@
 """The dry run (real schedule on meta) matches the real run's ledger and the analytic planner."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -67,3 +69,43 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
     for category in ("weights", "gradients", "optimizer", "workspace"):
         assert dry.peak_breakdown[category] == real[category]
     assert planned.peak_device_bytes == pytest.approx(dry.peak, rel=0.015)
+
+
+@pytest.fixture(scope="module")
+def calibrated_here(tmp_path_factory: pytest.TempPathFactory):
+    """A folder whose runs/ caches one real calibration of `local` (small probe sizes), for `--target local`."""
+    import streamer.runtime.calibrate as calibrate
+    from test_devices import TINY
+
+    here = tmp_path_factory.mktemp("calibrated")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate, "DEFAULT_SIZES", TINY)
+        patch.chdir(here)
+        yield here
+
+
+@pytest.mark.parametrize("activations", ["resident", "checkpoint"])
+@pytest.mark.parametrize("update_on", ["device", "host"])
+@pytest.mark.parametrize("store", ["ram", "disk"])
+@pytest.mark.parametrize("target", ["cs2", "h100-sxm", "local"])
+def test_plan_dry_run_through_the_cli(capsys, calibrated_here, target, store, update_on, activations):
+    """Every target kind (wafer, GPU, this cpu) x store x update place x activations: the dry run runs (an
+    update on the host once crashed it) and its ledger agrees with the analytic plan."""
+    from test_cli import run_cli
+
+    rc, out, err = run_cli(capsys, "plan", "--model", "gptj-debug", "--target", target, "--store", store,
+                           "--update-on", update_on, "--activations", activations, "--batch", 2, "--seq", 32,
+                           "--dry-run", "--json")
+    assert rc == 0 and err == "", err
+    planned = json.loads(out)
+    assert planned["config"]["update_on"] == update_on and planned["config"]["store"] == store
+    assert planned["dry_run_peak_device_bytes"] == sum(planned["dry_run_peak_breakdown"].values()) > 0
+    # As test_planner_matches_dry_run: the planner within 1% of the runtime's ledger.
+    assert planned["peak_device_bytes"] == pytest.approx(planned["dry_run_peak_device_bytes"], rel=0.01)
+
+
+def test_plan_dry_run_refuses_a_step_it_cannot_run_in_one_line(capsys):
+    from test_cli import fails
+
+    err = fails(capsys, "plan", "--model", "gptj-debug", "--store", "ram", "--update-timing", "fused", "--dry-run")
+    assert "--update-timing" in err and "--store disk" in err

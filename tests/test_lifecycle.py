@@ -311,9 +311,10 @@ def test_a_disk_that_fills_mid_run_keeps_the_last_step_and_says_how_to_continue(
 
 # --- torchrun ----------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path):
+def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path, capsys, monkeypatch):
     """`torchrun --nproc_per_node 2 -m streamer train --run-dir D`: 2 rows per process make the same steps as one
-    process with 2 micro-batches of 2 rows; rerunning the command with more --steps continues D."""
+    process with 2 micro-batches of 2 rows; rerunning the command with more --steps continues D; `streamer plan
+    --compare D` plans each process on its half of the batch."""
     parallel, single = tmp_path / "parallel", tmp_path / "single"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "-m", "streamer"]
@@ -324,6 +325,7 @@ def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path):
     assert "holds this run at step 2: continuing it to step 3" in done.stdout
     assert streamer(*train_argv(tiny_setup, single, "--steps", 3, "--grad-accum", 2)).returncode == 0
     assert RunDir(parallel).processes() == 2
+    _compare_plans_each_process(parallel, capsys, monkeypatch)
     with open_trainer(RunDir(parallel)) as a, open_trainer(RunDir(single)) as b:
         assert a.step_count == b.step_count == 3
         sa, sb = a.state_dict(), b.state_dict()
@@ -334,6 +336,25 @@ def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path):
     assert logged == [1, 2, 3]  # rank 0 alone logs
     alone = streamer("train", "--resume", str(parallel), "--steps", "4")
     assert alone.returncode == 2 and "trained by 2 process(es) and this is 1" in alone.stderr
+
+
+def _compare_plans_each_process(run: Path, capsys, monkeypatch) -> None:
+    """The planned peak is the one each process's ledger measured (planning the whole batch on one device put
+    the demo's 72% above it)."""
+    import streamer.runtime.calibrate as calibrate
+    from test_cli import run_cli
+    from test_devices import TINY
+
+    monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)  # the step time is not checked here
+    monkeypatch.chdir(run.parent)  # the calibration is cached in ./runs
+    rc, out, err = run_cli(capsys, "plan", "--compare", run, "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    # As test_planner_matches_dry_run: the planner within 1% of the runtime's ledger.
+    assert result["processes"] == 2
+    assert result["predicted_peak_bytes"] == pytest.approx(result["measured_peak_bytes"], rel=0.01)
+    rc, out, err = run_cli(capsys, "plan", "--config", run / "config.toml", "--target", "local", "--json")
+    assert rc == 0 and json.loads(out)["peak_device_bytes"] > result["predicted_peak_bytes"]  # the whole batch
 
 
 # --- host resources ----------------------------------------------------------------------------------------------

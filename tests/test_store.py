@@ -322,6 +322,48 @@ def test_one_process_at_a_time(tmp_path):
     HostStore.open(tmp_path / "run").close()
 
 
+def test_readers_share_the_lock_write_nothing_and_refuse_to_write(tmp_path, monkeypatch):
+    weights = trained(tmp_path / "run")
+    (tmp_path / "run" / "lock").unlink()  # an archive without it: a reader creates it only where it can
+    before = snapshot(tmp_path / "run")
+    with StreamingTrainer.open(tmp_path / "run", read_only=True) as a, \
+            StreamingTrainer.open(tmp_path / "run", read_only=True) as b:  # readers together
+        assert same(a.state_dict(), weights) and same(b.state_dict(), weights)
+        with pytest.raises(StoreError, match="in use by another"):
+            HostStore.open(tmp_path / "run")  # a writer waits for the readers
+        with pytest.raises(StoreError, match="opened for reading"):
+            a.step(batches(1)[0])
+    assert snapshot(tmp_path / "run") == {**before, "lock": b""}
+    writer = HostStore.open(tmp_path / "run")
+    with pytest.raises(StoreError, match="being trained by another process"):
+        HostStore.open(tmp_path / "run", read_only=True)  # and readers for the writer
+    writer.close()
+    _journaled_crash(tmp_path / "crashed", monkeypatch)
+    before = snapshot(tmp_path / "crashed")
+    with pytest.raises(StoreError, match="step 3 was interrupted.*streamer train --resume"):
+        StreamingTrainer.open(tmp_path / "crashed", read_only=True)  # finishing it would write
+    assert snapshot(tmp_path / "crashed") == before
+
+
+@pytest.mark.parametrize("tc", [DISK, JOURNALED], ids=["fused", "journaled"])
+def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
+    """The flushes (fsync, fdatasync) of a disk-tier step are the ones the planner counts: SEAL_FLUSHES per
+    unit's state file and the commit's own (timing.commit_flushes)."""
+    from memory_model import PlanConfig
+    from memory_model.timing import SEAL_FLUSHES, commit_flushes
+
+    data = batches(3)
+    with StreamingTrainer(CFG, tc.replace(max_grad_norm=None), store_dir=tmp_path / "run") as trainer:
+        trainer.step(data[0])  # unclipped: a fused step is not undone and made again
+        flushes = []
+        for name in ("fsync", "fdatasync"):
+            monkeypatch.setattr(os, name, lambda fd, flush=getattr(os, name): flushes.append(fd) or flush(fd))
+        trainer.step(data[1])
+        assert trainer.fused == (tc is DISK)
+    planned = PlanConfig(batch=2, seq=32, store="disk", update_timing=tc.update_timing, update_chunk=tc.update_chunk)
+    assert len(flushes) == SEAL_FLUSHES * len(CFG.unit_names()) + commit_flushes(CFG, planned)
+
+
 def test_disk_holds_one_state_plus_gradients_plus_one_unit(tmp_path, monkeypatch):
     """docs/STORE.md's disk cost, measured at every rename and fsync of two steps."""
     data = batches(3)

@@ -68,7 +68,8 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None) -> StreamingTrainer:
-    """The run's trainer at its last committed step; `overrides` replace trainer settings (device, budget)."""
+    """The run's trainer at its last committed step, for reading (the folder may be read-only); `overrides`
+    replace trainer settings (device, budget)."""
     saved = run.read_config().trainer_config().to_dict()
-    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **(overrides or {})})
+    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **(overrides or {})}, read_only=True)
 

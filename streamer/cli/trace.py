@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +63,29 @@ def trace_command(args: argparse.Namespace) -> int:
                        "--trace-steps, default 8, and every --trace-every-th); to keep others, train with "
                        "--trace-every N or a larger --trace-steps")
     summary = trace.summary(step)
-    out = Path(args.out) if args.out else path.with_name("memory.png")
-    trace.plot(out, step=step)
+    out: Path | None = Path(args.out) if args.out else path.with_name("memory.png")
+    if args.out or _writable(out):
+        trace.plot(out, step=step)
+    else:  # a run folder that is archived, shared or mounted read-only: the table alone, and where a plot can go
+        out = None
     if args.chrome:
         trace.to_chrome(args.chrome)
     if args.json:
-        print(json.dumps({"step": step, "plot": str(out), **summary, "meta": trace.meta}, indent=2, default=str))
+        print(json.dumps({"step": step, "plot": out and str(out), **summary, "meta": trace.meta}, indent=2,
+                         default=str))
         return 0
     console = make_console()
     console.print(trace.table(step=step))
     for line in memory_lines(summary, trace.meta):
         console.print(line)
-    console.print(f"plot: {out}" + (f"; Chrome trace: {args.chrome}" if args.chrome else ""))
+    shown = f"plot: {out}" if out else f"plot: not written ({path.parent} is read-only); pass --out FILE.png"
+    console.print(shown + (f"; Chrome trace: {args.chrome}" if args.chrome else ""), markup=False)
     return 0
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write `path`: replace it where it exists, else create it in its folder."""
+    return os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
 
 
 def memory_lines(summary: dict[str, Any], meta: dict[str, Any], planned: int | None = None) -> list[str]:

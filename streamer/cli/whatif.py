@@ -36,7 +36,8 @@ def add_flags(plan: argparse.ArgumentParser) -> None:
 def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     """The plan of a run's own settings on this machine (its --set figures, then `sets`) beside what the run
     measured (its metrics.jsonl: the median step time after the first step, which pays for warm-up, and the
-    ledger's peak)."""
+    ledger's peak). A data-parallel run is planned as it ran: each of its processes on its own share of the
+    batch, with the gradient all-reduce."""
     from memory_model import plan
     from memory_model.devices import with_sets
     from streamer.errors import StreamerError
@@ -54,21 +55,22 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     if len(steps) < 2:
         raise StreamerError(f"{run_dir} has {len(steps)} timed step(s); --compare needs 2 or more (the first "
                             "pays for warm-up): train it longer with --steps")
-    shape = cfg.model_config()
+    shape, processes = cfg.model_config(), run.processes()
     device = with_sets(local_spec(Path("runs"), shape, cfg.dtype), (*cfg.set, *sets), SettingError)
     # The peak of the schedule a clipped fused step runs; the largest batch and seq that fit are not needed.
-    predicted = plan(shape, device, peak_plan_config(shape, cfg), limits=False)
-    predicted_step = statistics.median(replayed_steps(shape, device, cfg, steps)[1:])
+    predicted = plan(shape, device, peak_plan_config(shape, cfg, processes), limits=False)
+    predicted_step = statistics.median(replayed_steps(shape, device, cfg, steps, processes)[1:])
     measured_step = statistics.median(r["step_s"] for r in steps[1:])
     measured_peak = max(r["device_peak_bytes"] for r in steps)
     return {"run": str(run_dir), "predicted_step_s": predicted_step, "measured_step_s": measured_step,
             "step_error": predicted_step / measured_step - 1,
             "predicted_peak_bytes": predicted.peak_device_bytes, "measured_peak_bytes": measured_peak,
-            "peak_error": predicted.peak_device_bytes / measured_peak - 1, "steps_measured": len(steps) - 1,
+            "peak_error": predicted.peak_device_bytes / measured_peak - 1, "steps_measured": len(steps) - 1, "processes": processes,
             "bottleneck": predicted.bottleneck}
 
 
-def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps: list[dict[str, Any]]) -> list[float]:
+def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps: list[dict[str, Any]],
+                   processes: int = 1) -> list[float]:
     """The planned time of each step the run logged, on the schedule the trainer ran it with. With clipping
     on, a fused step is speculative: one whose gradient norm exceeded --max-grad-norm was undone and made
     again after the backward, and the steps after it ran after the backward until one did not clip. The undone
@@ -78,7 +80,7 @@ def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps:
 
     from memory_model import plan
 
-    pc = cfg.plan_config()
+    pc = cfg.plan_config(processes)
     fused = plan(shape, device, pc, limits=False)
     if not (pc.fused and cfg.max_grad_norm):
         return [fused.step_time_s] * len(steps)

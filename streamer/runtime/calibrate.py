@@ -31,10 +31,10 @@ from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
 from memory_model.units import format_size
-from streamer.runtime.host_costs import measure_fixed_costs, measure_page_cache
+from streamer.runtime.host_costs import HostCosts, measure_host_costs
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 9
+CACHE_VERSION = 10
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -201,12 +201,12 @@ def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor
 
 
 def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int, probe: GPTJConfig,
-                         tokens: int, page_cache_bytes_per_s: float, seconds: float = math.inf) -> KernelCosts:
+                         tokens: int, host: HostCosts, seconds: float = math.inf) -> KernelCosts:
     """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of shape `probe`
     (probe_shape: the planned model's vocabulary, so that the logits are as large against the caches as in
     the run) at 1 x `tokens`: each one's time less its matmuls at `matmul_flops`, per counted element.
     `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
-    the measurements together stop after `seconds`; the page cache's rate and the fixed costs: host_costs.py."""
+    the measurements together stop after `seconds`; `host`: the costs of the runtime itself (host_costs.py)."""
     from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
 
     dtype = DTYPES[dtype_name]
@@ -247,7 +247,6 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         cast_s = _best_time(lambda: grad.copy_(accumulator), repeats, max(0.0, deadline - time.perf_counter()))
     finally:
         torch.random.set_rng_state(torch_state)
-    fixed = measure_fixed_costs(dtype)
     # A residual below zero is timing noise around a kernel that costs ~nothing.
     return KernelCosts(
         attention_forward_flops=attn / attn_fwd, attention_backward_flops=2 * attn / attn_bwd,
@@ -259,7 +258,8 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
         compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
-        event_s=fixed.event_s, step_s=fixed.step_s, page_cache_bytes_per_s=page_cache_bytes_per_s)
+        event_s=host.event_s, step_s=host.step_s, page_cache_bytes_per_s=host.page_cache_bytes_per_s,
+        flush_s=host.flush_s)
 
 
 def measure_allreduce(nbytes: int, repeats: int) -> float:
@@ -320,8 +320,8 @@ def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: Calibration
     flops = measure_matmul_flops(DTYPES[dtype], n, sizes.repeats, matmul_s)
     probe = probe_shape(shape, sizes)
     tokens = probe_tokens(probe, flops, sizes.repeats, sizes.compute_seconds - matmul_s)
-    page_cache = measure_page_cache(directory, sizes.disk_bytes, sizes.repeats)
-    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens, page_cache,
+    host = measure_host_costs(directory, DTYPES[dtype], sizes.disk_bytes, sizes.repeats)
+    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens, host,
                                    sizes.compute_seconds - matmul_s)
     copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
     tries = [measure_disk(directory, sizes.disk_bytes) for _ in range(sizes.repeats)]  # one write: 0.42-1.70 GB/s

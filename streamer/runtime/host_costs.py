@@ -1,5 +1,5 @@
-"""What the runtime costs the host's cores beyond the kernels: a fixed cost per compute event and per step, and
-the copying of each disk-tier byte through the page cache.
+"""What the runtime costs the host beyond the kernels: a fixed cost per compute event and per step, the copying
+of each disk-tier byte through the page cache, and each flush of a disk-tier commit.
 
 Fixed costs. The kernel costs (memory_model/kernels.py) scale with tokens, widths and parameters; besides
 them every event pays for the executor's hand-offs (the load's future, the ledger, the trace's span),
@@ -12,9 +12,15 @@ its events is the step's own (the loss, the commit, the bookkeeping of a step).
 Page cache. A disk-tier byte is written into the page cache and read back from it (or from the disk into
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
 time to the compute. It is timed as a buffered write (before its fsync) and a read of the cached pages.
+
+Flushes. A disk-tier commit makes each file durable: a record is written, flushed, renamed and its folder
+flushed (`streamer.store.slabfile.write_json_atomic`); a state file likewise, its data flushed first
+(`GenerationWriter.finish`). Besides the bytes, each flush waits for the disk whatever the file's size: a
+few milliseconds, most of a tiny model's commit. It is timed as a record's sequence on a one-page file.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -32,45 +38,85 @@ _TOKENS = 8
 
 
 @dataclass(frozen=True)
-class FixedCosts:
+class HostCosts:
     event_s: float  # per forward, backward or update event
     step_s: float  # per optimizer step, besides its events
+    page_cache_bytes_per_s: float  # a disk-tier byte through the page cache
+    flush_s: float  # per flush of a disk-tier commit
+
+
+def measure_host_costs(directory: Path, dtype: torch.dtype, disk_bytes: int, repeats: int) -> HostCosts:
+    """Every cost of the module doc; the disk's probes write their files in `directory`."""
+    event_s, step_s = measure_fixed_costs(dtype)
+    return HostCosts(event_s, step_s, measure_page_cache(directory, disk_bytes, repeats),
+                     measure_flush(directory, repeats))
 
 
 def _tiny(layers: int) -> GPTJConfig:
     return GPTJConfig(vocab_size=64, n_positions=_TOKENS, n_embd=32, n_layer=layers, n_head=2, rotary_dim=8)
 
 
-def _step_seconds(cfg: GPTJConfig, dtype: torch.dtype, steps: int) -> tuple[float, int]:
-    """Median seconds of `steps` RAM-tier steps after two warm-up ones, and the events each step runs."""
+def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, float]:
+    """The event's and the step's fixed seconds, from the shallow and the deep tiny model (module doc).
+
+    Their RAM-tier steps alternate, after two warm-up steps each, so that a change in the machine's load
+    weighs on both alike: `event_s` is the median of the paired differences over the difference in events.
+    Run one after the other under a changing load (2 cores, load average 7-9), it came out from 0 to 0.13 s,
+    against 0.6 ms on the quiet machine."""
     from streamer.config import TrainerConfig  # the runtime measures itself: imported when calibrating
     from streamer.trainer import StreamingTrainer
 
-    tc = TrainerConfig(compute_dtype=dtype, store="ram")
-    ids = torch.randint(0, cfg.vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))
-    with tempfile.TemporaryDirectory(prefix="calibrate-events-") as tmp, \
-            StreamingTrainer(cfg, tc, store_dir=Path(tmp) / "store") as trainer:
-        seconds = []
-        for i in range(2 + steps):
-            start = time.perf_counter()
-            trainer.step(ids)
-            if i >= 2:
-                seconds.append(time.perf_counter() - start)
-        numels = {u: trainer.layouts[u].numel for u in trainer.units}
-        events = step_events(trainer.units, 1, numels, trainer.tc.update_chunk, fused=trainer.fused)
-    return statistics.median(seconds), len(events)
-
-
-def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> FixedCosts:
-    """The event's and the step's fixed seconds, from the shallow and the deep tiny model (module doc)."""
     torch_state = torch.random.get_rng_state()
     try:
-        (shallow_s, shallow_events), (deep_s, deep_events) = (_step_seconds(_tiny(n), dtype, steps) for n in _DEPTHS)
+        with tempfile.TemporaryDirectory(prefix="calibrate-events-") as tmp, contextlib.ExitStack() as stack:
+            tc = TrainerConfig(compute_dtype=dtype, store="ram")
+            trainers = [stack.enter_context(StreamingTrainer(_tiny(n), tc, store_dir=Path(tmp) / str(n)))
+                        for n in _DEPTHS]
+            ids = torch.randint(0, _tiny(1).vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))
+            times: list[list[float]] = [[], []]
+            for i in range(2 + steps):
+                for trainer, seconds in zip(trainers, times):
+                    start = time.perf_counter()
+                    trainer.step(ids)
+                    if i >= 2:
+                        seconds.append(time.perf_counter() - start)
+            events = [len(step_events(t.units, 1, {u: t.layouts[u].numel for u in t.units}, t.tc.update_chunk,
+                                      fused=t.fused)) for t in trainers]
     finally:
         torch.random.set_rng_state(torch_state)
+    (shallow, deep), (shallow_events, deep_events) = times, events
     # Timing noise can make the deeper model no slower: an event then costs nothing measurable.
-    event_s = max(0.0, (deep_s - shallow_s) / (deep_events - shallow_events))
-    return FixedCosts(event_s, max(0.0, shallow_s - shallow_events * event_s))
+    event_s = max(0.0, statistics.median(d - s for s, d in zip(shallow, deep)) / (deep_events - shallow_events))
+    return event_s, max(0.0, statistics.median(shallow) - shallow_events * event_s)
+
+
+def measure_flush(directory: Path, repeats: int) -> float:
+    """Seconds of one flush as a commit makes them: the median over `repeats` one-page files, each written,
+    flushed, renamed and its folder flushed, of half the two flushes' time."""
+    directory.mkdir(parents=True, exist_ok=True)
+    page = os.urandom(4096)
+    flushes = []
+    for _ in range(repeats):
+        fd, name = tempfile.mkstemp(prefix="flush-calibration-", suffix=".tmp", dir=directory)
+        final = Path(name).with_suffix("")
+        try:
+            os.write(fd, page)
+            start = time.perf_counter()
+            os.fsync(fd)
+            file_s = time.perf_counter() - start
+            os.replace(name, final)
+            folder = os.open(directory, os.O_RDONLY)
+            try:
+                start = time.perf_counter()
+                os.fsync(folder)
+                flushes.append((file_s + time.perf_counter() - start) / 2)
+            finally:
+                os.close(folder)
+        finally:
+            os.close(fd)
+            Path(name).unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
+    return statistics.median(flushes)
 
 
 def measure_page_cache(directory: Path, nbytes: int, repeats: int) -> float:

@@ -275,6 +275,10 @@ class Transport:
 
     def _to_host_buffer(self, fill: Callable[[torch.Tensor], None], ram: torch.Tensor | None,
                         numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of `numel` elements for an update on the host: the RAM slab itself where it already has
+        `dtype`, else a pooled buffer filled by `fill(host_tensor)` or copied from `ram`."""
+        if self.mode == "meta":
+            return torch.empty(numel, dtype=dtype, device="meta")
         if ram is not None and ram.dtype == dtype:
             return ram
         out = self._take(numel, dtype, "pinned")

@@ -10,6 +10,7 @@ them is a StoreError naming the file. See docs/STORE.md.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -140,6 +141,29 @@ def lock_run_dir(root: Path) -> int:
     """An exclusive lock on the run directory for this process's lifetime (released by the kernel on exit)."""
     return lock_file(root / "lock", StoreError(f"{root} is in use by another training or tool process; wait for "
                                                "it to finish (two writers would corrupt the store)"))
+
+
+def lock_for_reading(root: Path) -> int:
+    """A shared lock on the run directory, which readers hold together and a writer's exclusive lock excludes;
+    -1 (no lock) where the lock file is missing and cannot be created (a read-only folder or mount).
+
+    The lock file is opened read-only, so a folder nobody may write to (archived, shared, mounted read-only)
+    can still be read: every store that was ever written has one, and it is created only where it is missing.
+    """
+    path = root / "lock"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or path.exists():
+            raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from None
+        return -1  # no writer holds it: a writer creates the file before it writes anything
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StoreError(f"{root} is being trained by another process; wait for it to finish and read it "
+                         "then") from None
+    return fd
 
 
 def lock_file(path: Path, busy: Exception) -> int:

@@ -31,8 +31,9 @@ class StateFiles:
     """Positional reads and writes of a store's files through cached descriptors (the I/O thread and the
     main thread share them), and the checksums of what is written."""
 
-    def __init__(self, folder: Path, spec: StoreSpec, numels: dict[str, int]) -> None:
+    def __init__(self, folder: Path, spec: StoreSpec, numels: dict[str, int], read_only: bool = False) -> None:
         self.folder, self.spec, self.numels = folder, spec, numels
+        self._mode = os.O_RDONLY if read_only else os.O_RDWR  # a read-only store opens no file for writing
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._checksums: ThreadPoolExecutor | None = None
@@ -63,7 +64,7 @@ class StateFiles:
         with self._fd_lock:
             if key not in self._fds:
                 try:
-                    self._fds[key] = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+                    self._fds[key] = os.open(path, self._mode | (os.O_CREAT if create else 0), 0o644)
                 except FileNotFoundError:
                     raise StoreError(f"{path} is missing; the store is incomplete — restore the run folder") from None
                 except OSError as exc:

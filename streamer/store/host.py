@@ -23,7 +23,8 @@ import torch
 from memory_model.schedule import chunks
 from streamer.errors import StoreError
 from streamer.store.commit import (
-    FORMAT, JOURNAL, MANIFEST, Commit, check_units, lock_run_dir, read_journal, read_manifest, state_name,
+    FORMAT, JOURNAL, MANIFEST, Commit, check_units, lock_for_reading, lock_run_dir,
+    read_journal, read_manifest, state_name,
 )
 from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, Store
@@ -36,10 +37,12 @@ from streamer.store.spec import PIN_MODES, StoreSpec
 class HostStore(Store):
     """Owns every slab; the runtime asks it for ranges of a unit's slabs and hands back new values."""
 
-    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int) -> None:
+    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int,
+                 read_only: bool = False) -> None:
         if pin_memory not in PIN_MODES:
             raise StoreError(f"pin_memory must be one of {', '.join(PIN_MODES)}, got {pin_memory!r}")
         self.root, self.spec, self.manifest, self._lock = root, spec, manifest, lock
+        self.read_only = read_only
         self.pin_memory = pin_memory
         self.layouts = {lay.name: lay for lay in model_layouts(spec.config)}
         self.step: int = manifest["step"] if manifest["step"] is not None else 0
@@ -50,7 +53,7 @@ class HostStore(Store):
         self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
-        self._files = StateFiles(root / "slabs", spec, self.numels)
+        self._files = StateFiles(root / "slabs", spec, self.numels, read_only)
         self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
 
     def _allocate_ram(self) -> None:
@@ -75,21 +78,27 @@ class HostStore(Store):
         return store
 
     @classmethod
-    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostStore":
-        """Open a store at its last commit. `verify`: check every state file's checksum (a full read)."""
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
+             read_only: bool = False) -> "HostStore":
+        """Open a store at its last commit. `verify`: check every state file's checksum (a full read).
+        `read_only`: for reading alone (generate, eval, export): under a shared lock, nothing in the folder is
+        created, changed or deleted, and every write is refused; a step still to roll forward is refused too."""
         root = Path(root)
         manifest = read_manifest(root)
         try:
             spec = StoreSpec.from_dict(manifest["spec"])
         except StoreError as exc:
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
-        lock, store = lock_run_dir(root), None
+        lock, store = lock_for_reading(root) if read_only else lock_run_dir(root), None
         try:
-            store = cls(root, spec, manifest, pin_memory, lock)
+            store = cls(root, spec, manifest, pin_memory, lock, read_only)
             check_units(root, manifest, list(store.layouts))
             store._load_units(verify)
         except BaseException:
-            store.close() if store is not None else os.close(lock)
+            if store is not None:
+                store.close()
+            elif lock >= 0:
+                os.close(lock)
             raise
         return store
 
@@ -106,7 +115,12 @@ class HostStore(Store):
         return read_journal(self.root, self.manifest, list(self.layouts))
 
     def discard_journal(self) -> None:
+        self._check_writable()
         (self.root / JOURNAL).unlink(missing_ok=True)
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.root} was opened for reading; open it without read_only to change it")
 
     @property
     def trainer_state(self) -> dict[str, Any]:
@@ -119,6 +133,10 @@ class HostStore(Store):
         """Check every unit's state file (size, trailer, checksum) and, with a journal, the gradients to replay;
         then fill the RAM tier. Nothing is written or deleted unless all of them are sound."""
         journal = self.journal
+        if journal is not None and self.read_only:
+            raise StoreError(f"{self.root}: step {journal['step']} was interrupted before its update finished, "
+                             "which reading the run cannot do; first resume the run as it was trained "
+                             "(`streamer train --resume`, under torchrun if it ran so)")
         checks = []
         for unit in self.layouts:
             expected = self.manifest["checksums"].get(state_name(unit, self.versions[unit]))
@@ -135,9 +153,10 @@ class HostStore(Store):
         self._allocate_ram()
         for unit in self.layouts:
             self._fill_ram_from_file(unit)
-        if journal is None:
-            self.discard_journal()  # one whose step the manifest already has
-        self._remove_strays()
+        if not self.read_only:  # reading leaves a stale journal and the strays of a crash to the next writer
+            if journal is None:
+                self.discard_journal()  # one whose step the manifest already has
+            self._remove_strays()
 
     def _remove_strays(self) -> None:
         self._files.remove_strays(self.versions)
@@ -214,6 +233,7 @@ class HostStore(Store):
 
     # --- updates and commits ----------------------------------------------------------------
     def check_consistent(self) -> None:
+        self._check_writable()  # called before every step and commit
         if self.commit is None or self.commit.speculative:
             return
         if self.commit.journaled:
@@ -248,6 +268,7 @@ class HostStore(Store):
 
     def unit_writer(self, unit: str, step: int) -> "UnitWriter":
         """Disk-tier state is written to a new generation; RAM-tier state goes straight into its slabs."""
+        self._check_writable()
         if self.commit is None:  # rolling a journaled step forward, or the first write or loaded weights
             journal = self.journal
             self.commit = Commit(step, self.generation + 1, journal is not None and journal["step"] == step)

@@ -35,9 +35,8 @@ class MergedShards(Store):
         stores: list[HostStore] = []
         try:
             for root in roots:
-                stores.append(HostStore.open(root))
-            if {s.spec.shards for s in stores} != {len(stores)} or len({s.step for s in stores}) != 1 \
-                    or any(s.journal is not None for s in stores):
+                stores.append(HostStore.open(root, read_only=True))  # a step still to roll forward is refused
+            if {s.spec.shards for s in stores} != {len(stores)} or len({s.step for s in stores}) != 1:
                 raise StoreError(f"the {len(stores)} stores in {roots[0].parent} are not one committed step of a "
                                  f"sharded run; resume it with torchrun --nproc-per-node {len(stores)} first")
         except BaseException:
