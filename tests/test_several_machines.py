@@ -167,3 +167,18 @@ def test_a_node_that_stops_answering_fails_the_other_after_dist_timeout(tiny_set
     # At least the timeout; measured 10.7 s with 5 s (the exchange waited on, then torchrun's own shutdown).
     assert 3 <= waited < 60, waited
     assert os.path.isdir(run) and _logged(run) >= 1
+
+
+@pytest.mark.slow
+def test_two_sharded_nodes_equal_one_process(tiny_setup, tmp_path):
+    """`--data-parallel sharded` over two nodes: each holds half of every unit's state, all-gathers the weights
+    and reduce-scatters the gradient over the network, and ends where one process with 2 micro-batches does."""
+    run, single = tmp_path / "nodes", tmp_path / "single"
+    done = _finish(_start(_free_port(), train_argv(tiny_setup, run, "--steps", 3, "--data-parallel", "sharded")))
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
+    assert streamer(*train_argv(tiny_setup, single, "--steps", 3, "--grad-accum", 2)).returncode == 0
+    with open_trainer(RunDir(run)) as a, open_trainer(RunDir(single)) as b:
+        assert a.step_count == b.step_count == 3
+        sa, sb = a.state_dict(), b.state_dict()
+        diff = max((sa[k] - sb[k]).abs().max().item() for k in sa)
+    assert diff <= 1e-5, diff  # measured 1.3e-7: the sharded update and norm sum in another order than one process

@@ -51,6 +51,8 @@ def _exchange() -> Iterator[None]:
     connection or the wait that timed out; nccl a DistBackendError (a RuntimeError too)."""
     try:
         yield
+    except torch.OutOfMemoryError:  # a RuntimeError too, but this process's own
+        raise
     except RuntimeError as exc:
         # gloo's first sentence, without its source location: "Connection closed by peer [10.0.0.2]:41234".
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split("] ", 1)[-1].split(". ")[0]
@@ -146,11 +148,12 @@ class DataParallel:
         size = shard_numel(numel, self.world) * self.world if scatter else numel
         flat = torch.empty(size, dtype=torch.float32, device=pieces[0].device)
         fold_into(flat[:numel], pieces, first=True)
-        with _exchange():
-            if not scatter:
+        if not scatter:
+            with _exchange():
                 return Reduction(flat, dist.all_reduce(flat, async_op=True))
-            flat[numel:].zero_()
-            mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
+        flat[numel:].zero_()
+        mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
+        with _exchange():
             return Reduction(mine, dist.reduce_scatter_single(mine, flat, async_op=True), flat)
 
     def finish_reduce(self, reduction: Reduction) -> torch.Tensor:
