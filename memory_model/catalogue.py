@@ -66,6 +66,15 @@ _GEN5_EFF = "derived: nvbandwidth issue #24, H100 device_to_host_memcpy 52.77 GB
 _GEN4_EFF = "derived: ZaidQureshi/bam issue #54, A100 PCIe Gen4 measured peak 25 GB/s / 31.5 raw"
 _NVLINK4 = "sourced: NVLink 4 900 GB/s total = 450 GB/s per direction (NVIDIA datasheet; nccl issue #1264)"
 _DGX = "a DGX-class server's RAM (DGX A100 1 TB, DGX H100/H200 2 TB per NVIDIA's DGX pages)"
+_BASEPOD = ("NVIDIA DGX BasePOD reference architecture, core components (docs.nvidia.com/dgx-basepod): DGX H100 and "
+            "H200 have 'Four OSFP ports serving eight single-port NVIDIA ConnectX-7 VPI ... up to 400 Gb/s "
+            "InfiniBand/Ethernet'")
+# The network from one machine to the others (inter_node_*): per machine and direction, a ring all-reduce's
+# share between machines crosses it (memory_model/devices.py, allreduce_time).
+_DGX_H_NETWORK = _d(8 * 400e9 / 8, f"derived: 8 ports x 400 Gb/s / 8 bits = 400 GB/s per machine; {_BASEPOD}")
+_ONE_NDR = _a(400e9 / 8, "assumed: one 400 Gb/s InfiniBand NDR port per machine (not a DGX H100's eight) / 8 bits "
+                         f"= 50 GB/s; the port's rate: {_BASEPOD}")
+_NETWORK_LATENCY = _a(5e-6, "assumed: an InfiniBand hop and the NIC's setup, order of magnitude; no published figure")
 
 
 def _host(ram: Figure) -> dict[str, Figure]:
@@ -105,7 +114,7 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
 
 def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, link_eff: Figure,
          matmul_eff: Figure, attention_eff: Figure, datasheet: str, nvlink: Figure | None,
-         ram: Figure) -> dict[str, Figure]:
+         ram: Figure, network: Figure = _ONE_NDR) -> dict[str, Figure]:
     figures = {
         "memory_bytes": memory, "reserve_bytes": _a(723 * MiB, _CONTEXT),
         "h2d_bytes_per_s": link, "d2h_bytes_per_s": link,
@@ -114,6 +123,7 @@ def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, lin
         "matmul_efficiency": matmul_eff, "attention_efficiency": attention_eff, "bandwidth_efficiency": link_eff,
         "device_mem_bandwidth": _s(hbm, f"{datasheet}: memory bandwidth"),
         **_host(ram),
+        "inter_node_bytes_per_s": network, "inter_node_latency_s": _NETWORK_LATENCY,
     }
     if nvlink is not None:
         figures["interconnect_bytes_per_s"] = nvlink
@@ -149,7 +159,7 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                      _a(0.859, _FA_AMPERE), "NVIDIA A100 80GB datasheet (thundercompute.com A100 guide: 2,039 GB/s SXM)",
                      _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX)),
     "h100-sxm": _gpu(_H100_MEM, 989e12, 67e12, 3350 * GB, _GEN5_LINK, _GEN5_E, _H100_MATMUL, _s(0.75, _FA3),
-                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX)),
+                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX), _DGX_H_NETWORK),
     "h100-pcie": _gpu(_a(81559 * MiB, "assumed: the SXM part's CUDA-visible 81559 MiB (both are '80 GB')"),
                       756e12, 51e12, 2000 * GB, _GEN5_LINK, _GEN5_E,
                       _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die, lower clocks)"),
@@ -162,7 +172,8 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                  _d(0.84, f"{_GEN5_EFF} (the H100's Gen5 host link measurement)"),
                  _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die)"),
                  _a(0.75, "assumed: FlashAttention-3's H100 share (same GH100 die)"),
-                 "AnandTech SC23 H200 (anandtech.com/Show/Index/21136)", _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX)),
+                 "AnandTech SC23 H200 (anandtech.com/Show/Index/21136)", _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX),
+                 _DGX_H_NETWORK),
     "gh200": _gpu(_s(96 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): 'Up to 96 GB of HBM3 memory'"),
                   989e12, 67e12, 4000 * GB,
                   _s(450 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): NVLink-C2C '900 GB/s total bandwidth, "

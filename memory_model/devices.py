@@ -64,6 +64,9 @@ class DeviceSpec:
     # Device-to-device link for data-parallel all-reduce (ring bus bandwidth per direction); None: the
     # devices have no peer link and exchange through the host (d2h then h2d).
     interconnect: Link | None = None
+    # One machine's network link to the others (per machine and direction): the part of a ring all-reduce
+    # between machines crosses it. None: not known (a plan over several machines asks for it).
+    inter_node: Link | None = None
     # Measured costs besides the matmuls, by compute dtype (see kernels.py); empty: the matmul-only model.
     kernels: dict[str, KernelCosts] = field(default_factory=dict)
     source: str = ""
@@ -90,8 +93,9 @@ class DeviceSpec:
             _positive(name, getattr(self, name))
         if not isinstance(self.h2d, Link) or not isinstance(self.d2h, Link):
             raise ValueError("h2d and d2h must be Link objects")
-        if self.interconnect is not None and not isinstance(self.interconnect, Link):
-            raise ValueError("interconnect must be a Link or None")
+        for name in ("interconnect", "inter_node"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Link):
+                raise ValueError(f"{name} must be a Link or None")
         # The presets rate every dtype; `local` only the one it was calibrated for (flops_for names the gap).
         if not self.flops or set(self.flops) - set(COMPUTE_DTYPES):
             raise ValueError(f"flops must rate one or more of the compute dtypes {sorted(COMPUTE_DTYPES)}, "
@@ -122,19 +126,32 @@ class DeviceSpec:
         """Seconds to move nbytes over one of this device's links at its achievable share of the peak."""
         return 0.0 if nbytes == 0 else link.latency_s + nbytes / (link.bandwidth_bytes_per_s * self.bandwidth_efficiency)
 
-    def allreduce_time(self, nbytes: int, devices: int) -> float:
-        """Summing nbytes of gradient over `devices`, beyond each device's own offload of it. A ring sends and
-        receives 2 (n-1)/n of the data; an in-network tree sums in flight at line rate as the offload passes
-        through it (SwarmX), which adds one hop latency per level of a 4-ary tree, not bytes."""
+    def allreduce_time(self, nbytes: int, devices: int, per_node: int | None = None) -> float:
+        """Summing nbytes of gradient over `devices`, `per_node` of them on each machine (None: all on one),
+        beyond each device's own offload of it. A ring sends and receives 2 (n-1)/n of the data; over several
+        machines it is hierarchical (as NCCL's and Horovod's): a ring inside each machine over its peer link,
+        and between the m machines 2 (m-1)/m of the data through each machine's network link (`inter_node`).
+        An in-network tree sums in flight at line rate as the offload passes through it (SwarmX, which joins
+        the systems), which adds one hop latency per level of a 4-ary tree, not bytes."""
         if devices <= 1 or nbytes == 0:
             return 0.0
         if self.reduce == "in-network":
             assert self.interconnect is not None
             return (math.ceil(math.log(devices, 4)) + 1) * self.interconnect.latency_s
-        moved = int(2 * (devices - 1) / devices * nbytes)
+        local = devices if per_node is None else min(devices, per_node)
+        nodes = math.ceil(devices / local)
+        moved = int(2 * (local - 1) / local * nbytes)
         if self.interconnect is not None:
-            return self.link_time(self.interconnect, moved)
-        return self.link_time(self.d2h, moved) + self.link_time(self.h2d, moved)
+            inside = self.link_time(self.interconnect, moved)
+        else:
+            inside = self.link_time(self.d2h, moved) + self.link_time(self.h2d, moved)
+        if nodes == 1:
+            return inside
+        if self.inter_node is None:
+            raise ValueError(f"{devices} devices at {local} per machine span {nodes} machines and {self.name} has no "
+                             "figure for the network between them: --set inter_node_bytes_per_s=... (bytes/s per "
+                             f"machine and direction), or --ranks-per-node {devices} to keep them on one")
+        return inside + self.link_time(self.inter_node, int(2 * (nodes - 1) / nodes * nbytes))
 
     def flops_for(self, dtype: str) -> float:
         try:
@@ -147,9 +164,10 @@ class DeviceSpec:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["h2d"] = {"bandwidth_bytes_per_s": self.h2d.bandwidth_bytes_per_s, "latency_s": self.h2d.latency_s}
         out["d2h"] = {"bandwidth_bytes_per_s": self.d2h.bandwidth_bytes_per_s, "latency_s": self.d2h.latency_s}
-        if self.interconnect is not None:
-            out["interconnect"] = {"bandwidth_bytes_per_s": self.interconnect.bandwidth_bytes_per_s,
-                                   "latency_s": self.interconnect.latency_s}
+        for name in ("interconnect", "inter_node"):
+            link = getattr(self, name)
+            if link is not None:
+                out[name] = {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
         out["kernels"] = {dtype: costs.to_dict() for dtype, costs in self.kernels.items()}
         out["notes"] = list(self.notes)
         out["figures"] = {name: f.to_dict() for name, f in self.figures.items()}
@@ -164,8 +182,9 @@ class DeviceSpec:
         values = dict(raw)
         values["h2d"] = Link(**raw["h2d"])
         values["d2h"] = Link(**raw["d2h"])
-        if raw.get("interconnect") is not None:
-            values["interconnect"] = Link(**raw["interconnect"])
+        for name in ("interconnect", "inter_node"):
+            if raw.get(name) is not None:
+                values[name] = Link(**raw[name])
         values["kernels"] = {dtype: KernelCosts.from_dict(c) for dtype, c in raw.get("kernels", {}).items()}
         values["notes"] = tuple(raw.get("notes", ()))
         values["figures"] = {name: Figure(**f) for name, f in raw.get("figures", {}).items()}
@@ -176,7 +195,7 @@ class DeviceSpec:
 FIGURES = ("memory_bytes", "reserve_bytes", "h2d_bytes_per_s", "d2h_bytes_per_s", "link_latency_s", "bf16_flops",
            "fp32_flops", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
            "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw",
-           "interconnect_bytes_per_s", "interconnect_latency_s")
+           "interconnect_bytes_per_s", "interconnect_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s")
 _DIRECT = ("memory_bytes", "reserve_bytes", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
            "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw")
 _INTEGERS = ("memory_bytes", "reserve_bytes", "host_ram_bytes")
@@ -188,9 +207,10 @@ def figure_values(spec: DeviceSpec) -> dict[str, float]:
     out.update(h2d_bytes_per_s=spec.h2d.bandwidth_bytes_per_s, d2h_bytes_per_s=spec.d2h.bandwidth_bytes_per_s,
                link_latency_s=spec.h2d.latency_s)
     out.update({f"{dtype}_flops": rate for dtype, rate in spec.flops.items()})
-    if spec.interconnect is not None:
-        out.update(interconnect_bytes_per_s=spec.interconnect.bandwidth_bytes_per_s,
-                   interconnect_latency_s=spec.interconnect.latency_s)
+    for name in ("interconnect", "inter_node"):
+        link = getattr(spec, name)
+        if link is not None:
+            out.update({f"{name}_bytes_per_s": link.bandwidth_bytes_per_s, f"{name}_latency_s": link.latency_s})
     return {name: out[name] for name in FIGURES if name in out}
 
 
@@ -201,13 +221,12 @@ def with_figures(spec: DeviceSpec, figures: dict[str, Figure]) -> DeviceSpec:
         raise ValueError(f"unknown device field(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
     values = {**figure_values(spec), **{name: f.value for name, f in figures.items()}}
     direct = {name: int(values[name]) if name in _INTEGERS else values[name] for name in _DIRECT}
-    peer = None
-    if "interconnect_bytes_per_s" in values:
-        peer = Link(values["interconnect_bytes_per_s"], values.get("interconnect_latency_s", 0.0))
+    links = {name: Link(values[f"{name}_bytes_per_s"], values.get(f"{name}_latency_s", 0.0))
+             if f"{name}_bytes_per_s" in values else None for name in ("interconnect", "inter_node")}
     return replace(spec, **direct, h2d=Link(values["h2d_bytes_per_s"], values["link_latency_s"]),
                    d2h=Link(values["d2h_bytes_per_s"], values["link_latency_s"]),
                    flops={d: values[f"{d}_flops"] for d in COMPUTE_DTYPES if f"{d}_flops" in values},
-                   interconnect=peer, figures={**spec.figures, **figures})
+                   **links, figures={**spec.figures, **figures})
 
 
 # `--set FIELD=NUMBER`: one figure replaced, for `streamer plan` and `streamer train` (RunConfig's `set`, recorded
@@ -220,7 +239,7 @@ def _figure_check(name: str) -> Number:
     """What a figure may be: a share of a peak is in (0, 1]; a reserve or a latency may be nothing."""
     if name.endswith("_efficiency"):
         return Number(0.0, 1.0, low_open=True)
-    return Number(0.0, low_open=name not in ("reserve_bytes", "link_latency_s", "interconnect_latency_s"))
+    return Number(0.0, low_open=not name.endswith("latency_s") and name != "reserve_bytes")
 
 
 def parse_sets(sets: Sequence[str], error: Callable[[str, str], Exception] = SettingError) -> dict[str, Figure]:
@@ -255,6 +274,7 @@ def _preset(name: str) -> DeviceSpec:
                       device_mem_bandwidth=1.0, host_ram_bytes=1, disk_read_bw=1.0, disk_write_bw=1.0,
                       host_update_bw=1.0, update_on=update_on, reduce=reduce, notes=PRESET_NOTES.get(name, ()),
                       interconnect=Link(1.0) if "interconnect_bytes_per_s" in v else None,
+                      inter_node=Link(1.0) if "inter_node_bytes_per_s" in v else None,
                       source="docs/MEMORY_MODEL.md, Device catalogue (`streamer devices` lists every figure)")
     return with_figures(base, figures)
 

@@ -31,9 +31,6 @@ from memory_model.units import format_size
 
 BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_avg, exp_avg_sq (mixed precision)
 _MAX_BATCH_SEARCH = 2**24
-# Ranks of one plan that share a host (and its RAM) when each holds its own store: an 8-GPU server (DGX,
-# HGX) is ASSUMED. With an in-network reduce (MemoryX and SwarmX) one store serves every system.
-_RANKS_PER_HOST = 8
 
 
 @dataclass(frozen=True)
@@ -331,7 +328,9 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient.
     state = es if frozen else es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM
     host_store = shard_numel(params, cfg.shards) * state
-    stores = 1 if device.reduce == "in-network" else min(cfg.devices, _RANKS_PER_HOST)
+    # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
+    # SwarmX) one store serves every system.
+    stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
                           if limits else (None, None))

@@ -54,6 +54,9 @@ class PlanConfig:
     store: str = setting("ram", "where the host store lives: ram, or disk (committed every step)",
                          Choice(STORE_TIERS), "TIER")
     devices: int = setting(1, "data-parallel processes, one device each", Integer())
+    ranks_per_node: int = setting(
+        8, "data-parallel devices on one machine: more span several, and the gradient sum crosses the network "
+           "between them (default: an 8-GPU server, DGX or HGX)", Integer())
     data_parallel: str = setting(
         "replicated", "with more than one process: every process keeps a whole store (replicated), or each keeps "
                       "and updates its 1/N slice of every unit's state and the weights are all-gathered for "
@@ -90,6 +93,11 @@ class PlanConfig:
     def shards(self) -> int:
         """The slices each unit's state is stored in, one per device (1: every device stores it whole)."""
         return self.devices if self.data_parallel == "sharded" else 1
+
+    @property
+    def nodes(self) -> int:
+        """Machines the devices span, `ranks_per_node` on each (the last may hold fewer)."""
+        return -(-self.devices // self.ranks_per_node)
 
     @property
     def micro_batch(self) -> int:

@@ -176,7 +176,7 @@ def _gradient_out(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: Devi
     costs = device.kernels.get(cfg.compute_dtype)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw
-    reduce_s, d2h_s = device.allreduce_time(4 * params, cfg.devices), _link(grad, device, "d2h")
+    reduce_s, d2h_s = device.allreduce_time(4 * params, cfg.devices, cfg.ranks_per_node), _link(grad, device, "d2h")
     times.d2h += grad
     times.disk_read += read
     times.disk_write += write

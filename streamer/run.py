@@ -127,6 +127,8 @@ class RunConfig:
     report_to: str = same_setting(ReportConfig, "report_to")
     log_every: int = setting(1, "when stdout is not a terminal (a log, a pipe): one progress line every N steps "
                                 "(a terminal gets a progress bar)", Integer())
+    dist_timeout: int = setting(600, "under torchrun: seconds a process waits for the others at any exchange before "
+                                     "it stops with an error (a node lost without a word)", Integer(), "SECONDS")
 
     def __post_init__(self) -> None:
         check_settings(self, SettingError)
@@ -247,7 +249,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # only says which host memory is page-locked; `set` only describes the simulated device.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
-             "report_to", "pin_memory", "set")
+             "report_to", "pin_memory", "set", "dist_timeout")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items()}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items()}

@@ -16,10 +16,12 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import TINY_RUN_MODEL
@@ -134,8 +136,8 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
             word = str(run_copy / word.removeprefix("RUN/"))
         elif word in files:
             word = str(files[word])
-        elif word.startswith("/tmp/"):
-            word = str(work / word.removeprefix("/tmp/"))
+        elif word.startswith(("/tmp/", "/shared/")):
+            word = str(work / word.split("/", 2)[2])
         elif before in AT_MOST and word.isdigit():
             word = str(min(int(word), AT_MOST[before]))
         out.append(word)
@@ -168,6 +170,22 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     raise AssertionError(f"no rule runs the documented command {command!r}: add one to the override")
 
 
+def nodes(argv: list[str]) -> list[list[str]]:
+    """A launch on several machines (`torchrun --nnodes N ... --rdzv-endpoint HOST:PORT`) as its N nodes, each its
+    own --node-rank, at a free port of 127.0.0.1; any other command as itself."""
+    if "--nnodes" not in argv:
+        return [argv]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    out = []
+    for rank in range(int(argv[argv.index("--nnodes") + 1])):
+        node = [endpoint if word == "HOST:PORT" else word for word in argv]
+        node[node.index("--node-rank") + 1] = str(rank)
+        out.append(node)
+    return out
+
+
 def test_every_documented_command_runs(stand_ins, tmp_path):
     commands = documented_commands()
     assert any(c.startswith("torchrun") for _, c in commands), "the data-parallel launch must be documented"
@@ -185,13 +203,28 @@ def test_every_documented_command_runs(stand_ins, tmp_path):
         work = tmp_path / re.sub(r"\W+", "-", where)
         work.mkdir()
         failures = []
+        launched = set()
         for command in groups[where]:
             argv = override(command, stand_ins, work)
-            done = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=work, timeout=300,
-                                  stdin=subprocess.DEVNULL)
-            if done.returncode != 0 or "Traceback" in done.stderr:
-                failures.append(f"{where}: {command}\n  ran {shlex.join(argv[1:])}\n  exit {done.returncode}: "
-                                f"{done.stderr.strip()[-800:]}")
+            launch = nodes(argv)
+            key = re.sub(r"--node-rank \d+", "--node-rank R", shlex.join(argv))
+            if key in launched:
+                continue  # another node's line of a launch that has run
+            launched.add(key)
+            procs = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                      cwd=work, stdin=subprocess.DEVNULL) for node in launch]
+            try:
+                errs = [proc.communicate(timeout=300)[1] for proc in procs]
+            finally:  # a launch that hung: torchrun's own processes too
+                for proc in procs:
+                    for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+                        child.kill()
+                    proc.kill()
+                    proc.communicate()
+            for proc, err in zip(procs, errs):
+                if proc.returncode != 0 or "Traceback" in err:
+                    failures.append(f"{where}: {command}\n  ran {shlex.join(argv[1:])}\n  exit {proc.returncode}: "
+                                    f"{err.strip()[-800:]}")
         return failures
 
     with cf.ThreadPoolExecutor(2) as pool:

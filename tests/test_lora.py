@@ -151,3 +151,57 @@ def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[s
         'got "q_proj,lm_head"')
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
         TrainerConfig(lora_rank=-1)
+
+
+def test_a_merged_export_under_bf16_is_the_full_precision_base_plus_the_adapter(tmp_path: Path, tiny_setup,
+                                                                                tiny_hf_model) -> None:
+    """A bf16 LoRA run keeps its frozen base in bf16; the merged export takes the base from the fp32 checkpoint
+    the run started from, so it equals PEFT's base plus adapter, and the untouched weights are the source's."""
+    peft = pytest.importorskip("peft")
+    import transformers
+    from conftest import TINY_RUN_MODEL
+    from safetensors.torch import load_file
+
+    from streamer.io.tokenizer import load_tokenizer
+    source, moved, run, merged, adapter = (tmp_path / n for n in ("hf", "moved", "run", "merged", "adapter"))
+    tiny_hf_model(TINY_RUN_MODEL).save_pretrained(source)
+    load_tokenizer(tiny_setup / "tok").save(source)
+    assert main(["train", "--from-pretrained", str(source), "--data", str(tiny_setup / "train.txt"), "--lora-rank", "4",
+                 "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,fc_out", "--run-dir", str(run), "--steps", "3",
+                 "--batch", "2", "--seq", "32", "--lr", "1e-2", "--dtype", "bf16", "--eval-fraction", "0",
+                 "--sample-tokens", "0"]) == 0
+    assert main(["export", str(run), str(merged)]) == 0
+    assert main(["export", str(run), str(adapter), "--format", "peft"]) == 0
+    base, ours = load_file(str(source / "model.safetensors")), load_file(str(merged / "model.safetensors"))
+    adapted = ("q_proj", "v_proj", "fc_out")
+    assert all(t.dtype == torch.float32 for t in ours.values())  # the source's dtype
+    untouched = [k for k in ours if not any(f".{name}." in k for name in adapted)]
+    assert "transformer.h.0.mlp.fc_in.weight" in untouched  # 1.5e-3 from the source when taken from the bf16 store
+    assert all(torch.equal(ours[k], base[k]) for k in untouched)
+    assert not torch.equal(ours["transformer.h.0.attn.q_proj.weight"], base["transformer.h.0.attn.q_proj.weight"])
+
+    ids = torch.randint(0, TINY_RUN_MODEL.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
+        with_adapter = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+            source, attn_implementation="eager"), adapter).eval()
+        logits, peft_logits = exported(ids).logits, with_adapter(input_ids=ids).logits
+        # fp32 noise: transformers' own two attention kernels on the merged model, against each other.
+        sdpa = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="sdpa").eval()
+        noise = (sdpa(ids).logits - logits).abs().max().item()
+    # Measured: merged vs PEFT 1.9e-6, eager vs sdpa 1.4e-6; with the base from the bf16 store, 2.1e-2 apart.
+    assert (logits - peft_logits).abs().max().item() <= 4 * max(noise, 1e-6), noise
+
+    source.rename(moved)
+    err = _fails_export(str(run), str(tmp_path / "again"))
+    assert f"{source} (this LoRA run's base checkpoint) is not there" in err and "pass --base HF_DIR" in err
+    assert main(["export", str(run), str(tmp_path / "again"), "--base", str(moved)]) == 0
+    assert all(torch.equal(t, ours[k]) for k, t in load_file(str(tmp_path / "again" / "model.safetensors")).items())
+
+
+def _fails_export(*argv: str) -> str:
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "streamer", "export", *argv], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    return done.stderr

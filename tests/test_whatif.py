@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import time
+from dataclasses import replace
+
+import pytest
 
 from test_cli import fails, run_cli, tiny_args
 
@@ -119,3 +122,26 @@ def test_compare_prices_each_logged_step_on_the_schedule_the_trainer_ran():
         attempt + after, after, after, fused.step_time_s, attempt + after]
     unclipped = replace(cfg, max_grad_norm=0.0)
     assert replayed_steps(shape, device, unclipped, [{"grad_norm": n} for n in norms]) == [fused.step_time_s] * 5
+
+
+def test_more_machines_over_a_slower_network_predict_a_longer_reduce(capsys):
+    """`--ranks 16` on 8-GPU machines is 2 of them: the all-reduce is a ring inside each over NVLink, then
+    between the machines over their network (`inter_node_bytes_per_s`, 8 x 400 Gb/s on a DGX H100)."""
+    def reduce_s(*extra: object) -> float:
+        rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "h100-sxm", "--ranks", 16, "--batch",
+                             256, "--seq", 2048, "--activations", "checkpoint", "--store", "ram", *extra, "--json")
+        assert rc == 0
+        return json.loads(out)["resource_s"]["interconnect"]
+
+    one, two, four = (reduce_s("--ranks-per-node", n) for n in (16, 8, 4))
+    ethernet = reduce_s("--ranks-per-node", 4, "--set", f"inter_node_bytes_per_s={100e9 / 8}")  # 100 GbE
+    assert one < two < four < ethernet
+    assert two == reduce_s()  # 8 per machine is the default
+    # Each unit's fp32 gradient crosses 2 (m-1)/m of its bytes through each machine's link, beyond the ring inside.
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    grad = 4 * 10**9
+    inside = h100.link_time(h100.interconnect, int(2 * 3 / 4 * grad))
+    assert h100.allreduce_time(grad, 16, 4) == inside + h100.link_time(h100.inter_node, int(2 * 3 / 4 * grad))
+    with pytest.raises(ValueError, match=r"no figure for the network between them: --set inter_node_bytes_per_s="
+                                         r".* or --ranks-per-node 16 to keep them on one"):
+        replace(h100, inter_node=None).allreduce_time(grad, 16, 4)  # `local` measures none

@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,11 +21,18 @@ from streamer.store.layout import DTYPES
 from streamer.run_dir import RunDir
 from streamer.trainer import StreamingTrainer
 
+if TYPE_CHECKING:
+    from streamer.io.hf import HFCheckpoint
+
 
 EXAMPLES = """\
 examples:
   streamer export RUN ./hf-out
-  streamer export RUN ./hf-out --dtype bf16 --max-shard-size 2GB --overwrite"""
+  streamer export RUN ./hf-out --dtype bf16 --max-shard-size 2GB --overwrite
+
+A LoRA run's merged export is its base as the --from-pretrained checkpoint holds it (the store keeps only the
+compute-dtype copy) plus the adapters in fp32, in the checkpoint's dtype; --base names that checkpoint if it
+has moved."""
 
 
 def declare(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +40,11 @@ def declare(parser: argparse.ArgumentParser) -> None:
                     "transformers.GPTJForCausalLM.from_pretrained loads the result.", EXAMPLES)
     parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument("hf_dir", metavar="HF_DIR", help="the folder to write (must be new or empty)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                        help="weights' dtype (default: fp32, the master weights exactly)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES),
+                        help="weights' dtype (default: fp32, the master weights exactly; a LoRA run's merged export: "
+                             "its base checkpoint's)")
+    parser.add_argument("--base", metavar="HF_DIR", help="a LoRA run's base checkpoint, for the merged export "
+                        "(default: the run's --from-pretrained folder)")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     parser.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
     parser.add_argument("--format", choices=("hf", "peft"), default="hf",
@@ -47,12 +58,15 @@ def export_command(args: argparse.Namespace) -> int:
     with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
         begin = time.perf_counter()
         if args.format == "peft":
-            export_peft(trainer, args.hf_dir, run.read_config().from_pretrained, overwrite=args.overwrite)
+            export_peft(trainer, args.hf_dir, args.base or run.read_config().from_pretrained, overwrite=args.overwrite)
             how = (f"peft.PeftModel.from_pretrained(transformers.GPTJForCausalLM.from_pretrained(BASE), "
                    f"{args.hf_dir!r})")
         else:
-            export_hf(trainer, tokenizer, args.hf_dir, DTYPES[args.dtype], parse_size(args.max_shard_size),
-                      overwrite=args.overwrite)
+            if args.base is not None and trainer.adapters is None:
+                raise RunError("--base names a LoRA run's base checkpoint and this run trained every weight; drop it")
+            base = args.base or run.read_config().from_pretrained if trainer.adapters is not None else None
+            export_hf(trainer, tokenizer, args.hf_dir, args.dtype and DTYPES[args.dtype],
+                      parse_size(args.max_shard_size), overwrite=args.overwrite, base=base)
             how = f"transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})"
         step = trainer.step_count
     files = sorted(p.name for p in Path(args.hf_dir).iterdir())
@@ -87,9 +101,14 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
 
 
 def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> None:
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False,
+              base: str | Path | None = None) -> None:
     """Write the trainer's master weights (LoRA's adapters merged) as a Hugging Face GPT-J folder, one unit in
-    memory at a time.
+    memory at a time, in `dtype` (default: fp32).
+
+    A LoRA run's store holds its frozen base in the compute dtype only; with `base` (the checkpoint the run
+    started from) the merged weights are that checkpoint's full-precision base plus scaling x B A in fp32, in
+    the checkpoint's dtype by default: then they equal PEFT's base plus adapter to fp32 rounding.
 
     With a tokenizer: its files (copied verbatim where it was loaded from a folder, so the chat template, special
     tokens, model_max_length and padding side are the user's), and its bos/eos ids in config.json and
@@ -99,12 +118,45 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
     if max_shard_bytes <= 0:
         raise RunError("--max-shard-size must be more than 0 bytes")
     token_ids = None if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    source = None if base is None or trainer.adapters is None else _open_base(base, trainer)
+    if dtype is None:
+        dtype = torch.float32 if source is None else source.dtype(source.keys()[0])
     with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite, token_ids) as exporter:
         for unit in trainer.units:
-            flat = trainer.merged_unit_master(unit)
+            if source is None:
+                flat = trainer.merged_unit_master(unit)
+            else:
+                flat = _full_precision_base(trainer, source, unit)
+                trainer.adapters.merge_into(unit, flat, trainer.layouts[unit])
             for slot in trainer.layouts[unit].slots:
                 exporter.add(slot.hf_key, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
         if tokenizer is not None:
             tokenizer.save(exporter.staging_dir)
             (exporter.staging_dir / "generation_config.json").write_text(json.dumps(token_ids, indent=2) + "\n")
 
+
+
+def _open_base(base: str | Path, trainer: StreamingTrainer) -> "HFCheckpoint":
+    """The LoRA run's base checkpoint, which must be there and describe this run's model."""
+    from streamer.io.hf import HFCheckpoint
+    if not Path(base, "config.json").is_file():
+        raise RunError(f"{base} (this LoRA run's base checkpoint) is not there: the merged export adds the adapters "
+                       "to its full-precision weights; pass --base HF_DIR with the folder the run started from")
+    source = HFCheckpoint.open(base)
+    if source.config != trainer.cfg:
+        raise RunError(f"{base} holds another model than this run's; pass --base HF_DIR with the folder the run "
+                       "started from")
+    return source
+
+
+def _full_precision_base(trainer: StreamingTrainer, source: "HFCheckpoint", unit: str) -> torch.Tensor:
+    """A unit's flat fp32 base as the source checkpoint holds it, checked against the store's copy: rounded to
+    the run's compute dtype, each tensor must equal the one the run trained on."""
+    flat = trainer.unit_master(unit)
+    for slot in trainer.layouts[unit].slots:
+        piece, stored = source.read(slot.hf_key).reshape(-1), flat[slot.offset:slot.offset + slot.numel]
+        if not torch.equal(piece.to(trainer.tc.compute_dtype).float(), stored):
+            raise RunError(f"{slot.hf_key} in {source.root} differs from the base this run trained on; pass --base "
+                           "HF_DIR with the folder the run started from")
+        stored.copy_(piece)
+    return flat

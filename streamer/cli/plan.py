@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ examples:
 Settings resolve as in `streamer train`: its defaults (the demo's when nothing names a model or data), then
 --config, then the flags; so `streamer plan` with train's flags plans the step that train runs."""
 
+_STEP_HELP = {f.name: f.metadata.get("help") for f in fields(PlanConfig)}
+
 
 def declare(parser: argparse.ArgumentParser) -> None:
     declare_command(parser, plan_command, "The analytic plan of one training step.", EXAMPLES)
@@ -44,6 +46,9 @@ def declare(parser: argparse.ArgumentParser) -> None:
                         "or local (this machine, measured once and cached in runs/) (default: cs2)")
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel processes (one device each): adds the "
                         "gradient all-reduce and prints the scaling curve")
+    parser.add_argument("--ranks-per-node", type=int, default=PlanConfig.ranks_per_node, metavar="N",
+                        help=f"{_STEP_HELP['ranks_per_node']}; the network's speed is the target's "
+                             "inter_node_bytes_per_s (--set it)")
     add_run_flags(parser, only=STEP_SETTINGS, help={
         "model": "a preset or a config.json",
         "dtype": "compute dtype: auto (for local, bf16 if this CPU runs it natively and at least as fast as fp32, "
@@ -78,7 +83,7 @@ def plan_command(args: argparse.Namespace) -> int:
     dtype = choice.dtype
     device = with_sets(_device(args.target, model_cfg, dtype), cfg.set, SettingError)
     try:
-        step = replace(cfg, dtype=dtype).plan_config(args.ranks)
+        step = replace(replace(cfg, dtype=dtype).plan_config(args.ranks), ranks_per_node=args.ranks_per_node)
         # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights).
         named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
         plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on)
@@ -112,7 +117,8 @@ def plan_command(args: argparse.Namespace) -> int:
                       f"({breakdown(out['dry_run_peak_breakdown'])}); analytic "
                       f"{format_size(result.peak_device_bytes)} ({breakdown(result.peak_breakdown)})")
     if args.ranks > 1:
-        console.print(f"data-parallel scaling ({SCALING_ASSUMPTION}; reduce: {device.reduce}): " + "; ".join(
+        machines = f", hierarchical over {plan_cfg.nodes} machines" if plan_cfg.nodes > 1 else ""
+        console.print(f"data-parallel scaling ({SCALING_ASSUMPTION}; reduce: {device.reduce}{machines}): " + "; ".join(
             f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s ({row['efficiency']:.1%} of linear)"
             for row in scaling))
     for note in device.notes:

@@ -210,7 +210,8 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     world = 1 if parallel is None else parallel.world
     if run.processes() != world:
         raise RunError(f"{run.root} was trained by {run.processes()} process(es) and this is {world}; resume it "
-                       f"with the same number (torchrun --nproc_per_node {run.processes()} for more than one)")
+                       f"with the same number (for more than one: torchrun with --nnodes x --nproc-per-node = "
+                       f"{run.processes()})")
     done = run.committed_step()
     if done >= cfg.steps:
         past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
@@ -244,7 +245,8 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
 
 def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
     """Under torchrun (WORLD_SIZE > 1): this process's place in the group; only rank 0 prints."""
-    parallel = DataParallel.from_environment(cfg.device, sharded=cfg.data_parallel == "sharded")
+    parallel = DataParallel.from_environment(cfg.device, sharded=cfg.data_parallel == "sharded",
+                                             timeout_s=cfg.dist_timeout)
     if parallel is None:
         return None
     console.quiet = parallel.rank != 0

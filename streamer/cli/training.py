@@ -19,7 +19,7 @@ from streamer.io.tokenizer import Tokenizer
 from streamer.reporting import Reporters
 from streamer.run import RunConfig
 from streamer.run_dir import RunDir
-from streamer.runtime.distributed import DataParallel
+from streamer.runtime.distributed import DataParallel, launcher
 from streamer.errors import StreamerError
 from streamer.trainer import StreamingTrainer
 
@@ -202,10 +202,12 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
     if trained:
         console.print(f"trace: {run.trace_json} (Chrome/Perfetto: {run.trace_chrome}); plot: {run.plot}")
     folder = shlex.quote(str(run.root))
-    console.print("next (one command per line):\n" + "\n".join(f"  {command}" for command in (
-        f"streamer generate {folder} --prompt 'Once upon a time'",
-        f"streamer export {folder} {shlex.quote(str(run.root) + '-hf')}",
-        f"streamer train --resume {folder} --steps {cfg.steps * 2}")), markup=False, highlight=False)
+    again, placeholders = launcher(s.parallel)
+    console.print(f"next (one command per line{f'; the last {placeholders}' if placeholders else ''}):\n" + "\n".join(
+        f"  {command}" for command in (
+            f"streamer generate {folder} --prompt 'Once upon a time'",
+            f"streamer export {folder} {shlex.quote(str(run.root) + '-hf')}",
+            f"{again} train --resume {folder} --steps {cfg.steps * 2}")), markup=False, highlight=False)
 
 
 def _planned_peak(s: Session) -> int:

@@ -15,14 +15,21 @@ all_gather_single and reduce_scatter_single, as nccl has.)
 Commits: a rank journals step s, then waits for every rank to have journaled it before touching any weight.
 So after a crash either all ranks hold the journal (every rank rolls forward) or some do not (then no rank
 has updated anything yet, and the journals are dropped): no rank ever commits a step the others have not.
+
+Several machines: torchrun's c10d rendezvous (`--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`) makes
+the same group over the network. A process that stops answering (its node died, or the network between them)
+fails the others' next exchange: at once where the connection closes, else after the group's timeout
+(`--dist-timeout`); each then stops with one line (`LostProcess`), and the run keeps its last committed step.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +39,27 @@ from streamer.errors import StoreError, StreamerError
 from streamer.store.commit import read_manifest
 from streamer.store.interface import Store
 from streamer.store.layout import fold_into
+
+
+class LostProcess(StreamerError):
+    """An exchange with the other processes failed: one of them (or its machine, or the network) is gone."""
+
+
+@contextlib.contextmanager
+def _exchange() -> Iterator[None]:
+    """Turn a failed collective into one line: gloo raises a RuntimeError that names the peer that closed its
+    connection or the wait that timed out; nccl a DistBackendError (a RuntimeError too)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:  # a RuntimeError too, but this process's own
+        raise
+    except RuntimeError as exc:
+        # gloo's first sentence, without its source location: "Connection closed by peer [10.0.0.2]:41234".
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split("] ", 1)[-1].split(". ")[0]
+        raise LostProcess(f"another process of this run stopped answering ({said}); this one "
+                          "stops too and the run keeps its last committed step: start the same torchrun command "
+                          "again on every node to continue (--dist-timeout: how long a process waits for the others)"
+                          ) from None
 
 
 @dataclass(frozen=True)
@@ -52,15 +80,19 @@ class DataParallel:
             raise StreamerError(f"rank {self.rank} is outside a world of {self.world} processes")
 
     @classmethod
-    def from_environment(cls, device: str, sharded: bool = False) -> "DataParallel | None":
-        """The process group torchrun describes in the environment (WORLD_SIZE > 1), else None."""
+    def from_environment(cls, device: str, sharded: bool = False,
+                         timeout_s: float | None = None) -> "DataParallel | None":
+        """The process group torchrun describes in the environment (WORLD_SIZE > 1), else None. `timeout_s`: how
+        long any exchange waits for the other processes (torch's default where None)."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
         if device == "cuda":  # torchrun's processes on one machine: one GPU each, not all of them on the first
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             # nccl for device tensors; gloo beside it for the host's (a loss, the squared norms, a host slice).
-            dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
+            with _exchange():
+                dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo",
+                                        timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
         return cls(dist.get_rank(), dist.get_world_size(), sharded)
 
     # --- the sharded state ---------------------------------------------------------------------------
@@ -87,14 +119,16 @@ class DataParallel:
 
     def gather_slices(self, out: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         """Every rank's slice of a unit, in rank order, into `out` (world x the slice; the padding last)."""
-        dist.all_gather_single(out, piece)
+        with _exchange():
+            dist.all_gather_single(out, piece)
         return out
 
     def sum_squares(self, sq_norms: dict[str, float]) -> dict[str, float]:
         """Per-unit squared gradient norms of every rank's slices, summed: the norms of the whole gradients.
         Every rank holds the same units in the same (backward) order."""
         t = torch.tensor(list(sq_norms.values()), dtype=torch.float64)
-        dist.all_reduce(t)
+        with _exchange():
+            dist.all_reduce(t)
         return dict(zip(sq_norms, t.tolist()))
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
@@ -115,27 +149,49 @@ class DataParallel:
         flat = torch.empty(size, dtype=torch.float32, device=pieces[0].device)
         fold_into(flat[:numel], pieces, first=True)
         if not scatter:
-            return Reduction(flat, dist.all_reduce(flat, async_op=True))
+            with _exchange():
+                return Reduction(flat, dist.all_reduce(flat, async_op=True))
         flat[numel:].zero_()
         mine = torch.empty(size // self.world, dtype=torch.float32, device=flat.device)
-        return Reduction(mine, dist.reduce_scatter_single(mine, flat, async_op=True), flat)
+        with _exchange():
+            return Reduction(mine, dist.reduce_scatter_single(mine, flat, async_op=True), flat)
 
     def finish_reduce(self, reduction: Reduction) -> torch.Tensor:
-        reduction.work.wait()
+        with _exchange():
+            reduction.work.wait()
         return reduction.tensor.div_(self.world)
 
     def mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
+        with _exchange():
+            dist.all_reduce(t)
         return float(t) / self.world
 
     def barrier(self) -> None:
-        dist.barrier()
+        with _exchange():
+            dist.barrier()
 
     def gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value)
+        with _exchange():
+            dist.all_gather_object(out, value)
         return out
+
+
+def launcher(parallel: DataParallel | None) -> tuple[str, str]:
+    """The command that starts `streamer` as this process was started, and what its placeholders stand for:
+    `streamer` itself, or torchrun with this group's shape (torchrun tells each process its nodes,
+    GROUP_WORLD_SIZE, and processes per node, LOCAL_WORLD_SIZE). On several machines each node's rank and the
+    rendezvous address are the user's own: R and HOST:PORT."""
+    if parallel is None:
+        return "streamer", ""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(parallel.world // nodes)))
+    if nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {per_node} -m streamer", ""
+    return (f"torchrun --nnodes {nodes} --node-rank R --nproc-per-node {per_node} --rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT -m streamer", "on every node, R its rank, HOST:PORT the rendezvous it was "
+                                                      "launched with")
 
 
 def leave_process_group() -> None:
@@ -146,7 +202,8 @@ def leave_process_group() -> None:
     group's threads outlive destroy_process_group (torch.distributed.nn, imported with torch._dynamo, keeps
     the group in default arguments), so after the barrier this thread sleeps, the GIL free, while they do."""
     if dist.is_initialized():
-        dist.barrier()
+        with _exchange():
+            dist.barrier()
         time.sleep(0.1)
         dist.destroy_process_group()
 
