@@ -28,8 +28,8 @@ from streamer.store.spec import StoreSpec
 
 
 class StateFiles:
-    """Positional reads and writes of a store's files through cached descriptors (the I/O thread and the
-    main thread share them), and the checksums of what is written."""
+    """Positional reads and writes of a store's files through cached descriptors (the runtime's main thread and
+    its read and write workers share them), and the checksums of what is written."""
 
     def __init__(self, folder: Path, spec: StoreSpec, numels: dict[str, int], read_only: bool = False) -> None:
         self.folder, self.spec, self.numels = folder, spec, numels
@@ -40,10 +40,10 @@ class StateFiles:
         self._cleanup: ThreadPoolExecutor | None = None
         self._removing: Future[None] | None = None  # the strays of the last commit, being deleted
         self.bytes_read = self.bytes_written = 0  # data bytes, for the step's I/O report
-        self.staging = AlignedBuffers()  # for the state files' writers (one at a time, on the I/O thread)
+        self.staging = AlignedBuffers()  # for the state files' writers (one at a time, on the write worker)
 
     def count_bytes(self, read: int = 0, written: int = 0) -> None:
-        with self._fd_lock:  # the main thread and the I/O thread both read and write
+        with self._fd_lock:  # the main thread and both I/O workers count bytes
             self.bytes_read += read
             self.bytes_written += written
 

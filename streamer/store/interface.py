@@ -6,7 +6,8 @@ them over two back ends, RAM slabs (`streamer.store.ram`) and chunk-interleaved 
 (`streamer.store.files`), chosen per kind of slab by the spec's `Placement`.
 
 Call order (one process holds a store, under a lock on its folder; calls come from the runtime's main thread
-and its one I/O thread, which share the file descriptors under a lock of their own):
+and its two I/O workers, one for reads and one for writes; they share the file descriptors under a lock of
+their own. The file back end adds a checksum thread and a cleanup thread of its own):
 
 1. `HostStore.create(root, spec)` (a new, empty store at step 0) or `HostStore.open(root)` (the last
    commit; `journal` then names a step a crash interrupted after it was committed).

@@ -154,7 +154,7 @@ def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
 def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExecutor) -> int:
     """fdatasync `fd` while `pool` computes the checksum of the first `length` bytes of `path`, which it reads
     back from the page cache. Both release the GIL, so the checksum hides behind the flush instead of adding
-    to the I/O thread's time; and it checks the bytes the file holds, not the buffers they came from."""
+    to the write worker's time; and it checks the bytes the file holds, not the buffers they came from."""
     future = pool.submit(file_checksum, path, length)
     try:
         os.fdatasync(fd)
