@@ -8,7 +8,6 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
-from typing import Any
 
 from layers.config import GPTJConfig
 from memory_model.lora import LoraConfig, target_shape
@@ -27,11 +26,6 @@ GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed
 # parameter (calibrate.py measures the `local` update bandwidth with the same count; PlanConfig's
 # update_touched_bytes counts the moments in their dtype).
 UPDATE_TOUCHED_BYTES_PER_PARAM = 28
-
-
-def _positive_int(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)

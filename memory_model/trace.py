@@ -21,7 +21,7 @@ from rich.table import Table
 from memory_model.ledger import CATEGORIES, Ledger
 from memory_model.units import SizeError, format_size, parse_size
 
-PHASES = ("load", "forward", "backward", "recompute", "offload", "update", "commit", "eval", "generate")
+PHASES = ("load", "forward", "backward", "offload", "update", "generate")  # what the executor emits
 SCHEMA = "weight-streaming.trace"
 SCHEMA_VERSION = 1
 
