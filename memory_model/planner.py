@@ -23,7 +23,7 @@ from memory_model.shapes import (
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gathered_numel, gradient_charges,
+    MASTER_BYTES, Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gathered_numel, gradient_charges,
     load_order, resident_sets, resource_charges, shard_numel, step_events, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
@@ -312,7 +312,7 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, weight_bytes=params * es, gradient_bytes=0 if frozen else params * es,
-            optimizer_bytes=0 if frozen else params * (4 + cfg.moment_bytes), activation_bytes=kept,
+            optimizer_bytes=0 if frozen else params * (MASTER_BYTES + cfg.moment_bytes), activation_bytes=kept,
             recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
@@ -326,7 +326,7 @@ def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = 
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
     # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient.
-    state = es if frozen else es + 4 + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM
+    state = es if frozen else es + MASTER_BYTES + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM
     host_store = shard_numel(params, cfg.shards) * state
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.

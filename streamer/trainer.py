@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights
-from memory_model import Ledger, Trace
+from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dirs
 from streamer.errors import StoreError, StreamerError
@@ -55,7 +55,7 @@ class StreamingTrainer:
         self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
                              hint_context={"activations": self.tc.activations, "grad_accum": self.tc.grad_accum})
         self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
-                                              "baseline_bytes": 16 * cfg.num_params(),
+                                              "baseline_bytes": BASELINE_BYTES_PER_PARAM * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
         self.adapters = None
         if self.tc.lora.enabled:
