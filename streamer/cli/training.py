@@ -94,7 +94,11 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
             step = trainer.step_count + 1
-            loss = trainer.step(ids, labels)
+            window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
+            try:
+                loss = trainer.step(ids, labels)
+            finally:
+                step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
             seconds += elapsed
             rss = process.memory_info().rss
@@ -104,7 +108,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             record = {"step": step, **outcome,
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
-                      "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
+                      "device_peak_bytes": step_peak, "host_rss_bytes": rss}
             s.log(record)
             attempts = attempts + 1 if skipped else 0
             if attempts == MAX_SKIPPED_ATTEMPTS:
@@ -117,8 +121,8 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                                            "the next batch tries it again", markup=False, highlight=False)
                 continue
             progress.update(task, completed=step, stats=(
-                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
-                f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
+                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | step's device peak "
+                f"{format_size(step_peak)} / {format_size(budget) if budget else 'no budget'} | "
                 f"RSS {format_size(rss)}"))
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
@@ -177,9 +181,10 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
         trace.to_json(run.trace_json)
         trace.to_chrome(run.trace_chrome)
-        trace.plot(run.plot, step=last)
-        console.print(trace.table(step=last))
-        for line in memory_lines(trace.summary(), trace.meta, planned=_planned_peak(s)):
+        top = trace.peak_step()  # the step `streamer trace` shows by default
+        trace.plot(run.plot, step=top)
+        console.print(trace.table(step=top))
+        for line in memory_lines(trace, top, planned=_planned_peak(s)):
             console.print(line)
         console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
                       f"({seconds / trained:.2f} s/step)")
