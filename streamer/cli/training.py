@@ -66,10 +66,27 @@ def describe(s: Session) -> str:
     budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
     data = "Python's help topics (demo)" if cfg.data is None else cfg.data
     model = cfg.from_pretrained or cfg.model
+    adapters = s.trainer.adapters
+    lora = "" if adapters is None else (f"; LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {adapters.numel():,} "
+                                        "trainable params, the base frozen")
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens; batch {cfg.batch}"
             f"{f' in {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}, {cfg.dtype}, "
-            f"{cfg.activations} activations, {cfg.store} store, {budget} budget")
+            f"{cfg.activations} activations, {cfg.store} store, {budget} budget{lora}")
+
+
+def shell_word(text: str) -> str:
+    """`text` as one shell word on one line: quoted, and a prompt's newlines and tabs written as bash's $'\\n'."""
+    if not any(c in text for c in "\n\t\r"):
+        return shlex.quote(text)
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    return "$'" + escaped.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + "'"
+
+
+def resume_command(run: str, processes: int, steps: int | None = None) -> str:
+    """The command that continues `run`: a run trained by N processes resumes only with N (torchrun)."""
+    launch = "streamer" if processes == 1 else f"torchrun --standalone --nproc_per_node {processes} -m streamer"
+    return f"{launch} train --resume {shlex.quote(run)}" + (f" --steps {steps}" if steps else "")
 
 
 # --- training ------------------------------------------------------------------------------------------------
@@ -208,9 +225,9 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         console.print(f"trace: {run.trace_json} (Chrome/Perfetto: {run.trace_chrome}); plot: {run.plot}")
     folder = shlex.quote(str(run.root))
     console.print("next (one command per line):\n" + "\n".join(f"  {command}" for command in (
-        f"streamer generate {folder} --prompt 'Once upon a time'",
+        f"streamer generate {folder} --prompt {shell_word(cfg.sample_prompt or 'The')}",
         f"streamer export {folder} {shlex.quote(str(run.root) + '-hf')}",
-        f"streamer train --resume {folder} --steps {cfg.steps * 2}")), markup=False, highlight=False)
+        resume_command(str(run.root), s.devices, cfg.steps * 2))), markup=False, highlight=False)
 
 
 def _planned_peak(s: Session) -> int:
