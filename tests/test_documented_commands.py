@@ -34,7 +34,7 @@ from layers import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("streamer", "torchrun", "python", "make")
-SUBCOMMANDS = ("train", "plan", "generate", "export", "trace", "calibrate", "bench")
+SUBCOMMANDS = ("train", "plan", "eval", "generate", "export", "trace", "devices", "calibrate", "bench")
 # Commands the test does not run, each with the reason; CI itself runs these two.
 NOT_RUN = {"make demo": "CI runs the README's commands from a clean clone", "make test": "CI's own command"}
 # Sizes that would take minutes are shrunk to these at most (flags keep their place and meaning).
@@ -103,7 +103,7 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     run = root / "run"
     done = subprocess.run([sys.executable, "-m", "streamer", "train", "--model", tiny_setup / "config.json",
                            "--data", tiny_setup / "train.txt", "--tokenizer", tiny_setup / "tok", "--run-dir", run,
-                           "--steps", "3", "--batch", "4", "--seq", "32", "--dtype", "fp32", "--sample-tokens", "0"],
+                           "--steps", "3", "--batch", "4", "--seq", "64", "--dtype", "fp32", "--sample-tokens", "0"],
                           capture_output=True, text=True, env=_env(), cwd=root)
     assert done.returncode == 0, done.stderr
     return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run}
@@ -126,7 +126,8 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     run_copy = work / "run"
     if not run_copy.exists():
         shutil.copytree(stand_ins["run"], run_copy)
-    files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "run.toml": stand_ins["toml"]}
+    files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
+             "run.toml": stand_ins["toml"]}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):
