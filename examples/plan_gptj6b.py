@@ -1,11 +1,12 @@
 """GPT-J-6B across devices and activation policies: device peak, fit, step time, largest batch.
 
-    python examples/plan_gptj6b.py [--batch 1] [--seq 2048] [--dry-run]
+    python examples/plan_gptj6b.py [--batch 1] [--seq 2048] [--store ram] [--dry-run]
 
 Full fine-tuning with AdamW keeps 16 bytes per parameter (bf16 weights and gradients, fp32 master weights
 and two moments): 96.8 GB for GPT-J-6B, more than any single device here. Streamed, a device holds one
 layer's state at a time plus the activations, which is what this table prices with the analytic planner
-(memory_model.plan). --dry-run also runs the runtime's real schedule on meta tensors for each policy and
+(memory_model.plan). --store says where the host store lives: ram (the default), or disk, which keeps no
+compute-dtype copy and updates each layer during the backward (a lower peak, a step bound by the disk). --dry-run also runs the runtime's real schedule on meta tensors for each policy and
 shows its ledger's peak beside the planner's (a few seconds each).
 """
 from __future__ import annotations
@@ -27,29 +28,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--store", choices=("ram", "disk"), default="ram")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
 
     cfg = GPTJConfig.preset("gptj-6b")
     table = Table(title=f"GPT-J-6B ({cfg.num_params():,} params), batch {args.batch} x {args.seq}, bf16, "
-                        f"16 B/param baseline {format_size(16 * cfg.num_params())}")
-    for column in ("device", "memory", "policy", "peak", "fits", "16 B/p ÷ peak", "step s", "tok/s", "bound",
+                        f"{args.store} store, 16 B/param baseline {format_size(16 * cfg.num_params())}")
+    for column in ("device", "memory", "policy", "peak", "fits", "16 B/p ÷ peak", "step s", "tok/s", "MFU", "bound",
                    "max batch"):
         table.add_column(column, justify="left" if column in ("device", "policy", "bound") else "right")
     for name, device in DEVICE_PRESETS.items():
         for policy in POLICIES:
-            p = plan(cfg, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy,
+            p = plan(cfg, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy, store=args.store,
                                              update_on=device.update_on))  # MemoryX updates on the host
             table.add_row(name, format_size(device.memory_bytes), policy, format_size(p.peak_device_bytes),
                           "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
-                          f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", p.bottleneck,
+                          f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", f"{p.utilisation:.1%}", p.bottleneck,
                           str(p.max_batch_seq[0]) if p.max_batch_seq[0] else "[red]none[/]")
     console = make_console()
     console.print(table)
     if args.dry_run:
         for policy in POLICIES:
-            ledger = dry_run(cfg, TrainerConfig(activations=policy), args.batch, args.seq)
-            planned = plan(cfg, DEVICE_PRESETS["cs2"], PlanConfig(batch=args.batch, seq=args.seq,
+            ledger = dry_run(cfg, TrainerConfig(activations=policy, store=args.store), args.batch, args.seq)
+            planned = plan(cfg, DEVICE_PRESETS["cs2"], PlanConfig(batch=args.batch, seq=args.seq, store=args.store,
                                                                     activations=policy)).peak_device_bytes
             console.print(f"dry run, {policy}: the runtime's ledger peaks at {format_size(ledger.peak)}; "
                           f"the planner says {format_size(planned)}")

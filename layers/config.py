@@ -183,7 +183,7 @@ def _read_hf_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"no GPT-J config at {path}; pass a config.json or the folder that holds it")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Notepad) is no error
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):

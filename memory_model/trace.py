@@ -84,23 +84,28 @@ class Trace:
         self.samples.append(MemorySample(self._now(), tuple(breakdown[c] for c in CATEGORIES)))
 
     def keep_last_steps(self, steps: int, every: int = 0) -> None:
-        """Forget spans and memory samples of steps other than the last `steps` and, with `every` > 0, every
-        `every`-th step (steps every, 2*every, ...): a long run's trace holds at most steps/every + `steps` steps."""
+        """Forget spans and memory samples of steps other than the last `steps`, the peak step (`peak_step`) and,
+        with `every` > 0, every `every`-th step (steps every, 2*every, ...): a long run's trace holds at most
+        steps/every + `steps` + 1 steps."""
         if steps < 1 or every < 0:
             raise ValueError(f"keep at least one step and every >= 0 (0: none), got steps={steps}, every={every}")
+        peak = self.peak_step()
         with self._lock:
             recent = sorted({e.step for e in self.events if e.step is not None})[-steps:]
             if not recent:
                 return
             cutoff = min(e.start_s for e in self.events if e.step == recent[0])
-            windows = self._step_windows({e.step for e in self.events if e.step is not None and e.step < recent[0]
-                                          and every and e.step % every == 0})
+
+            def older_kept(step: int | None) -> bool:
+                return step is not None and step < recent[0] and (step == peak or bool(every and step % every == 0))
+
+            windows = self._step_windows({e.step for e in self.events if older_kept(e.step)})
 
             def kept(t_start: float, t_end: float) -> bool:
                 return t_end >= cutoff or any(lo <= t_start and t_end <= hi for lo, hi in windows)
 
             self.events = [e for e in self.events
-                           if (e.step is not None and (e.step >= recent[0] or (every and e.step % every == 0)))
+                           if (e.step is not None and (e.step >= recent[0] or older_kept(e.step)))
                            or (e.step is None and kept(e.start_s, e.end_s))]
         if not windows:  # samples are appended in time order from the ledger's listener: delete the old prefix
             old = next((i for i, sample in enumerate(self.samples) if sample.t_s >= cutoff), len(self.samples))
@@ -166,6 +171,13 @@ class Trace:
 
     def steps(self) -> list[int]:
         return sorted({e.step for e in self.events if e.step is not None})
+
+    def peak_step(self) -> int | None:
+        """The step whose spans reached the highest device total (the earliest of equal ones); None if no step."""
+        with self._lock:
+            top = max((e for e in self.events if e.step is not None), key=lambda e: (e.peak_bytes, -e.step),
+                      default=None)
+        return None if top is None else top.step
 
     # --- summaries -------------------------------------------------------------------------
     def summary(self, step: int | None = None) -> dict[str, Any]:
@@ -322,8 +334,8 @@ def plot_trace(trace: Trace, path: Path, step: int | None = None) -> None:
                        label=f"{label} {format_size(value)}")
     if baseline and peak:
         model = f"{trace.meta['model']}: " if trace.meta.get("model") else ""
-        ax.set_title(f"{model}device peak {format_size(peak)}, {baseline / peak:.1f}x below the 16 B/param baseline",
-                     fontsize=10)
+        ax.set_title(f"{model}device peak {format_size(peak)}" + (f" in step {step}" if step is not None else "")
+                     + f", {baseline / peak:.1f}x below the 16 B/param baseline", fontsize=10)
     ax.set_xlabel("seconds" + (f" into step {step}" if step is not None else ""))
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_xlim(0, max(end - start, 1e-9))
@@ -350,7 +362,8 @@ def trace_table(trace: Trace, step: int | None = None) -> Table:
         if e.peak_bytes > row["peak"]:
             row["peak"], row["breakdown"] = e.peak_bytes, e.peak_breakdown
         row["time"][e.phase] = row["time"].get(e.phase, 0.0) + e.duration_s
-    title = "device memory by layer" + (f", step {step}" if step is not None else "")
+    title = "device memory by layer" + (f", step {step}" if step is not None else "") \
+        + (" (the peak step)" if step is not None and step == trace.peak_step() and len(trace.steps()) > 1 else "")
     table = Table(title=title, show_lines=False)
     table.add_column("layer", style="bold")
     table.add_column("peak", justify="right")

@@ -293,7 +293,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """A run.toml's settings; relative paths in it are relative to the file's folder."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise RunError(f"--config {path} does not exist; pass a TOML file of key = value settings") from None
     except (OSError, UnicodeDecodeError) as exc:

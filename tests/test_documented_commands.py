@@ -6,14 +6,21 @@ documented commands are tested") fills the placeholders (RUN, HF_DIR, data files
 made here and shrinks the sizes that would take minutes (steps, sequence length, tokens generated); the
 flags and their combinations stay as written. A command that no rule can run fails the test: nothing
 documented is skipped silently.
+
+Figures the docs quote from a command are checked against what the command prints, at full size (see
+"figures quoted from a command" below and docs/CLI.md).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import functools
+import io
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
 import socket
@@ -29,7 +36,7 @@ from layers import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("streamer", "torchrun", "python", "make")
-SUBCOMMANDS = ("train", "plan", "generate", "export", "trace", "calibrate", "bench")
+SUBCOMMANDS = ("train", "plan", "eval", "generate", "export", "trace", "devices", "calibrate", "bench")
 # Commands the test does not run, each with the reason; CI itself runs these two.
 NOT_RUN = {"make demo": "CI runs the README's commands from a clean clone", "make test": "CI's own command"}
 # Sizes that would take minutes are shrunk to these at most (flags keep their place and meaning).
@@ -98,7 +105,7 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     run = root / "run"
     done = subprocess.run([sys.executable, "-m", "streamer", "train", "--model", tiny_setup / "config.json",
                            "--data", tiny_setup / "train.txt", "--tokenizer", tiny_setup / "tok", "--run-dir", run,
-                           "--steps", "3", "--batch", "4", "--seq", "32", "--dtype", "fp32", "--sample-tokens", "0"],
+                           "--steps", "3", "--batch", "4", "--seq", "64", "--dtype", "fp32", "--sample-tokens", "0"],
                           capture_output=True, text=True, env=_env(), cwd=root)
     assert done.returncode == 0, done.stderr
     return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run}
@@ -121,7 +128,8 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     run_copy = work / "run"
     if not run_copy.exists():
         shutil.copytree(stand_ins["run"], run_copy)
-    files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "run.toml": stand_ins["toml"]}
+    files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
+             "run.toml": stand_ins["toml"]}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):
@@ -230,3 +238,119 @@ def test_every_documented_command_runs(stand_ins, tmp_path):
     with cf.ThreadPoolExecutor(2) as pool:
         failures = [f for group in pool.map(run_group, groups) for f in group]
     assert not failures, "\n".join(failures)
+
+
+# --- figures quoted from a command -------------------------------------------------------------------------------
+# A figure the docs quote from a command sits between `<!-- figures: COMMAND -->` (one line per command; the
+# command is also shown to the reader inside the region) and `<!-- /figures -->`. The command runs as written, at
+# full size, and every figure of the region must be in its output at the precision the doc prints: a number with a
+# size unit (`778 MiB`, `1.83 GiB`), a number with decimals or thousands separators (`49.2`, `0.4%`, `56,142,848`,
+# which also matches 56142848) and every `--flag value` quoted in backticks (advice the command prints).
+FIGURES = re.compile(r"<!-- figures: (.+?) -->\n((?:[ \t]*<!-- figures: .+? -->\n)*)(.*?)<!-- /figures -->", re.S)
+SIZE_UNITS = "GiB|MiB|KiB|GB|MB|kB|TB"
+FIGURE = re.compile(rf"(?<![\w.,-])(?:(\d[\d,]*(?:\.\d+)?) ?({SIZE_UNITS})\b|(\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+))")
+# Commands whose figures the docs quote; a paragraph naming one (and the paragraph after it, a table it introduces)
+# may quote a figure only inside a region.
+FIGURE_COMMANDS = re.compile(r"streamer\s+plan\s+--(?:model|target|config|dtype|update-on|store|activations|batch|seq)\b"
+                             r"|plan_gptj6b\.py")
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("`", " ").split())
+
+
+def figure_regions() -> list[tuple[str, list[str], str]]:
+    """(file, commands, the region's text) for every figures region of README.md and docs/*.md."""
+    regions = []
+    for path in DOCS:
+        for m in FIGURES.finditer(path.read_text()):
+            first, more, body = m.groups()
+            regions.append((path.name, [first, *re.findall(r"<!-- figures: (.+?) -->", more)], body))
+    return regions
+
+
+def quoted_figures(commands: list[str], body: str, flags: bool = True) -> list[str]:
+    """The figures a region quotes (with `flags`, also the `--flag value`s in backticks), its commands aside."""
+    advice = re.findall(r"`(--[\w-]+ [^`]*\d[^`]*)`", body) if flags else []
+    text = _flat(body)
+    for command in commands:
+        text = text.replace(_flat(command), " ")
+    figures = [f"{number} {unit}" if unit else bare for number, unit, bare in FIGURE.findall(text)]
+    return figures + advice
+
+
+def printed(figure: str, output: str) -> bool:
+    """`figure` in `output` at the same precision: not as a part of a longer number."""
+    if figure.startswith("--"):
+        return _flat(figure) in output
+    number, _, unit = figure.partition(" ")
+    spellings = {number, number.replace(",", "")}
+    tail = rf" ?{unit}\b" if unit else r"(?![\d])"
+    return any(re.search(rf"(?<![\d.,]){re.escape(s)}{tail}", output) for s in spellings)
+
+
+def test_figure_regions_are_well_formed_and_cover_every_figure_beside_a_planning_command():
+    for path in DOCS:
+        text = path.read_text()
+        covered = [(m.start(), m.end()) for m in FIGURES.finditer(text)]
+        assert len(covered) == text.count("<!-- /figures -->"), f"{path.name}: a figures region is not closed"
+        # Prose only: code spans, code blocks and comments blanked out, each character's offset kept.
+        prose = re.sub(r"```.*?```|`[^`]*`|<!--.*?-->", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+        # Paragraphs: separated by blank lines; each list item is one.
+        shape = re.sub(r"```.*?```", lambda m: re.sub(r"[^\n]", "x", m.group()), text, flags=re.S)
+        paragraphs = [(m.start(), m.end()) for m in
+                      re.finditer(r"(?:- )?[^\n]*\S[^\n]*\n?(?:(?!- )[^\n]*\S[^\n]*\n?)*", shape)]
+        for i, (start, end) in enumerate(paragraphs):
+            before = text[paragraphs[i - 1][0]:paragraphs[i - 1][1]].strip() if i else ""
+            # The paragraph naming the command, or the one it introduces (after a colon or a code block).
+            introduced = before.endswith((":", "```")) and FIGURE_COMMANDS.search(before)
+            if not (FIGURE_COMMANDS.search(text[start:end]) or introduced):
+                continue
+            outside = [m.group() for m in FIGURE.finditer(prose, start, end)
+                       if not any(lo <= m.start() < hi for lo, hi in covered)]
+            assert not outside, (f"{path.name}: {outside} are quoted beside a planning command outside a figures "
+                                 f"region:\n{text[start:end][:300]}")
+        for m in FIGURES.finditer(text):
+            # The reader sees the command: in the region, or in the code block just before it (the region's other
+            # commands may be told as changes of its flags).
+            shown = _flat(re.sub(r"<!--.*?-->", " ", text[max(0, m.start() - 400):m.end()], flags=re.S))
+            assert any(_flat(c) in shown for c in [m.group(1), *re.findall(r"<!-- figures: (.+?) -->", m.group(2))]), \
+                f"{path.name}: the figures region of {m.group(1)!r} shows none of its commands"
+
+
+@functools.cache
+def printed_by(command: str) -> str:
+    """What `command` prints (stdout and stderr, whitespace collapsed), run in this process: planning is cheap once
+    torch is imported. Exit status 0, or 2 with one `error:` line (a refusal that names its advice)."""
+    program, *args = shlex.split(command)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if program == "streamer":
+            from streamer.cli.main import main
+            rc = main(args)
+        elif program == "python" and args[0].startswith("examples/"):
+            saved = sys.argv
+            sys.argv = [str(ROOT / args[0]), *args[1:]]
+            try:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+                rc = 0
+            finally:
+                sys.argv = saved
+        else:
+            raise AssertionError(f"no rule runs {command!r}")
+    refused = rc == 2 and err.getvalue().startswith("error: ") and err.getvalue().count("\n") == 1
+    assert rc == 0 or refused, f"{command}\n{err.getvalue()[-2000:]}"
+    return _flat(out.getvalue() + " " + err.getvalue())
+
+
+@pytest.mark.parametrize("where, commands, body", figure_regions(),
+                         ids=[f"{w}:{c[0][:60]}" for w, c, _ in figure_regions()])
+def test_every_quoted_figure_is_what_its_command_prints(where, commands, body, tmp_path, monkeypatch):
+    """Each command of the region, as written and at full size (planning is cheap), prints every figure quoted."""
+    monkeypatch.chdir(tmp_path)  # nothing a command might write lands in the checkout
+    output = " ".join(printed_by(command) for command in commands)
+    figures = quoted_figures(commands, body)
+    assert figures, f"{where}: a figures region quotes no figure"
+    missing = [f for f in figures if not printed(f, output)]
+    assert not missing, f"{where}: {missing} are not what {commands} print"

@@ -231,9 +231,23 @@ def test_keep_last_steps_bounds_a_long_run() -> None:
             handle = ledger.allocate("weights", "block.0", 100)
             ledger.free(handle)
         trace.keep_last_steps(3)
-    assert trace.steps() == [18, 19, 20]
-    assert all(s.t_s >= min(e.start_s for e in trace.events) for s in trace.samples)
-    assert len(trace.samples) <= 3 * 2 + 1
+    # Every step peaks alike: the peak step is the earliest of them, kept beside the last 3.
+    assert trace.steps() == [1, 18, 19, 20] and trace.peak_step() == 1
+    recent = min(e.start_s for e in trace.events if e.step == 18)
+    assert len([s for s in trace.samples if s.t_s >= recent]) <= 3 * 2 + 1
+    assert len(trace.samples) <= 4 * 2 + 1
+
+
+def test_the_peak_step_is_kept_until_a_higher_one_comes() -> None:
+    ledger = Ledger(None)
+    trace = Trace(ledger)
+    for step, nbytes in enumerate([100, 900, 200, 300, 950, 100, 100], start=1):
+        with trace.span("block.0", "forward", step=step):
+            ledger.free(ledger.allocate("weights", "block.0", nbytes))
+        trace.keep_last_steps(2)
+        assert trace.peak_step() == (1 if step == 1 else 2 if step < 5 else 5)
+    assert trace.steps() == [5, 6, 7]
+    assert {s.total for s in trace.samples} - {0} == {950, 100}
 
 
 def test_keep_every_nth_step_stays_bounded() -> None:
@@ -249,3 +263,40 @@ def test_keep_every_nth_step_stays_bounded() -> None:
     assert sorted({s.total for s in trace.samples} - {0}) == [500, 1000, 1500, 2000, 2200, 2300]
     with pytest.raises(ValueError, match="every >= 0"):
         trace.keep_last_steps(2, every=-1)
+
+
+def test_every_place_names_the_same_peak_through_the_cli(tiny_setup, tmp_path, capsys) -> None:
+    """A disk-tier run whose first step clips: its fused update is undone and made again after the backward, the
+    run's highest device peak. The summary `streamer train` prints, `streamer trace` (its default step and any
+    other), metrics.jsonl (each step's own peak) and docs/TRACE_SCHEMA.md (which steps a trace keeps) agree."""
+    from pathlib import Path
+
+    from memory_model import format_size
+    from streamer.cli.main import main
+    from streamer.run_dir import RunDir
+    run = tmp_path / "run"
+    argv = ["train", "--model", tiny_setup / "config.json", "--data", tiny_setup / "train.txt", "--tokenizer",
+            tiny_setup / "tok", "--run-dir", run, "--steps", 4, "--batch", 4, "--seq", 32, "--dtype", "fp32",
+            "--store", "disk", "--max-grad-norm", 0.5, "--trace-steps", 1, "--sample-tokens", 0, "--eval-every", 0]
+    assert main([str(a) for a in argv]) == 0
+    printed = capsys.readouterr().out
+    peaks = {r["step"]: r["device_peak_bytes"] for r in RunDir(run).read_metrics() if "loss" in r}
+    top = max(peaks, key=lambda step: (peaks[step], -step))
+    assert peaks[top] > peaks[4], peaks  # the run's peak is not the last step's: each place must say which
+    line = f"device peak {format_size(peaks[top])} at step {top}, the highest of steps 1..4"
+    assert line in " ".join(printed.split()) and f"step {top} (the peak step)" in printed
+
+    assert main(["trace", str(run), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["step"], shown["peak_step"], shown["peak_bytes"]) == (top, top, peaks[top])
+    assert main(["trace", str(run), "--step", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] == peaks[4]
+    assert main(["trace", str(run), "--step", "4"]) == 0
+    other = " ".join(capsys.readouterr().out.split())
+    assert (f"device peak of step 4: {format_size(peaks[4])} (the highest, {format_size(peaks[top])}, is at step "
+            f"{top})") in other
+    # --trace-steps 1 keeps the last step and the peak step, as the schema says.
+    assert Trace.from_json(run / "trace.json").steps() == sorted({top, 4})
+    schema = " ".join((Path(__file__).parents[1] / "docs" / "TRACE_SCHEMA.md").read_text().split())
+    assert "except the last `trace_steps` (default 8), the step with the highest device peak" in schema
+    assert "`device_peak_bytes` that `metrics.jsonl` logs for that step" in schema

@@ -20,7 +20,8 @@ from streamer.trainer import StreamingTrainer
 EXAMPLES = """\
 examples:
   streamer eval RUN --data train.jsonl
-  streamer eval RUN --data train.jsonl --batch 2 --budget 32MiB"""
+  streamer eval RUN --data train.jsonl --batch 2 --budget 32MiB
+  streamer eval RUN --data train.jsonl --seq 64    longer examples than the run's --seq, up to the model's context"""
 
 
 def declare(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,8 @@ def declare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument("--data", required=True, metavar="FILE", help="the data to evaluate on, read like the "
                         "run's --data at its --seq")
+    parser.add_argument("--seq", type=int, help="tokens per sequence, up to the model's context (default: the "
+                        "run's --seq)")
     parser.add_argument("--batch", type=int, help="sequences per forward pass (default: the run's micro-batch)")
     parser.add_argument("--budget", help="device budget (default: the run's)")
     parser.add_argument("--device", help="torch device (default: the run's)")
@@ -44,16 +47,22 @@ def eval_command(args: argparse.Namespace) -> int:
         overrides["budget"] = budget_bytes(args.budget, SettingError)
     if args.batch is not None and args.batch < 1:
         raise RunError(f"--batch must be a positive integer, got {args.batch}")
+    seq = cfg.seq if args.seq is None else args.seq
+    if seq < 1:
+        raise RunError(f"--seq must be a positive integer, got {seq}")
     tokenizer = load_tokenizer(run.tokenizer)
-    dataset = load_dataset(args.data, tokenizer, cfg.seq, pack=cfg.pack)
     begin = time.perf_counter()
     # One micro-batch per call, of the run's micro-batch size unless --batch says otherwise: what its budget holds.
     with open_trainer(run, {**overrides, "grad_accum": 1}) as trainer:
+        if seq > trainer.cfg.n_positions:
+            raise RunError(f"--seq {seq} exceeds the model's context (n_positions={trainer.cfg.n_positions}); use "
+                           f"--seq {trainer.cfg.n_positions} or less")
+        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.pack)
         loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.grad_accum)
         step = trainer.step_count
     make_console().print(
         f"{args.data}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):,.2f} over {len(dataset)} sequences "
-        f"({tokens:,} predicted tokens) of {cfg.seq} tokens, step {step} of {run.root}, "
+        f"({tokens:,} predicted tokens) of {seq} tokens, step {step} of {run.root}, "
         f"{time.perf_counter() - begin:.1f} s", markup=False, highlight=False)
     return 0
 

@@ -54,6 +54,7 @@ def declare(parser: argparse.ArgumentParser) -> None:
 
 def export_command(args: argparse.Namespace) -> int:
     run = RunDir.open(args.run)
+    refuse_non_empty(Path(args.hf_dir), args.overwrite)  # before the run is opened: a wrong folder fails at once
     tokenizer = load_tokenizer(run.tokenizer)
     with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
         begin = time.perf_counter()
@@ -76,6 +77,14 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def refuse_non_empty(out: Path, overwrite: bool) -> None:
+    """A folder holding files is written only with --overwrite."""
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise RunError(f"{out} is not empty; choose a new folder or pass --overwrite")
+    if out.exists() and not out.is_dir():
+        raise RunError(f"{out} is a file; choose a folder to export to")
+
+
 def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:
     """Write a LoRA run's adapters as PEFT writes them for GPT-J: adapter_config.json and
     adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight')."""
@@ -85,9 +94,8 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
     if trainer.adapters is None:
         raise RunError("this run trained every weight (no --lora-rank): export it without --format peft")
     out = Path(out_dir)
+    refuse_non_empty(out, overwrite)
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise RunError(f"{out} is not empty; choose a new folder or pass --overwrite")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     lora = trainer.tc.lora

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from memory_model import format_size
 from memory_model.devices import budget_bytes
@@ -11,7 +14,7 @@ from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.generate import Sampling, complete
 from streamer.io.tokenizer import load_tokenizer
-from streamer.run import SettingError
+from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.layout import dtype_name
@@ -70,6 +73,11 @@ def generate_command(args: argparse.Namespace) -> int:
 def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None) -> StreamingTrainer:
     """The run's trainer at its last committed step, for reading (the folder may be read-only); `overrides`
     replace trainer settings (device, budget)."""
-    saved = run.read_config().trainer_config().to_dict()
-    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **(overrides or {})}, read_only=True)
+    cfg, overrides = run.read_config(), overrides or {}
+    device = str(overrides.get("device", cfg.device))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        which = f"--device {device}" if "device" in overrides else f"{run.root} trained on {device}, and"
+        raise RunError(f"{which} but torch sees no CUDA GPU here; pass --device cpu")
+    saved = replace(cfg, device=device).trainer_config().to_dict()
+    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **overrides}, read_only=True)
 

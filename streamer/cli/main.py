@@ -8,7 +8,9 @@ fit) is printed as one line, `error: <what is wrong and the fix>`, with exit sta
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
 from typing import Callable, Iterable, NoReturn, Sequence
 
@@ -42,11 +44,32 @@ examples:
 run `streamer COMMAND --help` for a command's flags and examples; docs/CLI.md has the details."""
 
 
+# argparse takes `-1e-4` for a flag (its own pattern knows only `-1` and `-1.5`), so `--lr -1e-4` would fail as
+# "expected one argument" instead of reaching the range check that names --lr.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line that names the --help to read."""
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
+
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            message += self._closest(message.removeprefix("unrecognized arguments: ").split())
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+    def _closest(self, unknown: list[str]) -> str:
+        """' (--stpes: did you mean --steps?)' for each unknown flag that is close to one of this parser's."""
+        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        hints = []
+        for word in (w.split("=", 1)[0] for w in unknown if w.startswith("--")):
+            close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{word}: did you mean {close[0]}?")
+        return f" ({'; '.join(hints)})" if hints else ""
 
 
 def build_parser(declared: Iterable[str] = tuple(COMMANDS)[:-1]) -> Parser:
@@ -80,11 +103,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     parser = build_parser(argv[:1])  # only the command named (argparse takes it first), if any
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     if args.command is None:
         parser.print_help()
         return 2
     return args.func(args)
+
+
+def _refuse_unknown(parser: Parser, command: str | None, unknown: list[str]) -> NoReturn:
+    """Unknown arguments after a command are refused by that command's parser, which names its own --help."""
+    sub = parser if command is None else next(
+        action.choices[command] for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 def guarded(command: Callable[[], int]) -> int:
@@ -95,7 +127,7 @@ def guarded(command: Callable[[], int]) -> int:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        run_dir = getattr(exc, "run_dir", None)  # set by `streamer train` once its run folder exists
-        print("interrupted" + (f"; continue from the last committed step with `streamer train --resume {run_dir}`"
-                               if run_dir else ""), file=sys.stderr)
+        resume = getattr(exc, "resume_command", None)  # set by `streamer train` once its run folder exists
+        print("interrupted" + (f"; continue from the last committed step with `{resume}`" if resume else ""),
+              file=sys.stderr)
         return 130

@@ -5,8 +5,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
-
 from memory_model import CATEGORIES, Trace, format_size
 from streamer.cli.flags import declare_command
 from streamer.console import make_console
@@ -26,7 +24,8 @@ def declare(parser: argparse.ArgumentParser) -> None:
                     "steps (default 8) and, if trained with --trace-every N, every Nth step; --step picks one of "
                     "them.", EXAMPLES)
     parser.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
-    parser.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the last)")
+    parser.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the peak step, the "
+                        "one with the highest device peak)")
     parser.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
     parser.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -57,7 +56,7 @@ def trace_command(args: argparse.Namespace) -> int:
     steps = trace.steps()
     if not steps:
         raise RunError(f"{path} records no training step; train the run first")
-    step = steps[-1] if args.step is None else args.step
+    step = trace.peak_step() if args.step is None else args.step
     if step not in steps:
         raise RunError(f"--step {step} is not in the trace; it holds steps {step_ranges(steps)} (the last "
                        "--trace-steps, default 8, and every --trace-every-th); to keep others, train with "
@@ -71,12 +70,12 @@ def trace_command(args: argparse.Namespace) -> int:
     if args.chrome:
         trace.to_chrome(args.chrome)
     if args.json:
-        print(json.dumps({"step": step, "plot": out and str(out), **summary, "meta": trace.meta}, indent=2,
-                         default=str))
+        print(json.dumps({"step": step, "peak_step": trace.peak_step(), "plot": out and str(out), **summary,
+                          "meta": trace.meta}, indent=2, default=str))
         return 0
     console = make_console()
     console.print(trace.table(step=step))
-    for line in memory_lines(summary, trace.meta):
+    for line in memory_lines(trace, step):
         console.print(line)
     shown = f"plot: {out}" if out else f"plot: not written ({path.parent} is read-only); pass --out FILE.png"
     console.print(shown + (f"; Chrome trace: {args.chrome}" if args.chrome else ""), markup=False)
@@ -88,11 +87,18 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
 
 
-def memory_lines(summary: dict[str, Any], meta: dict[str, Any], planned: int | None = None) -> list[str]:
-    """The measured device peak against the budget, the planner and the 16 B/param baseline."""
+def memory_lines(trace: Trace, step: int, planned: int | None = None) -> list[str]:
+    """Step `step`'s measured device peak against the budget, the planner and the 16 B/param baseline, saying
+    whose peak it is: the run's (the highest of the steps the trace was made over) or that one step's."""
+    meta, summary, top = trace.meta, trace.summary(step), trace.peak_step()
     peak = summary["peak_bytes"]
     budget = meta.get("budget")
-    lines = [f"device peak {format_size(peak)} ({breakdown(summary['peak_breakdown'])})"
+    trained = meta.get("steps")  # [first, last] of the invocation that wrote the trace
+    over = f"{trained[0]}..{trained[1]}" if trained and trained[0] != trained[1] else step_ranges(trace.steps())
+    whose = (f"device peak {format_size(peak)} at step {step}, the highest of steps {over}" if step == top else
+             f"device peak of step {step}: {format_size(peak)} (the highest, "
+             f"{format_size(trace.summary(top)['peak_bytes'])}, is at step {top})")
+    lines = [f"{whose} ({breakdown(summary['peak_breakdown'])})"
              + (f" within a {format_size(budget)} budget" if budget else "")
              + (f"; the planner predicts {format_size(planned)}" if planned is not None else "")]
     if meta.get("params") and meta.get("baseline_bytes") and peak:

@@ -20,9 +20,10 @@ from rich.console import Console
 from layers import GPTJConfig
 from streamer.advice import check_fits, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
-from streamer.cli.training import Session, describe, report, train
+from streamer.cli.training import Session, describe, report, resume_command, train
 from streamer.console import make_console
-from streamer.io.data import BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, prompt_of, read_examples,
+                              tokenize)
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
@@ -81,7 +82,7 @@ def train_command(args: argparse.Namespace) -> int:
         if session.parallel is not None:
             leave_process_group()
     except KeyboardInterrupt as exc:
-        exc.run_dir = str(session.run.root)  # `streamer.cli.main.main` names it in the way to continue
+        exc.resume_command = resume_command(str(session.run.root), session.parallel)  # printed by main()
         raise
     except (DiskFull, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -89,7 +90,7 @@ def train_command(args: argparse.Namespace) -> int:
         root = session.run.root
         raise RunError(f"disk full while writing {exc.path if isinstance(exc, DiskFull) else exc.filename}; "
                        f"{root} keeps its last committed step: free space and continue with "
-                       f"`streamer train --resume {root}` (or the same command again)") from None
+                       f"`{resume_command(str(root), session.parallel)}` (or the same command again)") from None
     finally:
         if session.reporters is not None:
             session.reporters.close()
@@ -110,7 +111,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
     cfg = replace(cfg, dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
-    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg), sample_prompt=_sample_prompt(cfg))
+    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg))
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
@@ -137,6 +138,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         made = _together(parallel, first_files, everyone=False)
     tokenizer = made[0] if lead else load_tokenizer(run.tokenizer)  # every process reads the lead's tokenizer
     dataset = made[1] if lead else _dataset(cfg.data_config(), tokenizer, cfg.seq)
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg, tokenizer))  # config.toml records it
     trainer = None
     try:
         tc = cfg.trainer_config()
@@ -201,7 +203,6 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
 
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
-    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg))
     cfg.report_config().check_installed()
     parallel = _join(cfg, console)
     dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
@@ -222,6 +223,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         console.print(f"{run.root} holds this run at step {done}: continuing it to step {cfg.steps}",
                       markup=False, highlight=False)
     tokenizer = load_tokenizer(run.tokenizer)
+    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg, tokenizer))
     dataset = _dataset(cfg.data_config(), tokenizer, cfg.seq)
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
                         undo=StreamingTrainer.close)
@@ -379,13 +381,12 @@ def _check_held_out(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer, worl
                        "train without evaluation")
 
 
-def _sample_prompt(cfg: RunConfig) -> str:
-    """--sample-prompt, else the data's first prompt (or first words): the demo's prompt fits only the demo."""
+def _sample_prompt(cfg: RunConfig, tokenizer: Tokenizer) -> str:
+    """--sample-prompt, else the data's first prompt (a conversation's rendered by the chat template, or a
+    document's first words): the demo's prompt fits only the demo."""
     if cfg.sample_prompt is not None:
         return cfg.sample_prompt
     if cfg.data is None:
         return DEFAULT_PROMPT
     first = next(iter(read_examples(cfg.data)), None)
-    if first is None:
-        return ""
-    return first.text if first.completion is not None else " ".join(first.text.split()[:8])
+    return "" if first is None else prompt_of(first, tokenizer)

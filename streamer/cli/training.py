@@ -66,10 +66,28 @@ def describe(s: Session) -> str:
     budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
     data = "Python's help topics (demo)" if cfg.data is None else cfg.data
     model = cfg.from_pretrained or cfg.model
+    adapters = s.trainer.adapters
+    lora = "" if adapters is None else (f"; LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {adapters.numel():,} "
+                                        "trainable params, the base frozen")
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens; batch {cfg.batch}"
             f"{f' in {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}, {cfg.dtype}, "
-            f"{cfg.activations} activations, {cfg.store} store, {budget} budget")
+            f"{cfg.activations} activations, {cfg.store} store, {budget} budget{lora}")
+
+
+def shell_word(text: str) -> str:
+    """`text` as one shell word on one line: quoted, and a prompt's newlines and tabs written as bash's $'\\n'."""
+    if not any(c in text for c in "\n\t\r"):
+        return shlex.quote(text)
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    return "$'" + escaped.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + "'"
+
+
+def resume_command(run: str, parallel: DataParallel | None, steps: int | None = None) -> str:
+    """The command that continues `run`, launched as this process was: a run trained by N processes resumes
+    only with N (torchrun)."""
+    launch, _ = launcher(parallel)
+    return f"{launch} train --resume {shlex.quote(run)}" + (f" --steps {steps}" if steps else "")
 
 
 # --- training ------------------------------------------------------------------------------------------------
@@ -94,7 +112,11 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
             step = trainer.step_count + 1
-            loss = trainer.step(ids, labels)
+            window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
+            try:
+                loss = trainer.step(ids, labels)
+            finally:
+                step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
             seconds += elapsed
             rss = process.memory_info().rss
@@ -104,7 +126,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             record = {"step": step, **outcome,
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
-                      "device_peak_bytes": trainer.ledger.peak, "host_rss_bytes": rss}
+                      "device_peak_bytes": step_peak, "host_rss_bytes": rss}
             s.log(record)
             attempts = attempts + 1 if skipped else 0
             if attempts == MAX_SKIPPED_ATTEMPTS:
@@ -117,8 +139,8 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                                            "the next batch tries it again", markup=False, highlight=False)
                 continue
             progress.update(task, completed=step, stats=(
-                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | device peak "
-                f"{format_size(trainer.ledger.peak)} / {format_size(budget) if budget else 'no budget'} | "
+                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | step's device peak "
+                f"{format_size(step_peak)} / {format_size(budget) if budget else 'no budget'} | "
                 f"RSS {format_size(rss)}"))
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
@@ -177,9 +199,10 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
         trace.to_json(run.trace_json)
         trace.to_chrome(run.trace_chrome)
-        trace.plot(run.plot, step=last)
-        console.print(trace.table(step=last))
-        for line in memory_lines(trace.summary(), trace.meta, planned=_planned_peak(s)):
+        top = trace.peak_step()  # the step `streamer trace` shows by default
+        trace.plot(run.plot, step=top)
+        console.print(trace.table(step=top))
+        for line in memory_lines(trace, top, planned=_planned_peak(s)):
             console.print(line)
         console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
                       f"({seconds / trained:.2f} s/step)")
@@ -202,12 +225,12 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
     if trained:
         console.print(f"trace: {run.trace_json} (Chrome/Perfetto: {run.trace_chrome}); plot: {run.plot}")
     folder = shlex.quote(str(run.root))
-    again, placeholders = launcher(s.parallel)
+    _, placeholders = launcher(s.parallel)
     console.print(f"next (one command per line{f'; the last {placeholders}' if placeholders else ''}):\n" + "\n".join(
         f"  {command}" for command in (
-            f"streamer generate {folder} --prompt 'Once upon a time'",
+            f"streamer generate {folder} --prompt {shell_word(cfg.sample_prompt or 'The')}",
             f"streamer export {folder} {shlex.quote(str(run.root) + '-hf')}",
-            f"{again} train --resume {folder} --steps {cfg.steps * 2}")), markup=False, highlight=False)
+            resume_command(str(run.root), s.parallel, cfg.steps * 2))), markup=False, highlight=False)
 
 
 def _planned_peak(s: Session) -> int:

@@ -16,7 +16,7 @@ import torch
 from layers import IGNORE_INDEX
 from memory_model.settings import Integer, Number, Switch, Text, check_settings, flag, setting
 from streamer.errors import DataError
-from streamer.io.chat import chat_pieces
+from streamer.io.chat import chat_pieces, render
 from streamer.io.records import Example, read_examples
 
 
@@ -155,8 +155,7 @@ def _supervised(example: Example, tokenizer: TokenizerLike) -> tuple[list[int], 
         pieces = ((example.text, False), (example.completion or "", True))
         tail = [tokenizer.eos_id]
     else:
-        specials = {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token or tokenizer.eos_token}
-        pieces, tail = chat_pieces(example.messages, tokenizer.chat_template, specials, example.where), []
+        pieces, tail = chat_pieces(example.messages, tokenizer.chat_template, _specials(tokenizer), example.where), []
     ids: list[int] = []
     labels: list[int] = []
     for text, learned in pieces:
@@ -164,6 +163,23 @@ def _supervised(example: Example, tokenizer: TokenizerLike) -> tuple[list[int], 
         ids += piece
         labels += piece if learned else [IGNORE_INDEX] * len(piece)
     return ids + tail, labels + tail
+
+
+def _specials(tokenizer: TokenizerLike) -> dict[str, str]:
+    """The special tokens chat templates use."""
+    return {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token or tokenizer.eos_token}
+
+
+def prompt_of(example: Example, tokenizer: TokenizerLike) -> str:
+    """What a model trained on `example` is prompted with: a pair's prompt; a conversation up to its first
+    assistant turn, rendered by the chat template with the assistant's header; else a document's first 8 words."""
+    if example.messages is not None and tokenizer.chat_template is not None:
+        asks = next((k for k, m in enumerate(example.messages) if m["role"] == "assistant"), len(example.messages))
+        return render(tokenizer.chat_template, list(example.messages[:asks]), _specials(tokenizer),
+                      add_generation_prompt=True)
+    if example.completion is not None:
+        return example.text
+    return " ".join(example.text.split()[:8])
 
 
 def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: bool = False,

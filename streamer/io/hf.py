@@ -181,7 +181,7 @@ def _read_index(root: Path, name: str) -> dict[str, str]:
     """The index's weight_map, each shard checked to be a file inside `root`."""
     path = root / name
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Notepad) is no error
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not readable JSON ({_brief(exc)}); re-save the checkpoint") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None

@@ -75,7 +75,7 @@ def read_examples(path: str | Path, whole_file: bool = False) -> list[Example]:
 
 def _read_text_file(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # Excel and Notepad start UTF-8 with a byte-order mark
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; pass an existing .txt or .jsonl file") from None
     except UnicodeDecodeError as exc:
@@ -179,7 +179,7 @@ def _dataset_rows(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
 def _text_columns(datasets: Any, path: Path) -> Any:
     """Every column of a CSV file's header as a string column."""
     try:
-        with path.open(newline="", encoding="utf-8") as file:
+        with path.open(newline="", encoding="utf-8-sig") as file:  # a byte-order mark is not in the header
             header = next(csv.reader(file), [])
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise DataError(f"cannot read {path} ({exc}); pass a UTF-8 CSV file with a header row") from None

@@ -58,7 +58,7 @@ class Tokenizer:
     def with_chat_template(self, path: str | Path) -> Tokenizer:
         """This tokenizer rendering chats with the Jinja template in `path` (`--chat-template FILE`)."""
         try:
-            return replace(self, chat_template=Path(path).read_text(encoding="utf-8"))
+            return replace(self, chat_template=Path(path).read_text(encoding="utf-8-sig"))
         except (OSError, UnicodeDecodeError) as exc:
             raise TokenizerError(f"cannot read --chat-template {path} ({_brief(exc)}); pass a UTF-8 Jinja "
                                  "template file") from None
@@ -164,7 +164,7 @@ def _json_object(file: Path) -> dict:
     if not file.is_file():
         return {}
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
+        raw = json.loads(file.read_text(encoding="utf-8-sig"))  # a byte-order mark (Notepad) is no error
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TokenizerError(f"{file} is not a JSON object ({_brief(exc)}); fix or delete it") from None
     if not isinstance(raw, dict):
@@ -187,7 +187,7 @@ def _chat_template(path: Path) -> str | None:
     """The folder's chat template: chat_template.jinja, else tokenizer_config.json's (a string, or transformers'
     list of named templates, of which "default" is the one apply_chat_template uses)."""
     if (path / CHAT_TEMPLATE_FILE).is_file():
-        return (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        return (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8-sig")
     template = _json_object(path / "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),

@@ -1,0 +1,180 @@
+"""Hints and error messages through the CLI: every hint printed works when followed, and every message names the
+CLI flag that fixes it (not a Python argument)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamer.cli.main import build_parser, main
+from streamer.io.chat import render
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's usage errors
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def fails(capsys, *argv: object) -> str:
+    """The command fails with exit status 2 and exactly one line on stderr."""
+    rc, _, err = run_cli(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def train_argv(setup: Path, run: Path, data: Path, *extra: object) -> list[object]:
+    return ["train", "--model", setup / "config.json", "--data", data, "--tokenizer", setup / "tok", "--run-dir", run,
+            "--steps", 2, "--batch", 2, "--seq", 32, "--dtype", "fp32", "--eval-fraction", 0, *extra]
+
+
+def hints(out: str) -> list[str]:
+    """The commands printed under `next (one command per line):`."""
+    return [line.strip() for line in out.split("next (one command per line):", 1)[1].splitlines() if line.strip()]
+
+
+def words(command: str) -> list[str]:
+    """The words bash makes of a command line (the hints quote a prompt's newlines as $'...')."""
+    done = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, check=True)
+    return done.stdout.split("\0")[:-1]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    """Prompt/completion records whose prompts are short and whose first one is unlike any demo prompt."""
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Q{k}: {k} plus one?\nA:", "completion": f" {k + 1}"}) + "\n"
+                            for k in range(12)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_setup, tmp_path_factory, pairs) -> tuple[Path, str]:
+    """A 2-step run on `pairs` with a 4-token sample; (its folder, what `streamer train` printed)."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(a) for a in train_argv(tiny_setup, run, pairs, "--sample-tokens", 4)]) == 0
+    return run, out.getvalue()
+
+
+def test_the_hints_use_the_data_s_first_prompt_and_work(trained, pairs, capsys):
+    run, out = trained
+    first = json.loads(pairs.read_text().splitlines()[0])["prompt"]
+    generate, export, resume = hints(out)
+    assert "Once upon a time" not in out
+    assert "\n" in first and words(generate) == ["streamer", "generate", str(run), "--prompt", first]
+    assert "sample: " + first in out  # the end-of-run sample continues the same prompt
+    rc, printed, err = run_cli(capsys, *words(generate)[1:], "--max-new-tokens", 2)
+    assert rc == 0 and printed.startswith(first), err
+    assert words(resume) == ["streamer", "train", "--resume", str(run), "--steps", "4"]
+
+
+def test_a_chat_run_s_sample_and_hint_are_rendered_with_its_template(tiny_setup, tmp_path, capsys):
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a loop."},
+                    {"role": "assistant", "content": "for"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(6)))
+    rc, out, err = run_cli(capsys, *train_argv(tiny_setup, tmp_path / "run", data, "--chat-template", template, "--seq", 64,
+                                               "--sample-tokens", 2))
+    assert rc == 0, err
+    prompt = render(CHAT_TEMPLATE, conversation[:2], {"eos_token": "", "bos_token": ""}, add_generation_prompt=True)
+    assert prompt == "<system> Be brief.\n<user> Name a loop.\n<assistant>"
+    assert "sample: " + prompt in out
+    assert words(hints(out)[0])[3:5] == ["--prompt", prompt]
+
+
+def test_a_lora_run_s_header_says_lora_its_rank_and_trainable_params(tiny_setup, pairs, tmp_path, capsys):
+    rc, out, err = run_cli(capsys, *train_argv(tiny_setup, tmp_path / "run", pairs, "--lora-rank", 4,
+                                               "--sample-tokens", 0, "--steps", 1))
+    assert rc == 0, err
+    # q_proj and v_proj of 2 blocks, each A (4 x 64) and B (64 x 4)
+    assert "LoRA rank 4 on q_proj,v_proj: 2,048 trainable params, the base frozen" in " ".join(out.split())
+
+
+def test_negative_numbers_in_scientific_notation_reach_the_range_check(capsys):
+    for value in ("-1e-4", "-1E-4", "-.5e1", "-2e+3"):
+        assert fails(capsys, "train", "--lr", value) == f"error: --lr must be a positive number, got {float(value)}"
+    assert "--warmup" in fails(capsys, "train", "--warmup", "-1")
+
+
+SUBCOMMANDS = {"train": [], "plan": [], "eval": ["RUN", "--data", "x.jsonl"], "generate": ["RUN", "--prompt", "x"],
+               "export": ["RUN", "OUT"], "trace": ["RUN"], "devices": [], "calibrate": [], "bench": []}
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_an_unknown_flag_names_the_closest_flag_and_the_command_s_help(command, capsys):
+    if command == "bench":
+        flag = "--quick"
+    else:
+        parser = build_parser([command])
+        sub = next(a.choices[command] for a in parser._actions if a.dest == "command")
+        flag = next(o for a in sub._actions for o in a.option_strings if len(o) > 5 and o != "--help")
+    typo = flag[:3] + flag[4] + flag[3] + flag[5:]  # two letters swapped: --steps -> --stpes
+    if command == "bench":  # its own process (streamer/cli/bench.py)
+        done = subprocess.run([sys.executable, "-m", "streamer", "bench", typo, "3"], capture_output=True, text=True)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        line = done.stderr.strip()
+    else:
+        line = fails(capsys, command, *SUBCOMMANDS[command], typo, "3")
+    assert f"{typo}: did you mean {flag}?" in line and line.endswith(f"see `streamer {command} --help`"), line
+
+
+def test_messages_name_cli_flags(trained, tmp_path, capsys):
+    run, _ = trained
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    line = fails(capsys, "export", run, out)
+    assert "pass --overwrite" in line and "overwrite=True" not in line
+    assert (out / "keep.txt").read_text() == "mine"
+    if not torch.cuda.is_available():
+        line = fails(capsys, "generate", run, "--prompt", "x", "--device", "cuda")
+        assert "--device cpu" in line and "device='cpu'" not in line
+
+
+def test_eval_takes_seq_up_to_the_model_s_context(trained, tmp_path, capsys):
+    run, _ = trained
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": " ".join(["word"] * 14), "completion": " end"}) + "\n")  # 33-64 tokens
+    assert "raise --seq" in fails(capsys, "eval", run, "--data", long)  # the run's --seq is 32
+    rc, out, err = run_cli(capsys, "eval", run, "--data", long, "--seq", 64)
+    assert rc == 0 and "of 64 tokens" in out, err
+    line = fails(capsys, "eval", run, "--data", long, "--seq", 65)
+    assert "exceeds the model's context (n_positions=64); use --seq 64 or less" in line
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".txt"])
+def test_utf8_data_with_a_byte_order_mark_is_read(trained, tmp_path, capsys, suffix):
+    run, _ = trained
+    if suffix == ".csv":
+        pytest.importorskip("datasets")
+    body = {".jsonl": json.dumps({"prompt": "What is 1 plus one?\nAnswer:", "completion": " 2"}) + "\n",
+            ".csv": "prompt,completion\nWhat is 1 plus one? Answer:, 2\n",
+            ".txt": "The for statement is used to iterate over the elements of a sequence. " * 8}[suffix]
+    data = tmp_path / f"excel{suffix}"
+    data.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    rc, out, err = run_cli(capsys, "eval", run, "--data", data)
+    assert rc == 0 and "perplexity" in out, err
+
+
+def test_a_json_config_with_a_byte_order_mark_is_read(tiny_setup, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + (tiny_setup / "config.json").read_bytes())
+    rc, out, err = run_cli(capsys, "plan", "--model", config, "--target", "cs2", "--seq", 32, "--batch", 2)
+    assert rc == 0 and "peak" in out, err
