@@ -112,8 +112,18 @@ def kill_plan(rnd: random.Random, calls: dict[str, dict[str, int]], done: int, u
     return Kill(target, rnd.randint(1, counts[target]), step)
 
 
-@pytest.mark.parametrize("dtype,compute,timing", [("bf16", "disk", "fused"), ("fp32", "disk", "after-backward"),
-                                                 ("bf16", "ram", "after-backward"), ("fp32", "ram", "fused")])
+KILL_SETTINGS = [("bf16", "disk", "fused"), ("fp32", "disk", "after-backward"), ("bf16", "ram", "after-backward"),
+                 ("fp32", "ram", "fused")]
+
+
+def test_the_readme_counts_the_trials_this_file_runs() -> None:
+    trials = len(KILL_SETTINGS) * (KILLS + 1)  # KILLS per chain, and one before the first commit
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"{trials} SIGKILL trials in `tests/test_reliability.py`: {len(KILL_SETTINGS)} settings × {KILLS + 1}" \
+        in " ".join(readme.split())
+
+
+@pytest.mark.parametrize("dtype,compute,timing", KILL_SETTINGS)
 def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dtype, compute, timing):
     ref = tmp_path / "ref"
     ref.mkdir()
