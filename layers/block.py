@@ -109,14 +109,16 @@ class GPTJHead(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size)
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
+                num_items: float | None = None) -> torch.Tensor:
         """Logits (B, T, vocab); given labels (B, T), the loss instead, its logits `vocab_chunk` vocabulary
-        rows at a time (layers.loss.chunked_lm_loss) so that neither they nor their gradient exist whole."""
+        rows at a time (layers.loss.chunked_lm_loss) so that neither they nor their gradient exist whole;
+        summed and divided by `num_items` where given (the step's learned tokens), else a mean."""
         x = self.ln_f(h)
         if labels is None:
             return self.lm_head(x).float()  # (B, T, vocab)
         chunk = vocab_chunk or self.lm_head.out_features
-        return chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, chunk)
+        return chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, chunk, num_items)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

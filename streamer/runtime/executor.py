@@ -200,9 +200,9 @@ class Executor:
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
                 chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
-                loss = self._call_unit(unit, x, micro, batch.labels, chunk)
-            ctx.losses.append(loss.detach())
-            self.current.graphs[unit] = (x, loss / len(ctx.micro_batches))
+                loss = self._call_unit(unit, x, micro, batch.labels, chunk, ctx.tokens)
+            ctx.losses.append(loss.detach())  # this micro-batch's share of the step's token mean
+            self.current.graphs[unit] = (x, loss)
         elif self.tc.activations == "checkpoint":
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():

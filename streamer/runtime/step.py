@@ -35,6 +35,10 @@ class StepContext:
     micro_batches: list[MicroBatch]
     step: int  # the optimizer step being made (1-based)
     lr: float
+    # Every micro-batch's loss is its summed cross-entropy over this: the learned tokens of the whole step (every
+    # micro-batch of every rank) over the ranks, whose gradients the all-reduce averages (Trainer's
+    # num_items_in_batch). None: each micro-batch's own mean (generation's forward).
+    tokens: float | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     clip_coef: float | None = None
     mean_loss: float | None = None
