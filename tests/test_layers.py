@@ -171,10 +171,12 @@ def test_loss_ignores_minus_100_and_shifts_labels() -> None:
     torch.testing.assert_close(causal_lm_loss(logits, labels), expected, rtol=0, atol=0)  # measured 0 (native, AVX2)
 
 
+@pytest.mark.parametrize("num_items", [None, 57.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab_chunk", [1, 7, 64, 301])
-def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: int) -> None:
-    """The head's loss in vocabulary chunks: the loss and every gradient of causal_lm_loss on full logits."""
+def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: int, num_items: float | None) -> None:
+    """The head's loss in vocabulary chunks: the loss and every gradient of causal_lm_loss on full logits, as a
+    mean or summed over a step's learned tokens (num_items, more than this batch's)."""
     cfg = GPTJConfig(vocab_size=301, n_positions=64, n_embd=48, n_layer=1, n_head=4, rotary_dim=4)
     torch.manual_seed(0)
     head = GPTJHead(cfg).to(dtype)
@@ -183,11 +185,12 @@ def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: i
     h = torch.randn(2, 33, cfg.n_embd, dtype=dtype, requires_grad=True)
     labels = _labels(cfg, 2, 33, ignored_fraction=0.3)
     results = []
-    for loss_of in (lambda: causal_lm_loss(head(h), labels), lambda: head(h, labels, vocab_chunk)):
+    for loss_of in (lambda: causal_lm_loss(head(h), labels, num_items),
+                    lambda: head(h, labels, vocab_chunk, num_items)):
         h.grad = None
         head.zero_grad()
         loss = loss_of()
-        (0.5 * loss).backward()  # a scale, as the executor's 1 / micro-batches
+        (0.5 * loss).backward()  # an incoming gradient other than 1
         results.append([loss.detach(), h.grad, *(p.grad for p in head.parameters())])
     # Relative to each tensor's largest entry. fp32: measured at most 6.3e-7 (the sums run in another order).
     # bf16: the loss within 1.6e-7, gradients within 8.8e-3 (the input's gradient is summed over the chunks

@@ -37,7 +37,7 @@ class StepContext:
     lr: float
     # Every micro-batch's loss is its summed cross-entropy over this: the learned tokens of the whole step (every
     # micro-batch of every rank) over the ranks, whose gradients the all-reduce averages (Trainer's
-    # num_items_in_batch). None: each micro-batch's own mean (generation's forward).
+    # num_items_in_batch). None: each micro-batch's own mean.
     tokens: float | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     clip_coef: float | None = None
