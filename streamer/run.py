@@ -112,7 +112,7 @@ class RunConfig:
     update_timing: str = same_setting(PlanConfig, "update_timing")
     data_parallel: str = same_setting(PlanConfig, "data_parallel")
     seed: int = same_setting(TrainerConfig, "seed")
-    pack: bool = same_setting(DataConfig, "pack")
+    pack: str | None = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")
     eval_data: str | None = same_setting(DataConfig, "eval_data")
     chat_template: str | None = same_setting(DataConfig, "chat_template")

@@ -172,30 +172,41 @@ class StreamingTrainer:
     def step_count(self) -> int:
         return self.store.step if self.store is not None else 0
 
-    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[list[MicroBatch], float]:
+    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                       positions: torch.Tensor | None) -> tuple[list[MicroBatch], float]:
         """This process's micro-batches, and StepContext's tokens (counted on the global batch every rank holds)."""
         labels = input_ids if labels is None else labels
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise StreamerError(f"input_ids must be (batch, seq) and labels the same shape; got "
-                                f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape or (
+                positions is not None and positions.shape != input_ids.shape):
+            raise StreamerError(f"input_ids must be (batch, seq) and labels and positions the same shape; got "
+                                f"{tuple(input_ids.shape)}, {tuple(labels.shape)} and "
+                                f"{None if positions is None else tuple(positions.shape)}")
         if input_ids.shape[1] > self.cfg.n_positions:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
                                 f"n_positions={self.cfg.n_positions}; use --seq <= {self.cfg.n_positions}")
+        if positions is not None and not positions.is_meta and not (
+                (positions >= 0).all() and (positions < input_ids.shape[1]).all()):
+            raise StreamerError(f"positions must lie in [0, {input_ids.shape[1]}) (the sequence length)")
         # Over the ranks, whose gradients the all-reduce averages.
         tokens = (labels.numel() if labels.is_meta else learned_tokens(labels)) / self.processes
+        rows = [input_ids, labels] + ([] if positions is None else [positions])
         if self.data_parallel is not None:
-            input_ids, labels = self.data_parallel.shard(input_ids), self.data_parallel.shard(labels)
+            rows = [self.data_parallel.shard(t) for t in rows]
+        input_ids = rows[0]
         if input_ids.shape[0] % self.tc.grad_accum:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
                                 f"grad_accum={self.tc.grad_accum}")
         device = self.executor.device
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
-        return [MicroBatch(i.to(device, copy=True), l.to(device, copy=True)) for i, l in
-                zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum))], tokens
+        pieces = [[p.to(device, copy=True) for p in t.chunk(self.tc.grad_accum)] for t in rows]
+        return [MicroBatch(*piece) for piece in zip(*pieces)], tokens
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """One optimizer step over the batch (in grad_accum micro-batches); returns the mean loss per learned token."""
-        micro, tokens = self._micro_batches(input_ids, labels)
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> float:
+        """One optimizer step over the batch (in grad_accum micro-batches); returns the mean loss per learned token.
+        `positions` (batch, seq): rows of packed examples, each token's position in its own example (restarting
+        at 0, streamer.io.data.Dataset.positions); each example then attends only to itself."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions)
         if self.store is not None:
             self.store.check_consistent()  # an update stopped part-way in this process: the run must be reopened
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
@@ -329,9 +340,10 @@ class StreamingTrainer:
         self.extra_state = dict(trainer_state.get("extra", {}))
         self.store.finish_step(step, trainer_state)
 
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> float:
         """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes."""
-        micro, tokens = self._micro_batches(input_ids, labels)
+        micro, tokens = self._micro_batches(input_ids, labels, positions)
         losses = []
         for batch in micro:
             ctx = StepContext([batch], self.step_count, 0.0, tokens)

@@ -254,7 +254,7 @@ def test_resolution_order_and_the_demo(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0), pack=st.booleans(),
+@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0), pack=st.sampled_from([None, "examples", "documents"]),
        budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
 def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
     cfg = RunConfig(sample_prompt=prompt, steps=steps, lr=lr, pack=pack, budget=budget, warmup=0)

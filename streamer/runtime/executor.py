@@ -29,7 +29,8 @@ from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import Store
-from streamer.runtime.step import ClippingNeeded, PendingOffload, RunningStep, StepContext, clip_coefficient
+from streamer.runtime.step import (ClippingNeeded, MicroBatch, PendingOffload, RunningStep, StepContext,
+                                   clip_coefficient)
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
@@ -206,10 +207,10 @@ class Executor:
         elif self.tc.activations == "checkpoint":
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():
-                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro, *_packed(batch)))
         else:
             with self.recorder.hooks(self.states[unit]):
-                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro, *_packed(batch)))
 
     def _previous_output(self, unit: str) -> torch.Tensor:
         names = list(self.layouts)
@@ -227,7 +228,7 @@ class Executor:
             incoming, incoming_handle = self.current.flowing_grad
             if unit.startswith("block") and self.tc.activations == "checkpoint":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
-                    y = self._call_unit(unit, x, micro)  # recompute: the only second forward, by policy
+                    y = self._call_unit(unit, x, micro, *_packed(ctx.micro_batches[micro]))  # recompute: by policy
             torch.autograd.backward(y, incoming)
             self.ledger.free(incoming_handle)
         del y
@@ -398,3 +399,8 @@ class Executor:
     def close(self) -> None:
         self.io.close()
         self.current.discard_writers()
+
+
+def _packed(batch: MicroBatch) -> tuple[object, ...]:
+    """A block's arguments after its input: none, or (start_pos, cache, positions) for packed examples."""
+    return () if batch.positions is None else (0, None, batch.positions)

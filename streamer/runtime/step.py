@@ -26,6 +26,7 @@ class ClippingNeeded(Exception):
 class MicroBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None  # packed examples' own positions (GPTJAttention); None: 0..T-1
 
 
 @dataclass
