@@ -182,8 +182,9 @@ class RunConfig:
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
+        # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
         return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices,
-                          moment_dtype=self.moment_dtype, lora=self.lora_config())
+                          moment_dtype=self.moment_dtype, lora=self.lora_config(), packed=self.pack is not None)
 
     def report_config(self) -> ReportConfig:
         return ReportConfig(self.report_to)

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layers import GPTJConfig
 from memory_model import format_size, peak_device_bytes
 from streamer.advice import planned_peak
 from streamer.cli.main import main
@@ -190,6 +191,24 @@ def test_plan_json_for_gptj_6b(capsys):
     assert sum(plan["peak_breakdown"].values()) == plan["peak_device_bytes"] and len(plan["rows"]) == 30
     rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "cs2")
     assert rc == 0 and "16 B/param baseline" in out
+
+
+def test_plan_pack_counts_each_blocks_attention_mask(capsys):
+    """`streamer plan --pack`: every block keeps its packed rows' attention mask, B x T x T in the compute dtype,
+    and sin and cos gathered per row (B x T x R instead of T x R); the dry run charges what the planner does."""
+    step = ["plan", "--model", "gptj-demo", "--target", "rtx4090", "--batch", 2, "--seq", 128, "--dtype", "bf16",
+            "--activations", "resident", "--dry-run", "--json"]
+    plans = [json.loads(run_cli(capsys, *step, *pack)[1]) for pack in ([], ["--pack"])]
+    rotary_dim = GPTJConfig.preset("gptj-demo").rotary_dim
+    blocks = [(plain, packed) for plain, packed in zip(plans[0]["rows"], plans[1]["rows"])
+              if plain["unit"].startswith("block")]
+    for plain, packed in blocks:
+        assert packed["activation_bytes"] - plain["activation_bytes"] == 2 * 128 * 128 * 2 + 128 * rotary_dim * 2
+    assert plans[1]["peak_device_bytes"] - plans[0]["peak_device_bytes"] == len(blocks) * 69632
+    # The dry run stands above the plan by the same bytes packed or not (meta's LayerNorm statistics, as
+    # test_dryrun states): measured 7,168 both.
+    assert len({plan["dry_run_peak_device_bytes"] - plan["peak_device_bytes"] for plan in plans}) == 1
+    assert "--pack must be one of examples, documents" in fails(capsys, "plan", "--pack", "rows")
 
 
 def test_plan_dry_run_reports_the_runtime_ledger(capsys):
