@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from layers import weight_decayed
+from streamer.cli.eval import evaluate_dataset
 from streamer.cli.generate import open_trainer
 from streamer.cli.main import main
 from streamer.io.data import Dataset, load_dataset
@@ -115,13 +116,31 @@ def test_streamer_train_equals_hf_trainer(tmp_path, source, tokenizer):
     assert abs(sum(means) / 2 - records[0]["loss"]) > 1e-3
 
 
-def streamer_train_packed(source: Path, run: Path, rows: int) -> list[dict]:
+def streamer_train_packed(source: Path, run: Path, data: Path, rows: int, pack: list[str]) -> list[dict]:
     """One full-batch `streamer train --pack` step (every packed sequence once); its metrics.jsonl records."""
-    assert main(["train", "--from-pretrained", str(source / "hf"), "--data", str(source / "data.jsonl"),
-                 "--pack", "--run-dir", str(run), "--steps", "1", "--batch", str(rows), "--seq", str(SEQ),
+    assert main(["train", "--from-pretrained", str(source / "hf"), "--data", str(data), *pack,
+                 "--run-dir", str(run), "--steps", "1", "--batch", str(rows), "--seq", str(SEQ),
                  "--dtype", "fp32", "--lr", str(LR), "--eval-fraction", "0", "--eval-every", "0",
                  "--sample-tokens", "0", "--store", "ram"]) == 0
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def hf_alone(source: Path, pieces: list[tuple[torch.Tensor, torch.Tensor]],
+             weights: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
+    """(loss, gradient norm) of HF's token mean over `pieces` (input ids, labels), each run alone in float64;
+    with the source's weights or `weights` (HF-keyed)."""
+    model = transformers.GPTJForCausalLM.from_pretrained(source / "hf", dtype=torch.float64)
+    if weights is not None:
+        model.load_state_dict({k: v.double() for k, v in weights.items()})
+    tokens = sum(int((labels[1:] != -100).sum()) for _, labels in pieces)
+    total = 0.0
+    for ids, labels in pieces:
+        learned = int((labels[1:] != -100).sum())
+        if learned:
+            loss = model(ids[None], labels=labels[None]).loss * learned / tokens  # its share of the token mean
+            loss.backward()
+            total += loss.item()
+    return total, torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
 
 
 def test_a_packed_step_equals_hf_on_each_example_alone(tmp_path, source, tokenizer):
@@ -129,26 +148,40 @@ def test_a_packed_step_equals_hf_on_each_example_alone(tmp_path, source, tokeniz
     loss and gradient norm are HF's token mean over the same examples, each run alone (float64)."""
     packed = load_dataset(source / "data.jsonl", tokenizer, SEQ, pack="examples")
     assert len(packed) < 8 and packed.positions is not None  # sequences do hold several examples
-    records = streamer_train_packed(source, tmp_path / "run", len(packed))
-
+    records = streamer_train_packed(source, tmp_path / "run", source / "data.jsonl", len(packed), ["--pack"])
     alone = load_dataset(source / "data.jsonl", tokenizer, SEQ)  # one example a sequence, padded after it
-    model = transformers.GPTJForCausalLM.from_pretrained(source / "hf", dtype=torch.float64)
-    tokens = int((alone.labels[:, 1:] != -100).sum())
-    total = 0.0
-    for ids, labels in zip(alone.input_ids, alone.labels):
-        end = int((labels != -100).nonzero().max()) + 1  # the example without its padding
-        out = model(ids[None, :end], labels=labels[None, :end])
-        learned = int((labels[1:end] != -100).sum())
-        loss = out.loss * learned / tokens  # its share of the token mean
-        loss.backward()
-        total += loss.item()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    ends = [int((labels != -100).nonzero().max()) + 1 for labels in alone.labels]  # each example without padding
+    pieces = [(ids[:end], labels[:end]) for ids, labels, end in zip(alone.input_ids, alone.labels, ends)]
+    loss, norm = hf_alone(source, pieces)
     # Measured: loss 6.0e-8, gradient norm 2.4e-7 apart; the bounds of the unpacked steps above (HF's own fp32
     # kernels against float64: 9.5e-7 and 1.0e-6).
-    assert records[0]["loss"] == pytest.approx(total, abs=2e-6)
+    assert records[0]["loss"] == pytest.approx(loss, abs=2e-6)
     assert records[0]["grad_norm"] == pytest.approx(norm, abs=2e-6)
     # Packing as before (examples seeing each other, positions running on) is another number (by 5.6e-2).
     with torch.no_grad():
-        leaky = model(packed.input_ids, labels=packed.labels).loss.item()
-    assert abs(leaky - total) > 1e-4
+        model = transformers.GPTJForCausalLM.from_pretrained(source / "hf", dtype=torch.float64)
+        assert abs(model(packed.input_ids, labels=packed.labels).loss.item() - loss) > 1e-4
+    # Evaluation (streamer eval's) keeps the examples apart too: the trained weights' loss, as HF's alone.
+    with open_trainer(RunDir(tmp_path / "run")) as trainer:
+        evaluated, _ = evaluate_dataset(trainer, packed, len(packed))
+        weights = trainer.state_dict()
+    trained, _ = hf_alone(source, pieces, weights)
+    assert evaluated == pytest.approx(trained, abs=2e-6)  # measured 6.6e-7 (the loss is 5.16)
 
+
+def test_pack_documents_gives_each_text_document_its_own_attention(tmp_path, source, tokenizer):
+    """Plain text with `--pack documents`: each document's piece of a sequence attends only to itself, positions
+    from 0, so step 1 is HF's token mean over those pieces run alone. Without it, text runs as it always has."""
+    path = tmp_path / "notes.txt"
+    path.write_text("\n\n".join(" ".join((WORDS * 3)[i:i + 6 + 3 * i]) for i in range(8)) + "\n")
+    data = load_dataset(path, tokenizer, SEQ, pack="documents")
+    assert load_dataset(path, tokenizer, SEQ, pack="examples").positions is None  # text untouched by --pack
+    starts = [(row == 0).nonzero().flatten().tolist() + [SEQ] for row in data.positions]
+    pieces = [(ids[a:b], labels[a:b]) for ids, labels, cut in zip(data.input_ids, data.labels, starts)
+              for a, b in zip(cut, cut[1:])]
+    assert len(pieces) > len(data) > 1  # sequences hold several documents, and documents cross sequences
+    records = streamer_train_packed(source, tmp_path / "run", path, len(data), ["--pack", "documents"])
+    loss, norm = hf_alone(source, pieces)
+    # Measured: loss 3.0e-8, gradient norm 1.1e-6 apart; the bounds above.
+    assert records[0]["loss"] == pytest.approx(loss, abs=2e-6)
+    assert records[0]["grad_norm"] == pytest.approx(norm, abs=2e-6)

@@ -228,7 +228,8 @@ class Executor:
             incoming, incoming_handle = self.current.flowing_grad
             if unit.startswith("block") and self.tc.activations == "checkpoint":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
-                    y = self._call_unit(unit, x, micro, *_packed(ctx.micro_batches[micro]))  # recompute: by policy
+                    # recompute: the only second forward, by policy
+                    y = self._call_unit(unit, x, micro, *_packed(ctx.micro_batches[micro]))
             torch.autograd.backward(y, incoming)
             self.ledger.free(incoming_handle)
         del y
