@@ -304,6 +304,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if unknown:
         verb = "is not a setting" if len(unknown) == 1 else "are not settings"
         raise RunError(f"--config {path}: {', '.join(unknown)} {verb}; valid keys: {', '.join(known)}")
+    if raw.get("pack") is True:  # a run's config.toml from when --pack was a switch: it packed examples
+        raw["pack"] = "examples"
+    elif raw.get("pack") is False:
+        del raw["pack"]
     for key in [*PATH_KEYS, "model"]:
         value = raw.get(key)
         if isinstance(value, str) and not (key == "model" and value in PRESETS):

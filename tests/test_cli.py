@@ -273,11 +273,18 @@ def test_resolution_order_and_the_demo(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0), pack=st.sampled_from([None, "examples", "documents"]),
-       budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
+@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0),
+       pack=st.sampled_from([None, "examples", "documents"]), budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
 def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
     cfg = RunConfig(sample_prompt=prompt, steps=steps, lr=lr, pack=pack, budget=budget, warmup=0)
     assert RunConfig(**tomllib.loads(cfg.to_toml())) == cfg
+
+
+def test_a_config_toml_from_when_pack_was_a_switch_still_reads(tmp_path):
+    """Runs made when --pack was a switch wrote `pack = false` or `pack = true` (which packed examples)."""
+    for written, read in (("false", None), ("true", "examples")):
+        (tmp_path / "config.toml").write_text(f"pack = {written}\n")
+        assert resolve({}, tmp_path / "config.toml").pack == read
 
 
 def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monkeypatch):
