@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from layers import GPTJ, GPTJConfig, causal_lm_loss, weight_decayed
+from layers import GPTJ, GPTJConfig, causal_lm_loss, learned_tokens, weight_decayed
 from streamer.config import TrainerConfig
 
 
@@ -38,10 +38,10 @@ class ResidentTrainer:
             group["lr"] = self.tc.schedule.lr_at(self.steps, self.tc.lr)
         self.optimizer.zero_grad(set_to_none=True)
         params = list(self.model.parameters())
-        losses = []
+        losses, tokens = [], learned_tokens(labels)  # the step's loss is the mean over its learned tokens
         for ids, lab in zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum)):
-            loss = causal_lm_loss(self.model(ids), lab)
-            (loss / self.tc.grad_accum).backward()
+            loss = causal_lm_loss(self.model(ids), lab, tokens)
+            loss.backward()
             losses.append(loss.detach())
             if self.separate_masters:  # fold each micro-batch's gradient into fp32, as the streamer does
                 for p, m in zip(params, self.masters):
@@ -54,4 +54,4 @@ class ResidentTrainer:
             with torch.no_grad():
                 for p, m in zip(params, self.masters):
                     p.copy_(m)
-        return float(torch.stack(losses).mean())
+        return float(torch.stack(losses).sum())

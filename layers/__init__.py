@@ -13,7 +13,7 @@ from layers.config import PRESETS, ConfigError, GPTJConfig
 _LAZY = {
     "GPTJBlock": "layers.block", "GPTJEmbedding": "layers.block", "GPTJHead": "layers.block",
     "KVCache": "layers.block", "init_weights": "layers.block",
-    "IGNORE_INDEX": "layers.loss", "causal_lm_loss": "layers.loss",
+    "IGNORE_INDEX": "layers.loss", "causal_lm_loss": "layers.loss", "learned_tokens": "layers.loss",
     "GPTJ": "layers.model", "IGNORED_CHECKPOINT_SUFFIXES": "layers.model", "CheckpointMismatch": "layers.model",
     "build_unit": "layers.model", "check_state_dict": "layers.model", "unit_hf_key": "layers.model",
     "unit_prefix": "layers.model", "weight_decayed": "layers.model",

@@ -9,7 +9,7 @@ from torch import nn
 
 from layers.config import GPTJConfig
 from layers.loss import chunked_lm_loss
-from layers.rotary import apply_rotary, positions_sincos
+from layers.rotary import apply_rotary, positions_sincos, rows_sincos
 
 
 @dataclass
@@ -36,6 +36,15 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 
+def example_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The attention mask (B, 1, T, T) of rows of packed examples, from their positions (B, T), which restart at
+    0 in each example: a query sees the keys of its own example up to itself (causal, block-diagonal)."""
+    example = (positions == 0).cumsum(1)  # (B, T): which example of its row each token belongs to
+    T = positions.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+    return ((example[:, :, None] == example[:, None, :]) & causal).unsqueeze(1)
+
+
 class GPTJEmbedding(nn.Module):
     def __init__(self, cfg: GPTJConfig) -> None:
         super().__init__()
@@ -55,16 +64,25 @@ class GPTJAttention(nn.Module):
         self.q_proj = nn.Linear(d, d, bias=False)
         self.out_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (B, T): each token's position in its example (packed rows restart at 0 per example), so
+        examples neither see each other nor their offset in the row; None: 0..T-1 from start_pos, causal."""
         cfg = self.cfg
         B, T, _ = x.shape
         split = (B, T, cfg.n_head, cfg.head_dim)
         q, k, v = self.q_proj(x).view(split), self.k_proj(x).view(split), self.v_proj(x).view(split)  # (B, T, H, D)
-        sin, cos = positions_sincos(cfg.n_positions, cfg.rotary_dim, start_pos, T, x.dtype, x.device)
+        if positions is None:
+            sin, cos = positions_sincos(cfg.n_positions, cfg.rotary_dim, start_pos, T, x.dtype, x.device)
+        else:
+            sin, cos = rows_sincos(cfg.n_positions, cfg.rotary_dim, positions, x.dtype)
         q, k = apply_rotary(q, sin, cos), apply_rotary(k, sin, cos)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        if cache is None:
+        if cache is None and positions is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif cache is None:
+            # A bool mask: SDPA turns it into a compute-dtype bias it saves for the backward (B x T x T).
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=example_mask(positions))
         else:
             if cache.length != start_pos:
                 raise ValueError(f"KV cache holds {cache.length} positions but start_pos is {start_pos}; "
@@ -96,9 +114,10 @@ class GPTJBlock(nn.Module):
         self.attn = GPTJAttention(cfg)
         self.mlp = GPTJMLP(cfg)
 
-    def forward(self, h: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.ln_1(h)
-        return h + self.attn(x, start_pos, cache) + self.mlp(x)
+        return h + self.attn(x, start_pos, cache, positions) + self.mlp(x)
 
 
 class GPTJHead(nn.Module):
@@ -109,14 +128,16 @@ class GPTJHead(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size)
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
+                num_items: float | None = None) -> torch.Tensor:
         """Logits (B, T, vocab); given labels (B, T), the loss instead, its logits `vocab_chunk` vocabulary
-        rows at a time (layers.loss.chunked_lm_loss) so that neither they nor their gradient exist whole."""
+        rows at a time (layers.loss.chunked_lm_loss) so that neither they nor their gradient exist whole;
+        summed and divided by `num_items` where given (the step's learned tokens), else a mean."""
         x = self.ln_f(h)
         if labels is None:
             return self.lm_head(x).float()  # (B, T, vocab)
         chunk = vocab_chunk or self.lm_head.out_features
-        return chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, chunk)
+        return chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, chunk, num_items)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

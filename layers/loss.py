@@ -12,23 +12,36 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def learned_tokens(labels: torch.Tensor) -> int:
+    """How many positions of labels (B, T) a loss counts: the targets after the shift that are not -100."""
+    return int((shift_labels(labels) != IGNORE_INDEX).sum())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
     """Mean cross-entropy of position t predicting labels[t+1]; labels equal to -100 are not counted.
 
-    logits: (B, T, vocab), labels: (B, T). The shift happens here, as in HF's ForCausalLMLoss.
+    logits: (B, T, vocab), labels: (B, T). The shift happens here, as in HF's ForCausalLMLoss. With
+    `num_items` the summed cross-entropy is divided by it instead of by this batch's count (HF's
+    num_items_in_batch: the learned tokens of a whole step, over its micro-batches and processes).
     """
-    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels(labels).flatten(), ignore_index=IGNORE_INDEX)
+    targets = shift_labels(labels).flatten()
+    if num_items is None:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=IGNORE_INDEX,
+                           reduction="sum") / num_items
 
 
 def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, labels: torch.Tensor,
-                    vocab_chunk: int) -> torch.Tensor:
-    """causal_lm_loss(F.linear(x, weight, bias), labels) without the (B, T, vocab) logits or their gradient.
+                    vocab_chunk: int, num_items: float | None = None) -> torch.Tensor:
+    """causal_lm_loss(F.linear(x, weight, bias), labels, num_items) without the (B, T, vocab) logits or their
+    gradient.
 
     The logits are computed `vocab_chunk` vocabulary rows at a time: the forward keeps only each position's
     log-sum-exp, and the backward computes each chunk's logits again to form its gradient. Every weight row's
     gradient is still one matmul over all positions; the input's gradient is summed over the chunks in fp32.
     """
-    return _ChunkedLMLoss.apply(x.flatten(0, 1), weight, bias, shift_labels(labels).flatten(), vocab_chunk)
+    return _ChunkedLMLoss.apply(x.flatten(0, 1), weight, bias, shift_labels(labels).flatten(), vocab_chunk,
+                                num_items)
 
 
 def _vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
@@ -49,7 +62,7 @@ def _in_chunk(targets: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, to
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
-                vocab_chunk: int) -> torch.Tensor:
+                vocab_chunk: int, num_items: float | None) -> torch.Tensor:
         n = x.shape[0]
         lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
         for lo, hi in _vocab_slices(weight.shape[0], vocab_chunk):
@@ -60,8 +73,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
             del logits
         lse = torch.logsumexp(torch.stack(lse_parts), dim=0)  # (N,) fp32
         valid = targets != IGNORE_INDEX
-        loss = torch.where(valid, lse - target_logit, 0.0).sum() / valid.sum()
-        ctx.vocab_chunk = vocab_chunk
+        loss = torch.where(valid, lse - target_logit, 0.0).sum() / (valid.sum() if num_items is None else num_items)
+        ctx.vocab_chunk, ctx.num_items = vocab_chunk, num_items
         ctx.save_for_backward(x, weight, bias, targets, lse)
         return loss
 
@@ -69,8 +82,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, bias, targets, lse = ctx.saved_tensors
         valid = targets != IGNORE_INDEX
-        # d loss / d logit = (softmax - onehot) / valid count on counted rows, as cross_entropy's mean has it.
-        row_scale = (valid.float() * (grad_loss.float() / valid.sum())).unsqueeze(1)  # (N, 1)
+        # d loss / d logit = (softmax - onehot) / the denominator on counted rows, as cross_entropy's has it.
+        divisor = valid.sum() if ctx.num_items is None else ctx.num_items
+        row_scale = (valid.float() * (grad_loss.float() / divisor)).unsqueeze(1)  # (N, 1)
         grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
         for lo, hi in _vocab_slices(weight.shape[0], ctx.vocab_chunk):
@@ -82,4 +96,4 @@ class _ChunkedLMLoss(torch.autograd.Function):
             grad_bias[lo:hi] = grad.sum(0)
             grad_x += grad @ weight[lo:hi]
             del grad
-        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None
+        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None

@@ -37,11 +37,12 @@ class GPTJ(nn.Module):
         if init:
             init_weights(self)
 
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0,
-                caches: list[KVCache] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (B, T): packed rows' positions, restarting at 0 in each example (GPTJAttention)."""
         h = self.transformer.wte(input_ids)  # (B, T, d)
         for i, block in enumerate(self.transformer.h):
-            h = block(h, start_pos, None if caches is None else caches[i])
+            h = block(h, start_pos, None if caches is None else caches[i], positions)
         return self.lm_head(self.transformer.ln_f(h)).float()  # (B, T, vocab)
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -38,3 +38,11 @@ def positions_sincos(
         )
     sin, cos = sincos_table(n_positions, rotary_dim, torch.device(device))
     return sin[start:start + length].to(dtype), cos[start:start + length].to(dtype)
+
+
+def rows_sincos(n_positions: int, rotary_dim: int, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """sin/cos (B, T, rotary_dim/2) of each row's own positions (B, T) (packed examples restart at 0), cast to
+    the compute dtype. The positions are checked against n_positions where the batch enters the trainer."""
+    sin, cos = sincos_table(n_positions, rotary_dim, positions.device)
+    return sin[positions].to(dtype), cos[positions].to(dtype)

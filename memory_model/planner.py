@@ -19,7 +19,7 @@ from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
-    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
+    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes, rotary_shared,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
@@ -161,9 +161,10 @@ def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         # The recompute re-saves the kept input itself (same storage, charged once) and, in fp32, charges
         # the shared rotary table for the duration of this block's backward.
-        return kept, block_saved_bytes(shape, batch, seq, es) - kept
+        return kept, block_saved_bytes(shape, batch, seq, es, packed=cfg.packed) - kept
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
-    return block_saved_bytes(shape, batch, seq, es, rotary=(es != 4 or unit == "block.0")), 0
+    rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
+    return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
 
 
 def _frozen_block_activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
@@ -173,11 +174,12 @@ def _frozen_block_activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, bat
     es, first = cfg.dtype_bytes, unit == "block.0"
     if cfg.activations == "checkpoint":
         kept = checkpoint_input_bytes(shape, batch, seq, es)
-        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first)
+        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
         return kept, saved - (0 if first else kept)
     rotates_first = bool(set(cfg.lora.target_names) & {"q_proj", "k_proj"})
     owner = "block.0" if rotates_first else "block.1"
-    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=es != 4 or unit == owner), 0
+    rotary = not rotary_shared(es, cfg.packed) or unit == owner
+    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed), 0
 
 
 def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None:

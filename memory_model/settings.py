@@ -97,7 +97,10 @@ class Pair:
 
 @dataclass(frozen=True)
 class Choice:
+    """One of `options`; `bare`: the value of the flag given without one (`--pack` means `--pack examples`)."""
+
     options: tuple[str, ...]
+    bare: str | None = None
 
     def wanted(self) -> str:
         return "one of " + ", ".join(self.options)

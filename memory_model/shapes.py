@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field
 
 from layers.config import GPTJConfig
 from memory_model.lora import LoraConfig, target_shape
-from memory_model.settings import Choice, Integer, SettingError, check_settings, setting
+from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
 ACTIVATION_POLICIES = ("resident", "checkpoint")
@@ -66,6 +66,8 @@ class PlanConfig:
                 "host update starts once its gradient is folded into the store, as LoHan and ZeRO-Offload "
                 "overlap it; the runtime clips by the global norm, known only after the backward)",
         Choice(UPDATE_TIMINGS), "WHEN")
+    packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
+                                  "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
     def __post_init__(self) -> None:
@@ -142,15 +144,31 @@ def fused_update(timing: str, state_tier: str, devices: int) -> bool:
 # es is the compute dtype's size. On the cpu: LayerNorm keeps mean and rstd in the input dtype, and SDPA takes
 # its flash path for both dtypes, saving q, k, v, the output and an fp32 logsumexp (never the T x T scores).
 
-def rotary_table_bytes(shape: GPTJConfig, seq: int, es: int) -> int:
+def rotary_shared(es: int, packed: bool) -> bool:
+    """Whether every block saves the same sin/cos storages (fp32, unpacked): charged once, to the first block."""
+    return es == 4 and not packed
+
+
+def rotary_table_bytes(shape: GPTJConfig, seq: int, es: int, batch: int = 1, packed: bool = False) -> int:
     """sin and cos. In bf16 each block casts its own (T, R/2) copies; in fp32 the cast is a no-op and the
-    saved tensors are views of the cached (n_positions, R/2) tables, one storage for the whole model."""
+    saved tensors are views of the cached (n_positions, R/2) tables, one storage for the whole model. Packed
+    rows: each block gathers its own (B, T, R/2) tables at the rows' positions."""
     half = shape.rotary_dim // 2
+    if packed:
+        return 2 * batch * seq * half * es
     return 2 * shape.n_positions * half * 4 if es == 4 else 2 * seq * half * es
 
 
-def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: bool = True) -> int:
-    """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged)."""
+def mask_bytes(batch: int, seq: int, es: int, packed: bool) -> int:
+    """Packed rows' attention mask: SDPA turns the bool (B, 1, T, T) mask into a bias in the compute dtype and
+    saves it for the backward, a storage of each block's own."""
+    return batch * seq * seq * es if packed else 0
+
+
+def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: bool = True,
+                      packed: bool = False) -> int:
+    """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged);
+    `packed`: rows of packed examples (their mask and per-row rotary tables)."""
     n, d, f = batch * seq, shape.n_embd, shape.inner_dim
     tensors = es * (
         n * d  # h: the block input, saved by ln_1
@@ -159,11 +177,12 @@ def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: 
         + 2 * n * f  # fc_in output (gelu's input) and gelu output (fc_out's input)
     )
     stats = 2 * n * es + 4 * batch * shape.n_head * seq  # LayerNorm mean, rstd; SDPA logsumexp (fp32)
-    return tensors + stats + (rotary_table_bytes(shape, seq, es) if rotary else 0)
+    return (tensors + stats + mask_bytes(batch, seq, es, packed)
+            + (rotary_table_bytes(shape, seq, es, batch, packed) if rotary else 0))
 
 
 def frozen_block_saved_bytes(shape: GPTJConfig, lora: LoraConfig, batch: int, seq: int, es: int, first: bool,
-                             rotary: bool = True) -> int:
+                             rotary: bool = True, packed: bool = False) -> int:
     """What a block with frozen weights and LoRA adapters saves: only what the gradients w.r.t. its input and
     its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
     (the block after the embedding), so only the paths from its adapters save anything."""
@@ -173,9 +192,10 @@ def frozen_block_saved_bytes(shape: GPTJConfig, lora: LoraConfig, batch: int, se
     total = (n * d * es + 2 * n * es) if grad_in else 0  # h and ln_1's mean and rstd
     total += n * d * es if plain and targets & {"q_proj", "k_proj", "v_proj", "fc_in"} else 0  # x, the adapters'
     total += 3 * n * d * es + 4 * batch * shape.n_head * seq if attention else 0  # rotated q, k, v; logsumexp
+    total += mask_bytes(batch, seq, es, packed) if attention else 0
     total += n * d * es if attention or (plain and "out_proj" in targets) else 0  # the attention output
     rotates = grad_in or bool(targets & {"q_proj", "k_proj"})
-    total += rotary_table_bytes(shape, seq, es) if rotary and rotates else 0
+    total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and rotates else 0
     total += n * f * es if grad_in or "fc_in" in targets else 0  # gelu's input
     total += n * f * es if plain and "fc_out" in targets else 0  # gelu's output, fc_out's adapter input
     for target in targets:  # A's output; the compute-dtype casts of B and (if its input needs a gradient) A

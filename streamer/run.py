@@ -112,7 +112,7 @@ class RunConfig:
     update_timing: str = same_setting(PlanConfig, "update_timing")
     data_parallel: str = same_setting(PlanConfig, "data_parallel")
     seed: int = same_setting(TrainerConfig, "seed")
-    pack: bool = same_setting(DataConfig, "pack")
+    pack: str | None = same_setting(DataConfig, "pack")
     eval_fraction: float = same_setting(DataConfig, "eval_fraction")
     eval_data: str | None = same_setting(DataConfig, "eval_data")
     chat_template: str | None = same_setting(DataConfig, "chat_template")
@@ -184,8 +184,9 @@ class RunConfig:
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
+        # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
         return PlanConfig(**owned(self, PlanConfig), seq=self.seq, compute_dtype=self.dtype, devices=devices,
-                          moment_dtype=self.moment_dtype, lora=self.lora_config())
+                          moment_dtype=self.moment_dtype, lora=self.lora_config(), packed=self.pack is not None)
 
     def report_config(self) -> ReportConfig:
         return ReportConfig(self.report_to)
@@ -305,6 +306,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if unknown:
         verb = "is not a setting" if len(unknown) == 1 else "are not settings"
         raise RunError(f"--config {path}: {', '.join(unknown)} {verb}; valid keys: {', '.join(known)}")
+    if raw.get("pack") is True:  # a run's config.toml from when --pack was a switch: it packed examples
+        raw["pack"] = "examples"
+    elif raw.get("pack") is False:
+        del raw["pack"]
     for key in [*PATH_KEYS, "model"]:
         value = raw.get(key)
         if isinstance(value, str) and not (key == "model" and value in PRESETS):

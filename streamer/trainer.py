@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from layers import GPTJConfig, build_unit, check_state_dict, init_weights
+from layers import GPTJConfig, build_unit, check_state_dict, init_weights, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dirs
@@ -38,7 +38,7 @@ class StreamingTrainer:
             self.tc.device, sharded=self.tc.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
             store_dir = Path(store_dir) / f"rank{self.data_parallel.rank}"
-        processes = 1 if self.data_parallel is None else self.data_parallel.world
+        self.processes = 1 if self.data_parallel is None else self.data_parallel.world
         if self.tc.device == "meta":
             self.store = None
         elif _store is not None:
@@ -48,7 +48,7 @@ class StreamingTrainer:
                 if self.tc.store.state == "disk" or self.tc.store.compute == "disk":
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
-            self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, processes),
+            self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),
                                           _pin_memory(self.tc.device, self.tc.pin_memory))
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
@@ -62,10 +62,10 @@ class StreamingTrainer:
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(self.tc.device), self.tc.seed)
         self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
                                  self.adapters)
-        ranks = 1 if self.data_parallel is None else self.data_parallel.world
         try:
             # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
-            self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state, ranks)
+            self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state,
+                                                                self.processes)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
@@ -174,27 +174,41 @@ class StreamingTrainer:
     def step_count(self) -> int:
         return self.store.step if self.store is not None else 0
 
-    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> list[MicroBatch]:
+    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                       positions: torch.Tensor | None) -> tuple[list[MicroBatch], float]:
+        """This process's micro-batches, and StepContext's tokens (counted on the global batch every rank holds)."""
         labels = input_ids if labels is None else labels
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise StreamerError(f"input_ids must be (batch, seq) and labels the same shape; got "
-                                f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape or (
+                positions is not None and positions.shape != input_ids.shape):
+            raise StreamerError(f"input_ids must be (batch, seq) and labels and positions the same shape; got "
+                                f"{tuple(input_ids.shape)}, {tuple(labels.shape)} and "
+                                f"{None if positions is None else tuple(positions.shape)}")
         if input_ids.shape[1] > self.cfg.n_positions:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
                                 f"n_positions={self.cfg.n_positions}; use --seq <= {self.cfg.n_positions}")
+        if positions is not None and not positions.is_meta and not (
+                (positions >= 0).all() and (positions < input_ids.shape[1]).all()):
+            raise StreamerError(f"positions must lie in [0, {input_ids.shape[1]}) (the sequence length)")
+        # Over the ranks, whose gradients the all-reduce averages.
+        tokens = (labels.numel() if labels.is_meta else learned_tokens(labels)) / self.processes
+        rows = [input_ids, labels] + ([] if positions is None else [positions])
         if self.data_parallel is not None:
-            input_ids, labels = self.data_parallel.shard(input_ids), self.data_parallel.shard(labels)
+            rows = [self.data_parallel.shard(t) for t in rows]
+        input_ids = rows[0]
         if input_ids.shape[0] % self.tc.grad_accum:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
                                 f"grad_accum={self.tc.grad_accum}")
         device = self.executor.device
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
-        return [MicroBatch(i.to(device, copy=True), l.to(device, copy=True)) for i, l in
-                zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum))]
+        pieces = [[p.to(device, copy=True) for p in t.chunk(self.tc.grad_accum)] for t in rows]
+        return [MicroBatch(*piece) for piece in zip(*pieces)], tokens
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """One optimizer step over the batch (split into grad_accum micro-batches); returns the mean loss."""
-        micro = self._micro_batches(input_ids, labels)
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> float:
+        """One optimizer step over the batch (in grad_accum micro-batches); returns the mean loss per learned token.
+        `positions` (batch, seq): rows of packed examples, each token's position in its own example (restarting
+        at 0, streamer.io.data.Dataset.positions); each example then attends only to itself."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions)
         if self.store is not None:
             self.store.check_consistent()  # an update stopped part-way in this process: the run must be reopened
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
@@ -202,9 +216,9 @@ class StreamingTrainer:
         step = self.step_count + 1
         moved = self.store.bytes_moved() if self.store is not None else (0, 0)
         try:
-            ctx = self._fused_step(micro, step) if self.fused and self._speculate else None
+            ctx = self._fused_step(micro, tokens, step) if self.fused and self._speculate else None
             if ctx is None:  # after the backward, or a fused step that clipping undid, made again
-                ctx = self._run_step(micro, step, fused=False)
+                ctx = self._run_step(micro, tokens, step, fused=False)
                 # Clipping comes in runs (early training): speculate again only after a step that did not clip.
                 self._speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
@@ -229,13 +243,13 @@ class StreamingTrainer:
         """The global gradient norm of the last step, before clipping (0 before any step)."""
         return math.sqrt(sum(self.executor.grad_sq_norms.values()))
 
-    def _run_step(self, micro: list[MicroBatch], step: int, fused: bool) -> StepContext:
+    def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
         the store then refuses to train on until it is reopened and rolled forward)."""
         lr = self.tc.schedule.lr_at(step, self.tc.lr)
         # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
-        ctx = StepContext(micro, step, lr, clip_coef=1.0) if fused else StepContext(micro, step, lr,
-                                                                                  on_first_update=self._journal)
+        ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
+               else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
         numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
         if self.adapters is None:
             events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
@@ -257,11 +271,11 @@ class StreamingTrainer:
             raise
         return ctx
 
-    def _fused_step(self, micro: list[MicroBatch], step: int) -> StepContext | None:
+    def _fused_step(self, micro: list[MicroBatch], tokens: float, step: int) -> StepContext | None:
         """The step with the update fused into the backward; None when clipping undid it (made again after the
         backward: the gradients are recomputed, so the result is the same bit for bit)."""
         try:
-            return self._run_step(micro, step, fused=True)
+            return self._run_step(micro, tokens, step, fused=True)
         except ClippingNeeded:
             self.clipped_redos += 1
             self._speculate = False
@@ -303,16 +317,15 @@ class StreamingTrainer:
     def _mean_loss(self, ctx: StepContext) -> float:
         """The loss over the global batch (every rank's micro-batches); computed once per step."""
         if ctx.mean_loss is None:
-            local = float("nan") if self.executor.device.type == "meta" else float(torch.stack(ctx.losses).mean())
+            local = float("nan") if self.executor.device.type == "meta" else float(torch.stack(ctx.losses).sum())
             ctx.mean_loss = local if self.data_parallel is None else self.data_parallel.mean(local)
         return ctx.mean_loss
 
     def _journal(self, ctx: StepContext) -> None:
         """Before the first update: the loss must be finite, then the step is journaled (durable)."""
         self._check_loss(ctx)
-        loss = self._mean_loss(ctx)
         if self.store is not None:
-            state = self._trainer_state(extra_losses=[loss])
+            state = self._trainer_state(extra_losses=[self._mean_loss(ctx)])
             self.store.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
         if self.data_parallel is not None:
             self.data_parallel.barrier()  # no rank updates a weight before every rank has journaled the step
@@ -329,17 +342,18 @@ class StreamingTrainer:
         self.extra_state = dict(trainer_state.get("extra", {}))
         self.store.finish_step(step, trainer_state)
 
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """Mean loss with streamed forward passes only; no state changes."""
-        micro = self._micro_batches(input_ids, labels)
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> float:
+        """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions)
         losses = []
         for batch in micro:
-            ctx = StepContext([batch], self.step_count, 0.0)
+            ctx = StepContext([batch], self.step_count, 0.0, tokens)
             with torch.no_grad():
                 self.executor.run(forward_events(self.units), ctx)
             self.executor.clear_graphs()
             losses.append(ctx.losses[0])
-        return float(torch.stack(losses).mean()) if self.executor.device.type != "meta" else float("nan")
+        return float(torch.stack(losses).sum()) if self.executor.device.type != "meta" else float("nan")
 
     def _trainer_state(self, extra_losses: list[float] | None = None) -> dict[str, Any]:
         return {"config": self.tc.to_dict(), "losses": self.losses + (extra_losses or []),

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layers import GPTJConfig
 from memory_model import format_size, peak_device_bytes
 from streamer.advice import planned_peak
 from streamer.cli.main import main
@@ -192,6 +193,24 @@ def test_plan_json_for_gptj_6b(capsys):
     assert rc == 0 and "16 B/param baseline" in out
 
 
+def test_plan_pack_counts_each_blocks_attention_mask(capsys):
+    """`streamer plan --pack`: every block keeps its packed rows' attention mask, B x T x T in the compute dtype,
+    and sin and cos gathered per row (B x T x R instead of T x R); the dry run charges what the planner does."""
+    step = ["plan", "--model", "gptj-demo", "--target", "rtx4090", "--batch", 2, "--seq", 128, "--dtype", "bf16",
+            "--activations", "resident", "--dry-run", "--json"]
+    plans = [json.loads(run_cli(capsys, *step, *pack)[1]) for pack in ([], ["--pack"])]
+    rotary_dim = GPTJConfig.preset("gptj-demo").rotary_dim
+    blocks = [(plain, packed) for plain, packed in zip(plans[0]["rows"], plans[1]["rows"])
+              if plain["unit"].startswith("block")]
+    for plain, packed in blocks:
+        assert packed["activation_bytes"] - plain["activation_bytes"] == 2 * 128 * 128 * 2 + 128 * rotary_dim * 2
+    assert plans[1]["peak_device_bytes"] - plans[0]["peak_device_bytes"] == len(blocks) * 69632
+    # The dry run stands above the plan by the same bytes packed or not (meta's LayerNorm statistics, as
+    # test_dryrun states): measured 7,168 both.
+    assert len({plan["dry_run_peak_device_bytes"] - plan["peak_device_bytes"] for plan in plans}) == 1
+    assert "--pack must be one of examples, documents" in fails(capsys, "plan", "--pack", "rows")
+
+
 def test_plan_dry_run_reports_the_runtime_ledger(capsys):
     rc, out, err = run_cli(capsys, "plan", "--model", "gptj-demo", "--target", "rtx4090", "--batch", 4, "--seq", 128,
                            "--activations", "checkpoint", "--dry-run", "--json")
@@ -254,11 +273,18 @@ def test_resolution_order_and_the_demo(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0), pack=st.booleans(),
-       budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
+@given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0),
+       pack=st.sampled_from([None, "examples", "documents"]), budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
 def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
     cfg = RunConfig(sample_prompt=prompt, steps=steps, lr=lr, pack=pack, budget=budget, warmup=0)
     assert RunConfig(**tomllib.loads(cfg.to_toml())) == cfg
+
+
+def test_a_config_toml_from_when_pack_was_a_switch_still_reads(tmp_path):
+    """Runs made when --pack was a switch wrote `pack = false` or `pack = true` (which packed examples)."""
+    for written, read in (("false", None), ("true", "examples")):
+        (tmp_path / "config.toml").write_text(f"pack = {written}\n")
+        assert resolve({}, tmp_path / "config.toml").pack == read
 
 
 def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monkeypatch):

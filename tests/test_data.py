@@ -79,11 +79,37 @@ def test_completion_only_labels_and_padding(tmp_path):
 
 def test_prompt_examples_pack_without_splitting():
     examples = [Example("ab", "c"), Example("d", "ef"), Example("ghi", "j")]
-    data = tokenize(examples, TOK, seq=8, pack=True)
+    data = tokenize(examples, TOK, seq=8, pack="examples")
     assert data.input_ids.tolist() == [_ids("abc") + [EOS] + _ids("def") + [EOS],
                                        _ids("ghij") + [EOS] + [EOS] * 3]
     assert data.labels.tolist() == [[-100, -100, *_ids("c"), EOS, -100, *_ids("ef"), EOS],
                                     [-100] * 3 + _ids("j") + [EOS] + [-100] * 3]
+    # Each example's positions start at 0 (it attends only to itself); padding runs on from the last one.
+    assert data.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert tokenize(examples, TOK, seq=8).positions is None  # one example per row: the plain causal path
+    assert data.subset(torch.tensor([1])).positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    ids, labels, positions = next(BatchStream(data, batch=2))
+    assert sorted(positions.tolist()) == sorted(data.positions.tolist())
+
+
+def test_a_packed_example_learns_nothing_from_the_one_before():
+    """An example whose first token is learned (no prompt) does not learn it from the example before it."""
+    data = tokenize([Example("ab", "c"), Example("", "de")], TOK, seq=8, pack="examples")
+    assert data.labels.tolist() == [[-100, -100, *_ids("c"), EOS, -100, *_ids("e"), EOS, -100]]
+
+
+def test_text_documents_attend_across_each_other_unless_pack_documents():
+    docs = ["abc", "de", "fghij"]  # with end-of-text: 4 + 3 + 6 = 13 tokens, two sequences of 6
+    for pack in (None, "examples"):
+        assert tokenize(docs, TOK, seq=6, pack=pack).positions is None
+    data = tokenize(docs, TOK, seq=6, pack="documents")
+    assert data.input_ids.flatten().tolist() == (_ids("abc") + [EOS] + _ids("de") + [EOS] + _ids("fghij"))[:12]
+    # Positions restart at each document and at each sequence (the document's piece before is not seen).
+    assert data.positions.tolist() == [[0, 1, 2, 3, 0, 1], [0, 0, 1, 2, 3, 4]]
+    # A document's first token is not learned from the end of the one before.
+    assert data.labels.tolist() == [[-100, *_ids("bc"), EOS, -100, *_ids("e")], [EOS, -100, *_ids("ghij")]]
+    with pytest.raises(DataError, match="--pack must be one of examples, documents"):
+        tokenize(docs, TOK, seq=6, pack="yes")
 
 
 def test_an_example_longer_than_seq_is_an_error_not_truncated(tmp_path):
@@ -141,7 +167,7 @@ def test_resume_mid_epoch_continues_identically():
     expected = [next(reference) for _ in range(10)]
     resumed = BatchStream(data, batch=3, seed=1)
     resumed.load_state_dict(state)
-    for (ids, labels), (want_ids, want_labels) in zip((next(resumed) for _ in range(10)), expected):
+    for (ids, labels, _), (want_ids, want_labels, _) in zip((next(resumed) for _ in range(10)), expected):
         assert torch.equal(ids, want_ids) and torch.equal(labels, want_labels)
 
 
@@ -209,7 +235,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
 @given(suffix=st.sampled_from([".txt", ".jsonl", ".json"]),
        content=st.binary(max_size=80) | st.lists(_JSON, max_size=5).map(
            lambda rows: "\n".join(json.dumps(r) for r in rows).encode()),
-       seq=st.integers(1, 6), pack=st.booleans(), whole_file=st.booleans())
+       seq=st.integers(1, 6), pack=st.sampled_from([None, "examples", "documents"]), whole_file=st.booleans())
 def test_loader_raises_only_data_errors(suffix, content, seq, pack, whole_file):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"data{suffix}"

@@ -23,6 +23,15 @@ def global_batches(n: int) -> list[torch.Tensor]:
     return [torch.randint(0, CFG.vocab_size, (4, 32), generator=g) for _ in range(n)]
 
 
+def prompt_masked(ids: torch.Tensor) -> torch.Tensor:
+    """Labels whose rows learn unequal token counts, so the ranks do too: a step's loss is the mean over every
+    learned token of the global batch, not the mean of the ranks' own means."""
+    labels = ids.clone()
+    for row in range(ids.shape[0]):
+        labels[row, :4 + 6 * row] = -100
+    return labels
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,7 +47,7 @@ def _rank_main(rank: int, world: int, port: int, run: str, phases: list[tuple[st
     for how, steps in phases:
         trainer = StreamingTrainer(CFG, tc, store_dir=run) if how == "new" else StreamingTrainer.open(run)
         for _ in range(steps):
-            trainer.step(data[done])
+            trainer.step(data[done], prompt_masked(data[done]))
             done += 1
         trainer.close()
     torch.save({"state": trainer.state_dict(), "losses": trainer.losses, "peak": trainer.ledger.peak}, f"{out}.{rank}")
@@ -55,7 +64,7 @@ def single_process(tmp_path: Path, steps: int, tc: TrainerConfig = TC) -> dict:
     # Two ranks of 2 rows each average to the same gradient as one process with 2 micro-batches of 2 rows.
     with StreamingTrainer(CFG, tc.replace(grad_accum=2), store_dir=tmp_path / "single") as trainer:
         for ids in global_batches(steps):
-            trainer.step(ids)
+            trainer.step(ids, prompt_masked(ids))
         return {"state": trainer.state_dict(), "losses": trainer.losses}
 
 
@@ -68,8 +77,8 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     ranks = run_data_parallel(tmp_path, [("new", 3)])
     reference = single_process(tmp_path, 3)
     assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0  # every rank applied the same update
-    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # measured 2.4e-6 (native) / 2.6e-6 (AVX2 cap)
-    # measured 0 (native) / 2.4e-7 (AVX2 cap); 8x margin
+    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # measured 6.7e-8 (native)
+    # measured 1.2e-7 (native)
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
     # Each rank's device peak, the all-reduce's flat fp32 gradient included, is what the planner predicts.
     planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(batch=4, seq=32, compute_dtype="fp32", store="disk",

@@ -162,6 +162,40 @@ def test_loss_and_gradients_match_hf(tiny_hf_model: HFFactory, cfg: GPTJConfig, 
         assert (p.grad - expected).abs().max().item() <= 7e-6 * scale, name
 
 
+def test_packed_examples_have_the_loss_and_gradients_of_the_same_examples_unpacked() -> None:
+    """Rows of packed examples (positions restarting at 0 in each; the padding after them runs on): each example
+    attends only to itself, so the loss and gradients are those of every example run alone."""
+    cfg = CONFIGS["rotary-whole-head"]
+    torch.manual_seed(0)
+    model = GPTJ(cfg)
+    rows = [[5, 7, 4], [9, 11]]  # example lengths; row 0 ends in 4 tokens of padding
+    ids = _tokens(cfg, batch=2, length=20)
+    labels = _labels(cfg, 2, 20, ignored_fraction=0.3)
+    positions = torch.zeros(2, 20, dtype=torch.long)
+    examples = []
+    for row, lengths in enumerate(rows):
+        start = 0
+        for length in lengths:
+            positions[row, start:start + length] = torch.arange(length)
+            labels[row, start] = -100  # the first token is predicted from the example before it
+            examples.append((ids[row:row + 1, start:start + length], labels[row:row + 1, start:start + length]))
+            start += length
+        positions[row, start:] = torch.arange(lengths[-1], lengths[-1] + 20 - start)
+        labels[row, start:] = -100
+    tokens = sum(int((lab[:, 1:] != -100).sum()) for _, lab in examples)
+    results = []
+    for losses in (lambda: [causal_lm_loss(model(ids, positions=positions), labels, tokens)],
+                   lambda: [causal_lm_loss(model(i), lab, tokens) for i, lab in examples]):
+        model.zero_grad()
+        loss = torch.stack(losses()).sum()
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for packed, alone in zip(*results):
+        # Relative to each tensor's largest entry: measured 4.9e-7 (sums over a row run in another order); 8x margin.
+        assert (packed - alone).abs().max() <= 4e-6 * alone.abs().max()
+    assert not torch.allclose(causal_lm_loss(model(ids), labels, tokens), results[1][0])  # packing mattered
+
+
 def test_loss_ignores_minus_100_and_shifts_labels() -> None:
     # Independent of HF: only the targets at t+1 that are not -100 count.
     logits = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(0))
@@ -171,10 +205,12 @@ def test_loss_ignores_minus_100_and_shifts_labels() -> None:
     torch.testing.assert_close(causal_lm_loss(logits, labels), expected, rtol=0, atol=0)  # measured 0 (native, AVX2)
 
 
+@pytest.mark.parametrize("num_items", [None, 57.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab_chunk", [1, 7, 64, 301])
-def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: int) -> None:
-    """The head's loss in vocabulary chunks: the loss and every gradient of causal_lm_loss on full logits."""
+def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: int, num_items: float | None) -> None:
+    """The head's loss in vocabulary chunks: the loss and every gradient of causal_lm_loss on full logits, as a
+    mean or summed over a step's learned tokens (num_items, more than this batch's)."""
     cfg = GPTJConfig(vocab_size=301, n_positions=64, n_embd=48, n_layer=1, n_head=4, rotary_dim=4)
     torch.manual_seed(0)
     head = GPTJHead(cfg).to(dtype)
@@ -183,11 +219,12 @@ def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: i
     h = torch.randn(2, 33, cfg.n_embd, dtype=dtype, requires_grad=True)
     labels = _labels(cfg, 2, 33, ignored_fraction=0.3)
     results = []
-    for loss_of in (lambda: causal_lm_loss(head(h), labels), lambda: head(h, labels, vocab_chunk)):
+    for loss_of in (lambda: causal_lm_loss(head(h), labels, num_items),
+                    lambda: head(h, labels, vocab_chunk, num_items)):
         h.grad = None
         head.zero_grad()
         loss = loss_of()
-        (0.5 * loss).backward()  # a scale, as the executor's 1 / micro-batches
+        (0.5 * loss).backward()  # an incoming gradient other than 1
         results.append([loss.detach(), h.grad, *(p.grad for p in head.parameters())])
     # Relative to each tensor's largest entry. fp32: measured at most 6.3e-7 (the sums run in another order).
     # bf16: the loss within 1.6e-7, gradients within 8.8e-3 (the input's gradient is summed over the chunks

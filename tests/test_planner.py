@@ -88,16 +88,28 @@ def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str) -> No
         assert expected[name] == measured[name], name  # measured: equal to the byte on every case
 
 
+def _packed_positions(rng: random.Random, batch: int, seq: int) -> torch.Tensor:
+    """Rows of packed examples: positions restarting at 0 where each example begins."""
+    positions = torch.empty(batch, seq, dtype=torch.long)
+    for row in range(batch):
+        cut = rng.randint(1, seq - 1)
+        positions[row] = torch.cat([torch.arange(cut), torch.arange(seq - cut)])
+    return positions
+
+
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("seed,dtype", CASES)
-def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int, dtype: str) -> None:
+def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int, dtype: str, packed: bool) -> None:
     """The whole model, storages shared across units as the runtime sees them (the fp32 rotary tables are
-    one storage for every block; block j's saved input is block j-1's output)."""
+    one storage for every block; block j's saved input is block j-1's output). Packed rows: each block's
+    own attention mask and rotary tables besides."""
     rng = random.Random(100 + seed)
     cfg = _random_config(rng)
     shape = cfg
     batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
     embed, blocks, head = _units(cfg, DTYPES[dtype])
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    args = (0, None, _packed_positions(rng, batch, seq)) if packed else ()
     saved = SavedStorages([embed, *blocks, head])
     with saved.hooks("embed"):
         x = embed(ids)
@@ -105,10 +117,10 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
     for i, block in enumerate(blocks):
         inputs.append(x)
         with saved.hooks(f"block.{i}"):
-            x = block(x)
+            x = block(x, *args)
     with saved.hooks("head"):
         head(x, ids, vocab_chunk=7)
-    cfg_plan = PlanConfig(batch=batch, seq=seq, compute_dtype=dtype)
+    cfg_plan = PlanConfig(batch=batch, seq=seq, compute_dtype=dtype, packed=packed)
     rows = {r.unit: r for r in plan(shape, CS2, cfg_plan).rows}
     for unit, nbytes in saved.bytes.items():
         assert rows[unit].activation_bytes == nbytes, unit  # measured: equal to the byte on every case
@@ -119,7 +131,7 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
     recompute = SavedStorages([*blocks])
     recompute.charge("input", inputs[-1])
     with recompute.hooks(last):
-        blocks[-1](inputs[-1].detach().requires_grad_())
+        blocks[-1](inputs[-1].detach().requires_grad_(), *args)
     assert rows[last].activation_bytes == recompute.bytes["input"]
     assert rows[last].recompute_bytes == recompute.bytes[last]  # measured: equal to the byte on every case
 

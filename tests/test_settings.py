@@ -95,8 +95,8 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
     for name in OPTIMIZER:  # the trainer API's flat keywords are the optimizer's settings
         assert TrainerConfig.__dataclass_fields__[name].metadata["check"] is \
             OptimizerConfig.__dataclass_fields__[name].metadata["check"], name
-    run = RunConfig(lr=3e-4, eps=1e-6, pack=True, eval_fraction=0.1, budget="64MiB")
-    assert run.data_config() == DataConfig(pack=True, eval_fraction=0.1)
+    run = RunConfig(lr=3e-4, eps=1e-6, pack="examples", eval_fraction=0.1, budget="64MiB")
+    assert run.data_config() == DataConfig(pack="examples", eval_fraction=0.1)
     assert run.device_config() == DeviceConfig(budget="64MiB")
     assert run.trainer_config().optimizer == OptimizerConfig(lr=3e-4, eps=1e-6)
     # the same wrong value reads the same from the run's settings, the trainer API, the planner and bench
@@ -114,13 +114,13 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
 def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
     cfg = RunConfig(model="gptj-debug", dtype="fp32", batch=4, grad_accum=2, lr=3e-4, betas=(0.8, 0.9),
                     schedule="cosine", warmup=3, steps=9, moment_dtype="bf16", store="ram", update_chunk=4096,
-                    budget="64MiB", pack=True, max_grad_norm=0)
+                    budget="64MiB", pack="examples", max_grad_norm=0)
     tree, tc = cfg.tree(), cfg.trainer_config()
     assert tree.model == PRESETS["gptj-debug"] and tree.step == cfg.plan_config()
     assert tree.optimizer == tc.optimizer and tree.optimizer.max_grad_norm is None  # 0 on the command line
     assert tree.schedule == tc.schedule == LRSchedule("cosine", 3, 9)
     assert tree.store == tc.store_spec(tree.model) and tree.device == DeviceConfig("fp32", budget="64MiB")
-    assert tree.data == DataConfig(pack=True)
+    assert tree.data == DataConfig(pack="examples")
     # every flat setting taken from an owner with same_setting lands in that owner's config in the tree
     parts = {type(part): part for part in vars(tree).values()}
     for f in fields(RunConfig):

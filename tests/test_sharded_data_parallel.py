@@ -18,7 +18,8 @@ from streamer import StreamingTrainer
 from streamer.resources import DISK_HEADROOM, HostNeed
 from streamer.errors import StoreError
 from streamer.runtime.distributed import leave_process_group
-from tests.test_distributed import CFG, TC, _free_port, _max_diff, _rank_main, global_batches, single_process
+from tests.test_distributed import (CFG, TC, _free_port, _max_diff, _rank_main, global_batches, prompt_masked,
+                                   single_process)
 
 SHARDED = TC.replace(data_parallel="sharded")
 
@@ -79,7 +80,7 @@ def _killed_main(rank: int, world: int, port: int, run: str) -> None:
     torch.set_num_threads(1)
     data = global_batches(2)
     trainer = StreamingTrainer(CFG, SHARDED, store_dir=run)
-    trainer.step(data[0])
+    trainer.step(data[0], prompt_masked(data[0]))
     if rank == 1:
         write_back, writes = trainer.executor._write_back, []
 
@@ -90,8 +91,8 @@ def _killed_main(rank: int, world: int, port: int, run: str) -> None:
             write_back(*args)
 
         trainer.executor._write_back = dying
-    trainer.step(data[1])
-    trainer.step(data[1])  # rank 0 waits here for rank 1, which is gone
+    trainer.step(data[1], prompt_masked(data[1]))
+    trainer.step(data[1], prompt_masked(data[1]))  # rank 0 waits here for rank 1, which is gone
 
 
 def _resumed_main(rank: int, world: int, port: int, run: str, out: str) -> None:
@@ -99,7 +100,8 @@ def _resumed_main(rank: int, world: int, port: int, run: str, out: str) -> None:
     torch.set_num_threads(1)
     with StreamingTrainer.open(run) as trainer:
         steps = trainer.step_count
-        trainer.step(global_batches(3)[2])
+        ids = global_batches(3)[2]
+        trainer.step(ids, prompt_masked(ids))
         torch.save({"state": trainer.state_dict(), "steps": steps}, f"{out}.{rank}")
     leave_process_group()
 

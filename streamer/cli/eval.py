@@ -6,7 +6,7 @@ import math
 import time
 from typing import Any
 
-from layers import IGNORE_INDEX
+from layers import learned_tokens
 from memory_model.devices import budget_bytes
 from streamer.cli.flags import declare_command
 from streamer.cli.generate import open_trainer
@@ -75,10 +75,10 @@ def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int) ->
     (a prompt/completion sequence predicts only its completion).
     """
     total, tokens = 0.0, 0
-    for ids, labels in dataset.batches(batch):
-        count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    for ids, labels, positions in dataset.batches(batch):
+        count = learned_tokens(labels)
         if count:
-            total += trainer.evaluate(ids, labels) * count
+            total += trainer.evaluate(ids, labels, positions) * count
             tokens += count
     if tokens == 0:
         raise RunError("the data holds no token to predict; pass data with text or completions")

@@ -11,7 +11,7 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Callable, Iterable, Mapping
 
-from memory_model.settings import Assignments, flag
+from memory_model.settings import Assignments, Choice, flag
 from streamer.run import DEMO_DEFAULTS, RunConfig
 
 
@@ -42,6 +42,8 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = 
             kwargs.update(nargs="+", action=_Numbers, metavar=("B1", "B2"),
                           help=text + shown.replace(str(default), ",".join(map(str, default))))
         else:
+            if isinstance(f.metadata["check"], Choice) and f.metadata["check"].bare is not None:
+                kwargs.update(nargs="?", const=f.metadata["check"].bare)
             kwargs.update(type=types[0], metavar=f.metadata["metavar"] or {int: "N", float: "X"}[types[0]],
                           help=text + ("" if default is None else shown))
         parser.add_argument(flag(f.name), **kwargs)

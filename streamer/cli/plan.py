@@ -25,7 +25,7 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk", "moment_dtype", "update_timing", "data_parallel", "lora_rank", "lora_targets", "set")
+                 "update_chunk", "moment_dtype", "update_timing", "data_parallel", "lora_rank", "lora_targets", "set", "pack")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
@@ -101,7 +101,7 @@ def plan_command(args: argparse.Namespace) -> int:
                            prefetch=cfg.prefetch, update_on=plan_cfg.update_on, update_chunk=cfg.update_chunk,
                            store=cfg.store, update_timing=cfg.update_timing,
                            lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)
-        ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq)
+        ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
     if args.json:

@@ -44,11 +44,13 @@ examples:
   streamer train --steps 6 --run-dir /tmp/quick    ... to step 6 (other settings than its own are refused)
   streamer train --from-pretrained ./gptj-hf --data summaries.jsonl --seq 512 --batch 8 --grad-accum 4 \\
       --lr 1e-5 --schedule cosine --warmup 20 --steps 300 --budget 3GiB --activations checkpoint
+  streamer train --from-pretrained ./gptj-hf --data train.jsonl --pack --seq 512 --batch 8 --steps 100
   streamer train --config run.toml --steps 50      a TOML file of the same settings; flags win
   streamer train --resume runs/demo-20260101-120000 --steps 120
 
 --data: a .txt file (blank lines separate documents) or .jsonl with {"text": ...} or
-{"prompt": ..., "completion": ...} records (the loss covers the completion only).
+{"prompt": ..., "completion": ...} records (the loss covers the completion only). --pack puts several
+examples in a sequence, each attending only to itself; --pack documents does the same for text documents.
 Every run writes its resolved settings to RUN/config.toml. A run killed at any point (set-up included)
 continues from its last committed step when the same command is run again. The host RAM and disk the
 store needs are checked before anything is written."""

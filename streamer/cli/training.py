@@ -108,13 +108,13 @@ def train(s: Session, console: Console) -> tuple[int, float]:
         if first == 0 and cfg.eval_every:
             evaluate(s, progress.console)  # the baseline every later evaluation is read against
         while trainer.step_count < cfg.steps:
-            ids, labels = next(s.stream)
+            ids, labels, positions = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
             step = trainer.step_count + 1
             window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
             try:
-                loss = trainer.step(ids, labels)
+                loss = trainer.step(ids, labels, positions)
             finally:
                 step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
@@ -171,11 +171,11 @@ def evaluate(s: Session, console: Console) -> float | None:
     cfg, losses = s.cfg, []
     # The trainer splits a batch over the processes, then into grad_accum micro-batches.
     split = cfg.grad_accum * (1 if s.parallel is None else s.parallel.world)
-    for i, (ids, labels) in enumerate(s.held_out.batches(cfg.batch)):
+    for i, (ids, labels, positions) in enumerate(s.held_out.batches(cfg.batch)):
         usable = ids.shape[0] - ids.shape[0] % split
         if i == cfg.eval_batches or usable == 0:
             break
-        local = s.trainer.evaluate(ids[:usable], labels[:usable])
+        local = s.trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable])
         losses.append(local if s.parallel is None else s.parallel.mean(local))
     if not losses:
         return None

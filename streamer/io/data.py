@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Mapping, Protocol
 import torch
 
 from layers import IGNORE_INDEX
-from memory_model.settings import Integer, Number, Switch, Text, check_settings, flag, setting
+from memory_model.settings import Choice, Integer, Number, Text, check_settings, flag, setting
 from streamer.errors import DataError
 from streamer.io.chat import chat_pieces, render
 from streamer.io.records import Example, read_examples
@@ -22,6 +22,9 @@ from streamer.io.records import Example, read_examples
 
 def _setting_error(key: str, problem: str) -> DataError:
     return DataError(f"{flag(key)} {problem}")
+
+
+PACKINGS = ("examples", "documents")
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,11 @@ class DataConfig:
                                           "(default: --from-pretrained's, else a BPE trained on the data)", Text(), "DIR")
     vocab_size: int | None = setting(None, "vocabulary of the trained BPE (default: the model's)",
                                      Integer(257, " (256 bytes + end-of-text)"))
-    pack: bool = setting(False, "pack several prompt/completion examples into one sequence", Switch())
+    pack: str | None = setting(None, "pack several prompt/completion or chat examples into one sequence, each "
+                                     "attending only to itself with positions from 0 (a bare --pack: examples); "
+                                     "documents: also give each document of plain text its own attention and "
+                                     "positions (default: examples padded one to a sequence, text documents "
+                                     "attending across each other)", Choice(PACKINGS, bare="examples"), "WHAT")
     eval_fraction: float = setting(0.05, "fraction of sequences held out for evaluation (unused with "
                                          "--eval-data)", Number(0.0, 1.0, high_open=True))
     eval_data: str | None = setting(None, "held-out data to evaluate on, in any --data format (default: "
@@ -46,6 +53,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, _setting_error)
+
+
+# input_ids, labels and positions (None: every row one sequence) of a batch of rows.
+Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
 class TokenizerLike(Protocol):
@@ -66,15 +77,20 @@ def demo_corpus() -> list[str]:
 
 @dataclass(frozen=True)
 class Dataset:
-    """Token sequences of one fixed length: input_ids and labels, both LongTensor (N, seq); -100 = no loss."""
+    """Token sequences of one fixed length: input_ids and labels, both LongTensor (N, seq); -100 = no loss.
+
+    positions (N, seq): each token's position in its example where rows hold packed examples (restarting at 0
+    in each, so that they attend only to themselves); None: every row is one sequence, positions 0..seq-1.
+    """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if (self.input_ids.ndim != 2 or self.input_ids.shape != self.labels.shape
-                or self.input_ids.dtype != torch.long or self.labels.dtype != torch.long):
-            raise ValueError("input_ids and labels must be LongTensors of one shape (N, seq)")
+        tensors = (self.input_ids, self.labels) + (() if self.positions is None else (self.positions,))
+        if self.input_ids.ndim != 2 or any(t.shape != self.input_ids.shape or t.dtype != torch.long for t in tensors):
+            raise ValueError("input_ids, labels and positions must be LongTensors of one shape (N, seq)")
         if len(self) == 0:
             raise DataError("the dataset holds no sequence; add data or lower --seq")
 
@@ -86,7 +102,8 @@ class Dataset:
         return self.input_ids.shape[1]
 
     def subset(self, indices: torch.Tensor) -> Dataset:
-        return Dataset(self.input_ids[indices], self.labels[indices])
+        return Dataset(self.input_ids[indices], self.labels[indices],
+                       None if self.positions is None else self.positions[indices])
 
     def split(self, eval_fraction: float, seed: int = 0) -> tuple[Dataset, Dataset | None]:
         """(train, held-out) drawn by a seeded permutation; held-out is None only if it would be empty."""
@@ -98,14 +115,18 @@ class Dataset:
         order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
         return self.subset(order[n_eval:].sort().values), self.subset(order[:n_eval].sort().values)
 
-    def batches(self, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def rows(self, indices: torch.Tensor | slice) -> Batch:
+        """input_ids, labels and positions (None: unpacked) of some rows."""
+        return self.input_ids[indices], self.labels[indices], None if self.positions is None else self.positions[indices]
+
+    def batches(self, batch: int) -> Iterator[Batch]:
         """One pass in order (for evaluation); the last batch may be smaller."""
         for start in range(0, len(self), batch):
-            yield self.input_ids[start:start + batch], self.labels[start:start + batch]
+            yield self.rows(slice(start, start + batch))
 
 
 def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: int,
-             pack: bool = False) -> Dataset:
+             pack: str | None = None) -> Dataset:
     """Text is packed end to end into `seq`-token sequences (the tail that does not fill one is dropped).
 
     Each prompt/completion example becomes prompt + completion + end-of-text,
@@ -113,16 +134,26 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
     (input end-of-text, label -100), or with `pack` shares one with the next
     examples that still fit. A conversation is its rendered pieces, labels -100
     on all but the assistant turns (the template writes its own end of turn).
-    An example longer than `seq` is an error, never cut.
+    An example longer than `seq` is an error, never cut. Packed examples are
+    independent, as transformers' DataCollatorWithFlattening makes them: their
+    positions restart at 0 (Dataset.positions), so each attends only to itself,
+    and their first token is not learned (it would be predicted from the
+    example before). With pack="documents" text documents are split the same
+    way (a sequence's first token starts a piece of its own); otherwise they
+    attend across each other with positions 0..seq-1, as they always have.
     """
+    if pack is not None and pack not in PACKINGS:
+        raise DataError(f"--pack must be one of {', '.join(PACKINGS)}, got {pack!r}")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 2:
         raise DataError(f"seq must be an integer >= 2 (a token and the one it predicts), got {seq!r}")
     eos = tokenizer.eos_id
     stream: list[int] = []
-    rows: list[tuple[list[int], list[int]]] = []
+    document_starts: list[int] = []  # where each text document begins in the stream
+    rows: list[tuple[list[int], list[int], list[int]]] = []  # ids, labels, positions
     for example in examples:
         example = example if isinstance(example, Example) else Example(example)
         if example.completion is None and example.messages is None:
+            document_starts.append(len(stream))
             stream += tokenizer.encode(example.text) + [eos]
             continue
         ids, labels = _supervised(example, tokenizer)
@@ -133,20 +164,36 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
                             "raise --seq or shorten the example")
         if pack and rows and len(rows[-1][0]) + length <= seq:
             rows[-1][0].extend(ids)
-            rows[-1][1].extend(labels)
+            rows[-1][1].extend([IGNORE_INDEX] + labels[1:])
+            rows[-1][2].extend(range(length))
         else:
-            rows.append((ids, labels))
+            rows.append((ids, labels, list(range(length))))
     n_text = len(stream) // seq
     if n_text == 0 and not rows:
         raise DataError(f"the data holds {len(stream)} tokens, fewer than one sequence of seq={seq}; "
                         "lower --seq or add data")
     text = torch.tensor(stream[:n_text * seq], dtype=torch.long).view(n_text, seq)
+    text_labels, text_positions = text.clone(), torch.arange(seq).expand(n_text, seq).clone()
+    if pack == "documents":
+        starts = torch.zeros(len(stream) + 1, dtype=torch.bool)
+        starts[document_starts] = True
+        starts = starts[:n_text * seq].view(n_text, seq)
+        text_labels[starts] = IGNORE_INDEX  # predicted from the document before
+        starts[:, 0] = True
+        # Each token's distance from the last start at or before it.
+        text_positions -= torch.where(starts, text_positions, 0).cummax(dim=1).values
     padded = torch.full((len(rows), seq), eos, dtype=torch.long)
     masked = torch.full((len(rows), seq), IGNORE_INDEX, dtype=torch.long)
-    for i, (ids, labels) in enumerate(rows):
+    positions = torch.arange(seq).expand(len(rows), seq).clone()  # padding runs on from the last example
+    for i, (ids, labels, places) in enumerate(rows):
         padded[i, :len(ids)] = torch.tensor(ids)
         masked[i, :len(labels)] = torch.tensor(labels)
-    return Dataset(torch.cat([text, padded]), torch.cat([text.clone(), masked]))
+        positions[i, :len(places)] = torch.tensor(places)
+        positions[i, len(places):] += places[-1] + 1 - len(places)
+    positions = torch.cat([text_positions, positions])
+    # Rows that each hold one sequence train on the unmasked causal path, as without packing.
+    unpacked = bool((positions == torch.arange(seq)).all())
+    return Dataset(torch.cat([text, padded]), torch.cat([text_labels, masked]), None if unpacked else positions)
 
 
 def _supervised(example: Example, tokenizer: TokenizerLike) -> tuple[list[int], list[int]]:
@@ -182,7 +229,7 @@ def prompt_of(example: Example, tokenizer: TokenizerLike) -> str:
     return " ".join(example.text.split()[:8])
 
 
-def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: bool = False,
+def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: str | None = None,
                  whole_file: bool = False) -> Dataset:
     """read_examples + tokenize; a data file's name is in every error it can cause."""
     examples = read_examples(path, whole_file)
@@ -215,7 +262,7 @@ class BatchStream:
     def __iter__(self) -> BatchStream:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Batch:
         picked = []
         while sum(len(p) for p in picked) < self.batch:
             take = min(self.batch - sum(len(p) for p in picked), len(self._order) - self.position)
@@ -224,8 +271,7 @@ class BatchStream:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation()
-        indices = torch.cat(picked)
-        return self.dataset.input_ids[indices], self.dataset.labels[indices]
+        return self.dataset.rows(torch.cat(picked))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch": self.batch,

@@ -14,23 +14,30 @@ from streamer.config import TrainerConfig
 
 class FlashAttentionOnMeta(TorchFunctionMode):
     """On `meta`, SDPA falls back to the math kernel, which saves the (T x T) attention matrix; the CPU and
-    CUDA training kernels save only q, k, v, the output and the log-sum-exp. Route to the flash kernel so the
-    dry run charges what a real step saves."""
+    CUDA training kernels save only q, k, v, the output and the log-sum-exp (and a mask, as a bias in the
+    compute dtype: what the CPU's SDPA turns a bool mask into). Route to the CPU's flash kernel so the dry run
+    charges what a real step saves."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+        if func is F.scaled_dot_product_attention and len(args) == 3:
+            mask = kwargs.get("attn_mask")
+            if mask is not None and mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=args[0].dtype, device=mask.device).masked_fill(
+                    ~mask, float("-inf"))
             out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                *args, 0.0, kwargs.get("is_causal", False))
+                *args, 0.0, kwargs.get("is_causal", False), attn_mask=mask)
             return out
         return func(*args, **kwargs)
 
 
-def dry_run(cfg: GPTJConfig, tc: TrainerConfig, batch: int, seq: int) -> Ledger:
-    """Run one full training step (grad_accum micro-batches and the update) on meta; returns its ledger."""
+def dry_run(cfg: GPTJConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False) -> Ledger:
+    """Run one full training step (grad_accum micro-batches and the update) on meta; returns its ledger.
+    `packed`: rows of packed examples (their positions, hence masked attention)."""
     from streamer.trainer import StreamingTrainer
     trainer = StreamingTrainer(cfg, tc.replace(device="meta", budget=None))
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     with FlashAttentionOnMeta():
-        trainer.step(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
+        trainer.step(ids, positions=ids if packed else None)
     trainer.close()
     return trainer.ledger

@@ -29,7 +29,8 @@ from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import Store
-from streamer.runtime.step import ClippingNeeded, PendingOffload, RunningStep, StepContext, clip_coefficient
+from streamer.runtime.step import (ClippingNeeded, MicroBatch, PendingOffload, RunningStep, StepContext,
+                                   clip_coefficient)
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
@@ -200,16 +201,16 @@ class Executor:
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
                 chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
-                loss = self._call_unit(unit, x, micro, batch.labels, chunk)
-            ctx.losses.append(loss.detach())
-            self.current.graphs[unit] = (x, loss / len(ctx.micro_batches))
+                loss = self._call_unit(unit, x, micro, batch.labels, chunk, ctx.tokens)
+            ctx.losses.append(loss.detach())  # this micro-batch's share of the step's token mean
+            self.current.graphs[unit] = (x, loss)
         elif self.tc.activations == "checkpoint":
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():
-                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro, *_packed(batch)))
         else:
             with self.recorder.hooks(self.states[unit]):
-                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro))
+                self.current.graphs[unit] = (x, self._call_unit(unit, x, micro, *_packed(batch)))
 
     def _previous_output(self, unit: str) -> torch.Tensor:
         names = list(self.layouts)
@@ -227,7 +228,8 @@ class Executor:
             incoming, incoming_handle = self.current.flowing_grad
             if unit.startswith("block") and self.tc.activations == "checkpoint":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
-                    y = self._call_unit(unit, x, micro)  # recompute: the only second forward, by policy
+                    # recompute: the only second forward, by policy
+                    y = self._call_unit(unit, x, micro, *_packed(ctx.micro_batches[micro]))
             torch.autograd.backward(y, incoming)
             self.ledger.free(incoming_handle)
         del y
@@ -398,3 +400,8 @@ class Executor:
     def close(self) -> None:
         self.io.close()
         self.current.discard_writers()
+
+
+def _packed(batch: MicroBatch) -> tuple[object, ...]:
+    """A block's arguments after its input: none, or (start_pos, cache, positions) for packed examples."""
+    return () if batch.positions is None else (0, None, batch.positions)

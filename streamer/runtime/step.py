@@ -26,6 +26,7 @@ class ClippingNeeded(Exception):
 class MicroBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None  # packed examples' own positions (GPTJAttention); None: 0..T-1
 
 
 @dataclass
@@ -35,6 +36,10 @@ class StepContext:
     micro_batches: list[MicroBatch]
     step: int  # the optimizer step being made (1-based)
     lr: float
+    # Every micro-batch's loss is its summed cross-entropy over this: the learned tokens of the whole step (every
+    # micro-batch of every rank) over the ranks, whose gradients the all-reduce averages (Trainer's
+    # num_items_in_batch). None: each micro-batch's own mean.
+    tokens: float | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     clip_coef: float | None = None
     mean_loss: float | None = None
