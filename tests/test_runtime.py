@@ -144,6 +144,17 @@ def test_grad_accum_must_divide_batch(tmp_path):
             trainer.step(batches(1)[0])
 
 
+def test_positions_must_fit_the_rows(tmp_path):
+    from streamer.errors import StreamerError
+    ids = batches(1)[0]
+    with StreamingTrainer(DEBUG, TrainerConfig(), store_dir=tmp_path / "run") as trainer:
+        with pytest.raises(StreamerError, match=r"positions must lie in \[0, 32\)"):
+            trainer.step(ids, positions=torch.arange(1, 33).expand(4, 32))
+        with pytest.raises(StreamerError, match="labels and positions the same shape"):
+            trainer.step(ids, positions=torch.arange(31).expand(4, 31))
+        assert trainer.step_count == 0
+
+
 def test_host_update_on_a_cpu_device_with_a_bf16_disk_store(tmp_path):
     """The host update is the path a GPU box runs (the update where the store lives), also with the device
     being the CPU: nothing of it is charged to the device, and its weights are the device update's."""
