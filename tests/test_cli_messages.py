@@ -13,27 +13,11 @@ import pytest
 import torch
 
 from streamer.cli.main import build_parser, main
+from test_cli import fails, run_cli
 from streamer.io.chat import render
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse's usage errors
-        rc = exc.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def fails(capsys, *argv: object) -> str:
-    """The command fails with exit status 2 and exactly one line on stderr."""
-    rc, _, err = run_cli(capsys, *argv)
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def train_argv(setup: Path, run: Path, data: Path, *extra: object) -> list[object]:

@@ -339,7 +339,7 @@ def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path, ca
     assert alone.returncode == 2 and "trained by 2 process(es) and this is 1" in alone.stderr
     # The hint printed at the end is the torchrun command, and it continues the run.
     hint = next(line.strip() for line in done.stdout.splitlines() if "--resume" in line)
-    assert hint == f"torchrun --standalone --nproc_per_node 2 -m streamer train --resume {parallel} --steps 6"
+    assert hint == f"torchrun --standalone --nproc-per-node 2 -m streamer train --resume {parallel} --steps 6"
     resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", *shlex.split(hint)[1:]], env=ENV,
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -87,6 +87,14 @@ def _rendezvous_host(nodes: list[subprocess.Popen], port: int) -> int:
     raise AssertionError(f"no node listens on 127.0.0.1:{port}")
 
 
+def _wait_for_step(run: Path, step: int, nodes: list[subprocess.Popen]) -> None:
+    """Until `run` has logged `step` steps, both nodes still running (WAIT_S at most)."""
+    deadline = time.monotonic() + WAIT_S
+    while _logged(run) < step and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
+        time.sleep(0.005)
+    assert _logged(run) == step, f"the run did not reach step {step}"
+
+
 @pytest.mark.slow
 def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the_run(tiny_setup, tmp_path):
     run, single = tmp_path / "nodes", tmp_path / "single"
@@ -94,10 +102,7 @@ def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the
     port = _free_port()
     nodes = _start(port, argv)
     try:  # one node (all its processes) is killed during step 3
-        deadline = time.monotonic() + WAIT_S
-        while _logged(run) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
-            time.sleep(0.005)
-        assert _logged(run) == 2, "the run did not reach step 2"
+        _wait_for_step(run, 2, nodes)
         # The other node, not the rendezvous' host: without its store torchrun itself stops (its own error).
         victim = 1 - _rendezvous_host(nodes, port)
         for p in _tree(nodes[victim]):
@@ -149,10 +154,7 @@ def test_a_node_that_stops_answering_fails_the_other_after_dist_timeout(tiny_set
     run, port = tmp_path / "run", _free_port()
     nodes = _start(port, train_argv(tiny_setup, run, "--steps", 40, "--dist-timeout", 3))
     try:
-        deadline = time.monotonic() + WAIT_S
-        while _logged(run) < 1 and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
-            time.sleep(0.005)
-        assert _logged(run) == 1, "the run did not reach step 1"
+        _wait_for_step(run, 1, nodes)
         victim = 1 - _rendezvous_host(nodes, port)
         for p in _tree(nodes[victim]):
             p.send_signal(signal.SIGSTOP)
