@@ -11,7 +11,7 @@ import torch
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
-from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dirs
+from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
@@ -21,6 +21,7 @@ from memory_model.schedule import chunks, forward_events, frozen_base_events, st
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostStore
+from streamer.store.ranks import rank_dir, store_dirs
 from streamer.store.shards import MergedShards
 from streamer.store.interface import Store
 
@@ -37,7 +38,7 @@ class StreamingTrainer:
         self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(
             self.tc.device, sharded=self.tc.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
-            store_dir = Path(store_dir) / f"rank{self.data_parallel.rank}"
+            store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
         if self.tc.device == "meta":
             self.store = None
@@ -82,12 +83,13 @@ class StreamingTrainer:
         it without writing in its folder, which may be read-only (HostStore.open)."""
         device = dict(overrides or {}).get("device", "cpu")
         data_parallel = DataParallel.from_environment(device)
-        store_dirs = rank_store_dirs(Path(store_dir), data_parallel)  # several: a sharded run, read in one process
+        rank, world = (None, 1) if data_parallel is None else (data_parallel.rank, data_parallel.world)
+        dirs = store_dirs(Path(store_dir), rank, world)  # several: a sharded run, read in one process
         # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
         # pin_memory comes from the overrides, else from the settings the store was committed with.
-        settings = {**read_manifest(store_dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
-        store = MergedShards.open(store_dirs) if len(store_dirs) > 1 else HostStore.open(
-            store_dirs[0], _pin_memory(str(settings.get("device", "cpu")),
+        settings = {**read_manifest(dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
+        store = MergedShards.open(dirs) if len(dirs) > 1 else HostStore.open(
+            dirs[0], _pin_memory(str(settings.get("device", "cpu")),
                                        settings.get("pin_memory", TrainerConfig.pin_memory)), read_only=read_only)
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why

@@ -28,7 +28,6 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -36,7 +35,6 @@ import torch.distributed as dist
 
 from memory_model.schedule import shard_numel
 from streamer.errors import StoreError, StreamerError
-from streamer.store.commit import read_manifest
 from streamer.store.interface import Store
 from streamer.store.layout import fold_into
 
@@ -206,22 +204,6 @@ def leave_process_group() -> None:
             dist.barrier()
         time.sleep(0.1)
         dist.destroy_process_group()
-
-
-def rank_store_dirs(run_store: Path, parallel: DataParallel | None) -> list[Path]:
-    """The store this process opens: `run_store` itself, or under torchrun its rank's `rank<N>` folder; for one
-    process reading a run sharded over N processes (generate, export, eval), every rank's store, in rank order.
-    A store written by another number of processes is refused, untouched, with the number to resume it with."""
-    processes = len(list(run_store.glob("rank*"))) or 1
-    world = 1 if parallel is None else parallel.world
-    if run_store.is_dir() and processes != world:
-        ranks = [run_store / f"rank{r}" for r in range(processes)]
-        if parallel is None and read_manifest(ranks[0])["spec"].get("shards", 1) == processes:
-            return ranks
-        how = f"torchrun --nproc-per-node {processes}" if processes > 1 else "one process (no torchrun)"
-        raise StoreError(f"{run_store} holds the stores of {processes} process(es) and this is {world}; resume "
-                         f"it with {how}")
-    return [run_store if parallel is None else run_store / f"rank{parallel.rank}"]
 
 
 def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> None:

@@ -13,7 +13,6 @@ save) keep the old generation until the manifest names the new one.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,14 +22,14 @@ import torch
 from memory_model.schedule import chunks
 from streamer.errors import StoreError
 from streamer.store.commit import (
-    FORMAT, JOURNAL, MANIFEST, Commit, check_units, lock_for_reading, lock_run_dir,
-    read_journal, read_manifest, state_name,
+    JOURNAL, MANIFEST, Commit, check_units, lock_for_reading, lock_run_dir, new_manifest, read_journal,
+    read_manifest, state_name, write_journal, write_manifest,
 )
 from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, Store
 from streamer.store.layout import fold_into, model_layouts
 from streamer.store.ram import RamSlabs
-from streamer.store.slabfile import Checksum, fsync_path, verify_checksums, write_json_atomic
+from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
 from streamer.store.spec import PIN_MODES, StoreSpec
 
 
@@ -71,9 +70,7 @@ class HostStore(Store):
         (root / "slabs").mkdir(parents=True, exist_ok=True)
         for folder in (root.parent, root):  # the run directory's own entries survive a power loss too
             fsync_path(folder)
-        manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
-                    "checksums": {}, "trainer": {}}
-        store = cls(root, spec, manifest, pin_memory, lock_run_dir(root))
+        store = cls(root, spec, new_manifest(spec.to_dict()), pin_memory, lock_run_dir(root))
         store._allocate_ram()
         return store
 
@@ -248,8 +245,8 @@ class HostStore(Store):
         if journaled:
             self.sync_grads()
             grad_checksums = {unit: self._grad_checksums[unit] for unit in self.layouts}
-            write_json_atomic(self.root / JOURNAL, json.dumps(
-                {"step": step, "generation": self.generation + 1, "grad_checksums": grad_checksums, **record}))
+            write_journal(self.root, {"step": step, "generation": self.generation + 1,
+                                      "grad_checksums": grad_checksums, **record})
         self.commit = Commit(step, self.generation + 1, journaled)
 
     def begin_speculative_step(self, step: int) -> None:
@@ -326,7 +323,7 @@ class HostStore(Store):
         current = {state_name(u, g) for u, g in self.versions.items()}
         self.manifest.update(step=self.step, generation=self.generation, units=dict(self.versions),
                              checksums={k: v for k, v in self.manifest["checksums"].items() if k in current})
-        write_json_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
+        write_manifest(self.root, self.manifest)
 
 
 class UnitWriter(StateWriter):
