@@ -333,6 +333,8 @@ def test_readers_share_the_lock_write_nothing_and_refuse_to_write(tmp_path, monk
             HostStore.open(tmp_path / "run")  # a writer waits for the readers
         with pytest.raises(StoreError, match="opened for reading"):
             a.step(batches(1)[0])
+        with pytest.raises(StoreError, match="opened for reading"):
+            a.save()
     assert snapshot(tmp_path / "run") == {**before, "lock": b""}
     writer = HostStore.open(tmp_path / "run")
     with pytest.raises(StoreError, match="being trained by another process"):
@@ -515,9 +517,10 @@ def test_the_runtime_uses_the_store_only_through_its_interface():
     assert {name for name, paths in used.items() if "streamer/runtime/transport.py" in paths} <= reads
     assert not any(name.startswith("_") for name in declared - {"__enter__", "__exit__"} if name in used)
     assert all(map(inspect.isabstract, (StoreReader, StoreWriter, StateWriter)))
-    # The reader of a sharded run is a reader only: it implements every read and has no write to refuse.
-    assert not inspect.isabstract(MergedShards) and not issubclass(MergedShards, StoreWriter)
-    assert not members(MergedShards) & (members(StoreWriter) - reads)
+    # The readers are readers only: each implements every read and has no write to refuse.
+    for reader in (HostReader, MergedShards):
+        assert not inspect.isabstract(reader) and not issubclass(reader, StoreWriter)
+        assert not members(reader) & (members(StoreWriter) - reads)
 
 
 def test_the_torch_dtypes_are_the_sized_dtypes() -> None:
