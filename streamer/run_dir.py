@@ -18,6 +18,7 @@ from typing import Any
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError, blame, read_toml
 from streamer.store.commit import lock_file, read_journal, read_manifest
+from streamer.store import ranks
 from streamer.store.slabfile import write_json_atomic
 
 # In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
@@ -63,14 +64,14 @@ class RunDir:
 
     def processes(self) -> int:
         """How many data-parallel processes trained the run: each keeps its own store in store/rank<N>."""
-        return len(list(self.store.glob("rank*"))) or 1
+        return ranks.processes(self.store)
 
     def store_to_read(self) -> Path:
         """A store with the run's weights: every process's store holds the same ones, unless the state is sharded
         (then the folder of every rank's slice, which one process reads as one store)."""
-        if self.processes() == 1 or read_manifest(self.store / "rank0")["spec"].get("shards", 1) > 1:
+        if self.processes() == 1 or ranks.is_sharded(self.store):
             return self.store
-        return self.store / "rank0"
+        return ranks.rank_dir(self.store, 0)
 
     @staticmethod
     def is_run(path: str | Path) -> bool:
@@ -147,9 +148,8 @@ class RunDir:
         """The step a run continues from: its store's last commit, or the step journaled after it (whose
         gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
         what they agree on. Reads only."""
-        stores = sorted(self.store.glob("rank*")) or [self.store]
         steps = []
-        for root in stores:
+        for root in ranks.every_store(self.store):
             manifest = read_manifest(root)
             journal = read_journal(root, manifest, list(manifest["units"]))
             steps.append(manifest["step"] if journal is None else journal["step"])

@@ -11,7 +11,7 @@ import torch
 from layers import GPTJConfig, build_unit, check_state_dict, init_weights, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
-from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding, rank_store_dirs
+from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.errors import StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
@@ -20,16 +20,17 @@ from streamer.runtime.lora import Adapters
 from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
-from streamer.store.host import HostStore
+from streamer.store.host import HostReader, HostStore
+from streamer.store.ranks import rank_dir, store_dirs
 from streamer.store.shards import MergedShards
-from streamer.store.interface import Store
+from streamer.store.interface import StoreReader, StoreWriter
 
 
 class StreamingTrainer:
     """Full AdamW fine-tuning with one unit's weights, gradients and Adam state on the device at a time."""
 
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
-                 *, _store: Store | None = None, _initialize: bool = True) -> None:
+                 *, _store: StoreReader | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         self.units = cfg.unit_names()
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
@@ -37,7 +38,7 @@ class StreamingTrainer:
         self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(
             self.tc.device, sharded=self.tc.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
-            store_dir = Path(store_dir) / f"rank{self.data_parallel.rank}"
+            store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
         if self.tc.device == "meta":
             self.store = None
@@ -50,6 +51,8 @@ class StreamingTrainer:
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
             self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),
                                           _pin_memory(self.tc.device, self.tc.pin_memory))
+        # The same store where it takes writes (training, new weights, saves); None where it is only read.
+        self.writer = self.store if isinstance(self.store, StoreWriter) else None
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
         self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
@@ -61,7 +64,7 @@ class StreamingTrainer:
         if self.tc.lora.enabled:
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(self.tc.device), self.tc.seed)
         self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
-                                 self.adapters)
+                                 self.adapters, writer=self.writer)
         try:
             # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
             self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state,
@@ -79,21 +82,26 @@ class StreamingTrainer:
     def open(cls, store_dir: str | Path, overrides: Mapping[str, Any] | None = None,
              read_only: bool = False) -> "StreamingTrainer":
         """Continue from a store: its last committed step, finishing a step a crash interrupted. `read_only`: read
-        it without writing in its folder, which may be read-only (HostStore.open)."""
+        it without writing in its folder, which may be read-only (HostReader.open)."""
         device = dict(overrides or {}).get("device", "cpu")
         data_parallel = DataParallel.from_environment(device)
-        store_dirs = rank_store_dirs(Path(store_dir), data_parallel)  # several: a sharded run, read in one process
+        rank, world = (None, 1) if data_parallel is None else (data_parallel.rank, data_parallel.world)
+        dirs = store_dirs(Path(store_dir), rank, world)  # several: a sharded run, read in one process
         # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
         # pin_memory comes from the overrides, else from the settings the store was committed with.
-        settings = {**read_manifest(store_dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
-        store = MergedShards.open(store_dirs) if len(store_dirs) > 1 else HostStore.open(
-            store_dirs[0], _pin_memory(str(settings.get("device", "cpu")),
-                                       settings.get("pin_memory", TrainerConfig.pin_memory)), read_only=read_only)
+        settings = {**read_manifest(dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
+        pin_memory = _pin_memory(str(settings.get("device", "cpu")),
+                                 settings.get("pin_memory", TrainerConfig.pin_memory))
+        store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else HostReader.open(dirs[0], pin_memory)
+                              if read_only else HostStore.open(dirs[0], pin_memory))
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
-            journal = store.journal
+            journal = store.journal if isinstance(store, StoreWriter) else None  # a reader refuses one at open
             if data_parallel is not None:
-                journal = agree_on_journal(data_parallel, store, journal)
+                agreed = agree_on_journal(data_parallel, store.step, journal)
+                if journal is not None and agreed is None:
+                    store.discard_journal()  # another rank never journaled it, so no rank updated anything of it
+                journal = agreed
             saved = dict(store.trainer_state.get("config", {}))
             tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
             check_sharding(store, tc.data_parallel, data_parallel)
@@ -150,7 +158,7 @@ class StreamingTrainer:
         self._finish_step(self.store.step, self._trainer_state())
 
     def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
-        store = self.store
+        store = self._writable()
         if store.spec.shards > 1:
             master = self.data_parallel.own_slice(master)
         with store.unit_writer(unit, store.step) as writer:
@@ -210,7 +218,7 @@ class StreamingTrainer:
         at 0, streamer.io.data.Dataset.positions); each example then attends only to itself."""
         micro, tokens = self._micro_batches(input_ids, labels, positions)
         if self.store is not None:
-            self.store.check_consistent()  # an update stopped part-way in this process: the run must be reopened
+            self._writable().check_consistent()  # an update stopped part-way in this process: reopen the run
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
@@ -257,7 +265,7 @@ class StreamingTrainer:
         else:
             events = frozen_base_events(self.units, len(micro))
         if fused and self.store is not None:
-            self.store.begin_speculative_step(step)
+            self.writer.begin_speculative_step(step)
         try:
             self.executor.run(events, ctx)
             if self.adapters is not None:
@@ -267,7 +275,7 @@ class StreamingTrainer:
         except BaseException:
             self._abort()
             if fused and self.store is not None:
-                self.store.rollback()  # back to the previous state files: the step never happened
+                self.writer.rollback()  # back to the previous state files: the step never happened
             raise
         return ctx
 
@@ -304,9 +312,15 @@ class StreamingTrainer:
         durable = self.store.spec.placement.state == "disk"
         if self.adapters is not None and durable:
             self.adapters.save(self.store.root, step)
-        self.store.finish_step(step, trainer_state)
+        self.writer.finish_step(step, trainer_state)
         if self.adapters is not None and durable:
             self.adapters.prune(self.store.root, step)
+
+    def _writable(self) -> StoreWriter:
+        """The store, to change it; one opened for reading says why it takes no writes."""
+        if self.writer is None:
+            raise StoreError(self.store.read_only_reason)
+        return self.writer
 
     def _check_loss(self, ctx: StepContext) -> None:
         loss = self._mean_loss(ctx)
@@ -326,21 +340,21 @@ class StreamingTrainer:
         self._check_loss(ctx)
         if self.store is not None:
             state = self._trainer_state(extra_losses=[self._mean_loss(ctx)])
-            self.store.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
+            self.writer.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
         if self.data_parallel is not None:
             self.data_parallel.barrier()  # no rank updates a weight before every rank has journaled the step
 
     def _roll_forward(self, journal: dict[str, Any]) -> None:
         """Finish an update a crash interrupted: the same gradients, lr and clip coefficient, so bit-identical."""
         step = journal["step"]
-        pending = [u for u in self.units if self.store.unit_version(u) != step]
+        pending = [u for u in self.units if self.writer.unit_version(u) != step]
         ctx = StepContext([], step, journal["lr"], clip_coef=journal["clip_coef"])
         numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
         self.executor.run(update_events(pending, numels, self.tc.update_chunk), ctx)
         trainer_state = journal["trainer"]
         self.losses = list(trainer_state.get("losses", []))
         self.extra_state = dict(trainer_state.get("extra", {}))
-        self.store.finish_step(step, trainer_state)
+        self.writer.finish_step(step, trainer_state)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None) -> float:
@@ -362,9 +376,10 @@ class StreamingTrainer:
     def save(self) -> None:
         """Make the current step durable (the disk tier already is after every step)."""
         if self.store is not None:
+            writer = self._writable()
             if self.adapters is not None:
-                self.adapters.save(self.store.root, self.store.step)
-            self.store.save(self._trainer_state())
+                self.adapters.save(writer.root, writer.step)
+            writer.save(self._trainer_state())
             if self.adapters is not None:
                 self.adapters.prune(self.store.root, self.store.step)
 

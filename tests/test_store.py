@@ -18,7 +18,7 @@ from streamer import Placement, StoreError, StreamingTrainer, TrainerConfig
 from streamer.store import direct
 from streamer.store.slabfile import TRAILER_BYTES, Trailer
 from streamer.store.files import StateFiles
-from streamer.store.host import HostStore
+from streamer.store.host import HostReader, HostStore
 from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
@@ -333,10 +333,12 @@ def test_readers_share_the_lock_write_nothing_and_refuse_to_write(tmp_path, monk
             HostStore.open(tmp_path / "run")  # a writer waits for the readers
         with pytest.raises(StoreError, match="opened for reading"):
             a.step(batches(1)[0])
+        with pytest.raises(StoreError, match="opened for reading"):
+            a.save()
     assert snapshot(tmp_path / "run") == {**before, "lock": b""}
     writer = HostStore.open(tmp_path / "run")
     with pytest.raises(StoreError, match="being trained by another process"):
-        HostStore.open(tmp_path / "run", read_only=True)  # and readers for the writer
+        HostReader.open(tmp_path / "run")  # and readers for the writer
     writer.close()
     _journaled_crash(tmp_path / "crashed", monkeypatch)
     before = snapshot(tmp_path / "crashed")
@@ -482,12 +484,19 @@ def test_a_state_file_with_a_crc32_trailer_is_named(tmp_path):
 
 def test_the_runtime_uses_the_store_only_through_its_interface():
     """Every attribute transport, executor and trainer take from a store (or a writer it gave) is one the
-    interface declares: a back end can change without the runtime knowing."""
+    interface declares, and the transport, which only reads, takes only the reader's: a back end can change
+    without the runtime knowing, and a store opened for reading serves every read."""
     import ast
     import inspect
 
-    from streamer.store.interface import StateWriter, Store
-    declared = {name for cls in (Store, StateWriter) for name in (*vars(cls), *cls.__annotations__)}
+    from streamer.store.interface import StateWriter, StoreReader, StoreWriter
+    from streamer.store.shards import MergedShards
+
+    def members(*classes: type) -> set[str]:
+        return {name for cls in classes for name in (*vars(cls), *cls.__annotations__)}
+
+    reads = members(StoreReader)
+    declared = members(StoreReader, StoreWriter, StateWriter)
     used: dict[str, set[str]] = {}
     root = Path(__file__).resolve().parents[1]
     for path in ("streamer/runtime/transport.py", "streamer/runtime/executor.py", "streamer/trainer.py"):
@@ -505,8 +514,13 @@ def test_the_runtime_uses_the_store_only_through_its_interface():
                 used.setdefault(node.attr, set()).add(path)
     assert used, "the scan found no store calls: it no longer matches the code"
     assert {name: paths for name, paths in used.items() if name not in declared} == {}
+    assert {name for name, paths in used.items() if "streamer/runtime/transport.py" in paths} <= reads
     assert not any(name.startswith("_") for name in declared - {"__enter__", "__exit__"} if name in used)
-    assert inspect.isabstract(Store) and inspect.isabstract(StateWriter)
+    assert all(map(inspect.isabstract, (StoreReader, StoreWriter, StateWriter)))
+    # The readers are readers only: each implements every read and has no write to refuse.
+    for reader in (HostReader, MergedShards):
+        assert not inspect.isabstract(reader) and not issubclass(reader, StoreWriter)
+        assert not members(reader) & (members(StoreWriter) - reads)
 
 
 def test_the_torch_dtypes_are_the_sized_dtypes() -> None:

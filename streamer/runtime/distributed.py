@@ -28,7 +28,6 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -36,8 +35,7 @@ import torch.distributed as dist
 
 from memory_model.schedule import shard_numel
 from streamer.errors import StoreError, StreamerError
-from streamer.store.commit import read_manifest
-from streamer.store.interface import Store
+from streamer.store.interface import StoreReader
 from streamer.store.layout import fold_into
 
 
@@ -208,23 +206,7 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def rank_store_dirs(run_store: Path, parallel: DataParallel | None) -> list[Path]:
-    """The store this process opens: `run_store` itself, or under torchrun its rank's `rank<N>` folder; for one
-    process reading a run sharded over N processes (generate, export, eval), every rank's store, in rank order.
-    A store written by another number of processes is refused, untouched, with the number to resume it with."""
-    processes = len(list(run_store.glob("rank*"))) or 1
-    world = 1 if parallel is None else parallel.world
-    if run_store.is_dir() and processes != world:
-        ranks = [run_store / f"rank{r}" for r in range(processes)]
-        if parallel is None and read_manifest(ranks[0])["spec"].get("shards", 1) == processes:
-            return ranks
-        how = f"torchrun --nproc-per-node {processes}" if processes > 1 else "one process (no torchrun)"
-        raise StoreError(f"{run_store} holds the stores of {processes} process(es) and this is {world}; resume "
-                         f"it with {how}")
-    return [run_store if parallel is None else run_store / f"rank{parallel.rank}"]
-
-
-def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> None:
+def check_sharding(store: StoreReader, mode: str, parallel: DataParallel | None) -> None:
     """A store of one rank's slices opens only in that many processes, under the mode it was written with."""
     shards, world = store.spec.shards, 1 if parallel is None else parallel.world
     if shards > 1 and shards != world:
@@ -236,17 +218,17 @@ def check_sharding(store: Store, mode: str, parallel: DataParallel | None) -> No
         raise StoreError(f"{store.root} was written with --data-parallel {was}; resume it with --data-parallel {was}")
 
 
-def agree_on_journal(data_parallel: DataParallel, store: Store,
+def agree_on_journal(data_parallel: DataParallel, committed: int,
                      journal: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Roll a journaled step forward only if every rank journaled it or already committed it (a rank that
-    finished its update before another crashed); otherwise no rank has updated anything of it yet."""
-    views = data_parallel.gather((store.step, None if journal is None else journal["step"]))
+    """The journaled step to roll forward (this rank's store committed step `committed`): `journal` only if every rank
+    journaled it or already committed it (a rank that finished its update before another crashed); otherwise
+    None, and no rank has updated anything of it yet, so the caller forgets it."""
+    views = data_parallel.gather((committed, None if journal is None else journal["step"]))
 
     def everyone_reached(step: int) -> bool:
         return all(j == step or committed >= step for committed, j in views)
 
     if journal is not None and not everyone_reached(journal["step"]):
-        store.discard_journal()
         journal = None
     steps = {j if j is not None and everyone_reached(j) else committed for committed, j in views}
     if len(steps) != 1:

@@ -28,17 +28,20 @@ from streamer.store.layout import UnitLayout
 from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.store.interface import Store
+from streamer.store.interface import StoreReader, StoreWriter
 from streamer.runtime.step import (ClippingNeeded, MicroBatch, PendingOffload, RunningStep, StepContext,
                                    clip_coefficient)
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
 class Executor:
-    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: Store | None, ledger: Ledger,
+    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: StoreReader | None, ledger: Ledger,
                  trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
-                 adapters: Adapters | None = None) -> None:
+                 adapters: Adapters | None = None, writer: StoreWriter | None = None) -> None:
+        """`store` is read by every run; `writer`, the same store where it takes writes, takes a training
+        step's gradients and updates (None: the store is only read, and only forward passes run)."""
         self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
+        self.writer = writer
         self.device = torch.device(tc.device)
         self.dtype = tc.compute_dtype
         self.transport = Transport(store, self.device, self.dtype)
@@ -273,7 +276,7 @@ class Executor:
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
             scratch = None if self._scratch is None else self._scratch[:self.stored_numel(unit)]
-            total = self.store.accumulate_grad(unit, host, first, scratch, persist)
+            total = self.writer.accumulate_grad(unit, host, first, scratch, persist)
             if host is not grads:
                 self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
@@ -350,7 +353,7 @@ class Executor:
             return
         with self.trace.span(chunk.unit, "offload", step=step):
             if chunk.unit not in self.current.writers:
-                self.current.writers[chunk.unit] = self.store.unit_writer(chunk.unit, step)
+                self.current.writers[chunk.unit] = self.writer.unit_writer(chunk.unit, step)
             writer = self.current.writers[chunk.unit]
             values = {**tensors, "compute": new_compute}
             for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):

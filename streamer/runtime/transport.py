@@ -20,7 +20,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from streamer.store.interface import Store
+from streamer.store.interface import StoreReader
 from streamer.store.layout import fold_into
 from streamer.store.spec import STATE_KINDS
 
@@ -123,7 +123,7 @@ class StagingPool:
 
 
 class Transport:
-    def __init__(self, store: Store | None, device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype) -> None:
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None

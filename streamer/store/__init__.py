@@ -1,2 +1,3 @@
-"""Host storage of every unit's training state behind `streamer.store.interface.Store` (its call order is
-written there): RAM slabs and chunk-interleaved files, journaled per-step commits."""
+"""Host storage of every unit's training state behind `streamer.store.interface`'s `StoreReader` and
+`StoreWriter` (their call orders are written there): RAM slabs and chunk-interleaved files, journaled per-step
+commits."""

@@ -1,4 +1,5 @@
-"""How a store commits: its two records, read strictly, the commit in progress, and the run directory's lock.
+"""How a store commits: its two records, read strictly and written here alone, the commit in progress, and the
+run directory's lock.
 
 - `manifest.json`: the last committed step, the generation of every unit's state file, their checksums and
   the trainer's state (config, losses, the caller's data order and RNG).
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from streamer.errors import StoreError
+from streamer.store.slabfile import write_json_atomic
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/4"
 _CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3-64
@@ -86,6 +88,23 @@ def read_manifest(root: Path) -> dict[str, Any]:
     _check(path, all(_is_checksum(c) for c in raw["checksums"].values()),
            "'checksums' must map files to xxh3-64 values")
     return raw
+
+
+def new_manifest(spec: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a new store (`spec`: StoreSpec.to_dict()): nothing committed yet, not even step 0."""
+    return {"format": FORMAT, "spec": spec, "step": None, "generation": 0, "units": {}, "checksums": {},
+            "trainer": {}}
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    """Commit `manifest`: once this returns, a crash reopens the store at its step."""
+    write_json_atomic(root / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def write_journal(root: Path, record: dict[str, Any]) -> None:
+    """Journal a step whose gradients are durable (`record`: step, generation, grad_checksums and what
+    replaying its update needs); a crash from here on rolls the step forward."""
+    write_json_atomic(root / JOURNAL, json.dumps(record))
 
 
 def _upgrade_format_3(root: Path, raw: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""HostStore: the `Store` the runtime uses, over RAM slabs and state files, with the commit protocol.
+"""`HostReader` and `HostStore`: the `StoreReader` and `StoreWriter` over RAM slabs and state files, the
+writer with the commit protocol.
 
 Each kind of slab lives where the spec's `Placement` puts it: in RAM slabs (`streamer.store.ram`) or in
 the state and gradient files (`streamer.store.files`); the records that say what is committed are in
@@ -13,8 +14,8 @@ save) keep the old generation until the manifest names the new one.
 """
 from __future__ import annotations
 
-import json
 import os
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,37 +24,35 @@ import torch
 from memory_model.schedule import chunks
 from streamer.errors import StoreError
 from streamer.store.commit import (
-    FORMAT, JOURNAL, MANIFEST, Commit, check_units, lock_for_reading, lock_run_dir,
-    read_journal, read_manifest, state_name,
+    JOURNAL, MANIFEST, Commit, check_units, lock_for_reading, lock_run_dir, new_manifest, read_journal,
+    read_manifest, state_name, write_journal, write_manifest,
 )
 from streamer.store.files import GenerationWriter, StateFiles
-from streamer.store.interface import StateWriter, Store
+from streamer.store.interface import StateWriter, StoreReader, StoreWriter
 from streamer.store.layout import fold_into, model_layouts
 from streamer.store.ram import RamSlabs
-from streamer.store.slabfile import Checksum, fsync_path, verify_checksums, write_json_atomic
+from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
 from streamer.store.spec import PIN_MODES, StoreSpec
 
 
-class HostStore(Store):
-    """Owns every slab; the runtime asks it for ranges of a unit's slabs and hands back new values."""
+class _HostSlabs(StoreReader):
+    """What reading and writing a host store share: its files and RAM slabs, opened at the last commit and
+    checked, and the reads. `_read_only`: the files are opened for reading alone, under a shared lock."""
 
-    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int,
-                 read_only: bool = False) -> None:
+    _read_only: bool
+
+    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int) -> None:
         if pin_memory not in PIN_MODES:
             raise StoreError(f"pin_memory must be one of {', '.join(PIN_MODES)}, got {pin_memory!r}")
         self.root, self.spec, self.manifest, self._lock = root, spec, manifest, lock
-        self.read_only = read_only
         self.pin_memory = pin_memory
         self.layouts = {lay.name: lay for lay in model_layouts(spec.config)}
         self.step: int = manifest["step"] if manifest["step"] is not None else 0
         self.generation: int = manifest["generation"]
         self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file
-        self.commit: Commit | None = None
-        self._grad_checksums: dict[str, int] = {}
-        self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
-        self._files = StateFiles(root / "slabs", spec, self.numels, read_only)
+        self._files = StateFiles(root / "slabs", spec, self.numels, self._read_only)
         self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
 
     def _allocate_ram(self) -> None:
@@ -61,37 +60,18 @@ class HostStore(Store):
         a manifest naming another (maybe far larger) model is refused, not allocated first."""
         self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory == "all")
 
-    # --- lifecycle ----------------------------------------------------------------------
     @classmethod
-    def create(cls, root: str | Path, spec: StoreSpec, pin_memory: str = "none") -> "HostStore":
-        root = Path(root)
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise StoreError(f"{root} exists and is not empty; choose a new run directory "
-                             "(or continue an existing run with --resume)")
-        (root / "slabs").mkdir(parents=True, exist_ok=True)
-        for folder in (root.parent, root):  # the run directory's own entries survive a power loss too
-            fsync_path(folder)
-        manifest = {"format": FORMAT, "spec": spec.to_dict(), "step": None, "generation": 0, "units": {},
-                    "checksums": {}, "trainer": {}}
-        store = cls(root, spec, manifest, pin_memory, lock_run_dir(root))
-        store._allocate_ram()
-        return store
-
-    @classmethod
-    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
-             read_only: bool = False) -> "HostStore":
-        """Open a store at its last commit. `verify`: check every state file's checksum (a full read).
-        `read_only`: for reading alone (generate, eval, export): under a shared lock, nothing in the folder is
-        created, changed or deleted, and every write is refused; a step still to roll forward is refused too."""
+    def _open(cls, root: str | Path, pin_memory: str, verify: bool) -> "_HostSlabs":
+        """Open a store at its last commit. `verify`: check every state file's checksum (a full read)."""
         root = Path(root)
         manifest = read_manifest(root)
         try:
             spec = StoreSpec.from_dict(manifest["spec"])
         except StoreError as exc:
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
-        lock, store = lock_for_reading(root) if read_only else lock_run_dir(root), None
+        lock, store = lock_for_reading(root) if cls._read_only else lock_run_dir(root), None
         try:
-            store = cls(root, spec, manifest, pin_memory, lock, read_only)
+            store = cls(root, spec, manifest, pin_memory, lock)
             check_units(root, manifest, list(store.layouts))
             store._load_units(verify)
         except BaseException:
@@ -102,41 +82,29 @@ class HostStore(Store):
             raise
         return store
 
+    @abstractmethod
+    def _load_units(self, verify: bool) -> None:
+        """Check the opened store's files against its manifest (and journal) and fill the RAM tier."""
+
     def close(self) -> None:
         self._files.close()
         if self._lock >= 0:
             os.close(self._lock)  # releases the flock
             self._lock = -1
 
-    @property
-    def journal(self) -> dict[str, Any] | None:
+    def _interrupted_step(self) -> dict[str, Any] | None:
+        """The journaled step after the manifest's, whose update a crash may have interrupted (disk tier)."""
         if self.spec.placement.state != "disk":
             return None
         return read_journal(self.root, self.manifest, list(self.layouts))
-
-    def discard_journal(self) -> None:
-        self._check_writable()
-        (self.root / JOURNAL).unlink(missing_ok=True)
-
-    def _check_writable(self) -> None:
-        if self.read_only:
-            raise StoreError(f"{self.root} was opened for reading; open it without read_only to change it")
 
     @property
     def trainer_state(self) -> dict[str, Any]:
         return self.manifest["trainer"]
 
-    def unit_version(self, unit: str) -> int:
-        return self.step + 1 if self.versions[unit] > self.generation else self.step
-
-    def _load_units(self, verify: bool) -> None:
+    def _check_and_fill(self, verify: bool, journal: dict[str, Any] | None) -> None:
         """Check every unit's state file (size, trailer, checksum) and, with a journal, the gradients to replay;
-        then fill the RAM tier. Nothing is written or deleted unless all of them are sound."""
-        journal = self.journal
-        if journal is not None and self.read_only:
-            raise StoreError(f"{self.root}: step {journal['step']} was interrupted before its update finished, "
-                             "which reading the run cannot do; first resume the run as it was trained "
-                             "(`streamer train --resume`, under torchrun if it ran so)")
+        then fill the RAM tier. Nothing is written or deleted here."""
         checks = []
         for unit in self.layouts:
             expected = self.manifest["checksums"].get(state_name(unit, self.versions[unit]))
@@ -153,15 +121,6 @@ class HostStore(Store):
         self._allocate_ram()
         for unit in self.layouts:
             self._fill_ram_from_file(unit)
-        if not self.read_only:  # reading leaves a stale journal and the strays of a crash to the next writer
-            if journal is None:
-                self.discard_journal()  # one whose step the manifest already has
-            self._remove_strays()
-
-    def _remove_strays(self) -> None:
-        self._files.remove_strays(self.versions)
-        for name in (MANIFEST, JOURNAL):
-            (self.root / (name + ".tmp")).unlink(missing_ok=True)
 
     def _fill_ram_from_file(self, unit: str) -> None:
         """Load RAM-tier kinds from a unit's state file; RAM compute weights are rebuilt from the masters."""
@@ -208,6 +167,90 @@ class HostStore(Store):
         if target is not out:
             out.copy_(target)
 
+    def bytes_moved(self) -> tuple[int, int]:
+        return self._files.bytes_read, self._files.bytes_written
+
+
+class HostReader(_HostSlabs):
+    """A store's last commit, read (generate, eval, export): under a shared lock, so several readers go
+    together; nothing in the folder is created, changed or deleted, so it may be read-only."""
+
+    _read_only = True
+
+    @classmethod
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostReader":
+        """`verify`: check every state file's checksum (a full read). A step still to roll forward is refused."""
+        return cls._open(root, pin_memory, verify)
+
+    @property
+    def read_only_reason(self) -> str:
+        return f"{self.root} was opened for reading; open it without read_only to change it"
+
+    def _load_units(self, verify: bool) -> None:
+        """Reading leaves a stale journal and the strays of a crash to the next writer."""
+        journal = self._interrupted_step()
+        if journal is not None:
+            raise StoreError(f"{self.root}: step {journal['step']} was interrupted before its update finished, "
+                             "which reading the run cannot do; first resume the run as it was trained "
+                             "(`streamer train --resume`, under torchrun if it ran so)")
+        self._check_and_fill(verify, None)
+
+
+class HostStore(_HostSlabs, StoreWriter):
+    """Owns every slab; the runtime asks it for ranges of a unit's slabs and hands back new values. One process
+    holds it, under an exclusive lock on its folder."""
+
+    _read_only = False
+
+    def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int) -> None:
+        super().__init__(root, spec, manifest, pin_memory, lock)
+        self.commit: Commit | None = None
+        self._grad_checksums: dict[str, int] = {}
+        self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
+
+    # --- lifecycle ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, root: str | Path, spec: StoreSpec, pin_memory: str = "none") -> "HostStore":
+        root = Path(root)
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise StoreError(f"{root} exists and is not empty; choose a new run directory "
+                             "(or continue an existing run with --resume)")
+        (root / "slabs").mkdir(parents=True, exist_ok=True)
+        for folder in (root.parent, root):  # the run directory's own entries survive a power loss too
+            fsync_path(folder)
+        store = cls(root, spec, new_manifest(spec.to_dict()), pin_memory, lock_run_dir(root))
+        store._allocate_ram()
+        return store
+
+    @classmethod
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostStore":
+        """Open a store at its last commit to train it. `verify`: check every state file's checksum (a full
+        read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`)."""
+        return cls._open(root, pin_memory, verify)
+
+    @property
+    def journal(self) -> dict[str, Any] | None:
+        return self._interrupted_step()
+
+    def discard_journal(self) -> None:
+        (self.root / JOURNAL).unlink(missing_ok=True)
+
+    def unit_version(self, unit: str) -> int:
+        return self.step + 1 if self.versions[unit] > self.generation else self.step
+
+    def _load_units(self, verify: bool) -> None:
+        """Nothing is written or deleted unless every file checks out."""
+        journal = self.journal
+        self._check_and_fill(verify, journal)
+        if journal is None:
+            self.discard_journal()  # one whose step the manifest already has
+        self._remove_strays()
+
+    def _remove_strays(self) -> None:
+        self._files.remove_strays(self.versions)
+        for name in (MANIFEST, JOURNAL):
+            (self.root / (name + ".tmp")).unlink(missing_ok=True)
+
     # --- gradients -------------------------------------------------------------------------
     def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
                         scratch: torch.Tensor | None, persist: bool = True) -> torch.Tensor:
@@ -222,9 +265,6 @@ class HostStore(Store):
             self._files.write_grad(unit, scratch)
         return scratch
 
-    def bytes_moved(self) -> tuple[int, int]:
-        return self._files.bytes_read, self._files.bytes_written
-
     def sync_grads(self) -> None:
         """Make this step's gradients durable, and checksum them: the journal may replay the update from them."""
         if self.spec.placement.grad == "disk":
@@ -233,7 +273,6 @@ class HostStore(Store):
 
     # --- updates and commits ----------------------------------------------------------------
     def check_consistent(self) -> None:
-        self._check_writable()  # called before every step and commit
         if self.commit is None or self.commit.speculative:
             return
         if self.commit.journaled:
@@ -248,8 +287,8 @@ class HostStore(Store):
         if journaled:
             self.sync_grads()
             grad_checksums = {unit: self._grad_checksums[unit] for unit in self.layouts}
-            write_json_atomic(self.root / JOURNAL, json.dumps(
-                {"step": step, "generation": self.generation + 1, "grad_checksums": grad_checksums, **record}))
+            write_journal(self.root, {"step": step, "generation": self.generation + 1,
+                                      "grad_checksums": grad_checksums, **record})
         self.commit = Commit(step, self.generation + 1, journaled)
 
     def begin_speculative_step(self, step: int) -> None:
@@ -268,7 +307,6 @@ class HostStore(Store):
 
     def unit_writer(self, unit: str, step: int) -> "UnitWriter":
         """Disk-tier state is written to a new generation; RAM-tier state goes straight into its slabs."""
-        self._check_writable()
         if self.commit is None:  # rolling a journaled step forward, or the first write or loaded weights
             journal = self.journal
             self.commit = Commit(step, self.generation + 1, journal is not None and journal["step"] == step)
@@ -326,7 +364,7 @@ class HostStore(Store):
         current = {state_name(u, g) for u, g in self.versions.items()}
         self.manifest.update(step=self.step, generation=self.generation, units=dict(self.versions),
                              checksums={k: v for k, v in self.manifest["checksums"].items() if k in current})
-        write_json_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
+        write_manifest(self.root, self.manifest)
 
 
 class UnitWriter(StateWriter):

@@ -1,13 +1,21 @@
-"""The host store as the runtime sees it: `Store`, and the `StateWriter` that takes a unit's new state.
+"""The host store as the runtime sees it: a `StoreReader`, a `StoreWriter` that also commits, and the
+`StateWriter` that takes a unit's new state.
 
-In the spirit of torch.distributed.checkpoint's StorageWriter/StorageReader, the runtime (transport,
-executor, trainer) depends on these two abstract classes only; `streamer.store.host.HostStore` implements
-them over two back ends, RAM slabs (`streamer.store.ram`) and chunk-interleaved files
-(`streamer.store.files`), chosen per kind of slab by the spec's `Placement`.
+As torch.distributed.checkpoint splits StorageReader from StorageWriter, reading a committed step is apart
+from changing it. What only reads (the transport; generate, eval and export through a trainer opened with
+`read_only`) depends on `StoreReader`; training, new weights and saves (the trainer, the executor's gradient
+and update paths) on `StoreWriter`, which is a reader too. `streamer.store.host` implements both over two
+back ends, RAM slabs (`streamer.store.ram`) and chunk-interleaved files (`streamer.store.files`), chosen per
+kind of slab by the spec's `Placement`: `HostReader` reads, `HostStore` reads and writes.
+`streamer.store.shards.MergedShards`, a sharded run's stores read by one process, is a reader only.
 
-Call order (one process holds a store, under a lock on its folder; calls come from the runtime's main thread
-and its two I/O workers, one for reads and one for writes; they share the file descriptors under a lock of
-their own. The file back end adds a checksum thread and a cleanup thread of its own):
+Call order of a reader (under a shared lock on its folder; several readers may hold it at once):
+`HostReader.open(root)` or `MergedShards.open(roots)` (the last commit; a step a crash interrupted is
+refused), then any reads (`trainer_state`, `slab`, `read_master`, `read_state`), then `close()`.
+
+Call order of a writer (one process holds it, under an exclusive lock on its folder; calls come from the
+runtime's main thread and its two I/O workers, one for reads and one for writes; they share the file
+descriptors under a lock of their own. The file back end adds a checksum thread and a cleanup thread):
 
 1. `HostStore.create(root, spec)` (a new, empty store at step 0) or `HostStore.open(root)` (the last
    commit; `journal` then names a step a crash interrupted after it was committed).
@@ -27,8 +35,9 @@ their own. The file back end adds a checksum thread and a cleanup thread of its 
    then rolls the step forward, the RAM tier returns to its last `save`.
    With the update fused into the backward (the state on disk): `begin_speculative_step(s + 1)`, then per
    unit its reads and `accumulate_grad` (the last one with `persist=False`), and at once its update through a
-   `unit_writer` (its chunks' masters are the ones its last `read_master` read, not read again); then `finish_step` (the manifest is the commit point), or `rollback()` to return every unit
-   to step s (clipping triggered, a value was not finite, or anything failed).
+   `unit_writer` (its chunks' masters are the ones its last `read_master` read, not read again); then
+   `finish_step` (the manifest is the commit point), or `rollback()` to return every unit to step s
+   (clipping triggered, a value was not finite, or anything failed).
 5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is).
 6. `close()`: releases the files and the lock on the store's folder.
 
@@ -70,15 +79,16 @@ class StateWriter(ABC):
         self.close() if exc_type is None else self.discard()
 
 
-class Store(ABC):
-    """Every unit's compute weights, fp32 master weights, Adam moments and fp32 gradient accumulator.
+class StoreReader(ABC):
+    """A committed step of every unit's compute weights, fp32 master weights and Adam moments, read.
 
     `root` is the store's folder (a trainer keeps files of its own beside the store's: LoRA's adapters);
     `spec` what the store holds and where; `layouts` every unit's flat layout; `step` the last committed
     step; `pin_memory` the host memory pinned for a CUDA device (`PIN_MODES`: "all" pins the RAM slabs too;
     the transport's staging buffers are pinned unless it is "none"). The kinds are "compute", "master",
     "exp_avg", "exp_avg_sq" and "grad"; a frozen base (`spec.frozen`, LoRA) holds "compute" alone, which a read
-    of "master" returns, and is never updated.
+    of "master" returns. `read_only_reason`, on a store that is not a `StoreWriter`: why it takes no writes and
+    how to open it for them, the one line a step, a save or new weights raise.
     """
 
     root: Path
@@ -86,28 +96,13 @@ class Store(ABC):
     layouts: dict[str, UnitLayout]
     step: int
     pin_memory: str
-
-    # --- the committed state ---------------------------------------------------------------
-    @property
-    @abstractmethod
-    def journal(self) -> dict[str, Any] | None:
-        """The step committed after `step` whose update a crash interrupted (its lr, clip_coef, trainer
-        state), to be rolled forward; None when there is none."""
-
-    @abstractmethod
-    def discard_journal(self) -> None:
-        """Forget the journaled step (data parallel: another rank never journaled it, so none updated)."""
+    read_only_reason: str
 
     @property
     @abstractmethod
     def trainer_state(self) -> dict[str, Any]:
         """The trainer state given to the last commit (config, losses, the caller's extra state)."""
 
-    @abstractmethod
-    def unit_version(self, unit: str) -> int:
-        """The step whose state `unit` holds: `step`, or `step + 1` once a journaled update reached it."""
-
-    # --- reads -----------------------------------------------------------------------------
     @abstractmethod
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
         """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned if `pin_memory` is all), for
@@ -123,6 +118,34 @@ class Store(ABC):
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
         """Elements [start, start + out.numel()) of a state kind or "grad", converted to out's dtype."""
 
+    @abstractmethod
+    def bytes_moved(self) -> tuple[int, int]:
+        """(read, written) bytes of the store's files since it was opened: state and gradient data, not the
+        trailers or the checksums' read-back."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the files and the lock on the store's folder; the store object is unusable afterwards."""
+
+
+class StoreWriter(StoreReader):
+    """A store that also takes every unit's new state and fp32 gradient accumulator, and commits steps."""
+
+    # --- the committed state ---------------------------------------------------------------
+    @property
+    @abstractmethod
+    def journal(self) -> dict[str, Any] | None:
+        """The step committed after `step` whose update a crash interrupted (its lr, clip_coef, trainer
+        state), to be rolled forward; None when there is none."""
+
+    @abstractmethod
+    def discard_journal(self) -> None:
+        """Forget the journaled step (data parallel: another rank never journaled it, so none updated)."""
+
+    @abstractmethod
+    def unit_version(self, unit: str) -> int:
+        """The step whose state `unit` holds: `step`, or `step + 1` once a journaled update reached it."""
+
     # --- writes ----------------------------------------------------------------------------
     @abstractmethod
     def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
@@ -131,11 +154,6 @@ class Store(ABC):
         unit's fp32 accumulator; returns the accumulated values. `scratch`: an fp32 buffer of the unit's size,
         needed where gradients are on disk. `persist=False`: the sum is only returned, not stored on disk
         (a fused update's final gradient, which nothing reads back)."""
-
-    @abstractmethod
-    def bytes_moved(self) -> tuple[int, int]:
-        """(read, written) bytes of the store's files since it was opened: state and gradient data, not the
-        trailers or the checksums' read-back."""
 
     @abstractmethod
     def check_consistent(self) -> None:
@@ -166,7 +184,3 @@ class Store(ABC):
     @abstractmethod
     def save(self, trainer_state: dict[str, Any]) -> None:
         """Make the current step durable (the RAM tier writes every unit's state file, then the manifest)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release the files and the run directory's lock; the store object is unusable afterwards."""

@@ -2,27 +2,27 @@
 trained with `--data-parallel sharded`.
 
 Rank r's store holds elements [r n, (r + 1) n) of every unit's flat slabs (n = `spec.stored_numel`); a read of a
-range of the whole unit reads each rank's part of it, chunk by chunk as the rank's files are laid out. Nothing
-is written: the step that changes a sharded state needs all of its processes, so every write is refused.
+range of the whole unit reads each rank's part of it, chunk by chunk as the rank's files are laid out. It is a
+reader only: the step that changes a sharded state needs all of its processes.
 """
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from memory_model.schedule import chunks
 from streamer.errors import StoreError
-from streamer.store.host import HostStore
-from streamer.store.interface import StateWriter, Store
+from streamer.store.host import HostReader
+from streamer.store.interface import StoreReader
 
 
-class MergedShards(Store):
+class MergedShards(StoreReader):
     """Every rank's store of a sharded run, read as the whole store it slices."""
 
-    def __init__(self, stores: list[HostStore]) -> None:
+    def __init__(self, stores: list[HostReader]) -> None:
         first = stores[0]
         self.stores = stores
         # rank 0's folder: files the trainer keeps beside its store (LoRA's adapters) are the same in every rank's
@@ -32,10 +32,10 @@ class MergedShards(Store):
     @classmethod
     def open(cls, roots: Sequence[Path]) -> "MergedShards":
         """Open rank 0's, rank 1's, ... stores (`roots`, in rank order), which must be one committed step."""
-        stores: list[HostStore] = []
+        stores: list[HostReader] = []
         try:
             for root in roots:
-                stores.append(HostStore.open(root, read_only=True))  # a step still to roll forward is refused
+                stores.append(HostReader.open(root))  # a step still to roll forward is refused
             if {s.spec.shards for s in stores} != {len(stores)} or len({s.step for s in stores}) != 1:
                 raise StoreError(f"the {len(stores)} stores in {roots[0].parent} are not one committed step of a "
                                  f"sharded run; resume it with torchrun --nproc-per-node {len(stores)} first")
@@ -45,9 +45,10 @@ class MergedShards(Store):
             raise
         return cls(stores)
 
-    def _refuse(self) -> NoReturn:
-        raise StoreError(f"{self.root.parent} holds a run sharded over {len(self.stores)} processes, read here by one; "
-                         f"train it with torchrun --nproc-per-node {len(self.stores)}")
+    @property
+    def read_only_reason(self) -> str:
+        return (f"{self.root.parent} holds a run sharded over {len(self.stores)} processes, read here by one; "
+                f"train it with torchrun --nproc-per-node {len(self.stores)}")
 
     def _read(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
         """Elements [start, start + out.numel()) of the whole unit's `kind`, each from the rank holding it."""
@@ -65,15 +66,8 @@ class MergedShards(Store):
 
     # --- reads ---------------------------------------------------------------------------------
     @property
-    def journal(self) -> dict[str, Any] | None:
-        return None  # refused at open
-
-    @property
     def trainer_state(self) -> dict[str, Any]:
         return self.stores[0].trainer_state
-
-    def unit_version(self, unit: str) -> int:
-        return self.step
 
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
         return None  # no store holds a whole unit
@@ -88,35 +82,6 @@ class MergedShards(Store):
         moved = [s.bytes_moved() for s in self.stores]
         return sum(r for r, _ in moved), sum(w for _, w in moved)
 
-    def check_consistent(self) -> None:
-        """Nothing is written here, so nothing can be left part-way."""
-
     def close(self) -> None:
         for store in self.stores:
             store.close()
-
-    # --- writes: refused --------------------------------------------------------------------------
-    def discard_journal(self) -> None:
-        self._refuse()
-
-    def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
-                        scratch: torch.Tensor | None, persist: bool = True) -> torch.Tensor:
-        self._refuse()
-
-    def begin_step(self, step: int, record: dict[str, Any]) -> None:
-        self._refuse()
-
-    def begin_speculative_step(self, step: int) -> None:
-        self._refuse()
-
-    def rollback(self) -> None:
-        self._refuse()
-
-    def unit_writer(self, unit: str, step: int) -> StateWriter:
-        self._refuse()
-
-    def finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
-        self._refuse()
-
-    def save(self, trainer_state: dict[str, Any]) -> None:
-        self._refuse()
