@@ -78,3 +78,12 @@ def poison_gradient(monkeypatch: pytest.MonkeyPatch, unit: str, value: float = f
         return original(self, name, grads, first, scratch, persist)
 
     monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
+
+
+# The longest tests start first: with two workers, neither is then left running one of them alone at the end.
+LONGEST_FIRST = ("test_every_documented_command_runs", "test_every_setting_combination_trains_and_agrees",
+                 "test_quick_run_writes_every_section")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.originalname not in LONGEST_FIRST)

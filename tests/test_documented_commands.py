@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("streamer", "torchrun", "python", "make")
 SUBCOMMANDS = ("train", "plan", "eval", "generate", "export", "trace", "devices", "calibrate", "bench")
 # Commands the test does not run, each with the reason; CI itself runs these two.
-NOT_RUN = {"make demo": "CI runs the README's commands from a clean clone", "make test": "CI's own command"}
+NOT_RUN = {"make demo": "CI runs the README's commands from a clean clone", "make test": "CI's own command",
+           "streamer bench": "tests/test_bench.py runs it, at --quick, as a subprocess",
+           "make bench": "the same as streamer bench"}
 # Sizes that would take minutes are shrunk to these at most (flags keep their place and meaning).
 AT_MOST = {"--steps": 2, "--warmup": 1, "--seq": 64, "--max-new-tokens": 8, "--batch": 8, "--trace-every": 1,
            "--step": 2}
@@ -123,8 +125,6 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
         raise AssertionError(f"{command!r} is not run: {NOT_RUN[command]}")
     if program == "make" and args == ["gpu-check"]:
         program, args = "python", ["benchmarks/gpu_check.py"]
-    if program == "make" and args == ["bench"]:
-        program, args = "streamer", ["bench"]
     run_copy = work / "run"
     if not run_copy.exists():
         shutil.copytree(stand_ins["run"], run_copy)
@@ -200,12 +200,24 @@ def test_every_documented_command_runs(stand_ins, tmp_path):
     # One source's commands run in order in one folder (an example writes the data its shell line reads; a
     # --run-dir is continued or read by the next line); sources run side by side. A command shown in several
     # places runs once, unless it makes a --run-dir that a later line of its source reads.
+    sources: dict[str, list[str]] = {}
+    for where, command in commands:
+        if command not in NOT_RUN:
+            sources.setdefault(where, []).append(command)
+
+    def read_later(where: str, k: int) -> bool:
+        """Whether a later line of `where` reads the --run-dir that its line k makes."""
+        words = sources[where][k].split()
+        run_dir = words[words.index("--run-dir") + 1] if "--run-dir" in words else None
+        return run_dir is not None and any(run_dir in later for later in sources[where][k + 1:])
+
     groups: dict[str, list[str]] = {}
     seen = set()
-    for where, command in commands:
-        if command not in NOT_RUN and (command not in seen or "--run-dir" in command):
-            seen.add(command)
-            groups.setdefault(where, []).append(command)
+    for where, lines in sources.items():
+        for k, command in enumerate(lines):
+            if command not in seen or read_later(where, k):
+                seen.add(command)
+                groups.setdefault(where, []).append(command)
 
     def run_group(where: str) -> list[str]:
         work = tmp_path / re.sub(r"\W+", "-", where)
