@@ -95,6 +95,19 @@ def _wait_for_step(run: Path, step: int, nodes: list[subprocess.Popen]) -> None:
     assert _logged(run) == step, f"the run did not reach step {step}"
 
 
+def _signal_the_other_node(nodes: list[subprocess.Popen], port: int, sig: signal.Signals,
+                           ) -> tuple[subprocess.Popen, str, float]:
+    """Send `sig` to every process of the node that does not host the rendezvous (without its store torchrun
+    itself stops, with its own error); the survivor, its stderr and the seconds it ran on."""
+    victim = 1 - _rendezvous_host(nodes, port)
+    for p in _tree(nodes[victim]):
+        p.send_signal(sig)
+    sent = time.monotonic()
+    survivor = nodes[1 - victim]
+    _, err = survivor.communicate(timeout=WAIT_S)
+    return survivor, err, time.monotonic() - sent
+
+
 @pytest.mark.slow
 def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the_run(tiny_setup, tmp_path):
     run, single = tmp_path / "nodes", tmp_path / "single"
@@ -103,14 +116,7 @@ def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the
     nodes = _start(port, argv)
     try:  # one node (all its processes) is killed during step 3
         _wait_for_step(run, 2, nodes)
-        # The other node, not the rendezvous' host: without its store torchrun itself stops (its own error).
-        victim = 1 - _rendezvous_host(nodes, port)
-        for p in _tree(nodes[victim]):
-            p.kill()
-        killed = time.monotonic()
-        survivor = nodes[1 - victim]
-        _, err = survivor.communicate(timeout=WAIT_S)
-        waited = time.monotonic() - killed
+        survivor, err, waited = _signal_the_other_node(nodes, port, signal.SIGKILL)
     finally:
         _kill(nodes)
     # Measured 1.5 to 3.4 s: the killed node's connections close, so gloo fails the next exchange at once.
@@ -155,13 +161,7 @@ def test_a_node_that_stops_answering_fails_the_other_after_dist_timeout(tiny_set
     nodes = _start(port, train_argv(tiny_setup, run, "--steps", 40, "--dist-timeout", 3))
     try:
         _wait_for_step(run, 1, nodes)
-        victim = 1 - _rendezvous_host(nodes, port)
-        for p in _tree(nodes[victim]):
-            p.send_signal(signal.SIGSTOP)
-        stopped = time.monotonic()
-        survivor = nodes[1 - victim]
-        _, err = survivor.communicate(timeout=WAIT_S)
-        waited = time.monotonic() - stopped
+        survivor, err, waited = _signal_the_other_node(nodes, port, signal.SIGSTOP)
     finally:
         _kill(nodes)
     ours = [line for line in err.splitlines() if line.startswith("error:")]
