@@ -48,7 +48,9 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
 class GPTJEmbedding(nn.Module):
     def __init__(self, cfg: GPTJConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        # An uninitialised weight: nn.Embedding's own init draws normal_, which on `meta` imports torch._dynamo
+        # (about 1.5 s of CPU per process). Every model's weights are loaded or set by init_weights anyway.
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)  # (B, T, d)

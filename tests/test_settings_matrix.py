@@ -1,31 +1,35 @@
-"""Every combination of store x update place x activations x dtype x grad-accum trains through the CLI."""
+"""Every combination of store x update place x activations x dtype x grad-accum trains through the CLI and
+reaches the same weights: fp32 ones within fp32 rounding, bf16 ones within bf16 rounding of the fp32 ones."""
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
+from streamer.cli.main import main
 from streamer.trainer import StreamingTrainer
 
 MATRIX = list(itertools.product(["ram", "disk"], ["device", "host"], ["resident", "checkpoint"], ["fp32", "bf16"],
                                 [1, 2]))
-FP32_TOL = 1.0
-BF16_TOL = 1.0
+# Measured largest differences from the first combination after two steps: fp32 8.6e-7 (the same sums in another
+# order), bf16 1.1e-2 (bf16 compute, fp32 master weights). The bounds leave room for other CPUs' kernels.
+FP32_TOL = 1e-5
+BF16_TOL = 5e-2
 
 
-def _run(setup, root, combo):
+def _train(setup, root, combo):
+    """One combination, run in this process: the CLI's whole path but the interpreter's start."""
     store, update_on, activations, dtype, accum = combo
     run = root / "-".join(map(str, combo))
     args = ["train", "--model", setup / "config.json", "--data", setup / "train.txt", "--tokenizer", setup / "tok",
             "--run-dir", run, "--batch", 2, "--seq", 16, "--steps", 2, "--sample-tokens", 0, "--eval-every", 0,
             "--eval-fraction", 0, "--lr", 3e-3, "--store", store, "--update-on", update_on,
             "--activations", activations, "--dtype", dtype, "--grad-accum", accum]
-    done = subprocess.run([sys.executable, "-m", "streamer", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
-    return combo, run, done
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    assert rc == 0, (combo, err.getvalue()[-2000:])
+    return run
 
 
 def _weights(run):
@@ -37,11 +41,7 @@ def _weights(run):
 
 
 def test_every_setting_combination_trains_and_agrees(tiny_setup, tmp_path):
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda c: _run(tiny_setup, tmp_path, c), MATRIX))
-    for combo, _, done in results:
-        assert done.returncode == 0 and "Traceback" not in done.stderr, (combo, done.stderr)
-    weights = {combo: _weights(run) for combo, run, _ in results}
+    weights = {combo: _weights(_train(tiny_setup, tmp_path, combo)) for combo in MATRIX}
     reference = weights[MATRIX[0]]
 
     def largest(dtype):
