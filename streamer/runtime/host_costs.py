@@ -80,8 +80,7 @@ def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, floa
                     trainer.step(ids)
                     if i >= 2:
                         seconds.append(time.perf_counter() - start)
-            events = [len(step_events(t.units, 1, {u: t.layouts[u].numel for u in t.units}, t.tc.update_chunk,
-                                      fused=t.fused)) for t in trainers]
+            events = [len(step_events(t.step_spec(1, t.fused))) for t in trainers]
     finally:
         torch.random.set_rng_state(torch_state)
     (shallow, deep), (shallow_events, deep_events) = times, events
