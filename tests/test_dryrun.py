@@ -9,7 +9,7 @@ import torch
 from layers import GPTJConfig
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.runtime.dryrun import dry_run
+from streamer.calibration.dryrun import dry_run
 
 
 def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
@@ -98,7 +98,7 @@ def test_the_trainer_and_the_planner_describe_one_step(settings):
 @pytest.fixture(scope="module")
 def calibrated_here(tmp_path_factory: pytest.TempPathFactory):
     """A folder whose runs/ caches one real calibration of `local` (small probe sizes), for `--target local`."""
-    import streamer.runtime.calibrate as calibrate
+    import streamer.calibration.calibrate as calibrate
     from test_devices import TINY
 
     here = tmp_path_factory.mktemp("calibrated")
