@@ -21,7 +21,7 @@ from rich.console import Console
 from layers import GPTJConfig
 from memory_model import PlanConfig, plan
 from memory_model.settings import check_settings, same_setting
-from streamer.runtime.calibrate import CalibrationSizes, local_spec
+from streamer.calibration.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
     Outcome, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation, versus_deepspeed,

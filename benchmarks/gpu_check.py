@@ -44,8 +44,8 @@ from layers import GPTJConfig  # noqa: E402
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, Plan, PlanConfig  # noqa: E402
 from memory_model import format_size, plan  # noqa: E402
 from streamer.errors import StreamerError  # noqa: E402
-from streamer.runtime.calibrate import measure_update  # noqa: E402
-from streamer.runtime.calibrate_device import preset_for  # noqa: E402
+from streamer.calibration.calibrate import measure_update  # noqa: E402
+from streamer.calibration.calibrate_device import preset_for  # noqa: E402
 from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
 from streamer.runtime.hardware import resolve_compute_dtype  # noqa: E402
 from streamer.store.layout import model_layouts  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 from layers import GPTJConfig
 from memory_model import format_size
 from benchmarks.report import params
-from streamer.runtime.calibrate import cpu_model, measure_disk, measure_matmul_flops
+from streamer.calibration.calibrate import cpu_model, measure_disk, measure_matmul_flops
 from streamer.store.direct import AlignedBuffers, SequentialFile
 from streamer.store.layout import Placement
 from streamer.store.spec import StoreSpec

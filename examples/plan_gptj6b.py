@@ -18,7 +18,7 @@ from rich.table import Table
 from layers import GPTJConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, plan
 from streamer import TrainerConfig
-from streamer.runtime.dryrun import dry_run
+from streamer.calibration.dryrun import dry_run
 from streamer.console import make_console
 
 POLICIES = ("resident", "checkpoint")

@@ -1,6 +1,6 @@
 """What a device is and what a training step costs on it: device specs, the ledger, traces, the planner.
 
-No tensor math and no torch import here: the runtime measures the `local` device (streamer.runtime.calibrate).
+No tensor math and no torch import here: the runtime measures the `local` device (streamer.calibration.calibrate).
 """
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, Link, device_spec
 from memory_model.ledger import CATEGORIES, DeviceOutOfMemory, Ledger, WindowStats, suggest_fixes

@@ -1,7 +1,7 @@
 """What a device is to the cost model: a memory capacity, links to the host, compute rates, and the host side.
 
 Every number of a spec has a `Figure` behind it (value, basis, source): the presets' are in catalogue.py,
-`local`'s are measured on the machine it runs on (streamer/runtime/calibrate.py). `FIGURES` names the
+`local`'s are measured on the machine it runs on (streamer/calibration/calibrate.py). `FIGURES` names the
 numeric fields, so that `streamer devices` lists them and `--set field=value` overrides any of them.
 """
 from __future__ import annotations
@@ -284,7 +284,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {name: _preset(name) for name in PRESET_
 
 def device_spec(name: str) -> DeviceSpec:
     """A preset by name. "local" (this machine) is measured, not described: the runtime calibrates it
-    (streamer.runtime.calibrate.local_spec), which keeps this package free of torch."""
+    (streamer.calibration.calibrate.local_spec), which keeps this package free of torch."""
     try:
         return DEVICE_PRESETS[name]
     except KeyError:

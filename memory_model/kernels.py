@@ -43,7 +43,7 @@ class KernelCosts:
     compute_cast_bytes_per_s: float
     # What an event costs whatever its size (the runtime's hand-offs and bookkeeping, each small kernel's
     # dispatch), measured on models too small for their kernels to take time: per forward, backward or
-    # update event, and per step besides its events (streamer/runtime/host_costs.py).
+    # update event, and per step besides its events (streamer/calibration/host_costs.py).
     event_s: float
     step_s: float
     # The host's cores moving a disk-tier byte through the page cache (written into it, read from it): on a

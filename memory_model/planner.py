@@ -23,8 +23,9 @@ from memory_model.shapes import (
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    MASTER_BYTES, Charge, Event, Resource, adapter_charges, disk_bytes, frozen_base_events, gathered_numel, gradient_charges,
-    load_order, resident_sets, resource_charges, shard_numel, step_events, store_bytes, update_charges,
+    MASTER_BYTES, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel, gradient_charges,
+    load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events, store_bytes,
+    update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -224,14 +225,18 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
     return moments
 
 
-def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
-    """The runtime's step for this model and config; `update=False` leaves out the update chunks."""
-    units = shape.unit_names()
-    if cfg.lora.enabled:
-        return frozen_base_events(units, cfg.grad_accum)
+def step_spec(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> StepSpec:
+    """The step the runtime runs for this model and config (`StreamingTrainer.step_spec` of the same settings);
+    `update=False` leaves out the update chunks."""
+    units = tuple(shape.unit_names())
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in units}  # what each rank updates
-    return step_events(units, cfg.grad_accum, numels, cfg.update_chunk, update_units=None if update else [],
-                       fused=cfg.fused, master_from_weights=cfg.store == "disk")
+    return StepSpec(units, cfg.grad_accum, numels, cfg.update_chunk, fused=cfg.fused, frozen_base=cfg.lora.enabled,
+                    master_from_weights=loads_read_master(cfg.store, cfg.store, cfg.compute_dtype == "fp32"),
+                    update_units=None if update else ())
+
+
+def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
+    return step_events(step_spec(shape, cfg, update))
 
 
 def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:

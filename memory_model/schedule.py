@@ -16,6 +16,7 @@ adds up the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
@@ -124,31 +125,69 @@ def chunks(numel: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(size, numel - s)) for s in range(0, numel, size)]
 
 
-def step_events(units: list[str], micro_batches: int, numels: dict[str, int], chunk: int,
-                update_units: list[str] | None = None, fused: bool = False,
-                master_from_weights: bool = False) -> list[Event]:
-    """Forward and backward of every micro-batch, and the update of `update_units` (default: all) in chunks
-    of at most `chunk` parameters.
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything one step's event list depends on. The trainer (`StreamingTrainer.step_spec`), the planner
+    (`memory_model.planner.step_spec`) and the calibration describe their step with one, and `step_events`
+    turns it into the events: the runtime and the planner walk one list by construction.
 
-    After the backward (`fused=False`): the update follows the whole backward, clipped by the global norm
-    the backward has just summed. Fused: each unit's update follows its backward in the last micro-batch,
-    as soon as its gradient is final, speculatively unclipped (the executor undoes and redoes a step whose
-    clipping triggers). Under data parallel every device applies the whole update to its own copy; with the
-    state sharded, `numels` are the slices each device owns (`shard_numel`) and each updates only its slice (its
-    forward and backward still see whole units: the slices are all-gathered when a unit's weights load).
-    `master_from_weights`: the weights loads read the fp32 master (the disk tier keeps no compute-dtype
-    copy), so a fused update takes each unit's master from its backward's load instead of reading it again.
+    `numels`: the elements of each unit its update walks (with the state sharded, this process's slice,
+    `shard_numel`); its forward and backward still see whole units. `fused`: each unit's update follows its
+    backward in the last micro-batch (`memory_model.shapes.fused_update`). `frozen_base`: LoRA's step, whose
+    streamed base has no update and whose embedding has no backward. `master_from_weights`
+    (`loads_read_master`): a fused update takes each unit's fp32 master from its backward's weights load.
+    `backward=False`: evaluation, forwards only. `update_units`: the units updated (None: all; a step rolled
+    forward after a crash updates the pending ones, with no micro-batches left to run).
     """
-    update_units = units if update_units is None else update_units
+
+    units: tuple[str, ...]
+    micro_batches: int
+    numels: Mapping[str, int]
+    chunk: int  # parameters per update chunk: the optimizer state on the device at once
+    fused: bool = False
+    frozen_base: bool = False
+    master_from_weights: bool = False
+    backward: bool = True
+    update_units: tuple[str, ...] | None = None
+
+
+def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
+    """A weights load reads the fp32 master from the state files (and casts it): there is no compute copy in
+    RAM, and fp32 compute weights are the masters themselves. The one rule for `StepSpec.master_from_weights`."""
+    return compute_tier == "disk" or (compute_is_master and state_tier == "disk")
+
+
+def step_events(step: StepSpec) -> list[Event]:
+    """The ordered events of `step`: forward and backward of every micro-batch, and the update in chunks.
+
+    After the backward (not fused): the update follows the whole backward, clipped by the global norm the
+    backward has just summed. Fused: each unit's update follows its backward in the last micro-batch, as soon
+    as its gradient is final, speculatively unclipped (the executor undoes and redoes a step whose clipping
+    triggers). Under data parallel every device applies the whole update to its own copy of its state.
+    """
+    update_units = () if step.frozen_base or not step.backward else (
+        step.units if step.update_units is None else step.update_units)
+    backward_units = step.units[1:] if step.frozen_base else step.units
     events: list[Event] = []
-    for micro in range(micro_batches):
-        events += [Event("forward", Weights(u), micro) for u in units]
-        for u in reversed(units):
+    for micro in range(step.micro_batches):
+        events += [Event("forward", Weights(u), micro) for u in step.units]
+        if not step.backward:
+            continue
+        for u in reversed(backward_units):
             events.append(Event("backward", Weights(u), micro))
-            if fused and micro == micro_batches - 1 and u in update_units:
-                events += update_events([u], numels, chunk, with_master=not master_from_weights)
-    if not fused:
-        events += update_events(update_units, numels, chunk)
+            if step.fused and micro == step.micro_batches - 1 and u in update_units:
+                events += _update_events(step, [u], with_master=not step.master_from_weights)
+    if not step.fused:
+        events += _update_events(step, update_units)
+    return events
+
+
+def _update_events(step: StepSpec, units: Sequence[str], with_master: bool = True) -> list[Event]:
+    events = []
+    for unit in units:
+        pieces = chunks(step.numels[unit], step.chunk)
+        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1, with_master))
+                   for i, (start, count) in enumerate(pieces)]
     return events
 
 
@@ -160,31 +199,6 @@ def is_fused(events: list[Event]) -> bool:
         if seen_update and event.phase == "backward":
             return True
     return False
-
-
-def frozen_base_events(units: list[str], micro_batches: int) -> list[Event]:
-    """LoRA's step on a frozen base: forward and backward of every micro-batch, and no update events (the
-    adapters stay on the device and are updated there after the last backward). The first unit, the
-    embedding, has no backward: it holds no adapters and its input is token ids."""
-    events: list[Event] = []
-    for micro in range(micro_batches):
-        events += [Event("forward", Weights(u), micro) for u in units]
-        events += [Event("backward", Weights(u), micro) for u in reversed(units[1:])]
-    return events
-
-
-def update_events(units: list[str], numels: dict[str, int], chunk: int, with_master: bool = True) -> list[Event]:
-    events = []
-    for unit in units:
-        pieces = chunks(numels[unit], chunk)
-        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1, with_master))
-                   for i, (start, count) in enumerate(pieces)]
-    return events
-
-
-def forward_events(units: list[str]) -> list[Event]:
-    """Evaluation: the training forward (loss in the head), without a backward."""
-    return [Event("forward", Weights(u)) for u in units]
 
 
 def inference_events(units: list[str]) -> list[Event]:

@@ -17,7 +17,7 @@ from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
-from memory_model.schedule import chunks, forward_events, frozen_base_events, step_events, update_events
+from memory_model.schedule import StepSpec, chunks, step_events
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
@@ -251,6 +251,15 @@ class StreamingTrainer:
         """The global gradient norm of the last step, before clipping (0 before any step)."""
         return math.sqrt(sum(self.executor.grad_sq_norms.values()))
 
+    def step_spec(self, micro_batches: int, fused: bool = False, backward: bool = True,
+                  update_units: tuple[str, ...] | None = None) -> StepSpec:
+        """A step of this trainer (the training step is what memory_model.planner.step_spec says of the same
+        settings); `backward=False`: an evaluation; `update_units`: a step rolled forward."""
+        numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
+        return StepSpec(tuple(self.units), micro_batches, numels, self.tc.update_chunk, fused=fused,
+                        frozen_base=self.adapters is not None, master_from_weights=self.executor.loads_read_master,
+                        backward=backward, update_units=update_units)
+
     def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
         the store then refuses to train on until it is reopened and rolled forward)."""
@@ -258,12 +267,7 @@ class StreamingTrainer:
         # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
         ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
-        numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
-        if self.adapters is None:
-            events = step_events(self.units, len(micro), numels, self.tc.update_chunk, fused=fused,
-                                 master_from_weights=self.executor.loads_read_master)
-        else:
-            events = frozen_base_events(self.units, len(micro))
+        events = step_events(self.step_spec(len(micro), fused))
         if fused and self.store is not None:
             self.writer.begin_speculative_step(step)
         try:
@@ -349,8 +353,8 @@ class StreamingTrainer:
         step = journal["step"]
         pending = [u for u in self.units if self.writer.unit_version(u) != step]
         ctx = StepContext([], step, journal["lr"], clip_coef=journal["clip_coef"])
-        numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
-        self.executor.run(update_events(pending, numels, self.tc.update_chunk), ctx)
+        # No micro-batch is left to run: the step is the update of the units it had not finished.
+        self.executor.run(step_events(self.step_spec(0, update_units=tuple(pending))), ctx)
         trainer_state = journal["trainer"]
         self.losses = list(trainer_state.get("losses", []))
         self.extra_state = dict(trainer_state.get("extra", {}))
@@ -364,7 +368,7 @@ class StreamingTrainer:
         for batch in micro:
             ctx = StepContext([batch], self.step_count, 0.0, tokens)
             with torch.no_grad():
-                self.executor.run(forward_events(self.units), ctx)
+                self.executor.run(step_events(self.step_spec(1, backward=False)), ctx)
             self.executor.clear_graphs()
             losses.append(ctx.losses[0])
         return float(torch.stack(losses).sum()) if self.executor.device.type != "meta" else float("nan")

@@ -7,7 +7,7 @@ import torch
 from memory_model import DEVICE_PRESETS
 from memory_model.devices import with_sets
 from streamer.errors import StreamerError
-from streamer.runtime.calibrate_device import ProbeSizes, calibrate_device, preset_for, set_flags
+from streamer.calibration.calibrate_device import ProbeSizes, calibrate_device, preset_for, set_flags
 
 TINY = ProbeSizes(matmul_n=128, attention_heads=2, attention_seq=64, head_dim=32, copy_bytes=2**20,
                   update_params=2**16, repeats=1)

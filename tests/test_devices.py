@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import streamer.runtime.calibrate as calibrate
+import streamer.calibration.calibrate as calibrate
 from layers import PRESETS
 from memory_model import DEVICE_PRESETS, DeviceSpec, Link, SizeError, device_spec, format_size, parse_size
 from memory_model.catalogue import BASES, Figure
 from memory_model.devices import FIGURES, figure_values, with_figures
-from streamer.runtime.calibrate import CalibrationSizes
+from streamer.calibration.calibrate import CalibrationSizes
 from memory_model.kernels import KernelCosts
 
 TINY = CalibrationSizes(matmul_n=32, probe_tokens=16, compute_seconds=0.5, copy_bytes=2**16, disk_bytes=2**16,

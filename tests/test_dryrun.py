@@ -9,7 +9,7 @@ import torch
 from layers import GPTJConfig
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.runtime.dryrun import dry_run
+from streamer.calibration.dryrun import dry_run
 
 
 def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
@@ -71,10 +71,34 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
     assert planned.peak_device_bytes == pytest.approx(dry.peak, rel=0.015)
 
 
+@pytest.mark.parametrize("settings", [
+    dict(dtype="bf16", store="ram", grad_accum=2, update_chunk=20_000),
+    dict(dtype="fp32", store="disk", update_chunk=20_000),  # fused: each update takes its load's master
+    dict(dtype="bf16", store="disk", grad_accum=2, update_timing="after-backward", update_chunk=30_000),
+    dict(dtype="bf16", update_on="host", prefetch=2, update_chunk=50_000),  # fused on the host
+    dict(dtype="fp32", grad_accum=2, lora_rank=4),  # a frozen base: no update events
+])
+def test_the_trainer_and_the_planner_describe_one_step(settings):
+    """One run's settings give the trainer and the planner the same step description, hence one event list."""
+    from memory_model.planner import step_spec
+    from memory_model.schedule import step_events
+    from streamer.run import RunConfig
+
+    run = RunConfig(model="gptj-debug", batch=4, seq=16, **settings)
+    shape = run.model_config()
+    trainer = StreamingTrainer(shape, run.trainer_config().replace(device="meta"))  # as the dry run builds it
+    planned = step_spec(shape, run.plan_config())
+    assert trainer.step_spec(run.grad_accum, trainer.fused) == planned
+    assert step_events(planned) == step_events(trainer.step_spec(run.grad_accum, trainer.fused))
+    assert planned.fused == (run.store == "disk" and run.update_timing == "auto" and not run.lora_rank)
+    assert planned.master_from_weights == (run.store == "disk")
+    trainer.close()
+
+
 @pytest.fixture(scope="module")
 def calibrated_here(tmp_path_factory: pytest.TempPathFactory):
     """A folder whose runs/ caches one real calibration of `local` (small probe sizes), for `--target local`."""
-    import streamer.runtime.calibrate as calibrate
+    import streamer.calibration.calibrate as calibrate
     from test_devices import TINY
 
     here = tmp_path_factory.mktemp("calibrated")

@@ -17,7 +17,7 @@ import torch
 from conftest import poison_gradient
 from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
-from memory_model.schedule import Weights, load_order, loads_keeping_master, step_events
+from memory_model.schedule import StepSpec, Weights, load_order, loads_keeping_master, step_events
 from memory_model.shapes import PlanConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
 from streamer.errors import ConfigError
@@ -147,7 +147,7 @@ def test_fused_bytes_per_parameter_are_the_floor():
 def test_a_fused_update_takes_the_master_of_each_units_last_weights_load(master_from_weights):
     units = CFG.unit_names()
     numels = {u: CFG.unit_params(u) for u in units}
-    events = step_events(units, 2, numels, 5000, fused=True, master_from_weights=master_from_weights)
+    events = step_events(StepSpec(tuple(units), 2, numels, 5000, fused=True, master_from_weights=master_from_weights))
     assert all(e.resource.master != master_from_weights for e in events if e.phase == "update")
     kept = [r for r, keep in zip(load_order(events, 1), loads_keeping_master(events, 1)) if keep]
     # the head's load from its last forward (it stays into its backward), then each backward's load

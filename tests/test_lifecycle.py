@@ -349,7 +349,7 @@ def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path, ca
 def _compare_plans_each_process(run: Path, capsys, monkeypatch) -> None:
     """The planned peak is the one each process's ledger measured (planning the whole batch on one device put
     the demo's 72% above it)."""
-    import streamer.runtime.calibrate as calibrate
+    import streamer.calibration.calibrate as calibrate
     from test_cli import run_cli
     from test_devices import TINY
 

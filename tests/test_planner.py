@@ -19,7 +19,9 @@ from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, L
                           peak_device_bytes, plan)
 from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
                                  embed_saved_bytes, head_saved_bytes)
-from memory_model.schedule import released_after, resident_sets, resource_charges, step_events, update_charges
+from memory_model.schedule import (
+    StepSpec, released_after, resident_sets, resource_charges, step_events, update_charges,
+)
 
 GIB = 2**30
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -142,7 +144,8 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     charges (memory_model/schedule.py); the planner's moment-by-moment walk never sees this code."""
     ledger = Ledger(None)
     units = shape.unit_names()
-    events = step_events(units, cfg.grad_accum, {u: shape.unit_params(u) for u in units}, cfg.update_chunk)
+    events = step_events(StepSpec(tuple(units), cfg.grad_accum, {u: shape.unit_params(u) for u in units},
+                                  cfg.update_chunk))
     resident = resident_sets(events, cfg.prefetch)
     es, b, t = cfg.dtype_bytes, cfg.micro_batch, cfg.seq
     in_flight: dict[tuple, list[int]] = {}
@@ -347,7 +350,6 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
     """A measured fixed cost per forward, backward and update event, and one per step: on a device whose
     I/O is free, the step grows by exactly that many of them."""
     from memory_model.kernels import KernelCosts
-    from memory_model.schedule import step_events
     free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
                       flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
                       disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
@@ -358,7 +360,8 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
     base = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=0.0, step_s=0.0, page_cache_bytes_per_s=1e18, flush_s=0.0)}), cfg)
     fixed = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=1e-3, step_s=2e-3, page_cache_bytes_per_s=1e18, flush_s=0.0)}), cfg)
     units = shape.unit_names()
-    events = step_events(units, 2, {u: shape.unit_params(u) for u in units}, cfg.update_chunk, fused=cfg.fused)
+    events = step_events(StepSpec(tuple(units), 2, {u: shape.unit_params(u) for u in units}, cfg.update_chunk,
+                                  fused=cfg.fused))
     assert len(events) > 2 * 2 * len(units)  # two micro-batches' forwards and backwards, and the updates
     assert fixed.step_time_s == pytest.approx(base.step_time_s + len(events) * 1e-3 + 2e-3, rel=1e-12)
 

@@ -1,5 +1,5 @@
-"""The structure docs/ARCHITECTURE.md describes, checked against the code: import directions, no import
-cycles, no reaching into another module's private names, modules under the size limit, memory_model without
+"""The structure docs/ARCHITECTURE.md describes, checked against the code: import directions (between the
+packages and between streamer's layers), no import cycles, no reaching into another module's private names, modules under the size limit, memory_model without
 torch, and the module table naming exactly the modules that exist."""
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ MAY_IMPORT = {
     "memory_model": {"layers", "memory_model"},
     "streamer": {"layers", "memory_model", "streamer"},
     "benchmarks": {"layers", "memory_model", "streamer", "benchmarks"},
+}
+# Inside streamer, what a layer may not import, at any depth (an import inside a function counts): the store
+# and the runtime run a step, the trainer drives them, calibration measures the trainer, the CLI uses them all.
+ABOVE = {
+    "streamer.store": ("streamer.runtime", "streamer.trainer", "streamer.calibration", "streamer.cli"),
+    "streamer.runtime": ("streamer.trainer", "streamer.calibration", "streamer.cli"),
+    "streamer.trainer": ("streamer.calibration", "streamer.cli"),
+    "streamer.calibration": ("streamer.cli",),
 }
 # A module past this many lines says why at the top of its docstring ("Long because ..."): it is a prompt to
 # look for a second concern, not a budget to squeeze code under.
@@ -70,6 +78,16 @@ def test_packages_import_only_downwards_and_nothing_imports_benchmarks() -> None
     wrong = [f"{name} imports {target}" for name, targets in _edges().items() for target in targets
              if target.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]]
     assert not wrong, "imports against the direction layers <- memory_model <- streamer <- benchmarks:\n" + \
+        "\n".join(wrong)
+
+
+def test_streamer_layers_import_only_downwards() -> None:
+    def above(name: str, target: str) -> bool:
+        return any((name == low or name.startswith(low + ".")) and (target == high or target.startswith(high + "."))
+                   for low, highs in ABOVE.items() for high in highs)
+    wrong = [f"{name} imports {target}" for name, targets in _edges().items() for target in targets
+             if above(name, target)]
+    assert not wrong, "imports that run back up (store <- runtime <- trainer <- calibration <- cli):\n" + \
         "\n".join(wrong)
 
 

@@ -40,8 +40,8 @@ def declare(parser: argparse.ArgumentParser) -> None:
 def calibrate_command(args: argparse.Namespace) -> int:
     import torch
 
-    from streamer.runtime.calibrate import CACHE_NAME, local_spec
-    from streamer.runtime.calibrate_device import ProbeSizes, calibrate_device, preset_for, set_flags
+    from streamer.calibration.calibrate import CACHE_NAME, local_spec
+    from streamer.calibration.calibrate_device import ProbeSizes, calibrate_device, preset_for, set_flags
 
     try:
         device = torch.device(args.device)

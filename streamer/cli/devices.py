@@ -14,7 +14,7 @@ from memory_model.devices import FIGURES
 from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.run import RunConfig
-from streamer.runtime.calibrate import local_spec
+from streamer.calibration.calibrate import local_spec
 
 EXAMPLES = """\
 examples:

@@ -17,10 +17,12 @@ from memory_model.devices import with_sets
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
+from streamer.config import TrainerConfig
 from streamer.console import make_console
 from streamer.errors import StreamerError
 from streamer.run import SettingError, read_toml, resolve
-from streamer.runtime.calibrate import local_spec
+from streamer.calibration.calibrate import local_spec
+from streamer.calibration.dryrun import dry_run
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
@@ -95,8 +97,6 @@ def plan_command(args: argparse.Namespace) -> int:
     out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
            "compute_dtype_reason": choice.reason, "alternatives": [asdict(b) for b in others]}
     if args.dry_run:
-        from streamer.config import TrainerConfig
-        from streamer.runtime.dryrun import dry_run
         tc = TrainerConfig(compute_dtype=dtype, activations=cfg.activations, grad_accum=cfg.grad_accum,
                            prefetch=cfg.prefetch, update_on=plan_cfg.update_on, update_chunk=cfg.update_chunk,
                            store=cfg.store, update_timing=cfg.update_timing,

@@ -44,7 +44,7 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     from streamer.run import SettingError
     from streamer.run_dir import RunDir
     from streamer.advice import peak_plan_config
-    from streamer.runtime.calibrate import local_spec
+    from streamer.calibration.calibrate import local_spec
 
     run = RunDir.open(run_dir)
     cfg = run.read_config()

@@ -8,6 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from layers import GPTJConfig, build_unit, unit_hf_key, weight_decayed
+from memory_model.schedule import loads_read_master
 from streamer.errors import StoreError
 
 TIERS = ("ram", "disk")
@@ -127,9 +128,8 @@ class Placement:
             raise StoreError("placement with state on disk needs grad on disk too (the commit journal replays it)")
 
     def loads_read_master(self, compute_is_master: bool) -> bool:
-        """A weights load reads the fp32 master from the state files (and casts it): there is no compute copy
-        in RAM, and fp32 compute weights are the masters themselves."""
-        return self.compute == "disk" or (compute_is_master and self.state == "disk")
+        """A weights load reads the fp32 master from the state files (memory_model.schedule.loads_read_master)."""
+        return loads_read_master(self.compute, self.state, compute_is_master)
 
     @classmethod
     def of(cls, store: "str | Placement") -> "Placement":

@@ -20,7 +20,7 @@ from memory_model.catalogue import Figure
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_figures
 from memory_model.kernels import attention_flops
 from streamer.errors import StreamerError
-from streamer.runtime.calibrate import DTYPES, measure_update
+from streamer.calibration.calibrate import DTYPES, measure_update
 
 # (words in torch.cuda.get_device_name, the preset): the first match names the GPU's preset.
 GPU_NAMES = (("GH200", "gh200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"),

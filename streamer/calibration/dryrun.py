@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 from layers import GPTJConfig
 from memory_model import Ledger
 from streamer.config import TrainerConfig
+from streamer.trainer import StreamingTrainer
 
 
 class FlashAttentionOnMeta(TorchFunctionMode):
@@ -34,7 +35,6 @@ class FlashAttentionOnMeta(TorchFunctionMode):
 def dry_run(cfg: GPTJConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False) -> Ledger:
     """Run one full training step (grad_accum micro-batches and the update) on meta; returns its ledger.
     `packed`: rows of packed examples (their positions, hence masked attention)."""
-    from streamer.trainer import StreamingTrainer
     trainer = StreamingTrainer(cfg, tc.replace(device="meta", budget=None))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     with FlashAttentionOnMeta():

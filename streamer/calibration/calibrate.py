@@ -31,7 +31,7 @@ from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
 from memory_model.units import format_size
-from streamer.runtime.host_costs import HostCosts, measure_host_costs
+from streamer.calibration.host_costs import HostCosts, measure_host_costs
 
 CACHE_NAME = "device-local.json"
 CACHE_VERSION = 10

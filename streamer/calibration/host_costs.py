@@ -32,6 +32,8 @@ import torch
 
 from layers.config import GPTJConfig
 from memory_model.schedule import step_events
+from streamer.config import TrainerConfig
+from streamer.trainer import StreamingTrainer
 
 _DEPTHS = (1, 5)
 _TOKENS = 8
@@ -63,9 +65,6 @@ def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, floa
     weighs on both alike: `event_s` is the median of the paired differences over the difference in events.
     Run one after the other under a changing load (2 cores, load average 7-9), it came out from 0 to 0.13 s,
     against 0.6 ms on the quiet machine."""
-    from streamer.config import TrainerConfig  # the runtime measures itself: imported when calibrating
-    from streamer.trainer import StreamingTrainer
-
     torch_state = torch.random.get_rng_state()
     try:
         with tempfile.TemporaryDirectory(prefix="calibrate-events-") as tmp, contextlib.ExitStack() as stack:
@@ -80,8 +79,7 @@ def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, floa
                     trainer.step(ids)
                     if i >= 2:
                         seconds.append(time.perf_counter() - start)
-            events = [len(step_events(t.units, 1, {u: t.layouts[u].numel for u in t.units}, t.tc.update_chunk,
-                                      fused=t.fused)) for t in trainers]
+            events = [len(step_events(t.step_spec(1, t.fused))) for t in trainers]
     finally:
         torch.random.set_rng_state(torch_state)
     (shallow, deep), (shallow_events, deep_events) = times, events
