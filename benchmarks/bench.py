@@ -36,7 +36,8 @@ from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
 from streamer.cli.flags import add_run_flags
 from streamer.cli.main import Parser, guarded
-from streamer.run import RunConfig, SettingError
+from streamer.run import SettingError
+from streamer.runtime.optim import OptimizerConfig
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 GiB = 2**30
@@ -68,7 +69,7 @@ class Settings:
     reserve_min_bytes: int
     quick: bool
     compute: DtypeChoice  # our contenders' compute dtype (--dtype resolved on this CPU) and why
-    max_grad_norm: float = same_setting(RunConfig, "max_grad_norm")
+    max_grad_norm: float = same_setting(OptimizerConfig, "max_grad_norm")
 
     def __post_init__(self) -> None:
         check_settings(self, SettingError)

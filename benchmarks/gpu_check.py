@@ -207,8 +207,9 @@ def gpu_spec(name: str, total: int, h2d: float, d2h: float, peak: float, host_up
 # --- 3. the benchmark ----------------------------------------------------------------------------------------
 def predict(cfg: GPTJConfig, spec: DeviceSpec, tc: TrainerConfig, batch: int, seq: int) -> Plan:
     return plan(cfg, spec,
-                PlanConfig(batch=batch, seq=seq, activations=tc.activations, compute_dtype="bf16",
-                           prefetch=tc.prefetch, update_on=tc.update_on, update_chunk=tc.update_chunk, store="ram"))
+                PlanConfig(batch=batch, seq=seq, activations=tc.step.activations, compute_dtype="bf16",
+                           prefetch=tc.step.prefetch, update_on=tc.step.update_on,
+                           update_chunk=tc.step.update_chunk, store="ram"))
 
 
 def measure(trainer: StreamingTrainer, spec: DeviceSpec, batch: int, seq: int, warmup: int, steps: int) -> Run:
@@ -229,8 +230,8 @@ def measure(trainer: StreamingTrainer, spec: DeviceSpec, batch: int, seq: int, w
             times.append(time.perf_counter() - start)
     except (torch.cuda.OutOfMemoryError, DeviceOutOfMemory) as exc:
         torch.cuda.empty_cache()
-        return Run(batch, trainer.tc.update_on, prediction=prediction, error=" ".join(str(exc).split())[:200])
-    return Run(batch, trainer.tc.update_on, tuple(times), trainer.ledger.peak, torch.cuda.max_memory_allocated(),
+        return Run(batch, trainer.tc.step.update_on, prediction=prediction, error=" ".join(str(exc).split())[:200])
+    return Run(batch, trainer.tc.step.update_on, tuple(times), trainer.ledger.peak, torch.cuda.max_memory_allocated(),
                prediction)
 
 
@@ -264,8 +265,8 @@ def benchmark(model: str, seq: int, clock: Clock, bench: Bench) -> None:
     if moments is None:
         return
     # pin_memory all: the store chosen above is sized as pinned RAM, and pinned slabs cross without staging.
-    tc = TrainerConfig(compute_dtype="bf16", moment_dtype=moments, store="ram", activations="checkpoint",
-                       device="cuda", budget=GOAL_PEAK_BYTES, seed=0, pin_memory="all")
+    tc = TrainerConfig.of(dtype="bf16", moment_dtype=moments, store="ram", activations="checkpoint",
+                          device="cuda", budget=GOAL_PEAK_BYTES, seed=0, pin_memory="all")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(tmp) / "store")

@@ -36,8 +36,8 @@ def lora_pair(full: RunSpec) -> list[RunSpec]:
 def store_bytes(spec: RunSpec) -> int:
     """Bytes of RAM the contender's store allocates (the pair runs on the RAM tier): its layout, which
     tests/test_lora_store.py holds equal to what a store writes."""
-    tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, moment_dtype=spec.moment_dtype,
-                       lora_rank=spec.lora_rank)
+    tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, moment_dtype=spec.moment_dtype,
+                          lora_rank=spec.lora_rank)
     return tc.store_spec(GPTJConfig.from_dict(spec.model)).host_bytes()[0]
 
 

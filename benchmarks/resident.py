@@ -19,27 +19,28 @@ class ResidentTrainer:
         self.cfg, self.tc = cfg, tc
         self.model = GPTJ(cfg, init=False)
         self.model.load_hf_state_dict(dict(state_dict))
-        self.model.to(device=tc.device, dtype=tc.compute_dtype)
+        self.model.to(device=tc.device.device, dtype=tc.compute_dtype)
         params = list(self.model.parameters())
         # fp32 compute weights are the master weights; otherwise the masters are a separate fp32 copy.
         self.separate_masters = tc.compute_dtype != torch.float32
         self.masters = [torch.nn.Parameter(p.detach().float()) for p in params] if self.separate_masters else params
         self.optimizer = torch.optim.AdamW(
-            [{"params": [m for m in self.masters if weight_decayed(m.shape)], "weight_decay": tc.weight_decay},
+            [{"params": [m for m in self.masters if weight_decayed(m.shape)],
+              "weight_decay": tc.optimizer.weight_decay},
              {"params": [m for m in self.masters if not weight_decayed(m.shape)], "weight_decay": 0.0}],
-            lr=tc.lr, betas=tc.betas, eps=tc.eps, fused=True)
+            lr=tc.optimizer.lr, betas=tc.optimizer.betas, eps=tc.optimizer.eps, fused=True)
         self.steps = 0
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         labels = input_ids if labels is None else labels
-        input_ids, labels = input_ids.to(self.tc.device), labels.to(self.tc.device)
+        input_ids, labels = input_ids.to(self.tc.device.device), labels.to(self.tc.device.device)
         self.steps += 1
         for group in self.optimizer.param_groups:
-            group["lr"] = self.tc.schedule.lr_at(self.steps, self.tc.lr)
+            group["lr"] = self.tc.schedule.lr_at(self.steps, self.tc.optimizer.lr)
         self.optimizer.zero_grad(set_to_none=True)
         params = list(self.model.parameters())
         losses, tokens = [], learned_tokens(labels)  # the step's loss is the mean over its learned tokens
-        for ids, lab in zip(input_ids.chunk(self.tc.grad_accum), labels.chunk(self.tc.grad_accum)):
+        for ids, lab in zip(input_ids.chunk(self.tc.step.grad_accum), labels.chunk(self.tc.step.grad_accum)):
             loss = causal_lm_loss(self.model(ids), lab, tokens)
             loss.backward()
             losses.append(loss.detach())
@@ -47,8 +48,8 @@ class ResidentTrainer:
                 for p, m in zip(params, self.masters):
                     m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
                     p.grad = None
-        if self.tc.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.tc.max_grad_norm)
+        if self.tc.optimizer.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.tc.optimizer.max_grad_norm)
         self.optimizer.step()
         if self.separate_masters:
             with torch.no_grad():

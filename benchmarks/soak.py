@@ -89,7 +89,7 @@ def batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[torch.Tenso
 
 def run(store: str, steps: int, root: Path, batch: int = 8, seq: int = 64) -> Run:
     cfg = GPTJConfig.preset("gptj-debug")
-    tc = TrainerConfig(lr=1e-3, store=store, update_chunk=8192)  # compute dtype auto: fast on any CPU
+    tc = TrainerConfig.of(lr=1e-3, store=store, update_chunk=8192)  # compute dtype auto: fast on any CPU
     process = psutil.Process()
     losses, rss, fds = [], [], []
     start = time.perf_counter()

@@ -22,7 +22,6 @@ from memory_model import PlanConfig
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
-from streamer.run import RunConfig
 from streamer.runtime.optim import OptimizerConfig
 
 RESULT_TAG = "BENCH-RESULT "
@@ -48,7 +47,7 @@ class RunSpec:
     activations: str = same_setting(PlanConfig, "activations")  # the scale run checkpoints
     # Every contender clips at this global norm (0: none). Random tokens' gradients clip on every step, and a
     # fused update whose clipping triggers is made again after the backward: bench runs without, by default.
-    max_grad_norm: float = same_setting(RunConfig, "max_grad_norm")
+    max_grad_norm: float = same_setting(OptimizerConfig, "max_grad_norm")
     update_timing: str = same_setting(PlanConfig, "update_timing")  # ours streamed only
     warmup: int = setting(2, "untimed steps first", Integer(0))
     steps: int = setting(5, "timed steps", Integer())
@@ -112,9 +111,9 @@ def _ours(spec: RunSpec) -> Contender:
     from streamer import StreamingTrainer, TrainerConfig
     from benchmarks.resident import ResidentTrainer
     cfg = _gptj_config(spec)
-    tc = TrainerConfig(compute_dtype=spec.dtype, store=spec.tier, activations=spec.activations,
-                       moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm or None,
-                       lora_rank=spec.lora_rank, update_timing=spec.update_timing)
+    tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, activations=spec.activations,
+                          moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm,
+                          lora_rank=spec.lora_rank, update_timing=spec.update_timing)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
         return Contender(trainer.step, cfg.num_params(), trainer)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from layers import GPTJConfig
-from streamer import LRSchedule, StreamingTrainer, TrainerConfig
+from streamer import DeviceConfig, LRSchedule, OptimizerConfig, Placement, StepConfig, StreamingTrainer, TrainerConfig
 from streamer.io.data import BatchStream, load_dataset
 from streamer.generate import Sampling, complete
 from streamer.io.tokenizer import train_bpe
@@ -63,8 +63,10 @@ def main() -> None:
     # The budget holds half the model's 16 B/param training state: each batch of 16 runs as 8 micro-batches
     # (activations stay resident, nothing is recomputed; small enough for fp32 too, which --dtype auto picks on a
     # CPU without native bf16) and the update streams 256K parameters at a time.
-    tc = TrainerConfig(lr=3e-3, weight_decay=0.01, grad_accum=8, update_chunk=2**18, store="disk", budget="8MiB",
-                       schedule=LRSchedule("cosine", warmup_steps=min(10, args.steps // 10), total_steps=args.steps))
+    tc = TrainerConfig(optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.01),
+                       schedule=LRSchedule("cosine", warmup_steps=min(10, args.steps // 10), total_steps=args.steps),
+                       step=StepConfig(grad_accum=8, update_chunk=2**18), device=DeviceConfig(budget="8MiB"),
+                       store=Placement.of("disk"))
     print(f"{MODEL.num_params():,} params; 16 B/param would need {16 * MODEL.num_params() / 2**20:.1f} MiB "
           f"on the device, the budget is 8 MiB; {len(train)} train / {len(held_out)} held-out examples")
     eval_ids, eval_labels = held_out.input_ids[:64], held_out.labels[:64]

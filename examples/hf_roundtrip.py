@@ -83,7 +83,7 @@ def main() -> None:
         make_checkpoint(source)
     print(f"source: {source}: {', '.join(sorted(p.name for p in source.iterdir()))}")
 
-    tc = TrainerConfig(lr=1e-4, store="disk", activations="checkpoint")
+    tc = TrainerConfig.of(lr=1e-4, store="disk", activations="checkpoint")
     with PeakMemory() as memory:
         trainer = StreamingTrainer.from_pretrained(source, tc, store_dir=args.out / "store")
     cfg = trainer.cfg

@@ -50,7 +50,7 @@ def main() -> None:
     console.print(table)
     if args.dry_run:
         for policy in POLICIES:
-            ledger = dry_run(cfg, TrainerConfig(activations=policy, store=args.store), args.batch, args.seq)
+            ledger = dry_run(cfg, TrainerConfig.of(activations=policy, store=args.store), args.batch, args.seq)
             planned = plan(cfg, DEVICE_PRESETS["cs2"], PlanConfig(batch=args.batch, seq=args.seq, store=args.store,
                                                                     activations=policy)).peak_device_bytes
             console.print(f"dry run, {policy}: the runtime's ledger peaks at {format_size(ledger.peak)}; "

@@ -291,6 +291,19 @@ def device_spec(name: str) -> DeviceSpec:
         raise ValueError(f"unknown device {name!r}; choose one of: {', '.join([*DEVICE_PRESETS, 'local'])}") from None
 
 
+class Budget:
+    """The check of a budget's type: a size ("64MiB", or bytes as an int), a device preset's name or a DeviceSpec;
+    `budget_bytes` reads it (and says what is wrong with a size)."""
+
+    def wanted(self) -> str:
+        return f"a size such as 64MiB or a device preset ({', '.join(DEVICE_PRESETS)})"
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, (str, DeviceSpec)) or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        return None
+
+
 def budget_bytes(budget: None | int | str | DeviceSpec, error: Callable[[str, str], Exception] = SettingError,
                  sets: Sequence[str] = ()) -> int | None:
     """A device budget in bytes: None (no limit), a device preset or spec (its memory less its reserve, after

@@ -3,14 +3,19 @@
 Every settings dataclass (the run's, the step's, the optimizer's) declares its fields with `setting(...)` and
 calls `check_settings` in `__post_init__`: so a wrong value reads the same wherever it comes from (a flag, a
 TOML file, a keyword argument), `must be a positive integer, got "3"`, and the flags, TOML keys and help text
-are read from these fields rather than written again. Torch-free, like the rest of memory_model.
+are read from these fields rather than written again. A class's settings may nest other classes' as
+branches (`branch`): a settings tree whose every setting keeps one flat name, its flag and TOML key, through
+which the tree is read (`flatten`) and built (`build`). Torch-free, like the rest of memory_model.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 class SettingError(ValueError):
@@ -165,19 +170,87 @@ def setting(default: Any, help: str, check: Check, metavar: str | None = None, o
 
 
 def same_setting(owner: type, name: str, default: Any = MISSING, help: str | None = None) -> Any:
-    """`owner`'s setting `name` declared again in another class (the run's flat settings hold the step's and
-    the optimizer's): the same check and metavar; its own default or help where they differ. The field
-    remembers its owner, so `owned` can build the owner's config back from the flat class."""
+    """`owner`'s setting `name` declared again in another class (the runtime's step takes the planner's
+    step settings): the same check and metavar; its own default or help where they differ."""
     meta = owner.__dataclass_fields__[name].metadata
-    taken = setting(owner.__dataclass_fields__[name].default if default is MISSING else default,
-                    meta["help"] if help is None else help, meta["check"], meta["metavar"], meta["optional"])
-    return field(default=taken.default, metadata={**taken.metadata, "owner": owner, "owner_name": name})
+    return setting(owner.__dataclass_fields__[name].default if default is MISSING else default,
+                   meta["help"] if help is None else help, meta["check"], meta["metavar"], meta["optional"])
 
 
-def owned(obj: Any, owner: type) -> dict[str, Any]:
-    """The values of `obj`'s settings taken from `owner` with `same_setting`, by the owner's field names:
-    `PlanConfig(**owned(run, PlanConfig), ...)`."""
-    return {f.metadata["owner_name"]: getattr(obj, f.name) for f in fields(obj) if f.metadata.get("owner") is owner}
+def branch(owner: type, default: Callable[[], Any] | None = None, prefix: str = "",
+           names: Mapping[str, str] | None = None) -> Any:
+    """A field holding `owner`'s settings as one config: the settings tree nests its owners' configs. Each of
+    its settings keeps one flat name, its flag and TOML key: `prefix` + its name, or `names[its name]`."""
+    return field(default_factory=default or owner,
+                 metadata={"branch": owner, "prefix": prefix, "names": dict(names or {})})
+
+
+def _outer(f: Field, name: str) -> str:
+    return f.metadata["names"].get(name, f.metadata["prefix"] + name)
+
+
+@functools.cache
+def flat_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Field]]:
+    """Every setting of a settings tree by its flat name (its flag and TOML key): the path of field names
+    that reaches it, and its declaration. Two settings of one tree never share a flat name."""
+    out: dict[str, tuple[tuple[str, ...], Field]] = {}
+    leaves = [(_outer(f, name), (f.name, *path), leaf) for f in fields(cls) if "branch" in f.metadata
+              for name, (path, leaf) in flat_fields(f.metadata["branch"]).items()]
+    leaves += [(f.name, (f.name,), f) for f in fields(cls) if "check" in f.metadata]
+    for name, path, leaf in leaves:
+        if name in out:
+            raise TypeError(f"{cls.__name__} has two settings named {name}")
+        out[name] = (path, leaf)
+    return out
+
+
+def flatten(obj: Any) -> dict[str, Any]:
+    """A settings tree's values by flat name, in the tree's order."""
+    out: dict[str, Any] = {}
+    for name, (path, _) in flat_fields(type(obj)).items():
+        value = obj
+        for step in path:
+            value = getattr(value, step)
+        out[name] = value
+    return out
+
+
+def check_flat(cls: type, flat: Mapping[str, Any], error: Callable[[str, str], Exception] = SettingError) -> None:
+    """Each value's own check, by flat name, before any owner's checks of several values together."""
+    known = flat_fields(cls)
+    for name in flat:
+        if name not in known:
+            raise error(name, f"is not a setting; valid: {', '.join(known)}")
+        problem = _problem(known[name][1], flat[name])
+        if problem is not None:
+            raise error(name, problem)
+
+
+def build(cls: type[T], flat: Mapping[str, Any], base: T | None = None,
+          error: Callable[[str, str], Exception] = SettingError) -> T:
+    """The settings tree `cls` from values by flat name, over `base` (default: `cls()`): the one place flags,
+    TOML keys and keyword arguments become the tree. A wrong value is `error(its flat name, problem)`, whichever
+    owner found it."""
+    check_flat(cls, flat, error)
+    base = cls() if base is None else base
+    changes: dict[str, Any] = {}
+    for f in fields(cls):
+        if "branch" in f.metadata:
+            inner = {name: flat[_outer(f, name)] for name in flat_fields(f.metadata["branch"])
+                     if _outer(f, name) in flat}
+            if inner:
+                renamed = {name: _outer(f, name) for name in flat_fields(f.metadata["branch"])}
+                changes[f.name] = build(f.metadata["branch"], inner, getattr(base, f.name),
+                                        lambda key, problem, renamed=renamed: error(renamed.get(key, key), problem))
+        elif f.name in flat:
+            changes[f.name] = flat[f.name]
+    try:
+        return replace(base, **changes)
+    except Exception as exc:  # an owner's own check: said again under the setting's flat name
+        key, problem = getattr(exc, "key", None), getattr(exc, "problem", None)
+        if key is None or problem is None:
+            raise
+        raise error(key, problem) from None
 
 
 def check_settings(obj: Any, error: Callable[[str, str], Exception] = SettingError,
@@ -188,16 +261,23 @@ def check_settings(obj: Any, error: Callable[[str, str], Exception] = SettingErr
         if "check" not in f.metadata or (names is not None and f.name not in names):
             continue
         value = getattr(obj, f.name)
-        if value is None and f.metadata["optional"]:
-            continue
+        problem = _problem(f, value)
+        if problem is not None:
+            raise error(f.name, problem)
         checked = f.metadata["check"](value)
-        if checked is None:
-            raise error(f.name, f"must be {f.metadata['check'].wanted()}, got {shown(value)}")
-        if checked is not value:
+        if checked is not value and checked is not None:
             object.__setattr__(obj, f.name, checked)
 
 
+def _problem(f: Field, value: Any) -> str | None:
+    """What is wrong with a setting's value, or None."""
+    if (value is None and f.metadata["optional"]) or f.metadata["check"](value) is not None:
+        return None
+    return f"must be {f.metadata['check'].wanted()}, got {shown(value)}"
+
+
 def checks_of(cls: type, kind: type) -> dict[str, Any]:
-    """The checks of a dataclass's fields of one kind, by name: `checks_of(RunConfig, Choice)`."""
-    return {f.name: f.metadata["check"] for f in fields(cls) if isinstance(f.metadata.get("check"), kind)}
+    """The checks of a settings tree's settings of one kind, by flat name: `checks_of(RunConfig, Choice)`."""
+    return {name: f.metadata["check"] for name, (_, f) in flat_fields(cls).items()
+            if isinstance(f.metadata["check"], kind)}
 

@@ -31,8 +31,8 @@ UPDATE_TOUCHED_BYTES_PER_PARAM = 28
 @dataclass(frozen=True)
 class PlanConfig:
     """One training step's settings. `batch` is the step's global batch: grad_accum micro-batches on each of
-    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices. The run's settings
-    (streamer.run.RunConfig) declare these fields again with `same_setting`: one help text and one check."""
+    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices. The runtime's step
+    (streamer.runtime.step.StepConfig) takes these fields with `same_setting`: one help text and one check."""
 
     batch: int = setting(MISSING, "sequences per optimizer step (the global batch)", Integer())
     seq: int = setting(MISSING, "tokens per sequence", Integer())

@@ -8,22 +8,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from streamer.config import LRSchedule, TrainerConfig
+    from memory_model.lora import LoraConfig
+    from streamer.config import TrainerConfig
     from streamer.errors import CheckpointError, DataError, StoreError, StreamerError, TokenizerError
-    from streamer.runtime.step import NonFiniteError
+    from streamer.runtime.hardware import DeviceConfig
+    from streamer.runtime.optim import LRSchedule, OptimizerConfig
+    from streamer.runtime.step import NonFiniteError, StepConfig
     from streamer.store.layout import Placement
     from streamer.trainer import StreamingTrainer
 
 _HOMES = {
-    "LRSchedule": "streamer.config", "TrainerConfig": "streamer.config",
+    "TrainerConfig": "streamer.config", "LRSchedule": "streamer.runtime.optim",
+    "OptimizerConfig": "streamer.runtime.optim", "StepConfig": "streamer.runtime.step",
+    "DeviceConfig": "streamer.runtime.hardware", "LoraConfig": "memory_model.lora",
     "CheckpointError": "streamer.errors", "DataError": "streamer.errors", "StoreError": "streamer.errors",
     "StreamerError": "streamer.errors", "TokenizerError": "streamer.errors",
     "NonFiniteError": "streamer.runtime.step", "Placement": "streamer.store.layout",
     "StreamingTrainer": "streamer.trainer",
 }
 __all__ = [
-    "CheckpointError", "DataError", "LRSchedule", "NonFiniteError", "Placement", "StoreError", "StreamerError",
-    "StreamingTrainer", "TokenizerError", "TrainerConfig",
+    "CheckpointError", "DataError", "DeviceConfig", "LRSchedule", "LoraConfig", "NonFiniteError", "OptimizerConfig",
+    "Placement", "StepConfig", "StoreError", "StreamerError", "StreamingTrainer", "TokenizerError", "TrainerConfig",
 ]
 
 

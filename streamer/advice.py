@@ -29,7 +29,7 @@ def peak_plan_config(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) ->
     """The run's step as its peak is planned: a fused step that clipping would change is undone and made again
     after the backward, so with clipping on it is whichever of the two schedules peaks higher."""
     pc = cfg.plan_config(devices)
-    if not (pc.fused and cfg.max_grad_norm):
+    if not (pc.fused and cfg.trainer.optimizer.max_grad_norm):
         return pc
     return max((pc, replace(pc, update_timing="after-backward")), key=lambda p: peak_device_bytes(model_cfg, p))
 
@@ -73,7 +73,7 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
     pc = peak_plan_config(model_cfg, cfg, devices)
     if budget is None or _needs(model_cfg, pc) <= budget:
         return
-    raise RunError(f"--budget {cfg.budget} ({format_size(budget)}) is too small: a step needs "
+    raise RunError(f"--budget {cfg.trainer.device.budget} ({format_size(budget)}) is too small: a step needs "
                    f"{_breakdown(model_cfg, pc)} by the planner. To fit, one of: "
                    f"{'; or '.join(alternatives(model_cfg, pc, budget))}")
 

@@ -1,107 +1,44 @@
-"""The trainer's settings: one frozen dataclass each for the run and the learning-rate schedule.
+"""The trainer's settings (`TrainerConfig`): a tree of its owners' configs.
 
-TrainerConfig's keywords are flat. Those of the optimizer are OptimizerConfig's (streamer/runtime/optim.py) and
-those of the step PlanConfig's, taken with `same_setting`; the seed and trace cadence are declared here once
-with their help text and check (memory_model.settings). RunConfig declares them all again with `same_setting`,
-so a flag, a TOML key and a keyword argument are checked alike.
+Each branch is the config of the code that reads it: the step's (`StepConfig`), the optimizer's and its
+learning-rate schedule (`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`) and the device's
+(`DeviceConfig`). The store's placement, the seed and the trace cadence are the trainer's own. Every setting
+keeps one flat name, its flag and TOML key (memory_model.settings.branch). `TrainerConfig.of(lr=1e-3,
+store="disk")` builds the tree from them, and `to_dict`/`from_dict` write and read them in a store's manifest.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from layers import GPTJConfig
-from memory_model import DeviceSpec, PlanConfig
-from memory_model.shapes import fused_update
-from memory_model.devices import budget_bytes
+from memory_model import PlanConfig
+from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
-from memory_model.settings import (
-    Choice, Integer, Number, SettingError, check_settings, owned, same_setting, setting,
-)
+from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
+from memory_model.shapes import fused_update
 from streamer.errors import ConfigError
-from streamer.runtime.hardware import DeviceConfig, check_device, resolve_compute_dtype
-from streamer.runtime.optim import OptimizerConfig
-from streamer.store.layout import DTYPES, Placement, dtype_name
+from streamer.runtime.hardware import DeviceConfig, resolve_compute_dtype
+from streamer.runtime.optim import LRSchedule, OptimizerConfig
+from streamer.runtime.step import StepConfig
+from streamer.store.layout import DTYPES, Placement, Placements, dtype_name
 from streamer.store.spec import StoreSpec
-
-
-SCHEDULES = ("constant", "cosine", "linear")
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """constant, or linear warmup then cosine / linear decay to min_lr_ratio * lr at total_steps."""
-
-    kind: str = setting("constant", "learning-rate schedule after warmup: constant, cosine or linear",
-                        Choice(SCHEDULES), "KIND")
-    warmup_steps: int = setting(0, "linear warmup steps", Integer(0))
-    total_steps: int | None = setting(None, "the step the decay ends at", Integer(0))
-    min_lr_ratio: float = setting(0.0, "the cosine/linear schedule ends at this fraction of --lr", Number(0.0, 1.0))
-
-    def __post_init__(self) -> None:
-        check_settings(self, ConfigError.of)
-        if self.kind != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise ConfigError(f"a {self.kind} schedule needs total_steps > warmup_steps ({self.warmup_steps})")
-
-    def lr_at(self, step: int, base_lr: float) -> float:
-        """Learning rate of optimizer step `step` (1-based, as torch counts Adam steps).
-
-        Identical to Hugging Face's schedulers (transformers.get_constant_schedule_with_warmup,
-        get_linear_schedule_with_warmup, get_cosine_schedule_with_warmup and, with min_lr_ratio,
-        get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=...)), whose lambda at scheduler index step - 1
-        sets the lr of optimizer step `step`: so step 1 of a warmup trains at lr 0. The same float operations in
-        the same order make the values bit-equal. HF has no linear schedule with a floor: ours scales the linear
-        factor as its cosine does, factor * (1 - min_lr_ratio) + min_lr_ratio, so min_lr_ratio 0 is HF's
-        linear exactly (and any ratio is get_polynomial_decay_schedule_with_warmup(power=1, lr_end=ratio * lr)
-        up to rounding). Past total_steps the decay stays at its end value.
-        """
-        current = step - 1
-        if current < self.warmup_steps:
-            return base_lr * (float(current) / float(max(1, self.warmup_steps)))
-        if self.kind == "constant":
-            return base_lr * 1.0
-        assert self.total_steps is not None
-        current = min(current, self.total_steps)
-        decay_steps = float(max(1, self.total_steps - self.warmup_steps))
-        if self.kind == "cosine":
-            progress = float(current - self.warmup_steps) / decay_steps
-            factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
-        else:
-            factor = max(0.0, float(self.total_steps - current) / decay_steps)
-        return base_lr * max(0, factor * (1 - self.min_lr_ratio) + self.min_lr_ratio)
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    lr: float = same_setting(OptimizerConfig, "lr")
-    betas: tuple[float, float] = same_setting(OptimizerConfig, "betas")
-    eps: float = same_setting(OptimizerConfig, "eps")
-    weight_decay: float = same_setting(OptimizerConfig, "weight_decay")
-    max_grad_norm: float | None = OptimizerConfig.max_grad_norm  # None: no clipping
-    grad_accum: int = same_setting(PlanConfig, "grad_accum")
-    compute_dtype: torch.dtype | str = "auto"  # auto: bf16 where the device runs it natively, else fp32
-    moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
-    activations: str = same_setting(PlanConfig, "activations")
-    store: str | Placement = "ram"
-    update_on: str = same_setting(PlanConfig, "update_on")
-    prefetch: int = same_setting(PlanConfig, "prefetch")
-    device: str = "cpu"
-    pin_memory: str = same_setting(DeviceConfig, "pin_memory")
-    budget: None | int | str | DeviceSpec = None
-    schedule: LRSchedule = field(default_factory=LRSchedule)
-    update_chunk: int = same_setting(PlanConfig, "update_chunk")
-    update_timing: str = same_setting(PlanConfig, "update_timing")
-    data_parallel: str = same_setting(PlanConfig, "data_parallel")
-    nonfinite: str = same_setting(OptimizerConfig, "nonfinite")
-    lora_rank: int = same_setting(LoraConfig, "rank")
-    lora_alpha: float = same_setting(LoraConfig, "alpha")
-    lora_dropout: float = same_setting(LoraConfig, "dropout")
-    lora_targets: str = same_setting(LoraConfig, "targets")
+    """The trainer's settings as its owners' configs. Every one has a flat name: `of` and `replace` take them."""
+
+    step: StepConfig = branch(StepConfig)
+    optimizer: OptimizerConfig = branch(OptimizerConfig)
+    schedule: LRSchedule = branch(LRSchedule, names={"kind": "schedule", "warmup_steps": "warmup"})
+    lora: LoraConfig = branch(LoraConfig, prefix="lora_")  # rank 0: full fine-tuning
+    device: DeviceConfig = branch(DeviceConfig)
+    store: Placement = setting(Placement(), PlanConfig.__dataclass_fields__["store"].metadata["help"],
+                               Placements(), "TIER")
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
     # stays flat: at most steps/N more.
@@ -112,77 +49,63 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, ConfigError.of)
-        self.optimizer  # checks max_grad_norm, which no `setting` check covers
-        # A malformed device or budget fails here, not at the first step.
-        check_device(self.device, self.budget, ConfigError.of, meta=True)
         try:
-            self.lora
+            fused_update(self.step.update_timing, self.store.state, 1)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
-        if not isinstance(self.schedule, LRSchedule):
-            raise ConfigError(f"schedule must be an LRSchedule or its fields, got {self.schedule!r}")
-        if isinstance(self.compute_dtype, str) and self.compute_dtype == "auto":
-            object.__setattr__(self, "compute_dtype", resolve_compute_dtype(self.device).dtype)
-        if isinstance(self.compute_dtype, str):
-            if self.compute_dtype not in DTYPES:
-                raise ConfigError(f"compute_dtype must be auto or one of {list(DTYPES)}, got {self.compute_dtype!r}")
-            object.__setattr__(self, "compute_dtype", DTYPES[self.compute_dtype])
-        dtype_name(self.compute_dtype)
-        object.__setattr__(self, "store", Placement.of(self.store))
-        try:
-            fused_update(self.update_timing, self.store.state, 1)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.update_timing == "overlapped":
-            raise ConfigError("--update-timing overlapped is planned only (`streamer plan`): the runtime clips by "
-                              "the global norm, known only after the backward; use auto, fused or after-backward")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device='cpu'")
+
+    @classmethod
+    def of(cls, **flat: Any) -> "TrainerConfig":
+        """The settings from their flat names (the flags'), each else its default: `of(lr=1e-3, grad_accum=2)`."""
+        return build(cls, flat, error=ConfigError.of)
+
+    def replace(self, **flat: Any) -> "TrainerConfig":
+        """These settings with some changed, by flat name: `tc.replace(max_grad_norm=0)`."""
+        return build(type(self), flat, self, ConfigError.of)
 
     @functools.cached_property
-    def optimizer(self) -> OptimizerConfig:
-        """The optimizer's settings among the trainer's (computed once: the update reads them per chunk)."""
-        return OptimizerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimizerConfig)})
-
-    @functools.cached_property
-    def lora(self) -> LoraConfig:
-        """LoRA's settings among the trainer's (rank 0: full fine-tuning)."""
-        return LoraConfig(**owned(self, LoraConfig))
-
-    @property
-    def budget_bytes(self) -> int | None:
-        return budget_bytes(self.budget, ConfigError.of)
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the run computes in: --dtype, `auto` resolved for the device (bf16 where it runs natively)."""
+        if self.device.dtype != "auto":
+            return DTYPES[self.device.dtype]
+        return DTYPES[resolve_compute_dtype(self.device.device).dtype]
 
     def store_spec(self, model: GPTJConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`
         data-parallel processes (with the state sharded, each holds its slice)."""
-        shards = processes if self.data_parallel == "sharded" else 1
-        return StoreSpec(model, dtype_name(self.compute_dtype), self.moment_dtype, self.store, self.update_chunk,
-                         shards, frozen=self.lora.enabled)
-
-    def replace(self, **changes: Any) -> "TrainerConfig":
-        return dataclasses.replace(self, **changes)
+        shards = processes if self.step.data_parallel == "sharded" else 1
+        return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.store,
+                         self.step.update_chunk, shards, frozen=self.lora.enabled)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["compute_dtype"] = dtype_name(self.compute_dtype)
-        out["store"] = self.store.to_dict()
-        out["schedule"] = dataclasses.asdict(self.schedule)
-        out["betas"] = list(self.betas)
-        out["budget"] = self.budget.name if isinstance(self.budget, DeviceSpec) else self.budget
+        """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""
+        out = flatten(self)
+        out.update(dtype=dtype_name(self.compute_dtype), store=self.store.to_dict(), betas=list(out["betas"]),
+                   set=list(out["set"]))
+        if isinstance(out["budget"], DeviceSpec):
+            out["budget"] = out["budget"].name
         return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "TrainerConfig":
+        """`to_dict`'s settings, or those a store committed before the settings nested: flat, with
+        `compute_dtype`, the schedule as a table and None for no clipping."""
         raw = dict(raw)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"unknown trainer setting(s) {unknown}; valid: {sorted(known)}")
-        for name, kind in (("store", Placement), ("schedule", LRSchedule)):
-            if isinstance(raw.get(name), dict):
-                try:
-                    raw[name] = kind(**raw[name])
-                except TypeError as exc:  # an unknown or missing field
-                    raise ConfigError(f"{name}: {exc}") from None
-        return cls(**raw)
+        if "compute_dtype" in raw:
+            raw["dtype"] = raw.pop("compute_dtype")
+        if isinstance(raw.get("schedule"), dict):
+            old = raw.pop("schedule")
+            names = {"kind": "schedule", "warmup_steps": "warmup", "total_steps": "total_steps",
+                     "min_lr_ratio": "min_lr_ratio"}
+            unknown = sorted(set(old) - set(names))
+            if unknown:
+                raise ConfigError(f"schedule: unknown field(s) {unknown}; valid: {sorted(names)}")
+            raw.update({names[k]: v for k, v in old.items()})
+        if "max_grad_norm" in raw and raw["max_grad_norm"] is None:
+            raw["max_grad_norm"] = 0.0
+        if isinstance(raw.get("store"), dict):
+            try:
+                raw["store"] = Placement(**raw["store"])
+            except TypeError as exc:  # an unknown or missing field
+                raise ConfigError(f"store: {exc}") from None
+        return build(cls, raw, error=ConfigError.of)

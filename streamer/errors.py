@@ -20,7 +20,9 @@ class ConfigError(StreamerError):
     @classmethod
     def of(cls, key: str, problem: str) -> "ConfigError":
         """The error check_settings raises for one trainer setting: `lr must be ..., got ...`."""
-        return cls(f"{key} {problem}")
+        error = cls(f"{key} {problem}")
+        error.key, error.problem = key, problem  # so a settings tree can say it under the setting's flag name
+        return error
 
 
 class DataError(StreamerError):

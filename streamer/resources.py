@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -44,8 +44,8 @@ class HostNeed:
     def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
         ram, disk = spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, stores_on_disk))
-        staging = spec.staging_bytes() if tc.device.startswith("cuda") else 0
-        pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.pin_memory] if staging else 0
+        staging = spec.staging_bytes() if tc.device.device.startswith("cuda") else 0
+        pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.device.pin_memory] if staging else 0
         return cls(_with_headroom((ram + staging) * stores_in_ram, RAM_HEADROOM),
                    _with_headroom(disk * stores_on_disk, DISK_HEADROOM), pinned * stores_in_ram)
 
@@ -55,7 +55,7 @@ class HostNeed:
 
 def _fused(tc: TrainerConfig, processes: int) -> bool:
     """The update runs fused into the backward (speculatively: every unit's previous state stays until commit)."""
-    return not tc.lora.enabled and fused_update(tc.update_timing, tc.store.state, processes)
+    return not tc.lora.enabled and fused_update(tc.step.update_timing, tc.store.state, processes)
 
 
 def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
@@ -78,9 +78,9 @@ def fit_host_resources(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, fre
     problem = shortfall(cfg, model_cfg, free_ram, free_disk, folder)
     if problem is None:
         return cfg, None
-    if cfg.update_timing != "auto":
+    if cfg.trainer.step.update_timing != "auto":
         raise RunError(problem)
-    journaled = replace(cfg, update_timing="after-backward")
+    journaled = cfg.replace(update_timing="after-backward")
     problem = shortfall(journaled, model_cfg, free_ram, free_disk, folder)
     if problem is None:
         return journaled, (f"--update-timing auto: a fused step keeps every unit's previous state on disk until it "
@@ -92,14 +92,14 @@ def fit_host_resources(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, fre
 def shortfall(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: int, folder: Path) -> str | None:
     """Why the run cannot fit in `free_ram` and `free_disk` (at `folder`), and what would; None if it fits."""
     on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    tc = cfg.trainer_config()
+    tc = cfg.trainer
     need = HostNeed.of(model_cfg, tc, on_disk, in_ram)
     if need.fits(free_ram, free_disk):
         return None
     short = []
     if need.ram > free_ram:
-        pinned = f", {format_size(need.pinned)} pinned with --pin-memory {cfg.pin_memory}" if need.pinned else ""
-        short.append(f"{format_size(need.ram)} of RAM (--store {cfg.store}{pinned}; {format_size(free_ram)} "
+        pinned = f", {format_size(need.pinned)} pinned with --pin-memory {tc.device.pin_memory}" if need.pinned else ""
+        short.append(f"{format_size(need.ram)} of RAM (--store {tc.store.tier}{pinned}; {format_size(free_ram)} "
                      "available)")
     if need.disk > free_disk:
         generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"

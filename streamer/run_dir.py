@@ -119,7 +119,7 @@ class RunDir:
     def read_config(self) -> RunConfig:
         values = read_toml(self.config)
         with blame(self.config, set(values)):
-            return RunConfig(**values)
+            return RunConfig.of(values)
 
     def write_config(self, cfg: RunConfig) -> None:
         tmp = self.config.with_suffix(".toml.tmp")
@@ -163,7 +163,7 @@ class RunDir:
         kept = [r for r in records if r.get("step", 0) <= step]
         logged = {r["step"] for r in kept if "loss" in r}
         if len(losses) == step:
-            kept += [{"step": n, "loss": losses[n - 1], "lr": tc.schedule.lr_at(n, tc.lr)}
+            kept += [{"step": n, "loss": losses[n - 1], "lr": tc.schedule.lr_at(n, tc.optimizer.lr)}
                      for n in range(1, step + 1) if n not in logged]
         kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
         if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):

@@ -12,9 +12,10 @@ from layers import GPTJConfig, build_unit, check_state_dict, init_weights, learn
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
-from streamer.errors import StoreError, StreamerError
+from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
+from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
 from memory_model.schedule import StepSpec, chunks, step_events
@@ -32,15 +33,19 @@ class StreamingTrainer:
     def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
                  *, _store: StoreReader | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
+        device, step = self.tc.device, self.tc.step
+        step.check_runnable()
+        if device.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device.device} but torch sees no CUDA GPU; use --device cpu")
         self.units = cfg.unit_names()
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
         self.losses: list[float] = []
-        self.data_parallel = None if self.tc.device == "meta" else DataParallel.from_environment(
-            self.tc.device, sharded=self.tc.data_parallel == "sharded")
+        self.data_parallel = None if device.device == "meta" else DataParallel.from_environment(
+            device.device, sharded=step.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
-        if self.tc.device == "meta":
+        if device.device == "meta":
             self.store = None
         elif _store is not None:
             self.store = _store
@@ -50,24 +55,25 @@ class StreamingTrainer:
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
             self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),
-                                          _pin_memory(self.tc.device, self.tc.pin_memory))
+                                          _pin_memory(device.device, device.pin_memory))
         # The same store where it takes writes (training, new weights, saves); None where it is only read.
         self.writer = self.store if isinstance(self.store, StoreWriter) else None
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
-        self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
-                             hint_context={"activations": self.tc.activations, "grad_accum": self.tc.grad_accum})
+        self.ledger = Ledger(device.budget_bytes(), device.device,
+                             hint_context={"activations": step.activations, "grad_accum": step.grad_accum})
         self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
                                               "baseline_bytes": BASELINE_BYTES_PER_PARAM * cfg.num_params(),
-                                              "budget": self.tc.budget_bytes, "device": self.tc.device})
+                                              "budget": device.budget_bytes(), "device": device.device})
         self.adapters = None
         if self.tc.lora.enabled:
-            self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(self.tc.device), self.tc.seed)
-        self.executor = Executor(cfg, self.tc, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
+            self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(device.device), self.tc.seed)
+        self.executor = Executor(cfg, step, self.tc.optimizer, torch.device(device.device), self.tc.compute_dtype,
+                                 self.tc.store, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
                                  self.adapters, writer=self.writer)
         try:
             # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
-            self.fused = self.adapters is None and fused_update(self.tc.update_timing, self.tc.store.state,
+            self.fused = self.adapters is None and fused_update(step.update_timing, self.tc.store.state,
                                                                 self.processes)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
@@ -91,7 +97,7 @@ class StreamingTrainer:
         # pin_memory comes from the overrides, else from the settings the store was committed with.
         settings = {**read_manifest(dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
         pin_memory = _pin_memory(str(settings.get("device", "cpu")),
-                                 settings.get("pin_memory", TrainerConfig.pin_memory))
+                                 settings.get("pin_memory", DeviceConfig.pin_memory))
         store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else HostReader.open(dirs[0], pin_memory)
                               if read_only else HostStore.open(dirs[0], pin_memory))
         trainer = None
@@ -104,7 +110,7 @@ class StreamingTrainer:
                 journal = agreed
             saved = dict(store.trainer_state.get("config", {}))
             tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
-            check_sharding(store, tc.data_parallel, data_parallel)
+            check_sharding(store, tc.step.data_parallel, data_parallel)
             if tc.store != store.spec.placement:
                 raise StoreError(f"{store.root} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
@@ -203,12 +209,12 @@ class StreamingTrainer:
         if self.data_parallel is not None:
             rows = [self.data_parallel.shard(t) for t in rows]
         input_ids = rows[0]
-        if input_ids.shape[0] % self.tc.grad_accum:
+        if input_ids.shape[0] % self.tc.step.grad_accum:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
-                                f"grad_accum={self.tc.grad_accum}")
+                                f"grad_accum={self.tc.step.grad_accum}")
         device = self.executor.device
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
-        pieces = [[p.to(device, copy=True) for p in t.chunk(self.tc.grad_accum)] for t in rows]
+        pieces = [[p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
         return [MicroBatch(*piece) for piece in zip(*pieces)], tokens
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -230,7 +236,7 @@ class StreamingTrainer:
                 # Clipping comes in runs (early training): speculate again only after a step that did not clip.
                 self._speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
-            if self.tc.nonfinite == "stop":
+            if self.tc.optimizer.nonfinite == "stop":
                 raise
             return float("nan")
         loss = self._mean_loss(ctx)
@@ -256,14 +262,14 @@ class StreamingTrainer:
         """A step of this trainer (the training step is what memory_model.planner.step_spec says of the same
         settings); `backward=False`: an evaluation; `update_units`: a step rolled forward."""
         numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
-        return StepSpec(tuple(self.units), micro_batches, numels, self.tc.update_chunk, fused=fused,
+        return StepSpec(tuple(self.units), micro_batches, numels, self.tc.step.update_chunk, fused=fused,
                         frozen_base=self.adapters is not None, master_from_weights=self.executor.loads_read_master,
                         backward=backward, update_units=update_units)
 
     def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
         the store then refuses to train on until it is reopened and rolled forward)."""
-        lr = self.tc.schedule.lr_at(step, self.tc.lr)
+        lr = self.tc.schedule.lr_at(step, self.tc.optimizer.lr)
         # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
         ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
@@ -307,7 +313,7 @@ class StreamingTrainer:
             self.adapters.all_reduce(self.data_parallel)
             self.ledger.free(handle)
         self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}  # the step's reported norm
-        clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.max_grad_norm, ctx.step)
+        clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.optimizer.max_grad_norm, ctx.step)
         with self.trace.span("lora", "update", step=ctx.step):
             self.adapters.step(ctx.lr, clip)
 

@@ -55,9 +55,9 @@ class Job:
 def trainer_config(dtype: str, compute: str, timing: str) -> TrainerConfig:
     # Several chunks per unit, two micro-batches: a kill can land between any two writes of a step.
     # Fused: no clipping, so that every step is fused (a step that clips is made again after the backward).
-    return TrainerConfig(store=Placement(compute, "disk", "disk"), compute_dtype=dtype, grad_accum=2,
-                         update_chunk=8192, lr=3e-3, seed=7, update_timing=timing,
-                         max_grad_norm=None if timing == "fused" else 1.0)
+    return TrainerConfig.of(store=Placement(compute, "disk", "disk"), dtype=dtype, grad_accum=2,
+                            update_chunk=8192, lr=3e-3, seed=7, update_timing=timing,
+                            max_grad_norm=0 if timing == "fused" else 1.0)
 
 
 class _Tripwire:

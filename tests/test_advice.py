@@ -67,9 +67,9 @@ def test_every_alternative_trains(tmp_path):
 def test_out_of_memory_mid_step_is_advised_by_the_planner():
     """A budget the pre-check would refuse, forced on a trainer: the ledger's error names the planner's fits."""
     model = GPTJConfig(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
-    cfg = RunConfig(model="gptj-debug", batch=4, seq=32, dtype="fp32", activations="resident", budget="300KiB",
-                    store="ram")
-    trainer = StreamingTrainer(model, cfg.trainer_config())
+    cfg = RunConfig.of({"model": "gptj-debug", "batch": 4, "seq": 32, "dtype": "fp32", "activations": "resident",
+                        "budget": "300KiB", "store": "ram"})
+    trainer = StreamingTrainer(model, cfg.trainer)
     trainer.ledger.hint_context["advise"] = ledger_advice(model, cfg)
     with pytest.raises(DeviceOutOfMemory) as caught:
         trainer.step(torch.randint(0, 256, (4, 32)))

@@ -59,11 +59,12 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
                      "sample: ", "trace.json"):
         assert expected in out
     saved = RunDir.open(run).read_config()
-    assert saved.steps == 3 and saved.budget == DEMO_DEFAULTS["budget"] and saved.activations == "checkpoint"
+    assert saved.steps == 3 and saved.trainer.device.budget == DEMO_DEFAULTS["budget"]
+    assert saved.trainer.step.activations == "checkpoint"
     metrics = RunDir(run).read_metrics()
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
     assert any("eval_loss" in m for m in metrics)
-    budget = RunConfig(budget=DEMO_DEFAULTS["budget"]).budget_bytes()
+    budget = RunConfig.of({"budget": DEMO_DEFAULTS["budget"]}).budget_bytes()
     assert max(m.get("device_peak_bytes", 0) for m in metrics) <= budget
     for name in ("trace.json", "trace.chrome.json", "memory.png"):
         assert (run / name).stat().st_size > 0
@@ -245,25 +246,26 @@ def test_plan_loads_settings_as_train_does(capsys, tmp_path):
 
 # --- settings ----------------------------------------------------------------------------------------------------
 def test_sizes_in_both_units_and_validation():
-    assert RunConfig(budget="3GB").budget_bytes() == 3 * 10**9
-    assert RunConfig(budget="3GiB").budget_bytes() == 3 * 2**30
-    assert RunConfig(budget="a100-40g").budget_bytes() == (40960 - 723) * 2**20  # less the CUDA context
+    assert RunConfig.of({"budget": "3GB"}).budget_bytes() == 3 * 10**9
+    assert RunConfig.of({"budget": "3GiB"}).budget_bytes() == 3 * 2**30
+    assert RunConfig.of({"budget": "a100-40g"}).budget_bytes() == (40960 - 723) * 2**20  # less the CUDA context
     for bad in ({"budget": "3XB"}, {"budget": "0"}, {"steps": 0}, {"lr": -1.0}, {"schedule": "sawtooth"},
                 {"steps": True}, {"batch": 2.5}, {"dtype": "fp8"}, {"warmup": 10, "steps": 10, "schedule": "cosine"},
                 {"eval_fraction": 1.0}, {"device": "tpu"}):
         with pytest.raises(RunError):
-            RunConfig(**bad)
+            RunConfig.of(bad)
 
 
 def test_resolution_order_and_the_demo(tmp_path):
-    assert resolve({}).steps == DEMO_DEFAULTS["steps"] and resolve({}).budget == DEMO_DEFAULTS["budget"]
+    assert resolve({}).steps == DEMO_DEFAULTS["steps"] and resolve({}).trainer.device.budget == DEMO_DEFAULTS["budget"]
     data = tmp_path / "d.txt"
     data.write_text("x")
-    assert resolve({"data": str(data)}).budget is None  # demo defaults only for the demo
+    assert resolve({"data": str(data)}).trainer.device.budget is None  # demo defaults only for the demo
     toml = tmp_path / "run.toml"
     toml.write_text('steps = 7\nlr = 1\ndata = "d.txt"\nbatch = 4\n')
     cfg = resolve({"batch": 2}, toml)
-    assert (cfg.steps, cfg.lr, cfg.batch, cfg.data) == (7, 1.0, 2, str(data))  # flags win; paths from the file
+    # flags win; paths from the file
+    assert (cfg.steps, cfg.trainer.optimizer.lr, cfg.batch, cfg.data.data) == (7, 1.0, 2, str(data))
     toml.write_text("stepz = 7\n")
     with pytest.raises(RunError, match="stepz is not a setting"):
         resolve({}, toml)
@@ -276,21 +278,22 @@ def test_resolution_order_and_the_demo(tmp_path):
 @given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0),
        pack=st.sampled_from([None, "examples", "documents"]), budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
 def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
-    cfg = RunConfig(sample_prompt=prompt, steps=steps, lr=lr, pack=pack, budget=budget, warmup=0)
-    assert RunConfig(**tomllib.loads(cfg.to_toml())) == cfg
+    cfg = RunConfig.of({"sample_prompt": prompt, "steps": steps, "lr": lr, "pack": pack, "budget": budget,
+                        "warmup": 0})
+    assert RunConfig.of(tomllib.loads(cfg.to_toml())) == cfg
 
 
 def test_a_config_toml_from_when_pack_was_a_switch_still_reads(tmp_path):
     """Runs made when --pack was a switch wrote `pack = false` or `pack = true` (which packed examples)."""
     for written, read in (("false", None), ("true", "examples")):
         (tmp_path / "config.toml").write_text(f"pack = {written}\n")
-        assert resolve({}, tmp_path / "config.toml").pack == read
+        assert resolve({}, tmp_path / "config.toml").data.pack == read
 
 
 def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("d.txt").write_text("x")
-    cfg = RunConfig(data="d.txt", run_dir="r").with_absolute_paths()
+    cfg = RunConfig.of({"data": "d.txt", "run_dir": "r"}).with_absolute_paths()
     run = RunDir.create(cfg.run_dir)
     run.write_config(cfg)
     assert read_toml(run.config)["data"] == str(tmp_path / "d.txt")

@@ -49,8 +49,8 @@ def streamed_and_resident(tc: TrainerConfig, data: list[torch.Tensor], store_dir
 @pytest.mark.parametrize("activations,store,update_on", [("resident", "ram", "device"), ("checkpoint", "disk", "host")])
 def test_fp32_streamed_equals_resident_on_the_gpu(tmp_path: Path, record_property: Record, activations: str,
                                                   store: str, update_on: str) -> None:
-    tc = TrainerConfig(lr=1e-3, grad_accum=2, max_grad_norm=1.0, compute_dtype="fp32", activations=activations,
-                       store=store, update_on=update_on, update_chunk=10_000, device="cuda")
+    tc = TrainerConfig.of(lr=1e-3, grad_accum=2, max_grad_norm=1.0, dtype="fp32", activations=activations,
+                          store=store, update_on=update_on, update_chunk=10_000, device="cuda")
     streamed, reference, weights_diff = streamed_and_resident(tc, batches(DEBUG, 5, 4, 32), tmp_path / "run")
     loss_diff = max(abs(s - r) for s, r in zip(streamed, reference))
     record_property("max loss difference", f"{loss_diff:.2e}")
@@ -62,7 +62,7 @@ def test_fp32_streamed_equals_resident_on_the_gpu(tmp_path: Path, record_propert
 
 
 def test_bf16_streamed_tracks_resident_on_the_gpu(tmp_path: Path, record_property: Record) -> None:
-    tc = TrainerConfig(lr=3e-3, compute_dtype="bf16", max_grad_norm=1.0, device="cuda")
+    tc = TrainerConfig.of(lr=3e-3, dtype="bf16", max_grad_norm=1.0, device="cuda")
     data = batches(DEBUG, 2, 4, 32, seed=1) * 10  # a few batches, seen again: the curve has to move
     streamed, reference, _ = streamed_and_resident(tc, data, tmp_path / "run")
     worst = max(abs(s - r) / r for s, r in zip(streamed, reference))
@@ -103,7 +103,7 @@ def test_pinned_side_stream_copies_overlap_compute(tmp_path: Path, record_proper
     """One step under torch.profiler: the weight and state copies to the GPU come from pinned memory, run on a
     stream other than the compute kernels', and run while kernels run (the Chrome trace is kept for a look)."""
     cfg = GPTJConfig(vocab_size=8192, n_positions=1024, n_embd=1024, n_layer=8, n_head=16, rotary_dim=64)
-    tc = TrainerConfig(compute_dtype="bf16", store="ram", activations="checkpoint", device="cuda", prefetch=1)
+    tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", device="cuda", prefetch=1)
     ids = torch.randint(0, cfg.vocab_size, (8, 1024), generator=torch.Generator().manual_seed(0))
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
@@ -143,8 +143,8 @@ def test_pinned_side_stream_copies_overlap_compute(tmp_path: Path, record_proper
 def test_ledger_peak_matches_the_allocator(tmp_path: Path, record_property: Record) -> None:
     """A steady-state step's ledger peak against torch.cuda.max_memory_allocated over the same step."""
     cfg = GPTJConfig(vocab_size=8192, n_positions=2048, n_embd=2048, n_layer=6, n_head=16, rotary_dim=64)
-    tc = TrainerConfig(compute_dtype="bf16", store="ram", activations="checkpoint", device="cuda",
-                       update_chunk=2**20)
+    tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", device="cuda",
+                          update_chunk=2**20)
     ids = torch.randint(0, cfg.vocab_size, (2, 2048), generator=torch.Generator().manual_seed(0))
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(ids)  # warm-up: the transport's buffers exist from here on, as in every later step

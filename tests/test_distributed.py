@@ -15,7 +15,7 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.runtime.distributed import leave_process_group
 
 CFG = GPTJConfig.preset("gptj-debug")
-TC = TrainerConfig(lr=1e-3, compute_dtype=torch.float32, store="disk", max_grad_norm=1.0, update_chunk=10_000)
+TC = TrainerConfig.of(lr=1e-3, dtype="fp32", store="disk", max_grad_norm=1.0, update_chunk=10_000)
 
 
 def global_batches(n: int) -> list[torch.Tensor]:

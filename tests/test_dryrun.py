@@ -14,7 +14,7 @@ from streamer.calibration.dryrun import dry_run
 
 def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
     cfg = GPTJConfig.preset("gptj-6b")
-    ledger = dry_run(cfg, TrainerConfig(activations="checkpoint", compute_dtype="bf16"), batch=1, seq=2048)
+    ledger = dry_run(cfg, TrainerConfig.of(activations="checkpoint", dtype="bf16"), batch=1, seq=2048)
     assert ledger.peak <= 3 * 2**30
     assert 16 * cfg.num_params() / ledger.peak >= 30  # vs the 16 B/param baseline (90.2 GiB)
     predicted = plan(cfg, device_spec("cs2"), PlanConfig(batch=1, seq=2048, activations="checkpoint"))
@@ -31,7 +31,7 @@ def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
 def test_planner_matches_dry_run(n_embd, n_head, n_layer, rotary, inner, batch, seq, activations, dtype, prefetch):
     cfg = GPTJConfig(vocab_size=512, n_positions=64, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                      rotary_dim=rotary, n_inner=inner)
-    tc = TrainerConfig(activations=activations, compute_dtype=dtype, prefetch=prefetch, update_chunk=20_000)
+    tc = TrainerConfig.of(activations=activations, dtype=dtype, prefetch=prefetch, update_chunk=20_000)
     ledger = dry_run(cfg, tc, batch, seq)
     predicted = plan(cfg, device_spec("h100-sxm"), PlanConfig(
         batch=batch, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch, update_chunk=20_000))
@@ -41,7 +41,7 @@ def test_planner_matches_dry_run(n_embd, n_head, n_layer, rotary, inner, batch, 
 
 def test_dry_run_equals_the_real_runs_ledger(tmp_path):
     cfg = GPTJConfig.preset("gptj-debug")
-    tc = TrainerConfig(compute_dtype="bf16", update_chunk=20_000)
+    tc = TrainerConfig.of(dtype="bf16", update_chunk=20_000)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         real = trainer.ledger.peak, trainer.ledger.peak_breakdown
@@ -58,7 +58,7 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
     """The disk tier's fused step (weights cast from the fp32 master, the update's master from the backward's
     load, no new compute weights): the same streamed charges in the real run, the dry run and the plan."""
     cfg = GPTJConfig.preset("gptj-debug")
-    tc = TrainerConfig(compute_dtype=dtype, update_chunk=20_000, store="disk", max_grad_norm=None)
+    tc = TrainerConfig.of(dtype=dtype, update_chunk=20_000, store="disk", max_grad_norm=0)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         assert trainer.fused and trainer.clipped_redos == 0
@@ -84,14 +84,15 @@ def test_the_trainer_and_the_planner_describe_one_step(settings):
     from memory_model.schedule import step_events
     from streamer.run import RunConfig
 
-    run = RunConfig(model="gptj-debug", batch=4, seq=16, **settings)
-    shape = run.model_config()
-    trainer = StreamingTrainer(shape, run.trainer_config().replace(device="meta"))  # as the dry run builds it
+    run = RunConfig.of(dict(model="gptj-debug", batch=4, seq=16, **settings))
+    shape, step = run.model_config(), run.trainer.step
+    trainer = StreamingTrainer(shape, run.trainer.replace(device="meta"))  # as the dry run builds it
     planned = step_spec(shape, run.plan_config())
-    assert trainer.step_spec(run.grad_accum, trainer.fused) == planned
-    assert step_events(planned) == step_events(trainer.step_spec(run.grad_accum, trainer.fused))
-    assert planned.fused == (run.store == "disk" and run.update_timing == "auto" and not run.lora_rank)
-    assert planned.master_from_weights == (run.store == "disk")
+    assert trainer.step_spec(step.grad_accum, trainer.fused) == planned
+    assert step_events(planned) == step_events(trainer.step_spec(step.grad_accum, trainer.fused))
+    disk = run.trainer.store.state == "disk"
+    assert planned.fused == (disk and step.update_timing == "auto" and not run.trainer.lora.rank)
+    assert planned.master_from_weights == disk
     trainer.close()
 
 
@@ -143,7 +144,7 @@ def test_packed_rows_real_run_dry_run_and_planner_agree(tmp_path, dtype, activat
     """Rows of packed examples: each block also saves its attention mask (a compute-dtype bias) and its rows'
     rotary tables. The planner charges them to the byte; the dry run routes the masked attention as the CPU does."""
     cfg = GPTJConfig.preset("gptj-debug")
-    tc = TrainerConfig(compute_dtype=dtype, activations=activations, lora_rank=lora_rank, update_chunk=20_000)
+    tc = TrainerConfig.of(dtype=dtype, activations=activations, lora_rank=lora_rank, update_chunk=20_000)
     ids = torch.randint(0, cfg.vocab_size, (2, 48))
     positions = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, 48)  # two examples a row
     peaks = {}

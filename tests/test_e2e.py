@@ -103,7 +103,7 @@ def test_completion_only_loss_matches_transformers_with_masked_labels(tiny_hf_mo
 
     model = tiny_hf_model(CFG, seed=2)
     ids, labels = data.input_ids[:4], data.labels[:4]
-    with StreamingTrainer(CFG, TrainerConfig(compute_dtype="fp32")) as trainer:
+    with StreamingTrainer(CFG, TrainerConfig.of(dtype="fp32")) as trainer:
         trainer.load_state_dict(model.state_dict())
         masked, full = trainer.evaluate(ids, labels), trainer.evaluate(ids, ids)
     with torch.no_grad():

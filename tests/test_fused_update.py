@@ -25,7 +25,7 @@ from streamer.errors import ConfigError
 CFG = GPTJConfig.preset("gptj-debug")
 STEPS = 4
 # Small chunks so that every unit's update has several; lr large enough for the norm to move between steps.
-DISK = TrainerConfig(store="disk", compute_dtype="fp32", update_chunk=5000, lr=3e-3, nonfinite="skip")
+DISK = TrainerConfig.of(store="disk", dtype="fp32", update_chunk=5000, lr=3e-3, nonfinite="skip")
 
 
 def batches(n: int, seed: int = 3) -> list[torch.Tensor]:
@@ -56,8 +56,8 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("accum,moments,dtype", [(1, "fp32", "fp32"), (2, "bf16", "bf16"), (1, "bf16", "fp32")])
 def test_fused_update_is_bit_identical_when_clipping_triggers_on_some_steps(tmp_path, monkeypatch, accum,
                                                                             moments, dtype):
-    base = DISK.replace(grad_accum=accum, moment_dtype=moments, compute_dtype=dtype)
-    unclipped = train(tmp_path / "free", base.replace(max_grad_norm=None), monkeypatch)
+    base = DISK.replace(grad_accum=accum, moment_dtype=moments, dtype=dtype)
+    unclipped = train(tmp_path / "free", base.replace(max_grad_norm=0), monkeypatch)
     norms = sorted(unclipped[3])
     # A threshold between the steps' norms: the early steps clip, the later ones do not (or the reverse).
     limit = (norms[1] + norms[2]) / 2
@@ -74,8 +74,8 @@ def test_fused_update_is_bit_identical_when_clipping_triggers_on_some_steps(tmp_
 
 
 def test_fused_update_without_clipping_matches_and_never_redoes(tmp_path, monkeypatch):
-    after = train(tmp_path / "after", DISK.replace(max_grad_norm=None, update_timing="after-backward"), monkeypatch)
-    fused = train(tmp_path / "fused", DISK.replace(max_grad_norm=None), monkeypatch)
+    after = train(tmp_path / "after", DISK.replace(max_grad_norm=0, update_timing="after-backward"), monkeypatch)
+    fused = train(tmp_path / "fused", DISK.replace(max_grad_norm=0), monkeypatch)
     assert after[0] == fused[0] and fused[2] == 0
     assert_same(after[1], fused[1])
 
@@ -83,8 +83,8 @@ def test_fused_update_without_clipping_matches_and_never_redoes(tmp_path, monkey
 # The compute weights in RAM (bf16, rebuilt from the masters): the rollback refills them from the files too.
 @pytest.mark.parametrize("accum,store", [(1, "disk"), (2, "disk"), (1, Placement("ram", "disk", "disk"))])
 def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_path, monkeypatch, accum, store):
-    tc = DISK.replace(grad_accum=accum, store=store, compute_dtype="bf16" if store != "disk" else "fp32",
-                      max_grad_norm=None)  # every step fused (a step that clips is made again after the backward)
+    tc = DISK.replace(grad_accum=accum, store=store, dtype="bf16" if store != "disk" else "fp32",
+                      max_grad_norm=0)  # every step fused (a step that clips is made again after the backward)
     after = train(tmp_path / "after", tc.replace(update_timing="after-backward"), monkeypatch, poisoned_step=1)
     fused = train(tmp_path / "fused", tc.replace(update_timing="fused"), monkeypatch, poisoned_step=1)
     assert len(after[0]) == len(fused[0]) == STEPS - 1
@@ -101,7 +101,7 @@ def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_pat
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, monkeypatch, dtype):
     """bf16: the RAM tier's compute copy and the disk tier's cast of the master on each load are the same."""
-    base = DISK.replace(compute_dtype=dtype, max_grad_norm=None)
+    base = DISK.replace(dtype=dtype, max_grad_norm=0)
     ram = train(tmp_path / "ram", base.replace(store="ram"), monkeypatch)
     fused = train(tmp_path / "fused", base.replace(update_timing="fused"), monkeypatch)
     assert fused[2] == 0
@@ -111,7 +111,7 @@ def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, monkeypatc
 
 def test_fused_update_needs_the_state_on_disk():
     with pytest.raises(ConfigError, match="needs the state on disk"):
-        TrainerConfig(store="ram", update_timing="fused")
+        TrainerConfig.of(store="ram", update_timing="fused")
     assert not PlanConfig(batch=1, seq=8, store="ram").fused
     assert PlanConfig(batch=1, seq=8, store="disk").fused
     assert not PlanConfig(batch=2, seq=8, store="disk", devices=2).fused
@@ -121,13 +121,13 @@ def test_fused_update_needs_the_state_on_disk():
 @pytest.mark.parametrize("accum,moments,dtype,prefetch", [(1, "fp32", "bf16", 1), (2, "bf16", "fp32", 2),
                                                           (1, "bf16", "bf16", 0)])
 def test_store_bytes_per_step_are_the_planners(tmp_path, timing, accum, moments, dtype, prefetch):
-    tc = DISK.replace(grad_accum=accum, moment_dtype=moments, compute_dtype=dtype, prefetch=prefetch,
-                      update_timing=timing, max_grad_norm=None)
+    tc = DISK.replace(grad_accum=accum, moment_dtype=moments, dtype=dtype, prefetch=prefetch,
+                      update_timing=timing, max_grad_norm=0)
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
         for ids in batches(2):
             trainer.step(ids)
             plan = PlanConfig(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch,
-                              update_chunk=tc.update_chunk, store="disk", update_timing=timing,
+                              update_chunk=tc.step.update_chunk, store="disk", update_timing=timing,
                               moment_dtype=moments)
             assert trainer.step_bytes == step_disk_bytes(CFG, plan)
 

@@ -17,7 +17,7 @@ TINY = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4
 def trainer():
     """A debug model under a budget far below its 16 B/param training state: generation must stream."""
     budget = DEBUG.num_params() * 16 // 3
-    with StreamingTrainer(DEBUG, TrainerConfig(compute_dtype="fp32", budget=budget, seed=3)) as t:
+    with StreamingTrainer(DEBUG, TrainerConfig.of(dtype="fp32", budget=budget, seed=3)) as t:
         yield t
 
 
@@ -48,7 +48,7 @@ def test_generation_streams_within_the_budget_and_frees_its_cache(trainer):
     trainer.ledger.reset_peak()
     generate(trainer, prompts(), Sampling(max_new_tokens=5))
     assert trainer.ledger.in_use == 0
-    assert 0 < trainer.ledger.peak <= trainer.tc.budget_bytes < 16 * DEBUG.num_params()
+    assert 0 < trainer.ledger.peak <= trainer.tc.device.budget_bytes() < 16 * DEBUG.num_params()
     spans = [e for e in trainer.trace.spans() if e.phase == "generate"]
     assert {e.layer for e in spans} == set(trainer.units)
 
@@ -103,7 +103,7 @@ def test_bad_requests_are_one_line_errors(trainer):
 def test_complete_decodes_text_and_stops_at_end_of_text():
     from pydoc_data.topics import topics
     tokenizer = train_bpe(list(topics.values())[:40], vocab_size=TINY.vocab_size)
-    with StreamingTrainer(TINY, TrainerConfig(compute_dtype="fp32", seed=1)) as t:
+    with StreamingTrainer(TINY, TrainerConfig.of(dtype="fp32", seed=1)) as t:
         text = complete(t, tokenizer, "The for statement", Sampling(max_new_tokens=8, temperature=0.7, seed=1))
         assert isinstance(text, str) and "<|endoftext|>" not in text
         ids = tokenizer.encode("The for statement")

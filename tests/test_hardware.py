@@ -97,11 +97,11 @@ def test_the_cpu_probe_is_short_and_measured_once_per_process() -> None:
 
 def test_trainer_config_resolves_auto() -> None:
     assert TrainerConfig().compute_dtype == (torch.bfloat16 if cpu_probe().bf16_is_fast else torch.float32)
-    assert TrainerConfig(device="meta").compute_dtype == torch.bfloat16
-    assert TrainerConfig(compute_dtype="fp32").compute_dtype == torch.float32
-    assert RunConfig().dtype == "auto"
+    assert TrainerConfig.of(device="meta").compute_dtype == torch.bfloat16
+    assert TrainerConfig.of(dtype="fp32").compute_dtype == torch.float32
+    assert RunConfig().trainer.device.dtype == "auto"
     with pytest.raises(RunError, match="--dtype must be one of auto, bf16, fp32"):
-        RunConfig(dtype="fp16")
+        RunConfig.of({"dtype": "fp16"})
 
 
 # --- for real, capped to AVX2 ----------------------------------------------------------------------------------

@@ -387,7 +387,7 @@ def test_a_store_the_host_cannot_hold_is_refused_before_writing(tmp_path, store,
 def test_the_disk_need_is_what_a_store_writes(tmp_path):
     """host_bytes' disk figure is the files of a committed step plus one more state generation (a commit's)."""
     from streamer import StreamingTrainer, TrainerConfig
-    tc = TrainerConfig(compute_dtype="fp32", store="disk", update_chunk=5_000)
+    tc = TrainerConfig.of(dtype="fp32", store="disk", update_chunk=5_000)
     with StreamingTrainer(TINY, tc, store_dir=tmp_path / "store") as trainer:
         trainer.step(torch.randint(0, TINY.vocab_size, (2, 16)))
         slabs = {p.name: p.stat().st_size for p in (tmp_path / "store" / "slabs").iterdir()}

@@ -42,8 +42,8 @@ def _reference(base: dict[str, torch.Tensor], adapters: Adapters) -> tuple[GPTJ,
 
 
 def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_path: Path) -> None:
-    tc = TrainerConfig(compute_dtype="fp32", grad_accum=2, lr=1e-2, lora_rank=4, lora_alpha=8.0,
-                       lora_targets=TARGETS, activations="checkpoint", store="disk")
+    tc = TrainerConfig.of(dtype="fp32", grad_accum=2, lr=1e-2, lora_rank=4, lora_alpha=8.0,
+                          lora_targets=TARGETS, activations="checkpoint", store="disk")
     ids = torch.randint(0, CFG.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
         torch.manual_seed(1)
@@ -59,10 +59,11 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
         assert sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir()) == files  # no new generation
         streamed = [t.detach().clone() for tensors in trainer.adapters.params.values() for t in tensors.values()]
 
-    optimizer = torch.optim.AdamW(leaves, lr=1e-2, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
+    opt = tc.optimizer
+    optimizer = torch.optim.AdamW(leaves, lr=1e-2, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
     losses = [causal_lm_loss(model(half), half) for half in ids.chunk(2)]
     (sum(losses) / 2).backward()
-    torch.nn.utils.clip_grad_norm_(leaves, tc.max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(leaves, tc.optimizer.max_grad_norm)
     optimizer.step()
     assert loss == pytest.approx(float(sum(losses).detach() / 2), rel=1e-6)
     for ours, theirs in zip(streamed, leaves):
@@ -79,8 +80,8 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
 ])
 def test_planner_equals_the_lora_ledger(tmp_path: Path, dtype: str, activations: str, dropout: float,
                                         targets: str) -> None:
-    tc = TrainerConfig(compute_dtype=dtype, activations=activations, update_chunk=20_000, lora_rank=4,
-                       lora_dropout=dropout, lora_targets=targets)
+    tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=20_000, lora_rank=4,
+                          lora_dropout=dropout, lora_targets=targets)
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
         ids = torch.randint(0, CFG.vocab_size, (2, 48))
         trainer.step(ids)
@@ -150,7 +151,7 @@ def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[s
         'error: --lora-targets must be distinct names among q_proj,k_proj,v_proj,out_proj,fc_in,fc_out, '
         'got "q_proj,lm_head"')
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
-        TrainerConfig(lora_rank=-1)
+        TrainerConfig.of(lora_rank=-1)
 
 
 def test_a_merged_export_under_bf16_is_the_full_precision_base_plus_the_adapter(tmp_path: Path, tiny_setup,

@@ -21,7 +21,7 @@ ES = {"bf16": 2, "fp32": 4}
 
 
 def _lora(store: str, dtype: str, **extra: object) -> TrainerConfig:
-    return TrainerConfig(store=store, compute_dtype=dtype, lora_rank=4, update_chunk=20_000, **extra)
+    return TrainerConfig.of(store=store, dtype=dtype, lora_rank=4, update_chunk=20_000, **extra)
 
 
 def _batches(n: int) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamer.config import LRSchedule
+from streamer.runtime.optim import LRSchedule
 
 transformers = pytest.importorskip("transformers")
 

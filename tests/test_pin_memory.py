@@ -5,7 +5,6 @@ checked; the copies through pinned memory themselves are CUDA-only.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -57,12 +56,12 @@ def pretend_cuda(monkeypatch):
 
 
 def _need(mode: str, device: str = "cuda") -> HostNeed:
-    tc = TrainerConfig(device=device, compute_dtype="bf16", store="ram", pin_memory=mode)
+    tc = TrainerConfig.of(device=device, dtype="bf16", store="ram", pin_memory=mode)
     return HostNeed.of(PRESETS["gptj-350m"], tc, stores_on_disk=1, stores_in_ram=2)
 
 
 def test_the_resource_check_counts_the_pool_and_says_what_is_pinned(pretend_cuda):
-    tc = TrainerConfig(device="cuda", compute_dtype="bf16", store="ram")
+    tc = TrainerConfig.of(device="cuda", dtype="bf16", store="ram")
     spec = tc.store_spec(PRESETS["gptj-350m"])
     ram, _ = spec.host_bytes()
     staging = spec.staging_bytes()
@@ -82,21 +81,21 @@ def test_the_shortfall_names_the_pinned_bytes(pretend_cuda, tmp_path):
                    "dtype": "bf16", "pin_memory": "all"})
     message = shortfall(cfg, cfg.model_config(), 8 * 2**30, 64 * 2**30, tmp_path)
     assert "pinned with --pin-memory all" in message
-    assert "pinned" not in shortfall(replace(cfg, pin_memory="none"), cfg.model_config(), 8 * 2**30, 64 * 2**30,
+    assert "pinned" not in shortfall(cfg.replace(pin_memory="none"), cfg.model_config(), 8 * 2**30, 64 * 2**30,
                                      tmp_path)
 
 
 def test_resume_honours_pin_memory(tmp_path, monkeypatch):
     assert "pin_memory" in RESUMABLE  # it changes no layout: a resume may change it
-    tc = TrainerConfig(compute_dtype="fp32", store="disk", pin_memory="all")
+    tc = TrainerConfig.of(dtype="fp32", store="disk", pin_memory="all")
     StreamingTrainer(TINY, tc, tmp_path / "store").close()
     asked = []
     real = trainer_module._pin_memory
     monkeypatch.setattr(trainer_module, "_pin_memory", lambda device, mode: asked.append(mode) or real(device, mode))
     with StreamingTrainer.open(tmp_path / "store") as trainer:  # the store's own setting
-        assert trainer.tc.pin_memory == "all" and trainer.store.pin_memory == "none"  # a CPU pins nothing
+        assert trainer.tc.device.pin_memory == "all" and trainer.store.pin_memory == "none"  # a CPU pins nothing
     with StreamingTrainer.open(tmp_path / "store", overrides={"pin_memory": "staging"}) as trainer:
-        assert trainer.tc.pin_memory == "staging"
+        assert trainer.tc.device.pin_memory == "staging"
     assert asked == ["all", "staging"]
 
 

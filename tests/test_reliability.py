@@ -170,8 +170,8 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, forkserver, dty
 
 # --- disk full ------------------------------------------------------------------------------------------
 
-DEBUG_TC = TrainerConfig(store="disk", compute_dtype="bf16", grad_accum=2, update_chunk=8192, lr=3e-3,
-                         update_timing="after-backward")  # the journaled commit; fused below
+DEBUG_TC = TrainerConfig.of(store="disk", dtype="bf16", grad_accum=2, update_chunk=8192, lr=3e-3,
+                            update_timing="after-backward")  # the journaled commit; fused below
 
 
 def batches(n: int) -> list[torch.Tensor]:
@@ -186,7 +186,7 @@ def uninterrupted(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float
 
 @pytest.fixture(scope="module")
 def uninterrupted_unclipped(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
-    return _run_through(DEBUG_TC.replace(max_grad_norm=None), tmp_path_factory.mktemp("ref") / "run")
+    return _run_through(DEBUG_TC.replace(max_grad_norm=0), tmp_path_factory.mktemp("ref") / "run")
 
 
 def _run_through(tc: TrainerConfig, root: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -251,7 +251,7 @@ def test_disk_full_in_a_fused_step_rolls_it_back_and_training_goes_on(tmp_path, 
     """A fused step has no journal: a failed write returns every unit to the previous step, in this process
     too, which trains on once space is back and ends as the uninterrupted run (after the backward) did."""
     data = batches(4)
-    fused = DEBUG_TC.replace(update_timing="fused", max_grad_norm=None)
+    fused = DEBUG_TC.replace(update_timing="fused", max_grad_norm=0)
     with StreamingTrainer(CFG, fused, store_dir=tmp_path / "run") as trainer:
         fill_disk_in_step_3(trainer, data, monkeypatch, name, n)
         assert trainer.step_count == 2 and trainer.clipped_redos == 0

@@ -5,7 +5,6 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,18 @@ from benchmarks.worker import RunSpec
 from benchmarks.bench import add_arguments as bench_arguments
 from streamer.cli.main import build_parser, main
 from streamer.cli.train import fit_vocabulary
-from streamer.run import _toml_value, CHOICES, INT_MINIMUMS, RESUMABLE, RunConfig, RunError, resolve
+from memory_model.lora import LoraConfig
+from memory_model.settings import flat_fields, flatten
+from streamer.cli.flags import given as given_flags
+from streamer.run import _toml_value, CHOICES, FLAGS, INT_MINIMUMS, RESUMABLE, RunConfig, RunError, resolve
 from streamer.run_dir import RunDir
-from streamer.config import ConfigError, LRSchedule, TrainerConfig
+from streamer.config import ConfigError, TrainerConfig
 from streamer.io.data import DataConfig
+from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
-from streamer.runtime.optim import OptimizerConfig
+from streamer.runtime.optim import LRSchedule, OptimizerConfig
+from streamer.runtime.step import StepConfig
+from streamer.store.layout import Placement
 from streamer.io.tokenizer import MIN_VOCAB
 
 from conftest import TINY_RUN_MODEL as TINY
@@ -55,7 +60,7 @@ WRONG = st.one_of(
     st.tuples(st.sampled_from(["lr", "sample_prompt", "budget", "pack"]), st.lists(st.integers(), max_size=2)),
     # unknown keys
     st.tuples(st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True).filter(
-        lambda k: k not in RunConfig.__dataclass_fields__), st.integers()),
+        lambda k: k not in FLAGS), st.integers()),
 )
 
 
@@ -74,33 +79,35 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
     assert sorted(tmp_path.iterdir()) == before  # no run folder, nothing else
 
 
-# The run's settings that belong to the step, the optimizer, the device, the data, the trainer or the schedule:
-# (owner, owner's name, run's name).
-OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "moment_dtype", "nonfinite")
-SHARED = [(PlanConfig, name, name) for name in ("batch", "grad_accum", "activations", "prefetch", "update_on",
-                                                "update_chunk", "store")] + \
+# Each flag's owner: (owner, owner's name, flag).
+OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "moment_dtype", "nonfinite")
+SHARED = [(StepConfig, name, name) for name in ("grad_accum", "activations", "prefetch", "update_on",
+                                                "update_chunk", "update_timing", "data_parallel")] + \
     [(OptimizerConfig, name, name) for name in OPTIMIZER] + \
-    [(DeviceConfig, name, name) for name in ("dtype", "device", "budget")] + \
+    [(DeviceConfig, name, name) for name in ("dtype", "device", "budget", "set", "pin_memory")] + \
     [(DataConfig, name, name) for name in ("data", "tokenizer", "vocab_size", "pack", "eval_fraction")] + \
-    [(TrainerConfig, name, name) for name in ("seed", "trace_steps", "trace_every")] + \
+    [(TrainerConfig, name, name) for name in ("store", "seed", "trace_steps", "trace_every")] + \
+    [(LoraConfig, name, f"lora_{name}") for name in ("rank", "alpha", "dropout", "targets")] + \
+    [(ReportConfig, "report_to", "report_to")] + \
     [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"), (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
 
 
 def test_every_setting_is_declared_once_and_checked_alike_everywhere():
-    for name, f in RunConfig.__dataclass_fields__.items():
-        assert f.metadata["help"] and "check" in f.metadata, name
-    for owner, name, run_name in SHARED:
-        assert RunConfig.__dataclass_fields__[run_name].metadata["check"] is \
-            owner.__dataclass_fields__[name].metadata["check"], run_name
-    for name in OPTIMIZER:  # the trainer API's flat keywords are the optimizer's settings
-        assert TrainerConfig.__dataclass_fields__[name].metadata["check"] is \
-            OptimizerConfig.__dataclass_fields__[name].metadata["check"], name
-    run = RunConfig(lr=3e-4, eps=1e-6, pack="examples", eval_fraction=0.1, budget="64MiB")
-    assert run.data_config() == DataConfig(pack="examples", eval_fraction=0.1)
-    assert run.device_config() == DeviceConfig(budget="64MiB")
-    assert run.trainer_config().optimizer == OptimizerConfig(lr=3e-4, eps=1e-6)
+    leaves = flat_fields(RunConfig)
+    assert set(FLAGS) == set(leaves) - {"total_steps"}  # --steps is the schedule's end
+    for name in FLAGS:
+        assert leaves[name][1].metadata["help"] and "check" in leaves[name][1].metadata, name
+    for owner, name, flag in SHARED:  # the tree holds the owner's own declaration
+        assert leaves[flag][1] is owner.__dataclass_fields__[name], flag
+    for name in ("batch", *SHARED[:7]):  # the runtime's step takes the planner's checks
+        name = name if isinstance(name, str) else name[1]
+        assert leaves[name][1].metadata["check"] is PlanConfig.__dataclass_fields__[name].metadata["check"], name
+    run = RunConfig.of({"lr": 3e-4, "eps": 1e-6, "pack": "examples", "eval_fraction": 0.1, "budget": "64MiB"})
+    assert run.data == DataConfig(pack="examples", eval_fraction=0.1)
+    assert run.trainer.device == DeviceConfig(budget="64MiB")
+    assert run.trainer.optimizer == OptimizerConfig(lr=3e-4, eps=1e-6)
     # the same wrong value reads the same from the run's settings, the trainer API, the planner and bench
-    wrong = [(RunError, lambda: RunConfig(grad_accum=0)), (ConfigError, lambda: TrainerConfig(grad_accum=0)),
+    wrong = [(RunError, lambda: RunConfig.of({"grad_accum": 0})), (ConfigError, lambda: TrainerConfig.of(grad_accum=0)),
              (ValueError, lambda: PlanConfig(batch=1, seq=2, grad_accum=0)),
              (ValueError, lambda: RunSpec(label="a", contender="hf", model={}, batch=0, seq=2))]
     messages = []
@@ -109,26 +116,99 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
             make()
         messages.append(str(caught.value).split(" ", 1)[1])
     assert set(messages) == {"must be a positive integer, got 0"}, messages
+    # an owner's own check reads under the flag's name, from the run's settings and the trainer API
+    with pytest.raises(RunError, match="^--lora-rank must be an integer >= 0"):
+        RunConfig.of({"lora_rank": -1})
+    with pytest.raises(RunError, match="^--schedule must be one of constant"):
+        RunConfig.of({"schedule": "step"})
+    with pytest.raises(ConfigError, match="^warmup must be an integer >= 0"):
+        TrainerConfig.of(warmup=-1)
 
 
 def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
-    cfg = RunConfig(model="gptj-debug", dtype="fp32", batch=4, grad_accum=2, lr=3e-4, betas=(0.8, 0.9),
-                    schedule="cosine", warmup=3, steps=9, moment_dtype="bf16", store="ram", update_chunk=4096,
-                    budget="64MiB", pack="examples", max_grad_norm=0)
-    tree, tc = cfg.tree(), cfg.trainer_config()
-    assert tree.model == PRESETS["gptj-debug"] and tree.step == cfg.plan_config()
-    assert tree.optimizer == tc.optimizer and tree.optimizer.max_grad_norm is None  # 0 on the command line
-    assert tree.schedule == tc.schedule == LRSchedule("cosine", 3, 9)
-    assert tree.store == tc.store_spec(tree.model) and tree.device == DeviceConfig("fp32", budget="64MiB")
-    assert tree.data == DataConfig(pack="examples")
-    # every flat setting taken from an owner with same_setting lands in that owner's config in the tree
-    parts = {type(part): part for part in vars(tree).values()}
-    for f in fields(RunConfig):
-        owner = f.metadata.get("owner")
-        if owner in parts:
-            assert getattr(parts[owner], f.metadata["owner_name"]) == getattr(cfg, f.name), f.name
+    given = {"model": "gptj-debug", "dtype": "fp32", "batch": 4, "grad_accum": 2, "lr": 3e-4, "betas": (0.8, 0.9),
+             "schedule": "cosine", "warmup": 3, "steps": 9, "moment_dtype": "bf16", "store": "ram",
+             "update_chunk": 4096, "budget": "64MiB", "pack": "examples", "max_grad_norm": 0}
+    cfg = RunConfig.of(given)
+    tc = cfg.trainer
+    assert tc.optimizer == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), moment_dtype="bf16", max_grad_norm=0)
+    assert tc.schedule == LRSchedule("cosine", 3, 9)  # it decays over --steps
+    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.store == Placement.of("ram")
+    assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data == DataConfig(pack="examples")
+    assert cfg.plan_config() == PlanConfig(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
+                                           update_chunk=4096, moment_dtype="bf16", packed=True)
+    # every flag lands in its owner's config, and comes back by its flat name
+    flat = flatten(cfg)
+    assert {k: flat[k] for k in given if k != "store"} == {k: v for k, v in given.items() if k != "store"}
+    assert cfg.flat()["store"] == "ram" and list(cfg.flat()) == list(FLAGS)
+    assert RunConfig.of(cfg.flat()) == cfg and cfg.replace(steps=12).trainer.schedule.total_steps == 12
     with pytest.raises(ValueError, match="resolve --dtype auto"):
-        RunConfig().tree()
+        RunConfig().plan_config()
+
+
+OLD_CONFIG_TOML = """# weight-streaming run settings: the keys are `streamer train`'s flags with _ for -
+model = "gptj-debug"
+steps = 6
+batch = 4
+seq = 32
+grad_accum = 2
+lr = 0.003
+schedule = "cosine"
+warmup = 2
+min_lr_ratio = 0.1
+weight_decay = 0.1
+max_grad_norm = 0
+betas = [0.9, 0.95]
+eps = 1e-08
+moment_dtype = "fp32"
+nonfinite = "stop"
+lora_rank = 0
+trace_steps = 8
+dtype = "fp32"
+device = "cpu"
+budget = "64MiB"
+store = "disk"
+activations = "checkpoint"
+update_on = "device"
+prefetch = 1
+update_chunk = 1048576
+update_timing = "auto"
+seed = 0
+pack = true
+eval_fraction = 0.05
+eval_every = 50
+report_to = "none"
+"""
+
+
+def test_an_old_flat_config_toml_loads_into_the_nested_tree(tmp_path):
+    """A run folder's config.toml from before the settings nested (flat, as they still are): every key lands
+    in its owner's config, and `--pack` as the switch it once was."""
+    (tmp_path / "config.toml").write_text(OLD_CONFIG_TOML)
+    cfg = RunDir(tmp_path).read_config()
+    tc = cfg.trainer
+    assert (cfg.model, cfg.steps, cfg.batch, cfg.seq) == ("gptj-debug", 6, 4, 32)
+    assert tc.step == StepConfig(grad_accum=2, activations="checkpoint", update_chunk=2**20)
+    assert tc.optimizer == OptimizerConfig(lr=3e-3, max_grad_norm=0)
+    assert tc.schedule == LRSchedule("cosine", 2, 6, 0.1) and tc.store == Placement.of("disk")
+    assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data.pack == "examples"
+
+
+def test_an_old_trainer_state_loads_into_the_nested_tree():
+    """The trainer settings a store's manifest holds from before they nested: `compute_dtype`, the schedule
+    and the placement as tables, None for no clipping."""
+    old = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-08, "weight_decay": 0.1, "max_grad_norm": None,
+           "grad_accum": 2, "compute_dtype": "bf16", "moment_dtype": "fp32", "activations": "resident",
+           "store": {"compute": "ram", "state": "disk", "grad": "disk"}, "update_on": "device", "prefetch": 1,
+           "device": "cpu", "budget": None, "update_chunk": 8192, "update_timing": "after-backward",
+           "schedule": {"kind": "linear", "warmup_steps": 1, "total_steps": 5, "min_lr_ratio": 0.0},
+           "nonfinite": "stop", "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0,
+           "lora_targets": "q_proj,v_proj", "seed": 3, "trace_steps": 8, "trace_every": 0}
+    tc = TrainerConfig.from_dict(old)
+    assert tc.optimizer.max_grad_norm == 0 and tc.device.dtype == "bf16" and tc.seed == 3
+    assert tc.schedule == LRSchedule("linear", 1, 5) and tc.store == Placement("ram", "disk", "disk")
+    assert tc.step == StepConfig(grad_accum=2, update_chunk=8192, update_timing="after-backward")
+    assert TrainerConfig.from_dict(tc.to_dict()) == tc
 
 
 def test_a_wrong_setting_file_from_the_shell(tmp_path):
@@ -169,14 +249,16 @@ def test_flag_errors_name_the_flag_and_conflicts_are_errors(capsys, tmp_path, ti
 
 
 def test_new_settings_reach_the_trainer_and_config_toml():
-    cfg = RunConfig(betas=[0.8, 0.99], eps=1e-6, moment_dtype="bf16", nonfinite="skip", trace_steps=3)
-    tc = cfg.trainer_config()
-    assert (tc.betas, tc.eps, tc.moment_dtype, tc.nonfinite, tc.trace_steps) == ((0.8, 0.99), 1e-6, "bf16", "skip", 3)
+    cfg = RunConfig.of({"betas": [0.8, 0.99], "eps": 1e-6, "moment_dtype": "bf16", "nonfinite": "skip",
+                        "trace_steps": 3})
+    tc, opt = cfg.trainer, cfg.trainer.optimizer
+    assert (opt.betas, opt.eps, opt.moment_dtype, opt.nonfinite) == ((0.8, 0.99), 1e-6, "bf16", "skip")
+    assert tc.trace_steps == 3
     args = build_parser().parse_args(["train", "--betas", "0.8", "0.99", "--eps", "1e-6", "--moment-dtype", "bf16",
                                       "--nonfinite", "skip", "--trace-steps", "3"])
-    assert resolve({k: getattr(args, k) for k in RunConfig.__dataclass_fields__ if hasattr(args, k)}) == \
+    assert resolve(given_flags(args)) == \
         resolve({"betas": (0.8, 0.99), "eps": 1e-6, "moment_dtype": "bf16", "nonfinite": "skip", "trace_steps": 3})
-    pretrained = RunConfig(from_pretrained="/ckpt", data="/d.txt")
+    pretrained = RunConfig.of({"from_pretrained": "/ckpt", "data": "/d.txt"})
     assert "from_pretrained = " in pretrained.to_toml() and "model = " not in pretrained.to_toml()
 
 
@@ -221,7 +303,7 @@ def test_log_every_and_what_resume_may_change(capsys, debug_run):
     assert rc == 0, err
     assert [line.split()[1] for line in out.splitlines() if " tok/s " in line and line.startswith("step ")] == \
         ["4/7", "6/7", "7/7"]
-    assert RunDir(run).read_config().eps == 1e-6
+    assert RunDir(run).read_config().trainer.optimizer.eps == 1e-6
     assert {"eps", "nonfinite", "trace_steps", "log_every"} <= set(RESUMABLE)
     assert not {"betas", "moment_dtype"} & set(RESUMABLE)
 
@@ -257,10 +339,10 @@ def test_flags_shared_between_subcommands_agree():
                 (trains.type, trains.metavar, trains.nargs, trains.choices), flag
     # plan resolves its settings as train does: a flag not given is absent, so --config and the defaults apply
     assert all(plan[flag].default is argparse.SUPPRESS for flag in step)
-    defaults = RunConfig()
+    defaults = RunConfig().flat()
     for flag in {"--device", "--budget", "--seed"}:
         assert flag in generate and flag in train
         # generate's None means "the run's own setting", the only other default allowed
-        assert generate[flag].default in (getattr(defaults, flag[2:]), None), flag
+        assert generate[flag].default in (defaults[flag[2:]], None), flag
     assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
     assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps

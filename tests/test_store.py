@@ -22,7 +22,7 @@ from streamer.store.host import HostReader, HostStore
 from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
-DISK = TrainerConfig(store="disk", compute_dtype="bf16", update_chunk=8192, lr=3e-3)
+DISK = TrainerConfig.of(store="disk", dtype="bf16", update_chunk=8192, lr=3e-3)
 JOURNALED = DISK.replace(update_timing="after-backward")  # the update after the backward: gradients on disk
 
 
@@ -64,7 +64,7 @@ def fail_writes_after(monkeypatch, n: int) -> None:
 @pytest.mark.parametrize("dtype,timing", [("bf16", "after-backward"), ("fp32", "after-backward"), ("bf16", "fused")])
 def test_disk_layout_is_one_state_file_and_one_gradient_per_unit(tmp_path, dtype, timing):
     # (no clipping: a fused step that clips is made again after the backward, which writes gradient files)
-    trained(tmp_path / "run", DISK.replace(compute_dtype=dtype, update_timing=timing, max_grad_norm=None))
+    trained(tmp_path / "run", DISK.replace(dtype=dtype, update_timing=timing, max_grad_norm=0))
     slabs = sorted(p.name for p in (tmp_path / "run" / "slabs").iterdir())
     units = ["block.0", "block.1", "embed", "head"]
     # generation 3; a fused update keeps its one micro-batch's gradient in memory: no gradient file
@@ -355,14 +355,15 @@ def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
     from memory_model.timing import SEAL_FLUSHES, commit_flushes
 
     data = batches(3)
-    with StreamingTrainer(CFG, tc.replace(max_grad_norm=None), store_dir=tmp_path / "run") as trainer:
+    with StreamingTrainer(CFG, tc.replace(max_grad_norm=0), store_dir=tmp_path / "run") as trainer:
         trainer.step(data[0])  # unclipped: a fused step is not undone and made again
         flushes = []
         for name in ("fsync", "fdatasync"):
             monkeypatch.setattr(os, name, lambda fd, flush=getattr(os, name): flushes.append(fd) or flush(fd))
         trainer.step(data[1])
         assert trainer.fused == (tc is DISK)
-    planned = PlanConfig(batch=2, seq=32, store="disk", update_timing=tc.update_timing, update_chunk=tc.update_chunk)
+    planned = PlanConfig(batch=2, seq=32, store="disk", update_timing=tc.step.update_timing,
+                         update_chunk=tc.step.update_chunk)
     assert len(flushes) == SEAL_FLUSHES * len(CFG.unit_names()) + commit_flushes(CFG, planned)
 
 
@@ -412,7 +413,7 @@ def test_a_commit_deletes_the_replaced_generation_while_the_next_step_runs(tmp_p
 
     monkeypatch.setattr(StateFiles, "_delete_all", staticmethod(unlink_after_the_step_returned))
     monkeypatch.setattr(direct.SequentialFile, "__init__", counting)
-    fused = DISK.replace(update_timing="fused", max_grad_norm=None)
+    fused = DISK.replace(update_timing="fused", max_grad_norm=0)
     with StreamingTrainer(CFG, fused, store_dir=tmp_path / "run") as trainer:
         for ids, step_returned in zip(batches(3), returned):
             trainer.step(ids)
@@ -454,7 +455,7 @@ def test_a_store_of_the_crc32_format_is_refused_with_the_way_out_and_left_untouc
 
 
 @pytest.mark.parametrize("tc,refused", [(DISK, True), (DISK.replace(store="ram"), False),
-                                         (DISK.replace(compute_dtype="fp32"), False)])
+                                         (DISK.replace(dtype="fp32"), False)])
 def test_a_store_of_format_3_opens_unless_its_state_files_hold_a_compute_copy(tmp_path, tc, refused):
     """Format 3's disk tier kept a bf16 copy in its state files: that is refused, untouched; its stores without
     one have format 4's files and open as they are."""

@@ -33,6 +33,7 @@ import torch
 from layers.config import GPTJConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
+from streamer.store.layout import dtype_name
 from streamer.trainer import StreamingTrainer
 
 _DEPTHS = (1, 5)
@@ -68,7 +69,7 @@ def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, floa
     torch_state = torch.random.get_rng_state()
     try:
         with tempfile.TemporaryDirectory(prefix="calibrate-events-") as tmp, contextlib.ExitStack() as stack:
-            tc = TrainerConfig(compute_dtype=dtype, store="ram")
+            tc = TrainerConfig.of(dtype=dtype_name(dtype), store="ram")
             trainers = [stack.enter_context(StreamingTrainer(_tiny(n), tc, store_dir=Path(tmp) / str(n)))
                         for n in _DEPTHS]
             ids = torch.randint(0, _tiny(1).vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))

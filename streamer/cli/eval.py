@@ -57,8 +57,8 @@ def eval_command(args: argparse.Namespace) -> int:
         if seq > trainer.cfg.n_positions:
             raise RunError(f"--seq {seq} exceeds the model's context (n_positions={trainer.cfg.n_positions}); use "
                            f"--seq {trainer.cfg.n_positions} or less")
-        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.pack)
-        loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.grad_accum)
+        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack)
+        loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.trainer.step.grad_accum)
         step = trainer.step_count
     make_console().print(
         f"{args.data}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):,.2f} over {len(dataset)} sequences "

@@ -1,5 +1,5 @@
-"""Command-line flags generated from the run's settings (`RunConfig`'s fields): `train` takes them all, `plan`
-and `bench` the ones they share with it, so a shared flag has one name, type, choices and help everywhere.
+"""Command-line flags generated from the run's settings (RunConfig's tree, by flat name): `train` takes them all,
+`plan` and `bench` the ones they share with it, so a shared flag has one name, type, choices and help everywhere.
 
 A generated flag that is not given is absent from the parsed namespace (`argparse.SUPPRESS`): `given` then
 lists only what the user typed, and `streamer.run.resolve` lays it over the `--config` file and the defaults.
@@ -8,37 +8,40 @@ from __future__ import annotations
 
 import argparse
 import typing
-from dataclasses import MISSING, fields
 from typing import Any, Callable, Iterable, Mapping
 
-from memory_model.settings import Assignments, Choice, flag
-from streamer.run import DEMO_DEFAULTS, RunConfig
+from memory_model.settings import Assignments, Choice, flag, flat_fields
+from streamer.run import DEFAULTS, DEMO_DEFAULTS, FLAGS, RunConfig
 
 
 def add_run_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = None,
                   defaults: Mapping[str, Any] | None = None, help: Mapping[str, str] | None = None) -> None:
-    """One flag per RunConfig field (those named in `only`, in RunConfig's order), so the flags and run.toml's
+    """One flag per run setting (those named in `only`, in the order of FLAGS), so the flags and run.toml's
     keys cannot drift apart. `defaults`: a command's own default for a field, stored in the namespace (a
     command that does not resolve a RunConfig, such as bench); `help`: a command's own help text for one
     (a text that names its own "(default: ...)" is shown as it is)."""
     names = None if only is None else set(only)
     defaults, help = defaults or {}, help or {}
-    hints = typing.get_type_hints(RunConfig)
-    for f in fields(RunConfig):
-        if names is not None and f.name not in names:
+    leaves, values = flat_fields(RunConfig), DEFAULTS.flat()
+    for name in FLAGS:
+        if names is not None and name not in names:
             continue
-        types = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
-        own = f.name in defaults
-        default = defaults[f.name] if own else (f.default if f.default is not MISSING else None)
-        demo = f"; demo: {DEMO_DEFAULTS[f.name]}" if f.name in DEMO_DEFAULTS and not own else ""
-        text = help.get(f.name, f.metadata["help"])
+        path, f = leaves[name]
+        hint = _hint(path)
+        types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+        if isinstance(f.metadata["check"], Choice):
+            types = [str]  # (a store's placement is given by its tier)
+        own = name in defaults
+        default = defaults[name] if own else values[name]
+        demo = f"; demo: {DEMO_DEFAULTS[name]}" if name in DEMO_DEFAULTS and not own else ""
+        text = help.get(name, f.metadata["help"])
         shown = "" if "(default:" in text else f" (default: {default}{demo})"
         kwargs: dict[str, Any] = {"default": default if own else argparse.SUPPRESS}
         if isinstance(f.metadata["check"], Assignments):  # repeated: `--set a=1 --set b=2`
             kwargs.update(action="append", metavar=f.metadata["metavar"], help=text)
         elif types == [bool]:
             kwargs.update(action=argparse.BooleanOptionalAction, help=text + shown)
-        elif typing.get_origin(hints[f.name]) is tuple:
+        elif typing.get_origin(hint) is tuple:
             kwargs.update(nargs="+", action=_Numbers, metavar=("B1", "B2"),
                           help=text + shown.replace(str(default), ",".join(map(str, default))))
         else:
@@ -46,12 +49,20 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = 
                 kwargs.update(nargs="?", const=f.metadata["check"].bare)
             kwargs.update(type=types[0], metavar=f.metadata["metavar"] or {int: "N", float: "X"}[types[0]],
                           help=text + ("" if default is None else shown))
-        parser.add_argument(flag(f.name), **kwargs)
+        parser.add_argument(flag(name), **kwargs)
+
+
+def _hint(path: tuple[str, ...]) -> Any:
+    """The type a run setting is declared with, by its owner."""
+    owner = RunConfig
+    for name in path[:-1]:
+        owner = owner.__dataclass_fields__[name].metadata["branch"]
+    return typing.get_type_hints(owner)[path[-1]]
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The run settings given as flags (a generated flag not given is absent from `args`)."""
-    return {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
+    return {name: getattr(args, name) for name in FLAGS if hasattr(args, name)}
 
 
 class _Numbers(argparse.Action):

@@ -55,7 +55,7 @@ def generate_command(args: argparse.Namespace) -> int:
     console = make_console()
     with open_trainer(run, overrides) as trainer:
         # The run's recorded dtype (its store holds compute weights in it); say so where it is emulated.
-        dtype = resolve_compute_dtype(trainer.tc.device, dtype_name(trainer.tc.compute_dtype))
+        dtype = resolve_compute_dtype(trainer.tc.device.device, dtype_name(trainer.tc.compute_dtype))
         if dtype.emulated:
             console.print(dtype.reason, markup=False, highlight=False)
         begin = time.perf_counter()
@@ -63,7 +63,7 @@ def generate_command(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - begin
         console.print(args.prompt, style="dim", end="", markup=False, highlight=False)
         console.print(text, markup=False, highlight=False)
-        budget = trainer.tc.budget_bytes
+        budget = trainer.tc.device.budget_bytes()
         console.print(f"[dim]{len(tokenizer.encode(text))} tokens in {elapsed:.1f} s, every layer streamed per "
                       f"token; device peak {format_size(trainer.ledger.peak)} of "
                       f"{format_size(budget) if budget else 'no'} budget, model {trainer.cfg.num_params():,} params[/]")
@@ -74,10 +74,10 @@ def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None) -> Stream
     """The run's trainer at its last committed step, for reading (the folder may be read-only); `overrides`
     replace trainer settings (device, budget)."""
     cfg, overrides = run.read_config(), overrides or {}
-    device = str(overrides.get("device", cfg.device))
+    device = str(overrides.get("device", cfg.trainer.device.device))
     if device.startswith("cuda") and not torch.cuda.is_available():
         which = f"--device {device}" if "device" in overrides else f"{run.root} trained on {device}, and"
         raise RunError(f"{which} but torch sees no CUDA GPU here; pass --device cpu")
-    saved = replace(cfg, device=device).trainer_config().to_dict()
+    saved = cfg.replace(device=device).trainer.to_dict()
     return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **overrides}, read_only=True)
 

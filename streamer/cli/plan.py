@@ -17,7 +17,6 @@ from memory_model.devices import with_sets
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
-from streamer.config import TrainerConfig
 from streamer.console import make_console
 from streamer.errors import StreamerError
 from streamer.run import SettingError, read_toml, resolve
@@ -77,15 +76,15 @@ def plan_command(args: argparse.Namespace) -> int:
     cfg = resolve(explicit, args.config)
     if args.sweep:
         began = time.perf_counter()
-        table, png, points = sweep(cfg.model, cfg.activations, args.sweep)
+        table, png, points = sweep(cfg.model, cfg.trainer.step.activations, args.sweep)
         print(f"{points} points in {time.perf_counter() - began:.1f} s: {table}, {png}")
         return 0
     model_cfg = cfg.model_config()
-    choice = plan_dtype(args.target, cfg.dtype)
+    choice = plan_dtype(args.target, cfg.trainer.device.dtype)
     dtype = choice.dtype
-    device = with_sets(_device(args.target, model_cfg, dtype), cfg.set, SettingError)
+    device = with_sets(_device(args.target, model_cfg, dtype), cfg.trainer.device.set, SettingError)
     try:
-        step = replace(replace(cfg, dtype=dtype).plan_config(args.ranks), ranks_per_node=args.ranks_per_node)
+        step = replace(cfg.replace(dtype=dtype).plan_config(args.ranks), ranks_per_node=args.ranks_per_node)
         # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights).
         named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
         plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on)
@@ -97,10 +96,7 @@ def plan_command(args: argparse.Namespace) -> int:
     out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
            "compute_dtype_reason": choice.reason, "alternatives": [asdict(b) for b in others]}
     if args.dry_run:
-        tc = TrainerConfig(compute_dtype=dtype, activations=cfg.activations, grad_accum=cfg.grad_accum,
-                           prefetch=cfg.prefetch, update_on=plan_cfg.update_on, update_chunk=cfg.update_chunk,
-                           store=cfg.store, update_timing=cfg.update_timing,
-                           lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)
+        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.update_on, budget=None)  # the ledger's own peak
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)

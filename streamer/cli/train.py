@@ -11,7 +11,7 @@ import errno
 import os
 import shutil
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -75,8 +75,8 @@ def train_command(args: argparse.Namespace) -> int:
     try:
         with session.trainer:
             if session.lead:
-                session.reporters = Reporters(session.cfg.report_config(), session.run.root,
-                                              {f.name: getattr(session.cfg, f.name) for f in fields(RunConfig)},
+                session.reporters = Reporters(session.cfg.report, session.run.root,
+                                              session.cfg.flat(),
                                               session.trainer.step_count)
             console.print(f"run [bold]{session.run.root}[/]: {describe(session)}")
             trained, seconds = train(session, console)
@@ -108,12 +108,13 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     knows a set-up that was killed part-way for its own and starts it again.
     """
     cfg = resolve(explicit, config_file)
-    cfg.report_config().check_installed()
+    cfg.trainer.step.check_runnable()
+    cfg.report.check_installed()
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
-    cfg = replace(cfg, dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
-    cfg = replace(cfg, run_dir=cfg.run_dir or _default_run_dir(cfg))
+    cfg = cfg.replace(dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
+    cfg = cfg.replace(run_dir=cfg.run_dir or _default_run_dir(cfg))
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
@@ -126,7 +127,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     def first_files() -> tuple[Tokenizer, Dataset]:
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
-        dataset = _dataset(cfg.data_config(), tokenizer, cfg.seq)
+        dataset = _dataset(cfg.data, tokenizer, cfg.seq)
         _check_held_out(cfg, dataset, tokenizer, 1 if parallel is None else parallel.world)
         RunDir.create(run.root)
         try:
@@ -139,16 +140,16 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     with console.status("tokenizer and data"):
         made = _together(parallel, first_files, everyone=False)
     tokenizer = made[0] if lead else load_tokenizer(run.tokenizer)  # every process reads the lead's tokenizer
-    dataset = made[1] if lead else _dataset(cfg.data_config(), tokenizer, cfg.seq)
-    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg, tokenizer))  # config.toml records it
+    dataset = made[1] if lead else _dataset(cfg.data, tokenizer, cfg.seq)
+    cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))  # config.toml records it
     trainer = None
     try:
-        tc = cfg.trainer_config()
+        tc = cfg.trainer
         with console.status("importing the checkpoint" if cfg.from_pretrained else "initialising the store"):
             trainer = _together(parallel, lambda: (
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
-            if cfg.store == "ram":
+            if cfg.trainer.store.tier == "ram":
                 # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
                 # before its first --save-every save resumes from.
                 _together(parallel, trainer.save)
@@ -162,7 +163,8 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
             _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
     train_set, held_out = _split(cfg, dataset, tokenizer)
-    return Session(cfg, run, trainer, tokenizer, BatchStream(train_set, cfg.batch, cfg.seed), held_out, parallel)
+    stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
+    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
 
 
 def resume(path: str, explicit: dict, config_file: str | None, console: Console) -> Session | None:
@@ -172,8 +174,9 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
                        "(flags such as --steps still apply)")
     run = RunDir.open(path)
     saved = run.read_config()
-    cfg = replace(saved, **explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
-    fixed = [k for k in explicit if k not in RESUMABLE and getattr(cfg, k) != getattr(saved, k)]
+    cfg = saved.replace(**explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
+    now, before = cfg.flat(), saved.flat()
+    fixed = [k for k in explicit if k not in RESUMABLE and now[k] != before[k]]
     if fixed:
         flags = ", ".join(flag(k) for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
@@ -188,26 +191,28 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     saved = run.read_config()
     # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them
     # (the demo's warmup from --steps) does not count as a change.
-    same = resolve({**explicit, **{k: getattr(saved, k) for k in RESUMABLE}}, config_file).with_absolute_paths()
-    if same.dtype == "auto":  # the run recorded what auto chose when it started
-        same = replace(same, dtype=saved.dtype)
-    changed = [f"{flag(k)} {getattr(saved, k)} there, {getattr(same, k)} here" for k in
-               (f.name for f in fields(RunConfig)) if k not in RESUMABLE and getattr(same, k) != getattr(saved, k)]
+    before = saved.flat()
+    same = resolve({**explicit, **{k: before[k] for k in RESUMABLE}}, config_file).with_absolute_paths()
+    if same.trainer.device.dtype == "auto":  # the run recorded what auto chose when it started
+        same = same.replace(dtype=saved.trainer.device.dtype)
+    now = same.flat()
+    changed = [f"{flag(k)} {before[k]} there, {now[k]} here" for k in now if k not in RESUMABLE and now[k] != before[k]]
     if changed:
         raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
                        f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
     # As with --resume: the RESUMABLE settings this command names apply; the others stay the run's own (the
     # sample prompt derived from the data, say).
     named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
-    return _continue(run, replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k in named},
+    return _continue(run, saved.replace(**{k: cfg.flat()[k] for k in RESUMABLE if k in named},
                                   run_dir=os.path.abspath(run.root)), console, rerun=True)
 
 
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
-    cfg.report_config().check_installed()
+    cfg.report.check_installed()
     parallel = _join(cfg, console)
-    dtype = resolve_compute_dtype(cfg.device, cfg.dtype)  # the run's own dtype; say so where it is emulated
+    # The run's own dtype; say so where it is emulated.
+    dtype = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.device.dtype)
     if dtype.emulated:
         console.print(dtype.reason, markup=False, highlight=False)
     world = 1 if parallel is None else parallel.world
@@ -225,13 +230,13 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         console.print(f"{run.root} holds this run at step {done}: continuing it to step {cfg.steps}",
                       markup=False, highlight=False)
     tokenizer = load_tokenizer(run.tokenizer)
-    cfg = replace(cfg, sample_prompt=_sample_prompt(cfg, tokenizer))
-    dataset = _dataset(cfg.data_config(), tokenizer, cfg.seq)
-    trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer_config().to_dict()),
+    cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
+    dataset = _dataset(cfg.data, tokenizer, cfg.seq)
+    trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict()),
                         undo=StreamingTrainer.close)
     try:
         train_set, held_out = _split(cfg, dataset, tokenizer)
-        stream = BatchStream(train_set, cfg.batch, cfg.seed)
+        stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
         if "data" in trainer.extra_state:
             stream.load_state_dict(trainer.extra_state["data"])
         elif trainer.step_count:
@@ -249,23 +254,24 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
 
 def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
     """Under torchrun (WORLD_SIZE > 1): this process's place in the group; only rank 0 prints."""
-    parallel = DataParallel.from_environment(cfg.device, sharded=cfg.data_parallel == "sharded",
+    tc = cfg.trainer
+    parallel = DataParallel.from_environment(tc.device.device, sharded=tc.step.data_parallel == "sharded",
                                              timeout_s=cfg.dist_timeout)
     if parallel is None:
         return None
     console.quiet = parallel.rank != 0
     if cfg.run_dir is None:
         raise RunError("under torchrun every process must use the same run directory: pass --run-dir DIR")
-    if cfg.batch % (parallel.world * cfg.grad_accum):
+    if cfg.batch % (parallel.world * tc.step.grad_accum):
         raise RunError(f"--batch {cfg.batch} does not split over {parallel.world} processes x --grad-accum "
-                       f"{cfg.grad_accum}; use a multiple of {parallel.world * cfg.grad_accum}")
+                       f"{tc.step.grad_accum}; use a multiple of {parallel.world * tc.step.grad_accum}")
     return parallel
 
 
 def _compute_dtype(cfg: RunConfig, parallel: DataParallel | None, console: Console) -> str:
     """--dtype on this hardware (auto: bf16 where it is native and fast, else fp32), printed with its reason.
     Every process takes the lead's choice: their stores and gradient all-reduces must agree."""
-    choice = resolve_compute_dtype(cfg.device, cfg.dtype)
+    choice = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.device.dtype)
     console.print(choice.reason, markup=False, highlight=False)
     return choice.dtype if parallel is None else parallel.gather(choice.dtype)[0]
 
@@ -319,14 +325,14 @@ def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
 def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
     """The model to initialise: a model trained from scratch on a BPE trained here gets at least the MIN_VOCAB ids
     a byte-level BPE needs (gptj-debug's 256 embeddings cannot hold 256 bytes plus end-of-text)."""
-    if cfg.from_pretrained is None and cfg.tokenizer is None and model_cfg.vocab_size < MIN_VOCAB:
+    if cfg.from_pretrained is None and cfg.data.tokenizer is None and model_cfg.vocab_size < MIN_VOCAB:
         return replace(model_cfg, vocab_size=MIN_VOCAB)
     return model_cfg
 
 
 def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
     """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
-    data = cfg.data_config()
+    data = cfg.data
     source = data.tokenizer or cfg.from_pretrained
     if source is not None:
         tokenizer = load_tokenizer(source)
@@ -359,28 +365,28 @@ def _dataset(data: DataConfig, tokenizer: Tokenizer, seq: int) -> Dataset:
 
 def _split(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer) -> tuple[Dataset, Dataset | None]:
     """(train, held-out): all of --data and --eval-data when it is given, else --eval-fraction of --data."""
-    if cfg.eval_data is not None:
-        return dataset, load_dataset(cfg.eval_data, tokenizer, cfg.seq, pack=cfg.pack)
-    return dataset.split(cfg.eval_fraction, cfg.seed)
+    if cfg.data.eval_data is not None:
+        return dataset, load_dataset(cfg.data.eval_data, tokenizer, cfg.seq, pack=cfg.data.pack)
+    return dataset.split(cfg.data.eval_fraction, cfg.trainer.seed)
 
 
 def _check_held_out(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer, world: int) -> None:
     """Held-out data with fewer sequences than one evaluation batch needs is an error, not a run that silently
     never evaluates."""
-    if cfg.eval_fraction == 0 and cfg.eval_data is None:
+    if cfg.data.eval_fraction == 0 and cfg.data.eval_data is None:
         return
     _, held_out = _split(cfg, dataset, tokenizer)
-    needed = cfg.grad_accum * world  # an evaluation batch splits like a training batch
+    needed = cfg.trainer.step.grad_accum * world  # an evaluation batch splits like a training batch
     got = 0 if held_out is None else len(held_out)
-    if got < needed and cfg.eval_data is not None:
-        raise RunError(f"--eval-data {cfg.eval_data} holds {got} sequences of --seq {cfg.seq} tokens and an "
+    if got < needed and cfg.data.eval_data is not None:
+        raise RunError(f"--eval-data {cfg.data.eval_data} holds {got} sequences of --seq {cfg.seq} tokens and an "
                        f"evaluation needs {needed}; add held-out data or lower --seq")
     if got < needed:
         fix = (f"raise --eval-fraction to {min(0.5, needed / len(dataset)):.2g} or more, or pass"
                if len(dataset) > needed else "add data, lower --seq, or pass")
-        raise RunError(f"--eval-fraction {cfg.eval_fraction} holds out {got} of the data's {len(dataset)} sequences"
-                       f" of --seq {cfg.seq} tokens and an evaluation needs {needed}; {fix} --eval-fraction 0 to "
-                       "train without evaluation")
+        raise RunError(f"--eval-fraction {cfg.data.eval_fraction} holds out {got} of the data's {len(dataset)} "
+                       f"sequences of --seq {cfg.seq} tokens and an evaluation needs {needed}; {fix} "
+                       "--eval-fraction 0 to train without evaluation")
 
 
 def _sample_prompt(cfg: RunConfig, tokenizer: Tokenizer) -> str:
@@ -388,7 +394,7 @@ def _sample_prompt(cfg: RunConfig, tokenizer: Tokenizer) -> str:
     document's first words): the demo's prompt fits only the demo."""
     if cfg.sample_prompt is not None:
         return cfg.sample_prompt
-    if cfg.data is None:
+    if cfg.data.data is None:
         return DEFAULT_PROMPT
-    first = next(iter(read_examples(cfg.data)), None)
+    first = next(iter(read_examples(cfg.data.data)), None)
     return "" if first is None else prompt_of(first, tokenizer)

@@ -63,16 +63,17 @@ class Session:
 
 def describe(s: Session) -> str:
     cfg, tc = s.cfg, s.trainer.tc
-    budget = format_size(tc.budget_bytes) if tc.budget_bytes else "no"
-    data = "Python's help topics (demo)" if cfg.data is None else cfg.data
+    budget_bytes = tc.device.budget_bytes()
+    budget = format_size(budget_bytes) if budget_bytes else "no"
+    data = "Python's help topics (demo)" if cfg.data.data is None else cfg.data.data
     model = cfg.from_pretrained or cfg.model
     adapters = s.trainer.adapters
-    lora = "" if adapters is None else (f"; LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {adapters.numel():,} "
+    lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {tc.lora.targets}: {adapters.numel():,} "
                                         "trainable params, the base frozen")
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens; batch {cfg.batch}"
-            f"{f' in {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}, {cfg.dtype}, "
-            f"{cfg.activations} activations, {cfg.store} store, {budget} budget{lora}")
+            f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, {tc.device.dtype}, "
+            f"{tc.step.activations} activations, {tc.store.tier} store, {budget} budget{lora}")
 
 
 def shell_word(text: str) -> str:
@@ -95,7 +96,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
     """Steps until --steps; returns (steps trained, seconds spent in them)."""
     cfg, trainer = s.cfg, s.trainer
     first = trainer.step_count
-    budget = trainer.tc.budget_bytes
+    budget = trainer.tc.device.budget_bytes()
     process = psutil.Process()
     seconds = 0.0
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
@@ -124,7 +125,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
             outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm}
             record = {"step": step, **outcome,
-                      "lr": trainer.tc.schedule.lr_at(step, trainer.tc.lr),
+                      "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
                       "device_peak_bytes": step_peak, "host_rss_bytes": rss}
             s.log(record)
@@ -145,7 +146,7 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
                               markup=False, highlight=False)
-            if cfg.store == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
+            if cfg.trainer.store.tier == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 evaluate(s, progress.console)
@@ -170,7 +171,7 @@ def evaluate(s: Session, console: Console) -> float | None:
         return None
     cfg, losses = s.cfg, []
     # The trainer splits a batch over the processes, then into grad_accum micro-batches.
-    split = cfg.grad_accum * (1 if s.parallel is None else s.parallel.world)
+    split = cfg.trainer.step.grad_accum * (1 if s.parallel is None else s.parallel.world)
     for i, (ids, labels, positions) in enumerate(s.held_out.batches(cfg.batch)):
         usable = ids.shape[0] - ids.shape[0] % split
         if i == cfg.eval_batches or usable == 0:
@@ -194,7 +195,8 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         last = trainer.step_count
         trace = trainer.trace
         trace.meta.update(model=cfg.from_pretrained or cfg.model, run=str(run.root), batch=cfg.batch, seq=cfg.seq,
-                          grad_accum=cfg.grad_accum, activations=cfg.activations, dtype=cfg.dtype, store=cfg.store,
+                          grad_accum=cfg.trainer.step.grad_accum, activations=cfg.trainer.step.activations,
+                          dtype=cfg.trainer.device.dtype, store=cfg.trainer.store.tier,
                           steps=[last - trained + 1, last])
         # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
         trace.to_json(run.trace_json)
@@ -214,7 +216,7 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
     prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
     new_tokens = min(cfg.sample_tokens, trainer.cfg.n_positions - len(prompt_ids))
     if new_tokens > 0:
-        sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.seed)
+        sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.trainer.seed)
         text = complete(trainer, s.tokenizer, cfg.sample_prompt, sampling)
     if not s.lead:
         return

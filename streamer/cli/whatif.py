@@ -48,15 +48,16 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
 
     run = RunDir.open(run_dir)
     cfg = run.read_config()
-    if cfg.device != "cpu":
+    if cfg.trainer.device.device != "cpu":
         raise StreamerError(f"--compare replays runs on the cpu device (the calibrated local target); {run_dir} "
-                            f"ran on {cfg.device}")
+                            f"ran on {cfg.trainer.device.device}")
     steps = [r for r in run.read_metrics() if "step_s" in r and not r.get("skipped")]
     if len(steps) < 2:
         raise StreamerError(f"{run_dir} has {len(steps)} timed step(s); --compare needs 2 or more (the first "
                             "pays for warm-up): train it longer with --steps")
     shape, processes = cfg.model_config(), run.processes()
-    device = with_sets(local_spec(Path("runs"), shape, cfg.dtype), (*cfg.set, *sets), SettingError)
+    device = with_sets(local_spec(Path("runs"), shape, cfg.trainer.device.dtype), (*cfg.trainer.device.set, *sets),
+                       SettingError)
     # The peak of the schedule a clipped fused step runs; the largest batch and seq that fit are not needed.
     predicted = plan(shape, device, peak_plan_config(shape, cfg, processes), limits=False)
     predicted_step = statistics.median(replayed_steps(shape, device, cfg, steps, processes)[1:])
@@ -82,13 +83,13 @@ def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps:
 
     pc = cfg.plan_config(processes)
     fused = plan(shape, device, pc, limits=False)
-    if not (pc.fused and cfg.max_grad_norm):
+    if not (pc.fused and cfg.trainer.optimizer.max_grad_norm):
         return [fused.step_time_s] * len(steps)
     after = plan(shape, device, replace(pc, update_timing="after-backward"), limits=False).step_time_s
     attempt = sum(row.forward_s for row in fused.rows)
     times, speculate = [], True
     for record in steps:
-        clipped = record.get("grad_norm", 0.0) > cfg.max_grad_norm
+        clipped = record.get("grad_norm", 0.0) > cfg.trainer.optimizer.max_grad_norm
         times.append((attempt + after if clipped else fused.step_time_s) if speculate else after)
         speculate = not clipped
     return times

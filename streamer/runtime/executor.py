@@ -22,32 +22,34 @@ from memory_model.schedule import (
     Event, Resource, StateChunk, Weights, adapter_charges, gathered_numel, gradient_charges, is_fused,
     loads_keeping_master, released_after, resident_sets, resource_charges, shard_numel, update_charges,
 )
-from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel
-from streamer.store.layout import UnitLayout
+from streamer.store.layout import Placement, UnitLayout
 from streamer.runtime.lora import Adapters
-from streamer.runtime.optim import adamw_chunk
+from streamer.runtime.optim import OptimizerConfig, adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.runtime.step import (ClippingNeeded, MicroBatch, PendingOffload, RunningStep, StepContext,
-                                   clip_coefficient)
+from streamer.runtime.step import (ClippingNeeded, MicroBatch, PendingOffload, RunningStep, StepConfig,
+                                   StepContext, clip_coefficient)
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
 class Executor:
-    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, store: StoreReader | None, ledger: Ledger,
-                 trace: Trace, layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
+    def __init__(self, cfg: GPTJConfig, step: StepConfig, optimizer: OptimizerConfig, device: torch.device,
+                 dtype: torch.dtype, placement: Placement, store: StoreReader | None, ledger: Ledger, trace: Trace,
+                 layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
                  adapters: Adapters | None = None, writer: StoreWriter | None = None) -> None:
-        """`store` is read by every run; `writer`, the same store where it takes writes, takes a training
-        step's gradients and updates (None: the store is only read, and only forward passes run)."""
-        self.cfg, self.tc, self.store, self.ledger, self.trace, self.layouts = cfg, tc, store, ledger, trace, layouts
-        self.writer = writer
-        self.device = torch.device(tc.device)
-        self.dtype = tc.compute_dtype
+        """Runs `cfg`'s units as `step` says, updating them as `optimizer` says, computing on `device` in `dtype`
+        from a store placed as `placement`. `store` is read by every run; `writer`, the same store where it takes
+        writes, takes a training step's gradients and updates (None: the store is only read, and only forward
+        passes run)."""
+        self.cfg, self.store, self.ledger, self.trace, self.layouts = cfg, store, ledger, trace, layouts
+        self.step_cfg, self.optimizer, self.placement, self.writer = step, optimizer, placement, writer
+        self.device, self.dtype = device, dtype
+        self.on_host = step.update_on == "host"  # the update runs where the store lives
         self.transport = Transport(store, self.device, self.dtype)
         inline_fold = (self.device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                        and data_parallel is None)
-        self.io = IOQueues(threaded=self.device.type != "meta" and tc.prefetch > 0, inline_fold=inline_fold)
+        self.io = IOQueues(threaded=self.device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
         self.shells = {kind: build_unit(cfg, name) for kind, name in
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.states = {u: UnitState(u) for u in layouts}
@@ -68,7 +70,7 @@ class Executor:
         self.data_parallel = data_parallel
         self.shards = 1 if data_parallel is None else data_parallel.shards  # the slices of each unit's state
         # Weights loads read the fp32 master and cast it (the schedule's `master_from_weights`), for the run.
-        self.loads_read_master = tc.store.loads_read_master(self.dtype == torch.float32)
+        self.loads_read_master = placement.loads_read_master(self.dtype == torch.float32)
         self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
         self._scratch: torch.Tensor | None = None
         self.current = RunningStep()
@@ -80,8 +82,8 @@ class Executor:
         self.current.training = any(e.phase == "backward" for e in events)
         if self.current.training:
             self.grad_sq_norms = {}
-        keeping_master = iter(loads_keeping_master(events, self.tc.prefetch))  # in the order loads are issued
-        for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.tc.prefetch))):
+        keeping_master = iter(loads_keeping_master(events, self.step_cfg.prefetch))  # in the order loads are issued
+        for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.step_cfg.prefetch))):
             for resource in resident:
                 if resource not in self._inflight:
                     self._issue(resource, ctx.step, keep_master=next(keeping_master))
@@ -108,14 +110,14 @@ class Executor:
         stored = self.stored_numel(resource.unit)
         on_device = gathered_numel(numel, self.shards)  # sharded: every rank's slice, all-gathered
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
-                   for c in resource_charges(resource, on_device, self.dtype.itemsize, self.tc.update_on)]
+                   for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
                 resource.unit, stored, self.loads_read_master, keep_master))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
-                resource.unit, resource.start, resource.count, on_host=self.tc.update_on == "host",
+                resource.unit, resource.start, resource.count, on_host=self.on_host,
                 with_grad=not self.current.fused, with_master=resource.master))
         self._inflight[resource] = (self.io.reads.submit(job), handles)
 
@@ -207,7 +209,7 @@ class Executor:
                 loss = self._call_unit(unit, x, micro, batch.labels, chunk, ctx.tokens)
             ctx.losses.append(loss.detach())  # this micro-batch's share of the step's token mean
             self.current.graphs[unit] = (x, loss)
-        elif self.tc.activations == "checkpoint":
+        elif self.step_cfg.activations == "checkpoint":
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():
                 self.current.graphs[unit] = (x, self._call_unit(unit, x, micro, *_packed(batch)))
@@ -229,7 +231,7 @@ class Executor:
             self.ledger.free(logits_grad)
         else:
             incoming, incoming_handle = self.current.flowing_grad
-            if unit.startswith("block") and self.tc.activations == "checkpoint":
+            if unit.startswith("block") and self.step_cfg.activations == "checkpoint":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
                     # recompute: the only second forward, by policy
                     y = self._call_unit(unit, x, micro, *_packed(ctx.micro_batches[micro]))
@@ -242,9 +244,9 @@ class Executor:
             grad = x.grad
             self.current.flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
                                                              "gradient w.r.t. the unit's input"))
-        if unit == self.units[0] or (self.current.fused and micro == self.tc.grad_accum - 1):
+        if unit == self.units[0] or (self.current.fused and micro == self.step_cfg.grad_accum - 1):
             self._finish_pending_offload()  # the update (or the next micro-batch) needs the gradient home
-        if unit == self.units[0] and micro == self.tc.grad_accum - 1 and self.shards > 1:
+        if unit == self.units[0] and micro == self.step_cfg.grad_accum - 1 and self.shards > 1:
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...]) -> None:
@@ -259,7 +261,7 @@ class Executor:
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
                    for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
                                              self.shards > 1)]
-        first, last = micro == 0, micro == self.tc.grad_accum - 1
+        first, last = micro == 0, micro == self.step_cfg.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step, persist = self.current.step, not (self.current.fused and last)
         job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
@@ -299,16 +301,16 @@ class Executor:
         if self.current.fused:
             tensors = self._fused_inputs(chunk, tensors, ctx)
         elif ctx.clip_coef is None:
-            ctx.clip_coef = clip_coefficient(self.grad_sq_norms, self.tc.max_grad_norm, ctx.step)
+            ctx.clip_coef = clip_coefficient(self.grad_sq_norms, self.optimizer.max_grad_norm, ctx.step)
             if ctx.on_first_update is not None:
                 ctx.on_first_update(ctx)
         if not chunk.master:  # the master the unit's weights load kept, updated in place
             tensors = {**tensors, "master": self.transport.host_chunk(
-                self.current.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.tc.update_on == "host")}
+                self.current.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.on_host)}
         layout = self.layouts[chunk.unit]
         # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
         start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
-        adamw_chunk(tensors, start, layout.decay_numel, self.tc.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
+        adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
         if self.current.fused:
             grad = tensors.pop("grad")
             if grad.device.type != "cpu":
@@ -316,12 +318,12 @@ class Executor:
         new_compute, handles = None, []
         if self.store_keeps_compute():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
-                                                        on_host=self.tc.update_on == "host")
+                                                        on_host=self.on_host)
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
-                       for c in update_charges(chunk, self.dtype.itemsize, self.tc.update_on)]
+                       for c in update_charges(chunk, self.dtype.itemsize, self.step_cfg.update_on)]
             new_compute.copy_(tensors["master"])
         job = lambda: self._write_back(chunk, tensors, new_compute, ctx.step)
-        self.current.wait_for_writes(self.tc.prefetch)
+        self.current.wait_for_writes(self.step_cfg.prefetch)
         self.current.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)
@@ -335,17 +337,17 @@ class Executor:
         1 for the step, and the step is made again after the backward (`ClippingNeeded`). A non-finite
         gradient stops the step here, before this unit's update, as it would before the separate update.
         """
-        if chunk.start == 0 and clip_coefficient(self.grad_sq_norms, self.tc.max_grad_norm, ctx.step) != 1.0:
+        if chunk.start == 0 and clip_coefficient(self.grad_sq_norms, self.optimizer.max_grad_norm, ctx.step) != 1.0:
             raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
         total = self.current.final_grads[chunk.unit]
         if chunk.last:
             del self.current.final_grads[chunk.unit]
-        grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.tc.update_on == "host")
+        grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
         return {**tensors, "grad": grad}
 
     def store_keeps_compute(self) -> bool:
         """An update writes new compute-dtype weights: the store has a compute copy (in RAM), not fp32."""
-        return self.dtype != torch.float32 and self.tc.store.compute == "ram"
+        return self.dtype != torch.float32 and self.placement.compute == "ram"
 
     def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
                     new_compute: torch.Tensor | None, step: int) -> None:

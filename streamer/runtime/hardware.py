@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS
-from memory_model.devices import FIGURE_SETS, budget_bytes
+from memory_model.devices import FIGURE_SETS, Budget, DeviceSpec, budget_bytes
 from memory_model.settings import Choice, SettingError, Text, check_settings, setting, shown
 from streamer.errors import StreamerError
 from streamer.store.spec import PIN_MODES
@@ -144,14 +144,16 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
 class DeviceConfig:
     """Where a run computes: the torch device, its compute dtype, its memory budget and the host memory pinned
     for it (each a `streamer train` flag). Wrong values raise memory_model's SettingError, which the run reports
-    as its own."""
+    as its own. The device may be `meta` (a dry run); `streamer train` refuses it."""
 
     dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
                                  "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
                                  "weights and Adam state are fp32)", Choice(DTYPE_CHOICES), "DTYPE")
     device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
-    budget: str | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device preset "
-                                       "(%s); default: unlimited" % ", ".join(DEVICE_PRESETS), Text(), "SIZE")
+    # The Python API also takes bytes or a DeviceSpec.
+    budget: str | int | DeviceSpec | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device "
+                                                          "preset (%s); default: unlimited" % ", ".join(DEVICE_PRESETS),
+                                                    Budget(), "SIZE")
     set: tuple[str, ...] = setting((), "replace one figure of the run's simulated device (repeatable; `streamer "
                                        "devices` lists the fields): the --budget preset's, and the calibrated local "
                                        "device's that `streamer plan --compare` replays the run on",
@@ -161,7 +163,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        check_device(self.device, self.budget, sets=self.set)
+        check_device(self.device, self.budget, sets=self.set, meta=True)
 
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError, self.set)
@@ -170,8 +172,8 @@ class DeviceConfig:
 def check_device(device: Any, budget: Any, error: Callable[[str, str], Exception] = SettingError,
                  meta: bool = False, sets: Sequence[str] = ()) -> None:
     """The one check of where a run computes, for the run's settings and the trainer API: a torch device
-    (`meta` too where a dry run may ask for it) and a budget that `budget_bytes` reads."""
+    (`meta` too where a dry run may ask for it, unsaid as users do not) and a budget that `budget_bytes` reads."""
     kinds = ("cpu", "cuda", "meta") if meta else ("cpu", "cuda")
     if not isinstance(device, str) or device.split(":")[0] not in kinds:
-        raise error("device", f"must be {', '.join(kinds)} or cuda:N, got {shown(device)}")
+        raise error("device", f"must be cpu, cuda or cuda:N, got {shown(device)}")
     budget_bytes(budget, error, sets)

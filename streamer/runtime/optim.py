@@ -1,5 +1,5 @@
-"""The optimizer's settings (`OptimizerConfig`) and the AdamW update of one chunk of a unit's flat state, with
-torch's own Adam kernels."""
+"""The optimizer's settings (`OptimizerConfig`), its learning-rate schedule (`LRSchedule`) and the AdamW update
+of one chunk of a unit's flat state, with torch's own Adam kernels."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 from torch.optim.adam import adam
 
 from memory_model.shapes import PlanConfig
-from memory_model.settings import Choice, Number, Pair, check_settings, same_setting, setting
+from memory_model.settings import Choice, Integer, Number, Pair, check_settings, same_setting, setting
 from streamer.errors import ConfigError
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -24,9 +24,7 @@ class OptimizerConfig:
                                          Pair(Number(0.0, 1.0, high_open=True)))
     eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", Number(0.0, low_open=True))
     weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", Number(0.0))
-    # None: no clipping. `streamer train --max-grad-norm` says 0 instead (a flag cannot be None), so the run
-    # declares its own flag and passes `or None`.
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float = setting(1.0, "clip gradients to this global norm (0: no clipping)", Number(0.0))
     moment_dtype: str = same_setting(PlanConfig, "moment_dtype")  # the planner prices the store's moments too
     nonfinite: str = setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
                                      "(nothing is updated; the next batch follows)", Choice(NONFINITE_POLICIES),
@@ -34,9 +32,52 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, ConfigError.of)
-        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool) or not isinstance(
-                self.max_grad_norm, (int, float)) or not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm)):
-            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
+
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """constant, or linear warmup then cosine / linear decay to min_lr_ratio * lr at total_steps."""
+
+    kind: str = setting("constant", "learning-rate schedule after warmup: constant, cosine or linear",
+                        Choice(SCHEDULES), "KIND")
+    warmup_steps: int = setting(0, "linear warmup steps", Integer(0))
+    total_steps: int | None = setting(None, "the step the decay ends at", Integer(0))
+    min_lr_ratio: float = setting(0.0, "the cosine/linear schedule ends at this fraction of --lr", Number(0.0, 1.0))
+
+    def __post_init__(self) -> None:
+        check_settings(self, ConfigError.of)
+        if self.kind != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ConfigError(f"a {self.kind} schedule needs total_steps > warmup_steps ({self.warmup_steps})")
+
+    def lr_at(self, step: int, base_lr: float) -> float:
+        """Learning rate of optimizer step `step` (1-based, as torch counts Adam steps).
+
+        Identical to Hugging Face's schedulers (transformers.get_constant_schedule_with_warmup,
+        get_linear_schedule_with_warmup, get_cosine_schedule_with_warmup and, with min_lr_ratio,
+        get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=...)), whose lambda at scheduler index step - 1
+        sets the lr of optimizer step `step`: so step 1 of a warmup trains at lr 0. The same float operations in
+        the same order make the values bit-equal. HF has no linear schedule with a floor: ours scales the linear
+        factor as its cosine does, factor * (1 - min_lr_ratio) + min_lr_ratio, so min_lr_ratio 0 is HF's
+        linear exactly (and any ratio is get_polynomial_decay_schedule_with_warmup(power=1, lr_end=ratio * lr)
+        up to rounding). Past total_steps the decay stays at its end value.
+        """
+        current = step - 1
+        if current < self.warmup_steps:
+            return base_lr * (float(current) / float(max(1, self.warmup_steps)))
+        if self.kind == "constant":
+            return base_lr * 1.0
+        assert self.total_steps is not None
+        current = min(current, self.total_steps)
+        decay_steps = float(max(1, self.total_steps - self.warmup_steps))
+        if self.kind == "cosine":
+            progress = float(current - self.warmup_steps) / decay_steps
+            factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+        else:
+            factor = max(0.0, float(self.total_steps - current) / decay_steps)
+        return base_lr * max(0, factor * (1 - self.min_lr_ratio) + self.min_lr_ratio)
 
 
 def adamw_chunk(state: dict[str, torch.Tensor], start: int, decay_end: int, tc: OptimizerConfig,

@@ -1,5 +1,6 @@
-"""What a training step carries between the executor's events: its micro-batches and settings
-(`StepContext`), the state one event hands to a later one (`RunningStep`), and how a step can fail."""
+"""How the runtime makes a step (`StepConfig`), what a training step carries between the executor's events: its
+micro-batches and settings (`StepContext`), the state one event hands to a later one (`RunningStep`), and how a
+step can fail."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -9,7 +10,9 @@ from typing import Callable
 
 import torch
 
-from streamer.errors import StreamerError
+from memory_model.settings import check_settings, same_setting
+from memory_model.shapes import PlanConfig
+from streamer.errors import ConfigError, StreamerError
 from streamer.store.interface import StateWriter
 
 
@@ -20,6 +23,30 @@ class NonFiniteError(StreamerError):
 class ClippingNeeded(Exception):
     """A fused update ran unclipped, but the gradient norm so far already makes the clip coefficient below 1:
     the step must be undone and made again with the update after the backward (which knows the coefficient)."""
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How the runtime makes a step: the settings of the planner's step (PlanConfig) that the trainer and the
+    executor read. The batch and its sequence length come with each step."""
+
+    grad_accum: int = same_setting(PlanConfig, "grad_accum")
+    activations: str = same_setting(PlanConfig, "activations")
+    update_on: str = same_setting(PlanConfig, "update_on")
+    prefetch: int = same_setting(PlanConfig, "prefetch")
+    update_chunk: int = same_setting(PlanConfig, "update_chunk")
+    update_timing: str = same_setting(PlanConfig, "update_timing")
+    data_parallel: str = same_setting(PlanConfig, "data_parallel")
+
+    def __post_init__(self) -> None:
+        check_settings(self, ConfigError.of)
+
+    def check_runnable(self) -> None:
+        """The runtime runs every step these settings describe but the overlapped update, which only the planner
+        prices (a run's settings may name it for `streamer plan`)."""
+        if self.update_timing == "overlapped":
+            raise ConfigError("--update-timing overlapped is planned only (`streamer plan`): the runtime clips by "
+                              "the global norm, known only after the backward; use auto, fused or after-backward")
 
 
 @dataclass
@@ -87,13 +114,14 @@ class RunningStep:
         self.writers.clear()
 
 
-def clip_coefficient(sq_norms: dict[str, float], max_grad_norm: float | None, step: int) -> float:
+def clip_coefficient(sq_norms: dict[str, float], max_grad_norm: float, step: int) -> float:
     """torch.nn.utils.clip_grad_norm_'s coefficient over every unit's gradient, from each unit's squared norm
-    (in backward order); a NonFiniteError names the first unit whose gradient is not finite."""
+    (in backward order; `max_grad_norm` 0: no clipping); a NonFiniteError names the first unit whose gradient is
+    not finite."""
     for unit, sq in sq_norms.items():
         if not math.isfinite(sq):
             raise NonFiniteError(f"non-finite gradient in {unit} at step {step} (the first unit its backward "
                                  "reached); nothing was committed — lower the lr or check the data")
-    if max_grad_norm is None:
+    if not max_grad_norm:
         return 1.0
     return min(1.0, max_grad_norm / (math.sqrt(sum(sq_norms.values())) + 1e-6))

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from layers import GPTJConfig, build_unit, unit_hf_key, weight_decayed
 from memory_model.schedule import loads_read_master
+from memory_model.settings import Choice
 from streamer.errors import StoreError
 
 TIERS = ("ram", "disk")
@@ -141,3 +142,21 @@ class Placement:
 
     def to_dict(self) -> dict[str, str]:
         return {"compute": self.compute, "state": self.state, "grad": self.grad}
+
+    @property
+    def tier(self) -> str | None:
+        """The one tier of a store placed whole in RAM or on disk (`--store`); None for a mixed placement."""
+        return self.compute if self.compute == self.state == self.grad else None
+
+
+class Placements(Choice):
+    """The check of a store's placement: a tier (`--store ram` or `disk`, taken as `Placement.of` it) or a
+    Placement."""
+
+    def __init__(self) -> None:
+        super().__init__(TIERS)
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, Placement):
+            return value
+        return Placement.of(value) if super().__call__(value) is not None else None
