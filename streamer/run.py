@@ -145,8 +145,8 @@ class RunConfig:
         """A short name for the default run directory."""
         if self.from_pretrained is not None:
             return Path(self.from_pretrained).name
-        if self.data is not None:
-            return Path(self.data).stem
+        if self.data.data is not None:
+            return Path(self.data.data).stem
         return "demo" if self.model == DEMO_MODEL else Path(self.model).stem
 
     # --- TOML -----------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ before writing anything when the host cannot hold its store."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import os
 import random
 import resource
@@ -404,9 +403,9 @@ def test_what_would_fit_names_the_change(tmp_path):
     assert shortfall(cfg, model_cfg, 64 * gib, 64 * gib, tmp_path) is None
     ram_short = shortfall(cfg, model_cfg, 8 * gib, 64 * gib, tmp_path)
     assert "of RAM (--store ram; 8.00 GiB available)" in ram_short and "what would fit: --store disk" in ram_short
-    disk_short = shortfall(replace(cfg, store="disk"), model_cfg, 64 * gib, 24 * gib, tmp_path)  # fused 38 GiB; 22
+    disk_short = shortfall(cfg.replace(store="disk"), model_cfg, 64 * gib, 24 * gib, tmp_path)  # fused 38 GiB; 22
     assert f"of disk in {tmp_path}" in disk_short and "what would fit: --update-timing after-backward" in disk_short
-    journaled = replace(cfg, store="disk", update_timing="after-backward")
+    journaled = cfg.replace(store="disk", update_timing="after-backward")
     disk_short = shortfall(journaled, model_cfg, 64 * gib, 18 * gib, tmp_path)  # 22 GiB; 16 with bf16 moments
     assert "what would fit: --moment-dtype bf16" in disk_short
     assert "a --run-dir on a filesystem with more free space" in disk_short
@@ -420,16 +419,16 @@ def test_auto_runs_the_update_after_the_backward_where_a_fused_steps_second_gene
     from streamer.run import RunError
     cfg = resolve({"model": "gptj-1.3b", "store": "disk", "moment_dtype": "bf16", "run_dir": str(tmp_path / "r")})
     model_cfg = cfg.model_config()
-    spec = cfg.trainer_config().store_spec(model_cfg)
+    spec = cfg.trainer.store_spec(model_cfg)
     fused_disk, journaled_disk = spec.host_bytes()[1], spec.host_bytes(every_unit_twice=False)[1]
     state = spec.state_bytes(model_cfg.unit_params("block.0"))
     assert fused_disk - journaled_disk > 20 * state  # the second generation of every unit, not of one
     ram, between = 64 * 2**30, (fused_disk + journaled_disk) // 2
     assert fit_host_resources(cfg, model_cfg, ram, 2 * fused_disk, tmp_path) == (cfg, None)
     fitted, said = fit_host_resources(cfg, model_cfg, ram, between, tmp_path)
-    assert fitted == replace(cfg, update_timing="after-backward")
+    assert fitted == cfg.replace(update_timing="after-backward")
     assert said.startswith("--update-timing auto: a fused step keeps every unit's previous state") and "after the backward" in said
-    explicit = replace(cfg, update_timing="fused")
+    explicit = cfg.replace(update_timing="fused")
     message = shortfall(explicit, model_cfg, ram, between, tmp_path)
     assert "every unit's state twice while a step commits" in message
     assert "what would fit: --update-timing after-backward" in message

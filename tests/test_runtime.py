@@ -179,10 +179,10 @@ def test_an_update_waits_for_the_disk_once_prefetch_write_backs_are_unfinished()
     """Each unfinished write-back holds its chunk's new state in RAM: updates that outrun the disk wait."""
     import concurrent.futures as cf
     import threading
-    from streamer.runtime.step import RunningStep
+    from streamer.runtime.step import StepContext
     disk = threading.Event()
     with cf.ThreadPoolExecutor(1) as writes:
-        step = RunningStep()
+        step = StepContext([], 1, 0.0)
         step.write_backs = [writes.submit(disk.wait) for _ in range(3)]
         update = threading.Thread(target=step.wait_for_writes, args=(2,))
         update.start()

@@ -142,6 +142,7 @@ def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
     assert {k: flat[k] for k in given if k != "store"} == {k: v for k, v in given.items() if k != "store"}
     assert cfg.flat()["store"] == "ram" and list(cfg.flat()) == list(FLAGS)
     assert RunConfig.of(cfg.flat()) == cfg and cfg.replace(steps=12).trainer.schedule.total_steps == 12
+    assert cfg.name() == "gptj-debug" and RunConfig.of({"data": "/d/reports.jsonl"}).name() == "reports"
     with pytest.raises(ValueError, match="resolve --dtype auto"):
         RunConfig().plan_config()
 

@@ -28,8 +28,7 @@ from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import OptimizerConfig, adamw_chunk
 from streamer.runtime.residency import Residency, SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.runtime.step import (ClippingNeeded, MicroBatch, PendingOffload, RunningStep, StepConfig,
-                                   StepContext, clip_coefficient)
+from streamer.runtime.step import ClippingNeeded, MicroBatch, PendingOffload, StepConfig, StepContext, clip_coefficient
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
@@ -73,13 +72,13 @@ class Executor:
         self.loads_read_master = placement.loads_read_master(self.dtype == torch.float32)
         self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
         self._scratch: torch.Tensor | None = None
-        self.current = RunningStep()
+        self.current = StepContext([], 0, 0.0)  # the step running, or the last one (none yet)
 
     # --- the pipeline ----------------------------------------------------------------------------
     def run(self, events: list[Event], ctx: StepContext) -> None:
-        self.current.step = ctx.step
-        self.current.fused = is_fused(events)
-        self.current.training = any(e.phase == "backward" for e in events)
+        self.current = ctx
+        ctx.fused = is_fused(events)
+        ctx.training = any(e.phase == "backward" for e in events)
         if self.current.training:
             self.grad_sq_norms = {}
         keeping_master = iter(loads_keeping_master(events, self.step_cfg.prefetch))  # in the order loads are issued

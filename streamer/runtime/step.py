@@ -1,6 +1,5 @@
-"""How the runtime makes a step (`StepConfig`), what a training step carries between the executor's events: its
-micro-batches and settings (`StepContext`), the state one event hands to a later one (`RunningStep`), and how a
-step can fail."""
+"""How the runtime makes a step (`StepConfig`), what a step carries between the executor's events (`StepContext`:
+its micro-batches and lr, and the state one event hands to a later one), and how a step can fail."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -57,8 +56,17 @@ class MicroBatch:
 
 
 @dataclass
+class PendingOffload:
+    unit: str
+    last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
+    future: cf.Future[tuple[float, torch.Tensor | None]]  # (squared norm, accumulated gradient) when last
+    handles: list[int]  # the ledger charges of the gradient on the device
+
+
+@dataclass
 class StepContext:
-    """What one step's events share: its micro-batches, graphs, gradient norms and update settings."""
+    """One step (or forward pass) as its events share it: what its caller gives (micro-batches, lr, tokens),
+    what it yields (losses, clip coefficient, mean loss), and what one event hands on to a later one."""
 
     micro_batches: list[MicroBatch]
     step: int  # the optimizer step being made (1-based)
@@ -73,22 +81,8 @@ class StepContext:
     on_first_update: Callable[["StepContext"], None] | None = None
     # For "infer" events: called with (unit, run) where run(*args) calls the unit with its streamed weights.
     infer: Callable[[str, Callable[..., torch.Tensor]], None] | None = None
-
-
-@dataclass
-class PendingOffload:
-    unit: str
-    last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
-    future: cf.Future[tuple[float, torch.Tensor | None]]  # (squared norm, accumulated gradient) when last
-    handles: list[int]  # the ledger charges of the gradient on the device
-
-
-@dataclass
-class RunningStep:
-    """What the running step's events hand on to later ones."""
-
-    step: int = 0  # the optimizer step being made
-    fused: bool = False  # its update is fused into its backward
+    # What the executor hands from one event to a later one:
+    fused: bool = False  # the update is fused into the backward
     training: bool = False  # dropout on (a training step) or off (evaluation, generation)
     graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # (input, output)
     flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
