@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
 from memory_model.settings import Integer, Number, SettingError, Text, check_settings, setting, shown
 
 # A block's projections that can carry adapters, by the names Hugging Face and PEFT give them.
@@ -51,13 +51,13 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def target_shape(shape: GPTJConfig, target: str) -> tuple[int, int]:
+def target_shape(shape: ModelConfig, target: str) -> tuple[int, int]:
     """(in_features, out_features) of a block projection."""
-    d, f = shape.n_embd, shape.inner_dim
+    d, f = shape.hidden_size, shape.intermediate_size
     return {"fc_in": (d, f), "fc_out": (f, d)}.get(target, (d, d))
 
 
-def adapter_params(shape: GPTJConfig, lora: LoraConfig) -> int:
+def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
     """Parameters of every adapter of the model: r x (in + out) per target and block."""
     per_block = sum(lora.rank * sum(target_shape(shape, t)) for t in lora.target_names)
-    return shape.n_layer * per_block if lora.enabled else 0
+    return shape.num_hidden_layers * per_block if lora.enabled else 0

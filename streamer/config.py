@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import DeviceSpec, PlanConfig
 from memory_model.shapes import fused_update
 from memory_model.devices import budget_bytes
@@ -153,7 +153,7 @@ class TrainerConfig:
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, ConfigError.of)
 
-    def store_spec(self, model: GPTJConfig, processes: int = 1) -> StoreSpec:
+    def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`
         data-parallel processes (with the state sharded, each holds its slice)."""
         shards = processes if self.data_parallel == "sharded" else 1

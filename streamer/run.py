@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from layers import PRESETS, ConfigError, GPTJConfig
+from layers import PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.devices import budget_bytes
 from memory_model.lora import LoraConfig
@@ -54,7 +54,7 @@ class Settings:
     (`step`), the optimizer, the learning-rate schedule, the device, the data and the store are given.
     `RunConfig.tree()` builds it; RunConfig itself stays flat because the flags and TOML keys are."""
 
-    model: GPTJConfig
+    model: ModelConfig
     step: PlanConfig
     optimizer: OptimizerConfig
     schedule: LRSchedule
@@ -151,7 +151,7 @@ class RunConfig:
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
         try:
-            GPTJConfig.named(self.model)
+            ModelConfig.named(self.model)
         except ConfigError as exc:
             raise SettingError("model", str(exc)) from None
 
@@ -159,7 +159,7 @@ class RunConfig:
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError, self.set)
 
-    def tree(self, model: GPTJConfig | None = None, devices: int = 1) -> Settings:
+    def tree(self, model: ModelConfig | None = None, devices: int = 1) -> Settings:
         """These settings as their owners' configs, for `model` (default: `model_config()`; train passes the
         shape its vocabulary was fitted to) on `devices` data-parallel devices. --dtype must be resolved
         first (`replace(cfg, dtype=...)`): the step and the store are laid out in a real dtype."""
@@ -176,11 +176,11 @@ class RunConfig:
     def lora_config(self) -> LoraConfig:
         return LoraConfig(**owned(self, LoraConfig))
 
-    def model_config(self) -> GPTJConfig:
+    def model_config(self) -> ModelConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
-            return GPTJConfig.from_hf(self.from_pretrained)
-        return GPTJConfig.named(self.model)
+            return ModelConfig.from_hf(self.from_pretrained)
+        return ModelConfig.named(self.model)
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices."""
@@ -272,7 +272,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         values = {**(DEMO_DEFAULTS if demo else {}), **given}
         model = values.get("model")
         if "seq" not in given and isinstance(model, str) and model in PRESETS:  # the default fits every preset
-            values["seq"] = min(RunConfig.seq, PRESETS[model].n_positions)
+            values["seq"] = min(RunConfig.seq, PRESETS[model].context()[0])
         steps = values.get("steps", RunConfig.steps)
         if demo and "warmup" not in given and type(steps) is int:  # a short demo (`--steps 3`) still decays
             values["warmup"] = min(DEMO_DEFAULTS["warmup"], steps // 10)

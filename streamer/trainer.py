@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from layers import GPTJConfig, build_unit, check_state_dict, init_weights, learned_tokens
+from layers import ModelConfig, build_unit, check_state_dict, init_weights, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
@@ -29,7 +29,7 @@ from streamer.store.interface import StoreReader, StoreWriter
 class StreamingTrainer:
     """Full AdamW fine-tuning with one unit's weights, gradients and Adam state on the device at a time."""
 
-    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
+    def __init__(self, cfg: ModelConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
                  *, _store: StoreReader | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         self.units = cfg.unit_names()
@@ -57,7 +57,7 @@ class StreamingTrainer:
         self.layouts = {lay.name: lay for lay in layouts}
         self.ledger = Ledger(self.tc.budget_bytes, self.tc.device,
                              hint_context={"activations": self.tc.activations, "grad_accum": self.tc.grad_accum})
-        self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
+        self.trace = Trace(self.ledger, meta={"model": cfg.describe(), "params": cfg.num_params(),
                                               "baseline_bytes": BASELINE_BYTES_PER_PARAM * cfg.num_params(),
                                               "budget": self.tc.budget_bytes, "device": self.tc.device})
         self.adapters = None
@@ -191,9 +191,10 @@ class StreamingTrainer:
             raise StreamerError(f"input_ids must be (batch, seq) and labels and positions the same shape; got "
                                 f"{tuple(input_ids.shape)}, {tuple(labels.shape)} and "
                                 f"{None if positions is None else tuple(positions.shape)}")
-        if input_ids.shape[1] > self.cfg.n_positions:
+        context, why = self.cfg.context()
+        if input_ids.shape[1] > context:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
-                                f"n_positions={self.cfg.n_positions}; use --seq <= {self.cfg.n_positions}")
+                                f"{why}; use --seq <= {context}")
         if positions is not None and not positions.is_meta and not (
                 (positions >= 0).all() and (positions < input_ids.shape[1]).all()):
             raise StreamerError(f"positions must lie in [0, {input_ids.shape[1]}) (the sequence length)")

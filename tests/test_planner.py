@@ -467,14 +467,14 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     assert h100[0] < h100[1] < h100[2]
 
 def test_the_planner_runs_without_torch() -> None:
-    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config) import no torch."""
+    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config and the family configs) import no torch."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from layers.config import GPTJConfig\n"
+            "from layers import GPTJConfig\n"
             "from memory_model import PlanConfig, device_spec, plan\n"
             "p = plan(GPTJConfig.preset('gptj-debug'), device_spec('cs2'), PlanConfig(batch=1, seq=16))\n"
             "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config']"
+    assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config', 'layers.gptj', 'layers.llama']"
 
 
 @pytest.mark.parametrize("store,timing", [("ram", "overlapped"), ("disk", "fused")])

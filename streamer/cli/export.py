@@ -90,7 +90,6 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
     adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight')."""
     from safetensors.torch import save_file
 
-    from layers import unit_prefix
     if trainer.adapters is None:
         raise RunError("this run trained every weight (no --lora-rank): export it without --format peft")
     out = Path(out_dir)
@@ -104,7 +103,7 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "use_rslora": False, "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = trainer.adapters.hf_state_dict({unit: unit_prefix(unit) for unit in trainer.units})
+    tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units})
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 

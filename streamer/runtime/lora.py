@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from layers.lora import init_adapters
 from memory_model.lora import LoraConfig, target_shape
 from streamer.errors import StoreError
@@ -30,11 +30,11 @@ def target_key(target: str) -> str:
 
 
 class Adapters:
-    def __init__(self, cfg: GPTJConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
                  seed: int) -> None:
         self.cfg, self.lora, self.device, self.seed = cfg, lora, device, seed
         self.params: dict[str, dict[str, torch.Tensor]] = {}  # unit -> key in the unit -> fp32 leaf
-        for i in range(cfg.n_layer):
+        for i in range(cfg.num_hidden_layers):
             unit, tensors = f"block.{i}", {}
             torch.manual_seed(seed * 1_000_003 + 500_009 + i)  # per block, as the base is initialised per unit
             for target in lora.target_names:
