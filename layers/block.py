@@ -1,5 +1,6 @@
 """What every family's units share: scaled-dot-product attention over a sequence, packed rows or a KV cache
-(grouped-query heads included), the KV cache itself, RMSNorm, and HF's initialisation."""
+(grouped-query heads included), the KV cache itself, RMSNorm, the head's logits or loss, and HF's
+initialisation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.config import ModelConfig
+from layers.loss import chunked_lm_loss
 
 
 @dataclass
@@ -70,6 +72,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0
         mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(1, 2).reshape(B, T, -1)
+
+
+def language_model_output(x: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor | None, vocab_chunk: int,
+                          num_items: float | None) -> torch.Tensor:
+    """A head's output from its final norm's output x: float32 logits (B, T, vocab); given labels (B, T), the
+    loss instead, its logits `vocab_chunk` vocabulary rows at a time (layers.loss.chunked_lm_loss) so that
+    neither they nor their gradient exist whole; summed and divided by `num_items` where given (the step's
+    learned tokens), else a mean."""
+    if labels is None:
+        return lm_head(x).float()
+    return chunked_lm_loss(x, lm_head.weight, lm_head.bias, labels, vocab_chunk or lm_head.out_features, num_items)
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ asks which family it holds:
   `head_dim`, `intermediate_size`, `max_position_embeddings`, `rotary_dim` (the rotated dims of a head);
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
-- the checkpoint key map: `hf_prefix(unit)` and `hf_key(unit, local_key)`;
+- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
 - `units`: the module of its torch units, and `ignored_checkpoint_suffixes` (imported only by layers.model, so this stays torch-free);
 - `to_hf()`, `from_hf_fields()`, `to_dict()`.
 
@@ -63,6 +63,11 @@ class ModelConfig:
     units: ClassVar[str]  # the module holding the family's nn.Modules (layers.model imports it)
     # Buffers that old checkpoints of the family carry and that hold no learned state.
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
+    # The checkpoint key map: HF's prefix of the model body ('transformer.'), of its list of blocks within it
+    # ('h'), and the head's final norm, which HF keeps in the body ('ln_f').
+    hf_body: ClassVar[str]
+    hf_blocks: ClassVar[str]
+    hf_final_norm: ClassVar[str]
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -83,14 +88,6 @@ class ModelConfig:
     def head_params(self) -> int:
         raise NotImplementedError
 
-    def hf_prefix(self, unit: str) -> str:
-        """The HF key prefix of a unit's tensors, e.g. 'block.3' -> 'model.layers.3.'."""
-        raise NotImplementedError
-
-    def hf_key(self, unit: str, local_key: str) -> str:
-        """A unit module's own key as the HF checkpoint names it."""
-        return self.hf_prefix(unit) + local_key
-
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers' class for this model_type reads."""
         raise NotImplementedError
@@ -100,11 +97,26 @@ class ModelConfig:
         """Build from a config.json's keys (model_type already removed)."""
         raise NotImplementedError
 
+    # --- the same for every family ---------------------------------------------------------------------
+    def hf_prefix(self, unit: str) -> str:
+        """The HF key prefix of a unit's tensors: 'embed' -> 'model.', 'block.3' -> 'model.layers.3.',
+        'head' -> '' (lm_head is outside the body)."""
+        if unit == "embed":
+            return self.hf_body
+        if unit == "head":
+            return ""
+        return f"{self.hf_body}{self.hf_blocks}.{unit.split('.', 1)[1]}."
+
+    def hf_key(self, unit: str, local_key: str) -> str:
+        """A unit module's own key as the HF checkpoint names it: ('head', 'norm.weight') -> 'model.norm.weight'."""
+        if unit == "head" and local_key.startswith(self.hf_final_norm + "."):
+            return self.hf_body + local_key
+        return self.hf_prefix(unit) + local_key
+
     def context(self) -> tuple[int, str]:
         """The longest sequence this model attends over, and the config field that sets it (for messages)."""
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
 
-    # --- the same for every family ---------------------------------------------------------------------
     def num_params(self) -> int:
         return self.embed_params() + self.num_hidden_layers * self.block_params() + self.head_params()
 

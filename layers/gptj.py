@@ -23,6 +23,9 @@ class GPTJConfig(ModelConfig):
     model_type: ClassVar[str] = "gptj"
     units: ClassVar[str] = "layers.gptj_units"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("attn.bias", "attn.masked_bias")
+    hf_body: ClassVar[str] = "transformer."
+    hf_blocks: ClassVar[str] = "h"
+    hf_final_norm: ClassVar[str] = "ln_f"
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -95,7 +98,7 @@ class GPTJConfig(ModelConfig):
     def context(self) -> tuple[int, str]:
         return self.n_positions, f"n_positions={self.n_positions}"
 
-    # --- parameters and keys ----------------------------------------------------------------------
+    # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         d, f = self.n_embd, self.intermediate_size
         return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
@@ -105,20 +108,6 @@ class GPTJConfig(ModelConfig):
 
     def head_params(self) -> int:
         return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
-
-    def hf_prefix(self, unit: str) -> str:
-        """'embed' -> 'transformer.', 'block.3' -> 'transformer.h.3.', 'head' -> ''."""
-        if unit == "embed":
-            return "transformer."
-        if unit == "head":
-            return ""
-        return f"transformer.h.{unit.split('.', 1)[1]}."
-
-    def hf_key(self, unit: str, local_key: str) -> str:
-        """('head', 'ln_f.weight') -> 'transformer.ln_f.weight': the final norm lives in HF's transformer."""
-        if unit == "head" and local_key.startswith("ln_f."):
-            return "transformer." + local_key
-        return self.hf_prefix(unit) + local_key
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

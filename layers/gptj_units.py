@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.block import KVCache, attend, init_weights
+from layers.block import KVCache, attend, init_weights, language_model_output
 from layers.gptj import GPTJConfig
-from layers.loss import chunked_lm_loss
 from layers.model import CausalLM
 from layers.rotary import apply_rotary, positions_sincos, rows_sincos
 
@@ -84,14 +83,8 @@ class GPTJHead(nn.Module):
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
                 num_items: float | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab); given labels (B, T), the loss instead, its logits `vocab_chunk` vocabulary
-        rows at a time (layers.loss.chunked_lm_loss) so that neither they nor their gradient exist whole;
-        summed and divided by `num_items` where given (the step's learned tokens), else a mean."""
-        x = self.ln_f(h)
-        if labels is None:
-            return self.lm_head(x).float()  # (B, T, vocab)
-        chunk = vocab_chunk or self.lm_head.out_features
-        return chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, chunk, num_items)
+        """Logits (B, T, vocab), or given labels the loss (layers.block.language_model_output)."""
+        return language_model_output(self.ln_f(h), self.lm_head, labels, vocab_chunk, num_items)
 
 
 class _Transformer(nn.Module):

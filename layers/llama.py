@@ -44,6 +44,9 @@ class LlamaConfig(ModelConfig):
     model_type: ClassVar[str] = "llama"
     units: ClassVar[str] = "layers.llama_units"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    hf_body: ClassVar[str] = "model."
+    hf_blocks: ClassVar[str] = "layers"
+    hf_final_norm: ClassVar[str] = "norm"
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
@@ -133,7 +136,7 @@ class LlamaConfig(ModelConfig):
                                          "is not supported")
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
 
-    # --- parameters and keys ----------------------------------------------------------------------
+    # --- parameters -------------------------------------------------------------------------------
     def embed_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
@@ -149,20 +152,6 @@ class LlamaConfig(ModelConfig):
 
     def head_params(self) -> int:
         return self.hidden_size + self.vocab_size * self.hidden_size  # norm, lm_head (no bias)
-
-    def hf_prefix(self, unit: str) -> str:
-        """'embed' -> 'model.', 'block.3' -> 'model.layers.3.', 'head' -> ''."""
-        if unit == "embed":
-            return "model."
-        if unit == "head":
-            return ""
-        return f"model.layers.{unit.split('.', 1)[1]}."
-
-    def hf_key(self, unit: str, local_key: str) -> str:
-        """('head', 'norm.weight') -> 'model.norm.weight': the final norm lives in HF's model."""
-        if unit == "head" and local_key.startswith("norm."):
-            return "model." + local_key
-        return self.hf_prefix(unit) + local_key
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.block import KVCache, RMSNorm, attend, init_weights
+from layers.block import KVCache, RMSNorm, attend, init_weights, language_model_output
 from layers.llama import LlamaConfig
-from layers.loss import chunked_lm_loss
 from layers.model import CausalLM
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 
@@ -101,12 +100,8 @@ class LlamaHead(nn.Module):
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
                 num_items: float | None = None) -> torch.Tensor:
-        """As GPTJHead.forward: logits, or the loss in vocabulary chunks (layers.loss.chunked_lm_loss)."""
-        x = self.norm(h)
-        if labels is None:
-            return self.lm_head(x).float()  # (B, T, vocab)
-        chunk = vocab_chunk or self.lm_head.out_features
-        return chunked_lm_loss(x, self.lm_head.weight, None, labels, chunk, num_items)
+        """Logits (B, T, vocab), or given labels the loss (layers.block.language_model_output)."""
+        return language_model_output(self.norm(h), self.lm_head, labels, vocab_chunk, num_items)
 
 
 class _Model(nn.Module):

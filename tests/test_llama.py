@@ -17,6 +17,7 @@ from streamer.generate import Sampling, generate
 from streamer.run_dir import RunDir
 from tests.conftest import randomize_
 from tests.test_cli import run_cli
+from tests.test_runtime import hf_reference
 
 _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32)
@@ -97,29 +98,6 @@ def test_logits_equal_transformers_within_its_fp32_noise(name):
     assert exact.abs().max() > 1.0  # logits of unit size: the comparison sees every part of the model
 
 
-def _hf_training(cfg: ModelConfig, state: dict, data: list[torch.Tensor], tc: TrainerConfig,
-                 dtype: torch.dtype, attn: str = "eager") -> tuple[dict, list[float]]:
-    """transformers' model + torch AdamW (decay / no-decay groups) + clip_grad_norm_, as tests/test_runtime.py's
-    GPT-J reference does it."""
-    hf = hf_model(cfg, dtype, attn)
-    hf.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-    hf.train()
-    params = list(hf.named_parameters())
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-         {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=tc.lr, betas=tc.betas, eps=tc.eps)
-    losses = []
-    for ids in data:
-        optimizer.zero_grad()
-        loss = hf(ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
-    return {k: v.double() for k, v in hf.state_dict().items()}, losses
-
-
 @pytest.mark.parametrize("name,store", [("llama-llama3-biases", "ram"), ("qwen2", "disk"), ("qwen3", "ram"),
                                         ("mistral", "disk")])
 def test_streamed_training_equals_transformers_and_adamw(tmp_path, name, store):
@@ -133,14 +111,15 @@ def test_streamed_training_equals_transformers_and_adamw(tmp_path, name, store):
         trainer.load_state_dict(start)
         losses = [trainer.step(ids, ids) for ids in data]
         state = {k: v.double() for k, v in trainer.state_dict().items()}
-    exact, exact_losses = _hf_training(cfg, start, data, tc, torch.float64)
+    steps = [(ids, ids) for ids in data]
+    exact, exact_losses = hf_reference(start, steps, tc, cfg)
     # k_proj's bias has an exact gradient of zero (it shifts all of a query's scores alike), so Adam turns
     # rounding noise into its update: it is held to lr per step instead.
     compared = [k for k in exact if not k.endswith("k_proj.bias")]
     assert all((state[k] - exact[k]).abs().max() <= 3 * tc.lr for k in exact)
     # transformers' own fp32 noise: its eager and sdpa kernels against the same steps in float64.
     noise = max(max((s[k].double() - exact[k]).abs().max().item() for k in compared)
-                for s, _ in (_hf_training(cfg, start, data, tc, torch.float32, attn) for attn in ("eager", "sdpa")))
+                for s, _ in (hf_reference(start, steps, tc, cfg, torch.float32, attn) for attn in ("eager", "sdpa")))
     error = max((state[k] - exact[k]).abs().max().item() for k in compared)
     assert error <= 2 * noise, (error, noise)
     assert losses == pytest.approx(exact_losses, abs=1e-5)
