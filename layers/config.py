@@ -9,7 +9,9 @@ asks which family it holds:
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
-- `units`: the module of its torch units, and `ignored_checkpoint_suffixes` (imported only by layers.model, so this stays torch-free);
+- `units`: the module of its torch units (imported only by layers.model, so this stays torch-free);
+- its byte and FLOP inputs for memory_model: what a block and the head save per token, a block's matmul
+  weights;
 - `to_hf()`, `from_hf_fields()`, `to_dict()`.
 
 `ModelConfig.from_hf` picks the family by config.json's `model_type`.
@@ -88,6 +90,25 @@ class ModelConfig:
     def head_params(self) -> int:
         raise NotImplementedError
 
+    def block_matmul_params(self) -> int:
+        """The weights of a block's matmuls: a forward's matmul FLOPs are 2 x tokens x this."""
+        raise NotImplementedError
+
+    def block_saved_per_token(self, es: int) -> int:
+        """Bytes a block's forward saves per token in a compute dtype of `es` bytes, measured against autograd
+        (tests/test_planner.py), besides what every family's attention saves alike (memory_model.shapes: the
+        logsumexp, a packed rows' mask, the rotary tables)."""
+        raise NotImplementedError
+
+    def head_saved_per_token(self, es: int) -> int:
+        """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels)."""
+        raise NotImplementedError
+
+    def block_saves_input(self, es: int) -> bool:
+        """Whether a block saves its input tensor itself (so a checkpointed block's kept input is one of the
+        storages its recompute saves), rather than only values computed from it."""
+        raise NotImplementedError
+
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers' class for this model_type reads."""
         raise NotImplementedError
@@ -98,6 +119,11 @@ class ModelConfig:
         raise NotImplementedError
 
     # --- the same for every family ---------------------------------------------------------------------
+    @property
+    def attention_width(self) -> int:
+        """The width of all query heads together: q's, and SDPA's output's, features per token."""
+        return self.num_attention_heads * self.head_dim
+
     def hf_prefix(self, unit: str) -> str:
         """The HF key prefix of a unit's tensors: 'embed' -> 'model.', 'block.3' -> 'model.layers.3.',
         'head' -> '' (lm_head is outside the body)."""

@@ -109,6 +109,24 @@ class GPTJConfig(ModelConfig):
     def head_params(self) -> int:
         return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
 
+    # --- what memory_model needs (on the cpu: LayerNorm keeps mean and rstd in the input dtype) ------------
+    def block_matmul_params(self) -> int:
+        return 4 * self.n_embd ** 2 + 2 * self.n_embd * self.intermediate_size
+
+    def block_saved_per_token(self, es: int) -> int:
+        d, f = self.n_embd, self.intermediate_size
+        return es * (d  # h: the block input, saved by ln_1
+                     + d  # x = ln_1(h), shared by q/k/v_proj and fc_in
+                     + 4 * d  # rotated q and k, v, and the attention output (saved by SDPA and out_proj)
+                     + 2 * f  # fc_in output (gelu's input) and gelu output (fc_out's input)
+                     + 2)  # LayerNorm mean, rstd
+
+    def block_saves_input(self, es: int) -> bool:
+        return True  # ln_1 saves h
+
+    def head_saved_per_token(self, es: int) -> int:
+        return es * (2 * self.n_embd + 2)  # h (ln_f's input), ln_f's output (the loss's input); mean, rstd
+
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "GPTJConfig":

@@ -153,6 +153,31 @@ class LlamaConfig(ModelConfig):
     def head_params(self) -> int:
         return self.hidden_size + self.vocab_size * self.hidden_size  # norm, lm_head (no bias)
 
+    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
+    def block_matmul_params(self) -> int:
+        d, q, kv = self.hidden_size, self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore
+        return 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size
+
+    def block_saved_per_token(self, es: int) -> int:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        # Each RMSNorm over w features: its fp32 input (the input itself in fp32), rstd, the normalised values
+        # (the weight's multiplier), and its output (the next matmuls' input).
+        def norm(w: int, rows: int = 1) -> int:
+            return 4 * w + 4 * rows + es * w
+
+        saved = 2 * (norm(d) + es * d)  # input_layernorm and post_attention_layernorm, and their outputs
+        if self.qk_norm:  # per head of q and k; their outputs go to RoPE, which saves only its tables
+            saved += norm(q, self.num_attention_heads) + norm(kv, self.num_key_value_heads)  # type: ignore
+        saved += 4 * es * q  # rotated q, k and v repeated to every query head (SDPA's inputs), its output
+        return saved + 4 * es * f  # gate, silu(gate), up, and their product (down_proj's input)
+
+    def block_saves_input(self, es: int) -> bool:
+        return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
+
+    def head_saved_per_token(self, es: int) -> int:
+        return 4 * self.hidden_size + 4 + 2 * es * self.hidden_size  # the final RMSNorm and its output
+
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "LlamaConfig":

@@ -17,7 +17,7 @@ from layers.config import ModelConfig
 
 def attention_flops(shape: ModelConfig, batch: int, seq: int) -> int:
     """QK^T and AV of one block's forward, the full T x T (the convention forward_flops uses too)."""
-    return 4 * batch * seq * seq * shape.hidden_size
+    return 4 * batch * seq * seq * shape.attention_width
 
 
 def elementwise_width(shape: ModelConfig) -> int:

@@ -159,9 +159,10 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
     if cfg.activations == "checkpoint":
         kept = checkpoint_input_bytes(shape, batch, seq, es)
-        # The recompute re-saves the kept input itself (same storage, charged once) and, in fp32, charges
-        # the shared rotary table for the duration of this block's backward.
-        return kept, block_saved_bytes(shape, batch, seq, es, packed=cfg.packed) - kept
+        # Where the block saves its input, the recompute re-saves the kept input itself (same storage, charged
+        # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
+        saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
+        return kept, saved - (kept if shape.block_saves_input(es) else 0)
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
     rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0

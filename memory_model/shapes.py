@@ -169,15 +169,8 @@ def block_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, rotary:
                       packed: bool = False) -> int:
     """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged);
     `packed`: rows of packed examples (their mask and per-row rotary tables)."""
-    n, d, f = batch * seq, shape.hidden_size, shape.intermediate_size
-    tensors = es * (
-        n * d  # h: the block input, saved by ln_1
-        + n * d  # x = ln_1(h), shared by q/k/v_proj and fc_in
-        + 4 * n * d  # rotated q and k, v, and the attention output (saved by SDPA and out_proj)
-        + 2 * n * f  # fc_in output (gelu's input) and gelu output (fc_out's input)
-    )
-    stats = 2 * n * es + 4 * batch * shape.num_attention_heads * seq  # LayerNorm mean, rstd; SDPA logsumexp (fp32)
-    return (tensors + stats + mask_bytes(batch, seq, es, packed)
+    logsumexp = 4 * batch * shape.num_attention_heads * seq  # SDPA's, fp32
+    return (batch * seq * shape.block_saved_per_token(es) + logsumexp + mask_bytes(batch, seq, es, packed)
             + (rotary_table_bytes(shape, seq, es, batch, packed) if rotary else 0))
 
 
@@ -210,8 +203,7 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
 
 def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
     n = batch * seq
-    return (2 * n * shape.hidden_size * es  # h (ln_f's input) and ln_f's output (the chunked loss's input)
-            + 2 * n * es  # ln_f mean, rstd
+    return (n * shape.head_saved_per_token(es)  # the final norm's, and its output (the chunked loss's input)
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
             + 8 * n)  # the shifted int64 labels
 
@@ -255,4 +247,4 @@ def forward_flops(shape: ModelConfig, unit: str, batch: int, seq: int) -> int:
         return 0  # a gather
     if unit == "head":
         return 2 * n * d * shape.vocab_size
-    return 2 * n * (4 * d * d + 2 * d * shape.intermediate_size) + 4 * batch * seq * seq * d
+    return 2 * n * shape.block_matmul_params() + 4 * batch * seq * seq * shape.attention_width
