@@ -10,6 +10,7 @@ asks which family it holds:
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
 - `units`: the module of its torch units (imported only by layers.model, so this stays torch-free);
+- its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
 - its byte and FLOP inputs for memory_model: what a block and the head save per token, a block's matmul
   weights;
 - `to_hf()`, `from_hf_fields()`, `to_dict()`.
@@ -51,6 +52,11 @@ def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
     return cls
 
 
+def lora_targets() -> tuple[str, ...]:
+    """Every family's projections that LoRA may target, in the families' order, each once."""
+    return tuple(dict.fromkeys(name for cls in FAMILIES.values() for name in cls.projections))
+
+
 def positive_ints(cfg: object, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
@@ -70,6 +76,9 @@ class ModelConfig:
     hf_body: ClassVar[str]
     hf_blocks: ClassVar[str]
     hf_final_norm: ClassVar[str]
+    # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
+    # inside the block ('q_proj' -> 'attn.q_proj').
+    projections: ClassVar[dict[str, str]]
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -88,6 +97,10 @@ class ModelConfig:
         raise NotImplementedError
 
     def head_params(self) -> int:
+        raise NotImplementedError
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        """(in_features, out_features) of the block projection `name` (one of `projections`)."""
         raise NotImplementedError
 
     def block_matmul_params(self) -> int:

@@ -26,6 +26,9 @@ class GPTJConfig(ModelConfig):
     hf_body: ClassVar[str] = "transformer."
     hf_blocks: ClassVar[str] = "h"
     hf_final_norm: ClassVar[str] = "ln_f"
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "out_proj": "attn.out_proj",
+        "fc_in": "mlp.fc_in", "fc_out": "mlp.fc_out"}
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -108,6 +111,10 @@ class GPTJConfig(ModelConfig):
 
     def head_params(self) -> int:
         return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        d, f = self.n_embd, self.intermediate_size
+        return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
 
     # --- what memory_model needs (on the cpu: LayerNorm keeps mean and rstd in the input dtype) ------------
     def block_matmul_params(self) -> int:

@@ -47,6 +47,10 @@ class LlamaConfig(ModelConfig):
     hf_body: ClassVar[str] = "model."
     hf_blocks: ClassVar[str] = "layers"
     hf_final_norm: ClassVar[str] = "norm"
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+        "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+        "down_proj": "mlp.down_proj"}
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
@@ -152,6 +156,12 @@ class LlamaConfig(ModelConfig):
 
     def head_params(self) -> int:
         return self.hidden_size + self.vocab_size * self.hidden_size  # norm, lm_head (no bias)
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+                "up_proj": (d, f), "down_proj": (f, d)}[name]
 
     # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
     def block_matmul_params(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from layers import PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.devices import budget_bytes
-from memory_model.lora import LoraConfig
+from memory_model.lora import LoraConfig, check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
     Choice, Integer, Number, Text, check_settings, checks_of, owned, same_setting, setting,
@@ -72,8 +72,8 @@ class RunConfig:
 
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
-    from_pretrained: str | None = setting(None, "a Hugging Face GPT-J folder to fine-tune (its weights and "
-                                                "tokenizer)", Text(), "HF_DIR")
+    from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer): "
+                                                "GPT-J, Llama, Mistral, Qwen2 or Qwen3", Text(), "HF_DIR")
     data: str | None = same_setting(DataConfig, "data")
     tokenizer: str | None = same_setting(DataConfig, "tokenizer")
     vocab_size: int | None = same_setting(DataConfig, "vocab_size")
@@ -166,9 +166,17 @@ class RunConfig:
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"resolve --dtype {self.dtype} to bf16 or fp32 before building the settings tree")
         model = self.model_config() if model is None else model
+        self.check_lora_targets(model)
         return Settings(model=model, step=self.plan_config(devices), optimizer=self.optimizer_config(),
                         schedule=self.lr_schedule(), device=self.device_config(), data=self.data_config(),
                         store=self.trainer_config().store_spec(model))
+
+    def check_lora_targets(self, model: ModelConfig) -> None:
+        """--lora-targets must name projections of the model's family."""
+        try:
+            check_targets(model, self.lora_config())
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
 
     def device_config(self) -> DeviceConfig:
         return DeviceConfig(**owned(self, DeviceConfig))

@@ -181,3 +181,38 @@ def test_presets_have_the_published_parameter_counts():
     counts = {"llama-3.1-8b": 8_030_261_248, "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
               "qwen3-8b": 8_190_735_360}
     assert {name: PRESETS[name].num_params() for name in counts} == counts
+
+
+def test_lora_on_every_projection_exports_what_peft_loads(capsys, tmp_path, tiny_setup):
+    """--lora-targets with the family's names (q/k/v/o_proj, gate/up/down_proj): PEFT loads the adapter on
+    transformers' model with the logits of our merged weights."""
+    peft = pytest.importorskip("peft")
+    cfg = dataclasses.replace(CONFIGS["llama-llama3-biases"], vocab_size=512, max_position_embeddings=64)
+    hf_model(cfg).save_pretrained(tmp_path / "hf")
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--data", tiny_setup / "train.txt",
+                         "--tokenizer", tiny_setup / "tok", "--run-dir", run, "--steps", 3, "--batch", 2,
+                         "--seq", 16, "--dtype", "fp32", "--sample-tokens", 0, "--eval-fraction", 0, "--lr", "1e-2",
+                         "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(cfg.projections))
+    assert rc == 0, err
+    rc, _, err = run_cli(capsys, "export", run, adapter, "--format", "peft")
+    assert rc == 0, err
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    loaded = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with open_trainer(RunDir(run)) as trainer:
+        ours = resident_model(cfg, init=False)
+        ours.load_hf_state_dict(trainer.state_dict())
+    with torch.no_grad():
+        expected = ours(ids)
+        assert (base_logits - expected).abs().max().item() > 1e-2  # the adapters changed the model
+        error = (loaded(input_ids=ids).logits - expected).abs().max().item()
+    assert error <= 1e-4, error
+
+
+def test_a_projection_of_another_family_is_one_line(capsys):
+    rc, _, err = run_cli(capsys, "train", "--model", "llama-debug", "--lora-rank", 4, "--lora-targets", "fc_in")
+    assert rc == 2 and err.strip() == ("error: --lora-targets fc_in is not a projection of llama; choose among "
+                                       "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")

@@ -117,6 +117,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
+    cfg.check_lora_targets(model_cfg)
     cfg, changed = check_host_resources(cfg, model_cfg)  # config.toml records a change: resume keeps it
     if changed is not None:
         console.print(changed, markup=False, highlight=False)
