@@ -125,7 +125,7 @@ class StreamingTrainer:
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
-        """Import a Hugging Face GPT-J folder tensor by tensor (about one unit in memory at a time)."""
+        """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time)."""
         from streamer.io.hf import HFCheckpoint
         checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
@@ -171,7 +171,7 @@ class StreamingTrainer:
                     writer.write(kind, start, values[kind])
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-keyed weights (GPTJForCausalLM's state_dict); resets the Adam moments."""
+        """Load HF-keyed weights (the transformers class's state_dict); resets the Adam moments."""
         expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in self.layouts.values() for s in lay.slots}
         given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
         check_state_dict(expected, given)

@@ -86,7 +86,7 @@ def refuse_non_empty(out: Path, overwrite: bool) -> None:
 
 
 def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:
-    """Write a LoRA run's adapters as PEFT writes them for GPT-J: adapter_config.json and
+    """Write a LoRA run's adapters as PEFT writes them: adapter_config.json and
     adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight')."""
     from safetensors.torch import save_file
 

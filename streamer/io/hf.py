@@ -246,7 +246,7 @@ def _open_shard(root: Path, name: str) -> tuple[Any, dict[str, _Entry]]:
 
 
 class HFExporter:
-    """Write a GPT-J checkpoint that `transformers.GPTJForCausalLM.from_pretrained` loads, tensor by tensor.
+    """Write a checkpoint that transformers' `AutoModelForCausalLM.from_pretrained` loads, tensor by tensor.
 
     with HFExporter(out_dir, cfg, dtype=torch.bfloat16) as export:
         for key, tensor in tensors:
