@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 
 import pytest
 import torch
@@ -216,3 +217,25 @@ def test_a_projection_of_another_family_is_one_line(capsys):
     rc, _, err = run_cli(capsys, "train", "--model", "llama-debug", "--lora-rank", 4, "--lora-targets", "fc_in")
     assert rc == 2 and err.strip() == ("error: --lora-targets fc_in is not a projection of llama; choose among "
                                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_continues_bit_identically(tmp_path, tiny_setup):
+    """SIGKILL after the first step's record, then the same command: the weights and losses of an
+    uninterrupted run, bit for bit (grouped-query attention and Qwen3's q/k norms on the disk tier)."""
+    from tests.test_lifecycle import assert_same_run, kill_when, metric_lines, streamer, train_argv
+
+    setup = tmp_path / "setup"
+    setup.mkdir()
+    cfg = dataclasses.replace(CONFIGS["qwen3"], vocab_size=512, max_position_embeddings=64)
+    (setup / "config.json").write_text(json.dumps(cfg.to_hf()))
+    for name in ("train.txt", "tok"):
+        (setup / name).symlink_to(tiny_setup / name)
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    done = streamer(*train_argv(setup, reference))
+    assert done.returncode == 0, done.stderr
+    argv = train_argv(setup, run)
+    assert kill_when(argv, lambda: metric_lines(run) >= 1).returncode == -signal.SIGKILL
+    done = streamer(*argv)
+    assert done.returncode == 0 and "continuing it to step" in done.stdout, done.stderr
+    assert_same_run(run, reference)
