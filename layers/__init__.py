@@ -1,25 +1,28 @@
-"""GPT-J model math: configuration, the streamable units, the resident reference model and the loss.
+"""Model math: each family's configuration and streamable units, the resident reference models and the loss.
 
-The configuration (layers.config) is torch-free, so memory_model can use it without torch; the torch-using
-names are imported on first use (PEP 562).
+The configurations (layers.config and the family modules layers/gptj.py, layers/llama.py) are torch-free, so
+memory_model can use them without torch; the torch-using names are imported on first use (PEP 562).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from layers.config import PRESETS, ConfigError, GPTJConfig
+from layers.config import FAMILIES, PRESETS, ConfigError, ModelConfig
+from layers.gptj import GPTJConfig
+from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 _LAZY = {
-    "GPTJBlock": "layers.block", "GPTJEmbedding": "layers.block", "GPTJHead": "layers.block",
-    "KVCache": "layers.block", "init_weights": "layers.block",
+    "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
+    "GPTJBlock": "layers.gptj_units", "GPTJEmbedding": "layers.gptj_units", "GPTJHead": "layers.gptj_units",
+    "GPTJ": "layers.gptj_units",
     "IGNORE_INDEX": "layers.loss", "causal_lm_loss": "layers.loss", "learned_tokens": "layers.loss",
-    "GPTJ": "layers.model", "IGNORED_CHECKPOINT_SUFFIXES": "layers.model", "CheckpointMismatch": "layers.model",
-    "build_unit": "layers.model", "check_state_dict": "layers.model", "unit_hf_key": "layers.model",
-    "unit_prefix": "layers.model", "weight_decayed": "layers.model",
+    "CausalLM": "layers.model", "CheckpointMismatch": "layers.model", "build_unit": "layers.model",
+    "check_state_dict": "layers.model", "resident_model": "layers.model", "weight_decayed": "layers.model",
 }
 
-__all__ = ["PRESETS", "ConfigError", "GPTJConfig", *_LAZY]
+__all__ = ["FAMILIES", "PRESETS", "ConfigError", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
+           "Qwen2Config", "Qwen3Config", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

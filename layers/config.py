@@ -1,108 +1,167 @@
-"""GPT-J configuration: Hugging Face's field names, validated, frozen."""
+"""What every model family's configuration gives the generic code, and the registry of families (torch-free).
+
+A family (layers/gptj.py, layers/llama.py) is a frozen dataclass with transformers' own field names for its
+`model_type`. Generic code reads only the common vocabulary below, never a family's own fields, so it never
+asks which family it holds:
+
+- sizes: `vocab_size`, `hidden_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
+  `head_dim`, `intermediate_size`, `max_position_embeddings`, `rotary_dim` (the rotated dims of a head);
+- `context()`: the longest sequence the model's attention covers, and the field that sets it;
+- parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
+- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
+- `units`: the module of its torch units (imported only by layers.model, so this stays torch-free);
+- its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
+- its byte and FLOP inputs for memory_model: what a block and the head save per token, a block's matmul
+  weights;
+- `to_hf()`, `from_hf_fields()`, `to_dict()`.
+
+`ModelConfig.from_hf` picks the family by config.json's `model_type`.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot describe a GPT-J model; the message names the fix."""
+    """A configuration that cannot describe a supported model; the message names the fix."""
 
 
-# HF config.json keys that describe training/generation/bookkeeping rather than
-# the model's shape: accepted and ignored by from_hf().
-_HF_IGNORED_KEYS = frozenset({
+# HF config.json keys that describe training/generation/bookkeeping rather than the model's shape: accepted and
+# ignored by every family's from_hf.
+HF_IGNORED_KEYS = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
     "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
     "gradient_checkpointing", "task_specific_params", "tokenizer_class",
-    "attention_dropout", "_name_or_path", "output_attentions", "output_hidden_states",
-    "return_dict", "scale_attn_weights", "summary_type", "summary_use_proj",
-    "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-    "id2label", "label2id", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
+    "_name_or_path", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
     "problem_type", "_attn_implementation_autoset", "_attn_implementation",
 })
-# Dropout is a training-time regulariser the public checkpoints set to 0.
-_HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
-_SUPPORTED_ACTIVATIONS = ("gelu_new",)
+
+# model_type -> its config class, filled by each family module's `@family`.
+FAMILIES: dict[str, type["ModelConfig"]] = {}
+# Every family's presets by name, filled by the family modules.
+PRESETS: dict[str, "ModelConfig"] = {}
 
 
-@dataclass(frozen=True)
-class GPTJConfig:
-    vocab_size: int = 50400
-    n_positions: int = 2048
-    n_embd: int = 4096
-    n_layer: int = 28
-    n_head: int = 16
-    rotary_dim: int = 64
-    n_inner: int | None = None
-    activation_function: str = "gelu_new"
-    layer_norm_epsilon: float = 1e-5
-    tie_word_embeddings: bool = False
+def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
+    """Register a family's config class under its model_type (a class decorator)."""
+    FAMILIES[cls.model_type] = cls
+    return cls
 
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "rotary_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_inner is not None and (
-            not isinstance(self.n_inner, int) or isinstance(self.n_inner, bool) or self.n_inner <= 0
-        ):
-            raise ConfigError(f"n_inner must be a positive integer or None (= 4 * n_embd), got {self.n_inner!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
-                f"choose n_head among the divisors of {self.n_embd}"
-            )
-        if self.rotary_dim % 2:
-            raise ConfigError(f"rotary_dim ({self.rotary_dim}) must be even: rotary rotates pairs of dimensions")
-        if self.rotary_dim > self.head_dim:
-            raise ConfigError(
-                f"rotary_dim ({self.rotary_dim}) cannot exceed the head dimension n_embd/n_head = {self.head_dim}"
-            )
-        if self.activation_function not in _SUPPORTED_ACTIVATIONS:
-            raise ConfigError(
-                f"activation_function {self.activation_function!r} is not supported; GPT-J uses 'gelu_new'"
-            )
-        if not isinstance(self.layer_norm_epsilon, (int, float)) or not 0 < self.layer_norm_epsilon < 1:
-            raise ConfigError(f"layer_norm_epsilon must be in (0, 1), got {self.layer_norm_epsilon!r}")
-        if self.tie_word_embeddings is not False:
-            raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
-                              f"got {self.tie_word_embeddings!r}")
-        # Every tensor's byte size must fit a 64-bit count: 16 bytes of training state per parameter, and the
-        # fp32 rotary table of n_positions x rotary_dim.
-        if 16 * max(self.num_params(), self.n_positions * self.rotary_dim) >= 2**63:
-            raise ConfigError(f"a model of {self.num_params():,} parameters (vocab_size {self.vocab_size}, n_embd "
-                              f"{self.n_embd}, n_layer {self.n_layer}, n_positions {self.n_positions}) is too "
-                              "large to address; check the config's sizes")
 
-    # --- derived shapes -------------------------------------------------------------
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+def lora_targets() -> tuple[str, ...]:
+    """Every family's projections that LoRA may target, in the families' order, each once."""
+    return tuple(dict.fromkeys(name for cls in FAMILIES.values() for name in cls.projections))
 
-    @property
-    def inner_dim(self) -> int:
-        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+def positive_ints(cfg: object, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+class ModelConfig:
+    """The base of every family's frozen dataclass; see the module's docstring for what a family provides."""
+
+    model_type: ClassVar[str]
+    units: ClassVar[str]  # the module holding the family's nn.Modules (layers.model imports it)
+    # Buffers that old checkpoints of the family carry and that hold no learned state.
+    ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
+    # The checkpoint key map: HF's prefix of the model body ('transformer.'), of its list of blocks within it
+    # ('h'), and the head's final norm, which HF keeps in the body ('ln_f').
+    hf_body: ClassVar[str]
+    hf_blocks: ClassVar[str]
+    hf_final_norm: ClassVar[str]
+    # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
+    # inside the block ('q_proj' -> 'attn.q_proj').
+    projections: ClassVar[dict[str, str]]
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rotary_dim: int
+
+    # --- what a family defines ---------------------------------------------------------------------
+    def embed_params(self) -> int:
+        raise NotImplementedError
 
     def block_params(self) -> int:
-        d, f = self.n_embd, self.inner_dim
-        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
-
-    def embed_params(self) -> int:
-        return self.vocab_size * self.n_embd
+        raise NotImplementedError
 
     def head_params(self) -> int:
-        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
+        raise NotImplementedError
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        """(in_features, out_features) of the block projection `name` (one of `projections`)."""
+        raise NotImplementedError
+
+    def block_matmul_params(self) -> int:
+        """The weights of a block's matmuls: a forward's matmul FLOPs are 2 x tokens x this."""
+        raise NotImplementedError
+
+    def block_saved_per_token(self, es: int) -> int:
+        """Bytes a block's forward saves per token in a compute dtype of `es` bytes, measured against autograd
+        (tests/test_planner.py), besides what every family's attention saves alike (memory_model.shapes: the
+        logsumexp, a packed rows' mask, the rotary tables)."""
+        raise NotImplementedError
+
+    def head_saved_per_token(self, es: int) -> int:
+        """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels)."""
+        raise NotImplementedError
+
+    def block_saves_input(self, es: int) -> bool:
+        """Whether a block saves its input tensor itself (so a checkpointed block's kept input is one of the
+        storages its recompute saves), rather than only values computed from it."""
+        raise NotImplementedError
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json that transformers' class for this model_type reads."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from a config.json's keys (model_type already removed)."""
+        raise NotImplementedError
+
+    # --- the same for every family ---------------------------------------------------------------------
+    @property
+    def attention_width(self) -> int:
+        """The width of all query heads together: q's, and SDPA's output's, features per token."""
+        return self.num_attention_heads * self.head_dim
+
+    def hf_prefix(self, unit: str) -> str:
+        """The HF key prefix of a unit's tensors: 'embed' -> 'model.', 'block.3' -> 'model.layers.3.',
+        'head' -> '' (lm_head is outside the body)."""
+        if unit == "embed":
+            return self.hf_body
+        if unit == "head":
+            return ""
+        return f"{self.hf_body}{self.hf_blocks}.{unit.split('.', 1)[1]}."
+
+    def hf_key(self, unit: str, local_key: str) -> str:
+        """A unit module's own key as the HF checkpoint names it: ('head', 'norm.weight') -> 'model.norm.weight'."""
+        if unit == "head" and local_key.startswith(self.hf_final_norm + "."):
+            return self.hf_body + local_key
+        return self.hf_prefix(unit) + local_key
+
+    def context(self) -> tuple[int, str]:
+        """The longest sequence this model attends over, and the config field that sets it (for messages)."""
+        return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
 
     def num_params(self) -> int:
-        return self.embed_params() + self.n_layer * self.block_params() + self.head_params()
+        return self.embed_params() + self.num_hidden_layers * self.block_params() + self.head_params()
 
     def unit_names(self) -> list[str]:
         """The streamed units in execution order: 'embed', 'block.0' … 'block.{L-1}', 'head'."""
-        return ["embed", *(f"block.{i}" for i in range(self.n_layer)), "head"]
+        return ["embed", *(f"block.{i}" for i in range(self.num_hidden_layers)), "head"]
 
     def unit_params(self, unit: str) -> int:
         if unit == "embed":
@@ -111,16 +170,56 @@ class GPTJConfig:
             return self.head_params()
         return self.block_params()
 
-    # --- construction ----------------------------------------------------------------
+    def describe(self) -> str:
+        """One line for traces and reports: the family and its main sizes."""
+        return f"{self.model_type} d{self.hidden_size} x {self.num_hidden_layers} layers"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Our own fields and the model_type: what a store's manifest records (`ModelConfig.from_dict`)."""
+        return {"model_type": self.model_type,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}  # type: ignore[arg-type]
+
+    def check_size(self) -> None:
+        """Every tensor's byte size must fit a 64-bit count: 16 bytes of training state per parameter."""
+        if 16 * max(self.num_params(), self.max_position_embeddings * self.rotary_dim) >= 2**63:
+            raise ConfigError(f"a model of {self.num_params():,} parameters (vocab_size {self.vocab_size}, hidden "
+                              f"size {self.hidden_size}, {self.num_hidden_layers} layers) is too large to "
+                              "address; check the config's sizes")
+
+    # --- construction ---------------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str) -> "GPTJConfig":
+    def from_dict(cls, fields: Mapping[str, Any]) -> "ModelConfig":
+        """Build from our own field names (and model_type; GPT-J where absent, as stores written before other
+        families were); an unknown field is an error, not ignored. On a family class, only that family."""
+        fields = dict(fields)
+        target = _family_of(fields.pop("model_type", getattr(cls, "model_type", "gptj")))
+        if cls is not ModelConfig and target is not cls:
+            raise ConfigError(f"model_type {target.model_type!r} is not {cls.model_type!r}")
+        known = {f.name for f in dataclasses.fields(target)}  # type: ignore[arg-type]
+        unknown = sorted(str(k) for k in set(fields) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
+        return target(**fields)
+
+    @classmethod
+    def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face config: a dict, a config.json, or a folder holding one. Its model_type picks the
+        family (GPT-J where absent); on a family class, only that family is accepted."""
+        raw = dict(source) if isinstance(source, Mapping) else read_hf_json(Path(source))
+        target = _family_of(raw.pop("model_type", getattr(cls, "model_type", "gptj")))
+        if cls is not ModelConfig and target is not cls:
+            raise ConfigError(f"model_type is {target.model_type!r}; expected {cls.model_type!r}")
+        return target.from_hf_fields(raw)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
         try:
             return PRESETS[name]
         except KeyError:
             raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
     @classmethod
-    def named(cls, model: str | Path) -> "GPTJConfig":
+    def named(cls, model: str | Path) -> "ModelConfig":
         """What a --model names: a preset, else a Hugging Face config.json or a folder holding one."""
         if str(model) in PRESETS:
             return PRESETS[str(model)]
@@ -129,59 +228,19 @@ class GPTJConfig:
                               "config.json or folder holding one")
         return cls.from_hf(model)
 
-    @classmethod
-    def from_dict(cls, fields: Mapping[str, Any]) -> "GPTJConfig":
-        """Build from our own field names; an unknown field is an error, not ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(fields) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
-        return cls(**fields)
 
-    @classmethod
-    def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "GPTJConfig":
-        """Read a Hugging Face GPT-J config: a dict, a config.json, or a folder holding one."""
-        raw = dict(source) if isinstance(source, Mapping) else _read_hf_json(Path(source))
-        model_type = raw.pop("model_type", "gptj")
-        if model_type != "gptj":
-            raise ConfigError(f"model_type is {model_type!r}; only GPT-J ('gptj') checkpoints are supported")
-        for key in _HF_DROPOUT_KEYS:
-            value = raw.pop(key, 0.0)
-            if value not in (0, 0.0, None):
-                raise ConfigError(f"{key}={value} is not supported (no dropout); set it to 0.0")
-        aliases = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
-                   "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}
-        for alias, name in aliases.items():
-            if alias in raw:
-                value = raw.pop(alias)
-                if name in raw and raw[name] != value:
-                    raise ConfigError(f"{alias}={value} contradicts {name}={raw[name]}; keep one of them")
-                raw[name] = value
-        # The published GPT-J config says "rotary": true; rotary is not optional here.
-        if raw.pop("rotary", True) is not True:
-            raise ConfigError("rotary=false (no rotary embedding) is not GPT-J; remove it or set it to true")
-        if raw.get("rotary_dim", 64) is None:
-            raise ConfigError("rotary_dim=None (rotary over the whole head) is not supported; set rotary_dim")
-        fields = {k: v for k, v in raw.items() if k not in _HF_IGNORED_KEYS}
-        return cls.from_dict(fields)
-
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers.GPTJForCausalLM reads."""
-        return {
-            "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
-            **dataclasses.asdict(self),
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "initializer_range": 0.02, "use_cache": True,
-            "bos_token_id": 50256 if self.vocab_size > 50256 else 0,
-            "eos_token_id": 50256 if self.vocab_size > 50256 else 0,
-        }
+def _family_of(model_type: Any) -> type[ModelConfig]:
+    found = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if found is None:
+        raise ConfigError(f"model_type is {model_type!r}; supported: {', '.join(repr(t) for t in FAMILIES)}")
+    return found
 
 
-def _read_hf_json(path: Path) -> dict[str, Any]:
+def read_hf_json(path: Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no GPT-J config at {path}; pass a config.json or the folder that holds it")
+        raise ConfigError(f"no model config at {path}; pass a config.json or the folder that holds it")
     try:
         raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Notepad) is no error
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -191,14 +250,11 @@ def _read_hf_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-PRESETS: dict[str, GPTJConfig] = {
-    # The public EleutherAI/gpt-j-6B.
-    "gptj-6b": GPTJConfig(),
-    # GPT-J-shaped models sized for a 2-core, 24 GiB machine.
-    "gptj-4b": GPTJConfig(n_embd=3584, n_layer=24, n_head=14, rotary_dim=64),
-    "gptj-2.7b": GPTJConfig(n_embd=2560, n_layer=32, n_head=20, rotary_dim=32),
-    "gptj-1.3b": GPTJConfig(n_embd=2048, n_layer=24, n_head=16, rotary_dim=32),
-    "gptj-350m": GPTJConfig(n_embd=1024, n_layer=20, n_head=16, rotary_dim=16),
-    "gptj-demo": GPTJConfig(vocab_size=4096, n_positions=256, n_embd=384, n_layer=6, n_head=6, rotary_dim=16),
-    "gptj-debug": GPTJConfig(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
-}
+def take_aliases(raw: dict[str, Any], aliases: Mapping[str, str]) -> None:
+    """Rename HF's alternative key names to the family's own, refusing a contradiction."""
+    for alias, name in aliases.items():
+        if alias in raw:
+            value = raw.pop(alias)
+            if name in raw and raw[name] != value:
+                raise ConfigError(f"{alias}={value} contradicts {name}={raw[name]}; keep one of them")
+            raw[name] = value

@@ -31,7 +31,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: float 
                            reduction="sum") / num_items
 
 
-def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, labels: torch.Tensor,
+def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                     vocab_chunk: int, num_items: float | None = None) -> torch.Tensor:
     """causal_lm_loss(F.linear(x, weight, bias), labels, num_items) without the (B, T, vocab) logits or their
     gradient.
@@ -48,9 +48,10 @@ def _vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk, vocab)) for lo in range(0, vocab, chunk)]
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """fp32 logits of vocabulary rows [lo, hi): the compute-dtype linear, then the cast (as GPTJHead does)."""
-    return F.linear(x, weight[lo:hi], bias[lo:hi]).float()  # (N, hi - lo)
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo: int,
+                  hi: int) -> torch.Tensor:
+    """fp32 logits of vocabulary rows [lo, hi): the compute-dtype linear, then the cast (as the heads do)."""
+    return F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi]).float()  # (N, hi - lo)
 
 
 def _in_chunk(targets: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,7 @@ def _in_chunk(targets: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, to
 
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 vocab_chunk: int, num_items: float | None) -> torch.Tensor:
         n = x.shape[0]
         lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
@@ -86,14 +87,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
         divisor = valid.sum() if ctx.num_items is None else ctx.num_items
         row_scale = (valid.float() * (grad_loss.float() / divisor)).unsqueeze(1)  # (N, 1)
         grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
+        grad_weight = torch.empty_like(weight)
+        grad_bias = None if bias is None else torch.empty_like(bias)
         for lo, hi in _vocab_slices(weight.shape[0], ctx.vocab_chunk):
             grad = _chunk_logits(x, weight, bias, lo, hi).sub_(lse.unsqueeze(1)).exp_()  # softmax, fp32
             inside, column = _in_chunk(targets, lo, hi)
             grad.scatter_add_(1, column, -inside.float().unsqueeze(1)).mul_(row_scale)
             grad = grad.to(x.dtype)  # the logits' gradient in the compute dtype, as the cast's backward gives it
             grad_weight[lo:hi] = grad.t() @ x
-            grad_bias[lo:hi] = grad.sum(0)
+            if grad_bias is not None:
+                grad_bias[lo:hi] = grad.sum(0)
             grad_x += grad @ weight[lo:hi]
             del grad
         return grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Baseline:
     source: str
 
 
-def baselines(shape: GPTJConfig, ranks: int, compute_bytes: int = 2) -> list[Baseline]:
+def baselines(shape: ModelConfig, ranks: int, compute_bytes: int = 2) -> list[Baseline]:
     psi, n = shape.num_params(), ranks
     largest = max(shape.unit_params(u) for u in shape.unit_names())
     zero_paper = "Rajbhandari et al., ZeRO (arXiv 1910.02054), sec. 3.1 and 5"

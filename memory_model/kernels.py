@@ -12,18 +12,18 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
 
 
-def attention_flops(shape: GPTJConfig, batch: int, seq: int) -> int:
+def attention_flops(shape: ModelConfig, batch: int, seq: int) -> int:
     """QK^T and AV of one block's forward, the full T x T (the convention forward_flops uses too)."""
-    return 4 * batch * seq * seq * shape.n_embd
+    return 4 * batch * seq * seq * shape.attention_width
 
 
-def elementwise_width(shape: GPTJConfig) -> int:
+def elementwise_width(shape: ModelConfig) -> int:
     """What a block's elementwise traffic scales with per token: the d-wide tensors of the attention side
     (LayerNorm, q/k/v rotary and transposes, residual adds) and the f-wide ones of the MLP (GELU, bias)."""
-    return shape.n_embd + shape.inner_dim
+    return shape.hidden_size + shape.intermediate_size
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class KernelCosts:
             raise ValueError(f"KernelCosts needs exactly the fields {sorted(known)}, got {sorted(raw)}")
         return cls(**raw)
 
-    def forward_s(self, shape: GPTJConfig, unit: str, batch: int, seq: int) -> float:
+    def forward_s(self, shape: ModelConfig, unit: str, batch: int, seq: int) -> float:
         """Seconds of one forward beyond its matmuls (attention's included here, not in the matmuls)."""
         n = batch * seq
         if unit == "embed":
@@ -82,11 +82,11 @@ class KernelCosts:
         return (attention_flops(shape, batch, seq) / self.attention_forward_flops
                 + self.elementwise_forward_s * n * elementwise_width(shape))
 
-    def backward_s(self, shape: GPTJConfig, unit: str, batch: int, seq: int) -> float:
+    def backward_s(self, shape: ModelConfig, unit: str, batch: int, seq: int) -> float:
         """Seconds of one backward beyond its matmuls (the weight gradients leave as they are, per parameter)."""
         n = batch * seq
         if unit == "embed":
-            return self.embedding_backward_s * shape.vocab_size * shape.n_embd
+            return self.embedding_backward_s * shape.vocab_size * shape.hidden_size
         if unit == "head":
             return self.logits_backward_s * n * shape.vocab_size
         return (2 * attention_flops(shape, batch, seq) / self.attention_backward_flops

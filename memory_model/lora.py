@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig, lora_targets
 from memory_model.settings import Integer, Number, SettingError, Text, check_settings, setting, shown
 
-# A block's projections that can carry adapters, by the names Hugging Face and PEFT give them.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+# A block's projections that can carry adapters in some family, by the names Hugging Face and PEFT give them.
+LORA_TARGETS = lora_targets()
 # fp32 adapter, its gradient, exp_avg and exp_avg_sq.
 ADAPTER_WEIGHT_BYTES, ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES = 4, 4, 8
 
@@ -51,13 +51,20 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def target_shape(shape: GPTJConfig, target: str) -> tuple[int, int]:
+def target_shape(shape: ModelConfig, target: str) -> tuple[int, int]:
     """(in_features, out_features) of a block projection."""
-    d, f = shape.n_embd, shape.inner_dim
-    return {"fc_in": (d, f), "fc_out": (f, d)}.get(target, (d, d))
+    return shape.projection_shape(target)
 
 
-def adapter_params(shape: GPTJConfig, lora: LoraConfig) -> int:
+def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
+    """The targets must be projections of this model's family."""
+    missing = [t for t in lora.target_names if t not in shape.projections] if lora.enabled else []
+    if missing:
+        raise SettingError("lora_targets", f"{','.join(missing)} is not a projection of {shape.model_type}; choose "
+                                           f"among {','.join(shape.projections)}")
+
+
+def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
     """Parameters of every adapter of the model: r x (in + out) per target and block."""
     per_block = sum(lora.rank * sum(target_shape(shape, t)) for t in lora.target_names)
-    return shape.n_layer * per_block if lora.enabled else 0
+    return shape.num_hidden_layers * per_block if lora.enabled else 0

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from rich.table import Table
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
@@ -65,7 +65,7 @@ class UnitRow:
 class Plan:
     """One step of `shape` on `device` under `config`: bytes (per device), fit, time, and the baselines."""
 
-    shape: GPTJConfig
+    shape: ModelConfig
     device: DeviceSpec
     config: PlanConfig
     params: int
@@ -87,14 +87,14 @@ class Plan:
     resource_s: dict[str, float]  # seconds each resource is busy per step, before overlap
     link_bytes: dict[str, int]  # bytes per step and device over h2d, d2h, and read from / written to disk
     # The largest batch at this seq that fits (0 when none), and seq; the largest seq at this batch that fits, up
-    # to n_positions (0 when none). None when not searched (plan(..., limits=False): the sweep).
+    # to the model's context (0 when none). None when not searched (plan(..., limits=False): the sweep).
     max_batch_seq: tuple[int, int] | None
     max_seq: int | None
     rows: tuple[UnitRow, ...]
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shape", "device", "config")}
-        out["model"] = {**asdict(self.shape), "inner_dim": self.shape.inner_dim}  # resolved when n_inner is None
+        out["model"] = {**asdict(self.shape), "inner_dim": self.shape.intermediate_size}  # resolved when n_inner is None
         out["device"] = self.device.name
         out["device_memory_bytes"] = self.device.memory_bytes
         out["config"] = asdict(self.config)
@@ -149,7 +149,7 @@ class Plan:
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
-def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
+def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """(held from forward to backward, recomputed during backward) for one unit and micro-batch."""
     es = cfg.dtype_bytes
     if unit == "embed":  # with a frozen base nothing in the embedding needs a gradient: it saves nothing
@@ -160,15 +160,16 @@ def _activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
     if cfg.activations == "checkpoint":
         kept = checkpoint_input_bytes(shape, batch, seq, es)
-        # The recompute re-saves the kept input itself (same storage, charged once) and, in fp32, charges
-        # the shared rotary table for the duration of this block's backward.
-        return kept, block_saved_bytes(shape, batch, seq, es, packed=cfg.packed) - kept
+        # Where the block saves its input, the recompute re-saves the kept input itself (same storage, charged
+        # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
+        saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
+        return kept, saved - (kept if shape.block_saves_input(es) else 0)
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
     rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
 
 
-def _frozen_block_activations(shape: GPTJConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
+def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """_activations of a LoRA block. The first block's input needs no gradient, so it does not save it (its
     recompute re-saves nothing of the kept input); the fp32 rotary table goes to the first block that
     rotates a tensor needing a gradient."""
@@ -188,7 +189,7 @@ def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None
         bytes_by_category[charge.category] += charge.nbytes
 
 
-def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
+def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
                  batch: int, seq: int) -> list[tuple[Event, tuple[int, ...]]]:
     """Device bytes by category (CATEGORIES order) at the highest moment of every event.
 
@@ -210,7 +211,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
                 # gradient w.r.t. this unit's input waits for the next unit's backward
                 at["activations"] = sum(held.values())
-                at["workspace"] = 0 if event.unit == "embed" else batch * seq * shape.n_embd * es
+                at["workspace"] = 0 if event.unit == "embed" else batch * seq * shape.hidden_size * es
         else:
             kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
             if event.phase == "forward":
@@ -225,7 +226,7 @@ def _memory_walk(shape: GPTJConfig, cfg: PlanConfig, events: list[Event], reside
     return moments
 
 
-def step_spec(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> StepSpec:
+def step_spec(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> StepSpec:
     """The step the runtime runs for this model and config (`StreamingTrainer.step_spec` of the same settings);
     `update=False` leaves out the update chunks."""
     units = tuple(shape.unit_names())
@@ -235,11 +236,11 @@ def step_spec(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> StepSp
                     update_units=None if update else ())
 
 
-def _events(shape: GPTJConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
+def _events(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
     return step_events(step_spec(shape, cfg, update))
 
 
-def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
+def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
     """(read, written) bytes of the store's files in one step: the disk tier's I/O (none in RAM)."""
     if cfg.store != "disk":
         return 0, 0
@@ -250,14 +251,14 @@ def step_disk_bytes(shape: GPTJConfig, cfg: PlanConfig) -> tuple[int, int]:
     return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum)
 
 
-def peak_device_bytes(shape: GPTJConfig, cfg: PlanConfig) -> int:
+def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The step's peak device bytes (what plan() reports), without the time model."""
     events = _events(shape, cfg)
     resident = resident_sets(events, cfg.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
-def _train_peak(shape: GPTJConfig, cfg: PlanConfig) -> int:
+def _train_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The peak of the forward and backward passes (and of a fused update, which runs inside them). No update
     state after the backward is fetched before the last backward (the lookahead stops at it), so these
     events' resident sets do not depend on that update."""
@@ -276,7 +277,7 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
     return low
 
 
-def _max_shapes(shape: GPTJConfig, cfg: PlanConfig, capacity: int, update_peak: int) -> tuple[int, int]:
+def _max_shapes(shape: ModelConfig, cfg: PlanConfig, capacity: int, update_peak: int) -> tuple[int, int]:
     """Largest batch at cfg.seq and largest seq at cfg.batch that fit; the update pass does not depend on
     either, so it is walked once (update_peak) and the search walks the forward and backward only."""
     if update_peak > capacity:
@@ -290,15 +291,15 @@ def _max_shapes(shape: GPTJConfig, cfg: PlanConfig, capacity: int, update_peak: 
     while bound < _MAX_BATCH_SEARCH and micro_fits(bound * 2):
         bound *= 2
     max_micro = _largest(micro_fits, 1, min(bound * 2, _MAX_BATCH_SEARCH))
-    max_seq = _largest(lambda t: _train_peak(shape, replace(cfg, seq=t)) <= capacity, 1, shape.n_positions)
+    max_seq = _largest(lambda t: _train_peak(shape, replace(cfg, seq=t)) <= capacity, 1, shape.context()[0])
     return max_micro * group, max_seq
 
 
-def plan(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True) -> Plan:
+def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True) -> Plan:
     """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`;
     `limits` also searches the largest batch and seq that fit (most of the cost of a plan)."""
-    if cfg.seq > shape.n_positions:
-        raise ValueError(f"seq {cfg.seq} exceeds the model's context n_positions={shape.n_positions}")
+    if cfg.seq > shape.context()[0]:
+        raise ValueError(f"seq {cfg.seq} exceeds the model's context {shape.context()[1]}")
     units = shape.unit_names()
     micro, seq, es = cfg.micro_batch, cfg.seq, cfg.dtype_bytes
 

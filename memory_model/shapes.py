@@ -1,5 +1,5 @@
 """The plan's settings, and the per-unit byte and FLOP formulas the planner adds up for a model's shape
-(layers.config.GPTJConfig: the one place that counts a model's parameters).
+(layers.config.ModelConfig, each family's: the one place that counts a model's parameters).
 
 The activation formulas are measured, not guessed: tests/test_planner.py runs layers.GPTJBlock /
 GPTJHead / GPTJEmbedding under `saved_tensors_hooks` and checks these against the unique storages autograd
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
@@ -149,14 +149,14 @@ def rotary_shared(es: int, packed: bool) -> bool:
     return es == 4 and not packed
 
 
-def rotary_table_bytes(shape: GPTJConfig, seq: int, es: int, batch: int = 1, packed: bool = False) -> int:
+def rotary_table_bytes(shape: ModelConfig, seq: int, es: int, batch: int = 1, packed: bool = False) -> int:
     """sin and cos. In bf16 each block casts its own (T, R/2) copies; in fp32 the cast is a no-op and the
     saved tensors are views of the cached (n_positions, R/2) tables, one storage for the whole model. Packed
     rows: each block gathers its own (B, T, R/2) tables at the rows' positions."""
     half = shape.rotary_dim // 2
     if packed:
         return 2 * batch * seq * half * es
-    return 2 * shape.n_positions * half * 4 if es == 4 else 2 * seq * half * es
+    return 2 * shape.max_position_embeddings * half * 4 if es == 4 else 2 * seq * half * es
 
 
 def mask_bytes(batch: int, seq: int, es: int, packed: bool) -> int:
@@ -165,33 +165,26 @@ def mask_bytes(batch: int, seq: int, es: int, packed: bool) -> int:
     return batch * seq * seq * es if packed else 0
 
 
-def block_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int, rotary: bool = True,
+def block_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, rotary: bool = True,
                       packed: bool = False) -> int:
     """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged);
     `packed`: rows of packed examples (their mask and per-row rotary tables)."""
-    n, d, f = batch * seq, shape.n_embd, shape.inner_dim
-    tensors = es * (
-        n * d  # h: the block input, saved by ln_1
-        + n * d  # x = ln_1(h), shared by q/k/v_proj and fc_in
-        + 4 * n * d  # rotated q and k, v, and the attention output (saved by SDPA and out_proj)
-        + 2 * n * f  # fc_in output (gelu's input) and gelu output (fc_out's input)
-    )
-    stats = 2 * n * es + 4 * batch * shape.n_head * seq  # LayerNorm mean, rstd; SDPA logsumexp (fp32)
-    return (tensors + stats + mask_bytes(batch, seq, es, packed)
+    logsumexp = 4 * batch * shape.num_attention_heads * seq  # SDPA's, fp32
+    return (batch * seq * shape.block_saved_per_token(es) + logsumexp + mask_bytes(batch, seq, es, packed)
             + (rotary_table_bytes(shape, seq, es, batch, packed) if rotary else 0))
 
 
-def frozen_block_saved_bytes(shape: GPTJConfig, lora: LoraConfig, batch: int, seq: int, es: int, first: bool,
+def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, seq: int, es: int, first: bool,
                              rotary: bool = True, packed: bool = False) -> int:
     """What a block with frozen weights and LoRA adapters saves: only what the gradients w.r.t. its input and
     its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
     (the block after the embedding), so only the paths from its adapters save anything."""
-    n, d, f, r = batch * seq, shape.n_embd, shape.inner_dim, lora.rank
+    n, d, f, r = batch * seq, shape.hidden_size, shape.intermediate_size, lora.rank
     targets, plain, grad_in = set(lora.target_names), lora.dropout == 0, not first
     attention = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})  # SDPA's inputs need a gradient
     total = (n * d * es + 2 * n * es) if grad_in else 0  # h and ln_1's mean and rstd
     total += n * d * es if plain and targets & {"q_proj", "k_proj", "v_proj", "fc_in"} else 0  # x, the adapters'
-    total += 3 * n * d * es + 4 * batch * shape.n_head * seq if attention else 0  # rotated q, k, v; logsumexp
+    total += 3 * n * d * es + 4 * batch * shape.num_attention_heads * seq if attention else 0  # rotated q, k, v; logsumexp
     total += mask_bytes(batch, seq, es, packed) if attention else 0
     total += n * d * es if attention or (plain and "out_proj" in targets) else 0  # the attention output
     rotates = grad_in or bool(targets & {"q_proj", "k_proj"})
@@ -208,10 +201,9 @@ def frozen_block_saved_bytes(shape: GPTJConfig, lora: LoraConfig, batch: int, se
     return total
 
 
-def head_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
+def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
     n = batch * seq
-    return (2 * n * shape.n_embd * es  # h (ln_f's input) and ln_f's output (the chunked loss's input)
-            + 2 * n * es  # ln_f mean, rstd
+    return (n * shape.head_saved_per_token(es)  # the final norm's, and its output (the chunked loss's input)
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
             + 8 * n)  # the shifted int64 labels
 
@@ -221,20 +213,20 @@ def head_saved_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
 LOSS_CHUNK_LOGITS = 2**25
 
 
-def loss_vocab_chunk(shape: GPTJConfig, tokens: int) -> int:
+def loss_vocab_chunk(shape: ModelConfig, tokens: int) -> int:
     """Vocabulary rows per chunk of the head's loss for a micro-batch of `tokens` positions."""
     return max(1, min(shape.vocab_size, LOSS_CHUNK_LOGITS // max(1, tokens)))
 
 
-def embed_saved_bytes(shape: GPTJConfig, batch: int, seq: int) -> int:
+def embed_saved_bytes(shape: ModelConfig, batch: int, seq: int) -> int:
     return 8 * batch * seq  # the int64 token ids
 
 
-def checkpoint_input_bytes(shape: GPTJConfig, batch: int, seq: int, es: int) -> int:
-    return batch * seq * shape.n_embd * es
+def checkpoint_input_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
+    return batch * seq * shape.hidden_size * es
 
 
-def backward_workspace_bytes(shape: GPTJConfig, unit: str, batch: int, seq: int, es: int) -> int:
+def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int) -> int:
     """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient and its
     compute-dtype copy, and the fp32 sum of the gradient w.r.t. its input over the chunks. A block or the
     embedding: the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. a unit's input is
@@ -242,17 +234,17 @@ def backward_workspace_bytes(shape: GPTJConfig, unit: str, batch: int, seq: int,
     n = batch * seq
     if unit == "head":
         cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
-        return (4 + cast) * n * loss_vocab_chunk(shape, n) + 4 * n * shape.n_embd
-    return n * shape.n_embd * es
+        return (4 + cast) * n * loss_vocab_chunk(shape, n) + 4 * n * shape.hidden_size
+    return n * shape.hidden_size * es
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------
-def forward_flops(shape: GPTJConfig, unit: str, batch: int, seq: int) -> int:
+def forward_flops(shape: ModelConfig, unit: str, batch: int, seq: int) -> int:
     """Matmul FLOPs of one forward. Attention counts the full T x T (QK^T and AV) although the mask makes
     half of it zeros: the usual MFU convention, and an upper bound on what a flash kernel does."""
-    n, d = batch * seq, shape.n_embd
+    n, d = batch * seq, shape.hidden_size
     if unit == "embed":
         return 0  # a gather
     if unit == "head":
         return 2 * n * d * shape.vocab_size
-    return 2 * n * (4 * d * d + 2 * d * shape.inner_dim) + 4 * batch * seq * seq * d
+    return 2 * n * shape.block_matmul_params() + 4 * batch * seq * seq * shape.attention_width

@@ -16,7 +16,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
 from memory_model.devices import DeviceSpec
 from memory_model.shapes import PlanConfig, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops
@@ -97,7 +97,7 @@ def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
     return device.link_time(device.h2d if direction == "h2d" else device.d2h, nbytes)
 
 
-def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
+def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
           queues: _Queues, issued: float) -> float:
     """Book a load (disk read, then the h2d copy); returns when it is on the device."""
     weights = isinstance(resource, Weights)
@@ -115,13 +115,13 @@ def _load(resource: Resource, shape: GPTJConfig, cfg: PlanConfig, device: Device
     return queues.run("h2d", queues.run("disk", issued, read_s), copy_s)
 
 
-def _compute(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
+def _compute(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
     costs = device.kernels.get(cfg.compute_dtype)
     fixed = 0.0 if costs is None else costs.event_s
     return fixed + _kernels(event, shape, cfg, device, costs)
 
 
-def _kernels(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec,
+def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec,
              costs: KernelCosts | None) -> float:
     if event.phase == "update":
         if cfg.update_on == "device":
@@ -160,7 +160,7 @@ def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
     return device.same_memory and cfg.store == "ram" and cfg.devices == 1
 
 
-def _gradient_out(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
+def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
                   queues: _Queues, clock: float) -> tuple[float, float]:
     """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
     es, disk = cfg.dtype_bytes, cfg.store == "disk"
@@ -194,7 +194,7 @@ def _flush_s(cfg: PlanConfig, device: DeviceSpec) -> float:
     return costs.flush_s if costs is not None and cfg.store == "disk" else 0.0
 
 
-def commit_flushes(shape: GPTJConfig, cfg: PlanConfig) -> int:
+def commit_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The flushes a disk-tier step's commit makes on the trainer's thread (streamer/store/host.py), besides the
     SEAL_FLUSHES of each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
     update after the backward) first each unit's gradient file, and the journal and its folder; LoRA's
@@ -221,7 +221,7 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     return queues.run("disk", queues.run("d2h", after, d2h_s), write_s)
 
 
-def simulate(events: list[Event], resident: list[list[Resource]], shape: GPTJConfig, cfg: PlanConfig,
+def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelConfig, cfg: PlanConfig,
              device: DeviceSpec) -> Timeline:
     timeline = Timeline(0.0, {u: UnitTimes() for u in shape.unit_names()})
     per_unit, queues = timeline.per_unit, _Queues(timeline)

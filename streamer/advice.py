@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
 from memory_model.ledger import round_up_size
 from streamer.run import RunConfig, RunError
@@ -20,12 +20,12 @@ from streamer.run import RunConfig, RunError
 PLAN_MARGIN_BYTES = 1024
 
 
-def planned_peak(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> int:
+def planned_peak(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> int:
     """The analytic planner's peak device bytes for one step of this run."""
     return peak_device_bytes(model_cfg, peak_plan_config(model_cfg, cfg, devices))
 
 
-def peak_plan_config(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> PlanConfig:
+def peak_plan_config(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> PlanConfig:
     """The run's step as its peak is planned: a fused step that clipping would change is undone and made again
     after the backward, so with clipping on it is whichever of the two schedules peaks higher."""
     pc = cfg.plan_config(devices)
@@ -34,12 +34,12 @@ def peak_plan_config(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) ->
     return max((pc, replace(pc, update_timing="after-backward")), key=lambda p: peak_device_bytes(model_cfg, p))
 
 
-def _needs(shape: GPTJConfig, pc: PlanConfig) -> int:
+def _needs(shape: ModelConfig, pc: PlanConfig) -> int:
     """The budget a step needs: the planner's peak with the margin the real ledger was measured to need."""
     return peak_device_bytes(shape, pc) + PLAN_MARGIN_BYTES
 
 
-def alternatives(shape: GPTJConfig, pc: PlanConfig, budget: int) -> list[str]:
+def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int) -> list[str]:
     """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
     the batch, checkpointed activations, the host update, the update after the backward. Only those that fit
     are listed."""
@@ -59,14 +59,14 @@ def alternatives(shape: GPTJConfig, pc: PlanConfig, budget: int) -> list[str]:
     return out
 
 
-def _breakdown(shape: GPTJConfig, pc: PlanConfig) -> str:
+def _breakdown(shape: ModelConfig, pc: PlanConfig) -> str:
     """The planned peak by category, e.g. `57.1 MiB (weights 6 MiB, activations 40 MiB, ...)`."""
     planned = plan(shape, next(iter(DEVICE_PRESETS.values())), pc)  # any device: only bytes are read
     parts = ", ".join(f"{c} {format_size(b)}" for c, b in planned.peak_breakdown.items() if b)
     return f"{format_size(planned.peak_device_bytes)} ({parts})"
 
 
-def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
+def check_fits(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> None:
     """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
     cannot fit its --budget; nothing when there is no budget or it fits."""
     budget = cfg.budget_bytes()
@@ -78,7 +78,7 @@ def check_fits(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1) -> None:
                    f"{'; or '.join(alternatives(model_cfg, pc, budget))}")
 
 
-def ledger_advice(model_cfg: GPTJConfig, cfg: RunConfig, devices: int = 1
+def ledger_advice(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1
                   ) -> Callable[[dict[str, int], int, dict[str, Any]], list[str]]:
     """For the ledger's hints (`advise`): a DeviceOutOfMemory mid-step names the planner's alternatives."""
     pc = peak_plan_config(model_cfg, cfg, devices)

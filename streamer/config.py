@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
@@ -70,7 +70,7 @@ class TrainerConfig:
             return DTYPES[self.device.dtype]
         return DTYPES[resolve_compute_dtype(self.device.device).dtype]
 
-    def store_spec(self, model: GPTJConfig, processes: int = 1) -> StoreSpec:
+    def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`
         data-parallel processes (with the state sharded, each holds its slice)."""
         shards = processes if self.step.data_parallel == "sharded" else 1

@@ -74,12 +74,13 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
         raise StreamerError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
     batch, prompt_len = input_ids.shape
     total = prompt_len + sampling.max_new_tokens
-    if total > cfg.n_positions:
+    context, _ = cfg.context()
+    if total > context:
         raise StreamerError(f"the prompt ({prompt_len} tokens) plus {sampling.max_new_tokens} new tokens exceeds the "
-                            f"model's context of {cfg.n_positions}; shorten the prompt or lower --max-new-tokens")
+                            f"model's context of {context}; shorten the prompt or lower --max-new-tokens")
     caches, handles = None, []
     if sampling.use_cache:
-        caches = [KVCache.empty(cfg, batch, total, dtype, device) for _ in range(cfg.n_layer)]
+        caches = [KVCache.empty(cfg, batch, total, dtype, device) for _ in range(cfg.num_hidden_layers)]
         handles = [trainer.ledger.allocate("activations", f"block.{i}", 2 * c.keys.numel() * c.keys.element_size(),
                                            "KV cache") for i, c in enumerate(caches)]
     try:

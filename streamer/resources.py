@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from layers import PRESETS, GPTJConfig
+from layers import PRESETS, ModelConfig
 from memory_model import format_size
 from memory_model.shapes import fused_update
 from streamer.config import TrainerConfig
@@ -41,7 +41,7 @@ class HostNeed:
     pinned: int = 0
 
     @classmethod
-    def of(cls, model_cfg: GPTJConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
+    def of(cls, model_cfg: ModelConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
         ram, disk = spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, stores_on_disk))
         staging = spec.staging_bytes() if tc.device.device.startswith("cuda") else 0
@@ -62,14 +62,14 @@ def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
     return nbytes + headroom[0] + int(nbytes * headroom[1]) if nbytes else 0
 
 
-def check_host_resources(cfg: RunConfig, model_cfg: GPTJConfig) -> tuple[RunConfig, str | None]:
+def check_host_resources(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[RunConfig, str | None]:
     """`fit_host_resources` against this machine's available RAM and the run folder's free disk."""
     folder = _existing_ancestor(Path(cfg.run_dir))
     return fit_host_resources(cfg, model_cfg, psutil.virtual_memory().available, shutil.disk_usage(folder).free,
                               folder)
 
 
-def fit_host_resources(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: int,
+def fit_host_resources(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: int,
                        folder: Path) -> tuple[RunConfig, str | None]:
     """The run's settings, if its stores fit, with a line saying what was changed to make them fit (or None).
     `--update-timing auto` on a disk with no room for a fused step's second generation of every unit becomes
@@ -89,7 +89,7 @@ def fit_host_resources(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, fre
     raise RunError(problem)
 
 
-def shortfall(cfg: RunConfig, model_cfg: GPTJConfig, free_ram: int, free_disk: int, folder: Path) -> str | None:
+def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: int, folder: Path) -> str | None:
     """Why the run cannot fit in `free_ram` and `free_disk` (at `folder`), and what would; None if it fits."""
     on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tc = cfg.trainer

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from layers import PRESETS, ConfigError, GPTJConfig
+from layers import PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
+from memory_model.lora import check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
     Choice, Integer, Text, branch, build, check_flat, check_settings, checks_of, flatten, same_setting, setting,
@@ -56,8 +57,8 @@ class RunConfig:
     report: ReportConfig = branch(ReportConfig)
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
-    from_pretrained: str | None = setting(None, "a Hugging Face GPT-J folder to fine-tune (its weights and "
-                                                "tokenizer)", Text(), "HF_DIR")
+    from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer): "
+                                                "GPT-J, Llama, Mistral, Qwen2 or Qwen3", Text(), "HF_DIR")
     run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
                                         "(default: runs/<name>-<time>)", Text(), "DIR")
     steps: int = setting(100, "optimizer steps in all (with --resume: the new total)", Integer())
@@ -93,7 +94,7 @@ class RunConfig:
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
         try:
-            GPTJConfig.named(self.model)
+            ModelConfig.named(self.model)
         except ConfigError as exc:
             raise SettingError("model", str(exc)) from None
 
@@ -124,11 +125,18 @@ class RunConfig:
     def budget_bytes(self) -> int | None:
         return self.trainer.device.budget_bytes()
 
-    def model_config(self) -> GPTJConfig:
+    def check_lora_targets(self, model: ModelConfig) -> None:
+        """--lora-targets must name projections of the model's family."""
+        try:
+            check_targets(model, self.trainer.lora)
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
+
+    def model_config(self) -> ModelConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
-            return GPTJConfig.from_hf(self.from_pretrained)
-        return GPTJConfig.named(self.model)
+            return ModelConfig.from_hf(self.from_pretrained)
+        return ModelConfig.named(self.model)
 
     def plan_config(self, devices: int = 1) -> PlanConfig:
         """The planner's view of this run's step on `devices` data-parallel devices. --dtype must be resolved
@@ -212,7 +220,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         values = {**(DEMO_DEFAULTS if demo else {}), **given}
         model = values.get("model")
         if "seq" not in given and isinstance(model, str) and model in PRESETS:  # the default fits every preset
-            values["seq"] = min(DEFAULTS.seq, PRESETS[model].n_positions)
+            values["seq"] = min(DEFAULTS.seq, PRESETS[model].context()[0])
         steps = values.get("steps", DEFAULTS.steps)
         if demo and "warmup" not in given and type(steps) is int:  # a short demo (`--steps 3`) still decays
             values["warmup"] = min(DEMO_DEFAULTS["warmup"], steps // 10)

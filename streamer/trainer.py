@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from layers import GPTJConfig, build_unit, check_state_dict, init_weights, learned_tokens
+from layers import ModelConfig, build_unit, check_state_dict, init_weights, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
@@ -30,7 +30,7 @@ from streamer.store.interface import StoreReader, StoreWriter
 class StreamingTrainer:
     """Full AdamW fine-tuning with one unit's weights, gradients and Adam state on the device at a time."""
 
-    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
+    def __init__(self, cfg: ModelConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
                  *, _store: StoreReader | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         device, step = self.tc.device, self.tc.step
@@ -62,7 +62,7 @@ class StreamingTrainer:
         self.layouts = {lay.name: lay for lay in layouts}
         self.ledger = Ledger(device.budget_bytes(), device.device,
                              hint_context={"activations": step.activations, "grad_accum": step.grad_accum})
-        self.trace = Trace(self.ledger, meta={"model": f"GPT-J d{cfg.n_embd} x {cfg.n_layer} layers", "params": cfg.num_params(),
+        self.trace = Trace(self.ledger, meta={"model": cfg.describe(), "params": cfg.num_params(),
                                               "baseline_bytes": BASELINE_BYTES_PER_PARAM * cfg.num_params(),
                                               "budget": device.budget_bytes(), "device": device.device})
         self.adapters = None
@@ -131,7 +131,7 @@ class StreamingTrainer:
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
-        """Import a Hugging Face GPT-J folder tensor by tensor (about one unit in memory at a time)."""
+        """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time)."""
         from streamer.io.hf import HFCheckpoint
         checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
@@ -177,7 +177,7 @@ class StreamingTrainer:
                     writer.write(kind, start, values[kind])
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-keyed weights (GPTJForCausalLM's state_dict); resets the Adam moments."""
+        """Load HF-keyed weights (the transformers class's state_dict); resets the Adam moments."""
         expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in self.layouts.values() for s in lay.slots}
         given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
         check_state_dict(expected, given)
@@ -197,9 +197,10 @@ class StreamingTrainer:
             raise StreamerError(f"input_ids must be (batch, seq) and labels and positions the same shape; got "
                                 f"{tuple(input_ids.shape)}, {tuple(labels.shape)} and "
                                 f"{None if positions is None else tuple(positions.shape)}")
-        if input_ids.shape[1] > self.cfg.n_positions:
+        context, why = self.cfg.context()
+        if input_ids.shape[1] > context:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
-                                f"n_positions={self.cfg.n_positions}; use --seq <= {self.cfg.n_positions}")
+                                f"{why}; use --seq <= {context}")
         if positions is not None and not positions.is_meta and not (
                 (positions >= 0).all() and (positions < input_ids.shape[1]).all()):
             raise StreamerError(f"positions must lie in [0, {input_ids.shape[1]}) (the sequence length)")

@@ -54,12 +54,13 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_hf_model() -> Callable[..., "transformers.GPTJForCausalLM"]:
-    """Factory: `tiny_hf_model(cfg, seed=0)` -> HF GPTJForCausalLM (eager attention, eval mode, random weights)."""
+    """Factory: `tiny_hf_model(cfg, seed=0)` -> the transformers model of cfg's model_type (GPTJForCausalLM,
+    LlamaForCausalLM, ...; eager attention, eval mode, random weights)."""
     import transformers  # imported here so that test files without HF do not pay for it
 
     def build(cfg: GPTJConfig, seed: int = 0) -> transformers.GPTJForCausalLM:
-        hf_cfg = transformers.GPTJConfig(**cfg.to_hf(), attn_implementation="eager")
-        model = transformers.GPTJForCausalLM(hf_cfg).eval()
+        hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf(), attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
         randomize_(model, seed)
         return model
 

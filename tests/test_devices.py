@@ -187,7 +187,7 @@ def test_calibration_probes_are_sized_from_the_model() -> None:
     sizes = CalibrationSizes()
     six = calibrate.probe_shape(PRESETS["gptj-6b"], sizes)
     # GPT-J-6B narrowed to 1024 wide in whole 256-wide heads, its MLP ratio, rotary and vocabulary kept.
-    assert (six.n_embd, six.n_head, six.inner_dim, six.rotary_dim, six.vocab_size, six.n_layer) == \
+    assert (six.n_embd, six.n_head, six.intermediate_size, six.rotary_dim, six.vocab_size, six.n_layer) == \
         (1024, 4, 4096, 64, 50400, 1)
     assert calibrate.probe_shape(DEBUG, sizes).n_embd == DEBUG.n_embd  # narrow models stay as they are
     # The probe's length follows the matmul rate: a CPU 100x slower gets 8 tokens, not minutes of probing.

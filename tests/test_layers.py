@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from layers import (
     PRESETS, CheckpointMismatch, ConfigError, GPTJ, GPTJBlock, GPTJConfig, GPTJHead, KVCache, build_unit,
-    causal_lm_loss, unit_hf_key,
+    causal_lm_loss, resident_model,
 )
 
 HFFactory = Callable[..., transformers.GPTJForCausalLM]
@@ -265,8 +265,8 @@ def test_chunked_loss_never_builds_the_full_logits() -> None:
 def test_preset_keys_shapes_and_param_count_match_hf(name: str) -> None:
     cfg = PRESETS[name]
     with torch.device("meta"):
-        ours = GPTJ(cfg, init=False)
-        hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.to_hf()))
+        ours = resident_model(cfg, init=False)
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
     shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     n = sum(p.numel() for p in ours.parameters())
@@ -283,11 +283,11 @@ def test_units_partition_the_state_dict(name: str) -> None:
     """The streamer moves units; their keys, mapped to HF names, must be exactly the model's."""
     cfg = PRESETS[name]
     with torch.device("meta"):
-        model_shapes = {k: v.shape for k, v in GPTJ(cfg, init=False).state_dict().items()}
+        model_shapes = {k: v.shape for k, v in resident_model(cfg, init=False).state_dict().items()}
     unit_shapes: dict[str, torch.Size] = {}
     for unit in cfg.unit_names():
         for key, tensor in build_unit(cfg, unit).state_dict().items():
-            hf_key = unit_hf_key(unit, key)
+            hf_key = cfg.hf_key(unit, key)
             assert hf_key not in unit_shapes, f"{hf_key} belongs to two units"
             unit_shapes[hf_key] = tensor.shape
     assert unit_shapes == model_shapes

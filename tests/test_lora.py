@@ -148,7 +148,8 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:
 def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--model", "gptj-debug", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"]) == 2
     assert capsys.readouterr().err.strip().endswith(
-        'error: --lora-targets must be distinct names among q_proj,k_proj,v_proj,out_proj,fc_in,fc_out, '
+        'error: --lora-targets must be distinct names among q_proj,k_proj,v_proj,out_proj,fc_in,fc_out,o_proj,'
+        'gate_proj,up_proj,down_proj, '
         'got "q_proj,lm_head"')
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
         TrainerConfig.of(lora_rank=-1)

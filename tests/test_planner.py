@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from layers import PRESETS, GPTJBlock, GPTJConfig, GPTJEmbedding, GPTJHead
+from layers import FAMILIES, PRESETS, GPTJConfig, ModelConfig, build_unit
 from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, Ledger, Link, PlanConfig,
                           peak_device_bytes, plan)
 from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
@@ -50,33 +50,40 @@ class SavedStorages:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.charge(unit, t) or t, lambda t: t)
 
 
-def _random_config(rng: random.Random) -> GPTJConfig:
+def _random_config(rng: random.Random, family: str) -> ModelConfig:
     n_head = rng.choice([2, 4, 6])
     head_dim = rng.choice([8, 16, 24])
-    return GPTJConfig(vocab_size=rng.randint(50, 400), n_positions=rng.choice([64, 128]),
-                      n_embd=n_head * head_dim, n_layer=2, n_head=n_head,
-                      rotary_dim=2 * rng.randint(1, head_dim // 2), n_inner=rng.randint(20, 300))
+    vocab, positions, inner = rng.randint(50, 400), rng.choice([64, 128]), rng.randint(20, 300)
+    if family == "gptj":
+        return GPTJConfig(vocab_size=vocab, n_positions=positions, n_embd=n_head * head_dim, n_layer=2,
+                          n_head=n_head, rotary_dim=2 * rng.randint(1, head_dim // 2), n_inner=inner)
+    # Grouped-query attention (one key/value head, or one per query head) and a head_dim of its own.
+    return FAMILIES[family](vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner,
+                            num_hidden_layers=2, num_attention_heads=n_head,
+                            num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
+                            max_position_embeddings=positions)
 
 
-def _units(cfg: GPTJConfig, dtype: torch.dtype) -> tuple[GPTJEmbedding, list[GPTJBlock], GPTJHead]:
+def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.nn.Module], torch.nn.Module]:
     torch.manual_seed(0)
-    blocks = [GPTJBlock(cfg).to(dtype) for _ in range(cfg.n_layer)]
-    return GPTJEmbedding(cfg).to(dtype), blocks, GPTJHead(cfg).to(dtype)
+    blocks = [build_unit(cfg, f"block.{i}", "cpu").to(dtype) for i in range(cfg.num_hidden_layers)]
+    return build_unit(cfg, "embed", "cpu").to(dtype), blocks, build_unit(cfg, "head", "cpu").to(dtype)
 
 
-CASES = [(seed, dtype) for seed in range(4) for dtype in DTYPES]
+# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms.
+CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES for family in ("gptj", "llama", "qwen2", "qwen3")]
 
 
-@pytest.mark.parametrize("seed,dtype", CASES)
-def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str) -> None:
+@pytest.mark.parametrize("seed,dtype,family", CASES)
+def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str, family: str) -> None:
     """One unit at a time, nothing shared: the per-unit formulas against torch's own saved tensors."""
     rng = random.Random(seed)
-    cfg = _random_config(rng)
+    cfg = _random_config(rng, family)
     shape, es = cfg, DTYPES[dtype].itemsize
-    batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
+    batch, seq = rng.randint(1, 3), rng.randint(8, cfg.max_position_embeddings)
     embed, (block, _), head = _units(cfg, DTYPES[dtype])
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-    h = torch.randn(batch, seq, cfg.n_embd, dtype=DTYPES[dtype], requires_grad=True)
+    h = torch.randn(batch, seq, cfg.hidden_size, dtype=DTYPES[dtype], requires_grad=True)
     measured = {}
     for name, run in (("embed", lambda: embed(ids)), ("block", lambda: block(h)),
                       ("head", lambda: head(h, ids, vocab_chunk=7))):
@@ -100,15 +107,16 @@ def _packed_positions(rng: random.Random, batch: int, seq: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("seed,dtype", CASES)
-def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int, dtype: str, packed: bool) -> None:
+@pytest.mark.parametrize("seed,dtype,family", CASES)
+def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int, dtype: str, family: str,
+                                                                       packed: bool) -> None:
     """The whole model, storages shared across units as the runtime sees them (the fp32 rotary tables are
     one storage for every block; block j's saved input is block j-1's output). Packed rows: each block's
     own attention mask and rotary tables besides."""
     rng = random.Random(100 + seed)
-    cfg = _random_config(rng)
+    cfg = _random_config(rng, family)
     shape = cfg
-    batch, seq = rng.randint(1, 3), rng.randint(8, cfg.n_positions)
+    batch, seq = rng.randint(1, 3), rng.randint(8, cfg.max_position_embeddings)
     embed, blocks, head = _units(cfg, DTYPES[dtype])
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     args = (0, None, _packed_positions(rng, batch, seq)) if packed else ()
@@ -129,7 +137,7 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
 
     # Checkpoint: the block input is charged first; the recompute charges everything else it saves.
     rows = {r.unit: r for r in plan(shape, CS2, replace(cfg_plan, activations="checkpoint")).rows}
-    last = f"block.{cfg.n_layer - 1}"
+    last = f"block.{cfg.num_hidden_layers - 1}"
     recompute = SavedStorages([*blocks])
     recompute.charge("input", inputs[-1])
     with recompute.hooks(last):
@@ -470,14 +478,14 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     assert h100[0] < h100[1] < h100[2]
 
 def test_the_planner_runs_without_torch() -> None:
-    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config) import no torch."""
+    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config and the family configs) import no torch."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from layers.config import GPTJConfig\n"
+            "from layers import GPTJConfig\n"
             "from memory_model import PlanConfig, device_spec, plan\n"
             "p = plan(GPTJConfig.preset('gptj-debug'), device_spec('cs2'), PlanConfig(batch=1, seq=16))\n"
             "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config']"
+    assert done.stdout.split(" ", 1)[1].strip() == "['layers', 'layers.config', 'layers.gptj', 'layers.llama']"
 
 
 @pytest.mark.parametrize("store,timing", [("ram", "overlapped"), ("disk", "fused")])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from layers import GPTJConfig
+from layers import GPTJConfig, ModelConfig
 from streamer import StreamingTrainer, TrainerConfig
 from benchmarks.resident import ResidentTrainer
 
@@ -28,14 +28,16 @@ def prompt_masked(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]],
-                 tc: TrainerConfig) -> tuple[dict, list[float]]:
-    """HF model + torch.optim.AdamW (decay / no-decay groups) + clip_grad_norm_, with grad accumulation as
-    Trainer does it: each micro-batch's summed loss over the step's learned tokens (num_items_in_batch).
-    In float64: the tolerances below are HF's own fp32 noise against it (its eager and sdpa kernels)."""
-    fields = {k: v for k, v in DEBUG.to_hf().items() if k not in ("architectures", "model_type")}
-    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**fields)).double()
-    hf.load_state_dict({k: v.double() for k, v in state_dict.items()}, strict=False)
+def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]], tc: TrainerConfig,
+                 cfg: ModelConfig = DEBUG, dtype: torch.dtype = torch.float64,
+                 attn: str | None = None) -> tuple[dict, list[float]]:
+    """The transformers class of cfg's model_type + torch.optim.AdamW (decay / no-decay groups) +
+    clip_grad_norm_, with grad accumulation as Trainer does it: each micro-batch's summed loss over the step's
+    learned tokens (num_items_in_batch). In float64 by default: the tolerances are transformers' own fp32 noise
+    against it (its eager and sdpa kernels, `dtype=torch.float32, attn=...`)."""
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn).to(dtype)
+    hf.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False)
     hf.train()
     params = list(hf.named_parameters())
     optimizer = torch.optim.AdamW(
@@ -54,7 +56,7 @@ def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]]
         torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.optimizer.max_grad_norm)
         optimizer.step()
         losses.append(sum(step_losses))
-    return {k: v.float() for k, v in hf.state_dict().items()}, losses
+    return {k: v.double() for k, v in hf.state_dict().items()}, losses
 
 
 @pytest.mark.parametrize("activations,store,update_on",

@@ -25,7 +25,8 @@ from typing import Any, Callable
 import psutil
 import torch
 
-from layers.config import GPTJConfig
+from layers.config import ModelConfig
+from layers.gptj import GPTJConfig
 from memory_model.catalogue import Figure
 from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
@@ -103,13 +104,13 @@ def matmul_side(dtype: torch.dtype, largest: int, repeats: int, seconds: float) 
     return n
 
 
-def probe_shape(shape: GPTJConfig, sizes: CalibrationSizes) -> GPTJConfig:
+def probe_shape(shape: ModelConfig, sizes: CalibrationSizes) -> GPTJConfig:
     """The block and head the kernel costs are measured on: the planned model's vocabulary, head size, rotary
     and MLP ratio, at most `probe_width` wide (whole heads), one layer, up to `probe_tokens` positions."""
-    head_dim = shape.n_embd // shape.n_head
-    heads = max(1, min(shape.n_head, sizes.probe_width // head_dim))
+    head_dim = shape.head_dim
+    heads = max(1, min(shape.num_attention_heads, sizes.probe_width // head_dim))
     width = heads * head_dim
-    inner = max(1, shape.inner_dim * width // shape.n_embd)
+    inner = max(1, shape.intermediate_size * width // shape.hidden_size)
     return GPTJConfig(vocab_size=shape.vocab_size, n_positions=sizes.probe_tokens, n_embd=width, n_layer=1,
                       n_head=heads, rotary_dim=shape.rotary_dim, n_inner=inner)
 
@@ -207,24 +208,24 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
     the run) at 1 x `tokens`: each one's time less its matmuls at `matmul_flops`, per counted element.
     `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
     the measurements together stop after `seconds`; `host`: the costs of the runtime itself (host_costs.py)."""
-    from layers.block import GPTJBlock, GPTJEmbedding, GPTJHead
+    from layers.gptj_units import GPTJBlock, GPTJEmbedding, GPTJHead
 
     dtype = DTYPES[dtype_name]
-    cfg = GPTJConfig(vocab_size=probe.vocab_size, n_positions=max(tokens, probe.n_positions), n_embd=probe.n_embd,
-                     n_layer=1, n_head=probe.n_head, rotary_dim=probe.rotary_dim, n_inner=probe.inner_dim)
+    cfg = GPTJConfig(vocab_size=probe.vocab_size, n_positions=max(tokens, probe.n_positions), n_embd=probe.hidden_size,
+                     n_layer=1, n_head=probe.num_attention_heads, rotary_dim=probe.rotary_dim, n_inner=probe.intermediate_size)
     shape, batch, seq = cfg, 1, tokens
     n, torch_state = batch * seq, torch.random.get_rng_state()
     deadline = time.perf_counter() + seconds
     torch.manual_seed(0)
     try:
-        q, k, v = (torch.randn(batch, cfg.n_head, seq, cfg.head_dim, dtype=dtype, requires_grad=True)
+        q, k, v = (torch.randn(batch, cfg.num_attention_heads, seq, cfg.head_dim, dtype=dtype, requires_grad=True)
                    for _ in range(3))
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
         attn_fwd, attn_bwd = _forward_backward(sdpa, [q, k, v], repeats, deadline)
         attn = attention_flops(shape, batch, seq)
 
         block = GPTJBlock(cfg).to(dtype)
-        x = torch.randn(batch, seq, cfg.n_embd, dtype=dtype, requires_grad=True)
+        x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
         fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats, deadline)
         matmul_s = (forward_flops(shape, "block.0", batch, seq) - attn) / matmul_flops
         width = n * elementwise_width(shape)
@@ -254,7 +255,7 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         elementwise_backward_s=max(0.0, bwd - 2 * matmul_s - attn_bwd) / width,
         logits_forward_s=max(0.0, head_fwd - head_matmul_s) / logits,
         logits_backward_s=max(0.0, head_bwd - 2 * head_matmul_s) / logits,
-        embedding_backward_s=embed_bwd / (cfg.vocab_size * cfg.n_embd),
+        embedding_backward_s=embed_bwd / (cfg.vocab_size * cfg.hidden_size),
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
         compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
@@ -309,7 +310,7 @@ def cpu_model() -> str:
     return names[0] if names else platform.processor()
 
 
-def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: CalibrationSizes | None = None) -> DeviceSpec:
+def calibrate(directory: Path, shape: ModelConfig, dtype: str, sizes: CalibrationSizes | None = None) -> DeviceSpec:
     """Measure this machine now for planning `shape` in compute dtype `dtype` ("bf16" or "fp32"); the disk
     test writes its temp file in `directory`."""
     if dtype not in DTYPES:
@@ -337,7 +338,7 @@ def calibrate(directory: Path, shape: GPTJConfig, dtype: str, sizes: Calibration
         same_memory=True, interconnect=Link(allreduce_bw), kernels={dtype: kernels},
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {fp['processor']}, "
                 f"{fp['threads']} threads, torch {fp['torch']}, {dtype} compute"),
-        notes=(f"{dtype} matmul {n}^3; kernel costs on a d={probe.n_embd}, {probe.n_head}-head, "
+        notes=(f"{dtype} matmul {n}^3; kernel costs on a d={probe.hidden_size}, {probe.num_attention_heads}-head, "
                f"vocab {probe.vocab_size} GPT-J block, head and embedding at 1 x {tokens} tokens (the planned "
                f"model's, narrowed to fit {sizes.compute_seconds:g} s); copy {format_size(sizes.copy_bytes)} into an "
                f"existing buffer; disk: median of {sizes.repeats} x {format_size(sizes.disk_bytes)} with fsync, "
@@ -357,7 +358,7 @@ _MEASURED_BY = {"memory_bytes": "psutil: the whole RAM, shared by the cpu device
                 "host_update_bw": _ADAMW, "device_mem_bandwidth": _ADAMW}
 
 
-def local_spec(cache_dir: Path | None, shape: GPTJConfig, dtype: str, refresh: bool = False,
+def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: bool = False,
                sizes: CalibrationSizes | None = None) -> DeviceSpec:
     """The cached calibration in cache_dir when it matches this machine, the dtype and the probed shape, else
     a fresh one (then cached beside the others)."""
@@ -381,7 +382,7 @@ def local_spec(cache_dir: Path | None, shape: GPTJConfig, dtype: str, refresh: b
     return spec
 
 
-def _cache_key(shape: GPTJConfig, dtype: str, sizes: CalibrationSizes) -> str:
+def _cache_key(shape: ModelConfig, dtype: str, sizes: CalibrationSizes) -> str:
     """What a calibration measured: the dtype, the probed block and head, and the sizes' bounds."""
     probe = asdict(probe_shape(shape, sizes))
     return json.dumps({"dtype": dtype, "probe": probe, "sizes": asdict(sizes)}, sort_keys=True)

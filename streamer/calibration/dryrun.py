@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import Ledger
 from streamer.config import TrainerConfig
 from streamer.trainer import StreamingTrainer
@@ -32,7 +32,7 @@ class FlashAttentionOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def dry_run(cfg: GPTJConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False) -> Ledger:
+def dry_run(cfg: ModelConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False) -> Ledger:
     """Run one full training step (grad_accum micro-batches and the update) on meta; returns its ledger.
     `packed`: rows of packed examples (their positions, hence masked attention)."""
     trainer = StreamingTrainer(cfg, tc.replace(device="meta", budget=None))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from layers.config import GPTJConfig
+from layers.gptj import GPTJConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
 from streamer.store.layout import dtype_name

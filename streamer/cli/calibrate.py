@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import DEVICE_PRESETS
 from streamer.cli.devices import catalogue_entry
 from streamer.cli.flags import declare_command
@@ -55,7 +55,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise StreamerError(f"unknown --target {args.target!r}; choose one of {', '.join(DEVICE_PRESETS)}")
     runs = Path("runs")
     if device.type == "cpu" and args.target is None:
-        shape = GPTJConfig.named(args.model)
+        shape = ModelConfig.named(args.model)
         spec = local_spec(runs, shape, args.dtype or "fp32", refresh=True)
         saved = runs / CACHE_NAME
     else:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec
 from memory_model.catalogue import Figure
 from memory_model.devices import FIGURES
@@ -34,7 +34,7 @@ def devices_command(args: argparse.Namespace) -> int:
     specs = list(DEVICE_PRESETS.values())
     if args.local:
         # Measured again and cached for `plan --target local` and `plan --compare`: run it on a quiet machine.
-        shape = GPTJConfig.named(args.model)
+        shape = ModelConfig.named(args.model)
         specs.append(local_spec(Path("runs"), shape, args.dtype, refresh=True))
     if args.json:
         print(json.dumps([catalogue_entry(s) for s in specs], indent=2))

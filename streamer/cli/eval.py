@@ -54,9 +54,9 @@ def eval_command(args: argparse.Namespace) -> int:
     begin = time.perf_counter()
     # One micro-batch per call, of the run's micro-batch size unless --batch says otherwise: what its budget holds.
     with open_trainer(run, {**overrides, "grad_accum": 1}) as trainer:
-        if seq > trainer.cfg.n_positions:
-            raise RunError(f"--seq {seq} exceeds the model's context (n_positions={trainer.cfg.n_positions}); use "
-                           f"--seq {trainer.cfg.n_positions} or less")
+        context, why = trainer.cfg.context()
+        if seq > context:
+            raise RunError(f"--seq {seq} exceeds the model's context ({why}); use --seq {context} or less")
         dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack)
         loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.trainer.step.grad_accum)
         step = trainer.step_count

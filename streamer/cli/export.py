@@ -1,4 +1,4 @@
-"""`streamer export`: write a run as a Hugging Face GPT-J folder (LoRA's adapters merged) with its tokenizer's
+"""`streamer export`: write a run as a Hugging Face folder (LoRA's adapters merged) with its tokenizer's
 files as they were given, or a LoRA run's adapters as a PEFT adapter folder."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ has moved."""
 
 def declare(parser: argparse.ArgumentParser) -> None:
     declare_command(parser, export_command, "Export the master weights and the tokenizer; "
-                    "transformers.GPTJForCausalLM.from_pretrained loads the result.", EXAMPLES)
+                    "transformers.AutoModelForCausalLM.from_pretrained loads the result.", EXAMPLES)
     parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument("hf_dir", metavar="HF_DIR", help="the folder to write (must be new or empty)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
@@ -60,7 +60,7 @@ def export_command(args: argparse.Namespace) -> int:
         begin = time.perf_counter()
         if args.format == "peft":
             export_peft(trainer, args.hf_dir, args.base or run.read_config().from_pretrained, overwrite=args.overwrite)
-            how = (f"peft.PeftModel.from_pretrained(transformers.GPTJForCausalLM.from_pretrained(BASE), "
+            how = (f"peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(BASE), "
                    f"{args.hf_dir!r})")
         else:
             if args.base is not None and trainer.adapters is None:
@@ -68,7 +68,7 @@ def export_command(args: argparse.Namespace) -> int:
             base = args.base or run.read_config().from_pretrained if trainer.adapters is not None else None
             export_hf(trainer, tokenizer, args.hf_dir, args.dtype and DTYPES[args.dtype],
                       parse_size(args.max_shard_size), overwrite=args.overwrite, base=base)
-            how = f"transformers.GPTJForCausalLM.from_pretrained({args.hf_dir!r})"
+            how = f"transformers.AutoModelForCausalLM.from_pretrained({args.hf_dir!r})"
         step = trainer.step_count
     files = sorted(p.name for p in Path(args.hf_dir).iterdir())
     make_console().print(
@@ -86,11 +86,10 @@ def refuse_non_empty(out: Path, overwrite: bool) -> None:
 
 
 def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:
-    """Write a LoRA run's adapters as PEFT writes them for GPT-J: adapter_config.json and
+    """Write a LoRA run's adapters as PEFT writes them: adapter_config.json and
     adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight')."""
     from safetensors.torch import save_file
 
-    from layers import unit_prefix
     if trainer.adapters is None:
         raise RunError("this run trained every weight (no --lora-rank): export it without --format peft")
     out = Path(out_dir)
@@ -104,14 +103,14 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "use_rslora": False, "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = trainer.adapters.hf_state_dict({unit: unit_prefix(unit) for unit in trainer.units})
+    tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units})
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False,
               base: str | Path | None = None) -> None:
-    """Write the trainer's master weights (LoRA's adapters merged) as a Hugging Face GPT-J folder, one unit in
+    """Write the trainer's master weights (LoRA's adapters merged) as a Hugging Face folder, one unit in
     memory at a time, in `dtype` (default: fp32).
 
     A LoRA run's store holds its frozen base in the compute dtype only; with `base` (the checkpoint the run

@@ -25,7 +25,7 @@ COMMANDS = {
     "plan": "device memory and time of a training step, before running it",
     "eval": "loss and perplexity of a run on a data file",
     "generate": "sample text from a run, streaming its layers",
-    "export": "write a run as a Hugging Face GPT-J folder",
+    "export": "write a run as a Hugging Face folder",
     "trace": "the per-layer memory table and plot of a run",
     "devices": "the device catalogue: every figure with its basis and source",
     "calibrate": "measure this machine: the cpu as the local device, or a CUDA GPU against its preset",
@@ -74,8 +74,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(declared: Iterable[str] = tuple(COMMANDS)[:-1]) -> Parser:
     """The `streamer` parser, with the flags of the `declared` commands (their modules are imported)."""
-    parser = Parser(prog="streamer", description="Full fine-tuning of GPT-J models larger than the device, "
-                                                 "by streaming one layer at a time.",
+    parser = Parser(prog="streamer", description="Full fine-tuning of GPT-J and Llama-family models larger than "
+                                                 "the device, by streaming one layer at a time.",
                     epilog=TOP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, line in COMMANDS.items():

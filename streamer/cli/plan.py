@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
@@ -122,7 +122,7 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scaling(shape: GPTJConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dict[str, float]]:
+def _scaling(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dict[str, float]]:
     """Tokens/s on 1, 2, 4, ... up to cfg.devices devices, each with cfg's micro-batches (SCALING_ASSUMPTION)."""
     per_device = cfg.batch // cfg.devices
     counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
@@ -168,7 +168,7 @@ def plan_dtype(target: str, requested: str) -> DtypeChoice:
     return DtypeChoice(requested, f"compute dtype {requested} (--dtype {requested})")
 
 
-def _device(name: str, shape: GPTJConfig, dtype: str) -> DeviceSpec:
+def _device(name: str, shape: ModelConfig, dtype: str) -> DeviceSpec:
     try:
         if name == "local":
             return local_spec(Path("runs"), shape, dtype)

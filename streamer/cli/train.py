@@ -17,7 +17,7 @@ from typing import Callable, TypeVar
 
 from rich.console import Console
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from streamer.advice import check_fits, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.training import Session, describe, report, resume_command, train
@@ -118,6 +118,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
+    cfg.check_lora_targets(model_cfg)
     cfg, changed = check_host_resources(cfg, model_cfg)  # config.toml records a change: resume keeps it
     if changed is not None:
         console.print(changed, markup=False, highlight=False)
@@ -316,13 +317,13 @@ def _discard(run: RunDir) -> None:
     run.finish_setup()  # lets go of the set-up mark's lock
 
 
-def _check_seq(cfg: RunConfig, model_cfg: GPTJConfig) -> None:
-    if cfg.seq > model_cfg.n_positions:
-        raise RunError(f"--seq {cfg.seq} exceeds the model's context (n_positions={model_cfg.n_positions}); "
-                       f"use --seq {model_cfg.n_positions} or less")
+def _check_seq(cfg: RunConfig, model_cfg: ModelConfig) -> None:
+    context, why = model_cfg.context()
+    if cfg.seq > context:
+        raise RunError(f"--seq {cfg.seq} exceeds the model's context ({why}); use --seq {context} or less")
 
 
-def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
+def fit_vocabulary(cfg: RunConfig, model_cfg: ModelConfig) -> ModelConfig:
     """The model to initialise: a model trained from scratch on a BPE trained here gets at least the MIN_VOCAB ids
     a byte-level BPE needs (gptj-debug's 256 embeddings cannot hold 256 bytes plus end-of-text)."""
     if cfg.from_pretrained is None and cfg.data.tokenizer is None and model_cfg.vocab_size < MIN_VOCAB:
@@ -330,7 +331,7 @@ def fit_vocabulary(cfg: RunConfig, model_cfg: GPTJConfig) -> GPTJConfig:
     return model_cfg
 
 
-def _tokenizer(cfg: RunConfig, model_cfg: GPTJConfig) -> Tokenizer:
+def _tokenizer(cfg: RunConfig, model_cfg: ModelConfig) -> Tokenizer:
     """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
     data = cfg.data
     source = data.tokenizer or cfg.from_pretrained

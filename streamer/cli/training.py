@@ -214,7 +214,7 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
     if not s.lead and not sharded:
         return
     prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
-    new_tokens = min(cfg.sample_tokens, trainer.cfg.n_positions - len(prompt_ids))
+    new_tokens = min(cfg.sample_tokens, trainer.cfg.context()[0] - len(prompt_ids))
     if new_tokens > 0:
         sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.trainer.seed)
         text = complete(trainer, s.tokenizer, cfg.sample_prompt, sampling)

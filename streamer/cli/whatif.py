@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layers import GPTJConfig
+    from layers import ModelConfig
     from memory_model.devices import DeviceSpec
     from streamer.run import RunConfig
 
@@ -70,7 +70,7 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
             "bottleneck": predicted.bottleneck}
 
 
-def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps: list[dict[str, Any]],
+def replayed_steps(shape: ModelConfig, device: DeviceSpec, cfg: RunConfig, steps: list[dict[str, Any]],
                    processes: int = 1) -> list[float]:
     """The planned time of each step the run logged, on the schedule the trainer ran it with. With clipping
     on, a fused step is speculative: one whose gradient norm exceeded --max-grad-norm was undone and made
@@ -97,14 +97,14 @@ def replayed_steps(shape: GPTJConfig, device: DeviceSpec, cfg: RunConfig, steps:
 
 def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
     """Plan every point of the grid; write the CSV and the roofline plot. Returns their paths and the count."""
-    from layers import GPTJConfig
+    from layers import ModelConfig
     from memory_model import PlanConfig, device_spec, plan
 
-    shape = GPTJConfig.named(model)
+    shape = ModelConfig.named(model)
     rows = []
     for batch, seq, target, tier, update in itertools.product(SWEEP_BATCHES, SWEEP_SEQS, SWEEP_TARGETS,
                                                                SWEEP_TIERS, SWEEP_UPDATES):
-        if seq > shape.n_positions:
+        if seq > shape.context()[0]:
             continue
         device = device_spec(target)
         p = plan(shape, device, PlanConfig(batch=batch, seq=seq, activations=activations, store=tier,

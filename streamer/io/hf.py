@@ -1,4 +1,4 @@
-"""Hugging Face GPT-J checkpoints in and out, one tensor at a time.
+"""Hugging Face checkpoints (every family in layers) in and out, one tensor at a time.
 
 A 6B checkpoint is larger than the memory this runtime is built to save, so
 nothing here ever holds a whole model: `HFCheckpoint` opens shards lazily and
@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from layers import GPTJ, IGNORED_CHECKPOINT_SUFFIXES, CheckpointMismatch, ConfigError, GPTJConfig, check_state_dict
+from layers import CheckpointMismatch, ConfigError, ModelConfig, check_state_dict, resident_model
 from streamer.errors import CheckpointError
 from streamer.store.layout import DTYPES
 from streamer.store.slabfile import fsync_path
@@ -57,9 +57,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class HFCheckpoint:
-    """A GPT-J checkpoint folder: config.json plus safetensors or (weights-only) pickle weights."""
+    """A Hugging Face checkpoint folder: config.json plus safetensors or (weights-only) pickle weights."""
 
-    def __init__(self, root: Path, config: GPTJConfig, entries: dict[str, _Entry],
+    def __init__(self, root: Path, config: ModelConfig, entries: dict[str, _Entry],
                  shards: dict[str, Any]) -> None:
         self.root = root
         self.config = config
@@ -89,7 +89,7 @@ class HFCheckpoint:
                 if key not in found:
                     raise CheckpointError(f"{layout} puts {key!r} in {name}, which does not hold it; "
                                           "re-save the checkpoint or fix the index")
-                if not key.endswith(IGNORED_CHECKPOINT_SUFFIXES):
+                if not key.endswith(config.ignored_checkpoint_suffixes):
                     entries[key] = found[key]
         return cls(root, config, entries, shards)
 
@@ -157,24 +157,24 @@ class HFCheckpoint:
                                   f"{list(self._entries)[:3]}") from None
 
 
-def expected_tensors(cfg: GPTJConfig) -> dict[str, torch.Tensor]:
+def expected_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The HF state dict a config describes, as meta tensors: names and shapes, no memory."""
     try:
         with torch.device("meta"):
-            return GPTJ(cfg, init=False).state_dict()
+            return resident_model(cfg, init=False).state_dict()
     except (RuntimeError, OverflowError, ValueError) as exc:
         raise CheckpointError(f"the config describes a model that cannot be built ({_brief(exc)}); "
-                              "check its sizes (n_embd, n_layer, vocab_size, n_inner)") from None
+                              "check its sizes") from None
 
 
-def _read_config(root: Path) -> GPTJConfig:
+def _read_config(root: Path) -> ModelConfig:
     path = root / "config.json"
     try:
-        return GPTJConfig.from_hf(path)
+        return ModelConfig.from_hf(path)
     except ConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     except (TypeError, ValueError, OSError) as exc:  # values of the wrong JSON type, unreadable file
-        raise CheckpointError(f"{path} is not a valid GPT-J config ({_brief(exc)}); fix or replace it") from None
+        raise CheckpointError(f"{path} is not a valid model config ({_brief(exc)}); fix or replace it") from None
 
 
 def _read_index(root: Path, name: str) -> dict[str, str]:
@@ -246,7 +246,7 @@ def _open_shard(root: Path, name: str) -> tuple[Any, dict[str, _Entry]]:
 
 
 class HFExporter:
-    """Write a GPT-J checkpoint that `transformers.GPTJForCausalLM.from_pretrained` loads, tensor by tensor.
+    """Write a checkpoint that transformers' `AutoModelForCausalLM.from_pretrained` loads, tensor by tensor.
 
     with HFExporter(out_dir, cfg, dtype=torch.bfloat16) as export:
         for key, tensor in tensors:
@@ -259,7 +259,7 @@ class HFExporter:
     eos_token_id: the tokenizer's) replace config.json's defaults.
     """
 
-    def __init__(self, directory: str | Path, cfg: GPTJConfig, dtype: torch.dtype = torch.float32,
+    def __init__(self, directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  max_shard_bytes: int = 2 * 2**30, overwrite: bool = False,
                  token_ids: dict[str, int] | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
@@ -309,7 +309,7 @@ class HFExporter:
             raise RuntimeError("HFExporter.add() must be called inside its `with` block")
         expected = self._expected.get(key)
         if expected is None:
-            raise CheckpointError(f"{key!r} is not a tensor of a GPT-J model with this config; "
+            raise CheckpointError(f"{key!r} is not a tensor of a model with this config; "
                                   f"valid names look like {next(iter(self._expected))!r}")
         if key in self._written or key in self._pending:
             raise CheckpointError(f"{key} was added twice; add each tensor once")

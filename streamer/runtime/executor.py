@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch.func import functional_call
 
-from layers import GPTJConfig, build_unit
+from layers import ModelConfig, build_unit
 from layers.lora import add_adapters
 from memory_model import Ledger, Trace
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
@@ -33,7 +33,7 @@ from streamer.runtime.transport import IOQueues, Loaded, Transport
 
 
 class Executor:
-    def __init__(self, cfg: GPTJConfig, step: StepConfig, optimizer: OptimizerConfig, device: torch.device,
+    def __init__(self, cfg: ModelConfig, step: StepConfig, optimizer: OptimizerConfig, device: torch.device,
                  dtype: torch.dtype, placement: Placement, store: StoreReader | None, ledger: Ledger, trace: Trace,
                  layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
                  adapters: Adapters | None = None, writer: StoreWriter | None = None) -> None:

@@ -13,36 +13,29 @@ from typing import Iterator
 
 import torch
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from layers.lora import init_adapters
-from memory_model.lora import LoraConfig, target_shape
+from memory_model.lora import LoraConfig, check_targets, target_shape
 from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import UnitLayout
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
-
-
-def target_key(target: str) -> str:
-    """A projection's key inside a block: 'q_proj' -> 'attn.q_proj', 'fc_in' -> 'mlp.fc_in'."""
-    return ("attn." if target in _ATTENTION else "mlp.") + target
-
-
 class Adapters:
-    def __init__(self, cfg: GPTJConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
                  seed: int) -> None:
+        check_targets(cfg, lora)
         self.cfg, self.lora, self.device, self.seed = cfg, lora, device, seed
         self.params: dict[str, dict[str, torch.Tensor]] = {}  # unit -> key in the unit -> fp32 leaf
-        for i in range(cfg.n_layer):
+        for i in range(cfg.num_hidden_layers):
             unit, tensors = f"block.{i}", {}
             torch.manual_seed(seed * 1_000_003 + 500_009 + i)  # per block, as the base is initialised per unit
             for target in lora.target_names:
                 fan_in, fan_out = target_shape(cfg, target)
                 a, b = torch.empty(lora.rank, fan_in), torch.empty(fan_out, lora.rank)
                 init_adapters(a, b)
-                tensors[f"{target_key(target)}.lora_A.weight"] = a.to(device).requires_grad_()
-                tensors[f"{target_key(target)}.lora_B.weight"] = b.to(device).requires_grad_()
+                tensors[f"{cfg.projections[target]}.lora_A.weight"] = a.to(device).requires_grad_()
+                tensors[f"{cfg.projections[target]}.lora_B.weight"] = b.to(device).requires_grad_()
             self.params[unit] = tensors
         self.optimizer = torch.optim.AdamW(
             self.leaves(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
@@ -111,7 +104,7 @@ class Adapters:
         """Add scaling * B @ A to the targeted weights of a unit's flat fp32 master (the merged export)."""
         views = layout.views(flat)
         for target in self.lora.target_names:
-            key = target_key(target)
+            key = self.cfg.projections[target]
             tensors = self.params.get(unit)
             if tensors is not None:
                 a, b = tensors[f"{key}.lora_A.weight"].detach().cpu(), tensors[f"{key}.lora_B.weight"].detach().cpu()

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from layers import GPTJConfig, build_unit, unit_hf_key, weight_decayed
+from layers import ModelConfig, build_unit, weight_decayed
 from memory_model.schedule import loads_read_master
 from memory_model.settings import Choice
 from streamer.errors import StoreError
@@ -60,14 +60,14 @@ class UnitLayout:
     slots: tuple[TensorSlot, ...]  # decayed tensors first, so decay is one contiguous prefix
 
     @classmethod
-    def of(cls, cfg: GPTJConfig, unit: str) -> "UnitLayout":
+    def of(cls, cfg: ModelConfig, unit: str) -> "UnitLayout":
         with _ShapesOnly():
             module = build_unit(cfg, unit)
         params = list(module.named_parameters())
         ordered = [p for p in params if p[1].dim() >= 2] + [p for p in params if p[1].dim() < 2]
         slots, offset = [], 0
         for key, param in ordered:
-            slots.append(TensorSlot(key, unit_hf_key(unit, key), tuple(param.shape), offset))
+            slots.append(TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset))
             offset += param.numel()
         return cls(unit, tuple(slots))
 
@@ -103,7 +103,7 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
     return flat
 
 
-def model_layouts(cfg: GPTJConfig) -> tuple[UnitLayout, ...]:
+def model_layouts(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
     return tuple(UnitLayout.of(cfg, unit) for unit in cfg.unit_names())
 
 

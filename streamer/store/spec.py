@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import Choice, Integer, Switch, check_settings, setting
 from streamer.errors import StoreError
@@ -34,7 +34,7 @@ def _error(key: str, problem: str) -> StoreError:
 
 @dataclass(frozen=True)
 class StoreSpec:
-    config: GPTJConfig
+    config: ModelConfig
     compute_dtype: str = setting("bf16", "dtype of the compute weights", Choice(tuple(DTYPES)), "DTYPE")
     moment_dtype: str = setting("fp32", "dtype of the Adam moments", Choice(tuple(DTYPES)), "DTYPE")
     placement: Placement = field(default_factory=Placement)
@@ -146,7 +146,7 @@ class StoreSpec:
 
     def to_dict(self) -> dict[str, Any]:
         sharded = {"shards": self.shards} if self.shards > 1 else {}  # a whole store's manifest reads as before
-        return {"config": self.config.__dict__, "compute_dtype": self.compute_dtype,
+        return {"config": self.config.to_dict(), "compute_dtype": self.compute_dtype,
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
                 **sharded, "frozen": self.frozen}
 
@@ -156,7 +156,7 @@ class StoreSpec:
             # A store written before `frozen` existed holds a full training state, whatever its run trained.
             if set(raw) - {"shards", "frozen"} != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
-            return cls(GPTJConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
+            return cls(ModelConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
                        Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None

@@ -1,0 +1,176 @@
+"""The GPT-J family's configuration (torch-free): Hugging Face's field names, validated, frozen; its presets, its
+parameter counts and its checkpoint key map. Its units are in layers/gptj_units.py."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from layers.config import HF_IGNORED_KEYS, PRESETS, ConfigError, ModelConfig, family, positive_ints, take_aliases
+
+_GPTJ_IGNORED_KEYS = frozenset({
+    "attention_dropout", "scale_attn_weights", "summary_type", "summary_use_proj", "summary_activation",
+    "summary_proj_to_labels", "summary_first_dropout",
+})
+# Dropout is a training-time regulariser the public checkpoints set to 0.
+_HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+_SUPPORTED_ACTIVATIONS = ("gelu_new",)
+
+
+@family
+@dataclass(frozen=True)
+class GPTJConfig(ModelConfig):
+    model_type: ClassVar[str] = "gptj"
+    units: ClassVar[str] = "layers.gptj_units"
+    ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("attn.bias", "attn.masked_bias")
+    hf_body: ClassVar[str] = "transformer."
+    hf_blocks: ClassVar[str] = "h"
+    hf_final_norm: ClassVar[str] = "ln_f"
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "out_proj": "attn.out_proj",
+        "fc_in": "mlp.fc_in", "fc_out": "mlp.fc_out"}
+
+    vocab_size: int = 50400
+    n_positions: int = 2048
+    n_embd: int = 4096
+    n_layer: int = 28
+    n_head: int = 16
+    rotary_dim: int = 64
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        positive_ints(self, "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "rotary_dim")
+        if self.n_inner is not None and (
+            not isinstance(self.n_inner, int) or isinstance(self.n_inner, bool) or self.n_inner <= 0
+        ):
+            raise ConfigError(f"n_inner must be a positive integer or None (= 4 * n_embd), got {self.n_inner!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                f"choose n_head among the divisors of {self.n_embd}"
+            )
+        if self.rotary_dim % 2:
+            raise ConfigError(f"rotary_dim ({self.rotary_dim}) must be even: rotary rotates pairs of dimensions")
+        if self.rotary_dim > self.head_dim:
+            raise ConfigError(
+                f"rotary_dim ({self.rotary_dim}) cannot exceed the head dimension n_embd/n_head = {self.head_dim}"
+            )
+        if self.activation_function not in _SUPPORTED_ACTIVATIONS:
+            raise ConfigError(
+                f"activation_function {self.activation_function!r} is not supported; GPT-J uses 'gelu_new'"
+            )
+        if not isinstance(self.layer_norm_epsilon, (int, float)) or not 0 < self.layer_norm_epsilon < 1:
+            raise ConfigError(f"layer_norm_epsilon must be in (0, 1), got {self.layer_norm_epsilon!r}")
+        if self.tie_word_embeddings is not False:
+            raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
+                              f"got {self.tie_word_embeddings!r}")
+        self.check_size()
+
+    # --- the common vocabulary (HF's attribute_map for GPT-J) -------------------------------------------
+    @property
+    def hidden_size(self) -> int:  # type: ignore[override]
+        return self.n_embd
+
+    @property
+    def num_hidden_layers(self) -> int:  # type: ignore[override]
+        return self.n_layer
+
+    @property
+    def num_attention_heads(self) -> int:  # type: ignore[override]
+        return self.n_head
+
+    @property
+    def num_key_value_heads(self) -> int:  # type: ignore[override]
+        return self.n_head
+
+    @property
+    def head_dim(self) -> int:  # type: ignore[override]
+        return self.n_embd // self.n_head
+
+    @property
+    def intermediate_size(self) -> int:  # type: ignore[override]
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def max_position_embeddings(self) -> int:  # type: ignore[override]
+        return self.n_positions
+
+    def context(self) -> tuple[int, str]:
+        return self.n_positions, f"n_positions={self.n_positions}"
+
+    # --- parameters -------------------------------------------------------------------------------
+    def block_params(self) -> int:
+        d, f = self.n_embd, self.intermediate_size
+        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.n_embd
+
+    def head_params(self) -> int:
+        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        d, f = self.n_embd, self.intermediate_size
+        return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
+
+    # --- what memory_model needs (on the cpu: LayerNorm keeps mean and rstd in the input dtype) ------------
+    def block_matmul_params(self) -> int:
+        return 4 * self.n_embd ** 2 + 2 * self.n_embd * self.intermediate_size
+
+    def block_saved_per_token(self, es: int) -> int:
+        d, f = self.n_embd, self.intermediate_size
+        return es * (d  # h: the block input, saved by ln_1
+                     + d  # x = ln_1(h), shared by q/k/v_proj and fc_in
+                     + 4 * d  # rotated q and k, v, and the attention output (saved by SDPA and out_proj)
+                     + 2 * f  # fc_in output (gelu's input) and gelu output (fc_out's input)
+                     + 2)  # LayerNorm mean, rstd
+
+    def block_saves_input(self, es: int) -> bool:
+        return True  # ln_1 saves h
+
+    def head_saved_per_token(self, es: int) -> int:
+        return es * (2 * self.n_embd + 2)  # h (ln_f's input), ln_f's output (the loss's input); mean, rstd
+
+    # --- Hugging Face config.json ------------------------------------------------------------------
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "GPTJConfig":
+        for key in _HF_DROPOUT_KEYS:
+            value = raw.pop(key, 0.0)
+            if value not in (0, 0.0, None):
+                raise ConfigError(f"{key}={value} is not supported (no dropout); set it to 0.0")
+        take_aliases(raw, {"hidden_size": "n_embd", "num_attention_heads": "n_head",
+                           "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"})
+        # The published GPT-J config says "rotary": true; rotary is not optional here.
+        if raw.pop("rotary", True) is not True:
+            raise ConfigError("rotary=false (no rotary embedding) is not GPT-J; remove it or set it to true")
+        if raw.get("rotary_dim", 64) is None:
+            raise ConfigError("rotary_dim=None (rotary over the whole head) is not supported; set rotary_dim")
+        fields = {k: v for k, v in raw.items() if k not in HF_IGNORED_KEYS | _GPTJ_IGNORED_KEYS}
+        return cls.from_dict(fields)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json that transformers.GPTJForCausalLM reads."""
+        return {
+            "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
+            **dataclasses.asdict(self),
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "initializer_range": 0.02, "use_cache": True,
+            "bos_token_id": 50256 if self.vocab_size > 50256 else 0,
+            "eos_token_id": 50256 if self.vocab_size > 50256 else 0,
+        }
+
+
+PRESETS.update({
+    # The public EleutherAI/gpt-j-6B.
+    "gptj-6b": GPTJConfig(),
+    # GPT-J-shaped models sized for a 2-core, 24 GiB machine.
+    "gptj-4b": GPTJConfig(n_embd=3584, n_layer=24, n_head=14, rotary_dim=64),
+    "gptj-2.7b": GPTJConfig(n_embd=2560, n_layer=32, n_head=20, rotary_dim=32),
+    "gptj-1.3b": GPTJConfig(n_embd=2048, n_layer=24, n_head=16, rotary_dim=32),
+    "gptj-350m": GPTJConfig(n_embd=1024, n_layer=20, n_head=16, rotary_dim=16),
+    "gptj-demo": GPTJConfig(vocab_size=4096, n_positions=256, n_embd=384, n_layer=6, n_head=6, rotary_dim=16),
+    "gptj-debug": GPTJConfig(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+})

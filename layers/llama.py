@@ -1,0 +1,277 @@
+"""The Llama family's configurations (torch-free), transformers' field names: `llama`, and `mistral`, `qwen2`
+and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention, rotate-half RoPE (with
+`rope_parameters`: default, linear, dynamic, llama3). Its units are in layers/llama_units.py.
+
+The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
+q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k), and which of transformers' optional flags
+(`attention_bias`, `mlp_bias`) the family's transformers class honours.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+from layers.config import HF_IGNORED_KEYS, PRESETS, ConfigError, ModelConfig, family, positive_ints
+
+# What each rope_type needs besides rope_theta (transformers' modeling_rope_utils).
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Keys transformers writes that carry no shape or that the checks below settle.
+_IGNORED = HF_IGNORED_KEYS | {"attention_dropout", "pretraining_tp", "max_window_layers", "layer_types",
+                              "use_sliding_window", "rope_theta", "rope_scaling", "mlp_only_layers"}
+
+
+def rope_parameters_of(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers' `rope_parameters`, or the older `rope_theta` and `rope_scaling` (`type` for `rope_type`)
+    that published Llama, Mistral and Qwen configs carry, as one dict."""
+    if "rope_parameters" in raw and raw["rope_parameters"] is not None:
+        params = dict(raw["rope_parameters"])
+    else:
+        scaling = dict(raw.get("rope_scaling") or {})
+        if "type" in scaling:
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        params = {"rope_theta": raw.get("rope_theta", 10000.0), "rope_type": "default", **scaling}
+    params.setdefault("rope_type", "default")
+    return params
+
+
+@family
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    model_type: ClassVar[str] = "llama"
+    units: ClassVar[str] = "layers.llama_units"
+    ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    hf_body: ClassVar[str] = "model."
+    hf_blocks: ClassVar[str] = "layers"
+    hf_final_norm: ClassVar[str] = "norm"
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+        "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+        "down_proj": "mlp.down_proj"}
+    architecture: ClassVar[str] = "LlamaForCausalLM"
+    qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
+    qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
+    honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
+    slides: ClassVar[bool] = False  # whether transformers' class reads sliding_window
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: num_attention_heads (multi-head attention)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    # Items of transformers' rope_parameters dict (rope_theta, rope_type, its factors), sorted: hashable.
+    rope_parameters: Any = field(default=(("rope_theta", 10000.0), ("rope_type", "default")))
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        positive_ints(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; the {self.model_type} family "
+                              "uses 'silu'")
+        if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
+            raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
+        if self.tie_word_embeddings is not False:
+            # The embedding and the head are separate streamed units; one shared parameter would need one
+            # master and one update fed by both units' gradients, which the store does not do yet.
+            raise ConfigError("tie_word_embeddings=true (one weight for the embedding and lm_head) is not "
+                              "supported yet: the streamed store keeps them as separate units")
+        for flag in ("attention_bias", "mlp_bias"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool) or (value and flag not in self.honoured_flags):
+                raise ConfigError(f"{flag}={value!r} is not supported for {self.model_type}; set it to false")
+        if self.sliding_window is not None:
+            if not self.slides:
+                raise ConfigError(f"sliding_window is not part of {self.model_type}; remove it")
+            positive_ints(self, "sliding_window")
+        self._check_rope()
+        self.check_size()
+
+    def _check_rope(self) -> None:
+        params = dict(self.rope_parameters.items() if isinstance(self.rope_parameters, Mapping)
+                      else self.rope_parameters)
+        object.__setattr__(self, "rope_parameters", tuple(sorted(params.items())))
+        kind = params.get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        for key in ("rope_theta", *ROPE_TYPES[kind]):
+            value = params.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"rope_parameters[{key!r}] must be a positive number for rope_type {kind!r}, "
+                                  f"got {value!r}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError("partial_rotary_factor other than 1.0 is not supported; remove it")
+        if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
+            raise ConfigError("rope_parameters' low_freq_factor must be below high_freq_factor")
+
+    # --- the common vocabulary ------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:  # type: ignore[override]
+        return self.head_dim  # type: ignore[return-value]
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_parameters)
+
+    def context(self) -> tuple[int, str]:
+        # Within the window every key of a causal sequence is visible: the window changes nothing there.
+        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window, (f"sliding_window={self.sliding_window}; attention over a sliding window "
+                                         "is not supported")
+        return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
+
+    # --- parameters -------------------------------------------------------------------------------
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def block_params(self) -> int:
+        d, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim  # type: ignore
+        attention = d * q + 2 * d * kv + q * d
+        attention += (q + 2 * kv) if self.attention_bias or self.qkv_bias else 0
+        attention += d if self.attention_bias else 0  # o_proj's bias
+        attention += 2 * self.head_dim if self.qk_norm else 0  # type: ignore[operator]
+        mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+        return 2 * d + attention + mlp  # input_layernorm, post_attention_layernorm
+
+    def head_params(self) -> int:
+        return self.hidden_size + self.vocab_size * self.hidden_size  # norm, lm_head (no bias)
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+                "up_proj": (d, f), "down_proj": (f, d)}[name]
+
+    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
+    def block_matmul_params(self) -> int:
+        d, q, kv = self.hidden_size, self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore
+        return 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size
+
+    def block_saved_per_token(self, es: int) -> int:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        # Each RMSNorm over w features: its fp32 input (the input itself in fp32), rstd, the normalised values
+        # (the weight's multiplier), and its output (the next matmuls' input).
+        def norm(w: int, rows: int = 1) -> int:
+            return 4 * w + 4 * rows + es * w
+
+        saved = 2 * (norm(d) + es * d)  # input_layernorm and post_attention_layernorm, and their outputs
+        if self.qk_norm:  # per head of q and k; their outputs go to RoPE, which saves only its tables
+            saved += norm(q, self.num_attention_heads) + norm(kv, self.num_key_value_heads)  # type: ignore
+        saved += 4 * es * q  # rotated q, k and v repeated to every query head (SDPA's inputs), its output
+        return saved + 4 * es * f  # gate, silu(gate), up, and their product (down_proj's input)
+
+    def block_saves_input(self, es: int) -> bool:
+        return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
+
+    def head_saved_per_token(self, es: int) -> int:
+        return 4 * self.hidden_size + 4 + 2 * es * self.hidden_size  # the final RMSNorm and its output
+
+    # --- Hugging Face config.json ------------------------------------------------------------------
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "LlamaConfig":
+        for key, fine in (("attention_dropout", 0.0), ("pretraining_tp", 1)):
+            if raw.get(key, fine) not in (fine, None):
+                raise ConfigError(f"{key}={raw[key]} is not supported; set it to {fine}")
+        raw["rope_parameters"] = rope_parameters_of(raw)
+        if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+            raw["sliding_window"] = None  # transformers' Qwen configs: the window is off
+        fields = {k: v for k, v in raw.items() if k not in _IGNORED}
+        return cls.from_dict(fields)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json that transformers' class for this model_type reads."""
+        out = {"architectures": [self.architecture], "model_type": self.model_type,
+               **dataclasses.asdict(self), "rope_parameters": self.rope,
+               "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
+        for flag in ("attention_bias", "mlp_bias"):
+            if flag not in self.honoured_flags:
+                del out[flag]
+        if not self.slides:
+            del out["sliding_window"]
+        elif self.model_type != "mistral":
+            out["use_sliding_window"] = self.sliding_window is not None
+        return out
+
+
+@family
+@dataclass(frozen=True)
+class MistralConfig(LlamaConfig):
+    model_type: ClassVar[str] = "mistral"
+    architecture: ClassVar[str] = "MistralForCausalLM"
+    honoured_flags: ClassVar[tuple[str, ...]] = ()
+    slides: ClassVar[bool] = True
+
+
+@family
+@dataclass(frozen=True)
+class Qwen2Config(LlamaConfig):
+    model_type: ClassVar[str] = "qwen2"
+    architecture: ClassVar[str] = "Qwen2ForCausalLM"
+    qkv_bias: ClassVar[bool] = True
+    honoured_flags: ClassVar[tuple[str, ...]] = ()
+    slides: ClassVar[bool] = True
+
+
+@family
+@dataclass(frozen=True)
+class Qwen3Config(LlamaConfig):
+    model_type: ClassVar[str] = "qwen3"
+    architecture: ClassVar[str] = "Qwen3ForCausalLM"
+    qk_norm: ClassVar[bool] = True
+    honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
+    slides: ClassVar[bool] = True
+
+
+def _llama3(theta: float, factor: float) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted({"rope_theta": theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items()))
+
+
+def _theta(theta: float) -> tuple[tuple[str, Any], ...]:
+    return (("rope_theta", theta), ("rope_type", "default"))
+
+
+PRESETS.update({
+    # The published shapes (their config.json files); tests/test_llama.py checks the parameter counts.
+    "llama-3.1-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                rms_norm_eps=1e-5, rope_parameters=_llama3(500000.0, 8.0)),
+    "mistral-7b": MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                                rms_norm_eps=1e-5, sliding_window=4096),
+    "qwen2.5-7b": Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                              num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                              rms_norm_eps=1e-6, rope_parameters=_theta(1000000.0)),
+    "qwen3-8b": Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters=_theta(1000000.0)),
+    # A small Llama for quick runs: GQA (4 query heads per key/value head) and llama3 RoPE scaling.
+    "llama-debug": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               rope_parameters=tuple(sorted({"rope_theta": 10000.0, "rope_type": "llama3",
+                                                             "factor": 8.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 16}.items()))),
+})

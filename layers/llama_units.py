@@ -1,0 +1,135 @@
+"""The Llama family's streamed units (embedding, decoder block, final norm + head) and its resident model, whose
+state_dict is key for key transformers' LlamaForCausalLM (MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM). The variations are the config's class attributes (layers/llama.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layers.block import KVCache, RMSNorm, attend, embedding, init_weights, language_model_output
+from layers.llama import LlamaConfig
+from layers.model import CausalLM
+from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
+
+
+class LlamaEmbedding(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # (B, T, d)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention: H query heads share H_kv key/value heads; rotate-half RoPE on q and k."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(d, q, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv, bias=qkv_bias)
+        self.o_proj = nn.Linear(q, d, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (B, T): packed rows' positions, restarting at 0 in each example; None: 0..T-1 from
+        start_pos."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if positions is None:
+            sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, x.dtype, x.device,
+                                        cfg.rope_parameters)
+        else:
+            sin, cos = rows_sincos(cfg.max_position_embeddings, cfg.head_dim, positions, x.dtype,
+                                   cfg.rope_parameters)
+        q, k = apply_rotary_halves(q, sin, cos), apply_rotary_halves(k, sin, cos)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm residual: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), start_pos, cache, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm and the language-model head (no bias): float32 logits, or with labels the causal-LM loss."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
+                num_items: float | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab), or given labels the loss (layers.block.language_model_output)."""
+        return language_model_output(self.norm(h), self.lm_head, labels, vocab_chunk, num_items)
+
+
+class _Model(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Llama(CausalLM):
+    """A Llama-family model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if init:
+            init_weights(self)
+
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # (B, T, d)
+        for i, block in enumerate(self.model.layers):
+            h = block(h, start_pos, None if caches is None else caches[i], positions)
+        return self.lm_head(self.model.norm(h)).float()  # (B, T, vocab)
+
+
+UNITS = {"embed": LlamaEmbedding, "block": LlamaBlock, "head": LlamaHead}
+MODEL = Llama
