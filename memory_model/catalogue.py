@@ -182,6 +182,17 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                   _s(0.830, f"{_MAMF}: 'NVIDIA GH200 SXM 821.0 989 83.0%'"), _s(0.75, _FA3),
                   "NVIDIA GH200 whitepaper (datacrunch.io), same Hopper GPU as H100 SXM", None,
                   _s(480 * GB, "the Grace CPU's LPDDR5X, 'Up to 480 GB' (GH200 whitepaper via datacrunch.io)")),
+    "v100": _gpu(_a(32510 * MiB, "assumed: nvidia-smi's usual 32510 MiB for the '32GB' V100"),
+                 125e12, 15.7e12, 900 * GB,
+                 _d(15.75 * GB, "derived: PCIe Gen3 x16 8 GT/s x 16 x 128/130 / 8 = 15.75 GB/s per direction"),
+                 _a(0.79, f"assumed: the Gen4 share measured on an A100 ({_GEN4_EFF})"),
+                 _d(0.76, "derived: fanghostt/transformers-benchmarks README, V100 'Matrix Multiplication FP32 / "
+                          "FP16 | 14 / 95' of 125 TFLOPS"),
+                 _a(0.76, "assumed: attention at the GEMM ceiling, as for Ampere and Ada"),
+                 "NVIDIA V100 datasheet (SXM2): 125 TFLOPS tensor (fp16; V100 has no bf16, so its 16-bit tensor "
+                 "rate stands for the 16-bit compute dtype), 15.7 TFLOPS FP32, 900 GB/s HBM2", None,
+                 _s(1500 * GB, "DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): "
+                               "'32GB V100 GPU + 1.5TB CPU memory'")),
     "rtx4090": _gpu(_a(24564 * MiB, "assumed: nvidia-smi's usual 24564 MiB for the '24 GB' card"),
                     165.2e12, 82.6e12, 1008 * GB, _GEN4_LINK, _GEN4_E,
                     _a(0.80, "assumed: no MAMF figure for Ada; the Hopper/Ampere GEMM ceiling (80-86%)"),
@@ -200,4 +211,111 @@ PRESET_NOTES: dict[str, tuple[str, ...]] = {
     "cs3": ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "
             "+30%: uncertain)",),
     "gh200": ("host link = NVLink-C2C to the Grace CPU's LPDDR5X (the store's RAM tier)",),
+    "v100": ("V100 has no bf16: its bf16 figures are its fp16 tensor rate, the 16-bit compute of ZeRO-Offload's "
+             "runs",),
 }
+
+
+# --- published runs of offloaded and streamed training -----------------------------------------------------------
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published measurement of offloaded or streamed training and the step the planner prices for it.
+
+    `shape` holds the GPTJConfig fields of the model, or of a GPT-J shape that stands in for it (same width,
+    depth and parameters per block); `step` the PlanConfig fields besides batch and seq. `metric` is
+    "TFLOPS per device" (the plan's model FLOP/s), "TFLOPS, all devices" or "speedup" (tokens/s on
+    `step["devices"]` over one device, each with the same micro-batches) or "MFU". `caveat` says what the source leaves
+    unstated and what the plan assumed instead; `reproducible` is False where the planner cannot model the run
+    at all (then it is listed, not priced)."""
+
+    system: str
+    measured: Figure
+    metric: str
+    model: str
+    shape: tuple[tuple[str, int], ...]
+    batch: int
+    seq: int
+    device: str
+    host: str
+    step: tuple[tuple[str, object], ...]
+    caveat: str
+    reproducible: bool = True
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("TFLOPS per device", "TFLOPS, all devices", "speedup", "MFU"):
+            raise ValueError(f"unknown metric {self.metric!r}")
+        if self.measured.basis != "sourced":
+            raise ValueError(f"{self.system}: a published run's figure is sourced, got {self.measured.basis}")
+
+
+_ZERO_OFFLOAD = ("Ren et al., ZeRO-Offload (arXiv 2101.06840), abstract: 'ZeRO-Offload can achieve 40 TFlops/GPU "
+                 "on a single NVIDIA V100 GPU for 10B parameter model'")
+_SUPEROFFLOAD = ("DeepSpeed blogs/deepspeed-superoffload/README.md (Lian et al., SuperOffload, arXiv 2509.21271): "
+                 "'Full fine-tuning of GPT-OSS-20B, Qwen3-14B, achieving ~600 TFLOPS (seq len 4K, batch size 4)'")
+_MEGATRAIN = ("DLYuanGod/MegaTrain README, News (Yuan et al., MegaTrain, arXiv 2604.05091): '4x H100 achieves 4.7x "
+              "super-linear speedup over single GPU (1290 vs 272 TFLOPS on Qwen2.5-7B)'")
+_CEREBRAS = ("Cerebras and Sandia at NeurIPS 2024 (aiwire.net 2024/12/11; 4nownews.com): a 1-trillion-parameter "
+             "model 'scaled up seamlessly to 16 CS-3 systems'; '16 CS-3 systems showed a 15.3-fold increase'")
+_ZERO3_OFFLOAD = ("DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): 'With 1 Trillion "
+                  "parameters, ZeRO-3 Offload sustains 25 PetaFlops ... on 512 NVIDIA V100 GPUs, achieving 49 "
+                  "TFlops/GPU'")
+_SUPEROFFLOAD_SP = ("Lian et al., SuperOffload (arXiv 2509.21271), abstract: 'enabling training of 13B model with "
+                    "sequence lengths up to 1 million tokens on 8 GH200 while achieving 55% MFU'")
+_NO_FLOPS = "the FLOP convention is not stated (Megatron's counts the recompute, the plan's does not)"
+# Qwen's blocks (SwiGLU, grouped KV heads) as GPT-J blocks of the same width, depth and parameters per block:
+# n_inner = (block parameters - 4 d^2) / 2d, from the models' config.json.
+_QWEN3_14B = (("vocab_size", 151936), ("n_positions", 4096), ("n_embd", 5120), ("n_layer", 40), ("n_head", 40),
+              ("rotary_dim", 64), ("n_inner", 22016))
+_QWEN25_7B = (("vocab_size", 152064), ("n_positions", 4096), ("n_embd", 3584), ("n_layer", 28), ("n_head", 28),
+              ("rotary_dim", 64), ("n_inner", 25344))
+_GPT2_10B = (("vocab_size", 50257), ("n_positions", 1024), ("n_embd", 4096), ("n_layer", 50), ("n_head", 32),
+             ("rotary_dim", 64))
+_GPTJ_6B = (("vocab_size", 50400), ("n_positions", 2048), ("n_embd", 4096), ("n_layer", 28), ("n_head", 16),
+            ("rotary_dim", 64))
+_HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"), ("update_timing", "after-backward"))
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "ZeRO-Offload", _s(40, _ZERO_OFFLOAD), "TFLOPS per device", "GPT-2 10B (50 x 4096, 32 heads)", _GPT2_10B,
+        10, 1024, "v100", "DGX-2 (V100-SXM3 32GB; DeepSpeed ZeRO-Offload tutorial)", _HOST_AFTER,
+        "batch 10 and activation checkpointing from the DeepSpeed tutorial's 10B config (the abstract states no "
+        f"batch); seq 1024 is Megatron GPT-2's default, not stated; {_NO_FLOPS}"),
+    PublishedRun(
+        "SuperOffload", _s(600, _SUPEROFFLOAD), "TFLOPS per device", "Qwen3-14B (40 x 5120)", _QWEN3_14B, 4, 4096,
+        "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (("activations", "checkpoint"), ("store", "ram"),
+                                                   ("update_on", "host"), ("update_timing", "overlapped")),
+        "one figure for three models; activation checkpointing assumed; the CPU update overlaps the backward as "
+        f"SuperOffload's speculation does; {_NO_FLOPS}"),
+    PublishedRun(
+        "MegaTrain", _s(272, _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B, 64, 1024,
+        "h100-sxm", "not stated", _HOST_AFTER,
+        "batch and seq not stated: batch 64 and seq 1024 are the README's example config (for another model); "
+        f"checkpointing as its README describes; {_NO_FLOPS}"),
+    PublishedRun(
+        "MegaTrain, 4 GPUs", _s(1290, _MEGATRAIN), "TFLOPS, all devices", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B,
+        256, 1024, "h100-sxm", "one host's shared memory, read by every GPU's worker",
+        (*_HOST_AFTER, ("devices", 4)),
+        "as the single-GPU row, 64 sequences per GPU; MegaTrain's workers share one host copy and need no "
+        "gradient all-reduce, where the plan all-reduces (the published 4.7x is super-linear)"),
+    PublishedRun(
+        "Cerebras weight streaming", _s(15.3, _CEREBRAS), "speedup", "1T-parameter model (shape not published)",
+        _GPTJ_6B, 1024, 2048, "cs3", "MemoryX (55 TB of DDR5) and SwarmX",
+        (("activations", "checkpoint"), ("store", "ram"), ("devices", 16)),
+        "the model's shape and batch are not published: GPT-J-6B at 64 x 2048 per system stands in; weak "
+        "scaling, each system with its own micro-batches"),
+    PublishedRun(
+        "ZeRO-3 Offload", _s(49, _ZERO3_OFFLOAD), "TFLOPS per device", "1T-parameter model (shape not published)",
+        _GPTJ_6B, 512, 2048, "v100", "32 DGX-2 nodes", (), "not priced: the model's shape and batch are not "
+        "published, and ZeRO-3's parameter all-gather across 512 GPUs is not this planner's data parallelism",
+        reproducible=False),
+    PublishedRun(
+        "SuperOffload, MoE", _s(600, _SUPEROFFLOAD), "TFLOPS per device", "GPT-OSS-20B (a mixture of experts)",
+        _QWEN3_14B, 4, 4096, "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (), "not priced: the planner models dense "
+        "blocks only, and a mixture of experts computes a fraction of its parameters per token",
+        reproducible=False),
+    PublishedRun(
+        "SuperOffload, 8 GPUs", _s(0.55, _SUPEROFFLOAD_SP), "MFU", "13B model at 1M tokens",
+        _GPTJ_6B, 8, 2048, "gh200", "8 GH200 superchips", (), "not priced: DeepSpeed-Ulysses sequence "
+        "parallelism splits each sequence over the 8 GPUs, which the planner does not model; the figure is an MFU",
+        reproducible=False),
+)

@@ -74,7 +74,7 @@ def test_format_size() -> None:
 # --- presets and links ---------------------------------------------------------------------------------------------
 def test_presets_exist_with_sources() -> None:
     assert set(DEVICE_PRESETS) == {"cs2", "cs3", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "gh200",
-                                   "rtx4090"}
+                                   "rtx4090", "v100"}
     for name, spec in DEVICE_PRESETS.items():
         assert spec.name == name and spec.source
         assert spec.flops["bf16"] > spec.flops["fp32"] > 0
