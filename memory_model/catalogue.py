@@ -74,6 +74,10 @@ _BASEPOD = ("NVIDIA DGX BasePOD reference architecture, core components (docs.nv
 _DGX_H_NETWORK = _d(8 * 400e9 / 8, f"derived: 8 ports x 400 Gb/s / 8 bits = 400 GB/s per machine; {_BASEPOD}")
 _ONE_NDR = _a(400e9 / 8, "assumed: one 400 Gb/s InfiniBand NDR port per machine (not a DGX H100's eight) / 8 bits "
                          f"= 50 GB/s; the port's rate: {_BASEPOD}")
+# The best published end-to-end training MFU: an end-to-end step's share of the peak, below any one kernel's.
+_BEST_MFU = _s(0.552, "Jiang et al., MegaScale (arXiv 2402.15627), abstract: 'MegaScale achieves 55.2% Model FLOPs "
+                      "Utilization (MFU) when training a 175B LLM model on 12,288 GPUs' (the best published GPU "
+                      "training MFU found; taken for every GPU class)")
 _NETWORK_LATENCY = _a(5e-6, "assumed: an InfiniBand hop and the NIC's setup, order of magnitude; no published figure")
 
 
@@ -97,6 +101,7 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
         "matmul_efficiency": _a(0.8, "assumed: Cerebras publishes no achievable rate; the GPU GEMM ceiling "
                                      "(MAMF 80-86%) is taken"),
         "attention_efficiency": _a(0.8, "assumed: as matmul_efficiency"),
+        "training_mfu": _a(0.8, "assumed: Cerebras publishes no training MFU; the matmul ceiling is taken"),
         "bandwidth_efficiency": _a(0.95, "assumed: 100 GbE payload after Ethernet/IP framing, 93-97%"),
         "device_mem_bandwidth": sram_bw,
         "host_ram_bytes": _s(4 * TB, "cerebras.net/glossary/memoryx: MemoryX 'can scale from 4TB to 2.4PB' "
@@ -114,8 +119,8 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
 
 def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, link_eff: Figure,
          matmul_eff: Figure, attention_eff: Figure, datasheet: str, nvlink: Figure | None,
-         ram: Figure, network: Figure = _ONE_NDR) -> dict[str, Figure]:
-    figures = {
+         ram: Figure, network: Figure = _ONE_NDR, mfu: Figure = _BEST_MFU) -> dict[str, Figure]:
+    figures = {"training_mfu": mfu,
         "memory_bytes": memory, "reserve_bytes": _a(723 * MiB, _CONTEXT),
         "h2d_bytes_per_s": link, "d2h_bytes_per_s": link,
         "bf16_flops": _s(bf16, f"{datasheet}: bf16 tensor, dense (half the sparse figure)"),
@@ -192,7 +197,9 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                  "NVIDIA V100 datasheet (SXM2): 125 TFLOPS tensor (fp16; V100 has no bf16, so its 16-bit tensor "
                  "rate stands for the 16-bit compute dtype), 15.7 TFLOPS FP32, 900 GB/s HBM2", None,
                  _s(1500 * GB, "DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): "
-                               "'32GB V100 GPU + 1.5TB CPU memory'")),
+                               "'32GB V100 GPU + 1.5TB CPU memory'"),
+                 mfu=_d(0.40, "derived: DeepSpeed ZeRO-3 Offload post, 'a sustained throughput of up to 50 Tflops "
+                              "per GPU' on 512 V100 / 125 TFLOPS (the best published V100 training MFU found)")),
     "rtx4090": _gpu(_a(24564 * MiB, "assumed: nvidia-smi's usual 24564 MiB for the '24 GB' card"),
                     165.2e12, 82.6e12, 1008 * GB, _GEN4_LINK, _GEN4_E,
                     _a(0.80, "assumed: no MAMF figure for Ada; the Hopper/Ampere GEMM ceiling (80-86%)"),
