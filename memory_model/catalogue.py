@@ -344,13 +344,16 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "ZeRO-Offload", _s(40, _ZERO_OFFLOAD), "TFLOPS per device", "GPT-2 10B (50 x 4096, 32 heads)", _GPT2_10B,
         10, 1024, "v100", "DGX-2 (V100-SXM3 32GB; DeepSpeed ZeRO-Offload tutorial)", _HOST_AFTER,
         "batch 10 and activation checkpointing from the DeepSpeed tutorial's 10B config (the abstract states no "
-        f"batch); seq 1024 is Megatron GPT-2's default, not stated; {_NO_FLOPS}"),
+        "batch); seq 1024 is Megatron GPT-2's default, not stated; the V100's training_mfu (40%) is ZeRO-3 "
+        f"Offload's 50 TFLOPS, in the same unstated convention; {_NO_FLOPS}"),
     PublishedRun(
         "SuperOffload", _s(600, _SUPEROFFLOAD), "TFLOPS per device", "Qwen3-14B (40 x 5120)", _QWEN3_14B, 4, 4096,
         "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (("activations", "checkpoint"), ("store", "ram"),
                                                    ("update_on", "host"), ("update_timing", "overlapped")),
         "one figure for three models; activation checkpointing assumed; the CPU update overlaps the backward as "
-        f"SuperOffload's speculation does; {_NO_FLOPS}"),
+        "SuperOffload's speculation does; Grace's AdamW rate is its bandwidth x the x86 CPU-Adam share, where "
+        "SuperOffload's GraceAdam is tuned for it (its rate is not in the sources at hand) and keeps the last "
+        f"buckets' update on the GPU; {_NO_FLOPS}"),
     PublishedRun(
         "MegaTrain", _s(272, _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B, 64, 1024,
         "h100-sxm", "not stated", _HOST_AFTER,
