@@ -74,13 +74,63 @@ _BASEPOD = ("NVIDIA DGX BasePOD reference architecture, core components (docs.nv
 _DGX_H_NETWORK = _d(8 * 400e9 / 8, f"derived: 8 ports x 400 Gb/s / 8 bits = 400 GB/s per machine; {_BASEPOD}")
 _ONE_NDR = _a(400e9 / 8, "assumed: one 400 Gb/s InfiniBand NDR port per machine (not a DGX H100's eight) / 8 bits "
                          f"= 50 GB/s; the port's rate: {_BASEPOD}")
+# The best published end-to-end training MFU: an end-to-end step's share of the peak, below any one kernel's.
+_BEST_MFU = _s(0.552, "Jiang et al., MegaScale (arXiv 2402.15627), abstract: 'MegaScale achieves 55.2% Model FLOPs "
+                      "Utilization (MFU) when training a 175B LLM model on 12,288 GPUs' (the best published GPU "
+                      "training MFU found; taken for every GPU class)")
 _NETWORK_LATENCY = _a(5e-6, "assumed: an InfiniBand hop and the NIC's setup, order of magnitude; no published figure")
 
 
-def _host(ram: Figure) -> dict[str, Figure]:
-    """The host side of a GPU server: RAM, an NVMe drive and DeepSpeed's CPU-Adam rate."""
+@dataclass(frozen=True)
+class Host:
+    """The CPU side of a GPU system: its processors, cores and memory bandwidth. The host's AdamW and gradient
+    fold are memory-bound, so their rate (host_update_bw) is its memory bandwidth times one AdamW share."""
+
+    cpu: str
+    cores: Figure
+    memory_bandwidth: Figure  # bytes/s, all sockets
+
+    def note(self) -> str:
+        bw = self.memory_bandwidth
+        why = bw.source if bw.source.startswith(bw.basis) else f"{bw.basis}: {bw.source}"
+        return f"host: {self.cpu}, {self.cores.value:.0f} cores, {bw.value / GB:.0f} GB/s memory ({why})"
+
+
+# DeepSpeed's CPU-Adam rate over the memory bandwidth of the host it ran on: the share of a host's memory
+# bandwidth its AdamW reaches, the same for every host (an Arm or x86 AdamW is memory-bound alike).
+_DGX2_BW = 2 * 6 * 21.33 * GB
+_ADAMW_SHARE = 1.41e9 * 28 / _DGX2_BW
+_ADAMW_SHARE_SOURCE = (f"{_CPU_ADAM}, over the 256 GB/s of a DGX-2 (2 x 6 channels DDR4-2666), ZeRO-Offload's "
+                       f"machine, which PR #735 does not name (assumed, uncertain): {_ADAMW_SHARE:.3f}")
+_MLPERF_H200 = ("MLCommons inference v4.1, closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: 'Intel(R) Xeon(R) "
+                "Platinum 8480C', 'host_processors_per_node': 2, 'host_processor_core_count': 56, '32x 64GB "
+                "MTC40F2046S1RC48BA1'")
+HOSTS: dict[str, Host] = {
+    "dgx-a100": Host("2 x AMD EPYC 7742 (DGX A100)",
+                     _a(128, "assumed: DGX A100's two 64-core EPYC 7742; no source at hand"),
+                     _a(2 * 8 * 25.6 * GB, "assumed: 2 sockets x 8 channels of DDR4-3200 (25.6 GB/s each)")),
+    "dgx-h100": Host("2 x Intel Xeon Platinum 8480C (DGX H100/H200)", _s(112, _MLPERF_H200),
+                     _d(2 * 8 * 38.4 * GB, f"derived: 2 sockets x 8 channels of DDR5-4800 (38.4 GB/s each); "
+                                           f"{_MLPERF_H200}")),
+    "grace": Host("NVIDIA Grace (Arm Neoverse V2, LPDDR5X), not an x86 server",
+                  _s(72, "AshokBhat/notes wiki, Grace (NVIDIA's announcement): 'Grace CPU (72 Armv9 CPU core)'"),
+                  _s(500 * GB, "AshokBhat/notes wiki, Grace: '500 GB/sec of bandwidth' (LPDDR5X); NVIDIA's Grace "
+                               "tuning guide (health checks) measures STREAM triad from 410 GB/s on the 120 GB part")),
+    "dgx-2": Host("2 x Intel Xeon Platinum 8168 (DGX-2)",
+                  _a(48, "assumed: DGX-2's two 24-core Xeon Platinum 8168; no source at hand"),
+                  _a(_DGX2_BW, "assumed: 2 sockets x 6 channels of DDR4-2666 (21.33 GB/s each)")),
+    "workstation": Host("a desktop CPU (assumed)", _a(16, "assumed: a 16-core desktop CPU"),
+                        _a(2 * 44.8 * GB, "assumed: 2 channels of DDR5-5600 (44.8 GB/s each)")),
+}
+
+
+def _host(ram: Figure, host: Host) -> dict[str, Figure]:
+    """The host side of a GPU system: RAM, an NVMe drive and the AdamW rate its memory bandwidth gives."""
+    update = host.memory_bandwidth.value * _ADAMW_SHARE
     return {"host_ram_bytes": ram, "disk_read_bw": _a(7 * GB, _NVME),
-            "disk_write_bw": _a(5 * GB, _NVME), "host_update_bw": _d(1.41e9 * 28, _CPU_ADAM),
+            "disk_write_bw": _a(5 * GB, _NVME),
+            "host_update_bw": _d(update, f"derived: {host.cpu}'s {host.memory_bandwidth.value / GB:.0f} GB/s x "
+                                         f"the AdamW share {_ADAMW_SHARE:.3f} ({_ADAMW_SHARE_SOURCE})"),
             "link_latency_s": _a(10e-6, _LATENCY)}
 
 
@@ -97,6 +147,7 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
         "matmul_efficiency": _a(0.8, "assumed: Cerebras publishes no achievable rate; the GPU GEMM ceiling "
                                      "(MAMF 80-86%) is taken"),
         "attention_efficiency": _a(0.8, "assumed: as matmul_efficiency"),
+        "training_mfu": _a(0.8, "assumed: Cerebras publishes no training MFU; the matmul ceiling is taken"),
         "bandwidth_efficiency": _a(0.95, "assumed: 100 GbE payload after Ethernet/IP framing, 93-97%"),
         "device_mem_bandwidth": sram_bw,
         "host_ram_bytes": _s(4 * TB, "cerebras.net/glossary/memoryx: MemoryX 'can scale from 4TB to 2.4PB' "
@@ -114,15 +165,15 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
 
 def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, link_eff: Figure,
          matmul_eff: Figure, attention_eff: Figure, datasheet: str, nvlink: Figure | None,
-         ram: Figure, network: Figure = _ONE_NDR) -> dict[str, Figure]:
-    figures = {
+         ram: Figure, host: Host, network: Figure = _ONE_NDR, mfu: Figure = _BEST_MFU) -> dict[str, Figure]:
+    figures = {"training_mfu": mfu,
         "memory_bytes": memory, "reserve_bytes": _a(723 * MiB, _CONTEXT),
         "h2d_bytes_per_s": link, "d2h_bytes_per_s": link,
         "bf16_flops": _s(bf16, f"{datasheet}: bf16 tensor, dense (half the sparse figure)"),
         "fp32_flops": _s(fp32, f"{datasheet}: FP32 non-tensor (torch leaves TF32 matmul off by default)"),
         "matmul_efficiency": matmul_eff, "attention_efficiency": attention_eff, "bandwidth_efficiency": link_eff,
         "device_mem_bandwidth": _s(hbm, f"{datasheet}: memory bandwidth"),
-        **_host(ram),
+        **_host(ram, host),
         "inter_node_bytes_per_s": network, "inter_node_latency_s": _NETWORK_LATENCY,
     }
     if nvlink is not None:
@@ -153,27 +204,29 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                                      "CUDA-visible total is a little lower"),
                      312e12, 19.5e12, 1555 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
                      _a(0.859, _FA_AMPERE), _A100_SHEET,
-                     _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX)),
+                     _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX),
+                     HOSTS["dgx-a100"]),
     "a100-80g": _gpu(_a(81920 * MiB, "assumed: 80 GiB nominal; the CUDA-visible total is a little lower"),
                      312e12, 19.5e12, 2039 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
                      _a(0.859, _FA_AMPERE), "NVIDIA A100 80GB datasheet (thundercompute.com A100 guide: 2,039 GB/s SXM)",
-                     _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX)),
+                     _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX),
+                     HOSTS["dgx-a100"]),
     "h100-sxm": _gpu(_H100_MEM, 989e12, 67e12, 3350 * GB, _GEN5_LINK, _GEN5_E, _H100_MATMUL, _s(0.75, _FA3),
-                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX), _DGX_H_NETWORK),
+                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX), HOSTS["dgx-h100"], _DGX_H_NETWORK),
     "h100-pcie": _gpu(_a(81559 * MiB, "assumed: the SXM part's CUDA-visible 81559 MiB (both are '80 GB')"),
                       756e12, 51e12, 2000 * GB, _GEN5_LINK, _GEN5_E,
                       _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die, lower clocks)"),
                       _a(0.75, "assumed: FlashAttention-3's H100 share (arXiv 2407.08608)"),
                       "NVIDIA H100 PCIe datasheet / product brief",
                       _s(300 * GB, "H100 PCIe datasheet: 'NVLINK: 600GB/s' (bridge, 2 cards; per direction 300)"),
-                      _a(2 * TB, _DGX)),
+                      _a(2 * TB, _DGX), HOSTS["dgx-h100"]),
     "h200": _gpu(_s(143771 * MiB, "nvidia-smi on H200 (cuda-samples issue #311): '0MiB / 143771MiB'"),
                  989e12, 67e12, 4800 * GB, _GEN5_LINK,
                  _d(0.84, f"{_GEN5_EFF} (the H100's Gen5 host link measurement)"),
                  _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die)"),
                  _a(0.75, "assumed: FlashAttention-3's H100 share (same GH100 die)"),
                  "AnandTech SC23 H200 (anandtech.com/Show/Index/21136)", _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX),
-                 _DGX_H_NETWORK),
+                 HOSTS["dgx-h100"], _DGX_H_NETWORK),
     "gh200": _gpu(_s(96 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): 'Up to 96 GB of HBM3 memory'"),
                   989e12, 67e12, 4000 * GB,
                   _s(450 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): NVLink-C2C '900 GB/s total bandwidth, "
@@ -181,12 +234,26 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                   _d(0.77, "derived: nvbandwidth issue #23, GH200 host-to-device CE 346 GB/s / 450"),
                   _s(0.830, f"{_MAMF}: 'NVIDIA GH200 SXM 821.0 989 83.0%'"), _s(0.75, _FA3),
                   "NVIDIA GH200 whitepaper (datacrunch.io), same Hopper GPU as H100 SXM", None,
-                  _s(480 * GB, "the Grace CPU's LPDDR5X, 'Up to 480 GB' (GH200 whitepaper via datacrunch.io)")),
+                  _s(480 * GB, "the Grace CPU's LPDDR5X, 'Up to 480 GB' (GH200 whitepaper via datacrunch.io)"),
+                  HOSTS["grace"]),
+    "v100": _gpu(_a(32510 * MiB, "assumed: nvidia-smi's usual 32510 MiB for the '32GB' V100"),
+                 125e12, 15.7e12, 900 * GB,
+                 _d(15.75 * GB, "derived: PCIe Gen3 x16 8 GT/s x 16 x 128/130 / 8 = 15.75 GB/s per direction"),
+                 _a(0.79, f"assumed: the Gen4 share measured on an A100 ({_GEN4_EFF})"),
+                 _d(0.76, "derived: fanghostt/transformers-benchmarks README, V100 'Matrix Multiplication FP32 / "
+                          "FP16 | 14 / 95' of 125 TFLOPS"),
+                 _a(0.76, "assumed: attention at the GEMM ceiling, as for Ampere and Ada"),
+                 "NVIDIA V100 datasheet (SXM2): 125 TFLOPS tensor (fp16; V100 has no bf16, so its 16-bit tensor "
+                 "rate stands for the 16-bit compute dtype), 15.7 TFLOPS FP32, 900 GB/s HBM2", None,
+                 _s(1500 * GB, "DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): "
+                               "'32GB V100 GPU + 1.5TB CPU memory'"), HOSTS["dgx-2"],
+                 mfu=_d(0.40, "derived: DeepSpeed ZeRO-3 Offload post, 'a sustained throughput of up to 50 Tflops "
+                              "per GPU' on 512 V100 / 125 TFLOPS (the best published V100 training MFU found)")),
     "rtx4090": _gpu(_a(24564 * MiB, "assumed: nvidia-smi's usual 24564 MiB for the '24 GB' card"),
                     165.2e12, 82.6e12, 1008 * GB, _GEN4_LINK, _GEN4_E,
                     _a(0.80, "assumed: no MAMF figure for Ada; the Hopper/Ampere GEMM ceiling (80-86%)"),
                     _a(0.80, _FA_AMPERE), "NVIDIA Ada whitepaper, Table 2 (RTX 4090)", None,
-                    _a(128 * GiB, "assumed: a workstation with 128 GiB RAM")),
+                    _a(128 * GiB, "assumed: a workstation with 128 GiB RAM"), HOSTS["workstation"]),
 }
 
 # The default update place and the data-parallel reduction of each family: MemoryX performs the weight update
@@ -195,9 +262,128 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
 PRESET_SYSTEM: dict[str, tuple[str, str]] = {
     name: (("host", "in-network") if name.startswith("cs") else ("device", "ring")) for name in PRESET_FIGURES
 }
-PRESET_NOTES: dict[str, tuple[str, ...]] = {
+PRESET_HOSTS: dict[str, Host] = {"a100-40g": HOSTS["dgx-a100"], "a100-80g": HOSTS["dgx-a100"],
+                                  "h100-sxm": HOSTS["dgx-h100"], "h100-pcie": HOSTS["dgx-h100"],
+                                  "h200": HOSTS["dgx-h100"], "gh200": HOSTS["grace"], "v100": HOSTS["dgx-2"],
+                                  "rtx4090": HOSTS["workstation"]}
+_NOTES: dict[str, tuple[str, ...]] = {
     "cs2": ("host = MemoryX (weights, optimizer state, the update); data parallel = SwarmX broadcast/reduce tree",),
     "cs3": ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "
             "+30%: uncertain)",),
     "gh200": ("host link = NVLink-C2C to the Grace CPU's LPDDR5X (the store's RAM tier)",),
+    "v100": ("V100 has no bf16: its bf16 figures are its fp16 tensor rate, the 16-bit compute of ZeRO-Offload's "
+             "runs",),
 }
+# Each GPU preset names its host (processors, cores, memory bandwidth) among its notes.
+PRESET_NOTES: dict[str, tuple[str, ...]] = {
+    name: _NOTES.get(name, ()) + ((PRESET_HOSTS[name].note(),) if name in PRESET_HOSTS else ())
+    for name in PRESET_FIGURES
+}
+
+
+# --- published runs of offloaded and streamed training -----------------------------------------------------------
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published measurement of offloaded or streamed training and the step the planner prices for it.
+
+    `shape` holds the GPTJConfig fields of the model, or of a GPT-J shape that stands in for it (same width,
+    depth and parameters per block); `step` the PlanConfig fields besides batch and seq. `metric` is
+    "TFLOPS per device" (the plan's model FLOP/s), "TFLOPS, all devices" or "speedup" (tokens/s on
+    `step["devices"]` over one device, each with the same micro-batches) or "MFU". `caveat` says what the source leaves
+    unstated and what the plan assumed instead; `reproducible` is False where the planner cannot model the run
+    at all (then it is listed, not priced)."""
+
+    system: str
+    measured: Figure
+    metric: str
+    model: str
+    shape: tuple[tuple[str, int], ...]
+    batch: int
+    seq: int
+    device: str
+    host: str
+    step: tuple[tuple[str, object], ...]
+    caveat: str
+    reproducible: bool = True
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("TFLOPS per device", "TFLOPS, all devices", "speedup", "MFU"):
+            raise ValueError(f"unknown metric {self.metric!r}")
+        if self.measured.basis != "sourced":
+            raise ValueError(f"{self.system}: a published run's figure is sourced, got {self.measured.basis}")
+
+
+_ZERO_OFFLOAD = ("Ren et al., ZeRO-Offload (arXiv 2101.06840), abstract: 'ZeRO-Offload can achieve 40 TFlops/GPU "
+                 "on a single NVIDIA V100 GPU for 10B parameter model'")
+_SUPEROFFLOAD = ("DeepSpeed blogs/deepspeed-superoffload/README.md (Lian et al., SuperOffload, arXiv 2509.21271): "
+                 "'Full fine-tuning of GPT-OSS-20B, Qwen3-14B, achieving ~600 TFLOPS (seq len 4K, batch size 4)'")
+_MEGATRAIN = ("DLYuanGod/MegaTrain README, News (Yuan et al., MegaTrain, arXiv 2604.05091): '4x H100 achieves 4.7x "
+              "super-linear speedup over single GPU (1290 vs 272 TFLOPS on Qwen2.5-7B)'")
+_CEREBRAS = ("Cerebras and Sandia at NeurIPS 2024 (aiwire.net 2024/12/11; 4nownews.com): a 1-trillion-parameter "
+             "model 'scaled up seamlessly to 16 CS-3 systems'; '16 CS-3 systems showed a 15.3-fold increase'")
+_ZERO3_OFFLOAD = ("DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): 'With 1 Trillion "
+                  "parameters, ZeRO-3 Offload sustains 25 PetaFlops ... on 512 NVIDIA V100 GPUs, achieving 49 "
+                  "TFlops/GPU'")
+_SUPEROFFLOAD_SP = ("Lian et al., SuperOffload (arXiv 2509.21271), abstract: 'enabling training of 13B model with "
+                    "sequence lengths up to 1 million tokens on 8 GH200 while achieving 55% MFU'")
+_NO_FLOPS = "the FLOP convention is not stated (Megatron's counts the recompute, the plan's does not)"
+# Qwen's blocks (SwiGLU, grouped KV heads) as GPT-J blocks of the same width, depth and parameters per block:
+# n_inner = (block parameters - 4 d^2) / 2d, from the models' config.json.
+_QWEN3_14B = (("vocab_size", 151936), ("n_positions", 4096), ("n_embd", 5120), ("n_layer", 40), ("n_head", 40),
+              ("rotary_dim", 64), ("n_inner", 22016))
+_QWEN25_7B = (("vocab_size", 152064), ("n_positions", 4096), ("n_embd", 3584), ("n_layer", 28), ("n_head", 28),
+              ("rotary_dim", 64), ("n_inner", 25344))
+_GPT2_10B = (("vocab_size", 50257), ("n_positions", 1024), ("n_embd", 4096), ("n_layer", 50), ("n_head", 32),
+             ("rotary_dim", 64))
+_GPTJ_6B = (("vocab_size", 50400), ("n_positions", 2048), ("n_embd", 4096), ("n_layer", 28), ("n_head", 16),
+            ("rotary_dim", 64))
+_HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"), ("update_timing", "after-backward"))
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "ZeRO-Offload", _s(40, _ZERO_OFFLOAD), "TFLOPS per device", "GPT-2 10B (50 x 4096, 32 heads)", _GPT2_10B,
+        10, 1024, "v100", "DGX-2 (V100-SXM3 32GB; DeepSpeed ZeRO-Offload tutorial)", _HOST_AFTER,
+        "batch 10 and activation checkpointing from the DeepSpeed tutorial's 10B config (the abstract states no "
+        "batch); seq 1024 is Megatron GPT-2's default, not stated; the V100's training_mfu (40%) is ZeRO-3 "
+        f"Offload's 50 TFLOPS, in the same unstated convention; {_NO_FLOPS}"),
+    PublishedRun(
+        "SuperOffload", _s(600, _SUPEROFFLOAD), "TFLOPS per device", "Qwen3-14B (40 x 5120)", _QWEN3_14B, 4, 4096,
+        "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (("activations", "checkpoint"), ("store", "ram"),
+                                                   ("update_on", "host"), ("update_timing", "overlapped")),
+        "one figure for three models; activation checkpointing assumed; the CPU update overlaps the backward as "
+        "SuperOffload's speculation does; Grace's AdamW rate is its bandwidth x the x86 CPU-Adam share, where "
+        "SuperOffload's GraceAdam is tuned for it (its rate is not in the sources at hand) and keeps the last "
+        f"buckets' update on the GPU; {_NO_FLOPS}"),
+    PublishedRun(
+        "MegaTrain", _s(272, _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B, 64, 1024,
+        "h100-sxm", "not stated", _HOST_AFTER,
+        "batch and seq not stated: batch 64 and seq 1024 are the README's example config (for another model); "
+        f"checkpointing as its README describes; {_NO_FLOPS}"),
+    PublishedRun(
+        "MegaTrain, 4 GPUs", _s(1290, _MEGATRAIN), "TFLOPS, all devices", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B,
+        256, 1024, "h100-sxm", "one host's shared memory, read by every GPU's worker",
+        (*_HOST_AFTER, ("devices", 4)),
+        "as the single-GPU row, 64 sequences per GPU; MegaTrain's workers share one host copy and need no "
+        "gradient all-reduce, where the plan all-reduces (the published 4.7x is super-linear)"),
+    PublishedRun(
+        "Cerebras weight streaming", _s(15.3, _CEREBRAS), "speedup", "1T-parameter model (shape not published)",
+        _GPTJ_6B, 1024, 2048, "cs3", "MemoryX (55 TB of DDR5) and SwarmX",
+        (("activations", "checkpoint"), ("store", "ram"), ("devices", 16)),
+        "the model's shape and batch are not published: GPT-J-6B at 64 x 2048 per system stands in; weak "
+        "scaling, each system with its own micro-batches"),
+    PublishedRun(
+        "ZeRO-3 Offload", _s(49, _ZERO3_OFFLOAD), "TFLOPS per device", "1T-parameter model (shape not published)",
+        _GPTJ_6B, 512, 2048, "v100", "32 DGX-2 nodes", (), "not priced: the model's shape and batch are not "
+        "published, and ZeRO-3's parameter all-gather across 512 GPUs is not this planner's data parallelism",
+        reproducible=False),
+    PublishedRun(
+        "SuperOffload, MoE", _s(600, _SUPEROFFLOAD), "TFLOPS per device", "GPT-OSS-20B (a mixture of experts)",
+        _QWEN3_14B, 4, 4096, "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (), "not priced: the planner models dense "
+        "blocks only, and a mixture of experts computes a fraction of its parameters per token",
+        reproducible=False),
+    PublishedRun(
+        "SuperOffload, 8 GPUs", _s(0.55, _SUPEROFFLOAD_SP), "MFU", "13B model at 1M tokens",
+        _GPTJ_6B, 8, 2048, "gh200", "8 GH200 superchips", (), "not priced: DeepSpeed-Ulysses sequence "
+        "parallelism splits each sequence over the 8 GPUs, which the planner does not model; the figure is an MFU",
+        reproducible=False),
+)

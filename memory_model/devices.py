@@ -67,7 +67,7 @@ class DeviceSpec:
     # One machine's network link to the others (per machine and direction): the part of a ring all-reduce
     # between machines crosses it. None: not known (a plan over several machines asks for it).
     inter_node: Link | None = None
-    # Measured costs besides the matmuls, by compute dtype (see kernels.py); empty: the matmul-only model.
+    # Measured costs besides the matmuls, by compute dtype (see kernels.py); empty: the presets' HBM-byte model.
     kernels: dict[str, KernelCosts] = field(default_factory=dict)
     source: str = ""
     notes: tuple[str, ...] = field(default=())  # assumptions behind the figures, shown to users
@@ -75,6 +75,9 @@ class DeviceSpec:
     matmul_efficiency: float = 1.0
     attention_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
+    # The best published end-to-end training MFU of the device's class: no plan's model FLOP/s exceeds this share
+    # of the peak, whatever its kernels' shares (timing.py).
+    training_mfu: float = 1.0
     reserve_bytes: int = 0  # device memory the runtime takes before any tensor (the CUDA context)
     update_on: str = "device"  # where the update runs unless the plan says otherwise
     # How data-parallel gradients are summed: "ring" (over `interconnect`, or through the host when None) or
@@ -106,7 +109,7 @@ class DeviceSpec:
             if dtype not in COMPUTE_DTYPES or not isinstance(costs, KernelCosts):
                 raise ValueError(f"kernels maps a compute dtype {sorted(COMPUTE_DTYPES)} to KernelCosts; "
                                  f"got {dtype!r}: {type(costs).__name__}")
-        for name in ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "training_mfu"):
             value = getattr(self, name)
             _positive(name, value)
             if value > 1:
@@ -193,11 +196,11 @@ class DeviceSpec:
 
 # The numeric fields of a spec under the names the catalogue, `streamer devices` and `--set` use.
 FIGURES = ("memory_bytes", "reserve_bytes", "h2d_bytes_per_s", "d2h_bytes_per_s", "link_latency_s", "bf16_flops",
-           "fp32_flops", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
+           "fp32_flops", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "training_mfu",
            "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw",
            "interconnect_bytes_per_s", "interconnect_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s")
 _DIRECT = ("memory_bytes", "reserve_bytes", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
-           "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw")
+           "training_mfu", "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw")
 _INTEGERS = ("memory_bytes", "reserve_bytes", "host_ram_bytes")
 
 
@@ -237,7 +240,7 @@ SET_SOURCE = "set on the command line (--set)"
 
 def _figure_check(name: str) -> Number:
     """What a figure may be: a share of a peak is in (0, 1]; a reserve or a latency may be nothing."""
-    if name.endswith("_efficiency"):
+    if name.endswith("_efficiency") or name == "training_mfu":
         return Number(0.0, 1.0, low_open=True)
     return Number(0.0, low_open=not name.endswith("latency_s") and name != "reserve_bytes")
 

@@ -1,6 +1,6 @@
 """The work besides the big matmuls: attention, elementwise kernels, the loss, the gradient fold.
 
-On a GPU these are small next to the matmuls and the presets leave them out (the matmul-only model). On a
+On a GPU they are memory-bound: the presets price them by the HBM bytes they move (gpu_elementwise_bytes). On a
 CPU they are most of a block's time: a GPT-J-350M block's forward spends about 6 ms in matmuls and 13 ms in
 LayerNorm, rotary, GELU, casts, residual adds and the attention kernel. The `local` spec measures each on
 a real layers.GPTJBlock / GPTJHead / GPTJEmbedding (calibrate.measure_kernel_costs) and the planner scales
@@ -91,3 +91,22 @@ class KernelCosts:
             return self.logits_backward_s * n * shape.vocab_size
         return (2 * attention_flops(shape, batch, seq) / self.attention_backward_flops
                 + self.elementwise_backward_s * n * elementwise_width(shape))
+
+
+def gpu_elementwise_bytes(shape: GPTJConfig, unit: str, phase: str, batch: int, seq: int, es: int) -> int:
+    """HBM bytes of one forward or backward's kernels beside the matmuls and attention on a GPU: normalizations,
+    rotary, activations, residual adds, the loss and the embedding's gather. Each is memory-bound, so its time is
+    these bytes over the HBM bandwidth. Per token of a block's forward: LayerNorm reads and writes d, rotary q and
+    k 2 x 2d, the GELU (with its bias) f in and out, the residual sum three d in and one out (10d + 2f elements).
+    The head's LayerNorm moves 2d; its loss casts each logit to fp32 and reads it for the softmax (es + 8 bytes a
+    logit), and its backward writes the logit's gradient from the fp32 probabilities (4 + es). The embedding
+    writes d a token; its backward zeroes the dense vocab x d gradient and adds each token's row into it. A
+    backward moves twice its forward's elements (the saved input and the incoming gradient in, one gradient out)."""
+    n, d, f, vocab = batch * seq, shape.n_embd, shape.inner_dim, shape.vocab_size
+    backward = phase == "backward"
+    if unit == "embed":
+        return (vocab * d + 2 * n * d) * es if backward else 2 * n * d * es
+    if unit == "head":
+        norm = (2 if backward else 1) * 2 * n * d * es
+        return norm + n * vocab * ((4 + es) if backward else (es + 8))
+    return (2 if backward else 1) * n * (10 * d + 2 * f) * es

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from layers.config import ModelConfig
 from memory_model.devices import DeviceSpec
 from memory_model.shapes import PlanConfig, forward_flops
-from memory_model.kernels import KernelCosts, attention_flops
+from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.schedule import (
     Event, Resource, Weights, load_disk_bytes, released_after, resource_charges, store_bytes,
 )
@@ -141,10 +141,13 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
     # only the first (its adapters' matmuls are rank-sized, left out).
     passes = 1 if cfg.lora.enabled else 2
     attention = attention_flops(shape, cfg.micro_batch, cfg.seq) if unit.startswith("block.") else 0
-    if costs is None:  # the matmul-only model: attention at its own achievable rate, nothing else costs time
+    if costs is None:  # a preset: matmuls and attention at their achievable rates, the rest over HBM
         attention_rate = device.flops_for(cfg.compute_dtype) * device.attention_efficiency
         forward = (matmuls - attention) / rate + attention / attention_rate
-        backward = passes * forward
+        backward = passes * forward + _beside_matmuls_s(event, shape, cfg, device, "backward")
+        forward = max(forward + _beside_matmuls_s(event, shape, cfg, device, "forward"),
+                      _mfu_floor_s(matmuls, device, cfg))
+        backward = max(backward, _mfu_floor_s(passes * matmuls, device, cfg))
     else:
         forward = (matmuls - attention) / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
         backward = passes * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
@@ -152,6 +155,19 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         return forward
     recompute = forward if cfg.activations == "checkpoint" and unit.startswith("block.") else 0.0
     return backward + recompute
+
+
+def _beside_matmuls_s(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, phase: str) -> float:
+    """A preset's kernels beside the matmuls and attention (kernels.gpu_elementwise_bytes): memory-bound, at
+    the HBM bandwidth's achievable share."""
+    nbytes = gpu_elementwise_bytes(shape, event.unit, phase, cfg.micro_batch, cfg.seq, cfg.dtype_bytes)
+    return nbytes / (device.device_mem_bandwidth * device.bandwidth_efficiency)
+
+
+def _mfu_floor_s(flops: float, device: DeviceSpec, cfg: PlanConfig) -> float:
+    """The least time `flops` of model FLOPs take: no step runs above the best published training MFU of its
+    device class (DeviceSpec.training_mfu), whatever the shares of its single kernels."""
+    return flops / (device.flops_for(cfg.compute_dtype) * device.training_mfu)
 
 
 def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:

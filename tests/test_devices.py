@@ -74,7 +74,7 @@ def test_format_size() -> None:
 # --- presets and links ---------------------------------------------------------------------------------------------
 def test_presets_exist_with_sources() -> None:
     assert set(DEVICE_PRESETS) == {"cs2", "cs3", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "gh200",
-                                   "rtx4090"}
+                                   "rtx4090", "v100"}
     for name, spec in DEVICE_PRESETS.items():
         assert spec.name == name and spec.source
         assert spec.flops["bf16"] > spec.flops["fp32"] > 0
@@ -246,3 +246,20 @@ def test_stale_or_damaged_cache_is_recalibrated(tmp_path, monkeypatch) -> None:
 def test_local_without_cache_dir(monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "DEFAULT_SIZES", TINY)
     assert calibrate.local_spec(None, DEBUG, "fp32").same_memory
+
+
+def test_every_gpu_preset_names_its_host_and_its_host_update_follows_from_it() -> None:
+    """GH200's host is a Grace CPU, not a dual-socket x86 server: its AdamW and gradient-fold rate come from its
+    own memory bandwidth, with the same AdamW share of it as every other host."""
+    from memory_model.catalogue import PRESET_HOSTS
+    gpus = [name for name in DEVICE_PRESETS if not name.startswith("cs")]
+    assert set(PRESET_HOSTS) == set(gpus)
+    shares = set()
+    for name in gpus:
+        spec, host = DEVICE_PRESETS[name], PRESET_HOSTS[name]
+        assert any(note.startswith(f"host: {host.cpu}, {host.cores.value:.0f} cores") for note in spec.notes)
+        assert spec.figures["host_update_bw"].basis == "derived" and host.cpu in spec.figures["host_update_bw"].source
+        shares.add(round(spec.host_update_bw / host.memory_bandwidth.value, 12))
+    assert len(shares) == 1
+    assert "Grace" in PRESET_HOSTS["gh200"].cpu and "x86" in PRESET_HOSTS["gh200"].cpu
+    assert DEVICE_PRESETS["gh200"].host_update_bw != DEVICE_PRESETS["h100-sxm"].host_update_bw

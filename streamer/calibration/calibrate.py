@@ -355,6 +355,7 @@ _ADAMW = "torch fused AdamW on an 8 Mi-element fp32 tensor, 28 B/param touched"
 _MEASURED_BY = {"memory_bytes": "psutil: the whole RAM, shared by the cpu device and the host",
                 "host_ram_bytes": "psutil: the whole RAM", "reserve_bytes": "a cpu device has no runtime context",
                 "matmul_efficiency": "1: the rates are measured (achieved, not datasheet peaks)",
+                "training_mfu": "1: no cap, the kernels beside the matmuls are measured",
                 "host_update_bw": _ADAMW, "device_mem_bandwidth": _ADAMW}
 
 

@@ -53,7 +53,7 @@ def declare(parser: argparse.ArgumentParser) -> None:
     add_run_flags(parser, only=STEP_SETTINGS, help={
         "model": "a preset or a config.json",
         "dtype": "compute dtype: auto (for local, bf16 if this CPU runs it natively and at least as fast as fp32, "
-                 "else fp32; bf16 for the presets, which all run it natively), bf16 or fp32",
+                 "else fp32; bf16 for the presets, v100's being its fp16 tensor rate), bf16 or fp32",
         "set": "replace one figure of --target (repeatable; `streamer devices` lists the fields); with "
                "--compare, on top of the run's own",
         "update_on": "run AdamW on the device (streamed state) or on the host (default: the target's place: host "
@@ -159,12 +159,13 @@ def _print_compare(out: dict[str, Any], as_json: bool) -> int:
 
 
 def plan_dtype(target: str, requested: str) -> DtypeChoice:
-    """--dtype for a plan: this CPU's choice for the local target; the presets' GPUs and wafer all run bf16
-    natively, so auto is bf16 for them."""
+    """--dtype for a plan: this CPU's choice for the local target; bf16 for the presets, which run a 16-bit
+    dtype natively (v100's 16-bit rate is fp16's, catalogue.py)."""
     if target == "local":
         return resolve_compute_dtype("cpu", requested)
     if requested == "auto":
-        return DtypeChoice("bf16", f"compute dtype bf16: {target} runs bf16 natively")
+        native = "16-bit (fp16) tensors" if target == "v100" else "bf16"
+        return DtypeChoice("bf16", f"compute dtype bf16: {target} runs {native} natively")
     return DtypeChoice(requested, f"compute dtype {requested} (--dtype {requested})")
 
 
