@@ -93,16 +93,16 @@ class KernelCosts:
                 + self.elementwise_backward_s * n * elementwise_width(shape))
 
 
-def gpu_elementwise_bytes(shape: GPTJConfig, unit: str, phase: str, batch: int, seq: int, es: int) -> int:
+def gpu_elementwise_bytes(shape: ModelConfig, unit: str, phase: str, batch: int, seq: int, es: int) -> int:
     """HBM bytes of one forward or backward's kernels beside the matmuls and attention on a GPU: normalizations,
     rotary, activations, residual adds, the loss and the embedding's gather. Each is memory-bound, so its time is
-    these bytes over the HBM bandwidth. Per token of a block's forward: LayerNorm reads and writes d, rotary q and
-    k 2 x 2d, the GELU (with its bias) f in and out, the residual sum three d in and one out (10d + 2f elements).
+    these bytes over the HBM bandwidth. Counted for GPT-J's block, and used for every family's, per token of a
+    block's forward: LayerNorm reads and writes d, rotary q and k 2 x 2d, the GELU (with its bias) f in and out, the residual sum three d in and one out (10d + 2f elements).
     The head's LayerNorm moves 2d; its loss casts each logit to fp32 and reads it for the softmax (es + 8 bytes a
     logit), and its backward writes the logit's gradient from the fp32 probabilities (4 + es). The embedding
     writes d a token; its backward zeroes the dense vocab x d gradient and adds each token's row into it. A
     backward moves twice its forward's elements (the saved input and the incoming gradient in, one gradient out)."""
-    n, d, f, vocab = batch * seq, shape.n_embd, shape.inner_dim, shape.vocab_size
+    n, d, f, vocab = batch * seq, shape.hidden_size, shape.intermediate_size, shape.vocab_size
     backward = phase == "backward"
     if unit == "embed":
         return (vocab * d + 2 * n * d) * es if backward else 2 * n * d * es

@@ -157,7 +157,7 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
     return backward + recompute
 
 
-def _beside_matmuls_s(event: Event, shape: GPTJConfig, cfg: PlanConfig, device: DeviceSpec, phase: str) -> float:
+def _beside_matmuls_s(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, phase: str) -> float:
     """A preset's kernels beside the matmuls and attention (kernels.gpu_elementwise_bytes): memory-bound, at
     the HBM bandwidth's achievable share."""
     nbytes = gpu_elementwise_bytes(shape, event.unit, phase, cfg.micro_batch, cfg.seq, cfg.dtype_bytes)
