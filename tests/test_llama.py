@@ -17,7 +17,7 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.cli.generate import open_trainer
 from streamer.generate import Sampling, generate
 from streamer.run_dir import RunDir
-from streamer.runtime.dryrun import dry_run
+from streamer.calibration.dryrun import dry_run
 from tests.conftest import randomize_
 from tests.test_cli import run_cli
 from tests.test_runtime import hf_reference
