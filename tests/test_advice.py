@@ -1,10 +1,11 @@
 """A run that cannot fit its --budget is refused before anything is written, with alternatives that fit."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
-import sys
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from layers import GPTJConfig
 from memory_model import DeviceOutOfMemory
 from streamer.advice import ledger_advice
+from streamer.cli.main import main
 from streamer.run import RunConfig
 from streamer.trainer import StreamingTrainer
 
@@ -20,8 +22,16 @@ RERUN = ["--steps", "1", "--sample-tokens", "0", "--eval-every", "0", "--dtype",
 
 
 def _train(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamer", "train", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    """`streamer train ARGS` through the CLI's main in this process (the start of an interpreter and of torch
+    would be most of each run's time)."""
+    argv = ["train", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's own refusals
+            rc = exc.code
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
 # A model of neither preset's shape, given as a config.json: three layers, a wider embedding than gptj-debug.
