@@ -271,7 +271,7 @@ class StreamingTrainer:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
         the store then refuses to train on until it is reopened and rolled forward)."""
         lr = self.tc.schedule.lr_at(step, self.tc.optimizer.lr)
-        # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
+        # A fused update is speculative: unclipped, and validated as it goes (Updater._fused_inputs).
         ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
         events = step_events(self.step_spec(len(micro), fused))
