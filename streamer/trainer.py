@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from layers import ModelConfig, build_unit, check_state_dict, init_weights, learned_tokens
+from layers import ModelConfig, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
@@ -18,13 +18,14 @@ from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
-from memory_model.schedule import StepSpec, chunks, step_events
+from memory_model.schedule import StepSpec, step_events
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
 from streamer.store.ranks import rank_dir, store_dirs
 from streamer.store.shards import MergedShards
 from streamer.store.interface import StoreReader, StoreWriter
+from streamer.weights import hf_state_dict, hf_tensors, initial_unit, read_master, write_fresh_state
 
 
 class StreamingTrainer:
@@ -144,43 +145,20 @@ class StreamingTrainer:
         return trainer
 
     def _initialize(self, seed: int) -> None:
-        """HF's initialisation, one unit at a time, seeded per unit so the result does not depend on order."""
-        def init(unit: str) -> dict[str, torch.Tensor]:
-            torch.manual_seed(seed * 1_000_003 + self.units.index(unit))
-            module = build_unit(self.cfg, unit, device="cpu")
-            init_weights(module)
-            return dict(module.state_dict())
-        self._write_units(init)
+        """HF's initialisation, one unit at a time."""
+        self._write_units(lambda unit: initial_unit(self.cfg, unit, self.units.index(unit), seed))
 
-    def _write_units(self, tensors_of: Any) -> None:
+    def _write_units(self, tensors_of: Callable[[str], dict[str, torch.Tensor]]) -> None:
+        """Every unit's weights (by slot key) as a fresh state, committed as the store's current step."""
         assert self.store is not None
         for unit in self.units:
-            layout, tensors = self.layouts[unit], tensors_of(unit)
-            master = torch.empty(layout.numel, dtype=torch.float32)
-            for slot in layout.slots:
-                master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
-            del tensors  # one copy of the unit (its flat master) while its state is written
-            self._write_initial_state(unit, master)
+            write_fresh_state(self._writable(), self.layouts[unit], tensors_of(unit), self.tc.compute_dtype,
+                              self.data_parallel)
         self._finish_step(self.store.step, self._trainer_state())
-
-    def _write_initial_state(self, unit: str, master: torch.Tensor) -> None:
-        store = self._writable()
-        if store.spec.shards > 1:
-            master = self.data_parallel.own_slice(master)
-        with store.unit_writer(unit, store.step) as writer:
-            for start, count in chunks(master.numel(), store.spec.chunk):
-                piece = master[start:start + count]
-                zeros = None if store.spec.frozen else torch.zeros(count, dtype=torch.float32)  # LoRA: no moments
-                values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros,
-                          "compute": piece.to(self.tc.compute_dtype)}
-                for kind in store.spec.stored_kinds():
-                    writer.write(kind, start, values[kind])
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-keyed weights (the transformers class's state_dict); resets the Adam moments."""
-        expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in self.layouts.values() for s in lay.slots}
-        given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
-        check_state_dict(expected, given)
+        given = hf_tensors(self.layouts.values(), state_dict)
         self._write_units(lambda unit: {s.key: given[s.hf_key] for s in self.layouts[unit].slots})
 
     # --- training --------------------------------------------------------------------------------
@@ -271,7 +249,7 @@ class StreamingTrainer:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
         the store then refuses to train on until it is reopened and rolled forward)."""
         lr = self.tc.schedule.lr_at(step, self.tc.optimizer.lr)
-        # A fused update is speculative: unclipped, and validated as it goes (Executor._fused_inputs).
+        # A fused update is speculative: unclipped, and validated as it goes (Updater._fused_inputs).
         ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
         events = step_events(self.step_spec(len(micro), fused))
@@ -397,15 +375,7 @@ class StreamingTrainer:
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
         """A unit's fp32 master weights as one flat host tensor (a frozen base's: its compute weights)."""
-        stored = self.executor.stored_numel(unit)
-        out = torch.empty(stored, dtype=torch.float32)
-        for start, count in chunks(stored, self.store.spec.chunk):
-            self.store.read_state(unit, "master", start, out[start:start + count])
-        if self.store.spec.shards == 1:
-            return out
-        # Sharded: every rank's slice, so every rank must ask for the same unit at the same time.
-        whole = self.data_parallel.gather_slices(torch.empty(stored * self.store.spec.shards), out)
-        return whole[:self.layouts[unit].numel]
+        return read_master(self.store, self.layouts[unit], self.executor.stored_numel(unit), self.data_parallel)
 
     def merged_unit_master(self, unit: str) -> torch.Tensor:
         """unit_master with LoRA's adapters merged into the weights they adapt (the model that was trained)."""
@@ -416,12 +386,8 @@ class StreamingTrainer:
 
     def state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """HF-keyed fp32 weights (copies), LoRA's adapters merged; `merged=False`: the frozen base alone."""
-        out = {}
-        for unit in self.units:
-            flat = self.merged_unit_master(unit) if merged else self.unit_master(unit)
-            for slot in self.layouts[unit].slots:
-                out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        return out
+        return hf_state_dict([self.layouts[u] for u in self.units],
+                             self.merged_unit_master if merged else self.unit_master)
 
     def close(self) -> None:
         self.executor.close()

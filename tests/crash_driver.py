@@ -22,11 +22,13 @@ import torch
 
 from layers import GPTJConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
-from streamer.runtime.executor import Executor
+from streamer.runtime.passes import Passes
+from streamer.runtime.update import Updater
 
 CFG = GPTJConfig.preset("gptj-debug")
 TARGETS = ("forward", "backward", "update", "pwritev", "fdatasync", "fsync", "replace")
 OS_TARGETS = ("pwritev", "fdatasync", "fsync", "replace")
+RUNTIME_TARGETS = {"forward": Passes, "backward": Passes, "update": Updater}  # each event's method, by its owner
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,8 @@ class _Tripwire:
 
     def install(self) -> None:
         for name in TARGETS:
-            owner: Any = os if name in OS_TARGETS else Executor
-            attr = name if owner is os else f"_{name}"
-            setattr(owner, attr, self.wrap(name, getattr(owner, attr)))
+            owner: Any = os if name in OS_TARGETS else RUNTIME_TARGETS[name]
+            setattr(owner, name, self.wrap(name, getattr(owner, name)))
 
 
 def _encode(state: torch.Tensor) -> str:

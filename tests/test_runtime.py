@@ -98,11 +98,11 @@ def test_resident_forward_runs_once_per_micro_batch(tmp_path):
     tc = TrainerConfig.of(dtype="fp32", grad_accum=2, activations="resident")
     with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(batches(1)[0])
-        assert all(trainer.executor.forward_calls[f"block.{i}"] == 2 for i in range(DEBUG.n_layer))
+        assert all(trainer.executor.passes.forward_calls[f"block.{i}"] == 2 for i in range(DEBUG.n_layer))
     tc = tc.replace(activations="checkpoint")
     with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run2") as trainer:
         trainer.step(batches(1)[0])
-        assert all(trainer.executor.forward_calls[f"block.{i}"] == 4 for i in range(DEBUG.n_layer))
+        assert all(trainer.executor.passes.forward_calls[f"block.{i}"] == 4 for i in range(DEBUG.n_layer))
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])

@@ -82,7 +82,7 @@ def _killed_main(rank: int, world: int, port: int, run: str) -> None:
     trainer = StreamingTrainer(CFG, SHARDED, store_dir=run)
     trainer.step(data[0], prompt_masked(data[0]))
     if rank == 1:
-        write_back, writes = trainer.executor._write_back, []
+        write_back, writes = trainer.executor.updater._write_back, []
 
         def dying(*args: object) -> None:
             writes.append(args)
@@ -90,7 +90,7 @@ def _killed_main(rank: int, world: int, port: int, run: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             write_back(*args)
 
-        trainer.executor._write_back = dying
+        trainer.executor.updater._write_back = dying
     trainer.step(data[1], prompt_masked(data[1]))
     trainer.step(data[1], prompt_masked(data[1]))  # rank 0 waits here for rank 1, which is gone
 

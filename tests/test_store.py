@@ -484,9 +484,10 @@ def test_a_state_file_with_a_crc32_trailer_is_named(tmp_path):
 
 
 def test_the_runtime_uses_the_store_only_through_its_interface():
-    """Every attribute transport, executor and trainer take from a store (or a writer it gave) is one the
-    interface declares, and the transport, which only reads, takes only the reader's: a back end can change
-    without the runtime knowing, and a store opened for reading serves every read."""
+    """Every attribute the runtime (transport, executor, passes, update) and the trainer (and its weights in and
+    out) take from a store (or a writer it gave) is one the interface declares, and the transport, which only
+    reads, takes only the reader's: a back end can change without the runtime knowing, and a store opened for
+    reading serves every read."""
     import ast
     import inspect
 
@@ -500,7 +501,8 @@ def test_the_runtime_uses_the_store_only_through_its_interface():
     declared = members(StoreReader, StoreWriter, StateWriter)
     used: dict[str, set[str]] = {}
     root = Path(__file__).resolve().parents[1]
-    for path in ("streamer/runtime/transport.py", "streamer/runtime/executor.py", "streamer/trainer.py"):
+    for path in ("streamer/runtime/transport.py", "streamer/runtime/executor.py", "streamer/runtime/passes.py",
+                 "streamer/runtime/update.py", "streamer/trainer.py", "streamer/weights.py"):
         for node in ast.walk(ast.parse((root / path).read_text())):
             if not isinstance(node, ast.Attribute):
                 continue

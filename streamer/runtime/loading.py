@@ -1,0 +1,115 @@
+"""Loading and residency: a step's streamed resources issued to the read queue ahead of their events, acquired
+on the compute thread, and released when the schedule says.
+
+The ledger is charged when a load is issued and credited when its resource is released, both on the main
+thread, so the accounting is the same on every run whatever the I/O threads' timing.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from memory_model import Ledger, Trace
+from memory_model.schedule import Resource, Weights, gathered_numel, resource_charges, shard_numel
+from streamer.runtime.distributed import DataParallel
+from streamer.runtime.residency import Residency, UnitState
+from streamer.runtime.step import StepConfig, StepContext
+from streamer.runtime.transport import IOQueues, Loaded, Transport
+from streamer.store.layout import Placement, UnitLayout
+
+
+class Loader:
+    """Each unit's device residency and the loads in flight: what is on the device, and what is coming."""
+
+    def __init__(self, layouts: dict[str, UnitLayout], step: StepConfig, placement: Placement, dtype: torch.dtype,
+                 transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
+                 data_parallel: DataParallel | None) -> None:
+        self.layouts, self.step_cfg, self.dtype = layouts, step, dtype
+        self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
+        self.on_host = step.update_on == "host"  # the update runs where the store lives
+        self.states = {u: UnitState(u) for u in layouts}
+        self.data_parallel = data_parallel
+        self.shards = 1 if data_parallel is None else data_parallel.shards  # the slices of each unit's state
+        # Weights loads read the fp32 master and cast it (the schedule's `master_from_weights`), for the run.
+        self.loads_read_master = placement.loads_read_master(dtype == torch.float32)
+        self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
+        self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
+
+    def stored_numel(self, unit: str) -> int:
+        """Elements of `unit` the store holds and the update walks: the unit, or this rank's slice of it."""
+        return shard_numel(self.layouts[unit].numel, self.shards)
+
+    def issue_ahead(self, resident: Sequence[Resource], ctx: StepContext, keeping_master: Iterator[bool]) -> None:
+        """The prefetch: issue the load of every resource of the event's resident set not yet issued.
+        `keeping_master` says, load by load in the order they are issued, whether it keeps the fp32 master."""
+        for resource in resident:
+            if resource not in self._inflight:
+                self._issue(resource, ctx, keep_master=next(keeping_master))
+
+    def _issue(self, resource: Resource, ctx: StepContext, keep_master: bool) -> None:
+        numel = self.layouts[resource.unit].numel
+        stored = self.stored_numel(resource.unit)
+        on_device = gathered_numel(numel, self.shards)  # sharded: every rank's slice, all-gathered
+        handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
+                   for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
+        step = ctx.step
+        if isinstance(resource, Weights):
+            self.states[resource.unit].residency = Residency.INFLIGHT
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
+                resource.unit, stored, self.loads_read_master, keep_master))
+        else:
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
+                resource.unit, resource.start, resource.count, on_host=self.on_host,
+                with_grad=not ctx.fused, with_master=resource.master))
+        self._inflight[resource] = (self.io.reads.submit(job), handles)
+
+    def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
+        with self.trace.span(unit, "load", step=step):
+            return job()
+
+    def acquire(self, resource: Resource, ctx: StepContext) -> dict[str, torch.Tensor]:
+        """Wait for the resource's load; its weights become the unit's, its kept master the step's."""
+        tensors = self._inflight[resource][0].result().wait()
+        if isinstance(resource, Weights):
+            state = self.states[resource.unit]
+            if "master" in tensors:
+                ctx.kept_masters[resource.unit] = tensors["master"]
+            if state.residency is not Residency.AVAILABLE:  # (the head's backward acquires what its forward did)
+                state.buffer, state.residency = self._whole_unit(resource.unit, tensors["weights"]), Residency.AVAILABLE
+        return tensors
+
+    def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
+        """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device, here on the
+        compute thread so that every rank issues its collectives in the same order."""
+        numel = self.layouts[unit].numel
+        if weights.numel() == numel:
+            return weights
+        gathered = self.data_parallel.gather_slices(
+            self.transport.device_buffer(weights.numel() * self.data_parallel.world, weights.dtype), weights)
+        if self.transport.owns(weights, unit, "compute"):  # (sharded means no fused update: no kept master)
+            self.transport.give_back(weights)
+        self._gathered[unit] = gathered
+        return gathered[:numel]
+
+    def release(self, resource: Resource, ctx: StepContext) -> None:
+        """Credit the resource's charges; its weights (not a master the update still takes) leave the device."""
+        future, handles = self._inflight.pop(resource)
+        for handle in handles:
+            self.ledger.free(handle)
+        if isinstance(resource, Weights):
+            state = self.states[resource.unit]
+            kept = ctx.kept_masters.get(resource.unit)
+            gathered = self._gathered.pop(resource.unit, None)
+            if gathered is not None:
+                self.transport.give_back(gathered)
+            elif (state.buffer is not None and state.buffer is not kept
+                    and self.transport.owns(state.buffer, resource.unit, "compute")):
+                self.transport.give_back(state.buffer)  # (None: loaded ahead, then the step was aborted)
+            state.buffer, state.residency = None, Residency.NOT_AVAILABLE
+
+    def release_all(self, ctx: StepContext) -> None:
+        """A step stopped part-way (its I/O drained): release every resource issued."""
+        for resource in list(self._inflight):
+            self.release(resource, ctx)

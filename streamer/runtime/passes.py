@@ -1,0 +1,202 @@
+"""Forward and backward: calling a unit with its streamed weights, the gradient flowing between units, and
+each unit's weight gradient offloaded to the host accumulator while the next unit's backward runs."""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Callable, Sequence
+
+import torch
+from torch.func import functional_call
+
+from layers import ModelConfig, build_unit
+from layers.lora import add_adapters
+from memory_model import Ledger, Trace
+from memory_model.schedule import Event, adapter_charges, gradient_charges
+from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
+from streamer.runtime.distributed import DataParallel
+from streamer.runtime.lora import Adapters
+from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
+from streamer.runtime.step import MicroBatch, PendingOffload, StepConfig, StepContext
+from streamer.runtime.transport import IOQueues, Transport
+from streamer.store.interface import StoreReader, StoreWriter
+from streamer.store.layout import UnitLayout
+
+
+class Passes:
+    """The units' forward and backward over the weights `states` holds, and the step's gradient norms."""
+
+    def __init__(self, cfg: ModelConfig, step: StepConfig, layouts: dict[str, UnitLayout],
+                 states: dict[str, UnitState], stored_numel: Callable[[str], int], device: torch.device,
+                 dtype: torch.dtype, transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
+                 store: StoreReader | None, writer: StoreWriter | None, data_parallel: DataParallel | None,
+                 adapters: Adapters | None) -> None:
+        self.cfg, self.step_cfg, self.layouts, self.states = cfg, step, layouts, states
+        self.stored_numel, self.dtype = stored_numel, dtype
+        self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
+        self.store, self.writer, self.data_parallel = store, writer, data_parallel
+        self.shards = 1 if data_parallel is None else data_parallel.shards
+        self.units = list(layouts)
+        self.shells = {kind: build_unit(cfg, name) for kind, name in
+                       (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
+        self.recorder = SavedTensorRecorder(ledger)
+        # LoRA: the base is frozen (no weight gradients, no update); the adapters are on the device for the run.
+        self.adapters = adapters
+        if adapters is not None:
+            add_adapters(self.shells["block"], adapters.lora.target_names, adapters.lora.rank,
+                         adapters.lora.scaling, adapters.lora.dropout)
+            self.recorder.resident |= adapters.storages()
+            for c in adapter_charges(adapters.numel()):
+                ledger.allocate(c.category, "lora", c.nbytes, c.what)
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
+        self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
+        self._scratch: torch.Tensor | None = None
+
+    def _call_unit(self, unit: str, x: torch.Tensor, micro: int, ctx: StepContext, *args: object) -> torch.Tensor:
+        layout = self.layouts[unit]
+        kind = unit.split(".", 1)[0]
+        self.forward_calls[unit] += 1
+        if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
+            shell = self.shells[kind].train(ctx.training)
+            named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
+            with self.adapters.dropout_rng(ctx.step, micro, unit) if kind == "block" else contextlib.nullcontext():
+                return functional_call(shell, named, (x, *args))
+        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
+                                       lambda grads: self._offload(unit, micro, grads, ctx))
+        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x, *args))
+
+    def call_plain(self, unit: str, *args: object) -> torch.Tensor:
+        """A unit's forward with its streamed weights and no autograd (generation)."""
+        kind = unit.split(".", 1)[0]
+        named = self.layouts[unit].views(self.states[unit].weights())
+        if self.adapters is not None:
+            named.update(self.adapters.for_unit(unit, self.dtype))
+        with torch.no_grad():
+            return functional_call(self.shells[kind].train(False), named, args)
+
+    def forward(self, event: Event, ctx: StepContext) -> None:
+        unit, micro = event.unit, event.micro
+        batch = ctx.micro_batches[micro]
+        if unit == "embed":
+            with self.recorder.hooks(self.states[unit]):
+                ctx.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro, ctx))
+            return
+        previous = ctx.graphs[self.units[self.units.index(unit) - 1]][1]
+        # A frozen base needs no gradient w.r.t. the embedding's output: the embedding has no backward.
+        frozen_first = self.adapters is not None and self.units.index(unit) == 1
+        if frozen_first:
+            del ctx.graphs[self.units[0]]  # no backward will come for it
+        x = previous.detach().requires_grad_(torch.is_grad_enabled() and not frozen_first)
+        if unit == "head":
+            with self.recorder.hooks(self.states[unit]):
+                chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
+                loss = self._call_unit(unit, x, micro, ctx, batch.labels, chunk, ctx.tokens)
+            ctx.losses.append(loss.detach())  # this micro-batch's share of the step's token mean
+            ctx.graphs[unit] = (x, loss)
+        elif self.step_cfg.activations == "checkpoint":
+            self.recorder.charge(unit, x, "checkpointed block input")
+            with torch.no_grad():
+                ctx.graphs[unit] = (x, self._call_unit(unit, x, micro, ctx, *_packed(batch)))
+        else:
+            with self.recorder.hooks(self.states[unit]):
+                ctx.graphs[unit] = (x, self._call_unit(unit, x, micro, ctx, *_packed(batch)))
+
+    def backward(self, event: Event, ctx: StepContext) -> None:
+        unit, micro = event.unit, event.micro
+        x, y = ctx.graphs.pop(unit)
+        if unit == "head":
+            nbytes = backward_workspace_bytes(self.cfg, unit, x.shape[0], x.shape[1], self.dtype.itemsize)
+            logits_grad = self.ledger.allocate("workspace", unit, nbytes, "a vocabulary chunk's logits gradient")
+            y.backward()
+            self.ledger.free(logits_grad)
+        else:
+            incoming, incoming_handle = ctx.flowing_grad
+            if unit.startswith("block") and self.step_cfg.activations == "checkpoint":
+                with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
+                    # recompute: the only second forward, by policy
+                    y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]))
+            torch.autograd.backward(y, incoming)
+            self.ledger.free(incoming_handle)
+        del y
+        self.recorder.release(unit)
+        ctx.flowing_grad = None
+        if unit != "embed" and x.grad is not None:  # (None: the first block of a frozen base)
+            grad = x.grad
+            ctx.flowing_grad = (grad, self.ledger.allocate("workspace", unit, grad.numel() * grad.element_size(),
+                                                           "gradient w.r.t. the unit's input"))
+        if unit == self.units[0] or (ctx.fused and micro == self.step_cfg.grad_accum - 1):
+            self._finish_pending_offload(ctx)  # the update (or the next micro-batch) needs the gradient home
+        if unit == self.units[0] and micro == self.step_cfg.grad_accum - 1 and self.shards > 1:
+            self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
+
+    def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...], ctx: StepContext) -> None:
+        """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
+        accumulator.
+
+        The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward;
+        it is finished only now, so at most one unit's gradient is on the device.
+        """
+        self._finish_pending_offload(ctx)
+        ranks = 1 if self.data_parallel is None else self.data_parallel.world
+        handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
+                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
+                                             self.shards > 1)]
+        first, last = micro == 0, micro == self.step_cfg.grad_accum - 1
+        reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
+        step, persist = ctx.step, not (ctx.fused and last)
+        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
+        ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
+
+    def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
+                        reduction: object | None, persist: bool) -> tuple[float, torch.Tensor | None]:
+        with self.trace.span(unit, "offload", step=step):
+            if reduction is not None:
+                grads = [self.data_parallel.finish_reduce(reduction)]
+            if self.store is None:
+                return 0.0, None
+            host = self.transport.pieces_to_host(grads)
+            if self.store.spec.placement.grad == "disk" and self._scratch is None:
+                self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
+            scratch = None if self._scratch is None else self._scratch[:self.stored_numel(unit)]
+            total = self.writer.accumulate_grad(unit, host, first, scratch, persist)
+            if host is not grads:
+                self.transport.give_back(host[0])
+            # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
+            return (float(torch.linalg.vector_norm(total)) ** 2, total) if last else (0.0, None)
+
+    def _finish_pending_offload(self, ctx: StepContext) -> None:
+        pending, ctx.pending_offload = ctx.pending_offload, None
+        if pending is None:
+            return
+        sq_norm, total = pending.future.result()
+        for handle in pending.handles:
+            self.ledger.free(handle)
+        if pending.last:
+            self.grad_sq_norms[pending.unit] = sq_norm
+            if ctx.fused:
+                ctx.final_grads[pending.unit] = total
+
+    def clear_graphs(self, ctx: StepContext) -> None:
+        """Drop the hidden states the step kept and the activations it charged."""
+        for unit in self.units:
+            self.recorder.release(unit)
+        ctx.graphs.clear()
+
+    def abort(self, ctx: StepContext) -> None:
+        """A step stopped part-way: credit the gradient on its way home and the one flowing, drop the graphs."""
+        if ctx.pending_offload is not None:
+            for handle in ctx.pending_offload.handles:
+                self.ledger.free(handle)
+            ctx.pending_offload = None
+        if ctx.flowing_grad is not None:
+            self.ledger.free(ctx.flowing_grad[1])
+            ctx.flowing_grad = None
+        for unit in list(ctx.graphs):
+            self.recorder.release(unit)
+        ctx.graphs.clear()
+
+
+def _packed(batch: MicroBatch) -> tuple[object, ...]:
+    """A block's arguments after its input: none, or (start_pos, cache, positions) for packed examples."""
+    return () if batch.positions is None else (0, None, batch.positions)

@@ -1,0 +1,116 @@
+"""The update: AdamW over one chunk of a unit's flat state, its inputs when fused into the backward, and the
+new state written back to the store on the write queue."""
+from __future__ import annotations
+
+import torch
+
+from memory_model import Ledger, Trace
+from memory_model.schedule import StateChunk, update_charges
+from streamer.runtime.distributed import DataParallel
+from streamer.runtime.optim import OptimizerConfig, adamw_chunk
+from streamer.runtime.step import ClippingNeeded, StepConfig, StepContext, clip_coefficient
+from streamer.runtime.transport import IOQueues, Transport
+from streamer.store.interface import StoreReader, StoreWriter
+from streamer.store.layout import Placement, UnitLayout
+
+
+class Updater:
+    """AdamW of the update events' chunks, and their write-backs."""
+
+    def __init__(self, step: StepConfig, optimizer: OptimizerConfig, layouts: dict[str, UnitLayout],
+                 placement: Placement, dtype: torch.dtype, transport: Transport, io: IOQueues, ledger: Ledger,
+                 trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
+                 data_parallel: DataParallel | None) -> None:
+        self.step_cfg, self.optimizer, self.layouts, self.placement, self.dtype = step, optimizer, layouts, placement, dtype
+        self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
+        self.store, self.writer, self.data_parallel = store, writer, data_parallel
+        self.on_host = step.update_on == "host"  # the update runs where the store lives
+        self.shards = 1 if data_parallel is None else data_parallel.shards
+
+    def update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
+               grad_sq_norms: dict[str, float]) -> None:
+        """AdamW over the chunk as loaded, clipped by the step's gradient norm (`grad_sq_norms`, per unit)."""
+        if ctx.fused:
+            tensors = self._fused_inputs(chunk, tensors, ctx, grad_sq_norms)
+        elif ctx.clip_coef is None:
+            ctx.clip_coef = clip_coefficient(grad_sq_norms, self.optimizer.max_grad_norm, ctx.step)
+            if ctx.on_first_update is not None:
+                ctx.on_first_update(ctx)
+        if not chunk.master:  # the master the unit's weights load kept, updated in place
+            tensors = {**tensors, "master": self.transport.host_chunk(
+                ctx.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.on_host)}
+        layout = self.layouts[chunk.unit]
+        # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
+        start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
+        adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
+        if ctx.fused:
+            grad = tensors.pop("grad")
+            if grad.device.type != "cpu":
+                self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
+        new_compute, handles = None, []
+        if self.store_keeps_compute():
+            new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
+                                                        on_host=self.on_host)
+            handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
+                       for c in update_charges(chunk, self.dtype.itemsize, self.step_cfg.update_on)]
+            new_compute.copy_(tensors["master"])
+        job = lambda: self._write_back(chunk, tensors, new_compute, ctx)
+        ctx.wait_for_writes(self.step_cfg.prefetch)
+        ctx.write_backs.append(self.io.writes.submit(job))
+        for handle in handles:
+            self.ledger.free(handle)
+
+    def _fused_inputs(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
+                      grad_sq_norms: dict[str, float]) -> dict[str, torch.Tensor]:
+        """A fused update chunk's state and its gradient from the backward, once the step so far allows it.
+
+        It runs with clip coefficient 1 (`ctx.clip_coef`), so it stands only while the norm of the gradients
+        summed so far keeps the coefficient at 1: the norm only grows, so a coefficient below 1 now is below
+        1 for the step, and the step is made again after the backward (`ClippingNeeded`). A non-finite
+        gradient stops the step here, before this unit's update, as it would before the separate update.
+        """
+        if chunk.start == 0 and clip_coefficient(grad_sq_norms, self.optimizer.max_grad_norm, ctx.step) != 1.0:
+            raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
+        total = ctx.final_grads[chunk.unit]
+        if chunk.last:
+            del ctx.final_grads[chunk.unit]
+        grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
+        return {**tensors, "grad": grad}
+
+    def store_keeps_compute(self) -> bool:
+        """An update writes new compute-dtype weights: the store has a compute copy (in RAM), not fp32."""
+        return self.dtype != torch.float32 and self.placement.compute == "ram"
+
+    def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
+                    new_compute: torch.Tensor | None, ctx: StepContext) -> None:
+        if self.store is None:
+            return
+        with self.trace.span(chunk.unit, "offload", step=ctx.step):
+            if chunk.unit not in ctx.writers:
+                ctx.writers[chunk.unit] = self.writer.unit_writer(chunk.unit, ctx.step)
+            writer = ctx.writers[chunk.unit]
+            values = {**tensors, "compute": new_compute}
+            for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
+                if values[kind] is not None:
+                    host = self.transport.to_host(values[kind])
+                    writer.write(kind, chunk.start, host)
+                    if host is not values[kind]:
+                        self.transport.give_back(host)
+            kept = ctx.kept_masters.get(chunk.unit)
+            for kind, t in values.items():
+                borrowed = kind == "master" and kept is not None and t.device == kept.device  # a view of it
+                if t is not None and not borrowed and self.transport.owns(t, chunk.unit, kind):
+                    self.transport.give_back(t)
+            if chunk.last:
+                ctx.writers.pop(chunk.unit).close()
+                if kept is not None:
+                    self.transport.give_back(ctx.kept_masters.pop(chunk.unit))
+
+    def abort(self, ctx: StepContext) -> None:
+        """A step stopped part-way (its writes drained): discard the new versions and the update's inputs."""
+        ctx.discard_writers()
+        ctx.write_backs.clear()  # their failures were reported; the next step must not raise them again
+        ctx.final_grads.clear()
+        for master in ctx.kept_masters.values():
+            self.transport.give_back(master)
+        ctx.kept_masters.clear()

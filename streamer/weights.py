@@ -1,0 +1,71 @@
+"""A model's weights into a trainer's store and out of it, one unit at a time: HF's initialisation, HF-keyed
+tensors written as a fresh state (Adam moments zero), and a unit's fp32 master read back as HF-keyed tensors."""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from layers import ModelConfig, build_unit, check_state_dict, init_weights
+from memory_model.schedule import chunks
+from streamer.runtime.distributed import DataParallel
+from streamer.store.interface import StoreReader, StoreWriter
+from streamer.store.layout import UnitLayout
+
+
+def initial_unit(cfg: ModelConfig, unit: str, index: int, seed: int) -> dict[str, torch.Tensor]:
+    """HF's initialisation of the `index`-th unit, seeded per unit so the result does not depend on order."""
+    torch.manual_seed(seed * 1_000_003 + index)
+    module = build_unit(cfg, unit, device="cpu")
+    init_weights(module)
+    return dict(module.state_dict())
+
+
+def hf_tensors(layouts: Iterable[UnitLayout], state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF state dict checked strictly against the units' slots (attention's constant buffers dropped)."""
+    expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in layouts for s in lay.slots}
+    given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+    check_state_dict(expected, given)
+    return given
+
+
+def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
+                      compute_dtype: torch.dtype, data_parallel: DataParallel | None) -> None:
+    """A unit's weights (by slot key, taken out of `tensors`) as its fp32 master, moments zero, and compute copy."""
+    master = torch.empty(layout.numel, dtype=torch.float32)
+    for slot in layout.slots:
+        master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
+    del tensors  # one copy of the unit (its flat master) while its state is written
+    if store.spec.shards > 1:
+        master = data_parallel.own_slice(master)
+    with store.unit_writer(layout.name, store.step) as writer:
+        for start, count in chunks(master.numel(), store.spec.chunk):
+            piece = master[start:start + count]
+            zeros = None if store.spec.frozen else torch.zeros(count, dtype=torch.float32)  # LoRA: no moments
+            values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros, "compute": piece.to(compute_dtype)}
+            for kind in store.spec.stored_kinds():
+                writer.write(kind, start, values[kind])
+
+
+def read_master(store: StoreReader, layout: UnitLayout, stored: int,
+                data_parallel: DataParallel | None) -> torch.Tensor:
+    """A unit's fp32 master (a frozen base's: its compute weights) as one flat host tensor; `stored`: the
+    elements this store holds of it."""
+    out = torch.empty(stored, dtype=torch.float32)
+    for start, count in chunks(stored, store.spec.chunk):
+        store.read_state(layout.name, "master", start, out[start:start + count])
+    if store.spec.shards == 1:
+        return out
+    # Sharded: every rank's slice, so every rank must ask for the same unit at the same time.
+    whole = data_parallel.gather_slices(torch.empty(stored * store.spec.shards), out)
+    return whole[:layout.numel]
+
+
+def hf_state_dict(layouts: Iterable[UnitLayout], flat_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-keyed copies of every unit's weights, `flat_of(unit)` giving a unit's flat fp32 weights."""
+    out = {}
+    for layout in layouts:
+        flat = flat_of(layout.name)
+        for slot in layout.slots:
+            out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+    return out
