@@ -163,3 +163,13 @@ def test_architecture_module_table_names_every_module() -> None:
                                                                                               "__main__.py")}
     assert listed == actual, (f"docs/ARCHITECTURE.md's module table lacks {sorted(actual - listed)} and names "
                               f"missing modules {sorted(listed - actual)}")
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject.toml lists each package folder: one left out is missing from a non-editable install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(init.parent.relative_to(ROOT).parts)
+               for top in ("layers", "memory_model", "streamer") for init in (ROOT / top).rglob("__init__.py")}
+    assert folders == listed, (sorted(folders - listed), sorted(listed - folders))
