@@ -88,10 +88,11 @@ def test_resident_fp32_equals_hf_adamw(tmp_path):
     resident = ResidentTrainer(DEBUG, tc, start)
     losses = [resident.step(ids, labels) for ids, labels in data]
     state = resident.model.state_dict()
-    # Against float64 HF, measured (native): losses 2.4e-7, weights 2.6e-6; HF's own fp32 kernels on the same
-    # steps: losses 2.4e-7 (eager) / 4.8e-7 (sdpa), weights 4.5e-6 (eager) / 5.7e-6 (sdpa).
+    # Against float64 HF, measured: weights 3.0e-6 native, 1.4e-5 under AVX2 only. HF's own fp32 kernels on the
+    # same steps: 4.1e-6 (eager) / 7.9e-6 (sdpa) native, 1.7e-5 (eager) / 6.9e-6 (sdpa) under AVX2. Losses are
+    # within 4e-7 everywhere. The weight bound is about twice the largest of HF's own.
     assert losses == pytest.approx(ref_losses, abs=2e-6)
-    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 1e-5
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 3.5e-5
 
 
 def test_resident_forward_runs_once_per_micro_batch(tmp_path):
