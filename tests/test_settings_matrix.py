@@ -2,12 +2,10 @@
 reaches the same weights: fp32 ones within fp32 rounding, bf16 ones within bf16 rounding of the fp32 ones."""
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 
-from streamer.cli.main import main
 from streamer.trainer import StreamingTrainer
+from test_cli import run_cli
 
 MATRIX = list(itertools.product(["ram", "disk"], ["device", "host"], ["resident", "checkpoint"], ["fp32", "bf16"],
                                 [1, 2]))
@@ -17,7 +15,7 @@ FP32_TOL = 1e-5
 BF16_TOL = 5e-2
 
 
-def _train(setup, root, combo):
+def _train(capsys, setup, root, combo):
     """One combination, run in this process: the CLI's whole path but the interpreter's start."""
     store, update_on, activations, dtype, accum = combo
     run = root / "-".join(map(str, combo))
@@ -25,10 +23,8 @@ def _train(setup, root, combo):
             "--run-dir", run, "--batch", 2, "--seq", 16, "--steps", 2, "--sample-tokens", 0, "--eval-every", 0,
             "--eval-fraction", 0, "--lr", 3e-3, "--store", store, "--update-on", update_on,
             "--activations", activations, "--dtype", dtype, "--grad-accum", accum]
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    assert rc == 0, (combo, err.getvalue()[-2000:])
+    rc, _, err = run_cli(capsys, *args)
+    assert rc == 0, (combo, err[-2000:])
     return run
 
 
@@ -40,8 +36,8 @@ def _weights(run):
         trainer.close()
 
 
-def test_every_setting_combination_trains_and_agrees(tiny_setup, tmp_path):
-    weights = {combo: _weights(_train(tiny_setup, tmp_path, combo)) for combo in MATRIX}
+def test_every_setting_combination_trains_and_agrees(capsys, tiny_setup, tmp_path):
+    weights = {combo: _weights(_train(capsys, tiny_setup, tmp_path, combo)) for combo in MATRIX}
     reference = weights[MATRIX[0]]
 
     def largest(dtype):
