@@ -43,15 +43,23 @@ class KernelCosts:
     compute_cast_bytes_per_s: float
     # What an event costs whatever its size (the runtime's hand-offs and bookkeeping, each small kernel's
     # dispatch), measured on models too small for their kernels to take time: per forward, backward or
-    # update event, and per step besides its events (streamer/calibration/host_costs.py).
+    # update event, and per step besides its events (streamer/calibration/host_costs.py). On the RAM tier,
+    # then on the disk tier, whose events also read and write the store's files: its fixed costs hold the
+    # flushes of its fused step (each unit's state file sealed, the manifest), most of a tiny model's step.
     event_s: float
     step_s: float
+    disk_event_s: float
+    disk_step_s: float
     # The host's cores moving a disk-tier byte through the page cache (written into it, read from it): on a
     # cpu device the same cores compute, so a disk-tier step's bytes take this time from its compute.
     page_cache_bytes_per_s: float
-    # One flush (fsync) of a small file just written: what a disk-tier commit pays per file it makes durable
-    # besides the file's bytes (the disk's rates price those). Most of a tiny model's disk-tier commit.
+    # One flush (fsync) of a small file just written: what a commit pays per file it makes durable beyond the
+    # flushes the disk tier's fixed costs hold (a journaled step's gradient files and journal, LoRA's adapters).
     flush_s: float
+
+    def fixed_s(self, store: str) -> tuple[float, float]:
+        """(per event, per step) fixed seconds on store tier `store`."""
+        return (self.disk_event_s, self.disk_step_s) if store == "disk" else (self.event_s, self.step_s)
 
     def __post_init__(self) -> None:
         for f in fields(self):

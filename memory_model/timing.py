@@ -28,6 +28,8 @@ RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "di
 # A unit's new state file is sealed with three flushes (streamer/store/files.py, GenerationWriter.finish): its
 # data, then its trailer and size, then its folder once it is renamed into place.
 SEAL_FLUSHES = 3
+# Every commit flushes its manifest and the manifest's folder: a fused step's only flushes besides the seals.
+MANIFEST_FLUSHES = 2
 
 
 @dataclass
@@ -117,7 +119,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
 
 def _compute(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
     costs = device.kernels.get(cfg.compute_dtype)
-    fixed = 0.0 if costs is None else costs.event_s
+    fixed = 0.0 if costs is None else costs.fixed_s(cfg.store)[0]
     return fixed + _kernels(event, shape, cfg, device, costs)
 
 
@@ -210,6 +212,12 @@ def _flush_s(cfg: PlanConfig, device: DeviceSpec) -> float:
     return costs.flush_s if costs is not None and cfg.store == "disk" else 0.0
 
 
+def unmeasured_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
+    """The flushes of a disk-tier step that its measured fixed costs (`KernelCosts.disk_event_s` and
+    `disk_step_s`, timed on a fused step) do not hold: those its commit makes beyond a fused step's."""
+    return max(0, commit_flushes(shape, cfg) - MANIFEST_FLUSHES)
+
+
 def commit_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The flushes a disk-tier step's commit makes on the trainer's thread (streamer/store/host.py), besides the
     SEAL_FLUSHES of each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
@@ -218,19 +226,19 @@ def commit_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
     if cfg.store != "disk":
         return 0
     if cfg.lora.enabled:
-        return 1 + 2
-    return 2 if cfg.fused else len(shape.unit_names()) + 2 + 2
+        return 1 + MANIFEST_FLUSHES
+    return MANIFEST_FLUSHES if cfg.fused else len(shape.unit_names()) + 2 + MANIFEST_FLUSHES
 
 
 def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes, queues: _Queues,
-               after: float, seals: bool) -> float:
-    """Book an update chunk's write-back (new master, moments and compute weights to the store); `seals`: the
-    unit's last chunk, after which its new state file is sealed (SEAL_FLUSHES)."""
+               after: float) -> float:
+    """Book an update chunk's write-back (new master, moments and compute weights to the store). The flushes
+    that seal a unit's new state file after its last chunk (SEAL_FLUSHES) are in the disk tier's fixed costs."""
     out = event.resource.count * cfg.store_bytes_per_param
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
     d2h_s = _link(d2h, device, "d2h")
-    write_s = write / device.disk_write_bw + (SEAL_FLUSHES * _flush_s(cfg, device) if seals else 0.0)
+    write_s = write / device.disk_write_bw
     times.d2h += d2h
     times.disk_write += write
     times.offload_s += d2h_s + write_s
@@ -262,7 +270,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
         compute = _compute(event, shape, cfg, device)
         times.update_s += compute
         done = queues.run("host compute", max(after, ready[event.resource]), compute)
-        ends.append(_state_out(event, cfg, device, times, queues, done, event is chunks[event.unit][-1]))
+        ends.append(_state_out(event, cfg, device, times, queues, done))
         booked.add(event)
 
     for k, event in enumerate(events):
@@ -281,7 +289,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
         if event.phase == "update":
             times.update_s += compute
             queues.busy["host compute" if cfg.update_on == "host" else "device compute"] += compute
-            ends.append(_state_out(event, cfg, device, times, queues, clock, event is chunks[event.unit][-1]))
+            ends.append(_state_out(event, cfg, device, times, queues, clock))
         else:
             queues.busy["device compute"] += compute
             if event.phase == "forward":
@@ -302,8 +310,8 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
         if released_after(events, k):
             in_flight.discard(event.resource)
     costs = device.kernels.get(cfg.compute_dtype)
-    step_s = 0.0 if costs is None else costs.step_s  # the step's own fixed cost (the loss, the commit)
-    step_s += commit_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each
+    step_s = 0.0 if costs is None else costs.fixed_s(cfg.store)[1]  # the step's own fixed cost (the loss, the commit)
+    step_s += unmeasured_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each
     if costs is not None and device.same_memory and cfg.store == "disk":
         # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
         # cores that compute, so the copies take their time from the step.

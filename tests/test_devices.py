@@ -197,7 +197,7 @@ def test_calibration_probes_are_sized_from_the_model() -> None:
 
 
 def test_kernel_costs_are_validated_and_roundtrip() -> None:
-    good = KernelCosts(1e11, 1e11, 1e-9, 2e-9, 1e-9, 2e-9, 1e-10, 1e10, 1e10, 5e-4, 1e-3, 4e9, 5e-3)
+    good = KernelCosts(1e11, 1e11, 1e-9, 2e-9, 1e-9, 2e-9, 1e-10, 1e10, 1e10, 5e-4, 1e-3, 2e-3, 4e-3, 4e9, 5e-3)
     assert KernelCosts.from_dict(good.to_dict()) == good
     with pytest.raises(ValueError, match="attention_forward_flops must be a finite number > 0"):
         KernelCosts.from_dict({**good.to_dict(), "attention_forward_flops": 0.0})

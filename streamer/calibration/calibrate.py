@@ -35,7 +35,7 @@ from memory_model.units import format_size
 from streamer.calibration.host_costs import HostCosts, measure_host_costs
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -259,8 +259,8 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         # the bytes timing.py counts for a one-micro-batch fold: read es, write 4, read 4 for the norm
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
         compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
-        event_s=host.event_s, step_s=host.step_s, page_cache_bytes_per_s=host.page_cache_bytes_per_s,
-        flush_s=host.flush_s)
+        event_s=host.event_s, step_s=host.step_s, disk_event_s=host.disk_event_s, disk_step_s=host.disk_step_s,
+        page_cache_bytes_per_s=host.page_cache_bytes_per_s, flush_s=host.flush_s)
 
 
 def measure_allreduce(nbytes: int, repeats: int) -> float:

@@ -1,22 +1,26 @@
-"""What the runtime costs the host beyond the kernels: a fixed cost per compute event and per step, the copying
-of each disk-tier byte through the page cache, and each flush of a disk-tier commit.
+"""What the runtime costs the host beyond the kernels: a fixed cost per compute event and per step, on each
+store tier, the copying of each disk-tier byte through the page cache, and each flush a commit makes beyond
+those of the measured disk-tier step.
 
 Fixed costs. The kernel costs (memory_model/kernels.py) scale with tokens, widths and parameters; besides
 them every event pays for the executor's hand-offs (the load's future, the ledger, the trace's span),
 autograd's bookkeeping and the dispatch of each of its small kernels. On a model as small as the demo's
-that is much of a step. It is measured on the runtime itself: RAM-tier steps of two GPT-J models too small
-for their kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep. Their
-difference, over the difference in their events, is the cost of an event; what the shallow one takes beyond
-its events is the step's own (the loss, the commit, the bookkeeping of a step).
+that is much of a step. It is measured on the runtime itself: steps of two GPT-J models too small for their
+kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep. Their difference, over the
+difference in their events, is the cost of an event; what the shallow one takes beyond its events is the
+step's own (the loss, the commit, the bookkeeping of a step). Both are measured on the RAM tier and on the
+disk tier, whose events also read and write the store's files and whose commit makes them durable: the disk
+tier's fixed costs hold its fused step's flushes (each unit's state file sealed, the manifest written).
 
 Page cache. A disk-tier byte is written into the page cache and read back from it (or from the disk into
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
 time to the compute. It is timed as a buffered write (before its fsync) and a read of the cached pages.
 
-Flushes. A disk-tier commit makes each file durable: a record is written, flushed, renamed and its folder
-flushed (`streamer.store.slabfile.write_json_atomic`); a state file likewise, its data flushed first
-(`GenerationWriter.finish`). Besides the bytes, each flush waits for the disk whatever the file's size: a
-few milliseconds, most of a tiny model's commit. It is timed as a record's sequence on a one-page file.
+Flushes. A commit makes each file durable: a record is written, flushed, renamed and its folder flushed
+(`streamer.store.slabfile.write_json_atomic`). Each flush waits for the disk whatever the file's size: a
+few milliseconds. The disk tier's fixed costs hold the flushes of the step they measure (a fused update);
+a journaled step flushes more (its gradient files and its journal), priced per flush
+(`memory_model.timing.unmeasured_flushes`). It is timed as a record's sequence on a one-page file.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch
 from layers.gptj import GPTJConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
-from streamer.store.layout import dtype_name
+from streamer.store.layout import TIERS, dtype_name
 from streamer.trainer import StreamingTrainer
 
 _DEPTHS = (1, 5)
@@ -42,16 +46,18 @@ _TOKENS = 8
 
 @dataclass(frozen=True)
 class HostCosts:
-    event_s: float  # per forward, backward or update event
-    step_s: float  # per optimizer step, besides its events
+    event_s: float  # per forward, backward or update event, RAM tier
+    step_s: float  # per optimizer step, besides its events, RAM tier
+    disk_event_s: float  # the same on the disk tier, its fused step's flushes included
+    disk_step_s: float
     page_cache_bytes_per_s: float  # a disk-tier byte through the page cache
-    flush_s: float  # per flush of a disk-tier commit
+    flush_s: float  # per flush of a commit beyond the measured disk-tier step's
 
 
 def measure_host_costs(directory: Path, dtype: torch.dtype, disk_bytes: int, repeats: int) -> HostCosts:
-    """Every cost of the module doc; the disk's probes write their files in `directory`."""
-    event_s, step_s = measure_fixed_costs(dtype)
-    return HostCosts(event_s, step_s, measure_page_cache(directory, disk_bytes, repeats),
+    """Every cost of the module doc; the disk's probes and the disk-tier steps write their files in `directory`."""
+    fixed = measure_fixed_costs(dtype, directory)
+    return HostCosts(*fixed["ram"], *fixed["disk"], measure_page_cache(directory, disk_bytes, repeats),
                      measure_flush(directory, repeats))
 
 
@@ -59,18 +65,26 @@ def _tiny(layers: int) -> GPTJConfig:
     return GPTJConfig(vocab_size=64, n_positions=_TOKENS, n_embd=32, n_layer=layers, n_head=2, rotary_dim=8)
 
 
-def measure_fixed_costs(dtype: torch.dtype, steps: int = 7) -> tuple[float, float]:
-    """The event's and the step's fixed seconds, from the shallow and the deep tiny model (module doc).
+def measure_fixed_costs(dtype: torch.dtype, directory: Path, steps: int = 7) -> dict[str, tuple[float, float]]:
+    """Per store tier, the event's and the step's fixed seconds, from the shallow and the deep tiny model
+    (module doc). The disk tier's stores are written in `directory`, on the disk the runs use."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="calibrate-events-", dir=directory) as tmp:
+        return {tier: _fixed_costs(dtype, tier, Path(tmp) / tier, steps) for tier in TIERS}
 
-    Their RAM-tier steps alternate, after two warm-up steps each, so that a change in the machine's load
-    weighs on both alike: `event_s` is the median of the paired differences over the difference in events.
-    Run one after the other under a changing load (2 cores, load average 7-9), it came out from 0 to 0.13 s,
-    against 0.6 ms on the quiet machine."""
+
+def _fixed_costs(dtype: torch.dtype, tier: str, directory: Path, steps: int) -> tuple[float, float]:
+    """One tier's fixed costs. The two models' steps alternate, after two warm-up steps each, so that a change
+    in the machine's load weighs on both alike: `event_s` is the median of the paired differences over the
+    difference in events. Run one after the other under a changing load (2 cores, load average 7-9), it came
+    out from 0 to 0.13 s, against 0.6 ms on the quiet machine. Each tier on its own: a disk-tier step's
+    background work (old state files removed, checksums) would otherwise fall into a RAM-tier step's time. No
+    clipping: every disk-tier step is the fused one, never undone."""
     torch_state = torch.random.get_rng_state()
     try:
-        with tempfile.TemporaryDirectory(prefix="calibrate-events-") as tmp, contextlib.ExitStack() as stack:
-            tc = TrainerConfig.of(dtype=dtype_name(dtype), store="ram")
-            trainers = [stack.enter_context(StreamingTrainer(_tiny(n), tc, store_dir=Path(tmp) / str(n)))
+        with contextlib.ExitStack() as stack:
+            tc = TrainerConfig.of(dtype=dtype_name(dtype), store=tier, max_grad_norm=0)
+            trainers = [stack.enter_context(StreamingTrainer(_tiny(n), tc, store_dir=directory / str(n)))
                         for n in _DEPTHS]
             ids = torch.randint(0, _tiny(1).vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))
             times: list[list[float]] = [[], []]
