@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/streamer train
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15
 
 # The suite against the newest releases of every dependency but torch, in its own venv: a coming break
 # shows here before a pin in constraints.txt moves. It may fail; `make test` may not.

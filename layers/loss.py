@@ -39,6 +39,8 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     The logits are computed `vocab_chunk` vocabulary rows at a time: the forward keeps only each position's
     log-sum-exp, and the backward computes each chunk's logits again to form its gradient. Every weight row's
     gradient is still one matmul over all positions; the input's gradient is summed over the chunks in fp32.
+    Where one chunk holds the whole vocabulary, the forward keeps its fp32 logits instead, and the backward
+    turns them into their gradient in place: the backward's peak is unchanged and one matmul is saved.
     """
     return _ChunkedLMLoss.apply(x.flatten(0, 1), weight, bias, shift_labels(labels).flatten(), vocab_chunk,
                                 num_items)
@@ -66,22 +68,24 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 vocab_chunk: int, num_items: float | None) -> torch.Tensor:
         n = x.shape[0]
         lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
+        kept = ()
         for lo, hi in _vocab_slices(weight.shape[0], vocab_chunk):
             logits = _chunk_logits(x, weight, bias, lo, hi)
             lse_parts.append(torch.logsumexp(logits, dim=1))
             inside, column = _in_chunk(targets, lo, hi)
             target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
+            kept = (logits,) if hi - lo == weight.shape[0] else ()
             del logits
         lse = torch.logsumexp(torch.stack(lse_parts), dim=0)  # (N,) fp32
         valid = targets != IGNORE_INDEX
         loss = torch.where(valid, lse - target_logit, 0.0).sum() / (valid.sum() if num_items is None else num_items)
         ctx.vocab_chunk, ctx.num_items = vocab_chunk, num_items
-        ctx.save_for_backward(x, weight, bias, targets, lse)
+        ctx.save_for_backward(x, weight, bias, targets, lse, *kept)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, bias, targets, lse = ctx.saved_tensors
+        x, weight, bias, targets, lse, *kept = ctx.saved_tensors
         valid = targets != IGNORE_INDEX
         # d loss / d logit = (softmax - onehot) / the denominator on counted rows, as cross_entropy's has it.
         divisor = valid.sum() if ctx.num_items is None else ctx.num_items
@@ -90,7 +94,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_weight = torch.empty_like(weight)
         grad_bias = None if bias is None else torch.empty_like(bias)
         for lo, hi in _vocab_slices(weight.shape[0], ctx.vocab_chunk):
-            grad = _chunk_logits(x, weight, bias, lo, hi).sub_(lse.unsqueeze(1)).exp_()  # softmax, fp32
+            logits = kept.pop() if kept else _chunk_logits(x, weight, bias, lo, hi)
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, fp32, in place of the logits
             inside, column = _in_chunk(targets, lo, hi)
             grad.scatter_add_(1, column, -inside.float().unsqueeze(1)).mul_(row_scale)
             grad = grad.to(x.dtype)  # the logits' gradient in the compute dtype, as the cast's backward gives it

@@ -201,11 +201,20 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     return total
 
 
-def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
+def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, vocab_chunk: int | None = None) -> int:
+    """`vocab_chunk`: the loss's, loss_vocab_chunk unless given."""
     n = batch * seq
     return (n * shape.head_saved_per_token(es)  # the final norm's, and its output (the chunked loss's input)
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
-            + 8 * n)  # the shifted int64 labels
+            + 8 * n  # the shifted int64 labels
+            + _kept_logits_bytes(shape, n, vocab_chunk))
+
+
+def _kept_logits_bytes(shape: ModelConfig, tokens: int, vocab_chunk: int | None = None) -> int:
+    """Where one chunk holds the whole vocabulary, the loss keeps its fp32 logits for the backward instead of
+    computing them again (layers.loss.chunked_lm_loss)."""
+    chunk = loss_vocab_chunk(shape, tokens) if vocab_chunk is None else vocab_chunk
+    return 4 * tokens * shape.vocab_size if chunk >= shape.vocab_size else 0
 
 
 # fp32 logits in one vocabulary chunk of the head's loss (layers.loss.chunked_lm_loss): 128 MiB. Larger
@@ -227,14 +236,16 @@ def checkpoint_input_bytes(shape: ModelConfig, batch: int, seq: int, es: int) ->
 
 
 def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int) -> int:
-    """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient and its
-    compute-dtype copy, and the fp32 sum of the gradient w.r.t. its input over the chunks. A block or the
-    embedding: the incoming gradient w.r.t. its output (B, T, d). The gradient w.r.t. a unit's input is
-    charged once its backward is done, when its activations are gone: never above this moment."""
+    """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient (unless it
+    is the kept logits, charged as activations) and its compute-dtype copy, and the fp32 sum of the gradient
+    w.r.t. its input over the chunks. A block or the embedding: the incoming gradient w.r.t. its output
+    (B, T, d). The gradient w.r.t. a unit's input is charged once its backward is done, when its activations
+    are gone: never above this moment."""
     n = batch * seq
     if unit == "head":
+        chunk = loss_vocab_chunk(shape, n)
         cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
-        return (4 + cast) * n * loss_vocab_chunk(shape, n) + 4 * n * shape.hidden_size
+        return (4 + cast) * n * chunk - _kept_logits_bytes(shape, n) + 4 * n * shape.hidden_size
     return n * shape.hidden_size * es
 
 

@@ -20,7 +20,7 @@ from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, L
 from memory_model.kernels import attention_flops, gpu_elementwise_bytes
 from memory_model.planner import step_spec
 from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
-                                 embed_saved_bytes, head_saved_bytes)
+                                 embed_saved_bytes, head_saved_bytes, loss_vocab_chunk)
 from memory_model.schedule import (
     StepSpec, released_after, resident_sets, resource_charges, step_events, update_charges,
 )
@@ -87,14 +87,16 @@ def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str, famil
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     h = torch.randn(batch, seq, cfg.hidden_size, dtype=DTYPES[dtype], requires_grad=True)
     measured = {}
+    # The head's loss in vocabulary chunks, and in one chunk (it keeps its logits for the backward).
     for name, run in (("embed", lambda: embed(ids)), ("block", lambda: block(h)),
-                      ("head", lambda: head(h, ids, vocab_chunk=7))):
+                      ("head", lambda: head(h, ids, vocab_chunk=7)), ("one chunk", lambda: head(h, ids))):
         saved = SavedStorages([embed, block, head])
         with saved.hooks(name):
             run()
         measured[name] = saved.bytes[name]
     expected = {"embed": embed_saved_bytes(shape, batch, seq), "block": block_saved_bytes(shape, batch, seq, es),
-                "head": head_saved_bytes(shape, batch, seq, es)}
+                "head": head_saved_bytes(shape, batch, seq, es, vocab_chunk=7),
+                "one chunk": head_saved_bytes(shape, batch, seq, es)}
     for name in expected:
         assert expected[name] == measured[name], name  # measured: equal to the byte on every case
 
@@ -131,7 +133,7 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
         with saved.hooks(f"block.{i}"):
             x = block(x, *args)
     with saved.hooks("head"):
-        head(x, ids, vocab_chunk=7)
+        head(x, ids, vocab_chunk=loss_vocab_chunk(shape, batch * seq))  # the runtime's chunk
     cfg_plan = PlanConfig(batch=batch, seq=seq, compute_dtype=dtype, packed=packed)
     rows = {r.unit: r for r in plan(shape, CS2, cfg_plan).rows}
     for unit, nbytes in saved.bytes.items():
