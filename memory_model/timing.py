@@ -105,9 +105,9 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     weights = isinstance(resource, Weights)
     # What a load moves is what the resource holds on a device that runs the update (the schedule's charges);
     # with the update on the host a chunk is read from disk but does not cross the link.
-    nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_params(resource.unit), cfg.dtype_bytes,
-                                                      "device"))
-    disk = load_disk_bytes(resource, shape.unit_params(resource.unit), store_bytes(cfg), cfg.fused) \
+    nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_device_params(resource.unit),
+                                                      cfg.dtype_bytes, "device"))
+    disk = load_disk_bytes(resource, shape.unit_device_params(resource.unit), store_bytes(cfg), cfg.fused) \
         if cfg.store == "disk" else 0
     h2d = nbytes if weights or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d")
@@ -182,7 +182,7 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
                   queues: _Queues, clock: float) -> tuple[float, float]:
     """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
     es, disk = cfg.dtype_bytes, cfg.store == "disk"
-    params = shape.unit_params(event.unit)
+    params = shape.unit_device_params(event.unit)  # a tied head's gradient holds the embedding's part too
     grad = params * es
     first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
     # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones

@@ -22,9 +22,13 @@ def initial_unit(cfg: ModelConfig, unit: str, index: int, seed: int) -> dict[str
 
 
 def hf_tensors(layouts: Iterable[UnitLayout], state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An HF state dict checked strictly against the units' slots (attention's constant buffers dropped)."""
+    """An HF state dict checked strictly against the units' slots (attention's constant buffers dropped, and a
+    tied parameter's second name: its one tensor is the owner's)."""
+    layouts = list(layouts)
     expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in layouts for s in lay.slots}
-    given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+    tied = {s.hf_key for lay in layouts for s, _ in lay.borrowed}
+    given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))
+             and k not in tied}
     check_state_dict(expected, given)
     return given
 
@@ -62,10 +66,15 @@ def read_master(store: StoreReader, layout: UnitLayout, stored: int,
 
 
 def hf_state_dict(layouts: Iterable[UnitLayout], flat_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-keyed copies of every unit's weights, `flat_of(unit)` giving a unit's flat fp32 weights."""
-    out = {}
-    for layout in layouts:
+    """HF-keyed copies of every unit's weights, `flat_of(unit)` giving a unit's flat fp32 weights; a tied
+    parameter under both its names, one tensor, as in the transformers class's state_dict."""
+    out, by_unit = {}, {layout.name: layout for layout in layouts}
+    for layout in by_unit.values():
         flat = flat_of(layout.name)
         for slot in layout.slots:
             out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+    for layout in by_unit.values():
+        for slot, owner in layout.borrowed:
+            (whole,) = by_unit[owner].slots  # what a unit borrows is another unit's whole weights
+            out[slot.hf_key] = out[whole.hf_key]
     return out

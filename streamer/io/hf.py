@@ -82,6 +82,7 @@ class HFCheckpoint:
             wanted, files = None, [layout]
         entries: dict[str, _Entry] = {}
         shards: dict[str, Any] = {}
+        tied = config.tied_hf_keys()
         for name in files:
             shards[name], found = _open_shard(root, name)
             keys = found if wanted is None else [k for k, f in wanted.items() if f == name]
@@ -89,7 +90,9 @@ class HFCheckpoint:
                 if key not in found:
                     raise CheckpointError(f"{layout} puts {key!r} in {name}, which does not hold it; "
                                           "re-save the checkpoint or fix the index")
-                if not key.endswith(config.ignored_checkpoint_suffixes):
+                # A tied parameter's second name, which some writers keep, is the owner's tensor (transformers
+                # ignores it too).
+                if not key.endswith(config.ignored_checkpoint_suffixes) and key not in tied:
                     entries[key] = found[key]
         return cls(root, config, entries, shards)
 
@@ -158,10 +161,12 @@ class HFCheckpoint:
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The HF state dict a config describes, as meta tensors: names and shapes, no memory."""
+    """The HF state dict a config describes, as meta tensors: names and shapes, no memory. A tied parameter is
+    there once, under its owner's name, as transformers saves it."""
     try:
         with torch.device("meta"):
-            return resident_model(cfg, init=False).state_dict()
+            state = resident_model(cfg, init=False).state_dict()
+        return {k: v for k, v in state.items() if k not in cfg.tied_hf_keys()}
     except (RuntimeError, OverflowError, ValueError) as exc:
         raise CheckpointError(f"the config describes a model that cannot be built ({_brief(exc)}); "
                               "check its sizes") from None
