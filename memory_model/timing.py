@@ -189,8 +189,13 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     # read and write it); after the last one it reads it once more for the global norm. Under data
     # parallel the offload first waits for the fp32 all-reduce of this gradient.
     touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
-    read = 0 if first or not disk else 4 * params
-    write = 4 * params if disk and not (cfg.fused and last) else 0  # a fused update keeps the last one
+    # A tied head folds the embedding's part into the embedding's accumulator, which keeps it for the
+    # embedding's own backward, which then always reads it (schedule.disk_bytes).
+    own = shape.unit_params(event.unit)
+    borrowed = params - own
+    lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.borrowed(u).values())
+    read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
+    write = 0 if not disk else 4 * (own * (not (cfg.fused and last)) + borrowed)  # a fused update keeps its last
     costs = device.kernels.get(cfg.compute_dtype)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw

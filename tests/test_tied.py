@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 
 import pytest
 import safetensors
 import torch
+import torch.multiprocessing as mp
 import transformers
 
 from layers import PRESETS, LlamaConfig, Qwen2Config, resident_model
@@ -20,7 +22,9 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer
 from streamer.generate import Sampling, generate
+from streamer.errors import ConfigError
 from streamer.run_dir import RunDir
+from streamer.runtime.distributed import leave_process_group
 from tests.test_cli import run_cli
 from tests.test_llama import _TINY, hf_model
 from tests.test_runtime import hf_reference
@@ -111,6 +115,7 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, dtype, activat
     planned = plan(cfg, device_spec("h100-sxm"), settings)
     assert real[0] == dry.peak == planned.peak_device_bytes
     assert real[1] == dict(dry.peak_breakdown)
+    assert (planned.link_bytes["disk_read"], planned.link_bytes["disk_write"]) == trainer.step_bytes  # its timing
 
 
 def test_a_tied_transformers_folder_trains_and_exports_tied(capsys, tmp_path, tiny_setup):
@@ -171,3 +176,70 @@ def test_a_tied_run_killed_mid_step_continues_bit_identically(tmp_path, tiny_set
     done = streamer(*argv)
     assert done.returncode == 0 and "continuing it to step" in done.stdout, done.stderr
     assert_same_run(run, reference)
+
+
+def _rank_main(rank: int, world: int, port: int, run: str, out: str, tc: TrainerConfig) -> None:
+    from tests.test_distributed import prompt_masked
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    with StreamingTrainer(TIED["llama"], tc, store_dir=run) as trainer:
+        for ids in _global_batches():
+            trainer.step(ids, prompt_masked(ids))
+        torch.save({"state": trainer.state_dict(), "losses": trainer.losses, "peak": trainer.ledger.peak},
+                   f"{out}.{rank}")
+    leave_process_group()
+
+
+def _global_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, TIED["llama"].vocab_size, (4, 16), generator=g) for _ in range(3)]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_replicated_equal_one_process(tmp_path):
+    """Each rank all-reduces the head's whole gradient, the tied part included, then folds that part into its
+    embedding's accumulator: every rank makes the one process's update, and the planner's peak."""
+    from tests.test_distributed import _free_port, prompt_masked
+    tc = TrainerConfig.of(lr=1e-3, dtype="fp32", store="disk", max_grad_norm=1.0, update_chunk=1000)
+    out = str(tmp_path / "result")
+    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "run"), out, tc), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    with StreamingTrainer(TIED["llama"], tc.replace(grad_accum=2), store_dir=tmp_path / "single") as trainer:
+        for ids in _global_batches():
+            trainer.step(ids, prompt_masked(ids))
+        reference = trainer.state_dict()
+        losses = trainer.losses
+    assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in reference)
+    assert max((ranks[0]["state"][k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+    assert ranks[0]["losses"] == pytest.approx(losses, abs=2e-6)
+    planned = plan(TIED["llama"], device_spec("h100-sxm"), PlanConfig(batch=4, seq=16, compute_dtype="fp32",
+                                                                       store="disk", update_chunk=1000, devices=2))
+    assert [r["peak"] for r in ranks] == [planned.peak_device_bytes] * 2
+
+
+def test_sharded_data_parallel_refuses_a_tied_model_in_one_line(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import streamer.trainer
+    monkeypatch.setattr(streamer.trainer.DataParallel, "from_environment",
+                        lambda device, sharded: SimpleNamespace(rank=0, world=2, shards=2))
+    tc = TrainerConfig.of(dtype="fp32", store="disk", data_parallel="sharded")
+    with pytest.raises(ConfigError) as info:
+        StreamingTrainer(TIED["llama"], tc, store_dir=tmp_path / "run")
+    assert "\n" not in str(info.value) and "--data-parallel sharded" in str(info.value)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_lora_on_a_tied_model_holds_what_an_untied_one_does(tmp_path, store):
+    """A LoRA run's frozen base: the tied head reads the embedding's compute weights with its own. The device
+    holds what it holds untied (ledger and dry run), and the store's files move what the planner says."""
+    cfg = dataclasses.replace(PRESETS["llama-debug"], tie_word_embeddings=True)
+    tc = TrainerConfig.of(dtype="bf16", store=store, lora_rank=4, lora_targets="q_proj,v_proj", grad_accum=2)
+    settings = PlanConfig(batch=4, seq=32, compute_dtype="bf16", store=store, grad_accum=2, lora=tc.lora)
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(torch.randint(0, cfg.vocab_size, (4, 32)))
+        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+        assert trainer.step_bytes == step_disk_bytes(cfg, settings)
+    untied = dry_run(PRESETS["llama-debug"], tc, 4, 32)
+    assert real == (untied.peak, dict(untied.peak_breakdown)) == (dry_run(cfg, tc, 4, 32).peak, real[1])

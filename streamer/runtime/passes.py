@@ -162,9 +162,11 @@ class Passes:
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
             scratch = (lambda u: None if self._scratch is None else self._scratch[:self.stored_numel(u)])
-            *borrowed, (_, own) = self.layouts[unit].split_device(host)
-            for owner, pieces in borrowed:  # into the owner's accumulator, which its own backward finishes
-                self.writer.accumulate_grad(owner, pieces, first, scratch(owner), persist=True)
+            own = host  # (sharded, this rank's slice of the unit: the state of a tied model is not sharded)
+            if self.layouts[unit].borrowed:
+                *borrowed, (_, own) = self.layouts[unit].split_device(host)
+                for owner, pieces in borrowed:  # into the owner's accumulator, which its own backward finishes
+                    self.writer.accumulate_grad(owner, pieces, first, scratch(owner), persist=True)
             total = self.writer.accumulate_grad(unit, own, first, scratch(unit), persist)
             if host is not grads:
                 self.transport.give_back(host[0])
