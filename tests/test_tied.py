@@ -22,7 +22,7 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer
 from streamer.generate import Sampling, generate
-from streamer.errors import ConfigError
+from streamer.errors import CheckpointError, ConfigError
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import leave_process_group
 from tests.test_cli import run_cli
@@ -243,3 +243,24 @@ def test_lora_on_a_tied_model_holds_what_an_untied_one_does(tmp_path, store):
         assert trainer.step_bytes == step_disk_bytes(cfg, settings)
     untied = dry_run(PRESETS["llama-debug"], tc, 4, 32)
     assert real == (untied.peak, dict(untied.peak_breakdown)) == (dry_run(cfg, tc, 4, 32).peak, real[1])
+
+
+def test_a_tied_folder_that_also_names_lm_head_is_read_as_transformers_reads_it(tmp_path):
+    """Some writers keep the tied weight's second name too. Equal, the import takes the one tensor; different,
+    transformers would untie the model, which a tied config cannot say: one line names the fix."""
+    from safetensors.torch import save_file
+    cfg = TIED["llama"]
+    model = hf_model(cfg)
+    model.config.save_pretrained(tmp_path)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with StreamingTrainer.from_pretrained(tmp_path, TrainerConfig.of(dtype="fp32", store="ram")) as trainer:
+        assert torch.equal(trainer.state_dict()["lm_head.weight"], state["model.embed_tokens.weight"])
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert reloaded.lm_head.weight is not reloaded.model.embed_tokens.weight  # transformers untied it
+    with pytest.raises(CheckpointError, match="set it to false") as info:
+        StreamingTrainer.from_pretrained(tmp_path, TrainerConfig.of(dtype="fp32", store="ram"))
+    assert "\n" not in str(info.value) and "lm_head.weight differs from model.embed_tokens.weight" in str(info.value)

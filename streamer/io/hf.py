@@ -82,7 +82,6 @@ class HFCheckpoint:
             wanted, files = None, [layout]
         entries: dict[str, _Entry] = {}
         shards: dict[str, Any] = {}
-        tied = config.tied_hf_keys()
         for name in files:
             shards[name], found = _open_shard(root, name)
             keys = found if wanted is None else [k for k, f in wanted.items() if f == name]
@@ -90,11 +89,21 @@ class HFCheckpoint:
                 if key not in found:
                     raise CheckpointError(f"{layout} puts {key!r} in {name}, which does not hold it; "
                                           "re-save the checkpoint or fix the index")
-                # A tied parameter's second name, which some writers keep, is the owner's tensor (transformers
-                # ignores it too).
-                if not key.endswith(config.ignored_checkpoint_suffixes) and key not in tied:
+                if not key.endswith(config.ignored_checkpoint_suffixes):
                     entries[key] = found[key]
-        return cls(root, config, entries, shards)
+        checkpoint = cls(root, config, entries, shards)
+        checkpoint._drop_tied_copies()
+        return checkpoint
+
+    def _drop_tied_copies(self) -> None:
+        """A tied parameter's second name, which some writers keep, must hold the one tensor (transformers
+        unties the model otherwise): then it is dropped, and the owner's name is read."""
+        for tied, owner in self.config.tied_hf_keys().items():
+            if tied in self._entries and owner in self._entries:
+                if not torch.equal(self.read(tied), self.read(owner)):
+                    raise CheckpointError(f"{self.root}: {tied} differs from {owner}, but config.json says "
+                                          "tie_word_embeddings=true; set it to false to keep both")
+                del self._entries[tied]
 
     def __enter__(self) -> HFCheckpoint:
         return self
