@@ -264,3 +264,14 @@ def test_a_tied_folder_that_also_names_lm_head_is_read_as_transformers_reads_it(
     with pytest.raises(CheckpointError, match="set it to false") as info:
         StreamingTrainer.from_pretrained(tmp_path, TrainerConfig.of(dtype="fp32", store="ram"))
     assert "\n" not in str(info.value) and "lm_head.weight differs from model.embed_tokens.weight" in str(info.value)
+
+
+def test_a_state_dict_whose_tied_copies_differ_is_one_line():
+    cfg = TIED["llama"]
+    state = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}
+    with StreamingTrainer(cfg, TrainerConfig.of(dtype="fp32", store="ram")) as trainer:
+        trainer.load_state_dict(state)  # transformers' state_dict names the tied weight twice, one tensor
+        state["lm_head.weight"] = state["lm_head.weight"] + 1
+        with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight") as info:
+            trainer.load_state_dict(state)
+    assert "\n" not in str(info.value)

@@ -220,20 +220,20 @@ class Transport:
         units' whole weights (unit, numel) the unit uses, laid before its own in one device buffer."""
         store = self.store
 
-        def weights_of(unit: str, numel: int, keep_master: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        def weights_of(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
             if not from_master:
-                ram = store.slab(unit, "compute") if store is not None else None
-                return {"weights": self._to_device(None, ram, numel, self.compute_dtype, out)}
+                ram = store.slab(name, "compute") if store is not None else None
+                return {"weights": self._to_device(None, ram, count, self.compute_dtype, out)}
             if self.mode == "meta":
-                master = torch.empty(numel, dtype=torch.float32, device="meta")
+                master = torch.empty(count, dtype=torch.float32, device="meta")
             else:
-                master = self._take(numel, torch.float32, "pinned")
-                store.read_master(unit, master)
+                master = self._take(count, torch.float32, "pinned")
+                store.read_master(name, master)
             if self.mode == "shared" and self.compute_dtype == torch.float32 and out is None:
                 weights = master  # the master is the compute weights, in the device's own memory
             else:
-                weights = self._to_device(lambda host: host.copy_(master), None, numel, self.compute_dtype, out)
-            if keep_master:
+                weights = self._to_device(lambda host: host.copy_(master), None, count, self.compute_dtype, out)
+            if keep:
                 return {"weights": weights, "master": master}
             if weights is not master:
                 self.give_back(master)
