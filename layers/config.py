@@ -8,6 +8,7 @@ asks which family it holds:
   `head_dim`, `intermediate_size`, `max_position_embeddings`, `rotary_dim` (the rotated dims of a head);
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
+- `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
 - `units`: the module of its torch units (imported only by layers.model, so this stays torch-free);
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
@@ -99,6 +100,19 @@ class ModelConfig:
     def head_params(self) -> int:
         raise NotImplementedError
 
+    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
+        """The unit's parameters that another unit's state holds: the unit's own key -> (that unit, its key
+        there), each the other unit's whole weights (a tied 'lm_head.weight' -> ('embed', 'embed_tokens.weight')).
+        Such a parameter has one master, one pair of moments and one update, in its owner, whose gradient sums
+        both uses. Empty: the unit holds all its own."""
+        return {}
+
+    def tied_hf_keys(self) -> dict[str, str]:
+        """HF keys of the borrowed parameters -> the HF key of the one tensor each is (a tied checkpoint holds
+        only the latter)."""
+        return {self.hf_key(unit, key): self.hf_key(owner, owner_key)
+                for unit in self.unit_names() for key, (owner, owner_key) in self.borrowed(unit).items()}
+
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the block projection `name` (one of `projections`)."""
         raise NotImplementedError
@@ -164,11 +178,16 @@ class ModelConfig:
         return ["embed", *(f"block.{i}" for i in range(self.num_hidden_layers)), "head"]
 
     def unit_params(self, unit: str) -> int:
+        """The parameters the unit's own state holds (and its update walks); they add up to `num_params`."""
         if unit == "embed":
             return self.embed_params()
         if unit == "head":
             return self.head_params()
         return self.block_params()
+
+    def unit_device_params(self, unit: str) -> int:
+        """The parameters the unit's module uses on the device: its own and those it borrows."""
+        return self.unit_params(unit) + sum(self.unit_params(owner) for owner, _ in self.borrowed(unit).values())
 
     def describe(self) -> str:
         """One line for traces and reports: the family and its main sizes."""

@@ -91,11 +91,8 @@ class LlamaConfig(ModelConfig):
                               "uses 'silu'")
         if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
             raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
-        if self.tie_word_embeddings is not False:
-            # The embedding and the head are separate streamed units; one shared parameter would need one
-            # master and one update fed by both units' gradients, which the store does not do yet.
-            raise ConfigError("tie_word_embeddings=true (one weight for the embedding and lm_head) is not "
-                              "supported yet: the streamed store keeps them as separate units")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         for flag in ("attention_bias", "mlp_bias"):
             value = getattr(self, flag)
             if not isinstance(value, bool) or (value and flag not in self.honoured_flags):
@@ -155,7 +152,12 @@ class LlamaConfig(ModelConfig):
         return 2 * d + attention + mlp  # input_layernorm, post_attention_layernorm
 
     def head_params(self) -> int:
-        return self.hidden_size + self.vocab_size * self.hidden_size  # norm, lm_head (no bias)
+        # norm, lm_head (no bias); a tied lm_head is the embedding's weight, held by the embedding's state
+        return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
+    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
+        tied = unit == "head" and self.tie_word_embeddings
+        return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
 
     def projection_shape(self, name: str) -> tuple[int, int]:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
@@ -255,6 +257,10 @@ def _theta(theta: float) -> tuple[tuple[str, Any], ...]:
 
 PRESETS.update({
     # The published shapes (their config.json files); tests/test_llama.py checks the parameter counts.
+    "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                rope_parameters=_llama3(500000.0, 32.0)),
     "llama-3.1-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                                 rms_norm_eps=1e-5, rope_parameters=_llama3(500000.0, 8.0)),

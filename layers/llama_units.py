@@ -122,6 +122,8 @@ class Llama(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if init:
             init_weights(self)
+        if cfg.tie_word_embeddings:  # one parameter, the embedding's (transformers' tie_weights)
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

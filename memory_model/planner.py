@@ -205,7 +205,8 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            _add(at, resource_charges(r, gathered_numel(shape.unit_params(r.unit), cfg.shards), es, cfg.update_on))
+            _add(at, resource_charges(r, gathered_numel(shape.unit_device_params(r.unit), cfg.shards), es,
+                                      cfg.update_on))
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
@@ -219,7 +220,8 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
             at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    _add(at, gradient_charges(shape.unit_params(event.unit), es, cfg.devices, cfg.shards > 1))
+                    _add(at, gradient_charges(shape.unit_device_params(event.unit), es, cfg.devices,
+                                              cfg.shards > 1))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
@@ -246,9 +248,10 @@ def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
         return 0, 0
     if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
         events = _events(shape, cfg)
-        return sum(shape.unit_params(r.unit) for r in load_order(events, cfg.prefetch)) * cfg.dtype_bytes, 0
+        return sum(shape.unit_device_params(r.unit) for r in load_order(events, cfg.prefetch)) * cfg.dtype_bytes, 0
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
-    return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum)
+    borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
+    return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum, borrowed)
 
 
 def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -312,14 +315,14 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
 
     rows, frozen = [], cfg.lora.enabled
     for u in units:
-        params = shape.unit_params(u)
+        params, on_device = shape.unit_params(u), shape.unit_device_params(u)  # (a tied head uses the embedding's)
         kept, recompute = _activations(shape, cfg, u, micro, seq)
         fwd = forward_flops(shape, u, micro, seq) * cfg.grad_accum
         recompute_flops = fwd if cfg.activations == "checkpoint" and u.startswith("block.") else 0
         t = timeline.per_unit[u]
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
-            unit=u, params=params, weight_bytes=params * es, gradient_bytes=0 if frozen else params * es,
+            unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
             optimizer_bytes=0 if frozen else params * (MASTER_BYTES + cfg.moment_bytes), activation_bytes=kept,
             recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,

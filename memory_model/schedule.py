@@ -289,22 +289,29 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
-               micro_batches: int) -> tuple[int, int]:
+               micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None) -> tuple[int, int]:
     """(read, written) bytes of a disk-tier step: exactly what the store's files are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
     Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
     write it, except that the last one of a fused step keeps it in memory for the update. Updates write the
-    fp32 master and the moments.
+    fp32 master and the moments. `borrowed`: the units whose weights a unit's load reads too and into whose
+    accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
     """
+    borrowed = borrowed or {}
+    owners = {owner for units in borrowed.values() for owner in units}
     fused = is_fused(events)
-    read = sum(load_disk_bytes(r, numels[r.unit], sizes, fused) for r in load_order(events, prefetch))
+    read = sum(load_disk_bytes(r, numels[r.unit] + sum(numels[o] for o in borrowed.get(r.unit, ())), sizes, fused)
+               for r in load_order(events, prefetch))
     written = 0
     for event in events:
         if event.phase == "backward":
             grad = numels[event.unit] * GRAD_ACCUM_BYTES_PER_PARAM
-            read += grad if event.micro > 0 else 0
+            read += grad if event.micro > 0 or event.unit in owners else 0
             written += 0 if fused and event.micro == micro_batches - 1 else grad
+            for owner in borrowed.get(event.unit, ()):
+                shared = numels[owner] * GRAD_ACCUM_BYTES_PER_PARAM
+                read, written = read + (shared if event.micro > 0 else 0), written + shared
         elif event.phase == "update":
             written += event.resource.count * (MASTER_BYTES + 2 * sizes.moment)
     return read, written

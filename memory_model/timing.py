@@ -105,9 +105,9 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     weights = isinstance(resource, Weights)
     # What a load moves is what the resource holds on a device that runs the update (the schedule's charges);
     # with the update on the host a chunk is read from disk but does not cross the link.
-    nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_params(resource.unit), cfg.dtype_bytes,
-                                                      "device"))
-    disk = load_disk_bytes(resource, shape.unit_params(resource.unit), store_bytes(cfg), cfg.fused) \
+    nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_device_params(resource.unit),
+                                                      cfg.dtype_bytes, "device"))
+    disk = load_disk_bytes(resource, shape.unit_device_params(resource.unit), store_bytes(cfg), cfg.fused) \
         if cfg.store == "disk" else 0
     h2d = nbytes if weights or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d")
@@ -182,15 +182,20 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
                   queues: _Queues, clock: float) -> tuple[float, float]:
     """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
     es, disk = cfg.dtype_bytes, cfg.store == "disk"
-    params = shape.unit_params(event.unit)
+    params = shape.unit_device_params(event.unit)  # a tied head's gradient holds the embedding's part too
     grad = params * es
     first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
     # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones
     # read and write it); after the last one it reads it once more for the global norm. Under data
     # parallel the offload first waits for the fp32 all-reduce of this gradient.
     touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
-    read = 0 if first or not disk else 4 * params
-    write = 4 * params if disk and not (cfg.fused and last) else 0  # a fused update keeps the last one
+    # A tied head folds the embedding's part into the embedding's accumulator, which keeps it for the
+    # embedding's own backward, which then always reads it (schedule.disk_bytes).
+    own = shape.unit_params(event.unit)
+    borrowed = params - own
+    lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.borrowed(u).values())
+    read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
+    write = 0 if not disk else 4 * (own * (not (cfg.fused and last)) + borrowed)  # a fused update keeps its last
     costs = device.kernels.get(cfg.compute_dtype)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw

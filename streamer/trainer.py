@@ -46,6 +46,9 @@ class StreamingTrainer:
         if store_dir is not None and self.data_parallel is not None:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
+        if step.data_parallel == "sharded" and self.processes > 1 and any(map(cfg.borrowed, self.units)):
+            raise ConfigError("--data-parallel sharded does not support tie_word_embeddings=true yet (the tied "
+                              "weight's slices would need their own gather); use --data-parallel replicated")
         if device.device == "meta":
             self.store = None
         elif _store is not None:

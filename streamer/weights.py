@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from layers import ModelConfig, build_unit, check_state_dict, init_weights
+from layers import CheckpointMismatch, ModelConfig, build_unit, check_state_dict, init_weights
 from memory_model.schedule import chunks
 from streamer.runtime.distributed import DataParallel
 from streamer.store.interface import StoreReader, StoreWriter
@@ -22,11 +22,29 @@ def initial_unit(cfg: ModelConfig, unit: str, index: int, seed: int) -> dict[str
 
 
 def hf_tensors(layouts: Iterable[UnitLayout], state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An HF state dict checked strictly against the units' slots (attention's constant buffers dropped)."""
+    """An HF state dict checked strictly against the units' slots (attention's constant buffers dropped, and a
+    tied parameter's second name: its one tensor is the owner's)."""
+    layouts = list(layouts)
     expected = {s.hf_key: torch.empty(s.shape, device="meta") for lay in layouts for s in lay.slots}
     given = {k: v for k, v in state_dict.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+    for tied, owner in _tied_keys(layouts):
+        copy = given.pop(tied, None)
+        if copy is not None and owner in given and not torch.equal(copy, given[owner]):
+            raise CheckpointMismatch(f"{tied} differs from {owner}, but the model ties them "
+                                     "(tie_word_embeddings=true); give one tensor")
     check_state_dict(expected, given)
     return given
+
+
+def _tied_keys(layouts: Iterable[UnitLayout]) -> list[tuple[str, str]]:
+    """(HF key of a borrowed tensor, HF key of the owner's tensor it is): a tied lm_head and the embedding."""
+    by_unit = {layout.name: layout for layout in layouts}
+    pairs = []
+    for layout in by_unit.values():
+        for slot, owner in layout.borrowed:
+            (whole,) = by_unit[owner].slots  # what a unit borrows is another unit's whole weights
+            pairs.append((slot.hf_key, whole.hf_key))
+    return pairs
 
 
 def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
@@ -62,10 +80,13 @@ def read_master(store: StoreReader, layout: UnitLayout, stored: int,
 
 
 def hf_state_dict(layouts: Iterable[UnitLayout], flat_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-keyed copies of every unit's weights, `flat_of(unit)` giving a unit's flat fp32 weights."""
-    out = {}
+    """HF-keyed copies of every unit's weights, `flat_of(unit)` giving a unit's flat fp32 weights; a tied
+    parameter under both its names, one tensor, as in the transformers class's state_dict."""
+    out, layouts = {}, list(layouts)
     for layout in layouts:
         flat = flat_of(layout.name)
         for slot in layout.slots:
             out[slot.hf_key] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+    for tied, owner in _tied_keys(layouts):
+        out[tied] = out[owner]
     return out

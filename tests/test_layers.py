@@ -291,9 +291,9 @@ def test_units_partition_the_state_dict(name: str) -> None:
             assert hf_key not in unit_shapes, f"{hf_key} belongs to two units"
             unit_shapes[hf_key] = tensor.shape
     assert unit_shapes == model_shapes
-    counts = {"embed": cfg.embed_params(), "block": cfg.block_params(), "head": cfg.head_params()}
-    for unit in ("embed", "block.0", "head"):
-        assert sum(p.numel() for p in build_unit(cfg, unit).parameters()) == counts[unit.split(".")[0]]
+    for unit in ("embed", "block.0", "head"):  # (a tied head's module uses the embedding's weight too)
+        assert sum(p.numel() for p in build_unit(cfg, unit).parameters()) == cfg.unit_device_params(unit)
+    assert sum(map(cfg.unit_params, cfg.unit_names())) == cfg.num_params()
 
 
 # --- checkpoint loading ----------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_published_rope_scaling_keys_are_read():
 
 @pytest.mark.parametrize("raw,message", [
     ({"model_type": "gpt2"}, "model_type is 'gpt2'; supported: 'gptj', 'llama', 'mistral', 'qwen2', 'qwen3'"),
-    ({"model_type": "llama", **_TINY, "tie_word_embeddings": True}, "tie_word_embeddings=true"),
+    ({"model_type": "llama", **_TINY, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ({"model_type": "llama", **_TINY, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ({"model_type": "llama", **_TINY, "num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"model_type": "mistral", **_TINY, "mlp_bias": True}, "mlp_bias=True is not supported for mistral"),

@@ -91,7 +91,19 @@ class HFCheckpoint:
                                           "re-save the checkpoint or fix the index")
                 if not key.endswith(config.ignored_checkpoint_suffixes):
                     entries[key] = found[key]
-        return cls(root, config, entries, shards)
+        checkpoint = cls(root, config, entries, shards)
+        checkpoint._drop_tied_copies()
+        return checkpoint
+
+    def _drop_tied_copies(self) -> None:
+        """A tied parameter's second name, which some writers keep, must hold the one tensor (transformers
+        unties the model otherwise): then it is dropped, and the owner's name is read."""
+        for tied, owner in self.config.tied_hf_keys().items():
+            if tied in self._entries and owner in self._entries:
+                if not torch.equal(self.read(tied), self.read(owner)):
+                    raise CheckpointError(f"{self.root}: {tied} differs from {owner}, but config.json says "
+                                          "tie_word_embeddings=true; set it to false to keep both")
+                del self._entries[tied]
 
     def __enter__(self) -> HFCheckpoint:
         return self
@@ -158,10 +170,12 @@ class HFCheckpoint:
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The HF state dict a config describes, as meta tensors: names and shapes, no memory."""
+    """The HF state dict a config describes, as meta tensors: names and shapes, no memory. A tied parameter is
+    there once, under its owner's name, as transformers saves it."""
     try:
         with torch.device("meta"):
-            return resident_model(cfg, init=False).state_dict()
+            state = resident_model(cfg, init=False).state_dict()
+        return {k: v for k, v in state.items() if k not in cfg.tied_hf_keys()}
     except (RuntimeError, OverflowError, ValueError) as exc:
         raise CheckpointError(f"the config describes a model that cannot be built ({_brief(exc)}); "
                               "check its sizes") from None

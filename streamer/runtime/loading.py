@@ -49,16 +49,17 @@ class Loader:
                 self._issue(resource, ctx, keep_master=next(keeping_master))
 
     def _issue(self, resource: Resource, ctx: StepContext, keep_master: bool) -> None:
-        numel = self.layouts[resource.unit].numel
+        layout = self.layouts[resource.unit]
         stored = self.stored_numel(resource.unit)
-        on_device = gathered_numel(numel, self.shards)  # sharded: every rank's slice, all-gathered
+        on_device = gathered_numel(layout.device_numel, self.shards)  # sharded: every rank's slice, all-gathered
+        borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
         step = ctx.step
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
-                resource.unit, stored, self.loads_read_master, keep_master))
+                resource.unit, stored, self.loads_read_master, keep_master, borrowed))
         else:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
                 resource.unit, resource.start, resource.count, on_host=self.on_host,
@@ -83,7 +84,7 @@ class Loader:
     def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
         """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device, here on the
         compute thread so that every rank issues its collectives in the same order."""
-        numel = self.layouts[unit].numel
+        numel = self.layouts[unit].device_numel
         if weights.numel() == numel:
             return weights
         gathered = self.data_parallel.gather_slices(

@@ -37,6 +37,9 @@ class Passes:
         self.store, self.writer, self.data_parallel = store, writer, data_parallel
         self.shards = 1 if data_parallel is None else data_parallel.shards
         self.units = list(layouts)
+        # Units whose weights another unit borrows (a tied head's embedding): that unit's backward, earlier in
+        # each micro-batch, starts their accumulator, so their own backward always adds to it.
+        self.lent = {owner for layout in layouts.values() for _, owner in layout.borrowed}
         self.shells = {kind: build_unit(cfg, name) for kind, name in
                        (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
         self.recorder = SavedTensorRecorder(ledger)
@@ -64,7 +67,7 @@ class Passes:
                 return functional_call(shell, named, (x, *args))
         params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                        lambda grads: self._offload(unit, micro, grads, ctx))
-        return functional_call(self.shells[kind], {s.key: p for s, p in zip(layout.slots, params)}, (x, *args))
+        return functional_call(self.shells[kind], dict(zip(layout.keys, params)), (x, *args))
 
     def call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
@@ -142,7 +145,7 @@ class Passes:
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
                    for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
                                              self.shards > 1)]
-        first, last = micro == 0, micro == self.step_cfg.grad_accum - 1
+        first, last = micro == 0 and unit not in self.lent, micro == self.step_cfg.grad_accum - 1
         reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
         step, persist = ctx.step, not (ctx.fused and last)
         job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
@@ -158,8 +161,13 @@ class Passes:
             host = self.transport.pieces_to_host(grads)
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
-            scratch = None if self._scratch is None else self._scratch[:self.stored_numel(unit)]
-            total = self.writer.accumulate_grad(unit, host, first, scratch, persist)
+            scratch = (lambda u: None if self._scratch is None else self._scratch[:self.stored_numel(u)])
+            own = host  # (sharded, this rank's slice of the unit: the state of a tied model is not sharded)
+            if self.layouts[unit].borrowed:
+                *borrowed, (_, own) = self.layouts[unit].split_device(host)
+                for owner, pieces in borrowed:  # into the owner's accumulator, which its own backward finishes
+                    self.writer.accumulate_grad(owner, pieces, first, scratch(owner), persist=True)
+            total = self.writer.accumulate_grad(unit, own, first, scratch(unit), persist)
             if host is not grads:
                 self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.

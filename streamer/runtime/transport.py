@@ -179,14 +179,15 @@ class Transport:
 
     # --- host -> device -----------------------------------------------------------------------------
     def _to_device(self, fill: Callable[[torch.Tensor], None], ram: torch.Tensor | None,
-                   numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Device tensor of `numel` elements filled by `fill(host_tensor)` or copied from the RAM slab `ram`."""
+                   numel: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Device tensor of `numel` elements filled by `fill(host_tensor)` or copied from the RAM slab `ram`;
+        `out`: the device tensor to fill (a piece of a larger one), else one of its own."""
         if self.mode == "meta":
-            return torch.empty(numel, dtype=dtype, device="meta")
+            return torch.empty(numel, dtype=dtype, device="meta") if out is None else out
         if self.mode == "shared":
-            if ram is not None and ram.dtype == dtype:
+            if ram is not None and ram.dtype == dtype and out is None:
                 return ram
-            out = self._take(numel, dtype, "device")
+            out = self._take(numel, dtype, "device") if out is None else out
             out.copy_(ram) if ram is not None else fill(out)
             return out
         # A pinned slab crosses as it is; so does a pageable one when nothing is pinned (the driver stages it).
@@ -194,7 +195,7 @@ class Transport:
         host = ram if direct else self._take(numel, dtype, "pinned")
         if not direct:
             fill(host) if ram is None else host.copy_(ram)
-        out = self._take(numel, dtype, "device")
+        out = self._take(numel, dtype, "device") if out is None else out
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
         if not direct:
             torch.cuda.current_stream().synchronize()  # the staging buffer is reused next
@@ -210,31 +211,45 @@ class Transport:
             ready.record(self.side_stream)
         return Loaded(tensors, ready)
 
-    def load_weights(self, unit: str, numel: int, from_master: bool, keep_master: bool = False) -> Loaded:
+    def load_weights(self, unit: str, numel: int, from_master: bool, keep_master: bool = False,
+                     borrowed: Sequence[tuple[str, int]] = ()) -> Loaded:
         """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its fp32
         master read and cast on the host, so only compute-dtype bytes cross the link and the ledger's charge
         is the cast weights. `keep_master`: the host fp32 master comes back too ("master"), for the unit's
-        fused update, which updates it in place (`host_chunk`); `give_back` it once written."""
+        fused update, which updates it in place (`host_chunk`); `give_back` it once written. `borrowed`: other
+        units' whole weights (unit, numel) the unit uses, laid before its own in one device buffer."""
         store = self.store
 
-        def job() -> dict[str, torch.Tensor]:
+        def weights_of(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
             if not from_master:
-                ram = store.slab(unit, "compute") if store is not None else None
-                return {"weights": self._to_device(None, ram, numel, self.compute_dtype)}
+                ram = store.slab(name, "compute") if store is not None else None
+                return {"weights": self._to_device(None, ram, count, self.compute_dtype, out)}
             if self.mode == "meta":
-                master = torch.empty(numel, dtype=torch.float32, device="meta")
+                master = torch.empty(count, dtype=torch.float32, device="meta")
             else:
-                master = self._take(numel, torch.float32, "pinned")
-                store.read_master(unit, master)
-            if self.mode == "shared" and self.compute_dtype == torch.float32:
+                master = self._take(count, torch.float32, "pinned")
+                store.read_master(name, master)
+            if self.mode == "shared" and self.compute_dtype == torch.float32 and out is None:
                 weights = master  # the master is the compute weights, in the device's own memory
             else:
-                weights = self._to_device(lambda out: out.copy_(master), None, numel, self.compute_dtype)
-            if keep_master:
+                weights = self._to_device(lambda host: host.copy_(master), None, count, self.compute_dtype, out)
+            if keep:
                 return {"weights": weights, "master": master}
             if weights is not master:
                 self.give_back(master)
             return {"weights": weights}
+
+        def job() -> dict[str, torch.Tensor]:
+            if not borrowed:
+                return weights_of(unit, numel, keep_master, None)
+            total = numel + sum(n for _, n in borrowed)
+            whole = (torch.empty(total, dtype=self.compute_dtype, device="meta") if self.mode == "meta"
+                     else self._take(total, self.compute_dtype, "device"))
+            offset = 0
+            for owner, n in borrowed:
+                weights_of(owner, n, False, whole[offset:offset + n])
+                offset += n
+            return {**weights_of(unit, numel, keep_master, whole[offset:]), "weights": whole}
 
         return self._on_side_stream(job)
 

@@ -57,32 +57,74 @@ class _ShapesOnly(TorchFunctionMode):
 @dataclass(frozen=True)
 class UnitLayout:
     name: str
-    slots: tuple[TensorSlot, ...]  # decayed tensors first, so decay is one contiguous prefix
+    slots: tuple[TensorSlot, ...]  # the unit's own tensors in its stored slab, decayed first
+    # What the unit's module uses that another unit's state holds (a tied lm_head: the embedding's weight), each
+    # that unit's whole weights: (slot, owner). On the device they come first in the unit's one flat buffer, and
+    # their gradient is folded into the owner's accumulator (`split_device`).
+    borrowed: tuple[tuple[TensorSlot, str], ...] = ()
 
     @classmethod
     def of(cls, cfg: ModelConfig, unit: str) -> "UnitLayout":
         with _ShapesOnly():
             module = build_unit(cfg, unit)
         params = list(module.named_parameters())
-        ordered = [p for p in params if p[1].dim() >= 2] + [p for p in params if p[1].dim() < 2]
+        lent = cfg.borrowed(unit)
+        borrowed, offset = [], 0
+        for key, param in params:
+            if key in lent:
+                owner = lent[key][0]
+                borrowed.append((TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset), owner))
+                offset += param.numel()
+        own = [p for p in params if p[0] not in lent]
+        ordered = [p for p in own if p[1].dim() >= 2] + [p for p in own if p[1].dim() < 2]
         slots, offset = [], 0
         for key, param in ordered:
             slots.append(TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset))
             offset += param.numel()
-        return cls(unit, tuple(slots))
+        return cls(unit, tuple(slots), tuple(borrowed))
 
     @property
     def numel(self) -> int:
+        """The elements the unit's own state holds (its slab; what its update walks)."""
         return sum(s.numel for s in self.slots)
+
+    @property
+    def device_numel(self) -> int:
+        """The elements of the unit's weights on the device: what it borrows, then its own."""
+        return sum(s.numel for s, _ in self.borrowed) + self.numel
 
     @property
     def decay_numel(self) -> int:
         return sum(s.numel for s in self.slots if s.decay)
 
+    @property
+    def keys(self) -> list[str]:
+        """The unit's parameter keys in the order of its device weights (`views`)."""
+        return [s.key for s, _ in self.borrowed] + [s.key for s in self.slots]
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit's parameters as views of `flat`."""
-        pieces = flat.split_with_sizes([s.numel for s in self.slots])
-        return {s.key: piece.view(s.shape) for s, piece in zip(self.slots, pieces)}
+        """The unit's parameters as views of its device weights `flat` (the borrowed ones first)."""
+        slots = [s for s, _ in self.borrowed] + list(self.slots)
+        pieces = flat.split_with_sizes([s.numel for s in slots])
+        return {s.key: piece.view(s.shape) for s, piece in zip(slots, pieces)}
+
+    def split_device(self, pieces: Sequence[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
+        """A gradient laid end to end in the device order (one tensor per parameter, or flat) as (unit, its
+        pieces): each owner's part of what the unit borrows, then the unit's own."""
+        parts = [(owner, s.numel) for s, owner in self.borrowed] + [(self.name, self.numel)]
+        out: list[tuple[str, list[torch.Tensor]]] = []
+        queue = list(pieces)
+        for unit, size in parts:
+            taken: list[torch.Tensor] = []
+            while size:
+                piece = queue.pop(0)
+                if piece.numel() > size:  # a flat gradient: cut it at the boundary
+                    piece, rest = piece[:size], piece[size:]
+                    queue.insert(0, rest)
+                taken.append(piece)
+                size -= piece.numel()
+            out.append((unit, taken))
+        return out
 
 
 def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
