@@ -119,7 +119,8 @@ def plan_command(args: argparse.Namespace) -> int:
         machines = f", hierarchical over {plan_cfg.nodes} machines" if plan_cfg.nodes > 1 and device.reduce == "ring" \
             else ""
         console.print(f"data-parallel scaling ({SCALING_ASSUMPTION}; reduce: {device.reduce}{machines}): " + "; ".join(
-            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s ({row['efficiency']:.1%} of linear)"
+            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s ({row['devices'] * row['efficiency']:.2f}x one, "
+            f"{row['efficiency']:.1%} of linear)"
             for row in scaling))
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
