@@ -56,7 +56,7 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
     assert rc == 0, err
     trained_out = out
     for expected in ("device memory by layer", "16 B/param baseline", "the planner predicts", "eval loss",
-                     "sample: ", "trace.json"):
+                     "sample: ", "trace.json", "store: disk (streamer train's default: the state on disk"):
         assert expected in out
     saved = RunDir.open(run).read_config()
     assert saved.steps == 3 and saved.trainer.device.budget == DEMO_DEFAULTS["budget"]
