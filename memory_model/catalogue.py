@@ -162,7 +162,8 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
                                                  f"system's line rate, {io.value / GB:.0f} GB/s each way: 'Each node "
                                                  "provides enough compute to perform the floating-point gradient "
                                                  "reductions at line-rate' and 'the number of nodes composing the "
-                                                 "SwarmX fabric scales linearly with N' (cerebras.net/glossary/swarmx)"),
+                                                 "SwarmX fabric scales linearly with N' "
+                                                 "(cerebras.net/glossary/swarmx)"),
         "interconnect_latency_s": _a(50e-6, "assumed: SwarmX per tree level, upper end of 5-50 us for 100 GbE "
                                             "and a CPU reduce; no figure published"),
         # MemoryX serves every system of the cluster: its I/O is shared among them (DeviceSpec.host_streams).

@@ -194,7 +194,8 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     costs = device.kernels.get(cfg.compute_dtype)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw
-    reduce_s, d2h_s = device.allreduce_time(4 * params, cfg.devices, cfg.ranks_per_node), _link(grad, device, "d2h", cfg)
+    reduce_s = device.allreduce_time(4 * params, cfg.devices, cfg.ranks_per_node)
+    d2h_s = _link(grad, device, "d2h", cfg)
     times.d2h += grad
     times.disk_read += read
     times.disk_write += write

@@ -13,8 +13,8 @@ from rich.table import Table
 from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
-from memory_model.planner import SCALING_ASSUMPTION, scaling_curve
 from memory_model.devices import with_sets
+from memory_model.planner import SCALING_ASSUMPTION, scaling_curve
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
