@@ -65,8 +65,6 @@ def declare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-
-
 def plan_command(args: argparse.Namespace) -> int:
     if args.compare:
         return _print_compare(compare(args.compare, given(args).get("set", ())), args.json)
