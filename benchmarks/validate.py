@@ -17,7 +17,7 @@ from pathlib import Path
 from layers import GPTJConfig
 from memory_model.catalogue import PUBLISHED_RUNS, PublishedRun
 from memory_model.devices import device_spec
-from memory_model.planner import Plan, plan
+from memory_model.planner import plan, scaling_curve
 from memory_model.shapes import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,21 +44,23 @@ class Row:
         return self.ratio * self.recompute
 
 
-def _plan(run: PublishedRun, batch: int, devices: int) -> Plan:
-    step = {**dict(run.step), "devices": devices}
-    return plan(GPTJConfig(**dict(run.shape)), device_spec(run.device),
-                PlanConfig(batch=batch, seq=run.seq, **step), limits=False)
+def _step(run: PublishedRun) -> PlanConfig:
+    """The run's step as `streamer plan` takes it: the update where the device runs it unless the run says."""
+    device = device_spec(run.device)
+    return PlanConfig(batch=run.batch, seq=run.seq, **{"update_on": device.update_on, **dict(run.step)})
 
 
 def predict(run: PublishedRun) -> Row:
     """The plan's figure for one published run, in the run's own metric."""
     if not run.reproducible:
         return Row(run, None, None)
-    devices = int(dict(run.step).get("devices", 1))
-    many = _plan(run, run.batch, devices)
-    if run.metric == "speedup":
-        one = _plan(run, run.batch // devices, 1)
-        return Row(run, many.tokens_per_s / one.tokens_per_s, many.utilisation)
+    shape, device, step = GPTJConfig(**dict(run.shape)), device_spec(run.device), _step(run)
+    many = plan(shape, device, step, limits=False)
+    if many.does_not_fit:  # a stand-in step must run where the published one ran
+        raise ValueError(f"{run.system}: the planned step does not fit {run.device}: {many.does_not_fit}")
+    devices = step.devices
+    if run.metric == "speedup":  # `streamer plan --ranks N`'s scaling curve: its last point over linear
+        return Row(run, scaling_curve(shape, device, step)[-1]["efficiency"] * devices, many.utilisation)
     per_device = many.model_flops / many.step_time_s / 1e12
     if run.metric == "MFU":
         return Row(run, many.utilisation, many.utilisation)

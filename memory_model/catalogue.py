@@ -157,9 +157,23 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
         "disk_write_bw": _a(150 * GB, "assumed: as disk_read_bw"),
         "host_update_bw": _a(3e9 * 28, "assumed: MemoryX AdamW at 3 B params/s (28 B touched each), the "
                                        "middle of 1-10 B params/s for 12-24 DDR5 nodes; Cerebras publishes none"),
-        "interconnect_bytes_per_s": io,
+        # SwarmX broadcasts and reduces at each system's line rate: its nodes grow with the systems it joins.
+        "interconnect_bytes_per_s": _d(io.value, "derived: SwarmX's broadcast and reduce per system at the "
+                                                 f"system's line rate, {io.value / GB:.0f} GB/s each way: 'Each node "
+                                                 "provides enough compute to perform the floating-point gradient "
+                                                 "reductions at line-rate' and 'the number of nodes composing the "
+                                                 "SwarmX fabric scales linearly with N' "
+                                                 "(cerebras.net/glossary/swarmx)"),
         "interconnect_latency_s": _a(50e-6, "assumed: SwarmX per tree level, upper end of 5-50 us for 100 GbE "
                                             "and a CPU reduce; no figure published"),
+        # MemoryX serves every system of the cluster: its I/O is shared among them (DeviceSpec.host_streams).
+        "host_io_bytes_per_s": _d(io.value, "derived: MemoryX's I/O, shared among the systems it serves, at one "
+                                            "system's 1.2 Tb/s (the lower bound of 'Both the storage and I/O "
+                                            "interface of the MemoryX service can match or exceed the I/O bandwidth "
+                                            "of a CS-2 system', cerebras.net/glossary/memoryx); through SwarmX it "
+                                            "carries one stream for them all: 'MemoryX can broadcast weights in "
+                                            "parallel to multiple CS-2s ... SwarmX collects and reduces the "
+                                            "gradients' (Linley Newsletter 2021-09-21)"),
     }
 
 
@@ -368,9 +382,12 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         "Cerebras weight streaming", _s(15.3, _CEREBRAS), "speedup", "1T-parameter model (shape not published)",
         _GPTJ_6B, 1024, 2048, "cs3", "MemoryX (55 TB of DDR5) and SwarmX",
-        (("activations", "checkpoint"), ("store", "ram"), ("devices", 16)),
-        "the model's shape and batch are not published: GPT-J-6B at 64 x 2048 per system stands in; weak "
-        "scaling, each system with its own micro-batches"),
+        (("activations", "checkpoint"), ("store", "ram"), ("grad_accum", 2), ("devices", 16)),
+        "the model's shape and batch are not published: GPT-J-6B at 64 x 2048 per system, in two micro-batches "
+        "of 32 (64 at once do not fit a CS-3), stands in; weak scaling, each system with its own micro-batches; "
+        "the update in MemoryX; MemoryX's I/O and SwarmX's reduce at line rate (their sources in the catalogue) "
+        "carry one stream for all systems, so the plan loses only SwarmX's tree latency, and what else costs the "
+        "published run its 4% is not stated"),
     PublishedRun(
         "ZeRO-3 Offload", _s(49, _ZERO3_OFFLOAD), "TFLOPS per device", "1T-parameter model (shape not published)",
         _GPTJ_6B, 512, 2048, "v100", "32 DGX-2 nodes", (), "not priced: the model's shape and batch are not "

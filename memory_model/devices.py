@@ -67,6 +67,9 @@ class DeviceSpec:
     # One machine's network link to the others (per machine and direction): the part of a ring all-reduce
     # between machines crosses it. None: not known (a plan over several machines asks for it).
     inter_node: Link | None = None
+    # The host's I/O to all its devices together, bytes/s each way, shared among the device streams it carries
+    # (host_streams): MemoryX's, which serves every system. None: each device's own link is the only bound.
+    host_io_bytes_per_s: float | None = None
     # Measured costs besides the matmuls, by compute dtype (see kernels.py); empty: the presets' HBM-byte model.
     kernels: dict[str, KernelCosts] = field(default_factory=dict)
     source: str = ""
@@ -94,6 +97,8 @@ class DeviceSpec:
                 raise ValueError(f"{name} must be a positive integer number of bytes, got {value!r}")
         for name in ("device_mem_bandwidth", "disk_read_bw", "disk_write_bw", "host_update_bw"):
             _positive(name, getattr(self, name))
+        if self.host_io_bytes_per_s is not None:
+            _positive("host_io_bytes_per_s", self.host_io_bytes_per_s)
         if not isinstance(self.h2d, Link) or not isinstance(self.d2h, Link):
             raise ValueError("h2d and d2h must be Link objects")
         for name in ("interconnect", "inter_node"):
@@ -129,18 +134,44 @@ class DeviceSpec:
         """Seconds to move nbytes over one of this device's links at its achievable share of the peak."""
         return 0.0 if nbytes == 0 else link.latency_s + nbytes / (link.bandwidth_bytes_per_s * self.bandwidth_efficiency)
 
+    def host_streams(self, devices: int, per_node: int | None = None) -> int:
+        """The device streams the host's I/O carries at once. An in-network tree carries one: it broadcasts one
+        weight stream to every device and sums their gradients into one (SwarmX, for MemoryX). Otherwise each
+        device on the host (`per_node` of them; None: all) streams its own store."""
+        if self.reduce == "in-network":
+            return 1
+        return devices if per_node is None else min(devices, per_node)
+
+    def host_link_time(self, direction: str, nbytes: int, devices: int = 1, per_node: int | None = None) -> float:
+        """Seconds to move nbytes between the host and one of `devices` devices ("h2d" or "d2h"). The device's own
+        link bounds it, and so does its share of the host's I/O (`host_io_bytes_per_s` over `host_streams`).
+        Through an in-network tree the bytes also pass the tree at its rate (`interconnect`), and a weight load
+        waits one hop latency per tree level; the reduce's hops are `allreduce_time`'s."""
+        if nbytes == 0:
+            return 0.0
+        link = self.h2d if direction == "h2d" else self.d2h
+        rate, latency = link.bandwidth_bytes_per_s, link.latency_s
+        if self.host_io_bytes_per_s is not None:
+            rate = min(rate, self.host_io_bytes_per_s / self.host_streams(devices, per_node))
+        if self.reduce == "in-network" and devices > 1:
+            assert self.interconnect is not None
+            rate = min(rate, self.interconnect.bandwidth_bytes_per_s)
+            if direction == "h2d":
+                latency += tree_levels(devices) * self.interconnect.latency_s
+        return latency + nbytes / (rate * self.bandwidth_efficiency)
+
     def allreduce_time(self, nbytes: int, devices: int, per_node: int | None = None) -> float:
         """Summing nbytes of gradient over `devices`, `per_node` of them on each machine (None: all on one),
         beyond each device's own offload of it. A ring sends and receives 2 (n-1)/n of the data; over several
         machines it is hierarchical (as NCCL's and Horovod's): a ring inside each machine over its peer link,
         and between the m machines 2 (m-1)/m of the data through each machine's network link (`inter_node`).
-        An in-network tree sums in flight at line rate as the offload passes through it (SwarmX, which joins
-        the systems), which adds one hop latency per level of a 4-ary tree, not bytes."""
+        An in-network tree sums in flight as the offload passes through it (SwarmX, which joins the systems):
+        one hop latency per tree level here, its bytes at the tree's rate in `host_link_time`."""
         if devices <= 1 or nbytes == 0:
             return 0.0
         if self.reduce == "in-network":
             assert self.interconnect is not None
-            return (math.ceil(math.log(devices, 4)) + 1) * self.interconnect.latency_s
+            return tree_levels(devices) * self.interconnect.latency_s
         local = devices if per_node is None else min(devices, per_node)
         nodes = math.ceil(devices / local)
         moved = int(2 * (local - 1) / local * nbytes)
@@ -194,11 +225,18 @@ class DeviceSpec:
         return cls(**values)
 
 
+def tree_levels(devices: int) -> int:
+    """The levels of a 4-ary broadcast-reduce tree from the host to `devices` devices (SwarmX's 1:4 nodes,
+    cerebras.net/glossary/swarmx), the host's own link counted."""
+    return math.ceil(math.log(devices, 4)) + 1
+
+
 # The numeric fields of a spec under the names the catalogue, `streamer devices` and `--set` use.
 FIGURES = ("memory_bytes", "reserve_bytes", "h2d_bytes_per_s", "d2h_bytes_per_s", "link_latency_s", "bf16_flops",
            "fp32_flops", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "training_mfu",
            "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw",
-           "interconnect_bytes_per_s", "interconnect_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s")
+           "interconnect_bytes_per_s", "interconnect_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s",
+           "host_io_bytes_per_s")
 _DIRECT = ("memory_bytes", "reserve_bytes", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
            "training_mfu", "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw")
 _INTEGERS = ("memory_bytes", "reserve_bytes", "host_ram_bytes")
@@ -214,6 +252,8 @@ def figure_values(spec: DeviceSpec) -> dict[str, float]:
         link = getattr(spec, name)
         if link is not None:
             out.update({f"{name}_bytes_per_s": link.bandwidth_bytes_per_s, f"{name}_latency_s": link.latency_s})
+    if spec.host_io_bytes_per_s is not None:
+        out["host_io_bytes_per_s"] = spec.host_io_bytes_per_s
     return {name: out[name] for name in FIGURES if name in out}
 
 
@@ -229,7 +269,7 @@ def with_figures(spec: DeviceSpec, figures: dict[str, Figure]) -> DeviceSpec:
     return replace(spec, **direct, h2d=Link(values["h2d_bytes_per_s"], values["link_latency_s"]),
                    d2h=Link(values["d2h_bytes_per_s"], values["link_latency_s"]),
                    flops={d: values[f"{d}_flops"] for d in COMPUTE_DTYPES if f"{d}_flops" in values},
-                   **links, figures={**spec.figures, **figures})
+                   **links, host_io_bytes_per_s=values.get("host_io_bytes_per_s"), figures={**spec.figures, **figures})
 
 
 # `--set FIELD=NUMBER`: one figure replaced, for `streamer plan` and `streamer train` (RunConfig's `set`, recorded

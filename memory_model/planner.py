@@ -31,6 +31,8 @@ from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
 
 BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_avg, exp_avg_sq (mixed precision)
+# The time and throughput of a step, left out (null) where the step does not fit.
+_THROUGHPUT = ("step_time_s", "tokens_per_s", "utilisation", "step_s", "model_flops_per_s", "mfu")
 _MAX_BATCH_SEARCH = 2**24
 
 
@@ -92,7 +94,34 @@ class Plan:
     max_seq: int | None
     rows: tuple[UnitRow, ...]
 
+    @property
+    def does_not_fit(self) -> str | None:
+        """Why the step cannot run on this device and its host, with the flags that would make it fit; None when
+        it fits. A step that does not fit has no throughput: `to_json` and `table` leave it out."""
+        why = []
+        if not self.fits:
+            room = self.device.memory_bytes - self.device.reserve_bytes
+            cfg, fixes = self.config, []
+            if cfg.activations == "resident" and not cfg.lora.enabled:
+                fixes.append("--activations checkpoint")
+            if self.max_batch_seq is not None and self.max_batch_seq[0]:
+                fixes.append(f"--batch {self.max_batch_seq[0]} (the largest that fits at --seq {cfg.seq})")
+            elif self.max_seq:
+                fixes.append(f"--seq {self.max_seq} (the longest that fits at --batch {cfg.batch})")
+            if cfg.micro_batch > 1:
+                fixes.append(f"more --grad-accum than {cfg.grad_accum} (smaller micro-batches, the same batch)")
+            fixes.append("a --target with more memory")
+            why.append(f"its device peak {format_size(self.peak_device_bytes)} exceeds the "
+                       f"{format_size(room)} {self.device.name} leaves to tensors; to fit: {', or '.join(fixes)}")
+        if not self.host_fits:
+            stores = f"{self.host_stores} stores of " if self.host_stores > 1 else ""
+            why.append(f"its RAM-tier store needs {stores}{format_size(self.host_store_bytes)} of host RAM and "
+                       f"{self.device.name}'s host has {format_size(self.device.host_ram_bytes)}; to fit: --store disk")
+        return "; and ".join(why) or None
+
     def to_json(self) -> dict[str, Any]:
+        """The plan as JSON values; a step that does not fit has null time and throughput and says why in
+        `does_not_fit` (null when it fits)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shape", "device", "config")}
         out["model"] = {**asdict(self.shape), "inner_dim": self.shape.intermediate_size}  # resolved when n_inner is None
         out["device"] = self.device.name
@@ -103,6 +132,9 @@ class Plan:
             out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
         out["rows"] = [asdict(r) for r in self.rows]
         out.update(self.summary())
+        out["does_not_fit"] = self.does_not_fit
+        if out["does_not_fit"] is not None:
+            out.update(dict.fromkeys(_THROUGHPUT))
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -132,11 +164,15 @@ class Plan:
                          f"{f' less a {format_size(self.device.reserve_bytes)} reserve' if self.device.reserve_bytes else ''}"
                          f"; 16 B/param baseline "
                          f"{format_size(self.baseline_bytes)} ({self.baseline_bytes / self.peak_device_bytes:.1f}x); "
-                         f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, "
-                         f"MFU {self.utilisation:.0%} (bound by {self.bottleneck}; busy s: "
-                         + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")"
-                         + self._disk_volume())
+                         + self._throughput() + self._disk_volume())
         return table
+
+    def _throughput(self) -> str:
+        if self.does_not_fit is not None:
+            return f"does not fit, so no throughput: {self.does_not_fit}"
+        return (f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, MFU {self.utilisation:.0%} "
+                "(bound by " + self.bottleneck + "; busy s: "
+                + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")")
 
     def _disk_volume(self) -> str:
         """The disk tier's bytes per step (what the SSD's write endurance pays for), or nothing in RAM."""
@@ -363,3 +399,21 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
                     "disk_write": sum(r.disk_write_bytes for r in rows)},
         max_batch_seq=None if max_batch is None else (max_batch, seq), max_seq=max_seq, rows=tuple(rows),
     )
+
+
+# What a scaling curve means: Cerebras measures its CS-3 clusters the same way (catalogue.PUBLISHED_RUNS).
+SCALING_ASSUMPTION = ("weak scaling: each device keeps its own micro-batches, so n devices train an n times "
+                      "larger global batch; efficiency = tokens/s on n / (n x tokens/s on 1)")
+
+
+def scaling_curve(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dict[str, float]]:
+    """Tokens/s on 1, 2, 4, ... up to cfg.devices devices, each with cfg's micro-batches (SCALING_ASSUMPTION)."""
+    per_device = cfg.batch // cfg.devices
+    counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
+    # One schedule for every point: `auto` fuses the update of one device on the disk tier, never of several.
+    timing = "after-backward" if cfg.update_timing == "auto" and cfg.devices > 1 else cfg.update_timing
+    rows = [(n, plan(shape, device, replace(cfg, devices=n, batch=per_device * n, update_timing=timing),
+                     limits=False)) for n in counts]
+    one = rows[0][1].tokens_per_s
+    return [{"devices": n, "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s,
+             "efficiency": p.tokens_per_s / (n * one)} for n, p in rows]

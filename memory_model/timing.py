@@ -92,11 +92,11 @@ class _Queues:
         return max((b[-1][1] for b in self.intervals.values() if b), default=0.0)
 
 
-def _link(nbytes: int, device: DeviceSpec, direction: str) -> float:
+def _link(nbytes: int, device: DeviceSpec, direction: str, cfg: PlanConfig) -> float:
     # The cpu device is the host's RAM: a RAM-tier slab is handed over as it is, nothing crosses a link.
-    if device.same_memory or nbytes == 0:
+    if device.same_memory:
         return 0.0
-    return device.link_time(device.h2d if direction == "h2d" else device.d2h, nbytes)
+    return device.host_link_time(direction, nbytes, cfg.devices, cfg.ranks_per_node)
 
 
 def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
@@ -110,7 +110,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     disk = load_disk_bytes(resource, shape.unit_device_params(resource.unit), store_bytes(cfg), cfg.fused) \
         if cfg.store == "disk" else 0
     h2d = nbytes if weights or cfg.update_on == "device" else 0
-    read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d")
+    read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
     times.load_s += read_s + copy_s
     times.h2d += h2d
     times.disk_read += disk
@@ -199,7 +199,8 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     costs = device.kernels.get(cfg.compute_dtype)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw
-    reduce_s, d2h_s = device.allreduce_time(4 * params, cfg.devices, cfg.ranks_per_node), _link(grad, device, "d2h")
+    reduce_s = device.allreduce_time(4 * params, cfg.devices, cfg.ranks_per_node)
+    d2h_s = _link(grad, device, "d2h", cfg)
     times.d2h += grad
     times.disk_read += read
     times.disk_write += write
@@ -242,7 +243,7 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     out = event.resource.count * cfg.store_bytes_per_param
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
-    d2h_s = _link(d2h, device, "d2h")
+    d2h_s = _link(d2h, device, "d2h", cfg)
     write_s = write / device.disk_write_bw
     times.d2h += d2h
     times.disk_write += write

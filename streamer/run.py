@@ -227,6 +227,21 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         return RunConfig.of(values)
 
 
+def store_choice(cfg: RunConfig, explicit: Mapping[str, Any], config_file: str | Path | None = None) -> str:
+    """The store `streamer train` keeps with these settings (`resolve`'s), and why, in a few words."""
+    tier = cfg.trainer.store.tier
+    if "store" in explicit:
+        return f"store: {tier} (--store {tier})"
+    if config_file is not None and "store" in read_toml(config_file):
+        return f"store: {tier} (store = {tier} in --config {config_file})"
+    other = next(t for t in _TIER_WORDS if t != tier)
+    return (f"store: {tier} (streamer train's default: the state {_TIER_WORDS[tier]}; --store {other} keeps it "
+            f"{_TIER_WORDS[other]})")
+
+
+_TIER_WORDS = {"disk": "on disk, committed every step", "ram": "in host RAM, saved every --save-every steps"}
+
+
 @contextlib.contextmanager
 def blame(config_file: str | Path | None, file_keys: set[str]) -> Iterator[None]:
     """A wrong setting that came from the settings file is reported as `--config FILE: key problem`."""

@@ -56,7 +56,7 @@ def test_demo_runs_reports_and_its_run_serves_every_command(capsys, tmp_path):
     assert rc == 0, err
     trained_out = out
     for expected in ("device memory by layer", "16 B/param baseline", "the planner predicts", "eval loss",
-                     "sample: ", "trace.json"):
+                     "sample: ", "trace.json", "store: disk (streamer train's default: the state on disk"):
         assert expected in out
     saved = RunDir.open(run).read_config()
     assert saved.steps == 3 and saved.trainer.device.budget == DEMO_DEFAULTS["budget"]
@@ -242,6 +242,77 @@ def test_plan_loads_settings_as_train_does(capsys, tmp_path):
         "error: --batch 5 does not split into --grad-accum 2 micro-batches; use a multiple of 2"
     toml.write_text("batch = 0\n")
     assert fails(capsys, "plan", "--config", toml) == f"error: --config {toml}: batch must be a positive integer, got 0"
+
+
+def test_plan_keeps_the_store_train_would_and_says_why(capsys, tmp_path):
+    """plan resolves the store as `streamer train` does (`resolve`) and prints it with its reason; a RAM store
+    that the target's host cannot hold does not fit."""
+    def store(*args: object) -> tuple[str, dict]:
+        rc, out, err = run_cli(capsys, "plan", "--model", "gptj-debug", "--target", "h100-sxm", "--json", *args)
+        assert rc == 0, err
+        planned = json.loads(out)
+        return planned["store_reason"], planned
+
+    assert resolve({"model": "gptj-debug"}).trainer.store.tier == "disk"  # train's own choice
+    reason, planned = store()
+    assert planned["config"]["store"] == "disk" and reason == (
+        "store: disk (streamer train's default: the state on disk, committed every step; --store ram keeps it in "
+        "host RAM, saved every --save-every steps), on h100-sxm's host")
+    reason, planned = store("--store", "ram")
+    assert planned["config"]["store"] == "ram" and reason == "store: ram (--store ram), on h100-sxm's host"
+    toml = tmp_path / "run.toml"
+    toml.write_text('store = "ram"\n')
+    assert store("--config", toml)[0] == f"store: ram (store = ram in --config {toml}), on h100-sxm's host"
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-debug", "--target", "cs2")
+    assert rc == 0 and "store: disk (streamer train's default" in out and "on cs2's host" in out
+    # Two ranks on a 128 GiB workstation each keep GPT-J-6B's 101 GiB RAM store: the host cannot hold them.
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "rtx4090", "--batch", 2, "--seq", 128,
+                         "--store", "ram", "--ranks", 2, "--json")
+    planned = json.loads(out)
+    assert rc == 0 and planned["fits"] and not planned["host_fits"]
+    assert planned["does_not_fit"] == ("its RAM-tier store needs 2 stores of 101 GiB of host RAM and rtx4090's host "
+                                       "has 128 GiB; to fit: --store disk")
+
+
+def test_a_plan_that_does_not_fit_says_why_and_prints_no_throughput(capsys):
+    step = ("plan", "--model", "gptj-6b", "--target", "rtx4090", "--batch", 128, "--seq", 2048, "--activations",
+            "checkpoint", "--store", "ram", "--ranks", 2)
+    rc, out, _ = run_cli(capsys, *step, "--json")
+    planned = json.loads(out)
+    assert rc == 0 and planned["fits"] is False and planned["host_fits"] is False
+    assert planned["does_not_fit"] == (
+        "its device peak 43.88 GiB exceeds the 23.28 GiB rtx4090 leaves to tensors; to fit: --batch 64 (the largest "
+        "that fits at --seq 2048), or more --grad-accum than 1 (smaller micro-batches, the same batch), or a "
+        "--target with more memory; and its RAM-tier store needs 2 stores of 101 GiB of host RAM and rtx4090's host "
+        "has 128 GiB; to fit: --store disk")
+    for key in ("step_s", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu", "utilisation", "scaling"):
+        assert planned[key] is None, key
+    rc, out, _ = run_cli(capsys, *step)
+    text = " ".join(out.split())
+    assert rc == 0 and "does NOT fit" in text and "does not fit, so no throughput: its device peak" in text
+    assert "tokens/s" not in text and "data-parallel scaling" not in text
+    # One that fits says nothing of the kind.
+    rc, out, _ = run_cli(capsys, "plan", "--model", "gptj-6b", "--target", "rtx4090", "--batch", 2, "--seq", 512,
+                         "--activations", "checkpoint", "--json")
+    planned = json.loads(out)
+    assert planned["does_not_fit"] is None and planned["tokens_per_s"] > 0
+
+
+def test_plan_overlaps_memoryx_updates_on_cs2_and_cs3(capsys):
+    """--update-timing overlapped needs the update on the host, which is where cs2 and cs3 run it unless told:
+    the target's place is taken before the step is checked."""
+    step = ("plan", "--model", "gptj-6b", "--batch", 8, "--seq", 2048, "--activations", "checkpoint", "--store",
+            "ram", "--json")
+    for target in ("cs2", "cs3"):
+        rc, out, err = run_cli(capsys, *step, "--target", target, "--update-timing", "overlapped")
+        assert rc == 0, err
+        overlapped = json.loads(out)
+        assert overlapped["config"]["update_on"] == "host" and overlapped["config"]["update_timing"] == "overlapped"
+        after = json.loads(run_cli(capsys, *step, "--target", target, "--update-timing", "after-backward")[1])
+        assert overlapped["step_s"] < after["step_s"]
+    assert fails(capsys, *step, "--target", "h100-sxm", "--update-timing", "overlapped") == (
+        "error: cannot plan this step: --update-timing overlapped overlaps a host update with the backward: add "
+        "--update-on host, or use --update-timing auto")
 
 
 # --- settings ----------------------------------------------------------------------------------------------------

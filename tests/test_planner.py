@@ -18,6 +18,7 @@ from layers import FAMILIES, PRESETS, GPTJConfig, ModelConfig, build_unit
 from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, Ledger, Link, PlanConfig,
                           peak_device_bytes, plan)
 from memory_model.kernels import attention_flops, gpu_elementwise_bytes
+from memory_model.devices import tree_levels, with_sets
 from memory_model.planner import step_spec
 from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
                                  embed_saved_bytes, head_saved_bytes, loss_vocab_chunk)
@@ -529,6 +530,43 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     h100 = [plan(GPTJ_6B, device_spec("h100-sxm"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
                                                              devices=n)).tokens_per_s for n in (1, 2, 4)]
     assert h100[0] < h100[1] < h100[2]
+
+def test_memoryx_is_shared_by_the_systems_and_swarmx_reduces_at_its_own_rate() -> None:
+    """MemoryX serves every system through SwarmX, which broadcasts one weight stream and sums the gradients into
+    one: its I/O carries one stream however many systems train, so a slower MemoryX slows one system and sixteen
+    alike. SwarmX's reduce bandwidth bounds the gradients of several systems, not of one. A host whose devices
+    each stream their own store (a ring) splits its I/O among them."""
+    cfg = PlanConfig(batch=8, seq=1024, activations="checkpoint", update_on="host")
+    sixteen = replace(cfg, batch=16 * 8, devices=16)
+
+    def curve(device: DeviceSpec) -> tuple:
+        one, many = plan(GPTJ_6B, device, cfg, limits=False), plan(GPTJ_6B, device, sixteen, limits=False)
+        return one, many, many.tokens_per_s / (16 * one.tokens_per_s)
+
+    cs3 = device_spec("cs3")
+    one, many, efficiency = curve(cs3)
+    assert cs3.host_io_bytes_per_s == cs3.h2d.bandwidth_bytes_per_s == cs3.interconnect.bandwidth_bytes_per_s
+    # One stream each: the same bytes at the same rate; sixteen systems wait for the tree's levels on every load.
+    assert one.link_bytes == many.link_bytes
+    hops = (many.resource_s["h2d"] - one.resource_s["h2d"]) / (tree_levels(16) * cs3.interconnect.latency_s)
+    assert hops == pytest.approx(2 * len(GPTJ_6B.unit_names()) - 1)  # every load (the head stays for its backward)
+    rate = cs3.h2d.bandwidth_bytes_per_s * cs3.bandwidth_efficiency
+    slow_memoryx = curve(with_sets(cs3, ["host_io_bytes_per_s=30e9"]))  # a fifth of the line rate
+    for base, slow in ((one, slow_memoryx[0]), (many, slow_memoryx[1])):
+        assert slow.resource_s["h2d"] - base.resource_s["h2d"] == pytest.approx(4 * base.link_bytes["h2d"] / rate)
+    slow_swarmx = curve(with_sets(cs3, ["interconnect_bytes_per_s=30e9"]))
+    assert slow_swarmx[0].step_time_s == one.step_time_s  # one system: no tree
+    assert slow_swarmx[1].resource_s["d2h"] - many.resource_s["d2h"] == pytest.approx(4 * many.link_bytes["d2h"] / rate)
+    assert slow_swarmx[2] < efficiency < 1
+    # Eight GPUs of one server, each streaming its own store: each gets an eighth of the host's I/O.
+    h100 = with_sets(device_spec("h100-sxm"), ["host_io_bytes_per_s=100e9"])
+    eight = plan(GPTJ_6B, h100, replace(cfg, batch=64, devices=8), limits=False)
+    alone = plan(GPTJ_6B, h100, cfg, limits=False)
+    link, shared = h100.h2d.bandwidth_bytes_per_s, 100e9 / 8
+    assert eight.link_bytes["h2d"] == alone.link_bytes["h2d"]
+    assert eight.resource_s["h2d"] - alone.resource_s["h2d"] == pytest.approx(
+        alone.link_bytes["h2d"] * (1 / shared - 1 / link) / h100.bandwidth_efficiency)
+
 
 def test_the_planner_runs_without_torch() -> None:
     """memory_model (schedule, planner) and the model arithmetic it uses (layers.config and the family configs) import no torch."""

@@ -14,12 +14,13 @@ from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
+from memory_model.planner import SCALING_ASSUMPTION, scaling_curve
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
 from streamer.console import make_console
 from streamer.errors import StreamerError
-from streamer.run import SettingError, read_toml, resolve
+from streamer.run import SettingError, read_toml, resolve, store_choice
 from streamer.calibration.calibrate import local_spec
 from streamer.calibration.dryrun import dry_run
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
@@ -64,11 +65,6 @@ def declare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-# What the scaling curve means (printed with it): Cerebras' 16 CS-3 = 15.3x is measured the same way.
-SCALING_ASSUMPTION = ("weak scaling: each device keeps its own micro-batches, so n devices train an n times "
-                      "larger global batch; efficiency = tokens/s on n / (n x tokens/s on 1)")
-
-
 def plan_command(args: argparse.Namespace) -> int:
     if args.compare:
         return _print_compare(compare(args.compare, given(args).get("set", ())), args.json)
@@ -83,18 +79,22 @@ def plan_command(args: argparse.Namespace) -> int:
     choice = plan_dtype(args.target, cfg.trainer.device.dtype)
     dtype = choice.dtype
     device = with_sets(_device(args.target, model_cfg, dtype), cfg.trainer.device.set, SettingError)
+    # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights): set before
+    # the step is checked, which refuses an overlapped update on the device.
+    named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
+    update_on = cfg.trainer.step.update_on if "update_on" in named else device.update_on
     try:
-        step = replace(cfg.replace(dtype=dtype).plan_config(args.ranks), ranks_per_node=args.ranks_per_node)
-        # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights).
-        named = set(explicit) | (set(read_toml(args.config)) if args.config else set())
-        plan_cfg = replace(step, update_on=step.update_on if "update_on" in named else device.update_on)
+        plan_cfg = replace(cfg.replace(dtype=dtype, update_on=update_on).plan_config(args.ranks),
+                           ranks_per_node=args.ranks_per_node)
         result = plan(model_cfg, device, plan_cfg)
-        scaling = _scaling(model_cfg, device, plan_cfg)
+        scaling = None if result.does_not_fit else scaling_curve(model_cfg, device, plan_cfg)
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
+    store = f"{store_choice(cfg, explicit, args.config)}, on {device.name}'s host"
     others = baselines(model_cfg, args.ranks, plan_cfg.dtype_bytes)
     out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
-           "compute_dtype_reason": choice.reason, "alternatives": [asdict(b) for b in others]}
+           "compute_dtype_reason": choice.reason, "store_reason": store,
+           "alternatives": [asdict(b) for b in others]}
     if args.dry_run:
         tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.update_on, budget=None)  # the ledger's own peak
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
@@ -105,6 +105,7 @@ def plan_command(args: argparse.Namespace) -> int:
         return 0
     console = make_console()
     console.print(choice.reason, markup=False, highlight=False)
+    console.print(store, markup=False, highlight=False)
     console.print(result.table())
     console.print(_alternatives(result, others))
     if args.dry_run:
@@ -112,27 +113,16 @@ def plan_command(args: argparse.Namespace) -> int:
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
                       f"({breakdown(out['dry_run_peak_breakdown'])}); analytic "
                       f"{format_size(result.peak_device_bytes)} ({breakdown(result.peak_breakdown)})")
-    if args.ranks > 1:
-        machines = f", hierarchical over {plan_cfg.nodes} machines" if plan_cfg.nodes > 1 else ""
+    if scaling is not None and args.ranks > 1:
+        machines = f", hierarchical over {plan_cfg.nodes} machines" if plan_cfg.nodes > 1 and device.reduce == "ring" \
+            else ""
         console.print(f"data-parallel scaling ({SCALING_ASSUMPTION}; reduce: {device.reduce}{machines}): " + "; ".join(
-            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s ({row['efficiency']:.1%} of linear)"
+            f"{row['devices']} -> {row['tokens_per_s']:,.0f} tokens/s ({row['devices'] * row['efficiency']:.2f}x one, "
+            f"{row['efficiency']:.1%} of linear)"
             for row in scaling))
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
     return 0
-
-
-def _scaling(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dict[str, float]]:
-    """Tokens/s on 1, 2, 4, ... up to cfg.devices devices, each with cfg's micro-batches (SCALING_ASSUMPTION)."""
-    per_device = cfg.batch // cfg.devices
-    counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
-    # One schedule for every point: a single device could fuse its update, the planned ranks cannot.
-    timing = cfg.update_timing if cfg.fused else "after-backward"
-    rows = [(n, plan(shape, device, replace(cfg, devices=n, batch=per_device * n, update_timing=timing)))
-            for n in counts]
-    one = rows[0][1].tokens_per_s
-    return [{"devices": n, "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s,
-             "efficiency": p.tokens_per_s / (n * one)} for n, p in rows]
 
 
 def _alternatives(result: Plan, others: list[Baseline]) -> Table:

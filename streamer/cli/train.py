@@ -28,7 +28,7 @@ from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bp
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
 from memory_model.settings import flag
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve
+from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve, store_choice
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
@@ -114,6 +114,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         return _rerun(cfg, explicit, config_file, console)
     parallel = _join(cfg, console)
     cfg = cfg.replace(dtype=_compute_dtype(cfg, parallel, console))  # config.toml records it: resume keeps it
+    console.print(store_choice(cfg, explicit, config_file), markup=False, highlight=False)
     cfg = cfg.replace(run_dir=cfg.run_dir or _default_run_dir(cfg))
     cfg = cfg.with_absolute_paths()
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
