@@ -20,7 +20,7 @@ from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
     checkpoint_input_bytes,
-    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes, rotary_shared,
+    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes, offloaded_inputs_bytes, rotary_shared,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
@@ -138,8 +138,15 @@ class Plan:
                          f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, "
                          f"MFU {self.utilisation:.0%} (bound by {self.bottleneck}; busy s: "
                          + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")"
-                         + self._disk_volume())
+                         + self._host_activations() + self._disk_volume())
         return table
+
+    def _host_activations(self) -> str:
+        """Offloaded block inputs: their room in host memory, and their bytes over the links per step."""
+        if not self.host_activation_bytes:
+            return ""
+        return (f"; block inputs in host memory {format_size(self.host_activation_bytes)}, each copied out after "
+                f"its forward and back before its backward")
 
     def _disk_volume(self) -> str:
         """The disk tier's bytes per step (what the SSD's write endurance pays for), or nothing in RAM."""
@@ -354,8 +361,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)
-    host_acts = sum(u.startswith("block.") for u in units) * checkpoint_input_bytes(shape, micro, seq, es) \
-        if cfg.offloads_inputs else 0
+    host_acts = offloaded_inputs_bytes(shape, micro, seq, es) if cfg.offloads_inputs else 0
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
                           if limits else (None, None))

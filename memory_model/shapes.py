@@ -243,6 +243,12 @@ def checkpoint_input_bytes(shape: ModelConfig, batch: int, seq: int, es: int) ->
     return block_input_numel(shape, batch, seq) * es
 
 
+def offloaded_inputs_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
+    """Host memory offloaded activations hold at most: every block's input of one micro-batch (the micro-batches
+    run one after another, each one's inputs gone by its backward's end)."""
+    return shape.num_hidden_layers * checkpoint_input_bytes(shape, batch, seq, es)
+
+
 def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int) -> int:
     """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient and its
     compute-dtype copy, and the fp32 sum of the gradient w.r.t. its input over the chunks. A block or the
