@@ -51,10 +51,11 @@ class Loader:
     def _issue(self, resource: Resource, ctx: StepContext, keep_master: bool) -> None:
         step = ctx.step
         if isinstance(resource, BlockInput):  # an offloaded block input, back from host memory
-            host = ctx.stashed.pop((resource.unit, resource.micro))
+            stashed = ctx.stashed.pop((resource.unit, resource.micro))
+            host = stashed.tensors["input"]
             handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                        for c in resource_charges(resource, host.numel(), host.element_size(), self.step_cfg.update_on)]
-            job = lambda: self._traced(resource.unit, step, lambda: self.transport.fetch_input(host))
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.fetch_input(stashed))
             self._inflight[resource] = (self.io.reads.submit(job), handles)
             return
         numel = self.layouts[resource.unit].numel

@@ -134,6 +134,8 @@ class Transport:
         self.stashes = None if self.mode != "cuda" else \
             StagingPool(sys.maxsize, pin=store is None or store.pin_memory != "none")
         self.compute_stream = torch.cuda.current_stream(device) if self.mode == "cuda" else None
+        # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
+        self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         # Free buffers, each with the event after which the stream that last used it is done with it (CUDA).
         self._pool: dict[tuple[int, torch.dtype, str], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()
@@ -299,13 +301,16 @@ class Transport:
             return torch.empty(count, dtype=self.compute_dtype, device="meta")
         return self._take(count, self.compute_dtype, "pinned" if on_host else "device")
 
-    def fetch_input(self, host: torch.Tensor) -> Loaded:
-        """An offloaded block input back on the device, for its block's backward: the host tensor itself where
-        host and device share memory; else copied on the side stream, its pinned buffer pooled again once read."""
+    def fetch_input(self, stashed: Loaded) -> Loaded:
+        """An offloaded block input (`stash_input`'s) back on the device, for its block's backward: the host tensor
+        itself where host and device share memory; else copied on the side stream once its copy out is done, its
+        pinned buffer pooled again once read."""
+        host = stashed.tensors["input"]
         if self.mode != "cuda":
             return Loaded({"input": host})
 
         def job() -> dict[str, torch.Tensor]:
+            torch.cuda.current_stream().wait_event(stashed.ready)  # the copy out, on the stash stream
             out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             out.copy_(host, non_blocking=True)
             out.record_stream(self.compute_stream)  # made on the side stream, used and freed on the compute one
@@ -317,17 +322,17 @@ class Transport:
 
     # --- device -> host -------------------------------------------------------------------------------
     def stash_input(self, x: torch.Tensor) -> Loaded:
-        """Start copying a block input to host memory, overlapping its block's forward; `wait()` gives the host
-        tensor, and makes the compute stream wait for the copy (so `x` may then be freed). Where host and device
-        share memory (and on meta) the input itself is the host tensor: nothing moves."""
+        """Start copying a block input to host memory, overlapping its block's forward: `wait()` makes the compute
+        stream wait for the copy (so `x` may then be freed), and `fetch_input` takes it back. Where host and
+        device share memory (and on meta) the input itself is the host tensor: nothing moves."""
         if self.mode != "cuda":
             return Loaded({"input": x})
         host = self.stashes.take(x.numel(), x.dtype).view(x.shape)
-        self.side_stream.wait_stream(self.compute_stream)  # x is written by the compute stream
-        with torch.cuda.stream(self.side_stream):
+        self.stash_stream.wait_stream(self.compute_stream)  # x is written by the compute stream
+        with torch.cuda.stream(self.stash_stream):
             host.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.side_stream)
+            done.record(self.stash_stream)
         return Loaded({"input": host}, done)
 
     def drop(self, x: torch.Tensor) -> None:
