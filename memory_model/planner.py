@@ -19,14 +19,14 @@ from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
-    checkpoint_input_bytes,
-    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes, offloaded_inputs_bytes, rotary_shared,
+    checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
+    offloaded_inputs_bytes, rotary_shared,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    MASTER_BYTES, BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel, gradient_charges,
-    load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events, store_bytes,
-    update_charges,
+    MASTER_BYTES, BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
+    gradient_charges, load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events,
+    store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size

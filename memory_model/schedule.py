@@ -241,9 +241,14 @@ def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
     return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
 
 
+def fetched_input(event: Event) -> BlockInput | None:
+    """The block input a backward needs back from the host (None for any other event)."""
+    return event.stash if event.phase == "backward" else None
+
+
 def _fetched(event: Event) -> tuple[BlockInput, ...]:
-    """The block input a backward needs back from the host (none for any other event)."""
-    return (event.stash,) if event.phase == "backward" and event.stash is not None else ()
+    fetched = fetched_input(event)
+    return () if fetched is None else (fetched,)
 
 
 def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[str, int]) -> list[Resource]:

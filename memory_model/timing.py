@@ -23,7 +23,7 @@ from memory_model.devices import DeviceSpec
 from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.schedule import (
-    BlockInput, Event, Resource, StateChunk, load_disk_bytes, releases, resource_charges, store_bytes,
+    BlockInput, Event, Resource, StateChunk, fetched_input, load_disk_bytes, releases, resource_charges, store_bytes,
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
@@ -304,7 +304,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
             continue
         compute = _compute(event, shape, cfg, device)
         times = per_unit[event.unit]
-        fetched = event.stash if event.phase == "backward" and event.stash is not None else event.resource
+        fetched = fetched_input(event) or event.resource
         start = max(clock, ready[event.resource], ready[fetched])  # a backward waits for its input too
         clock = start + compute
         if event.phase == "forward" and event.stash is not None:  # the forward waits for its input's copy out

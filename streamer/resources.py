@@ -7,9 +7,9 @@ keeps one unit's twice at a time), plus, on the disk tier, its gradient file. Wi
 too small for a fused step's second generation runs the update after the backward instead. On CUDA the transport's pool of staging buffers
 (`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned (page-locked:
 never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Offloaded activations
-(`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is. Under torchrun each
-process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this
-machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
+(`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is. Under
+torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
+them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
 """
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
             would_fit.append(flags)
             break  # the first, least drastic change that fits
     smaller = [(name, preset) for name, preset in PRESETS.items() if preset.num_params() < model_cfg.num_params()
-               and HostNeed.of(preset, tc, on_disk, in_ram, _offloaded(cfg, preset, on_disk)).fits(free_ram, free_disk)]
+               and HostNeed.of(preset, tc, on_disk, in_ram, _offloaded(cfg, preset, on_disk)).fits(free_ram,
+                                                                                                   free_disk)]
     if smaller:
         would_fit.append(f"a smaller model (--model {max(smaller, key=lambda p: p[1].num_params())[0]})")
     else:
