@@ -10,6 +10,9 @@ import torch
 
 from layers import GPTJConfig, PRESETS
 from memory_model import PlanConfig, device_spec, plan
+from memory_model.schedule import (
+    BlockInput, StepSpec, StoreBytes, disk_bytes, load_order, releases, resident_sets, step_events,
+)
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 
@@ -79,3 +82,35 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, settings):
     tokens = batch * seq // settings.get("grad_accum", 1)
     assert excess["offload"] == excess["checkpoint"] == (0 if settings["dtype"] == "fp32" else 4 * tokens)
     assert peaks["offload"] < peaks["checkpoint"]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 6])
+@pytest.mark.parametrize("micro_batches,fused", [(1, False), (2, False), (2, True)])
+def test_an_input_comes_back_after_its_forward_with_the_weights_of_its_backward(prefetch, micro_batches, fused):
+    """The schedule fetches each block input once, never before its forward has sent it out, and holds it until
+    its backward ends; with any prefetch the next backward's input is on its way during a block's backward (a
+    fused update's chunks come between them first).
+    The inputs never touch the store's files."""
+    units = ("embed", "block.0", "block.1", "block.2", "head")
+    spec = StepSpec(units, micro_batches, dict.fromkeys(units, 100), 50, fused=fused, offload_inputs=True)
+    events = step_events(spec)
+    resident = resident_sets(events, prefetch)
+    sent = {e.stash: k for k, e in enumerate(events) if e.phase == "forward" and e.stash is not None}
+    needed = {e.stash: k for k, e in enumerate(events) if e.phase == "backward" and e.stash is not None}
+    assert set(sent) == set(needed) == {BlockInput(f"block.{i}", m) for i in range(3) for m in range(micro_batches)}
+    held: set[BlockInput] = set()
+    for k, (event, res) in enumerate(zip(events, resident)):
+        inputs = {r for r in res if isinstance(r, BlockInput)}
+        assert all(sent[r] < k <= needed[r] for r in inputs)
+        held |= inputs
+        if event.phase == "backward" and event.unit in ("block.1", "block.2") and prefetch and not fused:
+            assert BlockInput(f"block.{int(event.unit[-1]) - 1}", event.micro) in res
+        held -= set(releases(events, k))
+        assert all(needed[r] > k for r in held)
+    assert not held
+    order = [r for r in load_order(events, prefetch) if isinstance(r, BlockInput)]
+    assert sorted(order, key=str) == sorted(needed, key=str)  # each loaded once
+    kept = step_events(StepSpec(units, micro_batches, dict.fromkeys(units, 100), 50, fused=fused))
+    sizes = StoreBytes(weights=4, moment=4)
+    assert disk_bytes(events, prefetch, spec.numels, sizes, micro_batches) == \
+        disk_bytes(kept, prefetch, spec.numels, sizes, micro_batches)
