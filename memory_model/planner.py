@@ -18,14 +18,15 @@ from layers.config import ModelConfig
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
-    embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes, rotary_shared,
+    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
+    checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
+    offloaded_inputs_bytes, rotary_shared,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    MASTER_BYTES, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel, gradient_charges,
-    load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events, store_bytes,
-    update_charges,
+    MASTER_BYTES, BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
+    gradient_charges, load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events,
+    store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -79,8 +80,10 @@ class Plan:
     fits: bool  # the peak plus the device's reserve (CUDA context) fit its memory
     host_store_bytes: int  # per rank (1/N with the state sharded): compute weights, master, moments, gradient
     # (a frozen LoRA base: its compute weights alone)
+    # Offloaded block inputs in host memory at most, per device: every block's input of one micro-batch.
+    host_activation_bytes: int
     host_stores: int  # stores on one host: ranks sharing it, each with its own store (1 with an in-network reduce)
-    host_fits: bool  # the RAM tier needs every store of the host in its RAM
+    host_fits: bool  # the RAM tier needs every store of the host in its RAM, and offloaded inputs need their room
     step_time_s: float
     tokens_per_s: float
     utilisation: float  # MFU: model FLOPs per second / the device's dense peak for the compute dtype
@@ -164,7 +167,7 @@ class Plan:
                          f"{f' less a {format_size(self.device.reserve_bytes)} reserve' if self.device.reserve_bytes else ''}"
                          f"; 16 B/param baseline "
                          f"{format_size(self.baseline_bytes)} ({self.baseline_bytes / self.peak_device_bytes:.1f}x); "
-                         + self._throughput() + self._disk_volume())
+                         + self._throughput() + self._host_activations() + self._disk_volume())
         return table
 
     def _throughput(self) -> str:
@@ -173,6 +176,13 @@ class Plan:
         return (f"step {self.step_time_s:.3g} s, {self.tokens_per_s:,.0f} tokens/s, MFU {self.utilisation:.0%} "
                 "(bound by " + self.bottleneck + "; busy s: "
                 + ", ".join(f"{r} {t:.3g}" for r, t in self.resource_s.items() if t) + ")")
+
+    def _host_activations(self) -> str:
+        """Offloaded block inputs: their room in host memory, and their bytes over the links per step."""
+        if not self.host_activation_bytes:
+            return ""
+        return (f"; block inputs in host memory {format_size(self.host_activation_bytes)}, each copied out after "
+                f"its forward and back before its backward")
 
     def _disk_volume(self) -> str:
         """The disk tier's bytes per step (what the SSD's write endurance pays for), or nothing in RAM."""
@@ -194,12 +204,13 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         return head_saved_bytes(shape, batch, seq, es), 0
     if cfg.lora.enabled:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
-    if cfg.activations == "checkpoint":
+    if cfg.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         # Where the block saves its input, the recompute re-saves the kept input itself (same storage, charged
         # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
+        # Offloaded, the input is charged as a resource (BlockInput) instead, held for no event beyond its own.
         saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
-        return kept, saved - (kept if shape.block_saves_input(es) else 0)
+        return (0 if cfg.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
     rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
@@ -210,10 +221,10 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     recompute re-saves nothing of the kept input); the fp32 rotary table goes to the first block that
     rotates a tensor needing a gradient."""
     es, first = cfg.dtype_bytes, unit == "block.0"
-    if cfg.activations == "checkpoint":
+    if cfg.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        return kept, saved - (0 if first else kept)
+        return (0 if cfg.offloads_inputs else kept), saved - (0 if first else kept)
     rotates_first = bool(set(cfg.lora.target_names) & {"q_proj", "k_proj"})
     owner = "block.0" if rotates_first else "block.1"
     rotary = not rotary_shared(es, cfg.packed) or unit == owner
@@ -225,13 +236,22 @@ def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None
         bytes_by_category[charge.category] += charge.nbytes
 
 
+def _device_numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig, batch: int, seq: int) -> int:
+    """The elements a resource holds on the device: a unit's whole weights (all-gathered where sharded), a
+    chunk's parameters, or a block input's (B, T, d)."""
+    if isinstance(resource, BlockInput):
+        return block_input_numel(shape, batch, seq)
+    return gathered_numel(shape.unit_device_params(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
+
+
 def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
                  batch: int, seq: int) -> list[tuple[Event, tuple[int, ...]]]:
     """Device bytes by category (CATEGORIES order) at the highest moment of every event.
 
-    That moment is the end of a forward (all of the unit's saved tensors exist), the point in a backward
-    where the weight gradient appears (activations, recompute and workspace still held), and an update
-    chunk's new compute weights being written.
+    That moment is the end of a forward (all of the unit's saved tensors exist; an offloaded input is still
+    on the device, its copy to the host waited for there), the point in a backward where the weight gradient
+    appears (activations, recompute and workspace still held), and an update chunk's new compute weights
+    being written.
     """
     es = cfg.dtype_bytes
     held: dict[str, int] = {}
@@ -241,19 +261,20 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            _add(at, resource_charges(r, gathered_numel(shape.unit_device_params(r.unit), cfg.shards), es,
-                                      cfg.update_on))
+            _add(at, resource_charges(r, _device_numel(r, shape, cfg, batch, seq), es, cfg.update_on))
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
                 # gradient w.r.t. this unit's input waits for the next unit's backward
-                at["activations"] = sum(held.values())
+                at["activations"] += sum(held.values())
                 at["workspace"] = 0 if event.unit == "embed" else batch * seq * shape.hidden_size * es
         else:
             kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
             if event.phase == "forward":
                 held[event.unit] = kept
-            at["activations"] = sum(held.values()) + (recompute if event.phase == "backward" else 0)
+            at["activations"] += sum(held.values()) + (recompute if event.phase == "backward" else 0)
+            if event.phase == "forward" and event.stash is not None:  # on its way to the host
+                _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.update_on))
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
                     _add(at, gradient_charges(shape.unit_device_params(event.unit), es, cfg.devices,
@@ -271,7 +292,7 @@ def step_spec(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> StepS
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in units}  # what each rank updates
     return StepSpec(units, cfg.grad_accum, numels, cfg.update_chunk, fused=cfg.fused, frozen_base=cfg.lora.enabled,
                     master_from_weights=loads_read_master(cfg.store, cfg.store, cfg.compute_dtype == "fp32"),
-                    update_units=None if update else ())
+                    update_units=None if update else (), offload_inputs=cfg.offloads_inputs)
 
 
 def _events(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
@@ -354,7 +375,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         params, on_device = shape.unit_params(u), shape.unit_device_params(u)  # (a tied head uses the embedding's)
         kept, recompute = _activations(shape, cfg, u, micro, seq)
         fwd = forward_flops(shape, u, micro, seq) * cfg.grad_accum
-        recompute_flops = fwd if cfg.activations == "checkpoint" and u.startswith("block.") else 0
+        recompute_flops = fwd if cfg.recomputes and u.startswith("block.") else 0
         t = timeline.per_unit[u]
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
@@ -378,6 +399,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)
+    host_acts = offloaded_inputs_bytes(shape, micro, seq, es) if cfg.offloads_inputs else 0
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
                           if limits else (None, None))
@@ -388,8 +410,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         resident_baseline_bytes=BASELINE_BYTES_PER_PARAM * params + resident_acts,
         peak_device_bytes=peak, peak_breakdown=dict(zip(CATEGORIES, peak_bytes)),
         peak_at=(peak_event.unit, peak_event.phase), fits=peak + device.reserve_bytes <= device.memory_bytes,
-        host_store_bytes=host_store, host_stores=stores,
-        host_fits=cfg.store == "disk" or host_store * stores <= device.host_ram_bytes,
+        host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
+        host_fits=((0 if cfg.store == "disk" else host_store) + host_acts) * stores <= device.host_ram_bytes,
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.compute_dtype),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),

@@ -6,7 +6,10 @@ in flight (`resident_sets`); after it, its resource is released unless the next 
 (`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
 backward into the next one's forward). A resource released and needed again later is loaded again. Where
 weights loads read the fp32 master (the disk tier), a fused update's chunks take theirs from the unit's last
-weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time.
+weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time. With the block
+inputs offloaded (`StepSpec.offload_inputs`) a block's events carry its input (`Event.stash`): its forward
+sends it to host memory, and its backward's copy back is issued with the lookahead, like a weights load, and
+held until that backward ends (`releases`).
 streamer/runtime/executor.py, memory_model/planner.py, memory_model/timing.py and the dry run all walk
 these lists, so the planner's peak and the runtime's ledger come from one schedule. What a resource costs
 on the device while it is held (`resource_charges`) and what an update chunk writes there
@@ -41,7 +44,15 @@ class StateChunk:
     master: bool = True
 
 
-Resource = Weights | StateChunk
+@dataclass(frozen=True)
+class BlockInput:
+    """A block's input of one micro-batch, kept in host memory between its forward and its backward."""
+
+    unit: str
+    micro: int
+
+
+Resource = Weights | StateChunk | BlockInput
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,9 @@ class Event:
     phase: str  # "forward" | "backward" | "update" | "infer"
     resource: Resource
     micro: int = 0
+    # Offloaded activations: a forward sends this block input to the host while it computes; a backward needs
+    # it back on the device (a resource loaded ahead like weights, released after the backward).
+    stash: BlockInput | None = None
 
     @property
     def unit(self) -> str:
@@ -66,9 +80,13 @@ class Charge:
 
 def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, update_on: str) -> tuple[Charge, ...]:
     """What a resource holds on the device from its load being issued until its release: a unit's compute
-    weights, or one chunk's master, moments and fp32 gradient (nothing when the update runs on the host)."""
+    weights, one chunk's master, moments and fp32 gradient (nothing when the update runs on the host), or a
+    block input (`unit_numel`: its elements) back from the host. The same charge holds an offloaded block input
+    on the device during its forward, while it is copied out."""
     if isinstance(resource, Weights):
         return (Charge("weights", unit_numel * dtype_bytes, "compute weights"),)
+    if isinstance(resource, BlockInput):
+        return (Charge("activations", unit_numel * dtype_bytes, "offloaded block input"),)
     if update_on == "host":
         return ()
     return (Charge("optimizer", resource.count * OPTIMIZER_BYTES_PER_PARAM, "master, exp_avg, exp_avg_sq"),
@@ -136,6 +154,7 @@ class StepSpec:
     backward in the last micro-batch (`memory_model.shapes.fused_update`). `frozen_base`: LoRA's step, whose
     streamed base has no update and whose embedding has no backward. `master_from_weights`
     (`loads_read_master`): a fused update takes each unit's fp32 master from its backward's weights load.
+    `offload_inputs`: each block's input waits for its backward in host memory (`--activations offload`).
     `backward=False`: evaluation, forwards only. `update_units`: the units updated (None: all; a step rolled
     forward after a crash updates the pending ones, with no micro-batches left to run).
     """
@@ -149,6 +168,7 @@ class StepSpec:
     master_from_weights: bool = False
     backward: bool = True
     update_units: tuple[str, ...] | None = None
+    offload_inputs: bool = False
 
 
 def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
@@ -168,13 +188,18 @@ def step_events(step: StepSpec) -> list[Event]:
     update_units = () if step.frozen_base or not step.backward else (
         step.units if step.update_units is None else step.update_units)
     backward_units = step.units[1:] if step.frozen_base else step.units
+
+    def stash(unit: str, micro: int) -> BlockInput | None:
+        offloaded = step.offload_inputs and step.backward and unit.startswith("block.")
+        return BlockInput(unit, micro) if offloaded else None
+
     events: list[Event] = []
     for micro in range(step.micro_batches):
-        events += [Event("forward", Weights(u), micro) for u in step.units]
+        events += [Event("forward", Weights(u), micro, stash(u, micro)) for u in step.units]
         if not step.backward:
             continue
         for u in reversed(backward_units):
-            events.append(Event("backward", Weights(u), micro))
+            events.append(Event("backward", Weights(u), micro, stash(u, micro)))
             if step.fused and micro == step.micro_batches - 1 and u in update_units:
                 events += _update_events(step, [u], with_master=not step.master_from_weights)
     if not step.fused:
@@ -207,31 +232,51 @@ def inference_events(units: list[str]) -> list[Event]:
 
 
 def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
-    """What is loaded or in flight while each event runs: its own resource, then its lookahead.
+    """What is loaded or in flight while each event runs: its own resource (and a backward's block input
+    back from the host), then its lookahead.
 
     A fused update takes its gradient from the backward, not from the store, so its state chunks may be
     fetched while the backward still runs; the update after the backward loads the gradient with them."""
     last_backward = {} if is_fused(events) else {e.unit: k for k, e in enumerate(events) if e.phase == "backward"}
-    return [[e.resource, *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
+    return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
+
+
+def fetched_input(event: Event) -> BlockInput | None:
+    """The block input a backward needs back from the host (None for any other event)."""
+    return event.stash if event.phase == "backward" else None
+
+
+def _fetched(event: Event) -> tuple[BlockInput, ...]:
+    fetched = fetched_input(event)
+    return () if fetched is None else (fetched,)
 
 
 def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[str, int]) -> list[Resource]:
-    """The next `depth` distinct resources after event `index`'s own, in order of first use.
+    """The next `depth` distinct resources after event `index`'s own, in order of first use, each backward's
+    block input after the weights it comes with (the inputs do not count towards `depth`).
 
     A unit's optimizer state is not fetched while any of its backward events is still to run (its gradient
     is final only once the last micro-batch's backward has been offloaded), so the lookahead stops there.
     `last_backward` maps a unit to the index of its last backward event (empty when no load holds a gradient).
+    A block input is not fetched before its forward has sent it to the host.
     """
     current = events[index].resource
     seen: list[Resource] = []
+    stashing = {events[index].stash}  # inputs whose forward is this event or still to come
+    count = 0
     for k in range(index + 1, len(events)):  # not a slice: that would copy the whole tail per event
-        if len(seen) >= depth:
+        if count >= depth:
             break
         event = events[k]
         if isinstance(event.resource, StateChunk) and last_backward.get(event.unit, -1) >= index:
             break
         if event.resource != current and event.resource not in seen:
             seen.append(event.resource)
+            count += 1
+        if event.phase == "forward":
+            stashing.add(event.stash)
+        elif event.stash is not None and event.stash not in stashing:
+            seen.append(event.stash)
     return seen
 
 
@@ -240,18 +285,23 @@ def released_after(events: list[Event], index: int) -> bool:
     return index + 1 == len(events) or events[index + 1].resource != events[index].resource
 
 
+def releases(events: list[Event], index: int) -> tuple[Resource, ...]:
+    """What leaves the device after event `index`: its resource (`released_after`), and a backward's block input."""
+    own = (events[index].resource,) if released_after(events, index) else ()
+    return own + _fetched(events[index])
+
+
 def load_order(events: list[Event], prefetch: int) -> list[Resource]:
     """Every load a step issues, in order, as the executor issues them: a resource is loaded when it enters
     a resident set and is not on the device, and leaves after its last consecutive use."""
     loaded: set[Resource] = set()
     order: list[Resource] = []
-    for index, (event, resident) in enumerate(zip(events, resident_sets(events, prefetch))):
+    for index, resident in enumerate(resident_sets(events, prefetch)):
         for resource in resident:
             if resource not in loaded:
                 loaded.add(resource)
                 order.append(resource)
-        if released_after(events, index):
-            loaded.discard(event.resource)
+        loaded.difference_update(releases(events, index))
     return order
 
 
@@ -281,7 +331,10 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
     """Bytes one load reads from the store's files: a unit's weights, or a chunk's moments with its fp32
-    master (unless taken from the weights load) and, after the backward, its fp32 gradient."""
+    master (unless taken from the weights load) and, after the backward, its fp32 gradient. A block input
+    comes from host memory on either tier: none."""
+    if isinstance(resource, BlockInput):
+        return 0
     if isinstance(resource, Weights):
         return numel * sizes.weights
     master = MASTER_BYTES if resource.master else 0

@@ -14,7 +14,7 @@ from memory_model.lora import LoraConfig, target_shape
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
 
-ACTIVATION_POLICIES = ("resident", "checkpoint")
+ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
 UPDATE_PLACES = ("device", "host")
 STORE_TIERS = ("ram", "disk")
 MOMENT_DTYPES = ("fp32", "bf16")
@@ -36,8 +36,10 @@ class PlanConfig:
 
     batch: int = setting(MISSING, "sequences per optimizer step (the global batch)", Integer())
     seq: int = setting(MISSING, "tokens per sequence", Integer())
-    activations: str = setting("resident", "resident (no recompute) or checkpoint (keep block inputs only)",
-                               Choice(ACTIVATION_POLICIES), "POLICY")
+    activations: str = setting(
+        "resident", "resident (no recompute), checkpoint (keep only each block's input, recompute the rest in the "
+                    "backward) or offload (checkpoint with the block inputs in host memory, pinned on CUDA, "
+                    "copied back ahead of each block's backward)", Choice(ACTIVATION_POLICIES), "POLICY")
     compute_dtype: str = setting("bf16", "compute dtype", Choice(COMPUTE_DTYPES), "DTYPE")
     prefetch: int = setting(1, "units loaded ahead of the one computing", Integer(0))
     update_on: str = setting("device", "run AdamW on the device (streamed state) or on the host",
@@ -84,6 +86,16 @@ class PlanConfig:
     def fused(self) -> bool:
         """The update runs inside the last micro-batch's backward (memory_model.shapes.fused_update)."""
         return not self.lora.enabled and fused_update(self.update_timing, self.store, self.devices)
+
+    @property
+    def recomputes(self) -> bool:
+        """Blocks keep only their input and run their forward again in the backward (checkpoint, offload)."""
+        return self.activations != "resident"
+
+    @property
+    def offloads_inputs(self) -> bool:
+        """The kept block inputs wait for their backward in host memory."""
+        return self.activations == "offload"
 
     @property
     def shards(self) -> int:
@@ -231,8 +243,19 @@ def embed_saved_bytes(shape: ModelConfig, batch: int, seq: int) -> int:
     return 8 * batch * seq  # the int64 token ids
 
 
+def block_input_numel(shape: ModelConfig, batch: int, seq: int) -> int:
+    """Elements of a block's input (B, T, d): what checkpoint keeps on the device and offload in host memory."""
+    return batch * seq * shape.hidden_size
+
+
 def checkpoint_input_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
-    return batch * seq * shape.hidden_size * es
+    return block_input_numel(shape, batch, seq) * es
+
+
+def offloaded_inputs_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
+    """Host memory offloaded activations hold at most: every block's input of one micro-batch (the micro-batches
+    run one after another, each one's inputs gone by its backward's end)."""
+    return shape.num_hidden_layers * checkpoint_input_bytes(shape, batch, seq, es)
 
 
 def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int) -> int:

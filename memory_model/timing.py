@@ -5,7 +5,9 @@ device-to-host link (separate queues: PCIe, NVLink-C2C and Ethernet are full dup
 the host's cores (the gradient fold and a host update) and the disk. Event k issues the loads of its
 resident set that are not in flight (disk read, then h2d), waits for its own, computes; a backward's
 gradient goes d2h (after its all-reduce under data parallel), is folded on the host and written to disk,
-overlapping the next unit's backward, and is waited for when that one's gradient appears. A host update runs
+overlapping the next unit's backward, and is waited for when that one's gradient appears. An offloaded block
+input goes d2h while its block's forward computes (the forward ends when both are done) and comes back h2d
+as a load of the lookahead, before its backward. A host update runs
 on the host's cores once the unit's gradient is folded: after the backward (update_timing "after-backward"),
 or, "fused" into the backward or "overlapped" with it, while the device computes the backward of the units
 before it. Rates are the catalogue's achievable shares of the peaks. docs/MEMORY_MODEL.md ("Time model").
@@ -18,10 +20,10 @@ from dataclasses import dataclass, field
 
 from layers.config import ModelConfig
 from memory_model.devices import DeviceSpec
-from memory_model.shapes import PlanConfig, forward_flops
+from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.schedule import (
-    Event, Resource, Weights, load_disk_bytes, released_after, resource_charges, store_bytes,
+    BlockInput, Event, Resource, StateChunk, fetched_input, load_disk_bytes, releases, resource_charges, store_bytes,
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
@@ -102,19 +104,37 @@ def _link(nbytes: int, device: DeviceSpec, direction: str, cfg: PlanConfig) -> f
 def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
           queues: _Queues, issued: float) -> float:
     """Book a load (disk read, then the h2d copy); returns when it is on the device."""
-    weights = isinstance(resource, Weights)
     # What a load moves is what the resource holds on a device that runs the update (the schedule's charges);
-    # with the update on the host a chunk is read from disk but does not cross the link.
-    nbytes = sum(c.nbytes for c in resource_charges(resource, shape.unit_device_params(resource.unit),
-                                                      cfg.dtype_bytes, "device"))
-    disk = load_disk_bytes(resource, shape.unit_device_params(resource.unit), store_bytes(cfg), cfg.fused) \
-        if cfg.store == "disk" else 0
-    h2d = nbytes if weights or cfg.update_on == "device" else 0
+    # with the update on the host a chunk is read from disk but does not cross the link. A block input comes
+    # from host memory, not from the store.
+    numel = _numel(resource, shape, cfg)
+    nbytes = sum(c.nbytes for c in resource_charges(resource, numel, cfg.dtype_bytes, "device"))
+    disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused) if cfg.store == "disk" else 0
+    h2d = nbytes if not isinstance(resource, StateChunk) or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
     times.load_s += read_s + copy_s
     times.h2d += h2d
     times.disk_read += disk
     return queues.run("h2d", queues.run("disk", issued, read_s), copy_s)
+
+
+def _numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig) -> int:
+    """A resource's elements: its unit's parameters on the device (a tied head's include the embedding's), or a
+    block input's (B, T, d)."""
+    if isinstance(resource, BlockInput):
+        return block_input_numel(shape, cfg.micro_batch, cfg.seq)
+    return shape.unit_device_params(resource.unit)
+
+
+def _input_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
+               queues: _Queues, start: float) -> float:
+    """Book an offloaded block input's copy to the host, issued as its forward starts; returns when it is done."""
+    nbytes = sum(c.nbytes for c in resource_charges(event.stash, _numel(event.stash, shape, cfg), cfg.dtype_bytes,
+                                                      "device"))
+    d2h_s = _link(nbytes, device, "d2h", cfg)
+    times.d2h += nbytes
+    times.offload_s += d2h_s
+    return queues.run("d2h", start, d2h_s)
 
 
 def _compute(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
@@ -155,7 +175,7 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         backward = passes * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
     if event.phase == "forward":
         return forward
-    recompute = forward if cfg.activations == "checkpoint" and unit.startswith("block.") else 0.0
+    recompute = forward if cfg.recomputes and unit.startswith("block.") else 0.0
     return backward + recompute
 
 
@@ -291,7 +311,11 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
             continue
         compute = _compute(event, shape, cfg, device)
         times = per_unit[event.unit]
-        clock = max(clock, ready[event.resource]) + compute
+        fetched = fetched_input(event) or event.resource
+        start = max(clock, ready[event.resource], ready[fetched])  # a backward waits for its input too
+        clock = start + compute
+        if event.phase == "forward" and event.stash is not None:  # the forward waits for its input's copy out
+            clock = max(clock, _input_out(event, shape, cfg, device, times, queues, start))
         if event.phase == "update":
             times.update_s += compute
             queues.busy["host compute" if cfg.update_on == "host" else "device compute"] += compute
@@ -313,8 +337,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
                     host_chunk(chunk, offload_done)
             if event.unit == first_unit:
                 clock = max(clock, offload_done)
-        if released_after(events, k):
-            in_flight.discard(event.resource)
+        in_flight.difference_update(releases(events, k))
     costs = device.kernels.get(cfg.compute_dtype)
     step_s = 0.0 if costs is None else costs.fixed_s(cfg.store)[1]  # the step's own fixed cost (the loss, the commit)
     step_s += unmeasured_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each

@@ -41,8 +41,8 @@ def _needs(shape: ModelConfig, pc: PlanConfig) -> int:
 
 def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int) -> list[str]:
     """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
-    the batch, checkpointed activations, the host update, the update after the backward. Only those that fit
-    are listed."""
+    the batch, checkpointed activations (or offloaded, where checkpointed do not fit), the host update, the
+    update after the backward. Only those that fit are listed."""
     out = [f"--budget {round_up_size(_needs(shape, pc))}"]
     per_device = pc.batch // pc.devices
     for k in range(pc.grad_accum + 1, per_device + 1):
@@ -51,6 +51,8 @@ def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int) -> list[str]:
             break
     if pc.activations == "resident" and _needs(shape, replace(pc, activations="checkpoint")) <= budget:
         out.append("--activations checkpoint")
+    elif pc.activations != "offload" and _needs(shape, replace(pc, activations="offload")) <= budget:
+        out.append("--activations offload")
     if pc.update_on == "device" and _needs(shape, replace(pc, update_on="host")) <= budget:
         out.append("--update-on host")
     # A fused update holds a unit's optimizer state while later units' activations are still on the device.

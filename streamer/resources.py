@@ -6,9 +6,10 @@ generation stays until the manifest names the new one; the disk tier's journaled
 keeps one unit's twice at a time), plus, on the disk tier, its gradient file. With `--update-timing auto` a disk
 too small for a fused step's second generation runs the update after the backward instead. On CUDA the transport's pool of staging buffers
 (`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned (page-locked:
-never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Under torchrun each
-process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of them into this
-machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
+never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Offloaded activations
+(`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is. Under
+torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
+them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import psutil
 
 from layers import PRESETS, ModelConfig
 from memory_model import format_size
-from memory_model.shapes import fused_update
+from memory_model.shapes import fused_update, offloaded_inputs_bytes
+from memory_model.units import DTYPE_BYTES
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
 
@@ -41,11 +43,16 @@ class HostNeed:
     pinned: int = 0
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int) -> HostNeed:
+    def of(cls, model_cfg: ModelConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int,
+           offloaded: int = 0) -> HostNeed:
+        """`offloaded`: the bytes of block inputs one process keeps in host memory (`--activations offload`)."""
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
         ram, disk = spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, stores_on_disk))
-        staging = spec.staging_bytes() if tc.device.device.startswith("cuda") else 0
+        cuda = tc.device.device.startswith("cuda")
+        staging = spec.staging_bytes() if cuda else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.device.pin_memory] if staging else 0
+        pinned += offloaded if cuda and tc.device.pin_memory != "none" else 0
+        ram += offloaded
         return cls(_with_headroom((ram + staging) * stores_in_ram, RAM_HEADROOM),
                    _with_headroom(disk * stores_on_disk, DISK_HEADROOM), pinned * stores_in_ram)
 
@@ -93,14 +100,16 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     """Why the run cannot fit in `free_ram` and `free_disk` (at `folder`), and what would; None if it fits."""
     on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tc = cfg.trainer
-    need = HostNeed.of(model_cfg, tc, on_disk, in_ram)
+    offloaded = _offloaded(cfg, model_cfg, on_disk)
+    need = HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded)
     if need.fits(free_ram, free_disk):
         return None
     short = []
     if need.ram > free_ram:
         pinned = f", {format_size(need.pinned)} pinned with --pin-memory {tc.device.pin_memory}" if need.pinned else ""
-        short.append(f"{format_size(need.ram)} of RAM (--store {tc.store.tier}{pinned}; {format_size(free_ram)} "
-                     "available)")
+        inputs = f", {format_size(offloaded * in_ram)} of block inputs (--activations offload)" if offloaded else ""
+        short.append(f"{format_size(need.ram)} of RAM (--store {tc.store.tier}{inputs}{pinned}; "
+                     f"{format_size(free_ram)} available)")
     if need.disk > free_disk:
         generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
@@ -110,11 +119,12 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     would_fit = []
     for flags, changes in variants.items():
         changed = tc.replace(**changes)
-        if changed != tc and HostNeed.of(model_cfg, changed, on_disk, in_ram).fits(free_ram, free_disk):
+        if changed != tc and HostNeed.of(model_cfg, changed, on_disk, in_ram, offloaded).fits(free_ram, free_disk):
             would_fit.append(flags)
             break  # the first, least drastic change that fits
     smaller = [(name, preset) for name, preset in PRESETS.items() if preset.num_params() < model_cfg.num_params()
-               and HostNeed.of(preset, tc, on_disk, in_ram).fits(free_ram, free_disk)]
+               and HostNeed.of(preset, tc, on_disk, in_ram, _offloaded(cfg, preset, on_disk)).fits(free_ram,
+                                                                                                   free_disk)]
     if smaller:
         would_fit.append(f"a smaller model (--model {max(smaller, key=lambda p: p[1].num_params())[0]})")
     else:
@@ -123,6 +133,16 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         would_fit.append("a --run-dir on a filesystem with more free space")
     return f"the run's host store needs {' and '.join(short)}, headroom included; what would fit: " + \
         ", or ".join(would_fit)
+
+
+def _offloaded(cfg: RunConfig, model_cfg: ModelConfig, processes: int) -> int:
+    """Bytes of block inputs each process keeps in host memory under `--activations offload` (else none); an
+    unresolved `--dtype auto` counts fp32's."""
+    tc = cfg.trainer
+    if tc.step.activations != "offload":
+        return 0
+    micro = cfg.batch // (tc.step.grad_accum * processes)
+    return offloaded_inputs_bytes(model_cfg, micro, cfg.seq, DTYPE_BYTES.get(tc.device.dtype, 4))
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -246,7 +246,8 @@ class StreamingTrainer:
         numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
         return StepSpec(tuple(self.units), micro_batches, numels, self.tc.step.update_chunk, fused=fused,
                         frozen_base=self.adapters is not None, master_from_weights=self.executor.loads_read_master,
-                        backward=backward, update_units=update_units)
+                        backward=backward, update_units=update_units,
+                        offload_inputs=self.tc.step.activations == "offload")
 
     def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:

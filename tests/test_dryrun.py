@@ -77,6 +77,7 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
     dict(dtype="bf16", store="disk", grad_accum=2, update_timing="after-backward", update_chunk=30_000),
     dict(dtype="bf16", update_on="host", prefetch=2, update_chunk=50_000),  # fused on the host
     dict(dtype="fp32", grad_accum=2, lora_rank=4),  # a frozen base: no update events
+    dict(dtype="bf16", store="disk", grad_accum=2, activations="offload", prefetch=2),  # block inputs on the host
 ])
 def test_the_trainer_and_the_planner_describe_one_step(settings):
     """One run's settings give the trainer and the planner the same step description, hence one event list."""
@@ -127,6 +128,22 @@ def test_plan_dry_run_through_the_cli(capsys, calibrated_here, target, store, up
     assert planned["dry_run_peak_device_bytes"] == sum(planned["dry_run_peak_breakdown"].values()) > 0
     # As test_planner_matches_dry_run: the planner within 1% of the runtime's ledger.
     assert planned["peak_device_bytes"] == pytest.approx(planned["dry_run_peak_device_bytes"], rel=0.01)
+
+
+@pytest.mark.parametrize("target,store,update_on", [("h100-sxm", "ram", "device"), ("cs2", "disk", "host")])
+def test_plan_dry_run_of_offloaded_activations_through_the_cli(capsys, target, store, update_on):
+    """`--activations offload` in `streamer plan --dry-run`: the dry run's ledger equals the plan to the byte in
+    fp32, and the plan holds the inputs in host memory."""
+    from test_cli import run_cli
+
+    rc, out, err = run_cli(capsys, "plan", "--model", "gptj-debug", "--target", target, "--store", store,
+                           "--update-on", update_on, "--activations", "offload", "--dtype", "fp32", "--batch", 2,
+                           "--seq", 32, "--dry-run", "--json")
+    assert rc == 0 and err == "", err
+    planned = json.loads(out)
+    assert planned["config"]["activations"] == "offload"
+    assert planned["peak_device_bytes"] == planned["dry_run_peak_device_bytes"]
+    assert planned["host_activation_bytes"] == 4 * 2 * 32 * 32 * 4  # 4 blocks' (2, 32, 32) fp32 inputs
 
 
 def test_plan_dry_run_refuses_a_step_it_cannot_run_in_one_line(capsys):

@@ -216,6 +216,14 @@ def test_oom_when_checkpointing_or_batch_one_does_not_suggest_them() -> None:
     assert "--activations checkpoint" not in msg and "smaller batch" not in msg
 
 
+def test_oom_when_checkpointed_activations_dominate_suggests_offloading_them() -> None:
+    ledger = Ledger(8 * 2**30, hint_context={"activations": "checkpoint", "batch": 1, "seq": 2048})
+    _fill(ledger)  # 5 GiB of activations, the largest category
+    with pytest.raises(DeviceOutOfMemory) as info:
+        ledger.allocate("activations", "block.3", 4 * 2**30)
+    assert "`--activations offload` (activations dominate; keep the block inputs in host memory)" in str(info.value)
+
+
 def test_smaller_batch_advice_is_per_micro_batch() -> None:
     ledger = Ledger(8 * 2**30, hint_context={"batch": 16, "grad_accum": 4, "seq": 1024})
     _fill(ledger)  # 5 GiB of activations for a micro-batch of 4

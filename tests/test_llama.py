@@ -161,7 +161,8 @@ def test_cli_trains_a_transformers_folder_and_exports_what_transformers_loads(ca
 
 
 @pytest.mark.parametrize("dtype,activations,store", [("bf16", "resident", "ram"), ("fp32", "checkpoint", "ram"),
-                                                     ("bf16", "checkpoint", "disk"), ("fp32", "resident", "disk")])
+                                                     ("bf16", "checkpoint", "disk"), ("fp32", "resident", "disk"),
+                                                     ("bf16", "offload", "ram"), ("fp32", "offload", "disk")])
 def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, dtype, activations, store):
     """GQA, SwiGLU and RMSNorm in the planner's activation formulas: measured equal on every category."""
     cfg = PRESETS["llama-debug"]

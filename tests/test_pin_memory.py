@@ -103,3 +103,24 @@ def test_only_cuda_pins():
     assert trainer_module._pin_memory("cpu", "all") == "none"
     assert trainer_module._pin_memory("cuda:0", "all") == "all"
     assert trainer_module._pin_memory("cuda", "staging") == "staging"
+
+
+def test_offloaded_activations_count_in_host_ram_pinned_on_cuda(pretend_cuda, tmp_path):
+    """`--activations offload` keeps every block's input of one micro-batch in host memory: the resource check
+    counts it, pinned unless --pin-memory none; a machine with room for the store alone is refused."""
+    inputs = 20 * 4 * 2048 * 1024 * 2  # gptj-350m: 20 blocks' (4, 2048, 1024) bf16 inputs, 320 MiB
+    tc = TrainerConfig.of(device="cuda", dtype="bf16", store="ram", pin_memory="staging")
+    staging = HostNeed.of(PRESETS["gptj-350m"], tc, stores_on_disk=1, stores_in_ram=2)
+    offloaded = HostNeed.of(PRESETS["gptj-350m"], tc, stores_on_disk=1, stores_in_ram=2, offloaded=inputs)
+    assert offloaded.pinned == staging.pinned + 2 * inputs
+    assert offloaded.ram > staging.ram + 2 * inputs
+    unpinned = HostNeed.of(PRESETS["gptj-350m"], tc.replace(pin_memory="none"), 1, 2, offloaded=inputs)
+    assert unpinned.pinned == 0 and unpinned.ram == offloaded.ram
+    cfg = resolve({"model": "gptj-350m", "store": "ram", "run_dir": str(tmp_path / "r"), "device": "cuda",
+                   "dtype": "bf16", "batch": 8, "seq": 2048, "grad_accum": 2})
+    alone = HostNeed.of(cfg.model_config(), cfg.trainer, 1, 1).ram  # the store with its headroom
+    assert shortfall(cfg, cfg.model_config(), alone, 64 * 2**30, tmp_path) is None
+    refused = shortfall(cfg.replace(activations="offload"), cfg.model_config(), alone, 64 * 2**30, tmp_path)
+    assert "of RAM (--store ram, 320 MiB of block inputs (--activations offload)" in refused
+    assert shortfall(cfg.replace(activations="offload"), cfg.model_config(), alone + int(1.1 * inputs) + 1,
+                     64 * 2**30, tmp_path) is None

@@ -20,10 +20,10 @@ from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, L
 from memory_model.kernels import attention_flops, gpu_elementwise_bytes
 from memory_model.devices import tree_levels, with_sets
 from memory_model.planner import step_spec
-from memory_model.shapes import (backward_workspace_bytes, block_saved_bytes, checkpoint_input_bytes,
-                                 embed_saved_bytes, head_saved_bytes, loss_vocab_chunk)
+from memory_model.shapes import (backward_workspace_bytes, block_input_numel, block_saved_bytes,
+                                 checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes, loss_vocab_chunk)
 from memory_model.schedule import (
-    StepSpec, released_after, resident_sets, resource_charges, step_events, update_charges,
+    BlockInput, StepSpec, released_after, resident_sets, resource_charges, step_events, update_charges,
 )
 
 GIB = 2**30
@@ -158,7 +158,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     ledger = Ledger(None)
     units = shape.unit_names()
     events = step_events(StepSpec(tuple(units), cfg.grad_accum, {u: shape.unit_params(u) for u in units},
-                                  cfg.update_chunk))
+                                  cfg.update_chunk, offload_inputs=cfg.activations == "offload"))
     resident = resident_sets(events, cfg.prefetch)
     es, b, t = cfg.dtype_bytes, cfg.micro_batch, cfg.seq
     in_flight: dict[tuple, list[int]] = {}
@@ -167,11 +167,15 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     for k, e in enumerate(events):
         for r in resident[k]:
             if r not in in_flight:
+                numel = block_input_numel(shape, b, t) if isinstance(r, BlockInput) else shape.unit_params(r.unit)
                 in_flight[r] = [ledger.allocate(c.category, r.unit, c.nbytes)
-                                for c in resource_charges(r, shape.unit_params(r.unit), es, cfg.update_on)]
+                                for c in resource_charges(r, numel, es, cfg.update_on)]
         kind = e.unit.split(".")[0]
         if e.phase == "forward":
-            if kind == "block" and cfg.activations == "checkpoint":
+            if kind == "block" and cfg.activations == "offload":  # on the device until copied out, at its end
+                ledger.free(ledger.allocate("activations", e.unit, checkpoint_input_bytes(shape, b, t, es)))
+                nbytes = 0
+            elif kind == "block" and cfg.activations == "checkpoint":
                 nbytes = checkpoint_input_bytes(shape, b, t, es)
             elif kind == "block":
                 nbytes = block_saved_bytes(shape, b, t, es, rotary=es != 4 or e.unit == "block.0")
@@ -182,7 +186,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
             extra = []
             if kind == "head":
                 extra.append(ledger.allocate("workspace", "head", backward_workspace_bytes(shape, "head", b, t, es)))
-            if kind == "block" and cfg.activations == "checkpoint":
+            if kind == "block" and cfg.activations != "resident":
                 extra.append(ledger.allocate("activations", e.unit, block_saved_bytes(shape, b, t, es)
                                              - checkpoint_input_bytes(shape, b, t, es)))
             grad = ledger.allocate("gradients", e.unit, shape.unit_params(e.unit) * es)
@@ -197,6 +201,9 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
         if released_after(events, k):
             for h in in_flight.pop(e.resource):
                 ledger.free(h)
+        if e.phase == "backward" and e.stash is not None:  # its input back from the host leaves with it
+            for h in in_flight.pop(e.stash):
+                ledger.free(h)
     assert ledger.in_use == 0 and ledger.live() == 0
     return ledger
 
@@ -204,7 +211,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
 @settings(max_examples=40, deadline=None)
 @given(n_layer=st.integers(1, 4), d=st.sampled_from([16, 32, 64]), vocab=st.integers(10, 300),
        micro=st.integers(1, 3), seq=st.integers(1, 64), accum=st.integers(1, 3), prefetch=st.integers(0, 3),
-       activations=st.sampled_from(["resident", "checkpoint"]), dtype=st.sampled_from(["bf16", "fp32"]),
+       activations=st.sampled_from(["resident", "checkpoint", "offload"]), dtype=st.sampled_from(["bf16", "fp32"]),
        update_on=st.sampled_from(["device", "host"]), chunk=st.sampled_from([100, 5_000, 16 * 2**20]))
 def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accum, prefetch, activations, dtype,
                                              update_on, chunk) -> None:
@@ -313,6 +320,33 @@ def test_time_model_properties() -> None:
     assert p.step_time_s < p.resource_s["device compute"] + p.resource_s["h2d"] + p.resource_s["d2h"]
     # No prediction above the achievable share of the peak.
     assert p.utilisation <= h100.matmul_efficiency
+
+
+def test_offloaded_block_inputs_leave_the_device_and_cross_the_pcie_links() -> None:
+    """GPT-J-6B at 64 x 2048 on h100-sxm: offload keeps the block inputs in host memory. The peak (block.27's
+    backward) falls by the inputs checkpoint keeps there beyond the two the backward holds: its own and the
+    next one, prefetched. Each input crosses d2h during its forward and h2d before its backward, on the PCIe
+    links, hidden behind the compute."""
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    base = PlanConfig(batch=64, seq=2048, activations="checkpoint")
+    kept, offloaded = (plan(GPTJ_6B, h100, replace(base, activations=a), limits=False) for a in ("checkpoint", "offload"))
+    one, blocks = checkpoint_input_bytes(GPTJ_6B, 64, 2048, 2), GPTJ_6B.n_layer  # 1 GiB each, 28 blocks
+    assert kept.peak_at == offloaded.peak_at == ("block.27", "backward")
+    assert kept.peak_device_bytes - offloaded.peak_device_bytes == (blocks - 2) * one == 26 * GIB
+    assert offloaded.host_activation_bytes == blocks * one and kept.host_activation_bytes == 0
+    for link in ("h2d", "d2h"):
+        assert offloaded.link_bytes[link] - kept.link_bytes[link] == blocks * one
+        seconds = blocks * h100.link_time(getattr(h100, link), one)  # 0.57 s at PCIe Gen5's 52.8 GB/s
+        assert offloaded.resource_s[link] - kept.resource_s[link] == pytest.approx(seconds, rel=1e-12)
+    assert [r.backward_flops for r in offloaded.rows] == [r.backward_flops for r in kept.rows]  # the same recompute
+    assert offloaded.step_time_s == pytest.approx(kept.step_time_s, rel=1e-9)
+    # On a link too slow to hide them the copies lengthen the step.
+    slow = replace(h100, h2d=Link(4e9), d2h=Link(4e9))
+    assert plan(GPTJ_6B, slow, replace(base, activations="offload"), limits=False).step_time_s > \
+        plan(GPTJ_6B, slow, base, limits=False).step_time_s
+    # The largest batch that fits grows with the inputs gone.
+    assert plan(GPTJ_6B, h100, replace(base, activations="offload")).max_batch_seq[0] > \
+        plan(GPTJ_6B, h100, base).max_batch_seq[0]
 
 
 @pytest.mark.parametrize("name", [n for n in DEVICE_PRESETS if not n.startswith("cs")])
@@ -491,7 +525,7 @@ def test_bytes_over_each_link_per_step(timing: str) -> None:
 
 
 # --- validation ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [dict(batch=0), dict(seq=-1), dict(activations="offload"), dict(prefetch=-1),
+@pytest.mark.parametrize("bad", [dict(batch=0), dict(seq=-1), dict(activations="swap"), dict(prefetch=-1),
                                  dict(compute_dtype="fp16"), dict(update_on="disk"), dict(store="nvme"),
                                  dict(batch=3, grad_accum=2), dict(update_chunk=0), dict(devices=0),
                                  dict(update_timing="fused"), dict(update_timing="fused", store="disk", devices=2)])

@@ -60,7 +60,8 @@ def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @pytest.mark.parametrize("activations,store,update_on",
-                         list(itertools.product(["resident", "checkpoint"], ["ram", "disk"], ["device", "host"])))
+                         [*itertools.product(["resident", "checkpoint"], ["ram", "disk"], ["device", "host"]),
+                          ("offload", "disk", "host")])
 def test_fp32_equals_hf_adamw(tmp_path, activations, store, update_on):
     tc = TrainerConfig.of(lr=1e-3, grad_accum=2, max_grad_norm=1.0, weight_decay=0.1, dtype="fp32",
                           activations=activations, store=store, update_on=update_on, update_chunk=10_000)

@@ -32,6 +32,7 @@ EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer plan --model gptj-6b --target a100-40g --batch 8 --seq 2048 --activations checkpoint --dry-run
+  streamer plan --model gptj-6b --target h100-sxm --batch 64 --seq 2048 --activations offload
   streamer plan --model ./gptj-hf/config.json --target local --json
   streamer plan --config run.toml --target rtx4090    the step `streamer train --config run.toml` runs
 

@@ -12,7 +12,7 @@ import torch
 
 from layers import ModelConfig
 from memory_model import Ledger, Trace
-from memory_model.schedule import Event, is_fused, loads_keeping_master, released_after, resident_sets
+from memory_model.schedule import Event, fetched_input, is_fused, loads_keeping_master, releases, resident_sets
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.loading import Loader
 from streamer.runtime.lora import Adapters
@@ -70,6 +70,8 @@ class Executor:
         for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.step_cfg.prefetch))):
             self.loader.issue_ahead(resident, ctx, keeping_master)
             tensors = self.loader.acquire(event.resource, ctx)
+            if fetched_input(event) is not None:
+                self.loader.acquire(fetched_input(event), ctx)  # a backward's block input, back from the host
             phase = "generate" if event.phase == "infer" else event.phase  # the trace's name for inference
             with self.trace.span(event.unit, phase, step=ctx.step, micro=event.micro):
                 if event.phase == "forward":
@@ -80,8 +82,8 @@ class Executor:
                     ctx.infer(event.unit, lambda *args, unit=event.unit: self.passes.call_plain(unit, *args))
                 else:
                     self.updater.update(event.resource, tensors, ctx, self.passes.grad_sq_norms)
-            if released_after(events, i):
-                self.loader.release(event.resource, ctx)
+            for resource in releases(events, i):
+                self.loader.release(resource, ctx)
         self.io.drain()
         write_backs, ctx.write_backs = ctx.write_backs, []
         for future in write_backs:

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from memory_model import Ledger, Trace
-from memory_model.schedule import Resource, Weights, gathered_numel, resource_charges, shard_numel
+from memory_model.schedule import BlockInput, Resource, Weights, gathered_numel, resource_charges, shard_numel
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.residency import Residency, UnitState
 from streamer.runtime.step import StepConfig, StepContext
@@ -49,13 +49,21 @@ class Loader:
                 self._issue(resource, ctx, keep_master=next(keeping_master))
 
     def _issue(self, resource: Resource, ctx: StepContext, keep_master: bool) -> None:
+        step = ctx.step
+        if isinstance(resource, BlockInput):  # an offloaded block input, back from host memory
+            stashed = ctx.stashed.pop((resource.unit, resource.micro))
+            host = stashed.tensors["input"]
+            handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
+                       for c in resource_charges(resource, host.numel(), host.element_size(), self.step_cfg.update_on)]
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.fetch_input(stashed))
+            self._inflight[resource] = (self.io.reads.submit(job), handles)
+            return
         layout = self.layouts[resource.unit]
         stored = self.stored_numel(resource.unit)
         on_device = gathered_numel(layout.device_numel, self.shards)  # sharded: every rank's slice, all-gathered
         borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
-        step = ctx.step
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
@@ -71,8 +79,11 @@ class Loader:
             return job()
 
     def acquire(self, resource: Resource, ctx: StepContext) -> dict[str, torch.Tensor]:
-        """Wait for the resource's load; its weights become the unit's, its kept master the step's."""
+        """Wait for the resource's load; its weights become the unit's, its kept master the step's, a block input
+        its backward's."""
         tensors = self._inflight[resource][0].result().wait()
+        if isinstance(resource, BlockInput):
+            ctx.inputs[resource.unit] = tensors["input"]
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
             if "master" in tensors:

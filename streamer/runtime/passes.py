@@ -12,7 +12,7 @@ from torch.func import functional_call
 from layers import ModelConfig, build_unit
 from layers.lora import add_adapters
 from memory_model import Ledger, Trace
-from memory_model.schedule import Event, adapter_charges, gradient_charges
+from memory_model.schedule import Event, adapter_charges, gradient_charges, resource_charges
 from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.lora import Adapters
@@ -85,9 +85,12 @@ class Passes:
             with self.recorder.hooks(self.states[unit]):
                 ctx.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro, ctx))
             return
-        previous = ctx.graphs[self.units[self.units.index(unit) - 1]][1]
+        before = self.units[self.units.index(unit) - 1]
+        kept, previous = ctx.graphs[before]
+        if kept is None:  # an offloaded block: its output is this unit's input, to keep or to offload
+            ctx.graphs[before] = (None, None)
         # A frozen base needs no gradient w.r.t. the embedding's output: the embedding has no backward.
-        frozen_first = self.adapters is not None and self.units.index(unit) == 1
+        frozen_first = not self._input_needs_grad(unit)
         if frozen_first:
             del ctx.graphs[self.units[0]]  # no backward will come for it
         x = previous.detach().requires_grad_(torch.is_grad_enabled() and not frozen_first)
@@ -97,7 +100,9 @@ class Passes:
                 loss = self._call_unit(unit, x, micro, ctx, batch.labels, chunk, ctx.tokens)
             ctx.losses.append(loss.detach())  # this micro-batch's share of the step's token mean
             ctx.graphs[unit] = (x, loss)
-        elif self.step_cfg.activations == "checkpoint":
+        elif event.stash is not None:
+            self._forward_offloaded(event, x, ctx)
+        elif self.step_cfg.activations != "resident":  # (offload without a backward to come keeps it as this)
             self.recorder.charge(unit, x, "checkpointed block input")
             with torch.no_grad():
                 ctx.graphs[unit] = (x, self._call_unit(unit, x, micro, ctx, *_packed(batch)))
@@ -105,9 +110,32 @@ class Passes:
             with self.recorder.hooks(self.states[unit]):
                 ctx.graphs[unit] = (x, self._call_unit(unit, x, micro, ctx, *_packed(batch)))
 
+    def _forward_offloaded(self, event: Event, x: torch.Tensor, ctx: StepContext) -> None:
+        """A block's forward without a graph, its input copied to host memory meanwhile: the input is charged
+        to the device until the copy is waited for, at the forward's end, and then leaves it."""
+        unit, micro = event.unit, event.micro
+        handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
+                   for c in resource_charges(event.stash, x.numel(), x.element_size(), self.step_cfg.update_on)]
+        copy = self.transport.stash_input(x)
+        with torch.no_grad():
+            y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]))
+        copy.wait()
+        ctx.stashed[(unit, micro)] = copy
+        self.transport.drop(x)
+        for handle in handles:
+            self.ledger.free(handle)
+        ctx.graphs[unit] = (None, y)
+
+    def _input_needs_grad(self, unit: str) -> bool:
+        """False for the first block of a frozen base: nothing before it takes a gradient."""
+        return self.adapters is None or self.units.index(unit) != 1
+
     def backward(self, event: Event, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
         x, y = ctx.graphs.pop(unit)
+        if event.stash is not None:  # the input back from the host (the loader acquired it)
+            x = ctx.inputs.pop(unit).detach().requires_grad_(self._input_needs_grad(unit))
+            self.recorder.charged_elsewhere(unit, x)  # the loaded BlockInput holds its bytes
         if unit == "head":
             nbytes = backward_workspace_bytes(self.cfg, unit, x.shape[0], x.shape[1], self.dtype.itemsize)
             logits_grad = self.ledger.allocate("workspace", unit, nbytes, "a vocabulary chunk's logits gradient")
@@ -115,7 +143,7 @@ class Passes:
             self.ledger.free(logits_grad)
         else:
             incoming, incoming_handle = ctx.flowing_grad
-            if unit.startswith("block") and self.step_cfg.activations == "checkpoint":
+            if unit.startswith("block") and self.step_cfg.activations != "resident":
                 with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
                     # recompute: the only second forward, by policy
                     y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]))
@@ -203,6 +231,8 @@ class Passes:
         for unit in list(ctx.graphs):
             self.recorder.release(unit)
         ctx.graphs.clear()
+        ctx.stashed.clear()
+        ctx.inputs.clear()
 
 
 def _packed(batch: MicroBatch) -> tuple[object, ...]:

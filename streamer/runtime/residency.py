@@ -75,7 +75,7 @@ class SavedTensorRecorder:
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        self._charged: dict[int, int] = {}  # storage key -> ledger handle
+        self._charged: dict[int, int | None] = {}  # storage key -> ledger handle (None: charged elsewhere)
         self._owned: dict[str, list[int]] = {}  # unit -> storage keys it charged
         self.resident: set[int] = set()  # storages charged for the whole run elsewhere (LoRA's adapters)
 
@@ -108,7 +108,17 @@ class SavedTensorRecorder:
             self._charged[key] = self.ledger.allocate("activations", unit, t.untyped_storage().nbytes(), what)
             self._owned.setdefault(unit, []).append(key)
 
+    def charged_elsewhere(self, unit: str, t: torch.Tensor) -> None:
+        """A tensor the unit's backward saves whose bytes another charge holds until then (an offloaded block
+        input back from the host, charged as a loaded resource): not charged again."""
+        key = storage_key(t)
+        if key not in self._charged:
+            self._charged[key] = None
+            self._owned.setdefault(unit, []).append(key)
+
     def release(self, unit: str) -> None:
         """The unit's backward is done: its saved tensors are gone with its graph."""
         for key in self._owned.pop(unit, []):
-            self.ledger.free(self._charged.pop(key))
+            handle = self._charged.pop(key)
+            if handle is not None:
+                self.ledger.free(handle)

@@ -12,6 +12,7 @@ import torch
 from memory_model.settings import check_settings, same_setting
 from memory_model.shapes import PlanConfig
 from streamer.errors import ConfigError, StreamerError
+from streamer.runtime.transport import Loaded
 from streamer.store.interface import StateWriter
 
 
@@ -84,7 +85,11 @@ class StepContext:
     # What the executor hands from one event to a later one:
     fused: bool = False  # the update is fused into the backward
     training: bool = False  # dropout on (a training step) or off (evaluation, generation)
-    graphs: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # (input, output)
+    # (input, output); an offloaded block's input is on the host (`stashed`), and its output once the next unit has it
+    graphs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
+    # (block, micro) -> its input on the host (on CUDA with the event of its copy out)
+    stashed: dict[tuple[str, int], Loaded] = field(default_factory=dict)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # a backward's block input, back on the device
     flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
     pending_offload: PendingOffload | None = None
     final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update

@@ -7,13 +7,14 @@ Three cases, one interface:
   before it touches them. They cross from and to staging buffers of a bounded pool (`StagingPool`), pinned
   unless the store's `pin_memory` is "none": disk slabs are read into one, a RAM slab is copied into one
   (pin_memory "staging") or crosses straight from the slab (pinned with "all"; pageable with "none", which the
-  CUDA driver then stages itself).
+  CUDA driver then stages itself). Offloaded block inputs go to pinned buffers of their own pool and back.
 - `meta`: shapes only, for the dry run (the real schedule and ledger, no memory, no I/O).
 The ledger is charged by the executor, not here, so its accounting does not depend on thread timing.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -129,6 +130,12 @@ class Transport:
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         self.staging = None if store is None or self.mode != "cuda" else \
             StagingPool(store.spec.staging_bytes(), pin=store.pin_memory != "none")
+        # Offloaded block inputs (one micro-batch's of every block at most), reused by size from step to step.
+        self.stashes = None if self.mode != "cuda" else \
+            StagingPool(sys.maxsize, pin=store is None or store.pin_memory != "none")
+        self.compute_stream = torch.cuda.current_stream(device) if self.mode == "cuda" else None
+        # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
+        self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         # Free buffers, each with the event after which the stream that last used it is done with it (CUDA).
         self._pool: dict[tuple[int, torch.dtype, str], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()
@@ -309,7 +316,47 @@ class Transport:
             return torch.empty(count, dtype=self.compute_dtype, device="meta")
         return self._take(count, self.compute_dtype, "pinned" if on_host else "device")
 
+    def fetch_input(self, stashed: Loaded) -> Loaded:
+        """An offloaded block input (`stash_input`'s) back on the device, for its block's backward: the host tensor
+        itself where host and device share memory; else copied on the side stream once its copy out is done, its
+        pinned buffer pooled again once read."""
+        host = stashed.tensors["input"]
+        if self.mode != "cuda":
+            return Loaded({"input": host})
+
+        def job() -> dict[str, torch.Tensor]:
+            torch.cuda.current_stream().wait_event(stashed.ready)  # the copy out, on the stash stream
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+            out.record_stream(self.compute_stream)  # made on the side stream, used and freed on the compute one
+            torch.cuda.current_stream().synchronize()  # the pinned buffer is reused next
+            self.stashes.give_back(host)
+            return {"input": out}
+
+        return self._on_side_stream(job)
+
     # --- device -> host -------------------------------------------------------------------------------
+    def stash_input(self, x: torch.Tensor) -> Loaded:
+        """Start copying a block input to host memory, overlapping its block's forward: `wait()` makes the compute
+        stream wait for the copy (so `x` may then be freed), and `fetch_input` takes it back. Where host and
+        device share memory (and on meta) the input itself is the host tensor: nothing moves."""
+        if self.mode != "cuda":
+            return Loaded({"input": x})
+        host = self.stashes.take(x.numel(), x.dtype).view(x.shape)
+        self.stash_stream.wait_stream(self.compute_stream)  # x is written by the compute stream
+        with torch.cuda.stream(self.stash_stream):
+            host.copy_(x, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stash_stream)
+        return Loaded({"input": host}, done)
+
+    def drop(self, x: torch.Tensor) -> None:
+        """A block input now on the host leaves the device: its storage is freed, though autograd may still
+        hold the tensor (the embedding's output, whose backward needs only its shape). Nothing where host and
+        device share memory: there the input is the host copy."""
+        if self.mode == "cuda":
+            x.untyped_storage().resize_(0)
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of a device tensor (the same tensor where they share memory)."""
         if self.mode != "cuda":
