@@ -3,11 +3,11 @@
 Every contender runs in its own process (clean peak RSS) in ABBA-ordered blocks; the tables and the
 BENCHMARKS.md this command writes hold only numbers measured in the run (see benchmarks/compare.py).
 `--quick` is a smoke run of the harness on a tiny model (the test suite runs it), not a measurement.
+`--model` takes any family's preset or config.json; the scale run is GPT-J's, the largest that the disk holds.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import shlex
 import shutil
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import PlanConfig, plan
 from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
@@ -49,7 +49,7 @@ class Settings:
     sizes are the run's settings, checked as `streamer train` checks them."""
 
     model: str
-    second: GPTJConfig  # the planner's second model size
+    second: ModelConfig  # the planner's second model size
     batch: int = same_setting(PlanConfig, "batch")
     seq: int = same_setting(PlanConfig, "seq")
     rounds: int
@@ -80,24 +80,32 @@ class Settings:
             raise SystemExit("--only-scale and --no-scale exclude each other; pass one of them")
         compute = resolve_compute_dtype("cpu", args.dtype)
         if args.quick:
-            return cls(model="gptj-debug", second=GPTJConfig.preset("gptj-demo"), batch=1, seq=32,
+            model = args.model or "gptj-debug"
+            return cls(model=model, second=_second(ModelConfig.named(model)), batch=1, seq=32,
                        max_grad_norm=args.max_grad_norm, rounds=1,
                        warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
                        quick=True, compute=compute)
-        base = GPTJConfig.named(args.model)
-        # The second size keeps the model's vocabulary and context and shrinks width and depth.
-        second = dataclasses.replace(base, n_embd=base.n_embd * 3 // 4, n_layer=max(1, base.n_layer * 3 // 5),
-                                     n_head=max(1, base.n_head * 3 // 4))
+        model = args.model or "gptj-350m"
+        second = _second(ModelConfig.named(model))
         if args.steps * args.rounds < 5:
             raise SystemExit("the medians need at least 5 timed steps: --steps x --rounds >= 5")
-        return cls(model=args.model, second=second, batch=args.batch, seq=args.seq,
+        return cls(model=model, second=second, batch=args.batch, seq=args.seq,
                    max_grad_norm=args.max_grad_norm, rounds=args.rounds,
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
                    scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
                    data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=2 * GiB, disk_repeats=3,
                    reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute)
+
+
+def _second(base: ModelConfig) -> ModelConfig:
+    """The planner's second size: the model's vocabulary, context and head size, 3/4 of its width and heads
+    (key/value heads too), 3/5 of its depth."""
+    return base.resized(hidden_size=base.hidden_size * 3 // 4, intermediate_size=base.intermediate_size * 3 // 4,
+                        num_hidden_layers=max(1, base.num_hidden_layers * 3 // 5),
+                        num_attention_heads=max(1, base.num_attention_heads * 3 // 4),
+                        num_key_value_heads=max(1, base.num_key_value_heads * 3 // 4))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,8 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--only-scale, none: a partial run must not replace the measured report)")
     # The flags shared with `streamer train`: its names, types and checks, with the comparison's own sizes.
     add_run_flags(parser, only=("model", "batch", "seq", "dtype", "max_grad_norm"),
-                  defaults={"model": "gptj-350m", "batch": 1, "seq": 512, "dtype": "auto", "max_grad_norm": 0.0},
-                  help={"model": "preset of the comparisons 1-5", "seq": "tokens per sequence",
+                  defaults={"model": None, "batch": 1, "seq": 512, "dtype": "auto", "max_grad_norm": 0.0},
+                  help={"model": "the model of the comparisons 1-5, of any family: a preset or a config.json "
+                                 "(default: gptj-350m; with --quick, gptj-debug)", "seq": "tokens per sequence",
                         "dtype": "compute dtype of our runs and DeepSpeed's: auto (bf16 if this CPU runs it natively "
                                  "and at least as fast as fp32, else fp32), bf16 or fp32; the HF pair stays fp32 "
                                  "and bf16",
@@ -130,13 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child-timeout", type=float, default=4 * 3600, help="seconds one block may take")
 
 
-def _spec(label: str, contender: str, cfg: GPTJConfig, s: Settings, **kw: object) -> RunSpec:
+def _spec(label: str, contender: str, cfg: ModelConfig, s: Settings, **kw: object) -> RunSpec:
     fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, "dtype": s.compute.dtype,
               "max_grad_norm": s.max_grad_norm, **kw}
-    return RunSpec(label=label, contender=contender, model=dataclasses.asdict(cfg), **fields)
+    return RunSpec(label=label, contender=contender, model=cfg.to_dict(), **fields)
 
 
-def _main_specs(cfg: GPTJConfig, s: Settings) -> tuple[list[RunSpec], dict[str, str]]:
+def _main_specs(cfg: ModelConfig, s: Settings) -> tuple[list[RunSpec], dict[str, str]]:
     specs = [_spec(STREAM_RAM, "stream", cfg, s, profile=s.profile),
              _spec(RESIDENT, "resident", cfg, s, profile=s.profile),
              _spec(HF_FP32, "hf", cfg, s, dtype="fp32", profile=s.profile),
@@ -160,11 +169,11 @@ def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
     goal) and the fused update before the one after the backward (which needs less disk)."""
     compute = s.compute.dtype
     if s.quick:
-        return [ModelChoice(name, GPTJConfig.preset(name), compute_dtype=compute) for name in s.scale_candidates]
+        return [ModelChoice(name, ModelConfig.preset(name), compute_dtype=compute) for name in s.scale_candidates]
     six, four, small = s.scale_candidates
-    out = [ModelChoice(six, GPTJConfig.preset(six), moments, compute, timing)
+    out = [ModelChoice(six, ModelConfig.preset(six), moments, compute, timing)
            for moments in ("fp32", "bf16") for timing in ("fused", "after-backward")]
-    out += [ModelChoice(name, GPTJConfig.preset(name), "fp32", compute) for name in (four, small)]
+    out += [ModelChoice(name, ModelConfig.preset(name), "fp32", compute) for name in (four, small)]
     out += [c for c in (fitted_width(four, budget, "fp32", compute),) if c]
     return sorted(out, key=lambda c: -c.params)  # stable: the preference order holds within one size
 
@@ -179,7 +188,7 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
         r = results.get(label)
         if r is None or not r.ok:
             continue
-        shape = GPTJConfig.from_dict(r.spec.model)
+        shape = ModelConfig.from_dict(r.spec.model)
         fresh = (shape, r.spec.dtype) not in calibrated  # measured now once, then from the cache it wrote
         calibrated.add((shape, r.spec.dtype))
         local = local_spec(workdir, shape, r.spec.dtype, refresh=fresh, sizes=sizes)
@@ -194,7 +203,7 @@ def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
     """Comparisons 1-5, the planner's second size and data parallel (adding to `skipped` what is not run)."""
     results = runner.compare(specs, s.rounds)
     results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
-    results.update(runner.compare(lora_pair(_spec(FULL, "stream", GPTJConfig.named(s.model), s)), s.rounds))
+    results.update(runner.compare(lora_pair(_spec(FULL, "stream", ModelConfig.named(s.model), s)), s.rounds))
     if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
         dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
               _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, max(1, cores) // 2))]
@@ -235,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         peaks_first = matmul_peaks(s.matmul_n)
         disk = {"start": raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)}
         runner = Runner(workdir, console, args.child_timeout)
-        cfg = GPTJConfig.named(s.model)
+        cfg = ModelConfig.named(s.model)
         specs, skipped = _main_specs(cfg, s)
         results = {} if args.only_scale else _compare_main(runner, specs, s, machine.cores, skipped)
         if args.only_scale:

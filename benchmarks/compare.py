@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import BASELINE_BYTES_PER_PARAM, Plan
 from memory_model.shapes import forward_flops
 from benchmarks.machine import DiskBandwidth, Peaks, ScalePick
@@ -235,7 +235,7 @@ def utilisation(ctx: Context) -> Outcome:
     for label, r in ctx.results.items():
         if not r.ok:
             continue
-        shape = GPTJConfig.from_dict(r.spec.model)
+        shape = ModelConfig.from_dict(r.spec.model)
         # The planner's count: 3 x the forward's matmul FLOPs (backward = 2 x forward), no recompute.
         flops = 3 * sum(forward_flops(shape, u, r.spec.batch, r.spec.seq) for u in shape.unit_names())
         achieved = flops / r.median_s

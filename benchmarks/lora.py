@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import LoraConfig
 from benchmarks.compare import Context, Outcome
@@ -38,7 +38,7 @@ def store_bytes(spec: RunSpec) -> int:
     tests/test_lora_store.py holds equal to what a store writes."""
     tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, moment_dtype=spec.moment_dtype,
                           lora_rank=spec.lora_rank)
-    return tc.store_spec(GPTJConfig.from_dict(spec.model)).host_bytes()[0]
+    return tc.store_spec(ModelConfig.from_dict(spec.model)).host_bytes()[0]
 
 
 def _result(ctx: Context, label: str) -> Result | None:
@@ -58,7 +58,7 @@ def _measured_row(ctx: Context, label: str) -> tuple[str, ...]:
 
 def planned_rows() -> tuple[tuple[str, ...], ...]:
     """GPT-J-6B's step, full and LoRA, from the planner: device peak, host store and step time."""
-    shape, device = GPTJConfig.preset(PLANNED_MODEL), device_spec(PLANNED_DEVICE)
+    shape, device = ModelConfig.preset(PLANNED_MODEL), device_spec(PLANNED_DEVICE)
     rows = []
     for name, lora in (("full", LoraConfig()), (f"LoRA r={LORA_RANK}", LoraConfig(rank=LORA_RANK))):
         p = plan(shape, device, dataclasses.replace(PLANNED, lora=lora), limits=False)

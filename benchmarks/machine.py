@@ -2,7 +2,6 @@
 the largest GPT-J-shaped model whose disk-tier store fits the free disk."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib.metadata
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import format_size
 from benchmarks.report import params
 from streamer.calibration.calibrate import cpu_model, measure_disk, measure_matmul_flops
@@ -151,7 +150,7 @@ class ModelChoice:
     after the backward."""
 
     name: str
-    config: GPTJConfig
+    config: ModelConfig
     moment_dtype: str = "fp32"
     compute_dtype: str = "bf16"
     update_timing: str = "fused"
@@ -181,22 +180,22 @@ class ModelChoice:
 
     def describe(self) -> str:
         c = self.config
-        return (f"{self.name} ({params(self.params)} params: d_model {c.n_embd}, {c.n_layer} layers, "
-                f"{c.n_head} heads; {self.compute_dtype} compute, {self.moment_dtype} Adam moments, update "
+        return (f"{self.name} ({params(self.params)} params: d_model {c.hidden_size}, {c.num_hidden_layers} layers, "
+                f"{c.num_attention_heads} heads; {self.compute_dtype} compute, {self.moment_dtype} Adam moments, update "
                 f"{self.update_timing})")
 
 
 def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32",
                  compute_dtype: str = "bf16") -> ModelChoice | None:
     """A preset's width with as many layers as a disk budget holds (None when not even one block fits)."""
-    base = GPTJConfig.preset(preset)
-    one, two = (ModelChoice(preset, dataclasses.replace(base, n_layer=n), moment_dtype, compute_dtype)
+    base = ModelConfig.preset(preset)
+    one, two = (ModelChoice(preset, base.resized(num_hidden_layers=n), moment_dtype, compute_dtype)
                 for n in (1, 2))
     per_block = two.disk_bytes - one.disk_bytes
-    layers = min(base.n_layer, (budget_bytes - (one.disk_bytes - per_block)) // per_block)
+    layers = min(base.num_hidden_layers, (budget_bytes - (one.disk_bytes - per_block)) // per_block)
     if layers < 1:
         return None
-    return ModelChoice(f"{preset} width, {layers} layers", dataclasses.replace(base, n_layer=int(layers)),
+    return ModelChoice(f"{preset} width, {layers} layers", base.resized(num_hidden_layers=int(layers)),
                        moment_dtype, compute_dtype)
 
 

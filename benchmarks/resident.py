@@ -10,14 +10,14 @@ from typing import Mapping
 
 import torch
 
-from layers import GPTJ, GPTJConfig, causal_lm_loss, learned_tokens, weight_decayed
+from layers import ModelConfig, causal_lm_loss, learned_tokens, resident_model, weight_decayed
 from streamer.config import TrainerConfig
 
 
 class ResidentTrainer:
-    def __init__(self, cfg: GPTJConfig, tc: TrainerConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, cfg: ModelConfig, tc: TrainerConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.cfg, self.tc = cfg, tc
-        self.model = GPTJ(cfg, init=False)
+        self.model = resident_model(cfg, init=False)
         self.model.load_hf_state_dict(dict(state_dict))
         self.model.to(device=tc.device.device, dtype=tc.compute_dtype)
         params = list(self.model.parameters())

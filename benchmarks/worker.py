@@ -3,7 +3,8 @@
 `python -m benchmarks.worker '<RunSpec JSON>'` builds the contender, runs `warmup` untimed and `steps`
 timed optimizer steps on random token batches, and prints one line `BENCH-RESULT {json}` (other libraries
 print freely on stdout; the tag marks ours). Contenders: our streamed trainer (RAM or disk tier), our
-resident trainer, Hugging Face transformers + torch AdamW, DeepSpeed ZeRO-3 with CPU or NVMe offload.
+resident trainer, Hugging Face transformers + torch AdamW, DeepSpeed ZeRO-3 with CPU or NVMe offload. The
+model is any family's (`RunSpec.model`); transformers' class is the one its config.json names.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class RunSpec:
 
     label: str = setting(MISSING, "the contender's name in the tables", Text())
     contender: str = setting(MISSING, "whose trainer runs", Choice(CONTENDERS))
-    model: dict[str, Any]  # layers.GPTJConfig fields
+    model: dict[str, Any]  # ModelConfig.to_dict(): the model_type and its family's fields
     batch: int = same_setting(PlanConfig, "batch")
     seq: int = same_setting(PlanConfig, "seq")
     # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
@@ -101,37 +102,38 @@ class Contender:
         self.step, self.params, self.trainer = step, params, trainer
 
 
-def _gptj_config(spec: RunSpec) -> Any:
-    from layers import GPTJConfig
-    return GPTJConfig.from_dict(spec.model)
+def _config(spec: RunSpec) -> Any:
+    from layers import ModelConfig
+    return ModelConfig.from_dict(spec.model)
 
 
 def _ours(spec: RunSpec) -> Contender:
-    from layers import GPTJ
+    from layers import resident_model
     from streamer import StreamingTrainer, TrainerConfig
     from benchmarks.resident import ResidentTrainer
-    cfg = _gptj_config(spec)
+    cfg = _config(spec)
     tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, activations=spec.activations,
                           moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm,
                           lora_rank=spec.lora_rank, update_timing=spec.update_timing)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
         return Contender(trainer.step, cfg.num_params(), trainer)
-    resident = ResidentTrainer(cfg, tc, GPTJ(cfg).state_dict())
+    resident = ResidentTrainer(cfg, tc, resident_model(cfg).state_dict())
     return Contender(resident.step, cfg.num_params())
 
 
 def _hf_model(spec: RunSpec) -> Any:
-    from transformers import GPTJConfig as HFConfig
-    fields = {k: v for k, v in _gptj_config(spec).to_hf().items() if k not in ("architectures", "model_type")}
-    return HFConfig(**fields)
+    """transformers' class of the model's family (GPTJForCausalLM, LlamaForCausalLM, ...), HF's initialisation
+    and its default attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**_config(spec).to_hf()))
 
 
 def _hf(spec: RunSpec) -> Contender:
-    """What a user writes: GPTJForCausalLM, torch AdamW with decay / no-decay groups, clipping, autocast."""
+    """What a user writes: the family's transformers class, torch AdamW with decay / no-decay groups, clipping,
+    autocast."""
     import torch
-    from transformers import GPTJForCausalLM
-    model = GPTJForCausalLM(_hf_model(spec))
+    model = _hf_model(spec)
     model.train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -165,7 +167,6 @@ def _deepspeed(spec: RunSpec) -> Contender:
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update(launcher_env)
     import deepspeed
-    from transformers import GPTJForCausalLM
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if spec.tier == "ram":
         offload = {"device": "cpu"}
@@ -184,7 +185,7 @@ def _deepspeed(spec: RunSpec) -> Contender:
     }
     deepspeed.init_distributed(dist_backend="gloo")
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = GPTJForCausalLM(_hf_model(spec))
+        model = _hf_model(spec)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(ids: torch.Tensor) -> float:
@@ -193,7 +194,7 @@ def _deepspeed(spec: RunSpec) -> Contender:
         engine.step()
         return float(loss)
 
-    return Contender(step, _gptj_config(spec).num_params())
+    return Contender(step, _config(spec).num_params())
 
 
 # --- measurement ---------------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def measure(spec: RunSpec) -> Measured:
     builder = {"stream": _ours, "resident": _ours, "hf": _hf, "deepspeed": _deepspeed}[spec.contender]
     contender = builder(spec)
     out.setup_s, out.params = time.perf_counter() - start, contender.params
-    vocab = spec.model.get("vocab_size", 50400)
+    vocab = _config(spec).vocab_size
     generator = torch.Generator().manual_seed(spec.seed)
 
     def one_step() -> float:

@@ -12,9 +12,10 @@ asks which family it holds:
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
 - `units`: the module of its torch units (imported only by layers.model, so this stays torch-free);
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
-- its byte and FLOP inputs for memory_model: what a block and the head save per token, a block's matmul
-  weights;
-- `to_hf()`, `from_hf_fields()`, `to_dict()`.
+- its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
+  block too), a block's matmul weights;
+- `to_hf()`, `from_hf_fields()`, `to_dict()`;
+- `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
 
 `ModelConfig.from_hf` picks the family by config.json's `model_type`.
 """
@@ -45,6 +46,17 @@ HF_IGNORED_KEYS = frozenset({
 FAMILIES: dict[str, type["ModelConfig"]] = {}
 # Every family's presets by name, filled by the family modules.
 PRESETS: dict[str, "ModelConfig"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenBlockSaves:
+    """What a block with frozen weights and LoRA adapters saves besides the adapters' own tensors: only what the
+    gradients w.r.t. its input and its adapters need (no matmul keeps its input for a weight gradient)."""
+
+    per_token: int  # bytes per token: norms' inputs and statistics, attention's inputs and output, the MLP's
+    attention: bool  # whether attention's inputs need a gradient (it then also saves its logsumexp, any mask)
+    rotary: bool  # whether a rotated tensor needs a gradient (the rotary tables are then saved)
+    input_grad: dict[str, bool]  # per target projection, whether its input needs a gradient
 
 
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
@@ -80,6 +92,8 @@ class ModelConfig:
     # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
     # inside the block ('q_proj' -> 'attn.q_proj').
     projections: ClassVar[dict[str, str]]
+    # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
+    own_names: ClassVar[dict[str, str]] = {}
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -127,8 +141,15 @@ class ModelConfig:
         logsumexp, a packed rows' mask, the rotary tables)."""
         raise NotImplementedError
 
-    def head_saved_per_token(self, es: int) -> int:
-        """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels)."""
+    def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
+        """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:
+        its weights need no gradient (LoRA's base)."""
+        raise NotImplementedError
+
+    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
+        """What a LoRA block saves with adapters on `targets` (`plain`: no dropout before them), its input
+        needing a gradient or not (`grad_in`: not the first block), measured against autograd
+        (tests/test_lora.py, tests/test_llama_family.py)."""
         raise NotImplementedError
 
     def block_saves_input(self, es: int) -> bool:
@@ -197,6 +218,21 @@ class ModelConfig:
         """Our own fields and the model_type: what a store's manifest records (`ModelConfig.from_dict`)."""
         return {"model_type": self.model_type,
                 **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}  # type: ignore[arg-type]
+
+    def resized(self, **sizes: int) -> "ModelConfig":
+        """A copy with the given common sizes (hidden_size=..., num_hidden_layers=...) changed and the rest
+        kept, validated as any config. A size the family derives rather than stores (GPT-J's head_dim) must come
+        out as asked."""
+        own = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        stored = {self.own_names.get(k, k): v for k, v in sizes.items() if self.own_names.get(k, k) in own}
+        out = dataclasses.replace(self, **stored)  # type: ignore[type-var]
+        derived = {k: (getattr(out, k), v) for k, v in sizes.items() if self.own_names.get(k, k) not in own}
+        wrong = {k: got for k, (got, asked) in derived.items() if got != asked}
+        if wrong:
+            raise ConfigError(f"{self.model_type} derives {', '.join(wrong)}: asked for "
+                              f"{', '.join(f'{k}={sizes[k]}' for k in wrong)}, the other sizes give "
+                              f"{', '.join(f'{k}={v}' for k, v in wrong.items())}")
+        return out
 
     def check_size(self) -> None:
         """Every tensor's byte size must fit a 64-bit count: 16 bytes of training state per parameter."""

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import HF_IGNORED_KEYS, PRESETS, ConfigError, ModelConfig, family, positive_ints, take_aliases
+from layers.config import (HF_IGNORED_KEYS, PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints,
+                           take_aliases)
 
 _GPTJ_IGNORED_KEYS = frozenset({
     "attention_dropout", "scale_attn_weights", "summary_type", "summary_use_proj", "summary_activation",
@@ -29,6 +30,9 @@ class GPTJConfig(ModelConfig):
     projections: ClassVar[dict[str, str]] = {
         "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "out_proj": "attn.out_proj",
         "fc_in": "mlp.fc_in", "fc_out": "mlp.fc_out"}
+    own_names: ClassVar[dict[str, str]] = {
+        "hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+        "max_position_embeddings": "n_positions", "intermediate_size": "n_inner"}
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -131,8 +135,23 @@ class GPTJConfig(ModelConfig):
     def block_saves_input(self, es: int) -> bool:
         return True  # ln_1 saves h
 
-    def head_saved_per_token(self, es: int) -> int:
+    def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
+        # LayerNorm's kernel saves the same whether its weights need a gradient or not.
         return es * (2 * self.n_embd + 2)  # h (ln_f's input), ln_f's output (the loss's input); mean, rstd
+
+    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
+        d, f = self.n_embd, self.intermediate_size
+        attention = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})  # SDPA's inputs need a gradient
+        saved = (d + 2) * es if grad_in else 0  # h and ln_1's mean and rstd
+        saved += d * es if plain and targets & {"q_proj", "k_proj", "v_proj", "fc_in"} else 0  # x, the adapters'
+        saved += 3 * d * es if attention else 0  # rotated q and k, v
+        saved += d * es if attention or (plain and "out_proj" in targets) else 0  # the attention output
+        saved += f * es if grad_in or "fc_in" in targets else 0  # gelu's input
+        saved += f * es if plain and "fc_out" in targets else 0  # gelu's output, fc_out's adapter input
+        # ln_1's output feeds attention and the MLP alike (parallel residual).
+        input_grad = {t: grad_in or (t == "out_proj" and attention) or (t == "fc_out" and "fc_in" in targets)
+                      for t in targets}
+        return FrozenBlockSaves(saved, attention, grad_in or bool(targets & {"q_proj", "k_proj"}), input_grad)
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
-from layers.config import HF_IGNORED_KEYS, PRESETS, ConfigError, ModelConfig, family, positive_ints
+from layers.config import HF_IGNORED_KEYS, PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints
 
 # What each rope_type needs besides rope_theta (transformers' modeling_rope_utils).
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -187,8 +187,34 @@ class LlamaConfig(ModelConfig):
     def block_saves_input(self, es: int) -> bool:
         return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
 
-    def head_saved_per_token(self, es: int) -> int:
-        return 4 * self.hidden_size + 4 + 2 * es * self.hidden_size  # the final RMSNorm and its output
+    def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
+        # The final RMSNorm (its normalised values only for its weight's gradient) and its output
+        return 4 * self.hidden_size + 4 + (1 if frozen else 2) * es * self.hidden_size
+
+    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        # A frozen RMSNorm keeps only its fp32 input and rstd, and only where its input needs a gradient.
+        norm = 4 * d + 4
+        q_grad, k_grad = grad_in or "q_proj" in targets, grad_in or "k_proj" in targets
+        attention = q_grad or k_grad or grad_in or "v_proj" in targets
+        saved = norm if grad_in else 0  # input_layernorm
+        saved += d * es if plain and targets & {"q_proj", "k_proj", "v_proj"} else 0  # its output, the adapters'
+        if self.qk_norm:
+            saved += (4 * q + 4 * self.num_attention_heads if q_grad else 0)
+            saved += (4 * kv + 4 * self.num_key_value_heads if k_grad else 0)  # type: ignore[operator]
+        saved += 4 * q * es if attention else 0  # rotated q, k and v repeated to every query head, the output
+        saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
+        mlp_in = grad_in or attention or "o_proj" in targets  # the residual after attention needs a gradient
+        saved += norm if mlp_in else 0  # post_attention_layernorm
+        saved += d * es if plain and targets & {"gate_proj", "up_proj"} else 0  # its output, the adapters'
+        gate, up = mlp_in or "gate_proj" in targets, mlp_in or "up_proj" in targets
+        saved += 2 * f * es if gate else 0  # silu's input and, for silu(gate)'s gradient, up
+        saved += f * es if up else 0  # silu(gate), for up's gradient
+        saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
+        inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention,
+                  "gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
+        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets})
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
@@ -280,4 +306,9 @@ PRESETS.update({
                                                              "factor": 8.0, "low_freq_factor": 1.0,
                                                              "high_freq_factor": 4.0,
                                                              "original_max_position_embeddings": 16}.items()))),
+    # Synthetic, no published checkpoint: Llama's shape at GPT-J-350M's width and parameter count (SwiGLU at
+    # 2.75 x d, 4 query heads per key/value head, Llama 2's vocabulary), for `streamer bench` on a CPU.
+    "llama-350m": LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,
+                              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
+                              rms_norm_eps=1e-5, rope_parameters=_theta(500000.0)),
 })

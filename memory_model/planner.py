@@ -201,7 +201,7 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
     if unit == "embed":  # with a frozen base nothing in the embedding needs a gradient: it saves nothing
         return (0 if cfg.lora.enabled else embed_saved_bytes(shape, batch, seq)), 0
     if unit == "head":
-        return head_saved_bytes(shape, batch, seq, es), 0
+        return head_saved_bytes(shape, batch, seq, es, frozen=cfg.lora.enabled), 0
     if cfg.lora.enabled:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
     if cfg.recomputes:
@@ -224,8 +224,9 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     if cfg.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        return (0 if cfg.offloads_inputs else kept), saved - (0 if first else kept)
-    rotates_first = bool(set(cfg.lora.target_names) & {"q_proj", "k_proj"})
+        return (0 if cfg.offloads_inputs else kept), saved - (kept if not first and shape.block_saves_input(es) else 0)
+    rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
+                                             grad_in=False).rotary
     owner = "block.0" if rotates_first else "block.1"
     rotary = not rotary_shared(es, cfg.packed) or unit == owner
     return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed), 0

@@ -191,21 +191,15 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     """What a block with frozen weights and LoRA adapters saves: only what the gradients w.r.t. its input and
     its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
     (the block after the embedding), so only the paths from its adapters save anything."""
-    n, d, f, r = batch * seq, shape.hidden_size, shape.intermediate_size, lora.rank
-    targets, plain, grad_in = set(lora.target_names), lora.dropout == 0, not first
-    attention = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})  # SDPA's inputs need a gradient
-    total = (n * d * es + 2 * n * es) if grad_in else 0  # h and ln_1's mean and rstd
-    total += n * d * es if plain and targets & {"q_proj", "k_proj", "v_proj", "fc_in"} else 0  # x, the adapters'
-    total += 3 * n * d * es + 4 * batch * shape.num_attention_heads * seq if attention else 0  # rotated q, k, v; logsumexp
-    total += mask_bytes(batch, seq, es, packed) if attention else 0
-    total += n * d * es if attention or (plain and "out_proj" in targets) else 0  # the attention output
-    rotates = grad_in or bool(targets & {"q_proj", "k_proj"})
-    total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and rotates else 0
-    total += n * f * es if grad_in or "fc_in" in targets else 0  # gelu's input
-    total += n * f * es if plain and "fc_out" in targets else 0  # gelu's output, fc_out's adapter input
-    for target in targets:  # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
+    n, r, plain = batch * seq, lora.rank, lora.dropout == 0
+    saves = shape.frozen_block_saves(es, frozenset(lora.target_names), plain, grad_in=not first)
+    total = n * saves.per_token
+    if saves.attention:  # SDPA's logsumexp (fp32), and packed rows' mask
+        total += 4 * batch * shape.num_attention_heads * seq + mask_bytes(batch, seq, es, packed)
+    total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and saves.rotary else 0
+    for target, input_grad in saves.input_grad.items():
+        # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
         fan_in, fan_out = target_shape(shape, target)
-        input_grad = grad_in or (target == "out_proj" and attention) or (target == "fc_out" and "fc_in" in targets)
         total += n * r * es + (0 if es == 4 else es * r * (fan_out + (fan_in if input_grad else 0)))
         # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would
         # keep a bool mask instead: n x in bytes; not measured here).
@@ -213,10 +207,12 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     return total
 
 
-def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, vocab_chunk: int | None = None) -> int:
-    """`vocab_chunk`: the loss's, loss_vocab_chunk unless given."""
+def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, vocab_chunk: int | None = None,
+                     frozen: bool = False) -> int:
+    """`vocab_chunk`: the loss's, loss_vocab_chunk unless given. `frozen`: the head's weights need no gradient
+    (LoRA's base)."""
     n = batch * seq
-    return (n * shape.head_saved_per_token(es)  # the final norm's, and its output (the chunked loss's input)
+    return (n * shape.head_saved_per_token(es, frozen)  # the final norm's, and its output (the chunked loss's input)
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
             + 8 * n  # the shifted int64 labels
             + _kept_logits_bytes(shape, n, vocab_chunk))

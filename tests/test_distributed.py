@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from layers import GPTJConfig
+from layers import GPTJConfig, ModelConfig
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.runtime.distributed import leave_process_group
@@ -39,13 +39,13 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, run: str, phases: list[tuple[str, int]], out: str,
-               tc: TrainerConfig) -> None:
+               tc: TrainerConfig, cfg: ModelConfig = CFG) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)
     data = global_batches(sum(n for _, n in phases))
     done = 0
     for how, steps in phases:
-        trainer = StreamingTrainer(CFG, tc, store_dir=run) if how == "new" else StreamingTrainer.open(run)
+        trainer = StreamingTrainer(cfg, tc, store_dir=run) if how == "new" else StreamingTrainer.open(run)
         for _ in range(steps):
             trainer.step(data[done], prompt_masked(data[done]))
             done += 1
@@ -54,15 +54,16 @@ def _rank_main(rank: int, world: int, port: int, run: str, phases: list[tuple[st
     leave_process_group()
 
 
-def run_data_parallel(tmp_path: Path, phases: list[tuple[str, int]], tc: TrainerConfig = TC) -> list[dict]:
+def run_data_parallel(tmp_path: Path, phases: list[tuple[str, int]], tc: TrainerConfig = TC,
+                      cfg: ModelConfig = CFG) -> list[dict]:
     out = str(tmp_path / "result")
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "run"), phases, out, tc), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "run"), phases, out, tc, cfg), nprocs=2, join=True)
     return [torch.load(f"{out}.{r}") for r in range(2)]
 
 
-def single_process(tmp_path: Path, steps: int, tc: TrainerConfig = TC) -> dict:
+def single_process(tmp_path: Path, steps: int, tc: TrainerConfig = TC, cfg: ModelConfig = CFG) -> dict:
     # Two ranks of 2 rows each average to the same gradient as one process with 2 micro-batches of 2 rows.
-    with StreamingTrainer(CFG, tc.replace(grad_accum=2), store_dir=tmp_path / "single") as trainer:
+    with StreamingTrainer(cfg, tc.replace(grad_accum=2), store_dir=tmp_path / "single") as trainer:
         for ids in global_batches(steps):
             trainer.step(ids, prompt_masked(ids))
         return {"state": trainer.state_dict(), "losses": trainer.losses}

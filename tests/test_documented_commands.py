@@ -264,7 +264,7 @@ FIGURE = re.compile(rf"(?<![\w.,-])(?:(\d[\d,]*(?:\.\d+)?) ?({SIZE_UNITS})\b|(\d
 # Commands whose figures the docs quote; a paragraph naming one (and the paragraph after it, a table it introduces)
 # may quote a figure only inside a region.
 FIGURE_COMMANDS = re.compile(r"streamer\s+plan\s+--(?:model|target|config|dtype|update-on|store|activations|batch|seq)\b"
-                             r"|plan_gptj6b\.py")
+                             r"|plan_devices\.py")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 

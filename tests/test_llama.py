@@ -101,12 +101,14 @@ def test_logits_equal_transformers_within_its_fp32_noise(name):
     assert exact.abs().max() > 1.0  # logits of unit size: the comparison sees every part of the model
 
 
-@pytest.mark.parametrize("name,store", [("llama-llama3-biases", "ram"), ("qwen2", "disk"), ("qwen3", "ram"),
-                                        ("mistral", "disk")])
-def test_streamed_training_equals_transformers_and_adamw(tmp_path, name, store):
+@pytest.mark.parametrize("name,store,options", [
+    ("llama-llama3-biases", "ram", {}), ("qwen2", "disk", {}), ("qwen3", "ram", {}), ("mistral", "disk", {}),
+    ("qwen2", "ram", {"grad_accum": 2}), ("qwen3", "disk", {"activations": "checkpoint"}),
+    ("llama-llama3-biases", "disk", {"update_on": "host", "activations": "checkpoint", "grad_accum": 2})])
+def test_streamed_training_equals_transformers_and_adamw(tmp_path, name, store, options):
     cfg = CONFIGS[name]
     tc = TrainerConfig.of(lr=1e-3, max_grad_norm=1.0, weight_decay=0.1, dtype="fp32", store=store,
-                          update_chunk=1000)
+                          update_chunk=1000, **options)
     g = torch.Generator().manual_seed(2)
     data = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3)]
     start = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}

@@ -26,7 +26,6 @@ import psutil
 import torch
 
 from layers.config import ModelConfig
-from layers.gptj import GPTJConfig
 from memory_model.catalogue import Figure
 from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
@@ -104,18 +103,19 @@ def matmul_side(dtype: torch.dtype, largest: int, repeats: int, seconds: float) 
     return n
 
 
-def probe_shape(shape: ModelConfig, sizes: CalibrationSizes) -> GPTJConfig:
-    """The block and head the kernel costs are measured on: the planned model's vocabulary, head size, rotary
-    and MLP ratio, at most `probe_width` wide (whole heads), one layer, up to `probe_tokens` positions."""
-    head_dim = shape.head_dim
-    heads = max(1, min(shape.num_attention_heads, sizes.probe_width // head_dim))
+def probe_shape(shape: ModelConfig, sizes: CalibrationSizes) -> ModelConfig:
+    """The block and head the kernel costs are measured on: the planned model's family, vocabulary, head size,
+    rotary, query heads per key/value head and MLP ratio, at most `probe_width` wide (whole groups of heads), one
+    layer, up to `probe_tokens` positions."""
+    head_dim, group = shape.head_dim, shape.num_attention_heads // shape.num_key_value_heads
+    heads = max(group, min(shape.num_attention_heads, sizes.probe_width // head_dim) // group * group)
     width = heads * head_dim
     inner = max(1, shape.intermediate_size * width // shape.hidden_size)
-    return GPTJConfig(vocab_size=shape.vocab_size, n_positions=sizes.probe_tokens, n_embd=width, n_layer=1,
-                      n_head=heads, rotary_dim=shape.rotary_dim, n_inner=inner)
+    return shape.resized(max_position_embeddings=sizes.probe_tokens, hidden_size=width, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=heads // group, intermediate_size=inner)
 
 
-def probe_tokens(probe: GPTJConfig, matmul_flops: float, repeats: int, seconds: float) -> int:
+def probe_tokens(probe: ModelConfig, matmul_flops: float, repeats: int, seconds: float) -> int:
     """The most tokens (a power of two from 8 up to the probe's positions) whose kernel-cost runs fit
     `seconds`: a warm-up and `repeats` forward and backward passes (3x the forward's matmuls) of the block
     and the head, at _PROBE_OVERHEAD times their matmul time."""
@@ -123,9 +123,9 @@ def probe_tokens(probe: GPTJConfig, matmul_flops: float, repeats: int, seconds: 
         flops = sum(forward_flops(probe, unit, 1, tokens) for unit in ("block.0", "head"))
         return (1 + repeats) * 3 * flops * _PROBE_OVERHEAD / matmul_flops
     tokens = 8
-    while tokens * 2 <= probe.n_positions and cost(tokens * 2) <= seconds:
+    while tokens * 2 <= probe.max_position_embeddings and cost(tokens * 2) <= seconds:
         tokens *= 2
-    return min(tokens, probe.n_positions)
+    return min(tokens, probe.max_position_embeddings)
 
 
 def measure_copy(nbytes: int, repeats: int) -> tuple[float, float]:
@@ -201,18 +201,17 @@ def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor
     return forward, backward
 
 
-def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int, probe: GPTJConfig,
+def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int, probe: ModelConfig,
                          tokens: int, host: HostCosts, seconds: float = math.inf) -> KernelCosts:
-    """The costs besides the matmuls (kernels.py), on a real GPT-J block, head and embedding of shape `probe`
+    """The costs besides the matmuls (kernels.py), on a real block, head and embedding of shape `probe` (its family's)
     (probe_shape: the planned model's vocabulary, so that the logits are as large against the caches as in
     the run) at 1 x `tokens`: each one's time less its matmuls at `matmul_flops`, per counted element.
     `fold_params`: size of the timed gradient fold (the runtime's offload on the host). The repeats of all
     the measurements together stop after `seconds`; `host`: the costs of the runtime itself (host_costs.py)."""
-    from layers.gptj_units import GPTJBlock, GPTJEmbedding, GPTJHead
+    from layers.model import build_unit
 
     dtype = DTYPES[dtype_name]
-    cfg = GPTJConfig(vocab_size=probe.vocab_size, n_positions=max(tokens, probe.n_positions), n_embd=probe.hidden_size,
-                     n_layer=1, n_head=probe.num_attention_heads, rotary_dim=probe.rotary_dim, n_inner=probe.intermediate_size)
+    cfg = probe.resized(max_position_embeddings=max(tokens, probe.max_position_embeddings), num_hidden_layers=1)
     shape, batch, seq = cfg, 1, tokens
     n, torch_state = batch * seq, torch.random.get_rng_state()
     deadline = time.perf_counter() + seconds
@@ -224,20 +223,20 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         attn_fwd, attn_bwd = _forward_backward(sdpa, [q, k, v], repeats, deadline)
         attn = attention_flops(shape, batch, seq)
 
-        block = GPTJBlock(cfg).to(dtype)
+        block = build_unit(cfg, "block.0", "cpu").to(dtype)
         x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
         fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats, deadline)
         matmul_s = (forward_flops(shape, "block.0", batch, seq) - attn) / matmul_flops
         width = n * elementwise_width(shape)
 
-        head = GPTJHead(cfg).to(dtype)
+        head = build_unit(cfg, "head", "cpu").to(dtype)
         labels = torch.randint(0, cfg.vocab_size, (batch, seq))
         chunk = loss_vocab_chunk(cfg, n)
         head_fwd, head_bwd = _forward_backward(lambda: head(x, labels, chunk), [x, *head.parameters()], repeats,
                                                deadline)
         head_matmul_s, logits = forward_flops(shape, "head", batch, seq) / matmul_flops, n * cfg.vocab_size
 
-        embed = GPTJEmbedding(cfg).to(dtype)
+        embed = build_unit(cfg, "embed", "cpu").to(dtype)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))
         _, embed_bwd = _forward_backward(lambda: embed(ids).float().sum(), list(embed.parameters()), repeats,
                                          deadline)
@@ -321,7 +320,7 @@ def calibrate(directory: Path, shape: ModelConfig, dtype: str, sizes: Calibratio
     flops = measure_matmul_flops(DTYPES[dtype], n, sizes.repeats, matmul_s)
     probe = probe_shape(shape, sizes)
     tokens = probe_tokens(probe, flops, sizes.repeats, sizes.compute_seconds - matmul_s)
-    host = measure_host_costs(directory, DTYPES[dtype], sizes.disk_bytes, sizes.repeats)
+    host = measure_host_costs(directory, shape, DTYPES[dtype], sizes.disk_bytes, sizes.repeats)
     kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens, host,
                                    sizes.compute_seconds - matmul_s)
     copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
@@ -339,7 +338,7 @@ def calibrate(directory: Path, shape: ModelConfig, dtype: str, sizes: Calibratio
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {fp['processor']}, "
                 f"{fp['threads']} threads, torch {fp['torch']}, {dtype} compute"),
         notes=(f"{dtype} matmul {n}^3; kernel costs on a d={probe.hidden_size}, {probe.num_attention_heads}-head, "
-               f"vocab {probe.vocab_size} GPT-J block, head and embedding at 1 x {tokens} tokens (the planned "
+               f"vocab {probe.vocab_size} {probe.model_type} block, head and embedding at 1 x {tokens} tokens (the planned "
                f"model's, narrowed to fit {sizes.compute_seconds:g} s); copy {format_size(sizes.copy_bytes)} into an "
                f"existing buffer; disk: median of {sizes.repeats} x {format_size(sizes.disk_bytes)} with fsync, "
                f"read with the page cache dropped; AdamW on {sizes.update_params:,} fp32 params, "
@@ -385,7 +384,7 @@ def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: 
 
 def _cache_key(shape: ModelConfig, dtype: str, sizes: CalibrationSizes) -> str:
     """What a calibration measured: the dtype, the probed block and head, and the sizes' bounds."""
-    probe = asdict(probe_shape(shape, sizes))
+    probe = probe_shape(shape, sizes).to_dict()
     return json.dumps({"dtype": dtype, "probe": probe, "sizes": asdict(sizes)}, sort_keys=True)
 
 

@@ -5,8 +5,9 @@ those of the measured disk-tier step.
 Fixed costs. The kernel costs (memory_model/kernels.py) scale with tokens, widths and parameters; besides
 them every event pays for the executor's hand-offs (the load's future, the ledger, the trace's span),
 autograd's bookkeeping and the dispatch of each of its small kernels. On a model as small as the demo's
-that is much of a step. It is measured on the runtime itself: steps of two GPT-J models too small for their
-kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep. Their difference, over the
+that is much of a step. It is measured on the runtime itself: steps of two models of the planned model's family
+too small for their kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep (each
+family's block runs its own number of small kernels). Their difference, over the
 difference in their events, is the cost of an event; what the shallow one takes beyond its events is the
 step's own (the loss, the commit, the bookkeeping of a step). Both are measured on the RAM tier and on the
 disk tier, whose events also read and write the store's files and whose commit makes them durable: the disk
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from layers.gptj import GPTJConfig
+from layers.config import ModelConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
 from streamer.store.layout import TIERS, dtype_name
@@ -54,26 +55,35 @@ class HostCosts:
     flush_s: float  # per flush of a commit beyond the measured disk-tier step's
 
 
-def measure_host_costs(directory: Path, dtype: torch.dtype, disk_bytes: int, repeats: int) -> HostCosts:
-    """Every cost of the module doc; the disk's probes and the disk-tier steps write their files in `directory`."""
-    fixed = measure_fixed_costs(dtype, directory)
+def measure_host_costs(directory: Path, shape: ModelConfig, dtype: torch.dtype, disk_bytes: int,
+                       repeats: int) -> HostCosts:
+    """Every cost of the module doc, the fixed ones on tiny models of `shape`'s family; the disk's probes and the
+    disk-tier steps write their files in `directory`."""
+    fixed = measure_fixed_costs(shape, dtype, directory)
     return HostCosts(*fixed["ram"], *fixed["disk"], measure_page_cache(directory, disk_bytes, repeats),
                      measure_flush(directory, repeats))
 
 
-def _tiny(layers: int) -> GPTJConfig:
-    return GPTJConfig(vocab_size=64, n_positions=_TOKENS, n_embd=32, n_layer=layers, n_head=2, rotary_dim=8)
+def _tiny(shape: ModelConfig, layers: int) -> ModelConfig:
+    """`shape`'s family and its variations (grouped-query attention, MLP ratio) at d_model 32, two 16-wide query
+    heads (sharing one key/value head where `shape`'s share), rotary over the whole head."""
+    shared = shape.num_key_value_heads < shape.num_attention_heads
+    return shape.resized(vocab_size=64, max_position_embeddings=_TOKENS, hidden_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1 if shared else 2, head_dim=16, rotary_dim=16,
+                         intermediate_size=max(1, shape.intermediate_size * 32 // shape.hidden_size))
 
 
-def measure_fixed_costs(dtype: torch.dtype, directory: Path, steps: int = 7) -> dict[str, tuple[float, float]]:
+def measure_fixed_costs(shape: ModelConfig, dtype: torch.dtype, directory: Path,
+                        steps: int = 7) -> dict[str, tuple[float, float]]:
     """Per store tier, the event's and the step's fixed seconds, from the shallow and the deep tiny model
     (module doc). The disk tier's stores are written in `directory`, on the disk the runs use."""
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="calibrate-events-", dir=directory) as tmp:
-        return {tier: _fixed_costs(dtype, tier, Path(tmp) / tier, steps) for tier in TIERS}
+        return {tier: _fixed_costs(shape, dtype, tier, Path(tmp) / tier, steps) for tier in TIERS}
 
 
-def _fixed_costs(dtype: torch.dtype, tier: str, directory: Path, steps: int) -> tuple[float, float]:
+def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: Path,
+                 steps: int) -> tuple[float, float]:
     """One tier's fixed costs. The two models' steps alternate, after two warm-up steps each, so that a change
     in the machine's load weighs on both alike: `event_s` is the median of the paired differences over the
     difference in events. Run one after the other under a changing load (2 cores, load average 7-9), it came
@@ -84,9 +94,9 @@ def _fixed_costs(dtype: torch.dtype, tier: str, directory: Path, steps: int) -> 
     try:
         with contextlib.ExitStack() as stack:
             tc = TrainerConfig.of(dtype=dtype_name(dtype), store=tier, max_grad_norm=0)
-            trainers = [stack.enter_context(StreamingTrainer(_tiny(n), tc, store_dir=directory / str(n)))
+            trainers = [stack.enter_context(StreamingTrainer(_tiny(shape, n), tc, store_dir=directory / str(n)))
                         for n in _DEPTHS]
-            ids = torch.randint(0, _tiny(1).vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(0, _tiny(shape, 1).vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))
             times: list[list[float]] = [[], []]
             for i in range(2 + steps):
                 for trainer, seconds in zip(trainers, times):

@@ -1,9 +1,10 @@
-"""GPT-J-6B across devices and activation policies: device peak, fit, step time, largest batch.
+"""A model across devices and activation policies: device peak, fit, step time, largest batch.
 
-    python examples/plan_gptj6b.py [--batch 1] [--seq 2048] [--store ram] [--dry-run]
+    python examples/plan_devices.py [--model gptj-6b] [--batch 1] [--seq 2048] [--store ram] [--dry-run]
 
+--model is any family's preset or config.json (gptj-6b, llama-3.1-8b, mistral-7b, qwen2.5-7b, qwen3-8b, ...).
 Full fine-tuning with AdamW keeps 16 bytes per parameter (bf16 weights and gradients, fp32 master weights
-and two moments): 96.8 GB for GPT-J-6B, more than any single device here. Streamed, a device holds one
+and two moments): 96.8 GB for GPT-J-6B, 128 GB for Llama-3.1-8B, more than any single device here. Streamed, a device holds one
 layer's state at a time plus the activations, which is what this table prices with the analytic planner
 (memory_model.plan). --store says where the host store lives: ram (the default), or disk, which keeps no
 compute-dtype copy and updates each layer during the backward (a lower peak, a step bound by the disk). --dry-run also runs the runtime's real schedule on meta tensors for each policy and
@@ -15,7 +16,7 @@ import argparse
 
 from rich.table import Table
 
-from layers import GPTJConfig
+from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, plan
 from streamer import TrainerConfig
 from streamer.calibration.dryrun import dry_run
@@ -26,14 +27,15 @@ POLICIES = ("resident", "checkpoint")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gptj-6b", help="a preset or a config.json (default: gptj-6b)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--store", choices=("ram", "disk"), default="ram")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
 
-    cfg = GPTJConfig.preset("gptj-6b")
-    table = Table(title=f"GPT-J-6B ({cfg.num_params():,} params), batch {args.batch} x {args.seq}, bf16, "
+    cfg = ModelConfig.named(args.model)
+    table = Table(title=f"{args.model} ({cfg.num_params():,} params), batch {args.batch} x {args.seq}, bf16, "
                         f"{args.store} store, 16 B/param baseline {format_size(16 * cfg.num_params())}")
     for column in ("device", "memory", "policy", "peak", "fits", "16 B/p ÷ peak", "step s", "tok/s", "MFU", "bound",
                    "max batch"):
