@@ -125,8 +125,9 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     smaller = [(name, preset) for name, preset in PRESETS.items() if preset.num_params() < model_cfg.num_params()
                and HostNeed.of(preset, tc, on_disk, in_ram, _offloaded(cfg, preset, on_disk)).fits(free_ram,
                                                                                                    free_disk)]
-    if smaller:
-        would_fit.append(f"a smaller model (--model {max(smaller, key=lambda p: p[1].num_params())[0]})")
+    kin = [(name, preset) for name, preset in smaller if preset.model_type == model_cfg.model_type]
+    if smaller:  # the largest that fits, of the model's own family where one does
+        would_fit.append(f"a smaller model (--model {max(kin or smaller, key=lambda p: p[1].num_params())[0]})")
     else:
         would_fit.append("a smaller model")
     if need.disk > free_disk:
