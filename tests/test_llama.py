@@ -145,6 +145,13 @@ def test_cli_trains_a_transformers_folder_and_exports_what_transformers_loads(ca
     assert rc == 0, err
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(exported).__name__ == cfg.architecture
+    assert_export_is_transformers(cfg, run, out, exported)
+
+
+
+def assert_export_is_transformers(cfg, run, out, exported) -> None:
+    """The run's weights are the export's; its logits are within 2x transformers' own fp32 noise against
+    float64, and its greedy generation with the KV cache is transformers'."""
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
     with open_trainer(RunDir(run)) as trainer:
         state = trainer.state_dict()
