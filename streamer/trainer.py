@@ -19,6 +19,7 @@ from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
 from memory_model.schedule import StepSpec, step_events
+from memory_model.planner import check_shardable
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
@@ -46,9 +47,10 @@ class StreamingTrainer:
         if store_dir is not None and self.data_parallel is not None:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
-        if step.data_parallel == "sharded" and self.processes > 1 and any(map(cfg.borrowed, self.units)):
-            raise ConfigError("--data-parallel sharded does not support tie_word_embeddings=true yet (the tied "
-                              "weight's slices would need their own gather); use --data-parallel replicated")
+        try:
+            check_shardable(cfg, self.processes if step.data_parallel == "sharded" else 1)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if device.device == "meta":
             self.store = None
         elif _store is not None:

@@ -258,3 +258,12 @@ def test_a_state_dict_whose_tied_copies_differ_is_one_line():
         with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight") as info:
             trainer.load_state_dict(state)
     assert "\n" not in str(info.value)
+
+
+def test_plan_refuses_sharded_data_parallel_of_a_tied_model_as_train_does(capsys):
+    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.2-1b", "--target", "h100-sxm", "--ranks", "2",
+                           "--data-parallel", "sharded")
+    assert rc == 2 and err.count("\n") == 1 and "--data-parallel replicated" in err, err
+    rc, _, err = run_cli(capsys, "plan", "--model", "llama-3.2-1b", "--target", "h100-sxm", "--ranks", "2",
+                         "--data-parallel", "replicated")
+    assert rc == 0, err
