@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -12,6 +13,14 @@ from layers import GPTJConfig
 
 if TYPE_CHECKING:
     import transformers
+
+# pytest-xdist's workers share the cores, and so do the commands they start (which inherit this variable). With
+# torch's default of one intra-op thread per core, each core holds several threads that spin at every barrier,
+# and a small op waits for a descheduled one: on 2 cores, steps ran 3-10x slower than alone. (A worker's plugins
+# may have imported torch already, so its own count is set too.)
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))))
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
