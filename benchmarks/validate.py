@@ -14,7 +14,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from layers import GPTJConfig
 from memory_model.catalogue import PUBLISHED_RUNS, PublishedRun
 from memory_model.devices import device_spec
 from memory_model.planner import plan, scaling_curve
@@ -54,7 +53,7 @@ def predict(run: PublishedRun) -> Row:
     """The plan's figure for one published run, in the run's own metric."""
     if not run.reproducible:
         return Row(run, None, None)
-    shape, device, step = GPTJConfig(**dict(run.shape)), device_spec(run.device), _step(run)
+    shape, device, step = run.shape, device_spec(run.device), _step(run)
     many = plan(shape, device, step, limits=False)
     if many.does_not_fit:  # a stand-in step must run where the published one ran
         raise ValueError(f"{run.system}: the planned step does not fit {run.device}: {many.does_not_fit}")
@@ -101,7 +100,7 @@ def markdown(table: list[Row]) -> str:
         "The planner prices the same step on the device's preset, with no figure tuned for the case.",
         "The ratio is the plan's figure over the published one.",
         "The published figures and their sources are in `memory_model/catalogue.py` (`PUBLISHED_RUNS`).",
-        "A model that is not a GPT-J is planned as GPT-J blocks of the same width, depth and block parameters.",
+        "Each model is planned in its own family; GPT-2, not one of the planner's, as GPT-J blocks of its width and depth.",
         "",
         f"Goal: every case within ±{GOAL_CASE:.0%} and the median within ±{GOAL_MEDIAN:.0%}.",
         f"Now {within} of {priced} priced cases are within ±{GOAL_CASE:.0%}; the median ratio is {median:.2f}.",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from layers import PRESETS, GPTJConfig, ModelConfig, Qwen3Config
+
 BASES = ("sourced", "derived", "measured", "assumed")
 GB, MiB, GiB, TB = 10**9, 2**20, 2**30, 10**12
 
@@ -300,8 +302,8 @@ PRESET_NOTES: dict[str, tuple[str, ...]] = {
 class PublishedRun:
     """A published measurement of offloaded or streamed training and the step the planner prices for it.
 
-    `shape` holds the GPTJConfig fields of the model, or of a GPT-J shape that stands in for it (same width,
-    depth and parameters per block); `step` the PlanConfig fields besides batch and seq. `metric` is
+    `shape` is the model in its own family, or a GPT-J shape that stands in for it where the family is not one of
+    the planner's (same width and depth); `step` the PlanConfig fields besides batch and seq. `metric` is
     "TFLOPS per device" (the plan's model FLOP/s), "TFLOPS, all devices" or "speedup" (tokens/s on
     `step["devices"]` over one device, each with the same micro-batches) or "MFU". `caveat` says what the source leaves
     unstated and what the plan assumed instead; `reproducible` is False where the planner cannot model the run
@@ -311,7 +313,7 @@ class PublishedRun:
     measured: Figure
     metric: str
     model: str
-    shape: tuple[tuple[str, int], ...]
+    shape: ModelConfig
     batch: int
     seq: int
     device: str
@@ -341,16 +343,14 @@ _ZERO3_OFFLOAD = ("DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-o
 _SUPEROFFLOAD_SP = ("Lian et al., SuperOffload (arXiv 2509.21271), abstract: 'enabling training of 13B model with "
                     "sequence lengths up to 1 million tokens on 8 GH200 while achieving 55% MFU'")
 _NO_FLOPS = "the FLOP convention is not stated (Megatron's counts the recompute, the plan's does not)"
-# Qwen's blocks (SwiGLU, grouped KV heads) as GPT-J blocks of the same width, depth and parameters per block:
-# n_inner = (block parameters - 4 d^2) / 2d, from the models' config.json.
-_QWEN3_14B = (("vocab_size", 151936), ("n_positions", 4096), ("n_embd", 5120), ("n_layer", 40), ("n_head", 40),
-              ("rotary_dim", 64), ("n_inner", 22016))
-_QWEN25_7B = (("vocab_size", 152064), ("n_positions", 4096), ("n_embd", 3584), ("n_layer", 28), ("n_head", 28),
-              ("rotary_dim", 64), ("n_inner", 25344))
-_GPT2_10B = (("vocab_size", 50257), ("n_positions", 1024), ("n_embd", 4096), ("n_layer", 50), ("n_head", 32),
-             ("rotary_dim", 64))
-_GPTJ_6B = (("vocab_size", 50400), ("n_positions", 2048), ("n_embd", 4096), ("n_layer", 28), ("n_head", 16),
-            ("rotary_dim", 64))
+# Qwen3-14B's config.json (Qwen/Qwen3-14B: 14.8B parameters, 13.2B besides the embeddings, as this counts them).
+_QWEN3_14B = Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                         num_attention_heads=40, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"})
+_QWEN25_7B = PRESETS["qwen2.5-7b"]
+# GPT-2 is not a family of the planner: GPT-J blocks of its width and depth stand in (GELU MLP, 4x wide).
+_GPT2_10B = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=4096, n_layer=50, n_head=32, rotary_dim=64)
+_GPTJ_6B = PRESETS["gptj-6b"]
 _HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"), ("update_timing", "after-backward"))
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (

@@ -35,7 +35,7 @@ def test_the_table_holds_eight_sourced_runs_and_says_why_any_is_not_priced() -> 
 def test_a_rows_figure_is_what_streamer_plan_prints(tmp_path: Path) -> None:
     """The ZeRO-Offload row through the CLI: its model as a config.json, its step as flags."""
     run = next(r for r in PUBLISHED_RUNS if r.system == "ZeRO-Offload")
-    (tmp_path / "config.json").write_text(json.dumps(dict(run.shape)))
+    (tmp_path / "config.json").write_text(json.dumps(run.shape.to_hf()))
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in run.step]
     done = subprocess.run([sys.executable, "-m", "streamer", "plan", "--model", str(tmp_path / "config.json"),
                            "--target", run.device, "--batch", str(run.batch), "--seq", str(run.seq), *flags,
