@@ -206,9 +206,14 @@ class ModelConfig:
             return self.head_params()
         return self.block_params()
 
+    def unit_device_parts(self, unit: str) -> list[int]:
+        """The parameters the unit's module uses on the device, by the state that holds them: each unit it
+        borrows from, then its own (a tied head: the embedding's weight, then its norm)."""
+        return [self.unit_params(owner) for owner, _ in self.borrowed(unit).values()] + [self.unit_params(unit)]
+
     def unit_device_params(self, unit: str) -> int:
         """The parameters the unit's module uses on the device: its own and those it borrows."""
-        return self.unit_params(unit) + sum(self.unit_params(owner) for owner, _ in self.borrowed(unit).values())
+        return sum(self.unit_device_parts(unit))
 
     def describe(self) -> str:
         """One line for traces and reports: the family and its main sizes."""

@@ -242,7 +242,7 @@ def _device_numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig, batch
     chunk's parameters, or a block input's (B, T, d)."""
     if isinstance(resource, BlockInput):
         return block_input_numel(shape, batch, seq)
-    return gathered_numel(shape.unit_device_params(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
+    return gathered_numel(shape.unit_device_parts(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
 
 
 def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
@@ -278,7 +278,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                 _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.update_on))
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    _add(at, gradient_charges(shape.unit_device_params(event.unit), es, cfg.devices,
+                    _add(at, gradient_charges(shape.unit_device_parts(event.unit), es, cfg.devices,
                                               cfg.shards > 1))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
                 del held[event.unit]
@@ -356,20 +356,11 @@ def _max_shapes(shape: ModelConfig, cfg: PlanConfig, capacity: int, update_peak:
     return max_micro * group, max_seq
 
 
-def check_shardable(shape: ModelConfig, shards: int) -> None:
-    """Raise ValueError where `shards` slices of each unit's state cannot hold the model: a tied weight's slices
-    would need a gather of their own, which the step does not make."""
-    if shards > 1 and any(map(shape.borrowed, shape.unit_names())):
-        raise ValueError("--data-parallel sharded does not support tie_word_embeddings=true yet (the tied weight's "
-                         "slices would need their own gather); use --data-parallel replicated")
-
-
 def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True) -> Plan:
     """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`;
     `limits` also searches the largest batch and seq that fit (most of the cost of a plan)."""
     if cfg.seq > shape.context()[0]:
         raise ValueError(f"seq {cfg.seq} exceeds the model's context {shape.context()[1]}")
-    check_shardable(shape, cfg.shards)
     units = shape.unit_names()
     micro, seq, es = cfg.micro_batch, cfg.seq, cfg.dtype_bytes
 

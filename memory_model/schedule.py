@@ -93,18 +93,20 @@ def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, upda
             Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
 
 
-def gradient_charges(unit_numel: int, dtype_bytes: int, ranks: int, sharded: bool = False) -> tuple[Charge, ...]:
+def gradient_charges(parts: Sequence[int], dtype_bytes: int, ranks: int, sharded: bool = False) -> tuple[Charge, ...]:
     """A unit's weight gradient on the device from its backward until its offload is finished; under data
     parallel also the flat fp32 copy the all-reduce sums (in fp32: a bf16 sum over ranks would round every
-    partial sum). With the state sharded that copy is padded to equal slices (`gathered_numel`) and is
-    reduce-scattered into this rank's slice of the sum."""
-    charges = (Charge("gradients", unit_numel * dtype_bytes, "weight gradient"),)
+    partial sum). `parts`: the unit's device parameters by the state that holds them (`gathered_numel`). With
+    the state sharded each part's copy is padded to equal slices and reduce-scattered into this rank's slice
+    of the sum."""
+    numel = sum(parts)
+    charges = (Charge("gradients", numel * dtype_bytes, "weight gradient"),)
     if ranks > 1 and not sharded:
-        charges += (Charge("gradients", unit_numel * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient for the all-reduce"),)
+        charges += (Charge("gradients", numel * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient for the all-reduce"),)
     elif ranks > 1:
-        charges += (Charge("gradients", gathered_numel(unit_numel, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
+        charges += (Charge("gradients", gathered_numel(parts, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
                            "fp32 gradient for the reduce-scatter"),
-                    Charge("gradients", shard_numel(unit_numel, ranks) * GRAD_ACCUM_BYTES_PER_PARAM,
+                    Charge("gradients", sum(shard_numel(n, ranks) for n in parts) * GRAD_ACCUM_BYTES_PER_PARAM,
                            "this rank's slice of the summed gradient"))
     return charges
 
@@ -132,10 +134,12 @@ def shard_numel(numel: int, shards: int) -> int:
     return -(-numel // shards)
 
 
-def gathered_numel(numel: int, shards: int) -> int:
-    """Elements of a unit's weights on the device when `shards` ranks each hold a slice: every slice
-    all-gathered, the padding included (`numel` itself for one shard)."""
-    return shard_numel(numel, shards) * shards
+def gathered_numel(parts: Sequence[int], shards: int) -> int:
+    """Elements of a unit's weights on the device when `shards` ranks each hold a slice of every unit's state:
+    `parts`, the unit's device parameters by the state that holds them (`ModelConfig.unit_device_parts`: a tied
+    head's are the embedding's and its own), each part's slices all-gathered, its padding included (their sum
+    for one shard)."""
+    return sum(shard_numel(n, shards) * shards for n in parts)
 
 
 def chunks(numel: int, size: int) -> list[tuple[int, int]]:

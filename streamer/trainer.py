@@ -19,7 +19,6 @@ from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
 from memory_model.schedule import StepSpec, step_events
-from memory_model.planner import check_shardable
 from memory_model.shapes import fused_update
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
@@ -47,10 +46,6 @@ class StreamingTrainer:
         if store_dir is not None and self.data_parallel is not None:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
-        try:
-            check_shardable(cfg, self.processes if step.data_parallel == "sharded" else 1)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
         if device.device == "meta":
             self.store = None
         elif _store is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from layers import PRESETS
+from layers import PRESETS, ModelConfig
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer
 from streamer.resources import DISK_HEADROOM, HostNeed
@@ -74,12 +74,12 @@ def test_sharded_resume_store_size_and_one_process_reading_it(tmp_path):
     assert _bytes_under(tmp_path / "run" / "rank0") == halves[0]  # refusing changed nothing
 
 
-def _killed_main(rank: int, world: int, port: int, run: str) -> None:
+def _killed_main(rank: int, world: int, port: int, run: str, cfg: ModelConfig = CFG) -> None:
     """Two steps; rank 1 SIGKILLs itself at its second state write of step 2, after every rank journaled it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)
     data = global_batches(2)
-    trainer = StreamingTrainer(CFG, SHARDED, store_dir=run)
+    trainer = StreamingTrainer(cfg, SHARDED, store_dir=run)
     trainer.step(data[0], prompt_masked(data[0]))
     if rank == 1:
         write_back, writes = trainer.executor.updater._write_back, []

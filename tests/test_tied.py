@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 
 import pytest
@@ -20,8 +19,7 @@ from memory_model import PlanConfig, device_spec, plan
 from memory_model.planner import step_disk_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
-from streamer.errors import CheckpointError, ConfigError
-from streamer.runtime.distributed import leave_process_group
+from streamer.errors import CheckpointError
 from tests.test_cli import run_cli
 from tests.test_llama import _TINY, assert_export_is_transformers, hf_model
 from tests.test_runtime import hf_reference
@@ -161,56 +159,49 @@ def test_a_tied_run_killed_mid_step_continues_bit_identically(tmp_path, tiny_set
     assert_same_run(run, reference)
 
 
-def _rank_main(rank: int, world: int, port: int, run: str, out: str, tc: TrainerConfig) -> None:
-    from tests.test_distributed import prompt_masked
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
-    torch.set_num_threads(1)
-    with StreamingTrainer(TIED["llama"], tc, store_dir=run) as trainer:
-        for ids in _global_batches():
-            trainer.step(ids, prompt_masked(ids))
-        torch.save({"state": trainer.state_dict(), "losses": trainer.losses, "peak": trainer.ledger.peak},
-                   f"{out}.{rank}")
-    leave_process_group()
-
-
-def _global_batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, TIED["llama"].vocab_size, (4, 16), generator=g) for _ in range(3)]
+# test_distributed's batches (tokens below 256, 32 per row); odd sizes, so that each of the two ranks' slices
+# of the tied weight and of the head's norm ends in padding.
+DP_CFG = dataclasses.replace(TIED["llama"], vocab_size=257, hidden_size=33, head_dim=8)
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_replicated_equal_one_process(tmp_path):
-    """Each rank all-reduces the head's whole gradient, the tied part included, then folds that part into its
-    embedding's accumulator: every rank makes the one process's update, and the planner's peak."""
-    from tests.test_distributed import _free_port, prompt_masked
-    tc = TrainerConfig.of(lr=1e-3, dtype="fp32", store="disk", max_grad_norm=1.0, update_chunk=1000)
-    out = str(tmp_path / "result")
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "run"), out, tc), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    with StreamingTrainer(TIED["llama"], tc.replace(grad_accum=2), store_dir=tmp_path / "single") as trainer:
-        for ids in _global_batches():
-            trainer.step(ids, prompt_masked(ids))
-        reference = trainer.state_dict()
-        losses = trainer.losses
-    assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in reference)
-    assert max((ranks[0]["state"][k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
-    assert ranks[0]["losses"] == pytest.approx(losses, abs=2e-6)
-    planned = plan(TIED["llama"], device_spec("h100-sxm"), PlanConfig(batch=4, seq=16, compute_dtype="fp32",
-                                                                       store="disk", update_chunk=1000, devices=2))
+@pytest.mark.parametrize("mode,store", [("replicated", "disk"), ("sharded", "disk"), ("sharded", "ram")])
+def test_two_gloo_ranks_equal_one_process(tmp_path, mode, store):
+    """Replicated, each rank all-reduces the head's gradient, the tied part included, and folds that part into
+    its embedding's accumulator. Sharded, each rank stores half of the embedding's state and half of the
+    head's: the head's load gathers the two apart, and the two parts of its gradient are reduce-scattered
+    apart, the tied part's slice into the embedding's accumulator. Every rank makes the one process's update,
+    and its device peak is the planner's."""
+    from tests.test_distributed import TC, _max_diff, run_data_parallel, single_process
+    tc = TC.replace(store=store, data_parallel=mode)
+    ranks = run_data_parallel(tmp_path, [("new", 3)], tc, DP_CFG)
+    reference = single_process(tmp_path, 3, tc.replace(data_parallel="replicated"), DP_CFG)
+    assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert torch.equal(ranks[0]["state"]["lm_head.weight"], ranks[0]["state"]["model.embed_tokens.weight"])
+    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
+    planned = plan(DP_CFG, device_spec("h100-sxm"), PlanConfig(
+        batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=tc.step.update_chunk, devices=2,
+        data_parallel=mode))
     assert [r["peak"] for r in ranks] == [planned.peak_device_bytes] * 2
 
 
-def test_sharded_data_parallel_refuses_a_tied_model_in_one_line(monkeypatch, tmp_path):
-    from types import SimpleNamespace
-
-    import streamer.trainer
-    monkeypatch.setattr(streamer.trainer.DataParallel, "from_environment",
-                        lambda device, sharded: SimpleNamespace(rank=0, world=2, shards=2))
-    tc = TrainerConfig.of(dtype="fp32", store="disk", data_parallel="sharded")
-    with pytest.raises(ConfigError) as info:
-        StreamingTrainer(TIED["llama"], tc, store_dir=tmp_path / "run")
-    assert "\n" not in str(info.value) and "--data-parallel sharded" in str(info.value)
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+@pytest.mark.slow
+def test_a_sharded_rank_killed_mid_update_resumes_bit_identically(tmp_path):
+    """Rank 1 SIGKILLs itself in step 2's update, after both ranks journaled it; both reopen the run, roll
+    step 2 forward (the embedding's journaled gradient holds the head's tied part) and make step 3: the
+    weights of the uninterrupted sharded run, bit for bit."""
+    from tests.test_distributed import _free_port, _max_diff, run_data_parallel
+    from tests.test_sharded_data_parallel import SHARDED, _killed_main, _resumed_main
+    run, out = str(tmp_path / "run"), str(tmp_path / "result")
+    with pytest.raises(mp.ProcessExitedException):
+        mp.spawn(_killed_main, args=(2, _free_port(), run, DP_CFG), nprocs=2, join=True)
+    mp.spawn(_resumed_main, args=(2, _free_port(), run, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert [r["steps"] for r in ranks] == [2, 2]  # rank 1 rolled the journaled step 2 forward
+    (tmp_path / "uninterrupted").mkdir()
+    uninterrupted = run_data_parallel(tmp_path / "uninterrupted", [("new", 3)], SHARDED, DP_CFG)
+    assert _max_diff(ranks[0]["state"], uninterrupted[0]["state"]) == 0.0
 
 
 @pytest.mark.parametrize("store", ["ram", "disk"])
@@ -260,10 +251,12 @@ def test_a_state_dict_whose_tied_copies_differ_is_one_line():
     assert "\n" not in str(info.value)
 
 
-def test_plan_refuses_sharded_data_parallel_of_a_tied_model_as_train_does(capsys):
-    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.2-1b", "--target", "h100-sxm", "--ranks", "2",
-                           "--data-parallel", "sharded")
-    assert rc == 2 and err.count("\n") == 1 and "--data-parallel replicated" in err, err
-    rc, _, err = run_cli(capsys, "plan", "--model", "llama-3.2-1b", "--target", "h100-sxm", "--ranks", "2",
-                         "--data-parallel", "replicated")
-    assert rc == 0, err
+def test_plan_shards_a_tied_model_as_train_does(capsys):
+    """Each of the two ranks stores half of every unit's state, the tied weight's included."""
+    def planned(mode: str) -> dict:
+        rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.2-1b", "--target", "h100-sxm", "--ranks", "2",
+                               "--data-parallel", mode, "--json")
+        assert rc == 0, err
+        return json.loads(out)
+    sharded, replicated = planned("sharded"), planned("replicated")
+    assert 2 * sharded["host_store_bytes"] == replicated["host_store_bytes"]

@@ -60,7 +60,8 @@ class Loader:
             return
         layout = self.layouts[resource.unit]
         stored = self.stored_numel(resource.unit)
-        on_device = gathered_numel(layout.device_numel, self.shards)  # sharded: every rank's slice, all-gathered
+        # sharded: every rank's slice of each state the unit uses, all-gathered
+        on_device = gathered_numel([n for _, n in layout.device_parts], self.shards)
         borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
@@ -93,17 +94,23 @@ class Loader:
         return tensors
 
     def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
-        """The unit's weights as loaded, or (sharded) every rank's slice all-gathered on the device, here on the
-        compute thread so that every rank issues its collectives in the same order."""
-        numel = self.layouts[unit].device_numel
-        if weights.numel() == numel:
+        """The unit's weights as loaded, or (sharded) every rank's slices all-gathered on the device, here on the
+        compute thread so that every rank issues its collectives in the same order. The load lays this rank's
+        slice of each state the unit uses end to end (a tied head: the embedding's, then its own); each is
+        gathered apart into the place its whole weights take, the next part overwriting its padding."""
+        if self.shards == 1:
             return weights
-        gathered = self.data_parallel.gather_slices(
-            self.transport.device_buffer(weights.numel() * self.data_parallel.world, weights.dtype), weights)
+        parts = self.layouts[unit].device_parts
+        gathered = self.transport.device_buffer(gathered_numel([n for _, n in parts], self.shards), weights.dtype)
+        loaded = whole = 0
+        for owner, numel in parts:
+            size = self.stored_numel(owner)
+            self.data_parallel.gather_slices(gathered[whole:whole + size * self.shards], weights[loaded:loaded + size])
+            loaded, whole = loaded + size, whole + numel
         if self.transport.owns(weights, unit, "compute"):  # (sharded means no fused update: no kept master)
             self.transport.give_back(weights)
         self._gathered[unit] = gathered
-        return gathered[:numel]
+        return gathered[:whole]
 
     def release(self, resource: Resource, ctx: StepContext) -> None:
         """Credit the resource's charges; its weights (not a master the update still takes) leave the device."""

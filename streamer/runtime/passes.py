@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch.func import functional_call
@@ -170,34 +170,36 @@ class Passes:
         """
         self._finish_pending_offload(ctx)
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
+        parts = self.layouts[unit].split_device(grads)  # (unit, pieces) of each state the gradient goes to
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
-                   for c in gradient_charges(sum(g.numel() for g in grads), grads[0].element_size(), ranks,
-                                             self.shards > 1)]
+                   for c in gradient_charges([sum(g.numel() for g in pieces) for _, pieces in parts],
+                                             grads[0].element_size(), ranks, self.shards > 1)]
         first, last = micro == 0 and unit not in self.lent, micro == self.step_cfg.grad_accum - 1
-        reduction = self.data_parallel.start_reduce(grads) if self.data_parallel is not None else None
+        # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
+        reductions = (None if self.data_parallel is None else
+                      [(owner, self.data_parallel.start_reduce(pieces)) for owner, pieces in parts])
         step, persist = ctx.step, not (ctx.fused and last)
-        job = lambda: self._traced_offload(unit, step, grads, first, last, reduction, persist)
+        job = lambda: self._traced_offload(unit, step, parts, first, last, reductions, persist)
         ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 
-    def _traced_offload(self, unit: str, step: int, grads: Sequence[torch.Tensor], first: bool, last: bool,
-                        reduction: object | None, persist: bool) -> tuple[float, torch.Tensor | None]:
+    def _traced_offload(self, unit: str, step: int, parts: list[tuple[str, list[torch.Tensor]]], first: bool,
+                        last: bool, reductions: list[tuple[str, object]] | None,
+                        persist: bool) -> tuple[float, torch.Tensor | None]:
         with self.trace.span(unit, "offload", step=step):
-            if reduction is not None:
-                grads = [self.data_parallel.finish_reduce(reduction)]
+            if reductions is not None:
+                parts = [(owner, [self.data_parallel.finish_reduce(r)]) for owner, r in reductions]
             if self.store is None:
                 return 0.0, None
-            host = self.transport.pieces_to_host(grads)
             if self.store.spec.placement.grad == "disk" and self._scratch is None:
                 self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
-            scratch = (lambda u: None if self._scratch is None else self._scratch[:self.stored_numel(u)])
-            own = host  # (sharded, this rank's slice of the unit: the state of a tied model is not sharded)
-            if self.layouts[unit].borrowed:
-                *borrowed, (_, own) = self.layouts[unit].split_device(host)
-                for owner, pieces in borrowed:  # into the owner's accumulator, which its own backward finishes
-                    self.writer.accumulate_grad(owner, pieces, first, scratch(owner), persist=True)
-            total = self.writer.accumulate_grad(unit, own, first, scratch(unit), persist)
-            if host is not grads:
-                self.transport.give_back(host[0])
+            # A borrowed part goes to its owner's accumulator, which the owner's own backward finishes. The unit's
+            # own part comes last: `total` ends as its accumulator.
+            for owner, pieces in parts:
+                host = self.transport.pieces_to_host(pieces)
+                scratch = None if self._scratch is None else self._scratch[:self.stored_numel(owner)]
+                total = self.writer.accumulate_grad(owner, host, first, scratch, persist or owner != unit)
+                if host is not pieces:
+                    self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
             return (float(torch.linalg.vector_norm(total)) ** 2, total) if last else (0.0, None)
 

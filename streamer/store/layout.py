@@ -108,13 +108,18 @@ class UnitLayout:
         pieces = flat.split_with_sizes([s.numel for s in slots])
         return {s.key: piece.view(s.shape) for s, piece in zip(slots, pieces)}
 
+    @property
+    def device_parts(self) -> list[tuple[str, int]]:
+        """The unit's device weights by the state that holds them, in device order: (unit, elements) of each
+        owner it borrows from, then its own (`ModelConfig.unit_device_parts`)."""
+        return [(owner, s.numel) for s, owner in self.borrowed] + [(self.name, self.numel)]
+
     def split_device(self, pieces: Sequence[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
         """A gradient laid end to end in the device order (one tensor per parameter, or flat) as (unit, its
         pieces): each owner's part of what the unit borrows, then the unit's own."""
-        parts = [(owner, s.numel) for s, owner in self.borrowed] + [(self.name, self.numel)]
         out: list[tuple[str, list[torch.Tensor]]] = []
         queue = list(pieces)
-        for unit, size in parts:
+        for unit, size in self.device_parts:
             taken: list[torch.Tensor] = []
             while size:
                 piece = queue.pop(0)
