@@ -199,6 +199,30 @@ def test_ctrl_c_while_the_libraries_load_stops_the_command_cleanly():
     assert (done.returncode, done.stderr.strip()) == (130, "interrupted")
 
 
+@pytest.mark.parametrize("given,used", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_lets_waiting_threads_sleep_before_torch_loads(given, used):
+    """OMP_WAIT_POLICY is read once, as torch's OpenMP library loads: the command sets it before torch's import,
+    and a user's own setting wins."""
+    watch_torch = (
+        "import builtins, os, sys\n"
+        "real_import, seen = builtins.__import__, []\n"
+        "def watching(name, *args, **kwargs):\n"
+        "    if name == 'torch' and 'torch' not in sys.modules and not seen:\n"
+        "        seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = watching\n"
+        "from streamer.cli.launch import main\n"
+        "try:\n"
+        "    main()\n"
+        "finally:\n"
+        "    print('torch saw', seen)\n")
+    env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"} | ({} if given is None else
+                                                                        {"OMP_WAIT_POLICY": given})
+    done = subprocess.run([sys.executable, "-c", watch_torch, "plan", "--help"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip().endswith(f"torch saw [{used!r}]"), done.stdout[-500:] + done.stderr[-2000:]
+
+
 def test_a_killed_step_between_commit_and_record_is_logged_once(tiny_setup, reference, tmp_path):
     """The committed step is the truth: a record past it goes, a committed step without one gets it back."""
     run = tmp_path / "run"
