@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers import GPTJ, GPTJConfig, causal_lm_loss
+from layers import GPTJ, PRESETS, GPTJConfig, ModelConfig, causal_lm_loss
 from layers.lora import add_adapters
 from memory_model import PlanConfig, device_spec, plan
+from memory_model.lora import adapter_params
 from memory_model.schedule import adapter_charges
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.cli.generate import open_trainer
@@ -72,24 +73,32 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
         assert (ours - theirs.detach()).abs().max().item() <= 5e-5
 
 
-@pytest.mark.parametrize("dtype,activations,dropout,targets", [
-    ("fp32", "resident", 0.0, "q_proj,v_proj"),
-    ("bf16", "resident", 0.1, "q_proj,v_proj,fc_in,fc_out"),
-    ("fp32", "checkpoint", 0.1, "v_proj,out_proj,fc_out"),
-    ("bf16", "checkpoint", 0.0, TARGETS),
-])
-def test_planner_equals_the_lora_ledger(tmp_path: Path, dtype: str, activations: str, dropout: float,
-                                        targets: str) -> None:
+LLAMA = PRESETS["llama-debug"]
+
+
+@pytest.mark.parametrize("model,dtype,activations,dropout,targets", [
+    (CFG, "fp32", "resident", 0.0, "q_proj,v_proj"),
+    (CFG, "bf16", "resident", 0.1, "q_proj,v_proj,fc_in,fc_out"),
+    (CFG, "fp32", "checkpoint", 0.1, "v_proj,out_proj,fc_out"),
+    (CFG, "bf16", "checkpoint", 0.0, TARGETS),
+    # Grouped-query attention and SwiGLU: k/v adapters narrower than q's, three MLP projections.
+    (LLAMA, "fp32", "resident", 0.0, "q_proj,v_proj"),
+    (LLAMA, "bf16", "checkpoint", 0.1, ",".join(LLAMA.projections)),
+    (LLAMA, "bf16", "resident", 0.0, "k_proj,o_proj,gate_proj,down_proj"),
+], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
+def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtype: str, activations: str,
+                                        dropout: float, targets: str) -> None:
     tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=20_000, lora_rank=4,
                           lora_dropout=dropout, lora_targets=targets)
-    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
-        ids = torch.randint(0, CFG.vocab_size, (2, 48))
+    with StreamingTrainer(model, tc, store_dir=tmp_path / "run") as trainer:
+        ids = torch.randint(0, model.vocab_size, (2, 48))
         trainer.step(ids)
         trainer.step(ids)
         real = trainer.ledger.peak, trainer.ledger.peak_breakdown
         assert trainer.ledger.in_use == sum(c.nbytes for c in adapter_charges(trainer.adapters.numel()))
-    predicted = plan(CFG, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, activations=activations,
-                                                              compute_dtype=dtype, update_chunk=20_000, lora=tc.lora))
+        assert trainer.adapters.numel() == adapter_params(model, tc.lora)
+    predicted = plan(model, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, activations=activations,
+                                                                compute_dtype=dtype, update_chunk=20_000, lora=tc.lora))
     assert predicted.peak_breakdown == real[1]  # measured: equal to the byte in every case
     assert predicted.peak_device_bytes == real[0]
 
