@@ -120,11 +120,33 @@ def test_killed_at_every_stage_the_same_command_finishes_the_same_run(tiny_setup
     assert not (run / SETUP_MARK).exists()
 
 
+# The `streamer` command, paused before step N + 1 until a signal comes: a Ctrl-C sent once step N is logged lands
+# in the run, however late a loaded machine lets the test send it (a run of tiny steps could otherwise finish first).
+PAUSED_STREAMER = """
+import sys, time
+from streamer.cli.launch import main
+from streamer.trainer import StreamingTrainer
+after, step = int(sys.argv.pop(1)), StreamingTrainer.step
+def paused(self, *args, **kwargs):
+    if self.step_count == after:
+        time.sleep(120)
+    return step(self, *args, **kwargs)
+StreamingTrainer.step = paused
+sys.exit(main())
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_names_the_folder_and_resume_logs_every_step_once(tiny_setup, reference, tmp_path):
     run = tmp_path / "run"
     argv = train_argv(tiny_setup, run, tokenizer=False)
-    stopped = kill_when(argv, lambda: metric_lines(run) >= 2, signal.SIGINT)
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_STREAMER, "2", *map(str, argv)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while metric_lines(run) < 2 and proc.poll() is None:  # step 2 logged: the run waits before step 3
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert stopped.returncode == 130, stopped.stderr
     assert f"`streamer train --resume {run}`" in stopped.stderr.strip().splitlines()[-1]
     done = streamer("train", "--resume", str(run))
