@@ -26,6 +26,9 @@ from streamer.run_dir import SETUP_MARK, RunDir
 
 STEPS = 4
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: bit-identical results
+# A suite started in the background (a non-interactive shell's `&`) inherits SIGINT ignored, and so would the
+# commands these tests interrupt with it. Handled here, it is back to its default in every command started.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def train_argv(setup: Path, run: Path, *extra: object, tokenizer: bool = True) -> list[str]:
