@@ -149,7 +149,7 @@ class ModelConfig:
     def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
         """What a LoRA block saves with adapters on `targets` (`plain`: no dropout before them), its input
         needing a gradient or not (`grad_in`: not the first block), measured against autograd
-        (tests/test_lora.py, tests/test_llama_family.py)."""
+        (tests/test_lora.py)."""
         raise NotImplementedError
 
     def block_saves_input(self, es: int) -> bool:
