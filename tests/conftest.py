@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 # and a small op waits for a descheduled one: on 2 cores, steps ran 3-10x slower than alone. (A worker's plugins
 # may have imported torch already, so its own count is set too.)
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))))
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", str(_share))))
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:

@@ -43,9 +43,11 @@ def streamer(*argv: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def kill_when(argv: list[str], ready: Callable[[], bool], sig: int = signal.SIGKILL) -> subprocess.CompletedProcess:
-    """Start the command, send `sig` as soon as `ready()` (a file the stage writes appeared), wait for it."""
-    proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
+def kill_when(argv: list[str], ready: Callable[[], bool], sig: int = signal.SIGKILL,
+              program: tuple[str, ...] = ("-m", "streamer")) -> subprocess.CompletedProcess:
+    """Start the command (`python PROGRAM ARGV`), send `sig` as soon as `ready()` (a file the stage writes
+    appeared), wait for it."""
+    proc = subprocess.Popen([sys.executable, *program, *map(str, argv)], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     while not ready() and proc.poll() is None:
         time.sleep(0.001)
@@ -143,13 +145,8 @@ sys.exit(main())
 def test_ctrl_c_names_the_folder_and_resume_logs_every_step_once(tiny_setup, reference, tmp_path):
     run = tmp_path / "run"
     argv = train_argv(tiny_setup, run, tokenizer=False)
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED_STREAMER, "2", *map(str, argv)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while metric_lines(run) < 2 and proc.poll() is None:  # step 2 logged: the run waits before step 3
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    # Step 2 logged: the run waits before step 3.
+    stopped = kill_when(argv, lambda: metric_lines(run) >= 2, signal.SIGINT, program=("-c", PAUSED_STREAMER, "2"))
     assert stopped.returncode == 130, stopped.stderr
     assert f"`streamer train --resume {run}`" in stopped.stderr.strip().splitlines()[-1]
     done = streamer("train", "--resume", str(run))

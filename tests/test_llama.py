@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,8 +177,8 @@ def test_cli_trains_a_transformers_folder_and_exports_what_transformers_loads(ca
     assert_export_is_transformers(cfg, run, out, exported)
 
 
-
-def assert_export_is_transformers(cfg, run, out, exported) -> None:
+def assert_export_is_transformers(cfg: ModelConfig, run: Path, out: Path,
+                                  exported: transformers.PreTrainedModel) -> None:
     """The run's weights are the export's; its logits are within 2x transformers' own fp32 noise against
     float64, and its greedy generation with the KV cache is transformers'."""
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
