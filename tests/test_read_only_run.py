@@ -63,8 +63,9 @@ def _run_read_only(folder: Path, run: Path, argvs: list[list[str]]) -> list[dict
         if shutil.which("setpriv") is None:
             pytest.skip("running as root, which ignores permission bits, and setpriv is missing to drop to nobody")
         prefix = AS_NOBODY
-    probe = subprocess.run([*prefix, sys.executable, "-c", f"open({str(run / 'probe')!r}, 'w')"], cwd=folder,
-                           capture_output=True, text=True, timeout=60)
+    # The commands' user must read the checkout (a clone in a `mktemp -d` folder is its owner's alone).
+    probe = subprocess.run([*prefix, sys.executable, "-c", f"import streamer; open({str(run / 'probe')!r}, 'w')"],
+                           cwd=folder, capture_output=True, text=True, timeout=60)
     if probe.returncode == 0:
         (run / "probe").unlink()
         pytest.skip(f"{'nobody' if prefix else 'this user'} can still write a folder with no write permission")
