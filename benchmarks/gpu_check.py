@@ -4,7 +4,8 @@
    (in a profiler trace), the ledger's peak against torch.cuda.max_memory_allocated. Each test's verdict and
    what it measured go into the report.
 2. GPT-J-6B (random init) streamed on one GPU: bf16 compute, checkpointed activations, the host store in
-   pinned RAM with the Adam-moment dtype this host's RAM holds (chosen and said). At 1 x 2048 under a 16 GiB
+   RAM (pinned slabs if they fit, else pageable ones through pinned staging) with the Adam-moment dtype
+   this host's RAM holds (chosen and said). At 1 x 2048 under a 16 GiB
    budget: device peak (ledger and allocator), tokens/s, model TFLOP/s, MFU against the GPU's measured bf16
    matmul peak (and its datasheet peak), the step against the planner's prediction; the update on the host
    against the update on the device; then a batch sweep up to the largest batch the planner fits in the GPU.
@@ -15,11 +16,15 @@ for a 16-core H100 machine with 128 GiB RAM) and says what it left out. Without 
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 
 # The store's slabs are pinned through torch's caching host allocator, which rounds a block up to a power of
 # two: GPT-J-6B's 805 MB fp32 slabs would take 1 GiB each, 105 GiB of pinned RAM for a 79 GiB store. Above
-# 64 MiB, allocations keep their size. Set before torch loads; the tests' process inherits it.
-os.environ.setdefault("PYTORCH_ALLOC_CONF", "pinned_max_round_threshold_mb:64")
+# 64 MiB, allocations keep their size. Set before torch loads; the tests' process inherits it. The key exists
+# from torch 2.13: an older torch refuses the whole setting when CUDA starts, so there the blocks round up
+# (pinned_rounds_up() finds out, and the store is sized for it).
+if tuple(int(part) for part in version("torch").split(".")[:2]) >= (2, 13):
+    os.environ.setdefault("PYTORCH_ALLOC_CONF", "pinned_max_round_threshold_mb:64")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -166,26 +171,28 @@ def pinned_rounds_up() -> bool:
     return before is None or after is None or after - before > 65 * 2**20
 
 
-def pinned_store_bytes(cfg: GPTJConfig, moment_dtype: str, rounded: bool) -> int:
-    """Pinned RAM of a RAM-tier store with bf16 compute weights: one slab per unit and kind."""
+def store_bytes(cfg: GPTJConfig, moment_dtype: str, rounded: bool) -> int:
+    """RAM of a RAM-tier store with bf16 compute weights: one slab per unit and kind, each a power of two when
+    `rounded` (pinned through an allocator that rounds up)."""
     spec = StoreSpec(cfg, "bf16", moment_dtype)
     sizes = [lay.numel * spec.kind_dtype(kind).itemsize for lay in model_layouts(cfg) for kind in spec.ram_kinds()]
     return sum(1 << (s - 1).bit_length() if rounded else s for s in sizes)
 
 
-def choose_moments(cfg: GPTJConfig, available: int, rounded: bool) -> tuple[str | None, str]:
-    """fp32 Adam moments if the pinned store fits the host's available RAM less a reserve, else bf16 ones."""
+def choose_store(cfg: GPTJConfig, available: int, rounded: bool) -> tuple[str | None, str, str]:
+    """(moment dtype, --pin-memory, why): the first RAM-tier store that fits the host's available RAM less a
+    reserve, in the order pinned slabs with fp32 then bf16 moments, then pageable slabs (pinned staging only)."""
     reserve = max(24 * GiB, available // 5)  # CUDA, Python, the init's per-unit copies, staging buffers
     tried = []
-    for moments in ("fp32", "bf16"):
-        need = pinned_store_bytes(cfg, moments, rounded)
-        tried.append(f"{moments} moments {format_size(need)}")
+    for pin, moments in (("all", "fp32"), ("all", "bf16"), ("staging", "fp32"), ("staging", "bf16")):
+        need = store_bytes(cfg, moments, rounded and pin == "all")
+        tried.append(f"{moments} moments {'pinned' if pin == 'all' else 'pageable'} {format_size(need)}")
         if need <= available - reserve:
-            return moments, (f"RAM tier, pinned; {moments} Adam moments ({'; '.join(tried)} of pinned RAM; "
-                             f"{format_size(available)} available, {format_size(reserve)} kept free"
-                             f"{'; the host allocator rounds pinned blocks up' if rounded else ''})")
-    return None, (f"no RAM-tier store fits: {'; '.join(tried)} of pinned RAM against {format_size(available)} "
-                  f"available less {format_size(reserve)}; the disk tier needs the disk for 8+ B/param")
+            return moments, pin, (f"RAM tier, --pin-memory {pin}; {moments} Adam moments ({'; '.join(tried)}; "
+                                  f"{format_size(available)} available, {format_size(reserve)} kept free"
+                                  f"{'; the host allocator rounds pinned blocks up' if rounded else ''})")
+    return None, "", (f"no RAM-tier store fits: {'; '.join(tried)} against {format_size(available)} available "
+                      f"less {format_size(reserve)}; the disk tier needs the disk for 8+ B/param")
 
 
 def gpu_spec(name: str, total: int, h2d: float, d2h: float, peak: float, host_update: float
@@ -247,7 +254,7 @@ def benchmark(model: str, seq: int, clock: Clock, bench: Bench) -> None:
     cfg = GPTJConfig.preset(model)
     name, total = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
     rounded = pinned_rounds_up()
-    moments, store_note = choose_moments(cfg, psutil.virtual_memory().available, rounded)
+    moments, pin, store_note = choose_store(cfg, psutil.virtual_memory().available, rounded)
     peak = matmul_peak()
     h2d, d2h = link_bandwidth()
     spec, preset = gpu_spec(name, total, h2d, d2h, peak, measure_update(8 * 2**20, 3))
@@ -264,9 +271,9 @@ def benchmark(model: str, seq: int, clock: Clock, bench: Bench) -> None:
                     f"- {model} store: {store_note}"]
     if moments is None:
         return
-    # pin_memory all: the store chosen above is sized as pinned RAM, and pinned slabs cross without staging.
+    # Pinned slabs cross without staging; pageable ones are copied through pinned staging buffers.
     tc = TrainerConfig.of(dtype="bf16", moment_dtype=moments, store="ram", activations="checkpoint",
-                          device="cuda", budget=GOAL_PEAK_BYTES, seed=0, pin_memory="all")
+                          device="cuda", budget=GOAL_PEAK_BYTES, seed=0, pin_memory=pin)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(tmp) / "store")
