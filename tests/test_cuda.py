@@ -3,8 +3,8 @@ ledger's peak matches the CUDA allocator's.
 
 Skipped where torch sees no CUDA device (so `make test` skips them on a CPU); `make gpu-check`
 (benchmarks/gpu_check.py) runs them first. Each test records what it measured (`record_property`), which
-gpu-check puts in its report. The tolerances of the equality tests are those of the same comparisons on the
-CPU, whose measured differences are quoted; this file has not run on a GPU yet.
+gpu-check puts in its report. The fp32 equality test's tolerance is twice torch's own difference between
+its resident trainer on the GPU and on the CPU, measured in the test.
 """
 from __future__ import annotations
 
@@ -32,18 +32,30 @@ def batches(cfg: GPTJConfig, n: int, batch: int, seq: int, seed: int = 0) -> lis
     return [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g) for _ in range(n)]
 
 
+def masters_of(resident: ResidentTrainer) -> dict[str, torch.Tensor]:
+    names = (k for k, _ in resident.model.named_parameters())
+    return dict(zip(names, (m.detach().float().cpu() for m in resident.masters)))
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
 def streamed_and_resident(tc: TrainerConfig, data: list[torch.Tensor], store_dir: Path
-                          ) -> tuple[list[float], list[float], float]:
-    """Losses of the streamed and the resident trainer from the same weights, and the largest difference
-    between their final fp32 master weights."""
+                          ) -> tuple[list[float], list[float], float, float]:
+    """Losses of the streamed and the resident trainer from the same weights; the largest difference between
+    their final fp32 master weights; and torch's own: the resident trainer on the GPU against itself on the CPU."""
     with StreamingTrainer(DEBUG, tc, store_dir=store_dir) as trainer:
         resident = ResidentTrainer(DEBUG, tc, trainer.state_dict())
+        on_cpu = ResidentTrainer(DEBUG, tc.replace(device="cpu"), trainer.state_dict())
         streamed = [trainer.step(ids) for ids in data]
         state = trainer.state_dict()
     reference = [resident.step(ids) for ids in data]
-    masters = dict(zip((k for k, _ in resident.model.named_parameters()), resident.masters))
-    weights_diff = max((state[k] - masters[k].detach().float().cpu()).abs().max().item() for k in masters)
-    return streamed, reference, weights_diff
+    for ids in data:
+        on_cpu.step(ids)
+    masters = masters_of(resident)
+    return (streamed, reference, largest_difference(state, masters),
+            largest_difference(masters, masters_of(on_cpu)))
 
 
 @pytest.mark.parametrize("activations,store,update_on", [("resident", "ram", "device"), ("checkpoint", "disk", "host"),
@@ -52,24 +64,27 @@ def test_fp32_streamed_equals_resident_on_the_gpu(tmp_path: Path, record_propert
                                                   store: str, update_on: str) -> None:
     tc = TrainerConfig.of(lr=1e-3, grad_accum=2, max_grad_norm=1.0, dtype="fp32", activations=activations,
                           store=store, update_on=update_on, update_chunk=10_000, device="cuda")
-    streamed, reference, weights_diff = streamed_and_resident(tc, batches(DEBUG, 5, 4, 32), tmp_path / "run")
+    data = batches(DEBUG, 5, 4, 32)
+    streamed, reference, weights_diff, torch_noise = streamed_and_resident(tc, data, tmp_path / "run")
     loss_diff = max(abs(s - r) for s, r in zip(streamed, reference))
     record_property("max loss difference", f"{loss_diff:.2e}")
     record_property("max master-weight difference", f"{weights_diff:.2e}")
-    # The same comparison on the CPU (device="cpu") differs by 4.8e-7 (losses) and 2.3e-8 (weights) in both
-    # settings; unmeasured on a GPU, so the CPU's differences times 10.
-    assert loss_diff <= 5e-6 and weights_diff <= 2.5e-7
+    record_property("torch's own: resident on the GPU vs on the CPU", f"{torch_noise:.2e}")
+    # AdamW divides by sqrt(v), so the fp32 rounding of a kernel's sums reaches the weights amplified. On an H100
+    # torch's resident trainer differs from itself on the CPU by 6.6e-6 here, and the streamed one from it by
+    # the same; the losses by 4.8e-7 (the CPU's own streamed/resident difference too). Twice torch's own.
+    assert loss_diff <= 5e-6 and weights_diff <= 2 * torch_noise
     assert streamed[0] > 5.0  # clipping is active (the norm is far above 1), so it is compared too
 
 
 def test_bf16_streamed_tracks_resident_on_the_gpu(tmp_path: Path, record_property: Record) -> None:
     tc = TrainerConfig.of(lr=3e-3, dtype="bf16", max_grad_norm=1.0, device="cuda")
     data = batches(DEBUG, 2, 4, 32, seed=1) * 10  # a few batches, seen again: the curve has to move
-    streamed, reference, _ = streamed_and_resident(tc, data, tmp_path / "run")
+    streamed, reference, _, _ = streamed_and_resident(tc, data, tmp_path / "run")
     worst = max(abs(s - r) / r for s, r in zip(streamed, reference))
     record_property("largest relative loss difference", f"{worst:.2%}")
     assert streamed[-1] < streamed[0] - 0.3  # it learns
-    # On the CPU (device="cpu") these 20 steps differ by at most 0.047%; unmeasured on a GPU: times 10.
+    # These 20 steps differ by at most 0.047% on the CPU (device="cpu") and 0.02% on an H100.
     assert worst <= 0.005
 
 
@@ -149,14 +164,16 @@ def test_ledger_peak_matches_the_allocator(tmp_path: Path, record_property: Reco
     tc = TrainerConfig.of(dtype="bf16", store="ram", activations=activations, device="cuda",
                           update_chunk=2**20)
     ids = torch.randint(0, cfg.vocab_size, (2, 2048), generator=torch.Generator().manual_seed(0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # what earlier tests left alive (a failed test's traceback, say)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
-        trainer.step(ids)  # warm-up: the transport's buffers exist from here on, as in every later step
+        trainer.step(ids)  # warm-up: kernel selection, cuBLAS workspaces
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         trainer.ledger.reset_peak()
         trainer.step(ids)
         torch.cuda.synchronize()
-        allocator, ledger = torch.cuda.max_memory_allocated(), trainer.ledger.peak
+        allocator, ledger = torch.cuda.max_memory_allocated() - before, trainer.ledger.peak
     record_property("ledger peak (MiB)", f"{ledger / 2**20:,.1f}")
     record_property("torch.cuda.max_memory_allocated (MiB)", f"{allocator / 2**20:,.1f}")
     record_property("allocator / ledger", f"{allocator / ledger:.3f}")
