@@ -136,26 +136,27 @@ class Transport:
         self.compute_stream = torch.cuda.current_stream(device) if self.mode == "cuda" else None
         # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
         self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
-        # Free buffers, each with the event after which the stream that last used it is done with it (CUDA).
-        self._pool: dict[tuple[int, torch.dtype, str], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        # Free host buffers, by size.
+        self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     # --- buffers ------------------------------------------------------------------------------
     def _take(self, numel: int, dtype: torch.dtype, where: str) -> torch.Tensor:
-        """A reusable buffer: fresh allocations page-fault at a quarter of the speed of reused memory.
+        """A reusable buffer: fresh host allocations page-fault at a quarter of the speed of reused memory.
 
         `where`: "device", or "pinned" for a host buffer an accelerator copies from. Where the device is the
-        host (cpu), both are the same plain memory and share one pool.
+        host (cpu), both are the same plain memory and share one pool. A CUDA device buffer comes from torch's
+        caching allocator, which reuses freed blocks already: pooled here too, idle buffers would hold device
+        memory the ledger has released.
         """
         if self.mode == "shared":
             where = "device"
+        if self.mode == "cuda" and where == "device":
+            return torch.empty(numel, dtype=dtype, device=self.device)
         with self._lock:
             free = self._pool.get((numel, dtype, where))
-            buffer, released = free.pop() if free else (None, None)
-        if buffer is not None:
-            if released is not None:
-                torch.cuda.current_stream().wait_event(released)  # kernels queued on it may still read it
-            return buffer
+            if free:
+                return free.pop()
         if where == "pinned":
             return self.staging.take(numel, dtype) if self.staging is not None else torch.empty(numel, dtype=dtype)
         return torch.empty(numel, dtype=dtype, device=self.device if where == "device" else "cpu")
@@ -172,12 +173,12 @@ class Transport:
         if where == "pinned" and self.staging is not None:
             self.staging.give_back(t)
             return
-        released = None
         if self.mode == "cuda" and where == "device":
-            released = torch.cuda.Event()
-            released.record(torch.cuda.current_stream())
+            # Made on the side stream, maybe used on this one: its block is reused once this stream is past here.
+            t.record_stream(torch.cuda.current_stream())
+            return
         with self._lock:
-            self._pool.setdefault((t.numel(), t.dtype, where), []).append((t, released))
+            self._pool.setdefault((t.numel(), t.dtype, where), []).append(t)
 
     def owns(self, t: torch.Tensor, unit: str, kind: str) -> bool:
         """False when `t` is the store's own RAM slab (handed over zero-copy), which must not be pooled."""
