@@ -91,7 +91,7 @@ def test_the_codes_are_torchaos_and_its_adamw8bit_takes_the_same_steps(monkeypat
     the store quantizes every chunk), against the store's update: moments dequantized, torch's fused AdamW,
     quantized back. The codes of the same values are torchao's, bit for bit, and over 10 steps so are the
     moments' codes; weights and scales agree within fp32 rounding of the two AdamW formulations."""
-    torchao_optim = pytest.importorskip("torchao.optim")
+    from torchao.optim import AdamW8bit
     from torchao.optim.quant_utils import create_dynamic_map, quantize_8bit_with_qmap, scale_tensor
 
     for signed in (True, False):
@@ -108,7 +108,7 @@ def test_the_codes_are_torchaos_and_its_adamw8bit_takes_the_same_steps(monkeypat
     g = torch.Generator().manual_seed(1)
     start = torch.randn(8192, generator=g)
     param = torch.nn.Parameter(start.clone())
-    reference = torchao_optim.AdamW8bit([param], lr=opt.lr, betas=opt.betas, eps=opt.eps,
+    reference = AdamW8bit([param], lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                         weight_decay=opt.weight_decay)
     spec = StoreSpec(CFG, moment_dtype="int8", chunk=8192)
     master = start.clone()
