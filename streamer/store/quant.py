@@ -39,10 +39,23 @@ def dynamic_map(signed: bool) -> list[float]:
 
 
 @functools.lru_cache(maxsize=None)
-def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map as fp32, and the midpoints between its neighbours: a value rounds to the nearest code."""
-    qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device)
-    return qmap, (qmap[:-1] + qmap[1:]) / 2
+def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The map as fp32; the midpoints between its neighbours (a value rounds to the nearest code), with +inf
+    after them; and the code below which each fp32 value's top 16 bits put it (indexed by those bits + 2^15).
+
+    No 16-bit range of fp32 values holds two midpoints (checked here), so a value's code is its range's code,
+    plus one where it reaches the range's next midpoint: a table look-up and one comparison, the same codes as
+    a binary search over the midpoints (torch.bucketize) at a third of its time on this CPU."""
+    qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32)
+    mids = (qmap[:-1] + qmap[1:]) / 2
+    keys = torch.arange(-2**15, 2**15, dtype=torch.int32)
+    low = torch.where(keys < 0, 0xFFFF, 0).to(torch.int32)  # a negative range's lowest value has the most bits
+    lowest, highest = ((keys << 16) | low).view(torch.float32), ((keys << 16) | (0xFFFF - low)).view(torch.float32)
+    below = torch.bucketize(lowest, mids, right=True)
+    spans = torch.bucketize(highest, mids, right=True) - below
+    assert spans[~lowest.isnan()].abs().max() <= 1, "a 16-bit range of fp32 values holds two codes' midpoints"
+    bounds = torch.cat([mids, torch.tensor([float("inf")])])
+    return qmap.to(device), bounds.to(device), below.to(torch.int32).to(device)
 
 
 def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -62,22 +75,24 @@ def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor,
 
 def encode(values: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Quantize fp32 `values` (starting on a block) into `out`, their stored bytes (uint8); returns `out`."""
-    qmap, mids = _tables(signed, values.device)
+    _, bounds, below = _tables(signed, values.device)
     for first, count, codes, scales in _blocks(out, values.numel()):
         block = values[first:first + count].view(codes.shape)
         scale = block.abs().amax(dim=1, keepdim=True).clamp_(min=MIN_SCALE)
         scales.copy_(scale)
-        # Nearest code; a value halfway between two rounds up, as torchao's quantize_8bit_with_qmap does.
-        codes.copy_(torch.bucketize(block / scale, mids, right=True))
+        normed = block / scale
+        # The nearest code; a value halfway between two rounds up, as torchao's quantize_8bit_with_qmap does.
+        code = below[(normed.view(torch.int32) >> 16) + 2**15]
+        codes.copy_(code + (normed >= bounds[code]))
     return out
 
 
 def decode(raw: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the stored bytes `raw` of `out.numel()` elements into `out` (fp32); returns `out`."""
-    qmap, _ = _tables(signed, raw.device)
+    qmap, _, _ = _tables(signed, raw.device)
     for first, count, codes, scales in _blocks(raw, out.numel()):
-        target = out[first:first + count].view(codes.shape)
-        torch.mul(qmap[codes.long()], scales, out=target)
+        values = torch.index_select(qmap, 0, codes.reshape(-1).long()).view(codes.shape)
+        torch.mul(values, scales, out=out[first:first + count].view(codes.shape))
     return out
 
 
