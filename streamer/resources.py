@@ -47,7 +47,7 @@ class HostNeed:
            offloaded: int = 0) -> HostNeed:
         """`offloaded`: the bytes of block inputs one process keeps in host memory (`--activations offload`)."""
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
-        ram, disk = spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, stores_on_disk))
+        ram, disk = store_size(model_cfg, tc, stores_on_disk)
         cuda = tc.device.device.startswith("cuda")
         staging = spec.staging_bytes() if cuda else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.device.pin_memory] if staging else 0
@@ -58,6 +58,13 @@ class HostNeed:
 
     def fits(self, free_ram: int, free_disk: int) -> bool:
         return self.ram <= free_ram and self.disk <= free_disk
+
+
+def store_size(model_cfg: ModelConfig, tc: TrainerConfig, processes: int = 1) -> tuple[int, int]:
+    """(RAM, disk) bytes of one process's store at its largest, headroom aside: its slabs and state files as
+    the store lays them out (`StoreSpec.host_bytes`), a committing step's second generation included."""
+    spec = tc.store_spec(model_cfg, processes)  # with the state sharded: each process's slice
+    return spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, processes))
 
 
 def _fused(tc: TrainerConfig, processes: int) -> bool:

@@ -268,3 +268,25 @@ def test_two_ranks_replicated_and_sharded_train_as_one_process(tmp_path):
         assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
         assert _max_diff(ranks[0]["state"], reference["state"]) <= weights
         assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=losses)
+
+
+# --- streamer plan ---------------------------------------------------------------------------------------------
+def test_plan_shows_the_host_ram_and_disk_each_moment_dtype_needs(capsys):
+    """`streamer plan` prints the store's RAM and disk as `streamer train` lays it out (StoreSpec.host_bytes, the
+    figure train checks before it writes anything), and the disk bytes of a step, for every moment dtype."""
+    from streamer.cli.main import main
+
+    needs = {}
+    for moments in ("fp32", "bf16", "int8"):
+        for store in ("ram", "disk"):
+            assert main(["plan", "--model", "gptj-debug", "--store", store, "--moment-dtype", moments, "--json"]) == 0
+            out = json.loads(capsys.readouterr().out)
+            tc = TrainerConfig.of(dtype="bf16", store=store, moment_dtype=moments)
+            assert (out["store_ram_bytes"], out["store_disk_bytes"]) == tc.store_spec(CFG).host_bytes(
+                every_unit_twice=True)  # a fused step (disk) or a save (RAM) keeps every unit's previous files
+            needs[moments, store] = out["store_ram_bytes"] + out["store_disk_bytes"], out["disk_write_bytes_per_step"]
+    for store in ("ram", "disk"):
+        assert needs["int8", store][0] < needs["bf16", store][0] < needs["fp32", store][0]
+    assert needs["int8", "disk"][1] < needs["bf16", "disk"][1] < needs["fp32", "disk"][1]
+    assert main(["plan", "--model", "gptj-debug", "--moment-dtype", "int8"]) == 0
+    assert "host store per process: " in capsys.readouterr().out
