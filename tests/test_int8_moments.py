@@ -136,6 +136,29 @@ def test_the_codes_are_torchaos_and_its_adamw8bit_takes_the_same_steps(monkeypat
     assert not torch.equal(master, start)
 
 
+def test_int8_moments_track_fp32_adamw_on_held_out_data():
+    """A tiny model learning strided token sequences, the same data and seed: the held-out loss with int8 moments
+    stays within the issue's 1% of exact fp32 AdamW at every evaluation (measured at most 0.71%, at step 40,
+    while the loss falls from 5.5 to 2.95)."""
+    def sequences(n: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, CFG.vocab_size, (n, 1), generator=g)
+        stride = torch.randint(1, 4, (n, 1), generator=g)
+        return (start + stride * torch.arange(32)) % CFG.vocab_size
+
+    held_out, curves = sequences(8, 99), {}
+    for moments in ("fp32", "int8"):
+        tc = INT8.replace(store="ram", moment_dtype=moments, max_grad_norm=1.0)
+        with StreamingTrainer(CFG, tc) as trainer:
+            curves[moments] = []
+            for step in range(40):
+                trainer.step(sequences(4, step))
+                if step % 10 == 9:
+                    curves[moments].append(trainer.evaluate(held_out))
+    assert curves["fp32"][-1] < 3.0
+    assert all(abs(b / a - 1) < 0.01 for a, b in zip(curves["fp32"], curves["int8"])), curves
+
+
 # --- the store -------------------------------------------------------------------------------------------------
 def test_int8_moments_train_alike_in_ram_on_disk_and_with_the_update_on_the_host(tmp_path):
     """The same bits whichever tier holds the moments (the disk tier's update fused into the backward) and
