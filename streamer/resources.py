@@ -121,8 +121,11 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
                      f"commits; {format_size(free_disk)} free)")
-    variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}, "--moment-dtype bf16": {"moment_dtype": "bf16"},
-                "--store disk --moment-dtype bf16": {"store": "disk", "moment_dtype": "bf16"}}
+    # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8.
+    variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}}
+    for moments in ("bf16", "int8"):
+        variants[f"--moment-dtype {moments}"] = {"moment_dtype": moments}
+        variants[f"--store disk --moment-dtype {moments}"] = {"store": "disk", "moment_dtype": moments}
     would_fit = []
     for flags, changes in variants.items():
         changed = tc.replace(**changes)

@@ -167,7 +167,8 @@ def test_int8_moments_train_alike_in_ram_on_disk_and_with_the_update_on_the_host
     disk = train(tmp_path / "disk", INT8.replace(store="disk"))
     host = train(tmp_path / "host", INT8.replace(store="ram", update_on="host"))
     after = train(tmp_path / "after", INT8.replace(store="disk", update_timing="after-backward"))
-    for other in (disk, host, after):
+    disk_host = train(tmp_path / "disk-host", INT8.replace(store="disk", update_on="host"))
+    for other in (disk, host, after, disk_host):
         assert other[0] == ram[0]
         assert_same(other[1], ram[1])
     fp32 = train(tmp_path / "fp32", INT8.replace(store="ram", moment_dtype="fp32"))
@@ -313,3 +314,26 @@ def test_plan_shows_the_host_ram_and_disk_each_moment_dtype_needs(capsys):
     assert needs["int8", "disk"][1] < needs["bf16", "disk"][1] < needs["fp32", "disk"][1]
     assert main(["plan", "--model", "gptj-debug", "--moment-dtype", "int8"]) == 0
     assert "host store per process: " in capsys.readouterr().out
+
+
+def test_a_disk_too_small_for_bf16_moments_is_told_int8_fits(tmp_path):
+    """`streamer train`'s refusal names the least drastic change that fits: int8 moments after bf16's."""
+    from streamer.resources import HostNeed, shortfall
+    from streamer.run import resolve
+
+    cfg = resolve({"model": "gptj-1.3b", "store": "disk", "update_timing": "after-backward",
+                   "run_dir": str(tmp_path / "r")})
+    model_cfg = cfg.model_config()
+    need = {m: HostNeed.of(model_cfg, cfg.trainer.replace(moment_dtype=m), 1, 1).disk for m in ("bf16", "int8")}
+    between = (need["bf16"] + need["int8"]) // 2
+    assert "what would fit: --moment-dtype int8" in shortfall(cfg, model_cfg, 64 * 2**30, between, tmp_path)
+
+
+def test_lora_trains_alike_with_int8_moments(tmp_path):
+    """A LoRA run's store holds the frozen base alone (no moments); its adapters keep torch's AdamW on the device,
+    whatever --moment-dtype says, so the setting is accepted and changes nothing."""
+    lora = INT8.replace(lora_rank=4, store="disk")
+    int8 = train(tmp_path / "int8", lora, steps=3)
+    fp32 = train(tmp_path / "fp32", lora.replace(moment_dtype="fp32"), steps=3)
+    assert int8[0] == fp32[0] and int8[2] == fp32[2]
+    assert_same(int8[1], fp32[1])
