@@ -13,7 +13,7 @@ from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
 from memory_model.shapes import MOMENT_DTYPES, check_chunk_blocks
-from memory_model.units import BLOCK_SCALE_BYTES, stored_bytes
+from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
@@ -92,6 +92,8 @@ class StoreSpec:
         a quantized kind's range starts on a block (update chunks are whole blocks)."""
         if not self.quantized(kind):
             return start, start + count
+        if start % QUANT_BLOCK:
+            raise ValueError(f"a range of quantized {kind} starts on a block of {QUANT_BLOCK}, not at {start}")
         first = self.kind_bytes(kind, start)
         return first, first + self.kind_bytes(kind, count)
 
