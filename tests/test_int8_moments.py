@@ -86,6 +86,23 @@ def test_a_round_trip_is_within_half_a_code_step_of_each_blocks_absmax(signed, n
     assert torch.equal(decode(zeros, signed, torch.ones(numel)), torch.zeros(numel))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_each_value_takes_its_nearest_code_halfway_rounding_up(signed):
+    """The codes are a binary search's over the midpoints between neighbouring codes (torch.bucketize, a value on
+    a midpoint rounding up, as torchao's quantize_8bit_with_qmap), at every midpoint, a step either side of it,
+    every code and random values of every decade. Each block holds a 1.0, so its scale is exactly 1."""
+    qmap = torch.tensor(dynamic_map(signed))
+    mids = (qmap[:-1] + qmap[1:]) / 2
+    probes = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)),
+                        qmap, torch.tensor([0.0, -0.0]), torch.rand(4000) * torch.logspace(-9, 0, 4000)])
+    probes = torch.cat([probes, -probes]) if signed else probes.abs()
+    probes = torch.cat([probes, torch.zeros(-len(probes) % (QUANT_BLOCK - 1))]).view(-1, QUANT_BLOCK - 1)
+    values = torch.cat([torch.ones(len(probes), 1), probes], dim=1).reshape(-1)
+    raw = encode(values, signed, torch.empty(stored_bytes("int8", values.numel()), dtype=torch.uint8))
+    codes = raw.view(-1, 4 + QUANT_BLOCK)[:, 4:].reshape(-1)
+    assert torch.equal(codes.long(), torch.bucketize(values, mids, right=True))
+
+
 def test_the_codes_are_torchaos_and_its_adamw8bit_takes_the_same_steps(monkeypatch):
     """torchao's AdamW8bit on one tensor (8192 values: it quantizes tensors of 4096 or more in blocks of 256, as
     the store quantizes every chunk), against the store's update: moments dequantized, torch's fused AdamW,

@@ -40,12 +40,13 @@ def dynamic_map(signed: bool) -> list[float]:
 
 @functools.lru_cache(maxsize=None)
 def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The map as fp32; the midpoints between its neighbours (a value rounds to the nearest code), with +inf
-    after them; and the code below which each fp32 value's top 16 bits put it (indexed by those bits + 2^15).
+    """The map as fp32; then, indexed by an fp32 value's top 16 bits (as int16, + 2^15), the code below which
+    that 16-bit range of values starts (uint8) and the midpoint between it and the next code (+inf past the
+    last).
 
-    No 16-bit range of fp32 values holds two midpoints (checked here), so a value's code is its range's code,
-    plus one where it reaches the range's next midpoint: a table look-up and one comparison, the same codes as
-    a binary search over the midpoints (torch.bucketize) at a third of its time on this CPU."""
+    No 16-bit range of fp32 values holds two midpoints (checked here), so a value's nearest code is its range's
+    code, plus one where it reaches the range's next midpoint: two table look-ups and one comparison give the
+    codes of a binary search over the midpoints (torch.bucketize) in a sixth of its time on this CPU."""
     qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32)
     mids = (qmap[:-1] + qmap[1:]) / 2
     keys = torch.arange(-2**15, 2**15, dtype=torch.int32)
@@ -54,8 +55,8 @@ def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     below = torch.bucketize(lowest, mids, right=True)
     spans = torch.bucketize(highest, mids, right=True) - below
     assert spans[~lowest.isnan()].abs().max() <= 1, "a 16-bit range of fp32 values holds two codes' midpoints"
-    bounds = torch.cat([mids, torch.tensor([float("inf")])])
-    return qmap.to(device), bounds.to(device), below.to(torch.int32).to(device)
+    next_mid = torch.cat([mids, torch.tensor([float("inf")])])[below]
+    return qmap.to(device), below.to(torch.uint8).to(device), next_mid.to(device)
 
 
 def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -75,15 +76,17 @@ def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor,
 
 def encode(values: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Quantize fp32 `values` (starting on a block) into `out`, their stored bytes (uint8); returns `out`."""
-    _, bounds, below = _tables(signed, values.device)
+    _, below, next_mid = _tables(signed, values.device)
     for first, count, codes, scales in _blocks(out, values.numel()):
         block = values[first:first + count].view(codes.shape)
         scale = block.abs().amax(dim=1, keepdim=True).clamp_(min=MIN_SCALE)
         scales.copy_(scale)
         normed = block / scale
         # The nearest code; a value halfway between two rounds up, as torchao's quantize_8bit_with_qmap does.
-        code = below[(normed.view(torch.int32) >> 16) + 2**15]
-        codes.copy_(code + (normed >= bounds[code]))
+        key = (normed.view(torch.int32) >> 16).add_(2**15).view(-1)
+        code = torch.index_select(below, 0, key)
+        code.add_(normed.view(-1) >= torch.index_select(next_mid, 0, key))
+        codes.copy_(code.view(codes.shape))
     return out
 
 
@@ -91,7 +94,7 @@ def decode(raw: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the stored bytes `raw` of `out.numel()` elements into `out` (fp32); returns `out`."""
     qmap, _, _ = _tables(signed, raw.device)
     for first, count, codes, scales in _blocks(raw, out.numel()):
-        values = torch.index_select(qmap, 0, codes.reshape(-1).long()).view(codes.shape)
+        values = torch.index_select(qmap, 0, codes.reshape(-1).int()).view(codes.shape)
         torch.mul(values, scales, out=out[first:first + count].view(codes.shape))
     return out
 
