@@ -14,7 +14,6 @@ BLOCK_SCALE_BYTES = {"int8": 4}
 COMPUTE_DTYPES = ("bf16", "fp32")
 
 
-
 def stored_bytes(dtype: str, numel: int) -> int:
     """Bytes `numel` elements of `dtype` take where they are stored: a quantized dtype's codes and the scale of
     every block they start (a partial last block has one too). The one rule the store's layout, the planner

@@ -382,7 +382,8 @@ class UnitWriter(StateWriter):
         self._file_kinds = spec.file_kinds()
 
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
-        values = stored(self._spec, kind, values)  # quantized once, for the slab and the file alike
+        if self._spec.quantized(kind):
+            values = stored(self._spec, kind, values)  # once, for the slab and the file alike (others cast on copy)
         self._slabs.write(self.unit, kind, start, values)
         if self._file is not None and kind in self._file_kinds:
             self._file.write(kind, start, values)
