@@ -381,7 +381,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
-            optimizer_bytes=0 if frozen else params * (MASTER_BYTES + cfg.moment_bytes), activation_bytes=kept,
+            optimizer_bytes=0 if frozen else params * MASTER_BYTES + cfg.moment_bytes(params), activation_bytes=kept,
             recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
@@ -395,8 +395,9 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
     # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient.
-    state = es if frozen else es + MASTER_BYTES + cfg.moment_bytes + GRAD_ACCUM_BYTES_PER_PARAM
-    host_store = shard_numel(params, cfg.shards) * state
+    stored = shard_numel(params, cfg.shards)
+    state = es if frozen else es + MASTER_BYTES + GRAD_ACCUM_BYTES_PER_PARAM
+    host_store = stored * state + (0 if frozen else cfg.moment_bytes(stored))
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
-from memory_model.units import DTYPE_BYTES
+from memory_model.units import DTYPE_BYTES, stored_bytes
 
 MASTER_BYTES = DTYPE_BYTES["fp32"]  # the fp32 master weights, per parameter
 
@@ -320,17 +320,21 @@ def loads_keeping_master(events: list[Event], prefetch: int) -> list[bool]:
 
 @dataclass(frozen=True)
 class StoreBytes:
-    """Bytes per parameter a disk store's files move: what a weights load reads (4: the fp32 master, which
-    it casts to the compute dtype; 0 where the compute weights are in RAM) and each Adam moment. An update
-    writes the fp32 master and the moments; the disk tier keeps no compute-dtype copy."""
+    """What a disk store's files move: per parameter, what a weights load reads (4: the fp32 master, which it
+    casts to the compute dtype; 0 where the compute weights are in RAM); and the dtype of the Adam moments. An
+    update writes the fp32 master and the moments; the disk tier keeps no compute-dtype copy."""
 
     weights: int
-    moment: int
+    moment_dtype: str
+
+    def moments(self, count: int) -> int:
+        """Both Adam moments of an update chunk of `count` parameters, as stored (a quantized dtype's scales too)."""
+        return 2 * stored_bytes(self.moment_dtype, count)
 
 
 def store_bytes(cfg: PlanConfig) -> StoreBytes:
-    """What the disk tier's files move per parameter: a weights load reads the fp32 master and casts it."""
-    return StoreBytes(weights=MASTER_BYTES if cfg.store == "disk" else 0, moment=DTYPE_BYTES[cfg.moment_dtype])
+    """What the disk tier's files move: a weights load reads the fp32 master and casts it."""
+    return StoreBytes(weights=MASTER_BYTES if cfg.store == "disk" else 0, moment_dtype=cfg.moment_dtype)
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
@@ -342,7 +346,7 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
     if isinstance(resource, Weights):
         return numel * sizes.weights
     master = MASTER_BYTES if resource.master else 0
-    return resource.count * (master + 2 * sizes.moment + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM))
+    return resource.count * (master + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM)) + sizes.moments(resource.count)
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
@@ -370,5 +374,5 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
                 shared = numels[owner] * GRAD_ACCUM_BYTES_PER_PARAM
                 read, written = read + (shared if event.micro > 0 else 0), written + shared
         elif event.phase == "update":
-            written += event.resource.count * (MASTER_BYTES + 2 * sizes.moment)
+            written += event.resource.count * MASTER_BYTES + sizes.moments(event.resource.count)
     return read, written

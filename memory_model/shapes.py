@@ -12,19 +12,19 @@ from dataclasses import MISSING, dataclass, field
 from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
-from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
+from memory_model.units import BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, stored_bytes
 
 ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
 UPDATE_PLACES = ("device", "host")
 STORE_TIERS = ("ram", "disk")
-MOMENT_DTYPES = ("fp32", "bf16")
+MOMENT_DTYPES = ("fp32", "bf16", "int8")
 UPDATE_TIMINGS = ("auto", "fused", "after-backward", "overlapped")
 DATA_PARALLEL_MODES = ("replicated", "sharded")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
 # AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
 # parameter (calibrate.py measures the `local` update bandwidth with the same count; PlanConfig's
-# update_touched_bytes counts the moments in their dtype).
+# update_touched_bytes counts the moments as stored).
 UPDATE_TOUCHED_BYTES_PER_PARAM = 28
 
 
@@ -58,8 +58,10 @@ class PlanConfig:
                       "and updates its 1/N slice of every unit's state and the weights are all-gathered for "
                       "compute (sharded: 1/N of the host RAM and disk per process)", Choice(DATA_PARALLEL_MODES),
         "MODE")
-    moment_dtype: str = setting("fp32", "dtype of the Adam moments in the store: fp32, or bf16 (half the bytes)",
-                                Choice(MOMENT_DTYPES), "DTYPE")
+    moment_dtype: str = setting(
+        "fp32", "dtype of the Adam moments in the store: fp32, bf16 (half the bytes), or int8 (block-wise quantized "
+                "as in 8-bit Adam: 1 byte each and an fp32 scale per 256; AdamW runs on them dequantized to fp32)",
+        Choice(MOMENT_DTYPES), "DTYPE")
     update_timing: str = setting(
         "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; an "
                 "update on the host then overlaps the backward of the units before it; gradients never reach the "
@@ -78,6 +80,7 @@ class PlanConfig:
             raise ValueError(f"batch {self.batch} does not split into grad_accum={self.grad_accum} micro-batches "
                              f"on devices={self.devices}; use a multiple of {self.grad_accum * self.devices}")
         fused_update(self.update_timing, self.store, self.devices)  # an impossible "fused" fails here
+        check_chunk_blocks(self.update_chunk, self.moment_dtype)
         if self.update_timing == "overlapped" and self.update_on != "host":
             raise SettingError("update_timing", "overlapped overlaps a host update with the backward: add "
                                                 "--update-on host, or use --update-timing auto")
@@ -116,26 +119,31 @@ class PlanConfig:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.compute_dtype]
 
-    @property
-    def moment_bytes(self) -> int:
-        """Per parameter, both Adam moments in the store."""
-        return 2 * DTYPE_BYTES[self.moment_dtype]
+    def moment_bytes(self, numel: int) -> int:
+        """Both Adam moments of `numel` parameters (one update chunk, or a unit) in the store."""
+        return 2 * stored_bytes(self.moment_dtype, numel)
 
-    @property
-    def store_bytes_per_param(self) -> int:
-        """What an update writes back per parameter: fp32 master, the moments, and the new compute weights."""
-        return 4 + self.moment_bytes + self.new_compute_bytes
+    def store_bytes(self, numel: int) -> int:
+        """What an update of `numel` parameters writes back: fp32 master, the moments, the new compute weights."""
+        return numel * (4 + self.new_compute_bytes) + self.moment_bytes(numel)
 
-    @property
-    def update_touched_bytes(self) -> int:
+    def update_touched_bytes(self, numel: int) -> int:
         """AdamW reads master, gradient and moments and writes master and moments (28 B/param in fp32)."""
-        return 4 + 4 + 4 + 2 * self.moment_bytes
+        return numel * (4 + 4 + 4) + 2 * self.moment_bytes(numel)
 
     @property
     def new_compute_bytes(self) -> int:
         """Per parameter, the compute-dtype copy an update writes; none in fp32, where master is compute, and
         none on the disk tier, whose loads cast the fp32 master (a copy would cost its bytes on every step)."""
         return 0 if self.compute_dtype == "fp32" or self.store == "disk" else self.dtype_bytes
+
+
+def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:
+    """Block-quantized moments are quantized in blocks that never straddle an update chunk: each chunk is
+    dequantized, updated and quantized alone, and a state file's chunks are read and written alone."""
+    if moment_dtype in BLOCK_SCALE_BYTES and chunk % QUANT_BLOCK:
+        raise SettingError("update_chunk", f"must be a multiple of {QUANT_BLOCK} with --moment-dtype {moment_dtype} "
+                                           f"(its quantization blocks), not {chunk}")
 
 
 def fused_update(timing: str, state_tier: str, devices: int) -> bool:

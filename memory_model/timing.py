@@ -155,7 +155,7 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         cast = 0.0
         if costs is not None and cfg.new_compute_bytes:
             cast = event.resource.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
-        return event.resource.count * cfg.update_touched_bytes / bandwidth + cast
+        return cfg.update_touched_bytes(event.resource.count) / bandwidth + cast
     unit = event.unit
     rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
@@ -260,7 +260,7 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
                after: float) -> float:
     """Book an update chunk's write-back (new master, moments and compute weights to the store). The flushes
     that seal a unit's new state file after its last chunk (SEAL_FLUSHES) are in the disk tier's fixed costs."""
-    out = event.resource.count * cfg.store_bytes_per_param
+    out = cfg.store_bytes(event.resource.count)
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
     d2h_s = _link(d2h, device, "d2h", cfg)

@@ -5,9 +5,21 @@ import re
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 # Bytes per element of every dtype the runtime stores, computes or exports in, by the names users write.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+# Block-wise quantized dtypes (int8 Adam moments, as in Dettmers et al., "8-bit Optimizers via Block-wise
+# Quantization", and torchao's AdamW8bit): each block of QUANT_BLOCK elements also stores one fp32 absmax scale.
+QUANT_BLOCK = 256
+BLOCK_SCALE_BYTES = {"int8": 4}
 # The dtypes a step computes in (fp16 only exports: its range needs loss scaling, which the runtime lacks).
 COMPUTE_DTYPES = ("bf16", "fp32")
+
+
+def stored_bytes(dtype: str, numel: int) -> int:
+    """Bytes `numel` elements of `dtype` take where they are stored: a quantized dtype's codes and the scale of
+    every block they start (a partial last block has one too). The one rule the store's layout, the planner
+    and the disk counts use."""
+    return numel * DTYPE_BYTES[dtype] + -(-numel // QUANT_BLOCK) * BLOCK_SCALE_BYTES.get(dtype, 0)
+
 
 # Decimal (SI) and binary (IEC) units are both common in budgets; "GB" and "GiB" differ by 7%, so both
 # spellings are kept exact instead of guessing what a bare "G" means.

@@ -19,7 +19,7 @@ from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
 from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
-from memory_model.shapes import fused_update
+from memory_model.shapes import check_chunk_blocks, fused_update
 from streamer.errors import ConfigError
 from streamer.runtime.hardware import DeviceConfig, resolve_compute_dtype
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
@@ -51,6 +51,7 @@ class TrainerConfig:
         check_settings(self, ConfigError.of)
         try:
             fused_update(self.step.update_timing, self.store.state, 1)
+            check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
 

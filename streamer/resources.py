@@ -47,7 +47,7 @@ class HostNeed:
            offloaded: int = 0) -> HostNeed:
         """`offloaded`: the bytes of block inputs one process keeps in host memory (`--activations offload`)."""
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
-        ram, disk = spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, stores_on_disk))
+        ram, disk = store_size(model_cfg, tc, stores_on_disk)
         cuda = tc.device.device.startswith("cuda")
         staging = spec.staging_bytes() if cuda else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.device.pin_memory] if staging else 0
@@ -58,6 +58,13 @@ class HostNeed:
 
     def fits(self, free_ram: int, free_disk: int) -> bool:
         return self.ram <= free_ram and self.disk <= free_disk
+
+
+def store_size(model_cfg: ModelConfig, tc: TrainerConfig, processes: int = 1) -> tuple[int, int]:
+    """(RAM, disk) bytes of one process's store at its largest, headroom aside: its slabs and state files as
+    the store lays them out (`StoreSpec.host_bytes`), a committing step's second generation included."""
+    spec = tc.store_spec(model_cfg, processes)  # with the state sharded: each process's slice
+    return spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, processes))
 
 
 def _fused(tc: TrainerConfig, processes: int) -> bool:
@@ -114,8 +121,11 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
                      f"commits; {format_size(free_disk)} free)")
-    variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}, "--moment-dtype bf16": {"moment_dtype": "bf16"},
-                "--store disk --moment-dtype bf16": {"store": "disk", "moment_dtype": "bf16"}}
+    # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8.
+    variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}}
+    for moments in ("bf16", "int8"):
+        variants[f"--moment-dtype {moments}"] = {"moment_dtype": moments}
+        variants[f"--store disk --moment-dtype {moments}"] = {"store": "disk", "moment_dtype": moments}
     would_fit = []
     for flags, changes in variants.items():
         changed = tc.replace(**changes)

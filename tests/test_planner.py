@@ -19,6 +19,7 @@ from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, L
                           peak_device_bytes, plan)
 from memory_model.kernels import attention_flops, gpu_elementwise_bytes
 from memory_model.devices import tree_levels, with_sets
+from memory_model.units import stored_bytes
 from memory_model.planner import step_spec
 from memory_model.shapes import (backward_workspace_bytes, block_input_numel, block_saved_bytes,
                                  checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes, loss_vocab_chunk)
@@ -637,6 +638,13 @@ def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> Non
     fp32, bf16 = plan(GPTJ_6B, h100, cfg), plan(GPTJ_6B, h100, replace(cfg, moment_dtype="bf16"))
     assert fp32.host_store_bytes - bf16.host_store_bytes == 4 * GPTJ_6B.num_params()  # two moments, 2 B less each
     assert sum(r.update_s for r in bf16.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 20 / 28)
+    # int8: a byte per moment and an fp32 scale per block of 256 (the store's own rule, units.stored_bytes).
+    int8 = plan(GPTJ_6B, h100, replace(cfg, moment_dtype="int8"))
+    n = GPTJ_6B.num_params()
+    assert fp32.host_store_bytes - int8.host_store_bytes == 2 * (4 * n - stored_bytes("int8", n))
+    assert sum(r.optimizer_bytes for r in int8.rows) == sum(
+        4 * r.params + 2 * stored_bytes("int8", r.params) for r in int8.rows)
+    assert sum(r.update_s for r in int8.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 16.0625 / 28, rel=1e-3)
     # The CUDA context is not the model's: a peak that leaves less than it free does not fit.
     tight = replace(h100, memory_bytes=fp32.peak_device_bytes + h100.reserve_bytes - 1)
     assert not plan(GPTJ_6B, tight, cfg).fits

@@ -530,4 +530,8 @@ def test_the_torch_dtypes_are_the_sized_dtypes() -> None:
     # memory_model sizes dtypes without torch; the store's torch dtypes must be the same names and sizes.
     from memory_model import DTYPE_BYTES
     from streamer.store.layout import DTYPES
-    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == DTYPE_BYTES
+    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == {n: DTYPE_BYTES[n] for n in DTYPES}
+    # int8 is a stored form only (block-quantized moments): the store keeps its bytes, one per element.
+    assert set(DTYPE_BYTES) - set(DTYPES) == {"int8"}
+    int8 = StoreSpec(GPTJConfig.preset("gptj-debug"), moment_dtype="int8", chunk=256)
+    assert int8.kind_dtype("exp_avg").itemsize == DTYPE_BYTES["int8"]

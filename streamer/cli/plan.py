@@ -20,6 +20,7 @@ from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
 from streamer.console import make_console
 from streamer.errors import StreamerError
+from streamer.resources import store_size
 from streamer.run import SettingError, read_toml, resolve, store_choice
 from streamer.calibration.calibrate import local_spec
 from streamer.calibration.dryrun import dry_run
@@ -92,10 +93,11 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
     store = f"{store_choice(cfg, explicit, args.config)}, on {device.name}'s host"
+    store_ram, store_disk = store_size(model_cfg, cfg.trainer.replace(dtype=dtype), args.ranks)
     others = baselines(model_cfg, args.ranks, plan_cfg.dtype_bytes)
     out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
-           "compute_dtype_reason": choice.reason, "store_reason": store,
-           "alternatives": [asdict(b) for b in others]}
+           "compute_dtype_reason": choice.reason, "store_reason": store, "store_ram_bytes": store_ram,
+           "store_disk_bytes": store_disk, "alternatives": [asdict(b) for b in others]}
     if args.dry_run:
         tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.update_on, budget=None)  # the ledger's own peak
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
@@ -107,6 +109,9 @@ def plan_command(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(choice.reason, markup=False, highlight=False)
     console.print(store, markup=False, highlight=False)
+    console.print(f"host store per process: {format_size(store_ram)} of RAM, {format_size(store_disk)} of disk "
+                  f"(--moment-dtype {cfg.trainer.optimizer.moment_dtype}; at its largest, while a step commits)",
+                  markup=False, highlight=False)
     console.print(result.table())
     console.print(_alternatives(result, others))
     if args.dry_run:

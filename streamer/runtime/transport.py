@@ -263,7 +263,8 @@ class Transport:
 
     def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True,
                    with_master: bool = True) -> Loaded:
-        """fp32 master, exp_avg, exp_avg_sq and grad of one chunk (moments stored in bf16 are widened).
+        """fp32 master, exp_avg, exp_avg_sq and grad of one chunk (moments stored in bf16 are widened, in int8
+        dequantized, by the store's `read_state`).
 
         `on_host`: the update runs on the host copy (update_on="host"), so nothing crosses the link.
         `with_grad=False`: the gradient comes from the backward (`host_chunk`), not from the store.

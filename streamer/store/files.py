@@ -24,6 +24,7 @@ from streamer.store.slabfile import (
     Checksum, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path,
     pread_into, pwrite_from,
 )
+from streamer.store.quant import stored
 from streamer.store.spec import StoreSpec
 
 
@@ -97,10 +98,14 @@ class StateFiles:
                 os.close(fd)
 
     # --- state files ------------------------------------------------------------------------
+    def chunk_count(self, unit: str, start: int) -> int:
+        """Elements of the unit's chunk starting at element `start`: the file's reads and writes are whole chunks."""
+        return min(self.spec.chunk, self.numels[unit] - start)
+
     def read(self, unit: str, generation: int, kind: str, start: int, out: torch.Tensor) -> None:
-        """Elements [start, start + out.numel()) of `kind` (one chunk at most), in the stored dtype."""
+        """`kind`'s piece of the chunk starting at element `start`, as stored (`StoreSpec.kind_dtype`)."""
         path = self.state_path(unit, generation)
-        pread_into(self.descriptor(path), out, self.spec.kind_offset(kind, start, out.numel()), path)
+        pread_into(self.descriptor(path), out, self.spec.kind_offset(kind, start, self.chunk_count(unit, start)), path)
         self.count_bytes(read=out.numel() * out.element_size())
 
     def check(self, unit: str, generation: int) -> Trailer:
@@ -188,9 +193,10 @@ class GenerationWriter:
         self._out: SequentialFile | None = None
 
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        """`kind`'s piece of the chunk starting at element `start`, in its stored form (`quant.stored`)."""
         spec = self.files.spec
-        values = values.to(spec.kind_dtype(kind)).contiguous()
-        offset = spec.kind_offset(kind, start, values.numel())
+        values = stored(spec, kind, values).contiguous()
+        offset = spec.kind_offset(kind, start, self.files.chunk_count(self.unit, start))
         if offset != self._next:
             raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")
         if self._out is None:

@@ -30,6 +30,7 @@ from streamer.store.commit import (
 from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, StoreReader, StoreWriter
 from streamer.store.layout import fold_into, model_layouts
+from streamer.store.quant import restored, stored
 from streamer.store.ram import RamSlabs
 from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
 from streamer.store.spec import PIN_MODES, StoreSpec
@@ -133,7 +134,7 @@ class _HostSlabs(StoreReader):
         generation = self.versions[unit]
         for start, count in chunks(self.numels[unit], self.spec.chunk):
             for kind in wanted:
-                self._files.read(unit, generation, kind, start, self._slabs.get(unit, kind)[start:start + count])
+                self._files.read(unit, generation, kind, start, self._raw(unit, kind, start, count))
             if rebuild_compute:
                 master = self._slabs.get(unit, "master")
                 if master is not None:
@@ -144,9 +145,14 @@ class _HostSlabs(StoreReader):
                 self._slabs.get(unit, "compute")[start:start + count].copy_(master)
         self._files.release(self._files.state_path(unit, generation))
 
+    def _raw(self, unit: str, kind: str, start: int, count: int) -> torch.Tensor:
+        """The RAM slab's piece holding elements [start, start + count) of `kind`, as stored."""
+        lo, hi = self.spec.kind_range(kind, start, count)
+        return self._slabs.get(unit, kind)[lo:hi]
+
     # --- reads ----------------------------------------------------------------------------
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
-        return self._slabs.get(unit, kind)
+        return None if self.spec.quantized(kind) else self._slabs.get(unit, kind)
 
     def read_master(self, unit: str, out: torch.Tensor) -> None:
         for start, count in chunks(self.numels[unit], self.spec.chunk):
@@ -155,17 +161,17 @@ class _HostSlabs(StoreReader):
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
         if kind == "master" and self.spec.frozen:
             kind = "compute"  # a frozen base's weights are its compute weights
-        stored = self.spec.kind_dtype(kind)
-        if (ram := self._slabs.get(unit, kind)) is not None:
-            out.copy_(ram[start:start + out.numel()])
+        if self._slabs.get(unit, kind) is not None:
+            restored(self.spec, kind, self._raw(unit, kind, start, out.numel()), out)
             return
-        target = out if out.dtype == stored else torch.empty(out.numel(), dtype=stored)
+        dtype = self.spec.kind_dtype(kind)
+        target = out if out.dtype == dtype else torch.empty(self.spec.kind_range(kind, 0, out.numel())[1], dtype=dtype)
         if kind == "grad":
             self._files.read_grad(unit, start, target)
         else:
             self._files.read(unit, self.versions[unit], kind, start, target)
         if target is not out:
-            out.copy_(target)
+            restored(self.spec, kind, target, out)
 
     def bytes_moved(self) -> tuple[int, int]:
         return self._files.bytes_read, self._files.bytes_written
@@ -317,8 +323,7 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def _writer(self, unit: str, commit: Commit, persist: bool) -> "UnitWriter":
         file = self._files.new_generation(unit, commit.generation) if persist else None
-        return UnitWriter(unit, self._slabs, file, self.spec.file_kinds(),
-                          lambda checksum: self._installed(unit, commit, checksum))
+        return UnitWriter(unit, self.spec, self._slabs, file, lambda checksum: self._installed(unit, commit, checksum))
 
     def _installed(self, unit: str, commit: Commit, checksum: int) -> None:
         """A unit's new generation is in place. Within a journaled commit the old one is deleted at once (the
@@ -354,7 +359,7 @@ class HostStore(_HostSlabs, StoreWriter):
             with self._writer(unit, commit, persist=True) as writer:
                 for start, count in chunks(numel, self.spec.chunk):
                     for kind in self.spec.file_kinds():
-                        writer.write(kind, start, self._slabs.get(unit, kind)[start:start + count])
+                        writer.write(kind, start, self._raw(unit, kind, start, count))
         self.generation = commit.generation
         self._unsaved.clear()
         self._write_manifest()
@@ -371,11 +376,14 @@ class UnitWriter(StateWriter):
     """One unit's new state: RAM-tier kinds go into their slabs at once; with `file`, the file kinds also go,
     in order, to the unit's next state file, and closing installs it (`installed(checksum)`)."""
 
-    def __init__(self, unit: str, slabs: RamSlabs, file: GenerationWriter | None, file_kinds: tuple[str, ...],
+    def __init__(self, unit: str, spec: StoreSpec, slabs: RamSlabs, file: GenerationWriter | None,
                  installed: Callable[[int], None]) -> None:
-        self.unit, self._slabs, self._file, self._file_kinds, self._installed = unit, slabs, file, file_kinds, installed
+        self.unit, self._spec, self._slabs, self._file, self._installed = unit, spec, slabs, file, installed
+        self._file_kinds = spec.file_kinds()
 
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        if self._spec.quantized(kind):
+            values = stored(self._spec, kind, values)  # once, for the slab and the file alike (others cast on copy)
         self._slabs.write(self.unit, kind, start, values)
         if self._file is not None and kind in self._file_kinds:
             self._file.write(kind, start, values)

@@ -106,7 +106,7 @@ class StoreReader(ABC):
     @abstractmethod
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
         """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned if `pin_memory` is all), for
-        zero-copy use; None when it is on disk. Read it; change it only through a `StateWriter`, which
+        zero-copy use; None when it is on disk, or stored quantized (int8 moments: `read_state` dequantizes them). Read it; change it only through a `StateWriter`, which
         skips the copy when handed a view of the slab itself."""
 
     @abstractmethod

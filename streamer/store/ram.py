@@ -11,11 +11,11 @@ class RamSlabs:
     so asking for "compute" then gives the master slab."""
 
     def __init__(self, spec: StoreSpec, numels: dict[str, int], pin: bool) -> None:
-        self._compute_is_master = spec.compute_is_master
+        self._spec, self._compute_is_master = spec, spec.compute_is_master
         self._slabs: dict[tuple[str, str], torch.Tensor] = {}
         for unit, numel in numels.items():
             for kind in spec.ram_kinds():
-                buf = torch.zeros(numel, dtype=spec.kind_dtype(kind))
+                buf = torch.zeros(spec.kind_range(kind, 0, numel)[1], dtype=spec.kind_dtype(kind))
                 self._slabs[unit, kind] = buf.pin_memory() if pin else buf
 
     def get(self, unit: str, kind: str) -> torch.Tensor | None:
@@ -29,11 +29,13 @@ class RamSlabs:
         return (unit, kind) in self._slabs
 
     def write(self, unit: str, kind: str, start: int, values: torch.Tensor) -> None:
-        """Copy `values` into elements [start, ...) of the slab, if it has one; a view of the slab itself is
-        already in place (an update on the host writes its new compute weights straight into it)."""
+        """Copy `values`, in their stored form (`quant.stored`), into elements [start, ...) of the slab, if it
+        has one; a view of the slab itself is already in place (an update on the host writes its new compute
+        weights straight into it)."""
         slab = self._slabs.get((unit, kind))
         if slab is None:
             return
-        target = slab[start:start + values.numel()]
+        first = self._spec.kind_range(kind, start, 0)[0]
+        target = slab[first:first + values.numel()]
         if target.data_ptr() != values.data_ptr():
             target.copy_(values)

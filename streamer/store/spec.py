@@ -11,7 +11,9 @@ import torch
 
 from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
-from memory_model.settings import Choice, Integer, Switch, check_settings, setting
+from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
+from memory_model.shapes import MOMENT_DTYPES, check_chunk_blocks
+from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
@@ -36,7 +38,7 @@ def _error(key: str, problem: str) -> StoreError:
 class StoreSpec:
     config: ModelConfig
     compute_dtype: str = setting("bf16", "dtype of the compute weights", Choice(tuple(DTYPES)), "DTYPE")
-    moment_dtype: str = setting("fp32", "dtype of the Adam moments", Choice(tuple(DTYPES)), "DTYPE")
+    moment_dtype: str = setting("fp32", "dtype of the Adam moments", Choice(MOMENT_DTYPES), "DTYPE")
     placement: Placement = field(default_factory=Placement)
     chunk: int = setting(16 * 2**20, "parameters per update chunk; also the interleave unit of state files",
                          Integer(1, " (a number of parameters)"))
@@ -53,6 +55,10 @@ class StoreSpec:
             # on save().
             raise StoreError("placement compute='disk' needs state='disk' (compute weights are read from the "
                              "state files' fp32 masters); use store='disk' or keep compute in RAM")
+        try:
+            check_chunk_blocks(self.chunk, self.moment_dtype)
+        except SettingError as exc:
+            raise StoreError(str(exc)) from None
 
     def stored_numel(self, unit_numel: int) -> int:
         """Elements of a unit of `unit_numel` parameters this store holds: the whole unit, or one rank's slice."""
@@ -64,12 +70,32 @@ class StoreSpec:
         its compute weights are all it stores)."""
         return self.compute_dtype == "fp32" and not self.frozen
 
-    def kind_dtype(self, kind: str) -> torch.dtype:
+    def kind_dtype_name(self, kind: str) -> str:
         if kind == "master" or kind == "grad":
-            return torch.float32
-        if kind == "compute":
-            return DTYPES[self.compute_dtype]
-        return DTYPES[self.moment_dtype]
+            return "fp32"
+        return self.compute_dtype if kind == "compute" else self.moment_dtype
+
+    def quantized(self, kind: str) -> bool:
+        """The kind is stored block-wise quantized (streamer.store.quant): as bytes, not as its elements."""
+        return self.kind_dtype_name(kind) in BLOCK_SCALE_BYTES
+
+    def kind_dtype(self, kind: str) -> torch.dtype:
+        """The dtype of the kind's slab and file pieces: its elements', or bytes (uint8) where it is quantized."""
+        return torch.uint8 if self.quantized(kind) else DTYPES[self.kind_dtype_name(kind)]
+
+    def kind_bytes(self, kind: str, count: int) -> int:
+        """Bytes `count` elements of `kind` take in a slab or a state file (memory_model.units.stored_bytes)."""
+        return stored_bytes(self.kind_dtype_name(kind), count)
+
+    def kind_range(self, kind: str, start: int, count: int) -> tuple[int, int]:
+        """Where elements [start, start + count) of `kind` lie in its slab, in the slab's own items (`kind_dtype`);
+        a quantized kind's range starts on a block (update chunks are whole blocks)."""
+        if not self.quantized(kind):
+            return start, start + count
+        if start % QUANT_BLOCK:
+            raise ValueError(f"a range of quantized {kind} starts on a block of {QUANT_BLOCK}, not at {start}")
+        first = self.kind_bytes(kind, start)
+        return first, first + self.kind_bytes(kind, count)
 
     def stored_kinds(self) -> tuple[str, ...]:
         """Kinds the store holds, in its files or its RAM slabs, gradients aside: no compute copy on the disk
@@ -93,7 +119,7 @@ class StoreSpec:
 
     def chunk_bytes(self, count: int) -> int:
         """Bytes of one chunk of `count` parameters in a state file (every file kind, interleaved)."""
-        return sum(count * self.kind_dtype(k).itemsize for k in self.file_kinds())
+        return sum(self.kind_bytes(k, count) for k in self.file_kinds())
 
     def state_bytes(self, numel: int) -> int:
         """Data bytes of a state file of a unit of `numel` parameters (the trailer follows them)."""
@@ -113,10 +139,10 @@ class StoreSpec:
             if kind not in numels:
                 numels[kind] = self.stored_numel(UnitLayout.of(self.config, unit).numel)
             numel = numels[kind]
-            ram += sum(numel * self.kind_dtype(k).itemsize for k in self.ram_kinds())
+            ram += sum(self.kind_bytes(k, numel) for k in self.ram_kinds())
             state = self.state_bytes(numel) + TRAILER_BYTES
             states, largest = states + state, max(largest, state)
-            grads += numel * self.kind_dtype("grad").itemsize if self.placement.grad == "disk" and not self.frozen else 0
+            grads += self.kind_bytes("grad", numel) if self.placement.grad == "disk" and not self.frozen else 0
         second = 0 if self.frozen else states if every_unit_twice else largest
         return ram, states + second + grads
 
@@ -141,7 +167,7 @@ class StoreSpec:
         for k in self.file_kinds():
             if k == kind:
                 return offset
-            offset += count * self.kind_dtype(k).itemsize
+            offset += self.kind_bytes(k, count)
         raise KeyError(kind)
 
     def to_dict(self) -> dict[str, Any]:
