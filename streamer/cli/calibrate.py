@@ -27,7 +27,7 @@ def declare(parser: argparse.ArgumentParser) -> None:
                     "Measure this machine. On a CUDA GPU (`streamer calibrate --device cuda`): the achieved share "
                     "of its preset's matmul and attention peaks, the host links with pinned buffers and the "
                     "host's AdamW, each figure 'measured', saved in runs/ and printed as --set flags for plan "
-                    "and train (unverified on a GPU). On the cpu without --target: the local device.", EXAMPLES)
+                    "and train. On the cpu without --target: the local device.", EXAMPLES)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--target", help="the preset whose peaks the fractions are of (default on CUDA: the "
                                          f"GPU's, by its name; one of {', '.join(DEVICE_PRESETS)})")
