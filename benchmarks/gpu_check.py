@@ -16,34 +16,32 @@ for a 16-core H100 machine with 128 GiB RAM) and says what it left out. Without 
 from __future__ import annotations
 
 import os
-from importlib.metadata import version
+import sys
+from pathlib import Path
 
-# The store's slabs are pinned through torch's caching host allocator, which rounds a block up to a power of
-# two: GPT-J-6B's 805 MB fp32 slabs would take 1 GiB each, 105 GiB of pinned RAM for a 79 GiB store. Above
-# 64 MiB, allocations keep their size. Set before torch loads; the tests' process inherits it. The key exists
-# from torch 2.13: an older torch refuses the whole setting when CUDA starts, so there the blocks round up
-# (pinned_rounds_up() finds out, and the store is sized for it).
-if tuple(int(part) for part in version("torch").split(".")[:2]) >= (2, 13):
-    os.environ.setdefault("PYTORCH_ALLOC_CONF", "pinned_max_round_threshold_mb:64")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's packages, whatever the venv has installed
+
+from streamer.cli.launch import PROCESS_ENV  # noqa: E402
+
+# The store's slabs are pinned: `streamer`'s own process settings keep pinned blocks their size where torch
+# can. Set before torch loads; the tests' process inherits them.
+for _name, _value in PROCESS_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import xml.etree.ElementTree as ElementTree  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's packages, whatever the venv has installed
 
 from layers import GPTJConfig  # noqa: E402
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, Plan, PlanConfig  # noqa: E402

@@ -174,3 +174,22 @@ def test_make_gpu_check_says_there_is_no_gpu_and_exits_0(tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert "sees no CUDA device" in made.stdout and "nothing to check on this machine" in made.stdout
+
+
+def test_the_command_sets_torch_up_before_it_loads_and_a_users_setting_wins() -> None:
+    """`streamer`'s process: OpenMP threads that sleep while they wait, and pinned blocks that keep their size
+    (torch >= 2.13 knows the key); torch reads both from the environment the entry point sets."""
+    from streamer.cli.launch import PROCESS_ENV
+
+    assert PROCESS_ENV["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert PROCESS_ENV["PYTORCH_ALLOC_CONF"] == "pinned_max_round_threshold_mb:64"  # constraints.txt's torch
+    # The entry point with a stand-in for the commands, which loads torch only once the entry point has run.
+    probe = ("import os, sys, types; from streamer.cli.launch import main; m = types.ModuleType('streamer.cli.main'); "
+             "m.main = lambda: print(os.environ['OMP_WAIT_POLICY'], __import__('torch')._C."
+             "_accelerator_getAllocatorSettings()) or 0; sys.modules[m.__name__] = m; sys.exit(main())")
+    env = {k: v for k, v in os.environ.items() if k not in PROCESS_ENV}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["PASSIVE", "pinned_max_round_threshold_mb:64"]
+    done = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split()[0] == "ACTIVE"
