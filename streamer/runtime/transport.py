@@ -100,7 +100,7 @@ class StagingPool:
     def __init__(self, limit: int, pin: bool) -> None:
         self.limit, self.pin = limit, pin
         self.pooled_bytes = 0  # every pooled buffer's bytes, free or handed out
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._pooled: set[int] = set()  # data_ptr of every pooled buffer
         self._lock = threading.Lock()
 
@@ -108,19 +108,22 @@ class StagingPool:
         size = numel * dtype.itemsize
         with self._lock:
             free = self._free.get((numel, dtype))
-            if free:
-                return free.pop()
-            if self.pooled_bytes + size > self.limit:
+            buffer, read = free.pop() if free else (None, None)
+            if buffer is None and self.pooled_bytes + size > self.limit:
                 return torch.empty(numel, dtype=dtype)
-            self.pooled_bytes += size
-            buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
-            self._pooled.add(buffer.data_ptr())
-            return buffer
+            if buffer is None:
+                self.pooled_bytes += size
+                buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+                self._pooled.add(buffer.data_ptr())
+        if read is not None:
+            read.synchronize()  # the copy to the device that reads it has finished: it may be written again
+        return buffer
 
-    def give_back(self, t: torch.Tensor) -> None:
+    def give_back(self, t: torch.Tensor, read: torch.cuda.Event | None = None) -> None:
+        """Return a buffer `take` gave out; `read`: the event after which a copy in flight has read it."""
         with self._lock:
             if t.data_ptr() in self._pooled:
-                self._free.setdefault((t.numel(), t.dtype), []).append(t)
+                self._free.setdefault((t.numel(), t.dtype), []).append((t, read))
 
 
 class Transport:
@@ -205,9 +208,14 @@ class Transport:
             fill(host) if ram is None else host.copy_(ram)
         out = self._take(numel, dtype, "device") if out is None else out
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
-        if not direct:
-            torch.cuda.current_stream().synchronize()  # the staging buffer is reused next
-            self.give_back(host)
+        if not direct and self.staging is not None:
+            # Pooled again at once: the next slab fills another buffer while this one crosses, and whoever
+            # takes this one waits for its copy first.
+            read = torch.cuda.Event()
+            read.record()
+            self.staging.give_back(host, read)
+        elif not direct:
+            torch.cuda.current_stream().synchronize()  # the buffer is reused next
         return out
 
     def _on_side_stream(self, job: Callable[[], dict[str, torch.Tensor]]) -> Loaded:
