@@ -298,6 +298,21 @@ def test_plan_shows_the_host_ram_and_disk_each_master_dtype_needs(capsys):
     assert "(--master-dtype bf16 --moment-dtype fp32;" in capsys.readouterr().out
 
 
+def test_a_disk_too_small_for_int8_moments_is_told_a_bf16_master_fits(tmp_path):
+    """`streamer train`'s refusal names the least drastic change that fits: a bf16 master after int8 moments."""
+    from streamer.resources import HostNeed, shortfall
+    from streamer.run import resolve
+
+    cfg = resolve({"model": "gptj-1.3b", "store": "disk", "update_timing": "after-backward", "dtype": "bf16",
+                   "run_dir": str(tmp_path / "r")})
+    model_cfg = cfg.model_config()
+    need = {m: HostNeed.of(model_cfg, cfg.trainer.replace(moment_dtype="int8", master_dtype=m), 1, 1).disk
+            for m in ("fp32", "bf16")}
+    between = (need["fp32"] + need["bf16"]) // 2
+    assert "what would fit: --master-dtype bf16 --moment-dtype int8" in shortfall(cfg, model_cfg, 64 * 2**30,
+                                                                                   between, tmp_path)
+
+
 def test_lora_trains_alike_with_a_bf16_master(tmp_path):
     """A LoRA run's store holds the frozen base alone (no master); the setting is accepted and changes nothing."""
     lora = BF16.replace(lora_rank=4, store="disk")
