@@ -18,7 +18,8 @@ from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
 from memory_model.shapes import PlanConfig
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.runtime.optim import random_bits16, round_to_bf16_, rounding_key
+from streamer.runtime.optim import (CPU_ROUNDING_BLOCK, random_bits16, round_to_bf16_, rounding_key,
+                                    stochastic_round_bf16_)
 from streamer.store.spec import StoreSpec
 
 CFG = GPTJConfig.preset("gptj-debug")
@@ -111,6 +112,10 @@ def test_the_random_bits_are_deterministic_uniform_and_chunking_free():
     for other in (rounding_key(8, 5, "block.3"), rounding_key(7, 6, "block.3"), rounding_key(7, 5, "block.4")):
         assert (random_bits16(other, 1000, 300_000, CPU) == whole).float().mean() < 1e-3
     assert whole.min() >= 0 and whole.max() < 2**16
+    values = torch.randn(300_000, generator=torch.Generator().manual_seed(1))
+    blocked = values.clone()
+    stochastic_round_bf16_(blocked, key, 1000)  # drawn block by block on a CPU
+    assert 300_000 > 2 * CPU_ROUNDING_BLOCK and torch.equal(blocked, round_to_bf16_(values, whole))
     counts = torch.bincount(whole >> 8, minlength=256).double()
     expected = whole.numel() / 256
     assert ((counts - expected) ** 2 / expected).sum() < 360  # chi-square, 255 degrees of freedom: P(>360) ~ 1e-5

@@ -109,7 +109,21 @@ def adamw_chunk(state: dict[str, torch.Tensor], start: int, decay_end: int, tc: 
              [], steps, foreach=False, fused=fused or None, decoupled_weight_decay=True, amsgrad=False,
              beta1=tc.betas[0], beta2=tc.betas[1], lr=lr, weight_decay=weight_decay, eps=tc.eps, maximize=False)
     if rounding is not None:
-        round_to_bf16_(state["master"], random_bits16(rounding, start, count, device))
+        stochastic_round_bf16_(state["master"], rounding, start)
+
+
+# Elements whose random bits are drawn at once on a CPU: the hash's dozen passes then stay in the core's cache,
+# 2-3x faster than passes over a whole 16 Mi chunk in memory. Other devices draw a chunk at once.
+CPU_ROUNDING_BLOCK = 2**15
+
+
+def stochastic_round_bf16_(master: torch.Tensor, key: int, start: int) -> None:
+    """Round the fp32 `master`, elements [start, ...) of a unit, in place to bf16 values with the unit's random
+    bits (`rounding_key`, `random_bits16`), block by block on a CPU."""
+    block = CPU_ROUNDING_BLOCK if master.device.type == "cpu" else max(master.numel(), 1)
+    for lo in range(0, master.numel(), block):
+        piece = master[lo:lo + block]
+        round_to_bf16_(piece, random_bits16(key, start + lo, piece.numel(), master.device))
 
 
 # lowbias32 (Chris Wellons' hash-prospector): a 32-bit integer hash under which every output bit flips with
