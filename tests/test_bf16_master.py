@@ -17,6 +17,7 @@ from conftest import poison_gradient
 from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
 from memory_model.shapes import PlanConfig
+from memory_model.units import stored_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.runtime.optim import (CPU_ROUNDING_BLOCK, random_bits16, round_to_bf16_, rounding_key,
                                     stochastic_round_bf16_)
@@ -176,6 +177,10 @@ def test_the_ram_tier_keeps_one_copy_of_bf16_weights(tmp_path):
         assert spec.host_bytes()[0] == n * (2 + copy + 8 + 4)  # master, compute copy, fp32 moments, gradient
     fp32 = BF16.replace(store="ram", master_dtype="fp32").store_spec(CFG)
     assert fp32.host_bytes()[0] - BF16.replace(store="ram").store_spec(CFG).host_bytes()[0] == 4 * n
+    # With int8 moments: 2 + 2 x (1 + 4/256) + 4 = 8.03 B/param (STORE.md).
+    int8 = BF16.replace(store="ram", moment_dtype="int8", update_chunk=20 * 256).store_spec(CFG).host_bytes()[0]
+    assert int8 == sum(6 * m + 2 * stored_bytes("int8", m) for m in map(CFG.unit_params, CFG.unit_names()))
+    assert round(int8 / n, 2) == 8.03
     with StreamingTrainer(CFG, BF16.replace(store="ram"), store_dir=tmp_path / "run") as trainer:
         trainer.step(batches(1)[0])
         for unit in CFG.unit_names():
