@@ -188,6 +188,24 @@ def test_the_ram_tier_keeps_one_copy_of_bf16_weights(tmp_path):
             assert compute is master and master.dtype == torch.bfloat16
 
 
+def test_ram_compute_weights_are_rebuilt_from_a_bf16_master_on_disk(tmp_path):
+    """Compute weights in RAM beside the state on disk (fp32 compute: a copy of the bf16 master) are rebuilt from
+    the state files' bf16 masters when the store opens: the same weights, and the same next step."""
+    from streamer.store.layout import Placement
+
+    tc = BF16.replace(dtype="fp32", store=Placement("ram", "disk", "disk"))
+    whole = train(tmp_path / "whole", tc, steps=3)
+    train(tmp_path / "run", tc, steps=2)
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        for unit in CFG.unit_names():
+            compute = trainer.store.slab(unit, "compute")
+            master = torch.empty(compute.numel())
+            trainer.store.read_master(unit, master)
+            assert compute.dtype == torch.float32 and torch.equal(compute, master)
+        trainer.step(batches(3)[2])
+        assert_same(trainer.state_dict(), whole[1])
+
+
 def test_bf16_master_fused_rollback_and_clipping_are_bit_identical(tmp_path, monkeypatch):
     """A fused step that is not finite is rolled back to the previous state files and skipped, and a step that
     clips is made again after the backward: both give the bits of the update after the backward."""
