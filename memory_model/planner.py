@@ -381,8 +381,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
-            optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params), activation_bytes=kept,
-            recompute_bytes=recompute,
+            optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
+            activation_bytes=kept, recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,

@@ -175,7 +175,8 @@ class StepSpec:
 
 def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
     """A weights load reads the master from the state files (and casts it): there is no compute copy in RAM,
-    and compute weights in the master's dtype are the masters themselves. The one rule for `StepSpec.master_from_weights`."""
+    and compute weights in the master's dtype are the masters themselves. The one rule for
+    `StepSpec.master_from_weights`."""
     return compute_tier == "disk" or (compute_is_master and state_tier == "disk")
 
 
