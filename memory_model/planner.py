@@ -24,7 +24,7 @@ from memory_model.shapes import (
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
-    MASTER_BYTES, BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
+    BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
     gradient_charges, load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events,
     store_bytes, update_charges,
 )
@@ -292,7 +292,7 @@ def step_spec(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> StepS
     units = tuple(shape.unit_names())
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in units}  # what each rank updates
     return StepSpec(units, cfg.grad_accum, numels, cfg.update_chunk, fused=cfg.fused, frozen_base=cfg.lora.enabled,
-                    master_from_weights=loads_read_master(cfg.store, cfg.store, cfg.compute_dtype == "fp32"),
+                    master_from_weights=loads_read_master(cfg.store, cfg.store, cfg.compute_is_master),
                     update_units=None if update else (), offload_inputs=cfg.offloads_inputs)
 
 
@@ -381,8 +381,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
-            optimizer_bytes=0 if frozen else params * MASTER_BYTES + cfg.moment_bytes(params), activation_bytes=kept,
-            recompute_bytes=recompute,
+            optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
+            activation_bytes=kept, recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
@@ -394,9 +394,11 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
-    # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient.
+    # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient. Compute
+    # weights in the master's dtype are the master: no copy.
     stored = shard_numel(params, cfg.shards)
-    state = es if frozen else es + MASTER_BYTES + GRAD_ACCUM_BYTES_PER_PARAM
+    copy = 0 if cfg.compute_is_master else es
+    state = es if frozen else copy + cfg.master_bytes + GRAD_ACCUM_BYTES_PER_PARAM
     host_store = stored * state + (0 if frozen else cfg.moment_bytes(stored))
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.

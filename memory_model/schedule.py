@@ -23,9 +23,7 @@ from typing import Mapping, Sequence
 
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
-from memory_model.units import DTYPE_BYTES, stored_bytes
-
-MASTER_BYTES = DTYPE_BYTES["fp32"]  # the fp32 master weights, per parameter
+from memory_model.units import stored_bytes
 
 
 @dataclass(frozen=True)
@@ -176,8 +174,9 @@ class StepSpec:
 
 
 def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
-    """A weights load reads the fp32 master from the state files (and casts it): there is no compute copy in
-    RAM, and fp32 compute weights are the masters themselves. The one rule for `StepSpec.master_from_weights`."""
+    """A weights load reads the master from the state files (and casts it): there is no compute copy in RAM,
+    and compute weights in the master's dtype are the masters themselves. The one rule for
+    `StepSpec.master_from_weights`."""
     return compute_tier == "disk" or (compute_is_master and state_tier == "disk")
 
 
@@ -320,11 +319,12 @@ def loads_keeping_master(events: list[Event], prefetch: int) -> list[bool]:
 
 @dataclass(frozen=True)
 class StoreBytes:
-    """What a disk store's files move: per parameter, what a weights load reads (4: the fp32 master, which it
-    casts to the compute dtype; 0 where the compute weights are in RAM); and the dtype of the Adam moments. An
-    update writes the fp32 master and the moments; the disk tier keeps no compute-dtype copy."""
+    """What a disk store's files move: per parameter, what a weights load reads (the master, which it casts to
+    the compute dtype; 0 where the compute weights are in RAM) and the master as stored; and the dtype of the
+    Adam moments. An update writes the master and the moments; the disk tier keeps no compute-dtype copy."""
 
     weights: int
+    master: int
     moment_dtype: str
 
     def moments(self, count: int) -> int:
@@ -333,8 +333,9 @@ class StoreBytes:
 
 
 def store_bytes(cfg: PlanConfig) -> StoreBytes:
-    """What the disk tier's files move: a weights load reads the fp32 master and casts it."""
-    return StoreBytes(weights=MASTER_BYTES if cfg.store == "disk" else 0, moment_dtype=cfg.moment_dtype)
+    """What the disk tier's files move: a weights load reads the master and casts it."""
+    return StoreBytes(weights=cfg.master_bytes if cfg.store == "disk" else 0, master=cfg.master_bytes,
+                      moment_dtype=cfg.moment_dtype)
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
@@ -345,7 +346,7 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
         return 0
     if isinstance(resource, Weights):
         return numel * sizes.weights
-    master = MASTER_BYTES if resource.master else 0
+    master = sizes.master if resource.master else 0
     return resource.count * (master + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM)) + sizes.moments(resource.count)
 
 
@@ -356,7 +357,7 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
 
     Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
     write it, except that the last one of a fused step keeps it in memory for the update. Updates write the
-    fp32 master and the moments. `borrowed`: the units whose weights a unit's load reads too and into whose
+    master and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
     accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
     """
     borrowed = borrowed or {}
@@ -374,5 +375,5 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
                 shared = numels[owner] * GRAD_ACCUM_BYTES_PER_PARAM
                 read, written = read + (shared if event.micro > 0 else 0), written + shared
         elif event.phase == "update":
-            written += event.resource.count * MASTER_BYTES + sizes.moments(event.resource.count)
+            written += event.resource.count * sizes.master + sizes.moments(event.resource.count)
     return read, written

@@ -18,6 +18,7 @@ ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
 UPDATE_PLACES = ("device", "host")
 STORE_TIERS = ("ram", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
+MASTER_DTYPES = ("fp32", "bf16")
 UPDATE_TIMINGS = ("auto", "fused", "after-backward", "overlapped")
 DATA_PARALLEL_MODES = ("replicated", "sharded")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
@@ -62,6 +63,11 @@ class PlanConfig:
         "fp32", "dtype of the Adam moments in the store: fp32, bf16 (half the bytes), or int8 (block-wise quantized "
                 "as in 8-bit Adam: 1 byte each and an fp32 scale per 256; AdamW runs on them dequantized to fp32)",
         Choice(MOMENT_DTYPES), "DTYPE")
+    master_dtype: str = setting(
+        "fp32", "dtype of the master weights in the store: fp32 (exact AdamW), or bf16 (half the bytes; AdamW runs "
+                "on them widened to fp32 and each update is stochastically rounded back, so small updates are kept "
+                "on average; with --dtype bf16 the master is also the compute weights)", Choice(MASTER_DTYPES),
+        "DTYPE")
     update_timing: str = setting(
         "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; an "
                 "update on the host then overlaps the backward of the units before it; gradients never reach the "
@@ -123,19 +129,31 @@ class PlanConfig:
         """Both Adam moments of `numel` parameters (one update chunk, or a unit) in the store."""
         return 2 * stored_bytes(self.moment_dtype, numel)
 
+    @property
+    def master_bytes(self) -> int:
+        """Per parameter, the master weights in the store."""
+        return DTYPE_BYTES[self.master_dtype]
+
+    @property
+    def compute_is_master(self) -> bool:
+        """The compute weights are the master weights themselves (one dtype): the store keeps no copy."""
+        return self.compute_dtype == self.master_dtype
+
     def store_bytes(self, numel: int) -> int:
-        """What an update of `numel` parameters writes back: fp32 master, the moments, the new compute weights."""
-        return numel * (4 + self.new_compute_bytes) + self.moment_bytes(numel)
+        """What an update of `numel` parameters writes back: the master, the moments, the new compute weights."""
+        return numel * (self.master_bytes + self.new_compute_bytes) + self.moment_bytes(numel)
 
     def update_touched_bytes(self, numel: int) -> int:
-        """AdamW reads master, gradient and moments and writes master and moments (28 B/param in fp32)."""
-        return numel * (4 + 4 + 4) + 2 * self.moment_bytes(numel)
+        """AdamW reads master, gradient and moments and writes master and moments, as stored (28 B/param in
+        fp32)."""
+        return numel * (2 * self.master_bytes + 4) + 2 * self.moment_bytes(numel)
 
     @property
     def new_compute_bytes(self) -> int:
-        """Per parameter, the compute-dtype copy an update writes; none in fp32, where master is compute, and
-        none on the disk tier, whose loads cast the fp32 master (a copy would cost its bytes on every step)."""
-        return 0 if self.compute_dtype == "fp32" or self.store == "disk" else self.dtype_bytes
+        """Per parameter, the compute-dtype copy an update writes; none where the master is the compute weights
+        (one dtype), and none on the disk tier, whose loads cast the master (a copy would cost its bytes on every
+        step)."""
+        return 0 if self.compute_is_master or self.store == "disk" else self.dtype_bytes
 
 
 def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:

@@ -76,7 +76,8 @@ class TrainerConfig:
         data-parallel processes (with the state sharded, each holds its slice)."""
         shards = processes if self.step.data_parallel == "sharded" else 1
         return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.store,
-                         self.step.update_chunk, shards, frozen=self.lora.enabled)
+                         self.step.update_chunk, shards, frozen=self.lora.enabled,
+                         master_dtype=self.optimizer.master_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""

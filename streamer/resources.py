@@ -121,11 +121,15 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
                      f"commits; {format_size(free_disk)} free)")
-    # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8.
+    # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8, and
+    # a bf16 master last.
     variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}}
     for moments in ("bf16", "int8"):
         variants[f"--moment-dtype {moments}"] = {"moment_dtype": moments}
         variants[f"--store disk --moment-dtype {moments}"] = {"store": "disk", "moment_dtype": moments}
+    for store in ("", "--store disk "):
+        variants[f"{store}--master-dtype bf16 --moment-dtype int8"] = {
+            **({"store": "disk"} if store else {}), "master_dtype": "bf16", "moment_dtype": "int8"}
     would_fit = []
     for flags, changes in variants.items():
         changed = tc.replace(**changes)

@@ -147,6 +147,7 @@ class RunConfig:
         # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
         return PlanConfig(**asdict(tc.step), batch=self.batch, seq=self.seq, compute_dtype=tc.device.dtype,
                           store=tc.store.state, devices=devices, moment_dtype=tc.optimizer.moment_dtype,
+                          master_dtype=tc.optimizer.master_dtype,
                           lora=tc.lora, packed=self.data.pack is not None)
 
     def name(self) -> str:
@@ -178,11 +179,11 @@ class RunConfig:
 # show them: every flat name of RunConfig's settings but the schedule's total_steps, which is --steps.
 FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir", "steps", "batch", "seq",
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
-         "moment_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "trace_steps",
-         "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations", "update_on",
-         "prefetch", "update_chunk", "update_timing", "data_parallel", "seed", "pack", "eval_fraction", "eval_data",
-         "chat_template", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens", "report_to",
-         "log_every", "dist_timeout")
+         "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+         "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
+         "update_on", "prefetch", "update_chunk", "update_timing", "data_parallel", "seed", "pack", "eval_fraction",
+         "eval_data", "chat_template", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
+         "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
@@ -194,8 +195,8 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
-# beta since step 1. eps, like lr, only scales the next updates; moment_dtype is the store's layout. pin_memory
-# only says which host memory is page-locked; `set` only describes the simulated device.
+# beta since step 1. eps, like lr, only scales the next updates; moment_dtype and master_dtype are the store's
+# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
              "report_to", "pin_memory", "set", "dist_timeout")

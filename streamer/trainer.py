@@ -71,7 +71,7 @@ class StreamingTrainer:
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(device.device), self.tc.seed)
         self.executor = Executor(cfg, step, self.tc.optimizer, torch.device(device.device), self.tc.compute_dtype,
                                  self.tc.store, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
-                                 self.adapters, writer=self.writer)
+                                 self.adapters, writer=self.writer, seed=self.tc.seed)
         try:
             # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
             self.fused = self.adapters is None and fused_update(step.update_timing, self.tc.store.state,

@@ -49,7 +49,8 @@ def _tied_keys(layouts: Iterable[UnitLayout]) -> list[tuple[str, str]]:
 
 def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
                       compute_dtype: torch.dtype, data_parallel: DataParallel | None) -> None:
-    """A unit's weights (by slot key, taken out of `tensors`) as its fp32 master, moments zero, and compute copy."""
+    """A unit's weights (by slot key, taken out of `tensors`) as its master, moments zero, and compute copy (of
+    the master as stored: a bf16 master's values, in fp32 compute too)."""
     master = torch.empty(layout.numel, dtype=torch.float32)
     for slot in layout.slots:
         master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
@@ -60,7 +61,9 @@ def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str,
         for start, count in chunks(master.numel(), store.spec.chunk):
             piece = master[start:start + count]
             zeros = None if store.spec.frozen else torch.zeros(count, dtype=torch.float32)  # LoRA: no moments
-            values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros, "compute": piece.to(compute_dtype)}
+            master_values = piece if store.spec.frozen else piece.to(store.spec.kind_dtype("master"))
+            values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros,
+                      "compute": master_values.to(compute_dtype)}
             for kind in store.spec.stored_kinds():
                 writer.write(kind, start, values[kind])
 

@@ -53,13 +53,15 @@ class Job:
     record: str | None = None  # a folder: the state after every step and each step's call counts (reference run)
     out: str | None = None  # where the finished run leaves its final weights and losses
     moments: str = "fp32"  # the Adam moments' dtype in the store
+    master: str = "fp32"  # the master weights' dtype in the store
 
 
-def trainer_config(dtype: str, compute: str, timing: str, moments: str = "fp32") -> TrainerConfig:
+def trainer_config(dtype: str, compute: str, timing: str, moments: str = "fp32", master: str = "fp32") -> TrainerConfig:
     # Several chunks per unit, two micro-batches: a kill can land between any two writes of a step.
     # Fused: no clipping, so that every step is fused (a step that clips is made again after the backward).
     return TrainerConfig.of(store=Placement(compute, "disk", "disk"), dtype=dtype, grad_accum=2,
                             update_chunk=8192, lr=3e-3, seed=7, update_timing=timing, moment_dtype=moments,
+                            master_dtype=master,
                             max_grad_norm=0 if timing == "fused" else 1.0)
 
 
@@ -111,7 +113,8 @@ def train(job: Job) -> None:
     if (store / "manifest.json").exists():
         trainer = StreamingTrainer.open(store)
     else:
-        trainer = StreamingTrainer(CFG, trainer_config(job.dtype, job.compute, job.timing, job.moments), store_dir=store)
+        tc = trainer_config(job.dtype, job.compute, job.timing, job.moments, job.master)
+        trainer = StreamingTrainer(CFG, tc, store_dir=store)
     with trainer:
         rng = torch.Generator()
         if "rng" in trainer.extra_state:

@@ -39,9 +39,11 @@ def test_planner_matches_dry_run(n_embd, n_head, n_layer, rotary, inner, batch, 
     assert predicted.peak_device_bytes == pytest.approx(ledger.peak, rel=0.01)
 
 
-def test_dry_run_equals_the_real_runs_ledger(tmp_path):
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_dry_run_equals_the_real_runs_ledger(tmp_path, master):
+    """RAM tier: with a bf16 master the bf16 compute weights are the master, so no update writes new ones."""
     cfg = GPTJConfig.preset("gptj-debug")
-    tc = TrainerConfig.of(dtype="bf16", update_chunk=20_000)
+    tc = TrainerConfig.of(dtype="bf16", update_chunk=20_000, master_dtype=master)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         real = trainer.ledger.peak, trainer.ledger.peak_breakdown
@@ -51,22 +53,29 @@ def test_dry_run_equals_the_real_runs_ledger(tmp_path):
     for category in ("weights", "gradients", "optimizer", "workspace"):
         assert dry.peak_breakdown[category] == real[1][category]
     assert dry.peak == pytest.approx(real[0], rel=0.015)
+    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype="bf16",
+                                                           update_chunk=20_000, master_dtype=master))
+    assert planned.peak_device_bytes == pytest.approx(dry.peak, rel=0.015)
 
 
-@pytest.mark.parametrize("dtype,moments", [("bf16", "fp32"), ("fp32", "fp32"), ("bf16", "int8")])
-def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype, moments):
+@pytest.mark.parametrize("dtype,moments,master", [("bf16", "fp32", "fp32"), ("fp32", "fp32", "fp32"),
+                                                  ("bf16", "int8", "fp32"), ("bf16", "int8", "bf16"),
+                                                  ("fp32", "fp32", "bf16")])
+def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype, moments, master):
     """The disk tier's fused step (weights cast from the fp32 master, the update's master from the backward's
     load, no new compute weights): the same streamed charges in the real run, the dry run and the plan. int8
-    moments cross to the device dequantized: the same 12 B/param of optimizer state."""
+    moments cross to the device dequantized, a bf16 master widened: the same 12 B/param of optimizer state."""
     cfg = GPTJConfig.preset("gptj-debug")
-    tc = TrainerConfig.of(dtype=dtype, update_chunk=20_480, store="disk", max_grad_norm=0, moment_dtype=moments)
+    tc = TrainerConfig.of(dtype=dtype, update_chunk=20_480, store="disk", max_grad_norm=0, moment_dtype=moments,
+                          master_dtype=master)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         assert trainer.fused and trainer.clipped_redos == 0
         real = trainer.ledger.peak_breakdown
     dry = dry_run(cfg, tc, 2, 48)
     planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype=dtype,
-                                                           update_chunk=20_480, store="disk", moment_dtype=moments))
+                                                           update_chunk=20_480, store="disk", moment_dtype=moments,
+                                                           master_dtype=master))
     for category in ("weights", "gradients", "optimizer", "workspace"):
         assert dry.peak_breakdown[category] == real[category]
     assert planned.peak_device_bytes == pytest.approx(dry.peak, rel=0.015)
@@ -80,6 +89,8 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
     dict(dtype="fp32", grad_accum=2, lora_rank=4),  # a frozen base: no update events
     dict(dtype="bf16", store="disk", grad_accum=2, activations="offload", prefetch=2),  # block inputs on the host
     dict(dtype="bf16", store="disk", moment_dtype="int8", update_chunk=20_480),  # quantized moments, whole blocks
+    dict(dtype="bf16", store="ram", master_dtype="bf16"),  # the compute weights are the master: no copy
+    dict(dtype="fp32", store="disk", master_dtype="bf16", update_chunk=20_000),  # loads widen the bf16 master
 ])
 def test_the_trainer_and_the_planner_describe_one_step(settings):
     """One run's settings give the trainer and the planner the same step description, hence one event list."""

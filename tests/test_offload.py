@@ -111,6 +111,6 @@ def test_an_input_comes_back_after_its_forward_with_the_weights_of_its_backward(
     order = [r for r in load_order(events, prefetch) if isinstance(r, BlockInput)]
     assert sorted(order, key=str) == sorted(needed, key=str)  # each loaded once
     kept = step_events(StepSpec(units, micro_batches, dict.fromkeys(units, 100), 50, fused=fused))
-    sizes = StoreBytes(weights=4, moment_dtype="fp32")
+    sizes = StoreBytes(weights=4, master=4, moment_dtype="fp32")
     assert disk_bytes(events, prefetch, spec.numels, sizes, micro_batches) == \
         disk_bytes(kept, prefetch, spec.numels, sizes, micro_batches)

@@ -645,6 +645,11 @@ def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> Non
     assert sum(r.optimizer_bytes for r in int8.rows) == sum(
         4 * r.params + 2 * stored_bytes("int8", r.params) for r in int8.rows)
     assert sum(r.update_s for r in int8.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 16.0625 / 28, rel=1e-3)
+    # A bf16 master: 2 B less, and the bf16 compute weights are the master (no 2 B copy beside it).
+    master = plan(GPTJ_6B, h100, replace(cfg, master_dtype="bf16"))
+    assert fp32.host_store_bytes - master.host_store_bytes == 4 * n
+    assert sum(r.optimizer_bytes for r in master.rows) == 10 * n
+    assert sum(r.update_s for r in master.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 24 / 28)
     # The CUDA context is not the model's: a peak that leaves less than it free does not fit.
     tight = replace(h100, memory_bytes=fp32.peak_device_bytes + h100.reserve_bytes - 1)
     assert not plan(GPTJ_6B, tight, cfg).fits

@@ -28,7 +28,8 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk", "moment_dtype", "update_timing", "data_parallel", "lora_rank", "lora_targets", "set", "pack")
+                 "update_chunk", "moment_dtype", "master_dtype", "update_timing", "data_parallel", "lora_rank",
+                 "lora_targets", "set", "pack")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
@@ -109,8 +110,10 @@ def plan_command(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(choice.reason, markup=False, highlight=False)
     console.print(store, markup=False, highlight=False)
+    optimizer = cfg.trainer.optimizer
     console.print(f"host store per process: {format_size(store_ram)} of RAM, {format_size(store_disk)} of disk "
-                  f"(--moment-dtype {cfg.trainer.optimizer.moment_dtype}; at its largest, while a step commits)",
+                  f"(--master-dtype {optimizer.master_dtype} --moment-dtype {optimizer.moment_dtype}; at its largest, "
+                  f"while a step commits)",
                   markup=False, highlight=False)
     console.print(result.table())
     console.print(_alternatives(result, others))

@@ -22,28 +22,31 @@ from streamer.runtime.step import StepConfig, StepContext
 from streamer.runtime.transport import IOQueues, Transport
 from streamer.runtime.update import Updater
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import Placement, UnitLayout
+from streamer.store.layout import DTYPES, Placement, UnitLayout
 
 
 class Executor:
     def __init__(self, cfg: ModelConfig, step: StepConfig, optimizer: OptimizerConfig, device: torch.device,
                  dtype: torch.dtype, placement: Placement, store: StoreReader | None, ledger: Ledger, trace: Trace,
                  layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
-                 adapters: Adapters | None = None, writer: StoreWriter | None = None) -> None:
+                 adapters: Adapters | None = None, writer: StoreWriter | None = None, seed: int = 0) -> None:
         """Runs `cfg`'s units as `step` says, updating them as `optimizer` says, computing on `device` in `dtype`
         from a store placed as `placement`. `store` is read by every run; `writer`, the same store where it takes
         writes, takes a training step's gradients and updates (None: the store is only read, and only forward
-        passes run)."""
+        passes run). `seed`: the run's, from which a bf16 master's stochastic rounding draws its bits."""
         self.step_cfg, self.trace, self.device = step, trace, device
         self.transport = Transport(store, device, dtype)
         inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
-        self.loader = Loader(layouts, step, placement, dtype, self.transport, self.io, ledger, trace, data_parallel)
+        # Compute weights in the master's dtype are the master weights themselves: the store keeps no copy.
+        compute_is_master = dtype == DTYPES[optimizer.master_dtype]
+        self.loader = Loader(layouts, step, placement, dtype, compute_is_master, self.transport, self.io, ledger, trace,
+                             data_parallel)
         self.passes = Passes(cfg, step, layouts, self.loader.states, self.loader.stored_numel, device, dtype,
                              self.transport, self.io, ledger, trace, store, writer, data_parallel, adapters)
-        self.updater = Updater(step, optimizer, layouts, placement, dtype, self.transport, self.io, ledger, trace,
-                               store, writer, data_parallel)
+        self.updater = Updater(step, optimizer, layouts, placement, dtype, compute_is_master, self.transport, self.io,
+                               ledger, trace, store, writer, data_parallel, seed)
         self.loads_read_master = self.loader.loads_read_master
         self.current = StepContext([], 0, 0.0)  # the step running, or the last one (none yet)
 

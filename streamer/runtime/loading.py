@@ -24,7 +24,7 @@ class Loader:
     """Each unit's device residency and the loads in flight: what is on the device, and what is coming."""
 
     def __init__(self, layouts: dict[str, UnitLayout], step: StepConfig, placement: Placement, dtype: torch.dtype,
-                 transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
+                 compute_is_master: bool, transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
                  data_parallel: DataParallel | None) -> None:
         self.layouts, self.step_cfg, self.dtype = layouts, step, dtype
         self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
@@ -32,8 +32,8 @@ class Loader:
         self.states = {u: UnitState(u) for u in layouts}
         self.data_parallel = data_parallel
         self.shards = 1 if data_parallel is None else data_parallel.shards  # the slices of each unit's state
-        # Weights loads read the fp32 master and cast it (the schedule's `master_from_weights`), for the run.
-        self.loads_read_master = placement.loads_read_master(dtype == torch.float32)
+        # Weights loads read the master and cast it (the schedule's `master_from_weights`), for the run.
+        self.loads_read_master = placement.loads_read_master(compute_is_master)
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
         self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
 

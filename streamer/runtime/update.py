@@ -7,7 +7,7 @@ import torch
 from memory_model import Ledger, Trace
 from memory_model.schedule import StateChunk, update_charges
 from streamer.runtime.distributed import DataParallel
-from streamer.runtime.optim import OptimizerConfig, adamw_chunk
+from streamer.runtime.optim import OptimizerConfig, adamw_chunk, rounding_key
 from streamer.runtime.step import ClippingNeeded, StepConfig, StepContext, clip_coefficient
 from streamer.runtime.transport import IOQueues, Transport
 from streamer.store.interface import StoreReader, StoreWriter
@@ -18,10 +18,11 @@ class Updater:
     """AdamW of the update events' chunks, and their write-backs."""
 
     def __init__(self, step: StepConfig, optimizer: OptimizerConfig, layouts: dict[str, UnitLayout],
-                 placement: Placement, dtype: torch.dtype, transport: Transport, io: IOQueues, ledger: Ledger,
-                 trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
-                 data_parallel: DataParallel | None) -> None:
+                 placement: Placement, dtype: torch.dtype, compute_is_master: bool, transport: Transport,
+                 io: IOQueues, ledger: Ledger, trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
+                 data_parallel: DataParallel | None, seed: int = 0) -> None:
         self.step_cfg, self.optimizer, self.layouts, self.placement, self.dtype = step, optimizer, layouts, placement, dtype
+        self.compute_is_master, self.seed = compute_is_master, seed
         self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
         self.store, self.writer, self.data_parallel = store, writer, data_parallel
         self.on_host = step.update_on == "host"  # the update runs where the store lives
@@ -42,7 +43,8 @@ class Updater:
         layout = self.layouts[chunk.unit]
         # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
         start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
-        adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef)
+        rounding = None if self.optimizer.master_dtype == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
+        adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
         if ctx.fused:
             grad = tensors.pop("grad")
             if grad.device.type != "cpu":
@@ -78,8 +80,9 @@ class Updater:
         return {**tensors, "grad": grad}
 
     def store_keeps_compute(self) -> bool:
-        """An update writes new compute-dtype weights: the store has a compute copy (in RAM), not fp32."""
-        return self.dtype != torch.float32 and self.placement.compute == "ram"
+        """An update writes new compute-dtype weights: the store has a compute copy (in RAM), in a dtype other
+        than the master's."""
+        return not self.compute_is_master and self.placement.compute == "ram"
 
     def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
                     new_compute: torch.Tensor | None, ctx: StepContext) -> None:

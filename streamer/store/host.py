@@ -140,7 +140,7 @@ class _HostSlabs(StoreReader):
                 if master is not None:
                     master = master[start:start + count]
                 else:
-                    master = torch.empty(count, dtype=torch.float32)
+                    master = torch.empty(count, dtype=self.spec.kind_dtype("master"))  # as stored
                     self._files.read(unit, generation, "master", start, master)
                 self._slabs.get(unit, "compute")[start:start + count].copy_(master)
         self._files.release(self._files.state_path(unit, generation))

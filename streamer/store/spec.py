@@ -12,7 +12,7 @@ import torch
 from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
-from memory_model.shapes import MOMENT_DTYPES, check_chunk_blocks
+from memory_model.shapes import MASTER_DTYPES, MOMENT_DTYPES, check_chunk_blocks
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
@@ -47,6 +47,7 @@ class StoreSpec:
     # LoRA trains adapters beside a frozen base: the store then holds the base's compute weights alone, written
     # once (no master, no moments, no gradient), and a step only reads them.
     frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
+    master_dtype: str = setting("fp32", "dtype of the master weights", Choice(MASTER_DTYPES), "DTYPE")
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
@@ -66,13 +67,15 @@ class StoreSpec:
 
     @property
     def compute_is_master(self) -> bool:
-        """fp32 compute weights are the master weights themselves: no second copy (a frozen base has no masters:
-        its compute weights are all it stores)."""
-        return self.compute_dtype == "fp32" and not self.frozen
+        """Compute weights in the master's dtype are the master weights themselves: no second copy (a frozen
+        base has no masters: its compute weights are all it stores)."""
+        return self.compute_dtype == self.master_dtype and not self.frozen
 
     def kind_dtype_name(self, kind: str) -> str:
-        if kind == "master" or kind == "grad":
+        if kind == "grad":
             return "fp32"
+        if kind == "master":
+            return self.master_dtype
         return self.compute_dtype if kind == "compute" else self.moment_dtype
 
     def quantized(self, kind: str) -> bool:
@@ -174,15 +177,18 @@ class StoreSpec:
         sharded = {"shards": self.shards} if self.shards > 1 else {}  # a whole store's manifest reads as before
         return {"config": self.config.to_dict(), "compute_dtype": self.compute_dtype,
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
-                **sharded, "frozen": self.frozen}
+                **sharded, "frozen": self.frozen, "master_dtype": self.master_dtype}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "StoreSpec":
         try:
-            # A store written before `frozen` existed holds a full training state, whatever its run trained.
-            if set(raw) - {"shards", "frozen"} != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
+            # A store written before `frozen` existed holds a full training state, whatever its run trained; one
+            # written before `master_dtype` existed, fp32 masters.
+            optional = {"shards", "frozen", "master_dtype"}
+            if set(raw) - optional != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
             return cls(ModelConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
-                       Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False))
+                       Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False),
+                       raw.get("master_dtype", "fp32"))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None
