@@ -26,7 +26,8 @@ GOAL = 0.01  # relative difference from fp32 at every evaluation
 MAX_GRAD_NORM = 1.0  # streamer train's default --max-grad-norm, which these runs keep
 
 # (name, the flags that select it); fp32 first: the reference.
-PRECISIONS = (("fp32", ()), ("bf16 moments", ("--moment-dtype", "bf16")), ("int8 moments", ("--moment-dtype", "int8")))
+PRECISIONS = (("fp32", ()), ("bf16 moments", ("--moment-dtype", "bf16")), ("int8 moments", ("--moment-dtype", "int8")),
+              ("bf16 master, int8 moments", ("--master-dtype", "bf16", "--moment-dtype", "int8")))
 MODEL_100M = {"model_type": "gptj", "n_embd": 768, "n_layer": 12, "n_head": 12, "rotary_dim": 64,
               "vocab_size": 8192, "n_positions": 2048}
 MODEL_QUICK = {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 16,
@@ -82,8 +83,8 @@ def report(s: Settings, runs: dict[str, Curve], command: str, seconds: float, pl
            f"- command: `{command}`; {seconds / 60:.1f} min",
            f"- model: GPT-J, d_model {s.model['n_embd']}, {s.model['n_layer']} layers, vocabulary "
            f"{s.model['vocab_size']} (about {params / 1e6:.0f}M parameters), random init, the embedded demo corpus",
-           f"- {s.steps} steps of {s.batch} x {s.seq} tokens, RAM tier, lr {s.lr:g} (cosine), seed 0; held-out loss every "
-           f"{s.eval_every} steps", "", "## Goal", ""]
+           f"- {s.steps} steps of {s.batch} x {s.seq} tokens, RAM tier, lr {s.lr:g} (cosine), seed 0; held-out loss "
+           f"every {s.eval_every} steps", "", "## Goal", ""]
     out += [f"- {n}: within {GOAL:.0%} of fp32 at every evaluation: {'met' if w <= GOAL else 'NOT met'} "
             f"(at most {w:.2%})" for n, w in worst.items()]
     out += ["", "## Clipping", "", f"Steps whose gradient norm exceeded --max-grad-norm {MAX_GRAD_NORM:g} (then "

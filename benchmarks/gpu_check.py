@@ -275,7 +275,8 @@ def benchmark(model: str, seq: int, clock: Clock, bench: Bench) -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(tmp) / "store")
-        bench.lines.append(f"- store built (random init, pinned) in {time.monotonic() - started:.0f} s")
+        pinned = ", pinned" if pin == "all" else ""
+        bench.lines.append(f"- store built (random init{pinned}) in {time.monotonic() - started:.0f} s")
         runs = bench.runs
         try:
             runs.append(measure(trainer, spec, 1, seq, warmup=1, steps=3))
