@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from layers import GPTJConfig
 
 if TYPE_CHECKING:
     import transformers
+
+    from crash_driver import Job
+    from streamer import TrainerConfig
 
 # pytest-xdist's workers share the cores, and so do the commands they start (which inherit this variable). With
 # torch's default of one intra-op thread per core, each core holds several threads that spin at every barrier,
@@ -88,6 +92,78 @@ def poison_gradient(monkeypatch: pytest.MonkeyPatch, unit: str, value: float = f
         return original(self, name, grads, first, scratch, persist)
 
     monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
+
+
+DEBUG_MODEL = GPTJConfig.preset("gptj-debug")
+
+
+def debug_batches(n: int, seed: int = 3) -> list[torch.Tensor]:
+    """`n` batches of 2 x 16 random tokens for DEBUG_MODEL."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, DEBUG_MODEL.vocab_size, (2, 16), generator=g) for _ in range(n)]
+
+
+def strided_sequences(n: int, seed: int) -> torch.Tensor:
+    """`n` sequences of 32 DEBUG_MODEL tokens, each a random start and stride: data a tiny model learns."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, DEBUG_MODEL.vocab_size, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    return (start + stride * torch.arange(32)) % DEBUG_MODEL.vocab_size
+
+
+class DebugRun(NamedTuple):
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+    step_bytes: tuple[int, int]  # the last step's store bytes (read, written)
+    redos: int  # steps made again after the backward
+    norms: list[float]  # each step's gradient norm
+
+
+def train_debug(root: Path, tc: "TrainerConfig", steps: int = 4, monkeypatch: pytest.MonkeyPatch | None = None,
+                poisoned_step: int | None = None) -> DebugRun:
+    """DEBUG_MODEL trained on `debug_batches(steps)` in a store at `root`; at `poisoned_step`, a NaN in block.1's
+    gradient (`poison_gradient`, through `monkeypatch`)."""
+    from streamer import StreamingTrainer
+    norms = []
+    with StreamingTrainer(DEBUG_MODEL, tc, store_dir=root) as trainer:
+        for step, ids in enumerate(debug_batches(steps)):
+            if step == poisoned_step:
+                with monkeypatch.context() as patch:
+                    poison_gradient(patch, "block.1", float("nan"))
+                    trainer.step(ids)
+            else:
+                trainer.step(ids)
+            norms.append(sum(trainer.executor.grad_sq_norms.values()) ** 0.5)
+        return DebugRun(trainer.losses, trainer.state_dict(), trainer.step_bytes, trainer.clipped_redos, norms)
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bit for bit: the same keys, and torch.equal under each."""
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.fixture(scope="module")
+def forkserver() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    # Not crash_driver itself: Python 3.11's forkserver preloads without the test folder on sys.path.
+    # torch._dynamo: the first op on a meta tensor (building a unit) imports it, ~0.7 s per child otherwise.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "layers", "streamer"])
+    return ctx
+
+
+def run_child(ctx: Any, job: "Job", kill_after: float | None = None) -> int:
+    """tests/crash_driver.py's `train(job)` in a child of the `forkserver` fixture's context: its exit code (-9:
+    SIGKILL); `kill_after` seconds: killed from here at that time."""
+    import crash_driver
+    process = ctx.Process(target=crash_driver.train, args=(job,))
+    process.start()
+    process.join(kill_after if kill_after is not None else 120)
+    if process.is_alive():
+        assert kill_after is not None, "the child hung"
+        process.kill()
+        process.join()
+    return process.exitcode
 
 
 # The longest tests start first: with two workers, neither is then left running one of them alone at the end.

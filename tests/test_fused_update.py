@@ -9,12 +9,10 @@ the store's files moved with the planner's count for the same step.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import poison_gradient
+from conftest import assert_same_tensors, debug_batches, train_debug
 from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
 from memory_model.schedule import StepSpec, Weights, load_order, loads_keeping_master, step_events
@@ -28,56 +26,48 @@ STEPS = 4
 DISK = TrainerConfig.of(store="disk", dtype="fp32", update_chunk=5000, lr=3e-3, nonfinite="skip")
 
 
-def batches(n: int, seed: int = 3) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG.vocab_size, (2, 16), generator=g) for _ in range(n)]
-
-
-def train(root: Path, tc: TrainerConfig, monkeypatch: pytest.MonkeyPatch,
-          poisoned_step: int | None = None) -> tuple[list[float], dict[str, torch.Tensor], int, list[float]]:
-    """Losses, final weights, steps made again after the backward, and each step's gradient norm."""
-    norms = []
-    with StreamingTrainer(CFG, tc, store_dir=root) as trainer:
-        for step, ids in enumerate(batches(STEPS)):
-            with monkeypatch.context() as patch:
-                if step == poisoned_step:
-                    poison_gradient(patch, "block.1", float("nan"))
-                trainer.step(ids)
-            norms.append(sum(trainer.executor.grad_sq_norms.values()) ** 0.5)
-        return trainer.losses, trainer.state_dict(), trainer.clipped_redos, norms
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
 @pytest.mark.parametrize("accum,moments,dtype", [(1, "fp32", "fp32"), (2, "bf16", "bf16"), (1, "bf16", "fp32")])
-def test_fused_update_is_bit_identical_when_clipping_triggers_on_some_steps(tmp_path, monkeypatch, accum,
-                                                                            moments, dtype):
+def test_fused_update_is_bit_identical_when_clipping_triggers_on_some_steps(tmp_path, accum, moments, dtype):
     base = DISK.replace(grad_accum=accum, moment_dtype=moments, dtype=dtype)
-    unclipped = train(tmp_path / "free", base.replace(max_grad_norm=0), monkeypatch)
-    norms = sorted(unclipped[3])
+    unclipped = train_debug(tmp_path / "free", base.replace(max_grad_norm=0), STEPS)
+    norms = sorted(unclipped.norms)
     # A threshold between the steps' norms: the early steps clip, the later ones do not (or the reverse).
     limit = (norms[1] + norms[2]) / 2
-    after = train(tmp_path / "after", base.replace(max_grad_norm=limit, update_timing="after-backward"), monkeypatch)
-    fused = train(tmp_path / "fused", base.replace(max_grad_norm=limit, update_timing="fused"), monkeypatch)
+    after = train_debug(tmp_path / "after", base.replace(max_grad_norm=limit, update_timing="after-backward"), STEPS)
+    fused = train_debug(tmp_path / "fused", base.replace(max_grad_norm=limit, update_timing="fused"), STEPS)
     assert after[0] == fused[0]
-    assert_same(after[1], fused[1])
-    clipped = [n > limit for n in after[3]]
+    assert_same_tensors(after[1], fused[1])
+    clipped = [n > limit for n in after.norms]
     assert 0 < sum(clipped) < STEPS, "the threshold must make some steps clip and leave others"
     # A fused step that clips is made again after the backward, and so are the steps after it until one does
     # not clip: a redo at each step that clips after one that did not.
-    assert fused[2] == sum(c and (i == 0 or not clipped[i - 1]) for i, c in enumerate(clipped))
-    assert after[2] == 0
+    assert fused.redos == sum(c and (i == 0 or not clipped[i - 1]) for i, c in enumerate(clipped))
+    assert after.redos == 0
 
 
-def test_fused_update_without_clipping_matches_and_never_redoes(tmp_path, monkeypatch):
-    after = train(tmp_path / "after", DISK.replace(max_grad_norm=0, update_timing="after-backward"), monkeypatch)
-    fused = train(tmp_path / "fused", DISK.replace(max_grad_norm=0), monkeypatch)
-    assert after[0] == fused[0] and fused[2] == 0
-    assert_same(after[1], fused[1])
+def test_fused_update_without_clipping_matches_and_never_redoes(tmp_path):
+    after = train_debug(tmp_path / "after", DISK.replace(max_grad_norm=0, update_timing="after-backward"), STEPS)
+    fused = train_debug(tmp_path / "fused", DISK.replace(max_grad_norm=0), STEPS)
+    assert after[0] == fused[0] and fused.redos == 0
+    assert_same_tensors(after[1], fused[1])
+
+
+@pytest.mark.parametrize("precision", [dict(moment_dtype="int8", update_chunk=20 * 256),
+                                       dict(master_dtype="bf16", dtype="bf16")], ids=["int8-moments", "bf16-master"])
+def test_fused_rollback_and_clipping_are_bit_identical_in_the_opt_in_precisions(tmp_path, monkeypatch, precision):
+    """A fused step that is not finite is rolled back to the previous state files and skipped, and a step that
+    clips is made again after the backward: both give the bits of the update after the backward, with quantized
+    moments and with a stochastically rounded bf16 master too."""
+    base = DISK.replace(max_grad_norm=0, **precision)
+    run = lambda name, **flat: train_debug(tmp_path / name, base.replace(**flat), 6, monkeypatch, poisoned_step=1)
+    norms = sorted(n for n in run("free").norms if n == n)
+    limit = (norms[1] + norms[2]) / 2  # some steps clip, the others do not
+    after = run("after", max_grad_norm=limit, update_timing="after-backward")
+    fused = run("fused", max_grad_norm=limit, update_timing="fused")
+    assert len(fused[0]) == 5 and after[0] == fused[0]
+    assert_same_tensors(after[1], fused[1])
+    clipped = sum(n > limit for n in after.norms if n == n)
+    assert 0 < fused.redos and 0 < clipped < 5
 
 
 # The compute weights in RAM (bf16, rebuilt from the masters): the rollback refills them from the files too.
@@ -85,11 +75,12 @@ def test_fused_update_without_clipping_matches_and_never_redoes(tmp_path, monkey
 def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_path, monkeypatch, accum, store):
     tc = DISK.replace(grad_accum=accum, store=store, dtype="bf16" if store != "disk" else "fp32",
                       max_grad_norm=0)  # every step fused (a step that clips is made again after the backward)
-    after = train(tmp_path / "after", tc.replace(update_timing="after-backward"), monkeypatch, poisoned_step=1)
-    fused = train(tmp_path / "fused", tc.replace(update_timing="fused"), monkeypatch, poisoned_step=1)
+    run = lambda name, timing: train_debug(tmp_path / name, tc.replace(update_timing=timing), STEPS, monkeypatch,
+                                           poisoned_step=1)
+    after, fused = run("after", "after-backward"), run("fused", "fused")
     assert len(after[0]) == len(fused[0]) == STEPS - 1
     assert after[0] == fused[0]
-    assert_same(after[1], fused[1])
+    assert_same_tensors(after[1], fused[1])
     manifest = json.loads((tmp_path / "fused" / "manifest.json").read_text())
     assert manifest["step"] == STEPS - 1
     # No other generation, no tmp file and no journal is left of the rolled-back step.
@@ -99,14 +90,14 @@ def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_pat
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, monkeypatch, dtype):
+def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, dtype):
     """bf16: the RAM tier's compute copy and the disk tier's cast of the master on each load are the same."""
     base = DISK.replace(dtype=dtype, max_grad_norm=0)
-    ram = train(tmp_path / "ram", base.replace(store="ram"), monkeypatch)
-    fused = train(tmp_path / "fused", base.replace(update_timing="fused"), monkeypatch)
-    assert fused[2] == 0
+    ram = train_debug(tmp_path / "ram", base.replace(store="ram"), STEPS)
+    fused = train_debug(tmp_path / "fused", base.replace(update_timing="fused"), STEPS)
+    assert fused.redos == 0
     assert ram[0] == fused[0]
-    assert_same(ram[1], fused[1])
+    assert_same_tensors(ram[1], fused[1])
 
 
 def test_fused_update_needs_the_state_on_disk():
@@ -124,7 +115,7 @@ def test_store_bytes_per_step_are_the_planners(tmp_path, timing, accum, moments,
     tc = DISK.replace(grad_accum=accum, moment_dtype=moments, dtype=dtype, prefetch=prefetch,
                       update_timing=timing, max_grad_norm=0)
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
-        for ids in batches(2):
+        for ids in debug_batches(2):
             trainer.step(ids)
             plan = PlanConfig(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch,
                               update_chunk=tc.step.update_chunk, store="disk", update_timing=timing,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -20,35 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-import crash_driver
 from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
 from streamer.store.slabfile import TRAILER_BYTES, Trailer, file_checksum
 from benchmarks.soak import soak
-from conftest import poison_gradient
+from conftest import assert_same_tensors, poison_gradient, run_child
 
 STEPS, KILLS = 20, 12  # per chain
-
-
-@pytest.fixture(scope="module")
-def forkserver() -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    # Not crash_driver itself: Python 3.11's forkserver preloads without the test folder on sys.path.
-    # torch._dynamo: the first op on a meta tensor (building a unit) imports it, ~0.7 s per child otherwise.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "layers", "streamer"])
-    return ctx
-
-
-def run_child(ctx: Any, job: Job, kill_after: float | None = None) -> int:
-    """The child's exit code (-9: SIGKILL); `kill_after` seconds: killed from here at that time."""
-    process = ctx.Process(target=crash_driver.train, args=(job,))
-    process.start()
-    process.join(kill_after if kill_after is not None else 120)
-    if process.is_alive():
-        assert kill_after is not None, "the child hung"
-        process.kill()
-        process.join()
-    return process.exitcode
 
 
 def steps_on_disk(store: Path) -> tuple[dict[str, int], dict | None]:
@@ -320,3 +297,30 @@ def test_short_soak_disk_tier_is_flat_and_matches_the_ram_tier():
     assert report.rss_growth < 0.05, report.summary()
     assert report.soaked.losses[-1] < report.soaked.losses[0] - 1.0  # it trains
     assert report.passed
+
+
+@pytest.mark.parametrize("timing,kill", [("after-backward", Kill("update", 5, step=3)),
+                                         ("fused", Kill("update", 9, step=3))])
+@pytest.mark.parametrize("dtype,master,moments", [("fp32", "fp32", "int8"), ("bf16", "bf16", "int8")],
+                         ids=["int8-moments", "bf16-master-int8-moments"])
+def test_the_opt_in_precisions_killed_mid_update_resume_bit_identically(tmp_path, forkserver, timing, kill, dtype,
+                                                                          master, moments):
+    """A SIGKILL in step 3's update: the journaled step rolls forward from its gradients, the fused one returns
+    to step 2; either way the quantized moments and the stochastic rounding come out the same again, and the
+    run ends with the uninterrupted run's weights, losses and state files."""
+    def job(store: Path, **extra: Any) -> Job:
+        return Job(str(store), 5, dtype, "disk", timing, master=master, moments=moments, **extra)
+
+    assert run_child(forkserver, job(tmp_path / "ref", out=str(tmp_path / "ref.pt"))) == 0
+    assert run_child(forkserver, job(tmp_path / "run", kill=kill)) == -9
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["step"] == 2
+    assert (manifest["spec"]["master_dtype"], manifest["spec"]["moment_dtype"]) == (master, moments)
+    assert (tmp_path / "run" / "journal.json").exists() == (timing == "after-backward")
+    assert run_child(forkserver, job(tmp_path / "run", out=str(tmp_path / "run.pt"))) == 0
+    ref, resumed = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
+    assert_same_tensors(resumed["state"], ref["state"])
+    assert resumed["losses"] == ref["losses"]
+    files = [{p.name: p.read_bytes() for p in sorted((root / "slabs").glob("*.state"))}
+             for root in (tmp_path / "ref", tmp_path / "run")]
+    assert files[0] == files[1]  # the quantized moments and their scales too
