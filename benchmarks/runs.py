@@ -101,7 +101,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
     )
 
 
-def _cpu_seconds() -> tuple[float, float, float]:
+def cpu_seconds() -> tuple[float, float, float]:
     """(wall clock, CPU seconds all processes used, CPU seconds this process and its waited-for children used)."""
     try:
         ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
@@ -113,7 +113,7 @@ def _cpu_seconds() -> tuple[float, float, float]:
     return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), ours
 
 
-def _others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
     """Mean CPU cores that other users of the machine kept busy between two readings: timings on a shared
     machine mean little without it."""
     wall = after[0] - before[0]
@@ -154,13 +154,13 @@ class Runner:
         spec_json = json.dumps({**json.loads(spec.to_json()), "workdir": str(run_dir)})
         port = _free_port()
         logs = [run_dir / f"rank{rank}.log" for rank in range(spec.world)]
-        procs, before = [], _cpu_seconds()
+        procs, before = [], cpu_seconds()
         for rank, log in enumerate(logs):
             with open(log, "w") as out:
                 procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.worker", spec_json],
                                               stdout=out, stderr=subprocess.STDOUT, env=self._env(spec, rank, port)))
         results = [self._wait(proc, log, spec.label) for proc, log in zip(procs, logs)]
-        others = _others_cores(before, _cpu_seconds())
+        others = others_cores(before, cpu_seconds())
         shutil.rmtree(run_dir, ignore_errors=True)  # a disk-tier store can be tens of GB
         first = results[0]
         if first.ok and spec.world > 1:

@@ -19,7 +19,7 @@ from benchmarks import bench
 from benchmarks.compare import HF_FP32, STREAM_RAM
 from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model
 from benchmarks.report import Section
-from benchmarks.runs import Runner, _others_cores, merge
+from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
@@ -113,8 +113,8 @@ def test_abba_order_reverses_every_round(tmp_path, monkeypatch):
 
 def test_others_load_is_cpu_time_not_ours_over_wall_time():
     # 10 s of wall time; the machine used 25 CPU-seconds, the bench 15 of them: others kept 1 core busy.
-    assert _others_cores((0.0, 100.0, 50.0), (10.0, 125.0, 65.0)) == 1.0  # exact in binary floating point
-    assert _others_cores((0.0, 100.0, 50.0), (10.0, 110.0, 65.0)) == 0.0  # tick rounding never goes negative
+    assert others_cores((0.0, 100.0, 50.0), (10.0, 125.0, 65.0)) == 1.0  # exact in binary floating point
+    assert others_cores((0.0, 100.0, 50.0), (10.0, 110.0, 65.0)) == 0.0  # tick rounding never goes negative
 
 
 def test_union_of_overlapping_spans():
