@@ -12,7 +12,9 @@ from dataclasses import MISSING, dataclass, field
 from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
-from memory_model.units import BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, stored_bytes
+from memory_model.units import (
+    BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes,
+)
 
 ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
 UPDATE_PLACES = ("device", "host")
@@ -136,8 +138,7 @@ class PlanConfig:
 
     @property
     def compute_is_master(self) -> bool:
-        """The compute weights are the master weights themselves (one dtype): the store keeps no copy."""
-        return self.compute_dtype == self.master_dtype
+        return compute_is_master(self.compute_dtype, self.master_dtype)
 
     def store_bytes(self, numel: int) -> int:
         """What an update of `numel` parameters writes back: the master, the moments, the new compute weights."""

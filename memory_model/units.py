@@ -21,6 +21,13 @@ def stored_bytes(dtype: str, numel: int) -> int:
     return numel * DTYPE_BYTES[dtype] + -(-numel // QUANT_BLOCK) * BLOCK_SCALE_BYTES.get(dtype, 0)
 
 
+def compute_is_master(compute_dtype: str, master_dtype: str, frozen: bool = False) -> bool:
+    """The compute weights are the master weights themselves (one dtype): the store keeps no second copy. A
+    frozen base has no master: its compute weights are all it stores. The one rule the store, the runtime and
+    the planner use."""
+    return compute_dtype == master_dtype and not frozen
+
+
 # Decimal (SI) and binary (IEC) units are both common in budgets; "GB" and "GiB" differ by 7%, so both
 # spellings are kept exact instead of guessing what a bare "G" means.
 _UNITS = {

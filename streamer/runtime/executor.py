@@ -13,6 +13,7 @@ import torch
 from layers import ModelConfig
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, fetched_input, is_fused, loads_keeping_master, releases, resident_sets
+from memory_model.units import compute_is_master
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.loading import Loader
 from streamer.runtime.lora import Adapters
@@ -22,7 +23,7 @@ from streamer.runtime.step import StepConfig, StepContext
 from streamer.runtime.transport import IOQueues, Transport
 from streamer.runtime.update import Updater
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import DTYPES, Placement, UnitLayout
+from streamer.store.layout import Placement, UnitLayout, dtype_name
 
 
 class Executor:
@@ -39,13 +40,12 @@ class Executor:
         inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
-        # Compute weights in the master's dtype are the master weights themselves: the store keeps no copy.
-        compute_is_master = dtype == DTYPES[optimizer.master_dtype]
-        self.loader = Loader(layouts, step, placement, dtype, compute_is_master, self.transport, self.io, ledger, trace,
+        one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
+        self.loader = Loader(layouts, step, placement, dtype, one_copy, self.transport, self.io, ledger, trace,
                              data_parallel)
         self.passes = Passes(cfg, step, layouts, self.loader.states, self.loader.stored_numel, device, dtype,
                              self.transport, self.io, ledger, trace, store, writer, data_parallel, adapters)
-        self.updater = Updater(step, optimizer, layouts, placement, dtype, compute_is_master, self.transport, self.io,
+        self.updater = Updater(step, optimizer, layouts, placement, dtype, one_copy, self.transport, self.io,
                                ledger, trace, store, writer, data_parallel, seed)
         self.loads_read_master = self.loader.loads_read_master
         self.current = StepContext([], 0, 0.0)  # the step running, or the last one (none yet)

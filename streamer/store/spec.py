@@ -13,7 +13,7 @@ from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
 from memory_model.shapes import MASTER_DTYPES, MOMENT_DTYPES, check_chunk_blocks
-from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, stored_bytes
+from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, Placement, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
@@ -67,9 +67,7 @@ class StoreSpec:
 
     @property
     def compute_is_master(self) -> bool:
-        """Compute weights in the master's dtype are the master weights themselves: no second copy (a frozen
-        base has no masters: its compute weights are all it stores)."""
-        return self.compute_dtype == self.master_dtype and not self.frozen
+        return compute_is_master(self.compute_dtype, self.master_dtype, self.frozen)
 
     def kind_dtype_name(self, kind: str) -> str:
         if kind == "grad":
