@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from crash_driver import CFG, Job, Kill
 from streamer import NonFiniteError, StoreError, StreamingTrainer, TrainerConfig
+from streamer.store import direct
 from streamer.store.slabfile import TRAILER_BYTES, Trailer, file_checksum
 from benchmarks.soak import soak
 from conftest import assert_same_tensors, poison_gradient, run_child
@@ -216,6 +218,36 @@ def test_disk_full_is_a_clear_error_and_the_run_resumes_identically(tmp_path, mo
         assert trainer.step_count == committed
         for ids in data[committed:]:
             trainer.step(ids)
+        assert_same_weights(trainer.state_dict(), uninterrupted[0])
+        assert trainer.losses == uninterrupted[1]
+
+
+def test_a_failed_stage_write_on_the_writer_thread_is_the_same_clear_error(tmp_path, monkeypatch, uninterrupted):
+    """With stages smaller than a state file, full stages are written on a helper thread while the next fills:
+    the disk filling up under that thread's write reaches the step as any write's error does, and the run
+    resumes identically."""
+    monkeypatch.setattr(direct, "STAGE_BYTES", 8 * 4096)
+    original, full = os.pwritev, []
+
+    def filling_on_the_writer_thread(*args: Any) -> int:
+        if threading.current_thread().name.startswith("store-direct-write"):
+            full.append(True)
+        if full:  # from the writer thread's first write on, the disk stays full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(*args)
+
+    data = batches(4)
+    with StreamingTrainer(CFG, DEBUG_TC, store_dir=tmp_path / "run") as trainer:
+        for ids in data[:2]:
+            trainer.step(ids)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pwritev", filling_on_the_writer_thread)
+            with pytest.raises(StoreError, match="disk full.*last committed step is intact"):
+                trainer.step(data[2])
+        assert full
+    with StreamingTrainer.open(tmp_path / "run") as trainer:  # space is back: the journaled step rolls forward
+        assert trainer.step_count == 3
+        trainer.step(data[3])
         assert_same_weights(trainer.state_dict(), uninterrupted[0])
         assert trainer.losses == uninterrupted[1]
 
