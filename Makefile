@@ -29,7 +29,12 @@ test-latest:
 	$(LATEST)/bin/pip list | grep -iE '^(transformers|peft|accelerate|datasets|tokenizers|safetensors) '
 	$(LATEST)/bin/python -m pytest -n 2 --dist loadgroup
 
+# DeepSpeed (the bench extra) is a contender; its NVMe offload's async I/O builds against libaio-dev.
 bench: $(STAMP)
+	$(PIP) install -c constraints.txt -e '.[bench]'
+	@if command -v dpkg >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get install -y -q libaio-dev || { apt-get update -q && apt-get install -y -q libaio-dev; }; \
+	  else echo "DeepSpeed's NVMe offload needs libaio-dev: sudo apt-get install libaio-dev"; fi; fi
 	$(PY) -m benchmarks.bench
 
 gpu-check: $(STAMP)
