@@ -23,9 +23,9 @@ from memory_model import PlanConfig, plan
 from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
-    DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_RAM, Context,
-    Outcome, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation, versus_deepspeed,
-    versus_hf, where_time_goes,
+    DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_DISK_HALF, STREAM_RAM,
+    Context, Outcome, data_parallel, disk_tier, dtypes, gpu, half_the_bytes, memory, overhead, planner, scale,
+    utilisation, versus_deepspeed, versus_hf, where_time_goes,
 )
 from benchmarks.machine import (
     ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
@@ -150,7 +150,8 @@ def _main_specs(cfg: ModelConfig, s: Settings) -> tuple[list[RunSpec], dict[str,
              _spec(RESIDENT, "resident", cfg, s, profile=s.profile),
              _spec(HF_FP32, "hf", cfg, s, dtype="fp32", profile=s.profile),
              _spec(HF_BF16, "hf", cfg, s, dtype="bf16", profile=s.profile),
-             _spec(STREAM_DISK, "stream", cfg, s, tier="disk")]
+             _spec(STREAM_DISK, "stream", cfg, s, tier="disk"),
+             _spec(STREAM_DISK_HALF, "stream", cfg, s, tier="disk", master_dtype="bf16", moment_dtype="int8")]
     skipped = {}
     if not s.deepspeed:
         why = "--quick" if s.quick else "--no-deepspeed"
@@ -184,7 +185,7 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
     sizes = CalibrationSizes(matmul_n=256, probe_tokens=64, compute_seconds=1.0, copy_bytes=2**20,
                              disk_bytes=2**20, update_params=2**16, allreduce_bytes=2**16, repeats=1) if quick else None
     out, calibrated = {}, set()
-    for label in (STREAM_RAM, SECOND, STREAM_DISK, SCALE):
+    for label in (STREAM_RAM, SECOND, STREAM_DISK, STREAM_DISK_HALF, SCALE):
         r = results.get(label)
         if r is None or not r.ok:
             continue
@@ -194,7 +195,8 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
         local = local_spec(workdir, shape, r.spec.dtype, refresh=fresh, sizes=sizes)
         out[label] = plan(shape, local, PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype,
                                                    store=r.spec.tier, activations=r.spec.activations,
-                                                   moment_dtype=r.spec.moment_dtype))
+                                                   moment_dtype=r.spec.moment_dtype,
+                                                   master_dtype=r.spec.master_dtype))
     return out
 
 
@@ -270,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                       skipped=skipped, disk={STREAM_DISK: disk["start"], SCALE: disk.get("scale", disk["start"])},
                       compute=s.compute)
         outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
+                                   half_the_bytes(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
                                    gpu(ctx, machine.gpu), lora_versus_full(ctx), *where_time_goes(ctx)]
         for outcome in outcomes:

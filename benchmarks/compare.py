@@ -13,6 +13,7 @@ from streamer.runtime.hardware import DtypeChoice
 
 STREAM_RAM = "ours streamed, RAM tier"
 STREAM_DISK = "ours streamed, disk tier"
+STREAM_DISK_HALF = "ours streamed, disk tier, bf16 master + int8 moments"
 RESIDENT = "ours resident"
 HF_FP32 = "HF transformers, fp32"
 HF_BF16 = "HF transformers, bf16 autocast"
@@ -228,6 +229,40 @@ def disk_tier(ctx: Context) -> Outcome:
                        "written / storage per step", "step", "I/O busy", "compute", "step / max(I/O, compute)",
                        "disk floor (step / floor)", ">= 80% raw", "<= 1.15x"), tuple(rows), notes)
     return Outcome(section, tuple(lines))
+
+
+def half_the_bytes(ctx: Context) -> Outcome:
+    """The opt-in precisions against the default fp32 state, both on the disk tier, and against DeepSpeed's
+    NVMe offload, which moves the same kind of state through a disk."""
+    full, half, nvme = _get(ctx, STREAM_DISK), _get(ctx, STREAM_DISK_HALF), _get(ctx, DS_NVME)
+    rows = []
+    for label, r in ((STREAM_DISK, full), (STREAM_DISK_HALF, half), (DS_NVME, nvme)):
+        per_param = [_div(r.io.get(k), r.params) if r is not None and label != DS_NVME else None
+                     for k in ("store_read", "store_written")]
+        rows.append(_timing_row(ctx, label, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
+                                size(r.rss_peak_bytes) if r else "—", ratio(_div(r and r.median_s,
+                                                                                  full and full.median_s))))
+    step = _div(half and half.median_s, full and full.median_s)
+    read, written = (_div(half.io.get(k), half.params) if half else None for k in ("store_read", "store_written"))
+    faster = _div(nvme and nvme.median_s, half and half.median_s)
+    rss = _div(half and half.rss_peak_bytes, nvme and nvme.rss_peak_bytes)
+    targets = (
+        _target("disk tier, bf16 master + int8 moments: step <= 0.5x the fp32 state's", ratio(step),
+                None if step is None else step <= 0.5),
+        _target("disk tier, bf16 master + int8 moments: store <= 7 read and <= 5 written B/param",
+                "—" if read is None else f"{read:.2f} / {written:.2f}",
+                None if read is None else read <= 7 and written <= 5),
+        _target("disk tier, bf16 master + int8 moments: >= 2x faster than DeepSpeed's NVMe offload at no more "
+                "peak RSS", f"{ratio(faster)} faster, {ratio(rss)} the RSS",
+                None if faster is None or rss is None else faster >= 2 and rss <= 1))
+    notes = ("Store B/param: the data bytes the store's files were asked for in a step, per parameter (section 4).",
+             "The same model, batch and clipping as section 4's run; only the optimizer state's precision "
+             "differs (`--master-dtype bf16 --moment-dtype int8`). docs/CONVERGENCE.md measures what it costs in "
+             "loss.", SHARED_NOTE)
+    section = Section("Half the bytes: opt-in precisions on the disk tier",
+                      ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "store B/param (read / written)",
+                       "peak RSS (steps)", "step / fp32 state's"), tuple(rows), notes)
+    return Outcome(section, targets)
 
 
 def utilisation(ctx: Context) -> Outcome:

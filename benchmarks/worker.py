@@ -45,6 +45,7 @@ class RunSpec:
     dtype: str = same_setting(PlanConfig, "compute_dtype")
     tier: str = same_setting(PlanConfig, "store")  # DeepSpeed: disk is nvme offload
     moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
+    master_dtype: str = same_setting(OptimizerConfig, "master_dtype")
     activations: str = same_setting(PlanConfig, "activations")  # the scale run checkpoints
     # Every contender clips at this global norm (0: none). Random tokens' gradients clip on every step, and a
     # fused update whose clipping triggers is made again after the backward: bench runs without, by default.
@@ -113,7 +114,7 @@ def _ours(spec: RunSpec) -> Contender:
     from benchmarks.resident import ResidentTrainer
     cfg = _config(spec)
     tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, activations=spec.activations,
-                          moment_dtype=spec.moment_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm,
+                          moment_dtype=spec.moment_dtype, master_dtype=spec.master_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm,
                           lora_rank=spec.lora_rank, update_timing=spec.update_timing)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
