@@ -25,10 +25,10 @@ from streamer.calibration.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_DISK_HALF, STREAM_RAM,
     Context, Outcome, data_parallel, disk_tier, dtypes, gpu, half_the_bytes, memory, overhead, planner, scale,
-    utilisation, versus_deepspeed, versus_hf, where_time_goes,
+    update_speed, utilisation, versus_deepspeed, versus_hf, where_time_goes,
 )
 from benchmarks.machine import (
-    ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
+    ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk, update_rates,
 )
 from benchmarks.lora import FULL, LORA, lora_pair, lora_versus_full
 from benchmarks.report import write_markdown
@@ -39,6 +39,7 @@ from streamer.cli.main import Parser, guarded
 from streamer.run import SettingError
 from streamer.runtime.optim import OptimizerConfig
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
+from streamer.runtime.step import StepConfig
 
 GiB = 2**30
 
@@ -63,6 +64,7 @@ class Settings:
     data_parallel: bool
     profile: bool
     matmul_n: int
+    update_params: int  # the AdamW comparison's state
     disk_test_bytes: int
     disk_repeats: int
     reserve_fraction: float
@@ -85,6 +87,7 @@ class Settings:
                        max_grad_norm=args.max_grad_norm, rounds=1,
                        warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
+                       update_params=2**20,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
                        quick=True, compute=compute)
         model = args.model or "gptj-350m"
@@ -95,7 +98,8 @@ class Settings:
                    max_grad_norm=args.max_grad_norm, rounds=args.rounds,
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
                    scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
-                   data_parallel=True, profile=True, matmul_n=2048, disk_test_bytes=2 * GiB, disk_repeats=3,
+                   data_parallel=True, profile=True, matmul_n=2048, update_params=64 * 2**20,
+                   disk_test_bytes=2 * GiB, disk_repeats=3,
                    reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute)
 
 
@@ -270,9 +274,10 @@ def run(args: argparse.Namespace) -> int:
                       max(peaks_first.fp32_flops, peaks_last.fp32_flops), s.matmul_n)
         ctx = Context(results=results, peaks=peaks, plans=_plans(results, workdir, s.quick), scale=pick,
                       skipped=skipped, disk={STREAM_DISK: disk["start"], SCALE: disk.get("scale", disk["start"])},
-                      compute=s.compute)
+                      compute=s.compute,
+                      update=update_rates(s.update_params, min(s.update_params, StepConfig().update_chunk)))
         outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
-                                   half_the_bytes(ctx),
+                                   half_the_bytes(ctx), update_speed(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
                                    gpu(ctx, machine.gpu), lora_versus_full(ctx), *where_time_goes(ctx)]
         for outcome in outcomes:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from layers import ModelConfig
 from memory_model import BASELINE_BYTES_PER_PARAM, Plan
 from memory_model.shapes import forward_flops
-from benchmarks.machine import DiskBandwidth, Peaks, ScalePick
+from benchmarks.machine import DiskBandwidth, Peaks, ScalePick, UpdateRates
 from benchmarks.report import Section, params, percent, rate, ratio, seconds, size, verdict
 from benchmarks.runs import Result
 from streamer.runtime.hardware import DtypeChoice
@@ -39,6 +39,7 @@ class Context:
     scale: ScalePick | None
     compute: DtypeChoice  # our runs' compute dtype and why (--dtype resolved on this CPU)
     skipped: dict[str, str] = field(default_factory=dict)  # result label -> why it did not run
+    update: UpdateRates | None = None  # the update's AdamW against torch's, measured in this run
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,25 @@ def half_the_bytes(ctx: Context) -> Outcome:
                       ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "store B/param (read / written)",
                        "peak RSS (steps)", "step / fp32 state's"), tuple(rows), notes)
     return Outcome(section, targets)
+
+
+def update_speed(ctx: Context) -> Outcome:
+    """The update's AdamW against torch's fused AdamW on the same tensors."""
+    u = ctx.update
+    if u is None:
+        return Outcome(Section("The update: AdamW vs torch's fused AdamW", ("run", "status"),
+                               (("update", "not measured"),)))
+    speed = u.torch_s / u.ours_s
+    state = 16 * u.numel  # fp32 master, gradient and both moments
+    rows = (("streamer.runtime.optim.adamw_chunk", f"{u.chunk:,}", seconds(u.ours_s), rate(state / u.ours_s),
+             ratio(speed)),
+            ("torch.optim.AdamW(fused=True)", "whole tensor", seconds(u.torch_s), rate(state / u.torch_s), "1.00x"))
+    notes = (f"One fp32 state of {u.numel:,} parameters; best of several steps, the two taken in turn. Both leave "
+             f"the weights {'bit for bit equal' if u.same else 'DIFFERENT'}.",)
+    section = Section("The update: AdamW vs torch's fused AdamW on the same tensors",
+                      ("update", "chunk (params)", "step", "state touched per second", "speed vs torch"), rows, notes)
+    return Outcome(section, (_target("the update's AdamW at >= 1.0x torch's fused AdamW, bit for bit equal",
+                                     ratio(speed), speed >= 1.0 and u.same),))
 
 
 def utilisation(ctx: Context) -> Outcome:

@@ -85,6 +85,41 @@ def matmul_peaks(n: int, repeats: int = 5) -> Peaks:
 
 
 @dataclass(frozen=True)
+class UpdateRates:
+    """AdamW over the same fp32 state of `numel` parameters, one step after another: the runtime's update
+    (streamer.runtime.optim.adamw_chunk, `chunk` parameters at a time) and torch.optim.AdamW(fused=True) over the
+    whole tensor; each the best of `repeats` steps, taken in turn."""
+
+    numel: int
+    chunk: int
+    ours_s: float
+    torch_s: float
+    same: bool  # the two left the weights bit for bit equal
+
+
+def update_rates(numel: int, chunk: int, repeats: int = 7) -> UpdateRates:
+    from streamer.runtime.optim import OptimizerConfig, adamw_chunk
+
+    tc, generator = OptimizerConfig(), torch.Generator().manual_seed(0)
+    master, grad = (torch.randn(numel, generator=generator) for _ in range(2))
+    ours = {"master": master.clone(), "grad": grad, "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel)}
+    weight = torch.nn.Parameter(master)
+    weight.grad = grad.clone()
+    reference = torch.optim.AdamW([weight], lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay,
+                                  fused=True)
+    ours_s, torch_s = [], []
+    for step in range(1, repeats + 2):  # the first step of each is a warm-up
+        start = time.perf_counter()
+        for lo in range(0, numel, chunk):
+            adamw_chunk({k: v[lo:lo + chunk] for k, v in ours.items()}, lo, numel, tc, step, tc.lr, 1.0)
+        ours_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        reference.step()
+        torch_s.append(time.perf_counter() - start)
+    return UpdateRates(numel, chunk, min(ours_s[1:]), min(torch_s[1:]), torch.equal(ours["master"], weight.data))
+
+
+@dataclass(frozen=True)
 class DiskBandwidth:
     """Sequential buffered write + fsync, then read with the file dropped from the page cache, and the two at
     once; the best of `repeats` (the disk is shared: a single try measures whoever else was writing as much as

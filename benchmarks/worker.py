@@ -114,7 +114,8 @@ def _ours(spec: RunSpec) -> Contender:
     from benchmarks.resident import ResidentTrainer
     cfg = _config(spec)
     tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, activations=spec.activations,
-                          moment_dtype=spec.moment_dtype, master_dtype=spec.master_dtype, seed=spec.seed, max_grad_norm=spec.max_grad_norm,
+                          moment_dtype=spec.moment_dtype, master_dtype=spec.master_dtype, seed=spec.seed,
+                          max_grad_norm=spec.max_grad_norm,
                           lora_rank=spec.lora_rank, update_timing=spec.update_timing)
     if spec.contender == "stream":
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")

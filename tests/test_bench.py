@@ -43,12 +43,14 @@ def test_quick_run_writes_every_section(tmp_path):
     text = out.read_text()
     for title in ("Compute dtype of each run", "1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed", "4. Disk tier",
                   "5. Utilisation", "6. Scale", "7. Memory", "Planner vs measured", "Data parallel",
-                  "On a CUDA GPU", "LoRA vs full fine-tuning", "Half the bytes", "## Targets"):
+                  "On a CUDA GPU", "LoRA vs full fine-tuning", "Half the bytes", "The update: AdamW vs torch",
+                  "## Targets"):
         assert title in text
     # The opt-in precisions' disk-tier run moves what docs/CLI.md says: under 7 read and 5 written B/param.
     half = re.search(r"^\| ours streamed, disk tier, bf16 master \+ int8 moments \| [^|]+ \|[^|]+\|[^|]+\|[^|]+\| "
                      r"([\d.]+) / ([\d.]+) \|", text, re.M)
     assert half and float(half.group(1)) <= 7 and float(half.group(2)) <= 5, text
+    assert "Both leave the weights bit for bit equal" in text  # the update's AdamW is torch's, chunk by chunk
     assert "command: `streamer bench --quick --output" in text
     assert "CPU: " in text and "torch " in text
     assert "unmeasured (no GPU in this run; `make gpu-check`" in text or "GPU: none" not in text
