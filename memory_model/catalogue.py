@@ -54,8 +54,6 @@ _MAMF = "stas00/ml-engineering compute/accelerator/README.md, MAMF table (best m
 _FA3 = "Shah et al., FlashAttention-3 (arXiv 2407.08608): 'FP16 reaching up to 740 TFLOPs/s (75% utilization)'"
 _FA_AMPERE = ("assumed: Ampere/Ada attention kernels reach at most the GEMM ceiling; FlashAttention-3 "
               "(arXiv 2407.08608) reports 75% on Hopper")
-_CPU_ADAM = ("derived: DeepSpeed CPU-Adam 1.41 B params/s (PR #735: optimizer step 56 s -> 8.2 s on an 11.6B "
-             "GPT-2) x 28 B touched per parameter")
 _CONTEXT = ("assumed: no published figure per GPU (the reference notes have none); one user report, "
             "discuss.pytorch.org 'What is the reason for pytorch's GPU memory floor': the first CUDA call takes "
             "723 MiB (the CUDA context; it varies with the driver, CUDA version and loaded kernels); the caching "
@@ -98,12 +96,25 @@ class Host:
         return f"host: {self.cpu}, {self.cores.value:.0f} cores, {bw.value / GB:.0f} GB/s memory ({why})"
 
 
-# DeepSpeed's CPU-Adam rate over the memory bandwidth of the host it ran on: the share of a host's memory
-# bandwidth its AdamW reaches, the same for every host (an Arm or x86 AdamW is memory-bound alike).
+# DeepSpeed's CPU-Adam rate over the memory bandwidth of the host it was timed on: the share of a host's memory
+# bandwidth its AdamW reaches, the same for every host (an Arm or x86 AdamW is memory-bound alike). Two hosts
+# are published; their mean is taken, and each lies within 16% of it. The rate is the AdamW kernel's alone: the
+# links and the gradient's copy are priced apart.
+_ADAMW_TOUCHED = 28  # bytes per parameter: fp32 master, m and v read and written, the fp32 gradient read
 _DGX2_BW = 2 * 6 * 21.33 * GB
-_ADAMW_SHARE = 1.41e9 * 28 / _DGX2_BW
-_ADAMW_SHARE_SOURCE = (f"{_CPU_ADAM}, over the 256 GB/s of a DGX-2 (2 x 6 channels DDR4-2666), ZeRO-Offload's "
-                       f"machine, which PR #735 does not name (assumed, uncertain): {_ADAMW_SHARE:.3f}")
+_DGX2 = ("Ren et al., ZeRO-Offload (arXiv 2101.06840), Table 2: '2 Intel Xeon Platinum 8168 Processors', "
+         "'1.5TB 2666MHz DDR4'")
+_SIX_CHANNELS = ("Azure HC-series documentation: two 24-core Xeon Platinum 8168, each CPU one NUMA domain with six "
+                 "DRAM channels")
+_ADAM_DGX2 = 10e9 / 2.57 * _ADAMW_TOUCHED / _DGX2_BW
+_ADAM_GRACE = 8e9 / 0.769 * _ADAMW_TOUCHED / (500 * GB)
+_ADAMW_SHARE = (_ADAM_DGX2 + _ADAM_GRACE) / 2
+_ADAMW_SHARE_SOURCE = (
+    f"derived: the mean of two CPU-Adam timings x {_ADAMW_TOUCHED} B touched per parameter over the host's memory "
+    f"bandwidth: ZeRO-Offload (arXiv 2101.06840) Table 4, 'Adam latency (s)', CPU-Adam 2.57 s for 10 billion "
+    f"parameters on its DGX-2 (256 GB/s; Table 2), {_ADAM_DGX2:.3f}; SuperOffload (arXiv 2509.21271; DeepSpeed "
+    f"blogs/deepspeed-superoffload, Figure 5), CPU-Adam 0.769 s for 8 billion on a GH200's Grace (500 GB/s), "
+    f"{_ADAM_GRACE:.3f}; mean {_ADAMW_SHARE:.3f}")
 _MLPERF_H200 = ("MLCommons inference v4.1, closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: 'Intel(R) Xeon(R) "
                 "Platinum 8480C', 'host_processors_per_node': 2, 'host_processor_core_count': 56, '32x 64GB "
                 "MTC40F2046S1RC48BA1'")
@@ -119,8 +130,9 @@ HOSTS: dict[str, Host] = {
                   _s(500 * GB, "AshokBhat/notes wiki, Grace: '500 GB/sec of bandwidth' (LPDDR5X); NVIDIA's Grace "
                                "tuning guide (health checks) measures STREAM triad from 410 GB/s on the 120 GB part")),
     "dgx-2": Host("2 x Intel Xeon Platinum 8168 (DGX-2)",
-                  _a(48, "assumed: DGX-2's two 24-core Xeon Platinum 8168; no source at hand"),
-                  _a(_DGX2_BW, "assumed: 2 sockets x 6 channels of DDR4-2666 (21.33 GB/s each)")),
+                  _d(48, f"derived: 2 x 24 cores; {_DGX2}; {_SIX_CHANNELS}"),
+                  _d(_DGX2_BW, f"derived: 2 sockets x 6 channels of DDR4-2666 (21.33 GB/s each); {_DGX2}; "
+                               f"{_SIX_CHANNELS}")),
     "workstation": Host("a desktop CPU (assumed)", _a(16, "assumed: a 16-core desktop CPU"),
                         _a(2 * 44.8 * GB, "assumed: 2 channels of DDR5-5600 (44.8 GB/s each)")),
 }
@@ -365,9 +377,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (("activations", "checkpoint"), ("store", "ram"),
                                                    ("update_on", "host"), ("update_timing", "overlapped")),
         "one figure for three models; activation checkpointing assumed; the CPU update overlaps the backward as "
-        "SuperOffload's speculation does; Grace's AdamW rate is its bandwidth x the x86 CPU-Adam share, where "
-        "SuperOffload's GraceAdam is tuned for it (its rate is not in the sources at hand) and keeps the last "
-        f"buckets' update on the GPU; {_NO_FLOPS}"),
+        "SuperOffload's speculation does; Grace's AdamW rate is its bandwidth x the CPU-Adam share (GraceAdam is "
+        f"1.3x faster on it) and SuperOffload keeps the last buckets' update on the GPU; {_NO_FLOPS}"),
     PublishedRun(
         "MegaTrain", _s(272, _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B, 64, 1024,
         "h100-sxm", "not stated", _HOST_AFTER,
