@@ -30,6 +30,7 @@ class Row:
     predicted: float | None  # None: not priced
     mfu: float | None  # the plan's MFU, where priced
     recompute: float = 1.0  # the step's FLOPs with the recompute of checkpointed blocks over its model FLOPs
+    published_mfu: float | None = None  # a published FLOP rate as model FLOPs (the plan's count) over the peak
 
     @property
     def ratio(self) -> float | None:
@@ -37,8 +38,9 @@ class Row:
 
     @property
     def ratio_recompute(self) -> float | None:
-        """The ratio had the source counted the recompute's FLOPs (Megatron's convention): FLOP rates only."""
-        if self.ratio is None or not self.run.metric.startswith("TFLOPS"):
+        """The ratio had the source counted the recompute's FLOPs (Megatron's convention): FLOP rates whose source
+        does not say how it counts them."""
+        if self.ratio is None or not self.run.metric.startswith("TFLOPS") or self.run.flops is not None:
             return None
         return self.ratio * self.recompute
 
@@ -50,7 +52,7 @@ def _step(run: PublishedRun) -> PlanConfig:
 
 
 def predict(run: PublishedRun) -> Row:
-    """The plan's figure for one published run, in the run's own metric."""
+    """The plan's figure for one published run, in the run's own metric and, where its source says, its FLOP count."""
     if not run.reproducible:
         return Row(run, None, None)
     shape, device, step = run.shape, device_spec(run.device), _step(run)
@@ -60,12 +62,16 @@ def predict(run: PublishedRun) -> Row:
     devices = step.devices
     if run.metric == "speedup":  # `streamer plan --ranks N`'s scaling curve: its last point over linear
         return Row(run, scaling_curve(shape, device, step)[-1]["efficiency"] * devices, many.utilisation)
-    per_device = many.model_flops / many.step_time_s / 1e12
     if run.metric == "MFU":
         return Row(run, many.utilisation, many.utilisation)
+    # The source's FLOPs per device and step (model FLOPs where it does not say), and the published rate counted
+    # as model FLOPs: model_flops is per device already.
+    counted = many.model_flops if run.flops is None else run.flops.flops(shape, step.batch, step.seq) / devices
+    every = devices if run.metric == "TFLOPS, all devices" else 1
+    published = run.measured.value * 1e12 / every * many.model_flops / counted
     executed = sum(r.forward_flops + r.backward_flops for r in many.rows) / many.model_flops
-    return Row(run, per_device * (devices if run.metric == "TFLOPS, all devices" else 1), many.utilisation,
-               executed)
+    return Row(run, counted / many.step_time_s / 1e12 * every, many.utilisation, executed,
+               published / device.flops_for(step.compute_dtype))
 
 
 def rows() -> list[Row]:
@@ -89,6 +95,16 @@ def summary(table: list[Row], recompute: bool = False) -> tuple[int, int, float]
     return len(ratios), within, statistics.median(ratios)
 
 
+def _against_caps(table: list[Row]) -> str:
+    """Whether a published rate, as model FLOPs, passes the training MFU its device class is capped at."""
+    above = [f"{r.run.system} ({r.published_mfu:.1%} > {device_spec(r.run.device).training_mfu:.1%})"
+             for r in table if r.published_mfu is not None
+             and r.published_mfu > device_spec(r.run.device).training_mfu]
+    if above:
+        return f"Above their device's `training_mfu`, which caps every plan: {', '.join(above)}."
+    return "Each is below its device's `training_mfu`, which caps every plan's MFU."
+
+
 def markdown(table: list[Row]) -> str:
     priced, within, median = summary(table)
     _, within_r, median_r = summary(table, recompute=True)
@@ -104,14 +120,19 @@ def markdown(table: list[Row]) -> str:
         "",
         f"Goal: every case within ±{GOAL_CASE:.0%} and the median within ±{GOAL_MEDIAN:.0%}.",
         f"Now {within} of {priced} priced cases are within ±{GOAL_CASE:.0%}; the median ratio is {median:.2f}.",
-        "The plan's FLOP rates are model FLOPs: the recompute of checkpointed blocks is not counted.",
-        "No source states its convention; Megatron's formula counts the recompute.",
-        f"Counted so, {within_r} of {priced} cases are within ±{GOAL_CASE:.0%} and the median is {median_r:.2f} "
-        "(the column 'ratio, recompute counted').",
+        "Where a source's code shows how it counts FLOPs, the plan's rate is counted the same way "
+        "(`FlopCount` in the catalogue).",
+        "Elsewhere the plan's rates are model FLOPs: the recompute of checkpointed blocks is not counted.",
+        "Those sources do not state their convention; Megatron's formula counts the recompute.",
+        f"Had they counted it, {within_r} of {priced} cases would be within ±{GOAL_CASE:.0%} and the median "
+        f"{median_r:.2f} (the column 'ratio, recompute counted').",
+        "The column 'published MFU' is the published rate as model FLOPs over the device's dense peak "
+        "(a rate whose count is unstated taken as model FLOPs).",
+        _against_caps(table),
         "",
         "| system | source | model | batch x seq | device (host) | measured | published | plan | ratio "
-        "| ratio, recompute counted | plan's MFU | what the source leaves open |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ratio, recompute counted | plan's MFU | published MFU | what the source leaves open |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     misses = [r for r in table if r.ratio is not None and abs(r.ratio - 1) > GOAL_CASE]
     if misses:  # before the table's header and rule, the last three lines
@@ -123,11 +144,12 @@ def markdown(table: list[Row]) -> str:
         ratio = "" if row.ratio is None else f"{row.ratio:.2f}"
         counted = "" if row.ratio_recompute is None else f"{row.ratio_recompute:.2f}"
         mfu = "" if row.mfu is None else f"{row.mfu:.1%}"
+        published_mfu = "" if row.published_mfu is None else f"{row.published_mfu:.1%}"
         devices = int(dict(run.step).get("devices", 1))
         device = run.device if devices == 1 else f"{devices} x {run.device}"
         lines.append(f"| {run.system} | {run.measured.source} | {run.model} | {run.batch} x {run.seq} "
                      f"| {device} ({run.host}) | {run.metric} | {_figure(run.measured.value, run.metric)} "
-                     f"| {plan_s} | {ratio} | {counted} | {mfu} | {run.caveat} |")
+                     f"| {plan_s} | {ratio} | {counted} | {mfu} | {published_mfu} | {run.caveat} |")
     return "\n".join(lines) + "\n"
 
 

@@ -54,8 +54,6 @@ _MAMF = "stas00/ml-engineering compute/accelerator/README.md, MAMF table (best m
 _FA3 = "Shah et al., FlashAttention-3 (arXiv 2407.08608): 'FP16 reaching up to 740 TFLOPs/s (75% utilization)'"
 _FA_AMPERE = ("assumed: Ampere/Ada attention kernels reach at most the GEMM ceiling; FlashAttention-3 "
               "(arXiv 2407.08608) reports 75% on Hopper")
-_CPU_ADAM = ("derived: DeepSpeed CPU-Adam 1.41 B params/s (PR #735: optimizer step 56 s -> 8.2 s on an 11.6B "
-             "GPT-2) x 28 B touched per parameter")
 _CONTEXT = ("assumed: no published figure per GPU (the reference notes have none); one user report, "
             "discuss.pytorch.org 'What is the reason for pytorch's GPU memory floor': the first CUDA call takes "
             "723 MiB (the CUDA context; it varies with the driver, CUDA version and loaded kernels); the caching "
@@ -98,12 +96,25 @@ class Host:
         return f"host: {self.cpu}, {self.cores.value:.0f} cores, {bw.value / GB:.0f} GB/s memory ({why})"
 
 
-# DeepSpeed's CPU-Adam rate over the memory bandwidth of the host it ran on: the share of a host's memory
-# bandwidth its AdamW reaches, the same for every host (an Arm or x86 AdamW is memory-bound alike).
+# DeepSpeed's CPU-Adam rate over the memory bandwidth of the host it was timed on: the share of a host's memory
+# bandwidth its AdamW reaches, the same for every host (an Arm or x86 AdamW is memory-bound alike). Two hosts
+# are published; their mean is taken, and each lies within 16% of it. The rate is the AdamW kernel's alone: the
+# links and the gradient's copy are priced apart.
+_ADAMW_TOUCHED = 28  # bytes per parameter: fp32 master, m and v read and written, the fp32 gradient read
 _DGX2_BW = 2 * 6 * 21.33 * GB
-_ADAMW_SHARE = 1.41e9 * 28 / _DGX2_BW
-_ADAMW_SHARE_SOURCE = (f"{_CPU_ADAM}, over the 256 GB/s of a DGX-2 (2 x 6 channels DDR4-2666), ZeRO-Offload's "
-                       f"machine, which PR #735 does not name (assumed, uncertain): {_ADAMW_SHARE:.3f}")
+_DGX2 = ("Ren et al., ZeRO-Offload (arXiv 2101.06840), Table 2: '2 Intel Xeon Platinum 8168 Processors', "
+         "'1.5TB 2666MHz DDR4'")
+_SIX_CHANNELS = ("Azure HC-series documentation: two 24-core Xeon Platinum 8168, each CPU one NUMA domain with six "
+                 "DRAM channels")
+_ADAM_DGX2 = 10e9 / 2.57 * _ADAMW_TOUCHED / _DGX2_BW
+_ADAM_GRACE = 8e9 / 0.769 * _ADAMW_TOUCHED / (500 * GB)
+_ADAMW_SHARE = (_ADAM_DGX2 + _ADAM_GRACE) / 2
+_ADAMW_SHARE_SOURCE = (
+    f"derived: the mean of two CPU-Adam timings x {_ADAMW_TOUCHED} B touched per parameter over the host's memory "
+    f"bandwidth: ZeRO-Offload (arXiv 2101.06840) Table 4, 'Adam latency (s)', CPU-Adam 2.57 s for 10 billion "
+    f"parameters on its DGX-2 (256 GB/s; Table 2), {_ADAM_DGX2:.3f}; SuperOffload (arXiv 2509.21271; DeepSpeed "
+    f"blogs/deepspeed-superoffload, Figure 5), CPU-Adam 0.769 s for 8 billion on a GH200's Grace (500 GB/s), "
+    f"{_ADAM_GRACE:.3f}; mean {_ADAMW_SHARE:.3f}")
 _MLPERF_H200 = ("MLCommons inference v4.1, closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: 'Intel(R) Xeon(R) "
                 "Platinum 8480C', 'host_processors_per_node': 2, 'host_processor_core_count': 56, '32x 64GB "
                 "MTC40F2046S1RC48BA1'")
@@ -119,8 +130,9 @@ HOSTS: dict[str, Host] = {
                   _s(500 * GB, "AshokBhat/notes wiki, Grace: '500 GB/sec of bandwidth' (LPDDR5X); NVIDIA's Grace "
                                "tuning guide (health checks) measures STREAM triad from 410 GB/s on the 120 GB part")),
     "dgx-2": Host("2 x Intel Xeon Platinum 8168 (DGX-2)",
-                  _a(48, "assumed: DGX-2's two 24-core Xeon Platinum 8168; no source at hand"),
-                  _a(_DGX2_BW, "assumed: 2 sockets x 6 channels of DDR4-2666 (21.33 GB/s each)")),
+                  _d(48, f"derived: 2 x 24 cores; {_DGX2}; {_SIX_CHANNELS}"),
+                  _d(_DGX2_BW, f"derived: 2 sockets x 6 channels of DDR4-2666 (21.33 GB/s each); {_DGX2}; "
+                               f"{_SIX_CHANNELS}")),
     "workstation": Host("a desktop CPU (assumed)", _a(16, "assumed: a 16-core desktop CPU"),
                         _a(2 * 44.8 * GB, "assumed: 2 channels of DDR5-5600 (44.8 GB/s each)")),
 }
@@ -299,15 +311,32 @@ PRESET_NOTES: dict[str, tuple[str, ...]] = {
 
 # --- published runs of offloaded and streamed training -----------------------------------------------------------
 @dataclass(frozen=True)
+class FlopCount:
+    """How a source's own code counts a step's FLOPs, so that the plan's step is priced in the source's unit. Per
+    sequence: `per_param` x N x seq + `per_attention` x layers x width x seq^2, N every parameter of the model
+    (embeddings included). `source` quotes the code."""
+
+    per_param: int  # 6: forward and backward; 8: the recompute of checkpointed blocks counted too
+    per_attention: int  # 0: attention's T x T matmuls not counted
+    source: str
+
+    def flops(self, shape: ModelConfig, batch: int, seq: int) -> int:
+        """The FLOPs the source counts for `batch` sequences of `seq` tokens."""
+        return batch * seq * (self.per_param * shape.num_params()
+                              + self.per_attention * shape.num_hidden_layers * shape.hidden_size * seq)
+
+
+@dataclass(frozen=True)
 class PublishedRun:
     """A published measurement of offloaded or streamed training and the step the planner prices for it.
 
     `shape` is the model in its own family, or a GPT-J shape that stands in for it where the family is not one of
     the planner's (same width and depth); `step` the PlanConfig fields besides batch and seq. `metric` is
-    "TFLOPS per device" (the plan's model FLOP/s), "TFLOPS, all devices" or "speedup" (tokens/s on
-    `step["devices"]` over one device, each with the same micro-batches) or "MFU". `caveat` says what the source leaves
-    unstated and what the plan assumed instead; `reproducible` is False where the planner cannot model the run
-    at all (then it is listed, not priced)."""
+    "TFLOPS per device" (the plan's FLOP/s, counted as `flops` says), "TFLOPS, all devices" or "speedup" (tokens/s
+    on `step["devices"]` over one device, each with the same micro-batches) or "MFU". `flops` is how the source's
+    code counts its FLOPs; None where it does not say: then the plan's model FLOPs are compared. `caveat` says what
+    the source leaves unstated and what the plan assumed instead; `reproducible` is False where the planner cannot
+    model the run at all (then it is listed, not priced)."""
 
     system: str
     measured: Figure
@@ -321,6 +350,7 @@ class PublishedRun:
     step: tuple[tuple[str, object], ...]
     caveat: str
     reproducible: bool = True
+    flops: FlopCount | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in ("TFLOPS per device", "TFLOPS, all devices", "speedup", "MFU"):
@@ -330,11 +360,15 @@ class PublishedRun:
 
 
 _ZERO_OFFLOAD = ("Ren et al., ZeRO-Offload (arXiv 2101.06840), abstract: 'ZeRO-Offload can achieve 40 TFlops/GPU "
-                 "on a single NVIDIA V100 GPU for 10B parameter model'")
+                 "on a single NVIDIA V100 GPU for 10B parameter model'; Figure 8: 'The training throughput with "
+                 "PyTorch, L2L, SwapAdvisor and ZeRO-Offload on a single GPU with a batch size of 512' (10B: about "
+                 "41); Table 3: '10,11 billion', batch size per GPU '10,8', '# layer' '50,55', hidden size '4096'")
 _SUPEROFFLOAD = ("DeepSpeed blogs/deepspeed-superoffload/README.md (Lian et al., SuperOffload, arXiv 2509.21271): "
                  "'Full fine-tuning of GPT-OSS-20B, Qwen3-14B, achieving ~600 TFLOPS (seq len 4K, batch size 4)'")
 _MEGATRAIN = ("DLYuanGod/MegaTrain README, News (Yuan et al., MegaTrain, arXiv 2604.05091): '4x H100 achieves 4.7x "
-              "super-linear speedup over single GPU (1290 vs 272 TFLOPS on Qwen2.5-7B)'")
+              "super-linear speedup over single GPU (1290 vs 272 TFLOPS on Qwen2.5-7B)'; the commit that says it "
+              "(5cf47ac) adds examples/sft/configs/qwen_7b_1gpu.yaml ('batch_size: 158', 'max_seq_len: 1024', "
+              "'num_steps: 5') and qwen_7b_4gpu.yaml ('batch_size: 632', 'num_steps: 10')")
 _CEREBRAS = ("Cerebras and Sandia at NeurIPS 2024 (aiwire.net 2024/12/11; 4nownews.com): a 1-trillion-parameter "
              "model 'scaled up seamlessly to 16 CS-3 systems'; '16 CS-3 systems showed a 15.3-fold increase'")
 _ZERO3_OFFLOAD = ("DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): 'With 1 Trillion "
@@ -353,32 +387,50 @@ _GPT2_10B = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=4096, n_layer=
 _GPTJ_6B = PRESETS["gptj-6b"]
 _HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"), ("update_timing", "after-backward"))
 
+# How the sources' code counts their FLOP rates (None in a run: not stated).
+_MEGATRAIN_FLOPS = FlopCount(6, 0, "DLYuanGod/MegaTrain examples/sft/train.py: 'total_seq_tokens = config.batch_size "
+                                   "* config.max_seq_len', 'flops = 6 * num_params * total_seq_tokens'; its 'Avg "
+                                   "Throughput' is the mean over every step, the first included")
+_SUPEROFFLOAD_FLOPS = FlopCount(8, 16, "deepspeedai/DeepSpeedExamples training/DeepSpeed-SuperOffload/finetune_zero3.py, "
+                                       "estimate_transformer_tflops: 'coefficient = 4 if use_activation_checkpointing "
+                                       "else 3', '2 * coefficient * model_size * seq_len + 2 * 2 * coefficient * "
+                                       "num_layers * hidden_size * seq_len**2' per sequence")
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         "ZeRO-Offload", _s(40, _ZERO_OFFLOAD), "TFLOPS per device", "GPT-2 10B (50 x 4096, 32 heads)", _GPT2_10B,
-        10, 1024, "v100", "DGX-2 (V100-SXM3 32GB; DeepSpeed ZeRO-Offload tutorial)", _HOST_AFTER,
-        "batch 10 and activation checkpointing from the DeepSpeed tutorial's 10B config (the abstract states no "
-        "batch); seq 1024 is Megatron GPT-2's default, not stated; the V100's training_mfu (40%) is ZeRO-3 "
-        f"Offload's 50 TFLOPS, in the same unstated convention; {_NO_FLOPS}"),
+        510, 1024, "v100", "DGX-2: 2 x Xeon Platinum 8168, 1.5 TB DDR4-2666 (paper, Table 2)",
+        (*_HOST_AFTER, ("grad_accum", 51)),
+        "batch 512 (Figure 8) in micro-batches of 10 (Table 3) with gradient accumulation and the delayed update off "
+        "(section 6.2.2); 512 is no multiple of 10, so 51 micro-batches are planned; activation checkpointing "
+        "from the DeepSpeed tutorial's 10B config; seq 1024 is Megatron GPT-2's default, not stated; the V100's "
+        f"training_mfu (40%) is ZeRO-3 Offload's 50 TFLOPS, in the same unstated convention; {_NO_FLOPS}"),
     PublishedRun(
         "SuperOffload", _s(600, _SUPEROFFLOAD), "TFLOPS per device", "Qwen3-14B (40 x 5120)", _QWEN3_14B, 4, 4096,
         "gh200", "Grace CPU, 72 Arm cores, LPDDR5X", (("activations", "checkpoint"), ("store", "ram"),
                                                    ("update_on", "host"), ("update_timing", "overlapped")),
-        "one figure for three models; activation checkpointing assumed; the CPU update overlaps the backward as "
-        "SuperOffload's speculation does; Grace's AdamW rate is its bandwidth x the x86 CPU-Adam share, where "
-        "SuperOffload's GraceAdam is tuned for it (its rate is not in the sources at hand) and keeps the last "
-        f"buckets' update on the GPU; {_NO_FLOPS}"),
+        "one figure for three models (DeepSpeedExamples' README says 'up to ~500 TFLOPS'); batch 4, seq 4096 and "
+        "activation checkpointing as its finetune_qwen3-14b_1gpu.sh runs them; its TFLOPS count the recompute "
+        "and every parameter; the CPU update overlaps the backward as its speculation does; it updates a tenth "
+        "of the parameters on the GPU ('ratio': 0.90), the plan all of them on Grace",
+        flops=_SUPEROFFLOAD_FLOPS),
     PublishedRun(
-        "MegaTrain", _s(272, _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B, 64, 1024,
+        "MegaTrain", _s(272, _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B, 158, 1024,
         "h100-sxm", "not stated", _HOST_AFTER,
-        "batch and seq not stated: batch 64 and seq 1024 are the README's example config (for another model); "
-        f"checkpointing as its README describes; {_NO_FLOPS}"),
+        "batch and seq from qwen_7b_1gpu.yaml, committed with the figure; checkpointing as its README describes; "
+        "its TFLOPS count 6 FLOPs per parameter and padded token, averaged over 5 steps, the first (warm-up) "
+        "included; per GPU it is 16% below the 4-GPU run's 10-step mean, which a first step 3.3 times as long as "
+        "the others would explain; its GPU's MFU is below what the plan's kernels reach, and the sources do not "
+        "say where its time goes",
+        flops=_MEGATRAIN_FLOPS),
     PublishedRun(
         "MegaTrain, 4 GPUs", _s(1290, _MEGATRAIN), "TFLOPS, all devices", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B,
-        256, 1024, "h100-sxm", "one host's shared memory, read by every GPU's worker",
+        632, 1024, "h100-sxm", "one host's shared memory, read by every GPU's worker",
         (*_HOST_AFTER, ("devices", 4)),
-        "as the single-GPU row, 64 sequences per GPU; MegaTrain's workers share one host copy and need no "
-        "gradient all-reduce, where the plan all-reduces (the published 4.7x is super-linear)"),
+        "batch from qwen_7b_4gpu.yaml, 158 sequences per GPU, averaged over 10 steps, the first included; "
+        "MegaTrain's workers share one host copy and need no gradient all-reduce, where the plan all-reduces; "
+        "its GPUs reach 'MFU ~32.5%' (the commit's message, 6 FLOPs per parameter), below what the plan's "
+        "kernels reach, and the sources do not say where their time goes",
+        flops=_MEGATRAIN_FLOPS),
     PublishedRun(
         "Cerebras weight streaming", _s(15.3, _CEREBRAS), "speedup", "1T-parameter model (shape not published)",
         _GPTJ_6B, 1024, 2048, "cs3", "MemoryX (55 TB of DDR5) and SwarmX",
