@@ -13,13 +13,15 @@ from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.errors import ConfigError, StoreError, StreamerError
-from streamer.store.layout import model_layouts
+from streamer.store.layout import dtype_name, model_layouts
 from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
-from memory_model.schedule import StepSpec, step_events
-from memory_model.shapes import fused_update
+from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
+from memory_model.planner import clipped_schedule
+from memory_model.schedule import StepSpec, norm_pass_spec, step_events
+from memory_model.shapes import fused_update, norm_first_allowed
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
 from streamer.store.ranks import rank_dir, store_dirs
@@ -79,8 +81,12 @@ class StreamingTrainer:
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
-        self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
+        self.clipped_redos = 0  # fused steps clipping undid, made again knowing the clip coefficient
         self._speculate = True  # the next step tries the fused update (the last one did not clip)
+        if step.clipped_steps == "norm-first" and not (self.fused and norm_first_allowed(True, step.grad_accum)):
+            raise ConfigError(f"--clipped-steps norm-first needs the fused update, which {self.processes} processes "
+                              "do not run; use --clipped-steps auto or after-backward")
+        self._clipped_schedules: dict[tuple[int, int], str] = {}  # by (batch, seq), as `clipped_schedule` chose
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -211,7 +217,9 @@ class StreamingTrainer:
         try:
             ctx = self._fused_step(micro, tokens, step) if self.fused and self._speculate else None
             if ctx is None:  # after the backward, or a fused step that clipping undid, made again
-                ctx = self._run_step(micro, tokens, step, fused=False)
+                norm_first = self.fused and self.clipped_schedule(*input_ids.shape) == "norm-first"
+                ctx = (self._norm_first_step(micro, tokens, step) if norm_first
+                       else self._run_step(micro, tokens, step, fused=False))
                 # Clipping comes in runs (early training): speculate again only after a step that did not clip.
                 self._speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
@@ -246,12 +254,13 @@ class StreamingTrainer:
                         backward=backward, update_units=update_units,
                         offload_inputs=self.tc.step.activations == "offload")
 
-    def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool) -> StepContext:
+    def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool,
+                  clip_coef: float = 1.0) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
-        the store then refuses to train on until it is reopened and rolled forward)."""
+        the store then refuses to train on until it is reopened and rolled forward). A fused step clips by
+        `clip_coef`: 1 is speculative (validated as it goes, Updater._fused_inputs), else a norm pass's."""
         lr = self.tc.schedule.lr_at(step, self.tc.optimizer.lr)
-        # A fused update is speculative: unclipped, and validated as it goes (Updater._fused_inputs).
-        ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
+        ctx = (StepContext(micro, step, lr, tokens, clip_coef=clip_coef) if fused
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
         events = step_events(self.step_spec(len(micro), fused))
         if fused and self.store is not None:
@@ -278,6 +287,55 @@ class StreamingTrainer:
             self.clipped_redos += 1
             self._speculate = False
             return None
+
+    def _norm_first_step(self, micro: list[MicroBatch], tokens: float, step: int) -> StepContext:
+        """A step that clips, made norm-first: a norm pass (forward and backward, each unit's gradient dropped
+        once its squared norm is summed, nothing written), then the fused step clipped by the coefficient that
+        norm gives. The fused pass recomputes the same gradients, so the step is bit for bit the one after the
+        backward; it writes nothing until that pass, which rolls back on failure as any fused step does."""
+        probe = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.optimizer.lr), tokens,
+                            norm_pass=True)
+        try:
+            self.executor.run(step_events(norm_pass_spec(self.step_spec(len(micro), fused=True))), probe)
+            self._check_loss(probe)
+            clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.optimizer.max_grad_norm, step)
+        except BaseException:
+            self._abort()
+            raise
+        try:
+            return self._run_step(micro, tokens, step, fused=True, clip_coef=clip)
+        except ClippingNeeded:  # a coefficient of 1 that a device's recomputed norm crossed: it clips after all
+            self.clipped_redos += 1
+            return self._run_step(micro, tokens, step, fused=False)
+
+    def clipped_schedule(self, batch: int, seq: int) -> str:
+        """How a fused step of `batch` x `seq` that clips is made: "norm-first" or "after-backward".
+        `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --budget
+        device preset (with --set), else this machine's calibration where `streamer calibrate` or `streamer
+        plan --target local` cached one in runs/; with neither, today's after-backward."""
+        key = (batch, seq)
+        if key not in self._clipped_schedules:
+            choice = self.tc.step.clipped_steps
+            if not (self.fused and norm_first_allowed(True, self.tc.step.grad_accum)):
+                choice = "after-backward"
+            elif choice == "auto":
+                target = self._target()
+                choice = "after-backward" if target is None else clipped_schedule(
+                    self.cfg, target, self.tc.plan_config(batch, seq)).schedule
+            self._clipped_schedules[key] = choice
+        return self._clipped_schedules[key]
+
+    def _target(self) -> DeviceSpec | None:
+        """The device the run's steps are priced on (`clipped_schedule`), or None where none is known."""
+        device = self.tc.device
+        budget = DEVICE_PRESETS.get(device.budget, device.budget) if isinstance(device.budget, str) else device.budget
+        if isinstance(budget, DeviceSpec):
+            return with_sets(budget, device.set, ConfigError.of)
+        if device.device != "cpu":
+            return None
+        from streamer.calibration.calibrate import cached_local_spec
+        local = cached_local_spec(Path("runs"), self.cfg, dtype_name(self.tc.compute_dtype))
+        return None if local is None else with_sets(local, device.set, ConfigError.of)
 
     def _abort(self) -> None:
         self.executor.abort()

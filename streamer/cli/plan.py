@@ -28,8 +28,8 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk", "moment_dtype", "master_dtype", "update_timing", "data_parallel", "lora_rank",
-                 "lora_targets", "set", "pack")
+                 "update_chunk", "moment_dtype", "master_dtype", "update_timing", "clipped_steps", "data_parallel",
+                 "lora_rank", "lora_targets", "set", "pack")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048

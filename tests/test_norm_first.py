@@ -1,0 +1,99 @@
+"""A step that clips, made norm-first: a norm pass, then the fused step clipped by the coefficient it gives.
+
+The fused pass recomputes the norm pass's gradients bit for bit on the CPU, so a norm-first run ends with the
+weights, moments and losses of the update after the backward. These tests compare the two schedules on the
+disk tier's placements, count the store's bytes against the planner's, check the refusals, the choice of
+`auto`, and a SIGKILL in either pass.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DEBUG_MODEL, assert_same_tensors, debug_batches, run_child, train_debug
+from crash_driver import Job, Kill
+from memory_model import PlanConfig, device_spec
+from memory_model.planner import clipped_schedule, clipped_steps
+from streamer import Placement, StreamingTrainer, TrainerConfig
+from streamer.errors import ConfigError
+
+STEPS = 4
+DISK = TrainerConfig.of(store="disk", dtype="fp32", update_chunk=5000, lr=3e-3)
+
+
+def state_files(store: Path) -> dict[str, bytes]:
+    """Every unit's state file: masters and Adam moments, as stored."""
+    return {p.name: p.read_bytes() for p in sorted((store / "slabs").glob("*.state"))}
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(dtype="bf16", moment_dtype="bf16"),
+                                      dict(store=Placement("ram", "disk", "disk"), dtype="bf16")],
+                         ids=["fp32", "bf16-moments", "compute-in-ram"])
+def test_norm_first_is_bit_identical_to_the_update_after_the_backward(tmp_path, settings):
+    base = DISK.replace(**settings)
+    norms = sorted(train_debug(tmp_path / "free", base.replace(max_grad_norm=0), STEPS).norms)
+    limit = (norms[1] + norms[2]) / 2  # some steps clip, some do not
+    after = train_debug(tmp_path / "after", base.replace(max_grad_norm=limit, update_timing="after-backward"), STEPS)
+    first = train_debug(tmp_path / "first", base.replace(max_grad_norm=limit, clipped_steps="norm-first"), STEPS)
+    assert 0 < sum(n > limit for n in after.norms) < STEPS
+    assert after.losses == first.losses and after.norms == first.norms
+    assert_same_tensors(after.weights, first.weights)
+    assert state_files(tmp_path / "after") == state_files(tmp_path / "first")  # the moments too
+
+
+def test_a_norm_first_steps_store_bytes_are_the_planners(tmp_path):
+    """Every step clips: after the first (a speculative fused attempt undone), each is a norm pass and a fused
+    step, whose store bytes are exactly the planner's for the norm-first schedule."""
+    tc = DISK.replace(moment_dtype="bf16", max_grad_norm=1e-3, clipped_steps="norm-first")
+    run = train_debug(tmp_path / "run", tc, 2)
+    planned = clipped_steps(DEBUG_MODEL, device_spec("h100-sxm"),
+                            PlanConfig(batch=2, seq=16, compute_dtype="fp32", update_chunk=5000, store="disk",
+                                       moment_dtype="bf16"))
+    assert run.redos == 1
+    norm_first = planned["norm-first"]
+    assert run.step_bytes == (norm_first.disk_read_bytes, norm_first.disk_write_bytes)
+    # It writes no gradient: less than the journaled step (whose bytes test_fused_update checks).
+    assert norm_first.disk_write_bytes < planned["after-backward"].disk_write_bytes
+
+
+@pytest.mark.parametrize("settings,flag", [(dict(store="ram"), "--store disk"), (dict(grad_accum=2), "--grad-accum 1"),
+                                           (dict(lora_rank=4), "--store disk")])
+def test_norm_first_where_it_cannot_run_is_one_line(settings, flag):
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig.of(store="disk", clipped_steps="norm-first").replace(**settings)
+    message = str(err.value)
+    assert "\n" not in message and "--clipped-steps" in message and flag in message
+
+
+def test_auto_takes_the_schedule_the_planner_prices_faster(tmp_path):
+    """On a --budget device preset: the planner's choice for that target; with no target known, after-backward."""
+    for budget in ("h100-sxm", "rtx4090", None):
+        tc = DISK.replace(budget=budget)
+        with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / str(budget)) as trainer:
+            chosen = trainer.clipped_schedule(2, 16)
+        if budget is None:
+            assert chosen == "after-backward"
+            continue
+        plans = clipped_steps(DEBUG_MODEL, device_spec(budget), tc.plan_config(2, 16))
+        assert chosen == min(plans.values(), key=lambda p: p.step_s).schedule
+        assert chosen == clipped_schedule(DEBUG_MODEL, device_spec(budget), tc.plan_config(2, 16)).schedule
+
+
+@pytest.mark.parametrize("kill", [Kill("backward", 3, step=3), Kill("update", 5, step=3), Kill("pwritev", 4, step=3)],
+                         ids=["norm-pass", "fused-update", "fused-write"])
+def test_a_norm_first_step_killed_resumes_bit_identically(tmp_path, forkserver, kill):
+    """SIGKILL in step 3's norm pass (nothing written yet) or in its fused pass (a speculative step): the run
+    returns to step 2 and ends with the uninterrupted run's weights, losses and state files."""
+    def job(store: Path, **extra) -> Job:
+        return Job(str(store), 5, "fp32", "disk", "norm-first", **extra)
+
+    assert run_child(forkserver, job(tmp_path / "ref", out=str(tmp_path / "ref.pt"))) == 0
+    assert run_child(forkserver, job(tmp_path / "run", kill=kill)) == -9
+    assert not (tmp_path / "run" / "journal.json").exists()
+    assert run_child(forkserver, job(tmp_path / "run", out=str(tmp_path / "run.pt"))) == 0
+    ref, resumed = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
+    assert_same_tensors(resumed["state"], ref["state"])
+    assert resumed["losses"] == ref["losses"]
+    assert state_files(tmp_path / "run") == state_files(tmp_path / "ref")
