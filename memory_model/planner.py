@@ -450,6 +450,14 @@ def norm_pass_events(shape: ModelConfig, cfg: PlanConfig) -> list[Event]:
     return step_events(norm_pass_spec(step_spec(shape, cfg)))
 
 
+def norm_pass_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
+    """The device peak of a norm-first step's norm pass. Its events are the forward and backward of the update
+    after the backward, so it is at most that step's peak."""
+    events = norm_pass_events(shape, cfg)
+    resident = resident_sets(events, cfg.prefetch)
+    return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
+
+
 def clipped_steps(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> dict[str, ClippedStep]:
     """Each schedule a step that clips can take under `cfg`, as planned. Where the update is not fused the
     step is after the backward already. A fused step that clips is made again after the backward, or, where
@@ -465,22 +473,18 @@ def clipped_steps(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> di
         fused = plan(shape, device, cfg, limits=False)
         events = norm_pass_events(shape, cfg)
         resident = resident_sets(events, cfg.prefetch)
-        norm_peak = max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
         norm_s = simulate(events, resident, shape, cfg, device, commits=False).end_s
         read, written = step_disk_bytes_of(shape, cfg, events, norm_pass=True) if cfg.store == "disk" else (0, 0)
         out["norm-first"] = ClippedStep("norm-first", norm_s + fused.step_time_s,
                                         read + fused.link_bytes["disk_read"], written + fused.link_bytes["disk_write"],
-                                        max(norm_peak, fused.peak_device_bytes))
+                                        max(norm_pass_peak(shape, cfg), fused.peak_device_bytes))
     return out
 
 
-def clipped_schedule(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> ClippedStep:
-    """The schedule a step that clips takes: `cfg.clipped_steps` where it applies, or, for `auto`, the one
-    `clipped_steps` prices faster on `device`."""
-    plans = clipped_steps(shape, device, cfg)
-    if cfg.clipped_steps in plans:
-        return plans[cfg.clipped_steps]
-    return min(plans.values(), key=lambda p: p.step_s)
+def clipped_schedule(plans: dict[str, ClippedStep], setting: str) -> ClippedStep:
+    """The schedule a step that clips takes, of `clipped_steps`' `plans`: the one --clipped-steps names where it
+    applies, or, for `auto`, the faster planned."""
+    return plans.get(setting) or min(plans.values(), key=lambda p: p.step_s)
 
 
 # What a scaling curve means: Cerebras measures its CS-3 clusters the same way (catalogue.PUBLISHED_RUNS).

@@ -19,7 +19,7 @@ from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
-from memory_model.planner import clipped_schedule
+from memory_model.planner import clipped_schedule, clipped_steps
 from memory_model.schedule import StepSpec, norm_pass_spec, step_events
 from memory_model.shapes import fused_update, norm_first_allowed
 from streamer.store.commit import read_manifest
@@ -82,7 +82,11 @@ class StreamingTrainer:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
         self.clipped_redos = 0  # fused steps clipping undid, made again knowing the clip coefficient
-        self._speculate = True  # the next step tries the fused update (the last one did not clip)
+        # The next step tries the fused update (the last one did not clip); False: it is made as one that clips.
+        self.speculate = True
+        # How the last step was made ("fused", "norm-first" or "after-backward"), and whether a speculative fused
+        # attempt was undone before it (`streamer plan --compare` prices each logged step so).
+        self.last_schedule, self.last_redone = "", False
         if step.clipped_steps == "norm-first" and not (self.fused and norm_first_allowed(True, step.grad_accum)):
             raise ConfigError(f"--clipped-steps norm-first needs the fused update, which {self.processes} processes "
                               "do not run; use --clipped-steps auto or after-backward")
@@ -214,18 +218,22 @@ class StreamingTrainer:
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
         moved = self.store.bytes_moved() if self.store is not None else (0, 0)
+        redos = self.clipped_redos
         try:
-            ctx = self._fused_step(micro, tokens, step) if self.fused and self._speculate else None
+            ctx = self._fused_step(micro, tokens, step) if self.fused and self.speculate else None
+            self.last_schedule = "fused"
             if ctx is None:  # after the backward, or a fused step that clipping undid, made again
                 norm_first = self.fused and self.clipped_schedule(*input_ids.shape) == "norm-first"
+                self.last_schedule = "norm-first" if norm_first else "after-backward"
                 ctx = (self._norm_first_step(micro, tokens, step) if norm_first
                        else self._run_step(micro, tokens, step, fused=False))
                 # Clipping comes in runs (early training): speculate again only after a step that did not clip.
-                self._speculate = ctx.clip_coef == 1.0
+                self.speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
             if self.tc.optimizer.nonfinite == "stop":
                 raise
             return float("nan")
+        self.last_redone = self.clipped_redos > redos
         loss = self._mean_loss(ctx)
         self.losses.append(loss)
         if self.executor.device.type == "cuda":
@@ -285,7 +293,7 @@ class StreamingTrainer:
             return self._run_step(micro, tokens, step, fused=True)
         except ClippingNeeded:
             self.clipped_redos += 1
-            self._speculate = False
+            self.speculate = False
             return None
 
     def _norm_first_step(self, micro: list[MicroBatch], tokens: float, step: int) -> StepContext:
@@ -321,7 +329,7 @@ class StreamingTrainer:
             elif choice == "auto":
                 target = self._target()
                 choice = "after-backward" if target is None else clipped_schedule(
-                    self.cfg, target, self.tc.plan_config(batch, seq)).schedule
+                    clipped_steps(self.cfg, target, self.tc.plan_config(batch, seq)), choice).schedule
             self._clipped_schedules[key] = choice
         return self._clipped_schedules[key]
 

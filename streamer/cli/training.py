@@ -123,7 +123,9 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             rss = process.memory_info().rss
             skipped = trainer.step_count < step  # --nonfinite skip: nothing committed, the next batch tries step again
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
-            outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm}
+            outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm,
+                                                         "schedule": trainer.last_schedule,
+                                                         "redone": trainer.last_redone}
             record = {"step": step, **outcome,
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
