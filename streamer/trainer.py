@@ -13,7 +13,7 @@ from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.errors import ConfigError, StoreError, StreamerError
-from streamer.store.layout import dtype_name, model_layouts
+from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
@@ -91,6 +91,9 @@ class StreamingTrainer:
             raise ConfigError(f"--clipped-steps norm-first needs the fused update, which {self.processes} processes "
                               "do not run; use --clipped-steps auto or after-backward")
         self._clipped_schedules: dict[tuple[int, int], str] = {}  # by (batch, seq), as `clipped_schedule` chose
+        # This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
+        # target `clipped_schedule` prices a cpu run on when --budget names no device preset.
+        self.local_target: DeviceSpec | None = None
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -319,8 +322,7 @@ class StreamingTrainer:
     def clipped_schedule(self, batch: int, seq: int) -> str:
         """How a fused step of `batch` x `seq` that clips is made: "norm-first" or "after-backward".
         `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --budget
-        device preset (with --set), else this machine's calibration where `streamer calibrate` or `streamer
-        plan --target local` cached one in runs/; with neither, today's after-backward."""
+        device preset (with --set), else `local_target` on the cpu; with neither, after-backward."""
         key = (batch, seq)
         if key not in self._clipped_schedules:
             choice = self.tc.step.clipped_steps
@@ -339,11 +341,9 @@ class StreamingTrainer:
         budget = DEVICE_PRESETS.get(device.budget, device.budget) if isinstance(device.budget, str) else device.budget
         if isinstance(budget, DeviceSpec):
             return with_sets(budget, device.set, ConfigError.of)
-        if device.device != "cpu":
+        if device.device != "cpu" or self.local_target is None:
             return None
-        from streamer.calibration.calibrate import cached_local_spec
-        local = cached_local_spec(Path("runs"), self.cfg, dtype_name(self.tc.compute_dtype))
-        return None if local is None else with_sets(local, device.set, ConfigError.of)
+        return with_sets(self.local_target, device.set, ConfigError.of)
 
     def _abort(self) -> None:
         self.executor.abort()

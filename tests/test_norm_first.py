@@ -68,15 +68,17 @@ def test_norm_first_where_it_cannot_run_is_one_line(settings, flag):
 
 
 def test_auto_takes_the_schedule_the_planner_prices_faster(tmp_path):
-    """On a --budget device preset: the planner's choice for that target; with no target known, after-backward."""
-    for budget in ("h100-sxm", "rtx4090", None):
+    """On a --budget device preset, or the cpu's calibrated target (`local_target`, which `streamer train` reads
+    from runs/): the planner's choice for that target; with no target known, after-backward."""
+    for budget, local in (("h100-sxm", None), ("rtx4090", None), (None, None), (None, "a100-80g")):
         tc = DISK.replace(budget=budget)
-        with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / str(budget)) as trainer:
+        with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / f"{budget}{local}") as trainer:
+            trainer.local_target = None if local is None else device_spec(local)
             chosen = trainer.clipped_schedule(2, 16)
-        if budget is None:
+        if budget is None and local is None:
             assert chosen == "after-backward"
             continue
-        plans = clipped_steps(DEBUG_MODEL, device_spec(budget), tc.plan_config(2, 16))
+        plans = clipped_steps(DEBUG_MODEL, device_spec(budget or local), tc.plan_config(2, 16))
         assert chosen == min(plans.values(), key=lambda p: p.step_s).schedule
         assert chosen == clipped_schedule(plans, "auto").schedule
 
