@@ -99,3 +99,17 @@ def test_a_norm_first_step_killed_resumes_bit_identically(tmp_path, forkserver, 
     assert_same_tensors(resumed["state"], ref["state"])
     assert resumed["losses"] == ref["losses"]
     assert state_files(tmp_path / "run") == state_files(tmp_path / "ref")
+
+
+def test_gptj_6b_on_a_gpu_takes_norm_first():
+    """docs/MEMORY_MODEL.md: on h100-sxm's disk tier the gradients' round trip costs more than a second forward
+    and backward, and a norm-first step writes 4 B/param less."""
+    from layers import GPTJConfig
+
+    shape = GPTJConfig.preset("gptj-6b")
+    pc = PlanConfig(batch=1, seq=2048, activations="checkpoint", store="disk")
+    plans = clipped_steps(shape, device_spec("h100-sxm"), pc)
+    assert clipped_schedule(plans, "auto").schedule == "norm-first"
+    assert plans["norm-first"].step_s < plans["after-backward"].step_s
+    written = {name: p.disk_write_bytes / shape.num_params() for name, p in plans.items()}
+    assert written == {"norm-first": 12.0, "after-backward": 16.0}

@@ -382,8 +382,8 @@ def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: 
 
 def cached_local_spec(cache_dir: Path, shape: ModelConfig, dtype: str, sizes: CalibrationSizes | None = None
                       ) -> DeviceSpec | None:
-    """`local_spec`'s cached calibration, or None where this machine has none for the dtype and shape (nothing
-    is measured: the trainer reads it to price its schedules on `local`)."""
+    """`local_spec`'s cached calibration, or None where this machine has none for the dtype and shape. Nothing
+    is measured: `streamer train` reads it to price a clipping step's schedules on `local`."""
     entry = _read_cache(cache_dir / CACHE_NAME).get(_cache_key(shape, dtype, DEFAULT_SIZES if sizes is None else sizes))
     try:
         return None if entry is None else DeviceSpec.from_dict(entry)
