@@ -113,3 +113,27 @@ def test_gptj_6b_on_a_gpu_takes_norm_first():
     assert plans["norm-first"].step_s < plans["after-backward"].step_s
     written = {name: p.disk_write_bytes / shape.num_params() for name, p in plans.items()}
     assert written == {"norm-first": 12.0, "after-backward": 16.0}
+
+
+def test_a_tied_model_norm_first_is_bit_identical_and_its_bytes_are_planned(tmp_path):
+    """A tied head folds the embedding's part of its gradient into the embedding's accumulator, which the norm
+    pass persists for the embedding's own backward, as a fused step does: the same bits as after the backward,
+    and the store's bytes of each norm-first step are the plan's."""
+    import dataclasses
+
+    from layers import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["llama-debug"], tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, cfg.vocab_size, (2, 24), generator=g) for _ in range(3)]
+    runs = {}
+    for schedule in ("after-backward", "norm-first"):
+        tc = DISK.replace(max_grad_norm=1e-3, clipped_steps=schedule)
+        with StreamingTrainer(cfg, tc, store_dir=tmp_path / schedule) as trainer:
+            losses = [trainer.step(ids) for ids in data]
+            runs[schedule] = losses, trainer.state_dict(), trainer.step_bytes
+            planned = clipped_steps(cfg, device_spec("h100-sxm"), tc.plan_config(2, 24))[schedule]
+            assert trainer.step_bytes == (planned.disk_read_bytes, planned.disk_write_bytes)
+    assert runs["after-backward"][0] == runs["norm-first"][0]
+    assert_same_tensors(runs["after-backward"][1], runs["norm-first"][1])
+    assert state_files(tmp_path / "after-backward") == state_files(tmp_path / "norm-first")
