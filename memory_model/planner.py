@@ -307,11 +307,11 @@ def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
     if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
         events = _events(shape, cfg)
         return sum(shape.unit_device_params(r.unit) for r in load_order(events, cfg.prefetch)) * cfg.dtype_bytes, 0
-    return step_disk_bytes_of(shape, cfg, _events(shape, cfg))
+    return _disk_bytes_of(shape, cfg, _events(shape, cfg))
 
 
-def step_disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], norm_pass: bool = False
-                       ) -> tuple[int, int]:
+def _disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], norm_pass: bool = False
+                   ) -> tuple[int, int]:
     """`step_disk_bytes` of these events (the step's own, or a norm-first step's norm pass)."""
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
@@ -444,6 +444,12 @@ class ClippedStep:
     disk_write_bytes: int
     peak_bytes: int
 
+    @classmethod
+    def of(cls, schedule: str, planned: Plan) -> "ClippedStep":
+        """A whole step's plan, as a schedule a step that clips takes."""
+        return cls(schedule, planned.step_time_s, planned.link_bytes["disk_read"], planned.link_bytes["disk_write"],
+                   planned.peak_device_bytes)
+
 
 def norm_pass_events(shape: ModelConfig, cfg: PlanConfig) -> list[Event]:
     """A norm-first step's first pass: the step's forward and backward, nothing updated or stored."""
@@ -462,19 +468,14 @@ def clipped_steps(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> di
     """Each schedule a step that clips can take under `cfg`, as planned. Where the update is not fused the
     step is after the backward already. A fused step that clips is made again after the backward, or, where
     `norm_first_allowed`, as a norm pass and the fused step clipped (`norm_pass_events`, then `cfg`'s own)."""
-    if not cfg.fused:
-        own = plan(shape, device, cfg, limits=False)
-        return {"after-backward": ClippedStep("after-backward", own.step_time_s, own.link_bytes["disk_read"],
-                                              own.link_bytes["disk_write"], own.peak_device_bytes)}
-    after = plan(shape, device, replace(cfg, update_timing="after-backward"), limits=False)
-    out = {"after-backward": ClippedStep("after-backward", after.step_time_s, after.link_bytes["disk_read"],
-                                         after.link_bytes["disk_write"], after.peak_device_bytes)}
+    after = cfg if not cfg.fused else replace(cfg, update_timing="after-backward")
+    out = {"after-backward": ClippedStep.of("after-backward", plan(shape, device, after, limits=False))}
     if norm_first_allowed(cfg.fused, cfg.grad_accum):
         fused = plan(shape, device, cfg, limits=False)
         events = norm_pass_events(shape, cfg)
         resident = resident_sets(events, cfg.prefetch)
         norm_s = simulate(events, resident, shape, cfg, device, commits=False).end_s
-        read, written = step_disk_bytes_of(shape, cfg, events, norm_pass=True) if cfg.store == "disk" else (0, 0)
+        read, written = _disk_bytes_of(shape, cfg, events, norm_pass=True) if cfg.store == "disk" else (0, 0)
         out["norm-first"] = ClippedStep("norm-first", norm_s + fused.step_time_s,
                                         read + fused.link_bytes["disk_read"], written + fused.link_bytes["disk_write"],
                                         max(norm_pass_peak(shape, cfg), fused.peak_device_bytes))
