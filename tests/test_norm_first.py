@@ -29,8 +29,9 @@ def state_files(store: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(dtype="bf16", moment_dtype="bf16"),
-                                      dict(store=Placement("ram", "disk", "disk"), dtype="bf16")],
-                         ids=["fp32", "bf16-moments", "compute-in-ram"])
+                                      dict(store=Placement("ram", "disk", "disk"), dtype="bf16"),
+                                      dict(update_on="host", activations="offload", prefetch=2)],
+                         ids=["fp32", "bf16-moments", "compute-in-ram", "host-update-offloaded-inputs"])
 def test_norm_first_is_bit_identical_to_the_update_after_the_backward(tmp_path, settings):
     base = DISK.replace(**settings)
     norms = sorted(train_debug(tmp_path / "free", base.replace(max_grad_norm=0), STEPS).norms)
