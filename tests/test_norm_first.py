@@ -138,3 +138,33 @@ def test_a_tied_model_norm_first_is_bit_identical_and_its_bytes_are_planned(tmp_
     assert runs["after-backward"][0] == runs["norm-first"][0]
     assert_same_tensors(runs["after-backward"][1], runs["norm-first"][1])
     assert state_files(tmp_path / "after-backward") == state_files(tmp_path / "norm-first")
+
+
+def test_streamer_train_prices_auto_on_this_machines_cached_calibration(capsys, tmp_path, tiny_setup):
+    """`streamer train` gives the trainer the `local` calibration cached in runs/ (none is measured to train),
+    with its --set figures: on a disk slow to write, every step that clips after one that did is made
+    norm-first, as the planner prices it; with nothing cached, after the backward."""
+    import streamer.calibration.calibrate as calibrate
+    from memory_model.devices import with_sets
+    from streamer.calibration.calibrate import cached_local_spec, local_spec
+    from streamer.run_dir import RunDir
+    from test_cli import run_cli, tiny_args
+    from test_devices import TINY
+
+    slow_writes = ("--set", "disk_write_bw=1e4")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate, "DEFAULT_SIZES", TINY)
+        patch.chdir(tmp_path)
+        args = tiny_args(tiny_setup, tmp_path / "r", 2, "--store", "disk", "--max-grad-norm", 1e-6, *slow_writes)
+        assert run_cli(capsys, *args)[0] == 0
+        steps = [m for m in RunDir(tmp_path / "r").read_metrics() if "loss" in m]
+        assert [m["schedule"] for m in steps] == ["after-backward"] * 2
+        cfg = RunDir.open(tmp_path / "r").read_config()
+        local_spec(Path("runs"), cfg.model_config(), "fp32")  # what `streamer plan --target local` caches
+        target = with_sets(cached_local_spec(Path("runs"), cfg.model_config(), "fp32"), slow_writes[1:])
+        args[args.index(tmp_path / "r")] = tmp_path / "s"
+        assert run_cli(capsys, *args)[0] == 0
+    steps = [m for m in RunDir(tmp_path / "s").read_metrics() if "loss" in m]
+    assert clipped_schedule(clipped_steps(cfg.model_config(), target, cfg.plan_config()), "auto").schedule \
+        == "norm-first"
+    assert [(m["schedule"], m["redone"]) for m in steps] == [("norm-first", True), ("norm-first", False)]
