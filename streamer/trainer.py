@@ -317,6 +317,7 @@ class StreamingTrainer:
             return self._run_step(micro, tokens, step, fused=True, clip_coef=clip)
         except ClippingNeeded:  # a coefficient of 1 that a device's recomputed norm crossed: it clips after all
             self.clipped_redos += 1
+            self.last_schedule = "after-backward"
             return self._run_step(micro, tokens, step, fused=False)
 
     def clipped_schedule(self, batch: int, seq: int) -> str:
