@@ -20,13 +20,13 @@ from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
     checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
-    offloaded_inputs_bytes, rotary_shared,
+    norm_first_allowed, offloaded_inputs_bytes, rotary_shared,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
-    gradient_charges, load_order, loads_read_master, resident_sets, resource_charges, shard_numel, step_events,
-    store_bytes, update_charges,
+    gradient_charges, load_order, loads_read_master, norm_pass_spec, resident_sets, resource_charges, shard_numel,
+    step_events, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -307,9 +307,15 @@ def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
     if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
         events = _events(shape, cfg)
         return sum(shape.unit_device_params(r.unit) for r in load_order(events, cfg.prefetch)) * cfg.dtype_bytes, 0
+    return _disk_bytes_of(shape, cfg, _events(shape, cfg))
+
+
+def _disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], norm_pass: bool = False
+                   ) -> tuple[int, int]:
+    """`step_disk_bytes` of these events (the step's own, or a norm-first step's norm pass)."""
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
-    return disk_bytes(_events(shape, cfg), cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum, borrowed)
+    return disk_bytes(events, cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum, borrowed, norm_pass)
 
 
 def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -425,6 +431,61 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
                     "disk_write": sum(r.disk_write_bytes for r in rows)},
         max_batch_seq=None if max_batch is None else (max_batch, seq), max_seq=max_seq, rows=tuple(rows),
     )
+
+
+@dataclass(frozen=True)
+class ClippedStep:
+    """A step that clips, made on one schedule, as planned: its seconds, the bytes its store's files read and
+    write (the disk tier's), and its device peak."""
+
+    schedule: str  # "after-backward" or "norm-first" (memory_model.shapes.CLIPPED_STEPS)
+    step_s: float
+    disk_read_bytes: int
+    disk_write_bytes: int
+    peak_bytes: int
+
+    @classmethod
+    def of(cls, schedule: str, planned: Plan) -> "ClippedStep":
+        """A whole step's plan, as a schedule a step that clips takes."""
+        return cls(schedule, planned.step_time_s, planned.link_bytes["disk_read"], planned.link_bytes["disk_write"],
+                   planned.peak_device_bytes)
+
+
+def norm_pass_events(shape: ModelConfig, cfg: PlanConfig) -> list[Event]:
+    """A norm-first step's first pass: the step's forward and backward, nothing updated or stored."""
+    return step_events(norm_pass_spec(step_spec(shape, cfg)))
+
+
+def norm_pass_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
+    """The device peak of a norm-first step's norm pass. Its events are the forward and backward of the update
+    after the backward, so it is at most that step's peak."""
+    events = norm_pass_events(shape, cfg)
+    resident = resident_sets(events, cfg.prefetch)
+    return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
+
+
+def clipped_steps(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> dict[str, ClippedStep]:
+    """Each schedule a step that clips can take under `cfg`, as planned. Where the update is not fused the
+    step is after the backward already. A fused step that clips is made again after the backward, or, where
+    `norm_first_allowed`, as a norm pass and the fused step clipped (`norm_pass_events`, then `cfg`'s own)."""
+    after = cfg if not cfg.fused else replace(cfg, update_timing="after-backward")
+    out = {"after-backward": ClippedStep.of("after-backward", plan(shape, device, after, limits=False))}
+    if norm_first_allowed(cfg.fused, cfg.grad_accum):
+        fused = plan(shape, device, cfg, limits=False)
+        events = norm_pass_events(shape, cfg)
+        resident = resident_sets(events, cfg.prefetch)
+        norm_s = simulate(events, resident, shape, cfg, device, commits=False).end_s
+        read, written = _disk_bytes_of(shape, cfg, events, norm_pass=True) if cfg.store == "disk" else (0, 0)
+        out["norm-first"] = ClippedStep("norm-first", norm_s + fused.step_time_s,
+                                        read + fused.link_bytes["disk_read"], written + fused.link_bytes["disk_write"],
+                                        max(norm_pass_peak(shape, cfg), fused.peak_device_bytes))
+    return out
+
+
+def clipped_schedule(plans: dict[str, ClippedStep], setting: str) -> ClippedStep:
+    """The schedule a step that clips takes, of `clipped_steps`' `plans`: the one --clipped-steps names where it
+    applies, or, for `auto`, the faster planned."""
+    return plans.get(setting) or min(plans.values(), key=lambda p: p.step_s)
 
 
 # What a scaling curve means: Cerebras measures its CS-3 clusters the same way (catalogue.PUBLISHED_RUNS).

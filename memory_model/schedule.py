@@ -18,7 +18,7 @@ adds up the same numbers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
@@ -171,6 +171,14 @@ class StepSpec:
     backward: bool = True
     update_units: tuple[str, ...] | None = None
     offload_inputs: bool = False
+
+
+def norm_pass_spec(step: StepSpec) -> StepSpec:
+    """A norm-first step's first pass: the forward and backward of `step` (a fused step of one micro-batch)
+    with no update. Each unit's gradient is dropped once its squared norm is summed; nothing reaches the
+    store. The clip coefficient is then known, and `step` itself runs clipped (memory_model.shapes.
+    norm_first_allowed)."""
+    return replace(step, fused=False, update_units=())
 
 
 def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
@@ -351,7 +359,8 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
-               micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None) -> tuple[int, int]:
+               micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None,
+               norm_pass: bool = False) -> tuple[int, int]:
     """(read, written) bytes of a disk-tier step: exactly what the store's files are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
@@ -359,10 +368,12 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     write it, except that the last one of a fused step keeps it in memory for the update. Updates write the
     master and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
     accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
+    `norm_pass`: the events are a norm-first step's first pass (`norm_pass_spec`), which keeps the last
+    micro-batch's gradient in memory as a fused step does, only to take its norm.
     """
     borrowed = borrowed or {}
     owners = {owner for units in borrowed.values() for owner in units}
-    fused = is_fused(events)
+    fused = is_fused(events) or norm_pass
     read = sum(load_disk_bytes(r, numels[r.unit] + sum(numels[o] for o in borrowed.get(r.unit, ())), sizes, fused)
                for r in load_order(events, prefetch))
     written = 0

@@ -22,6 +22,7 @@ STORE_TIERS = ("ram", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
 MASTER_DTYPES = ("fp32", "bf16")
 UPDATE_TIMINGS = ("auto", "fused", "after-backward", "overlapped")
+CLIPPED_STEPS = ("auto", "after-backward", "norm-first")
 DATA_PARALLEL_MODES = ("replicated", "sharded")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
@@ -78,6 +79,12 @@ class PlanConfig:
                 "host update starts once its gradient is folded into the store, as LoHan and ZeRO-Offload "
                 "overlap it; the runtime clips by the global norm, known only after the backward)",
         Choice(UPDATE_TIMINGS), "WHEN")
+    clipped_steps: str = setting(
+        "auto", "how a fused step that clips is made: norm-first (a forward and backward that only sum the "
+                "gradient norm, then the fused step, clipped), after-backward (undone and made again with the "
+                "update after the backward, its gradients through the store), or auto (the one the planner "
+                "prices faster on the run's target). norm-first needs the fused update and --grad-accum 1",
+        Choice(CLIPPED_STEPS), "SCHEDULE")
     packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
                                   "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
@@ -177,6 +184,21 @@ def fused_update(timing: str, state_tier: str, devices: int) -> bool:
                                             f"{why}: the speculative update is undone from the previous state files;"
                                             " use --update-timing after-backward or auto")
     return timing == "fused" or (timing == "auto" and allowed)
+
+
+def norm_first_allowed(fused: bool, grad_accum: int) -> bool:
+    """Whether a step that clips can be made norm-first: a norm pass, then the fused step with the clip
+    coefficient known. It needs the fused update (not LoRA's, not several processes) and one micro-batch: the
+    norm of a gradient summed over micro-batches needs the accumulator the fused step avoids writing."""
+    return fused and grad_accum == 1
+
+
+def check_norm_first(clipped_steps: str, fused: bool, grad_accum: int) -> None:
+    """An explicit `norm-first` where it cannot run fails here, in one line naming the flags."""
+    if clipped_steps == "norm-first" and not norm_first_allowed(fused, grad_accum):
+        why = "--grad-accum 1" if fused else "the fused update (--store disk, one process, no LoRA)"
+        raise SettingError("clipped_steps", f"norm-first runs a clipping step as a norm pass and a fused step, so "
+                                            f"it needs {why}; use --clipped-steps auto or after-backward")
 
 
 # --- activations: what autograd saves, per unit and micro-batch (B sequences of T tokens) ------------------

@@ -272,7 +272,9 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
 
 
 def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelConfig, cfg: PlanConfig,
-             device: DeviceSpec) -> Timeline:
+             device: DeviceSpec, commits: bool = True) -> Timeline:
+    """The timeline of `events`; `commits=False`: a norm-first step's norm pass, which commits nothing, so its
+    fixed cost is a step's without a commit (the RAM tier's)."""
     timeline = Timeline(0.0, {u: UnitTimes() for u in shape.unit_names()})
     per_unit, queues = timeline.per_unit, _Queues(timeline)
     clock = 0.0  # the compute thread
@@ -339,8 +341,10 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
                 clock = max(clock, offload_done)
         in_flight.difference_update(releases(events, k))
     costs = device.kernels.get(cfg.compute_dtype)
-    step_s = 0.0 if costs is None else costs.fixed_s(cfg.store)[1]  # the step's own fixed cost (the loss, the commit)
-    step_s += unmeasured_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each
+    # The step's own fixed cost (the loss, the commit).
+    step_s = 0.0 if costs is None else costs.fixed_s(cfg.store if commits else "ram")[1]
+    if commits:
+        step_s += unmeasured_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each
     if costs is not None and device.same_memory and cfg.store == "disk":
         # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
         # cores that compute, so the copies take their time from the step.

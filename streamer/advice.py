@@ -27,7 +27,9 @@ def planned_peak(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> in
 
 def peak_plan_config(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> PlanConfig:
     """The run's step as its peak is planned: a fused step that clipping would change is undone and made again
-    after the backward, so with clipping on it is whichever of the two schedules peaks higher."""
+    after the backward or norm-first, so with clipping on it is whichever of the fused and the after-backward
+    step peaks higher. A norm-first step is covered: its norm pass is the after-backward step's forward and
+    backward (planner.norm_pass_peak), and its fused pass is the fused step."""
     pc = cfg.plan_config(devices)
     if not (pc.fused and cfg.trainer.optimizer.max_grad_norm):
         return pc

@@ -9,7 +9,7 @@ store="disk")` builds the tree from them, and `to_dict`/`from_dict` write and re
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
 from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
-from memory_model.shapes import check_chunk_blocks, fused_update
+from memory_model.shapes import check_chunk_blocks, check_norm_first, fused_update
 from streamer.errors import ConfigError
 from streamer.runtime.hardware import DeviceConfig, resolve_compute_dtype
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
@@ -50,7 +50,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_settings(self, ConfigError.of)
         try:
-            fused_update(self.step.update_timing, self.store.state, 1)
+            fused = fused_update(self.step.update_timing, self.store.state, 1) and not self.lora.enabled
+            check_norm_first(self.step.clipped_steps, fused, self.step.grad_accum)
             check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
@@ -70,6 +71,13 @@ class TrainerConfig:
         if self.device.dtype != "auto":
             return DTYPES[self.device.dtype]
         return DTYPES[resolve_compute_dtype(self.device.device).dtype]
+
+    def plan_config(self, batch: int, seq: int, devices: int = 1, packed: bool = False) -> PlanConfig:
+        """The planner's view of a step of `batch` sequences of `seq` tokens with these settings, on `devices`
+        data-parallel devices (`packed`: rows of packed examples), in the resolved compute dtype."""
+        return PlanConfig(**asdict(self.step), batch=batch, seq=seq, compute_dtype=dtype_name(self.compute_dtype),
+                          store=self.store.state, devices=devices, moment_dtype=self.optimizer.moment_dtype,
+                          master_dtype=self.optimizer.master_dtype, lora=self.lora, packed=packed)
 
     def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`

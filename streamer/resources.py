@@ -72,6 +72,10 @@ def _fused(tc: TrainerConfig, processes: int) -> bool:
     return not tc.lora.enabled and fused_update(tc.step.update_timing, tc.store.state, processes)
 
 
+# The journaled step's settings: its update is never fused, so no step that clips is made norm-first.
+AFTER_BACKWARD = {"update_timing": "after-backward", "clipped_steps": "auto"}
+
+
 def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
     return nbytes + headroom[0] + int(nbytes * headroom[1]) if nbytes else 0
 
@@ -94,7 +98,7 @@ def fit_host_resources(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, fr
         return cfg, None
     if cfg.trainer.step.update_timing != "auto":
         raise RunError(problem)
-    journaled = cfg.replace(update_timing="after-backward")
+    journaled = cfg.replace(**AFTER_BACKWARD)
     problem = shortfall(journaled, model_cfg, free_ram, free_disk, folder)
     if problem is None:
         return journaled, (f"--update-timing auto: a fused step keeps every unit's previous state on disk until it "
@@ -123,7 +127,7 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
                      f"commits; {format_size(free_disk)} free)")
     # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8, and
     # a bf16 master last.
-    variants = {"--update-timing after-backward": {"update_timing": "after-backward"}, "--store disk": {"store": "disk"}}
+    variants = {"--update-timing after-backward": AFTER_BACKWARD, "--store disk": {"store": "disk"}}
     for moments in ("bf16", "int8"):
         variants[f"--moment-dtype {moments}"] = {"moment_dtype": moments}
         variants[f"--store disk --moment-dtype {moments}"] = {"store": "disk", "moment_dtype": moments}

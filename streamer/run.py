@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -145,10 +145,7 @@ class RunConfig:
         if tc.device.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"resolve --dtype {tc.device.dtype} to bf16 or fp32 before planning the step")
         # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
-        return PlanConfig(**asdict(tc.step), batch=self.batch, seq=self.seq, compute_dtype=tc.device.dtype,
-                          store=tc.store.state, devices=devices, moment_dtype=tc.optimizer.moment_dtype,
-                          master_dtype=tc.optimizer.master_dtype,
-                          lora=tc.lora, packed=self.data.pack is not None)
+        return tc.plan_config(self.batch, self.seq, devices, packed=self.data.pack is not None)
 
     def name(self) -> str:
         """A short name for the default run directory."""
@@ -181,9 +178,9 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
-         "update_on", "prefetch", "update_chunk", "update_timing", "data_parallel", "seed", "pack", "eval_fraction",
-         "eval_data", "chat_template", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-         "report_to", "log_every", "dist_timeout")
+         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel", "seed", "pack",
+         "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every", "sample_prompt",
+         "sample_tokens", "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
@@ -199,7 +196,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device.
 RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
              "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
-             "report_to", "pin_memory", "set", "dist_timeout")
+             "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items() if name in FLAGS}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items() if name in FLAGS}

@@ -18,8 +18,10 @@ from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
 from streamer.runtime.lora import Adapters
-from memory_model.schedule import StepSpec, step_events
-from memory_model.shapes import fused_update
+from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
+from memory_model.planner import clipped_schedule, clipped_steps
+from memory_model.schedule import StepSpec, norm_pass_spec, step_events
+from memory_model.shapes import fused_update, norm_first_allowed
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
 from streamer.store.ranks import rank_dir, store_dirs
@@ -79,8 +81,19 @@ class StreamingTrainer:
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
-        self.clipped_redos = 0  # fused steps clipping undid, made again after the backward
-        self._speculate = True  # the next step tries the fused update (the last one did not clip)
+        self.clipped_redos = 0  # fused steps clipping undid, made again knowing the clip coefficient
+        # The next step tries the fused update (the last one did not clip); False: it is made as one that clips.
+        self.speculate = True
+        # How the last step was made ("fused", "norm-first" or "after-backward"), and whether a speculative fused
+        # attempt was undone before it (`streamer plan --compare` prices each logged step so).
+        self.last_schedule, self.last_redone = "", False
+        if step.clipped_steps == "norm-first" and not (self.fused and norm_first_allowed(True, step.grad_accum)):
+            raise ConfigError(f"--clipped-steps norm-first needs the fused update, which {self.processes} processes "
+                              "do not run; use --clipped-steps auto or after-backward")
+        self._clipped_schedules: dict[tuple[int, int], str] = {}  # by (batch, seq), as `clipped_schedule` chose
+        # This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
+        # target `clipped_schedule` prices a cpu run on when --budget names no device preset.
+        self.local_target: DeviceSpec | None = None
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -208,16 +221,22 @@ class StreamingTrainer:
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
         moved = self.store.bytes_moved() if self.store is not None else (0, 0)
+        redos = self.clipped_redos
         try:
-            ctx = self._fused_step(micro, tokens, step) if self.fused and self._speculate else None
+            ctx = self._fused_step(micro, tokens, step) if self.fused and self.speculate else None
+            self.last_schedule = "fused"
             if ctx is None:  # after the backward, or a fused step that clipping undid, made again
-                ctx = self._run_step(micro, tokens, step, fused=False)
+                norm_first = self.fused and self.clipped_schedule(*input_ids.shape) == "norm-first"
+                self.last_schedule = "norm-first" if norm_first else "after-backward"
+                ctx = (self._norm_first_step(micro, tokens, step) if norm_first
+                       else self._run_step(micro, tokens, step, fused=False))
                 # Clipping comes in runs (early training): speculate again only after a step that did not clip.
-                self._speculate = ctx.clip_coef == 1.0
+                self.speculate = ctx.clip_coef == 1.0
         except NonFiniteError:
             if self.tc.optimizer.nonfinite == "stop":
                 raise
             return float("nan")
+        self.last_redone = self.clipped_redos > redos
         loss = self._mean_loss(ctx)
         self.losses.append(loss)
         if self.executor.device.type == "cuda":
@@ -246,12 +265,13 @@ class StreamingTrainer:
                         backward=backward, update_units=update_units,
                         offload_inputs=self.tc.step.activations == "offload")
 
-    def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool) -> StepContext:
+    def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool,
+                  clip_coef: float = 1.0) -> StepContext:
         """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
-        the store then refuses to train on until it is reopened and rolled forward)."""
+        the store then refuses to train on until it is reopened and rolled forward). A fused step clips by
+        `clip_coef`: 1 is speculative (validated as it goes, Updater._fused_inputs), else a norm pass's."""
         lr = self.tc.schedule.lr_at(step, self.tc.optimizer.lr)
-        # A fused update is speculative: unclipped, and validated as it goes (Updater._fused_inputs).
-        ctx = (StepContext(micro, step, lr, tokens, clip_coef=1.0) if fused
+        ctx = (StepContext(micro, step, lr, tokens, clip_coef=clip_coef) if fused
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
         events = step_events(self.step_spec(len(micro), fused))
         if fused and self.store is not None:
@@ -276,8 +296,55 @@ class StreamingTrainer:
             return self._run_step(micro, tokens, step, fused=True)
         except ClippingNeeded:
             self.clipped_redos += 1
-            self._speculate = False
+            self.speculate = False
             return None
+
+    def _norm_first_step(self, micro: list[MicroBatch], tokens: float, step: int) -> StepContext:
+        """A step that clips, made norm-first: a norm pass (forward and backward, each unit's gradient dropped
+        once its squared norm is summed, nothing written), then the fused step clipped by the coefficient that
+        norm gives. The fused pass recomputes the same gradients, so the step is bit for bit the one after the
+        backward; it writes nothing until that pass, which rolls back on failure as any fused step does."""
+        probe = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.optimizer.lr), tokens,
+                            norm_pass=True)
+        try:
+            self.executor.run(step_events(norm_pass_spec(self.step_spec(len(micro), fused=True))), probe)
+            self._check_loss(probe)
+            clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.optimizer.max_grad_norm, step)
+        except BaseException:
+            self._abort()
+            raise
+        try:
+            return self._run_step(micro, tokens, step, fused=True, clip_coef=clip)
+        except ClippingNeeded:  # a coefficient of 1 that a device's recomputed norm crossed: it clips after all
+            self.clipped_redos += 1
+            self.last_schedule = "after-backward"
+            return self._run_step(micro, tokens, step, fused=False)
+
+    def clipped_schedule(self, batch: int, seq: int) -> str:
+        """How a fused step of `batch` x `seq` that clips is made: "norm-first" or "after-backward".
+        `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --budget
+        device preset (with --set), else `local_target` on the cpu; with neither, after-backward."""
+        key = (batch, seq)
+        if key not in self._clipped_schedules:
+            choice = self.tc.step.clipped_steps
+            if not (self.fused and norm_first_allowed(True, self.tc.step.grad_accum)):
+                choice = "after-backward"
+            elif choice == "auto":
+                target = self._target()
+                choice = "after-backward" if target is None else clipped_schedule(
+                    clipped_steps(self.cfg, target, self.tc.plan_config(batch, seq)), choice).schedule
+            self._clipped_schedules[key] = choice
+        return self._clipped_schedules[key]
+
+    def _target(self) -> DeviceSpec | None:
+        """The device the run's steps are priced on (`clipped_schedule`), or None where none is known."""
+        device = self.tc.device
+        budget = DEVICE_PRESETS.get(device.budget, device.budget) if isinstance(device.budget, str) else device.budget
+        if isinstance(budget, DeviceSpec):
+            return with_sets(budget, device.set, ConfigError.of)
+        if device.device != "cpu" or self.local_target is None:
+            return None
+        return with_sets(self.local_target, device.set, ConfigError.of)
 
     def _abort(self) -> None:
         self.executor.abort()

@@ -48,7 +48,9 @@ class Job:
     steps: int
     dtype: str
     compute: str = "disk"  # the compute weights' tier ("ram": rebuilt from the masters on open)
-    timing: str = "fused"  # the update fused into the backward, or "after-backward" (journaled)
+    # The update fused into the backward, "after-backward" (journaled), or "norm-first": every step clips
+    # and is made as a norm pass, then the fused step clipped.
+    timing: str = "fused"
     kill: Kill | None = None
     record: str | None = None  # a folder: the state after every step and each step's call counts (reference run)
     out: str | None = None  # where the finished run leaves its final weights and losses
@@ -59,6 +61,10 @@ class Job:
 def trainer_config(dtype: str, compute: str, timing: str, moments: str = "fp32", master: str = "fp32") -> TrainerConfig:
     # Several chunks per unit, two micro-batches: a kill can land between any two writes of a step.
     # Fused: no clipping, so that every step is fused (a step that clips is made again after the backward).
+    if timing == "norm-first":  # one micro-batch, as norm-first needs; a threshold every step crosses
+        return TrainerConfig.of(store=Placement(compute, "disk", "disk"), dtype=dtype, update_chunk=8192, lr=3e-3,
+                                seed=7, clipped_steps="norm-first", moment_dtype=moments, master_dtype=master,
+                                max_grad_norm=1e-3)
     return TrainerConfig.of(store=Placement(compute, "disk", "disk"), dtype=dtype, grad_accum=2,
                             update_chunk=8192, lr=3e-3, seed=7, update_timing=timing, moment_dtype=moments,
                             master_dtype=master,

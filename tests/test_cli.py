@@ -112,6 +112,22 @@ def test_a_disk_tier_run_whose_fused_steps_clip_stays_within_the_planned_peak(ca
     assert f"the planner predicts {format_size(planned_peak(cfg.model_config(), cfg))}" in out
 
 
+def test_a_run_whose_steps_clip_norm_first_logs_each_steps_schedule(capsys, tmp_path, tiny_setup):
+    """--clipped-steps norm-first: the first step's speculative fused attempt is undone and the step made
+    norm-first, as is every later step that follows one that clipped; each record says so, and the run's peak
+    stays within the planned one."""
+    run = tmp_path / "r"
+    args = tiny_args(tiny_setup, run, 3, "--store", "disk", "--max-grad-norm", 1e-6, "--clipped-steps", "norm-first")
+    args[args.index("--batch") + 1] = 1
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    steps = [m for m in RunDir(run).read_metrics() if "loss" in m]
+    assert [(m["schedule"], m["redone"]) for m in steps] == [("norm-first", True), ("norm-first", False),
+                                                             ("norm-first", False)]
+    cfg = RunDir.open(run).read_config()
+    assert max(m["device_peak_bytes"] for m in steps) <= planned_peak(cfg.model_config(), cfg)
+
+
 # --- resume ------------------------------------------------------------------------------------------------------
 def test_resume_sees_the_batches_an_uninterrupted_run_sees(capsys, tmp_path, tiny_setup):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -149,6 +165,8 @@ def test_bad_input_is_one_line_with_the_fix(capsys, tmp_path, tiny_setup):
     assert "--update-timing fused needs the state on disk (--store disk)" in fused and "not --store ram" in fused
     assert "--update-timing after-backward" in fused and "update_timing=" not in fused
     assert "planned only" in fails(capsys, "train", "--update-timing", "overlapped", "--run-dir", run)
+    norm_first = fails(capsys, "train", "--clipped-steps", "norm-first", "--grad-accum", 2, "--run-dir", run)
+    assert "--clipped-steps norm-first" in norm_first and "--grad-accum 1" in norm_first
     assert "add --update-on host" in fails(capsys, "plan", "--update-timing", "overlapped", "--update-on", "device")
     assert not run.exists()  # nothing was created for a run that could not start
 

@@ -193,3 +193,44 @@ def test_packed_rows_real_run_dry_run_and_planner_agree(tmp_path, dtype, activat
         peaks[packed] = real
     if (dtype, activations) != ("bf16", "checkpoint"):  # (there the head's backward is the peak either way)
         assert peaks[True] > peaks[False]
+
+
+@pytest.mark.parametrize("settings", [dict(dtype="fp32", activations="offload"), dict(dtype="fp32"),
+                                      dict(dtype="fp32", activations="checkpoint", prefetch=2)])
+def test_a_norm_pass_on_meta_charges_the_planned_peak(settings):
+    """A norm-first step's norm pass (forward and backward, no update, nothing stored): the runtime's ledger
+    on meta peaks at the planner's norm-pass peak to the byte, and no higher than the update after the backward."""
+    from dataclasses import replace
+
+    from memory_model.planner import norm_pass_peak, peak_device_bytes
+    from memory_model.schedule import norm_pass_spec, step_events
+    from streamer.calibration.dryrun import FlashAttentionOnMeta
+    from streamer.runtime.step import MicroBatch, StepContext
+
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig.of(store="disk", update_chunk=20_000, **settings)
+    trainer = StreamingTrainer(cfg, tc.replace(device="meta"))
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    ctx = StepContext([MicroBatch(ids, ids)], 1, 0.0, 64.0, norm_pass=True)
+    with FlashAttentionOnMeta():
+        trainer.executor.run(step_events(norm_pass_spec(trainer.step_spec(1, fused=True))), ctx)
+    trainer.close()
+    pc = PlanConfig(batch=2, seq=32, store="disk", update_chunk=20_000, compute_dtype="fp32",
+                    **{k: v for k, v in settings.items() if k != "dtype"})
+    assert trainer.ledger.peak == norm_pass_peak(cfg, pc)
+    assert norm_pass_peak(cfg, pc) <= peak_device_bytes(cfg, replace(pc, update_timing="after-backward"))
+
+
+def test_plan_dry_run_of_a_step_that_clips_norm_first(capsys):
+    """`streamer plan --dry-run` also runs a step that clips on the schedule the plan chose for it: norm-first,
+    whose peak (its norm pass's or its fused step's) the plan states to the byte in fp32."""
+    from test_cli import run_cli
+
+    rc, out, err = run_cli(capsys, "plan", "--model", "gptj-debug", "--target", "h100-sxm", "--store", "disk",
+                           "--dtype", "fp32", "--activations", "offload", "--batch", 2, "--seq", 32,
+                           "--clipped-steps", "norm-first", "--dry-run", "--json")
+    assert rc == 0 and err == "", err
+    planned = json.loads(out)
+    assert planned["clipped_schedule"] == "norm-first"
+    assert planned["dry_run_clipped_peak_device_bytes"] == planned["clipped_steps"]["norm-first"]["peak_bytes"]
+    assert set(planned["clipped_steps"]) == {"norm-first", "after-backward"}

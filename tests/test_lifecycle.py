@@ -480,3 +480,8 @@ def test_auto_runs_the_update_after_the_backward_where_a_fused_steps_second_gene
     assert "what would fit: --update-timing after-backward" in message
     with pytest.raises(RunError, match="one unit's state twice"):
         fit_host_resources(cfg, model_cfg, ram, journaled_disk // 2, tmp_path)
+    # Norm-first makes a clipping step fused: a step that is never fused leaves it for auto.
+    norm_first = cfg.replace(clipped_steps="norm-first")
+    assert fit_host_resources(norm_first, model_cfg, ram, between, tmp_path)[0] == fitted
+    assert "what would fit: --update-timing after-backward" in shortfall(
+        norm_first.replace(update_timing="fused"), model_cfg, ram, between, tmp_path)

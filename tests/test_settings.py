@@ -84,7 +84,8 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
 # Each flag's owner: (owner, owner's name, flag).
 OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "moment_dtype", "nonfinite")
 SHARED = [(StepConfig, name, name) for name in ("grad_accum", "activations", "prefetch", "update_on",
-                                                "update_chunk", "update_timing", "data_parallel")] + \
+                                                "update_chunk", "update_timing", "clipped_steps",
+                                                "data_parallel")] + \
     [(OptimizerConfig, name, name) for name in OPTIMIZER] + \
     [(DeviceConfig, name, name) for name in ("dtype", "device", "budget", "set", "pin_memory")] + \
     [(DataConfig, name, name) for name in ("data", "tokenizer", "vocab_size", "pack", "eval_fraction")] + \

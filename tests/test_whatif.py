@@ -130,6 +130,29 @@ def test_compare_prices_each_logged_step_on_the_schedule_the_trainer_ran():
     assert replayed_steps(shape, device, unclipped, [{"grad_norm": n} for n in norms]) == [fused.step_time_s] * 5
 
 
+def test_compare_prices_each_step_as_its_record_says_it_was_made():
+    """A run's records say how each step was made: a norm-first step is priced as its norm pass and fused step,
+    plus the undone speculative attempt's forward where there was one."""
+    from memory_model import device_spec, plan
+    from memory_model.planner import clipped_steps
+    from streamer.cli.whatif import replayed_steps
+    from streamer.run import resolve
+
+    cfg = resolve({"model": "gptj-debug", "store": "disk", "batch": 2, "seq": 32, "dtype": "fp32",
+                   "clipped_steps": "norm-first"})
+    shape, device, pc = cfg.model_config(), device_spec("h100-sxm"), cfg.plan_config()
+    fused = plan(shape, device, pc, limits=False)
+    attempt = sum(row.forward_s for row in fused.rows)
+    norm_first = clipped_steps(shape, device, pc)["norm-first"].step_s
+    records = [{"grad_norm": 5.0, "schedule": "norm-first", "redone": True},
+               {"grad_norm": 5.0, "schedule": "norm-first", "redone": False},
+               {"grad_norm": 0.5, "schedule": "norm-first", "redone": False},
+               {"grad_norm": 0.5, "schedule": "fused", "redone": False}]
+    assert replayed_steps(shape, device, cfg, records) == [attempt + norm_first, norm_first, norm_first,
+                                                           fused.step_time_s]
+    assert fused.step_time_s < norm_first
+
+
 def test_more_machines_over_a_slower_network_predict_a_longer_reduce(capsys):
     """`--ranks 16` on 8-GPU machines is 2 of them: the all-reduce is a ring inside each over NVLink, then
     between the machines over their network (`inter_node_bytes_per_s`, 8 x 400 Gb/s on a DGX H100)."""

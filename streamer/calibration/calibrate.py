@@ -389,11 +389,9 @@ def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: 
     path = cache_dir / CACHE_NAME
     key = _cache_key(shape, dtype, DEFAULT_SIZES if sizes is None else sizes)
     entries = _read_cache(path)
-    if not refresh and key in entries:
-        try:
-            return DeviceSpec.from_dict(entries[key])
-        except (ValueError, KeyError, TypeError):
-            pass  # damaged: measured again below
+    cached = None if refresh else cached_local_spec(cache_dir, shape, dtype, sizes)
+    if cached is not None:  # else none, or damaged: measured again below
+        return cached
     spec = calibrate(cache_dir, shape, dtype, sizes)
     payload = {"version": CACHE_VERSION, "fingerprint": fingerprint(),
                "entries": {**entries, key: spec.to_dict()}}
@@ -401,6 +399,17 @@ def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: 
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)  # atomic: a concurrent reader sees the old cache or the new one, never half
     return spec
+
+
+def cached_local_spec(cache_dir: Path, shape: ModelConfig, dtype: str, sizes: CalibrationSizes | None = None
+                      ) -> DeviceSpec | None:
+    """`local_spec`'s cached calibration, or None where this machine has none for the dtype and shape. Nothing
+    is measured: `streamer train` reads it to price a clipping step's schedules on `local`."""
+    entry = _read_cache(cache_dir / CACHE_NAME).get(_cache_key(shape, dtype, DEFAULT_SIZES if sizes is None else sizes))
+    try:
+        return None if entry is None else DeviceSpec.from_dict(entry)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _cache_key(shape: ModelConfig, dtype: str, sizes: CalibrationSizes) -> str:

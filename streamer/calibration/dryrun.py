@@ -32,10 +32,15 @@ class FlashAttentionOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def dry_run(cfg: ModelConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False) -> Ledger:
+def dry_run(cfg: ModelConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False,
+            clipped: bool = False) -> Ledger:
     """Run one full training step (grad_accum micro-batches and the update) on meta; returns its ledger.
-    `packed`: rows of packed examples (their positions, hence masked attention)."""
+    `packed`: rows of packed examples (their positions, hence masked attention). `clipped`: the step as one
+    that clips after one that did (no speculative attempt), on the schedule --clipped-steps names (auto: after
+    the backward, as a trainer with no target prices it): a norm-first step's norm pass and fused step, or the
+    update after the backward."""
     trainer = StreamingTrainer(cfg, tc.replace(device="meta", budget=None))
+    trainer.speculate = not clipped
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     with FlashAttentionOnMeta():
         trainer.step(ids, positions=ids if packed else None)

@@ -14,7 +14,7 @@ from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
-from memory_model.planner import SCALING_ASSUMPTION, scaling_curve
+from memory_model.planner import SCALING_ASSUMPTION, clipped_schedule, clipped_steps, scaling_curve
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
@@ -28,8 +28,8 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
-                 "update_chunk", "moment_dtype", "master_dtype", "update_timing", "data_parallel", "lora_rank",
-                 "lora_targets", "set", "pack")
+                 "update_chunk", "moment_dtype", "master_dtype", "update_timing", "clipped_steps", "data_parallel",
+                 "lora_rank", "lora_targets", "set", "pack")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
@@ -99,11 +99,24 @@ def plan_command(args: argparse.Namespace) -> int:
     out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
            "compute_dtype_reason": choice.reason, "store_reason": store, "store_ram_bytes": store_ram,
            "store_disk_bytes": store_disk, "alternatives": [asdict(b) for b in others]}
+    clipping = plan_cfg.fused and cfg.trainer.optimizer.max_grad_norm > 0
+    if clipping:
+        try:
+            schedules = clipped_steps(model_cfg, device, plan_cfg)
+        except ValueError as exc:
+            raise StreamerError(f"cannot plan this step: {exc}") from None
+        chosen = clipped_schedule(schedules, plan_cfg.clipped_steps)
+        out["clipped_steps"] = {name: asdict(p) for name, p in schedules.items()}
+        out["clipped_schedule"] = chosen.schedule
     if args.dry_run:
         tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.update_on, budget=None)  # the ledger's own peak
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
+        if clipping:  # a step that clips, on the schedule the plan chose for it
+            clipped = dry_run(model_cfg, tc.replace(clipped_steps=chosen.schedule), cfg.batch, cfg.seq,
+                              packed=plan_cfg.packed, clipped=True)
+            out["dry_run_clipped_peak_device_bytes"] = clipped.peak
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
@@ -116,12 +129,19 @@ def plan_command(args: argparse.Namespace) -> int:
                   f"while a step commits)",
                   markup=False, highlight=False)
     console.print(result.table())
+    if clipping:
+        console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.clipped_steps, result.params),
+                      markup=False, highlight=False)
     console.print(_alternatives(result, others))
     if args.dry_run:
         measured = out["dry_run_peak_device_bytes"]
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
                       f"({breakdown(out['dry_run_peak_breakdown'])}); analytic "
                       f"{format_size(result.peak_device_bytes)} ({breakdown(result.peak_breakdown)})")
+        if clipping:
+            console.print(f"dry run of a step that clips ({chosen.schedule}): peak "
+                          f"{format_size(out['dry_run_clipped_peak_device_bytes'])}; analytic "
+                          f"{format_size(chosen.peak_bytes)}", markup=False, highlight=False)
     if scaling is not None and args.ranks > 1:
         machines = f", hierarchical over {plan_cfg.nodes} machines" if plan_cfg.nodes > 1 and device.reduce == "ring" \
             else ""
@@ -132,6 +152,18 @@ def plan_command(args: argparse.Namespace) -> int:
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
     return 0
+
+
+def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: str, params: int) -> str:
+    """How a fused step that clips (--max-grad-norm) is made, and what each schedule costs."""
+    def cost(p: dict[str, Any]) -> str:
+        disk = (f", disk read {p['disk_read_bytes'] / params:.2f} and written {p['disk_write_bytes'] / params:.2f} "
+                "B/param" if p["disk_write_bytes"] else "")
+        return f"{p['step_s']:.3g} s{disk}, peak {format_size(p['peak_bytes'])}"
+    why = "as --clipped-steps names" if setting == chosen else "the faster planned (--clipped-steps auto)"
+    others = "; ".join(f"{name}: {cost(p)}" for name, p in schedules.items() if name != chosen)
+    return (f"a step that clips (--max-grad-norm) is made {chosen}, {why}: {cost(schedules[chosen])}"
+            + (f" (else {others})" if others else ""))
 
 
 def _alternatives(result: Plan, others: list[Baseline]) -> Table:

@@ -5,6 +5,7 @@ import math
 import shlex
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 from rich.console import Console
@@ -12,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from memory_model import format_size
 from streamer.advice import planned_peak
+from streamer.calibration.calibrate import cached_local_spec
 from streamer.cli.trace import memory_lines
 from streamer.generate import Sampling, complete
 from streamer.io.data import BatchStream, Dataset
@@ -20,6 +22,7 @@ from streamer.reporting import Reporters
 from streamer.run import RunConfig
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, launcher
+from streamer.store.layout import dtype_name
 from streamer.errors import StreamerError
 from streamer.trainer import StreamingTrainer
 
@@ -40,6 +43,11 @@ class Session:
     held_out: Dataset | None
     parallel: DataParallel | None = None
     reporters: Reporters | None = None  # --report-to, in the lead process only
+
+    def __post_init__(self) -> None:
+        if self.trainer.tc.device.device == "cpu":  # the target --clipped-steps auto prices on, where calibrated
+            self.trainer.local_target = cached_local_spec(Path("runs"), self.trainer.cfg,
+                                                          dtype_name(self.trainer.tc.compute_dtype))
 
     def log(self, record: dict) -> None:
         """One record into RUN/metrics.jsonl and to --report-to's reporters (the lead process only)."""
@@ -123,7 +131,9 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             rss = process.memory_info().rss
             skipped = trainer.step_count < step  # --nonfinite skip: nothing committed, the next batch tries step again
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
-            outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm}
+            outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm,
+                                                         "schedule": trainer.last_schedule,
+                                                         "redone": trainer.last_redone}
             record = {"step": step, **outcome,
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
                       "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,

@@ -74,24 +74,29 @@ def replayed_steps(shape: ModelConfig, device: DeviceSpec, cfg: RunConfig, steps
                    processes: int = 1) -> list[float]:
     """The planned time of each step the run logged, on the schedule the trainer ran it with. With clipping
     on, a fused step is speculative: one whose gradient norm exceeded --max-grad-norm was undone and made
-    again after the backward, and the steps after it ran after the backward until one did not clip. The undone
-    attempt is priced as its forward (it stops at the first unit whose running norm crosses the threshold,
-    early when the norm is far above it): a lower bound."""
-    from dataclasses import replace
-
+    again, norm-first or after the backward (--clipped-steps), and the steps after it ran that way until one did
+    not clip. Each record says how its step was made (`schedule`, `redone`); a run logged before they did
+    is replayed on the after-backward schedule. The undone attempt is priced as its forward (it stops at the
+    first unit whose running norm crosses the threshold, early when the norm is far above it): a lower bound."""
     from memory_model import plan
+    from memory_model.planner import clipped_steps
 
     pc = cfg.plan_config(processes)
     fused = plan(shape, device, pc, limits=False)
     if not (pc.fused and cfg.trainer.optimizer.max_grad_norm):
         return [fused.step_time_s] * len(steps)
-    after = plan(shape, device, replace(pc, update_timing="after-backward"), limits=False).step_time_s
+    clipped = {name: p.step_s for name, p in clipped_steps(shape, device, pc).items()}
+    priced = {"fused": fused.step_time_s, **clipped}
     attempt = sum(row.forward_s for row in fused.rows)
     times, speculate = [], True
     for record in steps:
-        clipped = record.get("grad_norm", 0.0) > cfg.trainer.optimizer.max_grad_norm
-        times.append((attempt + after if clipped else fused.step_time_s) if speculate else after)
-        speculate = not clipped
+        if "schedule" in record:
+            times.append(priced[record["schedule"]] + (attempt if record["redone"] else 0.0))
+            continue
+        clips = record.get("grad_norm", 0.0) > cfg.trainer.optimizer.max_grad_norm
+        after = clipped["after-backward"]
+        times.append((attempt + after if clips else fused.step_time_s) if speculate else after)
+        speculate = not clips
     return times
 
 

@@ -178,7 +178,7 @@ class Passes:
         # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
         reductions = (None if self.data_parallel is None else
                       [(owner, self.data_parallel.start_reduce(pieces)) for owner, pieces in parts])
-        step, persist = ctx.step, not (ctx.fused and last)
+        step, persist = ctx.step, not ((ctx.fused or ctx.norm_pass) and last)
         job = lambda: self._traced_offload(unit, step, parts, first, last, reductions, persist)
         ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 

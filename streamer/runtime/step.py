@@ -22,7 +22,7 @@ class NonFiniteError(StreamerError):
 
 class ClippingNeeded(Exception):
     """A fused update ran unclipped, but the gradient norm so far already makes the clip coefficient below 1:
-    the step must be undone and made again with the update after the backward (which knows the coefficient)."""
+    the step must be undone and made again knowing the coefficient (norm-first, or after the backward)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class StepConfig:
     prefetch: int = same_setting(PlanConfig, "prefetch")
     update_chunk: int = same_setting(PlanConfig, "update_chunk")
     update_timing: str = same_setting(PlanConfig, "update_timing")
+    clipped_steps: str = same_setting(PlanConfig, "clipped_steps")
     data_parallel: str = same_setting(PlanConfig, "data_parallel")
 
     def __post_init__(self) -> None:
@@ -84,6 +85,9 @@ class StepContext:
     infer: Callable[[str, Callable[..., torch.Tensor]], None] | None = None
     # What the executor hands from one event to a later one:
     fused: bool = False  # the update is fused into the backward
+    # A norm-first step's norm pass (memory_model.schedule.norm_pass_spec): each unit's final gradient only
+    # gives its squared norm, and is dropped, as a fused step keeps it from the store; the caller sets it.
+    norm_pass: bool = False
     training: bool = False  # dropout on (a training step) or off (evaluation, generation)
     # (input, output); an offloaded block's input is on the host (`stashed`), and its output once the next unit has it
     graphs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)

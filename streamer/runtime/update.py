@@ -66,13 +66,17 @@ class Updater:
                       grad_sq_norms: dict[str, float]) -> dict[str, torch.Tensor]:
         """A fused update chunk's state and its gradient from the backward, once the step so far allows it.
 
-        It runs with clip coefficient 1 (`ctx.clip_coef`), so it stands only while the norm of the gradients
-        summed so far keeps the coefficient at 1: the norm only grows, so a coefficient below 1 now is below
-        1 for the step, and the step is made again after the backward (`ClippingNeeded`). A non-finite
-        gradient stops the step here, before this unit's update, as it would before the separate update.
+        A speculative step runs with clip coefficient 1 (`ctx.clip_coef`), so it stands only while the norm of
+        the gradients summed so far keeps the coefficient at 1: the norm only grows, so a coefficient below 1
+        now is below 1 for the step, and the step is made again knowing it (`ClippingNeeded`). The fused pass
+        of a norm-first step knows its coefficient from its norm pass: below 1, nothing is speculative. A
+        non-finite gradient stops the step here, before this unit's update, as it would before the separate
+        update.
         """
-        if chunk.start == 0 and clip_coefficient(grad_sq_norms, self.optimizer.max_grad_norm, ctx.step) != 1.0:
-            raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
+        if chunk.start == 0:
+            coef = clip_coefficient(grad_sq_norms, self.optimizer.max_grad_norm, ctx.step)
+            if ctx.clip_coef == 1.0 and coef != 1.0:
+                raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
         total = ctx.final_grads[chunk.unit]
         if chunk.last:
             del ctx.final_grads[chunk.unit]
