@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from layers import GPTJConfig
-from memory_model import PlanConfig, device_spec, plan
+from memory_model import device_spec, plan
 from memory_model.lora import LoraConfig
 from benchmarks.compare import STREAM_RAM, Context
 from benchmarks.lora import FULL, LORA, LORA_RANK, PLANNED, lora_pair, lora_versus_full, store_bytes

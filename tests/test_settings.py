@@ -15,7 +15,7 @@ from layers import PRESETS
 from memory_model import PlanConfig
 from benchmarks.worker import RunSpec
 from benchmarks.bench import add_arguments as bench_arguments
-from streamer.cli.main import build_parser, main
+from streamer.cli.main import build_parser
 from streamer.cli.train import fit_vocabulary
 from memory_model.lora import LoraConfig
 from memory_model.settings import flat_fields, flatten
@@ -31,7 +31,6 @@ from streamer.runtime.step import StepConfig
 from streamer.store.layout import Placement
 from streamer.io.tokenizer import MIN_VOCAB
 
-from conftest import TINY_RUN_MODEL as TINY
 from tests.test_cli import fails, run_cli, tiny_args
 
 
