@@ -56,6 +56,11 @@ class KernelCosts:
     # One flush (fsync) of a small file just written: what a commit pays per file it makes durable beyond the
     # flushes the disk tier's fixed costs hold (a journaled step's gradient files and journal, LoRA's adapters).
     flush_s: float
+    # The opt-in precisions' elementwise work, per parameter: an int8 moment quantized for its write-back and
+    # dequantized at its load, on the I/O worker; a bf16 master's stochastic rounding, in the update.
+    quantize_s: float = 0.0
+    dequantize_s: float = 0.0
+    round_s: float = 0.0
 
     def fixed_s(self, store: str) -> tuple[float, float]:
         """(per event, per step) fixed seconds on store tier `store`."""

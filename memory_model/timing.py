@@ -112,10 +112,19 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused) if cfg.store == "disk" else 0
     h2d = nbytes if not isinstance(resource, StateChunk) or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
+    read_s += _moments_s(resource, cfg, device, "dequantize_s")  # the I/O worker decodes what it read
     times.load_s += read_s + copy_s
     times.h2d += h2d
     times.disk_read += disk
     return queues.run("h2d", queues.run("disk", issued, read_s), copy_s)
+
+
+def _moments_s(resource: Resource, cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
+    """A state chunk's int8 moments (de)quantized on the host, where that is measured (`local`); else none."""
+    costs = device.kernels.get(cfg.compute_dtype)
+    if costs is None or cfg.moment_dtype != "int8" or not isinstance(resource, StateChunk):
+        return 0.0
+    return 2 * resource.count * getattr(costs, cost)
 
 
 def _numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -155,6 +164,8 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         cast = 0.0
         if costs is not None and cfg.new_compute_bytes:
             cast = event.resource.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
+        if costs is not None and cfg.master_dtype == "bf16":
+            cast += event.resource.count * costs.round_s  # the stochastic rounding of the bf16 master
         return cfg.update_touched_bytes(event.resource.count) / bandwidth + cast
     unit = event.unit
     rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
@@ -264,7 +275,7 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
     d2h_s = _link(d2h, device, "d2h", cfg)
-    write_s = write / device.disk_write_bw
+    write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
     times.d2h += d2h
     times.disk_write += write
     times.offload_s += d2h_s + write_s

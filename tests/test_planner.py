@@ -461,6 +461,29 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
         rel=1e-12)
 
 
+def test_the_opt_in_precisions_pay_their_measured_elementwise_work() -> None:
+    """Where measured, each int8 moment is dequantized at its chunk's load and quantized for its write-back on
+    the I/O worker, and a bf16 master is rounded in the update: on a device whose compute and bytes are free
+    and whose fixed costs are zero, the step is that work (the I/O worker's loads and write-backs are serial)."""
+    from memory_model.kernels import KernelCosts
+    free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                      flops={"bf16": 1e18, "fp32": 1e18}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
+    costs = KernelCosts(attention_forward_flops=1e18, attention_backward_flops=1e18, elementwise_forward_s=0.0,
+                        elementwise_backward_s=0.0, logits_forward_s=0.0, logits_backward_s=0.0,
+                        embedding_backward_s=0.0, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e18,
+                        event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e18,
+                        flush_s=0.0, quantize_s=3e-9, dequantize_s=2e-9, round_s=5e-9)
+    shape = GPTJConfig.preset("gptj-debug")
+    device, params = replace(free, kernels={"bf16": costs}), shape.num_params()
+    fp32 = PlanConfig(batch=1, seq=64, store="disk", update_timing="fused")
+    assert plan(shape, device, fp32).step_time_s < 1e-6  # nothing measured is spent by the fp32 state
+    int8 = replace(fp32, moment_dtype="int8", update_chunk=4096)
+    assert plan(shape, device, int8).step_time_s == pytest.approx(2 * params * (3e-9 + 2e-9), rel=1e-3)
+    bf16 = replace(fp32, master_dtype="bf16")
+    assert plan(shape, device, bf16).step_time_s == pytest.approx(params * 5e-9, rel=1e-3)
+
+
 @pytest.mark.parametrize("timing,flushes", [("fused", 2), ("after-backward", 4 + 2 + 2)])
 def test_a_disk_tier_commit_pays_each_flush_its_fixed_costs_do_not_hold(timing, flushes) -> None:
     """Each unit's state file is sealed with three flushes (data, trailer, folder) on the I/O thread, and the

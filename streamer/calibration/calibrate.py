@@ -30,12 +30,12 @@ from memory_model.catalogue import Figure
 from memory_model.devices import DeviceSpec, Link, figure_values
 from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
-from memory_model.units import format_size
+from memory_model.units import format_size, stored_bytes
 from streamer.calibration.host_costs import HostCosts, measure_host_costs
 from streamer.store.direct import AlignedBuffers, SequentialFile
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 12
+CACHE_VERSION = 13
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -265,6 +265,9 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         fold_s = _best_time(lambda: torch.linalg.vector_norm(accumulator.copy_(grad)), repeats,
                             max(0.0, deadline - time.perf_counter()))
         cast_s = _best_time(lambda: grad.copy_(accumulator), repeats, max(0.0, deadline - time.perf_counter()))
+        quantize_s, dequantize_s, round_s = (
+            _best_time(run, repeats, max(0.0, deadline - time.perf_counter())) / fold_params
+            for run in _precision_work(fold_params))
     finally:
         torch.random.set_rng_state(torch_state)
     # A residual below zero is timing noise around a kernel that costs ~nothing.
@@ -279,7 +282,22 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
         compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
         event_s=host.event_s, step_s=host.step_s, disk_event_s=host.disk_event_s, disk_step_s=host.disk_step_s,
-        page_cache_bytes_per_s=host.page_cache_bytes_per_s, flush_s=host.flush_s)
+        page_cache_bytes_per_s=host.page_cache_bytes_per_s, flush_s=host.flush_s, quantize_s=quantize_s,
+        dequantize_s=dequantize_s, round_s=round_s)
+
+
+def _precision_work(numel: int) -> tuple[Callable[[], object], ...]:
+    """The opt-in precisions' work on `numel` random fp32 values (the code tables' look-ups depend on them), as the
+    store and the update run it: an int8 moment quantized, then dequantized, and a bf16 master rounded
+    stochastically."""
+    from streamer.runtime.optim import stochastic_round_bf16_
+    from streamer.store.quant import decode, encode
+
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    raw = torch.empty(stored_bytes("int8", values.numel()), dtype=torch.uint8)
+    decoded = torch.empty_like(values)
+    return (lambda: encode(values, True, raw), lambda: decode(raw, True, decoded),
+            lambda: stochastic_round_bf16_(decoded, 0, 0))
 
 
 def measure_allreduce(nbytes: int, repeats: int) -> float:
