@@ -141,6 +141,9 @@ def test_state_files_are_the_same_bytes_with_and_without_direct_writes(tmp_path,
     and one smaller (its writes then cross several stages) both run."""
     tc = DISK.replace(update_chunk=3000)
     trained(tmp_path / "direct", tc)
+    with monkeypatch.context() as patch:  # refused when a file's only stage is written, at its finish
+        _direct_writes_refused(patch)
+        trained(tmp_path / "refused-one-stage", tc)
     monkeypatch.setattr(direct, "STAGE_BYTES", 8 * 4096)
     trained(tmp_path / "small-stage", tc)
     with monkeypatch.context() as patch:
@@ -150,7 +153,7 @@ def test_state_files_are_the_same_bytes_with_and_without_direct_writes(tmp_path,
         _direct_writes_refused(patch)
         trained(tmp_path / "refused", tc)
     reference = snapshot(tmp_path / "direct")
-    for run in ("small-stage", "cached", "refused"):
+    for run in ("refused-one-stage", "small-stage", "cached", "refused"):
         assert snapshot(tmp_path / run) == reference, run
         with StreamingTrainer.open(tmp_path / run) as trainer:  # verifies every checksum
             assert trainer.step_count == 2

@@ -157,8 +157,8 @@ class SequentialFile:
             self._pool.give_back(stage)
 
     def _fall_back_to_cache(self) -> None:
-        """This file's block is larger than ALIGN: the page cache from here on (stages in flight are rewritten
-        through it as they are waited for)."""
+        """This file's block is larger than ALIGN: the page cache from here on, for what is staged now and (as
+        they are waited for) the stages in flight."""
         if self._direct is not None:
             for future, _, _ in self._in_flight:
                 future.exception()  # none may still use the descriptor when it is closed
@@ -168,21 +168,19 @@ class SequentialFile:
             self._drain_stage_to_cache()
 
     def _flush_stage(self, length: int) -> None:
-        """Write the first `length` (aligned) staged bytes at the buffer's offset; keep the rest staged."""
-        with memoryview(self._stage) as stage:
-            try:
+        """Write the first `length` (aligned) staged bytes at the buffer's offset; keep the rest staged. Where the
+        direct write is refused, everything staged goes through the page cache."""
+        try:
+            with memoryview(self._stage) as stage:
                 self._pwritev(self._direct, stage[:length], self._offset)
-            except _Unaligned:
-                os.close(self._direct)  # this file's block is larger than ALIGN: the page cache from here on
-                self._direct = None
-                self._pwritev(self.fd, stage[:length], self._offset)
+        except _Unaligned:
+            self._fall_back_to_cache()  # everything staged, through the page cache
+            return
         self._offset += length
         rest = self._fill - length
         if rest:
             self._stage[:rest] = self._stage[length:self._fill]
         self._fill = rest
-        if self._direct is None:
-            self._drain_stage_to_cache()
 
     def _drain_stage_to_cache(self) -> None:
         stage, self._stage = self._stage, None
