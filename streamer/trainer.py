@@ -21,7 +21,8 @@ from streamer.runtime.lora import Adapters
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
 from memory_model.planner import clipped_schedule, clipped_steps
 from memory_model.schedule import StepSpec, norm_pass_spec, step_events
-from memory_model.shapes import fused_update, norm_first_allowed
+from memory_model.settings import SettingError
+from memory_model.shapes import check_norm_first, fused_update, norm_first_allowed
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
 from streamer.store.ranks import rank_dir, store_dirs
@@ -87,9 +88,10 @@ class StreamingTrainer:
         # How the last step was made ("fused", "norm-first" or "after-backward"), and whether a speculative fused
         # attempt was undone before it (`streamer plan --compare` prices each logged step so).
         self.last_schedule, self.last_redone = "", False
-        if step.clipped_steps == "norm-first" and not (self.fused and norm_first_allowed(True, step.grad_accum)):
-            raise ConfigError(f"--clipped-steps norm-first needs the fused update, which {self.processes} processes "
-                              "do not run; use --clipped-steps auto or after-backward")
+        try:  # TrainerConfig checked it for one process; data parallel never fuses
+            check_norm_first(step.clipped_steps, self.fused, step.grad_accum)
+        except SettingError as exc:
+            raise ConfigError.of(exc.key, exc.problem) from None
         self._clipped_schedules: dict[tuple[int, int], str] = {}  # by (batch, seq), as `clipped_schedule` chose
         # This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
         # target `clipped_schedule` prices a cpu run on when --budget names no device preset.
@@ -327,7 +329,7 @@ class StreamingTrainer:
         key = (batch, seq)
         if key not in self._clipped_schedules:
             choice = self.tc.step.clipped_steps
-            if not (self.fused and norm_first_allowed(True, self.tc.step.grad_accum)):
+            if not norm_first_allowed(self.fused, self.tc.step.grad_accum):
                 choice = "after-backward"
             elif choice == "auto":
                 target = self._target()
