@@ -174,7 +174,9 @@ def _write_file(fd: int, path: Path, buf: bytearray, nbytes: int, as_store: bool
     pieces = [memoryview(buf)[: min(len(buf), nbytes - offset)] for offset in range(0, nbytes, len(buf))]
     if not as_store:
         for piece in pieces:
-            os.write(fd, piece)
+            done = 0
+            while done < len(piece):  # a write may take fewer bytes than it was given
+                done += os.write(fd, piece[done:])
         os.fsync(fd)
         return
     staging = AlignedBuffers()
