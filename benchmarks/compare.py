@@ -165,6 +165,17 @@ def versus_deepspeed(ctx: Context) -> Outcome:
     return Outcome(section, tuple(verdicts))
 
 
+def _store_per_param(r: Result | None) -> tuple[float | None, float | None]:
+    """(read, written): the bytes our store's files were asked for in a step, per parameter; None unmeasured."""
+    if r is None:
+        return None, None
+    return _div(r.io.get("store_read"), r.params), _div(r.io.get("store_written"), r.params)
+
+
+def _per_param_cell(per_param: tuple[float | None, float | None]) -> str:
+    return " / ".join("—" if b is None else f"{b:.2f}" for b in per_param)
+
+
 def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source: str) -> tuple[tuple[str, ...], str]:
     r, raw = _get(ctx, label), ctx.disk.get(label)
     if r is None or raw is None:
@@ -190,8 +201,7 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
     storage = r.io.get("read_bytes", 0) + r.io.get("write_bytes", 0)
     floor_s = _div(storage, raw.shared_bytes_per_s)
     floor = f"{seconds(floor_s)} ({ratio(_div(r.median_s, floor_s))})"
-    per_param = [_div(r.io.get(k), r.params) for k in ("store_read", "store_written")]
-    row = (f"{label} ({r.update_schedule})", *cells, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
+    row = (f"{label} ({r.update_schedule})", *cells, _per_param_cell(_store_per_param(r)),
            f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
            f"{size(r.io.get('wchar'))} / {size(r.io.get('write_bytes'))}",
            seconds(r.median_s), seconds(io_s), f"{seconds(compute_s)} ({compute_source})", ratio(overlap), floor,
@@ -238,13 +248,12 @@ def half_the_bytes(ctx: Context) -> Outcome:
     full, half, nvme = _get(ctx, STREAM_DISK), _get(ctx, STREAM_DISK_HALF), _get(ctx, DS_NVME)
     rows = []
     for label, r in ((STREAM_DISK, full), (STREAM_DISK_HALF, half), (DS_NVME, nvme)):
-        per_param = [_div(r.io.get(k), r.params) if r is not None and label != DS_NVME else None
-                     for k in ("store_read", "store_written")]
-        rows.append(_timing_row(ctx, label, " / ".join("—" if b is None else f"{b:.2f}" for b in per_param),
+        per_param = _store_per_param(None if label == DS_NVME else r)  # DeepSpeed has no store of ours
+        rows.append(_timing_row(ctx, label, _per_param_cell(per_param),
                                 size(r.rss_peak_bytes) if r else "—", ratio(_div(r and r.median_s,
                                                                                   full and full.median_s))))
     step = _div(half and half.median_s, full and full.median_s)
-    read, written = (_div(half.io.get(k), half.params) if half else None for k in ("store_read", "store_written"))
+    read, written = _store_per_param(half)
     faster = _div(nvme and nvme.median_s, half and half.median_s)
     rss = _div(half and half.rss_peak_bytes, nvme and nvme.rss_peak_bytes)
     targets = (
