@@ -35,7 +35,7 @@ from streamer.calibration.host_costs import HostCosts, measure_host_costs
 from streamer.store.direct import AlignedBuffers, SequentialFile
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 13
+CACHE_VERSION = 14
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -267,9 +267,12 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         fold_s = _best_time(lambda: torch.linalg.vector_norm(accumulator.copy_(grad)), repeats,
                             max(0.0, deadline - time.perf_counter()))
         cast_s = _best_time(lambda: grad.copy_(accumulator), repeats, max(0.0, deadline - time.perf_counter()))
+        precision_work = _precision_work(fold_params)
+        for run in precision_work:
+            run()  # compiles its kernel (`streamer.compiled`), seconds once per process: not its cost
         quantize_s, dequantize_s, round_s = (
             _best_time(run, repeats, max(0.0, deadline - time.perf_counter())) / fold_params
-            for run in _precision_work(fold_params))
+            for run in precision_work)
     finally:
         torch.random.set_rng_state(torch_state)
     # A residual below zero is timing noise around a kernel that costs ~nothing.

@@ -11,6 +11,7 @@ from torch.optim.adam import adam
 
 from memory_model.shapes import PlanConfig
 from memory_model.settings import Choice, Integer, Number, Pair, check_settings, same_setting, setting
+from streamer.compiled import kernel
 from streamer.errors import ConfigError
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -112,18 +113,27 @@ def adamw_chunk(state: dict[str, torch.Tensor], start: int, decay_end: int, tc: 
         stochastic_round_bf16_(state["master"], rounding, start)
 
 
-# Elements whose random bits are drawn at once on a CPU: the hash's dozen passes then stay in the core's cache,
-# 2-3x faster than passes over a whole 16 Mi chunk in memory. Other devices draw a chunk at once.
+# Elements whose random bits are drawn at once on a CPU by eager torch: the hash's dozen passes then stay in the
+# core's cache, 2-3x faster than passes over a whole 16 Mi chunk in memory. A compiled kernel or another device
+# draws a chunk at once.
 CPU_ROUNDING_BLOCK = 2**15
 
 
 def stochastic_round_bf16_(master: torch.Tensor, key: int, start: int) -> None:
     """Round the fp32 `master`, elements [start, ...) of a unit, in place to bf16 values with the unit's random
-    bits (`rounding_key`, `random_bits16`), block by block on a CPU."""
-    block = CPU_ROUNDING_BLOCK if master.device.type == "cpu" else max(master.numel(), 1)
+    bits (`rounding_key`, `random_bits16`), block by block when eager on a CPU."""
+    whole = master.device.type != "cpu" or _round_stochastically.compiles(master.numel())
+    block = max(master.numel(), 1) if whole else CPU_ROUNDING_BLOCK
     for lo in range(0, master.numel(), block):
         piece = master[lo:lo + block]
-        round_to_bf16_(piece, random_bits16(key, start + lo, piece.numel(), master.device))
+        _round_stochastically(piece.numel(), piece, _start_and_key(start + lo, key, master.device))
+
+
+@kernel
+def _round_stochastically(values: torch.Tensor, start_and_key: torch.Tensor) -> None:
+    """`round_to_bf16_` of `values` with the bits `random_bits16` draws for them."""
+    index = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
+    round_to_bf16_(values, _bits16(index, start_and_key))
 
 
 # lowbias32 (Chris Wellons' hash-prospector): a 32-bit integer hash under which every output bit flips with
@@ -142,15 +152,24 @@ def random_bits16(key: int, start: int, count: int, device: torch.device) -> tor
     """16 uniform random bits (int32 values in [0, 2^16)) for each of elements [start, start + count) of a unit:
     lowbias32 of (element index mod 2^32) XOR `key`, a counter-based generator. The bits of an element are the
     same on every device and for every chunking of the unit (a sharded rank passes its slice's global start)."""
-    x = torch.arange(count, dtype=torch.int32, device=device)
-    x.add_(_as_int32(start)).bitwise_xor_(_as_int32(key))  # int32 arithmetic wraps: indices mod 2^32
-    shifted = torch.empty_like(x)
+    index = torch.arange(count, dtype=torch.int32, device=device)
+    return _bits16(index, _start_and_key(start, key, device))
+
+
+def _start_and_key(start: int, key: int, device: torch.device) -> torch.Tensor:
+    """`start` and `key` as int32 values in one tensor: a compiled kernel then takes any of them without
+    recompiling (as Python integers, inductor's C++ mistyped the hash's shifts)."""
+    return torch.tensor([_as_int32(start), _as_int32(key)], dtype=torch.int32, device=device)
+
+
+def _bits16(index: torch.Tensor, start_and_key: torch.Tensor) -> torch.Tensor:
+    """`random_bits16` of the elements `index` (int32) past `start_and_key`'s start."""
+    x = (index + start_and_key[0]) ^ start_and_key[1]  # int32 arithmetic wraps: indices mod 2^32
     for shift, multiplier in zip((16, 15), _HASH_MULTIPLIERS):
         # A logical right shift: int32's own is arithmetic, so the sign's copies are masked off.
-        torch.bitwise_right_shift(x, shift, out=shifted).bitwise_and_((1 << (32 - shift)) - 1)
-        x.bitwise_xor_(shifted).mul_(_as_int32(multiplier))
-    torch.bitwise_right_shift(x, 15, out=shifted).bitwise_and_((1 << 17) - 1)
-    return x.bitwise_xor_(shifted).bitwise_right_shift_(16).bitwise_and_(0xFFFF)  # the best-mixed top 16 bits
+        x = (x ^ ((x >> shift) & ((1 << (32 - shift)) - 1))) * multiplier
+    x = x ^ ((x >> 15) & ((1 << 17) - 1))
+    return (x >> 16) & 0xFFFF  # the best-mixed top 16 bits
 
 
 def _as_int32(value: int) -> int:

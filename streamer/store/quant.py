@@ -6,7 +6,8 @@ Each block of `QUANT_BLOCK` elements is scaled by its absolute maximum and every
 or [0, 1] (exp_avg_sq, unsigned), dense near zero, as bitsandbytes' `create_dynamic_map` builds it (without its
 zero padding, as torchao's). The stored bytes of a range are one record per block, its fp32 scale then its
 codes (a partial last block has fewer codes), so any range starting on a block is a contiguous piece of a
-slab or of a state file's chunk, and `memory_model.units.stored_bytes` gives its size.
+slab or of a state file's chunk, and `memory_model.units.stored_bytes` gives its size. A large chunk is
+quantized by one compiled loop (`streamer.compiled`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import functools
 import torch
 
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK
+from streamer.compiled import kernel
 from streamer.store.spec import StoreSpec
 
 SCALE_BYTES = BLOCK_SCALE_BYTES["int8"]
@@ -56,7 +58,11 @@ def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     spans = torch.bucketize(highest, mids, right=True) - below
     assert spans[~lowest.isnan()].abs().max() <= 1, "a 16-bit range of fp32 values holds two codes' midpoints"
     next_mid = torch.cat([mids, torch.tensor([float("inf")])])[below]
-    return qmap.to(device), below.to(torch.uint8).to(device), next_mid.to(device)
+    tables = qmap.to(device), below.to(torch.uint8).to(device), next_mid.to(device)
+    for table in tables:
+        # Fixed sizes: a compiled kernel would otherwise take a chunk of as many blocks (2^16) for the same size.
+        torch._dynamo.mark_static(table)
+    return tables
 
 
 def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -74,19 +80,30 @@ def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor,
     return out
 
 
+@kernel
+def _encode_blocks(blocks: torch.Tensor, below: torch.Tensor, next_mid: torch.Tensor,
+                   codes: torch.Tensor) -> torch.Tensor:
+    """Quantize the rows of `blocks` into `codes` (uint8, their shape); returns the rows' scales (fp32)."""
+    scale = blocks.abs().amax(dim=1, keepdim=True).clamp(min=MIN_SCALE)
+    normed = blocks / scale
+    # The nearest code; a value halfway between two rounds up, as torchao's quantize_8bit_with_qmap does.
+    key = (normed.view(torch.int32) >> 16) + 2**15
+    codes.copy_((below[key].to(torch.int32) + (normed >= next_mid[key]).to(torch.int32)).to(torch.uint8))
+    return scale
+
+
+@kernel
+def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor) -> None:
+    """Dequantize `codes` (uint8, one row a block) under their rows' `scales` into `out` (fp32, their shape)."""
+    out.copy_(qmap[codes.int()] * scales)
+
+
 def encode(values: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Quantize fp32 `values` (starting on a block) into `out`, their stored bytes (uint8); returns `out`."""
     _, below, next_mid = _tables(signed, values.device)
     for first, count, codes, scales in _blocks(out, values.numel()):
-        block = values[first:first + count].view(codes.shape)
-        scale = block.abs().amax(dim=1, keepdim=True).clamp_(min=MIN_SCALE)
-        scales.copy_(scale)
-        normed = block / scale
-        # The nearest code; a value halfway between two rounds up, as torchao's quantize_8bit_with_qmap does.
-        key = (normed.view(torch.int32) >> 16).add_(2**15).view(-1)
-        code = torch.index_select(below, 0, key)
-        code.add_(normed.view(-1) >= torch.index_select(next_mid, 0, key))
-        codes.copy_(code.view(codes.shape))
+        # The scales are returned, not written: a compiled kernel cannot write two views of one buffer.
+        scales.copy_(_encode_blocks(count, values[first:first + count].view(codes.shape), below, next_mid, codes))
     return out
 
 
@@ -94,8 +111,7 @@ def decode(raw: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the stored bytes `raw` of `out.numel()` elements into `out` (fp32); returns `out`."""
     qmap, _, _ = _tables(signed, raw.device)
     for first, count, codes, scales in _blocks(raw, out.numel()):
-        values = torch.index_select(qmap, 0, codes.reshape(-1).int()).view(codes.shape)
-        torch.mul(values, scales, out=out[first:first + count].view(codes.shape))
+        _decode_blocks(count, codes, scales, qmap, out[first:first + count].view(codes.shape))
     return out
 
 

@@ -1,0 +1,76 @@
+"""The opt-in precisions' compiled kernels give the bits their eager runs give.
+
+A chunk of at least `COMPILE_MIN_NUMEL` elements runs compiled; pieces below it run eagerly. Quantizing,
+dequantizing and rounding are chunking-free (records per block; random bits per element index), so a large
+chunk's result must equal its small pieces' results put together.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from memory_model.units import QUANT_BLOCK, stored_bytes
+from streamer import compiled
+from streamer.runtime import optim
+from streamer.runtime.optim import stochastic_round_bf16_
+from streamer.store import quant
+from streamer.store.quant import decode, encode
+
+BIG = compiled.COMPILE_MIN_NUMEL + 3 * QUANT_BLOCK + 100  # a partial last block too
+PIECE = compiled.COMPILE_MIN_NUMEL // 4
+
+
+def _values(numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+
+
+def _encoded_in_pieces(values: torch.Tensor, signed: bool) -> torch.Tensor:
+    return torch.cat([encode(values[lo:lo + PIECE], signed, torch.empty(stored_bytes("int8", min(PIECE, BIG - lo)),
+                                                                         dtype=torch.uint8))
+                      for lo in range(0, values.numel(), PIECE)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_compiled_int8_codes_equal_eager_ones(signed):
+    values = _values(BIG, 0)
+    values = values if signed else values * values
+    raw = encode(values, signed, torch.empty(stored_bytes("int8", BIG), dtype=torch.uint8))
+    assert quant._encode_blocks._compiled is not None, "the large chunk did not run compiled"
+    assert torch.equal(raw, _encoded_in_pieces(values, signed))
+    whole = decode(raw, signed, torch.empty(BIG))
+    assert quant._decode_blocks._compiled is not None
+    pieces = [decode(raw[stored_bytes("int8", lo):stored_bytes("int8", lo + PIECE)], signed,
+                     torch.empty(min(PIECE, BIG - lo))) for lo in range(0, BIG, PIECE)]
+    assert torch.equal(whole, torch.cat(pieces))
+
+
+def test_compiled_stochastic_rounding_equals_eager():
+    values = _values(BIG, 1)
+    key, start = optim.rounding_key(3, 7, "block.1"), 2**32 - 5000  # the element index wraps inside the chunk
+    whole = values.clone()
+    stochastic_round_bf16_(whole, key, start)
+    assert optim._round_stochastically._compiled is not None
+    pieces = values.clone()
+    for lo in range(0, BIG, PIECE):
+        stochastic_round_bf16_(pieces[lo:lo + PIECE], key, start + lo)
+    assert torch.equal(whole, pieces)
+    assert not torch.equal(whole, values) and torch.equal(whole, whole.bfloat16().float())
+
+
+def test_a_kernel_that_cannot_compile_runs_eagerly_with_one_warning(monkeypatch):
+    def broken(fn, **_):
+        def run(*args, **kwargs):
+            raise RuntimeError("no C++ compiler\nmore detail")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    doubled = compiled.Kernel(lambda x: x * 2)
+    x = torch.ones(compiled.COMPILE_MIN_NUMEL)
+    with pytest.warns(RuntimeWarning, match=r"torch.compile failed .*\(no C\+\+ compiler\); it runs eagerly"):
+        assert torch.equal(doubled(x.numel(), x), x * 2)
+    assert not doubled.compiles(x.numel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(doubled(x.numel(), x), x * 2)
