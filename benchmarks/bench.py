@@ -169,15 +169,17 @@ def _main_specs(cfg: ModelConfig, s: Settings) -> tuple[list[RunSpec], dict[str,
 
 
 def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
-    """Largest model first, in the run's compute dtype (the store is the same in either: loads cast the fp32
-    master); for one model, fp32 Adam moments before bf16 ones (bf16 moments only for GPT-J-6B, the stretch
-    goal) and the fused update before the one after the backward (which needs less disk)."""
+    """Largest model first, in the run's compute dtype (the store is the same in either: loads cast the
+    master); for one model, fp32 Adam moments before bf16 ones, then a bf16 master with int8 moments (the
+    opt-in precisions only for GPT-J-6B, the stretch goal), and the fused update before the one after the
+    backward (which needs less disk)."""
     compute = s.compute.dtype
     if s.quick:
         return [ModelChoice(name, ModelConfig.preset(name), compute_dtype=compute) for name in s.scale_candidates]
     six, four, small = s.scale_candidates
-    out = [ModelChoice(six, ModelConfig.preset(six), moments, compute, timing)
-           for moments in ("fp32", "bf16") for timing in ("fused", "after-backward")]
+    out = [ModelChoice(six, ModelConfig.preset(six), moments, compute, timing, master)
+           for master, moments in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "int8"))
+           for timing in ("fused", "after-backward")]
     out += [ModelChoice(name, ModelConfig.preset(name), "fp32", compute) for name in (four, small)]
     out += [c for c in (fitted_width(four, budget, "fp32", compute),) if c]
     return sorted(out, key=lambda c: -c.params)  # stable: the preference order holds within one size
@@ -264,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
                 disk["scale"] = raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)
                 spec = _spec(SCALE, "stream", pick.chosen.config, s, tier="disk", warmup=s.scale_warmup,
                              steps=s.scale_steps, moment_dtype=pick.chosen.moment_dtype,
+                             master_dtype=pick.chosen.master_dtype,
                              dtype=pick.chosen.compute_dtype, activations="checkpoint",
                              update_timing=pick.chosen.update_timing)
                 results.update(runner.compare([spec], 1))

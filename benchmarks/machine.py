@@ -179,23 +179,25 @@ def read_while_writing(directory: Path, nbytes: int) -> float:
 # --- the scale run -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelChoice:
-    """A scale-run candidate. The disk tier stores the fp32 master and the Adam moments only (loads cast the
-    master to the compute dtype): 12 B/param, or 8 with bf16 moments (acceptable for GPT-J-6B only). The
-    update is fused into the backward where the disk holds a second generation of every unit, else it runs
-    after the backward."""
+    """A scale-run candidate. The disk tier stores the master and the Adam moments only (loads cast the master
+    to the compute dtype): 12 B/param with fp32 ones; 8 with bf16 moments, or 4.03 with a bf16 master and int8
+    moments (both acceptable for GPT-J-6B only). The update is fused into the backward where the disk holds a
+    second generation of every unit, else it runs after the backward."""
 
     name: str
     config: ModelConfig
     moment_dtype: str = "fp32"
     compute_dtype: str = "bf16"
     update_timing: str = "fused"
+    master_dtype: str = "fp32"
 
     @property
     def params(self) -> int:
         return self.config.num_params()
 
     def _spec(self) -> StoreSpec:
-        return StoreSpec(self.config, self.compute_dtype, self.moment_dtype, Placement.of("disk"))
+        return StoreSpec(self.config, self.compute_dtype, self.moment_dtype, Placement.of("disk"),
+                         master_dtype=self.master_dtype)
 
     @property
     def store_bytes(self) -> int:
@@ -216,7 +218,8 @@ class ModelChoice:
     def describe(self) -> str:
         c = self.config
         return (f"{self.name} ({params(self.params)} params: d_model {c.hidden_size}, {c.num_hidden_layers} layers, "
-                f"{c.num_attention_heads} heads; {self.compute_dtype} compute, {self.moment_dtype} Adam moments, update "
+                f"{c.num_attention_heads} heads; {self.compute_dtype} compute, {self.master_dtype} master, "
+                f"{self.moment_dtype} Adam moments, update "
                 f"{self.update_timing})")
 
 

@@ -138,6 +138,9 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     # 12 B/param: fp32 master, two fp32 moments; no compute copy (loads cast the master), whatever the dtype.
     assert four.store_bytes == 12 * four.params == ModelChoice("x", four.config, "fp32", "fp32").store_bytes
     assert ModelChoice("x", four.config, "bf16").store_bytes == 8 * four.params
+    # A bf16 master and int8 moments: 2 + 2 x (1 + 4 / 256) B/param, from the store's own layout.
+    half = ModelChoice("x", four.config, "int8", master_dtype="bf16")
+    assert 4 * four.params < half.store_bytes <= 4.04 * four.params
     # A fused step keeps the previous generation until it commits: twice the store at its largest.
     assert four.disk_bytes == 2 * four.store_bytes
     # After the backward: one store, its gradient files (4 B/param) and one unit's second generation.
