@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memory_model.catalogue import PUBLISHED_RUNS, PublishedRun
-from memory_model.devices import device_spec
+from memory_model.devices import DeviceSpec, device_spec, with_figures
 from memory_model.planner import plan, scaling_curve
 from memory_model.shapes import PlanConfig
 
@@ -45,6 +45,11 @@ class Row:
         return self.ratio * self.recompute
 
 
+def _device(run: PublishedRun) -> DeviceSpec:
+    """The run's device preset with the published machine's own figures in place of the preset's."""
+    return with_figures(device_spec(run.device), dict(run.testbed))
+
+
 def _step(run: PublishedRun) -> PlanConfig:
     """The run's step as `streamer plan` takes it: the update where the device runs it unless the run says."""
     device = device_spec(run.device)
@@ -55,7 +60,7 @@ def predict(run: PublishedRun) -> Row:
     """The plan's figure for one published run, in the run's own metric and, where its source says, its FLOP count."""
     if not run.reproducible:
         return Row(run, None, None)
-    shape, device, step = run.shape, device_spec(run.device), _step(run)
+    shape, device, step = run.shape, _device(run), _step(run)
     many = plan(shape, device, step, limits=False)
     if many.does_not_fit:  # a stand-in step must run where the published one ran
         raise ValueError(f"{run.system}: the planned step does not fit {run.device}: {many.does_not_fit}")
