@@ -2,7 +2,8 @@
 
     python -m benchmarks.validate [--output docs/VALIDATION.md]
 
-Each run of memory_model.catalogue.PUBLISHED_RUNS is planned on its device preset, with no per-case figure:
+Each run of memory_model.catalogue.PUBLISHED_RUNS is planned on its device preset (its published machine's own
+host figures in place of the preset's, where the source names them), with no per-case figure:
 the ratio is the plan's figure over the published one. The command writes the table; tests/test_validate.py
 checks that the committed table is what it writes. It is a benchmark, not a `streamer` subcommand: it checks
 the planner against the literature and writes a file of this repository, which no user's run needs.
@@ -119,6 +120,8 @@ def markdown(table: list[Row]) -> str:
         "Written by `python -m benchmarks.validate`; do not edit it by hand.",
         "Each row is a published measurement of offloaded or streamed training.",
         "The planner prices the same step on the device's preset, with no figure tuned for the case.",
+        "Where a source names its machine's host, RAM or disks, those figures replace the preset's "
+        "(`PublishedRun.testbed`, as `--set` would).",
         "The ratio is the plan's figure over the published one.",
         "The published figures and their sources are in `memory_model/catalogue.py` (`PUBLISHED_RUNS`).",
         "Each model is planned in its own family; GPT-2, not one of the planner's, as GPT-J blocks of its width and depth.",
