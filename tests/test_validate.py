@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmarks import validate
-from memory_model.catalogue import PUBLISHED_RUNS
+from memory_model.catalogue import PUBLISHED_RUNS, _lohan_testbed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,6 +120,10 @@ def test_each_lohan_caveat_says_what_bounds_its_plan() -> None:
     assert disk_s > 2 * compute_s  # one drive bounds the step
     assert f"at {dict(one.testbed)['disk_read_bw'].value / 1e9:.1f} GB/s" in one.caveat
     assert f"the ratio is {validate.predict(one).ratio_recompute:.2f}" in one.caveat
+    more = [validate.predict(replace(one, measured=replace(one.measured, value=rate), testbed=_lohan_testbed(ssds)))
+            for ssds, rate in ((2, 64.3), (3, 81.1))]
+    assert f"{more[0].ratio_recompute:.2f} and {more[1].ratio_recompute:.2f}" in one.caveat
+    assert "64.3 and 81.1 TFLOPS" in one.caveat and "2, 3, 6, 12 SSDs: 37.5, 64.3, 81.1" in one.measured.source
     compute_s, disk_s, step_s = seconds["LoHan, batch 8"]
     caveat = _run("LoHan, batch 8").caveat
     assert f"compute ({compute_s:.1f} s)" in caveat and f"{disk_s:.1f} s at the 12 drives'" in caveat
