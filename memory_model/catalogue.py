@@ -139,7 +139,8 @@ HOSTS: dict[str, Host] = {
                         _a(2 * 44.8 * GB, "assumed: 2 channels of DDR5-5600 (44.8 GB/s each)")),
     "lohan": Host("2 x Intel Xeon Gold 5320 (LoHan's testbed)",
                   _a(52, f"assumed: 2 x 26 cores, Intel's count for a Xeon Gold 5320 (not quoted here); {_LOHAN_BOX}"),
-                  _d(16 * 25.6 * GB, f"derived: 16 channels of DDR4-3200 (25.6 GB/s each); {_LOHAN_BOX}")),
+                  _d(16 * 25.6 * GB, f"derived: 16 channels of DDR4-3200 (25.6 GB/s each; the DIMMs' rating, which "
+                                     f"the CPUs may clock lower); {_LOHAN_BOX}")),
 }
 
 
@@ -535,7 +536,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "Fuyou, A100", _s(172, _FUYOU_A100), "TFLOPS per device", "GPT-3 175B (96 x 12288, 96 heads)",
         _LOHAN_175B_SHAPE, 16, 1024, "a100-80g", "not stated in the sources at hand", (),
         "not priced: the batch and the A100's server are not in the sources at hand (the paper's text was not; "
-        "LoHan's artifact lists RTX 4090 runs only)", reproducible=False),
+        "LoHan's artifact lists RTX 4090 runs only); 16 x 1024 is the 4090's 175B step, shown as a stand-in",
+        reproducible=False),
     PublishedRun(
         "ZeRO-3 Offload", _s(49, _ZERO3_OFFLOAD), "TFLOPS per device", "1T-parameter model (shape not published)",
         _GPTJ_6B, 512, 2048, "v100", "32 DGX-2 nodes", (), "not priced: the model's shape and batch are not "
