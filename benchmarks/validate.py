@@ -2,7 +2,8 @@
 
     python -m benchmarks.validate [--output docs/VALIDATION.md]
 
-Each run of memory_model.catalogue.PUBLISHED_RUNS is planned on its device preset, with no per-case figure:
+Each run of memory_model.catalogue.PUBLISHED_RUNS is planned on its device preset (its published machine's own
+host figures in place of the preset's, where the source names them), with no per-case figure:
 the ratio is the plan's figure over the published one. The command writes the table; tests/test_validate.py
 checks that the committed table is what it writes. It is a benchmark, not a `streamer` subcommand: it checks
 the planner against the literature and writes a file of this repository, which no user's run needs.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memory_model.catalogue import PUBLISHED_RUNS, PublishedRun
-from memory_model.devices import device_spec
+from memory_model.devices import DeviceSpec, device_spec, with_figures
 from memory_model.planner import plan, scaling_curve
 from memory_model.shapes import PlanConfig
 
@@ -45,6 +46,11 @@ class Row:
         return self.ratio * self.recompute
 
 
+def _device(run: PublishedRun) -> DeviceSpec:
+    """The run's device preset with the published machine's own figures in place of the preset's."""
+    return with_figures(device_spec(run.device), dict(run.testbed))
+
+
 def _step(run: PublishedRun) -> PlanConfig:
     """The run's step as `streamer plan` takes it: the update where the device runs it unless the run says."""
     device = device_spec(run.device)
@@ -55,7 +61,7 @@ def predict(run: PublishedRun) -> Row:
     """The plan's figure for one published run, in the run's own metric and, where its source says, its FLOP count."""
     if not run.reproducible:
         return Row(run, None, None)
-    shape, device, step = run.shape, device_spec(run.device), _step(run)
+    shape, device, step = run.shape, _device(run), _step(run)
     many = plan(shape, device, step, limits=False)
     if many.does_not_fit:  # a stand-in step must run where the published one ran
         raise ValueError(f"{run.system}: the planned step does not fit {run.device}: {many.does_not_fit}")
@@ -114,6 +120,8 @@ def markdown(table: list[Row]) -> str:
         "Written by `python -m benchmarks.validate`; do not edit it by hand.",
         "Each row is a published measurement of offloaded or streamed training.",
         "The planner prices the same step on the device's preset, with no figure tuned for the case.",
+        "Where a source names its machine's host, RAM or disks, those figures replace the preset's "
+        "(`PublishedRun.testbed`, as `--set` would).",
         "The ratio is the plan's figure over the published one.",
         "The published figures and their sources are in `memory_model/catalogue.py` (`PUBLISHED_RUNS`).",
         "Each model is planned in its own family; GPT-2, not one of the planner's, as GPT-J blocks of its width and depth.",

@@ -118,6 +118,8 @@ _ADAMW_SHARE_SOURCE = (
 _MLPERF_H200 = ("MLCommons inference v4.1, closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: 'Intel(R) Xeon(R) "
                 "Platinum 8480C', 'host_processors_per_node': 2, 'host_processor_core_count': 56, '32x 64GB "
                 "MTC40F2046S1RC48BA1'")
+_LOHAN_BOX = ("RC4ML/LoHan evaluation_data.md, the testbed: 'Dual Intel Xeon Gold 5320 CPU', '768 GB 3200 MHz DDR4 (16 "
+              "channels in total)', 'NVIDIA GeForce RTX 4090', '12x D7-P5510 3.84 TB SSD'")
 HOSTS: dict[str, Host] = {
     "dgx-a100": Host("2 x AMD EPYC 7742 (DGX A100)",
                      _a(128, "assumed: DGX A100's two 64-core EPYC 7742; no source at hand"),
@@ -135,14 +137,19 @@ HOSTS: dict[str, Host] = {
                                f"{_SIX_CHANNELS}")),
     "workstation": Host("a desktop CPU (assumed)", _a(16, "assumed: a 16-core desktop CPU"),
                         _a(2 * 44.8 * GB, "assumed: 2 channels of DDR5-5600 (44.8 GB/s each)")),
+    "lohan": Host("2 x Intel Xeon Gold 5320 (LoHan's testbed)",
+                  _a(52, f"assumed: 2 x 26 cores, Intel's count for a Xeon Gold 5320 (not quoted here); {_LOHAN_BOX}"),
+                  _d(16 * 25.6 * GB, f"derived: 16 channels of DDR4-3200 (25.6 GB/s each; the DIMMs' rating, which "
+                                     f"the CPUs may clock lower); {_LOHAN_BOX}")),
 }
 
 
-def _host(ram: Figure, host: Host) -> dict[str, Figure]:
-    """The host side of a GPU system: RAM, an NVMe drive and the AdamW rate its memory bandwidth gives."""
+def _host(ram: Figure, host: Host, disk: tuple[Figure, Figure] = (_a(7 * GB, _NVME), _a(5 * GB, _NVME))
+          ) -> dict[str, Figure]:
+    """The host side of a GPU system: RAM, its disks' read and write rates (one NVMe drive unless given) and the
+    AdamW rate its memory bandwidth gives."""
     update = host.memory_bandwidth.value * _ADAMW_SHARE
-    return {"host_ram_bytes": ram, "disk_read_bw": _a(7 * GB, _NVME),
-            "disk_write_bw": _a(5 * GB, _NVME),
+    return {"host_ram_bytes": ram, "disk_read_bw": disk[0], "disk_write_bw": disk[1],
             "host_update_bw": _d(update, f"derived: {host.cpu}'s {host.memory_bandwidth.value / GB:.0f} GB/s x "
                                          f"the AdamW share {_ADAMW_SHARE:.3f} ({_ADAMW_SHARE_SOURCE})"),
             "link_latency_s": _a(10e-6, _LATENCY)}
@@ -336,7 +343,8 @@ class PublishedRun:
     on `step["devices"]` over one device, each with the same micro-batches) or "MFU". `flops` is how the source's
     code counts its FLOPs; None where it does not say: then the plan's model FLOPs are compared. `caveat` says what
     the source leaves unstated and what the plan assumed instead; `reproducible` is False where the planner cannot
-    model the run at all (then it is listed, not priced)."""
+    model the run at all (then it is listed, not priced). `testbed` holds the published machine's figures where
+    they differ from the preset's (its host, RAM and disks): they replace the preset's, as `--set` would."""
 
     system: str
     measured: Figure
@@ -351,6 +359,7 @@ class PublishedRun:
     caveat: str
     reproducible: bool = True
     flops: FlopCount | None = None
+    testbed: tuple[tuple[str, Figure], ...] = ()
 
     def __post_init__(self) -> None:
         if self.metric not in ("TFLOPS per device", "TFLOPS, all devices", "speedup", "MFU"):
@@ -377,6 +386,59 @@ _ZERO3_OFFLOAD = ("DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-o
 _SUPEROFFLOAD_SP = ("Lian et al., SuperOffload (arXiv 2509.21271), abstract: 'enabling training of 13B model with "
                     "sequence lengths up to 1 million tokens on 8 GH200 while achieving 55% MFU'")
 _NO_FLOPS = "the FLOP convention is not stated (Megatron's counts the recompute, the plan's does not)"
+_LOHAN = ("RC4ML/LoHan evaluation_data.md (Liao et al., LoHan, arXiv 2403.06504, ICDE 2025; its first version, 'Adding "
+          "NVMe SSDs to Enable and Accelerate 100B Model Fine-tuning on a Single GPU', named it Fuyou): 'All the "
+          "throughput data are measured in TFLOPS'; ")
+_LOHAN_13B = (f"{_LOHAN}'Figure 5(a)/7(a): End-to-end performance, single 4090 GPU', its table: 1.3 x 10^10 "
+              "parameters, 40 layers, 40 heads, hidden 5120; batch size 8, 16, 32, 64, 128: 42.8, 84.3, 143.1, 155.8, "
+              "153.8 TFLOPS")
+_LOHAN_175B = (f"{_LOHAN}'Figure 7(b): End-to-end performance, single 4090 GPU', its table: 1.75 x 10^11 "
+               "parameters, 96 layers, 96 heads, hidden 12288; batch size 8, 16, 32: 52.6, 86.9 TFLOPS, OOM")
+_LOHAN_SSDS = (f"{_LOHAN}'Figure 10(b): Throughput w.r.t. number of SSDs, single 4090 GPU', its table: the 13B "
+               "model at bsz=32 on 1, 2, 3, 6, 12 SSDs: 37.5, 64.3, 81.1, 121.7, 142.0 TFLOPS")
+_FUYOU_A100 = ("Fuyou (arXiv 2403.06504v1) as onlyaistuff.com summarizes it: 'It achieves 87 TFLOPS on 4090 and 172 "
+               "TFLOPS on A100-80GB when fine-tuning a GPT-3 175B model'")
+_D7 = ("the D7-P5500 series' datasheet rates ('Hanno la stessa velocità di lettura/scrittura sequenziale (7000/4300 "
+       "MB/s)', ilsoftware.it on Intel's D7-P5500 and D7-P5600; no D7-P5510 sheet at hand)")
+
+
+def _lohan_testbed(ssds: int) -> tuple[tuple[str, Figure], ...]:
+    """LoHan's server: its CPUs, RAM and `ssds` NVMe drives in one RAID 0 array (its make_raid.sh: 'mdadm --create
+    ... --level=0'), the array at its drives' summed rate."""
+    why = f"assumed: {ssds} x Intel D7-P5510 in RAID 0, each at {_D7}; {_LOHAN_BOX}"
+    figures = _host(_s(768 * GB, _LOHAN_BOX), HOSTS["lohan"],
+                    (_a(ssds * 7.0 * GB, f"{why} (read)"), _a(ssds * 4.3 * GB, f"{why} (write)")))
+    return tuple((name, figure) for name, figure in figures.items() if name != "link_latency_s")
+
+
+# LoHan's GPT (RC4ML/LoHan gpt_model.py): GPT-2 blocks, learned positions, no LM head ('# self.fc' is commented out).
+_LOHAN_13B_SHAPE = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=5120, n_layer=40, n_head=40, rotary_dim=64)
+_LOHAN_175B_SHAPE = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=12288, n_layer=96, n_head=96, rotary_dim=64)
+
+
+def _lohan_compute(rate: float) -> str:
+    """What a LoHan row whose planned step is its compute leaves open: its published rate over the 4090's peak, as
+    model FLOPs and with the recompute counted (8 FLOPs per parameter and token, not 6)."""
+    figures = PRESET_FIGURES["rtx4090"]
+    peak, cap = figures["bf16_flops"].value / 1e12, figures["training_mfu"].value
+    said = (f"the plan's step is its compute, at the 4090's training_mfu ({cap:.1%} of its {peak:.1f} TFLOPS dense "
+            "FP16/BF16 peak with FP32 accumulate, which PyTorch's fp16 matmuls use; the recompute included); the "
+            f"published {rate} TFLOPS is {rate / peak:.0%} of that peak as model FLOPs")
+    if rate / peak <= cap:
+        return said
+    return (f"{said} and {rate / peak * 6 / 8:.0%} with the recompute counted, above every published training MFU: "
+            "its count is not the plan's, and the sources do not say what it is")
+
+
+_LOHAN_STEP = (("activations", "offload"), ("store", "disk"), ("update_on", "host"), ("update_timing", "overlapped"))
+_LOHAN_PLAN = (
+    "GPT-2 blocks without an LM head, on an MSE loss (gpt_model.py, main.py), planned as GPT-J blocks with one; seq "
+    "1024, main.py's default; fp16, planned as bf16 (one rate on a 4090); half-blocks checkpointed, their inputs in "
+    "RAM or on the SSDs, some activations swapped instead of recomputed: planned as --activations offload; weights "
+    "and Adam state on the SSDs, as --store disk; the CPU Adam overlaps the backward, as --update-timing "
+    "overlapped; its TFLOPS are 'directly output by the script', which prints only times: the FLOP convention is "
+    "not stated"
+)
 # Qwen3-14B's config.json (Qwen/Qwen3-14B: 14.8B parameters, 13.2B besides the embeddings, as this counts them).
 _QWEN3_14B = Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
                          num_attention_heads=40, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -440,6 +502,42 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "the update in MemoryX; MemoryX's I/O and SwarmX's reduce at line rate (their sources in the catalogue) "
         "carry one stream for all systems, so the plan loses only SwarmX's tree latency, and what else costs the "
         "published run its 4% is not stated"),
+    PublishedRun(
+        "LoHan", _s(143.1, _LOHAN_13B), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)", _LOHAN_13B_SHAPE, 32,
+        1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0", _LOHAN_STEP,
+        f"{_LOHAN_PLAN}; {_lohan_compute(143.1)}",
+        testbed=_lohan_testbed(12)),
+    PublishedRun(
+        "LoHan, batch 8", _s(42.8, _LOHAN_13B), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)",
+        _LOHAN_13B_SHAPE, 8, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0", _LOHAN_STEP,
+        f"{_LOHAN_PLAN}; at batch 8 the plan's compute (9.5 s) and its SSD traffic (313 GB read, 210 GB written: "
+        "7.8 s at the 12 drives' summed datasheet rates) overlap in an 11.7 s step; the published rate doubles "
+        "from batch 8 to 16 (1.97 times), so its step at batch 8 is the SSDs' and longer: its RAID 0 array does "
+        "not reach its drives' sum, and the sources neither measure nor state its rate",
+        testbed=_lohan_testbed(12)),
+    PublishedRun(
+        "LoHan, batch 64", _s(155.8, _LOHAN_13B), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)",
+        _LOHAN_13B_SHAPE, 64, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0", _LOHAN_STEP,
+        f"{_LOHAN_PLAN}; {_lohan_compute(155.8)}",
+        testbed=_lohan_testbed(12)),
+    PublishedRun(
+        "LoHan, 1 SSD", _s(37.5, _LOHAN_SSDS), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)",
+        _LOHAN_13B_SHAPE, 32, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, one NVMe SSD", _LOHAN_STEP,
+        f"{_LOHAN_PLAN}; one drive bounds the plan's step (313 GB read at 7.0 GB/s, 210 GB written at 4.3 GB/s, "
+        "the D7-P5500 series' datasheet rates); with the recompute counted the ratio is 0.94, and on 2 and 3 SSDs "
+        "(Figure 10(b): 64.3 and 81.1 TFLOPS) 0.98 and 1.03",
+        testbed=_lohan_testbed(1)),
+    PublishedRun(
+        "LoHan, 175B", _s(86.9, _LOHAN_175B), "TFLOPS per device", "GPT-3 175B (96 x 12288, 96 heads)",
+        _LOHAN_175B_SHAPE, 16, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0",
+        _LOHAN_STEP, f"{_LOHAN_PLAN}; {_lohan_compute(86.9)}",
+        testbed=_lohan_testbed(12)),
+    PublishedRun(
+        "Fuyou, A100", _s(172, _FUYOU_A100), "TFLOPS per device", "GPT-3 175B (96 x 12288, 96 heads)",
+        _LOHAN_175B_SHAPE, 16, 1024, "a100-80g", "not stated in the sources at hand", (),
+        "not priced: the batch and the A100's server are not in the sources at hand (the paper's text was not; "
+        "LoHan's artifact lists RTX 4090 runs only); 16 x 1024 is the 4090's 175B step, shown as a stand-in",
+        reproducible=False),
     PublishedRun(
         "ZeRO-3 Offload", _s(49, _ZERO3_OFFLOAD), "TFLOPS per device", "1T-parameter model (shape not published)",
         _GPTJ_6B, 512, 2048, "v100", "32 DGX-2 nodes", (), "not priced: the model's shape and batch are not "
