@@ -144,8 +144,9 @@ def markdown(table: list[Row]) -> str:
     ]
     misses = [r for r in table if r.ratio is not None and abs(r.ratio - 1) > GOAL_CASE]
     if misses:  # before the table's header and rule, the last three lines
-        lines[-3:-3] = ["The misses, and why (from each run's caveat):",
-                        *(f"- {r.run.system} misses ({r.ratio:.2f}): {r.run.caveat}." for r in misses)]
+        lines[-3:-3] = ["The misses, and why (from each run's caveat, one clause a line):",
+                        *(line for r in misses for line in (f"- {r.run.system} misses ({r.ratio:.2f}):",
+                                                            *(f"  - {c}" for c in r.run.caveat.split("; "))))]
     for row in table:
         run = row.run
         plan_s = "not priced" if row.predicted is None else _figure(row.predicted, run.metric)

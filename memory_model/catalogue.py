@@ -422,7 +422,7 @@ def _lohan_compute(rate: float) -> str:
     figures = PRESET_FIGURES["rtx4090"]
     peak, cap = figures["bf16_flops"].value / 1e12, figures["training_mfu"].value
     said = (f"the plan's step is its compute, at the 4090's training_mfu ({cap:.1%} of its {peak:.1f} TFLOPS dense "
-            "FP16/BF16 peak with FP32 accumulate, which PyTorch's fp16 matmuls use; the recompute included); the "
+            "FP16/BF16 peak with FP32 accumulate, which PyTorch's fp16 matmuls use, the recompute included); the "
             f"published {rate} TFLOPS is {rate / peak:.0%} of that peak as model FLOPs")
     if rate / peak <= cap:
         return said

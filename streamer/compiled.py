@@ -11,6 +11,7 @@ say), run the function eagerly; the failure is reported once, as a warning.
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Callable, Generic, ParamSpec, TypeVar
@@ -45,6 +46,7 @@ class Kernel(Generic[P, R]):
             return self._compiled(*args, **kwargs)
         with self._lock:
             if self._compiled is None and not self._failed:
+                separate_cache_per_isa()
                 compiled = torch.compile(self.fn, dynamic=True)
                 try:
                     result = compiled(*args, **kwargs)
@@ -57,6 +59,20 @@ class Kernel(Generic[P, R]):
                     self._compiled = compiled
                     return result
         return self(numel, *args, **kwargs)
+
+
+def separate_cache_per_isa() -> None:
+    """Point inductor's cache at a folder of its own for the CPU capability ATen dispatches to.
+
+    Inductor's cache keys leave that capability out: a kernel cached by a process on AVX512 crashed (SIGSEGV)
+    when a process capped to AVX2 (`ATEN_CPU_CAPABILITY=avx2`) loaded it. A folder the user names is theirs; one
+    inside the default folder was chosen here, by this process or the one that started it, and is chosen again."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or default in (os.path.abspath(given), os.path.dirname(os.path.abspath(given))):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, torch.backends.cpu.get_cpu_capability())
 
 
 def kernel(fn: Callable[P, R]) -> Kernel[P, R]:

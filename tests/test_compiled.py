@@ -6,7 +6,9 @@ chunk's result must equal its small pieces' results put together.
 """
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +76,22 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_one_warning(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(doubled(x.numel(), x), x * 2)
+
+
+@pytest.mark.parametrize("given", [None, "default", "inherited", "mine"])
+def test_each_cpu_capability_compiles_into_its_own_cache(monkeypatch, tmp_path, given):
+    """A kernel cached under one capability crashed a process capped to another: the default cache folder is
+    split by capability, also where a parent process chose another capability's; a folder the user names is
+    kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    named = {None: None, "default": default_cache_dir(), "inherited": str(Path(default_cache_dir()) / "AVX512"),
+             "mine": str(tmp_path)}[given]
+    if named is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", named)
+    compiled.separate_cache_per_isa()
+    expected = str(tmp_path) if given == "mine" else str(Path(default_cache_dir()).absolute() / "AVX2")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
