@@ -103,9 +103,9 @@ def summary(table: list[Row], recompute: bool = False) -> tuple[int, int, float]
 
 def _against_caps(table: list[Row]) -> str:
     """Whether a published rate, as model FLOPs, passes the training MFU its device class is capped at."""
-    above = [f"{r.run.system} ({r.published_mfu:.1%} > {device_spec(r.run.device).training_mfu:.1%})"
-             for r in table if r.published_mfu is not None
-             and r.published_mfu > device_spec(r.run.device).training_mfu]
+    caps = {r.run.device: device_spec(r.run.device).training_mfu for r in table}
+    above = [f"{r.run.system} ({r.published_mfu:.1%} > {caps[r.run.device]:.1%})"
+             for r in table if r.published_mfu is not None and r.published_mfu > caps[r.run.device]]
     if above:
         return f"Above their device's `training_mfu`, which caps every plan: {', '.join(above)}."
     return "Each is below its device's `training_mfu`, which caps every plan's MFU."

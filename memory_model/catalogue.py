@@ -414,6 +414,9 @@ def _lohan_testbed(ssds: int) -> tuple[tuple[str, Figure], ...]:
 # LoHan's GPT (RC4ML/LoHan gpt_model.py): GPT-2 blocks, learned positions, no LM head ('# self.fc' is commented out).
 _LOHAN_13B_SHAPE = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=5120, n_layer=40, n_head=40, rotary_dim=64)
 _LOHAN_175B_SHAPE = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=12288, n_layer=96, n_head=96, rotary_dim=64)
+_LOHAN_MODELS = {"13B": ("GPT-3 13B (40 x 5120, 40 heads)", _LOHAN_13B_SHAPE),
+                 "175B": ("GPT-3 175B (96 x 12288, 96 heads)", _LOHAN_175B_SHAPE)}
+_LOHAN_DRIVES = {1: "one NVMe SSD", 12: "12 NVMe SSDs in RAID 0"}
 
 
 def _lohan_compute(rate: float) -> str:
@@ -439,6 +442,17 @@ _LOHAN_PLAN = (
     "overlapped; its TFLOPS are 'directly output by the script', which prints only times: the FLOP convention is "
     "not stated"
 )
+
+
+def _lohan_run(system: str, rate: Figure, model: str, batch: int, ssds: int, caveat: str | None = None
+               ) -> PublishedRun:
+    """One of LoHan's published RTX 4090 runs of its `model` GPT at seq 1024, planned on its own server with `ssds`
+    drives. `caveat`: what else the row leaves open; None for a row whose planned step is its compute."""
+    name, shape = _LOHAN_MODELS[model]
+    said = _lohan_compute(rate.value) if caveat is None else caveat
+    return PublishedRun(system, rate, "TFLOPS per device", name, shape, batch, 1024, "rtx4090",
+                        f"2 x Xeon Gold 5320, 768 GB DDR4, {_LOHAN_DRIVES[ssds]}", _LOHAN_STEP,
+                        f"{_LOHAN_PLAN}; {said}", testbed=_lohan_testbed(ssds))
 # Qwen3-14B's config.json (Qwen/Qwen3-14B: 14.8B parameters, 13.2B besides the embeddings, as this counts them).
 _QWEN3_14B = Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
                          num_attention_heads=40, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -502,39 +516,21 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "the update in MemoryX; MemoryX's I/O and SwarmX's reduce at line rate (their sources in the catalogue) "
         "carry one stream for all systems, so the plan loses only SwarmX's tree latency, and what else costs the "
         "published run its 4% is not stated"),
+    _lohan_run("LoHan", _s(143.1, _LOHAN_13B), "13B", 32, 12),
+    _lohan_run("LoHan, batch 8", _s(42.8, _LOHAN_13B), "13B", 8, 12,
+               "at batch 8 the plan's compute (9.5 s) and its SSD traffic (313 GB read, 210 GB written: 7.8 s at the "
+               "12 drives' summed datasheet rates) overlap in an 11.7 s step; the published rate doubles from batch 8 "
+               "to 16 (1.97 times), so its step at batch 8 is the SSDs' and longer: its RAID 0 array does not reach "
+               "its drives' sum, and the sources neither measure nor state its rate"),
+    _lohan_run("LoHan, batch 64", _s(155.8, _LOHAN_13B), "13B", 64, 12),
+    _lohan_run("LoHan, 1 SSD", _s(37.5, _LOHAN_SSDS), "13B", 32, 1,
+               "one drive bounds the plan's step (313 GB read at 7.0 GB/s, 210 GB written at 4.3 GB/s, the D7-P5500 "
+               "series' datasheet rates); with the recompute counted the ratio is 0.94, and on 2 and 3 SSDs (Figure "
+               "10(b): 64.3 and 81.1 TFLOPS) 0.98 and 1.03"),
+    _lohan_run("LoHan, 175B", _s(86.9, _LOHAN_175B), "175B", 16, 12),
     PublishedRun(
-        "LoHan", _s(143.1, _LOHAN_13B), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)", _LOHAN_13B_SHAPE, 32,
-        1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0", _LOHAN_STEP,
-        f"{_LOHAN_PLAN}; {_lohan_compute(143.1)}",
-        testbed=_lohan_testbed(12)),
-    PublishedRun(
-        "LoHan, batch 8", _s(42.8, _LOHAN_13B), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)",
-        _LOHAN_13B_SHAPE, 8, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0", _LOHAN_STEP,
-        f"{_LOHAN_PLAN}; at batch 8 the plan's compute (9.5 s) and its SSD traffic (313 GB read, 210 GB written: "
-        "7.8 s at the 12 drives' summed datasheet rates) overlap in an 11.7 s step; the published rate doubles "
-        "from batch 8 to 16 (1.97 times), so its step at batch 8 is the SSDs' and longer: its RAID 0 array does "
-        "not reach its drives' sum, and the sources neither measure nor state its rate",
-        testbed=_lohan_testbed(12)),
-    PublishedRun(
-        "LoHan, batch 64", _s(155.8, _LOHAN_13B), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)",
-        _LOHAN_13B_SHAPE, 64, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0", _LOHAN_STEP,
-        f"{_LOHAN_PLAN}; {_lohan_compute(155.8)}",
-        testbed=_lohan_testbed(12)),
-    PublishedRun(
-        "LoHan, 1 SSD", _s(37.5, _LOHAN_SSDS), "TFLOPS per device", "GPT-3 13B (40 x 5120, 40 heads)",
-        _LOHAN_13B_SHAPE, 32, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, one NVMe SSD", _LOHAN_STEP,
-        f"{_LOHAN_PLAN}; one drive bounds the plan's step (313 GB read at 7.0 GB/s, 210 GB written at 4.3 GB/s, "
-        "the D7-P5500 series' datasheet rates); with the recompute counted the ratio is 0.94, and on 2 and 3 SSDs "
-        "(Figure 10(b): 64.3 and 81.1 TFLOPS) 0.98 and 1.03",
-        testbed=_lohan_testbed(1)),
-    PublishedRun(
-        "LoHan, 175B", _s(86.9, _LOHAN_175B), "TFLOPS per device", "GPT-3 175B (96 x 12288, 96 heads)",
-        _LOHAN_175B_SHAPE, 16, 1024, "rtx4090", "2 x Xeon Gold 5320, 768 GB DDR4, 12 NVMe SSDs in RAID 0",
-        _LOHAN_STEP, f"{_LOHAN_PLAN}; {_lohan_compute(86.9)}",
-        testbed=_lohan_testbed(12)),
-    PublishedRun(
-        "Fuyou, A100", _s(172, _FUYOU_A100), "TFLOPS per device", "GPT-3 175B (96 x 12288, 96 heads)",
-        _LOHAN_175B_SHAPE, 16, 1024, "a100-80g", "not stated in the sources at hand", (),
+        "Fuyou, A100", _s(172, _FUYOU_A100), "TFLOPS per device", *_LOHAN_MODELS["175B"], 16, 1024, "a100-80g",
+        "not stated in the sources at hand", (),
         "not priced: the batch and the A100's server are not in the sources at hand (the paper's text was not; "
         "LoHan's artifact lists RTX 4090 runs only); 16 x 1024 is the 4090's 175B step, shown as a stand-in",
         reproducible=False),
