@@ -11,6 +11,7 @@ say), run the function eagerly; the failure is reported once, as a warning.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import warnings
@@ -26,10 +27,16 @@ R = TypeVar("R")
 
 class Kernel(Generic[P, R]):
     """`fn`, compiled with dynamic shapes on its first large call; `fn` itself for small calls or where
-    compiling fails."""
+    compiling fails.
 
-    def __init__(self, fn: Callable[P, R]) -> None:
+    `static` names the arguments whose sizes never change (look-up tables). They are compiled at their sizes:
+    with every size dynamic, a chunk of as many rows as a table has entries was taken for the same size, and the
+    next chunk recompiled."""
+
+    def __init__(self, fn: Callable[P, R], static: tuple[str, ...] = ()) -> None:
         self.fn = fn
+        self._static = static
+        self._signature = inspect.signature(fn)
         self._compiled: Callable[P, R] | None = None
         self._failed = False
         self._lock = threading.Lock()  # the I/O worker and the compute thread can make the first call together
@@ -43,11 +50,13 @@ class Kernel(Generic[P, R]):
         if not self.compiles(numel):
             return self.fn(*args, **kwargs)
         if self._compiled is not None:
+            self._mark_static(args, kwargs)
             return self._compiled(*args, **kwargs)
         with self._lock:
             if self._compiled is None and not self._failed:
                 separate_cache_per_isa()
                 compiled = torch.compile(self.fn, dynamic=True)
+                self._mark_static(args, kwargs)
                 try:
                     result = compiled(*args, **kwargs)
                 except Exception as exc:  # noqa: BLE001 (a compiler that fails leaves the same function, eager)
@@ -59,6 +68,13 @@ class Kernel(Generic[P, R]):
                     self._compiled = compiled
                     return result
         return self(numel, *args, **kwargs)
+
+    def _mark_static(self, args: tuple, kwargs: dict) -> None:
+        """Mark the `static` arguments' sizes fixed for the compiler (which only a compiled call imports)."""
+        if self._static:
+            bound = self._signature.bind(*args, **kwargs)
+            for name in self._static:
+                torch._dynamo.mark_static(bound.arguments[name])
 
 
 def separate_cache_per_isa() -> None:
@@ -75,6 +91,7 @@ def separate_cache_per_isa() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, torch.backends.cpu.get_cpu_capability())
 
 
-def kernel(fn: Callable[P, R]) -> Kernel[P, R]:
-    """Decorator: `fn` as a `Kernel`, whose calls name first the elements they touch."""
-    return Kernel(fn)
+def kernel(static: tuple[str, ...] = ()) -> Callable[[Callable[P, R]], Kernel[P, R]]:
+    """Decorator: the function as a `Kernel` with these `static` arguments; its calls name first the elements
+    they touch."""
+    return lambda fn: Kernel(fn, static)

@@ -129,7 +129,7 @@ def stochastic_round_bf16_(master: torch.Tensor, key: int, start: int) -> None:
         _round_stochastically(piece.numel(), piece, _start_and_key(start + lo, key, master.device))
 
 
-@kernel
+@kernel()
 def _round_stochastically(values: torch.Tensor, start_and_key: torch.Tensor) -> None:
     """`round_to_bf16_` of `values` with the bits `random_bits16` draws for them."""
     index = torch.arange(values.numel(), dtype=torch.int32, device=values.device)

@@ -58,11 +58,7 @@ def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     spans = torch.bucketize(highest, mids, right=True) - below
     assert spans[~lowest.isnan()].abs().max() <= 1, "a 16-bit range of fp32 values holds two codes' midpoints"
     next_mid = torch.cat([mids, torch.tensor([float("inf")])])[below]
-    tables = qmap.to(device), below.to(torch.uint8).to(device), next_mid.to(device)
-    for table in tables:
-        # Fixed sizes: a compiled kernel would otherwise take a chunk of as many blocks (2^16) for the same size.
-        torch._dynamo.mark_static(table)
-    return tables
+    return qmap.to(device), below.to(torch.uint8).to(device), next_mid.to(device)
 
 
 def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -80,7 +76,7 @@ def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor,
     return out
 
 
-@kernel
+@kernel(static=("below", "next_mid"))
 def _encode_blocks(blocks: torch.Tensor, below: torch.Tensor, next_mid: torch.Tensor,
                    codes: torch.Tensor) -> torch.Tensor:
     """Quantize the rows of `blocks` into `codes` (uint8, their shape); returns the rows' scales (fp32)."""
@@ -92,7 +88,7 @@ def _encode_blocks(blocks: torch.Tensor, below: torch.Tensor, next_mid: torch.Te
     return scale
 
 
-@kernel
+@kernel(static=("qmap",))
 def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor) -> None:
     """Dequantize `codes` (uint8, one row a block) under their rows' `scales` into `out` (fp32, their shape)."""
     out.copy_(qmap[codes.int()] * scales)
