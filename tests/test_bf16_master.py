@@ -152,6 +152,24 @@ def test_the_ram_tier_keeps_one_copy_of_bf16_weights(tmp_path):
             assert compute is master and master.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_master_stored_in_the_compute_dtype_loads_straight_into_the_weights(tmp_path, keep):
+    """A weights load reads a bf16 master into the bf16 weights: no fp32 copy cast back. A master kept for a
+    fused update is widened once from them: the stored values, either way."""
+    train_debug(tmp_path / "run", BF16.replace(store="disk"), steps=1)
+    with StreamingTrainer.open(tmp_path / "run") as trainer:
+        store, numel = trainer.store, CFG.unit_params("block.0")
+        expected = torch.empty(numel)
+        store.read_master("block.0", expected)
+        read_into = []
+        real = store.read_master
+        store.read_master = lambda unit, out: (read_into.append(out.dtype), real(unit, out))[1]
+        loaded = trainer.executor.transport.load_weights("block.0", numel, from_master=True, keep_master=keep).wait()
+    assert read_into == [torch.bfloat16]
+    assert loaded["weights"].dtype == torch.bfloat16 and torch.equal(loaded["weights"].float(), expected)
+    assert ("master" in loaded) == keep and (not keep or torch.equal(loaded["master"], expected))
+
+
 def test_ram_compute_weights_are_rebuilt_from_a_bf16_master_on_disk(tmp_path):
     """Compute weights in RAM beside the state on disk (fp32 compute: a copy of the bf16 master) are rebuilt from
     the state files' bf16 masters when the store opens: the same weights, and the same next step."""

@@ -229,17 +229,24 @@ class Transport:
 
     def load_weights(self, unit: str, numel: int, from_master: bool, keep_master: bool = False,
                      borrowed: Sequence[tuple[str, int]] = ()) -> Loaded:
-        """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its fp32
-        master read and cast on the host, so only compute-dtype bytes cross the link and the ledger's charge
-        is the cast weights. `keep_master`: the host fp32 master comes back too ("master"), for the unit's
-        fused update, which updates it in place (`host_chunk`); `give_back` it once written. `borrowed`: other
-        units' whole weights (unit, numel) the unit uses, laid before its own in one device buffer."""
+        """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its
+        master read and cast on the host (read as it is where stored in the compute dtype), so only
+        compute-dtype bytes cross the link and the ledger's charge is the cast weights. `keep_master`: the host
+        fp32 master comes back too ("master"), for the unit's fused update, which updates it in place
+        (`host_chunk`); `give_back` it once written. `borrowed`: other units' whole weights (unit, numel) the
+        unit uses, laid before its own in one device buffer."""
         store = self.store
+        # A half-precision master stored in the compute dtype is read straight into the weights' buffer, with no
+        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
+        stored_as_compute = store is not None and \
+            store.spec.kind_dtype("master") == self.compute_dtype != torch.float32
 
         def weights_of(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
             if not from_master:
                 ram = store.slab(name, "compute") if store is not None else None
                 return {"weights": self._to_device(None, ram, count, self.compute_dtype, out)}
+            if stored_as_compute:
+                return master_as_weights(name, count, keep, out)
             if self.mode == "meta":
                 master = torch.empty(count, dtype=torch.float32, device="meta")
             else:
@@ -254,6 +261,17 @@ class Transport:
             if weights is not master:
                 self.give_back(master)
             return {"weights": weights}
+
+        def master_as_weights(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+            master = self._take(count, torch.float32, "pinned") if keep else None
+
+            def fill(host: torch.Tensor) -> None:
+                store.read_master(name, host)
+                if master is not None:
+                    master.copy_(host)  # widened here, before a staging buffer is handed back
+
+            weights = self._to_device(fill, None, count, self.compute_dtype, out)
+            return {"weights": weights} if master is None else {"weights": weights, "master": master}
 
         def job() -> dict[str, torch.Tensor]:
             if not borrowed:

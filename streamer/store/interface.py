@@ -111,8 +111,8 @@ class StoreReader(ABC):
 
     @abstractmethod
     def read_master(self, unit: str, out: torch.Tensor) -> None:
-        """The unit's fp32 master weights into `out` (numel of the unit, fp32): what a load casts to the
-        compute dtype where the store keeps no compute copy (`slab(unit, "compute")` is None)."""
+        """The unit's master weights into `out` (numel of the unit), converted to out's dtype: what a load casts
+        to the compute dtype where the store keeps no compute copy (`slab(unit, "compute")` is None)."""
 
     @abstractmethod
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
