@@ -100,6 +100,22 @@ def test_a_manifest_naming_a_far_larger_model_is_refused_before_allocating(run_d
         HostStore.open(root)
 
 
+def test_a_manifest_naming_a_far_deeper_model_is_refused_before_its_layouts_are_built(run_dirs, tmp_path,
+                                                                                       monkeypatch):
+    """Hypothesis found it: a depth of millions had the store build every unit's layout (minutes, and GBs)
+    before it compared the model's units with the manifest's."""
+    def building(*args: object, **kwargs: object) -> None:
+        raise AssertionError("unit layouts built before the manifest's units were checked")
+    monkeypatch.setattr("streamer.store.host.model_layouts", building)
+    root = tmp_path / "run"
+    shutil.copytree(run_dirs["committed"], root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["spec"]["config"]["n_layer"] = 10**9
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=f"{CFG.num_hidden_layers + 2} units for a model of 1000000000 layers"):
+        HostStore.open(root)
+
+
 @SETTINGS
 @given(data=st.data(), new=JSON, delete=st.booleans(), replace_all=st.booleans())
 def test_any_manifest_opens_or_is_a_store_error(run_dirs, data, new, delete, replace_all):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layers import ModelConfig
 from streamer.errors import StoreError
 from streamer.store.slabfile import write_json_atomic
 
@@ -119,8 +120,12 @@ def _upgrade_format_3(root: Path, raw: dict[str, Any]) -> None:
     raw["format"] = FORMAT
 
 
-def check_units(root: Path, manifest: dict[str, Any], units: list[str]) -> None:
-    """The manifest names a state generation for exactly the model's units."""
+def check_units(root: Path, manifest: dict[str, Any], config: ModelConfig) -> None:
+    """The manifest names a state generation for exactly the model's units. A model deeper than the manifest
+    has units is refused before its units are listed: a damaged depth of millions would take minutes."""
+    depth, stored = config.num_hidden_layers, len(manifest["units"])
+    _check(root / MANIFEST, depth < stored, f"{stored} units for a model of {depth} layers")
+    units = config.unit_names()
     missing, extra = sorted(set(units) - set(manifest["units"])), sorted(set(manifest["units"]) - set(units))
     _check(root / MANIFEST, not missing and not extra, f"units missing {missing}, unexpected {extra}")
 

@@ -72,8 +72,8 @@ class _HostSlabs(StoreReader):
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
         lock, store = lock_for_reading(root) if cls._read_only else lock_run_dir(root), None
         try:
+            check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
-            check_units(root, manifest, list(store.layouts))
             store._load_units(verify)
         except BaseException:
             if store is not None:
