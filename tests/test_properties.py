@@ -81,6 +81,15 @@ def _open_copy(source: Path, name: str, edit: Any) -> None:
             pass
 
 
+def _open_with_config(source: Path, root: Path, key: str, value: int) -> None:
+    """Open a copy at `root` of the store `source` whose manifest sets its model's `key` to `value`."""
+    shutil.copytree(source, root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["spec"]["config"][key] = value
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    HostStore.open(root).close()
+
+
 @pytest.mark.parametrize("vocab_size, error", [
     (2**55, "store spec is malformed .*too large to address"), (2**63, "store spec is malformed .*too large"),
     (2**28, r"unit embed: state file .* bytes, expected \d+ \(truncated or from another run\)")])
@@ -91,13 +100,8 @@ def test_a_manifest_naming_a_far_larger_model_is_refused_before_allocating(run_d
     def allocating(*args: object, **kwargs: object) -> None:
         raise AssertionError("RAM slabs allocated before the state files' sizes were checked")
     monkeypatch.setattr("streamer.store.host.RamSlabs", allocating)
-    root = tmp_path / "run"
-    shutil.copytree(run_dirs["committed"], root)
-    manifest = json.loads((root / "manifest.json").read_text())
-    manifest["spec"]["config"]["vocab_size"] = vocab_size
-    (root / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(StoreError, match=error):
-        HostStore.open(root)
+        _open_with_config(run_dirs["committed"], tmp_path / "run", "vocab_size", vocab_size)
 
 
 def test_a_manifest_naming_a_far_deeper_model_is_refused_before_its_layouts_are_built(run_dirs, tmp_path,
@@ -107,13 +111,8 @@ def test_a_manifest_naming_a_far_deeper_model_is_refused_before_its_layouts_are_
     def building(*args: object, **kwargs: object) -> None:
         raise AssertionError("unit layouts built before the manifest's units were checked")
     monkeypatch.setattr("streamer.store.host.model_layouts", building)
-    root = tmp_path / "run"
-    shutil.copytree(run_dirs["committed"], root)
-    manifest = json.loads((root / "manifest.json").read_text())
-    manifest["spec"]["config"]["n_layer"] = 10**9
-    (root / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(StoreError, match=f"{CFG.num_hidden_layers + 2} units for a model of 1000000000 layers"):
-        HostStore.open(root)
+        _open_with_config(run_dirs["committed"], tmp_path / "run", "n_layer", 10**9)
 
 
 @SETTINGS
