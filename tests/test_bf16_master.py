@@ -161,9 +161,13 @@ def test_a_master_stored_in_the_compute_dtype_loads_straight_into_the_weights(tm
         store, numel = trainer.store, CFG.unit_params("block.0")
         expected = torch.empty(numel)
         store.read_master("block.0", expected)
-        read_into = []
-        real = store.read_master
-        store.read_master = lambda unit, out: (read_into.append(out.dtype), real(unit, out))[1]
+        read_into, real = [], store.read_master
+
+        def recording(unit: str, out: torch.Tensor) -> None:
+            read_into.append(out.dtype)
+            real(unit, out)
+
+        store.read_master = recording
         loaded = trainer.executor.transport.load_weights("block.0", numel, from_master=True, keep_master=keep).wait()
     assert read_into == [torch.bfloat16]
     assert loaded["weights"].dtype == torch.bfloat16 and torch.equal(loaded["weights"].float(), expected)

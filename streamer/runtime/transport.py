@@ -139,6 +139,10 @@ class Transport:
         self.compute_stream = torch.cuda.current_stream(device) if self.mode == "cuda" else None
         # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
         self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
+        # A half-precision master stored in the compute dtype is read straight into the weights' buffer, with no
+        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
+        self.master_is_weights = store is not None and \
+            store.spec.kind_dtype("master") == compute_dtype != torch.float32
         # Free host buffers, by size.
         self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -236,16 +240,12 @@ class Transport:
         (`host_chunk`); `give_back` it once written. `borrowed`: other units' whole weights (unit, numel) the
         unit uses, laid before its own in one device buffer."""
         store = self.store
-        # A half-precision master stored in the compute dtype is read straight into the weights' buffer, with no
-        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
-        stored_as_compute = store is not None and \
-            store.spec.kind_dtype("master") == self.compute_dtype != torch.float32
 
         def weights_of(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
             if not from_master:
                 ram = store.slab(name, "compute") if store is not None else None
                 return {"weights": self._to_device(None, ram, count, self.compute_dtype, out)}
-            if stored_as_compute:
+            if self.master_is_weights:
                 return master_as_weights(name, count, keep, out)
             if self.mode == "meta":
                 master = torch.empty(count, dtype=torch.float32, device="meta")
