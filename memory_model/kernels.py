@@ -44,8 +44,8 @@ class KernelCosts:
     # What an event costs whatever its size (the runtime's hand-offs and bookkeeping, each small kernel's
     # dispatch), measured on models too small for their kernels to take time: per forward, backward or
     # update event, and per step besides its events (streamer/calibration/host_costs.py). On the RAM tier,
-    # then on the disk tier, whose events also read and write the store's files: its fixed costs hold the
-    # flushes of its fused step (each unit's state file sealed, the manifest), most of a tiny model's step.
+    # then on the disk tier, whose events also read and write the store's files and whose commit flushes the
+    # manifest; each state file's own cost is `state_file_s`, on the disk's queue.
     event_s: float
     step_s: float
     disk_event_s: float
@@ -56,6 +56,9 @@ class KernelCosts:
     # One flush (fsync) of a small file just written: what a commit pays per file it makes durable beyond the
     # flushes the disk tier's fixed costs hold (a journaled step's gradient files and journal, LoRA's adapters).
     flush_s: float
+    # A disk-tier state file's cost beyond its bytes: opened, then sealed after its unit's last write-back
+    # (flushed, its trailer written and flushed, renamed, its folder flushed), on the write worker.
+    state_file_s: float = 0.0
     # The opt-in precisions' elementwise work, per parameter: an int8 moment quantized for its write-back and
     # dequantized at its load, on the I/O worker; a bf16 master's stochastic rounding, in the update.
     quantize_s: float = 0.0

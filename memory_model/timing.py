@@ -249,6 +249,13 @@ def _flush_s(cfg: PlanConfig, device: DeviceSpec) -> float:
     return costs.flush_s if costs is not None and cfg.store == "disk" else 0.0
 
 
+def _state_file_s(cfg: PlanConfig, device: DeviceSpec) -> float:
+    """A disk-tier state file's cost beyond its bytes (opened, sealed, renamed), where it is measured (`local`);
+    else none."""
+    costs = device.kernels.get(cfg.compute_dtype)
+    return costs.state_file_s if costs is not None and cfg.store == "disk" else 0.0
+
+
 def unmeasured_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The flushes of a disk-tier step that its measured fixed costs (`KernelCosts.disk_event_s` and
     `disk_step_s`, timed on a fused step) do not hold: those its commit makes beyond a fused step's."""
@@ -269,13 +276,15 @@ def commit_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
 
 def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes, queues: _Queues,
                after: float) -> float:
-    """Book an update chunk's write-back (new master, moments and compute weights to the store). The flushes
-    that seal a unit's new state file after its last chunk (SEAL_FLUSHES) are in the disk tier's fixed costs."""
+    """Book an update chunk's write-back (new master, moments and compute weights to the store). After a unit's
+    last chunk its new state file is sealed (SEAL_FLUSHES) and renamed: the state file's own cost."""
     out = cfg.store_bytes(event.resource.count)
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
     d2h_s = _link(d2h, device, "d2h", cfg)
     write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
+    if event.resource.last:
+        write_s += _state_file_s(cfg, device)
     times.d2h += d2h
     times.disk_write += write
     times.offload_s += d2h_s + write_s

@@ -127,8 +127,10 @@ def test_calibration_measures_the_familys_own_units(tmp_path):
     assert isinstance(qwen3, Qwen3Config) and qwen3.num_attention_heads == 8
     tiny = _tiny(PRESETS["qwen3-8b"], 5)
     assert isinstance(tiny, Qwen3Config) and (tiny.num_hidden_layers, tiny.num_key_value_heads) == (5, 1)
-    fixed = measure_fixed_costs(LLAMA, torch.float32, tmp_path, steps=1)
-    host = HostCosts(*fixed["ram"], *fixed["disk"], measure_page_cache(tmp_path, 2**16, 1), measure_flush(tmp_path, 1))
+    fixed = measure_fixed_costs(LLAMA, torch.float32, tmp_path, 1e9, steps=1)
+    assert fixed["ram"][2] == 0.0 and fixed["disk"][2] > 0.0  # only the disk tier writes state files
+    host = HostCosts(*fixed["ram"][:2], *fixed["disk"][:2], measure_page_cache(tmp_path, 2**16, 1),
+                     measure_flush(tmp_path, 1), fixed["disk"][2])
     costs = calibrate.measure_kernel_costs("fp32", 1e10, 2**12, 1, calibrate.probe_shape(LLAMA, TINY), 16, host)
     assert costs.attention_forward_flops > 0 and costs.embedding_backward_s > 0 and costs.event_s == fixed["ram"][0]
 

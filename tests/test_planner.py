@@ -461,6 +461,27 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
         rel=1e-12)
 
 
+def test_each_state_file_waits_on_the_disks_queue() -> None:
+    """A disk-tier update's state file costs its measured `state_file_s` after its unit's last write-back, on the
+    disk's queue. With every other cost free, the update after the backward waits for each unit's file in turn;
+    the RAM tier writes none."""
+    from memory_model.kernels import KernelCosts
+    free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                      flops={"fp32": 1e18}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
+    costs = KernelCosts(attention_forward_flops=1e18, attention_backward_flops=1e18, elementwise_forward_s=0.0,
+                        elementwise_backward_s=0.0, logits_forward_s=0.0, logits_backward_s=0.0,
+                        embedding_backward_s=0.0, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e18,
+                        event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e18,
+                        flush_s=0.0, state_file_s=1.0)
+    shape, device = GPTJConfig.preset("gptj-debug"), replace(free, kernels={"fp32": costs})
+    cfg = PlanConfig(batch=1, seq=64, compute_dtype="fp32", update_timing="after-backward", update_chunk=4096)
+    disk = plan(shape, device, replace(cfg, store="disk"), limits=False)
+    assert max(shape.unit_params(u) for u in shape.unit_names()) > 4096  # units of several chunks, one file each
+    assert disk.step_time_s == pytest.approx(len(shape.unit_names()), rel=1e-9)
+    assert plan(shape, device, replace(cfg, store="ram"), limits=False).step_time_s < 1e-6
+
+
 def test_the_opt_in_precisions_pay_their_measured_elementwise_work() -> None:
     """Where measured, each int8 moment is dequantized at its chunk's load and quantized for its write-back on
     the I/O worker, and a bf16 master is rounded in the update: on a device whose compute and bytes are free

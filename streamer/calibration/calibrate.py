@@ -35,7 +35,7 @@ from streamer.calibration.host_costs import HostCosts, measure_host_costs
 from streamer.store.direct import AlignedBuffers, SequentialFile
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 14
+CACHE_VERSION = 15
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -287,7 +287,8 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         gradient_fold_bytes_per_s=fold_params * (grad.element_size() + 8) / fold_s,
         compute_cast_bytes_per_s=fold_params * (4 + grad.element_size()) / cast_s,
         event_s=host.event_s, step_s=host.step_s, disk_event_s=host.disk_event_s, disk_step_s=host.disk_step_s,
-        page_cache_bytes_per_s=host.page_cache_bytes_per_s, flush_s=host.flush_s, quantize_s=quantize_s,
+        page_cache_bytes_per_s=host.page_cache_bytes_per_s, flush_s=host.flush_s,
+        state_file_s=host.state_file_s, quantize_s=quantize_s,
         dequantize_s=dequantize_s, round_s=round_s)
 
 
@@ -363,13 +364,13 @@ def calibrate(directory: Path, shape: ModelConfig, dtype: str, sizes: Calibratio
     flops = measure_matmul_flops(DTYPES[dtype], n, sizes.repeats, matmul_s)
     probe = probe_shape(shape, sizes)
     tokens = probe_tokens(probe, flops, sizes.repeats, sizes.compute_seconds - matmul_s)
-    host = measure_host_costs(directory, shape, DTYPES[dtype], sizes.disk_bytes, sizes.repeats)
-    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens, host,
-                                   sizes.compute_seconds - matmul_s)
-    copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
     # One write ran 0.42-1.70 GB/s: the median of a few.
     tries = [measure_disk(directory, sizes.disk_bytes, as_store=True) for _ in range(sizes.repeats)]
     read_bw, write_bw = (statistics.median(t[i] for t in tries) for i in (0, 1))
+    host = measure_host_costs(directory, shape, DTYPES[dtype], sizes.disk_bytes, sizes.repeats, write_bw)
+    kernels = measure_kernel_costs(dtype, flops, sizes.update_params, sizes.repeats, probe, tokens, host,
+                                   sizes.compute_seconds - matmul_s)
+    copy_bw, latency = measure_copy(sizes.copy_bytes, sizes.repeats)
     update_bw = measure_update(sizes.update_params, sizes.repeats)
     allreduce_bw = measure_allreduce(sizes.allreduce_bytes, sizes.repeats)
     ram = psutil.virtual_memory().total

@@ -1,6 +1,6 @@
 """What the runtime costs the host beyond the kernels: a fixed cost per compute event and per step, on each
-store tier, the copying of each disk-tier byte through the page cache, and each flush a commit makes beyond
-those of the measured disk-tier step.
+store tier, the copying of each disk-tier byte through the page cache, each state file an update writes, and
+each flush a commit makes beyond those of the measured disk-tier step.
 
 Fixed costs. The kernel costs (memory_model/kernels.py) scale with tokens, widths and parameters; besides
 them every event pays for the executor's hand-offs (the load's future, the ledger, the trace's span),
@@ -11,11 +11,18 @@ family's block runs its own number of small kernels). Their difference, over the
 difference in their events, is the cost of an event; what the shallow one takes beyond its events is the
 step's own (the loss, the commit, the bookkeeping of a step). Both are measured on the RAM tier and on the
 disk tier, whose events also read and write the store's files and whose commit makes them durable: the disk
-tier's fixed costs hold its fused step's flushes (each unit's state file sealed, the manifest written).
+tier's fixed costs hold its fused step's manifest and its flushes. The shallow step's last state file is not
+among them: the planner books each state file itself (below).
 
 Page cache. A disk-tier byte is written into the page cache and read back from it (or from the disk into
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
 time to the compute. It is timed as a buffered write (before its fsync) and a read of the cached pages.
+
+State files. A disk-tier update writes each unit's new state file on the write worker, and seals it after the
+unit's last chunk: it is opened, flushed, its trailer written and flushed, renamed and its folder flushed
+(`streamer.store.files.GenerationWriter`), whatever the file's size. It is timed on the deep tiny model's own steps: the span of each unit's last write-back, less its bytes at the
+disk's write rate. The planner books it on the disk's queue, where it overlaps the compute or, when
+write-backs follow each other faster than they finish, makes them wait.
 
 Flushes. A commit makes each file durable: a record is written, flushed, renamed and its folder flushed
 (`streamer.store.slabfile.write_json_atomic`). Each flush waits for the disk whatever the file's size: a
@@ -53,15 +60,16 @@ class HostCosts:
     disk_step_s: float
     page_cache_bytes_per_s: float  # a disk-tier byte through the page cache
     flush_s: float  # per flush of a commit beyond the measured disk-tier step's
+    state_file_s: float  # per state file a disk-tier update writes, besides its bytes
 
 
-def measure_host_costs(directory: Path, shape: ModelConfig, dtype: torch.dtype, disk_bytes: int,
-                       repeats: int) -> HostCosts:
+def measure_host_costs(directory: Path, shape: ModelConfig, dtype: torch.dtype, disk_bytes: int, repeats: int,
+                       write_bytes_per_s: float) -> HostCosts:
     """Every cost of the module doc, the fixed ones on tiny models of `shape`'s family; the disk's probes and the
-    disk-tier steps write their files in `directory`."""
-    fixed = measure_fixed_costs(shape, dtype, directory)
-    return HostCosts(*fixed["ram"], *fixed["disk"], measure_page_cache(directory, disk_bytes, repeats),
-                     measure_flush(directory, repeats))
+    disk-tier steps write their files in `directory`, whose state files are written at `write_bytes_per_s`."""
+    fixed = measure_fixed_costs(shape, dtype, directory, write_bytes_per_s)
+    return HostCosts(*fixed["ram"][:2], *fixed["disk"][:2], measure_page_cache(directory, disk_bytes, repeats),
+                     measure_flush(directory, repeats), fixed["disk"][2])
 
 
 def _tiny(shape: ModelConfig, layers: int) -> ModelConfig:
@@ -73,17 +81,18 @@ def _tiny(shape: ModelConfig, layers: int) -> ModelConfig:
                          intermediate_size=max(1, shape.intermediate_size * 32 // shape.hidden_size))
 
 
-def measure_fixed_costs(shape: ModelConfig, dtype: torch.dtype, directory: Path,
-                        steps: int = 7) -> dict[str, tuple[float, float]]:
-    """Per store tier, the event's and the step's fixed seconds, from the shallow and the deep tiny model
-    (module doc). The disk tier's stores are written in `directory`, on the disk the runs use."""
+def measure_fixed_costs(shape: ModelConfig, dtype: torch.dtype, directory: Path, write_bytes_per_s: float,
+                        steps: int = 7) -> dict[str, tuple[float, float, float]]:
+    """Per store tier, the event's and the step's fixed seconds and a state file's, from the shallow and the deep
+    tiny model (module doc). The disk tier's stores are written in `directory`, on the disk the runs use, at
+    `write_bytes_per_s`."""
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="calibrate-events-", dir=directory) as tmp:
-        return {tier: _fixed_costs(shape, dtype, tier, Path(tmp) / tier, steps) for tier in TIERS}
+        return {tier: _fixed_costs(shape, dtype, tier, Path(tmp) / tier, steps, write_bytes_per_s) for tier in TIERS}
 
 
-def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: Path,
-                 steps: int) -> tuple[float, float]:
+def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: Path, steps: int,
+                 write_bytes_per_s: float) -> tuple[float, float, float]:
     """One tier's fixed costs. The two models' steps alternate, after two warm-up steps each, so that a change
     in the machine's load weighs on both alike: `event_s` is the median of the paired differences over the
     difference in events. Run one after the other under a changing load (2 cores, load average 7-9), it came
@@ -105,12 +114,28 @@ def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: P
                     if i >= 2:
                         seconds.append(time.perf_counter() - start)
             events = [len(step_events(t.step_spec(1, t.fused))) for t in trainers]
+            file_s = _state_file_s(trainers[-1], write_bytes_per_s) if tier == "disk" else 0.0
     finally:
         torch.random.set_rng_state(torch_state)
     (shallow, deep), (shallow_events, deep_events) = times, events
     # Timing noise can make the deeper model no slower: an event then costs nothing measurable.
     event_s = max(0.0, statistics.median(d - s for s, d in zip(shallow, deep)) / (deep_events - shallow_events))
-    return event_s, max(0.0, statistics.median(shallow) - shallow_events * event_s)
+    # The planner books the last unit's state file after the step's last update: the shallow step's tail.
+    return event_s, max(0.0, statistics.median(shallow) - shallow_events * event_s - file_s), file_s
+
+
+def _state_file_s(trainer: StreamingTrainer, write_bytes_per_s: float) -> float:
+    """A state file's seconds beyond its bytes: the median, over the steps the trainer's trace kept, of each
+    unit's last write-back span (its last chunk's, which seals the file) less the file's bytes at
+    `write_bytes_per_s`. A fused step's last span of a unit on the write worker is that write-back: its
+    gradient's offload comes before its update."""
+    store = trainer.store
+    seconds = []
+    for step in trainer.trace.steps():
+        last = {e.layer: e for e in trainer.trace.spans(step) if e.phase == "offload"}
+        seconds += [e.duration_s - store.spec.state_bytes(store.numels[unit]) / write_bytes_per_s
+                    for unit, e in last.items()]
+    return max(0.0, statistics.median(seconds))
 
 
 def measure_flush(directory: Path, repeats: int) -> float:
