@@ -8,11 +8,11 @@ autograd's bookkeeping and the dispatch of each of its small kernels. On a model
 that is much of a step. It is measured on the runtime itself: steps of two models of the planned model's family
 too small for their kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep (each
 family's block runs its own number of small kernels). Their difference, over the
-difference in their events, is the cost of an event; what the shallow one takes beyond its events is the
-step's own (the loss, the commit, the bookkeeping of a step). Both are measured on the RAM tier and on the
+difference in their events, is the cost of an event. What the shallow one takes outside its events' spans,
+before the first and after the last, is the step's own (the commit, the bookkeeping of a step). Both are measured on the RAM tier and on the
 disk tier, whose events also read and write the store's files and whose commit makes them durable: the disk
-tier's fixed costs hold its fused step's manifest and its flushes. The shallow step's last state file is not
-among them: the planner books each state file itself (below).
+tier's fixed costs hold its fused step's manifest and its flushes. The state files are not among them: the
+planner books each one itself (below).
 
 Page cache. A disk-tier byte is written into the page cache and read back from it (or from the disk into
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
@@ -114,14 +114,24 @@ def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: P
                     if i >= 2:
                         seconds.append(time.perf_counter() - start)
             events = [len(step_events(t.step_spec(1, t.fused))) for t in trainers]
+            step_s = _outside_spans_s(trainers[0], times[0])
             file_s = _state_file_s(trainers[-1], write_bytes_per_s) if tier == "disk" else 0.0
     finally:
         torch.random.set_rng_state(torch_state)
     (shallow, deep), (shallow_events, deep_events) = times, events
     # Timing noise can make the deeper model no slower: an event then costs nothing measurable.
     event_s = max(0.0, statistics.median(d - s for s, d in zip(shallow, deep)) / (deep_events - shallow_events))
-    # The planner books the last unit's state file after the step's last update: the shallow step's tail.
-    return event_s, max(0.0, statistics.median(shallow) - shallow_events * event_s - file_s), file_s
+    return event_s, step_s, file_s
+
+
+def _outside_spans_s(trainer: StreamingTrainer, seconds: list[float]) -> float:
+    """The step's own seconds: the median, over the timed steps the trainer's trace kept (`seconds`, the last
+    ones), of each step's time outside its spans, before the first and after the last (the step's bookkeeping,
+    the commit). Its events' own costs, the loss between them and its last write-back are inside."""
+    kept = trainer.trace.steps()[-len(seconds):]
+    outside = [wall - (end - start) for wall, (start, end) in
+               zip(seconds[-len(kept):], (trainer.trace.time_range(step) for step in kept))]
+    return max(0.0, statistics.median(outside))
 
 
 def _state_file_s(trainer: StreamingTrainer, write_bytes_per_s: float) -> float:
