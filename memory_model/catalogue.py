@@ -463,8 +463,6 @@ _GPT2_10B = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=4096, n_layer=
 _GPTJ_6B = PRESETS["gptj-6b"]
 _HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"), ("update_timing", "after-backward"))
 
-
-
 _MEGATRAIN_RATES = {1: 272, 4: 1290}  # TFLOPS on 1 and 4 H100s, as its README's News says
 
 

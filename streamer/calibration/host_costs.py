@@ -5,14 +5,14 @@ each flush a commit makes beyond those of the measured disk-tier step.
 Fixed costs. The kernel costs (memory_model/kernels.py) scale with tokens, widths and parameters; besides
 them every event pays for the executor's hand-offs (the load's future, the ledger, the trace's span),
 autograd's bookkeeping and the dispatch of each of its small kernels. On a model as small as the demo's
-that is much of a step. It is measured on the runtime itself: steps of two models of the planned model's family
-too small for their kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep (each
-family's block runs its own number of small kernels). Their difference, over the
-difference in their events, is the cost of an event. What the shallow one takes outside its events' spans,
-before the first and after the last, is the step's own (the commit, the bookkeeping of a step). Both are measured on the RAM tier and on the
-disk tier, whose events also read and write the store's files and whose commit makes them durable: the disk
-tier's fixed costs hold its fused step's manifest and its flushes. The state files are not among them: the
-planner books each one itself (below).
+that is much of a step. It is measured on the runtime itself: steps of two models of the planned model's
+family too small for their kernels to take measurable time (d_model 32, 8 tokens), one and five blocks deep
+(each family's block runs its own number of small kernels). Their difference, over the difference in their
+events, is the cost of an event. What the shallow one takes outside its events' spans, before the first and
+after the last, is the step's own (the commit, the bookkeeping of a step). Both are measured on the RAM tier
+and on the disk tier, whose events also read and write the store's files and whose commit makes them
+durable: the disk tier's fixed costs hold its fused step's manifest and its flushes. The state files are not
+among them: the planner books each one itself (below).
 
 Page cache. A disk-tier byte is written into the page cache and read back from it (or from the disk into
 it) by the host's cores; on a cpu device those are the cores that compute, so the planner charges that
@@ -20,13 +20,14 @@ time to the compute. It is timed as a buffered write (before its fsync) and a re
 
 State files. A disk-tier update writes each unit's new state file on the write worker, and seals it after the
 unit's last chunk: it is opened, flushed, its trailer written and flushed, renamed and its folder flushed
-(`streamer.store.files.GenerationWriter`), whatever the file's size. It is timed on the deep tiny model's own steps: the span of each unit's last write-back, less its bytes at the
-disk's write rate. The planner books it on the disk's queue, where it overlaps the compute or, when
-write-backs follow each other faster than they finish, makes them wait.
+(`streamer.store.files.GenerationWriter`). That costs the same whatever the file's size. It is timed on the
+deep tiny model's own steps: the span of each unit's last write-back, less its bytes at the disk's write
+rate. The planner books it on the disk's queue, where it overlaps the compute or, when write-backs follow
+each other faster than they finish, makes them wait.
 
 Flushes. A commit makes each file durable: a record is written, flushed, renamed and its folder flushed
-(`streamer.store.slabfile.write_json_atomic`). Each flush waits for the disk whatever the file's size: a
-few milliseconds. The disk tier's fixed costs hold the flushes of the step they measure (a fused update);
+(`streamer.store.slabfile.write_json_atomic`). Each flush waits for the disk whatever the file's size: the
+disk's latency. The disk tier's fixed costs hold the flushes of the step they measure (a fused update);
 a journaled step flushes more (its gradient files and its journal), priced per flush
 (`memory_model.timing.unmeasured_flushes`). It is timed as a record's sequence on a one-page file.
 """
