@@ -64,6 +64,11 @@ class KernelCosts:
     quantize_s: float = 0.0
     dequantize_s: float = 0.0
     round_s: float = 0.0
+    # Attention's cost per token and query head besides its FLOPs, forward and backward: a CPU's flash attention
+    # works in blocks of queries and keys, so short sequences pay for whole blocks (its bf16 backward at
+    # 16 x 32 tokens took as long as at 1 x 512, a sixteenth of the FLOPs).
+    attention_forward_token_s: float = 0.0
+    attention_backward_token_s: float = 0.0
 
     def fixed_s(self, store: str) -> tuple[float, float]:
         """(per event, per step) fixed seconds on store tier `store`."""
@@ -96,6 +101,7 @@ class KernelCosts:
         if unit == "head":
             return self.logits_forward_s * n * shape.vocab_size
         return (attention_flops(shape, batch, seq) / self.attention_forward_flops
+                + self.attention_forward_token_s * n * shape.num_attention_heads
                 + self.elementwise_forward_s * n * elementwise_width(shape))
 
     def backward_s(self, shape: ModelConfig, unit: str, batch: int, seq: int) -> float:
@@ -106,6 +112,7 @@ class KernelCosts:
         if unit == "head":
             return self.logits_backward_s * n * shape.vocab_size
         return (2 * attention_flops(shape, batch, seq) / self.attention_backward_flops
+                + self.attention_backward_token_s * n * shape.num_attention_heads
                 + self.elementwise_backward_s * n * elementwise_width(shape))
 
 

@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -165,6 +166,34 @@ def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
 
 
 # --- local calibration -------------------------------------------------------------------------------------------
+def test_attention_is_fitted_as_a_flop_rate_plus_a_cost_per_token_and_head(monkeypatch) -> None:
+    """`local` times attention as one sequence and as short ones; the two times fit a FLOP rate and a cost per
+    token and query head, so that a short sequence (a CPU's flash attention pays for whole blocks) is priced
+    from the same fields as a long one. Timings made from known figures give those figures back; a long
+    sequence no slower than the short ones leaves its FLOPs at the matmul rate and the rest per token."""
+    from memory_model.kernels import attention_flops
+
+    shape = PRESETS["gptj-debug"]
+    truth = {"attention_forward_flops": 5e10, "attention_backward_flops": 8e10,
+             "attention_forward_token_s": 2e-8, "attention_backward_token_s": 3e-7}
+
+    def timed(run, params, repeats, deadline):
+        batch, heads, seq, _ = params[0].shape
+        flops, token_heads = attention_flops(shape, batch, seq), batch * seq * heads
+        return (flops / truth["attention_forward_flops"] + token_heads * truth["attention_forward_token_s"],
+                2 * flops / truth["attention_backward_flops"] + token_heads * truth["attention_backward_token_s"])
+
+    monkeypatch.setattr(calibrate, "_forward_backward", timed)
+    fields, forward_s, backward_s = calibrate._attention_costs(shape, torch.float32, 512, 1e12, 1, 0.0)
+    assert fields == pytest.approx(truth, rel=1e-9)
+    assert (forward_s, backward_s) == pytest.approx(timed(None, [torch.empty(1, 4, 512, 16)], 1, 0.0), rel=1e-9)
+
+    monkeypatch.setattr(calibrate, "_forward_backward", lambda run, params, repeats, deadline: (1e-3, 2e-3))
+    fields, forward_s, backward_s = calibrate._attention_costs(shape, torch.float32, 512, 1e12, 1, 0.0)
+    assert fields["attention_forward_flops"] == fields["attention_backward_flops"] == 1e12
+    assert (forward_s, backward_s) == pytest.approx((1e-3, 2e-3), rel=1e-9)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_calibrate_measures_this_machine_in_one_dtype(tmp_path, dtype) -> None:
     spec = calibrate.calibrate(tmp_path, DEBUG, dtype, TINY)

@@ -430,6 +430,12 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
     assert embed.backward_s > base_embed
     assert costed.step_time_s > base.step_time_s
     assert plan(shape, replace(free, kernels={"fp32": costs}), cfg).step_time_s == base.step_time_s  # per dtype
+    # Attention's cost per token and query head adds to each block's forward and backward.
+    tokens = replace(costs, attention_forward_token_s=1e-7, attention_backward_token_s=3e-7)
+    per_token = {r.unit: r for r in plan(shape, replace(free, kernels={"bf16": tokens}), cfg).rows}["block.0"]
+    heads = n * shape.num_attention_heads
+    assert per_token.forward_s == pytest.approx(block.forward_s + 1e-7 * heads, rel=1e-12)
+    assert per_token.backward_s == pytest.approx(block.backward_s + 3e-7 * heads, rel=1e-12)
 
 
 def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:

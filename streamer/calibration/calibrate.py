@@ -35,7 +35,7 @@ from streamer.calibration.host_costs import HostCosts, measure_host_costs
 from streamer.store.direct import AlignedBuffers, SequentialFile
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 15
+CACHE_VERSION = 16
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -223,6 +223,46 @@ def _forward_backward(run: Callable[[], torch.Tensor], params: list[torch.Tensor
     return forward, backward
 
 
+# The short sequence attention is also timed at: below a CPU flash attention's block of queries and keys.
+_SHORT_SEQ = 32
+
+
+def _attention_costs(shape: ModelConfig, dtype: torch.dtype, tokens: int, matmul_flops: float, repeats: int,
+                     deadline: float) -> tuple[dict[str, float], float, float]:
+    """Causal scaled_dot_product_attention of `shape`'s heads timed on `tokens` tokens twice: as one sequence and
+    as sequences of _SHORT_SEQ, whose FLOPs are a fraction of the first's. The two times fit a rate on the FLOPs
+    and a cost per token and query head (KernelCosts' attention fields). Where the long sequence is no slower,
+    its FLOPs take no measurable time: they are priced at the matmul rate, the fastest attention could go, and
+    the rest is per token. Returns the fields, and the forward's and the backward's seconds they price at 1 x
+    `tokens`."""
+    def timed(batch: int, seq: int) -> tuple[float, float]:
+        q, k, v = (torch.randn(batch, shape.num_attention_heads, seq, shape.head_dim, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+        return _forward_backward(sdpa, [q, k, v], repeats, deadline)
+
+    short = min(_SHORT_SEQ, tokens)
+    shapes = ((1, tokens), (tokens // short, short))
+    (long_f, long_b), (short_f, short_b) = (timed(*s) for s in shapes)
+    (flops_long, flops_short), (token_heads_long, token_heads_short) = zip(
+        *((attention_flops(shape, b, t), b * t * shape.num_attention_heads) for b, t in shapes))
+
+    def fit(long_s: float, short_s: float, passes: int) -> tuple[float, float, float]:
+        """(FLOP rate, seconds per token and head, seconds at the long shape) of `passes` x the FLOPs."""
+        # Each time is its FLOPs x seconds a FLOP plus its tokens x heads x seconds each: solved for the first.
+        det = flops_long * token_heads_short - flops_short * token_heads_long
+        x = 0.0 if det == 0 else (long_s * token_heads_short - short_s * token_heads_long) / det
+        flop_s = max(passes * flops_long / matmul_flops, flops_long * x)
+        token_s = max(0.0, long_s - flop_s) / token_heads_long
+        return passes * flops_long / flop_s, token_s, flop_s + token_s * token_heads_long
+
+    (forward_rate, forward_token_s, forward_s), (backward_rate, backward_token_s, backward_s) = (
+        fit(long_f, short_f, 1), fit(long_b, short_b, 2))
+    fields = {"attention_forward_flops": forward_rate, "attention_backward_flops": backward_rate,
+              "attention_forward_token_s": forward_token_s, "attention_backward_token_s": backward_token_s}
+    return fields, forward_s, backward_s
+
+
 def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int, repeats: int, probe: ModelConfig,
                          tokens: int, host: HostCosts, seconds: float = math.inf) -> KernelCosts:
     """The costs besides the matmuls (kernels.py), on a real block, head and embedding of shape `probe` (its family's)
@@ -239,15 +279,12 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
     deadline = time.perf_counter() + seconds
     torch.manual_seed(0)
     try:
-        q, k, v = (torch.randn(batch, cfg.num_attention_heads, seq, cfg.head_dim, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
-        attn_fwd, attn_bwd = _forward_backward(sdpa, [q, k, v], repeats, deadline)
-        attn = attention_flops(shape, batch, seq)
+        attention, attn_fwd, attn_bwd = _attention_costs(shape, dtype, seq, matmul_flops, repeats, deadline)
 
         block = build_unit(cfg, "block.0", "cpu").to(dtype)
         x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
         fwd, bwd = _forward_backward(lambda: block(x).float().sum(), [x, *block.parameters()], repeats, deadline)
+        attn = attention_flops(shape, batch, seq)
         matmul_s = (forward_flops(shape, "block.0", batch, seq) - attn) / matmul_flops
         width = n * elementwise_width(shape)
 
@@ -277,7 +314,7 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         torch.random.set_rng_state(torch_state)
     # A residual below zero is timing noise around a kernel that costs ~nothing.
     return KernelCosts(
-        attention_forward_flops=attn / attn_fwd, attention_backward_flops=2 * attn / attn_bwd,
+        **attention,
         elementwise_forward_s=max(0.0, fwd - matmul_s - attn_fwd) / width,
         elementwise_backward_s=max(0.0, bwd - 2 * matmul_s - attn_bwd) / width,
         logits_forward_s=max(0.0, head_fwd - head_matmul_s) / logits,
