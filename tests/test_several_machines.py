@@ -108,10 +108,14 @@ def _signal_the_other_node(nodes: list[subprocess.Popen], port: int, sig: signal
     return survivor, err, time.monotonic() - sent
 
 
+# The killed run's steps: its node is killed after step 2, and steps must remain after that.
+KILLED_RUN_STEPS = 8
+
+
 @pytest.mark.slow
 def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the_run(tiny_setup, tmp_path):
     run, single = tmp_path / "nodes", tmp_path / "single"
-    argv = train_argv(tiny_setup, run, "--steps", 4)
+    argv = train_argv(tiny_setup, run, "--steps", KILLED_RUN_STEPS)
     port = _free_port()
     nodes = _start(port, argv)
     try:  # one node (all its processes) is killed after step 2
@@ -126,32 +130,33 @@ def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the
     assert "start the same torchrun command again on every node" in ours[0] and "--dist-timeout" in ours[0]
     assert "Traceback" not in err.split(ours[0])[0], err[-3000:]  # no traceback from this process before it
 
-    # Step 3 may have committed before the signal landed (a tiny step takes milliseconds), and its log record may
-    # not have followed: the store says which step the run holds.
-    committed = RunDir(run).committed_step()
-    assert committed in (2, 3) and _logged(run) in (2, committed), (committed, _logged(run))
+    # Later steps may have committed before the signal landed (a tiny step takes milliseconds; under a loaded
+    # suite two did), and the last one's log record may not have followed: the store says which step the run holds.
+    committed, last_logged = RunDir(run).committed_step(), _logged(run)
+    assert 2 <= committed < KILLED_RUN_STEPS and max(2, committed - 1) <= last_logged <= committed, (committed,
+                                                                                                    last_logged)
     done = _finish(_start(_free_port(), argv))  # the same command on both nodes continues from the last commit
     assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
     out = "".join(out for _, out, _ in done)
-    assert f"{run} holds this run at step {committed}: continuing it to step 4" in out
+    assert f"{run} holds this run at step {committed}: continuing it to step {KILLED_RUN_STEPS}" in out
     # The hint after a run on several machines is their torchrun command, run as printed on both nodes.
     assert "the last on every node, R its rank, HOST:PORT the rendezvous it was launched with" in out
     hint = shlex.split(next(line for line in out.splitlines() if "--resume" in line))
     assert hint[:13] == ["torchrun", "--nnodes", "2", "--node-rank", "R", "--nproc-per-node", "1", "--rdzv-backend",
                          "c10d", "--rdzv-endpoint", "HOST:PORT", "-m", "streamer"]
-    assert hint[13:] == ["train", "--resume", str(run), "--steps", "8"]
+    assert hint[13:] == ["train", "--resume", str(run), "--steps", str(2 * KILLED_RUN_STEPS)]
     done = _finish(_start(_free_port(), hint[13:]))
     assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
 
-    assert streamer(*train_argv(tiny_setup, single, "--steps", 8, "--grad-accum", 2)).returncode == 0
+    assert streamer(*train_argv(tiny_setup, single, "--steps", 2 * KILLED_RUN_STEPS, "--grad-accum", 2)).returncode == 0
     with open_trainer(RunDir(run)) as a, open_trainer(RunDir(single)) as b:
-        assert a.step_count == b.step_count == 8
+        assert a.step_count == b.step_count == 2 * KILLED_RUN_STEPS
         sa, sb = a.state_dict(), b.state_dict()
         # Bit-identical: the two nodes' halves are summed in the order of one process's two micro-batches.
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     losses = {r["step"]: r["loss"] for r in RunDir(single).read_metrics() if "loss" in r}
     logged = [(r["step"], r["loss"]) for r in RunDir(run).read_metrics() if "loss" in r]
-    assert [s for s, _ in logged] == list(range(1, 9))  # every step once
+    assert [s for s, _ in logged] == list(range(1, 2 * KILLED_RUN_STEPS + 1))  # every step once
     # The logged loss averages the ranks' losses where one process averages its micro-batches': measured up to
     # 2.4e-7 apart (fp32 rounding); the weights above are bit-identical.
     assert all(abs(loss - losses[step]) <= 1e-6 * abs(losses[step]) for step, loss in logged)
