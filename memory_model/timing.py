@@ -243,17 +243,11 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     return 0.0, queues.run("disk", queues.run("host compute", done, fold_s), disk_s)
 
 
-def _flush_s(cfg: PlanConfig, device: DeviceSpec) -> float:
-    """One flush of a disk-tier commit (a file made durable), where it is measured (`local`); else none."""
+def _disk_s(cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
+    """A disk-tier file's fixed cost, where it is measured (`local`); else none: `flush_s`, one flush of a commit
+    (a file made durable), or `state_file_s`, a state file's cost beyond its bytes (opened, sealed, renamed)."""
     costs = device.kernels.get(cfg.compute_dtype)
-    return costs.flush_s if costs is not None and cfg.store == "disk" else 0.0
-
-
-def _state_file_s(cfg: PlanConfig, device: DeviceSpec) -> float:
-    """A disk-tier state file's cost beyond its bytes (opened, sealed, renamed), where it is measured (`local`);
-    else none."""
-    costs = device.kernels.get(cfg.compute_dtype)
-    return costs.state_file_s if costs is not None and cfg.store == "disk" else 0.0
+    return getattr(costs, cost) if costs is not None and cfg.store == "disk" else 0.0
 
 
 def unmeasured_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -284,7 +278,7 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     d2h_s = _link(d2h, device, "d2h", cfg)
     write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
     if event.resource.last:
-        write_s += _state_file_s(cfg, device)
+        write_s += _disk_s(cfg, device, "state_file_s")
     times.d2h += d2h
     times.disk_write += write
     times.offload_s += d2h_s + write_s
@@ -363,8 +357,8 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
     costs = device.kernels.get(cfg.compute_dtype)
     # The step's own fixed cost (the loss, the commit).
     step_s = 0.0 if costs is None else costs.fixed_s(cfg.store if commits else "ram")[1]
-    if commits:
-        step_s += unmeasured_flushes(shape, cfg) * _flush_s(cfg, device)  # the trainer's thread waits for each
+    if commits:  # the trainer's thread waits for each flush
+        step_s += unmeasured_flushes(shape, cfg) * _disk_s(cfg, device, "flush_s")
     if costs is not None and device.same_memory and cfg.store == "disk":
         # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
         # cores that compute, so the copies take their time from the step.

@@ -133,8 +133,8 @@ def test_a_node_killed_mid_step_stops_the_other_and_the_same_commands_finish_the
     # Later steps may have committed before the signal landed (a tiny step takes milliseconds; under a loaded
     # suite two did), and the last one's log record may not have followed: the store says which step the run holds.
     committed, last_logged = RunDir(run).committed_step(), _logged(run)
-    assert 2 <= committed < KILLED_RUN_STEPS and max(2, committed - 1) <= last_logged <= committed, (committed,
-                                                                                                    last_logged)
+    assert 2 <= committed < KILLED_RUN_STEPS, (committed, last_logged)
+    assert max(2, committed - 1) <= last_logged <= committed, (committed, last_logged)
     done = _finish(_start(_free_port(), argv))  # the same command on both nodes continues from the last commit
     assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
     out = "".join(out for _, out, _ in done)
