@@ -14,10 +14,14 @@ asks which family it holds:
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
   block too), a block's matmul weights;
-- `to_hf()`, `from_hf_fields()`, `to_dict()`;
+- `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
+  defaults for what it may leave out where they differ from ours (`hf_defaults`);
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
 
-`ModelConfig.from_hf` picks the family by config.json's `model_type`.
+`ModelConfig.from_hf` picks the family by config.json's `model_type`. It reads a config.json as transformers does:
+a field the family's transformers class does not read is kept out of the model and never an error (published files
+carry fields of older transformers versions and of other tools); a value that changes the math and is not
+implemented here is refused in one line naming the field and the value.
 """
 from __future__ import annotations
 
@@ -30,17 +34,6 @@ from typing import Any, ClassVar, Mapping
 class ConfigError(ValueError):
     """A configuration that cannot describe a supported model; the message names the fix."""
 
-
-# HF config.json keys that describe training/generation/bookkeeping rather than the model's shape: accepted and
-# ignored by every family's from_hf.
-HF_IGNORED_KEYS = frozenset({
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-    "gradient_checkpointing", "task_specific_params", "tokenizer_class",
-    "_name_or_path", "output_attentions", "output_hidden_states",
-    "return_dict", "id2label", "label2id", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
-    "problem_type", "_attn_implementation_autoset", "_attn_implementation",
-})
 
 # model_type -> its config class, filled by each family module's `@family`.
 FAMILIES: dict[str, type["ModelConfig"]] = {}
@@ -94,6 +87,10 @@ class ModelConfig:
     projections: ClassVar[dict[str, str]]
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
+    # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
+    hf_required: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    # transformers' defaults for the family's fields a config.json may leave out, where ours differ.
+    hf_defaults: ClassVar[dict[str, Any]] = {}
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -163,8 +160,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json's keys (model_type already removed)."""
+        """Build from a config.json's keys (model_type already removed, the required ones there, transformers'
+        defaults filled in)."""
         raise NotImplementedError
+
+    @classmethod
+    def own_fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """The keys of a config.json that are this family's own fields: the rest carries nothing we build."""
+        own = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return {k: v for k, v in raw.items() if k in own}
 
     # --- the same for every family ---------------------------------------------------------------------
     @property
@@ -269,7 +273,12 @@ class ModelConfig:
         target = _family_of(raw.pop("model_type", getattr(cls, "model_type", "gptj")))
         if cls is not ModelConfig and target is not cls:
             raise ConfigError(f"model_type is {target.model_type!r}; expected {cls.model_type!r}")
-        return target.from_hf_fields(raw)
+        for name in target.hf_required:
+            own = target.own_names.get(name, name)
+            if name not in raw and own not in raw:
+                shown = own if own == name else f"{own} ({name})"
+                raise ConfigError(f"the {target.model_type} config has no {shown}; add it as transformers writes it")
+        return target.from_hf_fields({**target.hf_defaults, **raw})
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":

@@ -6,13 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import (HF_IGNORED_KEYS, PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints,
-                           take_aliases)
+from layers.config import PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints, take_aliases
 
-_GPTJ_IGNORED_KEYS = frozenset({
-    "attention_dropout", "scale_attn_weights", "summary_type", "summary_use_proj", "summary_activation",
-    "summary_proj_to_labels", "summary_first_dropout",
-})
 # Dropout is a training-time regulariser the public checkpoints set to 0.
 _HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 _SUPPORTED_ACTIVATIONS = ("gelu_new",)
@@ -167,8 +162,7 @@ class GPTJConfig(ModelConfig):
             raise ConfigError("rotary=false (no rotary embedding) is not GPT-J; remove it or set it to true")
         if raw.get("rotary_dim", 64) is None:
             raise ConfigError("rotary_dim=None (rotary over the whole head) is not supported; set rotary_dim")
-        fields = {k: v for k, v in raw.items() if k not in HF_IGNORED_KEYS | _GPTJ_IGNORED_KEYS}
-        return cls.from_dict(fields)  # type: ignore[return-value]
+        return cls.from_dict(cls.own_fields(raw))  # type: ignore[return-value]
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers.GPTJForCausalLM reads."""

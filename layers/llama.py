@@ -12,16 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
-from layers.config import HF_IGNORED_KEYS, PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints
+from layers.config import PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints
 
 # What each rope_type needs besides rope_theta (transformers' modeling_rope_utils).
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (), "linear": ("factor",), "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-# Keys transformers writes that carry no shape or that the checks below settle.
-_IGNORED = HF_IGNORED_KEYS | {"attention_dropout", "pretraining_tp", "max_window_layers", "layer_types",
-                              "use_sliding_window", "rope_theta", "rope_scaling", "mlp_only_layers"}
 
 
 def rope_parameters_of(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -56,6 +53,10 @@ class LlamaConfig(ModelConfig):
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
     slides: ClassVar[bool] = False  # whether transformers' class reads sliding_window
+    # Whether transformers' config turns the window on only with use_sliding_window, on the layers from
+    # max_window_layers on (or those layer_types names), rather than on every layer whenever it is set (mistral).
+    switched_window: ClassVar[bool] = False
+    hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -116,8 +117,9 @@ class LlamaConfig(ModelConfig):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"rope_parameters[{key!r}] must be a positive number for rope_type {kind!r}, "
                                   f"got {value!r}")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError("partial_rotary_factor other than 1.0 is not supported; remove it")
+        partial = params.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ConfigError(f"partial_rotary_factor={partial!r} is not supported (RoPE over whole heads); remove it")
         if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
             raise ConfigError("rope_parameters' low_freq_factor must be below high_freq_factor")
 
@@ -219,14 +221,33 @@ class LlamaConfig(ModelConfig):
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "LlamaConfig":
-        for key, fine in (("attention_dropout", 0.0), ("pretraining_tp", 1)):
-            if raw.get(key, fine) not in (fine, None):
-                raise ConfigError(f"{key}={raw[key]} is not supported; set it to {fine}")
+        dropout = raw.get("attention_dropout")
+        if dropout not in (0, None):
+            raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
         raw["rope_parameters"] = rope_parameters_of(raw)
-        if "use_sliding_window" in raw and not raw["use_sliding_window"]:
-            raw["sliding_window"] = None  # transformers' Qwen configs: the window is off
-        fields = {k: v for k, v in raw.items() if k not in _IGNORED}
+        raw["sliding_window"] = cls._window(raw)
+        # Fields that transformers' class for this model_type never reads change nothing there: nor here.
+        unread = {*(() if cls.slides else ("sliding_window",)),
+                  *(flag for flag in ("attention_bias", "mlp_bias") if flag not in cls.honoured_flags)}
+        fields = {k: v for k, v in cls.own_fields(raw).items() if k not in unread}
         return cls.from_dict(fields)  # type: ignore[return-value]
+
+    @classmethod
+    def _window(cls, raw: Mapping[str, Any]) -> Any:
+        """The sliding window transformers' model applies, None for none. Where use_sliding_window switches it
+        (qwen2, qwen3), it is on only if some layer slides: those layer_types names, else those from
+        max_window_layers on."""
+        window = raw.get("sliding_window")
+        if not cls.switched_window:
+            return window
+        if raw.get("use_sliding_window") is not True:
+            return None
+        kinds, layers, full = raw.get("layer_types"), raw.get("num_hidden_layers"), raw.get("max_window_layers")
+        if isinstance(kinds, list):
+            return window if "sliding_attention" in kinds else None
+        if isinstance(layers, int) and isinstance(full, int):
+            return window if layers > full else None
+        return window
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers' class for this model_type reads."""
@@ -238,8 +259,8 @@ class LlamaConfig(ModelConfig):
                 del out[flag]
         if not self.slides:
             del out["sliding_window"]
-        elif self.model_type != "mistral":
-            out["use_sliding_window"] = self.sliding_window is not None
+        elif self.switched_window:  # the window on every layer
+            out.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
         return out
 
 
@@ -250,6 +271,8 @@ class MistralConfig(LlamaConfig):
     architecture: ClassVar[str] = "MistralForCausalLM"
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                             "sliding_window": 4096}
 
 
 @family
@@ -260,6 +283,9 @@ class Qwen2Config(LlamaConfig):
     qkv_bias: ClassVar[bool] = True
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
+    switched_window: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 32, "max_position_embeddings": 32768,
+                                             "sliding_window": 4096, "max_window_layers": 28}
 
 
 @family
@@ -270,6 +296,8 @@ class Qwen3Config(LlamaConfig):
     qk_norm: ClassVar[bool] = True
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
+    switched_window: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {**Qwen2Config.hf_defaults, "head_dim": 128}
 
 
 def _llama3(theta: float, factor: float) -> tuple[tuple[str, Any], ...]:

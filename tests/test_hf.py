@@ -255,7 +255,10 @@ class _NotATensor:
 
 @pytest.mark.parametrize("write,match", [
     (lambda p: (p / "config.json").write_text("{not json"), "config.json.*not valid JSON"),
-    (lambda p: (p / "config.json").write_text('{"n_embd": 30, "n_head": 4}'), "config.json.*divisible"),
+    (lambda p: (p / "config.json").write_text('{"vocab_size": 64, "n_layer": 2, "n_embd": 30, "n_head": 4}'),
+     "config.json.*divisible"),
+    (lambda p: (p / "config.json").write_text('{"vocab_size": 64, "n_embd": 32, "n_head": 4}'),
+     "config.json: the gptj config has no n_layer"),
     (lambda p: (p / "config.json").unlink(), "no model config"),
     (lambda p: (p / "model.safetensors").unlink(), "holds no weights"),
     (lambda p: (p / "model.safetensors").write_bytes(b"\x10\x00garbage"), "not a readable safetensors"),

