@@ -234,20 +234,27 @@ class LlamaConfig(ModelConfig):
 
     @classmethod
     def _window(cls, raw: Mapping[str, Any]) -> Any:
-        """The sliding window transformers' model applies, None for none. Where use_sliding_window switches it
-        (qwen2, qwen3), it is on only if some layer slides: those layer_types names, else those from
-        max_window_layers on."""
+        """The sliding window transformers' model applies on every layer, None for none. Where use_sliding_window
+        switches it (qwen2, qwen3), it slides on the layers layer_types names, else on those from
+        max_window_layers on; a window on some layers only is refused (one window is what this model and its
+        export hold)."""
         window = raw.get("sliding_window")
-        if not cls.switched_window:
+        if not cls.switched_window or window is None:
             return window
         if raw.get("use_sliding_window") is not True:
             return None
         kinds, layers, full = raw.get("layer_types"), raw.get("num_hidden_layers"), raw.get("max_window_layers")
         if isinstance(kinds, list):
-            return window if "sliding_attention" in kinds else None
-        if isinstance(layers, int) and isinstance(full, int):
-            return window if layers > full else None
-        return window
+            sliding, total, which = kinds.count("sliding_attention"), len(kinds), "layer_types"
+        elif isinstance(layers, int) and isinstance(full, int):
+            sliding, total, which = min(max(layers - full, 0), layers), layers, f"max_window_layers={full}"
+        else:
+            return window  # the sizes' own checks name what is wrong
+        if 0 < sliding < total:
+            raise ConfigError(f"use_sliding_window=true with {which} slides {sliding} of {total} layers: a window "
+                              "on some layers only is not supported; set use_sliding_window to false (the same "
+                              f"model on sequences up to sliding_window={window})")
+        return window if sliding else None
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers' class for this model_type reads."""

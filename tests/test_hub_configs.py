@@ -116,19 +116,35 @@ def test_values_that_change_the_math_are_refused_in_one_line(name, edit, message
 @pytest.mark.parametrize("edit,window", [
     ({}, None),  # published: use_sliding_window false
     ({"use_sliding_window": True, "sliding_window": 4096}, None),  # max_window_layers 28 of 28: no layer slides
-    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 14}, 4096),
+    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0}, 4096),
     ({"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 28}, 4096),
     ({"use_sliding_window": False, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 28}, None),
 ])
-def test_a_qwen_window_is_on_where_transformers_puts_it(edit, window):
+def test_a_qwen_window_is_on_where_transformers_puts_it(tmp_path, edit, window):
     """Qwen2's window slides only with use_sliding_window and only on the layers from max_window_layers on (or
-    those layer_types names). A window caps the sequence at its length, within which it changes nothing."""
+    those layer_types names). A window caps the sequence at its length, within which it changes nothing; the
+    export puts it where it was."""
+    def sliding(config: transformers.PretrainedConfig) -> tuple[Any, list[str]]:
+        """The window transformers applies and the layers it slides on."""
+        layers = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+        return (config.sliding_window, layers) if config.sliding_window is not None and layers else (None, [])
+
     raw = {**published("qwen2.5-7b"), **edit}
-    theirs = transformers.AutoConfig.for_model(**raw)
-    slides = "sliding_attention" in theirs.layer_types and theirs.sliding_window is not None
-    assert slides == (window is not None)
+    theirs = sliding(transformers.AutoConfig.for_model(**raw))
+    assert theirs[0] == window
     cfg = ModelConfig.from_hf(raw)
     assert cfg.context()[0] == (window or raw["max_position_embeddings"])
+    assert sliding(transformers.AutoConfig.for_model(**cfg.to_hf())) == theirs
+
+
+@pytest.mark.parametrize("edit,which", [
+    ({"max_window_layers": 14}, "max_window_layers=14 slides 14 of 28 layers"),
+    ({"layer_types": ["full_attention", "sliding_attention"] * 14}, "layer_types slides 14 of 28 layers"),
+])
+def test_a_qwen_window_on_some_layers_only_is_refused(edit, which):
+    raw = {**published("qwen2.5-7b"), "use_sliding_window": True, "sliding_window": 4096, **edit}
+    with pytest.raises(ConfigError, match=re.escape(f"use_sliding_window=true with {which}")):
+        ModelConfig.from_hf(raw)
 
 
 def test_transformers_defaults_fill_what_a_config_leaves_out():
