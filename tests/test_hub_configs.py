@@ -107,10 +107,12 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("name,edit,message", REFUSED, ids=[f"{n}-{'-'.join(e)}" for n, e, _ in REFUSED])
-def test_values_that_change_the_math_are_refused_in_one_line(name, edit, message):
-    with pytest.raises(ConfigError, match=re.escape(message)) as info:
-        ModelConfig.from_hf({**published(name), **edit})
-    assert "\n" not in str(info.value)
+def test_values_that_change_the_math_are_refused_in_one_line(capsys, tmp_path, name, edit, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**published(name), **edit}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf(path)
+    assert message in fails(capsys, "plan", "--model", path)
 
 
 @pytest.mark.parametrize("edit,window", [
