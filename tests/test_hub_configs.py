@@ -163,6 +163,8 @@ def test_transformers_defaults_fill_what_a_config_leaves_out():
             getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
             theirs.num_key_value_heads, theirs.max_position_embeddings,
             getattr(theirs, "sliding_window", None)), model_type
+    gptj = {"model_type": "gptj", "vocab_size": 96, "n_embd": 256, "n_layer": 2, "n_head": 4}  # rotary_dim 64
+    assert ModelConfig.from_hf(gptj).num_params() == transformers_params(gptj)
 
 
 @pytest.mark.parametrize("name,field,shown", [
