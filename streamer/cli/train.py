@@ -225,7 +225,11 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     done = run.committed_step()
     if done >= cfg.steps:
         past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
-        console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
+        changed = "nothing was changed"
+        if run.update_interrupted():  # else a reading command refuses the run until it is rolled forward
+            _finish_update(run, cfg, parallel)
+            changed = f"finished step {done}'s update, which a kill interrupted"
+        console.print(f"{run.root} is at step {done}, {past}: nothing to train and {changed}; "
                       "raise --steps to continue it", markup=False, highlight=False)
         return None
     if rerun:
@@ -252,6 +256,15 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         trainer.close()
         raise
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
+
+
+def _finish_update(run: RunDir, cfg: RunConfig, parallel: DataParallel | None) -> None:
+    """Roll forward the journaled step a kill interrupted (opening the store does), and log it."""
+    trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict()),
+                        undo=StreamingTrainer.close)
+    with trainer:
+        if parallel is None or parallel.rank == 0:
+            run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
 
 
 def _join(cfg: RunConfig, console: Console) -> DataParallel | None:
