@@ -115,12 +115,16 @@ class StreamingTrainer:
         settings = {**read_manifest(dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
         pin_memory = _pin_memory(str(settings.get("device", "cpu")),
                                  settings.get("pin_memory", DeviceConfig.pin_memory))
-        if step is not None and (not read_only or len(dirs) > 1):
-            raise StoreError("a kept step is read in one process with read_only; training continues from the last "
-                             "commit (or goes back to a kept step where that is damaged)")
+        if step is not None and not read_only:
+            raise StoreError("a kept step is opened read_only; training continues from the last commit (or goes "
+                             "back to a kept step where that is damaged)")
+        if step is not None and len(dirs) > 1:
+            raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
+                             "step (no --step)")
+        # Under torchrun the ranks would have to agree on the kept step to go back to: a damaged store stops them.
         store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else HostReader.open(dirs[0], pin_memory,
                                                                                              step=step)
-                              if read_only else HostStore.open(dirs[0], pin_memory))
+                              if read_only else HostStore.open(dirs[0], pin_memory, fall_back=data_parallel is None))
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal if isinstance(store, StoreWriter) else None  # a reader refuses one at open

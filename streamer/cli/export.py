@@ -29,7 +29,6 @@ EXAMPLES = """\
 examples:
   streamer export RUN ./hf-out
   streamer export RUN ./hf-out --dtype bf16 --max-shard-size 2GB --overwrite
-  streamer export RUN ./hf-step-200 --step 200      a step the run kept (streamer train --keep-last)
 
 A LoRA run's merged export is its base as the --from-pretrained checkpoint holds it (the store keeps only the
 compute-dtype copy) plus the adapters in fp32, in the checkpoint's dtype; --base names that checkpoint if it

@@ -58,6 +58,7 @@ class _HostSlabs(StoreReader):
         self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
         self._kept = _readable_kept(root)  # step -> manifest of each kept step, its state files left in place
         self._at_kept = False  # opened at a kept step other than the last commit (a reader's `step`)
+        self._may_fall_back = False  # a writer's open may go back to a kept step where the last commit is damaged
 
     def _allocate_ram(self) -> None:
         """The RAM tier's slabs. An opened store allocates them only after its files match its manifest, so
@@ -65,7 +66,8 @@ class _HostSlabs(StoreReader):
         self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory == "all")
 
     @classmethod
-    def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None) -> "_HostSlabs":
+    def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None,
+              fall_back: bool = False) -> "_HostSlabs":
         """Open a store at its last commit, or at the kept `step`. `verify`: check every state file's checksum
         (a full read)."""
         root = Path(root)
@@ -81,7 +83,7 @@ class _HostSlabs(StoreReader):
         try:
             check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
-            store._at_kept = at_kept
+            store._at_kept, store._may_fall_back = at_kept, fall_back
             store._load_units(verify)
         except BaseException:
             if store is not None:
@@ -255,10 +257,12 @@ class HostStore(_HostSlabs, StoreWriter):
         return store
 
     @classmethod
-    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostStore":
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
+             fall_back: bool = True) -> "HostStore":
         """Open a store at its last commit to train it. `verify`: check every state file's checksum (a full
-        read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`)."""
-        return cls._open(root, pin_memory, verify)
+        read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`).
+        `fall_back`: where the last commit is damaged, go back to the newest intact kept step (`fell_back`)."""
+        return cls._open(root, pin_memory, verify, fall_back=fall_back)
 
     @property
     def journal(self) -> dict[str, Any] | None:
@@ -276,7 +280,7 @@ class HostStore(_HostSlabs, StoreWriter):
             journal = self.journal
             self._check_and_fill(verify, journal)
         except StoreError as damage:
-            if not self._kept:
+            if not (self._kept and self._may_fall_back):
                 raise
             self._fall_back(damage, verify)
             return
