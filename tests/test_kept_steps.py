@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from layers import GPTJConfig
+from streamer import Placement, StreamingTrainer, TrainerConfig
 from streamer.cli.generate import open_trainer
 from streamer.cli.training import steps_to_keep
 from streamer.resources import DISK_HEADROOM, HostNeed, check_keep_room
@@ -74,6 +75,8 @@ def test_a_run_killed_in_its_last_steps_update_is_finished_and_readable(tiny_set
     assert generated.returncode == 0, generated.stderr
     evaluated = streamer("eval", str(run), "--data", str(tiny_setup / "train.txt"))
     assert evaluated.returncode == 0, evaluated.stderr
+    traced = streamer("trace", str(run))  # the invocation that rolled the update forward wrote it
+    assert traced.returncode == 0 and f"at step {STEPS}" in traced.stdout, traced.stderr
 
 
 def exported(folder: Path) -> dict[str, torch.Tensor]:
@@ -109,7 +112,7 @@ def test_kept_steps_are_exported_and_a_damaged_state_goes_back_to_the_newest_int
     damaged = flip_a_byte(run, "block.0")
     refused = streamer("export", str(run), str(tmp_path / "out"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert f"checksum mismatch in {damaged}: step 4 is damaged; the run keeps step(s) 2: pass --step 2" in \
+    assert f"checksum mismatch in {damaged}: step 4 is damaged; the run keeps step(s) 2: `streamer export` with --step 2" in \
         refused.stderr
     not_kept = streamer("export", str(run), str(tmp_path / "out"), "--step", "3")
     assert not_kept.returncode == 2 and not_kept.stderr.count("\n") == 1, not_kept.stderr
@@ -170,3 +173,24 @@ def test_the_kept_steps_are_in_the_disk_need(tmp_path):
     assert steps_to_keep({2: 3.0, 4: 1.0, 6: 2.0, 8: None}, 2, True) == {4, 6, 8}
     assert steps_to_keep({2: 1.0, 4: 1.0}, 0, True) == {2}
     assert steps_to_keep({2: None, 4: None}, 1, True) == {4}
+
+
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_a_lora_runs_kept_step_keeps_its_adapters(tmp_path, tier):
+    """A LoRA run's base is never rewritten; a kept step is its adapters' file, which later commits leave."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig.of(store=Placement.of(tier), dtype="fp32", lr=3e-2, lora_rank=2)
+    data = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer(cfg, tc, tmp_path / "store") as trainer:
+        for _ in range(4):
+            trainer.step(data)
+            trainer.save()
+            if trainer.step_count == 2:
+                trainer.keep()
+                at_2 = trainer.state_dict()
+        at_4 = trainer.state_dict()
+    assert sorted(p.name for p in (tmp_path / "store").glob("lora-*.pt")) == ["lora-00000002.pt", "lora-00000004.pt"]
+    with StreamingTrainer.open(tmp_path / "store", read_only=True, step=2) as trainer:
+        kept = trainer.state_dict()
+    assert all(torch.equal(kept[k], at_2[k]) for k in kept)
+    assert not all(torch.equal(kept[k], at_4[k]) for k in kept)

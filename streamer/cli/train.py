@@ -239,6 +239,12 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         if lead:
             run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
         if trainer.step_count >= cfg.steps:
+            if lead:  # the trace of this invocation, which `streamer trace` reads: the update rolled forward
+                trace = trainer.trace
+                trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
+                trace.to_json(run.trace_json)
+                trace.to_chrome(run.trace_chrome)
+                trace.plot(run.plot, step=done)
             trainer.close()
             console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
                           "update, which a kill interrupted; raise --steps to continue it", markup=False,

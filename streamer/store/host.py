@@ -225,8 +225,8 @@ class HostReader(_HostSlabs):
             if self._at_kept or not kept:
                 raise
             raise StoreError(f"{_first_clause(damage)}: step {self.step} is damaged; the run keeps step(s) "
-                             f"{', '.join(map(str, kept))}: pass --step {kept[-1]} to read the newest, or train the "
-                             "run on (`streamer train --resume`), which goes back to it") from None
+                             f"{', '.join(map(str, kept))}: `streamer export` with --step {kept[-1]} exports the "
+                             "newest, and training the run on (`streamer train --resume`) goes back to it") from None
 
 
 class HostStore(_HostSlabs, StoreWriter):
