@@ -9,7 +9,9 @@ too small for a fused step's second generation runs the update after the backwar
 never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Offloaded activations
 (`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is. Under
 torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
-them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
+them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state. Each step a run keeps
+(--keep-last, --keep-best) adds a copy of every unit's state file (`StoreSpec.kept_bytes`), which no later commit
+frees; `check_keep_room` checks the room for one again before a step is kept.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from memory_model.shapes import fused_update, offloaded_inputs_bytes
 from memory_model.units import DTYPE_BYTES
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
+from streamer.store.spec import StoreSpec
 
 # Beside the store: the process itself (torch, the batch, CPU activations) in RAM; tokenizer, metrics and
 # traces on disk. Both are small next to a model that comes near the limit, so a fixed margin plus a fraction.
@@ -44,10 +47,12 @@ class HostNeed:
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int,
-           offloaded: int = 0) -> HostNeed:
-        """`offloaded`: the bytes of block inputs one process keeps in host memory (`--activations offload`)."""
+           offloaded: int = 0, kept: int = 0) -> HostNeed:
+        """`offloaded`: the bytes of block inputs one process keeps in host memory (`--activations offload`);
+        `kept`: the steps each store keeps (--keep-last, --keep-best), a copy of its state each."""
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
         ram, disk = store_size(model_cfg, tc, stores_on_disk)
+        disk += kept * spec.kept_bytes()
         cuda = tc.device.device.startswith("cuda")
         staging = spec.staging_bytes() if cuda else 0
         pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.device.pin_memory] if staging else 0
@@ -112,7 +117,8 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tc = cfg.trainer
     offloaded = _offloaded(cfg, model_cfg, on_disk)
-    need = HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded)
+    kept = cfg.keep_last + cfg.keep_best
+    need = HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded, kept)
     if need.fits(free_ram, free_disk):
         return None
     short = []
@@ -123,8 +129,9 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
                      f"{format_size(free_ram)} available)")
     if need.disk > free_disk:
         generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
+        copies = f", and {kept} kept step(s): --keep-last, --keep-best" if kept else ""
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
-                     f"commits; {format_size(free_disk)} free)")
+                     f"commits{copies}; {format_size(free_disk)} free)")
     # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8, and
     # a bf16 master last.
     variants = {"--update-timing after-backward": AFTER_BACKWARD, "--store disk": {"store": "disk"}}
@@ -137,12 +144,13 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     would_fit = []
     for flags, changes in variants.items():
         changed = tc.replace(**changes)
-        if changed != tc and HostNeed.of(model_cfg, changed, on_disk, in_ram, offloaded).fits(free_ram, free_disk):
+        if changed != tc and HostNeed.of(model_cfg, changed, on_disk, in_ram, offloaded, kept).fits(free_ram,
+                                                                                                   free_disk):
             would_fit.append(flags)
             break  # the first, least drastic change that fits
     smaller = [(name, preset) for name, preset in PRESETS.items() if preset.num_params() < model_cfg.num_params()
-               and HostNeed.of(preset, tc, on_disk, in_ram, _offloaded(cfg, preset, on_disk)).fits(free_ram,
-                                                                                                   free_disk)]
+               and HostNeed.of(preset, tc, on_disk, in_ram, _offloaded(cfg, preset, on_disk), kept).fits(
+                   free_ram, free_disk)]
     kin = [(name, preset) for name, preset in smaller if preset.model_type == model_cfg.model_type]
     if smaller:  # the largest that fits, of the model's own family where one does
         would_fit.append(f"a smaller model (--model {max(kin or smaller, key=lambda p: p[1].num_params())[0]})")
@@ -152,6 +160,16 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         would_fit.append("a --run-dir on a filesystem with more free space")
     return f"the run's host store needs {' and '.join(short)}, headroom included; what would fit: " + \
         ", or ".join(would_fit)
+
+
+def check_keep_room(root: Path, spec: StoreSpec, step: int) -> None:
+    """Keeping `step` holds a copy of the state no later commit frees: the disk of the store `root` must have room
+    for it (headroom included) before the step is kept."""
+    need, free = _with_headroom(spec.kept_bytes(), DISK_HEADROOM), shutil.disk_usage(root).free
+    if need > free:
+        raise RunError(f"keeping step {step} needs {format_size(need)} of disk in {root} (a copy of the state that "
+                       f"later steps do not free, headroom included; {format_size(free)} free): lower --keep-last, "
+                       "or free space, then run the same command again")
 
 
 def _offloaded(cfg: RunConfig, model_cfg: ModelConfig, processes: int) -> int:

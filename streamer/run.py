@@ -21,7 +21,7 @@ from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.lora import check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
-    Choice, Integer, Text, branch, build, check_flat, check_settings, checks_of, flatten, same_setting, setting,
+    Choice, Integer, Switch, Text, branch, build, check_flat, check_settings, checks_of, flatten, same_setting, setting,
 )
 from streamer.config import TrainerConfig
 from streamer.errors import StreamerError
@@ -66,8 +66,13 @@ class RunConfig:
     seq: int = setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)", Integer(2))
     eval_every: int = setting(50, "evaluate before the first step and every N steps (0: only at the end)", Integer(0))
     eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
-    save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end)",
-                              Integer())
+    save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end); "
+                                  "with --keep-last or --keep-best: the steps that may be kept", Integer())
+    keep_last: int = setting(0, "keep the last K --save-every steps: restartable, exportable with `streamer export "
+                                "--step`, and what a damaged store goes back to (each costs a copy of the state on "
+                                "disk)", Integer(0), "K")
+    keep_best: bool = setting(False, "also keep the --save-every step of the lowest eval loss (each such step is "
+                                     "evaluated)", Switch())
     sample_prompt: str | None = setting(None, "prompt of the sample generated at the end (default: with --data, "
                                               "the first example's prompt or first words; else %r)"
                                         % DEFAULT_PROMPT.replace("%", "%%"), Text(), "TEXT")
@@ -86,6 +91,9 @@ class RunConfig:
         if self.from_pretrained is not None and self.model != DEMO_MODEL:
             raise SettingError("model", f"{self.model!r} conflicts with --from-pretrained, whose config.json is the "
                                         "model; drop one of them")
+        if self.keep_best and self.data.eval_fraction == 0 and self.data.eval_data is None:
+            raise SettingError("keep_best", "ranks the kept steps by eval loss, and --eval-fraction 0 holds out no "
+                                            "data: pass --eval-data or an --eval-fraction above 0")
         schedule = self.trainer.schedule
         if schedule.kind != "constant" and schedule.total_steps != self.steps:
             raise ValueError("the schedule's total_steps is --steps: build a RunConfig with RunConfig.of")
@@ -179,8 +187,8 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
          "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel", "seed", "pack",
-         "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every", "sample_prompt",
-         "sample_tokens", "report_to", "log_every", "dist_timeout")
+         "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every", "keep_last",
+         "keep_best", "sample_prompt", "sample_tokens", "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
@@ -194,9 +202,9 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype and master_dtype are the store's
 # layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device.
-RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "sample_prompt", "sample_tokens",
-             "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every", "log_every",
-             "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps")
+RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt",
+             "sample_tokens", "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every",
+             "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items() if name in FLAGS}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items() if name in FLAGS}

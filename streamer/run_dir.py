@@ -148,12 +148,21 @@ class RunDir:
         """The step a run continues from: its store's last commit, or the step journaled after it (whose
         gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
         what they agree on. Reads only."""
+        return min(journaled for _, journaled in self._steps())
+
+    def update_interrupted(self) -> bool:
+        """Whether a store holds a journaled step whose update a kill interrupted: opening it for training rolls
+        the step forward, and until then reading commands refuse the run. Reads only."""
+        return any(manifest != journaled for manifest, journaled in self._steps())
+
+    def _steps(self) -> list[tuple[int, int]]:
+        """(the manifest's step, the step journaled after it or else the manifest's) of every process's store."""
         steps = []
         for root in ranks.every_store(self.store):
             manifest = read_manifest(root)
             journal = read_journal(root, manifest, list(manifest["units"]))
-            steps.append(manifest["step"] if journal is None else journal["step"])
-        return min(steps)
+            steps.append((manifest["step"], manifest["step"] if journal is None else journal["step"]))
+        return steps
 
     def keep_metrics_through(self, step: int, losses: list[float], tc: TrainerConfig) -> None:
         """metrics.jsonl holds each step up to the committed `step` exactly once: records of later steps (a kill

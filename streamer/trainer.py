@@ -102,9 +102,10 @@ class StreamingTrainer:
     # --- construction ----------------------------------------------------------------------------
     @classmethod
     def open(cls, store_dir: str | Path, overrides: Mapping[str, Any] | None = None,
-             read_only: bool = False) -> "StreamingTrainer":
-        """Continue from a store: its last committed step, finishing a step a crash interrupted. `read_only`: read
-        it without writing in its folder, which may be read-only (HostReader.open)."""
+             read_only: bool = False, step: int | None = None) -> "StreamingTrainer":
+        """Continue from a store: its last committed step, finishing a step a crash interrupted, or going back to
+        the newest intact kept step where that is damaged (`store.fell_back` says so). `read_only`: read it without
+        writing in its folder, which may be read-only (HostReader.open); `step`: read that kept step."""
         device = dict(overrides or {}).get("device", "cpu")
         data_parallel = DataParallel.from_environment(device)
         rank, world = (None, 1) if data_parallel is None else (data_parallel.rank, data_parallel.world)
@@ -114,8 +115,16 @@ class StreamingTrainer:
         settings = {**read_manifest(dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
         pin_memory = _pin_memory(str(settings.get("device", "cpu")),
                                  settings.get("pin_memory", DeviceConfig.pin_memory))
-        store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else HostReader.open(dirs[0], pin_memory)
-                              if read_only else HostStore.open(dirs[0], pin_memory))
+        if step is not None and not read_only:
+            raise StoreError("a kept step is opened read_only; training continues from the last commit (or goes "
+                             "back to a kept step where that is damaged)")
+        if step is not None and len(dirs) > 1:
+            raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
+                             "step (no --step)")
+        # Under torchrun the ranks would have to agree on the kept step to go back to: a damaged store stops them.
+        store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else HostReader.open(dirs[0], pin_memory,
+                                                                                             step=step)
+                              if read_only else HostStore.open(dirs[0], pin_memory, fall_back=data_parallel is None))
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal if isinstance(store, StoreWriter) else None  # a reader refuses one at open
@@ -373,7 +382,7 @@ class StreamingTrainer:
             self.adapters.save(self.store.root, step)
         self.writer.finish_step(step, trainer_state)
         if self.adapters is not None and durable:
-            self.adapters.prune(self.store.root, step)
+            self.adapters.prune(self.store.root, {step, *self.store.kept()})
 
     def _writable(self) -> StoreWriter:
         """The store, to change it; one opened for reading says why it takes no writes."""
@@ -440,7 +449,21 @@ class StreamingTrainer:
                 self.adapters.save(writer.root, writer.step)
             writer.save(self._trainer_state())
             if self.adapters is not None:
-                self.adapters.prune(self.store.root, self.store.step)
+                self.adapters.prune(self.store.root, {self.store.step, *self.store.kept()})
+
+    def keep(self, note: dict[str, Any] | None = None) -> None:
+        """Keep the last commit (on the RAM tier: `save()` first): no later step deletes its state (or a LoRA run's
+        adapters), so it can be exported (`open(..., read_only=True, step=N)`) and is what a damaged store goes
+        back to. `note` (JSON) is kept with it: the CLI's eval loss."""
+        self._writable().keep(dict(note or {}))
+
+    def drop_kept(self, step: int) -> None:
+        """Let a kept step go: its state files are deleted (the LoRA run's adapters at the next commit)."""
+        self._writable().drop_kept(step)
+
+    def kept(self) -> dict[int, dict[str, Any]]:
+        """The kept steps, oldest first, with their notes."""
+        return {} if self.store is None else self.store.kept()
 
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:

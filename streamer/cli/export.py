@@ -47,6 +47,8 @@ def declare(parser: argparse.ArgumentParser) -> None:
                         "(default: the run's --from-pretrained folder)")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default: 2GiB)")
     parser.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it holds files")
+    parser.add_argument("--step", type=int, help="export this kept step (`streamer train --keep-last`, "
+                        "--keep-best) instead of the last")
     parser.add_argument("--format", choices=("hf", "peft"), default="hf",
                         help="hf: full weights, LoRA's adapters merged (default); peft: a LoRA run's adapters as a "
                              "PEFT adapter folder")
@@ -56,7 +58,7 @@ def export_command(args: argparse.Namespace) -> int:
     run = RunDir.open(args.run)
     refuse_non_empty(Path(args.hf_dir), args.overwrite)  # before the run is opened: a wrong folder fails at once
     tokenizer = load_tokenizer(run.tokenizer)
-    with open_trainer(run, {"device": "cpu", "budget": None}) as trainer:
+    with open_trainer(run, {"device": "cpu", "budget": None}, step=args.step) as trainer:
         begin = time.perf_counter()
         if args.format == "peft":
             export_peft(trainer, args.hf_dir, args.base or run.read_config().from_pretrained, overwrite=args.overwrite)

@@ -69,14 +69,14 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None) -> StreamingTrainer:
-    """The run's trainer at its last committed step, for reading (the folder may be read-only); `overrides`
-    replace trainer settings (device, budget)."""
+def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None, step: int | None = None) -> StreamingTrainer:
+    """The run's trainer at its last committed step, or at the kept `step`, for reading (the folder may be
+    read-only); `overrides` replace trainer settings (device, budget)."""
     cfg, overrides = run.read_config(), overrides or {}
     device = str(overrides.get("device", cfg.trainer.device.device))
     if device.startswith("cuda") and not torch.cuda.is_available():
         which = f"--device {device}" if "device" in overrides else f"{run.root} trained on {device}, and"
         raise RunError(f"{which} but torch sees no CUDA GPU here; pass --device cpu")
     saved = cfg.replace(device=device).trainer.to_dict()
-    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **overrides}, read_only=True)
+    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **overrides}, read_only=True, step=step)
 

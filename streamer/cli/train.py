@@ -223,20 +223,39 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
                        f"with the same number (for more than one: torchrun with --nnodes x --nproc-per-node = "
                        f"{run.processes()})")
     done = run.committed_step()
-    if done >= cfg.steps:
-        past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
+    past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
+    if done >= cfg.steps and not run.update_interrupted():
         console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
                       "raise --steps to continue it", markup=False, highlight=False)
         return None
-    if rerun:
-        console.print(f"{run.root} holds this run at step {done}: continuing it to step {cfg.steps}",
-                      markup=False, highlight=False)
-    tokenizer = load_tokenizer(run.tokenizer)
-    cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
-    dataset = _dataset(cfg.data, tokenizer, cfg.seq)
+    lead = parallel is None or parallel.rank == 0
+    # Opening rolls forward a step a kill interrupted (a reading command refuses the run until then), or goes
+    # back to the newest intact kept step where the last commit is damaged.
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict()),
                         undo=StreamingTrainer.close)
     try:
+        if trainer.writer.fell_back is not None:
+            console.print(trainer.writer.fell_back, markup=False, highlight=False)
+        if lead:
+            run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
+        if trainer.step_count >= cfg.steps:
+            if lead:  # the trace of this invocation, which `streamer trace` reads: the update rolled forward
+                trace = trainer.trace
+                trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
+                trace.to_json(run.trace_json)
+                trace.to_chrome(run.trace_chrome)
+                trace.plot(run.plot, step=done)
+            trainer.close()
+            console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
+                          "update, which a kill interrupted; raise --steps to continue it", markup=False,
+                          highlight=False)
+            return None
+        if rerun:
+            console.print(f"{run.root} holds this run at step {trainer.step_count}: continuing it to step "
+                          f"{cfg.steps}", markup=False, highlight=False)
+        tokenizer = load_tokenizer(run.tokenizer)
+        cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
+        dataset = _dataset(cfg.data, tokenizer, cfg.seq)
         train_set, held_out = _split(cfg, dataset, tokenizer)
         stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
         if "data" in trainer.extra_state:
@@ -244,10 +263,9 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         elif trainer.step_count:
             raise RunError(f"{run.store} holds no data position (it was not written by `streamer train`); "
                            "start a new run with --from-pretrained after exporting it")
-        if parallel is None or parallel.rank == 0:
+        if lead:
             run.write_config(cfg)
             run.finish_setup()  # a set-up killed after writing config.toml left its mark
-            run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
     except BaseException:
         trainer.close()
         raise

@@ -19,6 +19,7 @@ from streamer.generate import Sampling, complete
 from streamer.io.data import BatchStream, Dataset
 from streamer.io.tokenizer import Tokenizer
 from streamer.reporting import Reporters
+from streamer.resources import check_keep_room
 from streamer.run import RunConfig
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, launcher
@@ -43,6 +44,7 @@ class Session:
     held_out: Dataset | None
     parallel: DataParallel | None = None
     reporters: Reporters | None = None  # --report-to, in the lead process only
+    evaluated: tuple[int, float] | None = None  # the last evaluation's (step, loss): a step is evaluated once
 
     def __post_init__(self) -> None:
         if self.trainer.tc.device.device == "cpu":  # the target --clipped-steps auto prices on, where calibrated
@@ -158,9 +160,42 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                               markup=False, highlight=False)
             if cfg.trainer.store.tier == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                evaluate(s, progress.console)
+            kept = (cfg.keep_last or cfg.keep_best) and step % cfg.save_every == 0
+            eval_loss = None
+            if (cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps) or (kept and cfg.keep_best):
+                eval_loss = evaluate(s, progress.console)
+            if kept:
+                keep(s, eval_loss, progress.console)
     return trainer.step_count - first, seconds
+
+
+def keep(s: Session, eval_loss: float | None, console: Console) -> None:
+    """Keep the step just committed (a --save-every step), and let go of the kept steps that --keep-last and
+    --keep-best no longer hold; the disk must have room for the kept copy (`check_keep_room`)."""
+    trainer, step = s.trainer, s.trainer.step_count
+    losses = {kept: note.get("eval_loss") for kept, note in trainer.kept().items()}
+    losses[step] = eval_loss
+    held = steps_to_keep(losses, s.cfg.keep_last, s.cfg.keep_best)
+    for old in sorted(set(losses) - held - {step}):
+        trainer.drop_kept(old)
+    if step not in held:
+        return
+    check_keep_room(trainer.store.root, trainer.store.spec, step)
+    trainer.keep({} if eval_loss is None else {"eval_loss": eval_loss})
+    if s.lead:
+        console.print(f"step {step} kept (kept steps: {', '.join(map(str, sorted(held)))})", markup=False,
+                      highlight=False)
+
+
+def steps_to_keep(losses: dict[int, float | None], last: int, best: bool) -> set[int]:
+    """Of the steps `losses` gives eval losses of (None: not evaluated), the `last` newest and, with `best`, the
+    one of the lowest loss (the earliest of equals)."""
+    steps = sorted(losses)
+    held = set(steps[len(steps) - last:]) if last else set()
+    ranked = [step for step in steps if losses[step] is not None]
+    if best and ranked:
+        held.add(min(ranked, key=lambda step: (losses[step], step)))
+    return held
 
 
 def _progress_line(record: dict, steps: int, elapsed: float, done: int) -> str:
@@ -179,6 +214,8 @@ def evaluate(s: Session, console: Console) -> float | None:
     """Mean loss over the first --eval-batches held-out batches; printed with perplexity and logged."""
     if s.held_out is None:
         return None
+    if s.evaluated is not None and s.evaluated[0] == s.trainer.step_count:
+        return s.evaluated[1]  # --keep-best evaluated the last step already
     cfg, losses = s.cfg, []
     # The trainer splits a batch over the processes, then into grad_accum micro-batches.
     split = cfg.trainer.step.grad_accum * (1 if s.parallel is None else s.parallel.world)
@@ -192,6 +229,7 @@ def evaluate(s: Session, console: Console) -> float | None:
         return None
     loss = sum(losses) / len(losses)
     step = s.trainer.step_count
+    s.evaluated = (step, loss)
     s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
     console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
     return loss

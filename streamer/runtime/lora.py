@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
@@ -132,10 +132,11 @@ class Adapters:
             os.fsync(f.fileno())
         os.replace(partial, path)
 
-    def prune(self, folder: Path, step: int) -> None:
-        """After the store committed `step`: older adapter files are no longer needed."""
+    def prune(self, folder: Path, steps: Collection[int]) -> None:
+        """After the store committed a step: the adapter files of other `steps` (it and the kept ones) go."""
+        keep = {self.path(folder, step) for step in steps}
         for old in folder.glob("lora-*.pt"):
-            if old != self.path(folder, step):
+            if old not in keep:
                 old.unlink(missing_ok=True)
 
     def load(self, folder: Path, step: int) -> None:

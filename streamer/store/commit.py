@@ -5,6 +5,7 @@ run directory's lock.
   the trainer's state (config, losses, the caller's data order and RNG).
 - `journal.json` (disk tier): a step whose gradients are durable and whose update may be unfinished, with
   what replaying it needs (lr, clip coefficient, gradient checksums, the trainer state after the step).
+- `kept/<step>.json`: the manifest of a kept step (`streamer train --keep-last`), restartable and readable.
 
 Records are written with `write_json_atomic` (tmp + fsync + rename + folder fsync); anything malformed in
 them is a StoreError naming the file. See docs/STORE.md.
@@ -21,9 +22,10 @@ from typing import Any
 
 from layers import ModelConfig
 from streamer.errors import StoreError
-from streamer.store.slabfile import write_json_atomic
+from streamer.store.slabfile import fsync_path, write_json_atomic
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/4"
+KEPT = "kept"  # kept/<step>.json: the manifest of a kept step, whose state files later commits leave in place
 _CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3-64
 # Format 3's disk tier also kept a compute-dtype copy in its state files; format 4 casts the fp32 master. Its
 # stores without that copy (RAM tier, fp32 compute) have the same files as format 4.
@@ -72,6 +74,42 @@ def read_manifest(root: Path) -> dict[str, Any]:
                              "step, or a RAM-tier run was never saved); delete the folder and start again")
         raise StoreError(f"{root} is not a weight-streaming store (no {MANIFEST}); "
                          "pass the run directory a training run created")
+    return _checked_manifest(root, path)
+
+
+def kept_steps(root: Path) -> list[int]:
+    """The steps whose commits are kept (`keep_step`), oldest first."""
+    folder = root / KEPT
+    names = [p.stem for p in folder.glob("*.json")] if folder.is_dir() else []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def read_kept(root: Path, step: int) -> dict[str, Any]:
+    """A kept step's manifest, checked as the manifest is; a step not kept is refused naming those that are."""
+    path = root / KEPT / f"{step}.json"
+    if not path.is_file():
+        kept = ", ".join(map(str, kept_steps(root))) or "none"
+        raise StoreError(f"step {step} of {root} was not kept (kept steps: {kept}); pass one of them, or no step "
+                         "for the last")
+    manifest = _checked_manifest(root, path)
+    _check(path, manifest["step"] == step, f"it holds step {manifest['step']}")
+    return manifest
+
+
+def keep_step(root: Path, manifest: dict[str, Any], note: dict[str, Any]) -> None:
+    """Keep a committed step: its manifest (and `note`, what ranks it: its eval loss) under kept/, which names
+    its state files to every later commit, so none deletes them."""
+    (root / KEPT).mkdir(exist_ok=True)
+    write_json_atomic(root / KEPT / f"{manifest['step']}.json", json.dumps({**manifest, "note": note}, indent=1))
+
+
+def drop_kept(root: Path, step: int) -> None:
+    """Forget a kept step; its state files are then strays (streamer.store.files.StateFiles.remove_strays)."""
+    (root / KEPT / f"{step}.json").unlink(missing_ok=True)
+    fsync_path(root / KEPT)  # before its files go: a record never outlives them
+
+
+def _checked_manifest(root: Path, path: Path) -> dict[str, Any]:
     raw = _load(path)
     _check(path, isinstance(raw, dict), "not a JSON object")
     if raw.get("format") == _CRC32_FORMAT:

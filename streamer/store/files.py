@@ -116,16 +116,16 @@ class StateFiles:
         self.settle()  # the disk never holds a third generation, nor a name being deleted
         return GenerationWriter(self, unit, generation)
 
-    def remove_strays(self, current: dict[str, int]) -> None:
-        """Delete other generations and tmp files of the store's units: the generation a commit replaced, or
-        what a crash or an unfinished commit left behind (files of any other name are not ours, and stay).
+    def remove_strays(self, keep: set[str]) -> None:
+        """Delete the store's units' state files not named in `keep` (the current generations and those of kept
+        steps), and tmp files: the generation a commit replaced, or what a crash or an unfinished commit left
+        behind (files of any other name are not ours, and stay).
 
         The files are chosen now and deleted on a helper thread: unlinking a large file frees its extents,
         and a commit's deletions on the trainer's thread left a 0.2 s gap between the steps of a 100M model
         (14 files; 1.6 s steps) in its Chrome trace. `settle` waits for them; a crash before they finish leaves strays the
         next open deletes."""
         self.settle()  # the last commit's strays are gone before the folder is listed again
-        keep = {state_name(u, g) for u, g in current.items()}
         strays = []
         for path in self.folder.iterdir():
             ours = re.fullmatch(r"(.+)\.\d+\.state(\.tmp)?", path.name)

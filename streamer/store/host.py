@@ -14,6 +14,7 @@ save) keep the old generation until the manifest names the new one.
 """
 from __future__ import annotations
 
+import json
 import os
 from abc import abstractmethod
 from pathlib import Path
@@ -24,8 +25,8 @@ import torch
 from memory_model.schedule import chunks
 from streamer.errors import StoreError
 from streamer.store.commit import (
-    JOURNAL, MANIFEST, Commit, check_units, lock_for_reading, lock_run_dir, new_manifest, read_journal,
-    read_manifest, state_name, write_journal, write_manifest,
+    JOURNAL, MANIFEST, Commit, check_units, drop_kept, keep_step, kept_steps, lock_for_reading, lock_run_dir,
+    new_manifest, read_journal, read_kept, read_manifest, state_name, write_journal, write_manifest,
 )
 from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, StoreReader, StoreWriter
@@ -55,6 +56,9 @@ class _HostSlabs(StoreReader):
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
         self._files = StateFiles(root / "slabs", spec, self.numels, self._read_only)
         self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
+        self._kept = _readable_kept(root)  # step -> manifest of each kept step, its state files left in place
+        self._at_kept = False  # opened at a kept step other than the last commit (a reader's `step`)
+        self._may_fall_back = False  # a writer's open may go back to a kept step where the last commit is damaged
 
     def _allocate_ram(self) -> None:
         """The RAM tier's slabs. An opened store allocates them only after its files match its manifest, so
@@ -62,10 +66,15 @@ class _HostSlabs(StoreReader):
         self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory == "all")
 
     @classmethod
-    def _open(cls, root: str | Path, pin_memory: str, verify: bool) -> "_HostSlabs":
-        """Open a store at its last commit. `verify`: check every state file's checksum (a full read)."""
+    def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None,
+              fall_back: bool = False) -> "_HostSlabs":
+        """Open a store at its last commit, or at the kept `step`. `verify`: check every state file's checksum
+        (a full read)."""
         root = Path(root)
         manifest = read_manifest(root)
+        at_kept = step is not None and step != manifest["step"]
+        if at_kept:
+            manifest = {k: v for k, v in read_kept(root, step).items() if k != "note"}
         try:
             spec = StoreSpec.from_dict(manifest["spec"])
         except StoreError as exc:
@@ -74,6 +83,7 @@ class _HostSlabs(StoreReader):
         try:
             check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
+            store._at_kept, store._may_fall_back = at_kept, fall_back
             store._load_units(verify)
         except BaseException:
             if store is not None:
@@ -95,13 +105,20 @@ class _HostSlabs(StoreReader):
 
     def _interrupted_step(self) -> dict[str, Any] | None:
         """The journaled step after the manifest's, whose update a crash may have interrupted (disk tier)."""
-        if self.spec.placement.state != "disk":
+        if self.spec.placement.state != "disk" or self._at_kept:
             return None
         return read_journal(self.root, self.manifest, list(self.layouts))
 
     @property
     def trainer_state(self) -> dict[str, Any]:
         return self.manifest["trainer"]
+
+    def kept(self) -> dict[int, dict[str, Any]]:
+        return {step: dict(record.get("note", {})) for step, record in sorted(self._kept.items())}
+
+    def _kept_names(self) -> set[str]:
+        """The state files of the kept steps."""
+        return {state_name(u, g) for record in self._kept.values() for u, g in record["units"].items()}
 
     def _check_and_fill(self, verify: bool, journal: dict[str, Any] | None) -> None:
         """Check every unit's state file (size, trailer, checksum) and, with a journal, the gradients to replay;
@@ -184,9 +201,11 @@ class HostReader(_HostSlabs):
     _read_only = True
 
     @classmethod
-    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostReader":
-        """`verify`: check every state file's checksum (a full read). A step still to roll forward is refused."""
-        return cls._open(root, pin_memory, verify)
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
+             step: int | None = None) -> "HostReader":
+        """`verify`: check every state file's checksum (a full read). A step still to roll forward is refused.
+        `step`: a kept step (`HostStore.keep`) instead of the last commit."""
+        return cls._open(root, pin_memory, verify, step)
 
     @property
     def read_only_reason(self) -> str:
@@ -199,7 +218,15 @@ class HostReader(_HostSlabs):
             raise StoreError(f"{self.root}: step {journal['step']} was interrupted before its update finished, "
                              "which reading the run cannot do; first resume the run as it was trained "
                              "(`streamer train --resume`, under torchrun if it ran so)")
-        self._check_and_fill(verify, None)
+        try:
+            self._check_and_fill(verify, None)
+        except StoreError as damage:
+            kept = [step for step in self._kept if step != self.step]
+            if self._at_kept or not kept:
+                raise
+            raise StoreError(f"{_first_clause(damage)}: step {self.step} is damaged; the run keeps step(s) "
+                             f"{', '.join(map(str, kept))}: `streamer export` with --step {kept[-1]} exports the "
+                             "newest, and training the run on (`streamer train --resume`) goes back to it") from None
 
 
 class HostStore(_HostSlabs, StoreWriter):
@@ -210,6 +237,7 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int) -> None:
         super().__init__(root, spec, manifest, pin_memory, lock)
+        self.fell_back: str | None = None  # the one line saying which kept step a damaged store went back to
         self.commit: Commit | None = None
         self._grad_checksums: dict[str, int] = {}
         self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
@@ -229,10 +257,12 @@ class HostStore(_HostSlabs, StoreWriter):
         return store
 
     @classmethod
-    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True) -> "HostStore":
+    def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
+             fall_back: bool = True) -> "HostStore":
         """Open a store at its last commit to train it. `verify`: check every state file's checksum (a full
-        read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`)."""
-        return cls._open(root, pin_memory, verify)
+        read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`).
+        `fall_back`: where the last commit is damaged, go back to the newest intact kept step (`fell_back`)."""
+        return cls._open(root, pin_memory, verify, fall_back=fall_back)
 
     @property
     def journal(self) -> dict[str, Any] | None:
@@ -245,15 +275,50 @@ class HostStore(_HostSlabs, StoreWriter):
         return self.step + 1 if self.versions[unit] > self.generation else self.step
 
     def _load_units(self, verify: bool) -> None:
-        """Nothing is written or deleted unless every file checks out."""
-        journal = self.journal
-        self._check_and_fill(verify, journal)
+        """Nothing is written or deleted unless every file checks out, or those of a kept step to go back to."""
+        try:
+            journal = self.journal
+            self._check_and_fill(verify, journal)
+        except StoreError as damage:
+            if not (self._kept and self._may_fall_back):
+                raise
+            self._fall_back(damage, verify)
+            return
         if journal is None:
             self.discard_journal()  # one whose step the manifest already has
         self._remove_strays()
 
+    def _fall_back(self, damage: StoreError, verify: bool) -> None:
+        """The last commit (or the step journaled after it) is damaged: go back to the newest kept step whose files
+        all check out, and commit that as the store's step. The kept steps after it share the damaged files (or
+        are damaged themselves) and are dropped; the steps after it are lost."""
+        newest = self.step
+        # Past every generation a commit of the damaged steps may have written: no new file takes such a name.
+        generation = max(self.generation + 1, *(record["generation"] for record in self._kept.values()))
+        for step in sorted(self._kept, reverse=True):
+            record = self._kept[step]
+            self.manifest = {k: v for k, v in json.loads(json.dumps(record)).items() if k != "note"}
+            self.step, self.versions = step, dict(record["units"])
+            try:
+                check_units(self.root, self.manifest, self.spec.config)
+                self._check_and_fill(verify, None)
+            except StoreError:
+                continue
+            break
+        else:
+            raise StoreError(f"{damage}; no kept step is intact either") from None
+        self.discard_journal()
+        for later in [s for s in self._kept if s > step]:  # before the manifest: no record outlives its files
+            drop_kept(self.root, later)
+            del self._kept[later]
+        self.generation = generation
+        self._write_manifest()
+        self._remove_strays()
+        self.fell_back = (f"{_first_clause(damage)}: step {newest} is damaged, so the run goes back to step {step}, "
+                          "the newest intact kept step (the steps after it are trained again)")
+
     def _remove_strays(self) -> None:
-        self._files.remove_strays(self.versions)
+        self._files.remove_strays({state_name(u, g) for u, g in self.versions.items()} | self._kept_names())
         for name in (MANIFEST, JOURNAL):
             (self.root / (name + ".tmp")).unlink(missing_ok=True)
 
@@ -332,7 +397,8 @@ class HostStore(_HostSlabs, StoreWriter):
         old = self.versions.get(unit)
         self.versions[unit] = commit.generation
         self.manifest["checksums"][state_name(unit, commit.generation)] = checksum
-        if old is not None and old != commit.generation and commit.journaled:
+        if old is not None and old != commit.generation and commit.journaled and \
+                state_name(unit, old) not in self._kept_names():
             self._files.delete(self._files.state_path(unit, old))
 
     def finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
@@ -365,6 +431,20 @@ class HostStore(_HostSlabs, StoreWriter):
         self._write_manifest()
         self._remove_strays()
 
+    def keep(self, note: dict[str, Any]) -> None:
+        """Keep the last commit (saved, on the RAM tier): no later commit deletes its state files."""
+        self.check_consistent()
+        if self.commit is not None or self.manifest["step"] != self.step or self._unsaved:
+            raise StoreError(f"step {self.step} is not committed to disk yet; save() it before keeping it")
+        keep_step(self.root, self.manifest, note)
+        self._kept[self.step] = {**json.loads(json.dumps(self.manifest)), "note": note}
+
+    def drop_kept(self, step: int) -> None:
+        """Forget a kept step and delete its state files (those the last commit or another kept step names stay)."""
+        drop_kept(self.root, step)
+        del self._kept[step]
+        self._remove_strays()
+
     def _write_manifest(self) -> None:
         current = {state_name(u, g) for u, g in self.versions.items()}
         self.manifest.update(step=self.step, generation=self.generation, units=dict(self.versions),
@@ -395,3 +475,20 @@ class UnitWriter(StateWriter):
     def discard(self) -> None:
         if self._file is not None:
             self._file.discard()
+
+
+def _readable_kept(root: Path) -> dict[int, dict[str, Any]]:
+    """The kept steps' manifests; one that cannot be read is left where it is and not offered (its state files are
+    strays to the next commit)."""
+    kept = {}
+    for step in kept_steps(root):
+        try:
+            kept[step] = read_kept(root, step)
+        except StoreError:
+            continue
+    return kept
+
+
+def _first_clause(error: StoreError) -> str:
+    """What is wrong, without the advice after it (`unit block.0: checksum mismatch in FILE`)."""
+    return str(error).split("; ")[0]

@@ -38,7 +38,9 @@ descriptors under a lock of their own. The file back end adds a checksum thread 
    `unit_writer` (its chunks' masters are the ones its last `read_master` read, not read again); then
    `finish_step` (the manifest is the commit point), or `rollback()` to return every unit to step s
    (clipping triggered, a value was not finite, or anything failed).
-5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is).
+5. `save(trainer_state)` whenever the RAM tier should be made durable (the disk tier already is); then, or
+   after `finish_step` on the disk tier, `keep(note)` to keep that step (`kept()`), `drop_kept(step)` to let
+   one go.
 6. `close()`: releases the files and the lock on the store's folder.
 
 Reads never change the store; ranges of state kinds start on chunk boundaries (`spec.chunk`).
@@ -103,6 +105,10 @@ class StoreReader(ABC):
     def trainer_state(self) -> dict[str, Any]:
         """The trainer state given to the last commit (config, losses, the caller's extra state)."""
 
+    def kept(self) -> dict[int, dict[str, Any]]:
+        """The kept steps, oldest first, each with the note it was kept with (its eval loss, say)."""
+        return {}
+
     @abstractmethod
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
         """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned if `pin_memory` is all), for
@@ -129,7 +135,11 @@ class StoreReader(ABC):
 
 
 class StoreWriter(StoreReader):
-    """A store that also takes every unit's new state and fp32 gradient accumulator, and commits steps."""
+    """A store that also takes every unit's new state and fp32 gradient accumulator, and commits steps.
+    `fell_back`: where open found the last commit damaged and went back to the newest intact kept step, the one
+    line saying so; else None."""
+
+    fell_back: str | None
 
     # --- the committed state ---------------------------------------------------------------
     @property
@@ -184,3 +194,11 @@ class StoreWriter(StoreReader):
     @abstractmethod
     def save(self, trainer_state: dict[str, Any]) -> None:
         """Make the current step durable (the RAM tier writes every unit's state file, then the manifest)."""
+
+    @abstractmethod
+    def keep(self, note: dict[str, Any]) -> None:
+        """Keep the last commit, saved: no later commit deletes its state files; `kept()` lists it with `note`."""
+
+    @abstractmethod
+    def drop_kept(self, step: int) -> None:
+        """Forget a kept step; its state files go unless the last commit or another kept step names them."""

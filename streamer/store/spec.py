@@ -133,6 +133,17 @@ class StoreSpec:
         at a time has two; a speculative (fused) step or a save keeps every old one until the manifest names
         the new ones (`every_unit_twice`). Disk-tier gradients have a file of their own. A frozen base's state
         files are written once, when its weights are (nothing a step does changes them)."""
+        ram, states, largest, grads = self._sizes()
+        second = 0 if self.frozen else states if every_unit_twice else largest
+        return ram, states + second + grads
+
+    def kept_bytes(self) -> int:
+        """Disk bytes a kept step holds that no later commit frees: every unit's state file (none for a frozen
+        base, whose files no step rewrites)."""
+        return 0 if self.frozen else self._sizes()[1]
+
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """(RAM slabs, state files, the largest state file, gradient files) in bytes."""
         ram = states = largest = grads = 0
         numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
         for unit in self.config.unit_names():
@@ -144,8 +155,7 @@ class StoreSpec:
             state = self.state_bytes(numel) + TRAILER_BYTES
             states, largest = states + state, max(largest, state)
             grads += self.kind_bytes("grad", numel) if self.placement.grad == "disk" and not self.frozen else 0
-        second = 0 if self.frozen else states if every_unit_twice else largest
-        return ram, states + second + grads
+        return ram, states, largest, grads
 
     def staging_bytes(self) -> int:
         """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
