@@ -1,5 +1,8 @@
-"""Generation with streamed layers: the KV cache changes nothing but speed, sampling does what it says."""
+"""Generation with streamed layers: the KV cache changes nothing but speed, sampling does what it says, and a chat
+is prompted as transformers' apply_chat_template prompts it."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -143,16 +146,14 @@ SYSTEM, QUESTION = "Answer briefly.", "What does the while statement do?"
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory, tiny_setup):
     """A Llama run from a transformers folder whose tokenizer, as Llama 3's does, adds a BOS by its post-processor
-    and names a chat template that writes the BOS itself; the tokenizer folder and the messages file."""
-    import dataclasses
-    import json
-
+    and names a chat template that writes the BOS itself: that folder, the run, its model and a messages file."""
     import tokenizers
     from pydoc_data.topics import topics
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+    from layers import LlamaConfig
     from streamer.cli.main import main
-    from tests.test_llama import _TINY, LlamaConfig, hf_model
+    from tests.test_llama import _TINY, hf_model
     root = tmp_path_factory.mktemp("chat")
     specials = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
     backend = tokenizers.Tokenizer(models.BPE())
@@ -175,14 +176,13 @@ def chat_run(tmp_path_factory, tiny_setup):
                                   run, "--steps", 1, "--batch", 2, "--seq", 32, "--dtype", "fp32",
                                   "--sample-tokens", 0, "--eval-fraction", 0)]) == 0
     (root / "history.json").write_text(json.dumps(HISTORY))
-    return {"root": root, "hf": hf, "run": run, "cfg": cfg, "history": root / "history.json"}
+    return {"hf": hf, "run": run, "cfg": cfg, "history": root / "history.json"}
 
 
 def test_a_chat_renders_as_transformers_and_generates_its_greedy_tokens(chat_run):
     """The run's template renders --system, --messages and --chat into the ids transformers' apply_chat_template
     gives (one BOS: the template's); greedy generation on them is transformers' generate on the run's weights,
     and `streamer generate`, typed as a user types it, prints that prompt and those tokens."""
-    import json
     import subprocess
     import sys
 
@@ -224,11 +224,10 @@ def test_a_chat_renders_as_transformers_and_generates_its_greedy_tokens(chat_run
 def test_chat_inputs_are_one_conversation_however_given(chat_run, capsys, tmp_path):
     """--messages as a JSON list or JSON Lines, and --system + --chat, are the same conversation; a run without a
     chat template takes --chat-template FILE; wrong input is one line naming its flag."""
-    import json
     import shutil
 
     from tests.test_cli import fails, run_cli
-    run, root = chat_run["run"], chat_run["root"]
+    run = chat_run["run"]
     pair = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     (tmp_path / "pair.json").write_text(json.dumps(pair))
     (tmp_path / "pair.jsonl").write_text("".join(json.dumps(m) + "\n" for m in pair))

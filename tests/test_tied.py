@@ -260,6 +260,8 @@ def test_a_tied_lora_run_exports_merged_and_as_a_peft_adapter(capsys, tmp_path, 
                   (with_adapter(input_ids=ids).logits - expected).abs().max().item()]
     # Measured: the merged export 2.3e-6 and PEFT 3.7e-6 from our run; eager vs sdpa 2.3e-6.
     assert max(errors) <= 4 * noise, (errors, noise)
+    rc, _, err = run_cli(capsys, "generate", run, "--prompt", "The", "--max-new-tokens", 4)  # the adapters, streamed
+    assert rc == 0, err
 
 
 def test_a_tied_folder_that_also_names_lm_head_is_read_as_transformers_reads_it(tmp_path):
