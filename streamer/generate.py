@@ -134,6 +134,12 @@ def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: i
 def complete(trainer: StreamingTrainer, tokenizer: Tokenizer, prompt: str, sampling: Sampling = Sampling()) -> str:
     """The text generated after `prompt` (an empty prompt starts from end-of-text), up to end-of-text."""
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    return continue_ids(trainer, tokenizer, ids, sampling)
+
+
+def continue_ids(trainer: StreamingTrainer, tokenizer: Tokenizer, ids: list[int],
+                 sampling: Sampling = Sampling()) -> str:
+    """The text generated after the prompt `ids`, up to end-of-text."""
     out = generate(trainer, torch.tensor([ids]), sampling, stop_id=tokenizer.eos_id)[0, len(ids):].tolist()
     if out and out[-1] == tokenizer.eos_id:
         out = out[:-1]

@@ -105,9 +105,13 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     (root / "run.toml").write_text(f'model = "{tiny_setup / "config.json"}"\ndata = "{tiny_setup / "train.txt"}"\n'
                                    f'tokenizer = "{tiny_setup / "tok"}"\nseq = 32\nbatch = 4\n')
     run = root / "run"
+    # A chat template (short: a prompt of 64 tokens at most), so that `streamer generate RUN --chat ...` runs.
+    (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                                     "{% if add_generation_prompt %}assistant:{% endif %}")
     done = subprocess.run([sys.executable, "-m", "streamer", "train", "--model", tiny_setup / "config.json",
                            "--data", tiny_setup / "train.txt", "--tokenizer", tiny_setup / "tok", "--run-dir", run,
-                           "--steps", "3", "--batch", "4", "--seq", "64", "--dtype", "fp32", "--sample-tokens", "0"],
+                           "--steps", "3", "--batch", "4", "--seq", "64", "--dtype", "fp32", "--sample-tokens", "0",
+                           "--chat-template", root / "chat.jinja"],
                           capture_output=True, text=True, env=_env(), cwd=root)
     assert done.returncode == 0, done.stderr
     return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run}

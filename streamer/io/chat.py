@@ -1,8 +1,9 @@
 """Chat records (`{"messages": [{"role", "content"}, ...]}`) rendered with a tokenizer's chat template.
 
 The template is Jinja, rendered as transformers' `apply_chat_template` renders it (a sandboxed environment,
-`trim_blocks` and `lstrip_blocks`, `raise_exception`), so a model fine-tuned here sees the text it will be
-prompted with after export. Only the assistant turns are learned. Templates mark no turn boundaries, so they are
+`trim_blocks` and `lstrip_blocks`, `raise_exception`, `strftime_now`, its `tojson`, loop controls, no `tools`),
+so a model fine-tuned here sees the text it will be prompted with after export, and `streamer generate --chat`
+prompts it with that text. Only the assistant turns are learned. Templates mark no turn boundaries, so they are
 found by rendering growing prefixes of the conversation: the text an assistant message adds after the prompt
 that asks for it (`add_generation_prompt=True`) is learned; everything else (system, user, the assistant's role
 header) is context.
@@ -10,6 +11,8 @@ header) is context.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 from streamer.errors import DataError
@@ -19,24 +22,47 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @functools.cache
 def _compiled(template: str) -> Any:
-    from jinja2 import TemplateError
+    """The template in transformers' environment: its globals, its `tojson` (no HTML escaping), loop controls,
+    and its `{% generation %}` block (which only marks the assistant's text; its body renders as it is)."""
+    from datetime import datetime
+
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env.from_string(template)
 
 
 def render(template: str, messages: list[dict[str, str]], specials: dict[str, str],
            add_generation_prompt: bool = False) -> str:
-    """The conversation as the template writes it; `specials`: bos_token and eos_token, which templates use."""
+    """The conversation as the template writes it; `specials`: bos_token and eos_token, which templates use.
+    `tools` and `documents` are None, as apply_chat_template passes them without any."""
     from jinja2 import TemplateError
     try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **specials)
+        return _compiled(template).render(messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=add_generation_prompt, **specials)
     except TemplateError as exc:
         raise DataError(f"the chat template failed ({' '.join(str(exc).split())}); fix the template or the "
                         "conversation") from None
@@ -86,3 +112,28 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(message.get("content"), str):
             raise DataError(f"{field} 'content' must be a string, got {type(message.get('content')).__name__}")
     return messages
+
+
+def read_messages(path: str | Path) -> list[dict[str, str]]:
+    """A conversation from `--messages FILE`: a JSON list of {"role", "content"} objects (what transformers'
+    apply_chat_template takes), a chat record {"messages": [...]}, or JSON Lines of one message each."""
+    where = f"--messages {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise DataError(f"cannot read {where} ({problem}); pass a JSON or JSON Lines file of "
+                        "{\"role\", \"content\"} messages") from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError:
+        loaded = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                loaded += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where} is neither JSON nor JSON Lines (line {number}: {exc.msg}); write a JSON "
+                                "list of {\"role\", \"content\"} messages or one message per line") from None
+    if isinstance(loaded, dict):
+        loaded = loaded["messages"] if "messages" in loaded else [loaded]
+    return check_messages(loaded, where)

@@ -16,7 +16,7 @@ import torch
 from layers import IGNORE_INDEX
 from memory_model.settings import Choice, Integer, Number, Text, check_settings, flag, setting
 from streamer.errors import DataError
-from streamer.io.chat import chat_pieces, render
+from streamer.io.chat import chat_pieces, check_messages, render
 from streamer.io.records import Example, read_examples
 
 
@@ -227,6 +227,16 @@ def prompt_of(example: Example, tokenizer: TokenizerLike) -> str:
     if example.completion is not None:
         return example.text
     return " ".join(example.text.split()[:8])
+
+
+def chat_prompt(messages: list[dict[str, str]], tokenizer: TokenizerLike, where: str) -> str:
+    """The conversation rendered by the chat template with the assistant's header after it, as transformers'
+    apply_chat_template(messages, add_generation_prompt=True) writes it: the text a chat model answers."""
+    if tokenizer.chat_template is None:
+        raise DataError("the run's tokenizer has no chat template to render a conversation with; pass "
+                        "--chat-template FILE (a Jinja template)")
+    return render(tokenizer.chat_template, check_messages(messages, where), _specials(tokenizer),
+                  add_generation_prompt=True)
 
 
 def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: str | None = None,

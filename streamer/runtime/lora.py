@@ -101,14 +101,19 @@ class Adapters:
 
     # --- weights out ------------------------------------------------------------------------------------
     def merge_into(self, unit: str, flat: torch.Tensor, layout: UnitLayout) -> None:
-        """Add scaling * B @ A to the targeted weights of a unit's flat fp32 master (the merged export)."""
-        views = layout.views(flat)
+        """Add scaling * B @ A to the targeted weights of a unit's flat fp32 master (the merged export).
+
+        `flat` is the unit's own stored slab, so its slots place the weights: a tied head's device weights
+        would lead with the embedding's, which its slab does not hold (and only blocks have adapters)."""
+        tensors = self.params.get(unit)
+        if tensors is None:
+            return
+        slots = {slot.key: slot for slot in layout.slots}
         for target in self.lora.target_names:
             key = self.cfg.projections[target]
-            tensors = self.params.get(unit)
-            if tensors is not None:
-                a, b = tensors[f"{key}.lora_A.weight"].detach().cpu(), tensors[f"{key}.lora_B.weight"].detach().cpu()
-                views[f"{key}.weight"].add_(b @ a, alpha=self.lora.scaling)
+            slot = slots[f"{key}.weight"]
+            a, b = tensors[f"{key}.lora_A.weight"].detach().cpu(), tensors[f"{key}.lora_B.weight"].detach().cpu()
+            flat[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(b @ a, alpha=self.lora.scaling)
 
     def hf_state_dict(self, prefix_of: dict[str, str]) -> dict[str, torch.Tensor]:
         """Adapters under PEFT's keys: 'base_model.model.transformer.h.0.attn.q_proj.lora_A.weight'."""
