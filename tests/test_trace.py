@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 from memory_model import CATEGORIES, PHASES, DeviceOutOfMemory, Ledger, Trace
+from memory_model.trace import MemorySample, SpanEvent, plot_trace
 
 META = {"model": "gptj-debug", "batch": 2, "seq": 16, "budget": "4KiB", "baseline_bytes": 16 * 300, "params": 300}
 
@@ -197,6 +198,63 @@ def test_plot_writes_a_png(traced, tmp_path) -> None:
         trace.plot(tmp_path / "none.png", step=7)
 
 
+def _timed_step() -> Trace:
+    """One step laid out in whole seconds: each unit loaded, then its forward; the backward in reverse with each
+    gradient offloaded; the update. The device holds 100 B of weights per loaded unit."""
+    trace = Trace(None, {**META, "baseline_bytes": 16 * 300})
+    units, t, clock = ("embed", "block.0", "block.1", "head"), 0.0, []
+
+    def span(layer: str, phase: str, length: float, thread: str = "MainThread") -> None:
+        nonlocal t
+        held = dict.fromkeys(CATEGORIES, 0) | {"weights": 100}
+        trace.events.append(SpanEvent(layer, phase, 1, 0, t, t + length, thread, True, held, 100, held, 1))
+        clock.append(t)
+        t += length
+
+    for unit in units:
+        span(unit, "load", 0.5, "io")
+        span(unit, "forward", 1.0)
+    for unit in reversed(units):
+        span(unit, "backward", 2.0)
+        span(unit, "offload", 0.5, "io")
+    for unit in units:
+        span(unit, "update", 1.0)
+    trace.samples = [MemorySample(at, (100, 0, 0, 0, 0)) for at in clock]
+    return trace
+
+
+def _texts(ax) -> list[str]:
+    return [text.get_text() for text in ax.texts]
+
+
+def test_plot_names_the_phases_and_the_unit_on_the_device(tmp_path) -> None:
+    """The plot's upper axes shade and name the forward, backward and update; its lanes name each unit as it runs,
+    is loaded and is offloaded; the legend gives each phase's colour."""
+    trace = _timed_step()
+    figure = plot_trace(trace, tmp_path / "memory.png", step=1)
+    memory, lanes = figure.axes
+    assert _texts(memory) == ["forward", "backward", "update"]
+    bands = [(round(patch.get_x(), 6), round(patch.get_x() + patch.get_width(), 6)) for patch in memory.patches
+             if patch.get_alpha() == 0.12]
+    assert bands == [(0.5, 6.0), (6.0, 15.5), (16.0, 20.0)]  # each from its first compute span to its last
+    named = _texts(lanes)
+    units = ["embed", "block.0", "block.1", "head"]
+    assert named == [*units, *reversed(units), *units, *units, *reversed(units)]  # device, then load, offload
+    assert [label.get_text() for label in lanes.get_yticklabels()] == ["offload", "load", "device"]
+    assert [t.get_text() for t in lanes.get_legend().get_texts()] == ["load", "forward", "backward", "offload",
+                                                                      "update"]
+    assert lanes.get_xlabel() == "seconds into step 1"
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("baseline, said", [(16 * 300, "48.0x below"), (20, "5.0x above")])
+def test_plot_title_says_above_or_below_the_baseline(baseline, said) -> None:
+    trace = _timed_step()
+    trace.meta["baseline_bytes"] = baseline
+    title = plot_trace(trace, None).axes[0].get_title()
+    assert f"device peak 100 B, {said} the 16 B/param baseline" in title
+
+
 def test_table_has_a_row_per_layer(traced) -> None:
     trace, _ = traced
     table = trace.table()
@@ -291,8 +349,12 @@ def test_every_place_names_the_same_peak_through_the_cli(tiny_setup, tmp_path, c
     assert (shown["step"], shown["peak_step"], shown["peak_bytes"]) == (top, top, peaks[top])
     assert main(["trace", str(run), "--step", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_bytes"] == peaks[4]
+    peak_plot = (run / "memory.png").read_bytes()
     assert main(["trace", str(run), "--step", "4"]) == 0
     other = " ".join(capsys.readouterr().out.split())
+    # One step's plot goes to a file of its own, named where it is said; the peak step's plot stays.
+    assert f"plot: {run / 'memory-step4.png'}" in other and (run / "memory-step4.png").stat().st_size > 10_000
+    assert (run / "memory.png").read_bytes() == peak_plot
     assert (f"device peak of step 4: {format_size(peaks[4])} (the highest, {format_size(peaks[top])}, is at step "
             f"{top})") in other
     # --trace-steps 1 keeps the last step and the peak step, as the schema says.
