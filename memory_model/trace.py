@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 PHASES = ("load", "forward", "backward", "offload", "update", "generate")  # what the executor emits
 SCHEMA = "weight-streaming.trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added each span's layer_bytes; a version 1 file reads with them empty
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class SpanEvent:
     peak_bytes: int  # the highest device total while the span was open
     peak_breakdown: dict[str, int]  # by category at that moment
     host_rss_bytes: int  # this process's resident set when the span ended
+    layer_bytes: dict[str, int]  # by category, the most the span's layer itself held at once while it was open
 
     @property
     def duration_s(self) -> float:
@@ -139,7 +140,7 @@ class Trace:
         if self.ledger is None:
             raise RuntimeError("this trace has no ledger (loaded from JSON, or closed); it cannot record spans")
         ledger = self.ledger
-        window = ledger.open_window()
+        window = ledger.open_window(layer)
         start = self._now()
         ok = False
         try:
@@ -151,7 +152,7 @@ class Trace:
                 layer=layer, phase=phase, step=step, micro=micro, start_s=start, end_s=self._now(),
                 thread=threading.current_thread().name, ok=ok, device_bytes=ledger.breakdown(),
                 peak_bytes=stats.peak, peak_breakdown=stats.peak_breakdown,
-                host_rss_bytes=self._process.memory_info().rss,
+                host_rss_bytes=self._process.memory_info().rss, layer_bytes=stats.layer_peaks,
             )
             with self._lock:
                 self.events.append(event)
@@ -226,7 +227,7 @@ class Trace:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Trace":
-        if raw.get("schema") != SCHEMA or raw.get("version") != SCHEMA_VERSION:
+        if raw.get("schema") != SCHEMA or raw.get("version") not in (1, SCHEMA_VERSION):
             raise ValueError(f"not a version {SCHEMA_VERSION} {SCHEMA} file "
                              f"(schema {raw.get('schema')!r}, version {raw.get('version')!r})")
         if list(raw.get("categories", ())) != list(CATEGORIES):
@@ -234,6 +235,8 @@ class Trace:
         trace = cls(None, raw.get("meta", {}))
         names = {f.name for f in fields(SpanEvent)}
         for e in raw["events"]:
+            if raw["version"] == 1:  # written before spans kept their layer's own bytes: none known
+                e = {**e, "layer_bytes": {}}
             if set(e) != names:
                 raise ValueError(f"trace event fields {sorted(e)} differ from {sorted(names)}")
             trace.events.append(SpanEvent(**e))
@@ -286,7 +289,7 @@ class Trace:
         plot_trace(self, Path(path), step)
 
     def table(self, step: int | None = None) -> Table:
-        """A rich table, one row per layer: its peak, the makeup of that peak, time in each phase."""
+        """A rich table, one row per layer: its peak and phase, what it held by category, time in each phase."""
         return trace_table(self, step)
 
 
@@ -425,24 +428,33 @@ def _axis_unit(largest: float) -> tuple[str, int]:
 
 
 def trace_table(trace: Trace, step: int | None = None) -> Table:
+    """One row per layer: the device's peak while one of its spans was open (and in which phase), the most that
+    layer itself held of each category at once (its weights while loaded, its gradient, its update chunk's state,
+    its saved activations), and its time in each phase. The device's makeup at a peak is not the layer's: a
+    block's peak falls in its update, when the device holds its optimizer state and no weights."""
     spans = trace.spans(step)
     phases = list(dict.fromkeys(e.phase for e in spans))
     rows: dict[str, dict[str, Any]] = {}
     for e in spans:
-        row = rows.setdefault(e.layer, {"peak": -1, "breakdown": {}, "time": {}})
+        row = rows.setdefault(e.layer, {"peak": -1, "phase": "", "held": {}, "time": {}})
         if e.peak_bytes > row["peak"]:
-            row["peak"], row["breakdown"] = e.peak_bytes, e.peak_breakdown
+            row["peak"], row["phase"] = e.peak_bytes, e.phase
+        for c, nbytes in e.layer_bytes.items():
+            row["held"][c] = max(row["held"].get(c, 0), nbytes)
         row["time"][e.phase] = row["time"].get(e.phase, 0.0) + e.duration_s
     title = "device memory by layer" + (f", step {step}" if step is not None else "") \
         + (" (the peak step)" if step is not None and step == trace.peak_step() and len(trace.steps()) > 1 else "")
-    table = Table(title=title, show_lines=False)
+    table = Table(title=title, show_lines=False, caption="peak: the device's while the layer ran; categories: the "
+                  "most the layer itself held", caption_justify="left")
     table.add_column("layer", style="bold")
     table.add_column("peak", justify="right")
+    table.add_column("in", justify="left")
     for c in CATEGORIES:
         table.add_column(c, justify="right")
     for p in phases:
         table.add_column(f"{p} ms", justify="right")
     for layer, row in rows.items():
-        table.add_row(layer, format_size(row["peak"]), *(format_size(row["breakdown"].get(c, 0)) for c in CATEGORIES),
+        held = [format_size(row["held"][c]) if c in row["held"] else "-" for c in CATEGORIES]  # "-": an old trace
+        table.add_row(layer, format_size(row["peak"]), row["phase"], *held,
                       *(f"{row['time'][p] * 1e3:.1f}" if p in row["time"] else "" for p in phases))
     return table

@@ -114,7 +114,7 @@ def test_spans_from_two_threads(traced) -> None:
 # --- JSON ---------------------------------------------------------------------------------------------------
 EVENT_TYPES = {"layer": str, "phase": str, "step": (int, type(None)), "micro": (int, type(None)), "start_s": float,
                "end_s": float, "thread": str, "ok": bool, "device_bytes": dict, "peak_bytes": int,
-               "peak_breakdown": dict, "host_rss_bytes": int}
+               "peak_breakdown": dict, "host_rss_bytes": int, "layer_bytes": dict}
 
 
 def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
@@ -122,7 +122,7 @@ def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
     path = tmp_path / "trace.json"
     trace.to_json(path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == "weight-streaming.trace" and raw["version"] == 1
+    assert raw["schema"] == "weight-streaming.trace" and raw["version"] == 2
     assert raw["categories"] == list(CATEGORIES) and raw["meta"] == META
     assert set(raw) == {"schema", "version", "meta", "categories", "events", "memory", "summary"}
     for event in raw["events"]:
@@ -130,7 +130,8 @@ def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
         for key, kind in EVENT_TYPES.items():
             assert isinstance(event[key], kind), key
         assert event["phase"] in PHASES
-        assert set(event["device_bytes"]) == set(event["peak_breakdown"]) == set(CATEGORIES)
+        assert set(event["device_bytes"]) == set(event["peak_breakdown"]) == set(event["layer_bytes"]) \
+            == set(CATEGORIES)
         assert sum(event["peak_breakdown"].values()) == event["peak_bytes"]
     assert raw["memory"]["columns"] == ["t_s", *CATEGORIES]
     assert all(len(row) == 1 + len(CATEGORIES) for row in raw["memory"]["rows"])
@@ -207,7 +208,7 @@ def _timed_step() -> Trace:
     def span(layer: str, phase: str, length: float, thread: str = "MainThread") -> None:
         nonlocal t
         held = dict.fromkeys(CATEGORIES, 0) | {"weights": 100}
-        trace.events.append(SpanEvent(layer, phase, 1, 0, t, t + length, thread, True, held, 100, held, 1))
+        trace.events.append(SpanEvent(layer, phase, 1, 0, t, t + length, thread, True, held, 100, held, 1, held))
         clock.append(t)
         t += length
 
@@ -266,6 +267,38 @@ def test_table_has_a_row_per_layer(traced) -> None:
     console.print(trace.table(step=1))
     text = console.export_text()
     assert "block.0" in text and "block.1" in text
+
+
+def test_table_gives_what_each_layer_itself_held(traced) -> None:
+    """Each layer's category columns are its own bytes at their most (block.0's weights while loaded, its update's
+    optimizer state), not the device's makeup at the layer's peak, whose weights may be another layer's or none."""
+    trace, _ = traced
+    console = Console(record=True, width=250)
+    console.print(trace.table(step=1))
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in console.export_text().splitlines() if line.startswith("│")}
+    assert rows["block.0"][2:7] == ["400 B", "400 B", "1.17 KiB", "300 B", "500 B"]
+    assert rows["block.1"][2:7] == ["400 B", "400 B", "0 B", "300 B", "500 B"]
+    # The peak column stays the device's, with the phase it fell in.
+    assert [rows[layer][:2] for layer in ("block.0", "block.1")] == [["1.17 KiB", "forward"],
+                                                                     ["1.46 KiB", "forward"]]
+    update = next(e for e in trace.spans(1) if e.phase == "update")
+    assert update.peak_breakdown["weights"] == 0 and update.layer_bytes["optimizer"] == 1200
+
+
+def test_a_version_1_trace_still_reads(traced) -> None:
+    """Traces written before spans kept their layer's own bytes: read, with those columns shown as unknown."""
+    trace, _ = traced
+    raw = trace.to_dict()
+    raw["version"] = 1
+    for event in raw["events"]:
+        del event["layer_bytes"]
+    old = Trace.from_dict(raw)
+    assert old.summary() == trace.summary() and all(e.layer_bytes == {} for e in old.events)
+    console = Console(record=True, width=250)
+    console.print(old.table(step=1))
+    row = next(line for line in console.export_text().splitlines() if line.startswith("│ block.0 "))
+    assert [cell.strip() for cell in row.split("│")[4:9]] == ["-"] * len(CATEGORIES)
 
 
 def test_summary(traced) -> None:
