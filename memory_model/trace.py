@@ -337,6 +337,8 @@ def plot_trace(trace: Trace, path: Path | None, step: int | None = None) -> Figu
     stacks = [[p[1][i] / scale for p in points] for i in range(len(CATEGORIES))]
     fig = Figure(figsize=(12, 7), dpi=110)
     ax, lanes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": (4, 1.6), "hspace": 0.06})
+    fig.subplots_adjust(left=0.07, right=0.9, top=0.94, bottom=0.08)
+    lanes.set_xlim(0, max(end - start, 1e-9))
     spans = [e for e in trace.spans(step) if e.end_s >= start and e.start_s <= end]
     _phase_bands(ax, phase_runs(spans), start)
     ax.stackplot(t, stacks, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES], step="post",
@@ -358,8 +360,6 @@ def plot_trace(trace: Trace, path: Path | None, step: int | None = None) -> Figu
                           if any(e.phase == p for e in spans)],
                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, title="phase", title_fontsize=7)
     lanes.set_xlabel("seconds" + (f" into step {step}" if step is not None else ""))
-    lanes.set_xlim(0, max(end - start, 1e-9))
-    fig.subplots_adjust(left=0.07, right=0.9, top=0.94, bottom=0.08)
     if path is not None:
         fig.savefig(path, format="png")
     return fig
@@ -390,12 +390,13 @@ def phase_runs(spans: list[SpanEvent]) -> list[tuple[str, float, float]]:
 
 def _phase_bands(ax: Any, runs: list[tuple[str, float, float]], start: float) -> None:
     """Each run shaded in its phase's colour and named at the top of the plot where it is wide enough to read."""
-    width = max((hi for _, _, hi in runs), default=start) - start
+    width = max(ax.get_xlim()[1], 1e-9)
+    axis_px = ax.figure.get_figwidth() * ax.figure.dpi * ax.get_position().width
     for phase, lo, hi in runs:
         ax.axvspan(lo - start, hi - start, color=_PHASE_COLORS[phase], alpha=0.12, linewidth=0)
-        if hi - lo >= width / 40:
-            ax.text((lo + hi) / 2 - start, 0.985, phase, transform=ax.get_xaxis_transform(), ha="center",
-                    va="top", fontsize=8, color=_PHASE_COLORS[phase], fontweight="bold", clip_on=True)
+        if (hi - lo) / width * axis_px >= 6 * (len(phase) + 1):  # the name fits in its band (~6 px a letter)
+            ax.text(lo - start + width / 400, 0.985, phase, transform=ax.get_xaxis_transform(), ha="left",
+                    va="top", fontsize=8, color=_PHASE_COLORS[phase], fontweight="bold")
 
 
 def _unit_lanes(ax: Any, spans: list[SpanEvent], start: float, end: float) -> None:
