@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memory_model.devices import DEVICE_PRESETS
@@ -22,12 +22,14 @@ Listener = Callable[[dict[str, int]], None]
 
 @dataclass(frozen=True)
 class WindowStats:
-    """What happened between open_window() and close_window(): the window's own peak and its makeup."""
+    """What happened between open_window() and close_window(): the window's own peak and its makeup; for the layer
+    the window was opened for, the most that layer itself held of each category at once while it was open."""
 
     peak: int
     peak_breakdown: dict[str, int]
     start_in_use: int
     end_in_use: int
+    layer_peaks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,13 @@ class Ledger:
         self._next_handle = 1
         self._by_category = dict.fromkeys(CATEGORIES, 0)
         self._by_layer: dict[str, int] = {}
+        self._held: dict[str, dict[str, int]] = {}  # layer -> its bytes by category
         self._in_use = 0
         self._peak = 0
         self._peak_breakdown = dict.fromkeys(CATEGORIES, 0)
         self._peak_layers: dict[str, int] = {}
-        self._windows: dict[int, list[Any]] = {}  # id -> [peak, breakdown at peak, in_use at open]
+        # id -> [peak, breakdown at peak, in_use at open, layer, that layer's most of each category]
+        self._windows: dict[int, list[Any]] = {}
         self._next_window = 1
         self._listeners: list[Listener] = []
 
@@ -88,6 +92,8 @@ class Ledger:
             self._by_category[category] += nbytes
             if nbytes:  # by_layer lists layers that hold bytes
                 self._by_layer[layer] = self._by_layer.get(layer, 0) + nbytes
+            held = self._held.setdefault(layer, dict.fromkeys(CATEGORIES, 0))
+            held[category] += nbytes
             self._in_use += nbytes
             if self._in_use > self._peak:
                 self._peak = self._in_use
@@ -96,6 +102,8 @@ class Ledger:
             for window in self._windows.values():
                 if self._in_use > window[0]:
                     window[0], window[1] = self._in_use, dict(self._by_category)
+                if window[3] == layer:
+                    window[4][category] = max(window[4][category], held[category])
             self._notify()
             return handle
 
@@ -105,6 +113,7 @@ class Ledger:
             if charge is None:
                 raise KeyError(f"ledger handle {handle!r} is not allocated (freed twice, or never allocated?)")
             self._by_category[charge.category] -= charge.nbytes
+            self._held[charge.layer][charge.category] -= charge.nbytes
             if charge.nbytes:
                 left = self._by_layer[charge.layer] - charge.nbytes
                 if left:
@@ -153,20 +162,22 @@ class Ledger:
             self._peak_layers = dict(self._by_layer)
 
     # --- windows: peaks of overlapping intervals (trace spans, possibly on two threads) -----
-    def open_window(self) -> int:
+    def open_window(self, layer: str | None = None) -> int:
+        """A window from now to close_window; for `layer`, it also keeps the most that layer holds of each category."""
         with self._lock:
             window = self._next_window
             self._next_window += 1
-            self._windows[window] = [self._in_use, dict(self._by_category), self._in_use]
+            held = dict(self._held.get(layer, dict.fromkeys(CATEGORIES, 0))) if layer is not None else {}
+            self._windows[window] = [self._in_use, dict(self._by_category), self._in_use, layer, held]
             return window
 
     def close_window(self, window: int) -> WindowStats:
         with self._lock:
             try:
-                peak, breakdown, start = self._windows.pop(window)
+                peak, breakdown, start, _, layer_peaks = self._windows.pop(window)
             except KeyError:
                 raise KeyError(f"ledger window {window!r} is not open") from None
-            return WindowStats(peak, breakdown, start, self._in_use)
+            return WindowStats(peak, breakdown, start, self._in_use, layer_peaks)
 
     # --- listeners: the trace samples memory over time from here ----------------------------
     def add_listener(self, listener: Listener) -> None:

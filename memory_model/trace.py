@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import psutil
 from rich.table import Table
@@ -21,9 +21,12 @@ from rich.table import Table
 from memory_model.ledger import CATEGORIES, Ledger
 from memory_model.units import SizeError, format_size, parse_size
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 PHASES = ("load", "forward", "backward", "offload", "update", "generate")  # what the executor emits
 SCHEMA = "weight-streaming.trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added each span's layer_bytes; a version 1 file reads with them empty
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class SpanEvent:
     peak_bytes: int  # the highest device total while the span was open
     peak_breakdown: dict[str, int]  # by category at that moment
     host_rss_bytes: int  # this process's resident set when the span ended
+    layer_bytes: dict[str, int]  # by category, the most the span's layer itself held at once while it was open
 
     @property
     def duration_s(self) -> float:
@@ -136,7 +140,7 @@ class Trace:
         if self.ledger is None:
             raise RuntimeError("this trace has no ledger (loaded from JSON, or closed); it cannot record spans")
         ledger = self.ledger
-        window = ledger.open_window()
+        window = ledger.open_window(layer)
         start = self._now()
         ok = False
         try:
@@ -148,7 +152,7 @@ class Trace:
                 layer=layer, phase=phase, step=step, micro=micro, start_s=start, end_s=self._now(),
                 thread=threading.current_thread().name, ok=ok, device_bytes=ledger.breakdown(),
                 peak_bytes=stats.peak, peak_breakdown=stats.peak_breakdown,
-                host_rss_bytes=self._process.memory_info().rss,
+                host_rss_bytes=self._process.memory_info().rss, layer_bytes=stats.layer_peaks,
             )
             with self._lock:
                 self.events.append(event)
@@ -223,7 +227,7 @@ class Trace:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Trace":
-        if raw.get("schema") != SCHEMA or raw.get("version") != SCHEMA_VERSION:
+        if raw.get("schema") != SCHEMA or raw.get("version") not in (1, SCHEMA_VERSION):
             raise ValueError(f"not a version {SCHEMA_VERSION} {SCHEMA} file "
                              f"(schema {raw.get('schema')!r}, version {raw.get('version')!r})")
         if list(raw.get("categories", ())) != list(CATEGORIES):
@@ -231,6 +235,8 @@ class Trace:
         trace = cls(None, raw.get("meta", {}))
         names = {f.name for f in fields(SpanEvent)}
         for e in raw["events"]:
+            if raw["version"] == 1:  # written before spans kept their layer's own bytes: none known
+                e = {**e, "layer_bytes": {}}
             if set(e) != names:
                 raise ValueError(f"trace event fields {sorted(e)} differ from {sorted(names)}")
             trace.events.append(SpanEvent(**e))
@@ -278,11 +284,12 @@ class Trace:
 
     # --- views ------------------------------------------------------------------------------------
     def plot(self, path: Path | str, step: int | None = None) -> None:
-        """PNG: device bytes stacked by category over time, with the budget and 16 B/param baseline lines."""
+        """PNG: device bytes stacked by category over time under the step's phases, with the budget and 16 B/param
+        baseline lines, over lanes naming the unit on the device at each moment (`plot_trace`)."""
         plot_trace(self, Path(path), step)
 
     def table(self, step: int | None = None) -> Table:
-        """A rich table, one row per layer: its peak, the makeup of that peak, time in each phase."""
+        """A rich table, one row per layer: its peak and phase, what it held by category, time in each phase."""
         return trace_table(self, step)
 
 
@@ -306,9 +313,13 @@ def _budget_bytes(meta: dict[str, Any]) -> int | None:
         return None
 
 
-def plot_trace(trace: Trace, path: Path, step: int | None = None) -> None:
+def plot_trace(trace: Trace, path: Path | None, step: int | None = None) -> Figure:
+    """The memory plot (written to `path` as PNG unless None), returned for a caller to inspect: above, device bytes
+    stacked by category over time under bands of the step's phases (forward, backward, update); below, a lane of
+    what runs on the device (each unit's forward, backward and update) and one of its loads and offloads."""
     # A bare Figure renders with Agg and touches no global pyplot state: safe inside a library and headless.
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     start, end = trace.time_range(step)
     points = [(s.t_s, s.bytes) for s in trace.samples if start <= s.t_s <= end]
@@ -324,8 +335,12 @@ def plot_trace(trace: Trace, path: Path, step: int | None = None) -> None:
     unit, scale = _axis_unit(max([peak] + [v for _, v, _, _ in lines if v]))
     t = [p[0] - start for p in points]
     stacks = [[p[1][i] / scale for p in points] for i in range(len(CATEGORIES))]
-    fig = Figure(figsize=(11, 5.5), dpi=110)
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(12, 7), dpi=110)
+    ax, lanes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": (4, 1.6), "hspace": 0.06})
+    fig.subplots_adjust(left=0.07, right=0.9, top=0.94, bottom=0.08)
+    lanes.set_xlim(0, max(end - start, 1e-9))
+    spans = [e for e in trace.spans(step) if e.end_s >= start and e.start_s <= end]
+    _phase_bands(ax, phase_runs(spans), start)
     ax.stackplot(t, stacks, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES], step="post",
                  alpha=0.9)
     for label, value, color, style in lines:
@@ -335,15 +350,75 @@ def plot_trace(trace: Trace, path: Path, step: int | None = None) -> None:
     if baseline and peak:
         model = f"{trace.meta['model']}: " if trace.meta.get("model") else ""
         ax.set_title(f"{model}device peak {format_size(peak)}" + (f" in step {step}" if step is not None else "")
-                     + f", {baseline / peak:.1f}x below the 16 B/param baseline", fontsize=10)
-    ax.set_xlabel("seconds" + (f" into step {step}" if step is not None else ""))
+                     + f", {against_baseline(peak, baseline)} the 16 B/param baseline", fontsize=10)
     ax.set_ylabel(f"device memory ({unit})")
-    ax.set_xlim(0, max(end - start, 1e-9))
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="upper left", fontsize=8, ncols=2)
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.08)  # room for the phase labels above the stack
+    ax.legend(loc="upper left", fontsize=8, ncols=2, bbox_to_anchor=(0, 0.93))
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    _unit_lanes(lanes, spans, start, end)
+    lanes.legend(handles=[Patch(color=_PHASE_COLORS[p], label=p) for p in PHASES
+                          if any(e.phase == p for e in spans)],
+                 loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, title="phase", title_fontsize=7)
+    lanes.set_xlabel("seconds" + (f" into step {step}" if step is not None else ""))
+    if path is not None:
+        fig.savefig(path, format="png")
+    return fig
+
+
+def against_baseline(peak: int, baseline: int) -> str:
+    """How the streamed peak stands to the baseline: "5.0x below" when under it, "1.4x above" when over."""
+    return f"{baseline / peak:.1f}x below" if peak <= baseline else f"{peak / baseline:.1f}x above"
+
+
+# The phases that run on the device (the compute thread) and those that move bytes to and from it.
+_COMPUTE = ("forward", "backward", "update", "generate")
+_PHASE_COLORS = {"forward": "#4C9F70", "backward": "#D1495B", "update": "#EDAE49", "generate": "#00798C",
+                 "load": "#7A7A7A", "offload": "#B0B0B0"}
+
+
+def phase_runs(spans: list[SpanEvent]) -> list[tuple[str, float, float]]:
+    """The compute spans merged into runs of one phase, in time order: (phase, start_s, end_s). A step reads as
+    forward, backward, update (a fused update alternates with the backward, unit by unit)."""
+    runs: list[list[Any]] = []
+    for e in sorted((e for e in spans if e.phase in _COMPUTE), key=lambda e: e.start_s):
+        if runs and runs[-1][0] == e.phase:
+            runs[-1][2] = max(runs[-1][2], e.end_s)
+        else:
+            runs.append([e.phase, e.start_s, e.end_s])
+    return [(phase, lo, hi) for phase, lo, hi in runs]
+
+
+def _phase_bands(ax: Any, runs: list[tuple[str, float, float]], start: float) -> None:
+    """Each run shaded in its phase's colour and named at the top of the plot where it is wide enough to read."""
+    width = max(ax.get_xlim()[1], 1e-9)
+    axis_px = ax.figure.get_figwidth() * ax.figure.dpi * ax.get_position().width
+    for phase, lo, hi in runs:
+        ax.axvspan(lo - start, hi - start, color=_PHASE_COLORS[phase], alpha=0.12, linewidth=0)
+        if (hi - lo) / width * axis_px >= 6 * (len(phase) + 1):  # the name fits in its band (~6 px a letter)
+            ax.text(lo - start + width / 400, 0.985, phase, transform=ax.get_xaxis_transform(), ha="left",
+                    va="top", fontsize=8, color=_PHASE_COLORS[phase], fontweight="bold")
+
+
+def _unit_lanes(ax: Any, spans: list[SpanEvent], start: float, end: float) -> None:
+    """Three lanes: what computes on the device (each unit's forward, backward, update), what is loaded to it and
+    what is offloaded from it, each span a bar in its phase's colour named by its unit where the bar has room."""
+    lanes = {"device": [e for e in spans if e.phase in _COMPUTE], "load": [e for e in spans if e.phase == "load"],
+             "offload": [e for e in spans if e.phase == "offload"]}
+    width = max(end - start, 1e-9)
+    for row, chosen in enumerate(lanes.values()):
+        y = len(lanes) - 1 - row  # the first lane on top
+        for e in chosen:
+            lo, hi = max(e.start_s, start) - start, min(e.end_s, end) - start
+            ax.broken_barh([(lo, max(hi - lo, width / 2000))], (y - 0.4, 0.8), facecolors=_PHASE_COLORS[e.phase],
+                           edgecolor="white", linewidth=0.3)
+            if hi - lo >= width / 25:
+                ax.text((lo + hi) / 2, y, e.layer, ha="center", va="center", fontsize=7, clip_on=True)
+            elif hi - lo >= width / 160:  # a narrow bar: its name stands upright
+                ax.text((lo + hi) / 2, y, e.layer, ha="center", va="center", fontsize=6, rotation=90,
+                        clip_on=True)
+    ax.set_yticks(range(len(lanes)), list(reversed(lanes)), fontsize=8)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _axis_unit(largest: float) -> tuple[str, int]:
@@ -354,24 +429,33 @@ def _axis_unit(largest: float) -> tuple[str, int]:
 
 
 def trace_table(trace: Trace, step: int | None = None) -> Table:
+    """One row per layer: the device's peak while one of its spans was open (and in which phase), the most that
+    layer itself held of each category at once (its weights while loaded, its gradient, its update chunk's state,
+    its saved activations), and its time in each phase. The device's makeup at a peak is not the layer's: a
+    block's peak falls in its update, when the device holds its optimizer state and no weights."""
     spans = trace.spans(step)
     phases = list(dict.fromkeys(e.phase for e in spans))
     rows: dict[str, dict[str, Any]] = {}
     for e in spans:
-        row = rows.setdefault(e.layer, {"peak": -1, "breakdown": {}, "time": {}})
+        row = rows.setdefault(e.layer, {"peak": -1, "phase": "", "held": {}, "time": {}})
         if e.peak_bytes > row["peak"]:
-            row["peak"], row["breakdown"] = e.peak_bytes, e.peak_breakdown
+            row["peak"], row["phase"] = e.peak_bytes, e.phase
+        for c, nbytes in e.layer_bytes.items():
+            row["held"][c] = max(row["held"].get(c, 0), nbytes)
         row["time"][e.phase] = row["time"].get(e.phase, 0.0) + e.duration_s
     title = "device memory by layer" + (f", step {step}" if step is not None else "") \
         + (" (the peak step)" if step is not None and step == trace.peak_step() and len(trace.steps()) > 1 else "")
-    table = Table(title=title, show_lines=False)
+    table = Table(title=title, show_lines=False, caption="peak: the device's while the layer ran; categories: the "
+                  "most the layer itself held", caption_justify="left")
     table.add_column("layer", style="bold")
     table.add_column("peak", justify="right")
+    table.add_column("in", justify="left")
     for c in CATEGORIES:
         table.add_column(c, justify="right")
     for p in phases:
         table.add_column(f"{p} ms", justify="right")
     for layer, row in rows.items():
-        table.add_row(layer, format_size(row["peak"]), *(format_size(row["breakdown"].get(c, 0)) for c in CATEGORIES),
+        held = [format_size(row["held"][c]) if c in row["held"] else "-" for c in CATEGORIES]  # "-": an old trace
+        table.add_row(layer, format_size(row["peak"]), row["phase"], *held,
                       *(f"{row['time'][p] * 1e3:.1f}" if p in row["time"] else "" for p in phases))
     return table

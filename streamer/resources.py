@@ -88,6 +88,10 @@ def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
 def check_host_resources(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[RunConfig, str | None]:
     """`fit_host_resources` against this machine's available RAM and the run folder's free disk."""
     folder = _existing_ancestor(Path(cfg.run_dir))
+    # A read-only mount reports no free space (or a full disk's): say what it is, not "0 B free".
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        raise RunError(f"{folder} is on a read-only filesystem, where the run's store cannot be written; choose a "
+                       "folder on a writable one with --run-dir")
     return fit_host_resources(cfg, model_cfg, psutil.virtual_memory().available, shutil.disk_usage(folder).free,
                               folder)
 

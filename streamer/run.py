@@ -4,7 +4,9 @@
 Settings resolve in this order, later winning: RunConfig's defaults, the demo's defaults (only when nothing
 names a model or data: `streamer train` alone is the demo), the `--config` TOML file, the flags. TOML is read
 with tomllib and written here as flat `key = value` lines; a setting that is None is left out (TOML has no
-null), and paths are written absolute so that a run can be resumed from any working directory.
+null). Paths are written absolute so that a run can be resumed from any working directory, except those inside
+the run's own folder: they are written relative to it, and read relative to the file, so a copied run folder is
+the copy's.
 """
 from __future__ import annotations
 
@@ -164,9 +166,15 @@ class RunConfig:
         return "demo" if self.model == DEMO_MODEL else Path(self.model).stem
 
     # --- TOML -----------------------------------------------------------------------------------
-    def to_toml(self) -> str:
+    def to_toml(self, folder: str | Path | None = None) -> str:
+        """The settings as TOML; paths inside `folder` (the run's own, where the file goes) relative to it."""
         lines = ["# weight-streaming run settings: the keys are `streamer train`'s flags with _ for -"]
-        for name, value in self.flat().items():
+        values = self.flat()
+        if folder is not None:
+            inside = Path(os.path.abspath(folder))
+            values.update({k: os.path.relpath(v, inside) for k, v in self._paths().items()
+                           if Path(os.path.abspath(v)).is_relative_to(inside)})
+        for name, value in values.items():
             if value is not None and not (name == "model" and self.from_pretrained is not None):
                 lines.append(f"{name} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"

@@ -123,7 +123,7 @@ class RunDir:
 
     def write_config(self, cfg: RunConfig) -> None:
         tmp = self.config.with_suffix(".toml.tmp")
-        tmp.write_text(cfg.to_toml(), encoding="utf-8")
+        tmp.write_text(cfg.to_toml(self.root), encoding="utf-8")  # its own paths relative: a copy is the copy's
         tmp.replace(self.config)  # atomic: a run is a run once its whole config is there
 
     def append_metrics(self, record: dict[str, Any]) -> None:

@@ -391,6 +391,34 @@ def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monke
         RunDir.create("r")
 
 
+def test_a_copied_run_folder_is_the_copy_s_own(capsys, tmp_path, tiny_setup):
+    """config.toml keeps the run's own paths relative to its folder: a copy (the original moved away) serves
+    generate, eval and resume, and `--config COPY/config.toml` or `--run-dir COPY` continue the copy."""
+    import shutil
+    setup = tmp_path / "setup"
+    shutil.copytree(tiny_setup, setup)
+    original, copy = tmp_path / "run", tmp_path / "elsewhere" / "copy"
+    assert run_cli(capsys, *tiny_args(setup, original, 2))[0] == 0
+    saved = read_toml(original / "config.toml")
+    assert (saved["run_dir"], saved["data"]) == (str(original), str(setup / "train.txt"))
+    assert 'run_dir = "."' in (original / "config.toml").read_text()  # what the raw file holds
+    shutil.copytree(original, copy)
+    original.rename(tmp_path / "moved")  # nothing may reach the original's path any more
+    rc, out, err = run_cli(capsys, "generate", copy, "--prompt", "The for statement", "--max-new-tokens", 3)
+    assert rc == 0 and "tokens in" in out, err
+    rc, out, err = run_cli(capsys, "eval", copy, "--data", setup / "train.txt")
+    assert rc == 0 and f"step 2 of {copy}" in out, err
+    # Before any command rewrites config.toml: the copy's own file names the copy.
+    rc, out, err = run_cli(capsys, "train", "--config", copy / "config.toml", "--steps", 3)
+    assert rc == 0 and f"{copy} holds this run at step 2: continuing it to step 3" in " ".join(out.split()), err
+    rc, out, err = run_cli(capsys, *tiny_args(setup, copy, 4))
+    assert rc == 0 and f"{copy} holds this run at step 3: continuing it to step 4" in " ".join(out.split()), err
+    rc, out, err = run_cli(capsys, "train", "--resume", copy, "--steps", 5)
+    assert rc == 0 and f"run {copy}" in out, err
+    assert not original.exists() and RunDir.open(copy).committed_step() == 5
+    assert RunDir.open(copy).read_config().run_dir == str(copy)
+
+
 def test_plan_devices_prices_the_all_reduce_and_prints_the_scaling_curve(capsys):
     args = ("plan", "--model", "gptj-6b", "--target", "h100-sxm", "--batch", 64, "--seq", 2048,
             "--activations", "checkpoint", "--store", "ram")  # on disk every rank waits on its own drive

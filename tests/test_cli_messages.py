@@ -162,3 +162,26 @@ def test_a_json_config_with_a_byte_order_mark_is_read(tiny_setup, tmp_path, caps
     config.write_bytes(b"\xef\xbb\xbf" + (tiny_setup / "config.json").read_bytes())
     rc, out, err = run_cli(capsys, "plan", "--model", config, "--target", "cs2", "--seq", 32, "--batch", 2)
     assert rc == 0 and "peak" in out, err
+
+
+def test_a_run_dir_on_a_read_only_filesystem_is_named_so(tiny_setup, tmp_path, capsys, monkeypatch):
+    """A read-only mount reports no free space; `streamer train` says it is read-only and names --run-dir, not
+    that the disk has 0 B free. (The mount is simulated: statvfs reports it read-only and empty.)"""
+    import os
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    statvfs = os.statvfs
+
+    def read_only(path):  # as a read-only mount reports itself: flagged ST_RDONLY, no block available
+        real = statvfs(path)
+        if Path(path) != mount:
+            return real
+        fields = list(real)
+        fields[4], fields[8] = 0, real.f_flag | os.ST_RDONLY  # f_bavail, f_flag
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", read_only)
+    line = fails(capsys, *train_argv(tiny_setup, mount / "run", tiny_setup / "train.txt"))
+    assert line == (f"error: {mount} is on a read-only filesystem, where the run's store cannot be written; "
+                    "choose a folder on a writable one with --run-dir")
+    assert list(mount.iterdir()) == []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -264,12 +265,52 @@ def test_stale_or_damaged_cache_is_recalibrated(tmp_path, monkeypatch) -> None:
     payload = json.loads(cache.read_text())
     payload["fingerprint"]["cpus"] = -1  # as if copied from another machine
     (key,) = payload["entries"]
-    payload["entries"][key]["source"] = "stale"
+    payload["entries"][key]["spec"]["source"] = "stale"
     cache.write_text(json.dumps(payload))
     assert calibrate.local_spec(tmp_path, DEBUG, "fp32").source != "stale"
     cache.write_text("{not json")
     assert calibrate.local_spec(tmp_path, DEBUG, "fp32").name == "local"
     assert json.loads(cache.read_text())["version"] == calibrate.CACHE_VERSION
+
+
+def test_a_calibration_taken_on_a_busy_machine_says_so_and_is_measured_again_when_quiet(tmp_path, monkeypatch,
+                                                                                        capsys) -> None:
+    """`streamer plan --target local` on a cached calibration: one taken while other processes kept the cores busy
+    is said in one note line each time it is used, and measured again once the machine is quiet; a quiet one is
+    reused whatever the load. The load readings are scripted: others keep `load["cores"]` busy."""
+    from streamer.cli.main import main
+    cores = os.cpu_count() or 1
+    load, clock, made = {"cores": float(cores)}, [0.0, 0.0], []
+
+    def cpu_clock() -> tuple[float, float, float]:  # a second passes between readings, others run load["cores"]
+        clock[0] += 1.0
+        clock[1] += load["cores"]
+        return clock[0], clock[1], 0.0
+
+    def measured(directory, shape, dtype, sizes=None):
+        directory.mkdir(parents=True, exist_ok=True)
+        made.append(load["cores"])
+        return replace(DEVICE_PRESETS["a100-40g"], name="local", source=f"calibration {len(made)}")
+
+    monkeypatch.setattr(calibrate, "cpu_clock", cpu_clock)
+    monkeypatch.setattr(calibrate, "calibrate", measured)
+    monkeypatch.setattr(calibrate, "QUIET_SAMPLE_S", 0.0)
+    monkeypatch.chdir(tmp_path)
+
+    def plan() -> list[str]:
+        assert main(["plan", "--model", "gptj-debug", "--target", "local", "--batch", "2", "--seq", "32"]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if "other processes" in line]
+
+    note = (f"note: calibrated while other processes kept {cores:.1f} of {cores} cores busy: its times may be slow; "
+            "it is measured again when the machine is quiet (or now with `streamer calibrate`)")
+    assert plan() == [note] and made == [cores]  # measured busy: said
+    assert plan() == [note] and made == [cores]  # still busy: reused, said again
+    entry = next(iter(json.loads((tmp_path / "runs" / calibrate.CACHE_NAME).read_text())["entries"].values()))
+    assert entry["others_cores"] == cores and entry["spec"]["source"] == "calibration 1"
+    load["cores"] = calibrate.BUSY_SHARE * cores  # at the threshold: quiet
+    assert plan() == [] and made == [cores, load["cores"]]  # measured again, quietly
+    load["cores"] = float(cores)
+    assert plan() == [] and len(made) == 2  # a quiet calibration stays whatever the load now
 
 
 def test_local_without_cache_dir(monkeypatch) -> None:

@@ -124,6 +124,21 @@ def test_peak_breakdown_is_the_makeup_at_the_peak() -> None:
     assert ledger.peak == 120 and ledger.peak_breakdown["activations"] == 0
 
 
+def test_a_window_for_a_layer_keeps_the_most_that_layer_held_of_each_category() -> None:
+    ledger = Ledger(None)
+    weights = ledger.allocate("weights", "block.0", 400)  # held before the window opens: counted
+    window = ledger.open_window("block.0")
+    ledger.free(ledger.allocate("optimizer", "block.1", 9000))  # another layer's: the device peak, not block.0's
+    first = ledger.allocate("activations", "block.0", 300)
+    ledger.free(first)
+    ledger.free(ledger.allocate("activations", "block.0", 200))  # less than before: the most stays 300
+    ledger.free(weights)
+    stats = ledger.close_window(window)
+    assert stats.layer_peaks == {"weights": 400, "gradients": 0, "optimizer": 0, "activations": 300, "workspace": 0}
+    assert stats.peak == 9400 and stats.peak_breakdown["weights"] == 400
+    assert ledger.close_window(ledger.open_window()).layer_peaks == {}  # a window for no layer keeps none
+
+
 def test_rejects_bad_requests() -> None:
     ledger = Ledger(100)
     with pytest.raises(ValueError, match="category"):

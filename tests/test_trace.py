@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 from memory_model import CATEGORIES, PHASES, DeviceOutOfMemory, Ledger, Trace
+from memory_model.trace import MemorySample, SpanEvent, plot_trace
 
 META = {"model": "gptj-debug", "batch": 2, "seq": 16, "budget": "4KiB", "baseline_bytes": 16 * 300, "params": 300}
 
@@ -113,7 +114,7 @@ def test_spans_from_two_threads(traced) -> None:
 # --- JSON ---------------------------------------------------------------------------------------------------
 EVENT_TYPES = {"layer": str, "phase": str, "step": (int, type(None)), "micro": (int, type(None)), "start_s": float,
                "end_s": float, "thread": str, "ok": bool, "device_bytes": dict, "peak_bytes": int,
-               "peak_breakdown": dict, "host_rss_bytes": int}
+               "peak_breakdown": dict, "host_rss_bytes": int, "layer_bytes": dict}
 
 
 def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
@@ -121,7 +122,7 @@ def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
     path = tmp_path / "trace.json"
     trace.to_json(path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == "weight-streaming.trace" and raw["version"] == 1
+    assert raw["schema"] == "weight-streaming.trace" and raw["version"] == 2
     assert raw["categories"] == list(CATEGORIES) and raw["meta"] == META
     assert set(raw) == {"schema", "version", "meta", "categories", "events", "memory", "summary"}
     for event in raw["events"]:
@@ -129,7 +130,8 @@ def test_json_follows_the_documented_schema(traced, tmp_path) -> None:
         for key, kind in EVENT_TYPES.items():
             assert isinstance(event[key], kind), key
         assert event["phase"] in PHASES
-        assert set(event["device_bytes"]) == set(event["peak_breakdown"]) == set(CATEGORIES)
+        assert set(event["device_bytes"]) == set(event["peak_breakdown"]) == set(event["layer_bytes"]) \
+            == set(CATEGORIES)
         assert sum(event["peak_breakdown"].values()) == event["peak_bytes"]
     assert raw["memory"]["columns"] == ["t_s", *CATEGORIES]
     assert all(len(row) == 1 + len(CATEGORIES) for row in raw["memory"]["rows"])
@@ -197,6 +199,63 @@ def test_plot_writes_a_png(traced, tmp_path) -> None:
         trace.plot(tmp_path / "none.png", step=7)
 
 
+def _timed_step() -> Trace:
+    """One step laid out in whole seconds: each unit loaded, then its forward; the backward in reverse with each
+    gradient offloaded; the update. The device holds 100 B of weights per loaded unit."""
+    trace = Trace(None, {**META, "baseline_bytes": 16 * 300})
+    units, t, clock = ("embed", "block.0", "block.1", "head"), 0.0, []
+
+    def span(layer: str, phase: str, length: float, thread: str = "MainThread") -> None:
+        nonlocal t
+        held = dict.fromkeys(CATEGORIES, 0) | {"weights": 100}
+        trace.events.append(SpanEvent(layer, phase, 1, 0, t, t + length, thread, True, held, 100, held, 1, held))
+        clock.append(t)
+        t += length
+
+    for unit in units:
+        span(unit, "load", 0.5, "io")
+        span(unit, "forward", 1.0)
+    for unit in reversed(units):
+        span(unit, "backward", 2.0)
+        span(unit, "offload", 0.5, "io")
+    for unit in units:
+        span(unit, "update", 1.0)
+    trace.samples = [MemorySample(at, (100, 0, 0, 0, 0)) for at in clock]
+    return trace
+
+
+def _texts(ax) -> list[str]:
+    return [text.get_text() for text in ax.texts]
+
+
+def test_plot_names_the_phases_and_the_unit_on_the_device(tmp_path) -> None:
+    """The plot's upper axes shade and name the forward, backward and update; its lanes name each unit as it runs,
+    is loaded and is offloaded; the legend gives each phase's colour."""
+    trace = _timed_step()
+    figure = plot_trace(trace, tmp_path / "memory.png", step=1)
+    memory, lanes = figure.axes
+    assert _texts(memory) == ["forward", "backward", "update"]
+    bands = [(round(patch.get_x(), 6), round(patch.get_x() + patch.get_width(), 6)) for patch in memory.patches
+             if patch.get_alpha() == 0.12]
+    assert bands == [(0.5, 6.0), (6.0, 15.5), (16.0, 20.0)]  # each from its first compute span to its last
+    named = _texts(lanes)
+    units = ["embed", "block.0", "block.1", "head"]
+    assert named == [*units, *reversed(units), *units, *units, *reversed(units)]  # device, then load, offload
+    assert [label.get_text() for label in lanes.get_yticklabels()] == ["offload", "load", "device"]
+    assert [t.get_text() for t in lanes.get_legend().get_texts()] == ["load", "forward", "backward", "offload",
+                                                                      "update"]
+    assert lanes.get_xlabel() == "seconds into step 1"
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("baseline, said", [(16 * 300, "48.0x below"), (20, "5.0x above")])
+def test_plot_title_says_above_or_below_the_baseline(baseline, said) -> None:
+    trace = _timed_step()
+    trace.meta["baseline_bytes"] = baseline
+    title = plot_trace(trace, None).axes[0].get_title()
+    assert f"device peak 100 B, {said} the 16 B/param baseline" in title
+
+
 def test_table_has_a_row_per_layer(traced) -> None:
     trace, _ = traced
     table = trace.table()
@@ -208,6 +267,38 @@ def test_table_has_a_row_per_layer(traced) -> None:
     console.print(trace.table(step=1))
     text = console.export_text()
     assert "block.0" in text and "block.1" in text
+
+
+def test_table_gives_what_each_layer_itself_held(traced) -> None:
+    """Each layer's category columns are its own bytes at their most (block.0's weights while loaded, its update's
+    optimizer state), not the device's makeup at the layer's peak, whose weights may be another layer's or none."""
+    trace, _ = traced
+    console = Console(record=True, width=250)
+    console.print(trace.table(step=1))
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in console.export_text().splitlines() if line.startswith("│")}
+    assert rows["block.0"][2:7] == ["400 B", "400 B", "1.17 KiB", "300 B", "500 B"]
+    assert rows["block.1"][2:7] == ["400 B", "400 B", "0 B", "300 B", "500 B"]
+    # The peak column stays the device's, with the phase it fell in.
+    assert [rows[layer][:2] for layer in ("block.0", "block.1")] == [["1.17 KiB", "forward"],
+                                                                     ["1.46 KiB", "forward"]]
+    update = next(e for e in trace.spans(1) if e.phase == "update")
+    assert update.peak_breakdown["weights"] == 0 and update.layer_bytes["optimizer"] == 1200
+
+
+def test_a_version_1_trace_still_reads(traced) -> None:
+    """Traces written before spans kept their layer's own bytes: read, with those columns shown as unknown."""
+    trace, _ = traced
+    raw = trace.to_dict()
+    raw["version"] = 1
+    for event in raw["events"]:
+        del event["layer_bytes"]
+    old = Trace.from_dict(raw)
+    assert old.summary() == trace.summary() and all(e.layer_bytes == {} for e in old.events)
+    console = Console(record=True, width=250)
+    console.print(old.table(step=1))
+    row = next(line for line in console.export_text().splitlines() if line.startswith("│ block.0 "))
+    assert [cell.strip() for cell in row.split("│")[4:9]] == ["-"] * len(CATEGORIES)
 
 
 def test_summary(traced) -> None:
@@ -291,8 +382,18 @@ def test_every_place_names_the_same_peak_through_the_cli(tiny_setup, tmp_path, c
     assert (shown["step"], shown["peak_step"], shown["peak_bytes"]) == (top, top, peaks[top])
     assert main(["trace", str(run), "--step", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_bytes"] == peaks[4]
+    peak_plot = (run / "memory.png").read_bytes()
     assert main(["trace", str(run), "--step", "4"]) == 0
     other = " ".join(capsys.readouterr().out.split())
+    # Each block's weights column is its own fp32 weights (it read 0 B: the device's makeup at the block's peak,
+    # which falls in its fused update).
+    from conftest import TINY_RUN_MODEL
+    weights = format_size(4 * TINY_RUN_MODEL.unit_device_params("block.0"))
+    for block in ("block.0", "block.1"):
+        assert f"│ {block} │" in other and other.split(f"│ {block} │")[1].split("│")[2].strip() == weights, other
+    # One step's plot goes to a file of its own, named where it is said; the peak step's plot stays.
+    assert f"plot: {run / 'memory-step4.png'}" in other and (run / "memory-step4.png").stat().st_size > 10_000
+    assert (run / "memory.png").read_bytes() == peak_plot
     assert (f"device peak of step 4: {format_size(peaks[4])} (the highest, {format_size(peaks[top])}, is at step "
             f"{top})") in other
     # --trace-steps 1 keeps the last step and the peak step, as the schema says.

@@ -6,6 +6,10 @@ planned model's own block and head, narrowed and shortened to fit a time budget,
 takes seconds even where that dtype is emulated. The result is cached as JSON in the run directory and
 reused while the machine's fingerprint (cpu, thread count, RAM, torch version), the dtype and the probed
 shape are unchanged.
+
+Each calibration records the load other processes put on the cores while it ran. One taken while they kept
+the machine busy (more than BUSY_SHARE of its cores) says so in a note of the spec, which `streamer plan`
+prints, and is measured again the first time it is asked for on a quiet machine.
 """
 from __future__ import annotations
 
@@ -35,7 +39,11 @@ from streamer.calibration.host_costs import HostCosts, measure_host_costs
 from streamer.store.direct import AlignedBuffers, SequentialFile
 
 CACHE_NAME = "device-local.json"
-CACHE_VERSION = 16
+CACHE_VERSION = 17  # each entry: the spec and the load other processes put on the cores while it was measured
+# Other processes' average use of the cores over a calibration above which its timings count as disturbed: a
+# tenth of the machine (0.2 cores of 2) slows a probe that runs on every core by about as much.
+BUSY_SHARE = 0.1
+QUIET_SAMPLE_S = 0.5  # how long the load is sampled before a busy calibration is measured again
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A CPU's LayerNorm, GELU, rotary, casts and attention take ~2x a block's matmuls (kernels.py): probe for 3x.
 _PROBE_OVERHEAD = 3
@@ -440,10 +448,42 @@ _MEASURED_BY = {"memory_bytes": "psutil: the whole RAM, shared by the cpu device
                 "host_update_bw": _ADAMW, "device_mem_bandwidth": _ADAMW}
 
 
+def cpu_clock() -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds every core has run since boot, of them this process's and its children's)."""
+    machine = psutil.cpu_times()
+    ran = sum(getattr(machine, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = psutil.Process().cpu_times()
+    return time.perf_counter(), ran, own.user + own.system + own.children_user + own.children_system
+
+
+def others_cores(begin: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """The cores other processes kept busy on average between two `cpu_clock` readings."""
+    wall, ran, own = (b - a for a, b in zip(begin, end))
+    return max(0.0, ran - own) / max(wall, 1e-9)
+
+
+def busy(load: float) -> bool:
+    """Whether other processes' `load` (in cores) disturbs a calibration of this machine."""
+    return load > BUSY_SHARE * (os.cpu_count() or 1)
+
+
+def load_now() -> float:
+    """Other processes' load on the cores now, sampled over QUIET_SAMPLE_S while this process waits."""
+    begin = cpu_clock()
+    time.sleep(QUIET_SAMPLE_S)
+    return others_cores(begin, cpu_clock())
+
+
+def _busy_note(load: float) -> str:
+    return (f"calibrated while other processes kept {load:.1f} of {os.cpu_count()} cores busy: its times may be "
+            "slow; it is measured again when the machine is quiet (or now with `streamer calibrate`)")
+
+
 def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: bool = False,
                sizes: CalibrationSizes | None = None) -> DeviceSpec:
     """The cached calibration in cache_dir when it matches this machine, the dtype and the probed shape, else
-    a fresh one (then cached beside the others)."""
+    a fresh one (then cached beside the others). A cached one taken on a busy machine is measured again if the
+    machine is quiet now; else it is used, its note saying it was busy."""
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
             return calibrate(Path(tmp), shape, dtype, sizes)
@@ -451,11 +491,15 @@ def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: 
     key = _cache_key(shape, dtype, DEFAULT_SIZES if sizes is None else sizes)
     entries = _read_cache(path)
     cached = None if refresh else cached_local_spec(cache_dir, shape, dtype, sizes)
-    if cached is not None:  # else none, or damaged: measured again below
-        return cached
+    if cached is not None and not (busy(entries[key]["others_cores"]) and not busy(load_now())):
+        return cached  # else none, damaged, or busy while the machine is quiet now: measured again below
+    begin = cpu_clock()
     spec = calibrate(cache_dir, shape, dtype, sizes)
+    load = others_cores(begin, cpu_clock())
+    if busy(load):
+        spec = replace(spec, notes=(*spec.notes, _busy_note(load)))
     payload = {"version": CACHE_VERSION, "fingerprint": fingerprint(),
-               "entries": {**entries, key: spec.to_dict()}}
+               "entries": {**entries, key: {"spec": spec.to_dict(), "others_cores": load}}}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)  # atomic: a concurrent reader sees the old cache or the new one, never half
@@ -468,7 +512,8 @@ def cached_local_spec(cache_dir: Path, shape: ModelConfig, dtype: str, sizes: Ca
     is measured: `streamer train` reads it to price a clipping step's schedules on `local`."""
     entry = _read_cache(cache_dir / CACHE_NAME).get(_cache_key(shape, dtype, DEFAULT_SIZES if sizes is None else sizes))
     try:
-        return None if entry is None else DeviceSpec.from_dict(entry)
+        return None if entry is None or not isinstance(entry["others_cores"], (int, float)) \
+            else DeviceSpec.from_dict(entry["spec"])
     except (ValueError, KeyError, TypeError):
         return None
 

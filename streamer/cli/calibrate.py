@@ -73,6 +73,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
         if figure.basis == "measured":
             console.print(f"{name} = {figure.value:.6g}  ({figure.source})", markup=False, highlight=False)
     console.print(f"saved in {saved}", markup=False, highlight=False)
+    for note in spec.notes if spec.name == "local" else ():  # what it measured on, and a busy machine if it was
+        console.print(f"note: {note}", markup=False, highlight=False)
     if args.target is not None or device.type == "cuda":
         console.print(f"plan with them: streamer plan --target {spec.name} {set_flags(spec)}", markup=False,
                       highlight=False)

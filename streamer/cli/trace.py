@@ -26,7 +26,8 @@ def declare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="a run directory or a trace JSON file")
     parser.add_argument("--step", type=int, help="one of the steps the trace keeps (default: the peak step, the "
                         "one with the highest device peak)")
-    parser.add_argument("--out", help="the PNG to write (default: RUN/memory.png)")
+    parser.add_argument("--out", help="the PNG to write (default: RUN/memory.png, or RUN/memory-stepN.png with "
+                        "--step N, leaving the peak step's plot as it is)")
     parser.add_argument("--chrome", help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev) here")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -62,7 +63,7 @@ def trace_command(args: argparse.Namespace) -> int:
                        "--trace-steps, default 8, and every --trace-every-th); to keep others, train with "
                        "--trace-every N or a larger --trace-steps")
     summary = trace.summary(step)
-    out: Path | None = Path(args.out) if args.out else path.with_name("memory.png")
+    out: Path | None = Path(args.out) if args.out else path.with_name(plot_name(args.step))
     if args.out or _writable(out):
         trace.plot(out, step=step)
     else:  # a run folder that is archived, shared or mounted read-only: the table alone, and where a plot can go
@@ -80,6 +81,12 @@ def trace_command(args: argparse.Namespace) -> int:
     shown = f"plot: {out}" if out else f"plot: not written ({path.parent} is read-only); pass --out FILE.png"
     console.print(shown + (f"; Chrome trace: {args.chrome}" if args.chrome else ""), markup=False)
     return 0
+
+
+def plot_name(step: int | None) -> str:
+    """The plot's file name beside the trace: memory.png shows the peak step (train writes it too); a step picked
+    with --step gets its own file, so looking at one step never replaces the peak step's plot."""
+    return "memory.png" if step is None else f"memory-step{step}.png"
 
 
 def _writable(path: Path) -> bool:
