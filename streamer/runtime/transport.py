@@ -6,8 +6,8 @@ Three cases, one interface:
 - `cuda`: bytes cross on a side stream with non-blocking copies, and the compute stream waits on an event
   before it touches them. They cross from and to staging buffers of a bounded pool (`StagingPool`), pinned
   unless the store's `pin_memory` is "none": disk slabs are read into one, a RAM slab is copied into one
-  (pin_memory "staging") or crosses straight from the slab (pinned with "all"; pageable with "none", which the
-  CUDA driver then stages itself). Offloaded block inputs go to pinned buffers of their own pool and back.
+  (pin_memory "staging", on several threads: `HostCopier`) or crosses straight from the slab (`crosses_directly`:
+  pinned with "all" or "register"; pageable with "none", which the CUDA driver then stages itself). Offloaded block inputs go to pinned buffers of their own pool and back.
 - `meta`: shapes only, for the dry run (the real schedule and ledger, no memory, no I/O).
 The ledger is charged by the executor, not here, so its accounting does not depend on thread timing.
 """
@@ -126,6 +126,12 @@ class StagingPool:
                 self._free.setdefault((t.numel(), t.dtype), []).append((t, read))
 
 
+def crosses_directly(pin_memory: str) -> bool:
+    """Whether a RAM slab crosses to a CUDA device as it lies, with no staging copy on the host: pinned ("all"),
+    registered where it lies ("register"), or pageable where nothing is pinned ("none": the driver stages it)."""
+    return pin_memory != "staging"
+
+
 class Transport:
     def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype) -> None:
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
@@ -205,8 +211,7 @@ class Transport:
             out = self._take(numel, dtype, "device") if out is None else out
             out.copy_(ram) if ram is not None else fill(out)
             return out
-        # A pinned slab crosses as it is; so does a pageable one when nothing is pinned (the driver stages it).
-        direct = ram is not None and (ram.is_pinned() or self.store.pin_memory == "none")
+        direct = ram is not None and crosses_directly(self.store.pin_memory)
         host = ram if direct else self._take(numel, dtype, "pinned")
         if not direct:
             fill(host) if ram is None else host.copy_(ram)
