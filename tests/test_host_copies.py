@@ -1,0 +1,61 @@
+"""The host's side of a step on a CUDA device, tested on a CPU: staging copies split over threads, the I/O
+threads' intra-op thread count (the gradient fold runs on one), and the planner's price of each host copy."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from streamer.runtime.transport import HostCopier, IOQueues, split_evenly, staging_threads
+
+
+@pytest.mark.parametrize("n,parts", [(1000, 3), (2**20 + 7, 4), (64, 4), (5, 2)])
+def test_split_evenly_covers_every_element_once(n, parts):
+    bounds = split_evenly(n, parts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) <= parts
+    assert all(hi == lo for (_, hi), (lo, _) in zip(bounds, bounds[1:]))
+    assert all(lo % 64 == 0 for lo, _ in bounds)
+
+
+def test_a_split_copy_equals_torchs_and_runs_on_several_threads(monkeypatch):
+    copier = HostCopier(3)
+    seen: set[int] = set()
+    real = torch.Tensor.copy_
+
+    def watched(self, src, *args, **kwargs):
+        seen.add(threading.get_ident())
+        return real(self, src, *args, **kwargs)
+
+    src = torch.randn(3 * 2**20 + 5).to(torch.bfloat16)  # widened on the way, as a bf16 moment slab is
+    dst = torch.empty(src.numel(), dtype=torch.float32)
+    monkeypatch.setattr(torch.Tensor, "copy_", watched)
+    copier.copy_(dst, src)
+    monkeypatch.undo()
+    assert torch.equal(dst, src.float())
+    assert len(seen) == 3  # the caller's piece and two on the pool
+    small = torch.arange(10.0)
+    assert torch.equal(copier.copy_(torch.empty(10), small), small)  # below MIN_SPLIT_BYTES: one plain copy
+    with pytest.raises(ValueError):
+        copier.copy_(torch.empty(3), torch.empty(4))
+    copier.close()
+
+
+def test_staging_threads_by_cores():
+    assert [staging_threads(c) for c in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+
+
+def test_the_io_threads_use_every_intra_op_thread():
+    """The gradient fold (add_ into the fp32 accumulator) runs on the write thread on CUDA: its OpenMP team is
+    the main thread's size, so it is spread over the host's cores; torch.set_num_threads reaches it too."""
+    before = torch.get_num_threads()
+    io = IOQueues(threaded=True, inline_fold=False)
+    try:
+        assert io.folds.submit(torch.get_num_threads).result() == before
+        torch.set_num_threads(1)
+        fresh = IOQueues(threaded=True, inline_fold=False)
+        assert fresh.writes.submit(torch.get_num_threads).result() == 1
+        fresh.close()
+    finally:
+        torch.set_num_threads(before)
+        io.close()
