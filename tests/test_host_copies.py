@@ -59,3 +59,42 @@ def test_the_io_threads_use_every_intra_op_thread():
     finally:
         torch.set_num_threads(before)
         io.close()
+
+
+# --- the planner's price of the host's copies ------------------------------------------------------------------------
+def test_a_pageable_store_plan_pays_each_staging_copy_at_the_hosts_copy_rate():
+    """A RAM-tier step on a GPU preset whose host copies slowly: staged (--pin-memory staging), each load's bytes
+    are copied on the host before they cross, and the step takes at least those copies; registered, only the
+    update's write-backs are copied (from their pinned buffer into the slabs)."""
+    from dataclasses import replace
+
+    from layers import PRESETS
+    from memory_model import DEVICE_PRESETS, PlanConfig, plan
+    from memory_model.devices import with_sets
+
+    rate = 2e9
+    device = with_sets(DEVICE_PRESETS["h100-sxm"], [f"host_copy_bw={rate}"])
+    cfg = PlanConfig(batch=1, seq=2048, activations="checkpoint", moment_dtype="bf16")
+    shape = PRESETS["gptj-1.3b"]
+    registered = plan(shape, device, cfg, limits=False, pin_memory="register")
+    pageable = plan(shape, device, cfg, limits=False, pin_memory="staging")
+    assert pinned_all_equals(plan(shape, device, cfg, limits=False, pin_memory="all"), registered)
+    staged = pageable.link_bytes["host_copy"] - registered.link_bytes["host_copy"]
+    assert staged == pageable.link_bytes["h2d"]  # every load crosses from a RAM slab
+    assert registered.link_bytes["host_copy"] == registered.link_bytes["d2h"] - gradient_bytes(shape, cfg)
+    extra = pageable.resource_s["host copy"] - registered.resource_s["host copy"]
+    assert extra == pytest.approx(staged / rate, rel=1e-12)
+    assert pageable.step_time_s >= pageable.resource_s["host copy"] > registered.step_time_s
+    assert pageable.step_time_s - registered.step_time_s >= 0.5 * extra
+    # Where host and device share memory, or the device has no host copy rate, nothing is priced.
+    unknown = replace(device, host_copy_bw=None)
+    assert plan(shape, unknown, cfg, limits=False, pin_memory="staging").resource_s["host copy"] == 0.0
+
+
+def pinned_all_equals(a, b) -> bool:
+    return a.step_time_s == b.step_time_s and a.link_bytes == b.link_bytes
+
+
+def gradient_bytes(shape, cfg) -> int:
+    """The weight gradients a backward sends home: bf16, one per unit's device parameters."""
+    return sum(shape.unit_device_params(u) for u in shape.unit_names()) * cfg.dtype_bytes

@@ -7,7 +7,8 @@ Three cases, one interface:
   before it touches them. They cross from and to staging buffers of a bounded pool (`StagingPool`), pinned
   unless the store's `pin_memory` is "none": disk slabs are read into one, a RAM slab is copied into one
   (pin_memory "staging", on several threads: `HostCopier`) or crosses straight from the slab (`crosses_directly`:
-  pinned with "all" or "register"; pageable with "none", which the CUDA driver then stages itself). Offloaded block inputs go to pinned buffers of their own pool and back.
+  pinned with "all" or "register"; pageable with "none", which the CUDA driver then stages itself). Offloaded
+  block inputs go to pinned buffers of their own pool and back.
 - `meta`: shapes only, for the dry run (the real schedule and ledger, no memory, no I/O).
 The ledger is charged by the executor, not here, so its accounting does not depend on thread timing.
 """
@@ -27,6 +28,11 @@ from streamer.store.layout import fold_into
 from streamer.store.spec import STATE_KINDS
 
 T = TypeVar("T")
+
+# The host's work as named in a torch.profiler trace (record_function ranges), which gpu-check's breakdown of a
+# step's time reads: staging copies, the gradient fold, AdamW on the host and the update's write-backs.
+HOST_COPY, GRADIENT_FOLD, HOST_UPDATE, WRITE_BACK = "ws: host copy", "ws: gradient fold", "ws: host update", \
+    "ws: write-back"
 
 
 class IOWorker:
@@ -74,14 +80,15 @@ class HostCopier:
         n = dst.numel()
         if src.numel() != n:
             raise ValueError(f"a host copy of {src.numel()} elements into {n}")
-        if self._pool is None or n * max(dst.element_size(), src.element_size()) < self.MIN_SPLIT_BYTES:
-            return dst.copy_(src)
-        bounds = split_evenly(n, self.threads)
-        rest = [self._pool.submit(dst[lo:hi].copy_, src[lo:hi]) for lo, hi in bounds[1:]]
-        lo, hi = bounds[0]
-        dst[lo:hi].copy_(src[lo:hi])
-        for future in rest:
-            future.result()
+        with torch.profiler.record_function(HOST_COPY):
+            if self._pool is None or n * max(dst.element_size(), src.element_size()) < self.MIN_SPLIT_BYTES:
+                return dst.copy_(src)
+            bounds = split_evenly(n, self.threads)
+            rest = [self._pool.submit(dst[lo:hi].copy_, src[lo:hi]) for lo, hi in bounds[1:]]
+            lo, hi = bounds[0]
+            dst[lo:hi].copy_(src[lo:hi])
+            for future in rest:
+                future.result()
         return dst
 
     def close(self) -> None:
