@@ -362,10 +362,10 @@ def open_trainer(cfg: ModelConfig, moments: str, memory: int, root: Path, result
 
 
 def check_model(model: str, machine: Machine, spec: DeviceSpec, budget: Budget, trace_dir: Path, seq: int,
-                profile: bool, device: str = "cuda") -> ModelResult:
-    """Fills its result as it goes, so that a failure part-way still leaves what was measured. `device` cpu: the
+                profile: bool, device: str = "cuda", result: ModelResult | None = None) -> ModelResult:
+    """Fills `result` as it goes, so that a failure part-way still leaves what was measured. `device` cpu: the
     tests' tiny run of the same path."""
-    result, cfg = ModelResult(model), PRESETS[model]
+    result, cfg = result or ModelResult(model), PRESETS[model]
     moments, why = choose_moments(cfg, psutil.virtual_memory().available)
     result.lines.append(f"- store: {why}")
     if moments is None:
@@ -674,6 +674,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     budget = Budget(args.budget_s, SECTION_ENDS)
     machine, spec, results, tests, notes, failed = Machine(), None, [], [], [], False
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> str:
+        """The report so far: written after every section, so that a check stopped from outside leaves one."""
+        text = report(machine, spec, results, tests, budget, args.seq, notes)
+        args.output.write_text(text)
+        return text
+
     try:
         machine = measure_machine()
         spec = gpu_spec(machine)
@@ -681,22 +689,22 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         notes.append(f"the machine's measurements failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
         failed = True
+    write()
     for i, model in enumerate(args.models if spec is not None else ()):
         if not budget.allows(model, "its store's set-up and one step", 150):
             continue
+        results.append(ModelResult(model))
         try:
-            results.append(check_model(model, machine, spec, budget, args.trace_dir, args.seq, profile=i == 0))
+            check_model(model, machine, spec, budget, args.trace_dir, args.seq, profile=i == 0, result=results[-1])
         except Exception as exc:  # the report still says what the runs so far found
             traceback.print_exc()
             notes.append(f"{model} failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
             failed = True
+        write()
     if budget.allows("tests", "tests/test_cuda.py", 60):
         args.trace_dir.mkdir(parents=True, exist_ok=True)
         tests = run_tests(args.trace_dir, timeout_s=budget.left("tests") - 5)
-    text = report(machine, spec, results, tests, budget, args.seq, notes)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(text + f"\nwrote {args.output}")
+    print(write() + f"\nwrote {args.output}")
     return 0 if not failed and all(t.outcome in ("passed", "skipped") for t in tests) else 1
 
 

@@ -168,16 +168,19 @@ def test_the_whole_script_runs_with_its_cuda_parts_replaced(monkeypatch, tmp_pat
                             d2h=55e9, host_copy={1: 6e9}, host_update=250e9, preset="h100-sxm")
     monkeypatch.setattr(check, "measure_machine", lambda: machine)
 
-    def one_model(model, machine, spec, budget, trace_dir, seq, profile):
+    def one_model(model, machine, spec, budget, trace_dir, seq, profile, result):
         clock.t += 440  # the first model takes most of the budget
-        return _result(spec)
+        filled = _result(spec)
+        result.lines, result.runs, result.breakdown = filled.lines, filled.runs[:2], filled.breakdown
+        raise RuntimeError("lost the GPU")  # what was measured before stays in the report
 
     monkeypatch.setattr(check, "check_model", one_model)
     budget = check.Budget(480, check.SECTION_ENDS, now=clock)
     monkeypatch.setattr(check, "Budget", lambda total, ends: budget)
     out = tmp_path / "GPU_CHECK.md"
-    assert check.main(["--output", str(out), "--trace-dir", str(tmp_path / "traces")]) == 0
+    assert check.main(["--output", str(out), "--trace-dir", str(tmp_path / "traces")]) == 1
     text = out.read_text()
+    assert "- gptj-6b failed: RuntimeError: lost the GPU" in text and "| 1 x 2048 | host | 1.90 s (1) |" in text
     assert "## gptj-6b" in text and "## llama-3.1-8b" not in text
     assert "- llama-3.1-8b: its store's set-up and one step: needs about 150 s" in text
     assert "- tests: tests/test_cuda.py: needs about 60 s" in text

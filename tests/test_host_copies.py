@@ -20,20 +20,24 @@ def test_split_evenly_covers_every_element_once(n, parts):
 
 def test_a_split_copy_equals_torchs_and_runs_on_several_threads(monkeypatch):
     copier = HostCopier(3)
-    seen: set[int] = set()
-    real = torch.Tensor.copy_
-
-    def watched(self, src, *args, **kwargs):
-        seen.add(threading.get_ident())
-        return real(self, src, *args, **kwargs)
-
     src = torch.randn(3 * 2**20 + 5).to(torch.bfloat16)  # widened on the way, as a bf16 moment slab is
     dst = torch.empty(src.numel(), dtype=torch.float32)
+    pieces: list[tuple[int, int, int]] = []  # (thread, offset into dst, elements) of each copy into dst
+    real = torch.Tensor.copy_
+
+    def watched(self, other, *args, **kwargs):
+        offset = (self.data_ptr() - dst.data_ptr()) // 4
+        if 0 <= offset < dst.numel():
+            pieces.append((threading.get_ident(), offset, self.numel()))
+        return real(self, other, *args, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "copy_", watched)
     copier.copy_(dst, src)
     monkeypatch.undo()
     assert torch.equal(dst, src.float())
-    assert len(seen) == 3  # the caller's piece and two on the pool
+    expected = split_evenly(dst.numel(), 3)
+    assert sorted((offset, offset + n) for _, offset, n in pieces) == expected
+    assert any(thread != threading.get_ident() for thread, _, _ in pieces)  # the pool took some
     small = torch.arange(10.0)
     assert torch.equal(copier.copy_(torch.empty(10), small), small)  # below MIN_SPLIT_BYTES: one plain copy
     with pytest.raises(ValueError):

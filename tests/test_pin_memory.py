@@ -1,4 +1,5 @@
-"""--pin-memory all|staging|none: the staging pool's bound, the resource check's arithmetic, resume honouring it.
+"""--pin-memory all|register|staging|none: the staging pool's bound, the resource check's arithmetic, resume
+honouring it, and registered slabs locked and unlocked (through a fake cudart).
 
 These run on a CPU: the pool is exercised with pageable buffers and CUDA is only pretended where a setting is
 checked; the copies through pinned memory themselves are CUDA-only.
