@@ -190,7 +190,7 @@ def test_the_whole_script_runs_with_its_cuda_parts_replaced(monkeypatch, tmp_pat
 def test_a_models_whole_check_on_a_cpu(tmp_path):
     """check_model's path (set-up, 1 x seq on the device's schedule, the profiled step, the update on the host,
     the planner's largest batch) on a CPU with a tiny model; its rows then make the report's targets."""
-    machine = check.Machine(gpu="cpu", memory=2**30, matmul_peak=50e9, h2d=10e9, d2h=10e9,
+    machine = check.Machine(gpu="cpu", memory=820 * 2**20, matmul_peak=50e9, h2d=10e9, d2h=10e9,
                             host_copy={1: 5e9}, host_update=5e9, preset="h100-sxm")
     spec = check.gpu_spec(machine)
     budget = check.Budget(600, {"gptj-debug": 1.0})
