@@ -149,9 +149,13 @@ def _host(ram: Figure, host: Host, disk: tuple[Figure, Figure] = (_a(7 * GB, _NV
     """The host side of a GPU system: RAM, its disks' read and write rates (one NVMe drive unless given) and the
     AdamW rate its memory bandwidth gives."""
     update = host.memory_bandwidth.value * _ADAMW_SHARE
+    copy = host.memory_bandwidth.value * _ADAMW_SHARE / 2
     return {"host_ram_bytes": ram, "disk_read_bw": disk[0], "disk_write_bw": disk[1],
             "host_update_bw": _d(update, f"derived: {host.cpu}'s {host.memory_bandwidth.value / GB:.0f} GB/s x "
                                          f"the AdamW share {_ADAMW_SHARE:.3f} ({_ADAMW_SHARE_SOURCE})"),
+            "host_copy_bw": _d(copy, f"derived: {host.cpu}'s {host.memory_bandwidth.value / GB:.0f} GB/s x the "
+                                     f"AdamW share {_ADAMW_SHARE:.3f} (a memory-bound pass alike) / 2: a copy reads "
+                                     "and writes each byte it moves"),
             "link_latency_s": _a(10e-6, _LATENCY)}
 
 

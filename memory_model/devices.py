@@ -70,6 +70,9 @@ class DeviceSpec:
     # The host's I/O to all its devices together, bytes/s each way, shared among the device streams it carries
     # (host_streams): MemoryX's, which serves every system. None: each device's own link is the only bound.
     host_io_bytes_per_s: float | None = None
+    # Bytes/s one host copy moves between two host buffers (a pageable RAM slab into a pinned staging buffer), with
+    # the threads the runtime spreads it over. None: not known, and host copies are not priced.
+    host_copy_bw: float | None = None
     # Measured costs besides the matmuls, by compute dtype (see kernels.py); empty: the presets' HBM-byte model.
     kernels: dict[str, KernelCosts] = field(default_factory=dict)
     source: str = ""
@@ -97,8 +100,9 @@ class DeviceSpec:
                 raise ValueError(f"{name} must be a positive integer number of bytes, got {value!r}")
         for name in ("device_mem_bandwidth", "disk_read_bw", "disk_write_bw", "host_update_bw"):
             _positive(name, getattr(self, name))
-        if self.host_io_bytes_per_s is not None:
-            _positive("host_io_bytes_per_s", self.host_io_bytes_per_s)
+        for name in ("host_io_bytes_per_s", "host_copy_bw"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         if not isinstance(self.h2d, Link) or not isinstance(self.d2h, Link):
             raise ValueError("h2d and d2h must be Link objects")
         for name in ("interconnect", "inter_node"):
@@ -236,7 +240,7 @@ FIGURES = ("memory_bytes", "reserve_bytes", "h2d_bytes_per_s", "d2h_bytes_per_s"
            "fp32_flops", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "training_mfu",
            "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw",
            "interconnect_bytes_per_s", "interconnect_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s",
-           "host_io_bytes_per_s")
+           "host_io_bytes_per_s", "host_copy_bw")
 _DIRECT = ("memory_bytes", "reserve_bytes", "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency",
            "training_mfu", "device_mem_bandwidth", "host_ram_bytes", "disk_read_bw", "disk_write_bw", "host_update_bw")
 _INTEGERS = ("memory_bytes", "reserve_bytes", "host_ram_bytes")
@@ -252,8 +256,9 @@ def figure_values(spec: DeviceSpec) -> dict[str, float]:
         link = getattr(spec, name)
         if link is not None:
             out.update({f"{name}_bytes_per_s": link.bandwidth_bytes_per_s, f"{name}_latency_s": link.latency_s})
-    if spec.host_io_bytes_per_s is not None:
-        out["host_io_bytes_per_s"] = spec.host_io_bytes_per_s
+    for name in ("host_io_bytes_per_s", "host_copy_bw"):
+        if getattr(spec, name) is not None:
+            out[name] = getattr(spec, name)
     return {name: out[name] for name in FIGURES if name in out}
 
 
@@ -269,7 +274,8 @@ def with_figures(spec: DeviceSpec, figures: dict[str, Figure]) -> DeviceSpec:
     return replace(spec, **direct, h2d=Link(values["h2d_bytes_per_s"], values["link_latency_s"]),
                    d2h=Link(values["d2h_bytes_per_s"], values["link_latency_s"]),
                    flops={d: values[f"{d}_flops"] for d in COMPUTE_DTYPES if f"{d}_flops" in values},
-                   **links, host_io_bytes_per_s=values.get("host_io_bytes_per_s"), figures={**spec.figures, **figures})
+                   **links, host_io_bytes_per_s=values.get("host_io_bytes_per_s"),
+                   host_copy_bw=values.get("host_copy_bw"), figures={**spec.figures, **figures})
 
 
 # `--set FIELD=NUMBER`: one figure replaced, for `streamer plan` and `streamer train` (RunConfig's `set`, recorded

@@ -362,9 +362,11 @@ def _max_shapes(shape: ModelConfig, cfg: PlanConfig, capacity: int, update_peak:
     return max_micro * group, max_seq
 
 
-def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True) -> Plan:
+def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool = True,
+         pin_memory: str = "all") -> Plan:
     """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`;
-    `limits` also searches the largest batch and seq that fit (most of the cost of a plan)."""
+    `limits` also searches the largest batch and seq that fit (most of the cost of a plan). `pin_memory`: the
+    run's --pin-memory on a CUDA device (timing.simulate prices the staging copies it makes)."""
     if cfg.seq > shape.context()[0]:
         raise ValueError(f"seq {cfg.seq} exceeds the model's context {shape.context()[1]}")
     units = shape.unit_names()
@@ -375,7 +377,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     moments = _memory_walk(shape, cfg, events, resident, micro, seq)
     peak_event, peak_bytes = max(moments, key=lambda m: sum(m[1]))
     peak = sum(peak_bytes)
-    timeline = simulate(events, resident, shape, cfg, device)
+    timeline = simulate(events, resident, shape, cfg, device, pin_memory=pin_memory)
 
     rows, frozen = [], cfg.lora.enabled
     for u in units:
@@ -428,7 +430,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         resource_s={r: timeline.busy[r] for r in RESOURCES},
         link_bytes={"h2d": sum(r.h2d_bytes for r in rows), "d2h": sum(r.d2h_bytes for r in rows),
                     "disk_read": sum(r.disk_read_bytes for r in rows),
-                    "disk_write": sum(r.disk_write_bytes for r in rows)},
+                    "disk_write": sum(r.disk_write_bytes for r in rows),
+                    "host_copy": sum(t.host_copy for t in timeline.per_unit.values())},
         max_batch_seq=None if max_batch is None else (max_batch, seq), max_seq=max_seq, rows=tuple(rows),
     )
 

@@ -2,7 +2,9 @@
 
 Each resource is a queue that does one thing at a time: the device's compute, the host-to-device and the
 device-to-host link (separate queues: PCIe, NVLink-C2C and Ethernet are full duplex), the peer interconnect,
-the host's cores (the gradient fold and a host update) and the disk. Event k issues the loads of its
+the host's cores (the gradient fold and a host update), the host's copies (a pageable RAM slab into a pinned
+staging buffer before it crosses, under --pin-memory staging or none; an update's new state from its pinned
+buffer into its RAM slabs) at the host's copy rate, and the disk. Event k issues the loads of its
 resident set that are not in flight (disk read, then h2d), waits for its own, computes; a backward's
 gradient goes d2h (after its all-reduce under data parallel), is folded on the host and written to disk,
 overlapping the next unit's backward, and is waited for when that one's gradient appears. An offloaded block
@@ -26,7 +28,10 @@ from memory_model.schedule import (
     BlockInput, Event, Resource, StateChunk, fetched_input, load_disk_bytes, releases, resource_charges, store_bytes,
 )
 
-RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "disk")
+RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "host copy", "disk")
+# --pin-memory modes whose RAM slabs are copied on the host before they cross (streamer/runtime/transport.py,
+# crosses_directly): into a staging buffer ("staging"), or by the CUDA driver ("none").
+STAGED_PIN_MODES = ("staging", "none")
 # A unit's new state file is sealed with three flushes (streamer/store/files.py, GenerationWriter.finish): its
 # data, then its trailer and size, then its folder once it is renamed into place.
 SEAL_FLUSHES = 3
@@ -45,6 +50,7 @@ class UnitTimes:
     update_s: float = 0.0
     h2d: int = 0
     d2h: int = 0
+    host_copy: int = 0
     disk_read: int = 0
     disk_write: int = 0
 
@@ -101,9 +107,18 @@ def _link(nbytes: int, device: DeviceSpec, direction: str, cfg: PlanConfig) -> f
     return device.host_link_time(direction, nbytes, cfg.devices, cfg.ranks_per_node)
 
 
+def _host_copy_s(nbytes: int, device: DeviceSpec) -> float:
+    """A copy of nbytes from one host buffer into another at the host's copy rate; none where host and device
+    share memory (a RAM slab is handed over as it is) or where the device has no host copy rate."""
+    if device.same_memory or device.host_copy_bw is None:
+        return 0.0
+    return nbytes / device.host_copy_bw
+
+
 def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
-          queues: _Queues, issued: float) -> float:
-    """Book a load (disk read, then the h2d copy); returns when it is on the device."""
+          queues: _Queues, issued: float, staged: bool) -> float:
+    """Book a load (disk read, or the copy of its RAM slab into a staging buffer where `staged`; then the h2d
+    copy); returns when it is on the device."""
     # What a load moves is what the resource holds on a device that runs the update (the schedule's charges);
     # with the update on the host a chunk is read from disk but does not cross the link. A block input comes
     # from host memory, not from the store.
@@ -113,10 +128,14 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     h2d = nbytes if not isinstance(resource, StateChunk) or cfg.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
     read_s += _moments_s(resource, cfg, device, "dequantize_s")  # the I/O worker decodes what it read
-    times.load_s += read_s + copy_s
+    # A RAM slab staged on the host: the buffer it fills is what crosses (a bf16 moment widened on the way).
+    host_copy = h2d if staged and cfg.store == "ram" and not isinstance(resource, BlockInput) else 0
+    stage_s = _host_copy_s(host_copy, device)
+    times.load_s += read_s + stage_s + copy_s
     times.h2d += h2d
+    times.host_copy += host_copy
     times.disk_read += disk
-    return queues.run("h2d", queues.run("disk", issued, read_s), copy_s)
+    return queues.run("h2d", queues.run("host copy", queues.run("disk", issued, read_s), stage_s), copy_s)
 
 
 def _moments_s(resource: Resource, cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
@@ -275,20 +294,25 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     out = cfg.store_bytes(event.resource.count)
     d2h = out if cfg.update_on == "device" else 0
     write = out if cfg.store == "disk" else 0
-    d2h_s = _link(d2h, device, "d2h", cfg)
+    # Back from the device into a pinned buffer, then copied into the RAM slabs (the disk tier writes the buffer).
+    host_copy = d2h if cfg.store == "ram" else 0
+    d2h_s, copy_s = _link(d2h, device, "d2h", cfg), _host_copy_s(host_copy, device)
     write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
     if event.resource.last:
         write_s += _disk_s(cfg, device, "state_file_s")
     times.d2h += d2h
+    times.host_copy += host_copy
     times.disk_write += write
-    times.offload_s += d2h_s + write_s
-    return queues.run("disk", queues.run("d2h", after, d2h_s), write_s)
+    times.offload_s += d2h_s + copy_s + write_s
+    return queues.run("disk", queues.run("host copy", queues.run("d2h", after, d2h_s), copy_s), write_s)
 
 
 def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelConfig, cfg: PlanConfig,
-             device: DeviceSpec, commits: bool = True) -> Timeline:
+             device: DeviceSpec, commits: bool = True, pin_memory: str = "all") -> Timeline:
     """The timeline of `events`; `commits=False`: a norm-first step's norm pass, which commits nothing, so its
-    fixed cost is a step's without a commit (the RAM tier's)."""
+    fixed cost is a step's without a commit (the RAM tier's). `pin_memory`: the run's --pin-memory, whose
+    staging copies (STAGED_PIN_MODES) are priced; "all", the pinned store of the published runs, by default."""
+    staged = pin_memory in STAGED_PIN_MODES
     timeline = Timeline(0.0, {u: UnitTimes() for u in shape.unit_names()})
     per_unit, queues = timeline.per_unit, _Queues(timeline)
     clock = 0.0  # the compute thread
@@ -307,7 +331,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
     def host_chunk(event: Event, after: float) -> None:
         times = per_unit[event.unit]
         if event.resource not in in_flight:  # overlapped: the host reads the state when it starts
-            ready[event.resource] = _load(event.resource, shape, cfg, device, times, queues, after)
+            ready[event.resource] = _load(event.resource, shape, cfg, device, times, queues, after, staged)
             in_flight.add(event.resource)
         compute = _compute(event, shape, cfg, device)
         times.update_s += compute
@@ -320,7 +344,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
             continue
         for r in resident[k]:
             if r not in in_flight:
-                ready[r] = _load(r, shape, cfg, device, per_unit[r.unit], queues, clock)
+                ready[r] = _load(r, shape, cfg, device, per_unit[r.unit], queues, clock, staged)
                 in_flight.add(r)
         if event.phase == "update" and host_update:  # fused: once the unit's gradient is folded
             host_chunk(event, max(clock, offload_done))

@@ -55,7 +55,8 @@ class HostNeed:
         disk += kept * spec.kept_bytes()
         cuda = tc.device.device.startswith("cuda")
         staging = spec.staging_bytes() if cuda else 0
-        pinned = {"all": ram + staging, "staging": staging, "none": 0}[tc.device.pin_memory] if staging else 0
+        pinned = {"all": ram + staging, "register": ram + staging, "staging": staging,
+                  "none": 0}[tc.device.pin_memory] if staging else 0
         pinned += offloaded if cuda and tc.device.pin_memory != "none" else 0
         ram += offloaded
         return cls(_with_headroom((ram + staging) * stores_in_ram, RAM_HEADROOM),

@@ -1,4 +1,5 @@
-"""--pin-memory all|staging|none: the staging pool's bound, the resource check's arithmetic, resume honouring it.
+"""--pin-memory all|register|staging|none: the staging pool's bound, the resource check's arithmetic, resume
+honouring it, and registered slabs locked and unlocked (through a fake cudart).
 
 These run on a CPU: the pool is exercised with pageable buffers and CUDA is only pretended where a setting is
 checked; the copies through pinned memory themselves are CUDA-only.
@@ -124,3 +125,83 @@ def test_offloaded_activations_count_in_host_ram_pinned_on_cuda(pretend_cuda, tm
     assert "of RAM (--store ram, 320 MiB of block inputs (--activations offload)" in refused
     assert shortfall(cfg.replace(activations="offload"), cfg.model_config(), alone + int(1.1 * inputs) + 1,
                      64 * 2**30, tmp_path) is None
+
+
+# --- --pin-memory register: the RAM store's slabs locked where they lie --------------------------------------------
+class FakeCudart:
+    """torch.cuda.cudart() on a CPU: records each cudaHostRegister (pointer, bytes, flags) and cudaHostUnregister;
+    `refuse_after` calls succeed, the next returns cudaErrorMemoryAllocation (2)."""
+
+    def __init__(self, refuse_after: int | None = None) -> None:
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+        self.refuse_after = refuse_after
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        if self.refuse_after is not None and len(self.registered) == self.refuse_after:
+            return 2
+        self.registered.append((ptr, nbytes, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def _slabs(store) -> list[torch.Tensor]:
+    kinds = store.spec.ram_kinds()
+    return [store._slabs.get(unit, kind) for unit in store.layouts for kind in kinds]
+
+
+def test_register_locks_every_slab_where_it_lies_and_close_unlocks_them(monkeypatch, tmp_path):
+    from streamer.store.host import HostStore
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    spec = TrainerConfig.of(dtype="bf16", store="ram").store_spec(TINY)
+    store = HostStore.create(tmp_path / "store", spec, pin_memory="register")
+    slabs = _slabs(store)
+    assert len(slabs) == len(TINY.unit_names()) * len(spec.ram_kinds()) > 0
+    # Each slab's own pointer and exact size (no rounding up), default flags; nothing copied, nothing pinned.
+    assert sorted(fake.registered) == sorted((s.data_ptr(), s.numel() * s.element_size(), 0) for s in slabs)
+    assert not any(s.is_pinned() for s in slabs)
+    assert fake.unregistered == []
+    store.close()
+    assert sorted(fake.unregistered) == sorted(p for p, _, _ in fake.registered)
+
+
+def test_a_refused_registration_unlocks_the_others_and_names_the_flag(monkeypatch, tmp_path):
+    from streamer.errors import StoreError
+    from streamer.store.host import HostStore
+    fake = FakeCudart(refuse_after=3)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    spec = TrainerConfig.of(dtype="bf16", store="ram").store_spec(TINY)
+    with pytest.raises(StoreError, match="use --pin-memory staging") as caught:
+        HostStore.create(tmp_path / "store", spec, pin_memory="register")
+    assert len(str(caught.value).splitlines()) == 1
+    assert sorted(fake.unregistered) == sorted(p for p, _, _ in fake.registered) and len(fake.registered) == 3
+
+
+def test_only_staging_copies_a_ram_slab_on_the_host():
+    from streamer.runtime.transport import crosses_directly
+    assert {mode: crosses_directly(mode) for mode in ("all", "register", "staging", "none")} == \
+        {"all": True, "register": True, "staging": False, "none": True}
+
+
+def test_the_resource_check_counts_registered_slabs_as_pinned(pretend_cuda):
+    assert _need("register").pinned == _need("all").pinned
+    assert _need("register").ram == _need("staging").ram
+
+
+def test_streamer_train_takes_pin_memory_register(tmp_path, tiny_setup):
+    """As a user types it; on a CPU nothing is pinned, and config.toml keeps the choice for a CUDA resume."""
+    import subprocess
+    import sys
+    import tomllib
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--model", str(tiny_setup / "config.json"),
+                           "--data", str(tiny_setup / "train.txt"), "--tokenizer", str(tiny_setup / "tok"),
+                           "--run-dir", str(run), "--steps", "1", "--batch", "2", "--seq", "16", "--dtype", "fp32",
+                           "--sample-tokens", "0", "--eval-every", "0", "--pin-memory", "register"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads((run / "config.toml").read_text())["pin_memory"] == "register"

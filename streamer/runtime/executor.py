@@ -105,4 +105,5 @@ class Executor:
 
     def close(self) -> None:
         self.io.close()
+        self.transport.close()
         self.current.discard_writers()

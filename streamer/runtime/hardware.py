@@ -158,8 +158,9 @@ class DeviceConfig:
                                        "devices` lists the fields): the --budget preset's, and the calibrated local "
                                        "device's that `streamer plan --compare` replays the run on",
                                    FIGURE_SETS, "FIELD=NUMBER")
-    pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), staging "
-                                         "(a bounded pool of staging buffers) or none", Choice(PIN_MODES), "MODE")
+    pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), register "
+                                         "(the RAM store too, locked where it lies), staging (a bounded pool of "
+                                         "staging buffers) or none", Choice(PIN_MODES), "MODE")
 
     def __post_init__(self) -> None:
         check_settings(self)

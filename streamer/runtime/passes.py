@@ -18,7 +18,7 @@ from streamer.runtime.distributed import DataParallel
 from streamer.runtime.lora import Adapters
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.runtime.step import MicroBatch, PendingOffload, StepConfig, StepContext
-from streamer.runtime.transport import IOQueues, Transport
+from streamer.runtime.transport import GRADIENT_FOLD, IOQueues, Transport
 from streamer.store.interface import StoreReader, StoreWriter
 from streamer.store.layout import UnitLayout
 
@@ -197,7 +197,8 @@ class Passes:
             for owner, pieces in parts:
                 host = self.transport.pieces_to_host(pieces)
                 scratch = None if self._scratch is None else self._scratch[:self.stored_numel(owner)]
-                total = self.writer.accumulate_grad(owner, host, first, scratch, persist or owner != unit)
+                with torch.profiler.record_function(GRADIENT_FOLD):
+                    total = self.writer.accumulate_grad(owner, host, first, scratch, persist or owner != unit)
                 if host is not pieces:
                     self.transport.give_back(host[0])
             # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.

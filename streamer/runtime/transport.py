@@ -6,14 +6,16 @@ Three cases, one interface:
 - `cuda`: bytes cross on a side stream with non-blocking copies, and the compute stream waits on an event
   before it touches them. They cross from and to staging buffers of a bounded pool (`StagingPool`), pinned
   unless the store's `pin_memory` is "none": disk slabs are read into one, a RAM slab is copied into one
-  (pin_memory "staging") or crosses straight from the slab (pinned with "all"; pageable with "none", which the
-  CUDA driver then stages itself). Offloaded block inputs go to pinned buffers of their own pool and back.
+  (pin_memory "staging", on several threads: `HostCopier`) or crosses straight from the slab (`crosses_directly`:
+  pinned with "all" or "register"; pageable with "none", which the CUDA driver then stages itself). Offloaded
+  block inputs go to pinned buffers of their own pool and back.
 - `meta`: shapes only, for the dry run (the real schedule and ledger, no memory, no I/O).
 The ledger is charged by the executor, not here, so its accounting does not depend on thread timing.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -26,6 +28,11 @@ from streamer.store.layout import fold_into
 from streamer.store.spec import STATE_KINDS
 
 T = TypeVar("T")
+
+# The host's work as named in a torch.profiler trace (record_function ranges), which gpu-check's breakdown of a
+# step's time reads: staging copies, the gradient fold, AdamW on the host and the update's write-backs.
+HOST_COPY, GRADIENT_FOLD, HOST_UPDATE, WRITE_BACK = "ws: host copy", "ws: gradient fold", "ws: host update", \
+    "ws: write-back"
 
 
 class IOWorker:
@@ -52,6 +59,56 @@ class IOWorker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class HostCopier:
+    """Host-to-host copies of flat tensors (a pageable RAM slab into a pinned staging buffer) split into
+    `threads` contiguous pieces, copied at once: the calling thread takes the first, a small pool the rest. torch
+    releases the GIL inside copy_, so the pieces run in parallel; each piece's copy_ may use torch's intra-op
+    threads too. Below `MIN_SPLIT_BYTES` a copy is not split: the threads' hand-off would cost more."""
+
+    MIN_SPLIT_BYTES = 4 * 2**20
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"a host copy needs at least one thread, got {threads}")
+        self.threads = threads
+        self._pool = cf.ThreadPoolExecutor(threads - 1, thread_name_prefix="host-copy") if threads > 1 else None
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """`dst.copy_(src)` for flat tensors of one length (dtypes may differ); returns `dst`."""
+        n = dst.numel()
+        if src.numel() != n:
+            raise ValueError(f"a host copy of {src.numel()} elements into {n}")
+        with torch.profiler.record_function(HOST_COPY):
+            if self._pool is None or n * max(dst.element_size(), src.element_size()) < self.MIN_SPLIT_BYTES:
+                return dst.copy_(src)
+            bounds = split_evenly(n, self.threads)
+            rest = [self._pool.submit(dst[lo:hi].copy_, src[lo:hi]) for lo, hi in bounds[1:]]
+            lo, hi = bounds[0]
+            dst[lo:hi].copy_(src[lo:hi])
+            for future in rest:
+                future.result()
+        return dst
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def staging_threads(cores: int | None = None) -> int:
+    """Threads a staging copy is split over: one per four of the host's cores, at most four (16 cores: 4), so
+    that the copies, the gradient fold and a host update each keep cores of their own; one on a small host."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    return max(1, min(4, cores // 4))
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) bounds of `parts` contiguous pieces of n elements, their lengths differing by one at most, each
+    a multiple of 64 elements but the last (cache lines are not shared between two threads' writes)."""
+    step = -(-n // parts)
+    step = -(-step // 64) * 64
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
 class IOQueues:
@@ -126,6 +183,12 @@ class StagingPool:
                 self._free.setdefault((t.numel(), t.dtype), []).append((t, read))
 
 
+def crosses_directly(pin_memory: str) -> bool:
+    """Whether a RAM slab crosses to a CUDA device as it lies, with no staging copy on the host: pinned ("all"),
+    registered where it lies ("register"), or pageable where nothing is pinned ("none": the driver stages it)."""
+    return pin_memory != "staging"
+
+
 class Transport:
     def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype) -> None:
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
@@ -137,6 +200,8 @@ class Transport:
         self.stashes = None if self.mode != "cuda" else \
             StagingPool(sys.maxsize, pin=store is None or store.pin_memory != "none")
         self.compute_stream = torch.cuda.current_stream(device) if self.mode == "cuda" else None
+        # A RAM slab's copy into a staging buffer, spread over the host's cores (only a CUDA device stages).
+        self.copier = HostCopier(staging_threads() if self.mode == "cuda" else 1)
         # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
         self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         # A half-precision master stored in the compute dtype is read straight into the weights' buffer, with no
@@ -146,6 +211,9 @@ class Transport:
         # Free host buffers, by size.
         self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.copier.close()
 
     # --- buffers ------------------------------------------------------------------------------
     def _take(self, numel: int, dtype: torch.dtype, where: str) -> torch.Tensor:
@@ -205,11 +273,10 @@ class Transport:
             out = self._take(numel, dtype, "device") if out is None else out
             out.copy_(ram) if ram is not None else fill(out)
             return out
-        # A pinned slab crosses as it is; so does a pageable one when nothing is pinned (the driver stages it).
-        direct = ram is not None and (ram.is_pinned() or self.store.pin_memory == "none")
+        direct = ram is not None and crosses_directly(self.store.pin_memory)
         host = ram if direct else self._take(numel, dtype, "pinned")
         if not direct:
-            fill(host) if ram is None else host.copy_(ram)
+            fill(host) if ram is None else self.copier.copy_(host, ram)
         out = self._take(numel, dtype, "device") if out is None else out
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
         if not direct and self.staging is not None:
@@ -332,7 +399,7 @@ class Transport:
         if ram is not None and ram.dtype == dtype:
             return ram
         out = self._take(numel, dtype, "pinned")
-        out.copy_(ram) if ram is not None else fill(out)
+        self.copier.copy_(out, ram) if ram is not None else fill(out)
         return out
 
     def compute_target(self, unit: str, start: int, count: int, on_host: bool) -> torch.Tensor:

@@ -9,7 +9,7 @@ from memory_model.schedule import StateChunk, update_charges
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig, adamw_chunk, rounding_key
 from streamer.runtime.step import ClippingNeeded, StepConfig, StepContext, clip_coefficient
-from streamer.runtime.transport import IOQueues, Transport
+from streamer.runtime.transport import HOST_UPDATE, WRITE_BACK, IOQueues, Transport
 from streamer.store.interface import StoreReader, StoreWriter
 from streamer.store.layout import Placement, UnitLayout
 
@@ -44,7 +44,8 @@ class Updater:
         # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
         start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
         rounding = None if self.optimizer.master_dtype == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
-        adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
+        with torch.profiler.record_function(HOST_UPDATE if self.on_host else "ws: update"):
+            adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
         if ctx.fused:
             grad = tensors.pop("grad")
             if grad.device.type != "cpu":
@@ -92,7 +93,7 @@ class Updater:
                     new_compute: torch.Tensor | None, ctx: StepContext) -> None:
         if self.store is None:
             return
-        with self.trace.span(chunk.unit, "offload", step=ctx.step):
+        with self.trace.span(chunk.unit, "offload", step=ctx.step), torch.profiler.record_function(WRITE_BACK):
             if chunk.unit not in ctx.writers:
                 ctx.writers[chunk.unit] = self.writer.unit_writer(chunk.unit, ctx.step)
             writer = ctx.writers[chunk.unit]

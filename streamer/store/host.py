@@ -63,7 +63,7 @@ class _HostSlabs(StoreReader):
     def _allocate_ram(self) -> None:
         """The RAM tier's slabs. An opened store allocates them only after its files match its manifest, so
         a manifest naming another (maybe far larger) model is refused, not allocated first."""
-        self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory == "all")
+        self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory)
 
     @classmethod
     def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None,
@@ -99,6 +99,8 @@ class _HostSlabs(StoreReader):
 
     def close(self) -> None:
         self._files.close()
+        if hasattr(self, "_slabs"):  # allocated (an open may fail first)
+            self._slabs.close()
         if self._lock >= 0:
             os.close(self._lock)  # releases the flock
             self._lock = -1

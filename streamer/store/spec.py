@@ -20,8 +20,9 @@ from streamer.store.slabfile import TRAILER_BYTES
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # Host memory pinned for copies to and from a CUDA device (page-locked, so the DMA engine reads it while the host
-# works on): the RAM store's slabs too, only a bounded pool of staging buffers, or nothing.
-PIN_MODES = ("all", "staging", "none")
+# works on): the RAM store's slabs too (copied into torch's pinned memory, or registered where they lie), only a
+# bounded pool of staging buffers, or nothing.
+PIN_MODES = ("all", "register", "staging", "none")
 # The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
 # their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
 # update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
