@@ -57,7 +57,7 @@ def eval_command(args: argparse.Namespace) -> int:
         context, why = trainer.cfg.context()
         if seq > context:
             raise RunError(f"--seq {seq} exceeds the model's context ({why}); use --seq {context} or less")
-        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack)
+        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack, long_examples=cfg.data.long_examples)
         loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.trainer.step.grad_accum)
         step = trainer.step_count
     make_console().print(
