@@ -139,10 +139,10 @@ def test_step_one_loss_is_transformers_on_trls_tokenization(capsys, hf_folder, t
         assert abs(ours - loss(torch.float64, bos=False)) > 100 * (2 * noise + 1e-5)
 
 
-def streamer(*argv: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """The command as a user types it, in `cwd` (no runs/ calibration cache there unless a test makes one)."""
+def streamer(*argv: object) -> subprocess.CompletedProcess:
+    """The command as a user types it."""
     return subprocess.run([sys.executable, "-m", "streamer", *map(str, argv)], env=ENV, capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+                          text=True, timeout=300)
 
 
 def pairs(n: int) -> list[dict]:
@@ -155,24 +155,26 @@ def tiny(setup: Path, run: Path, data: Path, *extra: object) -> list[object]:
             "--eval-fraction", 0, *extra]
 
 
-def test_long_examples_are_truncated_or_dropped_and_said_once(capsys, tiny_setup, tmp_path):
+def test_long_examples_are_truncated_or_dropped_and_said_once(capsys, tiny_setup, tmp_path, monkeypatch):
     """One row far longer than --seq no longer ends the run: truncated by default (dropped with `drop`), in one
     line; a wrong value is one line naming the flag. With no peak FLOP/s known, the report says so."""
     rows = pairs(8)
     rows[3] = {"prompt": "Tell me a long story.", "completion": " once upon a time" * 40}
     data = _jsonl(tmp_path / "ragged.jsonl", rows)
-    done = streamer(*tiny(tiny_setup, tmp_path / "cut", data, "--steps", 2), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    said = [line for line in done.stdout.splitlines() if "longer than --seq" in line]
+    monkeypatch.chdir(tmp_path)  # no runs/ calibration cache here
+    rc, out, err = run_cli(capsys, *tiny(tiny_setup, tmp_path / "cut", data, "--steps", 1))
+    assert rc == 0, err
+    said = [line for line in out.splitlines() if "longer than --seq" in line]
     assert said == [f"{data}: 1 example is longer than --seq 32: 1 truncated to their first 32 tokens "
                     "(--long-examples truncate; --long-examples drop or a longer --seq to change that)"]
-    assert "8 train" in done.stdout and "no MFU: no peak FLOP/s is known for this device" in done.stdout
-    rc, out, err = run_cli(capsys, *tiny(tiny_setup, tmp_path / "drop", data, "--steps", 1, "--long-examples",
-                                         "drop"))
-    assert rc == 0, err
-    assert "1 example is longer than --seq 32: 1 dropped (--long-examples drop;" in out and "7 train" in out
-    assert "--long-examples must be one of truncate, drop" in fails(
-        capsys, *tiny(tiny_setup, tmp_path / "bad", data, "--long-examples", "cut"))
+    assert "8 train" in out and "no MFU: no peak FLOP/s is known for this device" in out
+    done = streamer(*tiny(tiny_setup, tmp_path / "drop", data, "--steps", 2, "--long-examples", "drop"))
+    assert done.returncode == 0, done.stderr
+    assert "1 example is longer than --seq 32: 1 dropped (--long-examples drop;" in done.stdout
+    assert "7 train" in done.stdout
+    bad = streamer(*tiny(tiny_setup, tmp_path / "bad", data, "--long-examples", "cut"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--long-examples must be one of truncate, drop" in bad.stderr
 
 
 def test_epochs_set_the_steps_and_a_run_stopped_mid_epoch_continues_as_if_uninterrupted(capsys, tiny_setup,
@@ -185,7 +187,8 @@ def test_epochs_set_the_steps_and_a_run_stopped_mid_epoch_continues_as_if_uninte
     done = streamer(*tiny(tiny_setup, reference, data, "--epochs", 2))
     assert done.returncode == 0, done.stderr
     saved = RunDir.open(reference).read_config()
-    assert (saved.epochs, saved.steps) == (2, 5)
+    assert (saved.epochs, saved.steps) == (2, 5) and "10 train / 0 held-out sequences of 32 tokens (2 epochs: 5 " \
+        "steps)" in done.stdout
 
     def losses(run: Path) -> dict[int, float]:
         records = [r for r in RunDir(run).read_metrics() if "loss" in r]
