@@ -410,8 +410,8 @@ def _epoch_steps(cfg: RunConfig, sequences: int) -> RunConfig:
 def _say_long_examples(cfg: RunConfig, dataset: Dataset, held_out: Dataset | None, console: Console) -> None:
     """One line per data file whose examples longer than --seq were truncated or dropped."""
     files = ((cfg.data.data, dataset), (cfg.data.eval_data, held_out if cfg.data.eval_data else None))
-    for name, dataset in files:
-        line = None if dataset is None else long_examples_line(dataset, cfg.seq, cfg.data.long_examples)
+    for name, data in files:
+        line = None if data is None else long_examples_line(data, cfg.seq, cfg.data.long_examples)
         if line is not None:
             console.print(f"{name}: {line}", markup=False, highlight=False)
 

@@ -151,13 +151,12 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
                 raise StreamerError(f"step {step} was non-finite on {attempts} batches in a row, so --nonfinite skip "
                                     f"cannot make progress; the run keeps step {step - 1}: lower --lr or check the "
                                     "data, then run the same command again")
-            if not skipped:
-                learned += tokens
             if skipped:
                 if s.lead:
                     progress.console.print(f"step {step} skipped: non-finite loss or gradient (--nonfinite skip); "
                                            "the next batch tries it again", markup=False, highlight=False)
                 continue
+            learned += tokens
             progress.update(task, completed=step, stats=(
                 f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s{_mfu(record)} | step's device peak "
                 f"{format_size(step_peak)} / {format_size(budget) if budget else 'no budget'} | "
