@@ -20,7 +20,7 @@ from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
     checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
-    norm_first_allowed, offloaded_inputs_bytes, rotary_shared,
+    norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
@@ -401,7 +401,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     params = shape.num_params()
     resident_cfg = replace(cfg, activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
-    model_flops = 3 * sum(forward_flops(shape, u, micro, seq) for u in units) * cfg.grad_accum
+    model_flops = step_model_flops(shape, micro, seq) * cfg.grad_accum
     # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient. Compute
     # weights in the master's dtype are the master: no copy.
     stored = shard_numel(params, cfg.shards)

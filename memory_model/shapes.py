@@ -318,6 +318,12 @@ def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------
+def step_model_flops(shape: ModelConfig, batch: int, seq: int) -> int:
+    """Model FLOPs of a step over `batch` sequences: 3 x the forward's matmuls (the backward is twice the
+    forward), no recompute counted: the MFU convention."""
+    return 3 * sum(forward_flops(shape, u, batch, seq) for u in shape.unit_names())
+
+
 def forward_flops(shape: ModelConfig, unit: str, batch: int, seq: int) -> int:
     """Matmul FLOPs of one forward. Attention counts the full T x T (QK^T and AV) although the mask makes
     half of it zeros: the usual MFU convention, and an upper bound on what a flash kernel does."""

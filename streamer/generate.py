@@ -132,8 +132,10 @@ def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: i
 
 
 def complete(trainer: StreamingTrainer, tokenizer: Tokenizer, prompt: str, sampling: Sampling = Sampling()) -> str:
-    """The text generated after `prompt` (an empty prompt starts from end-of-text), up to end-of-text."""
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    """The text generated after `prompt` (begun with the tokens the tokenizer adds before a text, as training
+    began each example; an empty prompt of a tokenizer that adds none starts from end-of-text), up to
+    end-of-text."""
+    ids = tokenizer.prompt_ids(prompt) or [tokenizer.eos_id]
     return continue_ids(trainer, tokenizer, ids, sampling)
 
 

@@ -64,6 +64,9 @@ class RunConfig:
     run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
                                         "(default: runs/<name>-<time>)", Text(), "DIR")
     steps: int = setting(100, "optimizer steps in all (with --resume: the new total)", Integer())
+    epochs: int | None = setting(None, "passes over the training data instead of --steps: the steps are the "
+                                       "epochs x training sequences / --batch, rounded up (with --resume: the new "
+                                       "total)", Integer(), "N")
     batch: int = same_setting(PlanConfig, "batch", 8)
     seq: int = setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)", Integer(2))
     eval_every: int = setting(50, "evaluate before the first step and every N steps (0: only at the end)", Integer(0))
@@ -190,13 +193,13 @@ class RunConfig:
 
 # The flags of `streamer train` and the keys of run.toml and config.toml, in the order --help and config.toml
 # show them: every flat name of RunConfig's settings but the schedule's total_steps, which is --steps.
-FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir", "steps", "batch", "seq",
+FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir", "steps", "epochs", "batch", "seq",
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
          "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel", "seed", "pack",
-         "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every", "keep_last",
-         "keep_best", "sample_prompt", "sample_tokens", "report_to", "log_every", "dist_timeout")
+         "long_examples", "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every",
+         "keep_last", "keep_best", "sample_prompt", "sample_tokens", "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
@@ -210,9 +213,9 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype and master_dtype are the store's
 # layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device.
-RESUMABLE = ("steps", "lr", "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt",
-             "sample_tokens", "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps", "trace_every",
-             "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps")
+RESUMABLE = ("steps", "epochs", "lr", "eval_every", "eval_batches", "save_every", "keep_last", "keep_best",
+             "sample_prompt", "sample_tokens", "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps",
+             "trace_every", "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items() if name in FLAGS}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items() if name in FLAGS}
@@ -226,6 +229,8 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         if given.get("model") is not None and given.get("from_pretrained") is not None:
             raise SettingError("model", "conflicts with --from-pretrained, whose config.json is the model; "
                                         "drop one of them")
+        if given.get("epochs") is not None and given.get("steps") is not None:
+            raise SettingError("epochs", "conflicts with --steps: both set the run's length; give one of them")
         if isinstance(given.get("from_pretrained"), str) and given.get("data") is None:
             raise SettingError("from_pretrained", "needs --data: the demo text is only the demo's; pass --data "
                                                   "FILE (.txt, .jsonl, .parquet or .csv) to fine-tune on")

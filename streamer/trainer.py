@@ -341,14 +341,15 @@ class StreamingTrainer:
             if not norm_first_allowed(self.fused, self.tc.step.grad_accum):
                 choice = "after-backward"
             elif choice == "auto":
-                target = self._target()
+                target = self.target()
                 choice = "after-backward" if target is None else clipped_schedule(
                     clipped_steps(self.cfg, target, self.tc.plan_config(batch, seq)), choice).schedule
             self._clipped_schedules[key] = choice
         return self._clipped_schedules[key]
 
-    def _target(self) -> DeviceSpec | None:
-        """The device the run's steps are priced on (`clipped_schedule`), or None where none is known."""
+    def target(self) -> DeviceSpec | None:
+        """The device the run's steps are priced on (`clipped_schedule`) and its MFU read against, or None where
+        none is known."""
         device = self.tc.device
         budget = DEVICE_PRESETS.get(device.budget, device.budget) if isinstance(device.budget, str) else device.budget
         if isinstance(budget, DeviceSpec):

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamer.io.data import BatchStream, Dataset, Example, demo_corpus, load_dataset, read_examples, tokenize
+from streamer.io.data import (BatchStream, Dataset, Example, demo_corpus, load_dataset, long_examples_line,
+                              read_examples, tokenize)
 from streamer.errors import DataError
 
 EOS = 256
@@ -20,6 +21,7 @@ class ByteTokenizer:
     """Token = UTF-8 byte, so every expected id in these tests can be written down by hand."""
 
     eos_id = EOS
+    affixes = ((), ())  # adds no special tokens around a text, as GPT-2's and Qwen's
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -112,11 +114,37 @@ def test_text_documents_attend_across_each_other_unless_pack_documents():
         tokenize(docs, TOK, seq=6, pack="yes")
 
 
-def test_an_example_longer_than_seq_is_an_error_not_truncated(tmp_path):
+def test_an_example_longer_than_seq_is_truncated_or_dropped(tmp_path):
     path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": "ok", "completion": "!"},
-                                          {"prompt": "x" * 10, "completion": "yy"}])
-    with pytest.raises(DataError, match=r"pc.jsonl line 2: prompt \+ completion is 13 tokens.*seq=8.*raise --seq"):
-        load_dataset(path, TOK, seq=8)
+                                          {"prompt": "x" * 4, "completion": "yyyyyy"},
+                                          {"prompt": "z" * 9, "completion": "w"}])
+    cut = load_dataset(path, TOK, seq=8)  # truncate, the default
+    assert cut.input_ids.tolist() == [[*_ids("ok!"), EOS, EOS, EOS, EOS, EOS], _ids("xxxxyyyy")]
+    assert cut.labels[1].tolist() == [-100] * 4 + _ids("yyyy")
+    # The third keeps only prompt once cut: nothing to learn, so it is dropped, not trained on as 0 tokens.
+    assert (cut.truncated, cut.dropped) == (1, 1)
+    dropped = load_dataset(path, TOK, seq=8, long_examples="drop")
+    assert dropped.input_ids.tolist() == cut.input_ids[:1].tolist() and (dropped.truncated, dropped.dropped) == (0, 2)
+    assert "2 examples are longer than --seq 8: 1 truncated to their first 8 tokens and 1 dropped (nothing left " \
+           "to learn once truncated) (--long-examples truncate" in long_examples_line(cut, 8, "truncate")
+    assert long_examples_line(load_dataset(path, TOK, seq=16), 16, "truncate") is None
+    with pytest.raises(DataError, match="2 longer examples were dropped .--long-examples drop."):
+        load_dataset(_jsonl(tmp_path / "long.jsonl", [{"prompt": "x" * 9, "completion": "y"}] * 2), TOK, seq=8,
+                     long_examples="drop")
+
+
+class BosTokenizer(ByteTokenizer):
+    """Adds a beginning-of-text token before a whole text, as Llama 3's post-processor does."""
+
+    affixes = ((300,), ())
+
+
+def test_texts_and_prompts_begin_with_the_tokens_the_tokenizer_adds(tmp_path):
+    pairs = load_dataset(_jsonl(tmp_path / "pc.jsonl", [{"prompt": "ab", "completion": "c"}]), BosTokenizer(), seq=6)
+    assert pairs.input_ids.tolist() == [[300, *_ids("abc"), EOS, EOS]]
+    assert pairs.labels.tolist() == [[-100, -100, -100, *_ids("c"), EOS, -100]]
+    text = tokenize(["ab", "cd"], BosTokenizer(), seq=4)
+    assert text.input_ids.tolist() == [[300, *_ids("ab"), EOS], [300, *_ids("cd"), EOS]]
 
 
 def _dataset(n: int, seq: int = 4) -> Dataset:

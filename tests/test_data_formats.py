@@ -24,6 +24,7 @@ class ByteTokenizer:
     eos_id = EOS
     eos_token = "<eos>"
     bos_token = None
+    affixes = ((), ())
 
     def __init__(self, chat_template: str | None = None) -> None:
         self.chat_template = chat_template

@@ -11,7 +11,7 @@ from memory_model.devices import budget_bytes
 from streamer.cli.flags import declare_command
 from streamer.cli.generate import open_trainer
 from streamer.console import make_console
-from streamer.io.data import Dataset, load_dataset
+from streamer.io.data import Dataset, load_dataset, long_examples_line
 from streamer.io.tokenizer import load_tokenizer
 from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
@@ -57,7 +57,10 @@ def eval_command(args: argparse.Namespace) -> int:
         context, why = trainer.cfg.context()
         if seq > context:
             raise RunError(f"--seq {seq} exceeds the model's context ({why}); use --seq {context} or less")
-        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack)
+        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack, long_examples=cfg.data.long_examples)
+        long = long_examples_line(dataset, seq, cfg.data.long_examples)
+        if long is not None:
+            make_console().print(f"{args.data}: {long}", markup=False, highlight=False)
         loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.trainer.step.grad_accum)
         step = trainer.step_count
     make_console().print(

@@ -13,7 +13,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Collection, TypeVar
 
 from rich.console import Console
 
@@ -22,13 +22,14 @@ from streamer.advice import check_fits, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.training import Session, describe, report, resume_command, train
 from streamer.console import make_console
-from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, prompt_of, read_examples,
-                              tokenize)
+from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
+                              prompt_of, read_examples, tokenize)
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
 from memory_model.settings import flag
-from streamer.run import DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, read_toml, resolve, store_choice
+from streamer.run import (DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, SettingError, read_toml, resolve,
+                          store_choice)
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
@@ -79,8 +80,8 @@ def train_command(args: argparse.Namespace) -> int:
                                               session.cfg.flat(),
                                               session.trainer.step_count)
             console.print(f"run [bold]{session.run.root}[/]: {describe(session)}")
-            trained, seconds = train(session, console)
-            report(session, trained, seconds, console)
+            trained, seconds, learned = train(session, console)
+            report(session, trained, seconds, learned, console)
         if session.parallel is not None:
             leave_process_group()
     except KeyboardInterrupt as exc:
@@ -143,7 +144,10 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         made = _together(parallel, first_files, everyone=False)
     tokenizer = made[0] if lead else load_tokenizer(run.tokenizer)  # every process reads the lead's tokenizer
     dataset = made[1] if lead else _dataset(cfg.data, tokenizer, cfg.seq)
-    cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))  # config.toml records it
+    train_set, held_out = _split(cfg, dataset, tokenizer)
+    _say_long_examples(cfg, dataset, held_out, console)
+    # config.toml records both: the steps --epochs gives and the sample prompt derived from the data.
+    cfg = _epoch_steps(cfg, len(train_set)).replace(sample_prompt=_sample_prompt(cfg, tokenizer))
     trainer = None
     try:
         tc = cfg.trainer
@@ -164,7 +168,6 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
         if lead:
             _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
-    train_set, held_out = _split(cfg, dataset, tokenizer)
     stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
 
@@ -176,7 +179,7 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
                        "(flags such as --steps still apply)")
     run = RunDir.open(path)
     saved = run.read_config()
-    cfg = saved.replace(**explicit, run_dir=os.path.abspath(path)).with_absolute_paths()
+    cfg = saved.replace(**_length(explicit, explicit), run_dir=os.path.abspath(path)).with_absolute_paths()
     now, before = cfg.flat(), saved.flat()
     fixed = [k for k in explicit if k not in RESUMABLE and now[k] != before[k]]
     if fixed:
@@ -194,7 +197,11 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them
     # (the demo's warmup from --steps) does not count as a change.
     before = saved.flat()
-    same = resolve({**explicit, **{k: before[k] for k in RESUMABLE}}, config_file).with_absolute_paths()
+    # The run's length is the command's if it names one, else the run's own --steps or --epochs.
+    length = ("steps", "epochs") if {"steps", "epochs"} & set(explicit) else \
+        ("steps",) if before["epochs"] is not None else ()
+    same = resolve({**explicit, **{k: before[k] for k in RESUMABLE if k not in length}},
+                   config_file).with_absolute_paths()
     if same.trainer.device.dtype == "auto":  # the run recorded what auto chose when it started
         same = same.replace(dtype=saved.trainer.device.dtype)
     now = same.flat()
@@ -205,8 +212,16 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     # As with --resume: the RESUMABLE settings this command names apply; the others stay the run's own (the
     # sample prompt derived from the data, say).
     named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
-    return _continue(run, saved.replace(**{k: cfg.flat()[k] for k in RESUMABLE if k in named},
-                                  run_dir=os.path.abspath(run.root)), console, rerun=True)
+    changes = _length({k: cfg.flat()[k] for k in RESUMABLE if k in named}, named)
+    return _continue(run, saved.replace(**changes, run_dir=os.path.abspath(run.root)), console, rerun=True)
+
+
+def _length(changes: dict, named: Collection[str]) -> dict:
+    """The RESUMABLE `changes` a continued run takes: --steps named without --epochs ends its --epochs, and
+    both named at once is an error (as for a new run)."""
+    if {"steps", "epochs"} <= set(named):
+        raise RunError("--epochs conflicts with --steps: both set the run's length; give one of them")
+    return {**changes, "epochs": None} if "steps" in named else changes
 
 
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
@@ -223,6 +238,11 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
                        f"with the same number (for more than one: torchrun with --nnodes x --nproc-per-node = "
                        f"{run.processes()})")
     done = run.committed_step()
+    tokenizer, dataset = None, None
+    if cfg.epochs is not None:  # the steps follow from the data
+        tokenizer = load_tokenizer(run.tokenizer)
+        dataset = _dataset(cfg.data, tokenizer, cfg.seq)
+        cfg = _epoch_steps(cfg, len(_split(cfg, dataset, tokenizer)[0]))
     past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
     if done >= cfg.steps and not run.update_interrupted():
         console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
@@ -253,10 +273,11 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         if rerun:
             console.print(f"{run.root} holds this run at step {trainer.step_count}: continuing it to step "
                           f"{cfg.steps}", markup=False, highlight=False)
-        tokenizer = load_tokenizer(run.tokenizer)
+        tokenizer = tokenizer or load_tokenizer(run.tokenizer)
         cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
-        dataset = _dataset(cfg.data, tokenizer, cfg.seq)
+        dataset = _dataset(cfg.data, tokenizer, cfg.seq) if dataset is None else dataset
         train_set, held_out = _split(cfg, dataset, tokenizer)
+        _say_long_examples(cfg, dataset, held_out, console)
         stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
         if "data" in trainer.extra_state:
             stream.load_state_dict(trainer.extra_state["data"])
@@ -380,14 +401,37 @@ def _texts(data: DataConfig) -> list[str]:
 def _dataset(data: DataConfig, tokenizer: Tokenizer, seq: int) -> Dataset:
     if data.data is None:
         return tokenize(demo_corpus(), tokenizer, seq)
-    return load_dataset(data.data, tokenizer, seq, pack=data.pack)
+    return load_dataset(data.data, tokenizer, seq, pack=data.pack, long_examples=data.long_examples)
 
 
 def _split(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer) -> tuple[Dataset, Dataset | None]:
     """(train, held-out): all of --data and --eval-data when it is given, else --eval-fraction of --data."""
     if cfg.data.eval_data is not None:
-        return dataset, load_dataset(cfg.data.eval_data, tokenizer, cfg.seq, pack=cfg.data.pack)
+        return dataset, load_dataset(cfg.data.eval_data, tokenizer, cfg.seq, pack=cfg.data.pack,
+                                     long_examples=cfg.data.long_examples)
     return dataset.split(cfg.data.eval_fraction, cfg.trainer.seed)
+
+
+def _epoch_steps(cfg: RunConfig, sequences: int) -> RunConfig:
+    """With --epochs N, --steps is N passes over the `sequences` of training data in global batches, rounded up:
+    the last step takes the rows it lacks from the next epoch's order, as BatchStream crosses epochs."""
+    if cfg.epochs is None:
+        return cfg
+    steps = -(-cfg.epochs * sequences // cfg.batch)
+    try:
+        return cfg.replace(steps=steps)
+    except SettingError as exc:
+        raise RunError(f"--epochs {cfg.epochs} of {sequences} sequences in batches of {cfg.batch} is {steps} "
+                       f"steps, and with that {flag(exc.key)} {exc.problem}") from None
+
+
+def _say_long_examples(cfg: RunConfig, dataset: Dataset, held_out: Dataset | None, console: Console) -> None:
+    """One line per data file whose examples longer than --seq were truncated or dropped."""
+    files = ((cfg.data.data, dataset), (cfg.data.eval_data, held_out if cfg.data.eval_data else None))
+    for name, data in files:
+        line = None if data is None else long_examples_line(data, cfg.seq, cfg.data.long_examples)
+        if line is not None:
+            console.print(f"{name}: {line}", markup=False, highlight=False)
 
 
 def _check_held_out(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer, world: int) -> None:

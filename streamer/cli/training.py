@@ -11,7 +11,9 @@ import psutil
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from layers import learned_tokens
 from memory_model import format_size
+from memory_model.shapes import step_model_flops
 from streamer.advice import planned_peak
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.cli.trace import memory_lines
@@ -81,7 +83,8 @@ def describe(s: Session) -> str:
     lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {tc.lora.targets}: {adapters.numel():,} "
                                         "trainable params, the base frozen")
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
-            f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens; batch {cfg.batch}"
+            f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens"
+            f"{f' ({cfg.epochs} epochs: {cfg.steps} steps)' if cfg.epochs else ''}; batch {cfg.batch}"
             f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, {tc.device.dtype}, "
             f"{tc.step.activations} activations, {tc.store.tier} store, {budget} budget{lora}")
 
@@ -102,13 +105,14 @@ def resume_command(run: str, parallel: DataParallel | None, steps: int | None = 
 
 
 # --- training ------------------------------------------------------------------------------------------------
-def train(s: Session, console: Console) -> tuple[int, float]:
-    """Steps until --steps; returns (steps trained, seconds spent in them)."""
+def train(s: Session, console: Console) -> tuple[int, float, int]:
+    """Steps until --steps; returns (steps trained, seconds spent in them, tokens learned in them)."""
     cfg, trainer = s.cfg, s.trainer
     first = trainer.step_count
     budget = trainer.tc.device.budget_bytes()
     process = psutil.Process()
-    seconds = 0.0
+    seconds, learned = 0.0, 0
+    peak = _peak_flops(s)
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     plain = not console.is_terminal  # a log or a pipe gets one flushed line per step, not a redrawn bar
@@ -136,9 +140,12 @@ def train(s: Session, console: Console) -> tuple[int, float]:
             outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm,
                                                          "schedule": trainer.last_schedule,
                                                          "redone": trainer.last_redone}
+            # Learned tokens (what the loss covers), not padding or prompts; MFU counts every position computed.
+            tokens = learned_tokens(labels)
             record = {"step": step, **outcome,
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
-                      "tokens_per_s": ids.numel() / elapsed, "step_s": elapsed,
+                      "tokens_per_s": tokens / elapsed, "step_s": elapsed,
+                      **({} if peak is None else {"mfu": _model_flops(s, *ids.shape) / elapsed / peak[0]}),
                       "device_peak_bytes": step_peak, "host_rss_bytes": rss}
             s.log(record)
             attempts = attempts + 1 if skipped else 0
@@ -151,8 +158,9 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                     progress.console.print(f"step {step} skipped: non-finite loss or gradient (--nonfinite skip); "
                                            "the next batch tries it again", markup=False, highlight=False)
                 continue
+            learned += tokens
             progress.update(task, completed=step, stats=(
-                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s | step's device peak "
+                f"loss {loss:.3f} | {record['tokens_per_s']:,.0f} tok/s{_mfu(record)} | step's device peak "
                 f"{format_size(step_peak)} / {format_size(budget) if budget else 'no budget'} | "
                 f"RSS {format_size(rss)}"))
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
@@ -166,7 +174,27 @@ def train(s: Session, console: Console) -> tuple[int, float]:
                 eval_loss = evaluate(s, progress.console)
             if kept:
                 keep(s, eval_loss, progress.console)
-    return trainer.step_count - first, seconds
+    return trainer.step_count - first, seconds, learned
+
+
+def _peak_flops(s: Session) -> tuple[float, str] | None:
+    """(FLOP/s, what it is): one device's dense peak in the run's compute dtype that MFU is read against, the
+    run's target's (the --budget preset, else this cpu's matmul rate measured by its calibration); None where
+    none is known."""
+    target = s.trainer.target()
+    dtype = dtype_name(s.trainer.tc.compute_dtype)
+    if target is None or dtype not in target.flops:
+        return None
+    return target.flops_for(dtype), f"{target.name}'s {dtype} peak {target.flops_for(dtype) / 1e9:,.1f} GFLOP/s"
+
+
+def _model_flops(s: Session, batch: int, seq: int) -> int:
+    """One device's model FLOPs in a step of `batch` rows (the global batch, split over the processes)."""
+    return step_model_flops(s.trainer.cfg, batch // s.devices, seq)
+
+
+def _mfu(record: dict) -> str:
+    return f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
 
 
 def keep(s: Session, eval_loss: float | None, console: Console) -> None:
@@ -199,10 +227,11 @@ def steps_to_keep(losses: dict[int, float | None], last: int, best: bool) -> set
 
 
 def _progress_line(record: dict, steps: int, elapsed: float, done: int) -> str:
-    """`step 3/80 loss 7.812 lr 6.00e-04 1,024 tok/s elapsed 0:00:03 eta 0:01:17`: one step, for logs."""
+    """`step 3/80 loss 7.812 lr 6.00e-04 1,024 tok/s MFU 3.1% elapsed 0:00:03 eta 0:01:17`: one step, for logs
+    (MFU where the device's peak is known)."""
     eta = elapsed / done * (steps - record["step"])
     return (f"step {record['step']}/{steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-            f"{record['tokens_per_s']:,.0f} tok/s elapsed {_clock(elapsed)} eta {_clock(eta)}")
+            f"{record['tokens_per_s']:,.0f} tok/s{_mfu(record)} elapsed {_clock(elapsed)} eta {_clock(eta)}")
 
 
 def _clock(seconds: float) -> str:
@@ -236,7 +265,7 @@ def evaluate(s: Session, console: Console) -> float | None:
 
 
 # --- the report ----------------------------------------------------------------------------------------------
-def report(s: Session, trained: int, seconds: float, console: Console) -> None:
+def report(s: Session, trained: int, seconds: float, learned: int, console: Console) -> None:
     """Memory table and comparison with the baseline, trace files, final eval, a sample."""
     cfg, trainer, run = s.cfg, s.trainer, s.run
     if trained and s.lead:
@@ -254,14 +283,18 @@ def report(s: Session, trained: int, seconds: float, console: Console) -> None:
         console.print(trace.table(step=top))
         for line in memory_lines(trace, top, planned=_planned_peak(s)):
             console.print(line)
-        console.print(f"throughput: {trained * cfg.batch * cfg.seq / seconds:,.0f} tokens/s over {trained} steps "
-                      f"({seconds / trained:.2f} s/step)")
+        peak = _peak_flops(s)
+        mfu = ("; no MFU: no peak FLOP/s is known for this device (a --budget preset has one; `streamer calibrate` "
+               "measures this cpu's)") if peak is None else \
+            f", MFU {_model_flops(s, cfg.batch, cfg.seq) * trained / seconds / peak[0]:.1%} of {peak[1]}"
+        console.print(f"throughput: {learned / seconds:,.0f} learned tokens/s over {trained} steps "
+                      f"({seconds / trained:.2f} s/step){mfu}")
     evaluate(s, console)
     # With the state sharded a unit's weights are all-gathered: every process takes part in the (seeded) sample.
     sharded = s.parallel is not None and s.parallel.sharded
     if not s.lead and not sharded:
         return
-    prompt_ids = s.tokenizer.encode(cfg.sample_prompt) or [s.tokenizer.eos_id]
+    prompt_ids = s.tokenizer.prompt_ids(cfg.sample_prompt) or [s.tokenizer.eos_id]
     new_tokens = min(cfg.sample_tokens, trainer.cfg.context()[0] - len(prompt_ids))
     if new_tokens > 0:
         sampling = Sampling(new_tokens, temperature=0.8, top_p=0.95, seed=cfg.trainer.seed)

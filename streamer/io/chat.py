@@ -57,8 +57,9 @@ def _compiled(template: str) -> Any:
 
 def render(template: str, messages: list[dict[str, str]], specials: dict[str, str],
            add_generation_prompt: bool = False) -> str:
-    """The conversation as the template writes it; `specials`: bos_token and eos_token, which templates use.
-    `tools` and `documents` are None, as apply_chat_template passes them without any."""
+    """The conversation as the template writes it; `specials`: bos_token and eos_token, which templates use (one
+    the tokenizer lacks is left out, and renders empty, as in transformers). `tools` and `documents` are None, as
+    apply_chat_template passes them without any."""
     from jinja2 import TemplateError
     try:
         return _compiled(template).render(messages=messages, tools=None, documents=None,

@@ -25,6 +25,7 @@ def _setting_error(key: str, problem: str) -> DataError:
 
 
 PACKINGS = ("examples", "documents")
+LONG_EXAMPLES = ("truncate", "drop")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class DataConfig:
                                           "--eval-fraction of --data)", Text(), "FILE")
     chat_template: str | None = setting(None, "a Jinja chat template for {\"messages\"} records (default: the "
                                               "tokenizer's chat_template)", Text(), "FILE")
+    long_examples: str = setting("truncate", "a prompt/completion or chat example longer than --seq: truncate keeps "
+                                             "its first --seq tokens (as TRL and axolotl do; one left with nothing "
+                                             "to learn is dropped), drop leaves it out", Choice(LONG_EXAMPLES), "WHAT")
 
     def __post_init__(self) -> None:
         check_settings(self, _setting_error)
@@ -64,6 +68,7 @@ class TokenizerLike(Protocol):
     eos_token: str
     bos_token: str | None
     chat_template: str | None
+    affixes: tuple[tuple[int, ...], tuple[int, ...]]  # the special tokens added before and after a whole text
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -86,6 +91,8 @@ class Dataset:
     input_ids: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    truncated: int = 0  # examples longer than seq that tokenize cut to seq tokens
+    dropped: int = 0  # and those it left out (--long-examples drop, or nothing left to learn once cut)
 
     def __post_init__(self) -> None:
         tensors = (self.input_ids, self.labels) + (() if self.positions is None else (self.positions,))
@@ -126,42 +133,52 @@ class Dataset:
 
 
 def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: int,
-             pack: str | None = None) -> Dataset:
+             pack: str | None = None, long_examples: str = "truncate") -> Dataset:
     """Text is packed end to end into `seq`-token sequences (the tail that does not fill one is dropped).
 
-    Each prompt/completion example becomes prompt + completion + end-of-text,
-    with labels -100 on the prompt; it gets a sequence of its own, padded
-    (input end-of-text, label -100), or with `pack` shares one with the next
-    examples that still fit. A conversation is its rendered pieces, labels -100
-    on all but the assistant turns (the template writes its own end of turn).
-    An example longer than `seq` is an error, never cut. Packed examples are
-    independent, as transformers' DataCollatorWithFlattening makes them: their
-    positions restart at 0 (Dataset.positions), so each attends only to itself,
-    and their first token is not learned (it would be predicted from the
-    example before). With pack="documents" text documents are split the same
-    way (a sequence's first token starts a piece of its own); otherwise they
-    attend across each other with positions 0..seq-1, as they always have.
+    A text document and a prompt/completion example are tokenized as transformers' `tokenizer(text)` and TRL
+    tokenize them: with the special tokens the tokenizer adds around a text (Llama 3's <|begin_of_text|>
+    before it; none for GPT-2, GPT-J or Qwen), then end-of-text unless they already end with it. A
+    conversation is its chat template's rendering alone, which holds its own special tokens, as TRL's
+    `apply_chat_template` gives it.
+
+    Each prompt/completion example becomes its prompt and completion, labels -100 on the prompt (and the
+    tokens added before it); it gets a sequence of its own, padded (input end-of-text, label -100), or with
+    `pack` shares one with the next examples that still fit. A conversation is its rendered pieces, labels -100
+    on all but the assistant turns (the template writes its own end of turn). An example longer than `seq` is
+    cut to its first `seq` tokens (`long_examples="truncate"`, as TRL and axolotl cut it) or left out
+    ("drop"); the Dataset counts both. Packed examples are independent, as transformers'
+    DataCollatorWithFlattening makes them: their positions restart at 0 (Dataset.positions), so each attends
+    only to itself, and their first token is not learned (it would be predicted from the example before).
+    With pack="documents" text documents are split the same way (a sequence's first token starts a piece of
+    its own); otherwise they attend across each other with positions 0..seq-1, as they always have.
     """
     if pack is not None and pack not in PACKINGS:
         raise DataError(f"--pack must be one of {', '.join(PACKINGS)}, got {pack!r}")
+    if long_examples not in LONG_EXAMPLES:
+        raise DataError(f"--long-examples must be one of {', '.join(LONG_EXAMPLES)}, got {long_examples!r}")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 2:
         raise DataError(f"seq must be an integer >= 2 (a token and the one it predicts), got {seq!r}")
     eos = tokenizer.eos_id
     stream: list[int] = []
     document_starts: list[int] = []  # where each text document begins in the stream
     rows: list[tuple[list[int], list[int], list[int]]] = []  # ids, labels, positions
+    truncated = dropped = 0
     for example in examples:
         example = example if isinstance(example, Example) else Example(example)
         if example.completion is None and example.messages is None:
             document_starts.append(len(stream))
-            stream += tokenizer.encode(example.text) + [eos]
+            before, after = tokenizer.affixes
+            stream += _ended([*before, *tokenizer.encode(example.text), *after], eos)
             continue
         ids, labels = _supervised(example, tokenizer)
+        if len(ids) > seq:
+            ids, labels = ids[:seq], labels[:seq]
+            if long_examples == "drop" or all(label == IGNORE_INDEX for label in labels[1:]):
+                dropped += 1
+                continue
+            truncated += 1
         length = len(ids)
-        if length > seq:
-            what = "the conversation" if example.messages is not None else "prompt + completion"
-            raise DataError(f"{example.where}: {what} is {length} tokens, longer than seq={seq}; "
-                            "raise --seq or shorten the example")
         if pack and rows and len(rows[-1][0]) + length <= seq:
             rows[-1][0].extend(ids)
             rows[-1][1].extend([IGNORE_INDEX] + labels[1:])
@@ -170,6 +187,10 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
             rows.append((ids, labels, list(range(length))))
     n_text = len(stream) // seq
     if n_text == 0 and not rows:
+        if dropped:
+            raise DataError(f"the data holds {len(stream)} tokens of text, fewer than one sequence of seq={seq}, "
+                            f"and {dropped} longer examples were dropped (--long-examples {long_examples}); raise "
+                            "--seq or add data")
         raise DataError(f"the data holds {len(stream)} tokens, fewer than one sequence of seq={seq}; "
                         "lower --seq or add data")
     text = torch.tensor(stream[:n_text * seq], dtype=torch.long).view(n_text, seq)
@@ -193,28 +214,55 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
     positions = torch.cat([text_positions, positions])
     # Rows that each hold one sequence train on the unmasked causal path, as without packing.
     unpacked = bool((positions == torch.arange(seq)).all())
-    return Dataset(torch.cat([text, padded]), torch.cat([text_labels, masked]), None if unpacked else positions)
+    return Dataset(torch.cat([text, padded]), torch.cat([text_labels, masked]), None if unpacked else positions,
+                   truncated, dropped)
+
+
+def long_examples_line(dataset: Dataset, seq: int, long_examples: str) -> str | None:
+    """The one line that says what became of the examples longer than `seq`; None if there were none."""
+    if not dataset.truncated and not dataset.dropped:
+        return None
+    done = [f"{dataset.truncated} truncated to their first {seq} tokens"] if dataset.truncated else []
+    if dataset.dropped:
+        why = "" if long_examples == "drop" else " (nothing left to learn once truncated)"
+        done.append(f"{dataset.dropped} dropped{why}")
+    other = "drop" if long_examples == "truncate" else "truncate"
+    count = dataset.truncated + dataset.dropped
+    return (f"{count} example{' is' if count == 1 else 's are'} longer than --seq {seq}: {' and '.join(done)} "
+            f"(--long-examples {long_examples}; --long-examples {other} or a longer --seq to change that)")
+
+
+def _ended(ids: list[int], eos: int) -> list[int]:
+    """ids with end-of-text after them, unless they already end with it (a tokenizer that adds it)."""
+    return ids if ids[-1:] == [eos] else [*ids, eos]
 
 
 def _supervised(example: Example, tokenizer: TokenizerLike) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of a prompt/completion pair or a conversation: only what the model answers is learned."""
+    """(input ids, labels) of a prompt/completion pair or a conversation: only what the model answers is learned.
+    A pair gets the tokens the tokenizer adds around a text, the context before it and learned after it."""
     if example.messages is None:
+        before, after = tokenizer.affixes
         pieces = ((example.text, False), (example.completion or "", True))
-        tail = [tokenizer.eos_id]
     else:
-        pieces, tail = chat_pieces(example.messages, tokenizer.chat_template, _specials(tokenizer), example.where), []
-    ids: list[int] = []
-    labels: list[int] = []
+        before, after = (), ()
+        pieces = chat_pieces(example.messages, tokenizer.chat_template, _specials(tokenizer), example.where)
+    ids, labels = list(before), [IGNORE_INDEX] * len(before)
     for text, learned in pieces:
         piece = tokenizer.encode(text)
         ids += piece
         labels += piece if learned else [IGNORE_INDEX] * len(piece)
-    return ids + tail, labels + tail
+    ids += after
+    labels += after
+    if example.messages is None:  # the template writes a conversation's own end of turn
+        tail = _ended(ids, tokenizer.eos_id)[len(ids):]
+        ids, labels = ids + tail, labels + tail
+    return ids, labels
 
 
 def _specials(tokenizer: TokenizerLike) -> dict[str, str]:
     """The special tokens chat templates use."""
-    return {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token or tokenizer.eos_token}
+    bos = {} if tokenizer.bos_token is None else {"bos_token": tokenizer.bos_token}
+    return {"eos_token": tokenizer.eos_token, **bos}  # one the tokenizer lacks is undefined, as in transformers
 
 
 def prompt_of(example: Example, tokenizer: TokenizerLike) -> str:
@@ -240,11 +288,11 @@ def chat_prompt(messages: list[dict[str, str]], tokenizer: TokenizerLike, where:
 
 
 def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: str | None = None,
-                 whole_file: bool = False) -> Dataset:
+                 whole_file: bool = False, long_examples: str = "truncate") -> Dataset:
     """read_examples + tokenize; a data file's name is in every error it can cause."""
     examples = read_examples(path, whole_file)
     try:
-        return tokenize(examples, tokenizer, seq, pack)
+        return tokenize(examples, tokenizer, seq, pack, long_examples)
     except DataError as exc:
         message = str(exc)
         raise DataError(message if str(path) in message else f"{path}: {message}") from None

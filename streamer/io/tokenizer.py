@@ -5,6 +5,7 @@ Nothing here downloads: a tokenizer is either trained on text the user has
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ class Tokenizer:
 
     backend: tokenizers.Tokenizer
     eos_token: str = EOS_TOKEN
-    bos_token: str | None = None  # None: the end-of-text token, as GPT-2 and GPT-J use it
+    bos_token: str | None = None  # None: it has none (a chat template's bos_token is then empty, as in transformers)
     chat_template: str | None = None  # Jinja, as transformers' apply_chat_template renders it
     source: Path | None = None  # the folder it was loaded from, whose files `save` copies verbatim
 
@@ -69,7 +70,27 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        """The text's own tokens, without the special tokens the tokenizer adds around a whole text."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(before, after): the special tokens the tokenizer's post-processor adds around a text, as
+        transformers' `tokenizer(text)` adds them: Llama 3's <|begin_of_text|> before; nothing for Qwen, GPT-2 or
+        GPT-J. Read off one encoding with them and one without, so any post-processor is read as it runs."""
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return tuple(full[:start]), tuple(full[start + len(plain):])
+        raise TokenizerError("the tokenizer's post-processor changes a text's own tokens, not only adds special "
+                             "tokens around them; use a tokenizer.json whose post_processor only adds tokens")
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """A prompt's ids as training saw its examples begin: the tokens the tokenizer adds before a text (BOS)
+        unless the prompt already starts with them (a chat template's rendering holds its own BOS)."""
+        ids, before = self.encode(prompt), list(self.affixes[0])
+        return ids if ids[:len(before)] == before else before + ids
 
     def decode(self, ids: Sequence[int]) -> str:
         # Keep the end-of-text token: a decoded sample should show where it ended.
@@ -121,7 +142,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     backend.train_from_iterator(seen, trainer)
     if not seen.characters:
         raise TokenizerError("no text to train the tokenizer on; pass a non-empty corpus")
-    return Tokenizer(backend)
+    return Tokenizer(backend, bos_token=EOS_TOKEN)  # GPT-2's: end-of-text begins a text too
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
@@ -130,6 +151,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if not path.is_dir():
         raise TokenizerError(f"{path} is not a folder; pass the folder that holds tokenizer.json")
     eos, bos = _special_token(path, "eos_token") or EOS_TOKEN, _special_token(path, "bos_token")
+    if not any((path / name).is_file() for name in ("tokenizer_config.json", "special_tokens_map.json")):
+        bos = eos  # GPT-2's files name no special tokens; `save` writes a config that names end-of-text for both
     found = {"eos_token": eos, "bos_token": bos, "chat_template": _chat_template(path), "source": path.resolve()}
     if (path / "tokenizer.json").is_file():
         try:
