@@ -59,6 +59,24 @@ def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]]
     return {k: v.double() for k, v in hf.state_dict().items()}, losses
 
 
+_NOISE: dict[tuple, tuple[float, float]] = {}
+
+
+def hf_fp32_noise(start: dict, data: list[tuple[torch.Tensor, torch.Tensor]], tc: TrainerConfig,
+                  exact: tuple[dict, list[float]]) -> tuple[float, float]:
+    """(weights, losses): transformers' own fp32 error on these steps, its eager and sdpa kernels against the same
+    steps in float64 (`exact`), the larger of the two. It is a property of this CPU's kernels (1e-5 on one box,
+    6e-5 on another), so each machine's bound is its own. Cached: the parametrized cases share their start."""
+    key = (tc.step.grad_accum, tc.optimizer.lr, tc.optimizer.weight_decay, tc.optimizer.max_grad_norm, len(data),
+           sum(v.double().sum().item() for v in start.values()))
+    if key not in _NOISE:
+        ref_state, ref_losses = exact
+        runs = [hf_reference(start, data, tc, dtype=torch.float32, attn=attn) for attn in ("eager", "sdpa")]
+        _NOISE[key] = (max(max((s[k] - ref_state[k]).abs().max().item() for k in s) for s, _ in runs),
+                       max(max(abs(a - b) for a, b in zip(l, ref_losses)) for _, l in runs))
+    return _NOISE[key]
+
+
 @pytest.mark.parametrize("activations,store,update_on",
                          [*itertools.product(["resident", "checkpoint"], ["ram", "disk"], ["device", "host"]),
                           ("offload", "disk", "host")])
@@ -67,14 +85,16 @@ def test_fp32_equals_hf_adamw(tmp_path, activations, store, update_on):
                           activations=activations, store=store, update_on=update_on, update_chunk=10_000)
     data = [(ids, prompt_masked(ids)) for ids in batches(5)]
     with StreamingTrainer(DEBUG, tc, store_dir=tmp_path / "run") as trainer:
-        ref_state, ref_losses = hf_reference(trainer.state_dict(), data, tc)
+        start = trainer.state_dict()
+        ref_state, ref_losses = hf_reference(start, data, tc)
         losses = [trainer.step(ids, labels) for ids, labels in data]
         state = trainer.state_dict()
-    # Against float64 HF, measured (native): losses 6.0e-7, weights 1.0e-5; HF's own fp32 kernels on the same
-    # steps: losses 2.4e-7 (eager) / 4.8e-7 (sdpa), weights 4.1e-6 (eager) / 7.9e-6 (sdpa). The bounds are about
-    # twice the larger of HF's own.
-    assert losses == pytest.approx(ref_losses, abs=2e-6)
-    assert max((state[k] - ref_state[k]).abs().max().item() for k in state) <= 2e-5
+    # Against float64 HF, measured: weights 1.0e-5 on an AMD EPYC, where HF's own fp32 kernels were 4.1e-6 (eager)
+    # and 7.9e-6 (sdpa); 4.7e-5 on a Xeon with AVX-512, where HF's own were 5.8e-5 and 3.7e-5. Losses were within
+    # 7.2e-7 everywhere. The bounds are twice HF's own noise on the machine the test runs on.
+    weights_noise, losses_noise = hf_fp32_noise(start, data, tc, (ref_state, ref_losses))
+    assert losses == pytest.approx(ref_losses, abs=2 * max(losses_noise, 1e-6))
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in state) <= 2 * weights_noise
     # Clipping was active (the bar asks for it), so the comparison covers the global norm.
     assert losses[0] > 5.0
 
@@ -89,11 +109,12 @@ def test_resident_fp32_equals_hf_adamw(tmp_path):
     resident = ResidentTrainer(DEBUG, tc, start)
     losses = [resident.step(ids, labels) for ids, labels in data]
     state = resident.model.state_dict()
-    # Against float64 HF, measured: weights 3.0e-6 native, 1.4e-5 under AVX2 only. HF's own fp32 kernels on the
-    # same steps: 4.1e-6 (eager) / 7.9e-6 (sdpa) native, 1.7e-5 (eager) / 6.9e-6 (sdpa) under AVX2. Losses are
-    # within 4e-7 everywhere. The weight bound is about twice the largest of HF's own.
-    assert losses == pytest.approx(ref_losses, abs=2e-6)
-    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 3.5e-5
+    # Against float64 HF, measured: weights 3.0e-6 native, 1.4e-5 under AVX2 only on an AMD EPYC, 4.0e-5 on a Xeon
+    # with AVX-512. HF's own fp32 kernels on the same steps: 4.1e-6 (eager) / 7.9e-6 (sdpa) native, 1.7e-5 / 6.9e-6
+    # under AVX2, 5.8e-5 / 3.7e-5 on the Xeon. The bounds are twice HF's own noise on this machine.
+    weights_noise, losses_noise = hf_fp32_noise(start, data, tc, (ref_state, ref_losses))
+    assert losses == pytest.approx(ref_losses, abs=2 * max(losses_noise, 1e-6))
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in start) <= 2 * weights_noise
 
 
 def test_resident_forward_runs_once_per_micro_batch(tmp_path):
