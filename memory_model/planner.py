@@ -280,7 +280,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
                     _add(at, gradient_charges(shape.unit_device_parts(event.unit), es, cfg.devices,
                                               cfg.shards > 1))
-                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
+                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
     return moments
@@ -389,7 +389,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
             unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
             optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
             activation_bytes=kept, recompute_bytes=recompute,
-            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
+            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
             backward_s=t.backward_s, offload_s=t.offload_s, update_s=t.update_s,

@@ -21,8 +21,9 @@ from memory_model.kernels import attention_flops, gpu_elementwise_bytes
 from memory_model.devices import tree_levels, with_sets
 from memory_model.units import stored_bytes
 from memory_model.planner import step_spec
-from memory_model.shapes import (backward_workspace_bytes, block_input_numel, block_saved_bytes,
-                                 checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes, loss_vocab_chunk)
+from memory_model.shapes import (backward_workspace_bytes, block_backward_transient_bytes, block_input_numel,
+                                 block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes,
+                                 loss_vocab_chunk)
 from memory_model.schedule import (
     BlockInput, StepSpec, released_after, resident_sets, resource_charges, step_events, update_charges,
 )
@@ -187,6 +188,8 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
             extra = []
             if kind == "head":
                 extra.append(ledger.allocate("workspace", "head", backward_workspace_bytes(shape, "head", b, t, es)))
+            if kind == "block":  # autograd's buffers and the block's output, from the backward's start
+                extra.append(ledger.allocate("workspace", e.unit, block_backward_transient_bytes(shape, b, t, es)))
             if kind == "block" and cfg.activations != "resident":
                 extra.append(ledger.allocate("activations", e.unit, block_saved_bytes(shape, b, t, es)
                                              - checkpoint_input_bytes(shape, b, t, es)))
