@@ -301,6 +301,10 @@ PRESET_HOSTS: dict[str, Host] = {"a100-40g": HOSTS["dgx-a100"], "a100-80g": HOST
                                   "h100-sxm": HOSTS["dgx-h100"], "h100-pcie": HOSTS["dgx-h100"],
                                   "h200": HOSTS["dgx-h100"], "gh200": HOSTS["grace"], "v100": HOSTS["dgx-2"],
                                   "rtx4090": HOSTS["workstation"]}
+# Each GPU's CUDA compute capability (NVIDIA's CUDA GPUs list): torch sizes cuBLAS's workspace by it.
+PRESET_CUDA_ARCH: dict[str, str] = {"a100-40g": "sm80", "a100-80g": "sm80", "h100-sxm": "sm90",
+                                    "h100-pcie": "sm90", "h200": "sm90", "gh200": "sm90", "v100": "sm70",
+                                    "rtx4090": "sm89"}
 _NOTES: dict[str, tuple[str, ...]] = {
     "cs2": ("host = MemoryX (weights, optimizer state, the update); data parallel = SwarmX broadcast/reduce tree",),
     "cs3": ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "

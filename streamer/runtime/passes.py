@@ -178,15 +178,16 @@ class Passes:
         """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
         accumulator.
 
-        The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward;
-        it is finished only now, so at most one unit's gradient is on the device.
+        The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward,
+        while autograd made this unit's gradient; it is finished only now, so at most two units' gradients are
+        on the device, and they are charged so.
         """
-        self._finish_pending_offload(ctx)
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
         parts = self.layouts[unit].split_device(grads)  # (unit, pieces) of each state the gradient goes to
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
                    for c in gradient_charges([sum(g.numel() for g in pieces) for _, pieces in parts],
                                              grads[0].element_size(), ranks, self.shards > 1)]
+        self._finish_pending_offload(ctx)
         first, last = micro == 0 and unit not in self.lent, micro == self.step_cfg.grad_accum - 1
         # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
         reductions = (None if self.data_parallel is None else
