@@ -80,3 +80,22 @@ def test_a_step_on_a_simulated_gpu_charges_what_the_planner_allocates(dtype: str
     planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype=dtype, update_chunk=20_000))
     assert real - planned.peak_device_bytes > workspace_bytes("sm90")
     assert planned.allocated_peak_bytes == pytest.approx(real, abs=4096)
+
+
+def test_a_budget_check_on_a_gpu_counts_cublas_workspaces() -> None:
+    """`streamer train`'s check before set-up: a GPU preset whose memory leaves the planned step 1 MiB more than
+    it charges, but not the 66 MiB of workspaces its ledger keeps, is refused in one line with a budget that fits."""
+    from streamer.advice import PLAN_MARGIN_BYTES, check_fits, planned_peak
+    from streamer.run import RunConfig, RunError
+
+    settings = dict(model="gptj-debug", batch=2, seq=48, dtype="bf16")
+    run = RunConfig.of(settings)
+    peak = planned_peak(run.model_config(), run)
+    h100 = device_spec("h100-sxm")
+    reserve = h100.memory_bytes - (peak + PLAN_MARGIN_BYTES + MiB)
+    tight = RunConfig.of({**settings, "budget": "h100-sxm", "set": (f"reserve_bytes={reserve}",)})
+    with pytest.raises(RunError, match=r"--budget h100-sxm .* is too small.*--budget 6\dMiB"):
+        check_fits(tight.model_config(), tight)
+    roomy = RunConfig.of({**settings, "budget": "h100-sxm",
+                          "set": (f"reserve_bytes={reserve - workspace_bytes('sm90')}",)})
+    check_fits(roomy.model_config(), roomy)
