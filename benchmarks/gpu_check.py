@@ -204,7 +204,12 @@ def gpu_spec(machine: Machine) -> DeviceSpec:
     return replace(base, name=f"{machine.gpu} (measured)", memory_bytes=machine.memory,
                    h2d=Link(machine.h2d, base.h2d.latency_s), d2h=Link(machine.d2h, base.d2h.latency_s),
                    flops={**base.flops, "bf16": machine.matmul_peak}, host_update_bw=machine.host_update,
-                   host_copy_bw=machine.staging_copy(), matmul_efficiency=1.0, bandwidth_efficiency=1.0)
+                   host_copy_bw=machine.staging_copy(), matmul_efficiency=1.0, bandwidth_efficiency=1.0,
+                   cuda_arch=_cuda_arch() or base.cuda_arch)  # sizes cuBLAS's workspaces
+
+
+def _cuda_arch() -> str | None:
+    return "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 # --- a model's runs -----------------------------------------------------------------------------------------------
@@ -555,8 +560,8 @@ def _run_row(run: Run, m: Machine, seq: int) -> str:
     return (f"| {run.batch} x {seq} | {run.update_on} | {run.median_s:.2f} s ({len(run.step_s)}) | {floor:.2f} s "
             f"{binding} ({run.median_s / floor:.2f}x) | {flops / 1e12:,.0f} | {flops / m.matmul_peak:.0%} | "
             f"{p.step_time_s:.2f} s ({p.step_time_s / run.median_s - 1:+.0%}) | {format_size(run.ledger_peak)} | "
-            f"{format_size(run.allocator_peak)} | {format_size(p.peak_device_bytes)} "
-            f"({run.allocator_peak / p.peak_device_bytes - 1:+.0%}) |")
+            f"{format_size(run.allocator_peak)} | {format_size(p.allocated_peak_bytes)} "
+            f"({run.allocator_peak / p.allocated_peak_bytes - 1:+.0%}) |")
 
 
 def breakdown_table(parts: list[Part]) -> list[str]:
@@ -602,8 +607,8 @@ def target_rows(results: list[ModelResult], seq: int) -> list[str]:
         timed = [x for x in r.runs if x.step_s]
         if not timed:
             return "unmeasured"
-        worst = max(timed, key=lambda x: abs(x.allocator_peak / x.prediction.peak_device_bytes - 1))
-        error = worst.allocator_peak / worst.prediction.peak_device_bytes - 1
+        worst = max(timed, key=lambda x: abs(x.allocator_peak / x.prediction.allocated_peak_bytes - 1))
+        error = worst.allocator_peak / worst.prediction.allocated_peak_bytes - 1
         return (f"{_verdict(abs(error) <= GOAL_PEAK_ERROR)}: worst {error:+.0%} ({worst.batch} x {seq}, "
                 f"{worst.update_on})")
 

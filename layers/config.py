@@ -138,6 +138,12 @@ class ModelConfig:
         logsumexp, a packed rows' mask, the rotary tables)."""
         raise NotImplementedError
 
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+        """The moments of a block's backward where autograd holds the most beyond what the block saved and the
+        incoming gradient: per moment, (bytes per token, parameters whose weight gradient exists by then).
+        Measured against autograd (tests/test_backward_transient.py)."""
+        raise NotImplementedError
+
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:
         its weights need no gradient (LoRA's base)."""

@@ -130,6 +130,16 @@ class GPTJConfig(ModelConfig):
     def block_saves_input(self, es: int) -> bool:
         return True  # ln_1 saves h
 
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+        d, f = self.n_embd, self.intermediate_size
+        # The MLP's backward runs first. fc_out's gives the gradient w.r.t. gelu's output; gelu's output is freed
+        # as gelu's backward adds the gradient w.r.t. its input: one (N, f) more, and fc_out's gradient.
+        mlp = (es * f, d * f + d)
+        # SDPA's backward: dq, dk, dv, the gradient w.r.t. the attention output and the MLP's share of the
+        # gradient w.r.t. x; the MLP's saved (N, f) pair is gone. The MLP's and out_proj's gradients exist.
+        attention = (es * (5 * d - 2 * f), 2 * d * f + d + f + d * d)
+        return mlp, attention
+
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         # LayerNorm's kernel saves the same whether its weights need a gradient or not.
         return es * (2 * self.n_embd + 2)  # h (ln_f's input), ln_f's output (the loss's input); mean, rstd

@@ -189,6 +189,13 @@ class LlamaConfig(ModelConfig):
     def block_saves_input(self, es: int) -> bool:
         return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
 
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+        d, f = self.hidden_size, self.intermediate_size
+        # down_proj's backward gives the gradient w.r.t. its input, the product (then freed); the product's
+        # backward gives the gradients w.r.t. silu(gate) and up: two (N, f) more, and down_proj's gradient.
+        # (The post-attention RMSNorm's fp32 backward can hold more where f is near d; not modelled.)
+        return ((2 * es * f, d * f + (d if self.mlp_bias else 0)),)
+
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         # The final RMSNorm (its normalised values only for its weight's gradient) and its output
         return 4 * self.hidden_size + 4 + (1 if frozen else 2) * es * self.hidden_size

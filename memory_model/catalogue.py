@@ -305,6 +305,10 @@ PRESET_HOSTS: dict[str, Host] = {"a100-40g": HOSTS["dgx-a100"], "a100-80g": HOST
                                   "h100-sxm": HOSTS["dgx-h100"], "h100-pcie": HOSTS["dgx-h100"],
                                   "h200": HOSTS["dgx-h100"], "gh200": HOSTS["grace"], "v100": HOSTS["dgx-2"],
                                   "rtx4090": HOSTS["workstation"]}
+# Each GPU's CUDA compute capability (NVIDIA's CUDA GPUs list): torch sizes cuBLAS's workspace by it.
+PRESET_CUDA_ARCH: dict[str, str] = {"a100-40g": "sm80", "a100-80g": "sm80", "h100-sxm": "sm90",
+                                    "h100-pcie": "sm90", "h200": "sm90", "gh200": "sm90", "v100": "sm70",
+                                    "rtx4090": "sm89"}
 _NOTES: dict[str, tuple[str, ...]] = {
     "cs2": ("host = MemoryX (weights, optimizer state, the update); data parallel = SwarmX broadcast/reduce tree",),
     "cs3": ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "
@@ -512,8 +516,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         flops=_SUPEROFFLOAD_FLOPS),
     PublishedRun(
         "MegaTrain", _s(_MEGATRAIN_RATES[1], _MEGATRAIN), "TFLOPS per device", "Qwen2.5-7B (28 x 3584)", _QWEN25_7B,
-        158, 1024, "h100-sxm", "not stated", _HOST_AFTER,
+        158, 1024, "h100-sxm", "not stated", (*_HOST_AFTER, ("grad_accum", 2)),
         "batch and seq from qwen_7b_1gpu.yaml, committed with the figure; checkpointing as its README describes; "
+        "the plan takes the batch in two micro-batches: in one, a block's backward holds 12.2 GiB of autograd's "
+        "buffers and the plan is 2.8 GiB over the H100; "
         f"its TFLOPS count 6 FLOPs per parameter and padded token; {_MEGATRAIN_WARM_UP}; after the "
         "backward it clips the gradients on the CPU, runs DeepSpeedCPUAdam and copies every master into its pinned "
         "buffers, one after the other (train.py, and cpu_master.py's _sync_params_to_gpu), where the plan runs "
@@ -523,8 +529,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         "MegaTrain, 4 GPUs", _s(_MEGATRAIN_RATES[4], _MEGATRAIN), "TFLOPS, all devices", "Qwen2.5-7B (28 x 3584)",
         _QWEN25_7B, 632, 1024, "h100-sxm", "one host's shared memory, read by every GPU's worker",
-        (*_HOST_AFTER, ("devices", 4)),
-        "batch from qwen_7b_4gpu.yaml, 158 sequences per GPU, averaged over 10 steps, the first included; "
+        (*_HOST_AFTER, ("devices", 4), ("grad_accum", 2)),
+        "batch from qwen_7b_4gpu.yaml, 158 sequences per GPU (two micro-batches in the plan, as on one GPU), "
+        "averaged over 10 steps, the first included; "
         "MegaTrain's workers share one host copy and need no gradient all-reduce, where the plan all-reduces; "
         "its GPUs reach 'MFU ~32.5%' (the commit's message, 6 FLOPs per parameter), below what the plan's "
         "kernels reach, and the sources do not say where their time goes",

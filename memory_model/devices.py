@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
-from memory_model.catalogue import PRESET_FIGURES, PRESET_NOTES, PRESET_SYSTEM, Figure
+from memory_model.catalogue import PRESET_CUDA_ARCH, PRESET_FIGURES, PRESET_NOTES, PRESET_SYSTEM, Figure
 from memory_model.kernels import KernelCosts
 from memory_model.settings import Assignments, Number, SettingError, shown
 from memory_model.units import COMPUTE_DTYPES, SizeError, parse_size
@@ -85,6 +85,9 @@ class DeviceSpec:
     # of the peak, whatever its kernels' shares (timing.py).
     training_mfu: float = 1.0
     reserve_bytes: int = 0  # device memory the runtime takes before any tensor (the CUDA context)
+    # The CUDA compute capability ("sm90") of a device whose memory torch's CUDA caching allocator hands out:
+    # its blocks are rounded and cuBLAS keeps workspaces (memory_model.allocator). "": none of that.
+    cuda_arch: str = ""
     update_on: str = "device"  # where the update runs unless the plan says otherwise
     # How data-parallel gradients are summed: "ring" (over `interconnect`, or through the host when None) or
     # "in-network" (a broadcast/reduce tree such as SwarmX: each device sends its gradient once, at line rate).
@@ -322,6 +325,7 @@ def _preset(name: str) -> DeviceSpec:
     base = DeviceSpec(name=name, memory_bytes=1, h2d=Link(1.0), d2h=Link(1.0), flops={"bf16": 1.0},
                       device_mem_bandwidth=1.0, host_ram_bytes=1, disk_read_bw=1.0, disk_write_bw=1.0,
                       host_update_bw=1.0, update_on=update_on, reduce=reduce, notes=PRESET_NOTES.get(name, ()),
+                      cuda_arch=PRESET_CUDA_ARCH.get(name, ""),
                       interconnect=Link(1.0) if "interconnect_bytes_per_s" in v else None,
                       inter_node=Link(1.0) if "inter_node_bytes_per_s" in v else None,
                       source="docs/MEMORY_MODEL.md, Device catalogue (`streamer devices` lists every figure)")

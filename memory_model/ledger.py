@@ -55,12 +55,15 @@ class Ledger:
     """allocate() -> handle, free(handle); in_use, peak and their breakdowns by category and by layer."""
 
     def __init__(self, capacity_bytes: int | None, device_name: str = "cpu",
-                 hint_context: dict[str, Any] | None = None) -> None:
+                 hint_context: dict[str, Any] | None = None, block_bytes: Callable[[int], int] | None = None) -> None:
+        """`block_bytes`: what an allocation of n bytes takes on the device (on CUDA the caching allocator's
+        block, memory_model.allocator.cuda_block_bytes); None: n."""
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
                                            or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive integer or None (unlimited), got {capacity_bytes!r}")
         self.capacity = capacity_bytes
         self.device_name = device_name
+        self.block_bytes = block_bytes
         self.hint_context: dict[str, Any] = dict(hint_context or {})
         self._lock = threading.Lock()
         self._charges: dict[int, _Charge] = {}
@@ -83,6 +86,8 @@ class Ledger:
             raise ValueError(f"unknown category {category!r}; categories are {', '.join(CATEGORIES)}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative integer, got {nbytes!r}")
+        if self.block_bytes is not None:
+            nbytes = self.block_bytes(nbytes)
         with self._lock:
             if self.capacity is not None and self._in_use + nbytes > self.capacity:
                 raise self._out_of_memory(category, layer, nbytes, what)

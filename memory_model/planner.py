@@ -15,6 +15,7 @@ from typing import Any, Callable
 from rich.table import Table
 
 from layers.config import ModelConfig
+from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
@@ -25,8 +26,8 @@ from memory_model.shapes import (
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
-    gradient_charges, load_order, loads_read_master, norm_pass_spec, resident_sets, resource_charges, shard_numel,
-    step_events, store_bytes, update_charges,
+    gradient_charges, is_fused, load_order, loads_read_master, norm_pass_spec, resident_sets, resource_charges,
+    shard_numel, step_events, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -77,7 +78,11 @@ class Plan:
     peak_device_bytes: int
     peak_breakdown: dict[str, int]
     peak_at: tuple[str, str]  # (unit, phase) of the first event at the peak
-    fits: bool  # the peak plus the device's reserve (CUDA context) fit its memory
+    # What torch.cuda.max_memory_allocated would count at the peak on a CUDA device (`DeviceSpec.cuda_arch`):
+    # each moment's bytes of each category rounded as the caching allocator rounds a block, and cuBLAS's
+    # workspaces (memory_model.allocator); the peak itself elsewhere.
+    allocated_peak_bytes: int
+    fits: bool  # the allocated peak plus the device's reserve (CUDA context) fit its memory
     host_store_bytes: int  # per rank (1/N with the state sharded): compute weights, master, moments, gradient
     # (a frozen LoRA base: its compute weights alone)
     # Offloaded block inputs in host memory at most, per device: every block's input of one micro-batch.
@@ -114,7 +119,7 @@ class Plan:
             if cfg.micro_batch > 1:
                 fixes.append(f"more --grad-accum than {cfg.grad_accum} (smaller micro-batches, the same batch)")
             fixes.append("a --target with more memory")
-            why.append(f"its device peak {format_size(self.peak_device_bytes)} exceeds the "
+            why.append(f"its device peak {format_size(self.allocated_peak_bytes)} exceeds the "
                        f"{format_size(room)} {self.device.name} leaves to tensors; to fit: {', or '.join(fixes)}")
         if not self.host_fits:
             stores = f"{self.host_stores} stores of " if self.host_stores > 1 else ""
@@ -161,8 +166,10 @@ class Plan:
                           *(f"{t * 1e3:.1f}" for t in (r.load_s, r.forward_s, r.backward_s, r.offload_s,
                                                        r.update_s)))
         parts = ", ".join(f"{c} {format_size(self.peak_breakdown[c])}" for c in CATEGORIES)
+        allocated = (f"; {format_size(self.allocated_peak_bytes)} as torch's CUDA allocator counts it (rounded "
+                     f"blocks, cuBLAS workspaces)" if self.allocated_peak_bytes != self.peak_device_bytes else "")
         table.caption = (f"peak {format_size(self.peak_device_bytes)} at {self.peak_at[1]} {self.peak_at[0]} "
-                         f"({parts}); {'fits' if self.fits else 'does NOT fit'} "
+                         f"({parts}){allocated}; {'fits' if self.fits else 'does NOT fit'} "
                          f"{format_size(self.device.memory_bytes)}"
                          f"{f' less a {format_size(self.device.reserve_bytes)} reserve' if self.device.reserve_bytes else ''}"
                          f"; 16 B/param baseline "
@@ -258,7 +265,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
     held: dict[str, int] = {}
     moments = []
     lora = adapter_charges(adapter_params(shape, cfg.lora))  # held for the whole run (none without LoRA)
-    for event, res in zip(events, resident):
+    for index, (event, res) in enumerate(zip(events, resident)):
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
@@ -278,12 +285,33 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                 _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.update_on))
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    _add(at, gradient_charges(shape.unit_device_parts(event.unit), es, cfg.devices,
-                                              cfg.shards > 1))
-                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es)
+                    for unit in (event.unit, *_offloading(events, index, cfg.grad_accum)):
+                        _add(at, gradient_charges(shape.unit_device_parts(unit), es, cfg.devices, cfg.shards > 1))
+                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
     return moments
+
+
+def allocated_peak_bytes(moments: list[tuple[Event, tuple[int, ...]]], device: DeviceSpec) -> int:
+    """The walk's peak as torch's CUDA caching allocator would count it on `device`: each category's bytes at
+    each moment rounded as one block (the runtime's ledger rounds each allocation: more blocks, a few KiB more at
+    most per block), and cuBLAS's workspaces; the peak itself on a device without that allocator."""
+    if not device.cuda_arch:
+        return max(sum(b) for _, b in moments)
+    rounded = max(sum(cuda_block_bytes(n) for n in b) for _, b in moments)
+    return rounded + workspace_bytes(device.cuda_arch)
+
+
+def _offloading(events: list[Event], index: int, micro_batches: int) -> tuple[str, ...]:
+    """The unit whose weight gradient is still on its way to the host when backward event `index` makes its own:
+    the unit of the backward just before, unless that backward waited for its offload at its end (the first
+    unit's, and each one of a fused step's last micro-batch, whose update needs the gradient home)."""
+    before = events[index - 1] if index else None
+    if before is None or before.phase != "backward":
+        return ()
+    waited = is_fused(events) and before.micro == micro_batches - 1
+    return () if waited else (before.unit,)
 
 
 def step_spec(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> StepSpec:
@@ -377,6 +405,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     moments = _memory_walk(shape, cfg, events, resident, micro, seq)
     peak_event, peak_bytes = max(moments, key=lambda m: sum(m[1]))
     peak = sum(peak_bytes)
+    allocated = allocated_peak_bytes(moments, device)
     timeline = simulate(events, resident, shape, cfg, device, pin_memory=pin_memory)
 
     rows, frozen = [], cfg.lora.enabled
@@ -391,7 +420,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
             unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
             optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
             activation_bytes=kept, recompute_bytes=recompute,
-            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es), forward_flops=fwd,
+            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
             backward_s=t.backward_s, offload_s=t.offload_s, update_s=t.update_s,
@@ -413,7 +442,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)
     host_acts = offloaded_inputs_bytes(shape, micro, seq, es) if cfg.offloads_inputs else 0
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
-    max_batch, max_seq = (_max_shapes(shape, cfg, device.memory_bytes - device.reserve_bytes, update_peak)
+    room = device.memory_bytes - device.reserve_bytes - workspace_bytes(device.cuda_arch)
+    max_batch, max_seq = (_max_shapes(shape, cfg, room, update_peak)
                           if limits else (None, None))
     step_s = timeline.end_s
     return Plan(
@@ -421,7 +451,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         baseline_bytes=BASELINE_BYTES_PER_PARAM * params,
         resident_baseline_bytes=BASELINE_BYTES_PER_PARAM * params + resident_acts,
         peak_device_bytes=peak, peak_breakdown=dict(zip(CATEGORIES, peak_bytes)),
-        peak_at=(peak_event.unit, peak_event.phase), fits=peak + device.reserve_bytes <= device.memory_bytes,
+        peak_at=(peak_event.unit, peak_event.phase), allocated_peak_bytes=allocated,
+        fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
         host_fits=((0 if cfg.store == "disk" else host_store) + host_acts) * stores <= device.host_ram_bytes,
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,

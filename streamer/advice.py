@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
+from memory_model.allocator import workspace_bytes
 from memory_model.ledger import round_up_size
 from streamer.run import RunConfig, RunError
 
@@ -36,29 +37,30 @@ def peak_plan_config(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -
     return max((pc, replace(pc, update_timing="after-backward")), key=lambda p: peak_device_bytes(model_cfg, p))
 
 
-def _needs(shape: ModelConfig, pc: PlanConfig) -> int:
-    """The budget a step needs: the planner's peak with the margin the real ledger was measured to need."""
-    return peak_device_bytes(shape, pc) + PLAN_MARGIN_BYTES
+def _needs(shape: ModelConfig, pc: PlanConfig, arch: str = "") -> int:
+    """The budget a step needs: the planner's peak with the margin the real ledger was measured to need, and on a
+    CUDA device (`arch`, DeviceConfig.cuda_arch) cuBLAS's workspaces, which its ledger charges for the run."""
+    return peak_device_bytes(shape, pc) + PLAN_MARGIN_BYTES + workspace_bytes(arch)
 
 
-def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int) -> list[str]:
+def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = "") -> list[str]:
     """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
     the batch, checkpointed activations (or offloaded, where checkpointed do not fit), the host update, the
     update after the backward. Only those that fit are listed."""
-    out = [f"--budget {round_up_size(_needs(shape, pc))}"]
+    out = [f"--budget {round_up_size(_needs(shape, pc, arch))}"]
     per_device = pc.batch // pc.devices
     for k in range(pc.grad_accum + 1, per_device + 1):
-        if per_device % k == 0 and _needs(shape, replace(pc, grad_accum=k)) <= budget:
+        if per_device % k == 0 and _needs(shape, replace(pc, grad_accum=k), arch) <= budget:
             out.append(f"--grad-accum {k} (micro-batches of {per_device // k}, the batch of {pc.batch} kept)")
             break
-    if pc.activations == "resident" and _needs(shape, replace(pc, activations="checkpoint")) <= budget:
+    if pc.activations == "resident" and _needs(shape, replace(pc, activations="checkpoint"), arch) <= budget:
         out.append("--activations checkpoint")
-    elif pc.activations != "offload" and _needs(shape, replace(pc, activations="offload")) <= budget:
+    elif pc.activations != "offload" and _needs(shape, replace(pc, activations="offload"), arch) <= budget:
         out.append("--activations offload")
-    if pc.update_on == "device" and _needs(shape, replace(pc, update_on="host")) <= budget:
+    if pc.update_on == "device" and _needs(shape, replace(pc, update_on="host"), arch) <= budget:
         out.append("--update-on host")
     # A fused update holds a unit's optimizer state while later units' activations are still on the device.
-    if pc.fused and _needs(shape, replace(pc, update_timing="after-backward")) <= budget:
+    if pc.fused and _needs(shape, replace(pc, update_timing="after-backward"), arch) <= budget:
         out.append("--update-timing after-backward")
     return out
 
@@ -73,22 +75,22 @@ def _breakdown(shape: ModelConfig, pc: PlanConfig) -> str:
 def check_fits(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> None:
     """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
     cannot fit its --budget; nothing when there is no budget or it fits."""
-    budget = cfg.budget_bytes()
+    budget, arch = cfg.budget_bytes(), cfg.trainer.device.cuda_arch()
     pc = peak_plan_config(model_cfg, cfg, devices)
-    if budget is None or _needs(model_cfg, pc) <= budget:
+    if budget is None or _needs(model_cfg, pc, arch) <= budget:
         return
     raise RunError(f"--budget {cfg.trainer.device.budget} ({format_size(budget)}) is too small: a step needs "
                    f"{_breakdown(model_cfg, pc)} by the planner. To fit, one of: "
-                   f"{'; or '.join(alternatives(model_cfg, pc, budget))}")
+                   f"{'; or '.join(alternatives(model_cfg, pc, budget, arch))}")
 
 
 def ledger_advice(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1
                   ) -> Callable[[dict[str, int], int, dict[str, Any]], list[str]]:
     """For the ledger's hints (`advise`): a DeviceOutOfMemory mid-step names the planner's alternatives."""
-    pc = peak_plan_config(model_cfg, cfg, devices)
+    pc, arch = peak_plan_config(model_cfg, cfg, devices), cfg.trainer.device.cuda_arch()
 
     def advise(needed: dict[str, int], capacity: int, hints: dict[str, Any]) -> list[str]:
         return [f"the planner puts a step's peak at {_breakdown(model_cfg, pc)}; one of "
-                + "; or ".join(alternatives(model_cfg, pc, capacity))]
+                + "; or ".join(alternatives(model_cfg, pc, capacity, arch))]
 
     return advise

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -10,6 +11,7 @@ import torch
 
 from layers import ModelConfig, learned_tokens
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
+from memory_model.allocator import cuda_block_bytes, workspace_blocks
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.errors import ConfigError, StoreError, StreamerError
@@ -64,8 +66,12 @@ class StreamingTrainer:
         self.writer = self.store if isinstance(self.store, StoreWriter) else None
         layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
+        arch = device.cuda_arch()
         self.ledger = Ledger(device.budget_bytes(), device.device,
-                             hint_context={"activations": step.activations, "grad_accum": step.grad_accum})
+                             hint_context={"activations": step.activations, "grad_accum": step.grad_accum},
+                             block_bytes=cuda_block_bytes if arch else None)
+        for nbytes in workspace_blocks(arch, os.environ.get("CUBLAS_WORKSPACE_CONFIG")):  # (none off CUDA)
+            self.ledger.allocate("workspace", "cublas", nbytes, "cuBLAS workspace, kept for the run")
         self.trace = Trace(self.ledger, meta={"model": cfg.describe(), "params": cfg.num_params(),
                                               "baseline_bytes": BASELINE_BYTES_PER_PARAM * cfg.num_params(),
                                               "budget": device.budget_bytes(), "device": device.device})

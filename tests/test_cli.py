@@ -299,7 +299,7 @@ def test_a_plan_that_does_not_fit_says_why_and_prints_no_throughput(capsys):
     planned = json.loads(out)
     assert rc == 0 and planned["fits"] is False and planned["host_fits"] is False
     assert planned["does_not_fit"] == (
-        "its device peak 43.88 GiB exceeds the 23.28 GiB rtx4090 leaves to tensors; to fit: --batch 64 (the largest "
+        "its device peak 49.81 GiB exceeds the 23.28 GiB rtx4090 leaves to tensors; to fit: --batch 54 (the largest "
         "that fits at --seq 2048), or more --grad-accum than 1 (smaller micro-batches, the same batch), or a "
         "--target with more memory; and its RAM-tier store needs 2 stores of 101 GiB of host RAM and rtx4090's host "
         "has 128 GiB; to fit: --store disk")

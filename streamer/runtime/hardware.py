@@ -169,6 +169,15 @@ class DeviceConfig:
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError, self.set)
 
+    def cuda_arch(self) -> str:
+        """The compute capability ("sm90") of the CUDA device the ledger accounts as torch's caching allocator
+        would (memory_model.allocator): this run's GPU, or a GPU preset its --budget simulates; "" for none."""
+        if self.device.startswith("cuda"):
+            major, minor = torch.cuda.get_device_capability(torch.device(self.device))
+            return f"sm{major}{minor}"
+        budget = DEVICE_PRESETS.get(self.budget, self.budget) if isinstance(self.budget, str) else self.budget
+        return budget.cuda_arch if isinstance(budget, DeviceSpec) else ""
+
 
 def check_device(device: Any, budget: Any, error: Callable[[str, str], Exception] = SettingError,
                  meta: bool = False, sets: Sequence[str] = ()) -> None:

@@ -13,7 +13,7 @@ from layers import ModelConfig, build_unit
 from layers.lora import add_adapters
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, adapter_charges, gradient_charges, resource_charges
-from memory_model.shapes import backward_workspace_bytes, loss_vocab_chunk
+from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.lora import Adapters
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
@@ -143,11 +143,16 @@ class Passes:
             self.ledger.free(logits_grad)
         else:
             incoming, incoming_handle = ctx.flowing_grad
-            if unit.startswith("block") and self.step_cfg.activations != "resident":
-                with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
-                    # recompute: the only second forward, by policy
-                    y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]))
-            torch.autograd.backward(y, incoming)
+            transient = self._charge_transient(unit, x)
+            try:
+                if unit.startswith("block") and self.step_cfg.activations != "resident":
+                    with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
+                        # recompute: the only second forward, by policy
+                        y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]))
+                torch.autograd.backward(y, incoming)
+            finally:  # (a step stopped in this backward leaves nothing of it charged)
+                if transient is not None:
+                    self.ledger.free(transient)
             self.ledger.free(incoming_handle)
         del y
         self.recorder.release(unit)
@@ -161,19 +166,28 @@ class Passes:
         if unit == self.units[0] and micro == self.step_cfg.grad_accum - 1 and self.shards > 1:
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
+    def _charge_transient(self, unit: str, x: torch.Tensor) -> int | None:
+        """A trained block's backward: autograd's buffers beyond its charges, and its output (held until the
+        backward ends), charged from its start (memory_model.shapes.block_backward_transient_bytes)."""
+        if not unit.startswith("block") or self.adapters is not None:
+            return None
+        nbytes = block_backward_transient_bytes(self.cfg, x.shape[0], x.shape[1], self.dtype.itemsize)
+        return self.ledger.allocate("workspace", unit, nbytes, "autograd's buffers in the block's backward")
+
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...], ctx: StepContext) -> None:
         """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
         accumulator.
 
-        The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward;
-        it is finished only now, so at most one unit's gradient is on the device.
+        The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward,
+        while autograd made this unit's gradient; it is finished only now, so at most two units' gradients are
+        on the device, and they are charged so.
         """
-        self._finish_pending_offload(ctx)
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
         parts = self.layouts[unit].split_device(grads)  # (unit, pieces) of each state the gradient goes to
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
                    for c in gradient_charges([sum(g.numel() for g in pieces) for _, pieces in parts],
                                              grads[0].element_size(), ranks, self.shards > 1)]
+        self._finish_pending_offload(ctx)
         first, last = micro == 0 and unit not in self.lent, micro == self.step_cfg.grad_accum - 1
         # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
         reductions = (None if self.data_parallel is None else
