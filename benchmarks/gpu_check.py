@@ -120,6 +120,7 @@ class Machine:
     host_update: float = 0.0  # bytes of AdamW state touched per second on the host
     io_threads: int = 0  # torch.get_num_threads() on an I/O thread
     preset: str | None = None
+    cuda_arch: str | None = None  # "sm90": sizes cuBLAS's workspaces in the plan
 
     def staging_copy(self) -> float:
         """The host copy rate at the runtime's staging threads."""
@@ -194,7 +195,8 @@ def measure_machine() -> Machine:
     return Machine(gpu=torch.cuda.get_device_name(), memory=torch.cuda.get_device_properties(0).total_memory,
                    cpus=psutil.cpu_count() or 0, ram=psutil.virtual_memory().total, matmul_peak=peak, h2d=h2d,
                    d2h=d2h, host_copy=host_copy_rates(512 * 2**20, sorted({1, staging_threads()}), pin=True),
-                   host_update=measure_update(16 * 2**20, 3), io_threads=io_thread_count(), preset=preset)
+                   host_update=measure_update(16 * 2**20, 3), io_threads=io_thread_count(), preset=preset,
+                   cuda_arch="sm{}{}".format(*torch.cuda.get_device_capability()))
 
 
 def gpu_spec(machine: Machine) -> DeviceSpec:
@@ -205,11 +207,7 @@ def gpu_spec(machine: Machine) -> DeviceSpec:
                    h2d=Link(machine.h2d, base.h2d.latency_s), d2h=Link(machine.d2h, base.d2h.latency_s),
                    flops={**base.flops, "bf16": machine.matmul_peak}, host_update_bw=machine.host_update,
                    host_copy_bw=machine.staging_copy(), matmul_efficiency=1.0, bandwidth_efficiency=1.0,
-                   cuda_arch=_cuda_arch() or base.cuda_arch)  # sizes cuBLAS's workspaces
-
-
-def _cuda_arch() -> str | None:
-    return "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+                   cuda_arch=machine.cuda_arch or base.cuda_arch)
 
 
 # --- a model's runs -----------------------------------------------------------------------------------------------
@@ -437,7 +435,7 @@ class Part:
     step_s: float
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if out and start <= out[-1][1]:
@@ -451,7 +449,7 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in intervals)
 
 
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Total length where an interval of `a` and one of `b` (each a disjoint sorted union) both run."""
     total, j = 0.0, 0
     for start, end in a:
@@ -483,17 +481,17 @@ def time_breakdown(events: list[dict]) -> list[Part]:
         busy[e.get("args", {}).get("stream")] = busy.get(e.get("args", {}).get("stream"), 0.0) + e["dur"]
     stream = max(busy, key=busy.__getitem__) if busy else None
 
-    def union(keep: Callable[[dict], bool]) -> list[tuple[float, float]]:
-        return _clip(_union((e["ts"], e["ts"] + e["dur"]) for e in spans if keep(e)), window)
+    def within(keep: Callable[[dict], bool]) -> list[tuple[float, float]]:
+        return _clip(union((e["ts"], e["ts"] + e["dur"]) for e in spans if keep(e)), window)
 
-    compute = union(lambda e: e.get("cat") == "kernel" and e.get("args", {}).get("stream") == stream)
+    compute = within(lambda e: e.get("cat") == "kernel" and e.get("args", {}).get("stream") == stream)
     parts = [("compute", compute),
-             ("H2D", union(lambda e: e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""))),
-             ("D2H", union(lambda e: e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")))]
-    parts += [(label, union(lambda e, n=name: e.get("name") == n and e.get("cat") != "gpu_user_annotation"))
+             ("H2D", within(lambda e: e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""))),
+             ("D2H", within(lambda e: e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")))]
+    parts += [(label, within(lambda e, n=name: e.get("name") == n and e.get("cat") != "gpu_user_annotation"))
               for label, name in HOST_PARTS]
     step_s = (window[1] - window[0]) / 1e6
-    out = [Part(name, _length(iv) / 1e6, 0.0 if name == "compute" else _overlap(iv, compute) / 1e6, step_s)
+    out = [Part(name, _length(iv) / 1e6, 0.0 if name == "compute" else overlap(iv, compute) / 1e6, step_s)
            for name, iv in parts]
     return out + [Part("waits (no compute kernel)", step_s - _length(compute) / 1e6, 0.0, step_s)]
 

@@ -20,6 +20,7 @@ import torch
 from layers import GPTJConfig
 from memory_model import device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
+from benchmarks.gpu_check import overlap, union
 from benchmarks.resident import ResidentTrainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -94,29 +95,6 @@ def _intervals(events: list[dict], keep: Callable[[dict], bool]) -> list[tuple[f
     return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if keep(e))
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for start, end in intervals:
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length (µs) where an interval of `a` and one of `b` (each a disjoint union) both run."""
-    total, j = 0.0, 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            total += min(end, b[k][1]) - max(start, b[k][0])
-            k += 1
-    return total
-
-
 def test_pinned_side_stream_copies_overlap_compute(tmp_path: Path, record_property: Record) -> None:
     """One step under torch.profiler: the weight and state copies to the GPU come from pinned memory, run on a
     stream other than the compute kernels', and run while kernels run (the Chrome trace is kept for a look)."""
@@ -149,9 +127,9 @@ def test_pinned_side_stream_copies_overlap_compute(tmp_path: Path, record_proper
     assert all("Pinned" in e["name"] for e in copies), f"copies from pageable memory: {kinds}"
     on_compute = [e for e in copies if e["args"].get("stream") == compute_stream]
     assert not on_compute, f"{len(on_compute)} of {len(copies)} large copies ran on the compute stream"
-    copy_time = _union(_intervals(copies, lambda e: True))
-    compute_time = _union(_intervals(kernels, lambda e: e["args"].get("stream") == compute_stream))
-    overlapped = _overlap(copy_time, compute_time)
+    copy_time = union(_intervals(copies, lambda e: True))
+    compute_time = union(_intervals(kernels, lambda e: e["args"].get("stream") == compute_stream))
+    overlapped = overlap(copy_time, compute_time)
     copy_total = sum(end - start for start, end in copy_time)
     record_property("copy time overlapped by compute", f"{overlapped / 1e3:.2f} of {copy_total / 1e3:.2f} ms "
                                                        f"({overlapped / copy_total:.0%}); trace {path}")
