@@ -238,11 +238,12 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
                        f"with the same number (for more than one: torchrun with --nnodes x --nproc-per-node = "
                        f"{run.processes()})")
     done = run.committed_step()
-    tokenizer, dataset = None, None
+    tokenizer, dataset, split = None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
         tokenizer = load_tokenizer(run.tokenizer)
         dataset = _dataset(cfg.data, tokenizer, cfg.seq)
-        cfg = _epoch_steps(cfg, len(_split(cfg, dataset, tokenizer)[0]))
+        split = _split(cfg, dataset, tokenizer)
+        cfg = _epoch_steps(cfg, len(split[0]))
     past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
     if done >= cfg.steps and not run.update_interrupted():
         console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
@@ -276,7 +277,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         tokenizer = tokenizer or load_tokenizer(run.tokenizer)
         cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
         dataset = _dataset(cfg.data, tokenizer, cfg.seq) if dataset is None else dataset
-        train_set, held_out = _split(cfg, dataset, tokenizer)
+        train_set, held_out = split or _split(cfg, dataset, tokenizer)
         _say_long_examples(cfg, dataset, held_out, console)
         stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
         if "data" in trainer.extra_state:
