@@ -1,7 +1,8 @@
 """Model math: each family's configuration and streamable units, the resident reference models and the loss.
 
-The configurations (layers.config and the family modules layers/gptj.py, layers/llama.py) are torch-free, so
-memory_model can use them without torch; the torch-using names are imported on first use (PEP 562).
+The configurations (layers.config and each family folder's config.py) are torch-free, so memory_model can use
+them without torch; the torch-using names are imported on first use (PEP 562). Importing a family's package
+registers its config classes in `FAMILIES`.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
-    "GPTJBlock": "layers.gptj_units", "GPTJEmbedding": "layers.gptj_units", "GPTJHead": "layers.gptj_units",
-    "GPTJ": "layers.gptj_units",
+    "GPTJBlock": "layers.gptj.units", "GPTJEmbedding": "layers.gptj.units", "GPTJHead": "layers.gptj.units",
+    "GPTJ": "layers.gptj.units",
     "IGNORE_INDEX": "layers.loss", "causal_lm_loss": "layers.loss", "learned_tokens": "layers.loss",
-    "CausalLM": "layers.model", "CheckpointMismatch": "layers.model", "build_unit": "layers.model",
-    "check_state_dict": "layers.model", "resident_model": "layers.model", "weight_decayed": "layers.model",
+    "CausalLM": "layers.model", "CheckpointMismatch": "layers.model", "FamilyUnits": "layers.model",
+    "build_unit": "layers.model", "check_state_dict": "layers.model", "resident_model": "layers.model",
+    "unit_kind": "layers.model", "weight_decayed": "layers.model",
 }
 
 __all__ = ["FAMILIES", "PRESETS", "ConfigError", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",

@@ -44,6 +44,12 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 
+def full_attention_only(cfg: ModelConfig, layer_type: str) -> None:
+    """A block of a family whose every layer attends causally over the whole sequence."""
+    if layer_type != "full_attention":
+        raise ValueError(f"{cfg.model_type} has no {layer_type!r} layers; its layers are 'full_attention'")
+
+
 def example_mask(positions: torch.Tensor) -> torch.Tensor:
     """The attention mask (B, 1, T, T) of rows of packed examples, from their positions (B, T), which restart at
     0 in each example: a query sees the keys of its own example up to itself (causal, block-diagonal)."""

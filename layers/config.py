@@ -1,8 +1,12 @@
 """What every model family's configuration gives the generic code, and the registry of families (torch-free).
 
-A family (layers/gptj.py, layers/llama.py) is a frozen dataclass with transformers' own field names for its
-`model_type`. Generic code reads only the common vocabulary below, never a family's own fields, so it never
-asks which family it holds:
+A family is a folder, `layers/<family>/`, in torchtitan's manner: `config.py`, a frozen dataclass subclassing
+`ModelConfig` with transformers' own field names for its `model_type` (torch-free), and `units.py`, its torch
+modules as one `layers.model.FamilyUnits`. `ModelConfig` is an abstract base: what a family must define is
+abstract, so a class that leaves one out cannot be built, and nothing has a stub body. Registering the class
+(`@family`) puts it in `FAMILIES`, the one list the CLI, the docs' list of families and the parametrized tests
+(tests/test_families.py) read. Generic code reads only the common vocabulary below, never a family's own
+fields, so it never asks which family it holds:
 
 - sizes: `vocab_size`, `hidden_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
   `head_dim`, `intermediate_size`, `max_position_embeddings`, `rotary_dim` (the rotated dims of a head);
@@ -10,7 +14,8 @@ asks which family it holds:
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
-- `units`: the module of its torch units (imported only by layers.model, so this stays torch-free);
+- `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it;
+- `example()`: a tiny model of the family with every variation it has, the one the tests run;
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
   block too), a block's matmul weights;
@@ -25,6 +30,7 @@ implemented here is refused in one line naming the field and the value.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from pathlib import Path
@@ -70,11 +76,10 @@ def positive_ints(cfg: object, *names: str) -> None:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-class ModelConfig:
+class ModelConfig(abc.ABC):
     """The base of every family's frozen dataclass; see the module's docstring for what a family provides."""
 
     model_type: ClassVar[str]
-    units: ClassVar[str]  # the module holding the family's nn.Modules (layers.model imports it)
     # Buffers that old checkpoints of the family carry and that hold no learned state.
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
     # The checkpoint key map: HF's prefix of the model body ('transformer.'), of its list of blocks within it
@@ -102,14 +107,17 @@ class ModelConfig:
     rotary_dim: int
 
     # --- what a family defines ---------------------------------------------------------------------
+    @abc.abstractmethod
     def embed_params(self) -> int:
-        raise NotImplementedError
+        """The embedding unit's own parameters."""
 
+    @abc.abstractmethod
     def block_params(self) -> int:
-        raise NotImplementedError
+        """One block's parameters."""
 
+    @abc.abstractmethod
     def head_params(self) -> int:
-        raise NotImplementedError
+        """The head's own parameters (a borrowed lm_head is not its own)."""
 
     def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
         """The unit's parameters that another unit's state holds: the unit's own key -> (that unit, its key
@@ -124,51 +132,63 @@ class ModelConfig:
         return {self.hf_key(unit, key): self.hf_key(owner, owner_key)
                 for unit in self.unit_names() for key, (owner, owner_key) in self.borrowed(unit).items()}
 
+    @abc.abstractmethod
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the block projection `name` (one of `projections`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def block_matmul_params(self) -> int:
         """The weights of a block's matmuls: a forward's matmul FLOPs are 2 x tokens x this."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def block_saved_per_token(self, es: int) -> int:
         """Bytes a block's forward saves per token in a compute dtype of `es` bytes, measured against autograd
         (tests/test_planner.py), besides what every family's attention saves alike (memory_model.shapes: the
         logsumexp, a packed rows' mask, the rotary tables)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
         """The moments of a block's backward where autograd holds the most beyond what the block saved and the
         incoming gradient: per moment, (bytes per token, parameters whose weight gradient exists by then).
         Measured against autograd (tests/test_backward_transient.py)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:
         its weights need no gradient (LoRA's base)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
         """What a LoRA block saves with adapters on `targets` (`plain`: no dropout before them), its input
         needing a gradient or not (`grad_in`: not the first block), measured against autograd
         (tests/test_lora.py)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def block_saves_input(self, es: int) -> bool:
         """Whether a block saves its input tensor itself (so a checkpointed block's kept input is one of the
         storages its recompute saves), rather than only values computed from it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers' class for this model_type reads."""
-        raise NotImplementedError
 
     @classmethod
+    @abc.abstractmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from a config.json's keys (model_type already removed, the required ones there, transformers'
         defaults filled in)."""
-        raise NotImplementedError
+
+    @classmethod
+    @abc.abstractmethod
+    def example(cls) -> "ModelConfig":
+        """A tiny model of this model_type with every variation the family has (biases, norms, scalings, tied
+        or not) at sizes that run in a test: what tests/test_families.py holds against transformers."""
+
+    def layer_types(self) -> tuple[str, ...]:
+        """Each block's attention, by transformers' names: 'full_attention' (causal over the whole sequence) or
+        'sliding_attention' (each query sees its `sliding_window` latest keys). A block's module is built for
+        its kind (`layers.model.FamilyUnits.block`)."""
+        return ("full_attention",) * self.num_hidden_layers
 
     @classmethod
     def own_fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:

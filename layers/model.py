@@ -1,10 +1,11 @@
 """What generic code asks of a family's torch side: a unit's module, the resident reference model, its strict
-HF loading, and the weight-decay rule. The family's units module is named by its config (`cfg.units`)."""
+HF loading, and the weight-decay rule. A family's torch side is the `UNITS` of the `units` module beside its
+config module (`layers/<family>/units.py`), a `FamilyUnits`."""
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -17,23 +18,51 @@ def weight_decayed(shape: Sequence[int]) -> bool:
     return len(shape) >= 2
 
 
-def family_units(cfg: ModelConfig) -> ModuleType:
-    """The module of cfg's family units: UNITS ({'embed', 'block', 'head'} -> class) and MODEL."""
-    return importlib.import_module(cfg.units)
+@dataclass(frozen=True)
+class FamilyUnits:
+    """A family's torch side: the module of each kind of unit and the resident model. Each takes the family's
+    config; a block also its `ModelConfig.layer_types()` entry."""
+
+    embed: Callable[[ModelConfig], nn.Module]
+    block: Callable[[ModelConfig, str], nn.Module]
+    head: Callable[[ModelConfig], nn.Module]
+    model: Callable[[ModelConfig, bool], "CausalLM"]  # (cfg, init): HF's initialisation unless init is False
+
+
+def family_units(cfg: ModelConfig) -> FamilyUnits:
+    """The units of cfg's family: `UNITS` in the `units` module of its config's package."""
+    package = type(cfg).__module__.rsplit(".", 1)[0]
+    units = importlib.import_module(f"{package}.units").UNITS
+    if not isinstance(units, FamilyUnits):
+        raise TypeError(f"{package}.units.UNITS is a {type(units).__name__}, not a FamilyUnits")
+    return units
+
+
+def unit_kind(cfg: ModelConfig, unit: str) -> str:
+    """What a unit's module is built from: 'embed', 'head', or a block's layer type ('full_attention'). Units
+    of one kind share a module shell; only their weights differ."""
+    kind, _, index = unit.partition(".")
+    if kind == "block" and index.isdigit() and int(index) < cfg.num_hidden_layers:
+        return cfg.layer_types()[int(index)]
+    if kind in ("embed", "head") and not index:
+        return kind
+    raise ValueError(f"unknown unit {unit!r}; units are 'embed', 'block.N' (N < {cfg.num_hidden_layers}), 'head'")
 
 
 def build_unit(cfg: ModelConfig, unit: str, device: torch.device | str = "meta") -> nn.Module:
     """An empty module of a unit's type (on `meta` by default: a shell for torch.func.functional_call)."""
-    factory = family_units(cfg).UNITS.get(unit.split(".", 1)[0])
-    if factory is None:
-        raise ValueError(f"unknown unit {unit!r}; units are 'embed', 'block.N', 'head'")
+    units, kind = family_units(cfg), unit_kind(cfg, unit)
     with torch.device(device):
-        return factory(cfg)
+        if kind == "embed":
+            return units.embed(cfg)
+        if kind == "head":
+            return units.head(cfg)
+        return units.block(cfg, kind)
 
 
 def resident_model(cfg: ModelConfig, init: bool = True) -> "CausalLM":
     """The family's whole model in memory, HF's structure and keys; HF's initialisation unless `init=False`."""
-    return family_units(cfg).MODEL(cfg, init=init)
+    return family_units(cfg).model(cfg, init)
 
 
 class CausalLM(nn.Module):

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from layers import GPTJConfig, build_unit
 from layers.config import ModelConfig
-from layers.llama import LlamaConfig
+from layers.llama.config import LlamaConfig
 from memory_model.shapes import block_backward_transient_bytes
 
 

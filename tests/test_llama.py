@@ -1,53 +1,43 @@
-"""The Llama family (llama, mistral, qwen2, qwen3) against transformers' own classes: configs, logits, streamed
-training, and a folder transformers wrote trained and exported through the CLI."""
+"""The Llama family (llama, mistral, qwen2, qwen3) beyond what tests/test_families.py holds for every family:
+configs as transformers saves and publishes them, RoPE's linear and dynamic scalings, streamed training on each
+tier and option against transformers, the planner over the option matrix, and a killed run continued."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 
+from layers.llama.config import TINY
 from layers import PRESETS, ConfigError, LlamaConfig, MistralConfig, ModelConfig, Qwen2Config, Qwen3Config, resident_model
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.cli.generate import open_trainer
-from streamer.generate import Sampling, generate
-from streamer.run_dir import RunDir
 from streamer.calibration.dryrun import dry_run
-from tests.conftest import randomize_
 from tests.test_cli import run_cli
+from tests.test_families import hf_model
 from tests.test_runtime import hf_reference
 
-_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32)
+_TINY = TINY
 LLAMA3 = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-# Each variation the family has: GQA with llama3, linear and dynamic RoPE and Llama's optional biases, Mistral's
-# window (no shorter than the sequences here), Qwen2's q/k/v biases, Qwen3's q/k norms and head_dim.
+# Each variation the family has: each model_type's example() (tests/test_families.py holds those to
+# transformers), and the linear and dynamic RoPE scalings, held here.
 CONFIGS = {
-    "llama-llama3-biases": LlamaConfig(**_TINY, rope_parameters=LLAMA3, attention_bias=True, mlp_bias=True),
+    "llama-llama3-biases": LlamaConfig.example(),
     "llama-linear": LlamaConfig(**_TINY, rope_parameters={"rope_theta": 10000.0, "rope_type": "linear",
                                                           "factor": 2.0}),
     "llama-dynamic": LlamaConfig(**_TINY, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic",
                                                            "factor": 2.0}),
-    "mistral": MistralConfig(**_TINY, sliding_window=32),
-    "qwen2": Qwen2Config(**_TINY),
-    "qwen3": Qwen3Config(**{**_TINY, "num_key_value_heads": 1}, head_dim=16),
+    "mistral": MistralConfig.example(),
+    "qwen2": Qwen2Config.example(),
+    "qwen3": Qwen3Config.example(),
 }
-
-
-def hf_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, attn: str = "eager",
-             seed: int = 0) -> transformers.PreTrainedModel:
-    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn).eval()
-    randomize_(model, seed)
-    return model.to(dtype)
+SCALINGS = ["llama-linear", "llama-dynamic"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -88,7 +78,7 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused():
             trainer.step(torch.zeros(1, 17, dtype=torch.int64), torch.zeros(1, 17, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", SCALINGS)
 def test_logits_equal_transformers_within_its_fp32_noise(name):
     cfg = CONFIGS[name]
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -103,7 +93,7 @@ def test_logits_equal_transformers_within_its_fp32_noise(name):
     assert exact.abs().max() > 1.0  # logits of unit size: the comparison sees every part of the model
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", SCALINGS)
 def test_gradients_equal_transformers_within_its_fp32_noise(name):
     """Every variation's gradients, parameter by parameter. Weights after a few AdamW steps (the test below) are a
     noisier measure: where an element's gradients nearly cancel between steps, AdamW turns their rounding into
@@ -159,45 +149,6 @@ def test_streamed_training_equals_transformers_and_adamw(tmp_path, name, store, 
     assert losses == pytest.approx(exact_losses, abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama-llama3-biases", "qwen3"])
-def test_cli_trains_a_transformers_folder_and_exports_what_transformers_loads(capsys, tmp_path, tiny_setup, name):
-    """`streamer train --from-pretrained` on a folder transformers wrote, then `streamer export`: transformers
-    loads the export with our logits, and greedy generation with the grouped-query KV cache is transformers'."""
-    cfg = dataclasses.replace(CONFIGS[name], vocab_size=512, max_position_embeddings=64)
-    hf_model(cfg).save_pretrained(tmp_path / "hf")
-    run, out = tmp_path / "run", tmp_path / "out"
-    rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--data", tiny_setup / "train.txt",
-                         "--tokenizer", tiny_setup / "tok", "--run-dir", run, "--steps", 2, "--batch", 2,
-                         "--seq", 16, "--dtype", "fp32", "--sample-tokens", 0, "--eval-fraction", 0)
-    assert rc == 0, err
-    rc, _, err = run_cli(capsys, "export", run, out)
-    assert rc == 0, err
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(exported).__name__ == cfg.architecture
-    assert_export_is_transformers(cfg, run, out, exported)
-
-
-def assert_export_is_transformers(cfg: ModelConfig, run: Path, out: Path,
-                                  exported: transformers.PreTrainedModel) -> None:
-    """The run's weights are the export's; its logits are within 2x transformers' own fp32 noise against
-    float64, and its greedy generation with the KV cache is transformers'."""
-    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
-    with open_trainer(RunDir(run)) as trainer:
-        state = trainer.state_dict()
-        ours_generated = generate(trainer, ids[:, :4], Sampling(12, temperature=0.0))
-    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in exported.state_dict().items()}
-    exact = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
-    with torch.no_grad():
-        reference = exact(ids).logits
-        noise = (exported(ids).logits.double() - reference).abs().max().item()
-        ours = resident_model(cfg, init=False)
-        ours.load_hf_state_dict(state)
-        error = (ours(ids).double() - reference).abs().max().item()
-        theirs_generated = exported.generate(ids[:, :4], max_new_tokens=12, do_sample=False)
-    assert error <= 2 * noise + 1e-6, (error, noise)
-    assert ours_generated.tolist() == theirs_generated.tolist()
-
-
 @pytest.mark.parametrize("dtype,activations,store", [("bf16", "resident", "ram"), ("fp32", "checkpoint", "ram"),
                                                      ("bf16", "checkpoint", "disk"), ("fp32", "resident", "disk"),
                                                      ("bf16", "offload", "ram"), ("fp32", "offload", "disk")])
@@ -221,35 +172,6 @@ def test_presets_have_the_published_parameter_counts():
     counts = {"llama-3.1-8b": 8_030_261_248, "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
               "qwen3-8b": 8_190_735_360}
     assert {name: PRESETS[name].num_params() for name in counts} == counts
-
-
-def test_lora_on_every_projection_exports_what_peft_loads(capsys, tmp_path, tiny_setup):
-    """--lora-targets with the family's names (q/k/v/o_proj, gate/up/down_proj): PEFT loads the adapter on
-    transformers' model with the logits of our merged weights."""
-    peft = pytest.importorskip("peft")
-    cfg = dataclasses.replace(CONFIGS["llama-llama3-biases"], vocab_size=512, max_position_embeddings=64)
-    hf_model(cfg).save_pretrained(tmp_path / "hf")
-    run, adapter = tmp_path / "run", tmp_path / "adapter"
-    rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--data", tiny_setup / "train.txt",
-                         "--tokenizer", tiny_setup / "tok", "--run-dir", run, "--steps", 3, "--batch", 2,
-                         "--seq", 16, "--dtype", "fp32", "--sample-tokens", 0, "--eval-fraction", 0, "--lr", "1e-2",
-                         "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(cfg.projections))
-    assert rc == 0, err
-    rc, _, err = run_cli(capsys, "export", run, adapter, "--format", "peft")
-    assert rc == 0, err
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        base_logits = base(ids).logits
-    loaded = peft.PeftModel.from_pretrained(base, adapter).eval()
-    with open_trainer(RunDir(run)) as trainer:
-        ours = resident_model(cfg, init=False)
-        ours.load_hf_state_dict(trainer.state_dict())
-    with torch.no_grad():
-        expected = ours(ids)
-        assert (base_logits - expected).abs().max().item() > 1e-2  # the adapters changed the model
-        error = (loaded(input_ids=ids).logits - expected).abs().max().item()
-    assert error <= 1e-4, error
 
 
 def test_a_projection_of_another_family_is_one_line(capsys):

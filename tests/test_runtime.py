@@ -63,15 +63,15 @@ _NOISE: dict[tuple, tuple[float, float]] = {}
 
 
 def hf_fp32_noise(start: dict, data: list[tuple[torch.Tensor, torch.Tensor]], tc: TrainerConfig,
-                  exact: tuple[dict, list[float]]) -> tuple[float, float]:
+                  exact: tuple[dict, list[float]], cfg: ModelConfig = DEBUG) -> tuple[float, float]:
     """(weights, losses): transformers' own fp32 error on these steps, its eager and sdpa kernels against the same
     steps in float64 (`exact`), the larger of the two. It is a property of this CPU's kernels (1e-5 on one box,
     6e-5 on another), so each machine's bound is its own. Cached: the parametrized cases share their start."""
-    key = (tc.step.grad_accum, tc.optimizer.lr, tc.optimizer.weight_decay, tc.optimizer.max_grad_norm, len(data),
+    key = (cfg, tc.step.grad_accum, tc.optimizer.lr, tc.optimizer.weight_decay, tc.optimizer.max_grad_norm, len(data),
            sum(v.double().sum().item() for v in start.values()))
     if key not in _NOISE:
         ref_state, ref_losses = exact
-        runs = [hf_reference(start, data, tc, dtype=torch.float32, attn=attn) for attn in ("eager", "sdpa")]
+        runs = [hf_reference(start, data, tc, cfg, torch.float32, attn) for attn in ("eager", "sdpa")]
         _NOISE[key] = (max(max((s[k] - ref_state[k]).abs().max().item() for k in s) for s, _ in runs),
                        max(max(abs(a - b) for a, b in zip(l, ref_losses)) for _, l in runs))
     return _NOISE[key]

@@ -21,7 +21,8 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.errors import CheckpointError
 from tests.test_cli import run_cli
-from tests.test_llama import _TINY, assert_export_is_transformers, hf_model
+from tests.test_families import assert_export_is_transformers, hf_model
+from tests.test_llama import _TINY
 from tests.test_runtime import hf_reference
 
 TIED = {"llama": LlamaConfig(**_TINY, tie_word_embeddings=True),

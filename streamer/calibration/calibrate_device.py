@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from layers.gptj import GPTJConfig
+from layers.gptj.config import GPTJConfig
 from memory_model.catalogue import Figure
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_figures
 from memory_model.kernels import attention_flops

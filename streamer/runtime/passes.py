@@ -7,9 +7,10 @@ from collections import Counter
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.func import functional_call
 
-from layers import ModelConfig, build_unit
+from layers import ModelConfig, build_unit, unit_kind
 from layers.lora import add_adapters
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, adapter_charges, gradient_charges, resource_charges
@@ -40,14 +41,19 @@ class Passes:
         # Units whose weights another unit borrows (a tied head's embedding): that unit's backward, earlier in
         # each micro-batch, starts their accumulator, so their own backward always adds to it.
         self.lent = {owner for layout in layouts.values() for _, owner in layout.borrowed}
-        self.shells = {kind: build_unit(cfg, name) for kind, name in
-                       (("embed", "embed"), ("block", "block.0"), ("head", "head"))}
+        kinds: dict[str, nn.Module] = {}  # one module shell per kind of unit; only the weights differ
+        for unit in self.units:
+            if unit_kind(cfg, unit) not in kinds:
+                kinds[unit_kind(cfg, unit)] = build_unit(cfg, unit)
+        self.shells = {unit: kinds[unit_kind(cfg, unit)] for unit in self.units}
         self.recorder = SavedTensorRecorder(ledger)
         # LoRA: the base is frozen (no weight gradients, no update); the adapters are on the device for the run.
         self.adapters = adapters
         if adapters is not None:
-            add_adapters(self.shells["block"], adapters.lora.target_names, adapters.lora.rank,
-                         adapters.lora.scaling, adapters.lora.dropout)
+            for kind, shell in kinds.items():
+                if kind not in ("embed", "head"):
+                    add_adapters(shell, adapters.lora.target_names, adapters.lora.rank, adapters.lora.scaling,
+                                 adapters.lora.dropout)
             self.recorder.resident |= adapters.storages()
             for c in adapter_charges(adapters.numel()):
                 ledger.allocate(c.category, "lora", c.nbytes, c.what)
@@ -61,22 +67,21 @@ class Passes:
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
         if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
-            shell = self.shells[kind].train(ctx.training)
+            shell = self.shells[unit].train(ctx.training)
             named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
             with self.adapters.dropout_rng(ctx.step, micro, unit) if kind == "block" else contextlib.nullcontext():
                 return functional_call(shell, named, (x, *args))
         params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                        lambda grads: self._offload(unit, micro, grads, ctx))
-        return functional_call(self.shells[kind], dict(zip(layout.keys, params)), (x, *args))
+        return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
 
     def call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
-        kind = unit.split(".", 1)[0]
         named = self.layouts[unit].views(self.states[unit].weights())
         if self.adapters is not None:
             named.update(self.adapters.for_unit(unit, self.dtype))
         with torch.no_grad():
-            return functional_call(self.shells[kind].train(False), named, args)
+            return functional_call(self.shells[unit].train(False), named, args)
 
     def forward(self, event: Event, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.block import KVCache, RMSNorm, attend, embedding, init_weights, language_model_output
-from layers.llama import LlamaConfig
-from layers.model import CausalLM
+from layers.block import KVCache, full_attention_only, RMSNorm, attend, embedding, init_weights, language_model_output
+from layers.llama.config import LlamaConfig
+from layers.model import CausalLM, FamilyUnits
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 
 
@@ -77,8 +77,9 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm residual: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
+        full_attention_only(cfg, layer_type)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -133,5 +134,4 @@ class Llama(CausalLM):
         return self.lm_head(self.model.norm(h)).float()  # (B, T, vocab)
 
 
-UNITS = {"embed": LlamaEmbedding, "block": LlamaBlock, "head": LlamaHead}
-MODEL = Llama
+UNITS = FamilyUnits(embed=LlamaEmbedding, block=LlamaBlock, head=LlamaHead, model=Llama)

@@ -1,6 +1,6 @@
 """The Llama family's configurations (torch-free), transformers' field names: `llama`, and `mistral`, `qwen2`
 and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention, rotate-half RoPE (with
-`rope_parameters`: default, linear, dynamic, llama3). Its units are in layers/llama_units.py.
+`rope_parameters`: default, linear, dynamic, llama3). Its units are in layers/llama/units.py.
 
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
 q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k), and which of transformers' optional flags
@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from layers.config import PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints
+
+# The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
+TINY: dict[str, int] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 
 # What each rope_type needs besides rope_theta (transformers' modeling_rope_utils).
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -39,7 +43,6 @@ def rope_parameters_of(raw: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
     model_type: ClassVar[str] = "llama"
-    units: ClassVar[str] = "layers.llama_units"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     hf_body: ClassVar[str] = "model."
     hf_blocks: ClassVar[str] = "layers"
@@ -122,6 +125,11 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"partial_rotary_factor={partial!r} is not supported (RoPE over whole heads); remove it")
         if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
             raise ConfigError("rope_parameters' low_freq_factor must be below high_freq_factor")
+
+    @classmethod
+    def example(cls) -> "LlamaConfig":
+        """Grouped-query attention, llama3 RoPE scaling and both of Llama's optional biases."""
+        return cls(**TINY, rope_parameters=_scaled_llama3(500000.0, 8.0, 8), attention_bias=True, mlp_bias=True)
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property
@@ -288,6 +296,11 @@ class MistralConfig(LlamaConfig):
     hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
                                              "sliding_window": 4096}
 
+    @classmethod
+    def example(cls) -> "MistralConfig":
+        """A window no shorter than the sequences (attention over a sliding window is refused)."""
+        return cls(**TINY, sliding_window=TINY["max_position_embeddings"])
+
 
 @family
 @dataclass(frozen=True)
@@ -301,6 +314,11 @@ class Qwen2Config(LlamaConfig):
     hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 32, "max_position_embeddings": 32768,
                                              "sliding_window": 4096, "max_window_layers": 28}
 
+    @classmethod
+    def example(cls) -> "Qwen2Config":
+        """q/k/v biases (Qwen2's own) with grouped-query attention."""
+        return cls(**TINY)
+
 
 @family
 @dataclass(frozen=True)
@@ -313,10 +331,19 @@ class Qwen3Config(LlamaConfig):
     switched_window: ClassVar[bool] = True
     hf_defaults: ClassVar[dict[str, Any]] = {**Qwen2Config.hf_defaults, "head_dim": 128}
 
+    @classmethod
+    def example(cls) -> "Qwen3Config":
+        """q/k norms, one key/value head for four query heads, and a head_dim apart from hidden_size's share."""
+        return cls(**{**TINY, "num_key_value_heads": 1}, head_dim=16)
+
+
+def _scaled_llama3(theta: float, factor: float, original: int) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted({"rope_theta": theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": original}.items()))
+
 
 def _llama3(theta: float, factor: float) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted({"rope_theta": theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items()))
+    return _scaled_llama3(theta, factor, 8192)
 
 
 def _theta(theta: float) -> tuple[tuple[str, Any], ...]:
@@ -344,10 +371,7 @@ PRESETS.update({
     # A small Llama for quick runs: GQA (4 query heads per key/value head) and llama3 RoPE scaling.
     "llama-debug": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                               rope_parameters=tuple(sorted({"rope_theta": 10000.0, "rope_type": "llama3",
-                                                             "factor": 8.0, "low_freq_factor": 1.0,
-                                                             "high_freq_factor": 4.0,
-                                                             "original_max_position_embeddings": 16}.items()))),
+                               rope_parameters=_scaled_llama3(10000.0, 8.0, 16)),
     # Synthetic, no published checkpoint: Llama's shape at GPT-J-350M's width and parameter count (SwiGLU at
     # 2.75 x d, 4 query heads per key/value head, Llama 2's vocabulary), for `streamer bench` on a CPU.
     "llama-350m": LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,

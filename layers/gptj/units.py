@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.block import KVCache, attend, embedding, init_weights, language_model_output
-from layers.gptj import GPTJConfig
-from layers.model import CausalLM
+from layers.block import KVCache, full_attention_only, attend, embedding, init_weights, language_model_output
+from layers.gptj.config import GPTJConfig
+from layers.model import CausalLM, FamilyUnits
 from layers.rotary import apply_rotary, positions_sincos, rows_sincos
 
 
@@ -61,8 +61,9 @@ class GPTJMLP(nn.Module):
 class GPTJBlock(nn.Module):
     """Parallel attention and MLP on one shared LayerNorm: h + attn(ln_1(h)) + mlp(ln_1(h))."""
 
-    def __init__(self, cfg: GPTJConfig) -> None:
+    def __init__(self, cfg: GPTJConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
+        full_attention_only(cfg, layer_type)
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.attn = GPTJAttention(cfg)
         self.mlp = GPTJMLP(cfg)
@@ -115,5 +116,4 @@ class GPTJ(CausalLM):
         return self.lm_head(self.transformer.ln_f(h)).float()  # (B, T, vocab)
 
 
-UNITS = {"embed": GPTJEmbedding, "block": GPTJBlock, "head": GPTJHead}
-MODEL = GPTJ
+UNITS = FamilyUnits(embed=GPTJEmbedding, block=GPTJBlock, head=GPTJHead, model=GPTJ)

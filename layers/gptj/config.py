@@ -1,5 +1,5 @@
 """The GPT-J family's configuration (torch-free): Hugging Face's field names, validated, frozen; its presets, its
-parameter counts and its checkpoint key map. Its units are in layers/gptj_units.py."""
+parameter counts and its checkpoint key map. Its units are in layers/gptj/units.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,6 @@ _SUPPORTED_ACTIVATIONS = ("gelu_new",)
 @dataclass(frozen=True)
 class GPTJConfig(ModelConfig):
     model_type: ClassVar[str] = "gptj"
-    units: ClassVar[str] = "layers.gptj_units"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("attn.bias", "attn.masked_bias")
     hf_body: ClassVar[str] = "transformer."
     hf_blocks: ClassVar[str] = "h"
@@ -67,6 +66,11 @@ class GPTJConfig(ModelConfig):
             raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
                               f"got {self.tie_word_embeddings!r}")
         self.check_size()
+
+    @classmethod
+    def example(cls) -> "GPTJConfig":
+        """Rotary over part of each head (8 of 16 dimensions), GPT-J's one variation."""
+        return cls(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
 
     # --- the common vocabulary (HF's attribute_map for GPT-J) -------------------------------------------
     @property
