@@ -5,7 +5,7 @@ optimizer state). While event k runs, its resource and the next `prefetch` disti
 in flight (`resident_sets`); after it, its resource is released unless the next event uses it too
 (`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
 backward into the next one's forward). A resource released and needed again later is loaded again. Where
-weights loads read the fp32 master (the disk tier), a fused update's chunks take theirs from the unit's last
+weights loads read the master (`Placement.loads_read_master`), a fused update's chunks take theirs from the unit's last
 weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time. With the block
 inputs offloaded (`StepSpec.offload_inputs`) a block's events carry its input (`Event.stash`): its forward
 sends it to host memory, and its backward's copy back is issued with the lookahead, like a weights load, and
@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from layers.config import ModelConfig
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
+from memory_model.step import StepConfig
 from memory_model.units import stored_bytes
 
 
@@ -147,15 +149,15 @@ def chunks(numel: int, size: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """Everything one step's event list depends on. The trainer (`StreamingTrainer.step_spec`), the planner
-    (`memory_model.planner.step_spec`) and the calibration describe their step with one, and `step_events`
+    """Everything one step's event list depends on. `step_spec` makes it from a model and its step settings,
+    for the trainer (`StreamingTrainer.step_spec`), the planner and the calibration alike, and `step_events`
     turns it into the events: the runtime and the planner walk one list by construction.
 
     `numels`: the elements of each unit its update walks (with the state sharded, this process's slice,
     `shard_numel`); its forward and backward still see whole units. `fused`: each unit's update follows its
-    backward in the last micro-batch (`memory_model.shapes.fused_update`). `frozen_base`: LoRA's step, whose
+    backward in the last micro-batch (`memory_model.step.StepConfig.fused`). `frozen_base`: LoRA's step, whose
     streamed base has no update and whose embedding has no backward. `master_from_weights`
-    (`loads_read_master`): a fused update takes each unit's fp32 master from its backward's weights load.
+    (`Placement.loads_read_master`): a fused update takes each unit's master from its backward's weights load.
     `offload_inputs`: each block's input waits for its backward in host memory (`--activations offload`).
     `backward=False`: evaluation, forwards only. `update_units`: the units updated (None: all; a step rolled
     forward after a crash updates the pending ones, with no micro-batches left to run).
@@ -173,19 +175,29 @@ class StepSpec:
     offload_inputs: bool = False
 
 
+def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool, devices: int = 1,
+              frozen_base: bool = False, micro_batches: int | None = None, fused: bool | None = None,
+              backward: bool = True, update_units: tuple[str, ...] | None = None) -> StepSpec:
+    """The step `settings` make of `shape` on `devices` data-parallel devices: the one builder of a `StepSpec`.
+    Each unit's update walks this device's slice of its state (`StepConfig.shards`). `compute_is_master`: the
+    compute weights are in the master's dtype (memory_model.units.compute_is_master). By default the training
+    step: `settings.grad_accum` micro-batches, fused where `StepConfig.fused` says; the trainer names its own
+    (`micro_batches`, a speculative `fused`, an evaluation's `backward=False`, a roll-forward's `update_units`)."""
+    units = tuple(shape.unit_names())
+    shards = settings.shards(devices)
+    return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
+                    {u: shard_numel(shape.unit_params(u), shards) for u in units}, settings.update_chunk,
+                    fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
+                    master_from_weights=settings.store.loads_read_master(compute_is_master), backward=backward,
+                    update_units=update_units, offload_inputs=settings.offloads_inputs)
+
+
 def norm_pass_spec(step: StepSpec) -> StepSpec:
     """A norm-first step's first pass: the forward and backward of `step` (a fused step of one micro-batch)
     with no update. Each unit's gradient is dropped once its squared norm is summed; nothing reaches the
     store. The clip coefficient is then known, and `step` itself runs clipped (memory_model.shapes.
     norm_first_allowed)."""
     return replace(step, fused=False, update_units=())
-
-
-def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
-    """A weights load reads the master from the state files (and casts it): there is no compute copy in RAM,
-    and compute weights in the master's dtype are the masters themselves. The one rule for
-    `StepSpec.master_from_weights`."""
-    return compute_tier == "disk" or (compute_is_master and state_tier == "disk")
 
 
 def step_events(step: StepSpec) -> list[Event]:
@@ -341,8 +353,10 @@ class StoreBytes:
 
 
 def store_bytes(cfg: PlanConfig) -> StoreBytes:
-    """What the disk tier's files move: a weights load reads the master and casts it."""
-    return StoreBytes(weights=cfg.master_bytes if cfg.store == "disk" else 0, master=cfg.master_bytes,
+    """What a store with its state on disk moves through its files: a weights load reads the master and casts it
+    where there is no compute copy in RAM (`Placement.loads_read_master`)."""
+    reads_master = cfg.step.store.loads_read_master(cfg.compute_is_master)
+    return StoreBytes(weights=cfg.master_bytes if reads_master else 0, master=cfg.master_bytes,
                       moment_dtype=cfg.moment_dtype)
 
 

@@ -28,7 +28,7 @@ from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
 from streamer.runtime.step import StepConfig
-from streamer.store.layout import Placement
+from memory_model.step import Placement
 from streamer.io.tokenizer import MIN_VOCAB
 
 from tests.test_cli import fails, run_cli, tiny_args
@@ -110,7 +110,7 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
     assert run.trainer.optimizer == OptimizerConfig(lr=3e-4, eps=1e-6)
     # the same wrong value reads the same from the run's settings, the trainer API, the planner and bench
     wrong = [(RunError, lambda: RunConfig.of({"grad_accum": 0})), (ConfigError, lambda: TrainerConfig.of(grad_accum=0)),
-             (ValueError, lambda: PlanConfig(batch=1, seq=2, grad_accum=0)),
+             (ValueError, lambda: PlanConfig.of(batch=1, seq=2, grad_accum=0)),
              (ValueError, lambda: RunSpec(label="a", contender="hf", model={}, batch=0, seq=2))]
     messages = []
     for error, make in wrong:
@@ -135,9 +135,9 @@ def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
     tc = cfg.trainer
     assert tc.optimizer == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), moment_dtype="bf16", max_grad_norm=0)
     assert tc.schedule == LRSchedule("cosine", 3, 9)  # it decays over --steps
-    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.store == Placement.of("ram")
+    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.step.store == Placement.of("ram")
     assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data == DataConfig(pack="examples")
-    assert cfg.plan_config() == PlanConfig(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
+    assert cfg.plan_config() == PlanConfig.of(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
                                            update_chunk=4096, moment_dtype="bf16", packed=True)
     # every flag lands in its owner's config, and comes back by its flat name
     flat = flatten(cfg)
@@ -193,7 +193,7 @@ def test_an_old_flat_config_toml_loads_into_the_nested_tree(tmp_path):
     assert (cfg.model, cfg.steps, cfg.batch, cfg.seq) == ("gptj-debug", 6, 4, 32)
     assert tc.step == StepConfig(grad_accum=2, activations="checkpoint", update_chunk=2**20)
     assert tc.optimizer == OptimizerConfig(lr=3e-3, max_grad_norm=0)
-    assert tc.schedule == LRSchedule("cosine", 2, 6, 0.1) and tc.store == Placement.of("disk")
+    assert tc.schedule == LRSchedule("cosine", 2, 6, 0.1) and tc.step.store == Placement.of("disk")
     assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data.pack == "examples"
 
 
@@ -209,7 +209,7 @@ def test_an_old_trainer_state_loads_into_the_nested_tree():
            "lora_targets": "q_proj,v_proj", "seed": 3, "trace_steps": 8, "trace_every": 0}
     tc = TrainerConfig.from_dict(old)
     assert tc.optimizer.max_grad_norm == 0 and tc.device.dtype == "bf16" and tc.seed == 3
-    assert tc.schedule == LRSchedule("linear", 1, 5) and tc.store == Placement("ram", "disk", "disk")
+    assert tc.schedule == LRSchedule("linear", 1, 5) and tc.step.store == Placement("ram", "disk", "disk")
     assert tc.step == StepConfig(grad_accum=2, update_chunk=8192, update_timing="after-backward")
     assert TrainerConfig.from_dict(tc.to_dict()) == tc
 
