@@ -8,6 +8,7 @@ import torch
 
 from layers import GPTJConfig
 from memory_model import PlanConfig, device_spec, plan
+from memory_model.planner import step_disk_bytes
 from streamer import Placement, StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 
@@ -194,6 +195,34 @@ def test_packed_rows_real_run_dry_run_and_planner_agree(tmp_path, dtype, activat
         peaks[packed] = real
     if (dtype, activations) != ("bf16", "checkpoint"):  # (there the head's backward is the peak either way)
         assert peaks[True] > peaks[False]
+
+
+@pytest.mark.parametrize("dtype,timing", [("bf16", "auto"), ("fp32", "auto"), ("bf16", "after-backward")])
+def test_a_mixed_placement_is_planned_as_it_runs(tmp_path, dtype, timing):
+    """Compute weights in RAM and the state on disk: the state's tier makes the update fused, the compute
+    weights' makes each load read the RAM copy (in bf16; fp32 weights are the master, read from disk) and
+    each update write a new one. The plan of the trainer's own step settings is the real run's ledger peak,
+    and its disk bytes what the store's files move, to the byte; neither is a whole tier's."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig.of(dtype=dtype, store=Placement("ram", "disk", "disk"), update_chunk=20_000,
+                          update_timing=timing, max_grad_norm=0)
+    pc = tc.plan_config(1, 8)  # a step short enough that an update chunk is its peak
+    assert pc.step is tc.step and pc.fused == (timing == "auto")
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        for _ in range(2):
+            trainer.step(torch.randint(0, cfg.vocab_size, (1, 8)))
+            assert trainer.step_bytes == step_disk_bytes(cfg, pc)
+        assert trainer.fused == pc.fused and trainer.clipped_redos == 0
+        real = trainer.ledger.peak
+    device = device_spec("h100-sxm")
+    assert plan(cfg, device, pc).peak_device_bytes == real
+    disk = pc.replace(store="disk")
+    if dtype == "bf16":  # the loads read no master, and each update chunk writes new compute weights on the device
+        assert step_disk_bytes(cfg, pc)[0] < step_disk_bytes(cfg, disk)[0]
+        assert real == plan(cfg, device, disk).peak_device_bytes + 20_000 * 2
+    else:  # the master is the compute weights: the loads read it from disk as the disk tier's do
+        assert step_disk_bytes(cfg, pc) == step_disk_bytes(cfg, disk)
+        assert real == plan(cfg, device, disk).peak_device_bytes
 
 
 @pytest.mark.parametrize("settings", [dict(dtype="fp32", activations="offload"), dict(dtype="fp32"),
