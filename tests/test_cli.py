@@ -270,7 +270,7 @@ def test_plan_keeps_the_store_train_would_and_says_why(capsys, tmp_path):
         planned = json.loads(out)
         return planned["store_reason"], planned
 
-    assert resolve({"model": "gptj-debug"}).trainer.store.tier == "disk"  # train's own choice
+    assert resolve({"model": "gptj-debug"}).trainer.step.store.tier == "disk"  # train's own choice
     reason, planned = store()
     assert planned["config"]["store"] == "disk" and reason == (
         "store: disk (streamer train's default: the state on disk, committed every step; --store ram keeps it in "
