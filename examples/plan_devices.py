@@ -43,7 +43,7 @@ def main() -> None:
     for name, device in DEVICE_PRESETS.items():
         for policy in POLICIES:
             p = plan(cfg, device, PlanConfig.of(batch=args.batch, seq=args.seq, activations=policy, store=args.store,
-                                             update_on=device.update_on))  # MemoryX updates on the host
+                                                update_on=device.update_on))  # MemoryX updates on the host
             table.add_row(name, format_size(device.memory_bytes), policy, format_size(p.peak_device_bytes),
                           "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", f"{p.utilisation:.1%}", p.bottleneck,

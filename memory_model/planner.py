@@ -135,7 +135,8 @@ class Plan:
         out["model"] = {**asdict(self.shape), "inner_dim": self.shape.intermediate_size}  # resolved when n_inner is None
         out["device"] = self.device.name
         out["device_memory_bytes"] = self.device.memory_bytes
-        out["config"] = {**flatten(self.config), "store": self.config.step.store.tier or self.config.step.store.to_dict(),
+        store = self.config.step.store  # a tier, as `--store` names it, or a mixed placement's tiers
+        out["config"] = {**flatten(self.config), "store": store.tier or store.to_dict(),
                          "lora": asdict(self.config.lora)}
         out["peak_at"] = {"unit": self.peak_at[0], "phase": self.peak_at[1]}
         if self.max_batch_seq is not None:
@@ -233,7 +234,8 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        return (0 if cfg.step.offloads_inputs else kept), saved - (kept if not first and shape.block_saves_input(es) else 0)
+        kept_again = kept if not first and shape.block_saves_input(es) else 0
+        return (0 if cfg.step.offloads_inputs else kept), saved - kept_again
     rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
                                              grad_in=False).rotary
     owner = "block.0" if rotates_first else "block.1"
@@ -478,7 +480,7 @@ class ClippedStep:
     """A step that clips, made on one schedule, as planned: its seconds, the bytes its store's files read and
     write (the disk tier's), and its device peak."""
 
-    schedule: str  # "after-backward" or "norm-first" (memory_model.shapes.CLIPPED_STEPS)
+    schedule: str  # "after-backward" or "norm-first" (memory_model.step.CLIPPED_STEPS)
     step_s: float
     disk_read_bytes: int
     disk_write_bytes: int

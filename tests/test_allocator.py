@@ -77,7 +77,8 @@ def test_a_step_on_a_simulated_gpu_charges_what_the_planner_allocates(dtype: str
     with StreamingTrainer(cfg, tc) as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         real = trainer.ledger.peak
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=2, seq=48, compute_dtype=dtype, update_chunk=20_000))
+    planned = plan(cfg, device_spec("h100-sxm"),
+                   PlanConfig.of(batch=2, seq=48, compute_dtype=dtype, update_chunk=20_000))
     assert real - planned.peak_device_bytes > workspace_bytes("sm90")
     assert planned.allocated_peak_bytes == pytest.approx(real, abs=4096)
 

@@ -199,7 +199,7 @@ def test_the_store_moves_the_planners_bytes(tmp_path, timing, moments):
     costs 2 B/param each time it is read (the forward's load, the backward's, the head's once) and written."""
     tc = BF16.replace(store="disk", update_timing=timing, moment_dtype=moments, update_chunk=20 * 256)
     plan = PlanConfig.of(batch=2, seq=16, compute_dtype="bf16", update_chunk=tc.step.update_chunk, store="disk",
-                      update_timing=timing, moment_dtype=moments, master_dtype="bf16")
+                         update_timing=timing, moment_dtype=moments, master_dtype="bf16")
     moved = train_debug(tmp_path / "run", tc, steps=2)[2]
     assert moved == step_disk_bytes(CFG, plan)
     n, head = CFG.num_params(), CFG.unit_params("head")

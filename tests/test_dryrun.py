@@ -244,7 +244,7 @@ def test_a_norm_pass_on_meta_charges_the_planned_peak(settings):
         trainer.executor.run(step_events(norm_pass_spec(trainer.step_spec(1, fused=True))), ctx)
     trainer.close()
     pc = PlanConfig.of(batch=2, seq=32, store="disk", update_chunk=20_000, compute_dtype="fp32",
-                    **{k: v for k, v in settings.items() if k != "dtype"})
+                       **{k: v for k, v in settings.items() if k != "dtype"})
     assert trainer.ledger.peak == norm_pass_peak(cfg, pc)
     assert norm_pass_peak(cfg, pc) <= peak_device_bytes(cfg, pc.replace(update_timing="after-backward"))
 

@@ -118,8 +118,8 @@ def test_store_bytes_per_step_are_the_planners(tmp_path, timing, accum, moments,
         for ids in debug_batches(2):
             trainer.step(ids)
             plan = PlanConfig.of(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch,
-                              update_chunk=tc.step.update_chunk, store="disk", update_timing=timing,
-                              moment_dtype=moments)
+                                 update_chunk=tc.step.update_chunk, store="disk", update_timing=timing,
+                                 moment_dtype=moments)
             assert trainer.step_bytes == step_disk_bytes(CFG, plan)
 
 

@@ -163,7 +163,7 @@ def test_the_store_moves_the_planners_bytes_and_a_third_of_fp32s(tmp_path, timin
     moments cost 2 x (1 + 4/256) B instead of 8."""
     tc = INT8.replace(store="disk", dtype="bf16", update_timing=timing)
     plan = PlanConfig.of(batch=2, seq=16, compute_dtype="bf16", update_chunk=tc.step.update_chunk, store="disk",
-                      update_timing=timing, moment_dtype="int8")
+                         update_timing=timing, moment_dtype="int8")
     moved = train_debug(tmp_path / "run", tc, steps=2)[2]
     assert moved == step_disk_bytes(CFG, plan)
     n, head = CFG.num_params(), CFG.unit_params("head")

@@ -51,7 +51,7 @@ def test_a_norm_first_steps_store_bytes_are_the_planners(tmp_path):
     run = train_debug(tmp_path / "run", tc, 2)
     planned = clipped_steps(DEBUG_MODEL, device_spec("h100-sxm"),
                             PlanConfig.of(batch=2, seq=16, compute_dtype="fp32", update_chunk=5000, store="disk",
-                                       moment_dtype="bf16"))
+                                          moment_dtype="bf16"))
     assert run.redos == 1
     norm_first = planned["norm-first"]
     assert run.step_bytes == (norm_first.disk_read_bytes, norm_first.disk_write_bytes)

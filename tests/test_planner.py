@@ -226,7 +226,7 @@ def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accu
                                              update_on, chunk) -> None:
     shape = GPTJConfig(vocab_size=vocab, n_positions=64, n_embd=d, n_layer=n_layer, n_head=4, rotary_dim=4)
     cfg = PlanConfig.of(batch=micro * accum, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch,
-                     update_on=update_on, grad_accum=accum, update_chunk=chunk)
+                        update_on=update_on, grad_accum=accum, update_chunk=chunk)
     ledger = _replay(shape, cfg)
     p = plan(shape, CS2, cfg)
     assert p.peak_device_bytes == ledger.peak == peak_device_bytes(shape, cfg)
@@ -338,7 +338,8 @@ def test_offloaded_block_inputs_leave_the_device_and_cross_the_pcie_links() -> N
     links, hidden behind the compute."""
     h100 = DEVICE_PRESETS["h100-sxm"]
     base = PlanConfig.of(batch=64, seq=2048, activations="checkpoint")
-    kept, offloaded = (plan(GPTJ_6B, h100, base.replace(activations=a), limits=False) for a in ("checkpoint", "offload"))
+    kept, offloaded = (plan(GPTJ_6B, h100, base.replace(activations=a), limits=False)
+                       for a in ("checkpoint", "offload"))
     one, blocks = checkpoint_input_bytes(GPTJ_6B, 64, 2048, 2), GPTJ_6B.n_layer  # 1 GiB each, 28 blocks
     assert kept.peak_at == offloaded.peak_at == ("block.27", "backward")
     assert kept.peak_device_bytes - offloaded.peak_device_bytes == (blocks - 2) * one == 26 * GIB
@@ -680,7 +681,7 @@ def test_a_host_update_overlapped_with_the_backward_hides_behind_it(store, timin
     state traffic from bounding the step."""
     h100 = replace(DEVICE_PRESETS["h100-sxm"], disk_read_bw=1e12, disk_write_bw=1e12)
     cfg = PlanConfig.of(batch=64, seq=2048, activations="checkpoint", update_on="host", store=store,
-                     update_timing="after-backward")
+                        update_timing="after-backward")
     after = plan(GPTJ_6B, h100, cfg)
     overlapped = plan(GPTJ_6B, h100, cfg.replace(update_timing=timing))
     assert overlapped.step_time_s < after.step_time_s

@@ -138,7 +138,7 @@ def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
     assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.step.store == Placement.of("ram")
     assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data == DataConfig(pack="examples")
     assert cfg.plan_config() == PlanConfig.of(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
-                                           update_chunk=4096, moment_dtype="bf16", packed=True)
+                                              update_chunk=4096, moment_dtype="bf16", packed=True)
     # every flag lands in its owner's config, and comes back by its flat name
     flat = flatten(cfg)
     assert {k: flat[k] for k in given if k != "store"} == {k: v for k, v in given.items() if k != "store"}

@@ -366,7 +366,7 @@ def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
         trainer.step(data[1])
         assert trainer.fused == (tc is DISK)
     planned = PlanConfig.of(batch=2, seq=32, store="disk", update_timing=tc.step.update_timing,
-                         update_chunk=tc.step.update_chunk)
+                            update_chunk=tc.step.update_chunk)
     assert len(flushes) == SEAL_FLUSHES * len(CFG.unit_names()) + commit_flushes(CFG, planned)
 
 

@@ -100,7 +100,7 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, dtype, activat
     tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=20_000, store=store, grad_accum=2,
                           update_timing=timing, max_grad_norm=0)
     settings = PlanConfig.of(batch=4, seq=48, compute_dtype=dtype, activations=activations, update_chunk=20_000,
-                          store=store, grad_accum=2, update_timing=timing)
+                             store=store, grad_accum=2, update_timing=timing)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (4, 48)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
