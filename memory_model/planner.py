@@ -330,11 +330,9 @@ def _events(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> list[Ev
 
 
 def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
-    """(read, written) bytes of the store's files in one step: the I/O of a store whose state is on disk (none
-    in RAM). Compute weights in RAM beside it are read from there (`store_bytes`)."""
+    """(read, written) bytes of the store's files in one step, each slab kind where the placement puts it (none
+    in RAM, `store_bytes`)."""
     store = cfg.step.store
-    if store.state != "disk":
-        return 0, 0
     if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
         if store.compute != "disk":
             return 0, 0
@@ -517,7 +515,7 @@ def clipped_steps(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> di
         events = norm_pass_events(shape, cfg)
         resident = resident_sets(events, cfg.step.prefetch)
         norm_s = simulate(events, resident, shape, cfg, device, commits=False).end_s
-        read, written = _disk_bytes_of(shape, cfg, events, norm_pass=True) if cfg.step.store.state == "disk" else (0, 0)
+        read, written = _disk_bytes_of(shape, cfg, events, norm_pass=True)
         out["norm-first"] = ClippedStep("norm-first", norm_s + fused.step_time_s,
                                         read + fused.link_bytes["disk_read"], written + fused.link_bytes["disk_write"],
                                         max(norm_pass_peak(shape, cfg), fused.peak_device_bytes))

@@ -339,25 +339,29 @@ def loads_keeping_master(events: list[Event], prefetch: int) -> list[bool]:
 
 @dataclass(frozen=True)
 class StoreBytes:
-    """What a disk store's files move: per parameter, what a weights load reads (the master, which it casts to
-    the compute dtype; 0 where the compute weights are in RAM) and the master as stored; and the dtype of the
-    Adam moments. An update writes the master and the moments; the disk tier keeps no compute-dtype copy."""
+    """What a store's files move, per parameter: what a weights load reads (the master, which it casts to the
+    compute dtype; 0 where the compute weights are in RAM), the master as stored and the dtype of the Adam
+    moments (0 and None where the state is in RAM), and the fp32 gradient accumulator (0 where it is in RAM).
+    An update writes the master and the moments; files keep no compute-dtype copy."""
 
     weights: int
     master: int
-    moment_dtype: str
+    moment_dtype: str | None
+    grad: int = GRAD_ACCUM_BYTES_PER_PARAM
 
     def moments(self, count: int) -> int:
         """Both Adam moments of an update chunk of `count` parameters, as stored (a quantized dtype's scales too)."""
-        return 2 * stored_bytes(self.moment_dtype, count)
+        return 0 if self.moment_dtype is None else 2 * stored_bytes(self.moment_dtype, count)
 
 
 def store_bytes(cfg: PlanConfig) -> StoreBytes:
-    """What a store with its state on disk moves through its files: a weights load reads the master and casts it
-    where there is no compute copy in RAM (`Placement.loads_read_master`)."""
-    reads_master = cfg.step.store.loads_read_master(cfg.compute_is_master)
-    return StoreBytes(weights=cfg.master_bytes if reads_master else 0, master=cfg.master_bytes,
-                      moment_dtype=cfg.moment_dtype)
+    """What the store's files move, each slab kind where `cfg.step.store` places it: a weights load reads the
+    master and casts it where there is no compute copy in RAM (`Placement.loads_read_master`)."""
+    store = cfg.step.store
+    state = store.state == "disk"
+    return StoreBytes(weights=cfg.master_bytes if store.loads_read_master(cfg.compute_is_master) else 0,
+                      master=cfg.master_bytes if state else 0, moment_dtype=cfg.moment_dtype if state else None,
+                      grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" else 0)
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
@@ -369,13 +373,13 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
     if isinstance(resource, Weights):
         return numel * sizes.weights
     master = sizes.master if resource.master else 0
-    return resource.count * (master + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM)) + sizes.moments(resource.count)
+    return resource.count * (master + (0 if fused else sizes.grad)) + sizes.moments(resource.count)
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
                micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None,
                norm_pass: bool = False) -> tuple[int, int]:
-    """(read, written) bytes of a disk-tier step: exactly what the store's files are asked for (the state
+    """(read, written) bytes of a step on a store with files: exactly what they are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
     Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
@@ -393,11 +397,11 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     written = 0
     for event in events:
         if event.phase == "backward":
-            grad = numels[event.unit] * GRAD_ACCUM_BYTES_PER_PARAM
+            grad = numels[event.unit] * sizes.grad
             read += grad if event.micro > 0 or event.unit in owners else 0
             written += 0 if fused and event.micro == micro_batches - 1 else grad
             for owner in borrowed.get(event.unit, ()):
-                shared = numels[owner] * GRAD_ACCUM_BYTES_PER_PARAM
+                shared = numels[owner] * sizes.grad
                 read, written = read + (shared if event.micro > 0 else 0), written + shared
         elif event.phase == "update":
             written += event.resource.count * sizes.master + sizes.moments(event.resource.count)

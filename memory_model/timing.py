@@ -126,7 +126,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     numel = _numel(resource, shape, cfg)
     nbytes = sum(c.nbytes for c in resource_charges(resource, numel, cfg.dtype_bytes, "device"))
     store = cfg.step.store
-    disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused) if store.state == "disk" else 0
+    disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
     in_ram = store.state == "ram" or (isinstance(resource, Weights)
                                       and not store.loads_read_master(cfg.compute_is_master))

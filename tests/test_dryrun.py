@@ -225,6 +225,20 @@ def test_a_mixed_placement_is_planned_as_it_runs(tmp_path, dtype, timing):
         assert real == plan(cfg, device, disk).peak_device_bytes
 
 
+def test_gradients_alone_on_disk_are_planned_as_they_run(tmp_path):
+    """The gradient accumulator alone in files, the state in RAM (so the update follows the backward): each
+    micro-batch's gradient is written, read back by the next one and by the update. The plan's disk bytes are
+    what the store's files move and its peak the ledger's, to the byte."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig.of(dtype="bf16", store=Placement("ram", "ram", "disk"), grad_accum=2, update_chunk=20_000)
+    pc = tc.plan_config(2, 16)
+    assert not pc.fused
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(torch.randint(0, cfg.vocab_size, (2, 16)))
+        assert trainer.step_bytes == step_disk_bytes(cfg, pc) == (8 * cfg.num_params(), 8 * cfg.num_params())
+        assert trainer.ledger.peak == plan(cfg, device_spec("h100-sxm"), pc).peak_device_bytes
+
+
 @pytest.mark.parametrize("settings", [dict(dtype="fp32", activations="offload"), dict(dtype="fp32"),
                                       dict(dtype="fp32", activations="checkpoint", prefetch=2)])
 def test_a_norm_pass_on_meta_charges_the_planned_peak(settings):
