@@ -65,7 +65,7 @@ def planned_rows() -> tuple[tuple[str, ...], ...]:
         rows.append((f"GPT-J-6B, {name}", f"{seconds(p.step_time_s)} (planned)", "—",
                      f"{size(p.peak_device_bytes)} (planned)", f"{size(p.host_store_bytes)} (planned)",
                      f"planned on {PLANNED_DEVICE}, batch {PLANNED.batch} x {PLANNED.seq}, {PLANNED.compute_dtype}, "
-                     f"{PLANNED.activations}"))
+                     f"{PLANNED.step.activations}"))
     return tuple(rows)
 
 
