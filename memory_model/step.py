@@ -66,11 +66,6 @@ class Placement:
         """The one tier of a store placed whole in RAM or on disk (`--store`); None for a mixed placement."""
         return self.compute if self.compute == self.state == self.grad else None
 
-    @property
-    def on_disk(self) -> bool:
-        """Some of the store is in files a step reads or writes."""
-        return "disk" in (self.compute, self.state, self.grad)
-
 
 class Placements(Choice):
     """The check of a store's placement: a tier (`--store ram` or `disk`, taken as `Placement.of` it) or a

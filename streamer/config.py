@@ -1,11 +1,11 @@
 """The trainer's settings (`TrainerConfig`): a tree of its owners' configs.
 
-Each branch is the config of the code that reads it: the step's (`memory_model.step.StepConfig`, which the
-planner takes too, the store's placement with it), the optimizer's and its learning-rate schedule
+Each branch is the config of the code that reads it: the step's (`memory_model.step.StepConfig`, the store's
+placement with it, which the planner takes too), the optimizer's and its learning-rate schedule
 (`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`) and the device's (`DeviceConfig`). The seed and the
-trace cadence are the trainer's own. Every setting
-keeps one flat name, its flag and TOML key (memory_model.settings.branch). `TrainerConfig.of(lr=1e-3,
-store="disk")` builds the tree from them, and `to_dict`/`from_dict` write and read them in a store's manifest.
+trace cadence are the trainer's own. Every setting keeps one flat name, its flag and TOML key
+(memory_model.settings.branch). `TrainerConfig.of(lr=1e-3, store="disk")` builds the tree from them, and
+`to_dict`/`from_dict` write and read them in a store's manifest.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class StreamingTrainer:
             self.store = _store
         else:
             if store_dir is None:
-                if step.store.on_disk:
+                if "disk" in (step.store.state, step.store.compute):
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
             self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),

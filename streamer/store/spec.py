@@ -13,9 +13,9 @@ from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
+from memory_model.step import Placement, StepConfig
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
 from streamer.errors import StoreError
-from memory_model.step import Placement, StepConfig
 from streamer.store.layout import DTYPES, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
 
