@@ -5,11 +5,11 @@ optimizer state). While event k runs, its resource and the next `prefetch` disti
 in flight (`resident_sets`); after it, its resource is released unless the next event uses it too
 (`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
 backward into the next one's forward). A resource released and needed again later is loaded again. Where
-weights loads read the master (`Placement.loads_read_master`), a fused update's chunks take theirs from the unit's last
-weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time. With the block
-inputs offloaded (`StepSpec.offload_inputs`) a block's events carry its input (`Event.stash`): its forward
-sends it to host memory, and its backward's copy back is issued with the lookahead, like a weights load, and
-held until that backward ends (`releases`).
+weights loads read the master (`Placement.loads_read_master`), a fused update's chunks take theirs from the
+unit's last weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time.
+With the block inputs offloaded (`StepSpec.offload_inputs`) a block's events carry its input (`Event.stash`):
+its forward sends it to host memory, and its backward's copy back is issued with the lookahead, like a
+weights load, and held until that backward ends (`releases`).
 streamer/runtime/executor.py, memory_model/planner.py, memory_model/timing.py and the dry run all walk
 these lists, so the planner's peak and the runtime's ledger come from one schedule. What a resource costs
 on the device while it is held (`resource_charges`) and what an update chunk writes there

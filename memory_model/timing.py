@@ -298,9 +298,11 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     last chunk its new state file is sealed (SEAL_FLUSHES) and renamed: the state file's own cost."""
     out = cfg.store_bytes(event.resource.count)
     d2h = out if cfg.step.update_on == "device" else 0
-    write = out if cfg.step.store.state == "disk" else 0
-    # Back from the device into a pinned buffer, then copied into the RAM slabs (the disk tier writes the buffer).
-    host_copy = d2h if cfg.step.store.state == "ram" else 0
+    # Back from the device into a pinned buffer, then copied into the RAM slabs; state files take the buffer's
+    # master and moments, and new compute weights (none with them on disk) go to their RAM slab.
+    to_ram = out if cfg.step.store.state == "ram" else event.resource.count * cfg.new_compute_bytes
+    write = out - to_ram
+    host_copy = to_ram if d2h else 0
     d2h_s, copy_s = _link(d2h, device, "d2h", cfg), _host_copy_s(host_copy, device)
     write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
     if event.resource.last:
