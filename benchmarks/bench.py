@@ -199,10 +199,10 @@ def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
         fresh = (shape, r.spec.dtype) not in calibrated  # measured now once, then from the cache it wrote
         calibrated.add((shape, r.spec.dtype))
         local = local_spec(workdir, shape, r.spec.dtype, refresh=fresh, sizes=sizes)
-        out[label] = plan(shape, local, PlanConfig(batch=r.spec.batch, seq=r.spec.seq, compute_dtype=r.spec.dtype,
-                                                   store=r.spec.tier, activations=r.spec.activations,
-                                                   moment_dtype=r.spec.moment_dtype,
-                                                   master_dtype=r.spec.master_dtype))
+        out[label] = plan(shape, local, PlanConfig.of(r.spec.batch, r.spec.seq, compute_dtype=r.spec.dtype,
+                                                      store=r.spec.tier, activations=r.spec.activations,
+                                                      moment_dtype=r.spec.moment_dtype,
+                                                      master_dtype=r.spec.master_dtype))
     return out
 
 

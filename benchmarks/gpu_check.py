@@ -285,7 +285,8 @@ def floor_s(p: Plan) -> tuple[float, str]:
     terms = {
         "link": max(p.link_bytes["h2d"] / device.h2d.bandwidth_bytes_per_s,
                     p.link_bytes["d2h"] / device.d2h.bandwidth_bytes_per_s),
-        "host update": cfg.update_touched_bytes(p.params) / device.host_update_bw if cfg.update_on == "host" else 0,
+        "host update": (cfg.update_touched_bytes(p.params) / device.host_update_bw
+                        if cfg.step.update_on == "host" else 0),
         "compute": sum(r.forward_flops + r.backward_flops for r in p.rows) / device.flops_for(cfg.compute_dtype),
     }
     name = max(terms, key=terms.__getitem__)

@@ -23,7 +23,7 @@ FULL = "ours streamed, RAM tier, full"
 LORA = f"ours streamed, RAM tier, LoRA r={LORA_RANK}"
 # The planned pair: README's GPT-J-6B step (batch 1 x 2048, bf16, checkpointed activations) on one H100.
 PLANNED_MODEL, PLANNED_DEVICE = "gptj-6b", "h100-sxm"
-PLANNED = PlanConfig(batch=1, seq=2048, compute_dtype="bf16", activations="checkpoint")
+PLANNED = PlanConfig.of(batch=1, seq=2048, compute_dtype="bf16", activations="checkpoint")
 COLUMNS = ("run", "step (median)", "host peak RSS", "device peak (ledger)", "host store", "source")
 
 
@@ -65,7 +65,7 @@ def planned_rows() -> tuple[tuple[str, ...], ...]:
         rows.append((f"GPT-J-6B, {name}", f"{seconds(p.step_time_s)} (planned)", "—",
                      f"{size(p.peak_device_bytes)} (planned)", f"{size(p.host_store_bytes)} (planned)",
                      f"planned on {PLANNED_DEVICE}, batch {PLANNED.batch} x {PLANNED.seq}, {PLANNED.compute_dtype}, "
-                     f"{PLANNED.activations}"))
+                     f"{PLANNED.step.activations}"))
     return tuple(rows)
 
 

@@ -22,7 +22,7 @@ from memory_model import format_size
 from benchmarks.report import params
 from streamer.calibration.calibrate import cpu_model, measure_disk, measure_matmul_flops
 from streamer.store.direct import AlignedBuffers, SequentialFile
-from streamer.store.layout import Placement
+from memory_model.step import Placement
 from streamer.store.spec import StoreSpec
 
 

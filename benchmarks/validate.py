@@ -54,7 +54,7 @@ def _device(run: PublishedRun) -> DeviceSpec:
 def _step(run: PublishedRun) -> PlanConfig:
     """The run's step as `streamer plan` takes it: the update where the device runs it unless the run says."""
     device = device_spec(run.device)
-    return PlanConfig(batch=run.batch, seq=run.seq, **{"update_on": device.update_on, **dict(run.step)})
+    return PlanConfig.of(batch=run.batch, seq=run.seq, **{"update_on": device.update_on, **dict(run.step)})
 
 
 def predict(run: PublishedRun) -> Row:

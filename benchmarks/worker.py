@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memory_model import PlanConfig
+from memory_model.step import TIERS, StepConfig
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
@@ -43,14 +44,16 @@ class RunSpec:
     seq: int = same_setting(PlanConfig, "seq")
     # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
     dtype: str = same_setting(PlanConfig, "compute_dtype")
-    tier: str = same_setting(PlanConfig, "store")  # DeepSpeed: disk is nvme offload
+    # A whole tier (the step's --store, as a word: every contender places all its state there)
+    tier: str = setting("ram", "where the training state lives: ram, or disk (DeepSpeed: nvme offload)",
+                        Choice(TIERS), "TIER")
     moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     master_dtype: str = same_setting(OptimizerConfig, "master_dtype")
-    activations: str = same_setting(PlanConfig, "activations")  # the scale run checkpoints
+    activations: str = same_setting(StepConfig, "activations")  # the scale run checkpoints
     # Every contender clips at this global norm (0: none). Random tokens' gradients clip on every step, and a
     # fused update whose clipping triggers is made again after the backward: bench runs without, by default.
     max_grad_norm: float = same_setting(OptimizerConfig, "max_grad_norm")
-    update_timing: str = same_setting(PlanConfig, "update_timing")  # ours streamed only
+    update_timing: str = same_setting(StepConfig, "update_timing")  # ours streamed only
     warmup: int = setting(2, "untimed steps first", Integer(0))
     steps: int = setting(5, "timed steps", Integer())
     world: int = setting(1, "data-parallel processes (ours only); the parent starts one child per rank", Integer())

@@ -65,8 +65,8 @@ def main() -> None:
     # CPU without native bf16) and the update streams 256K parameters at a time.
     tc = TrainerConfig(optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.01),
                        schedule=LRSchedule("cosine", warmup_steps=min(10, args.steps // 10), total_steps=args.steps),
-                       step=StepConfig(grad_accum=8, update_chunk=2**18), device=DeviceConfig(budget="8MiB"),
-                       store=Placement.of("disk"))
+                       step=StepConfig(grad_accum=8, update_chunk=2**18, store=Placement.of("disk")),
+                       device=DeviceConfig(budget="8MiB"))
     print(f"{MODEL.num_params():,} params; 16 B/param would need {16 * MODEL.num_params() / 2**20:.1f} MiB "
           f"on the device, the budget is 8 MiB; {len(train)} train / {len(held_out)} held-out examples")
     eval_ids, eval_labels = held_out.input_ids[:64], held_out.labels[:64]

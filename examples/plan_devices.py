@@ -42,8 +42,8 @@ def main() -> None:
         table.add_column(column, justify="left" if column in ("device", "policy", "bound") else "right")
     for name, device in DEVICE_PRESETS.items():
         for policy in POLICIES:
-            p = plan(cfg, device, PlanConfig(batch=args.batch, seq=args.seq, activations=policy, store=args.store,
-                                             update_on=device.update_on))  # MemoryX updates on the host
+            p = plan(cfg, device, PlanConfig.of(batch=args.batch, seq=args.seq, activations=policy, store=args.store,
+                                                update_on=device.update_on))  # MemoryX updates on the host
             table.add_row(name, format_size(device.memory_bytes), policy, format_size(p.peak_device_bytes),
                           "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", f"{p.utilisation:.1%}", p.bottleneck,
@@ -53,7 +53,7 @@ def main() -> None:
     if args.dry_run:
         for policy in POLICIES:
             ledger = dry_run(cfg, TrainerConfig.of(activations=policy, store=args.store), args.batch, args.seq)
-            planned = plan(cfg, DEVICE_PRESETS["cs2"], PlanConfig(batch=args.batch, seq=args.seq, store=args.store,
+            planned = plan(cfg, DEVICE_PRESETS["cs2"], PlanConfig.of(batch=args.batch, seq=args.seq, store=args.store,
                                                                     activations=policy)).peak_device_bytes
             console.print(f"dry run, {policy}: the runtime's ledger peaks at {format_size(ledger.peak)}; "
                           f"the planner says {format_size(planned)}")

@@ -18,6 +18,7 @@ from layers.config import ModelConfig
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
+from memory_model.settings import flatten
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
     checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
@@ -26,8 +27,8 @@ from memory_model.shapes import (
 from memory_model.lora import adapter_params
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
-    gradient_charges, is_fused, load_order, loads_read_master, norm_pass_spec, resident_sets, resource_charges,
-    shard_numel, step_events, store_bytes, update_charges,
+    gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges, shard_numel,
+    step_events, step_spec, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -110,14 +111,14 @@ class Plan:
         if not self.fits:
             room = self.device.memory_bytes - self.device.reserve_bytes
             cfg, fixes = self.config, []
-            if cfg.activations == "resident" and not cfg.lora.enabled:
+            if cfg.step.activations == "resident" and not cfg.lora.enabled:
                 fixes.append("--activations checkpoint")
             if self.max_batch_seq is not None and self.max_batch_seq[0]:
                 fixes.append(f"--batch {self.max_batch_seq[0]} (the largest that fits at --seq {cfg.seq})")
             elif self.max_seq:
                 fixes.append(f"--seq {self.max_seq} (the longest that fits at --batch {cfg.batch})")
             if cfg.micro_batch > 1:
-                fixes.append(f"more --grad-accum than {cfg.grad_accum} (smaller micro-batches, the same batch)")
+                fixes.append(f"more --grad-accum than {cfg.step.grad_accum} (smaller micro-batches, the same batch)")
             fixes.append("a --target with more memory")
             why.append(f"its device peak {format_size(self.allocated_peak_bytes)} exceeds the "
                        f"{format_size(room)} {self.device.name} leaves to tensors; to fit: {', or '.join(fixes)}")
@@ -134,7 +135,9 @@ class Plan:
         out["model"] = {**asdict(self.shape), "inner_dim": self.shape.intermediate_size}  # resolved when n_inner is None
         out["device"] = self.device.name
         out["device_memory_bytes"] = self.device.memory_bytes
-        out["config"] = asdict(self.config)
+        store = self.config.step.store  # a tier, as `--store` names it, or a mixed placement's tiers
+        out["config"] = {**flatten(self.config), "store": store.tier or store.to_dict(),
+                         "lora": asdict(self.config.lora)}
         out["peak_at"] = {"unit": self.peak_at[0], "phase": self.peak_at[1]}
         if self.max_batch_seq is not None:
             out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
@@ -155,7 +158,7 @@ class Plan:
     def table(self) -> Table:
         """Per unit: bytes on the device and time per phase; the caption holds the totals."""
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
-                            f"{self.config.activations}, {self.config.compute_dtype}")
+                            f"{self.config.step.activations}, {self.config.compute_dtype}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
                      "fwd ms", "bwd ms", "offload ms", "update ms"):
             table.add_column(name, justify="left" if name == "unit" else "right")
@@ -211,13 +214,13 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         return head_saved_bytes(shape, batch, seq, es, frozen=cfg.lora.enabled), 0
     if cfg.lora.enabled:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
-    if cfg.recomputes:
+    if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         # Where the block saves its input, the recompute re-saves the kept input itself (same storage, charged
         # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
         # Offloaded, the input is charged as a resource (BlockInput) instead, held for no event beyond its own.
         saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
-        return (0 if cfg.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
+        return (0 if cfg.step.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
     rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
@@ -228,10 +231,11 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     recompute re-saves nothing of the kept input); the fp32 rotary table goes to the first block that
     rotates a tensor needing a gradient."""
     es, first = cfg.dtype_bytes, unit == "block.0"
-    if cfg.recomputes:
+    if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        return (0 if cfg.offloads_inputs else kept), saved - (kept if not first and shape.block_saves_input(es) else 0)
+        kept_again = kept if not first and shape.block_saves_input(es) else 0
+        return (0 if cfg.step.offloads_inputs else kept), saved - kept_again
     rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
                                              grad_in=False).rotary
     owner = "block.0" if rotates_first else "block.1"
@@ -269,9 +273,9 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            _add(at, resource_charges(r, _device_numel(r, shape, cfg, batch, seq), es, cfg.update_on))
+            _add(at, resource_charges(r, _device_numel(r, shape, cfg, batch, seq), es, cfg.step.update_on))
         if event.phase == "update":
-            _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.update_on))
+            _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.step.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
                 # gradient w.r.t. this unit's input waits for the next unit's backward
                 at["activations"] += sum(held.values())
@@ -282,10 +286,10 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                 held[event.unit] = kept
             at["activations"] += sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "forward" and event.stash is not None:  # on its way to the host
-                _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.update_on))
+                _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.step.update_on))
             if event.phase == "backward":
                 if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    for unit in (event.unit, *_offloading(events, index, cfg.grad_accum)):
+                    for unit in (event.unit, *_offloading(events, index, cfg.step.grad_accum)):
                         _add(at, gradient_charges(shape.unit_device_parts(unit), es, cfg.devices, cfg.shards > 1))
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled)
                 del held[event.unit]
@@ -314,27 +318,26 @@ def _offloading(events: list[Event], index: int, micro_batches: int) -> tuple[st
     return () if waited else (before.unit,)
 
 
-def step_spec(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> StepSpec:
-    """The step the runtime runs for this model and config (`StreamingTrainer.step_spec` of the same settings);
-    `update=False` leaves out the update chunks."""
-    units = tuple(shape.unit_names())
-    numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in units}  # what each rank updates
-    return StepSpec(units, cfg.grad_accum, numels, cfg.update_chunk, fused=cfg.fused, frozen_base=cfg.lora.enabled,
-                    master_from_weights=loads_read_master(cfg.store, cfg.store, cfg.compute_is_master),
-                    update_units=None if update else (), offload_inputs=cfg.offloads_inputs)
+def planned_spec(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> StepSpec:
+    """The step the runtime runs for this model and config (`schedule.step_spec` of its step settings, as
+    `StreamingTrainer.step_spec` makes it); `update=False` leaves out the update chunks."""
+    return step_spec(shape, cfg.step, cfg.compute_is_master, cfg.devices, cfg.lora.enabled,
+                     update_units=None if update else ())
 
 
 def _events(shape: ModelConfig, cfg: PlanConfig, update: bool = True) -> list[Event]:
-    return step_events(step_spec(shape, cfg, update))
+    return step_events(planned_spec(shape, cfg, update))
 
 
 def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
-    """(read, written) bytes of the store's files in one step: the disk tier's I/O (none in RAM)."""
-    if cfg.store != "disk":
-        return 0, 0
+    """(read, written) bytes of the store's files in one step, each slab kind where the placement puts it (none
+    in RAM, `store_bytes`)."""
+    store = cfg.step.store
     if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
+        if store.compute != "disk":
+            return 0, 0
         events = _events(shape, cfg)
-        return sum(shape.unit_device_params(r.unit) for r in load_order(events, cfg.prefetch)) * cfg.dtype_bytes, 0
+        return sum(shape.unit_device_params(r.unit) for r in load_order(events, cfg.step.prefetch)) * cfg.dtype_bytes, 0
     return _disk_bytes_of(shape, cfg, _events(shape, cfg))
 
 
@@ -343,13 +346,13 @@ def _disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], nor
     """`step_disk_bytes` of these events (the step's own, or a norm-first step's norm pass)."""
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
-    return disk_bytes(events, cfg.prefetch, numels, store_bytes(cfg), cfg.grad_accum, borrowed, norm_pass)
+    return disk_bytes(events, cfg.step.prefetch, numels, store_bytes(cfg), cfg.step.grad_accum, borrowed, norm_pass)
 
 
 def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The step's peak device bytes (what plan() reports), without the time model."""
     events = _events(shape, cfg)
-    resident = resident_sets(events, cfg.prefetch)
+    resident = resident_sets(events, cfg.step.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
@@ -358,7 +361,7 @@ def _train_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
     state after the backward is fetched before the last backward (the lookahead stops at it), so these
     events' resident sets do not depend on that update."""
     events = _events(shape, cfg, update=cfg.fused)
-    resident = resident_sets(events, cfg.prefetch)
+    resident = resident_sets(events, cfg.step.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
@@ -377,7 +380,7 @@ def _max_shapes(shape: ModelConfig, cfg: PlanConfig, capacity: int, update_peak:
     either, so it is walked once (update_peak) and the search walks the forward and backward only."""
     if update_peak > capacity:
         return 0, 0
-    group = cfg.grad_accum * cfg.devices
+    group = cfg.step.grad_accum * cfg.devices
 
     def micro_fits(micro: int) -> bool:
         return _train_peak(shape, replace(cfg, batch=micro * group)) <= capacity
@@ -401,7 +404,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     micro, seq, es = cfg.micro_batch, cfg.seq, cfg.dtype_bytes
 
     events = _events(shape, cfg)
-    resident = resident_sets(events, cfg.prefetch)
+    resident = resident_sets(events, cfg.step.prefetch)
     moments = _memory_walk(shape, cfg, events, resident, micro, seq)
     peak_event, peak_bytes = max(moments, key=lambda m: sum(m[1]))
     peak = sum(peak_bytes)
@@ -412,8 +415,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     for u in units:
         params, on_device = shape.unit_params(u), shape.unit_device_params(u)  # (a tied head uses the embedding's)
         kept, recompute = _activations(shape, cfg, u, micro, seq)
-        fwd = forward_flops(shape, u, micro, seq) * cfg.grad_accum
-        recompute_flops = fwd if cfg.recomputes and u.startswith("block.") else 0
+        fwd = forward_flops(shape, u, micro, seq) * cfg.step.grad_accum
+        recompute_flops = fwd if cfg.step.recomputes and u.startswith("block.") else 0
         t = timeline.per_unit[u]
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
@@ -428,19 +431,22 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         ))
 
     params = shape.num_params()
-    resident_cfg = replace(cfg, activations="resident")
+    resident_cfg = cfg.replace(activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
-    model_flops = step_model_flops(shape, micro, seq) * cfg.grad_accum
+    model_flops = step_model_flops(shape, micro, seq) * cfg.step.grad_accum
     # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient. Compute
-    # weights in the master's dtype are the master: no copy.
-    stored = shard_numel(params, cfg.shards)
-    copy = 0 if cfg.compute_is_master else es
-    state = es if frozen else copy + cfg.master_bytes + GRAD_ACCUM_BYTES_PER_PARAM
-    host_store = stored * state + (0 if frozen else cfg.moment_bytes(stored))
+    # weights in the master's dtype are the master: no copy. Each kind is in RAM or on disk as placed.
+    stored, store = shard_numel(params, cfg.shards), cfg.step.store
+    kinds = {"compute": (store.compute, stored * (es if frozen or not cfg.compute_is_master else 0))}
+    if not frozen:
+        kinds.update(state=(store.state, stored * cfg.master_bytes + cfg.moment_bytes(stored)),
+                     grad=(store.grad, stored * GRAD_ACCUM_BYTES_PER_PARAM))
+    host_store = sum(nbytes for _, nbytes in kinds.values())
+    in_ram = sum(nbytes for tier, nbytes in kinds.values() if tier == "ram")
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)
-    host_acts = offloaded_inputs_bytes(shape, micro, seq, es) if cfg.offloads_inputs else 0
+    host_acts = offloaded_inputs_bytes(shape, micro, seq, es) if cfg.step.offloads_inputs else 0
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     room = device.memory_bytes - device.reserve_bytes - workspace_bytes(device.cuda_arch)
     max_batch, max_seq = (_max_shapes(shape, cfg, room, update_peak)
@@ -454,7 +460,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         peak_at=(peak_event.unit, peak_event.phase), allocated_peak_bytes=allocated,
         fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
-        host_fits=((0 if cfg.store == "disk" else host_store) + host_acts) * stores <= device.host_ram_bytes,
+        host_fits=(in_ram + host_acts) * stores <= device.host_ram_bytes,
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.compute_dtype),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),
@@ -472,7 +478,7 @@ class ClippedStep:
     """A step that clips, made on one schedule, as planned: its seconds, the bytes its store's files read and
     write (the disk tier's), and its device peak."""
 
-    schedule: str  # "after-backward" or "norm-first" (memory_model.shapes.CLIPPED_STEPS)
+    schedule: str  # "after-backward" or "norm-first" (memory_model.step.CLIPPED_STEPS)
     step_s: float
     disk_read_bytes: int
     disk_write_bytes: int
@@ -487,14 +493,14 @@ class ClippedStep:
 
 def norm_pass_events(shape: ModelConfig, cfg: PlanConfig) -> list[Event]:
     """A norm-first step's first pass: the step's forward and backward, nothing updated or stored."""
-    return step_events(norm_pass_spec(step_spec(shape, cfg)))
+    return step_events(norm_pass_spec(planned_spec(shape, cfg)))
 
 
 def norm_pass_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The device peak of a norm-first step's norm pass. Its events are the forward and backward of the update
     after the backward, so it is at most that step's peak."""
     events = norm_pass_events(shape, cfg)
-    resident = resident_sets(events, cfg.prefetch)
+    resident = resident_sets(events, cfg.step.prefetch)
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
@@ -502,14 +508,14 @@ def clipped_steps(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> di
     """Each schedule a step that clips can take under `cfg`, as planned. Where the update is not fused the
     step is after the backward already. A fused step that clips is made again after the backward, or, where
     `norm_first_allowed`, as a norm pass and the fused step clipped (`norm_pass_events`, then `cfg`'s own)."""
-    after = cfg if not cfg.fused else replace(cfg, update_timing="after-backward")
+    after = cfg if not cfg.fused else cfg.replace(update_timing="after-backward")
     out = {"after-backward": ClippedStep.of("after-backward", plan(shape, device, after, limits=False))}
-    if norm_first_allowed(cfg.fused, cfg.grad_accum):
+    if norm_first_allowed(cfg.fused, cfg.step.grad_accum):
         fused = plan(shape, device, cfg, limits=False)
         events = norm_pass_events(shape, cfg)
-        resident = resident_sets(events, cfg.prefetch)
+        resident = resident_sets(events, cfg.step.prefetch)
         norm_s = simulate(events, resident, shape, cfg, device, commits=False).end_s
-        read, written = _disk_bytes_of(shape, cfg, events, norm_pass=True) if cfg.store == "disk" else (0, 0)
+        read, written = _disk_bytes_of(shape, cfg, events, norm_pass=True)
         out["norm-first"] = ClippedStep("norm-first", norm_s + fused.step_time_s,
                                         read + fused.link_bytes["disk_read"], written + fused.link_bytes["disk_write"],
                                         max(norm_pass_peak(shape, cfg), fused.peak_device_bytes))
@@ -532,8 +538,8 @@ def scaling_curve(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> li
     per_device = cfg.batch // cfg.devices
     counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
     # One schedule for every point: `auto` fuses the update of one device on the disk tier, never of several.
-    timing = "after-backward" if cfg.update_timing == "auto" and cfg.devices > 1 else cfg.update_timing
-    rows = [(n, plan(shape, device, replace(cfg, devices=n, batch=per_device * n, update_timing=timing),
+    timing = "after-backward" if cfg.step.update_timing == "auto" and cfg.devices > 1 else cfg.step.update_timing
+    rows = [(n, plan(shape, device, cfg.replace(devices=n, batch=per_device * n, update_timing=timing),
                      limits=False)) for n in counts]
     one = rows[0][1].tokens_per_s
     return [{"devices": n, "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s,

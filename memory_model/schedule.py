@@ -5,11 +5,11 @@ optimizer state). While event k runs, its resource and the next `prefetch` disti
 in flight (`resident_sets`); after it, its resource is released unless the next event uses it too
 (`released_after`: the head from its forward into its backward, the embedding from one micro-batch's
 backward into the next one's forward). A resource released and needed again later is loaded again. Where
-weights loads read the fp32 master (the disk tier), a fused update's chunks take theirs from the unit's last
-weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time. With the block
-inputs offloaded (`StepSpec.offload_inputs`) a block's events carry its input (`Event.stash`): its forward
-sends it to host memory, and its backward's copy back is issued with the lookahead, like a weights load, and
-held until that backward ends (`releases`).
+weights loads read the master (`Placement.loads_read_master`), a fused update's chunks take theirs from the
+unit's last weights load (`StateChunk.master`, `loads_keeping_master`) instead of reading it a second time.
+With the block inputs offloaded (`StepSpec.offload_inputs`) a block's events carry its input (`Event.stash`):
+its forward sends it to host memory, and its backward's copy back is issued with the lookahead, like a
+weights load, and held until that backward ends (`releases`).
 streamer/runtime/executor.py, memory_model/planner.py, memory_model/timing.py and the dry run all walk
 these lists, so the planner's peak and the runtime's ledger come from one schedule. What a resource costs
 on the device while it is held (`resource_charges`) and what an update chunk writes there
@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from layers.config import ModelConfig
 from memory_model.lora import ADAPTER_GRAD_BYTES, ADAPTER_MOMENT_BYTES, ADAPTER_WEIGHT_BYTES
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig
+from memory_model.step import StepConfig
 from memory_model.units import stored_bytes
 
 
@@ -147,15 +149,15 @@ def chunks(numel: int, size: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """Everything one step's event list depends on. The trainer (`StreamingTrainer.step_spec`), the planner
-    (`memory_model.planner.step_spec`) and the calibration describe their step with one, and `step_events`
+    """Everything one step's event list depends on. `step_spec` makes it from a model and its step settings,
+    for the trainer (`StreamingTrainer.step_spec`), the planner and the calibration alike, and `step_events`
     turns it into the events: the runtime and the planner walk one list by construction.
 
     `numels`: the elements of each unit its update walks (with the state sharded, this process's slice,
     `shard_numel`); its forward and backward still see whole units. `fused`: each unit's update follows its
-    backward in the last micro-batch (`memory_model.shapes.fused_update`). `frozen_base`: LoRA's step, whose
+    backward in the last micro-batch (`memory_model.step.StepConfig.fused`). `frozen_base`: LoRA's step, whose
     streamed base has no update and whose embedding has no backward. `master_from_weights`
-    (`loads_read_master`): a fused update takes each unit's fp32 master from its backward's weights load.
+    (`Placement.loads_read_master`): a fused update takes each unit's master from its backward's weights load.
     `offload_inputs`: each block's input waits for its backward in host memory (`--activations offload`).
     `backward=False`: evaluation, forwards only. `update_units`: the units updated (None: all; a step rolled
     forward after a crash updates the pending ones, with no micro-batches left to run).
@@ -173,19 +175,29 @@ class StepSpec:
     offload_inputs: bool = False
 
 
+def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool, devices: int = 1,
+              frozen_base: bool = False, micro_batches: int | None = None, fused: bool | None = None,
+              backward: bool = True, update_units: tuple[str, ...] | None = None) -> StepSpec:
+    """The step `settings` make of `shape` on `devices` data-parallel devices: the one builder of a `StepSpec`.
+    Each unit's update walks this device's slice of its state (`StepConfig.shards`). `compute_is_master`: the
+    compute weights are in the master's dtype (memory_model.units.compute_is_master). By default the training
+    step: `settings.grad_accum` micro-batches, fused where `StepConfig.fused` says; the trainer names its own
+    (`micro_batches`, a speculative `fused`, an evaluation's `backward=False`, a roll-forward's `update_units`)."""
+    units = tuple(shape.unit_names())
+    shards = settings.shards(devices)
+    return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
+                    {u: shard_numel(shape.unit_params(u), shards) for u in units}, settings.update_chunk,
+                    fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
+                    master_from_weights=settings.store.loads_read_master(compute_is_master), backward=backward,
+                    update_units=update_units, offload_inputs=settings.offloads_inputs)
+
+
 def norm_pass_spec(step: StepSpec) -> StepSpec:
     """A norm-first step's first pass: the forward and backward of `step` (a fused step of one micro-batch)
     with no update. Each unit's gradient is dropped once its squared norm is summed; nothing reaches the
     store. The clip coefficient is then known, and `step` itself runs clipped (memory_model.shapes.
     norm_first_allowed)."""
     return replace(step, fused=False, update_units=())
-
-
-def loads_read_master(compute_tier: str, state_tier: str, compute_is_master: bool) -> bool:
-    """A weights load reads the master from the state files (and casts it): there is no compute copy in RAM,
-    and compute weights in the master's dtype are the masters themselves. The one rule for
-    `StepSpec.master_from_weights`."""
-    return compute_tier == "disk" or (compute_is_master and state_tier == "disk")
 
 
 def step_events(step: StepSpec) -> list[Event]:
@@ -327,23 +339,29 @@ def loads_keeping_master(events: list[Event], prefetch: int) -> list[bool]:
 
 @dataclass(frozen=True)
 class StoreBytes:
-    """What a disk store's files move: per parameter, what a weights load reads (the master, which it casts to
-    the compute dtype; 0 where the compute weights are in RAM) and the master as stored; and the dtype of the
-    Adam moments. An update writes the master and the moments; the disk tier keeps no compute-dtype copy."""
+    """What a store's files move, per parameter: what a weights load reads (the master, which it casts to the
+    compute dtype; 0 where the compute weights are in RAM), the master as stored and the dtype of the Adam
+    moments (0 and None where the state is in RAM), and the fp32 gradient accumulator (0 where it is in RAM).
+    An update writes the master and the moments; files keep no compute-dtype copy."""
 
     weights: int
     master: int
-    moment_dtype: str
+    moment_dtype: str | None
+    grad: int = GRAD_ACCUM_BYTES_PER_PARAM
 
     def moments(self, count: int) -> int:
         """Both Adam moments of an update chunk of `count` parameters, as stored (a quantized dtype's scales too)."""
-        return 2 * stored_bytes(self.moment_dtype, count)
+        return 0 if self.moment_dtype is None else 2 * stored_bytes(self.moment_dtype, count)
 
 
 def store_bytes(cfg: PlanConfig) -> StoreBytes:
-    """What the disk tier's files move: a weights load reads the master and casts it."""
-    return StoreBytes(weights=cfg.master_bytes if cfg.store == "disk" else 0, master=cfg.master_bytes,
-                      moment_dtype=cfg.moment_dtype)
+    """What the store's files move, each slab kind where `cfg.step.store` places it: a weights load reads the
+    master and casts it where there is no compute copy in RAM (`Placement.loads_read_master`)."""
+    store = cfg.step.store
+    state = store.state == "disk"
+    return StoreBytes(weights=cfg.master_bytes if store.loads_read_master(cfg.compute_is_master) else 0,
+                      master=cfg.master_bytes if state else 0, moment_dtype=cfg.moment_dtype if state else None,
+                      grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" else 0)
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
@@ -355,13 +373,13 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
     if isinstance(resource, Weights):
         return numel * sizes.weights
     master = sizes.master if resource.master else 0
-    return resource.count * (master + (0 if fused else GRAD_ACCUM_BYTES_PER_PARAM)) + sizes.moments(resource.count)
+    return resource.count * (master + (0 if fused else sizes.grad)) + sizes.moments(resource.count)
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
                micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None,
                norm_pass: bool = False) -> tuple[int, int]:
-    """(read, written) bytes of a disk-tier step: exactly what the store's files are asked for (the state
+    """(read, written) bytes of a step on a store with files: exactly what they are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
     Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
@@ -379,11 +397,11 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     written = 0
     for event in events:
         if event.phase == "backward":
-            grad = numels[event.unit] * GRAD_ACCUM_BYTES_PER_PARAM
+            grad = numels[event.unit] * sizes.grad
             read += grad if event.micro > 0 or event.unit in owners else 0
             written += 0 if fused and event.micro == micro_batches - 1 else grad
             for owner in borrowed.get(event.unit, ()):
-                shared = numels[owner] * GRAD_ACCUM_BYTES_PER_PARAM
+                shared = numels[owner] * sizes.grad
                 read, written = read + (shared if event.micro > 0 else 0), written + shared
         elif event.phase == "update":
             written += event.resource.count * sizes.master + sizes.moments(event.resource.count)

@@ -7,23 +7,19 @@ saves (weights excluded, as the runtime packs those as handles). Derivation in d
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, replace
+from typing import Any
 
 from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape
-from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
+from memory_model.settings import Choice, Integer, SettingError, Switch, branch, build, check_settings, setting
+from memory_model.step import StepConfig
 from memory_model.units import (
     BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes,
 )
 
-ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
-UPDATE_PLACES = ("device", "host")
-STORE_TIERS = ("ram", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
 MASTER_DTYPES = ("fp32", "bf16")
-UPDATE_TIMINGS = ("auto", "fused", "after-backward", "overlapped")
-CLIPPED_STEPS = ("auto", "after-backward", "norm-first")
-DATA_PARALLEL_MODES = ("replicated", "sharded")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
 # AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
@@ -34,34 +30,19 @@ UPDATE_TOUCHED_BYTES_PER_PARAM = 28
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """One training step's settings. `batch` is the step's global batch: grad_accum micro-batches on each of
-    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices. The runtime's step
-    (streamer.runtime.step.StepConfig) takes these fields with `same_setting`: one help text and one check."""
+    """One training step's settings as the planner prices it: the step's own (`step`, the trainer's too), and the
+    batch, dtypes, devices and LoRA. `batch` is the step's global batch: grad_accum micro-batches on each of
+    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices. `of` and `replace`
+    take every setting by its flat name (its flag's): `PlanConfig.of(batch=8, seq=2048, store="disk")`."""
 
     batch: int = setting(MISSING, "sequences per optimizer step (the global batch)", Integer())
     seq: int = setting(MISSING, "tokens per sequence", Integer())
-    activations: str = setting(
-        "resident", "resident (no recompute), checkpoint (keep only each block's input, recompute the rest in the "
-                    "backward) or offload (checkpoint with the block inputs in host memory, pinned on CUDA, "
-                    "copied back ahead of each block's backward)", Choice(ACTIVATION_POLICIES), "POLICY")
+    step: StepConfig = branch(StepConfig)
     compute_dtype: str = setting("bf16", "compute dtype", Choice(COMPUTE_DTYPES), "DTYPE")
-    prefetch: int = setting(1, "units loaded ahead of the one computing", Integer(0))
-    update_on: str = setting("device", "run AdamW on the device (streamed state) or on the host",
-                             Choice(UPDATE_PLACES), "WHERE")
-    grad_accum: int = setting(1, "micro-batches the batch is split into", Integer())
-    update_chunk: int = setting(16 * 2**20, "parameters per update chunk: the optimizer state on the device at once",
-                                Integer())
-    store: str = setting("ram", "where the host store lives: ram, or disk (committed every step)",
-                         Choice(STORE_TIERS), "TIER")
     devices: int = setting(1, "data-parallel processes, one device each", Integer())
     ranks_per_node: int = setting(
         8, "data-parallel devices on one machine: more span several, and the gradient sum crosses the network "
            "between them (default: an 8-GPU server, DGX or HGX)", Integer())
-    data_parallel: str = setting(
-        "replicated", "with more than one process: every process keeps a whole store (replicated), or each keeps "
-                      "and updates its 1/N slice of every unit's state and the weights are all-gathered for "
-                      "compute (sharded: 1/N of the host RAM and disk per process)", Choice(DATA_PARALLEL_MODES),
-        "MODE")
     moment_dtype: str = setting(
         "fp32", "dtype of the Adam moments in the store: fp32, bf16 (half the bytes), or int8 (block-wise quantized "
                 "as in 8-bit Adam: 1 byte each and an fp32 scale per 256; AdamW runs on them dequantized to fp32)",
@@ -71,54 +52,40 @@ class PlanConfig:
                 "on them widened to fp32 and each update is stochastically rounded back, so small updates are kept "
                 "on average; with --dtype bf16 the master is also the compute weights)", Choice(MASTER_DTYPES),
         "DTYPE")
-    update_timing: str = setting(
-        "auto", "when AdamW runs: fused (each unit as soon as its gradient is final, in the last backward; an "
-                "update on the host then overlaps the backward of the units before it; gradients never reach the "
-                "store; needs the disk tier and one process), after-backward (a separate phase), auto (fused "
-                "where it is allowed), or overlapped (`streamer plan` only, with --update-on host: each unit's "
-                "host update starts once its gradient is folded into the store, as LoHan and ZeRO-Offload "
-                "overlap it; the runtime clips by the global norm, known only after the backward)",
-        Choice(UPDATE_TIMINGS), "WHEN")
-    clipped_steps: str = setting(
-        "auto", "how a fused step that clips is made: norm-first (a forward and backward that only sum the "
-                "gradient norm, then the fused step, clipped), after-backward (undone and made again with the "
-                "update after the backward, its gradients through the store), or auto (the one the planner "
-                "prices faster on the run's target). norm-first needs the fused update and --grad-accum 1",
-        Choice(CLIPPED_STEPS), "SCHEDULE")
     packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
                                   "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.batch % (self.grad_accum * self.devices):
-            raise ValueError(f"batch {self.batch} does not split into grad_accum={self.grad_accum} micro-batches "
-                             f"on devices={self.devices}; use a multiple of {self.grad_accum * self.devices}")
-        fused_update(self.update_timing, self.store, self.devices)  # an impossible "fused" fails here
-        check_chunk_blocks(self.update_chunk, self.moment_dtype)
-        if self.update_timing == "overlapped" and self.update_on != "host":
+        step = self.step
+        if self.batch % (step.grad_accum * self.devices):
+            raise ValueError(f"batch {self.batch} does not split into grad_accum={step.grad_accum} micro-batches "
+                             f"on devices={self.devices}; use a multiple of {step.grad_accum * self.devices}")
+        step.fused(self.devices, self.lora.enabled)  # an impossible "fused" fails here
+        check_chunk_blocks(step.update_chunk, self.moment_dtype)
+        if step.update_timing == "overlapped" and step.update_on != "host":
             raise SettingError("update_timing", "overlapped overlaps a host update with the backward: add "
                                                 "--update-on host, or use --update-timing auto")
 
+    @classmethod
+    def of(cls, batch: int, seq: int, lora: LoraConfig = LoraConfig(), **flat: Any) -> "PlanConfig":
+        """A step of `batch` sequences of `seq` tokens, its other settings by flat name, each else its default."""
+        return build(cls, flat, cls(batch, seq, lora=lora))
+
+    def replace(self, lora: LoraConfig | None = None, **flat: Any) -> "PlanConfig":
+        """These settings with some changed, by flat name: `cfg.replace(update_timing="after-backward")`."""
+        return build(type(self), flat, self if lora is None else replace(self, lora=lora))
+
     @property
     def fused(self) -> bool:
-        """The update runs inside the last micro-batch's backward (memory_model.shapes.fused_update)."""
-        return not self.lora.enabled and fused_update(self.update_timing, self.store, self.devices)
-
-    @property
-    def recomputes(self) -> bool:
-        """Blocks keep only their input and run their forward again in the backward (checkpoint, offload)."""
-        return self.activations != "resident"
-
-    @property
-    def offloads_inputs(self) -> bool:
-        """The kept block inputs wait for their backward in host memory."""
-        return self.activations == "offload"
+        """The update runs inside the last micro-batch's backward (`StepConfig.fused`)."""
+        return self.step.fused(self.devices, self.lora.enabled)
 
     @property
     def shards(self) -> int:
         """The slices each unit's state is stored in, one per device (1: every device stores it whole)."""
-        return self.devices if self.data_parallel == "sharded" else 1
+        return self.step.shards(self.devices)
 
     @property
     def nodes(self) -> int:
@@ -128,7 +95,7 @@ class PlanConfig:
     @property
     def micro_batch(self) -> int:
         """Sequences in one micro-batch on one device."""
-        return self.batch // (self.grad_accum * self.devices)
+        return self.batch // (self.step.grad_accum * self.devices)
 
     @property
     def dtype_bytes(self) -> int:
@@ -159,9 +126,9 @@ class PlanConfig:
     @property
     def new_compute_bytes(self) -> int:
         """Per parameter, the compute-dtype copy an update writes; none where the master is the compute weights
-        (one dtype), and none on the disk tier, whose loads cast the master (a copy would cost its bytes on every
-        step)."""
-        return 0 if self.compute_is_master or self.store == "disk" else self.dtype_bytes
+        (one dtype), and none with the compute weights on disk, whose loads cast the master (a copy would cost its
+        bytes on every step)."""
+        return 0 if self.compute_is_master or self.step.store.compute == "disk" else self.dtype_bytes
 
 
 def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:
@@ -170,20 +137,6 @@ def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:
     if moment_dtype in BLOCK_SCALE_BYTES and chunk % QUANT_BLOCK:
         raise SettingError("update_chunk", f"must be a multiple of {QUANT_BLOCK} with --moment-dtype {moment_dtype} "
                                            f"(its quantization blocks), not {chunk}")
-
-
-def fused_update(timing: str, state_tier: str, devices: int) -> bool:
-    """Whether AdamW runs inside backward. The fused update is speculative (clip coefficient 1) and a step
-    whose clipping triggers, or whose gradient is not finite, is undone by going back to the previous
-    generation of the state files: so the state must be on disk. Under data parallel the ranks commit
-    together through the journal, which the fused update does not write, so it needs one process."""
-    allowed = state_tier == "disk" and devices == 1
-    if timing == "fused" and not allowed:
-        why = f"--store {state_tier}" if state_tier != "disk" else f"{devices} processes"
-        raise SettingError("update_timing", f"fused needs the state on disk (--store disk) and one process, not "
-                                            f"{why}: the speculative update is undone from the previous state files;"
-                                            " use --update-timing after-backward or auto")
-    return timing == "fused" or (timing == "auto" and allowed)
 
 
 def norm_first_allowed(fused: bool, grad_accum: int) -> bool:

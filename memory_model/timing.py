@@ -26,6 +26,7 @@ from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.schedule import (
     BlockInput, Event, Resource, StateChunk, fetched_input, load_disk_bytes, releases, resource_charges, store_bytes,
+    Weights,
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "host copy", "disk")
@@ -124,12 +125,16 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     # from host memory, not from the store.
     numel = _numel(resource, shape, cfg)
     nbytes = sum(c.nbytes for c in resource_charges(resource, numel, cfg.dtype_bytes, "device"))
-    disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused) if cfg.store == "disk" else 0
-    h2d = nbytes if not isinstance(resource, StateChunk) or cfg.update_on == "device" else 0
+    store = cfg.step.store
+    disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
+    # Weights come from the state files only where the loads read the master; else from the RAM copy.
+    in_ram = store.state == "ram" or (isinstance(resource, Weights)
+                                      and not store.loads_read_master(cfg.compute_is_master))
+    h2d = nbytes if not isinstance(resource, StateChunk) or cfg.step.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
     read_s += _moments_s(resource, cfg, device, "dequantize_s")  # the I/O worker decodes what it read
     # A RAM slab staged on the host: the buffer it fills is what crosses (a bf16 moment widened on the way).
-    host_copy = h2d if staged and cfg.store == "ram" and not isinstance(resource, BlockInput) else 0
+    host_copy = h2d if staged and in_ram and not isinstance(resource, BlockInput) else 0
     stage_s = _host_copy_s(host_copy, device)
     times.load_s += read_s + stage_s + copy_s
     times.h2d += h2d
@@ -167,14 +172,14 @@ def _input_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Device
 
 def _compute(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
     costs = device.kernels.get(cfg.compute_dtype)
-    fixed = 0.0 if costs is None else costs.fixed_s(cfg.store)[0]
+    fixed = 0.0 if costs is None else costs.fixed_s(cfg.step.store.state)[0]
     return fixed + _kernels(event, shape, cfg, device, costs)
 
 
 def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec,
              costs: KernelCosts | None) -> float:
     if event.phase == "update":
-        if cfg.update_on == "device":
+        if cfg.step.update_on == "device":
             bandwidth = device.device_mem_bandwidth * device.bandwidth_efficiency
         else:
             bandwidth = device.host_update_bw  # a measured or published update rate: already achievable
@@ -205,7 +210,7 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         backward = passes * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
     if event.phase == "forward":
         return forward
-    recompute = forward if cfg.recomputes and unit.startswith("block.") else 0.0
+    recompute = forward if cfg.step.recomputes and unit.startswith("block.") else 0.0
     return backward + recompute
 
 
@@ -225,16 +230,16 @@ def _mfu_floor_s(flops: float, device: DeviceSpec, cfg: PlanConfig) -> float:
 def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
     """The runtime folds a gradient on the compute thread when the device is the host's own cores and the
     accumulator is in RAM (streamer/runtime/executor.py): the fold then adds to the compute time."""
-    return device.same_memory and cfg.store == "ram" and cfg.devices == 1
+    return device.same_memory and cfg.step.store.grad == "ram" and cfg.devices == 1
 
 
 def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
                   queues: _Queues, clock: float) -> tuple[float, float]:
     """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
-    es, disk = cfg.dtype_bytes, cfg.store == "disk"
+    es, disk = cfg.dtype_bytes, cfg.step.store.grad == "disk"
     params = shape.unit_device_params(event.unit)  # a tied head's gradient holds the embedding's part too
     grad = params * es
-    first, last = event.micro == 0, event.micro == cfg.grad_accum - 1
+    first, last = event.micro == 0, event.micro == cfg.step.grad_accum - 1
     # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones
     # read and write it); after the last one it reads it once more for the global norm. Under data
     # parallel the offload first waits for the fp32 all-reduce of this gradient.
@@ -266,7 +271,7 @@ def _disk_s(cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
     """A disk-tier file's fixed cost, where it is measured (`local`); else none: `flush_s`, one flush of a commit
     (a file made durable), or `state_file_s`, a state file's cost beyond its bytes (opened, sealed, renamed)."""
     costs = device.kernels.get(cfg.compute_dtype)
-    return getattr(costs, cost) if costs is not None and cfg.store == "disk" else 0.0
+    return getattr(costs, cost) if costs is not None and cfg.step.store.state == "disk" else 0.0
 
 
 def unmeasured_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -280,7 +285,7 @@ def commit_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
     SEAL_FLUSHES of each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
     update after the backward) first each unit's gradient file, and the journal and its folder; LoRA's
     adapters file before the manifest."""
-    if cfg.store != "disk":
+    if cfg.step.store.state != "disk":
         return 0
     if cfg.lora.enabled:
         return 1 + MANIFEST_FLUSHES
@@ -292,10 +297,12 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     """Book an update chunk's write-back (new master, moments and compute weights to the store). After a unit's
     last chunk its new state file is sealed (SEAL_FLUSHES) and renamed: the state file's own cost."""
     out = cfg.store_bytes(event.resource.count)
-    d2h = out if cfg.update_on == "device" else 0
-    write = out if cfg.store == "disk" else 0
-    # Back from the device into a pinned buffer, then copied into the RAM slabs (the disk tier writes the buffer).
-    host_copy = d2h if cfg.store == "ram" else 0
+    d2h = out if cfg.step.update_on == "device" else 0
+    # Back from the device into a pinned buffer, then copied into the RAM slabs; state files take the buffer's
+    # master and moments, and new compute weights (none with them on disk) go to their RAM slab.
+    to_ram = out if cfg.step.store.state == "ram" else event.resource.count * cfg.new_compute_bytes
+    write = out - to_ram
+    host_copy = to_ram if d2h else 0
     d2h_s, copy_s = _link(d2h, device, "d2h", cfg), _host_copy_s(host_copy, device)
     write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
     if event.resource.last:
@@ -322,8 +329,8 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
     ready: dict[Resource, float] = {}
     # The host's cores run a host update; on a cpu device those are the compute thread's own cores. Overlapped,
     # a unit's chunks are booked on the host as soon as its last gradient is folded, between later folds.
-    host_update = cfg.update_on == "host" and not device.same_memory
-    early = host_update and cfg.update_timing == "overlapped"
+    host_update = cfg.step.update_on == "host" and not device.same_memory
+    early = host_update and cfg.step.update_timing == "overlapped"
     chunks = {u: [e for e in events if e.phase == "update" and e.unit == u] for u in shape.unit_names()}
     booked: set[Event] = set()
     ends = [0.0]
@@ -358,7 +365,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
             clock = max(clock, _input_out(event, shape, cfg, device, times, queues, start))
         if event.phase == "update":
             times.update_s += compute
-            queues.busy["host compute" if cfg.update_on == "host" else "device compute"] += compute
+            queues.busy["host compute" if cfg.step.update_on == "host" else "device compute"] += compute
             ends.append(_state_out(event, cfg, device, times, queues, clock))
         else:
             queues.busy["device compute"] += compute
@@ -372,7 +379,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
             clock = max(clock, offload_done)
             inline_s, offload_done = _gradient_out(event, shape, cfg, device, times, queues, clock)
             clock += inline_s
-            if early and event.micro == cfg.grad_accum - 1:
+            if early and event.micro == cfg.step.grad_accum - 1:
                 for chunk in chunks[event.unit]:
                     host_chunk(chunk, offload_done)
             if event.unit == first_unit:
@@ -380,10 +387,10 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
         in_flight.difference_update(releases(events, k))
     costs = device.kernels.get(cfg.compute_dtype)
     # The step's own fixed cost (the loss, the commit).
-    step_s = 0.0 if costs is None else costs.fixed_s(cfg.store if commits else "ram")[1]
+    step_s = 0.0 if costs is None else costs.fixed_s(cfg.step.store.state if commits else "ram")[1]
     if commits:  # the trainer's thread waits for each flush
         step_s += unmeasured_flushes(shape, cfg) * _disk_s(cfg, device, "flush_s")
-    if costs is not None and device.same_memory and cfg.store == "disk":
+    if costs is not None and device.same_memory and cfg.step.store.state == "disk":
         # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
         # cores that compute, so the copies take their time from the step.
         moved = sum(t.disk_read + t.disk_write for t in per_unit.values())

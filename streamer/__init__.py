@@ -9,21 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from memory_model.lora import LoraConfig
+    from memory_model.step import Placement, StepConfig
     from streamer.config import TrainerConfig
     from streamer.errors import CheckpointError, DataError, StoreError, StreamerError, TokenizerError
     from streamer.runtime.hardware import DeviceConfig
     from streamer.runtime.optim import LRSchedule, OptimizerConfig
-    from streamer.runtime.step import NonFiniteError, StepConfig
-    from streamer.store.layout import Placement
+    from streamer.runtime.step import NonFiniteError
     from streamer.trainer import StreamingTrainer
 
 _HOMES = {
     "TrainerConfig": "streamer.config", "LRSchedule": "streamer.runtime.optim",
-    "OptimizerConfig": "streamer.runtime.optim", "StepConfig": "streamer.runtime.step",
+    "OptimizerConfig": "streamer.runtime.optim", "StepConfig": "memory_model.step",
     "DeviceConfig": "streamer.runtime.hardware", "LoraConfig": "memory_model.lora",
     "CheckpointError": "streamer.errors", "DataError": "streamer.errors", "StoreError": "streamer.errors",
     "StreamerError": "streamer.errors", "TokenizerError": "streamer.errors",
-    "NonFiniteError": "streamer.runtime.step", "Placement": "streamer.store.layout",
+    "NonFiniteError": "streamer.runtime.step", "Placement": "memory_model.step",
     "StreamingTrainer": "streamer.trainer",
 }
 __all__ = [

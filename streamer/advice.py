@@ -6,7 +6,6 @@ refuses a run that cannot fit in seconds, and a DeviceOutOfMemory raised mid-ste
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 from layers import ModelConfig
@@ -34,7 +33,7 @@ def peak_plan_config(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -
     pc = cfg.plan_config(devices)
     if not (pc.fused and cfg.trainer.optimizer.max_grad_norm):
         return pc
-    return max((pc, replace(pc, update_timing="after-backward")), key=lambda p: peak_device_bytes(model_cfg, p))
+    return max((pc, pc.replace(update_timing="after-backward")), key=lambda p: peak_device_bytes(model_cfg, p))
 
 
 def _needs(shape: ModelConfig, pc: PlanConfig, arch: str = "") -> int:
@@ -49,18 +48,18 @@ def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = ""
     update after the backward. Only those that fit are listed."""
     out = [f"--budget {round_up_size(_needs(shape, pc, arch))}"]
     per_device = pc.batch // pc.devices
-    for k in range(pc.grad_accum + 1, per_device + 1):
-        if per_device % k == 0 and _needs(shape, replace(pc, grad_accum=k), arch) <= budget:
+    for k in range(pc.step.grad_accum + 1, per_device + 1):
+        if per_device % k == 0 and _needs(shape, pc.replace(grad_accum=k), arch) <= budget:
             out.append(f"--grad-accum {k} (micro-batches of {per_device // k}, the batch of {pc.batch} kept)")
             break
-    if pc.activations == "resident" and _needs(shape, replace(pc, activations="checkpoint"), arch) <= budget:
+    if pc.step.activations == "resident" and _needs(shape, pc.replace(activations="checkpoint"), arch) <= budget:
         out.append("--activations checkpoint")
-    elif pc.activations != "offload" and _needs(shape, replace(pc, activations="offload"), arch) <= budget:
+    elif pc.step.activations != "offload" and _needs(shape, pc.replace(activations="offload"), arch) <= budget:
         out.append("--activations offload")
-    if pc.update_on == "device" and _needs(shape, replace(pc, update_on="host"), arch) <= budget:
+    if pc.step.update_on == "device" and _needs(shape, pc.replace(update_on="host"), arch) <= budget:
         out.append("--update-on host")
     # A fused update holds a unit's optimizer state while later units' activations are still on the device.
-    if pc.fused and _needs(shape, replace(pc, update_timing="after-backward"), arch) <= budget:
+    if pc.fused and _needs(shape, pc.replace(update_timing="after-backward"), arch) <= budget:
         out.append("--update-timing after-backward")
     return out
 

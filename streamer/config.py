@@ -1,15 +1,16 @@
 """The trainer's settings (`TrainerConfig`): a tree of its owners' configs.
 
-Each branch is the config of the code that reads it: the step's (`StepConfig`), the optimizer's and its
-learning-rate schedule (`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`) and the device's
-(`DeviceConfig`). The store's placement, the seed and the trace cadence are the trainer's own. Every setting
-keeps one flat name, its flag and TOML key (memory_model.settings.branch). `TrainerConfig.of(lr=1e-3,
-store="disk")` builds the tree from them, and `to_dict`/`from_dict` write and read them in a store's manifest.
+Each branch is the config of the code that reads it: the step's (`memory_model.step.StepConfig`, the store's
+placement with it, which the planner takes too), the optimizer's and its learning-rate schedule
+(`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`) and the device's (`DeviceConfig`). The seed and the
+trace cadence are the trainer's own. Every setting keeps one flat name, its flag and TOML key
+(memory_model.settings.branch). `TrainerConfig.of(lr=1e-3, store="disk")` builds the tree from them, and
+`to_dict`/`from_dict` write and read them in a store's manifest.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,12 +20,12 @@ from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
 from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
-from memory_model.shapes import check_chunk_blocks, check_norm_first, fused_update
+from memory_model.shapes import check_chunk_blocks, check_norm_first
+from memory_model.step import Placement, StepConfig
 from streamer.errors import ConfigError
 from streamer.runtime.hardware import DeviceConfig, resolve_compute_dtype
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
-from streamer.runtime.step import StepConfig
-from streamer.store.layout import DTYPES, Placement, Placements, dtype_name
+from streamer.store.layout import DTYPES, dtype_name
 from streamer.store.spec import StoreSpec
 
 
@@ -37,8 +38,6 @@ class TrainerConfig:
     schedule: LRSchedule = branch(LRSchedule, names={"kind": "schedule", "warmup_steps": "warmup"})
     lora: LoraConfig = branch(LoraConfig, prefix="lora_")  # rank 0: full fine-tuning
     device: DeviceConfig = branch(DeviceConfig)
-    store: Placement = setting(Placement(), PlanConfig.__dataclass_fields__["store"].metadata["help"],
-                               Placements(), "TIER")
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
     # stays flat: at most steps/N more.
@@ -50,7 +49,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_settings(self, ConfigError.of)
         try:
-            fused = fused_update(self.step.update_timing, self.store.state, 1) and not self.lora.enabled
+            fused = self.step.fused(1, self.lora.enabled)
             check_norm_first(self.step.clipped_steps, fused, self.step.grad_accum)
             check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
@@ -75,22 +74,21 @@ class TrainerConfig:
     def plan_config(self, batch: int, seq: int, devices: int = 1, packed: bool = False) -> PlanConfig:
         """The planner's view of a step of `batch` sequences of `seq` tokens with these settings, on `devices`
         data-parallel devices (`packed`: rows of packed examples), in the resolved compute dtype."""
-        return PlanConfig(**asdict(self.step), batch=batch, seq=seq, compute_dtype=dtype_name(self.compute_dtype),
-                          store=self.store.state, devices=devices, moment_dtype=self.optimizer.moment_dtype,
-                          master_dtype=self.optimizer.master_dtype, lora=self.lora, packed=packed)
+        return PlanConfig(batch, seq, self.step, dtype_name(self.compute_dtype), devices,
+                          moment_dtype=self.optimizer.moment_dtype, master_dtype=self.optimizer.master_dtype,
+                          packed=packed, lora=self.lora)
 
     def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`
         data-parallel processes (with the state sharded, each holds its slice)."""
-        shards = processes if self.step.data_parallel == "sharded" else 1
-        return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.store,
-                         self.step.update_chunk, shards, frozen=self.lora.enabled,
+        return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.step.store,
+                         self.step.update_chunk, self.step.shards(processes), frozen=self.lora.enabled,
                          master_dtype=self.optimizer.master_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""
         out = flatten(self)
-        out.update(dtype=dtype_name(self.compute_dtype), store=self.store.to_dict(), betas=list(out["betas"]),
+        out.update(dtype=dtype_name(self.compute_dtype), store=self.step.store.to_dict(), betas=list(out["betas"]),
                    set=list(out["set"]))
         if isinstance(out["budget"], DeviceSpec):
             out["budget"] = out["budget"].name
@@ -118,4 +116,6 @@ class TrainerConfig:
                 raw["store"] = Placement(**raw["store"])
             except TypeError as exc:  # an unknown or missing field
                 raise ConfigError(f"store: {exc}") from None
+            except SettingError as exc:
+                raise ConfigError.of(exc.key, exc.problem) from None
         return build(cls, raw, error=ConfigError.of)

@@ -24,7 +24,7 @@ import psutil
 
 from layers import PRESETS, ModelConfig
 from memory_model import format_size
-from memory_model.shapes import fused_update, offloaded_inputs_bytes
+from memory_model.shapes import offloaded_inputs_bytes
 from memory_model.units import DTYPE_BYTES
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
@@ -70,12 +70,8 @@ def store_size(model_cfg: ModelConfig, tc: TrainerConfig, processes: int = 1) ->
     """(RAM, disk) bytes of one process's store at its largest, headroom aside: its slabs and state files as
     the store lays them out (`StoreSpec.host_bytes`), a committing step's second generation included."""
     spec = tc.store_spec(model_cfg, processes)  # with the state sharded: each process's slice
-    return spec.host_bytes(every_unit_twice=tc.store.state != "disk" or _fused(tc, processes))
-
-
-def _fused(tc: TrainerConfig, processes: int) -> bool:
-    """The update runs fused into the backward (speculatively: every unit's previous state stays until commit)."""
-    return not tc.lora.enabled and fused_update(tc.step.update_timing, tc.store.state, processes)
+    # A fused update is speculative: every unit's previous state stays until the commit.
+    return spec.host_bytes(every_unit_twice=tc.step.store.state != "disk" or tc.step.fused(processes, tc.lora.enabled))
 
 
 # The journaled step's settings: its update is never fused, so no step that clips is made norm-first.
@@ -130,10 +126,11 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     if need.ram > free_ram:
         pinned = f", {format_size(need.pinned)} pinned with --pin-memory {tc.device.pin_memory}" if need.pinned else ""
         inputs = f", {format_size(offloaded * in_ram)} of block inputs (--activations offload)" if offloaded else ""
-        short.append(f"{format_size(need.ram)} of RAM (--store {tc.store.tier}{inputs}{pinned}; "
+        short.append(f"{format_size(need.ram)} of RAM (--store {tc.step.store.tier}{inputs}{pinned}; "
                      f"{format_size(free_ram)} available)")
     if need.disk > free_disk:
-        generations = "every unit's" if tc.store.state != "disk" or _fused(tc, on_disk) else "one unit's"
+        speculative = tc.step.store.state != "disk" or tc.step.fused(on_disk, tc.lora.enabled)
+        generations = "every unit's" if speculative else "one unit's"
         copies = f", and {kept} kept step(s): --keep-last, --keep-best" if kept else ""
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
                      f"commits{copies}; {format_size(free_disk)} free)")

@@ -30,7 +30,7 @@ from streamer.errors import StreamerError
 from streamer.io.data import DataConfig
 from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import check_device
-from streamer.store.layout import Placement
+from memory_model.step import Placement, StepConfig
 
 
 class RunError(StreamerError):
@@ -54,7 +54,7 @@ class RunConfig:
     run's own (model, steps, batch, cadences, sample). Each setting is a flag and a TOML key by its flat name
     (memory_model.settings.branch): `of` builds a RunConfig from them, `flat()` gives them back."""
 
-    trainer: TrainerConfig = branch(TrainerConfig, lambda: TrainerConfig(store=Placement.of("disk")))
+    trainer: TrainerConfig = branch(TrainerConfig, lambda: TrainerConfig(step=StepConfig(store=Placement.of("disk"))))
     data: DataConfig = branch(DataConfig)
     report: ReportConfig = branch(ReportConfig)
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
@@ -131,7 +131,7 @@ class RunConfig:
     def flat(self) -> dict[str, Any]:
         """Every flag's value, by flat name, in the order of the flags."""
         values = flatten(self)
-        values["store"] = self.trainer.store.tier
+        values["store"] = self.trainer.step.store.tier
         return {name: values[name] for name in FLAGS}
 
     # --- derived settings -------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
 
 def store_choice(cfg: RunConfig, explicit: Mapping[str, Any], config_file: str | Path | None = None) -> str:
     """The store `streamer train` keeps with these settings (`resolve`'s), and why, in a few words."""
-    tier = cfg.trainer.store.tier
+    tier = cfg.trainer.step.store.tier
     if "store" in explicit:
         return f"store: {tier} (--store {tier})"
     if config_file is not None and "store" in read_toml(config_file):

@@ -18,13 +18,15 @@ from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
-from streamer.runtime.step import ClippingNeeded, MicroBatch, NonFiniteError, StepContext, clip_coefficient
+from streamer.runtime.step import (
+    ClippingNeeded, MicroBatch, NonFiniteError, StepContext, check_runnable, clip_coefficient,
+)
 from streamer.runtime.lora import Adapters
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
 from memory_model.planner import clipped_schedule, clipped_steps
-from memory_model.schedule import StepSpec, norm_pass_spec, step_events
+from memory_model.schedule import StepSpec, norm_pass_spec, step_events, step_spec
 from memory_model.settings import SettingError
-from memory_model.shapes import check_norm_first, fused_update, norm_first_allowed
+from memory_model.shapes import check_norm_first, norm_first_allowed
 from streamer.store.commit import read_manifest
 from streamer.store.host import HostReader, HostStore
 from streamer.store.ranks import rank_dir, store_dirs
@@ -40,7 +42,7 @@ class StreamingTrainer:
                  *, _store: StoreReader | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         device, step = self.tc.device, self.tc.step
-        step.check_runnable()
+        check_runnable(step)
         if device.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device.device} but torch sees no CUDA GPU; use --device cpu")
         self.units = cfg.unit_names()
@@ -57,7 +59,7 @@ class StreamingTrainer:
             self.store = _store
         else:
             if store_dir is None:
-                if self.tc.store.state == "disk" or self.tc.store.compute == "disk":
+                if "disk" in (step.store.state, step.store.compute):
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
             self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),
@@ -79,12 +81,11 @@ class StreamingTrainer:
         if self.tc.lora.enabled:
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(device.device), self.tc.seed)
         self.executor = Executor(cfg, step, self.tc.optimizer, torch.device(device.device), self.tc.compute_dtype,
-                                 self.tc.store, self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
+                                 self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
                                  self.adapters, writer=self.writer, seed=self.tc.seed)
         try:
             # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
-            self.fused = self.adapters is None and fused_update(step.update_timing, self.tc.store.state,
-                                                                self.processes)
+            self.fused = step.fused(self.processes, frozen_base=self.adapters is not None)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
@@ -142,7 +143,7 @@ class StreamingTrainer:
             saved = dict(store.trainer_state.get("config", {}))
             tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
             check_sharding(store, tc.step.data_parallel, data_parallel)
-            if tc.store != store.spec.placement:
+            if tc.step.store != store.spec.placement:
                 raise StoreError(f"{store.root} was created with placement {store.spec.placement.to_dict()}; "
                                  "the placement of an existing store cannot change")
             if store.spec.frozen and not tc.lora.enabled:
@@ -274,13 +275,11 @@ class StreamingTrainer:
 
     def step_spec(self, micro_batches: int, fused: bool = False, backward: bool = True,
                   update_units: tuple[str, ...] | None = None) -> StepSpec:
-        """A step of this trainer (the training step is what memory_model.planner.step_spec says of the same
-        settings); `backward=False`: an evaluation; `update_units`: a step rolled forward."""
-        numels = {u: self.executor.stored_numel(u) for u in self.units}  # sharded: this rank's slices
-        return StepSpec(tuple(self.units), micro_batches, numels, self.tc.step.update_chunk, fused=fused,
-                        frozen_base=self.adapters is not None, master_from_weights=self.executor.loads_read_master,
-                        backward=backward, update_units=update_units,
-                        offload_inputs=self.tc.step.activations == "offload")
+        """A step of this trainer, made from its step settings as the planner makes it (`schedule.step_spec`):
+        each process updates its slice of the state; `backward=False`: an evaluation; `update_units`: a step rolled
+        forward."""
+        return step_spec(self.cfg, self.tc.step, self.executor.compute_is_master, self.processes,
+                         self.adapters is not None, micro_batches, fused, backward, update_units)
 
     def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool,
                   clip_coef: float = 1.0) -> StepContext:

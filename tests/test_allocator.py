@@ -57,7 +57,7 @@ def test_cuda_terms_apply_to_cuda_devices_only() -> None:
     assert DeviceConfig(device="cpu", budget="a100-80g").cuda_arch() == "sm80"
     assert DeviceConfig(device="cpu", budget="cs2").cuda_arch() == ""
     assert DeviceConfig(device="cpu", budget="64MiB").cuda_arch() == DeviceConfig().cuda_arch() == ""
-    shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig(batch=2, seq=48)
+    shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig.of(batch=2, seq=48)
     on_gpu, on_wafer = plan(shape, device_spec("h100-sxm"), cfg), plan(shape, device_spec("cs2"), cfg)
     assert on_gpu.peak_device_bytes == on_wafer.peak_device_bytes == on_wafer.allocated_peak_bytes
     assert on_gpu.allocated_peak_bytes - on_gpu.peak_device_bytes >= workspace_bytes("sm90")
@@ -77,7 +77,8 @@ def test_a_step_on_a_simulated_gpu_charges_what_the_planner_allocates(dtype: str
     with StreamingTrainer(cfg, tc) as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         real = trainer.ledger.peak
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype=dtype, update_chunk=20_000))
+    planned = plan(cfg, device_spec("h100-sxm"),
+                   PlanConfig.of(batch=2, seq=48, compute_dtype=dtype, update_chunk=20_000))
     assert real - planned.peak_device_bytes > workspace_bytes("sm90")
     assert planned.allocated_peak_bytes == pytest.approx(real, abs=4096)
 

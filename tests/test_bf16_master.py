@@ -177,7 +177,7 @@ def test_a_master_stored_in_the_compute_dtype_loads_straight_into_the_weights(tm
 def test_ram_compute_weights_are_rebuilt_from_a_bf16_master_on_disk(tmp_path):
     """Compute weights in RAM beside the state on disk (fp32 compute: a copy of the bf16 master) are rebuilt from
     the state files' bf16 masters when the store opens: the same weights, and the same next step."""
-    from streamer.store.layout import Placement
+    from memory_model.step import Placement
 
     tc = BF16.replace(dtype="fp32", store=Placement("ram", "disk", "disk"))
     whole = train_debug(tmp_path / "whole", tc, steps=3)
@@ -198,8 +198,8 @@ def test_the_store_moves_the_planners_bytes(tmp_path, timing, moments):
     """Disk bytes per step, counted by the store's files, equal the planner's to the byte. Fused, the master
     costs 2 B/param each time it is read (the forward's load, the backward's, the head's once) and written."""
     tc = BF16.replace(store="disk", update_timing=timing, moment_dtype=moments, update_chunk=20 * 256)
-    plan = PlanConfig(batch=2, seq=16, compute_dtype="bf16", update_chunk=tc.step.update_chunk, store="disk",
-                      update_timing=timing, moment_dtype=moments, master_dtype="bf16")
+    plan = PlanConfig.of(batch=2, seq=16, compute_dtype="bf16", update_chunk=tc.step.update_chunk, store="disk",
+                         update_timing=timing, moment_dtype=moments, master_dtype="bf16")
     moved = train_debug(tmp_path / "run", tc, steps=2)[2]
     assert moved == step_disk_bytes(CFG, plan)
     n, head = CFG.num_params(), CFG.unit_params("head")

@@ -6,7 +6,6 @@ import shlex
 import sys
 import tomllib
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -106,7 +105,7 @@ def test_a_disk_tier_run_whose_fused_steps_clip_stays_within_the_planned_peak(ca
     cfg = RunDir.open(run).read_config()
     measured = max(m["device_peak_bytes"] for m in RunDir(run).read_metrics() if "device_peak_bytes" in m)
     fused = cfg.plan_config()
-    after = replace(fused, update_timing="after-backward")
+    after = fused.replace(update_timing="after-backward")
     assert fused.fused and peak_device_bytes(cfg.model_config(), fused) < measured  # the redo peaked higher
     assert measured <= planned_peak(cfg.model_config(), cfg) == peak_device_bytes(cfg.model_config(), after)
     assert f"the planner predicts {format_size(planned_peak(cfg.model_config(), cfg))}" in out
@@ -271,7 +270,7 @@ def test_plan_keeps_the_store_train_would_and_says_why(capsys, tmp_path):
         planned = json.loads(out)
         return planned["store_reason"], planned
 
-    assert resolve({"model": "gptj-debug"}).trainer.store.tier == "disk"  # train's own choice
+    assert resolve({"model": "gptj-debug"}).trainer.step.store.tier == "disk"  # train's own choice
     reason, planned = store()
     assert planned["config"]["store"] == "disk" and reason == (
         "store: disk (streamer train's default: the state on disk, committed every step; --store ram keeps it in "

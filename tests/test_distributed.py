@@ -82,7 +82,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     # measured 1.2e-7 (native)
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
     # Each rank's device peak, the all-reduce's flat fp32 gradient included, is what the planner predicts.
-    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(batch=4, seq=32, compute_dtype="fp32", store="disk",
+    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig.of(batch=4, seq=32, compute_dtype="fp32", store="disk",
                                                            update_chunk=10_000, devices=2)).peak_device_bytes
     print("planned", planned, "measured", [r["peak"] for r in ranks])
     assert [r["peak"] for r in ranks] == [planned, planned]

@@ -8,7 +8,8 @@ import torch
 
 from layers import GPTJConfig
 from memory_model import PlanConfig, device_spec, plan
-from streamer import StreamingTrainer, TrainerConfig
+from memory_model.planner import step_disk_bytes
+from streamer import Placement, StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 
 
@@ -17,7 +18,7 @@ def test_gptj_6b_checkpointed_fits_3_gib_and_planner_agrees():
     ledger = dry_run(cfg, TrainerConfig.of(activations="checkpoint", dtype="bf16"), batch=1, seq=2048)
     assert ledger.peak <= 3 * 2**30
     assert 16 * cfg.num_params() / ledger.peak >= 30  # vs the 16 B/param baseline (90.2 GiB)
-    predicted = plan(cfg, device_spec("cs2"), PlanConfig(batch=1, seq=2048, activations="checkpoint"))
+    predicted = plan(cfg, device_spec("cs2"), PlanConfig.of(batch=1, seq=2048, activations="checkpoint"))
     # Measured: the planner is 8,200 bytes below the dry run's 1,966,953,352 (4.2e-6 relative).
     assert predicted.peak_device_bytes == pytest.approx(ledger.peak, rel=3e-5)
 
@@ -33,7 +34,7 @@ def test_planner_matches_dry_run(n_embd, n_head, n_layer, rotary, inner, batch, 
                      rotary_dim=rotary, n_inner=inner)
     tc = TrainerConfig.of(activations=activations, dtype=dtype, prefetch=prefetch, update_chunk=20_000)
     ledger = dry_run(cfg, tc, batch, seq)
-    predicted = plan(cfg, device_spec("h100-sxm"), PlanConfig(
+    predicted = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(
         batch=batch, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch, update_chunk=20_000))
     # Measured: at most 768 bytes apart (1.03e-3 relative, the 64-wide bf16 case), planner below the dry run.
     assert predicted.peak_device_bytes == pytest.approx(ledger.peak, rel=0.01)
@@ -53,7 +54,7 @@ def test_dry_run_equals_the_real_runs_ledger(tmp_path, master):
     for category in ("weights", "gradients", "optimizer", "workspace"):
         assert dry.peak_breakdown[category] == real[1][category]
     assert dry.peak == pytest.approx(real[0], rel=0.015)
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype="bf16",
+    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=2, seq=48, compute_dtype="bf16",
                                                            update_chunk=20_000, master_dtype=master))
     assert planned.peak_device_bytes == pytest.approx(dry.peak, rel=0.015)
 
@@ -73,7 +74,7 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
         assert trainer.fused and trainer.clipped_redos == 0
         real = trainer.ledger.peak_breakdown
     dry = dry_run(cfg, tc, 2, 48)
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype=dtype,
+    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=2, seq=48, compute_dtype=dtype,
                                                            update_chunk=20_480, store="disk", moment_dtype=moments,
                                                            master_dtype=master))
     for category in ("weights", "gradients", "optimizer", "workspace"):
@@ -91,22 +92,23 @@ def test_disk_tier_fused_step_dry_run_real_run_and_planner_agree(tmp_path, dtype
     dict(dtype="bf16", store="disk", moment_dtype="int8", update_chunk=20_480),  # quantized moments, whole blocks
     dict(dtype="bf16", store="ram", master_dtype="bf16"),  # the compute weights are the master: no copy
     dict(dtype="fp32", store="disk", master_dtype="bf16", update_chunk=20_000),  # loads widen the bf16 master
+    dict(dtype="bf16", store=Placement("ram", "disk", "disk"), grad_accum=2),  # RAM weights, state on disk: fused
 ])
 def test_the_trainer_and_the_planner_describe_one_step(settings):
     """One run's settings give the trainer and the planner the same step description, hence one event list."""
-    from memory_model.planner import step_spec
+    from memory_model.planner import planned_spec
     from memory_model.schedule import step_events
     from streamer.run import RunConfig
 
     run = RunConfig.of(dict(model="gptj-debug", batch=4, seq=16, **settings))
     shape, step = run.model_config(), run.trainer.step
     trainer = StreamingTrainer(shape, run.trainer.replace(device="meta"))  # as the dry run builds it
-    planned = step_spec(shape, run.plan_config())
+    planned = planned_spec(shape, run.plan_config())
     assert trainer.step_spec(step.grad_accum, trainer.fused) == planned
     assert step_events(planned) == step_events(trainer.step_spec(step.grad_accum, trainer.fused))
-    disk = run.trainer.store.state == "disk"
+    disk = step.store.state == "disk"
     assert planned.fused == (disk and step.update_timing == "auto" and not run.trainer.lora.rank)
-    assert planned.master_from_weights == disk
+    assert planned.master_from_weights == (step.store.tier == "disk")  # a load reads no master beside a RAM copy
     trainer.close()
 
 
@@ -183,7 +185,7 @@ def test_packed_rows_real_run_dry_run_and_planner_agree(tmp_path, dtype, activat
             trainer.step(ids, positions=positions if packed else None)
             real = trainer.ledger.peak
         dry = dry_run(cfg, tc, 2, 48, packed=packed).peak
-        planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(
+        planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(
             batch=2, seq=48, compute_dtype=dtype, activations=activations, update_chunk=20_000, packed=packed,
             lora=tc.lora)).peak_device_bytes
         assert planned == real  # measured: equal to the byte, packed or not
@@ -195,13 +197,53 @@ def test_packed_rows_real_run_dry_run_and_planner_agree(tmp_path, dtype, activat
         assert peaks[True] > peaks[False]
 
 
+@pytest.mark.parametrize("dtype,timing", [("bf16", "auto"), ("fp32", "auto"), ("bf16", "after-backward")])
+def test_a_mixed_placement_is_planned_as_it_runs(tmp_path, dtype, timing):
+    """Compute weights in RAM and the state on disk: the state's tier makes the update fused, the compute
+    weights' makes each load read the RAM copy (in bf16; fp32 weights are the master, read from disk) and
+    each update write a new one. The plan of the trainer's own step settings is the real run's ledger peak,
+    and its disk bytes what the store's files move, to the byte; neither is a whole tier's."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig.of(dtype=dtype, store=Placement("ram", "disk", "disk"), update_chunk=20_000,
+                          update_timing=timing, max_grad_norm=0)
+    pc = tc.plan_config(1, 8)  # a step short enough that an update chunk is its peak
+    assert pc.step is tc.step and pc.fused == (timing == "auto")
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        for _ in range(2):
+            trainer.step(torch.randint(0, cfg.vocab_size, (1, 8)))
+            assert trainer.step_bytes == step_disk_bytes(cfg, pc)
+        assert trainer.fused == pc.fused and trainer.clipped_redos == 0
+        real = trainer.ledger.peak
+    device = device_spec("h100-sxm")
+    assert plan(cfg, device, pc).peak_device_bytes == real
+    disk = pc.replace(store="disk")
+    if dtype == "bf16":  # the loads read no master, and each update chunk writes new compute weights on the device
+        assert step_disk_bytes(cfg, pc)[0] < step_disk_bytes(cfg, disk)[0]
+        assert real == plan(cfg, device, disk).peak_device_bytes + 20_000 * 2
+    else:  # the master is the compute weights: the loads read it from disk as the disk tier's do
+        assert step_disk_bytes(cfg, pc) == step_disk_bytes(cfg, disk)
+        assert real == plan(cfg, device, disk).peak_device_bytes
+
+
+def test_gradients_alone_on_disk_are_planned_as_they_run(tmp_path):
+    """The gradient accumulator alone in files, the state in RAM (so the update follows the backward): each
+    micro-batch's gradient is written, read back by the next one and by the update. The plan's disk bytes are
+    what the store's files move and its peak the ledger's, to the byte."""
+    cfg = GPTJConfig.preset("gptj-debug")
+    tc = TrainerConfig.of(dtype="bf16", store=Placement("ram", "ram", "disk"), grad_accum=2, update_chunk=20_000)
+    pc = tc.plan_config(2, 16)
+    assert not pc.fused
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(torch.randint(0, cfg.vocab_size, (2, 16)))
+        assert trainer.step_bytes == step_disk_bytes(cfg, pc) == (8 * cfg.num_params(), 8 * cfg.num_params())
+        assert trainer.ledger.peak == plan(cfg, device_spec("h100-sxm"), pc).peak_device_bytes
+
+
 @pytest.mark.parametrize("settings", [dict(dtype="fp32", activations="offload"), dict(dtype="fp32"),
                                       dict(dtype="fp32", activations="checkpoint", prefetch=2)])
 def test_a_norm_pass_on_meta_charges_the_planned_peak(settings):
     """A norm-first step's norm pass (forward and backward, no update, nothing stored): the runtime's ledger
     on meta peaks at the planner's norm-pass peak to the byte, and no higher than the update after the backward."""
-    from dataclasses import replace
-
     from memory_model.planner import norm_pass_peak, peak_device_bytes
     from memory_model.schedule import norm_pass_spec, step_events
     from streamer.calibration.dryrun import FlashAttentionOnMeta
@@ -215,10 +257,10 @@ def test_a_norm_pass_on_meta_charges_the_planned_peak(settings):
     with FlashAttentionOnMeta():
         trainer.executor.run(step_events(norm_pass_spec(trainer.step_spec(1, fused=True))), ctx)
     trainer.close()
-    pc = PlanConfig(batch=2, seq=32, store="disk", update_chunk=20_000, compute_dtype="fp32",
-                    **{k: v for k, v in settings.items() if k != "dtype"})
+    pc = PlanConfig.of(batch=2, seq=32, store="disk", update_chunk=20_000, compute_dtype="fp32",
+                       **{k: v for k, v in settings.items() if k != "dtype"})
     assert trainer.ledger.peak == norm_pass_peak(cfg, pc)
-    assert norm_pass_peak(cfg, pc) <= peak_device_bytes(cfg, replace(pc, update_timing="after-backward"))
+    assert norm_pass_peak(cfg, pc) <= peak_device_bytes(cfg, pc.replace(update_timing="after-backward"))
 
 
 def test_plan_dry_run_of_a_step_that_clips_norm_first(capsys):

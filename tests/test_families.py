@@ -179,8 +179,8 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path: Path, model_ty
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
     dry = dry_run(cfg, tc, 2, 24)
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(
-        batch=2, seq=24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store,
+    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(
+        2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store,
         lora=tc.lora)).peak_device_bytes
     assert real[0] == planned
     gap = dry.peak - real[0]

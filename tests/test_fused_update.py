@@ -103,9 +103,9 @@ def test_fused_update_on_the_disk_tier_matches_the_ram_tier(tmp_path, dtype):
 def test_fused_update_needs_the_state_on_disk():
     with pytest.raises(ConfigError, match="needs the state on disk"):
         TrainerConfig.of(store="ram", update_timing="fused")
-    assert not PlanConfig(batch=1, seq=8, store="ram").fused
-    assert PlanConfig(batch=1, seq=8, store="disk").fused
-    assert not PlanConfig(batch=2, seq=8, store="disk", devices=2).fused
+    assert not PlanConfig.of(batch=1, seq=8, store="ram").fused
+    assert PlanConfig.of(batch=1, seq=8, store="disk").fused
+    assert not PlanConfig.of(batch=2, seq=8, store="disk", devices=2).fused
 
 
 @pytest.mark.parametrize("timing", ["fused", "after-backward"])
@@ -117,9 +117,9 @@ def test_store_bytes_per_step_are_the_planners(tmp_path, timing, accum, moments,
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
         for ids in debug_batches(2):
             trainer.step(ids)
-            plan = PlanConfig(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch,
-                              update_chunk=tc.step.update_chunk, store="disk", update_timing=timing,
-                              moment_dtype=moments)
+            plan = PlanConfig.of(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch,
+                                 update_chunk=tc.step.update_chunk, store="disk", update_timing=timing,
+                                 moment_dtype=moments)
             assert trainer.step_bytes == step_disk_bytes(CFG, plan)
 
 
@@ -130,7 +130,7 @@ def test_fused_bytes_per_parameter_are_the_floor():
     reaches the store."""
     n, head = CFG.num_params(), CFG.unit_params("head")
     for moments, moment_bytes in (("bf16", 4), ("fp32", 8)):
-        plan = PlanConfig(batch=2, seq=16, store="disk", update_timing="fused", moment_dtype=moments)
+        plan = PlanConfig.of(batch=2, seq=16, store="disk", update_timing="fused", moment_dtype=moments)
         assert step_disk_bytes(CFG, plan) == ((4 + 4 + moment_bytes) * n - 4 * head, (4 + moment_bytes) * n)
 
 

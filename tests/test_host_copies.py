@@ -78,7 +78,7 @@ def test_a_pageable_store_plan_pays_each_staging_copy_at_the_hosts_copy_rate():
 
     rate = 2e9
     device = with_sets(DEVICE_PRESETS["h100-sxm"], [f"host_copy_bw={rate}"])
-    cfg = PlanConfig(batch=1, seq=2048, activations="checkpoint", moment_dtype="bf16")
+    cfg = PlanConfig.of(batch=1, seq=2048, activations="checkpoint", moment_dtype="bf16")
     shape = PRESETS["gptj-1.3b"]
     registered = plan(shape, device, cfg, limits=False, pin_memory="register")
     pageable = plan(shape, device, cfg, limits=False, pin_memory="staging")

@@ -59,7 +59,7 @@ def test_published_config_is_transformers_model(tmp_path, name):
     assert {k: tuple(v.shape) for k, v in expected_tensors(cfg).items()} == state
     count = sum(p.numel() for p in theirs.parameters())
     seq = min(2048, cfg.context()[0])
-    assert plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=1, seq=seq), limits=False).params == count
+    assert plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=1, seq=seq), limits=False).params == count
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "mistral-7b-v0.1", "gpt-j-6b"])

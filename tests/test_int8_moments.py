@@ -162,8 +162,8 @@ def test_the_store_moves_the_planners_bytes_and_a_third_of_fp32s(tmp_path, timin
     """Disk bytes per step, counted by the store's files, equal the planner's to the byte; per parameter the
     moments cost 2 x (1 + 4/256) B instead of 8."""
     tc = INT8.replace(store="disk", dtype="bf16", update_timing=timing)
-    plan = PlanConfig(batch=2, seq=16, compute_dtype="bf16", update_chunk=tc.step.update_chunk, store="disk",
-                      update_timing=timing, moment_dtype="int8")
+    plan = PlanConfig.of(batch=2, seq=16, compute_dtype="bf16", update_chunk=tc.step.update_chunk, store="disk",
+                         update_timing=timing, moment_dtype="int8")
     moved = train_debug(tmp_path / "run", tc, steps=2)[2]
     assert moved == step_disk_bytes(CFG, plan)
     n, head = CFG.num_params(), CFG.unit_params("head")
@@ -194,7 +194,7 @@ def test_the_store_size_is_what_it_writes(tmp_path):
 
 def test_an_update_chunk_that_splits_a_block_is_refused_in_one_line():
     for make in (lambda: TrainerConfig.of(moment_dtype="int8", update_chunk=5000),
-                 lambda: PlanConfig(batch=1, seq=8, moment_dtype="int8", update_chunk=5000)):
+                 lambda: PlanConfig.of(batch=1, seq=8, moment_dtype="int8", update_chunk=5000)):
         with pytest.raises((ConfigError, ValueError), match=r"update.chunk must be a multiple of 256 with "
                                                             r"--moment-dtype int8"):
             make()

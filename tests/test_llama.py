@@ -160,7 +160,7 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, dtype, activat
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 48)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
     dry = dry_run(cfg, tc, 2, 48)
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, compute_dtype=dtype,
+    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=2, seq=48, compute_dtype=dtype,
                                                            activations=activations, update_chunk=20_000, store=store))
     assert real[0] == dry.peak == planned.peak_device_bytes
     assert real[1] == dict(dry.peak_breakdown)

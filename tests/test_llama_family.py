@@ -78,7 +78,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, data_parallel, store):
     assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
     assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # as GPT-J's (test_distributed.py)
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
-    planned = plan(LLAMA, device_spec("h100-sxm"), PlanConfig(
+    planned = plan(LLAMA, device_spec("h100-sxm"), PlanConfig.of(
         batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=10_000, devices=2,
         data_parallel=data_parallel)).peak_device_bytes
     assert [r["peak"] for r in ranks] == [planned, planned]

@@ -97,8 +97,9 @@ def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtyp
         real = trainer.ledger.peak, trainer.ledger.peak_breakdown
         assert trainer.ledger.in_use == sum(c.nbytes for c in adapter_charges(trainer.adapters.numel()))
         assert trainer.adapters.numel() == adapter_params(model, tc.lora)
-    predicted = plan(model, device_spec("h100-sxm"), PlanConfig(batch=2, seq=48, activations=activations,
-                                                                compute_dtype=dtype, update_chunk=20_000, lora=tc.lora))
+    predicted = plan(model, device_spec("h100-sxm"),
+                     PlanConfig.of(batch=2, seq=48, activations=activations, compute_dtype=dtype, update_chunk=20_000,
+                                   lora=tc.lora))
     assert predicted.peak_breakdown == real[1]  # measured: equal to the byte in every case
     assert predicted.peak_device_bytes == real[0]
 

@@ -56,8 +56,8 @@ def test_a_lora_store_holds_the_bases_compute_weights_alone(tmp_path: Path, stor
     ram, disk = tc.store_spec(CFG).host_bytes()
     assert disk == sum(files.values())
     assert ram == (params * ES[dtype] if store == "ram" else 0)
-    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(batch=2, seq=16, compute_dtype=dtype, store=store,
-                                                            lora=tc.lora), limits=False)
+    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig.of(batch=2, seq=16, compute_dtype=dtype, store=store,
+                                                               lora=tc.lora), limits=False)
     assert planned.host_store_bytes == params * ES[dtype]
     need = HostNeed.of(CFG, tc, stores_on_disk=1, stores_in_ram=1)
     assert (need.ram, need.disk) == (_with_headroom(ram, RAM_HEADROOM), _with_headroom(disk, DISK_HEADROOM))
@@ -66,8 +66,8 @@ def test_a_lora_store_holds_the_bases_compute_weights_alone(tmp_path: Path, stor
 @pytest.mark.parametrize("accum,dtype,prefetch", [(1, "bf16", 1), (2, "fp32", 2), (1, "bf16", 0)])
 def test_lora_store_bytes_per_step_are_the_planners(tmp_path: Path, accum: int, dtype: str, prefetch: int) -> None:
     tc = _lora("disk", dtype, grad_accum=accum, prefetch=prefetch)
-    config = PlanConfig(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch, store="disk",
-                        lora=tc.lora)
+    config = PlanConfig.of(batch=2, seq=16, compute_dtype=dtype, grad_accum=accum, prefetch=prefetch, store="disk",
+                           lora=tc.lora)
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
         for ids in _batches(2):
             trainer.step(ids)

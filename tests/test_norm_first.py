@@ -50,8 +50,8 @@ def test_a_norm_first_steps_store_bytes_are_the_planners(tmp_path):
     tc = DISK.replace(moment_dtype="bf16", max_grad_norm=1e-3, clipped_steps="norm-first")
     run = train_debug(tmp_path / "run", tc, 2)
     planned = clipped_steps(DEBUG_MODEL, device_spec("h100-sxm"),
-                            PlanConfig(batch=2, seq=16, compute_dtype="fp32", update_chunk=5000, store="disk",
-                                       moment_dtype="bf16"))
+                            PlanConfig.of(batch=2, seq=16, compute_dtype="fp32", update_chunk=5000, store="disk",
+                                          moment_dtype="bf16"))
     assert run.redos == 1
     norm_first = planned["norm-first"]
     assert run.step_bytes == (norm_first.disk_read_bytes, norm_first.disk_write_bytes)
@@ -108,7 +108,7 @@ def test_gptj_6b_on_a_gpu_takes_norm_first():
     from layers import GPTJConfig
 
     shape = GPTJConfig.preset("gptj-6b")
-    pc = PlanConfig(batch=1, seq=2048, activations="checkpoint", store="disk")
+    pc = PlanConfig.of(batch=1, seq=2048, activations="checkpoint", store="disk")
     plans = clipped_steps(shape, device_spec("h100-sxm"), pc)
     assert clipped_schedule(plans, "auto").schedule == "norm-first"
     assert plans["norm-first"].step_s < plans["after-backward"].step_s

@@ -69,7 +69,7 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, settings):
             real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
         dry = dry_run(DEEP, tc, batch, seq)
         pc = {k: v for k, v in settings.items() if k != "dtype"}
-        planned = plan(DEEP, device_spec("h100-sxm"), PlanConfig(batch=batch, seq=seq, activations=activations,
+        planned = plan(DEEP, device_spec("h100-sxm"), PlanConfig.of(batch=batch, seq=seq, activations=activations,
                                                                 update_chunk=4096, compute_dtype=settings["dtype"],
                                                                 **pc))
         assert real[0] == planned.peak_device_bytes and real[1] == planned.peak_breakdown

@@ -17,7 +17,8 @@ from streamer.config import TrainerConfig
 from streamer.resources import RAM_HEADROOM, HostNeed, shortfall
 from streamer.run import RESUMABLE, resolve
 from streamer.runtime.transport import StagingPool
-from streamer.store.layout import Placement, UnitLayout
+from memory_model.step import Placement
+from streamer.store.layout import UnitLayout
 from streamer.store.spec import STATE_KINDS, StoreSpec
 from streamer.trainer import StreamingTrainer
 

@@ -21,7 +21,7 @@ from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, L
 from memory_model.kernels import attention_flops, gpu_elementwise_bytes
 from memory_model.devices import tree_levels, with_sets
 from memory_model.units import stored_bytes
-from memory_model.planner import step_spec
+from memory_model.planner import planned_spec
 from memory_model.shapes import (backward_workspace_bytes, block_backward_transient_bytes, block_input_numel,
                                  block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, head_saved_bytes,
                                  loss_vocab_chunk)
@@ -138,13 +138,13 @@ def test_plan_rows_match_a_resident_forward_and_a_checkpoint_recompute(seed: int
             x = block(x, *args)
     with saved.hooks("head"):
         head(x, ids, vocab_chunk=loss_vocab_chunk(shape, batch * seq))  # the runtime's chunk
-    cfg_plan = PlanConfig(batch=batch, seq=seq, compute_dtype=dtype, packed=packed)
+    cfg_plan = PlanConfig.of(batch=batch, seq=seq, compute_dtype=dtype, packed=packed)
     rows = {r.unit: r for r in plan(shape, CS2, cfg_plan).rows}
     for unit, nbytes in saved.bytes.items():
         assert rows[unit].activation_bytes == nbytes, unit  # measured: equal to the byte on every case
 
     # Checkpoint: the block input is charged first; the recompute charges everything else it saves.
-    rows = {r.unit: r for r in plan(shape, CS2, replace(cfg_plan, activations="checkpoint")).rows}
+    rows = {r.unit: r for r in plan(shape, CS2, cfg_plan.replace(activations="checkpoint")).rows}
     last = f"block.{cfg.num_hidden_layers - 1}"
     recompute = SavedStorages([*blocks])
     recompute.charge("input", inputs[-1])
@@ -160,9 +160,9 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     charges (memory_model/schedule.py); the planner's moment-by-moment walk never sees this code."""
     ledger = Ledger(None)
     units = shape.unit_names()
-    events = step_events(StepSpec(tuple(units), cfg.grad_accum, {u: shape.unit_params(u) for u in units},
-                                  cfg.update_chunk, offload_inputs=cfg.activations == "offload"))
-    resident = resident_sets(events, cfg.prefetch)
+    events = step_events(StepSpec(tuple(units), cfg.step.grad_accum, {u: shape.unit_params(u) for u in units},
+                                  cfg.step.update_chunk, offload_inputs=cfg.step.activations == "offload"))
+    resident = resident_sets(events, cfg.step.prefetch)
     es, b, t = cfg.dtype_bytes, cfg.micro_batch, cfg.seq
     in_flight: dict[tuple, list[int]] = {}
     acts: dict[str, int] = {}
@@ -172,13 +172,13 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
             if r not in in_flight:
                 numel = block_input_numel(shape, b, t) if isinstance(r, BlockInput) else shape.unit_params(r.unit)
                 in_flight[r] = [ledger.allocate(c.category, r.unit, c.nbytes)
-                                for c in resource_charges(r, numel, es, cfg.update_on)]
+                                for c in resource_charges(r, numel, es, cfg.step.update_on)]
         kind = e.unit.split(".")[0]
         if e.phase == "forward":
-            if kind == "block" and cfg.activations == "offload":  # on the device until copied out, at its end
+            if kind == "block" and cfg.step.activations == "offload":  # on the device until copied out, at its end
                 ledger.free(ledger.allocate("activations", e.unit, checkpoint_input_bytes(shape, b, t, es)))
                 nbytes = 0
-            elif kind == "block" and cfg.activations == "checkpoint":
+            elif kind == "block" and cfg.step.activations == "checkpoint":
                 nbytes = checkpoint_input_bytes(shape, b, t, es)
             elif kind == "block":
                 nbytes = block_saved_bytes(shape, b, t, es, rotary=es != 4 or e.unit == "block.0")
@@ -191,7 +191,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
                 extra.append(ledger.allocate("workspace", "head", backward_workspace_bytes(shape, "head", b, t, es)))
             if kind == "block":  # autograd's buffers and the block's output, from the backward's start
                 extra.append(ledger.allocate("workspace", e.unit, block_backward_transient_bytes(shape, b, t, es)))
-            if kind == "block" and cfg.activations != "resident":
+            if kind == "block" and cfg.step.activations != "resident":
                 extra.append(ledger.allocate("activations", e.unit, block_saved_bytes(shape, b, t, es)
                                              - checkpoint_input_bytes(shape, b, t, es)))
             grad = ledger.allocate("gradients", e.unit, shape.unit_params(e.unit) * es)
@@ -206,7 +206,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
                 ledger.free(offloading)
                 offloading = None
         else:
-            for c in update_charges(e.resource, cfg.new_compute_bytes, cfg.update_on):
+            for c in update_charges(e.resource, cfg.new_compute_bytes, cfg.step.update_on):
                 ledger.free(ledger.allocate(c.category, e.unit, c.nbytes))
         if released_after(events, k):
             for h in in_flight.pop(e.resource):
@@ -226,8 +226,8 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
 def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accum, prefetch, activations, dtype,
                                              update_on, chunk) -> None:
     shape = GPTJConfig(vocab_size=vocab, n_positions=64, n_embd=d, n_layer=n_layer, n_head=4, rotary_dim=4)
-    cfg = PlanConfig(batch=micro * accum, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch,
-                     update_on=update_on, grad_accum=accum, update_chunk=chunk)
+    cfg = PlanConfig.of(batch=micro * accum, seq=seq, activations=activations, compute_dtype=dtype, prefetch=prefetch,
+                        update_on=update_on, grad_accum=accum, update_chunk=chunk)
     ledger = _replay(shape, cfg)
     p = plan(shape, CS2, cfg)
     assert p.peak_device_bytes == ledger.peak == peak_device_bytes(shape, cfg)
@@ -238,20 +238,20 @@ def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accu
 def test_gptj_6b_checkpoint_fits_in_3_gib_30x_below_the_baseline() -> None:
     assert GPTJ_6B.num_params() == 6_050_882_784 == PRESETS["gptj-6b"].num_params()
     assert GPTJ_6B.block_params() == 201_355_264
-    cfg = PlanConfig(batch=1, seq=2048, activations="checkpoint", compute_dtype="bf16")
+    cfg = PlanConfig.of(batch=1, seq=2048, activations="checkpoint", compute_dtype="bf16")
     p = plan(GPTJ_6B, CS2, cfg)
     assert p.baseline_bytes == 16 * 6_050_882_784 and round(p.baseline_bytes / GIB, 1) == 90.2
     assert p.peak_device_bytes <= 3 * GIB
     assert p.baseline_bytes / p.peak_device_bytes >= 30
     assert p.fits and sum(p.peak_breakdown.values()) == p.peak_device_bytes
-    resident = plan(GPTJ_6B, CS2, replace(cfg, activations="resident"))
+    resident = plan(GPTJ_6B, CS2, cfg.replace(activations="resident"))
     assert p.peak_device_bytes < resident.peak_device_bytes < 10 * GIB and resident.fits
     assert resident.peak_breakdown["activations"] > 20 * p.peak_breakdown["activations"] / 3
     assert p.resident_baseline_bytes == resident.resident_baseline_bytes > p.baseline_bytes
 
 
 def test_plan_json() -> None:
-    p = plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=2048, activations="checkpoint"))
+    p = plan(GPTJ_6B, CS2, PlanConfig.of(batch=1, seq=2048, activations="checkpoint"))
     raw = json.loads(json.dumps(p.to_json()))
     for key in ("params", "baseline_bytes", "resident_baseline_bytes", "peak_device_bytes", "peak_breakdown",
                 "peak_at", "fits", "step_time_s", "tokens_per_s", "utilisation", "max_batch_seq", "rows", "config",
@@ -268,14 +268,14 @@ def test_plan_json() -> None:
 
 def test_plan_table_renders() -> None:
     console = Console(record=True, width=220)
-    console.print(plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=2048, activations="checkpoint")).table())
+    console.print(plan(GPTJ_6B, CS2, PlanConfig.of(batch=1, seq=2048, activations="checkpoint")).table())
     text = console.export_text()
     assert "block.27" in text and "16 B/param baseline" in text and "fits" in text
 
 
 # --- fit and search ------------------------------------------------------------------------------------------------
 def test_does_not_fit_a_small_device_and_the_largest_batch_does() -> None:
-    cfg = PlanConfig(batch=8, seq=2048, activations="resident")
+    cfg = PlanConfig.of(batch=8, seq=2048, activations="resident")
     p = plan(GPTJ_6B, DEVICE_PRESETS["rtx4090"], cfg)
     assert not p.fits
     best, seq = p.max_batch_seq
@@ -291,31 +291,31 @@ def test_does_not_fit_a_small_device_and_the_largest_batch_does() -> None:
 
 def test_nothing_fits_a_tiny_device() -> None:
     tiny = replace(CS2, name="tiny", memory_bytes=2**20)
-    p = plan(GPTJ_6B, tiny, PlanConfig(batch=1, seq=128))
+    p = plan(GPTJ_6B, tiny, PlanConfig.of(batch=1, seq=128))
     assert not p.fits and p.max_batch_seq == (0, 128) and p.max_seq == 0
 
 
 def test_prefetch_and_update_place_change_the_peak_as_documented() -> None:
-    base = PlanConfig(batch=1, seq=2048, activations="checkpoint")
-    p0, p1, p2 = (plan(GPTJ_6B, CS2, replace(base, prefetch=n)) for n in (0, 1, 2))
+    base = PlanConfig.of(batch=1, seq=2048, activations="checkpoint")
+    p0, p1, p2 = (plan(GPTJ_6B, CS2, base.replace(prefetch=n)) for n in (0, 1, 2))
     assert p0.peak_breakdown["weights"] < p1.peak_breakdown["weights"] < p2.peak_breakdown["weights"]
-    update = plan(GPTJ_6B, CS2, replace(base, update_chunk=2**30))  # one chunk holds a whole unit
+    update = plan(GPTJ_6B, CS2, base.replace(update_chunk=2**30))  # one chunk holds a whole unit
     assert update.peak_at[1] == "update" and update.peak_breakdown["optimizer"] > 0
-    host = plan(GPTJ_6B, CS2, replace(base, update_chunk=2**30, update_on="host"))
+    host = plan(GPTJ_6B, CS2, base.replace(update_chunk=2**30, update_on="host"))
     assert host.peak_breakdown["optimizer"] == 0 and host.peak_at[1] != "update"
 
 
 # --- time ----------------------------------------------------------------------------------------------------------
 def test_time_model_properties() -> None:
-    base = PlanConfig(batch=4, seq=2048, activations="checkpoint")
+    base = PlanConfig.of(batch=4, seq=2048, activations="checkpoint")
     h100 = DEVICE_PRESETS["h100-sxm"]
     p1 = plan(GPTJ_6B, h100, base)
-    p0 = plan(GPTJ_6B, h100, replace(base, prefetch=0))
+    p0 = plan(GPTJ_6B, h100, base.replace(prefetch=0))
     assert p0.step_time_s > p1.step_time_s > 0
-    assert plan(GPTJ_6B, h100, replace(base, store="disk")).step_time_s > p1.step_time_s
+    assert plan(GPTJ_6B, h100, base.replace(store="disk")).step_time_s > p1.step_time_s
     assert p1.tokens_per_s == 4 * 2048 / p1.step_time_s  # the same expression: measured equal
     assert 0 < p1.utilisation <= 1
-    resident = plan(GPTJ_6B, h100, replace(base, activations="resident"))
+    resident = plan(GPTJ_6B, h100, base.replace(activations="resident"))
     assert resident.step_time_s <= p1.step_time_s  # no recompute
     assert sum(r.backward_flops for r in p1.rows) > sum(r.backward_flops for r in resident.rows)
     slow_link = replace(h100, h2d=Link(1e9), d2h=Link(1e9))
@@ -324,7 +324,7 @@ def test_time_model_properties() -> None:
     assert plan(GPTJ_6B, fast_link, base).bottleneck == "device compute"
     # A host update is the host's work, not the device's: a slow host bounds the step as "host compute".
     slow_host = replace(h100, host_update_bw=1e9)
-    assert plan(GPTJ_6B, slow_host, replace(base, update_on="host")).bottleneck == "host compute"
+    assert plan(GPTJ_6B, slow_host, base.replace(update_on="host")).bottleneck == "host compute"
     # The links are full duplex: gradients out do not wait for weights in.
     p = plan(GPTJ_6B, h100, base)
     assert p.step_time_s < p.resource_s["device compute"] + p.resource_s["h2d"] + p.resource_s["d2h"]
@@ -338,8 +338,9 @@ def test_offloaded_block_inputs_leave_the_device_and_cross_the_pcie_links() -> N
     next one, prefetched. Each input crosses d2h during its forward and h2d before its backward, on the PCIe
     links, hidden behind the compute."""
     h100 = DEVICE_PRESETS["h100-sxm"]
-    base = PlanConfig(batch=64, seq=2048, activations="checkpoint")
-    kept, offloaded = (plan(GPTJ_6B, h100, replace(base, activations=a), limits=False) for a in ("checkpoint", "offload"))
+    base = PlanConfig.of(batch=64, seq=2048, activations="checkpoint")
+    kept, offloaded = (plan(GPTJ_6B, h100, base.replace(activations=a), limits=False)
+                       for a in ("checkpoint", "offload"))
     one, blocks = checkpoint_input_bytes(GPTJ_6B, 64, 2048, 2), GPTJ_6B.n_layer  # 1 GiB each, 28 blocks
     assert kept.peak_at == offloaded.peak_at == ("block.27", "backward")
     assert kept.peak_device_bytes - offloaded.peak_device_bytes == (blocks - 2) * one == 26 * GIB
@@ -352,10 +353,10 @@ def test_offloaded_block_inputs_leave_the_device_and_cross_the_pcie_links() -> N
     assert offloaded.step_time_s == pytest.approx(kept.step_time_s, rel=1e-9)
     # On a link too slow to hide them the copies lengthen the step.
     slow = replace(h100, h2d=Link(4e9), d2h=Link(4e9))
-    assert plan(GPTJ_6B, slow, replace(base, activations="offload"), limits=False).step_time_s > \
+    assert plan(GPTJ_6B, slow, base.replace(activations="offload"), limits=False).step_time_s > \
         plan(GPTJ_6B, slow, base, limits=False).step_time_s
     # The largest batch that fits grows with the inputs gone.
-    assert plan(GPTJ_6B, h100, replace(base, activations="offload")).max_batch_seq[0] > \
+    assert plan(GPTJ_6B, h100, base.replace(activations="offload")).max_batch_seq[0] > \
         plan(GPTJ_6B, h100, base).max_batch_seq[0]
 
 
@@ -365,11 +366,11 @@ def test_no_gpu_plan_exceeds_the_best_published_training_mfu(name: str) -> None:
     matmuls alone would run at 77-81% of an A100's peak. The kernels beside them and the best published MFU of the
     class (MegaScale's 55.2%, catalogue.py) keep the plan at or below that MFU."""
     spec = DEVICE_PRESETS[name]
-    p = plan(GPTJ_6B, spec, PlanConfig(batch=192, seq=2048, grad_accum=16, activations="resident"), limits=False)
+    p = plan(GPTJ_6B, spec, PlanConfig.of(batch=192, seq=2048, grad_accum=16, activations="resident"), limits=False)
     assert p.bottleneck == "device compute"
     assert p.utilisation <= spec.training_mfu <= 0.552
     matmuls_only = plan(GPTJ_6B, replace(spec, training_mfu=1.0, device_mem_bandwidth=1e30),
-                        PlanConfig(batch=192, seq=2048, grad_accum=16, activations="resident"), limits=False)
+                        PlanConfig.of(batch=192, seq=2048, grad_accum=16, activations="resident"), limits=False)
     assert matmuls_only.utilisation > p.utilisation
 
 
@@ -377,7 +378,7 @@ def test_a_gpu_blocks_time_is_its_matmuls_attention_and_elementwise_bytes() -> N
     """Below the MFU cap a preset's block forward is its matmuls and attention at their shares of the peak plus
     kernels.gpu_elementwise_bytes over the achievable HBM bandwidth; its backward twice the kernels' work."""
     h100 = DEVICE_PRESETS["h100-sxm"]
-    shape, cfg = PRESETS["gptj-350m"], PlanConfig(batch=1, seq=512)
+    shape, cfg = PRESETS["gptj-350m"], PlanConfig.of(batch=1, seq=512)
     block = {r.unit: r for r in plan(shape, replace(h100, training_mfu=1e-9 + 1e-12), cfg).rows}["block.0"]
     uncapped = {r.unit: r for r in plan(shape, replace(h100, training_mfu=1.0), cfg).rows}["block.0"]
     peak, hbm = h100.flops["bf16"], h100.device_mem_bandwidth * h100.bandwidth_efficiency
@@ -398,7 +399,7 @@ def test_compute_bound_step_time_is_the_flops() -> None:
     free = DeviceSpec(name="free-io", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
                       flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
                       disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18)
-    cfg = PlanConfig(batch=1, seq=512, activations="checkpoint")
+    cfg = PlanConfig.of(batch=1, seq=512, activations="checkpoint")
     p = plan(GPTJ_6B, free, cfg)
     flops = sum(r.forward_flops + r.backward_flops for r in p.rows)
     # Measured relative difference 8.3e-9 in both: the step's non-flop terms (rel 1e-3 was 1e5x that); 10x margin.
@@ -417,7 +418,7 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
                         embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9,
                         event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e18,
                         flush_s=0.0)
-    shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
+    shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig.of(batch=1, seq=512)
     base, costed = plan(shape, free, cfg), plan(shape, replace(free, kernels={"bf16": costs}), cfg)
     # The update casts each parameter's new master to bf16: 4 B read and 2 B written, at the measured rate.
     update_s = {r.unit: r for r in costed.rows}["block.0"].update_s
@@ -457,20 +458,20 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
     costs = dict(attention_forward_flops=1e11, attention_backward_flops=5e10, elementwise_forward_s=1e-9,
                  elementwise_backward_s=2e-9, logits_forward_s=3e-9, logits_backward_s=4e-9,
                  embedding_backward_s=5e-10, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e9)
-    shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig(batch=2, seq=64, grad_accum=2)
+    shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig.of(batch=2, seq=64, grad_accum=2)
     free_io = dict(page_cache_bytes_per_s=1e18, flush_s=0.0)
     base = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=0.0, step_s=0.0, disk_event_s=0.0,
                                                                    disk_step_s=0.0, **free_io)}), cfg)
     fixed = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=1e-3, step_s=2e-3, disk_event_s=5.0,
                                                                     disk_step_s=7.0, **free_io)}), cfg)
     units = shape.unit_names()
-    events = step_events(StepSpec(tuple(units), 2, {u: shape.unit_params(u) for u in units}, cfg.update_chunk,
+    events = step_events(StepSpec(tuple(units), 2, {u: shape.unit_params(u) for u in units}, cfg.step.update_chunk,
                                   fused=cfg.fused))
     assert len(events) > 2 * 2 * len(units)  # two micro-batches' forwards and backwards, and the updates
     assert fixed.step_time_s == pytest.approx(base.step_time_s + len(events) * 1e-3 + 2e-3, rel=1e-12)
     # The disk tier pays its own fixed costs (measured on it), on its own (fused) step.
-    disk = replace(cfg, store="disk")
-    disk_events = step_events(step_spec(shape, disk))
+    disk = cfg.replace(store="disk")
+    disk_events = step_events(planned_spec(shape, disk))
     assert plan(shape, replace(free, kernels=fixed.device.kernels), disk).step_time_s == pytest.approx(
         plan(shape, replace(free, kernels=base.device.kernels), disk).step_time_s + len(disk_events) * 5.0 + 7.0,
         rel=1e-12)
@@ -490,11 +491,11 @@ def test_each_state_file_waits_on_the_disks_queue() -> None:
                         event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e18,
                         flush_s=0.0, state_file_s=1.0)
     shape, device = GPTJConfig.preset("gptj-debug"), replace(free, kernels={"fp32": costs})
-    cfg = PlanConfig(batch=1, seq=64, compute_dtype="fp32", update_timing="after-backward", update_chunk=4096)
-    disk = plan(shape, device, replace(cfg, store="disk"), limits=False)
+    cfg = PlanConfig.of(batch=1, seq=64, compute_dtype="fp32", update_timing="after-backward", update_chunk=4096)
+    disk = plan(shape, device, cfg.replace(store="disk"), limits=False)
     assert max(shape.unit_params(u) for u in shape.unit_names()) > 4096  # units of several chunks, one file each
     assert disk.step_time_s == pytest.approx(len(shape.unit_names()), rel=1e-9)
-    assert plan(shape, device, replace(cfg, store="ram"), limits=False).step_time_s < 1e-6
+    assert plan(shape, device, cfg.replace(store="ram"), limits=False).step_time_s < 1e-6
 
 
 def test_the_opt_in_precisions_pay_their_measured_elementwise_work() -> None:
@@ -512,9 +513,9 @@ def test_the_opt_in_precisions_pay_their_measured_elementwise_work() -> None:
                         flush_s=0.0, quantize_s=3e-9, dequantize_s=2e-9, round_s=5e-9)
     shape = GPTJConfig.preset("gptj-debug")
     device, params = replace(free, kernels={"bf16": costs}), shape.num_params()
-    fp32 = PlanConfig(batch=1, seq=64, store="disk", update_timing="fused")
+    fp32 = PlanConfig.of(batch=1, seq=64, store="disk", update_timing="fused")
     assert plan(shape, device, fp32).step_time_s < 1e-6  # nothing measured is spent by the fp32 state
-    int8 = replace(fp32, moment_dtype="int8", update_chunk=4096)
+    int8 = fp32.replace(moment_dtype="int8", update_chunk=4096)
     assert plan(shape, device, int8).step_time_s == pytest.approx(2 * params * (3e-9 + 2e-9), rel=1e-3)
     bf16 = replace(fp32, master_dtype="bf16")
     assert plan(shape, device, bf16).step_time_s == pytest.approx(params * 5e-9, rel=1e-3)
@@ -537,11 +538,11 @@ def test_a_disk_tier_commit_pays_each_flush_its_fixed_costs_do_not_hold(timing, 
                         event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e30,
                         flush_s=1e-3)
     shape = GPTJConfig.preset("gptj-debug")  # 4 units
-    cfg = PlanConfig(batch=2, seq=64, store="disk", update_timing=timing)
+    cfg = PlanConfig.of(batch=2, seq=64, store="disk", update_timing=timing)
     assert commit_flushes(shape, cfg) == flushes and unmeasured_flushes(shape, cfg) == flushes - 2
     flushing = replace(free, kernels={"bf16": costs})
     assert plan(shape, flushing, cfg).step_time_s == pytest.approx((flushes - 2) * 1e-3, abs=1e-12)
-    assert plan(shape, flushing, replace(cfg, store="ram", update_timing="auto")).step_time_s < 1e-9  # no files
+    assert plan(shape, flushing, cfg.replace(store="ram", update_timing="auto")).step_time_s < 1e-9  # no files
 
 
 def test_a_cpu_device_folds_gradients_on_the_compute_thread() -> None:
@@ -549,7 +550,7 @@ def test_a_cpu_device_folds_gradients_on_the_compute_thread() -> None:
     slow_fold = DeviceSpec(name="local", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
                            flops={"bf16": 1e12, "fp32": 1e12}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
                            disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e9)
-    shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig(batch=1, seq=512)
+    shape, cfg = GPTJConfig.preset("gptj-350m"), PlanConfig.of(batch=1, seq=512)
     overlapped, inline = plan(shape, slow_fold, cfg), plan(shape, replace(slow_fold, same_memory=True), cfg)
     serial = sum(r.forward_s + r.backward_s + r.update_s + r.offload_s for r in inline.rows)
     assert sum(r.offload_s for r in inline.rows) > 0.1  # 10 B/param at 1 GB/s: about 0.35 s for 350M
@@ -560,7 +561,7 @@ def test_a_cpu_device_folds_gradients_on_the_compute_thread() -> None:
 
 def test_same_memory_device_moves_bytes_without_link_time() -> None:
     local = replace(CS2, name="local", same_memory=True)
-    cfg = PlanConfig(batch=1, seq=256)
+    cfg = PlanConfig.of(batch=1, seq=256)
     shared, linked = plan(GPTJ_6B, local, cfg), plan(GPTJ_6B, CS2, cfg)
     assert [r.h2d_bytes for r in shared.rows] == [r.h2d_bytes for r in linked.rows]
     assert all(r.h2d_bytes > 0 for r in shared.rows)
@@ -569,7 +570,7 @@ def test_same_memory_device_moves_bytes_without_link_time() -> None:
 
 @pytest.mark.parametrize("timing", ["after-backward", "fused"])
 def test_bytes_over_each_link_per_step(timing: str) -> None:
-    cfg = PlanConfig(batch=2, seq=128, grad_accum=2, store="disk", update_timing=timing)
+    cfg = PlanConfig.of(batch=2, seq=128, grad_accum=2, store="disk", update_timing=timing)
     p = plan(GPTJ_6B, CS2, cfg)
     block = p.rows[5]
     # weights in for the forward and the backward of each micro-batch, plus the state in for the update
@@ -591,14 +592,14 @@ def test_bytes_over_each_link_per_step(timing: str) -> None:
                                  dict(update_timing="fused"), dict(update_timing="fused", store="disk", devices=2)])
 def test_plan_config_rejects(bad: dict) -> None:
     with pytest.raises(ValueError):
-        PlanConfig(**{"batch": 2, "seq": 16, **bad})
+        PlanConfig.of(**{"batch": 2, "seq": 16, **bad})
 
 
 def test_unit_params_add_up_to_the_model_and_the_plan_checks_its_context() -> None:
     for cfg in PRESETS.values():
         assert sum(cfg.unit_params(u) for u in cfg.unit_names()) == cfg.num_params()
     with pytest.raises(ValueError):
-        plan(GPTJ_6B, CS2, PlanConfig(batch=1, seq=4096))
+        plan(GPTJ_6B, CS2, PlanConfig.of(batch=1, seq=4096))
 
 
 def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
@@ -606,22 +607,22 @@ def test_devices_split_the_batch_and_pay_for_the_all_reduce() -> None:
     to its own copy, and all-reduces every unit's fp32 gradient over the interconnect (a ring on GPUs; on
     SwarmX the reduce happens in the network and costs hop latency only)."""
     h100 = DEVICE_PRESETS["h100-sxm"]
-    one = plan(GPTJ_6B, h100, PlanConfig(batch=8, seq=1024, activations="checkpoint"))
-    four = plan(GPTJ_6B, h100, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
+    one = plan(GPTJ_6B, h100, PlanConfig.of(batch=8, seq=1024, activations="checkpoint"))
+    four = plan(GPTJ_6B, h100, PlanConfig.of(batch=8, seq=1024, activations="checkpoint", devices=4))
     assert four.peak_breakdown["activations"] < one.peak_breakdown["activations"]
     assert sum(r.update_s for r in four.rows) == sum(r.update_s for r in one.rows)  # measured equal
     ring = 2 * 3 / 4 * 4 * GPTJ_6B.num_params()  # fp32 gradients, ring all-reduce over 4 devices
     extra_offload = sum(r.offload_s for r in four.rows) - sum(r.offload_s for r in one.rows)
     assert extra_offload >= ring / h100.interconnect.bandwidth_bytes_per_s
-    cs_one = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint"))
-    cs_four = plan(GPTJ_6B, CS2, PlanConfig(batch=8, seq=1024, activations="checkpoint", devices=4))
+    cs_one = plan(GPTJ_6B, CS2, PlanConfig.of(batch=8, seq=1024, activations="checkpoint"))
+    cs_four = plan(GPTJ_6B, CS2, PlanConfig.of(batch=8, seq=1024, activations="checkpoint", devices=4))
     levels = 2  # ceil(log4 4) + 1
     assert sum(r.offload_s for r in cs_four.rows) - sum(r.offload_s for r in cs_one.rows) == pytest.approx(
         levels * CS2.interconnect.latency_s * len(GPTJ_6B.unit_names()))
     # Weight streaming is I/O-bound at small batches: more devices only add the all-reduce. Where compute
     # dominates (64 x 2048 on an H100), splitting the batch scales.
     assert cs_four.tokens_per_s < cs_one.tokens_per_s
-    h100 = [plan(GPTJ_6B, device_spec("h100-sxm"), PlanConfig(batch=64, seq=2048, activations="checkpoint",
+    h100 = [plan(GPTJ_6B, device_spec("h100-sxm"), PlanConfig.of(batch=64, seq=2048, activations="checkpoint",
                                                              devices=n)).tokens_per_s for n in (1, 2, 4)]
     assert h100[0] < h100[1] < h100[2]
 
@@ -630,7 +631,7 @@ def test_memoryx_is_shared_by_the_systems_and_swarmx_reduces_at_its_own_rate() -
     one: its I/O carries one stream however many systems train, so a slower MemoryX slows one system and sixteen
     alike. SwarmX's reduce bandwidth bounds the gradients of several systems, not of one. A host whose devices
     each stream their own store (a ring) splits its I/O among them."""
-    cfg = PlanConfig(batch=8, seq=1024, activations="checkpoint", update_on="host")
+    cfg = PlanConfig.of(batch=8, seq=1024, activations="checkpoint", update_on="host")
     sixteen = replace(cfg, batch=16 * 8, devices=16)
 
     def curve(device: DeviceSpec) -> tuple:
@@ -667,7 +668,7 @@ def test_the_planner_runs_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
             "from layers import GPTJConfig\n"
             "from memory_model import PlanConfig, device_spec, plan\n"
-            "p = plan(GPTJConfig.preset('gptj-debug'), device_spec('cs2'), PlanConfig(batch=1, seq=16))\n"
+            "p = plan(GPTJConfig.preset('gptj-debug'), device_spec('cs2'), PlanConfig.of(batch=1, seq=16))\n"
             "print(p.peak_device_bytes, sorted(m for m in sys.modules if m.startswith(('layers', 'streamer'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = ast.literal_eval(done.stdout.split(" ", 1)[1])
@@ -682,10 +683,10 @@ def test_a_host_update_overlapped_with_the_backward_hides_behind_it(store, timin
     runtime's, on the disk tier) or overlapped with it (planned only). A fast disk keeps the disk tier's
     state traffic from bounding the step."""
     h100 = replace(DEVICE_PRESETS["h100-sxm"], disk_read_bw=1e12, disk_write_bw=1e12)
-    cfg = PlanConfig(batch=64, seq=2048, activations="checkpoint", update_on="host", store=store,
-                     update_timing="after-backward")
+    cfg = PlanConfig.of(batch=64, seq=2048, activations="checkpoint", update_on="host", store=store,
+                        update_timing="after-backward")
     after = plan(GPTJ_6B, h100, cfg)
-    overlapped = plan(GPTJ_6B, h100, replace(cfg, update_timing=timing))
+    overlapped = plan(GPTJ_6B, h100, cfg.replace(update_timing=timing))
     assert overlapped.step_time_s < after.step_time_s
     assert overlapped.resource_s["host compute"] == pytest.approx(after.resource_s["host compute"])
     # The update's seconds are the host's: the device computes the same either way.
@@ -695,7 +696,7 @@ def test_a_host_update_overlapped_with_the_backward_hides_behind_it(store, timin
 
 def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> None:
     h100 = DEVICE_PRESETS["h100-sxm"]
-    cfg = PlanConfig(batch=8, seq=2048, activations="checkpoint", update_on="host")
+    cfg = PlanConfig.of(batch=8, seq=2048, activations="checkpoint", update_on="host")
     fp32, bf16 = plan(GPTJ_6B, h100, cfg), plan(GPTJ_6B, h100, replace(cfg, moment_dtype="bf16"))
     assert fp32.host_store_bytes - bf16.host_store_bytes == 4 * GPTJ_6B.num_params()  # two moments, 2 B less each
     assert sum(r.update_s for r in bf16.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 20 / 28)

@@ -27,8 +27,7 @@ from streamer.io.data import DataConfig
 from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
-from streamer.runtime.step import StepConfig
-from streamer.store.layout import Placement
+from memory_model.step import Placement, StepConfig
 from streamer.io.tokenizer import MIN_VOCAB
 
 from tests.test_cli import fails, run_cli, tiny_args
@@ -82,13 +81,13 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
 
 # Each flag's owner: (owner, owner's name, flag).
 OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "moment_dtype", "nonfinite")
-SHARED = [(StepConfig, name, name) for name in ("grad_accum", "activations", "prefetch", "update_on",
-                                                "update_chunk", "update_timing", "clipped_steps",
-                                                "data_parallel")] + \
+STEP = ("grad_accum", "activations", "prefetch", "update_on", "update_chunk", "update_timing", "clipped_steps",
+        "data_parallel", "store")
+SHARED = [(StepConfig, name, name) for name in STEP] + \
     [(OptimizerConfig, name, name) for name in OPTIMIZER] + \
     [(DeviceConfig, name, name) for name in ("dtype", "device", "budget", "set", "pin_memory")] + \
     [(DataConfig, name, name) for name in ("data", "tokenizer", "vocab_size", "pack", "eval_fraction")] + \
-    [(TrainerConfig, name, name) for name in ("store", "seed", "trace_steps", "trace_every")] + \
+    [(TrainerConfig, name, name) for name in ("seed", "trace_steps", "trace_every")] + \
     [(LoraConfig, name, f"lora_{name}") for name in ("rank", "alpha", "dropout", "targets")] + \
     [(ReportConfig, "report_to", "report_to")] + \
     [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"), (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
@@ -101,16 +100,17 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
         assert leaves[name][1].metadata["help"] and "check" in leaves[name][1].metadata, name
     for owner, name, flag in SHARED:  # the tree holds the owner's own declaration
         assert leaves[flag][1] is owner.__dataclass_fields__[name], flag
-    for name in ("batch", *SHARED[:7]):  # the runtime's step takes the planner's checks
-        name = name if isinstance(name, str) else name[1]
-        assert leaves[name][1].metadata["check"] is PlanConfig.__dataclass_fields__[name].metadata["check"], name
+    planned = flat_fields(PlanConfig)
+    for name in STEP:  # the planner's step is the trainer's: one declaration
+        assert planned[name][1] is leaves[name][1], name
+    assert leaves["batch"][1].metadata["check"] is planned["batch"][1].metadata["check"]
     run = RunConfig.of({"lr": 3e-4, "eps": 1e-6, "pack": "examples", "eval_fraction": 0.1, "budget": "64MiB"})
     assert run.data == DataConfig(pack="examples", eval_fraction=0.1)
     assert run.trainer.device == DeviceConfig(budget="64MiB")
     assert run.trainer.optimizer == OptimizerConfig(lr=3e-4, eps=1e-6)
     # the same wrong value reads the same from the run's settings, the trainer API, the planner and bench
     wrong = [(RunError, lambda: RunConfig.of({"grad_accum": 0})), (ConfigError, lambda: TrainerConfig.of(grad_accum=0)),
-             (ValueError, lambda: PlanConfig(batch=1, seq=2, grad_accum=0)),
+             (ValueError, lambda: PlanConfig.of(batch=1, seq=2, grad_accum=0)),
              (ValueError, lambda: RunSpec(label="a", contender="hf", model={}, batch=0, seq=2))]
     messages = []
     for error, make in wrong:
@@ -135,10 +135,10 @@ def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
     tc = cfg.trainer
     assert tc.optimizer == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), moment_dtype="bf16", max_grad_norm=0)
     assert tc.schedule == LRSchedule("cosine", 3, 9)  # it decays over --steps
-    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.store == Placement.of("ram")
+    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.step.store == Placement.of("ram")
     assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data == DataConfig(pack="examples")
-    assert cfg.plan_config() == PlanConfig(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
-                                           update_chunk=4096, moment_dtype="bf16", packed=True)
+    assert cfg.plan_config() == PlanConfig.of(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
+                                              update_chunk=4096, moment_dtype="bf16", packed=True)
     # every flag lands in its owner's config, and comes back by its flat name
     flat = flatten(cfg)
     assert {k: flat[k] for k in given if k != "store"} == {k: v for k, v in given.items() if k != "store"}
@@ -191,9 +191,9 @@ def test_an_old_flat_config_toml_loads_into_the_nested_tree(tmp_path):
     cfg = RunDir(tmp_path).read_config()
     tc = cfg.trainer
     assert (cfg.model, cfg.steps, cfg.batch, cfg.seq) == ("gptj-debug", 6, 4, 32)
-    assert tc.step == StepConfig(grad_accum=2, activations="checkpoint", update_chunk=2**20)
+    assert tc.step == StepConfig(grad_accum=2, activations="checkpoint", update_chunk=2**20, store=Placement.of("disk"))
     assert tc.optimizer == OptimizerConfig(lr=3e-3, max_grad_norm=0)
-    assert tc.schedule == LRSchedule("cosine", 2, 6, 0.1) and tc.store == Placement.of("disk")
+    assert tc.schedule == LRSchedule("cosine", 2, 6, 0.1) and tc.step.store == Placement.of("disk")
     assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data.pack == "examples"
 
 
@@ -209,8 +209,9 @@ def test_an_old_trainer_state_loads_into_the_nested_tree():
            "lora_targets": "q_proj,v_proj", "seed": 3, "trace_steps": 8, "trace_every": 0}
     tc = TrainerConfig.from_dict(old)
     assert tc.optimizer.max_grad_norm == 0 and tc.device.dtype == "bf16" and tc.seed == 3
-    assert tc.schedule == LRSchedule("linear", 1, 5) and tc.store == Placement("ram", "disk", "disk")
-    assert tc.step == StepConfig(grad_accum=2, update_chunk=8192, update_timing="after-backward")
+    assert tc.schedule == LRSchedule("linear", 1, 5) and tc.step.store == Placement("ram", "disk", "disk")
+    assert tc.step == StepConfig(grad_accum=2, update_chunk=8192, update_timing="after-backward",
+                                 store=Placement("ram", "disk", "disk"))
     assert TrainerConfig.from_dict(tc.to_dict()) == tc
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,7 @@ def test_two_sharded_ranks_equal_one_process(tmp_path, store):
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
     # Each rank's device peak (the whole unit all-gathered, the padded fp32 gradient and its reduce-scattered
     # slice included) is what the planner predicts for sharded ranks.
-    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig(
+    planned = plan(CFG, device_spec("h100-sxm"), PlanConfig.of(
         batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=10_000, devices=2,
         data_parallel="sharded")).peak_device_bytes
     assert [r["peak"] for r in ranks] == [planned, planned]
@@ -131,7 +130,7 @@ def test_the_resource_check_and_the_planner_count_each_processes_slice():
     sharded = HostNeed.of(CFG, SHARDED, stores_on_disk=2, stores_in_ram=2)
     margin = DISK_HEADROOM[0]  # the fixed part of the headroom; the rest is a fraction of the stores
     assert sharded.disk - margin == pytest.approx((replicated.disk - margin) / 2, rel=0.01)
-    step = PlanConfig(batch=8, seq=2048, devices=4)
+    step = PlanConfig.of(batch=8, seq=2048, devices=4)
     whole = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), step).host_store_bytes
-    quarter = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), replace(step, data_parallel="sharded")).host_store_bytes
+    quarter = plan(PRESETS["gptj-6b"], device_spec("a100-80g"), step.replace(data_parallel="sharded")).host_store_bytes
     assert quarter == pytest.approx(whole / 4, rel=1e-6)

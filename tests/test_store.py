@@ -365,8 +365,8 @@ def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
             monkeypatch.setattr(os, name, lambda fd, flush=getattr(os, name): flushes.append(fd) or flush(fd))
         trainer.step(data[1])
         assert trainer.fused == (tc is DISK)
-    planned = PlanConfig(batch=2, seq=32, store="disk", update_timing=tc.step.update_timing,
-                         update_chunk=tc.step.update_chunk)
+    planned = PlanConfig.of(batch=2, seq=32, store="disk", update_timing=tc.step.update_timing,
+                            update_chunk=tc.step.update_chunk)
     assert len(flushes) == SEAL_FLUSHES * len(CFG.unit_names()) + commit_flushes(CFG, planned)
 
 

@@ -100,8 +100,8 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path, dtype, activat
     cfg = dataclasses.replace(PRESETS["llama-debug"], tie_word_embeddings=True)
     tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=20_000, store=store, grad_accum=2,
                           update_timing=timing, max_grad_norm=0)
-    settings = PlanConfig(batch=4, seq=48, compute_dtype=dtype, activations=activations, update_chunk=20_000,
-                          store=store, grad_accum=2, update_timing=timing)
+    settings = PlanConfig.of(batch=4, seq=48, compute_dtype=dtype, activations=activations, update_chunk=20_000,
+                             store=store, grad_accum=2, update_timing=timing)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (4, 48)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
@@ -181,7 +181,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, mode, store):
     assert torch.equal(ranks[0]["state"]["lm_head.weight"], ranks[0]["state"]["model.embed_tokens.weight"])
     assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
-    planned = plan(DP_CFG, device_spec("h100-sxm"), PlanConfig(
+    planned = plan(DP_CFG, device_spec("h100-sxm"), PlanConfig.of(
         batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=tc.step.update_chunk, devices=2,
         data_parallel=mode))
     assert [r["peak"] for r in ranks] == [planned.peak_device_bytes] * 2
@@ -211,7 +211,7 @@ def test_lora_on_a_tied_model_holds_what_an_untied_one_does(tmp_path, store):
     holds what it holds untied (ledger and dry run), and the store's files move what the planner says."""
     cfg = dataclasses.replace(PRESETS["llama-debug"], tie_word_embeddings=True)
     tc = TrainerConfig.of(dtype="bf16", store=store, lora_rank=4, lora_targets="q_proj,v_proj", grad_accum=2)
-    settings = PlanConfig(batch=4, seq=32, compute_dtype="bf16", store=store, grad_accum=2, lora=tc.lora)
+    settings = PlanConfig.of(batch=4, seq=32, compute_dtype="bf16", store=store, grad_accum=2, lora=tc.lora)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (4, 32)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)

@@ -110,8 +110,6 @@ def test_train_budget_preset_honours_set_and_a_wrong_set_is_one_line(capsys, tmp
 def test_compare_prices_each_logged_step_on_the_schedule_the_trainer_ran():
     """A speculative fused step that clipped was undone (its forward, priced) and made again after the
     backward; the steps after it ran after the backward until one did not clip, and then speculated again."""
-    from dataclasses import replace
-
     from memory_model import device_spec, plan
     from streamer.cli.whatif import replayed_steps
     from streamer.run import resolve
@@ -121,7 +119,7 @@ def test_compare_prices_each_logged_step_on_the_schedule_the_trainer_ran():
     shape, device, pc = cfg.model_config(), device_spec("h100-sxm"), cfg.plan_config()
     assert pc.fused
     fused = plan(shape, device, pc, limits=False)
-    after = plan(shape, device, replace(pc, update_timing="after-backward"), limits=False).step_time_s
+    after = plan(shape, device, pc.replace(update_timing="after-backward"), limits=False).step_time_s
     attempt = sum(row.forward_s for row in fused.rows)
     norms = [5.0, 5.0, 0.5, 0.5, 5.0]
     assert replayed_steps(shape, device, cfg, [{"grad_norm": n} for n in norms]) == [

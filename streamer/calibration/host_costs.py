@@ -46,7 +46,8 @@ import torch
 from layers.config import ModelConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
-from streamer.store.layout import TIERS, dtype_name
+from memory_model.step import TIERS
+from streamer.store.layout import dtype_name
 from streamer.trainer import StreamingTrainer
 
 _DEPTHS = (1, 5)

@@ -105,11 +105,11 @@ def plan_command(args: argparse.Namespace) -> int:
             schedules = clipped_steps(model_cfg, device, plan_cfg)
         except ValueError as exc:
             raise StreamerError(f"cannot plan this step: {exc}") from None
-        chosen = clipped_schedule(schedules, plan_cfg.clipped_steps)
+        chosen = clipped_schedule(schedules, plan_cfg.step.clipped_steps)
         out["clipped_steps"] = {name: asdict(p) for name, p in schedules.items()}
         out["clipped_schedule"] = chosen.schedule
     if args.dry_run:
-        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.update_on, budget=None)  # the ledger's own peak
+        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.step.update_on, budget=None)  # the ledger's own peak
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
@@ -130,7 +130,7 @@ def plan_command(args: argparse.Namespace) -> int:
                   markup=False, highlight=False)
     console.print(result.table())
     if clipping:
-        console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.clipped_steps, result.params),
+        console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.step.clipped_steps, result.params),
                       markup=False, highlight=False)
     console.print(_alternatives(result, others))
     if args.dry_run:

@@ -33,6 +33,7 @@ from streamer.run import (DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, Settin
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
+from streamer.runtime.step import check_runnable
 from streamer.store.slabfile import DiskFull
 from streamer.trainer import StreamingTrainer
 
@@ -109,7 +110,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     knows a set-up that was killed part-way for its own and starts it again.
     """
     cfg = resolve(explicit, config_file)
-    cfg.trainer.step.check_runnable()
+    check_runnable(cfg.trainer.step)
     cfg.report.check_installed()
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)
@@ -155,7 +156,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
             trainer = _together(parallel, lambda: (
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
-            if cfg.trainer.store.tier == "ram":
+            if cfg.trainer.step.store.tier == "ram":
                 # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
                 # before its first --save-every save resumes from.
                 _together(parallel, trainer.save)

@@ -86,7 +86,7 @@ def describe(s: Session) -> str:
             f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens"
             f"{f' ({cfg.epochs} epochs: {cfg.steps} steps)' if cfg.epochs else ''}; batch {cfg.batch}"
             f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, {tc.device.dtype}, "
-            f"{tc.step.activations} activations, {tc.store.tier} store, {budget} budget{lora}")
+            f"{tc.step.activations} activations, {tc.step.store.tier} store, {budget} budget{lora}")
 
 
 def shell_word(text: str) -> str:
@@ -166,7 +166,7 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
                               markup=False, highlight=False)
-            if cfg.trainer.store.tier == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
+            if cfg.trainer.step.store.tier == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
             kept = (cfg.keep_last or cfg.keep_best) and step % cfg.save_every == 0
             eval_loss = None
@@ -273,7 +273,7 @@ def report(s: Session, trained: int, seconds: float, learned: int, console: Cons
         trace = trainer.trace
         trace.meta.update(model=cfg.from_pretrained or cfg.model, run=str(run.root), batch=cfg.batch, seq=cfg.seq,
                           grad_accum=cfg.trainer.step.grad_accum, activations=cfg.trainer.step.activations,
-                          dtype=cfg.trainer.device.dtype, store=cfg.trainer.store.tier,
+                          dtype=cfg.trainer.device.dtype, store=cfg.trainer.step.store.tier,
                           steps=[last - trained + 1, last])
         # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
         trace.to_json(run.trace_json)

@@ -112,7 +112,7 @@ def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
         if seq > shape.context()[0]:
             continue
         device = device_spec(target)
-        p = plan(shape, device, PlanConfig(batch=batch, seq=seq, activations=activations, store=tier,
+        p = plan(shape, device, PlanConfig.of(batch=batch, seq=seq, activations=activations, store=tier,
                                             update_on=update), limits=False)
         # Intensity against the busier host link (they are full duplex: each direction has its own bandwidth).
         moved = max(p.link_bytes["h2d"], p.link_bytes["d2h"])

@@ -19,20 +19,21 @@ from streamer.runtime.loading import Loader
 from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import OptimizerConfig
 from streamer.runtime.passes import Passes
-from streamer.runtime.step import StepConfig, StepContext
+from memory_model.step import StepConfig
+from streamer.runtime.step import StepContext
 from streamer.runtime.transport import IOQueues, Transport
 from streamer.runtime.update import Updater
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import Placement, UnitLayout, dtype_name
+from streamer.store.layout import UnitLayout, dtype_name
 
 
 class Executor:
     def __init__(self, cfg: ModelConfig, step: StepConfig, optimizer: OptimizerConfig, device: torch.device,
-                 dtype: torch.dtype, placement: Placement, store: StoreReader | None, ledger: Ledger, trace: Trace,
+                 dtype: torch.dtype, store: StoreReader | None, ledger: Ledger, trace: Trace,
                  layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
                  adapters: Adapters | None = None, writer: StoreWriter | None = None, seed: int = 0) -> None:
         """Runs `cfg`'s units as `step` says, updating them as `optimizer` says, computing on `device` in `dtype`
-        from a store placed as `placement`. `store` is read by every run; `writer`, the same store where it takes
+        from a store placed as `step.store`. `store` is read by every run; `writer`, the same store where it takes
         writes, takes a training step's gradients and updates (None: the store is only read, and only forward
         passes run). `seed`: the run's, from which a bf16 master's stochastic rounding draws its bits."""
         self.step_cfg, self.trace, self.device = step, trace, device
@@ -41,13 +42,13 @@ class Executor:
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
         one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
-        self.loader = Loader(layouts, step, placement, dtype, one_copy, self.transport, self.io, ledger, trace,
+        self.loader = Loader(layouts, step, step.store, dtype, one_copy, self.transport, self.io, ledger, trace,
                              data_parallel)
         self.passes = Passes(cfg, step, layouts, self.loader.states, self.loader.stored_numel, device, dtype,
                              self.transport, self.io, ledger, trace, store, writer, data_parallel, adapters)
-        self.updater = Updater(step, optimizer, layouts, placement, dtype, one_copy, self.transport, self.io,
+        self.updater = Updater(step, optimizer, layouts, step.store, dtype, one_copy, self.transport, self.io,
                                ledger, trace, store, writer, data_parallel, seed)
-        self.loads_read_master = self.loader.loads_read_master
+        self.compute_is_master = one_copy  # the compute weights are the masters (one dtype): no copy
         self.current = StepContext([], 0, 0.0)  # the step running, or the last one (none yet)
 
     @property

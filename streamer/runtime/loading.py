@@ -15,9 +15,11 @@ from memory_model import Ledger, Trace
 from memory_model.schedule import BlockInput, Resource, Weights, gathered_numel, resource_charges, shard_numel
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.residency import Residency, UnitState
-from streamer.runtime.step import StepConfig, StepContext
+from memory_model.step import StepConfig
+from streamer.runtime.step import StepContext
 from streamer.runtime.transport import IOQueues, Loaded, Transport
-from streamer.store.layout import Placement, UnitLayout
+from memory_model.step import Placement
+from streamer.store.layout import UnitLayout
 
 
 class Loader:

@@ -18,7 +18,8 @@ from memory_model.shapes import backward_workspace_bytes, block_backward_transie
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.lora import Adapters
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.runtime.step import MicroBatch, PendingOffload, StepConfig, StepContext
+from memory_model.step import StepConfig
+from streamer.runtime.step import MicroBatch, PendingOffload, StepContext
 from streamer.runtime.transport import GRADIENT_FOLD, IOQueues, Transport
 from streamer.store.interface import StoreReader, StoreWriter
 from streamer.store.layout import UnitLayout

@@ -1,5 +1,6 @@
-"""How the runtime makes a step (`StepConfig`), what a step carries between the executor's events (`StepContext`:
-its micro-batches and lr, and the state one event hands to a later one), and how a step can fail."""
+"""Whether the runtime makes the step its settings describe (`check_runnable`), what a step carries between the
+executor's events (`StepContext`: its micro-batches and lr, and the state one event hands to a later one), and
+how a step can fail."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -9,8 +10,7 @@ from typing import Callable
 
 import torch
 
-from memory_model.settings import check_settings, same_setting
-from memory_model.shapes import PlanConfig
+from memory_model.step import StepConfig
 from streamer.errors import ConfigError, StreamerError
 from streamer.runtime.transport import Loaded
 from streamer.store.interface import StateWriter
@@ -25,29 +25,12 @@ class ClippingNeeded(Exception):
     the step must be undone and made again knowing the coefficient (norm-first, or after the backward)."""
 
 
-@dataclass(frozen=True)
-class StepConfig:
-    """How the runtime makes a step: the settings of the planner's step (PlanConfig) that the trainer and the
-    executor read. The batch and its sequence length come with each step."""
-
-    grad_accum: int = same_setting(PlanConfig, "grad_accum")
-    activations: str = same_setting(PlanConfig, "activations")
-    update_on: str = same_setting(PlanConfig, "update_on")
-    prefetch: int = same_setting(PlanConfig, "prefetch")
-    update_chunk: int = same_setting(PlanConfig, "update_chunk")
-    update_timing: str = same_setting(PlanConfig, "update_timing")
-    clipped_steps: str = same_setting(PlanConfig, "clipped_steps")
-    data_parallel: str = same_setting(PlanConfig, "data_parallel")
-
-    def __post_init__(self) -> None:
-        check_settings(self, ConfigError.of)
-
-    def check_runnable(self) -> None:
-        """The runtime runs every step these settings describe but the overlapped update, which only the planner
-        prices (a run's settings may name it for `streamer plan`)."""
-        if self.update_timing == "overlapped":
-            raise ConfigError("--update-timing overlapped is planned only (`streamer plan`): the runtime clips by "
-                              "the global norm, known only after the backward; use auto, fused or after-backward")
+def check_runnable(step: StepConfig) -> None:
+    """The runtime runs every step `step` describes but the overlapped update, which only the planner prices (a
+    run's settings may name it for `streamer plan`)."""
+    if step.update_timing == "overlapped":
+        raise ConfigError("--update-timing overlapped is planned only (`streamer plan`): the runtime clips by the "
+                          "global norm, known only after the backward; use auto, fused or after-backward")
 
 
 @dataclass

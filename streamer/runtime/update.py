@@ -8,10 +8,12 @@ from memory_model import Ledger, Trace
 from memory_model.schedule import StateChunk, update_charges
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig, adamw_chunk, rounding_key
-from streamer.runtime.step import ClippingNeeded, StepConfig, StepContext, clip_coefficient
+from memory_model.step import StepConfig
+from streamer.runtime.step import ClippingNeeded, StepContext, clip_coefficient
 from streamer.runtime.transport import HOST_UPDATE, WRITE_BACK, IOQueues, Transport
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import Placement, UnitLayout
+from memory_model.step import Placement
+from streamer.store.layout import UnitLayout
 
 
 class Updater:

@@ -1,18 +1,15 @@
-"""How a unit's tensors sit in one flat slab, and where each slab kind lives."""
+"""How a unit's tensors sit in one flat slab (where each slab kind lives: memory_model.step.Placement)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from layers import ModelConfig, build_unit, weight_decayed
-from memory_model.schedule import loads_read_master
-from memory_model.settings import Choice
 from streamer.errors import StoreError
 
-TIERS = ("ram", "disk")
 # The torch dtype of each name memory_model.DTYPE_BYTES sizes (the same names, the same byte sizes).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -152,58 +149,3 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
 
 def model_layouts(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
     return tuple(UnitLayout.of(cfg, unit) for unit in cfg.unit_names())
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which tier holds each slab kind. `state` is fp32 master + Adam moments: what a commit makes durable.
-
-    Compute weights are a cache of the master weights: "ram" keeps a compute-dtype copy in RAM (rebuilt from
-    the masters on open, rewritten by every update); "disk" keeps none, and a load reads the fp32 master from
-    the state files and casts it on its way to the device.
-    """
-
-    compute: str = "ram"
-    state: str = "ram"
-    grad: str = "ram"
-
-    def __post_init__(self) -> None:
-        for kind in ("compute", "state", "grad"):
-            if getattr(self, kind) not in TIERS:
-                raise StoreError(f"placement.{kind} must be one of {TIERS}, got {getattr(self, kind)!r}")
-        if self.state == "disk" and self.grad != "disk":
-            # A step commits by journaling durable gradients and rolling the update forward after a crash.
-            raise StoreError("placement with state on disk needs grad on disk too (the commit journal replays it)")
-
-    def loads_read_master(self, compute_is_master: bool) -> bool:
-        """A weights load reads the fp32 master from the state files (memory_model.schedule.loads_read_master)."""
-        return loads_read_master(self.compute, self.state, compute_is_master)
-
-    @classmethod
-    def of(cls, store: "str | Placement") -> "Placement":
-        if isinstance(store, Placement):
-            return store
-        if store not in TIERS:
-            raise StoreError(f"store must be 'ram', 'disk' or a Placement, got {store!r}")
-        return cls(store, store, store)
-
-    def to_dict(self) -> dict[str, str]:
-        return {"compute": self.compute, "state": self.state, "grad": self.grad}
-
-    @property
-    def tier(self) -> str | None:
-        """The one tier of a store placed whole in RAM or on disk (`--store`); None for a mixed placement."""
-        return self.compute if self.compute == self.state == self.grad else None
-
-
-class Placements(Choice):
-    """The check of a store's placement: a tier (`--store ram` or `disk`, taken as `Placement.of` it) or a
-    Placement."""
-
-    def __init__(self) -> None:
-        super().__init__(TIERS)
-
-    def __call__(self, value: Any) -> Any:
-        if isinstance(value, Placement):
-            return value
-        return Placement.of(value) if super().__call__(value) is not None else None

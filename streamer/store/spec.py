@@ -4,18 +4,19 @@ Torch appears only for dtypes; nothing here reads or writes a file.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from layers import ModelConfig
 from memory_model.schedule import chunks, shard_numel
-from memory_model.settings import Choice, Integer, SettingError, Switch, check_settings, setting
-from memory_model.shapes import MASTER_DTYPES, MOMENT_DTYPES, check_chunk_blocks
+from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
+from memory_model.shapes import PlanConfig, check_chunk_blocks
+from memory_model.step import Placement, StepConfig
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
 from streamer.errors import StoreError
-from streamer.store.layout import DTYPES, Placement, UnitLayout
+from streamer.store.layout import DTYPES, UnitLayout
 from streamer.store.slabfile import TRAILER_BYTES
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -37,18 +38,21 @@ def _error(key: str, problem: str) -> StoreError:
 
 @dataclass(frozen=True)
 class StoreSpec:
+    """What a store holds: its dtypes, placement and chunk are the step's settings (`PlanConfig`'s and
+    `StepConfig`'s declarations), as the trainer that creates it has them (`TrainerConfig.store_spec`)."""
+
     config: ModelConfig
-    compute_dtype: str = setting("bf16", "dtype of the compute weights", Choice(tuple(DTYPES)), "DTYPE")
-    moment_dtype: str = setting("fp32", "dtype of the Adam moments", Choice(MOMENT_DTYPES), "DTYPE")
-    placement: Placement = field(default_factory=Placement)
-    chunk: int = setting(16 * 2**20, "parameters per update chunk; also the interleave unit of state files",
-                         Integer(1, " (a number of parameters)"))
+    compute_dtype: str = same_setting(PlanConfig, "compute_dtype")
+    moment_dtype: str = same_setting(PlanConfig, "moment_dtype")
+    placement: Placement = same_setting(StepConfig, "store")
+    # Also the interleave unit of state files.
+    chunk: int = same_setting(StepConfig, "update_chunk")
     # Data parallel with the state sharded: this store holds one rank's `shard_numel` slice of every unit.
     shards: int = 1
     # LoRA trains adapters beside a frozen base: the store then holds the base's compute weights alone, written
     # once (no master, no moments, no gradient), and a step only reads them.
     frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
-    master_dtype: str = setting("fp32", "dtype of the master weights", Choice(MASTER_DTYPES), "DTYPE")
+    master_dtype: str = same_setting(PlanConfig, "master_dtype")
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
