@@ -380,9 +380,10 @@ def planner(ctx: Context) -> Outcome:
         time_err = plan.step_time_s / r.median_s - 1
         peak_err = plan.peak_device_bytes / r.ledger_peak_bytes - 1
         ok = abs(time_err) <= 0.20 and abs(peak_err) <= 0.05
-        if plan.config.step.store == "ram":
+        tier = plan.config.step.store.tier
+        if tier == "ram":
             within.append(ok)
-        rows.append((label, params(plan.params), plan.config.step.store, seconds(plan.step_time_s),
+        rows.append((label, params(plan.params), tier or "mixed", seconds(plan.step_time_s),
                      seconds(r.median_s), f"{time_err:+.0%}", size(plan.peak_device_bytes), size(r.ledger_peak_bytes),
                      f"{peak_err:+.1%}", verdict(ok)))
     met = None if len(within) < 2 else all(within)
