@@ -96,6 +96,9 @@ class ModelConfig(abc.ABC):
     hf_required: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     # transformers' defaults for the family's fields a config.json may leave out, where ours differ.
     hf_defaults: ClassVar[dict[str, Any]] = {}
+    # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
+    # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
+    rotary_fp32: ClassVar[bool] = False
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
