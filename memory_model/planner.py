@@ -219,7 +219,7 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
         return (0 if cfg.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
-    rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
+    rotary = not rotary_shared(shape, es, cfg.packed) or unit == "block.0"
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
 
 
@@ -235,7 +235,7 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
                                              grad_in=False).rotary
     owner = "block.0" if rotates_first else "block.1"
-    rotary = not rotary_shared(es, cfg.packed) or unit == owner
+    rotary = not rotary_shared(shape, es, cfg.packed) or unit == owner
     return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed), 0
 
 
