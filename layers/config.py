@@ -56,6 +56,9 @@ class FrozenBlockSaves:
     attention: bool  # whether attention's inputs need a gradient (it then also saves its logsumexp, any mask)
     rotary: bool  # whether a rotated tensor needs a gradient (the rotary tables are then saved)
     input_grad: dict[str, bool]  # per target projection, whether its input needs a gradient
+    # Whether the block's input tensor itself is among these saves, so that a checkpointed block's kept input is
+    # one of its recompute's storages (a trained block's `ModelConfig.block_saves_input`).
+    input_saved: bool
 
 
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:

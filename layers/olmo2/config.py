@@ -115,7 +115,8 @@ class Olmo2Config(LlamaConfig):
         saved += norm(d, gate or up or "down_proj" in targets)  # post_feedforward_layernorm
         inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention,
                   "gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
-        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets})
+        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets},
+                                input_saved=plain and bool(targets & {"q_proj", "k_proj", "v_proj"}))
 
 
 PRESETS.update({
