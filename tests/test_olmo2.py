@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from layers import PRESETS, ConfigError, ModelConfig, Olmo2Config, build_unit, resident_model
 from layers.olmo2 import units
 from layers.rotary import apply_rotary_halves, positions_sincos
+from streamer import StreamingTrainer, TrainerConfig
 from tests.test_families import hf_model
 
 HUB = Path(__file__).parent / "hub_configs"
@@ -46,6 +47,23 @@ def test_the_padding_row_gets_no_gradient_and_starts_at_zero_as_in_transformers(
     mine, exact = embedding_gradient(ours, ours(ids)), embedding_gradient(theirs, theirs(ids).logits)
     assert not mine[cfg.pad_token_id].any() and not exact[cfg.pad_token_id].any()
     assert exact.abs().max() > 1e-3 and (mine - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
+def test_a_streamed_step_leaves_the_padding_row_alone(tmp_path: Path):
+    """The runtime's embedding unit is the same nn.Embedding: without weight decay, a streamed AdamW step on
+    rows half of the padding token moves every other row it sees and not the padding row."""
+    cfg = Olmo2Config.example()
+    tc = TrainerConfig.of(lr=1e-2, weight_decay=0.0, dtype="fp32", store="ram")
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids[:, ::2] = cfg.pad_token_id
+    start = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.load_state_dict(start)
+        trainer.step(ids, ids)
+        moved = trainer.state_dict()["model.embed_tokens.weight"] != start["model.embed_tokens.weight"]
+    assert not moved[cfg.pad_token_id].any()
+    # (a row's last token predicts nothing: its embedding has no gradient either)
+    assert all(moved[token].all() for token in ids[:, :-1].unique().tolist() if token != cfg.pad_token_id)
 
 
 def test_bf16_logits_are_transformers_within_its_own_bf16_noise():

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from layers.config import PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family
+from layers.config import PRESETS, ConfigError, FrozenBlockSaves, family
 from layers.llama.config import TINY, LlamaConfig
 
 
@@ -49,7 +49,7 @@ class Olmo2Config(LlamaConfig):
         vocab = sizes.get("vocab_size", self.vocab_size)
         cfg = self if self.pad_token_id is None or self.pad_token_id < vocab else \
             dataclasses.replace(self, pad_token_id=None)
-        return ModelConfig.resized(cfg, **sizes)  # type: ignore[return-value]
+        return super(Olmo2Config, cfg).resized(**sizes)  # type: ignore[return-value]
 
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
