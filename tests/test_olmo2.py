@@ -96,8 +96,9 @@ def _bf16_match(ours: torch.Tensor, exact: torch.Tensor) -> float:
 
 def test_in_bf16_the_norm_and_rope_round_once():
     """transformers' Olmo2RMSNorm multiplies its weight in fp32 and its RoPE rotates with fp32 tables, each
-    rounding once to bf16. Measured: q after q_norm is the float64 result rounded once in every element, after RoPE
-    in all but 0.03% (fp32's own rounding), where Llama's norm (cast before the weight) matches 74% and a rotation with bf16 tables 82%."""
+    rounding once to bf16. Measured: q after q_norm is the float64 result rounded once in every element, after
+    RoPE in all but 0.03% (fp32's own rounding), where Llama's norm (cast before the weight) matches 74% and a
+    rotation with bf16 tables 82%."""
     cfg = Olmo2Config.example()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 24, cfg.hidden_size, generator=g).to(torch.bfloat16)

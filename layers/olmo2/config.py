@@ -38,8 +38,8 @@ class Olmo2Config(LlamaConfig):
 
     @classmethod
     def example(cls) -> "Olmo2Config":
-        """Grouped-query attention with a head_dim apart from hidden_size's share (q's and k's norms are wider
-        and narrower than the model), the attention biases, and a padding row."""
+        """Grouped-query attention with a head_dim apart from hidden_size's share (q's norm twice the model's
+        width, k's its width), the attention biases, and a padding row."""
         return cls(**TINY, head_dim=16, attention_bias=True, rope_parameters=(("rope_theta", 500000.0),
                                                                               ("rope_type", "default")))
 
