@@ -56,6 +56,9 @@ class FrozenBlockSaves:
     attention: bool  # whether attention's inputs need a gradient (it then also saves its logsumexp, any mask)
     rotary: bool  # whether a rotated tensor needs a gradient (the rotary tables are then saved)
     input_grad: dict[str, bool]  # per target projection, whether its input needs a gradient
+    # Whether the block's input tensor itself is among these saves, so that a checkpointed block's kept input is
+    # one of its recompute's storages (a trained block's `ModelConfig.block_saves_input`).
+    input_saved: bool
 
 
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
@@ -96,6 +99,9 @@ class ModelConfig(abc.ABC):
     hf_required: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     # transformers' defaults for the family's fields a config.json may leave out, where ours differ.
     hf_defaults: ClassVar[dict[str, Any]] = {}
+    # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
+    # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
+    rotary_fp32: ClassVar[bool] = False
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int

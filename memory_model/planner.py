@@ -222,24 +222,26 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
         return (0 if cfg.step.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
     # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
-    rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
+    rotary = not rotary_shared(shape, es, cfg.packed) or unit == "block.0"
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
 
 
 def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
-    """_activations of a LoRA block. The first block's input needs no gradient, so it does not save it (its
-    recompute re-saves nothing of the kept input); the fp32 rotary table goes to the first block that
-    rotates a tensor needing a gradient."""
+    """_activations of a LoRA block. Whether its recompute re-saves the kept input is the family's
+    (`FrozenBlockSaves.input_saved`: a norm's input needing a gradient, which the first block's does not, or an
+    adapter reading the input itself); the fp32 rotary table goes to the first block that rotates a tensor
+    needing a gradient."""
     es, first = cfg.dtype_bytes, unit == "block.0"
     if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        kept_again = kept if not first and shape.block_saves_input(es) else 0
-        return (0 if cfg.step.offloads_inputs else kept), saved - kept_again
+        saves_input = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
+                                               grad_in=not first).input_saved
+        return (0 if cfg.step.offloads_inputs else kept), saved - (kept if saves_input else 0)
     rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
                                              grad_in=False).rotary
     owner = "block.0" if rotates_first else "block.1"
-    rotary = not rotary_shared(es, cfg.packed) or unit == owner
+    rotary = not rotary_shared(shape, es, cfg.packed) or unit == owner
     return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed), 0
 
 

@@ -158,19 +158,25 @@ def check_norm_first(clipped_steps: str, fused: bool, grad_accum: int) -> None:
 # es is the compute dtype's size. On the cpu: LayerNorm keeps mean and rstd in the input dtype, and SDPA takes
 # its flash path for both dtypes, saving q, k, v, the output and an fp32 logsumexp (never the T x T scores).
 
-def rotary_shared(es: int, packed: bool) -> bool:
+def rotary_bytes(shape: ModelConfig, es: int) -> int:
+    """The element size of the sin/cos tables a block rotates with: the compute dtype's, or fp32 where the
+    family rotates in fp32 (`ModelConfig.rotary_fp32`)."""
+    return 4 if shape.rotary_fp32 else es
+
+
+def rotary_shared(shape: ModelConfig, es: int, packed: bool) -> bool:
     """Whether every block saves the same sin/cos storages (fp32, unpacked): charged once, to the first block."""
-    return es == 4 and not packed
+    return rotary_bytes(shape, es) == 4 and not packed
 
 
 def rotary_table_bytes(shape: ModelConfig, seq: int, es: int, batch: int = 1, packed: bool = False) -> int:
     """sin and cos. In bf16 each block casts its own (T, R/2) copies; in fp32 the cast is a no-op and the
     saved tensors are views of the cached (n_positions, R/2) tables, one storage for the whole model. Packed
     rows: each block gathers its own (B, T, R/2) tables at the rows' positions."""
-    half = shape.rotary_dim // 2
+    half, rs = shape.rotary_dim // 2, rotary_bytes(shape, es)
     if packed:
-        return 2 * batch * seq * half * es
-    return 2 * shape.max_position_embeddings * half * 4 if es == 4 else 2 * seq * half * es
+        return 2 * batch * seq * half * rs
+    return 2 * shape.max_position_embeddings * half * 4 if rs == 4 else 2 * seq * half * rs
 
 
 def mask_bytes(batch: int, seq: int, es: int, packed: bool) -> int:

@@ -10,6 +10,7 @@ runtime until the backward ends, charged to nobody since the next block's backwa
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from layers import GPTJConfig, build_unit
 from layers.config import ModelConfig
 from layers.llama.config import LlamaConfig
+from layers.olmo2.config import Olmo2Config
 from memory_model.shapes import block_backward_transient_bytes
 
 
@@ -102,12 +104,18 @@ GPTJ_NARROW_MLP = GPTJConfig(vocab_size=64, n_positions=1024, n_embd=128, n_laye
                              n_inner=150)  # its busiest moment is SDPA's backward, not the MLP's
 LLAMA = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+# OLMo 2's busiest moment is its post-MLP norm's fp32 backward; with a wide MLP, in fp32, the MLP's.
+OLMO2 = Olmo2Config(vocab_size=64, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+OLMO2_WIDE_MLP = dataclasses.replace(OLMO2, intermediate_size=600)
 
 
 @pytest.mark.parametrize("cfg,batch,seq", [
     (GPTJ, 2, 256), (GPTJ, 1, 16), (GPTJ_NARROW_MLP, 2, 256), (LLAMA, 2, 256), (LLAMA, 1, 16),
     (GPTJConfig.preset("gptj-debug"), 2, 48), (LlamaConfig.preset("llama-debug"), 2, 48),
-], ids=["gptj-2x256", "gptj-1x16", "gptj-narrow-mlp", "llama-2x256", "llama-1x16", "gptj-debug", "llama-debug"])
+    (OLMO2, 2, 256), (OLMO2, 1, 16), (OLMO2_WIDE_MLP, 2, 256), (Olmo2Config.example(), 2, 24),
+], ids=["gptj-2x256", "gptj-1x16", "gptj-narrow-mlp", "llama-2x256", "llama-1x16", "gptj-debug", "llama-debug",
+        "olmo2-2x256", "olmo2-1x16", "olmo2-wide-mlp", "olmo2-example"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activations", ["resident", "checkpoint"])
 def test_block_backward_transient_equals_autograd(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype,

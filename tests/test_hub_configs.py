@@ -23,7 +23,8 @@ from tests.test_cli import fails, run_cli
 HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
              "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
-             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "gpt-j-6b")
+             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "olmo-2-1124-7b",
+             "gpt-j-6b")
 
 
 def published(name: str) -> dict[str, Any]:
@@ -42,7 +43,8 @@ def transformers_params(raw: dict[str, Any]) -> int:
 
 def test_every_supported_family_has_its_published_configs():
     assert sorted(p.stem for p in HUB.glob("*.json")) == sorted(PUBLISHED)
-    assert {published(name)["model_type"] for name in PUBLISHED} == {"llama", "mistral", "qwen2", "qwen3", "gptj"}
+    families = {published(name)["model_type"] for name in PUBLISHED}
+    assert families == {"llama", "mistral", "qwen2", "qwen3", "olmo2", "gptj"}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -80,6 +82,7 @@ UNREAD = [
     ("mistral-7b-v0.3", {"mlp_bias": True, "attention_bias": True}),
     ("llama-3.1-8b", {"sliding_window": 4096, "use_sliding_window": True, "pretraining_tp": 2}),
     ("qwen3-8b", {"mlp_bias": True, "use_mrope": False}),
+    ("olmo-2-1124-7b", {"mlp_bias": True, "sliding_window": 4096}),  # Olmo2's MLP has no biases, no window
     ("llama-3.2-1b", {"_model_name_or_path": "tiny", "unk_token_id": 0, "pad_token_id": None,
                       "quantization_config": {"quant_method": "gguf", "dequantize": False}}),
     ("gpt-j-6b", {"scale_attn_weights": False, "rotary": True, "n_ctx": 2048, "summary_type": "mean"}),

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from layers import PRESETS, LlamaConfig, Qwen2Config, resident_model
+from layers import PRESETS, LlamaConfig, Olmo2Config, Qwen2Config, resident_model
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.planner import step_disk_bytes
 from streamer import StreamingTrainer, TrainerConfig
@@ -26,7 +26,8 @@ from tests.test_llama import _TINY
 from tests.test_runtime import hf_reference
 
 TIED = {"llama": LlamaConfig(**_TINY, tie_word_embeddings=True),
-        "qwen2": Qwen2Config(**_TINY, tie_word_embeddings=True)}
+        "qwen2": Qwen2Config(**_TINY, tie_word_embeddings=True),
+        "olmo2": Olmo2Config(**_TINY, tie_word_embeddings=True)}  # its padding row: a gradient from lm_head only
 
 
 def test_the_preset_has_the_published_count_and_one_copy_of_the_tied_weight():
@@ -60,6 +61,7 @@ def test_logits_equal_transformers_within_its_fp32_noise(name):
     ("llama", "disk", "host", "after-backward", 1.0),  # journaled
     ("qwen2", "disk", "device", "fused", 1.0),  # the fused update clips: the step is made again after the backward
     ("llama", "disk", "device", "fused", 1e3),  # the fused update stands
+    ("olmo2", "ram", "device", "after-backward", 1.0),
 ])
 def test_streamed_training_equals_transformers_and_adamw(tmp_path, name, store, update_on, timing, max_grad_norm):
     """Three steps of two micro-batches: the tied weight's gradient sums the head's and the embedding's uses

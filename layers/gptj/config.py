@@ -160,7 +160,8 @@ class GPTJConfig(ModelConfig):
         # ln_1's output feeds attention and the MLP alike (parallel residual).
         input_grad = {t: grad_in or (t == "out_proj" and attention) or (t == "fc_out" and "fc_in" in targets)
                       for t in targets}
-        return FrozenBlockSaves(saved, attention, grad_in or bool(targets & {"q_proj", "k_proj"}), input_grad)
+        return FrozenBlockSaves(saved, attention, grad_in or bool(targets & {"q_proj", "k_proj"}), input_grad,
+                                input_saved=grad_in)  # ln_1's input, where it needs a gradient
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

@@ -231,7 +231,8 @@ class LlamaConfig(ModelConfig):
         saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
         inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention,
                   "gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
-        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets})
+        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets},
+                                input_saved=grad_in and self.block_saves_input(es))  # input_layernorm's
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
