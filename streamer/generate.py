@@ -88,6 +88,10 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
         tokens = input_ids.to(device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         step_input, start_pos = tokens, 0
+        # A cache filled before the sequence grows past this length is recomputed there, as transformers'
+        # generate does (longrope's long factors), unless the prompt is past it already.
+        change = cfg.rotary_regime_change()
+        stale_at = change if change is not None and prompt_len <= change else None
         for _ in range(sampling.max_new_tokens):
             logits = _streamed_forward(trainer, step_input, start_pos, caches)
             chosen = sample_next(logits, sampling, generator)
@@ -97,10 +101,12 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
             tokens = torch.cat([tokens, chosen[:, None]], dim=1)
             if finished.all():
                 break
-            if caches is not None:
+            if caches is not None and tokens.shape[1] - 1 != stale_at:
                 step_input, start_pos = chosen[:, None], tokens.shape[1] - 1
-            else:
-                step_input = tokens
+            else:  # no cache, or its keys' rotary tables no longer those of the sequence: the whole of it again
+                step_input, start_pos = tokens, 0
+                for cache in caches or ():
+                    cache.length = 0
     finally:
         for handle in handles:
             trainer.ledger.free(handle)
