@@ -76,8 +76,10 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
     return build_unit(cfg, "embed", "cpu").to(dtype), blocks, build_unit(cfg, "head", "cpu").to(dtype)
 
 
-# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms.
-CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES for family in ("gptj", "llama", "qwen2", "qwen3")]
+# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's fused
+# projections.
+CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
+         for family in ("gptj", "llama", "qwen2", "qwen3", "phi3")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)

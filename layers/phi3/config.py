@@ -42,9 +42,6 @@ class Phi3Config(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         positive_ints(self, "original_max_position_embeddings")
-        if self.head_dim != self.hidden_size // self.num_attention_heads:
-            raise ConfigError(f"head_dim ({self.head_dim}) must be hidden_size // num_attention_heads "
-                              f"({self.hidden_size // self.num_attention_heads}) for phi3; remove it")
         if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
                                                   and 0 <= self.pad_token_id < self.vocab_size):
             raise ConfigError(f"pad_token_id ({self.pad_token_id!r}) must be a token id below vocab_size "
@@ -148,8 +145,6 @@ class Phi3Config(LlamaConfig):
             rope["rope_type"] = "longrope"
         rope.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         raw["rope_parameters"] = rope
-        if raw.get("head_dim") is None:
-            raw.pop("head_dim", None)
         return cls.from_dict(cls.own_fields({k: v for k, v in raw.items()
                                              if k not in ("attention_bias", "mlp_bias")}))  # type: ignore[return-value]
 
