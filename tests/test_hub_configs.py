@@ -23,7 +23,8 @@ from tests.test_cli import fails, run_cli
 HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
              "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
-             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "gpt-j-6b")
+             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "gpt-j-6b",
+             "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4")
 
 
 def published(name: str) -> dict[str, Any]:
@@ -42,7 +43,8 @@ def transformers_params(raw: dict[str, Any]) -> int:
 
 def test_every_supported_family_has_its_published_configs():
     assert sorted(p.stem for p in HUB.glob("*.json")) == sorted(PUBLISHED)
-    assert {published(name)["model_type"] for name in PUBLISHED} == {"llama", "mistral", "qwen2", "qwen3", "gptj"}
+    assert {published(name)["model_type"] for name in PUBLISHED} == {"llama", "mistral", "qwen2", "qwen3", "gptj",
+                                                                       "phi3"}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -102,6 +104,11 @@ REFUSED = [
     ("llama-3.2-1b", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5 is not supported"),
     ("gpt-j-6b", {"resid_pdrop": 0.1}, "resid_pdrop=0.1 is not supported"),
+    ("phi-4", {"embd_pdrop": 0.1}, "embd_pdrop=0.1 is not supported"),
+    ("phi-3.5-mini-instruct", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_type 'dynamic' is not supported for phi3"),
+    ("phi-3.5-mini-instruct", {"partial_rotary_factor": 0.75},
+     "rope_parameters['short_factor'] must be 36 positive numbers for longrope"),
     ("gpt-j-6b", {"activation_function": "relu"}, "activation_function 'relu' is not supported"),
 ]
 
