@@ -5,7 +5,9 @@ prefill, then one pass per new token) runs the executor's "infer" events: the un
 prefetch, in order, and the ledger charges their weights as in training. Each block's KV cache stays on
 the device between passes (charged as activations), so a new token costs one position of compute per
 block instead of the whole sequence; `use_cache=False` recomputes the whole sequence each time (the
-reference the cache is tested against).
+reference the cache is tested against). Where the sequence grows past the length at which the rotary tables of
+every position change (`ModelConfig.rotary_regime_change`: longrope's long factors), the cache is filled again
+from the whole sequence once, as transformers' `generate` does.
 """
 from __future__ import annotations
 

@@ -57,6 +57,14 @@ def test_longrope_tables_are_transformers_on_both_sides_of_the_original_context(
     assert (sin_rows[0] - sin_hf).abs().max() <= bound and (cos_rows[0] - cos_hf).abs().max() <= bound
 
 
+def test_older_names_of_longrope_are_longrope() -> None:
+    """Phi-3's first files call it `su` (and some `yarn`); transformers' Phi-3 reads both as longrope."""
+    raw = json.loads((HUB / "phi-3.5-mini-instruct.json").read_text())
+    for name in ("su", "yarn"):
+        renamed = {**raw, "rope_scaling": {**raw["rope_scaling"], "type": name}}
+        assert ModelConfig.from_hf(renamed) == ModelConfig.from_hf(raw)
+
+
 def test_the_two_sets_differ() -> None:
     """The test above could not pass with one set for both regimes: the long factors move position 15's angles."""
     cfg = longrope_example()
