@@ -13,6 +13,7 @@ from layers.config import FAMILIES, PRESETS, ConfigError, ModelConfig
 from layers.gptj import GPTJConfig
 from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from layers.olmo2 import Olmo2Config
+from layers.phi3 import Phi3Config
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
@@ -25,7 +26,7 @@ _LAZY = {
 }
 
 __all__ = ["FAMILIES", "PRESETS", "ConfigError", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
-           "Olmo2Config", "Qwen2Config", "Qwen3Config", *_LAZY]
+           "Olmo2Config", "Phi3Config", "Qwen2Config", "Qwen3Config", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,13 +10,15 @@ fields, so it never asks which family it holds:
 
 - sizes: `vocab_size`, `hidden_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
   `head_dim`, `intermediate_size`, `max_position_embeddings`, `rotary_dim` (the rotated dims of a head);
+- `rotary_regime_change()`: the length past which a KV cache's rotary tables are stale (longrope), if any;
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it;
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
-- its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target;
+- its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
+  target by default (`lora_default_targets`, PEFT's);
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
   block too), a block's matmul weights;
 - `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
@@ -93,6 +95,8 @@ class ModelConfig(abc.ABC):
     # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
     # inside the block ('q_proj' -> 'attn.q_proj').
     projections: ClassVar[dict[str, str]]
+    # The projections --lora-targets means when it names none: PEFT's default for the model_type.
+    lora_default_targets: ClassVar[tuple[str, ...]] = ("q_proj", "v_proj")
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
     # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
@@ -226,6 +230,11 @@ class ModelConfig(abc.ABC):
     def context(self) -> tuple[int, str]:
         """The longest sequence this model attends over, and the config field that sets it (for messages)."""
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
+
+    def rotary_regime_change(self) -> int | None:
+        """The sequence length past which every position's rotary sin and cos change (longrope's
+        original_max_position_embeddings), so that a KV cache filled before it is stale; None: they never do."""
+        return None
 
     def num_params(self) -> int:
         return self.embed_params() + self.num_hidden_layers * self.block_params() + self.head_params()

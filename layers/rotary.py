@@ -1,6 +1,12 @@
 """Rotary position embeddings: the frequencies (with transformers' RoPE scalings), their sin/cos tables, and
-the two ways of pairing a head's dimensions: interleaved (GPT-J's rotate-every-two, partial) and halves
-(Llama's rotate-half)."""
+the two ways of pairing a head's dimensions: interleaved (GPT-J's rotate-every-two) and halves (Llama's and
+Phi-3's rotate-half), each over the first `rotary_dim` dimensions of a head (a partial rotary factor).
+
+longrope (Phi-3's long-context models) has two sets of frequencies: the short factors' for a sequence no longer
+than `original_max_position_embeddings`, the long factors' for a longer one, picked by the whole sequence's
+length as transformers picks them (its longest position + 1); both tables are scaled by the attention factor.
+A KV cache filled with the short set is stale once the sequence grows past that length
+(`ModelConfig.rotary_regime_change`): generation recomputes its cache there, as transformers' `generate` does."""
 from __future__ import annotations
 
 import functools
@@ -13,11 +19,16 @@ import torch
 DEFAULT_ROPE: tuple[tuple[str, Any], ...] = (("rope_theta", 10000.0), ("rope_type", "default"))
 
 
-def inv_frequencies(rotary_dim: int, rope: tuple[tuple[str, Any], ...]) -> torch.Tensor:
-    """fp32 (rotary_dim/2,) inverse frequencies as transformers' modeling_rope_utils computes them."""
+def inv_frequencies(rotary_dim: int, rope: tuple[tuple[str, Any], ...], long: bool = False) -> torch.Tensor:
+    """fp32 (rotary_dim/2,) inverse frequencies as transformers' modeling_rope_utils computes them; `long`:
+    longrope's set for sequences past original_max_position_embeddings."""
     params = dict(rope)
     base, kind = params["rope_theta"], params.get("rope_type", "default")
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    powers = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    if kind == "longrope":  # each frequency slowed by its own factor
+        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * powers)
+    inv_freq = 1.0 / powers
     if kind == "linear":
         return inv_freq / params["factor"]
     if kind == "llama3":
@@ -34,12 +45,43 @@ def inv_frequencies(rotary_dim: int, rope: tuple[tuple[str, Any], ...]) -> torch
     return inv_freq
 
 
+def _long_after(rope: tuple[tuple[str, Any], ...]) -> int | None:
+    """The sequence length past which longrope's long set is used (original_max_position_embeddings); None:
+    one set."""
+    params = dict(rope)
+    return params["original_max_position_embeddings"] if params.get("rope_type") == "longrope" else None
+
+
+def attention_factor(rope: tuple[tuple[str, Any], ...], n_positions: int) -> float:
+    """longrope's scale of sin and cos (transformers' `_compute_longrope_parameters`): the given
+    attention_factor, else sqrt(1 + ln(factor) / ln(original)) where the context was extended by factor (by
+    default max_position_embeddings / original_max_position_embeddings); 1 for the other scalings."""
+    params = dict(rope)
+    if params.get("rope_type") != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = n_positions / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _is_long(rope: tuple[tuple[str, Any], ...], length: int) -> bool:
+    change = _long_after(rope)
+    return change is not None and length > change
+
+
 @functools.lru_cache(maxsize=16)
 def sincos_table(n_positions: int, rotary_dim: int, device: torch.device,
-                 rope: tuple[tuple[str, Any], ...] = DEFAULT_ROPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (n_positions, rotary_dim/2) sin and cos of position x frequency."""
-    angles = torch.arange(n_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(rotary_dim, rope)
-    return torch.sin(angles).to(device), torch.cos(angles).to(device)
+                 rope: tuple[tuple[str, Any], ...] = DEFAULT_ROPE,
+                 long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (n_positions, rotary_dim/2) sin and cos of position x frequency, times longrope's attention factor;
+    `long`: longrope's long set."""
+    angles = torch.arange(n_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(rotary_dim, rope, long)
+    scale = attention_factor(rope, n_positions)
+    return (torch.sin(angles) * scale).to(device), (torch.cos(angles) * scale).to(device)
 
 
 def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
@@ -56,26 +98,30 @@ def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
 
 
 def apply_rotary_halves(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """Rotate dimension i with dimension i + D/2 of x (B, T, H, D): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+    """Rotate dimension i with dimension i + R/2 of the first R = 2*sin.shape[-1] dims of x (B, T, H, D):
+    (x1, x2) -> (x1 c - x2 s, x2 c + x1 s); the other D - R pass unchanged.
 
-    sin/cos: (T, D/2) or (B, T, D/2), already in x's dtype.
+    sin/cos: (T, R/2) or (B, T, R/2), already in x's dtype.
     """
     sin, cos = sin.unsqueeze(-2), cos.unsqueeze(-2)  # broadcast over heads
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotary_dim = 2 * sin.shape[-1]
+    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 def positions_sincos(
     n_positions: int, rotary_dim: int, start: int, length: int, dtype: torch.dtype, device: torch.device,
     rope: tuple[tuple[str, Any], ...] = DEFAULT_ROPE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sin/cos (length, rotary_dim/2) for positions start..start+length-1, cast to the compute dtype."""
+    """sin/cos (length, rotary_dim/2) for positions start..start+length-1 of a sequence of start+length
+    positions, cast to the compute dtype."""
     if start < 0 or start + length > n_positions:
         raise ValueError(
             f"positions {start}..{start + length - 1} exceed the model's context n_positions={n_positions}; "
             "use shorter sequences"
         )
-    sin, cos = sincos_table(n_positions, rotary_dim, torch.device(device), rope)
+    sin, cos = sincos_table(n_positions, rotary_dim, torch.device(device), rope, _is_long(rope, start + length))
     return sin[start:start + length].to(dtype), cos[start:start + length].to(dtype)
 
 
@@ -84,4 +130,11 @@ def rows_sincos(n_positions: int, rotary_dim: int, positions: torch.Tensor, dtyp
     """sin/cos (B, T, rotary_dim/2) of each row's own positions (B, T) (packed examples restart at 0), cast to
     the compute dtype. The positions are checked against n_positions where the batch enters the trainer."""
     sin, cos = sincos_table(n_positions, rotary_dim, positions.device, rope)
-    return sin[positions].to(dtype), cos[positions].to(dtype)
+    change = _long_after(rope)
+    if change is None:
+        return sin[positions].to(dtype), cos[positions].to(dtype)
+    # transformers picks longrope's set by the batch's longest position, on the device (no host sync)
+    long_sin, long_cos = sincos_table(n_positions, rotary_dim, positions.device, rope, True)
+    long = positions.max() + 1 > change
+    return (torch.where(long, long_sin[positions], sin[positions]).to(dtype),
+            torch.where(long, long_cos[positions], cos[positions]).to(dtype))

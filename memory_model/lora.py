@@ -28,13 +28,14 @@ class LoraConfig:
                            "A")
     dropout: float = setting(0.0, "LoRA: dropout probability on the adapters' input", Number(0.0, 1.0, high_open=True),
                              "P")
-    targets: str = setting("q_proj,v_proj", "LoRA: comma-separated projections of every block that get adapters, "
-                           "among " + ",".join(LORA_TARGETS), Text(), "NAMES")
+    targets: str = setting("", "LoRA: comma-separated projections of every block that get adapters, among "
+                           + ",".join(LORA_TARGETS) + " (none named: the model family's default, PEFT's)", Text(),
+                           "NAMES")
 
     def __post_init__(self) -> None:
         check_settings(self, lambda key, problem: SettingError(f"lora_{key}", problem))
         names = self.target_names
-        if not names or len(set(names)) != len(names) or any(n not in LORA_TARGETS for n in names):
+        if len(set(names)) != len(names) or any(n not in LORA_TARGETS for n in names):
             raise SettingError("lora_targets", f"must be distinct names among {','.join(LORA_TARGETS)}, "
                                                f"got {shown(self.targets)}")
 
@@ -44,11 +45,18 @@ class LoraConfig:
 
     @property
     def target_names(self) -> tuple[str, ...]:
+        """The projections --lora-targets names; none: the family's default (`targets_of`)."""
         return tuple(n.strip() for n in self.targets.split(",") if n.strip())
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+def targets_of(shape: ModelConfig, lora: LoraConfig) -> tuple[str, ...]:
+    """The projections the adapters sit on: those --lora-targets names, else the family's default
+    (`ModelConfig.lora_default_targets`: PEFT's q_proj,v_proj, or phi3's fused qkv_proj)."""
+    return lora.target_names or shape.lora_default_targets
 
 
 def target_shape(shape: ModelConfig, target: str) -> tuple[int, int]:
@@ -58,7 +66,7 @@ def target_shape(shape: ModelConfig, target: str) -> tuple[int, int]:
 
 def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
     """The targets must be projections of this model's family."""
-    missing = [t for t in lora.target_names if t not in shape.projections] if lora.enabled else []
+    missing = [t for t in targets_of(shape, lora) if t not in shape.projections] if lora.enabled else []
     if missing:
         raise SettingError("lora_targets", f"{','.join(missing)} is not a projection of {shape.model_type}; choose "
                                            f"among {','.join(shape.projections)}")
@@ -66,5 +74,5 @@ def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
 
 def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
     """Parameters of every adapter of the model: r x (in + out) per target and block."""
-    per_block = sum(lora.rank * sum(target_shape(shape, t)) for t in lora.target_names)
+    per_block = sum(lora.rank * sum(target_shape(shape, t)) for t in targets_of(shape, lora))
     return shape.num_hidden_layers * per_block if lora.enabled else 0

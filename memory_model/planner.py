@@ -24,7 +24,7 @@ from memory_model.shapes import (
     checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
     norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
 )
-from memory_model.lora import adapter_params
+from memory_model.lora import adapter_params, targets_of
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
     gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges, shard_numel,
@@ -235,10 +235,10 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        saves_input = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
+        saves_input = shape.frozen_block_saves(es, frozenset(targets_of(shape, cfg.lora)), cfg.lora.dropout == 0,
                                                grad_in=not first).input_saved
         return (0 if cfg.step.offloads_inputs else kept), saved - (kept if saves_input else 0)
-    rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
+    rotates_first = shape.frozen_block_saves(es, frozenset(targets_of(shape, cfg.lora)), cfg.lora.dropout == 0,
                                              grad_in=False).rotary
     owner = "block.0" if rotates_first else "block.1"
     rotary = not rotary_shared(shape, es, cfg.packed) or unit == owner

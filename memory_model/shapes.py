@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, replace
 from typing import Any
 
 from layers.config import ModelConfig
-from memory_model.lora import LoraConfig, target_shape
+from memory_model.lora import LoraConfig, target_shape, targets_of
 from memory_model.settings import Choice, Integer, SettingError, Switch, branch, build, check_settings, setting
 from memory_model.step import StepConfig
 from memory_model.units import (
@@ -200,7 +200,7 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
     (the block after the embedding), so only the paths from its adapters save anything."""
     n, r, plain = batch * seq, lora.rank, lora.dropout == 0
-    saves = shape.frozen_block_saves(es, frozenset(lora.target_names), plain, grad_in=not first)
+    saves = shape.frozen_block_saves(es, frozenset(targets_of(shape, lora)), plain, grad_in=not first)
     total = n * saves.per_token
     if saves.attention:  # SDPA's logsumexp (fp32), and packed rows' mask
         total += 4 * batch * shape.num_attention_heads * seq + mask_bytes(batch, seq, es, packed)

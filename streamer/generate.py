@@ -5,7 +5,9 @@ prefill, then one pass per new token) runs the executor's "infer" events: the un
 prefetch, in order, and the ledger charges their weights as in training. Each block's KV cache stays on
 the device between passes (charged as activations), so a new token costs one position of compute per
 block instead of the whole sequence; `use_cache=False` recomputes the whole sequence each time (the
-reference the cache is tested against).
+reference the cache is tested against). Where the sequence grows past the length at which the rotary tables of
+every position change (`ModelConfig.rotary_regime_change`: longrope's long factors), the cache is filled again
+from the whole sequence once, as transformers' `generate` does.
 """
 from __future__ import annotations
 
@@ -88,6 +90,10 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
         tokens = input_ids.to(device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         step_input, start_pos = tokens, 0
+        # A cache filled before the sequence grows past this length is recomputed there, as transformers'
+        # generate does (longrope's long factors), unless the prompt is past it already.
+        change = cfg.rotary_regime_change()
+        stale_at = change if change is not None and prompt_len <= change else None
         for _ in range(sampling.max_new_tokens):
             logits = _streamed_forward(trainer, step_input, start_pos, caches)
             chosen = sample_next(logits, sampling, generator)
@@ -97,10 +103,12 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
             tokens = torch.cat([tokens, chosen[:, None]], dim=1)
             if finished.all():
                 break
-            if caches is not None:
+            if caches is not None and tokens.shape[1] - 1 != stale_at:
                 step_input, start_pos = chosen[:, None], tokens.shape[1] - 1
-            else:
-                step_input = tokens
+            else:  # no cache, or its keys' rotary tables no longer those of the sequence: the whole of it again
+                step_input, start_pos = tokens, 0
+                for cache in caches or ():
+                    cache.length = 0
     finally:
         for handle in handles:
             trainer.ledger.free(handle)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers import GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, causal_lm_loss
+from layers import GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, Phi3Config, causal_lm_loss
 from layers.lora import add_adapters
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import adapter_params
@@ -75,6 +75,9 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
 
 LLAMA = PRESETS["llama-debug"]
 OLMO2 = Olmo2Config.example().resized(max_position_embeddings=64)
+PHI3 = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, pad_token_id=0)
+PHI3_GQA = Phi3Config.example().resized(max_position_embeddings=64)  # longrope, its long factors at 48
 
 
 @pytest.mark.parametrize("model,dtype,activations,dropout,targets", [
@@ -93,6 +96,12 @@ OLMO2 = Olmo2Config.example().resized(max_position_embeddings=64)
     (OLMO2, "bf16", "checkpoint", 0.1, ",".join(OLMO2.projections)),
     (OLMO2, "bf16", "resident", 0.0, "o_proj,gate_proj,down_proj"),
     (OLMO2, "bf16", "checkpoint", 0.0, ",".join(OLMO2.projections)),
+    # Fused projections: q, k and v need a gradient together; the family's default targets (qkv_proj).
+    (PHI3, "fp32", "resident", 0.0, ""),
+    (PHI3, "bf16", "checkpoint", 0.1, ",".join(PHI3.projections)),
+    (PHI3, "bf16", "resident", 0.0, "o_proj,down_proj"),
+    (PHI3, "fp32", "resident", 0.0, "gate_up_proj"),
+    (PHI3_GQA, "bf16", "resident", 0.0, "qkv_proj,gate_up_proj"),
 ], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
 def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtype: str, activations: str,
                                         dropout: float, targets: str) -> None:
@@ -167,8 +176,7 @@ def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[s
     assert main(["train", "--model", "gptj-debug", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         'error: --lora-targets must be distinct names among q_proj,k_proj,v_proj,out_proj,fc_in,fc_out,o_proj,'
-        'gate_proj,up_proj,down_proj, '
-        'got "q_proj,lm_head"')
+        'gate_proj,up_proj,down_proj,qkv_proj,gate_up_proj, got "q_proj,lm_head"')
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
         TrainerConfig.of(lora_rank=-1)
 

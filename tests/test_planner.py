@@ -77,9 +77,9 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
 
 
 # Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, OLMo 2's norms after
-# the sublayers and over whole projections.
+# the sublayers and over whole projections, Phi-3's fused projections.
 CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
-         for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2")]
+         for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2", "phi3")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)

@@ -3,6 +3,8 @@ state_dict is key for key transformers' LlamaForCausalLM (MistralForCausalLM, Qw
 Qwen3ForCausalLM). The variations are the config's class attributes (layers/llama.py)."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,21 @@ class LlamaEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # (B, T, d)
+
+
+def rotary_attention(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+                     cache: KVCache | None, positions: torch.Tensor | None) -> torch.Tensor:
+    """Rotate-half RoPE on q (B, T, H, D) and k (B, T, H_kv, D) over each head's first rotary_dim dims, then
+    causal attention with v: (B, T, H * D). `positions` (B, T): packed rows' positions, restarting at 0 in each
+    example; None: 0..T-1 from start_pos."""
+    T = q.shape[1]
+    if positions is None:
+        sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.rotary_dim, start_pos, T, q.dtype, q.device,
+                                    cfg.rope_parameters)
+    else:
+        sin, cos = rows_sincos(cfg.max_position_embeddings, cfg.rotary_dim, positions, q.dtype, cfg.rope_parameters)
+    q, k = apply_rotary_halves(q, sin, cos), apply_rotary_halves(k, sin, cos)
+    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions)
 
 
 class LlamaAttention(nn.Module):
@@ -49,15 +66,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if positions is None:
-            sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, x.dtype, x.device,
-                                        cfg.rope_parameters)
-        else:
-            sin, cos = rows_sincos(cfg.max_position_embeddings, cfg.head_dim, positions, x.dtype,
-                                   cfg.rope_parameters)
-        q, k = apply_rotary_halves(q, sin, cos), apply_rotary_halves(k, sin, cos)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions)
-        return self.o_proj(out)
+        return self.o_proj(rotary_attention(cfg, q, k, v, start_pos, cache, positions))
 
 
 class LlamaMLP(nn.Module):
@@ -77,13 +86,17 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm residual: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
 
+    # The attention and MLP modules (Phi-3's hold their projections fused)
+    attention_type: ClassVar[type[nn.Module]] = LlamaAttention
+    mlp_type: ClassVar[type[nn.Module]] = LlamaMLP
+
     def __init__(self, cfg: LlamaConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
         full_attention_only(cfg, layer_type)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = self.attention_type(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.mlp_type(cfg)
 
     def forward(self, h: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,20 +119,23 @@ class LlamaHead(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, embedding_type: type[nn.Module], block_type: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
-        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = embedding_type(cfg).embed_tokens
+        self.layers = nn.ModuleList(block_type(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Llama(CausalLM):
     """A Llama-family model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
 
+    embedding_type: ClassVar[type[nn.Module]] = LlamaEmbedding
+    block_type: ClassVar[type[nn.Module]] = LlamaBlock
+
     def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = _Model(cfg)
+        self.model = _Model(cfg, self.embedding_type, self.block_type)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if init:
             init_weights(self)

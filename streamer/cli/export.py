@@ -101,7 +101,7 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
     out.mkdir(parents=True, exist_ok=True)
     lora = trainer.tc.lora
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
-              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": list(lora.target_names),
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": list(trainer.adapters.targets),
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "use_rslora": False, "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

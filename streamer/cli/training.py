@@ -80,7 +80,7 @@ def describe(s: Session) -> str:
     data = "Python's help topics (demo)" if cfg.data.data is None else cfg.data.data
     model = cfg.from_pretrained or cfg.model
     adapters = s.trainer.adapters
-    lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {tc.lora.targets}: {adapters.numel():,} "
+    lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {','.join(adapters.targets)}: {adapters.numel():,} "
                                         "trainable params, the base frozen")
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens"

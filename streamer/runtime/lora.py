@@ -15,7 +15,7 @@ import torch
 
 from layers import ModelConfig
 from layers.lora import init_adapters
-from memory_model.lora import LoraConfig, check_targets, target_shape
+from memory_model.lora import LoraConfig, check_targets, target_shape, targets_of
 from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig
@@ -26,11 +26,12 @@ class Adapters:
                  seed: int) -> None:
         check_targets(cfg, lora)
         self.cfg, self.lora, self.device, self.seed = cfg, lora, device, seed
+        self.targets = targets_of(cfg, lora)  # the projections the adapters sit on
         self.params: dict[str, dict[str, torch.Tensor]] = {}  # unit -> key in the unit -> fp32 leaf
         for i in range(cfg.num_hidden_layers):
             unit, tensors = f"block.{i}", {}
             torch.manual_seed(seed * 1_000_003 + 500_009 + i)  # per block, as the base is initialised per unit
-            for target in lora.target_names:
+            for target in self.targets:
                 fan_in, fan_out = target_shape(cfg, target)
                 a, b = torch.empty(lora.rank, fan_in), torch.empty(fan_out, lora.rank)
                 init_adapters(a, b)
@@ -109,7 +110,7 @@ class Adapters:
         if tensors is None:
             return
         slots = {slot.key: slot for slot in layout.slots}
-        for target in self.lora.target_names:
+        for target in self.targets:
             key = self.cfg.projections[target]
             slot = slots[f"{key}.weight"]
             a, b = tensors[f"{key}.lora_A.weight"].detach().cpu(), tensors[f"{key}.lora_B.weight"].detach().cpu()

@@ -53,7 +53,7 @@ class Passes:
         if adapters is not None:
             for kind, shell in kinds.items():
                 if kind not in ("embed", "head"):
-                    add_adapters(shell, adapters.lora.target_names, adapters.lora.rank, adapters.lora.scaling,
+                    add_adapters(shell, adapters.targets, adapters.lora.rank, adapters.lora.scaling,
                                  adapters.lora.dropout)
             self.recorder.resident |= adapters.storages()
             for c in adapter_charges(adapters.numel()):

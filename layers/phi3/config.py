@@ -1,0 +1,167 @@
+"""The Phi-3 family's configuration (torch-free), transformers' `phi3` (Phi-3 mini/medium, Phi-3.5, Phi-4): Llama's
+block with q, k and v in one projection (`qkv_proj`, q's rows then k's then v's) and the gate and up projections
+in one (`gate_up_proj`, the gate's rows first), as transformers holds and stores them. Its RoPE is the default one
+or `longrope` (layers/rotary.py), over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75). The
+embedding's `pad_token_id` row gets no gradient, as in transformers' nn.Embedding(padding_idx). Its units are in
+layers/phi3/units.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from layers.config import PRESETS, ConfigError, FrozenBlockSaves, family, positive_ints
+from layers.llama.config import TINY, LlamaConfig, rope_parameters_of
+
+# Dropout is a training-time regulariser the published checkpoints set to 0.
+_HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
+# What each rope_type transformers' Phi-3 accepts needs besides rope_theta: longrope's factors per frequency.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_factor", "long_factor")}
+
+
+@family
+@dataclass(frozen=True)
+class Phi3Config(LlamaConfig):
+    model_type: ClassVar[str] = "phi3"
+    architecture: ClassVar[str] = "Phi3ForCausalLM"
+    projections: ClassVar[dict[str, str]] = {
+        "qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
+        "down_proj": "mlp.down_proj"}
+    # PEFT has no default for phi3 (it asks for target_modules); its defaults for other fused-attention families
+    # (gpt2's c_attn, falcon's query_key_value, codegen's qkv_proj) are the fused projection, q_proj,v_proj's place.
+    lora_default_targets: ClassVar[tuple[str, ...]] = ("qkv_proj",)
+    honoured_flags: ClassVar[tuple[str, ...]] = ()
+    slides: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                                             "pad_token_id": 32000}
+
+    # The context the model was pretrained on: longrope's short factors up to it, its long factors past it.
+    original_max_position_embeddings: int = 4096
+    pad_token_id: int | None = None  # the embedding row that gets no gradient; None: none
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive_ints(self, "original_max_position_embeddings")
+        if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
+                                                  and 0 <= self.pad_token_id < self.vocab_size):
+            raise ConfigError(f"pad_token_id ({self.pad_token_id!r}) must be a token id below vocab_size "
+                              f"({self.vocab_size}) or null")
+
+    def _check_rope(self) -> None:
+        params = dict(self.rope_parameters.items() if isinstance(self.rope_parameters, Mapping)
+                      else self.rope_parameters)
+        kind = params.setdefault("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"rope_type {kind!r} is not supported for phi3; supported: {', '.join(ROPE_TYPES)}")
+        for key in ("rope_theta", "partial_rotary_factor", "factor", "attention_factor"):
+            value = params.get(key, 1.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"rope_parameters[{key!r}] must be a positive number, got {value!r}")
+        partial = params.setdefault("partial_rotary_factor", 1.0)
+        if not 0 < partial <= 1 or int(self.head_dim * partial) % 2:  # type: ignore[operator]
+            raise ConfigError(f"partial_rotary_factor={partial!r} must rotate an even number of each head's "
+                              f"{self.head_dim} dims")
+        rotary_dim = int(self.head_dim * partial)  # type: ignore[operator]
+        for key in ROPE_TYPES[kind]:
+            value = params.get(key)
+            if not isinstance(value, (list, tuple)) or len(value) != rotary_dim // 2 or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value):
+                raise ConfigError(f"rope_parameters[{key!r}] must be {rotary_dim // 2} positive numbers for "
+                                  f"longrope, got {value!r}")
+            params[key] = tuple(value)
+        if kind == "longrope":  # transformers' Phi-3 puts its own field there, whatever the dict says
+            params["original_max_position_embeddings"] = self.original_max_position_embeddings
+        object.__setattr__(self, "rope_parameters", tuple(sorted(params.items())))
+
+    @classmethod
+    def example(cls) -> "Phi3Config":
+        """Grouped-query attention, longrope with a pretrained context of 16 (the tests' sequences of 24 take
+        the long factors, of 16 the short ones), half of each head rotated, and a padding row."""
+        rotary_half = TINY["hidden_size"] // TINY["num_attention_heads"] // 4
+        return cls(**TINY, original_max_position_embeddings=16, pad_token_id=1, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0 + 0.25 * i for i in range(rotary_half)],
+            "long_factor": [2.0 + 3.0 * i for i in range(rotary_half)]})
+
+    # --- the common vocabulary ------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:  # type: ignore[override]
+        return int(self.head_dim * self.rope["partial_rotary_factor"])  # type: ignore[operator]
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """transformers' rope_parameters, its factors as lists (transformers' validation asks for lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_parameters}
+
+    def rotary_regime_change(self) -> int | None:
+        return self.original_max_position_embeddings if self.rope["rope_type"] == "longrope" else None
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
+
+    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
+    def _v_saved(self) -> int:
+        """The features per token of the storage SDPA's v is: a copy per query head under grouped-query
+        attention, else a view of qkv_proj's whole output."""
+        q, kv = self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        return q if self.num_key_value_heads != self.num_attention_heads else q + 2 * kv
+
+    def block_saved_per_token(self, es: int) -> int:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        # Each RMSNorm: its fp32 input, rstd, the normalised values; its output (the next matmul's input).
+        saved = 2 * (4 * d + 4 + 2 * es * d)
+        saved += es * (3 * q + self._v_saved())  # rotated q, k repeated to every query head, v, SDPA's output
+        # gate_up_proj's output (silu's input and up), silu(gate), and the product (down_proj's input)
+        return saved + 4 * es * f
+
+    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
+        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        norm = 4 * d + 4  # a frozen RMSNorm keeps its fp32 input and rstd where its input needs a gradient
+        attention = grad_in or "qkv_proj" in targets  # q, k and v need a gradient together or not at all
+        saved = norm if grad_in else 0  # input_layernorm
+        saved += d * es if plain and "qkv_proj" in targets else 0  # its output, the adapter's input
+        saved += es * (3 * q + self._v_saved()) if attention else 0  # SDPA's inputs and output
+        saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
+        mlp_in = attention or "o_proj" in targets  # the residual after attention needs a gradient
+        saved += norm if mlp_in else 0  # post_attention_layernorm
+        saved += d * es if plain and "gate_up_proj" in targets else 0  # its output, the adapter's input
+        gate_up = mlp_in or "gate_up_proj" in targets
+        saved += 3 * f * es if gate_up else 0  # gate_up_proj's output (silu's input, up) and silu(gate)
+        saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
+        inputs = {"qkv_proj": grad_in, "o_proj": attention, "gate_up_proj": mlp_in, "down_proj": gate_up}
+        return FrozenBlockSaves(saved, attention, attention, {t: inputs[t] for t in targets},
+                                input_saved=grad_in and self.block_saves_input(es))  # input_layernorm's
+
+    # --- Hugging Face config.json ------------------------------------------------------------------
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "Phi3Config":
+        for key in _HF_DROPOUT_KEYS:
+            value = raw.pop(key, 0.0)
+            if value not in (0, None):
+                raise ConfigError(f"{key}={value!r} is not supported (no dropout); set it to 0.0")
+        rope = rope_parameters_of(raw)
+        if rope["rope_type"] in ("su", "yarn"):  # transformers' names of longrope in older Phi-3 files
+            rope["rope_type"] = "longrope"
+        rope.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        raw["rope_parameters"] = rope
+        return cls.from_dict(cls.own_fields({k: v for k, v in raw.items()
+                                             if k not in ("attention_bias", "mlp_bias")}))  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+
+
+PRESETS.update({
+    # The published shapes (tests/hub_configs/phi-4.json, phi-3-mini-4k-instruct.json); tests/test_phi3.py checks
+    # the parameter counts against transformers'.
+    "phi-4": Phi3Config(vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                        num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384,
+                        original_max_position_embeddings=16384, rms_norm_eps=1e-5, pad_token_id=100257,
+                        rope_parameters={"rope_theta": 250000.0, "rope_type": "default"}),
+    "phi-3-mini-4k": Phi3Config(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                                original_max_position_embeddings=4096, rms_norm_eps=1e-5, pad_token_id=32000,
+                                sliding_window=2047, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}),
+})
