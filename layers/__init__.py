@@ -12,6 +12,7 @@ from typing import Any
 from layers.config import FAMILIES, PRESETS, ConfigError, ModelConfig
 from layers.gptj import GPTJConfig
 from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from layers.gemma3 import Gemma3TextConfig
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
@@ -23,7 +24,7 @@ _LAZY = {
     "unit_kind": "layers.model", "weight_decayed": "layers.model",
 }
 
-__all__ = ["FAMILIES", "PRESETS", "ConfigError", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
+__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
            "Qwen2Config", "Qwen3Config", *_LAZY]
 
 

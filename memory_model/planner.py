@@ -19,8 +19,8 @@ from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
-    checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
+    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_layer_type,
+    block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
     norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
 )
 from memory_model.lora import adapter_params
@@ -211,32 +211,41 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         return head_saved_bytes(shape, batch, seq, es, frozen=cfg.lora.enabled), 0
     if cfg.lora.enabled:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
+    kind = block_layer_type(shape, unit)
     if cfg.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         # Where the block saves its input, the recompute re-saves the kept input itself (same storage, charged
         # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
         # Offloaded, the input is charged as a resource (BlockInput) instead, held for no event beyond its own.
-        saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
+        saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed, layer_type=kind)
         return (0 if cfg.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
-    # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
-    rotary = not rotary_shared(es, cfg.packed) or unit == "block.0"
-    return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
+    # Resident: storages are charged once per run, so a shared fp32 rotary table goes to its first block only.
+    rotary = not rotary_shared(es, cfg.packed) or _first_with_table(shape, unit, lambda i: True)
+    return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed, layer_type=kind), 0
+
+
+def _first_with_table(shape: ModelConfig, unit: str, rotates: Callable[[int], bool]) -> bool:
+    """Whether the block is the first of those that save a rotary table (`rotates(i)`) with its own
+    (`ModelConfig.rotary_table` of its layer type): the one a shared table is charged to."""
+    kinds, index = shape.layer_types(), int(unit.split(".")[1])
+    table = shape.rotary_table(kinds[index])
+    return index == next(i for i, kind in enumerate(kinds) if rotates(i) and shape.rotary_table(kind) == table)
 
 
 def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """_activations of a LoRA block. The first block's input needs no gradient, so it does not save it (its
-    recompute re-saves nothing of the kept input); the fp32 rotary table goes to the first block that
-    rotates a tensor needing a gradient."""
-    es, first = cfg.dtype_bytes, unit == "block.0"
+    recompute re-saves nothing of the kept input); a shared fp32 rotary table goes to the first block with it
+    that rotates a tensor needing a gradient."""
+    es, first, kind = cfg.dtype_bytes, unit == "block.0", block_layer_type(shape, unit)
     if cfg.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
-        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
+        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed, layer_type=kind)
         return (0 if cfg.offloads_inputs else kept), saved - (kept if not first and shape.block_saves_input(es) else 0)
     rotates_first = shape.frozen_block_saves(es, frozenset(cfg.lora.target_names), cfg.lora.dropout == 0,
                                              grad_in=False).rotary
-    owner = "block.0" if rotates_first else "block.1"
-    rotary = not rotary_shared(es, cfg.packed) or unit == owner
-    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed), 0
+    rotary = not rotary_shared(es, cfg.packed) or _first_with_table(shape, unit, lambda i: i > 0 or rotates_first)
+    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed,
+                                    layer_type=kind), 0
 
 
 def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None:
