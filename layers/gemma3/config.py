@@ -130,6 +130,13 @@ class Gemma3TextConfig(ModelConfig):
                    attention_bias=True, query_pre_attn_scalar=24, sliding_window=6,
                    attention_layers=("sliding_attention", "full_attention", "sliding_attention"))
 
+    def resized(self, **sizes: int) -> "Gemma3TextConfig":
+        """ModelConfig.resized; another depth repeats the layer types from the first layer on."""
+        layers = sizes.get("num_hidden_layers", self.num_hidden_layers)
+        kinds = tuple(self.attention_layers[i % self.num_hidden_layers] for i in range(layers))  # type: ignore
+        deeper = dataclasses.replace(self, num_hidden_layers=layers, attention_layers=kinds)
+        return ModelConfig.resized(deeper, **sizes)  # type: ignore[return-value]
+
     # --- the common vocabulary ------------------------------------------------------------------
     @property
     def rotary_dim(self) -> int:  # type: ignore[override]
