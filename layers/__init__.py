@@ -24,8 +24,8 @@ _LAZY = {
     "unit_kind": "layers.model", "weight_decayed": "layers.model",
 }
 
-__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
-           "Qwen2Config", "Qwen3Config", *_LAZY]
+__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "LlamaConfig", "MistralConfig",
+           "ModelConfig", "Qwen2Config", "Qwen3Config", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

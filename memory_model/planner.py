@@ -20,8 +20,8 @@ from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_layer_type,
-    block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
-    norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
+    block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes,
+    head_saved_bytes, norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
 )
 from memory_model.lora import adapter_params
 from memory_model.schedule import (

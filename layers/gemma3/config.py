@@ -181,7 +181,8 @@ class Gemma3TextConfig(ModelConfig):
 
     # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
     def block_matmul_params(self) -> int:
-        return 2 * self.hidden_size * (self.attention_width + self._kv_width) + 3 * self.hidden_size * self.intermediate_size
+        d = self.hidden_size
+        return 2 * d * (self.attention_width + self._kv_width) + 3 * d * self.intermediate_size
 
     def block_saved_per_token(self, es: int) -> int:
         d, q, kv, f = self.hidden_size, self.attention_width, self._kv_width, self.intermediate_size
