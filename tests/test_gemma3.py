@@ -1,6 +1,7 @@
 """What is Gemma 3's own; tests/test_families.py holds its parity with transformers (logits, gradients, streamed
 training, the planner) by its example. Here: the presets' published counts, the older config.json form, and its
-sliding window at lengths past the window, in the parity tests' logits and in generation with the KV cache."""
+sliding window at lengths past the window, in the parity tests' logits, in generation with the KV cache and in
+packed rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,3 +74,15 @@ def test_generation_past_the_window_with_the_kv_cache_is_transformers_greedy_gen
             logits = ours(next_token, tokens.shape[1] - 1, caches)
         expected = theirs.generate(prompt, max_new_tokens=new, do_sample=False)
     assert tokens.tolist() == expected.tolist()
+
+
+def test_packed_examples_each_see_their_own_window() -> None:
+    """A row of two packed examples (positions restarting at 0), both longer than the window: each one's logits
+    are those of the example alone (in float64, where the two masks' kernels agree to rounding)."""
+    ours = resident_model(EXAMPLE).double().eval()
+    ids = torch.randint(0, EXAMPLE.vocab_size, (1, 19), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(10), torch.arange(9)])[None]
+    with torch.no_grad():
+        packed = ours(ids, positions=positions)
+        alone = torch.cat([ours(ids[:, :10]), ours(ids[:, 10:])], dim=1)
+    assert torch.allclose(packed, alone, rtol=0, atol=1e-10)
