@@ -14,6 +14,7 @@ from layers.gptj import GPTJConfig
 from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from layers.olmo2 import Olmo2Config
 from layers.phi3 import Phi3Config
+from layers.gemma3 import Gemma3TextConfig
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
@@ -25,8 +26,8 @@ _LAZY = {
     "unit_kind": "layers.model", "weight_decayed": "layers.model",
 }
 
-__all__ = ["FAMILIES", "PRESETS", "ConfigError", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
-           "Olmo2Config", "Phi3Config", "Qwen2Config", "Qwen3Config", *_LAZY]
+__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "LlamaConfig", "MistralConfig",
+           "ModelConfig", "Olmo2Config", "Phi3Config", "Qwen2Config", "Qwen3Config", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

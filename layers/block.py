@@ -1,6 +1,6 @@
 """What every family's units share: the embedding table, scaled-dot-product attention over a sequence, packed
-rows or a KV cache (grouped-query heads included), the KV cache itself, RMSNorm, the head's logits or loss, and
-HF's initialisation."""
+rows or a KV cache (grouped-query heads included, over the whole past or a sliding window of it), the KV cache
+itself, RMSNorm (Llama's, and Gemma's about 1 + weight), the head's logits or loss, and HF's initialisation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,12 +60,24 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((example[:, :, None] == example[:, None, :]) & causal).unsqueeze(1)
 
 
+def visible_keys(queries: int, keys: int, start_pos: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """The causal mask (queries, keys): query i, at position start_pos + i, sees key j where j <= start_pos + i
+    and, within a sliding window, start_pos + i - window < j (transformers' sliding_window_overlay)."""
+    query = torch.arange(queries, device=device)[:, None] + start_pos
+    key = torch.arange(keys, device=device)[None, :]
+    seen = key <= query
+    return seen if window is None else seen & (key > query - window)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
-           positions: torch.Tensor | None = None) -> torch.Tensor:
+           positions: torch.Tensor | None = None, window: int | None = None,
+           scale: float | None = None) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, H_kv, T, D), H a multiple of H_kv; returns (B, T, H * D).
 
     `positions` (B, T): packed rows' positions (restarting at 0 per example), so examples do not see each other;
-    `cache`: the keys and values of positions before start_pos, appended to first."""
+    `cache`: the keys and values of positions before start_pos, appended to first; `window`: each query sees
+    only its `window` latest keys, itself included (a sliding-window layer); `scale`: the scores' factor,
+    1/sqrt(D) where None."""
     if cache is not None:
         if cache.length != start_pos:
             raise ValueError(f"KV cache holds {cache.length} positions but start_pos is {start_pos}; "
@@ -75,15 +87,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0
     if groups > 1:  # each key/value head serves `groups` query heads (HF's repeat_kv)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     B, _, T, _ = q.shape
-    if cache is None and positions is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    elif cache is None:
-        # A bool mask: SDPA turns it into a compute-dtype bias it saves for the backward (B x T x T).
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=example_mask(positions))
+    if window is not None and k.shape[2] <= window:
+        window = None  # the window holds every earlier key: plain causal attention
+    if cache is None and positions is None and window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        # Query i (absolute position start_pos + i) sees keys 0..start_pos + i.
-        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # A bool mask: SDPA turns it into a compute-dtype bias it saves for the backward (T x T, or B x T x T
+        # for packed rows).
+        mask = visible_keys(T, k.shape[2], start_pos, window, q.device)
+        if positions is not None:
+            mask = mask & example_mask(positions)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -112,17 +126,34 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * (1 + weight), all in fp32 and cast back after the weight (HF's Gemma3RMSNorm):
+    the weight is the scale's offset from 1, zero at initialisation."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """HF's initialisation: normal(0, 0.02) matrices and embeddings, zero biases and padding rows, unit norm
-    weights (LayerNorm, RMSNorm) and zero LayerNorm biases."""
+    """HF's initialisation: normal(0, 0.02) matrices and embeddings (an embedding's padding row zero), zero
+    biases, unit norm weights (LayerNorm, RMSNorm), zero offsets of an OffsetRMSNorm and zero LayerNorm biases."""
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, nn.Embedding)):
             nn.init.normal_(sub.weight, mean=0.0, std=std)
             if getattr(sub, "bias", None) is not None:
                 nn.init.zeros_(sub.bias)
-            if getattr(sub, "padding_idx", None) is not None:
+            if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
                 with torch.no_grad():
                     sub.weight[sub.padding_idx].zero_()
+        elif isinstance(sub, OffsetRMSNorm):
+            nn.init.zeros_(sub.weight)
         elif isinstance(sub, (nn.LayerNorm, RMSNorm)):
             nn.init.ones_(sub.weight)
             if getattr(sub, "bias", None) is not None:

@@ -15,7 +15,8 @@ fields, so it never asks which family it holds:
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
 - the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
-- `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it;
+- `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
+  window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
   target by default (`lora_default_targets`, PEFT's);
@@ -61,6 +62,7 @@ class FrozenBlockSaves:
     # Whether the block's input tensor itself is among these saves, so that a checkpointed block's kept input is
     # one of its recompute's storages (a trained block's `ModelConfig.block_saves_input`).
     input_saved: bool
+    fixed: int = 0  # bytes whatever the tokens (Gemma's fp32 1 + weight of a norm whose input needs a gradient)
 
 
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
@@ -156,16 +158,26 @@ class ModelConfig(abc.ABC):
         (tests/test_planner.py), besides what every family's attention saves alike (memory_model.shapes: the
         logsumexp, a packed rows' mask, the rotary tables)."""
 
+    def block_saved_fixed(self, es: int) -> int:
+        """Bytes a block's forward saves whatever its tokens (Gemma's fp32 1 + weight of each norm), besides
+        `block_saved_per_token`'s."""
+        return 0
+
     @abc.abstractmethod
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
         """The moments of a block's backward where autograd holds the most beyond what the block saved and the
-        incoming gradient: per moment, (bytes per token, parameters whose weight gradient exists by then).
-        Measured against autograd (tests/test_backward_transient.py)."""
+        incoming gradient: per moment, (bytes per token, parameters whose weight gradient exists by then, bytes
+        whatever the tokens: a saved tensor of fixed size already freed is negative). Measured against autograd
+        (tests/test_backward_transient.py)."""
 
     @abc.abstractmethod
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:
         its weights need no gradient (LoRA's base)."""
+
+    def head_saved_fixed(self) -> int:
+        """Bytes the head's forward saves whatever its tokens, besides `head_saved_per_token`'s."""
+        return 0
 
     @abc.abstractmethod
     def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
@@ -199,6 +211,15 @@ class ModelConfig(abc.ABC):
         'sliding_attention' (each query sees its `sliding_window` latest keys). A block's module is built for
         its kind (`layers.model.FamilyUnits.block`)."""
         return ("full_attention",) * self.num_hidden_layers
+
+    def attention_window(self, layer_type: str) -> int | None:
+        """The keys a query of a block of `layer_type` sees at most, itself included (a sliding window); None:
+        every key before it."""
+        return None
+
+    def rotary_table(self, layer_type: str) -> Any:
+        """What sets a block's RoPE tables (hashable): blocks whose values are equal share one cached table."""
+        return None
 
     @classmethod
     def own_fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
 from memory_model.settings import flatten
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_saved_bytes,
-    checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes, head_saved_bytes,
-    norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
+    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_layer_type,
+    block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes,
+    head_saved_bytes, norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
 )
 from memory_model.lora import adapter_params, targets_of
 from memory_model.schedule import (
@@ -214,35 +214,44 @@ def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq
         return head_saved_bytes(shape, batch, seq, es, frozen=cfg.lora.enabled), 0
     if cfg.lora.enabled:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
+    kind = block_layer_type(shape, unit)
     if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         # Where the block saves its input, the recompute re-saves the kept input itself (same storage, charged
         # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
         # Offloaded, the input is charged as a resource (BlockInput) instead, held for no event beyond its own.
-        saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed)
+        saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed, layer_type=kind)
         return (0 if cfg.step.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
-    # Resident: storages are charged once per run, so the fp32 rotary table (shared) goes to block.0 only.
-    rotary = not rotary_shared(shape, es, cfg.packed) or unit == "block.0"
-    return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed), 0
+    # Resident: storages are charged once per run, so a shared fp32 rotary table goes to its first block only.
+    rotary = not rotary_shared(shape, es, cfg.packed) or _first_with_table(shape, unit, lambda i: True)
+    return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed, layer_type=kind), 0
+
+
+def _first_with_table(shape: ModelConfig, unit: str, rotates: Callable[[int], bool]) -> bool:
+    """Whether the block is the first of those that save a rotary table (`rotates(i)`) with its own
+    (`ModelConfig.rotary_table` of its layer type): the one a shared table is charged to."""
+    kinds, index = shape.layer_types(), int(unit.split(".")[1])
+    table = shape.rotary_table(kinds[index])
+    return index == next(i for i, kind in enumerate(kinds) if rotates(i) and shape.rotary_table(kind) == table)
 
 
 def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """_activations of a LoRA block. Whether its recompute re-saves the kept input is the family's
     (`FrozenBlockSaves.input_saved`: a norm's input needing a gradient, which the first block's does not, or an
-    adapter reading the input itself); the fp32 rotary table goes to the first block that rotates a tensor
-    needing a gradient."""
-    es, first = cfg.dtype_bytes, unit == "block.0"
+    adapter reading the input itself); a shared fp32 rotary table goes to the first block with it that rotates a
+    tensor needing a gradient."""
+    es, first, kind = cfg.dtype_bytes, unit == "block.0", block_layer_type(shape, unit)
+    targets = frozenset(targets_of(shape, cfg.lora))
     if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
-        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed)
-        saves_input = shape.frozen_block_saves(es, frozenset(targets_of(shape, cfg.lora)), cfg.lora.dropout == 0,
-                                               grad_in=not first).input_saved
+        saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed, layer_type=kind)
+        saves_input = shape.frozen_block_saves(es, targets, cfg.lora.dropout == 0, grad_in=not first).input_saved
         return (0 if cfg.step.offloads_inputs else kept), saved - (kept if saves_input else 0)
-    rotates_first = shape.frozen_block_saves(es, frozenset(targets_of(shape, cfg.lora)), cfg.lora.dropout == 0,
-                                             grad_in=False).rotary
-    owner = "block.0" if rotates_first else "block.1"
-    rotary = not rotary_shared(shape, es, cfg.packed) or unit == owner
-    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed), 0
+    rotates_first = shape.frozen_block_saves(es, targets, cfg.lora.dropout == 0, grad_in=False).rotary
+    rotary = (not rotary_shared(shape, es, cfg.packed)
+              or _first_with_table(shape, unit, lambda i: i > 0 or rotates_first))
+    return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed,
+                                    layer_type=kind), 0
 
 
 def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None:

@@ -165,7 +165,8 @@ def rotary_bytes(shape: ModelConfig, es: int) -> int:
 
 
 def rotary_shared(shape: ModelConfig, es: int, packed: bool) -> bool:
-    """Whether every block saves the same sin/cos storages (fp32, unpacked): charged once, to the first block."""
+    """Whether blocks save the same sin/cos storages (fp32, unpacked): one per table (`ModelConfig.rotary_table`),
+    charged once, to the first block that saves it."""
     return rotary_bytes(shape, es) == 4 and not packed
 
 
@@ -179,31 +180,42 @@ def rotary_table_bytes(shape: ModelConfig, seq: int, es: int, batch: int = 1, pa
     return 2 * shape.max_position_embeddings * half * 4 if rs == 4 else 2 * seq * half * rs
 
 
-def mask_bytes(batch: int, seq: int, es: int, packed: bool) -> int:
-    """Packed rows' attention mask: SDPA turns the bool (B, 1, T, T) mask into a bias in the compute dtype and
-    saves it for the backward, a storage of each block's own."""
-    return batch * seq * seq * es if packed else 0
+def mask_bytes(batch: int, seq: int, es: int, packed: bool, window: int | None = None) -> int:
+    """A block's attention mask: SDPA turns a bool mask into a bias in the compute dtype and saves it for the
+    backward, a storage of each block's own. Packed rows' is (B, 1, T, T); a sliding window shorter than the
+    sequence (`window`, `ModelConfig.attention_window`) needs one even unpacked, (T, T)."""
+    if packed:
+        return batch * seq * seq * es
+    return seq * seq * es if window is not None and seq > window else 0
+
+
+def block_layer_type(shape: ModelConfig, unit: str) -> str:
+    """The layer type of a block unit ('block.3')."""
+    return shape.layer_types()[int(unit.split(".")[1])]
 
 
 def block_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, rotary: bool = True,
-                      packed: bool = False) -> int:
+                      packed: bool = False, layer_type: str = "full_attention") -> int:
     """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged);
-    `packed`: rows of packed examples (their mask and per-row rotary tables)."""
+    `packed`: rows of packed examples (their mask and per-row rotary tables); `layer_type`: the block's (its
+    window)."""
     logsumexp = 4 * batch * shape.num_attention_heads * seq  # SDPA's, fp32
-    return (batch * seq * shape.block_saved_per_token(es) + logsumexp + mask_bytes(batch, seq, es, packed)
+    mask = mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type))
+    return (batch * seq * shape.block_saved_per_token(es) + shape.block_saved_fixed(es) + logsumexp + mask
             + (rotary_table_bytes(shape, seq, es, batch, packed) if rotary else 0))
 
 
 def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, seq: int, es: int, first: bool,
-                             rotary: bool = True, packed: bool = False) -> int:
+                             rotary: bool = True, packed: bool = False, layer_type: str = "full_attention") -> int:
     """What a block with frozen weights and LoRA adapters saves: only what the gradients w.r.t. its input and
     its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
     (the block after the embedding), so only the paths from its adapters save anything."""
     n, r, plain = batch * seq, lora.rank, lora.dropout == 0
     saves = shape.frozen_block_saves(es, frozenset(targets_of(shape, lora)), plain, grad_in=not first)
-    total = n * saves.per_token
-    if saves.attention:  # SDPA's logsumexp (fp32), and packed rows' mask
-        total += 4 * batch * shape.num_attention_heads * seq + mask_bytes(batch, seq, es, packed)
+    total = n * saves.per_token + saves.fixed
+    if saves.attention:  # SDPA's logsumexp (fp32), and any mask
+        total += (4 * batch * shape.num_attention_heads * seq
+                  + mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type)))
     total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and saves.rotary else 0
     for target, input_grad in saves.input_grad.items():
         # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
@@ -221,8 +233,9 @@ def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, vocab_ch
     (LoRA's base)."""
     n = batch * seq
     return (n * shape.head_saved_per_token(es, frozen)  # the final norm's, and its output (the chunked loss's input)
+            + shape.head_saved_fixed()
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
-            + 8 * n  # the shifted int64 labels
+            + 8 * (n if batch > 1 else seq + 1)  # the shifted int64 labels: one row is a view of it padded
             + _kept_logits_bytes(shape, n, vocab_chunk))
 
 
@@ -287,7 +300,7 @@ def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es:
     weight gradient that is charged at the end outweighs them."""
     n = batch * seq
     output = n * shape.hidden_size * es
-    busiest = max(n * per_token + es * params for per_token, params in shape.block_backward_peaks(es))
+    busiest = max(n * per_token + es * params + fixed for per_token, params, fixed in shape.block_backward_peaks(es))
     return max(0, output + busiest - es * shape.block_params())
 
 

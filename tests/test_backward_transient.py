@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from layers import GPTJConfig, Phi3Config, build_unit
+from layers import Gemma3TextConfig, GPTJConfig, Phi3Config, build_unit
 from layers.config import ModelConfig
 from layers.llama.config import LlamaConfig
 from layers.olmo2.config import Olmo2Config
@@ -113,13 +113,24 @@ PHI3 = Phi3Config(vocab_size=64, hidden_size=128, intermediate_size=320, num_hid
                   num_key_value_heads=4, max_position_embeddings=1024, pad_token_id=0)
 
 
+def gemma(d: int, f: int, heads: int, head_dim: int) -> Gemma3TextConfig:
+    return Gemma3TextConfig(vocab_size=64, hidden_size=d, intermediate_size=f, num_hidden_layers=2,
+                            num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim,
+                            max_position_embeddings=1024, sliding_window=100)
+
+
+# Gemma 3's three busiest moments: its last norm's fp32 backward, the MLP's, SDPA's (queries 4 x d wide).
+GEMMA_NORM, GEMMA_MLP, GEMMA_SDPA = gemma(128, 320, 4, 32), gemma(64, 640, 4, 16), gemma(64, 64, 8, 64)
+
+
 @pytest.mark.parametrize("cfg,batch,seq", [
     (GPTJ, 2, 256), (GPTJ, 1, 16), (GPTJ_NARROW_MLP, 2, 256), (LLAMA, 2, 256), (LLAMA, 1, 16),
     (GPTJConfig.preset("gptj-debug"), 2, 48), (LlamaConfig.preset("llama-debug"), 2, 48),
     (OLMO2, 2, 256), (OLMO2, 1, 16), (OLMO2_WIDE_MLP, 2, 256), (Olmo2Config.example(), 2, 24), (PHI3, 2, 256),
-    (PHI3, 1, 16),
+    (PHI3, 1, 16), (GEMMA_NORM, 2, 256), (GEMMA_MLP, 2, 256), (GEMMA_SDPA, 2, 256), (GEMMA_NORM, 1, 16),
 ], ids=["gptj-2x256", "gptj-1x16", "gptj-narrow-mlp", "llama-2x256", "llama-1x16", "gptj-debug", "llama-debug",
-        "olmo2-2x256", "olmo2-1x16", "olmo2-wide-mlp", "olmo2-example", "phi3-2x256", "phi3-1x16"])
+        "olmo2-2x256", "olmo2-1x16", "olmo2-wide-mlp", "olmo2-example", "phi3-2x256", "phi3-1x16", "gemma-norm",
+        "gemma-mlp", "gemma-sdpa", "gemma-1x16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activations", ["resident", "checkpoint"])
 def test_block_backward_transient_equals_autograd(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype,

@@ -24,7 +24,7 @@ HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
              "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
              "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "olmo-2-1124-7b",
-             "gpt-j-6b", "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4")
+             "gpt-j-6b", "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4", "gemma-3-1b-it")
 
 
 def published(name: str) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def test_published_config_is_transformers_model(tmp_path, name):
     assert plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=1, seq=seq), limits=False).params == count
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b", "mistral-7b-v0.1", "gpt-j-6b"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "mistral-7b-v0.1", "gemma-3-1b-it", "gpt-j-6b"])
 def test_streamer_plan_reads_a_published_config(name):
     """`streamer plan --model config.json` as a user types it: the plan counts transformers' parameters."""
     done = subprocess.run([sys.executable, "-m", "streamer", "plan", "--model", str(HUB / f"{name}.json"),
@@ -109,6 +109,8 @@ REFUSED = [
      "rope_type 'dynamic' is not supported for phi3"),
     ("phi-3.5-mini-instruct", {"partial_rotary_factor": 0.75},
      "rope_parameters['short_factor'] must be 36 positive numbers for longrope"),
+    ("gemma-3-1b-it", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ("gemma-3-1b-it", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     ("gpt-j-6b", {"activation_function": "relu"}, "activation_function 'relu' is not supported"),
 ]
 
@@ -158,10 +160,10 @@ def test_a_qwen_window_on_some_layers_only_is_refused(edit, which):
 
 def test_transformers_defaults_fill_what_a_config_leaves_out():
     """Only the required sizes given: each family takes transformers' defaults (Qwen3's head_dim 128, Qwen2's
-    32 key/value heads, Mistral's 4096 window)."""
+    32 key/value heads, Mistral's 4096 window, Gemma 3's head_dim 256)."""
     sizes = {"vocab_size": 96, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 32,
              "intermediate_size": 48}
-    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text"):
         raw = {"model_type": model_type, **sizes}
         theirs = transformers.AutoConfig.for_model(**raw)
         cfg = ModelConfig.from_hf(raw)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers import GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, Phi3Config, causal_lm_loss
+from layers import FAMILIES, GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, Phi3Config, causal_lm_loss
 from layers.lora import add_adapters
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import adapter_params
@@ -78,6 +78,8 @@ OLMO2 = Olmo2Config.example().resized(max_position_embeddings=64)
 PHI3 = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64, pad_token_id=0)
 PHI3_GQA = Phi3Config.example().resized(max_position_embeddings=64)  # longrope, its long factors at 48
+# Sliding and global layers (each its own fp32 RoPE table), a window shorter than the sequence, q/k norms.
+GEMMA = FAMILIES["gemma3_text"].example().resized(max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("model,dtype,activations,dropout,targets", [
@@ -102,6 +104,10 @@ PHI3_GQA = Phi3Config.example().resized(max_position_embeddings=64)  # longrope,
     (PHI3, "bf16", "resident", 0.0, "o_proj,down_proj"),
     (PHI3, "fp32", "resident", 0.0, "gate_up_proj"),
     (PHI3_GQA, "bf16", "resident", 0.0, "qkv_proj,gate_up_proj"),
+    (GEMMA, "fp32", "resident", 0.0, "v_proj,up_proj"),  # block.0 rotates nothing: block.2 owns its table
+    (GEMMA, "fp32", "resident", 0.0, "q_proj,o_proj,down_proj"),
+    (GEMMA, "bf16", "checkpoint", 0.1, ",".join(GEMMA.projections)),
+    (GEMMA, "bf16", "resident", 0.0, "k_proj,gate_proj"),
 ], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
 def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtype: str, activations: str,
                                         dropout: float, targets: str) -> None:

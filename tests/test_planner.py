@@ -63,6 +63,13 @@ def _random_config(rng: random.Random, family: str) -> ModelConfig:
     if family == "gptj":
         return GPTJConfig(vocab_size=vocab, n_positions=positions, n_embd=n_head * head_dim, n_layer=2,
                           n_head=n_head, rotary_dim=2 * rng.randint(1, head_dim // 2), n_inner=inner)
+    if family == "gemma3_text":  # both layer types, a window shorter than most sequences, two RoPE tables
+        kinds = tuple(rng.sample(["sliding_attention", "full_attention"], 2))
+        return FAMILIES[family](vocab_size=vocab, hidden_size=n_head * rng.choice([8, 12]), intermediate_size=inner,
+                                num_hidden_layers=2, num_attention_heads=n_head,
+                                num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
+                                max_position_embeddings=positions, sliding_window=rng.randint(4, 24),
+                                attention_layers=kinds, attention_bias=rng.random() < 0.5)
     # Grouped-query attention (one key/value head, or one per query head) and a head_dim of its own.
     return FAMILIES[family](vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner,
                             num_hidden_layers=2, num_attention_heads=n_head,
@@ -77,9 +84,10 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
 
 
 # Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, OLMo 2's norms after
-# the sublayers and over whole projections, Phi-3's fused projections.
+# the sublayers and over whole projections, Phi-3's fused projections, Gemma 3's norms about 1 + weight and
+# sliding windows.
 CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
-         for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2", "phi3")]
+         for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)
@@ -94,13 +102,15 @@ def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str, famil
     h = torch.randn(batch, seq, cfg.hidden_size, dtype=DTYPES[dtype], requires_grad=True)
     measured = {}
     # The head's loss in vocabulary chunks, and in one chunk (it keeps its logits for the backward).
+    kind = cfg.layer_types()[0]
     for name, run in (("embed", lambda: embed(ids)), ("block", lambda: block(h)),
                       ("head", lambda: head(h, ids, vocab_chunk=7)), ("one chunk", lambda: head(h, ids))):
         saved = SavedStorages([embed, block, head])
         with saved.hooks(name):
             run()
         measured[name] = saved.bytes[name]
-    expected = {"embed": embed_saved_bytes(shape, batch, seq), "block": block_saved_bytes(shape, batch, seq, es),
+    expected = {"embed": embed_saved_bytes(shape, batch, seq),
+                "block": block_saved_bytes(shape, batch, seq, es, layer_type=kind),
                 "head": head_saved_bytes(shape, batch, seq, es, vocab_chunk=7),
                 "one chunk": head_saved_bytes(shape, batch, seq, es)}
     for name in expected:

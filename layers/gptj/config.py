@@ -134,14 +134,14 @@ class GPTJConfig(ModelConfig):
     def block_saves_input(self, es: int) -> bool:
         return True  # ln_1 saves h
 
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
         d, f = self.n_embd, self.intermediate_size
         # The MLP's backward runs first. fc_out's gives the gradient w.r.t. gelu's output; gelu's output is freed
         # as gelu's backward adds the gradient w.r.t. its input: one (N, f) more, and fc_out's gradient.
-        mlp = (es * f, d * f + d)
+        mlp = (es * f, d * f + d, 0)
         # SDPA's backward: dq, dk, dv, the gradient w.r.t. the attention output and the MLP's share of the
         # gradient w.r.t. x; the MLP's saved (N, f) pair is gone. The MLP's and out_proj's gradients exist.
-        attention = (es * (5 * d - 2 * f), 2 * d * f + d + f + d * d)
+        attention = (es * (5 * d - 2 * f), 2 * d * f + d + f + d * d, 0)
         return mlp, attention
 
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:

@@ -39,6 +39,25 @@ def rope_parameters_of(raw: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
+def checked_rope(rope: Any, name: str = "rope_parameters") -> tuple[tuple[str, Any], ...]:
+    """transformers' rope_parameters (a dict, or our sorted items) validated, as sorted items (hashable); `name`
+    is where a message says the dict is."""
+    params = dict(rope.items() if isinstance(rope, Mapping) else rope)
+    kind = params.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    for key in ("rope_theta", *ROPE_TYPES[kind]):
+        value = params.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{name}[{key!r}] must be a positive number for rope_type {kind!r}, got {value!r}")
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial!r} is not supported (RoPE over whole heads); remove it")
+    if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
+        raise ConfigError(f"{name}' low_freq_factor must be below high_freq_factor")
+    return tuple(sorted(params.items()))
+
+
 @family
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
@@ -109,22 +128,7 @@ class LlamaConfig(ModelConfig):
         self.check_size()
 
     def _check_rope(self) -> None:
-        params = dict(self.rope_parameters.items() if isinstance(self.rope_parameters, Mapping)
-                      else self.rope_parameters)
-        object.__setattr__(self, "rope_parameters", tuple(sorted(params.items())))
-        kind = params.get("rope_type", "default")
-        if kind not in ROPE_TYPES:
-            raise ConfigError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-        for key in ("rope_theta", *ROPE_TYPES[kind]):
-            value = params.get(key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"rope_parameters[{key!r}] must be a positive number for rope_type {kind!r}, "
-                                  f"got {value!r}")
-        partial = params.get("partial_rotary_factor", 1.0)
-        if partial != 1.0:
-            raise ConfigError(f"partial_rotary_factor={partial!r} is not supported (RoPE over whole heads); remove it")
-        if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
-            raise ConfigError("rope_parameters' low_freq_factor must be below high_freq_factor")
+        object.__setattr__(self, "rope_parameters", checked_rope(self.rope_parameters))
 
     @classmethod
     def example(cls) -> "LlamaConfig":
@@ -197,12 +201,12 @@ class LlamaConfig(ModelConfig):
     def block_saves_input(self, es: int) -> bool:
         return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
 
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
         d, f = self.hidden_size, self.intermediate_size
         # down_proj's backward gives the gradient w.r.t. its input, the product (then freed); the product's
         # backward gives the gradients w.r.t. silu(gate) and up: two (N, f) more, and down_proj's gradient.
         # (The post-attention RMSNorm's fp32 backward can hold more where f is near d; not modelled.)
-        return ((2 * es * f, d * f + (d if self.mlp_bias else 0)),)
+        return ((2 * es * f, d * f + (d if self.mlp_bias else 0), 0),)
 
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         # The final RMSNorm (its normalised values only for its weight's gradient) and its output

@@ -79,13 +79,13 @@ class Olmo2Config(LlamaConfig):
     def block_saves_input(self, es: int) -> bool:
         return True  # no norm before attention: q/k/v_proj save the input itself
 
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
         d, f = self.hidden_size, self.intermediate_size
         # First post_feedforward_layernorm's fp32 backward: four (N, d) fp32 gradients and products at once,
         # less a row's statistic already freed, and its weight's gradient. Then the MLP's: the product's
         # backward gives the gradients w.r.t. silu(gate) and up, two (N, f), with down_proj's gradient made; the
         # norm's saved tensors (its fp32 input, rstd and normalised values) are freed by then.
-        return ((16 * d - 4, d), (2 * es * f - (8 * d + 4), d * f + d))
+        return ((16 * d - 4, d, 0), (2 * es * f - (8 * d + 4), d * f + d, 0))
 
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         # The final RMSNorm: its fp32 input, rstd, the fp32 normalised values (for its weight's gradient only),

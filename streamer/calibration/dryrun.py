@@ -27,7 +27,7 @@ class FlashAttentionOnMeta(TorchFunctionMode):
                 mask = torch.zeros(mask.shape, dtype=args[0].dtype, device=mask.device).masked_fill(
                     ~mask, float("-inf"))
             out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                *args, 0.0, kwargs.get("is_causal", False), attn_mask=mask)
+                *args, 0.0, kwargs.get("is_causal", False), attn_mask=mask, scale=kwargs.get("scale"))
             return out
         return func(*args, **kwargs)
 
