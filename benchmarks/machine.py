@@ -146,7 +146,11 @@ def read_while_writing(directory: Path, nbytes: int) -> float:
     disk-tier step's reads and writes share, as they reach one device."""
     piece = min(nbytes, 8 * 2**20)
     data = memoryview(os.urandom(piece))
-    paths = [Path(tempfile.mkstemp(prefix="disk-shared-", dir=directory)[1]) for _ in range(2)]
+    paths = []
+    for _ in range(2):
+        fd, name = tempfile.mkstemp(prefix="disk-shared-", dir=directory)
+        os.close(fd)  # opened again by name below; a descriptor left open keeps the file's blocks after the unlink
+        paths.append(Path(name))
     buffers = AlignedBuffers()
 
     def write(path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 from layers import PRESETS, ConfigError, GPTJConfig
 from benchmarks import bench
 from benchmarks.compare import HF_FP32, STREAM_RAM
-from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model
+from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model, raw_disk
 from benchmarks.report import Section
 from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
@@ -195,6 +195,15 @@ def test_scale_model_is_asked_for_and_quick_takes_its_familys_smallest(tmp_path)
     config.write_text(json.dumps(PRESETS["llama-debug"].to_hf()))
     settings = bench.Settings.from_args(_parse(["--scale-model", str(config)]))
     assert bench._scale_candidates(settings, 10**15)[0].config == PRESETS["llama-debug"]
+
+
+def test_disk_measurements_leave_no_file_behind(tmp_path):
+    """The raw disk measurements delete their files and close them: a deleted file still open keeps its blocks,
+    and the scale run, which sizes its model by the free disk after them, would see less than there is."""
+    opened = len(os.listdir("/proc/self/fd"))
+    measured = raw_disk(tmp_path, 2**20, repeats=2)
+    assert measured.read_bytes_per_s > 0 and measured.shared_bytes_per_s > 0
+    assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == opened
 
 
 def test_section_renders_markdown_and_rejects_ragged_rows():
