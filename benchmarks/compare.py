@@ -320,16 +320,18 @@ def utilisation(ctx: Context) -> Outcome:
 SCALE_TARGETS: dict[str, tuple[float, int]] = {"gptj-6b": (120.0, 8 * GiB), "llama-3.1-8b": (150.0, 10 * GiB)}
 
 
-def _model_target(model: str, r: Result | None, ran: bool, why: str) -> list[str]:
+def _model_target(pick: ScalePick, r: Result | None, why: str) -> list[str]:
     """The scale model's own target, where one is stated: met only when the model itself ran, not a smaller one."""
-    if model not in SCALE_TARGETS:
+    if pick.model not in SCALE_TARGETS:
         return []
-    limit_s, limit_rss = SCALE_TARGETS[model]
-    name = f"6. {model}: step <= {limit_s:g} s at peak RSS <= {size(limit_rss)}"
-    if r is None:
+    limit_s, limit_rss = SCALE_TARGETS[pick.model]
+    name = f"6. {pick.model}: step <= {limit_s:g} s at peak RSS <= {size(limit_rss)}"
+    if r is None or pick.chosen is None:
         return [_target(name, why, None)]
+    if pick.chosen.name != pick.model:
+        return [_target(name, f"{pick.chosen.name} ran instead: the disk does not hold {pick.model}", False)]
     return [_target(name, f"{seconds(r.median_s)} at {size(r.rss_peak_bytes)}",
-                    ran and r.median_s <= limit_s and r.rss_peak_bytes <= limit_rss)]
+                    r.median_s <= limit_s and r.rss_peak_bytes <= limit_rss)]
 
 
 def scale(ctx: Context) -> Outcome:
@@ -345,7 +347,7 @@ def scale(ctx: Context) -> Outcome:
         why = _missing(ctx, SCALE) if pick is None or pick.chosen is not None else "no candidate fits the disk"
         return Outcome(Section("6. Scale on this machine", ("model", "status"), (("—", why),), tuple(notes)),
                        (_target("6. >= 3B params at peak RSS <= 8 GiB", why, None),
-                        *(_model_target(pick.model, None, False, why) if pick is not None else ())))
+                        *(_model_target(pick, None, why) if pick is not None else ())))
     chosen, p = pick.chosen, r.phases
     stretch = chosen.name == pick.model  # the model asked for itself; smaller Adam moments are acceptable for it
     met = chosen.params >= 3e9 and (chosen.moment_dtype == "fp32" or stretch) and r.rss_peak_bytes <= 8 * GiB
@@ -367,7 +369,7 @@ def scale(ctx: Context) -> Outcome:
     return Outcome(section, (_target("6. >= 3B params at peak RSS <= 8 GiB",
                                      f"{chosen.params / 1e9:.2f}B, {size(r.rss_peak_bytes)}", met),
                              _target(f"6. stretch: {pick.model}", chosen.describe(), stretch),
-                             *_model_target(pick.model, r, stretch, "")))
+                             *_model_target(pick, r, "")))
 
 
 def memory(ctx: Context) -> Outcome:

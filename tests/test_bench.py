@@ -197,6 +197,34 @@ def test_scale_model_is_asked_for_and_quick_takes_its_familys_smallest(tmp_path)
     assert bench._scale_candidates(settings, 10**15)[0].config == PRESETS["llama-debug"]
 
 
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "gptj-6b"])
+def test_scale_targets_hold_the_model_asked_for_to_its_own_limits(model):
+    """Section 6 names the model asked for; its stated step and RSS limits are met only by that model itself,
+    never by the smaller width that ran where the disk did not hold it."""
+    from benchmarks.compare import SCALE, SCALE_TARGETS, Context, scale
+    from benchmarks.machine import Peaks, ScalePick
+    from benchmarks.runs import merge
+
+    limit_s, limit_rss = SCALE_TARGETS[model]
+    full = ModelChoice(model, PRESETS[model], "int8", master_dtype="bf16")
+    width = fitted_width(full, full.disk_bytes // 2)
+
+    def targets(chosen: ModelChoice, step_s: float, rss: int) -> list[str]:
+        spec = RunSpec(label=SCALE, contender="stream", model=chosen.config.to_dict(), batch=1, seq=512,
+                       tier="disk", moment_dtype="int8", master_dtype="bf16")
+        ctx = Context(results={SCALE: merge(spec, [_measured(SCALE, [step_s, step_s], rss)])},
+                      peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, compute=FP32,
+                      scale=ScalePick(model, chosen, 10**12, 10**12, ((chosen, True),)))
+        outcome = scale(ctx)
+        assert f"stretch: {model}" in outcome.section.markdown()
+        return [line for line in outcome.targets if line.startswith(f"6. {model}: step <= {limit_s:g} s")]
+
+    assert targets(full, limit_s - 1, limit_rss - 1)[0].split(": ")[2].startswith("met")
+    assert "NOT met" in targets(full, limit_s + 1, limit_rss - 1)[0]
+    assert "NOT met" in targets(full, limit_s - 1, limit_rss + 1)[0]
+    assert "NOT met" in targets(width, limit_s / 2, limit_rss // 2)[0]  # a width is not the model
+
+
 def test_disk_measurements_leave_no_file_behind(tmp_path):
     """The raw disk measurements delete their files and close them: a deleted file still open keeps its blocks,
     and the scale run, which sizes its model by the free disk after them, would see less than there is."""
