@@ -3,7 +3,8 @@
 Every contender runs in its own process (clean peak RSS) in ABBA-ordered blocks; the tables and the
 BENCHMARKS.md this command writes hold only numbers measured in the run (see benchmarks/compare.py).
 `--quick` is a smoke run of the harness on a tiny model (the test suite runs it), not a measurement.
-`--model` takes any family's preset or config.json; the scale run is GPT-J's, the largest that the disk holds.
+`--model` and `--scale-model` take any family's preset or config.json; the scale run trains the largest model of
+its family that the disk holds (GPT-J-6B by default).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from layers import ModelConfig
+from layers import PRESETS, ModelConfig
 from memory_model import PlanConfig, plan
 from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
@@ -28,7 +29,8 @@ from benchmarks.compare import (
     update_speed, utilisation, versus_deepspeed, versus_hf, where_time_goes,
 )
 from benchmarks.machine import (
-    ModelChoice, Peaks, describe, disk_budget, fitted_width, matmul_peaks, pick_scale_model, raw_disk, update_rates,
+    ModelChoice, Peaks, describe, disk_budget, family_presets, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
+    update_rates,
 )
 from benchmarks.lora import FULL, LORA, lora_pair, lora_versus_full
 from benchmarks.report import write_markdown
@@ -58,7 +60,7 @@ class Settings:
     steps: int
     deepspeed: bool
     scale: bool
-    scale_candidates: tuple[str, ...]  # presets tried largest first (plus a fitted width), or the tiny one
+    scale_model: str  # the scale run's preset or config.json (its candidates: `_scale_candidates`)
     scale_warmup: int
     scale_steps: int
     data_parallel: bool
@@ -85,7 +87,8 @@ class Settings:
             model = args.model or "gptj-debug"
             return cls(model=model, second=_second(ModelConfig.named(model)), batch=1, seq=32,
                        max_grad_norm=args.max_grad_norm, rounds=1,
-                       warmup=1, steps=2, deepspeed=False, scale=not args.no_scale, scale_candidates=("gptj-debug",),
+                       warmup=1, steps=2, deepspeed=False, scale=not args.no_scale,
+                       scale_model=_scale_model(args.scale_model, model, quick=True),
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        update_params=2**20,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
@@ -97,10 +100,18 @@ class Settings:
         return cls(model=model, second=second, batch=args.batch, seq=args.seq,
                    max_grad_norm=args.max_grad_norm, rounds=args.rounds,
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
-                   scale_candidates=("gptj-6b", "gptj-4b", "gptj-2.7b"), scale_warmup=1, scale_steps=args.scale_steps,
+                   scale_model=_scale_model(args.scale_model, model, quick=False), scale_warmup=1,
+                   scale_steps=args.scale_steps,
                    data_parallel=True, profile=True, matmul_n=2048, update_params=64 * 2**20,
                    disk_test_bytes=2 * GiB, disk_repeats=3,
                    reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute)
+
+
+def _scale_model(asked: str | None, model: str, quick: bool) -> str:
+    """--scale-model, by default the largest preset of --model's family (GPT-J-6B for the default gptj-350m); with
+    --quick, the smallest preset of that model's family: a harness check of the family, in seconds."""
+    scale_model = asked or family_presets(ModelConfig.named(model))[0]
+    return family_presets(ModelConfig.named(scale_model))[-1] if quick else scale_model
 
 
 def _second(base: ModelConfig) -> ModelConfig:
@@ -136,9 +147,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-steps", type=int, default=2, help="timed steps of the scale run")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed comparison")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale run (the longest one)")
+    parser.add_argument("--scale-model", metavar="PRESET|CONFIG",
+                        help="the scale run's model, of any family: a preset or a config.json. Where the disk does "
+                             "not hold its store, the run takes the largest that it holds: the model with smaller "
+                             "Adam moments, its family's smaller presets, or its width with fewer layers (default: "
+                             "the largest preset of --model's family, gptj-6b for gptj-350m; with --quick, the "
+                             "smallest preset of its family)")
     parser.add_argument("--only-scale", action="store_true",
-                        help="run the scale run alone (the largest model whose store the disk holds, GPT-J-6B where "
-                             "it fits, on the disk tier), to measure it on a quiet machine")
+                        help="run the scale run alone (--scale-model on the disk tier), to measure it on a quiet "
+                             "machine; it writes no report unless --output names one")
     parser.add_argument("--workdir", type=Path, help="where stores and logs go (default: a temp dir, removed)")
     parser.add_argument("--child-timeout", type=float, default=4 * 3600, help="seconds one block may take")
 
@@ -170,19 +187,21 @@ def _main_specs(cfg: ModelConfig, s: Settings) -> tuple[list[RunSpec], dict[str,
 
 def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
     """Largest model first, in the run's compute dtype (the store is the same in either: loads cast the
-    master); for one model, fp32 Adam moments before bf16 ones, then a bf16 master with int8 moments (the
-    opt-in precisions only for GPT-J-6B, the stretch goal), and the fused update before the one after the
-    backward (which needs less disk)."""
-    compute = s.compute.dtype
+    master). The scale model with fp32 Adam moments, then bf16 ones, then a bf16 master with int8 moments (the
+    opt-in precisions only for the model asked for, the stretch goal, and its width), each with the fused update
+    before the one after the backward (which needs less disk); its family's smaller presets with the fp32 state;
+    and its width with as many layers as the disk holds, in each of the three states, fused."""
+    compute, cfg = s.compute.dtype, ModelConfig.named(s.scale_model)
     if s.quick:
-        return [ModelChoice(name, ModelConfig.preset(name), compute_dtype=compute) for name in s.scale_candidates]
-    six, four, small = s.scale_candidates
-    out = [ModelChoice(six, ModelConfig.preset(six), moments, compute, timing, master)
-           for master, moments in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "int8"))
-           for timing in ("fused", "after-backward")]
-    out += [ModelChoice(name, ModelConfig.preset(name), "fp32", compute) for name in (four, small)]
-    out += [c for c in (fitted_width(four, budget, "fp32", compute),) if c]
-    return sorted(out, key=lambda c: -c.params)  # stable: the preference order holds within one size
+        return [ModelChoice(s.scale_model, cfg, compute_dtype=compute)]
+    full = [ModelChoice(s.scale_model, cfg, moments, compute, timing, master)
+            for master, moments in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "int8"))
+            for timing in ("fused", "after-backward")]
+    smaller = [ModelChoice(name, PRESETS[name], "fp32", compute) for name in family_presets(cfg)
+               if PRESETS[name].num_params() < cfg.num_params()]
+    widths = [w for c in full if c.update_timing == "fused" for w in (fitted_width(c, budget),)
+              if w is not None and w.config.num_hidden_layers < cfg.num_hidden_layers]
+    return sorted(full + smaller + widths, key=lambda c: -c.params)  # stable: the preference order within a size
 
 
 def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
@@ -261,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         pick = None
         if s.scale:
             free, budget = disk_budget(workdir, s.reserve_fraction, s.reserve_min_bytes)
-            pick = pick_scale_model(_scale_candidates(s, budget), free, budget)
+            pick = pick_scale_model(s.scale_model, _scale_candidates(s, budget), free, budget)
             if pick.chosen is not None:
                 disk["scale"] = raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)
                 spec = _spec(SCALE, "stream", pick.chosen.config, s, tier="disk", warmup=s.scale_warmup,

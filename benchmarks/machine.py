@@ -1,7 +1,8 @@
 """What `streamer bench` measures about the machine itself: description, matmul peak, raw disk bandwidth, and
-the largest GPT-J-shaped model whose disk-tier store fits the free disk."""
+the largest model of one family whose disk-tier store fits the free disk."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from layers import ModelConfig
+from layers import PRESETS, ModelConfig
 from memory_model import format_size
 from benchmarks.report import params
 from streamer.calibration.calibrate import cpu_model, measure_disk, measure_matmul_flops
@@ -145,7 +146,11 @@ def read_while_writing(directory: Path, nbytes: int) -> float:
     disk-tier step's reads and writes share, as they reach one device."""
     piece = min(nbytes, 8 * 2**20)
     data = memoryview(os.urandom(piece))
-    paths = [Path(tempfile.mkstemp(prefix="disk-shared-", dir=directory)[1]) for _ in range(2)]
+    paths = []
+    for _ in range(2):
+        fd, name = tempfile.mkstemp(prefix="disk-shared-", dir=directory)
+        os.close(fd)  # opened again by name below; a descriptor left open keeps the file's blocks after the unlink
+        paths.append(Path(name))
     buffers = AlignedBuffers()
 
     def write(path: Path) -> None:
@@ -181,7 +186,7 @@ def read_while_writing(directory: Path, nbytes: int) -> float:
 class ModelChoice:
     """A scale-run candidate. The disk tier stores the master and the Adam moments only (loads cast the master
     to the compute dtype): 12 B/param with fp32 ones; 8 with bf16 moments, or 4.03 with a bf16 master and int8
-    moments (both acceptable for GPT-J-6B only). The update is fused into the backward where the disk holds a
+    moments (both acceptable only for the model the run is asked for, or its width). The update is fused into the backward where the disk holds a
     second generation of every unit, else it runs after the backward."""
 
     name: str
@@ -223,22 +228,28 @@ class ModelChoice:
                 f"{self.update_timing})")
 
 
-def fitted_width(preset: str, budget_bytes: int, moment_dtype: str = "fp32",
-                 compute_dtype: str = "bf16") -> ModelChoice | None:
-    """A preset's width with as many layers as a disk budget holds (None when not even one block fits)."""
-    base = ModelConfig.preset(preset)
-    one, two = (ModelChoice(preset, base.resized(num_hidden_layers=n), moment_dtype, compute_dtype)
-                for n in (1, 2))
+def family_presets(cfg: ModelConfig) -> list[str]:
+    """The presets of `cfg`'s family, largest first."""
+    return sorted((name for name, p in PRESETS.items() if p.model_type == cfg.model_type),
+                  key=lambda name: -PRESETS[name].num_params())
+
+
+def fitted_width(full: ModelChoice, budget_bytes: int) -> ModelChoice | None:
+    """`full`'s width, precisions and update with as many of its layers as a disk budget holds (None when not
+    even one block fits)."""
+    base = full.config
+    one, two = (dataclasses.replace(full, config=base.resized(num_hidden_layers=n)) for n in (1, 2))
     per_block = two.disk_bytes - one.disk_bytes
-    layers = min(base.num_hidden_layers, (budget_bytes - (one.disk_bytes - per_block)) // per_block)
+    layers = int(min(base.num_hidden_layers, (budget_bytes - (one.disk_bytes - per_block)) // per_block))
     if layers < 1:
         return None
-    return ModelChoice(f"{preset} width, {layers} layers", base.resized(num_hidden_layers=int(layers)),
-                       moment_dtype, compute_dtype)
+    return dataclasses.replace(full, name=f"{full.name} width, {layers} layers",
+                               config=base.resized(num_hidden_layers=layers))
 
 
 @dataclass(frozen=True)
 class ScalePick:
+    model: str  # the model the run was asked for
     chosen: ModelChoice | None
     free_bytes: int
     budget_bytes: int
@@ -251,8 +262,8 @@ def disk_budget(directory: Path, reserve_fraction: float, reserve_min_bytes: int
     return free, max(0, free - max(int(free * reserve_fraction), reserve_min_bytes))
 
 
-def pick_scale_model(candidates: list[ModelChoice], free: int, budget: int) -> ScalePick:
-    """The first (largest) candidate whose disk footprint fits the budget."""
+def pick_scale_model(model: str, candidates: list[ModelChoice], free: int, budget: int) -> ScalePick:
+    """The first (largest) candidate for `model` whose disk footprint fits the budget."""
     considered = tuple((c, c.disk_bytes <= budget) for c in candidates)
     chosen = next((c for c, fits in considered if fits), None)
-    return ScalePick(chosen, free, budget, considered)
+    return ScalePick(model, chosen, free, budget, considered)

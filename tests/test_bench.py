@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from layers import ConfigError, GPTJConfig
+from layers import PRESETS, ConfigError, GPTJConfig
 from benchmarks import bench
 from benchmarks.compare import HF_FP32, STREAM_RAM
-from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model
+from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model, raw_disk
 from benchmarks.report import Section
 from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
@@ -147,14 +147,91 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     journaled = ModelChoice("gptj-4b", four.config, update_timing="after-backward")
     block = four.store_bytes // four.config.n_layer
     assert 16 * four.params < journaled.disk_bytes < 16 * four.params + 2 * block < four.disk_bytes
-    assert pick_scale_model([four, journaled], free=10**12, budget=journaled.disk_bytes).chosen is journaled
-    pick = pick_scale_model([four, small], free=10**12, budget=small.disk_bytes + 1)
+    assert pick_scale_model("gptj-4b", [four, journaled], free=10**12,
+                            budget=journaled.disk_bytes).chosen is journaled
+    pick = pick_scale_model("gptj-4b", [four, small], free=10**12, budget=small.disk_bytes + 1)
     assert pick.chosen is small and [fits for _, fits in pick.considered] == [False, True]
-    fitted = fitted_width("gptj-4b", small.disk_bytes)
+    fitted = fitted_width(four, small.disk_bytes)
     assert fitted is not None and fitted.disk_bytes <= small.disk_bytes
     deeper = dataclasses.replace(fitted.config, n_layer=fitted.config.n_layer + 1)
     assert ModelChoice("y", deeper).disk_bytes > small.disk_bytes
-    assert fitted_width("gptj-4b", 1000) is None
+    assert fitted_width(four, 1000) is None
+    # The width keeps the precisions it was fitted in: a bf16 master and int8 moments hold about 3x the layers.
+    quarter = four.disk_bytes // 4
+    thick, thin = fitted_width(four, quarter), fitted_width(half, quarter)
+    assert thick is not None and thin is not None and (thin.master_dtype, thin.moment_dtype) == ("bf16", "int8")
+    assert four.config.n_layer > thin.config.n_layer > 2 * thick.config.n_layer and thin.disk_bytes <= quarter
+
+
+@pytest.mark.parametrize("model, scale_model, family", [(None, "gptj-6b", "gptj"),
+                                                        ("llama-350m", "llama-3.1-8b", "llama"),
+                                                        ("qwen2.5-7b", "qwen2.5-7b", "qwen2")])
+def test_scale_run_takes_the_largest_preset_of_the_models_family(model, scale_model, family):
+    """Without --scale-model, the scale run is the largest preset of --model's family (GPT-J-6B by default);
+    every candidate, down to the width fitted to a small disk, is of that family, the model asked for first."""
+    settings = bench.Settings.from_args(_parse(["--model", model] if model else []))
+    assert settings.scale_model == scale_model
+    asked = ModelChoice(scale_model, PRESETS[scale_model], "int8", master_dtype="bf16")
+    budget = asked.disk_bytes // 2  # too small for the model in any state: only smaller ones fit
+    candidates = bench._scale_candidates(settings, budget)
+    assert {c.config.model_type for c in candidates} == {family}
+    assert candidates[0].name == scale_model and candidates[0].config == PRESETS[scale_model]
+    assert [c.params for c in candidates] == sorted((c.params for c in candidates), reverse=True)
+    pick = pick_scale_model(settings.scale_model, candidates, free=10**13, budget=budget)
+    # Where the disk holds half the model, its width with int8 moments is the largest that fits.
+    assert pick.chosen is not None and pick.chosen.name.startswith(f"{scale_model} width, ")
+    assert pick.chosen.moment_dtype == "int8" and pick.chosen.disk_bytes <= budget
+
+
+def test_scale_model_is_asked_for_and_quick_takes_its_familys_smallest(tmp_path):
+    """--scale-model names the scale run's model (a preset or a config.json) whatever --model is; --quick runs
+    the smallest preset of its family."""
+    assert bench.Settings.from_args(_parse(["--scale-model", "llama-3.1-8b"])).scale_model == "llama-3.1-8b"
+    quick = bench.Settings.from_args(_parse(["--quick", "--only-scale", "--scale-model", "llama-3.1-8b"]))
+    assert quick.scale_model == "llama-debug"
+    assert [c.name for c in bench._scale_candidates(quick, 10**12)] == ["llama-debug"]
+    assert bench.Settings.from_args(_parse(["--quick"])).scale_model == "gptj-debug"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PRESETS["llama-debug"].to_hf()))
+    settings = bench.Settings.from_args(_parse(["--scale-model", str(config)]))
+    assert bench._scale_candidates(settings, 10**15)[0].config == PRESETS["llama-debug"]
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "gptj-6b"])
+def test_scale_targets_hold_the_model_asked_for_to_its_own_limits(model):
+    """Section 6 names the model asked for; its stated step and RSS limits are met only by that model itself,
+    never by the smaller width that ran where the disk did not hold it."""
+    from benchmarks.compare import SCALE, SCALE_TARGETS, Context, scale
+    from benchmarks.machine import Peaks, ScalePick
+    from benchmarks.runs import merge
+
+    limit_s, limit_rss = SCALE_TARGETS[model]
+    full = ModelChoice(model, PRESETS[model], "int8", master_dtype="bf16")
+    width = fitted_width(full, full.disk_bytes // 2)
+
+    def targets(chosen: ModelChoice, step_s: float, rss: int) -> list[str]:
+        spec = RunSpec(label=SCALE, contender="stream", model=chosen.config.to_dict(), batch=1, seq=512,
+                       tier="disk", moment_dtype="int8", master_dtype="bf16")
+        ctx = Context(results={SCALE: merge(spec, [_measured(SCALE, [step_s, step_s], rss)])},
+                      peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, compute=FP32,
+                      scale=ScalePick(model, chosen, 10**12, 10**12, ((chosen, True),)))
+        outcome = scale(ctx)
+        assert f"stretch: {model}" in outcome.section.markdown()
+        return [line for line in outcome.targets if line.startswith(f"6. {model}: step <= {limit_s:g} s")]
+
+    assert targets(full, limit_s - 1, limit_rss - 1)[0].split(": ")[2].startswith("met")
+    assert "NOT met" in targets(full, limit_s + 1, limit_rss - 1)[0]
+    assert "NOT met" in targets(full, limit_s - 1, limit_rss + 1)[0]
+    assert "NOT met" in targets(width, limit_s / 2, limit_rss // 2)[0]  # a width is not the model
+
+
+def test_disk_measurements_leave_no_file_behind(tmp_path):
+    """The raw disk measurements delete their files and close them: a deleted file still open keeps its blocks,
+    and the scale run, which sizes its model by the free disk after them, would see less than there is."""
+    opened = len(os.listdir("/proc/self/fd"))
+    measured = raw_disk(tmp_path, 2**20, repeats=2)
+    assert measured.read_bytes_per_s > 0 and measured.shared_bytes_per_s > 0
+    assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == opened
 
 
 def test_section_renders_markdown_and_rejects_ragged_rows():

@@ -136,8 +136,8 @@ def test_calibration_measures_the_familys_own_units(tmp_path):
 
 
 def test_bench_runs_every_contender_on_a_llama(tmp_path):
-    """`streamer bench --quick --model llama-debug`: its settings keep the family (the second size included),
-    and each kind of contender (streamed, resident, transformers' LlamaForCausalLM) measures a step of it."""
+    """`streamer bench --quick --model llama-debug`: its settings keep the family (the second size and the scale
+    run included), and each kind of contender (streamed, resident, transformers' LlamaForCausalLM) measures a step of it."""
     import argparse
 
     from benchmarks import bench
@@ -149,6 +149,7 @@ def test_bench_runs_every_contender_on_a_llama(tmp_path):
     assert settings.model == "llama-debug" and isinstance(settings.second, LlamaConfig)
     assert (settings.second.hidden_size, settings.second.num_hidden_layers, settings.second.num_key_value_heads) \
         == (48, 1, 1)
+    assert settings.scale_model == "llama-debug"
     specs, _ = bench._main_specs(LLAMA, settings)
     assert {ModelConfig.from_dict(s.model) for s in specs} == {LLAMA}
     for contender in ("stream", "resident", "hf"):
