@@ -117,6 +117,9 @@ class ModelConfig(abc.ABC):
     intermediate_size: int
     max_position_embeddings: int
     rotary_dim: int
+    # The embedding row whose lookups give it no gradient (nn.Embedding's padding_idx), where the family's
+    # transformers class builds its embedding with config.pad_token_id; None: no such row.
+    pad_token_id: int | None = None
 
     # --- what a family defines ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -296,6 +299,8 @@ class ModelConfig(abc.ABC):
         out as asked."""
         own = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
         stored = {self.own_names.get(k, k): v for k, v in sizes.items() if self.own_names.get(k, k) in own}
+        if self.pad_token_id is not None and self.pad_token_id >= sizes.get("vocab_size", self.vocab_size):
+            stored["pad_token_id"] = None  # a vocabulary without that row (a calibration probe's) pads nothing
         out = dataclasses.replace(self, **stored)  # type: ignore[type-var]
         derived = {k: (getattr(out, k), v) for k, v in sizes.items() if self.own_names.get(k, k) not in own}
         wrong = {k: got for k, (got, asked) in derived.items() if got != asked}
@@ -379,6 +384,13 @@ def read_hf_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def check_pad_token_id(cfg: ModelConfig) -> None:
+    """`pad_token_id` is a token id below vocab_size, or None."""
+    pad = cfg.pad_token_id
+    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < cfg.vocab_size):
+        raise ConfigError(f"pad_token_id must be a token id below vocab_size ({cfg.vocab_size}) or null, got {pad!r}")
 
 
 def take_aliases(raw: dict[str, Any], aliases: Mapping[str, str]) -> None:

@@ -9,7 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from layers.config import PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints
+from layers.config import (
+    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_pad_token_id, family, positive_ints,
+)
 from layers.llama.config import checked_rope
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -97,10 +99,7 @@ class Gemma3TextConfig(ModelConfig):
         for flag in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        pad = self.pad_token_id
-        if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size):
-            raise ConfigError(f"pad_token_id must be a token id below vocab_size ({self.vocab_size}) or null, "
-                              f"got {pad!r}")
+        check_pad_token_id(self)
         scalar = self.query_pre_attn_scalar
         if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
             raise ConfigError(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")

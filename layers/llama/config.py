@@ -12,7 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
-from layers.config import PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, family, positive_ints
+from layers.config import (
+    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_pad_token_id, family, positive_ints,
+)
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
 TINY: dict[str, int] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -96,6 +98,7 @@ class LlamaConfig(ModelConfig):
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    pad_token_id: int | None = None  # transformers' Llama-family classes make it the embedding's padding_idx
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -124,6 +127,7 @@ class LlamaConfig(ModelConfig):
             if not self.slides:
                 raise ConfigError(f"sliding_window is not part of {self.model_type}; remove it")
             positive_ints(self, "sliding_window")
+        check_pad_token_id(self)
         self._check_rope()
         self.check_size()
 
@@ -132,8 +136,9 @@ class LlamaConfig(ModelConfig):
 
     @classmethod
     def example(cls) -> "LlamaConfig":
-        """Grouped-query attention, llama3 RoPE scaling and both of Llama's optional biases."""
-        return cls(**TINY, rope_parameters=_scaled_llama3(500000.0, 8.0, 8), attention_bias=True, mlp_bias=True)
+        """Grouped-query attention, llama3 RoPE scaling, both of Llama's optional biases and a padding row."""
+        return cls(**TINY, rope_parameters=_scaled_llama3(500000.0, 8.0, 8), attention_bias=True, mlp_bias=True,
+                   pad_token_id=1)
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 class LlamaEmbedding(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # (B, T, d)
@@ -119,9 +119,9 @@ class LlamaHead(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, cfg: LlamaConfig, embedding_type: type[nn.Module], block_type: type[nn.Module]) -> None:
+    def __init__(self, cfg: LlamaConfig, block_type: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = embedding_type(cfg).embed_tokens
+        self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
         self.layers = nn.ModuleList(block_type(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -129,13 +129,12 @@ class _Model(nn.Module):
 class Llama(CausalLM):
     """A Llama-family model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
 
-    embedding_type: ClassVar[type[nn.Module]] = LlamaEmbedding
     block_type: ClassVar[type[nn.Module]] = LlamaBlock
 
     def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = _Model(cfg, self.embedding_type, self.block_type)
+        self.model = _Model(cfg, self.block_type)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if init:
             init_weights(self)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from layers.config import PRESETS, ConfigError, FrozenBlockSaves, family
+from layers.config import PRESETS, FrozenBlockSaves, family
 from layers.llama.config import TINY, LlamaConfig
 
 
@@ -26,15 +26,7 @@ class Olmo2Config(LlamaConfig):
     # transformers' Olmo2Config defaults where they differ from Llama's.
     vocab_size: int = 50304
     rms_norm_eps: float = 1e-5
-    # The embedding row that gets no gradient (torch's padding_idx, as transformers builds it); None: none.
     pad_token_id: int | None = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        pad = self.pad_token_id
-        if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size):
-            raise ConfigError(f"pad_token_id must be null or a token id below vocab_size={self.vocab_size}, "
-                              f"got {pad!r}")
 
     @classmethod
     def example(cls) -> "Olmo2Config":
@@ -42,14 +34,6 @@ class Olmo2Config(LlamaConfig):
         width, k's its width), the attention biases, and a padding row."""
         return cls(**TINY, head_dim=16, attention_bias=True, rope_parameters=(("rope_theta", 500000.0),
                                                                               ("rope_type", "default")))
-
-    def resized(self, **sizes: int) -> "Olmo2Config":
-        # A smaller vocabulary (a calibration probe's) that no longer holds the padding row has none: the row
-        # only decides which embedding gradient is zero.
-        vocab = sizes.get("vocab_size", self.vocab_size)
-        cfg = self if self.pad_token_id is None or self.pad_token_id < vocab else \
-            dataclasses.replace(self, pad_token_id=None)
-        return super(Olmo2Config, cfg).resized(**sizes)  # type: ignore[return-value]
 
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:

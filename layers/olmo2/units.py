@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layers.block import KVCache, RMSNorm, attend, embedding, full_attention_only, init_weights, language_model_output
-from layers.llama.units import LlamaMLP
+from layers.block import KVCache, RMSNorm, attend, full_attention_only, init_weights, language_model_output
+from layers.llama.units import LlamaEmbedding, LlamaMLP
 from layers.model import CausalLM, FamilyUnits
 from layers.olmo2.config import Olmo2Config
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
@@ -21,15 +21,6 @@ class Olmo2RMSNorm(RMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)
-
-
-class Olmo2Embedding(nn.Module):
-    def __init__(self, cfg: Olmo2Config) -> None:
-        super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # (B, T, d)
 
 
 class Olmo2Attention(nn.Module):
@@ -102,7 +93,7 @@ class Olmo2Head(nn.Module):
 class _Model(nn.Module):
     def __init__(self, cfg: Olmo2Config) -> None:
         super().__init__()
-        self.embed_tokens = Olmo2Embedding(cfg).embed_tokens
+        self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
         self.layers = nn.ModuleList(Olmo2Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -128,4 +119,4 @@ class Olmo2(CausalLM):
         return self.lm_head(self.model.norm(h)).float()  # (B, T, vocab)
 
 
-UNITS = FamilyUnits(embed=Olmo2Embedding, block=Olmo2Block, head=Olmo2Head, model=Olmo2)
+UNITS = FamilyUnits(embed=LlamaEmbedding, block=Olmo2Block, head=Olmo2Head, model=Olmo2)

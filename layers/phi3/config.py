@@ -37,15 +37,10 @@ class Phi3Config(LlamaConfig):
 
     # The context the model was pretrained on: longrope's short factors up to it, its long factors past it.
     original_max_position_embeddings: int = 4096
-    pad_token_id: int | None = None  # the embedding row that gets no gradient; None: none
 
     def __post_init__(self) -> None:
         super().__post_init__()
         positive_ints(self, "original_max_position_embeddings")
-        if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
-                                                  and 0 <= self.pad_token_id < self.vocab_size):
-            raise ConfigError(f"pad_token_id ({self.pad_token_id!r}) must be a token id below vocab_size "
-                              f"({self.vocab_size}) or null")
 
     def _check_rope(self) -> None:
         params = dict(self.rope_parameters.items() if isinstance(self.rope_parameters, Mapping)

@@ -1,6 +1,6 @@
 """The Phi-3 family's streamed units and its resident model, whose state_dict is key for key transformers'
 Phi3ForCausalLM: Llama's block (layers/llama/units.py) with q, k and v from one projection and the gate and up
-from one; the embedding's padding row gets no gradient; the head is Llama's."""
+from one; the embedding and the head are Llama's."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -9,19 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.block import KVCache, embedding
-from layers.llama.units import Llama, LlamaBlock, LlamaHead, rotary_attention
+from layers.block import KVCache
+from layers.llama.units import Llama, LlamaBlock, LlamaEmbedding, LlamaHead, rotary_attention
 from layers.model import FamilyUnits
 from layers.phi3.config import Phi3Config
-
-
-class Phi3Embedding(nn.Module):
-    def __init__(self, cfg: Phi3Config) -> None:
-        super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # (B, T, d)
 
 
 class Phi3Attention(nn.Module):
@@ -69,8 +60,7 @@ class Phi3Block(LlamaBlock):
 class Phi3(Llama):
     """A Phi-3 model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
 
-    embedding_type: ClassVar[type[nn.Module]] = Phi3Embedding
     block_type: ClassVar[type[nn.Module]] = Phi3Block
 
 
-UNITS = FamilyUnits(embed=Phi3Embedding, block=Phi3Block, head=LlamaHead, model=Phi3)
+UNITS = FamilyUnits(embed=LlamaEmbedding, block=Phi3Block, head=LlamaHead, model=Phi3)
