@@ -9,7 +9,7 @@ from torch import nn
 
 from layers.block import KVCache, full_attention_only, RMSNorm, attend, embedding, init_weights, language_model_output
 from layers.llama.config import LlamaConfig
-from layers.model import CausalLM, FamilyUnits
+from layers.model import CausalLM, FamilyUnits, family_units
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 
 
@@ -77,13 +77,15 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm residual: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
 
+    Mlp: type[nn.Module] = LlamaMLP  # a block of mixture-of-experts families has a sparse one (layers/moe)
+
     def __init__(self, cfg: LlamaConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
         full_attention_only(cfg, layer_type)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.Mlp(cfg)
 
     def forward(self, h: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +111,8 @@ class _Model(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
-        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        block = family_units(cfg).block
+        self.layers = nn.ModuleList(block(cfg, kind) for kind in cfg.layer_types())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -1,0 +1,138 @@
+"""The mixture-of-experts families' configurations (torch-free), transformers' field names: `qwen3_moe`, a Qwen3
+whose MLP is a sparse mixture of experts. Its units are in layers/moe/units.py.
+
+A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block: a router (`gate`, a linear map
+to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
+token's output is the sum of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the
+chosen ones where `norm_topk_prob`). Everything else is the Llama family's, variations and all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from layers.config import PRESETS, ConfigError, family, positive_ints, take_aliases
+from layers.llama.config import TINY, Qwen3Config
+
+
+class MixtureOfExperts:
+    """The sparse MLP's parameters, matmuls and saved bytes, for a config class that also subclasses LlamaConfig.
+    A token goes through the router and its `num_experts_per_tok` experts only: its FLOPs are those, and what the
+    experts save is per routed token whatever the routing, since nothing is padded per expert."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    hidden_size: int
+    expert_width: int  # each expert's SwiGLU width, by the family's own field (a property of its class)
+    # Attention's projections only: the experts are fused tensors (E, out, in), which PEFT's LoRA cannot target
+    # as it targets a Linear, and the router is transformers' own module, not a Linear either.
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+        "o_proj": "self_attn.o_proj"}
+
+    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
+        prefix, _, name = key.rpartition("experts.")
+        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(name)
+        if not prefix or parts is None:
+            return None
+        return [[f"{prefix}experts.{e}.{part}.weight" for part in parts] for e in range(self.num_experts)]
+
+    def check_experts(self) -> None:
+        positive_ints(self, "num_experts", "num_experts_per_tok")
+        if self.expert_width <= 0:
+            raise ConfigError(f"the experts' width must be a positive integer, got {self.expert_width!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the number of "
+                              f"experts ({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+
+    def mlp_params(self) -> int:
+        d, f, experts = self.hidden_size, self.expert_width, self.num_experts
+        return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
+
+    def mlp_matmul_params(self) -> int:
+        return self.num_experts * self.hidden_size + self.num_experts_per_tok * 3 * self.hidden_size * self.expert_width
+
+    def _routing_saved(self) -> int:
+        """Per token: the router's fp32 probabilities (softmax's output), the chosen experts (top-k's int64
+        indices), and, where renormalised, the chosen probabilities and their sum (the division's operands)."""
+        k = self.num_experts_per_tok
+        return 4 * self.num_experts + 8 * k + ((4 * k + 4) if self.norm_topk_prob else 0)
+
+    def mlp_saved_per_token(self, es: int) -> int:
+        d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
+        # Per routed token: its index into the tokens and into the routing weights (int64 each), its input row
+        # (the gate/up matmul's), gate and up (silu's input), silu(gate), their product (down's input), the
+        # expert's output and its routing weight (the weighting product's operands).
+        return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
+
+    def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
+                         mlp_in: bool) -> tuple[int, dict[str, bool]]:
+        d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
+        if not mlp_in:
+            return 0, {}
+        # Frozen experts keep no matmul input: per routed token its two indices, gate and up, silu(gate), the
+        # expert's output and its routing weight.
+        return self._routing_saved() + k * (16 + es * (d + 3 * f) + es), {}
+
+
+@family
+@dataclass(frozen=True)
+class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
+    """Qwen3's attention (RMSNorm on each head of q and k) and a sparse MLP in every layer. transformers' class
+    makes some layers dense (`decoder_sparse_step`, `mlp_only_layers`) or adds the router's auxiliary loss
+    (`output_router_logits`): published configs do neither, and both are refused here."""
+
+    model_type: ClassVar[str] = "qwen3_moe"
+    architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
+                                             "intermediate_size": 6144, "sliding_window": 4096}
+
+    intermediate_size: int = 6144  # the dense MLP's width, which no layer has here
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_experts()
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate_size
+
+    @classmethod
+    def example(cls) -> "Qwen3MoeConfig":
+        """Four experts, two per token, renormalised; q/k norms on a head_dim apart from hidden_size's share."""
+        return cls(**{**TINY, "num_key_value_heads": 1}, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, norm_topk_prob=True)
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "Qwen3MoeConfig":
+        take_aliases(raw, {"num_local_experts": "num_experts"})  # the name transformers 5 writes
+        if raw.get("output_router_logits"):
+            raise ConfigError("output_router_logits=true (the router's auxiliary loss) is not supported; set it "
+                              "to false")
+        step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
+                              "only a sparse MLP in every layer is supported (decoder_sparse_step 1, "
+                              "mlp_only_layers [])")
+        return super().from_hf_fields(raw)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False}
+
+
+PRESETS.update({
+    # Qwen/Qwen3-30B-A3B's config.json; tests/test_moe.py checks transformers' parameter count.
+    "qwen3-30b-a3b": Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                    rope_parameters=(("rope_theta", 1000000.0), ("rope_type", "default")),
+                                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                    norm_topk_prob=True),
+})
