@@ -44,10 +44,14 @@ class SavedStorages:
         self.params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
         self.owner: dict[int, str] = {}
         self.bytes: dict[str, int] = {}
+        # Each charged storage held: a unit's graph may be gone before the next unit runs, and a storage of the
+        # next one at a freed one's address must not pass for it.
+        self.held: list[torch.UntypedStorage] = []
 
     def charge(self, unit: str, t: torch.Tensor) -> None:
         key = t.untyped_storage().data_ptr()
         if key not in self.params and key not in self.owner:
+            self.held.append(t.untyped_storage())
             self.owner[key] = unit
             self.bytes[unit] = self.bytes.get(unit, 0) + t.untyped_storage().nbytes()
 
@@ -64,10 +68,13 @@ def _random_config(rng: random.Random, family: str) -> ModelConfig:
         return GPTJConfig(vocab_size=vocab, n_positions=positions, n_embd=n_head * head_dim, n_layer=2,
                           n_head=n_head, rotary_dim=2 * rng.randint(1, head_dim // 2), n_inner=inner)
     # Grouped-query attention (one key/value head, or one per query head) and a head_dim of its own.
-    return FAMILIES[family](vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner,
-                            num_hidden_layers=2, num_attention_heads=n_head,
-                            num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
-                            max_position_embeddings=positions)
+    sizes = dict(vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner, num_hidden_layers=2,
+                 num_attention_heads=n_head, num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
+                 max_position_embeddings=positions)
+    if family == "qwen3_moe":  # its experts' width, how many, how many a token takes, renormalised or not
+        sizes.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
+                     moe_intermediate_size=inner, norm_topk_prob=rng.choice([False, True]))
+    return FAMILIES[family](**sizes)
 
 
 def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.nn.Module], torch.nn.Module]:
@@ -76,8 +83,9 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
     return build_unit(cfg, "embed", "cpu").to(dtype), blocks, build_unit(cfg, "head", "cpu").to(dtype)
 
 
-# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms.
-CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES for family in ("gptj", "llama", "qwen2", "qwen3")]
+# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, Qwen3-MoE's experts.
+CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
+         for family in ("gptj", "llama", "qwen2", "qwen3", "qwen3_moe")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)

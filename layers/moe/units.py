@@ -66,10 +66,9 @@ class Experts(nn.Module):
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
         sizes = None if x.is_meta else torch.bincount(chosen.flatten(), minlength=experts).tolist()
         gate, up = GroupedLinear.apply(x[order // k], self.gate_up_proj, sizes).chunk(2, dim=-1)
-        out = GroupedLinear.apply(F.silu(gate) * up, self.down_proj, sizes)
-        # Back in (token, choice) order: a gather, whose backward keeps only its indices (index_add's would
-        # keep the whole routed output).
-        per_choice = out[order.argsort()].view(n, k, -1)
+        # The experts' outputs back in (token, choice) order: a gather, whose backward keeps only its indices
+        # (index_add's would keep the whole routed output), and no name holds the grouped output past it.
+        per_choice = GroupedLinear.apply(F.silu(gate) * up, self.down_proj, sizes)[order.argsort()].view(n, k, -1)
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
