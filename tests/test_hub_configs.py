@@ -23,7 +23,8 @@ from tests.test_cli import fails, run_cli
 HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
              "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
-             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "gpt-j-6b")
+             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "gpt-j-6b",
+             "qwen3-30b-a3b")
 
 
 def published(name: str) -> dict[str, Any]:
@@ -42,7 +43,8 @@ def transformers_params(raw: dict[str, Any]) -> int:
 
 def test_every_supported_family_has_its_published_configs():
     assert sorted(p.stem for p in HUB.glob("*.json")) == sorted(PUBLISHED)
-    assert {published(name)["model_type"] for name in PUBLISHED} == {"llama", "mistral", "qwen2", "qwen3", "gptj"}
+    assert {published(name)["model_type"] for name in PUBLISHED} == {"llama", "mistral", "qwen2", "qwen3", "gptj",
+                                                                       "qwen3_moe"}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -83,6 +85,7 @@ UNREAD = [
     ("llama-3.2-1b", {"_model_name_or_path": "tiny", "unk_token_id": 0, "pad_token_id": None,
                       "quantization_config": {"quant_method": "gguf", "dequantize": False}}),
     ("gpt-j-6b", {"scale_attn_weights": False, "rotary": True, "n_ctx": 2048, "summary_type": "mean"}),
+    ("qwen3-30b-a3b", {"router_aux_loss_coef": 0.5, "mlp_bias": True}),  # the loss only with output_router_logits
 ]
 
 
@@ -103,6 +106,10 @@ REFUSED = [
      "partial_rotary_factor=0.5 is not supported"),
     ("gpt-j-6b", {"resid_pdrop": 0.1}, "resid_pdrop=0.1 is not supported"),
     ("gpt-j-6b", {"activation_function": "relu"}, "activation_function 'relu' is not supported"),
+    ("qwen3-30b-a3b", {"output_router_logits": True}, "output_router_logits=true (the router's auxiliary loss) is "
+                                                      "not supported"),
+    ("qwen3-30b-a3b", {"mlp_only_layers": [0, 1]}, "mlp_only_layers=[0, 1] make some layers dense"),
+    ("qwen3-30b-a3b", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 and mlp_only_layers=[] make some layers"),
 ]
 
 

@@ -132,6 +132,9 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
             raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
                               "only a sparse MLP in every layer is supported (decoder_sparse_step 1, "
                               "mlp_only_layers [])")
+        # Its window slides on every layer whenever use_sliding_window: the class reads neither of Qwen2's
+        # per-layer fields.
+        raw = {k: v for k, v in raw.items() if k not in ("max_window_layers", "layer_types")}
         return super().from_hf_fields(raw)  # type: ignore[return-value]
 
     def to_hf(self) -> dict[str, Any]:
