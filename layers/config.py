@@ -132,6 +132,11 @@ class ModelConfig(abc.ABC):
         return {self.hf_key(unit, key): self.hf_key(owner, owner_key)
                 for unit in self.unit_names() for key, (owner, owner_key) in self.borrowed(unit).items()}
 
+    def hf_saved_name(self, key: str) -> str:
+        """The name transformers saves the tensor its model names `key` under, where it saves it whole (Mixtral's
+        router, 'mlp.gate.weight' in memory, is saved as 'block_sparse_moe.gate.weight')."""
+        return key
+
     def hf_saved_parts(self, key: str) -> list[list[str]] | None:
         """How transformers saves the tensor its model names `key`: None, as itself; else for each row of its
         first dimension (an expert) the names of the tensors that row is, concatenated along their first

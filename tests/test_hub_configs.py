@@ -24,7 +24,7 @@ HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
              "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
              "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "gpt-j-6b",
-             "qwen3-30b-a3b")
+             "qwen3-30b-a3b", "mixtral-8x7b")
 
 
 def published(name: str) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def transformers_params(raw: dict[str, Any]) -> int:
 def test_every_supported_family_has_its_published_configs():
     assert sorted(p.stem for p in HUB.glob("*.json")) == sorted(PUBLISHED)
     assert {published(name)["model_type"] for name in PUBLISHED} == {"llama", "mistral", "qwen2", "qwen3", "gptj",
-                                                                       "qwen3_moe"}
+                                                                       "qwen3_moe", "mixtral"}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -110,6 +110,8 @@ REFUSED = [
                                                       "not supported"),
     ("qwen3-30b-a3b", {"mlp_only_layers": [0, 1]}, "mlp_only_layers=[0, 1] make some layers dense"),
     ("qwen3-30b-a3b", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 and mlp_only_layers=[] make some layers"),
+    ("mixtral-8x7b", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ("mixtral-8x7b", {"output_router_logits": True}, "output_router_logits=true (the router's auxiliary loss)"),
 ]
 
 

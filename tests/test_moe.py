@@ -10,26 +10,28 @@ import pytest
 import torch
 import transformers
 
-from layers import PRESETS, Qwen3MoeConfig, resident_model
+from layers import PRESETS, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
 from layers.moe.units import GroupedLinear
 from streamer import StreamingTrainer, TrainerConfig
 from tests.test_families import hf_model
 from tests.test_runtime import hf_fp32_noise, hf_reference
 
 
-def transformers_count(cfg: Qwen3MoeConfig) -> int:
+def transformers_count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
     return sum(p.numel() for p in model.parameters())
 
 
 def test_presets_have_transformers_parameter_counts():
-    """Qwen3-30B-A3B: 30.5B parameters, 3.3B of them a token's (attention, the router, 8 of 128 experts)."""
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B of them a token's (attention, the router, 8 of 128 experts);
+    Mixtral-8x7B: 46.7B."""
     cfg = PRESETS["qwen3-30b-a3b"]
     assert cfg.num_params() == transformers_count(cfg) == 30_532_122_624
     active = cfg.embed_params() + cfg.head_params() + cfg.num_hidden_layers * (
         cfg.block_params() - cfg.mlp_params() + cfg.mlp_matmul_params())
     assert 3.3e9 < active < 3.4e9
+    assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
 
 
 def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: Path):
@@ -76,12 +78,15 @@ def test_the_grouped_matmul_is_one_matmul_per_expert_with_tokens():
     assert torch.count_nonzero(grads[1][1]) == 0
 
 
-def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path: Path):
-    """transformers writes each expert's projections as tensors of their own; the checkpoint reads them as the
-    fused tensors the model holds, and the export writes them back as transformers wrote them."""
+@pytest.mark.parametrize("family,saved", [(Qwen3MoeConfig, "model.layers.1.mlp.experts.3.up_proj.weight"),
+                                           (MixtralConfig, "model.layers.1.block_sparse_moe.experts.3.w3.weight")])
+def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path: Path, family, saved: str):
+    """transformers writes each expert's projections as tensors of their own (Mixtral's under its older module
+    names, its router too); the checkpoint reads them as the fused tensors the model holds, and the export
+    writes them back as transformers wrote them."""
     from streamer.io.hf import HFCheckpoint, HFExporter
 
-    cfg = Qwen3MoeConfig.example()
+    cfg = family.example()
     hf_model(cfg).save_pretrained(tmp_path / "hf")
     with HFCheckpoint.open(tmp_path / "hf") as checkpoint:
         checkpoint.validate()
@@ -93,10 +98,10 @@ def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path:
             exporter.add(key, tensor)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as written, \
-            safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as saved:
-        assert set(written.keys()) == set(saved.keys())
-        assert "model.layers.1.mlp.experts.3.up_proj.weight" in set(written.keys())
-        assert all(torch.equal(written.get_tensor(k), saved.get_tensor(k)) for k in saved.keys())
+            safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as original:
+        assert set(written.keys()) == set(original.keys())
+        assert saved in set(written.keys())
+        assert all(torch.equal(written.get_tensor(k), original.get_tensor(k)) for k in original.keys())
     model = resident_model(cfg, init=False)
     model.load_hf_state_dict(state)
 

@@ -1,5 +1,6 @@
 """The mixture-of-experts families' configurations (torch-free), transformers' field names: `qwen3_moe`, a Qwen3
-whose MLP is a sparse mixture of experts. Its units are in layers/moe/units.py.
+whose MLP is a sparse mixture of experts, and `mixtral`, a Mistral whose MLP is. Their units are in
+layers/moe/units.py.
 
 A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block: a router (`gate`, a linear map
 to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, family, positive_ints, take_aliases
-from layers.llama.config import TINY, Qwen3Config
+from layers.llama.config import TINY, MistralConfig, Qwen3Config
 
 
 class MixtureOfExperts:
@@ -31,12 +32,31 @@ class MixtureOfExperts:
         "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
         "o_proj": "self_attn.o_proj"}
 
+    # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
+    # down), as the checkpoints before transformers 5 held them.
+    saved_mlp: ClassVar[str] = "mlp"
+    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
+
+    def hf_saved_name(self, key: str) -> str:
+        return key.replace(".mlp.gate.", f".{self.saved_mlp}.gate.")
+
     def hf_saved_parts(self, key: str) -> list[list[str]] | None:
-        prefix, _, name = key.rpartition("experts.")
-        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(name)
+        prefix, _, name = key.rpartition(".mlp.experts.")
+        parts = dict(zip(("gate_up_proj", "down_proj"), self.saved_projections)).get(name)
         if not prefix or parts is None:
             return None
-        return [[f"{prefix}experts.{e}.{part}.weight" for part in parts] for e in range(self.num_experts)]
+        return [[f"{prefix}.{self.saved_mlp}.experts.{e}.{part}.weight" for part in parts]
+                for e in range(self.num_experts)]
+
+    @staticmethod
+    def check_hf_experts(raw: dict[str, Any]) -> None:
+        """What transformers' classes of a mixture compute and this one does not: refused in one line."""
+        if raw.get("output_router_logits"):
+            raise ConfigError("output_router_logits=true (the router's auxiliary loss) is not supported; set it "
+                              "to false")
+        if raw.get("router_jitter_noise"):
+            raise ConfigError(f"router_jitter_noise={raw['router_jitter_noise']!r} is not supported (no noise on "
+                              "the router's input); set it to 0.0")
 
     def check_experts(self) -> None:
         positive_ints(self, "num_experts", "num_experts_per_tok")
@@ -124,9 +144,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "Qwen3MoeConfig":
         take_aliases(raw, {"num_local_experts": "num_experts"})  # the name transformers 5 writes
-        if raw.get("output_router_logits"):
-            raise ConfigError("output_router_logits=true (the router's auxiliary loss) is not supported; set it "
-                              "to false")
+        cls.check_hf_experts(raw)
         step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
         if step != 1 or dense:
             raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
@@ -141,12 +159,67 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
         return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False}
 
 
+@family
+@dataclass(frozen=True)
+class MixtralConfig(MixtureOfExperts, MistralConfig):
+    """Mistral's attention and a sparse MLP of `num_local_experts` experts of width `intermediate_size`. The
+    router's chosen probabilities are always renormalised: a softmax over the chosen experts' logits, computed
+    as transformers does (softmax over all, top-k, divided by their sum). transformers keeps them in fp32 for
+    the weighting; here they are cast to the compute dtype first (the same in fp32, a rounding apart in bf16)."""
+
+    model_type: ClassVar[str] = "mixtral"
+    architecture: ClassVar[str] = "MixtralForCausalLM"
+    saved_mlp: ClassVar[str] = "block_sparse_moe"
+    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("w1", "w3"), ("w2",))
+    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                             "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
+
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_experts()
+
+    @property
+    def num_experts(self) -> int:  # type: ignore[override]
+        return self.num_local_experts
+
+    @property
+    def norm_topk_prob(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def expert_width(self) -> int:
+        return self.intermediate_size
+
+    @classmethod
+    def example(cls) -> "MixtralConfig":
+        """Four experts, two per token, narrower than the model; grouped-query attention and no window."""
+        return cls(**{**TINY, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=2)
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "MixtralConfig":
+        take_aliases(raw, {"num_experts": "num_local_experts"})
+        cls.check_hf_experts(raw)
+        return super().from_hf_fields(raw)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "output_router_logits": False, "router_jitter_noise": 0.0}
+
+
+THETA_1E6 = (("rope_theta", 1000000.0), ("rope_type", "default"))
 PRESETS.update({
     # Qwen/Qwen3-30B-A3B's config.json; tests/test_moe.py checks transformers' parameter count.
     "qwen3-30b-a3b": Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                     head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                                    rope_parameters=(("rope_theta", 1000000.0), ("rope_type", "default")),
+                                    rope_parameters=THETA_1E6,
                                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                                     norm_topk_prob=True),
+    # mistralai/Mixtral-8x7B-v0.1's config.json.
+    "mixtral-8x7b": MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                                  rms_norm_eps=1e-5, rope_parameters=THETA_1E6, num_local_experts=8,
+                                  num_experts_per_tok=2),
 })

@@ -97,14 +97,21 @@ class HFCheckpoint:
         return checkpoint
 
     def _join_saved_parts(self) -> None:
-        """A tensor transformers saves in parts (a mixture's experts, one expert and projection a tensor) is
-        listed under the model's own name, and read whole (`ModelConfig.hf_saved_parts`)."""
+        """A tensor transformers saves under another name (`ModelConfig.hf_saved_name`) or in parts (a
+        mixture's experts, one expert and projection a tensor: `ModelConfig.hf_saved_parts`) is listed under the
+        model's own name, and read whole."""
         self._parts: dict[str, list[list[str]]] = {}
+        self._renamed: dict[str, str] = {}  # the model's name -> the one it is saved under
         self._part_entries: dict[str, _Entry] = {}
         for key in expected_tensors(self.config):
-            parts = self.config.hf_saved_parts(key)
-            names = [name for row in parts or () for name in row]
-            if parts is None or key in self._entries or not all(name in self._entries for name in names):
+            parts, name = self.config.hf_saved_parts(key), self.config.hf_saved_name(key)
+            if parts is None:
+                if key not in self._entries and name in self._entries:
+                    self._entries[key] = self._entries.pop(name)
+                    self._renamed[key] = name
+                continue
+            names = [name for row in parts for name in row]
+            if key in self._entries or not all(name in self._entries for name in names):
                 continue
             first = self._entries[names[0]]
             if any(self._entries[name].shape != first.shape for name in names):
@@ -157,7 +164,7 @@ class HFCheckpoint:
         if key in self._parts:  # each row (expert) its parts concatenated, the rows stacked
             return torch.stack([torch.cat([self._read_stored(name, self._part_entries[name], dtype) for name in row])
                                 for row in self._parts[key]])
-        return self._read_stored(key, entry, dtype)
+        return self._read_stored(self._renamed.get(key, key), entry, dtype)
 
     def _read_stored(self, key: str, entry: _Entry, dtype: torch.dtype) -> torch.Tensor:
         if not self._shards:
@@ -360,7 +367,7 @@ class HFExporter:
         self._added.add(key)
         parts = self.cfg.hf_saved_parts(key)
         if parts is None:
-            self._queue(key, tensor)
+            self._queue(self.cfg.hf_saved_name(key), tensor)
             return
         for row, names in zip(tensor, parts):  # saved as transformers saves it: each row's parts apart
             for name, piece in zip(names, row.chunk(len(names))):
