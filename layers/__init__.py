@@ -12,7 +12,7 @@ from typing import Any
 from layers.config import FAMILIES, PRESETS, ConfigError, ModelConfig
 from layers.gptj import GPTJConfig
 from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-from layers.moe import MixtralConfig, Qwen3MoeConfig
+from layers.moe import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
@@ -25,7 +25,7 @@ _LAZY = {
 }
 
 __all__ = ["FAMILIES", "PRESETS", "ConfigError", "GPTJConfig", "LlamaConfig", "MistralConfig", "ModelConfig",
-           "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig", "MixtralConfig", *_LAZY]
+           "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig", "MixtralConfig", "OlmoeConfig", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

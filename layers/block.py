@@ -13,10 +13,11 @@ from layers.config import ModelConfig
 from layers.loss import chunked_lm_loss
 
 
-def embedding(vocab_size: int, dim: int) -> nn.Embedding:
+def embedding(vocab_size: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
     """An embedding table left uninitialised: every model's weights are loaded or set by `init_weights`, and
-    nn.Embedding's own normal_ draw on `meta` imports torch._dynamo (about 1.2 s of CPU in every process)."""
-    return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+    nn.Embedding's own normal_ draw on `meta` imports torch._dynamo (about 1.2 s of CPU in every process).
+    `padding_idx`: a token whose row gets no gradient (torch's)."""
+    return nn.Embedding(vocab_size, dim, padding_idx, _weight=torch.empty(vocab_size, dim))
 
 
 @dataclass
@@ -112,13 +113,15 @@ class RMSNorm(nn.Module):
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """HF's initialisation: normal(0, 0.02) matrices (a Linear's, an embedding's, fused experts'), zero biases,
-    unit norm weights (LayerNorm, RMSNorm) and zero LayerNorm biases."""
+    """HF's initialisation: normal(0, 0.02) matrices (a Linear's, an embedding's, fused experts'), zero biases
+    and padding rows, unit norm weights (LayerNorm, RMSNorm) and zero LayerNorm biases."""
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, nn.Embedding)):
             nn.init.normal_(sub.weight, mean=0.0, std=std)
             if getattr(sub, "bias", None) is not None:
                 nn.init.zeros_(sub.bias)
+            if getattr(sub, "padding_idx", None) is not None:
+                nn.init.zeros_(sub.weight[sub.padding_idx])
         elif isinstance(sub, (nn.LayerNorm, RMSNorm)):
             nn.init.ones_(sub.weight)
             if getattr(sub, "bias", None) is not None:

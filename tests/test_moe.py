@@ -25,13 +25,14 @@ def transformers_count(cfg: ModelConfig) -> int:
 
 def test_presets_have_transformers_parameter_counts():
     """Qwen3-30B-A3B: 30.5B parameters, 3.3B of them a token's (attention, the router, 8 of 128 experts);
-    Mixtral-8x7B: 46.7B."""
+    Mixtral-8x7B: 46.7B; OLMoE-1B-7B: 6.9B."""
     cfg = PRESETS["qwen3-30b-a3b"]
     assert cfg.num_params() == transformers_count(cfg) == 30_532_122_624
     active = cfg.embed_params() + cfg.head_params() + cfg.num_hidden_layers * (
         cfg.block_params() - cfg.mlp_params() + cfg.mlp_matmul_params())
     assert 3.3e9 < active < 3.4e9
     assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
+    assert PRESETS["olmoe-1b-7b"].num_params() == transformers_count(PRESETS["olmoe-1b-7b"]) == 6_919_161_856
 
 
 def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: Path):

@@ -71,9 +71,16 @@ def _random_config(rng: random.Random, family: str) -> ModelConfig:
     sizes = dict(vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner, num_hidden_layers=2,
                  num_attention_heads=n_head, num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
                  max_position_embeddings=positions)
-    if family == "qwen3_moe":  # its experts' width, how many, how many a token takes, renormalised or not
+    # A mixture of experts: how many, how many a token takes, renormalised or not, their width
+    # (intermediate_size but for Qwen3-MoE's own field); OLMoE's q norm spans hidden_size.
+    if family == "qwen3_moe":
         sizes.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
                      moe_intermediate_size=inner, norm_topk_prob=rng.choice([False, True]))
+    elif family == "mixtral":
+        sizes.update(num_local_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]))
+    elif family == "olmoe":
+        sizes.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
+                     norm_topk_prob=rng.choice([False, True]), hidden_size=n_head * head_dim)
     return FAMILIES[family](**sizes)
 
 
@@ -83,9 +90,10 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
     return build_unit(cfg, "embed", "cpu").to(dtype), blocks, build_unit(cfg, "head", "cpu").to(dtype)
 
 
-# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, Qwen3-MoE's experts.
+# Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, the mixtures of
+# experts (OLMoE's q/k norms over whole projections).
 CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
-         for family in ("gptj", "llama", "qwen2", "qwen3", "qwen3_moe")]
+         for family in ("gptj", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)

@@ -54,6 +54,7 @@ class LlamaConfig(ModelConfig):
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
+    qk_norm_whole: ClassVar[bool] = False  # that RMSNorm over q's and k's whole projections instead (olmoe)
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
     slides: ClassVar[bool] = False  # whether transformers' class reads sliding_window
     # Whether transformers' config turns the window on only with use_sliding_window, on the layers from
@@ -137,6 +138,17 @@ class LlamaConfig(ModelConfig):
         return self.head_dim  # type: ignore[return-value]
 
     @property
+    def qk_norm_rows(self) -> tuple[int, int]:
+        """The rows per token the q and k norms normalise (each a statistic they save): a head each, or one."""
+        return (1, 1) if self.qk_norm_whole else (self.num_attention_heads, self.num_key_value_heads)  # type: ignore
+
+    @property
+    def embedding_padding_idx(self) -> int | None:
+        """The token whose embedding row gets no gradient and starts at zero (torch's padding_idx, which
+        transformers' embedding takes from pad_token_id where its class reads it); None: none."""
+        return None
+
+    @property
     def rope(self) -> dict[str, Any]:
         return dict(self.rope_parameters)
 
@@ -157,7 +169,8 @@ class LlamaConfig(ModelConfig):
         attention = d * q + 2 * d * kv + q * d
         attention += (q + 2 * kv) if self.attention_bias or self.qkv_bias else 0
         attention += d if self.attention_bias else 0  # o_proj's bias
-        attention += 2 * self.head_dim if self.qk_norm else 0  # type: ignore[operator]
+        if self.qk_norm:
+            attention += (q + kv) if self.qk_norm_whole else 2 * self.head_dim  # type: ignore[operator]
         return 2 * d + attention + self.mlp_params()  # input_layernorm, post_attention_layernorm
 
     def mlp_params(self) -> int:
@@ -197,8 +210,8 @@ class LlamaConfig(ModelConfig):
             return 4 * w + 4 * rows + es * w
 
         saved = 2 * (norm(d) + es * d)  # input_layernorm and post_attention_layernorm, and their outputs
-        if self.qk_norm:  # per head of q and k; their outputs go to RoPE, which saves only its tables
-            saved += norm(q, self.num_attention_heads) + norm(kv, self.num_key_value_heads)  # type: ignore
+        if self.qk_norm:  # over q and k, per head or whole; their outputs go to RoPE, which saves only its tables
+            saved += norm(q, self.qk_norm_rows[0]) + norm(kv, self.qk_norm_rows[1])
         saved += 4 * es * q  # rotated q, k and v repeated to every query head (SDPA's inputs), its output
         return saved + self.mlp_saved_per_token(es)
 
@@ -230,8 +243,8 @@ class LlamaConfig(ModelConfig):
         saved = norm if grad_in else 0  # input_layernorm
         saved += d * es if plain and targets & {"q_proj", "k_proj", "v_proj"} else 0  # its output, the adapters'
         if self.qk_norm:
-            saved += (4 * q + 4 * self.num_attention_heads if q_grad else 0)
-            saved += (4 * kv + 4 * self.num_key_value_heads if k_grad else 0)  # type: ignore[operator]
+            saved += (4 * q + 4 * self.qk_norm_rows[0] if q_grad else 0)
+            saved += (4 * kv + 4 * self.qk_norm_rows[1] if k_grad else 0)
         saved += 4 * q * es if attention else 0  # rotated q, k and v repeated to every query head, the output
         saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
         mlp_in = grad_in or attention or "o_proj" in targets  # the residual after attention needs a gradient

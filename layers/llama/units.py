@@ -16,7 +16,7 @@ from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 class LlamaEmbedding(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.embedding_padding_idx)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # (B, T, d)
@@ -34,9 +34,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv, bias=qkv_bias)
         self.v_proj = nn.Linear(d, kv, bias=qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=cfg.attention_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # over each head, or over the whole projection
+            self.q_norm = RMSNorm(q if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,10 +44,13 @@ class LlamaAttention(nn.Module):
         start_pos."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if cfg.qk_norm and cfg.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm and not cfg.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is None:
             sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, x.dtype, x.device,

@@ -1,5 +1,5 @@
 """The mixture-of-experts families' configurations (torch-free), transformers' field names: `qwen3_moe`, a Qwen3
-whose MLP is a sparse mixture of experts, and `mixtral`, a Mistral whose MLP is. Their units are in
+whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Their units are in
 layers/moe/units.py.
 
 A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block: a router (`gate`, a linear map
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, family, positive_ints, take_aliases
-from layers.llama.config import TINY, MistralConfig, Qwen3Config
+from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
 
 
 class MixtureOfExperts:
@@ -208,6 +208,64 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
         return {**super().to_hf(), "output_router_logits": False, "router_jitter_noise": 0.0}
 
 
+@family
+@dataclass(frozen=True)
+class OlmoeConfig(MixtureOfExperts, LlamaConfig):
+    """OLMo's attention (RMSNorm over q's and k's whole projections, as OLMo 2's) and a sparse MLP of
+    `num_experts` experts of width `intermediate_size`, not renormalised by default. Its embedding's
+    `pad_token_id` row gets no gradient and starts at zero, as transformers' nn.Embedding(padding_idx) does."""
+
+    model_type: ClassVar[str] = "olmoe"
+    architecture: ClassVar[str] = "OlmoeForCausalLM"
+    qk_norm: ClassVar[bool] = True
+    qk_norm_whole: ClassVar[bool] = True
+    honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
+    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    pad_token_id: int | None = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_experts()
+        if self.head_dim * self.num_attention_heads != self.hidden_size:  # type: ignore[operator]
+            raise ConfigError(f"head_dim={self.head_dim} is not hidden_size / num_attention_heads "
+                              f"({self.hidden_size} / {self.num_attention_heads}): OLMoE's q norm spans "
+                              "hidden_size; remove head_dim")
+        pad = self.pad_token_id
+        if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size):
+            raise ConfigError(f"pad_token_id must be a token id below vocab_size ({self.vocab_size}) or null, "
+                              f"got {pad!r}")
+
+    @property
+    def expert_width(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def embedding_padding_idx(self) -> int | None:
+        return self.pad_token_id
+
+    @classmethod
+    def example(cls) -> "OlmoeConfig":
+        """Four experts, two per token, not renormalised; q/k norms over the whole projections, grouped-query
+        attention, q/k/v/o biases, and a padding token."""
+        return cls(**{**TINY, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2, attention_bias=True)
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "OlmoeConfig":
+        take_aliases(raw, {"num_local_experts": "num_experts"})
+        cls.check_hf_experts(raw)
+        if raw.get("clip_qkv") is not None:
+            raise ConfigError(f"clip_qkv={raw['clip_qkv']!r} is not supported (no clamping of q, k and v); set it "
+                              "to null")
+        return super().from_hf_fields(raw)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "output_router_logits": False, "clip_qkv": None}
+
+
 THETA_1E6 = (("rope_theta", 1000000.0), ("rope_type", "default"))
 PRESETS.update({
     # Qwen/Qwen3-30B-A3B's config.json; tests/test_moe.py checks transformers' parameter count.
@@ -222,4 +280,8 @@ PRESETS.update({
                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                                   rms_norm_eps=1e-5, rope_parameters=THETA_1E6, num_local_experts=8,
                                   num_experts_per_tok=2),
+    # allenai/OLMoE-1B-7B-0924's config.json.
+    "olmoe-1b-7b": OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                               num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                               rms_norm_eps=1e-5, num_experts=64, num_experts_per_tok=8, pad_token_id=1),
 })
