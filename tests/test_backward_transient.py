@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from layers import GPTJConfig, build_unit
 from layers.config import ModelConfig
 from layers.llama.config import LlamaConfig
-from layers.moe.config import Qwen3MoeConfig
+from layers.moe.config import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from memory_model.shapes import block_backward_transient_bytes
 
 
@@ -107,6 +107,11 @@ MOE = Qwen3MoeConfig(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_at
 MOE_NARROW = Qwen3MoeConfig(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=1024, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=96, norm_topk_prob=True)
+OLMOE = OlmoeConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=1024, num_experts=4, num_experts_per_tok=2)
+MIXTRAL = MixtralConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                        num_local_experts=4, num_experts_per_tok=2)
 LLAMA = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
@@ -114,9 +119,9 @@ LLAMA = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=320, num_h
 @pytest.mark.parametrize("cfg,batch,seq", [
     (GPTJ, 2, 256), (GPTJ, 1, 16), (GPTJ_NARROW_MLP, 2, 256), (LLAMA, 2, 256), (LLAMA, 1, 16),
     (GPTJConfig.preset("gptj-debug"), 2, 48), (LlamaConfig.preset("llama-debug"), 2, 48),
-    (MOE, 2, 256), (MOE, 4, 256), (MOE, 1, 16),
+    (MOE, 2, 256), (MOE, 4, 256), (MOE, 1, 16), (OLMOE, 4, 256), (MIXTRAL, 4, 256),
 ], ids=["gptj-2x256", "gptj-1x16", "gptj-narrow-mlp", "llama-2x256", "llama-1x16", "gptj-debug", "llama-debug",
-        "moe-2x256", "moe-4x256", "moe-1x16"])
+        "moe-2x256", "moe-4x256", "moe-1x16", "olmoe-4x256", "mixtral-4x256"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activations", ["resident", "checkpoint"])
 def test_block_backward_transient_equals_autograd(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype,

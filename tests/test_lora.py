@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers import GPTJ, PRESETS, GPTJConfig, ModelConfig, Qwen3MoeConfig, causal_lm_loss
+from layers import GPTJ, PRESETS, GPTJConfig, ModelConfig, OlmoeConfig, Qwen3MoeConfig, causal_lm_loss
 from layers.lora import add_adapters
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import adapter_params
@@ -75,6 +75,7 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
 
 LLAMA = PRESETS["llama-debug"]
 QWEN3_MOE = Qwen3MoeConfig.example().resized(max_position_embeddings=64)
+OLMOE = OlmoeConfig.example().resized(max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("model,dtype,activations,dropout,targets", [
@@ -89,6 +90,7 @@ QWEN3_MOE = Qwen3MoeConfig.example().resized(max_position_embeddings=64)
     # A mixture of experts: frozen experts and router under attention's adapters.
     (QWEN3_MOE, "fp32", "resident", 0.0, "q_proj,v_proj"),
     (QWEN3_MOE, "bf16", "checkpoint", 0.1, ",".join(QWEN3_MOE.projections)),
+    (OLMOE, "bf16", "resident", 0.0, "q_proj,k_proj"),  # q/k norms over the whole projections
 ], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
 def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtype: str, activations: str,
                                         dropout: float, targets: str) -> None:
