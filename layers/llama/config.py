@@ -3,8 +3,10 @@ and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention,
 `rope_parameters`: default, linear, dynamic, llama3). Its units are in layers/llama/units.py.
 
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
-q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k), and which of transformers' optional flags
-(`attention_bias`, `mlp_bias`) the family's transformers class honours.
+q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k; `qk_norm_whole`: over the whole projections,
+as olmoe's), and which of transformers' optional flags (`attention_bias`, `mlp_bias`) the family's transformers
+class honours. The MLP's terms are methods (`mlp_params`, `mlp_matmul_params`, `mlp_saved_per_token`,
+`frozen_mlp_saves`), which the mixture-of-experts families (layers/moe) override.
 """
 from __future__ import annotations
 

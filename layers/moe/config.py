@@ -73,7 +73,8 @@ class MixtureOfExperts:
         return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
 
     def mlp_matmul_params(self) -> int:
-        return self.num_experts * self.hidden_size + self.num_experts_per_tok * 3 * self.hidden_size * self.expert_width
+        d, f = self.hidden_size, self.expert_width
+        return self.num_experts * d + self.num_experts_per_tok * 3 * d * f  # the router, then k experts
 
     def _routing_saved(self) -> int:
         """Per token: the router's fp32 probabilities (softmax's output), the chosen experts (top-k's int64
@@ -83,9 +84,10 @@ class MixtureOfExperts:
 
     def mlp_saved_per_token(self, es: int) -> int:
         d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
-        # Per routed token: its index into the tokens and into the routing weights (int64 each), its input row
-        # (the gate/up matmul's), gate and up (silu's input), silu(gate), their product (down's input), the
-        # expert's output and its routing weight (the weighting product's operands).
+        # Per routed token: its token's index (the gather of the experts' inputs) and its place in (token,
+        # choice) order (the gather of their outputs), int64 each; its input row (the gate/up matmul's), gate and
+        # up (silu's input), silu(gate), their product (down's input), the expert's output and its routing
+        # weight (the weighting product's operands).
         return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
 
     def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
@@ -104,8 +106,8 @@ class MixtureOfExperts:
         d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
         if not mlp_in:
             return 0, {}
-        # Frozen experts keep no matmul input: per routed token its two indices, gate and up, silu(gate), the
-        # expert's output and its routing weight.
+        # Frozen experts keep no matmul input: per routed token its two gathers' indices, gate and up,
+        # silu(gate), the expert's output and its routing weight.
         return self._routing_saved() + k * (16 + es * (d + 3 * f) + es), {}
 
 
