@@ -15,6 +15,7 @@ from layers.llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from layers.olmo2 import Olmo2Config
 from layers.phi3 import Phi3Config
 from layers.gemma3 import Gemma3TextConfig
+from layers.moe import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
@@ -27,7 +28,8 @@ _LAZY = {
 }
 
 __all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "LlamaConfig", "MistralConfig",
-           "ModelConfig", "Olmo2Config", "Phi3Config", "Qwen2Config", "Qwen3Config", *_LAZY]
+           "MixtralConfig", "ModelConfig", "Olmo2Config", "OlmoeConfig", "Phi3Config", "Qwen2Config", "Qwen3Config",
+           "Qwen3MoeConfig", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

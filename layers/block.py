@@ -142,8 +142,9 @@ class OffsetRMSNorm(nn.Module):
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """HF's initialisation: normal(0, 0.02) matrices and embeddings (an embedding's padding row zero), zero
-    biases, unit norm weights (LayerNorm, RMSNorm), zero offsets of an OffsetRMSNorm and zero LayerNorm biases."""
+    """HF's initialisation: normal(0, 0.02) matrices (a Linear's, an embedding's, fused experts'), zero biases
+    and padding rows, unit norm weights (LayerNorm, RMSNorm), zero offsets of an OffsetRMSNorm and zero LayerNorm
+    biases."""
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, nn.Embedding)):
             nn.init.normal_(sub.weight, mean=0.0, std=std)
@@ -158,3 +159,7 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.ones_(sub.weight)
             if getattr(sub, "bias", None) is not None:
                 nn.init.zeros_(sub.bias)
+        else:  # a module's own stacks of matrices (a mixture of experts' fused expert weights)
+            for p in sub.parameters(recurse=False):
+                if p.dim() >= 2:
+                    nn.init.normal_(p, mean=0.0, std=std)

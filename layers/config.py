@@ -147,6 +147,19 @@ class ModelConfig(abc.ABC):
         return {self.hf_key(unit, key): self.hf_key(owner, owner_key)
                 for unit in self.unit_names() for key, (owner, owner_key) in self.borrowed(unit).items()}
 
+    def hf_saved_name(self, key: str) -> str:
+        """The name transformers saves the tensor its model names `key` under, where it saves it whole (Mixtral's
+        router, 'mlp.gate.weight' in memory, is saved as 'block_sparse_moe.gate.weight')."""
+        return key
+
+    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
+        """How transformers saves the tensor its model names `key`: None, as itself; else for each row of its
+        first dimension (an expert) the names of the tensors that row is, concatenated along their first
+        dimension. transformers 5 holds a mixture's experts fused ('mlp.experts.gate_up_proj', E x 2f x d) and
+        saves them one expert and projection a tensor ('mlp.experts.3.gate_proj.weight'), as earlier versions
+        held them."""
+        return None
+
     @abc.abstractmethod
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the block projection `name` (one of `projections`)."""

@@ -8,8 +8,12 @@ IGNORE_INDEX = -100
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """labels[t+1] as the target of position t, -100 after the last (HF's ForCausalLMLoss shift)."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    """labels[t+1] as the target of position t, -100 after the last (HF's ForCausalLMLoss shift). A tensor of
+    its own, B x T: a slice of a padded one would keep B x (T + 1) alive where the loss saves it flattened as a
+    view (one row)."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[..., :-1] = labels[..., 1:]
+    return shifted
 
 
 def learned_tokens(labels: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ from streamer.generate import Sampling, generate
 from streamer.run_dir import RunDir
 from tests.conftest import randomize_
 from tests.test_cli import run_cli
-from tests.test_runtime import hf_fp32_noise, hf_reference
+from tests.test_runtime import EAGER_EXPERTS, hf_fp32_noise, hf_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = sorted(FAMILIES)
@@ -42,7 +42,7 @@ def hf_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, attn: str = "
              seed: int = 0) -> transformers.PreTrainedModel:
     """transformers' model of cfg (its model_type's class), seeded weights of unit-activation scale."""
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn).eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn, **EAGER_EXPERTS).eval()
     randomize_(model, seed)
     return model.to(dtype)
 
@@ -134,7 +134,7 @@ def test_cli_trains_a_transformers_folder_exports_and_generates(capsys, tmp_path
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "export", run, out)
     assert rc == 0, err
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **EAGER_EXPERTS).eval()
     assert type(exported) is type(hf_model(cfg))
     assert_export_is_transformers(cfg, run, out, exported)
 
@@ -148,7 +148,7 @@ def assert_export_is_transformers(cfg: ModelConfig, run: Path, out: Path,
         state = trainer.state_dict()
         ours_generated = generate(trainer, ids[:, :4], Sampling(12, temperature=0.0))
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in exported.state_dict().items()}
-    exact = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    exact = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, **EAGER_EXPERTS).eval()
     with torch.no_grad():
         reference = exact(ids).logits
         noise = (exported(ids).logits.double() - reference).abs().max().item()
@@ -206,7 +206,8 @@ def test_lora_on_every_projection_exports_what_peft_loads(capsys, tmp_path: Path
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "export", run, adapter, "--format", "peft")
     assert rc == 0, err
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                             **EAGER_EXPERTS).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         base_logits = base(ids).logits

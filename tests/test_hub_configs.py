@@ -24,7 +24,8 @@ HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
              "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
              "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "olmo-2-1124-7b",
-             "gpt-j-6b", "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4", "gemma-3-1b-it")
+             "gpt-j-6b", "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4", "gemma-3-1b-it",
+             "qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b-0924")
 
 
 def published(name: str) -> dict[str, Any]:
@@ -85,6 +86,7 @@ UNREAD = [
     ("llama-3.2-1b", {"_model_name_or_path": "tiny", "unk_token_id": 0, "pad_token_id": None,
                       "quantization_config": {"quant_method": "gguf", "dequantize": False}}),
     ("gpt-j-6b", {"scale_attn_weights": False, "rotary": True, "n_ctx": 2048, "summary_type": "mean"}),
+    ("qwen3-30b-a3b", {"router_aux_loss_coef": 0.5, "mlp_bias": True}),  # the loss only with output_router_logits
 ]
 
 
@@ -112,6 +114,12 @@ REFUSED = [
     ("gemma-3-1b-it", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
     ("gemma-3-1b-it", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     ("gpt-j-6b", {"activation_function": "relu"}, "activation_function 'relu' is not supported"),
+    ("qwen3-30b-a3b", {"output_router_logits": True}, "output_router_logits=true (the router's auxiliary loss) is "
+                                                      "not supported"),
+    ("qwen3-30b-a3b", {"mlp_only_layers": [0, 1]}, "mlp_only_layers=[0, 1] make some layers dense"),
+    ("qwen3-30b-a3b", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 and mlp_only_layers=[] make some layers"),
+    ("mixtral-8x7b", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ("mixtral-8x7b", {"output_router_logits": True}, "output_router_logits=true (the router's auxiliary loss)"),
 ]
 
 

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers import FAMILIES, GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, Phi3Config, causal_lm_loss
+from layers import (
+    FAMILIES, GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen3MoeConfig,
+    causal_lm_loss,
+)
 from layers.lora import add_adapters
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import adapter_params
@@ -80,6 +83,8 @@ PHI3 = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 PHI3_GQA = Phi3Config.example().resized(max_position_embeddings=64)  # longrope, its long factors at 48
 # Sliding and global layers (each its own fp32 RoPE table), a window shorter than the sequence, q/k norms.
 GEMMA = FAMILIES["gemma3_text"].example().resized(max_position_embeddings=64)
+QWEN3_MOE = Qwen3MoeConfig.example().resized(max_position_embeddings=64)
+OLMOE = OlmoeConfig.example().resized(max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("model,dtype,activations,dropout,targets", [
@@ -108,6 +113,10 @@ GEMMA = FAMILIES["gemma3_text"].example().resized(max_position_embeddings=64)
     (GEMMA, "fp32", "resident", 0.0, "q_proj,o_proj,down_proj"),
     (GEMMA, "bf16", "checkpoint", 0.1, ",".join(GEMMA.projections)),
     (GEMMA, "bf16", "resident", 0.0, "k_proj,gate_proj"),
+    # A mixture of experts: frozen experts and router under attention's adapters.
+    (QWEN3_MOE, "fp32", "resident", 0.0, "q_proj,v_proj"),
+    (QWEN3_MOE, "bf16", "checkpoint", 0.1, ",".join(QWEN3_MOE.projections)),
+    (OLMOE, "bf16", "resident", 0.0, "q_proj,k_proj"),  # q/k norms over the whole projections
 ], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
 def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtype: str, activations: str,
                                         dropout: float, targets: str) -> None:

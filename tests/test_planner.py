@@ -44,10 +44,14 @@ class SavedStorages:
         self.params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
         self.owner: dict[int, str] = {}
         self.bytes: dict[str, int] = {}
+        # Each charged storage held: a unit's graph may be gone before the next unit runs, and a storage of the
+        # next one at a freed one's address must not pass for it.
+        self.held: list[torch.UntypedStorage] = []
 
     def charge(self, unit: str, t: torch.Tensor) -> None:
         key = t.untyped_storage().data_ptr()
         if key not in self.params and key not in self.owner:
+            self.held.append(t.untyped_storage())
             self.owner[key] = unit
             self.bytes[unit] = self.bytes.get(unit, 0) + t.untyped_storage().nbytes()
 
@@ -71,10 +75,20 @@ def _random_config(rng: random.Random, family: str) -> ModelConfig:
                                 max_position_embeddings=positions, sliding_window=rng.randint(4, 24),
                                 attention_layers=kinds, attention_bias=rng.random() < 0.5)
     # Grouped-query attention (one key/value head, or one per query head) and a head_dim of its own.
-    return FAMILIES[family](vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner,
-                            num_hidden_layers=2, num_attention_heads=n_head,
-                            num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
-                            max_position_embeddings=positions)
+    sizes = dict(vocab_size=vocab, hidden_size=rng.choice([32, 48]), intermediate_size=inner, num_hidden_layers=2,
+                 num_attention_heads=n_head, num_key_value_heads=rng.choice([1, n_head]), head_dim=head_dim,
+                 max_position_embeddings=positions)
+    # A mixture of experts: how many, how many a token takes, renormalised or not, their width
+    # (intermediate_size but for Qwen3-MoE's own field); OLMoE's q norm spans hidden_size.
+    if family == "qwen3_moe":
+        sizes.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
+                     moe_intermediate_size=inner, norm_topk_prob=rng.choice([False, True]))
+    elif family == "mixtral":
+        sizes.update(num_local_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]))
+    elif family == "olmoe":
+        sizes.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
+                     norm_topk_prob=rng.choice([False, True]), hidden_size=n_head * head_dim)
+    return FAMILIES[family](**sizes)
 
 
 def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.nn.Module], torch.nn.Module]:
@@ -85,9 +99,10 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
 
 # Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, OLMo 2's norms after
 # the sublayers and over whole projections, Phi-3's fused projections, Gemma 3's norms about 1 + weight and
-# sliding windows.
+# sliding windows, the mixtures of experts (OLMoE's q/k norms over whole projections).
 CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
-         for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text")]
+         for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "qwen3_moe", "mixtral",
+                        "olmoe")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)

@@ -12,6 +12,9 @@ from streamer import StreamingTrainer, TrainerConfig
 from benchmarks.resident import ResidentTrainer
 
 DEBUG = GPTJConfig.preset("gptj-debug")
+# transformers' own per-expert loop for a mixture of experts: its default, torch's grouped_mm, takes no float64
+# on the CPU (the reference runs in it); nothing for a dense model.
+EAGER_EXPERTS = {"experts_implementation": "eager"}
 
 
 def batches(n: int, batch: int = 4, seq: int = 32, seed: int = 0) -> list[torch.Tensor]:
@@ -36,7 +39,7 @@ def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]]
     learned tokens (num_items_in_batch). In float64 by default: the tolerances are transformers' own fp32 noise
     against it (its eager and sdpa kernels, `dtype=torch.float32, attn=...`)."""
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn).to(dtype)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn, **EAGER_EXPERTS).to(dtype)
     hf.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False)
     hf.train()
     params = list(hf.named_parameters())

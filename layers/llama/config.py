@@ -3,8 +3,10 @@ and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention,
 `rope_parameters`: default, linear, dynamic, llama3). Its units are in layers/llama/units.py.
 
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
-q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k), and which of transformers' optional flags
-(`attention_bias`, `mlp_bias`) the family's transformers class honours.
+q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k; `qk_norm_whole`: over the whole projections,
+as olmoe's), and which of transformers' optional flags (`attention_bias`, `mlp_bias`) the family's transformers
+class honours. The MLP's terms are methods (`mlp_params`, `mlp_matmul_params`, `mlp_saved_per_token`,
+`frozen_mlp_saves`), which the mixture-of-experts families (layers/moe) override.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ class LlamaConfig(ModelConfig):
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
+    qk_norm_whole: ClassVar[bool] = False  # that RMSNorm over q's and k's whole projections instead (olmoe)
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
     slides: ClassVar[bool] = False  # whether transformers' class reads sliding_window
     # Whether transformers' config turns the window on only with use_sliding_window, on the layers from
@@ -146,6 +149,11 @@ class LlamaConfig(ModelConfig):
         return self.head_dim  # type: ignore[return-value]
 
     @property
+    def qk_norm_rows(self) -> tuple[int, int]:
+        """The rows per token the q and k norms normalise (each a statistic they save): a head each, or one."""
+        return (1, 1) if self.qk_norm_whole else (self.num_attention_heads, self.num_key_value_heads)  # type: ignore
+
+    @property
     def rope(self) -> dict[str, Any]:
         return dict(self.rope_parameters)
 
@@ -161,14 +169,19 @@ class LlamaConfig(ModelConfig):
         return self.vocab_size * self.hidden_size
 
     def block_params(self) -> int:
-        d, f = self.hidden_size, self.intermediate_size
+        d = self.hidden_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim  # type: ignore
         attention = d * q + 2 * d * kv + q * d
         attention += (q + 2 * kv) if self.attention_bias or self.qkv_bias else 0
         attention += d if self.attention_bias else 0  # o_proj's bias
-        attention += 2 * self.head_dim if self.qk_norm else 0  # type: ignore[operator]
-        mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-        return 2 * d + attention + mlp  # input_layernorm, post_attention_layernorm
+        if self.qk_norm:
+            attention += (q + kv) if self.qk_norm_whole else 2 * self.head_dim  # type: ignore[operator]
+        return 2 * d + attention + self.mlp_params()  # input_layernorm, post_attention_layernorm
+
+    def mlp_params(self) -> int:
+        """The parameters of a block's MLP (SwiGLU's three projections, their biases)."""
+        d, f = self.hidden_size, self.intermediate_size
+        return 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
 
     def head_params(self) -> int:
         # norm, lm_head (no bias); a tied lm_head is the embedding's weight, held by the embedding's state
@@ -187,10 +200,14 @@ class LlamaConfig(ModelConfig):
     # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
     def block_matmul_params(self) -> int:
         d, q, kv = self.hidden_size, self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore
-        return 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size
+        return 2 * d * q + 2 * d * kv + self.mlp_matmul_params()
+
+    def mlp_matmul_params(self) -> int:
+        """The weights of the matmuls a token goes through in a block's MLP."""
+        return 3 * self.hidden_size * self.intermediate_size
 
     def block_saved_per_token(self, es: int) -> int:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        d, q = self.hidden_size, self.attention_width
         kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
         # Each RMSNorm over w features: its fp32 input (the input itself in fp32), rstd, the normalised values
         # (the weight's multiplier), and its output (the next matmuls' input).
@@ -198,10 +215,14 @@ class LlamaConfig(ModelConfig):
             return 4 * w + 4 * rows + es * w
 
         saved = 2 * (norm(d) + es * d)  # input_layernorm and post_attention_layernorm, and their outputs
-        if self.qk_norm:  # per head of q and k; their outputs go to RoPE, which saves only its tables
-            saved += norm(q, self.num_attention_heads) + norm(kv, self.num_key_value_heads)  # type: ignore
+        if self.qk_norm:  # over q and k, per head or whole; their outputs go to RoPE, which saves only its tables
+            saved += norm(q, self.qk_norm_rows[0]) + norm(kv, self.qk_norm_rows[1])
         saved += 4 * es * q  # rotated q, k and v repeated to every query head (SDPA's inputs), its output
-        return saved + 4 * es * f  # gate, silu(gate), up, and their product (down_proj's input)
+        return saved + self.mlp_saved_per_token(es)
+
+    def mlp_saved_per_token(self, es: int) -> int:
+        """Bytes the MLP saves per token besides its input (the post-attention norm's output)."""
+        return 4 * es * self.intermediate_size  # gate, silu(gate), up, and their product (down_proj's input)
 
     def block_saves_input(self, es: int) -> bool:
         return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
@@ -218,7 +239,7 @@ class LlamaConfig(ModelConfig):
         return 4 * self.hidden_size + 4 + (1 if frozen else 2) * es * self.hidden_size
 
     def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
+        d, q = self.hidden_size, self.attention_width
         kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
         # A frozen RMSNorm keeps only its fp32 input and rstd, and only where its input needs a gradient.
         norm = 4 * d + 4
@@ -227,21 +248,28 @@ class LlamaConfig(ModelConfig):
         saved = norm if grad_in else 0  # input_layernorm
         saved += d * es if plain and targets & {"q_proj", "k_proj", "v_proj"} else 0  # its output, the adapters'
         if self.qk_norm:
-            saved += (4 * q + 4 * self.num_attention_heads if q_grad else 0)
-            saved += (4 * kv + 4 * self.num_key_value_heads if k_grad else 0)  # type: ignore[operator]
+            saved += (4 * q + 4 * self.qk_norm_rows[0] if q_grad else 0)
+            saved += (4 * kv + 4 * self.qk_norm_rows[1] if k_grad else 0)
         saved += 4 * q * es if attention else 0  # rotated q, k and v repeated to every query head, the output
         saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
         mlp_in = grad_in or attention or "o_proj" in targets  # the residual after attention needs a gradient
         saved += norm if mlp_in else 0  # post_attention_layernorm
-        saved += d * es if plain and targets & {"gate_proj", "up_proj"} else 0  # its output, the adapters'
+        mlp, mlp_inputs = self.frozen_mlp_saves(es, targets, plain, mlp_in)
+        inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention, **mlp_inputs}
+        return FrozenBlockSaves(saved + mlp, attention, q_grad or k_grad, {t: inputs[t] for t in targets},
+                                input_saved=grad_in and self.block_saves_input(es))  # input_layernorm's
+
+    def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
+                         mlp_in: bool) -> tuple[int, dict[str, bool]]:
+        """A frozen MLP's saved bytes per token (`mlp_in`: its input needs a gradient), and for each of its
+        projections whether its input needs a gradient."""
+        d, f = self.hidden_size, self.intermediate_size
+        saved = d * es if plain and targets & {"gate_proj", "up_proj"} else 0  # its input, the adapters'
         gate, up = mlp_in or "gate_proj" in targets, mlp_in or "up_proj" in targets
         saved += 2 * f * es if gate else 0  # silu's input and, for silu(gate)'s gradient, up
         saved += f * es if up else 0  # silu(gate), for up's gradient
         saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
-        inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention,
-                  "gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
-        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets},
-                                input_saved=grad_in and self.block_saves_input(es))  # input_layernorm's
+        return saved, {"gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

@@ -11,7 +11,7 @@ from torch import nn
 
 from layers.block import KVCache, full_attention_only, RMSNorm, attend, embedding, init_weights, language_model_output
 from layers.llama.config import LlamaConfig
-from layers.model import CausalLM, FamilyUnits
+from layers.model import CausalLM, FamilyUnits, family_units
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 
 
@@ -51,9 +51,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv, bias=qkv_bias)
         self.v_proj = nn.Linear(d, kv, bias=qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=cfg.attention_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # over each head, or over the whole projection
+            self.q_norm = RMSNorm(q if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,10 +61,13 @@ class LlamaAttention(nn.Module):
         start_pos."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if cfg.qk_norm and cfg.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm and not cfg.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(rotary_attention(cfg, q, k, v, start_pos, cache, positions))
 
@@ -86,7 +89,7 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm residual: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
 
-    # The attention and MLP modules (Phi-3's hold their projections fused)
+    # The attention and MLP modules (Phi-3's hold their projections fused; a mixture of experts' MLP is sparse)
     attention_type: ClassVar[type[nn.Module]] = LlamaAttention
     mlp_type: ClassVar[type[nn.Module]] = LlamaMLP
 
@@ -119,22 +122,21 @@ class LlamaHead(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, cfg: LlamaConfig, block_type: type[nn.Module]) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
-        self.layers = nn.ModuleList(block_type(cfg) for _ in range(cfg.num_hidden_layers))
+        block = family_units(cfg).block
+        self.layers = nn.ModuleList(block(cfg, kind) for kind in cfg.layer_types())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Llama(CausalLM):
     """A Llama-family model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
 
-    block_type: ClassVar[type[nn.Module]] = LlamaBlock
-
     def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = _Model(cfg, self.block_type)
+        self.model = _Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if init:
             init_weights(self)

@@ -57,10 +57,5 @@ class Phi3Block(LlamaBlock):
     mlp_type: ClassVar[type[nn.Module]] = Phi3MLP
 
 
-class Phi3(Llama):
-    """A Phi-3 model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
 
-    block_type: ClassVar[type[nn.Module]] = Phi3Block
-
-
-UNITS = FamilyUnits(embed=LlamaEmbedding, block=Phi3Block, head=LlamaHead, model=Phi3)
+UNITS = FamilyUnits(embed=LlamaEmbedding, block=Phi3Block, head=LlamaHead, model=Llama)

@@ -92,8 +92,35 @@ class HFCheckpoint:
                 if not key.endswith(config.ignored_checkpoint_suffixes):
                     entries[key] = found[key]
         checkpoint = cls(root, config, entries, shards)
+        checkpoint._join_saved_parts()
         checkpoint._drop_tied_copies()
         return checkpoint
+
+    def _join_saved_parts(self) -> None:
+        """A tensor transformers saves under another name (`ModelConfig.hf_saved_name`) or in parts (a
+        mixture's experts, one expert and projection a tensor: `ModelConfig.hf_saved_parts`) is listed under the
+        model's own name, and read whole."""
+        self._parts: dict[str, list[list[str]]] = {}
+        self._renamed: dict[str, str] = {}  # the model's name -> the one it is saved under
+        self._part_entries: dict[str, _Entry] = {}
+        for key in expected_tensors(self.config):
+            parts, name = self.config.hf_saved_parts(key), self.config.hf_saved_name(key)
+            if parts is None:
+                if key not in self._entries and name in self._entries:
+                    self._entries[key] = self._entries.pop(name)
+                    self._renamed[key] = name
+                continue
+            names = [name for row in parts for name in row]
+            if key in self._entries or not all(name in self._entries for name in names):
+                continue
+            first = self._entries[names[0]]
+            if any(self._entries[name].shape != first.shape for name in names):
+                raise CheckpointError(f"{self.root}: the tensors that make {key} ({names[0]} …) differ in shape; "
+                                      "re-save the checkpoint")
+            self._entries[key] = _Entry(first.shard, (len(parts), len(parts[0]) * first.shape[0], *first.shape[1:]),
+                                        first.dtype)
+            self._part_entries.update((name, self._entries.pop(name)) for name in names)
+            self._parts[key] = parts
 
     def _drop_tied_copies(self) -> None:
         """A tied parameter's second name, which some writers keep, must hold the one tensor (transformers
@@ -134,6 +161,12 @@ class HFCheckpoint:
         """One tensor as a fresh CPU tensor of `dtype` that the caller owns."""
         entry = self._entry(key)
         self.dtype(key)
+        if key in self._parts:  # each row (expert) its parts concatenated, the rows stacked
+            return torch.stack([torch.cat([self._read_stored(name, self._part_entries[name], dtype) for name in row])
+                                for row in self._parts[key]])
+        return self._read_stored(self._renamed.get(key, key), entry, dtype)
+
+    def _read_stored(self, key: str, entry: _Entry, dtype: torch.dtype) -> torch.Tensor:
         if not self._shards:
             raise CheckpointError(f"{self.root} was closed; open it again to read {key}")
         source = self._shards[entry.shard]
@@ -291,7 +324,7 @@ class HFExporter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shard_keys: list[list[str]] = []
-        self._written: set[str] = set()
+        self._added: set[str] = set()  # the model's names (a tensor saved in parts is one)
         self._total_bytes = 0
 
     def __enter__(self) -> HFExporter:
@@ -325,12 +358,22 @@ class HFExporter:
         if expected is None:
             raise CheckpointError(f"{key!r} is not a tensor of a model with this config; "
                                   f"valid names look like {next(iter(self._expected))!r}")
-        if key in self._written or key in self._pending:
+        if key in self._added:
             raise CheckpointError(f"{key} was added twice; add each tensor once")
         if tuple(tensor.shape) != tuple(expected.shape):
             raise CheckpointError(f"{key} has shape {tuple(tensor.shape)}; the config needs {tuple(expected.shape)}")
         if not tensor.is_floating_point():
             raise CheckpointError(f"{key} is {tensor.dtype}; weights must be floating point")
+        self._added.add(key)
+        parts = self.cfg.hf_saved_parts(key)
+        if parts is None:
+            self._queue(self.cfg.hf_saved_name(key), tensor)
+            return
+        for row, names in zip(tensor, parts):  # saved as transformers saves it: each row's parts apart
+            for name, piece in zip(names, row.chunk(len(names))):
+                self._queue(name, piece)
+
+    def _queue(self, key: str, tensor: torch.Tensor) -> None:
         # copy=True: the caller's tensor may be a view into a larger buffer it
         # reuses (the host store's slabs); safetensors needs owned, contiguous data.
         owned = tensor.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
@@ -348,14 +391,13 @@ class HFExporter:
             raise CheckpointError(f"cannot write {path} ({_brief(exc)}); free disk space or choose another "
                                   "folder") from None
         self._shard_keys.append(list(self._pending))
-        self._written.update(self._pending)
         self._total_bytes += self._pending_bytes
         self._pending, self._pending_bytes = {}, 0
 
     def _finish(self) -> None:
         if self._pending:
             self._flush()
-        missing = sorted(set(self._expected) - self._written)
+        missing = sorted(set(self._expected) - self._added)
         if missing:
             raise CheckpointError(f"export to {self.directory} is incomplete: {len(missing)} tensors were never "
                                   f"added, e.g. {missing[:3]}; add every tensor of the model")

@@ -1,0 +1,281 @@
+"""The mixture-of-experts families' configurations (torch-free), transformers' field names: `qwen3_moe`, a Qwen3
+whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Their units are in
+layers/moe/units.py.
+
+A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block: a router (`gate`, a linear map
+to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
+token's output is the sum of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the
+chosen ones where `norm_topk_prob`). Everything else is the Llama family's, variations and all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from layers.config import PRESETS, ConfigError, family, positive_ints, take_aliases
+from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
+
+
+class MixtureOfExperts:
+    """The sparse MLP's parameters, matmuls and saved bytes, for a config class that also subclasses LlamaConfig.
+    A token goes through the router and its `num_experts_per_tok` experts only: its FLOPs are those, and what the
+    experts save is per routed token whatever the routing, since nothing is padded per expert."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    hidden_size: int
+    expert_width: int  # each expert's SwiGLU width, by the family's own field (a property of its class)
+    # Attention's projections only: the experts are fused tensors (E, out, in), which PEFT's LoRA cannot target
+    # as it targets a Linear, and the router is transformers' own module, not a Linear either.
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+        "o_proj": "self_attn.o_proj"}
+
+    # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
+    # down), as the checkpoints before transformers 5 held them.
+    saved_mlp: ClassVar[str] = "mlp"
+    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
+
+    def hf_saved_name(self, key: str) -> str:
+        return key.replace(".mlp.gate.", f".{self.saved_mlp}.gate.")
+
+    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
+        prefix, _, name = key.rpartition(".mlp.experts.")
+        parts = dict(zip(("gate_up_proj", "down_proj"), self.saved_projections)).get(name)
+        if not prefix or parts is None:
+            return None
+        return [[f"{prefix}.{self.saved_mlp}.experts.{e}.{part}.weight" for part in parts]
+                for e in range(self.num_experts)]
+
+    @staticmethod
+    def check_hf_experts(raw: dict[str, Any]) -> None:
+        """What transformers' classes of a mixture compute and this one does not: refused in one line."""
+        if raw.get("output_router_logits"):
+            raise ConfigError("output_router_logits=true (the router's auxiliary loss) is not supported; set it "
+                              "to false")
+        if raw.get("router_jitter_noise"):
+            raise ConfigError(f"router_jitter_noise={raw['router_jitter_noise']!r} is not supported (no noise on "
+                              "the router's input); set it to 0.0")
+
+    def check_experts(self) -> None:
+        positive_ints(self, "num_experts", "num_experts_per_tok")
+        if self.expert_width <= 0:
+            raise ConfigError(f"the experts' width must be a positive integer, got {self.expert_width!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the number of "
+                              f"experts ({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+
+    def mlp_params(self) -> int:
+        d, f, experts = self.hidden_size, self.expert_width, self.num_experts
+        return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
+
+    def mlp_matmul_params(self) -> int:
+        d, f = self.hidden_size, self.expert_width
+        return self.num_experts * d + self.num_experts_per_tok * 3 * d * f  # the router, then k experts
+
+    def _routing_saved(self) -> int:
+        """Per token: the router's fp32 probabilities (softmax's output), the chosen experts (top-k's int64
+        indices), and, where renormalised, the chosen probabilities and their sum (the division's operands)."""
+        k = self.num_experts_per_tok
+        return 4 * self.num_experts + 8 * k + ((4 * k + 4) if self.norm_topk_prob else 0)
+
+    def mlp_saved_per_token(self, es: int) -> int:
+        d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
+        # Per routed token: its token's index (the gather of the experts' inputs) and its place in (token,
+        # choice) order (the gather of their outputs), int64 each; its input row (the gate/up matmul's), gate and
+        # up (silu's input), silu(gate), their product (down's input), the expert's output and its routing
+        # weight (the weighting product's operands).
+        return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
+
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+        d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, self.num_experts
+        # The backward of the weighting by the routing weights: the gradient w.r.t. the routed outputs, the
+        # product that gives the weights' gradient, and that gradient. Then the SwiGLU product's backward: the
+        # gradient w.r.t. its input, silu(gate)'s and up's, and down's weight gradient, when the routed outputs,
+        # their gradient, the product itself and the gather's indices are gone. Then the gate/up matmul's:
+        # its input's gradient and its weight's, when silu's input and output and the last gradients are gone.
+        return ((2 * es * k * d + es * k, 0),
+                (2 * es * k * f - es * k * d - 8 * k, experts * d * f),
+                (-2 * es * k * f - 8 * k, 3 * experts * d * f))
+
+    def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
+                         mlp_in: bool) -> tuple[int, dict[str, bool]]:
+        d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
+        if not mlp_in:
+            return 0, {}
+        # Frozen experts keep no matmul input: per routed token its two gathers' indices, gate and up,
+        # silu(gate), the expert's output and its routing weight.
+        return self._routing_saved() + k * (16 + es * (d + 3 * f) + es), {}
+
+
+@family
+@dataclass(frozen=True)
+class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
+    """Qwen3's attention (RMSNorm on each head of q and k) and a sparse MLP in every layer. transformers' class
+    makes some layers dense (`decoder_sparse_step`, `mlp_only_layers`) or adds the router's auxiliary loss
+    (`output_router_logits`): published configs do neither, and both are refused here."""
+
+    model_type: ClassVar[str] = "qwen3_moe"
+    architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
+                                             "intermediate_size": 6144, "sliding_window": 4096}
+
+    intermediate_size: int = 6144  # the dense MLP's width, which no layer has here
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_experts()
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate_size
+
+    @classmethod
+    def example(cls) -> "Qwen3MoeConfig":
+        """Four experts, two per token, renormalised; q/k norms on a head_dim apart from hidden_size's share."""
+        return cls(**{**TINY, "num_key_value_heads": 1}, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, norm_topk_prob=True)
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "Qwen3MoeConfig":
+        take_aliases(raw, {"num_local_experts": "num_experts"})  # the name transformers 5 writes
+        cls.check_hf_experts(raw)
+        step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
+                              "only a sparse MLP in every layer is supported (decoder_sparse_step 1, "
+                              "mlp_only_layers [])")
+        # Its window slides on every layer whenever use_sliding_window: the class reads neither of Qwen2's
+        # per-layer fields.
+        raw = {k: v for k, v in raw.items() if k not in ("max_window_layers", "layer_types")}
+        return super().from_hf_fields(raw)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False}
+
+
+@family
+@dataclass(frozen=True)
+class MixtralConfig(MixtureOfExperts, MistralConfig):
+    """Mistral's attention and a sparse MLP of `num_local_experts` experts of width `intermediate_size`. The
+    router's chosen probabilities are always renormalised: a softmax over the chosen experts' logits, computed
+    as transformers does (softmax over all, top-k, divided by their sum). transformers keeps them in fp32 for
+    the weighting; here they are cast to the compute dtype first (the same in fp32, a rounding apart in bf16)."""
+
+    model_type: ClassVar[str] = "mixtral"
+    architecture: ClassVar[str] = "MixtralForCausalLM"
+    saved_mlp: ClassVar[str] = "block_sparse_moe"
+    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("w1", "w3"), ("w2",))
+    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                             "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
+
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_experts()
+
+    @property
+    def num_experts(self) -> int:  # type: ignore[override]
+        return self.num_local_experts
+
+    @property
+    def norm_topk_prob(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def expert_width(self) -> int:
+        return self.intermediate_size
+
+    @classmethod
+    def example(cls) -> "MixtralConfig":
+        """Four experts, two per token, narrower than the model; grouped-query attention and no window."""
+        return cls(**{**TINY, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=2)
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "MixtralConfig":
+        take_aliases(raw, {"num_experts": "num_local_experts"})
+        cls.check_hf_experts(raw)
+        return super().from_hf_fields(raw)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "output_router_logits": False, "router_jitter_noise": 0.0}
+
+
+@family
+@dataclass(frozen=True)
+class OlmoeConfig(MixtureOfExperts, LlamaConfig):
+    """OLMo's attention (RMSNorm over q's and k's whole projections, as OLMo 2's) and a sparse MLP of
+    `num_experts` experts of width `intermediate_size`, not renormalised by default. Its embedding's
+    `pad_token_id` row gets no gradient and starts at zero, as transformers' nn.Embedding(padding_idx) does."""
+
+    model_type: ClassVar[str] = "olmoe"
+    architecture: ClassVar[str] = "OlmoeForCausalLM"
+    qk_norm: ClassVar[bool] = True
+    qk_norm_whole: ClassVar[bool] = True
+    honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
+    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    pad_token_id: int | None = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_experts()
+        if self.head_dim * self.num_attention_heads != self.hidden_size:  # type: ignore[operator]
+            raise ConfigError(f"head_dim={self.head_dim} is not hidden_size / num_attention_heads "
+                              f"({self.hidden_size} / {self.num_attention_heads}): OLMoE's q norm spans "
+                              "hidden_size; remove head_dim")
+
+    @property
+    def expert_width(self) -> int:
+        return self.intermediate_size
+
+    @classmethod
+    def example(cls) -> "OlmoeConfig":
+        """Four experts, two per token, not renormalised; q/k norms over the whole projections, grouped-query
+        attention, q/k/v/o biases, and a padding token."""
+        return cls(**{**TINY, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2, attention_bias=True)
+
+    @classmethod
+    def from_hf_fields(cls, raw: dict[str, Any]) -> "OlmoeConfig":
+        take_aliases(raw, {"num_local_experts": "num_experts"})
+        cls.check_hf_experts(raw)
+        if raw.get("clip_qkv") is not None:
+            raise ConfigError(f"clip_qkv={raw['clip_qkv']!r} is not supported (no clamping of q, k and v); set it "
+                              "to null")
+        return super().from_hf_fields(raw)  # type: ignore[return-value]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {**super().to_hf(), "output_router_logits": False, "clip_qkv": None}
+
+
+THETA_1E6 = (("rope_theta", 1000000.0), ("rope_type", "default"))
+PRESETS.update({
+    # Qwen/Qwen3-30B-A3B's config.json; tests/test_moe.py checks transformers' parameter count.
+    "qwen3-30b-a3b": Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                    rope_parameters=THETA_1E6,
+                                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                    norm_topk_prob=True),
+    # mistralai/Mixtral-8x7B-v0.1's config.json.
+    "mixtral-8x7b": MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                                  rms_norm_eps=1e-5, rope_parameters=THETA_1E6, num_local_experts=8,
+                                  num_experts_per_tok=2),
+    # allenai/OLMoE-1B-7B-0924's config.json.
+    "olmoe-1b-7b": OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                               num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                               rms_norm_eps=1e-5, num_experts=64, num_experts_per_tok=8, pad_token_id=1),
+})

@@ -1,0 +1,116 @@
+"""What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
+example): the published shapes' parameter counts, an expert no token chose stepped as torch's AdamW steps it,
+the experts' two matmul paths, and transformers' files with their experts one tensor each."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from layers import PRESETS, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
+from layers.moe.units import GroupedLinear
+from streamer import StreamingTrainer, TrainerConfig
+from tests.test_families import hf_model
+from tests.test_runtime import hf_fp32_noise, hf_reference
+
+
+def transformers_count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_presets_have_transformers_parameter_counts():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B of them a token's (attention, the router, 8 of 128 experts);
+    Mixtral-8x7B: 46.7B; OLMoE-1B-7B: 6.9B."""
+    cfg = PRESETS["qwen3-30b-a3b"]
+    assert cfg.num_params() == transformers_count(cfg) == 30_532_122_624
+    active = cfg.embed_params() + cfg.head_params() + cfg.num_hidden_layers * (
+        cfg.block_params() - cfg.mlp_params() + cfg.mlp_matmul_params())
+    assert 3.3e9 < active < 3.4e9
+    assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
+    assert PRESETS["olmoe-1b-7b"].num_params() == transformers_count(PRESETS["olmoe-1b-7b"]) == 6_919_161_856
+
+
+def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: Path):
+    """Three tokens and one expert each of sixteen: most experts get no token in a step. transformers' fused
+    tensor gives them a zero gradient, so AdamW only decays them; the streamed run's weights are torch's within
+    transformers' own fp32 noise, and those experts' are decay alone to fp32 rounding."""
+    cfg = dataclasses.replace(Qwen3MoeConfig.example(), num_experts=16, num_experts_per_tok=1)
+    lr, decay = 1e-2, 0.1
+    tc = TrainerConfig.of(lr=lr, weight_decay=decay, dtype="fp32", store="ram", max_grad_norm=1.0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 3), generator=torch.Generator().manual_seed(7))
+    steps = [(ids, ids)] * 2
+    start = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.load_state_dict(start)
+        for batch, labels in steps:
+            trainer.step(batch, labels)
+        ours = trainer.state_dict()
+    exact = hf_reference(start, steps, tc, cfg)
+    noise, _ = hf_fp32_noise(start, steps, tc, exact, cfg)
+    assert max((ours[k].double() - exact[0][k]).abs().max().item() for k in ours) <= 2 * noise
+    key = "model.layers.0.mlp.experts.down_proj"
+    decayed = start[key].double() * (1 - lr * decay) ** len(steps)
+    idle = [e for e in range(cfg.num_experts) if torch.allclose(exact[0][key][e], decayed[e], rtol=1e-12, atol=0)]
+    assert len(idle) >= cfg.num_experts - 2 * 3  # at most 3 experts a step took a token
+    for e in idle:
+        torch.testing.assert_close(ours[key][e].double(), decayed[e], rtol=2e-7, atol=0)
+
+
+def test_the_grouped_matmul_is_one_matmul_per_expert_with_tokens():
+    """Rows grouped by expert times each expert's weight, and autograd's gradients through `weight[e]`: the same
+    in float64 (where no kernel rounds differently), the weight's gradient zero for the expert with no rows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    sizes = [2, 0, 4, 1]
+    ours = GroupedLinear.apply(x, w, sizes)
+    reference = torch.cat([rows @ w[e].t() for e, rows in enumerate(x.split(sizes))])
+    upstream = torch.randn(7, 3, dtype=torch.float64, generator=g)
+    grads = torch.autograd.grad(ours, (x, w), upstream)
+    expected = torch.autograd.grad(reference, (x, w), upstream)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=0)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    assert torch.count_nonzero(grads[1][1]) == 0
+
+
+@pytest.mark.parametrize("family,saved", [(Qwen3MoeConfig, "model.layers.1.mlp.experts.3.up_proj.weight"),
+                                           (MixtralConfig, "model.layers.1.block_sparse_moe.experts.3.w3.weight")])
+def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path: Path, family, saved: str):
+    """transformers writes each expert's projections as tensors of their own (Mixtral's under its older module
+    names, its router too); the checkpoint reads them as the fused tensors the model holds, and the export
+    writes them back as transformers wrote them."""
+    from streamer.io.hf import HFCheckpoint, HFExporter
+
+    cfg = family.example()
+    hf_model(cfg).save_pretrained(tmp_path / "hf")
+    with HFCheckpoint.open(tmp_path / "hf") as checkpoint:
+        checkpoint.validate()
+        state = {key: checkpoint.read(key) for key in checkpoint.keys()}
+    theirs = hf_model(cfg).state_dict()
+    assert set(state) == set(theirs) and all(torch.equal(state[k], theirs[k]) for k in theirs)
+    with HFExporter(tmp_path / "out", cfg) as exporter:
+        for key, tensor in state.items():
+            exporter.add(key, tensor)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as written, \
+            safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as original:
+        assert set(written.keys()) == set(original.keys())
+        assert saved in set(written.keys())
+        assert all(torch.equal(written.get_tensor(k), original.get_tensor(k)) for k in original.keys())
+    model = resident_model(cfg, init=False)
+    model.load_hf_state_dict(state)
+
+
+@pytest.mark.parametrize("edit,window", [({}, None), ({"use_sliding_window": True, "sliding_window": 4096}, 4096)])
+def test_a_qwen3_moe_window_slides_on_every_layer(edit, window):
+    """Unlike Qwen2's, transformers' Qwen3-MoE window needs no max_window_layers: use_sliding_window puts it on
+    every layer (the published file's max_window_layers 48 of 48 changes nothing)."""
+    raw = {**Qwen3MoeConfig.example().to_hf(), "max_window_layers": 2, **edit}
+    assert transformers.AutoConfig.for_model(**raw).sliding_window == window
+    assert Qwen3MoeConfig.from_hf(raw).sliding_window == window
