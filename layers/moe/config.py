@@ -90,16 +90,16 @@ class MixtureOfExperts:
         # weight (the weighting product's operands).
         return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
 
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int], ...]:
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
         d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, self.num_experts
         # The backward of the weighting by the routing weights: the gradient w.r.t. the routed outputs, the
         # product that gives the weights' gradient, and that gradient. Then the SwiGLU product's backward: the
         # gradient w.r.t. its input, silu(gate)'s and up's, and down's weight gradient, when the routed outputs,
         # their gradient, the product itself and the gather's indices are gone. Then the gate/up matmul's:
         # its input's gradient and its weight's, when silu's input and output and the last gradients are gone.
-        return ((2 * es * k * d + es * k, 0),
-                (2 * es * k * f - es * k * d - 8 * k, experts * d * f),
-                (-2 * es * k * f - 8 * k, 3 * experts * d * f))
+        return ((2 * es * k * d + es * k, 0, 0),
+                (2 * es * k * f - es * k * d - 8 * k, experts * d * f, 0),
+                (-2 * es * k * f - 8 * k, 3 * experts * d * f, 0))
 
     def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
                          mlp_in: bool) -> tuple[int, dict[str, bool]]:
