@@ -235,7 +235,7 @@ def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, vocab_ch
     return (n * shape.head_saved_per_token(es, frozen)  # the final norm's, and its output (the chunked loss's input)
             + shape.head_saved_fixed()
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
-            + 8 * (n if batch > 1 else seq + 1)  # the shifted int64 labels: one row is a view of it padded
+            + 8 * n  # the shifted int64 labels (layers.loss.shift_labels: a tensor of their own)
             + _kept_logits_bytes(shape, n, vocab_chunk))
 
 
