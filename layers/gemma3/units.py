@@ -2,13 +2,16 @@
 resident model, whose state_dict is key for key transformers' Gemma3ForCausalLM."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.block import KVCache, OffsetRMSNorm, attend, embedding, init_weights, language_model_output
+from layers.block import KVCache, OffsetRMSNorm, attend
 from layers.gemma3.config import Gemma3TextConfig
-from layers.model import CausalLM, FamilyUnits
+from layers.llama.units import Llama, LlamaEmbedding, LlamaHead
+from layers.model import FamilyUnits
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 
 
@@ -20,13 +23,10 @@ def scaled_embedding(table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tens
     return table(input_ids) * scale
 
 
-class Gemma3Embedding(nn.Module):
-    def __init__(self, cfg: Gemma3TextConfig) -> None:
-        super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+class Gemma3Embedding(LlamaEmbedding):
+    """Llama's embedding, its rows scaled by sqrt(hidden_size)."""
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return scaled_embedding(self.embed_tokens, input_ids)  # (B, T, d)
+    lookup = staticmethod(scaled_embedding)
 
 
 class Gemma3Attention(nn.Module):
@@ -96,46 +96,10 @@ class Gemma3Block(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3Head(nn.Module):
-    """Final norm and the language-model head (no bias): float32 logits, or with labels the causal-LM loss."""
+class Gemma3Head(LlamaHead):
+    """Llama's head with Gemma's final norm (1 + weight)."""
 
-    def __init__(self, cfg: Gemma3TextConfig) -> None:
-        super().__init__()
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
-                num_items: float | None = None) -> torch.Tensor:
-        return language_model_output(self.norm(h), self.lm_head, labels, vocab_chunk, num_items)
+    norm_type: ClassVar[type[nn.Module]] = OffsetRMSNorm
 
 
-class _Model(nn.Module):
-    def __init__(self, cfg: Gemma3TextConfig) -> None:
-        super().__init__()
-        self.embed_tokens = Gemma3Embedding(cfg).embed_tokens
-        self.layers = nn.ModuleList(Gemma3Block(cfg, kind) for kind in cfg.layer_types())
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class Gemma3(CausalLM):
-    """Gemma 3's text decoder for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
-
-    def __init__(self, cfg: Gemma3TextConfig, init: bool = True) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = _Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if init:
-            init_weights(self)
-        if cfg.tie_word_embeddings:  # one parameter, the embedding's (transformers' tie_weights)
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = scaled_embedding(self.model.embed_tokens, input_ids)  # (B, T, d)
-        for i, block in enumerate(self.model.layers):
-            h = block(h, start_pos, None if caches is None else caches[i], positions)
-        return self.lm_head(self.model.norm(h)).float()  # (B, T, vocab)
-
-
-UNITS = FamilyUnits(embed=Gemma3Embedding, block=Gemma3Block, head=Gemma3Head, model=Gemma3)
+UNITS = FamilyUnits(embed=Gemma3Embedding, block=Gemma3Block, head=Gemma3Head, model=Llama)

@@ -20,8 +20,13 @@ class LlamaEmbedding(nn.Module):
         super().__init__()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
 
+    @staticmethod
+    def lookup(table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of input_ids (B, T) -> (B, T, d); the resident model looks up its table the same way."""
+        return table(input_ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # (B, T, d)
+        return self.lookup(self.embed_tokens, input_ids)
 
 
 def rotary_attention(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
@@ -110,9 +115,11 @@ class LlamaBlock(nn.Module):
 class LlamaHead(nn.Module):
     """Final RMSNorm and the language-model head (no bias): float32 logits, or with labels the causal-LM loss."""
 
+    norm_type: ClassVar[type[nn.Module]] = RMSNorm  # the family's RMSNorm (OLMo 2's and Gemma's differ)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.norm_type(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
@@ -122,20 +129,24 @@ class LlamaHead(nn.Module):
 
 
 class _Model(nn.Module):
+    """transformers' `model.` body: the embedding table, the blocks of each layer type, the final norm."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
-        block = family_units(cfg).block
-        self.layers = nn.ModuleList(block(cfg, kind) for kind in cfg.layer_types())
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        units = family_units(cfg)
+        self.embed_tokens = units.embed(cfg).embed_tokens
+        self.layers = nn.ModuleList(units.block(cfg, kind) for kind in cfg.layer_types())
+        self.norm = units.head.norm_type(cfg.hidden_size, cfg.rms_norm_eps)  # type: ignore[attr-defined]
 
 
 class Llama(CausalLM):
-    """A Llama-family model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
+    """A model for causal LM of any Llama-shaped family (embedding, blocks, final norm, lm_head; its units
+    `UNITS`), resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
 
     def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
+        self.lookup = family_units(cfg).embed.lookup  # type: ignore[attr-defined]
         self.model = _Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if init:
@@ -145,7 +156,7 @@ class Llama(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)  # (B, T, d)
+        h = self.lookup(self.model.embed_tokens, input_ids)  # (B, T, d)
         for i, block in enumerate(self.model.layers):
             h = block(h, start_pos, None if caches is None else caches[i], positions)
         return self.lm_head(self.model.norm(h)).float()  # (B, T, vocab)

@@ -3,12 +3,14 @@ is key for key transformers' Olmo2ForCausalLM. Its MLP is Llama's SwiGLU; the re
 (layers/olmo2/config.py)."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from layers.block import KVCache, RMSNorm, attend, full_attention_only, init_weights, language_model_output
-from layers.llama.units import LlamaEmbedding, LlamaMLP
-from layers.model import CausalLM, FamilyUnits
+from layers.block import KVCache, RMSNorm, attend, full_attention_only
+from layers.llama.units import Llama, LlamaEmbedding, LlamaHead, LlamaMLP
+from layers.model import FamilyUnits
 from layers.olmo2.config import Olmo2Config
 from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
 
@@ -76,47 +78,10 @@ class Olmo2Block(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-class Olmo2Head(nn.Module):
-    """Final RMSNorm and the language-model head (no bias): float32 logits, or with labels the causal-LM loss."""
+class Olmo2Head(LlamaHead):
+    """Llama's head with OLMo 2's final norm."""
 
-    def __init__(self, cfg: Olmo2Config) -> None:
-        super().__init__()
-        self.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
-                num_items: float | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab), or given labels the loss (layers.block.language_model_output)."""
-        return language_model_output(self.norm(h), self.lm_head, labels, vocab_chunk, num_items)
+    norm_type: ClassVar[type[nn.Module]] = Olmo2RMSNorm
 
 
-class _Model(nn.Module):
-    def __init__(self, cfg: Olmo2Config) -> None:
-        super().__init__()
-        self.embed_tokens = LlamaEmbedding(cfg).embed_tokens
-        self.layers = nn.ModuleList(Olmo2Block(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class Olmo2(CausalLM):
-    """An OLMo 2 model for causal LM, resident. `model(input_ids)` -> float32 logits (B, T, vocab)."""
-
-    def __init__(self, cfg: Olmo2Config, init: bool = True) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = _Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if init:
-            init_weights(self)
-        if cfg.tie_word_embeddings:  # one parameter, the embedding's (transformers' tie_weights)
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)  # (B, T, d)
-        for i, block in enumerate(self.model.layers):
-            h = block(h, start_pos, None if caches is None else caches[i], positions)
-        return self.lm_head(self.model.norm(h)).float()  # (B, T, vocab)
-
-
-UNITS = FamilyUnits(embed=LlamaEmbedding, block=Olmo2Block, head=Olmo2Head, model=Olmo2)
+UNITS = FamilyUnits(embed=LlamaEmbedding, block=Olmo2Block, head=Olmo2Head, model=Llama)
