@@ -399,6 +399,21 @@ def read_hf_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+def check_heads(cfg: ModelConfig) -> None:
+    """Grouped-query attention's heads and RoPE's pairs: num_attention_heads a multiple of num_key_value_heads,
+    head_dim even."""
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                          f"num_key_value_heads ({cfg.num_key_value_heads})")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"head_dim ({cfg.head_dim}) must be even: RoPE rotates pairs of dimensions")
+
+
+def check_rms_norm_eps(eps: object) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        raise ConfigError(f"rms_norm_eps must be in (0, 1), got {eps!r}")
+
+
 def check_pad_token_id(cfg: ModelConfig) -> None:
     """`pad_token_id` is a token id below vocab_size, or None."""
     pad = cfg.pad_token_id

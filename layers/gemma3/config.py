@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_pad_token_id, family, positive_ints,
+    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    family, positive_ints,
 )
 from layers.llama.config import checked_rope
 
@@ -83,19 +84,14 @@ class Gemma3TextConfig(ModelConfig):
     def __post_init__(self) -> None:
         positive_ints(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_key_value_heads})")
+        check_heads(self)
         if self.hidden_size % self.num_attention_heads:  # transformers' own check
             raise ConfigError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                               f"({self.num_attention_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
         if self.hidden_activation != "gelu_pytorch_tanh":
             raise ConfigError(f"hidden_activation {self.hidden_activation!r} is not supported; gemma3_text uses "
                               "'gelu_pytorch_tanh'")
-        if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
-            raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
+        check_rms_norm_eps(self.rms_norm_eps)
         for flag in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_pad_token_id, family, positive_ints,
+    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    family, positive_ints,
 )
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
@@ -110,16 +111,11 @@ class LlamaConfig(ModelConfig):
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         positive_ints(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
+        check_heads(self)
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; the {self.model_type} family "
                               "uses 'silu'")
-        if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
-            raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
+        check_rms_norm_eps(self.rms_norm_eps)
         if not isinstance(self.tie_word_embeddings, bool):
             raise ConfigError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         for flag in ("attention_bias", "mlp_bias"):
