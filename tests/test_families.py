@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from layers import FAMILIES, FamilyUnits, ModelConfig, build_unit, resident_model
+from layers import FAMILIES, PRESETS, FamilyUnits, ModelConfig, build_unit, resident_model
 from layers.model import family_units
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
@@ -53,6 +53,13 @@ def test_every_family_is_documented() -> None:
     section = text[text.index("## Models"):]
     section = section[:section.index("\n## ", 4)]
     assert re.findall(r"^- `(\w+)`", section, flags=re.M) == list(FAMILIES)
+
+
+def test_every_preset_is_documented() -> None:
+    """docs/CLI.md's `--model` names every preset of every family."""
+    text = (ROOT / "docs" / "CLI.md").read_text()
+    listed = text[text.index("The presets are"):text.index("A tokenizer is then trained")]
+    assert set(re.findall(r"`([\w.-]+)`", listed)) == set(PRESETS)
 
 
 @pytest.mark.parametrize("model_type", TYPES)
