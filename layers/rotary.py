@@ -138,3 +138,13 @@ def rows_sincos(n_positions: int, rotary_dim: int, positions: torch.Tensor, dtyp
     long = positions.max() + 1 > change
     return (torch.where(long, long_sin[positions], sin[positions]).to(dtype),
             torch.where(long, long_cos[positions], cos[positions]).to(dtype))
+
+
+def sequence_sincos(n_positions: int, rotary_dim: int, start: int, length: int, dtype: torch.dtype,
+                    device: torch.device, positions: torch.Tensor | None = None,
+                    rope: tuple[tuple[str, Any], ...] = DEFAULT_ROPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sin/cos a block rotates a sequence with: of packed rows' own `positions` (B, T) where given
+    (`rows_sincos`), else of positions start..start+length-1 (`positions_sincos`)."""
+    if positions is None:
+        return positions_sincos(n_positions, rotary_dim, start, length, dtype, device, rope)
+    return rows_sincos(n_positions, rotary_dim, positions, dtype, rope)

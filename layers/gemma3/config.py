@@ -13,7 +13,7 @@ from layers.config import (
     PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
-from layers.llama.config import checked_rope
+from layers.llama.config import LlamaConfig, checked_rope
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' RoPE bases where a config names none: rope_theta for global layers, rope_local_base_freq for
@@ -48,13 +48,11 @@ def rope_per_layer_type(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 @dataclass(frozen=True)
 class Gemma3TextConfig(ModelConfig):
     model_type: ClassVar[str] = "gemma3_text"
-    hf_body: ClassVar[str] = "model."
-    hf_blocks: ClassVar[str] = "layers"
-    hf_final_norm: ClassVar[str] = "norm"
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-        "down_proj": "mlp.down_proj"}
+    # Llama's checkpoint layout and projection names
+    hf_body: ClassVar[str] = LlamaConfig.hf_body
+    hf_blocks: ClassVar[str] = LlamaConfig.hf_blocks
+    hf_final_norm: ClassVar[str] = LlamaConfig.hf_final_norm
+    projections: ClassVar[dict[str, str]] = LlamaConfig.projections
     hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
 
     # transformers' defaults (Gemma3TextConfig's)

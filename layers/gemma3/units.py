@@ -12,7 +12,7 @@ from layers.block import KVCache, OffsetRMSNorm, attend
 from layers.gemma3.config import Gemma3TextConfig
 from layers.llama.units import Llama, LlamaEmbedding, LlamaHead
 from layers.model import FamilyUnits
-from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
+from layers.rotary import apply_rotary_halves, sequence_sincos
 
 
 def scaled_embedding(table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -52,11 +52,8 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim))
         v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
-        if positions is None:
-            sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, x.dtype, x.device,
-                                        self.rope)
-        else:
-            sin, cos = rows_sincos(cfg.max_position_embeddings, cfg.head_dim, positions, x.dtype, self.rope)
+        sin, cos = sequence_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, x.dtype, x.device,
+                                   positions, self.rope)
         q, k = apply_rotary_halves(q, sin, cos), apply_rotary_halves(k, sin, cos)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions,
                      self.window, cfg.query_pre_attn_scalar ** -0.5)

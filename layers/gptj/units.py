@@ -9,7 +9,7 @@ from torch import nn
 from layers.block import KVCache, full_attention_only, attend, embedding, init_weights, language_model_output
 from layers.gptj.config import GPTJConfig
 from layers.model import CausalLM, FamilyUnits
-from layers.rotary import apply_rotary, positions_sincos, rows_sincos
+from layers.rotary import apply_rotary, sequence_sincos
 
 
 class GPTJEmbedding(nn.Module):
@@ -39,10 +39,7 @@ class GPTJAttention(nn.Module):
         B, T, _ = x.shape
         split = (B, T, cfg.n_head, cfg.head_dim)
         q, k, v = self.q_proj(x).view(split), self.k_proj(x).view(split), self.v_proj(x).view(split)  # (B, T, H, D)
-        if positions is None:
-            sin, cos = positions_sincos(cfg.n_positions, cfg.rotary_dim, start_pos, T, x.dtype, x.device)
-        else:
-            sin, cos = rows_sincos(cfg.n_positions, cfg.rotary_dim, positions, x.dtype)
+        sin, cos = sequence_sincos(cfg.n_positions, cfg.rotary_dim, start_pos, T, x.dtype, x.device, positions)
         q, k = apply_rotary(q, sin, cos), apply_rotary(k, sin, cos)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions)
         return self.out_proj(out)

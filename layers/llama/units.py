@@ -12,7 +12,7 @@ from torch import nn
 from layers.block import KVCache, full_attention_only, RMSNorm, attend, embedding, init_weights, language_model_output
 from layers.llama.config import LlamaConfig
 from layers.model import CausalLM, FamilyUnits, family_units
-from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
+from layers.rotary import apply_rotary_halves, sequence_sincos
 
 
 class LlamaEmbedding(nn.Module):
@@ -35,11 +35,8 @@ def rotary_attention(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torc
     causal attention with v: (B, T, H * D). `positions` (B, T): packed rows' positions, restarting at 0 in each
     example; None: 0..T-1 from start_pos."""
     T = q.shape[1]
-    if positions is None:
-        sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.rotary_dim, start_pos, T, q.dtype, q.device,
-                                    cfg.rope_parameters)
-    else:
-        sin, cos = rows_sincos(cfg.max_position_embeddings, cfg.rotary_dim, positions, q.dtype, cfg.rope_parameters)
+    sin, cos = sequence_sincos(cfg.max_position_embeddings, cfg.rotary_dim, start_pos, T, q.dtype, q.device,
+                               positions, cfg.rope_parameters)
     q, k = apply_rotary_halves(q, sin, cos), apply_rotary_halves(k, sin, cos)
     return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions)
 

@@ -12,7 +12,7 @@ from layers.block import KVCache, RMSNorm, attend, full_attention_only
 from layers.llama.units import Llama, LlamaEmbedding, LlamaHead, LlamaMLP
 from layers.model import FamilyUnits
 from layers.olmo2.config import Olmo2Config
-from layers.rotary import apply_rotary_halves, positions_sincos, rows_sincos
+from layers.rotary import apply_rotary_halves, sequence_sincos
 
 
 class Olmo2RMSNorm(RMSNorm):
@@ -50,12 +50,8 @@ class Olmo2Attention(nn.Module):
         k = self.k_norm(self.k_proj(x)).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
         # fp32 tables: the rotation is computed in fp32 and rounded once to the compute dtype
-        if positions is None:
-            sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, torch.float32,
-                                        x.device, cfg.rope_parameters)
-        else:
-            sin, cos = rows_sincos(cfg.max_position_embeddings, cfg.head_dim, positions, torch.float32,
-                                   cfg.rope_parameters)
+        sin, cos = sequence_sincos(cfg.max_position_embeddings, cfg.head_dim, start_pos, T, torch.float32, x.device,
+                                   positions, cfg.rope_parameters)
         q, k = apply_rotary_halves(q, sin, cos).to(x.dtype), apply_rotary_halves(k, sin, cos).to(x.dtype)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), start_pos, cache, positions)
         return self.o_proj(out)
