@@ -86,11 +86,6 @@ class UnitLayout:
         return sum(s.numel for s in self.slots)
 
     @property
-    def device_numel(self) -> int:
-        """The elements of the unit's weights on the device: what it borrows, then its own."""
-        return sum(s.numel for s, _ in self.borrowed) + self.numel
-
-    @property
     def decay_numel(self) -> int:
         return sum(s.numel for s in self.slots if s.decay)
 
