@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from layers import PRESETS, ModelConfig
+from layers import PRESETS, ConfigError, ModelConfig
 from memory_model import PlanConfig, plan
 from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
@@ -82,6 +82,9 @@ class Settings:
     def from_args(cls, args: argparse.Namespace) -> "Settings":
         if args.only_scale and args.no_scale:
             raise SystemExit("--only-scale and --no-scale exclude each other; pass one of them")
+        for flag, value in (("--model", args.model), ("--scale-model", args.scale_model)):
+            if value is not None:
+                _checked_model(flag, value)
         compute = resolve_compute_dtype("cpu", args.dtype)
         if args.quick:
             model = args.model or "gptj-debug"
@@ -105,6 +108,14 @@ class Settings:
                    data_parallel=True, profile=True, matmul_n=2048, update_params=64 * 2**20,
                    disk_test_bytes=2 * GiB, disk_repeats=3,
                    reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute)
+
+
+def _checked_model(flag: str, value: str) -> ModelConfig:
+    """The model a flag names, or one line naming the flag."""
+    try:
+        return ModelConfig.named(value)
+    except ConfigError as exc:
+        raise SystemExit(f"{flag} {exc}") from None
 
 
 def _scale_model(asked: str | None, model: str, quick: bool) -> str:

@@ -197,6 +197,14 @@ def test_scale_model_is_asked_for_and_quick_takes_its_familys_smallest(tmp_path)
     assert bench._scale_candidates(settings, 10**15)[0].config == PRESETS["llama-debug"]
 
 
+@pytest.mark.parametrize("flag", ["--model", "--scale-model"])
+def test_a_model_flag_naming_nothing_is_one_line_naming_the_flag(flag):
+    with pytest.raises(SystemExit) as info:
+        bench.Settings.from_args(_parse([flag, "nope"]))
+    message = str(info.value.code)
+    assert message.startswith(f"{flag} 'nope' is neither a preset") and "\n" not in message
+
+
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "gptj-6b"])
 def test_scale_targets_hold_the_model_asked_for_to_its_own_limits(model):
     """Section 6 names the model asked for; its stated step and RSS limits are met only by that model itself,
