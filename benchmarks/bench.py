@@ -115,7 +115,7 @@ def _checked_model(flag: str, value: str) -> ModelConfig:
     try:
         return ModelConfig.named(value)
     except ConfigError as exc:
-        raise SystemExit(f"{flag} {exc}") from None
+        raise ConfigError(f"{flag} {exc}") from None
 
 
 def _scale_model(asked: str | None, model: str, quick: bool) -> str:
