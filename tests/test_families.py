@@ -1,7 +1,8 @@
 """Every registered family against transformers' own class, by its `example()`: the tests a family gets by
 being registered (`layers.config.FAMILIES`). Logits, gradients and streamed training within transformers'
-fp32 noise; a folder transformers wrote trained, exported and generated from through the CLI; planner =
-ledger = dry run to the byte; LoRA as PEFT loads it; resume bit for bit; and the docs' list of families."""
+fp32 noise; a folder transformers wrote trained, exported, generated from and evaluated through the CLI
+(`streamer eval`'s loss is transformers' on the export); planner = ledger = dry run to the byte; LoRA as PEFT
+loads it; resume bit for bit; and the docs' list of families."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,15 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from layers import FAMILIES, PRESETS, FamilyUnits, ModelConfig, build_unit, resident_model
+from layers import FAMILIES, PRESETS, FamilyUnits, ModelConfig, build_unit, learned_tokens, resident_model
 from layers.model import family_units
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer
 from streamer.generate import Sampling, generate
+from streamer.io.data import load_dataset
+from streamer.io.tokenizer import load_tokenizer
 from streamer.run_dir import RunDir
 from tests.conftest import randomize_
 from tests.test_cli import run_cli
@@ -144,6 +147,26 @@ def test_cli_trains_a_transformers_folder_exports_and_generates(capsys, tmp_path
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **EAGER_EXPERTS).eval()
     assert type(exported) is type(hf_model(cfg))
     assert_export_is_transformers(cfg, run, out, exported)
+    assert_eval_is_transformers(capsys, run, tiny_setup, tmp_path, out)
+
+
+def assert_eval_is_transformers(capsys, run: Path, tiny_setup: Path, tmp_path: Path, out: Path) -> None:
+    """`streamer eval` prints the loss transformers gives the export on the same sequences (float64), to the
+    printed digits: the run's forwards alone, every token counted once."""
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text((tiny_setup / "train.txt").read_text()[:600])
+    rc, printed, err = run_cli(capsys, "eval", run, "--data", held_out, "--seq", 16, "--batch", 3)
+    assert rc == 0, err
+    loss = float(re.search(r": loss (\d+\.\d+),", printed).group(1))
+    dataset = load_dataset(held_out, load_tokenizer(RunDir(run).tokenizer), 16)
+    exact = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, **EAGER_EXPERTS).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for ids, labels, positions in dataset.batches(3):
+            count = learned_tokens(labels)
+            total += exact(ids, labels=labels, position_ids=positions).loss.item() * count
+            tokens += count
+    assert abs(loss - total / tokens) <= 5e-5 + 1e-5 * loss  # the printed rounding and fp32's noise
 
 
 def assert_export_is_transformers(cfg: ModelConfig, run: Path, out: Path,
