@@ -1,6 +1,7 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
-example): the published shapes' parameter counts, an expert no token chose stepped as torch's AdamW steps it,
-the experts' two matmul paths, and transformers' files with their experts one tensor each."""
+example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
+experts'), an expert no token chose stepped as torch's AdamW steps it, the experts' two matmul paths, and
+transformers' files with their experts one tensor each."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,10 @@ import torch
 import transformers
 
 from layers import PRESETS, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
+from layers.llama.config import LlamaConfig
 from layers.moe.units import GroupedLinear
+from memory_model import DEVICE_PRESETS, PlanConfig, plan
+from memory_model.kernels import KernelCosts, gpu_elementwise_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from tests.test_families import hf_model
 from tests.test_runtime import hf_fp32_noise, hf_reference
@@ -33,6 +37,47 @@ def test_presets_have_transformers_parameter_counts():
     assert 3.3e9 < active < 3.4e9
     assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
     assert PRESETS["olmoe-1b-7b"].num_params() == transformers_count(PRESETS["olmoe-1b-7b"]) == 6_919_161_856
+
+
+def transformers_matmul_params(cfg: ModelConfig) -> int:
+    """The weights a token's matmuls go through in transformers' model, counted apart from ours: every matrix
+    but the embedding's (a gather), the fused experts' k of E, none of the norms' vectors."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    embedding = model.get_input_embeddings().weight
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    return round(sum(p.numel() * (share if ".experts." in name else 1)
+                     for name, p in model.named_parameters() if p.dim() > 1 and p is not embedding))
+
+
+def test_the_planned_flops_are_the_active_experts():
+    """Qwen3-30B-A3B's planned step is 3 x the forward's matmuls: 2 FLOPs per token and weight a token goes
+    through (attention's projections, the router, 8 of 128 experts, the head: 3.0B of its 30.5B parameters, by
+    transformers' modules), and attention's QK^T and AV."""
+    cfg, batch, seq = PRESETS["qwen3-30b-a3b"], 1, 2048
+    active = transformers_matmul_params(cfg)
+    assert 2.9e9 < active < 3.1e9
+    attention = cfg.num_hidden_layers * 4 * batch * seq * seq * cfg.attention_width
+    planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(batch=batch, seq=seq))
+    assert sum(row.forward_flops for row in planned.rows) == 2 * batch * seq * active + attention
+    assert planned.model_flops == 3 * (2 * batch * seq * active + attention)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b"])
+def test_a_mixtures_elementwise_work_is_its_active_experts(preset: str):
+    """A block's kernels beside the matmuls are priced for the MLP a token goes through: those of a dense block
+    as wide as its k experts together (Mixtral's intermediate_size is one expert's width, Qwen3-MoE's a dense
+    width no layer has), on a GPU's HBM and by a CPU's measured kernel costs."""
+    cfg = PRESETS[preset]
+    dense_class = next(c for c in type(cfg).__mro__[1:] if issubclass(c, LlamaConfig))  # Qwen3, Mistral, Llama
+    dense = dense_class(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(dense_class)},
+                           "intermediate_size": cfg.num_experts_per_tok * cfg.expert_width})
+    costs = KernelCosts(**{f.name: 1.0 for f in dataclasses.fields(KernelCosts)})
+    for phase in ("forward", "backward"):
+        assert gpu_elementwise_bytes(cfg, "block.0", phase, 2, 256, 2) == \
+            gpu_elementwise_bytes(dense, "block.0", phase, 2, 256, 2)
+    assert costs.forward_s(cfg, "block.0", 2, 256) == costs.forward_s(dense, "block.0", 2, 256)
+    assert costs.backward_s(cfg, "block.0", 2, 256) == costs.backward_s(dense, "block.0", 2, 256)
 
 
 def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: Path):
