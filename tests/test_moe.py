@@ -1,7 +1,8 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
 example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
-experts'), an expert no token chose stepped as torch's AdamW steps it, the experts' two matmul paths, and
-transformers' files with their experts one tensor each."""
+experts'), an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only
+one rank's tokens chose, the experts' two matmul paths, and transformers' files with their experts one tensor
+each."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import transformers
 
 from layers import PRESETS, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
 from layers.llama.config import LlamaConfig
-from layers.moe.units import GroupedLinear
+from layers.moe.units import GroupedLinear, SparseMoe
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.kernels import KernelCosts, gpu_elementwise_bytes
 from streamer import StreamingTrainer, TrainerConfig
@@ -104,6 +105,48 @@ def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: P
     assert len(idle) >= cfg.num_experts - 2 * 3  # at most 3 experts a step took a token
     for e in idle:
         torch.testing.assert_close(ours[key][e].double(), decayed[e], rtol=2e-7, atol=0)
+
+
+def experts_chosen(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: torch.Tensor) -> list[set[int]]:
+    """Per block, the experts the tokens of `ids` are routed to by the weights `state`."""
+    model = resident_model(cfg, init=False)
+    model.load_hf_state_dict(state)
+    chosen: list[set[int]] = []
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoe)):
+        moe.register_forward_hook(lambda m, args, _: chosen.append(set(
+            m.gate(args[0].reshape(-1, cfg.hidden_size)).topk(m.top_k).indices.flatten().tolist())))
+    with torch.no_grad():
+        model(ids)
+    return chosen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,data_parallel,store", [(Qwen3MoeConfig, "replicated", "disk"),
+                                                        (MixtralConfig, "sharded", "ram")])
+def test_two_gloo_ranks_equal_one_process(tmp_path: Path, family, data_parallel: str, store: str):
+    """Two data-parallel processes equal one process on the same global batch, and each rank's device peak is
+    the planner's. With 64 experts, 2 a token, each rank's 64 tokens leave some expert without a row that the
+    other rank's tokens chose (checked): its gradient is zero on one rank and not on the other, and the sum
+    across ranks (all-reduced, or reduce-scattered into each rank's half) is the one process's."""
+    from tests.test_distributed import TC, _max_diff, global_batches, run_data_parallel, single_process
+
+    cfg = dataclasses.replace(family.example(), vocab_size=256, **{
+        "num_local_experts" if family is MixtralConfig else "num_experts": 64})  # test_distributed's tokens
+    tc = TC.replace(data_parallel=data_parallel, store=store)
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "start") as trainer:
+        start = trainer.state_dict()
+    rows = global_batches(1)[0].split(2)  # each rank's micro-batch of the first step
+    routed = list(zip(*(experts_chosen(cfg, start, ids) for ids in rows)))
+    assert any(ours - theirs or theirs - ours for ours, theirs in routed)
+    ranks = run_data_parallel(tmp_path, [("new", 2)], tc, cfg)
+    reference = single_process(tmp_path, 2, tc.replace(data_parallel="replicated"), cfg)
+    assert _max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert _max_diff(ranks[0]["state"], reference["state"]) <= 1e-5  # as GPT-J's (test_distributed.py)
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
+    planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
+        batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=10_000, devices=2,
+        data_parallel=data_parallel)).peak_device_bytes
+    assert [r["peak"] for r in ranks] == [planned, planned]
 
 
 def test_the_grouped_matmul_is_one_matmul_per_expert_with_tokens():
