@@ -1,8 +1,8 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
 example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
 experts'), an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only
-one rank's tokens chose, the experts' two matmul paths, and transformers' files with their experts one tensor
-each."""
+one rank's tokens chose, the device peak whatever the routing, the experts' two matmul paths, and transformers'
+files with their experts one tensor each."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,7 @@ from layers.moe.units import GroupedLinear, SparseMoe
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.kernels import KernelCosts, gpu_elementwise_bytes
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.calibration.dryrun import dry_run
 from tests.test_families import hf_model
 from tests.test_runtime import hf_fp32_noise, hf_reference
 
@@ -147,6 +148,30 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path, family, data_parallel:
         batch=4, seq=32, compute_dtype="fp32", store=store, update_chunk=10_000, devices=2,
         data_parallel=data_parallel)).peak_device_bytes
     assert [r["peak"] for r in ranks] == [planned, planned]
+
+
+@pytest.mark.parametrize("dtype,activations,store", [("fp32", "resident", "ram"), ("bf16", "checkpoint", "disk")])
+def test_the_device_peak_is_the_same_for_any_routing(tmp_path: Path, dtype: str, activations: str, store: str):
+    """The experts are dropless and unpadded: whatever the routing, their tensors hold the N x k routed rows
+    (GroupedLinear's output is one buffer, each expert's rows a slice of it). So a step whose router sends every
+    token to the same k experts (a zero router: every token's probabilities tie) peaks where one whose tokens
+    spread over every expert does, at the plan's peak and the dry run's, to the byte."""
+    cfg = Qwen3MoeConfig.example()
+    tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "start") as trainer:
+        spread = trainer.state_dict()
+    forced = {k: torch.zeros_like(v) if k.endswith(".mlp.gate.weight") else v for k, v in spread.items()}
+    assert all(len(experts) == cfg.num_experts for experts in experts_chosen(cfg, spread, ids))
+    assert all(len(experts) == cfg.num_experts_per_tok for experts in experts_chosen(cfg, forced, ids))
+    planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
+        2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store)).peak_device_bytes
+    assert dry_run(cfg, tc, 2, 24).peak == planned
+    for name, start in (("spread", spread), ("forced", forced)):
+        with StreamingTrainer(cfg, tc, store_dir=tmp_path / name) as trainer:
+            trainer.load_state_dict(start)
+            trainer.step(ids)
+            assert trainer.ledger.peak == planned, name
 
 
 def test_the_grouped_matmul_is_one_matmul_per_expert_with_tokens():
