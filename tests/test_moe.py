@@ -131,10 +131,10 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path, family, data_parallel:
     across ranks (all-reduced, or reduce-scattered into each rank's half) is the one process's."""
     from tests.test_distributed import TC, _max_diff, global_batches, run_data_parallel, single_process
 
-    cfg = dataclasses.replace(family.example(), vocab_size=256, **{
-        "num_local_experts" if family is MixtralConfig else "num_experts": 64})  # test_distributed's tokens
+    experts = "num_local_experts" if family is MixtralConfig else "num_experts"
+    cfg = dataclasses.replace(family.example(), vocab_size=256, **{experts: 64})  # test_distributed's token ids
     tc = TC.replace(data_parallel=data_parallel, store=store)
-    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "start") as trainer:
+    with StreamingTrainer(cfg, TC, store_dir=tmp_path / "start") as trainer:  # the weights every run starts from
         start = trainer.state_dict()
     rows = global_batches(1)[0].split(2)  # each rank's micro-batch of the first step
     routed = list(zip(*(experts_chosen(cfg, start, ids) for ids in rows)))
