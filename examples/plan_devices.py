@@ -1,4 +1,5 @@
-"""A model across devices and activation policies: device peak, fit, step time, largest batch.
+"""A model across devices and activation policies: device peak, fit (the device's memory, and a RAM store's host
+RAM), step time, largest batch; below the table, why each step that does not fit does not.
 
     python examples/plan_devices.py [--model gptj-6b] [--batch 1] [--seq 2048] [--store ram] [--dry-run]
 
@@ -40,16 +41,24 @@ def main() -> None:
     for column in ("device", "memory", "policy", "peak", "fits", "16 B/p ÷ peak", "step s", "tok/s", "MFU", "bound",
                    "max batch"):
         table.add_column(column, justify="left" if column in ("device", "policy", "bound") else "right")
+    refused = {}  # why a step does not fit, by device and policy
     for name, device in DEVICE_PRESETS.items():
         for policy in POLICIES:
             p = plan(cfg, device, PlanConfig.of(batch=args.batch, seq=args.seq, activations=policy, store=args.store,
                                                 update_on=device.update_on))  # MemoryX updates on the host
+            # A RAM store must fit the host's RAM too: a large model's (Qwen3-30B-A3B's 512 GiB) may not.
+            short = [what for what, fits in (("device", p.fits), ("host RAM", p.host_fits)) if not fits]
+            if short:
+                refused[f"{name}, {policy}"] = p.does_not_fit
             table.add_row(name, format_size(device.memory_bytes), policy, format_size(p.peak_device_bytes),
-                          "yes" if p.fits else "[red]no[/]", f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
+                          f"[red]no: {' and '.join(short)}[/]" if short else "yes",
+                          f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", f"{p.utilisation:.1%}", p.bottleneck,
                           str(p.max_batch_seq[0]) if p.max_batch_seq[0] else "[red]none[/]")
     console = make_console()
     console.print(table)
+    for where, why in refused.items():
+        console.print(f"{where}: {why}")
     if args.dry_run:
         for policy in POLICIES:
             ledger = dry_run(cfg, TrainerConfig.of(activations=policy, store=args.store), args.batch, args.seq)

@@ -21,7 +21,7 @@ fields, so it never asks which family it holds:
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
   target by default (`lora_default_targets`, PEFT's);
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
-  block too), a block's matmul weights;
+  block too), a block's matmul weights, the MLP's width a token goes through (`active_mlp_width`);
 - `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
   defaults for what it may leave out where they differ from ours (`hf_defaults`);
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
@@ -167,6 +167,12 @@ class ModelConfig(abc.ABC):
     @abc.abstractmethod
     def block_matmul_params(self) -> int:
         """The weights of a block's matmuls: a forward's matmul FLOPs are 2 x tokens x this."""
+
+    def active_mlp_width(self) -> int:
+        """The width of the MLP a token goes through, which its elementwise work scales with: `intermediate_size`,
+        or a mixture of experts' k chosen experts' widths together (not `intermediate_size`, which is one
+        expert's or a dense width no layer has)."""
+        return self.intermediate_size
 
     @abc.abstractmethod
     def block_saved_per_token(self, es: int) -> int:

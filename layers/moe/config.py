@@ -18,8 +18,9 @@ from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
 
 class MixtureOfExperts:
     """The sparse MLP's parameters, matmuls and saved bytes, for a config class that also subclasses LlamaConfig.
-    A token goes through the router and its `num_experts_per_tok` experts only: its FLOPs are those, and what the
-    experts save is per routed token whatever the routing, since nothing is padded per expert."""
+    A token goes through the router and its `num_experts_per_tok` experts only: its FLOPs and elementwise work
+    (`active_mlp_width`) are those, and what the experts save is per routed token whatever the routing, since
+    nothing is padded per expert."""
 
     num_experts: int
     num_experts_per_tok: int
@@ -75,6 +76,9 @@ class MixtureOfExperts:
     def mlp_matmul_params(self) -> int:
         d, f = self.hidden_size, self.expert_width
         return self.num_experts * d + self.num_experts_per_tok * 3 * d * f  # the router, then k experts
+
+    def active_mlp_width(self) -> int:
+        return self.num_experts_per_tok * self.expert_width
 
     def _routing_saved(self) -> int:
         """Per token: the router's fp32 probabilities (softmax's output), the chosen experts (top-k's int64
