@@ -42,6 +42,7 @@ class AuxiliaryLoss(abc.ABC):
 
 
 def no_auxiliary_loss(cfg: ModelConfig, scale: float, device: torch.device) -> AuxiliaryLoss | None:
+    """A family whose loss is the language model's alone."""
     return None
 
 

@@ -17,6 +17,7 @@ from layers.moe.units import GroupedLinear
 from streamer import StreamingTrainer, TrainerConfig
 from tests.test_families import (assert_planner_dry_run_and_real_run_agree, assert_the_cli_trains_a_transformers_folder,
                                  byte_test_settings, for_cli, hf_model, planned_peak)
+from tests.test_distributed import CFG as DATA_PARALLEL_CFG, run_data_parallel, single_process
 from tests.test_runtime import hf_fp32_noise, hf_reference
 
 MIXTURES = ["qwen3_moe", "mixtral", "olmoe"]
@@ -225,3 +226,15 @@ def test_the_cli_trains_a_transformers_folder_that_asks_for_the_balance(capsys, 
     cfg = balanced(for_cli(model_type))
     assert_the_cli_trains_a_transformers_folder(capsys, tmp_path, tiny_setup, cfg)
     assert ModelConfig.from_hf(tmp_path / "out") == cfg
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sum_their_load_balancing_losses_as_trainer_does(tmp_path: Path):
+    """Each rank's balance is over its own rows, and the all-reduce sums the ranks' (Trainer scales each rank's
+    loss by the processes and DDP averages): two ranks of two rows are one process of two micro-batches."""
+    cfg = balanced(Qwen3MoeConfig.example().resized(vocab_size=DATA_PARALLEL_CFG.vocab_size))  # its batches' tokens
+    tc = TrainerConfig.of(lr=1e-3, dtype="fp32", store="disk", max_grad_norm=1.0, update_chunk=10_000)
+    ranks = run_data_parallel(tmp_path, [("new", 3)], tc, cfg)
+    reference = single_process(tmp_path, 3, tc, cfg)
+    assert max((ranks[0]["state"][k] - reference["state"][k]).abs().max().item() for k in reference["state"]) <= 1e-5
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)

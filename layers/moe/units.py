@@ -89,7 +89,9 @@ class RouterBalance(AuxiliaryLoss):
 
     The counts are constants (top-k has no gradient), so d loss / d p_re = coef * E * C_e / R^2 for every row
     of every layer: known once every layer has counted, it joins each router's probabilities' gradient in that
-    block's backward (`_Balanced`). On the device: C and S, fp32 (MixtureOfExperts.auxiliary_loss_bytes)."""
+    block's backward (`_Balanced`). On the device: C and S, fp32 (MixtureOfExperts.auxiliary_loss_bytes). The
+    probabilities are the routing's fp32 ones; transformers takes the softmax of the router's logits again in
+    the compute dtype (the same in fp32, a rounding apart in bf16)."""
 
     def __init__(self, cfg: MixtureOfExperts, scale: float, device: torch.device) -> None:
         self.coef = cfg.router_aux_loss_coef * scale
