@@ -201,6 +201,12 @@ class ModelConfig(abc.ABC):
         """Bytes the head's forward saves whatever its tokens, besides `head_saved_per_token`'s."""
         return 0
 
+    def auxiliary_loss_bytes(self) -> int:
+        """Device bytes of a micro-batch's auxiliary loss, which its blocks add to as they run (a mixture's
+        router load balance, `layers.model.AuxiliaryLoss`), held from its first block's forward to that block's
+        backward; 0: the model's loss has no such term."""
+        return 0
+
     @abc.abstractmethod
     def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
         """What a LoRA block saves with adapters on `targets` (`plain`: no dropout before them), its input

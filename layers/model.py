@@ -1,16 +1,19 @@
-"""What generic code asks of a family's torch side: a unit's module, the resident reference model, its strict
-HF loading, and the weight-decay rule. A family's torch side is the `UNITS` of the `units` module beside its
-config module (`layers/<family>/units.py`), a `FamilyUnits`."""
+"""What generic code asks of a family's torch side: a unit's module, the resident reference model and its loss,
+its strict HF loading, the weight-decay rule, and an auxiliary loss its blocks add to. A family's torch side is the
+`UNITS` of the `units` module beside its config module (`layers/<family>/units.py`), a `FamilyUnits`."""
 from __future__ import annotations
 
+import abc
+import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
 
 from layers.config import ModelConfig
+from layers.loss import causal_lm_loss
 
 
 def weight_decayed(shape: Sequence[int]) -> bool:
@@ -18,15 +21,43 @@ def weight_decayed(shape: Sequence[int]) -> bool:
     return len(shape) >= 2
 
 
+class AuxiliaryLoss(abc.ABC):
+    """A term of the model's loss over one forward call (a micro-batch) that its blocks add to as they run, a
+    mixture's router load balance: the blocks called inside `recording()` add to `state`, and `value()` is the
+    term once they all have. Its gradient w.r.t. a block's output needs every block's forward (the whole
+    forward's sums), so a block's backward adds it where it passes, reading the sums then: the term's gradient
+    reaches the weights through the backward of the loss it is added to, and `value()` has none of its own."""
+
+    state: torch.Tensor  # all it holds on the device (ModelConfig.auxiliary_loss_bytes)
+
+    @abc.abstractmethod
+    def recording(self, counting: bool) -> ContextManager[None]:
+        """The blocks called inside are this forward's: they add to the sums where `counting` (not where a block's
+        forward is run again for its backward, activation checkpointing's recompute), and their backward adds the
+        term's gradient."""
+
+    @abc.abstractmethod
+    def value(self) -> torch.Tensor:
+        """The term (a 0-dim fp32 tensor, scaled as the loss it is added to), once every block has counted."""
+
+
+def no_auxiliary_loss(cfg: ModelConfig, scale: float, device: torch.device) -> AuxiliaryLoss | None:
+    """A family whose loss is the language model's alone."""
+    return None
+
+
 @dataclass(frozen=True)
 class FamilyUnits:
     """A family's torch side: the module of each kind of unit and the resident model. Each takes the family's
-    config; a block also its `ModelConfig.layer_types()` entry."""
+    config; a block also its `ModelConfig.layer_types()` entry. `auxiliary(cfg, scale, device)`: a new forward
+    call's auxiliary loss where cfg asks for one (None: the loss is the language model's alone), its term
+    multiplied by `scale` beyond the family's coefficient."""
 
     embed: Callable[[ModelConfig], nn.Module]
     block: Callable[[ModelConfig, str], nn.Module]
     head: Callable[[ModelConfig], nn.Module]
     model: Callable[[ModelConfig, bool], "CausalLM"]  # (cfg, init): HF's initialisation unless init is False
+    auxiliary: Callable[[ModelConfig, float, torch.device], AuxiliaryLoss | None] = no_auxiliary_loss
 
 
 def family_units(cfg: ModelConfig) -> FamilyUnits:
@@ -70,6 +101,14 @@ class CausalLM(nn.Module):
     state_dict is the transformers class's, key for key."""
 
     cfg: ModelConfig
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
+        """transformers' `loss` of the batch (no attention mask): the causal-LM loss (`causal_lm_loss`), plus the
+        auxiliary loss where the config asks for one, whose gradient the backward adds (`AuxiliaryLoss`)."""
+        auxiliary = family_units(self.cfg).auxiliary(self.cfg, 1.0, input_ids.device)
+        with contextlib.nullcontext() if auxiliary is None else auxiliary.recording(counting=True):
+            loss = causal_lm_loss(self(input_ids), labels, num_items)
+        return loss if auxiliary is None else loss + auxiliary.value()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load an HF state dict strictly, naming missing, extra and mis-shaped keys. A tied parameter is read

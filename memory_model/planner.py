@@ -206,7 +206,14 @@ class Plan:
 
 # --- memory -----------------------------------------------------------------------------------------------------
 def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
-    """(held from forward to backward, recomputed during backward) for one unit and micro-batch."""
+    """(held from forward to backward, recomputed during backward) for one unit and micro-batch. The first
+    block's hold the micro-batch's auxiliary loss too (ModelConfig.auxiliary_loss_bytes), read until its
+    backward."""
+    kept, recompute = _unit_activations(shape, cfg, unit, batch, seq)
+    return kept + (shape.auxiliary_loss_bytes() if unit == "block.0" else 0), recompute
+
+
+def _unit_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     es = cfg.dtype_bytes
     if unit == "embed":  # with a frozen base nothing in the embedding needs a gradient: it saves nothing
         return (0 if cfg.lora.enabled else embed_saved_bytes(shape, batch, seq)), 0

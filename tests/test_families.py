@@ -133,9 +133,14 @@ def test_streamed_training_equals_transformers_and_adamw(tmp_path: Path, model_t
 def test_cli_trains_a_transformers_folder_exports_and_generates(capsys, tmp_path: Path, tiny_setup: Path,
                                                                  model_type: str) -> None:
     """`streamer train --from-pretrained` on a folder transformers wrote, then `streamer export`: transformers
-    loads the export as its own class with our weights and logits, and greedy generation with our KV cache is
-    transformers' `generate`."""
-    cfg = for_cli(model_type)
+    loads the export as its own class with our weights and logits, greedy generation with our KV cache is
+    transformers' `generate`, and `streamer eval`'s loss is transformers' on the export."""
+    assert_the_cli_trains_a_transformers_folder(capsys, tmp_path, tiny_setup, for_cli(model_type))
+
+
+def assert_the_cli_trains_a_transformers_folder(capsys, tmp_path: Path, tiny_setup: Path, cfg: ModelConfig) -> None:
+    """Train from the folder transformers writes for cfg, export, and hold the export and the run's evaluation
+    to transformers."""
     hf_model(cfg).save_pretrained(tmp_path / "hf")
     run, out = tmp_path / "run", tmp_path / "out"
     rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--data", tiny_setup / "train.txt",
@@ -201,18 +206,28 @@ def test_planner_dry_run_and_real_run_agree_to_the_byte(tmp_path: Path, model_ty
     run's activations are the real run's too, but for a LayerNorm in bf16: meta's keeps its mean and rstd in fp32
     (4 bytes more per token each) where the CPU's keeps them in bf16 (tests/test_dryrun.py). No clipping: a fused
     step that clips is made again after the backward, whose peak the plan of the fused step leaves out."""
-    cfg = example(model_type)
-    targets = ",".join(cfg.projections)
-    tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0,
-                          lora_rank=lora, **({"lora_targets": targets} if lora else {}))
+    assert_planner_dry_run_and_real_run_agree(tmp_path, example(model_type), dtype, activations, store, lora)
+
+
+def planned_peak(cfg: ModelConfig, tc: TrainerConfig) -> int:
+    """The planner's peak of the byte test's step (two sequences of 24 tokens) under tc's step settings."""
+    return plan(cfg, device_spec("h100-sxm"), tc.plan_config(2, 24)).peak_device_bytes
+
+
+def byte_test_settings(cfg: ModelConfig, dtype: str, activations: str, store: str, lora: int) -> TrainerConfig:
+    return TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0,
+                            lora_rank=lora, **({"lora_targets": ",".join(cfg.projections)} if lora else {}))
+
+
+def assert_planner_dry_run_and_real_run_agree(tmp_path: Path, cfg: ModelConfig, dtype: str, activations: str,
+                                              store: str, lora: int) -> None:
+    """The planner's peak is the real run's ledger and the dry run's (see the test above)."""
+    tc = byte_test_settings(cfg, dtype, activations, store, lora)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
     dry = dry_run(cfg, tc, 2, 24)
-    planned = plan(cfg, device_spec("h100-sxm"), PlanConfig.of(
-        2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store,
-        lora=tc.lora)).peak_device_bytes
-    assert real[0] == planned
+    assert real[0] == planned_peak(cfg, tc)
     gap = dry.peak - real[0]
     assert gap == 0 or (gap % (4 * 2 * 24) == 0 and 0 < gap <= 4 * 4 * 2 * 24 and dtype == "bf16"
                         and any(isinstance(m, torch.nn.LayerNorm) for m in build_unit(cfg, "block.0").modules()))

@@ -114,12 +114,9 @@ REFUSED = [
     ("gemma-3-1b-it", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
     ("gemma-3-1b-it", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     ("gpt-j-6b", {"activation_function": "relu"}, "activation_function 'relu' is not supported"),
-    ("qwen3-30b-a3b", {"output_router_logits": True}, "output_router_logits=true (the router's auxiliary loss) is "
-                                                      "not supported"),
     ("qwen3-30b-a3b", {"mlp_only_layers": [0, 1]}, "mlp_only_layers=[0, 1] make some layers dense"),
     ("qwen3-30b-a3b", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 and mlp_only_layers=[] make some layers"),
     ("mixtral-8x7b", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
-    ("mixtral-8x7b", {"output_router_logits": True}, "output_router_logits=true (the router's auxiliary loss)"),
 ]
 
 

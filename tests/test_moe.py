@@ -1,8 +1,9 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
 example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
 experts'), an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only
-one rank's tokens chose, the device peak whatever the routing, the experts' two matmul paths, and transformers'
-files with their experts one tensor each."""
+one rank's tokens chose, the device peak whatever the routing, the experts' two matmul paths, transformers'
+files with their experts one tensor each, and the router's load-balancing loss (`output_router_logits`)
+against transformers' resident and streamed."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,15 +13,20 @@ import pytest
 import torch
 import transformers
 
-from layers import PRESETS, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
+from layers import FAMILIES, PRESETS, ConfigError, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
 from layers.llama.config import LlamaConfig
+from layers.model import family_units
 from layers.moe.units import GroupedLinear, SparseMoe
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.kernels import KernelCosts, gpu_elementwise_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
-from tests.test_families import hf_model
+from tests.test_distributed import CFG as DATA_PARALLEL_CFG, run_data_parallel, single_process
+from tests.test_families import (assert_planner_dry_run_and_real_run_agree, assert_the_cli_trains_a_transformers_folder,
+                                 byte_test_settings, for_cli, hf_model, planned_peak)
 from tests.test_runtime import hf_fp32_noise, hf_reference
+
+MIXTURES = ["qwen3_moe", "mixtral", "olmoe"]
 
 
 def transformers_count(cfg: ModelConfig) -> int:
@@ -227,3 +233,121 @@ def test_a_qwen3_moe_window_slides_on_every_layer(edit, window):
     raw = {**Qwen3MoeConfig.example().to_hf(), "max_window_layers": 2, **edit}
     assert transformers.AutoConfig.for_model(**raw).sliding_window == window
     assert Qwen3MoeConfig.from_hf(raw).sliding_window == window
+
+
+# --- the router's load-balancing loss -------------------------------------------------------------------------
+def balanced(cfg: ModelConfig) -> ModelConfig:
+    """cfg asking for the load-balancing loss, at a coefficient no family defaults to and large enough that its
+    gradient moves every weight beyond fp32 noise."""
+    return dataclasses.replace(cfg, output_router_logits=True, router_aux_loss_coef=0.25)
+
+
+def test_the_loss_is_asked_for_as_transformers_reads_it():
+    """output_router_logits and router_aux_loss_coef from a published file; without output_router_logits
+    transformers never reads the coefficient, and the model has no auxiliary loss and no bytes for one."""
+    raw = Qwen3MoeConfig.example().to_hf()
+    asked = ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": 0.5})
+    assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.5)
+    assert ModelConfig.from_hf(asked.to_hf()) == asked
+    assert asked.auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
+    plain = ModelConfig.from_hf({**raw, "router_aux_loss_coef": 0.5})
+    assert plain == Qwen3MoeConfig.example() and plain.auxiliary_loss_bytes() == 0
+    assert family_units(plain).auxiliary(plain, 1.0, torch.device("cpu")) is None
+    with pytest.raises(ConfigError, match="router_aux_loss_coef must be a finite number, got 'x'"):
+        ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": "x"})
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_the_load_balancing_loss_and_its_gradients_equal_transformers(model_type: str):
+    """The resident model's loss (cross-entropy plus the coefficient times the load-balancing loss) and every
+    parameter's gradient against transformers' `loss` in float64, within twice transformers' own fp32 error (its
+    eager and sdpa kernels); the loss's share is the coefficient times transformers' `aux_loss`."""
+    cfg = balanced(FAMILIES[model_type].example())
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def run(model: torch.nn.Module, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = loss_of(model)
+        loss.backward()
+        return loss.detach().double(), {k: p.grad.double() for k, p in model.named_parameters()}
+
+    exact_model = hf_model(cfg, torch.float64)
+    exact = run(exact_model, lambda m: m(ids, labels=ids).loss)
+    noise = [run(hf_model(cfg, attn=attn), lambda m: m(ids, labels=ids).loss) for attn in ("eager", "sdpa")]
+    ours = resident_model(cfg, init=False)
+    ours.load_hf_state_dict(hf_model(cfg).state_dict())
+    mine = run(ours, lambda m: m.loss(ids, ids))
+    with torch.no_grad():
+        share = cfg.router_aux_loss_coef * exact_model(ids).aux_loss
+        unbalanced = exact[0] - share
+    assert share > 0.1  # the term is large enough that a wrong one shows
+    bound = max((n[0] - exact[0]).abs().item() for n in noise)
+    rounding = exact[0].abs().item() * torch.finfo(torch.float32).eps  # where transformers' own is exact
+    assert (mine[0] - exact[0]).abs().item() <= max(2 * bound, 4 * rounding)
+    assert (mine[0] - unbalanced).abs() > 0.1
+    for k in exact[1]:
+        bound = max((n[1][k] - exact[1][k]).abs().max().item() for n in noise)
+        assert (mine[1][k] - exact[1][k]).abs().max().item() <= 2 * bound, k
+
+
+@pytest.mark.parametrize("activations", ["resident", "checkpoint"])
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_streamed_training_with_the_load_balancing_loss_equals_transformers(tmp_path: Path, model_type: str,
+                                                                            activations: str):
+    """Three streamed steps of two micro-batches against transformers' class (its loss with the load-balancing
+    term, each micro-batch's own, as Trainer adds it: not divided by the micro-batches where the cross-entropy
+    is over the step's tokens) and torch's AdamW, within twice transformers' own fp32 error; the reported losses
+    are transformers' (cross-entropy and balance). Checkpointed, each block's forward runs again in its
+    backward and must not count its routing twice."""
+    cfg = balanced(FAMILIES[model_type].example())
+    tc = TrainerConfig.of(lr=1e-3, max_grad_norm=1.0, weight_decay=0.1, dtype="fp32", store="ram",
+                          update_chunk=1000, grad_accum=2, activations=activations)
+    g = torch.Generator().manual_seed(2)
+    steps = [(ids, ids) for ids in (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3))]
+    start = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.load_state_dict(start)
+        losses = [trainer.step(ids, labels) for ids, labels in steps]
+        state = {k: v.double() for k, v in trainer.state_dict().items()}
+    exact = hf_reference(start, steps, tc, cfg)
+    weights_noise, loss_noise = hf_fp32_noise(start, steps, tc, exact, cfg)
+    unbalanced = hf_reference(start, steps, tc, dataclasses.replace(cfg, output_router_logits=False))
+    assert max((state[k] - exact[0][k]).abs().max().item() for k in exact[0]) <= 2 * weights_noise
+    assert max((unbalanced[0][k] - exact[0][k]).abs().max().item() for k in exact[0]) > 100 * weights_noise
+    rounding = max(abs(loss) for loss in exact[1]) * torch.finfo(torch.float32).eps
+    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * loss_noise, 4 * rounding)
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+@pytest.mark.parametrize("dtype,activations,store,lora", [("fp32", "resident", "ram", 0),
+                                                          ("bf16", "checkpoint", "disk", 0),
+                                                          ("bf16", "resident", "ram", 4)])
+def test_the_planner_prices_the_load_balance_to_the_byte(tmp_path: Path, model_type: str, dtype: str,
+                                                         activations: str, store: str, lora: int):
+    """The balance's sums, charged to the first block from its forward to its backward: planner = ledger = dry
+    run, as tests/test_families.py holds every family's example."""
+    cfg = FAMILIES[model_type].example()
+    assert_planner_dry_run_and_real_run_agree(tmp_path, balanced(cfg), dtype, activations, store, lora)
+    tc = byte_test_settings(cfg, dtype, activations, store, lora)
+    assert planned_peak(balanced(cfg), tc) - planned_peak(cfg, tc) == 2 * 4 * cfg.num_experts  # the sums, fp32
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_the_cli_trains_a_transformers_folder_that_asks_for_the_balance(capsys, tmp_path: Path, tiny_setup: Path,
+                                                                        model_type: str):
+    """`streamer train --from-pretrained` on a folder whose config.json asks for the load-balancing loss; the
+    export asks for it too, and is transformers' model of our weights."""
+    cfg = balanced(for_cli(model_type))
+    assert_the_cli_trains_a_transformers_folder(capsys, tmp_path, tiny_setup, cfg)
+    assert ModelConfig.from_hf(tmp_path / "out") == cfg
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sum_their_load_balancing_losses_as_trainer_does(tmp_path: Path):
+    """Each rank's balance is over its own rows, and the all-reduce sums the ranks' (Trainer scales each rank's
+    loss by the processes and DDP averages): two ranks of two rows are one process of two micro-batches."""
+    cfg = balanced(Qwen3MoeConfig.example().resized(vocab_size=DATA_PARALLEL_CFG.vocab_size))  # its batches' tokens
+    tc = TrainerConfig.of(lr=1e-3, dtype="fp32", store="disk", max_grad_norm=1.0, update_chunk=10_000)
+    ranks = run_data_parallel(tmp_path, [("new", 3)], tc, cfg)
+    reference = single_process(tmp_path, 3, tc, cfg)
+    assert max((ranks[0]["state"][k] - reference["state"][k]).abs().max().item() for k in reference["state"]) <= 1e-5
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)

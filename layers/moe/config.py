@@ -6,9 +6,13 @@ A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block
 to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
 token's output is the sum of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the
 chosen ones where `norm_topk_prob`). Everything else is the Llama family's, variations and all.
+
+With `output_router_logits` the model's loss adds `router_aux_loss_coef` times transformers' load-balancing loss
+(Switch Transformer's) over every layer's routing: layers/moe/units.py's `RouterBalance`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,6 +29,8 @@ class MixtureOfExperts:
     num_experts: int
     num_experts_per_tok: int
     norm_topk_prob: bool
+    output_router_logits: bool  # the loss adds the routers' load-balancing loss, times router_aux_loss_coef
+    router_aux_loss_coef: float
     hidden_size: int
     expert_width: int  # each expert's SwiGLU width, by the family's own field (a property of its class)
     # Attention's projections only: the experts are fused tensors (E, out, in), which PEFT's LoRA cannot target
@@ -50,14 +56,14 @@ class MixtureOfExperts:
                 for e in range(self.num_experts)]
 
     @staticmethod
-    def check_hf_experts(raw: dict[str, Any]) -> None:
-        """What transformers' classes of a mixture compute and this one does not: refused in one line."""
-        if raw.get("output_router_logits"):
-            raise ConfigError("output_router_logits=true (the router's auxiliary loss) is not supported; set it "
-                              "to false")
+    def read_hf_experts(raw: dict[str, Any]) -> None:
+        """What transformers' classes of a mixture compute and this one does not, refused in one line; the
+        auxiliary loss's coefficient left out where transformers never reads it (no `output_router_logits`)."""
         if raw.get("router_jitter_noise"):
             raise ConfigError(f"router_jitter_noise={raw['router_jitter_noise']!r} is not supported (no noise on "
                               "the router's input); set it to 0.0")
+        if not raw.get("output_router_logits"):
+            raw.pop("router_aux_loss_coef", None)
 
     def check_experts(self) -> None:
         positive_ints(self, "num_experts", "num_experts_per_tok")
@@ -68,6 +74,15 @@ class MixtureOfExperts:
                               f"experts ({self.num_experts})")
         if not isinstance(self.norm_topk_prob, bool):
             raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        if not isinstance(self.output_router_logits, bool):
+            raise ConfigError(f"output_router_logits must be true or false, got {self.output_router_logits!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+            raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
+
+    def auxiliary_loss_bytes(self) -> int:
+        # The load balance's fp32 sums over the forward: each expert's count of choices and its probabilities.
+        return 2 * 4 * self.num_experts if self.output_router_logits else 0
 
     def mlp_params(self) -> int:
         d, f, experts = self.hidden_size, self.expert_width, self.num_experts
@@ -119,8 +134,8 @@ class MixtureOfExperts:
 @dataclass(frozen=True)
 class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     """Qwen3's attention (RMSNorm on each head of q and k) and a sparse MLP in every layer. transformers' class
-    makes some layers dense (`decoder_sparse_step`, `mlp_only_layers`) or adds the router's auxiliary loss
-    (`output_router_logits`): published configs do neither, and both are refused here."""
+    can make some layers dense (`decoder_sparse_step`, `mlp_only_layers`): published configs do not, and it is
+    refused here."""
 
     model_type: ClassVar[str] = "qwen3_moe"
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
@@ -132,6 +147,8 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = False
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -150,7 +167,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "Qwen3MoeConfig":
         take_aliases(raw, {"num_local_experts": "num_experts"})  # the name transformers 5 writes
-        cls.check_hf_experts(raw)
+        cls.read_hf_experts(raw)
         step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
         if step != 1 or dense:
             raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
@@ -162,7 +179,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
         return super().from_hf_fields(raw)  # type: ignore[return-value]
 
     def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False}
+        return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 @family
@@ -182,6 +199,8 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
 
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -207,11 +226,11 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "MixtralConfig":
         take_aliases(raw, {"num_experts": "num_local_experts"})
-        cls.check_hf_experts(raw)
+        cls.read_hf_experts(raw)
         return super().from_hf_fields(raw)  # type: ignore[return-value]
 
     def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "output_router_logits": False, "router_jitter_noise": 0.0}
+        return {**super().to_hf(), "router_jitter_noise": 0.0}
 
 
 @family
@@ -231,6 +250,8 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     num_experts: int = 64
     num_experts_per_tok: int = 8
     norm_topk_prob: bool = False
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.01
     pad_token_id: int | None = 1
 
     def __post_init__(self) -> None:
@@ -254,14 +275,14 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "OlmoeConfig":
         take_aliases(raw, {"num_local_experts": "num_experts"})
-        cls.check_hf_experts(raw)
+        cls.read_hf_experts(raw)
         if raw.get("clip_qkv") is not None:
             raise ConfigError(f"clip_qkv={raw['clip_qkv']!r} is not supported (no clamping of q, k and v); set it "
                               "to null")
         return super().from_hf_fields(raw)  # type: ignore[return-value]
 
     def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "output_router_logits": False, "clip_qkv": None}
+        return {**super().to_hf(), "clip_qkv": None}
 
 
 THETA_1E6 = (("rope_theta", 1000000.0), ("rope_type", "default"))

@@ -2,17 +2,20 @@
 each token's top-k experts; each expert runs on the tokens routed to it only (one matmul per expert that has
 tokens), and its output comes back to its tokens scaled by their routing weights. The experts' weights are
 transformers' fused tensors, `experts.gate_up_proj` (E, 2f, d) and `experts.down_proj` (E, d, f), so the state
-dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers."""
+dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers.
+Where the config asks (`output_router_logits`), `RouterBalance` is the loss's load-balancing term."""
 from __future__ import annotations
 
-from typing import ClassVar
+import contextlib
+from contextvars import ContextVar
+from typing import ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from layers.llama.units import Llama, LlamaBlock, LlamaEmbedding, LlamaHead
-from layers.model import FamilyUnits
+from layers.model import AuxiliaryLoss, FamilyUnits
 from layers.moe.config import MixtureOfExperts
 
 
@@ -76,9 +79,78 @@ class Experts(nn.Module):
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
+class RouterBalance(AuxiliaryLoss):
+    """transformers' load-balancing loss (`load_balancing_loss_func`, Switch Transformer's) over one forward call,
+    times `router_aux_loss_coef`. Over the R rows the routers saw (every layer's N tokens, padding included, as
+    transformers counts them without an attention mask), C_e is how often expert e was among a row's top-k and
+    S_e the sum of its probabilities p_re:
+
+        loss = coef * E * sum_e (C_e / R) * (S_e / R)
+
+    The counts are constants (top-k has no gradient), so d loss / d p_re = coef * E * C_e / R^2 for every row
+    of every layer: known once every layer has counted, it joins each router's probabilities' gradient in that
+    block's backward (`_Balanced`). On the device: C and S, fp32 (MixtureOfExperts.auxiliary_loss_bytes). The
+    probabilities are the routing's fp32 ones; transformers takes the softmax of the router's logits again in
+    the compute dtype (the same in fp32, a rounding apart in bf16)."""
+
+    def __init__(self, cfg: MixtureOfExperts, scale: float, device: torch.device) -> None:
+        self.coef = cfg.router_aux_loss_coef * scale
+        self.state = torch.zeros(2, cfg.num_experts, dtype=torch.float32, device=device)  # C, S
+        self.rows = 0  # R
+        self.counting = False
+
+    @classmethod
+    def of(cls, cfg: MixtureOfExperts, scale: float, device: torch.device) -> "RouterBalance | None":
+        return cls(cfg, scale, device) if cfg.output_router_logits else None
+
+    @contextlib.contextmanager
+    def recording(self, counting: bool) -> Iterator[None]:
+        self.counting = counting
+        token = _RECORDING.set(self)
+        try:
+            yield
+        finally:
+            _RECORDING.reset(token)
+
+    def add(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        """A layer's routing: its probabilities (N, E) and the experts each row chose (N, k)."""
+        if self.counting:
+            counts, sums = self.state
+            counts.index_add_(0, chosen.flatten(), counts.new_ones(()).expand(chosen.numel()))
+            sums += probs.detach().sum(dim=0)
+            self.rows += probs.shape[0]
+
+    def value(self) -> torch.Tensor:
+        counts, sums = self.state
+        return self.coef * counts.shape[0] * ((counts / self.rows) * (sums / self.rows)).sum()
+
+    def gradient(self) -> torch.Tensor:
+        """d loss / d p_re, the same for every row r: (E,)."""
+        counts = self.state[0]
+        return self.coef * counts.shape[0] * counts / self.rows ** 2
+
+
+_RECORDING: ContextVar[RouterBalance | None] = ContextVar("the forward's RouterBalance", default=None)
+
+
+class _Balanced(torch.autograd.Function):
+    """The router's probabilities unchanged; in the backward their gradient plus the load-balancing loss's.
+    Added in place: the gradient is the one top-k's backward made for them alone."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, balance: RouterBalance) -> torch.Tensor:
+        ctx.balance = balance
+        return probs.view_as(probs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.add_(ctx.balance.gradient()), None
+
+
 class SparseMoe(nn.Module):
     """The router picks each token's top-k experts by softmax probability (in fp32); their weights are those
-    probabilities, renormalised over the chosen ones where `norm_topk_prob`."""
+    probabilities, renormalised over the chosen ones where `norm_topk_prob`. Inside a `RouterBalance`'s
+    recording the routing also goes to its load-balancing loss."""
 
     def __init__(self, cfg: MixtureOfExperts) -> None:
         super().__init__()
@@ -89,7 +161,12 @@ class SparseMoe(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])  # (N, d)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
+        balance = _RECORDING.get()
+        if balance is not None:
+            probs = _Balanced.apply(probs, balance)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if balance is not None:
+            balance.add(probs, chosen)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, chosen, weights.to(x.dtype)).view_as(h)
@@ -101,4 +178,5 @@ class MoeBlock(LlamaBlock):
     mlp_type: ClassVar[type[nn.Module]] = SparseMoe
 
 
-UNITS = FamilyUnits(embed=LlamaEmbedding, block=MoeBlock, head=LlamaHead, model=Llama)
+UNITS = FamilyUnits(embed=LlamaEmbedding, block=MoeBlock, head=LlamaHead, model=Llama,
+                    auxiliary=RouterBalance.of)

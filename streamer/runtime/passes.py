@@ -12,6 +12,7 @@ from torch.func import functional_call
 
 from layers import ModelConfig, build_unit, unit_kind
 from layers.lora import add_adapters
+from layers.model import family_units
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, adapter_charges, gradient_charges, resource_charges
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
@@ -59,22 +60,33 @@ class Passes:
             for c in adapter_charges(adapters.numel()):
                 ledger.allocate(c.category, "lora", c.nbytes, c.what)
         self.anchor = torch.zeros((), device=device, requires_grad=True)
+        # A micro-batch's auxiliary loss (a mixture's router load balance), where the config asks for one: scaled
+        # by the processes as the language-model loss is (each micro-batch's summed cross-entropy over the step's
+        # tokens over the processes), so the all-reduce's mean sums it over them, as HF Trainer does (its loss
+        # times the processes with average_tokens_across_devices).
+        self.auxiliary = family_units(cfg).auxiliary
+        self.processes = 1 if data_parallel is None else data_parallel.world
+        self.device = device
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self._scratch: torch.Tensor | None = None
 
-    def _call_unit(self, unit: str, x: torch.Tensor, micro: int, ctx: StepContext, *args: object) -> torch.Tensor:
+    def _call_unit(self, unit: str, x: torch.Tensor, micro: int, ctx: StepContext, *args: object,
+                   recompute: bool = False) -> torch.Tensor:
         layout = self.layouts[unit]
         kind = unit.split(".", 1)[0]
         self.forward_calls[unit] += 1
-        if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
-            shell = self.shells[unit].train(ctx.training)
-            named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
-            with self.adapters.dropout_rng(ctx.step, micro, unit) if kind == "block" else contextlib.nullcontext():
-                return functional_call(shell, named, (x, *args))
-        params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
-                                       lambda grads: self._offload(unit, micro, grads, ctx))
-        return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
+        auxiliary = ctx.auxiliary.get(micro) if kind == "block" else None
+        # A block adds to the micro-batch's auxiliary loss in its forward; its recompute adds nothing again.
+        with contextlib.nullcontext() if auxiliary is None else auxiliary.recording(counting=not recompute):
+            if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
+                shell = self.shells[unit].train(ctx.training)
+                named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
+                with self.adapters.dropout_rng(ctx.step, micro, unit) if kind == "block" else contextlib.nullcontext():
+                    return functional_call(shell, named, (x, *args))
+            params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
+                                           lambda grads: self._offload(unit, micro, grads, ctx))
+            return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
 
     def call_plain(self, unit: str, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
@@ -100,11 +112,16 @@ class Passes:
         if frozen_first:
             del ctx.graphs[self.units[0]]  # no backward will come for it
         x = previous.detach().requires_grad_(torch.is_grad_enabled() and not frozen_first)
+        if unit == self.units[1]:
+            self._start_auxiliary(unit, micro, ctx)
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
                 chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
                 loss = self._call_unit(unit, x, micro, ctx, batch.labels, chunk, ctx.tokens)
-            ctx.losses.append(loss.detach())  # this micro-batch's share of the step's token mean
+            auxiliary = ctx.auxiliary.get(micro)
+            # This micro-batch's share of the step's token mean, and its auxiliary term (whose gradient the blocks'
+            # backward adds).
+            ctx.losses.append(loss.detach() if auxiliary is None else loss.detach() + auxiliary.value())
             ctx.graphs[unit] = (x, loss)
         elif event.stash is not None:
             self._forward_offloaded(event, x, ctx)
@@ -115,6 +132,14 @@ class Passes:
         else:
             with self.recorder.hooks(self.states[unit]):
                 ctx.graphs[unit] = (x, self._call_unit(unit, x, micro, ctx, *_packed(batch)))
+
+    def _start_auxiliary(self, unit: str, micro: int, ctx: StepContext) -> None:
+        """The micro-batch's auxiliary loss, where the config asks for one: its sums are charged to the first
+        block, from its forward to its backward, the last to read them."""
+        auxiliary = self.auxiliary(self.cfg, self.processes, self.device)
+        if auxiliary is not None:
+            ctx.auxiliary[micro] = auxiliary
+            self.recorder.charge(unit, auxiliary.state, "the auxiliary loss's sums")
 
     def _forward_offloaded(self, event: Event, x: torch.Tensor, ctx: StepContext) -> None:
         """A block's forward without a graph, its input copied to host memory meanwhile: the input is charged
@@ -154,7 +179,8 @@ class Passes:
                 if unit.startswith("block") and self.step_cfg.activations != "resident":
                     with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
                         # recompute: the only second forward, by policy
-                        y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]))
+                        y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]),
+                                            recompute=True)
                 torch.autograd.backward(y, incoming)
             finally:  # (a step stopped in this backward leaves nothing of it charged)
                 if transient is not None:
@@ -162,6 +188,8 @@ class Passes:
             self.ledger.free(incoming_handle)
         del y
         self.recorder.release(unit)
+        if unit == self.units[1]:
+            ctx.auxiliary.pop(micro, None)
         ctx.flowing_grad = None
         if unit != "embed" and x.grad is not None:  # (None: the first block of a frozen base)
             grad = x.grad
@@ -241,6 +269,7 @@ class Passes:
         for unit in self.units:
             self.recorder.release(unit)
         ctx.graphs.clear()
+        ctx.auxiliary.clear()
 
     def abort(self, ctx: StepContext) -> None:
         """A step stopped part-way: credit the gradient on its way home and the one flowing, drop the graphs."""
@@ -256,6 +285,7 @@ class Passes:
         ctx.graphs.clear()
         ctx.stashed.clear()
         ctx.inputs.clear()
+        ctx.auxiliary.clear()
 
 
 def _packed(batch: MicroBatch) -> tuple[object, ...]:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from layers.model import AuxiliaryLoss
 from memory_model.step import StepConfig
 from streamer.errors import ConfigError, StreamerError
 from streamer.runtime.transport import Loaded
@@ -77,6 +78,9 @@ class StepContext:
     # (block, micro) -> its input on the host (on CUDA with the event of its copy out)
     stashed: dict[tuple[str, int], Loaded] = field(default_factory=dict)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # a backward's block input, back on the device
+    # micro-batch -> its auxiliary loss (layers.model.AuxiliaryLoss), from its first block's forward to that
+    # block's backward; none where the config asks for none
+    auxiliary: dict[int, AuxiliaryLoss] = field(default_factory=dict)
     flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
     pending_offload: PendingOffload | None = None
     final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update
