@@ -20,6 +20,7 @@ from layers.moe.units import GroupedLinear, SparseMoe
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.kernels import KernelCosts, gpu_elementwise_bytes
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.calibration.calibrate import CalibrationSizes, probe_shape
 from streamer.calibration.dryrun import dry_run
 from tests.test_distributed import CFG as DATA_PARALLEL_CFG, run_data_parallel, single_process
 from tests.test_families import (assert_planner_dry_run_and_real_run_agree, assert_the_cli_trains_a_transformers_folder,
@@ -86,6 +87,18 @@ def test_a_mixtures_elementwise_work_is_its_active_experts(preset: str):
             gpu_elementwise_bytes(dense, "block.0", phase, 2, 256, 2)
     assert costs.forward_s(cfg, "block.0", 2, 256) == costs.forward_s(dense, "block.0", 2, 256)
     assert costs.backward_s(cfg, "block.0", 2, 256) == costs.backward_s(dense, "block.0", 2, 256)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_a_calibration_probe_keeps_the_experts_in_proportion(preset: str):
+    """The kernel-cost probe is the planned model narrowed: its experts narrow with it (Qwen3-MoE's width is
+    moe_intermediate_size, which generic code's intermediate_size does not name)."""
+    cfg = PRESETS[preset]
+    probe = probe_shape(cfg, CalibrationSizes())
+    assert probe.hidden_size < cfg.hidden_size
+    assert probe.num_experts == cfg.num_experts
+    assert probe.expert_width * cfg.hidden_size == cfg.expert_width * probe.hidden_size
+    assert probe.active_mlp_width() * cfg.hidden_size == cfg.active_mlp_width() * probe.hidden_size
 
 
 def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: Path):

@@ -158,6 +158,14 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     def expert_width(self) -> int:
         return self.moe_intermediate_size
 
+    def resized(self, **sizes: int) -> "Qwen3MoeConfig":
+        """Generic code sizes a model's MLP by `intermediate_size` (a calibration probe's, a smaller model's):
+        here the MLP is the experts, so their width scales with it, in proportion."""
+        if "intermediate_size" in sizes:
+            sizes["moe_intermediate_size"] = max(
+                1, self.moe_intermediate_size * sizes["intermediate_size"] // self.intermediate_size)
+        return super().resized(**sizes)  # type: ignore[return-value]
+
     @classmethod
     def example(cls) -> "Qwen3MoeConfig":
         """Four experts, two per token, renormalised; q/k norms on a head_dim apart from hidden_size's share."""
