@@ -16,6 +16,7 @@ from layers.olmo2 import Olmo2Config
 from layers.phi3 import Phi3Config
 from layers.gemma3 import Gemma3TextConfig
 from layers.moe import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from layers.gpt_oss import GptOssConfig
 
 _LAZY = {
     "KVCache": "layers.block", "init_weights": "layers.block", "RMSNorm": "layers.block",
@@ -27,7 +28,7 @@ _LAZY = {
     "unit_kind": "layers.model", "weight_decayed": "layers.model",
 }
 
-__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "LlamaConfig", "MistralConfig",
+__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "GptOssConfig", "LlamaConfig", "MistralConfig",
            "MixtralConfig", "ModelConfig", "Olmo2Config", "OlmoeConfig", "Phi3Config", "Qwen2Config", "Qwen3Config",
            "Qwen3MoeConfig", *_LAZY]
 

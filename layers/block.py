@@ -71,13 +71,14 @@ def visible_keys(queries: int, keys: int, start_pos: int, window: int | None, de
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
            positions: torch.Tensor | None = None, window: int | None = None,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, H_kv, T, D), H a multiple of H_kv; returns (B, T, H * D).
 
     `positions` (B, T): packed rows' positions (restarting at 0 per example), so examples do not see each other;
     `cache`: the keys and values of positions before start_pos, appended to first; `window`: each query sees
     only its `window` latest keys, itself included (a sliding-window layer); `scale`: the scores' factor,
-    1/sqrt(D) where None."""
+    1/sqrt(D) where None; `sinks` (H,): each head's logit that joins every query's softmax denominator and gives
+    no value (gpt-oss's attention sinks)."""
     if cache is not None:
         if cache.length != start_pos:
             raise ValueError(f"KV cache holds {cache.length} positions but start_pos is {start_pos}; "
@@ -89,7 +90,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0
     B, _, T, _ = q.shape
     if window is not None and k.shape[2] <= window:
         window = None  # the window holds every earlier key: plain causal attention
-    if cache is None and positions is None and window is None:
+    if sinks is not None:  # SDPA has no sink term: the scores are made whole, as transformers' eager kernel does
+        mask = visible_keys(T, k.shape[2], start_pos, window, q.device)
+        if positions is not None:
+            mask = mask & example_mask(positions)
+        out = attention_with_sinks(q, k, v, mask, sinks, q.shape[-1] ** -0.5 if scale is None else scale)
+    elif cache is None and positions is None and window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         # A bool mask: SDPA turns it into a compute-dtype bias it saves for the backward (T x T, or B x T x T
@@ -99,6 +105,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0
             mask = mask & example_mask(positions)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(B, T, -1)
+
+
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax over [scores, sink] of each query, the sink's share dropped, times v: q (B, H, T, D), k and v
+    (B, H, S, D), mask (T, S) or (B, 1, T, S) (True: visible), sinks (H,) -> (B, H, T, D). As transformers'
+    `eager_attention_forward` computes it: the row's maximum subtracted first."""
+    scores = (q @ k.transpose(2, 3) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.detach().amax(dim=-1, keepdim=True), dim=-1)
+    return probs[..., :-1] @ v
 
 
 def language_model_output(x: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor | None, vocab_chunk: int,
@@ -144,9 +162,11 @@ class OffsetRMSNorm(nn.Module):
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     """HF's initialisation: normal(0, 0.02) matrices (a Linear's, an embedding's, fused experts'), zero biases
     and padding rows, unit norm weights (LayerNorm, RMSNorm), zero offsets of an OffsetRMSNorm and zero LayerNorm
-    biases."""
+    biases; a module with its own rule (transformers' `_init_weights` for its class) by its `init_parameters`."""
     for sub in module.modules():
-        if isinstance(sub, (nn.Linear, nn.Embedding)):
+        if hasattr(sub, "init_parameters"):
+            sub.init_parameters(std)
+        elif isinstance(sub, (nn.Linear, nn.Embedding)):
             nn.init.normal_(sub.weight, mean=0.0, std=std)
             if getattr(sub, "bias", None) is not None:
                 nn.init.zeros_(sub.bias)

@@ -108,6 +108,9 @@ class ModelConfig(abc.ABC):
     # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
     # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
     rotary_fp32: ClassVar[bool] = False
+    # Whether each head's softmax has a learned sink logit (gpt-oss): SDPA has none, so attention makes its scores
+    # whole and saves its probabilities (memory_model.shapes.attention_saved_bytes).
+    attention_sinks: ClassVar[bool] = False
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -158,6 +161,11 @@ class ModelConfig(abc.ABC):
         dimension. transformers 5 holds a mixture's experts fused ('mlp.experts.gate_up_proj', E x 2f x d) and
         saves them one expert and projection a tensor ('mlp.experts.3.gate_proj.weight'), as earlier versions
         held them."""
+        return None
+
+    def hf_packed(self, key: str) -> tuple[str, str] | None:
+        """The names of the MXFP4 blocks and scales a published checkpoint may hold the tensor `key` as (gpt-oss's
+        experts), which the checkpoint reader dequantizes as transformers does; None: never packed."""
         return None
 
     @abc.abstractmethod

@@ -1,6 +1,7 @@
-"""Rotary position embeddings: the frequencies (with transformers' RoPE scalings), their sin/cos tables, and
-the two ways of pairing a head's dimensions: interleaved (GPT-J's rotate-every-two) and halves (Llama's and
-Phi-3's rotate-half), each over the first `rotary_dim` dimensions of a head (a partial rotary factor).
+"""Rotary position embeddings: the frequencies (with transformers' RoPE scalings: linear, llama3, longrope,
+YaRN), their sin/cos tables, and the two ways of pairing a head's dimensions: interleaved (GPT-J's
+rotate-every-two) and halves (Llama's and Phi-3's rotate-half), each over the first `rotary_dim` dimensions of a
+head (a partial rotary factor).
 
 longrope (Phi-3's long-context models) has two sets of frequencies: the short factors' for a sequence no longer
 than `original_max_position_embeddings`, the long factors' for a longer one, picked by the whole sequence's
@@ -29,6 +30,8 @@ def inv_frequencies(rotary_dim: int, rope: tuple[tuple[str, Any], ...], long: bo
         factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * powers)
     inv_freq = 1.0 / powers
+    if kind == "yarn":
+        return _yarn_frequencies(rotary_dim, params, inv_freq, 1.0 / (params["factor"] * powers))
     if kind == "linear":
         return inv_freq / params["factor"]
     if kind == "llama3":
@@ -45,6 +48,27 @@ def inv_frequencies(rotary_dim: int, rope: tuple[tuple[str, Any], ...], long: bo
     return inv_freq
 
 
+def _yarn_frequencies(rotary_dim: int, params: dict[str, Any], fast: torch.Tensor,
+                      slow: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (transformers' `_compute_yarn_parameters`): the fast ones, making more than beta_fast
+    turns over the original context, kept; the slow ones, fewer than beta_slow turns, interpolated (divided by
+    factor); a linear ramp between, over the dimensions where those turn counts fall."""
+    base, original = params["rope_theta"], params["original_max_position_embeddings"]
+
+    def dimension(turns: float) -> float:  # the dimension whose frequency makes `turns` turns over the original
+        return rotary_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(params.get("beta_fast") or 32), dimension(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return slow * (1 - kept) + fast * kept
+
+
 def _long_after(rope: tuple[tuple[str, Any], ...]) -> int | None:
     """The sequence length past which longrope's long set is used (original_max_position_embeddings); None:
     one set."""
@@ -53,14 +77,22 @@ def _long_after(rope: tuple[tuple[str, Any], ...]) -> int | None:
 
 
 def attention_factor(rope: tuple[tuple[str, Any], ...], n_positions: int) -> float:
-    """longrope's scale of sin and cos (transformers' `_compute_longrope_parameters`): the given
-    attention_factor, else sqrt(1 + ln(factor) / ln(original)) where the context was extended by factor (by
-    default max_position_embeddings / original_max_position_embeddings); 1 for the other scalings."""
+    """longrope's and YaRN's scale of sin and cos (transformers' `_compute_longrope_parameters`,
+    `_compute_yarn_parameters`): the given attention_factor, else for longrope sqrt(1 + ln(factor) / ln(original))
+    where the context was extended by factor (by default max_position_embeddings /
+    original_max_position_embeddings), for YaRN 0.1 ln(factor) + 1 (or the ratio of two such with mscale and
+    mscale_all_dim); 1 for the other scalings."""
     params = dict(rope)
-    if params.get("rope_type") != "longrope":
+    if params.get("rope_type") not in ("longrope", "yarn"):
         return 1.0
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
+    if params["rope_type"] == "yarn":
+        def mscale(factor: float, scale: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+        factor, scale, scale_all = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+        return mscale(factor, scale) / mscale(factor, scale_all) if scale and scale_all else mscale(factor)
     original = params["original_max_position_embeddings"]
     factor = params.get("factor")
     if factor is None:

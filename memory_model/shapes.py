@@ -189,6 +189,17 @@ def mask_bytes(batch: int, seq: int, es: int, packed: bool, window: int | None =
     return seq * seq * es if window is not None and seq > window else 0
 
 
+def attention_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, packed: bool,
+                          layer_type: str) -> int:
+    """What a block's attention saves besides its inputs and output: SDPA's fp32 logsumexp and any mask; with
+    sinks (`ModelConfig.attention_sinks`) its softmax's probabilities over the keys and the sink, in the compute
+    dtype, and its bool mask, (T, T) or packed rows' (B, 1, T, T), whatever the window."""
+    heads = shape.num_attention_heads
+    if shape.attention_sinks:
+        return batch * heads * seq * (seq + 1) * es + (batch if packed else 1) * seq * seq
+    return 4 * batch * heads * seq + mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type))
+
+
 def block_layer_type(shape: ModelConfig, unit: str) -> str:
     """The layer type of a block unit ('block.3')."""
     return shape.layer_types()[int(unit.split(".")[1])]
@@ -199,9 +210,8 @@ def block_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, rotary:
     """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged);
     `packed`: rows of packed examples (their mask and per-row rotary tables); `layer_type`: the block's (its
     window)."""
-    logsumexp = 4 * batch * shape.num_attention_heads * seq  # SDPA's, fp32
-    mask = mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type))
-    return (batch * seq * shape.block_saved_per_token(es) + shape.block_saved_fixed(es) + logsumexp + mask
+    return (batch * seq * shape.block_saved_per_token(es) + shape.block_saved_fixed(es)
+            + attention_saved_bytes(shape, batch, seq, es, packed, layer_type)
             + (rotary_table_bytes(shape, seq, es, batch, packed) if rotary else 0))
 
 
@@ -213,9 +223,8 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     n, r, plain = batch * seq, lora.rank, lora.dropout == 0
     saves = shape.frozen_block_saves(es, frozenset(targets_of(shape, lora)), plain, grad_in=not first)
     total = n * saves.per_token + saves.fixed
-    if saves.attention:  # SDPA's logsumexp (fp32), and any mask
-        total += (4 * batch * shape.num_attention_heads * seq
-                  + mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type)))
+    if saves.attention:
+        total += attention_saved_bytes(shape, batch, seq, es, packed, layer_type)
     total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and saves.rotary else 0
     for target, input_grad in saves.input_grad.items():
         # A's output; the compute-dtype casts of B and (if its input needs a gradient) A

@@ -85,6 +85,10 @@ def _random_config(rng: random.Random, family: str) -> ModelConfig:
                      moe_intermediate_size=inner, norm_topk_prob=rng.choice([False, True]))
     elif family == "mixtral":
         sizes.update(num_local_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]))
+    elif family == "gpt_oss":  # both layer types, a window shorter than most sequences; sinks in every head
+        sizes.update(num_local_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
+                     sliding_window=rng.randint(4, 24),
+                     attention_layers=tuple(rng.sample(["sliding_attention", "full_attention"], 2)))
     elif family == "olmoe":
         sizes.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.choice([1, 2, 3]),
                      norm_topk_prob=rng.choice([False, True]), hidden_size=n_head * head_dim)
@@ -99,10 +103,11 @@ def _units(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, list[
 
 # Every family's layout of a block: GPT-J, Llama, Qwen2's q/k/v biases, Qwen3's q/k norms, OLMo 2's norms after
 # the sublayers and over whole projections, Phi-3's fused projections, Gemma 3's norms about 1 + weight and
-# sliding windows, the mixtures of experts (OLMoE's q/k norms over whole projections).
+# sliding windows, the mixtures of experts (OLMoE's q/k norms over whole projections), gpt-oss's sinks and
+# clamped experts with biases.
 CASES = [(seed, dtype, family) for seed in range(2) for dtype in DTYPES
          for family in ("gptj", "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "qwen3_moe", "mixtral",
-                        "olmoe")]
+                        "olmoe", "gpt_oss")]
 
 
 @pytest.mark.parametrize("seed,dtype,family", CASES)

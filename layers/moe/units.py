@@ -72,11 +72,23 @@ class Experts(nn.Module):
         (n, k), experts = chosen.shape, self.gate_up_proj.shape[0]
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
         sizes = None if x.is_meta else torch.bincount(chosen.flatten(), minlength=experts).tolist()
-        gate, up = GroupedLinear.apply(x[order // k], self.gate_up_proj, sizes).chunk(2, dim=-1)
+        gate_up = self.grouped(x[order // k], "gate_up_proj", sizes, chosen, order)
         # The experts' outputs back in (token, choice) order: a gather, whose backward keeps only its indices
         # (index_add's would keep the whole routed output), and no name holds the grouped output past it.
-        per_choice = GroupedLinear.apply(F.silu(gate) * up, self.down_proj, sizes)[order.argsort()].view(n, k, -1)
+        routed = self.grouped(self.activation(gate_up), "down_proj", sizes, chosen, order)
+        per_choice = routed[order.argsort()].view(n, k, -1)
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def grouped(self, rows: torch.Tensor, projection: str, sizes: list[int] | None, chosen: torch.Tensor,
+                order: torch.Tensor) -> torch.Tensor:
+        """The routed rows, grouped by expert (`sizes`; `order` sorts the flattened `chosen` into them), through
+        their experts' `projection`."""
+        return GroupedLinear.apply(rows, getattr(self, projection), sizes)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the gate/up projection's output: silu(gate) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class RouterBalance(AuxiliaryLoss):
