@@ -35,6 +35,8 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# MXFP4's 4-bit values by code (its low 3 bits the magnitude, its high bit the sign), as transformers' FP4_VALUES.
+FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Errors torch.load raises for files that are not a weights-only, mmap-able pickle.
 _PICKLE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError)
 
@@ -93,6 +95,7 @@ class HFCheckpoint:
                     entries[key] = found[key]
         checkpoint = cls(root, config, entries, shards)
         checkpoint._join_saved_parts()
+        checkpoint._join_packed()
         checkpoint._drop_tied_copies()
         return checkpoint
 
@@ -121,6 +124,25 @@ class HFCheckpoint:
                                         first.dtype)
             self._part_entries.update((name, self._entries.pop(name)) for name in names)
             self._parts[key] = parts
+
+    def _join_packed(self) -> None:
+        """A tensor a published checkpoint holds MXFP4-packed (`ModelConfig.hf_packed`: gpt-oss's experts, its
+        blocks (..., out, G, 16) of two 4-bit codes a byte and its scales (..., out, G), one power of two per 32
+        values) is listed under the model's own name, (..., G * 32, out), and dequantized when read. Its values
+        are exact in bfloat16 (2-bit mantissas times powers of two), the dtype it is listed as."""
+        self._packed: dict[str, tuple[str, str]] = {}
+        for key in expected_tensors(self.config):
+            names = self.config.hf_packed(key)
+            if names is None or key in self._entries or not all(name in self._entries for name in names):
+                continue
+            blocks, scales = (self._entries[name] for name in names)
+            if blocks.dtype != "uint8" or scales.dtype != "uint8" or blocks.shape[:-1] != scales.shape:
+                raise CheckpointError(f"{self.root}: {names[0]} {blocks.shape} ({blocks.dtype}) and {names[1]} "
+                                      f"{scales.shape} ({scales.dtype}) are not MXFP4 blocks and their scales")
+            *prefix, rows, groups, pairs = blocks.shape
+            self._entries[key] = _Entry(blocks.shard, (*prefix, groups * pairs * 2, rows), "bfloat16")
+            self._part_entries.update((name, self._entries.pop(name)) for name in names)
+            self._packed[key] = names
 
     def _drop_tied_copies(self) -> None:
         """A tied parameter's second name, which some writers keep, must hold the one tensor (transformers
@@ -161,6 +183,10 @@ class HFCheckpoint:
         """One tensor as a fresh CPU tensor of `dtype` that the caller owns."""
         entry = self._entry(key)
         self.dtype(key)
+        if key in self._packed:
+            blocks, scales = (self._read_stored(name, self._part_entries[name], torch.uint8)
+                              for name in self._packed[key])
+            return dequantize_mxfp4(blocks, scales, dtype)
         if key in self._parts:  # each row (expert) its parts concatenated, the rows stacked
             return torch.stack([torch.cat([self._read_stored(name, self._part_entries[name], dtype) for name in row])
                                 for row in self._parts[key]])
@@ -200,6 +226,20 @@ class HFCheckpoint:
         except KeyError:
             raise CheckpointError(f"{self.root} has no tensor named {key!r}; its keys start with "
                                   f"{list(self._entries)[:3]}") from None
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 blocks (..., out, G, 16) uint8, two 4-bit codes a byte (the low one first), and their scales
+    (..., out, G) uint8, each 2^(scale - 127) over its group's 32 values -> (..., G * 32, out) of `dtype`: the
+    values of each of the `out` rows, the input dimension first, as transformers' `convert_moe_packed_tensors`
+    makes them (the same table, the same ldexp in `dtype`)."""
+    *prefix, groups, pairs = blocks.shape
+    table = torch.tensor(FP4_VALUES, dtype=dtype)
+    out = torch.empty(*prefix, groups, 2 * pairs, dtype=dtype)
+    out[..., 0::2] = table[(blocks & 0x0F).to(torch.int)]
+    out[..., 1::2] = table[(blocks >> 4).to(torch.int)]
+    torch.ldexp(out, scales.to(torch.int32)[..., None] - 127, out=out)
+    return out.reshape(*prefix, groups * 2 * pairs).transpose(-1, -2).contiguous()
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
