@@ -200,6 +200,13 @@ class ModelConfig(abc.ABC):
         whatever the tokens: a saved tensor of fixed size already freed is negative). Measured against autograd
         (tests/test_backward_transient.py)."""
 
+    def scores_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
+        """Where attention makes its scores whole (`attention_sinks`): the moments of its backward, as
+        `block_backward_peaks` gives them, besides the two gradients of its softmax (w.r.t. its output and its
+        input) then live, each (B, H, T, T + 1) in the compute dtype (memory_model.shapes). Measured
+        (tests/test_backward_transient.py)."""
+        return ()
+
     @abc.abstractmethod
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:

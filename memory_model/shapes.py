@@ -309,7 +309,10 @@ def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es:
     weight gradient that is charged at the end outweighs them."""
     n = batch * seq
     output = n * shape.hidden_size * es
-    busiest = max(n * per_token + es * params + fixed for per_token, params, fixed in shape.block_backward_peaks(es))
+    scores = 2 * batch * shape.num_attention_heads * seq * (seq + 1) * es  # softmax's two gradients, whole
+    busiest = max([n * per_token + es * params + fixed for per_token, params, fixed in shape.block_backward_peaks(es)]
+                  + [n * per_token + es * params + fixed + scores
+                     for per_token, params, fixed in shape.scores_backward_peaks(es)])
     return max(0, output + busiest - es * shape.block_params())
 
 

@@ -176,6 +176,15 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         # the gated product and their product (down's input): 2f + 5f; its output and routing weight.
         return 8 * k + es * k + k * (32 + es * (2 * d + 7 * f))
 
+    def scores_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
+        d, q, kv = self.hidden_size, self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore
+        # The softmax's backward: besides its two gradients, v's at every query head and the residual's; the MLP's
+        # saved tensors, the post-attention norm's, o_proj's input, v repeated to every head and the incoming
+        # gradient w.r.t. attention's output gone; every weight gradient but q/k/v_proj's, the sinks' and the
+        # first norm's made.
+        attention_in = d * q + q + 2 * (d * kv + kv) + self.num_attention_heads + d
+        return ((-(self.mlp_saved_per_token(es) + 8 * d + 4 + es * q), self.block_params() - attention_in, 0),)
+
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         # The final RMSNorm: its fp32 input, rstd, the fp32 normalised values (for its weight's gradient only),
         # and its output cast back (lm_head's input)
