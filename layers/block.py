@@ -111,11 +111,13 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
                          sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax over [scores, sink] of each query, the sink's share dropped, times v: q (B, H, T, D), k and v
     (B, H, S, D), mask (T, S) or (B, 1, T, S) (True: visible), sinks (H,) -> (B, H, T, D). As transformers'
-    `eager_attention_forward` computes it: the row's maximum subtracted first."""
-    scores = (q @ k.transpose(2, 3) * scale).masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(logits - logits.detach().amax(dim=-1, keepdim=True), dim=-1)
+    `eager_attention_forward` computes it: the row's maximum subtracted first. No name holds a T x T tensor past
+    its use, so at most two are live at once (a checkpointed block's recompute stays below its backward)."""
+    sink = sinks.to(q.dtype).view(1, -1, 1, 1).expand(*q.shape[:-1], 1)
+    logits = torch.cat([(q @ k.transpose(2, 3) * scale).masked_fill(~mask, float("-inf")), sink], dim=-1)
+    logits -= logits.detach().amax(dim=-1, keepdim=True)  # in place: cat's backward keeps nothing of it
+    probs = torch.softmax(logits, dim=-1)
+    del logits
     return probs[..., :-1] @ v
 
 

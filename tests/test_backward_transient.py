@@ -22,6 +22,7 @@ from layers import Gemma3TextConfig, GPTJConfig, Phi3Config, build_unit
 from layers.config import ModelConfig
 from layers.llama.config import LlamaConfig
 from layers.olmo2.config import Olmo2Config
+from layers.gpt_oss.config import GptOssConfig
 from layers.moe.config import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from memory_model.shapes import block_backward_transient_bytes
 
@@ -135,16 +136,30 @@ def gemma(d: int, f: int, heads: int, head_dim: int) -> Gemma3TextConfig:
 GEMMA_NORM, GEMMA_MLP, GEMMA_SDPA = gemma(128, 320, 4, 32), gemma(64, 640, 4, 16), gemma(64, 64, 8, 64)
 
 
+def gpt_oss(d: int, f: int, heads: int, head_dim: int, kv: int, kind: str) -> GptOssConfig:
+    return GptOssConfig(vocab_size=64, hidden_size=d, intermediate_size=f, num_hidden_layers=2, num_attention_heads=heads,
+                        num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=1024, sliding_window=100,
+                        num_local_experts=2, num_experts_per_tok=1, attention_layers=(kind, kind))
+
+
+# gpt-oss's busiest moment where its attention's scores outweigh the rest: the softmax's backward, its two
+# gradients whole (T x T + 1 per head); grouped-query heads, and a window that masks some keys. (Where its
+# experts are the busiest, their moments are the other mixtures', not measured for its clamped SwiGLU.)
+GPT_OSS, GPT_OSS_GQA = gpt_oss(64, 32, 8, 16, 2, "full_attention"), gpt_oss(32, 48, 8, 8, 4, "full_attention")
+GPT_OSS_SLIDING = gpt_oss(64, 32, 8, 16, 2, "sliding_attention")
+
+
 @pytest.mark.parametrize("cfg,batch,seq", [
     (GPTJ, 2, 256), (GPTJ, 1, 16), (GPTJ_NARROW_MLP, 2, 256), (LLAMA, 2, 256), (LLAMA, 1, 16),
     (GPTJConfig.preset("gptj-debug"), 2, 48), (LlamaConfig.preset("llama-debug"), 2, 48),
     (OLMO2, 2, 256), (OLMO2, 1, 16), (OLMO2_WIDE_MLP, 2, 256), (Olmo2Config.example(), 2, 24), (PHI3, 2, 256),
     (PHI3, 1, 16), (GEMMA_NORM, 2, 256), (GEMMA_MLP, 2, 256), (GEMMA_SDPA, 2, 256), (GEMMA_NORM, 1, 16),
     (MOE, 2, 256), (MOE, 4, 256), (MOE, 1, 16), (OLMOE, 4, 256), (MIXTRAL, 4, 256),
+    (GPT_OSS, 2, 128), (GPT_OSS, 1, 64), (GPT_OSS_GQA, 2, 128), (GPT_OSS_SLIDING, 2, 128), (GPT_OSS, 1, 16),
 ], ids=["gptj-2x256", "gptj-1x16", "gptj-narrow-mlp", "llama-2x256", "llama-1x16", "gptj-debug", "llama-debug",
         "olmo2-2x256", "olmo2-1x16", "olmo2-wide-mlp", "olmo2-example", "phi3-2x256", "phi3-1x16", "gemma-norm",
         "gemma-mlp", "gemma-sdpa", "gemma-1x16", "moe-2x256", "moe-4x256", "moe-1x16", "olmoe-4x256",
-        "mixtral-4x256"])
+        "mixtral-4x256", "gpt-oss-2x128", "gpt-oss-1x64", "gpt-oss-gqa", "gpt-oss-sliding", "gpt-oss-1x16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activations", ["resident", "checkpoint"])
 def test_block_backward_transient_equals_autograd(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype,
