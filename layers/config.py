@@ -63,6 +63,9 @@ class FrozenBlockSaves:
     # one of its recompute's storages (a trained block's `ModelConfig.block_saves_input`).
     input_saved: bool
     fixed: int = 0  # bytes whatever the tokens (Gemma's fp32 1 + weight of a norm whose input needs a gradient)
+    # Whether attention's scores need a gradient where it has sinks (it then saves its mask): not where only v's
+    # adapters make its probabilities saved.
+    scores: bool = True
 
 
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:

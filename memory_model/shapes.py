@@ -190,13 +190,15 @@ def mask_bytes(batch: int, seq: int, es: int, packed: bool, window: int | None =
 
 
 def attention_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, packed: bool,
-                          layer_type: str) -> int:
+                          layer_type: str, scores: bool = True) -> int:
     """What a block's attention saves besides its inputs and output: SDPA's fp32 logsumexp and any mask; with
     sinks (`ModelConfig.attention_sinks`) its softmax's probabilities over the keys and the sink, in the compute
-    dtype, and its bool mask, (T, T) or packed rows' (B, 1, T, T), whatever the window."""
+    dtype, and, where its scores need a gradient (`scores`), its bool mask, (T, T) or packed rows' (B, 1, T, T),
+    whatever the window."""
     heads = shape.num_attention_heads
     if shape.attention_sinks:
-        return batch * heads * seq * (seq + 1) * es + (batch if packed else 1) * seq * seq
+        mask = (batch if packed else 1) * seq * seq if scores else 0
+        return batch * heads * seq * (seq + 1) * es + mask
     return 4 * batch * heads * seq + mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type))
 
 
@@ -224,7 +226,7 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     saves = shape.frozen_block_saves(es, frozenset(targets_of(shape, lora)), plain, grad_in=not first)
     total = n * saves.per_token + saves.fixed
     if saves.attention:
-        total += attention_saved_bytes(shape, batch, seq, es, packed, layer_type)
+        total += attention_saved_bytes(shape, batch, seq, es, packed, layer_type, saves.scores)
     total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and saves.rotary else 0
     for target, input_grad in saves.input_grad.items():
         # A's output; the compute-dtype casts of B and (if its input needs a gradient) A

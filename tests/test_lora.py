@@ -85,6 +85,7 @@ PHI3_GQA = Phi3Config.example().resized(max_position_embeddings=64)  # longrope,
 GEMMA = FAMILIES["gemma3_text"].example().resized(max_position_embeddings=64)
 QWEN3_MOE = Qwen3MoeConfig.example().resized(max_position_embeddings=64)
 OLMOE = OlmoeConfig.example().resized(max_position_embeddings=64)
+GPT_OSS = FAMILIES["gpt_oss"].example().resized(max_position_embeddings=64)  # sinks, a window, clamped experts
 
 
 @pytest.mark.parametrize("model,dtype,activations,dropout,targets", [
@@ -117,6 +118,10 @@ OLMOE = OlmoeConfig.example().resized(max_position_embeddings=64)
     (QWEN3_MOE, "fp32", "resident", 0.0, "q_proj,v_proj"),
     (QWEN3_MOE, "bf16", "checkpoint", 0.1, ",".join(QWEN3_MOE.projections)),
     (OLMOE, "bf16", "resident", 0.0, "q_proj,k_proj"),  # q/k norms over the whole projections
+    (GPT_OSS, "fp32", "resident", 0.0, "q_proj,v_proj"),
+    (GPT_OSS, "bf16", "checkpoint", 0.1, ",".join(GPT_OSS.projections)),
+    (GPT_OSS, "bf16", "resident", 0.0, "k_proj,o_proj"),
+    (GPT_OSS, "bf16", "resident", 0.0, "v_proj"),  # block.0's probabilities saved for v's adapters, not its mask
 ], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
 def test_planner_equals_the_lora_ledger(tmp_path: Path, model: ModelConfig, dtype: str, activations: str,
                                         dropout: float, targets: str) -> None:

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import PRESETS, ConfigError, family
+from layers.config import PRESETS, ConfigError, FrozenBlockSaves, family
 from layers.gemma3.config import LAYER_TYPES
 from layers.llama.config import LlamaConfig, rope_parameters_of
 from layers.moe.config import MixtureOfExperts
@@ -189,6 +189,25 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         # The final RMSNorm: its fp32 input, rstd, the fp32 normalised values (for its weight's gradient only),
         # and its output cast back (lm_head's input)
         return 4 * self.hidden_size + 4 + (0 if frozen else 4 * self.hidden_size) + es * self.hidden_size
+
+    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
+        d, q = self.hidden_size, self.attention_width
+        norm = 4 * d + 4  # a frozen RMSNorm: its fp32 input and rstd, where its input needs a gradient
+        q_grad, k_grad = grad_in or "q_proj" in targets, grad_in or "k_proj" in targets
+        scores = q_grad or k_grad  # the scores need a gradient: the mask and the rotary tables are saved
+        attention = scores or grad_in or "v_proj" in targets  # its probabilities are saved
+        saved = norm if grad_in else 0  # input_layernorm
+        saved += d * es if plain and targets & {"q_proj", "k_proj", "v_proj"} else 0  # its output, the adapters'
+        # Unlike SDPA, the scores' matmul keeps only what a gradient needs: q for k's, k repeated for q's; the
+        # probabilities' keeps v repeated for theirs.
+        saved += es * q * (int(k_grad) + int(q_grad) + int(scores))
+        saved += es * q if plain and "o_proj" in targets else 0  # attention's output, o_proj's adapter input
+        mlp_in = grad_in or attention or "o_proj" in targets  # the residual after attention needs a gradient
+        saved += norm if mlp_in else 0  # post_attention_layernorm
+        mlp, mlp_inputs = self.frozen_mlp_saves(es, targets, plain, mlp_in)
+        inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention, **mlp_inputs}
+        return FrozenBlockSaves(saved + mlp, attention, scores, {t: inputs[t] for t in targets},
+                                input_saved=grad_in and self.block_saves_input(es), scores=scores)
 
     def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
                          mlp_in: bool) -> tuple[int, dict[str, bool]]:
