@@ -143,10 +143,12 @@ def gpt_oss(d: int, f: int, heads: int, head_dim: int, kv: int, kind: str) -> Gp
 
 
 # gpt-oss's busiest moment where its attention's scores outweigh the rest: the softmax's backward, its two
-# gradients whole (T x T + 1 per head); grouped-query heads, and a window that masks some keys. (Where its
-# experts are the busiest, their moments are the other mixtures', not measured for its clamped SwiGLU.)
+# gradients whole (T x T + 1 per head); grouped-query heads, and a window that masks some keys. With experts wider
+# than the model: the clamped SwiGLU's backward.
 GPT_OSS, GPT_OSS_GQA = gpt_oss(64, 32, 8, 16, 2, "full_attention"), gpt_oss(32, 48, 8, 8, 4, "full_attention")
 GPT_OSS_SLIDING = gpt_oss(64, 32, 8, 16, 2, "sliding_attention")
+GPT_OSS_WIDE_EXPERTS = dataclasses.replace(gpt_oss(96, 256, 2, 16, 2, "full_attention"), num_local_experts=3,
+                                           num_experts_per_tok=3)
 
 
 @pytest.mark.parametrize("cfg,batch,seq", [
@@ -156,10 +158,12 @@ GPT_OSS_SLIDING = gpt_oss(64, 32, 8, 16, 2, "sliding_attention")
     (PHI3, 1, 16), (GEMMA_NORM, 2, 256), (GEMMA_MLP, 2, 256), (GEMMA_SDPA, 2, 256), (GEMMA_NORM, 1, 16),
     (MOE, 2, 256), (MOE, 4, 256), (MOE, 1, 16), (OLMOE, 4, 256), (MIXTRAL, 4, 256),
     (GPT_OSS, 2, 128), (GPT_OSS, 1, 64), (GPT_OSS_GQA, 2, 128), (GPT_OSS_SLIDING, 2, 128), (GPT_OSS, 1, 16),
+    (GPT_OSS_WIDE_EXPERTS, 2, 128), (GPT_OSS_WIDE_EXPERTS, 4, 256),
 ], ids=["gptj-2x256", "gptj-1x16", "gptj-narrow-mlp", "llama-2x256", "llama-1x16", "gptj-debug", "llama-debug",
         "olmo2-2x256", "olmo2-1x16", "olmo2-wide-mlp", "olmo2-example", "phi3-2x256", "phi3-1x16", "gemma-norm",
         "gemma-mlp", "gemma-sdpa", "gemma-1x16", "moe-2x256", "moe-4x256", "moe-1x16", "olmoe-4x256",
-        "mixtral-4x256", "gpt-oss-2x128", "gpt-oss-1x64", "gpt-oss-gqa", "gpt-oss-sliding", "gpt-oss-1x16"])
+        "mixtral-4x256", "gpt-oss-2x128", "gpt-oss-1x64", "gpt-oss-gqa", "gpt-oss-sliding", "gpt-oss-1x16",
+        "gpt-oss-wide-experts-2x128", "gpt-oss-wide-experts-4x256"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activations", ["resident", "checkpoint"])
 def test_block_backward_transient_equals_autograd(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype,

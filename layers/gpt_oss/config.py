@@ -179,6 +179,14 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         # the gated product and their product (down's input): 2f + 5f; its output and routing weight.
         return 8 * k + es * k + k * (32 + es * (2 * d + 7 * f))
 
+    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
+        d, k, experts = self.hidden_size, self.num_experts_per_tok, self.num_experts
+        weighting, product, gate_up = super().block_backward_peaks(es)
+        # The clamped SwiGLU's backward, as the other mixtures' SwiGLU's, but for the down bias's gather index
+        # also gone, the routing weights' gradient made, and down's bias gradient with its weight's.
+        per_token, params, fixed = product
+        return weighting, (per_token - 8 * k + es * k, params + experts * d, fixed), gate_up
+
     def scores_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
         d, q, kv = self.hidden_size, self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore
         # The softmax's backward: besides its two gradients, v's at every query head and the residual's; the MLP's
