@@ -137,9 +137,10 @@ GEMMA_NORM, GEMMA_MLP, GEMMA_SDPA = gemma(128, 320, 4, 32), gemma(64, 640, 4, 16
 
 
 def gpt_oss(d: int, f: int, heads: int, head_dim: int, kv: int, kind: str) -> GptOssConfig:
-    return GptOssConfig(vocab_size=64, hidden_size=d, intermediate_size=f, num_hidden_layers=2, num_attention_heads=heads,
-                        num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=1024, sliding_window=100,
-                        num_local_experts=2, num_experts_per_tok=1, attention_layers=(kind, kind))
+    return GptOssConfig(vocab_size=64, hidden_size=d, intermediate_size=f, num_hidden_layers=2,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                        max_position_embeddings=1024, sliding_window=100, num_local_experts=2, num_experts_per_tok=1,
+                        attention_layers=(kind, kind))
 
 
 # gpt-oss's busiest moment where its attention's scores outweigh the rest: the softmax's backward, its two

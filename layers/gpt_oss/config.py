@@ -64,10 +64,8 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
     attention_sinks: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
-                                             "rms_norm_eps": 1e-5, "sliding_window": 128, "attention_bias": True}
 
-    # transformers' defaults (GptOssConfig's), gpt-oss-120b's sizes
+    # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no hf_defaults
     vocab_size: int = 201088
     hidden_size: int = 2880
     intermediate_size: int = 2880  # each expert's width

@@ -75,8 +75,8 @@ class Experts(nn.Module):
         gate_up = self.grouped(x[order // k], "gate_up_proj", sizes, chosen, order)
         # The experts' outputs back in (token, choice) order: a gather, whose backward keeps only its indices
         # (index_add's would keep the whole routed output), and no name holds the grouped output past it.
-        routed = self.grouped(self.activation(gate_up), "down_proj", sizes, chosen, order)
-        per_choice = routed[order.argsort()].view(n, k, -1)
+        per_choice = self.grouped(self.activation(gate_up), "down_proj", sizes, chosen, order)[order.argsort()]
+        per_choice = per_choice.view(n, k, -1)
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def grouped(self, rows: torch.Tensor, projection: str, sizes: list[int] | None, chosen: torch.Tensor,
