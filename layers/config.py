@@ -19,7 +19,9 @@ fields, so it never asks which family it holds:
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
-  target by default (`lora_default_targets`, PEFT's);
+  target by default (`lora_default_targets`, PEFT's); those that are weight tensors, not Linear modules
+  (`lora_parameters`: a mixture's fused experts, a pair per expert, `lora_experts`); where a target's adapters
+  are in a block and in PEFT's saved adapter (`lora_keys`);
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
   block too), a block's matmul weights;
 - `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
