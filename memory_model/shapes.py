@@ -222,7 +222,8 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
         # needs a gradient) A, every expert's
         fan_in, fan_out = target_shape(shape, target)
         experts, routed = shape.lora_experts(target)
-        total += n * routed * r * es + (0 if es == 4 else es * r * experts * (fan_out + (fan_in if input_grad else 0)))
+        total += n * routed * r * es
+        total += 0 if es == 4 else es * r * experts * (fan_out + (fan_in if input_grad else 0))
         # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would
         # keep a bool mask instead: n x in bytes; not measured here).
         total += 0 if plain else n * fan_in * es * (2 if input_grad else 1)
