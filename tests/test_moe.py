@@ -1,6 +1,8 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
 example): the published shapes' parameter counts, an expert no token chose stepped as torch's AdamW steps it,
-the experts' two matmul paths, and transformers' files with their experts one tensor each."""
+the experts' two matmul paths, transformers' files with their experts one tensor each, and LoRA on the experts
+against PEFT's `target_parameters` (its keys, logits, gradients and steps; the planner's bytes are
+tests/test_lora.py's, PEFT loading the export tests/test_families.py's)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +13,12 @@ import torch
 import transformers
 
 from layers import PRESETS, MixtralConfig, ModelConfig, OlmoeConfig, Qwen3MoeConfig, resident_model
+from layers.lora import add_adapters
 from layers.moe.units import GroupedLinear
+from memory_model.lora import LoraConfig
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.runtime.lora import Adapters
+from streamer.runtime.optim import OptimizerConfig
 from tests.test_families import hf_model
 from tests.test_runtime import hf_fp32_noise, hf_reference
 
@@ -123,7 +129,7 @@ EXPERT_TARGETS = "q_proj,experts.gate_up_proj,experts.down_proj"  # a Linear too
 def _peft(cfg: ModelConfig, targets: str, dtype: torch.dtype = torch.float32, attn: str = "eager"):
     """PEFT's LoRA (rank 4, alpha 8) on transformers' model of cfg, the Linear targets as modules and the experts'
     tensors as parameters."""
-    import peft
+    peft = pytest.importorskip("peft")
     names = targets.split(",")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in names if t not in cfg.lora_parameters],
                              target_parameters=[t for t in names if t in cfg.lora_parameters])
@@ -157,13 +163,8 @@ def test_expert_adapters_have_peft_keys_shapes_and_initialisation(family, target
     """The adapters the runtime keeps, under the keys and shapes PEFT saves for the same targets (an expert tensor's
     A is r E x in, its B out x r E; a second tensor of the experts module nests the first's one `base_layer`
     deeper); A drawn as nn.Linear's (kaiming uniform over in_features) and B zero, PEFT's initialisation."""
-    from peft import get_peft_model_state_dict
-    from streamer.runtime.optim import OptimizerConfig
-    from streamer.runtime.lora import Adapters
-    from memory_model.lora import LoraConfig
-
     cfg = family.example()
-    theirs = get_peft_model_state_dict(_peft(cfg, targets))
+    theirs = pytest.importorskip("peft").get_peft_model_state_dict(_peft(cfg, targets))
     adapters = Adapters(cfg, LoraConfig(rank=4, alpha=8.0, targets=targets), OptimizerConfig(), torch.device("cpu"), 0)
     ours = adapters.hf_state_dict({unit: cfg.hf_prefix(unit) for unit in cfg.unit_names()})
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
@@ -180,8 +181,6 @@ def test_expert_adapters_give_peft_logits_and_gradients(family):
     """Our block with adapters on every expert (two rank-r grouped matmuls on the routed rows) against PEFT's
     ParamWrapper on transformers' model (W_e + scaling B_e A_e folded into the weight) in float64: the logits and
     every adapter's gradient within twice transformers' fp32 noise with PEFT (its eager and sdpa kernels)."""
-    from layers.lora import add_adapters
-
     cfg = family.example()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     start = _random_adapters(cfg, EXPERT_TARGETS)
@@ -270,7 +269,7 @@ def test_a_streamed_lora_step_on_the_experts_is_peft_and_adamw(tmp_path: Path, f
     assert set(ours) == set(exact[0])
     assert max((exact[0][k] - start[k]).abs().max().item() for k in start) > 1e-3  # the steps moved them
     bound = max(max((n[0][k] - exact[0][k]).abs().max().item() for k in start) for n in noise)
-    assert max((ours[k] - exact[0][k]).abs().max().item() for k in start) <= 2 * bound
+    assert max((ours[k] - exact[0][k]).abs().max().item() for k in start) <= 2 * bound  # measured 0.4x to 1.1x
     bound = max(max(abs(a - b) for a, b in zip(n[1], exact[1])) for n in noise)
     rounding = max(exact[1]) * torch.finfo(torch.float32).eps
     assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * bound, 4 * rounding)
