@@ -19,7 +19,9 @@ fields, so it never asks which family it holds:
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
-  target by default (`lora_default_targets`, PEFT's);
+  target by default (`lora_default_targets`, PEFT's); those that are weight tensors, not Linear modules
+  (`lora_parameters`: a mixture's fused experts, a pair per expert, `lora_experts`); where a target's adapters
+  are in a block and in PEFT's saved adapter (`lora_keys`);
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
   block too), a block's matmul weights, the MLP's width a token goes through (`active_mlp_width`);
 - `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
@@ -65,6 +67,18 @@ class FrozenBlockSaves:
     fixed: int = 0  # bytes whatever the tokens (Gemma's fp32 1 + weight of a norm whose input needs a gradient)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraKeys:
+    """Where a LoRA target's tensors are: the adapted weight's key in a block, its adapters' keys in the block's
+    module (`a`, `b`), and their keys in PEFT's saved adapter (`peft_a`, `peft_b`, after the block's prefix)."""
+
+    weight: str
+    a: str
+    b: str
+    peft_a: str
+    peft_b: str
+
+
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
     """Register a family's config class under its model_type (a class decorator)."""
     FAMILIES[cls.model_type] = cls
@@ -99,6 +113,9 @@ class ModelConfig(abc.ABC):
     projections: ClassVar[dict[str, str]]
     # The projections --lora-targets means when it names none: PEFT's default for the model_type.
     lora_default_targets: ClassVar[tuple[str, ...]] = ("q_proj", "v_proj")
+    # Those of `projections` that are a weight tensor rather than a Linear module (a mixture's fused experts,
+    # which PEFT targets by `target_parameters`), in the order the module registers them.
+    lora_parameters: ClassVar[tuple[str, ...]] = ()
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
     # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
@@ -163,6 +180,18 @@ class ModelConfig(abc.ABC):
     @abc.abstractmethod
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the block projection `name` (one of `projections`)."""
+
+    def lora_experts(self, target: str) -> tuple[int, int]:
+        """(adapter pairs, how many of them each token goes through) of a LoRA target: one and one for a Linear
+        projection; a mixture's fused expert tensor has a pair per expert."""
+        return 1, 1
+
+    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
+        """The keys of a target's weight and adapters, with adapters on `targets`: PEFT's lora.Linear keeps A
+        and B as Linear modules beside the projection ('self_attn.q_proj.lora_A.weight')."""
+        key = self.projections[target]
+        return LoraKeys(f"{key}.weight", f"{key}.lora_A.weight", f"{key}.lora_B.weight", f"{key}.lora_A.weight",
+                        f"{key}.lora_B.weight")
 
     @abc.abstractmethod
     def block_matmul_params(self) -> int:

@@ -218,9 +218,12 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
                   + mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type)))
     total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and saves.rotary else 0
     for target, input_grad in saves.input_grad.items():
-        # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
+        # A's output (per routed token, on a mixture's experts); the compute-dtype casts of B and (if its input
+        # needs a gradient) A, every expert's
         fan_in, fan_out = target_shape(shape, target)
-        total += n * r * es + (0 if es == 4 else es * r * (fan_out + (fan_in if input_grad else 0)))
+        experts, routed = shape.lora_experts(target)
+        total += n * routed * r * es
+        total += 0 if es == 4 else es * r * experts * (fan_out + (fan_in if input_grad else 0))
         # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would
         # keep a bool mask instead: n x in bytes; not measured here).
         total += 0 if plain else n * fan_in * es * (2 if input_grad else 1)
