@@ -186,6 +186,25 @@ class ModelConfig(abc.ABC):
         whatever the tokens: a saved tensor of fixed size already freed is negative). Measured against autograd
         (tests/test_backward_transient.py)."""
 
+    def experts(self) -> int:
+        """The experts of a block's sparse MLP, which may be loaded in groups (memory_model.step.StepConfig.
+        expert_group_size); 0: a dense MLP."""
+        return 0
+
+    def expert_params(self) -> int:
+        """One expert's parameters, of a block's `experts()`."""
+        return 0
+
+    def experts_saved_after_per_token(self, es: int) -> int:
+        """Bytes per token of `block_saved_per_token` that a block's forward saves after its last expert has run
+        (the experts' outputs recombined): while a group of experts is on the device, these are not saved yet."""
+        return 0
+
+    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
+        """`block_backward_peaks` of the backward of one group of `group` experts, in the terms of
+        `block_backward_peaks` (the parameters: the group's own whose gradient exists by then)."""
+        return ()
+
     @abc.abstractmethod
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:

@@ -93,6 +93,12 @@ def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, upda
             Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
 
 
+def expert_charges(numel: int, dtype_bytes: int) -> tuple[Charge, ...]:
+    """A group of a block's experts on the device, loaded inside the block's forward or backward and released
+    before the next group loads (memory_model.step.StepConfig.expert_group_size): `numel`, its parameters."""
+    return (Charge("weights", numel * dtype_bytes, "an expert group's weights"),)
+
+
 def gradient_charges(parts: Sequence[int], dtype_bytes: int, ranks: int, sharded: bool = False) -> tuple[Charge, ...]:
     """A unit's weight gradient on the device from its backward until its offload is finished; under data
     parallel also the flat fp32 copy the all-reduce sums (in fp32: a bf16 sum over ranks would round every

@@ -197,9 +197,9 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
-         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel", "seed", "pack",
-         "long_examples", "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every",
-         "keep_last", "keep_best", "sample_prompt", "sample_tokens", "report_to", "log_every", "dist_timeout")
+         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
+         "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
+         "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens", "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that

@@ -1,0 +1,120 @@
+"""A mixture-of-experts block whose experts load in groups (--expert-group-size), as the planner prices and
+chooses it; the runtime refuses it (planned only)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from layers import PRESETS, MixtralConfig, ModelConfig
+from memory_model import DEVICE_PRESETS, PlanConfig, plan
+from memory_model.devices import with_sets
+from memory_model.expert_groups import expert_group, grouped_block_numel
+from memory_model.planner import fewest_expert_groups, peak_device_bytes
+from memory_model.settings import SettingError
+from memory_model.shapes import block_backward_transient_bytes
+from memory_model.step import StepConfig
+from streamer import StreamingTrainer, TrainerConfig
+from streamer.errors import ConfigError
+from streamer.runtime.step import check_runnable
+from tests.test_cli import fails, run_cli
+
+MIXTRAL = PRESETS["mixtral-8x7b"]
+
+
+def _h100(memory: float):
+    return with_sets(DEVICE_PRESETS["h100-sxm"], [f"memory_bytes={memory:.0f}"])
+
+
+def test_a_grouped_block_holds_all_but_its_experts_and_one_group():
+    cfg = PlanConfig.of(batch=1, seq=2048, activations="checkpoint", expert_group_size=2)
+    block = next(r for r in plan(MIXTRAL, _h100(80e9), cfg, limits=False).rows if r.unit == "block.3")
+    rest, group = MIXTRAL.block_params() - 8 * MIXTRAL.expert_params(), 2 * MIXTRAL.expert_params()
+    assert grouped_block_numel(MIXTRAL, 2) == rest and 3 * MIXTRAL.hidden_size * MIXTRAL.intermediate_size == \
+        MIXTRAL.expert_params()
+    assert (block.weight_bytes, block.gradient_bytes) == (2 * (rest + group), 2 * max(rest, group))
+
+
+@pytest.mark.parametrize("activations", ["resident", "checkpoint"])
+def test_a_grouped_blocks_backward_peak_is_its_group_and_two_gradient_pieces(activations):
+    """The first block's backward, with nothing prefetched and the update on the host: its weights hold all but
+    the experts and one group, and of the moments where a gradient appears the highest holds a group's gradient
+    and the larger of the next block's last piece (its rest) and another group's; its workspace's transient is
+    one group's backward. Whole, it holds its weights and two whole gradients."""
+    shape = MixtralConfig.example()
+    size, es = 2, 4
+    whole = PlanConfig.of(batch=2, seq=8, compute_dtype="fp32", prefetch=0, update_on="host",
+                          activations=activations)
+    grouped = whole.replace(expert_group_size=size)
+    peaks = {cfg.step.expert_group_size: {r.unit: r.peak_bytes for r in plan(shape, _h100(80e9), cfg).rows}
+             for cfg in (whole, grouped)}
+    rest, group, block = grouped_block_numel(shape, size), size * shape.expert_params(), shape.block_params()
+    transients = [block_backward_transient_bytes(shape, 2, 8, es, g) for g in (size, 0)]
+    # weights: the rest and a group; gradients: the group's and the rest's of the block after it, or two groups'
+    expected = es * (rest + group + group + max(rest, group) - 3 * block) + transients[0] - transients[1]
+    assert peaks[size]["block.0"] - peaks[0]["block.0"] == expected
+
+
+@pytest.mark.parametrize("activations", ["resident", "checkpoint", "offload"])
+def test_smaller_groups_lower_the_peak(activations):
+    peaks = [peak_device_bytes(MIXTRAL, PlanConfig.of(batch=1, seq=2048, activations=activations,
+                                                       expert_group_size=size)) for size in (8, 4, 2, 1)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    assert peak_device_bytes(MIXTRAL, PlanConfig.of(batch=1, seq=2048, activations=activations)) == peaks[0]
+
+
+def test_the_planner_chooses_the_fewest_groups_that_fit():
+    cfg = PlanConfig.of(batch=1, seq=2048, activations="checkpoint")
+
+    def fits(memory: float, size: int) -> bool:
+        return plan(MIXTRAL, _h100(memory), cfg.replace(expert_group_size=size), limits=False).fits
+
+    for memory, chosen in ((24e9, 0), (8e9, 4), (5e9, 2), (4e9, 1), (3e9, 0)):
+        assert fewest_expert_groups(MIXTRAL, _h100(memory), cfg) == chosen
+        larger = [g for g in (8, 4, 2, 1) if g > (chosen or 8)]
+        if chosen:
+            assert fits(memory, chosen) and not any(fits(memory, g) for g in larger)
+    assert not fits(3e9, 1)  # nothing fits: whole blocks are planned, and the plan says why
+    assert fewest_expert_groups(MIXTRAL, _h100(3e9), cfg.replace(expert_group_size=4)) == 4  # as set
+    assert fewest_expert_groups(PRESETS["llama-350m"], _h100(1e6), cfg) == 0  # dense: nothing to group
+    why = plan(MIXTRAL, _h100(5e9), cfg.replace(expert_group_size=4), limits=False).does_not_fit
+    assert "--expert-group-size 2 (the fewest groups of experts that fit)" in why
+
+
+def test_a_group_size_must_divide_the_experts_of_a_mixture_trained_whole():
+    cfg = PlanConfig.of(batch=1, seq=2048)
+    assert expert_group(MIXTRAL, cfg.replace(expert_group_size=8)) == 0  # all of them: whole blocks
+    with pytest.raises(SettingError, match=r"must divide a block's 8 experts \(1, 2, 4, 8\), not 3"):
+        expert_group(MIXTRAL, cfg.replace(expert_group_size=3))
+    with pytest.raises(SettingError, match="dense"):
+        expert_group(PRESETS["llama-350m"], cfg.replace(expert_group_size=2))
+    with pytest.raises(SettingError, match="not with LoRA or --data-parallel sharded"):
+        expert_group(MIXTRAL, PlanConfig.of(batch=2, seq=2048, devices=2, data_parallel="sharded",
+                                            expert_group_size=2))
+
+
+def test_streamer_plan_chooses_or_takes_the_group_size(capsys):
+    step = ["plan", "--model", "mixtral-8x7b", "--target", "h100-sxm", "--batch", 1, "--seq", 2048,
+            "--activations", "checkpoint", "--json"]
+    for memory, flags, size, fit in (("24e9", [], 0, True), ("5e9", [], 2, True),
+                                     ("5e9", ["--expert-group-size", 4], 4, False)):
+        rc, out, _ = run_cli(capsys, *step, "--set", f"memory_bytes={memory}", *flags)
+        planned = json.loads(out)
+        assert rc == 0 and (planned["config"]["expert_group_size"], planned["fits"]) == (size, fit)
+    rc, out, _ = run_cli(capsys, *step[:-1], "--set", "memory_bytes=5e9")
+    assert rc == 0 and "experts 2 of 8 at a time" in out
+    assert "must divide a block's 8 experts" in fails(capsys, *step, "--expert-group-size", 3)
+
+
+def test_the_runtime_refuses_expert_groups(tmp_path):
+    with pytest.raises(ConfigError, match="--expert-group-size 2 is planned only"):
+        check_runnable(StepConfig(expert_group_size=2))
+    with pytest.raises(ConfigError, match="planned only"):
+        StreamingTrainer(MixtralConfig.example(), TrainerConfig.of(expert_group_size=1, device="cpu"),
+                         store_dir=tmp_path / "run")
+
+
+def test_only_a_mixture_of_experts_has_experts():
+    for shape in (PRESETS["llama-350m"], PRESETS["gptj-6b"]):
+        assert (shape.experts(), shape.expert_params(), shape.experts_saved_after_per_token(2)) == (0, 0, 0)
+    assert isinstance(MIXTRAL, ModelConfig) and MIXTRAL.experts() == 8
