@@ -108,6 +108,8 @@ class ModelConfig(abc.ABC):
     # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
     # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
     rotary_fp32: ClassVar[bool] = False
+    # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
+    expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -192,7 +194,7 @@ class ModelConfig(abc.ABC):
         return 0
 
     def expert_params(self) -> int:
-        """One expert's parameters, of a block's `experts()`."""
+        """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
         return 0
 
     def experts_saved_after_per_token(self, es: int) -> int:

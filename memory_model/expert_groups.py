@@ -1,9 +1,10 @@
 """A mixture-of-experts block whose experts load in groups (`StepConfig.expert_group_size`), as the planner prices
-it: the block's weights resource holds all but its experts (attention, norms, router), and its forward and its
-backward each load the experts a group at a time, inside the block's event, releasing each group before the next
-loads. A group's weight gradient is offloaded as a unit's is: made while the group is on the device, on its way
-to the host while the next group's backward runs. What each moment adds to the block's event is stated here;
-memory_model/planner.py adds it to the event's resident set, activations and workspace. Torch-free.
+it and the runtime charges it: the block's weights resource holds all but its experts (attention, norms, router),
+and its forward and its backward each load the experts a group at a time, inside the block's event, releasing
+each group before the next loads. A group's weight gradient is offloaded as a unit's is: made while the group is
+on the device, on its way to the host while the next group's backward runs. What each moment adds to the block's
+event is stated here; memory_model/planner.py adds it to the event's resident set, activations and workspace.
+Torch-free.
 """
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ from memory_model.shapes import PlanConfig
 
 def expert_group(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The experts each block of `shape` has on the device at once under `cfg` where it loads them in groups; 0
-    where its blocks load whole (a dense MLP, or `expert_group_size` 0 or all the experts). Groups are priced for
-    full fine-tuning with a whole state per device."""
-    size, experts = cfg.step.expert_group_size, shape.experts()
+    where its blocks load whole (a dense MLP, or `expert_group_size` 0 or all the experts)."""
+    return checked_group(shape, cfg.step.expert_group_size, cfg.lora.enabled, cfg.shards)
+
+
+def checked_group(shape: ModelConfig, size: int, lora: bool, shards: int) -> int:
+    """`expert_group` of --expert-group-size `size`, checked: a divisor of the experts, for full fine-tuning (not
+    `lora`) with a whole state per device (`shards` 1)."""
+    experts = shape.experts()
     if size in (0, experts):
         return 0
     if not experts:
@@ -26,7 +32,7 @@ def expert_group(shape: ModelConfig, cfg: PlanConfig) -> int:
     if experts % size:
         divisors = ", ".join(str(g) for g in range(1, experts + 1) if experts % g == 0)
         raise SettingError("expert_group_size", f"must divide a block's {experts} experts ({divisors}), not {size}")
-    if cfg.lora.enabled or cfg.shards > 1:
+    if lora or shards > 1:
         raise SettingError("expert_group_size", "is planned for full fine-tuning with a whole state per device: "
                                                 "not with LoRA or --data-parallel sharded; use 0")
     return size

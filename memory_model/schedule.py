@@ -52,7 +52,16 @@ class BlockInput:
     micro: int
 
 
-Resource = Weights | StateChunk | BlockInput
+@dataclass(frozen=True)
+class ExpertGroup:
+    """One group of a block's experts (memory_model.step.StepConfig.expert_group_size), loaded inside the
+    block's forward or backward and released before the next group loads: no event names it."""
+
+    unit: str
+    group: int
+
+
+Resource = Weights | StateChunk | BlockInput | ExpertGroup
 
 
 @dataclass(frozen=True)
@@ -80,13 +89,15 @@ class Charge:
 
 def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, update_on: str) -> tuple[Charge, ...]:
     """What a resource holds on the device from its load being issued until its release: a unit's compute
-    weights, one chunk's master, moments and fp32 gradient (nothing when the update runs on the host), or a
-    block input (`unit_numel`: its elements) back from the host. The same charge holds an offloaded block input
-    on the device during its forward, while it is copied out."""
+    weights, one chunk's master, moments and fp32 gradient (nothing when the update runs on the host), a group of
+    a block's experts, or a block input (`unit_numel`: its elements) back from the host. The same charge holds an
+    offloaded block input on the device during its forward, while it is copied out."""
     if isinstance(resource, Weights):
         return (Charge("weights", unit_numel * dtype_bytes, "compute weights"),)
     if isinstance(resource, BlockInput):
         return (Charge("activations", unit_numel * dtype_bytes, "offloaded block input"),)
+    if isinstance(resource, ExpertGroup):
+        return expert_charges(unit_numel, dtype_bytes)
     if update_on == "host":
         return ()
     return (Charge("optimizer", resource.count * OPTIMIZER_BYTES_PER_PARAM, "master, exp_avg, exp_avg_sq"),
@@ -191,10 +202,13 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
     (`micro_batches`, a speculative `fused`, an evaluation's `backward=False`, a roll-forward's `update_units`)."""
     units = tuple(shape.unit_names())
     shards = settings.shards(devices)
+    # A block whose experts load in groups loads them apart from its weights: its update reads its own master.
+    grouped = 0 < settings.expert_group_size < shape.experts()
     return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
                     {u: shard_numel(shape.unit_params(u), shards) for u in units}, settings.update_chunk,
                     fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
-                    master_from_weights=settings.store.loads_read_master(compute_is_master), backward=backward,
+                    master_from_weights=settings.store.loads_read_master(compute_is_master) and not grouped,
+                    backward=backward,
                     update_units=update_units, offload_inputs=settings.offloads_inputs)
 
 

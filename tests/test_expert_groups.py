@@ -1,22 +1,24 @@
-"""A mixture-of-experts block whose experts load in groups (--expert-group-size), as the planner prices and
-chooses it; the runtime refuses it (planned only)."""
+"""A mixture-of-experts block whose experts load in groups (--expert-group-size): as the planner prices and
+chooses it, and as the runtime trains it (the same weights as whole blocks, at the planned peak)."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
-from layers import PRESETS, MixtralConfig, ModelConfig
+from layers import FAMILIES, PRESETS, MixtralConfig, ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.devices import with_sets
 from memory_model.expert_groups import expert_group, grouped_block_numel
 from memory_model.planner import fewest_expert_groups, peak_device_bytes
 from memory_model.settings import SettingError
 from memory_model.shapes import block_backward_transient_bytes
-from memory_model.step import StepConfig
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
-from streamer.runtime.step import check_runnable
 from tests.test_cli import fails, run_cli
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
@@ -106,12 +108,61 @@ def test_streamer_plan_chooses_or_takes_the_group_size(capsys):
     assert "must divide a block's 8 experts" in fails(capsys, *step, "--expert-group-size", 3)
 
 
-def test_the_runtime_refuses_expert_groups(tmp_path):
-    with pytest.raises(ConfigError, match="--expert-group-size 2 is planned only"):
-        check_runnable(StepConfig(expert_group_size=2))
-    with pytest.raises(ConfigError, match="planned only"):
-        StreamingTrainer(MixtralConfig.example(), TrainerConfig.of(expert_group_size=1, device="cpu"),
-                         store_dir=tmp_path / "run")
+def _wide(model_type: str) -> ModelConfig:
+    """The family's example with experts wide and many enough that a block's backward is the step's peak."""
+    example = FAMILIES[model_type].example()
+    experts = {"mixtral": "num_local_experts"}.get(model_type, "num_experts")
+    width = {"qwen3_moe": "moe_intermediate_size"}.get(model_type, "intermediate_size")
+    return dataclasses.replace(example, **{experts: 8, width: 128})
+
+
+def _train(cfg: ModelConfig, tc: TrainerConfig, run: Path) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with StreamingTrainer(cfg, tc, store_dir=run) as trainer:
+        losses = [trainer.step(ids) for _ in range(2)]
+        return losses, trainer.state_dict(), trainer.ledger.peak
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("store,activations", [("ram", "resident"), ("ram", "checkpoint"), ("disk", "resident"),
+                                               ("disk", "offload")])
+def test_training_with_expert_groups_is_training_without_them(tmp_path: Path, model_type: str, store: str,
+                                                               activations: str):
+    """The same matmuls in the same order, each group's gradient folded into its place: the same losses and
+    weights, bit for bit, for every group size; and a lower peak, the runtime's ledger's."""
+    cfg = _wide(model_type)
+    runs = {size: _train(cfg, TrainerConfig.of(lr=1e-3, dtype="fp32", store=store, activations=activations,
+                                               max_grad_norm=1.0, update_chunk=5_000, expert_group_size=size),
+                         tmp_path / str(size))
+            for size in (0, 4, 1)}
+    (losses, weights, peak) = runs.pop(0)
+    for grouped_losses, grouped_weights, grouped_peak in runs.values():
+        assert grouped_losses == losses and grouped_peak < peak
+        assert all(torch.equal(grouped_weights[key], weights[key]) for key in weights)
+
+
+@pytest.mark.parametrize("dtype,activations,store", [("fp32", "resident", "ram"), ("bf16", "checkpoint", "disk"),
+                                                     ("bf16", "resident", "ram"), ("fp32", "offload", "ram")])
+def test_planner_dry_run_and_real_run_agree_with_expert_groups(tmp_path: Path, dtype: str, activations: str,
+                                                               store: str):
+    """The grouped step's peak, at a block's backward, is the plan's, the real run's and the dry run's."""
+    cfg = _wide("mixtral")
+    for size in (4, 2):
+        tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0,
+                              expert_group_size=size)
+        _, _, real = _train(cfg, tc, tmp_path / str(size))
+        planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
+            2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store,
+            expert_group_size=size))
+        assert planned.peak_at[0].startswith("block.")
+        assert real == planned.peak_device_bytes == dry_run(cfg, tc, 2, 24).peak
+
+
+def test_the_runtime_checks_the_group_size(tmp_path: Path):
+    for shape, size, why in ((MixtralConfig.example(), 3, "must divide a block's 4 experts"),
+                             (PRESETS["llama-350m"], 2, "dense")):
+        with pytest.raises(ConfigError, match=why):
+            StreamingTrainer(shape, TrainerConfig.of(expert_group_size=size), store_dir=tmp_path / "run")
 
 
 def test_only_a_mixture_of_experts_has_experts():

@@ -34,6 +34,7 @@ class MixtureOfExperts:
 
     # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
     # down), as the checkpoints before transformers 5 held them.
+    expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     saved_mlp: ClassVar[str] = "mlp"
     saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
 

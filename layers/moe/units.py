@@ -5,7 +5,7 @@ transformers' fused tensors, `experts.gate_up_proj` (E, 2f, d) and `experts.down
 dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,26 +53,57 @@ class GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class ExpertSource(Protocol):
+    """Where the experts' weights come from when they are not on the module: `groups` groups of equal size,
+    each loaded (its gate_up_proj and down_proj rows) before its experts run and released after (the runtime's
+    streamed groups, memory_model.step.StepConfig.expert_group_size)."""
+
+    groups: int
+
+    def load(self, group: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def release(self, group: int) -> None: ...
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, fused: out_e(x) = down_e(silu(gate_e(x)) * up_e(x)), gate_e and up_e the two halves
-    of gate_up_proj[e]."""
+    of gate_up_proj[e]. With a `source` their weights come from it a group at a time, each group's experts
+    computed on their rows as the whole module computes them (the same matmuls in the same order)."""
 
     def __init__(self, cfg: MixtureOfExperts) -> None:
         super().__init__()
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_width
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        self.source: ExpertSource | None = None  # set by the runtime around a call, else the parameters
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, d); each token's chosen experts (N, k) and their routing weights (N, k) -> the sum over its
         chosen experts of weight x expert(x), (N, d)."""
         (n, k), experts = chosen.shape, self.gate_up_proj.shape[0]
+        groups = 1 if self.source is None else self.source.groups
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        # Each group's rows are those routed to its experts; on meta, which holds no routing, an even share.
         sizes = None if x.is_meta else torch.bincount(chosen.flatten(), minlength=experts).tolist()
-        gate, up = GroupedLinear.apply(x[order // k], self.gate_up_proj, sizes).chunk(2, dim=-1)
+        share = experts // groups
+        rows = ([n * k // groups] * (groups - 1) + [n * k - n * k // groups * (groups - 1)] if sizes is None
+                else [sum(sizes[g * share:(g + 1) * share]) for g in range(groups)])
+        routed = x[order // k]
+        outputs = []
+        for g, inputs in enumerate(routed.split(rows) if groups > 1 else (routed,)):
+            gate_up, down = (self.gate_up_proj, self.down_proj) if self.source is None else self.source.load(g)
+            counts = None if sizes is None else sizes[g * share:(g + 1) * share]
+            gate, up = GroupedLinear.apply(inputs, gate_up, counts).chunk(2, dim=-1)
+            outputs.append(GroupedLinear.apply(F.silu(gate) * up, down, counts))
+            del gate_up, down, gate, up
+            if self.source is not None:
+                self.source.release(g)
+        grouped = outputs[0] if groups == 1 else torch.cat(outputs)
+        del outputs
         # The experts' outputs back in (token, choice) order: a gather, whose backward keeps only its indices
         # (index_add's would keep the whole routed output), and no name holds the grouped output past it.
-        per_choice = GroupedLinear.apply(F.silu(gate) * up, self.down_proj, sizes)[order.argsort()].view(n, k, -1)
+        per_choice = grouped[order.argsort()].view(n, k, -1)
+        del grouped
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
 
 

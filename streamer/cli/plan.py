@@ -113,7 +113,8 @@ def plan_command(args: argparse.Namespace) -> int:
         out["clipped_steps"] = {name: asdict(p) for name, p in schedules.items()}
         out["clipped_schedule"] = chosen.schedule
     if args.dry_run:
-        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.step.update_on, budget=None)  # the ledger's own peak
+        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.step.update_on, budget=None,  # the ledger's own peak
+                                 expert_group_size=plan_cfg.step.expert_group_size)  # as planned
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)

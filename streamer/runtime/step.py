@@ -26,14 +26,11 @@ class ClippingNeeded(Exception):
 
 
 def check_runnable(step: StepConfig) -> None:
-    """The runtime runs every step `step` describes but the overlapped update and experts loaded in groups, which
-    only the planner prices (a run's settings may name them for `streamer plan`)."""
+    """The runtime runs every step `step` describes but the overlapped update, which only the planner prices (a
+    run's settings may name it for `streamer plan`)."""
     if step.update_timing == "overlapped":
         raise ConfigError("--update-timing overlapped is planned only (`streamer plan`): the runtime clips by the "
                           "global norm, known only after the backward; use auto, fused or after-backward")
-    if step.expert_group_size:
-        raise ConfigError(f"--expert-group-size {step.expert_group_size} is planned only (`streamer plan`): the "
-                          "runtime loads a block's experts with the rest of its weights; use 0")
 
 
 @dataclass
