@@ -49,6 +49,13 @@ def grouped_block_numel(shape: ModelConfig, group: int) -> int:
     return shape.block_params() - (shape.experts() * shape.expert_params() if group else 0)
 
 
+def reloaded(shape: ModelConfig, cfg: PlanConfig) -> dict[str, int]:
+    """The weights each unit's backward loads once more than its forward: a checkpointed grouped block's experts
+    (its recompute loads them, and its backward again)."""
+    experts = shape.experts() * shape.expert_params()
+    return {u: experts for u in shape.unit_names() if cfg.step.recomputes and grouped(shape, cfg, u)}
+
+
 def last_gradient(shape: ModelConfig, cfg: PlanConfig, unit: str) -> tuple[Charge, ...]:
     """The last weight gradient a unit's backward offloads: its whole one, or a grouped block's all but its
     experts' (made after every group's, when its attention's backward is done)."""

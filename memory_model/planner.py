@@ -18,7 +18,7 @@ from layers.config import ModelConfig
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
-    backward_moment, expert_group, forward_moment, grouped, grouped_block_numel, last_gradient,
+    backward_moment, expert_group, forward_moment, grouped, grouped_block_numel, last_gradient, reloaded,
 )
 from memory_model.ledger import CATEGORIES
 from memory_model.settings import flatten
@@ -395,7 +395,8 @@ def _disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], nor
     """`step_disk_bytes` of these events (the step's own, or a norm-first step's norm pass)."""
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
-    return disk_bytes(events, cfg.step.prefetch, numels, store_bytes(cfg), cfg.step.grad_accum, borrowed, norm_pass)
+    return disk_bytes(events, cfg.step.prefetch, numels, store_bytes(cfg), cfg.step.grad_accum, borrowed, norm_pass,
+                      reloaded(shape, cfg))
 
 
 def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:

@@ -385,12 +385,13 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
-    """Bytes one load reads from the store's files: a unit's weights, or a chunk's moments with its fp32
+    """Bytes one load reads from the store's files: a unit's weights (or a group of a block's experts), or a
+    chunk's moments with its fp32
     master (unless taken from the weights load) and, after the backward, its fp32 gradient. A block input
     comes from host memory on either tier: none."""
     if isinstance(resource, BlockInput):
         return 0
-    if isinstance(resource, Weights):
+    if isinstance(resource, (Weights, ExpertGroup)):
         return numel * sizes.weights
     master = sizes.master if resource.master else 0
     return resource.count * (master + (0 if fused else sizes.grad)) + sizes.moments(resource.count)
@@ -398,7 +399,7 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
                micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None,
-               norm_pass: bool = False) -> tuple[int, int]:
+               norm_pass: bool = False, reread: Mapping[str, int] | None = None) -> tuple[int, int]:
     """(read, written) bytes of a step on a store with files: exactly what they are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
@@ -407,7 +408,9 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     master and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
     accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
     `norm_pass`: the events are a norm-first step's first pass (`norm_pass_spec`), which keeps the last
-    micro-batch's gradient in memory as a fused step does, only to take its norm.
+    micro-batch's gradient in memory as a fused step does, only to take its norm. `reread`: the weights each
+    backward of a unit reads once more (a checkpointed block's experts loaded in groups: its recompute loads
+    them, and its backward again).
     """
     borrowed = borrowed or {}
     owners = {owner for units in borrowed.values() for owner in units}
@@ -417,6 +420,7 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     written = 0
     for event in events:
         if event.phase == "backward":
+            read += (reread or {}).get(event.unit, 0) * sizes.weights
             grad = numels[event.unit] * sizes.grad
             read += grad if event.micro > 0 or event.unit in owners else 0
             written += 0 if fused and event.micro == micro_batches - 1 else grad

@@ -19,6 +19,7 @@ from memory_model.shapes import block_backward_transient_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
+from streamer.generate import Sampling, generate
 from tests.test_cli import fails, run_cli
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
@@ -63,6 +64,21 @@ def test_smaller_groups_lower_the_peak(activations):
                                                        expert_group_size=size)) for size in (8, 4, 2, 1)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
     assert peak_device_bytes(MIXTRAL, PlanConfig.of(batch=1, seq=2048, activations=activations)) == peaks[0]
+
+
+def test_a_checkpointed_grouped_block_reads_its_experts_once_more_in_its_backward():
+    """The groups cross once in a block's forward and once in its backward, as the whole block's weights do; a
+    checkpointed block's recompute loads them once more. Each group load waits for the compute: no faster."""
+    plans = {(activations, size): plan(MIXTRAL, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
+        batch=1, seq=2048, activations=activations, expert_group_size=size, store="disk"), limits=False)
+        for activations in ("resident", "checkpoint") for size in (0, 2)}
+    experts = MIXTRAL.num_hidden_layers * MIXTRAL.experts() * MIXTRAL.expert_params()
+    for activations in ("resident", "checkpoint"):
+        assert plans[activations, 2].step_time_s > plans[activations, 0].step_time_s
+    assert plans["resident", 2].link_bytes["h2d"] == plans["resident", 0].link_bytes["h2d"]
+    again = {link: plans["checkpoint", 2].link_bytes[link] - plans["resident", 2].link_bytes[link]
+             for link in ("h2d", "disk_read")}
+    assert again == {"h2d": 2 * experts, "disk_read": 4 * experts}  # bf16 over the link, the fp32 master read
 
 
 def test_the_planner_chooses_the_fewest_groups_that_fit():
@@ -156,6 +172,18 @@ def test_planner_dry_run_and_real_run_agree_with_expert_groups(tmp_path: Path, d
             expert_group_size=size))
         assert planned.peak_at[0].startswith("block.")
         assert real == planned.peak_device_bytes == dry_run(cfg, tc, 2, 24).peak
+
+
+def test_generation_and_evaluation_with_expert_groups_are_as_without(tmp_path: Path):
+    cfg = _wide("mixtral")
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for size in (0, 2):
+        tc = TrainerConfig.of(dtype="fp32", store="ram", max_grad_norm=0, expert_group_size=size)
+        with StreamingTrainer(cfg, tc, store_dir=tmp_path / str(size)) as trainer:
+            trainer.step(ids)
+            out[size] = generate(trainer, ids[:, :4], Sampling(6, temperature=0.0)), trainer.evaluate(ids)
+    assert torch.equal(out[0][0], out[2][0]) and out[0][1] == out[2][1]
 
 
 def test_the_runtime_checks_the_group_size(tmp_path: Path):
