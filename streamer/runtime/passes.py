@@ -81,18 +81,18 @@ class Passes:
         layout = layout if groups is None else groups.rest
         params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                        lambda grads: self._offload(unit, micro, grads, ctx))
-        with self._experts_from(unit, micro, ctx):
+        with self._experts_from(unit, ctx):
             return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
 
     @contextlib.contextmanager
-    def _experts_from(self, unit: str, micro: int, ctx: StepContext) -> Iterator[None]:
+    def _experts_from(self, unit: str, ctx: StepContext) -> Iterator[None]:
         """A grouped block's experts, while its shell runs, take their weights a group at a time from the loader."""
         groups = self.groups.get(unit)
         if groups is None:
             yield
             return
         experts = self.shells[unit].get_submodule(self.cfg.expert_keys[0].rpartition(".")[0])
-        experts.source = _GroupSource(self, unit, micro, ctx, groups.count)
+        experts.source = _GroupSource(self, unit, ctx, groups.count)
         try:
             yield
         finally:
@@ -104,7 +104,7 @@ class Passes:
         named = (self.layouts[unit] if groups is None else groups.rest).views(self.states[unit].weights())
         if self.adapters is not None:
             named.update(self.adapters.for_unit(unit, self.dtype))
-        with torch.no_grad(), self._experts_from(unit, 0, ctx):
+        with torch.no_grad(), self._experts_from(unit, ctx):
             return functional_call(self.shells[unit].train(False), named, args)
 
     def forward(self, event: Event, ctx: StepContext) -> None:
@@ -240,14 +240,13 @@ class Passes:
                    for c in gradient_charges([sum(g.numel() for g in grads)], grads[0].element_size(), 1)]
         self._finish_pending_offload(ctx)
         held = self._expert_grads.setdefault(group.unit, {})
-        shapes = [g.shape for g in grads]
 
         def job() -> tuple[float, None]:
             with self.trace.span(group.unit, "offload", step=ctx.step):
                 host = self.transport.pieces_to_host(grads)
-                flat = host[0].flatten() if len(host) == 1 else None
-                held[group.group] = list(host) if flat is None else [
-                    piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
+                if len(host) != len(grads):  # one flat host tensor they were copied into
+                    host = [piece.view(g.shape) for piece, g in zip(host[0].split([g.numel() for g in grads]), grads)]
+                held[group.group] = list(host)
             return 0.0, None
 
         ctx.pending_offload = PendingOffload(group.unit, False, self.io.folds.submit(job), handles)
@@ -308,6 +307,7 @@ class Passes:
         ctx.stashed.clear()
         ctx.inputs.clear()
         self._expert_grads.clear()
+        self.recorder.forget_groups()
 
 
 class _GroupSource:
@@ -315,8 +315,8 @@ class _GroupSource:
     the loader, its parameters entering autograd through a StreamedWeights of its own whose backward offloads
     the group's gradient; released after its experts run, and loaded again by the backward that needs it."""
 
-    def __init__(self, passes: Passes, unit: str, micro: int, ctx: StepContext, groups: int) -> None:
-        self.passes, self.unit, self.micro, self.ctx, self.groups = passes, unit, micro, ctx, groups
+    def __init__(self, passes: Passes, unit: str, ctx: StepContext, groups: int) -> None:
+        self.passes, self.unit, self.ctx, self.groups = passes, unit, ctx, groups
 
     def _load(self, group: int) -> UnitState:
         return self.passes.loader.load_group(ExpertGroup(self.unit, group), self.ctx)

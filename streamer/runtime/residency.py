@@ -92,6 +92,10 @@ class SavedTensorRecorder:
     def group_released(self, state: UnitState) -> None:
         self._groups.pop(storage_key(state.weights()))
 
+    def forget_groups(self) -> None:
+        """A step stopped part-way: no group is on the device any more (the loader released them)."""
+        self._groups.clear()
+
     def hooks(self, state: UnitState) -> torch.autograd.graph.saved_tensors_hooks:
         weight_key = storage_key(state.weights())
         owned = self._owned.setdefault(state.name, [])
