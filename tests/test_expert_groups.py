@@ -17,6 +17,7 @@ from memory_model.planner import fewest_expert_groups, peak_device_bytes
 from memory_model.settings import SettingError
 from memory_model.shapes import block_backward_transient_bytes
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.advice import PLAN_MARGIN_BYTES, alternatives
 from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
 from streamer.generate import Sampling, generate
@@ -99,6 +100,15 @@ def test_the_planner_chooses_the_fewest_groups_that_fit():
     assert "--expert-group-size 2 (the fewest groups of experts that fit)" in why
 
 
+def test_a_budget_too_small_for_whole_blocks_is_told_the_fewest_groups_that_fit():
+    pc = PlanConfig.of(batch=1, seq=2048, activations="checkpoint")
+    needs = {size: peak_device_bytes(MIXTRAL, pc.replace(expert_group_size=size)) + PLAN_MARGIN_BYTES
+             for size in (0, 4, 2, 1)}
+    assert needs[0] > needs[4] > needs[2] > needs[1]
+    assert "--expert-group-size 2 (the fewest groups of experts that fit)" in alternatives(MIXTRAL, pc, needs[4] - 1)
+    assert not any("--expert-group-size" in fix for fix in alternatives(MIXTRAL, pc, needs[1] - 1))
+
+
 def test_a_group_size_must_divide_the_experts_of_a_mixture_trained_whole():
     cfg = PlanConfig.of(batch=1, seq=2048)
     assert expert_group(MIXTRAL, cfg.replace(expert_group_size=8)) == 0  # all of them: whole blocks
@@ -141,7 +151,7 @@ def _train(cfg: ModelConfig, tc: TrainerConfig, run: Path) -> tuple[list[float],
 
 @pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
 @pytest.mark.parametrize("store,activations", [("ram", "resident"), ("ram", "checkpoint"), ("disk", "resident"),
-                                               ("disk", "offload")])
+                                               ("disk", "checkpoint"), ("ram", "offload")])
 def test_training_with_expert_groups_is_training_without_them(tmp_path: Path, model_type: str, store: str,
                                                                activations: str):
     """The same matmuls in the same order, each group's gradient folded into its place: the same losses and
