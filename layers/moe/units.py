@@ -2,7 +2,8 @@
 each token's top-k experts; each expert runs on the tokens routed to it only (one matmul per expert that has
 tokens), and its output comes back to its tokens scaled by their routing weights. The experts' weights are
 transformers' fused tensors, `experts.gate_up_proj` (E, 2f, d) and `experts.down_proj` (E, d, f), so the state
-dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers."""
+dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers. The
+runtime may hand the experts their weights a group at a time (`ExpertSource`): the same matmuls, in the same order."""
 from __future__ import annotations
 
 from typing import ClassVar, Protocol
