@@ -76,14 +76,14 @@ class Loader:
         borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
+        if isinstance(resource, Weights):
+            self.states[resource.unit].residency = Residency.INFLIGHT
         if isinstance(resource, ExpertGroup) or (isinstance(resource, Weights) and groups is not None):
-            if isinstance(resource, Weights):
-                self.states[resource.unit].residency = Residency.INFLIGHT
+            # A grouped block's pieces of its slab: all but its experts, or one group of them.
             ranges = groups.ranges(resource.group) if isinstance(resource, ExpertGroup) else groups.rest_ranges
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_ranges(
                 resource.unit, ranges, self.loads_read_master))
         elif isinstance(resource, Weights):
-            self.states[resource.unit].residency = Residency.INFLIGHT
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
                 resource.unit, stored, self.loads_read_master, keep_master, borrowed))
         else:

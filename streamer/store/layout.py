@@ -126,7 +126,7 @@ class UnitLayout:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """A block whose experts load `count` groups at a time (memory_model.step.StepConfig.expert_group_size), as
+    """A block whose experts load in `count` groups (memory_model.step.StepConfig.expert_group_size), as
     pieces of its slab: its weights load holds the rest (`rest`, laid end to end, read from `rest_ranges`), and
     each group holds its rows of every expert tensor (`group`, read from `ranges(g)`)."""
 
