@@ -33,8 +33,8 @@ def checked_group(shape: ModelConfig, size: int, lora: bool, shards: int) -> int
         divisors = ", ".join(str(g) for g in range(1, experts + 1) if experts % g == 0)
         raise SettingError("expert_group_size", f"must divide a block's {experts} experts ({divisors}), not {size}")
     if lora or shards > 1:
-        raise SettingError("expert_group_size", "is planned for full fine-tuning with a whole state per device: "
-                                                "not with LoRA or --data-parallel sharded; use 0")
+        raise SettingError("expert_group_size", "is for full fine-tuning with a whole state per device: not with "
+                                                "LoRA or --data-parallel sharded; use 0")
     return size
 
 

@@ -55,7 +55,7 @@ class StreamingTrainer:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
         try:
-            grouped = checked_group(cfg, step.expert_group_size, self.tc.lora.enabled, self.processes) > 0
+            grouped = checked_group(cfg, step.expert_group_size, self.tc.lora.enabled, step.shards(self.processes)) > 0
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
         if grouped and self.processes > 1:

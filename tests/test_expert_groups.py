@@ -223,10 +223,11 @@ def test_generation_and_evaluation_with_expert_groups_are_as_without(tmp_path: P
 
 
 def test_the_runtime_checks_the_group_size(tmp_path: Path):
-    for shape, size, why in ((MixtralConfig.example(), 3, "must divide a block's 4 experts"),
-                             (PRESETS["llama-350m"], 2, "dense")):
+    for shape, flat, why in ((MixtralConfig.example(), {"expert_group_size": 3}, "must divide a block's 4 experts"),
+                             (PRESETS["llama-350m"], {"expert_group_size": 2}, "dense"),
+                             (MixtralConfig.example(), {"expert_group_size": 2, "lora_rank": 4}, "not with LoRA")):
         with pytest.raises(ConfigError, match=why):
-            StreamingTrainer(shape, TrainerConfig.of(expert_group_size=size), store_dir=tmp_path / "run")
+            StreamingTrainer(shape, TrainerConfig.of(**flat), store_dir=tmp_path / "run")
 
 
 def test_only_a_mixture_of_experts_has_experts():
