@@ -13,7 +13,7 @@ from layers import FAMILIES, PRESETS, MixtralConfig, ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.devices import with_sets
 from memory_model.expert_groups import expert_group, grouped_block_numel
-from memory_model.planner import fewest_expert_groups, peak_device_bytes
+from memory_model.planner import fewest_expert_groups, peak_device_bytes, step_disk_bytes
 from memory_model.settings import SettingError
 from memory_model.shapes import block_backward_transient_bytes
 from streamer import StreamingTrainer, TrainerConfig
@@ -197,17 +197,21 @@ def test_a_grouped_blocks_forward_peaks_with_its_last_group_or_at_its_end(tmp_pa
                                                      ("bf16", "resident", "ram"), ("fp32", "offload", "ram")])
 def test_planner_dry_run_and_real_run_agree_with_expert_groups(tmp_path: Path, dtype: str, activations: str,
                                                                store: str):
-    """The grouped step's peak, at a block's backward, is the plan's, the real run's and the dry run's."""
+    """The grouped step's peak, at a block's backward, is the plan's, the real run's and the dry run's; the bytes its
+    store's files move are the plan's."""
     cfg = _wide("mixtral")
     for size in (4, 2):
         tc = TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0,
                               expert_group_size=size)
-        _, _, real = _train(cfg, tc, tmp_path / str(size))
-        planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
-            2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store,
-            expert_group_size=size))
+        ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+        with StreamingTrainer(cfg, tc, store_dir=tmp_path / str(size)) as trainer:
+            trainer.step(ids)
+            real, moved = trainer.ledger.peak, trainer.step_bytes
+        pc = tc.plan_config(2, 24)
+        planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], pc)
         assert planned.peak_at[0].startswith("block.")
         assert real == planned.peak_device_bytes == dry_run(cfg, tc, 2, 24).peak
+        assert moved == step_disk_bytes(cfg, pc)  # each group's pieces read, a recompute's twice
 
 
 def test_generation_and_evaluation_with_expert_groups_are_as_without(tmp_path: Path):

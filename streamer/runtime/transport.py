@@ -379,17 +379,12 @@ class Transport:
         return self._on_side_stream(job)
 
     def _read_master(self, unit: str, start: int, out: torch.Tensor) -> None:
-        """Master elements [start, start + out.numel()) into `out`, converted to its dtype. The state files are read
-        a chunk from its start: a piece that starts inside a chunk reads that chunk's head too."""
+        """Master elements [start, start + out.numel()) into `out`, converted to its dtype, read chunk by chunk (the
+        state files' interleaved chunks)."""
         chunk, end = self.store.spec.chunk, start + out.numel()
         for first in range(start - start % chunk, end, chunk):
             low, high = max(start, first), min(end, first + chunk)
-            if low == first:
-                self.store.read_state(unit, "master", first, out[low - start:high - start])
-            else:
-                head = torch.empty(high - first, dtype=out.dtype)
-                self.store.read_state(unit, "master", first, head)
-                out[low - start:high - start].copy_(head[low - first:])
+            self.store.read_state(unit, "master", low, out[low - start:high - start])
 
     def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True,
                    with_master: bool = True) -> Loaded:
