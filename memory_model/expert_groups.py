@@ -17,12 +17,12 @@ from memory_model.shapes import PlanConfig
 def expert_group(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The experts each block of `shape` has on the device at once under `cfg` where it loads them in groups; 0
     where its blocks load whole (a dense MLP, or `expert_group_size` 0 or all the experts)."""
-    return checked_group(shape, cfg.step.expert_group_size, cfg.lora.enabled, cfg.shards)
+    return checked_group(shape, cfg.step.expert_group_size, cfg.lora.enabled, cfg.devices)
 
 
-def checked_group(shape: ModelConfig, size: int, lora: bool, shards: int) -> int:
+def checked_group(shape: ModelConfig, size: int, lora: bool, devices: int) -> int:
     """`expert_group` of --expert-group-size `size`, checked: a divisor of the experts, for full fine-tuning (not
-    `lora`) with a whole state per device (`shards` 1)."""
+    `lora`) on one device (a group's gradient is not all-reduced)."""
     experts = shape.experts()
     if size in (0, experts):
         return 0
@@ -32,9 +32,9 @@ def checked_group(shape: ModelConfig, size: int, lora: bool, shards: int) -> int
     if experts % size:
         divisors = ", ".join(str(g) for g in range(1, experts + 1) if experts % g == 0)
         raise SettingError("expert_group_size", f"must divide a block's {experts} experts ({divisors}), not {size}")
-    if lora or shards > 1:
-        raise SettingError("expert_group_size", "is for full fine-tuning with a whole state per device: not with "
-                                                "LoRA or --data-parallel sharded; use 0")
+    if lora or devices > 1:
+        raise SettingError("expert_group_size", "is for full fine-tuning on one process: not with LoRA or data "
+                                                "parallel; use 0")
     return size
 
 

@@ -331,10 +331,10 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
 def fewest_expert_groups(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> int:
     """The experts a block loads at once (`StepConfig.expert_group_size`): as `cfg` sets it, or where it is 0, in
     the fewest groups with which the step fits `device`: all of them (0) where whole blocks fit, else the largest
-    divisor of the experts that fits, else 0 (nothing fits: the plan says why). Groups are planned for full
-    fine-tuning with a whole state per device (`expert_group`)."""
+    divisor of the experts that fits, else 0 (nothing fits: the plan says why). Groups are for full fine-tuning
+    on one device (`expert_group`)."""
     experts = shape.experts()
-    if cfg.step.expert_group_size or not experts or cfg.lora.enabled or cfg.shards > 1:
+    if cfg.step.expert_group_size or not experts or cfg.lora.enabled or cfg.devices > 1:
         return cfg.step.expert_group_size
     for size in (g for g in range(experts, 0, -1) if experts % g == 0):
         trial = cfg.replace(expert_group_size=size)

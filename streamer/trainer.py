@@ -55,12 +55,9 @@ class StreamingTrainer:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
         try:
-            grouped = checked_group(cfg, step.expert_group_size, self.tc.lora.enabled, step.shards(self.processes)) > 0
+            checked_group(cfg, step.expert_group_size, self.tc.lora.enabled, self.processes)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
-        if grouped and self.processes > 1:
-            raise ConfigError("--expert-group-size runs on one process (a group's gradient is not all-reduced); "
-                              "use 0")
         if device.device == "meta":
             self.store = None
         elif _store is not None:
