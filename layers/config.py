@@ -125,6 +125,8 @@ class ModelConfig(abc.ABC):
     # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
     # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
     rotary_fp32: ClassVar[bool] = False
+    # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
+    expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -220,6 +222,25 @@ class ModelConfig(abc.ABC):
         incoming gradient: per moment, (bytes per token, parameters whose weight gradient exists by then, bytes
         whatever the tokens: a saved tensor of fixed size already freed is negative). Measured against autograd
         (tests/test_backward_transient.py)."""
+
+    def experts(self) -> int:
+        """The experts of a block's sparse MLP, which may be loaded in groups (memory_model.step.StepConfig.
+        expert_group_size); 0: a dense MLP."""
+        return 0
+
+    def expert_params(self) -> int:
+        """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
+        return 0
+
+    def experts_saved_after_per_token(self, es: int) -> int:
+        """Bytes per token of `block_saved_per_token` that a block's forward saves after its last expert has run
+        (the experts' outputs recombined): while a group of experts is on the device, these are not saved yet."""
+        return 0
+
+    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
+        """`block_backward_peaks` of the backward of one group of `group` experts, in the terms of
+        `block_backward_peaks` (the parameters: the group's own whose gradient exists by then)."""
+        return ()
 
     @abc.abstractmethod
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:

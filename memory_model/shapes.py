@@ -279,32 +279,35 @@ def offloaded_inputs_bytes(shape: ModelConfig, batch: int, seq: int, es: int) ->
 
 
 def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int,
-                             frozen: bool = False) -> int:
+                             frozen: bool = False, group: int = 0) -> int:
     """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient (unless it
     is the kept logits, charged as activations) and its compute-dtype copy, and the fp32 sum of the gradient
     w.r.t. its input over the chunks. A block or the embedding: the incoming gradient w.r.t. its output
     (B, T, d); a trained block also autograd's buffers (`block_backward_transient_bytes`). The gradient w.r.t.
     a unit's input is charged once its backward is done, when its activations are gone: never above this
-    moment. `frozen`: LoRA's base."""
+    moment. `frozen`: LoRA's base. `group`: a block's experts load `group` at a time (`expert_group`)."""
     n = batch * seq
     if unit == "head":
         chunk = loss_vocab_chunk(shape, n)
         cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
         return (4 + cast) * n * chunk - _kept_logits_bytes(shape, n) + 4 * n * shape.hidden_size
-    transient = block_backward_transient_bytes(shape, batch, seq, es) if unit != "embed" and not frozen else 0
+    transient = block_backward_transient_bytes(shape, batch, seq, es, group) if unit != "embed" and not frozen else 0
     return n * shape.hidden_size * es + transient
 
 
-def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
+def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es: int, group: int = 0) -> int:
     """What a trained block's backward holds beyond its charges at its highest charged moment (its saved
     tensors, the incoming gradient and its whole weight gradient): the block's output, which the runtime
     holds until its backward ends, and at the family's busiest moment (`block_backward_peaks`) the gradients
     autograd has made so far. Measured against autograd (tests/test_backward_transient.py). None where the
-    weight gradient that is charged at the end outweighs them."""
+    weight gradient that is charged at the end outweighs them. `group`: the block's experts load `group` at a
+    time (`expert_group`), so the busiest moment is in one group's backward, whose gradient is what is charged."""
     n = batch * seq
     output = n * shape.hidden_size * es
-    busiest = max(n * per_token + es * params + fixed for per_token, params, fixed in shape.block_backward_peaks(es))
-    return max(0, output + busiest - es * shape.block_params())
+    peaks = shape.expert_group_backward_peaks(es, group) if group else shape.block_backward_peaks(es)
+    charged = group * shape.expert_params() if group else shape.block_params()
+    busiest = max(n * per_token + es * params + fixed for per_token, params, fixed in peaks)
+    return max(0, output + busiest - es * charged)
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------

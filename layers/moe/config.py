@@ -44,6 +44,7 @@ class MixtureOfExperts:
 
     # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
     # down), as the checkpoints before transformers 5 held them.
+    expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     saved_mlp: ClassVar[str] = "mlp"
     saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
 
@@ -135,8 +136,23 @@ class MixtureOfExperts:
         # weight (the weighting product's operands).
         return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
 
+    def experts(self) -> int:
+        return self.num_experts
+
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_width  # its gate, up and down projections
+
+    def experts_saved_after_per_token(self, es: int) -> int:
+        # Per routed token: its place in (token, choice) order, the expert's output and its routing weight.
+        return self.num_experts_per_tok * (8 + es * self.hidden_size + es)
+
     def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, self.num_experts
+        return self.expert_group_backward_peaks(es, self.num_experts)
+
+    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
+        # Per token as if every routed token chose this group's experts: what a group's rows hold depends on the
+        # routing, and the bound is what both the runtime's charge and the plan can state.
+        d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, group
         # The backward of the weighting by the routing weights: the gradient w.r.t. the routed outputs, the
         # product that gives the weights' gradient, and that gradient. Then the SwiGLU product's backward: the
         # gradient w.r.t. its input, silu(gate)'s and up's, and down's weight gradient, when the routed outputs,

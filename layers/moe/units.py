@@ -2,13 +2,14 @@
 each token's top-k experts; each expert runs on the tokens routed to it only (one matmul per expert that has
 tokens), and its output comes back to its tokens scaled by their routing weights. The experts' weights are
 transformers' fused tensors, `experts.gate_up_proj` (E, 2f, d) and `experts.down_proj` (E, d, f), so the state
-dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers.
+dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers. The
+runtime may hand the experts their weights a group at a time (`ExpertSource`): the same matmuls, in the same order.
 Where the config asks (`output_router_logits`), `RouterBalance` is the loss's load-balancing term."""
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import ClassVar, Iterator
+from typing import ClassVar, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,10 +59,24 @@ class GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class ExpertSource(Protocol):
+    """Where the experts' weights come from when they are not on the module: `groups` groups of equal size,
+    each loaded (its gate_up_proj and down_proj rows) before its experts run and released after (the runtime's
+    streamed groups, memory_model.step.StepConfig.expert_group_size)."""
+
+    groups: int
+
+    def load(self, group: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def release(self, group: int) -> None: ...
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, fused: out_e(x) = down_e(silu(gate_e(x)) * up_e(x)), gate_e and up_e the two halves
-    of gate_up_proj[e]. LoRA may adapt either fused tensor (`adapt`): expert e's weight is then
-    W_e + scaling x B_e A_e, A and B in PEFT's ParamWrapper layout (layers/lora.py: `expert_factors`)."""
+    of gate_up_proj[e]. With a `source` their weights come from it a group at a time, each group's experts
+    computed on their rows as the whole module computes them (the same matmuls in the same order). LoRA may adapt
+    either fused tensor (`adapt`): expert e's weight is then W_e + scaling x B_e A_e, A and B in PEFT's
+    ParamWrapper layout (layers/lora.py: `expert_factors`)."""
 
     adaptable: ClassVar[tuple[str, ...]] = ("gate_up_proj", "down_proj")
 
@@ -72,6 +87,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()  # by the tensor they adapt; none: no LoRA
         self.scaling = 0.0
+        self.source: ExpertSource | None = None  # set by the runtime around a call, else the parameters
 
     def adapt(self, name: str, rank: int, scaling: float) -> None:
         """Adapters on the fused tensor `name`, PEFT's initialisation, on its device and dtype."""
@@ -81,10 +97,12 @@ class Experts(nn.Module):
         init_adapters(a, b)
         self.lora_A[name], self.lora_B[name], self.scaling = nn.Parameter(a), nn.Parameter(b), scaling
 
-    def project(self, x: torch.Tensor, name: str, sizes: list[int] | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, name: str, sizes: list[int] | None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
         """Rows grouped by expert times their expert's `name` weight, plus where adapted scaling x (x A_e^T) B_e^T:
-        two rank-r grouped matmuls on the routed rows, never the (E, out, in) delta."""
-        weight = getattr(self, name)
+        two rank-r grouped matmuls on the routed rows, never the (E, out, in) delta. `weight`: a group's part of
+        it, from the source (a grouped block has no adapters: groups and LoRA are not combined)."""
+        weight = getattr(self, name) if weight is None else weight
         out = GroupedLinear.apply(x, weight, sizes)
         if name not in self.lora_A:
             return out
@@ -95,12 +113,29 @@ class Experts(nn.Module):
         """x (N, d); each token's chosen experts (N, k) and their routing weights (N, k) -> the sum over its
         chosen experts of weight x expert(x), (N, d)."""
         (n, k), experts = chosen.shape, self.gate_up_proj.shape[0]
+        groups = 1 if self.source is None else self.source.groups
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        # Each group's rows are those routed to its experts; on meta, which holds no routing, an even share.
         sizes = None if x.is_meta else torch.bincount(chosen.flatten(), minlength=experts).tolist()
-        gate, up = self.project(x[order // k], "gate_up_proj", sizes).chunk(2, dim=-1)
+        share = experts // groups
+        rows = ([n * k // groups] * (groups - 1) + [n * k - n * k // groups * (groups - 1)] if sizes is None
+                else [sum(sizes[g * share:(g + 1) * share]) for g in range(groups)])
+        routed = x[order // k]
+        outputs = []
+        for g, inputs in enumerate(routed.split(rows) if groups > 1 else (routed,)):
+            gate_up, down = (None, None) if self.source is None else self.source.load(g)
+            counts = None if sizes is None else sizes[g * share:(g + 1) * share]
+            gate, up = self.project(inputs, "gate_up_proj", counts, gate_up).chunk(2, dim=-1)
+            outputs.append(self.project(F.silu(gate) * up, "down_proj", counts, down))
+            del gate_up, down, gate, up
+            if self.source is not None:
+                self.source.release(g)
+        grouped = outputs[0] if groups == 1 else torch.cat(outputs)
+        del outputs
         # The experts' outputs back in (token, choice) order: a gather, whose backward keeps only its indices
         # (index_add's would keep the whole routed output), and no name holds the grouped output past it.
-        per_choice = self.project(F.silu(gate) * up, "down_proj", sizes)[order.argsort()].view(n, k, -1)
+        per_choice = grouped[order.argsort()].view(n, k, -1)
+        del grouped
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
