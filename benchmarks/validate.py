@@ -17,7 +17,8 @@ from pathlib import Path
 
 from memory_model.catalogue import PUBLISHED_RUNS, PublishedRun
 from memory_model.devices import DeviceSpec, device_spec, with_figures
-from memory_model.planner import plan, scaling_curve
+from memory_model.planner import plan
+from memory_model.scaling import scaling_curve
 from memory_model.shapes import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,9 @@ fields, so it never asks which family it holds:
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
 - its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
-  target by default (`lora_default_targets`, PEFT's);
+  target by default (`lora_default_targets`, PEFT's); those that are weight tensors, not Linear modules
+  (`lora_parameters`: a mixture's fused experts, a pair per expert, `lora_experts`); where a target's adapters
+  are in a block and in PEFT's saved adapter (`lora_keys`);
 - its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
   block too), a block's matmul weights, the MLP's width a token goes through (`active_mlp_width`);
 - `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
@@ -68,6 +70,18 @@ class FrozenBlockSaves:
     scores: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraKeys:
+    """Where a LoRA target's tensors are: the adapted weight's key in a block, its adapters' keys in the block's
+    module (`a`, `b`), and their keys in PEFT's saved adapter (`peft_a`, `peft_b`, after the block's prefix)."""
+
+    weight: str
+    a: str
+    b: str
+    peft_a: str
+    peft_b: str
+
+
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
     """Register a family's config class under its model_type (a class decorator)."""
     FAMILIES[cls.model_type] = cls
@@ -102,6 +116,9 @@ class ModelConfig(abc.ABC):
     projections: ClassVar[dict[str, str]]
     # The projections --lora-targets means when it names none: PEFT's default for the model_type.
     lora_default_targets: ClassVar[tuple[str, ...]] = ("q_proj", "v_proj")
+    # Those of `projections` that are a weight tensor rather than a Linear module (a mixture's fused experts,
+    # which PEFT targets by `target_parameters`), in the order the module registers them.
+    lora_parameters: ClassVar[tuple[str, ...]] = ()
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
     # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
@@ -114,6 +131,8 @@ class ModelConfig(abc.ABC):
     # Whether each head's softmax has a learned sink logit (gpt-oss): SDPA has none, so attention makes its scores
     # whole and saves its probabilities (memory_model.shapes.attention_saved_bytes).
     attention_sinks: ClassVar[bool] = False
+    # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
+    expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -175,6 +194,18 @@ class ModelConfig(abc.ABC):
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the block projection `name` (one of `projections`)."""
 
+    def lora_experts(self, target: str) -> tuple[int, int]:
+        """(adapter pairs, how many of them each token goes through) of a LoRA target: one and one for a Linear
+        projection; a mixture's fused expert tensor has a pair per expert."""
+        return 1, 1
+
+    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
+        """The keys of a target's weight and adapters, with adapters on `targets`: PEFT's lora.Linear keeps A
+        and B as Linear modules beside the projection ('self_attn.q_proj.lora_A.weight')."""
+        key = self.projections[target]
+        return LoraKeys(f"{key}.weight", f"{key}.lora_A.weight", f"{key}.lora_B.weight", f"{key}.lora_A.weight",
+                        f"{key}.lora_B.weight")
+
     @abc.abstractmethod
     def block_matmul_params(self) -> int:
         """The weights of a block's matmuls: a forward's matmul FLOPs are 2 x tokens x this."""
@@ -208,6 +239,25 @@ class ModelConfig(abc.ABC):
         `block_backward_peaks` gives them, besides the two gradients of its softmax (w.r.t. its output and its
         input) then live, each (B, H, T, T + 1) in the compute dtype (memory_model.shapes). Measured
         (tests/test_backward_transient.py)."""
+        return ()
+
+    def experts(self) -> int:
+        """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
+        expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
+        return 0
+
+    def expert_params(self) -> int:
+        """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
+        return 0
+
+    def experts_saved_after_per_token(self, es: int) -> int:
+        """Bytes per token of `block_saved_per_token` that a block's forward saves after its last expert has run
+        (the experts' outputs recombined): while a group of experts is on the device, these are not saved yet."""
+        return 0
+
+    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
+        """`block_backward_peaks` of the backward of one group of `group` experts, in the terms of
+        `block_backward_peaks` (the parameters: the group's own whose gradient exists by then)."""
         return ()
 
     @abc.abstractmethod

@@ -3,6 +3,10 @@
 y = x W^T + b + scaling * B(A(dropout(x))), with A: (r, in) and B: (out, r). The adapters' keys inside a unit,
 `attn.q_proj.lora_A.weight`, are PEFT's own (its saved adapters prefix them with `base_model.model.` and the
 unit's Hugging Face prefix).
+
+A module holding fused expert weights (E, out, in) adapts them itself (`adaptable`, `adapt`: a mixture's
+`Experts`), as PEFT's ParamWrapper does: expert e's weight is W_e + scaling * B_e A_e, the pairs kept in one
+A: (r E, in) and one B: (out, r E), with no dropout.
 """
 from __future__ import annotations
 
@@ -32,8 +36,12 @@ class LoraLinear(nn.Linear):
 
 def add_adapters(module: nn.Module, targets: tuple[str, ...], rank: int, scaling: float, dropout: float) -> nn.Module:
     """Replace every nn.Linear of `module` named in `targets` (its last name: 'q_proj') by a LoraLinear with
-    the same weight and bias and new adapters on their device and dtype; returns `module`."""
+    the same weight and bias and new adapters on their device and dtype, and adapt each weight tensor named
+    there (its module's last name and its own: 'experts.down_proj'); returns `module`."""
     for name, child in list(module.named_modules()):
+        for tensor in getattr(child, "adaptable", ()):
+            if f"{name.rsplit('.', 1)[-1]}.{tensor}" in targets:
+                child.adapt(tensor, rank, scaling)
         if isinstance(child, nn.Linear) and not isinstance(child, LoraLinear) and name.rsplit(".", 1)[-1] in targets:
             parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
             with torch.device(child.weight.device):
@@ -42,6 +50,18 @@ def add_adapters(module: nn.Module, targets: tuple[str, ...], rank: int, scaling
             lora.weight, lora.bias = child.weight, child.bias  # the projection itself, kept
             setattr(parent, name.rsplit(".", 1)[-1], lora)
     return module
+
+
+def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's A_e (E, r, in) and B_e (E, out, r), views of PEFT's ParamWrapper layout: A (r E, in) holds
+    expert e's rows e r ... e r + r - 1, B (out, r E) its columns e, E + e, 2 E + e, ..."""
+    return a.view(experts, -1, a.shape[-1]), b.view(b.shape[0], -1, experts).permute(2, 0, 1)
+
+
+def delta_weight(a: torch.Tensor, b: torch.Tensor, experts: int, scaling: float) -> torch.Tensor:
+    """scaling * B_e A_e of every expert, (E, out, in); of a projection (one expert), scaling * B A as (1, out, in)."""
+    a_e, b_e = expert_factors(a, b, experts)
+    return scaling * torch.bmm(b_e, a_e)
 
 
 def init_adapters(a: torch.Tensor, b: torch.Tensor) -> None:

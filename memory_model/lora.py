@@ -3,8 +3,8 @@ they hold for the whole run (what a frozen block saves is memory_model.shapes.fr
 
 With LoRA the base model is frozen: its weights stream in for the forward and again for the backward (which
 computes only the gradient w.r.t. each unit's input), and nothing of the base is updated or written. The
-adapters (a rank-r pair A: r x in, B: out x r beside each targeted projection of every block) stay on the
-device with their gradients and AdamW moments, in fp32.
+adapters (a rank-r pair A: r x in, B: out x r beside each targeted projection of every block, one pair per
+expert on a mixture's expert tensor) stay on the device with their gradients and AdamW moments, in fp32.
 """
 from __future__ import annotations
 
@@ -65,14 +65,21 @@ def target_shape(shape: ModelConfig, target: str) -> tuple[int, int]:
 
 
 def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
-    """The targets must be projections of this model's family."""
-    missing = [t for t in targets_of(shape, lora) if t not in shape.projections] if lora.enabled else []
+    """The targets must be projections of this model's family; a weight tensor takes no dropout before its
+    adapters (PEFT's ParamWrapper refuses it: the tensor's input is not the adapters' own)."""
+    targets = targets_of(shape, lora) if lora.enabled else ()
+    missing = [t for t in targets if t not in shape.projections]
     if missing:
         raise SettingError("lora_targets", f"{','.join(missing)} is not a projection of {shape.model_type}; choose "
                                            f"among {','.join(shape.projections)}")
+    tensors = [t for t in targets if t in shape.lora_parameters]
+    if tensors and lora.dropout > 0:
+        raise SettingError("lora_dropout", f"must be 0 with adapters on {','.join(tensors)} (PEFT's LoRA on a weight "
+                                           f"tensor takes no dropout), got {lora.dropout}")
 
 
 def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
-    """Parameters of every adapter of the model: r x (in + out) per target and block."""
-    per_block = sum(lora.rank * sum(target_shape(shape, t)) for t in targets_of(shape, lora))
+    """Parameters of every adapter of the model: r x (in + out) per target, expert and block."""
+    per_block = sum(lora.rank * sum(target_shape(shape, t)) * shape.lora_experts(t)[0]
+                    for t in targets_of(shape, lora))
     return shape.num_hidden_layers * per_block if lora.enabled else 0

@@ -17,6 +17,9 @@ from rich.table import Table
 from layers.config import ModelConfig
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
+from memory_model.expert_groups import (
+    backward_moment, expert_group, forward_moment, grouped, grouped_block_numel, last_gradient, reloaded,
+)
 from memory_model.ledger import CATEGORIES
 from memory_model.settings import flatten
 from memory_model.shapes import (
@@ -26,9 +29,9 @@ from memory_model.shapes import (
 )
 from memory_model.lora import adapter_params, targets_of
 from memory_model.schedule import (
-    BlockInput, Charge, Event, Resource, StepSpec, adapter_charges, disk_bytes, gathered_numel,
-    gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges, shard_numel,
-    step_events, step_spec, store_bytes, update_charges,
+    BlockInput, Charge, Event, Resource, StepSpec, Weights, adapter_charges, disk_bytes, gathered_numel,
+    gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges,
+    shard_numel, step_events, step_spec, store_bytes, update_charges,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -119,6 +122,9 @@ class Plan:
                 fixes.append(f"--seq {self.max_seq} (the longest that fits at --batch {cfg.batch})")
             if cfg.micro_batch > 1:
                 fixes.append(f"more --grad-accum than {cfg.step.grad_accum} (smaller micro-batches, the same batch)")
+            group = fewest_expert_groups(self.shape, self.device, cfg.replace(expert_group_size=0))
+            if group and group != cfg.step.expert_group_size:
+                fixes.append(f"--expert-group-size {group} (the fewest groups of experts that fit)")
             fixes.append("a --target with more memory")
             why.append(f"its device peak {format_size(self.allocated_peak_bytes)} exceeds the "
                        f"{format_size(room)} {self.device.name} leaves to tensors; to fit: {', or '.join(fixes)}")
@@ -157,8 +163,10 @@ class Plan:
 
     def table(self) -> Table:
         """Per unit: bytes on the device and time per phase; the caption holds the totals."""
+        group = expert_group(self.shape, self.config)
+        experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
-                            f"{self.config.step.activations}, {self.config.compute_dtype}")
+                            f"{self.config.step.activations}, {self.config.compute_dtype}{experts}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
                      "fwd ms", "bwd ms", "offload ms", "update ms"):
             table.add_column(name, justify="left" if name == "unit" else "right")
@@ -267,10 +275,12 @@ def _add(bytes_by_category: dict[str, int], charges: tuple[Charge, ...]) -> None
 
 
 def _device_numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig, batch: int, seq: int) -> int:
-    """The elements a resource holds on the device: a unit's whole weights (all-gathered where sharded), a
-    chunk's parameters, or a block input's (B, T, d)."""
+    """The elements a resource holds on the device: a unit's whole weights (all-gathered where sharded; a block
+    whose experts load in groups: all but its experts), a chunk's parameters, or a block input's (B, T, d)."""
     if isinstance(resource, BlockInput):
         return block_input_numel(shape, batch, seq)
+    if isinstance(resource, Weights) and grouped(shape, cfg, resource.unit):
+        return grouped_block_numel(shape, expert_group(shape, cfg))
     return gathered_numel(shape.unit_device_parts(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
 
 
@@ -292,6 +302,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
             _add(at, resource_charges(r, _device_numel(r, shape, cfg, batch, seq), es, cfg.step.update_on))
+        in_groups = grouped(shape, cfg, event.unit)
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.step.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
@@ -305,14 +316,41 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
             at["activations"] += sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "forward" and event.stash is not None:  # on its way to the host
                 _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.step.update_on))
+            if event.phase == "forward" and in_groups:
+                group, later = forward_moment(shape, cfg, batch, seq)
+                _add(at, group)
+                at["activations"] -= later
             if event.phase == "backward":
-                if not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    for unit in (event.unit, *_offloading(events, index, cfg.step.grad_accum)):
-                        _add(at, gradient_charges(shape.unit_device_parts(unit), es, cfg.devices, cfg.shards > 1))
-                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled)
+                previous = tuple(c for unit in _offloading(events, index, cfg.step.grad_accum)
+                                 for c in last_gradient(shape, cfg, unit))
+                if in_groups:
+                    _add(at, backward_moment(shape, cfg, previous))
+                elif not cfg.lora.enabled:  # a frozen base has no weight gradient
+                    _add(at, gradient_charges(shape.unit_device_parts(event.unit), es, cfg.devices, cfg.shards > 1))
+                    _add(at, previous)
+                at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled,
+                                                           expert_group(shape, cfg) if in_groups else 0)
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
     return moments
+
+
+def fewest_expert_groups(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> int:
+    """The experts a block loads at once (`StepConfig.expert_group_size`): as `cfg` sets it, or where it is 0, in
+    the fewest groups with which the step fits `device`: all of them (0) where whole blocks fit, else the largest
+    divisor of the experts that fits, else 0 (nothing fits: the plan says why). Groups are for full fine-tuning
+    on one device (`expert_group`)."""
+    experts = shape.experts()
+    if cfg.step.expert_group_size or not experts or cfg.lora.enabled or cfg.devices > 1:
+        return cfg.step.expert_group_size
+    for size in (g for g in range(experts, 0, -1) if experts % g == 0):
+        trial = cfg.replace(expert_group_size=size)
+        events = _events(shape, trial)
+        moments = _memory_walk(shape, trial, events, resident_sets(events, cfg.step.prefetch), cfg.micro_batch,
+                               cfg.seq)
+        if allocated_peak_bytes(moments, device) + device.reserve_bytes <= device.memory_bytes:
+            return 0 if size == experts else size
+    return 0
 
 
 def allocated_peak_bytes(moments: list[tuple[Event, tuple[int, ...]]], device: DeviceSpec) -> int:
@@ -364,7 +402,8 @@ def _disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], nor
     """`step_disk_bytes` of these events (the step's own, or a norm-first step's norm pass)."""
     numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
     borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
-    return disk_bytes(events, cfg.step.prefetch, numels, store_bytes(cfg), cfg.step.grad_accum, borrowed, norm_pass)
+    return disk_bytes(events, cfg.step.prefetch, numels, store_bytes(cfg), cfg.step.grad_accum, borrowed, norm_pass,
+                      reloaded(shape, cfg))
 
 
 def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -429,19 +468,23 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     allocated = allocated_peak_bytes(moments, device)
     timeline = simulate(events, resident, shape, cfg, device, pin_memory=pin_memory)
 
-    rows, frozen = [], cfg.lora.enabled
+    rows, frozen, group = [], cfg.lora.enabled, expert_group(shape, cfg)
     for u in units:
         params, on_device = shape.unit_params(u), shape.unit_device_params(u)  # (a tied head uses the embedding's)
+        # A grouped block holds all but its experts and one group of them, and one of the two as a gradient.
+        pieces = (grouped_block_numel(shape, group), group * shape.expert_params()) if grouped(shape, cfg, u) \
+            else (on_device, 0)
         kept, recompute = _activations(shape, cfg, u, micro, seq)
         fwd = forward_flops(shape, u, micro, seq) * cfg.step.grad_accum
         recompute_flops = fwd if cfg.step.recomputes and u.startswith("block.") else 0
         t = timeline.per_unit[u]
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
-            unit=u, params=params, weight_bytes=on_device * es, gradient_bytes=0 if frozen else on_device * es,
+            unit=u, params=params, weight_bytes=sum(pieces) * es, gradient_bytes=0 if frozen else max(pieces) * es,
             optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
             activation_bytes=kept, recompute_bytes=recompute,
-            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen), forward_flops=fwd,
+            workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen,
+                                                     group if grouped(shape, cfg, u) else 0), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
             backward_s=t.backward_s, offload_s=t.offload_s, update_s=t.update_s,
@@ -544,21 +587,3 @@ def clipped_schedule(plans: dict[str, ClippedStep], setting: str) -> ClippedStep
     """The schedule a step that clips takes, of `clipped_steps`' `plans`: the one --clipped-steps names where it
     applies, or, for `auto`, the faster planned."""
     return plans.get(setting) or min(plans.values(), key=lambda p: p.step_s)
-
-
-# What a scaling curve means: Cerebras measures its CS-3 clusters the same way (catalogue.PUBLISHED_RUNS).
-SCALING_ASSUMPTION = ("weak scaling: each device keeps its own micro-batches, so n devices train an n times "
-                      "larger global batch; efficiency = tokens/s on n / (n x tokens/s on 1)")
-
-
-def scaling_curve(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> list[dict[str, float]]:
-    """Tokens/s on 1, 2, 4, ... up to cfg.devices devices, each with cfg's micro-batches (SCALING_ASSUMPTION)."""
-    per_device = cfg.batch // cfg.devices
-    counts = sorted({n for n in (2**k for k in range(cfg.devices.bit_length())) if n <= cfg.devices} | {cfg.devices})
-    # One schedule for every point: `auto` fuses the update of one device on the disk tier, never of several.
-    timing = "after-backward" if cfg.step.update_timing == "auto" and cfg.devices > 1 else cfg.step.update_timing
-    rows = [(n, plan(shape, device, cfg.replace(devices=n, batch=per_device * n, update_timing=timing),
-                     limits=False)) for n in counts]
-    one = rows[0][1].tokens_per_s
-    return [{"devices": n, "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s,
-             "efficiency": p.tokens_per_s / (n * one)} for n, p in rows]

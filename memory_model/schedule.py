@@ -52,7 +52,16 @@ class BlockInput:
     micro: int
 
 
-Resource = Weights | StateChunk | BlockInput
+@dataclass(frozen=True)
+class ExpertGroup:
+    """One group of a block's experts (memory_model.step.StepConfig.expert_group_size), loaded inside the
+    block's forward or backward and released before the next group loads: no event names it."""
+
+    unit: str
+    group: int
+
+
+Resource = Weights | StateChunk | BlockInput | ExpertGroup
 
 
 @dataclass(frozen=True)
@@ -80,17 +89,25 @@ class Charge:
 
 def resource_charges(resource: Resource, unit_numel: int, dtype_bytes: int, update_on: str) -> tuple[Charge, ...]:
     """What a resource holds on the device from its load being issued until its release: a unit's compute
-    weights, one chunk's master, moments and fp32 gradient (nothing when the update runs on the host), or a
-    block input (`unit_numel`: its elements) back from the host. The same charge holds an offloaded block input
-    on the device during its forward, while it is copied out."""
+    weights, one chunk's master, moments and fp32 gradient (nothing when the update runs on the host), a group of
+    a block's experts, or a block input (`unit_numel`: its elements) back from the host. The same charge holds an
+    offloaded block input on the device during its forward, while it is copied out."""
     if isinstance(resource, Weights):
         return (Charge("weights", unit_numel * dtype_bytes, "compute weights"),)
     if isinstance(resource, BlockInput):
         return (Charge("activations", unit_numel * dtype_bytes, "offloaded block input"),)
+    if isinstance(resource, ExpertGroup):
+        return expert_charges(unit_numel, dtype_bytes)
     if update_on == "host":
         return ()
     return (Charge("optimizer", resource.count * OPTIMIZER_BYTES_PER_PARAM, "master, exp_avg, exp_avg_sq"),
             Charge("gradients", resource.count * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient"))
+
+
+def expert_charges(numel: int, dtype_bytes: int) -> tuple[Charge, ...]:
+    """A group of a block's experts on the device, loaded inside the block's forward or backward and released
+    before the next group loads (memory_model.step.StepConfig.expert_group_size): `numel`, its parameters."""
+    return (Charge("weights", numel * dtype_bytes, "an expert group's weights"),)
 
 
 def gradient_charges(parts: Sequence[int], dtype_bytes: int, ranks: int, sharded: bool = False) -> tuple[Charge, ...]:
@@ -185,10 +202,13 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
     (`micro_batches`, a speculative `fused`, an evaluation's `backward=False`, a roll-forward's `update_units`)."""
     units = tuple(shape.unit_names())
     shards = settings.shards(devices)
+    # A block whose experts load in groups loads them apart from its weights: its update reads its own master.
+    grouped = 0 < settings.expert_group_size < shape.experts()
     return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
                     {u: shard_numel(shape.unit_params(u), shards) for u in units}, settings.update_chunk,
                     fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
-                    master_from_weights=settings.store.loads_read_master(compute_is_master), backward=backward,
+                    master_from_weights=settings.store.loads_read_master(compute_is_master) and not grouped,
+                    backward=backward,
                     update_units=update_units, offload_inputs=settings.offloads_inputs)
 
 
@@ -365,12 +385,13 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
-    """Bytes one load reads from the store's files: a unit's weights, or a chunk's moments with its fp32
+    """Bytes one load reads from the store's files: a unit's weights (or a group of a block's experts), or a
+    chunk's moments with its fp32
     master (unless taken from the weights load) and, after the backward, its fp32 gradient. A block input
     comes from host memory on either tier: none."""
     if isinstance(resource, BlockInput):
         return 0
-    if isinstance(resource, Weights):
+    if isinstance(resource, (Weights, ExpertGroup)):
         return numel * sizes.weights
     master = sizes.master if resource.master else 0
     return resource.count * (master + (0 if fused else sizes.grad)) + sizes.moments(resource.count)
@@ -378,7 +399,7 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bo
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
                micro_batches: int, borrowed: Mapping[str, Sequence[str]] | None = None,
-               norm_pass: bool = False) -> tuple[int, int]:
+               norm_pass: bool = False, reread: Mapping[str, int] | None = None) -> tuple[int, int]:
     """(read, written) bytes of a step on a store with files: exactly what they are asked for (the state
     files' trailers and the checksums' read-back from the page cache aside).
 
@@ -387,7 +408,9 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     master and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
     accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
     `norm_pass`: the events are a norm-first step's first pass (`norm_pass_spec`), which keeps the last
-    micro-batch's gradient in memory as a fused step does, only to take its norm.
+    micro-batch's gradient in memory as a fused step does, only to take its norm. `reread`: the weights each
+    backward of a unit reads once more (a checkpointed block's experts loaded in groups: its recompute loads
+    them, and its backward again).
     """
     borrowed = borrowed or {}
     owners = {owner for units in borrowed.values() for owner in units}
@@ -397,6 +420,7 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     written = 0
     for event in events:
         if event.phase == "backward":
+            read += (reread or {}).get(event.unit, 0) * sizes.weights
             grad = numels[event.unit] * sizes.grad
             read += grad if event.micro > 0 or event.unit in owners else 0
             written += 0 if fused and event.micro == micro_batches - 1 else grad

@@ -229,9 +229,12 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
         total += attention_saved_bytes(shape, batch, seq, es, packed, layer_type, saves.scores)
     total += rotary_table_bytes(shape, seq, es, batch, packed) if rotary and saves.rotary else 0
     for target, input_grad in saves.input_grad.items():
-        # A's output; the compute-dtype casts of B and (if its input needs a gradient) A
+        # A's output (per routed token, on a mixture's experts); the compute-dtype casts of B and (if its input
+        # needs a gradient) A, every expert's
         fan_in, fan_out = target_shape(shape, target)
-        total += n * r * es + (0 if es == 4 else es * r * (fan_out + (fan_in if input_grad else 0)))
+        experts, routed = shape.lora_experts(target)
+        total += n * routed * r * es
+        total += 0 if es == 4 else es * r * experts * (fan_out + (fan_in if input_grad else 0))
         # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would
         # keep a bool mask instead: n x in bytes; not measured here).
         total += 0 if plain else n * fan_in * es * (2 if input_grad else 1)
@@ -287,35 +290,39 @@ def offloaded_inputs_bytes(shape: ModelConfig, batch: int, seq: int, es: int) ->
 
 
 def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int,
-                             frozen: bool = False) -> int:
+                             frozen: bool = False, group: int = 0) -> int:
     """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient (unless it
     is the kept logits, charged as activations) and its compute-dtype copy, and the fp32 sum of the gradient
     w.r.t. its input over the chunks. A block or the embedding: the incoming gradient w.r.t. its output
     (B, T, d); a trained block also autograd's buffers (`block_backward_transient_bytes`). The gradient w.r.t.
     a unit's input is charged once its backward is done, when its activations are gone: never above this
-    moment. `frozen`: LoRA's base."""
+    moment. `frozen`: LoRA's base. `group`: a block's experts load `group` at a time (`expert_group`)."""
     n = batch * seq
     if unit == "head":
         chunk = loss_vocab_chunk(shape, n)
         cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
         return (4 + cast) * n * chunk - _kept_logits_bytes(shape, n) + 4 * n * shape.hidden_size
-    transient = block_backward_transient_bytes(shape, batch, seq, es) if unit != "embed" and not frozen else 0
+    transient = block_backward_transient_bytes(shape, batch, seq, es, group) if unit != "embed" and not frozen else 0
     return n * shape.hidden_size * es + transient
 
 
-def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es: int) -> int:
+def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es: int, group: int = 0) -> int:
     """What a trained block's backward holds beyond its charges at its highest charged moment (its saved
     tensors, the incoming gradient and its whole weight gradient): the block's output, which the runtime
     holds until its backward ends, and at the family's busiest moment (`block_backward_peaks`) the gradients
     autograd has made so far. Measured against autograd (tests/test_backward_transient.py). None where the
-    weight gradient that is charged at the end outweighs them."""
+    weight gradient that is charged at the end outweighs them. `group`: the block's experts load `group` at a
+    time (`expert_group`), so the busiest moment is in one group's backward, whose gradient is what is charged."""
     n = batch * seq
     output = n * shape.hidden_size * es
+    if group:  # the busiest moment is one group's backward, whose gradient is what is charged
+        peaks, scored, charged = shape.expert_group_backward_peaks(es, group), (), group * shape.expert_params()
+    else:
+        peaks, scored, charged = shape.block_backward_peaks(es), shape.scores_backward_peaks(es), shape.block_params()
     scores = 2 * batch * shape.num_attention_heads * seq * (seq + 1) * es  # softmax's two gradients, whole
-    busiest = max([n * per_token + es * params + fixed for per_token, params, fixed in shape.block_backward_peaks(es)]
-                  + [n * per_token + es * params + fixed + scores
-                     for per_token, params, fixed in shape.scores_backward_peaks(es)])
-    return max(0, output + busiest - es * shape.block_params())
+    busiest = max([n * per_token + es * params + fixed for per_token, params, fixed in peaks]
+                  + [n * per_token + es * params + fixed + scores for per_token, params, fixed in scored])
+    return max(0, output + busiest - es * charged)
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------

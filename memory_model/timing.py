@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 from layers.config import ModelConfig
 from memory_model.devices import DeviceSpec
+from memory_model.expert_groups import expert_group, grouped, grouped_block_numel
 from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.schedule import (
-    BlockInput, Event, Resource, StateChunk, fetched_input, load_disk_bytes, releases, resource_charges, store_bytes,
-    Weights,
+    BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, load_disk_bytes, releases,
+    resource_charges, store_bytes, Weights,
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "host copy", "disk")
@@ -128,7 +129,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     store = cfg.step.store
     disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
-    in_ram = store.state == "ram" or (isinstance(resource, Weights)
+    in_ram = store.state == "ram" or (isinstance(resource, (Weights, ExpertGroup))
                                       and not store.loads_read_master(cfg.compute_is_master))
     h2d = nbytes if not isinstance(resource, StateChunk) or cfg.step.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
@@ -152,11 +153,29 @@ def _moments_s(resource: Resource, cfg: PlanConfig, device: DeviceSpec, cost: st
 
 
 def _numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig) -> int:
-    """A resource's elements: its unit's parameters on the device (a tied head's include the embedding's), or a
-    block input's (B, T, d)."""
+    """A resource's elements: its unit's parameters on the device (a tied head's include the embedding's; a block
+    whose experts load in groups: all but its experts), a group of experts', or a block input's (B, T, d)."""
     if isinstance(resource, BlockInput):
         return block_input_numel(shape, cfg.micro_batch, cfg.seq)
+    if isinstance(resource, ExpertGroup):
+        return expert_group(shape, cfg) * shape.expert_params()
+    if grouped(shape, cfg, resource.unit):
+        return grouped_block_numel(shape, expert_group(shape, cfg))
     return shape.unit_device_params(resource.unit)
+
+
+def _group_loads(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
+                 queues: _Queues, start: float, staged: bool) -> float:
+    """A grouped block's experts loaded inside its event, one group at a time, the compute waiting for each (its
+    forward's, and its backward's: once more for a checkpointed block's recompute); returns when the last is on
+    the device."""
+    if event.phase not in ("forward", "backward") or not grouped(shape, cfg, event.unit):
+        return start
+    passes = 2 if event.phase == "backward" and cfg.step.recomputes else 1
+    groups = shape.experts() // expert_group(shape, cfg)
+    for g in [*range(groups)] * passes:
+        start = _load(ExpertGroup(event.unit, g), shape, cfg, device, times, queues, start, staged)
+    return start
 
 
 def _input_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
@@ -360,7 +379,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
         times = per_unit[event.unit]
         fetched = fetched_input(event) or event.resource
         start = max(clock, ready[event.resource], ready[fetched])  # a backward waits for its input too
-        clock = start + compute
+        clock = _group_loads(event, shape, cfg, device, times, queues, start, staged) + compute
         if event.phase == "forward" and event.stash is not None:  # the forward waits for its input's copy out
             clock = max(clock, _input_out(event, shape, cfg, device, times, queues, start))
         if event.phase == "update":

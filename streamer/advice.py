@@ -45,7 +45,7 @@ def _needs(shape: ModelConfig, pc: PlanConfig, arch: str = "") -> int:
 def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = "") -> list[str]:
     """Settings that fit `budget`, each re-planned: a larger budget first, then a grad-accum split that keeps
     the batch, checkpointed activations (or offloaded, where checkpointed do not fit), the host update, the
-    update after the backward. Only those that fit are listed."""
+    update after the backward, a mixture's experts in groups. Only those that fit are listed."""
     out = [f"--budget {round_up_size(_needs(shape, pc, arch))}"]
     per_device = pc.batch // pc.devices
     for k in range(pc.step.grad_accum + 1, per_device + 1):
@@ -61,6 +61,12 @@ def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = ""
     # A fused update holds a unit's optimizer state while later units' activations are still on the device.
     if pc.fused and _needs(shape, pc.replace(update_timing="after-backward"), arch) <= budget:
         out.append("--update-timing after-backward")
+    # A mixture's experts in groups (one process, full fine-tuning): the fewest groups that fit.
+    experts, now = shape.experts(), pc.step.expert_group_size or shape.experts()
+    sizes = [] if pc.lora.enabled or pc.devices > 1 else [g for g in range(now - 1, 0, -1) if experts % g == 0]
+    fitting = next((g for g in sizes if _needs(shape, pc.replace(expert_group_size=g), arch) <= budget), None)
+    if fitting is not None:
+        out.append(f"--expert-group-size {fitting} (the fewest groups of experts that fit)")
     return out
 
 

@@ -197,9 +197,10 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
-         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel", "seed", "pack",
-         "long_examples", "eval_fraction", "eval_data", "chat_template", "eval_every", "eval_batches", "save_every",
-         "keep_last", "keep_best", "sample_prompt", "sample_tokens", "report_to", "log_every", "dist_timeout")
+         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
+         "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
+         "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens",
+         "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
@@ -212,10 +213,12 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype and master_dtype are the store's
-# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device.
+# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device;
+# expert_group_size only how a block's experts reach the device.
 RESUMABLE = ("steps", "epochs", "lr", "eval_every", "eval_batches", "save_every", "keep_last", "keep_best",
              "sample_prompt", "sample_tokens", "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps",
-             "trace_every", "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps")
+             "trace_every", "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps",
+             "expert_group_size")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items() if name in FLAGS}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items() if name in FLAGS}

@@ -23,6 +23,7 @@ from streamer.runtime.step import (
 )
 from streamer.runtime.lora import Adapters
 from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
+from memory_model.expert_groups import checked_group
 from memory_model.planner import clipped_schedule, clipped_steps
 from memory_model.schedule import StepSpec, norm_pass_spec, step_events, step_spec
 from memory_model.settings import SettingError
@@ -53,6 +54,10 @@ class StreamingTrainer:
         if store_dir is not None and self.data_parallel is not None:
             store_dir = rank_dir(Path(store_dir), self.data_parallel.rank)
         self.processes = 1 if self.data_parallel is None else self.data_parallel.world
+        try:
+            checked_group(cfg, step.expert_group_size, self.tc.lora.enabled, self.processes)
+        except SettingError as exc:
+            raise ConfigError.of(exc.key, exc.problem) from None
         if device.device == "meta":
             self.store = None
         elif _store is not None:

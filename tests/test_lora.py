@@ -114,10 +114,17 @@ GPT_OSS = FAMILIES["gpt_oss"].example().resized(max_position_embeddings=64)  # s
     (GEMMA, "fp32", "resident", 0.0, "q_proj,o_proj,down_proj"),
     (GEMMA, "bf16", "checkpoint", 0.1, ",".join(GEMMA.projections)),
     (GEMMA, "bf16", "resident", 0.0, "k_proj,gate_proj"),
-    # A mixture of experts: frozen experts and router under attention's adapters.
+    # A mixture of experts: frozen experts and router under attention's adapters, and the experts' own (a pair
+    # per expert on the routed rows; the first block's MLP input needs no gradient, so only their paths save).
     (QWEN3_MOE, "fp32", "resident", 0.0, "q_proj,v_proj"),
-    (QWEN3_MOE, "bf16", "checkpoint", 0.1, ",".join(QWEN3_MOE.projections)),
+    (QWEN3_MOE, "bf16", "checkpoint", 0.1, "q_proj,k_proj,v_proj,o_proj"),
     (OLMOE, "bf16", "resident", 0.0, "q_proj,k_proj"),  # q/k norms over the whole projections
+    (QWEN3_MOE, "fp32", "resident", 0.0, "experts.gate_up_proj,experts.down_proj"),
+    (QWEN3_MOE, "bf16", "checkpoint", 0.0, ",".join(QWEN3_MOE.projections)),
+    (OLMOE, "bf16", "resident", 0.0, "experts.down_proj"),
+    (QWEN3_MOE, "bf16", "resident", 0.0, "experts.gate_up_proj"),
+    (OLMOE, "fp32", "checkpoint", 0.0, "o_proj,experts.gate_up_proj"),
+    (OLMOE, "bf16", "resident", 0.0, "v_proj,experts.gate_up_proj"),
     (GPT_OSS, "fp32", "resident", 0.0, "q_proj,v_proj"),
     (GPT_OSS, "bf16", "checkpoint", 0.1, ",".join(GPT_OSS.projections)),
     (GPT_OSS, "bf16", "resident", 0.0, "k_proj,o_proj"),
@@ -196,7 +203,8 @@ def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[s
     assert main(["train", "--model", "gptj-debug", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         'error: --lora-targets must be distinct names among q_proj,k_proj,v_proj,out_proj,fc_in,fc_out,o_proj,'
-        'gate_proj,up_proj,down_proj,qkv_proj,gate_up_proj, got "q_proj,lm_head"')
+        'gate_proj,up_proj,down_proj,qkv_proj,gate_up_proj,experts.gate_up_proj,experts.down_proj, got '
+        '"q_proj,lm_head"')
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
         TrainerConfig.of(lora_rank=-1)
 

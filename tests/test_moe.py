@@ -2,8 +2,10 @@
 example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
 experts'), an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only
 one rank's tokens chose, the device peak whatever the routing, the experts' two matmul paths, transformers'
-files with their experts one tensor each, and the router's load-balancing loss (`output_router_logits`)
-against transformers' resident and streamed."""
+files with their experts one tensor each, the router's load-balancing loss (`output_router_logits`) against
+transformers' resident and streamed, and LoRA on the experts against PEFT's `target_parameters` (its keys,
+logits, gradients and steps; the planner's bytes are tests/test_lora.py's, PEFT loading the export
+tests/test_families.py's)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,15 +15,20 @@ import pytest
 import torch
 import transformers
 
-from layers import FAMILIES, PRESETS, ConfigError, MixtralConfig, ModelConfig, Qwen3MoeConfig, resident_model
+from layers import (FAMILIES, PRESETS, ConfigError, MixtralConfig, ModelConfig, OlmoeConfig, Qwen3MoeConfig,
+                    resident_model)
 from layers.llama.config import LlamaConfig
+from layers.lora import add_adapters
 from layers.model import family_units
 from layers.moe.units import GroupedLinear, SparseMoe
 from memory_model import DEVICE_PRESETS, PlanConfig, plan
 from memory_model.kernels import KernelCosts, gpu_elementwise_bytes
+from memory_model.lora import LoraConfig
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.calibrate import CalibrationSizes, probe_shape
 from streamer.calibration.dryrun import dry_run
+from streamer.runtime.lora import Adapters
+from streamer.runtime.optim import OptimizerConfig
 from tests.test_distributed import CFG as DATA_PARALLEL_CFG, run_data_parallel, single_process
 from tests.test_families import (assert_planner_dry_run_and_real_run_agree, assert_the_cli_trains_a_transformers_folder,
                                  byte_test_settings, for_cli, hf_model, planned_peak)
@@ -364,3 +371,165 @@ def test_two_gloo_ranks_sum_their_load_balancing_losses_as_trainer_does(tmp_path
     reference = single_process(tmp_path, 3, tc, cfg)
     assert max((ranks[0]["state"][k] - reference["state"][k]).abs().max().item() for k in reference["state"]) <= 1e-5
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], abs=2e-6)
+
+
+# --- LoRA on the experts, as PEFT's target_parameters puts it ------------------------------------------------------
+EXPERT_TARGETS = "q_proj,experts.gate_up_proj,experts.down_proj"  # a Linear too: PEFT nests and keys them apart
+
+
+def _peft(cfg: ModelConfig, targets: str, dtype: torch.dtype = torch.float32, attn: str = "eager"):
+    """PEFT's LoRA (rank 4, alpha 8) on transformers' model of cfg, the Linear targets as modules and the experts'
+    tensors as parameters."""
+    peft = pytest.importorskip("peft")
+    names = targets.split(",")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in names if t not in cfg.lora_parameters],
+                             target_parameters=[t for t in names if t in cfg.lora_parameters])
+    return peft.get_peft_model(hf_model(cfg, dtype, attn), config)
+
+
+def _adapters_of(model) -> dict[str, torch.nn.Parameter]:
+    """PEFT's trainable tensors by the keys its save_pretrained writes."""
+    return {k.replace(".default", ""): p for k, p in model.named_parameters() if p.requires_grad}
+
+
+def _random_adapters(cfg: ModelConfig, targets: str) -> dict[str, torch.Tensor]:
+    """Adapters of unit scale under PEFT's keys (B too: PEFT's zero B would hide A's gradient and the delta)."""
+    g = torch.Generator().manual_seed(3)
+    return {k: torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.2
+            for k, p in sorted(_adapters_of(_peft(cfg, targets)).items())}
+
+
+def _set(tensors: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, t in tensors.items():
+            t.copy_(values[k])
+
+
+MOE = [Qwen3MoeConfig, MixtralConfig, OlmoeConfig]
+
+
+@pytest.mark.parametrize("family", MOE, ids=lambda c: c.model_type)
+@pytest.mark.parametrize("targets", ["experts.gate_up_proj", "experts.down_proj", EXPERT_TARGETS])
+def test_expert_adapters_have_peft_keys_shapes_and_initialisation(family, targets: str):
+    """The adapters the runtime keeps, under the keys and shapes PEFT saves for the same targets (an expert tensor's
+    A is r E x in, its B out x r E; a second tensor of the experts module nests the first's one `base_layer`
+    deeper); A drawn as nn.Linear's (kaiming uniform over in_features) and B zero, PEFT's initialisation."""
+    cfg = family.example()
+    theirs = pytest.importorskip("peft").get_peft_model_state_dict(_peft(cfg, targets))
+    adapters = Adapters(cfg, LoraConfig(rank=4, alpha=8.0, targets=targets), OptimizerConfig(), torch.device("cpu"), 0)
+    ours = adapters.hf_state_dict({unit: cfg.hf_prefix(unit) for unit in cfg.unit_names()})
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    for key, value in ours.items():
+        if ".lora_B." in key:
+            assert torch.count_nonzero(value) == 0
+        else:  # kaiming_uniform(a=sqrt(5)) over in_features is uniform in +-1/sqrt(in): PEFT's bound, the same spread
+            bound = 1 / value.shape[1] ** 0.5
+            assert value.abs().max() <= bound and value.abs().max() > 0.9 * bound and value.std() > 0.5 * bound / 3 ** 0.5
+
+
+@pytest.mark.parametrize("family", MOE, ids=lambda c: c.model_type)
+def test_expert_adapters_give_peft_logits_and_gradients(family):
+    """Our block with adapters on every expert (two rank-r grouped matmuls on the routed rows) against PEFT's
+    ParamWrapper on transformers' model (W_e + scaling B_e A_e folded into the weight) in float64: the logits and
+    every adapter's gradient within twice transformers' fp32 noise with PEFT (its eager and sdpa kernels)."""
+    cfg = family.example()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    start = _random_adapters(cfg, EXPERT_TARGETS)
+
+    def run(forward, leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        _set(leaves, start)
+        logits = forward()
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten()).backward()
+        return logits.detach().double(), {k: p.grad.double() for k, p in leaves.items()}
+
+    def peft_run(dtype: torch.dtype, attn: str):
+        model = _peft(cfg, EXPERT_TARGETS, dtype, attn)
+        return run(lambda: model(input_ids=ids).logits, _adapters_of(model))
+
+    exact, noise = peft_run(torch.float64, "eager"), [peft_run(torch.float32, attn) for attn in ("eager", "sdpa")]
+    ours = resident_model(cfg, init=False)
+    ours.load_hf_state_dict(hf_model(cfg).state_dict())
+    ours.requires_grad_(False)
+    targets = tuple(EXPERT_TARGETS.split(","))
+    leaves = {}
+    for i, block in enumerate(ours.model.layers):
+        add_adapters(block, targets, 4, 2.0, 0.0)
+        for keys in (cfg.lora_keys(target, targets) for target in targets):
+            for mine, theirs in ((keys.a, keys.peft_a), (keys.b, keys.peft_b)):
+                leaves[f"base_model.model.{cfg.hf_prefix(f'block.{i}')}{theirs}"] = block.get_parameter(mine)
+    assert set(leaves) == set(start)
+    mine = run(lambda: ours(ids), {k: p.requires_grad_() for k, p in leaves.items()})
+    assert exact[0].abs().max() > 1.0 and (exact[0] - hf_model(cfg, torch.float64)(ids).logits).abs().max() > 0.1
+    bound = max((n[0] - exact[0]).abs().max().item() for n in noise)
+    assert (mine[0] - exact[0]).abs().max().item() <= 2 * bound  # measured about 0.9x
+    for k in exact[1]:
+        bound = max((n[1][k] - exact[1][k]).abs().max().item() for n in noise)
+        assert (mine[1][k] - exact[1][k]).abs().max().item() <= 2 * bound, k  # measured at most 1.5x
+
+
+def _peft_steps(cfg: ModelConfig, base: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
+                steps: list[torch.Tensor], tc: TrainerConfig, dtype: torch.dtype, attn: str):
+    """PEFT on transformers' model with torch's AdamW on the adapters, clipped by their norm, two micro-batches a
+    step each summing its loss over the step's learned tokens (HF Trainer's num_items_in_batch); the adapters after
+    the steps, and the losses."""
+    model = _peft(cfg, EXPERT_TARGETS, dtype, attn)
+    model.base_model.model.load_state_dict({k: v.to(dtype) for k, v in base.items()}, strict=False)
+    leaves = _adapters_of(model)
+    _set(leaves, start)
+    opt = tc.optimizer
+    optimizer = torch.optim.AdamW(leaves.values(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    losses = []
+    for ids in steps:
+        optimizer.zero_grad()
+        tokens, loss = torch.tensor(ids[:, 1:].numel()), 0.0
+        for micro in ids.chunk(tc.step.grad_accum):
+            part = model(input_ids=micro, labels=micro, num_items_in_batch=tokens).loss
+            part.backward()
+            loss += part.item()
+        torch.nn.utils.clip_grad_norm_(leaves.values(), opt.max_grad_norm)
+        optimizer.step()
+        losses.append(loss)
+    return {k: p.detach().double() for k, p in leaves.items()}, losses
+
+
+@pytest.mark.parametrize("family", MOE, ids=lambda c: c.model_type)
+def test_a_streamed_lora_step_on_the_experts_is_peft_and_adamw(tmp_path: Path, family):
+    """Two streamed steps with adapters on attention's q and every expert (two micro-batches, clipped, decayed)
+    against PEFT on transformers' model with torch's AdamW in float64: the adapters within twice PEFT's own fp32
+    error on the same steps, the base never written."""
+    cfg = family.example()
+    tc = TrainerConfig.of(dtype="fp32", lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, grad_accum=2, store="ram",
+                          lora_rank=4, lora_alpha=8.0, lora_targets=EXPERT_TARGETS)
+    g = torch.Generator().manual_seed(2)
+    steps = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2)]
+    base, start = hf_model(cfg).state_dict(), _random_adapters(cfg, EXPERT_TARGETS)
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.load_state_dict(base)
+        prefixes = {unit: cfg.hf_prefix(unit) for unit in trainer.units}
+        with torch.no_grad():
+            for unit, tensors in trainer.adapters.params.items():
+                for keys in trainer.adapters.keys.values():
+                    tensors[keys.a].copy_(start[f"base_model.model.{prefixes[unit]}{keys.peft_a}"])
+                    tensors[keys.b].copy_(start[f"base_model.model.{prefixes[unit]}{keys.peft_b}"])
+        losses = [trainer.step(ids) for ids in steps]
+        ours = {k: v.double() for k, v in trainer.adapters.hf_state_dict(prefixes).items()}
+        assert all(torch.equal(v, base[k]) for k, v in trainer.state_dict(merged=False).items())
+    exact = _peft_steps(cfg, base, start, steps, tc, torch.float64, "eager")
+    noise = [_peft_steps(cfg, base, start, steps, tc, torch.float32, attn) for attn in ("eager", "sdpa")]
+    assert set(ours) == set(exact[0])
+    assert max((exact[0][k] - start[k]).abs().max().item() for k in start) > 1e-3  # the steps moved them
+    bound = max(max((n[0][k] - exact[0][k]).abs().max().item() for k in start) for n in noise)
+    assert max((ours[k] - exact[0][k]).abs().max().item() for k in start) <= 2 * bound  # measured 0.4x to 1.1x
+    bound = max(max(abs(a - b) for a, b in zip(n[1], exact[1])) for n in noise)
+    rounding = max(exact[1]) * torch.finfo(torch.float32).eps
+    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * bound, 4 * rounding)
+
+
+def test_dropout_before_the_experts_adapters_is_refused(tmp_path: Path):
+    """PEFT's ParamWrapper takes no dropout (a weight tensor's input is not its adapters' own): refused in one line
+    naming the flag."""
+    tc = TrainerConfig.of(lora_rank=4, lora_dropout=0.1, lora_targets="q_proj,experts.down_proj")
+    with pytest.raises(ValueError, match=r"^--lora-dropout must be 0 with adapters on experts.down_proj \(PEFT's LoRA "
+                                         r"on a weight tensor takes no dropout\), got 0.1$"):
+        StreamingTrainer(Qwen3MoeConfig.example(), tc, store_dir=tmp_path / "run")

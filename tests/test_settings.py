@@ -82,7 +82,7 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
 # Each flag's owner: (owner, owner's name, flag).
 OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "moment_dtype", "nonfinite")
 STEP = ("grad_accum", "activations", "prefetch", "update_on", "update_chunk", "update_timing", "clipped_steps",
-        "data_parallel", "store")
+        "data_parallel", "expert_group_size", "store")
 SHARED = [(StepConfig, name, name) for name in STEP] + \
     [(OptimizerConfig, name, name) for name in OPTIMIZER] + \
     [(DeviceConfig, name, name) for name in ("dtype", "device", "budget", "set", "pin_memory")] + \
@@ -332,7 +332,7 @@ def test_flags_shared_between_subcommands_agree():
     bench_arguments(bench)
     train, plan, generate = (_flags(commands[c]) for c in ("train", "plan", "generate"))
     step = {"--dtype", "--store", "--activations", "--update-on", "--grad-accum", "--prefetch", "--batch", "--seq",
-            "--model", "--update-chunk"}
+            "--model", "--update-chunk", "--expert-group-size"}
     # plan's and bench's shared flags are generated from the same declarations as train's: type, metavar, arity
     # (bench's --steps is its own: timed steps per block)
     for other, shared in ((plan, step), (_flags(bench), {"--model", "--batch", "--seq", "--dtype"})):

@@ -61,6 +61,12 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
     attention_sinks: ClassVar[bool] = True
+    # LoRA targets attention's projections alone, and the experts load whole (`experts()`): the experts' tensors,
+    # input dimension first and with biases, are neither PEFT-style targets here nor carried by expert groups.
+    projections: ClassVar[dict[str, str]] = {
+        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+        "o_proj": "self_attn.o_proj"}
+    lora_parameters: ClassVar[tuple[str, ...]] = ()
 
     # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no hf_defaults
     vocab_size: int = 201088
@@ -148,6 +154,9 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
 
     def context(self) -> tuple[int, str]:
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
+
+    def experts(self) -> int:
+        return 0
 
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:

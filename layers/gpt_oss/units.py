@@ -68,11 +68,17 @@ class GptOssExperts(Experts):
         for bias in (self.gate_up_proj_bias, self.down_proj_bias):
             nn.init.zeros_(bias)
 
-    def grouped(self, rows: torch.Tensor, projection: str, sizes: list[int] | None, chosen: torch.Tensor,
-                order: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, name: str, sizes: list[int] | None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows grouped by expert, through their expert's `name` weight and bias. Its experts load whole and take no
+        adapters (GptOssConfig: no groups, no LoRA on them), so `weight` is always the module's."""
+        bias = getattr(self, f"{name}_bias")
+        # Each row's expert, in the rows' order; on meta, which holds no routing, its size alone.
+        expert = (x.new_zeros(x.shape[0], dtype=torch.long) if sizes is None else
+                  torch.repeat_interleave(torch.arange(len(sizes), device=x.device),
+                                          torch.tensor(sizes, device=x.device), output_size=x.shape[0]))
         # GroupedLinear takes (E, out, in): the transpose is a view, and so is its gradient's.
-        weight, bias = getattr(self, projection), getattr(self, f"{projection}_bias")
-        return GroupedLinear.apply(rows, weight.transpose(1, 2), sizes) + bias[chosen.flatten()[order]]
+        return GroupedLinear.apply(x, getattr(self, name).transpose(1, 2), sizes) + bias[expert]
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., ::2].clamp(max=self.limit)

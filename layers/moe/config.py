@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import PRESETS, ConfigError, family, positive_ints, take_aliases
+from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints, take_aliases
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
 
 
@@ -33,14 +33,18 @@ class MixtureOfExperts:
     router_aux_loss_coef: float
     hidden_size: int
     expert_width: int  # each expert's SwiGLU width, by the family's own field (a property of its class)
-    # Attention's projections only: the experts are fused tensors (E, out, in), which PEFT's LoRA cannot target
-    # as it targets a Linear, and the router is transformers' own module, not a Linear either.
+    # Attention's projections and the experts' fused tensors (E, out, in), which PEFT targets as parameters
+    # (`target_parameters`, matched by the end of their names): each expert e gets its own pair, W_e + scaling x
+    # B_e A_e. The router is transformers' own module, not a Linear, and no target.
     projections: ClassVar[dict[str, str]] = {
         "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj"}
+        "o_proj": "self_attn.o_proj", "experts.gate_up_proj": "mlp.experts.gate_up_proj",
+        "experts.down_proj": "mlp.experts.down_proj"}
+    lora_parameters: ClassVar[tuple[str, ...]] = ("experts.gate_up_proj", "experts.down_proj")
 
     # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
     # down), as the checkpoints before transformers 5 held them.
+    expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     saved_mlp: ClassVar[str] = "mlp"
     saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
 
@@ -84,6 +88,29 @@ class MixtureOfExperts:
         # The load balance's fp32 sums over the forward: each expert's count of choices and its probabilities.
         return 2 * 4 * self.num_experts if self.output_router_logits else 0
 
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        """An expert tensor's is one expert's (in_features, out_features)."""
+        d, f = self.hidden_size, self.expert_width
+        experts = {"experts.gate_up_proj": (d, 2 * f), "experts.down_proj": (f, d)}
+        return experts[name] if name in experts else super().projection_shape(name)  # type: ignore[misc]
+
+    def lora_experts(self, target: str) -> tuple[int, int]:
+        return (self.num_experts, self.num_experts_per_tok) if target in self.lora_parameters else (1, 1)
+
+    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
+        """An expert tensor's adapters are the experts module's `lora_A.<name>` (r E x in) and `lora_B.<name>`
+        (out x r E), PEFT's ParamWrapper's layout. PEFT wraps the experts module once per tensor targeted, in the
+        module's order, each wrapper around the previous: an earlier tensor's adapters lie one `base_layer`
+        deeper for each later one targeted."""
+        if target not in self.lora_parameters:
+            return super().lora_keys(target, targets)  # type: ignore[misc]
+        key = self.projections[target]
+        module, _, name = key.rpartition(".")
+        later = self.lora_parameters[self.lora_parameters.index(target) + 1:]
+        peft = f"{module}." + "base_layer." * sum(t in targets for t in later)
+        return LoraKeys(key, f"{module}.lora_A.{name}", f"{module}.lora_B.{name}", f"{peft}lora_A.weight",
+                        f"{peft}lora_B.weight")
+
     def mlp_params(self) -> int:
         d, f, experts = self.hidden_size, self.expert_width, self.num_experts
         return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
@@ -109,8 +136,23 @@ class MixtureOfExperts:
         # weight (the weighting product's operands).
         return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
 
+    def experts(self) -> int:
+        return self.num_experts
+
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_width  # its gate, up and down projections
+
+    def experts_saved_after_per_token(self, es: int) -> int:
+        # Per routed token: its place in (token, choice) order, the expert's output and its routing weight.
+        return self.num_experts_per_tok * (8 + es * self.hidden_size + es)
+
     def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, self.num_experts
+        return self.expert_group_backward_peaks(es, self.num_experts)
+
+    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
+        # Per token as if every routed token chose this group's experts: what a group's rows hold depends on the
+        # routing, and the bound is what both the runtime's charge and the plan can state.
+        d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, group
         # The backward of the weighting by the routing weights: the gradient w.r.t. the routed outputs, the
         # product that gives the weights' gradient, and that gradient. Then the SwiGLU product's backward: the
         # gradient w.r.t. its input, silu(gate)'s and up's, and down's weight gradient, when the routed outputs,
@@ -123,11 +165,19 @@ class MixtureOfExperts:
     def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
                          mlp_in: bool) -> tuple[int, dict[str, bool]]:
         d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
-        if not mlp_in:
-            return 0, {}
-        # Frozen experts keep no matmul input: per routed token its two gathers' indices, gate and up,
-        # silu(gate), the expert's output and its routing weight.
-        return self._routing_saved() + k * (16 + es * (d + 3 * f) + es), {}
+        gate_up, down = "experts.gate_up_proj" in targets, "experts.down_proj" in targets
+        routed = mlp_in or gate_up  # gate and up need a gradient
+        # Frozen experts keep no matmul input but their adapters' (the routed input rows, the product). Per routed
+        # token: where the input needs a gradient, its gather's indices and the expert's output (the routing
+        # weight needs one too); where the outputs need one, their gather's indices and the routing weight (the
+        # weighting product's operands); gate and up (silu's input), silu(gate).
+        per_routed = 8 + es * d if mlp_in else 0
+        per_routed += 8 + es if routed or down else 0
+        per_routed += es * d if gate_up else 0
+        per_routed += 3 * f * es if routed else 0
+        per_routed += f * es if down else 0
+        return ((self._routing_saved() if mlp_in else 0) + k * per_routed,
+                {"experts.gate_up_proj": mlp_in, "experts.down_proj": routed})
 
 
 @family

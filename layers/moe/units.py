@@ -2,19 +2,21 @@
 each token's top-k experts; each expert runs on the tokens routed to it only (one matmul per expert that has
 tokens), and its output comes back to its tokens scaled by their routing weights. The experts' weights are
 transformers' fused tensors, `experts.gate_up_proj` (E, 2f, d) and `experts.down_proj` (E, d, f), so the state
-dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers.
+dict is transformers' key for key; an expert no token chose gets a zero gradient there, as in transformers. The
+runtime may hand the experts their weights a group at a time (`ExpertSource`): the same matmuls, in the same order.
 Where the config asks (`output_router_logits`), `RouterBalance` is the loss's load-balancing term."""
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import ClassVar, Iterator
+from typing import ClassVar, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from layers.llama.units import Llama, LlamaBlock, LlamaEmbedding, LlamaHead
+from layers.lora import expert_factors, init_adapters
 from layers.model import AuxiliaryLoss, FamilyUnits
 from layers.moe.config import MixtureOfExperts
 
@@ -23,15 +25,16 @@ class GroupedLinear(torch.autograd.Function):
     """Rows grouped by expert, `sizes[e]` rows for expert e in order, each times its expert's weight[e]^T:
     (n, in) x (E, out, in) -> (n, out). Its backward makes the weight's gradient once, whole, zero for the
     experts with no rows (autograd through `weight[e]` would make a whole zero tensor per expert). It saves
-    its input only where the weight needs a gradient. `sizes` None: shapes only (the dry run's meta tensors,
+    its input only where the weight needs a gradient, and the weight only where the input does (a LoRA adapter's
+    compute-dtype copy is not kept for nothing). `sizes` None: shapes only (the dry run's meta tensors,
     which hold no routing to group by). Not torch._grouped_mm: in torch 2.13 on the CPU it takes no float64, its
     own backward fails, its meta kernel takes bf16 only, and it was not faster (2048 tokens, 8 of 128 experts,
     d 512, f 256: its forward 0.8x (fp32) and 0.5x (bf16) this loop's time, its weight gradient 1.3x and 1.5x)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
-        ctx.sizes = sizes
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.sizes, ctx.weight_shape = sizes, weight.shape
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         out = x.new_empty(x.shape[0], weight.shape[1])
         if sizes is not None:
             for e, (rows, into) in enumerate(zip(x.split(sizes), out.split(sizes))):
@@ -43,8 +46,8 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         sizes = ctx.sizes
-        grad_x = grad.new_empty(grad.shape[0], weight.shape[2]) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_x = grad.new_empty(grad.shape[0], ctx.weight_shape[2]) if ctx.needs_input_grad[0] else None
+        grad_w = grad.new_zeros(ctx.weight_shape) if ctx.needs_input_grad[1] else None
         start = 0
         for e, size in enumerate(sizes or ()):
             rows = slice(start, start + size)
@@ -56,34 +59,84 @@ class GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class ExpertSource(Protocol):
+    """Where the experts' weights come from when they are not on the module: `groups` groups of equal size,
+    each loaded (its gate_up_proj and down_proj rows) before its experts run and released after (the runtime's
+    streamed groups, memory_model.step.StepConfig.expert_group_size)."""
+
+    groups: int
+
+    def load(self, group: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def release(self, group: int) -> None: ...
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, fused: out_e(x) = down_e(silu(gate_e(x)) * up_e(x)), gate_e and up_e the two halves
-    of gate_up_proj[e]."""
+    of gate_up_proj[e]. With a `source` their weights come from it a group at a time, each group's experts
+    computed on their rows as the whole module computes them (the same matmuls in the same order). LoRA may adapt
+    either fused tensor (`adapt`): expert e's weight is then W_e + scaling x B_e A_e, A and B in PEFT's
+    ParamWrapper layout (layers/lora.py: `expert_factors`)."""
+
+    adaptable: ClassVar[tuple[str, ...]] = ("gate_up_proj", "down_proj")
 
     def __init__(self, cfg: MixtureOfExperts) -> None:
         super().__init__()
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_width
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()  # by the tensor they adapt; none: no LoRA
+        self.scaling = 0.0
+        self.source: ExpertSource | None = None  # set by the runtime around a call, else the parameters
+
+    def adapt(self, name: str, rank: int, scaling: float) -> None:
+        """Adapters on the fused tensor `name`, PEFT's initialisation, on its device and dtype."""
+        weight = getattr(self, name)
+        experts, out_features, in_features = weight.shape
+        a, b = weight.new_empty(rank * experts, in_features), weight.new_empty(out_features, rank * experts)
+        init_adapters(a, b)
+        self.lora_A[name], self.lora_B[name], self.scaling = nn.Parameter(a), nn.Parameter(b), scaling
+
+    def project(self, x: torch.Tensor, name: str, sizes: list[int] | None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows grouped by expert times their expert's `name` weight, plus where adapted scaling x (x A_e^T) B_e^T:
+        two rank-r grouped matmuls on the routed rows, never the (E, out, in) delta. `weight`: a group's part of
+        it, from the source (a grouped block has no adapters: groups and LoRA are not combined)."""
+        weight = getattr(self, name) if weight is None else weight
+        out = GroupedLinear.apply(x, weight, sizes)
+        if name not in self.lora_A:
+            return out
+        a, b = expert_factors(self.lora_A[name], self.lora_B[name], weight.shape[0])
+        return out + self.scaling * GroupedLinear.apply(GroupedLinear.apply(x, a, sizes), b, sizes)
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, d); each token's chosen experts (N, k) and their routing weights (N, k) -> the sum over its
         chosen experts of weight x expert(x), (N, d)."""
         (n, k), experts = chosen.shape, self.gate_up_proj.shape[0]
+        groups = 1 if self.source is None else self.source.groups
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        # Each group's rows are those routed to its experts; on meta, which holds no routing, an even share.
         sizes = None if x.is_meta else torch.bincount(chosen.flatten(), minlength=experts).tolist()
-        gate_up = self.grouped(x[order // k], "gate_up_proj", sizes, chosen, order)
+        share = experts // groups
+        rows = ([n * k // groups] * (groups - 1) + [n * k - n * k // groups * (groups - 1)] if sizes is None
+                else [sum(sizes[g * share:(g + 1) * share]) for g in range(groups)])
+        routed = x[order // k]
+        outputs = []
+        for g, inputs in enumerate(routed.split(rows) if groups > 1 else (routed,)):
+            gate_up, down = (None, None) if self.source is None else self.source.load(g)
+            counts = None if sizes is None else sizes[g * share:(g + 1) * share]
+            hidden = self.activation(self.project(inputs, "gate_up_proj", counts, gate_up))
+            outputs.append(self.project(hidden, "down_proj", counts, down))
+            del gate_up, down, hidden
+            if self.source is not None:
+                self.source.release(g)
+        grouped = outputs[0] if groups == 1 else torch.cat(outputs)
+        del outputs
         # The experts' outputs back in (token, choice) order: a gather, whose backward keeps only its indices
         # (index_add's would keep the whole routed output), and no name holds the grouped output past it.
-        per_choice = self.grouped(self.activation(gate_up), "down_proj", sizes, chosen, order)[order.argsort()]
-        per_choice = per_choice.view(n, k, -1)
+        per_choice = grouped[order.argsort()].view(n, k, -1)
+        del grouped
         return (per_choice * weights[..., None]).sum(dim=1).to(x.dtype)
-
-    def grouped(self, rows: torch.Tensor, projection: str, sizes: list[int] | None, chosen: torch.Tensor,
-                order: torch.Tensor) -> torch.Tensor:
-        """The routed rows, grouped by expert (`sizes`; `order` sorts the flattened `chosen` into them), through
-        their experts' `projection`."""
-        return GroupedLinear.apply(rows, getattr(self, projection), sizes)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the gate/up projection's output: silu(gate) * up."""

@@ -89,7 +89,8 @@ def refuse_non_empty(out: Path, overwrite: bool) -> None:
 
 def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:
     """Write a LoRA run's adapters as PEFT writes them: adapter_config.json and
-    adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight')."""
+    adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight';
+    `Adapters.hf_state_dict`)."""
     from safetensors.torch import save_file
 
     if trainer.adapters is None:
@@ -99,11 +100,14 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
     if out.exists() and any(out.iterdir()):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    lora = trainer.tc.lora
+    lora, targets = trainer.tc.lora, trainer.adapters.targets
+    # A mixture's fused experts are weight tensors, which PEFT targets apart from the Linear modules.
+    modules = [t for t in targets if t not in trainer.cfg.lora_parameters]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
-              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": list(trainer.adapters.targets),
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "modules_to_save": None, "use_rslora": False, "use_dora": False}
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
+              "target_parameters": [t for t in targets if t not in modules], "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
+              "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units})
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -14,7 +14,8 @@ from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
-from memory_model.planner import SCALING_ASSUMPTION, clipped_schedule, clipped_steps, scaling_curve
+from memory_model.planner import clipped_schedule, clipped_steps, fewest_expert_groups
+from memory_model.scaling import SCALING_ASSUMPTION, scaling_curve
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
 from streamer.cli.whatif import add_flags, compare, sweep
@@ -29,13 +30,14 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
                  "update_chunk", "moment_dtype", "master_dtype", "update_timing", "clipped_steps", "data_parallel",
-                 "lora_rank", "lora_targets", "set", "pack")
+                 "expert_group_size", "lora_rank", "lora_targets", "set", "pack")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
   streamer plan --model gptj-6b --target a100-40g --batch 8 --seq 2048 --activations checkpoint --dry-run
   streamer plan --model gptj-6b --target h100-sxm --batch 64 --seq 2048 --activations offload
   streamer plan --model ./gptj-hf/config.json --target local --json
+  streamer plan --model mixtral-8x7b --target h100-sxm --batch 1 --activations checkpoint --set memory_bytes=5e9
   streamer plan --config run.toml --target rtx4090    the step `streamer train --config run.toml` runs
 
 Settings resolve as in `streamer train`: its defaults (the demo's when nothing names a model or data), then
@@ -89,6 +91,7 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan_cfg = replace(cfg.replace(dtype=dtype, update_on=update_on).plan_config(args.ranks),
                            ranks_per_node=args.ranks_per_node)
+        plan_cfg = plan_cfg.replace(expert_group_size=fewest_expert_groups(model_cfg, device, plan_cfg))
         result = plan(model_cfg, device, plan_cfg)
         scaling = None if result.does_not_fit else scaling_curve(model_cfg, device, plan_cfg)
     except ValueError as exc:
@@ -109,7 +112,8 @@ def plan_command(args: argparse.Namespace) -> int:
         out["clipped_steps"] = {name: asdict(p) for name, p in schedules.items()}
         out["clipped_schedule"] = chosen.schedule
     if args.dry_run:
-        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.step.update_on, budget=None)  # the ledger's own peak
+        tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.step.update_on, budget=None,  # the ledger's own peak
+                                 expert_group_size=plan_cfg.step.expert_group_size)  # as planned
         ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)

@@ -24,7 +24,7 @@ from streamer.runtime.step import StepContext
 from streamer.runtime.transport import IOQueues, Transport
 from streamer.runtime.update import Updater
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import UnitLayout, dtype_name
+from streamer.store.layout import UnitLayout, dtype_name, expert_groups
 
 
 class Executor:
@@ -43,9 +43,9 @@ class Executor:
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
         one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
         self.loader = Loader(layouts, step, step.store, dtype, one_copy, self.transport, self.io, ledger, trace,
-                             data_parallel)
-        self.passes = Passes(cfg, step, layouts, self.loader.states, self.loader.stored_numel, device, dtype,
-                             self.transport, self.io, ledger, trace, store, writer, data_parallel, adapters)
+                             data_parallel, expert_groups(cfg, step.expert_group_size, layouts))
+        self.passes = Passes(cfg, step, layouts, self.loader, device, dtype, self.transport, self.io, ledger, trace,
+                             store, writer, data_parallel, adapters)
         self.updater = Updater(step, optimizer, layouts, step.store, dtype, one_copy, self.transport, self.io,
                                ledger, trace, store, writer, data_parallel, seed)
         self.compute_is_master = one_copy  # the compute weights are the masters (one dtype): no copy
@@ -83,7 +83,7 @@ class Executor:
                 elif event.phase == "backward":
                     self.passes.backward(event, ctx)
                 elif event.phase == "infer":
-                    ctx.infer(event.unit, lambda *args, unit=event.unit: self.passes.call_plain(unit, *args))
+                    ctx.infer(event.unit, lambda *args, unit=event.unit: self.passes.call_plain(unit, ctx, *args))
                 else:
                     self.updater.update(event.resource, tensors, ctx, self.passes.grad_sq_norms)
             for resource in releases(events, i):

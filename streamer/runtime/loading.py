@@ -12,14 +12,16 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from memory_model import Ledger, Trace
-from memory_model.schedule import BlockInput, Resource, Weights, gathered_numel, resource_charges, shard_numel
+from memory_model.schedule import (
+    BlockInput, ExpertGroup, Resource, Weights, gathered_numel, resource_charges, shard_numel,
+)
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.residency import Residency, UnitState
 from memory_model.step import StepConfig
 from streamer.runtime.step import StepContext
 from streamer.runtime.transport import IOQueues, Loaded, Transport
 from memory_model.step import Placement
-from streamer.store.layout import UnitLayout
+from streamer.store.layout import ExpertGroups, UnitLayout
 
 
 class Loader:
@@ -27,8 +29,11 @@ class Loader:
 
     def __init__(self, layouts: dict[str, UnitLayout], step: StepConfig, placement: Placement, dtype: torch.dtype,
                  compute_is_master: bool, transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
-                 data_parallel: DataParallel | None) -> None:
-        self.layouts, self.step_cfg, self.dtype = layouts, step, dtype
+                 data_parallel: DataParallel | None, groups: dict[str, ExpertGroups]) -> None:
+        """`groups`: the blocks whose experts load in groups, their weights loads holding the rest."""
+        self.layouts, self.step_cfg, self.dtype, self.groups = layouts, step, dtype, groups
+        # One state per group of each grouped block: the handles its forward saves find its buffer through it.
+        self.group_states = {(u, g): UnitState(f"{u} experts {g}") for u, e in groups.items() for g in range(e.count)}
         self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
         self.on_host = step.update_on == "host"  # the update runs where the store lives
         self.states = {u: UnitState(u) for u in layouts}
@@ -60,15 +65,25 @@ class Loader:
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.fetch_input(stashed))
             self._inflight[resource] = (self.io.reads.submit(job), handles)
             return
-        layout = self.layouts[resource.unit]
+        layout, groups = self.layouts[resource.unit], self.groups.get(resource.unit)
         stored = self.stored_numel(resource.unit)
         # sharded: every rank's slice of each state the unit uses, all-gathered
         on_device = gathered_numel([n for _, n in layout.device_parts], self.shards)
+        if isinstance(resource, ExpertGroup):
+            on_device = groups.group.numel
+        elif isinstance(resource, Weights) and groups is not None:
+            on_device = groups.rest.numel
         borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
         handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                    for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
+        if isinstance(resource, ExpertGroup) or (isinstance(resource, Weights) and groups is not None):
+            # A grouped block's pieces of its slab: all but its experts, or one group of them.
+            ranges = groups.ranges(resource.group) if isinstance(resource, ExpertGroup) else groups.rest_ranges
+            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_ranges(
+                resource.unit, ranges, self.loads_read_master))
+        elif isinstance(resource, Weights):
             job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
                 resource.unit, stored, self.loads_read_master, keep_master, borrowed))
         else:
@@ -87,6 +102,9 @@ class Loader:
         tensors = self._inflight[resource][0].result().wait()
         if isinstance(resource, BlockInput):
             ctx.inputs[resource.unit] = tensors["input"]
+        if isinstance(resource, ExpertGroup):
+            state = self.group_states[(resource.unit, resource.group)]
+            state.buffer, state.residency = tensors["weights"], Residency.AVAILABLE
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
             if "master" in tensors:
@@ -94,6 +112,14 @@ class Loader:
             if state.residency is not Residency.AVAILABLE:  # (the head's backward acquires what its forward did)
                 state.buffer, state.residency = self._whole_unit(resource.unit, tensors["weights"]), Residency.AVAILABLE
         return tensors
+
+    def load_group(self, group: ExpertGroup, ctx: StepContext) -> UnitState:
+        """A group of a block's experts loaded now, inside the block's forward or backward (charged as it is
+        issued); its state holds its buffer until `release`."""
+        if group not in self._inflight:
+            self._issue(group, ctx, keep_master=False)
+        self.acquire(group, ctx)
+        return self.group_states[(group.unit, group.group)]
 
     def _whole_unit(self, unit: str, weights: torch.Tensor) -> torch.Tensor:
         """The unit's weights as loaded, or (sharded) every rank's slices all-gathered on the device, here on the
@@ -119,6 +145,11 @@ class Loader:
         future, handles = self._inflight.pop(resource)
         for handle in handles:
             self.ledger.free(handle)
+        if isinstance(resource, ExpertGroup):
+            state = self.group_states[(resource.unit, resource.group)]
+            if state.buffer is not None:  # (None: issued, then the step was aborted)
+                self.transport.give_back(state.buffer)
+            state.buffer, state.residency = None, Residency.NOT_AVAILABLE
         if isinstance(resource, Weights):
             state = self.states[resource.unit]
             kept = ctx.kept_masters.get(resource.unit)

@@ -14,7 +14,7 @@ from typing import Collection, Iterator
 import torch
 
 from layers import ModelConfig
-from layers.lora import init_adapters
+from layers.lora import delta_weight, init_adapters
 from memory_model.lora import LoraConfig, check_targets, target_shape, targets_of
 from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel
@@ -27,16 +27,17 @@ class Adapters:
         check_targets(cfg, lora)
         self.cfg, self.lora, self.device, self.seed = cfg, lora, device, seed
         self.targets = targets_of(cfg, lora)  # the projections the adapters sit on
+        self.keys = {target: cfg.lora_keys(target, self.targets) for target in self.targets}
         self.params: dict[str, dict[str, torch.Tensor]] = {}  # unit -> key in the unit -> fp32 leaf
         for i in range(cfg.num_hidden_layers):
             unit, tensors = f"block.{i}", {}
             torch.manual_seed(seed * 1_000_003 + 500_009 + i)  # per block, as the base is initialised per unit
             for target in self.targets:
-                fan_in, fan_out = target_shape(cfg, target)
-                a, b = torch.empty(lora.rank, fan_in), torch.empty(fan_out, lora.rank)
+                (fan_in, fan_out), rows = target_shape(cfg, target), lora.rank * cfg.lora_experts(target)[0]
+                a, b = torch.empty(rows, fan_in), torch.empty(fan_out, rows)  # a mixture's experts' pairs stacked
                 init_adapters(a, b)
-                tensors[f"{cfg.projections[target]}.lora_A.weight"] = a.to(device).requires_grad_()
-                tensors[f"{cfg.projections[target]}.lora_B.weight"] = b.to(device).requires_grad_()
+                tensors[self.keys[target].a] = a.to(device).requires_grad_()
+                tensors[self.keys[target].b] = b.to(device).requires_grad_()
             self.params[unit] = tensors
         self.optimizer = torch.optim.AdamW(
             self.leaves(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
@@ -102,7 +103,8 @@ class Adapters:
 
     # --- weights out ------------------------------------------------------------------------------------
     def merge_into(self, unit: str, flat: torch.Tensor, layout: UnitLayout) -> None:
-        """Add scaling * B @ A to the targeted weights of a unit's flat fp32 master (the merged export).
+        """Add scaling * B @ A (each expert's B_e A_e) to the targeted weights of a unit's flat fp32 master (the
+        merged export).
 
         `flat` is the unit's own stored slab, so its slots place the weights: a tied head's device weights
         would lead with the embedding's, which its slab does not hold (and only blocks have adapters)."""
@@ -110,16 +112,18 @@ class Adapters:
         if tensors is None:
             return
         slots = {slot.key: slot for slot in layout.slots}
-        for target in self.targets:
-            key = self.cfg.projections[target]
-            slot = slots[f"{key}.weight"]
-            a, b = tensors[f"{key}.lora_A.weight"].detach().cpu(), tensors[f"{key}.lora_B.weight"].detach().cpu()
-            flat[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(b @ a, alpha=self.lora.scaling)
+        for target, keys in self.keys.items():
+            slot = slots[keys.weight]
+            a, b = tensors[keys.a].detach().cpu(), tensors[keys.b].detach().cpu()
+            delta = delta_weight(a, b, self.cfg.lora_experts(target)[0], self.lora.scaling)
+            flat[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(delta.view(slot.shape))
 
     def hf_state_dict(self, prefix_of: dict[str, str]) -> dict[str, torch.Tensor]:
-        """Adapters under PEFT's keys: 'base_model.model.transformer.h.0.attn.q_proj.lora_A.weight'."""
-        return {f"base_model.model.{prefix_of[unit]}{key}": t.detach().cpu().contiguous()
-                for unit, tensors in self.params.items() for key, t in tensors.items()}
+        """Adapters under PEFT's keys: 'base_model.model.transformer.h.0.attn.q_proj.lora_A.weight' (a mixture's
+        experts': 'base_model.model.model.layers.0.mlp.experts.lora_A.weight')."""
+        return {f"base_model.model.{prefix_of[unit]}{peft}": self.params[unit][ours].detach().cpu().contiguous()
+                for unit in self.params for keys in self.keys.values()
+                for ours, peft in ((keys.a, keys.peft_a), (keys.b, keys.peft_b))}
 
     # --- commits ------------------------------------------------------------------------------------------
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -14,9 +14,10 @@ from layers import ModelConfig, build_unit, unit_kind
 from layers.lora import add_adapters
 from layers.model import family_units
 from memory_model import Ledger, Trace
-from memory_model.schedule import Event, adapter_charges, gradient_charges, resource_charges
+from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
 from streamer.runtime.distributed import DataParallel
+from streamer.runtime.loading import Loader
 from streamer.runtime.lora import Adapters
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
 from memory_model.step import StepConfig
@@ -29,13 +30,15 @@ from streamer.store.layout import UnitLayout
 class Passes:
     """The units' forward and backward over the weights `states` holds, and the step's gradient norms."""
 
-    def __init__(self, cfg: ModelConfig, step: StepConfig, layouts: dict[str, UnitLayout],
-                 states: dict[str, UnitState], stored_numel: Callable[[str], int], device: torch.device,
-                 dtype: torch.dtype, transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
-                 store: StoreReader | None, writer: StoreWriter | None, data_parallel: DataParallel | None,
-                 adapters: Adapters | None) -> None:
-        self.cfg, self.step_cfg, self.layouts, self.states = cfg, step, layouts, states
-        self.stored_numel, self.dtype = stored_numel, dtype
+    def __init__(self, cfg: ModelConfig, step: StepConfig, layouts: dict[str, UnitLayout], loader: Loader,
+                 device: torch.device, dtype: torch.dtype, transport: Transport, io: IOQueues, ledger: Ledger,
+                 trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
+                 data_parallel: DataParallel | None, adapters: Adapters | None) -> None:
+        """`loader` holds the units' weights (`states`), and loads the groups of a block's experts where they
+        load in groups (`groups`)."""
+        self.cfg, self.step_cfg, self.layouts, self.loader = cfg, step, layouts, loader
+        self.states, self.groups, self.stored_numel = loader.states, loader.groups, loader.stored_numel
+        self.dtype = dtype
         self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
         self.store, self.writer, self.data_parallel = store, writer, data_parallel
         self.shards = 1 if data_parallel is None else data_parallel.shards
@@ -70,6 +73,8 @@ class Passes:
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self._scratch: torch.Tensor | None = None
+        # A grouped block's expert gradients on the host, by group, until the rest of its gradient joins them.
+        self._expert_grads: dict[str, dict[int, list[torch.Tensor]]] = {}
 
     def _call_unit(self, unit: str, x: torch.Tensor, micro: int, ctx: StepContext, *args: object,
                    recompute: bool = False) -> torch.Tensor:
@@ -84,16 +89,34 @@ class Passes:
                 named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
                 with self.adapters.dropout_rng(ctx.step, micro, unit) if kind == "block" else contextlib.nullcontext():
                     return functional_call(shell, named, (x, *args))
+            groups = self.groups.get(unit)
+            layout = layout if groups is None else groups.rest
             params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                            lambda grads: self._offload(unit, micro, grads, ctx))
-            return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
+            with self._experts_from(unit, ctx):
+                return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
 
-    def call_plain(self, unit: str, *args: object) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _experts_from(self, unit: str, ctx: StepContext) -> Iterator[None]:
+        """A grouped block's experts, while its shell runs, take their weights a group at a time from the loader."""
+        groups = self.groups.get(unit)
+        if groups is None:
+            yield
+            return
+        experts = self.shells[unit].get_submodule(self.cfg.expert_keys[0].rpartition(".")[0])
+        experts.source = _GroupSource(self, unit, ctx, groups.count)
+        try:
+            yield
+        finally:
+            experts.source = None
+
+    def call_plain(self, unit: str, ctx: StepContext, *args: object) -> torch.Tensor:
         """A unit's forward with its streamed weights and no autograd (generation)."""
-        named = self.layouts[unit].views(self.states[unit].weights())
+        groups = self.groups.get(unit)
+        named = (self.layouts[unit] if groups is None else groups.rest).views(self.states[unit].weights())
         if self.adapters is not None:
             named.update(self.adapters.for_unit(unit, self.dtype))
-        with torch.no_grad():
+        with torch.no_grad(), self._experts_from(unit, ctx):
             return functional_call(self.shells[unit].train(False), named, args)
 
     def forward(self, event: Event, ctx: StepContext) -> None:
@@ -205,23 +228,31 @@ class Passes:
         backward ends), charged from its start (memory_model.shapes.block_backward_transient_bytes)."""
         if not unit.startswith("block") or self.adapters is not None:
             return None
-        nbytes = block_backward_transient_bytes(self.cfg, x.shape[0], x.shape[1], self.dtype.itemsize)
+        groups = self.groups.get(unit)
+        group = 0 if groups is None else self.cfg.experts() // groups.count
+        nbytes = block_backward_transient_bytes(self.cfg, x.shape[0], x.shape[1], self.dtype.itemsize, group)
         return self.ledger.allocate("workspace", unit, nbytes, "autograd's buffers in the block's backward")
 
     def _offload(self, unit: str, micro: int, grads: tuple[torch.Tensor, ...], ctx: StepContext) -> None:
         """StreamedWeights' backward: the unit's weight gradient (one tensor per parameter) leaves for the host
-        accumulator.
+        accumulator. A grouped block's is the rest of it, after its experts' (`_offload_group`), which join it
+        here in their places.
 
         The previous unit's offload (and all-reduce, under data parallel) overlapped this unit's backward,
         while autograd made this unit's gradient; it is finished only now, so at most two units' gradients are
         on the device, and they are charged so.
         """
         ranks = 1 if self.data_parallel is None else self.data_parallel.world
-        parts = self.layouts[unit].split_device(grads)  # (unit, pieces) of each state the gradient goes to
+        groups = self.groups.get(unit)
+        charged = ([sum(g.numel() for g in grads)] if groups is not None else
+                   [sum(g.numel() for g in pieces) for _, pieces in self.layouts[unit].split_device(grads)])
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
-                   for c in gradient_charges([sum(g.numel() for g in pieces) for _, pieces in parts],
-                                             grads[0].element_size(), ranks, self.shards > 1)]
+                   for c in gradient_charges(charged, grads[0].element_size(), ranks, self.shards > 1)]
         self._finish_pending_offload(ctx)
+        if groups is not None:
+            experts = self._expert_grads.pop(unit)
+            grads = tuple(groups.whole(grads, [experts[g] for g in range(groups.count)]))
+        parts = self.layouts[unit].split_device(grads)  # (unit, pieces) of each state the gradient goes to
         first, last = micro == 0 and unit not in self.lent, micro == self.step_cfg.grad_accum - 1
         # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
         reductions = (None if self.data_parallel is None else
@@ -229,6 +260,25 @@ class Passes:
         step, persist = ctx.step, not ((ctx.fused or ctx.norm_pass) and last)
         job = lambda: self._traced_offload(unit, step, parts, first, last, reductions, persist)
         ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
+
+    def _offload_group(self, group: ExpertGroup, grads: tuple[torch.Tensor, ...], ctx: StepContext) -> None:
+        """A group's StreamedWeights' backward: its experts' gradient leaves for host memory while the next
+        group's backward runs (charged until then, as a unit's), and the group leaves the device."""
+        handles = [self.ledger.allocate(c.category, group.unit, c.nbytes, c.what)
+                   for c in gradient_charges([sum(g.numel() for g in grads)], grads[0].element_size(), 1)]
+        self._finish_pending_offload(ctx)
+        held = self._expert_grads.setdefault(group.unit, {})
+
+        def job() -> tuple[float, None]:
+            with self.trace.span(group.unit, "offload", step=ctx.step):
+                host = self.transport.pieces_to_host(grads)
+                if len(host) != len(grads):  # one flat host tensor they were copied into
+                    host = [piece.view(g.shape) for piece, g in zip(host[0].split([g.numel() for g in grads]), grads)]
+                held[group.group] = list(host)
+            return 0.0, None
+
+        ctx.pending_offload = PendingOffload(group.unit, False, self.io.folds.submit(job), handles)
+        self.loader.release(group, ctx)
 
     def _traced_offload(self, unit: str, step: int, parts: list[tuple[str, list[torch.Tensor]]], first: bool,
                         last: bool, reductions: list[tuple[str, object]] | None,
@@ -286,6 +336,33 @@ class Passes:
         ctx.stashed.clear()
         ctx.inputs.clear()
         ctx.auxiliary.clear()
+        self._expert_grads.clear()
+        self.recorder.forget_groups()
+
+
+class _GroupSource:
+    """A grouped block's experts for one call of its shell (layers.moe.units.ExpertSource): each group loaded by
+    the loader, its parameters entering autograd through a StreamedWeights of its own whose backward offloads
+    the group's gradient; released after its experts run, and loaded again by the backward that needs it."""
+
+    def __init__(self, passes: Passes, unit: str, ctx: StepContext, groups: int) -> None:
+        self.passes, self.unit, self.ctx, self.groups = passes, unit, ctx, groups
+
+    def _load(self, group: int) -> UnitState:
+        return self.passes.loader.load_group(ExpertGroup(self.unit, group), self.ctx)
+
+    def load(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        passes, resource = self.passes, ExpertGroup(self.unit, group)
+        state = self._load(group)
+        passes.recorder.group_loaded(state, lambda: self._load(group))
+        gate_up, down = StreamedWeights.apply(passes.anchor, state.weights(), passes.groups[self.unit].group,
+                                              lambda grads: passes._offload_group(resource, grads, self.ctx))
+        return gate_up, down
+
+    def release(self, group: int) -> None:
+        resource = ExpertGroup(self.unit, group)
+        self.passes.recorder.group_released(self.passes.loader.group_states[(self.unit, group)])
+        self.passes.loader.release(resource, self.ctx)
 
 
 def _packed(batch: MicroBatch) -> tuple[object, ...]:

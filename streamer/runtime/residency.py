@@ -3,8 +3,9 @@
 A unit's parameters are views of one flat device buffer. `StreamedWeights` puts them into the graph
 without saving them; its backward hands the parameters' gradients to a sink (the offload). While a unit's
 forward runs, `SavedTensorRecorder` sees every tensor autograd saves: one that lives in the unit's weight
-buffer is packed as a handle and unpacked, in backward, from the buffer streamed in again; any other is an
-activation, charged to the ledger once per storage until the unit's backward is done.
+buffer (or in a group of a block's experts, `group_loaded`) is packed as a handle and unpacked, in backward,
+from the buffer streamed in again; any other is an activation, charged to the ledger once per storage until the
+unit's backward is done.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ class WeightHandle:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    # A group of a block's experts, released after its forward: loads it again for the backward that unpacks it.
+    reload: Callable[[], None] | None = None
 
 
 class SavedTensorRecorder:
@@ -78,6 +81,20 @@ class SavedTensorRecorder:
         self._charged: dict[int, int | None] = {}  # storage key -> ledger handle (None: charged elsewhere)
         self._owned: dict[str, list[int]] = {}  # unit -> storage keys it charged
         self.resident: set[int] = set()  # storages charged for the whole run elsewhere (LoRA's adapters)
+        # Groups of a block's experts on the device now, by their buffer's storage: (state, its reload).
+        self._groups: dict[int, tuple[UnitState, Callable[[], None]]] = {}
+
+    def group_loaded(self, state: UnitState, reload: Callable[[], None]) -> None:
+        """A group of a block's experts is on the device: what its forward saves from it is packed as handles,
+        which its backward unpacks after `reload`."""
+        self._groups[storage_key(state.weights())] = (state, reload)
+
+    def group_released(self, state: UnitState) -> None:
+        self._groups.pop(storage_key(state.weights()))
+
+    def forget_groups(self) -> None:
+        """A step stopped part-way: no group is on the device any more (the loader released them)."""
+        self._groups.clear()
 
     def hooks(self, state: UnitState) -> torch.autograd.graph.saved_tensors_hooks:
         weight_key = storage_key(state.weights())
@@ -87,6 +104,9 @@ class SavedTensorRecorder:
             key = storage_key(t)
             if key == weight_key:
                 return WeightHandle(state, t.size(), t.stride(), t.storage_offset())
+            if key in self._groups:
+                group, reload = self._groups[key]
+                return WeightHandle(group, t.size(), t.stride(), t.storage_offset(), reload)
             if key not in self._charged and key not in self.resident:
                 nbytes = t.untyped_storage().nbytes()
                 self._charged[key] = self.ledger.allocate("activations", state.name, nbytes,
@@ -96,6 +116,8 @@ class SavedTensorRecorder:
 
         def unpack(packed: torch.Tensor | WeightHandle) -> torch.Tensor:
             if isinstance(packed, WeightHandle):
+                if packed.reload is not None and packed.state.residency is not Residency.AVAILABLE:
+                    packed.reload()
                 return packed.state.weights().as_strided(packed.size, packed.stride, packed.offset)
             return packed
 

@@ -354,6 +354,38 @@ class Transport:
 
         return self._on_side_stream(job)
 
+    def load_ranges(self, unit: str, ranges: Sequence[tuple[int, int]], from_master: bool) -> Loaded:
+        """Pieces (start, count) of a unit's compute weights laid end to end in one device buffer: a block's
+        weights without its experts, or one group of them (streamer.store.layout.ExpertGroups). Each is read as
+        `load_weights` reads a unit: from the compute copy in RAM, or (`from_master`) the master's elements,
+        cast as a whole unit's are."""
+        store, total = self.store, sum(count for _, count in ranges)
+
+        def job() -> dict[str, torch.Tensor]:
+            if self.mode == "meta":
+                return {"weights": torch.empty(total, dtype=self.compute_dtype, device="meta")}
+            whole, offset = self._take(total, self.compute_dtype, "device"), 0
+            for start, count in ranges:
+                out = whole[offset:offset + count]
+                if from_master:
+                    self._to_device(lambda host, at=start: self._read_master(unit, at, host), None, count,
+                                    self.compute_dtype, out)
+                else:
+                    self._to_device(None, store.slab(unit, "compute")[start:start + count], count,
+                                    self.compute_dtype, out)
+                offset += count
+            return {"weights": whole}
+
+        return self._on_side_stream(job)
+
+    def _read_master(self, unit: str, start: int, out: torch.Tensor) -> None:
+        """Master elements [start, start + out.numel()) into `out`, converted to its dtype, read chunk by chunk (the
+        state files' interleaved chunks)."""
+        chunk, end = self.store.spec.chunk, start + out.numel()
+        for first in range(start - start % chunk, end, chunk):
+            low, high = max(start, first), min(end, first + chunk)
+            self.store.read_state(unit, "master", low, out[low - start:high - start])
+
     def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True,
                    with_master: bool = True) -> Loaded:
         """fp32 master, exp_avg, exp_avg_sq and grad of one chunk (moments stored in bf16 are widened, in int8

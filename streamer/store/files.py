@@ -103,9 +103,11 @@ class StateFiles:
         return min(self.spec.chunk, self.numels[unit] - start)
 
     def read(self, unit: str, generation: int, kind: str, start: int, out: torch.Tensor) -> None:
-        """`kind`'s piece of the chunk starting at element `start`, as stored (`StoreSpec.kind_dtype`)."""
-        path = self.state_path(unit, generation)
-        pread_into(self.descriptor(path), out, self.spec.kind_offset(kind, start, self.chunk_count(unit, start)), path)
+        """Elements [start, start + out.numel()) of `kind`, as stored (`StoreSpec.kind_dtype`), within one chunk:
+        a chunk's piece, or part of it (a group of a block's experts starts anywhere)."""
+        path, first = self.state_path(unit, generation), start - start % self.spec.chunk
+        offset = self.spec.kind_offset(kind, first, self.chunk_count(unit, first))
+        pread_into(self.descriptor(path), out, offset + self.spec.kind_bytes(kind, start - first), path)
         self.count_bytes(read=out.numel() * out.element_size())
 
     def check(self, unit: str, generation: int) -> Trailer:

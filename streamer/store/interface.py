@@ -122,7 +122,8 @@ class StoreReader(ABC):
 
     @abstractmethod
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
-        """Elements [start, start + out.numel()) of a state kind or "grad", converted to out's dtype."""
+        """Elements [start, start + out.numel()) of a state kind or "grad", within one chunk (from any element of it;
+        a quantized kind from a block's start), converted to out's dtype."""
 
     @abstractmethod
     def bytes_moved(self) -> tuple[int, int]:

@@ -124,6 +124,51 @@ class UnitLayout:
         return out
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A block whose experts load in `count` groups (memory_model.step.StepConfig.expert_group_size), as
+    pieces of its slab: its weights load holds the rest (`rest`, laid end to end, read from `rest_ranges`), and
+    each group holds its rows of every expert tensor (`group`, read from `ranges(g)`)."""
+
+    layout: UnitLayout
+    experts: tuple[TensorSlot, ...]  # the expert tensors, in slab order
+    count: int
+    rest: UnitLayout
+    rest_ranges: tuple[tuple[int, int], ...]  # (start, count) in the slab
+    group: UnitLayout
+
+    @classmethod
+    def of(cls, layout: UnitLayout, keys: Sequence[str], count: int) -> "ExpertGroups":
+        experts = tuple(s for s in layout.slots if s.key in keys)
+        others, ranges, offset = [], [], 0
+        for slot in layout.slots:
+            if slot.key in keys:
+                continue
+            others.append(TensorSlot(slot.key, slot.hf_key, slot.shape, offset))
+            offset += slot.numel
+            if ranges and ranges[-1][0] + ranges[-1][1] == slot.offset:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + slot.numel)
+            else:
+                ranges.append((slot.offset, slot.numel))
+        pieces, offset = [], 0
+        for slot in experts:
+            shape = (slot.shape[0] // count, *slot.shape[1:])
+            pieces.append(TensorSlot(slot.key, slot.hf_key, shape, offset))
+            offset += slot.numel // count
+        return cls(layout, experts, count, UnitLayout(layout.name, tuple(others)), tuple(ranges),
+                   UnitLayout(layout.name, tuple(pieces)))
+
+    def ranges(self, group: int) -> tuple[tuple[int, int], ...]:
+        """(start, count) in the slab of each expert tensor's rows in `group`."""
+        return tuple((s.offset + group * (s.numel // self.count), s.numel // self.count) for s in self.experts)
+
+    def whole(self, rest: Sequence[torch.Tensor], groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The unit's tensors in slab order from its rest's (in `rest`'s order) and each group's (in `group`'s)."""
+        own = dict(zip(self.rest.keys, rest))
+        experts = {s.key: [pieces[i] for pieces in groups] for i, s in enumerate(self.experts)}
+        return [piece for s in self.layout.slots for piece in (experts[s.key] if s.key in experts else [own[s.key]])]
+
+
 def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
               non_blocking: bool = False) -> torch.Tensor:
     """Copy (`first`) or add `pieces`, which laid end to end make one flat tensor, into `flat`; returns `flat`.
@@ -140,6 +185,15 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
     if offset != flat.numel():
         raise ValueError(f"gradient pieces hold {offset} elements, the flat tensor {flat.numel()}")
     return flat
+
+
+def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -> dict[str, ExpertGroups]:
+    """The blocks whose experts load `size` at a time (memory_model.step.StepConfig.expert_group_size, checked by
+    memory_model.expert_groups.expert_group), each as `ExpertGroups`: none where blocks load whole."""
+    if not 0 < size < cfg.experts():
+        return {}
+    return {u: ExpertGroups.of(layout, cfg.expert_keys, cfg.experts() // size) for u, layout in layouts.items()
+            if u.startswith("block.")}
 
 
 def model_layouts(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
