@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from layers import (
-    FAMILIES, GPTJ, PRESETS, GPTJConfig, ModelConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen3MoeConfig,
-    causal_lm_loss,
+    FAMILIES, GPTJ, PRESETS, GPTJConfig, GptOssConfig, ModelConfig, Olmo2Config, OlmoeConfig, Phi3Config,
+    Qwen3MoeConfig, causal_lm_loss,
 )
 from layers.lora import add_adapters
 from memory_model import PlanConfig, device_spec, plan
@@ -85,7 +85,7 @@ PHI3_GQA = Phi3Config.example().resized(max_position_embeddings=64)  # longrope,
 GEMMA = FAMILIES["gemma3_text"].example().resized(max_position_embeddings=64)
 QWEN3_MOE = Qwen3MoeConfig.example().resized(max_position_embeddings=64)
 OLMOE = OlmoeConfig.example().resized(max_position_embeddings=64)
-GPT_OSS = FAMILIES["gpt_oss"].example().resized(max_position_embeddings=64)  # sinks, a window, clamped experts
+GPT_OSS = GptOssConfig.example().resized(max_position_embeddings=64)  # sinks, a window, clamped experts
 
 
 @pytest.mark.parametrize("model,dtype,activations,dropout,targets", [

@@ -11,6 +11,10 @@ A Llama-family block (RMSNorm, grouped-query attention, rotate-half RoPE) with:
   its gate and up interleaved in one tensor (`gate_up_proj` (E, d, 2f): gate the even columns, up the odd).
 The experts are transformers' tensors as it holds them, input dimension first (`gate_up_proj` (E, d, 2f),
 `down_proj` (E, f, d)), the transpose of the other mixtures'.
+
+Not registered (`@family`) yet: tests/test_gpt_oss.py holds it to everything tests/test_families.py holds a
+registered family to, and all of it passes but the streamed-training bound, which transformers' single CPU kernel
+for gpt-oss makes tighter than the registered families' (see that test).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import PRESETS, ConfigError, FrozenBlockSaves, family
+from layers.config import PRESETS, ConfigError, FrozenBlockSaves
 from layers.gemma3.config import LAYER_TYPES
 from layers.llama.config import LlamaConfig, rope_parameters_of
 from layers.moe.config import MixtureOfExperts
@@ -53,7 +57,6 @@ def alternating_layers(layers: int) -> tuple[str, ...]:
     return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
 
 
-@family
 @dataclass(frozen=True)
 class GptOssConfig(MixtureOfExperts, LlamaConfig):
     model_type: ClassVar[str] = "gpt_oss"
