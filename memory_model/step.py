@@ -119,7 +119,8 @@ class StepConfig:
         0, "experts of a mixture-of-experts block on the device at once: its attention, norms and router load as "
            "its weights, then its experts a group at a time in its forward and again in its backward, each group's "
            "gradient offloaded before the next loads (a divisor of the experts). 0: all of "
-           "them, or for `streamer plan` the most that fit (the fewest groups)", Integer(0), "N")
+           "them where they fit (`streamer train`'s --budget, `streamer plan`'s device), else the most that fit "
+           "(the fewest groups)", Integer(0), "N")
     # A Placement from Python: a mixed one (compute weights in RAM, the state on disk) is priced and run too.
     store: Placement = setting(Placement(), "where the host store lives: ram, or disk (committed every step)",
                                Placements(), "TIER")

@@ -61,13 +61,35 @@ def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = ""
     # A fused update holds a unit's optimizer state while later units' activations are still on the device.
     if pc.fused and _needs(shape, pc.replace(update_timing="after-backward"), arch) <= budget:
         out.append("--update-timing after-backward")
-    # A mixture's experts in groups (one process, full fine-tuning): the fewest groups that fit.
-    experts, now = shape.experts(), pc.step.expert_group_size or shape.experts()
-    sizes = [] if pc.lora.enabled or pc.devices > 1 else [g for g in range(now - 1, 0, -1) if experts % g == 0]
-    fitting = next((g for g in sizes if _needs(shape, pc.replace(expert_group_size=g), arch) <= budget), None)
+    fitting = _fewest_expert_groups(shape, pc, budget, arch)
     if fitting is not None:
         out.append(f"--expert-group-size {fitting} (the fewest groups of experts that fit)")
     return out
+
+
+def _fewest_expert_groups(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = "") -> int | None:
+    """The most experts a block can load at once below what `pc` loads (one process, full fine-tuning) for the
+    step to fit `budget`, or None."""
+    experts, now = shape.experts(), pc.step.expert_group_size or shape.experts()
+    sizes = [] if pc.lora.enabled or pc.devices > 1 else [g for g in range(now - 1, 0, -1) if experts % g == 0]
+    return next((g for g in sizes if _needs(shape, pc.replace(expert_group_size=g), arch) <= budget), None)
+
+
+def fit_expert_groups(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> tuple[RunConfig, str | None]:
+    """The run with --expert-group-size 0 (auto) and whole blocks over its --budget: its experts in the fewest
+    groups that fit, and a line saying so; else the run as it is and None."""
+    budget, arch = cfg.budget_bytes(), cfg.trainer.device.cuda_arch()
+    pc = peak_plan_config(model_cfg, cfg, devices)
+    if budget is None or cfg.trainer.step.expert_group_size or _needs(model_cfg, pc, arch) <= budget:
+        return cfg, None
+    size = _fewest_expert_groups(model_cfg, pc, budget, arch)
+    if size is None:
+        return cfg, None  # nothing fits: check_fits says why
+    grouped = cfg.replace(expert_group_size=size)
+    return grouped, (f"experts in groups of {size}: whole blocks need "
+                     f"{format_size(_needs(model_cfg, pc, arch))} of the {format_size(budget)} --budget; grouped, "
+                     f"{format_size(_needs(model_cfg, peak_plan_config(model_cfg, grouped, devices), arch))} "
+                     "(--expert-group-size sets it)")
 
 
 def _breakdown(shape: ModelConfig, pc: PlanConfig) -> str:

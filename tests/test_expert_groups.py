@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from layers import FAMILIES, PRESETS, MixtralConfig, ModelConfig
-from memory_model import DEVICE_PRESETS, PlanConfig, plan
+from memory_model import DEVICE_PRESETS, PlanConfig, format_size, plan
 from memory_model.devices import with_sets
 from memory_model.expert_groups import expert_group, grouped_block_numel
 from memory_model.planner import fewest_expert_groups, peak_device_bytes, step_disk_bytes
 from memory_model.settings import SettingError
 from memory_model.shapes import block_backward_transient_bytes
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.advice import PLAN_MARGIN_BYTES, alternatives
+from streamer.advice import PLAN_MARGIN_BYTES, alternatives, planned_peak
 from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
 from streamer.generate import Sampling, generate
+from streamer.run import resolve
 from tests.test_cli import fails, run_cli
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
@@ -238,3 +239,24 @@ def test_only_a_mixture_of_experts_has_experts():
     for shape in (PRESETS["llama-350m"], PRESETS["gptj-6b"]):
         assert (shape.experts(), shape.expert_params(), shape.experts_saved_after_per_token(2)) == (0, 0, 0)
     assert isinstance(MIXTRAL, ModelConfig) and MIXTRAL.experts() == 8
+
+
+def test_train_groups_the_experts_where_whole_blocks_exceed_its_budget(capsys, tmp_path: Path, tiny_setup: Path):
+    """`streamer train`'s default loads whole blocks where they fit its --budget, else the fewest groups of
+    experts that fit: it says so in a line, config.toml records the size, and the run trains."""
+    cfg = _wide("mixtral").resized(vocab_size=512, max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    flags = {"model": str(tmp_path / "config.json"), "data": str(tiny_setup / "train.txt"),
+             "tokenizer": str(tiny_setup / "tok"), "steps": 1, "batch": 2, "seq": 16, "dtype": "fp32",
+             "store": "ram", "activations": "checkpoint", "update_chunk": 10_000, "sample_tokens": 0,
+             "eval_fraction": 0}
+    run_cfg = resolve(flags)
+    needs = {size: planned_peak(cfg, run_cfg.replace(expert_group_size=size)) + PLAN_MARGIN_BYTES
+             for size in (0, 4, 2, 1)}
+    assert needs[0] > needs[4] > needs[2] > needs[1]
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    rc, out, err = run_cli(capsys, "train", *argv, "--run-dir", tmp_path / "run", "--budget", needs[4])
+    assert rc == 0, err
+    assert f"experts in groups of 4: whole blocks need {format_size(needs[0])}" in out
+    assert "expert_group_size = 4" in (tmp_path / "run" / "config.toml").read_text()
+    assert "too small" in fails(capsys, "train", *argv, "--run-dir", tmp_path / "small", "--budget", needs[1] - 1)

@@ -18,7 +18,7 @@ from typing import Callable, Collection, TypeVar
 from rich.console import Console
 
 from layers import ModelConfig
-from streamer.advice import check_fits, ledger_advice
+from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.training import Session, describe, report, resume_command, train
 from streamer.console import make_console
@@ -125,6 +125,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     cfg, changed = check_host_resources(cfg, model_cfg)  # config.toml records a change: resume keeps it
     if changed is not None:
         console.print(changed, markup=False, highlight=False)
+    cfg, grouped = fit_expert_groups(model_cfg, cfg, 1 if parallel is None else parallel.world)
+    if grouped is not None:  # config.toml records it: resume keeps it
+        console.print(grouped, markup=False, highlight=False)
     check_fits(model_cfg, cfg, 1 if parallel is None else parallel.world)
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
