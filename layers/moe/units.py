@@ -41,7 +41,9 @@ class GroupedLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         sizes = ctx.sizes
         grad_x = grad.new_empty(grad.shape[0], weight.shape[2]) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # Each expert's block written once: its matmul's product, or zeros where it has no rows (not a zero
+        # fill of the whole gradient first, a pass over every expert's weight).
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         start = 0
         for e, size in enumerate(sizes or ()):
             rows = slice(start, start + size)
@@ -50,6 +52,8 @@ class GroupedLinear(torch.autograd.Function):
                 torch.mm(grad[rows], weight[e], out=grad_x[rows])
             if size and grad_w is not None:
                 torch.mm(grad[rows].t(), x[rows], out=grad_w[e])
+            elif grad_w is not None:
+                grad_w[e].zero_()
         return grad_x, grad_w, None
 
 
