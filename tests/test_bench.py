@@ -262,6 +262,8 @@ def test_command_lists_only_changed_options():
     args = _parse(["--quick", "--output", "x y.md"])
     assert bench._command(args) == "streamer bench --quick --output 'x y.md'"
     assert bench._command(_parse([])) == "streamer bench"
+    # A flag whose option name differs from the flag: the command a user can paste back.
+    assert bench._command(_parse(["--untimed-steps", "1"])) == "streamer bench --untimed-steps 1"
 
 
 def test_quick_writes_no_report_unless_told_where():
