@@ -263,7 +263,9 @@ def _command(args: argparse.Namespace) -> str:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     defaults = vars(parser.parse_args([]))
-    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}")
+    # Each option by its flag, which is not always its name (--untimed-steps sets `warmup`).
+    names = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
+    flags = [names[k] + ("" if v is True else f" {shlex.quote(str(v))}")
              for k, v in vars(args).items() if k in defaults and v != defaults[k]]
     return " ".join(["streamer bench", *flags])
 

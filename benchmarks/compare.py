@@ -109,6 +109,15 @@ def _rss_cells(r: Result | None, reference: Result | None) -> tuple[str, str, st
         size(r.process_rss_peak_bytes)
 
 
+def _hf_experts_note(hf: list[Result]) -> tuple[str, ...]:
+    """How transformers ran a mixture's experts: the implementation its class picked by default, and each run's
+    dtype inside them (torch.autocast leaves grouped_mm alone: its experts stay in the weights' fp32)."""
+    runs = [f"{r.label}: `{r.experts}`" + (" (fp32 under the autocast)" if r.spec.dtype == "bf16" and
+                                          r.experts == "grouped_mm" else "") for r in hf if r.experts]
+    return (f"transformers' experts, as its class picks them by default (experts_implementation): "
+            f"{'; '.join(runs)}.",) if runs else ()
+
+
 def versus_hf(ctx: Context) -> Outcome:
     hf = [r for r in (_get(ctx, HF_FP32), _get(ctx, HF_BF16)) if r is not None]
     faster = min(hf, key=lambda r: r.median_s, default=None)
@@ -125,7 +134,7 @@ def versus_hf(ctx: Context) -> Outcome:
              f"the leaner one ({leaner.label if leaner else '—'}). Peak RSS (steps) is the process's high-water mark "
              "from the first warm-up step on (reset after setup); process peak includes building the model.",
              "Our RSS includes the host store (RAM tier: all weights, gradients and Adam state live in the process).",
-             SHARED_NOTE)
+             SHARED_NOTE, *_hf_experts_note(hf))
     section = Section("2. vs Hugging Face transformers + torch.optim.AdamW (resident)",
                       ("run", "step (median)", "timed steps", "tokens/s", OTHERS, "step vs faster HF",
                        "peak RSS (steps)",

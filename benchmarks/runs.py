@@ -49,6 +49,7 @@ class Result:
     profile: tuple[tuple[str, float, int], ...]
     fused: bool  # ours: the update fused into the backward
     redone_steps: int  # of the timed fused steps, those clipping made again after the backward
+    experts: str  # HF's: the experts implementation transformers picked ("" without experts)
 
     @property
     def update_schedule(self) -> str:
@@ -98,6 +99,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         ledger_peak_breakdown=max(good, key=lambda b: b.ledger_peak_bytes).ledger_peak_breakdown if good else {},
         profile=tuple(tuple(p) for b in good for p in b.profile),
         fused=any(b.fused for b in good), redone_steps=sum(b.redone_steps for b in good),
+        experts=next((b.experts for b in good if b.experts), ""),
     )
 
 

@@ -96,14 +96,15 @@ class Measured:
     fused: bool = False  # ours: the update is fused into the backward where no clipping triggers
     redone_steps: int = 0  # ours: timed fused steps that clipping made again after the backward
     profile: list[tuple[str, float, int]] = field(default_factory=list)  # (op, self CPU s, calls)
+    experts: str = ""  # HF's: the experts implementation transformers picked, where the model has experts
 
 
 # --- contenders ---------------------------------------------------------------------------------------------
 class Contender:
     """A step function and, for ours, the trace of each step."""
 
-    def __init__(self, step: Callable[[Any], float], params: int, trainer: Any = None) -> None:
-        self.step, self.params, self.trainer = step, params, trainer
+    def __init__(self, step: Callable[[Any], float], params: int, trainer: Any = None, experts: str = "") -> None:
+        self.step, self.params, self.trainer, self.experts = step, params, trainer, experts
 
 
 def _config(spec: RunSpec) -> Any:
@@ -136,9 +137,11 @@ def _hf_model(spec: RunSpec) -> Any:
 
 def _hf(spec: RunSpec) -> Contender:
     """What a user writes: the family's transformers class, torch AdamW with decay / no-decay groups, clipping,
-    autocast."""
+    autocast. A mixture's experts run as transformers picks by default (its `experts_implementation`)."""
     import torch
+    from layers.moe.config import MixtureOfExperts
     model = _hf_model(spec)
+    experts = model.get_experts_implementation()[""] if isinstance(_config(spec), MixtureOfExperts) else ""
     model.train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -155,7 +158,7 @@ def _hf(spec: RunSpec) -> Contender:
         optimizer.step()
         return float(loss)
 
-    return Contender(step, sum(p.numel() for p in params))
+    return Contender(step, sum(p.numel() for p in params), experts=experts)
 
 
 def _deepspeed(spec: RunSpec) -> Contender:
@@ -265,7 +268,7 @@ def measure(spec: RunSpec) -> Measured:
     start = time.perf_counter()
     builder = {"stream": _ours, "resident": _ours, "hf": _hf, "deepspeed": _deepspeed}[spec.contender]
     contender = builder(spec)
-    out.setup_s, out.params = time.perf_counter() - start, contender.params
+    out.setup_s, out.params, out.experts = time.perf_counter() - start, contender.params, contender.experts
     vocab = _config(spec).vocab_size
     generator = torch.Generator().manual_seed(spec.seed)
 

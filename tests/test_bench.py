@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from layers import PRESETS, ConfigError, GPTJConfig
+from layers import PRESETS, ConfigError, GPTJConfig, ModelConfig
+from layers.moe.config import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from benchmarks import bench
 from benchmarks.compare import HF_FP32, STREAM_RAM
 from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model, raw_disk
@@ -261,6 +262,8 @@ def test_command_lists_only_changed_options():
     args = _parse(["--quick", "--output", "x y.md"])
     assert bench._command(args) == "streamer bench --quick --output 'x y.md'"
     assert bench._command(_parse([])) == "streamer bench"
+    # A flag whose option name differs from the flag: the command a user can paste back.
+    assert bench._command(_parse(["--untimed-steps", "1"])) == "streamer bench --untimed-steps 1"
 
 
 def test_quick_writes_no_report_unless_told_where():
@@ -324,3 +327,26 @@ def test_model_is_a_preset_or_a_config_file(tmp_path):
     assert settings.second.n_layer == 1 and settings.second.vocab_size == 512
     with pytest.raises(ConfigError, match="neither a preset"):
         bench.Settings.from_args(_parse(["--model", str(tmp_path / "missing.json")]))
+
+
+@pytest.mark.parametrize("family", [Qwen3MoeConfig, MixtralConfig, OlmoeConfig])
+def test_a_mixture_of_experts_is_compared_with_transformers_default_experts(tmp_path, family):
+    """`--model` a mixture's config.json: our streamed step and transformers' class (its experts as it picks them
+    by default, grouped_mm on this torch; under bf16 autocast they stay fp32) both train it, and section 2
+    compares them. Timings are not judged: tiny sizes, a shared machine."""
+    from benchmarks.compare import HF_BF16, Context, versus_hf
+    from benchmarks.machine import Peaks
+    from benchmarks.report import ratio
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(family.example().to_hf()))
+    cfg = ModelConfig.named(str(tmp_path / "moe" / "config.json"))
+    specs = [RunSpec(label=label, contender=contender, model=cfg.to_dict(), batch=2, seq=16, dtype=dtype, warmup=1,
+                     steps=2) for label, contender, dtype in ((STREAM_RAM, "stream", "fp32"), (HF_BF16, "hf", "bf16"))]
+    results = Runner(tmp_path / "work", console=_Quiet(), child_timeout_s=300).compare(specs, rounds=1)
+    assert all(r.ok for r in results.values()), [r.error for r in results.values()]
+    assert results[HF_BF16].experts == "grouped_mm" and results[STREAM_RAM].experts == ""
+    section = versus_hf(Context(results=results, peaks=Peaks(1.0, 1.0, 1), disk={}, plans={}, scale=None,
+                                compute=FP32)).section
+    rows = {row[0]: row for row in section.rows}
+    assert rows[STREAM_RAM][5] == ratio(results[STREAM_RAM].median_s / results[HF_BF16].median_s)
+    assert f"{HF_BF16}: `grouped_mm` (fp32 under the autocast)" in " ".join(section.notes)
