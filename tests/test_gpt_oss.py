@@ -20,11 +20,9 @@ import tests.test_families as families
 import tests.test_hub_configs as hub_configs
 from layers import FAMILIES, PRESETS, ConfigError, GptOssConfig, ModelConfig, resident_model
 from layers.rotary import positions_sincos, rows_sincos
-from streamer import StreamingTrainer, TrainerConfig
 from streamer.io.hf import FP4_VALUES, HFCheckpoint
 from tests.test_families import hf_model
 from tests.test_moe import transformers_count
-from tests.test_runtime import hf_fp32_noise, hf_reference
 
 HUB = Path(__file__).parent / "hub_configs"
 PUBLISHED = HUB / "unregistered" / "gpt-oss-20b.json"
@@ -51,21 +49,7 @@ def test_streamed_training_equals_transformers_and_adamw(tmp_path: Path) -> None
     whose first gradient (3.3e-8) is near Adam's eps, where a 2e-9 error of the gradient (its tensor's own fp32
     error is 4e-8, transformers' as ours) moves the update 7%. A streamed Llama measures up to 4.4x transformers'
     eager noise alone (passing by its sdpa noise)."""
-    cfg = GptOssConfig.example()
-    tc = TrainerConfig.of(lr=1e-3, max_grad_norm=1.0, weight_decay=0.1, dtype="fp32", store="ram",
-                          update_chunk=1000, grad_accum=2)
-    g = torch.Generator().manual_seed(2)
-    steps = [(ids, ids) for ids in (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3))]
-    start = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}
-    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
-        trainer.load_state_dict(start)
-        losses = [trainer.step(ids, labels) for ids, labels in steps]
-        state = {k: v.double() for k, v in trainer.state_dict().items()}
-    exact = hf_reference(start, steps, tc, cfg)
-    weights_noise, loss_noise = hf_fp32_noise(start, steps, tc, exact, cfg)
-    assert max((state[k] - exact[0][k]).abs().max().item() for k in exact[0]) <= 4 * weights_noise
-    rounding = max(abs(loss) for loss in exact[1]) * torch.finfo(torch.float32).eps
-    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * loss_noise, 4 * rounding)
+    families.assert_streamed_training_equals_transformers(tmp_path, GptOssConfig.example(), times=4)
 
 
 def test_cli_trains_a_transformers_folder_exports_and_generates(capsys, tmp_path: Path, tiny_setup: Path) -> None:

@@ -30,7 +30,9 @@ from streamer.calibration.dryrun import dry_run
 from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import OptimizerConfig
 from tests.test_distributed import CFG as DATA_PARALLEL_CFG, run_data_parallel, single_process
-from tests.test_families import (assert_planner_dry_run_and_real_run_agree, assert_the_cli_trains_a_transformers_folder,
+from tests.test_families import (assert_planner_dry_run_and_real_run_agree,
+                                 assert_streamed_training_equals_transformers,
+                                 assert_the_cli_trains_a_transformers_folder,
                                  byte_test_settings, for_cli, hf_model, planned_peak)
 from tests.test_runtime import hf_fp32_noise, hf_reference
 
@@ -319,22 +321,9 @@ def test_streamed_training_with_the_load_balancing_loss_equals_transformers(tmp_
     are transformers' (cross-entropy and balance). Checkpointed, each block's forward runs again in its
     backward and must not count its routing twice."""
     cfg = balanced(FAMILIES[model_type].example())
-    tc = TrainerConfig.of(lr=1e-3, max_grad_norm=1.0, weight_decay=0.1, dtype="fp32", store="ram",
-                          update_chunk=1000, grad_accum=2, activations=activations)
-    g = torch.Generator().manual_seed(2)
-    steps = [(ids, ids) for ids in (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3))]
-    start = {k: v.clone() for k, v in hf_model(cfg).state_dict().items()}
-    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
-        trainer.load_state_dict(start)
-        losses = [trainer.step(ids, labels) for ids, labels in steps]
-        state = {k: v.double() for k, v in trainer.state_dict().items()}
-    exact = hf_reference(start, steps, tc, cfg)
-    weights_noise, loss_noise = hf_fp32_noise(start, steps, tc, exact, cfg)
-    unbalanced = hf_reference(start, steps, tc, dataclasses.replace(cfg, output_router_logits=False))
-    assert max((state[k] - exact[0][k]).abs().max().item() for k in exact[0]) <= 2 * weights_noise
-    assert max((unbalanced[0][k] - exact[0][k]).abs().max().item() for k in exact[0]) > 100 * weights_noise
-    rounding = max(abs(loss) for loss in exact[1]) * torch.finfo(torch.float32).eps
-    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * loss_noise, 4 * rounding)
+    run = assert_streamed_training_equals_transformers(tmp_path, cfg, activations=activations)
+    unbalanced = hf_reference(run.start, run.steps, run.tc, dataclasses.replace(cfg, output_router_logits=False))
+    assert max((unbalanced[0][k] - run.exact[k]).abs().max().item() for k in run.exact) > 100 * run.noise
 
 
 @pytest.mark.parametrize("model_type", MIXTURES)

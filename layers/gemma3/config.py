@@ -26,6 +26,14 @@ def pattern_layers(layers: int, pattern: int) -> tuple[str, ...]:
     return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
 
 
+def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
+    """cfg (with `attention_layers`) at the depth `sizes` asks for, its layer types repeated from the first layer
+    on: what `resized` builds on for a family whose layers alternate."""
+    layers = sizes.get("num_hidden_layers", cfg.num_hidden_layers)
+    kinds = tuple(cfg.attention_layers[i % cfg.num_hidden_layers] for i in range(layers))
+    return dataclasses.replace(cfg, num_hidden_layers=layers, attention_layers=kinds)
+
+
 def rope_per_layer_type(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The RoPE of each layer type as Gemma3TextConfig reads a config.json: its nested `rope_parameters`, or the
     older `rope_theta` and `rope_scaling` (global layers) and `rope_local_base_freq` (sliding layers). As
@@ -125,10 +133,7 @@ class Gemma3TextConfig(ModelConfig):
 
     def resized(self, **sizes: int) -> "Gemma3TextConfig":
         """ModelConfig.resized; another depth repeats the layer types from the first layer on."""
-        layers = sizes.get("num_hidden_layers", self.num_hidden_layers)
-        kinds = tuple(self.attention_layers[i % self.num_hidden_layers] for i in range(layers))  # type: ignore
-        deeper = dataclasses.replace(self, num_hidden_layers=layers, attention_layers=kinds)
-        return ModelConfig.resized(deeper, **sizes)  # type: ignore[return-value]
+        return ModelConfig.resized(deepened(self, sizes), **sizes)  # type: ignore[return-value]
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property

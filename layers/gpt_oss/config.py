@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, FrozenBlockSaves
-from layers.gemma3.config import LAYER_TYPES
+from layers.gemma3.config import LAYER_TYPES, deepened
 from layers.llama.config import LlamaConfig, rope_parameters_of
 from layers.moe.config import MixtureOfExperts
 
@@ -128,10 +128,7 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
 
     def resized(self, **sizes: int) -> "GptOssConfig":
         """ModelConfig.resized; another depth repeats the layer types from the first layer on."""
-        layers = sizes.get("num_hidden_layers", self.num_hidden_layers)
-        kinds = tuple(self.attention_layers[i % self.num_hidden_layers] for i in range(layers))  # type: ignore
-        deeper = dataclasses.replace(self, num_hidden_layers=layers, attention_layers=kinds)
-        return LlamaConfig.resized(deeper, **sizes)  # type: ignore[return-value]
+        return LlamaConfig.resized(deepened(self, sizes), **sizes)  # type: ignore[return-value]
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property
