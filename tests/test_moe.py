@@ -308,7 +308,10 @@ def test_the_load_balancing_loss_and_its_gradients_equal_transformers(model_type
     assert (mine[0] - unbalanced).abs() > 0.1
     for k in exact[1]:
         bound = max((n[1][k] - exact[1][k]).abs().max().item() for n in noise)
-        assert (mine[1][k] - exact[1][k]).abs().max().item() <= 2 * bound, k
+        # The balance's gradient joins the router's in a fused add of its own: fp32's rounding of the tensor's
+        # largest element is the floor, as for the loss (transformers' own error can be smaller by chance).
+        rounding = exact[1][k].abs().max().item() * torch.finfo(torch.float32).eps
+        assert (mine[1][k] - exact[1][k]).abs().max().item() <= max(2 * bound, 4 * rounding), k
 
 
 @pytest.mark.parametrize("activations", ["resident", "checkpoint"])

@@ -12,9 +12,9 @@ A Llama-family block (RMSNorm, grouped-query attention, rotate-half RoPE) with:
 The experts are transformers' tensors as it holds them, input dimension first (`gate_up_proj` (E, d, 2f),
 `down_proj` (E, f, d)), the transpose of the other mixtures'.
 
-Not registered (`@family`) yet: tests/test_gpt_oss.py holds it to everything tests/test_families.py holds a
-registered family to, and all of it passes but the streamed-training bound, which transformers' single CPU kernel
-for gpt-oss makes tighter than the registered families' (see that test).
+Not registered (`@family`) yet: of everything tests/test_families.py holds a registered family to, it misses
+the streamed-training bound (tests/test_gpt_oss.py says by how much), and tests/test_gpt_oss.py holds it to the
+rest.
 """
 from __future__ import annotations
 
