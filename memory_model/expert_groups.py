@@ -38,6 +38,15 @@ def checked_group(shape: ModelConfig, size: int, lora: bool, devices: int) -> in
     return size
 
 
+def group_sizes(shape: ModelConfig, cfg: PlanConfig) -> list[int]:
+    """The sizes `cfg`'s step may load a block's experts in, largest (all of them: whole blocks) first: the
+    divisors of its experts, for full fine-tuning on one device (`checked_group`); none for a dense model."""
+    experts = shape.experts()
+    if not experts or cfg.lora.enabled or cfg.devices > 1:
+        return []
+    return [g for g in range(experts, 0, -1) if experts % g == 0]
+
+
 def grouped(shape: ModelConfig, cfg: PlanConfig, unit: str) -> bool:
     """Whether `unit` is a block whose experts load in groups."""
     return unit.startswith("block.") and expert_group(shape, cfg) > 0

@@ -18,7 +18,8 @@ from layers.config import ModelConfig
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
-    backward_moment, expert_group, forward_moment, grouped, grouped_block_numel, last_gradient, reloaded,
+    backward_moment, expert_group, forward_moment, group_sizes, grouped, grouped_block_numel, last_gradient,
+    reloaded,
 )
 from memory_model.ledger import CATEGORIES
 from memory_model.settings import flatten
@@ -340,16 +341,15 @@ def fewest_expert_groups(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig
     the fewest groups with which the step fits `device`: all of them (0) where whole blocks fit, else the largest
     divisor of the experts that fits, else 0 (nothing fits: the plan says why). Groups are for full fine-tuning
     on one device (`expert_group`)."""
-    experts = shape.experts()
-    if cfg.step.expert_group_size or not experts or cfg.lora.enabled or cfg.devices > 1:
+    if cfg.step.expert_group_size:
         return cfg.step.expert_group_size
-    for size in (g for g in range(experts, 0, -1) if experts % g == 0):
+    for size in group_sizes(shape, cfg):
         trial = cfg.replace(expert_group_size=size)
         events = _events(shape, trial)
         moments = _memory_walk(shape, trial, events, resident_sets(events, cfg.step.prefetch), cfg.micro_batch,
                                cfg.seq)
         if allocated_peak_bytes(moments, device) + device.reserve_bytes <= device.memory_bytes:
-            return 0 if size == experts else size
+            return 0 if size == shape.experts() else size
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
 from memory_model.allocator import workspace_bytes
+from memory_model.expert_groups import group_sizes
 from memory_model.ledger import round_up_size
 from streamer.run import RunConfig, RunError
 
@@ -70,8 +71,8 @@ def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = ""
 def _fewest_expert_groups(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = "") -> int | None:
     """The most experts a block can load at once below what `pc` loads (one process, full fine-tuning) for the
     step to fit `budget`, or None."""
-    experts, now = shape.experts(), pc.step.expert_group_size or shape.experts()
-    sizes = [] if pc.lora.enabled or pc.devices > 1 else [g for g in range(now - 1, 0, -1) if experts % g == 0]
+    now = pc.step.expert_group_size or shape.experts()
+    sizes = [g for g in group_sizes(shape, pc) if g < now]
     return next((g for g in sizes if _needs(shape, pc.replace(expert_group_size=g), arch) <= budget), None)
 
 
@@ -79,15 +80,18 @@ def fit_expert_groups(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) 
     """The run with --expert-group-size 0 (auto) and whole blocks over its --budget: its experts in the fewest
     groups that fit, and a line saying so; else the run as it is and None."""
     budget, arch = cfg.budget_bytes(), cfg.trainer.device.cuda_arch()
+    if budget is None or cfg.trainer.step.expert_group_size:
+        return cfg, None
     pc = peak_plan_config(model_cfg, cfg, devices)
-    if budget is None or cfg.trainer.step.expert_group_size or _needs(model_cfg, pc, arch) <= budget:
+    whole = _needs(model_cfg, pc, arch)
+    if whole <= budget:
         return cfg, None
     size = _fewest_expert_groups(model_cfg, pc, budget, arch)
     if size is None:
         return cfg, None  # nothing fits: check_fits says why
     grouped = cfg.replace(expert_group_size=size)
     return grouped, (f"experts in groups of {size}: whole blocks need "
-                     f"{format_size(_needs(model_cfg, pc, arch))} of the {format_size(budget)} --budget; grouped, "
+                     f"{format_size(whole)} of the {format_size(budget)} --budget; grouped, "
                      f"{format_size(_needs(model_cfg, peak_plan_config(model_cfg, grouped, devices), arch))} "
                      "(--expert-group-size sets it)")
 
