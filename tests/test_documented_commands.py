@@ -12,7 +12,6 @@ Figures the docs quote from a command are checked against what the command print
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
@@ -32,7 +31,7 @@ import psutil
 import pytest
 
 from conftest import TINY_RUN_MODEL
-from layers import PRESETS
+from layers import PRESETS, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("streamer", "torchrun", "python", "make")
@@ -67,8 +66,8 @@ def _commands_in(text: str) -> list[str]:
     return out
 
 
-def documented_commands() -> list[tuple[str, str]]:
-    """(where, command) for every command in the docs, the examples' usage lines and every --help."""
+def file_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command in the docs' fenced blocks and the examples' usage lines."""
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for block in re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), re.S):
@@ -76,6 +75,12 @@ def documented_commands() -> list[tuple[str, str]]:
     for path in sorted((ROOT / "examples").glob("*.py")):
         docstring = path.read_text().split('"""')[1]
         found += [(path.name, c) for c in _commands_in(docstring)]
+    return found
+
+
+def help_commands() -> list[tuple[str, str]]:
+    """(where, command) for the examples of every --help (each a subprocess, so asked for only where needed)."""
+    found = []
     for sub in ("", *SUBCOMMANDS):
         help_text = subprocess.run([sys.executable, "-m", "streamer", *sub.split(), "--help"], capture_output=True,
                                    text=True, check=True, cwd=ROOT).stdout
@@ -85,6 +90,11 @@ def documented_commands() -> list[tuple[str, str]]:
                  for line in examples.splitlines()]
         found += [(f"streamer {sub} --help".replace("  ", " "), c) for c in _commands_in("\n".join(lines))]
     return found
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command in the docs, the examples' usage lines and every --help."""
+    return file_commands() + help_commands()
 
 
 # --- the stand-ins -----------------------------------------------------------------------------------------------
@@ -169,6 +179,13 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
             out += ["--steps", str(AT_MOST["--steps"])]
     if program == "streamer" and out[:1] == ["bench"]:
         out += ["--quick", "--output", str(work / "BENCHMARKS.md")]
+        model = out.index("--model") + 1 if "--model" in out else None
+        if model is not None and Path(out[model]).is_file():
+            # A harness check of the family: its test example, as the scale run's smallest preset is (a bench of
+            # the 110M-parameter file's contenders took 107 s at --quick).
+            example = work / "bench-model.json"
+            example.write_text(json.dumps(type(ModelConfig.named(out[model])).example().to_hf()))
+            out[model] = str(example)
     if program == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *out]
     if program == "streamer":
@@ -200,12 +217,11 @@ def nodes(argv: list[str]) -> list[list[str]]:
     return out
 
 
-def test_every_documented_command_runs(stand_ins, tmp_path):
-    commands = documented_commands()
-    assert any(c.startswith("torchrun") for _, c in commands), "the data-parallel launch must be documented"
-    # One source's commands run in order in one folder (an example writes the data its shell line reads; a
-    # --run-dir is continued or read by the next line); sources run side by side. A command shown in several
-    # places runs once, unless it makes a --run-dir that a later line of its source reads.
+def command_groups(commands: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """The commands to run, by source, in order. One source's commands run in order in one folder (an example
+    writes the data its shell line reads; a --run-dir is continued or read by the next line). A command shown in
+    several places runs once, in its first source, unless it makes a --run-dir that a later line of its source
+    reads."""
     sources: dict[str, list[str]] = {}
     for where, command in commands:
         if command not in NOT_RUN:
@@ -224,37 +240,54 @@ def test_every_documented_command_runs(stand_ins, tmp_path):
             if command not in seen or read_later(where, k):
                 seen.add(command)
                 groups.setdefault(where, []).append(command)
+    return groups
 
-    def run_group(where: str) -> list[str]:
-        work = tmp_path / re.sub(r"\W+", "-", where)
-        work.mkdir()
-        failures = []
-        launched = set()
-        for command in groups[where]:
-            argv = override(command, stand_ins, work)
-            launch = nodes(argv)
-            key = re.sub(r"--node-rank \d+", "--node-rank R", shlex.join(argv))
-            if key in launched:
-                continue  # another node's line of a launch that has run
-            launched.add(key)
-            procs = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                                      cwd=work, stdin=subprocess.DEVNULL) for node in launch]
-            try:
-                errs = [proc.communicate(timeout=300)[1] for proc in procs]
-            finally:  # a launch that hung: torchrun's own processes too
-                for proc in procs:
-                    for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
-                        child.kill()
-                    proc.kill()
-                    proc.communicate()
-            for proc, err in zip(procs, errs):
-                if proc.returncode != 0 or "Traceback" in err:
-                    failures.append(f"{where}: {command}\n  ran {shlex.join(argv[1:])}\n  exit {proc.returncode}: "
-                                    f"{err.strip()[-800:]}")
-        return failures
 
-    with cf.ThreadPoolExecutor(2) as pool:
-        failures = [f for group in pool.map(run_group, groups) for f in group]
+def run_group(where: str, commands: list[str], stand_ins: dict[str, Path], work: Path) -> list[str]:
+    """Run one source's commands in order in `work`; what failed, one entry per command."""
+    work.mkdir()
+    failures = []
+    launched = set()
+    for command in commands:
+        argv = override(command, stand_ins, work)
+        launch = nodes(argv)
+        key = re.sub(r"--node-rank \d+", "--node-rank R", shlex.join(argv))
+        if key in launched:
+            continue  # another node's line of a launch that has run
+        launched.add(key)
+        procs = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                  cwd=work, stdin=subprocess.DEVNULL) for node in launch]
+        try:
+            errs = [proc.communicate(timeout=300)[1] for proc in procs]
+        finally:  # a launch that hung: torchrun's own processes too
+            for proc in procs:
+                for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+                    child.kill()
+                proc.kill()
+                proc.communicate()
+        for proc, err in zip(procs, errs):
+            if proc.returncode != 0 or "Traceback" in err:
+                failures.append(f"{where}: {command}\n  ran {shlex.join(argv[1:])}\n  exit {proc.returncode}: "
+                                f"{err.strip()[-800:]}")
+    return failures
+
+
+HELP = "every --help"
+# Each file's commands are a test of their own, and every --help's together, so that the test workers share them.
+SOURCES = [*command_groups(file_commands()), HELP]
+
+
+def test_the_data_parallel_launch_is_documented():
+    assert any(c.startswith("torchrun") for _, c in file_commands())
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_documented_command_runs(source, stand_ins, tmp_path):
+    commands = file_commands() + (help_commands() if source == HELP else [])
+    groups = {where: lines for where, lines in command_groups(commands).items()
+              if where == source or (source == HELP and where.endswith("--help"))}
+    failures = [f for where, lines in groups.items()
+                for f in run_group(where, lines, stand_ins, tmp_path / re.sub(r"\W+", "-", where))]
     assert not failures, "\n".join(failures)
 
 

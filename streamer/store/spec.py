@@ -150,16 +150,19 @@ class StoreSpec:
     def _sizes(self) -> tuple[int, int, int, int]:
         """(RAM slabs, state files, the largest state file, gradient files) in bytes."""
         ram = states = largest = grads = 0
-        numels: dict[str, int] = {}  # per unit type: every block has the same shapes, and laying one out takes ~1 ms
+        # Per unit type: every block has the same shapes, and laying one out and summing its chunks takes ~1 ms.
+        sizes: dict[str, tuple[int, int, int]] = {}
         for unit in self.config.unit_names():
             kind = unit.split(".")[0]
-            if kind not in numels:
-                numels[kind] = self.stored_numel(UnitLayout.of(self.config, unit).numel)
-            numel = numels[kind]
-            ram += sum(self.kind_bytes(k, numel) for k in self.ram_kinds())
-            state = self.state_bytes(numel) + TRAILER_BYTES
+            if kind not in sizes:
+                numel = self.stored_numel(UnitLayout.of(self.config, unit).numel)
+                on_disk = self.placement.grad == "disk" and not self.frozen
+                sizes[kind] = (sum(self.kind_bytes(k, numel) for k in self.ram_kinds()),
+                               self.state_bytes(numel) + TRAILER_BYTES,
+                               self.kind_bytes("grad", numel) if on_disk else 0)
+            unit_ram, state, unit_grads = sizes[kind]
+            ram, grads = ram + unit_ram, grads + unit_grads
             states, largest = states + state, max(largest, state)
-            grads += self.kind_bytes("grad", numel) if self.placement.grad == "disk" and not self.frozen else 0
         return ram, states, largest, grads
 
     def staging_bytes(self) -> int:
