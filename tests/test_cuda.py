@@ -1,5 +1,5 @@
-"""On a CUDA GPU: streamed training equals resident training, pinned side-stream copies overlap compute, and the
-ledger's peak matches the CUDA allocator's.
+"""On a CUDA GPU: streamed training equals resident training, pinned side-stream copies overlap compute, the
+experts' grouped matmul equals one matmul per expert, and the ledger's peak matches the CUDA allocator's.
 
 Skipped where torch sees no CUDA device (so `make test` skips them on a CPU); `make gpu-check`
 (benchmarks/gpu_check.py) runs them first. Each test records what it measured (`record_property`), which
@@ -168,3 +168,35 @@ def test_ledger_peak_matches_the_allocator(tmp_path: Path, record_property: Reco
                                                  f"{ledger / 2**20:,.1f} MiB")
     assert abs(allocator / planned - 1) <= 0.05, (f"allocator peak {allocator / 2**20:,.1f} MiB vs the planner's "
                                                   f"{planned / 2**20:,.1f} MiB")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_grouped_mm_on_the_gpu_equals_the_loop(record_property: Record, dtype: torch.dtype) -> None:
+    """torch._grouped_mm computes a mixture's experts on CUDA: its forward and gradients against one matmul per
+    expert on the same GPU, within the dtype's rounding of the largest element (fp32 without TF32: 1e-5), an
+    expert with no rows exactly zero."""
+    import layers.moe.units as units
+    from layers.moe.units import GroupedLinear
+    g = torch.Generator().manual_seed(0)
+    sizes = [40, 0, 130, 7, 0, 79]
+    x = torch.randn(sum(sizes), 256, generator=g).to("cuda", dtype).requires_grad_()
+    w = torch.randn(len(sizes), 128, 256, generator=g).to("cuda", dtype).requires_grad_()
+    upstream = torch.randn(sum(sizes), 128, generator=g).to("cuda", dtype)
+    assert units.grouped_mm_serves(x, w)
+
+    def products() -> tuple[torch.Tensor, ...]:
+        out = GroupedLinear.apply(x, w, sizes)
+        return (out, *torch.autograd.grad(out, (x, w), upstream))
+
+    grouped = products()
+    devices, units.GROUPED_MM_DEVICES = units.GROUPED_MM_DEVICES, set()
+    try:
+        loop = products()
+    finally:
+        units.GROUPED_MM_DEVICES = devices
+    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(grouped, loop)]
+    record_property("max |grouped - loop| (out, grad x, grad w)", errors)
+    rtol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    for a, b in zip(grouped, loop):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
+    assert torch.count_nonzero(grouped[2][[1, 4]]) == 0

@@ -1,7 +1,8 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
 example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
 experts'), an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only
-one rank's tokens chose, the device peak whatever the routing, the experts' two matmul paths, transformers'
+one rank's tokens chose, the device peak whatever the routing, the experts' matmuls (per expert or
+torch._grouped_mm's), transformers'
 files with their experts one tensor each, the router's load-balancing loss (`output_router_logits`) against
 transformers' resident and streamed, and LoRA on the experts against PEFT's `target_parameters` (its keys,
 logits, gradients and steps; the planner's bytes are tests/test_lora.py's, PEFT loading the export
@@ -218,6 +219,62 @@ def test_the_grouped_matmul_is_one_matmul_per_expert_with_tokens():
     for a, b in zip(grads, expected):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
     assert torch.count_nonzero(grads[1][1]) == 0
+
+
+@pytest.fixture
+def grouped_mm_calls(monkeypatch) -> list[int]:
+    """torch._grouped_mm serving the CPU, as it serves CUDA, and its calls from GroupedLinear counted (not
+    transformers'): the kernel path, tested here (its CPU kernel takes fp32 and bf16), is what a GPU runs."""
+    import sys
+
+    import layers.moe.units as units
+    calls = []
+    kernel = torch._grouped_mm
+
+    def counted(*args, **kwargs):
+        calls.extend([1] if sys._getframe(1).f_globals["__name__"] == units.__name__ else [])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(units, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_mm_kernel_computes_what_the_loop_does(grouped_mm_calls: list[int], dtype: torch.dtype):
+    """torch._grouped_mm's forward and both gradients equal the per-expert loop's within the dtype's matmul
+    rounding, the weight's gradient exactly zero for the experts with no rows; a LoRA B's strided columns, which
+    its CUDA kernels do not take, go through the loop."""
+    import layers.moe.units as units
+    g = torch.Generator().manual_seed(0)
+    sizes = [5, 0, 9, 2, 0, 16]
+    x = torch.randn(sum(sizes), 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(len(sizes), 8, 16, generator=g).to(dtype).requires_grad_()
+    upstream = torch.randn(sum(sizes), 8, generator=g).to(dtype)
+
+    def products(devices: set[str]) -> tuple[torch.Tensor, ...]:
+        units.GROUPED_MM_DEVICES = devices
+        out = GroupedLinear.apply(x, w, sizes)
+        return (out, *torch.autograd.grad(out, (x, w), upstream))
+
+    loop = products(set())
+    assert not grouped_mm_calls
+    grouped = products({"cpu"})
+    assert len(grouped_mm_calls) == 3  # the forward, the input's gradient and the weight's
+    for a, b in zip(grouped, loop):
+        torch.testing.assert_close(a, b)
+    assert torch.count_nonzero(grouped[2][[1, 4]]) == 0
+    strided = torch.randn(8, 2 * len(sizes), generator=g).to(dtype).view(8, 2, len(sizes)).permute(2, 0, 1)
+    assert not units.grouped_mm_serves(x, strided) and units.grouped_mm_serves(x, w)
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_streamed_training_through_the_grouped_mm_kernel_equals_transformers(tmp_path: Path, grouped_mm_calls,
+                                                                            model_type: str):
+    """Three streamed steps with every expert matmul torch._grouped_mm's: transformers' class and torch's AdamW
+    within twice transformers' own fp32 error, as the loop is held in tests/test_families.py."""
+    assert_streamed_training_equals_transformers(tmp_path, FAMILIES[model_type].example())
+    assert grouped_mm_calls
 
 
 @pytest.mark.parametrize("family,saved", [(Qwen3MoeConfig, "model.layers.1.mlp.experts.3.up_proj.weight"),

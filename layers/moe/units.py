@@ -8,6 +8,7 @@ Where the config asks (`output_router_logits`), `RouterBalance` is the loss's lo
 from __future__ import annotations
 
 import contextlib
+import itertools
 from contextvars import ContextVar
 from typing import ClassVar, Iterator, Protocol
 
@@ -21,20 +22,44 @@ from layers.model import AuxiliaryLoss, FamilyUnits
 from layers.moe.config import MixtureOfExperts
 
 
+# Where torch._grouped_mm computes the experts: one kernel for every expert instead of a launch per expert. Not on
+# the CPU: torch 2.13's CPU kernel takes no float64 (the tests' references) and was not faster over a step (2048
+# tokens, 8 of 128 experts, d 512, f 256: its forward took 0.8x (fp32) and 0.5x (bf16) the loop's time, its
+# weight gradient 1.3x and 1.5x). transformers' grouped experts ask the same of CUDA: compute capability 8.0 or above.
+GROUPED_MM_DEVICES = {"cuda"}
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm computes x's rows times the experts' `weight`: on a device it serves, in a dtype
+    it takes, each expert's weight row- or column-major (not a LoRA B's strided columns), and with rows that start
+    on 16 bytes, as its CUDA kernels require."""
+    if x.device.type not in GROUPED_MM_DEVICES or not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    size = x.element_size()
+    return (x.dtype == weight.dtype and x.dtype in GROUPED_MM_DTYPES and x.is_contiguous()
+            and 1 in weight.stride()[1:] and all(n * size % 16 == 0 for n in (x.shape[1], weight.shape[1]))
+            and all(t.data_ptr() % 16 == 0 for t in (x, weight)))
+
+
 class GroupedLinear(torch.autograd.Function):
     """Rows grouped by expert, `sizes[e]` rows for expert e in order, each times its expert's weight[e]^T:
     (n, in) x (E, out, in) -> (n, out). Its backward makes the weight's gradient once, whole, zero for the
     experts with no rows (autograd through `weight[e]` would make a whole zero tensor per expert). It saves
     its input only where the weight needs a gradient, and the weight only where the input does (a LoRA adapter's
     compute-dtype copy is not kept for nothing). `sizes` None: shapes only (the dry run's meta tensors,
-    which hold no routing to group by). Not torch._grouped_mm: in torch 2.13 on the CPU it takes no float64, its
-    own backward fails, its meta kernel takes bf16 only, and it was not faster (2048 tokens, 8 of 128 experts,
-    d 512, f 256: its forward 0.8x (fp32) and 0.5x (bf16) this loop's time, its weight gradient 1.3x and 1.5x)."""
+    which hold no routing to group by). The products are torch._grouped_mm's where it serves
+    (`grouped_mm_serves`), else one torch.mm per expert that has rows; either way the same tensors are saved."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         ctx.sizes, ctx.weight_shape = sizes, weight.shape
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.grouped = sizes is not None and grouped_mm_serves(x, weight)
+        if ctx.grouped:
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(sizes, x.device))
         out = x.new_empty(x.shape[0], weight.shape[1])
         if sizes is not None:
             for e, (rows, into) in enumerate(zip(x.split(sizes), out.split(sizes))):
@@ -46,6 +71,8 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         sizes = ctx.sizes
+        if ctx.grouped and grad.is_contiguous() and grad.data_ptr() % 16 == 0:
+            return (*_grouped_backward(grad, x, weight, sizes), None)
         grad_x = grad.new_empty(grad.shape[0], ctx.weight_shape[2]) if ctx.needs_input_grad[0] else None
         # Each expert's block written once: its matmul's product, or zeros where it has no rows (not a zero
         # fill of the whole gradient first, a pass over every expert's weight).
@@ -61,6 +88,27 @@ class GroupedLinear(torch.autograd.Function):
             elif grad_w is not None:
                 grad_w[e].zero_()
         return grad_x, grad_w, None
+
+
+def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """torch._grouped_mm's groups: where each expert's rows end, int32."""
+    return torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
+
+
+def _grouped_backward(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                      sizes: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """GroupedLinear's gradients through torch._grouped_mm: the input's, grad times each expert's weight, and the
+    weight's, each expert's grad^T x over its rows, zeroed for an expert with none (as the loop writes it, whatever
+    a kernel leaves in an empty group)."""
+    offs = _offsets(sizes, grad.device)
+    grad_x = None if weight is None else torch._grouped_mm(grad, weight, offs=offs)
+    grad_w = None
+    if x is not None:
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offs)
+        empty = [e for e, size in enumerate(sizes) if not size]
+        if empty:
+            grad_w.index_fill_(0, torch.tensor(empty, device=grad.device), 0)
+    return grad_x, grad_w
 
 
 class Gather(torch.autograd.Function):
