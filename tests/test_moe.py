@@ -277,6 +277,13 @@ def test_streamed_training_through_the_grouped_mm_kernel_equals_transformers(tmp
     assert grouped_mm_calls
 
 
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_streamed_training_with_the_update_on_the_host_equals_transformers(tmp_path: Path, model_type: str):
+    """The update's other place (tests/test_families.py runs it on the device): AdamW on the host's copy of
+    each unit's state, the experts' fused tensors among them, as torch's AdamW steps transformers' class."""
+    assert_streamed_training_equals_transformers(tmp_path, FAMILIES[model_type].example(), update_on="host")
+
+
 @pytest.mark.parametrize("family,saved", [(Qwen3MoeConfig, "model.layers.1.mlp.experts.3.up_proj.weight"),
                                            (MixtralConfig, "model.layers.1.block_sparse_moe.experts.3.w3.weight")])
 def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path: Path, family, saved: str):
