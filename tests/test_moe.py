@@ -243,8 +243,8 @@ def grouped_mm_calls(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_grouped_mm_kernel_computes_what_the_loop_does(grouped_mm_calls: list[int], dtype: torch.dtype):
     """torch._grouped_mm's forward and both gradients equal the per-expert loop's within the dtype's matmul
-    rounding, the weight's gradient exactly zero for the experts with no rows; a LoRA B's strided columns, which
-    its CUDA kernels do not take, go through the loop."""
+    rounding, the weight's gradient exactly zero for the experts with no rows; no rows at all, and a LoRA B's
+    strided columns, which its CUDA kernels do not take, go through the loop."""
     import layers.moe.units as units
     g = torch.Generator().manual_seed(0)
     sizes = [5, 0, 9, 2, 0, 16]
@@ -264,6 +264,8 @@ def test_the_grouped_mm_kernel_computes_what_the_loop_does(grouped_mm_calls: lis
     for a, b in zip(grouped, loop):
         torch.testing.assert_close(a, b)
     assert torch.count_nonzero(grouped[2][[1, 4]]) == 0
+    no_rows = GroupedLinear.apply(x[:0], w, [0] * len(sizes))  # a group no token chose: the loop, zeros
+    assert not torch.autograd.grad(no_rows, w, upstream[:0])[0].any() and len(grouped_mm_calls) == 3
     strided = torch.randn(8, 2 * len(sizes), generator=g).to(dtype).view(8, 2, len(sizes)).permute(2, 0, 1)
     assert not units.grouped_mm_serves(x, strided) and units.grouped_mm_serves(x, w)
 

@@ -57,7 +57,8 @@ class GroupedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         ctx.sizes, ctx.weight_shape = sizes, weight.shape
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-        ctx.grouped = sizes is not None and grouped_mm_serves(x, weight)
+        # A group with no rows at all has nothing to launch.
+        ctx.grouped = sizes is not None and x.shape[0] > 0 and grouped_mm_serves(x, weight)
         if ctx.grouped:
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(sizes, x.device))
         out = x.new_empty(x.shape[0], weight.shape[1])
