@@ -92,11 +92,6 @@ def help_commands() -> list[tuple[str, str]]:
     return found
 
 
-def documented_commands() -> list[tuple[str, str]]:
-    """(where, command) for every command in the docs, the examples' usage lines and every --help."""
-    return file_commands() + help_commands()
-
-
 # --- the stand-ins -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
