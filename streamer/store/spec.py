@@ -4,6 +4,7 @@ Torch appears only for dtypes; nothing here reads or writes a file.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,21 +149,17 @@ class StoreSpec:
         return 0 if self.frozen else self._sizes()[1]
 
     def _sizes(self) -> tuple[int, int, int, int]:
-        """(RAM slabs, state files, the largest state file, gradient files) in bytes."""
+        """(RAM slabs, state files, the largest state file, gradient files) in bytes. Sized once per unit type
+        (`_unit_kinds`): every block has the same shapes, and laying one out and summing its chunks takes ~1 ms."""
+        count = Counter(unit.split(".")[0] for unit in self.config.unit_names())
+        grads_on_disk = self.placement.grad == "disk" and not self.frozen
         ram = states = largest = grads = 0
-        # Per unit type: every block has the same shapes, and laying one out and summing its chunks takes ~1 ms.
-        sizes: dict[str, tuple[int, int, int]] = {}
-        for unit in self.config.unit_names():
-            kind = unit.split(".")[0]
-            if kind not in sizes:
-                numel = self.stored_numel(UnitLayout.of(self.config, unit).numel)
-                on_disk = self.placement.grad == "disk" and not self.frozen
-                sizes[kind] = (sum(self.kind_bytes(k, numel) for k in self.ram_kinds()),
-                               self.state_bytes(numel) + TRAILER_BYTES,
-                               self.kind_bytes("grad", numel) if on_disk else 0)
-            unit_ram, state, unit_grads = sizes[kind]
-            ram, grads = ram + unit_ram, grads + unit_grads
-            states, largest = states + state, max(largest, state)
+        for unit in self._unit_kinds():
+            numel, units = self.stored_numel(UnitLayout.of(self.config, unit).numel), count[unit.split(".")[0]]
+            state = self.state_bytes(numel) + TRAILER_BYTES
+            ram += units * sum(self.kind_bytes(k, numel) for k in self.ram_kinds())
+            states, largest = states + units * state, max(largest, state)
+            grads += units * self.kind_bytes("grad", numel) if grads_on_disk else 0
         return ram, states, largest, grads
 
     def staging_bytes(self) -> int:
