@@ -1,11 +1,11 @@
 """gpt-oss, not yet registered: every test tests/test_families.py and tests/test_hub_configs.py give a registered
 family, run with it in `FAMILIES` for the test (`registered`), but the streamed-training one, which it misses:
 its weights after 3 steps are 1.77e-5 from float64 transformers' on this CPU (native and AVX2 alike) against
-transformers' own fp32 8.55e-6 (3.2e-6 under AVX2), all of it one v_proj weight whose first gradient (3.3e-8)
-is below its tensor's fp32 noise (4e-8) and near Adam's eps; transformers has one CPU kernel for gpt-oss (no
-SDPA with sinks), so its noise is one sample. And what is its own: the published shapes' parameter counts, YaRN's tables against transformers' to the
-bit, the published checkpoints' MXFP4 experts dequantized as transformers dequantizes them, and what its config
-refuses."""
+transformers' own fp32 8.55e-6 (3.2e-6 under AVX2), all of it one v_proj weight whose first gradient (3.3e-8) is
+below its tensor's fp32 noise (4e-8) and near Adam's eps; transformers has one CPU kernel for gpt-oss (no SDPA
+with sinks), so its noise is one sample. And what is its own: the published shapes' parameter counts, YaRN's
+tables against transformers' to the bit, the published checkpoints' MXFP4 experts dequantized as transformers
+dequantizes them, and what its config refuses."""
 from __future__ import annotations
 
 import dataclasses

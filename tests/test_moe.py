@@ -1,11 +1,10 @@
 """What is the mixture-of-experts families' own (tests/test_families.py holds each against transformers by its
-example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active
-experts'), an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only
-one rank's tokens chose, the device peak whatever the routing, the experts' matmuls (per expert or
-torch._grouped_mm's), transformers'
-files with their experts one tensor each, the router's load-balancing loss (`output_router_logits`) against
-transformers' resident and streamed, and LoRA on the experts against PEFT's `target_parameters` (its keys,
-logits, gradients and steps; the planner's bytes are tests/test_lora.py's, PEFT loading the export
+example): the published shapes' parameter counts, their planned FLOPs and elementwise work (the active experts'),
+an expert no token chose stepped as torch's AdamW steps it, data parallel with an expert that only one rank's
+tokens chose, the device peak whatever the routing, the experts' matmuls (per expert or torch._grouped_mm's),
+transformers' files with their experts one tensor each, the router's load-balancing loss (`output_router_logits`)
+against transformers' resident and streamed, and LoRA on the experts against PEFT's `target_parameters` (its
+keys, logits, gradients and steps; the planner's bytes are tests/test_lora.py's, PEFT loading the export
 tests/test_families.py's)."""
 from __future__ import annotations
 
