@@ -194,3 +194,25 @@ def test_a_lora_runs_kept_step_keeps_its_adapters(tmp_path, tier):
         kept = trainer.state_dict()
     assert all(torch.equal(kept[k], at_2[k]) for k in kept)
     assert not all(torch.equal(kept[k], at_4[k]) for k in kept)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_keep_last_keeps_k_steps_and_a_damaged_newest_goes_back_to_the_one_before(tiny_setup, tmp_path, tier):
+    """--keep-last 3 over saves at 2, 4 and 6 keeps all three in one uninterrupted run (each keep used to drop the
+    one before); on the disk tier step 4 exports, and a damaged step 6 goes back to it."""
+    run = tmp_path / "run"
+    done = streamer(*train_argv(tiny_setup, run, "--store", tier, "--steps", 6, "--eval-every", 0,
+                                "--save-every", 2, "--keep-last", 3, tokenizer=False))
+    assert done.returncode == 0, done.stderr
+    for line in ("step 2 kept (kept steps: 2)", "step 4 kept (kept steps: 2, 4)", "step 6 kept (kept steps: 2, 4, 6)"):
+        assert line in done.stdout, done.stdout
+    if tier == "ram":
+        return  # its keeps are what this tests; reading and falling back to one are the disk tier's below
+    out = streamer("export", str(run), str(tmp_path / "at-4"), "--step", "4")
+    assert out.returncode == 0 and "exported step 4" in out.stdout, out.stderr
+    damaged = flip_a_byte(run, "block.0")
+    on = streamer("train", "--resume", str(run), "--steps", "8")
+    assert on.returncode == 0, on.stderr
+    assert f"checksum mismatch in {damaged}: step 6 is damaged, so the run goes back to step 4" in on.stdout, on.stdout
+    assert "step 8 kept (kept steps: 4, 6, 8)" in on.stdout, on.stdout

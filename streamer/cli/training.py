@@ -219,7 +219,7 @@ def steps_to_keep(losses: dict[int, float | None], last: int, best: bool) -> set
     """Of the steps `losses` gives eval losses of (None: not evaluated), the `last` newest and, with `best`, the
     one of the lowest loss (the earliest of equals)."""
     steps = sorted(losses)
-    held = set(steps[len(steps) - last:]) if last else set()
+    held = set(steps[-last:]) if last else set()  # all of them while there are fewer than `last`
     ranked = [step for step in steps if losses[step] is not None]
     if best and ranked:
         held.add(min(ranked, key=lambda step: (losses[step], step)))
