@@ -216,3 +216,37 @@ def test_keep_last_keeps_k_steps_and_a_damaged_newest_goes_back_to_the_one_befor
     assert on.returncode == 0, on.stderr
     assert f"checksum mismatch in {damaged}: step 6 is damaged, so the run goes back to step 4" in on.stdout, on.stdout
     assert "step 8 kept (kept steps: 4, 6, 8)" in on.stdout, on.stdout
+
+
+# The `streamer` command, SIGKILLed as it is about to keep step S: the step is committed, its keep not written.
+KILLED_BEFORE_KEEP = """
+import os, signal, sys
+from streamer.cli import training
+from streamer.cli.main import main
+at_step, keep = int(sys.argv.pop(1)), training.keep
+def killing(s, *args, **kwargs):
+    if s.trainer.step_count == at_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return keep(s, *args, **kwargs)
+training.keep = killing
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_between_a_steps_commit_and_its_keep_keeps_it_on_the_rerun(tiny_setup, tmp_path):
+    """Killed after step 4 committed and before it was kept: the same command keeps it first, so the run keeps
+    4 and 6 (not 2 and 6), and step 4's evaluation is logged once."""
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--steps", 6, "--save-every", 2, "--keep-last", 2, "--keep-best",
+                      tokenizer=False)
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_KEEP, "4", *argv], env=ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert sorted(int(p.stem) for p in (run / "store" / "kept").iterdir()) == [2]
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert "step 4 kept (kept steps: 2, 4)" in done.stdout, done.stdout
+    kept = sorted(int(p.stem) for p in (run / "store" / "kept").iterdir())
+    assert kept[-2:] == [4, 6] and "step 6 kept (kept steps: " in done.stdout
+    assert [r["step"] for r in RunDir(run).read_metrics() if "eval_loss" in r].count(4) == 1

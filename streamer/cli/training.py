@@ -122,6 +122,7 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
         if first == 0 and cfg.eval_every:
             evaluate(s, progress.console)  # the baseline every later evaluation is read against
+        keep_missed(s, progress.console)
         while trainer.step_count < cfg.steps:
             ids, labels, positions = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
@@ -215,6 +216,19 @@ def keep(s: Session, eval_loss: float | None, console: Console) -> None:
                       highlight=False)
 
 
+def keep_missed(s: Session, console: Console) -> None:
+    """Keep the step the run continues from where a kill came between its commit and its keep (a --save-every
+    step not kept): the same decision, on the same kept steps and eval loss, as the uninterrupted run's."""
+    cfg, trainer, step = s.cfg, s.trainer, s.trainer.step_count
+    if not (step and (cfg.keep_last or cfg.keep_best) and step % cfg.save_every == 0) or step in trainer.kept():
+        return
+    eval_loss = None
+    if cfg.keep_best:  # its evaluation is logged once: a kill after it came before the keep
+        logged = s.lead and any(r["step"] == step and "eval_loss" in r for r in s.run.read_metrics())
+        eval_loss = evaluate(s, console, log=not logged)
+    keep(s, eval_loss, console)
+
+
 def steps_to_keep(losses: dict[int, float | None], last: int, best: bool) -> set[int]:
     """Of the steps `losses` gives eval losses of (None: not evaluated), the `last` newest and, with `best`, the
     one of the lowest loss (the earliest of equals)."""
@@ -239,8 +253,8 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
-def evaluate(s: Session, console: Console) -> float | None:
-    """Mean loss over the first --eval-batches held-out batches; printed with perplexity and logged."""
+def evaluate(s: Session, console: Console, log: bool = True) -> float | None:
+    """Mean loss over the first --eval-batches held-out batches; printed with perplexity and (`log`) logged."""
     if s.held_out is None:
         return None
     if s.evaluated is not None and s.evaluated[0] == s.trainer.step_count:
@@ -259,7 +273,8 @@ def evaluate(s: Session, console: Console) -> float | None:
     loss = sum(losses) / len(losses)
     step = s.trainer.step_count
     s.evaluated = (step, loss)
-    s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
+    if log:
+        s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
     console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
     return loss
 
