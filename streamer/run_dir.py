@@ -17,7 +17,8 @@ from typing import Any
 
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError, blame, read_toml
-from streamer.store.commit import lock_file, read_journal, read_manifest
+from streamer.errors import StoreError
+from streamer.store.commit import kept_steps, lock_file, read_journal, read_manifest
 from streamer.store import ranks
 from streamer.store.slabfile import write_json_atomic
 
@@ -159,8 +160,19 @@ class RunDir:
         """(the manifest's step, the step journaled after it or else the manifest's) of every process's store."""
         steps = []
         for root in ranks.every_store(self.store):
-            manifest = read_manifest(root)
-            journal = read_journal(root, manifest, list(manifest["units"]))
+            try:
+                manifest = read_manifest(root)
+            except StoreError:
+                kept = kept_steps(root)
+                if not kept:
+                    raise
+                steps.append((kept[-1], kept[-1]))  # opening it goes back to a kept step (HostStore.open)
+                continue
+            try:
+                journal = read_journal(root, manifest, list(manifest["units"]))
+            except StoreError:  # opening it resolves the step after the manifest's: as an interrupted one
+                steps.append((manifest["step"], manifest["step"] + 1))
+                continue
             steps.append((manifest["step"], manifest["step"] if journal is None else journal["step"]))
         return steps
 

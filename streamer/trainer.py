@@ -124,7 +124,11 @@ class StreamingTrainer:
         dirs = store_dirs(Path(store_dir), rank, world)  # several: a sharded run, read in one process
         # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
         # pin_memory comes from the overrides, else from the settings the store was committed with.
-        settings = {**read_manifest(dirs[0]).get("trainer", {}).get("config", {}), **dict(overrides or {})}
+        try:
+            committed = read_manifest(dirs[0]).get("trainer", {}).get("config", {})
+        except StoreError:  # the store's open says what is wrong, or goes back to a kept step
+            committed = {}
+        settings = {**committed, **dict(overrides or {})}
         pin_memory = _pin_memory(str(settings.get("device", "cpu")),
                                  settings.get("pin_memory", DeviceConfig.pin_memory))
         if step is not None and not read_only:

@@ -5,6 +5,7 @@ newest intact kept step."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,85 @@ def test_a_kill_between_a_steps_commit_and_its_keep_keeps_it_on_the_rerun(tiny_s
     kept = sorted(int(p.stem) for p in (run / "store" / "kept").iterdir())
     assert kept[-2:] == [4, 6] and "step 6 kept (kept steps: " in done.stdout
     assert [r["step"] for r in RunDir(run).read_metrics() if "eval_loss" in r].count(4) == 1
+
+
+@pytest.fixture(scope="module")
+def kept_run(tiny_setup, tmp_path_factory) -> Path:
+    """A finished run of 4 steps that keeps steps 2 and 4; a test damages a copy of it."""
+    run = tmp_path_factory.mktemp("kept") / "run"
+    done = streamer(*train_argv(tiny_setup, run, "--eval-every", 0, "--save-every", 2, "--keep-last", 2,
+                                tokenizer=False))
+    assert done.returncode == 0 and "step 4 kept (kept steps: 2, 4)" in done.stdout, done.stderr
+    return run
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def logged_steps(run: Path) -> list[int]:
+    return [r["step"] for r in RunDir(run).read_metrics() if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["manifest damaged", "manifest deleted", "journal damaged"])
+def test_a_damaged_manifest_or_journal_goes_back_to_an_intact_step(kept_run, tmp_path, damage):
+    """A manifest that cannot be read goes back to the newest intact kept step (reading commands name it and
+    --step); a journal that cannot be read goes back to the manifest's own step, whose files are intact."""
+    run = copy_of(kept_run, tmp_path)
+    store = run / "store"
+    if damage == "manifest deleted":
+        (store / "manifest.json").unlink()
+    else:
+        (store / ("manifest.json" if damage == "manifest damaged" else "journal.json")).write_text('{"step": ')
+    if damage != "journal damaged":
+        refused = streamer("export", str(run), str(tmp_path / "out"))
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "manifest.json" in refused.stderr and "--step 4" in refused.stderr, refused.stderr
+        assert "delete the folder" not in refused.stderr
+        kept = streamer("export", str(run), str(tmp_path / "kept-4"), "--step", "4")
+        assert kept.returncode == 0 and "exported step 4" in kept.stdout, kept.stderr
+    on = streamer("train", "--resume", str(run), "--steps", "6")
+    assert on.returncode == 0, on.stderr
+    went_back = "its last commit" if damage == "journal damaged" else "the newest intact kept step"
+    assert f"so the run goes back to step 4, {went_back}" in on.stdout, on.stdout
+    assert "step 6 kept (kept steps: 4, 6)" in on.stdout, on.stdout
+    assert logged_steps(run) == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_a_damaged_journal_of_a_half_updated_step_goes_back_to_a_kept_step(tiny_setup, tmp_path):
+    """Killed in step 4's update (two units at step 4, the rest at 3) and its journal damaged: the updated units'
+    step 3 files are gone, so the run goes back to the kept step 2 and trains on."""
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--update-timing", "after-backward", "--eval-every", 0, "--save-every", 2,
+                      "--keep-last", 2, tokenizer=False)
+    killed = killed_in_update(argv, STEPS, 3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (run / "store" / "journal.json").write_text("not json{")
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert "journal.json cannot be read" in done.stdout and "step 3 is damaged, so the run goes back to step 2, the " \
+        "newest intact kept step" in done.stdout, done.stdout
+    assert logged_steps(run) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_a_damaged_kept_record_is_named_and_its_files_stay(kept_run, tmp_path):
+    """kept/2.json cannot be read: the run says so in one line and deletes none of step 2's state files, so the
+    record restored makes step 2 readable again."""
+    run = copy_of(kept_run, tmp_path)
+    record = run / "store" / "kept" / "2.json"
+    intact = record.read_text()
+    files = [run / "store" / "slabs" / f"{u}.{g}.state" for u, g in json.loads(intact)["units"].items()]
+    record.write_text(intact[:50])
+    on = streamer("train", "--resume", str(run), "--steps", "6")
+    assert on.returncode == 0, on.stderr
+    assert f"{record} cannot be read" in on.stdout and "kept step(s) 2 cannot be gone back to or exported, and no " \
+        "state file is deleted" in on.stdout, on.stdout
+    assert all(f.is_file() for f in files)
+    record.write_text(intact)
+    out = streamer("export", str(run), str(tmp_path / "at-2"), "--step", "2")
+    assert out.returncode == 0 and "exported step 2" in out.stdout, out.stderr
+

@@ -259,8 +259,9 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict()),
                         undo=StreamingTrainer.close)
     try:
-        if trainer.writer.fell_back is not None:
-            console.print(trainer.writer.fell_back, markup=False, highlight=False)
+        for line in (trainer.writer.kept_damage, trainer.writer.fell_back):
+            if line is not None:
+                console.print(line, markup=False, highlight=False)
         if lead:
             run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
         if trainer.step_count >= cfg.steps:

@@ -69,6 +69,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest's fields, type-checked (the spec itself is checked by StoreSpec.from_dict)."""
     path = root / MANIFEST
     if not path.is_file():
+        if kept_steps(root):  # committed once: the kept steps remain (HostStore.open goes back to one)
+            raise StoreError(f"{path} is missing")
         if (root / "slabs").is_dir():
             raise StoreError(f"{root} has no {MANIFEST}: nothing was committed (the run stopped before its first "
                              "step, or a RAM-tier run was never saved); delete the folder and start again")

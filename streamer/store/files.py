@@ -128,17 +128,30 @@ class StateFiles:
         (14 files; 1.6 s steps) in its Chrome trace. `settle` waits for them; a crash before they finish leaves strays the
         next open deletes."""
         self.settle()  # the last commit's strays are gone before the folder is listed again
-        strays = []
-        for path in self.folder.iterdir():
-            ours = re.fullmatch(r"(.+)\.\d+\.state(\.tmp)?", path.name)
-            if ours and ours.group(1) in self.numels and path.name not in keep and path.is_file():
-                strays.append(path)
+        strays = [path for path, _ in self._state_files() if path.name not in keep]
         for path in strays:
             self.release(path)  # its descriptor now: the process holds none of a replaced generation
         if strays:
             if self._cleanup is None:
                 self._cleanup = ThreadPoolExecutor(1, thread_name_prefix="store-cleanup")
             self._removing = self._cleanup.submit(self._delete_all, strays)
+
+    def _state_files(self) -> list[tuple[Path, int]]:
+        """The store's units' state files in the folder, tmp files included, with their generations."""
+        found = []
+        for path in self.folder.iterdir():
+            ours = re.fullmatch(r"(.+)\.(\d+)\.state(\.tmp)?", path.name)
+            if ours and ours.group(1) in self.numels and path.is_file():
+                found.append((path, int(ours.group(2))))
+        return found
+
+    def names(self) -> set[str]:
+        """The names of the state files in the folder (not tmp files)."""
+        return {path.name for path, _ in self._state_files() if path.suffix == ".state"}
+
+    def last_generation(self) -> int:
+        """The highest generation of any state file in the folder (0 for none): a new generation goes past it."""
+        return max((generation for _, generation in self._state_files()), default=0)
 
     @staticmethod
     def _delete_all(paths: list[Path]) -> None:

@@ -56,7 +56,12 @@ class _HostSlabs(StoreReader):
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
         self._files = StateFiles(root / "slabs", spec, self.numels, self._read_only)
         self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
-        self._kept = _readable_kept(root)  # step -> manifest of each kept step, its state files left in place
+        # step -> manifest of each kept step, its state files left in place; and the damage of each record that
+        # cannot be read. Which files such a record names is unknown: while one is there, every state file found
+        # at open stays (`_kept_names`).
+        self._kept, self._unreadable = _readable_kept(root)
+        self._held = self._files.names() if self._unreadable else set()
+        self._damage: StoreError | None = None  # a missing or damaged manifest (`_open` read a kept step's)
         self._at_kept = False  # opened at a kept step other than the last commit (a reader's `step`)
         self._may_fall_back = False  # a writer's open may go back to a kept step where the last commit is damaged
 
@@ -71,8 +76,11 @@ class _HostSlabs(StoreReader):
         """Open a store at its last commit, or at the kept `step`. `verify`: check every state file's checksum
         (a full read)."""
         root = Path(root)
-        manifest = read_manifest(root)
-        at_kept = step is not None and step != manifest["step"]
+        try:
+            manifest, damage = read_manifest(root), None
+        except StoreError as exc:
+            manifest, damage = _newest_kept(root, exc, reading=step is not None, fall_back=fall_back), exc
+        at_kept = step is not None and (damage is not None or step != manifest["step"])
         if at_kept:
             manifest = {k: v for k, v in read_kept(root, step).items() if k != "note"}
         try:
@@ -83,7 +91,7 @@ class _HostSlabs(StoreReader):
         try:
             check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
-            store._at_kept, store._may_fall_back = at_kept, fall_back
+            store._at_kept, store._may_fall_back, store._damage = at_kept, fall_back, damage
             store._load_units(verify)
         except BaseException:
             if store is not None:
@@ -119,8 +127,9 @@ class _HostSlabs(StoreReader):
         return {step: dict(record.get("note", {})) for step, record in sorted(self._kept.items())}
 
     def _kept_names(self) -> set[str]:
-        """The state files of the kept steps."""
-        return {state_name(u, g) for record in self._kept.values() for u, g in record["units"].items()}
+        """The state files of the kept steps (and, while a kept step's record cannot be read, every one found at
+        open)."""
+        return self._held | {state_name(u, g) for record in self._kept.values() for u, g in record["units"].items()}
 
     def _check_and_fill(self, verify: bool, journal: dict[str, Any] | None) -> None:
         """Check every unit's state file (size, trailer, checksum) and, with a journal, the gradients to replay;
@@ -215,7 +224,11 @@ class HostReader(_HostSlabs):
 
     def _load_units(self, verify: bool) -> None:
         """Reading leaves a stale journal and the strays of a crash to the next writer."""
-        journal = self._interrupted_step()
+        try:
+            journal = self._interrupted_step()
+        except StoreError as damage:
+            raise StoreError(f"{_first_clause(damage)}: the step after step {self.step} cannot be read; first resume "
+                             "the run (`streamer train --resume`), which goes back to its last intact step") from None
         if journal is not None:
             raise StoreError(f"{self.root}: step {journal['step']} was interrupted before its update finished, "
                              "which reading the run cannot do; first resume the run as it was trained "
@@ -240,6 +253,12 @@ class HostStore(_HostSlabs, StoreWriter):
     def __init__(self, root: Path, spec: StoreSpec, manifest: dict[str, Any], pin_memory: str, lock: int) -> None:
         super().__init__(root, spec, manifest, pin_memory, lock)
         self.fell_back: str | None = None  # the one line saying which kept step a damaged store went back to
+        self.kept_damage: str | None = None  # the one line naming the kept steps whose records cannot be read
+        if self._unreadable:
+            steps = ", ".join(map(str, self._unreadable))
+            self.kept_damage = (f"{'; '.join(map(_first_clause, self._unreadable.values()))}: kept step(s) {steps} "
+                                "cannot be gone back to or exported, and no state file is deleted while their "
+                                "records are there (restore them, or delete them to let those steps go)")
         self.commit: Commit | None = None
         self._grad_checksums: dict[str, int] = {}
         self._unsaved: set[str] = set()  # units whose RAM-tier state changed since their state file was written
@@ -277,28 +296,38 @@ class HostStore(_HostSlabs, StoreWriter):
         return self.step + 1 if self.versions[unit] > self.generation else self.step
 
     def _load_units(self, verify: bool) -> None:
-        """Nothing is written or deleted unless every file checks out, or those of a kept step to go back to."""
+        """Nothing is written or deleted unless every file checks out, or those of a step to go back to."""
+        if self._damage is not None:  # no manifest to check: `_open` took the newest kept step's
+            self._fall_back(self._damage, verify, own=False)
+            return
         try:
             journal = self.journal
+        except StoreError as damage:  # the step after the manifest's cannot be rolled forward
+            self._fall_back(damage, verify, own=True)
+            return
+        try:
             self._check_and_fill(verify, journal)
         except StoreError as damage:
-            if not (self._kept and self._may_fall_back):
-                raise
-            self._fall_back(damage, verify)
+            self._fall_back(damage, verify, own=False)
             return
         if journal is None:
             self.discard_journal()  # one whose step the manifest already has
         self._remove_strays()
 
-    def _fall_back(self, damage: StoreError, verify: bool) -> None:
-        """The last commit (or the step journaled after it) is damaged: go back to the newest kept step whose files
-        all check out, and commit that as the store's step. The kept steps after it share the damaged files (or
-        are damaged themselves) and are dropped; the steps after it are lost."""
-        newest = self.step
+    def _fall_back(self, damage: StoreError, verify: bool, own: bool) -> None:
+        """The last commit (or the step journaled after it) is damaged: go back to the newest step whose files all
+        check out, the manifest's own where `own` (only its journal is damaged), else a kept one, and commit it as
+        the store's step. The kept steps after it share the damaged files (or are damaged themselves) and are
+        dropped; the steps after it are lost."""
+        if not self._may_fall_back or not (own or self._kept):
+            raise damage
+        newest = None if self._damage is not None else self.step
         # Past every generation a commit of the damaged steps may have written: no new file takes such a name.
-        generation = max(self.generation + 1, *(record["generation"] for record in self._kept.values()))
-        for step in sorted(self._kept, reverse=True):
-            record = self._kept[step]
+        generation = max(self.generation, self._files.last_generation(),
+                         *(record["generation"] for record in self._kept.values())) + 1
+        records = ([(self.step, self.manifest)] if own else []) + \
+            [(step, self._kept[step]) for step in sorted(self._kept, reverse=True)]
+        for step, record in records:
             self.manifest = {k: v for k, v in json.loads(json.dumps(record)).items() if k != "note"}
             self.step, self.versions = step, dict(record["units"])
             try:
@@ -308,6 +337,8 @@ class HostStore(_HostSlabs, StoreWriter):
                 continue
             break
         else:
+            if not self._kept:
+                raise damage
             raise StoreError(f"{damage}; no kept step is intact either") from None
         self.discard_journal()
         for later in [s for s in self._kept if s > step]:  # before the manifest: no record outlives its files
@@ -316,8 +347,13 @@ class HostStore(_HostSlabs, StoreWriter):
         self.generation = generation
         self._write_manifest()
         self._remove_strays()
-        self.fell_back = (f"{_first_clause(damage)}: step {newest} is damaged, so the run goes back to step {step}, "
-                          "the newest intact kept step (the steps after it are trained again)")
+        if own and step == newest:
+            self.fell_back = (f"{_first_clause(damage)}: the step after step {step} cannot be finished, so the run "
+                              f"goes back to step {step}, its last commit (the step after it is trained again)")
+        else:
+            self.fell_back = (f"{_first_clause(damage)}{'' if newest is None else f': step {newest} is damaged'}, "
+                              f"so the run goes back to step {step}, the newest intact kept step (the steps after "
+                              "it are trained again)")
 
     def _remove_strays(self) -> None:
         self._files.remove_strays({state_name(u, g) for u, g in self.versions.items()} | self._kept_names())
@@ -440,6 +476,7 @@ class HostStore(_HostSlabs, StoreWriter):
             raise StoreError(f"step {self.step} is not committed to disk yet; save() it before keeping it")
         keep_step(self.root, self.manifest, note)
         self._kept[self.step] = {**json.loads(json.dumps(self.manifest)), "note": note}
+        self._unreadable.pop(self.step, None)  # a damaged record of the step, replaced
 
     def drop_kept(self, step: int) -> None:
         """Forget a kept step and delete its state files (those the last commit or another kept step names stay)."""
@@ -479,16 +516,31 @@ class UnitWriter(StateWriter):
             self._file.discard()
 
 
-def _readable_kept(root: Path) -> dict[int, dict[str, Any]]:
-    """The kept steps' manifests; one that cannot be read is left where it is and not offered (its state files are
-    strays to the next commit)."""
-    kept = {}
+def _readable_kept(root: Path) -> tuple[dict[int, dict[str, Any]], dict[int, StoreError]]:
+    """The kept steps' manifests, and the damage of each record that cannot be read: it is left where it is and
+    not offered."""
+    kept, unreadable = {}, {}
     for step in kept_steps(root):
         try:
             kept[step] = read_kept(root, step)
-        except StoreError:
-            continue
-    return kept
+        except StoreError as exc:
+            unreadable[step] = exc
+    return kept, unreadable
+
+
+def _newest_kept(root: Path, damage: StoreError, reading: bool, fall_back: bool) -> dict[str, Any]:
+    """Where the manifest is missing or damaged: the newest kept step's manifest, which a writer that may
+    `fall_back` goes back from (`HostStore._fall_back`) and a reader of a kept step (`reading`) reads past; others
+    are refused with one line naming the kept steps. Without a kept step to read, `damage` is raised."""
+    kept = _readable_kept(root)[0]
+    if not kept:
+        raise damage
+    if not (reading or fall_back):
+        steps = ", ".join(map(str, kept))
+        raise StoreError(f"{_first_clause(damage)}; the run keeps step(s) {steps}: `streamer export` with --step "
+                         f"{max(kept)} exports the newest, and training the run on (`streamer train --resume`) goes "
+                         "back to it") from None
+    return {k: v for k, v in kept[max(kept)].items() if k != "note"}
 
 
 def _first_clause(error: StoreError) -> str:

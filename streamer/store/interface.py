@@ -138,9 +138,10 @@ class StoreReader(ABC):
 class StoreWriter(StoreReader):
     """A store that also takes every unit's new state and fp32 gradient accumulator, and commits steps.
     `fell_back`: where open found the last commit damaged and went back to the newest intact kept step, the one
-    line saying so; else None."""
+    line saying so; else None. `kept_damage`: where kept steps' records cannot be read, the one line naming them."""
 
     fell_back: str | None
+    kept_damage: str | None
 
     # --- the committed state ---------------------------------------------------------------
     @property
