@@ -10,8 +10,8 @@ never swapped out): the slabs and the pool (all), the pool (staging) or nothing 
 (`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is. Under
 torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
 them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state. Each step a run keeps
-(--keep-last, --keep-best) adds a copy of every unit's state file (`StoreSpec.kept_bytes`), which no later commit
-frees; `check_keep_room` checks the room for one again before a step is kept.
+(--save-every, --keep-last, --keep-best) adds a copy of every unit's state file (`StoreSpec.kept_bytes`), which no
+later commit frees; `check_keep_room` checks the room for one again before a step is kept.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tc = cfg.trainer
     offloaded = _offloaded(cfg, model_cfg, on_disk)
-    kept = cfg.keep_last + cfg.keep_best
+    kept = cfg.kept_copies()
     need = HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded, kept)
     if need.fits(free_ram, free_disk):
         return None
@@ -131,7 +131,7 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     if need.disk > free_disk:
         speculative = tc.step.store.state != "disk" or tc.step.fused(on_disk, tc.lora.enabled)
         generations = "every unit's" if speculative else "one unit's"
-        copies = f", and {kept} kept step(s): --keep-last, --keep-best" if kept else ""
+        copies = f", and {kept} kept step(s): --save-every, --keep-last, --keep-best" if kept else ""
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "
                      f"commits{copies}; {format_size(free_disk)} free)")
     # The least drastic change first: the exact optimizer before lower-precision moments, bf16 before int8, and
@@ -170,8 +170,9 @@ def check_keep_room(root: Path, spec: StoreSpec, step: int) -> None:
     need, free = _with_headroom(spec.kept_bytes(), DISK_HEADROOM), shutil.disk_usage(root).free
     if need > free:
         raise RunError(f"keeping step {step} needs {format_size(need)} of disk in {root} (a copy of the state that "
-                       f"later steps do not free, headroom included; {format_size(free)} free): lower --keep-last, "
-                       "or free space, then run the same command again")
+                       f"later steps do not free, headroom included; {format_size(free)} free): pass a lower "
+                       "--keep-last (--save-every alone keeps every save), or free space, then run the same command "
+                       "again")
 
 
 def _offloaded(cfg: RunConfig, model_cfg: ModelConfig, processes: int) -> int:

@@ -45,6 +45,7 @@ class SettingError(RunError, BaseSettingError):
 
 
 DEMO_MODEL = "gptj-demo"
+DEFAULT_SAVE_EVERY = 50  # steps between a RAM-tier run's saves, and between the steps --keep-last alone keeps
 DEFAULT_PROMPT = "The for statement is used to"
 
 
@@ -71,11 +72,15 @@ class RunConfig:
     seq: int = setting(128, "tokens per sequence (default: 128, or a preset's context if shorter)", Integer(2))
     eval_every: int = setting(50, "evaluate before the first step and every N steps (0: only at the end)", Integer(0))
     eval_batches: int = setting(4, "held-out batches per evaluation", Integer())
-    save_every: int = setting(50, "with --store ram: write the store to disk every N steps (and at the end); "
-                                  "with --keep-last or --keep-best: the steps that may be kept", Integer())
-    keep_last: int = setting(0, "keep the last K --save-every steps: restartable, exportable with `streamer export "
-                                "--step`, and what a damaged store goes back to (each costs a copy of the state on "
-                                "disk)", Integer(0), "K")
+    save_every: int | None = setting(None, "keep a step every N steps, all of them unless --keep-last, as "
+                                           "transformers' save_steps: restartable, exportable with `streamer export "
+                                           "--step`, and what a damaged store goes back to (each costs a copy of the "
+                                           "state on disk); with --store ram also how often the store is written to "
+                                           "disk, and at the end (default: %d, and none kept)" % DEFAULT_SAVE_EVERY,
+                                     Integer(), "N")
+    keep_last: int | None = setting(None, "keep only the last K --save-every steps, as transformers' "
+                                          "save_total_limit (0: none; default: every one where --save-every is given, "
+                                          "else none)", Integer(0), "K")
     keep_best: bool = setting(False, "also keep the --save-every step of the lowest eval loss (each such step is "
                                      "evaluated)", Switch())
     sample_prompt: str | None = setting(None, "prompt of the sample generated at the end (default: with --data, "
@@ -135,6 +140,28 @@ class RunConfig:
         return {name: values[name] for name in FLAGS}
 
     # --- derived settings -------------------------------------------------------------------------
+    @property
+    def save_interval(self) -> int:
+        """Steps between saves: when a RAM-tier run writes its store, and which steps may be kept."""
+        return DEFAULT_SAVE_EVERY if self.save_every is None else self.save_every
+
+    def keep_limit(self) -> int | None:
+        """How many of the newest --save-every steps stay kept: --keep-last; else, as transformers' Trainer keeps
+        every save_steps checkpoint unless save_total_limit is set, every one (None) where --save-every is given;
+        else none."""
+        if self.keep_last is not None:
+            return self.keep_last
+        return None if self.save_every is not None else 0
+
+    def keeps(self) -> bool:
+        """Whether --save-every steps are kept (--keep-last, --keep-best, or --save-every alone)."""
+        return self.keep_limit() != 0 or self.keep_best
+
+    def kept_copies(self) -> int:
+        """The most steps kept at once, each a copy of the state on disk: what the disk check counts."""
+        limit = self.keep_limit()
+        return self.steps // self.save_interval if limit is None else limit + self.keep_best
+
     def budget_bytes(self) -> int | None:
         return self.trainer.device.budget_bytes()
 

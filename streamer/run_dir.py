@@ -156,6 +156,10 @@ class RunDir:
         the step forward, and until then reading commands refuse the run. Reads only."""
         return any(manifest != journaled for manifest, journaled in self._steps())
 
+    def kept(self) -> set[int]:
+        """The steps every process's store keeps (`streamer train --keep-last`). Reads only."""
+        return set.intersection(*(set(kept_steps(root)) for root in ranks.every_store(self.store)))
+
     def _steps(self) -> list[tuple[int, int]]:
         """(the manifest's step, the step journaled after it or else the manifest's) of every process's store."""
         steps = []

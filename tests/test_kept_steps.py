@@ -22,7 +22,9 @@ from streamer.cli.training import steps_to_keep
 from streamer.resources import DISK_HEADROOM, HostNeed, check_keep_room
 from streamer.run import RunError, resolve
 from streamer.run_dir import RunDir
-from test_lifecycle import ENV, STEPS, assert_same_run, reference, streamer, train_argv  # noqa: F401 (fixture)
+from test_lifecycle import (  # noqa: F401 (fixtures)
+    ENV, STEPS, assert_same_run, reference, small_disk, streamer, train_argv,
+)
 
 # The `streamer` command, SIGKILLed at the n-th write-back of step S's update (after its journal: the step is
 # committed and some units hold it, the rest still step S - 1).
@@ -174,6 +176,8 @@ def test_the_kept_steps_are_in_the_disk_need(tmp_path):
     assert steps_to_keep({2: 3.0, 4: 1.0, 6: 2.0, 8: None}, 2, True) == {4, 6, 8}
     assert steps_to_keep({2: 1.0, 4: 1.0}, 0, True) == {2}
     assert steps_to_keep({2: None, 4: None}, 1, True) == {4}
+    assert steps_to_keep({2: None, 4: None}, 3, False) == {2, 4}  # fewer than --keep-last: every one
+    assert steps_to_keep({2: None, 4: None, 6: None}, None, False) == {2, 4, 6}  # --save-every alone
 
 
 @pytest.mark.parametrize("tier", ["disk", "ram"])
@@ -235,22 +239,25 @@ sys.exit(main())
 
 
 @pytest.mark.slow
-def test_a_kill_between_a_steps_commit_and_its_keep_keeps_it_on_the_rerun(tiny_setup, tmp_path):
-    """Killed after step 4 committed and before it was kept: the same command keeps it first, so the run keeps
-    4 and 6 (not 2 and 6), and step 4's evaluation is logged once."""
+@pytest.mark.parametrize("at", [4, 6])
+def test_a_kill_between_a_steps_commit_and_its_keep_keeps_it_on_the_rerun(tiny_setup, tmp_path, at):
+    """Killed after step 4 (or the last step, 6) committed and before it was kept: the same command keeps it
+    first, so the run keeps 4 and 6 (not 2 and 6), and the step's evaluation is logged once."""
     run = tmp_path / "run"
     argv = train_argv(tiny_setup, run, "--steps", 6, "--save-every", 2, "--keep-last", 2, "--keep-best",
                       tokenizer=False)
-    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_KEEP, "4", *argv], env=ENV, capture_output=True,
-                            text=True, timeout=120)
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_KEEP, str(at), *argv], env=ENV,
+                            capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert sorted(int(p.stem) for p in (run / "store" / "kept").iterdir()) == [2]
+    assert at not in [int(p.stem) for p in (run / "store" / "kept").iterdir()]
     done = streamer(*argv)
     assert done.returncode == 0, done.stderr
-    assert "step 4 kept (kept steps: 2, 4)" in done.stdout, done.stdout
+    first = "step 4 kept (kept steps: 2, 4)" if at == 4 else \
+        "nothing to train, but a kill came before step 6 was kept; keeping it"
+    assert first in done.stdout, done.stdout
     kept = sorted(int(p.stem) for p in (run / "store" / "kept").iterdir())
-    assert kept[-2:] == [4, 6] and "step 6 kept (kept steps: " in done.stdout
-    assert [r["step"] for r in RunDir(run).read_metrics() if "eval_loss" in r].count(4) == 1
+    assert kept[-2:] == [4, 6] and "step 6 kept (kept steps: " in done.stdout, done.stdout
+    assert [r["step"] for r in RunDir(run).read_metrics() if "eval_loss" in r].count(at) == 1
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +340,22 @@ def test_a_damaged_kept_record_is_named_and_its_files_stay(kept_run, tmp_path):
     out = streamer("export", str(run), str(tmp_path / "at-2"), "--step", "2")
     assert out.returncode == 0 and "exported step 2" in out.stdout, out.stderr
 
+
+def test_save_every_alone_keeps_every_save_as_transformers_save_steps(tiny_setup, tmp_path):
+    """--save-every without --keep-last keeps every save, as transformers' Trainer keeps every save_steps
+    checkpoint unless save_total_limit is set."""
+    run = tmp_path / "run"
+    done = streamer(*train_argv(tiny_setup, run, "--steps", 6, "--eval-every", 0, "--save-every", 2, tokenizer=False))
+    assert done.returncode == 0, done.stderr
+    assert "step 6 kept (kept steps: 2, 4, 6)" in done.stdout, done.stdout
+    assert sorted(int(p.stem) for p in (run / "store" / "kept").iterdir()) == [2, 4, 6]
+
+
+def test_the_disk_check_counts_every_step_save_every_keeps(tiny_setup, small_disk):
+    """On a 96 MiB disk the store fits, and 200 kept copies of its state do not: refused before writing,
+    naming the flag that bounds them."""
+    run = small_disk / "run"
+    done = streamer(*train_argv(tiny_setup, run, "--steps", 200, "--save-every", 1, tokenizer=False))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "and 200 kept step(s): --save-every, --keep-last" in done.stderr, done.stderr
+    assert not run.exists()

@@ -6,6 +6,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Collection
 
 import psutil
 from rich.console import Console
@@ -167,9 +168,9 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
                               markup=False, highlight=False)
-            if cfg.trainer.step.store.tier == "ram" and (step % cfg.save_every == 0 or step == cfg.steps):
+            if cfg.trainer.step.store.tier == "ram" and (step % cfg.save_interval == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
-            kept = (cfg.keep_last or cfg.keep_best) and step % cfg.save_every == 0
+            kept = cfg.keeps() and step % cfg.save_interval == 0
             eval_loss = None
             if (cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps) or (kept and cfg.keep_best):
                 eval_loss = evaluate(s, progress.console)
@@ -204,7 +205,7 @@ def keep(s: Session, eval_loss: float | None, console: Console) -> None:
     trainer, step = s.trainer, s.trainer.step_count
     losses = {kept: note.get("eval_loss") for kept, note in trainer.kept().items()}
     losses[step] = eval_loss
-    held = steps_to_keep(losses, s.cfg.keep_last, s.cfg.keep_best)
+    held = steps_to_keep(losses, s.cfg.keep_limit(), s.cfg.keep_best)
     for old in sorted(set(losses) - held - {step}):
         trainer.drop_kept(old)
     if step not in held:
@@ -220,7 +221,7 @@ def keep_missed(s: Session, console: Console) -> None:
     """Keep the step the run continues from where a kill came between its commit and its keep (a --save-every
     step not kept): the same decision, on the same kept steps and eval loss, as the uninterrupted run's."""
     cfg, trainer, step = s.cfg, s.trainer, s.trainer.step_count
-    if not (step and (cfg.keep_last or cfg.keep_best) and step % cfg.save_every == 0) or step in trainer.kept():
+    if not keep_due(cfg, step, trainer.kept()):
         return
     eval_loss = None
     if cfg.keep_best:  # its evaluation is logged once: a kill after it came before the keep
@@ -229,11 +230,16 @@ def keep_missed(s: Session, console: Console) -> None:
     keep(s, eval_loss, console)
 
 
-def steps_to_keep(losses: dict[int, float | None], last: int, best: bool) -> set[int]:
-    """Of the steps `losses` gives eval losses of (None: not evaluated), the `last` newest and, with `best`, the
-    one of the lowest loss (the earliest of equals)."""
+def keep_due(cfg: RunConfig, step: int, kept: Collection[int]) -> bool:
+    """Whether `step` is a --save-every step the run keeps (or ranks for --keep-best) and `kept` lacks it."""
+    return bool(step) and cfg.keeps() and step % cfg.save_interval == 0 and step not in kept
+
+
+def steps_to_keep(losses: dict[int, float | None], last: int | None, best: bool) -> set[int]:
+    """Of the steps `losses` gives eval losses of (None: not evaluated), the `last` newest (None: all) and, with
+    `best`, the one of the lowest loss (the earliest of equals)."""
     steps = sorted(losses)
-    held = set(steps[-last:]) if last else set()  # all of them while there are fewer than `last`
+    held = set(steps if last is None else steps[-last:] if last else [])  # all while fewer than `last`
     ranked = [step for step in steps if losses[step] is not None]
     if best and ranked:
         held.add(min(ranked, key=lambda step: (losses[step], step)))
