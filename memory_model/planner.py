@@ -168,8 +168,8 @@ class Plan:
         group = expert_group(self.shape, self.config)
         experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
         lora = self.config.lora
-        base = (f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' if lora.bnb_4bit_use_double_quant else ''} base"
-                if lora.load_in_4bit else "")
+        base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
+            lora.load_in_4bit
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
                             f"{self.config.step.activations}, {self.config.compute_dtype}{experts}{base}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
@@ -306,10 +306,9 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            if isinstance(r, Weights) and cfg.lora.load_in_4bit:  # a 4-bit base's units: bytes
-                _add(at, resource_charges(r, weights_bytes(shape, cfg.lora, r.unit, es), 1, cfg.step.update_on))
-                continue
-            _add(at, resource_charges(r, _device_numel(r, shape, cfg, batch, seq), es, cfg.step.update_on))
+            four_bit = isinstance(r, Weights) and cfg.lora.load_in_4bit  # a 4-bit base's units: in bytes
+            numel = weights_bytes(shape, cfg.lora, r.unit, es) if four_bit else _device_numel(r, shape, cfg, batch, seq)
+            _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
         in_groups = grouped(shape, cfg, event.unit)
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.step.update_on))

@@ -148,6 +148,9 @@ class RunConfig:
     def model_config(self) -> ModelConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
+            from streamer.io.hf import check_quantization  # (the checkpoint reader loads only with a folder)
+            source = Path(self.from_pretrained)
+            check_quantization(source / "config.json" if source.is_dir() else source, self.trainer.lora)
             return ModelConfig.from_hf(self.from_pretrained)
         return ModelConfig.named(self.model)
 

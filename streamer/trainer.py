@@ -171,12 +171,23 @@ class StreamingTrainer:
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
         """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time)."""
-        from streamer.io.hf import HFCheckpoint
+        from streamer.io.hf import HFCheckpoint, check_quantization
+        check_quantization(Path(hf_dir) / "config.json", (tc or TrainerConfig()).lora)
         checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
         trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)
         try:
-            trainer._write_units(lambda unit: {s.key: checkpoint.read(s.hf_key) for s in trainer.layouts[unit].slots})
+            def tensors_of(unit: str) -> dict[str, Any]:
+                """A folder saved 4-bit gives each weight the run holds 4-bit as its pieces, as saved."""
+                layout = trainer.layouts[unit]
+                kept = layout.packed.quantized if layout.packed is not None else ()
+                tensors: dict[str, Any] = {}
+                for s in layout.slots:
+                    pieces = checkpoint.read_4bit(s.hf_key) if s.key in kept else None
+                    tensors[s.key] = pieces if pieces is not None else checkpoint.read(s.hf_key)
+                return tensors
+
+            trainer._write_units(tensors_of)
         except BaseException:
             trainer.close()
             raise

@@ -3,6 +3,8 @@ adapter's gradient, and three streamed steps, against transformers' 4-bit model 
 LoRA, within twice that model's own fp32 error; the planner equal to the ledger and the dry run; the flags."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from memory_model import device_spec, format_size, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.main import main
+from streamer.errors import StoreError
 from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
 
@@ -225,3 +228,101 @@ def test_streamer_plan_prints_the_4bit_plan(capsys: pytest.CaptureFixture[str]) 
     assert block < cfg.unit_params("block.0") * 2 // 3  # 4-bit projections, not 16-bit ones
     row = next(line for line in out.splitlines() if line.startswith("│ block.0 "))
     assert format_size(block) in row
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_family_plans_its_4bit_base_to_the_byte_or_refuses_it(tmp_path: Path, model_type: str) -> None:
+    """Planner = ledger = dry run for a 4-bit base with adapters on every projection of each registered family
+    whose blocks' Linear modules are its projections; a mixture of experts (fused expert tensors) is one line."""
+    cfg = FAMILIES[model_type].example()
+    tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", lora_rank=4, load_in_4bit=True,
+                          lora_targets=",".join(cfg.projections), bnb_4bit_quant_type="nf4")
+    if cfg.lora_parameters:
+        with pytest.raises(StoreError, match="--load-in-4bit does not hold .* drop --load-in-4bit"):
+            StreamingTrainer(cfg, tc, store_dir=tmp_path / "run")
+        return
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
+        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+    predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(2, 24))
+    assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+    dry = dry_run(cfg, tc, 2, 24)
+    assert {k: v for k, v in real[1].items() if k != "activations"} == \
+        {k: v for k, v in dict(dry.peak_breakdown).items() if k != "activations"}
+
+
+def _train(run: Path, steps: int) -> None:
+    assert main(["train", "--model", "llama-debug", "--lora-rank", "4", "--load-in-4bit", "--bnb-4bit-quant-type",
+                 "nf4", "--bnb-4bit-use-double-quant", "--run-dir", str(run), "--steps", str(steps), "--batch", "2",
+                 "--seq", "32", "--lr", "1e-2", "--dtype", "fp32", "--eval-every", "0", "--sample-tokens", "4"]) == 0
+
+
+def test_a_4bit_run_resumes_bit_identically_generates_and_exports_its_adapters(tmp_path: Path) -> None:
+    _train(tmp_path / "straight", 3)
+    _train(tmp_path / "resumed", 2)
+    assert main(["train", "--resume", str(tmp_path / "resumed"), "--steps", "3"]) == 0
+    states = [torch.load(next((tmp_path / name / "store").glob("lora-*.pt")), weights_only=True)
+              for name in ("straight", "resumed")]
+    for key, value in states[0]["params"].items():
+        assert torch.equal(value, states[1]["params"][key]), key
+    assert main(["generate", str(tmp_path / "resumed"), "--prompt", "The", "--max-new-tokens", "4"]) == 0
+    assert main(["export", str(tmp_path / "resumed"), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes (8-bit)"])
+def test_a_folder_quantized_by_another_method_is_one_line_naming_it(tmp_path: Path, checkpoint: Path, method: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    quantization = {"quant_method": method.split()[0], **({"load_in_8bit": True} if "8-bit" in method else {})}
+    folder = tmp_path / "quantized"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    assert main(["train", "--from-pretrained", str(folder), "--data", str(tmp_path / "train.txt"), "--lora-rank", "4",
+                 "--load-in-4bit", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"quantized by {method!r}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_transformers_saved_4bit_imports_its_pieces_as_saved(tmp_path: Path, checkpoint: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' own 4-bit folder (quantization_config, W, W.absmax, W.nested_absmax, W.quant_map, ...,
+    W.quant_state.bitsandbytes__nf4) trains as the 16-bit folder quantized on import: the same bytes in the store.
+    Its settings are the folder's: others are one line naming the flags that match it."""
+    saved = tmp_path / "llama-bnb-4bit"
+    _bnb_model(checkpoint, "nf4", True, "eager").save_pretrained(saved)
+    slabs = []
+    for folder in (checkpoint, saved):
+        with StreamingTrainer.from_pretrained(folder, _settings("nf4", True)) as trainer:
+            slabs.append({u: trainer.store.slab(u, "compute").clone() for u in CFG.unit_names()})
+    for unit in CFG.unit_names():
+        assert torch.equal(slabs[0][unit], slabs[1][unit]), unit
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    capsys.readouterr()
+    assert main(["train", "--from-pretrained", str(saved), "--data", str(tmp_path / "train.txt"), "--lora-rank", "4",
+                 "--load-in-4bit", "--seq", "16", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant" in err, err
+
+
+def test_the_peft_export_loads_on_transformers_4bit_model_with_our_loss(tmp_path: Path, checkpoint: Path) -> None:
+    """The adapters as PEFT writes them, loaded by peft onto transformers' 4-bit model of the same folder: its
+    loss is ours within the 4-bit model's own fp32 error (eager against sdpa) and fp32's rounding."""
+    from streamer.cli.export import export_peft
+
+    ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True)) as trainer:
+        _adapters(trainer)
+        ours = trainer.evaluate(ids)
+        export_peft(trainer, tmp_path / "adapter", str(checkpoint))
+    losses = []
+    for attn in ("eager", "sdpa"):
+        # (training mode, as _bnb_model: no dropout, and bitsandbytes keeps its weights as saved)
+        model = peft.PeftModel.from_pretrained(_bnb_model(checkpoint, "nf4", True, attn), tmp_path / "adapter").train()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        losses.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item())
+    noise = abs(losses[0] - losses[1])
+    assert abs(ours - losses[0]) <= 2 * noise + 4 * abs(ours) * torch.finfo(torch.float32).eps

@@ -114,13 +114,15 @@ class Packed4:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {p.key: flat[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.pieces}
 
-    def pack(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The unit's own slab from its tensors by slot key: the quantized ones by bitsandbytes' quantize_4bit."""
+    def pack(self, tensors: dict[str, torch.Tensor | dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The unit's own slab from its tensors by slot key: the quantized ones by bitsandbytes' quantize_4bit, or
+        given as their pieces already (a folder transformers saved 4-bit)."""
         whole = torch.zeros(sum(self.borrowed_bytes) + self.nbytes, dtype=torch.uint8)  # (pieces' offsets count
         views = self.views(whole)                                                      # what a unit borrows)
         for key in self.quantized:
             module_key = key.rsplit(".", 1)[0]
-            for name, value in quantize(tensors.pop(key), self.quant).items():
+            given = tensors.pop(key)
+            for name, value in (given if isinstance(given, dict) else quantize(given, self.quant)).items():
                 views[f"{module_key}.{name}"].copy_(value.reshape(views[f"{module_key}.{name}"].shape))
         for key, value in tensors.items():
             views[key].copy_(value.reshape(views[key].shape))
