@@ -16,8 +16,10 @@ from layers.packed4 import unit_bytes
 from memory_model import device_spec, format_size, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
+from streamer.cli.generate import open_trainer
 from streamer.cli.main import main
 from streamer.errors import StoreError
+from streamer.run_dir import RunDir
 from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
 
@@ -268,6 +270,13 @@ def test_a_4bit_run_resumes_bit_identically_generates_and_exports_its_adapters(t
     assert main(["generate", str(tmp_path / "resumed"), "--prompt", "The", "--max-new-tokens", "4"]) == 0
     assert main(["export", str(tmp_path / "resumed"), str(tmp_path / "adapter"), "--format", "peft"]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    # The merged export is the model trained: the 4-bit base dequantized, the adapters added.
+    assert main(["export", str(tmp_path / "resumed"), str(tmp_path / "merged")]) == 0
+    import safetensors.torch
+    merged = safetensors.torch.load_file(tmp_path / "merged" / "model.safetensors")
+    with open_trainer(RunDir(tmp_path / "resumed")) as trainer:
+        expected = trainer.state_dict()
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in merged)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes (8-bit)"])
