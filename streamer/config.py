@@ -56,6 +56,10 @@ class TrainerConfig:
             check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
+        if self.lora.load_in_4bit and self.step.data_parallel == "sharded":
+            # A 4-bit unit is one byte slab of pieces: each process keeps it whole.
+            raise ConfigError.of("data_parallel", "must be replicated with --load-in-4bit (each process holds the "
+                                                  "4-bit base whole), got sharded")
 
     @classmethod
     def of(cls, **flat: Any) -> "TrainerConfig":

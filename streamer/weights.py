@@ -79,7 +79,7 @@ def read_master(store: StoreReader, layout: UnitLayout, stored: int,
                 data_parallel: DataParallel | None) -> torch.Tensor:
     """A unit's fp32 master (a frozen base's: its compute weights) as one flat host tensor; `stored`: the
     elements this store holds of it. A 4-bit unit's: its 16-bit tensors and its quantized weights dequantized."""
-    if layout.packed is not None:  # (a frozen base: never sharded)
+    if layout.packed is not None:  # (a 4-bit base is never sharded: TrainerConfig)
         slab = torch.empty(stored, dtype=torch.uint8)
         store.read_master(layout.name, slab)
         return layout.packed.unpack(slab, layout.slots)

@@ -218,6 +218,10 @@ def test_full_fine_tuning_on_a_4bit_base_is_one_line(capsys: pytest.CaptureFixtu
     assert main(["train", "--model", "llama-debug", "--load-in-4bit"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--lora-rank" in err and "--load-in-4bit" in err
+    assert main(["train", "--model", "llama-debug", "--lora-rank", "4", "--load-in-4bit", "--data-parallel",
+                 "sharded"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--data-parallel must be replicated with --load-in-4bit" in err, err
 
 
 def test_streamer_plan_prints_the_4bit_plan(capsys: pytest.CaptureFixture[str]) -> None:
