@@ -339,3 +339,35 @@ def test_the_peft_export_loads_on_transformers_4bit_model_with_our_loss(tmp_path
         losses.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item())
     noise = abs(losses[0] - losses[1])
     assert abs(ours - losses[0]) <= 2 * noise + 4 * abs(ours) * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dtype) -> None:
+    """Our Linear4bit against bitsandbytes' (bnb_4bit_compute_dtype `compute`) on the same packed weight: output and
+    input gradient within twice bitsandbytes' own error against the dequantized weight's product in float64."""
+    from layers.quant4 import Linear4bit, Quant4, quantize
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(5, 128, generator=g, dtype=torch.float32)
+    theirs = bnb.nn.Linear4bit(128, 96, compute_dtype=compute, quant_type="nf4", compress_statistics=True)
+    theirs.load_state_dict({"weight": weight, "bias": bias})
+    theirs = theirs.to("cpu")  # quantizes, as transformers' loading does
+    theirs.train()
+    ours = Linear4bit(128, 96, True, Quant4("nf4", True, torch.float32), compute)
+    named = {**quantize(weight, ours.quant), "bias": bias}
+    results = []
+    for run in (lambda t: theirs(t), lambda t: torch.func.functional_call(ours, named, (t,))):
+        t = x.clone().requires_grad_()
+        out = run(t)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().double(), t.grad.double()))
+    exact_weight = bnb.functional.dequantize_4bit(theirs.weight.data, theirs.weight.quant_state).double()
+    x64 = x.double().requires_grad_()
+    exact = x64 @ exact_weight.T + bias.double()
+    exact.backward(torch.ones_like(exact))
+    for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad)):
+        noise, error = (reference - truth).abs().max().item(), (mine - truth).abs().max().item()
+        assert 0 < noise and error <= 2 * noise
+        # In bf16 ours carries bf16's rounding as theirs does (in fp32 it would be some 1e-4 of it).
+        assert compute == torch.float32 or error >= noise / 8
