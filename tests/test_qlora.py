@@ -156,7 +156,8 @@ def test_three_streamed_steps_equal_peft_on_the_4bit_model_with_adamw(checkpoint
         start = _adapters(trainer)
         losses = [trainer.step(ids) for ids in batches]
         prefix = {f"block.{i}": f"model.layers.{i}." for i in range(CFG.num_hidden_layers)}
-        ours = {k.replace("base_model.model.", ""): v.double() for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+        ours = {k.replace("base_model.model.", ""): v.double()
+                for k, v in trainer.adapters.hf_state_dict(prefix).items()}
 
     def train(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
         model = model.to(dtype) if dtype == torch.float64 else model

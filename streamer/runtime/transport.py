@@ -212,7 +212,7 @@ class Transport:
         self.master_is_weights = store is not None and \
             store.spec.kind_dtype("master") == compute_dtype != torch.float32
         self.weights_dtype = weights_dtype or compute_dtype
-        if weights_dtype is not None:
+        if weights_dtype is not None:  # a 4-bit base on disk: its files hold the bytes a load sends, as they are
             self.master_is_weights = True
         # Free host buffers, by size.
         self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from layers import ModelConfig
+from layers.quant4 import Quant4
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
 from memory_model.step import Placement, StepConfig
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
 from streamer.errors import StoreError
-from layers.quant4 import Quant4
 from streamer.store.layout import DTYPES, UnitLayout, model_layouts
 from streamer.store.slabfile import TRAILER_BYTES
 
@@ -103,7 +103,8 @@ class StoreSpec:
     def kind_dtype(self, kind: str) -> torch.dtype:
         """The dtype of the kind's slab and file pieces: its elements', or bytes (uint8) where it is quantized (a
         4-bit base's compute weights: bytes, `UnitLayout.numel` of them)."""
-        return torch.uint8 if self.quantized(kind) or (kind == "compute" and self.quant_type) else DTYPES[self.kind_dtype_name(kind)]
+        as_bytes = self.quantized(kind) or (kind == "compute" and bool(self.quant_type))
+        return torch.uint8 if as_bytes else DTYPES[self.kind_dtype_name(kind)]
 
     def kind_bytes(self, kind: str, count: int) -> int:
         """Bytes `count` elements of `kind` take in a slab or a state file (memory_model.units.stored_bytes)."""
