@@ -16,34 +16,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers.quant4 import Linear4bit
 
-class LoraLinear(nn.Linear):
-    """nn.Linear (same `weight` and `bias`) with adapters `lora_A.weight` and `lora_B.weight` beside it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, scaling: float,
-                 dropout: float) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+class _Adapters(nn.Module):
+    """The adapters `lora_A.weight` and `lora_B.weight` of a frozen projection, and its output with them."""
+
+    def _adapters(self, in_features: int, out_features: int, rank: int, scaling: float, dropout: float) -> None:
         self.lora_A = nn.Linear(in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, out_features, bias=False)
         self.scaling, self.dropout = scaling, dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+    def _adapted(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         x = F.dropout(x, self.dropout) if self.dropout > 0 and self.training else x
         # The adapters arrive in x's dtype (the runtime casts its fp32 adapters before the call).
         return base + F.linear(F.linear(x, self.lora_A.weight), self.lora_B.weight) * self.scaling
 
 
+class LoraLinear(nn.Linear, _Adapters):
+    """nn.Linear (same `weight` and `bias`) with adapters `lora_A.weight` and `lora_B.weight` beside it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, scaling: float,
+                 dropout: float) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._adapters(in_features, out_features, rank, scaling, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._adapted(x, F.linear(x, self.weight, self.bias))
+
+
+class LoraLinear4bit(Linear4bit, _Adapters):
+    """A 4-bit frozen projection (its packed pieces and bias) with adapters beside it, as PEFT's
+    lora.Linear4bit: the adapters see the input as it came, in its own dtype."""
+
+    def __init__(self, base: Linear4bit, rank: int, scaling: float, dropout: float) -> None:
+        super().__init__(base.in_features, base.out_features, base.bias is not None, base.quant,
+                         base.compute_dtype, base.weight.device)
+        self._adapters(base.in_features, base.out_features, rank, scaling, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._adapted(x, super().forward(x))
+
+
 def add_adapters(module: nn.Module, targets: tuple[str, ...], rank: int, scaling: float, dropout: float) -> nn.Module:
     """Replace every nn.Linear of `module` named in `targets` (its last name: 'q_proj') by a LoraLinear with
     the same weight and bias and new adapters on their device and dtype, and adapt each weight tensor named
-    there (its module's last name and its own: 'experts.down_proj'); returns `module`."""
+    there (its module's last name and its own: 'experts.down_proj'); a 4-bit projection (layers.quant4) becomes
+    a LoraLinear4bit; returns `module`."""
     for name, child in list(module.named_modules()):
         for tensor in getattr(child, "adaptable", ()):
             if f"{name.rsplit('.', 1)[-1]}.{tensor}" in targets:
                 child.adapt(tensor, rank, scaling)
-        if isinstance(child, nn.Linear) and not isinstance(child, LoraLinear) and name.rsplit(".", 1)[-1] in targets:
-            parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        if name.rsplit(".", 1)[-1] not in targets or isinstance(child, _Adapters):
+            continue
+        parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        if isinstance(child, Linear4bit):  # a 4-bit shell's projection: its pieces come from the caller
+            with torch.device(child.weight.device):
+                setattr(parent, name.rsplit(".", 1)[-1], LoraLinear4bit(child, rank, scaling, dropout))
+        elif isinstance(child, nn.Linear):
             with torch.device(child.weight.device):
                 lora = LoraLinear(child.in_features, child.out_features, child.bias is not None, rank, scaling,
                                   dropout).to(child.weight.dtype)

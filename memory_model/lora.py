@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layers.config import ModelConfig, lora_targets
-from memory_model.settings import Integer, Number, SettingError, Text, check_settings, setting, shown
+from layers.packed4 import QUANT_TYPES, unit_bytes
+from memory_model.settings import Choice, Integer, Number, SettingError, Switch, Text, check_settings, setting, shown
 
 # A block's projections that can carry adapters in some family, by the names Hugging Face and PEFT give them.
 LORA_TARGETS = lora_targets()
@@ -31,9 +32,23 @@ class LoraConfig:
     targets: str = setting("", "LoRA: comma-separated projections of every block that get adapters, among "
                            + ",".join(LORA_TARGETS) + " (none named: the model family's default, PEFT's)", Text(),
                            "NAMES")
+    # QLoRA: the frozen base 4-bit, by the names of transformers' BitsAndBytesConfig (their flags keep them).
+    load_in_4bit: bool = setting(False, "QLoRA: store, stream and hold the frozen base's block projections 4-bit "
+                                        "quantized as bitsandbytes does (blocks of 64), each dequantized for its "
+                                        "matmuls", Switch())
+    bnb_4bit_quant_type: str = setting("fp4", "--load-in-4bit's code: nf4 or fp4 (BitsAndBytesConfig's default)",
+                                       Choice(QUANT_TYPES), "TYPE")
+    bnb_4bit_use_double_quant: bool = setting(False, "--load-in-4bit: quantize the absmax of every block of 64 "
+                                                     "again (8 bits, blocks of 256)", Switch())
+    bnb_4bit_compute_dtype: str = setting("", "--load-in-4bit: dtype of the dequantized weights and their matmuls "
+                                              "(default: the run's --dtype)", Choice(("", "fp32", "bf16")), "DTYPE")
 
     def __post_init__(self) -> None:
-        check_settings(self, lambda key, problem: SettingError(f"lora_{key}", problem))
+        check_settings(self, lambda key, problem: SettingError(key if "4bit" in key else f"lora_{key}", problem))
+        if self.load_in_4bit and not self.enabled:
+            raise SettingError("lora_rank", "must be > 0 with --load-in-4bit: a 4-bit base is frozen and only LoRA's "
+                                            "adapters train (full fine-tuning needs the 16-bit base: drop "
+                                            "--load-in-4bit)")
         names = self.target_names
         if len(set(names)) != len(names) or any(n not in LORA_TARGETS for n in names):
             raise SettingError("lora_targets", f"must be distinct names among {','.join(LORA_TARGETS)}, "
@@ -83,3 +98,13 @@ def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
     per_block = sum(lora.rank * sum(target_shape(shape, t)) * shape.lora_experts(t)[0]
                     for t in targets_of(shape, lora))
     return shape.num_hidden_layers * per_block if lora.enabled else 0
+
+
+def weights_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:
+    """Bytes of a unit's weights load (its own and those it borrows, a tied head's embedding): its parameters in
+    the compute dtype, or with --load-in-4bit the units' packed slabs (layers/packed4.py), as stored, sent and held
+    on the device."""
+    if not lora.load_in_4bit:
+        return shape.unit_device_params(unit) * compute_bytes
+    owners = [owner for owner, _ in shape.borrowed(unit).values()] + [unit]
+    return sum(unit_bytes(shape, owner, compute_bytes, lora.bnb_4bit_use_double_quant) for owner in owners)

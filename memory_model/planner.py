@@ -15,6 +15,7 @@ from typing import Any, Callable
 from rich.table import Table
 
 from layers.config import ModelConfig
+from layers.packed4 import unit_bytes
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
@@ -28,7 +29,7 @@ from memory_model.shapes import (
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes,
     head_saved_bytes, norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
 )
-from memory_model.lora import adapter_params, targets_of
+from memory_model.lora import adapter_params, targets_of, weights_bytes
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, Weights, adapter_charges, disk_bytes, gathered_numel,
     gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges,
@@ -166,8 +167,11 @@ class Plan:
         """Per unit: bytes on the device and time per phase; the caption holds the totals."""
         group = expert_group(self.shape, self.config)
         experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
+        lora = self.config.lora
+        base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
+            lora.load_in_4bit
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
-                            f"{self.config.step.activations}, {self.config.compute_dtype}{experts}")
+                            f"{self.config.step.activations}, {self.config.compute_dtype}{experts}{base}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
                      "fwd ms", "bwd ms", "offload ms", "update ms"):
             table.add_column(name, justify="left" if name == "unit" else "right")
@@ -302,7 +306,9 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            _add(at, resource_charges(r, _device_numel(r, shape, cfg, batch, seq), es, cfg.step.update_on))
+            four_bit = isinstance(r, Weights) and cfg.lora.load_in_4bit  # a 4-bit base's units: in bytes
+            numel = weights_bytes(shape, cfg.lora, r.unit, es) if four_bit else _device_numel(r, shape, cfg, batch, seq)
+            _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
         in_groups = grouped(shape, cfg, event.unit)
         if event.phase == "update":
             _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.step.update_on))
@@ -393,7 +399,8 @@ def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
         if store.compute != "disk":
             return 0, 0
         events = _events(shape, cfg)
-        return sum(shape.unit_device_params(r.unit) for r in load_order(events, cfg.step.prefetch)) * cfg.dtype_bytes, 0
+        return sum(weights_bytes(shape, cfg.lora, r.unit, cfg.dtype_bytes)
+                   for r in load_order(events, cfg.step.prefetch)), 0
     return _disk_bytes_of(shape, cfg, _events(shape, cfg))
 
 
@@ -480,7 +487,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         t = timeline.per_unit[u]
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
-            unit=u, params=params, weight_bytes=sum(pieces) * es, gradient_bytes=0 if frozen else max(pieces) * es,
+            unit=u, params=params, gradient_bytes=0 if frozen else max(pieces) * es,
+            weight_bytes=weights_bytes(shape, cfg.lora, u, es) if cfg.lora.load_in_4bit else sum(pieces) * es,
             optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
             activation_bytes=kept, recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen,
@@ -499,6 +507,9 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     # weights in the master's dtype are the master: no copy. Each kind is in RAM or on disk as placed.
     stored, store = shard_numel(params, cfg.shards), cfg.step.store
     kinds = {"compute": (store.compute, stored * (es if frozen or not cfg.compute_is_master else 0))}
+    if cfg.lora.load_in_4bit:  # each unit's packed slab
+        kinds["compute"] = (store.compute, sum(unit_bytes(shape, u, es, cfg.lora.bnb_4bit_use_double_quant)
+                                               for u in units))
     if not frozen:
         kinds.update(state=(store.state, stored * cfg.master_bytes + cfg.moment_bytes(stored)),
                      grad=(store.grad, stored * GRAD_ACCUM_BYTES_PER_PARAM))

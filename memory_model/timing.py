@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from layers.config import ModelConfig
+from memory_model.lora import weights_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import expert_group, grouped, grouped_block_numel
 from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
@@ -126,8 +127,12 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     # from host memory, not from the store.
     numel = _numel(resource, shape, cfg)
     nbytes = sum(c.nbytes for c in resource_charges(resource, numel, cfg.dtype_bytes, "device"))
+    if isinstance(resource, Weights) and cfg.lora.load_in_4bit:  # a 4-bit base's units: their packed bytes
+        numel = nbytes = weights_bytes(shape, cfg.lora, resource.unit, cfg.dtype_bytes)
     store = cfg.step.store
     disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
+    if isinstance(resource, Weights) and cfg.lora.load_in_4bit:  # read as stored, where stored on disk
+        disk = nbytes if store.compute == "disk" else 0
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
     in_ram = store.state == "ram" or (isinstance(resource, (Weights, ExpertGroup))
                                       and not store.loads_read_master(cfg.compute_is_master))

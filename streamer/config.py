@@ -36,7 +36,9 @@ class TrainerConfig:
     step: StepConfig = branch(StepConfig)
     optimizer: OptimizerConfig = branch(OptimizerConfig)
     schedule: LRSchedule = branch(LRSchedule, names={"kind": "schedule", "warmup_steps": "warmup"})
-    lora: LoraConfig = branch(LoraConfig, prefix="lora_")  # rank 0: full fine-tuning
+    # rank 0: full fine-tuning; the 4-bit base's settings keep transformers' names (`--load-in-4bit`)
+    lora: LoraConfig = branch(LoraConfig, prefix="lora_", names={k: k for k in (
+        "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")})
     device: DeviceConfig = branch(DeviceConfig)
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
@@ -54,6 +56,10 @@ class TrainerConfig:
             check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
+        if self.lora.load_in_4bit and self.step.data_parallel == "sharded":
+            # A 4-bit unit is one byte slab of pieces: each process keeps it whole.
+            raise ConfigError.of("data_parallel", "must be replicated with --load-in-4bit (each process holds the "
+                                                  "4-bit base whole), got sharded")
 
     @classmethod
     def of(cls, **flat: Any) -> "TrainerConfig":
@@ -83,7 +89,9 @@ class TrainerConfig:
         data-parallel processes (with the state sharded, each holds its slice)."""
         return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.step.store,
                          self.step.update_chunk, self.step.shards(processes), frozen=self.lora.enabled,
-                         master_dtype=self.optimizer.master_dtype)
+                         master_dtype=self.optimizer.master_dtype,
+                         quant_type=self.lora.bnb_4bit_quant_type if self.lora.load_in_4bit else "",
+                         double_quant=self.lora.load_in_4bit and self.lora.bnb_4bit_use_double_quant)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""

@@ -175,6 +175,9 @@ class RunConfig:
     def model_config(self) -> ModelConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
         if self.from_pretrained is not None:
+            from streamer.io.hf import check_quantization  # (the checkpoint reader loads only with a folder)
+            source = Path(self.from_pretrained)
+            check_quantization(source / "config.json" if source.is_dir() else source, self.trainer.lora)
             return ModelConfig.from_hf(self.from_pretrained)
         return ModelConfig.named(self.model)
 
@@ -223,6 +226,7 @@ class RunConfig:
 FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir", "steps", "epochs", "batch", "seq",
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+         "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
          "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",

@@ -15,7 +15,6 @@ from memory_model.allocator import cuda_block_bytes, workspace_blocks
 from streamer.config import TrainerConfig
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.errors import ConfigError, StoreError, StreamerError
-from streamer.store.layout import model_layouts
 from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.step import (
@@ -44,6 +43,8 @@ class StreamingTrainer:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         device, step = self.tc.device, self.tc.step
         check_runnable(step)
+        if self.tc.lora.load_in_4bit:
+            _check_bitsandbytes()
         if device.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device.device} but torch sees no CUDA GPU; use --device cpu")
         self.units = cfg.unit_names()
@@ -71,7 +72,8 @@ class StreamingTrainer:
                                           _pin_memory(device.device, device.pin_memory))
         # The same store where it takes writes (training, new weights, saves); None where it is only read.
         self.writer = self.store if isinstance(self.store, StoreWriter) else None
-        layouts = model_layouts(cfg) if self.store is None else [self.store.layouts[u] for u in self.units]
+        layouts = self.tc.store_spec(cfg, self.processes).layouts() if self.store is None else \
+            [self.store.layouts[u] for u in self.units]
         self.layouts = {lay.name: lay for lay in layouts}
         arch = device.cuda_arch()
         self.ledger = Ledger(device.budget_bytes(), device.device,
@@ -173,12 +175,23 @@ class StreamingTrainer:
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
         """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time)."""
-        from streamer.io.hf import HFCheckpoint
+        from streamer.io.hf import HFCheckpoint, check_quantization
+        check_quantization(Path(hf_dir) / "config.json", (tc or TrainerConfig()).lora)
         checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
         trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)
         try:
-            trainer._write_units(lambda unit: {s.key: checkpoint.read(s.hf_key) for s in trainer.layouts[unit].slots})
+            def tensors_of(unit: str) -> dict[str, Any]:
+                """A folder saved 4-bit gives each weight the run holds 4-bit as its pieces, as saved."""
+                layout = trainer.layouts[unit]
+                kept = layout.packed.quantized if layout.packed is not None else ()
+                tensors: dict[str, Any] = {}
+                for s in layout.slots:
+                    pieces = checkpoint.read_4bit(s.hf_key) if s.key in kept else None
+                    tensors[s.key] = pieces if pieces is not None else checkpoint.read(s.hf_key)
+                return tensors
+
+            trainer._write_units(tensors_of)
         except BaseException:
             trainer.close()
             raise
@@ -507,6 +520,15 @@ class StreamingTrainer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _check_bitsandbytes() -> None:
+    """--load-in-4bit quantizes and dequantizes with bitsandbytes' own functions: it must be installed."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("--load-in-4bit needs the bitsandbytes package: pip install 'weight-streaming[qlora]'") \
+            from None
 
 
 def _pin_memory(device: str, pin_memory: str) -> str:

@@ -50,7 +50,14 @@ def _tied_keys(layouts: Iterable[UnitLayout]) -> list[tuple[str, str]]:
 def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
                       compute_dtype: torch.dtype, data_parallel: DataParallel | None) -> None:
     """A unit's weights (by slot key, taken out of `tensors`) as its master, moments zero, and compute copy (of
-    the master as stored: a bf16 master's values, in fp32 compute too)."""
+    the master as stored: a bf16 master's values, in fp32 compute too). A 4-bit store's unit: its byte slab
+    (`Packed4.pack`), written once."""
+    if layout.packed is not None:
+        slab = layout.packed.pack({slot.key: tensors.pop(slot.key) for slot in layout.slots})
+        with store.unit_writer(layout.name, store.step) as writer:
+            for start, count in chunks(slab.numel(), store.spec.chunk):
+                writer.write("compute", start, slab[start:start + count])
+        return
     master = torch.empty(layout.numel, dtype=torch.float32)
     for slot in layout.slots:
         master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
@@ -71,7 +78,11 @@ def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str,
 def read_master(store: StoreReader, layout: UnitLayout, stored: int,
                 data_parallel: DataParallel | None) -> torch.Tensor:
     """A unit's fp32 master (a frozen base's: its compute weights) as one flat host tensor; `stored`: the
-    elements this store holds of it."""
+    elements this store holds of it. A 4-bit unit's: its 16-bit tensors and its quantized weights dequantized."""
+    if layout.packed is not None:  # (a 4-bit base is never sharded: TrainerConfig)
+        slab = torch.empty(stored, dtype=torch.uint8)
+        store.read_master(layout.name, slab)
+        return layout.packed.unpack(slab, layout.slots)
     out = torch.empty(stored, dtype=torch.float32)
     for start, count in chunks(stored, store.spec.chunk):
         store.read_state(layout.name, "master", start, out[start:start + count])

@@ -131,7 +131,9 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
     if max_shard_bytes <= 0:
         raise RunError("--max-shard-size must be more than 0 bytes")
     token_ids = None if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    source = None if base is None or trainer.adapters is None else _open_base(base, trainer)
+    # A 4-bit base's run exports the model it trained: its base dequantized, the adapters merged (in fp32).
+    full_precision = base is not None and trainer.adapters is not None and not trainer.tc.lora.load_in_4bit
+    source = _open_base(base, trainer) if full_precision else None
     if dtype is None:
         dtype = torch.float32 if source is None else source.dtype(source.keys()[0])
     with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite, token_ids) as exporter:

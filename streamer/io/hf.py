@@ -21,6 +21,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from layers import CheckpointMismatch, ConfigError, ModelConfig, check_state_dict, resident_model
+from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE
+from layers.quant4 import Quant4, dequantize
+from memory_model.lora import LoraConfig
 from streamer.errors import CheckpointError
 from streamer.store.layout import DTYPES
 from streamer.store.slabfile import fsync_path
@@ -96,8 +99,48 @@ class HFCheckpoint:
         checkpoint = cls(root, config, entries, shards)
         checkpoint._join_saved_parts()
         checkpoint._join_packed()
+        checkpoint._join_4bit()
         checkpoint._drop_tied_copies()
         return checkpoint
+
+    def _join_4bit(self) -> None:
+        """A weight transformers saved 4-bit (bitsandbytes: W's packed codes, W.absmax, W.nested_absmax and
+        W.quant_state.bitsandbytes__nf4, its JSON) is listed as W, its 16-bit shape and dtype: `read` dequantizes it,
+        `read_4bit` gives its pieces as saved (a 4-bit run's import keeps them)."""
+        self._quant4: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+        for name in [n for n in self._entries if BNB_STATE in n]:
+            key, quant_type = name.split(BNB_STATE)
+            raw = self._read_stored(name, self._entries[name], torch.uint8)
+            try:
+                state = json.loads(bytes(raw.tolist()).decode())
+                shape, dtype, blocksize = tuple(state["shape"]), state["dtype"], state["blocksize"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{self.root}: {name} is not bitsandbytes' quant state ({_brief(exc)}); "
+                                      "re-save the checkpoint") from None
+            if blocksize != BLOCKSIZE or state.get("nested_blocksize", NESTED_BLOCKSIZE) != NESTED_BLOCKSIZE:
+                raise CheckpointError(f"{self.root}: {key} is quantized in blocks of {blocksize}; only bitsandbytes' "
+                                      f"default {BLOCKSIZE} is read: pass the 16-bit checkpoint with --load-in-4bit")
+            pieces = {"weight": key, **{p: key + suffix for p, suffix in BNB_PIECES.items()
+                                        if key + suffix in self._entries}}
+            weight = self._entries[key]
+            self._entries[key] = _Entry(weight.shard, shape, dtype)
+            self._part_entries[key] = weight
+            for piece in [name, *pieces.values(), *(key + suffix for suffix in BNB_CONSTANTS)]:
+                if piece != key and piece in self._entries:
+                    self._part_entries[piece] = self._entries.pop(piece)
+            self._quant4[key] = ({**state, "quant_type": quant_type}, pieces)
+
+    def read_4bit(self, key: str) -> dict[str, torch.Tensor] | None:
+        """A 4-bit saved weight's pieces as saved (layers.packed4's names); None: `key` is not one."""
+        if key not in self._quant4:
+            return None
+        state, names = self._quant4[key]
+        pieces = {piece: self._read_stored(name, self._part_entries[name],
+                                           getattr(torch, self._part_entries[name].dtype))
+                  for piece, name in names.items()}
+        if "nested_offset" in state:
+            pieces["nested_offset"] = torch.tensor(state["nested_offset"], dtype=torch.float32)
+        return pieces
 
     def _join_saved_parts(self) -> None:
         """A tensor transformers saves under another name (`ModelConfig.hf_saved_name`) or in parts (a
@@ -183,6 +226,10 @@ class HFCheckpoint:
         """One tensor as a fresh CPU tensor of `dtype` that the caller owns."""
         entry = self._entry(key)
         self.dtype(key)
+        if key in self._quant4:
+            state, _ = self._quant4[key]
+            quant = Quant4(state["quant_type"], "nested_offset" in state, getattr(torch, state["dtype"]))
+            return dequantize(self.read_4bit(key), self.shape(key), quant).to(dtype)
         if key in self._packed:
             blocks, scales = (self._read_stored(name, self._part_entries[name], torch.uint8)
                               for name in self._packed[key])
@@ -254,8 +301,44 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
                               "check its sizes") from None
 
 
+# The quantization_config methods whose folders hold weights this reader reads: gpt-oss's MXFP4 experts
+# (`ModelConfig.hf_packed`), a GGUF file's dequantized tensors, and bitsandbytes' 4-bit tensors (`_join_4bit`).
+READ_QUANT_METHODS = ("mxfp4", "gguf", "bitsandbytes")
+# What transformers saves beside a bitsandbytes 4-bit weight W: its pieces, and the JSON of its quant state.
+BNB_PIECES = {"absmax": ".absmax", "nested_absmax": ".nested_absmax"}
+BNB_CONSTANTS = (".quant_map", ".nested_quant_map")  # the codes, bitsandbytes' own tables
+BNB_STATE = ".quant_state.bitsandbytes__"
+
+
+def check_quantization(path: Path, lora: LoraConfig | None = None) -> None:
+    """A folder whose weights another library quantized (GPTQ, AWQ, fp8, bitsandbytes' 8-bit) is refused in one
+    line naming its quant_method. One bitsandbytes saved 4-bit trains as saved: LoRA on its 4-bit base with its
+    settings, which `lora` (the run's) must have."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # ModelConfig.from_hf says what is wrong with the file
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    four_bit = method == "bitsandbytes" and quant.get("load_in_4bit", quant.get("_load_in_4bit"))
+    if method == "bitsandbytes" and not four_bit:
+        method = "bitsandbytes (8-bit)"
+    if method is not None and method not in READ_QUANT_METHODS:
+        raise CheckpointError(f"{path}: its weights are quantized by {method!r} (quantization_config), which is not "
+                              "read; pass the 16-bit checkpoint it was made from (--load-in-4bit quantizes one "
+                              "as bitsandbytes does)")
+    if four_bit and lora is not None:
+        saved = (quant.get("bnb_4bit_quant_type", "fp4"), bool(quant.get("bnb_4bit_use_double_quant", False)))
+        if not lora.load_in_4bit or (lora.bnb_4bit_quant_type, lora.bnb_4bit_use_double_quant) != saved:
+            flags = f"--lora-rank R --load-in-4bit --bnb-4bit-quant-type {saved[0]}" + \
+                (" --bnb-4bit-use-double-quant" if saved[1] else "")
+            raise CheckpointError(f"{path.parent} holds bitsandbytes 4-bit weights ({saved[0]}"
+                                  f"{', double quant' if saved[1] else ''}): train it with {flags}")
+
+
 def _read_config(root: Path) -> ModelConfig:
     path = root / "config.json"
+    check_quantization(path)
     try:
         return ModelConfig.from_hf(path)
     except ConfigError as exc:

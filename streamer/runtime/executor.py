@@ -37,13 +37,16 @@ class Executor:
         writes, takes a training step's gradients and updates (None: the store is only read, and only forward
         passes run). `seed`: the run's, from which a bf16 master's stochastic rounding draws its bits."""
         self.step_cfg, self.trace, self.device = step, trace, device
-        self.transport = Transport(store, device, dtype)
+        # A 4-bit base's units load as their byte slabs (UnitLayout.packed).
+        packed = any(layout.packed is not None for layout in layouts.values())
+        weights_dtype = torch.uint8 if packed else dtype
+        self.transport = Transport(store, device, dtype, weights_dtype if packed else None)
         inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
         one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
-        self.loader = Loader(layouts, step, step.store, dtype, one_copy, self.transport, self.io, ledger, trace,
-                             data_parallel, expert_groups(cfg, step.expert_group_size, layouts))
+        self.loader = Loader(layouts, step, step.store, weights_dtype, one_copy, self.transport, self.io, ledger,
+                             trace, data_parallel, expert_groups(cfg, step.expert_group_size, layouts))
         self.passes = Passes(cfg, step, layouts, self.loader, device, dtype, self.transport, self.io, ledger, trace,
                              store, writer, data_parallel, adapters)
         self.updater = Updater(step, optimizer, layouts, step.store, dtype, one_copy, self.transport, self.io,

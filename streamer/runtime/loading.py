@@ -30,7 +30,8 @@ class Loader:
     def __init__(self, layouts: dict[str, UnitLayout], step: StepConfig, placement: Placement, dtype: torch.dtype,
                  compute_is_master: bool, transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
                  data_parallel: DataParallel | None, groups: dict[str, ExpertGroups]) -> None:
-        """`groups`: the blocks whose experts load in groups, their weights loads holding the rest."""
+        """`groups`: the blocks whose experts load in groups, their weights loads holding the rest; `dtype`: that
+        of the weights loads (a 4-bit base's: bytes)."""
         self.layouts, self.step_cfg, self.dtype, self.groups = layouts, step, dtype, groups
         # One state per group of each grouped block: the handles its forward saves find its buffer through it.
         self.group_states = {(u, g): UnitState(f"{u} experts {g}") for u, e in groups.items() for g in range(e.count)}

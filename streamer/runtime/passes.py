@@ -12,6 +12,7 @@ from torch.func import functional_call
 
 from layers import ModelConfig, build_unit, unit_kind
 from layers.lora import add_adapters
+from layers.quant4 import quantize_linears
 from layers.model import family_units
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
@@ -24,7 +25,7 @@ from memory_model.step import StepConfig
 from streamer.runtime.step import MicroBatch, PendingOffload, StepContext
 from streamer.runtime.transport import GRADIENT_FOLD, IOQueues, Transport
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import UnitLayout
+from streamer.store.layout import DTYPES, UnitLayout
 
 
 class Passes:
@@ -55,8 +56,13 @@ class Passes:
         # LoRA: the base is frozen (no weight gradients, no update); the adapters are on the device for the run.
         self.adapters = adapters
         if adapters is not None:
+            packed = next((layouts[u].packed for u in self.units if u.startswith("block.")), None)
+            lora = adapters.lora
             for kind, shell in kinds.items():
                 if kind not in ("embed", "head"):
+                    if packed is not None:  # a 4-bit base's blocks (the head's lm_head stays 16-bit)
+                        quantize_linears(shell, packed.quant, DTYPES[lora.bnb_4bit_compute_dtype]
+                                         if lora.bnb_4bit_compute_dtype else dtype)
                     add_adapters(shell, adapters.targets, adapters.lora.rank, adapters.lora.scaling,
                                  adapters.lora.dropout)
             self.recorder.resident |= adapters.storages()

@@ -68,7 +68,10 @@ class WeightHandle:
     state: UnitState
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int  # in elements of `dtype`
+    # The saved tensor's dtype, where the buffer holds other ones (a 4-bit unit's byte slab holds fp32 and 16-bit
+    # pieces): the buffer is viewed as it before the tensor is taken from it.
+    dtype: torch.dtype
     # A group of a block's experts, released after its forward: loads it again for the backward that unpacks it.
     reload: Callable[[], None] | None = None
 
@@ -103,10 +106,10 @@ class SavedTensorRecorder:
         def pack(t: torch.Tensor) -> torch.Tensor | WeightHandle:
             key = storage_key(t)
             if key == weight_key:
-                return WeightHandle(state, t.size(), t.stride(), t.storage_offset())
+                return WeightHandle(state, t.size(), t.stride(), t.storage_offset(), t.dtype)
             if key in self._groups:
                 group, reload = self._groups[key]
-                return WeightHandle(group, t.size(), t.stride(), t.storage_offset(), reload)
+                return WeightHandle(group, t.size(), t.stride(), t.storage_offset(), t.dtype, reload)
             if key not in self._charged and key not in self.resident:
                 nbytes = t.untyped_storage().nbytes()
                 self._charged[key] = self.ledger.allocate("activations", state.name, nbytes,
@@ -118,7 +121,7 @@ class SavedTensorRecorder:
             if isinstance(packed, WeightHandle):
                 if packed.reload is not None and packed.state.residency is not Residency.AVAILABLE:
                     packed.reload()
-                return packed.state.weights().as_strided(packed.size, packed.stride, packed.offset)
+                return packed.state.weights().view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
             return packed
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -190,7 +190,10 @@ def crosses_directly(pin_memory: str) -> bool:
 
 
 class Transport:
-    def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype,
+                 weights_dtype: torch.dtype | None = None) -> None:
+        """`weights_dtype`: what a weights load holds, where not the compute dtype's elements (a 4-bit base's
+        bytes, uint8, read as they are stored)."""
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
@@ -208,6 +211,9 @@ class Transport:
         # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
         self.master_is_weights = store is not None and \
             store.spec.kind_dtype("master") == compute_dtype != torch.float32
+        self.weights_dtype = weights_dtype or compute_dtype
+        if weights_dtype is not None:  # a 4-bit base on disk: its files hold the bytes a load sends, as they are
+            self.master_is_weights = True
         # Free host buffers, by size.
         self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -311,7 +317,7 @@ class Transport:
         def weights_of(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
             if not from_master:
                 ram = store.slab(name, "compute") if store is not None else None
-                return {"weights": self._to_device(None, ram, count, self.compute_dtype, out)}
+                return {"weights": self._to_device(None, ram, count, self.weights_dtype, out)}
             if self.master_is_weights:
                 return master_as_weights(name, count, keep, out)
             if self.mode == "meta":
@@ -337,15 +343,15 @@ class Transport:
                 if master is not None:
                     master.copy_(host)  # widened here, before a staging buffer is handed back
 
-            weights = self._to_device(fill, None, count, self.compute_dtype, out)
+            weights = self._to_device(fill, None, count, self.weights_dtype, out)
             return {"weights": weights} if master is None else {"weights": weights, "master": master}
 
         def job() -> dict[str, torch.Tensor]:
             if not borrowed:
                 return weights_of(unit, numel, keep_master, None)
             total = numel + sum(n for _, n in borrowed)
-            whole = (torch.empty(total, dtype=self.compute_dtype, device="meta") if self.mode == "meta"
-                     else self._take(total, self.compute_dtype, "device"))
+            whole = (torch.empty(total, dtype=self.weights_dtype, device="meta") if self.mode == "meta"
+                     else self._take(total, self.weights_dtype, "device"))
             offset = 0
             for owner, n in borrowed:
                 weights_of(owner, n, False, whole[offset:offset + n])

@@ -30,7 +30,7 @@ from streamer.store.commit import (
 )
 from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import StateWriter, StoreReader, StoreWriter
-from streamer.store.layout import fold_into, model_layouts
+from streamer.store.layout import fold_into
 from streamer.store.quant import restored, stored
 from streamer.store.ram import RamSlabs
 from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
@@ -48,7 +48,7 @@ class _HostSlabs(StoreReader):
             raise StoreError(f"pin_memory must be one of {', '.join(PIN_MODES)}, got {pin_memory!r}")
         self.root, self.spec, self.manifest, self._lock = root, spec, manifest, lock
         self.pin_memory = pin_memory
-        self.layouts = {lay.name: lay for lay in model_layouts(spec.config)}
+        self.layouts = {lay.name: lay for lay in spec.layouts()}
         self.step: int = manifest["step"] if manifest["step"] is not None else 0
         self.generation: int = manifest["generation"]
         self.versions: dict[str, int] = dict(manifest["units"])  # unit -> generation of its state file

@@ -1,6 +1,7 @@
 """How a unit's tensors sit in one flat slab (where each slab kind lives: memory_model.step.Placement)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -8,6 +9,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from layers import ModelConfig, build_unit, weight_decayed
+from layers.packed4 import padded, quantized_numels, weight_pieces
+from layers.quant4 import PIECE_DTYPES, Quant4, dequantize, quantize
 from streamer.errors import StoreError
 
 # The torch dtype of each name memory_model.DTYPE_BYTES sizes (the same names, the same byte sizes).
@@ -52,6 +55,96 @@ class _ShapesOnly(TorchFunctionMode):
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A tensor of a 4-bit unit's byte slab: a 16-bit tensor, or a piece of a quantized weight."""
+
+    key: str  # the module's key: 'attn.q_proj.weight' (its packed codes), 'attn.q_proj.absmax', 'ln_1.weight'
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # in bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Packed4:
+    """A unit of a 4-bit store (layers/packed4.py): its slab is bytes, `pieces` in slab order (a tied head's
+    borrowed embedding first), and `quantized` the slots of the weights held 4-bit."""
+
+    quant: Quant4
+    pieces: tuple[Piece, ...]
+    quantized: tuple[str, ...]  # slot keys
+    borrowed_bytes: tuple[int, ...]  # bytes of each borrowed owner's slab, in device order
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, unit: str, slots: Sequence[TensorSlot], borrowed: Sequence[TensorSlot],
+           module: torch.nn.Module, quant: Quant4) -> "Packed4":
+        linears = {f"{name}.weight" for name, m in module.named_modules() if type(m) is torch.nn.Linear}
+        quantized = [s for s in slots if s.key in linears] if unit.startswith("block.") else []
+        if sorted(s.numel for s in quantized) != sorted(quantized_numels(cfg, unit)):
+            raise StoreError(f"--load-in-4bit does not hold {cfg.model_type}'s blocks yet (their Linear modules are "
+                             "not its projections); drop --load-in-4bit")
+        pieces, offset, lent = [], 0, []
+        for slot in borrowed:  # another unit's whole slab, 16-bit (only an embedding is borrowed)
+            pieces.append(Piece(slot.key, quant.dtype, slot.shape, offset))
+            lent.append(padded(slot.numel * quant.dtype.itemsize))
+            offset += lent[-1]
+        start = offset
+        for slot in slots:
+            if slot not in quantized:
+                pieces.append(Piece(slot.key, quant.dtype, slot.shape, offset))
+                offset += slot.numel * quant.dtype.itemsize
+        offset = start + padded(offset - start)
+        for slot in quantized:
+            module_key = slot.key.rsplit(".", 1)[0]
+            for name, dtype, count in weight_pieces(slot.numel, quant.double_quant):
+                shape = {"weight": (count, 1), "nested_offset": ()}.get(name, (count,))
+                pieces.append(Piece(f"{module_key}.{name}", PIECE_DTYPES[dtype], shape, offset))
+                offset += padded(count * PIECE_DTYPES[dtype].itemsize)
+        return cls(quant, tuple(pieces), tuple(s.key for s in quantized), tuple(lent))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unit's own slab (`layers.packed4.unit_bytes`)."""
+        last = self.pieces[-1]
+        return padded(last.offset + last.nbytes) - sum(self.borrowed_bytes)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {p.key: flat[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.pieces}
+
+    def pack(self, tensors: dict[str, torch.Tensor | dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The unit's own slab from its tensors by slot key: the quantized ones by bitsandbytes' quantize_4bit, or
+        given as their pieces already (a folder transformers saved 4-bit)."""
+        whole = torch.zeros(sum(self.borrowed_bytes) + self.nbytes, dtype=torch.uint8)  # (pieces' offsets count
+        views = self.views(whole)                                                      # what a unit borrows)
+        for key in self.quantized:
+            module_key = key.rsplit(".", 1)[0]
+            given = tensors.pop(key)
+            for name, value in (given if isinstance(given, dict) else quantize(given, self.quant)).items():
+                views[f"{module_key}.{name}"].copy_(value.reshape(views[f"{module_key}.{name}"].shape))
+        for key, value in tensors.items():
+            views[key].copy_(value.reshape(views[key].shape))
+        return whole[sum(self.borrowed_bytes):]
+
+    def unpack(self, slab: torch.Tensor, slots: Sequence[TensorSlot]) -> torch.Tensor:
+        """The unit's own tensors in slot order, flat in fp32, the quantized ones dequantized."""
+        views = self.views(torch.cat([torch.zeros(sum(self.borrowed_bytes), dtype=torch.uint8), slab]))
+        out = torch.empty(sum(s.numel for s in slots), dtype=torch.float32)
+        for slot in slots:
+            if slot.key in self.quantized:
+                module_key = slot.key.rsplit(".", 1)[0]
+                pieces = {name: views[f"{module_key}.{name}"] for name, _, _ in
+                          weight_pieces(slot.numel, self.quant.double_quant)}
+                value = dequantize(pieces, slot.shape, self.quant)
+            else:
+                value = views[slot.key]
+            out[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+        return out
+
+
+@dataclass(frozen=True)
 class UnitLayout:
     name: str
     slots: tuple[TensorSlot, ...]  # the unit's own tensors in its stored slab, decayed first
@@ -59,9 +152,12 @@ class UnitLayout:
     # that unit's whole weights: (slot, owner). On the device they come first in the unit's one flat buffer, and
     # their gradient is folded into the owner's accumulator (`split_device`).
     borrowed: tuple[tuple[TensorSlot, str], ...] = ()
+    # A 4-bit store's unit: its slab is bytes (its `numel`), and the slots keep the 16-bit tensors' places for
+    # their keys and for `Packed4.unpack`.
+    packed: Packed4 | None = None
 
     @classmethod
-    def of(cls, cfg: ModelConfig, unit: str) -> "UnitLayout":
+    def of(cls, cfg: ModelConfig, unit: str, quant: Quant4 | None = None) -> "UnitLayout":
         with _ShapesOnly():
             module = build_unit(cfg, unit)
         params = list(module.named_parameters())
@@ -78,12 +174,13 @@ class UnitLayout:
         for key, param in ordered:
             slots.append(TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset))
             offset += param.numel()
-        return cls(unit, tuple(slots), tuple(borrowed))
+        packed = None if quant is None else Packed4.of(cfg, unit, slots, [s for s, _ in borrowed], module, quant)
+        return cls(unit, tuple(slots), tuple(borrowed), packed)
 
     @property
     def numel(self) -> int:
-        """The elements the unit's own state holds (its slab; what its update walks)."""
-        return sum(s.numel for s in self.slots)
+        """The elements the unit's own state holds (its slab; what its update walks); a 4-bit unit's bytes."""
+        return self.packed.nbytes if self.packed is not None else sum(s.numel for s in self.slots)
 
     @property
     def decay_numel(self) -> int:
@@ -95,7 +192,10 @@ class UnitLayout:
         return [s.key for s, _ in self.borrowed] + [s.key for s in self.slots]
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit's parameters as views of its device weights `flat` (the borrowed ones first)."""
+        """The unit's parameters as views of its device weights `flat` (the borrowed ones first); a 4-bit unit's
+        pieces (`Packed4`)."""
+        if self.packed is not None:
+            return self.packed.views(flat)
         slots = [s for s, _ in self.borrowed] + list(self.slots)
         pieces = flat.split_with_sizes([s.numel for s in slots])
         return {s.key: piece.view(s.shape) for s, piece in zip(slots, pieces)}
@@ -103,7 +203,10 @@ class UnitLayout:
     @property
     def device_parts(self) -> list[tuple[str, int]]:
         """The unit's device weights by the state that holds them, in device order: (unit, elements) of each
-        owner it borrows from, then its own (`ModelConfig.unit_device_parts`)."""
+        owner it borrows from, then its own (`ModelConfig.unit_device_parts`); a 4-bit unit's in bytes."""
+        if self.packed is not None:
+            return [(owner, n) for (_, owner), n in zip(self.borrowed, self.packed.borrowed_bytes)] + \
+                [(self.name, self.numel)]
         return [(owner, s.numel) for s, owner in self.borrowed] + [(self.name, self.numel)]
 
     def split_device(self, pieces: Sequence[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
@@ -196,5 +299,6 @@ def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -
             if u.startswith("block.")}
 
 
-def model_layouts(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
-    return tuple(UnitLayout.of(cfg, unit) for unit in cfg.unit_names())
+def model_layouts(cfg: ModelConfig, quant: Quant4 | None = None) -> tuple[UnitLayout, ...]:
+    """Every unit's layout; `quant`: in a 4-bit store (`StoreSpec.quant4`)."""
+    return tuple(UnitLayout.of(cfg, unit, quant) for unit in cfg.unit_names())

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 
 from layers import ModelConfig
+from layers.quant4 import Quant4
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
 from memory_model.step import Placement, StepConfig
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
 from streamer.errors import StoreError
-from streamer.store.layout import DTYPES, UnitLayout
+from streamer.store.layout import DTYPES, UnitLayout, model_layouts
 from streamer.store.slabfile import TRAILER_BYTES
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -54,9 +55,14 @@ class StoreSpec:
     # once (no master, no moments, no gradient), and a step only reads them.
     frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
     master_dtype: str = same_setting(PlanConfig, "master_dtype")
+    # A frozen base held 4-bit (QLoRA, layers/packed4.py): its compute weights are each unit's byte slab.
+    quant_type: str = ""  # "" (16-bit), "nf4" or "fp4"
+    double_quant: bool = False
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
+        if self.quant_type and not self.frozen:
+            raise StoreError("a 4-bit base is frozen: a store holding one trains LoRA's adapters (--lora-rank)")
         if self.placement.compute == "disk" and self.placement.state != "disk":
             # Disk compute weights are cast from the state files' masters, which a RAM-state store writes only
             # on save().
@@ -75,6 +81,14 @@ class StoreSpec:
     def compute_is_master(self) -> bool:
         return compute_is_master(self.compute_dtype, self.master_dtype, self.frozen)
 
+    def quant4(self) -> Quant4 | None:
+        """How the base is held 4-bit (its 16-bit tensors in the compute dtype); None: it is not."""
+        return Quant4(self.quant_type, self.double_quant, DTYPES[self.compute_dtype]) if self.quant_type else None
+
+    def layouts(self) -> tuple[UnitLayout, ...]:
+        """Every unit's layout in this store's slabs."""
+        return model_layouts(self.config, self.quant4())
+
     def kind_dtype_name(self, kind: str) -> str:
         if kind == "grad":
             return "fp32"
@@ -87,11 +101,15 @@ class StoreSpec:
         return self.kind_dtype_name(kind) in BLOCK_SCALE_BYTES
 
     def kind_dtype(self, kind: str) -> torch.dtype:
-        """The dtype of the kind's slab and file pieces: its elements', or bytes (uint8) where it is quantized."""
-        return torch.uint8 if self.quantized(kind) else DTYPES[self.kind_dtype_name(kind)]
+        """The dtype of the kind's slab and file pieces: its elements', or bytes (uint8) where it is quantized (a
+        4-bit base's compute weights: bytes, `UnitLayout.numel` of them)."""
+        as_bytes = self.quantized(kind) or (kind == "compute" and bool(self.quant_type))
+        return torch.uint8 if as_bytes else DTYPES[self.kind_dtype_name(kind)]
 
     def kind_bytes(self, kind: str, count: int) -> int:
         """Bytes `count` elements of `kind` take in a slab or a state file (memory_model.units.stored_bytes)."""
+        if kind == "compute" and self.quant_type:
+            return count
         return stored_bytes(self.kind_dtype_name(kind), count)
 
     def kind_range(self, kind: str, start: int, count: int) -> tuple[int, int]:
@@ -155,7 +173,8 @@ class StoreSpec:
         grads_on_disk = self.placement.grad == "disk" and not self.frozen
         ram = states = largest = grads = 0
         for unit in self._unit_kinds():
-            numel, units = self.stored_numel(UnitLayout.of(self.config, unit).numel), count[unit.split(".")[0]]
+            numel = self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
+            units = count[unit.split(".")[0]]
             state = self.state_bytes(numel) + TRAILER_BYTES
             ram += units * sum(self.kind_bytes(k, numel) for k in self.ram_kinds())
             states, largest = states + units * state, max(largest, state)
@@ -165,7 +184,8 @@ class StoreSpec:
     def staging_bytes(self) -> int:
         """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
         buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
-        largest = max(self.stored_numel(UnitLayout.of(self.config, unit).numel) for unit in self._unit_kinds())
+        largest = max(self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
+                      for unit in self._unit_kinds())
         chunk = min(self.chunk, largest)
         units = STAGING_UNITS + self.placement.loads_read_master(self.compute_is_master)
         return 4 * (units * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
@@ -188,20 +208,21 @@ class StoreSpec:
 
     def to_dict(self) -> dict[str, Any]:
         sharded = {"shards": self.shards} if self.shards > 1 else {}  # a whole store's manifest reads as before
+        quant = {"quant_type": self.quant_type, "double_quant": self.double_quant} if self.quant_type else {}
         return {"config": self.config.to_dict(), "compute_dtype": self.compute_dtype,
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
-                **sharded, "frozen": self.frozen, "master_dtype": self.master_dtype}
+                **sharded, "frozen": self.frozen, "master_dtype": self.master_dtype, **quant}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "StoreSpec":
         try:
             # A store written before `frozen` existed holds a full training state, whatever its run trained; one
             # written before `master_dtype` existed, fp32 masters.
-            optional = {"shards", "frozen", "master_dtype"}
+            optional = {"shards", "frozen", "master_dtype", "quant_type", "double_quant"}
             if set(raw) - optional != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
             return cls(ModelConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
                        Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False),
-                       raw.get("master_dtype", "fp32"))
+                       raw.get("master_dtype", "fp32"), raw.get("quant_type", ""), raw.get("double_quant", False))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None

@@ -1,0 +1,63 @@
+"""A 4-bit frozen base (QLoRA), as bitsandbytes packs it: the pieces and bytes of every unit, torch-free (the
+planner prices them; layers/quant4.py computes with them).
+
+With `--load-in-4bit` every Linear weight of a block is stored, streamed and held on the device as bitsandbytes'
+`quantize_4bit` gives it (blocks of 64): two 4-bit codes a byte, and one fp32 absmax per block. With double
+quantization the absmax values are themselves 8-bit codes of (absmax - their mean), with one fp32 absmax per 256
+of them and that mean (bitsandbytes' nested state). Everything else (norms, biases, the embedding, the head) stays
+in the compute dtype, as transformers leaves it. A unit is one byte slab: its 16-bit tensors first, then each
+quantized weight's pieces, each piece starting on `ALIGN` bytes. `streamer.store.layout` lays the slab out with
+these pieces and the planner prices it with `unit_bytes`: the one rule for both.
+"""
+from __future__ import annotations
+
+from layers.config import ModelConfig
+
+BLOCKSIZE = 64  # bitsandbytes' default for 4-bit weights (transformers' BitsAndBytesConfig)
+NESTED_BLOCKSIZE = 256  # the double quantization of the absmax values
+ALIGN = 16  # every piece starts on 16 bytes: its fp32 views, and vector loads, need no unaligned access
+QUANT_TYPES = ("nf4", "fp4")
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def weight_pieces(numel: int, double_quant: bool) -> list[tuple[str, str, int]]:
+    """(name, dtype, count) of each piece of one quantized weight of `numel` elements, in slab order: the packed
+    codes (bitsandbytes' (numel / 2, 1) uint8), the absmax per block, and with double quantization the nested
+    absmax per 256 blocks and their offset (the mean subtracted before quantizing)."""
+    blocks = -(-numel // BLOCKSIZE)
+    pieces = [("weight", "uint8", -(-numel // 2))]
+    if not double_quant:
+        return pieces + [("absmax", "fp32", blocks)]
+    return pieces + [("absmax", "uint8", blocks), ("nested_absmax", "fp32", -(-blocks // NESTED_BLOCKSIZE)),
+                     ("nested_offset", "fp32", 1)]
+
+
+PIECE_BYTES = {"uint8": 1, "fp32": 4}
+
+
+def weight_bytes(numel: int, double_quant: bool) -> int:
+    """Bytes one quantized weight takes in its unit's slab, each piece padded to `ALIGN`."""
+    return sum(padded(count * PIECE_BYTES[dtype]) for _, dtype, count in weight_pieces(numel, double_quant))
+
+
+def quantized_numels(shape: ModelConfig, unit: str) -> list[int]:
+    """Elements of each weight of the unit that is quantized: a block's projections (every Linear module a
+    block has), none in the embedding or the head (transformers keeps lm_head in 16 bits)."""
+    if not unit.startswith("block."):
+        return []
+    sizes = []
+    for target in shape.projections:
+        fan_in, fan_out = shape.projection_shape(target)
+        sizes.append(fan_in * fan_out)
+    return sizes
+
+
+def unit_bytes(shape: ModelConfig, unit: str, compute_bytes: int, double_quant: bool) -> int:
+    """Bytes of a unit's slab in a 4-bit store (what it holds on the host, crosses the link and holds on the
+    device): its other tensors in the compute dtype, padded to `ALIGN`, then each quantized weight."""
+    quantized = quantized_numels(shape, unit)
+    rest = shape.unit_params(unit) - sum(quantized)
+    return padded(rest * compute_bytes) + sum(weight_bytes(n, double_quant) for n in quantized)

@@ -1,0 +1,374 @@
+"""QLoRA: LoRA on a 4-bit streamed base. The import quantizes as bitsandbytes does, byte for byte; the loss and every
+adapter's gradient, and three streamed steps, against transformers' 4-bit model (BitsAndBytesConfig) with PEFT's
+LoRA, within twice that model's own fp32 error; the planner equal to the ledger and the dry run; the flags."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers import FAMILIES, PRESETS
+from layers.packed4 import unit_bytes
+from memory_model import device_spec, format_size, plan
+from streamer import StreamingTrainer, TrainerConfig
+from streamer.calibration.dryrun import dry_run
+from streamer.cli.generate import open_trainer
+from streamer.cli.main import main
+from streamer.errors import StoreError
+from streamer.run_dir import RunDir
+from streamer.store.slabfile import TRAILER_BYTES
+from tests.test_families import hf_model
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+CFG = FAMILIES["llama"].example()  # q/k/v and MLP biases: every kind of tensor a block holds
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, ALPHA = 4, 8.0
+
+
+def _settings(quant_type: str, double_quant: bool, **more: object) -> TrainerConfig:
+    settings = {"dtype": "fp32", "store": "ram", **more}
+    return TrainerConfig.of(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(TARGETS), load_in_4bit=True,
+                            bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant, **settings)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("llama")
+    hf_model(CFG).save_pretrained(folder)
+    return folder
+
+
+def _adapters(trainer: StreamingTrainer, seed: int = 5) -> dict[str, torch.Tensor]:
+    """The trainer's adapters set to random values (B too, so every adapter matters), by PEFT's keys."""
+    torch.manual_seed(seed)
+    for tensors in trainer.adapters.params.values():
+        for t in tensors.values():
+            t.data.normal_(0, 0.1)
+    prefix = {f"block.{i}": f"model.layers.{i}." for i in range(CFG.num_hidden_layers)}
+    return {k: v.clone() for k, v in trainer.adapters.hf_state_dict(prefix).items()}  # (views of the trainer's)
+
+
+def _peft(base: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
+                                                      lora_dropout=0.0))
+    assert not peft.set_peft_model_state_dict(model, adapters).unexpected_keys
+    return model
+
+
+def _bnb_model(folder: Path, quant_type: str, double_quant: bool, attn: str) -> torch.nn.Module:
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                             bnb_4bit_use_double_quant=double_quant,
+                                             bnb_4bit_compute_dtype=torch.float32)
+    # In training mode: in eval mode on a CPU, bitsandbytes repacks the weights for its inference kernel.
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32,
+                                                             device_map="cpu", attn_implementation=attn).train()
+
+
+def _dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The 4-bit model's weights as bitsandbytes dequantizes them: the function it computes, in float64."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            out[f"{name}.weight"] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            if module.bias is not None:
+                out[f"{name}.bias"] = module.bias.data
+    for name, param in model.named_parameters():
+        out.setdefault(name, param.data)
+    return {k: v.double() for k, v in out.items()}
+
+
+def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten())
+    loss.backward()
+    grads = {k.replace(".default", "").replace("base_model.model.", ""): p.grad.double()
+             for k, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
+def test_import_quantizes_as_bitsandbytes_byte_for_byte(checkpoint: Path, quant_type: str, double_quant: bool) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    with StreamingTrainer.from_pretrained(checkpoint, _settings(quant_type, double_quant)) as trainer:
+        layout = trainer.layouts["block.1"]
+        slab = trainer.store.slab("block.1", "compute")
+        assert slab.dtype == torch.uint8 and slab.numel() == unit_bytes(CFG, "block.1", 4, double_quant)
+        pieces = layout.packed.views(slab)
+        for target in TARGETS:
+            key = next(s.key for s in layout.slots if s.key.endswith(f"{target}.weight"))
+            module = key.rsplit(".", 1)[0]
+            packed, state = bnb.functional.quantize_4bit(hf[f"model.layers.1.{key}"], blocksize=64,
+                                                         compress_statistics=double_quant, quant_type=quant_type)
+            assert torch.equal(pieces[f"{module}.weight"], packed)
+            assert torch.equal(pieces[f"{module}.absmax"], state.absmax)
+            if double_quant:
+                assert torch.equal(pieces[f"{module}.nested_absmax"], state.state2.absmax)
+                assert torch.equal(pieces[f"{module}.nested_offset"], state.offset)
+        norm = next(s for s in layout.slots if s.key.endswith("layernorm.weight"))
+        assert torch.equal(pieces[norm.key], hf[norm.hf_key])  # the 16-bit tensors as they were
+
+
+def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(checkpoint: Path) -> None:
+    """The loss and every adapter's gradient against transformers' 4-bit model + PEFT, held against the same
+    dequantized model in float64: within twice the 4-bit model's own fp32 error (its eager and sdpa kernels)."""
+    ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True, max_grad_norm=0.0)) as trainer:
+        adapters = _adapters(trainer)
+        seen = {}
+        original = trainer.adapters.step
+
+        def capture(lr: float, clip: float) -> None:
+            for unit, tensors in trainer.adapters.params.items():
+                for key, t in tensors.items():
+                    seen[f"model.layers.{unit.split('.')[1]}.{key}"] = t.grad.double().clone()
+            original(lr, clip)
+
+        trainer.adapters.step = capture
+        loss = trainer.step(ids)
+    noisy = [_loss_and_grads(_peft(_bnb_model(checkpoint, "nf4", True, attn), adapters), ids)
+             for attn in ("eager", "sdpa")]
+    exact_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    exact_base.load_state_dict(_dequantized(_bnb_model(checkpoint, "nf4", True, "eager")))
+    exact = _loss_and_grads(_peft(exact_base, {k: v.double() for k, v in adapters.items()}), ids)
+    assert set(seen) == set(exact[1]) and len(seen) == 2 * len(TARGETS) * CFG.num_hidden_layers
+    assert abs(loss - exact[0]) <= 2 * max(abs(n[0] - exact[0]) for n in noisy) + 1e-6
+    for key, grad in exact[1].items():
+        assert grad.abs().max() > 0
+        bound = max((n[1][key] - grad).abs().max().item() for n in noisy)
+        assert (seen[key] - grad).abs().max().item() <= 2 * bound, key
+
+
+def test_three_streamed_steps_equal_peft_on_the_4bit_model_with_adamw(checkpoint: Path) -> None:
+    """Three steps (two micro-batches each, clipped) against PEFT on transformers' 4-bit model with torch's
+    AdamW in float64 on the dequantized model, within twice the 4-bit model's own fp32 error on them."""
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, CFG.vocab_size, (4, 16), generator=g) for _ in range(3)]
+    tc = _settings("fp4", False, lr=1e-2, max_grad_norm=0.5, weight_decay=0.1, grad_accum=2)
+    with StreamingTrainer.from_pretrained(checkpoint, tc) as trainer:
+        start = _adapters(trainer)
+        losses = [trainer.step(ids) for ids in batches]
+        prefix = {f"block.{i}": f"model.layers.{i}." for i in range(CFG.num_hidden_layers)}
+        ours = {k.replace("base_model.model.", ""): v.double()
+                for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+
+    def train(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = model.to(dtype) if dtype == torch.float64 else model
+        leaves = [p for p in model.parameters() if p.requires_grad]
+        opt = tc.optimizer
+        adamw = torch.optim.AdamW(leaves, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        out = []
+        for ids in batches:
+            adamw.zero_grad()
+            tokens = ids[:, 1:].numel()
+            total = 0.0
+            for micro in ids.chunk(2):
+                logits = model(input_ids=micro).logits
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), micro[:, 1:].flatten(),
+                                       reduction="sum") / tokens
+                loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(leaves, opt.max_grad_norm)
+            adamw.step()
+            out.append(total)
+        state = {k.replace(".default", "").replace("base_model.model.", ""): p.detach().double()
+                 for k, p in model.named_parameters() if p.requires_grad}
+        return out, state
+
+    exact_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    exact_base.load_state_dict(_dequantized(_bnb_model(checkpoint, "fp4", False, "eager")))
+    exact = train(_peft(exact_base, {k: v.double() for k, v in start.items()}), torch.float64)
+    noisy = [train(_peft(_bnb_model(checkpoint, "fp4", False, attn), start), torch.float32)
+             for attn in ("eager", "sdpa")]
+    weights_noise = max((n[1][k] - exact[1][k]).abs().max().item() for n in noisy for k in exact[1])
+    loss_noise = max(abs(a - b) for n in noisy for a, b in zip(n[0], exact[0]))
+    assert set(ours) == set(exact[1])
+    assert max((ours[k] - exact[1][k]).abs().max().item() for k in exact[1]) <= 2 * weights_noise
+    assert max(abs(a - b) for a, b in zip(losses, exact[0])) <= 2 * loss_noise + 1e-6
+
+
+@pytest.mark.parametrize("double_quant,store", [(False, "ram"), (True, "disk")])
+def test_planner_ledger_and_dry_run_agree_to_the_byte(tmp_path: Path, double_quant: bool, store: str) -> None:
+    """Device bytes at the peak, the host store and the bytes each step sends to the device: the planner's are
+    the real run's to the byte, and the dry run's peak too."""
+    tc = _settings("nf4", double_quant, grad_accum=2, activations="checkpoint", store=store)
+    ids = torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(ids)
+        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+        host = trainer.store.spec.host_bytes()
+    predicted = plan(CFG, device_spec("h100-sxm"), tc.plan_config(4, 16))
+    dry = dry_run(CFG, tc, 4, 16)
+    assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real == (dry.peak, dict(dry.peak_breakdown))
+    units = sum(unit_bytes(CFG, u, 4, double_quant) for u in CFG.unit_names())
+    assert units < CFG.num_params() * 4 // 2  # the blocks' projections 4-bit
+    # (A state file's trailer follows each unit's data on disk; the planner counts the data.)
+    assert predicted.host_store_bytes == units == (host[0] if store == "ram" else host[1] - 4 * TRAILER_BYTES)
+    loads = 2 * 2 * CFG.num_hidden_layers * unit_bytes(CFG, "block.0", 4, double_quant)
+    assert predicted.link_bytes["h2d"] >= loads
+
+
+def test_full_fine_tuning_on_a_4bit_base_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "llama-debug", "--load-in-4bit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--lora-rank" in err and "--load-in-4bit" in err
+    assert main(["train", "--model", "llama-debug", "--lora-rank", "4", "--load-in-4bit", "--data-parallel",
+                 "sharded"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--data-parallel must be replicated with --load-in-4bit" in err, err
+
+
+def test_streamer_plan_prints_the_4bit_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--batch", "1", "--seq", "2048", "--lora-rank", "8",
+                 "--load-in-4bit", "--bnb-4bit-quant-type", "nf4"]) == 0
+    out = capsys.readouterr().out
+    assert "4-bit nf4 base" in out
+    cfg = PRESETS["llama-3.1-8b"]
+    block = unit_bytes(cfg, "block.0", 2, False)
+    assert block < cfg.unit_params("block.0") * 2 // 3  # 4-bit projections, not 16-bit ones
+    row = next(line for line in out.splitlines() if line.startswith("│ block.0 "))
+    assert format_size(block) in row
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_family_plans_its_4bit_base_to_the_byte_or_refuses_it(tmp_path: Path, model_type: str) -> None:
+    """Planner = ledger = dry run for a 4-bit base with adapters on every projection of each registered family
+    whose blocks' Linear modules are its projections; a mixture of experts (fused expert tensors) is one line."""
+    cfg = FAMILIES[model_type].example()
+    tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", lora_rank=4, load_in_4bit=True,
+                          lora_targets=",".join(cfg.projections), bnb_4bit_quant_type="nf4")
+    if cfg.lora_parameters:
+        with pytest.raises(StoreError, match="--load-in-4bit does not hold .* drop --load-in-4bit"):
+            StreamingTrainer(cfg, tc, store_dir=tmp_path / "run")
+        return
+    with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
+        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+    predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(2, 24))
+    assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+    dry = dry_run(cfg, tc, 2, 24)
+    assert {k: v for k, v in real[1].items() if k != "activations"} == \
+        {k: v for k, v in dict(dry.peak_breakdown).items() if k != "activations"}
+
+
+def _train(run: Path, steps: int) -> None:
+    assert main(["train", "--model", "llama-debug", "--lora-rank", "4", "--load-in-4bit", "--bnb-4bit-quant-type",
+                 "nf4", "--bnb-4bit-use-double-quant", "--run-dir", str(run), "--steps", str(steps), "--batch", "2",
+                 "--seq", "32", "--lr", "1e-2", "--dtype", "fp32", "--eval-every", "0", "--sample-tokens", "4"]) == 0
+
+
+def test_a_4bit_run_resumes_bit_identically_generates_and_exports_its_adapters(tmp_path: Path) -> None:
+    _train(tmp_path / "straight", 3)
+    _train(tmp_path / "resumed", 2)
+    assert main(["train", "--resume", str(tmp_path / "resumed"), "--steps", "3"]) == 0
+    states = [torch.load(next((tmp_path / name / "store").glob("lora-*.pt")), weights_only=True)
+              for name in ("straight", "resumed")]
+    for key, value in states[0]["params"].items():
+        assert torch.equal(value, states[1]["params"][key]), key
+    assert main(["generate", str(tmp_path / "resumed"), "--prompt", "The", "--max-new-tokens", "4"]) == 0
+    assert main(["export", str(tmp_path / "resumed"), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    # The merged export is the model trained: the 4-bit base dequantized, the adapters added.
+    assert main(["export", str(tmp_path / "resumed"), str(tmp_path / "merged")]) == 0
+    import safetensors.torch
+    merged = safetensors.torch.load_file(tmp_path / "merged" / "model.safetensors")
+    with open_trainer(RunDir(tmp_path / "resumed")) as trainer:
+        expected = trainer.state_dict()
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in merged)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes (8-bit)"])
+def test_a_folder_quantized_by_another_method_is_one_line_naming_it(tmp_path: Path, checkpoint: Path, method: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    quantization = {"quant_method": method.split()[0], **({"load_in_8bit": True} if "8-bit" in method else {})}
+    folder = tmp_path / "quantized"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    assert main(["train", "--from-pretrained", str(folder), "--data", str(tmp_path / "train.txt"), "--lora-rank", "4",
+                 "--load-in-4bit", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"quantized by {method!r}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_transformers_saved_4bit_imports_its_pieces_as_saved(tmp_path: Path, checkpoint: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' own 4-bit folder (quantization_config, W, W.absmax, W.nested_absmax, W.quant_map, ...,
+    W.quant_state.bitsandbytes__nf4) trains as the 16-bit folder quantized on import: the same bytes in the store.
+    Its settings are the folder's: others are one line naming the flags that match it."""
+    saved = tmp_path / "llama-bnb-4bit"
+    _bnb_model(checkpoint, "nf4", True, "eager").save_pretrained(saved)
+    slabs = []
+    for folder in (checkpoint, saved):
+        with StreamingTrainer.from_pretrained(folder, _settings("nf4", True)) as trainer:
+            slabs.append({u: trainer.store.slab(u, "compute").clone() for u in CFG.unit_names()})
+    for unit in CFG.unit_names():
+        assert torch.equal(slabs[0][unit], slabs[1][unit]), unit
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    capsys.readouterr()
+    assert main(["train", "--from-pretrained", str(saved), "--data", str(tmp_path / "train.txt"), "--lora-rank", "4",
+                 "--load-in-4bit", "--seq", "16", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant" in err, err
+
+
+def test_the_peft_export_loads_on_transformers_4bit_model_with_our_loss(tmp_path: Path, checkpoint: Path) -> None:
+    """The adapters as PEFT writes them, loaded by peft onto transformers' 4-bit model of the same folder: its
+    loss is ours within the 4-bit model's own fp32 error (eager against sdpa) and fp32's rounding."""
+    from streamer.cli.export import export_peft
+
+    ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True)) as trainer:
+        _adapters(trainer)
+        ours = trainer.evaluate(ids)
+        export_peft(trainer, tmp_path / "adapter", str(checkpoint))
+    losses = []
+    for attn in ("eager", "sdpa"):
+        # (training mode, as _bnb_model: no dropout, and bitsandbytes keeps its weights as saved)
+        model = peft.PeftModel.from_pretrained(_bnb_model(checkpoint, "nf4", True, attn), tmp_path / "adapter").train()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        losses.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item())
+    noise = abs(losses[0] - losses[1])
+    assert abs(ours - losses[0]) <= 2 * noise + 4 * abs(ours) * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dtype) -> None:
+    """Our Linear4bit against bitsandbytes' (bnb_4bit_compute_dtype `compute`) on the same packed weight: output and
+    input gradient within twice bitsandbytes' own error against the dequantized weight's product in float64."""
+    from layers.quant4 import Linear4bit, Quant4, quantize
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(5, 128, generator=g, dtype=torch.float32)
+    theirs = bnb.nn.Linear4bit(128, 96, compute_dtype=compute, quant_type="nf4", compress_statistics=True)
+    theirs.load_state_dict({"weight": weight, "bias": bias})
+    theirs = theirs.to("cpu")  # quantizes, as transformers' loading does
+    theirs.train()
+    ours = Linear4bit(128, 96, True, Quant4("nf4", True, torch.float32), compute)
+    named = {**quantize(weight, ours.quant), "bias": bias}
+    results = []
+    for run in (lambda t: theirs(t), lambda t: torch.func.functional_call(ours, named, (t,))):
+        t = x.clone().requires_grad_()
+        out = run(t)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().double(), t.grad.double()))
+    exact_weight = bnb.functional.dequantize_4bit(theirs.weight.data, theirs.weight.quant_state).double()
+    x64 = x.double().requires_grad_()
+    exact = x64 @ exact_weight.T + bias.double()
+    exact.backward(torch.ones_like(exact))
+    for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad)):
+        noise, error = (reference - truth).abs().max().item(), (mine - truth).abs().max().item()
+        assert 0 < noise and error <= 2 * noise
+        # In bf16 ours carries bf16's rounding as theirs does (in fp32 it would be some 1e-4 of it).
+        assert compute == torch.float32 or error >= noise / 8
