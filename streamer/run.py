@@ -196,6 +196,7 @@ class RunConfig:
 FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir", "steps", "epochs", "batch", "seq",
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+         "method", "beta", "loss_type", "label_smoothing",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
          "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
