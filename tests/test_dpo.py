@@ -142,18 +142,49 @@ def test_truncated_rows_are_trls_collator(hf_folder: Path) -> None:
     assert [len(p.prompt) for p in kept] == [shortest] * len(kept)
 
 
+CHATS = [{"prompt": [{"role": "user", "content": "What is a list?"}],
+          "chosen": [{"role": "assistant", "content": "An ordered sequence."}],
+          "rejected": [{"role": "assistant", "content": "A fish."}]},
+         {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}],
+          "chosen": [{"role": "assistant", "content": "Hello there."}],
+          "rejected": [{"role": "assistant", "content": "No."}]}]
+
+
+def test_conversational_pairs_tokenize_as_trls(tmp_path: Path) -> None:
+    """Conversational pairs rendered by the tokenizer's chat template (Llama 3's, which adds its own BOS): the
+    prompt, chosen and rejected ids TRL's DPOTrainer prepares."""
+    import transformers
+    folder = tmp_path / "hf"
+    hf_model(CFG).save_pretrained(folder)
+    write_tokenizer(folder, "llama3")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    prepared = trl.DPOTrainer(model=model, args=args, processing_class=tokenizer,
+                              train_dataset=datasets.Dataset.from_list(CHATS)).train_dataset
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in CHATS))
+    ours = tokenize_pairs(read_pairs(path), load_tokenizer(folder), 1024)
+    assert [(p.prompt, p.chosen, p.rejected) for p in ours] == [
+        (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) for row in prepared]
+
+
 def test_pairs_are_read_as_trl_reads_them(tmp_path: Path) -> None:
     """A record without a prompt has TRL's implicit one (extract_prompt); a record without `rejected` is one line
     naming the field."""
+    user = {"role": "user", "content": "What color is the sky?"}
     records = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
-               {"chosen": "Same", "rejected": "Same"}, {"prompt": "Hi", "chosen": " yes", "rejected": " no"}]
+               {"chosen": "Same", "rejected": "Same"}, {"prompt": "Hi", "chosen": " yes", "rejected": " no"},
+               {"chosen": [user, {"role": "assistant", "content": "Blue."}],
+                "rejected": [user, {"role": "assistant", "content": "Green."}]}]
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     pairs = read_pairs(path)
     for pair, record in zip(pairs, records):
         expected = trl.extract_prompt(record) if "prompt" not in record else record
-        assert (pair.prompt, pair.chosen, pair.rejected) == (expected["prompt"], expected["chosen"],
-                                                             expected["rejected"])
+        assert [_plain(pair.prompt), _plain(pair.chosen), _plain(pair.rejected)] == [
+            expected["prompt"], expected["chosen"], expected["rejected"]]
     path.write_text(json.dumps({"prompt": "Hi", "chosen": " yes"}))
     with pytest.raises(DataError, match=r"pairs.jsonl line 1 has no 'rejected' field"):
         read_pairs(path)
@@ -171,6 +202,11 @@ def _set_adapters(trainer: StreamingTrainer, initial: dict[str, torch.Tensor]) -
             t.data.copy_(initial[name.replace(".weight", ".default.weight")].float())
             leaves[name] = t
     return leaves
+
+
+def _plain(value: Any) -> Any:
+    """A pair's field as TRL holds it: a string, or a list of messages."""
+    return value if isinstance(value, str) else list(value)
 
 
 def _peft_suffix(trainer: StreamingTrainer, unit: str, key: str) -> str:

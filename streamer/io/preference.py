@@ -1,6 +1,7 @@
 """Preference pairs to DPO's rows as TRL's DPOTrainer makes them (`--method dpo`).
 
-Each text is tokenized whole, with the special tokens the tokenizer adds around a text (transformers'
+A conversation is rendered by the chat template (the prompt with the assistant's header), and its text's tokens
+taken. Plain text is tokenized whole, with the special tokens the tokenizer adds around a text (transformers'
 `tokenizer(text)`); end-of-text is appended to a completion that lacks it, as text. The completion starts where
 the prompt's tokens and the prompt-and-completion's part (tokens may merge across the boundary). A batch is every
 chosen row, then every rejected row: prompt and completion cut to `max_length` from the end (TRL's keep_start),
@@ -13,7 +14,7 @@ from typing import Sequence
 import torch
 
 from layers import IGNORE_INDEX
-from streamer.io.data import TokenizerLike
+from streamer.io.data import TokenizerLike, chat_prompt
 from streamer.io.records import Pair
 
 
@@ -27,17 +28,25 @@ class PairIds:
 
 
 def tokenize_pair(pair: Pair, tokenizer: TokenizerLike) -> PairIds:
-    """TRL's tokenization of a plain-text pair."""
-    before, after = tokenizer.affixes
+    """TRL's tokenization of a pair: a conversation rendered by the chat template (the prompt with the assistant's
+    header) and its text's tokens; plain text tokenized whole, end-of-text appended to each completion."""
+    if pair.conversational:
+        def rendered(messages: tuple, header: bool) -> list[int]:
+            return tokenizer.encode(chat_prompt(list(messages), tokenizer, pair.where, add_generation_prompt=header))
 
-    def ids(text: str) -> list[int]:
-        return [*before, *tokenizer.encode(text), *after]
+        prompt = rendered(pair.prompt, True)
+        chosen, rejected = rendered(pair.prompt + pair.chosen, False), rendered(pair.prompt + pair.rejected, False)
+    else:
+        before, after = tokenizer.affixes
 
-    def ended(text: str) -> str:
-        return text if text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
+        def ids(text: str) -> list[int]:
+            return [*before, *tokenizer.encode(text), *after]
 
-    prompt = ids(pair.prompt)
-    chosen, rejected = ids(pair.prompt + ended(pair.chosen)), ids(pair.prompt + ended(pair.rejected))
+        def ended(text: str) -> str:
+            return text if text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
+
+        prompt = ids(pair.prompt)
+        chosen, rejected = ids(pair.prompt + ended(pair.chosen)), ids(pair.prompt + ended(pair.rejected))
     start = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
     return PairIds(prompt[:start], chosen[start:], rejected[start:])
 

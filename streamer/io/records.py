@@ -197,15 +197,23 @@ def _import_datasets(path: Path) -> Any:
     return datasets
 
 
+Messages = tuple[dict[str, str], ...]
+
+
 @dataclass(frozen=True)
 class Pair:
     """A preference pair as TRL's DPOTrainer reads one: a prompt and two completions of it, the chosen one
-    preferred; plain text."""
+    preferred; plain text, or conversational (each a list of messages: the prompt's turns, then each
+    completion's assistant turns)."""
 
-    prompt: str
-    chosen: str
-    rejected: str
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
     where: str = ""
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.chosen, str)
 
 
 def read_pairs(path: str | Path) -> list[Pair]:
@@ -241,16 +249,20 @@ def _pair(record: Any, where: str) -> Pair:
     for name in ("chosen", "rejected"):
         if name not in record:
             raise DataError(f"{where} has no {name!r} field; a preference pair needs prompt, chosen and rejected")
+    names = ("chosen", "rejected") if "prompt" not in record else ("prompt", "chosen", "rejected")
+    if isinstance(record["chosen"], list):  # conversational: every field a list of messages
+        fields = {name: tuple(check_messages(record[name], f"{where}: {name!r}")) for name in names}
+    else:
+        fields = _strings(record, names, where)
     if "prompt" not in record:
-        fields = _strings(record, ("chosen", "rejected"), where)
         return _implicit_prompt(fields["chosen"], fields["rejected"], where)
-    fields = _strings(record, ("prompt", "chosen", "rejected"), where)
     return Pair(fields["prompt"], fields["chosen"], fields["rejected"], where)
 
 
-def _implicit_prompt(chosen: str, rejected: str, where: str) -> Pair:
-    """TRL's extract_prompt on text: the prompt is the common start of both, less a space it ends with (where the
-    two never differ, it is all but the shorter one's last character, as TRL's loop leaves it)."""
+def _implicit_prompt(chosen: str | Messages, rejected: str | Messages, where: str) -> Pair:
+    """TRL's extract_prompt: the prompt is the common start of both (characters, or a conversation's messages),
+    less a space it ends with (where the two never differ, all but the shorter one's last item, as TRL's loop
+    leaves it)."""
     index = 0
     for index in range(min(len(chosen), len(rejected))):
         if chosen[index] != rejected[index]:
