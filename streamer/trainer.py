@@ -510,9 +510,10 @@ class StreamingTrainer:
         self.writer.finish_step(step, trainer_state)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> float:
-        """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes."""
-        micro, tokens = self._micro_batches(input_ids, labels, positions)
+                 positions: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> float:
+        """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes.
+        With --method dpo, the pairs' mean DPO loss (`reference` as step's)."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions, reference)
         losses = []
         for batch in micro:
             ctx = StepContext([batch], self.step_count, 0.0, tokens)

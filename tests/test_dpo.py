@@ -308,7 +308,8 @@ def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
 
 def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
     """A batch of pairs is a step of twice the rows, plus the loss's fp32 number per row (layers/preference.py):
-    planner = ledger to the byte, LoRA or not, resident (the head's saved bytes in the peak) or checkpointed."""
+    planner = ledger to the byte, LoRA or not, resident (the head's saved bytes in the peak) or checkpointed. An
+    evaluation of the pairs before the step gives the step's loss."""
     cfg = dataclasses.replace(FAMILIES["llama"].example(), max_position_embeddings=64)
     ids = torch.randint(0, cfg.vocab_size, (8, 48), generator=torch.Generator().manual_seed(0))
     labels = ids.masked_fill(torch.arange(48) < 20, IGNORE_INDEX)
@@ -317,7 +318,10 @@ def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
             tc = TrainerConfig.of(dtype="fp32", activations=activations, update_chunk=20_000, lora_rank=lora_rank,
                                   method="dpo", grad_accum=2)
             with StreamingTrainer(cfg, tc) as trainer:
-                trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
+                reference = trainer.reference_logps(ids, labels)
+                before = trainer.evaluate(ids, labels, reference=reference)
+                # the evaluation runs the step's forward (without autograd): the same loss
+                assert trainer.step(ids, labels, reference=reference) == pytest.approx(before, rel=1e-6)
                 real = trainer.ledger.peak, trainer.ledger.peak_breakdown
             predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 48))
             assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
