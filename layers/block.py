@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.config import ModelConfig
-from layers.loss import chunked_lm_loss
+from layers.loss import Objective, TokenMean, chunked_objective_loss
 
 
 def embedding(vocab_size: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
@@ -122,14 +122,15 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 def language_model_output(x: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor | None, vocab_chunk: int,
-                          num_items: float | None) -> torch.Tensor:
+                          objective: Objective | None) -> torch.Tensor:
     """A head's output from its final norm's output x: float32 logits (B, T, vocab); given labels (B, T), the
-    loss instead, its logits `vocab_chunk` vocabulary rows at a time (layers.loss.chunked_lm_loss) so that
-    neither they nor their gradient exist whole; summed and divided by `num_items` where given (the step's
-    learned tokens), else a mean."""
+    loss instead, its logits `vocab_chunk` vocabulary rows at a time (layers.loss.chunked_objective_loss) so that
+    neither they nor their gradient exist whole: `objective`'s, or without one the mean cross-entropy of the
+    learned tokens."""
     if labels is None:
         return lm_head(x).float()
-    return chunked_lm_loss(x, lm_head.weight, lm_head.bias, labels, vocab_chunk or lm_head.out_features, num_items)
+    return chunked_objective_loss(x, lm_head.weight, lm_head.bias, labels, vocab_chunk or lm_head.out_features,
+                                  objective or TokenMean())
 
 
 class RMSNorm(nn.Module):

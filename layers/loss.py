@@ -1,5 +1,9 @@
-"""Causal-LM loss with Hugging Face semantics, from full logits or from the head's input in vocabulary chunks."""
+"""Causal-LM loss with Hugging Face semantics, from full logits or from the head's input in vocabulary chunks; the
+`Objective` the head's chunked loss makes of each learned position's log-probability (the token mean here;
+preference objectives in layers/preference.py)."""
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +39,59 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: float 
                            reduction="sum") / num_items
 
 
+class Objective(ABC):
+    """What a micro-batch's loss makes of its learned positions' log-probabilities, as the head's chunked loss
+    computes them (`chunked_objective_loss`). The loss's gradient w.r.t. a position's log-probability is all the
+    backward needs of it: the logits' gradient is that times (one-hot - softmax)."""
+
+    @abstractmethod
+    def forward(self, token_logps: torch.Tensor, learned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss from token_logps (B, T) fp32, each position's log-probability of its (shifted) target and 0
+        where `learned` (B, T) is False; and what the backward needs of the forward (None: nothing), saved for it."""
+
+    @abstractmethod
+    def scale(self, saved: torch.Tensor | None, learned: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+        """Minus the gradient of the loss w.r.t. each position's log-probability, (B, T) fp32 (or broadcastable),
+        given the incoming gradient `grad_loss` and what `forward` saved."""
+
+    @staticmethod
+    def saved_bytes(rows: int) -> int:
+        """The bytes `forward` saves for a micro-batch of `rows` rows (the planner prices them as the head's)."""
+        return 0
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """What the last `forward` measured beside the loss, each summed over its micro-batch (none here)."""
+        return {}
+
+
+class TokenMean(Objective):
+    """The causal-LM loss: the summed cross-entropy over the learned positions, divided by `num_items` (the step's
+    learned tokens, HF's num_items_in_batch) or, without it, by this micro-batch's own count."""
+
+    def __init__(self, num_items: float | None = None) -> None:
+        self.num_items = num_items
+
+    def _divisor(self, learned: torch.Tensor) -> torch.Tensor | float:
+        return learned.sum() if self.num_items is None else self.num_items
+
+    def forward(self, token_logps: torch.Tensor, learned: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return -token_logps.sum() / self._divisor(learned), None
+
+    def scale(self, saved: torch.Tensor | None, learned: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+        return learned.float() * (grad_loss.float() / self._divisor(learned))
+
+
 def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                     vocab_chunk: int, num_items: float | None = None) -> torch.Tensor:
     """causal_lm_loss(F.linear(x, weight, bias), labels, num_items) without the (B, T, vocab) logits or their
-    gradient.
+    gradient (`chunked_objective_loss` with the token mean)."""
+    return chunked_objective_loss(x, weight, bias, labels, vocab_chunk, TokenMean(num_items))
+
+
+def chunked_objective_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                           vocab_chunk: int, objective: Objective) -> torch.Tensor:
+    """`objective`'s loss of the log-probabilities of F.linear(x, weight, bias) at labels (shifted, -100 not
+    learned), without the (B, T, vocab) logits or their gradient.
 
     The logits are computed `vocab_chunk` vocabulary rows at a time: the forward keeps only each position's
     log-sum-exp, and the backward computes each chunk's logits again to form its gradient. Every weight row's
@@ -47,7 +100,7 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     turns them into their gradient in place: the backward's peak is unchanged and one matmul is saved.
     """
     return _ChunkedLMLoss.apply(x.flatten(0, 1), weight, bias, shift_labels(labels).flatten(), vocab_chunk,
-                                num_items)
+                                objective, labels.shape)
 
 
 def _vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
@@ -69,7 +122,7 @@ def _in_chunk(targets: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, to
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                vocab_chunk: int, num_items: float | None) -> torch.Tensor:
+                vocab_chunk: int, objective: Objective, shape: torch.Size) -> torch.Tensor:
         n = x.shape[0]
         lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
         kept = ()
@@ -82,18 +135,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
             del logits
         lse = torch.logsumexp(torch.stack(lse_parts), dim=0)  # (N,) fp32
         valid = targets != IGNORE_INDEX
-        loss = torch.where(valid, lse - target_logit, 0.0).sum() / (valid.sum() if num_items is None else num_items)
-        ctx.vocab_chunk, ctx.num_items = vocab_chunk, num_items
-        ctx.save_for_backward(x, weight, bias, targets, lse, *kept)
+        loss, saved = objective.forward(torch.where(valid, target_logit - lse, 0.0).view(shape), valid.view(shape))
+        ctx.vocab_chunk, ctx.objective, ctx.shape, ctx.saved = vocab_chunk, objective, shape, saved is not None
+        ctx.save_for_backward(x, weight, bias, targets, lse, *((saved,) if saved is not None else ()), *kept)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, bias, targets, lse, *kept = ctx.saved_tensors
-        valid = targets != IGNORE_INDEX
-        # d loss / d logit = (softmax - onehot) / the denominator on counted rows, as cross_entropy's has it.
-        divisor = valid.sum() if ctx.num_items is None else ctx.num_items
-        row_scale = (valid.float() * (grad_loss.float() / divisor)).unsqueeze(1)  # (N, 1)
+        saved = kept.pop(0) if ctx.saved else None
+        valid = (targets != IGNORE_INDEX).view(ctx.shape)
+        # d loss / d logit = (softmax - onehot) times minus d loss / d log-probability of the position.
+        row_scale = ctx.objective.scale(saved, valid, grad_loss).expand(ctx.shape).reshape(-1, 1)  # (N, 1)
         grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         grad_weight = torch.empty_like(weight)
         grad_bias = None if bias is None else torch.empty_like(bias)
@@ -108,4 +161,4 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 grad_bias[lo:hi] = grad.sum(0)
             grad_x += grad @ weight[lo:hi]
             del grad
-        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None
+        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None, None

@@ -12,6 +12,7 @@ from typing import Any
 
 from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape, targets_of
+from memory_model.objective import ObjectiveConfig
 from memory_model.settings import Choice, Integer, SettingError, Switch, branch, build, check_settings, setting
 from memory_model.step import StepConfig
 from memory_model.units import (
@@ -55,6 +56,7 @@ class PlanConfig:
     packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
                                   "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # DPO: pairs of rows, and its loss's bytes
 
     def __post_init__(self) -> None:
         check_settings(self)

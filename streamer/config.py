@@ -2,8 +2,8 @@
 
 Each branch is the config of the code that reads it: the step's (`memory_model.step.StepConfig`, the store's
 placement with it, which the planner takes too), the optimizer's and its learning-rate schedule
-(`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`) and the device's (`DeviceConfig`). The seed and the
-trace cadence are the trainer's own. Every setting keeps one flat name, its flag and TOML key
+(`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`), the objective's (`ObjectiveConfig`: sft or dpo) and
+the device's (`DeviceConfig`). The seed and the trace cadence are the trainer's own. Every setting keeps one flat name, its flag and TOML key
 (memory_model.settings.branch). `TrainerConfig.of(lr=1e-3, store="disk")` builds the tree from them, and
 `to_dict`/`from_dict` write and read them in a store's manifest.
 """
@@ -19,6 +19,7 @@ from layers import ModelConfig
 from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
+from memory_model.objective import ObjectiveConfig
 from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
 from memory_model.shapes import check_chunk_blocks, check_norm_first
 from memory_model.step import Placement, StepConfig
@@ -39,6 +40,7 @@ class TrainerConfig:
     # rank 0: full fine-tuning; the 4-bit base's settings keep transformers' names (`--load-in-4bit`)
     lora: LoraConfig = branch(LoraConfig, prefix="lora_", names={k: k for k in (
         "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")})
+    objective: ObjectiveConfig = branch(ObjectiveConfig)  # sft, or dpo and its beta, loss type, label smoothing
     device: DeviceConfig = branch(DeviceConfig)
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
     # The trace keeps the latest trace_steps steps and every trace_every-th (0: none), so a long run's memory
@@ -82,7 +84,7 @@ class TrainerConfig:
         data-parallel devices (`packed`: rows of packed examples), in the resolved compute dtype."""
         return PlanConfig(batch, seq, self.step, dtype_name(self.compute_dtype), devices,
                           moment_dtype=self.optimizer.moment_dtype, master_dtype=self.optimizer.master_dtype,
-                          packed=packed, lora=self.lora)
+                          packed=packed, lora=self.lora, objective=self.objective)
 
     def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`

@@ -227,6 +227,7 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+         "method", "beta", "loss_type", "label_smoothing",
          "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
          "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",

@@ -10,6 +10,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from layers import ModelConfig, learned_tokens
+from layers.loss import IGNORE_INDEX
+from layers.preference import DPOObjective, RowLogProbs
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from memory_model.allocator import cuda_block_bytes, workspace_blocks
 from streamer.config import TrainerConfig
@@ -50,6 +52,7 @@ class StreamingTrainer:
         self.units = cfg.unit_names()
         self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
         self.losses: list[float] = []
+        self.metrics: dict[str, float] = {}  # the last step's objective's (DPO's rewards and log-probabilities)
         self.data_parallel = None if device.device == "meta" else DataParallel.from_environment(
             device.device, sharded=step.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
@@ -220,9 +223,13 @@ class StreamingTrainer:
         return self.store.step if self.store is not None else 0
 
     def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
-                       positions: torch.Tensor | None) -> tuple[list[MicroBatch], float]:
-        """This process's micro-batches, and StepContext's tokens (counted on the global batch every rank holds)."""
+                       positions: torch.Tensor | None,
+                       reference: torch.Tensor | None = None) -> tuple[list[MicroBatch], float]:
+        """This process's micro-batches, and StepContext's tokens (counted on the global batch every rank holds).
+        `reference`: DPO's pairs (`step`), each micro-batch's with its objective."""
         labels = input_ids if labels is None else labels
+        if self.tc.objective.preference:
+            input_ids, labels, reference = self._pair_blocks(input_ids, labels, positions, reference)
         if input_ids.dim() != 2 or labels.shape != input_ids.shape or (
                 positions is not None and positions.shape != input_ids.shape):
             raise StreamerError(f"input_ids must be (batch, seq) and labels and positions the same shape; got "
@@ -247,14 +254,70 @@ class StreamingTrainer:
         device = self.executor.device
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
         pieces = [[p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
-        return [MicroBatch(*piece) for piece in zip(*pieces)], tokens
+        micro = [MicroBatch(*piece) for piece in zip(*pieces)]
+        if reference is not None:
+            pairs = input_ids.shape[0] // 2  # this process's share of the step's pairs
+            if self.data_parallel is not None:
+                reference = self.data_parallel.shard(reference)
+            for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum)):
+                lengths = (batch.labels != IGNORE_INDEX).sum(dim=1)
+                batch.objective = DPOObjective(self.tc.objective, ref.to(device), lengths, float(pairs))
+        return micro, tokens
+
+    def _pair_blocks(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
+                     reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """DPO's rows, chosen then rejected (TRL's order), laid out so that every micro-batch of every process
+        holds whole pairs: one block of chosen rows then their rejected rows per micro-batch."""
+        if positions is not None:
+            raise StreamerError("DPO takes rows of one pair each, not packed rows; drop --pack")
+        rows = input_ids.shape[0]
+        blocks = self.tc.step.grad_accum * self.processes
+        if reference is None or reference.shape != (rows,):
+            raise StreamerError(f"DPO needs the reference log-probability of each of the {rows} rows "
+                                "(StreamingTrainer.reference_logps); got "
+                                f"{None if reference is None else tuple(reference.shape)}")
+        if rows % (2 * blocks):
+            raise StreamerError(f"{rows // 2} pairs do not split into {blocks} micro-batches of whole pairs "
+                                f"(grad_accum x processes); use a multiple of {blocks} pairs")
+
+        def blocked(t: torch.Tensor) -> torch.Tensor:
+            chosen, rejected = t.chunk(2)
+            return torch.cat([part for pair in zip(chosen.chunk(blocks), rejected.chunk(blocks)) for part in pair])
+        return blocked(input_ids), blocked(labels), blocked(reference)
+
+    def reference_logps(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's log-probability of its learned tokens (labels not -100, shifted) under the reference model,
+        fp32 on the host, by forward passes only (one micro-batch's rows at a time): DPO's reference. With LoRA
+        it is the frozen base (the adapters off, as TRL's reference of a PEFT model); else the weights as they
+        are now, so a full fine-tuning run computes them before its first step (TRL's precompute_ref_log_probs).
+        Under data parallel each process gives its rows' and every process gets all of them."""
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+            raise StreamerError(f"input_ids and labels must be (batch, seq) alike; got {tuple(input_ids.shape)} "
+                                f"and {tuple(labels.shape)}")
+        rows = [t if self.data_parallel is None else self.data_parallel.shard(t) for t in (input_ids, labels)]
+        micro = max(1, rows[0].shape[0] // self.tc.step.grad_accum)
+        out = []
+        for ids, lab in zip(rows[0].split(micro), rows[1].split(micro)):
+            device = self.executor.device
+            objective = RowLogProbs()
+            ctx = StepContext([MicroBatch(ids.to(device), lab.to(device), objective=objective)], self.step_count,
+                              0.0, adapters_off=self.adapters is not None)
+            with torch.no_grad():
+                self.executor.run(step_events(self.step_spec(1, backward=False)), ctx)
+            self.executor.clear_graphs()
+            out.append(objective.rows.float().cpu())
+        local = torch.cat(out)
+        return local if self.data_parallel is None else torch.cat(self.data_parallel.gather(local))
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-             positions: torch.Tensor | None = None) -> float:
+             positions: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> float:
         """One optimizer step over the batch (in grad_accum micro-batches); returns the mean loss per learned token.
         `positions` (batch, seq): rows of packed examples, each token's position in its own example (restarting
-        at 0, streamer.io.data.Dataset.positions); each example then attends only to itself."""
-        micro, tokens = self._micro_batches(input_ids, labels, positions)
+        at 0, streamer.io.data.Dataset.positions); each example then attends only to itself.
+        With --method dpo the rows are pairs, every chosen row then every rejected row (TRL's order), labels -100
+        but on the completion, `reference` each row's `reference_logps`; it returns the pairs' mean DPO loss, and
+        `metrics` TRL's logged metrics of the step."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions, reference)
         if self.store is not None:
             self._writable().check_consistent()  # an update stopped part-way in this process: reopen the run
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
@@ -278,6 +341,7 @@ class StreamingTrainer:
             return float("nan")
         self.last_redone = self.clipped_redos > redos
         loss = self._mean_loss(ctx)
+        self.metrics = self._step_metrics(ctx)
         self.losses.append(loss)
         if self.executor.device.type == "cuda":
             # The allocator's own peak beside the ledger's (docs/MEMORY_MODEL.md: CUDA workspace allowance).
@@ -289,6 +353,16 @@ class StreamingTrainer:
             self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
+
+    def _step_metrics(self, ctx: StepContext) -> dict[str, float]:
+        """The objective's metrics as means over the step's pairs (TRL's rewards/* and logps/*); none for sft."""
+        if not ctx.metrics or self.executor.device.type == "meta":
+            return {}
+        pairs = float(ctx.metrics["pairs"])
+        means = {name: float(value) / pairs for name, value in ctx.metrics.items() if name != "pairs"}
+        if self.data_parallel is not None:
+            means = {name: self.data_parallel.mean(value) for name, value in means.items()}
+        return means
 
     @property
     def grad_norm(self) -> float:
@@ -453,9 +527,10 @@ class StreamingTrainer:
         self.writer.finish_step(step, trainer_state)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> float:
-        """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes."""
-        micro, tokens = self._micro_batches(input_ids, labels, positions)
+                 positions: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> float:
+        """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes.
+        With --method dpo, the pairs' mean DPO loss (`reference` as step's)."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions, reference)
         losses = []
         for batch in micro:
             ctx = StepContext([batch], self.step_count, 0.0, tokens)

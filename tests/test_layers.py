@@ -19,6 +19,7 @@ from layers import (
     PRESETS, CheckpointMismatch, ConfigError, GPTJ, GPTJBlock, GPTJConfig, GPTJHead, KVCache, build_unit,
     causal_lm_loss, resident_model,
 )
+from layers.loss import TokenMean
 
 HFFactory = Callable[..., transformers.GPTJForCausalLM]
 
@@ -228,7 +229,7 @@ def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: i
     labels = _labels(cfg, 2, 33, ignored_fraction=0.3)
     results = []
     for loss_of in (lambda: causal_lm_loss(head(h), labels, num_items),
-                    lambda: head(h, labels, vocab_chunk, num_items)):
+                    lambda: head(h, labels, vocab_chunk, TokenMean(num_items))):
         h.grad = None
         head.zero_grad()
         loss = loss_of()

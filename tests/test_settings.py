@@ -18,6 +18,7 @@ from benchmarks.bench import add_arguments as bench_arguments
 from streamer.cli.main import build_parser
 from streamer.cli.train import fit_vocabulary
 from memory_model.lora import LoraConfig
+from memory_model.objective import ObjectiveConfig
 from memory_model.settings import flat_fields, flatten
 from streamer.cli.flags import given as given_flags
 from streamer.run import _toml_value, CHOICES, FLAGS, INT_MINIMUMS, RESUMABLE, RunConfig, RunError, resolve
@@ -89,6 +90,7 @@ SHARED = [(StepConfig, name, name) for name in STEP] + \
     [(DataConfig, name, name) for name in ("data", "tokenizer", "vocab_size", "pack", "eval_fraction")] + \
     [(TrainerConfig, name, name) for name in ("seed", "trace_steps", "trace_every")] + \
     [(LoraConfig, name, f"lora_{name}") for name in ("rank", "alpha", "dropout", "targets")] + \
+    [(ObjectiveConfig, name, name) for name in ("method", "beta", "loss_type", "label_smoothing")] + \
     [(ReportConfig, "report_to", "report_to")] + \
     [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"), (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
 

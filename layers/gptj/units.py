@@ -8,6 +8,7 @@ from torch import nn
 
 from layers.block import KVCache, full_attention_only, attend, embedding, init_weights, language_model_output
 from layers.gptj.config import GPTJConfig
+from layers.loss import Objective
 from layers.model import CausalLM, FamilyUnits
 from layers.rotary import apply_rotary, sequence_sincos
 
@@ -80,9 +81,9 @@ class GPTJHead(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
-                num_items: float | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab), or given labels the loss (layers.block.language_model_output)."""
-        return language_model_output(self.ln_f(h), self.lm_head, labels, vocab_chunk, num_items)
+                objective: Objective | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab), or given labels `objective`'s loss (layers.block.language_model_output)."""
+        return language_model_output(self.ln_f(h), self.lm_head, labels, vocab_chunk, objective)
 
 
 class _Transformer(nn.Module):

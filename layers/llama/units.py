@@ -11,6 +11,7 @@ from torch import nn
 
 from layers.block import KVCache, full_attention_only, RMSNorm, attend, embedding, init_weights, language_model_output
 from layers.llama.config import LlamaConfig
+from layers.loss import Objective
 from layers.model import CausalLM, FamilyUnits, family_units
 from layers.rotary import apply_rotary_halves, sequence_sincos
 
@@ -120,9 +121,9 @@ class LlamaHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, vocab_chunk: int = 0,
-                num_items: float | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab), or given labels the loss (layers.block.language_model_output)."""
-        return language_model_output(self.norm(h), self.lm_head, labels, vocab_chunk, num_items)
+                objective: Objective | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab), or given labels `objective`'s loss (layers.block.language_model_output)."""
+        return language_model_output(self.norm(h), self.lm_head, labels, vocab_chunk, objective)
 
 
 class _Model(nn.Module):

@@ -111,6 +111,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     """
     cfg = resolve(explicit, config_file)
     check_runnable(cfg.trainer.step)
+    if cfg.trainer.objective.preference:
+        raise RunError("--method dpo trains through the Python API for now (StreamingTrainer.reference_logps, then "
+                       "step(..., reference=...)); `streamer train` reads no preference pairs yet: use --method sft")
     cfg.report.check_installed()
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
         return _rerun(cfg, explicit, config_file, console)

@@ -277,14 +277,16 @@ def prompt_of(example: Example, tokenizer: TokenizerLike) -> str:
     return " ".join(example.text.split()[:8])
 
 
-def chat_prompt(messages: list[dict[str, str]], tokenizer: TokenizerLike, where: str) -> str:
+def chat_prompt(messages: list[dict[str, str]], tokenizer: TokenizerLike, where: str,
+                add_generation_prompt: bool = True) -> str:
     """The conversation rendered by the chat template with the assistant's header after it, as transformers'
-    apply_chat_template(messages, add_generation_prompt=True) writes it: the text a chat model answers."""
+    apply_chat_template(messages, add_generation_prompt=True) writes it: the text a chat model answers
+    (`add_generation_prompt` False: the conversation alone)."""
     if tokenizer.chat_template is None:
         raise DataError("the run's tokenizer has no chat template to render a conversation with; pass "
                         "--chat-template FILE (a Jinja template)")
     return render(tokenizer.chat_template, check_messages(messages, where), _specials(tokenizer),
-                  add_generation_prompt=True)
+                  add_generation_prompt=add_generation_prompt)
 
 
 def load_dataset(path: str | Path, tokenizer: TokenizerLike, seq: int, pack: str | None = None,

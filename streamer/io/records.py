@@ -195,3 +195,78 @@ def _import_datasets(path: Path) -> Any:
         raise DataError(f"reading {path} needs the `datasets` package: pip install 'weight-streaming[data]' "
                         "(or convert the data to .jsonl)") from None
     return datasets
+
+
+Messages = tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A preference pair as TRL's DPOTrainer reads one: a prompt and two completions of it, the chosen one
+    preferred; plain text, or conversational (each a list of messages: the prompt's turns, then each
+    completion's assistant turns)."""
+
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
+    where: str = ""
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.chosen, str)
+
+
+def read_pairs(path: str | Path) -> list[Pair]:
+    """The preference pairs a .jsonl file (or a table or datasets folder) holds: each record's `chosen` and
+    `rejected`, and its `prompt`, or without one the prompt both share (TRL's implicit prompt)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix in TABLE_SUFFIXES:
+        if not path.exists():
+            raise DataError(f"{path} does not exist; pass an existing {path.suffix or 'datasets'} file")
+        records = list(_dataset_rows(path))
+    elif path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(_read_text_file(path).split("\n"), start=1):
+            if line.strip():
+                try:
+                    records.append((json.loads(line), f"{path} line {number}"))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                                    "write one JSON object per line") from None
+    else:
+        raise DataError(f"{path}: preference pairs are read from .jsonl, .parquet, .csv or a datasets folder, not "
+                        f"{path.suffix!r}")
+    pairs = [_pair(record, where) for record, where in records]
+    if not pairs:
+        raise DataError(f"{path} holds no pairs; add records with chosen and rejected")
+    return pairs
+
+
+def _pair(record: Any, where: str) -> Pair:
+    if not isinstance(record, dict):
+        raise DataError(f"{where} holds a JSON {type(record).__name__}; each record must be an object like "
+                        '{"prompt": ..., "chosen": ..., "rejected": ...}')
+    for name in ("chosen", "rejected"):
+        if name not in record:
+            raise DataError(f"{where} has no {name!r} field; a preference pair needs prompt, chosen and rejected")
+    names = ("chosen", "rejected") if "prompt" not in record else ("prompt", "chosen", "rejected")
+    if isinstance(record["chosen"], list):  # conversational: every field a list of messages
+        fields = {name: tuple(check_messages(record[name], f"{where}: {name!r}")) for name in names}
+    else:
+        fields = _strings(record, names, where)
+    if "prompt" not in record:
+        return _implicit_prompt(fields["chosen"], fields["rejected"], where)
+    return Pair(fields["prompt"], fields["chosen"], fields["rejected"], where)
+
+
+def _implicit_prompt(chosen: str | Messages, rejected: str | Messages, where: str) -> Pair:
+    """TRL's extract_prompt: the prompt is the common start of both (characters, or a conversation's messages),
+    less a space it ends with (where the two never differ, all but the shorter one's last item, as TRL's loop
+    leaves it)."""
+    index = 0
+    for index in range(min(len(chosen), len(rejected))):
+        if chosen[index] != rejected[index]:
+            if chosen[index - 1] == " ":
+                index -= 1
+            break
+    return Pair(chosen[:index], chosen[index:], rejected[index:], where)

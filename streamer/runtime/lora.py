@@ -53,9 +53,12 @@ class Adapters:
         """Identities of the adapters' storages: resident, so not an activation when autograd saves one."""
         return {t.untyped_storage()._cdata for t in self.leaves()}
 
-    def for_unit(self, unit: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def for_unit(self, unit: str, dtype: torch.dtype, off: bool = False) -> dict[str, torch.Tensor]:
         """The unit's adapters in the compute dtype (a cast inside the graph: the gradient reaches the fp32
-        leaves)."""
+        leaves). `off`: zeros instead (one element each, expanded), so the unit computes its frozen base exactly
+        (DPO's reference model, PEFT's adapters disabled)."""
+        if off:
+            return {key: t.new_zeros((), dtype=dtype).expand(t.shape) for key, t in self.params.get(unit, {}).items()}
         return {key: t.to(dtype) for key, t in self.params.get(unit, {}).items()}
 
     @contextlib.contextmanager

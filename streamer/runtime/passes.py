@@ -12,8 +12,9 @@ from torch.func import functional_call
 
 from layers import ModelConfig, build_unit, unit_kind
 from layers.lora import add_adapters
-from layers.quant4 import quantize_linears
+from layers.loss import TokenMean
 from layers.model import family_units
+from layers.quant4 import quantize_linears
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
@@ -92,7 +93,8 @@ class Passes:
         with contextlib.nullcontext() if auxiliary is None else auxiliary.recording(counting=not recompute):
             if self.adapters is not None:  # a frozen base: its weights enter as plain views, without a gradient
                 shell = self.shells[unit].train(ctx.training)
-                named = {**layout.views(self.states[unit].weights()), **self.adapters.for_unit(unit, self.dtype)}
+                named = {**layout.views(self.states[unit].weights()),
+                         **self.adapters.for_unit(unit, self.dtype, off=ctx.adapters_off)}
                 with self.adapters.dropout_rng(ctx.step, micro, unit) if kind == "block" else contextlib.nullcontext():
                     return functional_call(shell, named, (x, *args))
             groups = self.groups.get(unit)
@@ -146,7 +148,10 @@ class Passes:
         if unit == "head":
             with self.recorder.hooks(self.states[unit]):
                 chunk = loss_vocab_chunk(self.cfg, batch.labels.numel())
-                loss = self._call_unit(unit, x, micro, ctx, batch.labels, chunk, ctx.tokens)
+                objective = batch.objective or TokenMean(ctx.tokens)
+                loss = self._call_unit(unit, x, micro, ctx, batch.labels, chunk, objective)
+            for name, value in objective.metrics().items():
+                ctx.metrics[name] = ctx.metrics[name] + value if name in ctx.metrics else value
             auxiliary = ctx.auxiliary.get(micro)
             # This micro-batch's share of the step's token mean, and its auxiliary term (whose gradient the blocks'
             # backward adds).

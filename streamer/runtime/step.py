@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from layers.loss import Objective
 from layers.model import AuxiliaryLoss
 from memory_model.step import StepConfig
 from streamer.errors import ConfigError, StreamerError
@@ -39,6 +40,8 @@ class MicroBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None  # packed examples' own positions (GPTJAttention); None: 0..T-1
+    # What the head's loss makes of the rows' log-probabilities; None: the token mean over the step's tokens.
+    objective: Objective | None = None
 
 
 @dataclass
@@ -62,6 +65,8 @@ class StepContext:
     # num_items_in_batch). None: each micro-batch's own mean.
     tokens: float | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
+    # Each micro-batch's objective's metrics (Objective.metrics), summed over the step's micro-batches.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     clip_coef: float | None = None
     mean_loss: float | None = None
     on_first_update: Callable[["StepContext"], None] | None = None
@@ -73,6 +78,8 @@ class StepContext:
     # gives its squared norm, and is dropped, as a fused step keeps it from the store; the caller sets it.
     norm_pass: bool = False
     training: bool = False  # dropout on (a training step) or off (evaluation, generation)
+    # LoRA's adapters off: the frozen base alone, DPO's reference model (Adapters.for_unit).
+    adapters_off: bool = False
     # (input, output); an offloaded block's input is on the host (`stashed`), and its output once the next unit has it
     graphs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
     # (block, micro) -> its input on the host (on CUDA with the event of its copy out)

@@ -1,0 +1,82 @@
+"""Preference pairs to DPO's rows as TRL's DPOTrainer makes them (`--method dpo`).
+
+A conversation is rendered by the chat template (the prompt with the assistant's header), and its text's tokens
+taken. Plain text is tokenized whole, with the special tokens the tokenizer adds around a text (transformers'
+`tokenizer(text)`); end-of-text is appended to a completion that lacks it, as text. The completion starts where
+the prompt's tokens and the prompt-and-completion's part (tokens may merge across the boundary). A batch is every
+chosen row, then every rejected row: prompt and completion cut to `max_length` from the end (TRL's keep_start),
+padded on the right; the labels are the completion's tokens, -100 elsewhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from layers import IGNORE_INDEX
+from streamer.io.data import TokenizerLike, chat_prompt
+from streamer.io.records import Pair
+
+
+@dataclass(frozen=True)
+class PairIds:
+    """A pair's token ids: its prompt's, and each completion's after it."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+def tokenize_pair(pair: Pair, tokenizer: TokenizerLike) -> PairIds:
+    """TRL's tokenization of a pair: a conversation rendered by the chat template (the prompt with the assistant's
+    header) and its text's tokens; plain text tokenized whole, end-of-text appended to each completion."""
+    if pair.conversational:
+        def rendered(messages: tuple, header: bool) -> list[int]:
+            return tokenizer.encode(chat_prompt(list(messages), tokenizer, pair.where, add_generation_prompt=header))
+
+        prompt = rendered(pair.prompt, True)
+        chosen, rejected = rendered(pair.prompt + pair.chosen, False), rendered(pair.prompt + pair.rejected, False)
+    else:
+        before, after = tokenizer.affixes
+
+        def ids(text: str) -> list[int]:
+            return [*before, *tokenizer.encode(text), *after]
+
+        def ended(text: str) -> str:
+            return text if text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
+
+        prompt = ids(pair.prompt)
+        chosen, rejected = ids(pair.prompt + ended(pair.chosen)), ids(pair.prompt + ended(pair.rejected))
+    start = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    return PairIds(prompt[:start], chosen[start:], rejected[start:])
+
+
+def tokenize_pairs(pairs: Sequence[Pair], tokenizer: TokenizerLike, max_length: int) -> list[PairIds]:
+    """Every pair tokenized, but those whose prompt alone fills `max_length` (no completion token would be left:
+    TRL drops them too)."""
+    out = [tokenize_pair(pair, tokenizer) for pair in pairs]
+    return [ids for ids in out if len(ids.prompt) < max_length]
+
+
+def pair_rows(pairs: Sequence[PairIds], pad_id: int, max_length: int,
+              seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), (2 x pairs, T): TRL's DataCollatorForPreference. T is the longest row, or `seq`."""
+    rows = [(p.prompt + c, [IGNORE_INDEX] * len(p.prompt) + c) for c_of in ("chosen", "rejected")
+            for p in pairs for c in (getattr(p, c_of),)]
+    rows = [(ids[:max_length], labels[:max_length]) for ids, labels in rows]
+    length = seq if seq is not None else max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    for i, (row_ids, row_labels) in enumerate(rows):
+        input_ids[i, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        labels[i, :len(row_labels)] = torch.tensor(row_labels, dtype=torch.long)
+    return input_ids, labels
+
+
+def _common_prefix(ids: list[int], other: list[int]) -> int:
+    length = 0
+    for token, other_token in zip(ids, other):
+        if token != other_token:
+            break
+        length += 1
+    return length

@@ -1,0 +1,347 @@
+"""DPO on the streamed step against TRL's DPOTrainer (the reference, test-only): the same tiny Llama that
+transformers wrote, the same pairs, tokenized and collated as TRL does it. One step: the loss, every LoRA gradient
+and TRL's logged metrics, within twice TRL's own fp32 noise (TRL in float32 against TRL in float64); three steps
+with accumulation and clipping against TRL with AdamW; the planner equal to the ledger for a DPO step; pairs read
+as TRL reads them; bad input as one line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from layers import FAMILIES, IGNORE_INDEX
+from memory_model import device_spec, plan
+from streamer import StreamingTrainer, TrainerConfig
+from streamer.errors import ConfigError, StreamerError
+from streamer.errors import DataError
+from streamer.io.preference import pair_rows, tokenize_pairs
+from streamer.io.records import Pair, read_pairs
+from streamer.io.tokenizer import load_tokenizer
+from tests.test_cli import fails
+from tests.test_data_cli import write_tokenizer
+from tests.test_families import hf_model
+
+trl = pytest.importorskip("trl")
+peft = pytest.importorskip("peft")
+datasets = pytest.importorskip("datasets")
+
+CFG = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=448, max_position_embeddings=64)
+PAIRS = [
+    {"prompt": "Question: what is a list?", "chosen": " An ordered sequence.", "rejected": " A kind of fish."},
+    {"prompt": "Question: what does import do?", "chosen": " It loads a module.", "rejected": " Nothing"},
+    {"prompt": "Say hello.", "chosen": " Hello there, friend.", "rejected": " No."},
+    {"prompt": "Question: what is None?", "chosen": " The absence of a value.", "rejected": " A number."},
+]
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("dpo") / "hf"
+    hf_model(CFG).save_pretrained(folder)
+    write_tokenizer(folder, "qwen")
+    return folder
+
+
+def _trl(folder: Path, dtype: torch.dtype, loss_type: str, beta: float, label_smoothing: float = 0.0,
+         lora: bool = True, **config: Any) -> dict[str, Any]:
+    """One DPOTrainer step over PAIRS as one batch: its loss, gradients (by PEFT key), metrics, the batch its
+    collator made and the adapters it started from."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token
+    peft_config = None
+    if lora:
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(TARGETS),
+                                      init_lora_weights=False, task_type="CAUSAL_LM")
+    config = {"per_device_train_batch_size": len(PAIRS), "max_steps": 1, "max_grad_norm": 0.0, **config}
+    args = trl.DPOConfig(output_dir=str(folder.parent / f"trl-{dtype}"), learning_rate=1e-3, logging_steps=1,
+                         report_to="none", use_cpu=True, beta=beta, loss_type=[loss_type],
+                         label_smoothing=label_smoothing, save_strategy="no", disable_dropout=True, seed=0,
+                         bf16=False, fp16=False, train_sampling_strategy="sequential", **config)
+    torch.manual_seed(0)
+    trainer = trl.DPOTrainer(model=model, args=args, processing_class=tokenizer,
+                             train_dataset=datasets.Dataset.from_list(PAIRS), peft_config=peft_config)
+    out: dict[str, Any] = {"initial": {k: v.detach().clone() for k, v in trainer.model.named_parameters()
+                                       if v.requires_grad}}
+    compute_loss = trainer.compute_loss
+
+    def recorded(model: Any, inputs: dict[str, torch.Tensor], *rest: Any, **kw: Any) -> torch.Tensor:
+        out["batch"] = {k: v.detach().clone() for k, v in inputs.items()}
+        loss = compute_loss(model, inputs, *rest, **kw)
+        out["loss"] = float(loss)
+        return loss
+    trainer.compute_loss = recorded
+
+    class Grads(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            out["grads"] = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    trainer.add_callback(Grads())
+    trainer.train()
+    out["metrics"] = {k: trainer.state.log_history[0][k] for k in METRICS}
+    out["grad_norm"] = float(trainer.state.log_history[0]["grad_norm"])
+    out["losses"] = [float(record["loss"]) for record in trainer.state.log_history if "loss" in record]
+    out["final"] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    return out
+
+
+def _ours(folder: Path, reference: dict[str, Any], loss_type: str, beta: float, label_smoothing: float = 0.0,
+          **flat: Any) -> dict[str, Any]:
+    batch = reference["batch"]
+    ids = batch["input_ids"]
+    labels = ids.masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    flat = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": ",".join(TARGETS), **flat}
+    tc = TrainerConfig.of(dtype="fp32", method="dpo", beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                          max_grad_norm=0.0, lr=1e-3, **flat)
+    out: dict[str, Any] = {}
+    with StreamingTrainer.from_pretrained(folder, tc) as trainer:
+        ref = trainer.reference_logps(ids, labels)
+        if trainer.adapters is None:
+            out["loss"] = trainer.step(ids, labels, reference=ref)
+            out["metrics"], out["grad_norm"] = dict(trainer.metrics), trainer.grad_norm
+            return out
+        leaves = _set_adapters(trainer, reference["initial"])
+        step = trainer.adapters.step
+
+        def recorded(lr: float, clip_coef: float) -> None:
+            out["grads"] = {name: t.grad.detach().clone() for name, t in leaves.items()}
+            step(lr, clip_coef)
+        trainer.adapters.step = recorded
+        out["loss"] = trainer.step(ids, labels, reference=ref)
+        out["metrics"] = dict(trainer.metrics)
+        out["grad_norm"] = trainer.grad_norm
+    return out
+
+
+def _rows(folder: Path, max_length: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    tokenizer = load_tokenizer(folder)
+    pairs = [Pair(**pair) for pair in PAIRS]
+    return pair_rows(tokenize_pairs(pairs, tokenizer, max_length), tokenizer.eos_id, max_length)
+
+
+def test_truncated_rows_are_trls_collator(hf_folder: Path) -> None:
+    """--max-length cuts prompt and completion from the end (keep_start), as TRL's collator; a pair whose prompt
+    fills it is dropped, as TRL drops it."""
+    tokenizer = load_tokenizer(hf_folder)
+    pairs = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, 1024)
+    max_length = 9
+    collated = trl.trainer.dpo_trainer.DataCollatorForPreference(tokenizer.eos_id, max_length)(
+        [{"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected} for p in pairs])
+    ids, labels = pair_rows(pairs, tokenizer.eos_id, max_length)
+    assert torch.equal(ids, collated["input_ids"])
+    assert torch.equal(labels, collated["input_ids"].masked_fill(collated["completion_mask"] == 0, IGNORE_INDEX))
+    shortest = min(len(p.prompt) for p in pairs)
+    kept = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, shortest + 1)
+    assert [len(p.prompt) for p in kept] == [shortest] * len(kept)
+
+
+CHATS = [{"prompt": [{"role": "user", "content": "What is a list?"}],
+          "chosen": [{"role": "assistant", "content": "An ordered sequence."}],
+          "rejected": [{"role": "assistant", "content": "A fish."}]},
+         {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}],
+          "chosen": [{"role": "assistant", "content": "Hello there."}],
+          "rejected": [{"role": "assistant", "content": "No."}]}]
+
+
+def test_conversational_pairs_tokenize_as_trls(tmp_path: Path) -> None:
+    """Conversational pairs rendered by the tokenizer's chat template (Llama 3's, which adds its own BOS): the
+    prompt, chosen and rejected ids TRL's DPOTrainer prepares."""
+    import transformers
+    folder = tmp_path / "hf"
+    hf_model(CFG).save_pretrained(folder)
+    write_tokenizer(folder, "llama3")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    prepared = trl.DPOTrainer(model=model, args=args, processing_class=tokenizer,
+                              train_dataset=datasets.Dataset.from_list(CHATS)).train_dataset
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in CHATS))
+    ours = tokenize_pairs(read_pairs(path), load_tokenizer(folder), 1024)
+    assert [(p.prompt, p.chosen, p.rejected) for p in ours] == [
+        (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) for row in prepared]
+
+
+def test_pairs_are_read_as_trl_reads_them(tmp_path: Path) -> None:
+    """A record without a prompt has TRL's implicit one (extract_prompt); a record without `rejected` is one line
+    naming the field."""
+    user = {"role": "user", "content": "What color is the sky?"}
+    records = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
+               {"chosen": "Same", "rejected": "Same"}, {"prompt": "Hi", "chosen": " yes", "rejected": " no"},
+               {"chosen": [user, {"role": "assistant", "content": "Blue."}],
+                "rejected": [user, {"role": "assistant", "content": "Green."}]}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    pairs = read_pairs(path)
+    for pair, record in zip(pairs, records):
+        expected = trl.extract_prompt(record) if "prompt" not in record else record
+        assert [_plain(pair.prompt), _plain(pair.chosen), _plain(pair.rejected)] == [
+            expected["prompt"], expected["chosen"], expected["rejected"]]
+    path.write_text(json.dumps({"prompt": "Hi", "chosen": " yes"}))
+    with pytest.raises(DataError, match=r"pairs.jsonl line 1 has no 'rejected' field"):
+        read_pairs(path)
+
+
+def _set_adapters(trainer: StreamingTrainer, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's adapters set to PEFT's initial ones; each leaf by its PEFT key (without `.default`)."""
+    peft_keys = {unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units}
+    ours = trainer.adapters.hf_state_dict(peft_keys)
+    leaves = {}
+    for unit, tensors in trainer.adapters.params.items():
+        for key, t in tensors.items():
+            name = next(k for k in ours if k.startswith(f"base_model.model.{peft_keys[unit]}") and
+                        k.endswith(_peft_suffix(trainer, unit, key)))
+            t.data.copy_(initial[name.replace(".weight", ".default.weight")].float())
+            leaves[name] = t
+    return leaves
+
+
+def _plain(value: Any) -> Any:
+    """A pair's field as TRL holds it: a string, or a list of messages."""
+    return value if isinstance(value, str) else list(value)
+
+
+def _peft_suffix(trainer: StreamingTrainer, unit: str, key: str) -> str:
+    for keys in trainer.adapters.keys.values():
+        if key == keys.a:
+            return keys.peft_a
+        if key == keys.b:
+            return keys.peft_b
+    raise KeyError(key)
+
+
+def _scalar_noise(fp32: dict[str, Any], fp64: dict[str, Any]) -> float:
+    """TRL's own fp32 noise over the step's loss and logged metrics: the largest |fp32 - fp64| among them, and at
+    least one fp32 rounding of the largest (TRL's fused head computes log-probabilities in fp32 even for a float64
+    model, so the two may agree to the bit: the log-probabilities at step 1 of full fine-tuning)."""
+    values = [fp64["loss"], *(fp64["metrics"][k] for k in METRICS)]
+    rounding = torch.finfo(torch.float32).eps * max(abs(v) for v in values)
+    return max([rounding, abs(fp32["loss"] - fp64["loss"])] +
+               [abs(fp32["metrics"][k] - fp64["metrics"][k]) for k in METRICS])
+
+
+def _assert_scalars(ours: dict[str, Any], fp32: dict[str, Any], fp64: dict[str, Any]) -> None:
+    noise = _scalar_noise(fp32, fp64)
+    assert abs(ours["loss"] - fp64["loss"]) <= 2 * noise
+    for k in METRICS:
+        assert abs(ours["metrics"][k] - fp64["metrics"][k]) <= 2 * noise, k
+
+
+@pytest.mark.parametrize("loss_type,beta,smoothing", [("sigmoid", 0.1, 0.0), ("ipo", 0.5, 0.0),
+                                                      ("hinge", 0.3, 0.0), ("robust", 0.1, 0.2)])
+def test_a_lora_dpo_step_is_trls(hf_folder: Path, loss_type: str, beta: float, smoothing: float) -> None:
+    """LoRA: the reference is the base with the adapters off. The loss, TRL's metrics and every adapter's
+    gradient (relative to its largest entry) within twice TRL's fp32-vs-float64 difference (the largest over
+    the step's scalars, and over the adapters' gradients: measured 1.2e-6 to 2.5e-6 of a gradient's largest entry
+    by loss type, ours 1.6e-6 to 2.1e-6, at most 1.3 times TRL's)."""
+    fp32 = _trl(hf_folder, torch.float32, loss_type, beta, smoothing)
+    fp64 = _trl(hf_folder, torch.float64, loss_type, beta, smoothing)
+    ours = _ours(hf_folder, fp32, loss_type, beta, smoothing, grad_accum=2)
+    _assert_scalars(ours, fp32, fp64)
+    ids, labels = _rows(hf_folder)  # the pairs tokenized and collated as TRL's were
+    assert torch.equal(ids, fp32["batch"]["input_ids"])
+    assert torch.equal(labels, fp32["batch"]["input_ids"].masked_fill(fp32["batch"]["completion_mask"] == 0,
+                                                                      IGNORE_INDEX))
+    assert fp64["grads"].keys() == {k.replace(".weight", ".default.weight") for k in ours["grads"]}
+
+    def relative(grads: dict[str, torch.Tensor], name: str) -> float:
+        exact = fp64["grads"][name]
+        return ((grads[name].double() - exact).abs().max() / exact.abs().max()).item()
+    noise = max(relative(fp32["grads"], name) for name in fp64["grads"])
+    ours_grads = {k.replace(".weight", ".default.weight"): g for k, g in ours["grads"].items()}
+    for name in fp64["grads"]:
+        assert relative(ours_grads, name) <= 2 * noise, name
+
+
+def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(hf_folder: Path) -> None:
+    """Three steps of two micro-batches of two pairs each, clipped, against TRL with torch's AdamW (its default):
+    each step's loss, and the adapters after the last step, within twice TRL's fp32-vs-float64 difference (of each
+    adapter's change, relative to the change's largest entry: measured 4.8e-5, ours 4.5e-5; the losses 6.6e-7 and
+    4.2e-7)."""
+    config = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
+              "max_grad_norm": 0.05, "lr_scheduler_type": "constant", "weight_decay": 0.0}
+    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, **config)
+    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, **config)
+    ids, labels = _rows(hf_folder)
+    tc = TrainerConfig.of(dtype="fp32", method="dpo", beta=0.1, lora_rank=4, lora_alpha=8.0,
+                          lora_targets=",".join(TARGETS), max_grad_norm=0.05, lr=1e-3, betas=(0.9, 0.999),
+                          weight_decay=0.0, grad_accum=2)
+    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+        leaves = _set_adapters(trainer, fp32["initial"])
+        reference = trainer.reference_logps(ids, labels)
+        losses = [trainer.step(ids, labels, reference=reference) for _ in range(3)]
+        assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
+        final = {name.replace(".weight", ".default.weight"): t.detach().clone() for name, t in leaves.items()}
+    noise = max(abs(a - b) for a, b in zip(fp32["losses"], fp64["losses"]))
+    assert len(fp64["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses, fp64["losses"])) <= 2 * noise
+
+    def relative(weights: dict[str, torch.Tensor], name: str) -> float:
+        start, exact = fp32["initial"][name].double(), fp64["final"][name] - fp64["initial"][name]
+        return ((weights[name].double() - start - exact).abs().max() / exact.abs().max()).item()
+    weight_noise = max(relative(fp32["final"], name) for name in fp64["final"])
+    for name in fp64["final"]:
+        assert relative(final, name) <= 2 * weight_noise, name
+
+
+def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
+    """Full fine-tuning: the reference log-probabilities computed by a forward pass before the first step (TRL's
+    precompute_ref_log_probs gives the same as its reference copy). The loss, metrics and the gradient's norm."""
+    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False)
+    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, lora=False)
+    ours = _ours(hf_folder, fp32, "sigmoid", 0.1, lora_rank=0, lora_targets="")
+    _assert_scalars(ours, fp32, fp64)
+    # The norm of TRL's fp32 gradient minus its float64 one bounds how far an fp32 norm may stray (measured 1.8e-6;
+    # ours 4.4e-7 from TRL's float64 norm of 2.52).
+    noise = torch.linalg.vector_norm(torch.cat([(fp32["grads"][k].double() - g).flatten()
+                                                for k, g in fp64["grads"].items()])).item()
+    assert abs(ours["grad_norm"] - fp64["grad_norm"]) <= 2 * noise
+
+
+def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
+    """A batch of pairs is a step of twice the rows, plus the loss's fp32 number per row (layers/preference.py):
+    planner = ledger to the byte, LoRA or not, resident (the head's saved bytes in the peak) or checkpointed. An
+    evaluation of the pairs before the step gives the step's loss."""
+    cfg = dataclasses.replace(FAMILIES["llama"].example(), max_position_embeddings=64)
+    ids = torch.randint(0, cfg.vocab_size, (8, 48), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(48) < 20, IGNORE_INDEX)
+    for lora_rank in (0, 4):
+        for activations in ("resident", "checkpoint"):
+            tc = TrainerConfig.of(dtype="fp32", activations=activations, update_chunk=20_000, lora_rank=lora_rank,
+                                  method="dpo", grad_accum=2)
+            with StreamingTrainer(cfg, tc) as trainer:
+                reference = trainer.reference_logps(ids, labels)
+                before = trainer.evaluate(ids, labels, reference=reference)
+                # the evaluation runs the step's forward (without autograd): the same loss
+                assert trainer.step(ids, labels, reference=reference) == pytest.approx(before, rel=1e-6)
+                real = trainer.ledger.peak, trainer.ledger.peak_breakdown
+            predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 48))
+            assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+            if activations == "resident":  # the 4 rows of a micro-batch, 4 bytes each, at the head
+                sft = tc.replace(method="sft").plan_config(8, 48)
+                assert predicted.peak_device_bytes - plan(cfg, device_spec("h100-sxm"), sft).peak_device_bytes == 16
+
+
+def test_bad_dpo_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = dataclasses.replace(FAMILIES["llama"].example(), max_position_embeddings=64)
+    ids = torch.randint(0, cfg.vocab_size, (6, 16), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer(cfg, TrainerConfig.of(method="dpo", grad_accum=2, dtype="fp32")) as trainer:
+        with pytest.raises(StreamerError, match="DPO needs the reference log-probability of each of the 6 rows"):
+            trainer.step(ids, ids)
+        with pytest.raises(StreamerError, match="3 pairs do not split into 2 micro-batches"):
+            trainer.step(ids, ids, reference=torch.zeros(6))
+    with pytest.raises(ConfigError, match="label_smoothing is read by --loss-type robust only"):
+        TrainerConfig.of(method="dpo", label_smoothing=0.1)
+    with pytest.raises(ConfigError, match="loss_type"):
+        TrainerConfig.of(method="dpo", loss_type="exo_pair")
+    line = fails(capsys, "train", "--run-dir", tmp_path / "run", "--steps", 1, "--method", "dpo")
+    assert "--method dpo trains through the Python API" in line
+    assert not (tmp_path / "run").exists()
