@@ -231,6 +231,7 @@ def _length(changes: dict, named: Collection[str]) -> dict:
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
     cfg.report.check_installed()
+    run.refuse_links()
     parallel = _join(cfg, console)
     # The run's own dtype; say so where it is emulated.
     dtype = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.device.dtype)
@@ -267,9 +268,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
             if lead:  # the trace of this invocation, which `streamer trace` reads: the update rolled forward
                 trace = trainer.trace
                 trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
-                trace.to_json(run.trace_json)
-                trace.to_chrome(run.trace_chrome)
-                trace.plot(run.plot, step=done)
+                run.write_trace(trace, done)
             trainer.close()
             console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
                           "update, which a kill interrupted; raise --steps to continue it", markup=False,

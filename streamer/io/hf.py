@@ -356,6 +356,9 @@ class HFExporter:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is a file; choose a folder to export to")
+        if self.directory.is_symlink():  # the export replaces the folder by a rename, which would replace the link
+            raise CheckpointError(f"{self.directory} is a symbolic link; export to the folder it points to "
+                                  f"({self.directory.resolve()}) or choose a new folder")
         self.cfg, self.dtype, self.max_shard_bytes, self.overwrite = cfg, dtype, max_shard_bytes, overwrite
         self.token_ids = dict(token_ids or {})
         self._refuse_to_overwrite()
