@@ -156,3 +156,52 @@ def test_a_chat_template_that_would_hang_or_fill_memory_is_refused(tiny_setup, t
     data.write_text(json.dumps({"messages": conversation}) + "\n")
     line = refused_quickly(capsys, *train_argv(tiny_setup, tmp_path / "run", data, "--chat-template", path))
     assert f"the chat template went past its bounds rendering 1 message(s) ({says})" in line, line
+
+
+# --- process limits ----------------------------------------------------------------------------------------------
+def mid_sized(tmp_path: Path) -> Path:
+    """A 300M-parameter model: its RAM-tier store needs 6.6 GiB, headroom included."""
+    from layers import GPTJConfig
+    path = tmp_path / "mid.json"
+    path.write_text(json.dumps(GPTJConfig(n_embd=1024, n_layer=24, n_head=16, rotary_dim=64, vocab_size=512,
+                                          n_positions=64).to_hf()))
+    return path
+
+
+def test_the_ram_check_counts_the_address_space_limit(tmp_path):
+    """Under `ulimit -v` the allocator fails however much the machine has free: the check says so first."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    done = subprocess.run([sys.executable, "-m", "streamer", "train", "--model", str(mid_sized(tmp_path)),
+                           "--store", "ram", "--seq", "32", "--steps", "1", "--run-dir", str(tmp_path / "run")],
+                          preexec_fn=limit, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "GiB of RAM (--store ram; " in done.stderr
+    assert "left of the process's 3.00 GiB address-space limit, ulimit -v)" in done.stderr
+    assert "what would fit: --store disk" in done.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_ram_check_counts_the_cgroup_memory_limit(tmp_path, capsys, monkeypatch, version):
+    from streamer import resources
+    proc, root = tmp_path / "cgroup", tmp_path / "sys"
+    group = (root / "memory" if version == 1 else root) / "jobs" / "mine"
+    group.mkdir(parents=True)
+    limit, usage = ("memory.limit_in_bytes", "memory.usage_in_bytes") if version == 1 else ("memory.max",
+                                                                                          "memory.current")
+    (group / limit).write_text(f"{4 * 2**30}\n")
+    (group / usage).write_text(f"{2**30}\n")
+    (group.parent / limit).write_text("max\n" if version == 2 else f"{2**63 - 4096}\n")  # no limit above it
+    (group.parent / usage).write_text(f"{2**31}\n")
+    proc.write_text("4:memory:/jobs/mine\n" if version == 1 else "0::/jobs/mine\n")
+    monkeypatch.setattr(resources, "CGROUP_ROOT", root)
+    monkeypatch.setattr(resources, "PROC_CGROUP", proc)
+    line = fails(capsys, "train", "--model", mid_sized(tmp_path), "--store", "ram", "--seq", 32, "--steps", 1,
+                 "--run-dir", tmp_path / "run")
+    assert "(--store ram; 3.00 GiB left of its cgroup's 4.00 GiB memory limit)" in line, line
+    assert not (tmp_path / "run").exists()
