@@ -4,7 +4,11 @@ outside the run folder is written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +17,8 @@ import pytest
 from streamer.run_dir import RunDir
 from test_cli import fails, run_cli
 from test_cli_messages import train_argv
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +177,6 @@ def mid_sized(tmp_path: Path) -> Path:
 def test_the_ram_check_counts_the_address_space_limit(tmp_path):
     """Under `ulimit -v` the allocator fails however much the machine has free: the check says so first."""
     import resource
-    import subprocess
-    import sys
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
@@ -205,3 +209,69 @@ def test_the_ram_check_counts_the_cgroup_memory_limit(tmp_path, capsys, monkeypa
                  "--run-dir", tmp_path / "run")
     assert "(--store ram; 3.00 GiB left of its cgroup's 4.00 GiB memory limit)" in line, line
     assert not (tmp_path / "run").exists()
+
+
+# --- stopping ----------------------------------------------------------------------------------------------------
+def signalled(tiny_setup: Path, run: Path, store: str, *signals: int) -> tuple[subprocess.CompletedProcess, int]:
+    """A long run of `store`, saved every 2 steps, sent `signals` (a millisecond apart) once step 3 is logged;
+    (what it did, the step its folder continues from)."""
+    argv = train_argv(tiny_setup, run, tiny_setup / "train.txt", "--steps", 1000, "--store", store, "--save-every", 2)
+    proc = subprocess.Popen([sys.executable, "-m", "streamer", *map(str, argv)], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    while (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3) and proc.poll() is None:
+        time.sleep(0.005)
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.001)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), RunDir(run).committed_step()
+
+
+@pytest.mark.parametrize("sig, said, code", [(signal.SIGTERM, "terminated", 143), (signal.SIGINT, "interrupted", 130)])
+def test_a_stopped_run_says_which_step_it_continues_from(tiny_setup, tmp_path, sig, said, code):
+    done, step = signalled(tiny_setup, tmp_path / "run", "disk", sig)
+    assert done.returncode == code and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr == (f"{said}; continue from step {step}, the last committed step with "
+                           f"`streamer train --resume {tmp_path / 'run'}`\n")
+
+
+def test_a_stopped_ram_tier_run_says_its_last_save_is_where_it_continues(tiny_setup, tmp_path):
+    done, step = signalled(tiny_setup, tmp_path / "run", "ram", signal.SIGINT)
+    assert done.returncode == 130 and done.stderr.count("\n") == 1, done.stderr
+    assert f"interrupted; continue from step {step}, the RAM-tier store's last save (--save-every 2; " in done.stderr
+    assert step % 2 == 0 and f"`streamer train --resume {tmp_path / 'run'}`" in done.stderr
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT)])
+def test_a_second_signal_stops_at_once_without_a_traceback(tiny_setup, tmp_path, signals):
+    done, step = signalled(tiny_setup, tmp_path / "run", "disk", *signals)
+    # Where the second lands: in the first one's clean-up (its own line, naming the command), after the first
+    # one's line (nothing more), or, past Python's shutdown resetting the handlers, on the default action.
+    assert done.returncode in (130, 143, -signal.SIGINT), done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert f"`streamer train --resume {tmp_path / 'run'}`" in done.stderr
+    assert RunDir(tmp_path / "run").committed_step() == step
+
+
+def test_a_killed_exports_staging_folder_goes_at_the_next_export_and_a_live_ones_stays(disk_run, tmp_path, capsys):
+    import fcntl
+    out = tmp_path / "hf"
+    killed = subprocess.Popen([sys.executable, "-m", "streamer", "export", str(disk_run), str(out)], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not list(tmp_path.glob(".hf.partial-*")) and killed.poll() is None:
+        time.sleep(0.001)
+    killed.kill()
+    killed.communicate()
+    left = list(tmp_path.glob(".hf.partial-*"))
+    assert len(left) == 1 and not out.exists(), killed.returncode  # what a kill leaves
+    live = tmp_path / ".hf.partial-live"  # another export's, in progress: it holds its folder's lock
+    live.mkdir()
+    lock = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        rc, _, err = run_cli(capsys, "export", disk_run, out)
+    finally:
+        os.close(lock)
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.partial-live", "hf"]
