@@ -275,3 +275,17 @@ def test_a_killed_exports_staging_folder_goes_at_the_next_export_and_a_live_ones
         os.close(lock)
     assert rc == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.partial-live", "hf"]
+
+
+def test_a_chat_template_looping_without_calls_is_stopped_by_its_time_limit(tiny_setup, tmp_path, capsys, monkeypatch):
+    """Nested loops over a long string make no call and no range: the render's timer stops them (shortened here)."""
+    from streamer.io import chat
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% set s = 'a' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}"
+                    "{% for m in messages %}{{ m.content }}{% endfor %}")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    line = refused_quickly(capsys, *train_argv(tiny_setup, tmp_path / "run", data, "--chat-template", path))
+    assert "the chat template went past its bounds rendering 1 message(s) (more than 0.5 s)" in line, line

@@ -140,9 +140,10 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
 
 @contextlib.contextmanager
 def _bounded() -> Iterator[None]:
-    """Start a render's budget; on the main thread a timer also interrupts a loop that makes no calls."""
+    """Start a render's budget; on the main thread a timer also interrupts a loop that makes no calls (unless
+    another timer is running, which is left as it is)."""
     _BUDGET.steps, _BUDGET.deadline = RENDER_STEPS, time.monotonic() + RENDER_SECONDS
-    timed = threading.current_thread() is threading.main_thread()
+    timed = threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0
     if timed:
         def expire(*_: Any) -> None:
             raise TemplateTooCostly(f"more than {RENDER_SECONDS:g} s")
