@@ -199,9 +199,11 @@ def replace_file(path: Path, write: Callable[[Path], None]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise disk_error(exc, path) from None
+        if isinstance(exc, OSError):
+            raise disk_error(exc, path) from None
+        raise
 
 
 def fsync_path(path: Path) -> None:
