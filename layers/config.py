@@ -82,6 +82,14 @@ class LoraKeys:
     peft_b: str
 
 
+# Bounds on what any machine could train, checked before anything is built per layer or per expert (a config
+# naming a billion layers once took 15 GB before failing). The deepest published decoders have about 128 blocks
+# (Llama 3.1 405B: 126), the most experts per block 384 (Kimi K2), the largest training state 16 B x 2T params.
+MAX_LAYERS = 2048
+MAX_EXPERTS = 8192
+MAX_STATE_BYTES = 2**48  # 256 TiB
+
+
 def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
     """Register a family's config class under its model_type (a class decorator)."""
     FAMILIES[cls.model_type] = cls
@@ -404,11 +412,22 @@ class ModelConfig(abc.ABC):
         return out
 
     def check_size(self) -> None:
-        """Every tensor's byte size must fit a 64-bit count: 16 bytes of training state per parameter."""
-        if 16 * max(self.num_params(), self.max_position_embeddings * self.rotary_dim) >= 2**63:
+        """Sizes no machine could train are refused in closed form, before anything is built per layer or per expert:
+        16 bytes of training state per parameter beyond MAX_STATE_BYTES, more blocks than MAX_LAYERS or more experts
+        than MAX_EXPERTS (the runtime and the planner keep records of each)."""
+        layers, experts = self.num_hidden_layers, self.experts()
+        if layers > MAX_LAYERS:
+            raise ConfigError(f"num_hidden_layers {layers:,} is more than {MAX_LAYERS:,} (the deepest published "
+                              "decoders have about 128); check the config's sizes")
+        if experts > MAX_EXPERTS:
+            raise ConfigError(f"{experts:,} experts per block is more than {MAX_EXPERTS:,} (published models "
+                              "have at most 384); check the config's sizes")
+        state = 16 * max(self.num_params(), self.max_position_embeddings * self.rotary_dim)
+        if state > MAX_STATE_BYTES:
             raise ConfigError(f"a model of {self.num_params():,} parameters (vocab_size {self.vocab_size}, hidden "
-                              f"size {self.hidden_size}, {self.num_hidden_layers} layers) is too large to "
-                              "address; check the config's sizes")
+                              f"size {self.hidden_size}, {layers} layers) needs {state / 2**40:,.0f} TiB of "
+                              f"training state (16 B/param), more than any machine holds ({MAX_STATE_BYTES // 2**40} "
+                              "TiB); check the config's sizes")
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -474,6 +493,9 @@ def read_hf_json(path: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Notepad) is no error
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests its JSON deeper than Python's parser goes; a model config is one flat "
+                          "object") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw

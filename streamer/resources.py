@@ -11,11 +11,14 @@ never swapped out): the slabs and the pool (all), the pool (staging) or nothing 
 torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
 them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state. Each step a run keeps
 (--save-every, --keep-last, --keep-best) adds a copy of every unit's state file (`StoreSpec.kept_bytes`), which no
-later commit frees; `check_keep_room` checks the room for one again before a step is kept.
+later commit frees; `check_keep_room` checks the room for one again before a step is kept. The RAM a run may take is
+the machine's available memory, or less where the process is limited: its address space (RLIMIT_AS, `ulimit -v`)
+less what it maps already, or its cgroup's memory limit less the group's use (`available_ram`).
 """
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +85,55 @@ def _with_headroom(nbytes: int, headroom: tuple[int, float]) -> int:
     return nbytes + headroom[0] + int(nbytes * headroom[1]) if nbytes else 0
 
 
+# Where cgroup file systems are mounted (v2 unified, or v1's memory controller under memory/).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def available_ram() -> tuple[int, str]:
+    """(bytes, what bounds them): the RAM this process may still take. Past a process limit the allocator fails
+    however much the machine has free, so the least of the machine's available memory, what RLIMIT_AS leaves
+    beyond what the process maps now, and what its cgroups' memory limits leave."""
+    bounds = [(psutil.virtual_memory().available, "available")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        left = max(0, soft - psutil.Process().memory_info().vms)
+        bounds.append((left, f"left of the process's {format_size(soft)} address-space limit, ulimit -v"))
+    cgroup = _cgroup_left()
+    if cgroup is not None:
+        bounds.append((cgroup[0], f"left of its cgroup's {format_size(cgroup[1])} memory limit"))
+    return min(bounds)
+
+
+def _cgroup_left() -> tuple[int, int] | None:
+    """(bytes left, limit) of the tightest memory limit of this process's cgroups and their ancestors (v2's
+    memory.max and memory.current, v1's memory.limit_in_bytes and memory.usage_in_bytes); None where none is set.
+    In a container the process's own group is often the mount's root, so both the path and the root are read."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    folders: set[Path] = set()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        mount = CGROUP_ROOT if controllers == "" else CGROUP_ROOT / "memory" if "memory" in controllers.split(",") \
+            else None
+        if mount is not None:
+            here = mount / path.lstrip("/")
+            folders.update([here, *here.parents[:len(here.parents) - len(mount.parents)]])
+    found = []
+    for folder in folders:
+        for limit_file, usage_file in (("memory.max", "memory.current"), ("memory.limit_in_bytes",
+                                                                          "memory.usage_in_bytes")):
+            try:
+                limit, usage = (folder / limit_file).read_text().strip(), int((folder / usage_file).read_text())
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's page-rounded 2**63: no limit
+                found.append((max(0, int(limit) - usage), int(limit)))
+    return min(found) if found else None
+
+
 def check_host_resources(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[RunConfig, str | None]:
     """`fit_host_resources` against this machine's available RAM and the run folder's free disk."""
     folder = _existing_ancestor(Path(cfg.run_dir))
@@ -89,23 +141,23 @@ def check_host_resources(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[RunCon
     if os.statvfs(folder).f_flag & os.ST_RDONLY:
         raise RunError(f"{folder} is on a read-only filesystem, where the run's store cannot be written; choose a "
                        "folder on a writable one with --run-dir")
-    return fit_host_resources(cfg, model_cfg, psutil.virtual_memory().available, shutil.disk_usage(folder).free,
-                              folder)
+    free_ram, bound = available_ram()
+    return fit_host_resources(cfg, model_cfg, free_ram, shutil.disk_usage(folder).free, folder, bound)
 
 
 def fit_host_resources(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: int,
-                       folder: Path) -> tuple[RunConfig, str | None]:
+                       folder: Path, ram_bound: str = "available") -> tuple[RunConfig, str | None]:
     """The run's settings, if its stores fit, with a line saying what was changed to make them fit (or None).
     `--update-timing auto` on a disk with no room for a fused step's second generation of every unit becomes
     after-backward, whose journaled commit holds one unit's twice. Otherwise raise a RunError naming needed
     and free sizes and what would fit."""
-    problem = shortfall(cfg, model_cfg, free_ram, free_disk, folder)
+    problem = shortfall(cfg, model_cfg, free_ram, free_disk, folder, ram_bound)
     if problem is None:
         return cfg, None
     if cfg.trainer.step.update_timing != "auto":
         raise RunError(problem)
     journaled = cfg.replace(**AFTER_BACKWARD)
-    problem = shortfall(journaled, model_cfg, free_ram, free_disk, folder)
+    problem = shortfall(journaled, model_cfg, free_ram, free_disk, folder, ram_bound)
     if problem is None:
         return journaled, (f"--update-timing auto: a fused step keeps every unit's previous state on disk until it "
                            f"commits, and {folder} has {format_size(free_disk)} free, too little for that; the "
@@ -113,8 +165,10 @@ def fit_host_resources(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, fr
     raise RunError(problem)
 
 
-def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: int, folder: Path) -> str | None:
-    """Why the run cannot fit in `free_ram` and `free_disk` (at `folder`), and what would; None if it fits."""
+def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: int, folder: Path,
+              ram_bound: str = "available") -> str | None:
+    """Why the run cannot fit in `free_ram` (`ram_bound` says what bounds it) and `free_disk` (at `folder`), and what
+    would; None if it fits."""
     on_disk, in_ram = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tc = cfg.trainer
     offloaded = _offloaded(cfg, model_cfg, on_disk)
@@ -127,7 +181,7 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         pinned = f", {format_size(need.pinned)} pinned with --pin-memory {tc.device.pin_memory}" if need.pinned else ""
         inputs = f", {format_size(offloaded * in_ram)} of block inputs (--activations offload)" if offloaded else ""
         short.append(f"{format_size(need.ram)} of RAM (--store {tc.step.store.tier}{inputs}{pinned}; "
-                     f"{format_size(free_ram)} available)")
+                     f"{format_size(free_ram)} {ram_bound})")
     if need.disk > free_disk:
         speculative = tc.step.store.state != "disk" or tc.step.fused(on_disk, tc.lora.enabled)
         generations = "every unit's" if speculative else "one unit's"

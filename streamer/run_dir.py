@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memory_model.trace import Trace
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError, blame, read_toml
 from streamer.errors import StoreError
 from streamer.store.commit import kept_steps, lock_file, read_journal, read_manifest
 from streamer.store import ranks
-from streamer.store.slabfile import write_json_atomic
+from streamer.store.slabfile import open_for_writing, refuse_link, replace_file, write_json_atomic
 
 # In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
 # again, if it holds nothing but what set-up writes.
@@ -123,12 +124,26 @@ class RunDir:
             return RunConfig.of(values)
 
     def write_config(self, cfg: RunConfig) -> None:
-        tmp = self.config.with_suffix(".toml.tmp")
-        tmp.write_text(cfg.to_toml(self.root), encoding="utf-8")  # its own paths relative: a copy is the copy's
-        tmp.replace(self.config)  # atomic: a run is a run once its whole config is there
+        # Atomic: a run is a run once its whole config is there. Its own paths relative: a copy is the copy's.
+        replace_file(self.config, lambda tmp: tmp.write_text(cfg.to_toml(self.root), encoding="utf-8"))
+
+    def refuse_links(self) -> None:
+        """Before a run is continued: a file in its folder that is a symbolic link is refused (a LinkRefused), before
+        a step trains rather than when the write comes (`open_for_writing`, `replace_file`, which guard the files
+        of a folder that is itself a link, not walked here)."""
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                refuse_link(Path(folder) / name)
+
+    def write_trace(self, trace: Trace, step: int) -> None:
+        """trace.json, trace.chrome.json and memory.png (of `step`), each renamed into place, never through a link."""
+        replace_file(self.trace_json, trace.to_json)
+        replace_file(self.trace_chrome, trace.to_chrome)
+        replace_file(self.plot, lambda tmp: trace.plot(tmp, step=step))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with self.metrics.open("a", encoding="utf-8") as out:
+        with os.fdopen(open_for_writing(self.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a",
+                       encoding="utf-8") as out:
             out.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:

@@ -201,8 +201,8 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
+        self.check_experts()  # first: the sizes' checks count the experts' parameters
         super().__post_init__()
-        self.check_experts()
 
     @property
     def expert_width(self) -> int:
@@ -261,8 +261,8 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
+        self.check_experts()  # first: the sizes' checks count the experts' parameters
         super().__post_init__()
-        self.check_experts()
 
     @property
     def num_experts(self) -> int:  # type: ignore[override]
@@ -313,8 +313,8 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     pad_token_id: int | None = 1
 
     def __post_init__(self) -> None:
+        self.check_experts()  # first: the sizes' checks count the experts' parameters
         super().__post_init__()
-        self.check_experts()
         if self.head_dim * self.num_attention_heads != self.hidden_size:  # type: ignore[operator]
             raise ConfigError(f"head_dim={self.head_dim} is not hidden_size / num_attention_heads "
                               f"({self.hidden_size} / {self.num_attention_heads}): OLMoE's q norm spans "

@@ -85,6 +85,9 @@ def refuse_non_empty(out: Path, overwrite: bool) -> None:
         raise RunError(f"{out} is not empty; choose a new folder or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise RunError(f"{out} is a file; choose a folder to export to")
+    if out.is_symlink():  # an export replaces the folder whole, which would replace the link, not where it points
+        raise RunError(f"{out} is a symbolic link; export to the folder it points to ({out.resolve()}) or choose a "
+                       "new folder")
 
 
 def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:

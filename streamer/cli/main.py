@@ -8,11 +8,15 @@ fit) is printed as one line, `error: <what is wrong and the fix>`, with exit sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
+import os
 import re
+import signal
 import sys
-from typing import Callable, Iterable, NoReturn, Sequence
+import threading
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 
 from layers import CheckpointMismatch, ConfigError
 from memory_model import DeviceOutOfMemory, SizeError
@@ -98,7 +102,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from streamer.cli.bench import bench_command
         return guarded(lambda: bench_command(argv[1:]))
-    return guarded(lambda: _dispatch(argv))
+    with _stopped_cleanly():
+        return guarded(lambda: _dispatch(argv))
+
+
+# The command that continues the run being trained, once its folder exists (`streamer train` sets it): a second
+# signal names it, since the first one's line, printed after the clean-up, never comes.
+RESUME_COMMAND: list[str] = []
+_STOP_SAID: list[bool] = []  # the first signal's line is printed: a second one exits without another
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's stop), raised where the command is as Ctrl-C's KeyboardInterrupt is, so the
+    same clean-up runs and the same line says how to continue."""
+
+
+@contextlib.contextmanager
+def _stopped_cleanly() -> Iterator[None]:
+    """The first SIGINT or SIGTERM stops the command by an exception (its clean-up runs, `guarded` prints one
+    line); a second one, while that clean-up runs or the interpreter shuts down, exits at once with one line, never
+    a traceback from wherever it landed. Every store is safe against a kill at any instant, so nothing committed is
+    lost; what a stopped export leaves, the next export removes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopped = []
+
+    def again(signum: int, _: Any) -> None:
+        if not _STOP_SAID:
+            resume = f"; continue from the last committed step with `{RESUME_COMMAND[-1]}`" if RESUME_COMMAND else ""
+            print(f"interrupted again: stopped at once{resume}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    def first(signum: int, _: Any) -> None:
+        stopped.append(signum)
+        for name in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(name, again)
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    previous = {name: signal.signal(name, first) for name in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        if not stopped:  # after a signal, a second one still exits at once while the interpreter shuts down
+            for name, handler in previous.items():
+                signal.signal(name, handler)
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -127,7 +175,9 @@ def guarded(command: Callable[[], int]) -> int:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        resume = getattr(exc, "resume_command", None)  # set by `streamer train` once its run folder exists
-        print("interrupted" + (f"; continue from the last committed step with `{resume}`" if resume else ""),
-              file=sys.stderr)
-        return 130
+        # Set by `streamer train` once its run folder exists: the command that continues it, and from where.
+        resume, since = getattr(exc, "resume_command", None), getattr(exc, "resumes_from", "the last committed step")
+        print(("terminated" if isinstance(exc, Terminated) else "interrupted")
+              + (f"; continue from {since} with `{resume}`" if resume else ""), file=sys.stderr, flush=True)
+        _STOP_SAID.append(True)
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)

@@ -10,6 +10,7 @@ from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.run import RunError
 from streamer.run_dir import RunDir
+from streamer.store.slabfile import replace_file
 
 EXAMPLES = """\
 examples:
@@ -65,7 +66,7 @@ def trace_command(args: argparse.Namespace) -> int:
     summary = trace.summary(step)
     out: Path | None = Path(args.out) if args.out else path.with_name(plot_name(args.step))
     if args.out or _writable(out):
-        trace.plot(out, step=step)
+        replace_file(out, lambda tmp: trace.plot(tmp, step=step))
     else:  # a run folder that is archived, shared or mounted read-only: the table alone, and where a plot can go
         out = None
     if args.chrome:

@@ -20,8 +20,10 @@ from rich.console import Console
 from layers import ModelConfig
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
+from streamer.cli.main import RESUME_COMMAND
 from streamer.cli.training import Session, describe, keep_due, report, resume_command, train
 from streamer.console import make_console
+from streamer.errors import StreamerError
 from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
                               prompt_of, read_examples, tokenize)
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
@@ -74,6 +76,7 @@ def train_command(args: argparse.Namespace) -> int:
     if session is None:  # the run is already at --steps: nothing was changed
         return 0
     session.trainer.ledger.hint_context["advise"] = ledger_advice(session.trainer.cfg, session.cfg, session.devices)
+    RESUME_COMMAND[:] = [resume_command(str(session.run.root), session.parallel)]
     try:
         with session.trainer:
             if session.lead:
@@ -85,8 +88,9 @@ def train_command(args: argparse.Namespace) -> int:
             report(session, trained, seconds, learned, console)
         if session.parallel is not None:
             leave_process_group()
-    except KeyboardInterrupt as exc:
-        exc.resume_command = resume_command(str(session.run.root), session.parallel)  # printed by main()
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM; main() prints these
+        exc.resume_command = resume_command(str(session.run.root), session.parallel)
+        exc.resumes_from = _resumes_from(session)
         raise
     except (DiskFull, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -99,6 +103,19 @@ def train_command(args: argparse.Namespace) -> int:
         if session.reporters is not None:
             session.reporters.close()
     return 0
+
+
+def _resumes_from(session: Session) -> str:
+    """The step a stopped run continues from, as the interrupted line says it: the RAM tier's is its last save."""
+    try:
+        committed = session.run.committed_step()
+    except StreamerError:  # the line still names the command that continues the run, which says what is wrong
+        return "the last committed step"
+    if session.cfg.trainer.step.store.tier != "ram":
+        return f"step {committed}, the last committed step"
+    lost = session.trainer.step_count - committed
+    since = f"; the {lost} step(s) trained since are not kept" if lost > 0 else ""
+    return f"step {committed}, the RAM-tier store's last save (--save-every {session.cfg.save_every}{since})"
 
 
 # --- setting up ------------------------------------------------------------------------------------------------
@@ -234,6 +251,7 @@ def _length(changes: dict, named: Collection[str]) -> dict:
 def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False) -> Session | None:
     """Open the run at its last committed step; None (and nothing written) if it is already at --steps."""
     cfg.report.check_installed()
+    run.refuse_links()
     parallel = _join(cfg, console)
     # The run's own dtype; say so where it is emulated.
     dtype = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.device.dtype)
@@ -273,9 +291,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
             if lead:  # the trace of this invocation, which `streamer trace` reads: the update rolled forward
                 trace = trainer.trace
                 trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
-                trace.to_json(run.trace_json)
-                trace.to_chrome(run.trace_chrome)
-                trace.plot(run.plot, step=done)
+                run.write_trace(trace, done)
             console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
                           "update, which a kill interrupted; raise --steps to continue it", markup=False,
                           highlight=False)

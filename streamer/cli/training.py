@@ -297,10 +297,8 @@ def report(s: Session, trained: int, seconds: float, learned: int, console: Cons
                           dtype=cfg.trainer.device.dtype, store=cfg.trainer.step.store.tier,
                           steps=[last - trained + 1, last])
         # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
-        trace.to_json(run.trace_json)
-        trace.to_chrome(run.trace_chrome)
         top = trace.peak_step()  # the step `streamer trace` shows by default
-        trace.plot(run.plot, step=top)
+        run.write_trace(trace, top)
         console.print(trace.table(step=top))
         for line in memory_lines(trace, top, planned=_planned_peak(s)):
             console.print(line)

@@ -7,17 +7,49 @@ prompts it with that text. Only the assistant turns are learned. Templates mark 
 found by rendering growing prefixes of the conversation: the text an assistant message adds after the prompt
 that asks for it (`add_generation_prompt=True`) is learned; everything else (system, user, the assistant's role
 header) is context.
+
+A template is bounded as it renders (`Bounded`): each render may take at most RENDER_STEPS iterations of `range`
+and calls, RENDER_SECONDS of time and RENDER_CHARS characters of any string or list it multiplies, so a hostile
+template is refused in one line instead of hanging or filling memory.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from streamer.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
+# Far beyond what rendering a conversation takes (a few steps and microseconds per message), and small enough
+# that a refusal comes at once: range's iterations and calls, seconds, and the length of a multiplied string or list.
+RENDER_STEPS = 1_000_000
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 2**24
+
+
+class TemplateTooCostly(Exception):
+    """A render went past its steps, time or size."""
+
+
+class _Budget(threading.local):
+    steps = 0
+    deadline = float("inf")
+
+    def charge(self, steps: int) -> None:
+        self.steps -= steps
+        if self.steps < 0:
+            raise TemplateTooCostly(f"more than {RENDER_STEPS:,} loop iterations and calls")
+        if time.monotonic() > self.deadline:
+            raise TemplateTooCostly(f"more than {RENDER_SECONDS:g} s")
+
+
+_BUDGET = _Budget()
 
 
 @functools.cache
@@ -48,7 +80,26 @@ def _compiled(template: str) -> Any:
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with each render's work bounded (`_BUDGET`): range charges its length, each call one step,
+        and `*` and `**` may not build a string, list or number past RENDER_CHARS."""
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            _BUDGET.charge(1)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    def bounded_range(*args: int) -> range:
+        numbers = range(*args)
+        _BUDGET.charge(len(numbers))
+        return numbers
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.globals["range"] = bounded_range
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
@@ -62,11 +113,49 @@ def render(template: str, messages: list[dict[str, str]], specials: dict[str, st
     apply_chat_template passes them without any."""
     from jinja2 import TemplateError
     try:
-        return _compiled(template).render(messages=messages, tools=None, documents=None,
-                                          add_generation_prompt=add_generation_prompt, **specials)
+        with _bounded():
+            return _compiled(template).render(messages=messages, tools=None, documents=None,
+                                              add_generation_prompt=add_generation_prompt, **specials)
     except TemplateError as exc:
         raise DataError(f"the chat template failed ({' '.join(str(exc).split())}); fix the template or the "
                         "conversation") from None
+    except TemplateTooCostly as exc:
+        raise DataError(f"the chat template went past its bounds rendering {len(messages)} message(s) ({exc}), "
+                        "far more than a chat template needs; fix the template (--chat-template, or the "
+                        "tokenizer's)") from None
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    if operator == "*" and isinstance(left, int) and not isinstance(right, int):
+        left, right = right, left
+    if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+        size = len(left) * right
+    elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(left) > 1:
+        size = right  # bounds the digits of an integer power; a float's overflows at once
+    else:
+        return
+    if size > RENDER_CHARS:
+        raise TemplateTooCostly(f"a value of more than {RENDER_CHARS:,} elements from `{operator}`")
+
+
+@contextlib.contextmanager
+def _bounded() -> Iterator[None]:
+    """Start a render's budget; on the main thread a timer also interrupts a loop that makes no calls (unless
+    another timer is running, which is left as it is)."""
+    _BUDGET.steps, _BUDGET.deadline = RENDER_STEPS, time.monotonic() + RENDER_SECONDS
+    timed = threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    if timed:
+        def expire(*_: Any) -> None:
+            raise TemplateTooCostly(f"more than {RENDER_SECONDS:g} s")
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
+    try:
+        yield
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        _BUDGET.deadline = float("inf")
 
 
 def chat_pieces(messages: Any, template: str | None, specials: dict[str, str],

@@ -7,6 +7,9 @@ goes to disk.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
 import os
 import pickle
@@ -439,11 +442,15 @@ class HFExporter:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is a file; choose a folder to export to")
+        if self.directory.is_symlink():  # the export replaces the folder by a rename, which would replace the link
+            raise CheckpointError(f"{self.directory} is a symbolic link; export to the folder it points to "
+                                  f"({self.directory.resolve()}) or choose a new folder")
         self.cfg, self.dtype, self.max_shard_bytes, self.overwrite = cfg, dtype, max_shard_bytes, overwrite
         self.token_ids = dict(token_ids or {})
         self._refuse_to_overwrite()
         self._expected = expected_tensors(cfg)
         self.staging_dir = self.directory.parent / f".{self.directory.name}.partial-{uuid.uuid4().hex[:8]}"
+        self._lock = -1  # the staging folder's descriptor, locked from its creation to the export's end
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shard_keys: list[list[str]] = []
@@ -451,15 +458,50 @@ class HFExporter:
         self._total_bytes = 0
 
     def __enter__(self) -> HFExporter:
+        """Create the staging folder, locked while this export lives, and remove the staging folders of earlier
+        exports to the same folder that a kill left behind (no live export holds their lock).
+
+        Under an exclusive lock on the parent folder, which exports beside it hold only for this: no export is
+        then between creating its staging folder and locking it, so a fresh one is never taken for stale."""
         try:
             self.directory.parent.mkdir(parents=True, exist_ok=True)
-            self.staging_dir.mkdir()
+            parent = os.open(self.directory.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(parent, fcntl.LOCK_EX)
+                self._remove_stale_staging()
+                self.staging_dir.mkdir()
+                self._lock = os.open(self.staging_dir, os.O_RDONLY | os.O_DIRECTORY)
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(parent)  # and with it the parent's lock
         except OSError as exc:
             raise CheckpointError(f"cannot create {self.staging_dir} ({exc.strerror}); "
                                   "choose a folder you can write to") from None
         return self
 
+    def _remove_stale_staging(self) -> None:
+        pattern = glob.escape(f".{self.directory.name}.partial-") + "*"
+        for path in self.directory.parent.glob(pattern):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError:  # not a folder (nor one we made)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # an export in progress
+                continue
+            finally:
+                os.close(fd)
+            shutil.rmtree(path, ignore_errors=True)
+
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            self._close(exc_type)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self._lock)
+
+    def _close(self, exc_type: type[BaseException] | None) -> None:
         if exc_type is not None:
             shutil.rmtree(self.staging_dir, ignore_errors=True)
             return

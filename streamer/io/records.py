@@ -14,10 +14,12 @@ A record that fits none of them, or a field of the wrong type, is an error namin
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,6 +36,9 @@ ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with
                      "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
 ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
                    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+# The most bytes one line of a .jsonl file may hold: a million tokens of text, about 4 MB, is far beyond any
+# model's context; a record is read at most this far, so a file of one huge line is refused before it fills RAM.
+MAX_RECORD_BYTES = 4 * 2**20
 RECORD_KINDS = ('{"text"}, {"prompt", "completion"}, {"instruction", "input", "output"} (Alpaca) or '
                 '{"messages"} (chat)')
 
@@ -62,9 +67,10 @@ def read_examples(path: str | Path, whole_file: bool = False) -> list[Example]:
         if not path.is_file():
             raise DataError(f"{path} does not exist; pass an existing {path.suffix} file")
         examples = [_record_example(r, w) for r, w in _dataset_rows(path)]
+    elif path.suffix == ".jsonl":
+        examples = _read_jsonl(path)
     elif path.suffix in TEXT_SUFFIXES:
-        content = _read_text_file(path)
-        examples = _read_jsonl(path, content) if path.suffix == ".jsonl" else _read_text(path, content, whole_file)
+        examples = _read_text(path, _read_text_file(path), whole_file)
     else:
         raise DataError(f"{path}: unknown data format {path.suffix!r}; use a .txt, .jsonl, .parquet or .csv file "
                         "or a datasets save_to_disk folder")
@@ -73,16 +79,38 @@ def read_examples(path: str | Path, whole_file: bool = False) -> list[Example]:
     return examples
 
 
-def _read_text_file(path: Path) -> str:
+@contextmanager
+def _reading(path: Path, where: str = "") -> Iterator[None]:
+    """A text data file's read errors as one line each."""
     try:
-        return path.read_text(encoding="utf-8-sig")  # Excel and Notepad start UTF-8 with a byte-order mark
+        yield
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; pass an existing .txt or .jsonl file") from None
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+        raise DataError(f"{path} is not UTF-8 text ({where}byte {exc.start}: {exc.reason}); "
                         "re-encode it as UTF-8") from None
     except OSError as exc:
         raise DataError(f"cannot read {path} ({exc.strerror}); check the path and its permissions") from None
+
+
+def _read_text_file(path: Path) -> str:
+    with _reading(path):
+        return path.read_text(encoding="utf-8-sig")  # Excel and Notepad start UTF-8 with a byte-order mark
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(number, text) of each line, read a line at a time and at most MAX_RECORD_BYTES of one: a record of
+    hundreds of megabytes is refused before it is read whole (a 50 MB line took 12 GB to train on)."""
+    with _reading(path), open(path, "rb") as file:
+        for number in itertools.count(1):
+            raw = file.readline(MAX_RECORD_BYTES + 1)
+            if not raw:
+                return
+            if len(raw.rstrip(b"\r\n")) > MAX_RECORD_BYTES:
+                raise DataError(f"{path} line {number} is longer than {MAX_RECORD_BYTES // 2**20} MiB, the most one "
+                                "record may hold (about a million tokens); split it into several records")
+            with _reading(path, f"line {number}, "):
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
 
 
 def _read_text(path: Path, content: str, whole_file: bool) -> list[Example]:
@@ -100,9 +128,9 @@ def _read_text(path: Path, content: str, whole_file: bool) -> list[Example]:
     return examples
 
 
-def _read_jsonl(path: Path, content: str) -> list[Example]:
+def _read_jsonl(path: Path) -> list[Example]:
     examples = []
-    for number, line in enumerate(content.split("\n"), start=1):
+    for number, line in _jsonl_lines(path):
         if not line.strip():
             continue
         where = f"{path} line {number}"
@@ -111,6 +139,9 @@ def _read_jsonl(path: Path, content: str) -> list[Example]:
         except json.JSONDecodeError as exc:
             raise DataError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}); "
                             "write one JSON object per line") from None
+        except RecursionError:
+            raise DataError(f"{where} nests its JSON deeper than Python's parser goes; write one flat record "
+                            f"per line, such as {RECORD_KINDS}") from None
         examples.append(_record_example(record, where))
     return examples
 

@@ -20,6 +20,7 @@ from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import UnitLayout
+from streamer.store.slabfile import open_for_writing, refuse_link
 
 class Adapters:
     def __init__(self, cfg: ModelConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
@@ -139,10 +140,12 @@ class Adapters:
                  "optimizer": self.optimizer.state_dict()}
         path = self.path(folder, step)
         partial = path.with_suffix(".partial")
-        with open(partial, "wb") as f:
+        partial.unlink(missing_ok=True)  # a link left there goes, and what it points to stays as it is
+        with os.fdopen(open_for_writing(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        refuse_link(path)
         os.replace(partial, path)
 
     def prune(self, folder: Path, steps: Collection[int]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from layers import ModelConfig
 from streamer.errors import StoreError
-from streamer.store.slabfile import fsync_path, write_json_atomic
+from streamer.store.slabfile import fsync_path, open_for_writing, write_json_atomic
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/4"
 KEPT = "kept"  # kept/<step>.json: the manifest of a kept step, whose state files later commits leave in place
@@ -44,7 +44,7 @@ def grad_name(unit: str) -> str:
 def _load(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise StoreError(f"{path} cannot be read ({exc}); it was left untouched — {_RESTORE}") from None
 
 
@@ -232,7 +232,7 @@ def lock_for_reading(root: Path) -> int:
 
 def lock_file(path: Path, busy: Exception) -> int:
     """The descriptor of `path` (created if need be), flocked exclusively; `busy` is raised if another has it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_for_writing(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from streamer.store.slabfile import disk_error
+from streamer.store.slabfile import disk_error, open_for_writing
 
 ALIGN = 4096  # the largest logical block size in use; any smaller one divides it
 # A direct write is synchronous. Filling one stage while the previous one is written hides the copy into the
@@ -59,7 +59,7 @@ class SequentialFile:
     def __init__(self, path: Path, pool: AlignedBuffers) -> None:
         self.path, self._pool = path, pool
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fd = open_for_writing(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except OSError as exc:
             raise disk_error(exc, path) from None
         self._direct = _open_direct(path)
@@ -212,7 +212,7 @@ def _open_direct(path: Path) -> int | None:
     if not flag:
         return None
     try:
-        return os.open(path, os.O_WRONLY | flag)
+        return open_for_writing(path, os.O_WRONLY | flag)
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # tmpfs and others: no direct I/O
             return None

@@ -22,7 +22,7 @@ from streamer.store.commit import grad_name, state_name
 from streamer.store.direct import SequentialFile, AlignedBuffers
 from streamer.store.slabfile import (
     Checksum, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path,
-    pread_into, pwrite_from,
+    open_for_writing, pread_into, pwrite_from,
 )
 from streamer.store.quant import stored
 from streamer.store.spec import StoreSpec
@@ -64,8 +64,10 @@ class StateFiles:
         key = str(path)
         with self._fd_lock:
             if key not in self._fds:
+                flags = self._mode | (os.O_CREAT if create else 0)
                 try:
-                    self._fds[key] = os.open(path, self._mode | (os.O_CREAT if create else 0), 0o644)
+                    self._fds[key] = os.open(path, flags) if self._mode == os.O_RDONLY else \
+                        open_for_writing(path, flags)
                 except FileNotFoundError:
                     raise StoreError(f"{path} is missing; the store is incomplete — restore the run folder") from None
                 except OSError as exc:

@@ -13,6 +13,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import xxhash
@@ -165,6 +166,46 @@ def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExe
     return checksum
 
 
+class LinkRefused(StoreError):
+    """A file the run writes is a symbolic link: writing would land wherever the link points."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} is a symbolic link, and a run writes its files only in its own folder: remove the "
+                         "link (nothing it points to was written) and run the command again")
+
+
+def open_for_writing(path: Path, flags: int, mode: int = 0o644) -> int:
+    """`os.open(path, flags)` that never follows a symbolic link at `path`: a link planted in a run folder would
+    otherwise make a write replace whatever file it points to, outside the folder. A link is a LinkRefused."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LinkRefused(path) from None
+        raise
+
+
+def refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise LinkRefused(path)
+
+
+def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+    """Write `path` anew through `write(tmp)` (another library's writer: a trace, a plot) and rename it into place,
+    so neither a link at `path` (refused) nor one at the tmp (removed first; its target is untouched) is followed."""
+    refuse_link(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise disk_error(exc, path) from None
+        raise
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file, or a folder's entries (a rename is durable only once its folder is flushed)."""
     fd = os.open(path, os.O_RDONLY)
@@ -175,15 +216,16 @@ def fsync_path(path: Path) -> None:
 
 
 def write_json_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename, fsync the folder: a reader sees the old file or the new one, never a mix."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        with open(tmp, "w") as f:
+    """Write, fsync, rename, fsync the folder: a reader sees the old file or the new one, never a mix. Neither
+    `path` nor its tmp is written through a link (`replace_file`)."""
+    def write(tmp: Path) -> None:
+        with os.fdopen(open_for_writing(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+    replace_file(path, write)
+    try:
         fsync_path(path.parent)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise disk_error(exc, path) from None
