@@ -28,8 +28,8 @@ from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bp
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
 from memory_model.settings import flag
-from streamer.run import (DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, SettingError, read_toml, resolve,
-                          store_choice)
+from streamer.run import (DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, SettingError, absolute, read_toml,
+                          resolve, store_choice)
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
@@ -109,7 +109,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     kill continues it). Set-up marks the folder (RunDir.SETUP_MARK) until config.toml is written, so a rerun
     knows a set-up that was killed part-way for its own and starts it again.
     """
-    cfg = resolve(explicit, config_file)
+    cfg = resolve(explicit, config_file).with_absolute_paths()  # a relative --run-dir names the run it holds
     check_runnable(cfg.trainer.step)
     cfg.report.check_installed()
     if cfg.run_dir is not None and RunDir.is_run(cfg.run_dir):
@@ -181,13 +181,13 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     if config_file is not None or "run_dir" in explicit:
         raise RunError("--resume continues RUN with its own config.toml; drop --config and --run-dir "
                        "(flags such as --steps still apply)")
-    run = RunDir.open(path)
+    run = RunDir.open(absolute(path))
     saved = run.read_config()
-    cfg = saved.replace(**_length(explicit, explicit), run_dir=os.path.abspath(path)).with_absolute_paths()
+    cfg = saved.replace(**_length(explicit, explicit), run_dir=str(run.root)).with_absolute_paths()
     now, before = cfg.flat(), saved.flat()
     fixed = [k for k in explicit if k not in RESUMABLE and now[k] != before[k]]
     if fixed:
-        flags = ", ".join(flag(k) for k in fixed)
+        flags = ", ".join(f"{flag(k)} {_shown(now[k])} (the run's: {_shown(before[k])})" for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
                        f"them); only {', '.join(flag(k) for k in RESUMABLE)} can, "
                        "or start a new --run-dir")
@@ -209,7 +209,8 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     if same.trainer.device.dtype == "auto":  # the run recorded what auto chose when it started
         same = same.replace(dtype=saved.trainer.device.dtype)
     now = same.flat()
-    changed = [f"{flag(k)} {before[k]} there, {now[k]} here" for k in now if k not in RESUMABLE and now[k] != before[k]]
+    changed = [f"{flag(k)} {_shown(before[k])} there, {_shown(now[k])} here" for k in now
+               if k not in RESUMABLE and now[k] != before[k]]
     if changed:
         raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
                        f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
@@ -218,6 +219,11 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
     changes = _length({k: cfg.flat()[k] for k in RESUMABLE if k in named}, named)
     return _continue(run, saved.replace(**changes, run_dir=os.path.abspath(run.root)), console, rerun=True)
+
+
+def _shown(value: object) -> str:
+    """A setting's value as its flag takes it: `--betas 0.9 0.95`."""
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _length(changes: dict, named: Collection[str]) -> dict:
