@@ -8,6 +8,7 @@ import os
 import random
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -485,3 +486,64 @@ def test_auto_runs_the_update_after_the_backward_where_a_fused_steps_second_gene
     assert fit_host_resources(norm_first, model_cfg, ram, between, tmp_path)[0] == fitted
     assert "what would fit: --update-timing after-backward" in shortfall(
         norm_first.replace(update_timing="fused"), model_cfg, ram, between, tmp_path)
+
+
+# The `streamer` command killed once step N is journaled, before any unit's update: the next open rolls it forward.
+KILLED_AFTER_JOURNAL = """
+import os, signal, sys
+from streamer.cli.main import main
+from streamer.store.host import HostStore
+after, begin_step = int(sys.argv.pop(1)), HostStore.begin_step
+def journaled(self, step, record):
+    begin_step(self, step, record)
+    if step == after:
+        os.kill(os.getpid(), signal.SIGKILL)
+HostStore.begin_step = journaled
+sys.exit(main())
+"""
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    """One field changed in place, the record's checksum left as it was: a digit changed on the disk."""
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+def test_a_changed_digit_in_any_record_is_refused_naming_the_file(tiny_setup, tmp_path, capsys):
+    """journal.json's lr, clip coefficient and data position, manifest.json's step and data position and
+    config.toml's betas: each record carries a checksum, so the same command refuses the run in one line naming
+    the file, and changes nothing, where it would have trained on with the changed value."""
+    from streamer.cli.main import main
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--update-timing", "after-backward", "--eval-every", 0)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_JOURNAL, "3", *argv], env=ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and (run / "store" / "journal.json").is_file(), killed.stderr
+
+    def position(record: dict) -> None:
+        record["trainer"]["extra"]["data"]["position"] += 1
+
+    damages = {
+        "journal lr": ("store/journal.json", lambda r: r.update(lr=r["lr"] * 2)),
+        "journal clip_coef": ("store/journal.json", lambda r: r.update(clip_coef=r["clip_coef"] / 2)),
+        "journal data position": ("store/journal.json", position),
+        "manifest step": ("store/manifest.json", lambda r: r.update(step=r["step"] - 1)),
+        "manifest data position": ("store/manifest.json", position),
+    }
+    for what, (name, edit) in [*damages.items(), ("config.toml betas", ("config.toml", None))]:
+        damaged = tmp_path / what.replace(" ", "-") / "run"
+        shutil.copytree(run, damaged)
+        if edit is None:
+            config = damaged / "config.toml"
+            config.write_text(config.read_text().replace("betas = [0.9, 0.95]", "betas = [0.9, 0.96]"))
+        else:
+            _edit_json(damaged / name, edit)
+        before = files_of(damaged)
+        rc = main([*argv[:argv.index("--run-dir") + 1], str(damaged), *argv[argv.index("--run-dir") + 2:]])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and str(damaged / name) in err, (what, err)
+        assert "checksum" in err and "Traceback" not in err, (what, err)
+        assert files_of(damaged) == before, what
+    done = streamer(*argv)  # the undamaged run rolls step 3 forward and trains on
+    assert done.returncode == 0 and "continuing it to step 4" in done.stdout, done.stderr

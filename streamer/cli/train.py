@@ -27,8 +27,8 @@ from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, loa
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
-from memory_model.settings import flag
-from streamer.run import (DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, SettingError, absolute, read_toml,
+from memory_model.settings import flag, flatten
+from streamer.run import (DEFAULT_PROMPT, FLAGS, RESUMABLE, RunConfig, RunError, SettingError, absolute, read_toml,
                           resolve, store_choice)
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
@@ -248,6 +248,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
                        f"with the same number (for more than one: torchrun with --nnodes x --nproc-per-node = "
                        f"{run.processes()})")
     done = run.committed_step()
+    _check_committed(run, cfg)
     tokenizer, dataset, split = None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
         tokenizer = load_tokenizer(run.tokenizer)
@@ -302,6 +303,20 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         trainer.close()
         raise
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
+
+
+def _check_committed(run: RunDir, cfg: RunConfig) -> None:
+    """The settings a resume may not change are the ones the store was trained with: config.toml could say
+    otherwise (edited, or written by another run) and would change training silently."""
+    committed = run.committed_settings()
+    if committed is None:
+        return
+    before, now = flatten(committed), flatten(cfg.trainer)
+    changed = [f"{flag(k)} {_shown(now[k])} (the store's: {_shown(before[k])})" for k in now
+               if k in FLAGS and k not in RESUMABLE and now[k] != before[k]]
+    if changed:
+        raise RunError(f"{run.config} says {', '.join(changed)}, which cannot change when resuming; restore it from "
+                       "a backup, or start a new --run-dir")
 
 
 def _join(cfg: RunConfig, console: Console) -> DataParallel | None:

@@ -151,6 +151,12 @@ def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
     return digest.intdigest()
 
 
+def text_checksum(text: str) -> int:
+    """xxh3-64 of a record's text (a JSON record, config.toml): the state files' checksum, for the records that
+    say how to read them."""
+    return xxhash.xxh3_64_intdigest(text.encode())
+
+
 def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExecutor) -> int:
     """fdatasync `fd` while `pool` computes the checksum of the first `length` bytes of `path`, which it reads
     back from the page cache. Both release the GIL, so the checksum hides behind the flush instead of adding
