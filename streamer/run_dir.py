@@ -19,7 +19,7 @@ from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError, blame, read_toml
 from streamer.store.commit import lock_file, read_journal, read_manifest
 from streamer.store import ranks
-from streamer.store.slabfile import text_checksum, write_json_atomic
+from streamer.store.slabfile import checksum_of, write_json_atomic
 
 # In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
 # again, if it holds nothing but what set-up writes.
@@ -125,7 +125,7 @@ class RunDir:
         except (OSError, UnicodeDecodeError) as exc:
             raise RunError(f"cannot read {self.config} ({exc}); restore it from a backup") from None
         body, _, last = text.rstrip("\n").rpartition("\n")
-        if last.startswith(_CHECKSUM_LINE) and last != _CHECKSUM_LINE + _hex(text_checksum(body + "\n")):
+        if last.startswith(_CHECKSUM_LINE) and last != _CHECKSUM_LINE + _hex(checksum_of(body + "\n")):
             raise RunError(f"{self.config} is damaged or was edited (its checksum does not match its settings); "
                            "restore it from a backup, and change a resumable setting with its flag instead "
                            f"(`streamer train --resume {self.root} --steps N`)")
@@ -136,7 +136,7 @@ class RunDir:
     def write_config(self, cfg: RunConfig) -> None:
         tmp = self.config.with_suffix(".toml.tmp")
         body = cfg.to_toml(self.root)  # its own paths relative: a copy is the copy's
-        tmp.write_text(body + _CHECKSUM_LINE + _hex(text_checksum(body)) + "\n", encoding="utf-8")
+        tmp.write_text(body + _CHECKSUM_LINE + _hex(checksum_of(body)) + "\n", encoding="utf-8")
         tmp.replace(self.config)  # atomic: a run is a run once its whole config is there
 
     def append_metrics(self, record: dict[str, Any]) -> None:

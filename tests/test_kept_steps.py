@@ -189,7 +189,8 @@ def test_a_lora_runs_kept_step_keeps_its_adapters(tmp_path, tier):
                 trainer.keep()
                 at_2 = trainer.state_dict()
         at_4 = trainer.state_dict()
-    assert sorted(p.name for p in (tmp_path / "store").glob("lora-*.pt")) == ["lora-00000002.pt", "lora-00000004.pt"]
+    assert sorted(p.name for p in (tmp_path / "store").glob("lora-*")) == ["lora-00000002.safetensors",
+                                                                          "lora-00000004.safetensors"]
     with StreamingTrainer.open(tmp_path / "store", read_only=True, step=2) as trainer:
         kept = trainer.state_dict()
     assert all(torch.equal(kept[k], at_2[k]) for k in kept)

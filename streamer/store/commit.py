@@ -23,7 +23,7 @@ from typing import Any
 
 from layers import ModelConfig
 from streamer.errors import StoreError
-from streamer.store.slabfile import fsync_path, text_checksum, write_json_atomic
+from streamer.store.slabfile import fsync_path, checksum_of, write_json_atomic
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/4"
 KEPT = "kept"  # kept/<step>.json: the manifest of a kept step, whose state files later commits leave in place
@@ -57,7 +57,7 @@ def _load(path: Path) -> Any:
 
 def _record_checksum(fields: dict[str, Any]) -> int:
     """The checksum of a record's fields, in a form that does not depend on their order or indentation."""
-    return text_checksum(json.dumps(fields, sort_keys=True, separators=(",", ":")))
+    return checksum_of(json.dumps(fields, sort_keys=True, separators=(",", ":")))
 
 
 def _sealed(record: dict[str, Any], indent: int | None = None) -> str:

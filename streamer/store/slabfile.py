@@ -151,10 +151,10 @@ def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
     return digest.intdigest()
 
 
-def text_checksum(text: str) -> int:
-    """xxh3-64 of a record's text (a JSON record, config.toml): the state files' checksum, for the records that
-    say how to read them."""
-    return xxhash.xxh3_64_intdigest(text.encode())
+def checksum_of(data: str | bytes) -> int:
+    """xxh3-64 of a record (a JSON record, config.toml, a LoRA file): the state files' checksum, for the files
+    that say how to read them."""
+    return xxhash.xxh3_64_intdigest(data.encode() if isinstance(data, str) else data)
 
 
 def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExecutor) -> int:
