@@ -16,6 +16,7 @@ from memory_model import format_size
 from memory_model.shapes import step_model_flops
 from streamer.advice import planned_peak
 from streamer.calibration.calibrate import cached_local_spec
+from streamer.cli.eval import evaluate_dataset
 from streamer.cli.trace import memory_lines
 from streamer.generate import Sampling, complete
 from streamer.io.data import BatchStream, Dataset
@@ -240,23 +241,19 @@ def _clock(seconds: float) -> str:
 
 
 def evaluate(s: Session, console: Console) -> float | None:
-    """Mean loss over the first --eval-batches held-out batches; printed with perplexity and logged."""
+    """Mean loss per predicted token over the first --eval-batches held-out batches (`streamer eval`'s figure);
+    printed with perplexity and logged."""
     if s.held_out is None:
         return None
     if s.evaluated is not None and s.evaluated[0] == s.trainer.step_count:
         return s.evaluated[1]  # --keep-best evaluated the last step already
-    cfg, losses = s.cfg, []
+    cfg = s.cfg
     # The trainer splits a batch over the processes, then into grad_accum micro-batches.
     split = cfg.trainer.step.grad_accum * (1 if s.parallel is None else s.parallel.world)
-    for i, (ids, labels, positions) in enumerate(s.held_out.batches(cfg.batch)):
-        usable = ids.shape[0] - ids.shape[0] % split
-        if i == cfg.eval_batches or usable == 0:
-            break
-        local = s.trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable])
-        losses.append(local if s.parallel is None else s.parallel.mean(local))
-    if not losses:
+    loss, _ = evaluate_dataset(s.trainer, s.held_out, cfg.batch, cfg.eval_batches, split,
+                               float if s.parallel is None else s.parallel.mean)
+    if loss is None:
         return None
-    loss = sum(losses) / len(losses)
     step = s.trainer.step_count
     s.evaluated = (step, loss)
     s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
