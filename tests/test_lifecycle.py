@@ -547,3 +547,48 @@ def test_a_changed_digit_in_any_record_is_refused_naming_the_file(tiny_setup, tm
         assert files_of(damaged) == before, what
     done = streamer(*argv)  # the undamaged run rolls step 3 forward and trains on
     assert done.returncode == 0 and "continuing it to step 4" in done.stdout, done.stderr
+
+
+# The `streamer` command SIGKILLed right after an event: `eval:N` once step N's evaluation is logged, `commit:N`
+# once step N is committed (before anything else of the step: its record, its evaluation).
+KILLED_AT = """
+import os, signal, sys
+from streamer.cli.main import main
+from streamer.run_dir import RunDir
+from streamer.store.host import HostStore
+kind, at = sys.argv.pop(1).split(":")
+append, finish = RunDir.append_metrics, HostStore.finish_step
+def appended(self, record):
+    append(self, record)
+    if kind == "eval" and record.get("step") == int(at) and "eval_loss" in record:
+        os.kill(os.getpid(), signal.SIGKILL)
+def finished(self, step, state):
+    finish(self, step, state)
+    if kind == "commit" and step == int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
+RunDir.append_metrics, HostStore.finish_step = appended, finished
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_killed_around_its_evaluations_the_same_command_logs_each_once(tiny_setup, tmp_path):
+    """Killed right after step 0's evaluation, right after step 3 (an --eval-every step) commits and right after
+    the last step commits: the same command logs every evaluation once, as an uninterrupted run does."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert streamer(*train_argv(tiny_setup, reference, "--eval-every", 3)).returncode == 0
+    argv = train_argv(tiny_setup, run, "--eval-every", 3)
+    for where in ("eval:0", "commit:3", f"commit:{STEPS}"):
+        killed = subprocess.run([sys.executable, "-c", KILLED_AT, where, *argv], env=ENV, capture_output=True,
+                                text=True, timeout=120)
+        assert killed.returncode == -signal.SIGKILL, (where, killed.stderr)
+    done = streamer(*argv)
+    assert done.returncode == 0 and "evaluating it, which a kill interrupted" in done.stdout, done.stderr
+
+    def evaluations(folder: Path) -> list[tuple[int, float]]:
+        return [(r["step"], r["eval_loss"]) for r in RunDir(folder).read_metrics() if "eval_loss" in r]
+    assert [step for step, _ in evaluations(reference)] == [0, 3, STEPS]
+    assert evaluations(run) == evaluations(reference)
+    assert [r["step"] for r in RunDir(run).read_metrics() if "loss" in r] == list(range(1, STEPS + 1))
+    again = streamer(*argv)
+    assert again.returncode == 0 and "nothing to train and nothing was changed" in again.stdout, again.stderr

@@ -20,7 +20,7 @@ from rich.console import Console
 from layers import ModelConfig
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
-from streamer.cli.training import Session, describe, report, resume_command, train
+from streamer.cli.training import Session, describe, final_evaluation_missing, report, resume_command, train
 from streamer.console import make_console
 from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
                               prompt_of, read_examples, tokenize)
@@ -256,7 +256,8 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         split = _split(cfg, dataset, tokenizer)
         cfg = _epoch_steps(cfg, len(split[0]))
     past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
-    if done >= cfg.steps and not run.update_interrupted():
+    interrupted = run.update_interrupted()
+    if done >= cfg.steps and not interrupted and not final_evaluation_missing(cfg, run, done):
         console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
                       "raise --steps to continue it", markup=False, highlight=False)
         return None
@@ -270,19 +271,23 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
             console.print(trainer.writer.fell_back, markup=False, highlight=False)
         if lead:
             run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
-        if trainer.step_count >= cfg.steps:
-            if lead:  # the trace of this invocation, which `streamer trace` reads: the update rolled forward
-                trace = trainer.trace
-                trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
-                trace.to_json(run.trace_json)
-                trace.to_chrome(run.trace_chrome)
-                trace.plot(run.plot, step=done)
+        finished = trainer.step_count >= cfg.steps
+        if finished and interrupted and lead:  # the trace of this invocation, which `streamer trace` reads
+            trace = trainer.trace
+            trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
+            trace.to_json(run.trace_json)
+            trace.to_chrome(run.trace_chrome)
+            trace.plot(run.plot, step=done)
+        if finished and final_evaluation_missing(cfg, run, trainer.step_count):
+            console.print(f"{run.root} is at step {trainer.step_count}, finished: evaluating it, which a kill "
+                          "interrupted", markup=False, highlight=False)
+        elif finished:
             trainer.close()
             console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
                           "update, which a kill interrupted; raise --steps to continue it", markup=False,
                           highlight=False)
             return None
-        if rerun:
+        elif rerun:
             console.print(f"{run.root} holds this run at step {trainer.step_count}: continuing it to step "
                           f"{cfg.steps}", markup=False, highlight=False)
         tokenizer = tokenizer or load_tokenizer(run.tokenizer)

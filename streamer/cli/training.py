@@ -50,6 +50,10 @@ class Session:
     evaluated: tuple[int, float] | None = None  # the last evaluation's (step, loss): a step is evaluated once
 
     def __post_init__(self) -> None:
+        step = self.trainer.step_count
+        logged = [r["eval_loss"] for r in self.run.read_metrics() if r.get("step") == step and "eval_loss" in r]
+        if logged:  # a kill came after this step's evaluation was logged: it is not logged again
+            self.evaluated = (step, logged[-1])
         if self.trainer.tc.device.device == "cpu":  # the target --clipped-steps auto prices on, where calibrated
             self.trainer.local_target = cached_local_spec(Path("runs"), self.trainer.cfg,
                                                           dtype_name(self.trainer.tc.compute_dtype))
@@ -121,8 +125,8 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
     attempts = 0  # consecutive skipped attempts at the same step
     with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
-        if first == 0 and cfg.eval_every:
-            evaluate(s, progress.console)  # the baseline every later evaluation is read against
+        if evaluation_due(cfg, first):  # step 0's: the baseline every later evaluation is read against
+            evaluate(s, progress.console)  # (or the committed step's, where a kill came before it was logged)
         while trainer.step_count < cfg.steps:
             ids, labels, positions = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
@@ -176,6 +180,24 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
             if kept:
                 keep(s, eval_loss, progress.console)
     return trainer.step_count - first, seconds, learned
+
+
+def evaluation_due(cfg: RunConfig, step: int) -> bool:
+    """Whether a run evaluates at `step` before training on: before the first step, every --eval-every steps, and
+    at each --save-every step --keep-best ranks (the last step's evaluation is the closing report's)."""
+    if step >= cfg.steps:
+        return False
+    if step == 0:
+        return cfg.eval_every > 0
+    return (cfg.eval_every > 0 and step % cfg.eval_every == 0) or (cfg.keep_best and step % cfg.save_every == 0)
+
+
+def final_evaluation_missing(cfg: RunConfig, run: RunDir, step: int) -> bool:
+    """Whether a run at its last step, with held-out data, has no evaluation of it logged: a kill came between
+    the step's commit and the closing report's evaluation."""
+    held_out = cfg.data.eval_data is not None or cfg.data.eval_fraction > 0
+    return held_out and step == cfg.steps and not any(
+        r.get("step") == step and "eval_loss" in r for r in run.read_metrics())
 
 
 def _peak_flops(s: Session) -> tuple[float, str] | None:
