@@ -25,8 +25,8 @@ from streamer.store.slabfile import checksum_of, write_json_atomic
 # again, if it holds nothing but what set-up writes.
 SETUP_MARK = "setup.incomplete"
 _SETUP_FILES = {SETUP_MARK, "tokenizer", "store", "config.toml.tmp"}
-_SETUP_LOCKS: dict[Path, int] = {}
-_CHECKSUM_LINE = "# checksum (xxh3-64 of the lines above): "  # config.toml's last line  # run folder -> this process's locked descriptor of its SETUP_MARK
+_SETUP_LOCKS: dict[Path, int] = {}  # run folder -> this process's locked descriptor of its SETUP_MARK
+_CHECKSUM_LINE = "# checksum (xxh3-64 of the lines above): "  # config.toml's last line
 
 
 @dataclass(frozen=True)

@@ -279,8 +279,10 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
             trace.to_chrome(run.trace_chrome)
             trace.plot(run.plot, step=done)
         if finished and final_evaluation_missing(cfg, run, trainer.step_count):
-            console.print(f"{run.root} is at step {trainer.step_count}, finished: evaluating it, which a kill "
-                          "interrupted", markup=False, highlight=False)
+            what = f"finished step {done}'s update, which a kill interrupted, and" if interrupted else \
+                "a kill came before its closing evaluation:"
+            console.print(f"{run.root} is at step {trainer.step_count}, finished: {what} evaluating it", markup=False,
+                          highlight=False)
         elif finished:
             trainer.close()
             console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
