@@ -531,19 +531,26 @@ def test_a_changed_digit_in_any_record_is_refused_naming_the_file(tiny_setup, tm
         "manifest step": ("store/manifest.json", lambda r: r.update(step=r["step"] - 1)),
         "manifest data position": ("store/manifest.json", position),
     }
-    for what, (name, edit) in [*damages.items(), ("config.toml betas", ("config.toml", None))]:
-        damaged = tmp_path / what.replace(" ", "-") / "run"
+    # config.toml without its checksum line, as written before it had one: its settings against the store's.
+    configs = {"config.toml betas": ("checksum", True), "an older config.toml's betas": ("the store's: 0.9 0.95", False)}
+    for what, (name, edit) in [*damages.items(), *((what, ("config.toml", None)) for what in configs)]:
+        damaged = tmp_path / what.replace(" ", "-").replace("'", "") / "run"
         shutil.copytree(run, damaged)
+        expected = "checksum"
         if edit is None:
             config = damaged / "config.toml"
-            config.write_text(config.read_text().replace("betas = [0.9, 0.95]", "betas = [0.9, 0.96]"))
+            expected, sealed = configs[what]
+            lines = config.read_text().replace("betas = [0.9, 0.95]", "betas = [0.9, 0.96]").splitlines(True)
+            config.write_text("".join(lines if sealed else lines[:-1]))
         else:
             _edit_json(damaged / name, edit)
         before = files_of(damaged)
-        rc = main([*argv[:argv.index("--run-dir") + 1], str(damaged), *argv[argv.index("--run-dir") + 2:]])
+        # --resume takes config.toml's settings as they are: the older file's betas are caught by the store's.
+        rc = main(["train", "--resume", str(damaged)] if what in configs else
+                  [*argv[:argv.index("--run-dir") + 1], str(damaged), *argv[argv.index("--run-dir") + 2:]])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and str(damaged / name) in err, (what, err)
-        assert "checksum" in err and "Traceback" not in err, (what, err)
+        assert expected in err and "Traceback" not in err, (what, err)
         assert files_of(damaged) == before, what
     done = streamer(*argv)  # the undamaged run rolls step 3 forward and trains on
     assert done.returncode == 0 and "continuing it to step 4" in done.stdout, done.stderr

@@ -34,6 +34,7 @@ from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.runtime.step import check_runnable
+from streamer.errors import StoreError
 from streamer.store.slabfile import DiskFull
 from streamer.trainer import StreamingTrainer
 
@@ -315,7 +316,10 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
 def _check_committed(run: RunDir, cfg: RunConfig) -> None:
     """The settings a resume may not change are the ones the store was trained with: config.toml could say
     otherwise (edited, or written by another run) and would change training silently."""
-    committed = run.committed_settings()
+    try:
+        committed = run.committed_settings()
+    except StoreError:
+        return  # opening the store says what is damaged (or goes back to a kept step)
     if committed is None:
         return
     before, now = flatten(committed), flatten(cfg.trainer)
