@@ -213,7 +213,9 @@ class RunConfig:
         return "\n".join(lines) + "\n"
 
     def with_absolute_paths(self) -> RunConfig:
-        return self.replace(**{k: os.path.abspath(v) for k, v in self._paths().items()})
+        """Every path absolute (`~` expanded, as in a TOML file): the same folder compares equal however the
+        command named it, from any working directory."""
+        return self.replace(**{k: absolute(v) for k, v in self._paths().items()})
 
     def _paths(self) -> dict[str, str]:
         names = [*PATH_KEYS, *(("model",) if self.model not in PRESETS else ())]
@@ -331,6 +333,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         if isinstance(value, str) and not (key == "model" and value in PRESETS):
             raw[key] = str(path.parent / Path(value).expanduser())
     return raw
+
+
+def absolute(path: str | Path) -> str:
+    """`path` absolute, `~` expanded (a shell leaves `--run-dir=~/runs/ft` as it is)."""
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _toml_value(value: Any) -> str:

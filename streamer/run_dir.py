@@ -21,13 +21,14 @@ from streamer.run import RunConfig, RunError, blame, read_toml
 from streamer.errors import StoreError
 from streamer.store.commit import kept_steps, lock_file, read_journal, read_manifest
 from streamer.store import ranks
-from streamer.store.slabfile import open_for_writing, refuse_link, replace_file, write_json_atomic
+from streamer.store.slabfile import checksum_of, open_for_writing, refuse_link, replace_file, write_json_atomic
 
 # In a run folder from its creation until config.toml is written: a rerun clears such a folder and sets up
 # again, if it holds nothing but what set-up writes.
 SETUP_MARK = "setup.incomplete"
 _SETUP_FILES = {SETUP_MARK, "tokenizer", "store", "config.toml.tmp"}
 _SETUP_LOCKS: dict[Path, int] = {}  # run folder -> this process's locked descriptor of its SETUP_MARK
+_CHECKSUM_LINE = "# checksum (xxh3-64 of the lines above): "  # config.toml's last line
 
 
 @dataclass(frozen=True)
@@ -119,13 +120,26 @@ class RunDir:
         return cls(root)
 
     def read_config(self) -> RunConfig:
+        """The run's settings, once config.toml's checksum line says they are the ones the run wrote (a file
+        from before the line was written has none)."""
+        try:
+            text = self.config.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RunError(f"cannot read {self.config} ({exc}); restore it from a backup") from None
+        body, _, last = text.rstrip("\n").rpartition("\n")
+        if last.startswith(_CHECKSUM_LINE) and last != _CHECKSUM_LINE + _hex(checksum_of(body + "\n")):
+            raise RunError(f"{self.config} is damaged or was edited (its checksum does not match its settings); "
+                           "restore it from a backup, and change a resumable setting with its flag instead "
+                           f"(`streamer train --resume {self.root} --steps N`)")
         values = read_toml(self.config)
         with blame(self.config, set(values)):
             return RunConfig.of(values)
 
     def write_config(self, cfg: RunConfig) -> None:
         # Atomic: a run is a run once its whole config is there. Its own paths relative: a copy is the copy's.
-        replace_file(self.config, lambda tmp: tmp.write_text(cfg.to_toml(self.root), encoding="utf-8"))
+        body = cfg.to_toml(self.root)
+        sealed = body + _CHECKSUM_LINE + _hex(checksum_of(body)) + "\n"
+        replace_file(self.config, lambda tmp: tmp.write_text(sealed, encoding="utf-8"))
 
     def refuse_links(self) -> None:
         """Before a run is continued: a file in its folder that is a symbolic link is refused (a LinkRefused), before
@@ -165,6 +179,11 @@ class RunDir:
         gradients are durable: opening the store rolls it forward). Under torchrun, the ranks' least, which is
         what they agree on. Reads only."""
         return min(journaled for _, journaled in self._steps())
+
+    def committed_settings(self) -> TrainerConfig | None:
+        """The trainer settings the store committed its last step with (None where it records none). Reads only."""
+        saved = read_manifest(ranks.every_store(self.store)[0])["trainer"].get("config")
+        return None if saved is None else TrainerConfig.from_dict(saved)
 
     def update_interrupted(self) -> bool:
         """Whether a store holds a journaled step whose update a kill interrupted: opening it for training rolls
@@ -208,3 +227,7 @@ class RunDir:
         kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
         if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):
             write_json_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _hex(checksum: int) -> str:
+    return f"{checksum:016x}"

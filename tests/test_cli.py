@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import tomllib
@@ -144,7 +145,7 @@ def test_resume_sees_the_batches_an_uninterrupted_run_sees(capsys, tmp_path, tin
 
     rc, out, _ = run_cli(capsys, "train", "--resume", split, "--steps", 4)
     assert rc == 0 and "nothing to train" in out
-    assert "--batch cannot change" in fails(capsys, "train", "--resume", split, "--batch", 8)
+    assert "--batch 8 (the run's: 4) cannot change" in fails(capsys, "train", "--resume", split, "--batch", 8)
     assert "drop --config and --run-dir" in fails(capsys, "train", "--resume", split, "--run-dir", tmp_path / "x")
     assert "not a run directory" in fails(capsys, "train", "--resume", tmp_path / "nothing")
 
@@ -388,6 +389,41 @@ def test_run_directory_is_written_with_absolute_paths_and_reread(tmp_path, monke
     assert run.read_config() == cfg and RunDir.is_run("r")
     with pytest.raises(RunError, match="already holds a run"):
         RunDir.create("r")
+
+
+def test_the_same_command_continues_a_run_however_its_folder_is_named(capsys, tmp_path, tiny_setup, monkeypatch):
+    """`--run-dir runs/ft` relative, absolute, under `~`, from another working directory or copied: the same
+    command again continues the run; a setting that differs is named with both values."""
+    import shutil
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+
+    def continued(run: object, steps: int, *extra: object) -> None:
+        rc, out, err = run_cli(capsys, *tiny_args(tiny_setup, run, steps, *extra))
+        assert rc == 0 and f"holds this run at step {steps - 1}: continuing it to step {steps}" in " ".join(
+            out.split()), err
+
+    assert run_cli(capsys, *tiny_args(tiny_setup, "runs/ft", 1))[0] == 0
+    continued("runs/ft", 2)
+    continued(tmp_path / "runs" / "ft", 3)
+    continued("~/runs/ft", 4)  # as `--run-dir=~/runs/ft`, which no shell expands
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    continued("../runs/ft", 5)
+    continued("~/runs/ft", 6, "--lr", 0.5)  # a setting a resume may change applies
+    assert RunDir.open(tmp_path / "runs" / "ft").read_config().trainer.optimizer.lr == 0.5
+    shutil.copytree(tmp_path / "runs", tmp_path / "elsewhere" / "runs")
+    continued("runs/ft", 7, "--lr", 0.5)  # the copy, named from its own parent
+    assert RunDir.open("runs/ft").committed_step() == 7 and RunDir.open(tmp_path / "runs" / "ft").committed_step() == 6
+    other = fails(capsys, *tiny_args(tiny_setup, "runs/ft", 8, "--seq", 16, "--betas", 0.8, 0.9))
+    assert "(--seq 32 there, 16 here; --betas 0.9 0.95 there, 0.8 0.9 here)" in other
+    resumed = fails(capsys, "train", "--resume", "~/runs/ft", "--betas", 0.8, 0.9)
+    assert "--betas 0.8 0.9 (the run's: 0.9 0.95) cannot change when resuming" in resumed
+    # Typed in a shell, where `~` is the shell's to expand.
+    done = subprocess.run(["bash", "-c", " ".join(map(shlex.quote, [sys.executable, "-m", "streamer", *map(
+        str, tiny_args(tiny_setup, "RUN", 7))])).replace("RUN", "~/runs/ft")], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and "continuing it to step 7" in " ".join(done.stdout.split()), done.stderr
 
 
 def test_a_copied_run_folder_is_the_copy_s_own(capsys, tmp_path, tiny_setup):

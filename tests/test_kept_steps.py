@@ -66,8 +66,8 @@ def test_a_run_killed_in_its_last_steps_update_is_finished_and_readable(tiny_set
     assert (run / "store" / "journal.json").is_file()
     done = streamer(*argv) if again == "the same command" else streamer("train", "--resume", str(run))
     assert done.returncode == 0, done.stderr
-    assert f"finished: nothing to train and finished step {STEPS}'s update, which a kill interrupted" in done.stdout, \
-        done.stdout
+    assert f"finished: finished step {STEPS}'s update, which a kill interrupted, and evaluating it" in \
+        done.stdout, done.stdout
     assert not (run / "store" / "journal.json").exists()
     assert_same_run(run, reference)
     if again == "--resume":
@@ -194,7 +194,8 @@ def test_a_lora_runs_kept_step_keeps_its_adapters(tmp_path, tier):
                 trainer.keep()
                 at_2 = trainer.state_dict()
         at_4 = trainer.state_dict()
-    assert sorted(p.name for p in (tmp_path / "store").glob("lora-*.pt")) == ["lora-00000002.pt", "lora-00000004.pt"]
+    assert sorted(p.name for p in (tmp_path / "store").glob("lora-*")) == ["lora-00000002.safetensors",
+                                                                          "lora-00000004.safetensors"]
     with StreamingTrainer.open(tmp_path / "store", read_only=True, step=2) as trainer:
         kept = trainer.state_dict()
     assert all(torch.equal(kept[k], at_2[k]) for k in kept)

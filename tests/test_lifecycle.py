@@ -8,6 +8,7 @@ import os
 import random
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -485,3 +486,116 @@ def test_auto_runs_the_update_after_the_backward_where_a_fused_steps_second_gene
     assert fit_host_resources(norm_first, model_cfg, ram, between, tmp_path)[0] == fitted
     assert "what would fit: --update-timing after-backward" in shortfall(
         norm_first.replace(update_timing="fused"), model_cfg, ram, between, tmp_path)
+
+
+# The `streamer` command killed once step N is journaled, before any unit's update: the next open rolls it forward.
+KILLED_AFTER_JOURNAL = """
+import os, signal, sys
+from streamer.cli.main import main
+from streamer.store.host import HostStore
+after, begin_step = int(sys.argv.pop(1)), HostStore.begin_step
+def journaled(self, step, record):
+    begin_step(self, step, record)
+    if step == after:
+        os.kill(os.getpid(), signal.SIGKILL)
+HostStore.begin_step = journaled
+sys.exit(main())
+"""
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    """One field changed in place, the record's checksum left as it was: a digit changed on the disk."""
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+def test_a_changed_digit_in_any_record_is_refused_naming_the_file(tiny_setup, tmp_path, capsys):
+    """journal.json's lr, clip coefficient and data position, manifest.json's step and data position and
+    config.toml's betas: each record carries a checksum, so the same command refuses the run in one line naming
+    the file, and changes nothing, where it would have trained on with the changed value."""
+    from streamer.cli.main import main
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--update-timing", "after-backward", "--eval-every", 0)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_JOURNAL, "3", *argv], env=ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and (run / "store" / "journal.json").is_file(), killed.stderr
+
+    def position(record: dict) -> None:
+        record["trainer"]["extra"]["data"]["position"] += 1
+
+    damages = {
+        "journal lr": ("store/journal.json", lambda r: r.update(lr=r["lr"] * 2)),
+        "journal clip_coef": ("store/journal.json", lambda r: r.update(clip_coef=r["clip_coef"] / 2)),
+        "journal data position": ("store/journal.json", position),
+        "manifest step": ("store/manifest.json", lambda r: r.update(step=r["step"] - 1)),
+        "manifest data position": ("store/manifest.json", position),
+    }
+    # config.toml without its checksum line, as written before it had one: its settings against the store's.
+    configs = {"config.toml betas": ("checksum", True), "an older config.toml's betas": ("the store's: 0.9 0.95", False)}
+    for what, (name, edit) in [*damages.items(), *((what, ("config.toml", None)) for what in configs)]:
+        damaged = tmp_path / what.replace(" ", "-").replace("'", "") / "run"
+        shutil.copytree(run, damaged)
+        expected = "checksum"
+        if edit is None:
+            config = damaged / "config.toml"
+            expected, sealed = configs[what]
+            lines = config.read_text().replace("betas = [0.9, 0.95]", "betas = [0.9, 0.96]").splitlines(True)
+            config.write_text("".join(lines if sealed else lines[:-1]))
+        else:
+            _edit_json(damaged / name, edit)
+        before = files_of(damaged)
+        # --resume takes config.toml's settings as they are: the older file's betas are caught by the store's.
+        rc = main(["train", "--resume", str(damaged)] if what in configs else
+                  [*argv[:argv.index("--run-dir") + 1], str(damaged), *argv[argv.index("--run-dir") + 2:]])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and str(damaged / name) in err, (what, err)
+        assert expected in err and "Traceback" not in err, (what, err)
+        assert files_of(damaged) == before, what
+    done = streamer(*argv)  # the undamaged run rolls step 3 forward and trains on
+    assert done.returncode == 0 and "continuing it to step 4" in done.stdout, done.stderr
+
+
+# The `streamer` command SIGKILLed right after an event: `eval:N` once step N's evaluation is logged, `commit:N`
+# once step N is committed (before anything else of the step: its record, its evaluation).
+KILLED_AT = """
+import os, signal, sys
+from streamer.cli.main import main
+from streamer.run_dir import RunDir
+from streamer.store.host import HostStore
+kind, at = sys.argv.pop(1).split(":")
+append, finish = RunDir.append_metrics, HostStore.finish_step
+def appended(self, record):
+    append(self, record)
+    if kind == "eval" and record.get("step") == int(at) and "eval_loss" in record:
+        os.kill(os.getpid(), signal.SIGKILL)
+def finished(self, step, state):
+    finish(self, step, state)
+    if kind == "commit" and step == int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
+RunDir.append_metrics, HostStore.finish_step = appended, finished
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_killed_around_its_evaluations_the_same_command_logs_each_once(tiny_setup, tmp_path):
+    """Killed right after step 0's evaluation, right after step 3 (an --eval-every step) commits and right after
+    the last step commits: the same command logs every evaluation once, as an uninterrupted run does."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert streamer(*train_argv(tiny_setup, reference, "--eval-every", 3)).returncode == 0
+    argv = train_argv(tiny_setup, run, "--eval-every", 3)
+    for where in ("eval:0", "commit:3", f"commit:{STEPS}"):
+        killed = subprocess.run([sys.executable, "-c", KILLED_AT, where, *argv], env=ENV, capture_output=True,
+                                text=True, timeout=120)
+        assert killed.returncode == -signal.SIGKILL, (where, killed.stderr)
+    done = streamer(*argv)
+    assert done.returncode == 0 and "a kill came before its closing evaluation: evaluating it" in done.stdout, done.stderr
+
+    def evaluations(folder: Path) -> list[tuple[int, float]]:
+        return [(r["step"], r["eval_loss"]) for r in RunDir(folder).read_metrics() if "eval_loss" in r]
+    assert [step for step, _ in evaluations(reference)] == [0, 3, STEPS]
+    assert evaluations(run) == evaluations(reference)
+    assert [r["step"] for r in RunDir(run).read_metrics() if "loss" in r] == list(range(1, STEPS + 1))
+    again = streamer(*argv)
+    assert again.returncode == 0 and "nothing to train and nothing was changed" in again.stdout, again.stderr

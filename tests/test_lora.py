@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from layers import (
     FAMILIES, GPTJ, PRESETS, GPTJConfig, GptOssConfig, ModelConfig, Olmo2Config, OlmoeConfig, Phi3Config,
@@ -159,14 +160,48 @@ def test_lora_resume_is_bit_identical(tmp_path: Path) -> None:
     _train(tmp_path / "straight", 4)
     _train(tmp_path / "resumed", 2)
     assert main(["train", "--resume", str(tmp_path / "resumed"), "--steps", "4"]) == 0
-    states = [torch.load(next((tmp_path / name / "store").glob("lora-*.pt")), weights_only=True)
-              for name in ("straight", "resumed")]
-    assert [p.name for p in (tmp_path / "resumed" / "store").glob("lora-*.pt")] == ["lora-00000004.pt"]
-    for key, value in states[0]["params"].items():
-        assert torch.equal(value, states[1]["params"][key]), key
+    states = [load_file(next((tmp_path / name / "store").glob("lora-*"))) for name in ("straight", "resumed")]
+    assert [p.name for p in (tmp_path / "resumed" / "store").glob("lora-*")] == ["lora-00000004.safetensors"]
+    assert {k for k in states[0] if k.startswith("params/")} and states[0].keys() == states[1].keys()
+    for key, value in states[0].items():  # the adapters and AdamW's state
+        assert torch.equal(value, states[1][key]), key
     losses = [[r["loss"] for r in RunDir(tmp_path / name).read_metrics() if "loss" in r]
               for name in ("straight", "resumed")]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+def test_a_lora_state_file_is_checked_and_an_older_pickled_one_still_reads(tmp_path: Path, capsys) -> None:
+    """One flipped bit in `lora-<step>.safetensors` is refused in one line naming the file, where a pickle
+    exported it as a weight; a run from before, whose adapters are `lora-<step>.pt`, reads and trains on."""
+    run = tmp_path / "run"
+    _train(run, 2)
+    (path,) = (run / "store").glob("lora-*")
+    assert path.name == "lora-00000002.safetensors"
+    with open_trainer(RunDir(run)) as trainer:
+        weights = trainer.state_dict()
+        params = {f"{u}/{k}": t.detach().cpu().clone() for u, ts in trainer.adapters.params.items()
+                  for k, t in ts.items()}
+        optimizer = trainer.adapters.optimizer.state_dict()
+    intact = path.read_bytes()
+    capsys.readouterr()
+    for offset in (len(intact) - 1, 20):  # a tensor's byte; the header's
+        flipped = bytearray(intact)
+        flipped[offset] ^= 0x40
+        path.write_bytes(bytes(flipped))
+        assert main(["export", str(run), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{path} is damaged" in err and "checksum" in err, err
+        assert not (tmp_path / "out").exists()
+    path.unlink()  # the run as an earlier version wrote it
+    torch.save({"params": params, "optimizer": optimizer}, run / "store" / "lora-00000002.pt")
+    with open_trainer(RunDir(run)) as trainer:
+        again = trainer.state_dict()
+        assert all(torch.equal(again[k], weights[k]) for k in weights)
+        state = trainer.adapters.optimizer.state_dict()["state"]
+        assert all(torch.equal(v, optimizer["state"][i][k]) for i in state for k, v in state[i].items())
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    assert main(["train", "--resume", str(run), "--steps", "3", "--sample-tokens", "0"]) == 0
+    assert [p.name for p in (run / "store").glob("lora-*")] == ["lora-00000003.safetensors"]
 
 
 def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:

@@ -302,8 +302,8 @@ def test_gptj_debug_trains_on_the_default_data_with_plain_progress(debug_run):
 def test_log_every_and_what_resume_may_change(capsys, debug_run):
     run, done = debug_run
     assert done.returncode == 0, done.stderr
-    assert "--betas cannot change" in fails(capsys, "train", "--resume", run, "--betas", "0.8,0.9")
-    assert "--moment-dtype cannot change" in fails(capsys, "train", "--resume", run, "--moment-dtype", "bf16")
+    assert "--betas 0.8 0.9 (the run's: 0.9 0.95) cannot change" in fails(capsys, "train", "--resume", run, "--betas", "0.8,0.9")
+    assert "--moment-dtype bf16 (the run's: fp32) cannot change" in fails(capsys, "train", "--resume", run, "--moment-dtype", "bf16")
     rc, out, err = run_cli(capsys, "train", "--resume", run, "--steps", 7, "--eps", 1e-6, "--log-every", 2,
                            "--sample-tokens", 0)
     assert rc == 0, err

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 from layers import learned_tokens
 from memory_model.devices import budget_bytes
@@ -63,6 +63,8 @@ def eval_command(args: argparse.Namespace) -> int:
             make_console().print(f"{args.data}: {long}", markup=False, highlight=False)
         loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.trainer.step.grad_accum)
         step = trainer.step_count
+    if loss is None:
+        raise RunError("the data holds no token to predict; pass data with text or completions")
     make_console().print(
         f"{args.data}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):,.2f} over {len(dataset)} sequences "
         f"({tokens:,} predicted tokens) of {seq} tokens, step {step} of {run.root}, "
@@ -70,19 +72,23 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int) -> tuple[float, int]:
-    """(mean loss per predicted token, predicted tokens) over every sequence of `dataset`, with a trainer whose
-    grad_accum is 1 (its loss is then the mean over the batch's predicted tokens).
+def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int, batches: int | None = None,
+                     split: int = 1, reduce: Callable[[float], float] = float) -> tuple[float | None, int]:
+    """(mean loss per predicted token or None where none is predicted, predicted tokens) over the first `batches`
+    batches of `dataset` (default: all), each cut to a multiple of `split` rows (the processes x micro-batches the
+    trainer splits it into); `reduce` gives the global batch's loss from this process's (data parallel).
 
-    Each batch's mean is weighted by the tokens it predicts, so the result does not depend on the batch size
-    (a prompt/completion sequence predicts only its completion).
+    Each batch's mean is weighted by the tokens it predicts, so the result does not depend on the batch size or
+    on a short last batch (a prompt/completion sequence predicts only its completion).
     """
     total, tokens = 0.0, 0
-    for ids, labels, positions in dataset.batches(batch):
-        count = learned_tokens(labels)
+    for i, (ids, labels, positions) in enumerate(dataset.batches(batch)):
+        usable = ids.shape[0] - ids.shape[0] % split
+        if i == batches or usable == 0:
+            break
+        count = learned_tokens(labels[:usable])
         if count:
-            total += trainer.evaluate(ids, labels, positions) * count
+            loss = trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable])
+            total += reduce(loss) * count
             tokens += count
-    if tokens == 0:
-        raise RunError("the data holds no token to predict; pass data with text or completions")
-    return total / tokens, tokens
+    return (total / tokens if tokens else None), tokens

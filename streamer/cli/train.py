@@ -21,7 +21,8 @@ from layers import ModelConfig
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.main import RESUME_COMMAND
-from streamer.cli.training import Session, describe, keep_due, report, resume_command, train
+from streamer.cli.training import (Session, describe, final_evaluation_missing, keep_due, report, resume_command,
+                                   train)
 from streamer.console import make_console
 from streamer.errors import StreamerError
 from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
@@ -29,13 +30,14 @@ from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, loa
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
-from memory_model.settings import flag
-from streamer.run import (DEFAULT_PROMPT, RESUMABLE, RunConfig, RunError, SettingError, read_toml, resolve,
-                          store_choice)
+from memory_model.settings import flag, flatten
+from streamer.run import (DEFAULT_PROMPT, FLAGS, RESUMABLE, RunConfig, RunError, SettingError, absolute, read_toml,
+                          resolve, store_choice)
 from streamer.run_dir import RunDir
 from streamer.runtime.distributed import DataParallel, leave_process_group
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.runtime.step import check_runnable
+from streamer.errors import StoreError
 from streamer.store.slabfile import DiskFull
 from streamer.trainer import StreamingTrainer
 
@@ -126,7 +128,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     kill continues it). Set-up marks the folder (RunDir.SETUP_MARK) until config.toml is written, so a rerun
     knows a set-up that was killed part-way for its own and starts it again.
     """
-    cfg = resolve(explicit, config_file)
+    cfg = resolve(explicit, config_file).with_absolute_paths()  # a relative --run-dir names the run it holds
     check_runnable(cfg.trainer.step)
     if cfg.trainer.objective.preference:
         raise RunError("--method dpo trains through the Python API for now (StreamingTrainer.reference_logps, then "
@@ -201,13 +203,13 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
     if config_file is not None or "run_dir" in explicit:
         raise RunError("--resume continues RUN with its own config.toml; drop --config and --run-dir "
                        "(flags such as --steps still apply)")
-    run = RunDir.open(path)
+    run = RunDir.open(absolute(path))
     saved = run.read_config()
-    cfg = saved.replace(**_length(explicit, explicit), run_dir=os.path.abspath(path)).with_absolute_paths()
+    cfg = saved.replace(**_length(explicit, explicit), run_dir=str(run.root)).with_absolute_paths()
     now, before = cfg.flat(), saved.flat()
     fixed = [k for k in explicit if k not in RESUMABLE and now[k] != before[k]]
     if fixed:
-        flags = ", ".join(flag(k) for k in fixed)
+        flags = ", ".join(f"{flag(k)} {_shown(now[k])} (the run's: {_shown(before[k])})" for k in fixed)
         raise RunError(f"{flags} cannot change when resuming {path} (the model, data order and store depend on "
                        f"them); only {', '.join(flag(k) for k in RESUMABLE)} can, "
                        "or start a new --run-dir")
@@ -229,7 +231,8 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     if same.trainer.device.dtype == "auto":  # the run recorded what auto chose when it started
         same = same.replace(dtype=saved.trainer.device.dtype)
     now = same.flat()
-    changed = [f"{flag(k)} {before[k]} there, {now[k]} here" for k in now if k not in RESUMABLE and now[k] != before[k]]
+    changed = [f"{flag(k)} {_shown(before[k])} there, {_shown(now[k])} here" for k in now
+               if k not in RESUMABLE and now[k] != before[k]]
     if changed:
         raise RunError(f"--run-dir {run.root} holds a run with other settings ({'; '.join(changed)}); nothing was "
                        f"changed: continue it with `streamer train --resume {run.root}` or choose a new --run-dir")
@@ -238,6 +241,11 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Con
     named = set(explicit) | (set(read_toml(config_file)) if config_file is not None else set())
     changes = _length({k: cfg.flat()[k] for k in RESUMABLE if k in named}, named)
     return _continue(run, saved.replace(**changes, run_dir=os.path.abspath(run.root)), console, rerun=True)
+
+
+def _shown(value: object) -> str:
+    """A setting's value as its flag takes it: `--betas 0.9 0.95`."""
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _length(changes: dict, named: Collection[str]) -> dict:
@@ -263,6 +271,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
                        f"with the same number (for more than one: torchrun with --nnodes x --nproc-per-node = "
                        f"{run.processes()})")
     done = run.committed_step()
+    _check_committed(run, cfg)
     tokenizer, dataset, split = None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
         tokenizer = load_tokenizer(run.tokenizer)
@@ -271,7 +280,8 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         cfg = _epoch_steps(cfg, len(split[0]))
     past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
     interrupted = run.update_interrupted()
-    if done >= cfg.steps and not interrupted and not keep_due(cfg, done, run.kept()):
+    if done >= cfg.steps and not interrupted and not keep_due(cfg, done, run.kept()) \
+            and not final_evaluation_missing(cfg, run, done):
         console.print(f"{run.root} is at step {done}, {past}: nothing to train and nothing was changed; "
                       "raise --steps to continue it", markup=False, highlight=False)
         return None
@@ -287,21 +297,27 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         if lead:
             run.keep_metrics_through(trainer.step_count, trainer.losses, trainer.tc)
         finished = trainer.step_count >= cfg.steps
-        if finished and interrupted:
-            if lead:  # the trace of this invocation, which `streamer trace` reads: the update rolled forward
-                trace = trainer.trace
-                trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
-                run.write_trace(trace, done)
+        if finished and interrupted and lead:  # the trace of this invocation, which `streamer trace` reads
+            trace = trainer.trace
+            trace.meta.update(run=str(run.root), steps=[done, done], rolled_forward=True)
+            run.write_trace(trace, done)
+        keeping = finished and keep_due(cfg, trainer.step_count, trainer.kept())
+        evaluating = finished and final_evaluation_missing(cfg, run, trainer.step_count)
+        if finished and not (keeping or evaluating):
+            trainer.close()
             console.print(f"{run.root} is at step {done}, {past}: nothing to train and finished step {done}'s "
                           "update, which a kill interrupted; raise --steps to continue it", markup=False,
                           highlight=False)
-        if finished and not keep_due(cfg, trainer.step_count, trainer.kept()):
-            trainer.close()
             return None
-        if finished:  # the session only keeps it (`train`'s keep_missed)
+        if keeping:  # the session only keeps it (`train`'s keep_missed)
             console.print(f"{run.root} is at step {done}, {past}: nothing to train, but a kill came before step "
                           f"{done} was kept; keeping it", markup=False, highlight=False)
-        elif rerun:
+        if evaluating:  # the session only makes its closing report
+            what = f"finished step {done}'s update, which a kill interrupted, and" if interrupted else \
+                "a kill came before its closing evaluation:"
+            console.print(f"{run.root} is at step {trainer.step_count}, finished: {what} evaluating it", markup=False,
+                          highlight=False)
+        if rerun and not finished:
             console.print(f"{run.root} holds this run at step {trainer.step_count}: continuing it to step "
                           f"{cfg.steps}", markup=False, highlight=False)
         tokenizer = tokenizer or load_tokenizer(run.tokenizer)
@@ -322,6 +338,23 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         trainer.close()
         raise
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
+
+
+def _check_committed(run: RunDir, cfg: RunConfig) -> None:
+    """The settings a resume may not change are the ones the store was trained with: config.toml could say
+    otherwise (edited, or written by another run) and would change training silently."""
+    try:
+        committed = run.committed_settings()
+    except StoreError:
+        return  # opening the store says what is damaged (or goes back to a kept step)
+    if committed is None:
+        return
+    before, now = flatten(committed), flatten(cfg.trainer)
+    changed = [f"{flag(k)} {_shown(now[k])} (the store's: {_shown(before[k])})" for k in now
+               if k in FLAGS and k not in RESUMABLE and now[k] != before[k]]
+    if changed:
+        raise RunError(f"{run.config} says {', '.join(changed)}, which cannot change when resuming; restore it from "
+                       "a backup, or start a new --run-dir")
 
 
 def _join(cfg: RunConfig, console: Console) -> DataParallel | None:

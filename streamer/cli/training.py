@@ -17,6 +17,7 @@ from memory_model import format_size
 from memory_model.shapes import step_model_flops
 from streamer.advice import planned_peak
 from streamer.calibration.calibrate import cached_local_spec
+from streamer.cli.eval import evaluate_dataset
 from streamer.cli.trace import memory_lines
 from streamer.generate import Sampling, complete
 from streamer.io.data import BatchStream, Dataset
@@ -50,6 +51,10 @@ class Session:
     evaluated: tuple[int, float] | None = None  # the last evaluation's (step, loss): a step is evaluated once
 
     def __post_init__(self) -> None:
+        step = self.trainer.step_count
+        logged = [r["eval_loss"] for r in self.run.read_metrics() if r.get("step") == step and "eval_loss" in r]
+        if logged:  # a kill came after this step's evaluation was logged: it is not logged again
+            self.evaluated = (step, logged[-1])
         if self.trainer.tc.device.device == "cpu":  # the target --clipped-steps auto prices on, where calibrated
             self.trainer.local_target = cached_local_spec(Path("runs"), self.trainer.cfg,
                                                           dtype_name(self.trainer.tc.compute_dtype))
@@ -121,8 +126,8 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
     attempts = 0  # consecutive skipped attempts at the same step
     with Progress(*columns, console=console, disable=not s.lead or plain) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, stats="")
-        if first == 0 and cfg.eval_every:
-            evaluate(s, progress.console)  # the baseline every later evaluation is read against
+        if evaluation_due(cfg, first):  # step 0's: the baseline every later evaluation is read against
+            evaluate(s, progress.console)  # (or the committed step's, where a kill came before it was logged)
         keep_missed(s, progress.console)
         while trainer.step_count < cfg.steps:
             ids, labels, positions = next(s.stream)
@@ -179,6 +184,24 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
     return trainer.step_count - first, seconds, learned
 
 
+def evaluation_due(cfg: RunConfig, step: int) -> bool:
+    """Whether a run evaluates at `step` before training on: before the first step, every --eval-every steps, and
+    at each --save-every step --keep-best ranks (the last step's evaluation is the closing report's)."""
+    if step >= cfg.steps:
+        return False
+    if step == 0:
+        return cfg.eval_every > 0
+    return (cfg.eval_every > 0 and step % cfg.eval_every == 0) or (cfg.keep_best and step % cfg.save_interval == 0)
+
+
+def final_evaluation_missing(cfg: RunConfig, run: RunDir, step: int) -> bool:
+    """Whether a run at its last step, with held-out data, has no evaluation of it logged: a kill came between
+    the step's commit and the closing report's evaluation."""
+    held_out = cfg.data.eval_data is not None or cfg.data.eval_fraction > 0
+    return held_out and step == cfg.steps and not any(
+        r.get("step") == step and "eval_loss" in r for r in run.read_metrics())
+
+
 def _peak_flops(s: Session) -> tuple[float, str] | None:
     """(FLOP/s, what it is): one device's dense peak in the run's compute dtype that MFU is read against, the
     run's target's (the --budget preset, else this cpu's matmul rate measured by its calibration); None where
@@ -223,11 +246,8 @@ def keep_missed(s: Session, console: Console) -> None:
     cfg, trainer, step = s.cfg, s.trainer, s.trainer.step_count
     if not keep_due(cfg, step, trainer.kept()):
         return
-    eval_loss = None
-    if cfg.keep_best:  # its evaluation is logged once: a kill after it came before the keep
-        logged = s.lead and any(r["step"] == step and "eval_loss" in r for r in s.run.read_metrics())
-        eval_loss = evaluate(s, console, log=not logged)
-    keep(s, eval_loss, console)
+    # Its evaluation is logged once: one a kill left logged is the session's own (`Session.evaluated`).
+    keep(s, evaluate(s, console) if cfg.keep_best else None, console)
 
 
 def keep_due(cfg: RunConfig, step: int, kept: Collection[int]) -> bool:
@@ -259,28 +279,23 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
-def evaluate(s: Session, console: Console, log: bool = True) -> float | None:
-    """Mean loss over the first --eval-batches held-out batches; printed with perplexity and (`log`) logged."""
+def evaluate(s: Session, console: Console) -> float | None:
+    """Mean loss per predicted token over the first --eval-batches held-out batches (`streamer eval`'s figure);
+    printed with perplexity and logged."""
     if s.held_out is None:
         return None
     if s.evaluated is not None and s.evaluated[0] == s.trainer.step_count:
         return s.evaluated[1]  # --keep-best evaluated the last step already
-    cfg, losses = s.cfg, []
+    cfg = s.cfg
     # The trainer splits a batch over the processes, then into grad_accum micro-batches.
     split = cfg.trainer.step.grad_accum * (1 if s.parallel is None else s.parallel.world)
-    for i, (ids, labels, positions) in enumerate(s.held_out.batches(cfg.batch)):
-        usable = ids.shape[0] - ids.shape[0] % split
-        if i == cfg.eval_batches or usable == 0:
-            break
-        local = s.trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable])
-        losses.append(local if s.parallel is None else s.parallel.mean(local))
-    if not losses:
+    loss, _ = evaluate_dataset(s.trainer, s.held_out, cfg.batch, cfg.eval_batches, split,
+                               float if s.parallel is None else s.parallel.mean)
+    if loss is None:
         return None
-    loss = sum(losses) / len(losses)
     step = s.trainer.step_count
     s.evaluated = (step, loss)
-    if log:
-        s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
+    s.log({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))})
     console.print(f"step {step}: eval loss {loss:.3f}, perplexity {math.exp(min(loss, 700)):,.1f}")
     return loss
 

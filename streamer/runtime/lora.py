@@ -1,16 +1,22 @@
 """LoRA's adapters on the device: every block's A and B in fp32, their gradients and torch's AdamW.
 
 The base model streams read-only (memory_model/lora.py); these tensors never leave the device during a
-run. A commit writes them with the optimizer's state to `lora-<step>.pt` in the store's folder, so resuming
-continues bit-identically, and the export merges them into the base or writes them as a PEFT adapter.
+run. A commit writes them with the optimizer's state to `lora-<step>.safetensors` in the store's folder, so
+resuming continues bit-identically, and the export merges them into the base or writes them as a PEFT adapter.
+The file's metadata holds an xxh3-64 checksum of the rest of it, as a state file's trailer does: a flipped bit
+is an error naming the file, not a weight. Runs from before keep `lora-<step>.pt` (a pickle, no checksum),
+which is still read.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import struct
 from pathlib import Path
-from typing import Collection, Iterator
+from typing import Any, Collection, Iterator
 
+import safetensors.torch
 import torch
 
 from layers import ModelConfig
@@ -20,7 +26,11 @@ from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.optim import OptimizerConfig
 from streamer.store.layout import UnitLayout
-from streamer.store.slabfile import open_for_writing, refuse_link
+from streamer.store.slabfile import checksum_of, open_for_writing, refuse_link
+
+_FORMAT = "weight-streaming-lora/1"
+_OLD_SUFFIX = ".pt"  # a pickle of {"params", "optimizer"}, without a checksum
+
 
 class Adapters:
     def __init__(self, cfg: ModelConfig, lora: LoraConfig, optimizer: OptimizerConfig, device: torch.device,
@@ -132,17 +142,23 @@ class Adapters:
     # --- commits ------------------------------------------------------------------------------------------
     @staticmethod
     def path(folder: Path, step: int) -> Path:
-        return folder / f"lora-{step:08d}.pt"
+        return folder / f"lora-{step:08d}.safetensors"
 
     def save(self, folder: Path, step: int) -> None:
-        """Write the adapters and AdamW's state for `step` (durably), then remove older steps' files."""
-        state = {"params": {f"{u}/{k}": t.detach().cpu() for u, ts in self.params.items() for k, t in ts.items()},
-                 "optimizer": self.optimizer.state_dict()}
+        """Write the adapters and AdamW's state for `step` durably (an older step's file is left to `prune`)."""
+        tensors = {f"params/{u}/{k}": t.detach().cpu().contiguous() for u, ts in self.params.items()
+                   for k, t in ts.items()}
+        optimizer = self.optimizer.state_dict()
+        tensors.update({f"optimizer/{i}/{name}": value.detach().cpu().contiguous()
+                        for i, state in optimizer["state"].items() for name, value in state.items()})
+        metadata = {"format": _FORMAT, "param_groups": json.dumps(optimizer["param_groups"])}
+        unsealed = safetensors.torch.save(tensors, metadata)
+        data = safetensors.torch.save(tensors, {**metadata, "checksum": str(_checksum(*_split(unsealed)))})
         path = self.path(folder, step)
         partial = path.with_suffix(".partial")
         partial.unlink(missing_ok=True)  # a link left there goes, and what it points to stays as it is
         with os.fdopen(open_for_writing(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
-            torch.save(state, f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         refuse_link(path)
@@ -150,19 +166,68 @@ class Adapters:
 
     def prune(self, folder: Path, steps: Collection[int]) -> None:
         """After the store committed a step: the adapter files of other `steps` (it and the kept ones) go."""
-        keep = {self.path(folder, step) for step in steps}
-        for old in folder.glob("lora-*.pt"):
+        keep = {self.path(folder, step) for step in steps} | {_old_path(folder, step) for step in steps}
+        for old in [*folder.glob("lora-*.safetensors"), *folder.glob(f"lora-*{_OLD_SUFFIX}")]:
             if old not in keep:
                 old.unlink(missing_ok=True)
 
     def load(self, folder: Path, step: int) -> None:
         path = self.path(folder, step)
-        if not path.is_file():
+        if path.is_file():
+            state = _read(path)
+        elif _old_path(folder, step).is_file():  # written before the file had a checksum
+            state = torch.load(_old_path(folder, step), map_location="cpu", weights_only=True)
+        else:
             raise StoreError(f"{path} is missing: this LoRA run's adapters for its last commit (step {step}) are "
                              "gone; restore the file or start a new run")
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        with torch.no_grad():
-            for unit, tensors in self.params.items():
-                for key, t in tensors.items():
-                    t.copy_(state["params"][f"{unit}/{key}"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            with torch.no_grad():
+                for unit, tensors in self.params.items():
+                    for key, t in tensors.items():
+                        t.copy_(state["params"][f"{unit}/{key}"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise StoreError(f"{path} does not hold this run's adapters ({exc}); restore the run directory from a "
+                             "backup") from None
+
+
+def _old_path(folder: Path, step: int) -> Path:
+    return folder / f"lora-{step:08d}{_OLD_SUFFIX}"
+
+
+def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """A safetensors file's header (JSON) and its tensors' bytes."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
+def _checksum(header: dict[str, Any], tensors: bytes) -> int:
+    """xxh3-64 of the header (without its checksum) and every tensor byte."""
+    fields = {**header, "__metadata__": {k: v for k, v in header.get("__metadata__", {}).items() if k != "checksum"}}
+    return checksum_of(json.dumps(fields, sort_keys=True).encode() + tensors)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The adapters and AdamW state of a `save`d file, once its checksum says it is whole."""
+    damaged = StoreError(f"{path} is damaged (its checksum does not match its contents); restore the run "
+                         "directory from a backup")
+    try:
+        data = path.read_bytes()
+        header, tensors = _split(data)
+        metadata = header["__metadata__"]
+        ok = metadata["format"] == _FORMAT and metadata["checksum"] == str(_checksum(header, tensors))
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError):
+        raise damaged from None
+    if not ok:
+        raise damaged
+    loaded = safetensors.torch.load(data)
+    state: dict[str, Any] = {"params": {}, "optimizer": {"state": {}, "param_groups":
+                                                          json.loads(metadata["param_groups"])}}
+    for name, value in loaded.items():
+        kind, rest = name.split("/", 1)
+        if kind == "params":
+            state["params"][rest] = value
+        else:
+            index, key = rest.split("/")
+            state["optimizer"]["state"].setdefault(int(index), {})[key] = value
+    return state

@@ -7,8 +7,9 @@ run directory's lock.
   what replaying it needs (lr, clip coefficient, gradient checksums, the trainer state after the step).
 - `kept/<step>.json`: the manifest of a kept step (`streamer train --keep-last`), restartable and readable.
 
-Records are written with `write_json_atomic` (tmp + fsync + rename + folder fsync); anything malformed in
-them is a StoreError naming the file. See docs/STORE.md.
+Records are written with `write_json_atomic` (tmp + fsync + rename + folder fsync), each with the xxh3-64
+checksum of its fields, so a changed digit (an lr, a data position, a step) is found before it is used;
+anything malformed in them is a StoreError naming the file. See docs/STORE.md.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from layers import ModelConfig
 from streamer.errors import StoreError
-from streamer.store.slabfile import fsync_path, open_for_writing, write_json_atomic
+from streamer.store.slabfile import checksum_of, fsync_path, open_for_writing, write_json_atomic
 
 MANIFEST, JOURNAL, FORMAT = "manifest.json", "journal.json", "weight-streaming-store/4"
 KEPT = "kept"  # kept/<step>.json: the manifest of a kept step, whose state files later commits leave in place
@@ -31,6 +32,7 @@ _CRC32_FORMAT = "weight-streaming-store/2"  # crc32 checksums; format 3 has xxh3
 # stores without that copy (RAM tier, fp32 compute) have the same files as format 4.
 _COMPUTE_COPY_FORMAT = "weight-streaming-store/3"
 _RESTORE = "restore the run directory from a backup or start a new run"
+CHECKSUM = "checksum"  # a record's own field: the xxh3-64 of the others (records written before it have none)
 
 
 def state_name(unit: str, generation: int) -> str:
@@ -42,10 +44,26 @@ def grad_name(unit: str) -> str:
 
 
 def _load(path: Path) -> Any:
+    """A record's fields, its checksum checked and left out."""
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise StoreError(f"{path} cannot be read ({exc}); it was left untouched — {_RESTORE}") from None
+    if isinstance(raw, dict) and CHECKSUM in raw:
+        given = raw.pop(CHECKSUM)
+        _check(path, given == _record_checksum(raw), "its checksum does not match its contents")
+    return raw
+
+
+def _record_checksum(fields: dict[str, Any]) -> int:
+    """The checksum of a record's fields, in a form that does not depend on their order or indentation."""
+    return checksum_of(json.dumps(fields, sort_keys=True, separators=(",", ":")))
+
+
+def _sealed(record: dict[str, Any], indent: int | None = None) -> str:
+    """A record's text, its checksum last."""
+    fields = {k: v for k, v in record.items() if k != CHECKSUM}
+    return json.dumps({**fields, CHECKSUM: _record_checksum(fields)}, indent=indent)
 
 
 def _check(path: Path, ok: bool, what: str) -> None:
@@ -102,7 +120,7 @@ def keep_step(root: Path, manifest: dict[str, Any], note: dict[str, Any]) -> Non
     """Keep a committed step: its manifest (and `note`, what ranks it: its eval loss) under kept/, which names
     its state files to every later commit, so none deletes them."""
     (root / KEPT).mkdir(exist_ok=True)
-    write_json_atomic(root / KEPT / f"{manifest['step']}.json", json.dumps({**manifest, "note": note}, indent=1))
+    write_json_atomic(root / KEPT / f"{manifest['step']}.json", _sealed({**manifest, "note": note}, indent=1))
 
 
 def drop_kept(root: Path, step: int) -> None:
@@ -139,13 +157,13 @@ def new_manifest(spec: dict[str, Any]) -> dict[str, Any]:
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
     """Commit `manifest`: once this returns, a crash reopens the store at its step."""
-    write_json_atomic(root / MANIFEST, json.dumps(manifest, indent=1))
+    write_json_atomic(root / MANIFEST, _sealed(manifest, indent=1))
 
 
 def write_journal(root: Path, record: dict[str, Any]) -> None:
     """Journal a step whose gradients are durable (`record`: step, generation, grad_checksums and what
     replaying its update needs); a crash from here on rolls the step forward."""
-    write_json_atomic(root / JOURNAL, json.dumps(record))
+    write_json_atomic(root / JOURNAL, _sealed(record))
 
 
 def _upgrade_format_3(root: Path, raw: dict[str, Any]) -> None:

@@ -152,6 +152,12 @@ def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
     return digest.intdigest()
 
 
+def checksum_of(data: str | bytes) -> int:
+    """xxh3-64 of a record (a JSON record, config.toml, a LoRA file): the state files' checksum, for the files
+    that say how to read them."""
+    return xxhash.xxh3_64_intdigest(data.encode() if isinstance(data, str) else data)
+
+
 def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExecutor) -> int:
     """fdatasync `fd` while `pool` computes the checksum of the first `length` bytes of `path`, which it reads
     back from the page cache. Both release the GIL, so the checksum hides behind the flush instead of adding
