@@ -1,4 +1,8 @@
-"""StreamingTrainer: the runtime's public Python API (README.md, "Python API")."""
+"""StreamingTrainer: the runtime's public Python API (README.md, "Python API").
+
+Long because the API is one class today: construction and opening, steps, evaluation, a preference run's
+reference pass, resume and roll-forward. Its step policy and persistence are to move out of it.
+"""
 from __future__ import annotations
 
 import math

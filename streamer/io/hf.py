@@ -4,6 +4,9 @@ A 6B checkpoint is larger than the memory this runtime is built to save, so
 nothing here ever holds a whole model: `HFCheckpoint` opens shards lazily and
 reads one tensor per call, and `HFExporter` holds at most one shard before it
 goes to disk.
+
+Long because every way a hub folder stores a weight is read here, tensor by tensor: shards, tensors saved
+under other names or in parts, MXFP4-packed experts and bitsandbytes' 4-bit pieces.
 """
 from __future__ import annotations
 
