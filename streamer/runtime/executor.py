@@ -37,7 +37,9 @@ class Executor:
         writes, takes a training step's gradients and updates (None: the store is only read, and only forward
         passes run). `seed`: the run's, from which a bf16 master's stochastic rounding draws its bits."""
         self.step_cfg, self.trace, self.device = step, trace, device
-        self.transport = Transport(store, device, dtype)
+        self.transport = Transport(store, device, dtype, lambda: ledger.in_use)
+        if device.type == "cpu":  # the device's bytes are the host's: idle buffers give way to what it allocates
+            ledger.add_listener(lambda _: self.transport.buffers.trim())
         inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
