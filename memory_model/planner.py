@@ -15,19 +15,19 @@ from typing import Any, Callable
 from rich.table import Table
 
 from layers.config import ModelConfig
-from layers.packed4 import unit_bytes
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
     backward_moment, expert_group, forward_moment, group_sizes, grouped, grouped_block_numel, last_gradient,
     reloaded,
 )
+from memory_model.host import HostBytes, host_bytes, offloaded_bytes, shared_peak, store_kinds
 from memory_model.ledger import CATEGORIES
 from memory_model.settings import flatten
 from memory_model.shapes import (
-    GRAD_ACCUM_BYTES_PER_PARAM, PlanConfig, backward_workspace_bytes, block_input_numel, block_layer_type,
+    PlanConfig, backward_workspace_bytes, block_input_numel, block_layer_type,
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes,
-    head_saved_bytes, norm_first_allowed, offloaded_inputs_bytes, rotary_shared, step_model_flops,
+    head_saved_bytes, norm_first_allowed, rotary_shared, step_model_flops,
 )
 from memory_model.lora import adapter_params, targets_of, weights_bytes
 from memory_model.schedule import (
@@ -95,6 +95,7 @@ class Plan:
     host_activation_bytes: int
     host_stores: int  # stores on one host: ranks sharing it, each with its own store (1 with an in-network reduce)
     host_fits: bool  # the RAM tier needs every store of the host in its RAM, and offloaded inputs need their room
+    host_peak: HostBytes  # one process's resident host memory at its peak, by part (memory_model.host)
     step_time_s: float
     tokens_per_s: float
     utilisation: float  # MFU: model FLOPs per second / the device's dense peak for the compute dtype
@@ -147,6 +148,8 @@ class Plan:
         out["config"] = {**flatten(self.config), "store": store.tier or store.to_dict(),
                          "lora": asdict(self.config.lora)}
         out["peak_at"] = {"unit": self.peak_at[0], "phase": self.peak_at[1]}
+        out["host_peak"] = asdict(self.host_peak)
+        out["host_peak_bytes"] = self.host_peak.total
         if self.max_batch_seq is not None:
             out["max_batch_seq"] = {"batch": self.max_batch_seq[0], "seq": self.max_batch_seq[1]}
         out["rows"] = [asdict(r) for r in self.rows]
@@ -420,6 +423,14 @@ def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
+def shared_peak_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
+    """Where the device is the host (the cpu): the step's peak of the device bytes that are host memory of their
+    own (`memory_model.host`'s `device`)."""
+    events = _events(shape, cfg)
+    resident = resident_sets(events, cfg.step.prefetch)
+    return shared_peak(_memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq), cfg)
+
+
 def _train_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
     """The peak of the forward and backward passes (and of a fused update, which runs inside them). No update
     state after the backward is fetched before the last backward (the lookahead stops at it), so these
@@ -503,22 +514,13 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     resident_cfg = cfg.replace(activations="resident")
     resident_acts = sum(_activations(shape, resident_cfg, u, micro, seq)[0] for u in units)
     model_flops = step_model_flops(shape, micro, seq) * cfg.step.grad_accum
-    # A frozen base (LoRA) is stored as its compute weights alone: no master, moments or gradient. Compute
-    # weights in the master's dtype are the master: no copy. Each kind is in RAM or on disk as placed.
-    stored, store = shard_numel(params, cfg.shards), cfg.step.store
-    kinds = {"compute": (store.compute, stored * (es if frozen or not cfg.compute_is_master else 0))}
-    if cfg.lora.load_in_4bit:  # each unit's packed slab
-        kinds["compute"] = (store.compute, sum(unit_bytes(shape, u, es, cfg.lora.bnb_4bit_use_double_quant)
-                                               for u in units))
-    if not frozen:
-        kinds.update(state=(store.state, stored * cfg.master_bytes + cfg.moment_bytes(stored)),
-                     grad=(store.grad, stored * GRAD_ACCUM_BYTES_PER_PARAM))
+    kinds = store_kinds(shape, cfg)
     host_store = sum(nbytes for _, nbytes in kinds.values())
     in_ram = sum(nbytes for tier, nbytes in kinds.values() if tier == "ram")
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)
-    host_acts = offloaded_inputs_bytes(shape, micro, seq, es) if cfg.step.offloads_inputs else 0
+    host_acts = offloaded_bytes(shape, cfg)
     update_peak = max((sum(b) for e, b in moments if e.phase == "update"), default=0)
     room = device.memory_bytes - device.reserve_bytes - workspace_bytes(device.cuda_arch)
     max_batch, max_seq = (_max_shapes(shape, cfg, room, update_peak)
@@ -533,6 +535,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
         host_fits=(in_ram + host_acts) * stores <= device.host_ram_bytes,
+        host_peak=host_bytes(shape, cfg, shared_peak(moments, cfg) if device.same_memory else None),
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.compute_dtype),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),

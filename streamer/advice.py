@@ -12,7 +12,9 @@ from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
 from memory_model.allocator import workspace_bytes
 from memory_model.expert_groups import group_sizes
+from memory_model.host import HostBytes, host_bytes
 from memory_model.ledger import round_up_size
+from memory_model.planner import shared_peak_bytes
 from streamer.run import RunConfig, RunError
 
 # The real step's ledger peak minus the planner's, measured on CPU (one step, budget off) for gptj-demo
@@ -24,6 +26,17 @@ PLAN_MARGIN_BYTES = 1024
 def planned_peak(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> int:
     """The analytic planner's peak device bytes for one step of this run."""
     return peak_device_bytes(model_cfg, peak_plan_config(model_cfg, cfg, devices))
+
+
+def planned_host(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> HostBytes:
+    """One process's planned peak host memory for this run, on its own device: where that is the cpu, the device's
+    bytes are the host's. With clipping on, the higher of the fused step and the after-backward one a step that
+    clips is made again as (`peak_plan_config`)."""
+    pc, cpu = cfg.plan_config(devices), cfg.trainer.device.device == "cpu"
+    steps = [pc, pc.replace(update_timing="after-backward")] if pc.fused and cfg.trainer.optimizer.max_grad_norm \
+        else [pc]
+    return max((host_bytes(model_cfg, p, shared_peak_bytes(model_cfg, p) if cpu else None) for p in steps),
+               key=lambda h: h.total)
 
 
 def peak_plan_config(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> PlanConfig:

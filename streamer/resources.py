@@ -14,6 +14,11 @@ them into this machine's RAM; with --data-parallel sharded each of them holds 1/
 later commit frees; `check_keep_room` checks the room for one again before a step is kept. The RAM a run may take is
 the machine's available memory, or less where the process is limited: its address space (RLIMIT_AS, `ulimit -v`)
 less what it maps already, or its cgroup's memory limit less the group's use (`available_ram`).
+
+`streamer train` checks RAM against the process's host memory at its peak as the planner prices it
+(`memory_model.host`, `advice.planned_host`): the store's RAM slabs, the staging pool, offloaded inputs, the disk
+tier's gradient fold and state writes, on the cpu the device's own bytes, and the process itself. `HostNeed.of`
+without that figure (a store alone) adds a fixed margin and a fraction instead (`RAM_HEADROOM`).
 """
 from __future__ import annotations
 
@@ -27,13 +32,15 @@ import psutil
 
 from layers import PRESETS, ModelConfig
 from memory_model import format_size
+from memory_model.host import HostBytes
 from memory_model.shapes import offloaded_inputs_bytes
-from memory_model.units import DTYPE_BYTES
+from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
+from streamer.advice import planned_host
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
 from streamer.store.spec import StoreSpec
 
-# Beside the store: the process itself (torch, the batch, CPU activations) in RAM; tokenizer, metrics and
+# Beside a store alone: the process itself (torch, the batch, CPU activations) in RAM; tokenizer, metrics and
 # traces on disk. Both are small next to a model that comes near the limit, so a fixed margin plus a fraction.
 RAM_HEADROOM = (2**30, 0.10)
 DISK_HEADROOM = (64 * 2**20, 0.02)
@@ -50,9 +57,10 @@ class HostNeed:
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tc: TrainerConfig, stores_on_disk: int, stores_in_ram: int,
-           offloaded: int = 0, kept: int = 0) -> HostNeed:
+           offloaded: int = 0, kept: int = 0, host: HostBytes | None = None) -> HostNeed:
         """`offloaded`: the bytes of block inputs one process keeps in host memory (`--activations offload`);
-        `kept`: the steps each store keeps (--keep-last, --keep-best), a copy of its state each."""
+        `kept`: the steps each store keeps (--keep-last, --keep-best), a copy of its state each; `host`: one
+        process's host memory at its peak as planned, which replaces the store's RAM and its headroom."""
         spec = tc.store_spec(model_cfg, stores_on_disk)  # with the state sharded: each process's slice
         ram, disk = store_size(model_cfg, tc, stores_on_disk)
         disk += kept * spec.kept_bytes()
@@ -62,7 +70,9 @@ class HostNeed:
                   "none": 0}[tc.device.pin_memory] if staging else 0
         pinned += offloaded if cuda and tc.device.pin_memory != "none" else 0
         ram += offloaded
-        return cls(_with_headroom((ram + staging) * stores_in_ram, RAM_HEADROOM),
+        ram = host.total * stores_in_ram if host is not None else _with_headroom((ram + staging) * stores_in_ram,
+                                                                                 RAM_HEADROOM)
+        return cls(ram,
                    _with_headroom(disk * stores_on_disk, DISK_HEADROOM), pinned * stores_in_ram)
 
     def fits(self, free_ram: int, free_disk: int) -> bool:
@@ -173,15 +183,16 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     tc = cfg.trainer
     offloaded = _offloaded(cfg, model_cfg, on_disk)
     kept = cfg.kept_copies()
-    need = HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded, kept)
+    need, host = _need(cfg, model_cfg, on_disk, in_ram, offloaded, kept, free_ram, free_disk)
     if need.fits(free_ram, free_disk):
         return None
     short = []
     if need.ram > free_ram:
         pinned = f", {format_size(need.pinned)} pinned with --pin-memory {tc.device.pin_memory}" if need.pinned else ""
         inputs = f", {format_size(offloaded * in_ram)} of block inputs (--activations offload)" if offloaded else ""
+        planned = f", at its peak as planned: {host.describe()}" if host is not None else ""
         short.append(f"{format_size(need.ram)} of RAM (--store {tc.step.store.tier}{inputs}{pinned}; "
-                     f"{format_size(free_ram)} {ram_bound})")
+                     f"{format_size(free_ram)} {ram_bound}{planned})")
     if need.disk > free_disk:
         speculative = tc.step.store.state != "disk" or tc.step.fused(on_disk, tc.lora.enabled)
         generations = "every unit's" if speculative else "one unit's"
@@ -200,8 +211,8 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
     would_fit = []
     for flags, changes in variants.items():
         changed = tc.replace(**changes)
-        if changed != tc and HostNeed.of(model_cfg, changed, on_disk, in_ram, offloaded, kept).fits(free_ram,
-                                                                                                   free_disk):
+        if changed != tc and _need(cfg.replace(**changes), model_cfg, on_disk, in_ram, offloaded, kept, free_ram,
+                                   free_disk)[0].fits(free_ram, free_disk):
             would_fit.append(flags)
             break  # the first, least drastic change that fits
     smaller = [(name, preset) for name, preset in PRESETS.items() if preset.num_params() < model_cfg.num_params()
@@ -227,6 +238,24 @@ def check_keep_room(root: Path, spec: StoreSpec, step: int) -> None:
                        f"later steps do not free, headroom included; {format_size(free)} free): pass a lower "
                        "--keep-last (--save-every alone keeps every save), or free space, then run the same command "
                        "again")
+
+
+def _need(cfg: RunConfig, model_cfg: ModelConfig, on_disk: int, in_ram: int, offloaded: int, kept: int,
+          free_ram: int, free_disk: int) -> tuple[HostNeed, HostBytes | None]:
+    """The run's need, its RAM as planned (and the plan's figure), where its store alone leaves room to plan it:
+    planning a step walks its every event, seconds for thousands of blocks whose store no machine holds. An
+    unresolved `--dtype auto` counts fp32's. Where the step cannot be planned (the checks after this one say
+    why), or the store alone does not fit, the store with its headroom."""
+    tc = cfg.trainer
+    alone = HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded, kept)
+    if alone.disk > free_disk or store_size(model_cfg, tc, on_disk)[0] * in_ram > free_ram:
+        return alone, None
+    try:
+        host = planned_host(model_cfg, cfg if tc.device.dtype in COMPUTE_DTYPES else cfg.replace(dtype="fp32"),
+                            on_disk)
+    except ValueError:
+        return alone, None
+    return HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded, kept, host), host
 
 
 def _offloaded(cfg: RunConfig, model_cfg: ModelConfig, processes: int) -> int:

@@ -14,6 +14,7 @@ from conftest import TINY_RUN_MODEL as TINY
 from layers import PRESETS
 from streamer import trainer as trainer_module
 from streamer.config import TrainerConfig
+from streamer.advice import planned_host
 from streamer.resources import RAM_HEADROOM, HostNeed, shortfall
 from streamer.run import RESUMABLE, resolve
 from streamer.runtime.transport import StagingPool
@@ -120,12 +121,13 @@ def test_offloaded_activations_count_in_host_ram_pinned_on_cuda(pretend_cuda, tm
     assert unpinned.pinned == 0 and unpinned.ram == offloaded.ram
     cfg = resolve({"model": "gptj-350m", "store": "ram", "run_dir": str(tmp_path / "r"), "device": "cuda",
                    "dtype": "bf16", "batch": 8, "seq": 2048, "grad_accum": 2})
-    alone = HostNeed.of(cfg.model_config(), cfg.trainer, 1, 1).ram  # the store with its headroom
-    assert shortfall(cfg, cfg.model_config(), alone, 64 * 2**30, tmp_path) is None
-    refused = shortfall(cfg.replace(activations="offload"), cfg.model_config(), alone, 64 * 2**30, tmp_path)
+    planned = planned_host(cfg.model_config(), cfg)  # the process at its peak: store, staging, ...
+    offload = cfg.replace(activations="offload")
+    assert planned_host(cfg.model_config(), offload).total == planned.total + inputs
+    assert shortfall(cfg, cfg.model_config(), planned.total, 64 * 2**30, tmp_path) is None
+    refused = shortfall(offload, cfg.model_config(), planned.total, 64 * 2**30, tmp_path)
     assert "of RAM (--store ram, 320 MiB of block inputs (--activations offload)" in refused
-    assert shortfall(cfg.replace(activations="offload"), cfg.model_config(), alone + int(1.1 * inputs) + 1,
-                     64 * 2**30, tmp_path) is None
+    assert shortfall(offload, cfg.model_config(), planned.total + inputs, 64 * 2**30, tmp_path) is None
 
 
 # --- --pin-memory register: the RAM store's slabs locked where they lie --------------------------------------------

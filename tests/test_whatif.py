@@ -88,11 +88,14 @@ def test_compare_replays_a_finished_run_with_its_own_set_figures(capsys, tmp_pat
     result = json.loads(out)
     assert rc == 0 and result["predicted_step_s"] > 0 and result["measured_step_s"] > 0
     assert abs(result["predicted_peak_bytes"] / result["measured_peak_bytes"] - 1) <= 0.05
+    # Host RAM beside it (trained in this process, whose resident set is the test session's: compared in
+    # tests/test_host_memory.py, on a process of its own).
+    assert result["predicted_host_bytes"] > 0 and result["measured_host_bytes"] > 0
     # The command's own --set goes over the run's: a 100x faster matmul predicts a shorter step.
     rc, out, _ = run_cli(capsys, "plan", "--compare", run, "--set", "fp32_flops=1e10", "--json")
     assert rc == 0 and json.loads(out)["predicted_step_s"] < result["predicted_step_s"]
     rc, out, _ = run_cli(capsys, "plan", "--compare", run)
-    assert rc == 0 and "predicted" in out and "measured" in out
+    assert rc == 0 and "predicted" in out and "measured" in out and "host RAM" in out
     # --resume keeps the run's figures unless it names its own.
     assert run_cli(capsys, "train", "--resume", run, "--steps", 4)[0] == 0
     assert 'set = ["fp32_flops=1e8"]' in (run / "config.toml").read_text()

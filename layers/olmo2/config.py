@@ -7,7 +7,6 @@ layers/olmo2/units.py.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 

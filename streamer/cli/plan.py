@@ -133,6 +133,9 @@ def plan_command(args: argparse.Namespace) -> int:
                   f"(--master-dtype {optimizer.master_dtype} --moment-dtype {optimizer.moment_dtype}; at its largest, "
                   f"while a step commits)",
                   markup=False, highlight=False)
+    host = result.host_peak
+    console.print(f"host RAM per process at its peak: {format_size(host.total)} ({host.describe()})",
+                  markup=False, highlight=False)
     console.print(result.table())
     if clipping:
         console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.step.clipped_steps, result.params),
@@ -190,7 +193,9 @@ def _print_compare(out: dict[str, Any], as_json: bool) -> int:
         return 0
     print(f"{out['run']}: step {out['predicted_step_s']:.4g} s predicted, {out['measured_step_s']:.4g} s measured "
           f"({out['step_error']:+.1%}); device peak {format_size(out['predicted_peak_bytes'])} predicted, "
-          f"{format_size(out['measured_peak_bytes'])} measured ({out['peak_error']:+.2%})")
+          f"{format_size(out['measured_peak_bytes'])} measured ({out['peak_error']:+.2%}); host RAM "
+          f"{format_size(out['predicted_host_bytes'])} predicted at its peak, "
+          f"{format_size(out['measured_host_bytes'])} resident at the steps' ends")
     return 0
 
 

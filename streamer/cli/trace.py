@@ -95,9 +95,10 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
 
 
-def memory_lines(trace: Trace, step: int, planned: int | None = None) -> list[str]:
+def memory_lines(trace: Trace, step: int, planned: int | None = None, planned_host: int | None = None) -> list[str]:
     """Step `step`'s measured device peak against the budget, the planner and the 16 B/param baseline, saying
-    whose peak it is: the run's (the highest of the steps the trace was made over) or that one step's."""
+    whose peak it is: the run's (the highest of the steps the trace was made over) or that one step's; and the
+    host's resident peak against the planner's (`planned_host`)."""
     meta, summary, top = trace.meta, trace.summary(step), trace.peak_step()
     peak = summary["peak_bytes"]
     budget = meta.get("budget")
@@ -113,7 +114,8 @@ def memory_lines(trace: Trace, step: int, planned: int | None = None) -> list[st
         baseline = meta["baseline_bytes"]
         lines.append(f"16 B/param baseline (all training state on the device): {meta['params']:,} params -> "
                      f"{format_size(baseline)}, {baseline / peak:.1f}x the streamed peak")
-    lines.append(f"host RSS peak {format_size(summary['host_rss_peak_bytes'])}")
+    lines.append(f"host RSS peak {format_size(summary['host_rss_peak_bytes'])}"
+                 + (f"; the planner predicts {format_size(planned_host)}" if planned_host is not None else ""))
     if meta.get("params") and meta.get("step_disk_read_bytes") is not None:
         read, written, params = meta["step_disk_read_bytes"], meta["step_disk_write_bytes"], meta["params"]
         if read or written:

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from layers import learned_tokens
 from memory_model import format_size
 from memory_model.shapes import step_model_flops
-from streamer.advice import planned_peak
+from streamer.advice import planned_host, planned_peak
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.cli.eval import evaluate_dataset
 from streamer.cli.trace import memory_lines
@@ -315,7 +315,8 @@ def report(s: Session, trained: int, seconds: float, learned: int, console: Cons
         top = trace.peak_step()  # the step `streamer trace` shows by default
         run.write_trace(trace, top)
         console.print(trace.table(step=top))
-        for line in memory_lines(trace, top, planned=_planned_peak(s)):
+        for line in memory_lines(trace, top, planned=_planned_peak(s),
+                                 planned_host=planned_host(s.trainer.cfg, s.cfg, s.devices).total):
             console.print(line)
         peak = _peak_flops(s)
         mfu = ("; no MFU: no peak FLOP/s is known for this device (a --budget preset has one; `streamer calibrate` "

@@ -43,7 +43,7 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     from streamer.errors import StreamerError
     from streamer.run import SettingError
     from streamer.run_dir import RunDir
-    from streamer.advice import peak_plan_config
+    from streamer.advice import peak_plan_config, planned_host
     from streamer.calibration.calibrate import local_spec
 
     run = RunDir.open(run_dir)
@@ -63,10 +63,14 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     predicted_step = statistics.median(replayed_steps(shape, device, cfg, steps, processes)[1:])
     measured_step = statistics.median(r["step_s"] for r in steps[1:])
     measured_peak = max(r["device_peak_bytes"] for r in steps)
+    # The resident set at the end of each step (metrics.jsonl), against the process's planned peak.
+    measured_host = max(r.get("host_rss_bytes", 0) for r in steps)
     return {"run": str(run_dir), "predicted_step_s": predicted_step, "measured_step_s": measured_step,
             "step_error": predicted_step / measured_step - 1,
             "predicted_peak_bytes": predicted.peak_device_bytes, "measured_peak_bytes": measured_peak,
-            "peak_error": predicted.peak_device_bytes / measured_peak - 1, "steps_measured": len(steps) - 1, "processes": processes,
+            "peak_error": predicted.peak_device_bytes / measured_peak - 1,
+            "predicted_host_bytes": planned_host(shape, cfg, processes).total, "measured_host_bytes": measured_host,
+            "steps_measured": len(steps) - 1, "processes": processes,
             "bottleneck": predicted.bottleneck}
 
 

@@ -40,7 +40,9 @@ class Executor:
         # A 4-bit base's units load as their byte slabs (UnitLayout.packed).
         packed = any(layout.packed is not None for layout in layouts.values())
         weights_dtype = torch.uint8 if packed else dtype
-        self.transport = Transport(store, device, dtype, weights_dtype if packed else None)
+        self.transport = Transport(store, device, dtype, weights_dtype if packed else None, lambda: ledger.in_use)
+        if device.type == "cpu":  # the device's bytes are the host's: idle buffers give way to what it allocates
+            ledger.add_listener(lambda _: self.transport.buffers.trim())
         inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)

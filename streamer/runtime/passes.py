@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn

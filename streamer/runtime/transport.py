@@ -183,6 +183,67 @@ class StagingPool:
                 self._free.setdefault((t.numel(), t.dtype), []).append((t, read))
 
 
+class BufferPool:
+    """Flat host buffers reused across sizes: a request takes the smallest free buffer that holds it (at most
+    twice its size, so a unit's last, shorter chunk and a tied head's weights reuse what the others held), viewed
+    as the dtype asked for.
+
+    Where the device is the host's own memory, these buffers are the device's bytes: the ledger charges them
+    while they are handed out, and a free one is kept only while the free ones and what the ledger holds stay
+    within the most it has held (`in_use`, read after each charge: `trim`). So the pool never holds more than
+    the device's peak, whatever sizes a step asks for and however many steps run; a buffer given back beyond
+    that is dropped (a large one is unmapped at once). Without `in_use` every free buffer is kept."""
+
+    GRANULE = 2**21  # capacities rounded up to it: sizes a few elements apart share buffers
+
+    def __init__(self, in_use: Callable[[], int] | None = None) -> None:
+        self._in_use, self._ceiling = in_use, 0
+        self._free: list[torch.Tensor] = []  # uint8 buffers
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.numel() for b in self._free)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * max(nbytes, self.GRANULE)]
+            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+            if buffer is None:
+                self._trim()
+        if buffer is None:
+            buffer = torch.empty(-(-nbytes // self.GRANULE) * self.GRANULE if nbytes > self.GRANULE else nbytes,
+                                 dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype)
+
+    def give_back(self, t: torch.Tensor) -> None:
+        """Return a buffer `take` gave out: the whole of its storage is free again. A buffer never given back is
+        freed as any tensor is, when its last reference goes."""
+        if t.storage_offset() != 0:
+            return  # a piece of a larger tensor is not the caller's to give
+        buffer = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        with self._lock:
+            self._free.append(buffer)
+            self._trim()
+
+    def trim(self) -> None:
+        """Drop free buffers, largest first, until the free ones and the device's bytes in use are within the
+        most it has held: called as the ledger changes, so bytes autograd allocates push out idle buffers."""
+        with self._lock:
+            self._trim()
+
+    def _trim(self) -> None:
+        if self._in_use is None:
+            return
+        in_use = self._in_use()
+        self._ceiling = max(self._ceiling, in_use)
+        free = self.free_bytes
+        self._free.sort(key=torch.Tensor.numel)
+        while self._free and free + in_use > self._ceiling:
+            free -= self._free.pop().numel()
+
+
 def crosses_directly(pin_memory: str) -> bool:
     """Whether a RAM slab crosses to a CUDA device as it lies, with no staging copy on the host: pinned ("all"),
     registered where it lies ("register"), or pageable where nothing is pinned ("none": the driver stages it)."""
@@ -191,9 +252,10 @@ def crosses_directly(pin_memory: str) -> bool:
 
 class Transport:
     def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype,
-                 weights_dtype: torch.dtype | None = None) -> None:
+                 weights_dtype: torch.dtype | None = None, device_in_use: Callable[[], int] | None = None) -> None:
         """`weights_dtype`: what a weights load holds, where not the compute dtype's elements (a 4-bit base's
-        bytes, uint8, read as they are stored)."""
+        bytes, uint8, read as they are stored). `device_in_use`: the device bytes the ledger holds now, which bounds
+        the free buffers kept where the device is the host (`BufferPool`)."""
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
@@ -214,9 +276,9 @@ class Transport:
         self.weights_dtype = weights_dtype or compute_dtype
         if weights_dtype is not None:  # a 4-bit base on disk: its files hold the bytes a load sends, as they are
             self.master_is_weights = True
-        # Free host buffers, by size.
-        self._pool: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
+        # Host buffers: the device's own where it is the host (cpu), else those a copy to the device goes through
+        # when the store has no staging pool.
+        self.buffers = BufferPool(device_in_use if self.mode == "shared" else None)
 
     def close(self) -> None:
         self.copier.close()
@@ -234,13 +296,9 @@ class Transport:
             where = "device"
         if self.mode == "cuda" and where == "device":
             return torch.empty(numel, dtype=dtype, device=self.device)
-        with self._lock:
-            free = self._pool.get((numel, dtype, where))
-            if free:
-                return free.pop()
-        if where == "pinned":
-            return self.staging.take(numel, dtype) if self.staging is not None else torch.empty(numel, dtype=dtype)
-        return torch.empty(numel, dtype=dtype, device=self.device if where == "device" else "cpu")
+        if self.staging is not None and where == "pinned":
+            return self.staging.take(numel, dtype)
+        return self.buffers.take(numel, dtype)
 
     def device_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable device buffer (a unit's all-gathered weights, say); `give_back` it when done."""
@@ -258,8 +316,7 @@ class Transport:
             # Made on the side stream, maybe used on this one: its block is reused once this stream is past here.
             t.record_stream(torch.cuda.current_stream())
             return
-        with self._lock:
-            self._pool.setdefault((t.numel(), t.dtype, where), []).append(t)
+        self.buffers.give_back(t)
 
     def owns(self, t: torch.Tensor, unit: str, kind: str) -> bool:
         """False when `t` is the store's own RAM slab (handed over zero-copy), which must not be pooled."""

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import xxhash
 
+from memory_model.host import STAGE_BYTES, STAGES_IN_FLIGHT
 from streamer.store.slabfile import disk_error, open_for_writing
 
 ALIGN = 4096  # the largest logical block size in use; any smaller one divides it
 # A direct write is synchronous. Filling one stage while the previous one is written hides the copy into the
 # stage (a third of a 64 MiB file's write time on this project's box) behind the disk's; 8 MiB writes stream
-# at the disk's sequential speed there, as 32 MiB ones do.
-STAGE_BYTES = 8 * 2**20
-STAGES_IN_FLIGHT = 2
+# at the disk's sequential speed there, as 32 MiB ones do. Their size and count (STAGE_BYTES, STAGES_IN_FLIGHT)
+# live in memory_model.host, which prices them in host memory.
 
 
 class AlignedBuffers:

@@ -12,6 +12,7 @@ import torch
 
 from layers import ModelConfig
 from layers.quant4 import Quant4
+from memory_model.host import staging_pool_bytes
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
@@ -26,12 +27,6 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # works on): the RAM store's slabs too (copied into torch's pinned memory, or registered where they lie), only a
 # bounded pool of staging buffers, or nothing.
 PIN_MODES = ("all", "register", "staging", "none")
-# The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
-# their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
-# update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
-# being updated and the one loaded next.
-STAGING_UNITS = 2
-STAGING_CHUNK_SETS = 2
 
 
 def _error(key: str, problem: str) -> StoreError:
@@ -186,9 +181,7 @@ class StoreSpec:
         buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
         largest = max(self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
                       for unit in self._unit_kinds())
-        chunk = min(self.chunk, largest)
-        units = STAGING_UNITS + self.placement.loads_read_master(self.compute_is_master)
-        return 4 * (units * largest + STAGING_CHUNK_SETS * (len(STATE_KINDS) + 1) * chunk)
+        return staging_pool_bytes(largest, self.chunk, self.placement.loads_read_master(self.compute_is_master))
 
     def _unit_kinds(self) -> list[str]:
         """One unit of each type: every block has the same shapes."""

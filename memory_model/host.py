@@ -1,0 +1,144 @@
+"""The host memory one process of a run holds at its peak, priced as the device's is: what `streamer plan` prints
+beside device memory, and what `streamer train` checks against the machine's available RAM.
+
+- `base`: the process itself (Python, torch, the tokenizer and data), measured once (`BASE_BYTES`);
+- `store`: the RAM tier's slabs;
+- `device`: where the device is the host (the cpu device), the device's own bytes at its planned peak: its
+  buffers are host memory, and the runtime's pool of them keeps no more than the device has held at once
+  (`streamer.runtime.transport.BufferPool`);
+- `staging`: on an accelerator, the bounded pool of host buffers loads and offloads cross through
+  (`staging_pool_bytes`);
+- `fold`: disk-tier gradients, folded in host memory into one fp32 buffer of the largest unit;
+- `master`: where the device is the host, the fp32 master a fused update takes from its unit's weights load, kept
+  from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged);
+- `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
+  `STAGES_IN_FLIGHT` being written), one chunk's state in its stored form (a bf16 master, int8 moments), and
+  where the device is the host, the chunks whose write-back is still running after their release (`prefetch` of
+  them at most, fp32 state and gradient);
+- `activations`: offloaded block inputs (`--activations offload`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from layers import ModelConfig
+from layers.packed4 import unit_bytes
+from memory_model.ledger import CATEGORIES
+from memory_model.schedule import Event, shard_numel
+from memory_model.shapes import (
+    GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
+)
+from memory_model.units import format_size
+
+# ru_maxrss of `streamer train` on a 2-layer Llama of hidden size 64 and 512 tokens (batch 1 x 128, 2 steps) on
+# this project's box: 0.357 GiB on the RAM tier, 0.359 GiB on the disk tier; tests/test_host_memory.py
+# measures it again beside each tier's run.
+BASE_BYTES = 368 * 2**20
+# A state file is written through page-aligned stages of this size, one filling while STAGES_IN_FLIGHT are written
+# (streamer.store.direct).
+STAGE_BYTES = 8 * 2**20
+STAGES_IN_FLIGHT = 2
+# The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
+# their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
+# update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
+# being updated and the one loaded next.
+STAGING_UNITS = 2
+STAGING_CHUNK_SETS = 2
+STAGED_KINDS = 4  # master, exp_avg, exp_avg_sq and the gradient
+
+
+def staging_pool_bytes(largest: int, chunk: int, loads_read_master: bool) -> int:
+    """The bound of an accelerator's pool of host staging buffers: `largest`, the elements of the largest unit a
+    process stores; `chunk`, of an update chunk."""
+    units = STAGING_UNITS + loads_read_master
+    return 4 * (units * largest + STAGING_CHUNK_SETS * STAGED_KINDS * min(chunk, largest))
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """One process's host memory at its peak, by part (the module's docstring says what each holds)."""
+
+    base: int
+    store: int
+    device: int
+    staging: int
+    fold: int
+    master: int
+    writes: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {format_size(n)}" for name, n in asdict(self).items() if n)
+
+
+def store_kinds(shape: ModelConfig, cfg: PlanConfig) -> dict[str, tuple[str, int]]:
+    """Each kind of one process's store: (its tier, its bytes). A frozen base (LoRA) is stored as its compute
+    weights alone: no master, moments or gradient. Compute weights in the master's dtype are the master: no copy."""
+    stored, store = shard_numel(shape.num_params(), cfg.shards), cfg.step.store
+    frozen = cfg.lora.enabled
+    kinds = {"compute": (store.compute, stored * (cfg.dtype_bytes if frozen or not cfg.compute_is_master else 0))}
+    if cfg.lora.load_in_4bit:  # each unit's packed slab
+        kinds["compute"] = (store.compute, sum(unit_bytes(shape, unit, cfg.dtype_bytes,
+                                                          cfg.lora.bnb_4bit_use_double_quant)
+                                               for unit in shape.unit_names()))
+    if not frozen:
+        kinds.update(state=(store.state, stored * cfg.master_bytes + cfg.moment_bytes(stored)),
+                     grad=(store.grad, stored * GRAD_ACCUM_BYTES_PER_PARAM))
+    return kinds
+
+
+def offloaded_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
+    """Offloaded block inputs in host memory at most, per device: every block's input of one micro-batch."""
+    return offloaded_inputs_bytes(shape, cfg.micro_batch, cfg.seq, cfg.dtype_bytes) if cfg.step.offloads_inputs else 0
+
+
+def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfig) -> int:
+    """The highest moment's device bytes less those that are the store's RAM slabs, handed to the compute as
+    they lie where the device is the host: a weights load of the compute copy in RAM, an update's fp32 master and
+    moments in RAM, and its gradient in the RAM accumulator, or in a fused step the one the fold left (priced
+    apart: `fold`). What is read from a file, widened or dequantized takes buffers of its own."""
+    store = cfg.step.store
+    weights_lie = store.compute == "ram" and not store.loads_read_master(cfg.compute_is_master)
+    in_ram = store.state == "ram"
+    own_state = (0 if in_ram and cfg.master_dtype == "fp32" else 4) + (0 if in_ram and cfg.moment_dtype == "fp32" else 8)
+    peak = 0
+    for event, nbytes in moments:
+        held = dict(zip(CATEGORIES, nbytes))
+        if weights_lie:
+            held["weights"] = 0
+        if event.phase == "update":
+            held["optimizer"] = held["optimizer"] * own_state // OPTIMIZER_BYTES_PER_PARAM
+            if store.grad == "ram" or cfg.fused:
+                held["gradients"] = 0
+        peak = max(peak, sum(held.values()))
+    return peak
+
+
+def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostBytes:
+    """`shared`: where the device is the host, the device bytes at its peak that are host memory of their own
+    (`shared_peak`); None where the device has its own memory."""
+    frozen, store, same_memory = cfg.lora.enabled, cfg.step.store, shared is not None
+    store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier == "ram")
+    largest = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names())
+    chunk = min(cfg.step.update_chunk, largest)
+    state_on_disk = store.state == "disk" and not frozen
+    # Kinds stored other than in fp32: read into a buffer of their own and widened (the read thread), and
+    # narrowed into one when written (the write thread).
+    narrowed = (chunk * cfg.master_bytes if cfg.master_dtype != "fp32" else 0) + \
+        (cfg.moment_bytes(chunk) if cfg.moment_dtype != "fp32" else 0)
+    stored_chunk = 2 * narrowed if state_on_disk else 0
+    lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) \
+        if state_on_disk and same_memory and cfg.step.update_on != "host" else 0
+    return HostBytes(
+        base=BASE_BYTES, store=store_ram, device=shared or 0,
+        staging=0 if same_memory else staging_pool_bytes(largest, chunk,
+                                                         store.loads_read_master(cfg.compute_is_master)),
+        fold=largest * GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" and not frozen else 0,
+        master=4 * largest if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
+        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk + lagging,
+        activations=offloaded_bytes(shape, cfg))
