@@ -187,7 +187,7 @@ def assert_eval_is_transformers(capsys, run: Path, tiny_setup: Path, tmp_path: P
     exact = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, **EAGER_EXPERTS).eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for ids, labels, positions in dataset.batches(3):
+        for ids, labels, positions, _ in dataset.batches(3):
             count = learned_tokens(labels)
             total += exact(ids, labels=labels, position_ids=positions).loss.item() * count
             tokens += count

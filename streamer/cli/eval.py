@@ -78,10 +78,10 @@ def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int) ->
     (a prompt/completion sequence predicts only its completion).
     """
     total, tokens = 0.0, 0
-    for ids, labels, positions in dataset.batches(batch):
+    for ids, labels, positions, mask in dataset.batches(batch):
         count = learned_tokens(labels)
         if count:
-            total += trainer.evaluate(ids, labels, positions) * count
+            total += trainer.evaluate(ids, labels, positions, mask) * count
             tokens += count
     if tokens == 0:
         raise RunError("the data holds no token to predict; pass data with text or completions")

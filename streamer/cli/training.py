@@ -123,13 +123,13 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
         if first == 0 and cfg.eval_every:
             evaluate(s, progress.console)  # the baseline every later evaluation is read against
         while trainer.step_count < cfg.steps:
-            ids, labels, positions = next(s.stream)
+            ids, labels, positions, mask = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
             step = trainer.step_count + 1
             window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
             try:
-                loss = trainer.step(ids, labels, positions)
+                loss = trainer.step(ids, labels, positions, mask)
             finally:
                 step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
@@ -248,11 +248,12 @@ def evaluate(s: Session, console: Console) -> float | None:
     cfg, losses = s.cfg, []
     # The trainer splits a batch over the processes, then into grad_accum micro-batches.
     split = cfg.trainer.step.grad_accum * (1 if s.parallel is None else s.parallel.world)
-    for i, (ids, labels, positions) in enumerate(s.held_out.batches(cfg.batch)):
+    for i, (ids, labels, positions, mask) in enumerate(s.held_out.batches(cfg.batch)):
         usable = ids.shape[0] - ids.shape[0] % split
         if i == cfg.eval_batches or usable == 0:
             break
-        local = s.trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable])
+        local = s.trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable],
+                                   None if mask is None else mask[:usable])
         losses.append(local if s.parallel is None else s.parallel.mean(local))
     if not losses:
         return None
