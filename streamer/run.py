@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 
 from layers import PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
+from memory_model.expert_groups import checked_group
 from memory_model.lora import check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
@@ -142,6 +143,13 @@ class RunConfig:
         """--lora-targets must name projections of the model's family."""
         try:
             check_targets(model, self.trainer.lora)
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
+
+    def check_expert_groups(self, model: ModelConfig, devices: int = 1) -> None:
+        """--expert-group-size must fit the model's experts, as `streamer plan` checks it (`checked_group`)."""
+        try:
+            checked_group(model, self.trainer.step.expert_group_size, self.trainer.lora.enabled, devices)
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
 
