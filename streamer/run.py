@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from layers import PRESETS, ConfigError, ModelConfig
+from layers import FAMILIES, PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.expert_groups import checked_group
 from memory_model.lora import check_targets
@@ -60,8 +60,9 @@ class RunConfig:
     report: ReportConfig = branch(ReportConfig)
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
-    from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer): "
-                                                "GPT-J, Llama, Mistral, Qwen2 or Qwen3", Text(), "HF_DIR")
+    from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer) "
+                                                "whose config.json's model_type is one of %s" % ", ".join(FAMILIES),
+                                          Text(), "HF_DIR")
     run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
                                         "(default: runs/<name>-<time>)", Text(), "DIR")
     steps: int = setting(100, "optimizer steps in all (with --resume: the new total)", Integer())

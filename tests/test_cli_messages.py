@@ -261,3 +261,14 @@ def test_eval_reads_chat_data_with_the_template_its_error_advises(capsys, tmp_pa
                            "--long-examples", "drop")
     assert rc == 0, err
     assert int(re.search(r"over (\d+) sequences", out).group(1)) < 4  # conversations share sequences
+
+
+def test_a_folder_of_gguf_files_is_told_they_are_not_read(capsys, tmp_path, tiny_setup):
+    """--from-pretrained on a folder holding a GGUF file alone: one line saying so, and nothing written."""
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    error = fails(capsys, "train", "--from-pretrained", folder, "--data", tiny_setup / "train.txt",
+                  "--run-dir", tmp_path / "run")
+    assert "holds GGUF files (model-Q4_K_M.gguf), which are not read yet: pass the Hugging Face folder" in error
+    assert not (tmp_path / "run").exists()

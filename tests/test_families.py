@@ -59,6 +59,13 @@ def test_every_family_is_documented() -> None:
     assert re.findall(r"^- `(\w+)`", section, flags=re.M) == list(FAMILIES)
 
 
+def test_the_from_pretrained_help_names_every_family(capsys) -> None:
+    """`streamer train --help` lists the model_types --from-pretrained reads: every registered family."""
+    rc, out, _ = run_cli(capsys, "train", "--help")
+    assert rc == 0
+    assert f"model_type is one of {', '.join(FAMILIES)}" in " ".join(out.split())
+
+
 def test_every_preset_is_documented() -> None:
     """docs/CLI.md's `--model` names every preset of every family."""
     text = (ROOT / "docs" / "CLI.md").read_text()
