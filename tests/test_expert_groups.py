@@ -273,3 +273,12 @@ def test_train_groups_the_experts_where_whole_blocks_exceed_its_budget(capsys, t
     assert f"experts in groups of 4: whole blocks need {format_size(needs[0])}" in out
     assert "expert_group_size = 4" in (tmp_path / "run" / "config.toml").read_text()
     assert "too small" in fails(capsys, "train", *argv, "--run-dir", tmp_path / "small", "--budget", needs[1] - 1)
+    # `plan` searches the same way (expert_groups.fewest_groups_within): on a device with that much memory, no
+    # reserve and no CUDA allocator, it chooses the same groups, and whole blocks where the budget holds them.
+    step = [a for a in argv if a.split("=")[0] in {f"--{k}" for k in ("model", "batch", "seq", "dtype", "store",
+                                                                       "activations", "update-chunk")}]
+    for budget, size in ((needs[4], 4), (needs[2], 2), (needs[0], 0)):
+        rc, out, err = run_cli(capsys, "plan", *step, "--update-on", "device", "--target", "cs2", "--set",
+                               f"memory_bytes={budget}", "--json")
+        assert rc == 0, err
+        assert json.loads(out)["config"]["expert_group_size"] == size
