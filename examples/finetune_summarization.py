@@ -73,8 +73,9 @@ def main() -> None:
     with StreamingTrainer(MODEL, tc, store_dir=args.out / "store") as trainer:
         print(f"step    0: held-out loss {trainer.evaluate(eval_ids, eval_labels):.3f}")
         for step in range(1, args.steps + 1):
-            ids, labels, positions = next(batches)  # positions: None, one example a sequence
-            loss = trainer.step(ids, labels, positions)
+            # positions: None, one example a sequence; mask: transformers' attention mask, False on padding
+            ids, labels, positions, mask = next(batches)
+            loss = trainer.step(ids, labels, positions, mask)
             if step % 25 == 0 or step == args.steps:
                 print(f"step {step:4d}: train loss {loss:.3f}, held-out loss "
                       f"{trainer.evaluate(eval_ids, eval_labels):.3f}")

@@ -484,11 +484,21 @@ def _family_of(model_type: Any) -> type[ModelConfig]:
     return found
 
 
+def gguf_note(folder: Path) -> str:
+    """'; it holds GGUF files (x.gguf), which are not read: ...' where `folder` holds any, else ''."""
+    found = sorted(p.name for p in folder.glob("*.gguf")) if folder.is_dir() else []
+    if not found:
+        return ""
+    return (f"; it holds GGUF files ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), which are not read "
+            "yet: pass the Hugging Face folder (config.json and safetensors) the GGUF was made from")
+
+
 def read_hf_json(path: Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no model config at {path}; pass a config.json or the folder that holds it")
+        raise ConfigError(f"no model config at {path}; pass a config.json or the folder that holds it"
+                          f"{gguf_note(path.parent)}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Notepad) is no error
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

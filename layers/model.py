@@ -41,7 +41,8 @@ class AuxiliaryLoss(abc.ABC):
         """The term (a 0-dim fp32 tensor, scaled as the loss it is added to), once every block has counted."""
 
 
-def no_auxiliary_loss(cfg: ModelConfig, scale: float, device: torch.device) -> AuxiliaryLoss | None:
+def no_auxiliary_loss(cfg: ModelConfig, scale: float, device: torch.device,
+                      attention_mask: torch.Tensor | None) -> AuxiliaryLoss | None:
     """A family whose loss is the language model's alone."""
     return None
 
@@ -49,15 +50,17 @@ def no_auxiliary_loss(cfg: ModelConfig, scale: float, device: torch.device) -> A
 @dataclass(frozen=True)
 class FamilyUnits:
     """A family's torch side: the module of each kind of unit and the resident model. Each takes the family's
-    config; a block also its `ModelConfig.layer_types()` entry. `auxiliary(cfg, scale, device)`: a new forward
-    call's auxiliary loss where cfg asks for one (None: the loss is the language model's alone), its term
-    multiplied by `scale` beyond the family's coefficient."""
+    config; a block also its `ModelConfig.layer_types()` entry. `auxiliary(cfg, scale, device, attention_mask)`: a
+    new forward call's auxiliary loss where cfg asks for one (None: the loss is the language model's alone), its
+    term multiplied by `scale` beyond the family's coefficient, over the tokens transformers' attention mask
+    (B, T) keeps (None: every token)."""
 
     embed: Callable[[ModelConfig], nn.Module]
     block: Callable[[ModelConfig, str], nn.Module]
     head: Callable[[ModelConfig], nn.Module]
     model: Callable[[ModelConfig, bool], "CausalLM"]  # (cfg, init): HF's initialisation unless init is False
-    auxiliary: Callable[[ModelConfig, float, torch.device], AuxiliaryLoss | None] = no_auxiliary_loss
+    auxiliary: Callable[[ModelConfig, float, torch.device, torch.Tensor | None], AuxiliaryLoss | None] = \
+        no_auxiliary_loss
 
 
 def family_units(cfg: ModelConfig) -> FamilyUnits:
@@ -102,10 +105,13 @@ class CausalLM(nn.Module):
 
     cfg: ModelConfig
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
-        """transformers' `loss` of the batch (no attention mask): the causal-LM loss (`causal_lm_loss`), plus the
-        auxiliary loss where the config asks for one, whose gradient the backward adds (`AuxiliaryLoss`)."""
-        auxiliary = family_units(self.cfg).auxiliary(self.cfg, 1.0, input_ids.device)
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: float | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' `loss` of the batch: the causal-LM loss (`causal_lm_loss`), plus the auxiliary loss where
+        the config asks for one, whose gradient the backward adds (`AuxiliaryLoss`). `attention_mask` (B, T):
+        transformers', False on padding at the end of a row (which the labels leave unlearned); only the
+        auxiliary loss reads it."""
+        auxiliary = family_units(self.cfg).auxiliary(self.cfg, 1.0, input_ids.device, attention_mask)
         with contextlib.nullcontext() if auxiliary is None else auxiliary.recording(counting=True):
             loss = causal_lm_loss(self(input_ids), labels, num_items)
         return loss if auxiliary is None else loss + auxiliary.value()

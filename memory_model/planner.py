@@ -18,7 +18,7 @@ from layers.config import ModelConfig
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
-    backward_moment, expert_group, forward_moment, group_sizes, grouped, grouped_block_numel, last_gradient,
+    backward_moment, expert_group, fewest_groups_within, forward_moment, grouped, grouped_block_numel, last_gradient,
     reloaded,
 )
 from memory_model.host import HostBytes, host_bytes, offloaded_bytes, shared_peak, store_kinds
@@ -352,14 +352,14 @@ def fewest_expert_groups(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig
     on one device (`expert_group`)."""
     if cfg.step.expert_group_size:
         return cfg.step.expert_group_size
-    for size in group_sizes(shape, cfg):
-        trial = cfg.replace(expert_group_size=size)
+
+    def needs(trial: PlanConfig) -> int:
         events = _events(shape, trial)
         moments = _memory_walk(shape, trial, events, resident_sets(events, cfg.step.prefetch), cfg.micro_batch,
                                cfg.seq)
-        if allocated_peak_bytes(moments, device) + device.reserve_bytes <= device.memory_bytes:
-            return 0 if size == shape.experts() else size
-    return 0
+        return allocated_peak_bytes(moments, device) + device.reserve_bytes
+
+    return fewest_groups_within(shape, cfg, int(device.memory_bytes), needs) or 0
 
 
 def allocated_peak_bytes(moments: list[tuple[Event, tuple[int, ...]]], device: DeviceSpec) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
 from memory_model.allocator import workspace_bytes
-from memory_model.expert_groups import group_sizes
+from memory_model.expert_groups import fewest_groups_within
 from memory_model.host import HostBytes, host_bytes
 from memory_model.ledger import round_up_size
 from memory_model.planner import shared_peak_bytes
@@ -84,9 +84,9 @@ def alternatives(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = ""
 def _fewest_expert_groups(shape: ModelConfig, pc: PlanConfig, budget: int, arch: str = "") -> int | None:
     """The most experts a block can load at once below what `pc` loads (one process, full fine-tuning) for the
     step to fit `budget`, or None."""
+    fitting = fewest_groups_within(shape, pc, budget, lambda trial: _needs(shape, trial, arch))
     now = pc.step.expert_group_size or shape.experts()
-    sizes = [g for g in group_sizes(shape, pc) if g < now]
-    return next((g for g in sizes if _needs(shape, pc.replace(expert_group_size=g), arch) <= budget), None)
+    return fitting if fitting is not None and (fitting or shape.experts()) < now else None
 
 
 def fit_expert_groups(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> tuple[RunConfig, str | None]:

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from layers import PRESETS, ConfigError, ModelConfig
+from layers import FAMILIES, PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
+from memory_model.expert_groups import checked_group
 from memory_model.lora import check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
@@ -60,8 +61,9 @@ class RunConfig:
     report: ReportConfig = branch(ReportConfig)
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
-    from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer): "
-                                                "GPT-J, Llama, Mistral, Qwen2 or Qwen3", Text(), "HF_DIR")
+    from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer) "
+                                                "whose config.json's model_type is one of %s" % ", ".join(FAMILIES),
+                                          Text(), "HF_DIR")
     run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
                                         "(default: runs/<name>-<time>)", Text(), "DIR")
     steps: int = setting(100, "optimizer steps in all (with --resume: the new total)", Integer())
@@ -169,6 +171,13 @@ class RunConfig:
         """--lora-targets must name projections of the model's family."""
         try:
             check_targets(model, self.trainer.lora)
+        except BaseSettingError as exc:
+            raise SettingError(exc.key, exc.problem) from None
+
+    def check_expert_groups(self, model: ModelConfig, devices: int = 1) -> None:
+        """--expert-group-size must fit the model's experts, as `streamer plan` checks it (`checked_group`)."""
+        try:
+            checked_group(model, self.trainer.step.expert_group_size, self.trainer.lora.enabled, devices)
         except BaseSettingError as exc:
             raise SettingError(exc.key, exc.problem) from None
 

@@ -226,19 +226,21 @@ class StreamingTrainer:
     def step_count(self) -> int:
         return self.store.step if self.store is not None else 0
 
-    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
-                       positions: torch.Tensor | None,
+    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None,
                        reference: torch.Tensor | None = None) -> tuple[list[MicroBatch], float]:
         """This process's micro-batches, and StepContext's tokens (counted on the global batch every rank holds).
         `reference`: DPO's pairs (`step`), each micro-batch's with its objective."""
         labels = input_ids if labels is None else labels
         if self.tc.objective.preference:
-            input_ids, labels, reference = self._pair_blocks(input_ids, labels, positions, reference)
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape or (
-                positions is not None and positions.shape != input_ids.shape):
-            raise StreamerError(f"input_ids must be (batch, seq) and labels and positions the same shape; got "
-                                f"{tuple(input_ids.shape)}, {tuple(labels.shape)} and "
-                                f"{None if positions is None else tuple(positions.shape)}")
+            input_ids, labels, attention_mask, reference = self._pair_blocks(input_ids, labels, positions,
+                                                                             attention_mask, reference)
+        if input_ids.dim() != 2 or any(t is not None and t.shape != input_ids.shape
+                                       for t in (labels, positions, attention_mask)):
+            raise StreamerError(f"input_ids must be (batch, seq) and labels, positions and attention_mask the same "
+                                f"shape; got {tuple(input_ids.shape)}, {tuple(labels.shape)}, "
+                                f"{None if positions is None else tuple(positions.shape)} and "
+                                f"{None if attention_mask is None else tuple(attention_mask.shape)}")
         context, why = self.cfg.context()
         if input_ids.shape[1] > context:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
@@ -248,16 +250,17 @@ class StreamingTrainer:
             raise StreamerError(f"positions must lie in [0, {input_ids.shape[1]}) (the sequence length)")
         # Over the ranks, whose gradients the all-reduce averages.
         tokens = (labels.numel() if labels.is_meta else learned_tokens(labels)) / self.processes
-        rows = [input_ids, labels] + ([] if positions is None else [positions])
+        rows = [input_ids, labels, positions, None if attention_mask is None else attention_mask.bool()]
         if self.data_parallel is not None:
-            rows = [self.data_parallel.shard(t) for t in rows]
+            rows = [None if t is None else self.data_parallel.shard(t) for t in rows]
         input_ids = rows[0]
         if input_ids.shape[0] % self.tc.step.grad_accum:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
                                 f"grad_accum={self.tc.step.grad_accum}")
         device = self.executor.device
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
-        pieces = [[p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
+        pieces = [[None] * self.tc.step.grad_accum if t is None else
+                  [p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
         micro = [MicroBatch(*piece) for piece in zip(*pieces)]
         if reference is not None:
             pairs = input_ids.shape[0] // 2  # this process's share of the step's pairs
@@ -269,7 +272,8 @@ class StreamingTrainer:
         return micro, tokens
 
     def _pair_blocks(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
-                     reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     attention_mask: torch.Tensor | None, reference: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """DPO's rows, chosen then rejected (TRL's order), laid out so that every micro-batch of every process
         holds whole pairs: one block of chosen rows then their rejected rows per micro-batch."""
         if positions is not None:
@@ -287,7 +291,8 @@ class StreamingTrainer:
         def blocked(t: torch.Tensor) -> torch.Tensor:
             chosen, rejected = t.chunk(2)
             return torch.cat([part for pair in zip(chosen.chunk(blocks), rejected.chunk(blocks)) for part in pair])
-        return blocked(input_ids), blocked(labels), blocked(reference)
+        return (blocked(input_ids), blocked(labels), None if attention_mask is None else blocked(attention_mask),
+                blocked(reference))
 
     def reference_logps(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Each row's log-probability of its learned tokens (labels not -100, shifted) under the reference model,
@@ -314,14 +319,17 @@ class StreamingTrainer:
         return local if self.data_parallel is None else torch.cat(self.data_parallel.gather(local))
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-             positions: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> float:
+             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             reference: torch.Tensor | None = None) -> float:
         """One optimizer step over the batch (in grad_accum micro-batches); returns the mean loss per learned token.
         `positions` (batch, seq): rows of packed examples, each token's position in its own example (restarting
-        at 0, streamer.io.data.Dataset.positions); each example then attends only to itself.
+        at 0, streamer.io.data.Dataset.positions); each example then attends only to itself. `attention_mask`
+        (batch, seq): transformers', False on the padding after a row's examples (Dataset.attention_mask), which
+        a mixture's load-balancing loss leaves out; None: no padding.
         With --method dpo the rows are pairs, every chosen row then every rejected row (TRL's order), labels -100
         but on the completion, `reference` each row's `reference_logps`; it returns the pairs' mean DPO loss, and
         `metrics` TRL's logged metrics of the step."""
-        micro, tokens = self._micro_batches(input_ids, labels, positions, reference)
+        micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference)
         if self.store is not None:
             self._writable().check_consistent()  # an update stopped part-way in this process: reopen the run
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
@@ -531,10 +539,11 @@ class StreamingTrainer:
         self.writer.finish_step(step, trainer_state)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> float:
+                 positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 reference: torch.Tensor | None = None) -> float:
         """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes.
         With --method dpo, the pairs' mean DPO loss (`reference` as step's)."""
-        micro, tokens = self._micro_batches(input_ids, labels, positions, reference)
+        micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference)
         losses = []
         for batch in micro:
             ctx = StepContext([batch], self.step_count, 0.0, tokens)

@@ -112,6 +112,34 @@ def test_a_disk_tier_run_whose_fused_steps_clip_stays_within_the_planned_peak(ca
     assert f"the planner predicts {format_size(planned_peak(cfg.model_config(), cfg))}" in out
 
 
+@pytest.mark.parametrize("schedule", ["after-backward", "norm-first"])
+def test_a_clipped_steps_traced_peak_is_plans_figure_for_it(capsys, tmp_path, tiny_setup, schedule: str):
+    """A step that clips after one that did: its traced peak is `plan`'s figure for a step that clips on its
+    schedule, to the byte. The first step, whose fused attempt was undone, lies between that figure and the
+    planned peak (the fused step's, higher here than after-backward's)."""
+    run, step = tmp_path / "r", ["--batch", 4, "--seq", 32, "--dtype", "fp32", "--store", "disk", "--update-on",
+                                 "device", "--clipped-steps", schedule]
+    args = tiny_args(tiny_setup, run, 2, *step, "--max-grad-norm", 1e-6)
+    rc, _, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    rc, out, err = run_cli(capsys, "plan", "--model", tiny_setup / "config.json", *step, "--json")
+    assert rc == 0, err
+    planned = json.loads(out)
+    clipped = planned["clipped_steps"][schedule]["peak_bytes"]
+
+    def traced(n: int) -> int:
+        rc, out, err = run_cli(capsys, "trace", run, "--step", n, "--json")
+        assert rc == 0, err
+        return json.loads(out)["peak_bytes"]
+
+    assert [(m["schedule"], m["redone"]) for m in RunDir(run).read_metrics() if "loss" in m] == [
+        (schedule, True), (schedule, False)]
+    assert traced(2) == clipped
+    assert clipped <= traced(1) <= planned["peak_device_bytes"]
+    if schedule == "after-backward":
+        assert clipped < planned["peak_device_bytes"]  # the fused step peaks higher: the planned peak is its
+
+
 def test_a_run_whose_steps_clip_norm_first_logs_each_steps_schedule(capsys, tmp_path, tiny_setup):
     """--clipped-steps norm-first: the first step's speculative fused attempt is undone and the step made
     norm-first, as is every later step that follows one that clipped; each record says so, and the run's peak

@@ -2,9 +2,11 @@
 CLI flag that fixes it (not a Python argument)."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +187,88 @@ def test_a_run_dir_on_a_read_only_filesystem_is_named_so(tiny_setup, tmp_path, c
     assert line == (f"error: {mount} is on a read-only filesystem, where the run's store cannot be written; "
                     "choose a folder on a writable one with --run-dir")
     assert list(mount.iterdir()) == []
+
+
+# --- every flag an error advises is one its command takes ---------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+# The data layer's errors reach every command that reads --data (train, eval), but for these, each one command's
+# own: generate's --messages and chat prompt, train's resumed batch order.
+ONE_COMMANDS = {"read_messages": "generate", "chat_prompt": "generate", "BatchStream": "train"}
+TORCHRUN = {"--nnodes", "--nproc-per-node"}  # torchrun's own, in the torchrun command a message prints
+
+
+def _advised(path: Path) -> list[tuple[str, str]]:
+    """(top-level function or class, message) for each error a module raises: its string parts joined."""
+    advised = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            for r in ast.walk(node):
+                if isinstance(r, ast.Raise):
+                    advised.append((node.name, "".join(c.value for c in ast.walk(r)
+                                                       if isinstance(c, ast.Constant) and isinstance(c.value, str))))
+    return advised
+
+
+def test_every_flag_an_error_advises_is_one_its_command_takes():
+    """Each command's module, and the data layer for every command that reads --data: a flag an error names is
+    one that command's parser takes, or one of the command the message tells to run (`train with --x`)."""
+    commands = build_parser()._subparsers._group_actions[0].choices
+
+    def takes(command: str) -> set[str]:
+        return {o for action in commands[command]._actions for o in action.option_strings}
+
+    def check(command: str, module: str) -> int:
+        flags = 0
+        for where, message in _advised(ROOT / "streamer" / module):
+            named = re.findall(r"\b(train|eval|plan|generate|export) with\b|streamer (\w+)", message)
+            allowed = takes(command).union(*(takes(a or b) for a, b in named if (a or b) in commands)) | TORCHRUN
+            advised = set(re.findall(r"(--[a-z][a-z-]*)", message))
+            assert advised <= allowed, (command, module, where, message)
+            flags += len(advised)
+        return flags
+
+    checked = 0
+    for command in ("train", "plan", "eval", "generate", "export", "trace", "devices", "calibrate"):
+        checked += sum(check(command, m) for m in [f"cli/{command}.py"] + (["cli/training.py"] * (command == "train")))
+    for module in ("io/data.py", "io/chat.py", "io/records.py", "io/tokenizer.py"):
+        for where, message in _advised(ROOT / "streamer" / module):
+            readers = [ONE_COMMANDS[where]] if where in ONE_COMMANDS else ["train", "eval"]
+            for command in readers:
+                advised = set(re.findall(r"(--[a-z][a-z-]*)", message))
+                assert advised <= takes(command), (command, module, where, message)
+                checked += len(advised)
+    assert checked > 20  # the messages are found
+
+
+def test_eval_reads_chat_data_with_the_template_its_error_advises(capsys, tmp_path, tiny_setup):
+    """A run without a chat template, evaluated on chat data: the error names --chat-template, which eval takes;
+    --pack and --long-examples are eval's too, as train's."""
+    run = tmp_path / "run"
+    rc, _, err = run_cli(capsys, *train_argv(tiny_setup, run, tiny_setup / "train.txt", "--steps", 1))
+    assert rc == 0, err
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Hi {i}"},
+                                                     {"role": "assistant", "content": "Hello."}]}) + "\n"
+                            for i in range(4)))
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    error = fails(capsys, "eval", run, "--data", chat)
+    assert "has no chat_template; pass --chat-template FILE" in error and "--tokenizer" not in error
+    rc, out, err = run_cli(capsys, "eval", run, "--data", chat, "--chat-template", template)
+    assert rc == 0, err
+    assert "over 4 sequences" in out
+    rc, out, err = run_cli(capsys, "eval", run, "--data", chat, "--chat-template", template, "--seq", 64, "--pack",
+                           "--long-examples", "drop")
+    assert rc == 0, err
+    assert int(re.search(r"over (\d+) sequences", out).group(1)) < 4  # conversations share sequences
+
+
+def test_a_folder_of_gguf_files_is_told_they_are_not_read(capsys, tmp_path, tiny_setup):
+    """--from-pretrained on a folder holding a GGUF file alone: one line saying so, and nothing written."""
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    error = fails(capsys, "train", "--from-pretrained", folder, "--data", tiny_setup / "train.txt",
+                  "--run-dir", tmp_path / "run")
+    assert "holds GGUF files (model-Q4_K_M.gguf), which are not read yet: pass the Hugging Face folder" in error
+    assert not (tmp_path / "run").exists()

@@ -90,8 +90,11 @@ def test_prompt_examples_pack_without_splitting():
     assert data.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]]
     assert tokenize(examples, TOK, seq=8).positions is None  # one example per row: the plain causal path
     assert data.subset(torch.tensor([1])).positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
-    ids, labels, positions = next(BatchStream(data, batch=2))
+    # transformers' attention mask: False on the padding after a row's examples alone.
+    assert data.attention_mask.tolist() == [[True] * 8, [True] * 5 + [False] * 3]
+    ids, labels, positions, mask = next(BatchStream(data, batch=2))
     assert sorted(positions.tolist()) == sorted(data.positions.tolist())
+    assert sorted(mask.tolist()) == sorted(data.attention_mask.tolist())
 
 
 def test_a_packed_example_learns_nothing_from_the_one_before():
@@ -195,7 +198,7 @@ def test_resume_mid_epoch_continues_identically():
     expected = [next(reference) for _ in range(10)]
     resumed = BatchStream(data, batch=3, seed=1)
     resumed.load_state_dict(state)
-    for (ids, labels, _), (want_ids, want_labels, _) in zip((next(resumed) for _ in range(10)), expected):
+    for (ids, labels, _, _), (want_ids, want_labels, _, _) in zip((next(resumed) for _ in range(10)), expected):
         assert torch.equal(ids, want_ids) and torch.equal(labels, want_labels)
 
 

@@ -74,7 +74,7 @@ def test_the_logged_eval_loss_is_the_token_mean_with_a_short_last_batch(capsys, 
     assert run_cli(capsys, "export", run, hf)[0] == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).double().eval()
     dataset = load_dataset(held_out, load_tokenizer(RunDir(run).tokenizer), 32)
-    ids, labels, _ = next(dataset.batches(len(dataset)))
+    ids, labels, _, _ = next(dataset.batches(len(dataset)))
     assert len(dataset) == 5 and len({int((row != -100).sum()) for row in labels}) > 1
     with torch.no_grad():
         logits = model(ids).logits

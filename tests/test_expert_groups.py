@@ -136,6 +136,19 @@ def test_streamer_plan_chooses_or_takes_the_group_size(capsys):
     assert "--expert-group-size must be an integer >= 0, got -1" in fails(capsys, "train", "--expert-group-size", -1)
 
 
+@pytest.mark.parametrize("model,size", [("mixtral-8x7b", 3), ("gptj-debug", 2)])
+def test_streamer_train_refuses_groups_that_do_not_fit_as_plan_does(capsys, tmp_path: Path, model: str, size: int):
+    """A group size that does not divide the experts, or any on a dense model: `train` refuses it in the one line
+    `plan` gives, before writing anything."""
+    planned = fails(capsys, "plan", "--model", model, "--seq", 16, "--expert-group-size", size)
+    run = tmp_path / "run"
+    trained = fails(capsys, "train", "--model", model, "--seq", 16, "--batch", 1, "--steps", 1,
+                    "--expert-group-size", size, "--run-dir", run)
+    assert planned == trained.replace("error: ", "error: cannot plan this step: ")
+    assert ("must divide a block's 8 experts (1, 2, 4, 8), not 3" if size == 3 else "dense (use 0)") in trained
+    assert not run.exists() and list(tmp_path.iterdir()) == []
+
+
 def _wide(model_type: str) -> ModelConfig:
     """The family's example with experts wide and many enough that a block's backward is the step's peak."""
     example = FAMILIES[model_type].example()
@@ -260,3 +273,12 @@ def test_train_groups_the_experts_where_whole_blocks_exceed_its_budget(capsys, t
     assert f"experts in groups of 4: whole blocks need {format_size(needs[0])}" in out
     assert "expert_group_size = 4" in (tmp_path / "run" / "config.toml").read_text()
     assert "too small" in fails(capsys, "train", *argv, "--run-dir", tmp_path / "small", "--budget", needs[1] - 1)
+    # `plan` searches the same way (expert_groups.fewest_groups_within): on a device with that much memory, no
+    # reserve and no CUDA allocator, it chooses the same groups, and whole blocks where the budget holds them.
+    step = [a for a in argv if a.split("=")[0] in {f"--{k}" for k in ("model", "batch", "seq", "dtype", "store",
+                                                                       "activations", "update-chunk")}]
+    for budget, size in ((needs[4], 4), (needs[2], 2), (needs[0], 0)):
+        rc, out, err = run_cli(capsys, "plan", *step, "--update-on", "device", "--target", "cs2", "--set",
+                               f"memory_bytes={budget}", "--json")
+        assert rc == 0, err
+        assert json.loads(out)["config"]["expert_group_size"] == size

@@ -59,6 +59,13 @@ def test_every_family_is_documented() -> None:
     assert re.findall(r"^- `(\w+)`", section, flags=re.M) == list(FAMILIES)
 
 
+def test_the_from_pretrained_help_names_every_family(capsys) -> None:
+    """`streamer train --help` lists the model_types --from-pretrained reads: every registered family."""
+    rc, out, _ = run_cli(capsys, "train", "--help")
+    assert rc == 0
+    assert f"model_type is one of {', '.join(FAMILIES)}" in " ".join(out.split())
+
+
 def test_every_preset_is_documented() -> None:
     """docs/CLI.md's `--model` names every preset of every family."""
     text = (ROOT / "docs" / "CLI.md").read_text()
@@ -187,7 +194,7 @@ def assert_eval_is_transformers(capsys, run: Path, tiny_setup: Path, tmp_path: P
     exact = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, **EAGER_EXPERTS).eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for ids, labels, positions in dataset.batches(3):
+        for ids, labels, positions, _ in dataset.batches(3):
             count = learned_tokens(labels)
             total += exact(ids, labels=labels, position_ids=positions).loss.item() * count
             tokens += count

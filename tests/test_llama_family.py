@@ -58,7 +58,7 @@ def test_eval_is_the_loss_transformers_computes(capsys, tmp_path, tiny_setup, ll
     hf.load_state_dict(state)
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for ids, labels, _ in load_dataset(held_out, load_tokenizer(RunDir(run).tokenizer), 16).batches(3):
+        for ids, labels, _, _ in load_dataset(held_out, load_tokenizer(RunDir(run).tokenizer), 16).batches(3):
             count = learned_tokens(labels)
             total, tokens = total + hf(ids, labels=labels).loss.item() * count, tokens + count
     assert tokens > 100 and math.isfinite(loss)

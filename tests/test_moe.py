@@ -9,6 +9,8 @@ tests/test_families.py's)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,8 @@ from memory_model.lora import LoraConfig
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.calibrate import CalibrationSizes, probe_shape
 from streamer.calibration.dryrun import dry_run
+from streamer.io.data import load_dataset
+from streamer.io.tokenizer import load_tokenizer
 from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import OptimizerConfig
 from tests.test_distributed import CFG as DATA_PARALLEL_CFG, run_data_parallel, single_process
@@ -34,7 +38,8 @@ from tests.test_families import (assert_planner_dry_run_and_real_run_agree,
                                  assert_streamed_training_equals_transformers,
                                  assert_the_cli_trains_a_transformers_folder,
                                  byte_test_settings, for_cli, hf_model, planned_peak)
-from tests.test_runtime import hf_fp32_noise, hf_reference
+from tests.test_cli import run_cli
+from tests.test_runtime import EAGER_EXPERTS, hf_fp32_noise, hf_reference
 
 MIXTURES = ["qwen3_moe", "mixtral", "olmoe"]
 
@@ -339,18 +344,25 @@ def test_the_loss_is_asked_for_as_transformers_reads_it():
     assert asked.auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
     plain = ModelConfig.from_hf({**raw, "router_aux_loss_coef": 0.5})
     assert plain == Qwen3MoeConfig.example() and plain.auxiliary_loss_bytes() == 0
-    assert family_units(plain).auxiliary(plain, 1.0, torch.device("cpu")) is None
+    assert family_units(plain).auxiliary(plain, 1.0, torch.device("cpu"), None) is None
     with pytest.raises(ConfigError, match="router_aux_loss_coef must be a finite number, got 'x'"):
         ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": "x"})
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("model_type", MIXTURES)
-def test_the_load_balancing_loss_and_its_gradients_equal_transformers(model_type: str):
+def test_the_load_balancing_loss_and_its_gradients_equal_transformers(model_type: str, padded: bool):
     """The resident model's loss (cross-entropy plus the coefficient times the load-balancing loss) and every
     parameter's gradient against transformers' `loss` in float64, within twice transformers' own fp32 error (its
-    eager and sdpa kernels); the loss's share is the coefficient times transformers' `aux_loss`."""
+    eager and sdpa kernels); the loss's share is the coefficient times transformers' `aux_loss`. `padded`: the
+    second row ends in padding (unlearned), which transformers' attention mask leaves out of the balance."""
     cfg = balanced(FAMILIES[model_type].example())
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    if padded:
+        mask[1, 15:] = False
+    labels = ids.masked_fill(~mask, -100)
+    given = {"attention_mask": mask.long()} if padded else {}
 
     def run(model: torch.nn.Module, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = loss_of(model)
@@ -358,14 +370,17 @@ def test_the_load_balancing_loss_and_its_gradients_equal_transformers(model_type
         return loss.detach().double(), {k: p.grad.double() for k, p in model.named_parameters()}
 
     exact_model = hf_model(cfg, torch.float64)
-    exact = run(exact_model, lambda m: m(ids, labels=ids).loss)
-    noise = [run(hf_model(cfg, attn=attn), lambda m: m(ids, labels=ids).loss) for attn in ("eager", "sdpa")]
+    exact = run(exact_model, lambda m: m(ids, labels=labels, **given).loss)
+    noise = [run(hf_model(cfg, attn=attn), lambda m: m(ids, labels=labels, **given).loss) for attn in ("eager", "sdpa")]
     ours = resident_model(cfg, init=False)
     ours.load_hf_state_dict(hf_model(cfg).state_dict())
-    mine = run(ours, lambda m: m.loss(ids, ids))
+    mine = run(ours, lambda m: m.loss(ids, labels, attention_mask=mask if padded else None))
     with torch.no_grad():
-        share = cfg.router_aux_loss_coef * exact_model(ids).aux_loss
+        share = cfg.router_aux_loss_coef * exact_model(ids, **given).aux_loss
         unbalanced = exact[0] - share
+        if padded:  # the padding counted is another number
+            counted = cfg.router_aux_loss_coef * exact_model(ids).aux_loss
+            assert (counted - share).abs() > 1e-3
     assert share > 0.1  # the term is large enough that a wrong one shows
     bound = max((n[0] - exact[0]).abs().item() for n in noise)
     rounding = exact[0].abs().item() * torch.finfo(torch.float32).eps  # where transformers' own is exact
@@ -416,6 +431,48 @@ def test_the_cli_trains_a_transformers_folder_that_asks_for_the_balance(capsys, 
     cfg = balanced(for_cli(model_type))
     assert_the_cli_trains_a_transformers_folder(capsys, tmp_path, tiny_setup, cfg)
     assert ModelConfig.from_hf(tmp_path / "out") == cfg
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_the_cli_leaves_padding_out_of_the_balance_as_transformers_does(capsys, tmp_path: Path, tiny_setup: Path,
+                                                                       model_type: str):
+    """`streamer train` on prompt/completion examples, one to a padded sequence or packed, at two --seq: step 1's
+    loss and gradient norm are transformers' given the attention mask (the balance over the examples' tokens,
+    none of the padding), within twice transformers' own fp32 error (its eager and sdpa kernels)."""
+    cfg = balanced(for_cli(model_type))
+    hf_model(cfg).save_pretrained(tmp_path / "hf")
+    words = (tiny_setup / "train.txt").read_text().split()
+    examples = [{"prompt": " ".join(words[9 * i:9 * i + 2 + i // 2]),
+                 "completion": " " + " ".join(words[200 + i:201 + 2 * i])} for i in range(6)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    tokenizer = load_tokenizer(tiny_setup / "tok")
+    rows = load_dataset(data, tokenizer, 48)
+    assert len(rows) == 6 and rows.truncated == 0 and not rows.attention_mask.all()  # each example whole, padded
+
+    def hf_step(dtype: torch.dtype, attn: str, mask: bool = True) -> tuple[float, float]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=dtype,
+                                                                  attn_implementation=attn, **EAGER_EXPERTS)
+        loss = model(rows.input_ids, attention_mask=rows.attention_mask.long() if mask else None,
+                     labels=rows.labels).loss
+        loss.backward()
+        return loss.item(), torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+
+    exact = hf_step(torch.float64, "eager")
+    noise = [max(abs(a - b) for a, b in zip(hf_step(torch.float32, attn), exact)) for attn in ("eager", "sdpa")]
+    bound = max(2 * max(noise), 4 * torch.finfo(torch.float32).eps * max(exact))
+    counted = hf_step(torch.float64, "eager", mask=False)  # the padding in the balance: another number
+    assert abs(counted[0] - exact[0]) > 100 * bound
+    for seq, pack in itertools.product((48, 64), ([], ["--pack"])):
+        run = tmp_path / f"run-{seq}{'-packed' if pack else ''}"
+        batch = len(load_dataset(data, tokenizer, seq, pack="examples" if pack else None))
+        rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--tokenizer", tiny_setup / "tok",
+                             "--data", data, *pack, "--run-dir", run, "--steps", 1, "--batch", batch, "--seq", seq,
+                             "--dtype", "fp32", "--store", "ram", "--eval-fraction", 0, "--sample-tokens", 0)
+        assert rc == 0, err
+        record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+        assert abs(record["loss"] - exact[0]) <= bound, (seq, pack)
+        assert abs(record["grad_norm"] - exact[1]) <= bound, (seq, pack)
 
 
 @pytest.mark.slow

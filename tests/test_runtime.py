@@ -186,8 +186,10 @@ def test_positions_must_fit_the_rows(tmp_path):
     with StreamingTrainer(DEBUG, TrainerConfig(), store_dir=tmp_path / "run") as trainer:
         with pytest.raises(StreamerError, match=r"positions must lie in \[0, 32\)"):
             trainer.step(ids, positions=torch.arange(1, 33).expand(4, 32))
-        with pytest.raises(StreamerError, match="labels and positions the same shape"):
+        with pytest.raises(StreamerError, match="labels, positions and attention_mask the same shape"):
             trainer.step(ids, positions=torch.arange(31).expand(4, 31))
+        with pytest.raises(StreamerError, match="labels, positions and attention_mask the same shape"):
+            trainer.step(ids, attention_mask=torch.ones(4, 31, dtype=torch.bool))
         assert trainer.step_count == 0
 
 

@@ -217,27 +217,32 @@ class Experts(nn.Module):
 
 class RouterBalance(AuxiliaryLoss):
     """transformers' load-balancing loss (`load_balancing_loss_func`, Switch Transformer's) over one forward call,
-    times `router_aux_loss_coef`. Over the R rows the routers saw (every layer's N tokens, padding included, as
-    transformers counts them without an attention mask), C_e is how often expert e was among a row's top-k and
-    S_e the sum of its probabilities p_re:
+    times `router_aux_loss_coef`. Over the R rows the routers saw that the attention mask keeps (every layer's N
+    tokens less the padding, as transformers counts them given the mask; every token without one), C_e is how often
+    expert e was among a row's top-k and S_e the sum of its probabilities p_re:
 
         loss = coef * E * sum_e (C_e / R) * (S_e / R)
 
-    The counts are constants (top-k has no gradient), so d loss / d p_re = coef * E * C_e / R^2 for every row
-    of every layer: known once every layer has counted, it joins each router's probabilities' gradient in that
-    block's backward (`_Balanced`). On the device: C and S, fp32 (MixtureOfExperts.auxiliary_loss_bytes). The
-    probabilities are the routing's fp32 ones; transformers takes the softmax of the router's logits again in
-    the compute dtype (the same in fp32, a rounding apart in bf16)."""
+    The counts are constants (top-k has no gradient), so d loss / d p_re = coef * E * C_e / R^2 for every kept row
+    of every layer (0 for padding): known once every layer has counted, it joins each router's probabilities'
+    gradient in that block's backward (`_Balanced`). On the device: C and S, fp32
+    (MixtureOfExperts.auxiliary_loss_bytes), and the micro-batch's mask as fp32, held like its labels. The
+    probabilities are the routing's fp32 ones; transformers takes the softmax of the router's logits again in the
+    compute dtype (the same in fp32, a rounding apart in bf16)."""
 
-    def __init__(self, cfg: MixtureOfExperts, scale: float, device: torch.device) -> None:
+    def __init__(self, cfg: MixtureOfExperts, scale: float, device: torch.device,
+                 attention_mask: torch.Tensor | None = None) -> None:
         self.coef = cfg.router_aux_loss_coef * scale
         self.state = torch.zeros(2, cfg.num_experts, dtype=torch.float32, device=device)  # C, S
-        self.rows = 0  # R
+        # Each row's weight (1 kept, 0 padding), in the routers' row order (B * T); None: every row counts.
+        self.kept = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
+        self.rows: float | torch.Tensor = 0  # R
         self.counting = False
 
     @classmethod
-    def of(cls, cfg: MixtureOfExperts, scale: float, device: torch.device) -> "RouterBalance | None":
-        return cls(cfg, scale, device) if cfg.output_router_logits else None
+    def of(cls, cfg: MixtureOfExperts, scale: float, device: torch.device,
+           attention_mask: torch.Tensor | None) -> "RouterBalance | None":
+        return cls(cfg, scale, device, attention_mask) if cfg.output_router_logits else None
 
     @contextlib.contextmanager
     def recording(self, counting: bool) -> Iterator[None]:
@@ -250,20 +255,28 @@ class RouterBalance(AuxiliaryLoss):
 
     def add(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
         """A layer's routing: its probabilities (N, E) and the experts each row chose (N, k)."""
-        if self.counting:
-            counts, sums = self.state
+        if not self.counting:
+            return
+        counts, sums = self.state
+        if self.kept is None:
             counts.index_add_(0, chosen.flatten(), counts.new_ones(()).expand(chosen.numel()))
             sums += probs.detach().sum(dim=0)
             self.rows += probs.shape[0]
+            return
+        for choice in chosen.unbind(dim=1):  # each row's j-th choice, weighted by the row's mask
+            counts.index_add_(0, choice, self.kept)
+        sums += self.kept @ probs.detach()
+        self.rows = self.rows + self.kept.sum()
 
     def value(self) -> torch.Tensor:
         counts, sums = self.state
         return self.coef * counts.shape[0] * ((counts / self.rows) * (sums / self.rows)).sum()
 
-    def gradient(self) -> torch.Tensor:
-        """d loss / d p_re, the same for every row r: (E,)."""
+    def add_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """grad (N, E), a router's probabilities', plus d loss / d p_re: the same for every kept row r, in place."""
         counts = self.state[0]
-        return self.coef * counts.shape[0] * counts / self.rows ** 2
+        per_expert = self.coef * counts.shape[0] * counts / self.rows ** 2  # (E,)
+        return grad.add_(per_expert) if self.kept is None else grad.addcmul_(self.kept[:, None], per_expert)
 
 
 _RECORDING: ContextVar[RouterBalance | None] = ContextVar("the forward's RouterBalance", default=None)
@@ -280,7 +293,7 @@ class _Balanced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.add_(ctx.balance.gradient()), None
+        return ctx.balance.add_gradient(grad), None
 
 
 class SparseMoe(nn.Module):

@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from layers import learned_tokens
 from memory_model.devices import budget_bytes
-from streamer.cli.flags import declare_command
+from streamer.cli.flags import add_run_flags, declare_command, given
 from streamer.cli.generate import open_trainer
 from streamer.console import make_console
 from streamer.io.data import Dataset, load_dataset, long_examples_line
@@ -17,6 +18,7 @@ from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
 from streamer.trainer import StreamingTrainer
 
+DATA_FLAGS = ("pack", "chat_template", "long_examples")
 EXAMPLES = """\
 examples:
   streamer eval RUN --data train.jsonl
@@ -35,6 +37,12 @@ def declare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="sequences per forward pass (default: the run's micro-batch)")
     parser.add_argument("--budget", help="device budget (default: the run's)")
     parser.add_argument("--device", help="torch device (default: the run's)")
+    # The data flags of `train` that say how the data is read; the tokenizer is the run's.
+    add_run_flags(parser, only=DATA_FLAGS, help={
+        "pack": "pack several examples into one sequence, as `train --pack` (default: the run's)",
+        "chat_template": "a Jinja chat template for {\"messages\"} records (default: the run's)",
+        "long_examples": "an example longer than --seq: truncate or drop it, as `train --long-examples` (default: "
+                         "the run's)"})
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -50,15 +58,18 @@ def eval_command(args: argparse.Namespace) -> int:
     seq = cfg.seq if args.seq is None else args.seq
     if seq < 1:
         raise RunError(f"--seq must be a positive integer, got {seq}")
+    data = replace(cfg.data, **{k: v for k, v in given(args).items() if k in DATA_FLAGS})  # checked as train's
     tokenizer = load_tokenizer(run.tokenizer)
+    if data.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(data.chat_template)
     begin = time.perf_counter()
     # One micro-batch per call, of the run's micro-batch size unless --batch says otherwise: what its budget holds.
     with open_trainer(run, {**overrides, "grad_accum": 1}) as trainer:
         context, why = trainer.cfg.context()
         if seq > context:
             raise RunError(f"--seq {seq} exceeds the model's context ({why}); use --seq {context} or less")
-        dataset = load_dataset(args.data, tokenizer, seq, pack=cfg.data.pack, long_examples=cfg.data.long_examples)
-        long = long_examples_line(dataset, seq, cfg.data.long_examples)
+        dataset = load_dataset(args.data, tokenizer, seq, pack=data.pack, long_examples=data.long_examples)
+        long = long_examples_line(dataset, seq, data.long_examples)
         if long is not None:
             make_console().print(f"{args.data}: {long}", markup=False, highlight=False)
         loss, tokens = evaluate_dataset(trainer, dataset, args.batch or cfg.batch // cfg.trainer.step.grad_accum)
@@ -82,13 +93,14 @@ def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int, ba
     on a short last batch (a prompt/completion sequence predicts only its completion).
     """
     total, tokens = 0.0, 0
-    for i, (ids, labels, positions) in enumerate(dataset.batches(batch)):
+    for i, (ids, labels, positions, mask) in enumerate(dataset.batches(batch)):
         usable = ids.shape[0] - ids.shape[0] % split
         if i == batches or usable == 0:
             break
         count = learned_tokens(labels[:usable])
         if count:
-            loss = trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable])
+            loss = trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable],
+                                    None if mask is None else mask[:usable])
             total += reduce(loss) * count
             tokens += count
     return (total / tokens if tokens else None), tokens

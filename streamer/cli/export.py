@@ -97,7 +97,7 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
     from safetensors.torch import save_file
 
     if trainer.adapters is None:
-        raise RunError("this run trained every weight (no --lora-rank): export it without --format peft")
+        raise RunError("this run trained every weight, not LoRA adapters: export it without --format peft")
     out = Path(out_dir)
     refuse_non_empty(out, overwrite)
     if out.exists() and any(out.iterdir()):

@@ -61,7 +61,7 @@ def trace_command(args: argparse.Namespace) -> int:
     step = trace.peak_step() if args.step is None else args.step
     if step not in steps:
         raise RunError(f"--step {step} is not in the trace; it holds steps {step_ranges(steps)} (the last "
-                       "--trace-steps, default 8, and every --trace-every-th); to keep others, train with "
+                       "--trace-steps, default 8, and every Nth with --trace-every N); to keep others, train with "
                        "--trace-every N or a larger --trace-steps")
     summary = trace.summary(step)
     out: Path | None = Path(args.out) if args.out else path.with_name(plot_name(args.step))

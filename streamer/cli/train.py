@@ -144,6 +144,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     model_cfg = fit_vocabulary(cfg, cfg.model_config())
     _check_seq(cfg, model_cfg)
     cfg.check_lora_targets(model_cfg)
+    cfg.check_expert_groups(model_cfg, 1 if parallel is None else parallel.world)
     cfg, changed = check_host_resources(cfg, model_cfg)  # config.toml records a change: resume keeps it
     if changed is not None:
         console.print(changed, markup=False, highlight=False)

@@ -130,13 +130,13 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
             evaluate(s, progress.console)  # (or the committed step's, where a kill came before it was logged)
         keep_missed(s, progress.console)
         while trainer.step_count < cfg.steps:
-            ids, labels, positions = next(s.stream)
+            ids, labels, positions, mask = next(s.stream)
             trainer.extra_state = {"data": s.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
             step = trainer.step_count + 1
             window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
             try:
-                loss = trainer.step(ids, labels, positions)
+                loss = trainer.step(ids, labels, positions, mask)
             finally:
                 step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin

@@ -163,7 +163,7 @@ def chat_pieces(messages: Any, template: str | None, specials: dict[str, str],
     """(text, learned) pieces whose concatenation is the rendered conversation; learned = an assistant turn."""
     if template is None:
         raise DataError(f"{where} is a chat record but the tokenizer has no chat_template; pass --chat-template "
-                        "FILE (a Jinja template) or a --tokenizer whose tokenizer_config.json has one")
+                        "FILE (a Jinja template)")
     checked = check_messages(list(messages), where)
     pieces: list[tuple[str, bool]] = []
     done = ""

@@ -59,8 +59,8 @@ class DataConfig:
         check_settings(self, _setting_error)
 
 
-# input_ids, labels and positions (None: every row one sequence) of a batch of rows.
-Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+# input_ids, labels, positions (None: every row one sequence) and attention mask (None: no padding) of a batch of rows.
+Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 class TokenizerLike(Protocol):
@@ -86,11 +86,14 @@ class Dataset:
 
     positions (N, seq): each token's position in its example where rows hold packed examples (restarting at 0
     in each, so that they attend only to themselves); None: every row is one sequence, positions 0..seq-1.
+    attention_mask (N, seq), bool: transformers' attention mask, False on the padding after a row's examples,
+    which a mixture's load-balancing loss leaves out as transformers does; None: no row is padded.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
     truncated: int = 0  # examples longer than seq that tokenize cut to seq tokens
     dropped: int = 0  # and those it left out (--long-examples drop, or nothing left to learn once cut)
 
@@ -98,6 +101,9 @@ class Dataset:
         tensors = (self.input_ids, self.labels) + (() if self.positions is None else (self.positions,))
         if self.input_ids.ndim != 2 or any(t.shape != self.input_ids.shape or t.dtype != torch.long for t in tensors):
             raise ValueError("input_ids, labels and positions must be LongTensors of one shape (N, seq)")
+        mask = self.attention_mask
+        if mask is not None and (mask.shape != self.input_ids.shape or mask.dtype != torch.bool):
+            raise ValueError("attention_mask must be a BoolTensor of input_ids' shape (N, seq)")
         if len(self) == 0:
             raise DataError("the dataset holds no sequence; add data or lower --seq")
 
@@ -109,8 +115,7 @@ class Dataset:
         return self.input_ids.shape[1]
 
     def subset(self, indices: torch.Tensor) -> Dataset:
-        return Dataset(self.input_ids[indices], self.labels[indices],
-                       None if self.positions is None else self.positions[indices])
+        return Dataset(*self.rows(indices))
 
     def split(self, eval_fraction: float, seed: int = 0) -> tuple[Dataset, Dataset | None]:
         """(train, held-out) drawn by a seeded permutation; held-out is None only if it would be empty."""
@@ -123,8 +128,10 @@ class Dataset:
         return self.subset(order[n_eval:].sort().values), self.subset(order[:n_eval].sort().values)
 
     def rows(self, indices: torch.Tensor | slice) -> Batch:
-        """input_ids, labels and positions (None: unpacked) of some rows."""
-        return self.input_ids[indices], self.labels[indices], None if self.positions is None else self.positions[indices]
+        """input_ids, labels, positions (None: unpacked) and attention mask (None: no padding) of some rows."""
+        return (self.input_ids[indices], self.labels[indices],
+                None if self.positions is None else self.positions[indices],
+                None if self.attention_mask is None else self.attention_mask[indices])
 
     def batches(self, batch: int) -> Iterator[Batch]:
         """One pass in order (for evaluation); the last batch may be smaller."""
@@ -143,7 +150,8 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
     `apply_chat_template` gives it.
 
     Each prompt/completion example becomes its prompt and completion, labels -100 on the prompt (and the
-    tokens added before it); it gets a sequence of its own, padded (input end-of-text, label -100), or with
+    tokens added before it); it gets a sequence of its own, padded (input end-of-text, label -100, attention
+    mask False), or with
     `pack` shares one with the next examples that still fit. A conversation is its rendered pieces, labels -100
     on all but the assistant turns (the template writes its own end of turn). An example longer than `seq` is
     cut to its first `seq` tokens (`long_examples="truncate"`, as TRL and axolotl cut it) or left out
@@ -206,16 +214,19 @@ def tokenize(examples: Iterable[Example | str], tokenizer: TokenizerLike, seq: i
     padded = torch.full((len(rows), seq), eos, dtype=torch.long)
     masked = torch.full((len(rows), seq), IGNORE_INDEX, dtype=torch.long)
     positions = torch.arange(seq).expand(len(rows), seq).clone()  # padding runs on from the last example
+    real = torch.zeros((len(rows), seq), dtype=torch.bool)
     for i, (ids, labels, places) in enumerate(rows):
         padded[i, :len(ids)] = torch.tensor(ids)
+        real[i, :len(ids)] = True
         masked[i, :len(labels)] = torch.tensor(labels)
         positions[i, :len(places)] = torch.tensor(places)
         positions[i, len(places):] += places[-1] + 1 - len(places)
     positions = torch.cat([text_positions, positions])
     # Rows that each hold one sequence train on the unmasked causal path, as without packing.
     unpacked = bool((positions == torch.arange(seq)).all())
+    attention_mask = torch.cat([torch.ones_like(text, dtype=torch.bool), real])
     return Dataset(torch.cat([text, padded]), torch.cat([text_labels, masked]), None if unpacked else positions,
-                   truncated, dropped)
+                   None if attention_mask.all() else attention_mask, truncated, dropped)
 
 
 def long_examples_line(dataset: Dataset, seq: int, long_examples: str) -> str | None:

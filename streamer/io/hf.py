@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from layers import CheckpointMismatch, ConfigError, ModelConfig, check_state_dict, resident_model
+from layers.config import gguf_note
 from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE
 from layers.quant4 import Quant4, dequantize
 from memory_model.lora import LoraConfig
@@ -85,7 +86,8 @@ class HFCheckpoint:
         config = _read_config(root)
         layout = next((name for name in _WEIGHT_FILES if (root / name).is_file()), None)
         if layout is None:
-            raise CheckpointError(f"{root} holds no weights; expected one of {', '.join(_WEIGHT_FILES)}")
+            raise CheckpointError(f"{root} holds no weights; expected one of {', '.join(_WEIGHT_FILES)}"
+                                  f"{gguf_note(root)}")
         if layout.endswith(".index.json"):
             wanted = _read_index(root, layout)
             files = sorted(set(wanted.values()))

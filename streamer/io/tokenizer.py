@@ -174,7 +174,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             backend.add_special_tokens([tokenizers.AddedToken(eos, special=True)])
             return Tokenizer(backend, **found)
     raise TokenizerError(f"{path} holds no tokenizer: expected tokenizer.json, or vocab.json + merges.txt "
-                         "(or encoder.json + vocab.bpe); train one with train_bpe or copy the files there")
+                         "(or encoder.json + vocab.bpe); copy the model's tokenizer files there")
 
 
 def _byte_level(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:

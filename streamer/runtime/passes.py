@@ -170,7 +170,7 @@ class Passes:
     def _start_auxiliary(self, unit: str, micro: int, ctx: StepContext) -> None:
         """The micro-batch's auxiliary loss, where the config asks for one: its sums are charged to the first
         block, from its forward to its backward, the last to read them."""
-        auxiliary = self.auxiliary(self.cfg, self.processes, self.device)
+        auxiliary = self.auxiliary(self.cfg, self.processes, self.device, ctx.micro_batches[micro].attention_mask)
         if auxiliary is not None:
             ctx.auxiliary[micro] = auxiliary
             self.recorder.charge(unit, auxiliary.state, "the auxiliary loss's sums")

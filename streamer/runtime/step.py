@@ -40,6 +40,7 @@ class MicroBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None  # packed examples' own positions (GPTJAttention); None: 0..T-1
+    attention_mask: torch.Tensor | None = None  # bool, False on padding (transformers'); None: no padding
     # What the head's loss makes of the rows' log-probabilities; None: the token mean over the step's tokens.
     objective: Objective | None = None
 
