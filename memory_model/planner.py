@@ -6,6 +6,9 @@ and the next `prefetch` distinct resources (a unit's compute weights, or one upd
 activations of every unit whose forward ran and whose backward has not, and during a backward the unit's
 weight gradient and workspace. docs/MEMORY_MODEL.md states this charging contract (as streamer/runtime/executor.py
 implements it) and derives every formula and the time model.
+
+Long because the walk over the events, the plan it gives and that plan's tables are one concern; what could
+stand apart already does (the weak-scaling curve, the host's bytes, the search for expert groups).
 """
 from __future__ import annotations
 
