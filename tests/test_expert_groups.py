@@ -22,7 +22,8 @@ from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
 from streamer.generate import Sampling, generate
 from streamer.run import resolve
-from tests.test_cli import fails, run_cli
+from streamer.run_dir import RunDir
+from tests.test_cli import fails, run_cli, tiny_args
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
 
@@ -282,3 +283,19 @@ def test_train_groups_the_experts_where_whole_blocks_exceed_its_budget(capsys, t
                                f"memory_bytes={budget}", "--json")
         assert rc == 0, err
         assert json.loads(out)["config"]["expert_group_size"] == size
+
+
+def test_resuming_with_groups_that_do_not_fit_names_the_flag(capsys, tmp_path: Path, tiny_setup: Path):
+    """`train --resume RUN --expert-group-size 3` on a run whose blocks hold 8 experts: refused in one line that
+    names the flag, as a new run's refusal does, before the store is opened for training."""
+    model = tmp_path / "mixtral.json"
+    model.write_text(json.dumps(dataclasses.replace(MixtralConfig.example(), num_local_experts=8)
+                                .resized(vocab_size=512, max_position_embeddings=64).to_hf()))
+    run = tmp_path / "run"
+    args = tiny_args(tiny_setup, run, 1)
+    args[args.index("--model") + 1] = model
+    rc, _, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    refused = fails(capsys, "train", "--resume", run, "--steps", 2, "--expert-group-size", 3)
+    assert refused == "error: --expert-group-size must divide a block's 8 experts (1, 2, 4, 8), not 3"
+    assert RunDir.open(run).committed_step() == 1

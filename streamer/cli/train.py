@@ -24,7 +24,7 @@ from streamer.cli.main import RESUME_COMMAND
 from streamer.cli.training import (Session, describe, final_evaluation_missing, keep_due, report, resume_command,
                                    train)
 from streamer.console import make_console
-from streamer.errors import StreamerError
+from streamer.errors import ConfigError, StreamerError
 from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
                               prompt_of, read_examples, tokenize)
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
@@ -289,8 +289,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     lead = parallel is None or parallel.rank == 0
     # Opening rolls forward a step a kill interrupted (a reading command refuses the run until then), or goes
     # back to the newest intact kept step where the last commit is damaged.
-    trainer = _together(parallel, lambda: StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict()),
-                        undo=StreamingTrainer.close)
+    trainer = _together(parallel, lambda: _open(run, cfg), undo=StreamingTrainer.close)
     try:
         for line in (trainer.writer.kept_damage, trainer.writer.fell_back):
             if line is not None:
@@ -339,6 +338,17 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
         trainer.close()
         raise
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel)
+
+
+def _open(run: RunDir, cfg: RunConfig) -> StreamingTrainer:
+    """The run's trainer with this command's settings; a setting the trainer refuses (--expert-group-size, which
+    only the store's model can check) is said under its flag, as a new run says it."""
+    try:
+        return StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict())
+    except ConfigError as exc:
+        if getattr(exc, "key", None) is None:
+            raise
+        raise SettingError(exc.key, exc.problem) from None
 
 
 def _check_committed(run: RunDir, cfg: RunConfig) -> None:
