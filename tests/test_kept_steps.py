@@ -96,6 +96,45 @@ def flip_a_byte(run: Path, unit: str) -> Path:
     return path
 
 
+def flip_a_kept_byte(run: Path, step: int, unit: str) -> Path:
+    """Damage the unit's state file of kept `step` (one byte of its data)."""
+    kept = json.loads((run / "store" / "kept" / f"{step}.json").read_text())
+    path = run / "store" / "slabs" / f"{unit}.{kept['units'][unit]}.state"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(data)
+    return path
+
+
+def test_readers_offer_only_the_intact_kept_steps(tiny_setup, tmp_path):
+    """The last commit (step 6) and kept step 4 damaged: a reader names --step 2 alone, the one that reads, with
+    its manifest or without; with every kept step damaged it says no step is intact and what is left to do."""
+    run = tmp_path / "run"
+    done = streamer(*train_argv(tiny_setup, run, "--steps", 6, "--eval-every", 0, "--save-every", 2,
+                                "--keep-last", 3, tokenizer=False))
+    assert done.returncode == 0 and "step 6 kept (kept steps: 2, 4, 6)" in done.stdout, done.stderr
+    flip_a_byte(run, "block.0")
+    flip_a_kept_byte(run, 4, "block.0")
+
+    def refusal(*argv: object) -> str:
+        refused = streamer(*map(str, argv))
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        return refused.stderr
+
+    said = refusal("export", run, tmp_path / "out")
+    assert "step 6 is damaged, as is kept step(s) 4; the run keeps intact step(s) 2: `streamer export` with " \
+        "--step 2 exports the newest" in said, said
+    (run / "store" / "manifest.json").unlink()
+    said = refusal("export", run, tmp_path / "out")
+    assert "manifest.json" in said and ", as are kept step(s) 4, 6; the run keeps intact step(s) 2: `streamer " \
+        "export` with --step 2" in said, said
+    flip_a_kept_byte(run, 2, "block.0")
+    said = refusal("generate", run, "--prompt", "The", "--max-new-tokens", 1)
+    assert f"as are its kept step(s) 2, 4, 6: no step of the run is intact; restore {run / 'store'} from a backup, " \
+        "or start a new run" in said and "--step" not in said, said
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_kept_steps_are_exported_and_a_damaged_state_goes_back_to_the_newest_intact_one(tiny_setup, reference,
                                                                                         tmp_path):
@@ -115,8 +154,8 @@ def test_kept_steps_are_exported_and_a_damaged_state_goes_back_to_the_newest_int
     damaged = flip_a_byte(run, "block.0")
     refused = streamer("export", str(run), str(tmp_path / "out"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert f"checksum mismatch in {damaged}: step 4 is damaged; the run keeps step(s) 2: `streamer export` with --step 2" in \
-        refused.stderr
+    assert f"checksum mismatch in {damaged}: step 4 is damaged; the run keeps intact step(s) 2: `streamer export` with " \
+        "--step 2" in refused.stderr
     not_kept = streamer("export", str(run), str(tmp_path / "out"), "--step", "3")
     assert not_kept.returncode == 2 and not_kept.stderr.count("\n") == 1, not_kept.stderr
     assert "step 3 of" in not_kept.stderr and "was not kept (kept steps: 2, 4)" in not_kept.stderr

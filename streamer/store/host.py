@@ -79,7 +79,7 @@ class _HostSlabs(StoreReader):
         try:
             manifest, damage = read_manifest(root), None
         except StoreError as exc:
-            manifest, damage = _newest_kept(root, exc, reading=step is not None, fall_back=fall_back), exc
+            manifest, damage = _newest_kept(root, exc), exc
         at_kept = step is not None and (damage is not None or step != manifest["step"])
         if at_kept:
             manifest = {k: v for k, v in read_kept(root, step).items() if k != "note"}
@@ -89,6 +89,9 @@ class _HostSlabs(StoreReader):
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
         lock, store = lock_for_reading(root) if cls._read_only else lock_run_dir(root), None
         try:
+            if damage is not None and step is None and not fall_back:  # a kept step is read only when asked for
+                store = cls(root, spec, manifest, pin_memory, lock)
+                raise store._refusal(_first_clause(damage), list(store._kept))
             check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
             store._at_kept, store._may_fall_back, store._damage = at_kept, fall_back, damage
@@ -141,15 +144,42 @@ class _HostSlabs(StoreReader):
                 self.versions[unit], expected = journal["generation"], None  # updated before the crash
             elif journal is not None:  # still to update: the roll-forward replays its journaled gradient
                 checks.append(self._files.grad_check(unit, journal["grad_checksums"][unit], journal["step"]))
-            trailer = self._files.check(unit, self.versions[unit])
-            wanted = {trailer.checksum} | ({expected} if expected is not None else set())
-            path = self._files.state_path(unit, self.versions[unit])
-            checks.append(Checksum(unit, path, trailer.data_bytes, frozenset(wanted)))
+            checks.append(self._state_check(unit, self.versions[unit], expected))
         if verify:
             verify_checksums(checks)
         self._allocate_ram()
         for unit in self.layouts:
             self._fill_ram_from_file(unit)
+
+    def _state_check(self, unit: str, generation: int, expected: int | None) -> Checksum:
+        """A unit's state file's size and trailer checked now, and its checksum to verify (the record's too)."""
+        trailer = self._files.check(unit, generation)
+        wanted = {trailer.checksum} | ({expected} if expected is not None else set())
+        return Checksum(unit, self._files.state_path(unit, generation), trailer.data_bytes, frozenset(wanted))
+
+    def _intact(self, record: dict[str, Any]) -> bool:
+        """Whether every state file a step's record names checks out, as opening that step checks them."""
+        try:
+            check_units(self.root, record, self.spec.config)
+            verify_checksums([self._state_check(unit, generation, record["checksums"].get(state_name(unit, generation)))
+                              for unit, generation in record["units"].items()])
+        except StoreError:
+            return False
+        return True
+
+    def _refusal(self, damaged: str, steps: list[int]) -> StoreError:
+        """The one line refusing a damaged step (`damaged` says what is wrong) where the run keeps `steps`: the
+        intact ones are offered, and where none is, what is left to do."""
+        intact = [step for step in sorted(steps) if self._intact(self._kept[step])]
+        broken = [step for step in sorted(steps) if step not in intact]
+        if not intact:
+            return StoreError(f"{damaged}, as {'is' if len(broken) == 1 else 'are'} its kept step(s) "
+                              f"{', '.join(map(str, broken))}: no step of the run is intact; restore {self.root} from "
+                              "a backup, or start a new run")
+        also = f", as {'is' if len(broken) == 1 else 'are'} kept step(s) {', '.join(map(str, broken))}" if broken else ""
+        return StoreError(f"{damaged}{also}; the run keeps intact step(s) {', '.join(map(str, intact))}: `streamer "
+                          f"export` with --step {intact[-1]} exports the newest, and training the run on (`streamer "
+                          "train --resume`) goes back to it")
 
     def _fill_ram_from_file(self, unit: str) -> None:
         """Load RAM-tier kinds from a unit's state file; RAM compute weights are rebuilt from the masters."""
@@ -239,9 +269,7 @@ class HostReader(_HostSlabs):
             kept = [step for step in self._kept if step != self.step]
             if self._at_kept or not kept:
                 raise
-            raise StoreError(f"{_first_clause(damage)}: step {self.step} is damaged; the run keeps step(s) "
-                             f"{', '.join(map(str, kept))}: `streamer export` with --step {kept[-1]} exports the "
-                             "newest, and training the run on (`streamer train --resume`) goes back to it") from None
+            raise self._refusal(f"{_first_clause(damage)}: step {self.step} is damaged", kept) from None
 
 
 class HostStore(_HostSlabs, StoreWriter):
@@ -528,18 +556,13 @@ def _readable_kept(root: Path) -> tuple[dict[int, dict[str, Any]], dict[int, Sto
     return kept, unreadable
 
 
-def _newest_kept(root: Path, damage: StoreError, reading: bool, fall_back: bool) -> dict[str, Any]:
+def _newest_kept(root: Path, damage: StoreError) -> dict[str, Any]:
     """Where the manifest is missing or damaged: the newest kept step's manifest, which a writer that may
-    `fall_back` goes back from (`HostStore._fall_back`) and a reader of a kept step (`reading`) reads past; others
-    are refused with one line naming the kept steps. Without a kept step to read, `damage` is raised."""
+    `fall_back` goes back from (`HostStore._fall_back`) and a reader of a kept step reads past; others are refused
+    (`_HostSlabs._open`) with one line naming the intact kept steps. Without a kept step to read, `damage` is raised."""
     kept = _readable_kept(root)[0]
     if not kept:
         raise damage
-    if not (reading or fall_back):
-        steps = ", ".join(map(str, kept))
-        raise StoreError(f"{_first_clause(damage)}; the run keeps step(s) {steps}: `streamer export` with --step "
-                         f"{max(kept)} exports the newest, and training the run on (`streamer train --resume`) goes "
-                         "back to it") from None
     return {k: v for k, v in kept[max(kept)].items() if k != "note"}
 
 
