@@ -147,9 +147,14 @@ class StreamingTrainer:
             raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
                              "step (no --step)")
         # Under torchrun the ranks would have to agree on the kept step to go back to: a damaged store stops them.
-        store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else HostReader.open(dirs[0], pin_memory,
-                                                                                             step=step)
-                              if read_only else HostStore.open(dirs[0], pin_memory, fall_back=data_parallel is None))
+        try:
+            store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else
+                                  HostReader.open(dirs[0], pin_memory, step=step) if read_only else
+                                  HostStore.open(dirs[0], pin_memory, fall_back=data_parallel is None))
+        except StoreError as damage:
+            if data_parallel is not None:  # the other ranks hear of it where they agree on the journal
+                agree_on_journal(data_parallel, 0, None, damage)
+            raise
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
             journal = store.journal if isinstance(store, StoreWriter) else None  # a reader refuses one at open

@@ -392,6 +392,48 @@ def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path, ca
     assert [r["step"] for r in RunDir(parallel).read_metrics() if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
+def test_torchrun_every_rank_names_a_damaged_ranks_store(tiny_setup, tmp_path):
+    """Rank 1's state file damaged: rank 0, whose store is intact, refuses the run in one line naming rank 1's
+    damage and its fix (restore the run directory from a backup), where it said to start the same command again,
+    which failed the same way; with rank 1's manifest gone too, it does not offer a kept step the ranks cannot go
+    back to together; restored, the same command trains on."""
+    run = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*torchrun, "-m", "streamer", *train_argv(tiny_setup, run, "--steps", 2, "--eval-every", 0,
+                                                                "--save-every", 1, "--keep-last", 2)],
+                          env=ENV, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(run, tmp_path / "backup")
+    store = run / "store" / "rank1"
+    unit = json.loads((store / "manifest.json").read_text())["units"]["block.0"]
+    damaged = store / "slabs" / f"block.0.{unit}.state"
+    data = bytearray(damaged.read_bytes())
+    data[100] ^= 0xFF
+    damaged.write_bytes(data)
+    resume = ["-m", "streamer", "train", "--resume", str(run), "--steps", "3"]
+    # Rank 0's output alone: the two ranks' lines may interleave.
+    refused = subprocess.run([*torchrun, "--local-ranks-filter", "0", *resume], env=ENV, capture_output=True,
+                             text=True, timeout=180)
+    said = f"unit block.0: checksum mismatch in {damaged}; the file is corrupted — restore the run directory " \
+        "from a backup"
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and lines == [f"error: rank 1's store: {said}"], refused.stderr[-3000:]
+    # Its manifest gone too: the ranks cannot go back to one of the kept steps together, and do not say they would.
+    (store / "manifest.json").unlink()
+    refused = subprocess.run([*torchrun, "--local-ranks-filter", "0", *resume], env=ENV, capture_output=True,
+                             text=True, timeout=180)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: rank 1's store: {store / 'manifest.json'} is missing; the processes of a torchrun run "
+                     "cannot go back to a kept step together yet: restore the run directory from a backup"], \
+        refused.stderr[-3000:]
+    shutil.rmtree(run)
+    shutil.copytree(tmp_path / "backup", run)
+    again = subprocess.run([*torchrun, *resume], env=ENV, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["step"] for r in RunDir(run).read_metrics() if "loss" in r] == [1, 2, 3]
+
+
 def _compare_plans_each_process(run: Path, capsys, monkeypatch) -> None:
     """The planned peak is the one each process's ledger measured (planning the whole batch on one device put
     the demo's 72% above it)."""

@@ -170,6 +170,9 @@ class _HostSlabs(StoreReader):
     def _refusal(self, damaged: str, steps: list[int]) -> StoreError:
         """The one line refusing a damaged step (`damaged` says what is wrong) where the run keeps `steps`: the
         intact ones are offered, and where none is, what is left to do."""
+        if not self._read_only:  # a writer that may not go back (HostStore.open's fall_back): one torchrun process
+            return StoreError(f"{damaged}; the processes of a torchrun run cannot go back to a kept step together "
+                              "yet: restore the run directory from a backup")
         intact = [step for step in sorted(steps) if self._intact(self._kept[step])]
         broken = [step for step in sorted(steps) if step not in intact]
         if not intact:
