@@ -27,7 +27,9 @@ from streamer.io.tokenizer import load_tokenizer
 from streamer.run_dir import RunDir
 from tests.conftest import randomize_
 from tests.test_cli import run_cli
-from tests.test_runtime import EAGER_EXPERTS, hf_fp32_noise, hf_kernels, hf_reference
+from tests.test_runtime import (
+    EAGER_EXPERTS, assert_led_by_rounding_within_adam_steps, hf_fp32_noise, hf_kernels, hf_reference, led_error,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = sorted(FAMILIES)
@@ -149,11 +151,12 @@ def assert_streamed_training_equals_transformers(tmp_path: Path, cfg: ModelConfi
         losses = [trainer.step(ids, labels) for ids, labels in steps]
         state = {k: v.double() for k, v in trainer.state_dict().items()}
     exact = hf_reference(start, steps, tc, cfg)
-    weights_noise, loss_noise = hf_fp32_noise(start, steps, tc, exact, cfg)
-    assert max((state[k] - exact[0][k]).abs().max().item() for k in exact[0]) <= 2 * weights_noise
+    noise = hf_fp32_noise(start, steps, tc, exact, cfg)
+    assert led_error(state, exact[0], noise.led) <= 2 * noise.weights
+    assert_led_by_rounding_within_adam_steps(state, start, noise.led, tc, len(steps))
     rounding = max(abs(loss) for loss in exact[1]) * torch.finfo(torch.float32).eps  # where HF's own is exact
-    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * loss_noise, 4 * rounding)
-    return StreamedSteps(start, steps, tc, exact[0], weights_noise)
+    assert max(abs(a - b) for a, b in zip(losses, exact[1], strict=True)) <= max(2 * noise.losses, 4 * rounding)
+    return StreamedSteps(start, steps, tc, exact[0], noise.weights)
 
 
 @pytest.mark.parametrize("model_type", TYPES)
