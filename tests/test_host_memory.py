@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -208,3 +209,73 @@ def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, s
     for peak in peaks:
         assert (1 - WITHIN) * (planned.total - planned.write_backs) <= peak <= (1 + WITHIN) * planned.total, \
             f"{peak / 2**20:.0f} MiB against {planned.total / 2**20:.0f} MiB planned ({planned.describe()})"
+
+
+# --- under a real memory limit -----------------------------------------------------------------------------------
+CGROUP2 = Path("/sys/fs/cgroup")
+# 92M parameters: the RAM tier's store alone is 1.54 GiB; the disk tier's whole process is planned at 1.12 GiB.
+LIMITED = {**MODEL, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6, "num_attention_heads": 16,
+           "head_dim": 64}
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A new cgroup v2 group beside this process's own, with the memory controller; skipped where there is none."""
+    if not (CGROUP2 / "cgroup.controllers").is_file():
+        pytest.skip(f"no cgroup v2 hierarchy at {CGROUP2} (cgroup v1, or none)")
+    own = next((line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.startswith("0::")), None)
+    if own is None:
+        pytest.skip("this process is in no cgroup v2 group")
+    here = CGROUP2 / own.strip().lstrip("/")
+    parent = here if here == CGROUP2 else here.parent
+    try:
+        enabled = (parent / "cgroup.subtree_control").read_text().split()
+    except OSError as exc:
+        pytest.skip(f"cgroups are not readable here: {exc}")
+    if "memory" not in enabled:
+        pytest.skip(f"the memory controller is not enabled for the groups under {parent}")
+    group = parent / f"streamer-test-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cgroups are not writable here: {exc}")
+    try:
+        yield group
+    finally:
+        group.rmdir()  # its processes have exited
+
+
+@pytest.mark.slow
+def test_a_run_over_its_cgroups_memory_limit_is_refused_before_writing_and_the_advice_fits(tmp_path, memory_cgroup):
+    """`streamer train` in a group whose memory.max the RAM tier's planned peak exceeds: one line naming the limit
+    and the disk tier, nothing written; the disk tier, as advised, trains in the same group."""
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps(LIMITED))
+
+    def planned(store: str) -> int:
+        cfg = resolve({"model": str(config), "store": store, "batch": 1, "seq": 128, "dtype": "bf16"})
+        return planned_host(cfg.model_config(), cfg).total
+
+    ram, disk = planned("ram"), planned("disk")
+    # Room for the disk tier's peak and the process as it is when the check runs (torch loaded), not the RAM tier's.
+    limit = disk + 600 * 2**20
+    assert ram > limit - 250 * 2**20
+    (memory_cgroup / "memory.max").write_text(str(limit))
+    if (memory_cgroup / "memory.swap.max").exists():
+        (memory_cgroup / "memory.swap.max").write_text("0")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def train(store: str, run: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streamer", "train", "--model", str(config), "--store", store,
+                               "--dtype", "bf16", "--batch", "1", "--seq", "128", "--steps", "1", "--sample-tokens",
+                               "0", "--eval-every", "0", "--run-dir", str(run)],
+                              preexec_fn=lambda: (memory_cgroup / "cgroup.procs").write_text("0"),
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    refused = train("ram", tmp_path / "ram")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+    assert "memory limit" in refused.stderr and "what would fit: --store disk" in refused.stderr, refused.stderr
+    assert not (tmp_path / "ram").exists()
+    advised = train("disk", tmp_path / "disk")
+    assert advised.returncode == 0, advised.stderr[-2000:]
