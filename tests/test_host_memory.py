@@ -191,10 +191,10 @@ HALF = {"master_dtype": "bf16", "moment_dtype": "int8"}
     pytest.param(MODEL, "disk", HALF, 1, id="disk-bf16-master-int8-moments"),
     pytest.param(MODEL, "ram", HALF, 1, id="ram-bf16-master-int8-moments"),
     pytest.param(MODEL, "ram", {"lora_rank": 8}, 1, id="ram-lora"),
-    # Measured 12% and 18% above the plan (714 MiB): the peak comes in the closing evaluation's forward of a grouped
-    # block, after the memory plot is drawn; the bytes are not found yet.
+    # Measured 12-25% above the plan (714 MiB: 800-893 MiB), with or without groups; the trace's RSS at each event
+    # stays within it (706-758 MiB), so the bytes are transient or at the run's close, and not found yet.
     pytest.param(MOE, "disk", {"expert_group_size": 2}, 1, id="disk-moe-expert-groups",
-                 marks=pytest.mark.xfail(strict=True, reason="a grouped block's closing evaluation is not priced")),
+                 marks=pytest.mark.xfail(strict=True, reason="a mixture's host peak is above its plan")),
     pytest.param(MODEL, "disk", {}, 2, id="disk-two-ranks"),
 ])
 def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, store, settings, ranks):
