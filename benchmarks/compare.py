@@ -414,6 +414,9 @@ def host_memory(ctx: Context) -> Outcome:
              "peak\"), for the run's settings; measured: the process's VmHWM (the kernel's high-water mark of its "
              "resident set) over the whole run, setup included, and over the timed steps alone (reset after setup). "
              "Data parallel: the highest of its processes.",
+             "The bench's worker is not `streamer train`: it builds no tokenizer or data and draws no memory plot, "
+             "which the plan's base (the process itself, measured on `streamer train`) holds; where that base is "
+             "most of the plan (--quick's tiny models), the worker stays below it.",
              f"status: measured within {HOST_TOLERANCE:.0%} of planned.")
     section = Section("8. Host memory: planned vs measured peak RSS, per process",
                       ("run", "planned host peak", "peak RSS (run)", "peak RSS (steps)", "measured / planned",
