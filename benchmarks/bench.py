@@ -25,8 +25,8 @@ from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
     DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_DISK_HALF, STREAM_RAM,
-    Context, Outcome, data_parallel, disk_tier, dtypes, gpu, half_the_bytes, memory, overhead, planner, scale,
-    update_speed, utilisation, versus_deepspeed, versus_hf, where_time_goes,
+    Context, Outcome, data_parallel, disk_tier, dtypes, gpu, half_the_bytes, host_memory, memory, overhead, planner,
+    scale, update_speed, utilisation, versus_deepspeed, versus_hf, where_time_goes,
 )
 from benchmarks.machine import (
     ModelChoice, Peaks, describe, disk_budget, family_presets, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
@@ -313,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
                       update=update_rates(s.update_params, min(s.update_params, StepConfig().update_chunk)))
         outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
                                    half_the_bytes(ctx), update_speed(ctx),
-                                   utilisation(ctx), scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx),
+                                   utilisation(ctx), scale(ctx), memory(ctx), host_memory(ctx), planner(ctx),
+                                   data_parallel(ctx),
                                    gpu(ctx, machine.gpu), lora_versus_full(ctx), *where_time_goes(ctx)]
         for outcome in outcomes:
             console.print(outcome.section.rich())

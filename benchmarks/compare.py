@@ -394,6 +394,37 @@ def memory(ctx: Context) -> Outcome:
                            tuple(rows), ("Only our runs keep a ledger; for the others see peak RSS above.",)))
 
 
+HOST_TOLERANCE = 0.10  # the plan's host peak against the measured one
+
+
+def host_memory(ctx: Context) -> Outcome:
+    """Each run's peak RSS, the kernel's high-water mark of its process, beside the planner's host peak for ours."""
+    rows, within = [], []
+    for label, r in ctx.results.items():
+        if not r.ok:
+            rows.append((label, _missing(ctx, label), "—", "—", "—", "—"))
+            continue
+        value = _div(r.process_rss_peak_bytes, r.planned_host_bytes)
+        ok = None if value is None else abs(value - 1) <= HOST_TOLERANCE
+        if ok is not None:
+            within.append(ok)
+        rows.append((label, size(r.planned_host_bytes) if r.planned_host_bytes else "— (not ours: no plan)",
+                     size(r.process_rss_peak_bytes), size(r.rss_peak_bytes), ratio(value), verdict(ok)))
+    notes = ("planned: memory_model.host's peak of one process (`streamer plan`'s \"host RAM per process at its "
+             "peak\"), for the run's settings; measured: the process's VmHWM (the kernel's high-water mark of its "
+             "resident set) over the whole run, setup included, and over the timed steps alone (reset after setup). "
+             "Data parallel: the highest of its processes.",
+             "The bench's worker is not `streamer train`: it builds no tokenizer or data and draws no memory plot, "
+             "which the plan's base (the process itself, measured on `streamer train`) holds; where that base is "
+             "most of the plan (--quick's tiny models), the worker stays below it.",
+             f"status: measured within {HOST_TOLERANCE:.0%} of planned.")
+    section = Section("8. Host memory: planned vs measured peak RSS, per process",
+                      ("run", "planned host peak", "peak RSS (run)", "peak RSS (steps)", "measured / planned",
+                       f"within {HOST_TOLERANCE:.0%}"), tuple(rows), notes)
+    return Outcome(section, (_target(f"host peak RSS within {HOST_TOLERANCE:.0%} of the plan, our runs",
+                                     f"{sum(within)}/{len(within)}", None if not within else all(within)),))
+
+
 def planner(ctx: Context) -> Outcome:
     rows, within = [], []
     for label, plan in ctx.plans.items():

@@ -42,6 +42,7 @@ class Result:
     step_s: tuple[float, ...]
     rss_peak_bytes: int
     process_rss_peak_bytes: int
+    planned_host_bytes: int  # ours streamed: the planner's host peak of one process; 0 for the others
     io: dict[str, float]
     phases: dict[str, float]
     ledger_peak_bytes: int
@@ -93,6 +94,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         setup_s=tuple(b.setup_s for b in good), step_s=tuple(s for b in good for s in b.step_s),
         rss_peak_bytes=max((b.step_rss_peak_bytes for b in good), default=0),
         process_rss_peak_bytes=max((b.process_rss_peak_bytes for b in good), default=0),
+        planned_host_bytes=max((b.planned_host_bytes for b in good), default=0),
         io=_median_by_key([row for b in good for row in b.io]),
         phases=_median_by_key([row for b in good for row in b.phases]),
         ledger_peak_bytes=max((b.ledger_peak_bytes for b in good), default=0),
@@ -201,9 +203,12 @@ class Runner:
                 measured = self.block(spec, r)
                 blocks[spec.label].append(measured)
                 if measured.ok:
+                    planned = (f" (planned {measured.planned_host_bytes / 2**30:.2f} GiB)"
+                               if measured.planned_host_bytes else "")
                     self.console.print(f"  median {statistics.median(measured.step_s):.3g} s/step "
                                        f"(setup {measured.setup_s:.0f} s), "
-                                       f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB, "
+                                       f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB over the steps, "
+                                       f"{measured.process_rss_peak_bytes / 2**30:.2f} GiB over the run{planned}, "
                                        f"others' load {measured.others_cores:.1f} cores")
                 else:
                     self.console.print(f"  [red]failed[/]: {measured.error[:300]}")

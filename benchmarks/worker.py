@@ -88,7 +88,10 @@ class Measured:
     losses: list[float] = field(default_factory=list)
     step_rss_peak_bytes: int = 0  # VmHWM over the steps (the high-water mark is reset after setup)
     others_cores: float = 0.0  # CPU cores other processes kept busy meanwhile (the parent measures it)
-    process_rss_peak_bytes: int = 0  # ru_maxrss: setup included
+    # VmHWM over the whole run, setup included (the higher of setup's and the steps'). Not ru_maxrss: Linux carries
+    # the parent's high-water mark into a child across exec, so it would count the bench's own pages.
+    process_rss_peak_bytes: int = 0
+    planned_host_bytes: int = 0  # ours streamed: the planner's peak host memory of one process (memory_model.host)
     io: list[dict[str, int]] = field(default_factory=list)  # /proc/self/io deltas per timed step
     phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step
     ledger_peak_bytes: int = 0
@@ -103,8 +106,10 @@ class Measured:
 class Contender:
     """A step function and, for ours, the trace of each step."""
 
-    def __init__(self, step: Callable[[Any], float], params: int, trainer: Any = None, experts: str = "") -> None:
+    def __init__(self, step: Callable[[Any], float], params: int, trainer: Any = None, experts: str = "",
+                 planned_host_bytes: int = 0) -> None:
         self.step, self.params, self.trainer, self.experts = step, params, trainer, experts
+        self.planned_host_bytes = planned_host_bytes
 
 
 def _config(spec: RunSpec) -> Any:
@@ -122,8 +127,10 @@ def _ours(spec: RunSpec) -> Contender:
                           max_grad_norm=spec.max_grad_norm,
                           lora_rank=spec.lora_rank, update_timing=spec.update_timing)
     if spec.contender == "stream":
+        from streamer.advice import step_host
+        planned = step_host(cfg, tc, tc.plan_config(spec.batch, spec.seq, spec.world)).total
         trainer = StreamingTrainer(cfg, tc, store_dir=Path(spec.workdir) / "store")
-        return Contender(trainer.step, cfg.num_params(), trainer)
+        return Contender(trainer.step, cfg.num_params(), trainer, planned_host_bytes=planned)
     resident = ResidentTrainer(cfg, tc, resident_model(cfg).state_dict())
     return Contender(resident.step, cfg.num_params())
 
@@ -269,12 +276,14 @@ def measure(spec: RunSpec) -> Measured:
     builder = {"stream": _ours, "resident": _ours, "hf": _hf, "deepspeed": _deepspeed}[spec.contender]
     contender = builder(spec)
     out.setup_s, out.params, out.experts = time.perf_counter() - start, contender.params, contender.experts
+    out.planned_host_bytes = contender.planned_host_bytes
     vocab = _config(spec).vocab_size
     generator = torch.Generator().manual_seed(spec.seed)
 
     def one_step() -> float:
         return contender.step(torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator))
 
+    setup_rss_peak = _rss_peak()
     _reset_rss_peak()
     trainer = contender.trainer
     for _ in range(spec.warmup):
@@ -293,13 +302,13 @@ def measure(spec: RunSpec) -> Measured:
             # what the store's files were asked for (data only), the figure the planner prices
             out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes))
     out.step_rss_peak_bytes = _rss_peak()
+    out.process_rss_peak_bytes = max(setup_rss_peak, out.step_rss_peak_bytes)
     if trainer is not None:
         out.fused, out.redone_steps = trainer.fused, trainer.clipped_redos - redone_before
         out.ledger_peak_bytes = contender.trainer.ledger.peak
         out.ledger_peak_breakdown = contender.trainer.ledger.peak_breakdown
     if spec.profile:
         out.profile = _profile_step(one_step)
-    out.process_rss_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 

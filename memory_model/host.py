@@ -12,10 +12,13 @@ beside device memory, and what `streamer train` checks against the machine's ava
 - `master`: where the device is the host, the fp32 master a fused update takes from its unit's weights load, kept
   from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged);
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
-  `STAGES_IN_FLIGHT` being written), one chunk's state in its stored form (a bf16 master, int8 moments), and
-  where the device is the host, the chunks whose write-back is still running after their release (`prefetch` of
-  them at most, fp32 state and gradient);
-- `activations`: offloaded block inputs (`--activations offload`).
+  `STAGES_IN_FLIGHT` being written), and one chunk's state in its stored form (a bf16 master, int8 moments);
+- `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
+  (`prefetch` of them at most, fp32 state and gradient): they outlive it only where the disk is slower than the
+  next chunk's update, so a run on a fast disk may stay below the plan by these bytes;
+- `activations`: offloaded block inputs (`--activations offload`);
+- `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
+  (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
 from __future__ import annotations
 
@@ -39,6 +42,13 @@ BASE_BYTES = 368 * 2**20
 # (streamer.store.direct).
 STAGE_BYTES = 8 * 2**20
 STAGES_IN_FLIGHT = 2
+# The opt-in precisions' elementwise kernels (int8 moments' quantizing, a bf16 master's rounding) are compiled on
+# their first call of at least this many elements (streamer.compiled).
+COMPILE_MIN_NUMEL = 2**20
+# What compiling them adds to the process: the resident set of a process that has imported the trainer grew by
+# 156 MiB once it had quantized, dequantized and rounded a chunk of COMPILE_MIN_NUMEL x 2 elements on this project's
+# box (inductor's modules and the loaded kernels; the compiler itself runs in processes of its own).
+COMPILED_BYTES = 160 * 2**20
 # The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
 # their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
 # update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
@@ -67,13 +77,15 @@ class HostBytes:
     master: int
     writes: int
     activations: int
+    write_backs: int = 0
+    compiled: int = 0
 
     @property
     def total(self) -> int:
         return sum(asdict(self).values())
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {format_size(n)}" for name, n in asdict(self).items() if n)
+        return ", ".join(f"{name.replace('_', '-')} {format_size(n)}" for name, n in asdict(self).items() if n)
 
 
 def store_kinds(shape: ModelConfig, cfg: PlanConfig) -> dict[str, tuple[str, int]]:
@@ -140,5 +152,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
                                                          store.loads_read_master(cfg.compute_is_master)),
         fold=largest * GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" and not frozen else 0,
         master=4 * largest if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
-        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk + lagging,
-        activations=offloaded_bytes(shape, cfg))
+        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
+        activations=offloaded_bytes(shape, cfg), write_backs=lagging,
+        compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
+        (cfg.master_dtype == "bf16" or cfg.moment_dtype == "int8") else 0)

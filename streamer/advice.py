@@ -15,6 +15,7 @@ from memory_model.expert_groups import fewest_groups_within
 from memory_model.host import HostBytes, host_bytes
 from memory_model.ledger import round_up_size
 from memory_model.planner import shared_peak_bytes
+from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
 
 # The real step's ledger peak minus the planner's, measured on CPU (one step, budget off) for gptj-demo
@@ -29,12 +30,16 @@ def planned_peak(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> in
 
 
 def planned_host(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> HostBytes:
-    """One process's planned peak host memory for this run, on its own device: where that is the cpu, the device's
-    bytes are the host's. With clipping on, the higher of the fused step and the after-backward one a step that
-    clips is made again as (`peak_plan_config`)."""
-    pc, cpu = cfg.plan_config(devices), cfg.trainer.device.device == "cpu"
-    steps = [pc, pc.replace(update_timing="after-backward")] if pc.fused and cfg.trainer.optimizer.max_grad_norm \
-        else [pc]
+    """One process's planned peak host memory for this run, on its own device (`step_host`)."""
+    return step_host(model_cfg, cfg.trainer, cfg.plan_config(devices))
+
+
+def step_host(model_cfg: ModelConfig, tc: TrainerConfig, pc: PlanConfig) -> HostBytes:
+    """One process's planned peak host memory for the step `pc` of a trainer with settings `tc`: where its device
+    is the cpu, the device's bytes are the host's. With clipping on, the higher of the fused step and the
+    after-backward one a step that clips is made again as (`peak_plan_config`)."""
+    cpu = tc.device.device == "cpu"
+    steps = [pc, pc.replace(update_timing="after-backward")] if pc.fused and tc.optimizer.max_grad_norm else [pc]
     return max((host_bytes(model_cfg, p, shared_peak_bytes(model_cfg, p) if cpu else None) for p in steps),
                key=lambda h: h.total)
 

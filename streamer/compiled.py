@@ -19,7 +19,7 @@ from typing import Callable, Generic, ParamSpec, TypeVar
 
 import torch
 
-COMPILE_MIN_NUMEL = 2**20
+from memory_model.host import COMPILE_MIN_NUMEL
 
 P = ParamSpec("P")
 R = TypeVar("R")

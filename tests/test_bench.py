@@ -18,11 +18,13 @@ import pytest
 from layers import PRESETS, ConfigError, GPTJConfig, ModelConfig
 from layers.moe.config import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from benchmarks import bench
-from benchmarks.compare import HF_FP32, STREAM_RAM
+from benchmarks.compare import HF_FP32, STREAM_RAM, Context, host_memory
 from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model, raw_disk
 from benchmarks.report import Section
 from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
+from streamer.advice import step_host
+from streamer.config import TrainerConfig
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 FP32 = DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
@@ -45,7 +47,7 @@ def test_quick_run_writes_every_section(tmp_path):
     for title in ("Compute dtype of each run", "1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed", "4. Disk tier",
                   "5. Utilisation", "6. Scale", "7. Memory", "Planner vs measured", "Data parallel",
                   "On a CUDA GPU", "LoRA vs full fine-tuning", "Half the bytes", "The update: AdamW vs torch",
-                  "## Targets"):
+                  "8. Host memory: planned vs measured peak RSS", "## Targets"):
         assert title in text
     # The opt-in precisions' disk-tier run moves what docs/CLI.md says: under 7 read and 5 written B/param.
     half = re.search(r"^\| ours streamed, disk tier, bf16 master \+ int8 moments \| [^|]+ \|[^|]+\|[^|]+\|[^|]+\| "
@@ -87,6 +89,30 @@ def test_worker_measures_our_streamed_trainer(tmp_path):
     assert {"forward", "backward", "update", "load", "offload", "io_busy"} <= set(result.phases[0])
     assert result.io[0]["wchar"] > 0  # a disk-tier step writes its new state
     assert result.others_cores >= 0.0
+    # The planner's host peak for this very run's settings, and the process's own high-water mark over the run.
+    tc = TrainerConfig.of(dtype=spec.dtype, store="disk")
+    assert result.planned_host_bytes == step_host(cfg, tc, tc.plan_config(1, 16)).total
+    assert result.process_rss_peak_bytes >= result.step_rss_peak_bytes
+
+
+def test_the_host_section_sets_each_runs_measured_peak_beside_its_plan():
+    """BENCHMARKS.md's host table: the cells are the runs' own figures, a run without a plan says so, and the
+    verdict is the measured peak within 10% of the planned one."""
+    ours = RunSpec(label="ours", contender="stream", model={}, batch=1, seq=8)
+    theirs = RunSpec(label="theirs", contender="hf", model={}, batch=1, seq=8)
+    close = dataclasses.replace(_measured("ours", [1.0], 900 * 2**20), process_rss_peak_bytes=1050 * 2**20,
+                                planned_host_bytes=1000 * 2**20)
+    results = {"ours": merge(ours, [close]),
+               "theirs": merge(theirs, [dataclasses.replace(_measured("theirs", [1.0], 2**30),
+                                                            process_rss_peak_bytes=2**31)])}
+    ctx = Context(results=results, peaks=None, disk={}, plans={}, scale=None, compute=FP32)
+    outcome = host_memory(ctx)
+    text = outcome.section.markdown()
+    assert "| ours | 1000 MiB | 1.03 GiB | 900 MiB | 1.05x | met |" in text, text
+    assert "| theirs | — (not ours: no plan) | 2.00 GiB | 1.00 GiB | — | unmeasured |" in text, text
+    assert outcome.targets == ("host peak RSS within 10% of the plan, our runs: met (1/1)",)
+    far = {"ours": merge(ours, [dataclasses.replace(close, process_rss_peak_bytes=1200 * 2**20)])}
+    assert "NOT met" in host_memory(dataclasses.replace(ctx, results=far)).targets[0]
 
 
 class _Quiet:

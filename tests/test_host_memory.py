@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from streamer.advice import planned_host
 from streamer.cli.main import main
 from streamer.resources import shortfall
 from streamer.run import resolve
+from streamer.store.layout import WIDENED_BLOCK
 from streamer.runtime.transport import BufferPool
 
 # Llama with blocks large next to the process (8.6M parameters each) and a vocabulary that trains in no time.
@@ -72,29 +74,49 @@ def test_a_piece_of_a_tensor_is_not_taken_in():
     assert pool.free_bytes == 0
 
 
-# `streamer train` as a user runs it, printing its resident set's high-water mark (VmHWM) as it exits. Not the
-# child's ru_maxrss: Linux carries a forked child's high-water mark across exec, so it would count the test
-# session's own pages; VmHWM is that of the memory the command itself mapped since exec.
-HIGH_WATER = ("import atexit, runpy, sys\n"
+# `streamer train` as a user runs it, writing its resident set's high-water mark (VmHWM) as it exits, one file a
+# process in $HIGH_WATER_DIR. Not the child's ru_maxrss: Linux carries a forked child's high-water mark across
+# exec, so it would count the test session's own pages; VmHWM is that of the memory the command itself mapped
+# since exec.
+HIGH_WATER = ("import atexit, os, runpy, sys\n"
               "def report():\n"
               "    status = open('/proc/self/status').read()\n"
-              "    print('VmHWM', status.split('VmHWM:')[1].split()[0], file=sys.stderr)\n"
+              "    with open(os.path.join(os.environ['HIGH_WATER_DIR'], str(os.getpid())), 'w') as out:\n"
+              "        out.write(status.split('VmHWM:')[1].split()[0])\n"
               "atexit.register(report)\n"
               "sys.argv = ['streamer', *sys.argv[1:]]\n"
               "runpy.run_module('streamer', run_name='__main__')\n")
 
 
-def _max_rss(folder: Path, model: dict, store: str, steps: int) -> int:
-    """The kernel's high-water mark of the resident set of `streamer train`, in bytes."""
+def _flags(settings: dict) -> list[str]:
+    return [a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _high_waters(folder: Path, model: dict, store: str, steps: int, settings: dict | None = None,
+                 ranks: int = 1) -> list[int]:
+    """The kernel's high-water mark of the resident set of `streamer train`, in bytes, of each of its `ranks`
+    processes (torchrun where more than one)."""
     config = folder / f"{model['hidden_size']}.json"
     config.write_text(json.dumps(model))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", HIGH_WATER, "train", "--model", str(config), "--store", store,
-                           "--batch", "1", "--seq", "128", "--steps", str(steps), "--sample-tokens", "0",
-                           "--eval-every", "0", "--run-dir", str(folder / f"run-{model['hidden_size']}-{store}")],
-                          capture_output=True, text=True, env=env)
+    marks = folder / "high-water"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HIGH_WATER_DIR": str(marks)}
+    script = folder / "high_water.py"
+    script.write_text(HIGH_WATER)
+    launch = [sys.executable, str(script)] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(script)]
+    done = subprocess.run([*launch, "train", "--model", str(config), "--store", store,
+                           "--batch", str(ranks), "--seq", "128", "--steps", str(steps), "--sample-tokens", "0",
+                           "--eval-every", "0", "--run-dir", str(folder / f"run-{model['hidden_size']}-{store}"),
+                           *_flags(settings or {})], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return int(done.stderr.split("VmHWM")[-1].split()[0]) * 1024
+    peaks = [int(mark.read_text()) * 1024 for mark in marks.iterdir()]
+    assert len(peaks) == ranks, done.stderr[-2000:]
+    return peaks
+
+
+def _max_rss(folder: Path, model: dict, store: str, steps: int) -> int:
+    return _high_waters(folder, model, store, steps)[0]
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +155,127 @@ def test_train_refuses_a_run_whose_planned_host_peak_exceeds_the_available_ram(t
     assert shortfall(cfg, cfg.model_config(), planned.total, 2**40, tmp_path) is None
     refused = shortfall(cfg, cfg.model_config(), planned.total - 1, 2**40, tmp_path)
     assert f"at its peak as planned: {planned.describe()}" in refused and "what would fit: " in refused
+
+
+def test_folding_a_bf16_gradient_into_fp32_widens_a_block_at_a_time():
+    """torch widens a whole addend of another dtype before adding it: a tied embedding's bf16 gradient added into
+    its fp32 accumulator took a fp32 copy of the embedding, which no plan prices. Measured in a fresh process."""
+    script = ("import torch\n"
+              "from streamer.store.layout import fold_into\n"
+              "def hwm():\n"
+              "    return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024\n"
+              "flat, piece = torch.ones(2**25), torch.ones(2**25, dtype=torch.bfloat16)  # both resident\n"
+              "before = hwm()\n"
+              "fold_into(flat, [piece.view(2**12, 2**13)], first=False)\n"
+              "grown = hwm() - before\n"
+              "assert torch.equal(flat, torch.full((2**25,), 2.0))\n"
+              "print(grown)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # A few blocks' fp32 copies at most (the allocator keeps some), not the piece's 128 MiB (131 MiB measured before).
+    assert int(done.stdout) <= 8 * 4 * WIDENED_BLOCK
+
+
+# A mixture of experts with blocks large next to the process (8 experts of 256 x 1024, 6.3M parameters a block).
+MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "moe_intermediate_size": 1024, "intermediate_size": 1024,
+       "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 256,
+       "tie_word_embeddings": True}
+# Each run's whole peak, the process included, against the plan's (the issue's bar: within 10%).
+WITHIN = 0.10
+HALF = {"master_dtype": "bf16", "moment_dtype": "int8"}
+
+
+@pytest.mark.parametrize("model, store, settings, ranks", [
+    pytest.param(MODEL, "disk", HALF, 1, id="disk-bf16-master-int8-moments"),
+    pytest.param(MODEL, "ram", HALF, 1, id="ram-bf16-master-int8-moments"),
+    pytest.param(MODEL, "ram", {"lora_rank": 8}, 1, id="ram-lora"),
+    # Measured 12-25% above the plan (714 MiB: 800-893 MiB), with or without groups; the trace's RSS at each event
+    # stays within it (706-758 MiB), so the bytes are transient or at the run's close, and not found yet.
+    pytest.param(MOE, "disk", {"expert_group_size": 2}, 1, id="disk-moe-expert-groups",
+                 marks=pytest.mark.xfail(strict=True, reason="a mixture's host peak is above its plan")),
+    pytest.param(MODEL, "disk", {}, 2, id="disk-two-ranks"),
+])
+def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, store, settings, ranks):
+    """The kernel's high-water mark of every process of the run against the plan's host figure for one process
+    (with two data-parallel ranks, each its own store and its own half of the batch). Never more than 10% above
+    it; and within 10% below it but for the write-backs a disk faster than the update leaves no time to lag."""
+    peaks = _high_waters(tmp_path, model, store, 2, settings, ranks)
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": ranks, "seq": 128, "dtype": "bf16",
+                   **settings})
+    planned = planned_host(cfg.model_config(), cfg, ranks)
+    for peak in peaks:
+        assert (1 - WITHIN) * (planned.total - planned.write_backs) <= peak <= (1 + WITHIN) * planned.total, \
+            f"{peak / 2**20:.0f} MiB against {planned.total / 2**20:.0f} MiB planned ({planned.describe()})"
+
+
+# --- under a real memory limit -----------------------------------------------------------------------------------
+CGROUP2 = Path("/sys/fs/cgroup")
+# 92M parameters: the RAM tier's store alone is 1.54 GiB; the disk tier's whole process is planned at 1.12 GiB.
+LIMITED = {**MODEL, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6, "num_attention_heads": 16,
+           "head_dim": 64}
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A new cgroup v2 group beside this process's own, with the memory controller; skipped where there is none."""
+    if not (CGROUP2 / "cgroup.controllers").is_file():
+        pytest.skip(f"no cgroup v2 hierarchy at {CGROUP2} (cgroup v1, or none)")
+    own = next((line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.startswith("0::")), None)
+    if own is None:
+        pytest.skip("this process is in no cgroup v2 group")
+    here = CGROUP2 / own.strip().lstrip("/")
+    parent = here if here == CGROUP2 else here.parent
+    try:
+        enabled = (parent / "cgroup.subtree_control").read_text().split()
+    except OSError as exc:
+        pytest.skip(f"cgroups are not readable here: {exc}")
+    if "memory" not in enabled:
+        pytest.skip(f"the memory controller is not enabled for the groups under {parent}")
+    group = parent / f"streamer-test-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cgroups are not writable here: {exc}")
+    try:
+        yield group
+    finally:
+        group.rmdir()  # its processes have exited
+
+
+@pytest.mark.slow
+def test_a_run_over_its_cgroups_memory_limit_is_refused_before_writing_and_the_advice_fits(tmp_path, memory_cgroup):
+    """`streamer train` in a group whose memory.max the RAM tier's planned peak exceeds: one line naming the limit
+    and the disk tier, nothing written; the disk tier, as advised, trains in the same group."""
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps(LIMITED))
+
+    def planned(store: str) -> int:
+        cfg = resolve({"model": str(config), "store": store, "batch": 1, "seq": 128, "dtype": "bf16"})
+        return planned_host(cfg.model_config(), cfg).total
+
+    ram, disk = planned("ram"), planned("disk")
+    # Room for the disk tier's peak and the process as it is when the check runs (torch loaded), not the RAM tier's.
+    limit = disk + 600 * 2**20
+    assert ram > limit - 250 * 2**20
+    (memory_cgroup / "memory.max").write_text(str(limit))
+    if (memory_cgroup / "memory.swap.max").exists():
+        (memory_cgroup / "memory.swap.max").write_text("0")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def train(store: str, run: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streamer", "train", "--model", str(config), "--store", store,
+                               "--dtype", "bf16", "--batch", "1", "--seq", "128", "--steps", "1", "--sample-tokens",
+                               "0", "--eval-every", "0", "--run-dir", str(run)],
+                              preexec_fn=lambda: (memory_cgroup / "cgroup.procs").write_text("0"),
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    refused = train("ram", tmp_path / "ram")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+    assert "memory limit" in refused.stderr and "what would fit: --store disk" in refused.stderr, refused.stderr
+    assert not (tmp_path / "ram").exists()
+    advised = train("disk", tmp_path / "disk")
+    assert advised.returncode == 0, advised.stderr[-2000:]

@@ -272,6 +272,12 @@ class ExpertGroups:
         return [piece for s in self.layout.slots for piece in (experts[s.key] if s.key in experts else [own[s.key]])]
 
 
+# Elements of a gradient piece of another dtype (bf16 into an fp32 accumulator) added at once: the temporary fp32 copy
+# torch makes of the addend is this size, not the piece's (a tied embedding's own gradient, added to the head's part,
+# widened whole was an unpriced GiB of host memory on Llama-3.2-1B).
+WIDENED_BLOCK = 2**20
+
+
 def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
               non_blocking: bool = False) -> torch.Tensor:
     """Copy (`first`) or add `pieces`, which laid end to end make one flat tensor, into `flat`; returns `flat`.
@@ -283,7 +289,14 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
     offset = 0
     for piece in pieces:
         target = flat[offset:offset + piece.numel()].view(piece.shape)
-        target.copy_(piece, non_blocking=non_blocking) if first else target.add_(piece)
+        if first:
+            target.copy_(piece, non_blocking=non_blocking)
+        elif piece.dtype == flat.dtype:
+            target.add_(piece)
+        else:  # torch widens an addend of another dtype whole before adding: a block at a time bounds that copy
+            whole, into = piece.reshape(-1), target.view(-1)
+            for start in range(0, whole.numel(), WIDENED_BLOCK):
+                into[start:start + WIDENED_BLOCK].add_(whole[start:start + WIDENED_BLOCK])
         offset += piece.numel()
     if offset != flat.numel():
         raise ValueError(f"gradient pieces hold {offset} elements, the flat tensor {flat.numel()}")
