@@ -154,7 +154,8 @@ CASES = [{"loss_type": "grpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "dapo"},
 @pytest.mark.parametrize("settings", CASES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_a_lora_grpo_step_is_trls(hf_folder: Path, settings: dict[str, Any]) -> None:
     """LoRA (the reference is the base with the adapters off): the advantages, the loss and every adapter's
-    gradient (relative to its largest entry) within twice TRL's fp32-vs-float64 difference."""
+    gradient (relative to its largest entry) within twice TRL's fp32-vs-float64 difference (measured 0.92e-6 to
+    1.28e-6 of a gradient's largest entry by case, ours 1.18e-6 to 1.56e-6: at most 1.46 times TRL's)."""
     fp32 = _trl(hf_folder, torch.float32, settings, lora=True)
     fp64 = _trl(hf_folder, torch.float64, settings, lora=True)
     assert fp32["rollouts"][0] == fp64["rollouts"][0]
@@ -259,3 +260,21 @@ def test_bad_grpo_settings_are_one_line() -> None:
         with pytest.raises(ConfigError, match="beta > 0 needs the reference model, which is kept for LoRA only"):
             train_grpo(trainer, train_bpe(["some text"], 300), [{"prompt": "Hi"}], Rewards([length_reward]),
                        GRPOSettings(beta=0.1), 1)
+
+
+def test_rollouts_are_seeded_and_end_at_end_of_text() -> None:
+    """A prompt's completions are sampled by the runtime's generation: the same seed gives the same completions,
+    another seed others; each stops after its first end-of-text (kept, as TRL's) or at max_completion_length."""
+    from streamer.generate import Sampling
+    from streamer.grpo import rollout
+    cfg = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=32, max_position_embeddings=64)
+    sampling = Sampling(max_new_tokens=12, temperature=1.0, seed=3)
+    with StreamingTrainer(cfg, TrainerConfig.of(dtype="fp32")) as trainer:
+        first = rollout(trainer, [5, 6, 7], 6, sampling, stop_id=0)
+        assert rollout(trainer, [5, 6, 7], 6, sampling, stop_id=0) == first
+        assert rollout(trainer, [5, 6, 7], 6, dataclasses.replace(sampling, seed=4), stop_id=0) != first
+    assert len(first) == 6
+    for completion in first:
+        assert 1 <= len(completion) <= 12
+        assert 0 not in completion[:-1] and (completion[-1] == 0 or len(completion) == 12)
+    assert any(c[-1] == 0 for c in first)  # a vocabulary of 32 ends some of them within 12 tokens
