@@ -14,7 +14,7 @@ import torch
 from layers import FAMILIES
 from layers.grpo import GRPOLoss, group_advantages
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.errors import ConfigError
+from streamer.errors import ConfigError, StreamerError
 from streamer.grpo import completion_rows, grpo_step, token_logps
 from streamer.rewards import RewardError, Rewards
 from tests.test_data_cli import write_tokenizer
@@ -256,7 +256,12 @@ def test_bad_grpo_settings_are_one_line() -> None:
     with pytest.raises(ConfigError, match="scale_rewards must be one of group, batch, none"):
         GRPOSettings(scale_rewards="batchwise")
     cfg = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=300, max_position_embeddings=64)
-    with StreamingTrainer(cfg, TrainerConfig.of(dtype="fp32")) as trainer:
+    with StreamingTrainer(cfg, TrainerConfig.of(dtype="fp32", grad_accum=2)) as trainer:
+        ids, labels = completion_rows([[5, 6]] * 4, [[7, 8, 0]] * 4, 0)
+        with pytest.raises(StreamerError, match=r"step takes one objective per micro-batch of one process \(2, "):
+            trainer.step(ids, labels, objectives=[])
+        with pytest.raises(StreamerError, match="GRPO needs one advantage per row \\(4\\); got \\(3,\\)"):
+            grpo_step(trainer, GRPOLoss(), ids, labels, torch.zeros(3))
         with pytest.raises(ConfigError, match="beta > 0 needs the reference model, which is kept for LoRA only"):
             train_grpo(trainer, train_bpe(["some text"], 300), [{"prompt": "Hi"}], Rewards([length_reward]),
                        GRPOSettings(beta=0.1), 1)
