@@ -42,7 +42,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: float 
 class Objective(ABC):
     """What a micro-batch's loss makes of its learned positions' log-probabilities, as the head's chunked loss
     computes them (`chunked_objective_loss`). The loss's gradient w.r.t. a position's log-probability is all the
-    backward needs of it: the logits' gradient is that times (one-hot - softmax)."""
+    backward needs of it: the logits' gradient is that times (one-hot - softmax). `temperature` divides the logits
+    the log-probabilities are taken from (GRPO's sampling temperature, as TRL scores completions)."""
+
+    temperature: float = 1.0
 
     @abstractmethod
     def forward(self, token_logps: torch.Tensor, learned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,10 +110,12 @@ def _vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk, vocab)) for lo in range(0, vocab, chunk)]
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo: int,
-                  hi: int) -> torch.Tensor:
-    """fp32 logits of vocabulary rows [lo, hi): the compute-dtype linear, then the cast (as the heads do)."""
-    return F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi]).float()  # (N, hi - lo)
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo: int, hi: int,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """fp32 logits of vocabulary rows [lo, hi): the compute-dtype linear, then the cast (as the heads do), divided
+    by `temperature` where it is not 1."""
+    logits = F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi]).float()  # (N, hi - lo)
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def _in_chunk(targets: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +132,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
         kept = ()
         for lo, hi in _vocab_slices(weight.shape[0], vocab_chunk):
-            logits = _chunk_logits(x, weight, bias, lo, hi)
+            logits = _chunk_logits(x, weight, bias, lo, hi, objective.temperature)
             lse_parts.append(torch.logsumexp(logits, dim=1))
             inside, column = _in_chunk(targets, lo, hi)
             target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
@@ -147,11 +152,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
         valid = (targets != IGNORE_INDEX).view(ctx.shape)
         # d loss / d logit = (softmax - onehot) times minus d loss / d log-probability of the position.
         row_scale = ctx.objective.scale(saved, valid, grad_loss).expand(ctx.shape).reshape(-1, 1)  # (N, 1)
+        temperature = ctx.objective.temperature
+        if temperature != 1.0:  # the chain rule through logits / temperature
+            row_scale = row_scale / temperature
         grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         grad_weight = torch.empty_like(weight)
         grad_bias = None if bias is None else torch.empty_like(bias)
         for lo, hi in _vocab_slices(weight.shape[0], ctx.vocab_chunk):
-            logits = kept.pop() if kept else _chunk_logits(x, weight, bias, lo, hi)
+            logits = kept.pop() if kept else _chunk_logits(x, weight, bias, lo, hi, temperature)
             grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, fp32, in place of the logits
             inside, column = _in_chunk(targets, lo, hi)
             grad.scatter_add_(1, column, -inside.float().unsqueeze(1)).mul_(row_scale)

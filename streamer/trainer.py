@@ -9,12 +9,12 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from layers import ModelConfig, learned_tokens
-from layers.loss import IGNORE_INDEX
+from layers.loss import IGNORE_INDEX, Objective
 from layers.preference import DPOObjective, RowLogProbs
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from memory_model.allocator import cuda_block_bytes, workspace_blocks
@@ -233,9 +233,11 @@ class StreamingTrainer:
 
     def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor | None,
                        attention_mask: torch.Tensor | None,
-                       reference: torch.Tensor | None = None) -> tuple[list[MicroBatch], float]:
+                       reference: torch.Tensor | None = None,
+                       objectives: Sequence[Objective] | None = None) -> tuple[list[MicroBatch], float]:
         """This process's micro-batches, and StepContext's tokens (counted on the global batch every rank holds).
-        `reference`: DPO's pairs (`step`), each micro-batch's with its objective."""
+        `reference`: DPO's pairs (`step`), each micro-batch's with its objective; `objectives`: each micro-batch's
+        own (`step`)."""
         labels = input_ids if labels is None else labels
         if self.tc.objective.preference:
             input_ids, labels, attention_mask, reference = self._pair_blocks(input_ids, labels, positions,
@@ -274,6 +276,12 @@ class StreamingTrainer:
             for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum)):
                 lengths = (batch.labels != IGNORE_INDEX).sum(dim=1)
                 batch.objective = DPOObjective(self.tc.objective, ref.to(device), lengths, float(pairs))
+        if objectives is not None:
+            if len(objectives) != len(micro) or self.data_parallel is not None:
+                raise StreamerError(f"step takes one objective per micro-batch of one process ({len(micro)}, "
+                                    f"grad_accum); got {len(objectives)} for {self.processes} processes")
+            for batch, objective in zip(micro, objectives, strict=True):
+                batch.objective = objective
         return micro, tokens
 
     def _pair_blocks(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
@@ -325,7 +333,7 @@ class StreamingTrainer:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-             reference: torch.Tensor | None = None) -> float:
+             reference: torch.Tensor | None = None, objectives: Sequence[Objective] | None = None) -> float:
         """One optimizer step over the batch (in grad_accum micro-batches); returns the mean loss per learned token.
         `positions` (batch, seq): rows of packed examples, each token's position in its own example (restarting
         at 0, streamer.io.data.Dataset.positions); each example then attends only to itself. `attention_mask`
@@ -333,8 +341,9 @@ class StreamingTrainer:
         a mixture's load-balancing loss leaves out; None: no padding.
         With --method dpo the rows are pairs, every chosen row then every rejected row (TRL's order), labels -100
         but on the completion, `reference` each row's `reference_logps`; it returns the pairs' mean DPO loss, and
-        `metrics` TRL's logged metrics of the step."""
-        micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference)
+        `metrics` TRL's logged metrics of the step. `objectives`: each micro-batch's loss (the rows split in
+        grad_accum parts, in order; one process), in place of the method's (GRPO's, streamer.grpo)."""
+        micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference, objectives)
         if self.store is not None:
             self._writable().check_consistent()  # an update stopped part-way in this process: reopen the run
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])

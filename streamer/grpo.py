@@ -1,0 +1,200 @@
+"""GRPO on the streamed step, through the Python API: rows of a prompt and a completion, the log-probabilities of
+the policy that sampled them and of the reference, and one step whose loss is layers/grpo.py's `GRPOObjective`
+(TRL's GRPOTrainer's, given the same prompts, completions and rewards).
+
+Rollouts are the runtime's own generation (`streamer.generate`: the units streamed, the KV cache on the device):
+`rollout` samples a prompt's completions. `train_grpo` is the loop: generate, score (`streamer.rewards`), the
+advantages, then the steps, logging each step's rewards, advantages and completions."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from layers import IGNORE_INDEX
+from layers.grpo import GRPOLoss, GRPOObjective, TokenLogProbs, group_advantages
+from memory_model.schedule import step_events
+from streamer.errors import ConfigError, StreamerError
+from streamer.generate import Sampling, generate
+from streamer.rewards import Rewards
+from streamer.runtime.step import MicroBatch, StepContext
+from streamer.trainer import StreamingTrainer
+
+if TYPE_CHECKING:
+    from streamer.io.tokenizer import Tokenizer
+
+
+def completion_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), (rows, T): each prompt followed by its completion, padded on the right with `pad_id`;
+    labels -100 but on the completion. T is the longest row."""
+    if len(prompts) != len(completions):
+        raise StreamerError(f"{len(prompts)} prompts but {len(completions)} completions; give one prompt per row")
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(prompts), length), IGNORE_INDEX, dtype=torch.long)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        row = torch.tensor([*prompt, *completion], dtype=torch.long)
+        ids[i, :len(row)] = row
+        labels[i, len(prompt):len(row)] = row[len(prompt):]
+    return ids, labels
+
+
+def token_logps(trainer: StreamingTrainer, input_ids: torch.Tensor, labels: torch.Tensor,
+                temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
+    """(rows, T) fp32 on the host: each position's log-probability of its (shifted) label, 0 where it is -100, by
+    forward passes only, one micro-batch's rows at a time. `reference`: the reference model's (with LoRA the base
+    with the adapters off; else the weights as they are now); else the policy's as it is now (GRPO's old policy)."""
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise StreamerError(f"input_ids and labels must be (batch, seq) alike; got {tuple(input_ids.shape)} and "
+                            f"{tuple(labels.shape)}")
+    device = trainer.executor.device
+    micro = max(1, input_ids.shape[0] // trainer.tc.step.grad_accum)
+    out = []
+    for ids, lab in zip(input_ids.split(micro), labels.split(micro), strict=True):
+        objective = TokenLogProbs(temperature)
+        ctx = StepContext([MicroBatch(ids.to(device), lab.to(device), objective=objective)], trainer.step_count,
+                          0.0, adapters_off=reference and trainer.adapters is not None)
+        with torch.no_grad():
+            trainer.executor.run(step_events(trainer.step_spec(1, backward=False)), ctx)
+        trainer.executor.clear_graphs()
+        assert objective.tokens is not None
+        out.append(objective.tokens.float().cpu())
+    return torch.cat(out)
+
+
+def grpo_objectives(loss: GRPOLoss, labels: torch.Tensor, advantages: torch.Tensor, micro_batches: int,
+                    old: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> list[GRPOObjective]:
+    """Each micro-batch's GRPO objective, the rows split in `micro_batches` parts in order (as `step` splits them)."""
+    rows = labels.shape[0]
+    if advantages.shape != (rows,):
+        raise StreamerError(f"GRPO needs one advantage per row ({rows}); got {tuple(advantages.shape)}")
+    for name, t in (("old", old), ("reference", reference)):
+        if t is not None and t.shape != labels.shape:
+            raise StreamerError(f"the {name} log-probabilities must be (rows, T) as the labels "
+                                f"{tuple(labels.shape)}; got {tuple(t.shape)}")
+    if loss.beta and reference is None:
+        raise StreamerError("beta > 0 needs the reference's log-probabilities (token_logps(..., reference=True))")
+    if rows % micro_batches:
+        raise StreamerError(f"{rows} rows do not split into grad_accum={micro_batches} micro-batches")
+    tokens = float((labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def parts(t: torch.Tensor | None) -> list[torch.Tensor | None]:
+        return [None] * micro_batches if t is None else list(t.chunk(micro_batches))
+    return [GRPOObjective(loss, a, o, r, float(rows), tokens, micro_batches)
+            for a, o, r in zip(advantages.chunk(micro_batches), parts(old), parts(reference), strict=True)]
+
+
+def grpo_step(trainer: StreamingTrainer, loss: GRPOLoss, input_ids: torch.Tensor, labels: torch.Tensor,
+              advantages: torch.Tensor, old: torch.Tensor | None = None,
+              reference: torch.Tensor | None = None) -> float:
+    """One optimizer step of GRPO's loss over the rows (`completion_rows`); returns the loss (TRL's)."""
+    objectives = grpo_objectives(loss, labels, advantages, trainer.tc.step.grad_accum, old, reference)
+    return trainer.step(input_ids, labels, objectives=objectives)
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """GRPO's settings by TRL's GRPOConfig names; `prompts_per_step`: the prompts of a step, each with
+    `num_generations` completions (TRL's per-device batch is their product); `seed`: the sampling's."""
+
+    num_generations: int = 8
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    num_iterations: int = 1
+    prompts_per_step: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations must be >= 2 (a group's rewards are compared), got "
+                              f"{self.num_generations}")
+        if not self.temperature > 0:
+            raise ConfigError(f"GRPO samples: temperature must be > 0, got {self.temperature}")
+        if self.num_iterations < 1 or self.prompts_per_step < 1:
+            raise ConfigError(f"num_iterations and prompts_per_step must be >= 1, got {self.num_iterations} and "
+                              f"{self.prompts_per_step}")
+        try:
+            self.loss()
+            group_advantages(torch.zeros(self.num_generations), self.num_generations, self.scale_rewards)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def loss(self) -> GRPOLoss:
+        return GRPOLoss(beta=self.beta, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+                        loss_type=self.loss_type, max_completion_length=self.max_completion_length,
+                        temperature=self.temperature)
+
+    def sampling(self, seed: int) -> Sampling:
+        return Sampling(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=self.top_k,
+                        top_p=self.top_p, seed=seed)
+
+
+def rollout(trainer: StreamingTrainer, prompt_ids: Sequence[int], num_generations: int, sampling: Sampling,
+            stop_id: int | None) -> list[list[int]]:
+    """`num_generations` completions of one prompt, sampled together (one batch, the KV cache on the device); each
+    ends at its first `stop_id`, kept (as TRL's completions keep end-of-text), or at max_new_tokens."""
+    out = generate(trainer, torch.tensor([list(prompt_ids)] * num_generations), sampling, stop_id=stop_id)
+    completions = []
+    for row in out[:, len(prompt_ids):].tolist():
+        completions.append(row[:row.index(stop_id) + 1] if stop_id in row else row)
+    return completions
+
+
+def train_grpo(trainer: StreamingTrainer, tokenizer: Tokenizer, dataset: Sequence[Mapping[str, Any]],
+               rewards: Rewards, settings: GRPOSettings, steps: int,
+               log: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """`steps` GRPO steps. Each takes the next `prompts_per_step` records of `dataset` (in order, cycling; each a
+    "prompt" and any other columns, which the reward functions get as keyword lists), samples `num_generations`
+    completions of each, scores them, and steps `num_iterations` times on them. Returns (and gives `log`) one record
+    per step: its mean reward, each function's, the loss, the advantages and the completions."""
+    if not dataset or any("prompt" not in record for record in dataset):
+        raise StreamerError("every GRPO record needs a 'prompt' field")
+    if settings.beta and trainer.adapters is None:
+        raise ConfigError("beta > 0 needs the reference model, which is kept for LoRA only (the base with the "
+                          "adapters off); use lora_rank > 0 or beta 0")
+    loss, group = settings.loss(), settings.num_generations
+    history = []
+    for _ in range(steps):
+        step = trainer.step_count + 1
+        first = (step - 1) * settings.prompts_per_step
+        records = [dataset[(first + j) % len(dataset)] for j in range(settings.prompts_per_step)]
+        prompt_ids: list[list[int]] = []
+        completion_ids: list[list[int]] = []
+        for j, row in enumerate(records):
+            prompt = tokenizer.prompt_ids(row["prompt"]) or [tokenizer.eos_id]
+            seed = settings.seed * 1_000_003 + first + j  # a rollout of its own per prompt and step: resumable
+            completion_ids += rollout(trainer, prompt, group, settings.sampling(seed), tokenizer.eos_id)
+            prompt_ids += [prompt] * group
+        texts = [tokenizer.decode([t for t in c if t != tokenizer.eos_id]) for c in completion_ids]
+        columns = {key: [row[key] for row in records for _ in range(group)] for key in records[0] if key != "prompt"}
+        prompts = [row["prompt"] for row in records for _ in range(group)]
+        total, per_function = rewards.score(prompts, texts, columns)
+        advantages = group_advantages(total, group, settings.scale_rewards)
+        ids, labels = completion_rows(prompt_ids, completion_ids, tokenizer.eos_id)
+        old = token_logps(trainer, ids, labels, loss.temperature) if settings.num_iterations > 1 else None
+        reference = token_logps(trainer, ids, labels, loss.temperature, reference=True) if loss.beta else None
+        losses = [grpo_step(trainer, loss, ids, labels, advantages, old, reference)
+                  for _ in range(settings.num_iterations)]
+        record: dict[str, Any] = {"step": trainer.step_count, "reward": _nanmean(total), "loss": losses[-1],
+                                  **{f"rewards/{name}": _nanmean(per_function[:, i])
+                                     for i, name in enumerate(rewards.names())},
+                                  "advantages": advantages.tolist(), "completions": texts}
+        history.append(record)
+        if log is not None:
+            log(record)
+    return history
+
+
+def _nanmean(t: torch.Tensor) -> float:
+    value = float(t.nanmean())
+    return value if math.isfinite(value) else math.nan
