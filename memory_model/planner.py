@@ -175,7 +175,7 @@ class Plan:
         experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
         lora = self.config.lora
         base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
-            lora.load_in_4bit
+            lora.load_in_4bit + ", GGUF base" * (lora.gguf is not None)
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
                             f"{self.config.step.activations}, {self.config.compute_dtype}{experts}{base}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
@@ -312,7 +312,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            four_bit = isinstance(r, Weights) and cfg.lora.load_in_4bit  # a 4-bit base's units: in bytes
+            four_bit = isinstance(r, Weights) and cfg.lora.quantized  # a quantized base's units: in bytes
             numel = weights_bytes(shape, cfg.lora, r.unit, es) if four_bit else _device_numel(r, shape, cfg, batch, seq)
             _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
         in_groups = grouped(shape, cfg, event.unit)
@@ -502,7 +502,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, gradient_bytes=0 if frozen else max(pieces) * es,
-            weight_bytes=weights_bytes(shape, cfg.lora, u, es) if cfg.lora.load_in_4bit else sum(pieces) * es,
+            weight_bytes=weights_bytes(shape, cfg.lora, u, es) if cfg.lora.quantized else sum(pieces) * es,
             optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
             activation_bytes=kept, recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen,

@@ -186,10 +186,17 @@ class StreamingTrainer:
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
-        """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time)."""
+        """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time); a GGUF file
+        (`streamer.io.gguf`) as a frozen base kept in its own blocks, which LoRA trains on."""
+        from streamer.io.gguf import GGUFCheckpoint, is_gguf
         from streamer.io.hf import HFCheckpoint, check_quantization
-        check_quantization(Path(hf_dir) / "config.json", (tc or TrainerConfig()).lora)
-        checkpoint = HFCheckpoint.open(hf_dir)
+        checkpoint: HFCheckpoint | GGUFCheckpoint
+        if is_gguf(hf_dir):
+            checkpoint = GGUFCheckpoint.open(hf_dir)
+            tc = (tc or TrainerConfig()).on_base(checkpoint.base())
+        else:
+            check_quantization(Path(hf_dir) / "config.json", (tc or TrainerConfig()).lora)
+            checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
         trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)
         try:
