@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -98,13 +98,13 @@ class TrainerConfig:
                          double_quant=self.lora.load_in_4bit and self.lora.bnb_4bit_use_double_quant,
                          gguf_types=self.lora.gguf.types if self.lora.gguf else ())
 
-    def on_base(self, base: GGUFBase) -> "TrainerConfig":
+    def on_base(self, base: GGUFBase, error: Callable[[str, str], Exception] = ConfigError.of) -> "TrainerConfig":
         """These settings on a GGUF file's frozen base (`streamer.io.gguf`): its block projections kept as the
-        file's blocks, LoRA training beside them."""
+        file's blocks, LoRA training beside them. Settings that cannot train it raise `error(setting, problem)`."""
         try:
             return replace(self, lora=replace(self.lora, gguf=base))
         except SettingError as exc:
-            raise ConfigError.of(exc.key, exc.problem) from None
+            raise error(exc.key, exc.problem) from None
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""

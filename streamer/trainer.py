@@ -16,6 +16,7 @@ import torch
 from layers import ModelConfig, learned_tokens
 from layers.loss import IGNORE_INDEX
 from layers.preference import DPOObjective, RowLogProbs
+from layers.packed_gguf import GGUFBase
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from memory_model.allocator import cuda_block_bytes, workspace_blocks
 from streamer.config import TrainerConfig
@@ -171,6 +172,8 @@ class StreamingTrainer:
                                  "the placement of an existing store cannot change")
             if store.spec.frozen and not tc.lora.enabled:
                 raise StoreError(f"{store_dir} holds a LoRA run's frozen base only; resume it with its --lora-rank")
+            if store.spec.quant_type == "gguf":  # the file's types are the store's, not a setting
+                tc = tc.on_base(GGUFBase(store.spec.gguf_types))
             trainer = cls(store.spec.config, tc, _store=store)
             if trainer.adapters is not None:
                 trainer.adapters.load(store.root, store.step)

@@ -3,6 +3,10 @@ dequantized as the gguf package does; the weights, the logits and the tokenizer 
 loading of the same file; LoRA steps on it; planner = ledger = dry run; the refusals."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ from streamer.store.slabfile import TRAILER_BYTES
 from streamer.io.gguf import GGUFCheckpoint
 
 gguf = pytest.importorskip("gguf")
+ROOT = Path(__file__).resolve().parents[1]
 transformers = pytest.importorskip("transformers")
 
 T = gguf.GGMLQuantizationType
@@ -65,7 +70,9 @@ def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]]
     writer.add_layer_norm_rms_eps(1e-5)
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     byte_symbols = bytes_to_unicode()
-    tokens = [byte_symbols[i] for i in range(256)] + ["he", "ll", "hell", "hello"] + [f"<t{i}>" for i in range(40)]
+    # (transformers' byte-level tokenizer adds <|endoftext|> where the list lacks it)
+    tokens = [byte_symbols[i] for i in range(256)] + ["he", "ll", "hell", "hello"] + [f"<t{i}>" for i in range(39)] \
+        + ["<|endoftext|>"]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))
@@ -184,3 +191,54 @@ def test_planner_ledger_and_dry_run_agree_to_the_byte(gguf_file: Path, tmp_path:
     assert predicted.host_store_bytes == units == (host[0] if store == "ram" else host[1] - 4 * TRAILER_BYTES)
     loads = 2 * 2 * cfg.num_hidden_layers * base.unit_bytes(cfg, "block.0", 4)
     assert predicted.link_bytes["h2d"] >= loads
+
+
+def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "streamer", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def test_the_documented_command_trains_lora_on_a_gguf_file(gguf_file: Path, tmp_path: Path) -> None:
+    """docs/CLI.md's command, through the documented override, trains; the run exports the model it trained,
+    which transformers loads."""
+    from tests.test_documented_commands import file_commands, override
+
+    command = next(c for where, c in file_commands() if where == "CLI.md" and "MODEL.gguf" in c)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"hello {i} world", "completion": " hell"}) + "\n"
+                            for i in range(40)))
+    (tmp_path / "run").mkdir()
+    argv = override(command, {"run": tmp_path / "run", "data": data, "toml": data, "gguf": gguf_file,
+                              "hf": tmp_path}, tmp_path / "work")
+    (tmp_path / "work").mkdir(exist_ok=True)  # (the override copies the stand-in run into it)
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path / "work", timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the planner predicts" in done.stdout
+    run = tmp_path / "work" / "runs" / "gguf-lora"
+    done = _cli("export", run, tmp_path / "merged", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert merged.config.num_hidden_layers == 2
+
+
+def test_full_fine_tuning_on_a_gguf_base_is_one_line(gguf_file: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 20)
+    done = _cli("train", "--from-pretrained", gguf_file, "--data", data, "--run-dir", tmp_path / "run", cwd=tmp_path)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "--lora-rank" in err[0], done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_type_without_a_dequantizer_is_one_line(tmp_path: Path) -> None:
+    types = {i: ("Q5_0", *row[1:]) for i, row in TYPES.items()}  # Q5_0: gguf quantizes it, the base does not read it
+    path = write_gguf(tmp_path / "q5.gguf", types=types)
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 20)
+    done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--run-dir",
+                tmp_path / "run", cwd=tmp_path)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(err) == 1 and "Q5_0" in err[0], done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -20,7 +20,6 @@ from layers import ConfigError, ModelConfig
 from layers.packed_gguf import TYPE_SIZES, GGUFBase
 from layers.quant_gguf import QuantGGUF
 from streamer.errors import CheckpointError
-from streamer.io.hf import expected_tensors
 from streamer.io.tokenizer import Tokenizer
 
 # GGUF architectures read here and the tensors whose rows llama.cpp's converter permuted (its q and k, for
@@ -54,6 +53,8 @@ class GGUFCheckpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFCheckpoint":
+        from streamer.io.hf import expected_tensors  # (loaded only with a checkpoint to read)
+
         path = Path(path)
         if not path.is_file():
             raise CheckpointError(f"{path} is not a file; pass a .gguf file or a Hugging Face folder")
