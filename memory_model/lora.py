@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from layers.config import ModelConfig, lora_targets
 from layers.packed4 import QUANT_TYPES, unit_bytes
 from layers.packed_gguf import GGUFBase
+from memory_model.units import DTYPE_BYTES
 from memory_model.settings import Choice, Integer, Number, SettingError, Switch, Text, check_settings, setting, shown
 
 # A block's projections that can carry adapters in some family, by the names Hugging Face and PEFT give them.
@@ -124,6 +125,16 @@ def weights_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes
         return shape.unit_device_params(unit) * compute_bytes
     owners = [owner for owner, _ in shape.borrowed(unit).values()] + [unit]
     return sum(base_unit_bytes(shape, lora, owner, compute_bytes) for owner in owners)
+
+
+def dequantized_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:
+    """A quantized base's weight in flight: each projection of a block is dequantized for its matmul (and again
+    in its backward), one at a time, into the matmul's dtype (--bnb-4bit-compute-dtype, else the run's). Charged
+    as workspace through a block's forward and backward: its largest projection. None elsewhere."""
+    if not lora.quantized or not unit.startswith("block."):
+        return 0
+    es = DTYPE_BYTES[lora.bnb_4bit_compute_dtype] if lora.bnb_4bit_compute_dtype else compute_bytes
+    return max(fan_in * fan_out for fan_in, fan_out in map(shape.projection_shape, shape.projections)) * es
 
 
 def base_unit_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:

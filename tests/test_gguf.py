@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from layers.packed_gguf import TYPE_IDS, TYPE_SIZES
+from layers import PRESETS
+from layers.packed_gguf import TYPE_IDS, TYPE_SIZES, row_bytes
 from memory_model import device_spec, plan
+from memory_model.lora import LoraConfig, dequantized_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.store.slabfile import TRAILER_BYTES
@@ -242,3 +244,32 @@ def test_a_type_without_a_dequantizer_is_one_line(tmp_path: Path) -> None:
     err = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(err) == 1 and "Q5_0" in err[0], done.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_dequantized_weight_in_flight_is_charged(gguf_file: Path) -> None:
+    """Each block's forward and backward charge the weight its matmuls dequantize, one projection at a time: its
+    largest, in the matmul's dtype, as a real dequantized weight takes (the planner prices the same: the tests
+    of planner = ledger = dry run hold with it). For Llama-3.1-8B in bf16 that is 112 MiB."""
+    eight_b = dequantized_bytes(PRESETS["llama-3.1-8b"], LoraConfig(rank=8, load_in_4bit=True), "block.0", 2)
+    assert eight_b == 112 * 2**20
+    trainer = StreamingTrainer.from_pretrained(gguf_file, _settings(grad_accum=2))
+    seen: list[tuple[str, str, int]] = []
+    allocate = trainer.ledger.allocate
+
+    def spy(category: str, layer: str, nbytes: int, what: str = "") -> int:
+        if "dequantized" in what:
+            seen.append((category, layer, nbytes))
+        return allocate(category, layer, nbytes, what)
+
+    trainer.ledger.allocate = spy  # type: ignore[method-assign]  # records the charges as the runtime makes them
+    trainer.step(torch.randint(0, 300, (2, 16)))
+    largest = trainer.tc.lora.gguf.type_of("model.layers.0.mlp.down_proj.weight")
+    blocks = trainer.layouts["block.0"].packed
+    pieces = blocks.views(torch.zeros(trainer.layouts["block.0"].numel, dtype=torch.uint8))
+    weight = blocks.quant.dequantize({"weight": torch.zeros(256, row_bytes(largest, 512), dtype=torch.uint8),
+                                      "ggml_type": torch.tensor([TYPE_IDS[largest]], dtype=torch.uint8)}, (256, 512))
+    assert "mlp.down_proj.weight" in pieces
+    nbytes = weight.numel() * weight.element_size()  # the (256, 512) down_proj, in fp32
+    # a forward and a backward of each block in each of the two micro-batches
+    assert sorted(seen) == sorted([("workspace", f"block.{i}", nbytes) for i in range(2)] * 4)
+    trainer.close()
