@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,26 @@ from torch import nn
 from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE, weight_pieces
 
 PIECE_DTYPES = {"uint8": torch.uint8, "fp32": torch.float32}
+PieceSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one piece of a quantized weight
+
+
+class FrozenQuant(Protocol):
+    """How a frozen base holds each block projection's weight: as pieces (`weight_pieces`), made from a 16-bit
+    weight (`quantize`) and dequantized for each matmul (`dequantize`); `dtype`, the 16-bit dtype of the unit's
+    other tensors and of what dequantizing gives back. bitsandbytes' 4-bit (`Quant4`) and a GGUF file's blocks
+    (layers.quant_gguf.QuantGGUF)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def weight_pieces(self, shape: tuple[int, int], hf_key: str | None = None) -> list[PieceSpec]:
+        """The pieces of the weight `hf_key` of `shape` (out, in), in slab order; no key: a shell's placeholders
+        (the unit's own pieces replace them at each call)."""
+        ...
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def dequantize(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -28,6 +49,16 @@ class Quant4:
     quant_type: str
     double_quant: bool
     dtype: torch.dtype
+
+    def weight_pieces(self, shape: tuple[int, int], hf_key: str | None = None) -> list[PieceSpec]:
+        return [(name, PIECE_DTYPES[dtype], {"weight": (count, 1), "nested_offset": ()}.get(name, (count,)))
+                for name, dtype, count in weight_pieces(shape[0] * shape[1], self.double_quant)]
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        return quantize(weight, self)
+
+    def dequantize(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        return dequantize(pieces, shape, self)
 
 
 def quantize(weight: torch.Tensor, quant: Quant4) -> dict[str, torch.Tensor]:
@@ -72,38 +103,39 @@ class _Matmul4bit(torch.autograd.Function):
     """x W^T + b with W dequantized in the forward and again in the backward; W and b take no gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, int], quant: Quant4,
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, int], quant: FrozenQuant,
                 names: tuple[str, ...], *pieces: torch.Tensor) -> torch.Tensor:
         ctx.shape, ctx.quant, ctx.names = shape, quant, names
         ctx.save_for_backward(*pieces)
-        weight = dequantize(dict(zip(names, pieces)), shape, quant).to(x.dtype)
+        weight = quant.dequantize(dict(zip(names, pieces, strict=True)), shape).to(x.dtype)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x = None
         if ctx.needs_input_grad[0]:
-            weight = dequantize(dict(zip(ctx.names, ctx.saved_tensors)), ctx.shape, ctx.quant).to(grad.dtype)
+            pieces = dict(zip(ctx.names, ctx.saved_tensors, strict=True))
+            weight = ctx.quant.dequantize(pieces, ctx.shape).to(grad.dtype)
             grad_x = grad @ weight
         return (grad_x, None, None, None, None, *(None for _ in ctx.names))
 
 
 class Linear4bit(nn.Module):
-    """A frozen Linear whose weight is held 4-bit: `weight` (the packed codes), `absmax` and, with double
-    quantization, `nested_absmax` and `nested_offset`, all buffers; `bias` in the 16-bit dtype. Its matmul runs
-    in `compute_dtype` (BitsAndBytesConfig's bnb_4bit_compute_dtype)."""
+    """A frozen Linear whose weight is held quantized (`quant`'s pieces, all buffers: for 4-bit `weight` (the
+    packed codes), `absmax` and, with double quantization, `nested_absmax` and `nested_offset`); `bias` in the
+    16-bit dtype. Its matmul runs in `compute_dtype` (BitsAndBytesConfig's bnb_4bit_compute_dtype)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, quant: Quant4, compute_dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: FrozenQuant,
+                 compute_dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.quant = in_features, out_features, quant
         self.compute_dtype = compute_dtype
-        for name, dtype, count in weight_pieces(in_features * out_features, quant.double_quant):
-            shape = {"weight": (count, 1), "nested_offset": ()}.get(name, (count,))
-            self.register_buffer(name, torch.empty(shape, dtype=PIECE_DTYPES[dtype], device=device))
+        pieces = quant.weight_pieces((out_features, in_features))
+        for name, dtype, shape in pieces:
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=quant.dtype, device=device),
                                  requires_grad=False) if bias else None
-        self.names = tuple(name for name, _, _ in weight_pieces(in_features * out_features, quant.double_quant))
+        self.names = tuple(name for name, _, _ in pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype  # the matmul in the compute dtype, its output back in x's (bitsandbytes' Linear4bit)
@@ -114,7 +146,7 @@ class Linear4bit(nn.Module):
         return out.to(dtype)
 
 
-def quantize_linears(module: nn.Module, quant: Quant4, compute_dtype: torch.dtype) -> nn.Module:
+def quantize_linears(module: nn.Module, quant: FrozenQuant, compute_dtype: torch.dtype) -> nn.Module:
     """Replace every nn.Linear of `module` by a Linear4bit of its shape (a shell: its tensors come from the
     caller, functional_call's); returns `module`."""
     for name, child in list(module.named_modules()):

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from layers import ModelConfig
-from layers.packed4 import unit_bytes
 from memory_model.ledger import CATEGORIES
+from memory_model.lora import base_unit_bytes
 from memory_model.schedule import Event, shard_numel
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
@@ -94,9 +94,8 @@ def store_kinds(shape: ModelConfig, cfg: PlanConfig) -> dict[str, tuple[str, int
     stored, store = shard_numel(shape.num_params(), cfg.shards), cfg.step.store
     frozen = cfg.lora.enabled
     kinds = {"compute": (store.compute, stored * (cfg.dtype_bytes if frozen or not cfg.compute_is_master else 0))}
-    if cfg.lora.load_in_4bit:  # each unit's packed slab
-        kinds["compute"] = (store.compute, sum(unit_bytes(shape, unit, cfg.dtype_bytes,
-                                                          cfg.lora.bnb_4bit_use_double_quant)
+    if cfg.lora.quantized:  # each unit's packed slab
+        kinds["compute"] = (store.compute, sum(base_unit_bytes(shape, cfg.lora, unit, cfg.dtype_bytes)
                                                for unit in shape.unit_names()))
     if not frozen:
         kinds.update(state=(store.state, stored * cfg.master_bytes + cfg.moment_bytes(stored)),

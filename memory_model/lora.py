@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from layers.config import ModelConfig, lora_targets
 from layers.packed4 import QUANT_TYPES, unit_bytes
+from layers.packed_gguf import GGUFBase
+from memory_model.units import DTYPE_BYTES
 from memory_model.settings import Choice, Integer, Number, SettingError, Switch, Text, check_settings, setting, shown
 
 # A block's projections that can carry adapters in some family, by the names Hugging Face and PEFT give them.
@@ -42,6 +44,9 @@ class LoraConfig:
                                                      "again (8 bits, blocks of 256)", Switch())
     bnb_4bit_compute_dtype: str = setting("", "--load-in-4bit: dtype of the dequantized weights and their matmuls "
                                               "(default: the run's --dtype)", Choice(("", "fp32", "bf16")), "DTYPE")
+    # A base read from a GGUF file (--from-pretrained FILE.gguf): each weight's type there, kept as its blocks.
+    # Not a flag: the file says it.
+    gguf: GGUFBase | None = None
 
     def __post_init__(self) -> None:
         check_settings(self, lambda key, problem: SettingError(key if "4bit" in key else f"lora_{key}", problem))
@@ -49,6 +54,13 @@ class LoraConfig:
             raise SettingError("lora_rank", "must be > 0 with --load-in-4bit: a 4-bit base is frozen and only LoRA's "
                                             "adapters train (full fine-tuning needs the 16-bit base: drop "
                                             "--load-in-4bit)")
+        if self.gguf is not None and not self.enabled:
+            raise SettingError("lora_rank", "must be > 0 with a GGUF base: its quantized weights are frozen and only "
+                                            "LoRA's adapters train (full fine-tuning needs the Hugging Face folder it "
+                                            "was made from)")
+        if self.gguf is not None and self.load_in_4bit:
+            raise SettingError("load_in_4bit", "does not apply to a GGUF base, which keeps its file's own blocks: "
+                                               "drop --load-in-4bit")
         names = self.target_names
         if len(set(names)) != len(names) or any(n not in LORA_TARGETS for n in names):
             raise SettingError("lora_targets", f"must be distinct names among {','.join(LORA_TARGETS)}, "
@@ -57,6 +69,11 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def quantized(self) -> bool:
+        """The frozen base's units are byte slabs: 4-bit (--load-in-4bit) or a GGUF file's blocks."""
+        return self.load_in_4bit or self.gguf is not None
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -102,9 +119,27 @@ def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
 
 def weights_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:
     """Bytes of a unit's weights load (its own and those it borrows, a tied head's embedding): its parameters in
-    the compute dtype, or with --load-in-4bit the units' packed slabs (layers/packed4.py), as stored, sent and held
-    on the device."""
-    if not lora.load_in_4bit:
+    the compute dtype, or on a quantized base the units' packed slabs (`base_unit_bytes`), as stored, sent and
+    held on the device."""
+    if not lora.quantized:
         return shape.unit_device_params(unit) * compute_bytes
     owners = [owner for owner, _ in shape.borrowed(unit).values()] + [unit]
-    return sum(unit_bytes(shape, owner, compute_bytes, lora.bnb_4bit_use_double_quant) for owner in owners)
+    return sum(base_unit_bytes(shape, lora, owner, compute_bytes) for owner in owners)
+
+
+def dequantized_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:
+    """A quantized base's weight in flight: each projection of a block is dequantized for its matmul (and again
+    in its backward), one at a time, into the matmul's dtype (--bnb-4bit-compute-dtype, else the run's). Charged
+    as workspace through a block's forward and backward: its largest projection. None elsewhere."""
+    if not lora.quantized or not unit.startswith("block."):
+        return 0
+    es = DTYPE_BYTES[lora.bnb_4bit_compute_dtype] if lora.bnb_4bit_compute_dtype else compute_bytes
+    return max(fan_in * fan_out for fan_in, fan_out in map(shape.projection_shape, shape.projections)) * es
+
+
+def base_unit_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:
+    """Bytes of a quantized base's unit slab: 4-bit (layers/packed4.py) or a GGUF file's blocks
+    (layers/packed_gguf.py)."""
+    if lora.gguf is not None:
+        return lora.gguf.unit_bytes(shape, unit, compute_bytes)
+    return unit_bytes(shape, unit, compute_bytes, lora.bnb_4bit_use_double_quant)

@@ -32,7 +32,7 @@ from memory_model.shapes import (
     block_saved_bytes, checkpoint_input_bytes, embed_saved_bytes, forward_flops, frozen_block_saved_bytes,
     head_saved_bytes, norm_first_allowed, rotary_shared, step_model_flops,
 )
-from memory_model.lora import adapter_params, targets_of, weights_bytes
+from memory_model.lora import adapter_params, dequantized_bytes, targets_of, weights_bytes
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, Weights, adapter_charges, disk_bytes, gathered_numel,
     gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges,
@@ -175,7 +175,7 @@ class Plan:
         experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
         lora = self.config.lora
         base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
-            lora.load_in_4bit
+            lora.load_in_4bit + ", GGUF base" * (lora.gguf is not None)
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
                             f"{self.config.step.activations}, {self.config.compute_dtype}{experts}{base}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
@@ -312,7 +312,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
-            four_bit = isinstance(r, Weights) and cfg.lora.load_in_4bit  # a 4-bit base's units: in bytes
+            four_bit = isinstance(r, Weights) and cfg.lora.quantized  # a quantized base's units: in bytes
             numel = weights_bytes(shape, cfg.lora, r.unit, es) if four_bit else _device_numel(r, shape, cfg, batch, seq)
             _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
         in_groups = grouped(shape, cfg, event.unit)
@@ -324,8 +324,11 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                 at["workspace"] = 0 if event.unit == "embed" else batch * seq * shape.hidden_size * es
         else:
             kept, recompute = _activations(shape, cfg, event.unit, batch, seq)
+            # (a quantized base's block: the weight dequantized for each matmul)
+            dequantized = dequantized_bytes(shape, cfg.lora, event.unit, es)
             if event.phase == "forward":
                 held[event.unit] = kept
+                at["workspace"] += dequantized
             at["activations"] += sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "forward" and event.stash is not None:  # on its way to the host
                 _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.step.update_on))
@@ -342,7 +345,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                     _add(at, gradient_charges(shape.unit_device_parts(event.unit), es, cfg.devices, cfg.shards > 1))
                     _add(at, previous)
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled,
-                                                           expert_group(shape, cfg) if in_groups else 0)
+                                                           expert_group(shape, cfg) if in_groups else 0) + dequantized
                 del held[event.unit]
         moments.append((event, tuple(at.values())))
     return moments
@@ -502,11 +505,12 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         unit_peak, unit_phase = max((sum(b), e.phase) for e, b in moments if e.unit == u)
         rows.append(UnitRow(
             unit=u, params=params, gradient_bytes=0 if frozen else max(pieces) * es,
-            weight_bytes=weights_bytes(shape, cfg.lora, u, es) if cfg.lora.load_in_4bit else sum(pieces) * es,
+            weight_bytes=weights_bytes(shape, cfg.lora, u, es) if cfg.lora.quantized else sum(pieces) * es,
             optimizer_bytes=0 if frozen else params * cfg.master_bytes + cfg.moment_bytes(params),
             activation_bytes=kept, recompute_bytes=recompute,
             workspace_bytes=backward_workspace_bytes(shape, u, micro, seq, es, frozen,
-                                                     group if grouped(shape, cfg, u) else 0), forward_flops=fwd,
+                                                     group if grouped(shape, cfg, u) else 0)
+            + dequantized_bytes(shape, cfg.lora, u, es), forward_flops=fwd,
             backward_flops=2 * fwd + recompute_flops, h2d_bytes=t.h2d, d2h_bytes=t.d2h,
             disk_read_bytes=t.disk_read, disk_write_bytes=t.disk_write, load_s=t.load_s, forward_s=t.forward_s,
             backward_s=t.backward_s, offload_s=t.offload_s, update_s=t.update_s,

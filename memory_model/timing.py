@@ -127,11 +127,11 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     # from host memory, not from the store.
     numel = _numel(resource, shape, cfg)
     nbytes = sum(c.nbytes for c in resource_charges(resource, numel, cfg.dtype_bytes, "device"))
-    if isinstance(resource, Weights) and cfg.lora.load_in_4bit:  # a 4-bit base's units: their packed bytes
+    if isinstance(resource, Weights) and cfg.lora.quantized:  # a quantized base's units: their packed bytes
         numel = nbytes = weights_bytes(shape, cfg.lora, resource.unit, cfg.dtype_bytes)
     store = cfg.step.store
     disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
-    if isinstance(resource, Weights) and cfg.lora.load_in_4bit:  # read as stored, where stored on disk
+    if isinstance(resource, Weights) and cfg.lora.quantized:  # read as stored, where stored on disk
         disk = nbytes if store.compute == "disk" else 0
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
     in_ram = store.state == "ram" or (isinstance(resource, (Weights, ExpertGroup))

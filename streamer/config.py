@@ -10,12 +10,13 @@ the device's (`DeviceConfig`). The seed and the trace cadence are the trainer's 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
 from layers import ModelConfig
+from layers.packed_gguf import GGUFBase
 from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
@@ -58,10 +59,10 @@ class TrainerConfig:
             check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
-        if self.lora.load_in_4bit and self.step.data_parallel == "sharded":
-            # A 4-bit unit is one byte slab of pieces: each process keeps it whole.
-            raise ConfigError.of("data_parallel", "must be replicated with --load-in-4bit (each process holds the "
-                                                  "4-bit base whole), got sharded")
+        if self.lora.quantized and self.step.data_parallel == "sharded":
+            # A quantized unit is one byte slab of pieces: each process keeps it whole.
+            raise ConfigError.of("data_parallel", "must be replicated with --load-in-4bit or a GGUF base (each "
+                                                  "process holds the quantized base whole), got sharded")
 
     @classmethod
     def of(cls, **flat: Any) -> "TrainerConfig":
@@ -92,8 +93,18 @@ class TrainerConfig:
         return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.step.store,
                          self.step.update_chunk, self.step.shards(processes), frozen=self.lora.enabled,
                          master_dtype=self.optimizer.master_dtype,
-                         quant_type=self.lora.bnb_4bit_quant_type if self.lora.load_in_4bit else "",
-                         double_quant=self.lora.load_in_4bit and self.lora.bnb_4bit_use_double_quant)
+                         quant_type="gguf" if self.lora.gguf else
+                         self.lora.bnb_4bit_quant_type if self.lora.load_in_4bit else "",
+                         double_quant=self.lora.load_in_4bit and self.lora.bnb_4bit_use_double_quant,
+                         gguf_types=self.lora.gguf.types if self.lora.gguf else ())
+
+    def on_base(self, base: GGUFBase, error: Callable[[str, str], Exception] = ConfigError.of) -> "TrainerConfig":
+        """These settings on a GGUF file's frozen base (`streamer.io.gguf`): its block projections kept as the
+        file's blocks, LoRA training beside them. Settings that cannot train it raise `error(setting, problem)`."""
+        try:
+            return replace(self, lora=replace(self.lora, gguf=base))
+        except SettingError as exc:
+            raise error(exc.key, exc.problem) from None
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""

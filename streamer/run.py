@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -28,6 +28,7 @@ from memory_model.settings import (
 )
 from streamer.config import TrainerConfig
 from streamer.errors import StreamerError
+from streamer.io.gguf import is_gguf
 from streamer.io.data import DataConfig
 from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import check_device
@@ -62,7 +63,8 @@ class RunConfig:
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
                          Text(), "PRESET|CONFIG")
     from_pretrained: str | None = setting(None, "a Hugging Face folder to fine-tune (its weights and tokenizer) "
-                                                "whose config.json's model_type is one of %s" % ", ".join(FAMILIES),
+                                                "whose config.json's model_type is one of %s; or a GGUF file "
+                                                "(FILE.gguf: LoRA on its frozen blocks)" % ", ".join(FAMILIES),
                                           Text(), "HF_DIR")
     run_dir: str | None = setting(None, "the run directory; one holding this run (same settings) is continued "
                                         "(default: runs/<name>-<time>)", Text(), "DIR")
@@ -183,6 +185,9 @@ class RunConfig:
 
     def model_config(self) -> ModelConfig:
         """The model's shape: from --from-pretrained's config.json, else the preset or config file."""
+        if self.from_pretrained is not None and is_gguf(self.from_pretrained):
+            from streamer.io.gguf import GGUFCheckpoint  # (gguf and transformers load only for a GGUF file)
+            return GGUFCheckpoint.open(self.from_pretrained).config
         if self.from_pretrained is not None:
             from streamer.io.hf import check_quantization  # (the checkpoint reader loads only with a folder)
             source = Path(self.from_pretrained)
@@ -220,6 +225,15 @@ class RunConfig:
             if value is not None and not (name == "model" and self.from_pretrained is not None):
                 lines.append(f"{name} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
+
+    def on_gguf_base(self) -> RunConfig:
+        """A run on a GGUF file (--from-pretrained FILE.gguf): the trainer on its frozen base, each weight's type
+        the file's. Other runs as they are."""
+        if self.from_pretrained is None or not is_gguf(self.from_pretrained):
+            return self
+        from streamer.io.gguf import GGUFCheckpoint
+        base = GGUFCheckpoint.open(self.from_pretrained).base()
+        return replace(self, trainer=self.trainer.on_base(base, SettingError))
 
     def with_absolute_paths(self) -> RunConfig:
         """Every path absolute (`~` expanded, as in a TOML file): the same folder compares equal however the
@@ -289,7 +303,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         steps = values.get("steps", DEFAULTS.steps)
         if demo and "warmup" not in given and type(steps) is int:  # a short demo (`--steps 3`) still decays
             values["warmup"] = min(DEMO_DEFAULTS["warmup"], steps // 10)
-        return RunConfig.of(values)
+        return RunConfig.of(values).on_gguf_base()
 
 
 def store_choice(cfg: RunConfig, explicit: Mapping[str, Any], config_file: str | Path | None = None) -> str:

@@ -16,6 +16,7 @@ import torch
 from layers import ModelConfig, learned_tokens
 from layers.loss import IGNORE_INDEX, Objective
 from layers.preference import DPOObjective, RowLogProbs
+from layers.packed_gguf import GGUFBase
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from memory_model.allocator import cuda_block_bytes, workspace_blocks
 from streamer.config import TrainerConfig
@@ -171,6 +172,8 @@ class StreamingTrainer:
                                  "the placement of an existing store cannot change")
             if store.spec.frozen and not tc.lora.enabled:
                 raise StoreError(f"{store_dir} holds a LoRA run's frozen base only; resume it with its --lora-rank")
+            if store.spec.quant_type == "gguf":  # the file's types are the store's, not a setting
+                tc = tc.on_base(GGUFBase(store.spec.gguf_types))
             trainer = cls(store.spec.config, tc, _store=store)
             if trainer.adapters is not None:
                 trainer.adapters.load(store.root, store.step)
@@ -186,10 +189,17 @@ class StreamingTrainer:
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, tc: TrainerConfig | None = None,
                         store_dir: str | Path | None = None) -> "StreamingTrainer":
-        """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time)."""
+        """Import a Hugging Face folder tensor by tensor (about one unit in memory at a time); a GGUF file
+        (`streamer.io.gguf`) as a frozen base kept in its own blocks, which LoRA trains on."""
+        from streamer.io.gguf import GGUFCheckpoint, is_gguf
         from streamer.io.hf import HFCheckpoint, check_quantization
-        check_quantization(Path(hf_dir) / "config.json", (tc or TrainerConfig()).lora)
-        checkpoint = HFCheckpoint.open(hf_dir)
+        checkpoint: HFCheckpoint | GGUFCheckpoint
+        if is_gguf(hf_dir):
+            checkpoint = GGUFCheckpoint.open(hf_dir)
+            tc = (tc or TrainerConfig()).on_base(checkpoint.base())
+        else:
+            check_quantization(Path(hf_dir) / "config.json", (tc or TrainerConfig()).lora)
+            checkpoint = HFCheckpoint.open(hf_dir)
         checkpoint.validate()
         trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)
         try:

@@ -95,10 +95,11 @@ def help_commands() -> list[tuple[str, str]]:
 # --- the stand-ins -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
-    """A trained run (3 steps), a Hugging Face folder, prompt/completion data and a settings file."""
+    """A trained run (3 steps), a Hugging Face folder, a GGUF file, prompt/completion data and a settings file."""
     from pydoc_data.topics import topics
 
     from streamer.io.tokenizer import load_tokenizer
+    from tests.test_gguf import write_gguf
     root = tmp_path_factory.mktemp("documented")
     hf = root / "hf"
     # The default --seq (128) fits its context, as it does a real checkpoint's.
@@ -119,7 +120,8 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
                            "--chat-template", root / "chat.jinja"],
                           capture_output=True, text=True, env=_env(), cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run}
+    return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run,
+            "gguf": write_gguf(root / "model.gguf")}
 
 
 def _env() -> dict[str, str]:
@@ -138,7 +140,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     if not run_copy.exists():
         shutil.copytree(stand_ins["run"], run_copy)
     files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
-             "run.toml": stand_ins["toml"]}
+             "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"]}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):

@@ -134,8 +134,9 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
     if max_shard_bytes <= 0:
         raise RunError("--max-shard-size must be more than 0 bytes")
     token_ids = None if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    # A 4-bit base's run exports the model it trained: its base dequantized, the adapters merged (in fp32).
-    full_precision = base is not None and trainer.adapters is not None and not trainer.tc.lora.load_in_4bit
+    # A quantized base's run (4-bit, GGUF) exports the model it trained: its base dequantized, the adapters merged
+    # (in fp32).
+    full_precision = base is not None and trainer.adapters is not None and not trainer.tc.lora.quantized
     source = _open_base(base, trainer) if full_precision else None
     if dtype is None:
         dtype = torch.float32 if source is None else source.dtype(source.keys()[0])

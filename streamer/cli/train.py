@@ -27,6 +27,7 @@ from streamer.console import make_console
 from streamer.errors import ConfigError, StreamerError
 from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
                               prompt_of, read_examples, tokenize)
+from streamer.io.gguf import gguf_tokenizer, is_gguf
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources
@@ -450,7 +451,9 @@ def _tokenizer(cfg: RunConfig, model_cfg: ModelConfig) -> Tokenizer:
     """--tokenizer, else the --from-pretrained folder's, else a byte-level BPE trained on the data."""
     data = cfg.data
     source = data.tokenizer or cfg.from_pretrained
-    if source is not None:
+    if source is not None and is_gguf(source):
+        tokenizer = gguf_tokenizer(source)  # the tokenizer transformers builds from the file
+    elif source is not None:
         tokenizer = load_tokenizer(source)
     else:
         vocab = data.vocab_size or model_cfg.vocab_size

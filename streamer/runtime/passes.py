@@ -17,6 +17,7 @@ from layers.model import family_units
 from layers.quant4 import quantize_linears
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
+from memory_model.lora import dequantized_bytes
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.loading import Loader
@@ -134,6 +135,15 @@ class Passes:
             with self.recorder.hooks(self.states[unit]):
                 ctx.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro, ctx))
             return
+        dequantized = self._charge_dequantized(unit)
+        try:
+            self._forward(event, batch, ctx)
+        finally:
+            if dequantized is not None:
+                self.ledger.free(dequantized)
+
+    def _forward(self, event: Event, batch: MicroBatch, ctx: StepContext) -> None:
+        unit, micro = event.unit, event.micro
         before = self.units[self.units.index(unit) - 1]
         kept, previous = ctx.graphs[before]
         if kept is None:  # an offloaded block: its output is this unit's input, to keep or to offload
@@ -209,6 +219,7 @@ class Passes:
         else:
             incoming, incoming_handle = ctx.flowing_grad
             transient = self._charge_transient(unit, x)
+            dequantized = self._charge_dequantized(unit)
             try:
                 if unit.startswith("block") and self.step_cfg.activations != "resident":
                     with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
@@ -217,8 +228,9 @@ class Passes:
                                             recompute=True)
                 torch.autograd.backward(y, incoming)
             finally:  # (a step stopped in this backward leaves nothing of it charged)
-                if transient is not None:
-                    self.ledger.free(transient)
+                for handle in (transient, dequantized):
+                    if handle is not None:
+                        self.ledger.free(handle)
             self.ledger.free(incoming_handle)
         del y
         self.recorder.release(unit)
@@ -233,6 +245,14 @@ class Passes:
             self._finish_pending_offload(ctx)  # the update (or the next micro-batch) needs the gradient home
         if unit == self.units[0] and micro == self.step_cfg.grad_accum - 1 and self.shards > 1:
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
+
+    def _charge_dequantized(self, unit: str) -> int | None:
+        """A quantized base's block (4-bit, GGUF): the weight each matmul dequantizes, one at a time, charged from
+        the start of its forward or backward to its end (memory_model.lora.dequantized_bytes)."""
+        if self.adapters is None or self.layouts[unit].packed is None or not unit.startswith("block."):
+            return None
+        nbytes = dequantized_bytes(self.cfg, self.adapters.lora, unit, self.dtype.itemsize)
+        return self.ledger.allocate("workspace", unit, nbytes, "a projection's weight dequantized for its matmul")
 
     def _charge_transient(self, unit: str, x: torch.Tensor) -> int | None:
         """A trained block's backward: autograd's buffers beyond its charges, and its output (held until the

@@ -9,8 +9,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from layers import ModelConfig, build_unit, weight_decayed
-from layers.packed4 import padded, quantized_numels, weight_pieces
-from layers.quant4 import PIECE_DTYPES, Quant4, dequantize, quantize
+from layers.packed4 import padded, quantized_numels
+from layers.quant4 import FrozenQuant
 from streamer.errors import StoreError
 
 # The torch dtype of each name memory_model.DTYPE_BYTES sizes (the same names, the same byte sizes).
@@ -70,17 +70,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class Packed4:
-    """A unit of a 4-bit store (layers/packed4.py): its slab is bytes, `pieces` in slab order (a tied head's
-    borrowed embedding first), and `quantized` the slots of the weights held 4-bit."""
+    """A unit of a quantized store (layers/packed4.py, a GGUF base's layers/packed_gguf.py): its slab is bytes,
+    `pieces` in slab order (a tied head's borrowed embedding first), and `quantized` the slots of the weights held
+    quantized, each as `quant`'s pieces."""
 
-    quant: Quant4
+    quant: FrozenQuant
     pieces: tuple[Piece, ...]
     quantized: tuple[str, ...]  # slot keys
     borrowed_bytes: tuple[int, ...]  # bytes of each borrowed owner's slab, in device order
 
     @classmethod
     def of(cls, cfg: ModelConfig, unit: str, slots: Sequence[TensorSlot], borrowed: Sequence[TensorSlot],
-           module: torch.nn.Module, quant: Quant4) -> "Packed4":
+           module: torch.nn.Module, quant: FrozenQuant) -> "Packed4":
         linears = {f"{name}.weight" for name, m in module.named_modules() if type(m) is torch.nn.Linear}
         quantized = [s for s in slots if s.key in linears] if unit.startswith("block.") else []
         if sorted(s.numel for s in quantized) != sorted(quantized_numels(cfg, unit)):
@@ -99,10 +100,10 @@ class Packed4:
         offset = start + padded(offset - start)
         for slot in quantized:
             module_key = slot.key.rsplit(".", 1)[0]
-            for name, dtype, count in weight_pieces(slot.numel, quant.double_quant):
-                shape = {"weight": (count, 1), "nested_offset": ()}.get(name, (count,))
-                pieces.append(Piece(f"{module_key}.{name}", PIECE_DTYPES[dtype], shape, offset))
-                offset += padded(count * PIECE_DTYPES[dtype].itemsize)
+            rows, columns = slot.shape  # (a Linear's weight)
+            for name, dtype, shape in quant.weight_pieces((rows, columns), slot.hf_key):
+                pieces.append(Piece(f"{module_key}.{name}", dtype, shape, offset))
+                offset += padded(dtype.itemsize * math.prod(shape))
         return cls(quant, tuple(pieces), tuple(s.key for s in quantized), tuple(lent))
 
     @property
@@ -122,7 +123,7 @@ class Packed4:
         for key in self.quantized:
             module_key = key.rsplit(".", 1)[0]
             given = tensors.pop(key)
-            for name, value in (given if isinstance(given, dict) else quantize(given, self.quant)).items():
+            for name, value in (given if isinstance(given, dict) else self.quant.quantize(given)).items():
                 views[f"{module_key}.{name}"].copy_(value.reshape(views[f"{module_key}.{name}"].shape))
         for key, value in tensors.items():
             views[key].copy_(value.reshape(views[key].shape))
@@ -135,9 +136,10 @@ class Packed4:
         for slot in slots:
             if slot.key in self.quantized:
                 module_key = slot.key.rsplit(".", 1)[0]
+                rows, columns = slot.shape
                 pieces = {name: views[f"{module_key}.{name}"] for name, _, _ in
-                          weight_pieces(slot.numel, self.quant.double_quant)}
-                value = dequantize(pieces, slot.shape, self.quant)
+                          self.quant.weight_pieces((rows, columns), slot.hf_key)}
+                value = self.quant.dequantize(pieces, (rows, columns))
             else:
                 value = views[slot.key]
             out[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
@@ -157,7 +159,7 @@ class UnitLayout:
     packed: Packed4 | None = None
 
     @classmethod
-    def of(cls, cfg: ModelConfig, unit: str, quant: Quant4 | None = None) -> "UnitLayout":
+    def of(cls, cfg: ModelConfig, unit: str, quant: FrozenQuant | None = None) -> "UnitLayout":
         with _ShapesOnly():
             module = build_unit(cfg, unit)
         params = list(module.named_parameters())
@@ -312,6 +314,6 @@ def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -
             if u.startswith("block.")}
 
 
-def model_layouts(cfg: ModelConfig, quant: Quant4 | None = None) -> tuple[UnitLayout, ...]:
+def model_layouts(cfg: ModelConfig, quant: FrozenQuant | None = None) -> tuple[UnitLayout, ...]:
     """Every unit's layout; `quant`: in a 4-bit store (`StoreSpec.quant4`)."""
     return tuple(UnitLayout.of(cfg, unit, quant) for unit in cfg.unit_names())

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from layers import ModelConfig
-from layers.quant4 import Quant4
+from layers.packed_gguf import GGUFBase
+from layers.quant4 import FrozenQuant, Quant4
+from layers.quant_gguf import QuantGGUF
 from memory_model.host import staging_pool_bytes
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
@@ -51,8 +53,9 @@ class StoreSpec:
     frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
     master_dtype: str = same_setting(PlanConfig, "master_dtype")
     # A frozen base held 4-bit (QLoRA, layers/packed4.py): its compute weights are each unit's byte slab.
-    quant_type: str = ""  # "" (16-bit), "nf4" or "fp4"
+    quant_type: str = ""  # "" (16-bit), "nf4" or "fp4"; "gguf": a GGUF file's blocks (layers/packed_gguf.py)
     double_quant: bool = False
+    gguf_types: tuple[tuple[str, str], ...] = ()  # a GGUF base's type of each weight (`GGUFBase.types`)
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
@@ -76,8 +79,10 @@ class StoreSpec:
     def compute_is_master(self) -> bool:
         return compute_is_master(self.compute_dtype, self.master_dtype, self.frozen)
 
-    def quant4(self) -> Quant4 | None:
-        """How the base is held 4-bit (its 16-bit tensors in the compute dtype); None: it is not."""
+    def quant4(self) -> FrozenQuant | None:
+        """How the base is held quantized (its 16-bit tensors in the compute dtype); None: it is not."""
+        if self.quant_type == "gguf":
+            return QuantGGUF(GGUFBase(self.gguf_types), DTYPES[self.compute_dtype])
         return Quant4(self.quant_type, self.double_quant, DTYPES[self.compute_dtype]) if self.quant_type else None
 
     def layouts(self) -> tuple[UnitLayout, ...]:
@@ -164,12 +169,10 @@ class StoreSpec:
     def _sizes(self) -> tuple[int, int, int, int]:
         """(RAM slabs, state files, the largest state file, gradient files) in bytes. Sized once per unit type
         (`_unit_kinds`): every block has the same shapes, and laying one out and summing its chunks takes ~1 ms."""
-        count = Counter(unit.split(".")[0] for unit in self.config.unit_names())
         grads_on_disk = self.placement.grad == "disk" and not self.frozen
         ram = states = largest = grads = 0
-        for unit in self._unit_kinds():
+        for unit, units in self._unit_kinds():
             numel = self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
-            units = count[unit.split(".")[0]]
             state = self.state_bytes(numel) + TRAILER_BYTES
             ram += units * sum(self.kind_bytes(k, numel) for k in self.ram_kinds())
             states, largest = states + units * state, max(largest, state)
@@ -180,12 +183,16 @@ class StoreSpec:
         """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
         buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
         largest = max(self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
-                      for unit in self._unit_kinds())
+                      for unit, _ in self._unit_kinds())
         return staging_pool_bytes(largest, self.chunk, self.placement.loads_read_master(self.compute_is_master))
 
-    def _unit_kinds(self) -> list[str]:
-        """One unit of each type: every block has the same shapes."""
-        return list({unit.split(".")[0]: unit for unit in self.config.unit_names()}.values())
+    def _unit_kinds(self) -> list[tuple[str, int]]:
+        """One unit of each type and how many units it stands for: every block has the same shapes. A GGUF base's
+        blocks may each hold other types: each unit stands for itself."""
+        if self.quant_type == "gguf":
+            return [(unit, 1) for unit in self.config.unit_names()]
+        count = Counter(unit.split(".")[0] for unit in self.config.unit_names())
+        return [(unit, count[kind]) for kind, unit in {u.split(".")[0]: u for u in self.config.unit_names()}.items()]
 
     def kind_offset(self, kind: str, start: int, count: int) -> int:
         """Byte offset, in a state file, of `kind`'s piece of the chunk of `count` elements starting at element
@@ -202,6 +209,8 @@ class StoreSpec:
     def to_dict(self) -> dict[str, Any]:
         sharded = {"shards": self.shards} if self.shards > 1 else {}  # a whole store's manifest reads as before
         quant = {"quant_type": self.quant_type, "double_quant": self.double_quant} if self.quant_type else {}
+        if self.gguf_types:
+            quant["gguf_types"] = [list(pair) for pair in self.gguf_types]
         return {"config": self.config.to_dict(), "compute_dtype": self.compute_dtype,
                 "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
                 **sharded, "frozen": self.frozen, "master_dtype": self.master_dtype, **quant}
@@ -211,11 +220,12 @@ class StoreSpec:
         try:
             # A store written before `frozen` existed holds a full training state, whatever its run trained; one
             # written before `master_dtype` existed, fp32 masters.
-            optional = {"shards", "frozen", "master_dtype", "quant_type", "double_quant"}
+            optional = {"shards", "frozen", "master_dtype", "quant_type", "double_quant", "gguf_types"}
             if set(raw) - optional != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
             return cls(ModelConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
                        Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False),
-                       raw.get("master_dtype", "fp32"), raw.get("quant_type", ""), raw.get("double_quant", False))
+                       raw.get("master_dtype", "fp32"), raw.get("quant_type", ""), raw.get("double_quant", False),
+                       tuple((str(key), str(kind)) for key, kind in raw.get("gguf_types", ())))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None

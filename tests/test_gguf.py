@@ -1,0 +1,275 @@
+"""A GGUF file as a frozen base (--from-pretrained FILE.gguf): its block projections kept as the file's blocks and
+dequantized as the gguf package does; the weights, the logits and the tokenizer against transformers' `gguf_file=`
+loading of the same file; LoRA steps on it; planner = ledger = dry run; the refusals."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from layers import PRESETS
+from layers.packed_gguf import TYPE_IDS, TYPE_SIZES, row_bytes
+from memory_model import device_spec, plan
+from memory_model.lora import LoraConfig, dequantized_bytes
+from streamer import StreamingTrainer, TrainerConfig
+from streamer.calibration.dryrun import dry_run
+from streamer.store.slabfile import TRAILER_BYTES
+from streamer.io.gguf import GGUFCheckpoint
+
+gguf = pytest.importorskip("gguf")
+ROOT = Path(__file__).resolve().parents[1]
+transformers = pytest.importorskip("transformers")
+
+T = gguf.GGMLQuantizationType
+# One type per projection of each block, so every type the base keeps is held against transformers.
+TYPES = {0: ("Q4_0", "Q4_K", "Q8_0", "Q5_K", "Q6_K", "Q4_1", "F16"),
+         1: ("Q6_K", "BF16", "Q4_K", "Q8_0", "Q5_K", "F32", "Q4_0")}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEADS, KV_HEADS = 4, 2
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's permutation of q and k rows (interleaved RoPE), which transformers undoes."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _k_blocks(rows: int, columns: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """Valid blocks of a K-type gguf only dequantizes: random codes under small finite fp16 scales."""
+    elements, nbytes = TYPE_SIZES[type_name]
+    blocks = rng.integers(0, 256, size=(rows * columns // elements, nbytes), dtype=np.uint8)
+    scale = np.full(len(blocks), 0.002, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    if type_name == "Q6_K":  # ql, qh, scales, then d
+        blocks[:, -2:] = scale
+    else:  # d, dmin, then scales and codes
+        blocks[:, 0:2] = scale
+        blocks[:, 2:4] = scale
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]] = TYPES) -> Path:
+    """A tiny Llama as llama.cpp writes it: its metadata, a byte-level BPE tokenizer, and each block projection
+    of the type `types` names (quantized by gguf where it can, else valid blocks of random codes)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5,
+                                      rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=tied)
+    state = transformers.LlamaForCausalLM(config).state_dict()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_symbols = bytes_to_unicode()
+    # (transformers' byte-level tokenizer adds <|endoftext|> where the list lacks it)
+    tokens = [byte_symbols[i] for i in range(256)] + ["he", "ll", "hell", "hello"] + [f"<t{i}>" for i in range(39)] \
+        + ["<|endoftext|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(["h e", "l l", "he ll", "hell o"])
+    writer.add_bos_token_id(260)
+    writer.add_eos_token_id(261)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    rng = np.random.default_rng(0)
+    for key, value in state.items():
+        if tied and key == "lm_head.weight":
+            continue
+        module, suffix = key.rsplit(".", 1)
+        name = f"{names.get_name(module)}.{suffix}"
+        array = value.numpy()
+        if "q_proj" in key:
+            array = _permute(array, HEADS)
+        if "k_proj" in key:
+            array = _permute(array, KV_HEADS)
+        projection = next((p for p in PROJECTIONS if f".{p}." in key), None)
+        if projection is None:
+            writer.add_tensor(name, array.astype(np.float32))
+            continue
+        type_name = types[int(key.split(".")[2])][PROJECTIONS.index(projection)]
+        if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+            writer.add_tensor(name, _k_blocks(*array.shape, type_name, rng), raw_dtype=T[type_name])
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), T[type_name]),
+                              raw_dtype=T[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf")
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_file: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                             dtype=torch.float32, attn_implementation="eager")
+
+
+def _settings(**more: object) -> TrainerConfig:
+    return TrainerConfig.of(**{"dtype": "fp32", "store": "ram", "lora_rank": 4, "lora_alpha": 8.0,
+                               "lora_targets": ",".join(PROJECTIONS), **more})
+
+
+def test_type_table_is_gguf_s() -> None:
+    for name, size in TYPE_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[T[name]] == size
+        assert int(T[name]) == TYPE_IDS[name]
+
+
+def test_weights_equal_transformers(gguf_file: Path, reference: torch.nn.Module) -> None:
+    """Every tensor, the kept blocks dequantized (Llama's q and k rows back in order), equals transformers'."""
+    trainer = StreamingTrainer.from_pretrained(gguf_file, _settings())
+    ours = trainer.state_dict()
+    theirs = reference.state_dict()
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)  # both fp32 of gguf's float32
+    kinds = {trainer.tc.lora.gguf.type_of(k) for k, _ in trainer.tc.lora.gguf.types}
+    assert kinds == {t for row in TYPES.values() for t in row}
+    trainer.close()
+
+
+def test_logits_and_lora_steps(gguf_file: Path, reference: torch.nn.Module) -> None:
+    """The loss equals transformers' on the file's model within twice its own fp32 noise (eager vs sdpa), and a
+    few streamed LoRA steps lower it."""
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loss = reference(ids, labels=ids).loss.double()
+        sdpa = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                                 dtype=torch.float32, attn_implementation="sdpa")
+        noise = (sdpa(ids, labels=ids).loss.double() - loss).abs().item()
+    trainer = StreamingTrainer.from_pretrained(gguf_file, _settings(lr=1e-2))
+    ours = trainer.evaluate(ids)
+    assert abs(ours - loss.item()) <= 2 * max(noise, 1e-6), (ours, loss.item(), noise)
+    losses = [trainer.step(ids) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    trainer.close()
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_planner_ledger_and_dry_run_agree_to_the_byte(gguf_file: Path, tmp_path: Path, store: str) -> None:
+    """Device bytes at the peak, the host store and the bytes a step sends to the device, with the file's blocks
+    priced: the planner's are the real run's to the byte, and the dry run's peak too."""
+    checkpoint = GGUFCheckpoint.open(gguf_file)
+    settings = {"grad_accum": 2, "activations": "checkpoint", "store": store}
+    ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer.from_pretrained(gguf_file, _settings(**settings), tmp_path / "run") as trainer:
+        trainer.step(ids)
+        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+        host = trainer.store.spec.host_bytes()
+        tc = trainer.tc
+    cfg, base = checkpoint.config, checkpoint.base()
+    assert tc.lora.gguf == base
+    predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(4, 16))
+    dry = dry_run(cfg, tc, 4, 16)
+    assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real == (dry.peak, dict(dry.peak_breakdown))
+    units = sum(base.unit_bytes(cfg, u, 4) for u in cfg.unit_names())
+    # Each block projection: its blocks as the file holds them (and its type's byte), each on 16 bytes; the rest
+    # of the model in the compute dtype.
+    held = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(gguf_file).tensors if t.name.startswith("blk.")
+            and t.name.endswith(".weight") and len(t.shape) == 2}
+    assert len(held) == len(base.types)
+    rest = cfg.num_params() - sum(n // TYPE_SIZES[t][1] * TYPE_SIZES[t][0] for t, n in
+                                  zip((t for _, t in base.types), held.values(), strict=True))
+    assert units - sum(-(-n // 16) * 16 + 16 for n in held.values()) - rest * 4 in range(0, 16 * len(cfg.unit_names()))
+    # (A state file's trailer follows each unit's data on disk; the planner counts the data.)
+    assert predicted.host_store_bytes == units == (host[0] if store == "ram" else host[1] - 4 * TRAILER_BYTES)
+    loads = 2 * 2 * cfg.num_hidden_layers * base.unit_bytes(cfg, "block.0", 4)
+    assert predicted.link_bytes["h2d"] >= loads
+
+
+def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "streamer", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def test_the_documented_command_trains_lora_on_a_gguf_file(gguf_file: Path, tmp_path: Path) -> None:
+    """docs/CLI.md's command, through the documented override, trains; the run exports the model it trained,
+    which transformers loads."""
+    from tests.test_documented_commands import file_commands, override
+
+    command = next(c for where, c in file_commands() if where == "CLI.md" and "MODEL.gguf" in c)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"hello {i} world", "completion": " hell"}) + "\n"
+                            for i in range(40)))
+    (tmp_path / "run").mkdir()
+    argv = override(command, {"run": tmp_path / "run", "data": data, "toml": data, "gguf": gguf_file,
+                              "hf": tmp_path}, tmp_path / "work")
+    (tmp_path / "work").mkdir(exist_ok=True)  # (the override copies the stand-in run into it)
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path / "work", timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the planner predicts" in done.stdout
+    run = tmp_path / "work" / "runs" / "gguf-lora"
+    done = _cli("export", run, tmp_path / "merged", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert merged.config.num_hidden_layers == 2
+
+
+def test_full_fine_tuning_on_a_gguf_base_is_one_line(gguf_file: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 20)
+    done = _cli("train", "--from-pretrained", gguf_file, "--data", data, "--run-dir", tmp_path / "run", cwd=tmp_path)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "--lora-rank" in err[0], done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_type_without_a_dequantizer_is_one_line(tmp_path: Path) -> None:
+    types = {i: ("Q5_0", *row[1:]) for i, row in TYPES.items()}  # Q5_0: gguf quantizes it, the base does not read it
+    path = write_gguf(tmp_path / "q5.gguf", types=types)
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 20)
+    done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--run-dir",
+                tmp_path / "run", cwd=tmp_path)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(err) == 1 and "Q5_0" in err[0], done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_dequantized_weight_in_flight_is_charged(gguf_file: Path) -> None:
+    """Each block's forward and backward charge the weight its matmuls dequantize, one projection at a time: its
+    largest, in the matmul's dtype, as a real dequantized weight takes (the planner prices the same: the tests
+    of planner = ledger = dry run hold with it). For Llama-3.1-8B in bf16 that is 112 MiB."""
+    eight_b = dequantized_bytes(PRESETS["llama-3.1-8b"], LoraConfig(rank=8, load_in_4bit=True), "block.0", 2)
+    assert eight_b == 112 * 2**20
+    trainer = StreamingTrainer.from_pretrained(gguf_file, _settings(grad_accum=2))
+    seen: list[tuple[str, str, int]] = []
+    allocate = trainer.ledger.allocate
+
+    def spy(category: str, layer: str, nbytes: int, what: str = "") -> int:
+        if "dequantized" in what:
+            seen.append((category, layer, nbytes))
+        return allocate(category, layer, nbytes, what)
+
+    trainer.ledger.allocate = spy  # type: ignore[method-assign]  # records the charges as the runtime makes them
+    trainer.step(torch.randint(0, 300, (2, 16)))
+    largest = trainer.tc.lora.gguf.type_of("model.layers.0.mlp.down_proj.weight")
+    blocks = trainer.layouts["block.0"].packed
+    pieces = blocks.views(torch.zeros(trainer.layouts["block.0"].numel, dtype=torch.uint8))
+    weight = blocks.quant.dequantize({"weight": torch.zeros(256, row_bytes(largest, 512), dtype=torch.uint8),
+                                      "ggml_type": torch.tensor([TYPE_IDS[largest]], dtype=torch.uint8)}, (256, 512))
+    assert "mlp.down_proj.weight" in pieces
+    nbytes = weight.numel() * weight.element_size()  # the (256, 512) down_proj, in fp32
+    # a forward and a backward of each block in each of the two micro-batches
+    assert sorted(seen) == sorted([("workspace", f"block.{i}", nbytes) for i in range(2)] * 4)
+    trainer.close()
