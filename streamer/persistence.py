@@ -75,11 +75,12 @@ def open_store(store_dir: str | Path, overrides: Mapping[str, Any] | None, read_
             agree_on_journal(data_parallel, 0, None, damage)
         raise
     try:  # on any error, let go of the store (and its lock) before saying why
-        journal = store.journal if isinstance(store, StoreWriter) else None  # a reader refuses one at open
+        writer = store if isinstance(store, StoreWriter) else None
+        journal = None if writer is None else writer.journal  # a reader refuses one at open
         if data_parallel is not None:
             agreed = agree_on_journal(data_parallel, store.step, journal)
-            if journal is not None and agreed is None:
-                store.discard_journal()  # another rank never journaled it, so no rank updated anything of it
+            if writer is not None and journal is not None and agreed is None:
+                writer.discard_journal()  # another rank never journaled it, so no rank updated anything of it
             journal = agreed
         saved = dict(store.trainer_state.get("config", {}))
         tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
