@@ -1,13 +1,12 @@
 """StreamingTrainer: the runtime's public Python API (README.md, "Python API").
 
-Long because the API is one class today: construction and opening, steps, evaluation, a preference run's
-reference pass, resume and roll-forward. Its step policy and persistence are to move out of it.
+It wires the runtime once (`streamer.runtime.wiring.Runtime`), and hands each step to its step policy
+(`streamer.step_policy`) and each commit to its persistence (`streamer.persistence`).
 """
 from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -16,30 +15,24 @@ import torch
 from layers import ModelConfig, learned_tokens
 from layers.loss import IGNORE_INDEX, Objective
 from layers.preference import DPOObjective, RowLogProbs
-from layers.packed_gguf import GGUFBase
 from memory_model import BASELINE_BYTES_PER_PARAM, Ledger, Trace
 from memory_model.allocator import cuda_block_bytes, workspace_blocks
-from streamer.config import TrainerConfig
-from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
-from streamer.errors import ConfigError, StoreError, StreamerError
-from streamer.runtime.executor import Executor
-from streamer.runtime.hardware import DeviceConfig
-from streamer.runtime.step import (
-    ClippingNeeded, MicroBatch, NonFiniteError, StepContext, check_runnable, clip_coefficient,
-)
-from streamer.runtime.lora import Adapters
-from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
+from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import checked_group
-from memory_model.planner import clipped_schedule, clipped_steps
-from memory_model.schedule import StepSpec, norm_pass_spec, step_events, step_spec
+from memory_model.schedule import StepSpec, step_events
 from memory_model.settings import SettingError
-from memory_model.shapes import check_norm_first, norm_first_allowed
-from streamer.store.commit import read_manifest
-from streamer.store.host import HostReader, HostStore
-from streamer.store.ranks import rank_dir, store_dirs
-from streamer.store.shards import MergedShards
+from streamer.config import TrainerConfig
+from streamer.errors import ConfigError, StreamerError
+from streamer.persistence import Persistence, create_store, open_store
+from streamer.runtime.distributed import DataParallel
+from streamer.runtime.executor import Executor
+from streamer.runtime.lora import Adapters
+from streamer.runtime.step import MicroBatch, NonFiniteError, StepContext, check_runnable
+from streamer.runtime.wiring import Runtime
+from streamer.step_policy import StepPolicy
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.weights import hf_state_dict, hf_tensors, initial_unit, read_master, write_fresh_state
+from streamer.store.ranks import rank_dir
+from streamer.weights import hf_state_dict, hf_tensors, initial_unit, read_master
 
 
 class StreamingTrainer:
@@ -55,8 +48,6 @@ class StreamingTrainer:
         if device.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device.device} but torch sees no CUDA GPU; use --device cpu")
         self.units = cfg.unit_names()
-        self.extra_state: dict[str, Any] = {}  # the caller's resumable state (data order, RNG), committed per step
-        self.losses: list[float] = []
         self.metrics: dict[str, float] = {}  # the last step's objective's (DPO's rewards and log-probabilities)
         self.data_parallel = None if device.device == "meta" else DataParallel.from_environment(
             device.device, sharded=step.data_parallel == "sharded")
@@ -67,17 +58,9 @@ class StreamingTrainer:
             checked_group(cfg, step.expert_group_size, self.tc.lora.enabled, self.processes)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
-        if device.device == "meta":
-            self.store = None
-        elif _store is not None:
-            self.store = _store
-        else:
-            if store_dir is None:
-                if "disk" in (step.store.state, step.store.compute):
-                    raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
-                store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
-            self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),
-                                          _pin_memory(device.device, device.pin_memory))
+        self.store: StoreReader | None = (
+            None if device.device == "meta" else _store if _store is not None else
+            create_store(cfg, self.tc, None if store_dir is None else Path(store_dir), self.processes))
         # The same store where it takes writes (training, new weights, saves); None where it is only read.
         self.writer = self.store if isinstance(self.store, StoreWriter) else None
         layouts = self.tc.store_spec(cfg, self.processes).layouts() if self.store is None else \
@@ -95,29 +78,14 @@ class StreamingTrainer:
         self.adapters = None
         if self.tc.lora.enabled:
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(device.device), self.tc.seed)
-        self.executor = Executor(cfg, step, self.tc.optimizer, torch.device(device.device), self.tc.compute_dtype,
-                                 self.store, self.ledger, self.trace, self.layouts, self.data_parallel,
-                                 self.adapters, writer=self.writer, seed=self.tc.seed)
-        try:
-            # LoRA has no update of the streamed base to fuse: its adapters are updated on the device.
-            self.fused = step.fused(self.processes, frozen_base=self.adapters is not None)
-        except ValueError as exc:
-            raise StreamerError(str(exc)) from None
+        # The one wiring every collaborator of a step reads, built here once.
+        self.runtime = Runtime(cfg, step, self.tc.optimizer, torch.device(device.device), self.tc.compute_dtype,
+                               self.store, self.writer, self.ledger, self.trace, self.layouts, self.data_parallel,
+                               self.adapters, self.tc.seed)
+        self.executor = Executor(self.runtime)
+        self.persistence = Persistence(self.runtime, self.executor, self.tc)
+        self.policy = StepPolicy(self.runtime, self.executor, self.tc, self.persistence)
         self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
-        self.clipped_redos = 0  # fused steps clipping undid, made again knowing the clip coefficient
-        # The next step tries the fused update (the last one did not clip); False: it is made as one that clips.
-        self.speculate = True
-        # How the last step was made ("fused", "norm-first" or "after-backward"), and whether a speculative fused
-        # attempt was undone before it (`streamer plan --compare` prices each logged step so).
-        self.last_schedule, self.last_redone = "", False
-        try:  # TrainerConfig checked it for one process; data parallel never fuses
-            check_norm_first(step.clipped_steps, self.fused, step.grad_accum)
-        except SettingError as exc:
-            raise ConfigError.of(exc.key, exc.problem) from None
-        self._clipped_schedules: dict[tuple[int, int], str] = {}  # by (batch, seq), as `clipped_schedule` chose
-        # This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
-        # target `clipped_schedule` prices a cpu run on when --budget names no device preset.
-        self.local_target: DeviceSpec | None = None
         if _store is None and self.store is not None and _initialize:
             self._initialize(seed=self.tc.seed)
 
@@ -128,59 +96,11 @@ class StreamingTrainer:
         """Continue from a store: its last committed step, finishing a step a crash interrupted, or going back to
         the newest intact kept step where that is damaged (`store.fell_back` says so). `read_only`: read it without
         writing in its folder, which may be read-only (HostReader.open); `step`: read that kept step."""
-        device = dict(overrides or {}).get("device", "cpu")
-        data_parallel = DataParallel.from_environment(device)
-        rank, world = (None, 1) if data_parallel is None else (data_parallel.rank, data_parallel.world)
-        dirs = store_dirs(Path(store_dir), rank, world)  # several: a sharded run, read in one process
-        # The store's RAM slabs are pinned (or not) as they are allocated, before its trainer settings are read:
-        # pin_memory comes from the overrides, else from the settings the store was committed with.
-        try:
-            committed = read_manifest(dirs[0]).get("trainer", {}).get("config", {})
-        except StoreError:  # the store's open says what is wrong, or goes back to a kept step
-            committed = {}
-        settings = {**committed, **dict(overrides or {})}
-        pin_memory = _pin_memory(str(settings.get("device", "cpu")),
-                                 settings.get("pin_memory", DeviceConfig.pin_memory))
-        if step is not None and not read_only:
-            raise StoreError("a kept step is opened read_only; training continues from the last commit (or goes "
-                             "back to a kept step where that is damaged)")
-        if step is not None and len(dirs) > 1:
-            raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
-                             "step (no --step)")
-        # Under torchrun the ranks would have to agree on the kept step to go back to: a damaged store stops them.
-        try:
-            store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else
-                                  HostReader.open(dirs[0], pin_memory, step=step) if read_only else
-                                  HostStore.open(dirs[0], pin_memory, fall_back=data_parallel is None))
-        except StoreError as damage:
-            if data_parallel is not None:  # the other ranks hear of it where they agree on the journal
-                agree_on_journal(data_parallel, 0, None, damage)
-            raise
+        store, tc, journal = open_store(store_dir, overrides, read_only, step)
         trainer = None
         try:  # on any error, let go of the store (and its lock) before saying why
-            journal = store.journal if isinstance(store, StoreWriter) else None  # a reader refuses one at open
-            if data_parallel is not None:
-                agreed = agree_on_journal(data_parallel, store.step, journal)
-                if journal is not None and agreed is None:
-                    store.discard_journal()  # another rank never journaled it, so no rank updated anything of it
-                journal = agreed
-            saved = dict(store.trainer_state.get("config", {}))
-            tc = TrainerConfig.from_dict({**saved, **dict(overrides or {})})
-            check_sharding(store, tc.step.data_parallel, data_parallel)
-            if tc.step.store != store.spec.placement:
-                raise StoreError(f"{store.root} was created with placement {store.spec.placement.to_dict()}; "
-                                 "the placement of an existing store cannot change")
-            if store.spec.frozen and not tc.lora.enabled:
-                raise StoreError(f"{store_dir} holds a LoRA run's frozen base only; resume it with its --lora-rank")
-            if store.spec.quant_type == "gguf":  # the file's types are the store's, not a setting
-                tc = tc.on_base(GGUFBase(store.spec.gguf_types))
             trainer = cls(store.spec.config, tc, _store=store)
-            if trainer.adapters is not None:
-                trainer.adapters.load(store.root, store.step)
-            trainer.losses = list(store.trainer_state.get("losses", []))
-            trainer.extra_state = dict(store.trainer_state.get("extra", {}))
-            if journal is not None:
-                trainer._roll_forward(journal)
+            trainer.persistence.resume(journal)
         except BaseException:
             trainer.close() if trainer is not None else store.close()
             raise
@@ -213,7 +133,7 @@ class StreamingTrainer:
                     tensors[s.key] = pieces if pieces is not None else checkpoint.read(s.hf_key)
                 return tensors
 
-            trainer._write_units(tensors_of)
+            trainer.persistence.write_units(tensors_of)
         except BaseException:
             trainer.close()
             raise
@@ -221,20 +141,12 @@ class StreamingTrainer:
 
     def _initialize(self, seed: int) -> None:
         """HF's initialisation, one unit at a time."""
-        self._write_units(lambda unit: initial_unit(self.cfg, unit, self.units.index(unit), seed))
-
-    def _write_units(self, tensors_of: Callable[[str], dict[str, torch.Tensor]]) -> None:
-        """Every unit's weights (by slot key) as a fresh state, committed as the store's current step."""
-        assert self.store is not None
-        for unit in self.units:
-            write_fresh_state(self._writable(), self.layouts[unit], tensors_of(unit), self.tc.compute_dtype,
-                              self.data_parallel)
-        self._finish_step(self.store.step, self._trainer_state())
+        self.persistence.write_units(lambda unit: initial_unit(self.cfg, unit, self.units.index(unit), seed))
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-keyed weights (the transformers class's state_dict); resets the Adam moments."""
         given = hf_tensors(self.layouts.values(), state_dict)
-        self._write_units(lambda unit: {s.key: given[s.hf_key] for s in self.layouts[unit].slots})
+        self.persistence.write_units(lambda unit: {s.key: given[s.hf_key] for s in self.layouts[unit].slots})
 
     # --- training --------------------------------------------------------------------------------
     @property
@@ -355,28 +267,18 @@ class StreamingTrainer:
         grad_accum parts, in order; one process), in place of the method's (GRPO's, streamer.grpo)."""
         micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference, objectives)
         if self.store is not None:
-            self._writable().check_consistent()  # an update stopped part-way in this process: reopen the run
+            self.persistence.writable().check_consistent()  # an update stopped part-way in this process: reopen it
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
         moved = self.store.bytes_moved() if self.store is not None else (0, 0)
-        redos = self.clipped_redos
         try:
-            ctx = self._fused_step(micro, tokens, step) if self.fused and self.speculate else None
-            self.last_schedule = "fused"
-            if ctx is None:  # after the backward, or a fused step that clipping undid, made again
-                norm_first = self.fused and self.clipped_schedule(*input_ids.shape) == "norm-first"
-                self.last_schedule = "norm-first" if norm_first else "after-backward"
-                ctx = (self._norm_first_step(micro, tokens, step) if norm_first
-                       else self._run_step(micro, tokens, step, fused=False))
-                # Clipping comes in runs (early training): speculate again only after a step that did not clip.
-                self.speculate = ctx.clip_coef == 1.0
+            ctx = self.policy.make(micro, tokens, step, *input_ids.shape)
         except NonFiniteError:
             if self.tc.optimizer.nonfinite == "stop":
                 raise
             return float("nan")
-        self.last_redone = self.clipped_redos > redos
-        loss = self._mean_loss(ctx)
+        loss = self.policy.mean_loss(ctx)
         self.metrics = self._step_metrics(ctx)
         self.losses.append(loss)
         if self.executor.device.type == "cuda":
@@ -384,8 +286,8 @@ class StreamingTrainer:
             self.trace.meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.executor.device)
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
-            self._finish_step(step, self._trainer_state())
-            self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved))
+            self.persistence.finish_step(step)
+            self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved, strict=True))
             self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
@@ -407,160 +309,56 @@ class StreamingTrainer:
 
     def step_spec(self, micro_batches: int, fused: bool = False, backward: bool = True,
                   update_units: tuple[str, ...] | None = None) -> StepSpec:
-        """A step of this trainer, made from its step settings as the planner makes it (`schedule.step_spec`):
-        each process updates its slice of the state; `backward=False`: an evaluation; `update_units`: a step rolled
-        forward."""
-        return step_spec(self.cfg, self.tc.step, self.executor.compute_is_master, self.processes,
-                         self.adapters is not None, micro_batches, fused, backward, update_units)
+        """A step of this trainer, made from its step settings as the planner makes it (`Runtime.step_spec`)."""
+        return self.runtime.step_spec(micro_batches, fused, backward, update_units)
 
-    def _run_step(self, micro: list[MicroBatch], tokens: float, step: int, fused: bool,
-                  clip_coef: float = 1.0) -> StepContext:
-        """Forward, backward and update; on any failure nothing of the step stays (a journaled step aside:
-        the store then refuses to train on until it is reopened and rolled forward). A fused step clips by
-        `clip_coef`: 1 is speculative (validated as it goes, Updater._fused_inputs), else a norm pass's."""
-        lr = self.tc.schedule.lr_at(step, self.tc.optimizer.lr)
-        ctx = (StepContext(micro, step, lr, tokens, clip_coef=clip_coef) if fused
-               else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
-        events = step_events(self.step_spec(len(micro), fused))
-        if fused and self.store is not None:
-            self.writer.begin_speculative_step(step)
-        try:
-            self.executor.run(events, ctx)
-            if self.adapters is not None:
-                self._update_adapters(ctx)
-            elif fused:
-                self._check_loss(ctx)
-        except BaseException:
-            self._abort()
-            if fused and self.store is not None:
-                self.writer.rollback()  # back to the previous state files: the step never happened
-            raise
-        return ctx
+    # --- the step policy's state (streamer.step_policy) ------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """Whether the update may be fused into the backward (`StepConfig.fused`)."""
+        return self.policy.fused
 
-    def _fused_step(self, micro: list[MicroBatch], tokens: float, step: int) -> StepContext | None:
-        """The step with the update fused into the backward; None when clipping undid it (made again after the
-        backward: the gradients are recomputed, so the result is the same bit for bit)."""
-        try:
-            return self._run_step(micro, tokens, step, fused=True)
-        except ClippingNeeded:
-            self.clipped_redos += 1
-            self.speculate = False
-            return None
+    @property
+    def speculate(self) -> bool:
+        """Whether the next step first tries the fused update as one that does not clip."""
+        return self.policy.speculate
 
-    def _norm_first_step(self, micro: list[MicroBatch], tokens: float, step: int) -> StepContext:
-        """A step that clips, made norm-first: a norm pass (forward and backward, each unit's gradient dropped
-        once its squared norm is summed, nothing written), then the fused step clipped by the coefficient that
-        norm gives. The fused pass recomputes the same gradients, so the step is bit for bit the one after the
-        backward; it writes nothing until that pass, which rolls back on failure as any fused step does."""
-        probe = StepContext(micro, step, self.tc.schedule.lr_at(step, self.tc.optimizer.lr), tokens,
-                            norm_pass=True)
-        try:
-            self.executor.run(step_events(norm_pass_spec(self.step_spec(len(micro), fused=True))), probe)
-            self._check_loss(probe)
-            clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.optimizer.max_grad_norm, step)
-        except BaseException:
-            self._abort()
-            raise
-        try:
-            return self._run_step(micro, tokens, step, fused=True, clip_coef=clip)
-        except ClippingNeeded:  # a coefficient of 1 that a device's recomputed norm crossed: it clips after all
-            self.clipped_redos += 1
-            self.last_schedule = "after-backward"
-            return self._run_step(micro, tokens, step, fused=False)
+    @speculate.setter
+    def speculate(self, value: bool) -> None:
+        self.policy.speculate = value
+
+    @property
+    def clipped_redos(self) -> int:
+        """Fused steps clipping undid, made again knowing the clip coefficient."""
+        return self.policy.clipped_redos
+
+    @property
+    def last_schedule(self) -> str:
+        """How the last step was made: "fused", "norm-first" or "after-backward"."""
+        return self.policy.last_schedule
+
+    @property
+    def last_redone(self) -> bool:
+        """Whether a speculative fused attempt was undone before the last step."""
+        return self.policy.last_redone
+
+    @property
+    def local_target(self) -> DeviceSpec | None:
+        """This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
+        target `clipped_schedule` prices a cpu run on when --budget names no device preset."""
+        return self.policy.local_target
+
+    @local_target.setter
+    def local_target(self, spec: DeviceSpec | None) -> None:
+        self.policy.local_target = spec
 
     def clipped_schedule(self, batch: int, seq: int) -> str:
-        """How a fused step of `batch` x `seq` that clips is made: "norm-first" or "after-backward".
-        `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --budget
-        device preset (with --set), else `local_target` on the cpu; with neither, after-backward."""
-        key = (batch, seq)
-        if key not in self._clipped_schedules:
-            choice = self.tc.step.clipped_steps
-            if not norm_first_allowed(self.fused, self.tc.step.grad_accum):
-                choice = "after-backward"
-            elif choice == "auto":
-                target = self.target()
-                choice = "after-backward" if target is None else clipped_schedule(
-                    clipped_steps(self.cfg, target, self.tc.plan_config(batch, seq)), choice).schedule
-            self._clipped_schedules[key] = choice
-        return self._clipped_schedules[key]
+        """How a fused step of `batch` x `seq` that clips is made (`StepPolicy.clipped_schedule`)."""
+        return self.policy.clipped_schedule(batch, seq)
 
     def target(self) -> DeviceSpec | None:
-        """The device the run's steps are priced on (`clipped_schedule`) and its MFU read against, or None where
-        none is known."""
-        device = self.tc.device
-        budget = DEVICE_PRESETS.get(device.budget, device.budget) if isinstance(device.budget, str) else device.budget
-        if isinstance(budget, DeviceSpec):
-            return with_sets(budget, device.set, ConfigError.of)
-        if device.device != "cpu" or self.local_target is None:
-            return None
-        return with_sets(self.local_target, device.set, ConfigError.of)
-
-    def _abort(self) -> None:
-        self.executor.abort()
-        if self.adapters is not None:
-            self.adapters.zero_grad()  # a later step must not add to this one's partial gradients
-
-    def _update_adapters(self, ctx: StepContext) -> None:
-        """LoRA's update, after the last backward: clip by the adapters' global gradient norm, then AdamW."""
-        self._check_loss(ctx)
-        if self.data_parallel is not None:
-            handle = self.ledger.allocate("gradients", "lora", self.adapters.numel() * 4,
-                                          "fp32 adapter gradients for the all-reduce")
-            self.adapters.all_reduce(self.data_parallel)
-            self.ledger.free(handle)
-        self.executor.grad_sq_norms = {"lora": self.adapters.grad_sq_norm()}  # the step's reported norm
-        clip = clip_coefficient(self.executor.grad_sq_norms, self.tc.optimizer.max_grad_norm, ctx.step)
-        with self.trace.span("lora", "update", step=ctx.step):
-            self.adapters.step(ctx.lr, clip)
-
-    def _finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
-        """Commit a step; a LoRA run's adapters are written first where the store commits to disk."""
-        durable = self.store.spec.placement.state == "disk"
-        if self.adapters is not None and durable:
-            self.adapters.save(self.store.root, step)
-        self.writer.finish_step(step, trainer_state)
-        if self.adapters is not None and durable:
-            self.adapters.prune(self.store.root, {step, *self.store.kept()})
-
-    def _writable(self) -> StoreWriter:
-        """The store, to change it; one opened for reading says why it takes no writes."""
-        if self.writer is None:
-            raise StoreError(self.store.read_only_reason)
-        return self.writer
-
-    def _check_loss(self, ctx: StepContext) -> None:
-        loss = self._mean_loss(ctx)
-        if self.executor.device.type != "meta" and not torch.isfinite(torch.tensor(loss)):
-            raise NonFiniteError(f"loss is {loss} at step {ctx.step}; nothing was committed — "
-                                 "lower the lr or check the data")
-
-    def _mean_loss(self, ctx: StepContext) -> float:
-        """The loss over the global batch (every rank's micro-batches); computed once per step."""
-        if ctx.mean_loss is None:
-            local = float("nan") if self.executor.device.type == "meta" else float(torch.stack(ctx.losses).sum())
-            ctx.mean_loss = local if self.data_parallel is None else self.data_parallel.mean(local)
-        return ctx.mean_loss
-
-    def _journal(self, ctx: StepContext) -> None:
-        """Before the first update: the loss must be finite, then the step is journaled (durable)."""
-        self._check_loss(ctx)
-        if self.store is not None:
-            state = self._trainer_state(extra_losses=[self._mean_loss(ctx)])
-            self.writer.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
-        if self.data_parallel is not None:
-            self.data_parallel.barrier()  # no rank updates a weight before every rank has journaled the step
-
-    def _roll_forward(self, journal: dict[str, Any]) -> None:
-        """Finish an update a crash interrupted: the same gradients, lr and clip coefficient, so bit-identical."""
-        step = journal["step"]
-        pending = [u for u in self.units if self.writer.unit_version(u) != step]
-        ctx = StepContext([], step, journal["lr"], clip_coef=journal["clip_coef"])
-        # No micro-batch is left to run: the step is the update of the units it had not finished.
-        self.executor.run(step_events(self.step_spec(0, update_units=tuple(pending))), ctx)
-        trainer_state = journal["trainer"]
-        self.losses = list(trainer_state.get("losses", []))
-        self.extra_state = dict(trainer_state.get("extra", {}))
-        self.writer.finish_step(step, trainer_state)
+        """The device the run's steps are priced on and its MFU read against, or None where none is known."""
+        return self.policy.target()
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -577,33 +375,42 @@ class StreamingTrainer:
             losses.append(ctx.losses[0])
         return float(torch.stack(losses).sum()) if self.executor.device.type != "meta" else float("nan")
 
-    def _trainer_state(self, extra_losses: list[float] | None = None) -> dict[str, Any]:
-        return {"config": self.tc.to_dict(), "losses": self.losses + (extra_losses or []),
-                "extra": self.extra_state}
+    # --- persistence (streamer.persistence) -----------------------------------------------------
+    @property
+    def losses(self) -> list[float]:
+        """Every committed step's loss, the first step's first."""
+        return self.persistence.losses
+
+    @losses.setter
+    def losses(self, losses: list[float]) -> None:
+        self.persistence.losses = losses
+
+    @property
+    def extra_state(self) -> dict[str, Any]:
+        """The caller's resumable state (data order, RNG), committed with each step."""
+        return self.persistence.extra_state
+
+    @extra_state.setter
+    def extra_state(self, state: dict[str, Any]) -> None:
+        self.persistence.extra_state = state
 
     def save(self) -> None:
         """Make the current step durable (the disk tier already is after every step)."""
-        if self.store is not None:
-            writer = self._writable()
-            if self.adapters is not None:
-                self.adapters.save(writer.root, writer.step)
-            writer.save(self._trainer_state())
-            if self.adapters is not None:
-                self.adapters.prune(self.store.root, {self.store.step, *self.store.kept()})
+        self.persistence.save()
 
     def keep(self, note: dict[str, Any] | None = None) -> None:
         """Keep the last commit (on the RAM tier: `save()` first): no later step deletes its state (or a LoRA run's
         adapters), so it can be exported (`open(..., read_only=True, step=N)`) and is what a damaged store goes
         back to. `note` (JSON) is kept with it: the CLI's eval loss."""
-        self._writable().keep(dict(note or {}))
+        self.persistence.keep(note)
 
     def drop_kept(self, step: int) -> None:
         """Let a kept step go: its state files are deleted (the LoRA run's adapters at the next commit)."""
-        self._writable().drop_kept(step)
+        self.persistence.drop_kept(step)
 
     def kept(self) -> dict[int, dict[str, Any]]:
         """The kept steps, oldest first, with their notes."""
-        return {} if self.store is None else self.store.kept()
+        return self.persistence.kept()
 
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
@@ -642,7 +449,3 @@ def _check_bitsandbytes() -> None:
         raise ConfigError("--load-in-4bit needs the bitsandbytes package: pip install 'weight-streaming[qlora]'") \
             from None
 
-
-def _pin_memory(device: str, pin_memory: str) -> str:
-    """The store's pin_memory: what the settings ask for on CUDA, nothing elsewhere."""
-    return pin_memory if device.startswith("cuda") else "none"

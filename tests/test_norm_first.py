@@ -173,11 +173,11 @@ def test_streamer_train_prices_auto_on_this_machines_cached_calibration(capsys, 
 def test_a_fused_pass_that_still_clips_is_made_after_the_backward(tmp_path, monkeypatch):
     """Where a device's recomputed gradients cross the threshold the norm pass did not (its coefficient 1),
     the fused pass is undone as a speculative one is, and the step is made after the backward: the same bits."""
-    import streamer.trainer as trainer_module
+    import streamer.step_policy as step_policy
 
     tc = DISK.replace(max_grad_norm=1e-3)
     after = train_debug(tmp_path / "after", tc.replace(clipped_steps="after-backward"), 2)
-    monkeypatch.setattr(trainer_module, "clip_coefficient", lambda *args: 1.0)  # the norm pass's only
+    monkeypatch.setattr(step_policy, "clip_coefficient", lambda *args: 1.0)  # the norm pass's only
     with StreamingTrainer(DEBUG_MODEL, tc.replace(clipped_steps="norm-first"), store_dir=tmp_path / "nf") as trainer:
         for ids in debug_batches(2):
             trainer.step(ids)

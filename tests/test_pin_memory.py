@@ -12,7 +12,7 @@ import torch
 
 from conftest import TINY_RUN_MODEL as TINY
 from layers import PRESETS
-from streamer import trainer as trainer_module
+from streamer import persistence
 from streamer.config import TrainerConfig
 from streamer.advice import planned_host
 from streamer.resources import RAM_HEADROOM, HostNeed, shortfall
@@ -93,8 +93,8 @@ def test_resume_honours_pin_memory(tmp_path, monkeypatch):
     tc = TrainerConfig.of(dtype="fp32", store="disk", pin_memory="all")
     StreamingTrainer(TINY, tc, tmp_path / "store").close()
     asked = []
-    real = trainer_module._pin_memory
-    monkeypatch.setattr(trainer_module, "_pin_memory", lambda device, mode: asked.append(mode) or real(device, mode))
+    real = persistence._pin_memory
+    monkeypatch.setattr(persistence, "_pin_memory", lambda device, mode: asked.append(mode) or real(device, mode))
     with StreamingTrainer.open(tmp_path / "store") as trainer:  # the store's own setting
         assert trainer.tc.device.pin_memory == "all" and trainer.store.pin_memory == "none"  # a CPU pins nothing
     with StreamingTrainer.open(tmp_path / "store", overrides={"pin_memory": "staging"}) as trainer:
@@ -103,9 +103,9 @@ def test_resume_honours_pin_memory(tmp_path, monkeypatch):
 
 
 def test_only_cuda_pins():
-    assert trainer_module._pin_memory("cpu", "all") == "none"
-    assert trainer_module._pin_memory("cuda:0", "all") == "all"
-    assert trainer_module._pin_memory("cuda", "staging") == "staging"
+    assert persistence._pin_memory("cpu", "all") == "none"
+    assert persistence._pin_memory("cuda:0", "all") == "all"
+    assert persistence._pin_memory("cuda", "staging") == "staging"
 
 
 def test_offloaded_activations_count_in_host_ram_pinned_on_cuda(pretend_cuda, tmp_path):

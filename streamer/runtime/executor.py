@@ -8,53 +8,26 @@ and write-backs); the Executor owns the I/O threads and the step running, and di
 """
 from __future__ import annotations
 
-import torch
-
-from layers import ModelConfig
-from memory_model import Ledger, Trace
 from memory_model.schedule import Event, fetched_input, is_fused, loads_keeping_master, releases, resident_sets
-from memory_model.units import compute_is_master
-from streamer.runtime.distributed import DataParallel
 from streamer.runtime.loading import Loader
-from streamer.runtime.lora import Adapters
-from streamer.runtime.optim import OptimizerConfig
 from streamer.runtime.passes import Passes
-from memory_model.step import StepConfig
 from streamer.runtime.step import StepContext
-from streamer.runtime.transport import IOQueues, Transport
 from streamer.runtime.update import Updater
-from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import UnitLayout, dtype_name, expert_groups
+from streamer.runtime.wiring import Runtime
 
 
 class Executor:
-    def __init__(self, cfg: ModelConfig, step: StepConfig, optimizer: OptimizerConfig, device: torch.device,
-                 dtype: torch.dtype, store: StoreReader | None, ledger: Ledger, trace: Trace,
-                 layouts: dict[str, UnitLayout], data_parallel: DataParallel | None = None,
-                 adapters: Adapters | None = None, writer: StoreWriter | None = None, seed: int = 0) -> None:
-        """Runs `cfg`'s units as `step` says, updating them as `optimizer` says, computing on `device` in `dtype`
-        from a store placed as `step.store`. `store` is read by every run; `writer`, the same store where it takes
-        writes, takes a training step's gradients and updates (None: the store is only read, and only forward
-        passes run). `seed`: the run's, from which a bf16 master's stochastic rounding draws its bits."""
-        self.step_cfg, self.trace, self.device = step, trace, device
-        # A 4-bit base's units load as their byte slabs (UnitLayout.packed).
-        packed = any(layout.packed is not None for layout in layouts.values())
-        weights_dtype = torch.uint8 if packed else dtype
-        self.transport = Transport(store, device, dtype, weights_dtype if packed else None, lambda: ledger.in_use)
-        if device.type == "cpu":  # the device's bytes are the host's: idle buffers give way to what it allocates
-            ledger.add_listener(lambda _: self.transport.buffers.trim())
-        inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
-                       and data_parallel is None)
-        self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
-        one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
-        self.loader = Loader(layouts, step, step.store, weights_dtype, one_copy, self.transport, self.io, ledger,
-                             trace, data_parallel, expert_groups(cfg, step.expert_group_size, layouts))
-        self.passes = Passes(cfg, step, layouts, self.loader, device, dtype, self.transport, self.io, ledger, trace,
-                             store, writer, data_parallel, adapters)
-        self.updater = Updater(step, optimizer, layouts, step.store, dtype, one_copy, self.transport, self.io,
-                               ledger, trace, store, writer, data_parallel, seed)
-        self.compute_is_master = one_copy  # the compute weights are the masters (one dtype): no copy
+    def __init__(self, rt: Runtime) -> None:
+        """Runs `rt`'s units as its step settings say (streamer.runtime.wiring.Runtime): a training step where its
+        store takes writes, forward passes only where it is only read."""
+        self.step_cfg, self.trace, self.device = rt.step, rt.trace, rt.device
+        self.transport, self.io = rt.transport, rt.io
+        self.loader = Loader(rt)
+        self.passes = Passes(rt, self.loader)
+        self.updater = Updater(rt)
+        self.compute_is_master = rt.compute_is_master  # the compute weights are the masters (one dtype): no copy
         self.current = StepContext([], 0, 0.0)  # the step running, or the last one (none yet)
+        self._rt = rt
 
     @property
     def grad_sq_norms(self) -> dict[str, float]:
@@ -110,6 +83,5 @@ class Executor:
         self.updater.abort(self.current)
 
     def close(self) -> None:
-        self.io.close()
-        self.transport.close()
+        self._rt.close()
         self.current.discard_writers()

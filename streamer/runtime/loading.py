@@ -11,37 +11,32 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from memory_model import Ledger, Trace
 from memory_model.schedule import (
     BlockInput, ExpertGroup, Resource, Weights, gathered_numel, resource_charges, shard_numel,
 )
-from streamer.runtime.distributed import DataParallel
 from streamer.runtime.residency import Residency, UnitState
-from memory_model.step import StepConfig
 from streamer.runtime.step import StepContext
-from streamer.runtime.transport import IOQueues, Loaded, Transport
-from memory_model.step import Placement
-from streamer.store.layout import ExpertGroups, UnitLayout
+from streamer.runtime.transport import Loaded
+from streamer.runtime.wiring import Runtime
 
 
 class Loader:
     """Each unit's device residency and the loads in flight: what is on the device, and what is coming."""
 
-    def __init__(self, layouts: dict[str, UnitLayout], step: StepConfig, placement: Placement, dtype: torch.dtype,
-                 compute_is_master: bool, transport: Transport, io: IOQueues, ledger: Ledger, trace: Trace,
-                 data_parallel: DataParallel | None, groups: dict[str, ExpertGroups]) -> None:
-        """`groups`: the blocks whose experts load in groups, their weights loads holding the rest; `dtype`: that
-        of the weights loads (a 4-bit base's: bytes)."""
-        self.layouts, self.step_cfg, self.dtype, self.groups = layouts, step, dtype, groups
+    def __init__(self, rt: Runtime) -> None:
+        """Loads `rt`'s resources: weights loads in `rt.weights_dtype` (a 4-bit base's: bytes), the experts of the
+        blocks in `rt.groups` a group at a time, their weights loads holding the rest."""
+        layouts, step, groups = rt.layouts, rt.step, rt.groups
+        self.layouts, self.step_cfg, self.dtype, self.groups = layouts, step, rt.weights_dtype, groups
         # One state per group of each grouped block: the handles its forward saves find its buffer through it.
         self.group_states = {(u, g): UnitState(f"{u} experts {g}") for u, e in groups.items() for g in range(e.count)}
-        self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
+        self.transport, self.io, self.ledger, self.trace = rt.transport, rt.io, rt.ledger, rt.trace
         self.on_host = step.update_on == "host"  # the update runs where the store lives
         self.states = {u: UnitState(u) for u in layouts}
-        self.data_parallel = data_parallel
-        self.shards = 1 if data_parallel is None else data_parallel.shards  # the slices of each unit's state
+        self.data_parallel = rt.data_parallel
+        self.shards = rt.shards  # the slices of each unit's state
         # Weights loads read the master and cast it (the schedule's `master_from_weights`), for the run.
-        self.loads_read_master = placement.loads_read_master(compute_is_master)
+        self.loads_read_master = rt.placement.loads_read_master(rt.compute_is_master)
         self._inflight: dict[Resource, tuple[cf.Future[Loaded], list[int]]] = {}
         self._gathered: dict[str, torch.Tensor] = {}  # sharded: a unit's all-gathered weights, padding included
 

@@ -10,41 +10,35 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from layers import ModelConfig, build_unit, unit_kind
+from layers import build_unit, unit_kind
 from layers.lora import add_adapters
 from layers.loss import TokenMean
 from layers.model import family_units
 from layers.quant4 import quantize_linears
-from memory_model import Ledger, Trace
 from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
 from memory_model.lora import dequantized_bytes
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
-from streamer.runtime.distributed import DataParallel
 from streamer.runtime.loading import Loader
-from streamer.runtime.lora import Adapters
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
-from memory_model.step import StepConfig
 from streamer.runtime.step import MicroBatch, PendingOffload, StepContext
-from streamer.runtime.transport import GRADIENT_FOLD, IOQueues, Transport
-from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import DTYPES, UnitLayout
+from streamer.runtime.transport import GRADIENT_FOLD
+from streamer.runtime.wiring import Runtime
+from streamer.store.layout import DTYPES
 
 
 class Passes:
     """The units' forward and backward over the weights `states` holds, and the step's gradient norms."""
 
-    def __init__(self, cfg: ModelConfig, step: StepConfig, layouts: dict[str, UnitLayout], loader: Loader,
-                 device: torch.device, dtype: torch.dtype, transport: Transport, io: IOQueues, ledger: Ledger,
-                 trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
-                 data_parallel: DataParallel | None, adapters: Adapters | None) -> None:
+    def __init__(self, rt: Runtime, loader: Loader) -> None:
         """`loader` holds the units' weights (`states`), and loads the groups of a block's experts where they
         load in groups (`groups`)."""
-        self.cfg, self.step_cfg, self.layouts, self.loader = cfg, step, layouts, loader
+        cfg, layouts, ledger, adapters, data_parallel = rt.cfg, rt.layouts, rt.ledger, rt.adapters, rt.data_parallel
+        self.cfg, self.step_cfg, self.layouts, self.loader = cfg, rt.step, layouts, loader
         self.states, self.groups, self.stored_numel = loader.states, loader.groups, loader.stored_numel
-        self.dtype = dtype
-        self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
-        self.store, self.writer, self.data_parallel = store, writer, data_parallel
-        self.shards = 1 if data_parallel is None else data_parallel.shards
+        self.dtype = dtype = rt.dtype
+        self.transport, self.io, self.ledger, self.trace = rt.transport, rt.io, ledger, rt.trace
+        self.store, self.writer, self.data_parallel = rt.store, rt.writer, data_parallel
+        self.shards = rt.shards
         self.units = list(layouts)
         # Units whose weights another unit borrows (a tied head's embedding): that unit's backward, earlier in
         # each micro-batch, starts their accumulator, so their own backward always adds to it.
@@ -70,14 +64,14 @@ class Passes:
             self.recorder.resident |= adapters.storages()
             for c in adapter_charges(adapters.numel()):
                 ledger.allocate(c.category, "lora", c.nbytes, c.what)
-        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.anchor = torch.zeros((), device=rt.device, requires_grad=True)
         # A micro-batch's auxiliary loss (a mixture's router load balance), where the config asks for one: scaled
         # by the processes as the language-model loss is (each micro-batch's summed cross-entropy over the step's
         # tokens over the processes), so the all-reduce's mean sums it over them, as HF Trainer does (its loss
         # times the processes with average_tokens_across_devices).
         self.auxiliary = family_units(cfg).auxiliary
         self.processes = 1 if data_parallel is None else data_parallel.world
-        self.device = device
+        self.device = rt.device
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self._scratch: torch.Tensor | None = None

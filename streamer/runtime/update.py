@@ -4,31 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from memory_model import Ledger, Trace
 from memory_model.schedule import StateChunk, update_charges
-from streamer.runtime.distributed import DataParallel
-from streamer.runtime.optim import OptimizerConfig, adamw_chunk, rounding_key
-from memory_model.step import StepConfig
+from streamer.runtime.optim import adamw_chunk, rounding_key
 from streamer.runtime.step import ClippingNeeded, StepContext, clip_coefficient
-from streamer.runtime.transport import HOST_UPDATE, WRITE_BACK, IOQueues, Transport
-from streamer.store.interface import StoreReader, StoreWriter
-from memory_model.step import Placement
-from streamer.store.layout import UnitLayout
+from streamer.runtime.transport import HOST_UPDATE, WRITE_BACK
+from streamer.runtime.wiring import Runtime
 
 
 class Updater:
     """AdamW of the update events' chunks, and their write-backs."""
 
-    def __init__(self, step: StepConfig, optimizer: OptimizerConfig, layouts: dict[str, UnitLayout],
-                 placement: Placement, dtype: torch.dtype, compute_is_master: bool, transport: Transport,
-                 io: IOQueues, ledger: Ledger, trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
-                 data_parallel: DataParallel | None, seed: int = 0) -> None:
-        self.step_cfg, self.optimizer, self.layouts, self.placement, self.dtype = step, optimizer, layouts, placement, dtype
-        self.compute_is_master, self.seed = compute_is_master, seed
-        self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
-        self.store, self.writer, self.data_parallel = store, writer, data_parallel
-        self.on_host = step.update_on == "host"  # the update runs where the store lives
-        self.shards = 1 if data_parallel is None else data_parallel.shards
+    def __init__(self, rt: Runtime) -> None:
+        self.step_cfg, self.optimizer, self.layouts, self.placement = rt.step, rt.optimizer, rt.layouts, rt.placement
+        self.dtype, self.compute_is_master, self.seed = rt.dtype, rt.compute_is_master, rt.seed
+        self.transport, self.io, self.ledger, self.trace = rt.transport, rt.io, rt.ledger, rt.trace
+        self.store, self.writer, self.data_parallel = rt.store, rt.writer, rt.data_parallel
+        self.on_host = rt.step.update_on == "host"  # the update runs where the store lives
+        self.shards = rt.shards
 
     def update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
                grad_sq_norms: dict[str, float]) -> None:
