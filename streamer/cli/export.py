@@ -13,12 +13,12 @@ import torch
 
 from memory_model import parse_size
 from streamer.cli.flags import declare_command
-from streamer.cli.generate import open_trainer
 from streamer.console import make_console
 from streamer.io.tokenizer import Tokenizer, load_tokenizer
 from streamer.run import RunError
 from streamer.store.layout import DTYPES
 from streamer.run_dir import RunDir
+from streamer.session import open_trainer
 from streamer.trainer import StreamingTrainer
 
 if TYPE_CHECKING:
