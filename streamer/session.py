@@ -33,8 +33,10 @@ from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.generate import Sampling, complete
-from streamer.io.data import (BatchStream, DataConfig, Dataset, demo_corpus, load_dataset, long_examples_line,
-                              prompt_of, read_examples, tokenize)
+from streamer.io.data import (BatchStream, Dataset, chat_prompt, demo_corpus, load_dataset,
+                              long_examples_line, prompt_of, read_examples, tokenize)
+from streamer.io.preference import pair_rows, tokenize_pairs
+from streamer.io.records import Pair, read_pairs
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
 from streamer.resources import check_host_resources, check_keep_room
@@ -112,6 +114,8 @@ class Session:
     reporters: Reporters | None = None  # --report-to, in the lead process only
     evaluated: tuple[int, float] | None = None  # the last evaluation's (step, loss): a step is evaluated once
     stopping: bool = False  # `stop` asked for: training ends after the step under way
+    # --method dpo: each pair row's reference log-probabilities (chosen, rejected), by the row's tokens
+    references: dict[bytes, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         step = self.trainer.step_count
@@ -189,8 +193,12 @@ class Session:
             begin = time.perf_counter()
             step = trainer.step_count + 1
             window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
+            if cfg.trainer.objective.preference:  # a row of the stream is a pair: chosen and rejected, side by side
+                reference = self.reference_of(ids, labels)
+                ids, labels = pair_rows_of(ids), pair_rows_of(labels)
             try:
-                loss = trainer.step(ids, labels, positions, mask)
+                loss = trainer.step(ids, labels, positions, mask) if not cfg.trainer.objective.preference else \
+                    trainer.step(ids, labels, reference=reference)
             finally:
                 step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
@@ -200,7 +208,7 @@ class Session:
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
             outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm,
                                                          "schedule": trainer.last_schedule,
-                                                         "redone": trainer.last_redone}
+                                                         "redone": trainer.last_redone, **trainer.metrics}
             # Learned tokens (what the loss covers), not padding or prompts; MFU counts every position computed.
             tokens = learned_tokens(labels)
             record = {"step": step, **outcome,
@@ -278,17 +286,48 @@ class Session:
         cfg = self.cfg
         # The trainer splits a batch over the processes, then into grad_accum micro-batches.
         split = cfg.trainer.step.grad_accum * self.devices
-        loss, _ = evaluate_dataset(self.trainer, self.held_out, cfg.batch, cfg.eval_batches, split,
-                                   float if self.parallel is None else self.parallel.mean)
-        if loss is None:
-            return None
+        reduce = float if self.parallel is None else self.parallel.mean
         step = self.trainer.step_count
+        if cfg.trainer.objective.preference:
+            loss, metrics = self._evaluate_pairs(split, reduce)
+            record = {"step": step, "eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
+            line = f"step {step}: eval loss {loss:.3f}, rewards/accuracies {metrics['rewards/accuracies']:.2f}"
+        else:
+            mean, _ = evaluate_dataset(self.trainer, self.held_out, cfg.batch, cfg.eval_batches, split, reduce)
+            if mean is None:
+                return None
+            loss = mean
+            record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))}
+            line = f"step {step}: eval loss {loss:.3f}, perplexity {record['eval_perplexity']:,.1f}"
         self.evaluated = (step, loss)
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))}
         self.log(record)
-        self.events("evaluated", f"step {step}: eval loss {loss:.3f}, perplexity {record['eval_perplexity']:,.1f}",
-                    step, record)
+        self.events("evaluated", line, step, record)
         return loss
+
+    def _evaluate_pairs(self, split: int, reduce: Callable[[float], float]) -> tuple[float, dict[str, float]]:
+        """DPO's mean loss and TRL's metrics (rewards/*, logps/*) over the pairs of the first --eval-batches
+        held-out batches, each cut to a multiple of `split` pairs (`_check_held_out` leaves at least one)."""
+        assert self.held_out is not None
+        total, sums, pairs = 0.0, dict[str, float](), 0
+        for i, (ids, labels, _, _) in enumerate(self.held_out.batches(self.cfg.batch)):
+            usable = ids.shape[0] - ids.shape[0] % split
+            if i == self.cfg.eval_batches or usable == 0:
+                break
+            ids, labels = ids[:usable], labels[:usable]
+            loss = self.trainer.evaluate(pair_rows_of(ids), pair_rows_of(labels),
+                                         reference=self.reference_of(ids, labels))
+            total += reduce(loss) * usable
+            for name, value in self.trainer.eval_metrics.items():
+                sums[name] = sums.get(name, 0.0) + value * usable
+            pairs += usable
+        return total / pairs, {name: value / pairs for name, value in sums.items()}
+
+    def reference_of(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The reference log-probabilities of a batch of pair rows (`pair_dataset`'s): every chosen row's, then
+        every rejected row's, as `StreamingTrainer.step` takes them."""
+        found = torch.stack([self.references[row_key(i, lab)]  # (pairs, 2)
+                             for i, lab in zip(ids, labels, strict=True)])
+        return torch.cat([found[:, 0], found[:, 1]])
 
     def _keep_missed(self) -> None:
         """Keep the step the run continues from where a kill came between its commit and its keep (a --save-every
@@ -364,6 +403,55 @@ def steps_to_keep(losses: dict[int, float | None], last: int | None, best: bool)
     return held
 
 
+# --- preference pairs (--method dpo) ------------------------------------------------------------------------
+def pair_dataset(path: str, tokenizer: Tokenizer, seq: int) -> Dataset:
+    """TRL-format preference pairs (prompt/chosen/rejected, conversational, or an implicit prompt) as a Dataset of
+    one row per pair: its chosen row and its rejected row side by side, (pairs, 2 x seq), each as TRL's collator
+    makes it (`streamer.io.preference`), padded to --seq. So BatchStream orders, splits and resumes pairs as it
+    does sequences; `pair_rows_of` makes a batch of them the trainer's rows. A pair whose prompt fills --seq is
+    dropped, as TRL drops it."""
+    pairs = read_pairs(path)
+    tokenized = tokenize_pairs(pairs, tokenizer, seq)
+    if not tokenized:
+        raise RunError(f"every pair's prompt in {path} fills --seq {seq} tokens, leaving no completion; raise --seq")
+    ids, labels = pair_rows(tokenized, tokenizer.eos_id, seq, seq)
+    return Dataset(torch.cat(ids.chunk(2), dim=1), torch.cat(labels.chunk(2), dim=1),
+                   dropped=len(pairs) - len(tokenized))
+
+
+def pair_rows_of(rows: torch.Tensor) -> torch.Tensor:
+    """A batch of `pair_dataset` rows (pairs, 2 x seq) as the trainer's DPO rows: every chosen row, then every
+    rejected row (2 x pairs, seq)."""
+    return torch.cat(rows.chunk(2, dim=1))
+
+
+def row_key(ids: torch.Tensor, labels: torch.Tensor) -> bytes:
+    """A pair row's identity: its tokens and labels (equal rows have equal reference log-probabilities)."""
+    return ids.numpy().tobytes() + labels.numpy().tobytes()
+
+
+def reference_pass(trainer: StreamingTrainer, data: Dataset, batch: int) -> torch.Tensor:
+    """Each pair's reference log-probabilities (chosen, rejected), (pairs, 2) fp32: forward passes of `batch` pairs
+    at a time, the step's own micro-batches (`StreamingTrainer.reference_logps`: LoRA's base with the adapters
+    off, else the weights before the first step, as TRL's precompute_ref_log_probs). The last batch is filled up
+    from the first pairs, so every pass splits as a step does."""
+    out = []
+    for start in range(0, len(data), batch):
+        index = torch.arange(start, start + batch) % len(data)
+        ids, labels = data.input_ids[index], data.labels[index]
+        rows = trainer.reference_logps(pair_rows_of(ids), pair_rows_of(labels))
+        out.append(torch.stack(rows.chunk(2), dim=1)[:min(batch, len(data) - start)])
+    return torch.cat(out)
+
+
+def _pair_texts(pair: Pair) -> list[str]:
+    """The text of a pair's fields, each message's content for a conversation (what a BPE trained here learns)."""
+    fields = (pair.prompt, pair.chosen, pair.rejected)
+    if not pair.conversational:
+        return [text for text in fields if isinstance(text, str)]
+    return [message["content"] for messages in fields if not isinstance(messages, str) for message in messages]
+
+
 def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int, batches: int | None = None,
                      split: int = 1, reduce: Callable[[float], float] = float) -> tuple[float | None, int]:
     """(mean loss per predicted token or None where none is predicted, predicted tokens) over the first `batches`
@@ -435,7 +523,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
     def first_files() -> tuple[Tokenizer, Dataset]:
         """Tokenizer and data are checked before the run directory exists, so a bad input leaves nothing."""
         tokenizer = _tokenizer(cfg, model_cfg)
-        dataset = _dataset(cfg.data, tokenizer, cfg.seq)
+        dataset = _dataset(cfg, tokenizer)
         _check_held_out(cfg, dataset, tokenizer, world)
         RunDir.create(run.root)
         try:
@@ -448,7 +536,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
     events("phase", "tokenizer and data")
     made = _together(parallel, first_files, everyone=False)
     tokenizer = made[0] if made is not None else load_tokenizer(run.tokenizer)  # the others read the lead's
-    dataset = made[1] if made is not None else _dataset(cfg.data, tokenizer, cfg.seq)
+    dataset = made[1] if made is not None else _dataset(cfg, tokenizer)
     train_set, held_out = _split(cfg, dataset, tokenizer)
     _say_long_examples(cfg, dataset, held_out, events)
     # config.toml records both: the steps --epochs gives and the sample prompt derived from the data.
@@ -465,6 +553,12 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
             # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
             # before its first --save-every save resumes from.
             _together(parallel, trainer.save)
+        if cfg.trainer.objective.preference:  # before step 1, and kept: a killed run resumes with the same ones
+            events("phase", "the reference's log-probabilities")
+            reference = {name: reference_pass(trainer, data, cfg.batch).tolist()
+                         for name, data in (("train", train_set), ("held_out", held_out)) if data is not None}
+            if lead:
+                run.write_reference(reference)
         if lead:
             run.write_config(cfg)  # the run exists from here on
             run.finish_setup()
@@ -475,16 +569,19 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
             _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
     stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
-    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events)
+    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events,
+                   references=_references(cfg, run, train_set, held_out))
 
 
 def check_startable(cfg: RunConfig) -> None:
     """What refuses `cfg` before anything else is looked at: a step the runtime cannot make, a method `streamer
     train` does not run, a --report-to whose package is missing."""
     check_runnable(cfg.trainer.step)
-    if cfg.trainer.objective.preference:
-        raise RunError("--method dpo trains through the Python API for now (StreamingTrainer.reference_logps, then "
-                       "step(..., reference=...)); `streamer train` reads no preference pairs yet: use --method sft")
+    if cfg.trainer.objective.preference and cfg.data.data is None:
+        raise RunError("--method dpo trains on preference pairs; pass --data FILE of prompt/chosen/rejected records "
+                       "(TRL's format)")
+    if cfg.trainer.objective.preference and cfg.data.pack:
+        raise RunError("--method dpo reads one pair a row; drop --pack")
     cfg.report.check_installed()
 
 
@@ -540,7 +637,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
     tokenizer, dataset, split = None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
         tokenizer = load_tokenizer(run.tokenizer)
-        dataset = _dataset(cfg.data, tokenizer, cfg.seq)
+        dataset = _dataset(cfg, tokenizer)
         split = _split(cfg, dataset, tokenizer)
         cfg = _epoch_steps(cfg, len(split[0]))
     past = f"past --steps {cfg.steps}" if done > cfg.steps else "finished"
@@ -585,7 +682,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
                            f"{cfg.steps}")
         tokenizer = tokenizer or load_tokenizer(run.tokenizer)
         cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
-        dataset = _dataset(cfg.data, tokenizer, cfg.seq) if dataset is None else dataset
+        dataset = _dataset(cfg, tokenizer) if dataset is None else dataset
         train_set, held_out = split or _split(cfg, dataset, tokenizer)
         _say_long_examples(cfg, dataset, held_out, events)
         stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
@@ -594,13 +691,33 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
         elif trainer.step_count:
             raise RunError(f"{run.store} holds no data position (it was not written by `streamer train`); "
                            "start a new run with --from-pretrained after exporting it")
+        references = _references(cfg, run, train_set, held_out)
         if lead:
             run.write_config(cfg)
             run.finish_setup()  # a set-up killed after writing config.toml left its mark
     except BaseException:
         trainer.close()
         raise
-    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events)
+    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events, references=references)
+
+
+def _references(cfg: RunConfig, run: RunDir, train_set: Dataset, held_out: Dataset | None) -> dict[bytes, torch.Tensor]:
+    """--method dpo: each pair row's reference log-probabilities, as the run folder keeps them, by the row's tokens
+    (`Session.reference_of`); none for sft."""
+    if not cfg.trainer.objective.preference:
+        return {}
+    kept = run.read_reference()
+    found: dict[bytes, torch.Tensor] = {}
+    for name, data in (("train", train_set), ("held_out", held_out)):
+        if data is None:
+            continue
+        values = torch.tensor(kept.get(name, []), dtype=torch.float32)
+        if values.shape != (len(data), 2):
+            raise RunError(f"{run.reference} holds the reference log-probabilities of other data than --data's "
+                           f"{name.replace('_', '-')} pairs ({len(data)}); start a new run")
+        found.update((row_key(ids, labels), value) for ids, labels, value in
+                     zip(data.input_ids, data.labels, values, strict=True))
+    return found
 
 
 def _open(run: RunDir, cfg: RunConfig) -> StreamingTrainer:
@@ -720,7 +837,7 @@ def _tokenizer(cfg: RunConfig, model_cfg: ModelConfig) -> Tokenizer:
         if vocab < MIN_VOCAB:
             raise RunError(f"the model's vocab_size {model_cfg.vocab_size} cannot hold a byte-level BPE "
                            f"(>= {MIN_VOCAB} ids); pass --tokenizer or choose a model with a larger vocabulary")
-        tokenizer = train_bpe(_texts(data), min(vocab, model_cfg.vocab_size))
+        tokenizer = train_bpe(_texts(cfg), min(vocab, model_cfg.vocab_size))
     if data.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(data.chat_template)
     if tokenizer.vocab_size > model_cfg.vocab_size:
@@ -730,23 +847,29 @@ def _tokenizer(cfg: RunConfig, model_cfg: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
-def _texts(data: DataConfig) -> list[str]:
+def _texts(cfg: RunConfig) -> list[str]:
+    data = cfg.data
     if data.data is None:
         return demo_corpus()
+    if cfg.trainer.objective.preference:
+        return [text for pair in read_pairs(data.data) for text in _pair_texts(pair) if text]
     return [text for e in read_examples(data.data) for text in (e.text, e.completion) if text]
 
 
-def _dataset(data: DataConfig, tokenizer: Tokenizer, seq: int) -> Dataset:
-    if data.data is None:
-        return tokenize(demo_corpus(), tokenizer, seq)
-    return load_dataset(data.data, tokenizer, seq, pack=data.pack, long_examples=data.long_examples)
+def _dataset(cfg: RunConfig, tokenizer: Tokenizer, path: str | None = None) -> Dataset:
+    """--data (or the data file `path`) read at --seq: sequences, or with --method dpo pairs (`pair_dataset`)."""
+    data, path = cfg.data, path or cfg.data.data
+    if path is None:
+        return tokenize(demo_corpus(), tokenizer, cfg.seq)
+    if cfg.trainer.objective.preference:
+        return pair_dataset(path, tokenizer, cfg.seq)
+    return load_dataset(path, tokenizer, cfg.seq, pack=data.pack, long_examples=data.long_examples)
 
 
 def _split(cfg: RunConfig, dataset: Dataset, tokenizer: Tokenizer) -> tuple[Dataset, Dataset | None]:
     """(train, held-out): all of --data and --eval-data when it is given, else --eval-fraction of --data."""
     if cfg.data.eval_data is not None:
-        return dataset, load_dataset(cfg.data.eval_data, tokenizer, cfg.seq, pack=cfg.data.pack,
-                                     long_examples=cfg.data.long_examples)
+        return dataset, _dataset(cfg, tokenizer, cfg.data.eval_data)
     return dataset.split(cfg.data.eval_fraction, cfg.trainer.seed)
 
 
@@ -798,5 +921,8 @@ def _sample_prompt(cfg: RunConfig, tokenizer: Tokenizer) -> str:
         return cfg.sample_prompt
     if cfg.data.data is None:
         return DEFAULT_PROMPT
+    if cfg.trainer.objective.preference:
+        pair = read_pairs(cfg.data.data)[0]
+        return pair.prompt if isinstance(pair.prompt, str) else chat_prompt(list(pair.prompt), tokenizer, pair.where)
     first = next(iter(read_examples(cfg.data.data)), None)
     return "" if first is None else prompt_of(first, tokenizer)

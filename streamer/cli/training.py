@@ -85,8 +85,9 @@ def describe(s: Session) -> str:
     adapters = s.trainer.adapters
     lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {','.join(adapters.targets)}: "
                                         f"{adapters.numel():,} trainable params, the base frozen")
+    rows = "pairs" if tc.objective.preference else "sequences"
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
-            f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens"
+            f"{len(s.held_out) if s.held_out else 0} held-out {rows} of {cfg.seq} tokens"
             f"{f' ({cfg.epochs} epochs: {cfg.steps} steps)' if cfg.epochs else ''}; batch {cfg.batch}"
             f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, {tc.device.dtype}, "
             f"{tc.step.activations} activations, {tc.step.store.tier} store, {budget} budget{lora}")
