@@ -553,6 +553,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
             # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
             # before its first --save-every save resumes from.
             _together(parallel, trainer.save)
+        reference = None
         if cfg.trainer.objective.preference:  # before step 1, and kept: a killed run resumes with the same ones
             events("phase", "the reference's log-probabilities")
             reference = {name: reference_pass(trainer, data, cfg.batch).tolist()
@@ -570,7 +571,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
         raise
     stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events,
-                   references=_references(cfg, run, train_set, held_out))
+                   references=_references(cfg, run, train_set, held_out, reference))
 
 
 def check_startable(cfg: RunConfig) -> None:
@@ -701,12 +702,13 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events, references=references)
 
 
-def _references(cfg: RunConfig, run: RunDir, train_set: Dataset, held_out: Dataset | None) -> dict[bytes, torch.Tensor]:
-    """--method dpo: each pair row's reference log-probabilities, as the run folder keeps them, by the row's tokens
-    (`Session.reference_of`); none for sft."""
+def _references(cfg: RunConfig, run: RunDir, train_set: Dataset, held_out: Dataset | None,
+                kept: dict[str, Any] | None = None) -> dict[bytes, torch.Tensor]:
+    """--method dpo: each pair row's reference log-probabilities, `kept` (a new run's, which every process
+    computed) or as the run folder keeps them, by the row's tokens (`Session.reference_of`); none for sft."""
     if not cfg.trainer.objective.preference:
         return {}
-    kept = run.read_reference()
+    kept = run.read_reference() if kept is None else kept
     found: dict[bytes, torch.Tensor] = {}
     for name, data in (("train", train_set), ("held_out", held_out)):
         if data is None:
