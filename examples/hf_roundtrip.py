@@ -21,7 +21,7 @@ import transformers
 
 from layers import GPTJ, GPTJConfig
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.cli.export import export_hf
+from streamer.export import export_hf
 from streamer.io.data import BatchStream, demo_corpus, tokenize
 from streamer.io.tokenizer import load_tokenizer, train_bpe
 

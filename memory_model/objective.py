@@ -20,7 +20,7 @@ class ObjectiveConfig:
 
     method: str = setting("sft", "what a step optimizes: sft (the token mean of the learned tokens) or dpo "
                                  "(Direct Preference Optimization on prompt/chosen/rejected pairs, as TRL's "
-                                 "DPOTrainer; the Python API's for now, examples/dpo_lora.py)", Choice(METHODS),
+                                 "DPOTrainer; --data of preference pairs)", Choice(METHODS),
                            "METHOD")
     beta: float = setting(0.1, "DPO: how far the policy may move from the reference (TRL's beta)",
                           Number(0.0, low_open=True), "BETA")

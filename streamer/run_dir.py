@@ -149,6 +149,29 @@ class RunDir:
             for name in files:
                 refuse_link(Path(folder) / name)
 
+    @property
+    def reference(self) -> Path:
+        """--method dpo: each pair's reference log-probabilities, computed before step 1."""
+        return self.root / "reference.json"
+
+    def write_reference(self, values: dict[str, Any]) -> None:
+        """The reference log-probabilities (by data: train, held_out), with a checksum of their text."""
+        body = json.dumps(values)
+        write_json_atomic(self.reference, json.dumps({"values": values, "checksum": checksum_of(body)}))
+
+    def read_reference(self) -> dict[str, Any]:
+        """The reference log-probabilities `write_reference` kept, once their checksum says they are."""
+        try:
+            kept = json.loads(self.reference.read_text())
+            intact = checksum_of(json.dumps(kept["values"])) == kept["checksum"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RunError(f"cannot read {self.reference} ({exc}), the reference log-probabilities of this DPO run; "
+                           "restore it from a backup, or start a new run") from None
+        if not intact:
+            raise RunError(f"{self.reference} is damaged (its checksum does not match its values), the reference "
+                           "log-probabilities of this DPO run; restore it from a backup, or start a new run")
+        return kept["values"]
+
     def write_trace(self, trace: Trace, step: int) -> None:
         """trace.json, trace.chrome.json and memory.png (of `step`), each renamed into place, never through a link."""
         replace_file(self.trace_json, trace.to_json)

@@ -49,6 +49,7 @@ class StreamingTrainer:
             raise ConfigError(f"--device {device.device} but torch sees no CUDA GPU; use --device cpu")
         self.units = cfg.unit_names()
         self.metrics: dict[str, float] = {}  # the last step's objective's (DPO's rewards and log-probabilities)
+        self.eval_metrics: dict[str, float] = {}  # and the last `evaluate`'s
         self.data_parallel = None if device.device == "meta" else DataParallel.from_environment(
             device.device, sharded=step.data_parallel == "sharded")
         if store_dir is not None and self.data_parallel is not None:
@@ -366,13 +367,16 @@ class StreamingTrainer:
         """The mean loss per learned token (this rank's share, as step's), by forward passes only; no state changes.
         With --method dpo, the pairs' mean DPO loss (`reference` as step's)."""
         micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference)
-        losses = []
+        losses, sums = [], StepContext([], self.step_count, 0.0, tokens)  # `sums`: the objective's metrics
         for batch in micro:
             ctx = StepContext([batch], self.step_count, 0.0, tokens)
             with torch.no_grad():
                 self.executor.run(step_events(self.step_spec(1, backward=False)), ctx)
             self.executor.clear_graphs()
             losses.append(ctx.losses[0])
+            for name, value in ctx.metrics.items():
+                sums.metrics[name] = sums.metrics[name] + value if name in sums.metrics else value
+        self.eval_metrics = self._step_metrics(sums)
         return float(torch.stack(losses).sum()) if self.executor.device.type != "meta" else float("nan")
 
     # --- persistence (streamer.persistence) -----------------------------------------------------

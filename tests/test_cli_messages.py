@@ -229,7 +229,8 @@ def test_every_flag_an_error_advises_is_one_its_command_takes():
 
     checked = 0
     for command in ("train", "plan", "eval", "generate", "export", "trace", "devices", "calibrate"):
-        checked += sum(check(command, m) for m in [f"cli/{command}.py"] + (["cli/training.py"] * (command == "train")))
+        library = {"train": ["cli/training.py", "session.py"], "export": ["export.py"]}.get(command, [])
+        checked += sum(check(command, m) for m in [f"cli/{command}.py", *library])
     for module in ("io/data.py", "io/chat.py", "io/records.py", "io/tokenizer.py"):
         for where, message in _advised(ROOT / "streamer" / module):
             readers = [ONE_COMMANDS[where]] if where in ONE_COMMANDS else ["train", "eval"]

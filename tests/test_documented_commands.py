@@ -120,7 +120,10 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
                            "--chat-template", root / "chat.jinja"],
                           capture_output=True, text=True, env=_env(), cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run,
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Topic {k}?", "chosen": " " + " ".join(topics[k].split()[:6]),
+                                         "rejected": " I do not know."}) + "\n" for k in sorted(topics)[:8]))
+    return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run, "pairs": pairs,
             "gguf": write_gguf(root / "model.gguf")}
 
 
@@ -140,7 +143,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     if not run_copy.exists():
         shutil.copytree(stand_ins["run"], run_copy)
     files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
-             "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"]}
+             "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"], "pairs.jsonl": stand_ins["pairs"]}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):

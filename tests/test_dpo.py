@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -343,5 +344,95 @@ def test_bad_dpo_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(ConfigError, match="loss_type"):
         TrainerConfig.of(method="dpo", loss_type="exo_pair")
     line = fails(capsys, "train", "--run-dir", tmp_path / "run", "--steps", 1, "--method", "dpo")
-    assert "--method dpo trains through the Python API" in line
+    assert "--method dpo trains on preference pairs; pass --data FILE" in line
+    assert not (tmp_path / "run").exists()
+
+
+# --- `streamer train --method dpo` ----------------------------------------------------------------------------------
+def _pairs_file(folder: Path) -> Path:
+    data = folder / "pairs.jsonl"
+    data.write_text("".join(json.dumps(pair) + "\n" for pair in PAIRS))
+    return data
+
+
+def _dpo_argv(hf_folder: Path, data: Path, run: Path, *extra: object) -> list[object]:
+    """Full fine-tuning on PAIRS, every pair in each step's batch, evaluated on them too."""
+    return ["train", "--method", "dpo", "--from-pretrained", hf_folder, "--data", data, "--eval-data", data,
+            "--run-dir", run, "--steps", 3, "--batch", len(PAIRS), "--seq", 48, "--dtype", "fp32", "--lr", 1e-3,
+            "--max-grad-norm", 0, "--eval-every", 0, "--sample-tokens", 0, *extra]
+
+
+def _logged(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(hf_folder: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's steps are the Python API's, bit for bit (the same rows, the reference from one pass before step 1);
+    step 1's loss and metrics are TRL's within twice its fp32 noise; the evaluations log TRL's eval_ names."""
+    from streamer.io.data import BatchStream
+    from streamer.session import pair_dataset, pair_rows_of
+    from tests.test_cli import run_cli
+
+    data, run = _pairs_file(tmp_path), tmp_path / "run"
+    rc, out, err = run_cli(capsys, *_dpo_argv(hf_folder, data, run))
+    assert rc == 0, err
+    steps = [r for r in _logged(run) if "loss" in r]
+    evals = [r for r in _logged(run) if "eval_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and [r["step"] for r in evals] == [3]
+    assert all(f"eval_{k}" in evals[0] for k in METRICS) and "eval_perplexity" not in evals[0]
+    assert (run / "reference.json").is_file()
+
+    tokenizer = load_tokenizer(hf_folder)
+    pairs = pair_dataset(str(data), tokenizer, 48)
+    everything = (pair_rows_of(pairs.input_ids), pair_rows_of(pairs.labels))
+    stream = BatchStream(pairs, len(PAIRS), 0)
+    tc = TrainerConfig.of(method="dpo", dtype="fp32", lr=1e-3, max_grad_norm=0.0)
+    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+        reference = trainer.reference_logps(*everything)  # the chosen rows, then the rejected, in file order
+        by_row = {(ids.numpy().tobytes(), labels.numpy().tobytes()): i for i, (ids, labels)
+                  in enumerate(zip(pairs.input_ids, pairs.labels, strict=True))}
+        for logged in steps:
+            ids, labels, _, _ = next(stream)
+            index = torch.tensor([by_row[(i.numpy().tobytes(), lab.numpy().tobytes())]
+                                  for i, lab in zip(ids, labels, strict=True)])
+            loss = trainer.step(pair_rows_of(ids), pair_rows_of(labels),
+                                reference=torch.cat([reference[index], reference[index + len(PAIRS)]]))
+            assert loss == logged["loss"] and all(trainer.metrics[k] == logged[k] for k in METRICS)
+
+    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False)
+    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, lora=False)
+    _assert_scalars({"loss": steps[0]["loss"], "metrics": steps[0]}, fp32, fp64)
+
+
+def test_a_killed_dpo_run_resumes_bit_identically(hf_folder: Path, tmp_path: Path) -> None:
+    """Killed once step 1 is logged: the same command keeps the reference log-probabilities the run folder holds
+    and finishes the run as an uninterrupted one, bit for bit."""
+    from tests.test_lifecycle import kill_when, streamer
+
+    data = _pairs_file(tmp_path)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert streamer(*map(str, _dpo_argv(hf_folder, data, whole))).returncode == 0
+    argv = [str(a) for a in _dpo_argv(hf_folder, data, killed)]
+    stopped = kill_when(argv, lambda: (killed / "metrics.jsonl").is_file())
+    assert stopped.returncode == -signal.SIGKILL, stopped.stderr
+    reference = (killed / "reference.json").read_bytes()
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+    assert (killed / "reference.json").read_bytes() == reference == (whole / "reference.json").read_bytes()
+    losses = {r["step"]: (r["loss"], r["logps/chosen"]) for r in _logged(whole) if "loss" in r}
+    assert {r["step"]: (r["loss"], r["logps/chosen"]) for r in _logged(killed) if "loss" in r} == losses
+    from streamer.run_dir import RunDir
+    from streamer.session import open_trainer
+    with open_trainer(RunDir(whole)) as a, open_trainer(RunDir(killed)) as b:
+        left, right = a.state_dict(), b.state_dict()
+    assert all(torch.equal(left[k], right[k]) for k in left)
+
+
+def test_a_pair_without_rejected_is_refused_in_one_line(hf_folder: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "Hi.", "chosen": " Hello."}) + "\n")
+    line = fails(capsys, *_dpo_argv(hf_folder, data, tmp_path / "run"))
+    assert f"{data} line 2 has no 'rejected' field" in line
     assert not (tmp_path / "run").exists()

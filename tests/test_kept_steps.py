@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from layers import GPTJConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
 from streamer.cli.generate import open_trainer
-from streamer.cli.training import steps_to_keep
+from streamer.session import steps_to_keep
 from streamer.resources import DISK_HEADROOM, HostNeed, check_keep_room
 from streamer.run import RunError, resolve
 from streamer.run_dir import RunDir
@@ -266,14 +266,14 @@ def test_keep_last_keeps_k_steps_and_a_damaged_newest_goes_back_to_the_one_befor
 # The `streamer` command, SIGKILLed as it is about to keep step S: the step is committed, its keep not written.
 KILLED_BEFORE_KEEP = """
 import os, signal, sys
-from streamer.cli import training
+from streamer import session
 from streamer.cli.main import main
-at_step, keep = int(sys.argv.pop(1)), training.keep
+at_step, keep = int(sys.argv.pop(1)), session.keep
 def killing(s, *args, **kwargs):
     if s.trainer.step_count == at_step:
         os.kill(os.getpid(), signal.SIGKILL)
     return keep(s, *args, **kwargs)
-training.keep = killing
+session.keep = killing
 sys.exit(main())
 """
 

@@ -304,7 +304,7 @@ def test_nonfinite_skip_logs_each_attempt_under_its_step(tiny_setup, tmp_path):
 def test_nonfinite_skip_stops_when_every_batch_is_non_finite(tiny_setup, tmp_path):
     """Step 2 is non-finite on every batch: the run stops after MAX_SKIPPED_ATTEMPTS attempts with one line,
     keeping step 1, instead of retrying forever."""
-    from streamer.cli.training import MAX_SKIPPED_ATTEMPTS
+    from streamer.session import MAX_SKIPPED_ATTEMPTS
     run = tmp_path / "run"
     argv = train_argv(tiny_setup, run, "--nonfinite", "skip", "--eval-every", 0)
     attempts = ",".join(str(n) for n in range(2, 2 + 2 * MAX_SKIPPED_ATTEMPTS))

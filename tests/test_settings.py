@@ -16,7 +16,7 @@ from memory_model import PlanConfig
 from benchmarks.worker import RunSpec
 from benchmarks.bench import add_arguments as bench_arguments
 from streamer.cli.main import build_parser
-from streamer.cli.train import fit_vocabulary
+from streamer.session import fit_vocabulary
 from memory_model.lora import LoraConfig
 from memory_model.objective import ObjectiveConfig
 from memory_model.settings import flat_fields, flatten

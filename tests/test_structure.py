@@ -22,10 +22,11 @@ MAY_IMPORT = {
 # and the runtime run a step, the trainer drives them, calibration measures the trainer, the CLI uses them all.
 TRAINER = ("streamer.trainer", "streamer.step_policy", "streamer.persistence")  # the trainer and its two concerns
 ABOVE = {
-    "streamer.store": ("streamer.runtime", *TRAINER, "streamer.calibration", "streamer.cli"),
-    "streamer.runtime": (*TRAINER, "streamer.calibration", "streamer.cli"),
-    **{module: ("streamer.calibration", "streamer.cli") for module in TRAINER},
-    "streamer.calibration": ("streamer.cli",),
+    "streamer.store": ("streamer.runtime", *TRAINER, "streamer.calibration", "streamer.session", "streamer.cli"),
+    "streamer.runtime": (*TRAINER, "streamer.calibration", "streamer.session", "streamer.cli"),
+    **{module: ("streamer.calibration", "streamer.session", "streamer.cli") for module in TRAINER},
+    "streamer.calibration": ("streamer.session", "streamer.cli"),
+    "streamer.session": ("streamer.cli",),
 }
 # A module past this many lines says why at the top of its docstring ("Long because ..."): it is a prompt to
 # look for a second concern, not a budget to squeeze code under.

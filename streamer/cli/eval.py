@@ -5,18 +5,16 @@ import argparse
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
-from layers import learned_tokens
 from memory_model.devices import budget_bytes
 from streamer.cli.flags import add_run_flags, declare_command, given
-from streamer.cli.generate import open_trainer
 from streamer.console import make_console
-from streamer.io.data import Dataset, load_dataset, long_examples_line
+from streamer.io.data import load_dataset, long_examples_line
 from streamer.io.tokenizer import load_tokenizer
 from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
-from streamer.trainer import StreamingTrainer
+from streamer.session import evaluate_dataset, open_trainer
 
 DATA_FLAGS = ("pack", "chat_template", "long_examples")
 EXAMPLES = """\
@@ -81,26 +79,3 @@ def eval_command(args: argparse.Namespace) -> int:
         f"({tokens:,} predicted tokens) of {seq} tokens, step {step} of {run.root}, "
         f"{time.perf_counter() - begin:.1f} s", markup=False, highlight=False)
     return 0
-
-
-def evaluate_dataset(trainer: StreamingTrainer, dataset: Dataset, batch: int, batches: int | None = None,
-                     split: int = 1, reduce: Callable[[float], float] = float) -> tuple[float | None, int]:
-    """(mean loss per predicted token or None where none is predicted, predicted tokens) over the first `batches`
-    batches of `dataset` (default: all), each cut to a multiple of `split` rows (the processes x micro-batches the
-    trainer splits it into); `reduce` gives the global batch's loss from this process's (data parallel).
-
-    Each batch's mean is weighted by the tokens it predicts, so the result does not depend on the batch size or
-    on a short last batch (a prompt/completion sequence predicts only its completion).
-    """
-    total, tokens = 0.0, 0
-    for i, (ids, labels, positions, mask) in enumerate(dataset.batches(batch)):
-        usable = ids.shape[0] - ids.shape[0] % split
-        if i == batches or usable == 0:
-            break
-        count = learned_tokens(labels[:usable])
-        if count:
-            loss = trainer.evaluate(ids[:usable], labels[:usable], None if positions is None else positions[:usable],
-                                    None if mask is None else mask[:usable])
-            total += reduce(loss) * count
-            tokens += count
-    return (total / tokens if tokens else None), tokens

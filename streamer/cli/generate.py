@@ -1,11 +1,9 @@
-"""`streamer generate`: sample text from a run, streaming its layers; `open_trainer` opens a run's trainer."""
+"""`streamer generate`: sample text from a run, streaming its layers."""
 from __future__ import annotations
 
 import argparse
 import time
 from typing import Any
-
-import torch
 
 from memory_model import format_size
 from memory_model.devices import budget_bytes
@@ -19,7 +17,7 @@ from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.store.layout import dtype_name
-from streamer.trainer import StreamingTrainer
+from streamer.session import open_trainer
 
 EXAMPLES = """\
 examples:
@@ -108,16 +106,3 @@ def _chat_prompt(args: argparse.Namespace, tokenizer: Tokenizer) -> str | None:
     if args.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(args.chat_template)
     return chat_prompt(messages, tokenizer, "the conversation")
-
-
-def open_trainer(run: RunDir, overrides: dict[str, Any] | None = None, step: int | None = None) -> StreamingTrainer:
-    """The run's trainer at its last committed step, or at the kept `step`, for reading (the folder may be
-    read-only); `overrides` replace trainer settings (device, budget)."""
-    cfg, overrides = run.read_config(), overrides or {}
-    device = str(overrides.get("device", cfg.trainer.device.device))
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        which = f"--device {device}" if "device" in overrides else f"{run.root} trained on {device}, and"
-        raise RunError(f"{which} but torch sees no CUDA GPU here; pass --device cpu")
-    saved = cfg.replace(device=device).trainer.to_dict()
-    return StreamingTrainer.open(run.store_to_read(), overrides={**saved, **overrides}, read_only=True, step=step)
-
