@@ -211,7 +211,7 @@ def test_the_documented_command_trains_lora_on_a_gguf_file(gguf_file: Path, tmp_
     data.write_text("".join(json.dumps({"prompt": f"hello {i} world", "completion": " hell"}) + "\n"
                             for i in range(40)))
     (tmp_path / "run").mkdir()
-    argv = override(command, {"run": tmp_path / "run", "data": data, "toml": data, "gguf": gguf_file,
+    argv = override(command, {"run": tmp_path / "run", "data": data, "toml": data, "gguf": gguf_file, "pairs": data,
                               "hf": tmp_path}, tmp_path / "work")
     (tmp_path / "work").mkdir(exist_ok=True)  # (the override copies the stand-in run into it)
     done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path / "work", timeout=300,
