@@ -378,10 +378,10 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
     """What the store's files move, each slab kind where `cfg.step.store` places it: a weights load reads the
     master and casts it where there is no compute copy in RAM (`Placement.loads_read_master`)."""
     store = cfg.step.store
-    state = store.state == "disk"
+    state = store.state.crosses_link
     return StoreBytes(weights=cfg.master_bytes if store.loads_read_master(cfg.compute_is_master) else 0,
                       master=cfg.master_bytes if state else 0, moment_dtype=cfg.moment_dtype if state else None,
-                      grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" else 0)
+                      grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad.crosses_link else 0)
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:

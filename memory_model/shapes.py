@@ -130,7 +130,7 @@ class PlanConfig:
         """Per parameter, the compute-dtype copy an update writes; none where the master is the compute weights
         (one dtype), and none with the compute weights on disk, whose loads cast the master (a copy would cost its
         bytes on every step)."""
-        return 0 if self.compute_is_master or self.step.store.compute == "disk" else self.dtype_bytes
+        return 0 if self.compute_is_master or not self.step.store.compute.zero_copy else self.dtype_bytes
 
 
 def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:

@@ -32,6 +32,7 @@ from streamer.io.data import DataConfig
 from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import check_device
 from memory_model.step import Placement, StepConfig
+from memory_model.tiers import DISK, RAM
 
 
 class RunError(StreamerError):
@@ -56,7 +57,7 @@ class RunConfig:
     run's own (model, steps, batch, cadences, sample). Each setting is a flag and a TOML key by its flat name
     (memory_model.settings.branch): `of` builds a RunConfig from them, `flat()` gives them back."""
 
-    trainer: TrainerConfig = branch(TrainerConfig, lambda: TrainerConfig(step=StepConfig(store=Placement.of("disk"))))
+    trainer: TrainerConfig = branch(TrainerConfig, lambda: TrainerConfig(step=StepConfig(store=Placement.of(DISK))))
     data: DataConfig = branch(DataConfig)
     report: ReportConfig = branch(ReportConfig)
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
@@ -304,7 +305,7 @@ def store_choice(cfg: RunConfig, explicit: Mapping[str, Any], config_file: str |
             f"{_TIER_WORDS[other]})")
 
 
-_TIER_WORDS = {"disk": "on disk, committed every step", "ram": "in host RAM, saved every --save-every steps"}
+_TIER_WORDS = {DISK: "on disk, committed every step", RAM: "in host RAM, saved every --save-every steps"}
 
 
 @contextlib.contextmanager

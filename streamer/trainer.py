@@ -72,7 +72,7 @@ class StreamingTrainer:
             self.store = _store
         else:
             if store_dir is None:
-                if "disk" in (step.store.state, step.store.compute):
+                if step.store.needs_folder:
                     raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
                 store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
             self.store = HostStore.create(store_dir, self.tc.store_spec(cfg, self.processes),
@@ -496,7 +496,7 @@ class StreamingTrainer:
 
     def _finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
         """Commit a step; a LoRA run's adapters are written first where the store commits to disk."""
-        durable = self.store.spec.placement.state == "disk"
+        durable = self.store.spec.placement.state.durable
         if self.adapters is not None and durable:
             self.adapters.save(self.store.root, step)
         self.writer.finish_step(step, trainer_state)

@@ -352,3 +352,24 @@ def test_flags_shared_between_subcommands_agree():
         assert generate[flag].default in (defaults[flag[2:]], None), flag
     assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
     assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps
+
+
+def test_a_tier_name_is_parsed_once_into_its_record(tmp_path: Path) -> None:
+    """`--store` and a placement take tier names; the settings hold the records, which a manifest and a pickle
+    give back as names and the same records."""
+    import pickle
+
+    from memory_model.settings import SettingError
+    from memory_model.tiers import DISK, RAM
+
+    placement = TrainerConfig.of(store=Placement("ram", "disk", "disk")).step.store
+    assert (placement.compute, placement.state, placement.grad) == (RAM, DISK, DISK)
+    assert placement.state.journaled and placement.compute.zero_copy and not placement.compute.durable
+    assert placement.to_dict() == {"compute": "ram", "state": "disk", "grad": "disk"}
+    assert json.loads(json.dumps(placement.to_dict())) == placement.to_dict()
+    assert pickle.loads(pickle.dumps(placement)).state is DISK
+    with pytest.raises(SettingError, match="'ram', 'disk' or a Placement, got 'cxl'"):
+        Placement.of("cxl")
+    out = subprocess.run([sys.executable, "-m", "streamer", "plan", "--store", "cxl"], capture_output=True, text=True)
+    assert out.returncode != 0 and "--store" in out.stderr and "Traceback" not in out.stderr
+

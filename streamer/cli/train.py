@@ -113,7 +113,7 @@ def _resumes_from(session: Session) -> str:
         committed = session.run.committed_step()
     except StreamerError:  # the line still names the command that continues the run, which says what is wrong
         return "the last committed step"
-    if session.cfg.trainer.step.store.tier != "ram":
+    if session.cfg.trainer.step.store.state.durable:
         return f"step {committed}, the last committed step"
     lost = session.trainer.step_count - committed
     since = f"; the {lost} step(s) trained since are not kept" if lost > 0 else ""
@@ -182,7 +182,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
             trainer = _together(parallel, lambda: (
                 StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
                 else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
-            if cfg.trainer.step.store.tier == "ram":
+            if not cfg.trainer.step.store.state.durable:
                 # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
                 # before its first --save-every save resumes from.
                 _together(parallel, trainer.save)

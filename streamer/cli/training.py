@@ -173,7 +173,7 @@ def train(s: Session, console: Console) -> tuple[int, float, int]:
             if plain and s.lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 console.print(_progress_line(record, cfg.steps, time.perf_counter() - began, step - first),
                               markup=False, highlight=False)
-            if cfg.trainer.step.store.tier == "ram" and (step % cfg.save_interval == 0 or step == cfg.steps):
+            if not cfg.trainer.step.store.state.durable and (step % cfg.save_interval == 0 or step == cfg.steps):
                 trainer.save()  # the RAM tier is durable only when saved
             kept = cfg.keeps() and step % cfg.save_interval == 0
             eval_loss = None

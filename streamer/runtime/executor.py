@@ -43,7 +43,7 @@ class Executor:
         self.transport = Transport(store, device, dtype, weights_dtype if packed else None, lambda: ledger.in_use)
         if device.type == "cpu":  # the device's bytes are the host's: idle buffers give way to what it allocates
             ledger.add_listener(lambda _: self.transport.buffers.trim())
-        inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad == "ram"
+        inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad.zero_copy
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
         one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
