@@ -197,7 +197,7 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
               backward: bool = True, update_units: tuple[str, ...] | None = None) -> StepSpec:
     """The step `settings` make of `shape` on `devices` data-parallel devices: the one builder of a `StepSpec`.
     Each unit's update walks this device's slice of its state (`StepConfig.shards`). `compute_is_master`: the
-    compute weights are in the master's dtype (memory_model.units.compute_is_master). By default the training
+    compute weights are in the master's dtype (memory_model.units.Precision.compute_is_master). By default the training
     step: `settings.grad_accum` micro-batches, fused where `StepConfig.fused` says; the trainer names its own
     (`micro_batches`, a speculative `fused`, an evaluation's `backward=False`, a roll-forward's `update_units`)."""
     units = tuple(shape.unit_names())

@@ -373,3 +373,13 @@ def test_a_tier_name_is_parsed_once_into_its_record(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "streamer", "plan", "--store", "cxl"], capture_output=True, text=True)
     assert out.returncode != 0 and "--store" in out.stderr and "Traceback" not in out.stderr
 
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_compute_is_master_is_decided_once_honouring_a_frozen_base(lora_rank: int) -> None:
+    """One rule (`Precision.compute_is_master`): the planner and the store agree, and a frozen base has no master."""
+    from layers import ModelConfig
+
+    tc = TrainerConfig.of(dtype="fp32", master_dtype="fp32", lora_rank=lora_rank)
+    plan_cfg, spec = tc.plan_config(2, 8), tc.store_spec(ModelConfig.named("gptj-debug"), 1)
+    assert plan_cfg.precision == spec.precision
+    assert plan_cfg.compute_is_master == spec.compute_is_master == (lora_rank == 0)

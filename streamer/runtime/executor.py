@@ -13,7 +13,7 @@ import torch
 from layers import ModelConfig
 from memory_model import Ledger, Trace
 from memory_model.schedule import Event, fetched_input, is_fused, loads_keeping_master, releases, resident_sets
-from memory_model.units import compute_is_master
+from memory_model.units import Precision
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.loading import Loader
 from streamer.runtime.lora import Adapters
@@ -46,7 +46,8 @@ class Executor:
         inline_fold = (device.type == "cpu" and store is not None and store.spec.placement.grad.zero_copy
                        and data_parallel is None)
         self.io = IOQueues(threaded=device.type != "meta" and step.prefetch > 0, inline_fold=inline_fold)
-        one_copy = compute_is_master(dtype_name(dtype), optimizer.master_dtype)
+        precision = Precision(dtype_name(dtype), optimizer.master_dtype, optimizer.moment_dtype)
+        one_copy = precision.compute_is_master(frozen=adapters is not None)
         self.loader = Loader(layouts, step, step.store, weights_dtype, one_copy, self.transport, self.io, ledger,
                              trace, data_parallel, expert_groups(cfg, step.expert_group_size, layouts))
         self.passes = Passes(cfg, step, layouts, self.loader, device, dtype, self.transport, self.io, ledger, trace,

@@ -17,7 +17,7 @@ from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
 from memory_model.step import Placement, StepConfig
-from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
+from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, Precision, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, UnitLayout, model_layouts
 from streamer.store.slabfile import TRAILER_BYTES
@@ -73,8 +73,12 @@ class StoreSpec:
         return shard_numel(unit_numel, self.shards)
 
     @property
+    def precision(self) -> Precision:
+        return Precision(self.compute_dtype, self.master_dtype, self.moment_dtype)
+
+    @property
     def compute_is_master(self) -> bool:
-        return compute_is_master(self.compute_dtype, self.master_dtype, self.frozen)
+        return self.precision.compute_is_master(self.frozen)
 
     def quant4(self) -> Quant4 | None:
         """How the base is held 4-bit (its 16-bit tensors in the compute dtype); None: it is not."""
