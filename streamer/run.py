@@ -240,8 +240,8 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
          "method", "beta", "loss_type", "label_smoothing",
-         "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
-         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
+         "trace_steps", "trace_every", "dtype", "device", "budget", "price_on", "set", "pin_memory", "store",
+         "activations", "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
          "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens",
          "report_to", "log_every", "dist_timeout")
@@ -257,12 +257,13 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype and master_dtype are the store's
-# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device;
-# expert_group_size only how a block's experts reach the device.
+# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device, and
+# price_on which device run-time choices are priced on; expert_group_size only how a block's experts reach the
+# device.
 RESUMABLE = ("steps", "epochs", "lr", "eval_every", "eval_batches", "save_every", "keep_last", "keep_best",
              "sample_prompt", "sample_tokens", "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps",
              "trace_every", "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps",
-             "expert_group_size")
+             "expert_group_size", "price_on")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items() if name in FLAGS}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items() if name in FLAGS}
