@@ -435,7 +435,7 @@ def planner(ctx: Context) -> Outcome:
         peak_err = plan.peak_device_bytes / r.ledger_peak_bytes - 1
         ok = abs(time_err) <= 0.20 and abs(peak_err) <= 0.05
         tier = plan.config.step.store.tier
-        if tier == "ram":
+        if tier is not None and tier.zero_copy:
             within.append(ok)
         rows.append((label, params(plan.params), tier or "mixed", seconds(plan.step_time_s),
                      seconds(r.median_s), f"{time_err:+.0%}", size(plan.peak_device_bytes), size(r.ledger_peak_bytes),

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from layers import GPTJConfig
+from memory_model.tiers import TIERS
 from streamer.config import TrainerConfig
 from streamer.io.data import demo_corpus
 from streamer.trainer import StreamingTrainer
@@ -107,7 +108,7 @@ def soak(steps: int = 500, warmup: int = 50, store: str = "disk", compare: bool 
         raise ValueError(f"need 0 < warmup < steps, got warmup={warmup}, steps={steps}")
     with tempfile.TemporaryDirectory(prefix="ws-soak-") as tmp:
         soaked = run(store, steps, Path(tmp))
-        other = run("ram" if store == "disk" else "disk", steps, Path(tmp)) if compare else None
+        other = run(next(t for t in TIERS if t != store), steps, Path(tmp)) if compare else None
     return SoakReport(steps, warmup, soaked, other)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memory_model import PlanConfig
-from memory_model.step import TIERS, StepConfig
+from memory_model.step import StepConfig
+from memory_model.tiers import TIERS, tier
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
@@ -46,7 +47,7 @@ class RunSpec:
     dtype: str = same_setting(PlanConfig, "compute_dtype")
     # A whole tier (the step's --store, as a word: every contender places all its state there)
     tier: str = setting("ram", "where the training state lives: ram, or disk (DeepSpeed: nvme offload)",
-                        Choice(TIERS), "TIER")
+                        Choice(tuple(TIERS)), "TIER")
     moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
     master_dtype: str = same_setting(OptimizerConfig, "master_dtype")
     activations: str = same_setting(StepConfig, "activations")  # the scale run checkpoints
@@ -183,7 +184,7 @@ def _deepspeed(spec: RunSpec) -> Contender:
     os.environ.update(launcher_env)
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if spec.tier == "ram":
+    if tier(spec.tier).zero_copy:
         offload = {"device": "cpu"}
     else:
         nvme = Path(spec.workdir) / "nvme"

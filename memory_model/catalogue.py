@@ -144,6 +144,26 @@ HOSTS: dict[str, Host] = {
 }
 
 
+@dataclass(frozen=True)
+class Preset:
+    """One device preset, whole: its figures (`devices.FIGURES` names), the host that feeds it, its CUDA compute
+    capability, its notes, and where its system updates and how it sums gradients. `devices.DEVICE_PRESETS` makes
+    each a `DeviceSpec`; adding a device is one record in `CATALOGUE`."""
+
+    figures: dict[str, Figure]
+    host: Host | None = None  # a GPU's host (processors, cores, memory bandwidth), named among its notes
+    # The CUDA compute capability (NVIDIA's CUDA GPUs list): torch sizes cuBLAS's workspace by it. "": no CUDA.
+    cuda_arch: str = ""
+    own_notes: tuple[str, ...] = ()
+    update_on: str = "device"
+    reduce: str = "ring"
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Its assumptions shown to users: its own, then its host's."""
+        return self.own_notes + ((self.host.note(),) if self.host is not None else ())
+
+
 def _host(ram: Figure, host: Host, disk: tuple[Figure, Figure] = (_a(7 * GB, _NVME), _a(5 * GB, _NVME))
           ) -> dict[str, Figure]:
     """The host side of a GPU system: RAM, its disks' read and write rates (one NVMe drive unless given) and the
@@ -159,11 +179,13 @@ def _host(ram: Figure, host: Host, disk: tuple[Figure, Figure] = (_a(7 * GB, _NV
             "link_latency_s": _a(10e-6, _LATENCY)}
 
 
-def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
-    """A Cerebras system with MemoryX (parameter store and update) and SwarmX (broadcast/reduce tree)."""
+def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure, notes: tuple[str, ...]) -> Preset:
+    """A Cerebras system with MemoryX (parameter store and update) and SwarmX (broadcast/reduce tree). MemoryX
+    performs the weight update ("Weight updates are performed by the MemoryX service", cerebras.net/glossary/memoryx)
+    and SwarmX sums the gradients in the network at line rate (glossary/swarmx)."""
     io = _d(150 * GB, "derived: 1.2 Tb/s system I/O (12 x 100 GbE, full duplex; cerebras.net/glossary/swarmx) "
                       "/ 8 = 150 GB/s each way")
-    return {
+    return Preset({
         "memory_bytes": sram, "reserve_bytes": _a(0, "assumed: no runtime context is carved out of the SRAM"),
         "h2d_bytes_per_s": io, "d2h_bytes_per_s": io, "link_latency_s": _a(10e-6, _LATENCY),
         "bf16_flops": bf16,
@@ -199,12 +221,14 @@ def _wafer(bf16: Figure, sram: Figure, sram_bw: Figure) -> dict[str, Figure]:
                                             "carries one stream for them all: 'MemoryX can broadcast weights in "
                                             "parallel to multiple CS-2s ... SwarmX collects and reduces the "
                                             "gradients' (Linley Newsletter 2021-09-21)"),
-    }
+    }, own_notes=notes, update_on="host", reduce="in-network")
 
 
 def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, link_eff: Figure,
          matmul_eff: Figure, attention_eff: Figure, datasheet: str, nvlink: Figure | None,
-         ram: Figure, host: Host, network: Figure = _ONE_NDR, mfu: Figure = _BEST_MFU) -> dict[str, Figure]:
+         ram: Figure, host: Host, arch: str, network: Figure = _ONE_NDR, mfu: Figure = _BEST_MFU,
+         notes: tuple[str, ...] = ()) -> Preset:
+    """A GPU and its host; it updates on the device and all-reduces in a ring."""
     figures = {"training_mfu": mfu,
         "memory_bytes": memory, "reserve_bytes": _a(723 * MiB, _CONTEXT),
         "h2d_bytes_per_s": link, "d2h_bytes_per_s": link,
@@ -218,7 +242,7 @@ def _gpu(memory: Figure, bf16: float, fp32: float, hbm: float, link: Figure, lin
     if nvlink is not None:
         figures["interconnect_bytes_per_s"] = nvlink
         figures["interconnect_latency_s"] = _a(10e-6, _LATENCY)
-    return figures
+    return Preset(figures, host, arch, notes)
 
 
 _H100_SHEET = "NVIDIA H100 datasheet (hpctech.co.jp reproduction)"
@@ -229,43 +253,47 @@ _GEN4_LINK, _GEN4_E = _d(31.5 * GB, _GEN4), _d(0.79, _GEN4_EFF)
 _A100_SHEET = "NVIDIA A100 datasheet (glennklockwood.com/garden/processors/A100)"
 _A100_MATMUL = _s(0.859, f"{_MAMF}: A100 SXM 267.9 of 312 TFLOPS (85.9%)")
 
-PRESET_FIGURES: dict[str, dict[str, Figure]] = {
+CATALOGUE: dict[str, Preset] = {
     "cs2": _wafer(
         _d(7.5e15, "derived: Andromeda '120 Petaflops of dense compute at 16-bit half precision' / 16 CS-2"),
         _s(40 * GB, "AnandTech WSE-2 (anandtech.com/Show/Index/16626): 'On-board SRAM 18 GB 40 GB'"),
-        _s(20e15, "AnandTech WSE-2: 'Memory Bandwidth 9 PB/s 20 PB/s'")),
+        _s(20e15, "AnandTech WSE-2: 'Memory Bandwidth 9 PB/s 20 PB/s'"),
+        ("host = MemoryX (weights, optimizer state, the update); data parallel = SwarmX broadcast/reduce tree",)),
     "cs3": _wafer(
         _d(15e15, "derived: 125 PF 'AI compute' x (120 dense / 1000 AI, Andromeda's ratio) = 15 PF; "
                   "Cerebras publishes no dense figure (uncertain, 14-17 PF)"),
         _s(44 * GB, "ALCF CS-3 user guide: '900K processing cores, each providing 48KB ... total of 44GB'"),
-        _s(21e15, "Argonne SC24 tutorial (Cerebras): 'extremely high bandwidth - 21 PB/s'")),
+        _s(21e15, "Argonne SC24 tutorial (Cerebras): 'extremely high bandwidth - 21 PB/s'"),
+        ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "
+         "+30%: uncertain)",)),
     "a100-40g": _gpu(_a(40960 * MiB, "assumed: 40 GiB nominal (binary-sized like the H100's 80 GB); the "
                                      "CUDA-visible total is a little lower"),
                      312e12, 19.5e12, 1555 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
                      _a(0.859, _FA_AMPERE), _A100_SHEET,
                      _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX),
-                     HOSTS["dgx-a100"]),
+                     HOSTS["dgx-a100"], "sm80"),
     "a100-80g": _gpu(_a(81920 * MiB, "assumed: 80 GiB nominal; the CUDA-visible total is a little lower"),
                      312e12, 19.5e12, 2039 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
                      _a(0.859, _FA_AMPERE), "NVIDIA A100 80GB datasheet (thundercompute.com A100 guide: 2,039 GB/s SXM)",
                      _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX),
-                     HOSTS["dgx-a100"]),
+                     HOSTS["dgx-a100"], "sm80"),
     "h100-sxm": _gpu(_H100_MEM, 989e12, 67e12, 3350 * GB, _GEN5_LINK, _GEN5_E, _H100_MATMUL, _s(0.75, _FA3),
-                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX), HOSTS["dgx-h100"], _DGX_H_NETWORK),
+                     _H100_SHEET, _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX), HOSTS["dgx-h100"], "sm90",
+                     _DGX_H_NETWORK),
     "h100-pcie": _gpu(_a(81559 * MiB, "assumed: the SXM part's CUDA-visible 81559 MiB (both are '80 GB')"),
                       756e12, 51e12, 2000 * GB, _GEN5_LINK, _GEN5_E,
                       _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die, lower clocks)"),
                       _a(0.75, "assumed: FlashAttention-3's H100 share (arXiv 2407.08608)"),
                       "NVIDIA H100 PCIe datasheet / product brief",
                       _s(300 * GB, "H100 PCIe datasheet: 'NVLINK: 600GB/s' (bridge, 2 cards; per direction 300)"),
-                      _a(2 * TB, _DGX), HOSTS["dgx-h100"]),
+                      _a(2 * TB, _DGX), HOSTS["dgx-h100"], "sm90"),
     "h200": _gpu(_s(143771 * MiB, "nvidia-smi on H200 (cuda-samples issue #311): '0MiB / 143771MiB'"),
                  989e12, 67e12, 4800 * GB, _GEN5_LINK,
                  _d(0.84, f"{_GEN5_EFF} (the H100's Gen5 host link measurement)"),
                  _a(0.801, "assumed: the H100 SXM's MAMF share (same GH100 die)"),
                  _a(0.75, "assumed: FlashAttention-3's H100 share (same GH100 die)"),
                  "AnandTech SC23 H200 (anandtech.com/Show/Index/21136)", _s(450 * GB, _NVLINK4), _a(2 * TB, _DGX),
-                 HOSTS["dgx-h100"], _DGX_H_NETWORK),
+                 HOSTS["dgx-h100"], "sm90", _DGX_H_NETWORK),
     "gh200": _gpu(_s(96 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): 'Up to 96 GB of HBM3 memory'"),
                   989e12, 67e12, 4000 * GB,
                   _s(450 * GB, "NVIDIA GH200 whitepaper (datacrunch.io): NVLink-C2C '900 GB/s total bandwidth, "
@@ -274,7 +302,8 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                   _s(0.830, f"{_MAMF}: 'NVIDIA GH200 SXM 821.0 989 83.0%'"), _s(0.75, _FA3),
                   "NVIDIA GH200 whitepaper (datacrunch.io), same Hopper GPU as H100 SXM", None,
                   _s(480 * GB, "the Grace CPU's LPDDR5X, 'Up to 480 GB' (GH200 whitepaper via datacrunch.io)"),
-                  HOSTS["grace"]),
+                  HOSTS["grace"], "sm90",
+                  notes=("host link = NVLink-C2C to the Grace CPU's LPDDR5X (the store's RAM tier)",)),
     "v100": _gpu(_a(32510 * MiB, "assumed: nvidia-smi's usual 32510 MiB for the '32GB' V100"),
                  125e12, 15.7e12, 900 * GB,
                  _d(15.75 * GB, "derived: PCIe Gen3 x16 8 GT/s x 16 x 128/130 / 8 = 15.75 GB/s per direction"),
@@ -285,43 +314,20 @@ PRESET_FIGURES: dict[str, dict[str, Figure]] = {
                  "NVIDIA V100 datasheet (SXM2): 125 TFLOPS tensor (fp16; V100 has no bf16, so its 16-bit tensor "
                  "rate stands for the 16-bit compute dtype), 15.7 TFLOPS FP32, 900 GB/s HBM2", None,
                  _s(1500 * GB, "DeepSpeed ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md): "
-                               "'32GB V100 GPU + 1.5TB CPU memory'"), HOSTS["dgx-2"],
+                               "'32GB V100 GPU + 1.5TB CPU memory'"), HOSTS["dgx-2"], "sm70",
                  mfu=_d(0.40, "derived: DeepSpeed ZeRO-3 Offload post, 'a sustained throughput of up to 50 Tflops "
-                              "per GPU' on 512 V100 / 125 TFLOPS (the best published V100 training MFU found)")),
+                              "per GPU' on 512 V100 / 125 TFLOPS (the best published V100 training MFU found)"),
+                 notes=("V100 has no bf16: its bf16 figures are its fp16 tensor rate, the 16-bit compute of "
+                        "ZeRO-Offload's runs",)),
     "rtx4090": _gpu(_a(24564 * MiB, "assumed: nvidia-smi's usual 24564 MiB for the '24 GB' card"),
                     165.2e12, 82.6e12, 1008 * GB, _GEN4_LINK, _GEN4_E,
                     _a(0.80, "assumed: no MAMF figure for Ada; the Hopper/Ampere GEMM ceiling (80-86%)"),
                     _a(0.80, _FA_AMPERE), "NVIDIA Ada whitepaper, Table 2 (RTX 4090)", None,
-                    _a(128 * GiB, "assumed: a workstation with 128 GiB RAM"), HOSTS["workstation"]),
+                    _a(128 * GiB, "assumed: a workstation with 128 GiB RAM"), HOSTS["workstation"], "sm89"),
 }
 
-# The default update place and the data-parallel reduction of each family: MemoryX performs the weight update
-# ("Weight updates are performed by the MemoryX service", cerebras.net/glossary/memoryx) and SwarmX sums the
-# gradients in the network at line rate (glossary/swarmx); GPUs update on the device and all-reduce in a ring.
-PRESET_SYSTEM: dict[str, tuple[str, str]] = {
-    name: (("host", "in-network") if name.startswith("cs") else ("device", "ring")) for name in PRESET_FIGURES
-}
-PRESET_HOSTS: dict[str, Host] = {"a100-40g": HOSTS["dgx-a100"], "a100-80g": HOSTS["dgx-a100"],
-                                  "h100-sxm": HOSTS["dgx-h100"], "h100-pcie": HOSTS["dgx-h100"],
-                                  "h200": HOSTS["dgx-h100"], "gh200": HOSTS["grace"], "v100": HOSTS["dgx-2"],
-                                  "rtx4090": HOSTS["workstation"]}
-# Each GPU's CUDA compute capability (NVIDIA's CUDA GPUs list): torch sizes cuBLAS's workspace by it.
-PRESET_CUDA_ARCH: dict[str, str] = {"a100-40g": "sm80", "a100-80g": "sm80", "h100-sxm": "sm90",
-                                    "h100-pcie": "sm90", "h200": "sm90", "gh200": "sm90", "v100": "sm70",
-                                    "rtx4090": "sm89"}
-_NOTES: dict[str, tuple[str, ...]] = {
-    "cs2": ("host = MemoryX (weights, optimizer state, the update); data parallel = SwarmX broadcast/reduce tree",),
-    "cs3": ("host = MemoryX; data parallel = SwarmX. CS-3 I/O taken as CS-2's 1.2 Tb/s (Cerebras docs claim "
-            "+30%: uncertain)",),
-    "gh200": ("host link = NVLink-C2C to the Grace CPU's LPDDR5X (the store's RAM tier)",),
-    "v100": ("V100 has no bf16: its bf16 figures are its fp16 tensor rate, the 16-bit compute of ZeRO-Offload's "
-             "runs",),
-}
-# Each GPU preset names its host (processors, cores, memory bandwidth) among its notes.
-PRESET_NOTES: dict[str, tuple[str, ...]] = {
-    name: _NOTES.get(name, ()) + ((PRESET_HOSTS[name].note(),) if name in PRESET_HOSTS else ())
-    for name in PRESET_FIGURES
-}
+# Each GPU preset's host, by preset name (a view of CATALOGUE).
+PRESET_HOSTS: dict[str, Host] = {name: p.host for name, p in CATALOGUE.items() if p.host is not None}
 
 
 # --- published runs of offloaded and streamed training -----------------------------------------------------------
@@ -430,7 +436,7 @@ _LOHAN_DRIVES = {1: "one NVMe SSD", 12: "12 NVMe SSDs in RAID 0"}
 def _lohan_compute(rate: float) -> str:
     """What a LoHan row whose planned step is its compute leaves open: its published rate over the 4090's peak, as
     model FLOPs and with the recompute counted (8 FLOPs per parameter and token, not 6)."""
-    figures = PRESET_FIGURES["rtx4090"]
+    figures = CATALOGUE["rtx4090"].figures
     peak, cap = figures["bf16_flops"].value / 1e12, figures["training_mfu"].value
     said = (f"the plan's step is its compute, at the 4090's training_mfu ({cap:.1%} of its {peak:.1f} TFLOPS dense "
             "FP16/BF16 peak with FP32 accumulate, which PyTorch's fp16 matmuls use, the recompute included); the "

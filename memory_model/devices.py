@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
-from memory_model.catalogue import PRESET_CUDA_ARCH, PRESET_FIGURES, PRESET_NOTES, PRESET_SYSTEM, Figure
+from memory_model.catalogue import CATALOGUE, Figure
 from memory_model.kernels import KernelCosts
 from memory_model.settings import Assignments, Number, SettingError, shown
 from memory_model.units import COMPUTE_DTYPES, SizeError, parse_size
@@ -319,20 +319,20 @@ def with_sets(spec: DeviceSpec, sets: Sequence[str], error: Callable[[str, str],
 
 
 def _preset(name: str) -> DeviceSpec:
-    figures = PRESET_FIGURES[name]
+    preset = CATALOGUE[name]
+    figures = preset.figures
     v = {key: f.value for key, f in figures.items()}
-    update_on, reduce = PRESET_SYSTEM[name]
     base = DeviceSpec(name=name, memory_bytes=1, h2d=Link(1.0), d2h=Link(1.0), flops={"bf16": 1.0},
                       device_mem_bandwidth=1.0, host_ram_bytes=1, disk_read_bw=1.0, disk_write_bw=1.0,
-                      host_update_bw=1.0, update_on=update_on, reduce=reduce, notes=PRESET_NOTES.get(name, ()),
-                      cuda_arch=PRESET_CUDA_ARCH.get(name, ""),
+                      host_update_bw=1.0, update_on=preset.update_on, reduce=preset.reduce, notes=preset.notes,
+                      cuda_arch=preset.cuda_arch,
                       interconnect=Link(1.0) if "interconnect_bytes_per_s" in v else None,
                       inter_node=Link(1.0) if "inter_node_bytes_per_s" in v else None,
                       source="docs/MEMORY_MODEL.md, Device catalogue (`streamer devices` lists every figure)")
     return with_figures(base, figures)
 
 
-DEVICE_PRESETS: dict[str, DeviceSpec] = {name: _preset(name) for name in PRESET_FIGURES}
+DEVICE_PRESETS: dict[str, DeviceSpec] = {name: _preset(name) for name in CATALOGUE}
 
 
 def device_spec(name: str) -> DeviceSpec:

@@ -32,6 +32,7 @@ from memory_model.schedule import Event, shard_numel
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
 )
+from memory_model.tiers import Tier
 from memory_model.units import format_size
 
 # ru_maxrss of `streamer train` on a 2-layer Llama of hidden size 64 and 512 tokens (batch 1 x 128, 2 steps) on
@@ -88,12 +89,13 @@ class HostBytes:
         return ", ".join(f"{name.replace('_', '-')} {format_size(n)}" for name, n in asdict(self).items() if n)
 
 
-def store_kinds(shape: ModelConfig, cfg: PlanConfig) -> dict[str, tuple[str, int]]:
+def store_kinds(shape: ModelConfig, cfg: PlanConfig) -> dict[str, tuple[Tier, int]]:
     """Each kind of one process's store: (its tier, its bytes). A frozen base (LoRA) is stored as its compute
     weights alone: no master, moments or gradient. Compute weights in the master's dtype are the master: no copy."""
     stored, store = shard_numel(shape.num_params(), cfg.shards), cfg.step.store
     frozen = cfg.lora.enabled
-    kinds = {"compute": (store.compute, stored * (cfg.dtype_bytes if frozen or not cfg.compute_is_master else 0))}
+    compute_bytes = stored * (cfg.dtype_bytes if frozen or not cfg.compute_is_master else 0)
+    kinds: dict[str, tuple[Tier, int]] = {"compute": (store.compute, compute_bytes)}
     if cfg.lora.quantized:  # each unit's packed slab
         kinds["compute"] = (store.compute, sum(base_unit_bytes(shape, cfg.lora, unit, cfg.dtype_bytes)
                                                for unit in shape.unit_names()))
@@ -114,8 +116,8 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
     moments in RAM, and its gradient in the RAM accumulator, or in a fused step the one the fold left (priced
     apart: `fold`). What is read from a file, widened or dequantized takes buffers of its own."""
     store = cfg.step.store
-    weights_lie = store.compute == "ram" and not store.loads_read_master(cfg.compute_is_master)
-    in_ram = store.state == "ram"
+    weights_lie = store.compute.zero_copy and not store.loads_read_master(cfg.compute_is_master)
+    in_ram = store.state.zero_copy
     own_state = (0 if in_ram and cfg.master_dtype == "fp32" else 4) + (0 if in_ram and cfg.moment_dtype == "fp32" else 8)
     peak = 0
     for event, nbytes in moments:
@@ -124,7 +126,7 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
             held["weights"] = 0
         if event.phase == "update":
             held["optimizer"] = held["optimizer"] * own_state // OPTIMIZER_BYTES_PER_PARAM
-            if store.grad == "ram" or cfg.fused:
+            if store.grad.zero_copy or cfg.fused:
                 held["gradients"] = 0
         peak = max(peak, sum(held.values()))
     return peak
@@ -134,10 +136,10 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     """`shared`: where the device is the host, the device bytes at its peak that are host memory of their own
     (`shared_peak`); None where the device has its own memory."""
     frozen, store, same_memory = cfg.lora.enabled, cfg.step.store, shared is not None
-    store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier == "ram")
+    store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier.zero_copy)
     largest = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names())
     chunk = min(cfg.step.update_chunk, largest)
-    state_on_disk = store.state == "disk" and not frozen
+    state_on_disk = not store.state.zero_copy and not frozen
     # Kinds stored other than in fp32: read into a buffer of their own and widened (the read thread), and
     # narrowed into one when written (the write thread).
     narrowed = (chunk * cfg.master_bytes if cfg.master_dtype != "fp32" else 0) + \
@@ -149,7 +151,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         base=BASE_BYTES, store=store_ram, device=shared or 0,
         staging=0 if same_memory else staging_pool_bytes(largest, chunk,
                                                          store.loads_read_master(cfg.compute_is_master)),
-        fold=largest * GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" and not frozen else 0,
+        fold=largest * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * largest if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
         activations=offloaded_bytes(shape, cfg), write_backs=lagging,

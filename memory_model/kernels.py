@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from layers.config import ModelConfig
+from memory_model.tiers import Tier
 
 
 def attention_flops(shape: ModelConfig, batch: int, seq: int) -> int:
@@ -71,9 +72,9 @@ class KernelCosts:
     attention_forward_token_s: float = 0.0
     attention_backward_token_s: float = 0.0
 
-    def fixed_s(self, store: str) -> tuple[float, float]:
-        """(per event, per step) fixed seconds on store tier `store`."""
-        return (self.disk_event_s, self.disk_step_s) if store == "disk" else (self.event_s, self.step_s)
+    def fixed_s(self, store: Tier) -> tuple[float, float]:
+        """(per event, per step) fixed seconds on store tier `store`: the disk's where its bytes cross a link."""
+        return (self.disk_event_s, self.disk_step_s) if store.crosses_link else (self.event_s, self.step_s)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -405,7 +405,7 @@ def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
     in RAM, `store_bytes`)."""
     store = cfg.step.store
     if cfg.lora.enabled:  # a frozen base: each load reads a unit's compute weights, and nothing is written
-        if store.compute != "disk":
+        if not store.compute.crosses_link:
             return 0, 0
         events = _events(shape, cfg)
         return sum(weights_bytes(shape, cfg.lora, r.unit, cfg.dtype_bytes)
@@ -523,7 +523,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     model_flops = step_model_flops(shape, micro, seq) * cfg.step.grad_accum
     kinds = store_kinds(shape, cfg)
     host_store = sum(nbytes for _, nbytes in kinds.values())
-    in_ram = sum(nbytes for tier, nbytes in kinds.values() if tier == "ram")
+    in_ram = sum(nbytes for tier, nbytes in kinds.values() if tier.zero_copy)
     # Ranks that share a host (and its RAM), each with its own store; with an in-network reduce (MemoryX and
     # SwarmX) one store serves every system.
     stores = 1 if device.reduce == "in-network" else min(cfg.devices, cfg.ranks_per_node)

@@ -197,7 +197,7 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
               backward: bool = True, update_units: tuple[str, ...] | None = None) -> StepSpec:
     """The step `settings` make of `shape` on `devices` data-parallel devices: the one builder of a `StepSpec`.
     Each unit's update walks this device's slice of its state (`StepConfig.shards`). `compute_is_master`: the
-    compute weights are in the master's dtype (memory_model.units.compute_is_master). By default the training
+    compute weights are in the master's dtype (memory_model.units.Precision.compute_is_master). By default the training
     step: `settings.grad_accum` micro-batches, fused where `StepConfig.fused` says; the trainer names its own
     (`micro_batches`, a speculative `fused`, an evaluation's `backward=False`, a roll-forward's `update_units`)."""
     units = tuple(shape.unit_names())
@@ -378,10 +378,10 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
     """What the store's files move, each slab kind where `cfg.step.store` places it: a weights load reads the
     master and casts it where there is no compute copy in RAM (`Placement.loads_read_master`)."""
     store = cfg.step.store
-    state = store.state == "disk"
+    state = store.state.crosses_link
     return StoreBytes(weights=cfg.master_bytes if store.loads_read_master(cfg.compute_is_master) else 0,
                       master=cfg.master_bytes if state else 0, moment_dtype=cfg.moment_dtype if state else None,
-                      grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad == "disk" else 0)
+                      grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad.crosses_link else 0)
 
 
 def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:

@@ -16,7 +16,7 @@ from memory_model.objective import ObjectiveConfig
 from memory_model.settings import Choice, Integer, SettingError, Switch, branch, build, check_settings, setting
 from memory_model.step import StepConfig
 from memory_model.units import (
-    BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes,
+    BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, Precision, stored_bytes,
 )
 
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
@@ -113,8 +113,12 @@ class PlanConfig:
         return DTYPE_BYTES[self.master_dtype]
 
     @property
+    def precision(self) -> Precision:
+        return Precision(self.compute_dtype, self.master_dtype, self.moment_dtype)
+
+    @property
     def compute_is_master(self) -> bool:
-        return compute_is_master(self.compute_dtype, self.master_dtype)
+        return self.precision.compute_is_master(self.lora.enabled)
 
     def store_bytes(self, numel: int) -> int:
         """What an update of `numel` parameters writes back: the master, the moments, the new compute weights."""
@@ -130,7 +134,7 @@ class PlanConfig:
         """Per parameter, the compute-dtype copy an update writes; none where the master is the compute weights
         (one dtype), and none with the compute weights on disk, whose loads cast the master (a copy would cost its
         bytes on every step)."""
-        return 0 if self.compute_is_master or self.step.store.compute == "disk" else self.dtype_bytes
+        return 0 if self.compute_is_master or not self.step.store.compute.zero_copy else self.dtype_bytes
 
 
 def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from memory_model.settings import Choice, Integer, SettingError, check_settings, setting
+from memory_model.tiers import RAM, TIERS, Tier, tier
 
-TIERS = ("ram", "disk")
 ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
 UPDATE_PLACES = ("device", "host")
 UPDATE_TIMINGS = ("auto", "fused", "after-backward", "overlapped")
@@ -22,47 +22,59 @@ DATA_PARALLEL_MODES = ("replicated", "sharded")
 
 @dataclass(frozen=True)
 class Placement:
-    """Which tier holds each slab kind. `state` is the master and the Adam moments: what a commit makes durable.
+    """Which tier (`memory_model.tiers.Tier`) holds each slab kind, each given as a tier or its name. `state` is
+    the master and the Adam moments: what a commit makes durable.
 
-    Compute weights are a cache of the master weights: "ram" keeps a compute-dtype copy in RAM (rebuilt from
-    the masters on open, rewritten by every update); "disk" keeps none, and a load reads the master from the
-    state files and casts it on its way to the device. A mixed placement (compute weights in RAM, the state
-    on disk) is priced and run like a whole one.
+    Compute weights are a cache of the master weights, kept only on a zero-copy tier: RAM keeps a compute-dtype
+    copy (rebuilt from the masters on open, rewritten by every update); the disk keeps none, and a load reads the
+    master from the state files and casts it on its way to the device. A mixed placement (compute weights in RAM,
+    the state on disk) is priced and run like a whole one.
     """
 
-    compute: str = "ram"
-    state: str = "ram"
-    grad: str = "ram"
+    compute: Tier = RAM
+    state: Tier = RAM
+    grad: Tier = RAM
 
     def __post_init__(self) -> None:
         for kind in ("compute", "state", "grad"):
-            if getattr(self, kind) not in TIERS:
-                raise SettingError("store", f"placement: {kind} must be one of {TIERS}, got {getattr(self, kind)!r}")
-        if self.state == "disk" and self.grad != "disk":
+            try:
+                object.__setattr__(self, kind, tier(getattr(self, kind)))
+            except ValueError as exc:
+                raise SettingError("store", f"placement: {kind} {exc}") from None
+        if self.state.journaled and not self.grad.durable:
             # A step commits by journaling durable gradients and rolling the update forward after a crash.
-            raise SettingError("store", "placement with state on disk needs grad on disk too (the commit journal "
-                                        "replays it)")
+            raise SettingError("store", f"placement with state on {self.state} needs grad on a durable tier too "
+                                        "(the commit journal replays it)")
 
     def loads_read_master(self, compute_is_master: bool) -> bool:
-        """A weights load reads the master from the state files (and casts it): there is no compute copy in RAM,
-        and compute weights in the master's dtype are the masters themselves. The one rule for
+        """A weights load reads the master from the state files (and casts it): there is no compute copy on a
+        zero-copy tier, and compute weights in the master's dtype are the masters themselves. The one rule for
         `StepSpec.master_from_weights`."""
-        return self.compute == "disk" or (compute_is_master and self.state == "disk")
+        return not self.compute.zero_copy or (compute_is_master and not self.state.zero_copy)
 
     @classmethod
     def of(cls, store: "str | Placement") -> "Placement":
         """A placement, or a tier for all of it (`--store disk`)."""
         if isinstance(store, Placement):
             return store
-        if store not in TIERS:
-            raise SettingError("store", f"must be 'ram', 'disk' or a Placement, got {store!r}")
-        return cls(store, store, store)
+        try:
+            whole = tier(store)
+        except ValueError:
+            raise SettingError("store", f"must be {', '.join(map(repr, TIERS))} or a Placement, got {store!r}") \
+                from None
+        return cls(whole, whole, whole)
 
     def to_dict(self) -> dict[str, str]:
-        return {"compute": self.compute, "state": self.state, "grad": self.grad}
+        return {"compute": self.compute.name, "state": self.state.name, "grad": self.grad.name}
 
     @property
-    def tier(self) -> str | None:
+    def needs_folder(self) -> bool:
+        """The store keeps files of its own beyond saves (the state or the compute weights on such a tier): a
+        trainer must be given the folder."""
+        return self.state.needs_folder or self.compute.needs_folder
+
+    @property
+    def tier(self) -> Tier | None:
         """The one tier of a store placed whole in RAM or on disk (`--store`); None for a mixed placement."""
         return self.compute if self.compute == self.state == self.grad else None
 
@@ -72,7 +84,7 @@ class Placements(Choice):
     Placement."""
 
     def __init__(self) -> None:
-        super().__init__(TIERS)
+        super().__init__(tuple(TIERS))
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, Placement):
@@ -134,9 +146,9 @@ class StepConfig:
         previous generation of the state files: so the state must be on disk. Under data parallel the ranks
         commit together through the journal, which the fused update does not write, so it needs one process. A
         frozen base (LoRA) has no streamed update to fuse. An explicit "fused" where it cannot run fails here."""
-        allowed = self.store.state == "disk" and devices == 1
+        allowed = self.store.state.durable and devices == 1
         if self.update_timing == "fused" and not allowed:
-            why = f"--store {self.store.state}" if self.store.state != "disk" else f"{devices} processes"
+            why = f"--store {self.store.state}" if not self.store.state.durable else f"{devices} processes"
             raise SettingError("update_timing", f"fused needs the state on disk (--store disk) and one process, "
                                                 f"not {why}: the speculative update is undone from the previous "
                                                 "state files; use --update-timing after-backward or auto")

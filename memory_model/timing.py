@@ -26,6 +26,7 @@ from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import expert_group, grouped, grouped_block_numel
 from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
+from memory_model.tiers import RAM
 from memory_model.schedule import (
     BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, load_disk_bytes, releases,
     resource_charges, store_bytes, Weights,
@@ -132,9 +133,9 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     store = cfg.step.store
     disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
     if isinstance(resource, Weights) and cfg.lora.quantized:  # read as stored, where stored on disk
-        disk = nbytes if store.compute == "disk" else 0
+        disk = nbytes if store.compute.crosses_link else 0
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
-    in_ram = store.state == "ram" or (isinstance(resource, (Weights, ExpertGroup))
+    in_ram = store.state.zero_copy or (isinstance(resource, (Weights, ExpertGroup))
                                       and not store.loads_read_master(cfg.compute_is_master))
     h2d = nbytes if not isinstance(resource, StateChunk) or cfg.step.update_on == "device" else 0
     read_s, copy_s = disk / device.disk_read_bw, _link(h2d, device, "h2d", cfg)
@@ -254,13 +255,13 @@ def _mfu_floor_s(flops: float, device: DeviceSpec, cfg: PlanConfig) -> float:
 def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
     """The runtime folds a gradient on the compute thread when the device is the host's own cores and the
     accumulator is in RAM (streamer/runtime/executor.py): the fold then adds to the compute time."""
-    return device.same_memory and cfg.step.store.grad == "ram" and cfg.devices == 1
+    return device.same_memory and cfg.step.store.grad.zero_copy and cfg.devices == 1
 
 
 def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
                   queues: _Queues, clock: float) -> tuple[float, float]:
     """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
-    es, disk = cfg.dtype_bytes, cfg.step.store.grad == "disk"
+    es, disk = cfg.dtype_bytes, cfg.step.store.grad.crosses_link
     params = shape.unit_device_params(event.unit)  # a tied head's gradient holds the embedding's part too
     grad = params * es
     first, last = event.micro == 0, event.micro == cfg.step.grad_accum - 1
@@ -295,7 +296,7 @@ def _disk_s(cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
     """A disk-tier file's fixed cost, where it is measured (`local`); else none: `flush_s`, one flush of a commit
     (a file made durable), or `state_file_s`, a state file's cost beyond its bytes (opened, sealed, renamed)."""
     costs = device.kernels.get(cfg.compute_dtype)
-    return getattr(costs, cost) if costs is not None and cfg.step.store.state == "disk" else 0.0
+    return getattr(costs, cost) if costs is not None and cfg.step.store.state.crosses_link else 0.0
 
 
 def unmeasured_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -309,7 +310,7 @@ def commit_flushes(shape: ModelConfig, cfg: PlanConfig) -> int:
     SEAL_FLUSHES of each unit's state file on the I/O thread: the manifest and its folder; a journaled step (the
     update after the backward) first each unit's gradient file, and the journal and its folder; LoRA's
     adapters file before the manifest."""
-    if cfg.step.store.state != "disk":
+    if not cfg.step.store.state.durable:
         return 0
     if cfg.lora.enabled:
         return 1 + MANIFEST_FLUSHES
@@ -324,7 +325,7 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     d2h = out if cfg.step.update_on == "device" else 0
     # Back from the device into a pinned buffer, then copied into the RAM slabs; state files take the buffer's
     # master and moments, and new compute weights (none with them on disk) go to their RAM slab.
-    to_ram = out if cfg.step.store.state == "ram" else event.resource.count * cfg.new_compute_bytes
+    to_ram = out if cfg.step.store.state.zero_copy else event.resource.count * cfg.new_compute_bytes
     write = out - to_ram
     host_copy = to_ram if d2h else 0
     d2h_s, copy_s = _link(d2h, device, "d2h", cfg), _host_copy_s(host_copy, device)
@@ -411,10 +412,10 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
         in_flight.difference_update(releases(events, k))
     costs = device.kernels.get(cfg.compute_dtype)
     # The step's own fixed cost (the loss, the commit).
-    step_s = 0.0 if costs is None else costs.fixed_s(cfg.step.store.state if commits else "ram")[1]
+    step_s = 0.0 if costs is None else costs.fixed_s(cfg.step.store.state if commits else RAM)[1]
     if commits:  # the trainer's thread waits for each flush
         step_s += unmeasured_flushes(shape, cfg) * _disk_s(cfg, device, "flush_s")
-    if costs is not None and device.same_memory and cfg.step.store.state == "disk":
+    if costs is not None and device.same_memory and cfg.step.store.state.crosses_link:
         # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
         # cores that compute, so the copies take their time from the step.
         moved = sum(t.disk_read + t.disk_write for t in per_unit.values())

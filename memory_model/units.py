@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 # Bytes per element of every dtype the runtime stores, computes or exports in, by the names users write.
@@ -21,11 +22,21 @@ def stored_bytes(dtype: str, numel: int) -> int:
     return numel * DTYPE_BYTES[dtype] + -(-numel // QUANT_BLOCK) * BLOCK_SCALE_BYTES.get(dtype, 0)
 
 
-def compute_is_master(compute_dtype: str, master_dtype: str, frozen: bool = False) -> bool:
-    """The compute weights are the master weights themselves (one dtype): the store keeps no second copy. A
-    frozen base has no master: its compute weights are all it stores. The one rule the store, the runtime and
-    the planner use."""
-    return compute_dtype == master_dtype and not frozen
+@dataclass(frozen=True)
+class Precision:
+    """One run's dtypes, by the names users write: the compute weights', the master weights' and the Adam
+    moments'. The planner (`PlanConfig.precision`), the runtime and the store (`StoreSpec.precision`) each take it
+    whole, and ask it the one rule that depends on these dtypes alone."""
+
+    compute: str
+    master: str = "fp32"
+    moments: str = "fp32"
+
+    def compute_is_master(self, frozen: bool) -> bool:
+        """The compute weights are the master weights themselves (one dtype): the store keeps no second copy. A
+        frozen base (LoRA) has no master: its compute weights are all it stores. The one rule the store, the
+        runtime and the planner use."""
+        return self.compute == self.master and not frozen
 
 
 # Decimal (SI) and binary (IEC) units are both common in budgets; "GB" and "GiB" differ by 7%, so both

@@ -36,7 +36,7 @@ def create_store(cfg: ModelConfig, tc: TrainerConfig, store_dir: Path | None, pr
     """A new store for `cfg` with `tc`'s settings in `store_dir` (None: a temporary folder, RAM tiers only)."""
     step = tc.step
     if store_dir is None:
-        if "disk" in (step.store.state, step.store.compute):
+        if step.store.needs_folder:
             raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
         store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
     return HostStore.create(store_dir, tc.store_spec(cfg, processes),
@@ -150,7 +150,7 @@ class Persistence:
         """Commit a step; a LoRA run's adapters are written first where the store commits to disk."""
         store, adapters = self.rt.store, self.rt.adapters
         assert store is not None
-        durable = store.spec.placement.state == "disk"
+        durable = store.spec.placement.state.durable
         if adapters is not None and durable:
             adapters.save(store.root, step)
         self.writable().finish_step(step, self.trainer_state())

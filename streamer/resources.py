@@ -84,7 +84,8 @@ def store_size(model_cfg: ModelConfig, tc: TrainerConfig, processes: int = 1) ->
     the store lays them out (`StoreSpec.host_bytes`), a committing step's second generation included."""
     spec = tc.store_spec(model_cfg, processes)  # with the state sharded: each process's slice
     # A fused update is speculative: every unit's previous state stays until the commit.
-    return spec.host_bytes(every_unit_twice=tc.step.store.state != "disk" or tc.step.fused(processes, tc.lora.enabled))
+    twice = not tc.step.store.state.durable or tc.step.fused(processes, tc.lora.enabled)
+    return spec.host_bytes(every_unit_twice=twice)
 
 
 # The journaled step's settings: its update is never fused, so no step that clips is made norm-first.
@@ -194,7 +195,7 @@ def shortfall(cfg: RunConfig, model_cfg: ModelConfig, free_ram: int, free_disk: 
         short.append(f"{format_size(need.ram)} of RAM (--store {tc.step.store.tier}{inputs}{pinned}; "
                      f"{format_size(free_ram)} {ram_bound}{planned})")
     if need.disk > free_disk:
-        speculative = tc.step.store.state != "disk" or tc.step.fused(on_disk, tc.lora.enabled)
+        speculative = not tc.step.store.state.durable or tc.step.fused(on_disk, tc.lora.enabled)
         generations = "every unit's" if speculative else "one unit's"
         copies = f", and {kept} kept step(s): --save-every, --keep-last, --keep-best" if kept else ""
         short.append(f"{format_size(need.disk)} of disk in {folder} ({generations} state twice while a step "

@@ -33,6 +33,7 @@ from streamer.io.data import DataConfig
 from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import check_device
 from memory_model.step import Placement, StepConfig
+from memory_model.tiers import DISK, RAM
 
 
 class RunError(StreamerError):
@@ -57,7 +58,7 @@ class RunConfig:
     run's own (model, steps, batch, cadences, sample). Each setting is a flag and a TOML key by its flat name
     (memory_model.settings.branch): `of` builds a RunConfig from them, `flat()` gives them back."""
 
-    trainer: TrainerConfig = branch(TrainerConfig, lambda: TrainerConfig(step=StepConfig(store=Placement.of("disk"))))
+    trainer: TrainerConfig = branch(TrainerConfig, lambda: TrainerConfig(step=StepConfig(store=Placement.of(DISK))))
     data: DataConfig = branch(DataConfig)
     report: ReportConfig = branch(ReportConfig)
     model: str = setting(DEMO_MODEL, "a preset (%s) or a config.json to initialise randomly" % ", ".join(PRESETS),
@@ -253,8 +254,8 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
          "method", "beta", "loss_type", "label_smoothing",
-         "trace_steps", "trace_every", "dtype", "device", "budget", "set", "pin_memory", "store", "activations",
-         "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
+         "trace_steps", "trace_every", "dtype", "device", "budget", "price_on", "set", "pin_memory", "store",
+         "activations", "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
          "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens",
          "report_to", "log_every", "dist_timeout")
@@ -270,12 +271,13 @@ DEMO_DEFAULTS: dict[str, Any] = {
 # Settings a resumed run may change: none of them alters the data order or the store's layout. The betas may
 # not: the saved moments are averages at those decay rates and Adam's bias correction 1 - beta^t assumes one
 # beta since step 1. eps, like lr, only scales the next updates; moment_dtype and master_dtype are the store's
-# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device;
-# expert_group_size only how a block's experts reach the device.
+# layout. pin_memory only says which host memory is page-locked; `set` only describes the simulated device, and
+# price_on which device run-time choices are priced on; expert_group_size only how a block's experts reach the
+# device.
 RESUMABLE = ("steps", "epochs", "lr", "eval_every", "eval_batches", "save_every", "keep_last", "keep_best",
              "sample_prompt", "sample_tokens", "device", "budget", "prefetch", "eps", "nonfinite", "trace_steps",
              "trace_every", "log_every", "report_to", "pin_memory", "set", "dist_timeout", "clipped_steps",
-             "expert_group_size")
+             "expert_group_size", "price_on")
 # The choices and integer minimums of the run's settings, read from their declarations (the CLI's choices).
 CHOICES = {name: check.options for name, check in checks_of(RunConfig, Choice).items() if name in FLAGS}
 INT_MINIMUMS = {name: check.low for name, check in checks_of(RunConfig, Integer).items() if name in FLAGS}
@@ -318,7 +320,7 @@ def store_choice(cfg: RunConfig, explicit: Mapping[str, Any], config_file: str |
             f"{_TIER_WORDS[other]})")
 
 
-_TIER_WORDS = {"disk": "on disk, committed every step", "ram": "in host RAM, saved every --save-every steps"}
+_TIER_WORDS = {DISK: "on disk, committed every step", RAM: "in host RAM, saved every --save-every steps"}
 
 
 @contextlib.contextmanager

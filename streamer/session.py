@@ -229,8 +229,8 @@ class Session:
                                     "batch tries it again", step)
                 continue
             learned += tokens
-            if cfg.trainer.step.store.tier == "ram" and (step % cfg.save_interval == 0 or step == cfg.steps
-                                                         or self.stopping):
+            if not cfg.trainer.step.store.state.durable and (step % cfg.save_interval == 0 or step == cfg.steps
+                                                             or self.stopping):
                 trainer.save()  # the RAM tier is durable only when saved
             kept = cfg.keeps() and step % cfg.save_interval == 0
             eval_loss = None
@@ -550,7 +550,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
             StreamingTrainer.from_pretrained(cfg.from_pretrained, tc, run.store) if cfg.from_pretrained
             else StreamingTrainer(model_cfg, tc, run.store)), undo=StreamingTrainer.close)
         assert trainer is not None  # every process builds it
-        if cfg.trainer.step.store.tier == "ram":
+        if not cfg.trainer.step.store.state.durable:
             # Step 0 on disk in every process before config.toml exists: what a RAM-tier run killed
             # before its first --save-every save resumes from.
             _together(parallel, trainer.save)

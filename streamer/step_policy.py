@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from memory_model.devices import DEVICE_PRESETS, DeviceSpec, with_sets
+from memory_model.devices import DeviceSpec, with_sets
 from memory_model.planner import clipped_schedule, clipped_steps
 from memory_model.schedule import norm_pass_spec, step_events
 from memory_model.settings import SettingError
@@ -122,8 +122,9 @@ class StepPolicy:
 
     def clipped_schedule(self, batch: int, seq: int) -> str:
         """How a fused step of `batch` x `seq` that clips is made: "norm-first" or "after-backward".
-        `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --budget
-        device preset (with --set), else `local_target` on the cpu; with neither, after-backward."""
+        `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --price-on
+        device preset (else a --budget one; with --set), else `local_target` on the cpu; with neither,
+        after-backward."""
         key = (batch, seq)
         if key not in self._clipped_schedules:
             choice = self.tc.step.clipped_steps
@@ -140,9 +141,9 @@ class StepPolicy:
         """The device the run's steps are priced on (`clipped_schedule`) and its MFU read against, or None where
         none is known."""
         device = self.tc.device
-        budget = DEVICE_PRESETS.get(device.budget, device.budget) if isinstance(device.budget, str) else device.budget
-        if isinstance(budget, DeviceSpec):
-            return with_sets(budget, device.set, ConfigError.of)
+        named = device.priced_on(ConfigError.of)
+        if named is not None:
+            return named
         if device.device != "cpu" or self.local_target is None:
             return None
         return with_sets(self.local_target, device.set, ConfigError.of)

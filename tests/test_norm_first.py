@@ -84,6 +84,21 @@ def test_auto_takes_the_schedule_the_planner_prices_faster(tmp_path):
         assert chosen == clipped_schedule(plans, "auto").schedule
 
 
+def test_price_on_names_the_priced_device_apart_from_the_budget(tmp_path, capsys):
+    """--budget stays a memory limit; --price-on names the device `auto` is priced on (before the flag, a --budget
+    preset was both, and still is where --price-on is not given). A wrong name is one line naming the flag."""
+    from test_cli import fails
+
+    tc = DISK.replace(budget="64MiB", price_on="rtx4090")
+    assert tc.device.budget_bytes() == 64 * 2**20
+    with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / "run") as trainer:
+        assert trainer.target() == device_spec("rtx4090")
+        plans = clipped_steps(DEBUG_MODEL, device_spec("rtx4090"), tc.plan_config(2, 16))
+        assert trainer.clipped_schedule(2, 16) == clipped_schedule(plans, "auto").schedule
+    assert "--price-on" in fails(capsys, "train", "--price-on", "h900", "--run-dir", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("kill", [Kill("backward", 3, step=3), Kill("update", 5, step=3), Kill("pwritev", 4, step=3)],
                          ids=["norm-pass", "fused-update", "fused-write"])
 def test_a_norm_first_step_killed_resumes_bit_identically(tmp_path, forkserver, kill):

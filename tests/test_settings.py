@@ -352,3 +352,34 @@ def test_flags_shared_between_subcommands_agree():
         assert generate[flag].default in (defaults[flag[2:]], None), flag
     assert "--device" not in plan  # plan's simulated device is --target; --device is always the torch device
     assert "--warmup" not in _flags(bench)  # train's --warmup is the lr warmup; bench's are --untimed-steps
+
+
+def test_a_tier_name_is_parsed_once_into_its_record(tmp_path: Path) -> None:
+    """`--store` and a placement take tier names; the settings hold the records, which a manifest and a pickle
+    give back as names and the same records."""
+    import pickle
+
+    from memory_model.settings import SettingError
+    from memory_model.tiers import DISK, RAM
+
+    placement = TrainerConfig.of(store=Placement("ram", "disk", "disk")).step.store
+    assert (placement.compute, placement.state, placement.grad) == (RAM, DISK, DISK)
+    assert placement.state.journaled and placement.compute.zero_copy and not placement.compute.durable
+    assert placement.to_dict() == {"compute": "ram", "state": "disk", "grad": "disk"}
+    assert json.loads(json.dumps(placement.to_dict())) == placement.to_dict()
+    assert pickle.loads(pickle.dumps(placement)).state is DISK
+    with pytest.raises(SettingError, match="'ram', 'disk' or a Placement, got 'cxl'"):
+        Placement.of("cxl")
+    out = subprocess.run([sys.executable, "-m", "streamer", "plan", "--store", "cxl"], capture_output=True, text=True)
+    assert out.returncode != 0 and "--store" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_compute_is_master_is_decided_once_honouring_a_frozen_base(lora_rank: int) -> None:
+    """One rule (`Precision.compute_is_master`): the planner and the store agree, and a frozen base has no master."""
+    from layers import ModelConfig
+
+    tc = TrainerConfig.of(dtype="fp32", master_dtype="fp32", lora_rank=lora_rank)
+    plan_cfg, spec = tc.plan_config(2, 8), tc.store_spec(ModelConfig.named("gptj-debug"), 1)
+    assert plan_cfg.precision == spec.precision
+    assert plan_cfg.compute_is_master == spec.compute_is_master == (lora_rank == 0)

@@ -175,3 +175,15 @@ def test_every_package_is_installed() -> None:
     folders = {".".join(init.parent.relative_to(ROOT).parts)
                for top in ("layers", "memory_model", "streamer") for init in (ROOT / top).rglob("__init__.py")}
     assert folders == listed, (sorted(folders - listed), sorted(listed - folders))
+
+
+# A comparison against a tier's name: `== "disk"`, `"ram" !=`, `in ("ram", ...)`.
+TIER_NAME_COMPARE = re.compile(r"""[=!]= *['"](ram|disk)['"]|['"](ram|disk)['"] *[=!]=|in [({]['"](ram|disk)""")
+
+
+def test_only_the_tier_module_compares_tier_names() -> None:
+    """The code asks a tier's traits (memory_model/tiers.py), so a new tier is one record and one back end."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for name, path in MODULES.items()
+             if name != "memory_model.tiers"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if TIER_NAME_COMPARE.search(line)]
+    assert not found, "\n".join(found)

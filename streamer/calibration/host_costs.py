@@ -46,7 +46,7 @@ import torch
 from layers.config import ModelConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
-from memory_model.step import TIERS
+from memory_model.tiers import DISK, RAM, TIERS, Tier
 from streamer.store.layout import dtype_name
 from streamer.trainer import StreamingTrainer
 
@@ -70,8 +70,8 @@ def measure_host_costs(directory: Path, shape: ModelConfig, dtype: torch.dtype, 
     """Every cost of the module doc, the fixed ones on tiny models of `shape`'s family; the disk's probes and the
     disk-tier steps write their files in `directory`, whose state files are written at `write_bytes_per_s`."""
     fixed = measure_fixed_costs(shape, dtype, directory, write_bytes_per_s)
-    return HostCosts(*fixed["ram"][:2], *fixed["disk"][:2], measure_page_cache(directory, disk_bytes, repeats),
-                     measure_flush(directory, repeats), fixed["disk"][2])
+    return HostCosts(*fixed[RAM][:2], *fixed[DISK][:2], measure_page_cache(directory, disk_bytes, repeats),
+                     measure_flush(directory, repeats), fixed[DISK][2])
 
 
 def _tiny(shape: ModelConfig, layers: int) -> ModelConfig:
@@ -84,16 +84,17 @@ def _tiny(shape: ModelConfig, layers: int) -> ModelConfig:
 
 
 def measure_fixed_costs(shape: ModelConfig, dtype: torch.dtype, directory: Path, write_bytes_per_s: float,
-                        steps: int = 21) -> dict[str, tuple[float, float, float]]:
+                        steps: int = 21) -> dict[Tier, tuple[float, float, float]]:
     """Per store tier, the event's and the step's fixed seconds and a state file's, from the shallow and the deep
     tiny model (module doc). The disk tier's stores are written in `directory`, on the disk the runs use, at
     `write_bytes_per_s`."""
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="calibrate-events-", dir=directory) as tmp:
-        return {tier: _fixed_costs(shape, dtype, tier, Path(tmp) / tier, steps, write_bytes_per_s) for tier in TIERS}
+        return {tier: _fixed_costs(shape, dtype, tier, Path(tmp) / tier, steps, write_bytes_per_s)
+                for tier in TIERS.values()}
 
 
-def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: Path, steps: int,
+def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: Tier, directory: Path, steps: int,
                  write_bytes_per_s: float) -> tuple[float, float, float]:
     """One tier's fixed costs. The two models' steps alternate, after two warm-up steps each, so that a change
     in the machine's load weighs on both alike: `event_s` is the median of the paired differences over the
@@ -118,7 +119,7 @@ def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: str, directory: P
                         seconds.append(time.perf_counter() - start)
             events = [len(step_events(t.step_spec(1, t.fused))) for t in trainers]
             step_s = _outside_spans_s(trainers[0], times[0])
-            file_s = _state_file_s(trainers[-1], write_bytes_per_s) if tier == "disk" else 0.0
+            file_s = _state_file_s(trainers[-1], write_bytes_per_s) if tier.crosses_link else 0.0
     finally:
         torch.random.set_rng_state(torch_state)
     (shallow, deep), (shallow_events, deep_events) = times, events

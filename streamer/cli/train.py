@@ -82,7 +82,7 @@ def _resumes_from(session: Session) -> str:
         committed = session.run.committed_step()
     except StreamerError:  # the line still names the command that continues the run, which says what is wrong
         return "the last committed step"
-    if session.cfg.trainer.step.store.tier != "ram":
+    if session.cfg.trainer.step.store.state.durable:
         return f"step {committed}, the last committed step"
     lost = session.trainer.step_count - committed
     since = f"; the {lost} step(s) trained since are not kept" if lost > 0 else ""

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 SWEEP_BATCHES = (1, 4, 16, 64)
 SWEEP_SEQS = (512, 2048)
 SWEEP_TARGETS = ("cs2", "cs3", "a100-80g", "h100-sxm", "h100-pcie", "gh200", "rtx4090")
-SWEEP_TIERS = ("ram", "disk")
 SWEEP_UPDATES = ("device", "host")
 
 
@@ -108,11 +107,12 @@ def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
     """Plan every point of the grid; write the CSV and the roofline plot. Returns their paths and the count."""
     from layers import ModelConfig
     from memory_model import PlanConfig, device_spec, plan
+    from memory_model.tiers import TIERS
 
     shape = ModelConfig.named(model)
     rows = []
     for batch, seq, target, tier, update in itertools.product(SWEEP_BATCHES, SWEEP_SEQS, SWEEP_TARGETS,
-                                                               SWEEP_TIERS, SWEEP_UPDATES):
+                                                               tuple(TIERS), SWEEP_UPDATES):
         if seq > shape.context()[0]:
             continue
         device = device_spec(target)

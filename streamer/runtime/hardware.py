@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from memory_model import COMPUTE_DTYPES, DEVICE_PRESETS
-from memory_model.devices import FIGURE_SETS, Budget, DeviceSpec, budget_bytes
+from memory_model.devices import FIGURE_SETS, Budget, DeviceSpec, budget_bytes, with_sets
 from memory_model.settings import Choice, SettingError, Text, check_settings, setting, shown
 from streamer.errors import StreamerError
 from streamer.store.spec import PIN_MODES
@@ -155,9 +155,14 @@ class DeviceConfig:
                                                           "preset (%s); default: unlimited" % ", ".join(DEVICE_PRESETS),
                                                     Budget(), "SIZE")
     set: tuple[str, ...] = setting((), "replace one figure of the run's simulated device (repeatable; `streamer "
-                                       "devices` lists the fields): the --budget preset's, and the calibrated local "
-                                       "device's that `streamer plan --compare` replays the run on",
+                                       "devices` lists the fields): the --price-on and --budget presets', and the "
+                                       "calibrated local device's that `streamer plan --compare` replays the run on",
                                    FIGURE_SETS, "FIELD=NUMBER")
+    price_on: str | None = setting(
+        None, "the device preset the run's run-time choices are priced on (--clipped-steps auto) and its MFU is read "
+              "against (%s); default: the --budget preset where --budget names one, as before this flag, else this "
+              "cpu's calibrated device. --budget stays a memory limit" % ", ".join(DEVICE_PRESETS),
+        Choice(tuple(DEVICE_PRESETS)), "DEVICE")
     pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), register "
                                          "(the RAM store too, locked where it lies), staging (a bounded pool of "
                                          "staging buffers) or none", Choice(PIN_MODES), "MODE")
@@ -168,6 +173,13 @@ class DeviceConfig:
 
     def budget_bytes(self) -> int | None:
         return budget_bytes(self.budget, SettingError, self.set)
+
+    def priced_on(self, error: Callable[[str, str], Exception] = SettingError) -> DeviceSpec | None:
+        """The device the run's run-time choices are priced on, with the --set figures: --price-on, else the
+        --budget preset (or DeviceSpec) where the budget names one; None where neither does."""
+        named = self.price_on if self.price_on is not None else self.budget
+        device = DEVICE_PRESETS.get(named, named) if isinstance(named, str) else named
+        return with_sets(device, self.set, error) if isinstance(device, DeviceSpec) else None
 
     def cuda_arch(self) -> str:
         """The compute capability ("sm90") of the CUDA device the ledger accounts as torch's caching allocator

@@ -313,7 +313,7 @@ class Passes:
                 parts = [(owner, [self.data_parallel.finish_reduce(r)]) for owner, r in reductions]
             if self.store is None:
                 return 0.0, None
-            if self.store.spec.placement.grad == "disk" and self._scratch is None:
+            if not self.store.spec.placement.grad.zero_copy and self._scratch is None:
                 self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
             # A borrowed part goes to its owner's accumulator, which the owner's own backward finishes. The unit's
             # own part comes last: `total` ends as its accumulator.

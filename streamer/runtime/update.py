@@ -81,7 +81,7 @@ class Updater:
     def store_keeps_compute(self) -> bool:
         """An update writes new compute-dtype weights: the store has a compute copy (in RAM), in a dtype other
         than the master's."""
-        return not self.compute_is_master and self.placement.compute == "ram"
+        return not self.compute_is_master and self.placement.compute.zero_copy
 
     def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
                     new_compute: torch.Tensor | None, ctx: StepContext) -> None:

@@ -15,7 +15,7 @@ from layers import ModelConfig
 from memory_model import Ledger, Trace
 from memory_model.schedule import StepSpec, step_spec
 from memory_model.step import Placement, StepConfig
-from memory_model.units import compute_is_master
+from memory_model.units import Precision
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.lora import Adapters
 from streamer.runtime.optim import OptimizerConfig
@@ -55,7 +55,8 @@ class Runtime:
         packed = any(layout.packed is not None for layout in self.layouts.values())
         derived = {
             "weights_dtype": torch.uint8 if packed else self.dtype,
-            "compute_is_master": compute_is_master(dtype_name(self.dtype), self.optimizer.master_dtype),
+            "compute_is_master": Precision(dtype_name(self.dtype), self.optimizer.master_dtype,
+                                           self.optimizer.moment_dtype).compute_is_master(frozen=self.adapters is not None),
             "groups": expert_groups(self.cfg, self.step.expert_group_size, self.layouts),
             "transport": Transport(self.store, self.device, self.dtype, torch.uint8 if packed else None,
                                    lambda: self.ledger.in_use),
@@ -65,7 +66,7 @@ class Runtime:
         if self.device.type == "cpu":  # the device's bytes are the host's: idle buffers give way to what it allocates
             self.ledger.add_listener(lambda _: self.transport.buffers.trim())
         inline_fold = (self.device.type == "cpu" and self.store is not None
-                       and self.store.spec.placement.grad == "ram" and self.data_parallel is None)
+                       and self.store.spec.placement.grad.zero_copy and self.data_parallel is None)
         object.__setattr__(self, "io", IOQueues(threaded=self.device.type != "meta" and self.step.prefetch > 0,
                                                 inline_fold=inline_fold))
 

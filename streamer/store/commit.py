@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from layers import ModelConfig
+from memory_model.tiers import DISK
 from streamer.errors import StoreError
 from streamer.store.slabfile import checksum_of, fsync_path, open_for_writing, write_json_atomic
 
@@ -171,7 +172,7 @@ def _upgrade_format_3(root: Path, raw: dict[str, Any]) -> None:
     hold the disk tier's compute-dtype copy (nothing on disk is changed either way)."""
     spec = raw.get("spec")
     placement = spec.get("placement") if isinstance(spec, dict) else None
-    if isinstance(placement, dict) and placement.get("compute") == "disk" and spec.get("compute_dtype") != "fp32":
+    if isinstance(placement, dict) and placement.get("compute") == DISK and spec.get("compute_dtype") != "fp32":
         raise StoreError(f"{root} was written by an earlier weight-streaming whose disk tier kept a compute copy "
                          f"in its state files ({_COMPUTE_COPY_FORMAT}); export it to a Hugging Face checkpoint "
                          "with that version (`streamer export`) and start a new run from it")

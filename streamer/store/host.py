@@ -29,7 +29,7 @@ from streamer.store.commit import (
     new_manifest, read_journal, read_kept, read_manifest, state_name, write_journal, write_manifest,
 )
 from streamer.store.files import GenerationWriter, StateFiles
-from streamer.store.interface import StateWriter, StoreReader, StoreWriter
+from streamer.store.interface import SlabBackend, StateWriter, StoreReader, StoreWriter
 from streamer.store.layout import fold_into
 from streamer.store.quant import restored, stored
 from streamer.store.ram import RamSlabs
@@ -55,7 +55,7 @@ class _HostSlabs(StoreReader):
         # Every slab holds the unit's stored elements: the whole unit, or this rank's slice of a sharded state.
         self.numels = {unit: spec.stored_numel(lay.numel) for unit, lay in self.layouts.items()}
         self._files = StateFiles(root / "slabs", spec, self.numels, self._read_only)
-        self._slabs: RamSlabs  # allocated by create, and by open once every state file checks out
+        self._slabs: SlabBackend  # allocated by create, and by open once every state file checks out
         # step -> manifest of each kept step, its state files left in place; and the damage of each record that
         # cannot be read. Which files such a record names is unknown: while one is there, every state file found
         # at open stays (`_kept_names`).
@@ -66,8 +66,8 @@ class _HostSlabs(StoreReader):
         self._may_fall_back = False  # a writer's open may go back to a kept step where the last commit is damaged
 
     def _allocate_ram(self) -> None:
-        """The RAM tier's slabs. An opened store allocates them only after its files match its manifest, so
-        a manifest naming another (maybe far larger) model is refused, not allocated first."""
+        """The zero-copy tiers' slabs (RAM's). An opened store allocates them only after its files match its
+        manifest, so a manifest naming another (maybe far larger) model is refused, not allocated first."""
         self._slabs = RamSlabs(self.spec, self.numels, pin=self.pin_memory)
 
     @classmethod
@@ -118,7 +118,7 @@ class _HostSlabs(StoreReader):
 
     def _interrupted_step(self) -> dict[str, Any] | None:
         """The journaled step after the manifest's, whose update a crash may have interrupted (disk tier)."""
-        if self.spec.placement.state != "disk" or self._at_kept:
+        if not self.spec.placement.state.journaled or self._at_kept:
             return None
         return read_journal(self.root, self.manifest, list(self.layouts))
 
@@ -407,7 +407,7 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def sync_grads(self) -> None:
         """Make this step's gradients durable, and checksum them: the journal may replay the update from them."""
-        if self.spec.placement.grad == "disk":
+        if self.spec.placement.grad.durable:
             for unit in self.layouts:
                 self._grad_checksums[unit] = self._files.sync_grad(unit)
 
@@ -423,7 +423,7 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def begin_step(self, step: int, record: dict[str, Any]) -> None:
         self.check_consistent()
-        journaled = self.spec.placement.state == "disk"
+        journaled = self.spec.placement.state.journaled
         if journaled:
             self.sync_grads()
             grad_checksums = {unit: self._grad_checksums[unit] for unit in self.layouts}
@@ -433,7 +433,7 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def begin_speculative_step(self, step: int) -> None:
         self.check_consistent()
-        assert self.spec.placement.state == "disk", "a speculative step returns to the previous state files"
+        assert self.spec.placement.state.durable, "a speculative step returns to the previous state files"
         self.commit = Commit(step, self.generation + 1, journaled=False, speculative=True)
 
     def rollback(self) -> None:
@@ -450,7 +450,7 @@ class HostStore(_HostSlabs, StoreWriter):
         if self.commit is None:  # rolling a journaled step forward, or the first write or loaded weights
             journal = self.journal
             self.commit = Commit(step, self.generation + 1, journal is not None and journal["step"] == step)
-        persist = self.spec.placement.state == "disk"
+        persist = self.spec.placement.state.durable
         if not persist:
             self._unsaved.add(unit)
         return self._writer(unit, self.commit, persist)
@@ -471,11 +471,11 @@ class HostStore(_HostSlabs, StoreWriter):
             self._files.delete(self._files.state_path(unit, old))
 
     def finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
-        if self.spec.placement.state == "disk":  # a roll-forward may find every unit already written
+        if self.spec.placement.state.durable:  # a roll-forward may find every unit already written
             self.generation = max([self.generation, *self.versions.values()])
         self.step = step
         self.manifest["trainer"] = trainer_state
-        if self.spec.placement.state == "disk":
+        if self.spec.placement.state.durable:
             self._write_manifest()
             self.discard_journal()  # a stale journal is recognised by its step on open
             self._remove_strays()
@@ -484,7 +484,7 @@ class HostStore(_HostSlabs, StoreWriter):
     def save(self, trainer_state: dict[str, Any]) -> None:
         self.check_consistent()
         self.manifest["trainer"] = trainer_state
-        if self.spec.placement.state == "disk":
+        if self.spec.placement.state.durable:
             self._write_manifest()
             return
         commit = Commit(self.step, self.generation + 1, journaled=False)
@@ -526,7 +526,7 @@ class UnitWriter(StateWriter):
     """One unit's new state: RAM-tier kinds go into their slabs at once; with `file`, the file kinds also go,
     in order, to the unit's next state file, and closing installs it (`installed(checksum)`)."""
 
-    def __init__(self, unit: str, spec: StoreSpec, slabs: RamSlabs, file: GenerationWriter | None,
+    def __init__(self, unit: str, spec: StoreSpec, slabs: SlabBackend, file: GenerationWriter | None,
                  installed: Callable[[int], None]) -> None:
         self.unit, self._spec, self._slabs, self._file, self._installed = unit, spec, slabs, file, installed
         self._file_kinds = spec.file_kinds()

@@ -5,8 +5,11 @@ As torch.distributed.checkpoint splits StorageReader from StorageWriter, reading
 from changing it. What only reads (the transport; generate, eval and export through a trainer opened with
 `read_only`) depends on `StoreReader`; training, new weights and saves (the trainer, the executor's gradient
 and update paths) on `StoreWriter`, which is a reader too. `streamer.store.host` implements both over two
-back ends, RAM slabs (`streamer.store.ram`) and chunk-interleaved files (`streamer.store.files`), chosen per
-kind of slab by the spec's `Placement`: `HostReader` reads, `HostStore` reads and writes.
+back ends, chosen per kind of slab by the tier the spec's `Placement` gives it (`memory_model.tiers.Tier`):
+a zero-copy tier's kinds live in a `SlabBackend` (RAM slabs, `streamer.store.ram`); every other kind, and every
+kind's durable copy, in the chunk-interleaved files (`streamer.store.files`). `HostReader` reads, `HostStore`
+reads and writes. A new zero-copy tier (CXL memory) is a record and a `SlabBackend`; a new durable tier
+(GPUDirect Storage, a second NVMe) a record and a files back end with `StateFiles`' reads and writes.
 `streamer.store.shards.MergedShards`, a sharded run's stores read by one process, is a reader only.
 
 Call order of a reader (under a shared lock on its folder; several readers may hold it at once):
@@ -49,12 +52,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from streamer.store.layout import UnitLayout
 from streamer.store.spec import StoreSpec
+
+
+class SlabBackend(Protocol):
+    """Where a zero-copy tier's kinds live: one flat host tensor per unit and kind, handed over as it lies. The
+    store asks it first for every kind (`get` is None where the kind lives elsewhere) and writes each new value
+    through it before the files."""
+
+    def get(self, unit: str, kind: str) -> torch.Tensor | None:
+        """The slab itself, or None where this kind is not held here."""
+
+    def holds(self, unit: str, kind: str) -> bool:
+        """Whether `kind` has a slab of its own here (fp32 compute weights are the masters')."""
+
+    def write(self, unit: str, kind: str, start: int, values: torch.Tensor) -> None:
+        """Copy `values`, as stored, into elements [start, ...) of the slab, if it has one."""
+
+    def close(self) -> None:
+        """Release the slabs' memory (unlock what was page-locked)."""
 
 
 class StateWriter(ABC):

@@ -1,5 +1,6 @@
-"""The RAM back end: one flat host tensor (a slab) per unit and kind placed in RAM, page-locked for a CUDA device
-as `pin_memory` says: copied into pinned memory ("all"), or registered where it lies ("register")."""
+"""The RAM back end (a `streamer.store.interface.SlabBackend`): one flat host tensor (a slab) per unit and kind placed
+on a zero-copy tier, page-locked for a CUDA device as `pin_memory` says: copied into pinned memory ("all"), or
+registered where it lies ("register")."""
 from __future__ import annotations
 
 from typing import Iterable

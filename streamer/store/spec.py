@@ -19,7 +19,7 @@ from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
 from memory_model.step import Placement, StepConfig
-from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, compute_is_master, stored_bytes
+from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, Precision, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, UnitLayout, model_layouts
 from streamer.store.slabfile import TRAILER_BYTES
@@ -61,7 +61,7 @@ class StoreSpec:
         check_settings(self, _error)
         if self.quant_type and not self.frozen:
             raise StoreError("a 4-bit base is frozen: a store holding one trains LoRA's adapters (--lora-rank)")
-        if self.placement.compute == "disk" and self.placement.state != "disk":
+        if not self.placement.compute.zero_copy and not self.placement.state.durable:
             # Disk compute weights are cast from the state files' masters, which a RAM-state store writes only
             # on save().
             raise StoreError("placement compute='disk' needs state='disk' (compute weights are read from the "
@@ -76,8 +76,12 @@ class StoreSpec:
         return shard_numel(unit_numel, self.shards)
 
     @property
+    def precision(self) -> Precision:
+        return Precision(self.compute_dtype, self.master_dtype, self.moment_dtype)
+
+    @property
     def compute_is_master(self) -> bool:
-        return compute_is_master(self.compute_dtype, self.master_dtype, self.frozen)
+        return self.precision.compute_is_master(self.frozen)
 
     def quant4(self) -> FrozenQuant | None:
         """How the base is held quantized (its 16-bit tensors in the compute dtype); None: it is not."""
@@ -135,12 +139,13 @@ class StoreSpec:
         return ("compute",) if self.frozen else STATE_KINDS
 
     def ram_kinds(self) -> tuple[str, ...]:
-        """Kinds held in RAM slabs (pinned on CUDA); fp32 compute weights are the master weights, not a copy."""
+        """Kinds held in RAM slabs, those on a zero-copy tier (pinned on CUDA); fp32 compute weights are the master
+        weights, not a copy."""
         tiers = {"compute": self.placement.compute}
         if not self.frozen:
             tiers.update({"grad": self.placement.grad, **{k: self.placement.state for k in STATE_KINDS}})
         return tuple(k for k, tier in tiers.items()
-                     if tier == "ram" and not (k == "compute" and self.compute_is_master))
+                     if tier.zero_copy and not (k == "compute" and self.compute_is_master))
 
     def chunk_bytes(self, count: int) -> int:
         """Bytes of one chunk of `count` parameters in a state file (every file kind, interleaved)."""
@@ -169,7 +174,7 @@ class StoreSpec:
     def _sizes(self) -> tuple[int, int, int, int]:
         """(RAM slabs, state files, the largest state file, gradient files) in bytes. Sized once per unit type
         (`_unit_kinds`): every block has the same shapes, and laying one out and summing its chunks takes ~1 ms."""
-        grads_on_disk = self.placement.grad == "disk" and not self.frozen
+        grads_on_disk = self.placement.grad.crosses_link and not self.frozen
         ram = states = largest = grads = 0
         for unit, units in self._unit_kinds():
             numel = self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
