@@ -41,7 +41,8 @@ from tests.test_families import (assert_planner_dry_run_and_real_run_agree,
 from tests.test_cli import run_cli
 from tests.test_runtime import EAGER_EXPERTS, hf_fp32_noise, hf_reference
 
-MIXTURES = ["qwen3_moe", "mixtral", "olmoe"]
+# Every registered mixture of experts: the families whose blocks have experts.
+MIXTURES = [model_type for model_type, cls in FAMILIES.items() if cls.example().experts()]
 
 
 def transformers_count(cfg: ModelConfig) -> int:
