@@ -28,7 +28,7 @@ class AuxiliaryLoss(abc.ABC):
     forward's sums), so a block's backward adds it where it passes, reading the sums then: the term's gradient
     reaches the weights through the backward of the loss it is added to, and `value()` has none of its own."""
 
-    state: torch.Tensor  # all it holds on the device (ModelConfig.auxiliary_loss_bytes)
+    state: torch.Tensor  # all it holds on the device (Costs.auxiliary_loss_bytes)
 
     @abc.abstractmethod
     def recording(self, counting: bool) -> ContextManager[None]:
