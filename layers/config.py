@@ -14,7 +14,9 @@ fields, so it never asks which family it holds:
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
-- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
+- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`; how
+  transformers saves the tensors (a name of their own, in parts, packed; the keys a tied checkpoint leaves out):
+  `adapter()`, a `layers.adapter.StateDictAdapter`, its family folder's adapter.py where it has one;
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
@@ -41,6 +43,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from layers.adapter import StateDictAdapter
 from layers.costs import Costs
 
 
@@ -125,6 +128,8 @@ class ModelConfig(abc.ABC):
     attention_sinks: ClassVar[bool] = False
     # The family's costs facet (layers/<family>/costs.py): its byte and FLOP inputs for memory_model.
     costs_class: ClassVar[type[Costs]]
+    # How transformers saves its tensors (layers/adapter.py, or the family folder's adapter.py).
+    adapter_class: ClassVar[type[StateDictAdapter]] = StateDictAdapter
     # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
     expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
@@ -159,30 +164,6 @@ class ModelConfig(abc.ABC):
         Such a parameter has one master, one pair of moments and one update, in its owner, whose gradient sums
         both uses. Empty: the unit holds all its own."""
         return {}
-
-    def tied_hf_keys(self) -> dict[str, str]:
-        """HF keys of the borrowed parameters -> the HF key of the one tensor each is (a tied checkpoint holds
-        only the latter)."""
-        return {self.hf_key(unit, key): self.hf_key(owner, owner_key)
-                for unit in self.unit_names() for key, (owner, owner_key) in self.borrowed(unit).items()}
-
-    def hf_saved_name(self, key: str) -> str:
-        """The name transformers saves the tensor its model names `key` under, where it saves it whole (Mixtral's
-        router, 'mlp.gate.weight' in memory, is saved as 'block_sparse_moe.gate.weight')."""
-        return key
-
-    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
-        """How transformers saves the tensor its model names `key`: None, as itself; else for each row of its
-        first dimension (an expert) the names of the tensors that row is, concatenated along their first
-        dimension. transformers 5 holds a mixture's experts fused ('mlp.experts.gate_up_proj', E x 2f x d) and
-        saves them one expert and projection a tensor ('mlp.experts.3.gate_proj.weight'), as earlier versions
-        held them."""
-        return None
-
-    def hf_packed(self, key: str) -> tuple[str, str] | None:
-        """The names of the MXFP4 blocks and scales a published checkpoint may hold the tensor `key` as (gpt-oss's
-        experts), which the checkpoint reader dequantizes as transformers does; None: never packed."""
-        return None
 
     @abc.abstractmethod
     def projection_shape(self, name: str) -> tuple[int, int]:
@@ -250,6 +231,10 @@ class ModelConfig(abc.ABC):
     def costs(self) -> Costs:
         """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
         return self.costs_class(self)
+
+    def adapter(self) -> StateDictAdapter:
+        """How transformers names and saves the family's tensors (`layers.adapter.StateDictAdapter`)."""
+        return self.adapter_class(self)
 
     @property
     def attention_width(self) -> int:

@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
         """Load an HF state dict strictly, naming missing, extra and mis-shaped keys. A tied parameter is read
         from the one tensor a tied checkpoint holds."""
         clean = {k: v for k, v in state_dict.items() if not k.endswith(self.cfg.ignored_checkpoint_suffixes)}
-        for tied, owner in self.cfg.tied_hf_keys().items():
+        for tied, owner in self.cfg.adapter().tied_keys().items():
             if owner in clean:
                 clean[tied] = clean[owner]
         check_state_dict(self.state_dict(), clean)

@@ -58,13 +58,13 @@ def toy_family(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
 
 
 def test_the_page_gives_a_whole_family() -> None:
-    """The toy's files are the three of a family folder; the in-tree line the page names has the form of
-    FAMILY_PACKAGES' entries, and each of those is a folder with the same three files."""
+    """The toy's files are a family folder's, less the costs it reuses; the in-tree line the page names has the
+    form of FAMILY_PACKAGES' entries, and each of those is a folder with a family's four files."""
     assert sorted(page_files()) == ["toy_llama/__init__.py", "toy_llama/config.py", "toy_llama/units.py"]
     assert '`"layers.toy_llama",`' in HOW_TO.read_text()
     for package in layers.FAMILY_PACKAGES:
         folder = ROOT.joinpath(*package.split("."))
-        assert {"__init__.py", "config.py", "units.py"} <= {p.name for p in folder.glob("*.py")}, package
+        assert {"__init__.py", "config.py", "costs.py", "units.py"} <= {p.name for p in folder.glob("*.py")}, package
     folders = {p.parent.name for p in (ROOT / "layers").glob("*/config.py")}
     assert folders == {package.split(".")[1] for package in layers.FAMILY_PACKAGES}
 

@@ -57,7 +57,7 @@ def test_presets_have_transformers_parameter_counts():
     cfg = PRESETS["qwen3-30b-a3b"]
     assert cfg.num_params() == transformers_count(cfg) == 30_532_122_624
     active = cfg.embed_params() + cfg.head_params() + cfg.num_hidden_layers * (
-        cfg.block_params() - cfg.mlp_params() + cfg.mlp_matmul_params())
+        cfg.block_params() - cfg.mlp_params() + cfg.costs().mlp.matmul_params())
     assert 3.3e9 < active < 3.4e9
     assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
     assert PRESETS["olmoe-1b-7b"].num_params() == transformers_count(PRESETS["olmoe-1b-7b"]) == 6_919_161_856

@@ -179,8 +179,6 @@ class Gemma3TextConfig(ModelConfig):
         return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
                 "up_proj": (d, f), "down_proj": (f, d)}[name]
 
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "Gemma3TextConfig":

@@ -26,7 +26,8 @@ from layers.config import PRESETS, ConfigError
 from layers.gemma3.config import LAYER_TYPES, deepened
 from layers.llama.config import LlamaConfig, rope_parameters_of
 from layers.moe.config import MixtureOfExperts
-from layers.gpt_oss.costs import GptOssCosts
+from layers.gpt_oss.adapter import GptOssAdapter
+from layers.gpt_oss.costs import GptOssCosts, GptOssExpertsCosts
 
 # transformers' RoPE where a config names none (GptOssConfig's): YaRN, 32 times the original 4096 positions.
 DEFAULT_ROPE: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
@@ -61,6 +62,8 @@ def alternating_layers(layers: int) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class GptOssConfig(MixtureOfExperts, LlamaConfig):
     costs_class = GptOssCosts
+    mlp_costs = GptOssExpertsCosts
+    adapter_class = GptOssAdapter  # the experts fused, as transformers holds them; published files pack them
     model_type: ClassVar[str] = "gpt_oss"
     architecture: ClassVar[str] = "GptOssForCausalLM"
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
@@ -169,17 +172,7 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         # the router and its bias; each expert's gate/up and down projections and their biases
         return experts * (d + 1) + experts * (3 * d * f + 2 * f + d)
 
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-
     # --- how transformers saves the experts ------------------------------------------------------
-    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
-        return None  # fused, as it holds them (the published files hold them MXFP4-packed: `hf_packed`)
-
-    def hf_packed(self, key: str) -> tuple[str, str] | None:
-        prefix, _, name = key.rpartition(".mlp.experts.")
-        if not prefix or name not in ("gate_up_proj", "down_proj"):
-            return None
-        return f"{key}_blocks", f"{key}_scales"
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

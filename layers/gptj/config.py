@@ -121,8 +121,6 @@ class GPTJConfig(ModelConfig):
         d, f = self.n_embd, self.intermediate_size
         return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
 
-    # --- what memory_model needs (on the cpu: LayerNorm keeps mean and rstd in the input dtype) ------------
-
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "GPTJConfig":

@@ -5,8 +5,8 @@ and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention,
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
 q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k; `qk_norm_whole`: over the whole projections,
 as olmoe's), and which of transformers' optional flags (`attention_bias`, `mlp_bias`) the family's transformers
-class honours. The MLP's terms are methods (`mlp_params`, `mlp_matmul_params`, `mlp_saved_per_token`,
-`frozen_mlp_saves`), which the mixture-of-experts families (layers/moe) override.
+class honours. The MLP's parameters are a method (`mlp_params`), which the mixture-of-experts families
+(layers/moe) override; its costs are a facet the config names (`mlp_costs`), composed into the block's.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from layers.config import (
     family, positive_ints,
 )
 from layers.costs import Costs
-from layers.llama.costs import LlamaCosts
+from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
 TINY: dict[str, int] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -69,6 +69,7 @@ def checked_rope(rope: Any, name: str = "rope_parameters") -> tuple[tuple[str, A
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
     costs_class: ClassVar[type[Costs]] = LlamaCosts
+    mlp_costs: ClassVar[type[MlpCosts]] = SwiGLUCosts  # its MLP's facet of the costs
     model_type: ClassVar[str] = "llama"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     hf_body: ClassVar[str] = "model."
@@ -195,8 +196,6 @@ class LlamaConfig(ModelConfig):
         kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
         return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
                 "up_proj": (d, f), "down_proj": (f, d)}[name]
-
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

@@ -17,16 +17,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints, take_aliases
-from layers.costs import Costs
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
-from layers.moe.costs import MoeCosts
+from layers.adapter import StateDictAdapter
+from layers.llama.costs import MlpCosts
+from layers.moe.adapter import ExpertsAdapter
+from layers.moe.costs import SparseMlpCosts
 
 
 class MixtureOfExperts:
     """The sparse MLP's fields, parameters, LoRA targets and saved names, for a config class that also subclasses
-    LlamaConfig; its byte and FLOP inputs are `MoeCosts` (layers/moe/costs.py)."""
+    LlamaConfig; its byte and FLOP inputs are the block's MLP facet `SparseMlpCosts` (layers/moe/costs.py)."""
 
-    costs_class: ClassVar[type[Costs]] = MoeCosts
+    mlp_costs: ClassVar[type[MlpCosts]] = SparseMlpCosts
+    adapter_class: ClassVar[type[StateDictAdapter]] = ExpertsAdapter
 
     num_experts: int
     num_experts_per_tok: int
@@ -49,17 +52,6 @@ class MixtureOfExperts:
     expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     saved_mlp: ClassVar[str] = "mlp"
     saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
-
-    def hf_saved_name(self, key: str) -> str:
-        return key.replace(".mlp.gate.", f".{self.saved_mlp}.gate.")
-
-    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
-        prefix, _, name = key.rpartition(".mlp.experts.")
-        parts = dict(zip(("gate_up_proj", "down_proj"), self.saved_projections)).get(name)
-        if not prefix or parts is None:
-            return None
-        return [[f"{prefix}.{self.saved_mlp}.experts.{e}.{part}.weight" for part in parts]
-                for e in range(self.num_experts)]
 
     @staticmethod
     def read_hf_experts(raw: dict[str, Any]) -> None:

@@ -44,8 +44,6 @@ class Olmo2Config(LlamaConfig):
         attention += q + kv  # q_norm and k_norm, over the whole projections
         return attention + 3 * d * f + 2 * d  # post_attention_layernorm, post_feedforward_layernorm
 
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-
 
 PRESETS.update({
     # The published shapes (their config.json files); tests/test_olmo2.py checks the parameter counts.

@@ -98,8 +98,6 @@ class Phi3Config(LlamaConfig):
         kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
         return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
 
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_fields(cls, raw: dict[str, Any]) -> "Phi3Config":
