@@ -14,7 +14,9 @@ fields, so it never asks which family it holds:
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
-- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`;
+- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`; how
+  transformers saves the tensors (a name of their own, in parts, packed; the keys a tied checkpoint leaves out):
+  `adapter()`, a `layers.adapter.StateDictAdapter`, its family folder's adapter.py where it has one;
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
@@ -22,8 +24,8 @@ fields, so it never asks which family it holds:
   target by default (`lora_default_targets`, PEFT's); those that are weight tensors, not Linear modules
   (`lora_parameters`: a mixture's fused experts, a pair per expert, `lora_experts`); where a target's adapters
   are in a block and in PEFT's saved adapter (`lora_keys`);
-- its byte and FLOP inputs for memory_model: what a block and the head save per token (a LoRA run's frozen
-  block too), a block's matmul weights, the MLP's width a token goes through (`active_mlp_width`);
+- `costs()`: its byte and FLOP inputs for memory_model, a facet in its folder's costs.py behind one protocol
+  (`layers.costs.Costs`);
 - `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
   defaults for what it may leave out where they differ from ours (`hf_defaults`);
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
@@ -41,6 +43,9 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from layers.adapter import StateDictAdapter
+from layers.costs import Costs
+
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a supported model; the message names the fix."""
@@ -50,24 +55,6 @@ class ConfigError(ValueError):
 FAMILIES: dict[str, type["ModelConfig"]] = {}
 # Every family's presets by name, filled by the family modules.
 PRESETS: dict[str, "ModelConfig"] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class FrozenBlockSaves:
-    """What a block with frozen weights and LoRA adapters saves besides the adapters' own tensors: only what the
-    gradients w.r.t. its input and its adapters need (no matmul keeps its input for a weight gradient)."""
-
-    per_token: int  # bytes per token: norms' inputs and statistics, attention's inputs and output, the MLP's
-    attention: bool  # whether attention's inputs need a gradient (it then also saves its logsumexp, any mask)
-    rotary: bool  # whether a rotated tensor needs a gradient (the rotary tables are then saved)
-    input_grad: dict[str, bool]  # per target projection, whether its input needs a gradient
-    # Whether the block's input tensor itself is among these saves, so that a checkpointed block's kept input is
-    # one of its recompute's storages (a trained block's `ModelConfig.block_saves_input`).
-    input_saved: bool
-    fixed: int = 0  # bytes whatever the tokens (Gemma's fp32 1 + weight of a norm whose input needs a gradient)
-    # Whether attention's scores need a gradient where it has sinks (it then saves its mask): not where only v's
-    # adapters make its probabilities saved.
-    scores: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +126,10 @@ class ModelConfig(abc.ABC):
     # Whether each head's softmax has a learned sink logit (gpt-oss): SDPA has none, so attention makes its scores
     # whole and saves its probabilities (memory_model.shapes.attention_saved_bytes).
     attention_sinks: ClassVar[bool] = False
+    # The family's costs facet (layers/<family>/costs.py): its byte and FLOP inputs for memory_model.
+    costs_class: ClassVar[type[Costs]]
+    # How transformers saves its tensors (layers/adapter.py, or the family folder's adapter.py).
+    adapter_class: ClassVar[type[StateDictAdapter]] = StateDictAdapter
     # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
     expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
@@ -174,30 +165,6 @@ class ModelConfig(abc.ABC):
         both uses. Empty: the unit holds all its own."""
         return {}
 
-    def tied_hf_keys(self) -> dict[str, str]:
-        """HF keys of the borrowed parameters -> the HF key of the one tensor each is (a tied checkpoint holds
-        only the latter)."""
-        return {self.hf_key(unit, key): self.hf_key(owner, owner_key)
-                for unit in self.unit_names() for key, (owner, owner_key) in self.borrowed(unit).items()}
-
-    def hf_saved_name(self, key: str) -> str:
-        """The name transformers saves the tensor its model names `key` under, where it saves it whole (Mixtral's
-        router, 'mlp.gate.weight' in memory, is saved as 'block_sparse_moe.gate.weight')."""
-        return key
-
-    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
-        """How transformers saves the tensor its model names `key`: None, as itself; else for each row of its
-        first dimension (an expert) the names of the tensors that row is, concatenated along their first
-        dimension. transformers 5 holds a mixture's experts fused ('mlp.experts.gate_up_proj', E x 2f x d) and
-        saves them one expert and projection a tensor ('mlp.experts.3.gate_proj.weight'), as earlier versions
-        held them."""
-        return None
-
-    def hf_packed(self, key: str) -> tuple[str, str] | None:
-        """The names of the MXFP4 blocks and scales a published checkpoint may hold the tensor `key` as (gpt-oss's
-        experts), which the checkpoint reader dequantizes as transformers does; None: never packed."""
-        return None
-
     @abc.abstractmethod
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the block projection `name` (one of `projections`)."""
@@ -214,41 +181,6 @@ class ModelConfig(abc.ABC):
         return LoraKeys(f"{key}.weight", f"{key}.lora_A.weight", f"{key}.lora_B.weight", f"{key}.lora_A.weight",
                         f"{key}.lora_B.weight")
 
-    @abc.abstractmethod
-    def block_matmul_params(self) -> int:
-        """The weights of a block's matmuls: a forward's matmul FLOPs are 2 x tokens x this."""
-
-    def active_mlp_width(self) -> int:
-        """The width of the MLP a token goes through, which its elementwise work scales with: `intermediate_size`,
-        or a mixture of experts' k chosen experts' widths together (not `intermediate_size`, which is one
-        expert's or a dense width no layer has)."""
-        return self.intermediate_size
-
-    @abc.abstractmethod
-    def block_saved_per_token(self, es: int) -> int:
-        """Bytes a block's forward saves per token in a compute dtype of `es` bytes, measured against autograd
-        (tests/test_planner.py), besides what every family's attention saves alike (memory_model.shapes: the
-        logsumexp, a packed rows' mask, the rotary tables)."""
-
-    def block_saved_fixed(self, es: int) -> int:
-        """Bytes a block's forward saves whatever its tokens (Gemma's fp32 1 + weight of each norm), besides
-        `block_saved_per_token`'s."""
-        return 0
-
-    @abc.abstractmethod
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        """The moments of a block's backward where autograd holds the most beyond what the block saved and the
-        incoming gradient: per moment, (bytes per token, parameters whose weight gradient exists by then, bytes
-        whatever the tokens: a saved tensor of fixed size already freed is negative). Measured against autograd
-        (tests/test_backward_transient.py)."""
-
-    def scores_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        """Where attention makes its scores whole (`attention_sinks`): the moments of its backward, as
-        `block_backward_peaks` gives them, besides the two gradients of its softmax (w.r.t. its output and its
-        input) then live, each (B, H, T, T + 1) in the compute dtype (memory_model.shapes). Measured
-        (tests/test_backward_transient.py)."""
-        return ()
-
     def experts(self) -> int:
         """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
         expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
@@ -257,42 +189,6 @@ class ModelConfig(abc.ABC):
     def expert_params(self) -> int:
         """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
         return 0
-
-    def experts_saved_after_per_token(self, es: int) -> int:
-        """Bytes per token of `block_saved_per_token` that a block's forward saves after its last expert has run
-        (the experts' outputs recombined): while a group of experts is on the device, these are not saved yet."""
-        return 0
-
-    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
-        """`block_backward_peaks` of the backward of one group of `group` experts, in the terms of
-        `block_backward_peaks` (the parameters: the group's own whose gradient exists by then)."""
-        return ()
-
-    @abc.abstractmethod
-    def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
-        """Bytes the head's forward saves per token besides the loss's own (log-sum-exp and labels); `frozen`:
-        its weights need no gradient (LoRA's base)."""
-
-    def head_saved_fixed(self) -> int:
-        """Bytes the head's forward saves whatever its tokens, besides `head_saved_per_token`'s."""
-        return 0
-
-    def auxiliary_loss_bytes(self) -> int:
-        """Device bytes of a micro-batch's auxiliary loss, which its blocks add to as they run (a mixture's
-        router load balance, `layers.model.AuxiliaryLoss`), held from its first block's forward to that block's
-        backward; 0: the model's loss has no such term."""
-        return 0
-
-    @abc.abstractmethod
-    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
-        """What a LoRA block saves with adapters on `targets` (`plain`: no dropout before them), its input
-        needing a gradient or not (`grad_in`: not the first block), measured against autograd
-        (tests/test_lora.py)."""
-
-    @abc.abstractmethod
-    def block_saves_input(self, es: int) -> bool:
-        """Whether a block saves its input tensor itself (so a checkpointed block's kept input is one of the
-        storages its recompute saves), rather than only values computed from it."""
 
     @abc.abstractmethod
     def to_hf(self) -> dict[str, Any]:
@@ -332,6 +228,14 @@ class ModelConfig(abc.ABC):
         return {k: v for k, v in raw.items() if k in own}
 
     # --- the same for every family ---------------------------------------------------------------------
+    def costs(self) -> Costs:
+        """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
+        return self.costs_class(self)
+
+    def adapter(self) -> StateDictAdapter:
+        """How transformers names and saves the family's tensors (`layers.adapter.StateDictAdapter`)."""
+        return self.adapter_class(self)
+
     @property
     def attention_width(self) -> int:
         """The width of all query heads together: q's, and SDPA's output's, features per token."""

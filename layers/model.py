@@ -28,7 +28,7 @@ class AuxiliaryLoss(abc.ABC):
     forward's sums), so a block's backward adds it where it passes, reading the sums then: the term's gradient
     reaches the weights through the backward of the loss it is added to, and `value()` has none of its own."""
 
-    state: torch.Tensor  # all it holds on the device (ModelConfig.auxiliary_loss_bytes)
+    state: torch.Tensor  # all it holds on the device (Costs.auxiliary_loss_bytes)
 
     @abc.abstractmethod
     def recording(self, counting: bool) -> ContextManager[None]:
@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
         """Load an HF state dict strictly, naming missing, extra and mis-shaped keys. A tied parameter is read
         from the one tensor a tied checkpoint holds."""
         clean = {k: v for k, v in state_dict.items() if not k.endswith(self.cfg.ignored_checkpoint_suffixes)}
-        for tied, owner in self.cfg.tied_hf_keys().items():
+        for tied, owner in self.cfg.adapter().tied_keys().items():
             if owner in clean:
                 clean[tied] = clean[owner]
         check_state_dict(self.state_dict(), clean)

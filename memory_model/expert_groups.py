@@ -99,7 +99,7 @@ def forward_moment(shape: ModelConfig, cfg: PlanConfig, batch: int, seq: int) ->
     the forward's end (nothing), whichever holds more. A forward that saves nothing (recomputed in the
     backward) holds the most with a group on the device."""
     group = expert_charges(expert_group(shape, cfg) * shape.expert_params(), cfg.dtype_bytes)
-    later = 0 if cfg.step.recomputes else batch * seq * shape.experts_saved_after_per_token(cfg.dtype_bytes)
+    later = 0 if cfg.step.recomputes else batch * seq * shape.costs().experts_saved_after_per_token(cfg.dtype_bytes)
     return (group, later) if _total(group) > later else ((), 0)
 
 

@@ -25,7 +25,7 @@ def elementwise_width(shape: ModelConfig) -> int:
     """What a block's elementwise traffic scales with per token: the d-wide tensors of the attention side
     (LayerNorm, q/k/v rotary and transposes, residual adds) and the f-wide ones of the MLP (GELU, bias), f the
     width a token goes through (a mixture's k experts together)."""
-    return shape.hidden_size + shape.active_mlp_width()
+    return shape.hidden_size + shape.costs().active_mlp_width()
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def gpu_elementwise_bytes(shape: ModelConfig, unit: str, phase: str, batch: int,
     writes d a token; its backward zeroes the dense vocab x d gradient and adds each token's row into it. A
     backward moves twice its forward's elements (the saved input and the incoming gradient in, one gradient out).
     f is the MLP's width a token goes through: a mixture's k chosen experts together."""
-    n, d, f, vocab = batch * seq, shape.hidden_size, shape.active_mlp_width(), shape.vocab_size
+    n, d, f, vocab = batch * seq, shape.hidden_size, shape.costs().active_mlp_width(), shape.vocab_size
     backward = phase == "backward"
     if unit == "embed":
         return (vocab * d + 2 * n * d) * es if backward else 2 * n * d * es

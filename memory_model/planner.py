@@ -226,10 +226,10 @@ class Plan:
 # --- memory -----------------------------------------------------------------------------------------------------
 def _activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
     """(held from forward to backward, recomputed during backward) for one unit and micro-batch. The first
-    block's hold the micro-batch's auxiliary loss too (ModelConfig.auxiliary_loss_bytes), read until its
+    block's hold the micro-batch's auxiliary loss too (Costs.auxiliary_loss_bytes), read until its
     backward."""
     kept, recompute = _unit_activations(shape, cfg, unit, batch, seq)
-    return kept + (shape.auxiliary_loss_bytes() if unit == "block.0" else 0), recompute
+    return kept + (shape.costs().auxiliary_loss_bytes() if unit == "block.0" else 0), recompute
 
 
 def _unit_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
@@ -247,7 +247,8 @@ def _unit_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int
         # once). In fp32 it charges the shared rotary table for the duration of this block's backward.
         # Offloaded, the input is charged as a resource (BlockInput) instead, held for no event beyond its own.
         saved = block_saved_bytes(shape, batch, seq, es, packed=cfg.packed, layer_type=kind)
-        return (0 if cfg.step.offloads_inputs else kept), saved - (kept if shape.block_saves_input(es) else 0)
+        saves_input = shape.costs().block_saves_input(es)
+        return (0 if cfg.step.offloads_inputs else kept), saved - (kept if saves_input else 0)
     # Resident: storages are charged once per run, so a shared fp32 rotary table goes to its first block only.
     rotary = not rotary_shared(shape, es, cfg.packed) or _first_with_table(shape, unit, lambda i: True)
     return block_saved_bytes(shape, batch, seq, es, rotary=rotary, packed=cfg.packed, layer_type=kind), 0
@@ -271,9 +272,10 @@ def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, ba
     if cfg.step.recomputes:
         kept = checkpoint_input_bytes(shape, batch, seq, es)
         saved = frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, packed=cfg.packed, layer_type=kind)
-        saves_input = shape.frozen_block_saves(es, targets, cfg.lora.dropout == 0, grad_in=not first).input_saved
+        saves = shape.costs().frozen_block_saves(es, targets, cfg.lora.dropout == 0, grad_in=not first)
+        saves_input = saves.input_saved
         return (0 if cfg.step.offloads_inputs else kept), saved - (kept if saves_input else 0)
-    rotates_first = shape.frozen_block_saves(es, targets, cfg.lora.dropout == 0, grad_in=False).rotary
+    rotates_first = shape.costs().frozen_block_saves(es, targets, cfg.lora.dropout == 0, grad_in=False).rotary
     rotary = (not rotary_shared(shape, es, cfg.packed)
               or _first_with_table(shape, unit, lambda i: i > 0 or rotates_first))
     return frozen_block_saved_bytes(shape, cfg.lora, batch, seq, es, first, rotary=rotary, packed=cfg.packed,

@@ -218,7 +218,8 @@ def block_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, rotary:
     """Unique storages a block's forward saves; `rotary=False` leaves out the sin/cos tables (already charged);
     `packed`: rows of packed examples (their mask and per-row rotary tables); `layer_type`: the block's (its
     window)."""
-    return (batch * seq * shape.block_saved_per_token(es) + shape.block_saved_fixed(es)
+    costs = shape.costs()
+    return (batch * seq * costs.block_saved_per_token(es) + costs.block_saved_fixed(es)
             + attention_saved_bytes(shape, batch, seq, es, packed, layer_type)
             + (rotary_table_bytes(shape, seq, es, batch, packed) if rotary else 0))
 
@@ -229,7 +230,7 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
     its adapters need (no matmul keeps its input for a weight gradient). `first`: its input needs no gradient
     (the block after the embedding), so only the paths from its adapters save anything."""
     n, r, plain = batch * seq, lora.rank, lora.dropout == 0
-    saves = shape.frozen_block_saves(es, frozenset(targets_of(shape, lora)), plain, grad_in=not first)
+    saves = shape.costs().frozen_block_saves(es, frozenset(targets_of(shape, lora)), plain, grad_in=not first)
     total = n * saves.per_token + saves.fixed
     if saves.attention:
         total += attention_saved_bytes(shape, batch, seq, es, packed, layer_type, saves.scores)
@@ -252,8 +253,9 @@ def head_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, vocab_ch
     """`vocab_chunk`: the loss's, loss_vocab_chunk unless given. `frozen`: the head's weights need no gradient
     (LoRA's base)."""
     n = batch * seq
-    return (n * shape.head_saved_per_token(es, frozen)  # the final norm's, and its output (the chunked loss's input)
-            + shape.head_saved_fixed()
+    costs = shape.costs()
+    return (n * costs.head_saved_per_token(es, frozen)  # the final norm's, and its output (the chunked loss's input)
+            + costs.head_saved_fixed()
             + 4 * n  # each position's log-sum-exp over the vocabulary, fp32
             + 8 * n  # the shifted int64 labels (layers.loss.shift_labels: a tensor of their own)
             + _kept_logits_bytes(shape, n, vocab_chunk))
@@ -319,12 +321,12 @@ def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es:
     autograd has made so far. Measured against autograd (tests/test_backward_transient.py). None where the
     weight gradient that is charged at the end outweighs them. `group`: the block's experts load `group` at a
     time (`expert_group`), so the busiest moment is in one group's backward, whose gradient is what is charged."""
-    n = batch * seq
+    n, costs = batch * seq, shape.costs()
     output = n * shape.hidden_size * es
     if group:  # the busiest moment is one group's backward, whose gradient is what is charged
-        peaks, scored, charged = shape.expert_group_backward_peaks(es, group), (), group * shape.expert_params()
+        peaks, scored, charged = costs.expert_group_backward_peaks(es, group), (), group * shape.expert_params()
     else:
-        peaks, scored, charged = shape.block_backward_peaks(es), shape.scores_backward_peaks(es), shape.block_params()
+        peaks, scored, charged = costs.block_backward_peaks(es), costs.scores_backward_peaks(es), shape.block_params()
     scores = 2 * batch * shape.num_attention_heads * seq * (seq + 1) * es  # softmax's two gradients, whole
     busiest = max([n * per_token + es * params + fixed for per_token, params, fixed in peaks]
                   + [n * per_token + es * params + fixed + scores for per_token, params, fixed in scored])
@@ -346,4 +348,4 @@ def forward_flops(shape: ModelConfig, unit: str, batch: int, seq: int) -> int:
         return 0  # a gather
     if unit == "head":
         return 2 * n * d * shape.vocab_size
-    return 2 * n * shape.block_matmul_params() + 4 * batch * seq * seq * shape.attention_width
+    return 2 * n * shape.costs().block_matmul_params() + 4 * batch * seq * seq * shape.attention_width

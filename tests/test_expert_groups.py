@@ -251,7 +251,7 @@ def test_the_runtime_checks_the_group_size(tmp_path: Path):
 
 def test_only_a_mixture_of_experts_has_experts():
     for shape in (PRESETS["llama-350m"], PRESETS["gptj-6b"]):
-        assert (shape.experts(), shape.expert_params(), shape.experts_saved_after_per_token(2)) == (0, 0, 0)
+        assert (shape.experts(), shape.expert_params(), shape.costs().experts_saved_after_per_token(2)) == (0, 0, 0)
     assert isinstance(MIXTRAL, ModelConfig) and MIXTRAL.experts() == 8
 
 

@@ -68,6 +68,13 @@ def test_the_from_pretrained_help_names_every_family(capsys) -> None:
     assert f"model_type is one of {', '.join(FAMILIES)}" in " ".join(out.split())
 
 
+def test_readme_names_only_presets_that_exist() -> None:
+    """README's Models names presets of published shapes and a tiny one: each is a preset."""
+    text = (ROOT / "README.md").read_text()
+    named = text[text.index("The presets `"):text.index("is a tiny one")]
+    assert set(re.findall(r"`([\w.-]+)`", named)) <= set(PRESETS)
+
+
 def test_every_preset_is_documented() -> None:
     """docs/CLI.md's `--model` names every preset of every family."""
     text = (ROOT / "docs" / "CLI.md").read_text()

@@ -57,7 +57,7 @@ def test_published_config_is_transformers_model(tmp_path, name):
     assert resolve({"from_pretrained": str(tmp_path), "data": str(tmp_path / "train.txt")}).model_config() == cfg
     theirs = transformers_model(published(name))
     state = {k: tuple(v.shape) for k, v in theirs.state_dict().items()
-             if k not in cfg.tied_hf_keys() and not k.endswith(cfg.ignored_checkpoint_suffixes)}
+             if k not in cfg.adapter().tied_keys() and not k.endswith(cfg.ignored_checkpoint_suffixes)}
     assert {k: tuple(v.shape) for k, v in expected_tensors(cfg).items()} == state
     count = sum(p.numel() for p in theirs.parameters())
     seq = min(2048, cfg.context()[0])

@@ -43,7 +43,8 @@ from tests.test_runtime import (
     EAGER_EXPERTS, assert_led_by_rounding_within_adam_steps, hf_fp32_noise, hf_reference, led_error,
 )
 
-MIXTURES = ["qwen3_moe", "mixtral", "olmoe"]
+# Every registered mixture of experts: the families whose blocks have experts.
+MIXTURES = [model_type for model_type, cls in FAMILIES.items() if cls.example().experts()]
 
 
 def transformers_count(cfg: ModelConfig) -> int:
@@ -58,7 +59,7 @@ def test_presets_have_transformers_parameter_counts():
     cfg = PRESETS["qwen3-30b-a3b"]
     assert cfg.num_params() == transformers_count(cfg) == 30_532_122_624
     active = cfg.embed_params() + cfg.head_params() + cfg.num_hidden_layers * (
-        cfg.block_params() - cfg.mlp_params() + cfg.mlp_matmul_params())
+        cfg.block_params() - cfg.mlp_params() + cfg.costs().mlp.matmul_params())
     assert 3.3e9 < active < 3.4e9
     assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
     assert PRESETS["olmoe-1b-7b"].num_params() == transformers_count(PRESETS["olmoe-1b-7b"]) == 6_919_161_856
@@ -114,7 +115,7 @@ def test_a_calibration_probe_keeps_the_experts_in_proportion(preset: str):
     assert probe.hidden_size < cfg.hidden_size
     assert probe.num_experts == cfg.num_experts
     assert probe.expert_width * cfg.hidden_size == cfg.expert_width * probe.hidden_size
-    assert probe.active_mlp_width() * cfg.hidden_size == cfg.active_mlp_width() * probe.hidden_size
+    assert probe.costs().active_mlp_width() * cfg.hidden_size == cfg.costs().active_mlp_width() * probe.hidden_size
 
 
 def test_an_expert_no_token_chose_is_stepped_as_torch_adamw_steps_it(tmp_path: Path):
@@ -344,9 +345,9 @@ def test_the_loss_is_asked_for_as_transformers_reads_it():
     asked = ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": 0.5})
     assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.5)
     assert ModelConfig.from_hf(asked.to_hf()) == asked
-    assert asked.auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
+    assert asked.costs().auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
     plain = ModelConfig.from_hf({**raw, "router_aux_loss_coef": 0.5})
-    assert plain == Qwen3MoeConfig.example() and plain.auxiliary_loss_bytes() == 0
+    assert plain == Qwen3MoeConfig.example() and plain.costs().auxiliary_loss_bytes() == 0
     assert family_units(plain).auxiliary(plain, 1.0, torch.device("cpu"), None) is None
     with pytest.raises(ConfigError, match="router_aux_loss_coef must be a finite number, got 'x'"):
         ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": "x"})

@@ -92,8 +92,9 @@ _NOISE: dict[tuple, Noise] = {}
 def hf_kernels(cfg: ModelConfig) -> tuple[str, ...]:
     """transformers' attention kernels for cfg's class whose fp32 error is its noise: eager, and sdpa where the
     class has it (gpt-oss's sinks have none)."""
-    name = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]
-    return ("eager", "sdpa") if getattr(transformers, name)._supports_sdpa else ("eager",)
+    config_class = type(transformers.AutoConfig.for_model(**cfg.to_hf()))  # a class registered with Auto* too
+    model_class = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    return ("eager", "sdpa") if model_class._supports_sdpa else ("eager",)
 
 
 def hf_fp32_noise(start: dict, data: list[tuple[torch.Tensor, torch.Tensor]], tc: TrainerConfig,

@@ -5,8 +5,8 @@ and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention,
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
 q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k; `qk_norm_whole`: over the whole projections,
 as olmoe's), and which of transformers' optional flags (`attention_bias`, `mlp_bias`) the family's transformers
-class honours. The MLP's terms are methods (`mlp_params`, `mlp_matmul_params`, `mlp_saved_per_token`,
-`frozen_mlp_saves`), which the mixture-of-experts families (layers/moe) override.
+class honours. The MLP's parameters are a method (`mlp_params`), which the mixture-of-experts families
+(layers/moe) override; its costs are a facet the config names (`mlp_costs`), composed into the block's.
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, FrozenBlockSaves, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
+from layers.costs import Costs
+from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
 TINY: dict[str, int] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -66,6 +68,8 @@ def checked_rope(rope: Any, name: str = "rope_parameters") -> tuple[tuple[str, A
 @family
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
+    costs_class: ClassVar[type[Costs]] = LlamaCosts
+    mlp_costs: ClassVar[type[MlpCosts]] = SwiGLUCosts  # its MLP's facet of the costs
     model_type: ClassVar[str] = "llama"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     hf_body: ClassVar[str] = "model."
@@ -192,80 +196,6 @@ class LlamaConfig(ModelConfig):
         kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
         return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
                 "up_proj": (d, f), "down_proj": (f, d)}[name]
-
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-    def block_matmul_params(self) -> int:
-        d, q, kv = self.hidden_size, self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore
-        return 2 * d * q + 2 * d * kv + self.mlp_matmul_params()
-
-    def mlp_matmul_params(self) -> int:
-        """The weights of the matmuls a token goes through in a block's MLP."""
-        return 3 * self.hidden_size * self.intermediate_size
-
-    def block_saved_per_token(self, es: int) -> int:
-        d, q = self.hidden_size, self.attention_width
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
-        # Each RMSNorm over w features: its fp32 input (the input itself in fp32), rstd, the normalised values
-        # (the weight's multiplier), and its output (the next matmuls' input).
-        def norm(w: int, rows: int = 1) -> int:
-            return 4 * w + 4 * rows + es * w
-
-        saved = 2 * (norm(d) + es * d)  # input_layernorm and post_attention_layernorm, and their outputs
-        if self.qk_norm:  # over q and k, per head or whole; their outputs go to RoPE, which saves only its tables
-            saved += norm(q, self.qk_norm_rows[0]) + norm(kv, self.qk_norm_rows[1])
-        saved += 4 * es * q  # rotated q, k and v repeated to every query head (SDPA's inputs), its output
-        return saved + self.mlp_saved_per_token(es)
-
-    def mlp_saved_per_token(self, es: int) -> int:
-        """Bytes the MLP saves per token besides its input (the post-attention norm's output)."""
-        return 4 * es * self.intermediate_size  # gate, silu(gate), up, and their product (down_proj's input)
-
-    def block_saves_input(self, es: int) -> bool:
-        return es == 4  # RMSNorm saves its fp32 input: in fp32 the input itself, else a copy
-
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        d, f = self.hidden_size, self.intermediate_size
-        # down_proj's backward gives the gradient w.r.t. its input, the product (then freed); the product's
-        # backward gives the gradients w.r.t. silu(gate) and up: two (N, f) more, and down_proj's gradient.
-        # (The post-attention RMSNorm's fp32 backward can hold more where f is near d; not modelled.)
-        return ((2 * es * f, d * f + (d if self.mlp_bias else 0), 0),)
-
-    def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
-        # The final RMSNorm (its normalised values only for its weight's gradient) and its output
-        return 4 * self.hidden_size + 4 + (1 if frozen else 2) * es * self.hidden_size
-
-    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
-        d, q = self.hidden_size, self.attention_width
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
-        # A frozen RMSNorm keeps only its fp32 input and rstd, and only where its input needs a gradient.
-        norm = 4 * d + 4
-        q_grad, k_grad = grad_in or "q_proj" in targets, grad_in or "k_proj" in targets
-        attention = q_grad or k_grad or grad_in or "v_proj" in targets
-        saved = norm if grad_in else 0  # input_layernorm
-        saved += d * es if plain and targets & {"q_proj", "k_proj", "v_proj"} else 0  # its output, the adapters'
-        if self.qk_norm:
-            saved += (4 * q + 4 * self.qk_norm_rows[0] if q_grad else 0)
-            saved += (4 * kv + 4 * self.qk_norm_rows[1] if k_grad else 0)
-        saved += 4 * q * es if attention else 0  # rotated q, k and v repeated to every query head, the output
-        saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
-        mlp_in = grad_in or attention or "o_proj" in targets  # the residual after attention needs a gradient
-        saved += norm if mlp_in else 0  # post_attention_layernorm
-        mlp, mlp_inputs = self.frozen_mlp_saves(es, targets, plain, mlp_in)
-        inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention, **mlp_inputs}
-        return FrozenBlockSaves(saved + mlp, attention, q_grad or k_grad, {t: inputs[t] for t in targets},
-                                input_saved=grad_in and self.block_saves_input(es))  # input_layernorm's
-
-    def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
-                         mlp_in: bool) -> tuple[int, dict[str, bool]]:
-        """A frozen MLP's saved bytes per token (`mlp_in`: its input needs a gradient), and for each of its
-        projections whether its input needs a gradient."""
-        d, f = self.hidden_size, self.intermediate_size
-        saved = d * es if plain and targets & {"gate_proj", "up_proj"} else 0  # its input, the adapters'
-        gate, up = mlp_in or "gate_proj" in targets, mlp_in or "up_proj" in targets
-        saved += 2 * f * es if gate else 0  # silu's input and, for silu(gate)'s gradient, up
-        saved += f * es if up else 0  # silu(gate), for up's gradient
-        saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
-        return saved, {"gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

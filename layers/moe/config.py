@@ -18,13 +18,18 @@ from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints, take_aliases
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
+from layers.adapter import StateDictAdapter
+from layers.llama.costs import MlpCosts
+from layers.moe.adapter import ExpertsAdapter
+from layers.moe.costs import SparseMlpCosts
 
 
 class MixtureOfExperts:
-    """The sparse MLP's parameters, matmuls and saved bytes, for a config class that also subclasses LlamaConfig.
-    A token goes through the router and its `num_experts_per_tok` experts only: its FLOPs and elementwise work
-    (`active_mlp_width`) are those, and what the experts save is per routed token whatever the routing, since
-    nothing is padded per expert."""
+    """The sparse MLP's fields, parameters, LoRA targets and saved names, for a config class that also subclasses
+    LlamaConfig; its byte and FLOP inputs are the block's MLP facet `SparseMlpCosts` (layers/moe/costs.py)."""
+
+    mlp_costs: ClassVar[type[MlpCosts]] = SparseMlpCosts
+    adapter_class: ClassVar[type[StateDictAdapter]] = ExpertsAdapter
 
     num_experts: int
     num_experts_per_tok: int
@@ -47,17 +52,6 @@ class MixtureOfExperts:
     expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     saved_mlp: ClassVar[str] = "mlp"
     saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
-
-    def hf_saved_name(self, key: str) -> str:
-        return key.replace(".mlp.gate.", f".{self.saved_mlp}.gate.")
-
-    def hf_saved_parts(self, key: str) -> list[list[str]] | None:
-        prefix, _, name = key.rpartition(".mlp.experts.")
-        parts = dict(zip(("gate_up_proj", "down_proj"), self.saved_projections)).get(name)
-        if not prefix or parts is None:
-            return None
-        return [[f"{prefix}.{self.saved_mlp}.experts.{e}.{part}.weight" for part in parts]
-                for e in range(self.num_experts)]
 
     @staticmethod
     def read_hf_experts(raw: dict[str, Any]) -> None:
@@ -83,10 +77,6 @@ class MixtureOfExperts:
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
             raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
-
-    def auxiliary_loss_bytes(self) -> int:
-        # The load balance's fp32 sums over the forward: each expert's count of choices and its probabilities.
-        return 2 * 4 * self.num_experts if self.output_router_logits else 0
 
     def projection_shape(self, name: str) -> tuple[int, int]:
         """An expert tensor's is one expert's (in_features, out_features)."""
@@ -115,69 +105,11 @@ class MixtureOfExperts:
         d, f, experts = self.hidden_size, self.expert_width, self.num_experts
         return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
 
-    def mlp_matmul_params(self) -> int:
-        d, f = self.hidden_size, self.expert_width
-        return self.num_experts * d + self.num_experts_per_tok * 3 * d * f  # the router, then k experts
-
-    def active_mlp_width(self) -> int:
-        return self.num_experts_per_tok * self.expert_width
-
-    def _routing_saved(self) -> int:
-        """Per token: the router's fp32 probabilities (softmax's output), the chosen experts (top-k's int64
-        indices), and, where renormalised, the chosen probabilities and their sum (the division's operands)."""
-        k = self.num_experts_per_tok
-        return 4 * self.num_experts + 8 * k + ((4 * k + 4) if self.norm_topk_prob else 0)
-
-    def mlp_saved_per_token(self, es: int) -> int:
-        d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
-        # Per routed token: its token's index (the gather of the experts' inputs) and its place in (token,
-        # choice) order (the gather of their outputs), int64 each; its input row (the gate/up matmul's), gate and
-        # up (silu's input), silu(gate), their product (down's input), the expert's output and its routing
-        # weight (the weighting product's operands).
-        return self._routing_saved() + k * (16 + es * (2 * d + 4 * f) + es)
-
     def experts(self) -> int:
         return self.num_experts
 
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.expert_width  # its gate, up and down projections
-
-    def experts_saved_after_per_token(self, es: int) -> int:
-        # Per routed token: its place in (token, choice) order, the expert's output and its routing weight.
-        return self.num_experts_per_tok * (8 + es * self.hidden_size + es)
-
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        return self.expert_group_backward_peaks(es, self.num_experts)
-
-    def expert_group_backward_peaks(self, es: int, group: int) -> tuple[tuple[int, int, int], ...]:
-        # Per token as if every routed token chose this group's experts: what a group's rows hold depends on the
-        # routing, and the bound is what both the runtime's charge and the plan can state.
-        d, f, k, experts = self.hidden_size, self.expert_width, self.num_experts_per_tok, group
-        # The backward of the weighting by the routing weights: the gradient w.r.t. the routed outputs, the
-        # product that gives the weights' gradient, and that gradient. Then the SwiGLU product's backward: the
-        # gradient w.r.t. its input, silu(gate)'s and up's, and down's weight gradient, when the routed outputs,
-        # their gradient, the product itself and the gather's indices are gone. Then the gate/up matmul's:
-        # its input's gradient and its weight's, when silu's input and output and the last gradients are gone.
-        return ((2 * es * k * d + es * k, 0, 0),
-                (2 * es * k * f - es * k * d - 8 * k, experts * d * f, 0),
-                (-2 * es * k * f - 8 * k, 3 * experts * d * f, 0))
-
-    def frozen_mlp_saves(self, es: int, targets: frozenset[str], plain: bool,
-                         mlp_in: bool) -> tuple[int, dict[str, bool]]:
-        d, f, k = self.hidden_size, self.expert_width, self.num_experts_per_tok
-        gate_up, down = "experts.gate_up_proj" in targets, "experts.down_proj" in targets
-        routed = mlp_in or gate_up  # gate and up need a gradient
-        # Frozen experts keep no matmul input but their adapters' (the routed input rows, the product). Per routed
-        # token: where the input needs a gradient, its gather's indices and the expert's output (the routing
-        # weight needs one too); where the outputs need one, their gather's indices and the routing weight (the
-        # weighting product's operands); gate and up (silu's input), silu(gate).
-        per_routed = 8 + es * d if mlp_in else 0
-        per_routed += 8 + es if routed or down else 0
-        per_routed += es * d if gate_up else 0
-        per_routed += 3 * f * es if routed else 0
-        per_routed += f * es if down else 0
-        return ((self._routing_saved() if mlp_in else 0) + k * per_routed,
-                {"experts.gate_up_proj": mlp_in, "experts.down_proj": routed})
 
 
 @family

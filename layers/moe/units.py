@@ -226,7 +226,7 @@ class RouterBalance(AuxiliaryLoss):
     The counts are constants (top-k has no gradient), so d loss / d p_re = coef * E * C_e / R^2 for every kept row
     of every layer (0 for padding): known once every layer has counted, it joins each router's probabilities'
     gradient in that block's backward (`_Balanced`). On the device: C and S, fp32
-    (MixtureOfExperts.auxiliary_loss_bytes), and the micro-batch's mask as fp32, held like its labels. The
+    (SparseMlpCosts.auxiliary_loss_bytes), and the micro-batch's mask as fp32, held like its labels. The
     probabilities are the routing's fp32 ones; transformers takes the softmax of the router's logits again in the
     compute dtype (the same in fp32, a rounding apart in bf16)."""
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from layers.config import PRESETS, FrozenBlockSaves, family
+from layers.config import PRESETS, family
 from layers.llama.config import TINY, LlamaConfig
+from layers.olmo2.costs import Olmo2Costs
 
 
 @family
 @dataclass(frozen=True)
 class Olmo2Config(LlamaConfig):
+    costs_class = Olmo2Costs
     model_type: ClassVar[str] = "olmo2"
     architecture: ClassVar[str] = "Olmo2ForCausalLM"
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)  # its MLP has no biases
@@ -41,65 +43,6 @@ class Olmo2Config(LlamaConfig):
         attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
         attention += q + kv  # q_norm and k_norm, over the whole projections
         return attention + 3 * d * f + 2 * d  # post_attention_layernorm, post_feedforward_layernorm
-
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-    def block_saved_per_token(self, es: int) -> int:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
-        # Each RMSNorm over w features, in any dtype: its fp32 input (in fp32 the input itself), rstd, and the
-        # fp32 normalised values (the weight's multiplier); its cast output is saved by what reads it.
-        def norm(w: int) -> int:
-            return 8 * w + 4
-
-        saved = es * d  # the block's input, q/k/v_proj's
-        saved += norm(q) + norm(kv)  # q_norm, k_norm; RoPE after them saves only its tables
-        saved += 4 * es * q  # rotated q, k and v repeated to every query head (SDPA's inputs), its output
-        saved += norm(d)  # post_attention_layernorm over o_proj's output
-        saved += es * d  # the residual after attention, gate_proj's and up_proj's input
-        saved += 4 * es * f  # gate, silu(gate), up, and their product (down_proj's input)
-        return saved + norm(d)  # post_feedforward_layernorm over down_proj's output
-
-    def block_saves_input(self, es: int) -> bool:
-        return True  # no norm before attention: q/k/v_proj save the input itself
-
-    def block_backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        d, f = self.hidden_size, self.intermediate_size
-        # First post_feedforward_layernorm's fp32 backward: four (N, d) fp32 gradients and products at once,
-        # less a row's statistic already freed, and its weight's gradient. Then the MLP's: the product's
-        # backward gives the gradients w.r.t. silu(gate) and up, two (N, f), with down_proj's gradient made; the
-        # norm's saved tensors (its fp32 input, rstd and normalised values) are freed by then.
-        return ((16 * d - 4, d, 0), (2 * es * f - (8 * d + 4), d * f + d, 0))
-
-    def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
-        # The final RMSNorm: its fp32 input, rstd, the fp32 normalised values (for its weight's gradient only),
-        # and its output cast back (lm_head's input)
-        return 4 * self.hidden_size + 4 + (0 if frozen else 4 * self.hidden_size) + es * self.hidden_size
-
-    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
-        # A frozen RMSNorm keeps only its fp32 input and rstd, and only where its input needs a gradient.
-        def norm(w: int, needed: bool) -> int:
-            return 4 * w + 4 if needed else 0
-
-        q_grad, k_grad = grad_in or "q_proj" in targets, grad_in or "k_proj" in targets
-        attention = q_grad or k_grad or grad_in or "v_proj" in targets
-        saved = d * es if plain and targets & {"q_proj", "k_proj", "v_proj"} else 0  # the input, the adapters'
-        saved += norm(q, q_grad) + norm(kv, k_grad)
-        saved += 4 * q * es if attention else 0  # rotated q, k and v repeated to every query head, the output
-        saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
-        mlp_in = grad_in or attention or "o_proj" in targets  # o_proj's output, and the residual after it
-        saved += norm(d, attention or "o_proj" in targets)  # post_attention_layernorm
-        saved += d * es if plain and targets & {"gate_proj", "up_proj"} else 0  # the residual, the adapters'
-        gate, up = mlp_in or "gate_proj" in targets, mlp_in or "up_proj" in targets
-        saved += 2 * f * es if gate else 0  # silu's input and, for silu(gate)'s gradient, up
-        saved += f * es if up else 0  # silu(gate), for up's gradient
-        saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
-        saved += norm(d, gate or up or "down_proj" in targets)  # post_feedforward_layernorm
-        inputs = {"q_proj": grad_in, "k_proj": grad_in, "v_proj": grad_in, "o_proj": attention,
-                  "gate_proj": mlp_in, "up_proj": mlp_in, "down_proj": gate or up}
-        return FrozenBlockSaves(saved, attention, q_grad or k_grad, {t: inputs[t] for t in targets},
-                                input_saved=plain and bool(targets & {"q_proj", "k_proj", "v_proj"}))
 
 
 PRESETS.update({

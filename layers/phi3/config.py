@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from layers.config import PRESETS, ConfigError, FrozenBlockSaves, family, positive_ints
+from layers.config import PRESETS, ConfigError, family, positive_ints
 from layers.llama.config import TINY, LlamaConfig, rope_parameters_of
+from layers.phi3.costs import Phi3Costs
 
 # Dropout is a training-time regulariser the published checkpoints set to 0.
 _HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
@@ -22,6 +23,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_fac
 @family
 @dataclass(frozen=True)
 class Phi3Config(LlamaConfig):
+    costs_class = Phi3Costs
     model_type: ClassVar[str] = "phi3"
     architecture: ClassVar[str] = "Phi3ForCausalLM"
     projections: ClassVar[dict[str, str]] = {
@@ -95,39 +97,6 @@ class Phi3Config(LlamaConfig):
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
         kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
         return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
-
-    # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
-    def _v_saved(self) -> int:
-        """The features per token of the storage SDPA's v is: a copy per query head under grouped-query
-        attention, else a view of qkv_proj's whole output."""
-        q, kv = self.attention_width, self.num_key_value_heads * self.head_dim  # type: ignore[operator]
-        return q if self.num_key_value_heads != self.num_attention_heads else q + 2 * kv
-
-    def block_saved_per_token(self, es: int) -> int:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        # Each RMSNorm: its fp32 input, rstd, the normalised values; its output (the next matmul's input).
-        saved = 2 * (4 * d + 4 + 2 * es * d)
-        saved += es * (3 * q + self._v_saved())  # rotated q, k repeated to every query head, v, SDPA's output
-        # gate_up_proj's output (silu's input and up), silu(gate), and the product (down_proj's input)
-        return saved + 4 * es * f
-
-    def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        norm = 4 * d + 4  # a frozen RMSNorm keeps its fp32 input and rstd where its input needs a gradient
-        attention = grad_in or "qkv_proj" in targets  # q, k and v need a gradient together or not at all
-        saved = norm if grad_in else 0  # input_layernorm
-        saved += d * es if plain and "qkv_proj" in targets else 0  # its output, the adapter's input
-        saved += es * (3 * q + self._v_saved()) if attention else 0  # SDPA's inputs and output
-        saved += q * es if not attention and plain and "o_proj" in targets else 0  # o_proj's adapter input
-        mlp_in = attention or "o_proj" in targets  # the residual after attention needs a gradient
-        saved += norm if mlp_in else 0  # post_attention_layernorm
-        saved += d * es if plain and "gate_up_proj" in targets else 0  # its output, the adapter's input
-        gate_up = mlp_in or "gate_up_proj" in targets
-        saved += 3 * f * es if gate_up else 0  # gate_up_proj's output (silu's input, up) and silu(gate)
-        saved += f * es if plain and "down_proj" in targets else 0  # the product, down_proj's adapter input
-        inputs = {"qkv_proj": grad_in, "o_proj": attention, "gate_up_proj": mlp_in, "down_proj": gate_up}
-        return FrozenBlockSaves(saved, attention, attention, {t: inputs[t] for t in targets},
-                                input_saved=grad_in and self.block_saves_input(es))  # input_layernorm's
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod

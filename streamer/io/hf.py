@@ -151,14 +151,14 @@ class HFCheckpoint:
         return pieces
 
     def _join_saved_parts(self) -> None:
-        """A tensor transformers saves under another name (`ModelConfig.hf_saved_name`) or in parts (a
-        mixture's experts, one expert and projection a tensor: `ModelConfig.hf_saved_parts`) is listed under the
+        """A tensor transformers saves under another name (`StateDictAdapter.saved_name`) or in parts (a
+        mixture's experts, one expert and projection a tensor: `StateDictAdapter.saved_parts`) is listed under the
         model's own name, and read whole."""
         self._parts: dict[str, list[list[str]]] = {}
         self._renamed: dict[str, str] = {}  # the model's name -> the one it is saved under
         self._part_entries: dict[str, _Entry] = {}
         for key in expected_tensors(self.config):
-            parts, name = self.config.hf_saved_parts(key), self.config.hf_saved_name(key)
+            parts, name = self.config.adapter().saved_parts(key), self.config.adapter().saved_name(key)
             if parts is None:
                 if key not in self._entries and name in self._entries:
                     self._entries[key] = self._entries.pop(name)
@@ -177,13 +177,13 @@ class HFCheckpoint:
             self._parts[key] = parts
 
     def _join_packed(self) -> None:
-        """A tensor a published checkpoint holds MXFP4-packed (`ModelConfig.hf_packed`: gpt-oss's experts, its
+        """A tensor a published checkpoint holds MXFP4-packed (`StateDictAdapter.packed`: gpt-oss's experts, its
         blocks (..., out, G, 16) of two 4-bit codes a byte and its scales (..., out, G), one power of two per 32
         values) is listed under the model's own name, (..., G * 32, out), and dequantized when read. Its values
         are exact in bfloat16 (2-bit mantissas times powers of two), the dtype it is listed as."""
         self._packed: dict[str, tuple[str, str]] = {}
         for key in expected_tensors(self.config):
-            names = self.config.hf_packed(key)
+            names = self.config.adapter().packed(key)
             if names is None or key in self._entries or not all(name in self._entries for name in names):
                 continue
             blocks, scales = (self._entries[name] for name in names)
@@ -198,7 +198,7 @@ class HFCheckpoint:
     def _drop_tied_copies(self) -> None:
         """A tied parameter's second name, which some writers keep, must hold the one tensor (transformers
         unties the model otherwise): then it is dropped, and the owner's name is read."""
-        for tied, owner in self.config.tied_hf_keys().items():
+        for tied, owner in self.config.adapter().tied_keys().items():
             if tied in self._entries and owner in self._entries:
                 if not torch.equal(self.read(tied), self.read(owner)):
                     raise CheckpointError(f"{self.root}: {tied} differs from {owner}, but config.json says "
@@ -303,14 +303,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     try:
         with torch.device("meta"):
             state = resident_model(cfg, init=False).state_dict()
-        return {k: v for k, v in state.items() if k not in cfg.tied_hf_keys()}
+        return {k: v for k, v in state.items() if k not in cfg.adapter().tied_keys()}
     except (RuntimeError, OverflowError, ValueError) as exc:
         raise CheckpointError(f"the config describes a model that cannot be built ({_brief(exc)}); "
                               "check its sizes") from None
 
 
 # The quantization_config methods whose folders hold weights this reader reads: gpt-oss's MXFP4 experts
-# (`ModelConfig.hf_packed`), a GGUF file's dequantized tensors, and bitsandbytes' 4-bit tensors (`_join_4bit`).
+# (`StateDictAdapter.packed`), a GGUF file's dequantized tensors, and bitsandbytes' 4-bit tensors (`_join_4bit`).
 READ_QUANT_METHODS = ("mxfp4", "gguf", "bitsandbytes")
 # What transformers saves beside a bitsandbytes 4-bit weight W: its pieces, and the JSON of its quant state.
 BNB_PIECES = {"absmax": ".absmax", "nested_absmax": ".nested_absmax"}
@@ -535,9 +535,9 @@ class HFExporter:
         if not tensor.is_floating_point():
             raise CheckpointError(f"{key} is {tensor.dtype}; weights must be floating point")
         self._added.add(key)
-        parts = self.cfg.hf_saved_parts(key)
+        parts = self.cfg.adapter().saved_parts(key)
         if parts is None:
-            self._queue(self.cfg.hf_saved_name(key), tensor)
+            self._queue(self.cfg.adapter().saved_name(key), tensor)
             return
         for row, names in zip(tensor, parts):  # saved as transformers saves it: each row's parts apart
             for name, piece in zip(names, row.chunk(len(names))):
