@@ -66,7 +66,7 @@ def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_
     exact_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     loaded = exact_base.load_state_dict(_dequantized(_bnb_model(tmp_path, "nf4", True, "eager")), strict=False)
     # (a tied head's weight is the embedding's)
-    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= set(cfg.tied_hf_keys())
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= set(cfg.adapter().tied_keys())
     exact = _loss_and_grads(_peft(exact_base, targets, {k: v.double() for k, v in adapters.items()}), ids)
     assert set(seen) == set(exact[1]) and len(seen) == 2 * len(targets) * cfg.num_hidden_layers
     assert abs(loss - exact[0]) <= 2 * max(abs(n[0] - exact[0]) for n in noisy) + 1e-6
