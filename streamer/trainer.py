@@ -603,6 +603,18 @@ class StreamingTrainer:
         return hf_state_dict([self.layouts[u] for u in self.units],
                              self.merged_unit_master if merged else self.unit_master)
 
+    @property
+    def held_store(self) -> StoreReader:
+        """The store; only a dry run (the meta device) has none."""
+        assert self.store is not None, "a dry run holds no store"
+        return self.store
+
+    @property
+    def writing(self) -> StoreWriter:
+        """The store that takes this trainer's writes; one opened read-only has none."""
+        assert self.writer is not None, "the store was opened read-only"
+        return self.writer
+
     def close(self) -> None:
         self.executor.close()
         if self.store is not None:

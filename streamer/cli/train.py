@@ -13,7 +13,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Collection, TypeVar
+from typing import Callable, Collection, Literal, TypeVar, overload
 
 from rich.console import Console
 
@@ -91,8 +91,10 @@ def train_command(args: argparse.Namespace) -> int:
         if session.parallel is not None:
             leave_process_group()
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM; main() prints these
-        exc.resume_command = resume_command(str(session.run.root), session.parallel)
-        exc.resumes_from = _resumes_from(session)
+        # main() reads these off the interrupt (a builtin exception, whose type declares neither) to say how to
+        # continue
+        vars(exc).update(resume_command=resume_command(str(session.run.root), session.parallel),
+                         resumes_from=_resumes_from(session))
         raise
     except (DiskFull, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -152,6 +154,7 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
     if grouped is not None:  # config.toml records it: resume keeps it
         console.print(grouped, markup=False, highlight=False)
     check_fits(model_cfg, cfg, 1 if parallel is None else parallel.world)
+    assert cfg.run_dir is not None  # resolved before a run starts
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
     def first_files() -> tuple[Tokenizer, Dataset]:
@@ -169,8 +172,9 @@ def start(explicit: dict, config_file: str | None, console: Console) -> Session 
 
     with console.status("tokenizer and data"):
         made = _together(parallel, first_files, everyone=False)
-    tokenizer = made[0] if lead else load_tokenizer(run.tokenizer)  # every process reads the lead's tokenizer
-    dataset = made[1] if lead else _dataset(cfg.data, tokenizer, cfg.seq)
+    # Only the lead made them (made is None elsewhere): every process reads the lead's tokenizer.
+    tokenizer = made[0] if made is not None else load_tokenizer(run.tokenizer)
+    dataset = made[1] if made is not None else _dataset(cfg.data, tokenizer, cfg.seq)
     train_set, held_out = _split(cfg, dataset, tokenizer)
     _say_long_examples(cfg, dataset, held_out, console)
     # config.toml records both: the steps --epochs gives and the sample prompt derived from the data.
@@ -219,6 +223,7 @@ def resume(path: str, explicit: dict, config_file: str | None, console: Console)
 
 def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, console: Console) -> Session | None:
     """`--run-dir DIR` naming an existing run: continue it if the settings are its own (but for RESUMABLE ones)."""
+    assert cfg.run_dir is not None  # only a --run-dir naming a run is rerun
     run = RunDir.open(cfg.run_dir)
     saved = run.read_config()
     # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them
@@ -291,7 +296,7 @@ def _continue(run: RunDir, cfg: RunConfig, console: Console, rerun: bool = False
     # back to the newest intact kept step where the last commit is damaged.
     trainer = _together(parallel, lambda: _open(run, cfg), undo=StreamingTrainer.close)
     try:
-        for line in (trainer.writer.kept_damage, trainer.writer.fell_back):
+        for line in (trainer.writing.kept_damage, trainer.writing.fell_back):
             if line is not None:
                 console.print(line, markup=False, highlight=False)
         if lead:
@@ -346,7 +351,7 @@ def _open(run: RunDir, cfg: RunConfig) -> StreamingTrainer:
     try:
         return StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict())
     except ConfigError as exc:
-        if getattr(exc, "key", None) is None:
+        if exc.key is None or exc.problem is None:
             raise
         raise SettingError(exc.key, exc.problem) from None
 
@@ -392,6 +397,12 @@ def _compute_dtype(cfg: RunConfig, parallel: DataParallel | None, console: Conso
     return choice.dtype if parallel is None else parallel.gather(choice.dtype)[0]
 
 
+@overload
+def _together(parallel: DataParallel | None, work: Callable[[], T], everyone: Literal[True] = True,
+              undo: Callable[[T], None] | None = None) -> T: ...
+@overload
+def _together(parallel: DataParallel | None, work: Callable[[], T], everyone: bool,
+              undo: Callable[[T], None] | None = None) -> T | None: ...
 def _together(parallel: DataParallel | None, work: Callable[[], T], everyone: bool = True,
               undo: Callable[[T], None] | None = None) -> T | None:
     """Run `work` in every process (or only rank 0); if it fails in any, it fails in all, with one message.

@@ -86,8 +86,8 @@ def describe(s: Session) -> str:
     data = "Python's help topics (demo)" if cfg.data.data is None else cfg.data.data
     model = cfg.from_pretrained or cfg.model
     adapters = s.trainer.adapters
-    lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {','.join(adapters.targets)}: {adapters.numel():,} "
-                                        "trainable params, the base frozen")
+    lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {','.join(adapters.targets)}: "
+                                        f"{adapters.numel():,} trainable params, the base frozen")
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out sequences of {cfg.seq} tokens"
             f"{f' ({cfg.epochs} epochs: {cfg.steps} steps)' if cfg.epochs else ''}; batch {cfg.batch}"
@@ -233,7 +233,7 @@ def keep(s: Session, eval_loss: float | None, console: Console) -> None:
         trainer.drop_kept(old)
     if step not in held:
         return
-    check_keep_room(trainer.store.root, trainer.store.spec, step)
+    check_keep_room(trainer.held_store.root, trainer.held_store.spec, step)
     trainer.keep({} if eval_loss is None else {"eval_loss": eval_loss})
     if s.lead:
         console.print(f"step {step} kept (kept steps: {', '.join(map(str, sorted(held)))})", markup=False,
@@ -313,6 +313,7 @@ def report(s: Session, trained: int, seconds: float, learned: int, console: Cons
                           steps=[last - trained + 1, last])
         # Written before the final evaluation and sample, whose spans would otherwise join the last step's.
         top = trace.peak_step()  # the step `streamer trace` shows by default
+        assert top is not None  # steps were trained
         run.write_trace(trace, top)
         console.print(trace.table(step=top))
         for line in memory_lines(trace, top, planned=_planned_peak(s),
@@ -329,6 +330,7 @@ def report(s: Session, trained: int, seconds: float, learned: int, console: Cons
     sharded = s.parallel is not None and s.parallel.sharded
     if not s.lead and not sharded:
         return
+    assert cfg.sample_prompt is not None  # a session's settings hold the prompt it derived
     prompt_ids = s.tokenizer.prompt_ids(cfg.sample_prompt) or [s.tokenizer.eos_id]
     new_tokens = min(cfg.sample_tokens, trainer.cfg.context()[0] - len(prompt_ids))
     if new_tokens > 0:
