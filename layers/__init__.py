@@ -28,9 +28,9 @@ _LAZY = {
     "unit_kind": "layers.model", "weight_decayed": "layers.model",
 }
 
-__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "GptOssConfig", "LlamaConfig", "MistralConfig",
-           "MixtralConfig", "ModelConfig", "Olmo2Config", "OlmoeConfig", "Phi3Config", "Qwen2Config", "Qwen3Config",
-           "Qwen3MoeConfig", *_LAZY]
+__all__ = ["FAMILIES", "PRESETS", "ConfigError", "Gemma3TextConfig", "GPTJConfig", "GptOssConfig", "LlamaConfig",
+           "MistralConfig", "MixtralConfig", "ModelConfig", "Olmo2Config", "OlmoeConfig", "Phi3Config", "Qwen2Config",
+           "Qwen3Config", "Qwen3MoeConfig", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

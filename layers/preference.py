@@ -78,6 +78,7 @@ class DPOObjective(Objective):
         return per_pair.sum() / self.pairs, -(row_grad / self.pairs)
 
     def scale(self, saved: torch.Tensor | None, learned: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+        assert saved is not None  # forward saved each row's gradient
         return learned.float() * (saved * grad_loss.float()).unsqueeze(1)
 
     def metrics(self) -> dict[str, torch.Tensor]:

@@ -76,14 +76,15 @@ class _Matmul4bit(torch.autograd.Function):
                 names: tuple[str, ...], *pieces: torch.Tensor) -> torch.Tensor:
         ctx.shape, ctx.quant, ctx.names = shape, quant, names
         ctx.save_for_backward(*pieces)
-        weight = dequantize(dict(zip(names, pieces)), shape, quant).to(x.dtype)
+        weight = dequantize(dict(zip(names, pieces, strict=True)), shape, quant).to(x.dtype)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x = None
         if ctx.needs_input_grad[0]:
-            weight = dequantize(dict(zip(ctx.names, ctx.saved_tensors)), ctx.shape, ctx.quant).to(grad.dtype)
+            pieces = dict(zip(ctx.names, ctx.saved_tensors, strict=True))
+            weight = dequantize(pieces, ctx.shape, ctx.quant).to(grad.dtype)
             grad_x = grad @ weight
         return (grad_x, None, None, None, None, *(None for _ in ctx.names))
 
@@ -92,6 +93,8 @@ class Linear4bit(nn.Module):
     """A frozen Linear whose weight is held 4-bit: `weight` (the packed codes), `absmax` and, with double
     quantization, `nested_absmax` and `nested_offset`, all buffers; `bias` in the 16-bit dtype. Its matmul runs
     in `compute_dtype` (BitsAndBytesConfig's bnb_4bit_compute_dtype)."""
+
+    weight: torch.Tensor  # a buffer registered in __init__
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: Quant4, compute_dtype: torch.dtype,
                  device: torch.device | None = None) -> None:

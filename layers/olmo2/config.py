@@ -37,7 +37,7 @@ class Olmo2Config(LlamaConfig):
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        kv = self.num_key_value_heads * self.head_dim
         attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
         attention += q + kv  # q_norm and k_norm, over the whole projections
         return attention + 3 * d * f + 2 * d  # post_attention_layernorm, post_feedforward_layernorm
@@ -45,7 +45,7 @@ class Olmo2Config(LlamaConfig):
     # --- what memory_model needs, measured (tests/test_planner.py) ----------------------------------------
     def block_saved_per_token(self, es: int) -> int:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        kv = self.num_key_value_heads * self.head_dim
         # Each RMSNorm over w features, in any dtype: its fp32 input (in fp32 the input itself), rstd, and the
         # fp32 normalised values (the weight's multiplier); its cast output is saved by what reads it.
         def norm(w: int) -> int:
@@ -77,7 +77,7 @@ class Olmo2Config(LlamaConfig):
 
     def frozen_block_saves(self, es: int, targets: frozenset[str], plain: bool, grad_in: bool) -> FrozenBlockSaves:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        kv = self.num_key_value_heads * self.head_dim
         # A frozen RMSNorm keeps only its fp32 input and rstd, and only where its input needs a gradient.
         def norm(w: int, needed: bool) -> int:
             return 4 * w + 4 if needed else 0
