@@ -13,7 +13,7 @@ import functools
 import json
 import math
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -162,7 +162,13 @@ def _number(text: str) -> float | None:
         return None
 
 
-Check = Integer | Number | Pair | Choice | Text | Switch | Assignments
+class Check(Protocol):
+    """A setting's check (Integer, Choice, ... or a class of its own, such as memory_model.devices.Budget): the
+    value, normalised, or None where it is wrong; and what it wants, for the message."""
+
+    def __call__(self, value: Any) -> Any: ...
+
+    def wanted(self) -> str: ...
 
 
 def setting(default: Any, help: str, check: Check, metavar: str | None = None, optional: bool = False) -> Any:

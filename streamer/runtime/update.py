@@ -2,6 +2,8 @@
 new state written back to the store on the write queue."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from memory_model import Ledger, Trace
@@ -23,7 +25,8 @@ class Updater:
                  placement: Placement, dtype: torch.dtype, compute_is_master: bool, transport: Transport,
                  io: IOQueues, ledger: Ledger, trace: Trace, store: StoreReader | None, writer: StoreWriter | None,
                  data_parallel: DataParallel | None, seed: int = 0) -> None:
-        self.step_cfg, self.optimizer, self.layouts, self.placement, self.dtype = step, optimizer, layouts, placement, dtype
+        self.step_cfg, self.optimizer, self.layouts = step, optimizer, layouts
+        self.placement, self.dtype = placement, dtype
         self.compute_is_master, self.seed = compute_is_master, seed
         self.transport, self.io, self.ledger, self.trace = transport, io, ledger, trace
         self.store, self.writer, self.data_parallel = store, writer, data_parallel
@@ -44,7 +47,9 @@ class Updater:
                 ctx.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.on_host)}
         layout = self.layouts[chunk.unit]
         # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
-        start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
+        start = chunk.start + (0 if self.shards == 1 or self.data_parallel is None  # (sharded only across ranks)
+                               else self.data_parallel.slice_start(layout.numel))
+        assert ctx.clip_coef is not None  # set by the step's first update, or before a fused one
         rounding = None if self.optimizer.master_dtype == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
         with torch.profiler.record_function(HOST_UPDATE if self.on_host else "ws: update"):
             adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
@@ -59,7 +64,7 @@ class Updater:
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
                        for c in update_charges(chunk, self.dtype.itemsize, self.step_cfg.update_on)]
             new_compute.copy_(tensors["master"])
-        job = lambda: self._write_back(chunk, tensors, new_compute, ctx)
+        job = partial(self._write_back, chunk, tensors, new_compute, ctx)
         ctx.wait_for_writes(self.step_cfg.prefetch)
         ctx.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
@@ -81,6 +86,7 @@ class Updater:
             if ctx.clip_coef == 1.0 and coef != 1.0:
                 raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
         total = ctx.final_grads[chunk.unit]
+        assert total is not None  # the unit's last backward left its final gradient
         if chunk.last:
             del ctx.final_grads[chunk.unit]
         grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
@@ -95,20 +101,22 @@ class Updater:
                     new_compute: torch.Tensor | None, ctx: StepContext) -> None:
         if self.store is None:
             return
+        assert self.writer is not None  # a store that an update writes to takes writes
         with self.trace.span(chunk.unit, "offload", step=ctx.step), torch.profiler.record_function(WRITE_BACK):
             if chunk.unit not in ctx.writers:
                 ctx.writers[chunk.unit] = self.writer.unit_writer(chunk.unit, ctx.step)
             writer = ctx.writers[chunk.unit]
             values = {**tensors, "compute": new_compute}
             for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
-                if values[kind] is not None:
-                    host = self.transport.to_host(values[kind])
+                value = values[kind]
+                if value is not None:
+                    host = self.transport.to_host(value)
                     writer.write(kind, chunk.start, host)
-                    if host is not values[kind]:
+                    if host is not value:
                         self.transport.give_back(host)
             kept = ctx.kept_masters.get(chunk.unit)
             for kind, t in values.items():
-                borrowed = kind == "master" and kept is not None and t.device == kept.device  # a view of it
+                borrowed = kind == "master" and kept is not None and t is not None and t.device == kept.device  # a view
                 if t is not None and not borrowed and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)
             if chunk.last:
