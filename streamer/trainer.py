@@ -102,7 +102,7 @@ class StreamingTrainer:
             self.fused = step.fused(self.processes, frozen_base=self.adapters is not None)
         except ValueError as exc:
             raise StreamerError(str(exc)) from None
-        self.step_bytes = (0, 0)  # (read, written) by the store's files in the last step
+        self.step_bytes: tuple[int, ...] = (0, 0)  # (read, written) by the store's files in the last step
         self.clipped_redos = 0  # fused steps clipping undid, made again knowing the clip coefficient
         # The next step tries the fused update (the last one did not clip); False: it is made as one that clips.
         self.speculate = True
@@ -161,6 +161,7 @@ class StreamingTrainer:
             if data_parallel is not None:
                 agreed = agree_on_journal(data_parallel, store.step, journal)
                 if journal is not None and agreed is None:
+                    assert isinstance(store, StoreWriter)  # only a writer holds a journal
                     store.discard_journal()  # another rank never journaled it, so no rank updated anything of it
                 journal = agreed
             saved = dict(store.trainer_state.get("config", {}))
@@ -217,7 +218,7 @@ class StreamingTrainer:
         """Every unit's weights (by slot key) as a fresh state, committed as the store's current step."""
         assert self.store is not None
         for unit in self.units:
-            write_fresh_state(self._writable(), self.layouts[unit], tensors_of(unit), self.tc.compute_dtype,
+            write_fresh_state(self.writing, self.layouts[unit], tensors_of(unit), self.tc.compute_dtype,
                               self.data_parallel)
         self._finish_step(self.store.step, self._trainer_state())
 
@@ -258,7 +259,9 @@ class StreamingTrainer:
         rows = [input_ids, labels, positions, None if attention_mask is None else attention_mask.bool()]
         if self.data_parallel is not None:
             rows = [None if t is None else self.data_parallel.shard(t) for t in rows]
-        input_ids = rows[0]
+        first = rows[0]
+        assert first is not None  # the input ids, sharded or not
+        input_ids = first
         if input_ids.shape[0] % self.tc.step.grad_accum:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
                                 f"grad_accum={self.tc.step.grad_accum}")
@@ -266,12 +269,12 @@ class StreamingTrainer:
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
         pieces = [[None] * self.tc.step.grad_accum if t is None else
                   [p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
-        micro = [MicroBatch(*piece) for piece in zip(*pieces)]
+        micro = [MicroBatch(*piece) for piece in zip(*pieces, strict=True)]
         if reference is not None:
             pairs = input_ids.shape[0] // 2  # this process's share of the step's pairs
             if self.data_parallel is not None:
                 reference = self.data_parallel.shard(reference)
-            for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum)):
+            for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum), strict=True):
                 lengths = (batch.labels != IGNORE_INDEX).sum(dim=1)
                 batch.objective = DPOObjective(self.tc.objective, ref.to(device), lengths, float(pairs))
         return micro, tokens
@@ -295,7 +298,8 @@ class StreamingTrainer:
 
         def blocked(t: torch.Tensor) -> torch.Tensor:
             chosen, rejected = t.chunk(2)
-            return torch.cat([part for pair in zip(chosen.chunk(blocks), rejected.chunk(blocks)) for part in pair])
+            pairs = zip(chosen.chunk(blocks), rejected.chunk(blocks), strict=True)
+            return torch.cat([part for pair in pairs for part in pair])
         return (blocked(input_ids), blocked(labels), None if attention_mask is None else blocked(attention_mask),
                 blocked(reference))
 
@@ -311,7 +315,7 @@ class StreamingTrainer:
         rows = [t if self.data_parallel is None else self.data_parallel.shard(t) for t in (input_ids, labels)]
         micro = max(1, rows[0].shape[0] // self.tc.step.grad_accum)
         out = []
-        for ids, lab in zip(rows[0].split(micro), rows[1].split(micro)):
+        for ids, lab in zip(rows[0].split(micro), rows[1].split(micro), strict=True):
             device = self.executor.device
             objective = RowLogProbs()
             ctx = StepContext([MicroBatch(ids.to(device), lab.to(device), objective=objective)], self.step_count,
@@ -319,6 +323,7 @@ class StreamingTrainer:
             with torch.no_grad():
                 self.executor.run(step_events(self.step_spec(1, backward=False)), ctx)
             self.executor.clear_graphs()
+            assert objective.rows is not None  # its forward ran
             out.append(objective.rows.float().cpu())
         local = torch.cat(out)
         return local if self.data_parallel is None else torch.cat(self.data_parallel.gather(local))
@@ -336,7 +341,7 @@ class StreamingTrainer:
         `metrics` TRL's logged metrics of the step."""
         micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference)
         if self.store is not None:
-            self._writable().check_consistent()  # an update stopped part-way in this process: reopen the run
+            self.writing.check_consistent()  # an update stopped part-way in this process: reopen the run
         self.ledger.hint_context.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         self.trace.meta.update(batch=input_ids.shape[0], seq=input_ids.shape[1])
         step = self.step_count + 1
@@ -366,7 +371,7 @@ class StreamingTrainer:
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
             self._finish_step(step, self._trainer_state())
-            self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved))
+            self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved, strict=True))
             self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
@@ -404,7 +409,7 @@ class StreamingTrainer:
                else StepContext(micro, step, lr, tokens, on_first_update=self._journal))
         events = step_events(self.step_spec(len(micro), fused))
         if fused and self.store is not None:
-            self.writer.begin_speculative_step(step)
+            self.writing.begin_speculative_step(step)
         try:
             self.executor.run(events, ctx)
             if self.adapters is not None:
@@ -414,7 +419,7 @@ class StreamingTrainer:
         except BaseException:
             self._abort()
             if fused and self.store is not None:
-                self.writer.rollback()  # back to the previous state files: the step never happened
+                self.writing.rollback()  # back to the previous state files: the step never happened
             raise
         return ctx
 
@@ -484,6 +489,7 @@ class StreamingTrainer:
     def _update_adapters(self, ctx: StepContext) -> None:
         """LoRA's update, after the last backward: clip by the adapters' global gradient norm, then AdamW."""
         self._check_loss(ctx)
+        assert self.adapters is not None  # a LoRA run's
         if self.data_parallel is not None:
             handle = self.ledger.allocate("gradients", "lora", self.adapters.numel() * 4,
                                           "fp32 adapter gradients for the all-reduce")
@@ -496,18 +502,13 @@ class StreamingTrainer:
 
     def _finish_step(self, step: int, trainer_state: dict[str, Any]) -> None:
         """Commit a step; a LoRA run's adapters are written first where the store commits to disk."""
-        durable = self.store.spec.placement.state == "disk"
+        store = self.held_store
+        durable = store.spec.placement.state == "disk"
         if self.adapters is not None and durable:
-            self.adapters.save(self.store.root, step)
-        self.writer.finish_step(step, trainer_state)
+            self.adapters.save(store.root, step)
+        self.writing.finish_step(step, trainer_state)
         if self.adapters is not None and durable:
-            self.adapters.prune(self.store.root, {step, *self.store.kept()})
-
-    def _writable(self) -> StoreWriter:
-        """The store, to change it; one opened for reading says why it takes no writes."""
-        if self.writer is None:
-            raise StoreError(self.store.read_only_reason)
-        return self.writer
+            self.adapters.prune(store.root, {step, *store.kept()})
 
     def _check_loss(self, ctx: StepContext) -> None:
         loss = self._mean_loss(ctx)
@@ -527,21 +528,21 @@ class StreamingTrainer:
         self._check_loss(ctx)
         if self.store is not None:
             state = self._trainer_state(extra_losses=[self._mean_loss(ctx)])
-            self.writer.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
+            self.writing.begin_step(ctx.step, {"lr": ctx.lr, "clip_coef": ctx.clip_coef, "trainer": state})
         if self.data_parallel is not None:
             self.data_parallel.barrier()  # no rank updates a weight before every rank has journaled the step
 
     def _roll_forward(self, journal: dict[str, Any]) -> None:
         """Finish an update a crash interrupted: the same gradients, lr and clip coefficient, so bit-identical."""
         step = journal["step"]
-        pending = [u for u in self.units if self.writer.unit_version(u) != step]
+        pending = [u for u in self.units if self.writing.unit_version(u) != step]
         ctx = StepContext([], step, journal["lr"], clip_coef=journal["clip_coef"])
         # No micro-batch is left to run: the step is the update of the units it had not finished.
         self.executor.run(step_events(self.step_spec(0, update_units=tuple(pending))), ctx)
         trainer_state = journal["trainer"]
         self.losses = list(trainer_state.get("losses", []))
         self.extra_state = dict(trainer_state.get("extra", {}))
-        self.writer.finish_step(step, trainer_state)
+        self.writing.finish_step(step, trainer_state)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -565,7 +566,7 @@ class StreamingTrainer:
     def save(self) -> None:
         """Make the current step durable (the disk tier already is after every step)."""
         if self.store is not None:
-            writer = self._writable()
+            writer = self.writing
             if self.adapters is not None:
                 self.adapters.save(writer.root, writer.step)
             writer.save(self._trainer_state())
@@ -576,11 +577,11 @@ class StreamingTrainer:
         """Keep the last commit (on the RAM tier: `save()` first): no later step deletes its state (or a LoRA run's
         adapters), so it can be exported (`open(..., read_only=True, step=N)`) and is what a damaged store goes
         back to. `note` (JSON) is kept with it: the CLI's eval loss."""
-        self._writable().keep(dict(note or {}))
+        self.writing.keep(dict(note or {}))
 
     def drop_kept(self, step: int) -> None:
         """Let a kept step go: its state files are deleted (the LoRA run's adapters at the next commit)."""
-        self._writable().drop_kept(step)
+        self.writing.drop_kept(step)
 
     def kept(self) -> dict[int, dict[str, Any]]:
         """The kept steps, oldest first, with their notes."""
@@ -589,7 +590,7 @@ class StreamingTrainer:
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
         """A unit's fp32 master weights as one flat host tensor (a frozen base's: its compute weights)."""
-        return read_master(self.store, self.layouts[unit], self.executor.stored_numel(unit), self.data_parallel)
+        return read_master(self.held_store, self.layouts[unit], self.executor.stored_numel(unit), self.data_parallel)
 
     def merged_unit_master(self, unit: str) -> torch.Tensor:
         """unit_master with LoRA's adapters merged into the weights they adapt (the model that was trained)."""
@@ -611,8 +612,9 @@ class StreamingTrainer:
 
     @property
     def writing(self) -> StoreWriter:
-        """The store that takes this trainer's writes; one opened read-only has none."""
-        assert self.writer is not None, "the store was opened read-only"
+        """The store, to change it; one opened for reading says why it takes no writes."""
+        if self.writer is None:
+            raise StoreError(self.held_store.read_only_reason)
         return self.writer
 
     def close(self) -> None:

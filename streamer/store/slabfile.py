@@ -196,7 +196,7 @@ def refuse_link(path: Path) -> None:
         raise LinkRefused(path)
 
 
-def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+def replace_file(path: Path, write: Callable[[Path], object]) -> None:
     """Write `path` anew through `write(tmp)` (another library's writer: a trace, a plot) and rename it into place,
     so neither a link at `path` (refused) nor one at the tmp (removed first; its target is untouched) is followed."""
     refuse_link(path)
