@@ -18,9 +18,13 @@ from layers.loss import Objective
 class PreferenceLoss(Protocol):
     """DPO's settings as TRL's DPOConfig names them (memory_model.objective.ObjectiveConfig)."""
 
-    beta: float
-    loss_type: str  # sigmoid, ipo, hinge or robust
-    label_smoothing: float  # read by robust alone: the probability a preference is flipped
+    # Read-only members, so that the frozen ObjectiveConfig satisfies them.
+    @property
+    def beta(self) -> float: ...
+    @property
+    def loss_type(self) -> str: ...  # sigmoid, ipo, hinge or robust
+    @property
+    def label_smoothing(self) -> float: ...  # read by robust alone: the probability a preference is flipped
 
 
 def pair_loss(loss: PreferenceLoss, delta: torch.Tensor, avg_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
