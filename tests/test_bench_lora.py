@@ -61,7 +61,7 @@ def test_section_divides_the_measured_rows_and_plans_gptj6b() -> None:
     assert rows[2][:4] == ("LoRA / full", "0.50x", "0.50x", "0.25x")
     assert rows[2][4] == f"{store_bytes(specs[LORA]) / store_bytes(specs[FULL]):.2f}x"
     six = GPTJConfig.preset("gptj-6b")
-    for row, lora in zip(rows[3:], (LoraConfig(), LoraConfig(rank=LORA_RANK))):
+    for row, lora in zip(rows[3:], (LoraConfig(), LoraConfig(rank=LORA_RANK)), strict=True):
         p = plan(six, device_spec("h100-sxm"), dataclasses.replace(PLANNED, lora=lora), limits=False)
         assert row[3] == f"{size(p.peak_device_bytes)} (planned)" and row[4] == f"{size(p.host_store_bytes)} (planned)"
     assert rows[4][4] == f"{size(2 * six.num_params())} (planned)"  # the frozen base in bf16, nothing else

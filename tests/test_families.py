@@ -17,7 +17,7 @@ import transformers
 
 from layers import FAMILIES, PRESETS, FamilyUnits, ModelConfig, build_unit, learned_tokens, resident_model
 from layers.model import family_units
-from memory_model import PlanConfig, device_spec, plan
+from memory_model import device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer
@@ -152,7 +152,7 @@ def assert_streamed_training_equals_transformers(tmp_path: Path, cfg: ModelConfi
     weights_noise, loss_noise = hf_fp32_noise(start, steps, tc, exact, cfg)
     assert max((state[k] - exact[0][k]).abs().max().item() for k in exact[0]) <= 2 * weights_noise
     rounding = max(abs(loss) for loss in exact[1]) * torch.finfo(torch.float32).eps  # where HF's own is exact
-    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * loss_noise, 4 * rounding)
+    assert max(abs(a - b) for a, b in zip(losses, exact[1], strict=True)) <= max(2 * loss_noise, 4 * rounding)
     return StreamedSteps(start, steps, tc, exact[0], weights_noise)
 
 
