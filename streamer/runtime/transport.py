@@ -489,12 +489,13 @@ class Transport:
 
         return self._on_side_stream(job)
 
-    def host_chunk(self, total: torch.Tensor, start: int, count: int, on_host: bool) -> torch.Tensor:
+    def host_chunk(self, total: torch.Tensor | None, start: int, count: int, on_host: bool) -> torch.Tensor:
         """A chunk of a unit's fp32 host tensor (its final gradient, or the master its weights load kept) where
         the update runs: a view where that is the host's own memory, else a device copy (a pooled buffer:
         `give_back` it)."""
         if self.mode == "meta":
             return torch.empty(count, dtype=torch.float32, device="meta")
+        assert total is not None  # only a dry run (meta) has no host gradient or master
         piece = total[start:start + count]
         if on_host or self.mode == "shared":
             return piece

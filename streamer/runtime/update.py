@@ -86,7 +86,6 @@ class Updater:
             if ctx.clip_coef == 1.0 and coef != 1.0:
                 raise ClippingNeeded(f"the gradient norm at {chunk.unit} makes step {ctx.step} clip")
         total = ctx.final_grads[chunk.unit]
-        assert total is not None  # the unit's last backward left its final gradient
         if chunk.last:
             del ctx.final_grads[chunk.unit]
         grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
