@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -46,7 +47,7 @@ from streamer.runtime.step import StepConfig
 GiB = 2**30
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: required settings follow defaulted ones
 class Settings:
     """What one bench run measures; `--quick` swaps in tiny sizes so the harness runs in seconds. The step's
     sizes are the run's settings, checked as `streamer train` checks them."""
@@ -172,8 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(label: str, contender: str, cfg: ModelConfig, s: Settings, **kw: object) -> RunSpec:
-    fields = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps, "dtype": s.compute.dtype,
-              "max_grad_norm": s.max_grad_norm, **kw}
+    fields: dict[str, Any] = {"batch": s.batch, "seq": s.seq, "warmup": s.warmup, "steps": s.steps,
+                              "dtype": s.compute.dtype, "max_grad_norm": s.max_grad_norm, **kw}
     return RunSpec(label=label, contender=contender, model=cfg.to_dict(), **fields)
 
 
@@ -324,8 +325,8 @@ def run(args: argparse.Namespace) -> int:
             f"matmul peak (best of {s.matmul_n}^3, start and end of the run): bf16 {peaks.bf16_flops / 1e9:,.0f} "
             f"GFLOP/s, fp32 {peaks.fp32_flops / 1e9:,.0f} GFLOP/s",
             *(f"raw disk ({name}; best of {d.repeats} x {d.nbytes / GiB:.2f} GiB in {d.where}): read "
-              f"{d.read_bytes_per_s / 1e9:.2f} GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s, reading and writing at "
-              f"once {d.shared_bytes_per_s / 1e9:.2f} GB/s in all"
+              f"{d.read_bytes_per_s / 1e9:.2f} GB/s, write {d.write_bytes_per_s / 1e9:.2f} GB/s, reading and writing "
+              f"at once {d.shared_bytes_per_s / 1e9:.2f} GB/s in all"
               for name, d in disk.items()),
             f"model {s.model}, batch {s.batch} x seq {s.seq}; {s.rounds} blocks per contender (ABBA order), "
             f"{s.warmup} warm-up + {s.steps} timed steps per block" + ("; --quick: harness check only, the "

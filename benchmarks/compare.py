@@ -1,6 +1,7 @@
 """The benchmark's comparisons as tables: each turns measured results into a Section and its target verdicts."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from layers import ModelConfig
@@ -64,6 +65,11 @@ def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def _median_or_inf(r: Result) -> float:
+    """The faster of several runs by median step; one without timed steps is never it."""
+    return math.inf if r.median_s is None else r.median_s
+
+
 def _target(name: str, value: str, met: bool | None, why: str = "") -> str:
     return f"{name}: {verdict(met)} ({value})" + (f" — {why}" if why else "")
 
@@ -89,7 +95,7 @@ def dtypes(ctx: Context) -> Outcome:
 
 def overhead(ctx: Context) -> Outcome:
     resident, stream = _get(ctx, RESIDENT), _get(ctx, STREAM_RAM)
-    value = _div(stream and stream.median_s, resident and resident.median_s)
+    value = _div(stream.median_s if stream else None, resident.median_s if resident else None)
     met = None if value is None else value <= 1.10
     rows = (_timing_row(ctx, RESIDENT, "1.00x", "", ""),
             _timing_row(ctx, STREAM_RAM, ratio(value), "<= 1.10x", verdict(met)))
@@ -105,7 +111,7 @@ def overhead(ctx: Context) -> Outcome:
 def _rss_cells(r: Result | None, reference: Result | None) -> tuple[str, str, str]:
     if r is None:
         return "—", "—", "—"
-    return size(r.rss_peak_bytes), ratio(_div(r.rss_peak_bytes, reference and reference.rss_peak_bytes)), \
+    return size(r.rss_peak_bytes), ratio(_div(r.rss_peak_bytes, reference.rss_peak_bytes if reference else None)), \
         size(r.process_rss_peak_bytes)
 
 
@@ -120,16 +126,16 @@ def _hf_experts_note(hf: list[Result]) -> tuple[str, ...]:
 
 def versus_hf(ctx: Context) -> Outcome:
     hf = [r for r in (_get(ctx, HF_FP32), _get(ctx, HF_BF16)) if r is not None]
-    faster = min(hf, key=lambda r: r.median_s, default=None)
+    faster = min(hf, key=_median_or_inf, default=None)
     leaner = min(hf, key=lambda r: r.rss_peak_bytes, default=None)
     rows = []
     for label in (HF_FP32, HF_BF16, STREAM_RAM, STREAM_DISK):
         r = _get(ctx, label)
-        time_ratio = _div(r and r.median_s, faster and faster.median_s)
+        time_ratio = _div(r.median_s if r else None, faster.median_s if faster else None)
         rows.append(_timing_row(ctx, label, ratio(time_ratio), *_rss_cells(r, leaner)))
     ram, disk = _get(ctx, STREAM_RAM), _get(ctx, STREAM_DISK)
-    step_value = _div(ram and ram.median_s, faster and faster.median_s)
-    rss_value = _div(disk and disk.rss_peak_bytes, leaner and leaner.rss_peak_bytes)
+    step_value = _div(ram.median_s if ram else None, faster.median_s if faster else None)
+    rss_value = _div(disk.rss_peak_bytes if disk else None, leaner.rss_peak_bytes if leaner else None)
     notes = (f"Step ratios are against the faster HF run ({faster.label if faster else '—'}); RSS ratios against "
              f"the leaner one ({leaner.label if leaner else '—'}). Peak RSS (steps) is the process's high-water mark "
              "from the first warm-up step on (reset after setup); process peak includes building the model.",
@@ -148,12 +154,12 @@ def versus_hf(ctx: Context) -> Outcome:
 
 def versus_deepspeed(ctx: Context) -> Outcome:
     ds = [r for r in (_get(ctx, DS_CPU), _get(ctx, DS_NVME)) if r is not None]
-    faster = min(ds, key=lambda r: r.median_s, default=None)
+    faster = min(ds, key=_median_or_inf, default=None)
     rows, verdicts = [], []
     for label in (DS_CPU, DS_NVME, STREAM_RAM, STREAM_DISK):
         r = _get(ctx, label)
-        speedup = _div(faster and faster.median_s, r and r.median_s)
-        rss = _div(r and r.rss_peak_bytes, faster and faster.rss_peak_bytes)
+        speedup = _div(faster.median_s if faster else None, r.median_s if r else None)
+        rss = _div(r.rss_peak_bytes if r else None, faster.rss_peak_bytes if faster else None)
         status = ""
         if label in (STREAM_RAM, STREAM_DISK):
             met = None if speedup is None or rss is None else speedup >= 2.0 and rss <= 1.0
@@ -205,10 +211,11 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
         else:
             judged.append(share)
             cells.append(f"{rate(achieved)} ({percent(share)} of {rate(raw_rate)})")
-    bw_met = None if not judged or None in judged else min(judged) >= 0.8
+    measured = [j for j in judged if j is not None]
+    bw_met = None if not judged or len(measured) < len(judged) else min(measured) >= 0.8
     # The floor the disk sets: what reached it in a step, at the rate it moves bytes reading and writing at once.
-    storage = r.io.get("read_bytes", 0) + r.io.get("write_bytes", 0)
-    floor_s = _div(storage, raw.shared_bytes_per_s)
+    reached = r.io.get("read_bytes", 0) + r.io.get("write_bytes", 0)
+    floor_s = _div(reached, raw.shared_bytes_per_s)
     floor = f"{seconds(floor_s)} ({ratio(_div(r.median_s, floor_s))})"
     row = (f"{label} ({r.update_schedule})", *cells, _per_param_cell(_store_per_param(r)),
            f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
@@ -259,18 +266,18 @@ def half_the_bytes(ctx: Context) -> Outcome:
     for label, r in ((STREAM_DISK, full), (STREAM_DISK_HALF, half), (DS_NVME, nvme)):
         per_param = _store_per_param(None if label == DS_NVME else r)  # DeepSpeed has no store of ours
         rows.append(_timing_row(ctx, label, _per_param_cell(per_param),
-                                size(r.rss_peak_bytes) if r else "—", ratio(_div(r and r.median_s,
-                                                                                  full and full.median_s))))
-    step = _div(half and half.median_s, full and full.median_s)
+                                size(r.rss_peak_bytes) if r else "—", ratio(_div(r.median_s if r else None,
+                                                                                  full.median_s if full else None))))
+    step = _div(half.median_s if half else None, full.median_s if full else None)
     read, written = _store_per_param(half)
-    faster = _div(nvme and nvme.median_s, half and half.median_s)
-    rss = _div(half and half.rss_peak_bytes, nvme and nvme.rss_peak_bytes)
+    faster = _div(nvme.median_s if nvme else None, half.median_s if half else None)
+    rss = _div(half.rss_peak_bytes if half else None, nvme.rss_peak_bytes if nvme else None)
     targets = (
         _target("disk tier, bf16 master + int8 moments: step <= 0.5x the fp32 state's", ratio(step),
                 None if step is None else step <= 0.5),
         _target("disk tier, bf16 master + int8 moments: store <= 7 read and <= 5 written B/param",
                 "—" if read is None else f"{read:.2f} / {written:.2f}",
-                None if read is None else read <= 7 and written <= 5),
+                None if read is None or written is None else read <= 7 and written <= 5),
         _target("disk tier, bf16 master + int8 moments: >= 2x faster than DeepSpeed's NVMe offload at no more "
                 "peak RSS", f"{ratio(faster)} faster, {ratio(rss)} the RSS",
                 None if faster is None or rss is None else faster >= 2 and rss <= 1))
@@ -307,7 +314,7 @@ def update_speed(ctx: Context) -> Outcome:
 def utilisation(ctx: Context) -> Outcome:
     rows = []
     for label, r in ctx.results.items():
-        if not r.ok:
+        if not r.ok or r.median_s is None:
             continue
         shape = ModelConfig.from_dict(r.spec.model)
         # The planner's count: 3 x the forward's matmul FLOPs (backward = 2 x forward), no recompute.
@@ -335,7 +342,7 @@ def _model_target(pick: ScalePick, r: Result | None, why: str) -> list[str]:
         return []
     limit_s, limit_rss = SCALE_TARGETS[pick.model]
     name = f"6. {pick.model}: step <= {limit_s:g} s at peak RSS <= {size(limit_rss)}"
-    if r is None or pick.chosen is None:
+    if r is None or r.median_s is None or pick.chosen is None:
         return [_target(name, why, None)]
     if pick.chosen.name != pick.model:
         return [_target(name, f"{pick.chosen.name} ran instead: the disk does not hold {pick.model}", False)]
@@ -429,7 +436,7 @@ def planner(ctx: Context) -> Outcome:
     rows, within = [], []
     for label, plan in ctx.plans.items():
         r = _get(ctx, label)
-        if r is None:
+        if r is None or r.median_s is None:
             continue
         time_err = plan.step_time_s / r.median_s - 1
         peak_err = plan.peak_device_bytes / r.ledger_peak_bytes - 1
@@ -463,7 +470,7 @@ def data_parallel(ctx: Context) -> Outcome:
         threads = r.spec.threads or "default"
         rows.append((label, f"{r.spec.world} x {threads} threads", f"{r.spec.batch} x {r.spec.seq}",
                      seconds(r.median_s), f"{r.tokens_per_s:,.0f}", size(r.rss_peak_bytes)))
-    speedup = _div(two and two.tokens_per_s, one and one.tokens_per_s)
+    speedup = _div(two.tokens_per_s if two else None, one.tokens_per_s if one else None)
     return Outcome(Section("Data parallel: tokens/s with 1 and 2 processes (torch.distributed, gloo)",
                            ("run", "processes", "global batch", "step (median)", "tokens/s", "peak RSS per process"),
                            tuple(rows), (f"2 processes / 1 process: {ratio(speedup)} the tokens/s, same cores.",)))

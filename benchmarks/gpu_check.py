@@ -48,6 +48,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 import xml.etree.ElementTree as ElementTree  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
+from functools import partial  # noqa: E402
 from typing import Callable, Iterable  # noqa: E402
 
 import psutil  # noqa: E402
@@ -160,7 +161,7 @@ def host_copy_rates(nbytes: int, threads: Iterable[int], pin: bool) -> dict[int,
     rates = {}
     for n in threads:
         copier = HostCopier(n)
-        rates[n] = nbytes / best_seconds(lambda: copier.copy_(dst, src), 3)
+        rates[n] = nbytes / best_seconds(partial(copier.copy_, dst, src), 3)
         copier.close()
     return rates
 
@@ -180,13 +181,13 @@ def measure_machine() -> Machine:
     n = 8192
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * n**3 / _timed(lambda: torch.mm(a, b, out=out), 10)
+    peak = 2 * n**3 / _timed(partial(torch.mm, a, b, out=out), 10)
     del a, b, out
     size = 256 * 2**20
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(size, dtype=torch.uint8, device="cuda")
-    h2d = size / _timed(lambda: device.copy_(host, non_blocking=True), 5)
-    d2h = size / _timed(lambda: host.copy_(device, non_blocking=True), 5)
+    h2d = size / _timed(partial(device.copy_, host, non_blocking=True), 5)
+    d2h = size / _timed(partial(host.copy_, device, non_blocking=True), 5)
     del host, device
     try:
         preset: str | None = preset_for(torch.cuda.get_device_name())
@@ -226,6 +227,12 @@ class Run:
     @property
     def median_s(self) -> float:
         return statistics.median(self.step_s)
+
+    @property
+    def plan(self) -> Plan:
+        """The planner's prediction of a run with timed steps (every such run has one)."""
+        assert self.prediction is not None, f"the run at batch {self.batch} has no prediction"
+        return self.prediction
 
 
 @dataclass
@@ -489,8 +496,11 @@ def time_breakdown(events: list[dict]) -> list[Part]:
     parts = [("compute", compute),
              ("H2D", within(lambda e: e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""))),
              ("D2H", within(lambda e: e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")))]
-    parts += [(label, within(lambda e, n=name: e.get("name") == n and e.get("cat") != "gpu_user_annotation"))
-              for label, name in HOST_PARTS]
+
+    def named(name: str) -> Callable[[dict], bool]:
+        return lambda e: e.get("name") == name and e.get("cat") != "gpu_user_annotation"
+
+    parts += [(label, within(named(name))) for label, name in HOST_PARTS]
     step_s = (window[1] - window[0]) / 1e6
     out = [Part(name, _length(iv) / 1e6, 0.0 if name == "compute" else overlap(iv, compute) / 1e6, step_s)
            for name, iv in parts]
@@ -551,9 +561,9 @@ def _machine_lines(m: Machine, spec: DeviceSpec | None) -> list[str]:
 
 
 def _run_row(run: Run, m: Machine, seq: int) -> str:
-    p = run.prediction
     if not run.step_s:
         return f"| {run.batch} x {seq} | {run.update_on} | failed: {run.error} |" + " |" * 8
+    p = run.plan
     flops = p.model_flops / run.median_s
     floor, binding = floor_s(p)
     return (f"| {run.batch} x {seq} | {run.update_on} | {run.median_s:.2f} s ({len(run.step_s)}) | {floor:.2f} s "
@@ -581,7 +591,7 @@ def target_rows(results: list[ModelResult], seq: int) -> list[str]:
         run = first(r, "device")
         if run is None:
             return "unmeasured"
-        floor, binding = floor_s(run.prediction)
+        floor, binding = floor_s(run.plan)
         ratio = run.median_s / floor
         return f"{_verdict(ratio <= GOAL_FLOOR_RATIO)}: {run.median_s:.2f} s, {ratio:.2f}x the floor ({binding})"
 
@@ -589,16 +599,16 @@ def target_rows(results: list[ModelResult], seq: int) -> list[str]:
         timed = [x for x in r.runs if x.step_s and x.update_on == "device"]
         if not timed:
             return "unmeasured"
-        best = max(timed, key=lambda x: x.prediction.model_flops / x.median_s)
-        flops = best.prediction.model_flops / best.median_s
+        best = max(timed, key=lambda x: x.plan.model_flops / x.median_s)
+        flops = best.plan.model_flops / best.median_s
         return f"{_verdict(flops >= GOAL_MODEL_FLOPS)}: {flops / 1e12:,.0f} at {best.batch} x {seq}"
 
     def plan_cell(r: ModelResult) -> str:
         timed = [x for x in r.runs if x.step_s]
         if not timed:
             return "unmeasured"
-        worst = max(timed, key=lambda x: abs(x.prediction.step_time_s / x.median_s - 1))
-        error = worst.prediction.step_time_s / worst.median_s - 1
+        worst = max(timed, key=lambda x: abs(x.plan.step_time_s / x.median_s - 1))
+        error = worst.plan.step_time_s / worst.median_s - 1
         return (f"{_verdict(abs(error) <= GOAL_PLAN_ERROR)}: worst {error:+.0%} ({worst.batch} x {seq}, "
                 f"{worst.update_on})")
 
@@ -606,8 +616,8 @@ def target_rows(results: list[ModelResult], seq: int) -> list[str]:
         timed = [x for x in r.runs if x.step_s]
         if not timed:
             return "unmeasured"
-        worst = max(timed, key=lambda x: abs(x.allocator_peak / x.prediction.allocated_peak_bytes - 1))
-        error = worst.allocator_peak / worst.prediction.allocated_peak_bytes - 1
+        worst = max(timed, key=lambda x: abs(x.allocator_peak / x.plan.allocated_peak_bytes - 1))
+        error = worst.allocator_peak / worst.plan.allocated_peak_bytes - 1
         return (f"{_verdict(abs(error) <= GOAL_PEAK_ERROR)}: worst {error:+.0%} ({worst.batch} x {seq}, "
                 f"{worst.update_on})")
 
@@ -677,7 +687,10 @@ def main(argv: list[str] | None = None) -> int:
               "nothing to check on this machine; run `make gpu-check` where there is an NVIDIA GPU")
         return 0
     budget = Budget(args.budget_s, SECTION_ENDS)
-    machine, spec, results, tests, notes, failed = Machine(), None, [], [], [], False
+    machine, spec, failed = Machine(), None, False
+    results: list[ModelResult] = []
+    tests: list[TestRow] = []
+    notes: list[str] = []
     args.output.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> str:
@@ -695,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = True
     write()
     for i, model in enumerate(args.models if spec is not None else ()):
+        assert spec is not None  # the models run only where the machine was measured
         if not budget.allows(model, "its store's set-up and one step", 150):
             continue
         results.append(ModelResult(model))

@@ -69,8 +69,11 @@ def planned_rows() -> tuple[tuple[str, ...], ...]:
     return tuple(rows)
 
 
-def _ratio(full: Result | None, lora: Result | None, of: Callable[[Result], float]) -> str:
-    return ratio(None if full is None or lora is None or not of(full) else of(lora) / of(full))
+def _ratio(full: Result | None, lora: Result | None, of: Callable[[Result], float | None]) -> str:
+    if full is None or lora is None:
+        return ratio(None)
+    base, value = of(full), of(lora)
+    return ratio(None if not base or value is None else value / base)
 
 
 def lora_versus_full(ctx: Context) -> Outcome:

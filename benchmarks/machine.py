@@ -186,8 +186,8 @@ def read_while_writing(directory: Path, nbytes: int) -> float:
 class ModelChoice:
     """A scale-run candidate. The disk tier stores the master and the Adam moments only (loads cast the master
     to the compute dtype): 12 B/param with fp32 ones; 8 with bf16 moments, or 4.03 with a bf16 master and int8
-    moments (both acceptable only for the model the run is asked for, or its width). The update is fused into the backward where the disk holds a
-    second generation of every unit, else it runs after the backward."""
+    moments (both acceptable only for the model the run is asked for, or its width). The update is fused into the
+    backward where the disk holds a second generation of every unit, else it runs after the backward."""
 
     name: str
     config: ModelConfig

@@ -71,7 +71,7 @@ def repeat(index: int, steps: int, runs: tuple[tuple[str, tuple[str, ...]], ...]
             compared.append(json.loads(_streamer(["plan", "--compare", run_dir, "--json"], folder)))
         others = others_cores(before, cpu_seconds())
     return [Result(index, name, c["step_error"], c["peak_error"], c["predicted_step_s"], c["measured_step_s"], others)
-            for (name, _), c in zip(runs, compared)]
+            for (name, _), c in zip(runs, compared, strict=True)]
 
 
 def report(results: list[Result], steps: int, command: str) -> str:

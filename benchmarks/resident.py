@@ -40,12 +40,13 @@ class ResidentTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         params = list(self.model.parameters())
         losses, tokens = [], learned_tokens(labels)  # the step's loss is the mean over its learned tokens
-        for ids, lab in zip(input_ids.chunk(self.tc.step.grad_accum), labels.chunk(self.tc.step.grad_accum)):
+        micro = self.tc.step.grad_accum
+        for ids, lab in zip(input_ids.chunk(micro), labels.chunk(micro), strict=True):
             loss = causal_lm_loss(self.model(ids), lab, tokens)
             loss.backward()
             losses.append(loss.detach())
             if self.separate_masters:  # fold each micro-batch's gradient into fp32, as the streamer does
-                for p, m in zip(params, self.masters):
+                for p, m in zip(params, self.masters, strict=True):
                     m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
                     p.grad = None
         if self.tc.optimizer.max_grad_norm:
@@ -53,6 +54,6 @@ class ResidentTrainer:
         self.optimizer.step()
         if self.separate_masters:
             with torch.no_grad():
-                for p, m in zip(params, self.masters):
+                for p, m in zip(params, self.masters, strict=True):
                     p.copy_(m)
         return float(torch.stack(losses).sum())

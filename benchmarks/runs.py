@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -79,7 +80,7 @@ class Result:
         return f"{len(self.step_s)} ({self.blocks}x{self.spec.steps}, {self.spec.warmup} warm-up each)"
 
 
-def _median_by_key(rows: list[dict[str, float]]) -> dict[str, float]:
+def _median_by_key(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
     keys = {k for row in rows for k in row}
     return {k: statistics.median(row[k] for row in rows if k in row) for k in sorted(keys)}
 
@@ -99,7 +100,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         phases=_median_by_key([row for b in good for row in b.phases]),
         ledger_peak_bytes=max((b.ledger_peak_bytes for b in good), default=0),
         ledger_peak_breakdown=max(good, key=lambda b: b.ledger_peak_bytes).ledger_peak_breakdown if good else {},
-        profile=tuple(tuple(p) for b in good for p in b.profile),
+        profile=tuple((op, s, calls) for b in good for op, s, calls in b.profile),
         fused=any(b.fused for b in good), redone_steps=sum(b.redone_steps for b in good),
         experts=next((b.experts for b in good if b.experts), ""),
     )
@@ -163,7 +164,7 @@ class Runner:
             with open(log, "w") as out:
                 procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.worker", spec_json],
                                               stdout=out, stderr=subprocess.STDOUT, env=self._env(spec, rank, port)))
-        results = [self._wait(proc, log, spec.label) for proc, log in zip(procs, logs)]
+        results = [self._wait(proc, log, spec.label) for proc, log in zip(procs, logs, strict=True)]
         others = others_cores(before, cpu_seconds())
         shutil.rmtree(run_dir, ignore_errors=True)  # a disk-tier store can be tens of GB
         first = results[0]

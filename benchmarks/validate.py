@@ -14,6 +14,7 @@ import argparse
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memory_model.catalogue import PUBLISHED_RUNS, PublishedRun
 from memory_model.devices import DeviceSpec, device_spec, with_figures
@@ -55,7 +56,8 @@ def _device(run: PublishedRun) -> DeviceSpec:
 def _step(run: PublishedRun) -> PlanConfig:
     """The run's step as `streamer plan` takes it: the update where the device runs it unless the run says."""
     device = device_spec(run.device)
-    return PlanConfig.of(batch=run.batch, seq=run.seq, **{"update_on": device.update_on, **dict(run.step)})
+    step: dict[str, Any] = {"update_on": device.update_on, **dict(run.step)}
+    return PlanConfig.of(batch=run.batch, seq=run.seq, **step)
 
 
 def predict(run: PublishedRun) -> Row:
@@ -125,7 +127,8 @@ def markdown(table: list[Row]) -> str:
         "(`PublishedRun.testbed`, as `--set` would).",
         "The ratio is the plan's figure over the published one.",
         "The published figures and their sources are in `memory_model/catalogue.py` (`PUBLISHED_RUNS`).",
-        "Each model is planned in its own family; GPT-2, not one of the planner's, as GPT-J blocks of its width and depth.",
+        "Each model is planned in its own family; GPT-2, not one of the planner's, as GPT-J blocks of its width "
+        "and depth.",
         "",
         f"Goal: every case within ±{GOAL_CASE:.0%} and the median within ±{GOAL_MEDIAN:.0%}.",
         f"Now {within} of {priced} priced cases are within ±{GOAL_CASE:.0%}; the median ratio is {median:.2f}.",
@@ -155,7 +158,8 @@ def markdown(table: list[Row]) -> str:
         counted = "" if row.ratio_recompute is None else f"{row.ratio_recompute:.2f}"
         mfu = "" if row.mfu is None else f"{row.mfu:.1%}"
         published_mfu = "" if row.published_mfu is None else f"{row.published_mfu:.1%}"
-        devices = int(dict(run.step).get("devices", 1))
+        step: dict[str, Any] = dict(run.step)
+        devices = int(step.get("devices", 1))
         device = run.device if devices == 1 else f"{devices} x {run.device}"
         lines.append(f"| {run.system} | {run.measured.source} | {run.model} | {run.batch} x {run.seq} "
                      f"| {device} ({run.host}) | {run.metric} | {_figure(run.measured.value, run.metric)} "

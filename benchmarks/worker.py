@@ -34,7 +34,7 @@ STORE_COUNTERS = ("store_read", "store_written")
 IO_PHASES, COMPUTE_PHASES = ("load", "offload"), ("forward", "backward", "update")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: required settings follow defaulted ones
 class RunSpec:
     """What one child measures. `tier` is where the training state lives: ram, or disk (DeepSpeed: nvme)."""
 
@@ -292,7 +292,7 @@ def measure(spec: RunSpec) -> Measured:
         one_step()
         out.warmup_s.append(time.perf_counter() - t0)
     redone_before = trainer.clipped_redos if trainer is not None else 0
-    for i in range(spec.steps):
+    for _ in range(spec.steps):
         io_before, t0 = _io_counters(), time.perf_counter()
         out.losses.append(one_step())
         out.step_s.append(time.perf_counter() - t0)
@@ -301,7 +301,7 @@ def measure(spec: RunSpec) -> Measured:
         if contender.trainer is not None:
             out.phases.append(_phases(contender.trainer, contender.trainer.step_count))
             # what the store's files were asked for (data only), the figure the planner prices
-            out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes))
+            out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes, strict=True))
     out.step_rss_peak_bytes = _rss_peak()
     out.process_rss_peak_bytes = max(setup_rss_peak, out.step_rss_peak_bytes)
     if trainer is not None:

@@ -93,7 +93,7 @@ def main() -> None:
           "MiB in fp32)")
 
     tokenizer = load_tokenizer(source)
-    seq = min(128, cfg.n_positions)
+    seq = min(128, cfg.max_position_embeddings)
     batches = BatchStream(tokenize(demo_corpus()[:40], tokenizer, seq), batch=4)
     with trainer:
         for step in range(1, args.steps + 1):

@@ -4,12 +4,13 @@ RAM), step time, largest batch; below the table, why each step that does not fit
     python examples/plan_devices.py [--model gptj-6b] [--batch 1] [--seq 2048] [--store ram] [--dry-run]
 
 --model is any family's preset or config.json (gptj-6b, llama-3.1-8b, mistral-7b, qwen2.5-7b, qwen3-8b, ...).
-Full fine-tuning with AdamW keeps 16 bytes per parameter (bf16 weights and gradients, fp32 master weights
-and two moments): 96.8 GB for GPT-J-6B, 128 GB for Llama-3.1-8B, more than any single device here. Streamed, a device holds one
-layer's state at a time plus the activations, which is what this table prices with the analytic planner
+Full fine-tuning with AdamW keeps 16 bytes per parameter (bf16 weights and gradients, fp32 master weights and two
+moments): 96.8 GB for GPT-J-6B, 128 GB for Llama-3.1-8B, more than any single device here. Streamed, a device holds
+one layer's state at a time plus the activations, which is what this table prices with the analytic planner
 (memory_model.plan). --store says where the host store lives: ram (the default), or disk, which keeps no
-compute-dtype copy and updates each layer during the backward (a lower peak, a step bound by the disk). --dry-run also runs the runtime's real schedule on meta tensors for each policy and
-shows its ledger's peak beside the planner's (a few seconds each).
+compute-dtype copy and updates each layer during the backward (a lower peak, a step bound by the disk). --dry-run
+also runs the runtime's real schedule on meta tensors for each policy and shows its ledger's peak beside the
+planner's (a few seconds each).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def main() -> None:
                           f"[red]no: {' and '.join(short)}[/]" if short else "yes",
                           f"{p.baseline_bytes / p.peak_device_bytes:.1f}",
                           f"{p.step_time_s:.2f}", f"{p.tokens_per_s:,.0f}", f"{p.utilisation:.1%}", p.bottleneck,
-                          str(p.max_batch_seq[0]) if p.max_batch_seq[0] else "[red]none[/]")
+                          str(p.max_batch_seq[0]) if p.max_batch_seq and p.max_batch_seq[0] else "[red]none[/]")
     console = make_console()
     console.print(table)
     for where, why in refused.items():

@@ -167,12 +167,13 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
     and padding rows, unit norm weights (LayerNorm, RMSNorm), zero offsets of an OffsetRMSNorm and zero LayerNorm
     biases; a module with its own rule (transformers' `_init_weights` for its class) by its `init_parameters`."""
     for sub in module.modules():
-        if hasattr(sub, "init_parameters"):
-            sub.init_parameters(std)
+        bias, own_init = getattr(sub, "bias", None), getattr(sub, "init_parameters", None)
+        if own_init is not None:
+            own_init(std)
         elif isinstance(sub, (nn.Linear, nn.Embedding)):
             nn.init.normal_(sub.weight, mean=0.0, std=std)
-            if getattr(sub, "bias", None) is not None:
-                nn.init.zeros_(sub.bias)
+            if bias is not None:
+                nn.init.zeros_(bias)
             if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
                 with torch.no_grad():
                     sub.weight[sub.padding_idx].zero_()
@@ -180,8 +181,8 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.zeros_(sub.weight)
         elif isinstance(sub, (nn.LayerNorm, RMSNorm)):
             nn.init.ones_(sub.weight)
-            if getattr(sub, "bias", None) is not None:
-                nn.init.zeros_(sub.bias)
+            if bias is not None:
+                nn.init.zeros_(bias)
         else:  # a module's own stacks of matrices (a mixture of experts' fused expert weights)
             for p in sub.parameters(recurse=False):
                 if p.dim() >= 2:

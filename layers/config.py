@@ -41,7 +41,7 @@ import abc
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Self
 
 from layers.adapter import StateDictAdapter
 from layers.costs import Costs
@@ -133,14 +133,35 @@ class ModelConfig(abc.ABC):
     # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
     expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    rotary_dim: int
+    if TYPE_CHECKING:
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every family's config is a dataclass
+        # A family stores each of these as a field or derives it (GPT-J's from its own names, rotary_dim from
+        # head_dim): read-only to the type checker, so that either form satisfies it.
+        @property
+        def hidden_size(self) -> int: ...
+        @property
+        def num_hidden_layers(self) -> int: ...
+        @property
+        def num_attention_heads(self) -> int: ...
+        @property
+        def num_key_value_heads(self) -> int: ...
+        @property
+        def head_dim(self) -> int: ...
+        @property
+        def intermediate_size(self) -> int: ...
+        @property
+        def max_position_embeddings(self) -> int: ...
+        @property
+        def rotary_dim(self) -> int: ...
+    else:
+        hidden_size: int
+        num_hidden_layers: int
+        num_attention_heads: int
+        num_key_value_heads: int
+        head_dim: int
+        intermediate_size: int
+        max_position_embeddings: int
+        rotary_dim: int
     # The embedding row whose lookups give it no gradient (nn.Embedding's padding_idx), where the family's
     # transformers class builds its embedding with config.pad_token_id; None: no such row.
     pad_token_id: int | None = None
@@ -196,7 +217,7 @@ class ModelConfig(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_fields(cls, raw: dict[str, Any]) -> Self:
         """Build from a config.json's keys (model_type already removed, the required ones there, transformers'
         defaults filled in)."""
 
@@ -224,7 +245,7 @@ class ModelConfig(abc.ABC):
     @classmethod
     def own_fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
         """The keys of a config.json that are this family's own fields: the rest carries nothing we build."""
-        own = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        own = {f.name for f in dataclasses.fields(cls)}
         return {k: v for k, v in raw.items() if k in own}
 
     # --- the same for every family ---------------------------------------------------------------------
@@ -296,17 +317,18 @@ class ModelConfig(abc.ABC):
     def to_dict(self) -> dict[str, Any]:
         """Our own fields and the model_type: what a store's manifest records (`ModelConfig.from_dict`)."""
         return {"model_type": self.model_type,
-                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}  # type: ignore[arg-type]
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
-    def resized(self, **sizes: int) -> "ModelConfig":
+    def resized(self, **sizes: int) -> Self:
         """A copy with the given common sizes (hidden_size=..., num_hidden_layers=...) changed and the rest
         kept, validated as any config. A size the family derives rather than stores (GPT-J's head_dim) must come
         out as asked."""
-        own = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-        stored = {self.own_names.get(k, k): v for k, v in sizes.items() if self.own_names.get(k, k) in own}
+        own = {f.name for f in dataclasses.fields(self)}
+        stored: dict[str, int | None] = {self.own_names.get(k, k): v for k, v in sizes.items()
+                                         if self.own_names.get(k, k) in own}
         if self.pad_token_id is not None and self.pad_token_id >= sizes.get("vocab_size", self.vocab_size):
             stored["pad_token_id"] = None  # a vocabulary without that row (a calibration probe's) pads nothing
-        out = dataclasses.replace(self, **stored)  # type: ignore[type-var]
+        out = dataclasses.replace(self, **stored)
         derived = {k: (getattr(out, k), v) for k, v in sizes.items() if self.own_names.get(k, k) not in own}
         wrong = {k: got for k, (got, asked) in derived.items() if got != asked}
         if wrong:
@@ -335,18 +357,20 @@ class ModelConfig(abc.ABC):
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, fields: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, fields: Mapping[str, Any]) -> Self:
         """Build from our own field names (and model_type; GPT-J where absent, as stores written before other
         families were); an unknown field is an error, not ignored. On a family class, only that family."""
         fields = dict(fields)
         target = _family_of(fields.pop("model_type", getattr(cls, "model_type", "gptj")))
         if cls is not ModelConfig and target is not cls:
             raise ConfigError(f"model_type {target.model_type!r} is not {cls.model_type!r}")
-        known = {f.name for f in dataclasses.fields(target)}  # type: ignore[arg-type]
+        known = {f.name for f in dataclasses.fields(target)}
         unknown = sorted(str(k) for k in set(fields) - known)
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
-        return target(**fields)
+        built = target(**fields)
+        assert isinstance(built, cls)  # a family's class builds only its own configs
+        return built
 
     @classmethod
     def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "ModelConfig":

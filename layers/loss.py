@@ -130,7 +130,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 vocab_chunk: int, objective: Objective, shape: torch.Size) -> torch.Tensor:
         n = x.shape[0]
         lse_parts, target_logit = [], x.new_zeros(n, dtype=torch.float32)
-        kept = ()
+        kept: tuple[torch.Tensor, ...] = ()
         for lo, hi in _vocab_slices(weight.shape[0], vocab_chunk):
             logits = _chunk_logits(x, weight, bias, lo, hi, objective.temperature)
             lse_parts.append(torch.logsumexp(logits, dim=1))

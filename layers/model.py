@@ -7,7 +7,7 @@ import abc
 import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -55,11 +55,12 @@ class FamilyUnits:
     term multiplied by `scale` beyond the family's coefficient, over the tokens transformers' attention mask
     (B, T) keeps (None: every token)."""
 
-    embed: Callable[[ModelConfig], nn.Module]
-    block: Callable[[ModelConfig, str], nn.Module]
-    head: Callable[[ModelConfig], nn.Module]
-    model: Callable[[ModelConfig, bool], "CausalLM"]  # (cfg, init): HF's initialisation unless init is False
-    auxiliary: Callable[[ModelConfig, float, torch.device, torch.Tensor | None], AuxiliaryLoss | None] = \
+    # Each takes its family's own config class: Any, since a Callable of a subclass is not one of ModelConfig.
+    embed: Callable[[Any], nn.Module]
+    block: Callable[[Any, str], nn.Module]
+    head: Callable[[Any], nn.Module]
+    model: Callable[[Any, bool], "CausalLM"]  # (cfg, init): HF's initialisation unless init is False
+    auxiliary: Callable[[Any, float, torch.device, torch.Tensor | None], AuxiliaryLoss | None] = \
         no_auxiliary_loss
 
 

@@ -18,9 +18,13 @@ from layers.loss import Objective
 class PreferenceLoss(Protocol):
     """DPO's settings as TRL's DPOConfig names them (memory_model.objective.ObjectiveConfig)."""
 
-    beta: float
-    loss_type: str  # sigmoid, ipo, hinge or robust
-    label_smoothing: float  # read by robust alone: the probability a preference is flipped
+    # Read-only members, so that the frozen ObjectiveConfig satisfies them.
+    @property
+    def beta(self) -> float: ...
+    @property
+    def loss_type(self) -> str: ...  # sigmoid, ipo, hinge or robust
+    @property
+    def label_smoothing(self) -> float: ...  # read by robust alone: the probability a preference is flipped
 
 
 def pair_loss(loss: PreferenceLoss, delta: torch.Tensor, avg_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +82,7 @@ class DPOObjective(Objective):
         return per_pair.sum() / self.pairs, -(row_grad / self.pairs)
 
     def scale(self, saved: torch.Tensor | None, learned: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+        assert saved is not None  # forward saved each row's gradient
         return learned.float() * (saved * grad_loss.float()).unsqueeze(1)
 
     def metrics(self) -> dict[str, torch.Tensor]:

@@ -130,6 +130,7 @@ class Linear4bit(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.quant = in_features, out_features, quant
         self.compute_dtype = compute_dtype
+        self.weight: torch.Tensor  # a buffer, registered below
         pieces = quant.weight_pieces((out_features, in_features))
         for name, dtype, shape in pieces:
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))

@@ -10,8 +10,8 @@ from memory_model.trace import PHASES, MemorySample, SpanEvent, Trace
 from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES, SizeError, format_size, parse_size
 
 __all__ = [
-    "BASELINE_BYTES_PER_PARAM", "CATEGORIES", "COMPUTE_DTYPES", "DEVICE_PRESETS", "DTYPE_BYTES", "PHASES", "DeviceOutOfMemory",
-    "DeviceSpec", "Ledger", "Link", "MemorySample", "Plan", "PlanConfig", "SizeError", "SpanEvent",
+    "BASELINE_BYTES_PER_PARAM", "CATEGORIES", "COMPUTE_DTYPES", "DEVICE_PRESETS", "DTYPE_BYTES", "PHASES",
+    "DeviceOutOfMemory", "DeviceSpec", "Ledger", "Link", "MemorySample", "Plan", "PlanConfig", "SizeError", "SpanEvent",
     "Trace", "UnitRow", "WindowStats", "device_spec", "format_size", "parse_size", "peak_device_bytes", "plan",
     "suggest_fixes",
 ]

@@ -34,7 +34,7 @@ def cublas_workspace_blocks(arch: str, config: str | None = None) -> tuple[int, 
     4096 KiB x 2 + 16 KiB x 8 elsewhere; and cuBLASLt's own 1 MiB."""
     pairs = [] if config is None else [p for p in config.split(":") if p]
     if pairs and len(pairs) % 2 == 0 and all(p.isdigit() for p in pairs):
-        cublas = sum(int(size) * 1024 * int(count) for size, count in zip(pairs[::2], pairs[1::2]))
+        cublas = sum(int(size) * 1024 * int(count) for size, count in zip(pairs[::2], pairs[1::2], strict=True))
     else:
         cublas = 32 * MiB if arch in HOPPER else 4096 * 1024 * 2 + 16 * 1024 * 8
     return cublas, CUBLASLT_WORKSPACE

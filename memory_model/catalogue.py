@@ -274,7 +274,8 @@ CATALOGUE: dict[str, Preset] = {
                      HOSTS["dgx-a100"], "sm80"),
     "a100-80g": _gpu(_a(81920 * MiB, "assumed: 80 GiB nominal; the CUDA-visible total is a little lower"),
                      312e12, 19.5e12, 2039 * GB, _GEN4_LINK, _GEN4_E, _A100_MATMUL,
-                     _a(0.859, _FA_AMPERE), "NVIDIA A100 80GB datasheet (thundercompute.com A100 guide: 2,039 GB/s SXM)",
+                     _a(0.859, _FA_AMPERE),
+                     "NVIDIA A100 80GB datasheet (thundercompute.com A100 guide: 2,039 GB/s SXM)",
                      _s(300 * GB, "glennklockwood A100: '300+300 GB/s NVLink' (per direction)"), _a(1 * TB, _DGX),
                      HOSTS["dgx-a100"], "sm80"),
     "h100-sxm": _gpu(_H100_MEM, 989e12, 67e12, 3350 * GB, _GEN5_LINK, _GEN5_E, _H100_MATMUL, _s(0.75, _FA3),
@@ -475,7 +476,8 @@ _QWEN25_7B = PRESETS["qwen2.5-7b"]
 # GPT-2 is not a family of the planner: GPT-J blocks of its width and depth stand in (GELU MLP, 4x wide).
 _GPT2_10B = GPTJConfig(vocab_size=50257, n_positions=1024, n_embd=4096, n_layer=50, n_head=32, rotary_dim=64)
 _GPTJ_6B = PRESETS["gptj-6b"]
-_HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"), ("update_timing", "after-backward"))
+_HOST_AFTER = (("activations", "checkpoint"), ("store", "ram"), ("update_on", "host"),
+               ("update_timing", "after-backward"))
 
 _MEGATRAIN_RATES = {1: 272, 4: 1290}  # TFLOPS on 1 and 4 H100s, as its README's News says
 
@@ -498,7 +500,8 @@ _MEGATRAIN_WARM_UP = _megatrain_warm_up(_MEGATRAIN_RATES[1], _MEGATRAIN_RATES[4]
 _MEGATRAIN_FLOPS = FlopCount(6, 0, "DLYuanGod/MegaTrain examples/sft/train.py: 'total_seq_tokens = config.batch_size "
                                    "* config.max_seq_len', 'flops = 6 * num_params * total_seq_tokens'; its 'Avg "
                                    "Throughput' is the mean over every step, the first included")
-_SUPEROFFLOAD_FLOPS = FlopCount(8, 16, "deepspeedai/DeepSpeedExamples training/DeepSpeed-SuperOffload/finetune_zero3.py, "
+_SUPEROFFLOAD_FLOPS = FlopCount(8, 16, "deepspeedai/DeepSpeedExamples training/DeepSpeed-SuperOffload/"
+                                       "finetune_zero3.py, "
                                        "estimate_transformer_tflops: 'coefficient = 4 if use_activation_checkpointing "
                                        "else 3', '2 * coefficient * model_size * seq_len + 2 * 2 * coefficient * "
                                        "num_layers * hidden_size * seq_len**2' per sequence")

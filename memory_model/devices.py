@@ -139,7 +139,9 @@ class DeviceSpec:
 
     def link_time(self, link: Link, nbytes: int) -> float:
         """Seconds to move nbytes over one of this device's links at its achievable share of the peak."""
-        return 0.0 if nbytes == 0 else link.latency_s + nbytes / (link.bandwidth_bytes_per_s * self.bandwidth_efficiency)
+        if nbytes == 0:
+            return 0.0
+        return link.latency_s + nbytes / (link.bandwidth_bytes_per_s * self.bandwidth_efficiency)
 
     def host_streams(self, devices: int, per_node: int | None = None) -> int:
         """The device streams the host's I/O carries at once. An in-network tree carries one: it broadcasts one
@@ -271,8 +273,8 @@ def with_figures(spec: DeviceSpec, figures: dict[str, Figure]) -> DeviceSpec:
     if unknown:
         raise ValueError(f"unknown device field(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
     values = {**figure_values(spec), **{name: f.value for name, f in figures.items()}}
-    direct = {name: int(values[name]) if name in _INTEGERS else values[name] for name in _DIRECT}
-    links = {name: Link(values[f"{name}_bytes_per_s"], values.get(f"{name}_latency_s", 0.0))
+    direct: dict[str, Any] = {name: int(values[name]) if name in _INTEGERS else values[name] for name in _DIRECT}
+    links: dict[str, Any] = {name: Link(values[f"{name}_bytes_per_s"], values.get(f"{name}_latency_s", 0.0))
              if f"{name}_bytes_per_s" in values else None for name in ("interconnect", "inter_node")}
     return replace(spec, **direct, h2d=Link(values["h2d_bytes_per_s"], values["link_latency_s"]),
                    d2h=Link(values["d2h_bytes_per_s"], values["link_latency_s"]),

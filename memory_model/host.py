@@ -118,10 +118,11 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
     store = cfg.step.store
     weights_lie = store.compute.zero_copy and not store.loads_read_master(cfg.compute_is_master)
     in_ram = store.state.zero_copy
-    own_state = (0 if in_ram and cfg.master_dtype == "fp32" else 4) + (0 if in_ram and cfg.moment_dtype == "fp32" else 8)
+    own_state = ((0 if in_ram and cfg.master_dtype == "fp32" else 4)
+                 + (0 if in_ram and cfg.moment_dtype == "fp32" else 8))
     peak = 0
     for event, nbytes in moments:
-        held = dict(zip(CATEGORIES, nbytes))
+        held = dict(zip(CATEGORIES, nbytes, strict=True))
         if weights_lie:
             held["weights"] = 0
         if event.phase == "update":

@@ -122,7 +122,8 @@ def gpu_elementwise_bytes(shape: ModelConfig, unit: str, phase: str, batch: int,
     """HBM bytes of one forward or backward's kernels beside the matmuls and attention on a GPU: normalizations,
     rotary, activations, residual adds, the loss and the embedding's gather. Each is memory-bound, so its time is
     these bytes over the HBM bandwidth. Counted for GPT-J's block, and used for every family's, per token of a
-    block's forward: LayerNorm reads and writes d, rotary q and k 2 x 2d, the GELU (with its bias) f in and out, the residual sum three d in and one out (10d + 2f elements).
+    block's forward: LayerNorm reads and writes d, rotary q and k 2 x 2d, the GELU (with its bias) f in and out,
+    the residual sum three d in and one out (10d + 2f elements).
     The head's LayerNorm moves 2d; its loss casts each logit to fp32 and reads it for the softmax (es + 8 bytes a
     logit), and its backward writes the logit's gradient from the fp32 probabilities (4 + es). The embedding
     writes d a token; its backward zeroes the dense vocab x d gradient and adds each token's row into it. A

@@ -224,7 +224,8 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
 
     Estimated from the usage at the failure point, which is a lower bound on the step's real peak;
     hints may carry `planned_peak_bytes` (the planner's peak) to size the budget and device advice.
-    Known hints: advise (a callable(needed, capacity, hints) -> suggestions, used instead), activations ("resident"|"checkpoint"|"offload"), batch, seq, grad_accum, planned_peak_bytes.
+    Known hints: advise (a callable(needed, capacity, hints) -> suggestions, used instead), activations
+    ("resident"|"checkpoint"|"offload"), batch, seq, grad_accum, planned_peak_bytes.
     """
     if callable(hints.get("advise")):  # the caller's planner-sized advice (streamer.advice)
         return list(hints["advise"](needed, capacity, hints))
@@ -239,6 +240,7 @@ def suggest_fixes(needed: dict[str, int], capacity: int, hints: dict[str, Any]) 
     batch, accum = hints.get("batch"), hints.get("grad_accum") or 1
     micro = batch // accum if isinstance(batch, int) and isinstance(accum, int) and accum >= 1 else 0
     if micro > 1 and scaled > 0:  # activations and workspace scale with the micro-batch
+        assert isinstance(batch, int) and isinstance(accum, int)  # micro > 1 only then
         fixed = total - scaled
         smaller = math.floor((capacity - fixed) / (scaled / micro)) if capacity > fixed else 0
         smaller = min(smaller, micro - 1)

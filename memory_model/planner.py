@@ -144,7 +144,8 @@ class Plan:
         """The plan as JSON values; a step that does not fit has null time and throughput and says why in
         `does_not_fit` (null when it fits)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shape", "device", "config")}
-        out["model"] = {**asdict(self.shape), "inner_dim": self.shape.intermediate_size}  # resolved when n_inner is None
+        # inner_dim: resolved when n_inner is None
+        out["model"] = {**asdict(self.shape), "inner_dim": self.shape.intermediate_size}
         out["device"] = self.device.name
         out["device_memory_bytes"] = self.device.memory_bytes
         store = self.config.step.store  # a tier, as `--store` names it, or a mixed placement's tiers
@@ -190,10 +191,10 @@ class Plan:
         parts = ", ".join(f"{c} {format_size(self.peak_breakdown[c])}" for c in CATEGORIES)
         allocated = (f"; {format_size(self.allocated_peak_bytes)} as torch's CUDA allocator counts it (rounded "
                      f"blocks, cuBLAS workspaces)" if self.allocated_peak_bytes != self.peak_device_bytes else "")
+        reserve = f" less a {format_size(self.device.reserve_bytes)} reserve" if self.device.reserve_bytes else ""
         table.caption = (f"peak {format_size(self.peak_device_bytes)} at {self.peak_at[1]} {self.peak_at[0]} "
                          f"({parts}){allocated}; {'fits' if self.fits else 'does NOT fit'} "
-                         f"{format_size(self.device.memory_bytes)}"
-                         f"{f' less a {format_size(self.device.reserve_bytes)} reserve' if self.device.reserve_bytes else ''}"
+                         f"{format_size(self.device.memory_bytes)}{reserve}"
                          f"; 16 B/param baseline "
                          f"{format_size(self.baseline_bytes)} ({self.baseline_bytes / self.peak_device_bytes:.1f}x); "
                          + self._throughput() + self._host_activations() + self._disk_volume())
@@ -310,7 +311,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
     held: dict[str, int] = {}
     moments = []
     lora = adapter_charges(adapter_params(shape, cfg.lora))  # held for the whole run (none without LoRA)
-    for index, (event, res) in enumerate(zip(events, resident)):
+    for index, (event, res) in enumerate(zip(events, resident, strict=True)):
         at = dict.fromkeys(CATEGORIES, 0)
         _add(at, lora if cfg.lora.enabled else ())
         for r in res:  # the executor allocates these same charges when it issues the load
@@ -319,7 +320,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
             _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
         in_groups = grouped(shape, cfg, event.unit)
         if event.phase == "update":
-            _add(at, update_charges(event.resource, cfg.new_compute_bytes, cfg.step.update_on))
+            _add(at, update_charges(event.chunk, cfg.new_compute_bytes, cfg.step.update_on))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
                 # gradient w.r.t. this unit's input waits for the next unit's backward
                 at["activations"] += sum(held.values())
@@ -539,7 +540,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         shape=shape, device=device, config=cfg, params=params,
         baseline_bytes=BASELINE_BYTES_PER_PARAM * params,
         resident_baseline_bytes=BASELINE_BYTES_PER_PARAM * params + resident_acts,
-        peak_device_bytes=peak, peak_breakdown=dict(zip(CATEGORIES, peak_bytes)),
+        peak_device_bytes=peak, peak_breakdown=dict(zip(CATEGORIES, peak_bytes, strict=True)),
         peak_at=(peak_event.unit, peak_event.phase), allocated_peak_bytes=allocated,
         fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,

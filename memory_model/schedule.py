@@ -77,6 +77,12 @@ class Event:
     def unit(self) -> str:
         return self.resource.unit
 
+    @property
+    def chunk(self) -> StateChunk:
+        """An update event's state chunk."""
+        assert isinstance(self.resource, StateChunk), f"a {self.phase} event holds {self.resource}, not a chunk"
+        return self.resource
+
 
 @dataclass(frozen=True)
 class Charge:
@@ -117,7 +123,7 @@ def gradient_charges(parts: Sequence[int], dtype_bytes: int, ranks: int, sharded
     the state sharded each part's copy is padded to equal slices and reduce-scattered into this rank's slice
     of the sum."""
     numel = sum(parts)
-    charges = (Charge("gradients", numel * dtype_bytes, "weight gradient"),)
+    charges: tuple[Charge, ...] = (Charge("gradients", numel * dtype_bytes, "weight gradient"),)
     if ranks > 1 and not sharded:
         charges += (Charge("gradients", numel * GRAD_ACCUM_BYTES_PER_PARAM, "fp32 gradient for the all-reduce"),)
     elif ranks > 1:
@@ -428,5 +434,5 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
                 shared = numels[owner] * sizes.grad
                 read, written = read + (shared if event.micro > 0 else 0), written + shared
         elif event.phase == "update":
-            written += event.resource.count * sizes.master + sizes.moments(event.resource.count)
+            written += event.chunk.count * sizes.master + sizes.moments(event.chunk.count)
     return read, written

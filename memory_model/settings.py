@@ -13,9 +13,12 @@ import functools
 import json
 import math
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class SettingError(ValueError):
@@ -159,7 +162,13 @@ def _number(text: str) -> float | None:
         return None
 
 
-Check = Integer | Number | Pair | Choice | Text | Switch | Assignments
+class Check(Protocol):
+    """A setting's check (Integer, Choice, ... or a class of its own, such as memory_model.devices.Budget): the
+    value, normalised, or None where it is wrong; and what it wants, for the message."""
+
+    def __call__(self, value: Any) -> Any: ...
+
+    def wanted(self) -> str: ...
 
 
 def setting(default: Any, help: str, check: Check, metavar: str | None = None, optional: bool = False) -> Any:
@@ -169,7 +178,7 @@ def setting(default: Any, help: str, check: Check, metavar: str | None = None, o
                                             "optional": optional or default is None})
 
 
-def same_setting(owner: type, name: str, default: Any = MISSING, help: str | None = None) -> Any:
+def same_setting(owner: type[DataclassInstance], name: str, default: Any = MISSING, help: str | None = None) -> Any:
     """`owner`'s setting `name` declared again in another class (the runtime's step takes the planner's
     step settings): the same check and metavar; its own default or help where they differ."""
     meta = owner.__dataclass_fields__[name].metadata
@@ -207,7 +216,8 @@ def flat_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Field]]:
 def flatten(obj: Any) -> dict[str, Any]:
     """A settings tree's values by flat name, in the tree's order."""
     out: dict[str, Any] = {}
-    for name, (path, _) in flat_fields(type(obj)).items():
+    cls: type = type(obj)
+    for name, (path, _) in flat_fields(cls).items():
         value = obj
         for step in path:
             value = getattr(value, step)
@@ -226,6 +236,11 @@ def check_flat(cls: type, flat: Mapping[str, Any], error: Callable[[str, str], E
             raise error(name, problem)
 
 
+def _renaming(error: Callable[[str, str], Exception], renamed: Mapping[str, str]) -> Callable[[str, str], Exception]:
+    """`error` naming a branch's setting by its flat name in the outer tree."""
+    return lambda key, problem: error(renamed.get(key, key), problem)
+
+
 def build(cls: type[T], flat: Mapping[str, Any], base: T | None = None,
           error: Callable[[str, str], Exception] = SettingError) -> T:
     """The settings tree `cls` from values by flat name, over `base` (default: `cls()`): the one place flags,
@@ -240,8 +255,7 @@ def build(cls: type[T], flat: Mapping[str, Any], base: T | None = None,
                      if _outer(f, name) in flat}
             if inner:
                 renamed = {name: _outer(f, name) for name in flat_fields(f.metadata["branch"])}
-                changes[f.name] = build(f.metadata["branch"], inner, getattr(base, f.name),
-                                        lambda key, problem, renamed=renamed: error(renamed.get(key, key), problem))
+                changes[f.name] = build(f.metadata["branch"], inner, getattr(base, f.name), _renaming(error, renamed))
         elif f.name in flat:
             changes[f.name] = flat[f.name]
     try:

@@ -323,6 +323,7 @@ def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es:
     time (`expert_group`), so the busiest moment is in one group's backward, whose gradient is what is charged."""
     n, costs = batch * seq, shape.costs()
     output = n * shape.hidden_size * es
+    scored: tuple[tuple[int, int, int], ...]
     if group:  # the busiest moment is one group's backward, whose gradient is what is charged
         peaks, scored, charged = costs.expert_group_backward_peaks(es, group), (), group * shape.expert_params()
     else:

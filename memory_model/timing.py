@@ -187,8 +187,9 @@ def _group_loads(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Devi
 def _input_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
                queues: _Queues, start: float) -> float:
     """Book an offloaded block input's copy to the host, issued as its forward starts; returns when it is done."""
-    nbytes = sum(c.nbytes for c in resource_charges(event.stash, _numel(event.stash, shape, cfg), cfg.dtype_bytes,
-                                                      "device"))
+    stash = event.stash
+    assert stash is not None  # booked only for a forward that offloads its input
+    nbytes = sum(c.nbytes for c in resource_charges(stash, _numel(stash, shape, cfg), cfg.dtype_bytes, "device"))
     d2h_s = _link(nbytes, device, "d2h", cfg)
     times.d2h += nbytes
     times.offload_s += d2h_s
@@ -212,10 +213,10 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         # the matmul-only model leaves this elementwise kernel out with the others.
         cast = 0.0
         if costs is not None and cfg.new_compute_bytes:
-            cast = event.resource.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
+            cast = event.chunk.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
         if costs is not None and cfg.master_dtype == "bf16":
-            cast += event.resource.count * costs.round_s  # the stochastic rounding of the bf16 master
-        return cfg.update_touched_bytes(event.resource.count) / bandwidth + cast
+            cast += event.chunk.count * costs.round_s  # the stochastic rounding of the bf16 master
+        return cfg.update_touched_bytes(event.chunk.count) / bandwidth + cast
     unit = event.unit
     rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
@@ -321,16 +322,16 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
                after: float) -> float:
     """Book an update chunk's write-back (new master, moments and compute weights to the store). After a unit's
     last chunk its new state file is sealed (SEAL_FLUSHES) and renamed: the state file's own cost."""
-    out = cfg.store_bytes(event.resource.count)
+    out = cfg.store_bytes(event.chunk.count)
     d2h = out if cfg.step.update_on == "device" else 0
     # Back from the device into a pinned buffer, then copied into the RAM slabs; state files take the buffer's
     # master and moments, and new compute weights (none with them on disk) go to their RAM slab.
-    to_ram = out if cfg.step.store.state.zero_copy else event.resource.count * cfg.new_compute_bytes
+    to_ram = out if cfg.step.store.state.zero_copy else event.chunk.count * cfg.new_compute_bytes
     write = out - to_ram
     host_copy = to_ram if d2h else 0
     d2h_s, copy_s = _link(d2h, device, "d2h", cfg), _host_copy_s(host_copy, device)
     write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
-    if event.resource.last:
+    if event.chunk.last:
         write_s += _disk_s(cfg, device, "state_file_s")
     times.d2h += d2h
     times.host_copy += host_copy

@@ -103,7 +103,7 @@ class Trace:
             def older_kept(step: int | None) -> bool:
                 return step is not None and step < recent[0] and (step == peak or bool(every and step % every == 0))
 
-            windows = self._step_windows({e.step for e in self.events if older_kept(e.step)})
+            windows = self._step_windows({e.step for e in self.events if e.step is not None and older_kept(e.step)})
 
             def kept(t_start: float, t_end: float) -> bool:
                 return t_end >= cutoff or any(lo <= t_start and t_end <= hi for lo, hi in windows)
@@ -179,7 +179,7 @@ class Trace:
     def peak_step(self) -> int | None:
         """The step whose spans reached the highest device total (the earliest of equal ones); None if no step."""
         with self._lock:
-            top = max((e for e in self.events if e.step is not None), key=lambda e: (e.peak_bytes, -e.step),
+            top = max((e for e in self.events if e.step is not None), key=lambda e: (e.peak_bytes, -(e.step or 0)),
                       default=None)
         return None if top is None else top.step
 
@@ -278,7 +278,7 @@ class Trace:
                         "args": {"rss": e.host_rss_bytes}})
         for s in list(self.samples):
             out.append({"name": "device bytes", "ph": "C", "pid": pid, "ts": _us(s.t_s),
-                        "args": dict(zip(CATEGORIES, s.bytes))})
+                        "args": dict(zip(CATEGORIES, s.bytes, strict=True))})
         out.sort(key=lambda ev: ev.get("ts", -1))
         return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
 

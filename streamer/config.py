@@ -3,7 +3,8 @@
 Each branch is the config of the code that reads it: the step's (`memory_model.step.StepConfig`, the store's
 placement with it, which the planner takes too), the optimizer's and its learning-rate schedule
 (`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`), the objective's (`ObjectiveConfig`: sft or dpo) and
-the device's (`DeviceConfig`). The seed and the trace cadence are the trainer's own. Every setting keeps one flat name, its flag and TOML key
+the device's (`DeviceConfig`). The seed and the trace cadence are the trainer's own. Every setting keeps one flat
+name, its flag and TOML key
 (memory_model.settings.branch). `TrainerConfig.of(lr=1e-3, store="disk")` builds the tree from them, and
 `to_dict`/`from_dict` write and read them in a store's manifest.
 """

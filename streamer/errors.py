@@ -17,6 +17,9 @@ class CheckpointError(StreamerError):
 class ConfigError(StreamerError):
     """Trainer settings that cannot run; the message names the fix."""
 
+    key: str | None = None  # the setting at fault and what is wrong with it, where `of` made it
+    problem: str | None = None
+
     @classmethod
     def of(cls, key: str, problem: str) -> "ConfigError":
         """The error check_settings raises for one trainer setting: `lr must be ..., got ...`."""

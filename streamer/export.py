@@ -75,7 +75,7 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
     # A quantized base's run (4-bit, GGUF) exports the model it trained: its base dequantized, the adapters merged
     # (in fp32).
     full_precision = base is not None and trainer.adapters is not None and not trainer.tc.lora.quantized
-    source = _open_base(base, trainer) if full_precision else None
+    source = _open_base(base, trainer) if full_precision and base is not None else None
     if dtype is None:
         dtype = torch.float32 if source is None else source.dtype(source.keys()[0])
     with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite, token_ids) as exporter:
@@ -84,6 +84,7 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
                 flat = trainer.merged_unit_master(unit)
             else:
                 flat = _full_precision_base(trainer, source, unit)
+                assert trainer.adapters is not None  # a full-precision source only for a LoRA run
                 trainer.adapters.merge_into(unit, flat, trainer.layouts[unit])
             for slot in trainer.layouts[unit].slots:
                 exporter.add(slot.hf_key, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))

@@ -2,18 +2,19 @@
 
 The store's size comes from its own layout (`StoreSpec.host_bytes`): RAM slabs for the RAM tier, and on the run
 folder's filesystem every unit's state file, twice while a fused step or a RAM-tier save commits (the previous
-generation stays until the manifest names the new one; the disk tier's journaled update after the backward
-keeps one unit's twice at a time), plus, on the disk tier, its gradient file. With `--update-timing auto` a disk
-too small for a fused step's second generation runs the update after the backward instead. On CUDA the transport's pool of staging buffers
-(`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned (page-locked:
-never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Offloaded activations
-(`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is. Under
-torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
-them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state. Each step a run keeps
-(--save-every, --keep-last, --keep-best) adds a copy of every unit's state file (`StoreSpec.kept_bytes`), which no
-later commit frees; `check_keep_room` checks the room for one again before a step is kept. The RAM a run may take is
-the machine's available memory, or less where the process is limited: its address space (RLIMIT_AS, `ulimit -v`)
-less what it maps already, or its cgroup's memory limit less the group's use (`available_ram`).
+generation stays until the manifest names the new one; the disk tier's journaled update after the backward keeps one
+unit's twice at a time), plus, on the disk tier, its gradient file. With `--update-timing auto` a disk too small for
+a fused step's second generation runs the update after the backward instead. On CUDA the transport's pool of staging
+buffers (`StoreSpec.staging_bytes`) comes on top in RAM; of all that, `--pin-memory` says what is pinned
+(page-locked: never swapped out): the slabs and the pool (all), the pool (staging) or nothing (none). Offloaded
+activations (`--activations offload`) add every block's input of one micro-batch, pinned on CUDA unless none is.
+Under torchrun each process keeps a store of its own: WORLD_SIZE stores go into the run folder, LOCAL_WORLD_SIZE of
+them into this machine's RAM; with --data-parallel sharded each of them holds 1/WORLD_SIZE of every unit's state.
+Each step a run keeps (--save-every, --keep-last, --keep-best) adds a copy of every unit's state file
+(`StoreSpec.kept_bytes`), which no later commit frees; `check_keep_room` checks the room for one again before a step
+is kept. The RAM a run may take is the machine's available memory, or less where the process is limited: its address
+space (RLIMIT_AS, `ulimit -v`) less what it maps already, or its cgroup's memory limit less the group's use
+(`available_ram`).
 
 `streamer train` checks RAM against the process's host memory at its peak as the planner prices it
 (`memory_model.host`, `advice.planned_host`): the store's RAM slabs, the staging pool, offloaded inputs, the disk
@@ -147,6 +148,7 @@ def _cgroup_left() -> tuple[int, int] | None:
 
 def check_host_resources(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[RunConfig, str | None]:
     """`fit_host_resources` against this machine's available RAM and the run folder's free disk."""
+    assert cfg.run_dir is not None  # resolved before the resources are checked
     folder = _existing_ancestor(Path(cfg.run_dir))
     # A read-only mount reports no free space (or a full disk's): say what it is, not "0 B free".
     if os.statvfs(folder).f_flag & os.ST_RDONLY:

@@ -311,6 +311,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
 def store_choice(cfg: RunConfig, explicit: Mapping[str, Any], config_file: str | Path | None = None) -> str:
     """The store `streamer train` keeps with these settings (`resolve`'s), and why, in a few words."""
     tier = cfg.trainer.step.store.tier
+    assert tier is not None  # streamer train's store is one tier (--store ram or disk)
     if "store" in explicit:
         return f"store: {tier} (--store {tier})"
     if config_file is not None and "store" in read_toml(config_file):

@@ -99,7 +99,8 @@ class RunDir:
             root.mkdir(parents=True, exist_ok=True)
             _SETUP_LOCKS[root] = lock_file(root / SETUP_MARK, busy)
         except OSError as exc:
-            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); choose another --run-dir") from None
+            raise RunError(f"cannot create the run directory {root} ({exc.strerror}); "
+                           "choose another --run-dir") from None
         for name in entries - {SETUP_MARK}:  # the mark stays: a kill while clearing leaves a set-up still known
             path = root / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -252,6 +252,7 @@ class Session:
                           dtype=cfg.trainer.device.dtype, store=cfg.trainer.step.store.tier,
                           steps=[last - trained + 1, last])
         top = trace.peak_step()  # the step `streamer trace` shows by default
+        assert top is not None  # steps were trained
         self.run.write_trace(trace, top)
         return top
 
@@ -365,7 +366,7 @@ def keep(s: Session, eval_loss: float | None) -> None:
         trainer.drop_kept(old)
     if step not in held:
         return
-    check_keep_room(trainer.store.root, trainer.store.spec, step)
+    check_keep_room(trainer.held_store.root, trainer.held_store.spec, step)
     trainer.keep({} if eval_loss is None else {"eval_loss": eval_loss})
     s.events("kept", f"step {step} kept (kept steps: {', '.join(map(str, sorted(held)))})", step)
 
@@ -519,6 +520,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
     if grouped is not None:  # config.toml records it: resume keeps it
         events("note", grouped)
     check_fits(model_cfg, cfg, world)
+    assert cfg.run_dir is not None  # resolved before a run starts
     run, lead = RunDir(Path(cfg.run_dir)), parallel is None or parallel.rank == 0
 
     def first_files() -> tuple[Tokenizer, Dataset]:
@@ -655,7 +657,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
     trainer = _together(parallel, lambda: _open(run, cfg), undo=StreamingTrainer.close)
     assert trainer is not None  # every process opens it
     try:
-        for line in (trainer.writer.kept_damage, trainer.writer.fell_back):
+        for line in (trainer.writing.kept_damage, trainer.writing.fell_back):
             if line is not None:
                 events("note", line)
         if lead:
@@ -729,7 +731,7 @@ def _open(run: RunDir, cfg: RunConfig) -> StreamingTrainer:
     try:
         return StreamingTrainer.open(run.store, overrides=cfg.trainer.to_dict())
     except ConfigError as exc:
-        if getattr(exc, "key", None) is None:
+        if exc.key is None or exc.problem is None:
             raise
         raise SettingError(exc.key, exc.problem) from None
 

@@ -22,7 +22,7 @@ from memory_model.expert_groups import checked_group
 from memory_model.schedule import StepSpec, step_events
 from memory_model.settings import SettingError
 from streamer.config import TrainerConfig
-from streamer.errors import ConfigError, StreamerError
+from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.persistence import Persistence, create_store, open_store
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.executor import Executor
@@ -183,7 +183,9 @@ class StreamingTrainer:
         rows = [input_ids, labels, positions, None if attention_mask is None else attention_mask.bool()]
         if self.data_parallel is not None:
             rows = [None if t is None else self.data_parallel.shard(t) for t in rows]
-        input_ids = rows[0]
+        first = rows[0]
+        assert first is not None  # the input ids, sharded or not
+        input_ids = first
         if input_ids.shape[0] % self.tc.step.grad_accum:
             raise StreamerError(f"this process's batch {input_ids.shape[0]} is not divisible by "
                                 f"grad_accum={self.tc.step.grad_accum}")
@@ -191,12 +193,12 @@ class StreamingTrainer:
         # Each micro-batch owns its storage, so the ledger charges the ids one micro-batch saves, not the batch's.
         pieces = [[None] * self.tc.step.grad_accum if t is None else
                   [p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
-        micro = [MicroBatch(*piece) for piece in zip(*pieces)]
+        micro = [MicroBatch(*piece) for piece in zip(*pieces, strict=True)]
         if reference is not None:
             pairs = input_ids.shape[0] // 2  # this process's share of the step's pairs
             if self.data_parallel is not None:
                 reference = self.data_parallel.shard(reference)
-            for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum)):
+            for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum), strict=True):
                 lengths = (batch.labels != IGNORE_INDEX).sum(dim=1)
                 batch.objective = DPOObjective(self.tc.objective, ref.to(device), lengths, float(pairs))
         if objectives is not None:
@@ -226,7 +228,8 @@ class StreamingTrainer:
 
         def blocked(t: torch.Tensor) -> torch.Tensor:
             chosen, rejected = t.chunk(2)
-            return torch.cat([part for pair in zip(chosen.chunk(blocks), rejected.chunk(blocks)) for part in pair])
+            pairs = zip(chosen.chunk(blocks), rejected.chunk(blocks), strict=True)
+            return torch.cat([part for pair in pairs for part in pair])
         return (blocked(input_ids), blocked(labels), None if attention_mask is None else blocked(attention_mask),
                 blocked(reference))
 
@@ -242,7 +245,7 @@ class StreamingTrainer:
         rows = [t if self.data_parallel is None else self.data_parallel.shard(t) for t in (input_ids, labels)]
         micro = max(1, rows[0].shape[0] // self.tc.step.grad_accum)
         out = []
-        for ids, lab in zip(rows[0].split(micro), rows[1].split(micro)):
+        for ids, lab in zip(rows[0].split(micro), rows[1].split(micro), strict=True):
             device = self.executor.device
             objective = RowLogProbs()
             ctx = StepContext([MicroBatch(ids.to(device), lab.to(device), objective=objective)], self.step_count,
@@ -250,6 +253,7 @@ class StreamingTrainer:
             with torch.no_grad():
                 self.executor.run(step_events(self.step_spec(1, backward=False)), ctx)
             self.executor.clear_graphs()
+            assert objective.rows is not None  # its forward ran
             out.append(objective.rows.float().cpu())
         local = torch.cat(out)
         return local if self.data_parallel is None else torch.cat(self.data_parallel.gather(local))
@@ -288,7 +292,8 @@ class StreamingTrainer:
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
         if self.store is not None:
             self.persistence.finish_step(step)
-            self.step_bytes = tuple(now - before for now, before in zip(self.store.bytes_moved(), moved, strict=True))
+            (read, written), (read_before, written_before) = self.store.bytes_moved(), moved
+            self.step_bytes = (read - read_before, written - written_before)
             self.trace.meta.update(step_disk_read_bytes=self.step_bytes[0], step_disk_write_bytes=self.step_bytes[1])
         self.trace.keep_last_steps(self.tc.trace_steps, every=self.tc.trace_every)
         return loss
@@ -419,7 +424,7 @@ class StreamingTrainer:
     # --- weights out -----------------------------------------------------------------------------
     def unit_master(self, unit: str) -> torch.Tensor:
         """A unit's fp32 master weights as one flat host tensor (a frozen base's: its compute weights)."""
-        return read_master(self.store, self.layouts[unit], self.executor.stored_numel(unit), self.data_parallel)
+        return read_master(self.held_store, self.layouts[unit], self.executor.stored_numel(unit), self.data_parallel)
 
     def merged_unit_master(self, unit: str) -> torch.Tensor:
         """unit_master with LoRA's adapters merged into the weights they adapt (the model that was trained)."""
@@ -432,6 +437,19 @@ class StreamingTrainer:
         """HF-keyed fp32 weights (copies), LoRA's adapters merged; `merged=False`: the frozen base alone."""
         return hf_state_dict([self.layouts[u] for u in self.units],
                              self.merged_unit_master if merged else self.unit_master)
+
+    @property
+    def held_store(self) -> StoreReader:
+        """The store; only a dry run (the meta device) has none."""
+        assert self.store is not None, "a dry run holds no store"
+        return self.store
+
+    @property
+    def writing(self) -> StoreWriter:
+        """The store, to change it; one opened for reading says why it takes no writes."""
+        if self.writer is None:
+            raise StoreError(self.held_store.read_only_reason)
+        return self.writer
 
     def close(self) -> None:
         self.executor.close()

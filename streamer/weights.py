@@ -63,6 +63,7 @@ def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str,
         master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
     del tensors  # one copy of the unit (its flat master) while its state is written
     if store.spec.shards > 1:
+        assert data_parallel is not None  # a sharded store only across ranks
         master = data_parallel.own_slice(master)
     with store.unit_writer(layout.name, store.step) as writer:
         for start, count in chunks(master.numel(), store.spec.chunk):
@@ -72,7 +73,9 @@ def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str,
             values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros,
                       "compute": master_values.to(compute_dtype)}
             for kind in store.spec.stored_kinds():
-                writer.write(kind, start, values[kind])
+                value = values[kind]
+                assert value is not None  # a frozen base stores no moments
+                writer.write(kind, start, value)
 
 
 def read_master(store: StoreReader, layout: UnitLayout, stored: int,
@@ -89,6 +92,7 @@ def read_master(store: StoreReader, layout: UnitLayout, stored: int,
     if store.spec.shards == 1:
         return out
     # Sharded: every rank's slice, so every rank must ask for the same unit at the same time.
+    assert data_parallel is not None  # a sharded store only across ranks
     whole = data_parallel.gather_slices(torch.empty(stored * store.spec.shards), out)
     return whole[:layout.numel]
 

@@ -36,7 +36,8 @@ CUSTOM = GPTJConfig(vocab_size=384, n_positions=64, n_embd=96, n_layer=3, n_head
     ("gptj-debug", 8, 64, "1MiB", ()), ("gptj-debug", 8, 64, "4MiB", ("--activations", "resident")),
     ("custom", 6, 48, "1MiB", ()),
 ])
-def test_too_small_budget_exits_fast_and_its_first_alternative_trains(capsys, tmp_path, model, batch, seq, budget, extra):
+def test_too_small_budget_exits_fast_and_its_first_alternative_trains(capsys, tmp_path, model, batch, seq, budget,
+                                                                       extra):
     run = tmp_path / "run"
     if model == "custom":
         model = tmp_path / "config.json"

@@ -61,7 +61,7 @@ def test_section_divides_the_measured_rows_and_plans_gptj6b() -> None:
     assert rows[2][:4] == ("LoRA / full", "0.50x", "0.50x", "0.25x")
     assert rows[2][4] == f"{store_bytes(specs[LORA]) / store_bytes(specs[FULL]):.2f}x"
     six = GPTJConfig.preset("gptj-6b")
-    for row, lora in zip(rows[3:], (LoraConfig(), LoraConfig(rank=LORA_RANK))):
+    for row, lora in zip(rows[3:], (LoraConfig(), LoraConfig(rank=LORA_RANK)), strict=True):
         p = plan(six, device_spec("h100-sxm"), dataclasses.replace(PLANNED, lora=lora), limits=False)
         assert row[3] == f"{size(p.peak_device_bytes)} (planned)" and row[4] == f"{size(p.host_store_bytes)} (planned)"
     assert rows[4][4] == f"{size(2 * six.num_params())} (planned)"  # the frozen base in bf16, nothing else
@@ -72,3 +72,12 @@ def test_section_says_why_a_row_is_missing() -> None:
     failed = merge(spec, [Measured(FULL, ok=False, error="boom")])
     rows = lora_versus_full(_context({FULL: failed}, {LORA: "--no-lora"})).section.rows
     assert rows[0][1] == "failed: boom" and rows[1][1] == "not run: --no-lora" and rows[2][1] == "—"
+
+
+def test_a_row_without_timed_steps_has_no_ratio() -> None:
+    # A run that finished without timed steps has no median step time: its ratio is "—", not a crash.
+    specs = {label: RunSpec(label=label, contender="stream", model={}, batch=1, seq=1) for label in (FULL, LORA)}
+    results = {FULL: merge(specs[FULL], [Measured(FULL, step_s=[4.0], step_rss_peak_bytes=800)]),
+               LORA: merge(specs[LORA], [Measured(LORA, step_s=[], step_rss_peak_bytes=400)])}
+    rows = lora_versus_full(_context(results)).section.rows
+    assert rows[2][1] == "—" and rows[2][2] == "0.50x"

@@ -107,7 +107,7 @@ def test_bf16_master_tracks_fp32_adamw_on_held_out_data():
                 if step % 10 == 9:
                     curves[master].append(trainer.evaluate(held_out))
     assert curves["fp32"][-1] < 3.65
-    assert all(abs(b / a - 1) < 0.01 for a, b in zip(curves["fp32"], curves["bf16"])), curves
+    assert all(abs(b / a - 1) < 0.01 for a, b in zip(curves["fp32"], curves["bf16"], strict=True)), curves
 
 
 # --- the store -------------------------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_plan_pack_counts_each_blocks_attention_mask(capsys):
             "--activations", "resident", "--dry-run", "--json"]
     plans = [json.loads(run_cli(capsys, *step, *pack)[1]) for pack in ([], ["--pack"])]
     rotary_dim = GPTJConfig.preset("gptj-demo").rotary_dim
-    blocks = [(plain, packed) for plain, packed in zip(plans[0]["rows"], plans[1]["rows"])
+    blocks = [(plain, packed) for plain, packed in zip(plans[0]["rows"], plans[1]["rows"], strict=True)
               if plain["unit"].startswith("block")]
     for plain, packed in blocks:
         assert packed["activation_bytes"] - plain["activation_bytes"] == 2 * 128 * 128 * 2 + 128 * rotary_dim * 2
@@ -393,7 +393,8 @@ def test_resolution_order_and_the_demo(tmp_path):
 
 @settings(max_examples=60, deadline=None)
 @given(prompt=st.text(), steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0),
-       pack=st.sampled_from([None, "examples", "documents"]), budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
+       pack=st.sampled_from([None, "examples", "documents"]),
+       budget=st.one_of(st.none(), st.sampled_from(["64MiB", "3GB", "1.5GiB", "h100-sxm"])))
 def test_config_toml_round_trips(prompt, steps, lr, pack, budget):
     cfg = RunConfig.of({"sample_prompt": prompt, "steps": steps, "lr": lr, "pack": pack, "budget": budget,
                         "warmup": 0})

@@ -76,8 +76,8 @@ def test_a_chat_run_s_sample_and_hint_are_rendered_with_its_template(tiny_setup,
                     {"role": "assistant", "content": "for"}]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(6)))
-    rc, out, err = run_cli(capsys, *train_argv(tiny_setup, tmp_path / "run", data, "--chat-template", template, "--seq", 64,
-                                               "--sample-tokens", 2))
+    rc, out, err = run_cli(capsys, *train_argv(tiny_setup, tmp_path / "run", data, "--chat-template", template,
+                                               "--seq", 64, "--sample-tokens", 2))
     assert rc == 0, err
     prompt = render(CHAT_TEMPLATE, conversation[:2], {"eos_token": "", "bos_token": ""}, add_generation_prompt=True)
     assert prompt == "<system> Be brief.\n<user> Name a loop.\n<assistant>"

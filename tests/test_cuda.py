@@ -37,7 +37,7 @@ def batches(cfg: GPTJConfig, n: int, batch: int, seq: int, seed: int = 0) -> lis
 
 def masters_of(resident: ResidentTrainer) -> dict[str, torch.Tensor]:
     names = (k for k, _ in resident.model.named_parameters())
-    return dict(zip(names, (m.detach().float().cpu() for m in resident.masters)))
+    return dict(zip(names, (m.detach().float().cpu() for m in resident.masters), strict=True))
 
 
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -69,7 +69,7 @@ def test_fp32_streamed_equals_resident_on_the_gpu(tmp_path: Path, record_propert
                           store=store, update_on=update_on, update_chunk=10_000, device="cuda")
     data = batches(DEBUG, 5, 4, 32)
     streamed, reference, weights_diff, torch_noise = streamed_and_resident(tc, data, tmp_path / "run")
-    loss_diff = max(abs(s - r) for s, r in zip(streamed, reference))
+    loss_diff = max(abs(s - r) for s, r in zip(streamed, reference, strict=True))
     record_property("max loss difference", f"{loss_diff:.2e}")
     record_property("max master-weight difference", f"{weights_diff:.2e}")
     record_property("torch's own: resident on the GPU vs on the CPU", f"{torch_noise:.2e}")
@@ -84,7 +84,7 @@ def test_bf16_streamed_tracks_resident_on_the_gpu(tmp_path: Path, record_propert
     tc = TrainerConfig.of(lr=3e-3, dtype="bf16", max_grad_norm=1.0, device="cuda")
     data = batches(DEBUG, 2, 4, 32, seed=1) * 10  # a few batches, seen again: the curve has to move
     streamed, reference, _, _ = streamed_and_resident(tc, data, tmp_path / "run")
-    worst = max(abs(s - r) / r for s, r in zip(streamed, reference))
+    worst = max(abs(s - r) / r for s, r in zip(streamed, reference, strict=True))
     record_property("largest relative loss difference", f"{worst:.2%}")
     assert streamed[-1] < streamed[0] - 0.3  # it learns
     # These 20 steps differ by at most 0.047% on the CPU (device="cpu") and 0.02% on an H100.
@@ -194,9 +194,9 @@ def test_the_experts_grouped_mm_on_the_gpu_equals_the_loop(record_property: Reco
         loop = products()
     finally:
         units.GROUPED_MM_DEVICES = devices
-    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(grouped, loop)]
+    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(grouped, loop, strict=True)]
     record_property("max |grouped - loop| (out, grad x, grad w)", errors)
     rtol = 1e-5 if dtype == torch.float32 else 1.6e-2
-    for a, b in zip(grouped, loop):
+    for a, b in zip(grouped, loop, strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
     assert torch.count_nonzero(grouped[2][[1, 4]]) == 0

@@ -198,7 +198,8 @@ def test_resume_mid_epoch_continues_identically():
     expected = [next(reference) for _ in range(10)]
     resumed = BatchStream(data, batch=3, seed=1)
     resumed.load_state_dict(state)
-    for (ids, labels, _, _), (want_ids, want_labels, _, _) in zip((next(resumed) for _ in range(10)), expected):
+    got = [next(resumed) for _ in range(10)]
+    for (ids, labels, _, _), (want_ids, want_labels, _, _) in zip(got, expected, strict=True):
         assert torch.equal(ids, want_ids) and torch.equal(labels, want_labels)
 
 

@@ -39,7 +39,7 @@ def _jsonl(path: Path, records: list[object]) -> Path:
 
 
 def _learned(dataset, row: int = 0) -> str:
-    pairs = zip(dataset.input_ids[row].tolist(), dataset.labels[row].tolist())
+    pairs = zip(dataset.input_ids[row].tolist(), dataset.labels[row].tolist(), strict=True)
     ids = [i for i, label in pairs if label != IGNORE_INDEX]
     return bytes(i for i in ids if i != EOS).decode()
 

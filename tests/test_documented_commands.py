@@ -265,7 +265,7 @@ def run_group(where: str, commands: list[str], stand_ins: dict[str, Path], work:
                     child.kill()
                 proc.kill()
                 proc.communicate()
-        for proc, err in zip(procs, errs):
+        for proc, err in zip(procs, errs, strict=True):
             if proc.returncode != 0 or "Traceback" in err:
                 failures.append(f"{where}: {command}\n  ran {shlex.join(argv[1:])}\n  exit {proc.returncode}: "
                                 f"{err.strip()[-800:]}")
@@ -299,10 +299,12 @@ def test_every_documented_command_runs(source, stand_ins, tmp_path):
 # which also matches 56142848) and every `--flag value` quoted in backticks (advice the command prints).
 FIGURES = re.compile(r"<!-- figures: (.+?) -->\n((?:[ \t]*<!-- figures: .+? -->\n)*)(.*?)<!-- /figures -->", re.S)
 SIZE_UNITS = "GiB|MiB|KiB|GB|MB|kB|TB"
-FIGURE = re.compile(rf"(?<![\w.,-])(?:(\d[\d,]*(?:\.\d+)?) ?({SIZE_UNITS})\b|(\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+))")
+FIGURE = re.compile(rf"(?<![\w.,-])(?:(\d[\d,]*(?:\.\d+)?) ?({SIZE_UNITS})\b"
+                    rf"|(\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+))")
 # Commands whose figures the docs quote; a paragraph naming one (and the paragraph after it, a table it introduces)
 # may quote a figure only inside a region.
-FIGURE_COMMANDS = re.compile(r"streamer\s+plan\s+--(?:model|target|config|dtype|update-on|store|activations|batch|seq)\b"
+FIGURE_COMMANDS = re.compile(r"streamer\s+plan\s+--"
+                             r"(?:model|target|config|dtype|update-on|store|activations|batch|seq)\b"
                              r"|plan_devices\.py")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 

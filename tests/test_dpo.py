@@ -182,7 +182,7 @@ def test_pairs_are_read_as_trl_reads_them(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     pairs = read_pairs(path)
-    for pair, record in zip(pairs, records):
+    for pair, record in zip(pairs, records, strict=True):
         expected = trl.extract_prompt(record) if "prompt" not in record else record
         assert [_plain(pair.prompt), _plain(pair.chosen), _plain(pair.rejected)] == [
             expected["prompt"], expected["chosen"], expected["rejected"]]
@@ -281,9 +281,9 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
         losses = [trainer.step(ids, labels, reference=reference) for _ in range(3)]
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
         final = {name.replace(".weight", ".default.weight"): t.detach().clone() for name, t in leaves.items()}
-    noise = max(abs(a - b) for a, b in zip(fp32["losses"], fp64["losses"]))
+    noise = max(abs(a - b) for a, b in zip(fp32["losses"], fp64["losses"], strict=True))
     assert len(fp64["losses"]) == 3
-    assert max(abs(a - b) for a, b in zip(losses, fp64["losses"])) <= 2 * noise
+    assert max(abs(a - b) for a, b in zip(losses, fp64["losses"], strict=True)) <= 2 * noise
 
     def relative(weights: dict[str, torch.Tensor], name: str) -> float:
         start, exact = fp32["initial"][name].double(), fp64["final"][name] - fp64["initial"][name]

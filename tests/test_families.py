@@ -17,7 +17,7 @@ import transformers
 
 from layers import FAMILIES, PRESETS, FamilyUnits, ModelConfig, build_unit, learned_tokens, resident_model
 from layers.model import family_units
-from memory_model import PlanConfig, device_spec, plan
+from memory_model import device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer

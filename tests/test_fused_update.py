@@ -59,7 +59,10 @@ def test_fused_rollback_and_clipping_are_bit_identical_in_the_opt_in_precisions(
     clips is made again after the backward: both give the bits of the update after the backward, with quantized
     moments and with a stochastically rounded bf16 master too."""
     base = DISK.replace(max_grad_norm=0, **precision)
-    run = lambda name, **flat: train_debug(tmp_path / name, base.replace(**flat), 6, monkeypatch, poisoned_step=1)
+
+    def run(name, **flat):
+        return train_debug(tmp_path / name, base.replace(**flat), 6, monkeypatch, poisoned_step=1)
+
     norms = sorted(n for n in run("free").norms if n == n)
     limit = (norms[1] + norms[2]) / 2  # some steps clip, the others do not
     after = run("after", max_grad_norm=limit, update_timing="after-backward")
@@ -75,8 +78,10 @@ def test_fused_rollback_and_clipping_are_bit_identical_in_the_opt_in_precisions(
 def test_fused_step_with_a_nonfinite_gradient_is_rolled_back_and_skipped(tmp_path, monkeypatch, accum, store):
     tc = DISK.replace(grad_accum=accum, store=store, dtype="bf16" if store != "disk" else "fp32",
                       max_grad_norm=0)  # every step fused (a step that clips is made again after the backward)
-    run = lambda name, timing: train_debug(tmp_path / name, tc.replace(update_timing=timing), STEPS, monkeypatch,
-                                           poisoned_step=1)
+
+    def run(name, timing):
+        return train_debug(tmp_path / name, tc.replace(update_timing=timing), STEPS, monkeypatch, poisoned_step=1)
+
     after, fused = run("after", "after-backward"), run("fused", "fused")
     assert len(after[0]) == len(fused[0]) == STEPS - 1
     assert after[0] == fused[0]
@@ -140,6 +145,6 @@ def test_a_fused_update_takes_the_master_of_each_units_last_weights_load(master_
     numels = {u: CFG.unit_params(u) for u in units}
     events = step_events(StepSpec(tuple(units), 2, numels, 5000, fused=True, master_from_weights=master_from_weights))
     assert all(e.resource.master != master_from_weights for e in events if e.phase == "update")
-    kept = [r for r, keep in zip(load_order(events, 1), loads_keeping_master(events, 1)) if keep]
+    kept = [r for r, keep in zip(load_order(events, 1), loads_keeping_master(events, 1), strict=True) if keep]
     # the head's load from its last forward (it stays into its backward), then each backward's load
     assert kept == ([Weights(u) for u in reversed(units)] if master_from_weights else [])

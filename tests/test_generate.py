@@ -88,7 +88,7 @@ def test_stop_token_ends_generation_and_pads_finished_rows(trainer):
     stopped = generate(trainer, ids, Sampling(max_new_tokens=10), stop_id=stop)
     first_stop = [int((row[6:] == stop).nonzero()[0]) if (row[6:] == stop).any() else None for row in stopped]
     assert first_stop[0] is not None and first_stop[0] <= 2
-    for row, at in zip(stopped, first_stop):
+    for row, at in zip(stopped, first_stop, strict=True):
         if at is not None:
             assert (row[6 + at:] == stop).all()
 
@@ -138,7 +138,7 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (Llama 3's template, verbatim)
 HISTORY = [{"role": "user", "content": "What is a loop?"}, {"role": "assistant", "content": "A for statement."}]
 SYSTEM, QUESTION = "Answer briefly.", "What does the while statement do?"
 

@@ -290,7 +290,8 @@ def test_missing_folder_and_unknown_key(single_dir, tmp_path):
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 70) | st.floats() | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                      max_leaves=8)
 _CONFIG_FIELDS = ["vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "rotary_dim", "n_inner",
                   "layer_norm_epsilon", "activation_function", "model_type", "resid_pdrop", "hidden_size", "bogus"]

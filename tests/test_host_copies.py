@@ -14,7 +14,7 @@ from streamer.runtime.transport import HostCopier, IOQueues, split_evenly, stagi
 def test_split_evenly_covers_every_element_once(n, parts):
     bounds = split_evenly(n, parts)
     assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) <= parts
-    assert all(hi == lo for (_, hi), (lo, _) in zip(bounds, bounds[1:]))
+    assert all(hi == lo for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False))
     assert all(lo % 64 == 0 for lo, _ in bounds)
 
 

@@ -56,7 +56,7 @@ def test_a_pool_keeps_no_more_than_the_device_has_held_at_once():
     held = [0]  # the ledger's bytes in use
     pool = BufferPool(lambda: held[0])
     sizes = [2**20, 3 * 2**20, 5 * 2**20, 7 * 2**20]  # in bytes, each held alone, one after the other
-    for step in range(3):
+    for _ in range(3):
         for nbytes in sizes:
             held[0] = nbytes
             buffer = pool.take(nbytes // 4, torch.float32)

@@ -82,7 +82,8 @@ def test_export_onto_a_linked_folder_is_one_line_naming_it(disk_run, tmp_path, c
     (tmp_path / "out").symlink_to(target)
     line = fails(capsys, "export", disk_run, tmp_path / "out", *overwrite)
     expected = (f"{tmp_path / 'out'} is a symbolic link; export to the folder it points to ({target}) or choose a "
-                "new folder") if overwrite else f"{tmp_path / 'out'} is not empty; choose a new folder or pass --overwrite"
+                "new folder") if overwrite else \
+        f"{tmp_path / 'out'} is not empty; choose a new folder or pass --overwrite"
     assert line == f"error: {expected}"
     assert (tmp_path / "out").is_symlink() and [p.name for p in target.iterdir()] == ["kept.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "target"]  # no partial export left beside it

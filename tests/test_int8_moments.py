@@ -137,7 +137,7 @@ def test_int8_moments_track_fp32_adamw_on_held_out_data():
                 if step % 10 == 9:
                     curves[moments].append(trainer.evaluate(held_out))
     assert curves["fp32"][-1] < 3.0
-    assert all(abs(b / a - 1) < 0.01 for a, b in zip(curves["fp32"], curves["int8"])), curves
+    assert all(abs(b / a - 1) < 0.01 for a, b in zip(curves["fp32"], curves["int8"], strict=True)), curves
 
 
 # --- the store -------------------------------------------------------------------------------------------------

@@ -154,8 +154,8 @@ def test_kept_steps_are_exported_and_a_damaged_state_goes_back_to_the_newest_int
     damaged = flip_a_byte(run, "block.0")
     refused = streamer("export", str(run), str(tmp_path / "out"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert f"checksum mismatch in {damaged}: step 4 is damaged; the run keeps intact step(s) 2: `streamer export` with " \
-        "--step 2" in refused.stderr
+    assert f"checksum mismatch in {damaged}: step 4 is damaged; the run keeps intact step(s) 2: `streamer export` " \
+        "with --step 2" in refused.stderr
     not_kept = streamer("export", str(run), str(tmp_path / "out"), "--step", "3")
     assert not_kept.returncode == 2 and not_kept.stderr.count("\n") == 1, not_kept.stderr
     assert "step 3 of" in not_kept.stderr and "was not kept (kept steps: 2, 4)" in not_kept.stderr

@@ -199,7 +199,7 @@ def test_packed_examples_have_the_loss_and_gradients_of_the_same_examples_unpack
         loss = torch.stack(losses()).sum()
         loss.backward()
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
-    for packed, alone in zip(*results):
+    for packed, alone in zip(*results, strict=True):
         # Relative to each tensor's largest entry: measured 4.9e-7 (sums over a row run in another order); 8x margin.
         assert (packed - alone).abs().max() <= 4e-6 * alone.abs().max()
     assert not torch.allclose(causal_lm_loss(model(ids), labels, tokens), results[1][0])  # packing mattered
@@ -239,7 +239,7 @@ def test_chunked_loss_matches_the_full_logits(dtype: torch.dtype, vocab_chunk: i
     # bf16: the loss within 1.6e-7, gradients within 8.8e-3 (the input's gradient is summed over the chunks
     # after each chunk's matmul rounds to bf16: about two bf16 steps); a single chunk is bit-identical.
     tolerance = {torch.float32: (2e-6, 2e-6), torch.bfloat16: (1e-6, 2**-6)}[dtype]
-    for i, (full, chunked) in enumerate(zip(*results)):
+    for i, (full, chunked) in enumerate(zip(*results, strict=True)):
         scale = full.float().abs().max().item()
         assert scale > 0
         assert (full.float() - chunked.float()).abs().max().item() <= tolerance[min(i, 1)] * scale, i
@@ -568,7 +568,7 @@ def test_kv_cache_chunked_prefill_matches_full_forward(tiny_hf_model: HFFactory,
     bounds, lengths = [0], itertools.cycle((2, 5, 1, 3))  # uneven chunks, the last cut at n_positions
     while bounds[-1] < cfg.n_positions:
         bounds.append(min(bounds[-1] + next(lengths), cfg.n_positions))
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in zip(bounds, bounds[1:], strict=False):
         chunk = ours(ids[:, start:end], start, caches)
         # measured max 1.7e-6 (native) / 1.4e-6 (AVX2 cap); 6x margin
         torch.testing.assert_close(chunk, full[:, start:end], rtol=0, atol=1e-5, msg=f"chunk {start}:{end}")

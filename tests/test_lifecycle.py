@@ -516,7 +516,8 @@ def test_auto_runs_the_update_after_the_backward_where_a_fused_steps_second_gene
     assert fit_host_resources(cfg, model_cfg, ram, 2 * fused_disk, tmp_path) == (cfg, None)
     fitted, said = fit_host_resources(cfg, model_cfg, ram, between, tmp_path)
     assert fitted == cfg.replace(update_timing="after-backward")
-    assert said.startswith("--update-timing auto: a fused step keeps every unit's previous state") and "after the backward" in said
+    assert said.startswith("--update-timing auto: a fused step keeps every unit's previous state")
+    assert "after the backward" in said
     explicit = cfg.replace(update_timing="fused")
     message = shortfall(explicit, model_cfg, ram, between, tmp_path)
     assert "every unit's state twice while a step commits" in message
@@ -576,7 +577,8 @@ def test_a_changed_digit_in_any_record_is_refused_naming_the_file(tiny_setup, tm
         "manifest data position": ("store/manifest.json", position),
     }
     # config.toml without its checksum line, as written before it had one: its settings against the store's.
-    configs = {"config.toml betas": ("checksum", True), "an older config.toml's betas": ("the store's: 0.9 0.95", False)}
+    configs = {"config.toml betas": ("checksum", True),
+               "an older config.toml's betas": ("the store's: 0.9 0.95", False)}
     for what, (name, edit) in [*damages.items(), *((what, ("config.toml", None)) for what in configs)]:
         damaged = tmp_path / what.replace(" ", "-").replace("'", "") / "run"
         shutil.copytree(run, damaged)
@@ -639,7 +641,8 @@ def test_killed_around_its_evaluations_the_same_command_logs_each_once(tiny_setu
                                 text=True, timeout=120)
         assert killed.returncode == -signal.SIGKILL, (where, killed.stderr)
     done = streamer(*argv)
-    assert done.returncode == 0 and "a kill came before its closing evaluation: evaluating it" in done.stdout, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "a kill came before its closing evaluation: evaluating it" in done.stdout, done.stderr
 
     def evaluations(folder: Path) -> list[tuple[int, float]]:
         return [(r["step"], r["eval_loss"]) for r in RunDir(folder).read_metrics() if "eval_loss" in r]

@@ -11,10 +11,10 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 from layers.llama.config import TINY
-from layers import PRESETS, ConfigError, LlamaConfig, MistralConfig, ModelConfig, Qwen2Config, Qwen3Config, resident_model
+from layers import (PRESETS, ConfigError, LlamaConfig, MistralConfig, ModelConfig, Qwen2Config, Qwen3Config,
+                    resident_model)
 from memory_model import PlanConfig, device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run

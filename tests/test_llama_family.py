@@ -137,7 +137,8 @@ def test_calibration_measures_the_familys_own_units(tmp_path):
 
 def test_bench_runs_every_contender_on_a_llama(tmp_path):
     """`streamer bench --quick --model llama-debug`: its settings keep the family (the second size and the scale
-    run included), and each kind of contender (streamed, resident, transformers' LlamaForCausalLM) measures a step of it."""
+    run included), and each kind of contender (streamed, resident, transformers' LlamaForCausalLM) measures a step of
+    it."""
     import argparse
 
     from benchmarks import bench

@@ -71,7 +71,7 @@ def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_p
     torch.nn.utils.clip_grad_norm_(leaves, tc.optimizer.max_grad_norm)
     optimizer.step()
     assert loss == pytest.approx(float(sum(losses).detach() / 2), rel=1e-6)
-    for ours, theirs in zip(streamed, leaves):
+    for ours, theirs in zip(streamed, leaves, strict=True):
         # One Adam step of lr 1e-2 from gradients that sum in another order (chunked loss, streamed units):
         # measured at most 4.6e-6 apart, where a gradient near zero makes Adam's m / sqrt(v) sensitive.
         assert (ours - theirs.detach()).abs().max().item() <= 5e-5

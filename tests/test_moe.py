@@ -174,7 +174,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path, family, data_parallel:
     with StreamingTrainer(cfg, TC, store_dir=tmp_path / "start") as trainer:  # the weights every run starts from
         start = trainer.state_dict()
     rows = global_batches(1)[0].split(2)  # each rank's micro-batch of the first step
-    routed = list(zip(*(experts_chosen(cfg, start, ids) for ids in rows)))
+    routed = list(zip(*(experts_chosen(cfg, start, ids) for ids in rows), strict=True))
     assert any(ours - theirs or theirs - ours for ours, theirs in routed)
     ranks = run_data_parallel(tmp_path, [("new", 2)], tc, cfg)
     reference = single_process(tmp_path, 2, tc.replace(data_parallel="replicated"), cfg)
@@ -224,7 +224,7 @@ def test_the_grouped_matmul_is_one_matmul_per_expert_with_tokens():
     grads = torch.autograd.grad(ours, (x, w), upstream)
     expected = torch.autograd.grad(reference, (x, w), upstream)
     torch.testing.assert_close(ours, reference, rtol=1e-12, atol=0)
-    for a, b in zip(grads, expected):
+    for a, b in zip(grads, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
     assert torch.count_nonzero(grads[1][1]) == 0
 
@@ -269,7 +269,7 @@ def test_the_grouped_mm_kernel_computes_what_the_loop_does(grouped_mm_calls: lis
     assert not grouped_mm_calls
     grouped = products({"cpu"})
     assert len(grouped_mm_calls) == 3  # the forward, the input's gradient and the weight's
-    for a, b in zip(grouped, loop):
+    for a, b in zip(grouped, loop, strict=True):
         torch.testing.assert_close(a, b)
     assert torch.count_nonzero(grouped[2][[1, 4]]) == 0
     no_rows = GroupedLinear.apply(x[:0], w, [0] * len(sizes))  # a group no token chose: the loop, zeros
@@ -463,7 +463,8 @@ def test_the_cli_leaves_padding_out_of_the_balance_as_transformers_does(capsys, 
         return loss.item(), torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
 
     exact = hf_step(torch.float64, "eager")
-    noise = [max(abs(a - b) for a, b in zip(hf_step(torch.float32, attn), exact)) for attn in ("eager", "sdpa")]
+    noise = [max(abs(a - b) for a, b in zip(hf_step(torch.float32, attn), exact, strict=True))
+             for attn in ("eager", "sdpa")]
     bound = max(2 * max(noise), 4 * torch.finfo(torch.float32).eps * max(exact))
     counted = hf_step(torch.float64, "eager", mask=False)  # the padding in the balance: another number
     assert abs(counted[0] - exact[0]) > 100 * bound
@@ -542,7 +543,8 @@ def test_expert_adapters_have_peft_keys_shapes_and_initialisation(family, target
             assert torch.count_nonzero(value) == 0
         else:  # kaiming_uniform(a=sqrt(5)) over in_features is uniform in +-1/sqrt(in): PEFT's bound, the same spread
             bound = 1 / value.shape[1] ** 0.5
-            assert value.abs().max() <= bound and value.abs().max() > 0.9 * bound and value.std() > 0.5 * bound / 3 ** 0.5
+            assert value.abs().max() <= bound and value.abs().max() > 0.9 * bound
+            assert value.std() > 0.5 * bound / 3 ** 0.5
 
 
 @pytest.mark.parametrize("family", MOE, ids=lambda c: c.model_type)
@@ -643,9 +645,9 @@ def test_a_streamed_lora_step_on_the_experts_is_peft_and_adamw(tmp_path: Path, f
     assert max((exact[0][k] - start[k]).abs().max().item() for k in start) > 1e-3  # the steps moved them
     bound = max(max((n[0][k] - exact[0][k]).abs().max().item() for k in start) for n in noise)
     assert max((ours[k] - exact[0][k]).abs().max().item() for k in start) <= 2 * bound  # measured 0.4x to 1.1x
-    bound = max(max(abs(a - b) for a, b in zip(n[1], exact[1])) for n in noise)
+    bound = max(max(abs(a - b) for a, b in zip(n[1], exact[1], strict=True)) for n in noise)
     rounding = max(exact[1]) * torch.finfo(torch.float32).eps
-    assert max(abs(a - b) for a, b in zip(losses, exact[1])) <= max(2 * bound, 4 * rounding)
+    assert max(abs(a - b) for a, b in zip(losses, exact[1], strict=True)) <= max(2 * bound, 4 * rounding)
 
 
 def test_dropout_before_the_experts_adapters_is_refused(tmp_path: Path):

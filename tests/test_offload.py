@@ -99,7 +99,7 @@ def test_an_input_comes_back_after_its_forward_with_the_weights_of_its_backward(
     needed = {e.stash: k for k, e in enumerate(events) if e.phase == "backward" and e.stash is not None}
     assert set(sent) == set(needed) == {BlockInput(f"block.{i}", m) for i in range(3) for m in range(micro_batches)}
     held: set[BlockInput] = set()
-    for k, (event, res) in enumerate(zip(events, resident)):
+    for k, (event, res) in enumerate(zip(events, resident, strict=True)):
         inputs = {r for r in res if isinstance(r, BlockInput)}
         assert all(sent[r] < k <= needed[r] for r in inputs)
         held |= inputs

@@ -694,7 +694,8 @@ def test_memoryx_is_shared_by_the_systems_and_swarmx_reduces_at_its_own_rate() -
 
 
 def test_the_planner_runs_without_torch() -> None:
-    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config and the family configs) import no torch."""
+    """memory_model (schedule, planner) and the model arithmetic it uses (layers.config and the family configs)
+    import no torch."""
     code = ("import sys; sys.modules['torch'] = None\n"
             "from layers import GPTJConfig\n"
             "from memory_model import PlanConfig, device_spec, plan\n"
@@ -736,7 +737,8 @@ def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> Non
     assert fp32.host_store_bytes - int8.host_store_bytes == 2 * (4 * n - stored_bytes("int8", n))
     assert sum(r.optimizer_bytes for r in int8.rows) == sum(
         4 * r.params + 2 * stored_bytes("int8", r.params) for r in int8.rows)
-    assert sum(r.update_s for r in int8.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 16.0625 / 28, rel=1e-3)
+    assert sum(r.update_s for r in int8.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 16.0625 / 28,
+                                                               rel=1e-3)
     # A bf16 master: 2 B less, and the bf16 compute weights are the master (no 2 B copy beside it).
     master = plan(GPTJ_6B, h100, replace(cfg, master_dtype="bf16"))
     assert fp32.host_store_bytes - master.host_store_bytes == 4 * n

@@ -188,10 +188,10 @@ def test_three_streamed_steps_equal_peft_on_the_4bit_model_with_adamw(checkpoint
     noisy = [train(_peft(_bnb_model(checkpoint, "fp4", False, attn), start), torch.float32)
              for attn in ("eager", "sdpa")]
     weights_noise = max((n[1][k] - exact[1][k]).abs().max().item() for n in noisy for k in exact[1])
-    loss_noise = max(abs(a - b) for n in noisy for a, b in zip(n[0], exact[0]))
+    loss_noise = max(abs(a - b) for n in noisy for a, b in zip(n[0], exact[0], strict=True))
     assert set(ours) == set(exact[1])
     assert max((ours[k] - exact[1][k]).abs().max().item() for k in exact[1]) <= 2 * weights_noise
-    assert max(abs(a - b) for a, b in zip(losses, exact[0])) <= 2 * loss_noise + 1e-6
+    assert max(abs(a - b) for a, b in zip(losses, exact[0], strict=True)) <= 2 * loss_noise + 1e-6
 
 
 @pytest.mark.parametrize("double_quant,store", [(False, "ram"), (True, "disk")])
@@ -368,7 +368,7 @@ def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dt
     x64 = x.double().requires_grad_()
     exact = x64 @ exact_weight.T + bias.double()
     exact.backward(torch.ones_like(exact))
-    for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad)):
+    for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad), strict=True):
         noise, error = (reference - truth).abs().max().item(), (mine - truth).abs().max().item()
         assert 0 < noise and error <= 2 * noise
         # In bf16 ours carries bf16's rounding as theirs does (in fp32 it would be some 1e-4 of it).

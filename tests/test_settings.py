@@ -92,7 +92,8 @@ SHARED = [(StepConfig, name, name) for name in STEP] + \
     [(LoraConfig, name, f"lora_{name}") for name in ("rank", "alpha", "dropout", "targets")] + \
     [(ObjectiveConfig, name, name) for name in ("method", "beta", "loss_type", "label_smoothing")] + \
     [(ReportConfig, "report_to", "report_to")] + \
-    [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"), (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
+    [(LRSchedule, "kind", "schedule"), (LRSchedule, "warmup_steps", "warmup"),
+     (LRSchedule, "min_lr_ratio", "min_lr_ratio")]
 
 
 def test_every_setting_is_declared_once_and_checked_alike_everywhere():
@@ -293,7 +294,7 @@ def test_gptj_debug_trains_on_the_default_data_with_plain_progress(debug_run):
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ") and " tok/s " in line]
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], done.stdout
     metrics = [m for m in RunDir(run).read_metrics() if "loss" in m]
-    for line, m in zip(lines, metrics):  # the line shows the lr the step trained with: 0 on warmup step 1
+    for line, m in zip(lines, metrics, strict=True):  # the line shows the lr the step trained with: 0 on warmup step 1
         assert f"loss {m['loss']:.4f} lr {m['lr']:.2e} " in line and " elapsed " in line and " eta " in line
     assert [m["lr"] for m in metrics] == [0.0, 1e-4, 0.5e-4]  # HF's linear warmup 1 of 3 steps
     assert "sample: The for statement is used to" in done.stdout  # the demo's data, the demo's prompt
@@ -302,8 +303,10 @@ def test_gptj_debug_trains_on_the_default_data_with_plain_progress(debug_run):
 def test_log_every_and_what_resume_may_change(capsys, debug_run):
     run, done = debug_run
     assert done.returncode == 0, done.stderr
-    assert "--betas 0.8 0.9 (the run's: 0.9 0.95) cannot change" in fails(capsys, "train", "--resume", run, "--betas", "0.8,0.9")
-    assert "--moment-dtype bf16 (the run's: fp32) cannot change" in fails(capsys, "train", "--resume", run, "--moment-dtype", "bf16")
+    assert "--betas 0.8 0.9 (the run's: 0.9 0.95) cannot change" in fails(capsys, "train", "--resume", run,
+                                                                          "--betas", "0.8,0.9")
+    assert "--moment-dtype bf16 (the run's: fp32) cannot change" in fails(capsys, "train", "--resume", run,
+                                                                         "--moment-dtype", "bf16")
     rc, out, err = run_cli(capsys, "train", "--resume", run, "--steps", 7, "--eps", 1e-6, "--log-every", 2,
                            "--sample-tokens", 0)
     assert rc == 0, err

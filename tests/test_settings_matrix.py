@@ -1,5 +1,6 @@
 """Every combination of store x update place x activations x dtype x grad-accum (offloaded activations on two
-of them) trains through the CLI and reaches the same weights: fp32 ones within fp32 rounding, bf16 ones within bf16 rounding of the fp32 ones."""
+of them) trains through the CLI and reaches the same weights: fp32 ones within fp32 rounding, bf16 ones within
+bf16 rounding of the fp32 ones."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,8 @@ from streamer.trainer import StreamingTrainer
 from test_cli import run_cli
 
 MATRIX = list(itertools.product(["ram", "disk"], ["device", "host"], ["resident", "checkpoint"], ["fp32", "bf16"],
-                                [1, 2])) + [("ram", "device", "offload", "fp32", 2), ("disk", "host", "offload", "bf16", 1)]
+                                [1, 2])) + \
+    [("ram", "device", "offload", "fp32", 2), ("disk", "host", "offload", "bf16", 1)]
 # Measured largest differences from the first combination after two steps: fp32 8.6e-7 (the same sums in another
 # order), bf16 1.1e-2 (bf16 compute, fp32 master weights). The bounds leave room for other CPUs' kernels.
 FP32_TOL = 1e-5

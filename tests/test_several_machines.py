@@ -67,7 +67,7 @@ def _finish(nodes: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
         outs = [proc.communicate(timeout=WAIT_S) for proc in nodes]
     finally:
         _kill(nodes)  # nothing outlives the test, whatever happened
-    return [(proc.returncode, out, err) for proc, (out, err) in zip(nodes, outs)]
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(nodes, outs, strict=True)]
 
 
 def _logged(run: Path) -> int:

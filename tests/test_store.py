@@ -357,6 +357,11 @@ def test_readers_share_the_lock_write_nothing_and_refuse_to_write(tmp_path, monk
     assert snapshot(tmp_path / "crashed") == before
 
 
+def _noting_fds(flushes: list[int], flush):
+    """os.fsync or os.fdatasync, noting each descriptor flushed."""
+    return lambda fd: flushes.append(fd) or flush(fd)
+
+
 @pytest.mark.parametrize("tc", [DISK, JOURNALED], ids=["fused", "journaled"])
 def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
     """The flushes (fsync, fdatasync) of a disk-tier step are the ones the planner counts: SEAL_FLUSHES per
@@ -369,7 +374,7 @@ def test_a_step_flushes_what_the_planner_prices(tmp_path, monkeypatch, tc):
         trainer.step(data[0])  # unclipped: a fused step is not undone and made again
         flushes = []
         for name in ("fsync", "fdatasync"):
-            monkeypatch.setattr(os, name, lambda fd, flush=getattr(os, name): flushes.append(fd) or flush(fd))
+            monkeypatch.setattr(os, name, _noting_fds(flushes, getattr(os, name)))
         trainer.step(data[1])
         assert trainer.fused == (tc is DISK)
     planned = PlanConfig.of(batch=2, seq=32, store="disk", update_timing=tc.step.update_timing,
@@ -425,7 +430,7 @@ def test_a_commit_deletes_the_replaced_generation_while_the_next_step_runs(tmp_p
     monkeypatch.setattr(direct.SequentialFile, "__init__", counting)
     fused = DISK.replace(update_timing="fused", max_grad_norm=0)
     with StreamingTrainer(CFG, fused, store_dir=tmp_path / "run") as trainer:
-        for ids, step_returned in zip(batches(3), returned):
+        for ids, step_returned in zip(batches(3), returned, strict=True):
             trainer.step(ids)
             step_returned.set()
     assert unlinks == [True, True, True]

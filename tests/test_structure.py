@@ -1,6 +1,6 @@
 """The structure docs/ARCHITECTURE.md describes, checked against the code: import directions (between the
-packages and between streamer's layers), no import cycles, no reaching into another module's private names, modules under the size limit, memory_model without
-torch, and the module table naming exactly the modules that exist."""
+packages and between streamer's layers), no import cycles, no reaching into another module's private names,
+modules under the size limit, memory_model without torch, and the module table naming exactly the modules that exist."""
 from __future__ import annotations
 
 import ast

@@ -25,7 +25,7 @@ def _run(trace: Trace, ledger: Ledger, steps: int = 2) -> None:
                 tmp = ledger.allocate("workspace", layer, 500)
                 ledger.free(tmp)
             ledger.free(w)
-        for layer, act in zip(("block.1", "block.0"), reversed(acts)):
+        for layer, act in zip(("block.1", "block.0"), reversed(acts), strict=True):
             with trace.span(layer, "backward", step=step, micro=0):
                 w = ledger.allocate("weights", layer, 400)
                 g = ledger.allocate("gradients", layer, 400)

@@ -72,7 +72,7 @@ def hf_trainer(source: Path, data: Dataset, out: Path) -> tuple[list[dict], dict
         max_grad_norm=CLIP, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, optim="adamw_torch_fused",
         average_tokens_across_devices=True, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         disable_tqdm=True)
-    rows = [{"input_ids": ids, "labels": labels} for ids, labels in zip(data.input_ids, data.labels)]
+    rows = [{"input_ids": ids, "labels": labels} for ids, labels in zip(data.input_ids, data.labels, strict=True)]
     steps: list[dict] = []
 
     class Logs(transformers.TrainerCallback):
@@ -112,7 +112,7 @@ def test_streamer_train_equals_hf_trainer(tmp_path, source, tokenizer):
     with torch.no_grad():
         model = transformers.GPTJForCausalLM.from_pretrained(source / "hf", dtype=torch.float64)
         means = [model(ids, labels=labels).loss.item() for ids, labels in zip(data.input_ids.chunk(2),
-                                                                              data.labels.chunk(2))]
+                                                                              data.labels.chunk(2), strict=True)]
     assert abs(sum(means) / 2 - records[0]["loss"]) > 1e-3
 
 
@@ -151,7 +151,7 @@ def test_a_packed_step_equals_hf_on_each_example_alone(tmp_path, source, tokeniz
     records = streamer_train_packed(source, tmp_path / "run", source / "data.jsonl", len(packed), ["--pack"])
     alone = load_dataset(source / "data.jsonl", tokenizer, SEQ)  # one example a sequence, padded after it
     ends = [int((labels != -100).nonzero().max()) + 1 for labels in alone.labels]  # each example without padding
-    pieces = [(ids[:end], labels[:end]) for ids, labels, end in zip(alone.input_ids, alone.labels, ends)]
+    pieces = [(ids[:end], labels[:end]) for ids, labels, end in zip(alone.input_ids, alone.labels, ends, strict=True)]
     loss, norm = hf_alone(source, pieces)
     # Measured: loss 6.0e-8, gradient norm 2.4e-7 apart; the bounds of the unpacked steps above (HF's own fp32
     # kernels against float64: 9.5e-7 and 1.0e-6).
@@ -177,8 +177,8 @@ def test_pack_documents_gives_each_text_document_its_own_attention(tmp_path, sou
     data = load_dataset(path, tokenizer, SEQ, pack="documents")
     assert load_dataset(path, tokenizer, SEQ, pack="examples").positions is None  # text untouched by --pack
     starts = [(row == 0).nonzero().flatten().tolist() + [SEQ] for row in data.positions]
-    pieces = [(ids[a:b], labels[a:b]) for ids, labels, cut in zip(data.input_ids, data.labels, starts)
-              for a, b in zip(cut, cut[1:])]
+    pieces = [(ids[a:b], labels[a:b]) for ids, labels, cut in zip(data.input_ids, data.labels, starts, strict=True)
+              for a, b in zip(cut, cut[1:], strict=False)]
     assert len(pieces) > len(data) > 1  # sequences hold several documents, and documents cross sequences
     records = streamer_train_packed(source, tmp_path / "run", path, len(data), ["--pack", "documents"])
     loss, norm = hf_alone(source, pieces)

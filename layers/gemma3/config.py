@@ -85,7 +85,7 @@ class Gemma3TextConfig(ModelConfig):
     query_pre_attn_scalar: float = 256
     sliding_window: int | None = 4096
     # transformers' layer_types (a method of every config reads it: layer_types()); None: every 6th global.
-    attention_layers: tuple[str, ...] | None = None
+    attention_layers: tuple[str, ...] = None  # type: ignore[assignment]  # None until __post_init__ resolves it
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
 
@@ -135,15 +135,15 @@ class Gemma3TextConfig(ModelConfig):
 
     def resized(self, **sizes: int) -> "Gemma3TextConfig":
         """ModelConfig.resized; another depth repeats the layer types from the first layer on."""
-        return ModelConfig.resized(deepened(self, sizes), **sizes)  # type: ignore[return-value]
+        return ModelConfig.resized(deepened(self, sizes), **sizes)
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property
-    def rotary_dim(self) -> int:  # type: ignore[override]
+    def rotary_dim(self) -> int:
         return self.head_dim
 
     def layer_types(self) -> tuple[str, ...]:
-        return self.attention_layers  # type: ignore[return-value]
+        return self.attention_layers
 
     def attention_window(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == "sliding_attention" else None
@@ -195,7 +195,7 @@ class Gemma3TextConfig(ModelConfig):
             if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
                 raise ConfigError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
             raw["attention_layers"] = pattern_layers(layers, pattern)
-        return cls.from_dict(cls.own_fields(raw))  # type: ignore[return-value]
+        return cls.from_dict(cls.own_fields(raw))
 
     def to_hf(self) -> dict[str, Any]:
         out = {"architectures": ["Gemma3ForCausalLM"], "model_type": self.model_type, **dataclasses.asdict(self),

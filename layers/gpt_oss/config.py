@@ -82,15 +82,15 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     intermediate_size: int = 2880  # each expert's width
     num_hidden_layers: int = 36
     num_attention_heads: int = 64
-    num_key_value_heads: int | None = 8
-    head_dim: int | None = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
     max_position_embeddings: int = 131072
     rms_norm_eps: float = 1e-5
     rope_parameters: Any = tuple(sorted(DEFAULT_ROPE.items()))
     attention_bias: bool = True
     sliding_window: int | None = 128
     # transformers' layer_types; None: sliding and full in turn, sliding first.
-    attention_layers: tuple[str, ...] | None = None
+    attention_layers: tuple[str, ...] = None  # type: ignore[assignment]  # None until __post_init__ resolves it
     num_local_experts: int = 128
     num_experts_per_tok: int = 4
     swiglu_alpha: float = 1.702
@@ -103,7 +103,7 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
             object.__setattr__(self, "attention_layers", alternating_layers(self.num_hidden_layers))
         super().__post_init__()
         self.check_experts()
-        object.__setattr__(self, "attention_layers", tuple(self.attention_layers))  # type: ignore[arg-type]
+        object.__setattr__(self, "attention_layers", tuple(self.attention_layers))
         if len(self.attention_layers) != self.num_hidden_layers or not set(self.attention_layers) <= set(LAYER_TYPES):
             raise ConfigError(f"layer_types must name {self.num_hidden_layers} layers (num_hidden_layers), each "
                               f"{' or '.join(LAYER_TYPES)}; got {list(self.attention_layers)}")
@@ -133,15 +133,15 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
 
     def resized(self, **sizes: int) -> "GptOssConfig":
         """ModelConfig.resized; another depth repeats the layer types from the first layer on."""
-        return LlamaConfig.resized(deepened(self, sizes), **sizes)  # type: ignore[return-value]
+        return LlamaConfig.resized(deepened(self, sizes), **sizes)
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property
-    def num_experts(self) -> int:  # type: ignore[override]
+    def num_experts(self) -> int:
         return self.num_local_experts
 
     @property
-    def norm_topk_prob(self) -> bool:  # type: ignore[override]
+    def norm_topk_prob(self) -> bool:
         return True  # the softmax is over the chosen experts' logits
 
     @property
@@ -149,7 +149,7 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         return self.intermediate_size
 
     def layer_types(self) -> tuple[str, ...]:
-        return self.attention_layers  # type: ignore[return-value]
+        return self.attention_layers
 
     def attention_window(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == "sliding_attention" else None
@@ -187,11 +187,11 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         dropout = raw.get("attention_dropout")
         if dropout not in (0, None):
             raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
-        return cls.from_dict(cls.own_fields(raw))  # type: ignore[return-value]
+        return cls.from_dict(cls.own_fields(raw))
 
     def to_hf(self) -> dict[str, Any]:
         out = {"architectures": [self.architecture], "model_type": self.model_type, **dataclasses.asdict(self),
-               "rope_parameters": self.rope, "layer_types": list(self.attention_layers),  # type: ignore[arg-type]
+               "rope_parameters": self.rope, "layer_types": list(self.attention_layers),
                "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
         del out["attention_layers"], out["mlp_bias"]
         return out

@@ -76,31 +76,31 @@ class GPTJConfig(ModelConfig):
 
     # --- the common vocabulary (HF's attribute_map for GPT-J) -------------------------------------------
     @property
-    def hidden_size(self) -> int:  # type: ignore[override]
+    def hidden_size(self) -> int:
         return self.n_embd
 
     @property
-    def num_hidden_layers(self) -> int:  # type: ignore[override]
+    def num_hidden_layers(self) -> int:
         return self.n_layer
 
     @property
-    def num_attention_heads(self) -> int:  # type: ignore[override]
+    def num_attention_heads(self) -> int:
         return self.n_head
 
     @property
-    def num_key_value_heads(self) -> int:  # type: ignore[override]
+    def num_key_value_heads(self) -> int:
         return self.n_head
 
     @property
-    def head_dim(self) -> int:  # type: ignore[override]
+    def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     @property
-    def intermediate_size(self) -> int:  # type: ignore[override]
+    def intermediate_size(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
     @property
-    def max_position_embeddings(self) -> int:  # type: ignore[override]
+    def max_position_embeddings(self) -> int:
         return self.n_positions
 
     def context(self) -> tuple[int, str]:
@@ -135,7 +135,7 @@ class GPTJConfig(ModelConfig):
             raise ConfigError("rotary=false (no rotary embedding) is not GPT-J; remove it or set it to true")
         if raw.get("rotary_dim", 64) is None:
             raise ConfigError("rotary_dim=None (rotary over the whole head) is not supported; set rotary_dim")
-        return cls.from_dict(cls.own_fields(raw))  # type: ignore[return-value]
+        return cls.from_dict(cls.own_fields(raw))
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers.GPTJForCausalLM reads."""

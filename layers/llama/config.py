@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Self
 
 from layers.config import (
     PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
@@ -22,7 +22,7 @@ from layers.costs import Costs
 from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
-TINY: dict[str, int] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+TINY: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 
 # What each rope_type needs besides rope_theta (transformers' modeling_rope_utils).
@@ -95,8 +95,9 @@ class LlamaConfig(ModelConfig):
     intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
-    num_key_value_heads: int | None = None  # None: num_attention_heads (multi-head attention)
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    # None: num_attention_heads (multi-head attention), and hidden_size // num_attention_heads; __post_init__ sets them
+    num_key_value_heads: int = None  # type: ignore[assignment]  # resolved in __post_init__
+    head_dim: int = None  # type: ignore[assignment]  # resolved in __post_init__
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
@@ -145,13 +146,13 @@ class LlamaConfig(ModelConfig):
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property
-    def rotary_dim(self) -> int:  # type: ignore[override]
-        return self.head_dim  # type: ignore[return-value]
+    def rotary_dim(self) -> int:
+        return self.head_dim
 
     @property
     def qk_norm_rows(self) -> tuple[int, int]:
         """The rows per token the q and k norms normalise (each a statistic they save): a head each, or one."""
-        return (1, 1) if self.qk_norm_whole else (self.num_attention_heads, self.num_key_value_heads)  # type: ignore
+        return (1, 1) if self.qk_norm_whole else (self.num_attention_heads, self.num_key_value_heads)
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -170,12 +171,12 @@ class LlamaConfig(ModelConfig):
 
     def block_params(self) -> int:
         d = self.hidden_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim  # type: ignore
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = d * q + 2 * d * kv + q * d
         attention += (q + 2 * kv) if self.attention_bias or self.qkv_bias else 0
         attention += d if self.attention_bias else 0  # o_proj's bias
         if self.qk_norm:
-            attention += (q + kv) if self.qk_norm_whole else 2 * self.head_dim  # type: ignore[operator]
+            attention += (q + kv) if self.qk_norm_whole else 2 * self.head_dim
         return 2 * d + attention + self.mlp_params()  # input_layernorm, post_attention_layernorm
 
     def mlp_params(self) -> int:
@@ -193,13 +194,13 @@ class LlamaConfig(ModelConfig):
 
     def projection_shape(self, name: str) -> tuple[int, int]:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        kv = self.num_key_value_heads * self.head_dim
         return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
                 "up_proj": (d, f), "down_proj": (f, d)}[name]
 
     # --- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "LlamaConfig":
+    def from_hf_fields(cls, raw: dict[str, Any]) -> Self:
         dropout = raw.get("attention_dropout")
         if dropout not in (0, None):
             raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
@@ -209,7 +210,7 @@ class LlamaConfig(ModelConfig):
         unread = {*(() if cls.slides else ("sliding_window",)),
                   *(flag for flag in ("attention_bias", "mlp_bias") if flag not in cls.honoured_flags)}
         fields = {k: v for k, v in cls.own_fields(raw).items() if k not in unread}
-        return cls.from_dict(fields)  # type: ignore[return-value]
+        return cls.from_dict(fields)
 
     @classmethod
     def _window(cls, raw: Mapping[str, Any]) -> Any:

@@ -132,9 +132,13 @@ class _Model(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         units = family_units(cfg)
-        self.embed_tokens = units.embed(cfg).embed_tokens
+        table = units.embed(cfg).embed_tokens
+        assert isinstance(table, nn.Embedding)  # every family's table
+        self.embed_tokens = table
         self.layers = nn.ModuleList(units.block(cfg, kind) for kind in cfg.layer_types())
-        self.norm = units.head.norm_type(cfg.hidden_size, cfg.rms_norm_eps)  # type: ignore[attr-defined]
+        head = units.head
+        assert isinstance(head, type) and issubclass(head, LlamaHead)  # a Llama-shaped family's
+        self.norm = head.norm_type(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Llama(CausalLM):
@@ -144,7 +148,9 @@ class Llama(CausalLM):
     def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.lookup = family_units(cfg).embed.lookup  # type: ignore[attr-defined]
+        embedding = family_units(cfg).embed
+        assert isinstance(embedding, type) and issubclass(embedding, LlamaEmbedding)  # a Llama-shaped family's
+        self.lookup = embedding.lookup
         self.model = _Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if init:

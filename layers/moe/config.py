@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints, take_aliases
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
@@ -23,21 +23,34 @@ from layers.llama.costs import MlpCosts
 from layers.moe.adapter import ExpertsAdapter
 from layers.moe.costs import SparseMlpCosts
 
+if TYPE_CHECKING:  # the mixin's methods reach LlamaConfig's through super(): the type checker sees it as one
+    _MixinBase = LlamaConfig
+else:
+    _MixinBase = object
 
-class MixtureOfExperts:
+
+class MixtureOfExperts(_MixinBase):
     """The sparse MLP's fields, parameters, LoRA targets and saved names, for a config class that also subclasses
     LlamaConfig; its byte and FLOP inputs are the block's MLP facet `SparseMlpCosts` (layers/moe/costs.py)."""
 
     mlp_costs: ClassVar[type[MlpCosts]] = SparseMlpCosts
     adapter_class: ClassVar[type[StateDictAdapter]] = ExpertsAdapter
 
-    num_experts: int
     num_experts_per_tok: int
-    norm_topk_prob: bool
     output_router_logits: bool  # the loss adds the routers' load-balancing loss, times router_aux_loss_coef
     router_aux_loss_coef: float
     hidden_size: int
-    expert_width: int  # each expert's SwiGLU width, by the family's own field (a property of its class)
+    if TYPE_CHECKING:  # a field of one family, derived by another's property: read-only to the type checker
+        @property
+        def num_experts(self) -> int: ...
+        @property
+        def norm_topk_prob(self) -> bool: ...
+        @property
+        def expert_width(self) -> int: ...  # each expert's SwiGLU width, by the family's own field
+    else:
+        num_experts: int
+        norm_topk_prob: bool
+        expert_width: int
     # Attention's projections and the experts' fused tensors (E, out, in), which PEFT targets as parameters
     # (`target_parameters`, matched by the end of their names): each expert e gets its own pair, W_e + scaling x
     # B_e A_e. The router is transformers' own module, not a Linear, and no target.
@@ -82,7 +95,7 @@ class MixtureOfExperts:
         """An expert tensor's is one expert's (in_features, out_features)."""
         d, f = self.hidden_size, self.expert_width
         experts = {"experts.gate_up_proj": (d, 2 * f), "experts.down_proj": (f, d)}
-        return experts[name] if name in experts else super().projection_shape(name)  # type: ignore[misc]
+        return experts[name] if name in experts else super().projection_shape(name)
 
     def lora_experts(self, target: str) -> tuple[int, int]:
         return (self.num_experts, self.num_experts_per_tok) if target in self.lora_parameters else (1, 1)
@@ -93,7 +106,7 @@ class MixtureOfExperts:
         module's order, each wrapper around the previous: an earlier tensor's adapters lie one `base_layer`
         deeper for each later one targeted."""
         if target not in self.lora_parameters:
-            return super().lora_keys(target, targets)  # type: ignore[misc]
+            return super().lora_keys(target, targets)
         key = self.projections[target]
         module, _, name = key.rpartition(".")
         later = self.lora_parameters[self.lora_parameters.index(target) + 1:]
@@ -146,7 +159,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
         if "intermediate_size" in sizes:
             sizes["moe_intermediate_size"] = max(
                 1, self.moe_intermediate_size * sizes["intermediate_size"] // self.intermediate_size)
-        return super().resized(**sizes)  # type: ignore[return-value]
+        return super().resized(**sizes)
 
     @classmethod
     def example(cls) -> "Qwen3MoeConfig":
@@ -166,7 +179,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
         # Its window slides on every layer whenever use_sliding_window: the class reads neither of Qwen2's
         # per-layer fields.
         raw = {k: v for k, v in raw.items() if k not in ("max_window_layers", "layer_types")}
-        return super().from_hf_fields(raw)  # type: ignore[return-value]
+        return super().from_hf_fields(raw)
 
     def to_hf(self) -> dict[str, Any]:
         return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": []}
@@ -197,11 +210,11 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
         super().__post_init__()
 
     @property
-    def num_experts(self) -> int:  # type: ignore[override]
+    def num_experts(self) -> int:
         return self.num_local_experts
 
     @property
-    def norm_topk_prob(self) -> bool:  # type: ignore[override]
+    def norm_topk_prob(self) -> bool:
         return True
 
     @property
@@ -217,7 +230,7 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
     def from_hf_fields(cls, raw: dict[str, Any]) -> "MixtralConfig":
         take_aliases(raw, {"num_experts": "num_local_experts"})
         cls.read_hf_experts(raw)
-        return super().from_hf_fields(raw)  # type: ignore[return-value]
+        return super().from_hf_fields(raw)
 
     def to_hf(self) -> dict[str, Any]:
         return {**super().to_hf(), "router_jitter_noise": 0.0}
@@ -247,7 +260,7 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     def __post_init__(self) -> None:
         self.check_experts()  # first: the sizes' checks count the experts' parameters
         super().__post_init__()
-        if self.head_dim * self.num_attention_heads != self.hidden_size:  # type: ignore[operator]
+        if self.head_dim * self.num_attention_heads != self.hidden_size:
             raise ConfigError(f"head_dim={self.head_dim} is not hidden_size / num_attention_heads "
                               f"({self.hidden_size} / {self.num_attention_heads}): OLMoE's q norm spans "
                               "hidden_size; remove head_dim")
@@ -269,7 +282,7 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
         if raw.get("clip_qkv") is not None:
             raise ConfigError(f"clip_qkv={raw['clip_qkv']!r} is not supported (no clamping of q, k and v); set it "
                               "to null")
-        return super().from_hf_fields(raw)  # type: ignore[return-value]
+        return super().from_hf_fields(raw)
 
     def to_hf(self) -> dict[str, Any]:
         return {**super().to_hf(), "clip_qkv": None}

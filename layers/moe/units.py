@@ -59,11 +59,11 @@ class GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         # A group with no rows at all has nothing to launch.
         ctx.grouped = sizes is not None and x.shape[0] > 0 and grouped_mm_serves(x, weight)
-        if ctx.grouped:
+        if ctx.grouped and sizes is not None:  # (grouped only with sizes)
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(sizes, x.device))
         out = x.new_empty(x.shape[0], weight.shape[1])
         if sizes is not None:
-            for e, (rows, into) in enumerate(zip(x.split(sizes), out.split(sizes))):
+            for e, (rows, into) in enumerate(zip(x.split(sizes), out.split(sizes), strict=True)):
                 if rows.shape[0]:
                     torch.mm(rows, weight[e].t(), out=into)
         return out

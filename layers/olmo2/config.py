@@ -39,7 +39,7 @@ class Olmo2Config(LlamaConfig):
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        kv = self.num_key_value_heads * self.head_dim
         attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
         attention += q + kv  # q_norm and k_norm, over the whole projections
         return attention + 3 * d * f + 2 * d  # post_attention_layernorm, post_feedforward_layernorm

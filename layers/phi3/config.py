@@ -55,10 +55,10 @@ class Phi3Config(LlamaConfig):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"rope_parameters[{key!r}] must be a positive number, got {value!r}")
         partial = params.setdefault("partial_rotary_factor", 1.0)
-        if not 0 < partial <= 1 or int(self.head_dim * partial) % 2:  # type: ignore[operator]
+        if not 0 < partial <= 1 or int(self.head_dim * partial) % 2:
             raise ConfigError(f"partial_rotary_factor={partial!r} must rotate an even number of each head's "
                               f"{self.head_dim} dims")
-        rotary_dim = int(self.head_dim * partial)  # type: ignore[operator]
+        rotary_dim = int(self.head_dim * partial)
         for key in ROPE_TYPES[kind]:
             value = params.get(key)
             if not isinstance(value, (list, tuple)) or len(value) != rotary_dim // 2 or not all(
@@ -82,8 +82,8 @@ class Phi3Config(LlamaConfig):
 
     # --- the common vocabulary ------------------------------------------------------------------
     @property
-    def rotary_dim(self) -> int:  # type: ignore[override]
-        return int(self.head_dim * self.rope["partial_rotary_factor"])  # type: ignore[operator]
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope["partial_rotary_factor"])
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -95,7 +95,7 @@ class Phi3Config(LlamaConfig):
 
     def projection_shape(self, name: str) -> tuple[int, int]:
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+        kv = self.num_key_value_heads * self.head_dim
         return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
 
     # --- Hugging Face config.json ------------------------------------------------------------------
@@ -111,7 +111,7 @@ class Phi3Config(LlamaConfig):
         rope.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         raw["rope_parameters"] = rope
         return cls.from_dict(cls.own_fields({k: v for k, v in raw.items()
-                                             if k not in ("attention_bias", "mlp_bias")}))  # type: ignore[return-value]
+                                             if k not in ("attention_bias", "mlp_bias")}))
 
     def to_hf(self) -> dict[str, Any]:
         return {**super().to_hf(), "resid_pdrop": 0.0, "embd_pdrop": 0.0}

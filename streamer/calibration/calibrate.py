@@ -78,7 +78,7 @@ class CalibrationSizes:
 DEFAULT_SIZES = CalibrationSizes()
 
 
-def _best_time(fn: Callable[[], None], repeats: int, seconds: float = math.inf) -> float:
+def _best_time(fn: Callable[[], object], repeats: int, seconds: float = math.inf) -> float:
     """Best of a warm-up and `repeats` timed calls; the repeats stop once `seconds` have passed.
 
     The warm-up (first-touch page faults, kernel selection) is timed too and can only lose the min, unless it
@@ -246,14 +246,16 @@ def _attention_costs(shape: ModelConfig, dtype: torch.dtype, tokens: int, matmul
     def timed(batch: int, seq: int) -> tuple[float, float]:
         q, k, v = (torch.randn(batch, shape.num_attention_heads, seq, shape.head_dim, dtype=dtype,
                                requires_grad=True) for _ in range(3))
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+        def sdpa() -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+
         return _forward_backward(sdpa, [q, k, v], repeats, deadline)
 
     short = min(_SHORT_SEQ, tokens)
     shapes = ((1, tokens), (tokens // short, short))
     (long_f, long_b), (short_f, short_b) = (timed(*s) for s in shapes)
     (flops_long, flops_short), (token_heads_long, token_heads_short) = zip(
-        *((attention_flops(shape, b, t), b * t * shape.num_attention_heads) for b, t in shapes))
+        *((attention_flops(shape, b, t), b * t * shape.num_attention_heads) for b, t in shapes), strict=True)
 
     def fit(long_s: float, short_s: float, passes: int) -> tuple[float, float, float]:
         """(FLOP rate, seconds per token and head, seconds at the long shape) of `passes` x the FLOPs."""
@@ -365,7 +367,8 @@ def measure_allreduce(nbytes: int, repeats: int) -> float:
         try:
             group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
             t = torch.ones(nbytes // 4)
-            seconds[r] = _best_time(lambda: group.allreduce([t]).wait(), repeats)
+            allreduce = group.allreduce  # type: ignore[attr-defined]  # torch's stubs omit Gloo's collectives
+            seconds[r] = _best_time(lambda: allreduce([t]).wait(), repeats)
         except Exception as exc:  # reported below, in the caller's thread
             errors.append(exc)
 
@@ -428,11 +431,12 @@ def calibrate(directory: Path, shape: ModelConfig, dtype: str, sizes: Calibratio
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {fp['processor']}, "
                 f"{fp['threads']} threads, torch {fp['torch']}, {dtype} compute"),
         notes=(f"{dtype} matmul {n}^3; kernel costs on a d={probe.hidden_size}, {probe.num_attention_heads}-head, "
-               f"vocab {probe.vocab_size} {probe.model_type} block, head and embedding at 1 x {tokens} tokens (the planned "
-               f"model's, narrowed to fit {sizes.compute_seconds:g} s); copy {format_size(sizes.copy_bytes)} into an "
-               f"existing buffer; disk: median of {sizes.repeats} x {format_size(sizes.disk_bytes)} written as "
-               f"the store writes a state file, read with the page cache dropped; AdamW on {sizes.update_params:,} fp32 params, "
-               f"{UPDATE_TOUCHED_BYTES_PER_PARAM} B/param; 2-rank all-reduce of {format_size(sizes.allreduce_bytes)}",
+               f"vocab {probe.vocab_size} {probe.model_type} block, head and embedding at 1 x {tokens} tokens (the "
+               f"planned model's, narrowed to fit {sizes.compute_seconds:g} s); copy {format_size(sizes.copy_bytes)} "
+               f"into an existing buffer; disk: median of {sizes.repeats} x {format_size(sizes.disk_bytes)} written as "
+               f"the store writes a state file, read with the page cache dropped; AdamW on {sizes.update_params:,} "
+               f"fp32 params, {UPDATE_TOUCHED_BYTES_PER_PARAM} B/param; 2-rank all-reduce of "
+               f"{format_size(sizes.allreduce_bytes)}",
                "device memory is the whole RAM: the cpu device and the host share it"),
     )
     return replace(spec, figures={name: Figure(value, "measured", _MEASURED_BY.get(name, spec.notes[0]))
@@ -458,7 +462,7 @@ def cpu_clock() -> tuple[float, float, float]:
 
 def others_cores(begin: tuple[float, float, float], end: tuple[float, float, float]) -> float:
     """The cores other processes kept busy on average between two `cpu_clock` readings."""
-    wall, ran, own = (b - a for a, b in zip(begin, end))
+    wall, ran, own = (b - a for a, b in zip(begin, end, strict=True))
     return max(0.0, ran - own) / max(wall, 1e-9)
 
 
@@ -500,9 +504,9 @@ def local_spec(cache_dir: Path | None, shape: ModelConfig, dtype: str, refresh: 
         spec = replace(spec, notes=(*spec.notes, _busy_note(load)))
     payload = {"version": CACHE_VERSION, "fingerprint": fingerprint(),
                "entries": {**entries, key: {"spec": spec.to_dict(), "others_cores": load}}}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old cache or the new one, never half
+    staged = path.with_suffix(".json.tmp")
+    staged.write_text(json.dumps(payload, indent=2))
+    staged.replace(path)  # atomic: a concurrent reader sees the old cache or the new one, never half
     return spec
 
 

@@ -47,6 +47,7 @@ from layers.config import ModelConfig
 from memory_model.schedule import step_events
 from streamer.config import TrainerConfig
 from memory_model.tiers import DISK, RAM, TIERS, Tier
+from streamer.store.host import HostStore
 from streamer.store.layout import dtype_name
 from streamer.trainer import StreamingTrainer
 
@@ -112,7 +113,7 @@ def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: Tier, directory: 
             ids = torch.randint(0, _tiny(shape, 1).vocab_size, (1, _TOKENS), generator=torch.Generator().manual_seed(0))
             times: list[list[float]] = [[], []]
             for i in range(2 + steps):
-                for trainer, seconds in zip(trainers, times):
+                for trainer, seconds in zip(trainers, times, strict=True):
                     start = time.perf_counter()
                     trainer.step(ids)
                     if i >= 2:
@@ -124,7 +125,8 @@ def _fixed_costs(shape: ModelConfig, dtype: torch.dtype, tier: Tier, directory: 
         torch.random.set_rng_state(torch_state)
     (shallow, deep), (shallow_events, deep_events) = times, events
     # Timing noise can make the deeper model no slower: an event then costs nothing measurable.
-    event_s = max(0.0, statistics.median(d - s for s, d in zip(shallow, deep)) / (deep_events - shallow_events))
+    slower = statistics.median(d - s for s, d in zip(shallow, deep, strict=True))
+    event_s = max(0.0, slower / (deep_events - shallow_events))
     return event_s, step_s, file_s
 
 
@@ -134,7 +136,7 @@ def _outside_spans_s(trainer: StreamingTrainer, seconds: list[float]) -> float:
     the commit). Its events' own costs, the loss between them and its last write-back are inside."""
     kept = trainer.trace.steps()[-len(seconds):]
     outside = [wall - (end - start) for wall, (start, end) in
-               zip(seconds[-len(kept):], (trainer.trace.time_range(step) for step in kept))]
+               zip(seconds[-len(kept):], (trainer.trace.time_range(step) for step in kept), strict=True)]
     return max(0.0, statistics.median(outside))
 
 
@@ -144,6 +146,7 @@ def _state_file_s(trainer: StreamingTrainer, write_bytes_per_s: float) -> float:
     `write_bytes_per_s`. A fused step's last span of a unit on the write worker is that write-back: its
     gradient's offload comes before its update."""
     store = trainer.store
+    assert isinstance(store, HostStore)  # a trainer that writes its store holds the host store itself
     seconds = []
     for step in trainer.trace.steps():
         last = {e.layer: e for e in trainer.trace.spans(step) if e.phase == "offload"}

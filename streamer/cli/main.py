@@ -1,4 +1,5 @@
-"""`streamer`: train | plan | eval | generate | export | trace | devices | calibrate | bench (also `python -m streamer`).
+"""`streamer`: train | plan | eval | generate | export | trace | devices | calibrate | bench (also
+`python -m streamer`).
 
 This module builds the top parser and dispatches; each subcommand's module (streamer/cli/<command>.py)
 declares its own flags and examples (`declare`). Only the module of the command that runs is imported:
@@ -56,7 +57,7 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line that names the --help to read."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = NEGATIVE_NUMBER
 
@@ -162,7 +163,7 @@ def _dispatch(argv: list[str]) -> int:
 
 def _refuse_unknown(parser: Parser, command: str | None, unknown: list[str]) -> NoReturn:
     """Unknown arguments after a command are refused by that command's parser, which names its own --help."""
-    sub = parser if command is None else next(
+    sub: argparse.ArgumentParser = parser if command is None else next(
         action.choices[command] for action in parser._actions if isinstance(action, argparse._SubParsersAction))
     sub.error(f"unrecognized arguments: {' '.join(unknown)}")
 

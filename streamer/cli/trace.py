@@ -64,9 +64,10 @@ def trace_command(args: argparse.Namespace) -> int:
                        "--trace-steps, default 8, and every Nth with --trace-every N); to keep others, train with "
                        "--trace-every N or a larger --trace-steps")
     summary = trace.summary(step)
-    out: Path | None = Path(args.out) if args.out else path.with_name(plot_name(args.step))
-    if args.out or _writable(out):
-        replace_file(out, lambda tmp: trace.plot(tmp, step=step))
+    plot = Path(args.out) if args.out else path.with_name(plot_name(args.step))
+    out: Path | None = plot
+    if args.out or _writable(plot):
+        replace_file(plot, lambda tmp: trace.plot(tmp, step=step))
     else:  # a run folder that is archived, shared or mounted read-only: the table alone, and where a plot can go
         out = None
     if args.chrome:

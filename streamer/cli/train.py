@@ -63,8 +63,10 @@ def train_command(args: argparse.Namespace) -> int:
             trained = train(session, printer)
             report(session, trained, printer)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM; main() prints these
-        exc.resume_command = resume_command(str(session.run.root), session.parallel)
-        exc.resumes_from = _resumes_from(session)
+        # main() reads these off the interrupt (a builtin exception, whose type declares neither) to say how to
+        # continue
+        vars(exc).update(resume_command=resume_command(str(session.run.root), session.parallel),
+                         resumes_from=_resumes_from(session))
         raise
     except (DiskFull, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -110,6 +112,7 @@ def resume(path: str, explicit: dict, config_file: str | None, printer: Printer)
 
 def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, printer: Printer) -> Session | None:
     """`--run-dir DIR` naming an existing run: continue it if the settings are its own (but for RESUMABLE ones)."""
+    assert cfg.run_dir is not None  # only a --run-dir naming a run is rerun
     run = RunDir.open(cfg.run_dir)
     saved = run.read_config()
     # Resolved as if the RESUMABLE settings were the run's own, so that a default derived from one of them

@@ -148,6 +148,7 @@ def report(s: Session, trained: Trained, printer: Printer) -> None:
     cfg, trainer, run, console = s.cfg, s.trainer, s.run, printer.console
     if trained.steps and s.lead:
         top = trained.trace_step
+        assert top is not None  # steps were trained
         console.print(trainer.trace.table(step=top))
         for line in memory_lines(trainer.trace, top, planned=planned_peak(trainer.cfg, cfg, s.devices),
                                  planned_host=planned_host(trainer.cfg, cfg, s.devices).total):

@@ -128,6 +128,7 @@ def render(template: str, messages: list[dict[str, str]], specials: dict[str, st
 def _check_binop(operator: str, left: Any, right: Any) -> None:
     if operator == "*" and isinstance(left, int) and not isinstance(right, int):
         left, right = right, left
+    size: float
     if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
         size = len(left) * right
     elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(left) > 1:

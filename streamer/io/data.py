@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Protocol
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -37,7 +37,8 @@ class DataConfig:
                                      "{\"messages\"} records; or a datasets save_to_disk folder (default: Python's "
                                      "own help topics)", Text(), "FILE")
     tokenizer: str | None = setting(None, "a folder with tokenizer.json or vocab.json + merges.txt "
-                                          "(default: --from-pretrained's, else a BPE trained on the data)", Text(), "DIR")
+                                          "(default: --from-pretrained's, else a BPE trained on the data)",
+                                    Text(), "DIR")
     vocab_size: int | None = setting(None, "vocabulary of the trained BPE (default: the model's)",
                                      Integer(257, " (256 bytes + end-of-text)"))
     pack: str | None = setting(None, "pack several prompt/completion or chat examples into one sequence, each "
@@ -64,11 +65,17 @@ Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor |
 
 
 class TokenizerLike(Protocol):
-    eos_id: int
-    eos_token: str
-    bos_token: str | None
-    chat_template: str | None
-    affixes: tuple[tuple[int, ...], tuple[int, ...]]  # the special tokens added before and after a whole text
+    # Read-only members, so that a frozen dataclass (Tokenizer) or a property satisfies them.
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def eos_token(self) -> str: ...
+    @property
+    def bos_token(self) -> str | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...  # the special tokens before and after a text
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -253,7 +260,7 @@ def _supervised(example: Example, tokenizer: TokenizerLike) -> tuple[list[int], 
     A pair gets the tokens the tokenizer adds around a text, the context before it and learned after it."""
     if example.messages is None:
         before, after = tokenizer.affixes
-        pieces = ((example.text, False), (example.completion or "", True))
+        pieces: Sequence[tuple[str, bool]] = ((example.text, False), (example.completion or "", True))
     else:
         before, after = (), ()
         pieces = chat_pieces(example.messages, tokenizer.chat_template, _specials(tokenizer), example.where)
@@ -334,7 +341,7 @@ class BatchStream:
         return self
 
     def __next__(self) -> Batch:
-        picked = []
+        picked: list[torch.Tensor] = []
         while sum(len(p) for p in picked) < self.batch:
             take = min(self.batch - sum(len(p) for p in picked), len(self._order) - self.position)
             picked.append(self._order[self.position:self.position + take])

@@ -237,7 +237,9 @@ class HFCheckpoint:
         if key in self._quant4:
             state, _ = self._quant4[key]
             quant = Quant4(state["quant_type"], "nested_offset" in state, getattr(torch, state["dtype"]))
-            return dequantize(self.read_4bit(key), self.shape(key), quant).to(dtype)
+            pieces, (rows, cols) = self.read_4bit(key), self.shape(key)
+            assert pieces is not None  # a key in _quant4 has its pieces
+            return dequantize(pieces, (rows, cols), quant).to(dtype)
         if key in self._packed:
             blocks, scales = (self._read_stored(name, self._part_entries[name], torch.uint8)
                               for name in self._packed[key])
@@ -327,7 +329,8 @@ def check_quantization(path: Path, lora: LoraConfig | None = None) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return  # ModelConfig.from_hf says what is wrong with the file
     quant = raw.get("quantization_config") if isinstance(raw, dict) else None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    quant = quant if isinstance(quant, dict) else {}
+    method = quant.get("quant_method")
     four_bit = method == "bitsandbytes" and quant.get("load_in_4bit", quant.get("_load_in_4bit"))
     if method == "bitsandbytes" and not four_bit:
         method = "bitsandbytes (8-bit)"
@@ -539,8 +542,8 @@ class HFExporter:
         if parts is None:
             self._queue(self.cfg.adapter().saved_name(key), tensor)
             return
-        for row, names in zip(tensor, parts):  # saved as transformers saves it: each row's parts apart
-            for name, piece in zip(names, row.chunk(len(names))):
+        for row, names in zip(tensor, parts, strict=True):  # saved as transformers saves it: each row's parts apart
+            for name, piece in zip(names, row.chunk(len(names)), strict=True):
                 self._queue(name, piece)
 
     def _queue(self, key: str, tensor: torch.Tensor) -> None:
@@ -578,7 +581,7 @@ class HFExporter:
         for i, name in enumerate(names):
             os.replace(self.staging_dir / f"shard-{i}.tmp", self.staging_dir / name)
         if count > 1:
-            weight_map = {k: name for name, keys in zip(names, self._shard_keys) for k in sorted(keys)}
+            weight_map = {k: name for name, keys in zip(names, self._shard_keys, strict=True) for k in sorted(keys)}
             _write_json(self.staging_dir / "model.safetensors.index.json",
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
         _write_json(self.staging_dir / "config.json",

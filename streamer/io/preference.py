@@ -31,12 +31,16 @@ def tokenize_pair(pair: Pair, tokenizer: TokenizerLike) -> PairIds:
     """TRL's tokenization of a pair: a conversation rendered by the chat template (the prompt with the assistant's
     header) and its text's tokens; plain text tokenized whole, end-of-text appended to each completion."""
     if pair.conversational:
+        assert not isinstance(pair.prompt, str) and not isinstance(pair.chosen, str) \
+            and not isinstance(pair.rejected, str)  # every field a conversation
+
         def rendered(messages: tuple, header: bool) -> list[int]:
             return tokenizer.encode(chat_prompt(list(messages), tokenizer, pair.where, add_generation_prompt=header))
 
         prompt = rendered(pair.prompt, True)
         chosen, rejected = rendered(pair.prompt + pair.chosen, False), rendered(pair.prompt + pair.rejected, False)
     else:
+        assert isinstance(pair.prompt, str) and isinstance(pair.chosen, str) and isinstance(pair.rejected, str)
         before, after = tokenizer.affixes
 
         def ids(text: str) -> list[int]:
@@ -75,7 +79,7 @@ def pair_rows(pairs: Sequence[PairIds], pad_id: int, max_length: int,
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:
     length = 0
-    for token, other_token in zip(ids, other):
+    for token, other_token in zip(ids, other, strict=False):
         if token != other_token:
             break
         length += 1

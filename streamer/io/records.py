@@ -22,7 +22,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from streamer.errors import DataError
 from streamer.io.chat import check_messages
@@ -116,7 +116,8 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
 def _read_text(path: Path, content: str, whole_file: bool) -> list[Example]:
     if whole_file:
         return [Example(content, where=str(path))] if content.strip() else []
-    examples, lines, start = [], [], 1
+    lines: list[str] = []
+    examples, start = [], 1
     for number, line in enumerate([*content.split("\n"), ""], start=1):
         if line.strip():
             if not lines:
@@ -281,6 +282,7 @@ def _pair(record: Any, where: str) -> Pair:
         if name not in record:
             raise DataError(f"{where} has no {name!r} field; a preference pair needs prompt, chosen and rejected")
     names = ("chosen", "rejected") if "prompt" not in record else ("prompt", "chosen", "rejected")
+    fields: Mapping[str, str | Messages]
     if isinstance(record["chosen"], list):  # conversational: every field a list of messages
         fields = {name: tuple(check_messages(record[name], f"{where}: {name!r}")) for name in names}
     else:

@@ -10,7 +10,7 @@ import json
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -50,11 +50,15 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        return self.backend.token_to_id(self.eos_token)
+        token_id = self.backend.token_to_id(self.eos_token)
+        assert token_id is not None  # __post_init__ checked that the vocabulary has it
+        return token_id
 
     @property
     def bos_id(self) -> int:
-        return self.backend.token_to_id(self.bos_token or self.eos_token)
+        token_id = self.backend.token_to_id(self.bos_token or self.eos_token)
+        assert token_id is not None  # __post_init__ checked that the vocabulary has it
+        return token_id
 
     def with_chat_template(self, path: str | Path) -> Tokenizer:
         """This tokenizer rendering chats with the Jinja template in `path` (`--chat-template FILE`)."""
@@ -104,9 +108,11 @@ class Tokenizer:
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            copied = [name for name in TOKENIZER_FILES if self.source is not None and (self.source / name).is_file()]
-            for name in copied:
-                shutil.copyfile(self.source / name, path / name)
+            copied: list[str] = []
+            if self.source is not None:
+                copied = [name for name in TOKENIZER_FILES if (self.source / name).is_file()]
+                for name in copied:
+                    shutil.copyfile(self.source / name, path / name)
             # What the source lacks (OpenAI's encoder.json + vocab.bpe have no tokenizer.json, which
             # AutoTokenizer needs, nor a config naming the special tokens) is written as for a trained one.
             if "tokenizer.json" not in copied:
@@ -153,7 +159,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     eos, bos = _special_token(path, "eos_token") or EOS_TOKEN, _special_token(path, "bos_token")
     if not any((path / name).is_file() for name in ("tokenizer_config.json", "special_tokens_map.json")):
         bos = eos  # GPT-2's files name no special tokens; `save` writes a config that names end-of-text for both
-    found = {"eos_token": eos, "bos_token": bos, "chat_template": _chat_template(path), "source": path.resolve()}
+    found: dict[str, Any] = {"eos_token": eos, "bos_token": bos, "chat_template": _chat_template(path),
+                             "source": path.resolve()}
     if (path / "tokenizer.json").is_file():
         try:
             backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))

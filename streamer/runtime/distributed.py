@@ -127,7 +127,7 @@ class DataParallel:
         t = torch.tensor(list(sq_norms.values()), dtype=torch.float64)
         with _exchange():
             dist.all_reduce(t)
-        return dict(zip(sq_norms, t.tolist()))
+        return dict(zip(sq_norms, t.tolist(), strict=True))
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the global batch."""

@@ -8,6 +8,8 @@ and write-backs); the Executor owns the I/O threads and the step running, and di
 """
 from __future__ import annotations
 
+from functools import partial
+
 from memory_model.schedule import Event, fetched_input, is_fused, loads_keeping_master, releases, resident_sets
 from streamer.runtime.loading import Loader
 from streamer.runtime.passes import Passes
@@ -49,11 +51,12 @@ class Executor:
         if ctx.training:
             self.passes.grad_sq_norms = {}
         keeping_master = iter(loads_keeping_master(events, self.step_cfg.prefetch))  # in the order loads are issued
-        for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.step_cfg.prefetch))):
+        for i, (event, resident) in enumerate(zip(events, resident_sets(events, self.step_cfg.prefetch), strict=True)):
             self.loader.issue_ahead(resident, ctx, keeping_master)
             tensors = self.loader.acquire(event.resource, ctx)
-            if fetched_input(event) is not None:
-                self.loader.acquire(fetched_input(event), ctx)  # a backward's block input, back from the host
+            fetched = fetched_input(event)
+            if fetched is not None:
+                self.loader.acquire(fetched, ctx)  # a backward's block input, back from the host
             phase = "generate" if event.phase == "infer" else event.phase  # the trace's name for inference
             with self.trace.span(event.unit, phase, step=ctx.step, micro=event.micro):
                 if event.phase == "forward":
@@ -61,9 +64,10 @@ class Executor:
                 elif event.phase == "backward":
                     self.passes.backward(event, ctx)
                 elif event.phase == "infer":
-                    ctx.infer(event.unit, lambda *args, unit=event.unit: self.passes.call_plain(unit, ctx, *args))
+                    assert ctx.infer is not None  # an inference pass says what to do with each unit
+                    ctx.infer(event.unit, partial(self.passes.call_plain, event.unit, ctx))
                 else:
-                    self.updater.update(event.resource, tensors, ctx, self.passes.grad_sq_norms)
+                    self.updater.update(event.chunk, tensors, ctx, self.passes.grad_sq_norms)
             for resource in releases(events, i):
                 self.loader.release(resource, ctx)
         self.io.drain()

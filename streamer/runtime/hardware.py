@@ -70,7 +70,7 @@ def probe_cpu(n: int = PROBE_N, repeats: int = PROBE_REPEATS, seconds: float = P
         operands = {dtype: [torch.randn(n, n, generator=generator).to(dtype) for _ in range(2)]
                     for dtype in (torch.bfloat16, torch.float32)}
         best = {dtype: float("inf") for dtype in operands}
-        for dtype, (a, b) in operands.items():
+        for a, b in operands.values():
             torch.mm(a, b)  # warm-up: kernel selection and first-touch page faults
         deadline = time.perf_counter() + seconds
         for i in range(repeats):

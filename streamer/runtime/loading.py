@@ -7,6 +7,7 @@ thread, so the accounting is the same on every run whatever the I/O threads' tim
 from __future__ import annotations
 
 import concurrent.futures as cf
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -58,7 +59,7 @@ class Loader:
             host = stashed.tensors["input"]
             handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
                        for c in resource_charges(resource, host.numel(), host.element_size(), self.step_cfg.update_on)]
-            job = lambda: self._traced(resource.unit, step, lambda: self.transport.fetch_input(stashed))
+            job = partial(self._traced, resource.unit, step, partial(self.transport.fetch_input, stashed))
             self._inflight[resource] = (self.io.reads.submit(job), handles)
             return
         layout, groups = self.layouts[resource.unit], self.groups.get(resource.unit)
@@ -66,6 +67,7 @@ class Loader:
         # sharded: every rank's slice of each state the unit uses, all-gathered
         on_device = gathered_numel([n for _, n in layout.device_parts], self.shards)
         if isinstance(resource, ExpertGroup):
+            assert groups is not None  # a block loaded in groups
             on_device = groups.group.numel
         elif isinstance(resource, Weights) and groups is not None:
             on_device = groups.rest.numel
@@ -76,16 +78,16 @@ class Loader:
             self.states[resource.unit].residency = Residency.INFLIGHT
         if isinstance(resource, ExpertGroup) or (isinstance(resource, Weights) and groups is not None):
             # A grouped block's pieces of its slab: all but its experts, or one group of them.
+            assert groups is not None  # a block loaded in groups
             ranges = groups.ranges(resource.group) if isinstance(resource, ExpertGroup) else groups.rest_ranges
-            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_ranges(
-                resource.unit, ranges, self.loads_read_master))
+            load = partial(self.transport.load_ranges, resource.unit, ranges, self.loads_read_master)
         elif isinstance(resource, Weights):
-            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_weights(
-                resource.unit, stored, self.loads_read_master, keep_master, borrowed))
+            load = partial(self.transport.load_weights, resource.unit, stored, self.loads_read_master, keep_master,
+                           borrowed)
         else:
-            job = lambda: self._traced(resource.unit, step, lambda: self.transport.load_state(
-                resource.unit, resource.start, resource.count, on_host=self.on_host,
-                with_grad=not ctx.fused, with_master=resource.master))
+            load = partial(self.transport.load_state, resource.unit, resource.start, resource.count,
+                           on_host=self.on_host, with_grad=not ctx.fused, with_master=resource.master)
+        job = partial(self._traced, resource.unit, step, load)
         self._inflight[resource] = (self.io.reads.submit(job), handles)
 
     def _traced(self, unit: str, step: int, job: Callable[[], Loaded]) -> Loaded:
@@ -127,6 +129,7 @@ class Loader:
         parts = self.layouts[unit].device_parts
         gathered = self.transport.device_buffer(gathered_numel([n for _, n in parts], self.shards), weights.dtype)
         loaded = whole = 0
+        assert self.data_parallel is not None  # sharded only across ranks
         for owner, numel in parts:
             size = self.stored_numel(owner)
             self.data_parallel.gather_slices(gathered[whole:whole + size * self.shards], weights[loaded:loaded + size])

@@ -94,7 +94,10 @@ class Adapters:
 
     def all_reduce(self, data_parallel: DataParallel) -> None:
         """Average the adapters' gradients over the ranks (in fp32, in one flat tensor, as the base's are)."""
-        grads = [t.grad for t in self.leaves()]
+        grads = []
+        for t in self.leaves():
+            assert t.grad is not None  # every adapter takes part in the backward
+            grads.append(t.grad)
         flat = data_parallel.finish_reduce(data_parallel.start_reduce(grads, whole=True))
         offset = 0
         for grad in grads:
@@ -108,6 +111,7 @@ class Adapters:
                 group["lr"] = lr
             if clip_coef != 1.0:
                 for t in self.leaves():
+                    assert t.grad is not None  # every adapter takes part in the backward
                     t.grad.mul_(clip_coef)
             self.optimizer.step()
         self.zero_grad()

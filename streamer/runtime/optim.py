@@ -165,7 +165,7 @@ def _start_and_key(start: int, key: int, device: torch.device) -> torch.Tensor:
 def _bits16(index: torch.Tensor, start_and_key: torch.Tensor) -> torch.Tensor:
     """`random_bits16` of the elements `index` (int32) past `start_and_key`'s start."""
     x = (index + start_and_key[0]) ^ start_and_key[1]  # int32 arithmetic wraps: indices mod 2^32
-    for shift, multiplier in zip((16, 15), _HASH_MULTIPLIERS):
+    for shift, multiplier in zip((16, 15), _HASH_MULTIPLIERS, strict=True):
         # A logical right shift: int32's own is arithmetic, so the sign's copies are masked off.
         x = (x ^ ((x >> shift) & ((1 << (32 - shift)) - 1))) * multiplier
     x = x ^ ((x >> 15) & ((1 << 17) - 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -14,10 +15,12 @@ from layers import build_unit, unit_kind
 from layers.lora import add_adapters
 from layers.loss import TokenMean
 from layers.model import family_units
+from layers.moe.units import Experts
 from layers.quant4 import quantize_linears
 from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
 from memory_model.lora import dequantized_bytes
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
+from streamer.runtime.distributed import Reduction
 from streamer.runtime.loading import Loader
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
 from streamer.runtime.step import MicroBatch, PendingOffload, StepContext
@@ -97,7 +100,7 @@ class Passes:
             params = StreamedWeights.apply(self.anchor, self.states[unit].weights(), layout,
                                            lambda grads: self._offload(unit, micro, grads, ctx))
             with self._experts_from(unit, ctx):
-                return functional_call(self.shells[unit], dict(zip(layout.keys, params)), (x, *args))
+                return functional_call(self.shells[unit], dict(zip(layout.keys, params, strict=True)), (x, *args))
 
     @contextlib.contextmanager
     def _experts_from(self, unit: str, ctx: StepContext) -> Iterator[None]:
@@ -107,6 +110,7 @@ class Passes:
             yield
             return
         experts = self.shells[unit].get_submodule(self.cfg.expert_keys[0].rpartition(".")[0])
+        assert isinstance(experts, Experts)  # a mixture's experts module
         experts.source = _GroupSource(self, unit, ctx, groups.count)
         try:
             yield
@@ -146,6 +150,7 @@ class Passes:
         frozen_first = not self._input_needs_grad(unit)
         if frozen_first:
             del ctx.graphs[self.units[0]]  # no backward will come for it
+        assert previous is not None  # the previous unit's output, kept or offloaded
         x = previous.detach().requires_grad_(torch.is_grad_enabled() and not frozen_first)
         if unit == self.units[1]:
             self._start_auxiliary(unit, micro, ctx)
@@ -183,6 +188,7 @@ class Passes:
         """A block's forward without a graph, its input copied to host memory meanwhile: the input is charged
         to the device until the copy is waited for, at the forward's end, and then leaves it."""
         unit, micro = event.unit, event.micro
+        assert event.stash is not None  # a forward that offloads its input
         handles = [self.ledger.allocate(c.category, unit, c.nbytes, c.what)
                    for c in resource_charges(event.stash, x.numel(), x.element_size(), self.step_cfg.update_on)]
         copy = self.transport.stash_input(x)
@@ -205,12 +211,15 @@ class Passes:
         if event.stash is not None:  # the input back from the host (the loader acquired it)
             x = ctx.inputs.pop(unit).detach().requires_grad_(self._input_needs_grad(unit))
             self.recorder.charged_elsewhere(unit, x)  # the loaded BlockInput holds its bytes
+        assert x is not None  # kept by the forward, or back from the host
         if unit == "head":
+            assert y is not None  # the loss
             nbytes = backward_workspace_bytes(self.cfg, unit, x.shape[0], x.shape[1], self.dtype.itemsize)
             logits_grad = self.ledger.allocate("workspace", unit, nbytes, "a vocabulary chunk's logits gradient")
             y.backward()
             self.ledger.free(logits_grad)
         else:
+            assert ctx.flowing_grad is not None  # the gradient from the unit after it
             incoming, incoming_handle = ctx.flowing_grad
             transient = self._charge_transient(unit, x)
             dequantized = self._charge_dequantized(unit)
@@ -220,6 +229,7 @@ class Passes:
                         # recompute: the only second forward, by policy
                         y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]),
                                             recompute=True)
+                assert y is not None  # kept by the forward, or just recomputed
                 torch.autograd.backward(y, incoming)
             finally:  # (a step stopped in this backward leaves nothing of it charged)
                 for handle in (transient, dequantized):
@@ -238,6 +248,7 @@ class Passes:
         if unit == self.units[0] or (ctx.fused and micro == self.step_cfg.grad_accum - 1):
             self._finish_pending_offload(ctx)  # the update (or the next micro-batch) needs the gradient home
         if unit == self.units[0] and micro == self.step_cfg.grad_accum - 1 and self.shards > 1:
+            assert self.data_parallel is not None  # several shards only across ranks
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
     def _charge_dequantized(self, unit: str) -> int | None:
@@ -283,7 +294,7 @@ class Passes:
         reductions = (None if self.data_parallel is None else
                       [(owner, self.data_parallel.start_reduce(pieces)) for owner, pieces in parts])
         step, persist = ctx.step, not ((ctx.fused or ctx.norm_pass) and last)
-        job = lambda: self._traced_offload(unit, step, parts, first, last, reductions, persist)
+        job = partial(self._traced_offload, unit, step, parts, first, last, reductions, persist)
         ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 
     def _offload_group(self, group: ExpertGroup, grads: tuple[torch.Tensor, ...], ctx: StepContext) -> None:
@@ -298,7 +309,8 @@ class Passes:
             with self.trace.span(group.unit, "offload", step=ctx.step):
                 host = self.transport.pieces_to_host(grads)
                 if len(host) != len(grads):  # one flat host tensor they were copied into
-                    host = [piece.view(g.shape) for piece, g in zip(host[0].split([g.numel() for g in grads]), grads)]
+                    pieces = host[0].split([g.numel() for g in grads])
+                    host = [piece.view(g.shape) for piece, g in zip(pieces, grads, strict=True)]
                 held[group.group] = list(host)
             return 0.0, None
 
@@ -306,13 +318,15 @@ class Passes:
         self.loader.release(group, ctx)
 
     def _traced_offload(self, unit: str, step: int, parts: list[tuple[str, list[torch.Tensor]]], first: bool,
-                        last: bool, reductions: list[tuple[str, object]] | None,
+                        last: bool, reductions: list[tuple[str, Reduction]] | None,
                         persist: bool) -> tuple[float, torch.Tensor | None]:
         with self.trace.span(unit, "offload", step=step):
             if reductions is not None:
+                assert self.data_parallel is not None  # reductions only across ranks
                 parts = [(owner, [self.data_parallel.finish_reduce(r)]) for owner, r in reductions]
             if self.store is None:
                 return 0.0, None
+            assert self.writer is not None  # a store that takes gradients takes writes
             if not self.store.spec.placement.grad.zero_copy and self._scratch is None:
                 self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
             # A borrowed part goes to its owner's accumulator, which the owner's own backward finishes. The unit's

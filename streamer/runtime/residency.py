@@ -68,12 +68,12 @@ class WeightHandle:
     state: UnitState
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int  # in elements of `dtype`
+    offset: int | torch.SymInt  # in elements of `dtype`
     # The saved tensor's dtype, where the buffer holds other ones (a 4-bit unit's byte slab holds fp32 and 16-bit
     # pieces): the buffer is viewed as it before the tensor is taken from it.
     dtype: torch.dtype
     # A group of a block's experts, released after its forward: loads it again for the backward that unpacks it.
-    reload: Callable[[], None] | None = None
+    reload: Callable[[], object] | None = None
 
 
 class SavedTensorRecorder:
@@ -85,9 +85,9 @@ class SavedTensorRecorder:
         self._owned: dict[str, list[int]] = {}  # unit -> storage keys it charged
         self.resident: set[int] = set()  # storages charged for the whole run elsewhere (LoRA's adapters)
         # Groups of a block's experts on the device now, by their buffer's storage: (state, its reload).
-        self._groups: dict[int, tuple[UnitState, Callable[[], None]]] = {}
+        self._groups: dict[int, tuple[UnitState, Callable[[], object]]] = {}
 
-    def group_loaded(self, state: UnitState, reload: Callable[[], None]) -> None:
+    def group_loaded(self, state: UnitState, reload: Callable[[], object]) -> None:
         """A group of a block's experts is on the device: what its forward saves from it is packed as handles,
         which its backward unpacks after `reload`."""
         self._groups[storage_key(state.weights())] = (state, reload)

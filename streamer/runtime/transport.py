@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -250,6 +251,16 @@ def crosses_directly(pin_memory: str) -> bool:
     return pin_memory != "staging"
 
 
+def _fill_or_copy(out: torch.Tensor, fill: Callable[[torch.Tensor], object] | None, ram: torch.Tensor | None,
+                  copy: Callable[[torch.Tensor], object]) -> None:
+    """`out` copied from the RAM slab `ram` (by `copy`), else filled by `fill`."""
+    if ram is not None:
+        copy(ram)
+    else:
+        assert fill is not None, "a load from neither a RAM slab nor a fill"
+        fill(out)
+
+
 class Transport:
     def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype,
                  weights_dtype: torch.dtype | None = None, device_in_use: Callable[[], int] | None = None) -> None:
@@ -324,7 +335,7 @@ class Transport:
         return ram is None or t.untyped_storage().data_ptr() != ram.untyped_storage().data_ptr()
 
     # --- host -> device -----------------------------------------------------------------------------
-    def _to_device(self, fill: Callable[[torch.Tensor], None], ram: torch.Tensor | None,
+    def _to_device(self, fill: Callable[[torch.Tensor], object] | None, ram: torch.Tensor | None,
                    numel: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Device tensor of `numel` elements filled by `fill(host_tensor)` or copied from the RAM slab `ram`;
         `out`: the device tensor to fill (a piece of a larger one), else one of its own."""
@@ -334,12 +345,12 @@ class Transport:
             if ram is not None and ram.dtype == dtype and out is None:
                 return ram
             out = self._take(numel, dtype, "device") if out is None else out
-            out.copy_(ram) if ram is not None else fill(out)
+            _fill_or_copy(out, fill, ram, out.copy_)
             return out
-        direct = ram is not None and crosses_directly(self.store.pin_memory)
-        host = ram if direct else self._take(numel, dtype, "pinned")
+        direct = ram is not None and crosses_directly(self.held_store.pin_memory)
+        host = ram if ram is not None and direct else self._take(numel, dtype, "pinned")
         if not direct:
-            fill(host) if ram is None else self.copier.copy_(host, ram)
+            _fill_or_copy(host, fill, ram, lambda src: self.copier.copy_(host, src))
         out = self._take(numel, dtype, "device") if out is None else out
         out.copy_(host, non_blocking=True)  # runs on the side stream set by the caller
         if not direct and self.staging is not None:
@@ -351,6 +362,12 @@ class Transport:
         elif not direct:
             torch.cuda.current_stream().synchronize()  # the buffer is reused next
         return out
+
+    @property
+    def held_store(self) -> StoreReader:
+        """The store; only a dry run's transport (the meta device) reads none."""
+        assert self.store is not None, "a dry run reads no store"
+        return self.store
 
     def _on_side_stream(self, job: Callable[[], dict[str, torch.Tensor]]) -> Loaded:
         if self.side_stream is None:
@@ -381,7 +398,7 @@ class Transport:
                 master = torch.empty(count, dtype=torch.float32, device="meta")
             else:
                 master = self._take(count, torch.float32, "pinned")
-                store.read_master(name, master)
+                self.held_store.read_master(name, master)
             if self.mode == "shared" and self.compute_dtype == torch.float32 and out is None:
                 weights = master  # the master is the compute weights, in the device's own memory
             else:
@@ -396,7 +413,7 @@ class Transport:
             master = self._take(count, torch.float32, "pinned") if keep else None
 
             def fill(host: torch.Tensor) -> None:
-                store.read_master(name, host)
+                self.held_store.read_master(name, host)
                 if master is not None:
                     master.copy_(host)  # widened here, before a staging buffer is handed back
 
@@ -422,7 +439,7 @@ class Transport:
         weights without its experts, or one group of them (streamer.store.layout.ExpertGroups). Each is read as
         `load_weights` reads a unit: from the compute copy in RAM, or (`from_master`) the master's elements,
         cast as a whole unit's are."""
-        store, total = self.store, sum(count for _, count in ranges)
+        total = sum(count for _, count in ranges)
 
         def job() -> dict[str, torch.Tensor]:
             if self.mode == "meta":
@@ -431,11 +448,11 @@ class Transport:
             for start, count in ranges:
                 out = whole[offset:offset + count]
                 if from_master:
-                    self._to_device(lambda host, at=start: self._read_master(unit, at, host), None, count,
-                                    self.compute_dtype, out)
+                    self._to_device(partial(self._read_master, unit, start), None, count, self.compute_dtype, out)
                 else:
-                    self._to_device(None, store.slab(unit, "compute")[start:start + count], count,
-                                    self.compute_dtype, out)
+                    ram = self.held_store.slab(unit, "compute")
+                    assert ram is not None  # a compute copy in RAM, else the weights load from the master
+                    self._to_device(None, ram[start:start + count], count, self.compute_dtype, out)
                 offset += count
             return {"weights": whole}
 
@@ -444,10 +461,10 @@ class Transport:
     def _read_master(self, unit: str, start: int, out: torch.Tensor) -> None:
         """Master elements [start, start + out.numel()) into `out`, converted to its dtype, read chunk by chunk (the
         state files' interleaved chunks)."""
-        chunk, end = self.store.spec.chunk, start + out.numel()
+        chunk, end = self.held_store.spec.chunk, start + out.numel()
         for first in range(start - start % chunk, end, chunk):
             low, high = max(start, first), min(end, first + chunk)
-            self.store.read_state(unit, "master", low, out[low - start:high - start])
+            self.held_store.read_state(unit, "master", low, out[low - start:high - start])
 
     def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True,
                    with_master: bool = True) -> Loaded:
@@ -466,18 +483,19 @@ class Transport:
             out = {}
             for kind in kinds:
                 ram = store.slab(unit, kind) if store is not None else None
-                fill = (lambda host, k=kind: store.read_state(unit, k, start, host)) if store is not None else None
+                fill = partial(store.read_state, unit, kind, start) if store is not None else None
                 out[kind] = to_device(fill, None if ram is None else ram[start:start + count], count, torch.float32)
             return out
 
         return self._on_side_stream(job)
 
-    def host_chunk(self, total: torch.Tensor, start: int, count: int, on_host: bool) -> torch.Tensor:
+    def host_chunk(self, total: torch.Tensor | None, start: int, count: int, on_host: bool) -> torch.Tensor:
         """A chunk of a unit's fp32 host tensor (its final gradient, or the master its weights load kept) where
         the update runs: a view where that is the host's own memory, else a device copy (a pooled buffer:
         `give_back` it)."""
         if self.mode == "meta":
             return torch.empty(count, dtype=torch.float32, device="meta")
+        assert total is not None  # only a dry run (meta) has no host gradient or master
         piece = total[start:start + count]
         if on_host or self.mode == "shared":
             return piece
@@ -485,7 +503,7 @@ class Transport:
         out.copy_(piece)  # synchronous: the next unit's fold reuses the host buffer
         return out
 
-    def _to_host_buffer(self, fill: Callable[[torch.Tensor], None], ram: torch.Tensor | None,
+    def _to_host_buffer(self, fill: Callable[[torch.Tensor], object] | None, ram: torch.Tensor | None,
                         numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of `numel` elements for an update on the host: the RAM slab itself where it already has
         `dtype`, else a pooled buffer filled by `fill(host_tensor)` or copied from `ram`."""
@@ -494,7 +512,7 @@ class Transport:
         if ram is not None and ram.dtype == dtype:
             return ram
         out = self._take(numel, dtype, "pinned")
-        self.copier.copy_(out, ram) if ram is not None else fill(out)
+        _fill_or_copy(out, fill, ram, lambda src: self.copier.copy_(out, src))
         return out
 
     def compute_target(self, unit: str, start: int, count: int, on_host: bool) -> torch.Tensor:
@@ -514,13 +532,16 @@ class Transport:
         if self.mode != "cuda":
             return Loaded({"input": host})
 
+        assert stashed.ready is not None and self.compute_stream is not None and self.stashes is not None  # CUDA
+        stashes, compute_stream, copied_out = self.stashes, self.compute_stream, stashed.ready
+
         def job() -> dict[str, torch.Tensor]:
-            torch.cuda.current_stream().wait_event(stashed.ready)  # the copy out, on the stash stream
+            torch.cuda.current_stream().wait_event(copied_out)  # the copy out, on the stash stream
             out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             out.copy_(host, non_blocking=True)
-            out.record_stream(self.compute_stream)  # made on the side stream, used and freed on the compute one
+            out.record_stream(compute_stream)  # made on the side stream, used and freed on the compute one
             torch.cuda.current_stream().synchronize()  # the pinned buffer is reused next
-            self.stashes.give_back(host)
+            stashes.give_back(host)
             return {"input": out}
 
         return self._on_side_stream(job)
@@ -532,6 +553,7 @@ class Transport:
         device share memory (and on meta) the input itself is the host tensor: nothing moves."""
         if self.mode != "cuda":
             return Loaded({"input": x})
+        assert self.stashes is not None and self.stash_stream is not None and self.compute_stream is not None
         host = self.stashes.take(x.numel(), x.dtype).view(x.shape)
         self.stash_stream.wait_stream(self.compute_stream)  # x is written by the compute stream
         with torch.cuda.stream(self.stash_stream):

@@ -2,6 +2,8 @@
 new state written back to the store on the write queue."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from memory_model.schedule import StateChunk, update_charges
@@ -36,7 +38,9 @@ class Updater:
                 ctx.kept_masters[chunk.unit], chunk.start, chunk.count, on_host=self.on_host)}
         layout = self.layouts[chunk.unit]
         # Sharded, the chunk is of this rank's slice: decay is decided by where it sits in the whole unit.
-        start = chunk.start + (0 if self.shards == 1 else self.data_parallel.slice_start(layout.numel))
+        start = chunk.start + (0 if self.shards == 1 or self.data_parallel is None  # (sharded only across ranks)
+                               else self.data_parallel.slice_start(layout.numel))
+        assert ctx.clip_coef is not None  # set by the step's first update, or before a fused one
         rounding = None if self.optimizer.master_dtype == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
         with torch.profiler.record_function(HOST_UPDATE if self.on_host else "ws: update"):
             adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
@@ -51,7 +55,7 @@ class Updater:
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
                        for c in update_charges(chunk, self.dtype.itemsize, self.step_cfg.update_on)]
             new_compute.copy_(tensors["master"])
-        job = lambda: self._write_back(chunk, tensors, new_compute, ctx)
+        job = partial(self._write_back, chunk, tensors, new_compute, ctx)
         ctx.wait_for_writes(self.step_cfg.prefetch)
         ctx.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
@@ -87,20 +91,22 @@ class Updater:
                     new_compute: torch.Tensor | None, ctx: StepContext) -> None:
         if self.store is None:
             return
+        assert self.writer is not None  # a store that an update writes to takes writes
         with self.trace.span(chunk.unit, "offload", step=ctx.step), torch.profiler.record_function(WRITE_BACK):
             if chunk.unit not in ctx.writers:
                 ctx.writers[chunk.unit] = self.writer.unit_writer(chunk.unit, ctx.step)
             writer = ctx.writers[chunk.unit]
             values = {**tensors, "compute": new_compute}
             for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
-                if values[kind] is not None:
-                    host = self.transport.to_host(values[kind])
+                value = values[kind]
+                if value is not None:
+                    host = self.transport.to_host(value)
                     writer.write(kind, chunk.start, host)
-                    if host is not values[kind]:
+                    if host is not value:
                         self.transport.give_back(host)
             kept = ctx.kept_masters.get(chunk.unit)
             for kind, t in values.items():
-                borrowed = kind == "master" and kept is not None and t.device == kept.device  # a view of it
+                borrowed = kind == "master" and kept is not None and t is not None and t.device == kept.device  # a view
                 if t is not None and not borrowed and self.transport.owns(t, chunk.unit, kind):
                     self.transport.give_back(t)
             if chunk.last:

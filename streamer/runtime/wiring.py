@@ -53,10 +53,10 @@ class Runtime:
 
     def __post_init__(self) -> None:
         packed = any(layout.packed is not None for layout in self.layouts.values())
+        precision = Precision(dtype_name(self.dtype), self.optimizer.master_dtype, self.optimizer.moment_dtype)
         derived = {
             "weights_dtype": torch.uint8 if packed else self.dtype,
-            "compute_is_master": Precision(dtype_name(self.dtype), self.optimizer.master_dtype,
-                                           self.optimizer.moment_dtype).compute_is_master(frozen=self.adapters is not None),
+            "compute_is_master": precision.compute_is_master(frozen=self.adapters is not None),
             "groups": expert_groups(self.cfg, self.step.expert_group_size, self.layouts),
             "transport": Transport(self.store, self.device, self.dtype, torch.uint8 if packed else None,
                                    lambda: self.ledger.in_use),

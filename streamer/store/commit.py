@@ -172,7 +172,8 @@ def _upgrade_format_3(root: Path, raw: dict[str, Any]) -> None:
     hold the disk tier's compute-dtype copy (nothing on disk is changed either way)."""
     spec = raw.get("spec")
     placement = spec.get("placement") if isinstance(spec, dict) else None
-    if isinstance(placement, dict) and placement.get("compute") == DISK and spec.get("compute_dtype") != "fp32":
+    if isinstance(spec, dict) and isinstance(placement, dict) and placement.get("compute") == DISK \
+            and spec.get("compute_dtype") != "fp32":
         raise StoreError(f"{root} was written by an earlier weight-streaming whose disk tier kept a compute copy "
                          f"in its state files ({_COMPUTE_COPY_FORMAT}); export it to a Hugging Face checkpoint "
                          "with that version (`streamer export`) and start a new run from it")

@@ -126,8 +126,9 @@ class SequentialFile:
         """Hand the full stage to the helper thread and take another to fill, once fewer are in flight."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-direct-write")
-        stage = self._stage
-        future = self._writer.submit(self._write_stage, stage, self._direct, self._offset)
+        stage, direct = self._stage, self._direct
+        assert stage is not None and direct is not None  # a full stage of a file written direct
+        future = self._writer.submit(self._write_stage, stage, direct, self._offset)
         self._in_flight.append((future, stage, self._offset))
         self._offset += STAGE_BYTES
         self._fill = 0
@@ -170,20 +171,23 @@ class SequentialFile:
     def _flush_stage(self, length: int) -> None:
         """Write the first `length` (aligned) staged bytes at the buffer's offset; keep the rest staged. Where the
         direct write is refused, everything staged goes through the page cache."""
+        staged, direct = self._stage, self._direct
+        assert staged is not None and direct is not None  # flushed only while writing direct
         try:
-            with memoryview(self._stage) as stage:
-                self._pwritev(self._direct, stage[:length], self._offset)
+            with memoryview(staged) as stage:
+                self._pwritev(direct, stage[:length], self._offset)
         except _Unaligned:
             self._fall_back_to_cache()  # everything staged, through the page cache
             return
         self._offset += length
         rest = self._fill - length
         if rest:
-            self._stage[:rest] = self._stage[length:self._fill]
+            staged[:rest] = staged[length:self._fill]
         self._fill = rest
 
     def _drain_stage_to_cache(self) -> None:
         stage, self._stage = self._stage, None
+        assert stage is not None  # drained only while one is staged
         if self._fill:
             with memoryview(stage) as view:
                 self._pwritev(self.fd, view[:self._fill], self._offset)

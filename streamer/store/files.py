@@ -127,8 +127,8 @@ class StateFiles:
 
         The files are chosen now and deleted on a helper thread: unlinking a large file frees its extents,
         and a commit's deletions on the trainer's thread left a 0.2 s gap between the steps of a 100M model
-        (14 files; 1.6 s steps) in its Chrome trace. `settle` waits for them; a crash before they finish leaves strays the
-        next open deletes."""
+        (14 files; 1.6 s steps) in its Chrome trace. `settle` waits for them; a crash before they finish leaves
+        strays the next open deletes."""
         self.settle()  # the last commit's strays are gone before the folder is listed again
         strays = [path for path, _ in self._state_files() if path.name not in keep]
         for path in strays:

@@ -18,7 +18,7 @@ import json
 import os
 from abc import abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Self, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ class _HostSlabs(StoreReader):
 
     @classmethod
     def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None,
-              fall_back: bool = False) -> "_HostSlabs":
+              fall_back: bool = False) -> Self:
         """Open a store at its last commit, or at the kept `step`. `verify`: check every state file's checksum
         (a full read)."""
         root = Path(root)
@@ -81,7 +81,7 @@ class _HostSlabs(StoreReader):
         except StoreError as exc:
             manifest, damage = _newest_kept(root, exc), exc
         at_kept = step is not None and (damage is not None or step != manifest["step"])
-        if at_kept:
+        if at_kept and step is not None:  # (at_kept says it is not None)
             manifest = {k: v for k, v in read_kept(root, step).items() if k != "note"}
         try:
             spec = StoreSpec.from_dict(manifest["spec"])
@@ -179,7 +179,8 @@ class _HostSlabs(StoreReader):
             return StoreError(f"{damaged}, as {'is' if len(broken) == 1 else 'are'} its kept step(s) "
                               f"{', '.join(map(str, broken))}: no step of the run is intact; restore {self.root} from "
                               "a backup, or start a new run")
-        also = f", as {'is' if len(broken) == 1 else 'are'} kept step(s) {', '.join(map(str, broken))}" if broken else ""
+        also = (f", as {'is' if len(broken) == 1 else 'are'} kept step(s) {', '.join(map(str, broken))}" if broken
+                else "")
         return StoreError(f"{damaged}{also}; the run keeps intact step(s) {', '.join(map(str, intact))}: `streamer "
                           f"export` with --step {intact[-1]} exports the newest, and training the run on (`streamer "
                           "train --resume`) goes back to it")
@@ -203,13 +204,17 @@ class _HostSlabs(StoreReader):
                 else:
                     master = torch.empty(count, dtype=self.spec.kind_dtype("master"))  # as stored
                     self._files.read(unit, generation, "master", start, master)
-                self._slabs.get(unit, "compute")[start:start + count].copy_(master)
+                compute = self._slabs.get(unit, "compute")
+                assert compute is not None  # the compute copy this branch refreshes is in RAM
+                compute[start:start + count].copy_(master)
         self._files.release(self._files.state_path(unit, generation))
 
     def _raw(self, unit: str, kind: str, start: int, count: int) -> torch.Tensor:
         """The RAM slab's piece holding elements [start, start + count) of `kind`, as stored."""
         lo, hi = self.spec.kind_range(kind, start, count)
-        return self._slabs.get(unit, kind)[lo:hi]
+        slab = self._slabs.get(unit, kind)
+        assert slab is not None, f"{kind} of {unit} is not in RAM"
+        return slab[lo:hi]
 
     # --- reads ----------------------------------------------------------------------------
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -119,7 +119,11 @@ class StoreReader(ABC):
     layouts: dict[str, UnitLayout]
     step: int
     pin_memory: str
-    read_only_reason: str
+    if TYPE_CHECKING:  # a property of each store that is not a StoreWriter: read-only to the type checker
+        @property
+        def read_only_reason(self) -> str: ...
+    else:
+        read_only_reason: str
 
     @property
     @abstractmethod
@@ -132,9 +136,10 @@ class StoreReader(ABC):
 
     @abstractmethod
     def slab(self, unit: str, kind: str) -> torch.Tensor | None:
-        """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned if `pin_memory` is all), for
-        zero-copy use; None when it is on disk, or stored quantized (int8 moments: `read_state` dequantizes them). Read it; change it only through a `StateWriter`, which
-        skips the copy when handed a view of the slab itself."""
+        """The host tensor holding all of `kind` for `unit` when its tier is RAM (pinned if `pin_memory` is all),
+        for zero-copy use; None when it is on disk, or stored quantized (int8 moments: `read_state` dequantizes
+        them). Read it; change it only through a `StateWriter`, which skips the copy when handed a view of the slab
+        itself."""
 
     @abstractmethod
     def read_master(self, unit: str, out: torch.Tensor) -> None:

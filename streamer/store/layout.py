@@ -47,7 +47,7 @@ class _ShapesOnly(TorchFunctionMode):
     """Skips torch.nn.init's fills while a layout reads a unit's shapes: on meta tensors the first normal_
     imports torch._dynamo (about 1 s), which the resource check before a run should not wait for."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__module__", None) == "torch.nn.init":
             return kwargs["tensor"] if "tensor" in kwargs else args[0]
@@ -123,9 +123,10 @@ class Packed4:
         for key in self.quantized:
             module_key = key.rsplit(".", 1)[0]
             given = tensors.pop(key)
-            for name, value in (given if isinstance(given, dict) else self.quant.quantize(given)).items():
-                views[f"{module_key}.{name}"].copy_(value.reshape(views[f"{module_key}.{name}"].shape))
+            for name, piece in (given if isinstance(given, dict) else self.quant.quantize(given)).items():
+                views[f"{module_key}.{name}"].copy_(piece.reshape(views[f"{module_key}.{name}"].shape))
         for key, value in tensors.items():
+            assert isinstance(value, torch.Tensor)  # only quantized weights come as pieces, popped above
             views[key].copy_(value.reshape(views[key].shape))
         return whole[sum(self.borrowed_bytes):]
 
@@ -200,14 +201,14 @@ class UnitLayout:
             return self.packed.views(flat)
         slots = [s for s, _ in self.borrowed] + list(self.slots)
         pieces = flat.split_with_sizes([s.numel for s in slots])
-        return {s.key: piece.view(s.shape) for s, piece in zip(slots, pieces)}
+        return {s.key: piece.view(s.shape) for s, piece in zip(slots, pieces, strict=True)}
 
     @property
     def device_parts(self) -> list[tuple[str, int]]:
         """The unit's device weights by the state that holds them, in device order: (unit, elements) of each
         owner it borrows from, then its own (`ModelConfig.unit_device_parts`); a 4-bit unit's in bytes."""
         if self.packed is not None:
-            return [(owner, n) for (_, owner), n in zip(self.borrowed, self.packed.borrowed_bytes)] + \
+            return [(owner, n) for (_, owner), n in zip(self.borrowed, self.packed.borrowed_bytes, strict=True)] + \
                 [(self.name, self.numel)]
         return [(owner, s.numel) for s, owner in self.borrowed] + [(self.name, self.numel)]
 
@@ -245,7 +246,9 @@ class ExpertGroups:
     @classmethod
     def of(cls, layout: UnitLayout, keys: Sequence[str], count: int) -> "ExpertGroups":
         experts = tuple(s for s in layout.slots if s.key in keys)
-        others, ranges, offset = [], [], 0
+        others: list[TensorSlot] = []
+        ranges: list[tuple[int, int]] = []
+        offset = 0
         for slot in layout.slots:
             if slot.key in keys:
                 continue
@@ -269,7 +272,7 @@ class ExpertGroups:
 
     def whole(self, rest: Sequence[torch.Tensor], groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         """The unit's tensors in slab order from its rest's (in `rest`'s order) and each group's (in `group`'s)."""
-        own = dict(zip(self.rest.keys, rest))
+        own = dict(zip(self.rest.keys, rest, strict=True))
         experts = {s.key: [pieces[i] for pieces in groups] for i, s in enumerate(self.experts)}
         return [piece for s in self.layout.slots for piece in (experts[s.key] if s.key in experts else [own[s.key]])]
 

@@ -65,7 +65,8 @@ def register(tensors: Iterable[torch.Tensor]) -> list[int]:
     DMA with no staging copy; returns the pointers registered, for `unregister`. Unlike torch's pinned allocator
     it rounds nothing up: the slabs stay their own size. A refusal (the locked-memory limit, say) unlocks what was
     locked and says so in one line."""
-    cudart, done = torch.cuda.cudart(), []
+    cudart = torch.cuda.cudart()
+    done: list[int] = []
     try:
         for t in tensors:
             nbytes = t.numel() * t.element_size()

@@ -92,7 +92,7 @@ def verify_checksums(checks: list[Checksum]) -> None:
     """Read every file once, two at a time (xxhash releases the GIL, so reading one overlaps summing another)."""
     with ThreadPoolExecutor(2) as pool:
         sums = list(pool.map(lambda c: file_checksum(c.path, c.length), checks))
-    for check, checksum in zip(checks, sums):
+    for check, checksum in zip(checks, sums, strict=True):
         if len(check.expected) != 1 or checksum not in check.expected:
             raise StoreError(f"unit {check.unit}: checksum mismatch in {check.path}; the file is corrupted — "
                              "restore the run directory from a backup")
@@ -101,7 +101,7 @@ def verify_checksums(checks: list[Checksum]) -> None:
 def bytes_view(t: torch.Tensor) -> memoryview:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("file I/O needs a contiguous CPU tensor")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def pread_into(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
@@ -196,7 +196,7 @@ def refuse_link(path: Path) -> None:
         raise LinkRefused(path)
 
 
-def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+def replace_file(path: Path, write: Callable[[Path], object]) -> None:
     """Write `path` anew through `write(tmp)` (another library's writer: a trace, a plot) and rename it into place,
     so neither a link at `path` (refused) nor one at the tmp (removed first; its target is untouched) is followed."""
     refuse_link(path)
