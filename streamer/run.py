@@ -203,7 +203,8 @@ class RunConfig:
         if tc.device.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"resolve --dtype {tc.device.dtype} to bf16 or fp32 before planning the step")
         # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
-        return tc.plan_config(self.batch, self.seq, devices, packed=self.data.pack is not None)
+        rows = self.batch * (2 if tc.objective.preference else 1)  # --batch counts DPO's pairs: two rows each
+        return tc.plan_config(rows, self.seq, devices, packed=self.data.pack is not None)
 
     def name(self) -> str:
         """A short name for the default run directory."""

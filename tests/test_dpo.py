@@ -16,12 +16,15 @@ import torch
 
 from layers import FAMILIES, IGNORE_INDEX
 from memory_model import device_spec, plan
+from memory_model.units import format_size
 from streamer import StreamingTrainer, TrainerConfig
+from streamer.advice import planned_peak
 from streamer.errors import ConfigError, StreamerError
 from streamer.errors import DataError
 from streamer.io.preference import pair_rows, tokenize_pairs
 from streamer.io.records import Pair, read_pairs
 from streamer.io.tokenizer import load_tokenizer
+from streamer.run_dir import RunDir
 from tests.test_cli import fails
 from tests.test_data_cli import write_tokenizer
 from tests.test_families import hf_model
@@ -382,6 +385,11 @@ def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(hf_fo
     assert [r["step"] for r in steps] == [1, 2, 3] and [r["step"] for r in evals] == [3]
     assert all(f"eval_{k}" in evals[0] for k in METRICS) and "eval_perplexity" not in evals[0]
     assert (run / "reference.json").is_file()
+    # --batch counts pairs; the plan prices their two rows each, as the run's ledger charged them.
+    cfg = RunDir.open(run).read_config()
+    measured = max(r["device_peak_bytes"] for r in steps)
+    assert planned_peak(cfg.model_config(), cfg) == measured
+    assert f"the planner predicts {format_size(measured)}" in out
 
     tokenizer = load_tokenizer(hf_folder)
     pairs = pair_dataset(str(data), tokenizer, 48)
