@@ -84,10 +84,7 @@ def _trl(folder: Path, dtype: torch.dtype, loss_type: str, beta: float, label_sm
         return loss
     trainer.compute_loss = recorded
 
-    class Grads(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            out["grads"] = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    trainer.add_callback(Grads())
+    record_gradients(trainer, out)
     trainer.train()
     out["metrics"] = {k: trainer.state.log_history[0][k] for k in METRICS}
     out["grad_norm"] = float(trainer.state.log_history[0]["grad_norm"])
@@ -192,6 +189,16 @@ def test_pairs_are_read_as_trl_reads_them(tmp_path: Path) -> None:
     path.write_text(json.dumps({"prompt": "Hi", "chosen": " yes"}))
     with pytest.raises(DataError, match=r"pairs.jsonl line 1 has no 'rejected' field"):
         read_pairs(path)
+
+
+def record_gradients(trainer: Any, out: dict[str, Any]) -> None:
+    """A TRL trainer's gradients, before its optimizer takes them, into `out["grads"]`."""
+    import transformers
+
+    class Gradients(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            out["grads"] = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    trainer.add_callback(Gradients())
 
 
 def _set_adapters(trainer: StreamingTrainer, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from streamer.errors import ConfigError, StreamerError
 from streamer.grpo import completion_rows, grpo_step, token_logps
 from streamer.rewards import RewardError, Rewards
 from tests.test_data_cli import write_tokenizer
-from tests.test_dpo import _set_adapters
+from tests.test_dpo import _set_adapters, record_gradients
 from tests.test_families import hf_model
 
 trl = pytest.importorskip("trl")
@@ -104,10 +104,7 @@ def _trl(folder: Path, dtype: torch.dtype, settings: dict[str, Any], lora: bool)
         return loss
     trainer.compute_loss = recorded
 
-    class Grads(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            out["grads"] = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    trainer.add_callback(Grads())
+    record_gradients(trainer, out)
     trainer.train()
     out["grad_norm"] = float(trainer.state.log_history[0]["grad_norm"])
     return out
