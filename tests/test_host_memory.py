@@ -19,9 +19,13 @@ from streamer.cli.main import main
 from streamer.resources import shortfall
 from streamer.run import resolve
 from streamer.store.layout import WIDENED_BLOCK
+from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.runtime.transport import BufferPool
 
 # Llama with blocks large next to the process (8.6M parameters each) and a vocabulary that trains in no time.
+# What the runs below compute in (they pass no --dtype): bf16 where this CPU has it natively, fp32 where it would be
+# emulated (under ATEN_CPU_CAPABILITY=avx2); each plan is made for the same dtype.
+AUTO = resolve_compute_dtype("cpu", "auto").dtype
 MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 2,
          "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 512,
          "max_position_embeddings": 256, "tie_word_embeddings": True}
@@ -130,7 +134,7 @@ def test_a_runs_host_peak_is_within_the_planned_one(tmp_path, base_rss, store):
     MARGIN under the plan's host figure, less its base."""
     grown = _max_rss(tmp_path, MODEL, store, steps=2) - base_rss
     (tmp_path / "model.json").write_text(json.dumps(MODEL))
-    cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": 1, "seq": 128, "dtype": "bf16"})
+    cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": 1, "seq": 128, "dtype": AUTO})
     planned = planned_host(cfg.model_config(), cfg).total - BASE_BYTES
     assert (1 - MARGIN) * planned <= grown <= (1 + NOISE) * planned, \
         f"{store}: {grown / 2**20:.0f} MiB against {planned / 2**20:.0f} (base {base_rss / 2**20:.0f} MiB)"
@@ -148,7 +152,7 @@ def test_train_refuses_a_run_whose_planned_host_peak_exceeds_the_available_ram(t
     """The RAM check is the priced figure, not the store plus a guessed margin: the cpu device's own bytes and the
     disk tier's fold count, though the disk tier keeps no store in RAM."""
     (tmp_path / "model.json").write_text(json.dumps(MODEL))
-    cfg = resolve({"model": str(tmp_path / "model.json"), "store": "disk", "batch": 1, "seq": 128, "dtype": "bf16",
+    cfg = resolve({"model": str(tmp_path / "model.json"), "store": "disk", "batch": 1, "seq": 128, "dtype": AUTO,
                    "run_dir": str(tmp_path / "run")})
     planned = planned_host(cfg.model_config(), cfg)
     assert planned.device and planned.fold and not planned.store
@@ -208,7 +212,7 @@ def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, s
     the update leaves no time to lag."""
     peaks = _high_waters(tmp_path, model, store, 2, settings, ranks)
     (tmp_path / "model.json").write_text(json.dumps(model))
-    cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": ranks, "seq": 128, "dtype": "bf16",
+    cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": ranks, "seq": 128, "dtype": AUTO,
                    **settings})
     planned = planned_host(cfg.model_config(), cfg, ranks)
     for peak in peaks:
