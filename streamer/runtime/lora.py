@@ -156,13 +156,14 @@ class Adapters:
         tensors.update({f"optimizer/{i}/{name}": value.detach().cpu().contiguous()
                         for i, state in optimizer["state"].items() for name, value in state.items()})
         metadata = {"format": _FORMAT, "param_groups": json.dumps(optimizer["param_groups"])}
-        unsealed = safetensors.torch.save(tensors, metadata)
-        data = safetensors.torch.save(tensors, {**metadata, "checksum": str(_checksum(*_split(unsealed)))})
+        header, body = _split(safetensors.torch.save(tensors, metadata))
+        header["__metadata__"]["checksum"] = str(_checksum(header, body))
         path = self.path(folder, step)
         partial = path.with_suffix(".partial")
         partial.unlink(missing_ok=True)  # a link left there goes, and what it points to stays as it is
         with os.fdopen(open_for_writing(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
-            f.write(data)
+            f.write(_sealed_header(header))  # the tensors' offsets do not depend on the header's length
+            f.write(body)
             f.flush()
             os.fsync(f.fileno())
         refuse_link(path)
@@ -199,16 +200,24 @@ def _old_path(folder: Path, step: int) -> Path:
     return folder / f"lora-{step:08d}{_OLD_SUFFIX}"
 
 
-def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
-    """A safetensors file's header (JSON) and its tensors' bytes."""
+def _split(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    """A safetensors file's header (JSON) and its tensors' bytes (a view, not a copy)."""
     (length,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + length]), data[8 + length:]
+    return json.loads(data[8:8 + length]), memoryview(data)[8 + length:]
 
 
-def _checksum(header: dict[str, Any], tensors: bytes) -> int:
+def _sealed_header(header: dict[str, Any]) -> bytes:
+    """`header` as a safetensors file begins: its length, then its JSON padded with spaces to 8 bytes, as the
+    format asks so that the tensors that follow stay aligned."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _checksum(header: dict[str, Any], tensors: bytes | memoryview) -> int:
     """xxh3-64 of the header (without its checksum) and every tensor byte."""
     fields = {**header, "__metadata__": {k: v for k, v in header.get("__metadata__", {}).items() if k != "checksum"}}
-    return checksum_of(json.dumps(fields, sort_keys=True).encode() + tensors)
+    return checksum_of(json.dumps(fields, sort_keys=True), tensors)
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -152,10 +152,13 @@ def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
     return digest.intdigest()
 
 
-def checksum_of(data: str | bytes) -> int:
-    """xxh3-64 of a record (a JSON record, config.toml, a LoRA file): the state files' checksum, for the files
-    that say how to read them."""
-    return xxhash.xxh3_64_intdigest(data.encode() if isinstance(data, str) else data)
+def checksum_of(*parts: str | bytes | memoryview) -> int:
+    """xxh3-64 of a record (a JSON record, config.toml, a LoRA file), given whole or as the `parts` it is the
+    concatenation of: the state files' checksum, for the files that say how to read them."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part.encode() if isinstance(part, str) else part)
+    return digest.intdigest()
 
 
 def checksum_while_syncing(fd: int, path: Path, length: int, pool: ThreadPoolExecutor) -> int:
