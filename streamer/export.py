@@ -3,12 +3,13 @@ given, or a LoRA run's adapters as a PEFT adapter folder. `streamer export` is t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 
+from streamer.io.staging import StagedFolder
 from streamer.io.tokenizer import Tokenizer
 from streamer.run import RunError
 from streamer.trainer import StreamingTrainer
@@ -18,29 +19,23 @@ if TYPE_CHECKING:
 
 
 def refuse_non_empty(out: Path, overwrite: bool) -> None:
-    """A folder holding files is written only with --overwrite."""
-    if not overwrite and out.is_dir() and any(out.iterdir()):
-        raise RunError(f"{out} is not empty; choose a new folder or pass --overwrite")
-    if out.exists() and not out.is_dir():
-        raise RunError(f"{out} is a file; choose a folder to export to")
-    if out.is_symlink():  # an export replaces the folder whole, which would replace the link, not where it points
-        raise RunError(f"{out} is a symbolic link; export to the folder it points to ({out.resolve()}) or choose a "
-                       "new folder")
+    """Before any work: a folder holding files is written only with --overwrite; a file or a link is refused."""
+    StagedFolder.refuse(out, overwrite, "pass --overwrite")
 
 
 def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None, overwrite: bool = False) -> None:
     """Write a LoRA run's adapters as PEFT writes them: adapter_config.json and
     adapter_model.safetensors with PEFT's keys ('base_model.model.transformer.h.0.attn.q_proj.lora_A.weight';
-    `Adapters.hf_state_dict`)."""
-    from safetensors.torch import save_file
-
+    `Adapters.hf_state_dict`). Written whole or not at all (`StagedFolder`)."""
     if trainer.adapters is None:
         raise RunError("this run trained every weight, not LoRA adapters: export it without --format peft")
-    out = Path(out_dir)
-    refuse_non_empty(out, overwrite)
-    if out.exists() and any(out.iterdir()):
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with StagedFolder(out_dir, overwrite, "pass --overwrite") as folder:
+        _write_peft(trainer, folder.path, base)
+        folder.commit()
+
+
+def _write_peft(trainer: StreamingTrainer, out: Path, base: str | None) -> None:
+    assert trainer.adapters is not None
     lora, targets = trainer.tc.lora, trainer.adapters.targets
     # A mixture's fused experts are weight tensors, which PEFT targets apart from the Linear modules.
     modules = [t for t in targets if t not in trainer.cfg.lora_parameters]

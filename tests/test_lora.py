@@ -234,6 +234,25 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "4"]) == 0
 
 
+def test_a_peft_export_that_fails_part_way_leaves_the_earlier_export_whole(tmp_path: Path, monkeypatch) -> None:
+    """The adapter folder is written beside the destination and swapped in whole: a failure while writing it
+    (here the tensors' file, after adapter_config.json) keeps the export --overwrite was replacing, and leaves
+    no staging folder."""
+    import streamer.export
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    _train(run, 2)
+    assert main(["export", str(run), str(adapter), "--format", "peft"]) == 0
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+
+    def full_disk(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(streamer.export, "save_file", full_disk)
+    assert main(["export", str(run), str(adapter), "--format", "peft", "--overwrite"]) == 2
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "run"]
+
+
 def test_wrong_lora_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--model", "gptj-debug", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"]) == 2
     assert capsys.readouterr().err.strip().endswith(

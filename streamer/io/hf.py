@@ -10,14 +10,9 @@ under other names or in parts, MXFP4-packed experts and bitsandbytes' 4-bit piec
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import glob
 import json
 import os
 import pickle
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,7 +28,7 @@ from layers.quant4 import Quant4, dequantize
 from memory_model.lora import LoraConfig
 from streamer.errors import CheckpointError
 from streamer.store.layout import DTYPES
-from streamer.store.slabfile import fsync_path
+from streamer.io.staging import StagedFolder
 
 SUPPORTED_DTYPES = tuple(DTYPES.values())
 # Searched in this order: safetensors first, because a pickle can only be read
@@ -447,18 +442,11 @@ class HFExporter:
             raise CheckpointError(f"cannot export as {dtype}; choose float32, bfloat16 or float16")
         if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-        self.directory = Path(directory)
-        if self.directory.exists() and not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory} is a file; choose a folder to export to")
-        if self.directory.is_symlink():  # the export replaces the folder by a rename, which would replace the link
-            raise CheckpointError(f"{self.directory} is a symbolic link; export to the folder it points to "
-                                  f"({self.directory.resolve()}) or choose a new folder")
-        self.cfg, self.dtype, self.max_shard_bytes, self.overwrite = cfg, dtype, max_shard_bytes, overwrite
+        self.cfg, self.dtype, self.max_shard_bytes = cfg, dtype, max_shard_bytes
         self.token_ids = dict(token_ids or {})
-        self._refuse_to_overwrite()
+        self.folder = StagedFolder(directory, overwrite)
+        self.directory, self.staging_dir = self.folder.directory, self.folder.path
         self._expected = expected_tensors(cfg)
-        self.staging_dir = self.directory.parent / f".{self.directory.name}.partial-{uuid.uuid4().hex[:8]}"
-        self._lock = -1  # the staging folder's descriptor, locked from its creation to the export's end
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shard_keys: list[list[str]] = []
@@ -466,62 +454,18 @@ class HFExporter:
         self._total_bytes = 0
 
     def __enter__(self) -> HFExporter:
-        """Create the staging folder, locked while this export lives, and remove the staging folders of earlier
-        exports to the same folder that a kill left behind (no live export holds their lock).
-
-        Under an exclusive lock on the parent folder, which exports beside it hold only for this: no export is
-        then between creating its staging folder and locking it, so a fresh one is never taken for stale."""
-        try:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
-            parent = os.open(self.directory.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                fcntl.flock(parent, fcntl.LOCK_EX)
-                self._remove_stale_staging()
-                self.staging_dir.mkdir()
-                self._lock = os.open(self.staging_dir, os.O_RDONLY | os.O_DIRECTORY)
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            finally:
-                os.close(parent)  # and with it the parent's lock
-        except OSError as exc:
-            raise CheckpointError(f"cannot create {self.staging_dir} ({exc.strerror}); "
-                                  "choose a folder you can write to") from None
+        self.folder.__enter__()
         return self
-
-    def _remove_stale_staging(self) -> None:
-        pattern = glob.escape(f".{self.directory.name}.partial-") + "*"
-        for path in self.directory.parent.glob(pattern):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            except OSError:  # not a folder (nor one we made)
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # an export in progress
-                continue
-            finally:
-                os.close(fd)
-            shutil.rmtree(path, ignore_errors=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         try:
-            self._close(exc_type)
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(self._lock)
-
-    def _close(self, exc_type: type[BaseException] | None) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
-            return
-        try:
-            self._finish()
+            if exc_type is None:
+                self._finish()
         except OSError as exc:
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
             raise CheckpointError(f"writing {self.directory} failed ({exc.strerror}: {exc.filename}); "
                                   "free disk space or choose another folder") from None
-        except BaseException:
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
-            raise
+        finally:
+            self.folder.__exit__()
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """Queue one tensor under its HF name; a full shard is written out before the next one starts."""
@@ -586,25 +530,7 @@ class HFExporter:
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
         _write_json(self.staging_dir / "config.json",
                     {**self.cfg.to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
-        for path in [*self.staging_dir.iterdir(), self.staging_dir]:
-            fsync_path(path)
-        self._swap_in()
-
-    def _refuse_to_overwrite(self) -> None:
-        if not self.overwrite and self.directory.is_dir() and any(self.directory.iterdir()):
-            raise CheckpointError(f"{self.directory} is not empty; choose a new folder or pass overwrite=True")
-
-    def _swap_in(self) -> None:
-        """Replace the destination with the staging folder, the old one removed only after the rename."""
-        self._refuse_to_overwrite()  # again: something may have been written there during the export
-        if self.directory.exists():
-            retired = self.directory.parent / f".{self.directory.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.directory, retired)
-            os.replace(self.staging_dir, self.directory)
-            shutil.rmtree(retired)
-        else:
-            os.replace(self.staging_dir, self.directory)
-        fsync_path(self.directory.parent)
+        self.folder.commit()
 
 
 def _brief(exc: BaseException) -> str:
