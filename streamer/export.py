@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -51,7 +51,7 @@ def _write_peft(trainer: StreamingTrainer, out: Path, base: str | None) -> None:
 
 def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: str | Path,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False,
-              base: str | Path | None = None) -> None:
+              base: str | Path | None = None, source_config: Mapping[str, Any] | None = None) -> None:
     """Write the trainer's master weights (LoRA's adapters merged) as a Hugging Face folder, one unit in
     memory at a time, in `dtype` (default: fp32).
 
@@ -62,6 +62,8 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
     With a tokenizer: its files (copied verbatim where it was loaded from a folder, so the chat template, special
     tokens, model_max_length and padding side are the user's), and its bos/eos ids in config.json and
     generation_config.json, which `generate` in transformers reads to stop where `streamer generate` stops.
+    `source_config`: the config.json the run started from (`RunDir.read_source_config`), whose fields the model's
+    config does not hold config.json keeps.
     """
     from streamer.io.hf import HFExporter
     if max_shard_bytes <= 0:
@@ -73,7 +75,8 @@ def export_hf(trainer: StreamingTrainer, tokenizer: Tokenizer | None, hf_dir: st
     source = _open_base(base, trainer) if full_precision and base is not None else None
     if dtype is None:
         dtype = torch.float32 if source is None else source.dtype(source.keys()[0])
-    with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite, token_ids) as exporter:
+    with HFExporter(hf_dir, trainer.cfg, dtype, max_shard_bytes, overwrite, token_ids,
+                    carried=source_config) as exporter:
         for unit in trainer.units:
             if source is None:
                 flat = trainer.merged_unit_master(unit)

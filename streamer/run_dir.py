@@ -157,21 +157,28 @@ class RunDir:
 
     def write_reference(self, values: dict[str, Any]) -> None:
         """The reference log-probabilities (by data: train, held_out), with a checksum of their text."""
-        body = json.dumps(values)
-        write_json_atomic(self.reference, json.dumps({"values": values, "checksum": checksum_of(body)}))
+        _write_sealed(self.reference, values)
 
     def read_reference(self) -> dict[str, Any]:
         """The reference log-probabilities `write_reference` kept, once their checksum says they are."""
-        try:
-            kept = json.loads(self.reference.read_text())
-            intact = checksum_of(json.dumps(kept["values"])) == kept["checksum"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RunError(f"cannot read {self.reference} ({exc}), the reference log-probabilities of this DPO run; "
-                           "restore it from a backup, or start a new run") from None
-        if not intact:
-            raise RunError(f"{self.reference} is damaged (its checksum does not match its values), the reference "
-                           "log-probabilities of this DPO run; restore it from a backup, or start a new run")
-        return kept["values"]
+        return _read_sealed(self.reference, "the reference log-probabilities of this DPO run")
+
+    @property
+    def source_config(self) -> Path:
+        """The --from-pretrained folder's config.json, as the user's file had it."""
+        return self.root / "source_config.json"
+
+    def write_source_config(self, values: dict[str, Any]) -> None:
+        """The checkpoint's config.json, with a checksum: an export carries the fields the model's config does
+        not hold (architectures, auto_map, the user's own)."""
+        _write_sealed(self.source_config, values)
+
+    def read_source_config(self) -> dict[str, Any] | None:
+        """The config.json `write_source_config` kept (None: the run started from no folder, or before it was
+        kept), once its checksum says it is."""
+        if not self.source_config.is_file():
+            return None
+        return _read_sealed(self.source_config, "the config.json of the checkpoint this run started from")
 
     def write_trace(self, trace: Trace, step: int) -> None:
         """trace.json, trace.chrome.json and memory.png (of `step`), each renamed into place, never through a link."""
@@ -255,3 +262,21 @@ class RunDir:
 
 def _hex(checksum: int) -> str:
     return f"{checksum:016x}"
+
+
+def _write_sealed(path: Path, values: dict[str, Any]) -> None:
+    """`values` as JSON with a checksum of their text, renamed into place."""
+    write_json_atomic(path, json.dumps({"values": values, "checksum": checksum_of(json.dumps(values))}))
+
+
+def _read_sealed(path: Path, what: str) -> dict[str, Any]:
+    """The values `_write_sealed` kept in `path` (`what` they are), once their checksum says they are."""
+    try:
+        kept = json.loads(path.read_text())
+        intact = checksum_of(json.dumps(kept["values"])) == kept["checksum"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunError(f"cannot read {path} ({exc}), {what}; restore it from a backup, or start a new run") from None
+    if not intact:
+        raise RunError(f"{path} is damaged (its checksum does not match its values), {what}; restore it from a "
+                       "backup, or start a new run")
+    return kept["values"]

@@ -27,6 +27,7 @@ import psutil
 import torch
 
 from layers import ModelConfig, learned_tokens
+from layers.config import read_hf_json
 from memory_model.settings import flag, flatten
 from memory_model.shapes import step_model_flops
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
@@ -563,6 +564,8 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
                          for name, data in (("train", train_set), ("held_out", held_out)) if data is not None}
             if lead:
                 run.write_reference(reference)
+        if lead and cfg.from_pretrained and not is_gguf(cfg.from_pretrained):
+            run.write_source_config(read_hf_json(Path(cfg.from_pretrained)))  # what its export carries
         if lead:
             run.write_config(cfg)  # the run exists from here on
             run.finish_setup()

@@ -18,6 +18,8 @@ from tests.test_cli import run_cli
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 PROMPT = "The for statement is used"
 END = "<|end|>"
+# Fields of a user's config.json that no model config holds: an export keeps them.
+USERS_FIELDS = {"my_project": {"dataset": "docs", "revision": 3}, "finetuning_task": "summarization"}
 
 
 def _source_folder(tmp_path, tiny_hf_model, texts):
@@ -33,6 +35,8 @@ def _source_folder(tmp_path, tiny_hf_model, texts):
                   eos_token=END)
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     (folder / "special_tokens_map.json").unlink()
+    model_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**model_config, **USERS_FIELDS}))
     return folder
 
 
@@ -53,7 +57,11 @@ def test_export_keeps_the_tokenizer_and_generates_what_streamer_generates(capsys
     token_ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     assert token_ids == {"bos_token_id": 0, "eos_token_id": TINY_RUN_MODEL.vocab_size - 1}
     assert json.loads((out / "generation_config.json").read_text()) == token_ids
-    assert {k: json.loads((out / "config.json").read_text())[k] for k in token_ids} == token_ids
+    exported = json.loads((out / "config.json").read_text())
+    assert {k: exported[k] for k in token_ids} == token_ids
+    assert {k: exported[k] for k in USERS_FIELDS} == USERS_FIELDS
+    assert exported["architectures"] == ["GPTJForCausalLM"]  # transformers wrote it into the source
+    assert transformers.AutoConfig.from_pretrained(out).my_project == USERS_FIELDS["my_project"]
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tokenizer.chat_template == CHAT_TEMPLATE

@@ -61,7 +61,8 @@ def export_command(args: argparse.Namespace) -> int:
                 raise RunError("--base names a LoRA run's base checkpoint and this run trained every weight; drop it")
             base = args.base or run.read_config().from_pretrained if trainer.adapters is not None else None
             export_hf(trainer, tokenizer, args.hf_dir, args.dtype and DTYPES[args.dtype],
-                      parse_size(args.max_shard_size), overwrite=args.overwrite, base=base)
+                      parse_size(args.max_shard_size), overwrite=args.overwrite, base=base,
+                      source_config=run.read_source_config())
             how = f"transformers.AutoModelForCausalLM.from_pretrained({args.hf_dir!r})"
         step = trainer.step_count
     files = sorted(p.name for p in Path(args.hf_dir).iterdir())

@@ -15,7 +15,7 @@ import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -421,6 +421,10 @@ def _open_shard(root: Path, name: str) -> tuple[Any, dict[str, _Entry]]:
     return state, {k: _Entry(name, tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}
 
 
+# Fields of a source config.json an export does not carry: its weights are dequantized, in the export's dtype.
+NOT_CARRIED = ("quantization_config", "torch_dtype", "dtype")
+
+
 class HFExporter:
     """Write a checkpoint that transformers' `AutoModelForCausalLM.from_pretrained` loads, tensor by tensor.
 
@@ -432,18 +436,20 @@ class HFExporter:
     other files such as a tokenizer may be saved too) that replaces `directory`
     only once every tensor is written: a failed export leaves nothing behind.
     One shard (`max_shard_bytes`, or one tensor if larger) is in memory at a time. `token_ids` (bos_token_id,
-    eos_token_id: the tokenizer's) replace config.json's defaults.
+    eos_token_id: the tokenizer's) replace config.json's defaults. `carried`: the source checkpoint's config.json,
+    whose fields the model's config does not hold (architectures, auto_map, the user's own) the export keeps.
     """
 
     def __init__(self, directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  max_shard_bytes: int = 2 * 2**30, overwrite: bool = False,
-                 token_ids: dict[str, int] | None = None) -> None:
+                 token_ids: dict[str, int] | None = None, carried: Mapping[str, Any] | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"cannot export as {dtype}; choose float32, bfloat16 or float16")
         if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
         self.cfg, self.dtype, self.max_shard_bytes = cfg, dtype, max_shard_bytes
         self.token_ids = dict(token_ids or {})
+        self.carried = {k: v for k, v in (carried or {}).items() if k not in NOT_CARRIED}
         self.folder = StagedFolder(directory, overwrite)
         self.directory, self.staging_dir = self.folder.directory, self.folder.path
         self._expected = expected_tensors(cfg)
@@ -529,7 +535,7 @@ class HFExporter:
             _write_json(self.staging_dir / "model.safetensors.index.json",
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
         _write_json(self.staging_dir / "config.json",
-                    {**self.cfg.to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
+                    {**self.carried, **self.cfg.to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
         self.folder.commit()
 
 
