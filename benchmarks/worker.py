@@ -140,7 +140,7 @@ def _hf_model(spec: RunSpec) -> Any:
     """transformers' class of the model's family (GPTJForCausalLM, LlamaForCausalLM, ...), HF's initialisation
     and its default attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**_config(spec).to_hf()))
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**_config(spec).adapter().to_hf()))
 
 
 def _hf(spec: RunSpec) -> Contender:

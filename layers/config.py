@@ -14,9 +14,10 @@ fields, so it never asks which family it holds:
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
-- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`; how
-  transformers saves the tensors (a name of their own, in parts, packed; the keys a tied checkpoint leaves out):
-  `adapter()`, a `layers.adapter.StateDictAdapter`, its family folder's adapter.py where it has one;
+- `adapter()`: how transformers names the model, a `layers.adapter.StateDictAdapter` in its family folder's
+  adapter.py: its config.json read (`ModelConfig.from_hf` goes through it) and written (`to_hf()`), the checkpoint
+  key of each unit's tensor (`key(unit, local_key)`, `prefix(unit)`), and how transformers saves the tensors (a
+  name of their own, in parts, packed; the keys a tied checkpoint leaves out);
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
@@ -26,8 +27,8 @@ fields, so it never asks which family it holds:
   are in a block and in PEFT's saved adapter (`lora_keys`);
 - `costs()`: its byte and FLOP inputs for memory_model, a facet in its folder's costs.py behind one protocol
   (`layers.costs.Costs`);
-- `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
-  defaults for what it may leave out where they differ from ours (`hf_defaults`);
+- `to_dict()`; what a config.json must name (`hf_required`) and transformers' defaults for what it may leave out
+  where they differ from ours (`hf_defaults`);
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
 
 `ModelConfig.from_hf` picks the family by config.json's `model_type`. It reads a config.json as transformers does:
@@ -101,11 +102,6 @@ class ModelConfig(abc.ABC):
     model_type: ClassVar[str]
     # Buffers that old checkpoints of the family carry and that hold no learned state.
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
-    # The checkpoint key map: HF's prefix of the model body ('transformer.'), of its list of blocks within it
-    # ('h'), and the head's final norm, which HF keeps in the body ('ln_f').
-    hf_body: ClassVar[str]
-    hf_blocks: ClassVar[str]
-    hf_final_norm: ClassVar[str]
     # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
     # inside the block ('q_proj' -> 'attn.q_proj').
     projections: ClassVar[dict[str, str]]
@@ -128,8 +124,8 @@ class ModelConfig(abc.ABC):
     attention_sinks: ClassVar[bool] = False
     # The family's costs facet (layers/<family>/costs.py): its byte and FLOP inputs for memory_model.
     costs_class: ClassVar[type[Costs]]
-    # How transformers saves its tensors (layers/adapter.py, or the family folder's adapter.py).
-    adapter_class: ClassVar[type[StateDictAdapter]] = StateDictAdapter
+    # How transformers names its model: config.json and the checkpoint's keys (its folder's adapter.py).
+    adapter_class: ClassVar[type[StateDictAdapter]]
     # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
     expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
@@ -211,16 +207,6 @@ class ModelConfig(abc.ABC):
         """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
         return 0
 
-    @abc.abstractmethod
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers' class for this model_type reads."""
-
-    @classmethod
-    @abc.abstractmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> Self:
-        """Build from a config.json's keys (model_type already removed, the required ones there, transformers'
-        defaults filled in)."""
-
     @classmethod
     @abc.abstractmethod
     def example(cls) -> "ModelConfig":
@@ -242,40 +228,20 @@ class ModelConfig(abc.ABC):
         """What sets a block's RoPE tables (hashable): blocks whose values are equal share one cached table."""
         return None
 
-    @classmethod
-    def own_fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        """The keys of a config.json that are this family's own fields: the rest carries nothing we build."""
-        own = {f.name for f in dataclasses.fields(cls)}
-        return {k: v for k, v in raw.items() if k in own}
-
     # --- the same for every family ---------------------------------------------------------------------
     def costs(self) -> Costs:
         """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
         return self.costs_class(self)
 
     def adapter(self) -> StateDictAdapter:
-        """How transformers names and saves the family's tensors (`layers.adapter.StateDictAdapter`)."""
+        """How transformers names the family's model: its config.json (`to_hf`), the checkpoint key of each unit's
+        tensor (`key`, `prefix`) and how it saves them (`layers.adapter.StateDictAdapter`)."""
         return self.adapter_class(self)
 
     @property
     def attention_width(self) -> int:
         """The width of all query heads together: q's, and SDPA's output's, features per token."""
         return self.num_attention_heads * self.head_dim
-
-    def hf_prefix(self, unit: str) -> str:
-        """The HF key prefix of a unit's tensors: 'embed' -> 'model.', 'block.3' -> 'model.layers.3.',
-        'head' -> '' (lm_head is outside the body)."""
-        if unit == "embed":
-            return self.hf_body
-        if unit == "head":
-            return ""
-        return f"{self.hf_body}{self.hf_blocks}.{unit.split('.', 1)[1]}."
-
-    def hf_key(self, unit: str, local_key: str) -> str:
-        """A unit module's own key as the HF checkpoint names it: ('head', 'norm.weight') -> 'model.norm.weight'."""
-        if unit == "head" and local_key.startswith(self.hf_final_norm + "."):
-            return self.hf_body + local_key
-        return self.hf_prefix(unit) + local_key
 
     def context(self) -> tuple[int, str]:
         """The longest sequence this model attends over, and the config field that sets it (for messages)."""
@@ -385,7 +351,7 @@ class ModelConfig(abc.ABC):
             if name not in raw and own not in raw:
                 shown = own if own == name else f"{own} ({name})"
                 raise ConfigError(f"the {target.model_type} config has no {shown}; add it as transformers writes it")
-        return target.from_hf_fields({**target.hf_defaults, **raw})
+        return target.from_dict(target.adapter_class.config_fields(target, {**target.hf_defaults, **raw}))
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":

@@ -50,5 +50,5 @@ class GGUFBase:
         weights = 0
         for target, module in shape.projections.items():
             fan_in, fan_out = shape.projection_shape(target)
-            weights += self.weight_bytes(shape.hf_key(unit, f"{module}.weight"), (fan_out, fan_in))
+            weights += self.weight_bytes(shape.adapter().key(unit, f"{module}.weight"), (fan_out, fan_in))
         return padded(rest * compute_bytes) + weights

@@ -50,7 +50,7 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units})
+    tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.adapter().prefix(unit) for unit in trainer.units})
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 

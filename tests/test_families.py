@@ -47,7 +47,7 @@ def for_cli(model_type: str) -> ModelConfig:
 def hf_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, attn: str = "eager",
              seed: int = 0) -> transformers.PreTrainedModel:
     """transformers' model of cfg (its model_type's class), seeded weights of unit-activation scale."""
-    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.adapter().to_hf())
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn, **EAGER_EXPERTS).eval()
     randomize_(model, seed)
     return model.to(dtype)
@@ -91,7 +91,8 @@ def test_the_family_is_its_transformers_class(model_type: str) -> None:
     assert isinstance(family_units(cfg), FamilyUnits)
     assert len(cfg.layer_types()) == cfg.num_hidden_layers
     with torch.device("meta"):
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     ours = resident_model(cfg, init=False)
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
     assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())

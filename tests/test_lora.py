@@ -216,7 +216,7 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:
 
     with open_trainer(RunDir(run)) as trainer:
         base, state, cfg = trainer.state_dict(merged=False), trainer.state_dict(), trainer.cfg  # the data's vocabulary
-    hf_base = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.to_hf()))
+    hf_base = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.adapter().to_hf()))
     hf_base.load_state_dict(base, strict=False)  # the attention bias buffers are HF's own
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

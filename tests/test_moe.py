@@ -49,7 +49,8 @@ MIXTURES = [model_type for model_type, cls in FAMILIES.items() if cls.example().
 
 def transformers_count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,7 +70,8 @@ def transformers_matmul_params(cfg: ModelConfig) -> int:
     """The weights a token's matmuls go through in transformers' model, counted apart from ours: every matrix
     but the embedding's (a gather), the fused experts' k of E, none of the norms' vectors."""
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     embedding = model.get_input_embeddings().weight
     share = cfg.num_experts_per_tok / cfg.num_experts
     return round(sum(p.numel() * (share if ".experts." in name else 1)
@@ -326,7 +328,7 @@ def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path:
 def test_a_qwen3_moe_window_slides_on_every_layer(edit, window):
     """Unlike Qwen2's, transformers' Qwen3-MoE window needs no max_window_layers: use_sliding_window puts it on
     every layer (the published file's max_window_layers 48 of 48 changes nothing)."""
-    raw = {**Qwen3MoeConfig.example().to_hf(), "max_window_layers": 2, **edit}
+    raw = {**Qwen3MoeConfig.example().adapter().to_hf(), "max_window_layers": 2, **edit}
     assert transformers.AutoConfig.for_model(**raw).sliding_window == window
     assert Qwen3MoeConfig.from_hf(raw).sliding_window == window
 
@@ -341,10 +343,10 @@ def balanced(cfg: ModelConfig) -> ModelConfig:
 def test_the_loss_is_asked_for_as_transformers_reads_it():
     """output_router_logits and router_aux_loss_coef from a published file; without output_router_logits
     transformers never reads the coefficient, and the model has no auxiliary loss and no bytes for one."""
-    raw = Qwen3MoeConfig.example().to_hf()
+    raw = Qwen3MoeConfig.example().adapter().to_hf()
     asked = ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": 0.5})
     assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.5)
-    assert ModelConfig.from_hf(asked.to_hf()) == asked
+    assert ModelConfig.from_hf(asked.adapter().to_hf()) == asked
     assert asked.costs().auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
     plain = ModelConfig.from_hf({**raw, "router_aux_loss_coef": 0.5})
     assert plain == Qwen3MoeConfig.example() and plain.costs().auxiliary_loss_bytes() == 0
@@ -536,7 +538,7 @@ def test_expert_adapters_have_peft_keys_shapes_and_initialisation(family, target
     cfg = family.example()
     theirs = pytest.importorskip("peft").get_peft_model_state_dict(_peft(cfg, targets))
     adapters = Adapters(cfg, LoraConfig(rank=4, alpha=8.0, targets=targets), OptimizerConfig(), torch.device("cpu"), 0)
-    ours = adapters.hf_state_dict({unit: cfg.hf_prefix(unit) for unit in cfg.unit_names()})
+    ours = adapters.hf_state_dict({unit: cfg.adapter().prefix(unit) for unit in cfg.unit_names()})
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
     for key, value in ours.items():
         if ".lora_B." in key:
@@ -579,7 +581,7 @@ def test_expert_adapters_give_peft_logits_and_gradients(family):
         add_adapters(block, targets, 4, 2.0, 0.0)
         for keys in (cfg.lora_keys(target, targets) for target in targets):
             for mine, theirs in ((keys.a, keys.peft_a), (keys.b, keys.peft_b)):
-                leaves[f"base_model.model.{cfg.hf_prefix(f'block.{i}')}{theirs}"] = block.get_parameter(mine)
+                leaves[f"base_model.model.{cfg.adapter().prefix(f'block.{i}')}{theirs}"] = block.get_parameter(mine)
     assert set(leaves) == set(start)
     mine = run(lambda: ours(ids), {k: p.requires_grad_() for k, p in leaves.items()})
     assert exact[0].abs().max() > 1.0 and (exact[0] - hf_model(cfg, torch.float64)(ids).logits).abs().max() > 0.1
@@ -630,7 +632,7 @@ def test_a_streamed_lora_step_on_the_experts_is_peft_and_adamw(tmp_path: Path, f
     base, start = hf_model(cfg).state_dict(), _random_adapters(cfg, EXPERT_TARGETS)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.load_state_dict(base)
-        prefixes = {unit: cfg.hf_prefix(unit) for unit in trainer.units}
+        prefixes = {unit: cfg.adapter().prefix(unit) for unit in trainer.units}
         with torch.no_grad():
             for unit, tensors in trainer.adapters.params.items():
                 for keys in trainer.adapters.keys.values():

@@ -43,7 +43,7 @@ def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_
                           load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                           max_grad_norm=0.0)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    prefix = {f"block.{i}": cfg.hf_prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
+    prefix = {f"block.{i}": cfg.adapter().prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
     with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
         torch.manual_seed(5)
         for tensors in trainer.adapters.params.values():

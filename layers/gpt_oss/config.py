@@ -18,20 +18,15 @@ rest.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError
 from layers.gemma3.config import LAYER_TYPES, deepened
-from layers.llama.config import LlamaConfig, rope_parameters_of
+from layers.llama.config import LlamaConfig
 from layers.moe.config import MixtureOfExperts
-from layers.gpt_oss.adapter import GptOssAdapter
+from layers.gpt_oss.adapter import DEFAULT_ROPE, GptOssAdapter
 from layers.gpt_oss.costs import GptOssCosts, GptOssExpertsCosts
-
-# transformers' RoPE where a config names none (GptOssConfig's): YaRN, 32 times the original 4096 positions.
-DEFAULT_ROPE: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
 
 
 def checked_yarn(rope: Any) -> tuple[tuple[str, Any], ...]:
@@ -171,30 +166,6 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         d, f, experts = self.hidden_size, self.expert_width, self.num_experts
         # the router and its bias; each expert's gate/up and down projections and their biases
         return experts * (d + 1) + experts * (3 * d * f + 2 * f + d)
-
-    # --- how transformers saves the experts ------------------------------------------------------
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "GptOssConfig":
-        cls.read_hf_experts(raw)
-        if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
-            raw["rope_scaling"] = {k: v for k, v in DEFAULT_ROPE.items() if k != "rope_theta"}
-        raw.setdefault("rope_theta", DEFAULT_ROPE["rope_theta"])  # GptOssConfig.default_theta
-        raw["rope_parameters"] = {"rope_theta": raw["rope_theta"], **rope_parameters_of(raw)}
-        if raw.get("layer_types") is not None:
-            raw["attention_layers"] = tuple(raw["layer_types"])
-        dropout = raw.get("attention_dropout")
-        if dropout not in (0, None):
-            raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
-        return cls.from_dict(cls.own_fields(raw))
-
-    def to_hf(self) -> dict[str, Any]:
-        out = {"architectures": [self.architecture], "model_type": self.model_type, **dataclasses.asdict(self),
-               "rope_parameters": self.rope, "layer_types": list(self.attention_layers),
-               "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
-        del out["attention_layers"], out["mlp_bias"]
-        return out
 
 
 def _gpt_oss(layers: int, experts: int) -> GptOssConfig:

@@ -10,15 +10,16 @@ class honours. The MLP's parameters are a method (`mlp_params`), which the mixtu
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Self
+from typing import Any, ClassVar, Mapping
 
 from layers.config import (
     PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
+from layers.adapter import StateDictAdapter
 from layers.costs import Costs
+from layers.llama.adapter import LlamaAdapter
 from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
@@ -30,20 +31,6 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (), "linear": ("factor",), "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-
-
-def rope_parameters_of(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """transformers' `rope_parameters`, or the older `rope_theta` and `rope_scaling` (`type` for `rope_type`)
-    that published Llama, Mistral and Qwen configs carry, as one dict."""
-    if "rope_parameters" in raw and raw["rope_parameters"] is not None:
-        params = dict(raw["rope_parameters"])
-    else:
-        scaling = dict(raw.get("rope_scaling") or {})
-        if "type" in scaling:
-            scaling.setdefault("rope_type", scaling.pop("type"))
-        params = {"rope_theta": raw.get("rope_theta", 10000.0), "rope_type": "default", **scaling}
-    params.setdefault("rope_type", "default")
-    return params
 
 
 def checked_rope(rope: Any, name: str = "rope_parameters") -> tuple[tuple[str, Any], ...]:
@@ -72,9 +59,7 @@ class LlamaConfig(ModelConfig):
     mlp_costs: ClassVar[type[MlpCosts]] = SwiGLUCosts  # its MLP's facet of the costs
     model_type: ClassVar[str] = "llama"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
-    hf_body: ClassVar[str] = "model."
-    hf_blocks: ClassVar[str] = "layers"
-    hf_final_norm: ClassVar[str] = "norm"
+    adapter_class: ClassVar[type[StateDictAdapter]] = LlamaAdapter
     projections: ClassVar[dict[str, str]] = {
         "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
         "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
@@ -197,58 +182,6 @@ class LlamaConfig(ModelConfig):
         kv = self.num_key_value_heads * self.head_dim
         return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
                 "up_proj": (d, f), "down_proj": (f, d)}[name]
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> Self:
-        dropout = raw.get("attention_dropout")
-        if dropout not in (0, None):
-            raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
-        raw["rope_parameters"] = rope_parameters_of(raw)
-        raw["sliding_window"] = cls._window(raw)
-        # Fields that transformers' class for this model_type never reads change nothing there: nor here.
-        unread = {*(() if cls.slides else ("sliding_window",)),
-                  *(flag for flag in ("attention_bias", "mlp_bias") if flag not in cls.honoured_flags)}
-        fields = {k: v for k, v in cls.own_fields(raw).items() if k not in unread}
-        return cls.from_dict(fields)
-
-    @classmethod
-    def _window(cls, raw: Mapping[str, Any]) -> Any:
-        """The sliding window transformers' model applies on every layer, None for none. Where use_sliding_window
-        switches it (qwen2, qwen3), it slides on the layers layer_types names, else on those from
-        max_window_layers on; a window on some layers only is refused (one window is what this model and its
-        export hold)."""
-        window = raw.get("sliding_window")
-        if not cls.switched_window or window is None:
-            return window
-        if raw.get("use_sliding_window") is not True:
-            return None
-        kinds, layers, full = raw.get("layer_types"), raw.get("num_hidden_layers"), raw.get("max_window_layers")
-        if isinstance(kinds, list):
-            sliding, total, which = kinds.count("sliding_attention"), len(kinds), "layer_types"
-        elif isinstance(layers, int) and isinstance(full, int):
-            sliding, total, which = min(max(layers - full, 0), layers), layers, f"max_window_layers={full}"
-        else:
-            return window  # the sizes' own checks name what is wrong
-        if 0 < sliding < total:
-            raise ConfigError(f"use_sliding_window=true with {which} slides {sliding} of {total} layers: a window "
-                              "on some layers only is not supported; set use_sliding_window to false (the same "
-                              f"model on sequences up to sliding_window={window})")
-        return window if sliding else None
-
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers' class for this model_type reads."""
-        out = {"architectures": [self.architecture], "model_type": self.model_type,
-               **dataclasses.asdict(self), "rope_parameters": self.rope,
-               "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
-        for flag in ("attention_bias", "mlp_bias"):
-            if flag not in self.honoured_flags:
-                del out[flag]
-        if not self.slides:
-            del out["sliding_window"]
-        elif self.switched_window:  # the window on every layer
-            out.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
-        return out
 
 
 @family

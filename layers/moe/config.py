@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints, take_aliases
+from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
 from layers.adapter import StateDictAdapter
 from layers.llama.costs import MlpCosts
-from layers.moe.adapter import ExpertsAdapter
+from layers.moe.adapter import ExpertsAdapter, MixtralAdapter, OlmoeAdapter, Qwen3MoeAdapter
 from layers.moe.costs import SparseMlpCosts
 
 if TYPE_CHECKING:  # the mixin's methods reach LlamaConfig's through super(): the type checker sees it as one
@@ -60,21 +60,7 @@ class MixtureOfExperts(_MixinBase):
         "experts.down_proj": "mlp.experts.down_proj"}
     lora_parameters: ClassVar[tuple[str, ...]] = ("experts.gate_up_proj", "experts.down_proj")
 
-    # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
-    # down), as the checkpoints before transformers 5 held them.
     expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-    saved_mlp: ClassVar[str] = "mlp"
-    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
-
-    @staticmethod
-    def read_hf_experts(raw: dict[str, Any]) -> None:
-        """What transformers' classes of a mixture compute and this one does not, refused in one line; the
-        auxiliary loss's coefficient left out where transformers never reads it (no `output_router_logits`)."""
-        if raw.get("router_jitter_noise"):
-            raise ConfigError(f"router_jitter_noise={raw['router_jitter_noise']!r} is not supported (no noise on "
-                              "the router's input); set it to 0.0")
-        if not raw.get("output_router_logits"):
-            raw.pop("router_aux_loss_coef", None)
 
     def check_experts(self) -> None:
         positive_ints(self, "num_experts", "num_experts_per_tok")
@@ -133,6 +119,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     refused here."""
 
     model_type: ClassVar[str] = "qwen3_moe"
+    adapter_class = Qwen3MoeAdapter
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
     hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
                                              "intermediate_size": 6144, "sliding_window": 4096}
@@ -167,23 +154,6 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
         return cls(**{**TINY, "num_key_value_heads": 1}, head_dim=16, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=16, norm_topk_prob=True)
 
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "Qwen3MoeConfig":
-        take_aliases(raw, {"num_local_experts": "num_experts"})  # the name transformers 5 writes
-        cls.read_hf_experts(raw)
-        step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
-        if step != 1 or dense:
-            raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
-                              "only a sparse MLP in every layer is supported (decoder_sparse_step 1, "
-                              "mlp_only_layers [])")
-        # Its window slides on every layer whenever use_sliding_window: the class reads neither of Qwen2's
-        # per-layer fields.
-        raw = {k: v for k, v in raw.items() if k not in ("max_window_layers", "layer_types")}
-        return super().from_hf_fields(raw)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": []}
-
 
 @family
 @dataclass(frozen=True)
@@ -195,8 +165,7 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
 
     model_type: ClassVar[str] = "mixtral"
     architecture: ClassVar[str] = "MixtralForCausalLM"
-    saved_mlp: ClassVar[str] = "block_sparse_moe"
-    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("w1", "w3"), ("w2",))
+    adapter_class = MixtralAdapter
     hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
                                              "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
 
@@ -226,15 +195,6 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
         """Four experts, two per token, narrower than the model; grouped-query attention and no window."""
         return cls(**{**TINY, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=2)
 
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "MixtralConfig":
-        take_aliases(raw, {"num_experts": "num_local_experts"})
-        cls.read_hf_experts(raw)
-        return super().from_hf_fields(raw)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "router_jitter_noise": 0.0}
-
 
 @family
 @dataclass(frozen=True)
@@ -244,6 +204,7 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     `pad_token_id` row gets no gradient and starts at zero, as transformers' nn.Embedding(padding_idx) does."""
 
     model_type: ClassVar[str] = "olmoe"
+    adapter_class = OlmoeAdapter
     architecture: ClassVar[str] = "OlmoeForCausalLM"
     qk_norm: ClassVar[bool] = True
     qk_norm_whole: ClassVar[bool] = True
@@ -274,18 +235,6 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
         """Four experts, two per token, not renormalised; q/k norms over the whole projections, grouped-query
         attention, q/k/v/o biases, and a padding token."""
         return cls(**{**TINY, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2, attention_bias=True)
-
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "OlmoeConfig":
-        take_aliases(raw, {"num_local_experts": "num_experts"})
-        cls.read_hf_experts(raw)
-        if raw.get("clip_qkv") is not None:
-            raise ConfigError(f"clip_qkv={raw['clip_qkv']!r} is not supported (no clamping of q, k and v); set it "
-                              "to null")
-        return super().from_hf_fields(raw)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "clip_qkv": None}
 
 
 THETA_1E6 = (("rope_theta", 1000000.0), ("rope_type", "default"))

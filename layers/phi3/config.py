@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from layers.config import PRESETS, ConfigError, family, positive_ints
-from layers.llama.config import TINY, LlamaConfig, rope_parameters_of
+from layers.llama.config import TINY, LlamaConfig
+from layers.phi3.adapter import Phi3Adapter
 from layers.phi3.costs import Phi3Costs
 
-# Dropout is a training-time regulariser the published checkpoints set to 0.
-_HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
 # What each rope_type transformers' Phi-3 accepts needs besides rope_theta: longrope's factors per frequency.
 ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_factor", "long_factor")}
 
@@ -24,6 +23,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_fac
 @dataclass(frozen=True)
 class Phi3Config(LlamaConfig):
     costs_class = Phi3Costs
+    adapter_class = Phi3Adapter
     model_type: ClassVar[str] = "phi3"
     architecture: ClassVar[str] = "Phi3ForCausalLM"
     projections: ClassVar[dict[str, str]] = {
@@ -97,24 +97,6 @@ class Phi3Config(LlamaConfig):
         d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
         kv = self.num_key_value_heads * self.head_dim
         return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "Phi3Config":
-        for key in _HF_DROPOUT_KEYS:
-            value = raw.pop(key, 0.0)
-            if value not in (0, None):
-                raise ConfigError(f"{key}={value!r} is not supported (no dropout); set it to 0.0")
-        rope = rope_parameters_of(raw)
-        if rope["rope_type"] in ("su", "yarn"):  # transformers' names of longrope in older Phi-3 files
-            rope["rope_type"] = "longrope"
-        rope.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        raw["rope_parameters"] = rope
-        return cls.from_dict(cls.own_fields({k: v for k, v in raw.items()
-                                             if k not in ("attention_bias", "mlp_bias")}))
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
 PRESETS.update({

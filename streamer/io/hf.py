@@ -585,7 +585,7 @@ class HFExporter:
             _write_json(self.staging_dir / "model.safetensors.index.json",
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
         _write_json(self.staging_dir / "config.json",
-                    {**self.cfg.to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
+                    {**self.cfg.adapter().to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
         for path in [*self.staging_dir.iterdir(), self.staging_dir]:
             fsync_path(path)
         self._swap_in()

@@ -169,13 +169,13 @@ class UnitLayout:
         for key, param in params:
             if key in lent:
                 owner = lent[key][0]
-                borrowed.append((TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset), owner))
+                borrowed.append((TensorSlot(key, cfg.adapter().key(unit, key), tuple(param.shape), offset), owner))
                 offset += param.numel()
         own = [p for p in params if p[0] not in lent]
         ordered = [p for p in own if p[1].dim() >= 2] + [p for p in own if p[1].dim() < 2]
         slots, offset = [], 0
         for key, param in ordered:
-            slots.append(TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset))
+            slots.append(TensorSlot(key, cfg.adapter().key(unit, key), tuple(param.shape), offset))
             offset += param.numel()
         packed = None if quant is None else Packed4.of(cfg, unit, slots, [s for s, _ in borrowed], module, quant)
         return cls(unit, tuple(slots), tuple(borrowed), packed)
