@@ -21,10 +21,8 @@ fields, so it never asks which family it holds:
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
-- its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
-  target by default (`lora_default_targets`, PEFT's); those that are weight tensors, not Linear modules
-  (`lora_parameters`: a mixture's fused experts, a pair per expert, `lora_experts`); where a target's adapters
-  are in a block and in PEFT's saved adapter (`lora_keys`);
+- `lora()`: its block's projections that LoRA's adapters may target, their shapes, those targeted by default
+  (PEFT's), and where a target's adapters are, a `layers.targets.LoraTargets` in its folder's targets.py;
 - `costs()`: its byte and FLOP inputs for memory_model, a facet in its folder's costs.py behind one protocol
   (`layers.costs.Costs`);
 - `to_dict()`; what a config.json must name (`hf_required`) and transformers' defaults for what it may leave out
@@ -46,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Self
 
 from layers.adapter import StateDictAdapter
 from layers.costs import Costs
+from layers.targets import LoraTargets
 
 
 class ConfigError(ValueError):
@@ -56,18 +55,6 @@ class ConfigError(ValueError):
 FAMILIES: dict[str, type["ModelConfig"]] = {}
 # Every family's presets by name, filled by the family modules.
 PRESETS: dict[str, "ModelConfig"] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraKeys:
-    """Where a LoRA target's tensors are: the adapted weight's key in a block, its adapters' keys in the block's
-    module (`a`, `b`), and their keys in PEFT's saved adapter (`peft_a`, `peft_b`, after the block's prefix)."""
-
-    weight: str
-    a: str
-    b: str
-    peft_a: str
-    peft_b: str
 
 
 # Bounds on what any machine could train, checked before anything is built per layer or per expert (a config
@@ -86,7 +73,7 @@ def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
 
 def lora_targets() -> tuple[str, ...]:
     """Every family's projections that LoRA may target, in the families' order, each once."""
-    return tuple(dict.fromkeys(name for cls in FAMILIES.values() for name in cls.projections))
+    return tuple(dict.fromkeys(name for cls in FAMILIES.values() for name in cls.lora_class.projections))
 
 
 def positive_ints(cfg: object, *names: str) -> None:
@@ -102,14 +89,8 @@ class ModelConfig(abc.ABC):
     model_type: ClassVar[str]
     # Buffers that old checkpoints of the family carry and that hold no learned state.
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
-    # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
-    # inside the block ('q_proj' -> 'attn.q_proj').
-    projections: ClassVar[dict[str, str]]
-    # The projections --lora-targets means when it names none: PEFT's default for the model_type.
-    lora_default_targets: ClassVar[tuple[str, ...]] = ("q_proj", "v_proj")
-    # Those of `projections` that are a weight tensor rather than a Linear module (a mixture's fused experts,
-    # which PEFT targets by `target_parameters`), in the order the module registers them.
-    lora_parameters: ClassVar[tuple[str, ...]] = ()
+    # Its block's projections that LoRA may target, their shapes and keys (its folder's targets.py).
+    lora_class: ClassVar[type[LoraTargets]]
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
     # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
@@ -182,22 +163,6 @@ class ModelConfig(abc.ABC):
         both uses. Empty: the unit holds all its own."""
         return {}
 
-    @abc.abstractmethod
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        """(in_features, out_features) of the block projection `name` (one of `projections`)."""
-
-    def lora_experts(self, target: str) -> tuple[int, int]:
-        """(adapter pairs, how many of them each token goes through) of a LoRA target: one and one for a Linear
-        projection; a mixture's fused expert tensor has a pair per expert."""
-        return 1, 1
-
-    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
-        """The keys of a target's weight and adapters, with adapters on `targets`: PEFT's lora.Linear keeps A
-        and B as Linear modules beside the projection ('self_attn.q_proj.lora_A.weight')."""
-        key = self.projections[target]
-        return LoraKeys(f"{key}.weight", f"{key}.lora_A.weight", f"{key}.lora_B.weight", f"{key}.lora_A.weight",
-                        f"{key}.lora_B.weight")
-
     def experts(self) -> int:
         """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
         expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
@@ -232,6 +197,10 @@ class ModelConfig(abc.ABC):
     def costs(self) -> Costs:
         """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
         return self.costs_class(self)
+
+    def lora(self) -> LoraTargets:
+        """The block's projections that LoRA may target, their shapes and keys (`layers.targets.LoraTargets`)."""
+        return self.lora_class(self)
 
     def adapter(self) -> StateDictAdapter:
         """How transformers names the family's model: its config.json (`to_hf`), the checkpoint key of each unit's

@@ -43,7 +43,7 @@ def export_peft(trainer: StreamingTrainer, out_dir: str | Path, base: str | None
     out.mkdir(parents=True, exist_ok=True)
     lora, targets = trainer.tc.lora, trainer.adapters.targets
     # A mixture's fused experts are weight tensors, which PEFT targets apart from the Linear modules.
-    modules = [t for t in targets if t not in trainer.cfg.lora_parameters]
+    modules = [t for t in targets if t not in trainer.cfg.lora().parameters]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
               "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
               "target_parameters": [t for t in targets if t not in modules], "bias": "none", "fan_in_fan_out": False,

@@ -254,7 +254,7 @@ def planned_peak(cfg: ModelConfig, tc: TrainerConfig) -> int:
 
 def byte_test_settings(cfg: ModelConfig, dtype: str, activations: str, store: str, lora: int) -> TrainerConfig:
     return TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0,
-                            lora_rank=lora, **({"lora_targets": ",".join(cfg.projections)} if lora else {}))
+                            lora_rank=lora, **({"lora_targets": ",".join(cfg.lora().projections)} if lora else {}))
 
 
 def assert_planner_dry_run_and_real_run_agree(tmp_path: Path, cfg: ModelConfig, dtype: str, activations: str,
@@ -285,7 +285,7 @@ def test_lora_on_every_projection_exports_what_peft_loads(capsys, tmp_path: Path
     rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--data", tiny_setup / "train.txt",
                          "--tokenizer", tiny_setup / "tok", "--run-dir", run, "--steps", 3, "--batch", 2,
                          "--seq", 16, "--dtype", "fp32", "--sample-tokens", 0, "--eval-fraction", 0, "--lr", "1e-2",
-                         "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(cfg.projections))
+                         "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(cfg.lora().projections))
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "export", run, adapter, "--format", "peft")
     assert rc == 0, err

@@ -503,8 +503,8 @@ def _peft(cfg: ModelConfig, targets: str, dtype: torch.dtype = torch.float32, at
     tensors as parameters."""
     peft = pytest.importorskip("peft")
     names = targets.split(",")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in names if t not in cfg.lora_parameters],
-                             target_parameters=[t for t in names if t in cfg.lora_parameters])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in names if t not in cfg.lora().parameters],
+                             target_parameters=[t for t in names if t in cfg.lora().parameters])
     return peft.get_peft_model(hf_model(cfg, dtype, attn), config)
 
 
@@ -579,7 +579,7 @@ def test_expert_adapters_give_peft_logits_and_gradients(family):
     leaves = {}
     for i, block in enumerate(ours.model.layers):
         add_adapters(block, targets, 4, 2.0, 0.0)
-        for keys in (cfg.lora_keys(target, targets) for target in targets):
+        for keys in (cfg.lora().keys(target, targets) for target in targets):
             for mine, theirs in ((keys.a, keys.peft_a), (keys.b, keys.peft_b)):
                 leaves[f"base_model.model.{cfg.adapter().prefix(f'block.{i}')}{theirs}"] = block.get_parameter(mine)
     assert set(leaves) == set(start)

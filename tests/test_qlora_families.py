@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 RANK, ALPHA = 4, 8.0
-DENSE = sorted(t for t, cls in FAMILIES.items() if not cls.example().lora_parameters)
+DENSE = sorted(t for t, cls in FAMILIES.items() if not cls.example().lora().parameters)
 
 
 def _peft(base: torch.nn.Module, targets: list[str], adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -38,7 +38,7 @@ def test_the_dense_families_are_held() -> None:
 def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_path: Path) -> None:
     cfg = FAMILIES[model_type].example()
     hf_model(cfg).save_pretrained(tmp_path)
-    targets = list(cfg.projections)
+    targets = list(cfg.lora().projections)
     tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets),
                           load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                           max_grad_norm=0.0)

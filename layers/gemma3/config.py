@@ -13,9 +13,10 @@ from layers.config import (
     PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
-from layers.llama.config import LlamaConfig, checked_rope
+from layers.llama.config import checked_rope
 from layers.gemma3.adapter import LAYER_TYPES, Gemma3Adapter, pattern_layers, rope_per_layer_type
 from layers.gemma3.costs import Gemma3Costs
+from layers.llama.targets import LlamaTargets
 
 
 def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
@@ -32,8 +33,7 @@ class Gemma3TextConfig(ModelConfig):
     costs_class = Gemma3Costs
     model_type: ClassVar[str] = "gemma3_text"
     adapter_class = Gemma3Adapter  # Llama's checkpoint layout
-    # Llama's projection names
-    projections: ClassVar[dict[str, str]] = LlamaConfig.projections
+    lora_class = LlamaTargets  # Llama's projections
     hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
 
     # transformers' defaults (Gemma3TextConfig's)
@@ -144,12 +144,6 @@ class Gemma3TextConfig(ModelConfig):
     @property
     def kv_width(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, q, kv, f = self.hidden_size, self.attention_width, self.kv_width, self.intermediate_size
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-                "up_proj": (d, f), "down_proj": (f, d)}[name]
-
 
 def _gemma3(**sizes: Any) -> Gemma3TextConfig:
     """A published Gemma 3 text decoder: head_dim 256, every 6th layer global, RoPE bases 1e6 (global) and 1e4

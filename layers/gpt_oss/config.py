@@ -27,6 +27,7 @@ from layers.llama.config import LlamaConfig
 from layers.moe.config import MixtureOfExperts
 from layers.gpt_oss.adapter import DEFAULT_ROPE, GptOssAdapter
 from layers.gpt_oss.costs import GptOssCosts, GptOssExpertsCosts
+from layers.gpt_oss.targets import GptOssTargets
 
 
 def checked_yarn(rope: Any) -> tuple[tuple[str, Any], ...]:
@@ -64,12 +65,7 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
     attention_sinks: ClassVar[bool] = True
-    # LoRA targets attention's projections alone, and the experts load whole (`experts()`): the experts' tensors,
-    # input dimension first and with biases, are neither PEFT-style targets here nor carried by expert groups.
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj"}
-    lora_parameters: ClassVar[tuple[str, ...]] = ()
+    lora_class = GptOssTargets  # attention's projections alone
 
     # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no hf_defaults
     vocab_size: int = 201088
@@ -156,6 +152,8 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
 
     def experts(self) -> int:
+        """None: the experts load whole (their tensors, input dimension first and with biases, are not carried by
+        expert groups)."""
         return 0
 
     # --- parameters -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import ClassVar
 from layers.config import PRESETS, ConfigError, ModelConfig, family, positive_ints
 from layers.gptj.adapter import GPTJAdapter
 from layers.gptj.costs import GPTJCosts
+from layers.gptj.targets import GPTJTargets
 
 _SUPPORTED_ACTIVATIONS = ("gelu_new",)
 
@@ -19,9 +20,7 @@ class GPTJConfig(ModelConfig):
     model_type: ClassVar[str] = "gptj"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("attn.bias", "attn.masked_bias")
     adapter_class = GPTJAdapter
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "out_proj": "attn.out_proj",
-        "fc_in": "mlp.fc_in", "fc_out": "mlp.fc_out"}
+    lora_class = GPTJTargets
     own_names: ClassVar[dict[str, str]] = {
         "hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
         "max_position_embeddings": "n_positions", "intermediate_size": "n_inner"}
@@ -112,11 +111,6 @@ class GPTJConfig(ModelConfig):
 
     def head_params(self) -> int:
         return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, f = self.n_embd, self.intermediate_size
-        return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
-
 
 PRESETS.update({
     # The public EleutherAI/gpt-j-6B.

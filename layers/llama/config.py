@@ -21,6 +21,8 @@ from layers.adapter import StateDictAdapter
 from layers.costs import Costs
 from layers.llama.adapter import LlamaAdapter
 from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
+from layers.llama.targets import LlamaTargets
+from layers.targets import LoraTargets
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
 TINY: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -60,10 +62,7 @@ class LlamaConfig(ModelConfig):
     model_type: ClassVar[str] = "llama"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     adapter_class: ClassVar[type[StateDictAdapter]] = LlamaAdapter
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-        "down_proj": "mlp.down_proj"}
+    lora_class: ClassVar[type[LoraTargets]] = LlamaTargets
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
@@ -176,13 +175,6 @@ class LlamaConfig(ModelConfig):
     def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
         tied = unit == "head" and self.tie_word_embeddings
         return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-                "up_proj": (d, f), "down_proj": (f, d)}[name]
-
 
 @family
 @dataclass(frozen=True)

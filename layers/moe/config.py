@@ -16,12 +16,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints
+from layers.config import PRESETS, ConfigError, family, positive_ints
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
 from layers.adapter import StateDictAdapter
 from layers.llama.costs import MlpCosts
 from layers.moe.adapter import ExpertsAdapter, MixtralAdapter, OlmoeAdapter, Qwen3MoeAdapter
 from layers.moe.costs import SparseMlpCosts
+from layers.moe.targets import ExpertsTargets
+from layers.targets import LoraTargets
 
 if TYPE_CHECKING:  # the mixin's methods reach LlamaConfig's through super(): the type checker sees it as one
     _MixinBase = LlamaConfig
@@ -51,15 +53,7 @@ class MixtureOfExperts(_MixinBase):
         num_experts: int
         norm_topk_prob: bool
         expert_width: int
-    # Attention's projections and the experts' fused tensors (E, out, in), which PEFT targets as parameters
-    # (`target_parameters`, matched by the end of their names): each expert e gets its own pair, W_e + scaling x
-    # B_e A_e. The router is transformers' own module, not a Linear, and no target.
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj", "experts.gate_up_proj": "mlp.experts.gate_up_proj",
-        "experts.down_proj": "mlp.experts.down_proj"}
-    lora_parameters: ClassVar[tuple[str, ...]] = ("experts.gate_up_proj", "experts.down_proj")
-
+    lora_class: ClassVar[type[LoraTargets]] = ExpertsTargets
     expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
     def check_experts(self) -> None:
@@ -76,29 +70,6 @@ class MixtureOfExperts(_MixinBase):
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
             raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        """An expert tensor's is one expert's (in_features, out_features)."""
-        d, f = self.hidden_size, self.expert_width
-        experts = {"experts.gate_up_proj": (d, 2 * f), "experts.down_proj": (f, d)}
-        return experts[name] if name in experts else super().projection_shape(name)
-
-    def lora_experts(self, target: str) -> tuple[int, int]:
-        return (self.num_experts, self.num_experts_per_tok) if target in self.lora_parameters else (1, 1)
-
-    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
-        """An expert tensor's adapters are the experts module's `lora_A.<name>` (r E x in) and `lora_B.<name>`
-        (out x r E), PEFT's ParamWrapper's layout. PEFT wraps the experts module once per tensor targeted, in the
-        module's order, each wrapper around the previous: an earlier tensor's adapters lie one `base_layer`
-        deeper for each later one targeted."""
-        if target not in self.lora_parameters:
-            return super().lora_keys(target, targets)
-        key = self.projections[target]
-        module, _, name = key.rpartition(".")
-        later = self.lora_parameters[self.lora_parameters.index(target) + 1:]
-        peft = f"{module}." + "base_layer." * sum(t in targets for t in later)
-        return LoraKeys(key, f"{module}.lora_A.{name}", f"{module}.lora_B.{name}", f"{peft}lora_A.weight",
-                        f"{peft}lora_B.weight")
 
     def mlp_params(self) -> int:
         d, f, experts = self.hidden_size, self.expert_width, self.num_experts

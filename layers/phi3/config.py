@@ -14,6 +14,7 @@ from layers.config import PRESETS, ConfigError, family, positive_ints
 from layers.llama.config import TINY, LlamaConfig
 from layers.phi3.adapter import Phi3Adapter
 from layers.phi3.costs import Phi3Costs
+from layers.phi3.targets import Phi3Targets
 
 # What each rope_type transformers' Phi-3 accepts needs besides rope_theta: longrope's factors per frequency.
 ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_factor", "long_factor")}
@@ -26,12 +27,7 @@ class Phi3Config(LlamaConfig):
     adapter_class = Phi3Adapter
     model_type: ClassVar[str] = "phi3"
     architecture: ClassVar[str] = "Phi3ForCausalLM"
-    projections: ClassVar[dict[str, str]] = {
-        "qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
-        "down_proj": "mlp.down_proj"}
-    # PEFT has no default for phi3 (it asks for target_modules); its defaults for other fused-attention families
-    # (gpt2's c_attn, falcon's query_key_value, codegen's qkv_proj) are the fused projection, q_proj,v_proj's place.
-    lora_default_targets: ClassVar[tuple[str, ...]] = ("qkv_proj",)
+    lora_class = Phi3Targets
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
     hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
@@ -92,12 +88,6 @@ class Phi3Config(LlamaConfig):
 
     def rotary_regime_change(self) -> int | None:
         return self.original_max_position_embeddings if self.rope["rope_type"] == "longrope" else None
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim
-        return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
-
 
 PRESETS.update({
     # The published shapes (tests/hub_configs/phi-4.json, phi-3-mini-4k-instruct.json); tests/test_phi3.py checks
