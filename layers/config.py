@@ -39,6 +39,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Self
 
@@ -83,6 +84,49 @@ def positive_ints(cfg: object, *names: str) -> None:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseMlp:
+    """A block's sparse mixture-of-experts MLP, a facet its config holds (`ModelConfig.sparse_mlp`, built from the
+    config's own fields, transformers' names): a router picks each token's `num_experts_per_tok` of `num_experts`
+    experts, each a SwiGLU `width` wide, weighted by their softmax probabilities (renormalised over the chosen
+    ones where `norm_topk_prob`). With `output_router_logits` the loss adds `router_aux_loss_coef` times
+    transformers' load-balancing loss. Its units are layers/moe/units.py's, its costs layers/moe/costs.py's."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    width: int
+    norm_topk_prob: bool
+    output_router_logits: bool
+    router_aux_loss_coef: float
+    # Whether expert groups may carry the experts (`ModelConfig.experts()`): gpt-oss's load whole.
+    grouped: bool = True
+    # A block's tensors whose first dimension is its experts, in its module's keys.
+    keys: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+    def __post_init__(self) -> None:
+        positive_ints(self, "num_experts", "num_experts_per_tok")
+        if not isinstance(self.width, int) or isinstance(self.width, bool) or self.width <= 0:
+            raise ConfigError(f"the experts' width must be a positive integer, got {self.width!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the number of "
+                              f"experts ({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        if not isinstance(self.output_router_logits, bool):
+            raise ConfigError(f"output_router_logits must be true or false, got {self.output_router_logits!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+            raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
+
+    def expert_params(self, hidden_size: int) -> int:
+        """One expert's parameters: its gate, up and down projections."""
+        return 3 * hidden_size * self.width
+
+    def params(self, hidden_size: int) -> int:
+        """The MLP's parameters: the router, each expert's."""
+        return self.num_experts * hidden_size + self.num_experts * self.expert_params(hidden_size)
+
+
 class ModelConfig(abc.ABC):
     """The base of every family's frozen dataclass; see the module's docstring for what a family provides."""
 
@@ -107,8 +151,6 @@ class ModelConfig(abc.ABC):
     costs_class: ClassVar[type[Costs]]
     # How transformers names its model: config.json and the checkpoint's keys (its folder's adapter.py).
     adapter_class: ClassVar[type[StateDictAdapter]]
-    # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
-    expert_keys: ClassVar[tuple[str, ...]] = ()
     vocab_size: int
     if TYPE_CHECKING:
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every family's config is a dataclass
@@ -139,6 +181,8 @@ class ModelConfig(abc.ABC):
         intermediate_size: int
         max_position_embeddings: int
         rotary_dim: int
+    # A block's sparse mixture-of-experts MLP, a facet a mixture's config sets from its fields; None: dense.
+    sparse_mlp: SparseMlp | None = None
     # The embedding row whose lookups give it no gradient (nn.Embedding's padding_idx), where the family's
     # transformers class builds its embedding with config.pad_token_id; None: no such row.
     pad_token_id: int | None = None
@@ -163,15 +207,6 @@ class ModelConfig(abc.ABC):
         both uses. Empty: the unit holds all its own."""
         return {}
 
-    def experts(self) -> int:
-        """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
-        expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
-        return 0
-
-    def expert_params(self) -> int:
-        """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
-        return 0
-
     @classmethod
     @abc.abstractmethod
     def example(cls) -> "ModelConfig":
@@ -194,6 +229,16 @@ class ModelConfig(abc.ABC):
         return None
 
     # --- the same for every family ---------------------------------------------------------------------
+    def experts(self) -> int:
+        """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
+        expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
+        sparse = self.sparse_mlp
+        return sparse.num_experts if sparse is not None and sparse.grouped else 0
+
+    def expert_params(self) -> int:
+        """One expert's parameters, of a block's `experts()`: its rows of the sparse MLP's `keys`."""
+        return 0 if self.sparse_mlp is None else self.sparse_mlp.expert_params(self.hidden_size)
+
     def costs(self) -> Costs:
         """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
         return self.costs_class(self)

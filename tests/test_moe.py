@@ -73,7 +73,7 @@ def transformers_matmul_params(cfg: ModelConfig) -> int:
         model = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     embedding = model.get_input_embeddings().weight
-    share = cfg.num_experts_per_tok / cfg.num_experts
+    share = cfg.num_experts_per_tok / cfg.sparse_mlp.num_experts
     return round(sum(p.numel() * (share if ".experts." in name else 1)
                      for name, p in model.named_parameters() if p.dim() > 1 and p is not embedding))
 
@@ -99,7 +99,7 @@ def test_a_mixtures_elementwise_work_is_its_active_experts(preset: str):
     cfg = PRESETS[preset]
     dense_class = next(c for c in type(cfg).__mro__[1:] if issubclass(c, LlamaConfig))  # Qwen3, Mistral, Llama
     dense = dense_class(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(dense_class)},
-                           "intermediate_size": cfg.num_experts_per_tok * cfg.expert_width})
+                           "intermediate_size": cfg.num_experts_per_tok * cfg.sparse_mlp.width})
     costs = KernelCosts(**{f.name: 1.0 for f in dataclasses.fields(KernelCosts)})
     for phase in ("forward", "backward"):
         assert gpu_elementwise_bytes(cfg, "block.0", phase, 2, 256, 2) == \
@@ -115,8 +115,8 @@ def test_a_calibration_probe_keeps_the_experts_in_proportion(preset: str):
     cfg = PRESETS[preset]
     probe = probe_shape(cfg, CalibrationSizes())
     assert probe.hidden_size < cfg.hidden_size
-    assert probe.num_experts == cfg.num_experts
-    assert probe.expert_width * cfg.hidden_size == cfg.expert_width * probe.hidden_size
+    assert probe.sparse_mlp.num_experts == cfg.sparse_mlp.num_experts
+    assert probe.sparse_mlp.width * cfg.hidden_size == cfg.sparse_mlp.width * probe.hidden_size
     assert probe.costs().active_mlp_width() * cfg.hidden_size == cfg.costs().active_mlp_width() * probe.hidden_size
 
 
@@ -201,7 +201,7 @@ def test_the_device_peak_is_the_same_for_any_routing(tmp_path: Path, dtype: str,
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "start") as trainer:
         spread = trainer.state_dict()
     forced = {k: torch.zeros_like(v) if k.endswith(".mlp.gate.weight") else v for k, v in spread.items()}
-    assert all(len(experts) == cfg.num_experts for experts in experts_chosen(cfg, spread, ids))
+    assert all(len(experts) == cfg.sparse_mlp.num_experts for experts in experts_chosen(cfg, spread, ids))
     assert all(len(experts) == cfg.num_experts_per_tok for experts in experts_chosen(cfg, forced, ids))
     planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
         2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store)).peak_device_bytes
@@ -347,7 +347,7 @@ def test_the_loss_is_asked_for_as_transformers_reads_it():
     asked = ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": 0.5})
     assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.5)
     assert ModelConfig.from_hf(asked.adapter().to_hf()) == asked
-    assert asked.costs().auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
+    assert asked.costs().auxiliary_loss_bytes() == 2 * 4 * asked.sparse_mlp.num_experts
     plain = ModelConfig.from_hf({**raw, "router_aux_loss_coef": 0.5})
     assert plain == Qwen3MoeConfig.example() and plain.costs().auxiliary_loss_bytes() == 0
     assert family_units(plain).auxiliary(plain, 1.0, torch.device("cpu"), None) is None
@@ -426,7 +426,8 @@ def test_the_planner_prices_the_load_balance_to_the_byte(tmp_path: Path, model_t
     cfg = FAMILIES[model_type].example()
     assert_planner_dry_run_and_real_run_agree(tmp_path, balanced(cfg), dtype, activations, store, lora)
     tc = byte_test_settings(cfg, dtype, activations, store, lora)
-    assert planned_peak(balanced(cfg), tc) - planned_peak(cfg, tc) == 2 * 4 * cfg.num_experts  # the sums, fp32
+    sums = 2 * 4 * cfg.sparse_mlp.num_experts  # the balance's sums, fp32
+    assert planned_peak(balanced(cfg), tc) - planned_peak(cfg, tc) == sums
 
 
 @pytest.mark.parametrize("model_type", MIXTURES)

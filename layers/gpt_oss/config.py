@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import PRESETS, ConfigError
+from layers.config import PRESETS, ConfigError, SparseMlp
 from layers.gemma3.config import LAYER_TYPES, deepened
 from layers.llama.config import LlamaConfig
-from layers.moe.config import MixtureOfExperts
+from layers.moe.config import holds
 from layers.gpt_oss.adapter import DEFAULT_ROPE, GptOssAdapter
 from layers.gpt_oss.costs import GptOssCosts, GptOssExpertsCosts
 from layers.gpt_oss.targets import GptOssTargets
@@ -56,7 +56,7 @@ def alternating_layers(layers: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class GptOssConfig(MixtureOfExperts, LlamaConfig):
+class GptOssConfig(LlamaConfig):
     costs_class = GptOssCosts
     mlp_costs = GptOssExpertsCosts
     adapter_class = GptOssAdapter  # the experts fused, as transformers holds them; published files pack them
@@ -92,8 +92,11 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     def __post_init__(self) -> None:
         if self.attention_layers is None and isinstance(self.num_hidden_layers, int):
             object.__setattr__(self, "attention_layers", alternating_layers(self.num_hidden_layers))
+        # Its router's softmax is over the chosen experts' logits; its experts load whole: their tensors, input
+        # dimension first and with biases, are not carried by expert groups.
+        holds(self, SparseMlp(self.num_local_experts, self.num_experts_per_tok, self.intermediate_size, True,
+                              self.output_router_logits, self.router_aux_loss_coef, grouped=False))
         super().__post_init__()
-        self.check_experts()
         object.__setattr__(self, "attention_layers", tuple(self.attention_layers))
         if len(self.attention_layers) != self.num_hidden_layers or not set(self.attention_layers) <= set(LAYER_TYPES):
             raise ConfigError(f"layer_types must name {self.num_hidden_layers} layers (num_hidden_layers), each "
@@ -127,18 +130,6 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         return LlamaConfig.resized(deepened(self, sizes), **sizes)
 
     # --- the common vocabulary ------------------------------------------------------------------
-    @property
-    def num_experts(self) -> int:
-        return self.num_local_experts
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return True  # the softmax is over the chosen experts' logits
-
-    @property
-    def expert_width(self) -> int:
-        return self.intermediate_size
-
     def layer_types(self) -> tuple[str, ...]:
         return self.attention_layers
 
@@ -151,17 +142,12 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     def context(self) -> tuple[int, str]:
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
 
-    def experts(self) -> int:
-        """None: the experts load whole (their tensors, input dimension first and with biases, are not carried by
-        expert groups)."""
-        return 0
-
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         return super().block_params() + self.num_attention_heads  # and each head's sink
 
     def mlp_params(self) -> int:
-        d, f, experts = self.hidden_size, self.expert_width, self.num_experts
+        d, f, experts = self.hidden_size, self.intermediate_size, self.num_local_experts
         # the router and its bias; each expert's gate/up and down projections and their biases
         return experts * (d + 1) + experts * (3 * d * f + 2 * f + d)
 

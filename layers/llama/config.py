@@ -5,8 +5,8 @@ and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention,
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
 q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k; `qk_norm_whole`: over the whole projections,
 as olmoe's), and which of transformers' optional flags (`attention_bias`, `mlp_bias`) the family's transformers
-class honours. The MLP's parameters are a method (`mlp_params`), which the mixture-of-experts families
-(layers/moe) override; its costs are a facet the config names (`mlp_costs`), composed into the block's.
+class honours. The MLP is dense, or a sparse mixture of experts that the config holds as a facet (`sparse_mlp`,
+layers/moe); its costs are a facet the config names (`mlp_costs`), composed into the block's.
 """
 from __future__ import annotations
 
@@ -164,7 +164,9 @@ class LlamaConfig(ModelConfig):
         return 2 * d + attention + self.mlp_params()  # input_layernorm, post_attention_layernorm
 
     def mlp_params(self) -> int:
-        """The parameters of a block's MLP (SwiGLU's three projections, their biases)."""
+        """The parameters of a block's MLP: SwiGLU's three projections and their biases, or the sparse MLP's."""
+        if self.sparse_mlp is not None:
+            return self.sparse_mlp.params(self.hidden_size)
         d, f = self.hidden_size, self.intermediate_size
         return 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
 

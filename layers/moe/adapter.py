@@ -42,7 +42,7 @@ class ExpertsAdapter(LlamaAdapter):
         if not prefix or parts is None:
             return None
         return [[f"{prefix}.{self.saved_mlp}.experts.{e}.{part}.weight" for part in parts]
-                for e in range(self.cfg.num_experts)]
+                for e in range(self.cfg.sparse_mlp.num_experts)]
 
 
 class Qwen3MoeAdapter(ExpertsAdapter):

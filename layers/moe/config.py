@@ -2,7 +2,9 @@
 whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Their units are in
 layers/moe/units.py.
 
-A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block: a router (`gate`, a linear map
+A sparse MLP replaces the dense one of a Llama-family block: the config holds it as a facet
+(`layers.config.SparseMlp`, `ModelConfig.sparse_mlp`), which its units, costs (`SparseMlpCosts`), LoRA targets
+(`ExpertsTargets`) and adapter (`ExpertsAdapter`) read. A router (`gate`, a linear map
 to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
 token's output is the sum of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the
 chosen ones where `norm_topk_prob`). Everything else is the Llama family's, variations and all.
@@ -12,85 +14,32 @@ With `output_router_logits` the model's loss adds `router_aux_loss_coef` times t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from layers.config import PRESETS, ConfigError, family, positive_ints
+from layers.config import PRESETS, ConfigError, SparseMlp, family
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
-from layers.adapter import StateDictAdapter
-from layers.llama.costs import MlpCosts
-from layers.moe.adapter import ExpertsAdapter, MixtralAdapter, OlmoeAdapter, Qwen3MoeAdapter
+from layers.moe.adapter import MixtralAdapter, OlmoeAdapter, Qwen3MoeAdapter
 from layers.moe.costs import SparseMlpCosts
 from layers.moe.targets import ExpertsTargets
-from layers.targets import LoraTargets
 
-if TYPE_CHECKING:  # the mixin's methods reach LlamaConfig's through super(): the type checker sees it as one
-    _MixinBase = LlamaConfig
-else:
-    _MixinBase = object
-
-
-class MixtureOfExperts(_MixinBase):
-    """The sparse MLP's fields, parameters, LoRA targets and saved names, for a config class that also subclasses
-    LlamaConfig; its byte and FLOP inputs are the block's MLP facet `SparseMlpCosts` (layers/moe/costs.py)."""
-
-    mlp_costs: ClassVar[type[MlpCosts]] = SparseMlpCosts
-    adapter_class: ClassVar[type[StateDictAdapter]] = ExpertsAdapter
-
-    num_experts_per_tok: int
-    output_router_logits: bool  # the loss adds the routers' load-balancing loss, times router_aux_loss_coef
-    router_aux_loss_coef: float
-    hidden_size: int
-    if TYPE_CHECKING:  # a field of one family, derived by another's property: read-only to the type checker
-        @property
-        def num_experts(self) -> int: ...
-        @property
-        def norm_topk_prob(self) -> bool: ...
-        @property
-        def expert_width(self) -> int: ...  # each expert's SwiGLU width, by the family's own field
-    else:
-        num_experts: int
-        norm_topk_prob: bool
-        expert_width: int
-    lora_class: ClassVar[type[LoraTargets]] = ExpertsTargets
-    expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-    def check_experts(self) -> None:
-        positive_ints(self, "num_experts", "num_experts_per_tok")
-        if self.expert_width <= 0:
-            raise ConfigError(f"the experts' width must be a positive integer, got {self.expert_width!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the number of "
-                              f"experts ({self.num_experts})")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
-        if not isinstance(self.output_router_logits, bool):
-            raise ConfigError(f"output_router_logits must be true or false, got {self.output_router_logits!r}")
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-            raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
-
-    def mlp_params(self) -> int:
-        d, f, experts = self.hidden_size, self.expert_width, self.num_experts
-        return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
-
-    def experts(self) -> int:
-        return self.num_experts
-
-    def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.expert_width  # its gate, up and down projections
+def holds(cfg: LlamaConfig, mlp: SparseMlp) -> None:
+    """Give a mixture's config its sparse MLP facet, built from its own fields: first in its `__post_init__`, since
+    the sizes' checks count the experts' parameters."""
+    object.__setattr__(cfg, "sparse_mlp", mlp)
 
 
 @family
 @dataclass(frozen=True)
-class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
+class Qwen3MoeConfig(Qwen3Config):
     """Qwen3's attention (RMSNorm on each head of q and k) and a sparse MLP in every layer. transformers' class
     can make some layers dense (`decoder_sparse_step`, `mlp_only_layers`): published configs do not, and it is
     refused here."""
 
     model_type: ClassVar[str] = "qwen3_moe"
     adapter_class = Qwen3MoeAdapter
+    mlp_costs = SparseMlpCosts
+    lora_class = ExpertsTargets
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
     hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
                                              "intermediate_size": 6144, "sliding_window": 4096}
@@ -104,12 +53,9 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
-        self.check_experts()  # first: the sizes' checks count the experts' parameters
+        holds(self, SparseMlp(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
+                              self.norm_topk_prob, self.output_router_logits, self.router_aux_loss_coef))
         super().__post_init__()
-
-    @property
-    def expert_width(self) -> int:
-        return self.moe_intermediate_size
 
     def resized(self, **sizes: int) -> "Qwen3MoeConfig":
         """Generic code sizes a model's MLP by `intermediate_size` (a calibration probe's, a smaller model's):
@@ -128,7 +74,7 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
 
 @family
 @dataclass(frozen=True)
-class MixtralConfig(MixtureOfExperts, MistralConfig):
+class MixtralConfig(MistralConfig):
     """Mistral's attention and a sparse MLP of `num_local_experts` experts of width `intermediate_size`. The
     router's chosen probabilities are always renormalised: a softmax over the chosen experts' logits, computed
     as transformers does (softmax over all, top-k, divided by their sum). transformers keeps them in fp32 for
@@ -137,6 +83,8 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
     model_type: ClassVar[str] = "mixtral"
     architecture: ClassVar[str] = "MixtralForCausalLM"
     adapter_class = MixtralAdapter
+    mlp_costs = SparseMlpCosts
+    lora_class = ExpertsTargets
     hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
                                              "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
 
@@ -146,20 +94,9 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
-        self.check_experts()  # first: the sizes' checks count the experts' parameters
+        holds(self, SparseMlp(self.num_local_experts, self.num_experts_per_tok, self.intermediate_size, True,
+                              self.output_router_logits, self.router_aux_loss_coef))
         super().__post_init__()
-
-    @property
-    def num_experts(self) -> int:
-        return self.num_local_experts
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return True
-
-    @property
-    def expert_width(self) -> int:
-        return self.intermediate_size
 
     @classmethod
     def example(cls) -> "MixtralConfig":
@@ -169,13 +106,15 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
 
 @family
 @dataclass(frozen=True)
-class OlmoeConfig(MixtureOfExperts, LlamaConfig):
+class OlmoeConfig(LlamaConfig):
     """OLMo's attention (RMSNorm over q's and k's whole projections, as OLMo 2's) and a sparse MLP of
     `num_experts` experts of width `intermediate_size`, not renormalised by default. Its embedding's
     `pad_token_id` row gets no gradient and starts at zero, as transformers' nn.Embedding(padding_idx) does."""
 
     model_type: ClassVar[str] = "olmoe"
     adapter_class = OlmoeAdapter
+    mlp_costs = SparseMlpCosts
+    lora_class = ExpertsTargets
     architecture: ClassVar[str] = "OlmoeForCausalLM"
     qk_norm: ClassVar[bool] = True
     qk_norm_whole: ClassVar[bool] = True
@@ -190,16 +129,13 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     pad_token_id: int | None = 1
 
     def __post_init__(self) -> None:
-        self.check_experts()  # first: the sizes' checks count the experts' parameters
+        holds(self, SparseMlp(self.num_experts, self.num_experts_per_tok, self.intermediate_size,
+                              self.norm_topk_prob, self.output_router_logits, self.router_aux_loss_coef))
         super().__post_init__()
         if self.head_dim * self.num_attention_heads != self.hidden_size:
             raise ConfigError(f"head_dim={self.head_dim} is not hidden_size / num_attention_heads "
                               f"({self.hidden_size} / {self.num_attention_heads}): OLMoE's q norm spans "
                               "hidden_size; remove head_dim")
-
-    @property
-    def expert_width(self) -> int:
-        return self.intermediate_size
 
     @classmethod
     def example(cls) -> "OlmoeConfig":

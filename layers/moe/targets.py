@@ -17,12 +17,13 @@ class ExpertsTargets(LlamaTargets):
     parameters: ClassVar[tuple[str, ...]] = ("experts.gate_up_proj", "experts.down_proj")
 
     def shape(self, name: str) -> tuple[int, int]:
-        d, f = self.cfg.hidden_size, self.cfg.expert_width
+        d, f = self.cfg.hidden_size, self.cfg.sparse_mlp.width
         experts = {"experts.gate_up_proj": (d, 2 * f), "experts.down_proj": (f, d)}
         return experts[name] if name in experts else super().shape(name)
 
     def experts(self, target: str) -> tuple[int, int]:
-        return (self.cfg.num_experts, self.cfg.num_experts_per_tok) if target in self.parameters else (1, 1)
+        mlp = self.cfg.sparse_mlp
+        return (mlp.num_experts, mlp.num_experts_per_tok) if target in self.parameters else (1, 1)
 
     def keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
         """An expert tensor's adapters are the experts module's `lora_A.<name>` (r E x in) and `lora_B.<name>`

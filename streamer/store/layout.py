@@ -311,9 +311,9 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
 def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -> dict[str, ExpertGroups]:
     """The blocks whose experts load `size` at a time (memory_model.step.StepConfig.expert_group_size, checked by
     memory_model.expert_groups.expert_group), each as `ExpertGroups`: none where blocks load whole."""
-    if not 0 < size < cfg.experts():
+    if cfg.sparse_mlp is None or not 0 < size < cfg.experts():
         return {}
-    return {u: ExpertGroups.of(layout, cfg.expert_keys, cfg.experts() // size) for u, layout in layouts.items()
+    return {u: ExpertGroups.of(layout, cfg.sparse_mlp.keys, cfg.experts() // size) for u, layout in layouts.items()
             if u.startswith("block.")}
 
 
