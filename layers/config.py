@@ -25,6 +25,8 @@ fields, so it never asks which family it holds:
   (PEFT's), and where a target's adapters are, a `layers.targets.LoraTargets` in its folder's targets.py;
 - `costs()`: its byte and FLOP inputs for memory_model, a facet in its folder's costs.py behind one protocol
   (`layers.costs.Costs`);
+- `sparse_mlp`: a block's sparse mixture-of-experts MLP, a facet a mixture's config holds (`SparseMlp`; None:
+  dense), and from it the experts that expert groups load (`experts()`, `expert_params()`);
 - `to_dict()`; what a config.json must name (`hf_required`) and transformers' defaults for what it may leave out
   where they differ from ours (`hf_defaults`);
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
@@ -317,24 +319,6 @@ class ModelConfig(abc.ABC):
                               f"{', '.join(f'{k}={v}' for k, v in wrong.items())}")
         return out
 
-    def check_size(self) -> None:
-        """Sizes no machine could train are refused in closed form, before anything is built per layer or per expert:
-        16 bytes of training state per parameter beyond MAX_STATE_BYTES, more blocks than MAX_LAYERS or more experts
-        than MAX_EXPERTS (the runtime and the planner keep records of each)."""
-        layers, experts = self.num_hidden_layers, self.experts()
-        if layers > MAX_LAYERS:
-            raise ConfigError(f"num_hidden_layers {layers:,} is more than {MAX_LAYERS:,} (the deepest published "
-                              "decoders have about 128); check the config's sizes")
-        if experts > MAX_EXPERTS:
-            raise ConfigError(f"{experts:,} experts per block is more than {MAX_EXPERTS:,} (published models "
-                              "have at most 384); check the config's sizes")
-        state = 16 * max(self.num_params(), self.max_position_embeddings * self.rotary_dim)
-        if state > MAX_STATE_BYTES:
-            raise ConfigError(f"a model of {self.num_params():,} parameters (vocab_size {self.vocab_size}, hidden "
-                              f"size {self.hidden_size}, {layers} layers) needs {state / 2**40:,.0f} TiB of "
-                              f"training state (16 B/param), more than any machine holds ({MAX_STATE_BYTES // 2**40} "
-                              "TiB); check the config's sizes")
-
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> Self:
@@ -417,6 +401,25 @@ def read_hf_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def check_size(cfg: ModelConfig) -> None:
+    """Sizes no machine could train are refused in closed form, before anything is built per layer or per expert:
+    16 bytes of training state per parameter beyond MAX_STATE_BYTES, more blocks than MAX_LAYERS or more experts
+    than MAX_EXPERTS (the runtime and the planner keep records of each)."""
+    layers, experts = cfg.num_hidden_layers, cfg.experts()
+    if layers > MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers {layers:,} is more than {MAX_LAYERS:,} (the deepest published "
+                          "decoders have about 128); check the config's sizes")
+    if experts > MAX_EXPERTS:
+        raise ConfigError(f"{experts:,} experts per block is more than {MAX_EXPERTS:,} (published models "
+                          "have at most 384); check the config's sizes")
+    state = 16 * max(cfg.num_params(), cfg.max_position_embeddings * cfg.rotary_dim)
+    if state > MAX_STATE_BYTES:
+        raise ConfigError(f"a model of {cfg.num_params():,} parameters (vocab_size {cfg.vocab_size}, hidden "
+                          f"size {cfg.hidden_size}, {layers} layers) needs {state / 2**40:,.0f} TiB of "
+                          f"training state (16 B/param), more than any machine holds ({MAX_STATE_BYTES // 2**40} "
+                          "TiB); check the config's sizes")
 
 
 def check_heads(cfg: ModelConfig) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    PRESETS, ConfigError, ModelConfig, check_heads, check_size, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
 from layers.llama.config import checked_rope
@@ -91,7 +91,7 @@ class Gemma3TextConfig(ModelConfig):
         rope = rope_per_layer_type({}) if self.rope_parameters is None else dict(self.rope_parameters)
         object.__setattr__(self, "rope_parameters", tuple(sorted(
             (kind, checked_rope(rope[kind], f"rope_parameters[{kind!r}]")) for kind in LAYER_TYPES)))
-        self.check_size()
+        check_size(self)
 
     @classmethod
     def example(cls) -> "Gemma3TextConfig":

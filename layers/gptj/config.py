@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from layers.config import PRESETS, ConfigError, ModelConfig, family, positive_ints
+from layers.config import PRESETS, ConfigError, ModelConfig, check_size, family, positive_ints
 from layers.gptj.adapter import GPTJAdapter
 from layers.gptj.costs import GPTJCosts
 from layers.gptj.targets import GPTJTargets
@@ -62,7 +62,7 @@ class GPTJConfig(ModelConfig):
         if self.tie_word_embeddings is not False:
             raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
                               f"got {self.tie_word_embeddings!r}")
-        self.check_size()
+        check_size(self)
 
     @classmethod
     def example(cls) -> "GPTJConfig":

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    PRESETS, ConfigError, ModelConfig, check_heads, check_size, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
 from layers.adapter import StateDictAdapter
@@ -117,7 +117,7 @@ class LlamaConfig(ModelConfig):
             positive_ints(self, "sliding_window")
         check_pad_token_id(self)
         self._check_rope()
-        self.check_size()
+        check_size(self)
 
     def _check_rope(self) -> None:
         object.__setattr__(self, "rope_parameters", checked_rope(self.rope_parameters))
