@@ -21,6 +21,10 @@ class StateDictAdapter(abc.ABC):
     body: ClassVar[str]
     blocks: ClassVar[str]
     final_norm: ClassVar[str]
+    # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
+    required: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    # transformers' defaults for the model_type's fields a config.json may leave out, where ours differ.
+    defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg  # the family's config, which imports this module: not imported here
@@ -30,7 +34,7 @@ class StateDictAdapter(abc.ABC):
     @abc.abstractmethod
     def config_fields(cls, config: type[Any], raw: dict[str, Any]) -> dict[str, Any]:
         """The fields of `config` (a family's class) that a config.json's keys give: model_type already removed,
-        the required ones there, transformers' defaults filled in. A value that changes the math and is not
+        the `required` ones there, transformers' `defaults` filled in. A value that changes the math and is not
         implemented is refused in one line (`layers.config.ConfigError`)."""
 
     @abc.abstractmethod

@@ -15,7 +15,8 @@ fields, so it never asks which family it holds:
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
 - `adapter()`: how transformers names the model, a `layers.adapter.StateDictAdapter` in its family folder's
-  adapter.py: its config.json read (`ModelConfig.from_hf` goes through it) and written (`to_hf()`), the checkpoint
+  adapter.py: its config.json read (`ModelConfig.from_hf` goes through it: the sizes it must name, `required`,
+  transformers' defaults where ours differ, `defaults`, `config_fields`) and written (`to_hf()`), the checkpoint
   key of each unit's tensor (`key(unit, local_key)`, `prefix(unit)`), and how transformers saves the tensors (a
   name of their own, in parts, packed; the keys a tied checkpoint leaves out);
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
@@ -27,8 +28,7 @@ fields, so it never asks which family it holds:
   (`layers.costs.Costs`);
 - `sparse_mlp`: a block's sparse mixture-of-experts MLP, a facet a mixture's config holds (`SparseMlp`; None:
   dense), and from it the experts that expert groups load (`experts()`, `expert_params()`);
-- `to_dict()`; what a config.json must name (`hf_required`) and transformers' defaults for what it may leave out
-  where they differ from ours (`hf_defaults`);
+- `to_dict()`, our own fields, what a store's manifest records;
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
 
 `ModelConfig.from_hf` picks the family by config.json's `model_type`. It reads a config.json as transformers does:
@@ -139,10 +139,6 @@ class ModelConfig(abc.ABC):
     lora_class: ClassVar[type[LoraTargets]]
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
-    # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
-    hf_required: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    # transformers' defaults for the family's fields a config.json may leave out, where ours differ.
-    hf_defaults: ClassVar[dict[str, Any]] = {}
     # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
     # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
     rotary_fp32: ClassVar[bool] = False
@@ -344,12 +340,13 @@ class ModelConfig(abc.ABC):
         target = _family_of(raw.pop("model_type", getattr(cls, "model_type", "gptj")))
         if cls is not ModelConfig and target is not cls:
             raise ConfigError(f"model_type is {target.model_type!r}; expected {cls.model_type!r}")
-        for name in target.hf_required:
+        adapter = target.adapter_class
+        for name in adapter.required:
             own = target.own_names.get(name, name)
             if name not in raw and own not in raw:
                 shown = own if own == name else f"{own} ({name})"
                 raise ConfigError(f"the {target.model_type} config has no {shown}; add it as transformers writes it")
-        return target.from_dict(target.adapter_class.config_fields(target, {**target.hf_defaults, **raw}))
+        return target.from_dict(adapter.config_fields(target, {**adapter.defaults, **raw}))
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":

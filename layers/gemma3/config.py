@@ -34,7 +34,6 @@ class Gemma3TextConfig(ModelConfig):
     model_type: ClassVar[str] = "gemma3_text"
     adapter_class = Gemma3Adapter  # Llama's checkpoint layout
     lora_class = LlamaTargets  # Llama's projections
-    hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
 
     # transformers' defaults (Gemma3TextConfig's)
     vocab_size: int = 262_208

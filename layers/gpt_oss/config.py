@@ -67,7 +67,7 @@ class GptOssConfig(LlamaConfig):
     attention_sinks: ClassVar[bool] = True
     lora_class = GptOssTargets  # attention's projections alone
 
-    # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no hf_defaults
+    # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no adapter defaults
     vocab_size: int = 201088
     hidden_size: int = 2880
     intermediate_size: int = 2880  # each expert's width

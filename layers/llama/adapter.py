@@ -31,6 +31,7 @@ class LlamaAdapter(StateDictAdapter):
     body: ClassVar[str] = "model."
     blocks: ClassVar[str] = "layers"
     final_norm: ClassVar[str] = "norm"
+    required: ClassVar[tuple[str, ...]] = (*StateDictAdapter.required, "intermediate_size")
 
     @classmethod
     def config_fields(cls, config: type[Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -81,3 +82,17 @@ class LlamaAdapter(StateDictAdapter):
         elif cfg.switched_window:  # the window on every layer
             out.update(use_sliding_window=cfg.sliding_window is not None, max_window_layers=0)
         return out
+
+
+class MistralAdapter(LlamaAdapter):
+    defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                          "sliding_window": 4096}
+
+
+class Qwen2Adapter(LlamaAdapter):
+    defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 32, "max_position_embeddings": 32768,
+                                          "sliding_window": 4096, "max_window_layers": 28}
+
+
+class Qwen3Adapter(LlamaAdapter):
+    defaults: ClassVar[dict[str, Any]] = {**Qwen2Adapter.defaults, "head_dim": 128}

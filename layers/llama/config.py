@@ -19,7 +19,7 @@ from layers.config import (
 )
 from layers.adapter import StateDictAdapter
 from layers.costs import Costs
-from layers.llama.adapter import LlamaAdapter
+from layers.llama.adapter import LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
 from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
 from layers.llama.targets import LlamaTargets
 from layers.targets import LoraTargets
@@ -72,7 +72,6 @@ class LlamaConfig(ModelConfig):
     # Whether transformers' config turns the window on only with use_sliding_window, on the layers from
     # max_window_layers on (or those layer_types names), rather than on every layer whenever it is set (mistral).
     switched_window: ClassVar[bool] = False
-    hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -185,8 +184,7 @@ class MistralConfig(LlamaConfig):
     architecture: ClassVar[str] = "MistralForCausalLM"
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
-                                             "sliding_window": 4096}
+    adapter_class: ClassVar[type[StateDictAdapter]] = MistralAdapter
 
     @classmethod
     def example(cls) -> "MistralConfig":
@@ -203,8 +201,7 @@ class Qwen2Config(LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
     switched_window: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 32, "max_position_embeddings": 32768,
-                                             "sliding_window": 4096, "max_window_layers": 28}
+    adapter_class: ClassVar[type[StateDictAdapter]] = Qwen2Adapter
 
     @classmethod
     def example(cls) -> "Qwen2Config":
@@ -221,7 +218,7 @@ class Qwen3Config(LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
     switched_window: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {**Qwen2Config.hf_defaults, "head_dim": 128}
+    adapter_class: ClassVar[type[StateDictAdapter]] = Qwen3Adapter
 
     @classmethod
     def example(cls) -> "Qwen3Config":

@@ -49,6 +49,9 @@ class Qwen3MoeAdapter(ExpertsAdapter):
     """transformers' class can make some layers dense (`decoder_sparse_step`, `mlp_only_layers`): published
     configs do not, and it is refused."""
 
+    defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
+                                          "intermediate_size": 6144, "sliding_window": 4096}
+
     @classmethod
     def config_fields(cls, config: type[Any], raw: dict[str, Any]) -> dict[str, Any]:
         step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
@@ -66,6 +69,8 @@ class Qwen3MoeAdapter(ExpertsAdapter):
 
 
 class MixtralAdapter(ExpertsAdapter):
+    defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                          "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
     experts_alias: ClassVar[dict[str, str]] = {"num_experts": "num_local_experts"}
     saved_mlp: ClassVar[str] = "block_sparse_moe"
     saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("w1", "w3"), ("w2",))
@@ -75,6 +80,7 @@ class MixtralAdapter(ExpertsAdapter):
 
 
 class OlmoeAdapter(ExpertsAdapter):
+    defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
     @classmethod
     def config_fields(cls, config: type[Any], raw: dict[str, Any]) -> dict[str, Any]:
         if raw.get("clip_qkv") is not None:

@@ -15,7 +15,7 @@ With `output_router_logits` the model's loss adds `router_aux_loss_coef` times t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from layers.config import PRESETS, ConfigError, SparseMlp, family
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
@@ -41,8 +41,6 @@ class Qwen3MoeConfig(Qwen3Config):
     mlp_costs = SparseMlpCosts
     lora_class = ExpertsTargets
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
-                                             "intermediate_size": 6144, "sliding_window": 4096}
 
     intermediate_size: int = 6144  # the dense MLP's width, which no layer has here
     num_experts: int = 128
@@ -85,8 +83,6 @@ class MixtralConfig(MistralConfig):
     adapter_class = MixtralAdapter
     mlp_costs = SparseMlpCosts
     lora_class = ExpertsTargets
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
-                                             "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
 
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
@@ -119,7 +115,6 @@ class OlmoeConfig(LlamaConfig):
     qk_norm: ClassVar[bool] = True
     qk_norm_whole: ClassVar[bool] = True
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
-    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
 
     num_experts: int = 64
     num_experts_per_tok: int = 8

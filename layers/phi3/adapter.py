@@ -2,7 +2,7 @@
 older names of longrope."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from layers.config import ConfigError
 from layers.llama.adapter import LlamaAdapter, rope_parameters_of
@@ -12,6 +12,8 @@ _HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
 
 
 class Phi3Adapter(LlamaAdapter):
+    defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                                          "pad_token_id": 32000}
     @classmethod
     def config_fields(cls, config: type[Any], raw: dict[str, Any]) -> dict[str, Any]:
         for key in _HF_DROPOUT_KEYS:

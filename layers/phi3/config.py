@@ -30,8 +30,6 @@ class Phi3Config(LlamaConfig):
     lora_class = Phi3Targets
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-                                             "pad_token_id": 32000}
 
     # The context the model was pretrained on: longrope's short factors up to it, its long factors past it.
     original_max_position_embeddings: int = 4096
