@@ -144,6 +144,7 @@ class Gemma3TextConfig(ModelConfig):
     def kv_width(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+
 def _gemma3(**sizes: Any) -> Gemma3TextConfig:
     """A published Gemma 3 text decoder: head_dim 256, every 6th layer global, RoPE bases 1e6 (global) and 1e4
     (sliding), query_pre_attn_scalar 256, tied embeddings."""

@@ -112,6 +112,7 @@ class GPTJConfig(ModelConfig):
     def head_params(self) -> int:
         return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
 
+
 PRESETS.update({
     # The public EleutherAI/gpt-j-6B.
     "gptj-6b": GPTJConfig(),

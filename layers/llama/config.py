@@ -177,6 +177,7 @@ class LlamaConfig(ModelConfig):
         tied = unit == "head" and self.tie_word_embeddings
         return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
 
+
 @family
 @dataclass(frozen=True)
 class MistralConfig(LlamaConfig):

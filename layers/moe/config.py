@@ -2,12 +2,12 @@
 whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Their units are in
 layers/moe/units.py.
 
-A sparse MLP replaces the dense one of a Llama-family block: the config holds it as a facet
-(`layers.config.SparseMlp`, `ModelConfig.sparse_mlp`), which its units, costs (`SparseMlpCosts`), LoRA targets
-(`ExpertsTargets`) and adapter (`ExpertsAdapter`) read. A router (`gate`, a linear map
-to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
-token's output is the sum of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the
-chosen ones where `norm_topk_prob`). Everything else is the Llama family's, variations and all.
+A sparse MLP replaces the dense one of a Llama-family block: the config holds it as a facet, not as an ancestor
+class (`layers.config.SparseMlp`, `ModelConfig.sparse_mlp`), which its units, costs (`SparseMlpCosts`), LoRA targets
+(`ExpertsTargets`) and adapter (`ExpertsAdapter`) read. A router (`gate`, a linear map to one logit per expert)
+picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the token's output is the sum
+of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the chosen ones where
+`norm_topk_prob`). Everything else is the Llama family's, variations and all.
 
 With `output_router_logits` the model's loss adds `router_aux_loss_coef` times transformers' load-balancing loss
 (Switch Transformer's) over every layer's routing: layers/moe/units.py's `RouterBalance`.
@@ -22,6 +22,7 @@ from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
 from layers.moe.adapter import MixtralAdapter, OlmoeAdapter, Qwen3MoeAdapter
 from layers.moe.costs import SparseMlpCosts
 from layers.moe.targets import ExpertsTargets
+
 
 def holds(cfg: LlamaConfig, mlp: SparseMlp) -> None:
     """Give a mixture's config its sparse MLP facet, built from its own fields: first in its `__post_init__`, since

@@ -87,6 +87,7 @@ class Phi3Config(LlamaConfig):
     def rotary_regime_change(self) -> int | None:
         return self.original_max_position_embeddings if self.rope["rope_type"] == "longrope" else None
 
+
 PRESETS.update({
     # The published shapes (tests/hub_configs/phi-4.json, phi-3-mini-4k-instruct.json); tests/test_phi3.py checks
     # the parameter counts against transformers'.
