@@ -140,16 +140,15 @@ def _hf_model(spec: RunSpec) -> Any:
     """transformers' class of the model's family (GPTJForCausalLM, LlamaForCausalLM, ...), HF's initialisation
     and its default attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**_config(spec).to_hf()))
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**_config(spec).adapter().to_hf()))
 
 
 def _hf(spec: RunSpec) -> Contender:
     """What a user writes: the family's transformers class, torch AdamW with decay / no-decay groups, clipping,
     autocast. A mixture's experts run as transformers picks by default (its `experts_implementation`)."""
     import torch
-    from layers.moe.config import MixtureOfExperts
     model = _hf_model(spec)
-    experts = model.get_experts_implementation()[""] if isinstance(_config(spec), MixtureOfExperts) else ""
+    experts = model.get_experts_implementation()[""] if _config(spec).sparse_mlp is not None else ""
     model.train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},

@@ -44,7 +44,7 @@ def main() -> None:
 
 def train(folder: Path, args: argparse.Namespace) -> None:
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**SMALL.to_hf())).save_pretrained(
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**SMALL.adapter().to_hf())).save_pretrained(
         folder / "hf")
     tokenizer = train_bpe([p["prompt"] + p["chosen"] + p["rejected"] for p in PAIRS] * 8, SMALL.vocab_size)
     data = folder / "pairs.jsonl"

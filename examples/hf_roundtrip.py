@@ -32,7 +32,7 @@ SHARD = 1_000_000  # bytes: small enough that the small model is written as seve
 def make_checkpoint(path: Path) -> None:
     """What a user downloads: config.json, sharded safetensors + index, tokenizer files."""
     torch.manual_seed(0)
-    hf_config = transformers.GPTJConfig(**{k: v for k, v in SMALL.to_hf().items() if k != "architectures"})
+    hf_config = transformers.GPTJConfig(**{k: v for k, v in SMALL.adapter().to_hf().items() if k != "architectures"})
     transformers.GPTJForCausalLM(hf_config).save_pretrained(path, max_shard_size=SHARD)
     train_bpe(demo_corpus(), vocab_size=SMALL.vocab_size).save(path)
 

@@ -14,20 +14,21 @@ fields, so it never asks which family it holds:
 - `context()`: the longest sequence the model's attention covers, and the field that sets it;
 - parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
 - `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
-- the checkpoint key map: `hf_body`, `hf_blocks` and `hf_final_norm`, read by `hf_key(unit, local_key)`; how
-  transformers saves the tensors (a name of their own, in parts, packed; the keys a tied checkpoint leaves out):
-  `adapter()`, a `layers.adapter.StateDictAdapter`, its family folder's adapter.py where it has one;
+- `adapter()`: how transformers names the model, a `layers.adapter.StateDictAdapter` in its family folder's
+  adapter.py: its config.json read (`ModelConfig.from_hf` goes through it: the sizes it must name, `required`,
+  transformers' defaults where ours differ, `defaults`, `config_fields`) and written (`to_hf()`), the checkpoint
+  key of each unit's tensor (`key(unit, local_key)`, `prefix(unit)`), and how transformers saves the tensors (a
+  name of their own, in parts, packed; the keys a tied checkpoint leaves out);
 - `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
   window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
-- its block's projections (`projections`, `projection_shape`), which LoRA's adapters may target, and those they
-  target by default (`lora_default_targets`, PEFT's); those that are weight tensors, not Linear modules
-  (`lora_parameters`: a mixture's fused experts, a pair per expert, `lora_experts`); where a target's adapters
-  are in a block and in PEFT's saved adapter (`lora_keys`);
+- `lora()`: its block's projections that LoRA's adapters may target, their shapes, those targeted by default
+  (PEFT's), and where a target's adapters are, a `layers.targets.LoraTargets` in its folder's targets.py;
 - `costs()`: its byte and FLOP inputs for memory_model, a facet in its folder's costs.py behind one protocol
   (`layers.costs.Costs`);
-- `to_hf()`, `from_hf_fields()`, `to_dict()`; what a config.json must name (`hf_required`) and transformers'
-  defaults for what it may leave out where they differ from ours (`hf_defaults`);
+- `sparse_mlp`: a block's sparse mixture-of-experts MLP, a facet a mixture's config holds (`SparseMlp`; None:
+  dense), and from it the experts that expert groups load (`experts()`, `expert_params()`);
+- `to_dict()`, our own fields, what a store's manifest records;
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
 
 `ModelConfig.from_hf` picks the family by config.json's `model_type`. It reads a config.json as transformers does:
@@ -40,11 +41,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Self
 
 from layers.adapter import StateDictAdapter
 from layers.costs import Costs
+from layers.targets import LoraTargets
 
 
 class ConfigError(ValueError):
@@ -55,18 +58,6 @@ class ConfigError(ValueError):
 FAMILIES: dict[str, type["ModelConfig"]] = {}
 # Every family's presets by name, filled by the family modules.
 PRESETS: dict[str, "ModelConfig"] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraKeys:
-    """Where a LoRA target's tensors are: the adapted weight's key in a block, its adapters' keys in the block's
-    module (`a`, `b`), and their keys in PEFT's saved adapter (`peft_a`, `peft_b`, after the block's prefix)."""
-
-    weight: str
-    a: str
-    b: str
-    peft_a: str
-    peft_b: str
 
 
 # Bounds on what any machine could train, checked before anything is built per layer or per expert (a config
@@ -85,7 +76,7 @@ def family(cls: type["ModelConfig"]) -> type["ModelConfig"]:
 
 def lora_targets() -> tuple[str, ...]:
     """Every family's projections that LoRA may target, in the families' order, each once."""
-    return tuple(dict.fromkeys(name for cls in FAMILIES.values() for name in cls.projections))
+    return tuple(dict.fromkeys(name for cls in FAMILIES.values() for name in cls.lora_class.projections))
 
 
 def positive_ints(cfg: object, *names: str) -> None:
@@ -95,31 +86,59 @@ def positive_ints(cfg: object, *names: str) -> None:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseMlp:
+    """A block's sparse mixture-of-experts MLP, a facet its config holds (`ModelConfig.sparse_mlp`, built from the
+    config's own fields, transformers' names): a router picks each token's `num_experts_per_tok` of `num_experts`
+    experts, each a SwiGLU `width` wide, weighted by their softmax probabilities (renormalised over the chosen
+    ones where `norm_topk_prob`). With `output_router_logits` the loss adds `router_aux_loss_coef` times
+    transformers' load-balancing loss. Its units are layers/moe/units.py's, its costs layers/moe/costs.py's."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    width: int
+    norm_topk_prob: bool
+    output_router_logits: bool
+    router_aux_loss_coef: float
+    # Whether expert groups may carry the experts (`ModelConfig.experts()`): gpt-oss's load whole.
+    grouped: bool = True
+    # A block's tensors whose first dimension is its experts, in its module's keys.
+    keys: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+    def __post_init__(self) -> None:
+        positive_ints(self, "num_experts", "num_experts_per_tok")
+        if not isinstance(self.width, int) or isinstance(self.width, bool) or self.width <= 0:
+            raise ConfigError(f"the experts' width must be a positive integer, got {self.width!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the number of "
+                              f"experts ({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        if not isinstance(self.output_router_logits, bool):
+            raise ConfigError(f"output_router_logits must be true or false, got {self.output_router_logits!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+            raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
+
+    def expert_params(self, hidden_size: int) -> int:
+        """One expert's parameters: its gate, up and down projections."""
+        return 3 * hidden_size * self.width
+
+    def params(self, hidden_size: int) -> int:
+        """The MLP's parameters: the router, each expert's."""
+        return self.num_experts * hidden_size + self.num_experts * self.expert_params(hidden_size)
+
+
 class ModelConfig(abc.ABC):
     """The base of every family's frozen dataclass; see the module's docstring for what a family provides."""
 
     model_type: ClassVar[str]
     # Buffers that old checkpoints of the family carry and that hold no learned state.
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
-    # The checkpoint key map: HF's prefix of the model body ('transformer.'), of its list of blocks within it
-    # ('h'), and the head's final norm, which HF keeps in the body ('ln_f').
-    hf_body: ClassVar[str]
-    hf_blocks: ClassVar[str]
-    hf_final_norm: ClassVar[str]
-    # A block's projections that can carry LoRA adapters, by the names HF and PEFT give them -> their key
-    # inside the block ('q_proj' -> 'attn.q_proj').
-    projections: ClassVar[dict[str, str]]
-    # The projections --lora-targets means when it names none: PEFT's default for the model_type.
-    lora_default_targets: ClassVar[tuple[str, ...]] = ("q_proj", "v_proj")
-    # Those of `projections` that are a weight tensor rather than a Linear module (a mixture's fused experts,
-    # which PEFT targets by `target_parameters`), in the order the module registers them.
-    lora_parameters: ClassVar[tuple[str, ...]] = ()
+    # Its block's projections that LoRA may target, their shapes and keys (its folder's targets.py).
+    lora_class: ClassVar[type[LoraTargets]]
     # The family's own field of each common size it stores under another name (GPT-J: hidden_size -> n_embd).
     own_names: ClassVar[dict[str, str]] = {}
-    # The common sizes a config.json must name (transformers writes them all): a default would be a guess.
-    hf_required: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    # transformers' defaults for the family's fields a config.json may leave out, where ours differ.
-    hf_defaults: ClassVar[dict[str, Any]] = {}
     # Whether the family rotates q and k in fp32 whatever the compute dtype (its fp32 sin/cos tables are what
     # its blocks save, the cached ones shared by every block), rather than with tables cast to the compute dtype.
     rotary_fp32: ClassVar[bool] = False
@@ -128,10 +147,8 @@ class ModelConfig(abc.ABC):
     attention_sinks: ClassVar[bool] = False
     # The family's costs facet (layers/<family>/costs.py): its byte and FLOP inputs for memory_model.
     costs_class: ClassVar[type[Costs]]
-    # How transformers saves its tensors (layers/adapter.py, or the family folder's adapter.py).
-    adapter_class: ClassVar[type[StateDictAdapter]] = StateDictAdapter
-    # A block's tensors whose first dimension is its experts (`experts()`), in its module's keys.
-    expert_keys: ClassVar[tuple[str, ...]] = ()
+    # How transformers names its model: config.json and the checkpoint's keys (its folder's adapter.py).
+    adapter_class: ClassVar[type[StateDictAdapter]]
     vocab_size: int
     if TYPE_CHECKING:
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every family's config is a dataclass
@@ -162,6 +179,8 @@ class ModelConfig(abc.ABC):
         intermediate_size: int
         max_position_embeddings: int
         rotary_dim: int
+    # A block's sparse mixture-of-experts MLP, a facet a mixture's config sets from its fields; None: dense.
+    sparse_mlp: SparseMlp | None = None
     # The embedding row whose lookups give it no gradient (nn.Embedding's padding_idx), where the family's
     # transformers class builds its embedding with config.pad_token_id; None: no such row.
     pad_token_id: int | None = None
@@ -186,41 +205,6 @@ class ModelConfig(abc.ABC):
         both uses. Empty: the unit holds all its own."""
         return {}
 
-    @abc.abstractmethod
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        """(in_features, out_features) of the block projection `name` (one of `projections`)."""
-
-    def lora_experts(self, target: str) -> tuple[int, int]:
-        """(adapter pairs, how many of them each token goes through) of a LoRA target: one and one for a Linear
-        projection; a mixture's fused expert tensor has a pair per expert."""
-        return 1, 1
-
-    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
-        """The keys of a target's weight and adapters, with adapters on `targets`: PEFT's lora.Linear keeps A
-        and B as Linear modules beside the projection ('self_attn.q_proj.lora_A.weight')."""
-        key = self.projections[target]
-        return LoraKeys(f"{key}.weight", f"{key}.lora_A.weight", f"{key}.lora_B.weight", f"{key}.lora_A.weight",
-                        f"{key}.lora_B.weight")
-
-    def experts(self) -> int:
-        """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
-        expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
-        return 0
-
-    def expert_params(self) -> int:
-        """One expert's parameters, of a block's `experts()`: its rows of the block's `expert_keys`."""
-        return 0
-
-    @abc.abstractmethod
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers' class for this model_type reads."""
-
-    @classmethod
-    @abc.abstractmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> Self:
-        """Build from a config.json's keys (model_type already removed, the required ones there, transformers'
-        defaults filled in)."""
-
     @classmethod
     @abc.abstractmethod
     def example(cls) -> "ModelConfig":
@@ -242,40 +226,34 @@ class ModelConfig(abc.ABC):
         """What sets a block's RoPE tables (hashable): blocks whose values are equal share one cached table."""
         return None
 
-    @classmethod
-    def own_fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        """The keys of a config.json that are this family's own fields: the rest carries nothing we build."""
-        own = {f.name for f in dataclasses.fields(cls)}
-        return {k: v for k, v in raw.items() if k in own}
-
     # --- the same for every family ---------------------------------------------------------------------
+    def experts(self) -> int:
+        """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
+        expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
+        sparse = self.sparse_mlp
+        return sparse.num_experts if sparse is not None and sparse.grouped else 0
+
+    def expert_params(self) -> int:
+        """One expert's parameters, of a block's `experts()`: its rows of the sparse MLP's `keys`."""
+        return 0 if self.sparse_mlp is None else self.sparse_mlp.expert_params(self.hidden_size)
+
     def costs(self) -> Costs:
         """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
         return self.costs_class(self)
 
+    def lora(self) -> LoraTargets:
+        """The block's projections that LoRA may target, their shapes and keys (`layers.targets.LoraTargets`)."""
+        return self.lora_class(self)
+
     def adapter(self) -> StateDictAdapter:
-        """How transformers names and saves the family's tensors (`layers.adapter.StateDictAdapter`)."""
+        """How transformers names the family's model: its config.json (`to_hf`), the checkpoint key of each unit's
+        tensor (`key`, `prefix`) and how it saves them (`layers.adapter.StateDictAdapter`)."""
         return self.adapter_class(self)
 
     @property
     def attention_width(self) -> int:
         """The width of all query heads together: q's, and SDPA's output's, features per token."""
         return self.num_attention_heads * self.head_dim
-
-    def hf_prefix(self, unit: str) -> str:
-        """The HF key prefix of a unit's tensors: 'embed' -> 'model.', 'block.3' -> 'model.layers.3.',
-        'head' -> '' (lm_head is outside the body)."""
-        if unit == "embed":
-            return self.hf_body
-        if unit == "head":
-            return ""
-        return f"{self.hf_body}{self.hf_blocks}.{unit.split('.', 1)[1]}."
-
-    def hf_key(self, unit: str, local_key: str) -> str:
-        """A unit module's own key as the HF checkpoint names it: ('head', 'norm.weight') -> 'model.norm.weight'."""
-        if unit == "head" and local_key.startswith(self.hf_final_norm + "."):
-            return self.hf_body + local_key
-        return self.hf_prefix(unit) + local_key
 
     def context(self) -> tuple[int, str]:
         """The longest sequence this model attends over, and the config field that sets it (for messages)."""
@@ -337,24 +315,6 @@ class ModelConfig(abc.ABC):
                               f"{', '.join(f'{k}={v}' for k, v in wrong.items())}")
         return out
 
-    def check_size(self) -> None:
-        """Sizes no machine could train are refused in closed form, before anything is built per layer or per expert:
-        16 bytes of training state per parameter beyond MAX_STATE_BYTES, more blocks than MAX_LAYERS or more experts
-        than MAX_EXPERTS (the runtime and the planner keep records of each)."""
-        layers, experts = self.num_hidden_layers, self.experts()
-        if layers > MAX_LAYERS:
-            raise ConfigError(f"num_hidden_layers {layers:,} is more than {MAX_LAYERS:,} (the deepest published "
-                              "decoders have about 128); check the config's sizes")
-        if experts > MAX_EXPERTS:
-            raise ConfigError(f"{experts:,} experts per block is more than {MAX_EXPERTS:,} (published models "
-                              "have at most 384); check the config's sizes")
-        state = 16 * max(self.num_params(), self.max_position_embeddings * self.rotary_dim)
-        if state > MAX_STATE_BYTES:
-            raise ConfigError(f"a model of {self.num_params():,} parameters (vocab_size {self.vocab_size}, hidden "
-                              f"size {self.hidden_size}, {layers} layers) needs {state / 2**40:,.0f} TiB of "
-                              f"training state (16 B/param), more than any machine holds ({MAX_STATE_BYTES // 2**40} "
-                              "TiB); check the config's sizes")
-
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> Self:
@@ -380,12 +340,13 @@ class ModelConfig(abc.ABC):
         target = _family_of(raw.pop("model_type", getattr(cls, "model_type", "gptj")))
         if cls is not ModelConfig and target is not cls:
             raise ConfigError(f"model_type is {target.model_type!r}; expected {cls.model_type!r}")
-        for name in target.hf_required:
+        adapter = target.adapter_class
+        for name in adapter.required:
             own = target.own_names.get(name, name)
             if name not in raw and own not in raw:
                 shown = own if own == name else f"{own} ({name})"
                 raise ConfigError(f"the {target.model_type} config has no {shown}; add it as transformers writes it")
-        return target.from_hf_fields({**target.hf_defaults, **raw})
+        return target.from_dict(adapter.config_fields(target, {**adapter.defaults, **raw}))
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
@@ -437,6 +398,25 @@ def read_hf_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def check_size(cfg: ModelConfig) -> None:
+    """Sizes no machine could train are refused in closed form, before anything is built per layer or per expert:
+    16 bytes of training state per parameter beyond MAX_STATE_BYTES, more blocks than MAX_LAYERS or more experts
+    than MAX_EXPERTS (the runtime and the planner keep records of each)."""
+    layers, experts = cfg.num_hidden_layers, cfg.experts()
+    if layers > MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers {layers:,} is more than {MAX_LAYERS:,} (the deepest published "
+                          "decoders have about 128); check the config's sizes")
+    if experts > MAX_EXPERTS:
+        raise ConfigError(f"{experts:,} experts per block is more than {MAX_EXPERTS:,} (published models "
+                          "have at most 384); check the config's sizes")
+    state = 16 * max(cfg.num_params(), cfg.max_position_embeddings * cfg.rotary_dim)
+    if state > MAX_STATE_BYTES:
+        raise ConfigError(f"a model of {cfg.num_params():,} parameters (vocab_size {cfg.vocab_size}, hidden "
+                          f"size {cfg.hidden_size}, {layers} layers) needs {state / 2**40:,.0f} TiB of "
+                          f"training state (16 B/param), more than any machine holds ({MAX_STATE_BYTES // 2**40} "
+                          "TiB); check the config's sizes")
 
 
 def check_heads(cfg: ModelConfig) -> None:

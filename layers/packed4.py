@@ -49,8 +49,8 @@ def quantized_numels(shape: ModelConfig, unit: str) -> list[int]:
     if not unit.startswith("block."):
         return []
     sizes = []
-    for target in shape.projections:
-        fan_in, fan_out = shape.projection_shape(target)
+    for target in shape.lora().projections:
+        fan_in, fan_out = shape.lora().shape(target)
         sizes.append(fan_in * fan_out)
     return sizes
 

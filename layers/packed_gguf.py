@@ -48,7 +48,7 @@ class GGUFBase:
         if not unit.startswith("block."):
             return padded(rest * compute_bytes)
         weights = 0
-        for target, module in shape.projections.items():
-            fan_in, fan_out = shape.projection_shape(target)
-            weights += self.weight_bytes(shape.hf_key(unit, f"{module}.weight"), (fan_out, fan_in))
+        for target, module in shape.lora().projections.items():
+            fan_in, fan_out = shape.lora().shape(target)
+            weights += self.weight_bytes(shape.adapter().key(unit, f"{module}.weight"), (fan_out, fan_in))
         return padded(rest * compute_bytes) + weights

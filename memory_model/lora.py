@@ -87,24 +87,25 @@ class LoraConfig:
 
 def targets_of(shape: ModelConfig, lora: LoraConfig) -> tuple[str, ...]:
     """The projections the adapters sit on: those --lora-targets names, else the family's default
-    (`ModelConfig.lora_default_targets`: PEFT's q_proj,v_proj, or phi3's fused qkv_proj)."""
-    return lora.target_names or shape.lora_default_targets
+    (`LoraTargets.defaults`: PEFT's q_proj,v_proj, or phi3's fused qkv_proj)."""
+    return lora.target_names or shape.lora().defaults
 
 
 def target_shape(shape: ModelConfig, target: str) -> tuple[int, int]:
     """(in_features, out_features) of a block projection."""
-    return shape.projection_shape(target)
+    return shape.lora().shape(target)
 
 
 def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
     """The targets must be projections of this model's family; a weight tensor takes no dropout before its
     adapters (PEFT's ParamWrapper refuses it: the tensor's input is not the adapters' own)."""
     targets = targets_of(shape, lora) if lora.enabled else ()
-    missing = [t for t in targets if t not in shape.projections]
+    projections = shape.lora().projections
+    missing = [t for t in targets if t not in projections]
     if missing:
         raise SettingError("lora_targets", f"{','.join(missing)} is not a projection of {shape.model_type}; choose "
-                                           f"among {','.join(shape.projections)}")
-    tensors = [t for t in targets if t in shape.lora_parameters]
+                                           f"among {','.join(projections)}")
+    tensors = [t for t in targets if t in shape.lora().parameters]
     if tensors and lora.dropout > 0:
         raise SettingError("lora_dropout", f"must be 0 with adapters on {','.join(tensors)} (PEFT's LoRA on a weight "
                                            f"tensor takes no dropout), got {lora.dropout}")
@@ -112,7 +113,7 @@ def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
 
 def adapter_params(shape: ModelConfig, lora: LoraConfig) -> int:
     """Parameters of every adapter of the model: r x (in + out) per target, expert and block."""
-    per_block = sum(lora.rank * sum(target_shape(shape, t)) * shape.lora_experts(t)[0]
+    per_block = sum(lora.rank * sum(target_shape(shape, t)) * shape.lora().experts(t)[0]
                     for t in targets_of(shape, lora))
     return shape.num_hidden_layers * per_block if lora.enabled else 0
 
@@ -134,7 +135,8 @@ def dequantized_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_b
     if not lora.quantized or not unit.startswith("block."):
         return 0
     es = DTYPE_BYTES[lora.bnb_4bit_compute_dtype] if lora.bnb_4bit_compute_dtype else compute_bytes
-    return max(fan_in * fan_out for fan_in, fan_out in map(shape.projection_shape, shape.projections)) * es
+    facet = shape.lora()
+    return max(fan_in * fan_out for fan_in, fan_out in map(facet.shape, facet.projections)) * es
 
 
 def base_unit_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:

@@ -239,7 +239,7 @@ def frozen_block_saved_bytes(shape: ModelConfig, lora: LoraConfig, batch: int, s
         # A's output (per routed token, on a mixture's experts); the compute-dtype casts of B and (if its input
         # needs a gradient) A, every expert's
         fan_in, fan_out = target_shape(shape, target)
-        experts, routed = shape.lora_experts(target)
+        experts, routed = shape.lora().experts(target)
         total += n * routed * r * es
         total += 0 if es == 4 else es * r * experts * (fan_out + (fan_in if input_grad else 0))
         # Dropout's output and, on the CPU, its scaled noise in the input's dtype (CUDA's fused kernel would

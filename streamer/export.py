@@ -38,14 +38,14 @@ def _write_peft(trainer: StreamingTrainer, out: Path, base: str | None) -> None:
     assert trainer.adapters is not None
     lora, targets = trainer.tc.lora, trainer.adapters.targets
     # A mixture's fused experts are weight tensors, which PEFT targets apart from the Linear modules.
-    modules = [t for t in targets if t not in trainer.cfg.lora_parameters]
+    modules = [t for t in targets if t not in trainer.cfg.lora().parameters]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
               "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
               "target_parameters": [t for t in targets if t not in modules], "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units})
+    tensors = trainer.adapters.hf_state_dict({unit: trainer.cfg.adapter().prefix(unit) for unit in trainer.units})
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 

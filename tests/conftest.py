@@ -58,7 +58,7 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from streamer.io.tokenizer import train_bpe
     root = tmp_path_factory.mktemp("tiny")
-    (root / "config.json").write_text(json.dumps(TINY_RUN_MODEL.to_hf()))
+    (root / "config.json").write_text(json.dumps(TINY_RUN_MODEL.adapter().to_hf()))
     texts = [topics[k] for k in sorted(topics)[:30]]
     (root / "train.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts))
     train_bpe(texts, vocab_size=TINY_RUN_MODEL.vocab_size).save(root / "tok")
@@ -72,7 +72,7 @@ def tiny_hf_model() -> Callable[..., "transformers.GPTJForCausalLM"]:
     import transformers  # imported here so that test files without HF do not pay for it
 
     def build(cfg: GPTJConfig, seed: int = 0) -> transformers.GPTJForCausalLM:
-        hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf(), attn_implementation="eager")
+        hf_cfg = transformers.AutoConfig.for_model(**cfg.adapter().to_hf(), attn_implementation="eager")
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
         randomize_(model, seed)
         return model

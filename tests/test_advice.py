@@ -41,7 +41,7 @@ def test_too_small_budget_exits_fast_and_its_first_alternative_trains(capsys, tm
     run = tmp_path / "run"
     if model == "custom":
         model = tmp_path / "config.json"
-        model.write_text(json.dumps(CUSTOM.to_hf()))
+        model.write_text(json.dumps(CUSTOM.adapter().to_hf()))
     base = ["--model", model, "--batch", batch, "--seq", seq, "--run-dir", run, *RERUN, *extra]
     started = time.monotonic()
     rc, refused = _train(capsys, *base, "--budget", budget)

@@ -220,7 +220,7 @@ def test_scale_model_is_asked_for_and_quick_takes_its_familys_smallest(tmp_path)
     assert [c.name for c in bench._scale_candidates(quick, 10**12)] == ["llama-debug"]
     assert bench.Settings.from_args(_parse(["--quick"])).scale_model == "gptj-debug"
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(PRESETS["llama-debug"].to_hf()))
+    config.write_text(json.dumps(PRESETS["llama-debug"].adapter().to_hf()))
     settings = bench.Settings.from_args(_parse(["--scale-model", str(config)]))
     assert bench._scale_candidates(settings, 10**15)[0].config == PRESETS["llama-debug"]
 
@@ -365,7 +365,7 @@ def test_a_mixture_of_experts_is_compared_with_transformers_default_experts(tmp_
     from benchmarks.machine import Peaks
     from benchmarks.report import ratio
     (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "config.json").write_text(json.dumps(family.example().to_hf()))
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(family.example().adapter().to_hf()))
     cfg = ModelConfig.named(str(tmp_path / "moe" / "config.json"))
     specs = [RunSpec(label=label, contender=contender, model=cfg.to_dict(), batch=2, seq=16, dtype=dtype, warmup=1,
                      steps=2) for label, contender, dtype in ((STREAM_RAM, "stream", "fp32"), (HF_BF16, "hf", "bf16"))]

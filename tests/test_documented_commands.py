@@ -184,7 +184,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
             # A harness check of the family: its test example, as the scale run's smallest preset is (a bench of
             # the 110M-parameter file's contenders took 107 s at --quick).
             example = work / "bench-model.json"
-            example.write_text(json.dumps(type(ModelConfig.named(out[model])).example().to_hf()))
+            example.write_text(json.dumps(type(ModelConfig.named(out[model])).example().adapter().to_hf()))
             out[model] = str(example)
     if program == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *out]

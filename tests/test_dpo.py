@@ -203,7 +203,7 @@ def record_gradients(trainer: Any, out: dict[str, Any]) -> None:
 
 def _set_adapters(trainer: StreamingTrainer, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The trainer's adapters set to PEFT's initial ones; each leaf by its PEFT key (without `.default`)."""
-    peft_keys = {unit: trainer.cfg.hf_prefix(unit) for unit in trainer.units}
+    peft_keys = {unit: trainer.cfg.adapter().prefix(unit) for unit in trainer.units}
     ours = trainer.adapters.hf_state_dict(peft_keys)
     leaves = {}
     for unit, tensors in trainer.adapters.params.items():

@@ -48,7 +48,7 @@ def summaries(tmp_path_factory, tokenizer) -> Path:
 def save_checkpoint(model: transformers.GPTJForCausalLM, path: Path, layout: str) -> None:
     if layout == "bin":  # what older checkpoints ship: read back with torch.load(weights_only=True)
         path.mkdir()
-        (path / "config.json").write_text(json.dumps(CFG.to_hf()))
+        (path / "config.json").write_text(json.dumps(CFG.adapter().to_hf()))
         torch.save(model.state_dict(), path / "pytorch_model.bin")
     else:
         model.save_pretrained(path, max_shard_size="60KB" if layout == "sharded" else "2GB")

@@ -259,7 +259,7 @@ def test_train_groups_the_experts_where_whole_blocks_exceed_its_budget(capsys, t
     """`streamer train`'s default loads whole blocks where they fit its --budget, else the fewest groups of
     experts that fit: it says so in a line, config.toml records the size, and the run trains."""
     cfg = _wide("mixtral").resized(vocab_size=512, max_position_embeddings=64)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.adapter().to_hf()))
     flags = {"model": str(tmp_path / "config.json"), "data": str(tiny_setup / "train.txt"),
              "tokenizer": str(tiny_setup / "tok"), "steps": 1, "batch": 2, "seq": 16, "dtype": "fp32",
              "store": "ram", "activations": "checkpoint", "update_chunk": 10_000, "sample_tokens": 0,
@@ -290,7 +290,7 @@ def test_resuming_with_groups_that_do_not_fit_names_the_flag(capsys, tmp_path: P
     names the flag, as a new run's refusal does, before the store is opened for training."""
     model = tmp_path / "mixtral.json"
     model.write_text(json.dumps(dataclasses.replace(MixtralConfig.example(), num_local_experts=8)
-                                .resized(vocab_size=512, max_position_embeddings=64).to_hf()))
+                                .resized(vocab_size=512, max_position_embeddings=64).adapter().to_hf()))
     run = tmp_path / "run"
     args = tiny_args(tiny_setup, run, 1)
     args[args.index("--model") + 1] = model

@@ -47,7 +47,7 @@ def for_cli(model_type: str) -> ModelConfig:
 def hf_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, attn: str = "eager",
              seed: int = 0) -> transformers.PreTrainedModel:
     """transformers' model of cfg (its model_type's class), seeded weights of unit-activation scale."""
-    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.adapter().to_hf())
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn, **EAGER_EXPERTS).eval()
     randomize_(model, seed)
     return model.to(dtype)
@@ -91,7 +91,8 @@ def test_the_family_is_its_transformers_class(model_type: str) -> None:
     assert isinstance(family_units(cfg), FamilyUnits)
     assert len(cfg.layer_types()) == cfg.num_hidden_layers
     with torch.device("meta"):
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     ours = resident_model(cfg, init=False)
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
     assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
@@ -253,7 +254,7 @@ def planned_peak(cfg: ModelConfig, tc: TrainerConfig) -> int:
 
 def byte_test_settings(cfg: ModelConfig, dtype: str, activations: str, store: str, lora: int) -> TrainerConfig:
     return TrainerConfig.of(dtype=dtype, activations=activations, update_chunk=5_000, store=store, max_grad_norm=0,
-                            lora_rank=lora, **({"lora_targets": ",".join(cfg.projections)} if lora else {}))
+                            lora_rank=lora, **({"lora_targets": ",".join(cfg.lora().projections)} if lora else {}))
 
 
 def assert_planner_dry_run_and_real_run_agree(tmp_path: Path, cfg: ModelConfig, dtype: str, activations: str,
@@ -284,7 +285,7 @@ def test_lora_on_every_projection_exports_what_peft_loads(capsys, tmp_path: Path
     rc, _, err = run_cli(capsys, "train", "--from-pretrained", tmp_path / "hf", "--data", tiny_setup / "train.txt",
                          "--tokenizer", tiny_setup / "tok", "--run-dir", run, "--steps", 3, "--batch", 2,
                          "--seq", 16, "--dtype", "fp32", "--sample-tokens", 0, "--eval-fraction", 0, "--lr", "1e-2",
-                         "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(cfg.projections))
+                         "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(cfg.lora().projections))
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "export", run, adapter, "--format", "peft")
     assert rc == 0, err

@@ -31,11 +31,11 @@ def test_the_published_file_in_its_older_form_is_the_1b_preset() -> None:
     raw = published("gemma-3-1b-it")
     cfg = ModelConfig.from_hf(raw)
     assert cfg == PRESETS["gemma-3-1b"]
-    theirs, ours = transformers.AutoConfig.for_model(**raw), transformers.AutoConfig.for_model(**cfg.to_hf())
+    theirs, ours = transformers.AutoConfig.for_model(**raw), transformers.AutoConfig.for_model(**cfg.adapter().to_hf())
     assert ours.layer_types == theirs.layer_types
     assert ours.layer_types.count("full_attention") == 4  # layers 6, 12, 18 and 24 of 26
     assert ours.rope_parameters == theirs.rope_parameters
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert ModelConfig.from_hf(cfg.adapter().to_hf()) == cfg
 
 
 def test_the_window_changes_the_parity_tests_logits() -> None:

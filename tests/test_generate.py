@@ -205,7 +205,7 @@ def test_a_chat_renders_as_transformers_and_generates_its_greedy_tokens(chat_run
         state = trainer.state_dict()
         ours = generate(trainer, torch.tensor([ids]), Sampling(max_new_tokens=8), stop_id=tokenizer.eos_id)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**chat_run["cfg"].to_hf()), attn_implementation="eager").eval()
+        transformers.AutoConfig.for_model(**chat_run["cfg"].adapter().to_hf()), attn_implementation="eager").eval()
     model.load_state_dict(state)
     with torch.no_grad():
         greedy = model.generate(torch.tensor([expected]), max_new_tokens=8, do_sample=False,

@@ -87,7 +87,7 @@ def test_yarn_tables_are_transformers_to_the_bit(published: bool) -> None:
                                   num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
                                   num_experts_per_tok=1, intermediate_size=8, attention_layers=None,
                                   pad_token_id=None, max_position_embeddings=8192)
-    theirs = GptOssRotaryEmbedding(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    theirs = GptOssRotaryEmbedding(transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     length = cfg.max_position_embeddings
     cos_hf, sin_hf = (t[0] for t in theirs(torch.zeros(1, length, 1), torch.arange(length)[None]))
     sin, cos = positions_sincos(cfg.max_position_embeddings, cfg.rotary_dim, 0, length, torch.float32,
@@ -128,7 +128,8 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path, dty
         else:
             saved[key] = tensor.to(torch.bfloat16)
     save_file(saved, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_hf(), "quantization_config": {"quant_method": "mxfp4"}}))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.adapter().to_hf(),
+                                                      "quantization_config": {"quant_method": "mxfp4"}}))
     with HFCheckpoint.open(tmp_path) as checkpoint:
         checkpoint.validate()
         assert set(checkpoint.keys()) == set(state)

@@ -35,7 +35,7 @@ def _tiny_run_flags(root: Path) -> list[str]:
     """A small model and text for runs of a few seconds (a BPE needs a vocabulary above 256)."""
     from pydoc_data.topics import topics
     cfg = GPTJConfig(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
-    (root / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (root / "config.json").write_text(json.dumps(cfg.adapter().to_hf()))
     (root / "train.txt").write_text("\n\n".join(topics[k] for k in sorted(topics)[:10]))
     return ["--model", str(root / "config.json"), "--data", str(root / "train.txt"), "--batch", "2", "--seq", "16",
             "--eval-every", "0", "--sample-tokens", "0"]

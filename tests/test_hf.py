@@ -42,7 +42,7 @@ def single_dir(hf_model, tmp_path_factory) -> Path:
 
 def _write_config(path: Path, **overrides: object) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**GPTJConfig(**TINY).to_hf(), **overrides}))
+    (path / "config.json").write_text(json.dumps({**GPTJConfig(**TINY).adapter().to_hf(), **overrides}))
 
 
 def _write_safetensors(path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -300,8 +300,8 @@ _SHARD_NAMES = st.sampled_from(["model-1.safetensors", "../evil.safetensors", "/
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(config=st.one_of(st.just(GPTJConfig(**TINY).to_hf()), st.dictionaries(st.sampled_from(_CONFIG_FIELDS), _JSON),
-                        _JSON),
+@given(config=st.one_of(st.just(GPTJConfig(**TINY).adapter().to_hf()),
+                        st.dictionaries(st.sampled_from(_CONFIG_FIELDS), _JSON), _JSON),
        index=st.one_of(_JSON, st.fixed_dictionaries({"weight_map": st.dictionaries(
            st.sampled_from(["lm_head.bias", "lm_head.weight", "transformer.wte.weight"]) | st.text(max_size=8),
            _SHARD_NAMES | _JSON, max_size=4)})),

@@ -123,7 +123,7 @@ def test_a_config_no_machine_holds_is_refused_at_once(tiny_setup, tmp_path, caps
 def test_a_billion_experts_is_refused_at_once(tmp_path, capsys):
     from layers import FAMILIES
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**FAMILIES["qwen3_moe"].example().to_hf(), "num_experts": 10**9}))
+    config.write_text(json.dumps({**FAMILIES["qwen3_moe"].example().adapter().to_hf(), "num_experts": 10**9}))
     line = refused_quickly(capsys, "plan", "--model", config, "--seq", 16)
     assert "1,000,000,000 experts per block is more than 8,192" in line
 
@@ -171,7 +171,7 @@ def mid_sized(tmp_path: Path) -> Path:
     from layers import GPTJConfig
     path = tmp_path / "mid.json"
     path.write_text(json.dumps(GPTJConfig(n_embd=1024, n_layer=24, n_head=16, rotary_dim=64, vocab_size=512,
-                                          n_positions=64).to_hf()))
+                                          n_positions=64).adapter().to_hf()))
     return path
 
 

@@ -150,7 +150,7 @@ def test_a_qwen_window_is_on_where_transformers_puts_it(tmp_path, edit, window):
     assert theirs[0] == window
     cfg = ModelConfig.from_hf(raw)
     assert cfg.context()[0] == (window or raw["max_position_embeddings"])
-    assert sliding(transformers.AutoConfig.for_model(**cfg.to_hf())) == theirs
+    assert sliding(transformers.AutoConfig.for_model(**cfg.adapter().to_hf())) == theirs
 
 
 @pytest.mark.parametrize("edit,which", [

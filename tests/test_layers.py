@@ -275,7 +275,7 @@ def test_preset_keys_shapes_and_param_count_match_hf(name: str) -> None:
     cfg = PRESETS[name]
     with torch.device("meta"):
         ours = resident_model(cfg, init=False)
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     n = sum(p.numel() for p in ours.parameters())
@@ -296,7 +296,7 @@ def test_units_partition_the_state_dict(name: str) -> None:
     unit_shapes: dict[str, torch.Size] = {}
     for unit in cfg.unit_names():
         for key, tensor in build_unit(cfg, unit).state_dict().items():
-            hf_key = cfg.hf_key(unit, key)
+            hf_key = cfg.adapter().key(unit, key)
             assert hf_key not in unit_shapes, f"{hf_key} belongs to two units"
             unit_shapes[hf_key] = tensor.shape
     assert unit_shapes == model_shapes
@@ -376,7 +376,7 @@ def test_from_hf_reads_a_saved_hf_config(tmp_path: Path, hf_fields: dict[str, An
 
 def test_to_hf_round_trips(tmp_path: Path) -> None:
     cfg = CONFIGS["one-head"]
-    transformers.GPTJConfig(**cfg.to_hf()).save_pretrained(tmp_path)
+    transformers.GPTJConfig(**cfg.adapter().to_hf()).save_pretrained(tmp_path)
     assert GPTJConfig.from_hf(tmp_path) == cfg
 
 

@@ -457,7 +457,7 @@ def _compare_plans_each_process(run: Path, capsys, monkeypatch) -> None:
 @pytest.mark.parametrize("store, short", [("disk", "of disk"), ("ram", "of RAM")])
 def test_a_store_the_host_cannot_hold_is_refused_before_writing(tmp_path, store, short):
     huge = tmp_path / "huge.json"  # about 400 billion parameters: more than any test machine holds
-    huge.write_text(json.dumps(GPTJConfig(n_embd=4096, n_layer=2000, n_head=16, rotary_dim=64).to_hf()))
+    huge.write_text(json.dumps(GPTJConfig(n_embd=4096, n_layer=2000, n_head=16, rotary_dim=64).adapter().to_hf()))
     run = tmp_path / "run"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = streamer("train", "--model", str(huge), "--run-dir", str(run), "--store", store, "--steps", "1")

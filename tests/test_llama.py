@@ -189,7 +189,7 @@ def test_a_run_killed_mid_step_continues_bit_identically(tmp_path, tiny_setup):
     setup = tmp_path / "setup"
     setup.mkdir()
     cfg = dataclasses.replace(CONFIGS["qwen3"], vocab_size=512, max_position_embeddings=64)
-    (setup / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (setup / "config.json").write_text(json.dumps(cfg.adapter().to_hf()))
     for name in ("train.txt", "tok"):
         (setup / name).symlink_to(tiny_setup / name)
     reference, run = tmp_path / "reference", tmp_path / "run"

@@ -96,24 +96,24 @@ GPT_OSS = GptOssConfig.example().resized(max_position_embeddings=64)  # sinks, a
     (CFG, "bf16", "checkpoint", 0.0, TARGETS),
     # Grouped-query attention and SwiGLU: k/v adapters narrower than q's, three MLP projections.
     (LLAMA, "fp32", "resident", 0.0, "q_proj,v_proj"),
-    (LLAMA, "bf16", "checkpoint", 0.1, ",".join(LLAMA.projections)),
+    (LLAMA, "bf16", "checkpoint", 0.1, ",".join(LLAMA.lora().projections)),
     (LLAMA, "bf16", "resident", 0.0, "k_proj,o_proj,gate_proj,down_proj"),
     # Norms after the sublayers: the adapters of q/k/v read the block's input itself, q/k norms over whole
     # projections, one on the MLP's output.
     (OLMO2, "fp32", "resident", 0.0, "q_proj,v_proj"),
     (OLMO2, "fp32", "checkpoint", 0.0, "k_proj,up_proj"),
-    (OLMO2, "bf16", "checkpoint", 0.1, ",".join(OLMO2.projections)),
+    (OLMO2, "bf16", "checkpoint", 0.1, ",".join(OLMO2.lora().projections)),
     (OLMO2, "bf16", "resident", 0.0, "o_proj,gate_proj,down_proj"),
-    (OLMO2, "bf16", "checkpoint", 0.0, ",".join(OLMO2.projections)),
+    (OLMO2, "bf16", "checkpoint", 0.0, ",".join(OLMO2.lora().projections)),
     # Fused projections: q, k and v need a gradient together; the family's default targets (qkv_proj).
     (PHI3, "fp32", "resident", 0.0, ""),
-    (PHI3, "bf16", "checkpoint", 0.1, ",".join(PHI3.projections)),
+    (PHI3, "bf16", "checkpoint", 0.1, ",".join(PHI3.lora().projections)),
     (PHI3, "bf16", "resident", 0.0, "o_proj,down_proj"),
     (PHI3, "fp32", "resident", 0.0, "gate_up_proj"),
     (PHI3_GQA, "bf16", "resident", 0.0, "qkv_proj,gate_up_proj"),
     (GEMMA, "fp32", "resident", 0.0, "v_proj,up_proj"),  # block.0 rotates nothing: block.2 owns its table
     (GEMMA, "fp32", "resident", 0.0, "q_proj,o_proj,down_proj"),
-    (GEMMA, "bf16", "checkpoint", 0.1, ",".join(GEMMA.projections)),
+    (GEMMA, "bf16", "checkpoint", 0.1, ",".join(GEMMA.lora().projections)),
     (GEMMA, "bf16", "resident", 0.0, "k_proj,gate_proj"),
     # A mixture of experts: frozen experts and router under attention's adapters, and the experts' own (a pair
     # per expert on the routed rows; the first block's MLP input needs no gradient, so only their paths save).
@@ -121,13 +121,13 @@ GPT_OSS = GptOssConfig.example().resized(max_position_embeddings=64)  # sinks, a
     (QWEN3_MOE, "bf16", "checkpoint", 0.1, "q_proj,k_proj,v_proj,o_proj"),
     (OLMOE, "bf16", "resident", 0.0, "q_proj,k_proj"),  # q/k norms over the whole projections
     (QWEN3_MOE, "fp32", "resident", 0.0, "experts.gate_up_proj,experts.down_proj"),
-    (QWEN3_MOE, "bf16", "checkpoint", 0.0, ",".join(QWEN3_MOE.projections)),
+    (QWEN3_MOE, "bf16", "checkpoint", 0.0, ",".join(QWEN3_MOE.lora().projections)),
     (OLMOE, "bf16", "resident", 0.0, "experts.down_proj"),
     (QWEN3_MOE, "bf16", "resident", 0.0, "experts.gate_up_proj"),
     (OLMOE, "fp32", "checkpoint", 0.0, "o_proj,experts.gate_up_proj"),
     (OLMOE, "bf16", "resident", 0.0, "v_proj,experts.gate_up_proj"),
     (GPT_OSS, "fp32", "resident", 0.0, "q_proj,v_proj"),
-    (GPT_OSS, "bf16", "checkpoint", 0.1, ",".join(GPT_OSS.projections)),
+    (GPT_OSS, "bf16", "checkpoint", 0.1, ",".join(GPT_OSS.lora().projections)),
     (GPT_OSS, "bf16", "resident", 0.0, "k_proj,o_proj"),
     (GPT_OSS, "bf16", "resident", 0.0, "v_proj"),  # block.0's probabilities saved for v's adapters, not its mask
 ], ids=lambda v: v.model_type if isinstance(v, ModelConfig) else None)
@@ -216,7 +216,7 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path: Path) -> None:
 
     with open_trainer(RunDir(run)) as trainer:
         base, state, cfg = trainer.state_dict(merged=False), trainer.state_dict(), trainer.cfg  # the data's vocabulary
-    hf_base = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.to_hf()))
+    hf_base = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.adapter().to_hf()))
     hf_base.load_state_dict(base, strict=False)  # the attention bias buffers are HF's own
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

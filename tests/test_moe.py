@@ -49,7 +49,8 @@ MIXTURES = [model_type for model_type, cls in FAMILIES.items() if cls.example().
 
 def transformers_count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,9 +70,10 @@ def transformers_matmul_params(cfg: ModelConfig) -> int:
     """The weights a token's matmuls go through in transformers' model, counted apart from ours: every matrix
     but the embedding's (a gather), the fused experts' k of E, none of the norms' vectors."""
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     embedding = model.get_input_embeddings().weight
-    share = cfg.num_experts_per_tok / cfg.num_experts
+    share = cfg.num_experts_per_tok / cfg.sparse_mlp.num_experts
     return round(sum(p.numel() * (share if ".experts." in name else 1)
                      for name, p in model.named_parameters() if p.dim() > 1 and p is not embedding))
 
@@ -97,7 +99,7 @@ def test_a_mixtures_elementwise_work_is_its_active_experts(preset: str):
     cfg = PRESETS[preset]
     dense_class = next(c for c in type(cfg).__mro__[1:] if issubclass(c, LlamaConfig))  # Qwen3, Mistral, Llama
     dense = dense_class(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(dense_class)},
-                           "intermediate_size": cfg.num_experts_per_tok * cfg.expert_width})
+                           "intermediate_size": cfg.num_experts_per_tok * cfg.sparse_mlp.width})
     costs = KernelCosts(**{f.name: 1.0 for f in dataclasses.fields(KernelCosts)})
     for phase in ("forward", "backward"):
         assert gpu_elementwise_bytes(cfg, "block.0", phase, 2, 256, 2) == \
@@ -113,8 +115,8 @@ def test_a_calibration_probe_keeps_the_experts_in_proportion(preset: str):
     cfg = PRESETS[preset]
     probe = probe_shape(cfg, CalibrationSizes())
     assert probe.hidden_size < cfg.hidden_size
-    assert probe.num_experts == cfg.num_experts
-    assert probe.expert_width * cfg.hidden_size == cfg.expert_width * probe.hidden_size
+    assert probe.sparse_mlp.num_experts == cfg.sparse_mlp.num_experts
+    assert probe.sparse_mlp.width * cfg.hidden_size == cfg.sparse_mlp.width * probe.hidden_size
     assert probe.costs().active_mlp_width() * cfg.hidden_size == cfg.costs().active_mlp_width() * probe.hidden_size
 
 
@@ -199,7 +201,7 @@ def test_the_device_peak_is_the_same_for_any_routing(tmp_path: Path, dtype: str,
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "start") as trainer:
         spread = trainer.state_dict()
     forced = {k: torch.zeros_like(v) if k.endswith(".mlp.gate.weight") else v for k, v in spread.items()}
-    assert all(len(experts) == cfg.num_experts for experts in experts_chosen(cfg, spread, ids))
+    assert all(len(experts) == cfg.sparse_mlp.num_experts for experts in experts_chosen(cfg, spread, ids))
     assert all(len(experts) == cfg.num_experts_per_tok for experts in experts_chosen(cfg, forced, ids))
     planned = plan(cfg, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
         2, 24, compute_dtype=dtype, activations=activations, update_chunk=5_000, store=store)).peak_device_bytes
@@ -326,7 +328,7 @@ def test_a_transformers_folder_holds_each_expert_apart_and_loads_fused(tmp_path:
 def test_a_qwen3_moe_window_slides_on_every_layer(edit, window):
     """Unlike Qwen2's, transformers' Qwen3-MoE window needs no max_window_layers: use_sliding_window puts it on
     every layer (the published file's max_window_layers 48 of 48 changes nothing)."""
-    raw = {**Qwen3MoeConfig.example().to_hf(), "max_window_layers": 2, **edit}
+    raw = {**Qwen3MoeConfig.example().adapter().to_hf(), "max_window_layers": 2, **edit}
     assert transformers.AutoConfig.for_model(**raw).sliding_window == window
     assert Qwen3MoeConfig.from_hf(raw).sliding_window == window
 
@@ -341,11 +343,11 @@ def balanced(cfg: ModelConfig) -> ModelConfig:
 def test_the_loss_is_asked_for_as_transformers_reads_it():
     """output_router_logits and router_aux_loss_coef from a published file; without output_router_logits
     transformers never reads the coefficient, and the model has no auxiliary loss and no bytes for one."""
-    raw = Qwen3MoeConfig.example().to_hf()
+    raw = Qwen3MoeConfig.example().adapter().to_hf()
     asked = ModelConfig.from_hf({**raw, "output_router_logits": True, "router_aux_loss_coef": 0.5})
     assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.5)
-    assert ModelConfig.from_hf(asked.to_hf()) == asked
-    assert asked.costs().auxiliary_loss_bytes() == 2 * 4 * asked.num_experts
+    assert ModelConfig.from_hf(asked.adapter().to_hf()) == asked
+    assert asked.costs().auxiliary_loss_bytes() == 2 * 4 * asked.sparse_mlp.num_experts
     plain = ModelConfig.from_hf({**raw, "router_aux_loss_coef": 0.5})
     assert plain == Qwen3MoeConfig.example() and plain.costs().auxiliary_loss_bytes() == 0
     assert family_units(plain).auxiliary(plain, 1.0, torch.device("cpu"), None) is None
@@ -424,7 +426,8 @@ def test_the_planner_prices_the_load_balance_to_the_byte(tmp_path: Path, model_t
     cfg = FAMILIES[model_type].example()
     assert_planner_dry_run_and_real_run_agree(tmp_path, balanced(cfg), dtype, activations, store, lora)
     tc = byte_test_settings(cfg, dtype, activations, store, lora)
-    assert planned_peak(balanced(cfg), tc) - planned_peak(cfg, tc) == 2 * 4 * cfg.num_experts  # the sums, fp32
+    sums = 2 * 4 * cfg.sparse_mlp.num_experts  # the balance's sums, fp32
+    assert planned_peak(balanced(cfg), tc) - planned_peak(cfg, tc) == sums
 
 
 @pytest.mark.parametrize("model_type", MIXTURES)
@@ -501,8 +504,8 @@ def _peft(cfg: ModelConfig, targets: str, dtype: torch.dtype = torch.float32, at
     tensors as parameters."""
     peft = pytest.importorskip("peft")
     names = targets.split(",")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in names if t not in cfg.lora_parameters],
-                             target_parameters=[t for t in names if t in cfg.lora_parameters])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in names if t not in cfg.lora().parameters],
+                             target_parameters=[t for t in names if t in cfg.lora().parameters])
     return peft.get_peft_model(hf_model(cfg, dtype, attn), config)
 
 
@@ -536,7 +539,7 @@ def test_expert_adapters_have_peft_keys_shapes_and_initialisation(family, target
     cfg = family.example()
     theirs = pytest.importorskip("peft").get_peft_model_state_dict(_peft(cfg, targets))
     adapters = Adapters(cfg, LoraConfig(rank=4, alpha=8.0, targets=targets), OptimizerConfig(), torch.device("cpu"), 0)
-    ours = adapters.hf_state_dict({unit: cfg.hf_prefix(unit) for unit in cfg.unit_names()})
+    ours = adapters.hf_state_dict({unit: cfg.adapter().prefix(unit) for unit in cfg.unit_names()})
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
     for key, value in ours.items():
         if ".lora_B." in key:
@@ -577,9 +580,9 @@ def test_expert_adapters_give_peft_logits_and_gradients(family):
     leaves = {}
     for i, block in enumerate(ours.model.layers):
         add_adapters(block, targets, 4, 2.0, 0.0)
-        for keys in (cfg.lora_keys(target, targets) for target in targets):
+        for keys in (cfg.lora().keys(target, targets) for target in targets):
             for mine, theirs in ((keys.a, keys.peft_a), (keys.b, keys.peft_b)):
-                leaves[f"base_model.model.{cfg.hf_prefix(f'block.{i}')}{theirs}"] = block.get_parameter(mine)
+                leaves[f"base_model.model.{cfg.adapter().prefix(f'block.{i}')}{theirs}"] = block.get_parameter(mine)
     assert set(leaves) == set(start)
     mine = run(lambda: ours(ids), {k: p.requires_grad_() for k, p in leaves.items()})
     assert exact[0].abs().max() > 1.0 and (exact[0] - hf_model(cfg, torch.float64)(ids).logits).abs().max() > 0.1
@@ -630,7 +633,7 @@ def test_a_streamed_lora_step_on_the_experts_is_peft_and_adamw(tmp_path: Path, f
     base, start = hf_model(cfg).state_dict(), _random_adapters(cfg, EXPERT_TARGETS)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.load_state_dict(base)
-        prefixes = {unit: cfg.hf_prefix(unit) for unit in trainer.units}
+        prefixes = {unit: cfg.adapter().prefix(unit) for unit in trainer.units}
         with torch.no_grad():
             for unit, tensors in trainer.adapters.params.items():
                 for keys in trainer.adapters.keys.values():

@@ -42,7 +42,7 @@ def test_longrope_tables_are_transformers_on_both_sides_of_the_original_context(
     rows (picked by the batch's longest position). Measured: equal to the last bit; held within one float32
     rounding of the largest value."""
     cfg = longrope_example()
-    theirs = Phi3RotaryEmbedding(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    theirs = Phi3RotaryEmbedding(transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     half = cfg.rotary_dim // 2
     bound = 2 * torch.finfo(torch.float32).eps * 1.2  # the attention factor is 1.2247
     cos_hf, sin_hf = (t[0, :, :half] for t in theirs(torch.zeros(1, length, 1), torch.arange(length)[None]))
@@ -91,7 +91,8 @@ def test_phi4_mini_s_shape_is_transformers() -> None:
                          num_attention_heads=24, num_key_value_heads=8)
     assert cfg.rotary_dim == 96
     with torch.device("meta"):
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     assert cfg.num_params() == sum(p.numel() for p in theirs.parameters()) == 3_836_021_760
 
 
@@ -176,7 +177,7 @@ def test_lora_targets_default_to_the_family_s_own() -> None:
 
 def test_a_projection_phi3_fuses_is_one_line(capsys, tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dataclasses.replace(Phi3Config.example(), vocab_size=512).to_hf()))
+    path.write_text(json.dumps(dataclasses.replace(Phi3Config.example(), vocab_size=512).adapter().to_hf()))
     rc, _, err = run_cli(capsys, "train", "--model", path, "--lora-rank", 4, "--lora-targets", "q_proj,v_proj",
                          "--seq", 16)
     assert rc == 2 and err.strip() == ("error: --lora-targets q_proj,v_proj is not a projection of phi3; choose "

@@ -243,8 +243,8 @@ def test_every_family_plans_its_4bit_base_to_the_byte_or_refuses_it(tmp_path: Pa
     whose blocks' Linear modules are its projections; a mixture of experts (fused expert tensors) is one line."""
     cfg = FAMILIES[model_type].example()
     tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", lora_rank=4, load_in_4bit=True,
-                          lora_targets=",".join(cfg.projections), bnb_4bit_quant_type="nf4")
-    if cfg.lora_parameters:
+                          lora_targets=",".join(cfg.lora().projections), bnb_4bit_quant_type="nf4")
+    if cfg.lora().parameters:
         with pytest.raises(StoreError, match="--load-in-4bit does not hold .* drop --load-in-4bit"):
             StreamingTrainer(cfg, tc, store_dir=tmp_path / "run")
         return

@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 RANK, ALPHA = 4, 8.0
-DENSE = sorted(t for t, cls in FAMILIES.items() if not cls.example().lora_parameters)
+DENSE = sorted(t for t, cls in FAMILIES.items() if not cls.example().lora().parameters)
 
 
 def _peft(base: torch.nn.Module, targets: list[str], adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -38,12 +38,12 @@ def test_the_dense_families_are_held() -> None:
 def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_path: Path) -> None:
     cfg = FAMILIES[model_type].example()
     hf_model(cfg).save_pretrained(tmp_path)
-    targets = list(cfg.projections)
+    targets = list(cfg.lora().projections)
     tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets),
                           load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                           max_grad_norm=0.0)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    prefix = {f"block.{i}": cfg.hf_prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
+    prefix = {f"block.{i}": cfg.adapter().prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
     with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
         torch.manual_seed(5)
         for tensors in trainer.adapters.params.values():

@@ -41,7 +41,7 @@ def hf_reference(state_dict: dict, data: list[tuple[torch.Tensor, torch.Tensor]]
     learned tokens (num_items_in_batch). In float64 by default: the tolerances are transformers' own fp32 noise
     against it (its eager and sdpa kernels, `dtype=torch.float32, attn=...`). `grads`, where given, receives each
     step's accumulated gradient after clipping (what AdamW is given), in float64."""
-    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.adapter().to_hf())
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn, **EAGER_EXPERTS).to(dtype)
     hf.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False)
     hf.train()
@@ -92,7 +92,7 @@ _NOISE: dict[tuple, Noise] = {}
 def hf_kernels(cfg: ModelConfig) -> tuple[str, ...]:
     """transformers' attention kernels for cfg's class whose fp32 error is its noise: eager, and sdpa where the
     class has it (gpt-oss's sinks have none)."""
-    config_class = type(transformers.AutoConfig.for_model(**cfg.to_hf()))  # a class registered with Auto* too
+    config_class = type(transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))  # a class registered with Auto* too
     model_class = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
     return ("eager", "sdpa") if model_class._supports_sdpa else ("eager",)
 

@@ -33,7 +33,7 @@ TIED = {"llama": LlamaConfig(**_TINY, tie_word_embeddings=True),
 def test_the_preset_has_the_published_count_and_one_copy_of_the_tied_weight():
     cfg = PRESETS["llama-3.2-1b"]
     with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.lm_head.weight is hf.model.embed_tokens.weight
     assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 1_235_814_400
     assert cfg.unit_params("head") == cfg.hidden_size  # its final norm: the embedding's state holds lm_head
@@ -149,7 +149,7 @@ def test_a_tied_run_killed_mid_step_continues_bit_identically(tmp_path, tiny_set
     setup = tmp_path / "setup"
     setup.mkdir()
     cfg = dataclasses.replace(TIED["llama"], vocab_size=512, max_position_embeddings=64)
-    (setup / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (setup / "config.json").write_text(json.dumps(cfg.adapter().to_hf()))
     for name in ("train.txt", "tok"):
         (setup / name).symlink_to(tiny_setup / name)
     reference, run = tmp_path / "reference", tmp_path / "run"

@@ -41,7 +41,7 @@ def source(tmp_path_factory, tokenizer) -> Path:
     """A Hugging Face GPT-J folder (random weights, the local tokenizer) and prompt/completion data.jsonl beside it:
     8 examples whose completions grow from 1 to 22 words, so each learns a different number of tokens."""
     root = tmp_path_factory.mktemp("parity")
-    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**TINY_RUN_MODEL.to_hf()))
+    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**TINY_RUN_MODEL.adapter().to_hf()))
     randomize_(model, seed=0)
     model.save_pretrained(root / "hf")
     tokenizer.save(root / "hf")

@@ -40,7 +40,7 @@ def test_the_table_holds_eight_sourced_runs_and_says_why_any_is_not_priced() -> 
 def test_a_rows_figure_is_what_streamer_plan_prints(tmp_path: Path, system: str) -> None:
     """A row through the CLI: its model as a config.json, its step as flags, its testbed's figures as --set."""
     run = next(r for r in PUBLISHED_RUNS if r.system == system)
-    (tmp_path / "config.json").write_text(json.dumps(run.shape.to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(run.shape.adapter().to_hf()))
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in run.step]
     flags += [arg for name, figure in run.testbed for arg in ("--set", f"{name}={figure.value!r}")]
     done = subprocess.run([sys.executable, "-m", "streamer", "plan", "--model", str(tmp_path / "config.json"),

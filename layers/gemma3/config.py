@@ -10,21 +10,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    PRESETS, ConfigError, ModelConfig, check_heads, check_size, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
-from layers.llama.config import LlamaConfig, checked_rope
+from layers.llama.config import checked_rope
+from layers.gemma3.adapter import LAYER_TYPES, Gemma3Adapter, pattern_layers, rope_per_layer_type
 from layers.gemma3.costs import Gemma3Costs
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-# transformers' RoPE bases where a config names none: rope_theta for global layers, rope_local_base_freq for
-# sliding ones (Gemma3TextConfig.default_theta).
-DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
-
-
-def pattern_layers(layers: int, pattern: int) -> tuple[str, ...]:
-    """transformers' layer_types from an older config's sliding_window_pattern: every pattern-th layer global."""
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+from layers.llama.targets import LlamaTargets
 
 
 def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
@@ -35,35 +27,13 @@ def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
     return dataclasses.replace(cfg, num_hidden_layers=layers, attention_layers=kinds)
 
 
-def rope_per_layer_type(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The RoPE of each layer type as Gemma3TextConfig reads a config.json: its nested `rope_parameters`, or the
-    older `rope_theta` and `rope_scaling` (global layers) and `rope_local_base_freq` (sliding layers). As
-    transformers does, `rope_scaling` updates the global layers' {"rope_type": "default"}."""
-    given = raw.get("rope_parameters")
-    if given is not None and not (isinstance(given, Mapping) and set(given) <= set(LAYER_TYPES)):
-        raise ConfigError("rope_parameters must map full_attention and sliding_attention to their RoPE "
-                          f"(transformers' gemma3_text form), got {given!r}")
-    rope = {kind: dict((given or {}).get(kind) or {"rope_type": "default"}) for kind in LAYER_TYPES}
-    rope["full_attention"].update(raw.get("rope_scaling") or {})
-    rope["full_attention"].setdefault("rope_theta", raw.get("rope_theta", DEFAULT_THETA["full_attention"]))
-    rope["sliding_attention"].setdefault("rope_theta",
-                                         raw.get("rope_local_base_freq", DEFAULT_THETA["sliding_attention"]))
-    for params in rope.values():
-        params.setdefault("rope_type", params.pop("type", "default"))
-    return rope
-
-
 @family
 @dataclass(frozen=True)
 class Gemma3TextConfig(ModelConfig):
     costs_class = Gemma3Costs
     model_type: ClassVar[str] = "gemma3_text"
-    # Llama's checkpoint layout and projection names
-    hf_body: ClassVar[str] = LlamaConfig.hf_body
-    hf_blocks: ClassVar[str] = LlamaConfig.hf_blocks
-    hf_final_norm: ClassVar[str] = LlamaConfig.hf_final_norm
-    projections: ClassVar[dict[str, str]] = LlamaConfig.projections
-    hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
+    adapter_class = Gemma3Adapter  # Llama's checkpoint layout
+    lora_class = LlamaTargets  # Llama's projections
 
     # transformers' defaults (Gemma3TextConfig's)
     vocab_size: int = 262_208
@@ -120,7 +90,7 @@ class Gemma3TextConfig(ModelConfig):
         rope = rope_per_layer_type({}) if self.rope_parameters is None else dict(self.rope_parameters)
         object.__setattr__(self, "rope_parameters", tuple(sorted(
             (kind, checked_rope(rope[kind], f"rope_parameters[{kind!r}]")) for kind in LAYER_TYPES)))
-        self.check_size()
+        check_size(self)
 
     @classmethod
     def example(cls) -> "Gemma3TextConfig":
@@ -173,37 +143,6 @@ class Gemma3TextConfig(ModelConfig):
     @property
     def kv_width(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, q, kv, f = self.hidden_size, self.attention_width, self.kv_width, self.intermediate_size
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-                "up_proj": (d, f), "down_proj": (f, d)}[name]
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "Gemma3TextConfig":
-        for name, fine in (("attention_dropout", (0, None)), ("use_bidirectional_attention", (False, None))):
-            if raw.get(name) not in fine:
-                raise ConfigError(f"{name}={raw[name]!r} is not supported; set it to {fine[0]!r}")
-        raw["rope_parameters"] = tuple((kind, tuple(sorted(params.items())))
-                                       for kind, params in rope_per_layer_type(raw).items())
-        layers = raw.get("num_hidden_layers")
-        if raw.get("layer_types") is not None:
-            raw["attention_layers"] = tuple(raw["layer_types"])
-        elif isinstance(layers, int) and layers > 0:
-            pattern = raw.get("sliding_window_pattern", 6)
-            if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
-                raise ConfigError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
-            raw["attention_layers"] = pattern_layers(layers, pattern)
-        return cls.from_dict(cls.own_fields(raw))
-
-    def to_hf(self) -> dict[str, Any]:
-        out = {"architectures": ["Gemma3ForCausalLM"], "model_type": self.model_type, **dataclasses.asdict(self),
-               "rope_parameters": {kind: dict(params) for kind, params in self.rope_parameters},
-               "layer_types": list(self.attention_layers), "initializer_range": 0.02, "use_cache": True,
-               "attention_dropout": 0.0}
-        del out["attention_layers"]
-        return out
 
 
 def _gemma3(**sizes: Any) -> Gemma3TextConfig:

@@ -18,20 +18,16 @@ rest.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from layers.config import PRESETS, ConfigError
+from layers.config import PRESETS, ConfigError, SparseMlp
 from layers.gemma3.config import LAYER_TYPES, deepened
-from layers.llama.config import LlamaConfig, rope_parameters_of
-from layers.moe.config import MixtureOfExperts
-from layers.gpt_oss.adapter import GptOssAdapter
+from layers.llama.config import LlamaConfig
+from layers.moe.config import holds
+from layers.gpt_oss.adapter import DEFAULT_ROPE, GptOssAdapter
 from layers.gpt_oss.costs import GptOssCosts, GptOssExpertsCosts
-
-# transformers' RoPE where a config names none (GptOssConfig's): YaRN, 32 times the original 4096 positions.
-DEFAULT_ROPE: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+from layers.gpt_oss.targets import GptOssTargets
 
 
 def checked_yarn(rope: Any) -> tuple[tuple[str, Any], ...]:
@@ -60,7 +56,7 @@ def alternating_layers(layers: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class GptOssConfig(MixtureOfExperts, LlamaConfig):
+class GptOssConfig(LlamaConfig):
     costs_class = GptOssCosts
     mlp_costs = GptOssExpertsCosts
     adapter_class = GptOssAdapter  # the experts fused, as transformers holds them; published files pack them
@@ -69,14 +65,9 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
     attention_sinks: ClassVar[bool] = True
-    # LoRA targets attention's projections alone, and the experts load whole (`experts()`): the experts' tensors,
-    # input dimension first and with biases, are neither PEFT-style targets here nor carried by expert groups.
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj"}
-    lora_parameters: ClassVar[tuple[str, ...]] = ()
+    lora_class = GptOssTargets  # attention's projections alone
 
-    # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no hf_defaults
+    # transformers' defaults (GptOssConfig's: gpt-oss-120b's sizes), so no adapter defaults
     vocab_size: int = 201088
     hidden_size: int = 2880
     intermediate_size: int = 2880  # each expert's width
@@ -101,8 +92,11 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     def __post_init__(self) -> None:
         if self.attention_layers is None and isinstance(self.num_hidden_layers, int):
             object.__setattr__(self, "attention_layers", alternating_layers(self.num_hidden_layers))
+        # Its router's softmax is over the chosen experts' logits; its experts load whole: their tensors, input
+        # dimension first and with biases, are not carried by expert groups.
+        holds(self, SparseMlp(self.num_local_experts, self.num_experts_per_tok, self.intermediate_size, True,
+                              self.output_router_logits, self.router_aux_loss_coef, grouped=False))
         super().__post_init__()
-        self.check_experts()
         object.__setattr__(self, "attention_layers", tuple(self.attention_layers))
         if len(self.attention_layers) != self.num_hidden_layers or not set(self.attention_layers) <= set(LAYER_TYPES):
             raise ConfigError(f"layer_types must name {self.num_hidden_layers} layers (num_hidden_layers), each "
@@ -136,18 +130,6 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
         return LlamaConfig.resized(deepened(self, sizes), **sizes)
 
     # --- the common vocabulary ------------------------------------------------------------------
-    @property
-    def num_experts(self) -> int:
-        return self.num_local_experts
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return True  # the softmax is over the chosen experts' logits
-
-    @property
-    def expert_width(self) -> int:
-        return self.intermediate_size
-
     def layer_types(self) -> tuple[str, ...]:
         return self.attention_layers
 
@@ -160,41 +142,14 @@ class GptOssConfig(MixtureOfExperts, LlamaConfig):
     def context(self) -> tuple[int, str]:
         return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
 
-    def experts(self) -> int:
-        return 0
-
     # --- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         return super().block_params() + self.num_attention_heads  # and each head's sink
 
     def mlp_params(self) -> int:
-        d, f, experts = self.hidden_size, self.expert_width, self.num_experts
+        d, f, experts = self.hidden_size, self.intermediate_size, self.num_local_experts
         # the router and its bias; each expert's gate/up and down projections and their biases
         return experts * (d + 1) + experts * (3 * d * f + 2 * f + d)
-
-    # --- how transformers saves the experts ------------------------------------------------------
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "GptOssConfig":
-        cls.read_hf_experts(raw)
-        if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
-            raw["rope_scaling"] = {k: v for k, v in DEFAULT_ROPE.items() if k != "rope_theta"}
-        raw.setdefault("rope_theta", DEFAULT_ROPE["rope_theta"])  # GptOssConfig.default_theta
-        raw["rope_parameters"] = {"rope_theta": raw["rope_theta"], **rope_parameters_of(raw)}
-        if raw.get("layer_types") is not None:
-            raw["attention_layers"] = tuple(raw["layer_types"])
-        dropout = raw.get("attention_dropout")
-        if dropout not in (0, None):
-            raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
-        return cls.from_dict(cls.own_fields(raw))
-
-    def to_hf(self) -> dict[str, Any]:
-        out = {"architectures": [self.architecture], "model_type": self.model_type, **dataclasses.asdict(self),
-               "rope_parameters": self.rope, "layer_types": list(self.attention_layers),
-               "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
-        del out["attention_layers"], out["mlp_bias"]
-        return out
 
 
 def _gpt_oss(layers: int, experts: int) -> GptOssConfig:

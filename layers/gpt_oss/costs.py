@@ -11,7 +11,7 @@ class GptOssExpertsCosts(SparseMlpCosts):
     """gpt-oss's experts: a clamped SwiGLU of interleaved gate and up, with biases, over a router with a bias."""
 
     def saved_per_token(self, es: int) -> int:
-        d, f, k = self.cfg.hidden_size, self.cfg.expert_width, self.cfg.num_experts_per_tok
+        d, f, k = self.cfg.hidden_size, self.mlp.width, self.mlp.num_experts_per_tok
         # The top-k's int64 indices and the softmax over them. Per routed token: its gathers' int64 indices (its
         # token's row, each projection's bias, its place back in (token, choice) order), its input row (the
         # gate/up matmul's), the gate/up output (the clamps' input), sigmoid's output, the clamped gate, up + 1,
@@ -19,7 +19,7 @@ class GptOssExpertsCosts(SparseMlpCosts):
         return 8 * k + es * k + k * (32 + es * (2 * d + 7 * f))
 
     def backward_peaks(self, es: int) -> tuple[tuple[int, int, int], ...]:
-        d, k, experts = self.cfg.hidden_size, self.cfg.num_experts_per_tok, self.cfg.num_experts
+        d, k, experts = self.cfg.hidden_size, self.mlp.num_experts_per_tok, self.mlp.num_experts
         weighting, product, gate_up = super().backward_peaks(es)
         # The clamped SwiGLU's backward, as the other mixtures' SwiGLU's, but for the down bias's gather index
         # also gone, the routing weights' gradient made, and down's bias gradient with its weight's.
@@ -27,7 +27,7 @@ class GptOssExpertsCosts(SparseMlpCosts):
         return weighting, (per_token - 8 * k + es * k, params + experts * d, fixed), gate_up
 
     def frozen_saves(self, es: int, targets: frozenset[str], plain: bool, mlp_in: bool) -> tuple[int, dict[str, bool]]:
-        d, f, k = self.cfg.hidden_size, self.cfg.expert_width, self.cfg.num_experts_per_tok
+        d, f, k = self.cfg.hidden_size, self.mlp.width, self.mlp.num_experts_per_tok
         if not mlp_in:
             return 0, {}
         # Frozen experts keep no matmul input and no bias index: per routed token its two other gathers'

@@ -12,7 +12,7 @@ from layers.block import KVCache, attend
 from layers.gpt_oss.config import GptOssConfig
 from layers.llama.units import Llama, LlamaEmbedding, LlamaHead
 from layers.model import FamilyUnits
-from layers.moe.units import Experts, GroupedLinear
+from layers.moe.units import Experts, GroupedLinear, sparse_mlp
 from layers.olmo2.units import Olmo2RMSNorm
 from layers.rotary import apply_rotary_halves, sequence_sincos
 
@@ -55,7 +55,7 @@ class GptOssExperts(Experts):
 
     def __init__(self, cfg: GptOssConfig) -> None:
         nn.Module.__init__(self)
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_width
+        e, d, f = sparse_mlp(cfg).num_experts, cfg.hidden_size, sparse_mlp(cfg).width
         self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * f))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
@@ -102,8 +102,8 @@ class GptOssMoe(nn.Module):
 
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.router = GptOssRouter(cfg.hidden_size, cfg.num_experts)
+        self.top_k = sparse_mlp(cfg).num_experts_per_tok
+        self.router = GptOssRouter(cfg.hidden_size, sparse_mlp(cfg).num_experts)
         self.experts = GptOssExperts(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

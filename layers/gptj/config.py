@@ -1,16 +1,15 @@
 """The GPT-J family's configuration (torch-free): Hugging Face's field names, validated, frozen; its presets, its
-parameter counts and its checkpoint key map. Its units are in layers/gptj/units.py."""
+parameter counts. How transformers names it is layers/gptj/adapter.py. Its units are in layers/gptj/units.py."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from layers.config import PRESETS, ConfigError, ModelConfig, family, positive_ints, take_aliases
+from layers.config import PRESETS, ConfigError, ModelConfig, check_size, family, positive_ints
+from layers.gptj.adapter import GPTJAdapter
 from layers.gptj.costs import GPTJCosts
+from layers.gptj.targets import GPTJTargets
 
-# Dropout is a training-time regulariser the public checkpoints set to 0.
-_HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 _SUPPORTED_ACTIVATIONS = ("gelu_new",)
 
 
@@ -20,12 +19,8 @@ class GPTJConfig(ModelConfig):
     costs_class = GPTJCosts
     model_type: ClassVar[str] = "gptj"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("attn.bias", "attn.masked_bias")
-    hf_body: ClassVar[str] = "transformer."
-    hf_blocks: ClassVar[str] = "h"
-    hf_final_norm: ClassVar[str] = "ln_f"
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "out_proj": "attn.out_proj",
-        "fc_in": "mlp.fc_in", "fc_out": "mlp.fc_out"}
+    adapter_class = GPTJAdapter
+    lora_class = GPTJTargets
     own_names: ClassVar[dict[str, str]] = {
         "hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
         "max_position_embeddings": "n_positions", "intermediate_size": "n_inner"}
@@ -67,7 +62,7 @@ class GPTJConfig(ModelConfig):
         if self.tie_word_embeddings is not False:
             raise ConfigError(f"tie_word_embeddings must be False (GPT-J's embedding and lm_head are separate), "
                               f"got {self.tie_word_embeddings!r}")
-        self.check_size()
+        check_size(self)
 
     @classmethod
     def example(cls) -> "GPTJConfig":
@@ -116,37 +111,6 @@ class GPTJConfig(ModelConfig):
 
     def head_params(self) -> int:
         return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, f = self.n_embd, self.intermediate_size
-        return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "GPTJConfig":
-        for key in _HF_DROPOUT_KEYS:
-            value = raw.pop(key, 0.0)
-            if value not in (0, 0.0, None):
-                raise ConfigError(f"{key}={value} is not supported (no dropout); set it to 0.0")
-        take_aliases(raw, {"hidden_size": "n_embd", "num_attention_heads": "n_head",
-                           "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"})
-        # The published GPT-J config says "rotary": true; rotary is not optional here.
-        if raw.pop("rotary", True) is not True:
-            raise ConfigError("rotary=false (no rotary embedding) is not GPT-J; remove it or set it to true")
-        if raw.get("rotary_dim", 64) is None:
-            raise ConfigError("rotary_dim=None (rotary over the whole head) is not supported; set rotary_dim")
-        return cls.from_dict(cls.own_fields(raw))
-
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers.GPTJForCausalLM reads."""
-        return {
-            "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
-            **dataclasses.asdict(self),
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "initializer_range": 0.02, "use_cache": True,
-            "bos_token_id": 50256 if self.vocab_size > 50256 else 0,
-            "eos_token_id": 50256 if self.vocab_size > 50256 else 0,
-        }
 
 
 PRESETS.update({

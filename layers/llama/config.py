@@ -5,21 +5,24 @@ and `qwen3` as small variations of it. RMSNorm, SwiGLU, grouped-query attention,
 The variations are class attributes, so the units never ask which model_type they hold: `qkv_bias` (qwen2's
 q/k/v biases), `qk_norm` (qwen3's RMSNorm on each head of q and k; `qk_norm_whole`: over the whole projections,
 as olmoe's), and which of transformers' optional flags (`attention_bias`, `mlp_bias`) the family's transformers
-class honours. The MLP's parameters are a method (`mlp_params`), which the mixture-of-experts families
-(layers/moe) override; its costs are a facet the config names (`mlp_costs`), composed into the block's.
+class honours. The MLP is dense, or a sparse mixture of experts that the config holds as a facet (`sparse_mlp`,
+layers/moe); its costs are a facet the config names (`mlp_costs`), composed into the block's.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Self
+from typing import Any, ClassVar, Mapping
 
 from layers.config import (
-    PRESETS, ConfigError, ModelConfig, check_heads, check_pad_token_id, check_rms_norm_eps,
+    PRESETS, ConfigError, ModelConfig, check_heads, check_size, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
+from layers.adapter import StateDictAdapter
 from layers.costs import Costs
+from layers.llama.adapter import LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
 from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
+from layers.llama.targets import LlamaTargets
+from layers.targets import LoraTargets
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
 TINY: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -30,20 +33,6 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (), "linear": ("factor",), "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-
-
-def rope_parameters_of(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """transformers' `rope_parameters`, or the older `rope_theta` and `rope_scaling` (`type` for `rope_type`)
-    that published Llama, Mistral and Qwen configs carry, as one dict."""
-    if "rope_parameters" in raw and raw["rope_parameters"] is not None:
-        params = dict(raw["rope_parameters"])
-    else:
-        scaling = dict(raw.get("rope_scaling") or {})
-        if "type" in scaling:
-            scaling.setdefault("rope_type", scaling.pop("type"))
-        params = {"rope_theta": raw.get("rope_theta", 10000.0), "rope_type": "default", **scaling}
-    params.setdefault("rope_type", "default")
-    return params
 
 
 def checked_rope(rope: Any, name: str = "rope_parameters") -> tuple[tuple[str, Any], ...]:
@@ -72,13 +61,8 @@ class LlamaConfig(ModelConfig):
     mlp_costs: ClassVar[type[MlpCosts]] = SwiGLUCosts  # its MLP's facet of the costs
     model_type: ClassVar[str] = "llama"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
-    hf_body: ClassVar[str] = "model."
-    hf_blocks: ClassVar[str] = "layers"
-    hf_final_norm: ClassVar[str] = "norm"
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-        "down_proj": "mlp.down_proj"}
+    adapter_class: ClassVar[type[StateDictAdapter]] = LlamaAdapter
+    lora_class: ClassVar[type[LoraTargets]] = LlamaTargets
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
@@ -88,7 +72,6 @@ class LlamaConfig(ModelConfig):
     # Whether transformers' config turns the window on only with use_sliding_window, on the layers from
     # max_window_layers on (or those layer_types names), rather than on every layer whenever it is set (mistral).
     switched_window: ClassVar[bool] = False
-    hf_required: ClassVar[tuple[str, ...]] = (*ModelConfig.hf_required, "intermediate_size")
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -133,7 +116,7 @@ class LlamaConfig(ModelConfig):
             positive_ints(self, "sliding_window")
         check_pad_token_id(self)
         self._check_rope()
-        self.check_size()
+        check_size(self)
 
     def _check_rope(self) -> None:
         object.__setattr__(self, "rope_parameters", checked_rope(self.rope_parameters))
@@ -180,7 +163,9 @@ class LlamaConfig(ModelConfig):
         return 2 * d + attention + self.mlp_params()  # input_layernorm, post_attention_layernorm
 
     def mlp_params(self) -> int:
-        """The parameters of a block's MLP (SwiGLU's three projections, their biases)."""
+        """The parameters of a block's MLP: SwiGLU's three projections and their biases, or the sparse MLP's."""
+        if self.sparse_mlp is not None:
+            return self.sparse_mlp.params(self.hidden_size)
         d, f = self.hidden_size, self.intermediate_size
         return 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
 
@@ -192,64 +177,6 @@ class LlamaConfig(ModelConfig):
         tied = unit == "head" and self.tie_word_embeddings
         return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
 
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-                "up_proj": (d, f), "down_proj": (f, d)}[name]
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> Self:
-        dropout = raw.get("attention_dropout")
-        if dropout not in (0, None):
-            raise ConfigError(f"attention_dropout={dropout!r} is not supported (no dropout); set it to 0.0")
-        raw["rope_parameters"] = rope_parameters_of(raw)
-        raw["sliding_window"] = cls._window(raw)
-        # Fields that transformers' class for this model_type never reads change nothing there: nor here.
-        unread = {*(() if cls.slides else ("sliding_window",)),
-                  *(flag for flag in ("attention_bias", "mlp_bias") if flag not in cls.honoured_flags)}
-        fields = {k: v for k, v in cls.own_fields(raw).items() if k not in unread}
-        return cls.from_dict(fields)
-
-    @classmethod
-    def _window(cls, raw: Mapping[str, Any]) -> Any:
-        """The sliding window transformers' model applies on every layer, None for none. Where use_sliding_window
-        switches it (qwen2, qwen3), it slides on the layers layer_types names, else on those from
-        max_window_layers on; a window on some layers only is refused (one window is what this model and its
-        export hold)."""
-        window = raw.get("sliding_window")
-        if not cls.switched_window or window is None:
-            return window
-        if raw.get("use_sliding_window") is not True:
-            return None
-        kinds, layers, full = raw.get("layer_types"), raw.get("num_hidden_layers"), raw.get("max_window_layers")
-        if isinstance(kinds, list):
-            sliding, total, which = kinds.count("sliding_attention"), len(kinds), "layer_types"
-        elif isinstance(layers, int) and isinstance(full, int):
-            sliding, total, which = min(max(layers - full, 0), layers), layers, f"max_window_layers={full}"
-        else:
-            return window  # the sizes' own checks name what is wrong
-        if 0 < sliding < total:
-            raise ConfigError(f"use_sliding_window=true with {which} slides {sliding} of {total} layers: a window "
-                              "on some layers only is not supported; set use_sliding_window to false (the same "
-                              f"model on sequences up to sliding_window={window})")
-        return window if sliding else None
-
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers' class for this model_type reads."""
-        out = {"architectures": [self.architecture], "model_type": self.model_type,
-               **dataclasses.asdict(self), "rope_parameters": self.rope,
-               "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
-        for flag in ("attention_bias", "mlp_bias"):
-            if flag not in self.honoured_flags:
-                del out[flag]
-        if not self.slides:
-            del out["sliding_window"]
-        elif self.switched_window:  # the window on every layer
-            out.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
-        return out
-
 
 @family
 @dataclass(frozen=True)
@@ -258,8 +185,7 @@ class MistralConfig(LlamaConfig):
     architecture: ClassVar[str] = "MistralForCausalLM"
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
-                                             "sliding_window": 4096}
+    adapter_class: ClassVar[type[StateDictAdapter]] = MistralAdapter
 
     @classmethod
     def example(cls) -> "MistralConfig":
@@ -276,8 +202,7 @@ class Qwen2Config(LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
     switched_window: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 32, "max_position_embeddings": 32768,
-                                             "sliding_window": 4096, "max_window_layers": 28}
+    adapter_class: ClassVar[type[StateDictAdapter]] = Qwen2Adapter
 
     @classmethod
     def example(cls) -> "Qwen2Config":
@@ -294,7 +219,7 @@ class Qwen3Config(LlamaConfig):
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     slides: ClassVar[bool] = True
     switched_window: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {**Qwen2Config.hf_defaults, "head_dim": 128}
+    adapter_class: ClassVar[type[StateDictAdapter]] = Qwen3Adapter
 
     @classmethod
     def example(cls) -> "Qwen3Config":

@@ -2,140 +2,46 @@
 whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Their units are in
 layers/moe/units.py.
 
-A sparse MLP (`MixtureOfExperts`) replaces the dense one of a Llama-family block: a router (`gate`, a linear map
-to one logit per expert) picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the
-token's output is the sum of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the
-chosen ones where `norm_topk_prob`). Everything else is the Llama family's, variations and all.
+A sparse MLP replaces the dense one of a Llama-family block: the config holds it as a facet, not as an ancestor
+class (`layers.config.SparseMlp`, `ModelConfig.sparse_mlp`), which its units, costs (`SparseMlpCosts`), LoRA targets
+(`ExpertsTargets`) and adapter (`ExpertsAdapter`) read. A router (`gate`, a linear map to one logit per expert)
+picks each token's `num_experts_per_tok` experts by their softmax probabilities, and the token's output is the sum
+of those experts' SwiGLU outputs weighted by the probabilities (renormalised over the chosen ones where
+`norm_topk_prob`). Everything else is the Llama family's, variations and all.
 
 With `output_router_logits` the model's loss adds `router_aux_loss_coef` times transformers' load-balancing loss
 (Switch Transformer's) over every layer's routing: layers/moe/units.py's `RouterBalance`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-from layers.config import PRESETS, ConfigError, LoraKeys, family, positive_ints, take_aliases
+from layers.config import PRESETS, ConfigError, SparseMlp, family
 from layers.llama.config import TINY, LlamaConfig, MistralConfig, Qwen3Config
-from layers.adapter import StateDictAdapter
-from layers.llama.costs import MlpCosts
-from layers.moe.adapter import ExpertsAdapter
+from layers.moe.adapter import MixtralAdapter, OlmoeAdapter, Qwen3MoeAdapter
 from layers.moe.costs import SparseMlpCosts
-
-if TYPE_CHECKING:  # the mixin's methods reach LlamaConfig's through super(): the type checker sees it as one
-    _MixinBase = LlamaConfig
-else:
-    _MixinBase = object
+from layers.moe.targets import ExpertsTargets
 
 
-class MixtureOfExperts(_MixinBase):
-    """The sparse MLP's fields, parameters, LoRA targets and saved names, for a config class that also subclasses
-    LlamaConfig; its byte and FLOP inputs are the block's MLP facet `SparseMlpCosts` (layers/moe/costs.py)."""
-
-    mlp_costs: ClassVar[type[MlpCosts]] = SparseMlpCosts
-    adapter_class: ClassVar[type[StateDictAdapter]] = ExpertsAdapter
-
-    num_experts_per_tok: int
-    output_router_logits: bool  # the loss adds the routers' load-balancing loss, times router_aux_loss_coef
-    router_aux_loss_coef: float
-    hidden_size: int
-    if TYPE_CHECKING:  # a field of one family, derived by another's property: read-only to the type checker
-        @property
-        def num_experts(self) -> int: ...
-        @property
-        def norm_topk_prob(self) -> bool: ...
-        @property
-        def expert_width(self) -> int: ...  # each expert's SwiGLU width, by the family's own field
-    else:
-        num_experts: int
-        norm_topk_prob: bool
-        expert_width: int
-    # Attention's projections and the experts' fused tensors (E, out, in), which PEFT targets as parameters
-    # (`target_parameters`, matched by the end of their names): each expert e gets its own pair, W_e + scaling x
-    # B_e A_e. The router is transformers' own module, not a Linear, and no target.
-    projections: ClassVar[dict[str, str]] = {
-        "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-        "o_proj": "self_attn.o_proj", "experts.gate_up_proj": "mlp.experts.gate_up_proj",
-        "experts.down_proj": "mlp.experts.down_proj"}
-    lora_parameters: ClassVar[tuple[str, ...]] = ("experts.gate_up_proj", "experts.down_proj")
-
-    # How transformers saves the sparse MLP: its module's name and each expert's projections (gate and up, then
-    # down), as the checkpoints before transformers 5 held them.
-    expert_keys: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-    saved_mlp: ClassVar[str] = "mlp"
-    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("gate_proj", "up_proj"), ("down_proj",))
-
-    @staticmethod
-    def read_hf_experts(raw: dict[str, Any]) -> None:
-        """What transformers' classes of a mixture compute and this one does not, refused in one line; the
-        auxiliary loss's coefficient left out where transformers never reads it (no `output_router_logits`)."""
-        if raw.get("router_jitter_noise"):
-            raise ConfigError(f"router_jitter_noise={raw['router_jitter_noise']!r} is not supported (no noise on "
-                              "the router's input); set it to 0.0")
-        if not raw.get("output_router_logits"):
-            raw.pop("router_aux_loss_coef", None)
-
-    def check_experts(self) -> None:
-        positive_ints(self, "num_experts", "num_experts_per_tok")
-        if self.expert_width <= 0:
-            raise ConfigError(f"the experts' width must be a positive integer, got {self.expert_width!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the number of "
-                              f"experts ({self.num_experts})")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
-        if not isinstance(self.output_router_logits, bool):
-            raise ConfigError(f"output_router_logits must be true or false, got {self.output_router_logits!r}")
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-            raise ConfigError(f"router_aux_loss_coef must be a finite number, got {coef!r}")
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        """An expert tensor's is one expert's (in_features, out_features)."""
-        d, f = self.hidden_size, self.expert_width
-        experts = {"experts.gate_up_proj": (d, 2 * f), "experts.down_proj": (f, d)}
-        return experts[name] if name in experts else super().projection_shape(name)
-
-    def lora_experts(self, target: str) -> tuple[int, int]:
-        return (self.num_experts, self.num_experts_per_tok) if target in self.lora_parameters else (1, 1)
-
-    def lora_keys(self, target: str, targets: tuple[str, ...]) -> LoraKeys:
-        """An expert tensor's adapters are the experts module's `lora_A.<name>` (r E x in) and `lora_B.<name>`
-        (out x r E), PEFT's ParamWrapper's layout. PEFT wraps the experts module once per tensor targeted, in the
-        module's order, each wrapper around the previous: an earlier tensor's adapters lie one `base_layer`
-        deeper for each later one targeted."""
-        if target not in self.lora_parameters:
-            return super().lora_keys(target, targets)
-        key = self.projections[target]
-        module, _, name = key.rpartition(".")
-        later = self.lora_parameters[self.lora_parameters.index(target) + 1:]
-        peft = f"{module}." + "base_layer." * sum(t in targets for t in later)
-        return LoraKeys(key, f"{module}.lora_A.{name}", f"{module}.lora_B.{name}", f"{peft}lora_A.weight",
-                        f"{peft}lora_B.weight")
-
-    def mlp_params(self) -> int:
-        d, f, experts = self.hidden_size, self.expert_width, self.num_experts
-        return experts * d + experts * 3 * d * f  # the router, each expert's gate, up and down projections
-
-    def experts(self) -> int:
-        return self.num_experts
-
-    def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.expert_width  # its gate, up and down projections
+def holds(cfg: LlamaConfig, mlp: SparseMlp) -> None:
+    """Give a mixture's config its sparse MLP facet, built from its own fields: first in its `__post_init__`, since
+    the sizes' checks count the experts' parameters."""
+    object.__setattr__(cfg, "sparse_mlp", mlp)
 
 
 @family
 @dataclass(frozen=True)
-class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
+class Qwen3MoeConfig(Qwen3Config):
     """Qwen3's attention (RMSNorm on each head of q and k) and a sparse MLP in every layer. transformers' class
     can make some layers dense (`decoder_sparse_step`, `mlp_only_layers`): published configs do not, and it is
     refused here."""
 
     model_type: ClassVar[str] = "qwen3_moe"
+    adapter_class = Qwen3MoeAdapter
+    mlp_costs = SparseMlpCosts
+    lora_class = ExpertsTargets
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 4, "max_position_embeddings": 32768,
-                                             "intermediate_size": 6144, "sliding_window": 4096}
 
     intermediate_size: int = 6144  # the dense MLP's width, which no layer has here
     num_experts: int = 128
@@ -146,12 +52,9 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
-        self.check_experts()  # first: the sizes' checks count the experts' parameters
+        holds(self, SparseMlp(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
+                              self.norm_topk_prob, self.output_router_logits, self.router_aux_loss_coef))
         super().__post_init__()
-
-    @property
-    def expert_width(self) -> int:
-        return self.moe_intermediate_size
 
     def resized(self, **sizes: int) -> "Qwen3MoeConfig":
         """Generic code sizes a model's MLP by `intermediate_size` (a calibration probe's, a smaller model's):
@@ -167,27 +70,10 @@ class Qwen3MoeConfig(MixtureOfExperts, Qwen3Config):
         return cls(**{**TINY, "num_key_value_heads": 1}, head_dim=16, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=16, norm_topk_prob=True)
 
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "Qwen3MoeConfig":
-        take_aliases(raw, {"num_local_experts": "num_experts"})  # the name transformers 5 writes
-        cls.read_hf_experts(raw)
-        step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
-        if step != 1 or dense:
-            raise ConfigError(f"decoder_sparse_step={step!r} and mlp_only_layers={dense!r} make some layers dense; "
-                              "only a sparse MLP in every layer is supported (decoder_sparse_step 1, "
-                              "mlp_only_layers [])")
-        # Its window slides on every layer whenever use_sliding_window: the class reads neither of Qwen2's
-        # per-layer fields.
-        raw = {k: v for k, v in raw.items() if k not in ("max_window_layers", "layer_types")}
-        return super().from_hf_fields(raw)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "decoder_sparse_step": 1, "mlp_only_layers": []}
-
 
 @family
 @dataclass(frozen=True)
-class MixtralConfig(MixtureOfExperts, MistralConfig):
+class MixtralConfig(MistralConfig):
     """Mistral's attention and a sparse MLP of `num_local_experts` experts of width `intermediate_size`. The
     router's chosen probabilities are always renormalised: a softmax over the chosen experts' logits, computed
     as transformers does (softmax over all, top-k, divided by their sum). transformers keeps them in fp32 for
@@ -195,10 +81,9 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
 
     model_type: ClassVar[str] = "mixtral"
     architecture: ClassVar[str] = "MixtralForCausalLM"
-    saved_mlp: ClassVar[str] = "block_sparse_moe"
-    saved_projections: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = (("w1", "w3"), ("w2",))
-    hf_defaults: ClassVar[dict[str, Any]] = {"num_key_value_heads": 8, "max_position_embeddings": 131072,
-                                             "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
+    adapter_class = MixtralAdapter
+    mlp_costs = SparseMlpCosts
+    lora_class = ExpertsTargets
 
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
@@ -206,49 +91,31 @@ class MixtralConfig(MixtureOfExperts, MistralConfig):
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
-        self.check_experts()  # first: the sizes' checks count the experts' parameters
+        holds(self, SparseMlp(self.num_local_experts, self.num_experts_per_tok, self.intermediate_size, True,
+                              self.output_router_logits, self.router_aux_loss_coef))
         super().__post_init__()
-
-    @property
-    def num_experts(self) -> int:
-        return self.num_local_experts
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return True
-
-    @property
-    def expert_width(self) -> int:
-        return self.intermediate_size
 
     @classmethod
     def example(cls) -> "MixtralConfig":
         """Four experts, two per token, narrower than the model; grouped-query attention and no window."""
         return cls(**{**TINY, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=2)
 
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "MixtralConfig":
-        take_aliases(raw, {"num_experts": "num_local_experts"})
-        cls.read_hf_experts(raw)
-        return super().from_hf_fields(raw)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "router_jitter_noise": 0.0}
-
 
 @family
 @dataclass(frozen=True)
-class OlmoeConfig(MixtureOfExperts, LlamaConfig):
+class OlmoeConfig(LlamaConfig):
     """OLMo's attention (RMSNorm over q's and k's whole projections, as OLMo 2's) and a sparse MLP of
     `num_experts` experts of width `intermediate_size`, not renormalised by default. Its embedding's
     `pad_token_id` row gets no gradient and starts at zero, as transformers' nn.Embedding(padding_idx) does."""
 
     model_type: ClassVar[str] = "olmoe"
+    adapter_class = OlmoeAdapter
+    mlp_costs = SparseMlpCosts
+    lora_class = ExpertsTargets
     architecture: ClassVar[str] = "OlmoeForCausalLM"
     qk_norm: ClassVar[bool] = True
     qk_norm_whole: ClassVar[bool] = True
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
-    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
 
     num_experts: int = 64
     num_experts_per_tok: int = 8
@@ -258,34 +125,19 @@ class OlmoeConfig(MixtureOfExperts, LlamaConfig):
     pad_token_id: int | None = 1
 
     def __post_init__(self) -> None:
-        self.check_experts()  # first: the sizes' checks count the experts' parameters
+        holds(self, SparseMlp(self.num_experts, self.num_experts_per_tok, self.intermediate_size,
+                              self.norm_topk_prob, self.output_router_logits, self.router_aux_loss_coef))
         super().__post_init__()
         if self.head_dim * self.num_attention_heads != self.hidden_size:
             raise ConfigError(f"head_dim={self.head_dim} is not hidden_size / num_attention_heads "
                               f"({self.hidden_size} / {self.num_attention_heads}): OLMoE's q norm spans "
                               "hidden_size; remove head_dim")
 
-    @property
-    def expert_width(self) -> int:
-        return self.intermediate_size
-
     @classmethod
     def example(cls) -> "OlmoeConfig":
         """Four experts, two per token, not renormalised; q/k norms over the whole projections, grouped-query
         attention, q/k/v/o biases, and a padding token."""
         return cls(**{**TINY, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2, attention_bias=True)
-
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "OlmoeConfig":
-        take_aliases(raw, {"num_local_experts": "num_experts"})
-        cls.read_hf_experts(raw)
-        if raw.get("clip_qkv") is not None:
-            raise ConfigError(f"clip_qkv={raw['clip_qkv']!r} is not supported (no clamping of q, k and v); set it "
-                              "to null")
-        return super().from_hf_fields(raw)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "clip_qkv": None}
 
 
 THETA_1E6 = (("rope_theta", 1000000.0), ("rope_type", "default"))

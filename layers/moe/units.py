@@ -19,7 +19,7 @@ from torch import nn
 from layers.llama.units import Llama, LlamaBlock, LlamaEmbedding, LlamaHead
 from layers.lora import expert_factors, init_adapters
 from layers.model import AuxiliaryLoss, FamilyUnits
-from layers.moe.config import MixtureOfExperts
+from layers.config import ModelConfig, SparseMlp
 
 
 # Where torch._grouped_mm computes the experts: one kernel for every expert instead of a launch per expert. Not on
@@ -28,6 +28,13 @@ from layers.moe.config import MixtureOfExperts
 # weight gradient 1.3x and 1.5x). transformers' grouped experts ask the same of CUDA: compute capability 8.0 or above.
 GROUPED_MM_DEVICES = {"cuda"}
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sparse_mlp(cfg: ModelConfig) -> SparseMlp:
+    """The sparse MLP a mixture's config holds, which its units are built from."""
+    if cfg.sparse_mlp is None:
+        raise TypeError(f"{cfg.model_type} has a dense MLP: a mixture's units need a sparse one")
+    return cfg.sparse_mlp
 
 
 def grouped_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -151,9 +158,9 @@ class Experts(nn.Module):
 
     adaptable: ClassVar[tuple[str, ...]] = ("gate_up_proj", "down_proj")
 
-    def __init__(self, cfg: MixtureOfExperts) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_width
+        e, d, f = sparse_mlp(cfg).num_experts, cfg.hidden_size, sparse_mlp(cfg).width
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()  # by the tensor they adapt; none: no LoRA
@@ -230,19 +237,20 @@ class RouterBalance(AuxiliaryLoss):
     probabilities are the routing's fp32 ones; transformers takes the softmax of the router's logits again in the
     compute dtype (the same in fp32, a rounding apart in bf16)."""
 
-    def __init__(self, cfg: MixtureOfExperts, scale: float, device: torch.device,
+    def __init__(self, cfg: ModelConfig, scale: float, device: torch.device,
                  attention_mask: torch.Tensor | None = None) -> None:
-        self.coef = cfg.router_aux_loss_coef * scale
-        self.state = torch.zeros(2, cfg.num_experts, dtype=torch.float32, device=device)  # C, S
+        mlp = sparse_mlp(cfg)
+        self.coef = mlp.router_aux_loss_coef * scale
+        self.state = torch.zeros(2, mlp.num_experts, dtype=torch.float32, device=device)  # C, S
         # Each row's weight (1 kept, 0 padding), in the routers' row order (B * T); None: every row counts.
         self.kept = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
         self.rows: float | torch.Tensor = 0  # R
         self.counting = False
 
     @classmethod
-    def of(cls, cfg: MixtureOfExperts, scale: float, device: torch.device,
+    def of(cls, cfg: ModelConfig, scale: float, device: torch.device,
            attention_mask: torch.Tensor | None) -> "RouterBalance | None":
-        return cls(cfg, scale, device, attention_mask) if cfg.output_router_logits else None
+        return cls(cfg, scale, device, attention_mask) if sparse_mlp(cfg).output_router_logits else None
 
     @contextlib.contextmanager
     def recording(self, counting: bool) -> Iterator[None]:
@@ -301,10 +309,11 @@ class SparseMoe(nn.Module):
     probabilities, renormalised over the chosen ones where `norm_topk_prob`. Inside a `RouterBalance`'s
     recording the routing also goes to its load-balancing loss."""
 
-    def __init__(self, cfg: MixtureOfExperts) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        mlp = sparse_mlp(cfg)
+        self.top_k, self.renormalise = mlp.num_experts_per_tok, mlp.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, mlp.num_experts, bias=False)
         self.experts = Experts(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

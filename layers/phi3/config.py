@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from layers.config import PRESETS, ConfigError, family, positive_ints
-from layers.llama.config import TINY, LlamaConfig, rope_parameters_of
+from layers.llama.config import TINY, LlamaConfig
+from layers.phi3.adapter import Phi3Adapter
 from layers.phi3.costs import Phi3Costs
+from layers.phi3.targets import Phi3Targets
 
-# Dropout is a training-time regulariser the published checkpoints set to 0.
-_HF_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
 # What each rope_type transformers' Phi-3 accepts needs besides rope_theta: longrope's factors per frequency.
 ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_factor", "long_factor")}
 
@@ -24,18 +24,12 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_fac
 @dataclass(frozen=True)
 class Phi3Config(LlamaConfig):
     costs_class = Phi3Costs
+    adapter_class = Phi3Adapter
     model_type: ClassVar[str] = "phi3"
     architecture: ClassVar[str] = "Phi3ForCausalLM"
-    projections: ClassVar[dict[str, str]] = {
-        "qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
-        "down_proj": "mlp.down_proj"}
-    # PEFT has no default for phi3 (it asks for target_modules); its defaults for other fused-attention families
-    # (gpt2's c_attn, falcon's query_key_value, codegen's qkv_proj) are the fused projection, q_proj,v_proj's place.
-    lora_default_targets: ClassVar[tuple[str, ...]] = ("qkv_proj",)
+    lora_class = Phi3Targets
     honoured_flags: ClassVar[tuple[str, ...]] = ()
     slides: ClassVar[bool] = True
-    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-                                             "pad_token_id": 32000}
 
     # The context the model was pretrained on: longrope's short factors up to it, its long factors past it.
     original_max_position_embeddings: int = 4096
@@ -92,29 +86,6 @@ class Phi3Config(LlamaConfig):
 
     def rotary_regime_change(self) -> int | None:
         return self.original_max_position_embeddings if self.rope["rope_type"] == "longrope" else None
-
-    def projection_shape(self, name: str) -> tuple[int, int]:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim
-        return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}[name]
-
-    # --- Hugging Face config.json ------------------------------------------------------------------
-    @classmethod
-    def from_hf_fields(cls, raw: dict[str, Any]) -> "Phi3Config":
-        for key in _HF_DROPOUT_KEYS:
-            value = raw.pop(key, 0.0)
-            if value not in (0, None):
-                raise ConfigError(f"{key}={value!r} is not supported (no dropout); set it to 0.0")
-        rope = rope_parameters_of(raw)
-        if rope["rope_type"] in ("su", "yarn"):  # transformers' names of longrope in older Phi-3 files
-            rope["rope_type"] = "longrope"
-        rope.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        raw["rope_parameters"] = rope
-        return cls.from_dict(cls.own_fields({k: v for k, v in raw.items()
-                                             if k not in ("attention_bias", "mlp_bias")}))
-
-    def to_hf(self) -> dict[str, Any]:
-        return {**super().to_hf(), "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
 PRESETS.update({

@@ -98,8 +98,8 @@ class GGUFCheckpoint:
     def base(self) -> GGUFBase:
         """The type of each block projection's weight (those a run keeps as the file's blocks)."""
         cfg = self.config
-        keys = [cfg.hf_key(unit, f"{module}.weight") for unit in cfg.unit_names() if unit.startswith("block.")
-                for module in cfg.projections.values()]
+        keys = [cfg.adapter().key(unit, f"{module}.weight") for unit in cfg.unit_names() if unit.startswith("block.")
+                for module in cfg.lora().projections.values()]
         return GGUFBase(tuple((key, self._tensors[key].tensor_type.name) for key in keys))
 
     def _blocks(self, key: str) -> np.ndarray:

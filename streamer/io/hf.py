@@ -535,7 +535,7 @@ class HFExporter:
             _write_json(self.staging_dir / "model.safetensors.index.json",
                         {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map})
         _write_json(self.staging_dir / "config.json",
-                    {**self.carried, **self.cfg.to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
+                    {**self.carried, **self.cfg.adapter().to_hf(), **self.token_ids, "dtype": _dtype_name(self.dtype)})
         self.folder.commit()
 
 

@@ -38,13 +38,13 @@ class Adapters:
         check_targets(cfg, lora)
         self.cfg, self.lora, self.device, self.seed = cfg, lora, device, seed
         self.targets = targets_of(cfg, lora)  # the projections the adapters sit on
-        self.keys = {target: cfg.lora_keys(target, self.targets) for target in self.targets}
+        self.keys = {target: cfg.lora().keys(target, self.targets) for target in self.targets}
         self.params: dict[str, dict[str, torch.Tensor]] = {}  # unit -> key in the unit -> fp32 leaf
         for i in range(cfg.num_hidden_layers):
             unit, tensors = f"block.{i}", {}
             torch.manual_seed(seed * 1_000_003 + 500_009 + i)  # per block, as the base is initialised per unit
             for target in self.targets:
-                (fan_in, fan_out), rows = target_shape(cfg, target), lora.rank * cfg.lora_experts(target)[0]
+                (fan_in, fan_out), rows = target_shape(cfg, target), lora.rank * cfg.lora().experts(target)[0]
                 a, b = torch.empty(rows, fan_in), torch.empty(fan_out, rows)  # a mixture's experts' pairs stacked
                 init_adapters(a, b)
                 tensors[self.keys[target].a] = a.to(device).requires_grad_()
@@ -133,7 +133,7 @@ class Adapters:
         for target, keys in self.keys.items():
             slot = slots[keys.weight]
             a, b = tensors[keys.a].detach().cpu(), tensors[keys.b].detach().cpu()
-            delta = delta_weight(a, b, self.cfg.lora_experts(target)[0], self.lora.scaling)
+            delta = delta_weight(a, b, self.cfg.lora().experts(target)[0], self.lora.scaling)
             flat[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(delta.view(slot.shape))
 
     def hf_state_dict(self, prefix_of: dict[str, str]) -> dict[str, torch.Tensor]:

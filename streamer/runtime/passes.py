@@ -15,7 +15,7 @@ from layers import build_unit, unit_kind
 from layers.lora import add_adapters
 from layers.loss import TokenMean
 from layers.model import family_units
-from layers.moe.units import Experts
+from layers.moe.units import Experts, sparse_mlp
 from layers.quant4 import quantize_linears
 from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
 from memory_model.lora import dequantized_bytes
@@ -109,7 +109,7 @@ class Passes:
         if groups is None:
             yield
             return
-        experts = self.shells[unit].get_submodule(self.cfg.expert_keys[0].rpartition(".")[0])
+        experts = self.shells[unit].get_submodule(sparse_mlp(self.cfg).keys[0].rpartition(".")[0])
         assert isinstance(experts, Experts)  # a mixture's experts module
         experts.source = _GroupSource(self, unit, ctx, groups.count)
         try:

@@ -169,13 +169,13 @@ class UnitLayout:
         for key, param in params:
             if key in lent:
                 owner = lent[key][0]
-                borrowed.append((TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset), owner))
+                borrowed.append((TensorSlot(key, cfg.adapter().key(unit, key), tuple(param.shape), offset), owner))
                 offset += param.numel()
         own = [p for p in params if p[0] not in lent]
         ordered = [p for p in own if p[1].dim() >= 2] + [p for p in own if p[1].dim() < 2]
         slots, offset = [], 0
         for key, param in ordered:
-            slots.append(TensorSlot(key, cfg.hf_key(unit, key), tuple(param.shape), offset))
+            slots.append(TensorSlot(key, cfg.adapter().key(unit, key), tuple(param.shape), offset))
             offset += param.numel()
         packed = None if quant is None else Packed4.of(cfg, unit, slots, [s for s, _ in borrowed], module, quant)
         return cls(unit, tuple(slots), tuple(borrowed), packed)
@@ -311,9 +311,9 @@ def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
 def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -> dict[str, ExpertGroups]:
     """The blocks whose experts load `size` at a time (memory_model.step.StepConfig.expert_group_size, checked by
     memory_model.expert_groups.expert_group), each as `ExpertGroups`: none where blocks load whole."""
-    if not 0 < size < cfg.experts():
+    if cfg.sparse_mlp is None or not 0 < size < cfg.experts():
         return {}
-    return {u: ExpertGroups.of(layout, cfg.expert_keys, cfg.experts() // size) for u, layout in layouts.items()
+    return {u: ExpertGroups.of(layout, cfg.sparse_mlp.keys, cfg.experts() // size) for u, layout in layouts.items()
             if u.startswith("block.")}
 
 
