@@ -126,7 +126,10 @@ class RunConfig:
         """The settings from their flat names (flags, TOML keys) over `base` (default: the defaults). The
         schedule decays over --steps."""
         check_flat(cls, flat, SettingError)
-        values = {**flatten(DEFAULTS if base is None else base), **flat}
+        before = flatten(DEFAULTS if base is None else base)
+        if flat.get("method", before["method"]) != before["method"]:  # the method's own defaults, unless named
+            flat = {**METHOD_DEFAULTS.get(flat["method"], {}), **flat}
+        values = {**before, **flat}
         kind, warmup, steps = values["schedule"], values["warmup"], values["steps"]
         if kind != "constant" and warmup >= steps:
             raise SettingError("warmup", f"{warmup} leaves no steps to decay over with --steps {steps}; "
@@ -254,13 +257,21 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
-         "method", "beta", "loss_type", "label_smoothing",
+         "method", "beta", "loss_type", "label_smoothing", "num_generations", "max_completion_length", "temperature",
+         "top_p", "epsilon", "num_iterations", "reward_funcs", "reward_weights",
          "trace_steps", "trace_every", "dtype", "device", "budget", "price_on", "set", "pin_memory", "store",
          "activations", "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
          "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens",
          "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
+# Each method's own defaults, where a run changes the method and does not name them (`RunConfig.of`): beta and
+# loss_type are DPO's and GRPO's alike, by TRL's names, with TRL's defaults; GRPO holds out no data (its rows are
+# sampled, and it has no held-out loss).
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {"beta": DEFAULTS.trainer.objective.beta, "loss_type": DEFAULTS.trainer.objective.loss_type},
+    "dpo": {"beta": DEFAULTS.trainer.objective.beta, "loss_type": DEFAULTS.trainer.objective.loss_type},
+    "grpo": {"beta": 0.0, "loss_type": "dapo", "eval_fraction": 0.0}}
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);

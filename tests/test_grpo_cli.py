@@ -1,0 +1,193 @@
+"""`streamer train --method grpo`: the Python API's steps bit for bit, a kill during a rollout resumed as if none
+came, a rollout's iterations resumed from the committed step, and bad input refused in one line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from layers import FAMILIES
+from tests.test_data_cli import write_tokenizer
+from tests.test_families import hf_model
+
+CFG = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=448, max_position_embeddings=64)
+PROMPTS = [{"prompt": "Say a word:", "answer": "a"}, {"prompt": "Name a color:", "answer": "red"},
+           {"prompt": "Answer:", "answer": "yes"}]
+REWARDS = '''import os, signal
+from pathlib import Path
+
+def lowercase(prompts, completions, **kw):
+    return [sum(c.islower() or c == " " for c in t) / len(t) if t else 0.0 for t in completions]
+
+def hits(prompts, completions, answer, **kw):
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+def killing(prompts, completions, **kw):
+    """SIGKILLs its process at the call the file `kill_at` names (counting in `calls`): inside a rollout."""
+    calls = Path("calls")
+    n = int(calls.read_text()) + 1 if calls.exists() else 1
+    calls.write_text(str(n))
+    if Path("kill_at").exists() and n == int(Path("kill_at").read_text()):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return lowercase(prompts, completions)
+
+def broken(prompts, completions, **kw):
+    raise KeyError("answer")
+
+def short(prompts, completions, **kw):
+    return [1.0]
+'''
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("grpo-cli") / "hf"
+    hf_model(CFG).save_pretrained(folder)
+    write_tokenizer(folder, "qwen")
+    return folder
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder holding the prompts and the reward module, the working directory (where `module:function` is
+    imported from)."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _argv(hf_folder: Path, run: Path, *extra: object) -> list[str]:
+    return [str(a) for a in ("train", "--method", "grpo", "--from-pretrained", hf_folder, "--data", "prompts.jsonl",
+                             "--num-generations", 4, "--max-completion-length", 6, "--batch", 8, "--seq", 24,
+                             "--dtype", "fp32", "--lr", 1e-3, "--steps", 4, "--run-dir", run, "--sample-tokens", 0,
+                             *extra)]
+
+
+def _logged(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, work: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """LoRA with beta (the reference: the base with the adapters off), two iterations a rollout (the old policy's
+    log-probabilities), two reward functions weighted, two micro-batches: each step's loss, rewards, advantages
+    and completions are the Python API's (`GRPOLoop`), bit for bit; metrics.jsonl logs them and completions.jsonl
+    holds each step's first prompt's completions."""
+    from streamer import StreamingTrainer
+    from streamer.grpo import GRPOLoop, GRPOSettings
+    from streamer.io.tokenizer import load_tokenizer
+    from streamer.rewards import Rewards
+    from streamer.run_dir import RunDir
+    from tests.test_cli import run_cli
+
+    run = work / "run"
+    rc, out, err = run_cli(capsys, *_argv(hf_folder, run, "--lora-rank", 4, "--beta", 0.05, "--num-iterations", 2,
+                                          "--grad-accum", 2, "--reward-funcs", "my_rewards:lowercase,my_rewards:hits",
+                                          "--reward-weights", "1,0.5", "--loss-type", "grpo"))
+    assert rc == 0, err
+    assert "3 train / 0 held-out prompts" in out and "reward" in out
+    logged = [r for r in _logged(run) if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    for r in logged:
+        assert len(r["completions"]) == len(r["advantages"]) == len(r["rewards"]) == 8
+        assert {"reward", "reward_std", "rewards/my_rewards:lowercase", "rewards/my_rewards:hits"} <= r.keys()
+    assert logged[0]["completions"] == logged[1]["completions"] != logged[2]["completions"]  # two iterations each
+    sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in sample] == [1, 2, 3, 4] and sample[2]["prompt"] == "Answer:"
+    assert sample[0]["completions"] == logged[0]["completions"][:4]
+
+    cfg = RunDir.open(run).read_config()
+    objective = cfg.trainer.objective
+    assert (objective.loss_type, objective.beta, objective.num_iterations) == ("grpo", 0.05, 2)
+    rewards = Rewards(["my_rewards:lowercase", "my_rewards:hits"], [1.0, 0.5])
+    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer:
+        loop = GRPOLoop(trainer, load_tokenizer(run / "tokenizer"), PROMPTS, rewards,
+                        GRPOSettings.of(objective, cfg.batch, cfg.trainer.seed))
+        for r in logged:
+            record = loop.step()
+            assert record["loss"] == r["loss"] and trainer.grad_norm == r["grad_norm"]
+            assert all(record[k] == r[k] for k in ("completions", "advantages", "rewards", "reward"))
+
+
+def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, work: Path) -> None:
+    """SIGKILLed while step 3's completions are scored (its rollout under way): the same command finishes the run
+    as an uninterrupted one, bit for bit (the logged steps and the final weights)."""
+    from streamer.run_dir import RunDir
+    from streamer.session import open_trainer
+    from tests.test_lifecycle import streamer
+
+    argv = _argv(hf_folder, work / "whole", "--reward-funcs", "my_rewards:killing")
+    assert streamer(*argv).returncode == 0
+    (work / "calls").unlink()
+    (work / "kill_at").write_text("3")
+    argv = _argv(hf_folder, work / "killed", "--reward-funcs", "my_rewards:killing")
+    killed = streamer(*argv)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [r["step"] for r in _logged(work / "killed")] == [1, 2]
+    done = streamer(*argv)
+    assert done.returncode == 0, done.stderr
+
+    def steps(run: Path) -> list[tuple[Any, ...]]:
+        return [(r["step"], r["loss"], r["completions"], r["advantages"]) for r in _logged(run) if "loss" in r]
+    assert steps(work / "killed") == steps(work / "whole") and len(steps(work / "whole")) == 4
+    assert (work / "killed" / "completions.jsonl").read_text() == (work / "whole" / "completions.jsonl").read_text()
+    with open_trainer(RunDir(work / "whole")) as a, open_trainer(RunDir(work / "killed")) as b:
+        left, right = a.state_dict(), b.state_dict()
+    assert all(torch.equal(left[k], right[k]) for k in left)
+
+
+def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: Path, work: Path) -> None:
+    """With num_iterations 3, a trainer reopened from its store after step 1 steps on the same rollout (kept with
+    the step) as one that went on: the same losses, bit for bit."""
+    from streamer import StreamingTrainer, TrainerConfig
+    from streamer.grpo import GRPOLoop, GRPOSettings
+    from streamer.io.tokenizer import load_tokenizer
+    from streamer.rewards import Rewards
+
+    tokenizer, rewards = load_tokenizer(hf_folder), Rewards(["my_rewards:lowercase"])
+    settings = GRPOSettings(num_generations=4, max_completion_length=6, num_iterations=3, prompts_per_step=2)
+    tc = TrainerConfig.of(dtype="fp32", lr=1e-3)
+    with StreamingTrainer.from_pretrained(hf_folder, tc, work / "whole") as trainer:
+        loop = GRPOLoop(trainer, tokenizer, PROMPTS, rewards, settings)
+        whole = [loop.step()["loss"] for _ in range(4)]
+    with StreamingTrainer.from_pretrained(hf_folder, tc, work / "parted") as trainer:
+        parted = [GRPOLoop(trainer, tokenizer, PROMPTS, rewards, settings).step()["loss"]]
+    with StreamingTrainer.open(work / "parted") as trainer:
+        assert trainer.extra_state["rollout"]["index"] == 0
+        loop = GRPOLoop(trainer, tokenizer, PROMPTS, rewards, settings)
+        parted += [loop.step()["loss"] for _ in range(3)]
+        assert "rollout" not in trainer.extra_state  # the next step begins a rollout
+    assert parted == whole
+
+
+@pytest.mark.parametrize("extra, line", [
+    (("--reward-funcs", "my_rewards:broken"), "reward function my_rewards:broken raised KeyError: 'answer'"),
+    (("--reward-funcs", "my_rewards:short"), "reward function my_rewards:short returned 1 rewards for 8 completions"),
+    (("--reward-funcs", "my_rewards:nothing"), "my_rewards:nothing: my_rewards has no function nothing"),
+    ((), "--method grpo needs --reward-funcs module:function"),
+    (("--reward-funcs", "my_rewards:hits", "--reward-weights", "1,2"), "--reward-weights gives 2 weights for 1"),
+    (("--reward-funcs", "my_rewards:hits", "--num-generations", "3"),
+     "--batch 8 completions do not split into groups of --num-generations 3"),
+    (("--reward-funcs", "my_rewards:hits", "--max-completion-length", "20"),
+     "prompts.jsonl record 2's prompt is 5 tokens and --seq 24 leaves 4 beside --max-completion-length 20"),
+    (("--reward-funcs", "my_rewards:hits", "--beta", "0.1"), "--beta > 0 needs the reference model"),
+    (("--reward-funcs", "my_rewards:hits", "--loss-type", "sigmoid"),
+     "--loss-type sigmoid is not one of GRPO's: dapo, grpo, dr_grpo, bnpo"),
+], ids=["raises", "miscounts", "missing", "no-rewards", "weights", "groups", "long-prompt", "beta", "loss-type"])
+def test_bad_grpo_input_is_one_line(hf_folder: Path, work: Path, capsys: pytest.CaptureFixture[str],
+                                    extra: tuple[str, ...], line: str) -> None:
+    """A reward function that raises or miscounts stops the run at that step with one line naming it (the run
+    keeps its committed steps); bad settings and data are refused before anything is written."""
+    from tests.test_cli import fails
+
+    message = fails(capsys, *_argv(hf_folder, work / "run"), *extra)
+    assert line in message and "Traceback" not in message
+    if extra[:2] not in (("--reward-funcs", "my_rewards:broken"), ("--reward-funcs", "my_rewards:short")):
+        assert not (work / "run").exists()
