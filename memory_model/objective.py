@@ -7,17 +7,27 @@ rows, priced as any step of 2B rows, plus the one fp32 number per row the loss k
 (layers/preference.py). A GRPO step's rows are its completions (--batch counts them, as TRL's per-device batch),
 each with its prompt; its loss keeps one fp32 number per position (layers/grpo.py).
 
-`beta` and `loss_type` are both methods' (TRL's names): their defaults are DPO's; streamer.run's
-`METHOD_DEFAULTS` gives GRPO's (TRL's: beta 0, dapo)."""
+`beta` and `loss_type` are both methods' (TRL's names): the fields' defaults are DPO's, and `with_method_defaults`
+gives GRPO's (TRL's: beta 0, dapo) where settings change the method to grpo and do not name them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from memory_model.settings import Choice, Integer, Number, SettingError, Text, check_settings, setting
 
 METHODS = ("sft", "dpo", "grpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")  # TRL's names; `robust` alone reads label_smoothing
 GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # TRL's; layers.grpo.LOSS_TYPES computes them
+_DPO_DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid"}  # the fields' own
+METHOD_DEFAULTS = {"sft": _DPO_DEFAULTS, "dpo": _DPO_DEFAULTS, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
+
+
+def with_method_defaults(flat: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """Settings by flat name over a config of `method`: where they change the method, the new method's defaults
+    of what they do not name."""
+    new = flat.get("method", method)
+    return {**METHOD_DEFAULTS.get(new, {}), **flat} if new != method else dict(flat)
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ class ObjectiveConfig:
                                                  "--reward-funcs; give one per function")
         return weights
 
-    def saved_bytes(self, rows: int) -> int:
-        """What the loss keeps for its backward beyond the token mean's: DPO's d loss / d each row's log-probability
-        (fp32)."""
-        return 4 * rows if self.preference else 0
+    def saved_bytes(self, rows: int, seq: int) -> int:
+        """What the loss keeps for its backward beyond the token mean's, for `rows` rows of `seq` tokens: DPO's
+        d loss / d each row's log-probability, GRPO's d loss / d each position's (fp32)."""
+        return 4 * rows if self.preference else 4 * rows * seq if self.grpo else 0

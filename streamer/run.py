@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 from layers import FAMILIES, PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.expert_groups import checked_group
+from memory_model.objective import with_method_defaults
 from memory_model.lora import check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
@@ -127,8 +128,9 @@ class RunConfig:
         schedule decays over --steps."""
         check_flat(cls, flat, SettingError)
         before = flatten(DEFAULTS if base is None else base)
-        if flat.get("method", before["method"]) != before["method"]:  # the method's own defaults, unless named
-            flat = {**METHOD_DEFAULTS.get(flat["method"], {}), **flat}
+        if flat.get("method", before["method"]) == "grpo" != before["method"] and "eval_fraction" not in flat:
+            flat = {**flat, "eval_fraction": 0.0}  # GRPO's rows are sampled: it has no held-out loss
+        flat = with_method_defaults(flat, before["method"])
         values = {**before, **flat}
         kind, warmup, steps = values["schedule"], values["warmup"], values["steps"]
         if kind != "constant" and warmup >= steps:
@@ -265,13 +267,6 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens",
          "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()
-# Each method's own defaults, where a run changes the method and does not name them (`RunConfig.of`): beta and
-# loss_type are DPO's and GRPO's alike, by TRL's names, with TRL's defaults; GRPO holds out no data (its rows are
-# sampled, and it has no held-out loss).
-METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sft": {"beta": DEFAULTS.trainer.objective.beta, "loss_type": DEFAULTS.trainer.objective.loss_type},
-    "dpo": {"beta": DEFAULTS.trainer.objective.beta, "loss_type": DEFAULTS.trainer.objective.loss_type},
-    "grpo": {"beta": 0.0, "loss_type": "dapo", "eval_fraction": 0.0}}
 PATH_KEYS = ("from_pretrained", "data", "tokenizer", "run_dir", "eval_data", "chat_template")
 # What the demo sets beyond RunConfig's defaults: a short cosine run from scratch under a budget that
 # holds under a third of the demo model's 16 B/param training state (docs/CLI.md has the measurements);

@@ -217,3 +217,36 @@ def test_the_documented_toy_command_learns(tmp_path: Path) -> None:
     assert quoted is not None
     assert abs(first - float(quoted.group(1))) < 0.1 and abs(last - float(quoted.group(2))) < 0.1
     assert last > first + 0.3
+
+
+def test_the_planner_prices_a_grpo_step_as_the_ledger_charges_it() -> None:
+    """A GRPO step of rows padded to T is priced as a step of T tokens a row, plus the loss's fp32 number per
+    position (layers/grpo.py): planner = ledger to the byte, LoRA or not, resident or checkpointed, with the old
+    policy's and the reference's log-probabilities (forward passes before the step)."""
+    from layers.grpo import GRPOLoss
+    from memory_model import device_spec, plan
+    from streamer import StreamingTrainer, TrainerConfig
+    from streamer.grpo import completion_rows, grpo_step, token_logps
+
+    cfg = dataclasses.replace(FAMILIES["llama"].example(), max_position_embeddings=64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, cfg.vocab_size, (10,), generator=g).tolist()] * 8
+    completions = [torch.randint(1, cfg.vocab_size, (6 + i % 3,), generator=g).tolist() for i in range(8)]
+    ids, labels = completion_rows(prompts, completions, 0)
+    advantages = torch.randn(8, generator=g)
+    for lora_rank in (0, 4):
+        for activations in ("resident", "checkpoint"):
+            tc = TrainerConfig.of(dtype="fp32", activations=activations, update_chunk=20_000, lora_rank=lora_rank,
+                                  method="grpo", grad_accum=2)
+            loss = GRPOLoss(beta=0.04 if lora_rank else 0.0, loss_type="grpo")
+            with StreamingTrainer(cfg, tc) as trainer:
+                old = token_logps(trainer, ids, labels)
+                reference = token_logps(trainer, ids, labels, reference=True) if lora_rank else None
+                grpo_step(trainer, loss, ids, labels, advantages, old, reference)
+                real = trainer.ledger.peak, trainer.ledger.peak_breakdown
+            predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, ids.shape[1]))
+            assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+            if activations == "resident":  # the 4 rows of a micro-batch, T positions of 4 bytes each, at the head
+                sft = plan(cfg, device_spec("h100-sxm"), tc.replace(method="sft").plan_config(8, ids.shape[1]))
+                head = [r.peak_bytes for r in predicted.rows if r.unit == "head"][0]
+                assert head - [r.peak_bytes for r in sft.rows if r.unit == "head"][0] == 4 * 4 * ids.shape[1]
