@@ -17,6 +17,7 @@ run's, and the loop with its evaluations and kept steps share the session's stat
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -980,6 +981,8 @@ def _check_grpo(cfg: RunConfig) -> None:
             raise RunError(f"--method grpo samples its rows, so {flag(name)} does not apply; drop it")
     if cfg.data.eval_fraction:
         raise RunError("--method grpo has no held-out loss (its rows are sampled): pass --eval-fraction 0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would sample the same rows: not split yet
+        raise RunError("--method grpo runs in one process for now; launch it without torchrun")
     if objective.beta and not cfg.trainer.lora.enabled:
         raise RunError("--beta > 0 needs the reference model, which a GRPO run keeps with LoRA only (the base with "
                        "the adapters off); pass --lora-rank or --beta 0")

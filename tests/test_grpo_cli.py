@@ -250,3 +250,13 @@ def test_the_planner_prices_a_grpo_step_as_the_ledger_charges_it() -> None:
                 sft = plan(cfg, device_spec("h100-sxm"), tc.replace(method="sft").plan_config(8, ids.shape[1]))
                 head = [r.peak_bytes for r in predicted.rows if r.unit == "head"][0]
                 assert head - [r.peak_bytes for r in sft.rows if r.unit == "head"][0] == 4 * 4 * ids.shape[1]
+
+
+def test_grpo_under_torchrun_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process would sample the same completions: a data-parallel GRPO run is refused before it starts."""
+    from streamer.run import RunConfig, RunError
+    from streamer.session import check_startable
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = RunConfig.of({"method": "grpo", "data": "prompts.jsonl", "reward_funcs": "my_rewards:hits"})
+    with pytest.raises(RunError, match="^--method grpo runs in one process for now; launch it without torchrun$"):
+        check_startable(cfg)
