@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from streamer.errors import ConfigError, StreamerError
 from streamer.generate import Sampling, generate
 from streamer.rewards import Rewards
 from streamer.runtime.step import MicroBatch, StepContext
+from streamer.config import TrainerConfig
 from streamer.trainer import StreamingTrainer
 
 if TYPE_CHECKING:
@@ -199,21 +201,30 @@ class Rollout:
                    state["rewards"], state["per_function"], advantages, rows(state["old"]), rows(state["reference"]))
 
 
+def frozen_reference(hf_dir: str | Path, tc: TrainerConfig, store_dir: str | Path | None = None) -> StreamingTrainer:
+    """Full fine-tuning's reference for beta > 0: the checkpoint's initial weights as a frozen base (a LoRA
+    trainer's store holds its compute weights alone, 2 bytes a parameter in bf16), read with the adapters off
+    (`token_logps(..., reference=True)`). `tc`: the policy's settings; its LoRA settings are replaced."""
+    return StreamingTrainer.from_pretrained(hf_dir, tc.replace(lora_rank=1, lora_alpha=1.0, lora_dropout=0.0),
+                                            store_dir)
+
+
 class GRPOLoop:
     """GRPO's steps on `dataset` (records, each a "prompt" and any other columns, which the reward functions get as
     keyword lists). Rollout k takes the records from k x prompts_per_step on (in order, cycling), samples
     `num_generations` completions of each (seeded by the run's seed, k and the record's place: resumable), scores
     them and steps `num_iterations` times on them. A rollout with steps left is in `trainer.extra_state`, so a
-    trainer opened from its store at any committed step continues as an uninterrupted run would."""
+    trainer opened from its store at any committed step continues as an uninterrupted run would. `reference`: the
+    frozen model of full fine-tuning with beta > 0 (`frozen_reference`); with LoRA the base with the adapters off."""
 
     def __init__(self, trainer: StreamingTrainer, tokenizer: Tokenizer, dataset: Sequence[Mapping[str, Any]],
-                 rewards: Rewards, settings: GRPOSettings) -> None:
+                 rewards: Rewards, settings: GRPOSettings, reference: StreamingTrainer | None = None) -> None:
         if not dataset or any("prompt" not in record for record in dataset):
             raise StreamerError("every GRPO record needs a 'prompt' field")
-        if settings.beta and trainer.adapters is None:
-            raise ConfigError("beta > 0 needs the reference model, which is kept for LoRA only (the base with the "
-                              "adapters off); use lora_rank > 0 or beta 0")
-        self.trainer, self.tokenizer, self.dataset = trainer, tokenizer, dataset
+        if settings.beta and trainer.adapters is None and reference is None:
+            raise ConfigError("beta > 0 needs the reference model: with LoRA the base with the adapters off; with full "
+                              "fine-tuning pass reference=frozen_reference(...) (the initial weights)")
+        self.trainer, self.tokenizer, self.dataset, self.reference = trainer, tokenizer, dataset, reference
         self.rewards, self.settings, self.loss = rewards, settings, settings.loss()
         saved = trainer.extra_state.get("rollout")
         self.pending = None if saved is None else Rollout.from_state(saved)
@@ -241,7 +252,8 @@ class GRPOLoop:
         ids, labels = completion_rows(prompt_ids, completion_ids, tokenizer.eos_id)
         loss = self.loss
         old = token_logps(self.trainer, ids, labels, loss.temperature) if settings.num_iterations > 1 else None
-        reference = token_logps(self.trainer, ids, labels, loss.temperature, reference=True) if loss.beta else None
+        reference = None if not loss.beta else \
+            token_logps(self.reference or self.trainer, ids, labels, loss.temperature, reference=True)
         return Rollout(index, [n for n in numbers for _ in range(group)], prompt_ids, completion_ids, texts,
                        _floats(total), [_floats(row) for row in per_function], advantages, old, reference)
 
@@ -281,9 +293,10 @@ class GRPOLoop:
 
 def train_grpo(trainer: StreamingTrainer, tokenizer: Tokenizer, dataset: Sequence[Mapping[str, Any]],
                rewards: Rewards, settings: GRPOSettings, steps: int,
-               log: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+               log: Callable[[dict[str, Any]], None] | None = None,
+               reference: StreamingTrainer | None = None) -> list[dict[str, Any]]:
     """`steps` GRPO steps of `GRPOLoop`. Returns (and gives `log`) each step's record."""
-    loop = GRPOLoop(trainer, tokenizer, dataset, rewards, settings)
+    loop = GRPOLoop(trainer, tokenizer, dataset, rewards, settings, reference)
     history = []
     for _ in range(steps):
         record = loop.step()

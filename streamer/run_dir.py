@@ -183,6 +183,11 @@ class RunDir:
         _append_line(self.metrics, record)
 
     @property
+    def reference_store(self) -> Path:
+        """--method grpo with full fine-tuning and --beta: the initial weights, frozen (the KL's reference)."""
+        return self.root / "reference-store"
+
+    @property
     def completions(self) -> Path:
         """--method grpo: a sample of each step's completions (its first prompt's), one JSON line a step."""
         return self.root / "completions.jsonl"

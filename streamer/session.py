@@ -34,7 +34,7 @@ from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.generate import Sampling, complete
-from streamer.grpo import GRPOLoop, GRPOSettings
+from streamer.grpo import GRPOLoop, GRPOSettings, frozen_reference
 from streamer.io.data import (BatchStream, Dataset, chat_prompt, demo_corpus, load_dataset,
                               long_examples_line, prompt_of, read_examples, tokenize)
 from streamer.io.preference import pair_rows, tokenize_pairs
@@ -150,6 +150,8 @@ class Session:
         """Close the trainer (the store's files) and the reporters."""
         try:
             self.trainer.close()
+            if self.grpo is not None and self.grpo.reference is not None:
+                self.grpo.reference.close()
         finally:
             if self.reporters is not None:
                 self.reporters.close()
@@ -560,7 +562,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
     _say_long_examples(cfg, dataset, held_out, events)
     # config.toml records both: the steps --epochs gives and the sample prompt derived from the data.
     cfg = _epoch_steps(cfg, len(train_set)).replace(sample_prompt=_sample_prompt(cfg, tokenizer))
-    trainer = None
+    trainer, grpo = None, None
     try:
         tc = cfg.trainer
         events("phase", "importing the checkpoint" if cfg.from_pretrained else "initialising the store")
@@ -579,17 +581,19 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
                          for name, data in (("train", train_set), ("held_out", held_out)) if data is not None}
             if lead:
                 run.write_reference(reference)
+        grpo = _grpo_loop(cfg, run, trainer, tokenizer, new=True)
         if lead:
             run.write_config(cfg)  # the run exists from here on
             run.finish_setup()
     except BaseException:
         if trainer is not None:
             trainer.close()
+        if grpo is not None and grpo.reference is not None:
+            grpo.reference.close()
         if lead:
             _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
-    grpo = _grpo_loop(cfg, trainer, tokenizer)
-    stream = None if grpo is not None else BatchStream(train_set, cfg.batch, cfg.trainer.seed)
+    stream = None if cfg.trainer.objective.grpo else BatchStream(train_set, cfg.batch, cfg.trainer.seed)
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events,
                    references=_references(cfg, run, train_set, held_out, reference), grpo=grpo)
 
@@ -657,7 +661,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
                        f"{run.processes()})")
     done = run.committed_step()
     _check_committed(run, cfg)
-    tokenizer, dataset, split = None, None, None
+    tokenizer, dataset, split, grpo = None, None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
         tokenizer = load_tokenizer(run.tokenizer)
         dataset = _dataset(cfg, tokenizer)
@@ -708,7 +712,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
         dataset = _dataset(cfg, tokenizer) if dataset is None else dataset
         train_set, held_out = split or _split(cfg, dataset, tokenizer)
         _say_long_examples(cfg, dataset, held_out, events)
-        grpo = _grpo_loop(cfg, trainer, tokenizer)  # its prompts follow from the step
+        grpo = _grpo_loop(cfg, run, trainer, tokenizer)  # its prompts follow from the step
         stream = None if grpo is not None else BatchStream(train_set, cfg.batch, cfg.trainer.seed)
         if stream is None:
             if lead:
@@ -724,6 +728,8 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
             run.finish_setup()  # a set-up killed after writing config.toml left its mark
     except BaseException:
         trainer.close()
+        if grpo is not None and grpo.reference is not None:
+            grpo.reference.close()
         raise
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events, references=references,
                    grpo=grpo)
@@ -983,9 +989,9 @@ def _check_grpo(cfg: RunConfig) -> None:
         raise RunError("--method grpo has no held-out loss (its rows are sampled): pass --eval-fraction 0")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would sample the same rows: not split yet
         raise RunError("--method grpo runs in one process for now; launch it without torchrun")
-    if objective.beta and not cfg.trainer.lora.enabled:
-        raise RunError("--beta > 0 needs the reference model, which a GRPO run keeps with LoRA only (the base with "
-                       "the adapters off); pass --lora-rank or --beta 0")
+    if objective.beta and not cfg.trainer.lora.enabled and cfg.from_pretrained is None:
+        raise RunError("--beta > 0 needs the reference model: with LoRA the base with the adapters off, with full "
+                       "fine-tuning the --from-pretrained checkpoint; pass --lora-rank, --from-pretrained or --beta 0")
     GRPOSettings.of(objective, cfg.batch, cfg.trainer.seed)
     _rewards(cfg)
 
@@ -1007,13 +1013,26 @@ def _check_prompts(cfg: RunConfig, tokenizer: Tokenizer) -> None:
                            "raise --seq or shorten the prompt")
 
 
-def _grpo_loop(cfg: RunConfig, trainer: StreamingTrainer, tokenizer: Tokenizer) -> GRPOLoop | None:
-    """--method grpo's loop: --data's records, --reward-funcs, the settings; None for the other methods."""
+def _grpo_loop(cfg: RunConfig, run: RunDir, trainer: StreamingTrainer, tokenizer: Tokenizer,
+               new: bool = False) -> GRPOLoop | None:
+    """--method grpo's loop: --data's records, --reward-funcs, the settings, and with full fine-tuning and --beta
+    the frozen reference in RUN/reference-store (made from --from-pretrained by a `new` run, else opened); None for
+    the other methods."""
     if not cfg.trainer.objective.grpo:
         return None
     assert cfg.data.data is not None
-    return GRPOLoop(trainer, tokenizer, read_prompts(cfg.data.data), _rewards(cfg),
-                    GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed))
+    reference = None
+    if cfg.trainer.objective.beta and not cfg.trainer.lora.enabled:
+        assert cfg.from_pretrained is not None  # _check_grpo
+        reference = frozen_reference(cfg.from_pretrained, cfg.trainer, run.reference_store) if new else \
+            StreamingTrainer.open(run.reference_store, read_only=True)
+    try:
+        return GRPOLoop(trainer, tokenizer, read_prompts(cfg.data.data), _rewards(cfg),
+                        GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed), reference)
+    except BaseException:
+        if reference is not None:
+            reference.close()
+        raise
 
 
 def prompt_dataset(path: str, tokenizer: Tokenizer, seq: int) -> Dataset:

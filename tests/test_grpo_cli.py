@@ -178,10 +178,9 @@ def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: P
      "--batch 8 completions do not split into groups of --num-generations 3"),
     (("--reward-funcs", "my_rewards:hits", "--max-completion-length", "20"),
      "prompts.jsonl record 1's prompt is 8 tokens and --seq 24 leaves 4 beside --max-completion-length 20"),
-    (("--reward-funcs", "my_rewards:hits", "--beta", "0.1"), "--beta > 0 needs the reference model"),
     (("--reward-funcs", "my_rewards:hits", "--loss-type", "sigmoid"),
      "--loss-type sigmoid is not one of GRPO's: dapo, grpo, dr_grpo, bnpo"),
-], ids=["raises", "miscounts", "missing", "no-rewards", "weights", "groups", "long-prompt", "beta", "loss-type"])
+], ids=["raises", "miscounts", "missing", "no-rewards", "weights", "groups", "long-prompt", "loss-type"])
 def test_bad_grpo_input_is_one_line(hf_folder: Path, work: Path, capsys: pytest.CaptureFixture[str],
                                     extra: tuple[str, ...], line: str) -> None:
     """A reward function that raises or miscounts stops the run at that step with one line naming it (the run
@@ -252,11 +251,60 @@ def test_the_planner_prices_a_grpo_step_as_the_ledger_charges_it() -> None:
                 assert head - [r.peak_bytes for r in sft.rows if r.unit == "head"][0] == 4 * 4 * ids.shape[1]
 
 
-def test_grpo_under_torchrun_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each process would sample the same completions: a data-parallel GRPO run is refused before it starts."""
+def test_grpo_under_torchrun_or_a_kl_without_reference_is_refused_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process would sample the same completions: a data-parallel GRPO run is refused before it starts; so is
+    --beta with full fine-tuning of a model initialised here (the reference is a checkpoint's)."""
     from streamer.run import RunConfig, RunError
     from streamer.session import check_startable
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = RunConfig.of({"method": "grpo", "data": "prompts.jsonl", "reward_funcs": "my_rewards:hits"})
-    with pytest.raises(RunError, match="^--method grpo runs in one process for now; launch it without torchrun$"):
+    cfg = RunConfig.of({"method": "grpo", "data": "prompts.jsonl", "reward_funcs": "my_rewards:hits", "beta": 0.1})
+    with pytest.raises(RunError, match="^--beta > 0 needs the reference model: with LoRA the base with the adapters "
+                                       "off, with full fine-tuning the --from-pretrained checkpoint"):
         check_startable(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RunError, match="^--method grpo runs in one process for now; launch it without torchrun$"):
+        check_startable(cfg.replace(beta=0.0))
+
+
+def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Path, work: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Full fine-tuning with --beta: the KL's reference is the checkpoint, frozen in RUN/reference-store. A step,
+    then the same command to step 2 (the reference store opened again), are the Python API's two steps
+    (`frozen_reference`) bit for bit; step 2's reference log-probabilities are the initial model's, not the
+    policy's."""
+    from streamer import StreamingTrainer
+    from streamer.grpo import GRPOLoop, GRPOSettings, completion_rows, frozen_reference, token_logps
+    from streamer.io.tokenizer import load_tokenizer
+    from streamer.rewards import Rewards
+    from streamer.run_dir import RunDir
+    from tests.test_cli import run_cli
+
+    run = work / "run"
+    argv = _argv(hf_folder, run, "--beta", 0.1, "--loss-type", "grpo", "--reward-funcs", "my_rewards:lowercase")
+    steps = argv.index("--steps") + 1
+    argv[steps] = "1"
+    assert run_cli(capsys, *argv)[0] == 0
+    assert (run / "reference-store").is_dir()
+    argv[steps] = "2"
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    logged = [r for r in _logged(run) if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2]
+
+    cfg = RunDir.open(run).read_config()
+    tokenizer = load_tokenizer(run / "tokenizer")
+    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer, \
+            frozen_reference(hf_folder, cfg.trainer, work / "reference") as reference, \
+            StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "initial") as initial:
+        loop = GRPOLoop(trainer, tokenizer, PROMPTS, Rewards(["my_rewards:lowercase"]),
+                        GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed), reference)
+        for r in logged:
+            record = loop.step()
+            assert record["loss"] == r["loss"] and trainer.grad_norm == r["grad_norm"]
+            assert record["completions"] == r["completions"] and record["advantages"] == r["advantages"]
+        rollout = loop.pending
+        assert rollout is not None and rollout.reference is not None
+        ids, labels = completion_rows(rollout.prompt_ids, rollout.completion_ids, tokenizer.eos_id)
+        first = token_logps(initial, ids, labels, cfg.trainer.objective.temperature)
+        assert torch.equal(rollout.reference, first)
+        assert not torch.equal(token_logps(trainer, ids, labels, cfg.trainer.objective.temperature), first)
