@@ -282,7 +282,6 @@ class GRPOLoop:
                 "completion_length": sum(map(len, rollout.completion_ids)) / len(rollout.completion_ids),
                 "rewards": rollout.rewards, "advantages": rollout.advantages.tolist(), "completions": rollout.texts}
 
-
     def sample(self) -> dict[str, Any]:
         """The last rollout's first prompt and its completions, with their rewards and advantages."""
         assert self.pending is not None
