@@ -308,3 +308,38 @@ def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Pa
         first = token_logps(initial, ids, labels, cfg.trainer.objective.temperature)
         assert torch.equal(rollout.reference, first)
         assert not torch.equal(token_logps(trainer, ids, labels, cfg.trainer.objective.temperature), first)
+
+
+def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`streamer plan --method dpo` prices a step of twice --batch rows; `--method grpo` also prices the rollout as
+    the runtime makes it (each decode pass streams every unit), by the planner's timing model: the printed times
+    are `plan`'s and `rollout_plan`'s."""
+    import re
+    from layers import ModelConfig
+    from memory_model import device_spec, plan
+    from memory_model.planner import rollout_plan
+    from streamer.run import RunConfig
+    from tests.test_cli import run_cli
+
+    shape, device = ModelConfig.named("llama-3.1-8b"), device_spec("h100-sxm")
+    common = {"model": "llama-3.1-8b", "seq": 512, "lora_rank": 16, "store": "ram", "dtype": "bf16"}
+    flags = [f for k, v in common.items() for f in (f"--{k.replace('_', '-')}", str(v))]
+    rc, out, err = run_cli(capsys, "plan", *flags, "--target", "h100-sxm", "--method", "dpo", "--batch", "4")
+    assert rc == 0, err
+    dpo = plan(shape, device, RunConfig.of({**common, "method": "dpo", "batch": 4}).plan_config())
+    assert f"a DPO step (4 pairs, 8 rows): {dpo.step_time_s:.3g} s" in out
+    grpo = {"method": "grpo", "batch": 16, "num_generations": 8, "max_completion_length": 256, "beta": 0.04}
+    rc, out, err = run_cli(capsys, "plan", *flags, "--target", "h100-sxm",
+                           *[f for k, v in grpo.items() for f in (f"--{k.replace('_', '-')}", str(v))])
+    assert rc == 0, err
+    cfg = RunConfig.of({**common, **grpo}).plan_config()
+    rollout = rollout_plan(shape, device, cfg)
+    line = re.search(r"a GRPO rollout \(2 prompts of up to 256 tokens x 8 completions of 256 tokens, .*?\): "
+                     r"([\d.]+) s \(prefill ([\d.]+) s, decode ([\d.]+) s, scoring ([\d.]+) s\)", out)
+    assert line is not None, out
+    assert [float(x) for x in line.groups()] == [float(f"{v:.3g}") for v in (
+        rollout.total_s, rollout.prefill_s, rollout.decode_s, rollout.scoring_s)]
+    # Each of the 2 x 255 decode passes streams the 8B base (16 GB of bf16) over the host link.
+    assert rollout.decode_s > 2 * 255 * 16e9 / device.h2d.bandwidth_bytes_per_s
+    assert rollout.scoring_s > 0 and rollout.prefill_s > 0
