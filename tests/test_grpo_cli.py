@@ -318,7 +318,7 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
     import re
     from layers import ModelConfig
     from memory_model import device_spec, plan
-    from memory_model.planner import rollout_plan
+    from memory_model.rollout import rollout_plan
     from streamer.run import RunConfig
     from tests.test_cli import run_cli
 

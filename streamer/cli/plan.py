@@ -14,7 +14,8 @@ from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
-from memory_model.planner import RolloutPlan, clipped_schedule, clipped_steps, fewest_expert_groups, rollout_plan
+from memory_model.planner import clipped_schedule, clipped_steps, fewest_expert_groups
+from memory_model.rollout import RolloutPlan, rollout_plan
 from memory_model.scaling import SCALING_ASSUMPTION, scaling_curve
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
