@@ -238,7 +238,8 @@ def _unit_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int
     if unit == "embed":  # with a frozen base nothing in the embedding needs a gradient: it saves nothing
         return (0 if cfg.lora.enabled else embed_saved_bytes(shape, batch, seq)), 0
     if unit == "head":
-        return head_saved_bytes(shape, batch, seq, es, frozen=cfg.lora.enabled) + cfg.objective.saved_bytes(batch), 0
+        objective = cfg.objective.saved_bytes(batch, seq)
+        return head_saved_bytes(shape, batch, seq, es, frozen=cfg.lora.enabled) + objective, 0
     if cfg.lora.enabled:
         return _frozen_block_activations(shape, cfg, unit, batch, seq)
     kind = block_layer_type(shape, unit)
@@ -611,3 +612,4 @@ def clipped_schedule(plans: dict[str, ClippedStep], setting: str) -> ClippedStep
     """The schedule a step that clips takes, of `clipped_steps`' `plans`: the one --clipped-steps names where it
     applies, or, for `auto`, the faster planned."""
     return plans.get(setting) or min(plans.values(), key=lambda p: p.step_s)
+

@@ -21,7 +21,7 @@ from layers.packed_gguf import GGUFBase
 from memory_model import PlanConfig
 from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
-from memory_model.objective import ObjectiveConfig
+from memory_model.objective import ObjectiveConfig, with_method_defaults
 from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
 from memory_model.shapes import check_chunk_blocks, check_norm_first
 from memory_model.step import Placement, StepConfig
@@ -68,11 +68,11 @@ class TrainerConfig:
     @classmethod
     def of(cls, **flat: Any) -> "TrainerConfig":
         """The settings from their flat names (the flags'), each else its default: `of(lr=1e-3, grad_accum=2)`."""
-        return build(cls, flat, error=ConfigError.of)
+        return build(cls, with_method_defaults(flat, "sft"), error=ConfigError.of)
 
     def replace(self, **flat: Any) -> "TrainerConfig":
         """These settings with some changed, by flat name: `tc.replace(max_grad_norm=0)`."""
-        return build(type(self), flat, self, ConfigError.of)
+        return build(type(self), with_method_defaults(flat, self.objective.method), self, ConfigError.of)
 
     @functools.cached_property
     def compute_dtype(self) -> torch.dtype:

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
 from layers import IGNORE_INDEX
+from memory_model.objective import ObjectiveConfig
 from layers.grpo import GRPOLoss, GRPOObjective, TokenLogProbs, group_advantages
 from memory_model.schedule import step_events
 from streamer.errors import ConfigError, StreamerError
 from streamer.generate import Sampling, generate
 from streamer.rewards import Rewards
 from streamer.runtime.step import MicroBatch, StepContext
+from streamer.config import TrainerConfig
 from streamer.trainer import StreamingTrainer
 
 if TYPE_CHECKING:
@@ -129,6 +132,17 @@ class GRPOSettings:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
+    @classmethod
+    def of(cls, objective: ObjectiveConfig, batch: int, seed: int) -> GRPOSettings:
+        """`streamer train --method grpo`'s: --batch completions a step, --seed's sampling."""
+        if batch % objective.num_generations:
+            raise ConfigError(f"--batch {batch} completions do not split into groups of --num-generations "
+                              f"{objective.num_generations}; use a multiple of it")
+        return cls(num_generations=objective.num_generations, max_completion_length=objective.max_completion_length,
+                   temperature=objective.temperature, top_p=objective.top_p, beta=objective.beta,
+                   epsilon=objective.epsilon, loss_type=objective.loss_type, num_iterations=objective.num_iterations,
+                   prompts_per_step=batch // objective.num_generations, seed=seed)
+
     def loss(self) -> GRPOLoss:
         return GRPOLoss(beta=self.beta, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
                         loss_type=self.loss_type, max_completion_length=self.max_completion_length,
@@ -150,51 +164,156 @@ def rollout(trainer: StreamingTrainer, prompt_ids: Sequence[int], num_generation
     return completions
 
 
-def train_grpo(trainer: StreamingTrainer, tokenizer: Tokenizer, dataset: Sequence[Mapping[str, Any]],
-               rewards: Rewards, settings: GRPOSettings, steps: int,
-               log: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """`steps` GRPO steps. Each takes the next `prompts_per_step` records of `dataset` (in order, cycling; each a
-    "prompt" and any other columns, which the reward functions get as keyword lists), samples `num_generations`
-    completions of each, scores them, and steps `num_iterations` times on them. Returns (and gives `log`) one record
-    per step: its mean reward, each function's, the loss, the advantages and the completions."""
-    if not dataset or any("prompt" not in record for record in dataset):
-        raise StreamerError("every GRPO record needs a 'prompt' field")
-    if settings.beta and trainer.adapters is None:
-        raise ConfigError("beta > 0 needs the reference model, which is kept for LoRA only (the base with the "
-                          "adapters off); use lora_rank > 0 or beta 0")
-    loss, group = settings.loss(), settings.num_generations
-    history = []
-    for _ in range(steps):
-        step = trainer.step_count + 1
-        first = (step - 1) * settings.prompts_per_step
-        records = [dataset[(first + j) % len(dataset)] for j in range(settings.prompts_per_step)]
+@dataclass
+class Rollout:
+    """One batch of completions and what the `num_iterations` steps on it read. `index`: the rollout's number
+    (0-based), which picks its prompts and seeds; per row (each prompt's group consecutive): its prompt's record
+    number, its prompt and completion ids, the completion's text, its summed reward (None: unscorable) and each
+    function's; the advantages, and the old policy's and reference's log-probabilities where they are read."""
+
+    index: int
+    records: list[int]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    rewards: list[float | None]
+    per_function: list[list[float | None]]
+    advantages: torch.Tensor
+    old: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
+
+    def state(self) -> dict[str, Any]:
+        """As JSON values, committed with a step that leaves iterations of it to do: a resumed run steps on the
+        same rows. fp32 values are exact as JSON numbers."""
+        def rows(t: torch.Tensor | None) -> list[list[float]] | None:
+            return None if t is None else t.tolist()
+        return {"index": self.index, "records": self.records, "prompt_ids": self.prompt_ids,
+                "completion_ids": self.completion_ids, "texts": self.texts, "rewards": self.rewards,
+                "per_function": self.per_function, "advantages": self.advantages.tolist(), "old": rows(self.old),
+                "reference": rows(self.reference)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Rollout:
+        def rows(values: list[list[float]] | None) -> torch.Tensor | None:
+            return None if values is None else torch.tensor(values, dtype=torch.float32)
+        advantages = torch.tensor(state["advantages"], dtype=torch.float32)
+        return cls(state["index"], state["records"], state["prompt_ids"], state["completion_ids"], state["texts"],
+                   state["rewards"], state["per_function"], advantages, rows(state["old"]), rows(state["reference"]))
+
+
+def frozen_reference(hf_dir: str | Path, tc: TrainerConfig, store_dir: str | Path | None = None) -> StreamingTrainer:
+    """Full fine-tuning's reference for beta > 0: the checkpoint's initial weights as a frozen base (a LoRA
+    trainer's store holds its compute weights alone, 2 bytes a parameter in bf16), read with the adapters off
+    (`token_logps(..., reference=True)`). `tc`: the policy's settings; its LoRA settings are replaced."""
+    return StreamingTrainer.from_pretrained(hf_dir, tc.replace(lora_rank=1, lora_alpha=1.0, lora_dropout=0.0),
+                                            store_dir)
+
+
+class GRPOLoop:
+    """GRPO's steps on `dataset` (records, each a "prompt" and any other columns, which the reward functions get as
+    keyword lists). Rollout k takes the records from k x prompts_per_step on (in order, cycling), samples
+    `num_generations` completions of each (seeded by the run's seed, k and the record's place: resumable), scores
+    them and steps `num_iterations` times on them. A rollout with steps left is in `trainer.extra_state`, so a
+    trainer opened from its store at any committed step continues as an uninterrupted run would. `reference`: the
+    frozen model of full fine-tuning with beta > 0 (`frozen_reference`); with LoRA the base with the adapters off."""
+
+    def __init__(self, trainer: StreamingTrainer, tokenizer: Tokenizer, dataset: Sequence[Mapping[str, Any]],
+                 rewards: Rewards, settings: GRPOSettings, reference: StreamingTrainer | None = None) -> None:
+        if not dataset or any("prompt" not in record for record in dataset):
+            raise StreamerError("every GRPO record needs a 'prompt' field")
+        if settings.beta and trainer.adapters is None and reference is None:
+            raise ConfigError("beta > 0 needs the reference model: with LoRA the base with the adapters off; with full "
+                              "fine-tuning pass reference=frozen_reference(...) (the initial weights)")
+        self.trainer, self.tokenizer, self.dataset, self.reference = trainer, tokenizer, dataset, reference
+        self.rewards, self.settings, self.loss = rewards, settings, settings.loss()
+        saved = trainer.extra_state.get("rollout")
+        self.pending = None if saved is None else Rollout.from_state(saved)
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (input_ids, labels)
+
+    def rollout(self, index: int) -> Rollout:
+        """Rollout `index`: its prompts' completions sampled by the runtime's generation, scored, their advantages,
+        and the log-probabilities its steps read, from the policy as it is now."""
+        settings, tokenizer, group = self.settings, self.tokenizer, self.settings.num_generations
+        first = index * settings.prompts_per_step
+        numbers = [(first + j) % len(self.dataset) for j in range(settings.prompts_per_step)]
+        records = [self.dataset[n] for n in numbers]
         prompt_ids: list[list[int]] = []
         completion_ids: list[list[int]] = []
         for j, row in enumerate(records):
             prompt = tokenizer.prompt_ids(row["prompt"]) or [tokenizer.eos_id]
-            seed = settings.seed * 1_000_003 + first + j  # a rollout of its own per prompt and step: resumable
-            completion_ids += rollout(trainer, prompt, group, settings.sampling(seed), tokenizer.eos_id)
+            seed = settings.seed * 1_000_003 + first + j  # a rollout of its own per prompt and rollout: resumable
+            completion_ids += rollout(self.trainer, prompt, group, settings.sampling(seed), tokenizer.eos_id)
             prompt_ids += [prompt] * group
         texts = [tokenizer.decode([t for t in c if t != tokenizer.eos_id]) for c in completion_ids]
         columns = {key: [row[key] for row in records for _ in range(group)] for key in records[0] if key != "prompt"}
         prompts = [row["prompt"] for row in records for _ in range(group)]
-        total, per_function = rewards.score(prompts, texts, columns)
+        total, per_function = self.rewards.score(prompts, texts, columns)
         advantages = group_advantages(total, group, settings.scale_rewards)
         ids, labels = completion_rows(prompt_ids, completion_ids, tokenizer.eos_id)
-        old = token_logps(trainer, ids, labels, loss.temperature) if settings.num_iterations > 1 else None
-        reference = token_logps(trainer, ids, labels, loss.temperature, reference=True) if loss.beta else None
-        losses = [grpo_step(trainer, loss, ids, labels, advantages, old, reference)
-                  for _ in range(settings.num_iterations)]
-        record: dict[str, Any] = {"step": trainer.step_count, "reward": _nanmean(total), "loss": losses[-1],
-                                  **{f"rewards/{name}": _nanmean(per_function[:, i])
-                                     for i, name in enumerate(rewards.names())},
-                                  "advantages": advantages.tolist(), "completions": texts}
+        loss = self.loss
+        old = token_logps(self.trainer, ids, labels, loss.temperature) if settings.num_iterations > 1 else None
+        reference = None if not loss.beta else \
+            token_logps(self.reference or self.trainer, ids, labels, loss.temperature, reference=True)
+        return Rollout(index, [n for n in numbers for _ in range(group)], prompt_ids, completion_ids, texts,
+                       _floats(total), [_floats(row) for row in per_function], advantages, old, reference)
+
+    def step(self) -> dict[str, Any]:
+        """One optimizer step (a rollout first where the last one's iterations are done): its record, as TRL logs
+        it (loss, reward, reward_std, each function's mean reward, the completions' mean length), with the
+        advantages and the completions. The trainer's step_count tells whether it was committed (--nonfinite
+        skip)."""
+        trainer, settings = self.trainer, self.settings
+        index, iteration = divmod(trainer.step_count, settings.num_iterations)
+        if self.pending is None or self.pending.index != index:
+            self.pending = self.rollout(index)
+        rollout = self.pending
+        extra = {k: v for k, v in trainer.extra_state.items() if k != "rollout"}
+        if iteration + 1 < settings.num_iterations:  # the next step reads it again
+            extra["rollout"] = rollout.state()
+        trainer.extra_state = extra
+        ids, labels = completion_rows(rollout.prompt_ids, rollout.completion_ids, self.tokenizer.eos_id)
+        loss = grpo_step(trainer, self.loss, ids, labels, rollout.advantages, rollout.old, rollout.reference)
+        total = torch.tensor([math.nan if r is None else r for r in rollout.rewards])
+        each = torch.tensor([[math.nan if r is None else r for r in row] for row in rollout.per_function])
+        self.rows = ids, labels
+        return {"step": trainer.step_count, "loss": loss, "reward": _nanmean(total),
+                "reward_std": _nanmean(total.view(-1, settings.num_generations).std(dim=1)),
+                **{f"rewards/{name}": _nanmean(each[:, i]) for i, name in enumerate(self.rewards.names())},
+                "completion_length": sum(map(len, rollout.completion_ids)) / len(rollout.completion_ids),
+                "rewards": rollout.rewards, "advantages": rollout.advantages.tolist(), "completions": rollout.texts}
+
+    def sample(self) -> dict[str, Any]:
+        """The last rollout's first prompt and its completions, with their rewards and advantages."""
+        assert self.pending is not None
+        rollout, group = self.pending, self.settings.num_generations
+        return {"prompt": self.dataset[rollout.records[0]]["prompt"], "completions": rollout.texts[:group],
+                "rewards": rollout.rewards[:group], "advantages": rollout.advantages[:group].tolist()}
+
+
+def train_grpo(trainer: StreamingTrainer, tokenizer: Tokenizer, dataset: Sequence[Mapping[str, Any]],
+               rewards: Rewards, settings: GRPOSettings, steps: int,
+               log: Callable[[dict[str, Any]], None] | None = None,
+               reference: StreamingTrainer | None = None) -> list[dict[str, Any]]:
+    """`steps` GRPO steps of `GRPOLoop`. Returns (and gives `log`) each step's record."""
+    loop = GRPOLoop(trainer, tokenizer, dataset, rewards, settings, reference)
+    history = []
+    for _ in range(steps):
+        record = loop.step()
         history.append(record)
         if log is not None:
             log(record)
     return history
 
 
-def _nanmean(t: torch.Tensor) -> float:
-    value = float(t.nanmean())
-    return value if math.isfinite(value) else math.nan
+def _floats(t: torch.Tensor) -> list[float | None]:
+    """Rewards as JSON values: NaN (unscorable) as None."""
+    return [None if math.isnan(v) else v for v in t.tolist()]
+
+
+def _plain(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _nanmean(t: torch.Tensor) -> float | None:
+    """The mean of the scored values (None where none was scored)."""
+    return _plain(float(t.nanmean()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -20,10 +22,13 @@ class RewardError(StreamerError):
 
 
 def load_reward(spec: str) -> RewardFunction:
-    """The function `module:function` names (the module imported as Python imports it)."""
+    """The function `module:function` names (the module imported as Python imports it, the working directory
+    searched last)."""
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise ConfigError(f"reward function {spec!r} is not module:function (e.g. my_rewards:short)")
+    if os.getcwd() not in sys.path:  # a module beside the data, as `python -m` would find it (the `streamer` script
+        sys.path.append(os.getcwd())  # puts its own folder first instead)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

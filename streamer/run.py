@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 from layers import FAMILIES, PRESETS, ConfigError, ModelConfig
 from memory_model import COMPUTE_DTYPES, PlanConfig
 from memory_model.expert_groups import checked_group
+from memory_model.objective import with_method_defaults
 from memory_model.lora import check_targets
 from memory_model.settings import SettingError as BaseSettingError
 from memory_model.settings import (
@@ -126,7 +127,11 @@ class RunConfig:
         """The settings from their flat names (flags, TOML keys) over `base` (default: the defaults). The
         schedule decays over --steps."""
         check_flat(cls, flat, SettingError)
-        values = {**flatten(DEFAULTS if base is None else base), **flat}
+        before = flatten(DEFAULTS if base is None else base)
+        if flat.get("method", before["method"]) == "grpo" != before["method"] and "eval_fraction" not in flat:
+            flat = {**flat, "eval_fraction": 0.0}  # GRPO's rows are sampled: it has no held-out loss
+        flat = with_method_defaults(flat, before["method"])
+        values = {**before, **flat}
         kind, warmup, steps = values["schedule"], values["warmup"], values["steps"]
         if kind != "constant" and warmup >= steps:
             raise SettingError("warmup", f"{warmup} leaves no steps to decay over with --steps {steps}; "
@@ -254,7 +259,8 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
          "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
-         "method", "beta", "loss_type", "label_smoothing",
+         "method", "beta", "loss_type", "label_smoothing", "num_generations", "max_completion_length", "temperature",
+         "top_p", "epsilon", "num_iterations", "reward_funcs", "reward_weights",
          "trace_steps", "trace_every", "dtype", "device", "budget", "price_on", "set", "pin_memory", "store",
          "activations", "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
          "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",

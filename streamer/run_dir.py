@@ -187,9 +187,30 @@ class RunDir:
         replace_file(self.plot, lambda tmp: trace.plot(tmp, step=step))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with os.fdopen(open_for_writing(self.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a",
-                       encoding="utf-8") as out:
-            out.write(json.dumps(record) + "\n")
+        _append_line(self.metrics, record)
+
+    @property
+    def reference_store(self) -> Path:
+        """--method grpo with full fine-tuning and --beta: the initial weights, frozen (the KL's reference)."""
+        return self.root / "reference-store"
+
+    @property
+    def completions(self) -> Path:
+        """--method grpo: a sample of each step's completions (its first prompt's), one JSON line a step."""
+        return self.root / "completions.jsonl"
+
+    def append_completions(self, record: dict[str, Any]) -> None:
+        _append_line(self.completions, record)
+
+    def keep_completions_through(self, step: int) -> None:
+        """completions.jsonl without the lines of steps after the committed `step` (a kill came before their
+        commit) or one a kill cut short: the resumed run writes them again."""
+        if not self.completions.is_file():
+            return
+        lines = self.completions.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.endswith("\n") and _line_step(line) <= step]
+        if kept != lines:
+            write_json_atomic(self.completions, "".join(kept))
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """The records; a last line that a kill cut short is left out."""
@@ -258,6 +279,19 @@ class RunDir:
         kept.sort(key=lambda r: r.get("step", 0))  # stable: an evaluation stays after its step's record
         if kept != records or (self.metrics.is_file() and not self.metrics.read_text().endswith("\n")):
             write_json_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _append_line(path: Path, record: dict[str, Any]) -> None:
+    with os.fdopen(open_for_writing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def _line_step(line: str) -> int:
+    """A JSON line's step (a line that does not parse sorts after every step)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 2**62
 
 
 def _hex(checksum: int) -> str:

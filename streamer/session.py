@@ -17,6 +17,7 @@ run's, and the loop with its evaluations and kept steps share the session's stat
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -26,7 +27,7 @@ from typing import Any, Callable, Collection, Mapping, TypeVar
 import psutil
 import torch
 
-from layers import ModelConfig, learned_tokens
+from layers import IGNORE_INDEX, ModelConfig, learned_tokens
 from layers.config import read_hf_json
 from memory_model.settings import flag, flatten
 from memory_model.shapes import step_model_flops
@@ -34,13 +35,15 @@ from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.generate import Sampling, complete
+from streamer.grpo import GRPOLoop, GRPOSettings, frozen_reference
 from streamer.io.data import (BatchStream, Dataset, chat_prompt, demo_corpus, load_dataset,
                               long_examples_line, prompt_of, read_examples, tokenize)
 from streamer.io.preference import pair_rows, tokenize_pairs
-from streamer.io.records import Pair, read_pairs
+from streamer.io.records import Pair, read_pairs, read_prompts
 from streamer.io.gguf import gguf_tokenizer, is_gguf
 from streamer.io.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from streamer.reporting import Reporters
+from streamer.rewards import Rewards
 from streamer.resources import check_host_resources, check_keep_room
 from streamer.run import DEFAULT_PROMPT, FLAGS, RESUMABLE, RunConfig, RunError, SettingError, absolute
 from streamer.run_dir import RunDir
@@ -109,7 +112,7 @@ class Session:
     run: RunDir
     trainer: StreamingTrainer
     tokenizer: Tokenizer
-    stream: BatchStream
+    stream: BatchStream | None  # None for --method grpo, whose loop picks its prompts (`grpo`)
     held_out: Dataset | None
     parallel: DataParallel | None = None
     events: Events = field(default_factory=Events)
@@ -118,6 +121,7 @@ class Session:
     stopping: bool = False  # `stop` asked for: training ends after the step under way
     # --method dpo: each pair row's reference log-probabilities (chosen, rejected), by the row's tokens
     references: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    grpo: GRPOLoop | None = None  # --method grpo: rollouts, rewards and steps
 
     def __post_init__(self) -> None:
         step = self.trainer.step_count
@@ -147,6 +151,8 @@ class Session:
         """Close the trainer (the store's files) and the reporters."""
         try:
             self.trainer.close()
+            if self.grpo is not None and self.grpo.reference is not None:
+                self.grpo.reference.close()
         finally:
             if self.reporters is not None:
                 self.reporters.close()
@@ -190,17 +196,24 @@ class Session:
         self._keep_missed()
         self.stopping = False
         while trainer.step_count < cfg.steps and not self.stopping:
-            ids, labels, positions, mask = next(self.stream)
-            trainer.extra_state = {"data": self.stream.state_dict()}  # committed with this step
+            if self.stream is not None:
+                ids, labels, positions, mask = next(self.stream)
+                trainer.extra_state = {"data": self.stream.state_dict()}  # committed with this step
             begin = time.perf_counter()
             step = trainer.step_count + 1
             window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
             if cfg.trainer.objective.preference:  # a row of the stream is a pair: chosen and rejected, side by side
                 reference = self.reference_of(ids, labels)
                 ids, labels = pair_rows_of(ids), pair_rows_of(labels)
+            rollout: dict[str, Any] = {}
             try:
-                loss = trainer.step(ids, labels, positions, mask) if not cfg.trainer.objective.preference else \
-                    trainer.step(ids, labels, reference=reference)
+                if self.grpo is not None:  # the rollout is timed and charged with its step
+                    rollout = self.grpo.step()
+                    assert self.grpo.rows is not None  # the step's rows
+                    loss, (ids, labels) = rollout.pop("loss"), self.grpo.rows
+                else:
+                    loss = trainer.step(ids, labels, positions, mask) if not cfg.trainer.objective.preference else \
+                        trainer.step(ids, labels, reference=reference)
             finally:
                 step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
@@ -217,8 +230,11 @@ class Session:
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
                       "tokens_per_s": tokens / elapsed, "step_s": elapsed,
                       **({} if peak is None else {"mfu": self.model_flops(*ids.shape) / elapsed / peak[0]}),
-                      "device_peak_bytes": step_peak, "host_rss_bytes": rss}
+                      "device_peak_bytes": step_peak, "host_rss_bytes": rss,
+                      **{k: v for k, v in rollout.items() if k != "step"}}
             self.log(record)
+            if self.grpo is not None and self.lead and not skipped:  # a sample: the first prompt's completions
+                self.run.append_completions({"step": step, **self.grpo.sample()})
             attempts = attempts + 1 if skipped else 0
             if attempts == MAX_SKIPPED_ATTEMPTS:
                 raise StreamerError(f"step {step} was non-finite on {attempts} batches in a row, so --nonfinite skip "
@@ -529,6 +545,8 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
         tokenizer = _tokenizer(cfg, model_cfg)
         dataset = _dataset(cfg, tokenizer)
         _check_held_out(cfg, dataset, tokenizer, world)
+        if cfg.trainer.objective.grpo:
+            _check_prompts(cfg, tokenizer)
         RunDir.create(run.root)
         try:
             tokenizer.save(run.tokenizer)
@@ -545,7 +563,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
     _say_long_examples(cfg, dataset, held_out, events)
     # config.toml records both: the steps --epochs gives and the sample prompt derived from the data.
     cfg = _epoch_steps(cfg, len(train_set)).replace(sample_prompt=_sample_prompt(cfg, tokenizer))
-    trainer = None
+    trainer, grpo = None, None
     try:
         tc = cfg.trainer
         events("phase", "importing the checkpoint" if cfg.from_pretrained else "initialising the store")
@@ -564,6 +582,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
                          for name, data in (("train", train_set), ("held_out", held_out)) if data is not None}
             if lead:
                 run.write_reference(reference)
+        grpo = _grpo_loop(cfg, run, trainer, tokenizer, new=True)
         if lead and cfg.from_pretrained and not is_gguf(cfg.from_pretrained):
             run.write_source_config(read_hf_json(Path(cfg.from_pretrained)))  # what its export carries
         if lead:
@@ -572,12 +591,14 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
     except BaseException:
         if trainer is not None:
             trainer.close()
+        if grpo is not None and grpo.reference is not None:
+            grpo.reference.close()
         if lead:
             _discard(run)  # a run that never started would otherwise block its --run-dir name
         raise
-    stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
+    stream = None if cfg.trainer.objective.grpo else BatchStream(train_set, cfg.batch, cfg.trainer.seed)
     return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events,
-                   references=_references(cfg, run, train_set, held_out, reference))
+                   references=_references(cfg, run, train_set, held_out, reference), grpo=grpo)
 
 
 def check_startable(cfg: RunConfig) -> None:
@@ -589,6 +610,8 @@ def check_startable(cfg: RunConfig) -> None:
                        "(TRL's format)")
     if cfg.trainer.objective.preference and cfg.data.pack:
         raise RunError("--method dpo reads one pair a row; drop --pack")
+    if cfg.trainer.objective.grpo:
+        _check_grpo(cfg)
     cfg.report.check_installed()
 
 
@@ -641,7 +664,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
                        f"{run.processes()})")
     done = run.committed_step()
     _check_committed(run, cfg)
-    tokenizer, dataset, split = None, None, None
+    tokenizer, dataset, split, grpo = None, None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
         tokenizer = load_tokenizer(run.tokenizer)
         dataset = _dataset(cfg, tokenizer)
@@ -692,8 +715,12 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
         dataset = _dataset(cfg, tokenizer) if dataset is None else dataset
         train_set, held_out = split or _split(cfg, dataset, tokenizer)
         _say_long_examples(cfg, dataset, held_out, events)
-        stream = BatchStream(train_set, cfg.batch, cfg.trainer.seed)
-        if "data" in trainer.extra_state:
+        grpo = _grpo_loop(cfg, run, trainer, tokenizer)  # its prompts follow from the step
+        stream = None if grpo is not None else BatchStream(train_set, cfg.batch, cfg.trainer.seed)
+        if stream is None:
+            if lead:
+                run.keep_completions_through(trainer.step_count)
+        elif "data" in trainer.extra_state:
             stream.load_state_dict(trainer.extra_state["data"])
         elif trainer.step_count:
             raise RunError(f"{run.store} holds no data position (it was not written by `streamer train`); "
@@ -704,8 +731,11 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
             run.finish_setup()  # a set-up killed after writing config.toml left its mark
     except BaseException:
         trainer.close()
+        if grpo is not None and grpo.reference is not None:
+            grpo.reference.close()
         raise
-    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events, references=references)
+    return Session(cfg, run, trainer, tokenizer, stream, held_out, parallel, events, references=references,
+                   grpo=grpo)
 
 
 def _references(cfg: RunConfig, run: RunDir, train_set: Dataset, held_out: Dataset | None,
@@ -863,6 +893,8 @@ def _texts(cfg: RunConfig) -> list[str]:
         return demo_corpus()
     if cfg.trainer.objective.preference:
         return [text for pair in read_pairs(data.data) for text in _pair_texts(pair) if text]
+    if cfg.trainer.objective.grpo:
+        return [record["prompt"] for record in read_prompts(data.data) if record["prompt"]]
     return [text for e in read_examples(data.data) for text in (e.text, e.completion) if text]
 
 
@@ -873,6 +905,8 @@ def _dataset(cfg: RunConfig, tokenizer: Tokenizer, path: str | None = None) -> D
         return tokenize(demo_corpus(), tokenizer, cfg.seq)
     if cfg.trainer.objective.preference:
         return pair_dataset(path, tokenizer, cfg.seq)
+    if cfg.trainer.objective.grpo:  # nothing but the prompts: the rows are sampled in the loop (`_grpo_loop`)
+        return prompt_dataset(path, tokenizer, cfg.seq)
     return load_dataset(path, tokenizer, cfg.seq, pack=data.pack, long_examples=data.long_examples)
 
 
@@ -931,8 +965,84 @@ def _sample_prompt(cfg: RunConfig, tokenizer: Tokenizer) -> str:
         return cfg.sample_prompt
     if cfg.data.data is None:
         return DEFAULT_PROMPT
+    if cfg.trainer.objective.grpo:
+        return read_prompts(cfg.data.data)[0]["prompt"]
     if cfg.trainer.objective.preference:
         pair = read_pairs(cfg.data.data)[0]
         return pair.prompt if isinstance(pair.prompt, str) else chat_prompt(list(pair.prompt), tokenizer, pair.where)
     first = next(iter(read_examples(cfg.data.data)), None)
     return "" if first is None else prompt_of(first, tokenizer)
+
+
+# --- GRPO (--method grpo) ----------------------------------------------------------------------------------------
+def _check_grpo(cfg: RunConfig) -> None:
+    """What a GRPO run needs beyond its settings' own checks: prompts, reward functions that load, and a step that
+    holds whole groups; no held-out loss (its rows are sampled)."""
+    objective = cfg.trainer.objective
+    if cfg.data.data is None:
+        raise RunError("--method grpo samples completions of prompts; pass --data FILE of records with a 'prompt' "
+                       "field (TRL's prompt-only format)")
+    if not objective.reward_specs():
+        raise RunError("--method grpo needs --reward-funcs module:function (TRL's signature: f(prompts, "
+                       "completions, **columns) -> one float per completion)")
+    for name, given in (("pack", cfg.data.pack), ("epochs", cfg.epochs), ("eval_data", cfg.data.eval_data)):
+        if given:
+            raise RunError(f"--method grpo samples its rows, so {flag(name)} does not apply; drop it")
+    if cfg.data.eval_fraction:
+        raise RunError("--method grpo has no held-out loss (its rows are sampled): pass --eval-fraction 0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would sample the same rows: not split yet
+        raise RunError("--method grpo runs in one process for now; launch it without torchrun")
+    if objective.beta and not cfg.trainer.lora.enabled and cfg.from_pretrained is None:
+        raise RunError("--beta > 0 needs the reference model: with LoRA the base with the adapters off, with full "
+                       "fine-tuning the --from-pretrained checkpoint; pass --lora-rank, --from-pretrained or --beta 0")
+    GRPOSettings.of(objective, cfg.batch, cfg.trainer.seed)
+    _rewards(cfg)
+
+
+def _rewards(cfg: RunConfig) -> Rewards:
+    objective = cfg.trainer.objective
+    return Rewards(objective.reward_specs(), objective.reward_weight_values())
+
+
+def _check_prompts(cfg: RunConfig, tokenizer: Tokenizer) -> None:
+    """Each prompt and its longest completion fit --seq (the rows the plan prices); else one line naming it."""
+    room = cfg.seq - cfg.trainer.objective.max_completion_length
+    assert cfg.data.data is not None
+    for number, record in enumerate(read_prompts(cfg.data.data), start=1):
+        length = len(tokenizer.prompt_ids(record["prompt"]) or [tokenizer.eos_id])
+        if length > room:
+            raise RunError(f"{cfg.data.data} record {number}'s prompt is {length} tokens and --seq {cfg.seq} leaves "
+                           f"{room} beside --max-completion-length {cfg.trainer.objective.max_completion_length}; "
+                           "raise --seq or shorten the prompt")
+
+
+def _grpo_loop(cfg: RunConfig, run: RunDir, trainer: StreamingTrainer, tokenizer: Tokenizer,
+               new: bool = False) -> GRPOLoop | None:
+    """--method grpo's loop: --data's records, --reward-funcs, the settings, and with full fine-tuning and --beta
+    the frozen reference in RUN/reference-store (made from --from-pretrained by a `new` run, else opened); None for
+    the other methods."""
+    if not cfg.trainer.objective.grpo:
+        return None
+    assert cfg.data.data is not None
+    reference = None
+    if cfg.trainer.objective.beta and not cfg.trainer.lora.enabled:
+        assert cfg.from_pretrained is not None  # _check_grpo
+        reference = frozen_reference(cfg.from_pretrained, cfg.trainer, run.reference_store) if new else \
+            StreamingTrainer.open(run.reference_store, read_only=True)
+    try:
+        return GRPOLoop(trainer, tokenizer, read_prompts(cfg.data.data), _rewards(cfg),
+                        GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed), reference)
+    except BaseException:
+        if reference is not None:
+            reference.close()
+        raise
+
+
+def prompt_dataset(path: str, tokenizer: Tokenizer, seq: int) -> Dataset:
+    """GRPO's prompts as rows of --seq tokens, nothing learned in them: what the run's common set-up (the split, the
+    long-example notes) reads; the steps' rows are sampled (`_grpo_loop`)."""
+    prompts = [tokenizer.prompt_ids(record["prompt"])[:seq] for record in read_prompts(path)]
+    ids = torch.full((len(prompts), seq), tokenizer.eos_id, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    return Dataset(ids, torch.full_like(ids, IGNORE_INDEX))

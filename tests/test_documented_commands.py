@@ -158,8 +158,8 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
             word = str(run_copy / word.removeprefix("RUN/"))
         elif word in files:
             word = str(files[word])
-        elif before == "--model" and (ROOT / word).is_file():
-            word = str(ROOT / word)  # a config.json the repository ships, named from its root
+        elif before in ("--model", "--data") and (ROOT / word).is_file():
+            word = str(ROOT / word)  # a config.json or data the repository ships, named from its root
         elif word.startswith(("/tmp/", "/shared/")):
             word = str(work / word.split("/", 2)[2])
         elif before in AT_MOST and word.isdigit():

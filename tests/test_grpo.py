@@ -259,7 +259,7 @@ def test_bad_grpo_settings_are_one_line() -> None:
             trainer.step(ids, labels, objectives=[])
         with pytest.raises(StreamerError, match="GRPO needs one advantage per row \\(4\\); got \\(3,\\)"):
             grpo_step(trainer, GRPOLoss(), ids, labels, torch.zeros(3))
-        with pytest.raises(ConfigError, match="beta > 0 needs the reference model, which is kept for LoRA only"):
+        with pytest.raises(ConfigError, match="beta > 0 needs the reference model: with LoRA the base with the "):
             train_grpo(trainer, train_bpe(["some text"], 300), [{"prompt": "Hi"}], Rewards([length_reward]),
                        GRPOSettings(beta=0.1), 1)
 

@@ -15,6 +15,7 @@ from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_sp
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
 from memory_model.planner import clipped_schedule, clipped_steps, fewest_expert_groups
+from memory_model.rollout import RolloutPlan, rollout_plan
 from memory_model.scaling import SCALING_ASSUMPTION, scaling_curve
 from streamer.cli.flags import add_config_flag, add_run_flags, declare_command, given
 from streamer.cli.trace import breakdown
@@ -31,7 +32,8 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
                  "update_chunk", "moment_dtype", "master_dtype", "update_timing", "clipped_steps", "data_parallel",
                  "expert_group_size", "lora_rank", "lora_targets", "load_in_4bit", "bnb_4bit_quant_type",
-                 "bnb_4bit_use_double_quant", "set", "pack")
+                 "bnb_4bit_use_double_quant", "set", "pack", "method", "beta", "num_generations",
+                 "max_completion_length", "num_iterations")
 EXAMPLES = """\
 examples:
   streamer plan --model gptj-6b --target cs2 --batch 1 --seq 2048
@@ -95,6 +97,7 @@ def plan_command(args: argparse.Namespace) -> int:
         plan_cfg = plan_cfg.replace(expert_group_size=fewest_expert_groups(model_cfg, device, plan_cfg))
         result = plan(model_cfg, device, plan_cfg)
         scaling = None if result.does_not_fit else scaling_curve(model_cfg, device, plan_cfg)
+        rollout = rollout_plan(model_cfg, device, plan_cfg) if plan_cfg.objective.grpo else None
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
     store = f"{store_choice(cfg, explicit, args.config)}, on {device.name}'s host"
@@ -102,7 +105,8 @@ def plan_command(args: argparse.Namespace) -> int:
     others = baselines(model_cfg, args.ranks, plan_cfg.dtype_bytes)
     out = {**result.to_json(), "scaling": scaling, "scaling_assumption": SCALING_ASSUMPTION,
            "compute_dtype_reason": choice.reason, "store_reason": store, "store_ram_bytes": store_ram,
-           "store_disk_bytes": store_disk, "alternatives": [asdict(b) for b in others]}
+           "store_disk_bytes": store_disk, "alternatives": [asdict(b) for b in others],
+           **({} if rollout is None else {"rollout": {**asdict(rollout), "total_s": rollout.total_s}})}
     clipping = plan_cfg.fused and cfg.trainer.optimizer.max_grad_norm > 0
     if clipping:
         try:
@@ -137,6 +141,9 @@ def plan_command(args: argparse.Namespace) -> int:
     console.print(f"host RAM per process at its peak: {format_size(host.total)} ({host.describe()})",
                   markup=False, highlight=False)
     console.print(result.table())
+    line = _method_line(cfg.batch, plan_cfg, result, rollout)
+    if line is not None:
+        console.print(line, markup=False, highlight=False)
     if clipping:
         console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.step.clipped_steps, result.params),
                       markup=False, highlight=False)
@@ -160,6 +167,19 @@ def plan_command(args: argparse.Namespace) -> int:
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
     return 0
+
+
+def _method_line(batch: int, cfg: PlanConfig, result: Plan, rollout: RolloutPlan | None) -> str | None:
+    """What a DPO step or a GRPO step and its rollout take, for --method dpo or grpo."""
+    if cfg.objective.preference:
+        return f"a DPO step ({batch} pairs, {2 * batch} rows): {result.step_time_s:.3g} s"
+    if rollout is None:
+        return None
+    objective = cfg.objective
+    return (f"a GRPO rollout ({batch // objective.num_generations} prompts of up to {rollout.prompt_tokens} tokens "
+            f"x {objective.num_generations} completions of {objective.max_completion_length} tokens, every unit "
+            f"streamed in each decode pass): {rollout.total_s:.3g} s (prefill {rollout.prefill_s:.3g} s, decode "
+            f"{rollout.decode_s:.3g} s, scoring {rollout.scoring_s:.3g} s); then its step {result.step_time_s:.3g} s")
 
 
 def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: str, params: int) -> str:

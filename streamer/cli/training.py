@@ -85,8 +85,9 @@ def describe(s: Session) -> str:
     adapters = s.trainer.adapters
     lora = "" if adapters is None else (f"; LoRA rank {tc.lora.rank} on {','.join(adapters.targets)}: "
                                         f"{adapters.numel():,} trainable params, the base frozen")
-    rows = "pairs" if tc.objective.preference else "sequences"
-    return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {len(s.stream.dataset)} train / "
+    rows = "pairs" if tc.objective.preference else "prompts" if tc.objective.grpo else "sequences"
+    train = len(s.grpo.dataset) if s.grpo is not None else len(s.stream.dataset) if s.stream is not None else 0
+    return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {train} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out {rows} of {cfg.seq} tokens"
             f"{f' ({cfg.epochs} epochs: {cfg.steps} steps)' if cfg.epochs else ''}; batch {cfg.batch}"
             f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, {tc.device.dtype}, "
@@ -132,7 +133,8 @@ def _progress_line(record: Any, steps: int, elapsed: float, done: int) -> str:
     """`step 3/80 loss 7.812 lr 6.00e-04 1,024 tok/s MFU 3.1% elapsed 0:00:03 eta 0:01:17`: one step, for logs
     (MFU where the device's peak is known)."""
     eta = elapsed / done * (steps - record["step"])
-    return (f"step {record['step']}/{steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+    reward = "" if record.get("reward") is None else f" reward {record['reward']:.3f}"  # --method grpo's mean
+    return (f"step {record['step']}/{steps} loss {record['loss']:.4f}{reward} lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:,.0f} tok/s{_mfu(record)} elapsed {_clock(elapsed)} eta {_clock(eta)}")
 
 

@@ -303,3 +303,32 @@ def _implicit_prompt(chosen: str | Messages, rejected: str | Messages, where: st
                 index -= 1
             break
     return Pair(chosen[:index], chosen[index:], rejected[index:], where)
+
+
+def read_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """GRPO's records, TRL's prompt-only format: each a text `prompt` and any other columns, which the reward
+    functions get by name; from a .jsonl file, a table or a datasets folder."""
+    path = Path(path)
+    if path.is_dir() or path.suffix in TABLE_SUFFIXES:
+        if not path.exists():
+            raise DataError(f"{path} does not exist; pass an existing {path.suffix or 'datasets'} file")
+        rows = list(_dataset_rows(path))
+    elif path.suffix == ".jsonl":
+        rows = []
+        for number, line in _jsonl_lines(path):
+            if line.strip():
+                try:
+                    rows.append((json.loads(line), f"{path} line {number}"))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                                    "write one JSON object per line") from None
+    else:
+        raise DataError(f"{path}: GRPO's prompts are read from .jsonl, .parquet, .csv or a datasets folder, not "
+                        f"{path.suffix!r}")
+    for record, where in rows:
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise DataError(f"{where} has no text 'prompt' field; each record must be an object like "
+                            '{"prompt": "...", ...} (its other fields go to the reward functions)')
+    if not rows:
+        raise DataError(f"{path} holds no prompts; add records with a 'prompt' field")
+    return [dict(record) for record, _ in rows]
