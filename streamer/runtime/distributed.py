@@ -218,19 +218,12 @@ def check_sharding(store: StoreReader, mode: str, parallel: DataParallel | None)
         raise StoreError(f"{store.root} was written with --data-parallel {was}; resume it with --data-parallel {was}")
 
 
-def agree_on_journal(data_parallel: DataParallel, committed: int, journal: dict[str, Any] | None,
-                     damage: StoreError | None = None) -> dict[str, Any] | None:
+def agree_on_journal(data_parallel: DataParallel, committed: int,
+                     journal: dict[str, Any] | None) -> dict[str, Any] | None:
     """The journaled step to roll forward (this rank's store committed step `committed`): `journal` only if every rank
     journaled it or already committed it (a rank that finished its update before another crashed); otherwise
-    None, and no rank has updated anything of it yet, so the caller forgets it. `damage`: this rank's store could
-    not be opened; every rank raises it, the others naming this rank, so that each says what fixes the run."""
-    views = data_parallel.gather(" ".join(str(damage).split()) if damage is not None else
-                                 (committed, None if journal is None else journal["step"]))
-    if damage is not None:
-        raise damage
-    failed = next(((rank, said) for rank, said in enumerate(views) if isinstance(said, str)), None)
-    if failed is not None:
-        raise StoreError(f"rank {failed[0]}'s store: {failed[1]}")
+    None, and no rank has updated anything of it yet, so the caller forgets it."""
+    views = data_parallel.gather((committed, None if journal is None else journal["step"]))
 
     def everyone_reached(step: int) -> bool:
         return all(j == step or committed >= step for committed, j in views)
