@@ -436,7 +436,7 @@ def test_torchrun_goes_back_to_the_newest_step_intact_in_every_process(tiny_setu
         with (StreamingTrainer.open(stores[rank], read_only=True) as a,
               StreamingTrainer.open(tmp_path / "backup" / "store" / f"rank{rank}", read_only=True) as b):
             assert a.step_count == b.step_count == 3
-            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     # No step intact in both: rank 1's newest (3) damaged, and rank 0's other kept step (2).
     damaged = damage(stores[1], 3)
     damage(stores[0], 2)
@@ -446,6 +446,44 @@ def test_torchrun_goes_back_to_the_newest_step_intact_in_every_process(tiny_setu
     assert refused.returncode != 0 and lines == [
         f"error: rank 1's store: unit block.0: checksum mismatch in {damaged}: no step is intact in every process's "
         "store; restore the run directory from a backup, or start a new run"], refused.stderr[-3000:]
+
+
+def test_a_process_that_dies_stops_the_others_in_one_line(tiny_setup, tmp_path):
+    """Rank 1 of two aborts (SIGABRT) mid-run: rank 0 stops within seconds, never hangs, with one line, no traceback
+    and exit status 2 (a process stopping on an error used to abort at exit after its line, now and then); the same
+    torchrun command then finishes the run, each step logged once. The two processes are started as torchrun starts
+    them but without its agent, which would stop rank 0 itself."""
+    import socket
+
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--steps", 40, "--eval-every", 0)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-m", "streamer", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                              "LOCAL_WORLD_SIZE": "2"}) for rank in (0, 1)]
+    try:
+        while metric_lines(run) < 2 and all(p.poll() is None for p in ranks):
+            time.sleep(0.005)
+        assert ranks[1].poll() is None, ranks[1].communicate()
+        ranks[1].send_signal(signal.SIGABRT)
+        sent = time.monotonic()
+        _, err = ranks[0].communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert ranks[0].returncode == 2 and waited < 30 and len(lines) == 1, (ranks[0].returncode, waited, err[-3000:])
+    assert lines[0].startswith("error: another process of this run stopped answering") and \
+        "the run keeps its last committed step: start the same torchrun command again" in lines[0], err
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*torchrun, "-m", "streamer", *argv], env=ENV, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in RunDir(run).read_metrics() if "loss" in r] == list(range(1, 41))
 
 
 def _compare_plans_each_process(run: Path, capsys, monkeypatch) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -204,6 +205,18 @@ def leave_process_group() -> None:
             dist.barrier()
         time.sleep(0.1)
         dist.destroy_process_group()
+
+
+def leave_after_error(status: int) -> None:
+    """The last call of a data-parallel process that stops on an error, its one line printed: exit with `status`
+    at once. Waiting for the others could hang (they may never reach another exchange), and an interpreter that
+    shuts down under gloo's threads aborts (SIGABRT, see `leave_process_group`) after that line. The others' next
+    exchange with this process fails, and each says so in one line (`LostProcess`); every store is safe against a
+    kill at any instant, and the files this process wrote are closed by then."""
+    if dist.is_available() and dist.is_initialized():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(status)
 
 
 def check_sharding(store: StoreReader, mode: str, parallel: DataParallel | None) -> None:
