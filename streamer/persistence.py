@@ -17,6 +17,7 @@ from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
+from streamer.runtime.lora import Adapters
 from streamer.runtime.step import StepContext
 from streamer.runtime.wiring import Runtime
 from streamer.store.commit import read_manifest
@@ -67,8 +68,9 @@ def open_store(store_dir: str | Path, overrides: Mapping[str, Any] | None, read_
         raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
                          "step (no --step)")
     store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else
-                          HostReader.open(dirs[0], pin_memory, step=step) if read_only else
-                          HostStore.open(dirs[0], pin_memory) if data_parallel is None else
+                          HostReader.open(dirs[0], pin_memory, step=step, companions=Adapters.check) if read_only
+                          else HostStore.open(dirs[0], pin_memory, companions=Adapters.check) if data_parallel is None
+                          else
                           _open_together(dirs[0], pin_memory, data_parallel))
     try:  # on any error, let go of the store (and its lock) before saying why
         writer = store if isinstance(store, StoreWriter) else None
@@ -101,7 +103,7 @@ def _open_together(root: Path, pin_memory: str, parallel: DataParallel) -> HostS
     process's store in one line."""
     store, error = None, None
     try:
-        store = HostStore.open(root, pin_memory, fall_back=False)
+        store = HostStore.open(root, pin_memory, fall_back=False, companions=Adapters.check)
     except StoreError as exc:
         error = exc
     views = parallel.gather(None if error is None else (isinstance(error, DamagedStep), " ".join(str(error).split())))
@@ -117,12 +119,12 @@ def _open_together(root: Path, pin_memory: str, parallel: DataParallel) -> HostS
         rank, (_, line) = next((rank, view) for rank, view in failed.items() if not view[0])
         raise StoreError(f"rank {rank}'s store: {line}")
     damage = "; ".join(f"rank {rank}'s store: {first_clause(line)}" for rank, (_, line) in failed.items())
-    common = set.intersection(*map(set, parallel.gather(HostStore.intact_steps(root, pin_memory))))
+    common = set.intersection(*map(set, parallel.gather(HostStore.intact_steps(root, pin_memory, Adapters.check))))
     if not common:
         raise StoreError(f"{damage}: no step is intact in every process's store; restore the run directory from a "
                          "backup, or start a new run")
     step = max(common)
-    store = HostStore.open(root, pin_memory, to_step=step)
+    store = HostStore.open(root, pin_memory, to_step=step, companions=Adapters.check)
     store.fell_back = (f"{damage}, so the run goes back to step {step}, the newest step intact in every process's "
                        "store (the steps after it are trained again)")
     return store

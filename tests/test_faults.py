@@ -37,7 +37,7 @@ CASES = [
     ("full", "config.toml", REFUSED), ("full", "manifest.json", BACK), ("full", "kept record", NAMED),
     ("full", "state file", BACK), ("full", "tokenizer.json", REFUSED), ("full", "tokenizer_config.json", REFUSED),
     ("full", "special_tokens_map.json", REFUSED), ("full", "metrics.jsonl", UNREAD), ("full", "unread", UNREAD),
-    ("lora", "lora file", REFUSED), ("lora", "state file", REFUSED), ("lora", "unread", UNREAD),
+    ("lora", "lora file", BACK), ("lora", "state file", REFUSED), ("lora", "unread", UNREAD),
     ("dpo", "reference.json", REFUSED),
 ]
 # Files continuing a run does not read (a later step overwrites them, or only going back to a kept step reads them,

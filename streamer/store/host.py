@@ -37,6 +37,11 @@ from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
 from streamer.store.spec import PIN_MODES, StoreSpec
 
 
+# Checks the files a step commits beside the store's (the store's folder, the step), raising a StoreError where one
+# is damaged: a LoRA run's adapters (`streamer.runtime.lora.Adapters.check`).
+Companions = Callable[[Path, int], None]
+
+
 class DamagedStep(StoreError):
     """A writer's last commit is damaged where it may not go back on its own (`HostStore.open(fall_back=False)`,
     one torchrun process): the processes choose the step to go back to together (`HostStore.intact_steps`)."""
@@ -70,6 +75,8 @@ class _HostSlabs(StoreReader):
         self._at_kept = False  # opened at a kept step other than the last commit (a reader's `step`)
         self._may_fall_back = False  # a writer's open may go back to a kept step where the last commit is damaged
         self._to_step: int | None = None  # a writer's open goes back to this step (the torchrun processes' choice)
+        # What checks the files a step commits beside the store's (a LoRA run's adapters), raising a StoreError
+        self._companions: Companions | None = None
 
     def _allocate_ram(self) -> None:
         """The zero-copy tiers' slabs (RAM's). An opened store allocates them only after its files match its
@@ -78,9 +85,10 @@ class _HostSlabs(StoreReader):
 
     @classmethod
     def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None,
-              fall_back: bool = False, to_step: int | None = None) -> Self:
+              fall_back: bool = False, to_step: int | None = None, companions: Companions | None = None) -> Self:
         """Open a store at its last commit, or at the kept `step`. `verify`: check every state file's checksum
-        (a full read). A writer's `to_step`: go back to that step, the last commit's or a kept one."""
+        (a full read). A writer's `to_step`: go back to that step, the last commit's or a kept one. `companions`:
+        checks the files a step commits beside the state files, as they are checked."""
         root = Path(root)
         try:
             manifest, damage = read_manifest(root), None
@@ -99,11 +107,12 @@ class _HostSlabs(StoreReader):
                 if not cls._read_only:  # one torchrun process: the processes choose a step together
                     raise DamagedStep(str(damage))
                 store = cls(root, spec, manifest, pin_memory, lock)  # a kept step is read only when asked for
+                store._companions = companions
                 raise store._refusal(first_clause(damage), list(store._kept))
             check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
             store._at_kept, store._may_fall_back, store._damage = at_kept, fall_back, damage
-            store._to_step = to_step
+            store._to_step, store._companions = to_step, companions
             store._load_units(verify)
         except BaseException:
             if store is not None:
@@ -156,6 +165,8 @@ class _HostSlabs(StoreReader):
             checks.append(self._state_check(unit, self.versions[unit], expected))
         if verify:
             verify_checksums(checks)
+        if self._companions is not None:
+            self._companions(self.root, self.step)
         self._allocate_ram()
         for unit in self.layouts:
             self._fill_ram_from_file(unit)
@@ -172,6 +183,8 @@ class _HostSlabs(StoreReader):
             check_units(self.root, record, self.spec.config)
             verify_checksums([self._state_check(unit, generation, record["checksums"].get(state_name(unit, generation)))
                               for unit, generation in record["units"].items()])
+            if self._companions is not None:
+                self._companions(self.root, record["step"])
         except StoreError:
             return False
         return True
@@ -257,10 +270,10 @@ class HostReader(_HostSlabs):
 
     @classmethod
     def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
-             step: int | None = None) -> "HostReader":
+             step: int | None = None, companions: Companions | None = None) -> "HostReader":
         """`verify`: check every state file's checksum (a full read). A step still to roll forward is refused.
-        `step`: a kept step (`HostStore.keep`) instead of the last commit."""
-        return cls._open(root, pin_memory, verify, step)
+        `step`: a kept step (`HostStore.keep`) instead of the last commit. `companions`: as `HostStore.open`."""
+        return cls._open(root, pin_memory, verify, step, companions=companions)
 
     @property
     def read_only_reason(self) -> str:
@@ -321,15 +334,17 @@ class HostStore(_HostSlabs, StoreWriter):
 
     @classmethod
     def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
-             fall_back: bool = True, to_step: int | None = None) -> "HostStore":
+             fall_back: bool = True, to_step: int | None = None, companions: Companions | None = None) -> "HostStore":
         """Open a store at its last commit to train it. `verify`: check every state file's checksum (a full
         read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`).
         `fall_back`: where the last commit is damaged, go back to the newest intact kept step (`fell_back`), else
-        raise `DamagedStep`. `to_step`: go back to that step (one of `intact_steps`), damaged or not."""
-        return cls._open(root, pin_memory, verify, fall_back=fall_back, to_step=to_step)
+        raise `DamagedStep`. `to_step`: go back to that step (one of `intact_steps`), damaged or not. `companions`:
+        checks a step's files beside the store's (a LoRA run's adapters), which a step needs intact too."""
+        return cls._open(root, pin_memory, verify, fall_back=fall_back, to_step=to_step, companions=companions)
 
     @classmethod
-    def intact_steps(cls, root: str | Path, pin_memory: str = "none") -> list[int]:
+    def intact_steps(cls, root: str | Path, pin_memory: str = "none",
+                     companions: Companions | None = None) -> list[int]:
         """The steps an open could go back to, oldest first: the last commit's and each kept step's whose state
         files all check out (a full read). Nothing is written; where nothing can be read, none."""
         root = Path(root)
@@ -347,6 +362,7 @@ class HostStore(_HostSlabs, StoreWriter):
         except StoreError:
             return []
         store = cls(root, spec, newest, pin_memory, lock_run_dir(root))
+        store._companions = companions
         try:
             return [step for step in sorted(records) if store._intact(records[step])]
         finally:
