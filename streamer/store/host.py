@@ -11,6 +11,10 @@ written to a tmp file, fsynced and renamed, and its old generation deleted. A cr
 unit at step s or s+1, and `open()` reports the journal so the trainer rolls the rest forward from the same
 gradients: bit-identical to an uninterrupted run. Other commits (the first write, loading weights, a RAM-tier
 save) keep the old generation until the manifest names the new one.
+
+Long because the reader and the writer share one set of checks (sizes, trailers, checksums, the files beside a
+step), and the writer's way back from a damaged commit to an intact step, alone or with the other torchrun
+processes, is those checks applied to each candidate step.
 """
 from __future__ import annotations
 
