@@ -67,11 +67,15 @@ def open_store(store_dir: str | Path, overrides: Mapping[str, Any] | None, read_
     if step is not None and len(dirs) > 1:
         raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
                          "step (no --step)")
-    store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else
-                          HostReader.open(dirs[0], pin_memory, step=step, companions=Adapters.check) if read_only
-                          else HostStore.open(dirs[0], pin_memory, companions=Adapters.check) if data_parallel is None
-                          else
-                          _open_together(dirs[0], pin_memory, data_parallel))
+    store: StoreReader
+    if len(dirs) > 1:
+        store = MergedShards.open(dirs)
+    elif read_only:
+        store = HostReader.open(dirs[0], pin_memory, step=step, companions=Adapters.check)
+    elif data_parallel is None:
+        store = HostStore.open(dirs[0], pin_memory, companions=Adapters.check)
+    else:
+        store = _open_together(dirs[0], pin_memory, data_parallel)
     try:  # on any error, let go of the store (and its lock) before saying why
         writer = store if isinstance(store, StoreWriter) else None
         journal = None if writer is None else writer.journal  # a reader refuses one at open
