@@ -17,10 +17,11 @@ from streamer.errors import StoreError
 from streamer.runtime.distributed import DataParallel, agree_on_journal, check_sharding
 from streamer.runtime.executor import Executor
 from streamer.runtime.hardware import DeviceConfig
+from streamer.runtime.lora import Adapters
 from streamer.runtime.step import StepContext
 from streamer.runtime.wiring import Runtime
 from streamer.store.commit import read_manifest
-from streamer.store.host import HostReader, HostStore
+from streamer.store.host import DamagedStep, HostReader, HostStore, first_clause
 from streamer.store.interface import StoreReader, StoreWriter
 from streamer.store.ranks import store_dirs
 from streamer.store.shards import MergedShards
@@ -66,15 +67,15 @@ def open_store(store_dir: str | Path, overrides: Mapping[str, Any] | None, read_
     if step is not None and len(dirs) > 1:
         raise StoreError(f"{store_dir} holds a sharded run, whose kept steps cannot be read yet; read its last "
                          "step (no --step)")
-    # Under torchrun the ranks would have to agree on the kept step to go back to: a damaged store stops them.
-    try:
-        store: StoreReader = (MergedShards.open(dirs) if len(dirs) > 1 else
-                              HostReader.open(dirs[0], pin_memory, step=step) if read_only else
-                              HostStore.open(dirs[0], pin_memory, fall_back=data_parallel is None))
-    except StoreError as damage:
-        if data_parallel is not None:  # the other ranks hear of it where they agree on the journal
-            agree_on_journal(data_parallel, 0, None, damage)
-        raise
+    store: StoreReader
+    if len(dirs) > 1:
+        store = MergedShards.open(dirs)
+    elif read_only:
+        store = HostReader.open(dirs[0], pin_memory, step=step, companions=Adapters.check)
+    elif data_parallel is None:
+        store = HostStore.open(dirs[0], pin_memory, companions=Adapters.check)
+    else:
+        store = _open_together(dirs[0], pin_memory, data_parallel)
     try:  # on any error, let go of the store (and its lock) before saying why
         writer = store if isinstance(store, StoreWriter) else None
         journal = None if writer is None else writer.journal  # a reader refuses one at open
@@ -97,6 +98,40 @@ def open_store(store_dir: str | Path, overrides: Mapping[str, Any] | None, read_
         store.close()
         raise
     return store, tc, journal
+
+
+def _open_together(root: Path, pin_memory: str, parallel: DataParallel) -> HostStore:
+    """This torchrun process's store, opened as every process opens its own. Where any is damaged, every process
+    goes back to the newest step intact in all of them (`HostStore.intact_steps`), as one process goes back to its
+    newest intact kept step; where none is, or a store cannot be opened for another reason, every process says which
+    process's store in one line."""
+    store, error = None, None
+    try:
+        store = HostStore.open(root, pin_memory, fall_back=False, companions=Adapters.check)
+    except StoreError as exc:
+        error = exc
+    views = parallel.gather(None if error is None else (isinstance(error, DamagedStep), " ".join(str(error).split())))
+    failed = {rank: view for rank, view in enumerate(views) if view is not None}
+    if not failed:
+        assert store is not None
+        return store
+    if store is not None:
+        store.close()
+    if not all(damaged for damaged, _ in failed.values()):  # not a damaged step: nothing to go back to
+        if error is not None:
+            raise error
+        rank, (_, line) = next((rank, view) for rank, view in failed.items() if not view[0])
+        raise StoreError(f"rank {rank}'s store: {line}")
+    damage = "; ".join(f"rank {rank}'s store: {first_clause(line)}" for rank, (_, line) in failed.items())
+    common = set.intersection(*map(set, parallel.gather(HostStore.intact_steps(root, pin_memory, Adapters.check))))
+    if not common:
+        raise StoreError(f"{damage}: no step is intact in every process's store; restore the run directory from a "
+                         "backup, or start a new run")
+    step = max(common)
+    store = HostStore.open(root, pin_memory, to_step=step, companions=Adapters.check)
+    store.fell_back = (f"{damage}, so the run goes back to step {step}, the newest step intact in every process's "
+                       "store (the steps after it are trained again)")
+    return store
 
 
 class Persistence:

@@ -19,7 +19,8 @@ from memory_model.trace import Trace
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError, blame, read_toml
 from streamer.errors import StoreError
-from streamer.store.commit import kept_steps, lock_file, read_journal, read_manifest
+from streamer.io.tokenizer import Tokenizer, load_tokenizer
+from streamer.store.commit import kept_steps, lock_file, read_journal, read_kept, read_manifest
 from streamer.store import ranks
 from streamer.store.slabfile import checksum_of, open_for_writing, refuse_link, replace_file, write_json_atomic
 
@@ -149,6 +150,31 @@ class RunDir:
         for folder, _, files in os.walk(self.root):
             for name in files:
                 refuse_link(Path(folder) / name)
+
+    def tokenizer_checksum(self) -> int:
+        """The xxh3-64 of the tokenizer folder's files and their names. `Session.train` commits it with each step, so
+        a changed or damaged file is found before it tokenizes anything (`load_tokenizer`)."""
+        parts = []
+        for path in sorted(p for p in self.tokenizer.rglob("*") if p.is_file()):
+            name, data = str(path.relative_to(self.tokenizer)).encode(), path.read_bytes()
+            parts += [len(name).to_bytes(8, "little"), name, len(data).to_bytes(8, "little"), data]
+        return checksum_of(b"".join(parts))
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The run's tokenizer, once its files are those its store's last commit recorded (a kept step's where the
+        manifest cannot be read; a run from before the record has none to check)."""
+        root, recorded = ranks.every_store(self.store)[0], None
+        for step in [None, *reversed(kept_steps(root))]:
+            try:
+                record = read_manifest(root) if step is None else read_kept(root, step)
+            except StoreError:
+                continue  # opening the store says what is damaged (or goes back to a kept step)
+            recorded = record["trainer"].get("extra", {}).get("tokenizer")
+            break
+        if recorded is not None and recorded != self.tokenizer_checksum():
+            raise RunError(f"{self.tokenizer} is damaged or was changed (its files are not those the run was trained "
+                           "with); restore it from a backup, or start a new run")
+        return load_tokenizer(self.tokenizer)
 
     @property
     def reference(self) -> Path:

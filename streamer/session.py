@@ -118,6 +118,8 @@ class Session:
     events: Events = field(default_factory=Events)
     reporters: Reporters | None = None  # --report-to, in the lead process only
     evaluated: tuple[int, float] | None = None  # the last evaluation's (step, loss): a step is evaluated once
+    logged: int | None = None  # the step whose evaluation metrics.jsonl holds already (not logged again)
+    tokenizer_checksum: int = 0  # of the tokenizer folder's files, committed with each step
     stopping: bool = False  # `stop` asked for: training ends after the step under way
     # --method dpo: each pair row's reference log-probabilities (chosen, rejected), by the row's tokens
     references: dict[bytes, torch.Tensor] = field(default_factory=dict)
@@ -125,9 +127,9 @@ class Session:
 
     def __post_init__(self) -> None:
         step = self.trainer.step_count
-        logged = [r["eval_loss"] for r in self.run.read_metrics() if r.get("step") == step and "eval_loss" in r]
-        if logged:  # a kill came after this step's evaluation was logged: it is not logged again
-            self.evaluated = (step, logged[-1])
+        if any(r.get("step") == step and "eval_loss" in r for r in self.run.read_metrics()):
+            self.logged = step  # a kill came after this step's evaluation was logged: it is not logged again
+        self.tokenizer_checksum = self.run.tokenizer_checksum()
         if self.trainer.tc.device.device == "cpu":  # the target --clipped-steps auto prices on, where calibrated
             self.trainer.local_target = cached_local_spec(Path("runs"), self.trainer.cfg,
                                                           dtype_name(self.trainer.tc.compute_dtype))
@@ -196,9 +198,12 @@ class Session:
         self._keep_missed()
         self.stopping = False
         while trainer.step_count < cfg.steps and not self.stopping:
+            # Committed with this step: the tokenizer's files (checked on resume) and where the data order is (GRPO's
+            # loop adds its rollout).
+            trainer.extra_state = {"tokenizer": self.tokenizer_checksum}
             if self.stream is not None:
                 ids, labels, positions, mask = next(self.stream)
-                trainer.extra_state = {"data": self.stream.state_dict()}  # committed with this step
+                trainer.extra_state["data"] = self.stream.state_dict()
             begin = time.perf_counter()
             step = trainer.step_count + 1
             window = trainer.ledger.open_window()  # this step's own peak, as the trace's spans of it record it
@@ -319,8 +324,9 @@ class Session:
             record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))}
             line = f"step {step}: eval loss {loss:.3f}, perplexity {record['eval_perplexity']:,.1f}"
         self.evaluated = (step, loss)
-        self.log(record)
-        self.events("evaluated", line, step, record)
+        if self.logged != step:  # evaluated again (its loss ranks --keep-best), not read back from the log
+            self.log(record)
+            self.events("evaluated", line, step, record)
         return loss
 
     def _evaluate_pairs(self, split: int, reduce: Callable[[float], float]) -> tuple[float, dict[str, float]]:
@@ -664,9 +670,9 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
                        f"{run.processes()})")
     done = run.committed_step()
     _check_committed(run, cfg)
-    tokenizer, dataset, split, grpo = None, None, None, None
+    tokenizer = run.load_tokenizer()  # its files checked before anything is written
+    dataset, split, grpo = None, None, None
     if cfg.epochs is not None:  # the steps follow from the data
-        tokenizer = load_tokenizer(run.tokenizer)
         dataset = _dataset(cfg, tokenizer)
         split = _split(cfg, dataset, tokenizer)
         cfg = _epoch_steps(cfg, len(split[0]))
@@ -710,7 +716,6 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
         if rerun and not finished:
             events("note", f"{run.root} holds this run at step {trainer.step_count}: continuing it to step "
                            f"{cfg.steps}")
-        tokenizer = tokenizer or load_tokenizer(run.tokenizer)
         cfg = cfg.replace(sample_prompt=_sample_prompt(cfg, tokenizer))
         dataset = _dataset(cfg, tokenizer) if dataset is None else dataset
         train_set, held_out = split or _split(cfg, dataset, tokenizer)

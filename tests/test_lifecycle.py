@@ -24,6 +24,7 @@ from layers import GPTJConfig
 from streamer.cli.generate import open_trainer
 from streamer.run import resolve
 from streamer.run_dir import SETUP_MARK, RunDir
+from streamer.trainer import StreamingTrainer
 
 STEPS = 4
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: bit-identical results
@@ -393,11 +394,12 @@ def test_torchrun_run_dir_equals_one_process_and_reruns(tiny_setup, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_torchrun_every_rank_names_a_damaged_ranks_store(tiny_setup, tmp_path):
-    """Rank 1's state file damaged: rank 0, whose store is intact, refuses the run in one line naming rank 1's
-    damage and its fix (restore the run directory from a backup), where it said to start the same command again,
-    which failed the same way; with rank 1's manifest gone too, it does not offer a kept step the ranks cannot go
-    back to together; restored, the same command trains on."""
+def test_torchrun_goes_back_to_the_newest_step_intact_in_every_process(tiny_setup, tmp_path):
+    """Rank 1's state file of step 2 damaged and rank 0's manifest gone: every process goes back to step 1, the
+    newest step intact in both stores (rank 0's intact step 2 too), says so in one line naming both stores, and
+    trains on to the weights of the run continued from a backup; where no step is intact in every store, every
+    process refuses in one line saying to restore the run (it used to tell the healthy rank to start again, which
+    failed the same way)."""
     run = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     done = subprocess.run([*torchrun, "-m", "streamer", *train_argv(tiny_setup, run, "--steps", 2, "--eval-every", 0,
@@ -405,33 +407,83 @@ def test_torchrun_every_rank_names_a_damaged_ranks_store(tiny_setup, tmp_path):
                           env=ENV, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     shutil.copytree(run, tmp_path / "backup")
-    store = run / "store" / "rank1"
-    unit = json.loads((store / "manifest.json").read_text())["units"]["block.0"]
-    damaged = store / "slabs" / f"block.0.{unit}.state"
-    data = bytearray(damaged.read_bytes())
-    data[100] ^= 0xFF
-    damaged.write_bytes(data)
+    stores = [run / "store" / f"rank{rank}" for rank in (0, 1)]
+
+    def damage(store: Path, step: int) -> Path:
+        record = json.loads((store / "kept" / f"{step}.json").read_text())
+        path = store / "slabs" / f"block.0.{record['units']['block.0']}.state"
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0xFF
+        path.write_bytes(data)
+        return path
+
+    damaged = damage(stores[1], 2)
+    (stores[0] / "manifest.json").unlink()
     resume = ["-m", "streamer", "train", "--resume", str(run), "--steps", "3"]
     # Rank 0's output alone: the two ranks' lines may interleave.
-    refused = subprocess.run([*torchrun, "--local-ranks-filter", "0", *resume], env=ENV, capture_output=True,
-                             text=True, timeout=180)
-    said = f"unit block.0: checksum mismatch in {damaged}; the file is corrupted — restore the run directory " \
-        "from a backup"
-    lines = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
-    assert refused.returncode != 0 and lines == [f"error: rank 1's store: {said}"], refused.stderr[-3000:]
-    # Its manifest gone too: the ranks cannot go back to one of the kept steps together, and do not say they would.
-    (store / "manifest.json").unlink()
-    refused = subprocess.run([*torchrun, "--local-ranks-filter", "0", *resume], env=ENV, capture_output=True,
-                             text=True, timeout=180)
-    lines = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
-    assert lines == [f"error: rank 1's store: {store / 'manifest.json'} is missing; the processes of a torchrun run "
-                     "cannot go back to a kept step together yet: restore the run directory from a backup"], \
-        refused.stderr[-3000:]
-    shutil.rmtree(run)
-    shutil.copytree(tmp_path / "backup", run)
-    again = subprocess.run([*torchrun, *resume], env=ENV, capture_output=True, text=True, timeout=180)
-    assert again.returncode == 0, again.stderr[-3000:]
+    went_back = subprocess.run([*torchrun, "--local-ranks-filter", "0", *resume], env=ENV, capture_output=True,
+                               text=True, timeout=180)
+    assert went_back.returncode == 0, went_back.stderr[-3000:]
+    said = f"rank 0's store: {stores[0] / 'manifest.json'} is missing; rank 1's store: unit block.0: checksum " \
+        f"mismatch in {damaged}, so the run goes back to step 1, the newest step intact in every process's store " \
+        "(the steps after it are trained again)"
+    assert said in " ".join(went_back.stdout.split()), went_back.stdout[-3000:]
     assert [r["step"] for r in RunDir(run).read_metrics() if "loss" in r] == [1, 2, 3]
+    again = subprocess.run([*torchrun, *resume[:4], str(tmp_path / "backup"), *resume[5:]], env=ENV,
+                           capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for rank in (0, 1):
+        with (StreamingTrainer.open(stores[rank], read_only=True) as a,
+              StreamingTrainer.open(tmp_path / "backup" / "store" / f"rank{rank}", read_only=True) as b):
+            assert a.step_count == b.step_count == 3
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    # No step intact in both: rank 1's newest (3) damaged, and rank 0's other kept step (2).
+    damaged = damage(stores[1], 3)
+    damage(stores[0], 2)
+    refused = subprocess.run([*torchrun, "--local-ranks-filter", "0", *resume[:-1], "4"], env=ENV,
+                             capture_output=True, text=True, timeout=180)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and lines == [
+        f"error: rank 1's store: unit block.0: checksum mismatch in {damaged}: no step is intact in every process's "
+        "store; restore the run directory from a backup, or start a new run"], refused.stderr[-3000:]
+
+
+def test_a_process_that_dies_stops_the_others_in_one_line(tiny_setup, tmp_path):
+    """Rank 1 of two aborts (SIGABRT) mid-run: rank 0 stops within seconds, never hangs, with one line, no traceback
+    and exit status 2 (a process stopping on an error used to abort at exit after its line, now and then); the same
+    torchrun command then finishes the run, each step logged once. The two processes are started as torchrun starts
+    them but without its agent, which would stop rank 0 itself."""
+    import socket
+
+    run = tmp_path / "run"
+    argv = train_argv(tiny_setup, run, "--steps", 40, "--eval-every", 0)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-m", "streamer", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                              "LOCAL_WORLD_SIZE": "2"}) for rank in (0, 1)]
+    try:
+        while metric_lines(run) < 2 and all(p.poll() is None for p in ranks):
+            time.sleep(0.005)
+        assert ranks[1].poll() is None, ranks[1].communicate()
+        ranks[1].send_signal(signal.SIGABRT)
+        sent = time.monotonic()
+        _, err = ranks[0].communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert ranks[0].returncode == 2 and waited < 30 and len(lines) == 1, (ranks[0].returncode, waited, err[-3000:])
+    assert lines[0].startswith("error: another process of this run stopped answering") and \
+        "the run keeps its last committed step: start the same torchrun command again" in lines[0], err
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*torchrun, "-m", "streamer", *argv], env=ENV, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in RunDir(run).read_metrics() if "loss" in r] == list(range(1, 41))
 
 
 def _compare_plans_each_process(run: Path, capsys, monkeypatch) -> None:

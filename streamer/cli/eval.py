@@ -11,7 +11,6 @@ from memory_model.devices import budget_bytes
 from streamer.cli.flags import add_run_flags, declare_command, given
 from streamer.console import make_console
 from streamer.io.data import load_dataset, long_examples_line
-from streamer.io.tokenizer import load_tokenizer
 from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
 from streamer.session import evaluate_dataset, open_trainer
@@ -57,7 +56,7 @@ def eval_command(args: argparse.Namespace) -> int:
     if seq < 1:
         raise RunError(f"--seq must be a positive integer, got {seq}")
     data = replace(cfg.data, **{k: v for k, v in given(args).items() if k in DATA_FLAGS})  # checked as train's
-    tokenizer = load_tokenizer(run.tokenizer)
+    tokenizer = run.load_tokenizer()
     if data.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(data.chat_template)
     begin = time.perf_counter()

@@ -10,7 +10,6 @@ from memory_model import parse_size
 from streamer.cli.flags import declare_command
 from streamer.console import make_console
 from streamer.export import export_hf, export_peft, refuse_non_empty
-from streamer.io.tokenizer import load_tokenizer
 from streamer.run import RunError
 from streamer.store.layout import DTYPES
 from streamer.run_dir import RunDir
@@ -49,7 +48,7 @@ def declare(parser: argparse.ArgumentParser) -> None:
 def export_command(args: argparse.Namespace) -> int:
     run = RunDir.open(args.run)
     refuse_non_empty(Path(args.hf_dir), args.overwrite)  # before the run is opened: a wrong folder fails at once
-    tokenizer = load_tokenizer(run.tokenizer)
+    tokenizer = run.load_tokenizer()
     with open_trainer(run, {"device": "cpu", "budget": None}, step=args.step) as trainer:
         begin = time.perf_counter()
         if args.format == "peft":

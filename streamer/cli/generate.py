@@ -12,7 +12,7 @@ from streamer.console import make_console
 from streamer.generate import Sampling, complete, continue_ids
 from streamer.io.chat import read_messages
 from streamer.io.data import chat_prompt
-from streamer.io.tokenizer import Tokenizer, load_tokenizer
+from streamer.io.tokenizer import Tokenizer
 from streamer.run import RunError, SettingError
 from streamer.run_dir import RunDir
 from streamer.runtime.hardware import resolve_compute_dtype
@@ -60,7 +60,7 @@ def generate_command(args: argparse.Namespace) -> int:
         overrides["budget"] = budget_bytes(args.budget, SettingError)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                         use_cache=not args.no_cache)
-    tokenizer = load_tokenizer(run.tokenizer)
+    tokenizer = run.load_tokenizer()
     chat = _chat_prompt(args, tokenizer)  # before the run opens: a conversation that cannot render fails at once
     console = make_console()
     with open_trainer(run, overrides) as trainer:

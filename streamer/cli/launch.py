@@ -3,7 +3,9 @@ the command at once, as Ctrl-C should.
 
 Left to Python's own handler, a KeyboardInterrupt raised inside numpy's or torch's import can leave a
 half-loaded module that then fails with an unrelated error (an ImportError or a RecursionError, exit status
-1). Nothing has been read or written before the libraries have loaded, so there is nothing to finish."""
+1). Nothing has been read or written before the libraries have loaded, so there is nothing to finish.
+
+A torchrun process that stops on an error (its one line printed) leaves at once (`leave_after_error`)."""
 from __future__ import annotations
 
 import os
@@ -35,7 +37,11 @@ def main() -> int:
     previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
     from streamer.cli.main import main as run_command
     signal.signal(signal.SIGINT, previous)
-    return run_command()
+    status = run_command()
+    if status and "torch.distributed" in sys.modules:  # loaded by a command that may have joined a torchrun group
+        from streamer.runtime.distributed import leave_after_error
+        leave_after_error(status)
+    return status
 
 
 def _interrupted_while_loading(signum: int, frame: FrameType | None) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -206,6 +207,18 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def leave_after_error(status: int) -> None:
+    """The last call of a data-parallel process that stops on an error, its one line printed: exit with `status`
+    at once. Waiting for the others could hang (they may never reach another exchange), and an interpreter that
+    shuts down under gloo's threads aborts (SIGABRT, see `leave_process_group`) after that line. The others' next
+    exchange with this process fails, and each says so in one line (`LostProcess`); every store is safe against a
+    kill at any instant, and the files this process wrote are closed by then."""
+    if dist.is_available() and dist.is_initialized():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(status)
+
+
 def check_sharding(store: StoreReader, mode: str, parallel: DataParallel | None) -> None:
     """A store of one rank's slices opens only in that many processes, under the mode it was written with."""
     shards, world = store.spec.shards, 1 if parallel is None else parallel.world
@@ -218,19 +231,12 @@ def check_sharding(store: StoreReader, mode: str, parallel: DataParallel | None)
         raise StoreError(f"{store.root} was written with --data-parallel {was}; resume it with --data-parallel {was}")
 
 
-def agree_on_journal(data_parallel: DataParallel, committed: int, journal: dict[str, Any] | None,
-                     damage: StoreError | None = None) -> dict[str, Any] | None:
+def agree_on_journal(data_parallel: DataParallel, committed: int,
+                     journal: dict[str, Any] | None) -> dict[str, Any] | None:
     """The journaled step to roll forward (this rank's store committed step `committed`): `journal` only if every rank
     journaled it or already committed it (a rank that finished its update before another crashed); otherwise
-    None, and no rank has updated anything of it yet, so the caller forgets it. `damage`: this rank's store could
-    not be opened; every rank raises it, the others naming this rank, so that each says what fixes the run."""
-    views = data_parallel.gather(" ".join(str(damage).split()) if damage is not None else
-                                 (committed, None if journal is None else journal["step"]))
-    if damage is not None:
-        raise damage
-    failed = next(((rank, said) for rank, said in enumerate(views) if isinstance(said, str)), None)
-    if failed is not None:
-        raise StoreError(f"rank {failed[0]}'s store: {failed[1]}")
+    None, and no rank has updated anything of it yet, so the caller forgets it."""
+    views = data_parallel.gather((committed, None if journal is None else journal["step"]))
 
     def everyone_reached(step: int) -> bool:
         return all(j == step or committed >= step for committed, j in views)

@@ -176,6 +176,17 @@ class Adapters:
             if old not in keep:
                 old.unlink(missing_ok=True)
 
+    @staticmethod
+    def check(folder: Path, step: int) -> None:
+        """The adapters of `step` in a store's `folder` are intact, where the store holds a LoRA run's (a
+        `streamer.store.host.Companions`): a damaged or missing file raises the StoreError `load` would."""
+        path = Adapters.path(folder, step)
+        if path.is_file():
+            _read(path)
+        elif not _old_path(folder, step).is_file() and any(folder.glob("lora-*")):
+            raise StoreError(f"{path} is missing: this LoRA run's adapters for step {step} are gone; restore the "
+                             "file or start a new run")
+
     def load(self, folder: Path, step: int) -> None:
         path = self.path(folder, step)
         if path.is_file():

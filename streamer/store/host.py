@@ -11,6 +11,10 @@ written to a tmp file, fsynced and renamed, and its old generation deleted. A cr
 unit at step s or s+1, and `open()` reports the journal so the trainer rolls the rest forward from the same
 gradients: bit-identical to an uninterrupted run. Other commits (the first write, loading weights, a RAM-tier
 save) keep the old generation until the manifest names the new one.
+
+Long because the reader and the writer share one set of checks (sizes, trailers, checksums, the files beside a
+step), and the writer's way back from a damaged commit to an intact step, alone or with the other torchrun
+processes, is those checks applied to each candidate step.
 """
 from __future__ import annotations
 
@@ -35,6 +39,16 @@ from streamer.store.quant import restored, stored
 from streamer.store.ram import RamSlabs
 from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
 from streamer.store.spec import PIN_MODES, StoreSpec
+
+
+# Checks the files a step commits beside the store's (the store's folder, the step), raising a StoreError where one
+# is damaged: a LoRA run's adapters (`streamer.runtime.lora.Adapters.check`).
+Companions = Callable[[Path, int], None]
+
+
+class DamagedStep(StoreError):
+    """A writer's last commit is damaged where it may not go back on its own (`HostStore.open(fall_back=False)`,
+    one torchrun process): the processes choose the step to go back to together (`HostStore.intact_steps`)."""
 
 
 class _HostSlabs(StoreReader):
@@ -64,6 +78,9 @@ class _HostSlabs(StoreReader):
         self._damage: StoreError | None = None  # a missing or damaged manifest (`_open` read a kept step's)
         self._at_kept = False  # opened at a kept step other than the last commit (a reader's `step`)
         self._may_fall_back = False  # a writer's open may go back to a kept step where the last commit is damaged
+        self._to_step: int | None = None  # a writer's open goes back to this step (the torchrun processes' choice)
+        # What checks the files a step commits beside the store's (a LoRA run's adapters), raising a StoreError
+        self._companions: Companions | None = None
 
     def _allocate_ram(self) -> None:
         """The zero-copy tiers' slabs (RAM's). An opened store allocates them only after its files match its
@@ -72,9 +89,10 @@ class _HostSlabs(StoreReader):
 
     @classmethod
     def _open(cls, root: str | Path, pin_memory: str, verify: bool, step: int | None = None,
-              fall_back: bool = False) -> Self:
+              fall_back: bool = False, to_step: int | None = None, companions: Companions | None = None) -> Self:
         """Open a store at its last commit, or at the kept `step`. `verify`: check every state file's checksum
-        (a full read)."""
+        (a full read). A writer's `to_step`: go back to that step, the last commit's or a kept one. `companions`:
+        checks the files a step commits beside the state files, as they are checked."""
         root = Path(root)
         try:
             manifest, damage = read_manifest(root), None
@@ -89,12 +107,16 @@ class _HostSlabs(StoreReader):
             raise StoreError(f"{root / MANIFEST}: {exc}; it was left untouched") from None
         lock, store = lock_for_reading(root) if cls._read_only else lock_run_dir(root), None
         try:
-            if damage is not None and step is None and not fall_back:  # a kept step is read only when asked for
-                store = cls(root, spec, manifest, pin_memory, lock)
-                raise store._refusal(_first_clause(damage), list(store._kept))
+            if damage is not None and step is None and not fall_back and to_step is None:
+                if not cls._read_only:  # one torchrun process: the processes choose a step together
+                    raise DamagedStep(str(damage))
+                store = cls(root, spec, manifest, pin_memory, lock)  # a kept step is read only when asked for
+                store._companions = companions
+                raise store._refusal(first_clause(damage), list(store._kept))
             check_units(root, manifest, spec.config)  # before the units' layouts are built
             store = cls(root, spec, manifest, pin_memory, lock)
             store._at_kept, store._may_fall_back, store._damage = at_kept, fall_back, damage
+            store._to_step, store._companions = to_step, companions
             store._load_units(verify)
         except BaseException:
             if store is not None:
@@ -147,6 +169,8 @@ class _HostSlabs(StoreReader):
             checks.append(self._state_check(unit, self.versions[unit], expected))
         if verify:
             verify_checksums(checks)
+        if self._companions is not None:
+            self._companions(self.root, self.step)
         self._allocate_ram()
         for unit in self.layouts:
             self._fill_ram_from_file(unit)
@@ -163,6 +187,8 @@ class _HostSlabs(StoreReader):
             check_units(self.root, record, self.spec.config)
             verify_checksums([self._state_check(unit, generation, record["checksums"].get(state_name(unit, generation)))
                               for unit, generation in record["units"].items()])
+            if self._companions is not None:
+                self._companions(self.root, record["step"])
         except StoreError:
             return False
         return True
@@ -170,9 +196,6 @@ class _HostSlabs(StoreReader):
     def _refusal(self, damaged: str, steps: list[int]) -> StoreError:
         """The one line refusing a damaged step (`damaged` says what is wrong) where the run keeps `steps`: the
         intact ones are offered, and where none is, what is left to do."""
-        if not self._read_only:  # a writer that may not go back (HostStore.open's fall_back): one torchrun process
-            return StoreError(f"{damaged}; the processes of a torchrun run cannot go back to a kept step together "
-                              "yet: restore the run directory from a backup")
         intact = [step for step in sorted(steps) if self._intact(self._kept[step])]
         broken = [step for step in sorted(steps) if step not in intact]
         if not intact:
@@ -251,10 +274,10 @@ class HostReader(_HostSlabs):
 
     @classmethod
     def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
-             step: int | None = None) -> "HostReader":
+             step: int | None = None, companions: Companions | None = None) -> "HostReader":
         """`verify`: check every state file's checksum (a full read). A step still to roll forward is refused.
-        `step`: a kept step (`HostStore.keep`) instead of the last commit."""
-        return cls._open(root, pin_memory, verify, step)
+        `step`: a kept step (`HostStore.keep`) instead of the last commit. `companions`: as `HostStore.open`."""
+        return cls._open(root, pin_memory, verify, step, companions=companions)
 
     @property
     def read_only_reason(self) -> str:
@@ -265,7 +288,7 @@ class HostReader(_HostSlabs):
         try:
             journal = self._interrupted_step()
         except StoreError as damage:
-            raise StoreError(f"{_first_clause(damage)}: the step after step {self.step} cannot be read; first resume "
+            raise StoreError(f"{first_clause(damage)}: the step after step {self.step} cannot be read; first resume "
                              "the run (`streamer train --resume`), which goes back to its last intact step") from None
         if journal is not None:
             raise StoreError(f"{self.root}: step {journal['step']} was interrupted before its update finished, "
@@ -277,7 +300,7 @@ class HostReader(_HostSlabs):
             kept = [step for step in self._kept if step != self.step]
             if self._at_kept or not kept:
                 raise
-            raise self._refusal(f"{_first_clause(damage)}: step {self.step} is damaged", kept) from None
+            raise self._refusal(f"{first_clause(damage)}: step {self.step} is damaged", kept) from None
 
 
 class HostStore(_HostSlabs, StoreWriter):
@@ -292,7 +315,7 @@ class HostStore(_HostSlabs, StoreWriter):
         self.kept_damage: str | None = None  # the one line naming the kept steps whose records cannot be read
         if self._unreadable:
             steps = ", ".join(map(str, self._unreadable))
-            self.kept_damage = (f"{'; '.join(map(_first_clause, self._unreadable.values()))}: kept step(s) {steps} "
+            self.kept_damage = (f"{'; '.join(map(first_clause, self._unreadable.values()))}: kept step(s) {steps} "
                                 "cannot be gone back to or exported, and no state file is deleted while their "
                                 "records are there (restore them, or delete them to let those steps go)")
         self.commit: Commit | None = None
@@ -315,11 +338,39 @@ class HostStore(_HostSlabs, StoreWriter):
 
     @classmethod
     def open(cls, root: str | Path, pin_memory: str = "none", verify: bool = True,
-             fall_back: bool = True) -> "HostStore":
+             fall_back: bool = True, to_step: int | None = None, companions: Companions | None = None) -> "HostStore":
         """Open a store at its last commit to train it. `verify`: check every state file's checksum (a full
         read). A journaled step's units already updated are taken at that step (`journal`, `unit_version`).
-        `fall_back`: where the last commit is damaged, go back to the newest intact kept step (`fell_back`)."""
-        return cls._open(root, pin_memory, verify, fall_back=fall_back)
+        `fall_back`: where the last commit is damaged, go back to the newest intact kept step (`fell_back`), else
+        raise `DamagedStep`. `to_step`: go back to that step (one of `intact_steps`), damaged or not. `companions`:
+        checks a step's files beside the store's (a LoRA run's adapters), which a step needs intact too."""
+        return cls._open(root, pin_memory, verify, fall_back=fall_back, to_step=to_step, companions=companions)
+
+    @classmethod
+    def intact_steps(cls, root: str | Path, pin_memory: str = "none",
+                     companions: Companions | None = None) -> list[int]:
+        """The steps an open could go back to, oldest first: the last commit's and each kept step's whose state
+        files all check out (a full read). Nothing is written; where nothing can be read, none."""
+        root = Path(root)
+        records = dict(_readable_kept(root)[0])
+        try:
+            manifest = read_manifest(root)
+            records[manifest["step"]] = manifest
+        except StoreError:
+            pass
+        if not records:
+            return []
+        newest = records[max(records)]
+        try:
+            spec = StoreSpec.from_dict(newest["spec"])
+        except StoreError:
+            return []
+        store = cls(root, spec, newest, pin_memory, lock_run_dir(root))
+        store._companions = companions
+        try:
+            return [step for step in sorted(records) if store._intact(records[step])]
+        finally:
+            store.close()
 
     @property
     def journal(self) -> dict[str, Any] | None:
@@ -333,6 +384,15 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def _load_units(self, verify: bool) -> None:
         """Nothing is written or deleted unless every file checks out, or those of a step to go back to."""
+        if self._to_step is not None:
+            step = self._to_step
+            record = self.manifest if self._damage is None and step == self.step else self._kept.get(step)
+            if record is None:
+                raise StoreError(f"{self.root} does not keep step {step}; restore the run directory from a backup")
+            self._go_back([(step, record)], verify, StoreError(f"step {step} of {self.root} is not intact; restore "
+                                                               "the run directory from a backup"))
+            self.fell_back = f"the run goes back to step {step}"
+            return
         if self._damage is not None:  # no manifest to check: `_open` took the newest kept step's
             self._fall_back(self._damage, verify, own=False)
             return
@@ -355,14 +415,28 @@ class HostStore(_HostSlabs, StoreWriter):
         check out, the manifest's own where `own` (only its journal is damaged), else a kept one, and commit it as
         the store's step. The kept steps after it share the damaged files (or are damaged themselves) and are
         dropped; the steps after it are lost."""
-        if not self._may_fall_back or not (own or self._kept):
+        if not self._may_fall_back:
+            raise DamagedStep(str(damage)) from None
+        if not (own or self._kept):
             raise damage
         newest = None if self._damage is not None else self.step
+        records = ([(self.step, self.manifest)] if own else []) + \
+            [(step, self._kept[step]) for step in sorted(self._kept, reverse=True)]
+        step = self._go_back(records, verify, damage)
+        if own and step == newest:
+            self.fell_back = (f"{first_clause(damage)}: the step after step {step} cannot be finished, so the run "
+                              f"goes back to step {step}, its last commit (the step after it is trained again)")
+        else:
+            self.fell_back = (f"{first_clause(damage)}{'' if newest is None else f': step {newest} is damaged'}, "
+                              f"so the run goes back to step {step}, the newest intact kept step (the steps after "
+                              "it are trained again)")
+
+    def _go_back(self, records: list[tuple[int, dict[str, Any]]], verify: bool, damage: StoreError) -> int:
+        """Commit the first of `records` (step, its manifest) whose files all check out as the store's step, and
+        return it; the kept steps after it are dropped. `damage` is raised where none checks out."""
         # Past every generation a commit of the damaged steps may have written: no new file takes such a name.
         generation = max(self.generation, self._files.last_generation(),
                          *(record["generation"] for record in self._kept.values())) + 1
-        records = ([(self.step, self.manifest)] if own else []) + \
-            [(step, self._kept[step]) for step in sorted(self._kept, reverse=True)]
         for step, record in records:
             self.manifest = {k: v for k, v in json.loads(json.dumps(record)).items() if k != "note"}
             self.step, self.versions = step, dict(record["units"])
@@ -373,7 +447,7 @@ class HostStore(_HostSlabs, StoreWriter):
                 continue
             break
         else:
-            if not self._kept:
+            if not self._kept or len(records) == 1:
                 raise damage
             raise StoreError(f"{damage}; no kept step is intact either") from None
         self.discard_journal()
@@ -383,13 +457,7 @@ class HostStore(_HostSlabs, StoreWriter):
         self.generation = generation
         self._write_manifest()
         self._remove_strays()
-        if own and step == newest:
-            self.fell_back = (f"{_first_clause(damage)}: the step after step {step} cannot be finished, so the run "
-                              f"goes back to step {step}, its last commit (the step after it is trained again)")
-        else:
-            self.fell_back = (f"{_first_clause(damage)}{'' if newest is None else f': step {newest} is damaged'}, "
-                              f"so the run goes back to step {step}, the newest intact kept step (the steps after "
-                              "it are trained again)")
+        return step
 
     def _remove_strays(self) -> None:
         self._files.remove_strays({state_name(u, g) for u, g in self.versions.items()} | self._kept_names())
@@ -574,6 +642,6 @@ def _newest_kept(root: Path, damage: StoreError) -> dict[str, Any]:
     return {k: v for k, v in kept[max(kept)].items() if k != "note"}
 
 
-def _first_clause(error: StoreError) -> str:
+def first_clause(error: StoreError | str) -> str:
     """What is wrong, without the advice after it (`unit block.0: checksum mismatch in FILE`)."""
     return str(error).split("; ")[0]
