@@ -22,6 +22,7 @@ from streamer.errors import StoreError
 from streamer.run_dir import RunDir
 from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
+from tests.test_runtime import EAGER_EXPERTS
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -68,7 +69,8 @@ def _bnb_model(folder: Path, quant_type: str, double_quant: bool, attn: str) -> 
                                              bnb_4bit_compute_dtype=torch.float32)
     # In training mode: in eval mode on a CPU, bitsandbytes repacks the weights for its inference kernel.
     return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32,
-                                                             device_map="cpu", attn_implementation=attn).train()
+                                                             device_map="cpu", attn_implementation=attn,
+                                                             **EAGER_EXPERTS).train()
 
 
 def _dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -114,6 +116,68 @@ def test_import_quantizes_as_bitsandbytes_byte_for_byte(checkpoint: Path, quant_
                 assert torch.equal(pieces[f"{module}.nested_offset"], state.offset)
         norm = next(s for s in layout.slots if s.key.endswith("layernorm.weight"))
         assert torch.equal(pieces[norm.key], hf[norm.hf_key])  # the 16-bit tensors as they were
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
+def test_a_mixtures_experts_quantize_as_bitsandbytes_replace_parameter_4bit(tmp_path: Path, quant_type: str,
+                                                                           double_quant: bool) -> None:
+    """A mixture's fused expert tensors are held as bitsandbytes' own way of quantizing a parameter
+    (`replace_parameter_4bit`, one quantize_4bit of the whole tensor) gives them, byte for byte; its router as
+    transformers leaves it, 16-bit; its attention as bitsandbytes' quantize_4bit of each Linear's weight."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    cfg = FAMILIES["qwen3_moe"].example()
+    hf = hf_model(cfg)
+    hf.save_pretrained(tmp_path)
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.projections),
+                          load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant)
+    with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
+        layout = trainer.layouts["block.1"]
+        pieces = layout.packed.views(trainer.store.slab("block.1", "compute"))
+    experts = hf.model.layers[1].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        replace_parameter_4bit(experts, name, compress_statistics=double_quant, quant_type=quant_type, blocksize=64)
+        state = experts.parametrizations[name][0].quant_state
+        ours = {k.removeprefix(f"mlp.experts.{name}").lstrip("_") or "weight": v for k, v in pieces.items()
+                if k.startswith(f"mlp.experts.{name}")}
+        assert torch.equal(ours.pop("weight"), experts.parametrizations[name].original)
+        assert torch.equal(ours.pop("absmax"), state.absmax)
+        if double_quant:
+            assert torch.equal(ours.pop("nested_absmax"), state.state2.absmax)
+            assert torch.equal(ours.pop("nested_offset"), state.offset)
+        assert not ours
+    assert torch.equal(pieces["mlp.gate.weight"], hf.state_dict()["model.layers.1.mlp.gate.weight"])
+    attention = hf.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    packed, _ = bnb.functional.quantize_4bit(attention, blocksize=64, compress_statistics=double_quant,
+                                             quant_type=quant_type)
+    assert torch.equal(pieces["self_attn.q_proj.weight"], packed)
+
+
+def test_each_expert_dequantizes_as_bitsandbytes_dequantizes_the_whole_tensor() -> None:
+    """One expert's weight, dequantized from only the blocks (and nested blocks) it lies in, is its rows of
+    bitsandbytes' dequantize_4bit of the whole tensor: where the experts' rows are whole blocks of 64, as in every
+    published mixture, through bitsandbytes' own parametrization of the tensor; and flat, for any shape."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    from layers.quant4 import Quant4
+
+    g = torch.Generator().manual_seed(0)
+    for (experts, rows, columns), double_quant in (((6, 96, 128), True), ((5, 40, 24), True), ((3, 24, 40), False)):
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.randn(experts, rows, columns, generator=g))
+        quant = Quant4("nf4", double_quant, torch.float32)
+        pieces = quant.quantize(module.weight.data)
+        replace_parameter_4bit(module, "weight", compress_statistics=double_quant, quant_type="nf4", blocksize=64)
+        state = module.parametrizations["weight"][0].quant_state
+        flat = bnb.functional.QuantState(absmax=state.absmax, shape=torch.Size((1, experts * rows * columns)),
+                                         code=state.code, blocksize=64, quant_type="nf4", dtype=torch.float32,
+                                         offset=state.offset, state2=state.state2)
+        whole = bnb.functional.dequantize_4bit(module.parametrizations["weight"].original, flat)
+        whole = whole.view(experts, rows, columns)
+        if columns % 64 == 0:
+            assert torch.equal(module.weight, whole)  # (bitsandbytes' 3D dequantization, its parametrization's)
+        for e in range(experts):
+            assert torch.equal(quant.dequantize_rows(pieces, (experts * rows, columns), e * rows, rows), whole[e])
 
 
 def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(checkpoint: Path) -> None:
@@ -239,20 +303,20 @@ def test_streamer_plan_prints_the_4bit_plan(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_every_family_plans_its_4bit_base_to_the_byte_or_refuses_it(tmp_path: Path, model_type: str) -> None:
-    """Planner = ledger = dry run for a 4-bit base with adapters on every projection of each registered family
-    whose blocks' Linear modules are its projections; a mixture of experts (fused expert tensors) is one line."""
+    """Planner = ledger = dry run for a 4-bit base with adapters on every projection of each registered family (a
+    mixture's fused expert tensors too), and the host store's bytes."""
     cfg = FAMILIES[model_type].example()
     tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", lora_rank=4, load_in_4bit=True,
-                          lora_targets=",".join(cfg.projections), bnb_4bit_quant_type="nf4")
-    if cfg.lora_parameters:
-        with pytest.raises(StoreError, match="--load-in-4bit does not hold .* drop --load-in-4bit"):
-            StreamingTrainer(cfg, tc, store_dir=tmp_path / "run")
-        return
+                          lora_targets=",".join(cfg.projections), bnb_4bit_quant_type="nf4",
+                          bnb_4bit_use_double_quant=True)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+        host = trainer.store.spec.host_bytes()[0]
     predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(2, 24))
     assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+    assert predicted.host_store_bytes == host == sum(unit_bytes(cfg, u, 2, True) for u in cfg.unit_names())
+    assert host < cfg.num_params() * 2 // 2  # the blocks' projections (a mixture's experts too) 4-bit
     dry = dry_run(cfg, tc, 2, 24)
     assert {k: v for k, v in real[1].items() if k != "activations"} == \
         {k: v for k, v in dict(dry.peak_breakdown).items() if k != "activations"}
