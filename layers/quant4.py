@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +206,14 @@ class Linear4bit(nn.Module):
         return out.to(dtype)
 
 
+@runtime_checkable
+class HoldsQuantized(Protocol):
+    """A module holding fused weight tensors (`adaptable`) that holds one quantized when asked: a mixture's
+    experts (layers.moe.units.Experts)."""
+
+    def hold_quantized(self, name: str, quant: FrozenQuant, compute_dtype: torch.dtype) -> None: ...
+
+
 def quantize_linears(module: nn.Module, quant: FrozenQuant, compute_dtype: torch.dtype,
                      projections: Iterable[str]) -> nn.Module:
     """Hold each weight `quantized_keys` names quantized: an nn.Linear becomes a Linear4bit of its shape, a fused
@@ -215,6 +223,7 @@ def quantize_linears(module: nn.Module, quant: FrozenQuant, compute_dtype: torch
         name, _, tensor = key.rpartition(".")
         child = module.get_submodule(name)
         if tensor != "weight":  # a fused tensor of a module that holds it quantized itself
+            assert isinstance(child, HoldsQuantized)  # (quantized_keys names a fused tensor of such a module)
             child.hold_quantized(tensor, quant, compute_dtype)
             continue
         parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module

@@ -18,7 +18,6 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer
 from streamer.cli.main import main
-from streamer.errors import StoreError
 from streamer.run_dir import RunDir
 from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
@@ -437,3 +436,61 @@ def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dt
         assert 0 < noise and error <= 2 * noise
         # In bf16 ours carries bf16's rounding as theirs does (in fp32 it would be some 1e-4 of it).
         assert compute == torch.float32 or error >= noise / 8
+
+
+def test_a_mixture_folder_transformers_saved_4bit_trains_through_the_cli(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers 5's 4-bit folder of a mixture (its attention's Linear weights 4-bit, its experts and router
+    16-bit, one expert a tensor) trains with adapters on every projection, its experts quantized on import as the
+    16-bit folder's are. Bad input is one line: full fine-tuning names --lora-rank; a folder whose experts were
+    saved 4-bit one at a time (transformers before 5) asks for the 16-bit checkpoint; another quant_method is
+    named."""
+    import dataclasses
+
+    import safetensors.torch
+
+    from tests.test_data_cli import write_tokenizer
+
+    cfg = dataclasses.replace(FAMILIES["mixtral"].example(), vocab_size=448)
+    folders = {name: tmp_path / name for name in ("16bit", "4bit", "per-expert", "gptq")}
+    hf_model(cfg).save_pretrained(folders["16bit"])
+    _bnb_model(folders["16bit"], "nf4", True, "eager").save_pretrained(folders["4bit"])
+    shutil.copytree(folders["4bit"], folders["per-expert"])
+    tensors = safetensors.torch.load_file(folders["per-expert"] / "model.safetensors")
+    for key in [k for k in tensors if ".experts." in k]:  # each expert's Linear4bit, as transformers 4 saved it
+        packed, state = bnb.functional.quantize_4bit(tensors.pop(key), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4")
+        tensors.update({key: packed, **{f"{key}.{k}": v for k, v in state.as_dict(packed=True).items()}})
+    safetensors.torch.save_file(tensors, folders["per-expert"] / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(folders["16bit"], folders["gptq"])
+    config = json.loads((folders["gptq"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq"}
+    (folders["gptq"] / "config.json").write_text(json.dumps(config))
+    for folder in folders.values():
+        write_tokenizer(folder, "qwen")
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    qlora = ["--lora-rank", "4", "--lora-targets", ",".join(cfg.projections), "--load-in-4bit",
+             "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant"]
+
+    def train(folder: str, run: Path, *flags: str) -> int:
+        capsys.readouterr()
+        return main(["train", "--from-pretrained", str(folders[folder]), "--data", str(tmp_path / "train.txt"),
+                     "--seq", "16", "--batch", "2", "--steps", "1", "--dtype", "fp32", "--eval-every", "0",
+                     "--sample-tokens", "0", "--run-dir", str(run), *flags])
+
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.projections),
+                          load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    slabs = []
+    for folder in ("16bit", "4bit"):
+        with StreamingTrainer.from_pretrained(folders[folder], tc) as trainer:
+            slabs.append({u: trainer.store.slab(u, "compute").clone() for u in cfg.unit_names()})
+    assert all(torch.equal(slabs[0][u], slabs[1][u]) for u in cfg.unit_names())
+    assert train("4bit", tmp_path / "run", *qlora) == 0
+    assert (tmp_path / "run" / "config.toml").is_file()
+    for folder, flags, expected in (("4bit", (), "--lora-rank R --load-in-4bit --bnb-4bit-quant-type nf4"),
+                                    ("per-expert", qlora, "pass the 16-bit checkpoint with --load-in-4bit"),
+                                    ("gptq", qlora, "quantized by 'gptq'")):
+        assert train(folder, tmp_path / "refused", *flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+        assert not (tmp_path / "refused").exists()
