@@ -1,13 +1,14 @@
 """A 4-bit frozen base (QLoRA), as bitsandbytes packs it: the pieces and bytes of every unit, torch-free (the
 planner prices them; layers/quant4.py computes with them).
 
-With `--load-in-4bit` every Linear weight of a block is stored, streamed and held on the device as bitsandbytes'
-`quantize_4bit` gives it (blocks of 64): two 4-bit codes a byte, and one fp32 absmax per block. With double
-quantization the absmax values are themselves 8-bit codes of (absmax - their mean), with one fp32 absmax per 256
-of them and that mean (bitsandbytes' nested state). Everything else (norms, biases, the embedding, the head) stays
-in the compute dtype, as transformers leaves it. A unit is one byte slab: its 16-bit tensors first, then each
-quantized weight's pieces, each piece starting on `ALIGN` bytes. `streamer.store.layout` lays the slab out with
-these pieces and the planner prices it with `unit_bytes`: the one rule for both.
+With `--load-in-4bit` every projection of a block (a mixture's fused expert tensors too) is stored, streamed and
+held on the device as bitsandbytes' `quantize_4bit` gives it (blocks of 64): two 4-bit codes a byte, and one fp32
+absmax per block. With double quantization the absmax values are themselves 8-bit codes of (absmax - their mean),
+with one fp32 absmax per 256 of them and that mean (bitsandbytes' nested state). Everything else (norms, biases,
+a mixture's router, the embedding, the head) stays in the compute dtype, as transformers leaves it. A unit is one
+byte slab: its 16-bit tensors first, then each quantized weight's pieces, each piece starting on `ALIGN` bytes.
+`streamer.store.layout` lays the slab out with these pieces and the planner prices it with `unit_bytes`: the one
+rule for both.
 """
 from __future__ import annotations
 
@@ -44,14 +45,16 @@ def weight_bytes(numel: int, double_quant: bool) -> int:
 
 
 def quantized_numels(shape: ModelConfig, unit: str) -> list[int]:
-    """Elements of each weight of the unit that is quantized: a block's projections (every Linear module a
-    block has), none in the embedding or the head (transformers keeps lm_head in 16 bits)."""
+    """Elements of each weight of the unit that is quantized: a block's projections, a mixture's fused expert
+    tensors whole (one quantize_4bit of all its experts, as bitsandbytes' `replace_parameter_4bit` quantizes a
+    parameter); none in the embedding or the head (transformers keeps lm_head in 16 bits), nor a mixture's router
+    (transformers' own module, not a Linear, which it leaves in 16 bits)."""
     if not unit.startswith("block."):
         return []
     sizes = []
     for target in shape.lora().projections:
         fan_in, fan_out = shape.lora().shape(target)
-        sizes.append(fan_in * fan_out)
+        sizes.append(fan_in * fan_out * shape.lora().experts(target)[0])
     return sizes
 
 

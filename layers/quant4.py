@@ -9,8 +9,9 @@ matmul. bitsandbytes is imported at the first call: only a 4-bit run needs it.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,64 @@ class Quant4:
 
     def dequantize(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         return dequantize(pieces, shape, self)
+
+    def dequantize_rows(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int], start: int,
+                        count: int) -> torch.Tensor:
+        """Rows start ... start + count - 1 of the (out, in) weight `pieces` hold, as `dequantize` gives them,
+        dequantizing only the blocks (and nested blocks) they lie in: one expert of a fused expert tensor."""
+        columns = shape[1]
+        if pieces["weight"].device.type == "meta":
+            return torch.empty(count, columns, dtype=self.dtype, device="meta")
+        import bitsandbytes.functional as bnb
+
+        first, end = start * columns, (start + count) * columns  # elements
+        b0, b1 = first // BLOCKSIZE, -(-end // BLOCKSIZE)  # the blocks they lie in
+        absmax = pieces["absmax"][b0:b1]
+        code, nested_code = _codes(self.quant_type, absmax.device)
+        if self.double_quant:  # the absmax of those blocks from their nested blocks, as dequantize_4bit does
+            n0, n1 = b0 // NESTED_BLOCKSIZE, -(-b1 // NESTED_BLOCKSIZE)
+            nested = bnb.QuantState(absmax=pieces["nested_absmax"][n0:n1], code=nested_code,
+                                    blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+            codes = pieces["absmax"][n0 * NESTED_BLOCKSIZE:n1 * NESTED_BLOCKSIZE]
+            absmax = bnb.dequantize_blockwise(codes, nested)[b0 - n0 * NESTED_BLOCKSIZE:b1 - n0 * NESTED_BLOCKSIZE]
+            absmax += pieces["nested_offset"]
+        whole = min(b1 * BLOCKSIZE, shape[0] * columns) - b0 * BLOCKSIZE  # the blocks' elements
+        packed = pieces["weight"].view(-1)[b0 * BLOCKSIZE // 2:b0 * BLOCKSIZE // 2 + -(-whole // 2)]
+        state = bnb.QuantState(absmax=absmax, shape=torch.Size((whole,)), code=code, blocksize=BLOCKSIZE,
+                               quant_type=self.quant_type, dtype=self.dtype)
+        values = bnb.dequantize_4bit(packed, state)
+        return values[first - b0 * BLOCKSIZE:end - b0 * BLOCKSIZE].view(count, columns)
+
+
+def matrix(shape: Sequence[int]) -> tuple[int, int]:
+    """The 2D shape a quantized weight is dequantized as: a Linear's (out, in), as bitsandbytes' Linear4bit
+    passes it; a fused expert tensor's (E, out, in) as one row of all its elements, the blocks quantize_4bit
+    made of them flat. (bitsandbytes 0.50's CPU dequantize_4bit reads a 2D shape's blocks row by row: where a
+    row is not whole blocks of 64, as in the tests' tiny models, its 3D result is not its own quantize_4bit's.)"""
+    return (shape[0], shape[1]) if len(shape) == 2 else (1, math.prod(shape))
+
+
+def piece_key(key: str, piece: str) -> str:
+    """The key of a quantized weight's piece in its unit: the weight's own key for its packed codes, beside it for
+    the rest ('attn.q_proj.weight' -> 'attn.q_proj.absmax'; a fused tensor 'mlp.experts.down_proj' ->
+    'mlp.experts.down_proj_absmax')."""
+    if piece == "weight":
+        return key
+    return f"{key.removesuffix('.weight')}.{piece}" if key.endswith(".weight") else f"{key}_{piece}"
+
+
+def quantized_keys(module: nn.Module, projections: Iterable[str]) -> list[str]:
+    """The keys of `module`'s weights a quantized base holds quantized: each nn.Linear's whose name is a
+    projection's last name ('q_proj'), and each fused tensor named by its module's last name and its own
+    ('experts.down_proj', a module's `adaptable`). Not a mixture's router, which transformers keeps in 16 bits."""
+    names = set(projections)
+    keys = []
+    for name, child in module.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if type(child) is nn.Linear and last in names:
+            keys.append(f"{name}.weight")
+        keys += [f"{name}.{tensor}" for tensor in getattr(child, "adaptable", ()) if f"{last}.{tensor}" in names]
+    return keys
 
 
 def quantize(weight: torch.Tensor, quant: Quant4) -> dict[str, torch.Tensor]:
@@ -147,13 +206,29 @@ class Linear4bit(nn.Module):
         return out.to(dtype)
 
 
-def quantize_linears(module: nn.Module, quant: FrozenQuant, compute_dtype: torch.dtype) -> nn.Module:
-    """Replace every nn.Linear of `module` by a Linear4bit of its shape (a shell: its tensors come from the
-    caller, functional_call's); returns `module`."""
-    for name, child in list(module.named_modules()):
-        if type(child) is nn.Linear:
-            parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-            setattr(parent, name.rsplit(".", 1)[-1], Linear4bit(child.in_features, child.out_features,
-                                                                child.bias is not None, quant, compute_dtype,
-                                                                child.weight.device))
+@runtime_checkable
+class HoldsQuantized(Protocol):
+    """A module holding fused weight tensors (`adaptable`) that holds one quantized when asked: a mixture's
+    experts (layers.moe.units.Experts)."""
+
+    def hold_quantized(self, name: str, quant: FrozenQuant, compute_dtype: torch.dtype) -> None: ...
+
+
+def quantize_linears(module: nn.Module, quant: FrozenQuant, compute_dtype: torch.dtype,
+                     projections: Iterable[str]) -> nn.Module:
+    """Hold each weight `quantized_keys` names quantized: an nn.Linear becomes a Linear4bit of its shape, a fused
+    tensor its module's quantized pieces (`hold_quantized`, a mixture's experts); a shell: its tensors come from
+    the caller, functional_call's. Returns `module`."""
+    for key in quantized_keys(module, projections):
+        name, _, tensor = key.rpartition(".")
+        child = module.get_submodule(name)
+        if tensor != "weight":  # a fused tensor of a module that holds it quantized itself
+            assert isinstance(child, HoldsQuantized)  # (quantized_keys names a fused tensor of such a module)
+            child.hold_quantized(tensor, quant, compute_dtype)
+            continue
+        parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        assert isinstance(child, nn.Linear)  # (quantized_keys names a Linear's weight)
+        setattr(parent, name.rsplit(".", 1)[-1], Linear4bit(child.in_features, child.out_features,
+                                                            child.bias is not None, quant, compute_dtype,
+                                                            child.weight.device))
     return module

@@ -18,10 +18,10 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.calibration.dryrun import dry_run
 from streamer.cli.generate import open_trainer
 from streamer.cli.main import main
-from streamer.errors import StoreError
 from streamer.run_dir import RunDir
 from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
+from tests.test_runtime import EAGER_EXPERTS
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -68,7 +68,8 @@ def _bnb_model(folder: Path, quant_type: str, double_quant: bool, attn: str) -> 
                                              bnb_4bit_compute_dtype=torch.float32)
     # In training mode: in eval mode on a CPU, bitsandbytes repacks the weights for its inference kernel.
     return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32,
-                                                             device_map="cpu", attn_implementation=attn).train()
+                                                             device_map="cpu", attn_implementation=attn,
+                                                             **EAGER_EXPERTS).train()
 
 
 def _dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -114,6 +115,68 @@ def test_import_quantizes_as_bitsandbytes_byte_for_byte(checkpoint: Path, quant_
                 assert torch.equal(pieces[f"{module}.nested_offset"], state.offset)
         norm = next(s for s in layout.slots if s.key.endswith("layernorm.weight"))
         assert torch.equal(pieces[norm.key], hf[norm.hf_key])  # the 16-bit tensors as they were
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
+def test_a_mixtures_experts_quantize_as_bitsandbytes_replace_parameter_4bit(tmp_path: Path, quant_type: str,
+                                                                           double_quant: bool) -> None:
+    """A mixture's fused expert tensors are held as bitsandbytes' own way of quantizing a parameter
+    (`replace_parameter_4bit`, one quantize_4bit of the whole tensor) gives them, byte for byte; its router as
+    transformers leaves it, 16-bit; its attention as bitsandbytes' quantize_4bit of each Linear's weight."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    cfg = FAMILIES["qwen3_moe"].example()
+    hf = hf_model(cfg)
+    hf.save_pretrained(tmp_path)
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.projections),
+                          load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant)
+    with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
+        layout = trainer.layouts["block.1"]
+        pieces = layout.packed.views(trainer.store.slab("block.1", "compute"))
+    experts = hf.model.layers[1].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        replace_parameter_4bit(experts, name, compress_statistics=double_quant, quant_type=quant_type, blocksize=64)
+        state = experts.parametrizations[name][0].quant_state
+        ours = {k.removeprefix(f"mlp.experts.{name}").lstrip("_") or "weight": v for k, v in pieces.items()
+                if k.startswith(f"mlp.experts.{name}")}
+        assert torch.equal(ours.pop("weight"), experts.parametrizations[name].original)
+        assert torch.equal(ours.pop("absmax"), state.absmax)
+        if double_quant:
+            assert torch.equal(ours.pop("nested_absmax"), state.state2.absmax)
+            assert torch.equal(ours.pop("nested_offset"), state.offset)
+        assert not ours
+    assert torch.equal(pieces["mlp.gate.weight"], hf.state_dict()["model.layers.1.mlp.gate.weight"])
+    attention = hf.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    packed, _ = bnb.functional.quantize_4bit(attention, blocksize=64, compress_statistics=double_quant,
+                                             quant_type=quant_type)
+    assert torch.equal(pieces["self_attn.q_proj.weight"], packed)
+
+
+def test_each_expert_dequantizes_as_bitsandbytes_dequantizes_the_whole_tensor() -> None:
+    """One expert's weight, dequantized from only the blocks (and nested blocks) it lies in, is its rows of
+    bitsandbytes' dequantize_4bit of the whole tensor: where the experts' rows are whole blocks of 64, as in every
+    published mixture, through bitsandbytes' own parametrization of the tensor; and flat, for any shape."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    from layers.quant4 import Quant4
+
+    g = torch.Generator().manual_seed(0)
+    for (experts, rows, columns), double_quant in (((6, 96, 128), True), ((5, 40, 24), True), ((3, 24, 40), False)):
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.randn(experts, rows, columns, generator=g))
+        quant = Quant4("nf4", double_quant, torch.float32)
+        pieces = quant.quantize(module.weight.data)
+        replace_parameter_4bit(module, "weight", compress_statistics=double_quant, quant_type="nf4", blocksize=64)
+        state = module.parametrizations["weight"][0].quant_state
+        flat = bnb.functional.QuantState(absmax=state.absmax, shape=torch.Size((1, experts * rows * columns)),
+                                         code=state.code, blocksize=64, quant_type="nf4", dtype=torch.float32,
+                                         offset=state.offset, state2=state.state2)
+        whole = bnb.functional.dequantize_4bit(module.parametrizations["weight"].original, flat)
+        whole = whole.view(experts, rows, columns)
+        if columns % 64 == 0:
+            assert torch.equal(module.weight, whole)  # (bitsandbytes' 3D dequantization, its parametrization's)
+        for e in range(experts):
+            assert torch.equal(quant.dequantize_rows(pieces, (experts * rows, columns), e * rows, rows), whole[e])
 
 
 def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(checkpoint: Path) -> None:
@@ -239,20 +302,20 @@ def test_streamer_plan_prints_the_4bit_plan(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_every_family_plans_its_4bit_base_to_the_byte_or_refuses_it(tmp_path: Path, model_type: str) -> None:
-    """Planner = ledger = dry run for a 4-bit base with adapters on every projection of each registered family
-    whose blocks' Linear modules are its projections; a mixture of experts (fused expert tensors) is one line."""
+    """Planner = ledger = dry run for a 4-bit base with adapters on every projection of each registered family (a
+    mixture's fused expert tensors too), and the host store's bytes."""
     cfg = FAMILIES[model_type].example()
     tc = TrainerConfig.of(dtype="bf16", store="ram", activations="checkpoint", lora_rank=4, load_in_4bit=True,
-                          lora_targets=",".join(cfg.lora().projections), bnb_4bit_quant_type="nf4")
-    if cfg.lora().parameters:
-        with pytest.raises(StoreError, match="--load-in-4bit does not hold .* drop --load-in-4bit"):
-            StreamingTrainer(cfg, tc, store_dir=tmp_path / "run")
-        return
+                          lora_targets=",".join(cfg.lora().projections), bnb_4bit_quant_type="nf4",
+                          bnb_4bit_use_double_quant=True)
     with StreamingTrainer(cfg, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
         real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+        host = trainer.store.spec.host_bytes()[0]
     predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(2, 24))
     assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+    assert predicted.host_store_bytes == host == sum(unit_bytes(cfg, u, 2, True) for u in cfg.unit_names())
+    assert host < cfg.num_params() * 2 // 2  # the blocks' projections (a mixture's experts too) 4-bit
     dry = dry_run(cfg, tc, 2, 24)
     assert {k: v for k, v in real[1].items() if k != "activations"} == \
         {k: v for k, v in dict(dry.peak_breakdown).items() if k != "activations"}
@@ -373,3 +436,61 @@ def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dt
         assert 0 < noise and error <= 2 * noise
         # In bf16 ours carries bf16's rounding as theirs does (in fp32 it would be some 1e-4 of it).
         assert compute == torch.float32 or error >= noise / 8
+
+
+def test_a_mixture_folder_transformers_saved_4bit_trains_through_the_cli(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers 5's 4-bit folder of a mixture (its attention's Linear weights 4-bit, its experts and router
+    16-bit, one expert a tensor) trains with adapters on every projection, its experts quantized on import as the
+    16-bit folder's are. Bad input is one line: full fine-tuning names --lora-rank; a folder whose experts were
+    saved 4-bit one at a time (transformers before 5) asks for the 16-bit checkpoint; another quant_method is
+    named."""
+    import dataclasses
+
+    import safetensors.torch
+
+    from tests.test_data_cli import write_tokenizer
+
+    cfg = dataclasses.replace(FAMILIES["mixtral"].example(), vocab_size=448)
+    folders = {name: tmp_path / name for name in ("16bit", "4bit", "per-expert", "gptq")}
+    hf_model(cfg).save_pretrained(folders["16bit"])
+    _bnb_model(folders["16bit"], "nf4", True, "eager").save_pretrained(folders["4bit"])
+    shutil.copytree(folders["4bit"], folders["per-expert"])
+    tensors = safetensors.torch.load_file(folders["per-expert"] / "model.safetensors")
+    for key in [k for k in tensors if ".experts." in k]:  # each expert's Linear4bit, as transformers 4 saved it
+        packed, state = bnb.functional.quantize_4bit(tensors.pop(key), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4")
+        tensors.update({key: packed, **{f"{key}.{k}": v for k, v in state.as_dict(packed=True).items()}})
+    safetensors.torch.save_file(tensors, folders["per-expert"] / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(folders["16bit"], folders["gptq"])
+    config = json.loads((folders["gptq"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq"}
+    (folders["gptq"] / "config.json").write_text(json.dumps(config))
+    for folder in folders.values():
+        write_tokenizer(folder, "qwen")
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    qlora = ["--lora-rank", "4", "--lora-targets", ",".join(cfg.projections), "--load-in-4bit",
+             "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant"]
+
+    def train(folder: str, run: Path, *flags: str) -> int:
+        capsys.readouterr()
+        return main(["train", "--from-pretrained", str(folders[folder]), "--data", str(tmp_path / "train.txt"),
+                     "--seq", "16", "--batch", "2", "--steps", "1", "--dtype", "fp32", "--eval-every", "0",
+                     "--sample-tokens", "0", "--run-dir", str(run), *flags])
+
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.projections),
+                          load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    slabs = []
+    for folder in ("16bit", "4bit"):
+        with StreamingTrainer.from_pretrained(folders[folder], tc) as trainer:
+            slabs.append({u: trainer.store.slab(u, "compute").clone() for u in cfg.unit_names()})
+    assert all(torch.equal(slabs[0][u], slabs[1][u]) for u in cfg.unit_names())
+    assert train("4bit", tmp_path / "run", *qlora) == 0
+    assert (tmp_path / "run" / "config.toml").is_file()
+    for folder, flags, expected in (("4bit", (), "--lora-rank R --load-in-4bit --bnb-4bit-quant-type nf4"),
+                                    ("per-expert", qlora, "pass the 16-bit checkpoint with --load-in-4bit"),
+                                    ("gptq", qlora, "quantized by 'gptq'")):
+        assert train(folder, tmp_path / "refused", *flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+        assert not (tmp_path / "refused").exists()

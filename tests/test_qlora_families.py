@@ -1,8 +1,13 @@
 """QLoRA on every registered family, by registration (as tests/test_families.py parametrizes): the loss and every
 adapter's gradient on a 4-bit base (nf4, double quantization) against transformers' 4-bit model (bitsandbytes)
 with PEFT's LoRA on every projection, held against the same dequantized model in float64, within twice the 4-bit
-model's own fp32 error (its eager and sdpa kernels). A family whose blocks hold fused expert tensors (a mixture
-of experts) is refused in one line (tests/test_qlora.py)."""
+model's own fp32 error (its eager and sdpa kernels).
+
+A mixture's fused expert tensors are held 4-bit too. transformers 5 quantizes only nn.Linear modules (a
+mixture's attention); it leaves the experts' fused tensors and the router in 16 bits. bitsandbytes quantizes such
+a parameter whole (`bitsandbytes.nn.parametrize.replace_parameter_4bit`, one quantize_4bit of the tensor), and
+PEFT's `target_parameters` adapts it. So the reference's experts are bitsandbytes' quantize_4bit and
+dequantize_4bit of each fused tensor, set into transformers' 4-bit model, and its adapters PEFT's on them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,31 +19,52 @@ from layers import FAMILIES
 from streamer import StreamingTrainer, TrainerConfig
 from tests.test_families import hf_model
 from tests.test_qlora import _bnb_model, _dequantized, _loss_and_grads
+from tests.test_runtime import EAGER_EXPERTS
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 RANK, ALPHA = 4, 8.0
-DENSE = sorted(t for t, cls in FAMILIES.items() if not cls.example().lora().parameters)
+MIXTURES = sorted(t for t, cls in FAMILIES.items() if cls.example().lora().parameters)
 
 
-def _peft(base: torch.nn.Module, targets: list[str], adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets,
-                                                      lora_dropout=0.0))
+def _peft(base: torch.nn.Module, targets: list[str], tensors: tuple[str, ...],
+          adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """PEFT's LoRA on `targets`: Linear modules by name, a mixture's fused tensors (`tensors`) as parameters."""
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=[t for t in targets if t not in tensors] or None,
+        target_parameters=[t for t in targets if t in tensors] or None, lora_dropout=0.0))
     assert not peft.set_peft_model_state_dict(model, adapters).unexpected_keys
     return model
 
 
-def test_the_dense_families_are_held() -> None:
-    assert {"gptj", "llama", "phi3", "gemma3_text"} <= set(DENSE)
+def _bitsandbytes_experts(model: torch.nn.Module, tensors: tuple[str, ...]) -> torch.nn.Module:
+    """`model`'s fused expert tensors as bitsandbytes quantizes (nf4, double quantization, blocks of 64) and
+    dequantizes them, in place. Dequantized flat, as ours are (layers.quant4.matrix: bitsandbytes 0.50's CPU
+    kernel reads a 3D shape's blocks row by row, wrong where a row is not whole blocks of 64, as here)."""
+    names = {t.rsplit(".", 1)[-1] for t in tensors}
+    with torch.no_grad():
+        for module in model.modules():
+            for name in names & set(dict(module.named_parameters(recurse=False))):
+                weight = getattr(module, name)
+                packed, state = bnb.functional.quantize_4bit(weight.data, blocksize=64, compress_statistics=True,
+                                                             quant_type="nf4")
+                state.shape = torch.Size((1, weight.numel()))
+                weight.copy_(bnb.functional.dequantize_4bit(packed, state).view(weight.shape))
+    return model
 
 
-@pytest.mark.parametrize("model_type", DENSE)
+def test_the_families_are_held() -> None:
+    assert {"gptj", "llama", "phi3", "gemma3_text"} < set(FAMILIES)
+    assert {"qwen3_moe", "mixtral", "olmoe"} <= set(MIXTURES)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_path: Path) -> None:
     cfg = FAMILIES[model_type].example()
     hf_model(cfg).save_pretrained(tmp_path)
-    targets = list(cfg.lora().projections)
+    targets, tensors = list(cfg.lora().projections), cfg.lora().parameters
     tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets),
                           load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                           max_grad_norm=0.0)
@@ -46,28 +72,32 @@ def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_
     prefix = {f"block.{i}": cfg.adapter().prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
     with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
         torch.manual_seed(5)
-        for tensors in trainer.adapters.params.values():
-            for t in tensors.values():
+        for params in trainer.adapters.params.values():
+            for t in params.values():
                 t.data.normal_(0, 0.1)
         adapters = {k: v.clone() for k, v in trainer.adapters.hf_state_dict(prefix).items()}
         seen = {}
         original = trainer.adapters.step
 
-        def capture(lr: float, clip: float) -> None:
-            for unit, tensors in trainer.adapters.params.items():
-                for key, t in tensors.items():
-                    seen[prefix[unit] + key] = t.grad.double().clone()
+        def capture(lr: float, clip: float) -> None:  # each adapter's gradient under PEFT's key
+            for unit, params in trainer.adapters.params.items():
+                for keys in trainer.adapters.keys.values():
+                    for ours, theirs in ((keys.a, keys.peft_a), (keys.b, keys.peft_b)):
+                        seen[prefix[unit] + theirs] = params[ours].grad.double().clone()
             original(lr, clip)
 
         trainer.adapters.step = capture
         loss = trainer.step(ids)
-    noisy = [_loss_and_grads(_peft(_bnb_model(tmp_path, "nf4", True, attn), targets, adapters), ids)
-             for attn in ("eager", "sdpa")]
-    exact_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
-    loaded = exact_base.load_state_dict(_dequantized(_bnb_model(tmp_path, "nf4", True, "eager")), strict=False)
+
+    def four_bit(attn: str) -> torch.nn.Module:
+        return _bitsandbytes_experts(_bnb_model(tmp_path, "nf4", True, attn), tensors)
+
+    noisy = [_loss_and_grads(_peft(four_bit(attn), targets, tensors, adapters), ids) for attn in ("eager", "sdpa")]
+    exact_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, **EAGER_EXPERTS)
+    loaded = exact_base.load_state_dict(_dequantized(four_bit("eager")), strict=False)
     # (a tied head's weight is the embedding's)
     assert not loaded.unexpected_keys and set(loaded.missing_keys) <= set(cfg.adapter().tied_keys())
-    exact = _loss_and_grads(_peft(exact_base, targets, {k: v.double() for k, v in adapters.items()}), ids)
+    exact = _loss_and_grads(_peft(exact_base, targets, tensors, {k: v.double() for k, v in adapters.items()}), ids)
     assert set(seen) == set(exact[1]) and len(seen) == 2 * len(targets) * cfg.num_hidden_layers
     assert abs(loss - exact[0]) <= 2 * max(abs(n[0] - exact[0]) for n in noisy) + 1e-6
     for key, grad in exact[1].items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from contextvars import ContextVar
-from typing import ClassVar, Iterator, Protocol
+from typing import Any, ClassVar, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 
 from layers.llama.units import Llama, LlamaBlock, LlamaEmbedding, LlamaHead
 from layers.lora import expert_factors, init_adapters
+from layers.quant4 import FrozenQuant, Quant4, matrix, piece_key
 from layers.model import AuxiliaryLoss, FamilyUnits
 from layers.config import ModelConfig, SparseMlp
 
@@ -137,6 +138,40 @@ class Gather(torch.autograd.Function):
         return grad.new_zeros(ctx.source_rows, *grad.shape[1:]).index_add_(0, index, grad), None
 
 
+class GroupedLinear4bit(torch.autograd.Function):
+    """GroupedLinear on a frozen fused tensor held quantized (`pieces`, layers.quant4's): each expert that has rows
+    gets its weight dequantized for their matmul, one expert at a time, and again in the backward for the input's
+    gradient, as bitsandbytes' MatMul4Bit does for a Linear. Autograd saves only the pieces (views of the unit's
+    weights, packed as handles); the tensor takes no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int] | None, quant: Quant4, shape: tuple[int, int, int],
+                names: tuple[str, ...], *pieces: torch.Tensor) -> torch.Tensor:
+        ctx.sizes, ctx.quant, ctx.shape, ctx.names = sizes, quant, shape, names
+        ctx.save_for_backward(*pieces)
+        out = x.new_empty(x.shape[0], shape[1])
+        for e, (rows, into) in enumerate(zip(x.split(sizes), out.split(sizes), strict=True) if sizes else ()):
+            if rows.shape[0]:
+                torch.mm(rows, _expert_weight(ctx, pieces, e).to(x.dtype).t(), out=into)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_x = grad.new_empty(grad.shape[0], ctx.shape[2])
+        for e, (rows, into) in enumerate(zip(grad.split(ctx.sizes), grad_x.split(ctx.sizes), strict=True)
+                                         if ctx.sizes else ()):
+            if rows.shape[0]:
+                torch.mm(rows, _expert_weight(ctx, ctx.saved_tensors, e).to(grad.dtype), out=into)
+        return (grad_x, None, None, None, None, *(None for _ in ctx.names))
+
+
+def _expert_weight(ctx: Any, pieces: tuple[torch.Tensor, ...], expert: int) -> torch.Tensor:
+    """Expert `expert`'s (out, in) weight, dequantized from the fused tensor's pieces."""
+    experts, rows, columns = ctx.shape
+    return ctx.quant.dequantize_rows(dict(zip(ctx.names, pieces, strict=True)), (experts * rows, columns),
+                                     expert * rows, rows)
+
+
 class ExpertSource(Protocol):
     """Where the experts' weights come from when they are not on the module: `groups` groups of equal size,
     each loaded (its gate_up_proj and down_proj rows) before its experts run and released after (the runtime's
@@ -166,11 +201,37 @@ class Experts(nn.Module):
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()  # by the tensor they adapt; none: no LoRA
         self.scaling = 0.0
         self.source: ExpertSource | None = None  # set by the runtime around a call, else the parameters
+        self.num_experts = e
+        # A quantized base's tensors (`hold_quantized`): each one's (E, out, in) and piece names, and the dtype
+        # its matmuls run in.
+        self.quantized: dict[str, tuple[tuple[int, int, int], tuple[str, ...]]] = {}
+        self.quant: Quant4 | None = None
+        self.compute_dtype: torch.dtype | None = None
+
+    def hold_quantized(self, name: str, quant: FrozenQuant, compute_dtype: torch.dtype) -> None:
+        """Hold the fused tensor `name` as `quant`'s pieces, buffers by `layers.quant4.piece_key` (a shell of a
+        4-bit base: the unit's pieces replace them at each call); each expert's weight is dequantized for its
+        rows' matmuls (`GroupedLinear4bit`), in `compute_dtype` (bnb_4bit_compute_dtype)."""
+        if not isinstance(quant, Quant4):
+            raise TypeError(f"a mixture's experts are held 4-bit by bitsandbytes' code only, not {quant!r}")
+        weight = getattr(self, name)
+        experts, rows, columns = weight.shape
+        delattr(self, name)
+        names = []
+        for piece, dtype, shape in quant.weight_pieces(matrix(weight.shape)):
+            self.register_buffer(piece_key(name, piece), torch.empty(shape, dtype=dtype, device=weight.device))
+            names.append(piece)
+        self.quantized[name] = ((experts, rows, columns), tuple(names))
+        self.quant, self.compute_dtype = quant, compute_dtype
 
     def adapt(self, name: str, rank: int, scaling: float) -> None:
         """Adapters on the fused tensor `name`, PEFT's initialisation, on its device and dtype."""
         weight = getattr(self, name)
-        experts, out_features, in_features = weight.shape
+        if name in self.quantized:  # (its pieces: the adapters take the 16-bit dtype, on their device)
+            (experts, out_features, in_features), _ = self.quantized[name]
+            weight = weight.new_empty((), dtype=self.quant.dtype if self.quant else weight.dtype)
+        else:
+            experts, out_features, in_features = weight.shape
         a, b = weight.new_empty(rank * experts, in_features), weight.new_empty(out_features, rank * experts)
         init_adapters(a, b)
         self.lora_A[name], self.lora_B[name], self.scaling = nn.Parameter(a), nn.Parameter(b), scaling
@@ -180,17 +241,23 @@ class Experts(nn.Module):
         """Rows grouped by expert times their expert's `name` weight, plus where adapted scaling x (x A_e^T) B_e^T:
         two rank-r grouped matmuls on the routed rows, never the (E, out, in) delta. `weight`: a group's part of
         it, from the source (a grouped block has no adapters: groups and LoRA are not combined)."""
-        weight = getattr(self, name) if weight is None else weight
-        out = GroupedLinear.apply(x, weight, sizes)
+        if name in self.quantized:
+            shape, names = self.quantized[name]
+            assert self.quant is not None and self.compute_dtype is not None  # (set with `quantized`)
+            out = GroupedLinear4bit.apply(x.to(self.compute_dtype), sizes, self.quant, shape, names,
+                                          *(getattr(self, piece_key(name, p)) for p in names)).to(x.dtype)
+        else:
+            weight = getattr(self, name) if weight is None else weight
+            out = GroupedLinear.apply(x, weight, sizes)
         if name not in self.lora_A:
             return out
-        a, b = expert_factors(self.lora_A[name], self.lora_B[name], weight.shape[0])
+        a, b = expert_factors(self.lora_A[name], self.lora_B[name], self.num_experts)
         return out + self.scaling * GroupedLinear.apply(GroupedLinear.apply(x, a, sizes), b, sizes)
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, d); each token's chosen experts (N, k) and their routing weights (N, k) -> the sum over its
         chosen experts of weight x expert(x), (N, d)."""
-        (n, k), experts = chosen.shape, self.gate_up_proj.shape[0]
+        (n, k), experts = chosen.shape, self.num_experts
         groups = 1 if self.source is None else self.source.groups
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
         # Each group's rows are those routed to its experts; on meta, which holds no routing, an even share.

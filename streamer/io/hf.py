@@ -123,6 +123,11 @@ class HFCheckpoint:
             if blocksize != BLOCKSIZE or state.get("nested_blocksize", NESTED_BLOCKSIZE) != NESTED_BLOCKSIZE:
                 raise CheckpointError(f"{self.root}: {key} is quantized in blocks of {blocksize}; only bitsandbytes' "
                                       f"default {BLOCKSIZE} is read: pass the 16-bit checkpoint with --load-in-4bit")
+            if key in self._part_entries:  # joined into a fused tensor: one expert's weight of a mixture
+                raise CheckpointError(f"{self.root}: {key} is one expert's weight saved 4-bit (transformers before 5 "
+                                      "quantized each expert apart); a 4-bit base holds each fused expert tensor "
+                                      "quantized whole, as bitsandbytes does: pass the 16-bit checkpoint with "
+                                      "--load-in-4bit")
             pieces = {"weight": key, **{p: key + suffix for p, suffix in BNB_PIECES.items()
                                         if key + suffix in self._entries}}
             weight = self._entries[key]

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from layers import ModelConfig, build_unit, weight_decayed
 from layers.packed4 import padded, quantized_numels
-from layers.quant4 import FrozenQuant
+from layers.quant4 import FrozenQuant, matrix, piece_key, quantized_keys
 from streamer.errors import StoreError
 
 # The torch dtype of each name memory_model.DTYPE_BYTES sizes (the same names, the same byte sizes).
@@ -82,8 +82,8 @@ class Packed4:
     @classmethod
     def of(cls, cfg: ModelConfig, unit: str, slots: Sequence[TensorSlot], borrowed: Sequence[TensorSlot],
            module: torch.nn.Module, quant: FrozenQuant) -> "Packed4":
-        linears = {f"{name}.weight" for name, m in module.named_modules() if type(m) is torch.nn.Linear}
-        quantized = [s for s in slots if s.key in linears] if unit.startswith("block.") else []
+        held = set(quantized_keys(module, cfg.projections))
+        quantized = [s for s in slots if s.key in held] if unit.startswith("block.") else []
         if sorted(s.numel for s in quantized) != sorted(quantized_numels(cfg, unit)):
             raise StoreError(f"--load-in-4bit does not hold {cfg.model_type}'s blocks yet (their Linear modules are "
                              "not its projections); drop --load-in-4bit")
@@ -99,10 +99,8 @@ class Packed4:
                 offset += slot.numel * quant.dtype.itemsize
         offset = start + padded(offset - start)
         for slot in quantized:
-            module_key = slot.key.rsplit(".", 1)[0]
-            rows, columns = slot.shape  # (a Linear's weight)
-            for name, dtype, shape in quant.weight_pieces((rows, columns), slot.hf_key):
-                pieces.append(Piece(f"{module_key}.{name}", dtype, shape, offset))
+            for name, dtype, shape in quant.weight_pieces(matrix(slot.shape), slot.hf_key):
+                pieces.append(Piece(piece_key(slot.key, name), dtype, shape, offset))
                 offset += padded(dtype.itemsize * math.prod(shape))
         return cls(quant, tuple(pieces), tuple(s.key for s in quantized), tuple(lent))
 
@@ -121,10 +119,9 @@ class Packed4:
         whole = torch.zeros(sum(self.borrowed_bytes) + self.nbytes, dtype=torch.uint8)  # (pieces' offsets count
         views = self.views(whole)                                                      # what a unit borrows)
         for key in self.quantized:
-            module_key = key.rsplit(".", 1)[0]
             given = tensors.pop(key)
             for name, piece in (given if isinstance(given, dict) else self.quant.quantize(given)).items():
-                views[f"{module_key}.{name}"].copy_(piece.reshape(views[f"{module_key}.{name}"].shape))
+                views[piece_key(key, name)].copy_(piece.reshape(views[piece_key(key, name)].shape))
         for key, value in tensors.items():
             assert isinstance(value, torch.Tensor)  # only quantized weights come as pieces, popped above
             views[key].copy_(value.reshape(views[key].shape))
@@ -136,11 +133,9 @@ class Packed4:
         out = torch.empty(sum(s.numel for s in slots), dtype=torch.float32)
         for slot in slots:
             if slot.key in self.quantized:
-                module_key = slot.key.rsplit(".", 1)[0]
-                rows, columns = slot.shape
-                pieces = {name: views[f"{module_key}.{name}"] for name, _, _ in
-                          self.quant.weight_pieces((rows, columns), slot.hf_key)}
-                value = self.quant.dequantize(pieces, (rows, columns))
+                pieces = {name: views[piece_key(slot.key, name)] for name, _, _ in
+                          self.quant.weight_pieces(matrix(slot.shape), slot.hf_key)}
+                value = self.quant.dequantize(pieces, matrix(slot.shape))
             else:
                 value = views[slot.key]
             out[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
