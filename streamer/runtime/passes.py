@@ -61,7 +61,7 @@ class Passes:
                 if kind not in ("embed", "head"):
                     if packed is not None:  # a 4-bit base's blocks (the head's lm_head stays 16-bit)
                         quantize_linears(shell, packed.quant, DTYPES[lora.bnb_4bit_compute_dtype]
-                                         if lora.bnb_4bit_compute_dtype else dtype, cfg.projections)
+                                         if lora.bnb_4bit_compute_dtype else dtype, cfg.lora().projections)
                     add_adapters(shell, adapters.targets, adapters.lora.rank, adapters.lora.scaling,
                                  adapters.lora.dropout)
             self.recorder.resident |= adapters.storages()

@@ -82,7 +82,7 @@ class Packed4:
     @classmethod
     def of(cls, cfg: ModelConfig, unit: str, slots: Sequence[TensorSlot], borrowed: Sequence[TensorSlot],
            module: torch.nn.Module, quant: FrozenQuant) -> "Packed4":
-        held = set(quantized_keys(module, cfg.projections))
+        held = set(quantized_keys(module, cfg.lora().projections))
         quantized = [s for s in slots if s.key in held] if unit.startswith("block.") else []
         if sorted(s.numel for s in quantized) != sorted(quantized_numels(cfg, unit)):
             raise StoreError(f"--load-in-4bit does not hold {cfg.model_type}'s blocks yet (their Linear modules are "
