@@ -26,6 +26,7 @@ from streamer.trainer import StreamingTrainer
 from test_lifecycle import ENV, assert_same_run, metric_lines, reference, small_disk, streamer, train_argv
 
 __all__ = ["reference", "small_disk"]  # fixtures this module's tests request by name
+pytestmark = pytest.mark.xdist_group("faults")  # one worker makes the runs every case copies
 
 # Each kind's flags after the tiny run's (test_lifecycle.train_argv); DPO trains on PAIRS, written beside it.
 KINDS = {"full": (), "lora": ("--lora-rank", 4), "dpo": ("--method", "dpo", "--eval-fraction", 0, "--eval-every", 0)}
