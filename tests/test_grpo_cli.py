@@ -66,7 +66,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _argv(hf_folder: Path, run: Path, *extra: object) -> list[str]:
     return [str(a) for a in ("train", "--method", "grpo", "--from-pretrained", hf_folder, "--data", "prompts.jsonl",
                              "--num-generations", 4, "--max-completion-length", 6, "--batch", 8, "--seq", 24,
-                             "--dtype", "fp32", "--lr", 1e-3, "--steps", 4, "--run-dir", run, "--sample-tokens", 0,
+                             "--dtype", "fp32", "--lr", 1e-3, "--steps", 3, "--run-dir", run, "--sample-tokens", 0,
                              *extra)]
 
 
@@ -94,13 +94,13 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
     assert rc == 0, err
     assert "3 train / 0 held-out prompts" in out and "reward" in out
     logged = [r for r in _logged(run) if "loss" in r]
-    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert [r["step"] for r in logged] == [1, 2, 3]
     for r in logged:
         assert len(r["completions"]) == len(r["advantages"]) == len(r["rewards"]) == 8
         assert {"reward", "reward_std", "rewards/cli_rewards:lowercase", "rewards/cli_rewards:hits"} <= r.keys()
     assert logged[0]["completions"] == logged[1]["completions"] != logged[2]["completions"]  # two iterations each
     sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in sample] == [1, 2, 3, 4] and sample[2]["prompt"] == "Answer:"
+    assert [s["step"] for s in sample] == [1, 2, 3] and sample[2]["prompt"] == "Answer:"
     assert sample[0]["completions"] == logged[0]["completions"][:4]
 
     cfg = RunDir.open(run).read_config()
@@ -117,7 +117,7 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
 
 
 def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, work: Path) -> None:
-    """SIGKILLed while step 3's completions are scored (its rollout under way): the same command finishes the run
+    """SIGKILLed while step 2's completions are scored (its rollout under way): the same command finishes the run
     as an uninterrupted one, bit for bit (the logged steps and the final weights)."""
     from streamer.run_dir import RunDir
     from streamer.session import open_trainer
@@ -126,17 +126,17 @@ def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, 
     argv = _argv(hf_folder, work / "whole", "--reward-funcs", "cli_rewards:killing")
     assert streamer(*argv).returncode == 0
     (work / "calls").unlink()
-    (work / "kill_at").write_text("3")
+    (work / "kill_at").write_text("2")
     argv = _argv(hf_folder, work / "killed", "--reward-funcs", "cli_rewards:killing")
     killed = streamer(*argv)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert [r["step"] for r in _logged(work / "killed")] == [1, 2]
+    assert [r["step"] for r in _logged(work / "killed")] == [1]
     done = streamer(*argv)
     assert done.returncode == 0, done.stderr
 
     def steps(run: Path) -> list[tuple[Any, ...]]:
         return [(r["step"], r["loss"], r["completions"], r["advantages"]) for r in _logged(run) if "loss" in r]
-    assert steps(work / "killed") == steps(work / "whole") and len(steps(work / "whole")) == 4
+    assert steps(work / "killed") == steps(work / "whole") and len(steps(work / "whole")) == 3
     assert (work / "killed" / "completions.jsonl").read_text() == (work / "whole" / "completions.jsonl").read_text()
     with open_trainer(RunDir(work / "whole")) as a, open_trainer(RunDir(work / "killed")) as b:
         left, right = a.state_dict(), b.state_dict()
