@@ -39,11 +39,11 @@ class ObjectiveConfig:
                                  "DPOTrainer; --data of preference pairs) or grpo (Group Relative Policy "
                                  "Optimization, as TRL's GRPOTrainer; --data of prompts, --reward-funcs)",
                           Choice(METHODS), "METHOD")
-    beta: float = setting(0.1, "DPO: how far the policy may move from the reference; GRPO: the weight of the KL "
-                               "to the reference (default 0) (TRL's beta)", Number(0.0), "BETA")
-    loss_type: str = setting("sigmoid", "DPO: the loss of each pair; GRPO: how the tokens' losses are reduced "
-                                        "(default dapo) (TRL's loss_type)", Choice(LOSS_TYPES + GRPO_LOSS_TYPES),
-                             "TYPE")
+    beta: float = setting(0.1, "TRL's beta. DPO: how far the policy may move from the reference (default: 0.1); "
+                               "GRPO: the weight of the KL to the reference (default: 0)", Number(0.0), "BETA")
+    loss_type: str = setting("sigmoid", "TRL's loss_type. DPO: the loss of each pair (default: sigmoid); GRPO: how "
+                                        "the tokens' losses are reduced (default: dapo)",
+                             Choice(LOSS_TYPES + GRPO_LOSS_TYPES), "TYPE")
     label_smoothing: float = setting(0.0, "DPO: the probability a preference is flipped, read by the robust loss "
                                           "(TRL's label_smoothing)", Number(0.0, 0.5, high_open=True), "P")
 

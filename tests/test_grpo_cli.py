@@ -56,7 +56,7 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder holding the prompts and the reward module, the working directory (where `module:function` is
     imported from)."""
-    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    (tmp_path / "cli_rewards.py").write_text(REWARDS)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -66,7 +66,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _argv(hf_folder: Path, run: Path, *extra: object) -> list[str]:
     return [str(a) for a in ("train", "--method", "grpo", "--from-pretrained", hf_folder, "--data", "prompts.jsonl",
                              "--num-generations", 4, "--max-completion-length", 6, "--batch", 8, "--seq", 24,
-                             "--dtype", "fp32", "--lr", 1e-3, "--steps", 4, "--run-dir", run, "--sample-tokens", 0,
+                             "--dtype", "fp32", "--lr", 1e-3, "--steps", 3, "--run-dir", run, "--sample-tokens", 0,
                              *extra)]
 
 
@@ -89,24 +89,24 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
 
     run = work / "run"
     rc, out, err = run_cli(capsys, *_argv(hf_folder, run, "--lora-rank", 4, "--beta", 0.05, "--num-iterations", 2,
-                                          "--grad-accum", 2, "--reward-funcs", "my_rewards:lowercase,my_rewards:hits",
+                                          "--grad-accum", 2, "--reward-funcs", "cli_rewards:lowercase,cli_rewards:hits",
                                           "--reward-weights", "1,0.5", "--loss-type", "grpo"))
     assert rc == 0, err
     assert "3 train / 0 held-out prompts" in out and "reward" in out
     logged = [r for r in _logged(run) if "loss" in r]
-    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert [r["step"] for r in logged] == [1, 2, 3]
     for r in logged:
         assert len(r["completions"]) == len(r["advantages"]) == len(r["rewards"]) == 8
-        assert {"reward", "reward_std", "rewards/my_rewards:lowercase", "rewards/my_rewards:hits"} <= r.keys()
+        assert {"reward", "reward_std", "rewards/cli_rewards:lowercase", "rewards/cli_rewards:hits"} <= r.keys()
     assert logged[0]["completions"] == logged[1]["completions"] != logged[2]["completions"]  # two iterations each
     sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in sample] == [1, 2, 3, 4] and sample[2]["prompt"] == "Answer:"
+    assert [s["step"] for s in sample] == [1, 2, 3] and sample[2]["prompt"] == "Answer:"
     assert sample[0]["completions"] == logged[0]["completions"][:4]
 
     cfg = RunDir.open(run).read_config()
     objective = cfg.trainer.objective
     assert (objective.loss_type, objective.beta, objective.num_iterations) == ("grpo", 0.05, 2)
-    rewards = Rewards(["my_rewards:lowercase", "my_rewards:hits"], [1.0, 0.5])
+    rewards = Rewards(["cli_rewards:lowercase", "cli_rewards:hits"], [1.0, 0.5])
     with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer:
         loop = GRPOLoop(trainer, load_tokenizer(run / "tokenizer"), PROMPTS, rewards,
                         GRPOSettings.of(objective, cfg.batch, cfg.trainer.seed))
@@ -117,26 +117,26 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
 
 
 def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, work: Path) -> None:
-    """SIGKILLed while step 3's completions are scored (its rollout under way): the same command finishes the run
+    """SIGKILLed while step 2's completions are scored (its rollout under way): the same command finishes the run
     as an uninterrupted one, bit for bit (the logged steps and the final weights)."""
     from streamer.run_dir import RunDir
     from streamer.session import open_trainer
     from tests.test_lifecycle import streamer
 
-    argv = _argv(hf_folder, work / "whole", "--reward-funcs", "my_rewards:killing")
+    argv = _argv(hf_folder, work / "whole", "--reward-funcs", "cli_rewards:killing")
     assert streamer(*argv).returncode == 0
     (work / "calls").unlink()
-    (work / "kill_at").write_text("3")
-    argv = _argv(hf_folder, work / "killed", "--reward-funcs", "my_rewards:killing")
+    (work / "kill_at").write_text("2")
+    argv = _argv(hf_folder, work / "killed", "--reward-funcs", "cli_rewards:killing")
     killed = streamer(*argv)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert [r["step"] for r in _logged(work / "killed")] == [1, 2]
+    assert [r["step"] for r in _logged(work / "killed")] == [1]
     done = streamer(*argv)
     assert done.returncode == 0, done.stderr
 
     def steps(run: Path) -> list[tuple[Any, ...]]:
         return [(r["step"], r["loss"], r["completions"], r["advantages"]) for r in _logged(run) if "loss" in r]
-    assert steps(work / "killed") == steps(work / "whole") and len(steps(work / "whole")) == 4
+    assert steps(work / "killed") == steps(work / "whole") and len(steps(work / "whole")) == 3
     assert (work / "killed" / "completions.jsonl").read_text() == (work / "whole" / "completions.jsonl").read_text()
     with open_trainer(RunDir(work / "whole")) as a, open_trainer(RunDir(work / "killed")) as b:
         left, right = a.state_dict(), b.state_dict()
@@ -151,7 +151,7 @@ def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: P
     from streamer.io.tokenizer import load_tokenizer
     from streamer.rewards import Rewards
 
-    tokenizer, rewards = load_tokenizer(hf_folder), Rewards(["my_rewards:lowercase"])
+    tokenizer, rewards = load_tokenizer(hf_folder), Rewards(["cli_rewards:lowercase"])
     settings = GRPOSettings(num_generations=4, max_completion_length=6, num_iterations=2, prompts_per_step=1)
     tc = TrainerConfig.of(dtype="fp32", lr=1e-3, store="disk")  # each step committed
     with StreamingTrainer.from_pretrained(hf_folder, tc, work / "whole") as trainer:
@@ -169,16 +169,16 @@ def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: P
 
 
 @pytest.mark.parametrize("extra, line", [
-    (("--reward-funcs", "my_rewards:broken"), "reward function my_rewards:broken raised KeyError: 'answer'"),
-    (("--reward-funcs", "my_rewards:short"), "reward function my_rewards:short returned 1 rewards for 8 completions"),
-    (("--reward-funcs", "my_rewards:nothing"), "my_rewards:nothing: my_rewards has no function nothing"),
+    (("--reward-funcs", "cli_rewards:broken"), "reward function cli_rewards:broken raised KeyError: 'answer'"),
+    (("--reward-funcs", "cli_rewards:short"), "reward function cli_rewards:short returned 1 rewards for 8 completions"),
+    (("--reward-funcs", "cli_rewards:nothing"), "cli_rewards:nothing: cli_rewards has no function nothing"),
     ((), "--method grpo needs --reward-funcs module:function"),
-    (("--reward-funcs", "my_rewards:hits", "--reward-weights", "1,2"), "--reward-weights gives 2 weights for 1"),
-    (("--reward-funcs", "my_rewards:hits", "--num-generations", "3"),
+    (("--reward-funcs", "cli_rewards:hits", "--reward-weights", "1,2"), "--reward-weights gives 2 weights for 1"),
+    (("--reward-funcs", "cli_rewards:hits", "--num-generations", "3"),
      "--batch 8 completions do not split into groups of --num-generations 3"),
-    (("--reward-funcs", "my_rewards:hits", "--max-completion-length", "20"),
+    (("--reward-funcs", "cli_rewards:hits", "--max-completion-length", "20"),
      "prompts.jsonl record 1's prompt is 8 tokens and --seq 24 leaves 4 beside --max-completion-length 20"),
-    (("--reward-funcs", "my_rewards:hits", "--loss-type", "sigmoid"),
+    (("--reward-funcs", "cli_rewards:hits", "--loss-type", "sigmoid"),
      "--loss-type sigmoid is not one of GRPO's: dapo, grpo, dr_grpo, bnpo"),
 ], ids=["raises", "miscounts", "missing", "no-rewards", "weights", "groups", "long-prompt", "loss-type"])
 def test_bad_grpo_input_is_one_line(hf_folder: Path, work: Path, capsys: pytest.CaptureFixture[str],
@@ -189,7 +189,7 @@ def test_bad_grpo_input_is_one_line(hf_folder: Path, work: Path, capsys: pytest.
 
     message = fails(capsys, *_argv(hf_folder, work / "run"), *extra)
     assert line in message and "Traceback" not in message
-    if extra[:2] not in (("--reward-funcs", "my_rewards:broken"), ("--reward-funcs", "my_rewards:short")):
+    if extra[:2] not in (("--reward-funcs", "cli_rewards:broken"), ("--reward-funcs", "cli_rewards:short")):
         assert not (work / "run").exists()
 
 
@@ -257,7 +257,7 @@ def test_grpo_under_torchrun_or_a_kl_without_reference_is_refused_in_one_line(
     --beta with full fine-tuning of a model initialised here (the reference is a checkpoint's)."""
     from streamer.run import RunConfig, RunError
     from streamer.session import check_startable
-    cfg = RunConfig.of({"method": "grpo", "data": "prompts.jsonl", "reward_funcs": "my_rewards:hits", "beta": 0.1})
+    cfg = RunConfig.of({"method": "grpo", "data": "prompts.jsonl", "reward_funcs": "cli_rewards:hits", "beta": 0.1})
     with pytest.raises(RunError, match="^--beta > 0 needs the reference model: with LoRA the base with the adapters "
                                        "off, with full fine-tuning the --from-pretrained checkpoint"):
         check_startable(cfg)
@@ -280,7 +280,7 @@ def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Pa
     from tests.test_cli import run_cli
 
     run = work / "run"
-    argv = _argv(hf_folder, run, "--beta", 0.1, "--loss-type", "grpo", "--reward-funcs", "my_rewards:lowercase")
+    argv = _argv(hf_folder, run, "--beta", 0.1, "--loss-type", "grpo", "--reward-funcs", "cli_rewards:lowercase")
     steps = argv.index("--steps") + 1
     argv[steps] = "1"
     assert run_cli(capsys, *argv)[0] == 0
@@ -296,7 +296,7 @@ def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Pa
     with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer, \
             frozen_reference(hf_folder, cfg.trainer, work / "reference") as reference, \
             StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "initial") as initial:
-        loop = GRPOLoop(trainer, tokenizer, PROMPTS, Rewards(["my_rewards:lowercase"]),
+        loop = GRPOLoop(trainer, tokenizer, PROMPTS, Rewards(["cli_rewards:lowercase"]),
                         GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed), reference)
         for r in logged:
             record = loop.step()
