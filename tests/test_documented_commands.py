@@ -377,6 +377,8 @@ def printed_by(command: str) -> str:
     """What `command` prints (stdout and stderr, whitespace collapsed), run in this process: planning is cheap once
     torch is imported. Exit status 0, or 2 with one `error:` line (a refusal that names its advice)."""
     program, *args = shlex.split(command)
+    # A config.json the repository ships, named from its root (as `override` does)
+    args = [str(ROOT / a) if i and args[i - 1] == "--model" and (ROOT / a).is_file() else a for i, a in enumerate(args)]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         if program == "streamer":
