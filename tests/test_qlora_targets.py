@@ -1,5 +1,6 @@
 """QLoRA's targets, planned by `streamer plan` as a user types it: Llama-3.1-70B (its published config.json) with a
-4-bit base, batch 1 x 2048, checkpointed, on an RTX 4090, beside the same LoRA step on the 16-bit base."""
+4-bit base, batch 1 x 2048, checkpointed, on an RTX 4090, beside the same LoRA step on the 16-bit base. And the
+documented commands that QLoRA the files users bring: a hub "-bnb-4bit" folder."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from layers import ModelConfig
 from memory_model import PlanConfig, device_spec, plan
@@ -73,3 +76,49 @@ def test_a_frozen_base_stages_one_buffer_of_each_slab_size():
         staging = plan(shape, device_spec("rtx4090"), cfg, limits=False).host_peak.staging
         assert staging == sum(sizes.values())
         assert sizes["embed"] == shape.vocab_size * shape.hidden_size * 2  # bf16, never quantized
+
+
+def write_bnb_4bit(hf_folder: Path, out: Path, tokenizer: Path | None = None) -> Path:
+    """A hub "-bnb-4bit" folder as transformers saves one: `hf_folder` loaded 4-bit (nf4, double quant), saved
+    with its quantization_config and the pieces of each weight; the tokenizer's files beside it."""
+    import transformers
+
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, quantization_config=config,
+                                                              dtype=torch.float32, device_map="cpu")
+    model.save_pretrained(out)
+    for path in (tokenizer or hf_folder).iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            (out / path.name).write_bytes(path.read_bytes())
+    return out
+
+
+def test_the_documented_command_trains_lora_on_a_hub_bnb_4bit_folder(tmp_path, tiny_hf_model, tiny_setup):
+    """docs/CLI.md's command for a folder saved 4-bit (its stand-in, as the docs test makes it), through the
+    documented override, trains LoRA on the folder's 4-bit base and writes nothing of it back."""
+    import dataclasses
+
+    from conftest import TINY_RUN_MODEL
+    from streamer.io.tokenizer import load_tokenizer
+    from tests.test_documented_commands import file_commands, override
+
+    command = next(c for where, c in file_commands() if where == "CLI.md" and "BNB4_DIR" in c)
+    hf = tmp_path / "hf"
+    tiny_hf_model(dataclasses.replace(TINY_RUN_MODEL, n_positions=128)).save_pretrained(hf)
+    load_tokenizer(tiny_setup / "tok").save(hf)
+    bnb4 = write_bnb_4bit(hf, tmp_path / "bnb-4bit")
+    assert json.loads((bnb4 / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"hello {i} world", "completion": " hi"}) + "\n" for i in range(40)))
+    (tmp_path / "run").mkdir()
+    stand_ins = {"run": tmp_path / "run", "data": data, "toml": data, "gguf": data, "pairs": data, "hf": hf,
+                 "bnb4": bnb4}
+    (tmp_path / "work").mkdir()
+    argv = override(command, stand_ins, tmp_path / "work")
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path / "work", timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    settings = (tmp_path / "work" / "runs" / "qlora-hub" / "config.toml").read_text()
+    assert 'load_in_4bit = true\nbnb_4bit_quant_type = "nf4"\nbnb_4bit_use_double_quant = true' in settings
+    assert "store files, last step: read" in done.stdout and "written 0 B" in done.stdout
