@@ -149,6 +149,24 @@ def test_type_table_is_gguf_s() -> None:
         assert int(T[name]) == TYPE_IDS[name]
 
 
+@pytest.mark.parametrize("type_name", sorted(TYPE_SIZES))
+def test_torch_dequantizes_every_kept_type_as_gguf_does(type_name: str) -> None:
+    """The torch ops that dequantize a weight where it lies (on a GPU: unverified there; here on CPU tensors) give
+    gguf.quants.dequantize's float32 values exactly: its arithmetic, op for op."""
+    from layers.quant_gguf import DEQUANTIZED_BY_TORCH, dequantize_blocks
+
+    assert DEQUANTIZED_BY_TORCH == set(TYPE_SIZES)
+    rng = np.random.default_rng(3)
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+        blocks = _k_blocks(8, 512, type_name, rng)
+    else:
+        blocks = gguf.quants.quantize(rng.standard_normal((8, 512)).astype(np.float32), T[type_name])
+    expected = gguf.quants.dequantize(blocks, T[type_name]).reshape(-1)
+    ours = dequantize_blocks(torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)), type_name)
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
 def test_weights_equal_transformers(gguf_file: Path, reference: torch.nn.Module) -> None:
     """Every tensor, the kept blocks dequantized (Llama's q and k rows back in order), equals transformers'."""
     trainer = StreamingTrainer.from_pretrained(gguf_file, _settings())
