@@ -16,6 +16,7 @@ from layers import ModelConfig
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.host import frozen_slab_bytes
 from memory_model.lora import LoraConfig
+from streamer.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVENTY_B = ROOT / "tests" / "hub_configs" / "llama-3.1-70b.json"
@@ -75,6 +76,10 @@ def test_a_frozen_base_stages_one_buffer_of_each_slab_size():
         sizes = {u: frozen_slab_bytes(shape, cfg, u) for u in ("embed", "block.0", "head")}
         staging = plan(shape, device_spec("rtx4090"), cfg, limits=False).host_peak.staging
         assert staging == sum(sizes.values())
+        # The runtime's pool is bounded by the same bytes (what --pin-memory staging pins).
+        tc = TrainerConfig.of(dtype="bf16", store="disk", lora_rank=16, load_in_4bit=lora.load_in_4bit,
+                              bnb_4bit_quant_type=lora.bnb_4bit_quant_type)
+        assert tc.store_spec(shape).staging_bytes() == staging
         assert sizes["embed"] == shape.vocab_size * shape.hidden_size * 2  # bf16, never quantized
 
 
