@@ -33,7 +33,9 @@ from benchmarks.machine import (
     ModelChoice, Peaks, describe, disk_budget, family_presets, fitted_width, matmul_peaks, pick_scale_model, raw_disk,
     update_rates,
 )
-from benchmarks.lora import FULL, LORA, lora_pair, lora_versus_full
+from benchmarks.lora import (
+    FULL, LORA, QLORA_MODEL, QLORA_OURS, QLORA_QUICK_MODEL, lora_pair, lora_versus_full, qlora_pair, qlora_versus_hf,
+)
 from benchmarks.report import write_markdown
 from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
@@ -243,6 +245,7 @@ def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
     results = runner.compare(specs, s.rounds)
     results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
     results.update(runner.compare(lora_pair(_spec(FULL, "stream", ModelConfig.named(s.model), s)), s.rounds))
+    results.update(runner.compare(qlora_pair(_spec(QLORA_OURS, "stream", _qlora_model(s), s)), s.rounds))
     if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
         dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
               _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, max(1, cores) // 2))]
@@ -251,6 +254,12 @@ def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
         why = "--quick" if s.quick else "streamer has no data-parallel support yet"
         skipped.update({DP_1: why, DP_2: why})
     return results
+
+
+def _qlora_model(s: Settings) -> ModelConfig:
+    """The QLoRA pair's model: --model where it is a Llama, else the Llama preset of the bench's size."""
+    model = ModelConfig.named(s.model)
+    return model if model.model_type == "llama" else ModelConfig.named(QLORA_QUICK_MODEL if s.quick else QLORA_MODEL)
 
 
 def _output(args: argparse.Namespace) -> Path | None:
@@ -316,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
                                    half_the_bytes(ctx), update_speed(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), host_memory(ctx), planner(ctx),
                                    data_parallel(ctx),
-                                   gpu(ctx, machine.gpu), lora_versus_full(ctx), *where_time_goes(ctx)]
+                                   gpu(ctx, machine.gpu), lora_versus_full(ctx), qlora_versus_hf(ctx),
+                                   *where_time_goes(ctx)]
         for outcome in outcomes:
             console.print(outcome.section.rich())
         targets = [t for o in outcomes for t in o.targets]

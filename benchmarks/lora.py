@@ -1,8 +1,11 @@
-"""LoRA against full fine-tuning in `streamer bench`: measured on the bench model, planned at GPT-J-6B.
+"""LoRA against full fine-tuning in `streamer bench`: measured on the bench model, planned at GPT-J-6B; and QLoRA
+against transformers + bitsandbytes + PEFT on a Llama-family model.
 
 The measured pair is our streamed trainer on the RAM tier, once training every weight and once training rank-8
 adapters on the frozen base, run in the same ABBA blocks. The planned pair prices GPT-J-6B's step both ways
-with the planner (memory_model.plan) on an H100: no run of it here.
+with the planner (memory_model.plan) on an H100: no run of it here. The QLoRA pair trains rank-8 adapters on a
+4-bit base (nf4, double quant) both ways, in the same ABBA blocks: ours streamed on the RAM tier, and the
+transformers model bitsandbytes loads 4-bit with PEFT's LoRA.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from layers import ModelConfig
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import LoraConfig
 from benchmarks.compare import Context, Outcome
-from benchmarks.report import Section, ratio, seconds, size
+from benchmarks.report import Section, params, ratio, seconds, size, verdict
 from benchmarks.runs import Result
 from benchmarks.worker import RunSpec
 from streamer.config import TrainerConfig
@@ -25,6 +28,12 @@ LORA = f"ours streamed, RAM tier, LoRA r={LORA_RANK}"
 PLANNED_MODEL, PLANNED_DEVICE = "gptj-6b", "h100-sxm"
 PLANNED = PlanConfig.of(batch=1, seq=2048, compute_dtype="bf16", activations="checkpoint")
 COLUMNS = ("run", "step (median)", "host peak RSS", "device peak (ledger)", "host store", "source")
+# QLoRA: the pair's model is Llama-family (--model where it is Llama, else the preset of gptj-350m's size).
+QLORA_MODEL, QLORA_QUICK_MODEL = "llama-350m", "llama-debug"
+QLORA_OURS = f"ours streamed, RAM tier, QLoRA r={LORA_RANK} (nf4, double quant)"
+QLORA_HF = f"transformers + bitsandbytes + PEFT, QLoRA r={LORA_RANK} (nf4, double quant)"
+QLORA_TARGET = 0.8  # our step at most this much of theirs
+QLORA_COLUMNS = ("run", "model", "step (median)", "host peak RSS", "source")
 
 
 def lora_pair(full: RunSpec) -> list[RunSpec]:
@@ -88,3 +97,41 @@ def lora_versus_full(ctx: Context) -> Outcome:
              "process's high-water mark over the timed steps, the store included.",
              "Planned rows are the planner's prediction, not a run.")
     return Outcome(Section("LoRA vs full fine-tuning: step time, host and device memory", COLUMNS, rows, notes))
+
+
+def qlora_pair(ours: RunSpec) -> list[RunSpec]:
+    """The QLoRA pair from our streamed RAM-tier spec of the pair's model: ours with a 4-bit base, and
+    transformers + bitsandbytes + PEFT on the same model, batch, rank and quantization."""
+    four_bit = dataclasses.replace(ours, lora_rank=LORA_RANK, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_use_double_quant=True)
+    return [dataclasses.replace(four_bit, label=QLORA_OURS, contender="stream", tier="ram"),
+            dataclasses.replace(four_bit, label=QLORA_HF, contender="hf-qlora")]
+
+
+def qlora_versus_hf(ctx: Context) -> Outcome:
+    """Our QLoRA step on the RAM tier against transformers + bitsandbytes + PEFT's, and both peak RSS."""
+    rows, results = [], {label: _result(ctx, label) for label in (QLORA_OURS, QLORA_HF)}
+    for label, r in results.items():
+        if r is None:
+            failed = ctx.results.get(label)
+            why = f"failed: {failed.error}" if failed is not None else f"not run: {ctx.skipped.get(label, 'not asked')}"
+            rows.append((label, "—", why, "—", "measured"))
+            continue
+        shape = ModelConfig.from_dict(r.spec.model)
+        rows.append((label, f"{shape.model_type}, {params(shape.num_params())}, batch {r.spec.batch} x {r.spec.seq}",
+                     seconds(r.median_s), size(r.rss_peak_bytes), f"measured, {r.steps_note} steps"))
+    ours, theirs = results[QLORA_OURS], results[QLORA_HF]
+    value = None if ours is None or theirs is None or not theirs.median_s or ours.median_s is None \
+        else ours.median_s / theirs.median_s
+    rss = None if ours is None or theirs is None or not theirs.rss_peak_bytes \
+        else ours.rss_peak_bytes / theirs.rss_peak_bytes
+    rows.append(("ours / theirs", "", ratio(value), ratio(rss), "measured: the rows above, divided"))
+    met = None if value is None else value <= QLORA_TARGET
+    target = (f"QLoRA: our RAM-tier step <= {QLORA_TARGET}x transformers + bitsandbytes + PEFT's: {verdict(met)} "
+              f"({ratio(value)}; peak RSS {ratio(rss)})")
+    notes = (f"Both: rank-{LORA_RANK} adapters on the default targets (PEFT's q_proj and v_proj), the base 4-bit as "
+             "bitsandbytes quantizes it (nf4, double quant, blocks of 64), the same batch, compute dtype and random "
+             "tokens; AdamW on the adapters.",
+             "host peak RSS: the process's high-water mark over the timed steps.")
+    return Outcome(Section("QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory", QLORA_COLUMNS,
+                           tuple(rows), notes), (target,))

@@ -3,8 +3,9 @@
 `python -m benchmarks.worker '<RunSpec JSON>'` builds the contender, runs `warmup` untimed and `steps`
 timed optimizer steps on random token batches, and prints one line `BENCH-RESULT {json}` (other libraries
 print freely on stdout; the tag marks ours). Contenders: our streamed trainer (RAM or disk tier), our
-resident trainer, Hugging Face transformers + torch AdamW, DeepSpeed ZeRO-3 with CPU or NVMe offload. The
-model is any family's (`RunSpec.model`); transformers' class is the one its config.json names.
+resident trainer, Hugging Face transformers + torch AdamW, transformers + bitsandbytes + PEFT's QLoRA, DeepSpeed
+ZeRO-3 with CPU or NVMe offload. The model is any family's (`RunSpec.model`); transformers' class is the one its
+config.json names.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from streamer.config import TrainerConfig
 from streamer.runtime.optim import OptimizerConfig
 
 RESULT_TAG = "BENCH-RESULT "
-CONTENDERS = ("stream", "resident", "hf", "deepspeed")
+CONTENDERS = ("stream", "resident", "hf", "hf-qlora", "deepspeed")
 IO_COUNTERS = ("rchar", "wchar", "read_bytes", "write_bytes")
 STORE_COUNTERS = ("store_read", "store_written")
 IO_PHASES, COMPUTE_PHASES = ("load", "offload"), ("forward", "backward", "update")
@@ -62,7 +63,11 @@ class RunSpec:
     profile: bool = setting(False, "one more step under torch.profiler after the timed ones", Switch())
     workdir: str = setting("", "the folder of the contender's files", Text())
     seed: int = same_setting(TrainerConfig, "seed")
-    lora_rank: int = same_setting(LoraConfig, "rank")  # ours streamed only
+    lora_rank: int = same_setting(LoraConfig, "rank")  # ours streamed, and hf-qlora's adapters
+    # The 4-bit base (ours streamed with lora_rank; hf-qlora's always), by BitsAndBytesConfig's names.
+    load_in_4bit: bool = same_setting(LoraConfig, "load_in_4bit")
+    bnb_4bit_quant_type: str = same_setting(LoraConfig, "bnb_4bit_quant_type")
+    bnb_4bit_use_double_quant: bool = same_setting(LoraConfig, "bnb_4bit_use_double_quant")
 
     def __post_init__(self) -> None:
         check_settings(self, lambda key, problem: ValueError(f"{key} {problem}"))
@@ -126,7 +131,9 @@ def _ours(spec: RunSpec) -> Contender:
     tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, activations=spec.activations,
                           moment_dtype=spec.moment_dtype, master_dtype=spec.master_dtype, seed=spec.seed,
                           max_grad_norm=spec.max_grad_norm,
-                          lora_rank=spec.lora_rank, update_timing=spec.update_timing)
+                          lora_rank=spec.lora_rank, update_timing=spec.update_timing,
+                          load_in_4bit=spec.load_in_4bit, bnb_4bit_quant_type=spec.bnb_4bit_quant_type,
+                          bnb_4bit_use_double_quant=spec.bnb_4bit_use_double_quant)
     if spec.contender == "stream":
         from streamer.advice import step_host
         planned = step_host(cfg, tc, tc.plan_config(spec.batch, spec.seq, spec.world)).total
@@ -166,6 +173,39 @@ def _hf(spec: RunSpec) -> Contender:
         return float(loss)
 
     return Contender(step, sum(p.numel() for p in params), experts=experts)
+
+
+def _hf_qlora(spec: RunSpec) -> Contender:
+    """QLoRA as a transformers user writes it: the model loaded 4-bit by bitsandbytes (BitsAndBytesConfig, from a
+    folder: transformers quantizes on load), PEFT's LoRA of the same rank on its default targets, torch AdamW on the
+    adapters, the matmuls in the compute dtype."""
+    import peft
+    import torch
+    import transformers
+    folder = Path(spec.workdir) / "hf-16bit"
+    _hf_model(spec).save_pretrained(folder)
+    compute = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=spec.bnb_4bit_quant_type,
+                                                   bnb_4bit_use_double_quant=spec.bnb_4bit_use_double_quant,
+                                                   bnb_4bit_compute_dtype=compute)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=compute,
+                                                             device_map="cpu")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=spec.lora_rank, lora_alpha=int(LoraConfig().alpha),
+                                                      lora_dropout=0.0))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def step(ids: torch.Tensor) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if spec.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+        optimizer.step()
+        return float(loss)
+
+    return Contender(step, _config(spec).num_params())
 
 
 def _deepspeed(spec: RunSpec) -> Contender:
@@ -273,7 +313,8 @@ def measure(spec: RunSpec) -> Measured:
         torch.set_num_threads(spec.threads)
     out = Measured(spec.label)
     start = time.perf_counter()
-    builder = {"stream": _ours, "resident": _ours, "hf": _hf, "deepspeed": _deepspeed}[spec.contender]
+    builder = {"stream": _ours, "resident": _ours, "hf": _hf, "hf-qlora": _hf_qlora,
+               "deepspeed": _deepspeed}[spec.contender]
     contender = builder(spec)
     out.setup_s, out.params, out.experts = time.perf_counter() - start, contender.params, contender.experts
     out.planned_host_bytes = contender.planned_host_bytes

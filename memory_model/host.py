@@ -7,7 +7,7 @@ beside device memory, and what `streamer train` checks against the machine's ava
   buffers are host memory, and the runtime's pool of them keeps no more than the device has held at once
   (`streamer.runtime.transport.BufferPool`);
 - `staging`: on an accelerator, the bounded pool of host buffers loads and offloads cross through
-  (`staging_pool_bytes`);
+  (`staging_pool_bytes`; a frozen base's, `frozen_staging_bytes`);
 - `fold`: disk-tier gradients, folded in host memory into one fp32 buffer of the largest unit;
 - `master`: where the device is the host, the fp32 master a fused update takes from its unit's weights load, kept
   from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged);
@@ -23,7 +23,7 @@ beside device memory, and what `streamer train` checks against the machine's ava
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from layers import ModelConfig
 from memory_model.ledger import CATEGORIES
@@ -64,6 +64,22 @@ def staging_pool_bytes(largest: int, chunk: int, loads_read_master: bool) -> int
     process stores; `chunk`, of an update chunk."""
     units = STAGING_UNITS + loads_read_master
     return 4 * (units * largest + STAGING_CHUNK_SETS * STAGED_KINDS * min(chunk, largest))
+
+
+def frozen_staging_bytes(slab_bytes: Iterable[int]) -> int:
+    """The staging pool of a frozen base (LoRA), given every unit's slab bytes as stored: only weights loads
+    cross it (no gradient, master or moments does), each owner's slab into a buffer of its size. Loads run one at
+    a time on the read thread, and each hands its buffer back as its copy starts; a load of a size already pooled
+    waits for that copy and takes the same buffer. So the pool holds one buffer of each size."""
+    return sum(set(slab_bytes))
+
+
+def frozen_slab_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
+    """Bytes of a frozen base's unit slab as stored: a quantized base's packed slab, else its parameters in the
+    compute dtype."""
+    if cfg.lora.quantized:
+        return base_unit_bytes(shape, cfg.lora, unit, cfg.dtype_bytes)
+    return shard_numel(shape.unit_params(unit), cfg.shards) * cfg.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -140,6 +156,8 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier.zero_copy)
     largest = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names())
     chunk = min(cfg.step.update_chunk, largest)
+    pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
+        staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
     state_on_disk = not store.state.zero_copy and not frozen
     # Kinds stored other than in fp32: read into a buffer of their own and widened (the read thread), and
     # narrowed into one when written (the write thread).
@@ -150,8 +168,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         if state_on_disk and same_memory and cfg.step.update_on != "host" else 0
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
-        staging=0 if same_memory else staging_pool_bytes(largest, chunk,
-                                                         store.loads_read_master(cfg.compute_is_master)),
+        staging=0 if same_memory else pool,
         fold=largest * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * largest if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,

@@ -132,7 +132,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
         numel = nbytes = weights_bytes(shape, cfg.lora, resource.unit, cfg.dtype_bytes)
     store = cfg.step.store
     disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
-    if isinstance(resource, Weights) and cfg.lora.quantized:  # read as stored, where stored on disk
+    if isinstance(resource, Weights) and cfg.lora.enabled:  # a frozen base: read as stored, where stored on disk
         disk = nbytes if store.compute.crosses_link else 0
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
     in_ram = store.state.zero_copy or (isinstance(resource, (Weights, ExpertGroup))

@@ -46,7 +46,8 @@ def test_quick_run_writes_every_section(tmp_path):
     text = out.read_text()
     for title in ("Compute dtype of each run", "1. Streaming overhead", "2. vs Hugging Face", "3. vs DeepSpeed",
                   "4. Disk tier", "5. Utilisation", "6. Scale", "7. Memory", "Planner vs measured", "Data parallel",
-                  "On a CUDA GPU", "LoRA vs full fine-tuning", "Half the bytes", "The update: AdamW vs torch",
+                  "On a CUDA GPU", "LoRA vs full fine-tuning", "QLoRA vs transformers + bitsandbytes + PEFT",
+                  "Half the bytes", "The update: AdamW vs torch",
                   "8. Host memory: planned vs measured peak RSS", "## Targets"):
         assert title in text
     # The opt-in precisions' disk-tier run moves what docs/CLI.md says: under 7 read and 5 written B/param.
@@ -306,12 +307,14 @@ def test_every_section_renders_when_nothing_ran():
         STREAM_RAM, Context, data_parallel, disk_tier, dtypes, gpu, memory, overhead, planner, scale, utilisation,
         versus_deepspeed, versus_hf, where_time_goes,
     )
+    from benchmarks.lora import qlora_versus_hf
     from benchmarks.machine import Peaks
     spec = RunSpec(label=STREAM_RAM, contender="stream", model={}, batch=1, seq=1)
     ctx = Context(results={STREAM_RAM: merge(spec, [_measured(STREAM_RAM, [], 0, ok=False)])},
                   peaks=Peaks(1e12, 1e11, 64), disk={}, plans={}, scale=None, compute=FP32, skipped={"x": "--quick"})
     outcomes = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx), utilisation(ctx),
-                scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx), gpu(ctx, ""), *where_time_goes(ctx)]
+                scale(ctx), memory(ctx), planner(ctx), data_parallel(ctx), gpu(ctx, ""), qlora_versus_hf(ctx),
+                *where_time_goes(ctx)]
     text = "".join(o.section.markdown() for o in outcomes)
     assert "failed: boom" in text
     assert all("unmeasured" in t or "NOT met" in t for o in outcomes for t in o.targets)

@@ -81,3 +81,36 @@ def test_a_row_without_timed_steps_has_no_ratio() -> None:
                LORA: merge(specs[LORA], [Measured(LORA, step_s=[], step_rss_peak_bytes=400)])}
     rows = lora_versus_full(_context(results)).section.rows
     assert rows[2][1] == "—" and rows[2][2] == "0.50x"
+
+
+def test_the_qlora_pair_runs_ours_and_transformers_bitsandbytes_peft_on_one_llama() -> None:
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_QUICK_MODEL, qlora_pair
+    from layers import ModelConfig
+
+    model = ModelConfig.named(QLORA_QUICK_MODEL).to_dict()
+    ours, theirs = qlora_pair(RunSpec(label="x", contender="stream", model=model, batch=1, seq=16, tier="disk"))
+    assert (ours.label, ours.contender, ours.tier, theirs.label, theirs.contender) == \
+        (QLORA_OURS, "stream", "ram", QLORA_HF, "hf-qlora")
+    assert dataclasses.replace(theirs, label=QLORA_OURS, contender="stream", tier="ram") == ours
+    assert (ours.lora_rank, ours.load_in_4bit, ours.bnb_4bit_quant_type, ours.bnb_4bit_use_double_quant) == \
+        (LORA_RANK, True, "nf4", True)
+
+
+def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path) -> None:
+    """The bench path at a tiny size: both contenders train (ours with a packed 4-bit base on the device), and the
+    section holds our step against theirs to the target."""
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_QUICK_MODEL, qlora_pair, qlora_versus_hf
+    from layers import ModelConfig
+
+    model = ModelConfig.named(QLORA_QUICK_MODEL)
+    base = RunSpec(label="x", contender="stream", model=model.to_dict(), batch=1, seq=16, warmup=1,
+                   steps=1, dtype="fp32")
+    runner = Runner(tmp_path, console=_Quiet(), child_timeout_s=300)
+    results = {spec.label: merge(spec, [runner.block(spec, 0)]) for spec in qlora_pair(base)}
+    assert all(r.ok for r in results.values()), {k: r.error for k, r in results.items()}
+    assert results[QLORA_OURS].ledger_peak_bytes > 0 and results[QLORA_HF].rss_peak_bytes > 0
+    outcome = qlora_versus_hf(_context(results))
+    ratio = results[QLORA_OURS].median_s / results[QLORA_HF].median_s
+    assert outcome.section.rows[2][2] == f"{ratio:.2f}x"
+    assert outcome.targets[0].startswith("QLoRA: our RAM-tier step <= 0.8x") and \
+        ("NOT met" in outcome.targets[0]) == (ratio > 0.8)

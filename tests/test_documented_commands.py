@@ -95,11 +95,13 @@ def help_commands() -> list[tuple[str, str]]:
 # --- the stand-ins -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
-    """A trained run (3 steps), a Hugging Face folder, a GGUF file, prompt/completion data and a settings file."""
+    """A trained run (3 steps), a Hugging Face folder and the same saved 4-bit, a GGUF file, prompt/completion data
+    and a settings file."""
     from pydoc_data.topics import topics
 
     from streamer.io.tokenizer import load_tokenizer
     from tests.test_gguf import write_gguf
+    from tests.test_qlora_targets import write_bnb_4bit
     root = tmp_path_factory.mktemp("documented")
     hf = root / "hf"
     # The default --seq (128) fits its context, as it does a real checkpoint's.
@@ -124,7 +126,7 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     pairs.write_text("".join(json.dumps({"prompt": f"Topic {k}?", "chosen": " " + " ".join(topics[k].split()[:6]),
                                          "rejected": " I do not know."}) + "\n" for k in sorted(topics)[:8]))
     return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run, "pairs": pairs,
-            "gguf": write_gguf(root / "model.gguf")}
+            "gguf": write_gguf(root / "model.gguf"), "bnb4": write_bnb_4bit(hf, root / "bnb-4bit")}
 
 
 def _env() -> dict[str, str]:
@@ -143,7 +145,8 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
     if not run_copy.exists():
         shutil.copytree(stand_ins["run"], run_copy)
     files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
-             "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"], "pairs.jsonl": stand_ins["pairs"]}
+             "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"], "pairs.jsonl": stand_ins["pairs"],
+             "BNB4_DIR": stand_ins["bnb4"]}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):
@@ -377,6 +380,8 @@ def printed_by(command: str) -> str:
     """What `command` prints (stdout and stderr, whitespace collapsed), run in this process: planning is cheap once
     torch is imported. Exit status 0, or 2 with one `error:` line (a refusal that names its advice)."""
     program, *args = shlex.split(command)
+    # A config.json the repository ships, named from its root (as `override` does)
+    args = [str(ROOT / a) if i and args[i - 1] == "--model" and (ROOT / a).is_file() else a for i, a in enumerate(args)]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         if program == "streamer":

@@ -52,24 +52,33 @@ def _k_blocks(rows: int, columns: int, type_name: str, rng: np.random.Generator)
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]] = TYPES) -> Path:
-    """A tiny Llama as llama.cpp writes it: its metadata, a byte-level BPE tokenizer, and each block projection
-    of the type `types` names (quantized by gguf where it can, else valid blocks of random codes)."""
+def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]] = TYPES,
+               config: transformers.PretrainedConfig | None = None) -> Path:
+    """A tiny model as llama.cpp writes it: its metadata, a byte-level BPE tokenizer, and each block projection
+    of the type `types` names, in the order its block holds them (quantized by gguf where it can, else valid blocks
+    of random codes). `config`: transformers' config of a model of an architecture the base reads (a Llama's by
+    default); its GGUF tensors are what llama.cpp's converter writes (Llama's q and k rows permuted, Gemma's norms
+    plus one)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5,
-                                      rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=tied)
-    state = transformers.LlamaForCausalLM(config).state_dict()
-    writer = gguf.GGUFWriter(str(path), "llama")
+    config = config or transformers.LlamaConfig(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
+        tie_word_embeddings=tied)
+    state = transformers.AutoModelForCausalLM.from_config(config).state_dict()
+    arch = {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
-    writer.add_block_count(2)
-    writer.add_context_length(128)
-    writer.add_embedding_length(256)
-    writer.add_feed_forward_length(512)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma3":
+        writer.add_key_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     byte_symbols = bytes_to_unicode()
     # (transformers' byte-level tokenizer adds <|endoftext|> where the list lacks it)
@@ -82,23 +91,30 @@ def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]]
     writer.add_token_merges(["h e", "l l", "he ll", "hell o"])
     writer.add_bos_token_id(260)
     writer.add_eos_token_id(261)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    if getattr(config, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(config.pad_token_id)
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     config.num_hidden_layers)
     rng = np.random.default_rng(0)
+    seen: dict[int, int] = {}  # each layer's projections so far
     for key, value in state.items():
-        if tied and key == "lm_head.weight":
+        if config.tie_word_embeddings and key == "lm_head.weight":
             continue
         module, suffix = key.rsplit(".", 1)
         name = f"{names.get_name(module)}.{suffix}"
         array = value.numpy()
-        if "q_proj" in key:
-            array = _permute(array, HEADS)
-        if "k_proj" in key:
-            array = _permute(array, KV_HEADS)
-        projection = next((p for p in PROJECTIONS if f".{p}." in key), None)
-        if projection is None:
+        if arch == "llama" and "q_proj" in key:
+            array = _permute(array, config.num_attention_heads)
+        if arch == "llama" and "k_proj" in key:
+            array = _permute(array, config.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1
+        if not key.startswith("model.layers.") or array.ndim != 2:
             writer.add_tensor(name, array.astype(np.float32))
             continue
-        type_name = types[int(key.split(".")[2])][PROJECTIONS.index(projection)]
+        layer = int(key.split(".")[2])
+        type_name = types[layer][seen.setdefault(layer, 0) % len(types[layer])]
+        seen[layer] += 1
         if type_name in ("Q4_K", "Q5_K", "Q6_K"):
             writer.add_tensor(name, _k_blocks(*array.shape, type_name, rng), raw_dtype=T[type_name])
         else:
@@ -131,6 +147,24 @@ def test_type_table_is_gguf_s() -> None:
     for name, size in TYPE_SIZES.items():
         assert gguf.GGML_QUANT_SIZES[T[name]] == size
         assert int(T[name]) == TYPE_IDS[name]
+
+
+@pytest.mark.parametrize("type_name", sorted(TYPE_SIZES))
+def test_torch_dequantizes_every_kept_type_as_gguf_does(type_name: str) -> None:
+    """The torch ops that dequantize a weight where it lies (on a GPU: unverified there; here on CPU tensors) give
+    gguf.quants.dequantize's float32 values exactly: its arithmetic, op for op."""
+    from layers.quant_gguf import DEQUANTIZED_BY_TORCH, dequantize_blocks
+
+    assert DEQUANTIZED_BY_TORCH == set(TYPE_SIZES)
+    rng = np.random.default_rng(3)
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+        blocks = _k_blocks(8, 512, type_name, rng)
+    else:
+        blocks = gguf.quants.quantize(rng.standard_normal((8, 512)).astype(np.float32), T[type_name])
+    expected = gguf.quants.dequantize(blocks, T[type_name]).reshape(-1)
+    ours = dequantize_blocks(torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)), type_name)
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy(), expected)
 
 
 def test_weights_equal_transformers(gguf_file: Path, reference: torch.nn.Module) -> None:
@@ -212,7 +246,7 @@ def test_the_documented_command_trains_lora_on_a_gguf_file(gguf_file: Path, tmp_
                             for i in range(40)))
     (tmp_path / "run").mkdir()
     argv = override(command, {"run": tmp_path / "run", "data": data, "toml": data, "gguf": gguf_file, "pairs": data,
-                              "hf": tmp_path}, tmp_path / "work")
+                              "hf": tmp_path, "bnb4": tmp_path}, tmp_path / "work")
     (tmp_path / "work").mkdir(exist_ok=True)  # (the override copies the stand-in run into it)
     done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path / "work", timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -273,3 +307,60 @@ def test_the_dequantized_weight_in_flight_is_charged(gguf_file: Path) -> None:
     # a forward and a backward of each block in each of the two micro-batches
     assert sorted(seen) == sorted([("workspace", f"block.{i}", nbytes) for i in range(2)] * 4)
     trainer.close()
+
+
+# One tiny model of each architecture the base reads beside Llama, as transformers configures it from the file: what
+# transformers' GGUF loading reads of each (Qwen3's head_dim is its class default, 128: the file's key_length is not
+# read for it; a Phi-3 file names its pad token, which the class defaults to 32000).
+ARCHITECTURES = {
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, max_position_embeddings=128, tie_word_embeddings=False),
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=128, max_position_embeddings=128, tie_word_embeddings=True),
+    "phi3": lambda: transformers.Phi3Config(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, max_position_embeddings=128, bos_token_id=260, eos_token_id=261, pad_token_id=261,
+        tie_word_embeddings=False),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=64, max_position_embeddings=128, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_architecture_equals_transformers_gguf_loading(tmp_path: Path, arch: str) -> None:
+    """Every tensor equals transformers' `gguf_file=` model of the same file exactly (the kept blocks dequantized,
+    Gemma's norms less one); the loss within twice transformers' own eager-vs-sdpa difference; a LoRA step runs."""
+    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", config=ARCHITECTURES[arch]())
+    checkpoint = GGUFCheckpoint.open(path)
+    assert checkpoint.config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
+    assert {t for _, t in checkpoint.base().types} >= {"Q4_0", "Q4_K", "Q8_0"}
+    models = {attn: transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32, attn_implementation=attn)
+              for attn in ("eager", "sdpa")}
+    with StreamingTrainer.from_pretrained(path, _settings(lr=1e-2, lora_targets="")) as trainer:
+        ours, theirs = trainer.state_dict(), models["eager"].state_dict()
+        assert set(ours) == set(theirs)
+        for key, value in ours.items():
+            torch.testing.assert_close(value, theirs[key], rtol=0, atol=0, msg=key)
+        ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            losses = {attn: m(ids, labels=ids).loss.double().item() for attn, m in models.items()}
+        noise = abs(losses["sdpa"] - losses["eager"])
+        assert abs(trainer.evaluate(ids) - losses["eager"]) <= 2 * max(noise, 1e-6), (losses, noise)
+        assert np.isfinite(trainer.step(ids))
+
+
+def test_streamer_train_reads_a_phi3_gguf_file_with_its_tokenizer(tmp_path: Path) -> None:
+    """The command line on an architecture other than Llama's (fused qkv and gate-up projections): the file's
+    tokenizer and a LoRA step."""
+    path = write_gguf(tmp_path / "tiny-phi3.gguf", config=ARCHITECTURES["phi3"]())
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 40)
+    done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--steps", "1", "--seq", "16",
+                "--batch", "2", "--sample-tokens", "0", "--eval-every", "0", "--eval-fraction", "0", "--run-dir",
+                tmp_path / "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1/1 loss" in done.stdout

@@ -21,11 +21,11 @@ from streamer.run import resolve
 from tests.test_cli import fails, run_cli
 
 HUB = Path(__file__).parent / "hub_configs"
-PUBLISHED = ("llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3",
-             "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
-             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "olmo-2-1124-7b",
-             "gpt-j-6b", "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4", "gemma-3-1b-it",
-             "qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b-0924")
+PUBLISHED = ("llama-3.1-8b", "llama-3.1-70b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1", "mistral-7b-v0.2",
+             "mistral-7b-v0.3", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b",
+             "qwen2.5-32b", "qwen2.5-72b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b",
+             "qwen3-32b", "olmo-2-1124-7b", "gpt-j-6b", "phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4",
+             "gemma-3-1b-it", "qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b-0924")
 
 
 def published(name: str) -> dict[str, Any]:

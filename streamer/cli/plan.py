@@ -98,6 +98,9 @@ def plan_command(args: argparse.Namespace) -> int:
         result = plan(model_cfg, device, plan_cfg)
         scaling = None if result.does_not_fit else scaling_curve(model_cfg, device, plan_cfg)
         rollout = rollout_plan(model_cfg, device, plan_cfg) if plan_cfg.objective.grpo else None
+        # A quantized base is planned beside the same step on its 16-bit base (LoRA as before).
+        sixteen = plan(model_cfg, device, plan_cfg.replace(lora=replace(plan_cfg.lora, load_in_4bit=False, gguf=None)),
+                       limits=False) if plan_cfg.lora.quantized else None
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
     store = f"{store_choice(cfg, explicit, args.config)}, on {device.name}'s host"
@@ -107,6 +110,9 @@ def plan_command(args: argparse.Namespace) -> int:
            "compute_dtype_reason": choice.reason, "store_reason": store, "store_ram_bytes": store_ram,
            "store_disk_bytes": store_disk, "alternatives": [asdict(b) for b in others],
            **({} if rollout is None else {"rollout": {**asdict(rollout), "total_s": rollout.total_s}})}
+    if sixteen is not None:
+        out["base_16bit"] = {**_base_figures(sixteen), "does_not_fit": sixteen.does_not_fit,
+                             "link_ratio": _link(result) / _link(sixteen)}
     clipping = plan_cfg.fused and cfg.trainer.optimizer.max_grad_norm > 0
     if clipping:
         try:
@@ -148,6 +154,8 @@ def plan_command(args: argparse.Namespace) -> int:
         console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.step.clipped_steps, result.params),
                       markup=False, highlight=False)
     console.print(_alternatives(result, others))
+    if sixteen is not None:
+        console.print(_beside_16bit(result, sixteen))
     if args.dry_run:
         measured = out["dry_run_peak_device_bytes"]
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
@@ -204,6 +212,42 @@ def _alternatives(result: Plan, others: list[Baseline]) -> Table:
     for b in others:
         table.add_row(b.name, format_size(b.device_bytes), format_size(b.host_bytes) if b.host_bytes else "-",
                       format_size(b.nvme_bytes) if b.nvme_bytes else "-", b.formula, b.source)
+    return table
+
+
+def _link(p: Plan) -> int:
+    """Bytes a step sends over the host-device link, both ways."""
+    return p.link_bytes["h2d"] + p.link_bytes["d2h"]
+
+
+def _base_figures(p: Plan) -> dict[str, Any]:
+    return {"peak_device_bytes": p.peak_device_bytes, "host_peak_bytes": p.host_peak.total,
+            "host_store_bytes": p.host_store_bytes, "link_bytes_per_step": _link(p),
+            "disk_read_bytes_per_step": p.link_bytes["disk_read"],
+            "step_s": None if p.does_not_fit else p.step_time_s}
+
+
+def _beside_16bit(quantized: Plan, sixteen: Plan) -> Table:
+    """A quantized base's step beside the same LoRA step on the 16-bit base, and the 16 B/param baseline."""
+    lora = quantized.config.lora
+    name = "GGUF" if lora.gguf is not None else \
+        f"4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant}"
+    table = Table(title="the quantized base beside a 16-bit one: the same LoRA step, model and target")
+    for column in ("base", "device peak", "host RAM at its peak", "host store", "link a step", "disk read a step",
+                   "step"):
+        table.add_column(column, justify="left" if column == "base" else "right")
+    link = _link(sixteen)
+    for label, p in ((f"{name} (this plan)", quantized), (f"16-bit ({quantized.config.compute_dtype})", sixteen)):
+        figures = _base_figures(p)
+        table.add_row(label, format_size(p.peak_device_bytes), format_size(figures["host_peak_bytes"]),
+                      format_size(p.host_store_bytes),
+                      f"{format_size(figures['link_bytes_per_step'])} ({figures['link_bytes_per_step'] / link:.2f}x)",
+                      format_size(figures["disk_read_bytes_per_step"]),
+                      "does not fit" if figures["step_s"] is None else f"{figures['step_s']:.3g} s")
+    table.add_row("16 B/param baseline (weights, gradients, Adam)", format_size(quantized.baseline_bytes), "-", "-",
+                  "-", "-", "-")
+    if sixteen.does_not_fit:
+        table.caption = f"16-bit: {sixteen.does_not_fit}"
     return table
 
 

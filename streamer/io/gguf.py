@@ -6,7 +6,8 @@ key map, its tokenizer converters). Tensor names are gguf's own map (`gguf.get_t
 (layers/packed_gguf.py); Llama's q and k rows are put back in Hugging Face's order, as transformers'
 `LlamaTensorProcessor` does to the dequantized weight. A row of a GGUF tensor is whole blocks, so moving rows of
 blocks is the same as moving the rows they dequantize to. Everything else is dequantized by
-`gguf.quants.dequantize` when read. gguf and transformers are imported only here (the `gguf` extra).
+`gguf.quants.dequantize` when read; a Gemma norm less the one llama.cpp's converter added (transformers'
+`Gemma2TensorProcessor`). gguf and transformers are imported only here (the `gguf` extra).
 """
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ from layers.quant_gguf import QuantGGUF
 from streamer.errors import CheckpointError
 from streamer.io.tokenizer import Tokenizer
 
-# GGUF architectures read here and the tensors whose rows llama.cpp's converter permuted (its q and k, for
-# interleaved RoPE): transformers' TENSOR_PROCESSORS, for the families registered here.
-ARCHITECTURES = ("llama",)
+# GGUF architectures read here: those transformers' GGUF loading reads whose family is registered here (a
+# Mistral file is "llama"; a mixture's experts are not kept as blocks yet). What transformers' TENSOR_PROCESSORS
+# undo of llama.cpp's converter: the q and k rows it permuted (interleaved RoPE), and the one it added to Gemma's
+# norm weights.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 PERMUTED = {"llama": (".attn_q.", ".attn_k.")}
+NORMS_PLUS_ONE = ("gemma3",)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -46,10 +50,12 @@ def _imports() -> Any:
 class GGUFCheckpoint:
     """One GGUF file, read one tensor at a time (numpy maps the file; nothing is read until asked for)."""
 
-    def __init__(self, path: Path, config: ModelConfig, tensors: dict[str, Any], permuted: set[str]) -> None:
+    def __init__(self, path: Path, config: ModelConfig, tensors: dict[str, Any], permuted: set[str],
+                 plus_one: set[str]) -> None:
         self.path, self.config = path, config
         self._tensors = tensors  # HF key -> gguf's ReaderTensor
         self._permuted = permuted  # HF keys whose rows go back to Hugging Face's order
+        self._plus_one = plus_one  # HF keys of norm weights stored plus one
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFCheckpoint":
@@ -72,7 +78,7 @@ class GGUFCheckpoint:
         arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
         names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
         by_name = {t.name: t for t in reader.tensors}
-        tensors, permuted = {}, set()
+        tensors, permuted, plus_one = {}, set(), set()
         for key, meta in expected_tensors(config).items():
             module, suffix = key.rsplit(".", 1)
             name = names.get_name(module)
@@ -93,7 +99,9 @@ class GGUFCheckpoint:
             tensors[key] = tensor
             if any(part in tensor.name for part in PERMUTED.get(arch, ())):
                 permuted.add(key)
-        return cls(path, config, tensors, permuted)
+            if arch in NORMS_PLUS_ONE and "norm.weight" in tensor.name:
+                plus_one.add(key)
+        return cls(path, config, tensors, permuted, plus_one)
 
     def base(self) -> GGUFBase:
         """The type of each block projection's weight (those a run keeps as the file's blocks)."""
@@ -126,7 +134,10 @@ class GGUFCheckpoint:
             values = dequantize(np.ascontiguousarray(tensor.data), tensor.tensor_type).reshape(shape)
         else:
             values = dequantize(self._blocks(key), tensor.tensor_type).reshape(shape)
-        return torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)  # (a copy the caller owns)
+        values = np.array(values, dtype=np.float32)  # (a copy the caller owns)
+        if key in self._plus_one:
+            values -= 1
+        return torch.from_numpy(values).to(dtype)
 
     def validate(self) -> None:
         """Names, shapes and types were checked at open."""

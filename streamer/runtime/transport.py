@@ -285,7 +285,8 @@ class Transport:
         self.master_is_weights = store is not None and \
             store.spec.kind_dtype("master") == compute_dtype != torch.float32
         self.weights_dtype = weights_dtype or compute_dtype
-        if weights_dtype is not None:  # a 4-bit base on disk: its files hold the bytes a load sends, as they are
+        if weights_dtype is not None or (store is not None and store.spec.frozen):
+            # A frozen base on disk (4-bit bytes, or 16-bit weights): its files hold what a load sends, as it is.
             self.master_is_weights = True
         # Host buffers: the device's own where it is the host (cpu), else those a copy to the device goes through
         # when the store has no staging pool.

@@ -14,7 +14,7 @@ from layers import ModelConfig
 from layers.packed_gguf import GGUFBase
 from layers.quant4 import FrozenQuant, Quant4
 from layers.quant_gguf import QuantGGUF
-from memory_model.host import staging_pool_bytes
+from memory_model.host import frozen_staging_bytes, staging_pool_bytes
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
 from memory_model.shapes import PlanConfig, check_chunk_blocks
@@ -186,7 +186,11 @@ class StoreSpec:
 
     def staging_bytes(self) -> int:
         """The bound of the transport's pool of staging buffers (`streamer.runtime.transport.StagingPool`):
-        buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it."""
+        buffers asked for beyond it are plain pageable memory, so pinned staging never exceeds it. A frozen base's
+        holds one buffer of each unit slab's size (`frozen_staging_bytes`)."""
+        if self.frozen:
+            return frozen_staging_bytes(self.kind_bytes("compute", self.stored_numel(layout.numel))
+                                        for layout in self.layouts())
         largest = max(self.stored_numel(UnitLayout.of(self.config, unit, self.quant4()).numel)
                       for unit, _ in self._unit_kinds())
         return staging_pool_bytes(largest, self.chunk, self.placement.loads_read_master(self.compute_is_master))
