@@ -3,7 +3,7 @@ DPOConfig names and checks; and what the objective adds to the head's saved byte
 
 A DPO micro-batch holds its pairs' chosen rows, then their rejected rows: a batch of B pairs is a step of 2B
 rows, priced as any step of 2B rows, plus the one fp32 number per row the loss keeps for its backward
-(layers/preference.py)."""
+(layers/preference.py); with LoRA, plus the reference's forward in the same step (`reference_in_step`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,6 +37,12 @@ class ObjectiveConfig:
     def preference(self) -> bool:
         """Rows come in pairs, chosen then rejected (DPO)."""
         return self.method == "dpo"
+
+    def reference_in_step(self, lora: bool) -> bool:
+        """DPO with LoRA computes its reference, the base with the adapters off, in the step's own forward: each
+        unit loaded once runs for both, and the reference's hidden state is held from the first block's forward
+        to the head's. Full fine-tuning's reference is computed before training (precompute_ref_log_probs)."""
+        return self.preference and lora
 
     def saved_bytes(self, rows: int) -> int:
         """What the loss keeps for its backward beyond the token mean's: DPO's d loss / d each row's log-probability

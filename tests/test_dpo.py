@@ -103,9 +103,8 @@ def _ours(folder: Path, reference: dict[str, Any], loss_type: str, beta: float, 
                           max_grad_norm=0.0, lr=1e-3, **flat)
     out: dict[str, Any] = {}
     with StreamingTrainer.from_pretrained(folder, tc) as trainer:
-        ref = trainer.reference_logps(ids, labels)
         if trainer.adapters is None:
-            out["loss"] = trainer.step(ids, labels, reference=ref)
+            out["loss"] = trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
             out["metrics"], out["grad_norm"] = dict(trainer.metrics), trainer.grad_norm
             return out
         leaves = _set_adapters(trainer, reference["initial"])
@@ -115,7 +114,7 @@ def _ours(folder: Path, reference: dict[str, Any], loss_type: str, beta: float, 
             out["grads"] = {name: t.grad.detach().clone() for name, t in leaves.items()}
             step(lr, clip_coef)
         trainer.adapters.step = recorded
-        out["loss"] = trainer.step(ids, labels, reference=ref)
+        out["loss"] = trainer.step(ids, labels)  # the reference, the base, computed in the step
         out["metrics"] = dict(trainer.metrics)
         out["grad_norm"] = trainer.grad_norm
     return out
@@ -141,6 +140,42 @@ def test_truncated_rows_are_trls_collator(hf_folder: Path) -> None:
     shortest = min(len(p.prompt) for p in pairs)
     kept = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, shortest + 1)
     assert [len(p.prompt) for p in kept] == [shortest] * len(kept)
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_max_length_and_truncation_mode_are_trls(hf_folder: Path, tmp_path: Path, mode: str) -> None:
+    """--max-length and --truncation-mode as TRL's DPOTrainer applies them: the pairs it keeps (keep_start drops
+    one whose prompt fills max_length; keep_end none) and the rows its collator cuts. --max-prompt-length (TRL's
+    before 1.0) under keep_end keeps a prompt's last tokens: TRL's collator over the prompts so cut."""
+    import transformers
+    tokenizer = load_tokenizer(hf_folder)
+    whole = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, 1024)
+    max_length = sorted(len(p.prompt) for p in whole)[2]  # the two longest prompts fill it
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_folder)
+    hf_tokenizer.pad_token = hf_tokenizer.eos_token
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
+                         max_length=max_length, truncation_mode=mode)
+    prepared = trl.DPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(hf_folder), args=args,
+                              processing_class=hf_tokenizer,
+                              train_dataset=datasets.Dataset.from_list(PAIRS)).train_dataset
+    ours = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, max_length, mode)
+    assert [(p.prompt, p.chosen, p.rejected) for p in ours] == [
+        (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) for row in prepared]
+    assert len(ours) == (len(PAIRS) if mode == "keep_end" else 2)
+
+    def collated(pairs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = trl.trainer.dpo_trainer.DataCollatorForPreference(tokenizer.eos_id, max_length, mode)(
+            [{"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected} for p in pairs])
+        return batch["input_ids"], batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    ids, labels = pair_rows(ours, tokenizer.eos_id, max_length, truncation_mode=mode)
+    expected_ids, expected_labels = collated(ours)
+    assert torch.equal(ids, expected_ids) and torch.equal(labels, expected_labels)
+    if mode == "keep_end":
+        cut = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, max_length, mode, max_prompt_length=3)
+        assert [p.prompt for p in cut] == [p.prompt[-3:] for p in whole]
+        ids, labels = pair_rows(cut, tokenizer.eos_id, max_length, truncation_mode=mode)
+        expected_ids, expected_labels = collated([dataclasses.replace(p, prompt=p.prompt[-3:]) for p in whole])
+        assert torch.equal(ids, expected_ids) and torch.equal(labels, expected_labels)
 
 
 CHATS = [{"prompt": [{"role": "user", "content": "What is a list?"}],
@@ -287,8 +322,7 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
                           weight_decay=0.0, grad_accum=2)
     with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
         leaves = _set_adapters(trainer, fp32["initial"])
-        reference = trainer.reference_logps(ids, labels)
-        losses = [trainer.step(ids, labels, reference=reference) for _ in range(3)]
+        losses = [trainer.step(ids, labels) for _ in range(3)]  # each step computing its reference
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
         final = {name.replace(".weight", ".default.weight"): t.detach().clone() for name, t in leaves.items()}
     noise = max(abs(a - b) for a, b in zip(fp32["losses"], fp64["losses"], strict=True))
@@ -301,6 +335,38 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
     weight_noise = max(relative(fp32["final"], name) for name in fp64["final"])
     for name in fp64["final"]:
         assert relative(final, name) <= 2 * weight_noise, name
+
+
+def test_a_lora_step_computes_its_reference_on_the_units_it_loads(hf_folder: Path) -> None:
+    """With LoRA the step's forward runs each unit for the policy and, adapters off, for the reference, on one
+    load: the step loads what a step given its reference loads (the trace's load spans, the schedule's loads), and
+    its reference is the pass before training's (`reference_logps`) bit for bit, its loss too. The same rows in
+    both; only how they group into micro-batches differs (a step's holds pairs, the pass's consecutive rows),
+    which leaves each row's arithmetic as it is on this CPU."""
+    from memory_model.schedule import load_order, step_events
+
+    ids, labels = _rows(hf_folder)
+    tc = TrainerConfig.of(dtype="fp32", method="dpo", lora_rank=4, lora_alpha=8.0, lora_targets=",".join(TARGETS),
+                          lr=1e-3, grad_accum=2, activations="checkpoint")
+    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+        generator = torch.Generator().manual_seed(1)
+        for tensors in trainer.adapters.params.values():
+            for t in tensors.values():
+                t.data.copy_(torch.randn(t.shape, generator=generator) * 0.1)  # adapters that change the model
+        before = trainer.evaluate(ids, labels)
+        assert trainer.evaluate(ids, labels, reference=trainer.reference_logps(ids, labels)) == before
+        reference = trainer.reference_logps(ids, labels)
+        loss = trainer.step(ids, labels)
+        taken = torch.cat([batch.objective.reference for batch in trainer.executor.current.micro_batches])
+        loads = len([s for s in trainer.trace.spans(step=1) if s.phase == "load"])
+        trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
+        given_loads = len([s for s in trainer.trace.spans(step=2) if s.phase == "load"])
+        planned = len(load_order(step_events(trainer.step_spec(2, fused=trainer.last_schedule == "fused")),
+                                 tc.step.prefetch))
+    chosen, rejected = reference.chunk(2)  # the step's micro-batches: each holds two pairs, chosen then rejected
+    assert torch.equal(taken, torch.cat([chosen[:2], rejected[:2], chosen[2:], rejected[2:]]))
+    assert loads == given_loads == planned
+    assert loss == pytest.approx(before, rel=1e-6)
 
 
 def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
@@ -318,9 +384,15 @@ def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
 
 
 def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
-    """A batch of pairs is a step of twice the rows, plus the loss's fp32 number per row (layers/preference.py):
-    planner = ledger to the byte, LoRA or not, resident (the head's saved bytes in the peak) or checkpointed. An
-    evaluation of the pairs before the step gives the step's loss."""
+    """A batch of pairs is a step of twice the rows, plus the loss's fp32 number per row (layers/preference.py)
+    and, with LoRA, the reference's hidden state through the forward (its reference computed in the step):
+    planner = ledger = dry run to the byte, LoRA or not, resident (the head's saved bytes in the peak) or
+    checkpointed. The reference's hidden state never raises the peak: it is freed before the head's forward,
+    which saves an input as large; a block's forward holds it (the ledger's span of the last block's forward: one
+    micro-batch's (4, 48, d) fp32 more than where the step is given its reference). An evaluation of the pairs
+    before the step gives the step's loss."""
+    from streamer.calibration.dryrun import dry_run
+
     cfg = dataclasses.replace(FAMILIES["llama"].example(), max_position_embeddings=64)
     ids = torch.randint(0, cfg.vocab_size, (8, 48), generator=torch.Generator().manual_seed(0))
     labels = ids.masked_fill(torch.arange(48) < 20, IGNORE_INDEX)
@@ -329,16 +401,27 @@ def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
             tc = TrainerConfig.of(dtype="fp32", activations=activations, update_chunk=20_000, lora_rank=lora_rank,
                                   method="dpo", grad_accum=2)
             with StreamingTrainer(cfg, tc) as trainer:
-                reference = trainer.reference_logps(ids, labels)
+                reference = None if lora_rank else trainer.reference_logps(ids, labels)
                 before = trainer.evaluate(ids, labels, reference=reference)
                 # the evaluation runs the step's forward (without autograd): the same loss
                 assert trainer.step(ids, labels, reference=reference) == pytest.approx(before, rel=1e-6)
                 real = trainer.ledger.peak, trainer.ledger.peak_breakdown
             predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 48))
             assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+            dry = dry_run(cfg, tc, 8, 48)
+            assert (dry.peak, dry.peak_breakdown) == real
             if activations == "resident":  # the 4 rows of a micro-batch, 4 bytes each, at the head
                 sft = tc.replace(method="sft").plan_config(8, 48)
                 assert predicted.peak_device_bytes - plan(cfg, device_spec("h100-sxm"), sft).peak_device_bytes == 16
+    tc = TrainerConfig.of(dtype="fp32", activations="checkpoint", lora_rank=4, method="dpo", grad_accum=2)
+    with StreamingTrainer(cfg, tc) as trainer:
+        def last_block(step: int) -> list[int]:
+            return [s.peak_bytes for s in trainer.trace.spans(step) if (s.layer, s.phase) == ("block.1", "forward")]
+        trainer.step(ids, labels)
+        in_step = last_block(1)
+        trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
+        given = last_block(2)
+    assert [a - b for a, b in zip(in_step, given, strict=True)] == [4 * 48 * cfg.hidden_size * 4] * 2
 
 
 def test_bad_dpo_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -451,3 +534,49 @@ def test_a_pair_without_rejected_is_refused_in_one_line(hf_folder: Path, tmp_pat
     line = fails(capsys, *_dpo_argv(hf_folder, data, tmp_path / "run"))
     assert f"{data} line 2 has no 'rejected' field" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_over_max_prompt_length_under_keep_start_is_refused_in_one_line(
+        hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """keep_start cuts no prompt, so one over --max-prompt-length is one line naming the flag and the record; so
+    are a --max-length over --seq and the flags without --method dpo. Nothing is written."""
+    data, run = _pairs_file(tmp_path), tmp_path / "run"
+    line = fails(capsys, *_dpo_argv(hf_folder, data, run, "--max-prompt-length", 4))
+    assert f"{data} line 1: its prompt is" in line and "over --max-prompt-length 4" in line
+    assert "--truncation-mode keep_end" in line
+    line = fails(capsys, *_dpo_argv(hf_folder, data, run, "--max-length", 64))
+    assert "--max-length 64 is over --seq 48" in line
+    line = fails(capsys, "train", "--from-pretrained", hf_folder, "--data", data, "--run-dir", run, "--steps", 1,
+                 "--truncation-mode", "keep_end")
+    assert "--truncation-mode cuts DPO's pairs, read with --method dpo only" in line
+    assert not run.exists()
+
+
+def test_streamer_train_method_dpo_with_lora_computes_each_reference_in_its_step(
+        hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With LoRA there is no pass before step 1 and no RUN/reference.json: each step's forward computes its
+    reference. The run's steps are the Python API's, bit for bit, and its device peak is the plan's, to the byte;
+    the pairs are cut as --max-length and --truncation-mode keep_end say."""
+    from streamer.io.data import BatchStream, DataConfig
+    from streamer.session import pair_dataset, pair_rows_of
+    from tests.test_cli import run_cli
+
+    data, run = _pairs_file(tmp_path), tmp_path / "run"
+    lora = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(TARGETS), "--max-length", 12,
+            "--truncation-mode", "keep_end", "--grad-accum", 2)
+    rc, out, err = run_cli(capsys, *_dpo_argv(hf_folder, data, run, *lora))
+    assert rc == 0, err
+    assert not (run / "reference.json").exists()
+    steps = [r for r in _logged(run) if "loss" in r]
+    cfg = RunDir.open(run).read_config()
+    assert planned_peak(cfg.model_config(), cfg) == max(r["device_peak_bytes"] for r in steps)
+
+    pairs = pair_dataset(str(data), load_tokenizer(hf_folder), 48,
+                         DataConfig(max_length=12, truncation_mode="keep_end"))
+    assert len(pairs) == len(PAIRS) and int((pairs.labels != IGNORE_INDEX).sum(dim=1).min()) > 0
+    stream = BatchStream(pairs, len(PAIRS), 0)
+    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, tmp_path / "store") as trainer:  # the run's store
+        for logged in steps:
+            ids, labels, _, _ = next(stream)
+            loss = trainer.step(pair_rows_of(ids), pair_rows_of(labels))
+            assert loss == logged["loss"] and all(trainer.metrics[k] == logged[k] for k in METRICS)
