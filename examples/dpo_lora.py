@@ -4,9 +4,9 @@
 
 A small random Llama is made with transformers and saved beside a tokenizer trained offline. The pairs
 (prompt, chosen, rejected) are tokenized as TRL's DPOTrainer tokenizes them. The reference is the base with the
-adapters off: its log-probabilities come from forward passes alone (`reference_logps`), computed once before
-training, as TRL's precompute_ref_log_probs (the base is frozen, so they never change). Each step prints TRL's
-metrics: the loss, rewards/accuracies and rewards/margins.
+adapters off: each step computes its log-probabilities in its own forward, each unit loaded once running for the
+policy and, adapters off, for the reference. Each step prints TRL's metrics: the loss, rewards/accuracies and
+rewards/margins.
 """
 from __future__ import annotations
 
@@ -55,9 +55,8 @@ def train(folder: Path, args: argparse.Namespace) -> None:
     tc = TrainerConfig.of(method="dpo", beta=args.beta, loss_type=args.loss_type, lora_rank=8, lr=5e-3,
                           dtype="fp32", grad_accum=2)
     with StreamingTrainer.from_pretrained(folder / "hf", tc) as trainer:
-        reference = trainer.reference_logps(ids, labels)
         for step in range(1, args.steps + 1):
-            loss = trainer.step(ids, labels, reference=reference)
+            loss = trainer.step(ids, labels)  # the reference, the base, computed in the step
             print(f"step {step}: loss {loss:.4f}, rewards/accuracies {trainer.metrics['rewards/accuracies']:.2f}, "
                   f"rewards/margins {trainer.metrics['rewards/margins']:.4f}")
 

@@ -46,6 +46,9 @@ class Objective(ABC):
     the log-probabilities are taken from (GRPO's sampling temperature, as TRL scores completions)."""
 
     temperature: float = 1.0
+    # The step computes the reference model's log-probabilities in its own forward and hands them to
+    # `take_reference` before `forward`: LoRA's base with the adapters off, each unit loaded once serving both.
+    reference_in_step: bool = False
 
     @abstractmethod
     def forward(self, token_logps: torch.Tensor, learned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -65,6 +68,25 @@ class Objective(ABC):
     def metrics(self) -> dict[str, torch.Tensor]:
         """What the last `forward` measured beside the loss, each summed over its micro-batch (none here)."""
         return {}
+
+    def take_reference(self, token_logps: torch.Tensor, learned: torch.Tensor) -> None:
+        """The reference model's token_logps (as `forward` takes them), where `reference_in_step`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference computed in the step")
+
+
+class ReferenceOf(Objective):
+    """A reference model's pass over the head for `target`, whose `reference_in_step` says the step computes its
+    reference: hands the reference's log-probabilities to it (no gradient: the loss is their sum)."""
+
+    def __init__(self, target: Objective) -> None:
+        self.target, self.temperature = target, target.temperature
+
+    def forward(self, token_logps: torch.Tensor, learned: torch.Tensor) -> tuple[torch.Tensor, None]:
+        self.target.take_reference(token_logps, learned)
+        return token_logps.sum(), None
+
+    def scale(self, saved: torch.Tensor | None, learned: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+        return -learned.float() * grad_loss.float()
 
 
 class TokenMean(Objective):

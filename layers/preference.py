@@ -48,11 +48,18 @@ def pair_loss(loss: PreferenceLoss, delta: torch.Tensor, avg_delta: torch.Tensor
 class DPOObjective(Objective):
     """One micro-batch's DPO loss: its pairs' summed loss over `pairs`, the step's pairs (over its micro-batches
     and processes), so that the step's loss is their mean. `reference` (rows,): the reference model's
-    log-probability of each row; `lengths` (rows,): each row's completion tokens (ipo averages over them)."""
+    log-probability of each row, or None where the step computes it in its own forward (`reference_in_step`);
+    `lengths` (rows,): each row's completion tokens (ipo averages over them)."""
 
-    def __init__(self, loss: PreferenceLoss, reference: torch.Tensor, lengths: torch.Tensor, pairs: float) -> None:
-        self.loss, self.reference, self.lengths, self.pairs = loss, reference.float(), lengths.float(), pairs
+    def __init__(self, loss: PreferenceLoss, reference: torch.Tensor | None, lengths: torch.Tensor,
+                 pairs: float) -> None:
+        self.reference = None if reference is None else reference.float()
+        self.reference_in_step = reference is None
+        self.loss, self.lengths, self.pairs = loss, lengths.float(), pairs
         self._metrics: dict[str, torch.Tensor] = {}
+
+    def take_reference(self, token_logps: torch.Tensor, learned: torch.Tensor) -> None:
+        self.reference = token_logps.sum(dim=1)  # as `forward` sums the policy's
 
     @staticmethod
     def saved_bytes(rows: int) -> int:
@@ -61,6 +68,7 @@ class DPOObjective(Objective):
     def forward(self, token_logps: torch.Tensor, learned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logps = token_logps.sum(dim=1)  # (rows,), as TRL sums its per-token log-probabilities
         chosen, rejected = logps.chunk(2)
+        assert self.reference is not None  # given, or taken in the step's forward before this
         ref_chosen, ref_rejected = self.reference.chunk(2)
         chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
         length = self.lengths.clamp(min=1.0)

@@ -4,7 +4,8 @@ bytes (torch-free).
 
 A DPO micro-batch holds its pairs' chosen rows, then their rejected rows: a batch of B pairs is a step of 2B
 rows, priced as any step of 2B rows, plus the one fp32 number per row the loss keeps for its backward
-(layers/preference.py). A GRPO step's rows are its completions (--batch counts them, as TRL's per-device batch),
+(layers/preference.py); with LoRA, plus the reference's forward in the same step (`reference_in_step`). A GRPO
+step's rows are its completions (--batch counts them, as TRL's per-device batch),
 each with its prompt; its loss keeps one fp32 number per position (layers/grpo.py).
 
 `beta` and `loss_type` are both methods' (TRL's names): the fields' defaults are DPO's, and `with_method_defaults`
@@ -105,6 +106,12 @@ class ObjectiveConfig:
             raise SettingError("reward_weights", f"gives {len(weights)} weights for {len(self.reward_specs())} "
                                                  "--reward-funcs; give one per function")
         return weights
+
+    def reference_in_step(self, lora: bool) -> bool:
+        """DPO with LoRA computes its reference, the base with the adapters off, in the step's own forward: each
+        unit loaded once runs for both, and the reference's hidden state is held from the first block's forward
+        to the head's. Full fine-tuning's reference is computed before training (precompute_ref_log_probs)."""
+        return self.preference and lora
 
     def saved_bytes(self, rows: int, seq: int) -> int:
         """What the loss keeps for its backward beyond the token mean's, for `rows` rows of `seq` tokens: DPO's

@@ -333,6 +333,8 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
             if event.phase == "forward":
                 held[event.unit] = kept
                 at["workspace"] += dequantized
+                if cfg.reference_in_step and event.unit.startswith("block."):  # the reference's hidden state
+                    at["activations"] += block_input_numel(shape, batch, seq) * es
             at["activations"] += sum(held.values()) + (recompute if event.phase == "backward" else 0)
             if event.phase == "forward" and event.stash is not None:  # on its way to the host
                 _add(at, resource_charges(event.stash, block_input_numel(shape, batch, seq), es, cfg.step.update_on))

@@ -95,6 +95,11 @@ class PlanConfig:
         return -(-self.devices // self.ranks_per_node)
 
     @property
+    def reference_in_step(self) -> bool:
+        """The step's forward runs the reference model too (ObjectiveConfig.reference_in_step: DPO with LoRA)."""
+        return self.objective.reference_in_step(self.lora.enabled)
+
+    @property
     def micro_batch(self) -> int:
         """Sequences in one micro-batch on one device."""
         return self.batch // (self.step.grad_accum * self.devices)

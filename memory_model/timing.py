@@ -234,8 +234,8 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
     else:
         forward = (matmuls - attention) / rate + costs.forward_s(shape, unit, cfg.micro_batch, cfg.seq)
         backward = passes * (matmuls - attention) / rate + costs.backward_s(shape, unit, cfg.micro_batch, cfg.seq)
-    if event.phase == "forward":
-        return forward
+    if event.phase == "forward":  # (DPO with LoRA: the reference's forward too, on the same weights)
+        return forward * (2 if cfg.reference_in_step and unit != "embed" else 1)
     recompute = forward if cfg.step.recomputes and unit.startswith("block.") else 0.0
     return backward + recompute
 

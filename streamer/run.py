@@ -263,7 +263,8 @@ FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir
          "top_p", "epsilon", "num_iterations", "reward_funcs", "reward_weights",
          "trace_steps", "trace_every", "dtype", "device", "budget", "price_on", "set", "pin_memory", "store",
          "activations", "update_on", "prefetch", "update_chunk", "update_timing", "clipped_steps", "data_parallel",
-         "expert_group_size", "seed", "pack", "long_examples", "eval_fraction", "eval_data", "chat_template",
+         "expert_group_size", "seed", "pack", "long_examples", "max_length", "truncation_mode",
+         "max_prompt_length", "eval_fraction", "eval_data", "chat_template",
          "eval_every", "eval_batches", "save_every", "keep_last", "keep_best", "sample_prompt", "sample_tokens",
          "report_to", "log_every", "dist_timeout")
 DEFAULTS = RunConfig()

@@ -36,7 +36,7 @@ from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.generate import Sampling, complete
 from streamer.grpo import GRPOLoop, GRPOSettings, frozen_reference
-from streamer.io.data import (BatchStream, Dataset, chat_prompt, demo_corpus, load_dataset,
+from streamer.io.data import (BatchStream, DataConfig, Dataset, chat_prompt, demo_corpus, load_dataset,
                               long_examples_line, prompt_of, read_examples, tokenize)
 from streamer.io.preference import pair_rows, tokenize_pairs
 from streamer.io.records import Pair, read_pairs, read_prompts
@@ -347,9 +347,11 @@ class Session:
             pairs += usable
         return total / pairs, {name: value / pairs for name, value in sums.items()}
 
-    def reference_of(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def reference_of(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The reference log-probabilities of a batch of pair rows (`pair_dataset`'s): every chosen row's, then
-        every rejected row's, as `StreamingTrainer.step` takes them."""
+        every rejected row's, as `StreamingTrainer.step` takes them; None where the step computes them (LoRA)."""
+        if not _precomputes_reference(self.cfg):
+            return None
         found = torch.stack([self.references[row_key(i, lab)]  # (pairs, 2)
                              for i, lab in zip(ids, labels, strict=True)])
         return torch.cat([found[:, 0], found[:, 1]])
@@ -429,19 +431,31 @@ def steps_to_keep(losses: dict[int, float | None], last: int | None, best: bool)
 
 
 # --- preference pairs (--method dpo) ------------------------------------------------------------------------
-def pair_dataset(path: str, tokenizer: Tokenizer, seq: int) -> Dataset:
+def pair_dataset(path: str, tokenizer: Tokenizer, seq: int, data: DataConfig | None = None) -> Dataset:
     """TRL-format preference pairs (prompt/chosen/rejected, conversational, or an implicit prompt) as a Dataset of
     one row per pair: its chosen row and its rejected row side by side, (pairs, 2 x seq), each as TRL's collator
-    makes it (`streamer.io.preference`), padded to --seq. So BatchStream orders, splits and resumes pairs as it
-    does sequences; `pair_rows_of` makes a batch of them the trainer's rows. A pair whose prompt fills --seq is
-    dropped, as TRL drops it."""
+    makes it (`streamer.io.preference`: cut to --max-length, default --seq, as --truncation-mode says; a prompt
+    over --max-prompt-length), padded to --seq. So BatchStream orders, splits and resumes pairs as it does
+    sequences; `pair_rows_of` makes a batch of them the trainer's rows. Under keep_start a pair whose prompt fills
+    --max-length is dropped, as TRL drops it."""
+    data = data or DataConfig()
+    max_length = data.max_length or seq
     pairs = read_pairs(path)
-    tokenized = tokenize_pairs(pairs, tokenizer, seq)
+    tokenized = tokenize_pairs(pairs, tokenizer, max_length, data.truncation_mode, data.max_prompt_length)
     if not tokenized:
-        raise RunError(f"every pair's prompt in {path} fills --seq {seq} tokens, leaving no completion; raise --seq")
-    ids, labels = pair_rows(tokenized, tokenizer.eos_id, seq, seq)
+        raise RunError(f"every pair's prompt in {path} fills --max-length {max_length} tokens, leaving no "
+                       "completion; raise --max-length (and --seq), or cut prompts with --truncation-mode keep_end")
+    ids, labels = pair_rows(tokenized, tokenizer.eos_id, max_length, seq, data.truncation_mode)
     return Dataset(torch.cat(ids.chunk(2), dim=1), torch.cat(labels.chunk(2), dim=1),
                    dropped=len(pairs) - len(tokenized))
+
+
+def _precomputes_reference(cfg: RunConfig) -> bool:
+    """--method dpo with full fine-tuning: the reference log-probabilities come from one pass before step 1, kept
+    in the run folder (TRL's precompute_ref_log_probs). With LoRA each step computes its own on the units it loads
+    (ObjectiveConfig.reference_in_step)."""
+    objective = cfg.trainer.objective
+    return objective.preference and not objective.reference_in_step(cfg.trainer.lora.enabled)
 
 
 def pair_rows_of(rows: torch.Tensor) -> torch.Tensor:
@@ -582,7 +596,7 @@ def start(cfg: RunConfig, listener: Listener | None = None, store_line: str | No
             # before its first --save-every save resumes from.
             _together(parallel, trainer.save)
         reference = None
-        if cfg.trainer.objective.preference:  # before step 1, and kept: a killed run resumes with the same ones
+        if _precomputes_reference(cfg):  # before step 1, and kept: a killed run resumes with the same ones
             events("phase", "the reference's log-probabilities")
             reference = {name: reference_pass(trainer, data, cfg.batch).tolist()
                          for name, data in (("train", train_set), ("held_out", held_out)) if data is not None}
@@ -618,6 +632,15 @@ def check_startable(cfg: RunConfig) -> None:
         raise RunError("--method dpo reads one pair a row; drop --pack")
     if cfg.trainer.objective.grpo:
         _check_grpo(cfg)
+    data = cfg.data
+    if cfg.trainer.objective.preference and (data.max_length or 0) > cfg.seq:
+        raise RunError(f"--max-length {data.max_length} is over --seq {cfg.seq}, the length every row is padded "
+                       "to; lower --max-length or raise --seq")
+    dpo_only = [f for f, given in (("--max-length", data.max_length is not None),
+                                   ("--truncation-mode", data.truncation_mode != "keep_start"),
+                                   ("--max-prompt-length", data.max_prompt_length is not None)) if given]
+    if dpo_only and not cfg.trainer.objective.preference:
+        raise RunError(f"{dpo_only[0]} cuts DPO's pairs, read with --method dpo only; drop it (--seq cuts examples)")
     cfg.report.check_installed()
 
 
@@ -746,8 +769,9 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
 def _references(cfg: RunConfig, run: RunDir, train_set: Dataset, held_out: Dataset | None,
                 kept: dict[str, Any] | None = None) -> dict[bytes, torch.Tensor]:
     """--method dpo: each pair row's reference log-probabilities, `kept` (a new run's, which every process
-    computed) or as the run folder keeps them, by the row's tokens (`Session.reference_of`); none for sft."""
-    if not cfg.trainer.objective.preference:
+    computed) or as the run folder keeps them, by the row's tokens (`Session.reference_of`); none for sft, nor
+    for LoRA, whose steps compute their reference themselves."""
+    if not _precomputes_reference(cfg):
         return {}
     kept = run.read_reference() if kept is None else kept
     found: dict[bytes, torch.Tensor] = {}
@@ -909,7 +933,7 @@ def _dataset(cfg: RunConfig, tokenizer: Tokenizer, path: str | None = None) -> D
     if path is None:
         return tokenize(demo_corpus(), tokenizer, cfg.seq)
     if cfg.trainer.objective.preference:
-        return pair_dataset(path, tokenizer, cfg.seq)
+        return pair_dataset(path, tokenizer, cfg.seq, data)
     if cfg.trainer.objective.grpo:  # nothing but the prompts: the rows are sampled in the loop (`_grpo_loop`)
         return prompt_dataset(path, tokenizer, cfg.seq)
     return load_dataset(path, tokenizer, cfg.seq, pack=data.pack, long_examples=data.long_examples)

@@ -194,13 +194,15 @@ class StreamingTrainer:
         pieces = [[None] * self.tc.step.grad_accum if t is None else
                   [p.to(device, copy=True) for p in t.chunk(self.tc.step.grad_accum)] for t in rows]
         micro = [MicroBatch(*piece) for piece in zip(*pieces, strict=True)]
-        if reference is not None:
+        if self.tc.objective.preference:
             pairs = input_ids.shape[0] // 2  # this process's share of the step's pairs
-            if self.data_parallel is not None:
+            if reference is not None and self.data_parallel is not None:
                 reference = self.data_parallel.shard(reference)
-            for batch, ref in zip(micro, reference.chunk(self.tc.step.grad_accum), strict=True):
+            refs = [None] * len(micro) if reference is None else reference.chunk(self.tc.step.grad_accum)
+            for batch, ref in zip(micro, refs, strict=True):
                 lengths = (batch.labels != IGNORE_INDEX).sum(dim=1)
-                batch.objective = DPOObjective(self.tc.objective, ref.to(device), lengths, float(pairs))
+                batch.objective = DPOObjective(self.tc.objective, None if ref is None else ref.to(device), lengths,
+                                               float(pairs))
         if objectives is not None:
             if len(objectives) != len(micro) or self.data_parallel is not None:
                 raise StreamerError(f"step takes one objective per micro-batch of one process ({len(micro)}, "
@@ -211,14 +213,15 @@ class StreamingTrainer:
 
     def _pair_blocks(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
                      attention_mask: torch.Tensor | None, reference: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """DPO's rows, chosen then rejected (TRL's order), laid out so that every micro-batch of every process
-        holds whole pairs: one block of chosen rows then their rejected rows per micro-batch."""
+        holds whole pairs: one block of chosen rows then their rejected rows per micro-batch. With LoRA a missing
+        `reference` is computed in the step's own forward (the base with the adapters off)."""
         if positions is not None:
             raise StreamerError("DPO takes rows of one pair each, not packed rows; drop --pack")
         rows = input_ids.shape[0]
         blocks = self.tc.step.grad_accum * self.processes
-        if reference is None or reference.shape != (rows,):
+        if (reference is None and self.adapters is None) or (reference is not None and reference.shape != (rows,)):
             raise StreamerError(f"DPO needs the reference log-probability of each of the {rows} rows "
                                 "(StreamingTrainer.reference_logps); got "
                                 f"{None if reference is None else tuple(reference.shape)}")
@@ -231,7 +234,7 @@ class StreamingTrainer:
             pairs = zip(chosen.chunk(blocks), rejected.chunk(blocks), strict=True)
             return torch.cat([part for pair in pairs for part in pair])
         return (blocked(input_ids), blocked(labels), None if attention_mask is None else blocked(attention_mask),
-                blocked(reference))
+                None if reference is None else blocked(reference))
 
     def reference_logps(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Each row's log-probability of its learned tokens (labels not -100, shifted) under the reference model,
@@ -267,9 +270,10 @@ class StreamingTrainer:
         (batch, seq): transformers', False on the padding after a row's examples (Dataset.attention_mask), which
         a mixture's load-balancing loss leaves out; None: no padding.
         With --method dpo the rows are pairs, every chosen row then every rejected row (TRL's order), labels -100
-        but on the completion, `reference` each row's `reference_logps`; it returns the pairs' mean DPO loss, and
-        `metrics` TRL's logged metrics of the step. `objectives`: each micro-batch's loss (the rows split in
-        grad_accum parts, in order; one process), in place of the method's (GRPO's, streamer.grpo)."""
+        but on the completion, `reference` each row's `reference_logps` (with LoRA it may be None: the step's own
+        forward computes it, each unit loaded once for the policy and the reference); it returns the pairs' mean
+        DPO loss, and `metrics` TRL's logged metrics of the step. `objectives`: each micro-batch's loss (the rows
+        split in grad_accum parts, in order; one process), in place of the method's (GRPO's, streamer.grpo)."""
         micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference, objectives)
         if self.store is not None:
             self.persistence.writable().check_consistent()  # an update stopped part-way in this process: reopen it

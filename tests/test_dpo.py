@@ -1,8 +1,10 @@
 """DPO on the streamed step against TRL's DPOTrainer (the reference, test-only): the same tiny Llama that
 transformers wrote, the same pairs, tokenized and collated as TRL does it. One step: the loss, every LoRA gradient
 and TRL's logged metrics, within twice TRL's own fp32 noise (TRL in float32 against TRL in float64); three steps
-with accumulation and clipping against TRL with AdamW; the planner equal to the ledger for a DPO step; pairs read
-as TRL reads them; bad input as one line."""
+with accumulation and clipping against TRL with AdamW, LoRA and full fine-tuning; two data-parallel ranks against
+one process; LoRA's reference computed in the step, on the units it loads; the planner equal to the ledger and
+the dry run for a DPO step; pairs read, tokenized and cut (max_length, truncation_mode) as TRL does it; bad input
+as one line."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,11 +56,11 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _trl(folder: Path, dtype: torch.dtype, loss_type: str, beta: float, label_smoothing: float = 0.0,
-         lora: bool = True, **config: Any) -> dict[str, Any]:
+         lora: bool = True, attention: str = "eager", **config: Any) -> dict[str, Any]:
     """One DPOTrainer step over PAIRS as one batch: its loss, gradients (by PEFT key), metrics, the batch its
     collator made and the adapters it started from."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     tokenizer.pad_token = tokenizer.eos_token
     peft_config = None
@@ -103,9 +105,8 @@ def _ours(folder: Path, reference: dict[str, Any], loss_type: str, beta: float, 
                           max_grad_norm=0.0, lr=1e-3, **flat)
     out: dict[str, Any] = {}
     with StreamingTrainer.from_pretrained(folder, tc) as trainer:
-        ref = trainer.reference_logps(ids, labels)
         if trainer.adapters is None:
-            out["loss"] = trainer.step(ids, labels, reference=ref)
+            out["loss"] = trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
             out["metrics"], out["grad_norm"] = dict(trainer.metrics), trainer.grad_norm
             return out
         leaves = _set_adapters(trainer, reference["initial"])
@@ -115,7 +116,7 @@ def _ours(folder: Path, reference: dict[str, Any], loss_type: str, beta: float, 
             out["grads"] = {name: t.grad.detach().clone() for name, t in leaves.items()}
             step(lr, clip_coef)
         trainer.adapters.step = recorded
-        out["loss"] = trainer.step(ids, labels, reference=ref)
+        out["loss"] = trainer.step(ids, labels)  # the reference, the base, computed in the step
         out["metrics"] = dict(trainer.metrics)
         out["grad_norm"] = trainer.grad_norm
     return out
@@ -143,6 +144,42 @@ def test_truncated_rows_are_trls_collator(hf_folder: Path) -> None:
     assert [len(p.prompt) for p in kept] == [shortest] * len(kept)
 
 
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_max_length_and_truncation_mode_are_trls(hf_folder: Path, tmp_path: Path, mode: str) -> None:
+    """--max-length and --truncation-mode as TRL's DPOTrainer applies them: the pairs it keeps (keep_start drops
+    one whose prompt fills max_length; keep_end none) and the rows its collator cuts. --max-prompt-length (TRL's
+    before 1.0) under keep_end keeps a prompt's last tokens: TRL's collator over the prompts so cut."""
+    import transformers
+    tokenizer = load_tokenizer(hf_folder)
+    whole = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, 1024)
+    max_length = sorted(len(p.prompt) for p in whole)[2]  # the two longest prompts fill it
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_folder)
+    hf_tokenizer.pad_token = hf_tokenizer.eos_token
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
+                         max_length=max_length, truncation_mode=mode)
+    prepared = trl.DPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(hf_folder), args=args,
+                              processing_class=hf_tokenizer,
+                              train_dataset=datasets.Dataset.from_list(PAIRS)).train_dataset
+    ours = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, max_length, mode)
+    assert [(p.prompt, p.chosen, p.rejected) for p in ours] == [
+        (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) for row in prepared]
+    assert len(ours) == (len(PAIRS) if mode == "keep_end" else 2)
+
+    def collated(pairs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = trl.trainer.dpo_trainer.DataCollatorForPreference(tokenizer.eos_id, max_length, mode)(
+            [{"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected} for p in pairs])
+        return batch["input_ids"], batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    ids, labels = pair_rows(ours, tokenizer.eos_id, max_length, truncation_mode=mode)
+    expected_ids, expected_labels = collated(ours)
+    assert torch.equal(ids, expected_ids) and torch.equal(labels, expected_labels)
+    if mode == "keep_end":
+        cut = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, max_length, mode, max_prompt_length=3)
+        assert [p.prompt for p in cut] == [p.prompt[-3:] for p in whole]
+        ids, labels = pair_rows(cut, tokenizer.eos_id, max_length, truncation_mode=mode)
+        expected_ids, expected_labels = collated([dataclasses.replace(p, prompt=p.prompt[-3:]) for p in whole])
+        assert torch.equal(ids, expected_ids) and torch.equal(labels, expected_labels)
+
+
 CHATS = [{"prompt": [{"role": "user", "content": "What is a list?"}],
           "chosen": [{"role": "assistant", "content": "An ordered sequence."}],
           "rejected": [{"role": "assistant", "content": "A fish."}]},
@@ -151,21 +188,39 @@ CHATS = [{"prompt": [{"role": "user", "content": "What is a list?"}],
           "rejected": [{"role": "assistant", "content": "No."}]}]
 
 
-def test_conversational_pairs_tokenize_as_trls(tmp_path: Path) -> None:
+def _implicit(record: dict[str, Any]) -> dict[str, Any]:
+    """A pair with its prompt folded into both completions: TRL's implicit-prompt format."""
+    return {"chosen": record["prompt"] + record["chosen"], "rejected": record["prompt"] + record["rejected"]}
+
+
+@pytest.mark.parametrize("implicit", [False, True], ids=["explicit", "implicit"])
+def test_conversational_pairs_tokenize_as_trls(tmp_path: Path, implicit: bool) -> None:
     """Conversational pairs rendered by the tokenizer's chat template (Llama 3's, which adds its own BOS): the
-    prompt, chosen and rejected ids TRL's DPOTrainer prepares."""
-    import transformers
+    prompt, chosen and rejected ids TRL's DPOTrainer prepares, the prompt given or implicit (taken out of both
+    conversations)."""
+    records = [_implicit(c) for c in CHATS] if implicit else CHATS
     folder = tmp_path / "hf"
     hf_model(CFG).save_pretrained(folder)
     write_tokenizer(folder, "llama3")
+    _assert_tokenized_as_trls(folder, tmp_path, records)
+
+
+def test_implicit_prompt_text_pairs_tokenize_as_trls(hf_folder: Path, tmp_path: Path) -> None:
+    """Plain-text pairs without a prompt (TRL's implicit prompt, the two texts' common start): the ids TRL's
+    DPOTrainer prepares."""
+    _assert_tokenized_as_trls(hf_folder, tmp_path, [_implicit(pair) for pair in PAIRS])
+
+
+def _assert_tokenized_as_trls(folder: Path, tmp_path: Path, records: list[dict[str, Any]]) -> None:
+    import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     tokenizer.pad_token = tokenizer.eos_token
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     prepared = trl.DPOTrainer(model=model, args=args, processing_class=tokenizer,
-                              train_dataset=datasets.Dataset.from_list(CHATS)).train_dataset
-    path = tmp_path / "chats.jsonl"
-    path.write_text("\n".join(json.dumps(c) for c in CHATS))
+                              train_dataset=datasets.Dataset.from_list(records)).train_dataset
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
     ours = tokenize_pairs(read_pairs(path), load_tokenizer(folder), 1024)
     assert [(p.prompt, p.chosen, p.rejected) for p in ours] == [
         (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) for row in prepared]
@@ -287,8 +342,7 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
                           weight_decay=0.0, grad_accum=2)
     with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
         leaves = _set_adapters(trainer, fp32["initial"])
-        reference = trainer.reference_logps(ids, labels)
-        losses = [trainer.step(ids, labels, reference=reference) for _ in range(3)]
+        losses = [trainer.step(ids, labels) for _ in range(3)]  # each step computing its reference
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
         final = {name.replace(".weight", ".default.weight"): t.detach().clone() for name, t in leaves.items()}
     noise = max(abs(a - b) for a, b in zip(fp32["losses"], fp64["losses"], strict=True))
@@ -301,6 +355,123 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
     weight_noise = max(relative(fp32["final"], name) for name in fp64["final"])
     for name in fp64["final"]:
         assert relative(final, name) <= 2 * weight_noise, name
+
+
+def test_three_full_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(hf_folder: Path) -> None:
+    """Full fine-tuning: three steps of two micro-batches of two pairs each, clipped, the reference from a pass
+    before step 1, against TRL (whose reference is a copy of the model before step 1) with torch's AdamW: each
+    step's loss, and the weights' change over the three steps (the norm of its error over the weights, relative to
+    the change's norm), within twice TRL's own fp32 noise: the larger of its eager and sdpa fp32 runs' differences
+    from its float64 run (measured 6.7e-6 and 1.1e-5; ours 1.2e-5). One norm over the model, not one per tensor,
+    and the key biases left out: their exact gradient is 0 (softmax ignores a shift common to a row's scores), so
+    AdamW's normalisation turns rounding alone into their move."""
+    config = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
+              "max_grad_norm": 0.05, "lr_scheduler_type": "constant", "weight_decay": 0.0}
+    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False, **config)
+    sdpa = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False, attention="sdpa", **config)
+    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, lora=False, **config)
+    ids, labels = _rows(hf_folder)
+    tc = TrainerConfig.of(dtype="fp32", method="dpo", beta=0.1, max_grad_norm=0.05, lr=1e-3, betas=(0.9, 0.999),
+                          weight_decay=0.0, grad_accum=2)
+    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+        reference = trainer.reference_logps(ids, labels)
+        losses = [trainer.step(ids, labels, reference=reference) for _ in range(3)]
+        assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
+        final = trainer.state_dict()
+    noise = max(abs(a - b) for run in (fp32, sdpa) for a, b in zip(run["losses"], fp64["losses"], strict=True))
+    assert len(fp64["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses, fp64["losses"], strict=True)) <= 2 * noise
+
+    trained = [k for k in fp64["final"] if not k.endswith("k_proj.bias")]
+
+    def relative(weights: dict[str, torch.Tensor]) -> float:
+        exact = torch.cat([(fp64["final"][k] - fp64["initial"][k]).flatten() for k in trained])
+        error = torch.cat([(weights[k].double() - fp32["initial"][k].double()).flatten() for k in trained])
+        return (torch.linalg.vector_norm(error - exact) / torch.linalg.vector_norm(exact)).item()
+    assert relative(final) <= 2 * max(relative(fp32["final"]), relative(sdpa["final"]))
+
+
+def _dpo_rank(rank: int, world: int, port: int, folder: str, out: str, flat: dict[str, Any]) -> None:
+    """One data-parallel process: three DPO steps over every pair, this process's share of each."""
+    import os
+
+    from streamer.runtime.distributed import leave_process_group
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    result = _dpo_steps(Path(folder), TrainerConfig.of(**flat), Path(out).parent / "run")
+    torch.save(result, f"{out}.{rank}")
+    leave_process_group()
+
+
+def _dpo_steps(folder: Path, tc: TrainerConfig, store: Path) -> dict[str, Any]:
+    ids, labels = _rows(folder)
+    with StreamingTrainer.from_pretrained(folder, tc, store) as trainer:
+        reference = None if trainer.adapters is not None else trainer.reference_logps(ids, labels)
+        losses, metrics = [], []
+        for _ in range(3):
+            losses.append(trainer.step(ids, labels, reference=reference))
+            metrics.append(dict(trainer.metrics))
+        return {"losses": losses, "metrics": metrics, "state": trainer.state_dict(), "norm": trainer.grad_norm}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_two_data_parallel_ranks_train_dpo_as_one_process(hf_folder: Path, tmp_path: Path, lora_rank: int) -> None:
+    """Two gloo processes, each with two micro-batches of one pair, against one process with four: three clipped
+    steps, full fine-tuning (the reference from the pass before step 1, each rank's rows gathered) and LoRA (the
+    reference in each step). The losses and TRL's metrics agree to fp32 rounding of the all-reduce's order
+    (measured at most 1.6e-7 apart, 5.1e-7 relative), the weights after step 3 too (measured 5.6e-6 full, 6e-8
+    LoRA); both ranks hold the same weights, bit for bit."""
+    import torch.multiprocessing as mp
+
+    from tests.test_distributed import _free_port
+    flat: dict[str, Any] = {"dtype": "fp32", "method": "dpo", "lr": 1e-3, "max_grad_norm": 0.05, "grad_accum": 2,
+                            "lora_rank": lora_rank, "lora_targets": ",".join(TARGETS) if lora_rank else ""}
+    out = str(tmp_path / "result")
+    mp.spawn(_dpo_rank, args=(2, _free_port(), str(hf_folder), out, flat), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    one = _dpo_steps(hf_folder, TrainerConfig.of(**{**flat, "grad_accum": 4}), tmp_path / "one")
+    assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in one["state"])
+    assert one["norm"] > 0.05  # clipped
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(one["losses"], abs=1e-6)
+        for ours, theirs in zip(rank["metrics"], one["metrics"], strict=True):
+            assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)
+    # A hundredth of the most three AdamW steps move a weight (3 x lr): AdamW's normalisation turns the all-reduce's
+    # rounding of a gradient entry near 0 into a move of up to lr.
+    assert max((ranks[0]["state"][k] - one["state"][k]).abs().max().item() for k in one["state"]) <= 0.01 * 3e-3
+
+
+def test_a_lora_step_computes_its_reference_on_the_units_it_loads(hf_folder: Path) -> None:
+    """With LoRA the step's forward runs each unit for the policy and, adapters off, for the reference, on one
+    load: the step loads what a step given its reference loads (the trace's load spans, the schedule's loads), and
+    its reference is the pass before training's (`reference_logps`) bit for bit, its loss too. The same rows in
+    both; only how they group into micro-batches differs (a step's holds pairs, the pass's consecutive rows),
+    which leaves each row's arithmetic as it is on this CPU."""
+    from memory_model.schedule import load_order, step_events
+
+    ids, labels = _rows(hf_folder)
+    tc = TrainerConfig.of(dtype="fp32", method="dpo", lora_rank=4, lora_alpha=8.0, lora_targets=",".join(TARGETS),
+                          lr=1e-3, grad_accum=2, activations="checkpoint")
+    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+        generator = torch.Generator().manual_seed(1)
+        for tensors in trainer.adapters.params.values():
+            for t in tensors.values():
+                t.data.copy_(torch.randn(t.shape, generator=generator) * 0.1)  # adapters that change the model
+        before = trainer.evaluate(ids, labels)
+        assert trainer.evaluate(ids, labels, reference=trainer.reference_logps(ids, labels)) == before
+        reference = trainer.reference_logps(ids, labels)
+        loss = trainer.step(ids, labels)
+        taken = torch.cat([batch.objective.reference for batch in trainer.executor.current.micro_batches])
+        loads = len([s for s in trainer.trace.spans(step=1) if s.phase == "load"])
+        trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
+        given_loads = len([s for s in trainer.trace.spans(step=2) if s.phase == "load"])
+        planned = len(load_order(step_events(trainer.step_spec(2, fused=trainer.last_schedule == "fused")),
+                                 tc.step.prefetch))
+    chosen, rejected = reference.chunk(2)  # the step's micro-batches: each holds two pairs, chosen then rejected
+    assert torch.equal(taken, torch.cat([chosen[:2], rejected[:2], chosen[2:], rejected[2:]]))
+    assert loads == given_loads == planned
+    assert loss == pytest.approx(before, rel=1e-6)
 
 
 def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
@@ -318,9 +489,15 @@ def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
 
 
 def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
-    """A batch of pairs is a step of twice the rows, plus the loss's fp32 number per row (layers/preference.py):
-    planner = ledger to the byte, LoRA or not, resident (the head's saved bytes in the peak) or checkpointed. An
-    evaluation of the pairs before the step gives the step's loss."""
+    """A batch of pairs is a step of twice the rows, plus the loss's fp32 number per row (layers/preference.py)
+    and, with LoRA, the reference's hidden state through the forward (its reference computed in the step):
+    planner = ledger = dry run to the byte, LoRA or not, resident (the head's saved bytes in the peak) or
+    checkpointed. The reference's hidden state never raises the peak: it is freed before the head's forward,
+    which saves an input as large; a block's forward holds it (the ledger's span of the last block's forward: one
+    micro-batch's (4, 48, d) fp32 more than where the step is given its reference). An evaluation of the pairs
+    before the step gives the step's loss."""
+    from streamer.calibration.dryrun import dry_run
+
     cfg = dataclasses.replace(FAMILIES["llama"].example(), max_position_embeddings=64)
     ids = torch.randint(0, cfg.vocab_size, (8, 48), generator=torch.Generator().manual_seed(0))
     labels = ids.masked_fill(torch.arange(48) < 20, IGNORE_INDEX)
@@ -329,16 +506,27 @@ def test_the_planner_prices_a_dpo_step_as_the_ledger_charges_it() -> None:
             tc = TrainerConfig.of(dtype="fp32", activations=activations, update_chunk=20_000, lora_rank=lora_rank,
                                   method="dpo", grad_accum=2)
             with StreamingTrainer(cfg, tc) as trainer:
-                reference = trainer.reference_logps(ids, labels)
+                reference = None if lora_rank else trainer.reference_logps(ids, labels)
                 before = trainer.evaluate(ids, labels, reference=reference)
                 # the evaluation runs the step's forward (without autograd): the same loss
                 assert trainer.step(ids, labels, reference=reference) == pytest.approx(before, rel=1e-6)
                 real = trainer.ledger.peak, trainer.ledger.peak_breakdown
             predicted = plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 48))
             assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+            dry = dry_run(cfg, tc, 8, 48)
+            assert (dry.peak, dry.peak_breakdown) == real
             if activations == "resident":  # the 4 rows of a micro-batch, 4 bytes each, at the head
                 sft = tc.replace(method="sft").plan_config(8, 48)
                 assert predicted.peak_device_bytes - plan(cfg, device_spec("h100-sxm"), sft).peak_device_bytes == 16
+    tc = TrainerConfig.of(dtype="fp32", activations="checkpoint", lora_rank=4, method="dpo", grad_accum=2)
+    with StreamingTrainer(cfg, tc) as trainer:
+        def last_block(step: int) -> list[int]:
+            return [s.peak_bytes for s in trainer.trace.spans(step) if (s.layer, s.phase) == ("block.1", "forward")]
+        trainer.step(ids, labels)
+        in_step = last_block(1)
+        trainer.step(ids, labels, reference=trainer.reference_logps(ids, labels))
+        given = last_block(2)
+    assert [a - b for a, b in zip(in_step, given, strict=True)] == [4 * 48 * cfg.hidden_size * 4] * 2
 
 
 def test_bad_dpo_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -451,3 +639,49 @@ def test_a_pair_without_rejected_is_refused_in_one_line(hf_folder: Path, tmp_pat
     line = fails(capsys, *_dpo_argv(hf_folder, data, tmp_path / "run"))
     assert f"{data} line 2 has no 'rejected' field" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_over_max_prompt_length_under_keep_start_is_refused_in_one_line(
+        hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """keep_start cuts no prompt, so one over --max-prompt-length is one line naming the flag and the record; so
+    are a --max-length over --seq and the flags without --method dpo. Nothing is written."""
+    data, run = _pairs_file(tmp_path), tmp_path / "run"
+    line = fails(capsys, *_dpo_argv(hf_folder, data, run, "--max-prompt-length", 4))
+    assert f"{data} line 1: its prompt is" in line and "over --max-prompt-length 4" in line
+    assert "--truncation-mode keep_end" in line
+    line = fails(capsys, *_dpo_argv(hf_folder, data, run, "--max-length", 64))
+    assert "--max-length 64 is over --seq 48" in line
+    line = fails(capsys, "train", "--from-pretrained", hf_folder, "--data", data, "--run-dir", run, "--steps", 1,
+                 "--truncation-mode", "keep_end")
+    assert "--truncation-mode cuts DPO's pairs, read with --method dpo only" in line
+    assert not run.exists()
+
+
+def test_streamer_train_method_dpo_with_lora_computes_each_reference_in_its_step(
+        hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With LoRA there is no pass before step 1 and no RUN/reference.json: each step's forward computes its
+    reference. The run's steps are the Python API's, bit for bit, and its device peak is the plan's, to the byte;
+    the pairs are cut as --max-length and --truncation-mode keep_end say."""
+    from streamer.io.data import BatchStream, DataConfig
+    from streamer.session import pair_dataset, pair_rows_of
+    from tests.test_cli import run_cli
+
+    data, run = _pairs_file(tmp_path), tmp_path / "run"
+    lora = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(TARGETS), "--max-length", 12,
+            "--truncation-mode", "keep_end", "--grad-accum", 2)
+    rc, out, err = run_cli(capsys, *_dpo_argv(hf_folder, data, run, *lora))
+    assert rc == 0, err
+    assert not (run / "reference.json").exists()
+    steps = [r for r in _logged(run) if "loss" in r]
+    cfg = RunDir.open(run).read_config()
+    assert planned_peak(cfg.model_config(), cfg) == max(r["device_peak_bytes"] for r in steps)
+
+    pairs = pair_dataset(str(data), load_tokenizer(hf_folder), 48,
+                         DataConfig(max_length=12, truncation_mode="keep_end"))
+    assert len(pairs) == len(PAIRS) and int((pairs.labels != IGNORE_INDEX).sum(dim=1).min()) > 0
+    stream = BatchStream(pairs, len(PAIRS), 0)
+    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, tmp_path / "store") as trainer:  # the run's store
+        for logged in steps:
+            ids, labels, _, _ = next(stream)
+            loss = trainer.step(pair_rows_of(ids), pair_rows_of(labels))
+            assert loss == logged["loss"] and all(trainer.metrics[k] == logged[k] for k in METRICS)

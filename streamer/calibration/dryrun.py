@@ -35,6 +35,7 @@ class FlashAttentionOnMeta(TorchFunctionMode):
 def dry_run(cfg: ModelConfig, tc: TrainerConfig, batch: int, seq: int, packed: bool = False,
             clipped: bool = False) -> Ledger:
     """Run one full training step (grad_accum micro-batches and the update) on meta; returns its ledger.
+    `batch`: its rows (a DPO step's pairs twice).
     `packed`: rows of packed examples (their positions, hence masked attention). `clipped`: the step as one
     that clips after one that did (no speculative attempt), on the schedule --clipped-steps names (auto: after
     the backward, as a trainer with no target prices it): a norm-first step's norm pass and fused step, or the
@@ -42,7 +43,10 @@ def dry_run(cfg: ModelConfig, tc: TrainerConfig, batch: int, seq: int, packed: b
     trainer = StreamingTrainer(cfg, tc.replace(device="meta", budget=None))
     trainer.speculate = not clipped
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # DPO's rows are pairs; full fine-tuning's reference comes from a pass before training, LoRA's from the step.
+    precomputed = tc.objective.preference and not tc.objective.reference_in_step(tc.lora.enabled)
     with FlashAttentionOnMeta():
-        trainer.step(ids, positions=ids if packed else None)
+        trainer.step(ids, positions=ids if packed else None,
+                     reference=torch.zeros(batch, device="meta") if precomputed else None)
     trainer.close()
     return trainer.ledger

@@ -125,11 +125,11 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.dry_run:
         tc = cfg.trainer.replace(dtype=dtype, update_on=plan_cfg.step.update_on, budget=None,  # the ledger's own peak
                                  expert_group_size=plan_cfg.step.expert_group_size)  # as planned
-        ledger = dry_run(model_cfg, tc, cfg.batch, cfg.seq, packed=plan_cfg.packed)
+        ledger = dry_run(model_cfg, tc, plan_cfg.batch, cfg.seq, packed=plan_cfg.packed)  # rows
         out["dry_run_peak_device_bytes"] = ledger.peak
         out["dry_run_peak_breakdown"] = dict(ledger.peak_breakdown)
         if clipping:  # a step that clips, on the schedule the plan chose for it
-            clipped = dry_run(model_cfg, tc.replace(clipped_steps=chosen.schedule), cfg.batch, cfg.seq,
+            clipped = dry_run(model_cfg, tc.replace(clipped_steps=chosen.schedule), plan_cfg.batch, cfg.seq,
                               packed=plan_cfg.packed, clipped=True)
             out["dry_run_clipped_peak_device_bytes"] = clipped.peak
     if args.json:

@@ -26,6 +26,7 @@ def _setting_error(key: str, problem: str) -> DataError:
 
 PACKINGS = ("examples", "documents")
 LONG_EXAMPLES = ("truncate", "drop")
+TRUNCATION_MODES = ("keep_start", "keep_end")  # TRL's DPOConfig.truncation_mode
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ class DataConfig:
     long_examples: str = setting("truncate", "a prompt/completion or chat example longer than --seq: truncate keeps "
                                              "its first --seq tokens (as TRL and axolotl do; one left with nothing "
                                              "to learn is dropped), drop leaves it out", Choice(LONG_EXAMPLES), "WHAT")
+    max_length: int | None = setting(None, "DPO: the most tokens of a pair's row, prompt and completion, cut as "
+                                           "--truncation-mode says (TRL's max_length; default: --seq, at most --seq)",
+                                     Integer(2), "N")
+    truncation_mode: str = setting("keep_start", "DPO: keep_start keeps a row's first --max-length tokens and drops a "
+                                                 "pair whose prompt fills them; keep_end keeps its last ones (TRL's "
+                                                 "truncation_mode)", Choice(TRUNCATION_MODES), "MODE")
+    max_prompt_length: int | None = setting(None, "DPO: the most tokens of a prompt (TRL's max_prompt_length, before "
+                                                  "TRL 1.0): keep_end keeps a longer prompt's last ones; keep_start "
+                                                  "cuts no prompt and refuses it (default: no limit)", Integer(), "N")
 
     def __post_init__(self) -> None:
         check_settings(self, _setting_error)

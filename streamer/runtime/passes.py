@@ -13,7 +13,7 @@ from torch.func import functional_call
 
 from layers import build_unit, unit_kind
 from layers.lora import add_adapters
-from layers.loss import TokenMean
+from layers.loss import ReferenceOf, TokenMean
 from layers.model import family_units
 from layers.moe.units import Experts, sparse_mlp
 from layers.quant4 import quantize_linears
@@ -117,12 +117,13 @@ class Passes:
         finally:
             experts.source = None
 
-    def call_plain(self, unit: str, ctx: StepContext, *args: object) -> torch.Tensor:
-        """A unit's forward with its streamed weights and no autograd (generation)."""
+    def call_plain(self, unit: str, ctx: StepContext, *args: object, adapters_off: bool = False) -> torch.Tensor:
+        """A unit's forward with its streamed weights and no autograd (generation; with `adapters_off`, LoRA's
+        frozen base: DPO's reference model)."""
         groups = self.groups.get(unit)
         named = (self.layouts[unit] if groups is None else groups.rest).views(self.states[unit].weights())
         if self.adapters is not None:
-            named.update(self.adapters.for_unit(unit, self.dtype))
+            named.update(self.adapters.for_unit(unit, self.dtype, off=adapters_off))
         with torch.no_grad(), self._experts_from(unit, ctx):
             return functional_call(self.shells[unit].train(False), named, args)
 
@@ -135,10 +136,34 @@ class Passes:
             return
         dequantized = self._charge_dequantized(unit)
         try:
+            if batch.objective is not None and batch.objective.reference_in_step:
+                self._reference(unit, event.micro, ctx)
             self._forward(event, batch, ctx)
         finally:
             if dequantized is not None:
                 self.ledger.free(dequantized)
+
+    def _reference(self, unit: str, micro: int, ctx: StepContext) -> None:
+        """The reference model's forward of the unit, before the policy's, on the weights loaded for both: LoRA's
+        base with the adapters off, without autograd. Its hidden state, the embedding's output at first (the
+        embedding has no adapters), is charged from the first block's forward to the head's, which hands the
+        reference's log-probabilities to the micro-batch's objective."""
+        batch = ctx.micro_batches[micro]
+        objective = batch.objective
+        assert objective is not None  # one whose reference the step computes
+        if unit == self.units[1]:
+            hidden = ctx.graphs[self.units[0]][1]
+            assert hidden is not None  # the embedding's output
+            handle = self.ledger.allocate("activations", unit, hidden.numel() * hidden.element_size(),
+                                          "the reference model's hidden state")
+        else:
+            hidden, handle = ctx.references.pop(micro)
+        if unit == "head":
+            self.call_plain(unit, ctx, hidden, batch.labels, loss_vocab_chunk(self.cfg, batch.labels.numel()),
+                            ReferenceOf(objective))
+            self.ledger.free(handle)
+            return
+        ctx.references[micro] = (self.call_plain(unit, ctx, hidden, *_packed(batch), adapters_off=True), handle)
 
     def _forward(self, event: Event, batch: MicroBatch, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
@@ -359,6 +384,12 @@ class Passes:
             self.recorder.release(unit)
         ctx.graphs.clear()
         ctx.auxiliary.clear()
+        self._drop_references(ctx)
+
+    def _drop_references(self, ctx: StepContext) -> None:
+        for _, handle in ctx.references.values():
+            self.ledger.free(handle)
+        ctx.references.clear()
 
     def abort(self, ctx: StepContext) -> None:
         """A step stopped part-way: credit the gradient on its way home and the one flowing, drop the graphs."""
@@ -375,6 +406,7 @@ class Passes:
         ctx.stashed.clear()
         ctx.inputs.clear()
         ctx.auxiliary.clear()
+        self._drop_references(ctx)
         self._expert_grads.clear()
         self.recorder.forget_groups()
 
