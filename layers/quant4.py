@@ -83,9 +83,10 @@ class Quant4:
             absmax += pieces["nested_offset"]
         whole = min(b1 * BLOCKSIZE, shape[0] * columns) - b0 * BLOCKSIZE  # the blocks' elements
         packed = pieces["weight"].view(-1)[b0 * BLOCKSIZE // 2:b0 * BLOCKSIZE // 2 + -(-whole // 2)]
-        state = bnb.QuantState(absmax=absmax, shape=torch.Size((whole,)), code=code, blocksize=BLOCKSIZE,
+        # As one row, as `matrix` gives a fused tensor (bitsandbytes 0.50's CPU kernel makes a 1D shape one too).
+        state = bnb.QuantState(absmax=absmax, shape=torch.Size((1, whole)), code=code, blocksize=BLOCKSIZE,
                                quant_type=self.quant_type, dtype=self.dtype)
-        values = bnb.dequantize_4bit(packed, state)
+        values = bnb.dequantize_4bit(packed, state).view(-1)
         return values[first - b0 * BLOCKSIZE:end - b0 * BLOCKSIZE].view(count, columns)
 
 

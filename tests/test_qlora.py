@@ -161,7 +161,9 @@ def test_each_expert_dequantizes_as_bitsandbytes_dequantizes_the_whole_tensor() 
     from layers.quant4 import Quant4
 
     g = torch.Generator().manual_seed(0)
-    for (experts, rows, columns), double_quant in (((6, 96, 128), True), ((5, 40, 24), True), ((3, 24, 40), False)):
+    # (Experts of whole blocks across nested blocks; of whole blocks; starting inside a block.)
+    for (experts, rows, columns), double_quant in (((6, 96, 128), True), ((5, 40, 24), True), ((7, 10, 24), True),
+                                                   ((3, 10, 36), False)):
         module = torch.nn.Module()
         module.weight = torch.nn.Parameter(torch.randn(experts, rows, columns, generator=g))
         quant = Quant4("nf4", double_quant, torch.float32)

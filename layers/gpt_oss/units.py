@@ -62,6 +62,7 @@ class GptOssExperts(Experts):
         self.down_proj_bias = nn.Parameter(torch.empty(e, d))
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.source = None  # its experts load whole (GptOssConfig.experts)
+        self.num_experts = e
 
     def init_parameters(self, std: float) -> None:
         for weight in (self.gate_up_proj, self.down_proj):
