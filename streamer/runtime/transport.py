@@ -20,10 +20,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from memory_model import Ledger
 from streamer.store.interface import StoreReader
 from streamer.store.layout import fold_into
 from streamer.store.spec import STATE_KINDS
@@ -261,12 +262,27 @@ def _fill_or_copy(out: torch.Tensor, fill: Callable[[torch.Tensor], object] | No
         fill(out)
 
 
+class Wiring(Protocol):
+    """What a `Transport` reads of the runtime's wiring (`streamer.runtime.wiring.Runtime`, which builds it)."""
+
+    @property
+    def store(self) -> StoreReader | None: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def weights_dtype(self) -> torch.dtype: ...
+    @property
+    def ledger(self) -> Ledger: ...
+
+
 class Transport:
-    def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype,
-                 weights_dtype: torch.dtype | None = None, device_in_use: Callable[[], int] | None = None) -> None:
-        """`weights_dtype`: what a weights load holds, where not the compute dtype's elements (a 4-bit base's
-        bytes, uint8, read as they are stored). `device_in_use`: the device bytes the ledger holds now, which bounds
-        the free buffers kept where the device is the host (`BufferPool`)."""
+    def __init__(self, rt: Wiring) -> None:
+        """The wiring's store, device and compute dtype; what a weights load holds (`weights_dtype`: a 4-bit
+        base's bytes, uint8, read as they are stored); and its ledger, whose bytes in use bound the free buffers
+        kept where the device is the host (`BufferPool`)."""
+        store, device, compute_dtype = rt.store, rt.device, rt.dtype
         self.store, self.device, self.compute_dtype = store, device, compute_dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
@@ -284,12 +300,13 @@ class Transport:
         # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
         self.master_is_weights = store is not None and \
             store.spec.kind_dtype("master") == compute_dtype != torch.float32
-        self.weights_dtype = weights_dtype or compute_dtype
-        if weights_dtype is not None:  # a 4-bit base on disk: its files hold the bytes a load sends, as they are
+        self.weights_dtype = rt.weights_dtype
+        if rt.weights_dtype != compute_dtype:  # a 4-bit base on disk: its files hold the bytes a load sends, as is
             self.master_is_weights = True
         # Host buffers: the device's own where it is the host (cpu), else those a copy to the device goes through
         # when the store has no staging pool.
-        self.buffers = BufferPool(device_in_use if self.mode == "shared" else None)
+        ledger = rt.ledger
+        self.buffers = BufferPool((lambda: ledger.in_use) if self.mode == "shared" else None)
 
     def close(self) -> None:
         self.copier.close()

@@ -58,11 +58,10 @@ class Runtime:
             "weights_dtype": torch.uint8 if packed else self.dtype,
             "compute_is_master": precision.compute_is_master(frozen=self.adapters is not None),
             "groups": expert_groups(self.cfg, self.step.expert_group_size, self.layouts),
-            "transport": Transport(self.store, self.device, self.dtype, torch.uint8 if packed else None,
-                                   lambda: self.ledger.in_use),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # (frozen: set once, here)
+        object.__setattr__(self, "transport", Transport(self))  # reads the weights' dtype derived above
         if self.device.type == "cpu":  # the device's bytes are the host's: idle buffers give way to what it allocates
             self.ledger.add_listener(lambda _: self.transport.buffers.trim())
         inline_fold = (self.device.type == "cpu" and self.store is not None
