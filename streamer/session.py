@@ -342,7 +342,7 @@ class Session:
 
     def peak_flops(self) -> tuple[float, str] | None:
         """(FLOP/s, what it is): one device's dense peak in the run's compute dtype that MFU is read against, the
-        run's target's (the --budget preset, else this cpu's matmul rate measured by its calibration); None where
+        run's target's (the --price-on preset, else this cpu's matmul rate measured by its calibration); None where
         none is known."""
         target = self.trainer.target()
         dtype = dtype_name(self.trainer.tc.compute_dtype)

@@ -351,7 +351,7 @@ class StreamingTrainer:
     @property
     def local_target(self) -> DeviceSpec | None:
         """This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
-        target `clipped_schedule` prices a cpu run on when --budget names no device preset."""
+        target `clipped_schedule` prices a cpu run on when --price-on names no device preset."""
         return self.policy.local_target
 
     @local_target.setter

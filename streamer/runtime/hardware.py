@@ -160,8 +160,8 @@ class DeviceConfig:
                                    FIGURE_SETS, "FIELD=NUMBER")
     price_on: str | None = setting(
         None, "the device preset the run's run-time choices are priced on (--clipped-steps auto) and its MFU is read "
-              "against (%s); default: the --budget preset where --budget names one, as before this flag, else this "
-              "cpu's calibrated device. --budget stays a memory limit" % ", ".join(DEVICE_PRESETS),
+              "against (%s); default: this cpu's calibrated device, never the --budget preset: --budget is a memory "
+              "limit only" % ", ".join(DEVICE_PRESETS),
         Choice(tuple(DEVICE_PRESETS)), "DEVICE")
     pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), register "
                                          "(the RAM store too, locked where it lies), staging (a bounded pool of "
@@ -175,11 +175,11 @@ class DeviceConfig:
         return budget_bytes(self.budget, SettingError, self.set)
 
     def priced_on(self, error: Callable[[str, str], Exception] = SettingError) -> DeviceSpec | None:
-        """The device the run's run-time choices are priced on, with the --set figures: --price-on, else the
-        --budget preset (or DeviceSpec) where the budget names one; None where neither does."""
-        named = self.price_on if self.price_on is not None else self.budget
-        device = DEVICE_PRESETS.get(named, named) if isinstance(named, str) else named
-        return with_sets(device, self.set, error) if isinstance(device, DeviceSpec) else None
+        """The device --price-on names, with the --set figures; None where it names none. The --budget is a
+        memory limit only: its preset prices nothing."""
+        if self.price_on is None:
+            return None
+        return with_sets(DEVICE_PRESETS[self.price_on], self.set, error)
 
     def cuda_arch(self) -> str:
         """The compute capability ("sm90") of the CUDA device the ledger accounts as torch's caching allocator
