@@ -82,7 +82,7 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"{points} points in {time.perf_counter() - began:.1f} s: {table}, {png}")
         return 0
     model_cfg = cfg.model_config()
-    choice = plan_dtype(args.target, cfg.trainer.device.dtype)
+    choice = plan_dtype(args.target, cfg.trainer.step.precision.compute)
     dtype = choice.dtype
     device = with_sets(_device(args.target, model_cfg, dtype), cfg.trainer.device.set, SettingError)
     # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights): set before
@@ -128,9 +128,9 @@ def plan_command(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(choice.reason, markup=False, highlight=False)
     console.print(store, markup=False, highlight=False)
-    optimizer = cfg.trainer.optimizer
+    precision = cfg.trainer.step.precision
     console.print(f"host store per process: {format_size(store_ram)} of RAM, {format_size(store_disk)} of disk "
-                  f"(--master-dtype {optimizer.master_dtype} --moment-dtype {optimizer.moment_dtype}; at its largest, "
+                  f"(--master-dtype {precision.master} --moment-dtype {precision.moments}; at its largest, "
                   f"while a step commits)",
                   markup=False, highlight=False)
     host = result.host_peak

@@ -19,7 +19,6 @@ from memory_model.settings import Choice, SettingError, Text, check_settings, se
 from streamer.errors import StreamerError
 from streamer.store.spec import PIN_MODES
 
-DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: resolve_compute_dtype
 BF16_MIN_CAPABILITY = (8, 0)
 # 256^3 separates the cases by 2x either way (measured on AVX512-BF16, natively and capped to AVX2: bf16
 # 205 vs fp32 103 GFLOP/s, and 3.2 vs 103) and an emulated bf16 matmul of it still takes only ~10 ms.
@@ -142,13 +141,11 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where a run computes: the torch device, its compute dtype, its memory budget and the host memory pinned
-    for it (each a `streamer train` flag). Wrong values raise memory_model's SettingError, which the run reports
-    as its own. The device may be `meta` (a dry run); `streamer train` refuses it."""
+    """Where a run computes: the torch device, its memory budget, the device its choices are priced on and the
+    host memory pinned for it (each a `streamer train` flag; its compute dtype is `StepConfig.precision`'s).
+    Wrong values raise memory_model's SettingError, which the run reports as its own. The device may be `meta` (a
+    dry run); `streamer train` refuses it."""
 
-    dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
-                                 "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
-                                 "weights and Adam state are fp32)", Choice(DTYPE_CHOICES), "DTYPE")
     device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
     # The Python API also takes bytes or a DeviceSpec.
     budget: str | int | DeviceSpec | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device "

@@ -279,11 +279,7 @@ class Wiring(Protocol):
 
 class Transport:
     def __init__(self, rt: Wiring) -> None:
-        """The wiring's store, device and compute dtype; what a weights load holds (`weights_dtype`: a 4-bit
-        base's bytes, uint8, read as they are stored); and its ledger, whose bytes in use bound the free buffers
-        kept where the device is the host (`BufferPool`)."""
-        store, device, compute_dtype = rt.store, rt.device, rt.dtype
-        self.store, self.device, self.compute_dtype = store, device, compute_dtype
+        self.store, self.device, self.compute_dtype = store, device, compute_dtype = rt.store, rt.device, rt.dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         self.staging = None if store is None or self.mode != "cuda" else \
@@ -297,16 +293,14 @@ class Transport:
         # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
         self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         # A half-precision master stored in the compute dtype is read straight into the weights' buffer, with no
-        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
-        self.master_is_weights = store is not None and \
-            store.spec.kind_dtype("master") == compute_dtype != torch.float32
+        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept. A 4-bit
+        # base on disk (`weights_dtype` uint8: a load holds its bytes) is read as its files hold it.
         self.weights_dtype = rt.weights_dtype
-        if rt.weights_dtype != compute_dtype:  # a 4-bit base on disk: its files hold the bytes a load sends, as is
-            self.master_is_weights = True
+        self.master_is_weights = rt.weights_dtype != compute_dtype or (
+            store is not None and store.spec.kind_dtype("master") == compute_dtype != torch.float32)
         # Host buffers: the device's own where it is the host (cpu), else those a copy to the device goes through
         # when the store has no staging pool.
-        ledger = rt.ledger
-        self.buffers = BufferPool((lambda: ledger.in_use) if self.mode == "shared" else None)
+        self.buffers = BufferPool((lambda: rt.ledger.in_use) if self.mode == "shared" else None)
 
     def close(self) -> None:
         self.copier.close()
