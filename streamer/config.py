@@ -83,10 +83,10 @@ class TrainerConfig:
             return precision
         return replace(precision, compute=resolve_compute_dtype(self.device.device).dtype)
 
-    @property
+    @functools.cached_property
     def resolved_step(self) -> StepConfig:
-        """The step's settings in the resolved precision."""
-        return replace(self.step, precision=self.precision)
+        """The step's settings in the resolved precision: `step` itself where --dtype names one."""
+        return self.step if self.step.precision is self.precision else replace(self.step, precision=self.precision)
 
     @property
     def compute_dtype(self) -> torch.dtype:
