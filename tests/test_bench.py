@@ -188,7 +188,7 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     # The width keeps the precisions it was fitted in: a bf16 master and int8 moments hold about 3x the layers.
     quarter = four.disk_bytes // 4
     thick, thin = fitted_width(four, quarter), fitted_width(half, quarter)
-    assert thick is not None and thin is not None and (thin.precision.master, thin.precision.moments) == ("bf16", "int8")
+    assert thick is not None and thin is not None and thin.precision == Precision("bf16", "bf16", "int8")
     assert four.config.n_layer > thin.config.n_layer > 2 * thick.config.n_layer and thin.disk_bytes <= quarter
 
 
