@@ -22,6 +22,7 @@ from rich.console import Console
 
 from layers import PRESETS, ConfigError, ModelConfig
 from memory_model import PlanConfig, plan
+from memory_model.units import Precision
 from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
@@ -207,11 +208,11 @@ def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
     and its width with as many layers as the disk holds, in each of the three states, fused."""
     compute, cfg = s.compute.dtype, ModelConfig.named(s.scale_model)
     if s.quick:
-        return [ModelChoice(s.scale_model, cfg, compute_dtype=compute)]
-    full = [ModelChoice(s.scale_model, cfg, moments, compute, timing, master)
+        return [ModelChoice(s.scale_model, cfg, Precision(compute))]
+    full = [ModelChoice(s.scale_model, cfg, Precision(compute, master, moments), timing)
             for master, moments in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "int8"))
             for timing in ("fused", "after-backward")]
-    smaller = [ModelChoice(name, PRESETS[name], "fp32", compute) for name in family_presets(cfg)
+    smaller = [ModelChoice(name, PRESETS[name], Precision(compute)) for name in family_presets(cfg)
                if PRESETS[name].num_params() < cfg.num_params()]
     widths = [w for c in full if c.update_timing == "fused" for w in (fitted_width(c, budget),)
               if w is not None and w.config.num_hidden_layers < cfg.num_hidden_layers]
@@ -307,9 +308,9 @@ def run(args: argparse.Namespace) -> int:
             if pick.chosen is not None:
                 disk["scale"] = raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)
                 spec = _spec(SCALE, "stream", pick.chosen.config, s, tier="disk", warmup=s.scale_warmup,
-                             steps=s.scale_steps, moment_dtype=pick.chosen.moment_dtype,
-                             master_dtype=pick.chosen.master_dtype,
-                             dtype=pick.chosen.compute_dtype, activations="checkpoint",
+                             steps=s.scale_steps, moment_dtype=pick.chosen.precision.moments,
+                             master_dtype=pick.chosen.precision.master,
+                             dtype=pick.chosen.precision.compute, activations="checkpoint",
                              update_timing=pick.chosen.update_timing)
                 results.update(runner.compare([spec], 1))
         else:

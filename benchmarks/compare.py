@@ -366,7 +366,7 @@ def scale(ctx: Context) -> Outcome:
                         *(_model_target(pick, None, why) if pick is not None else ())))
     chosen, p = pick.chosen, r.phases
     stretch = chosen.name == pick.model  # the model asked for itself; smaller Adam moments are acceptable for it
-    met = chosen.params >= 3e9 and (chosen.moment_dtype == "fp32" or stretch) and r.rss_peak_bytes <= 8 * GiB
+    met = chosen.params >= 3e9 and (chosen.precision.moments == "fp32" or stretch) and r.rss_peak_bytes <= 8 * GiB
     row = (chosen.describe(), size(chosen.store_bytes), r.steps_note, seconds(r.median_s),
            f"{r.tokens_per_s:,.1f}", size(r.rss_peak_bytes),
            f"{seconds(p.get('load_busy'))} / {seconds(p.get('offload_busy'))} / {seconds(p.get('io_busy'))}",

@@ -57,6 +57,7 @@ import torch  # noqa: E402
 from layers import PRESETS, ModelConfig  # noqa: E402
 from memory_model import DEVICE_PRESETS, DeviceOutOfMemory, DeviceSpec, Link, Plan  # noqa: E402
 from memory_model import format_size, plan  # noqa: E402
+from memory_model.units import Precision  # noqa: E402
 from streamer import StreamingTrainer, TrainerConfig  # noqa: E402
 from streamer.errors import StreamerError  # noqa: E402
 from streamer.runtime.transport import (  # noqa: E402
@@ -246,7 +247,7 @@ class ModelResult:
 
 def store_bytes(cfg: ModelConfig, moments: str) -> int:
     """RAM of a RAM-tier store with bf16 compute weights and `moments` (registered slabs are not rounded up)."""
-    return StoreSpec(cfg, "bf16", moments).host_bytes()[0]
+    return StoreSpec(cfg, Precision("bf16", moments=moments)).host_bytes()[0]
 
 
 def choose_moments(cfg: ModelConfig, available: int) -> tuple[str | None, str]:
@@ -294,7 +295,7 @@ def floor_s(p: Plan) -> tuple[float, str]:
                     p.link_bytes["d2h"] / device.d2h.bandwidth_bytes_per_s),
         "host update": (cfg.update_touched_bytes(p.params) / device.host_update_bw
                         if cfg.step.update_on == "host" else 0),
-        "compute": sum(r.forward_flops + r.backward_flops for r in p.rows) / device.flops_for(cfg.compute_dtype),
+        "compute": sum(r.forward_flops + r.backward_flops for r in p.rows) / device.flops_for(cfg.precision.compute),
     }
     name = max(terms, key=terms.__getitem__)
     return terms[name], name

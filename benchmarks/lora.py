@@ -73,8 +73,8 @@ def planned_rows() -> tuple[tuple[str, ...], ...]:
         p = plan(shape, device, dataclasses.replace(PLANNED, lora=lora), limits=False)
         rows.append((f"GPT-J-6B, {name}", f"{seconds(p.step_time_s)} (planned)", "—",
                      f"{size(p.peak_device_bytes)} (planned)", f"{size(p.host_store_bytes)} (planned)",
-                     f"planned on {PLANNED_DEVICE}, batch {PLANNED.batch} x {PLANNED.seq}, {PLANNED.compute_dtype}, "
-                     f"{PLANNED.step.activations}"))
+                     f"planned on {PLANNED_DEVICE}, batch {PLANNED.batch} x {PLANNED.seq}, "
+                     f"{PLANNED.precision.compute}, {PLANNED.step.activations}"))
     return tuple(rows)
 
 

@@ -24,6 +24,7 @@ from benchmarks.report import params
 from streamer.calibration.calibrate import cpu_model, measure_disk, measure_matmul_flops
 from streamer.store.direct import AlignedBuffers, SequentialFile
 from memory_model.step import Placement
+from memory_model.units import Precision
 from streamer.store.spec import StoreSpec
 
 
@@ -191,18 +192,15 @@ class ModelChoice:
 
     name: str
     config: ModelConfig
-    moment_dtype: str = "fp32"
-    compute_dtype: str = "bf16"
+    precision: Precision = Precision("bf16")
     update_timing: str = "fused"
-    master_dtype: str = "fp32"
 
     @property
     def params(self) -> int:
         return self.config.num_params()
 
     def _spec(self) -> StoreSpec:
-        return StoreSpec(self.config, self.compute_dtype, self.moment_dtype, Placement.of("disk"),
-                         master_dtype=self.master_dtype)
+        return StoreSpec(self.config, self.precision, Placement.of("disk"))
 
     @property
     def store_bytes(self) -> int:
@@ -223,8 +221,8 @@ class ModelChoice:
     def describe(self) -> str:
         c = self.config
         return (f"{self.name} ({params(self.params)} params: d_model {c.hidden_size}, {c.num_hidden_layers} layers, "
-                f"{c.num_attention_heads} heads; {self.compute_dtype} compute, {self.master_dtype} master, "
-                f"{self.moment_dtype} Adam moments, update "
+                f"{c.num_attention_heads} heads; {self.precision.compute} compute, {self.precision.master} master, "
+                f"{self.precision.moments} Adam moments, update "
                 f"{self.update_timing})")
 
 

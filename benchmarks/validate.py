@@ -80,7 +80,7 @@ def predict(run: PublishedRun) -> Row:
     published = run.measured.value * 1e12 / every * many.model_flops / counted
     executed = sum(r.forward_flops + r.backward_flops for r in many.rows) / many.model_flops
     return Row(run, counted / many.step_time_s / 1e12 * every, many.utilisation, executed,
-               published / device.flops_for(step.compute_dtype))
+               published / device.flops_for(step.precision.compute))
 
 
 def rows() -> list[Row]:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from memory_model import PlanConfig
 from memory_model.step import StepConfig
 from memory_model.tiers import TIERS, tier
+from memory_model.units import COMPUTE_DTYPES, Precision
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
 from streamer.config import TrainerConfig
@@ -45,12 +46,12 @@ class RunSpec:
     batch: int = same_setting(PlanConfig, "batch")
     seq: int = same_setting(PlanConfig, "seq")
     # compute dtype (ours), autocast dtype (HF), bf16 mixed precision (DeepSpeed)
-    dtype: str = same_setting(PlanConfig, "compute_dtype")
+    dtype: str = setting("bf16", "compute dtype", Choice(COMPUTE_DTYPES), "DTYPE")
     # A whole tier (the step's --store, as a word: every contender places all its state there)
     tier: str = setting("ram", "where the training state lives: ram, or disk (DeepSpeed: nvme offload)",
                         Choice(tuple(TIERS)), "TIER")
-    moment_dtype: str = same_setting(OptimizerConfig, "moment_dtype")
-    master_dtype: str = same_setting(OptimizerConfig, "master_dtype")
+    moment_dtype: str = same_setting(Precision, "moments")
+    master_dtype: str = same_setting(Precision, "master")
     activations: str = same_setting(StepConfig, "activations")  # the scale run checkpoints
     # Every contender clips at this global norm (0: none). Random tokens' gradients clip on every step, and a
     # fused update whose clipping triggers is made again after the backward: bench runs without, by default.

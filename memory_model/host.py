@@ -134,8 +134,8 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
     store = cfg.step.store
     weights_lie = store.compute.zero_copy and not store.loads_read_master(cfg.compute_is_master)
     in_ram = store.state.zero_copy
-    own_state = ((0 if in_ram and cfg.master_dtype == "fp32" else 4)
-                 + (0 if in_ram and cfg.moment_dtype == "fp32" else 8))
+    own_state = ((0 if in_ram and cfg.precision.master == "fp32" else 4)
+                 + (0 if in_ram and cfg.precision.moments == "fp32" else 8))
     peak = 0
     for event, nbytes in moments:
         held = dict(zip(CATEGORIES, nbytes, strict=True))
@@ -161,8 +161,8 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     state_on_disk = not store.state.zero_copy and not frozen
     # Kinds stored other than in fp32: read into a buffer of their own and widened (the read thread), and
     # narrowed into one when written (the write thread).
-    narrowed = (chunk * cfg.master_bytes if cfg.master_dtype != "fp32" else 0) + \
-        (cfg.moment_bytes(chunk) if cfg.moment_dtype != "fp32" else 0)
+    narrowed = (chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0) + \
+        (cfg.moment_bytes(chunk) if cfg.precision.moments != "fp32" else 0)
     stored_chunk = 2 * narrowed if state_on_disk else 0
     lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) \
         if state_on_disk and same_memory and cfg.step.update_on != "host" else 0
@@ -174,4 +174,4 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
         activations=offloaded_bytes(shape, cfg), write_backs=lagging,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
-        (cfg.master_dtype == "bf16" or cfg.moment_dtype == "int8") else 0)
+        (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)

@@ -178,7 +178,7 @@ class Plan:
         base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
             lora.load_in_4bit + ", GGUF base" * (lora.gguf is not None)
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
-                            f"{self.config.step.activations}, {self.config.compute_dtype}{experts}{base}")
+                            f"{self.config.step.activations}, {self.config.precision.compute}{experts}{base}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",
                      "fwd ms", "bwd ms", "offload ms", "update ms"):
             table.add_column(name, justify="left" if name == "unit" else "right")
@@ -550,7 +550,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         host_fits=(in_ram + host_acts) * stores <= device.host_ram_bytes,
         host_peak=host_bytes(shape, cfg, shared_peak(moments, cfg) if device.same_memory else None),
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
-        utilisation=model_flops / step_s / device.flops_for(cfg.compute_dtype),
+        utilisation=model_flops / step_s / device.flops_for(cfg.precision.compute),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),
         resource_s={r: timeline.busy[r] for r in RESOURCES},
         link_bytes={"h2d": sum(r.h2d_bytes for r in rows), "d2h": sum(r.d2h_bytes for r in rows),

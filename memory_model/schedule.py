@@ -386,7 +386,7 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
     store = cfg.step.store
     state = store.state.crosses_link
     return StoreBytes(weights=cfg.master_bytes if store.loads_read_master(cfg.compute_is_master) else 0,
-                      master=cfg.master_bytes if state else 0, moment_dtype=cfg.moment_dtype if state else None,
+                      master=cfg.master_bytes if state else 0, moment_dtype=cfg.precision.moments if state else None,
                       grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad.crosses_link else 0)
 
 

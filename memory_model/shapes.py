@@ -13,14 +13,10 @@ from typing import Any
 from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape, targets_of
 from memory_model.objective import ObjectiveConfig
-from memory_model.settings import Choice, Integer, SettingError, Switch, branch, build, check_settings, setting
+from memory_model.settings import Integer, SettingError, Switch, branch, build, check_settings, setting
 from memory_model.step import StepConfig
-from memory_model.units import (
-    BLOCK_SCALE_BYTES, COMPUTE_DTYPES, DTYPE_BYTES, QUANT_BLOCK, Precision, stored_bytes,
-)
+from memory_model.units import DTYPE_BYTES, Precision, stored_bytes
 
-MOMENT_DTYPES = ("fp32", "bf16", "int8")
-MASTER_DTYPES = ("fp32", "bf16")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, exp_avg, exp_avg_sq
 GRAD_ACCUM_BYTES_PER_PARAM = 4  # the host's fp32 gradient accumulator, streamed in with the optimizer state
 # AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 7 fp32 words per
@@ -31,28 +27,20 @@ UPDATE_TOUCHED_BYTES_PER_PARAM = 28
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """One training step's settings as the planner prices it: the step's own (`step`, the trainer's too), and the
-    batch, dtypes, devices and LoRA. `batch` is the step's global batch: grad_accum micro-batches on each of
-    `devices` data-parallel devices, so batch must divide evenly by grad_accum * devices. `of` and `replace`
-    take every setting by its flat name (its flag's): `PlanConfig.of(batch=8, seq=2048, store="disk")`."""
+    """One training step's settings as the planner prices it: the step's own (`step`, the trainer's too, its dtypes
+    with it, the compute dtype resolved: bf16 by default), and the batch, devices and LoRA. `batch` is the step's
+    global batch: grad_accum micro-batches on each of `devices` data-parallel devices, so batch must divide evenly
+    by grad_accum * devices. `of` and `replace` take every setting by its flat name (its flag's):
+    `PlanConfig.of(batch=8, seq=2048, store="disk")`; the compute dtype's is `compute_dtype`."""
 
     batch: int = setting(MISSING, "sequences per optimizer step (the global batch)", Integer())
     seq: int = setting(MISSING, "tokens per sequence", Integer())
-    step: StepConfig = branch(StepConfig)
-    compute_dtype: str = setting("bf16", "compute dtype", Choice(COMPUTE_DTYPES), "DTYPE")
+    step: StepConfig = branch(StepConfig, lambda: StepConfig(precision=Precision("bf16")),
+                              names={"dtype": "compute_dtype"})
     devices: int = setting(1, "data-parallel processes, one device each", Integer())
     ranks_per_node: int = setting(
         8, "data-parallel devices on one machine: more span several, and the gradient sum crosses the network "
            "between them (default: an 8-GPU server, DGX or HGX)", Integer())
-    moment_dtype: str = setting(
-        "fp32", "dtype of the Adam moments in the store: fp32, bf16 (half the bytes), or int8 (block-wise quantized "
-                "as in 8-bit Adam: 1 byte each and an fp32 scale per 256; AdamW runs on them dequantized to fp32)",
-        Choice(MOMENT_DTYPES), "DTYPE")
-    master_dtype: str = setting(
-        "fp32", "dtype of the master weights in the store: fp32 (exact AdamW), or bf16 (half the bytes; AdamW runs "
-                "on them widened to fp32 and each update is stochastically rounded back, so small updates are kept "
-                "on average; with --dtype bf16 the master is also the compute weights)", Choice(MASTER_DTYPES),
-        "DTYPE")
     packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
                                   "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
@@ -64,8 +52,10 @@ class PlanConfig:
         if self.batch % (step.grad_accum * self.devices):
             raise ValueError(f"batch {self.batch} does not split into grad_accum={step.grad_accum} micro-batches "
                              f"on devices={self.devices}; use a multiple of {step.grad_accum * self.devices}")
+        if not step.precision.resolved:
+            raise SettingError("compute_dtype", "must be bf16 or fp32 to plan a step in, not auto: resolve it for "
+                                                "the device first")
         step.fused(self.devices, self.lora.enabled)  # an impossible "fused" fails here
-        check_chunk_blocks(step.update_chunk, self.moment_dtype)
         if step.update_timing == "overlapped" and step.update_on != "host":
             raise SettingError("update_timing", "overlapped overlaps a host update with the backward: add "
                                                 "--update-on host, or use --update-timing auto")
@@ -105,21 +95,22 @@ class PlanConfig:
         return self.batch // (self.step.grad_accum * self.devices)
 
     @property
+    def precision(self) -> Precision:
+        """The step's dtypes (`StepConfig.precision`)."""
+        return self.step.precision
+
+    @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.compute_dtype]
+        return DTYPE_BYTES[self.precision.compute]
 
     def moment_bytes(self, numel: int) -> int:
         """Both Adam moments of `numel` parameters (one update chunk, or a unit) in the store."""
-        return 2 * stored_bytes(self.moment_dtype, numel)
+        return 2 * stored_bytes(self.precision.moments, numel)
 
     @property
     def master_bytes(self) -> int:
         """Per parameter, the master weights in the store."""
-        return DTYPE_BYTES[self.master_dtype]
-
-    @property
-    def precision(self) -> Precision:
-        return Precision(self.compute_dtype, self.master_dtype, self.moment_dtype)
+        return DTYPE_BYTES[self.precision.master]
 
     @property
     def compute_is_master(self) -> bool:
@@ -140,14 +131,6 @@ class PlanConfig:
         (one dtype), and none with the compute weights on disk, whose loads cast the master (a copy would cost its
         bytes on every step)."""
         return 0 if self.compute_is_master or not self.step.store.compute.zero_copy else self.dtype_bytes
-
-
-def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:
-    """Block-quantized moments are quantized in blocks that never straddle an update chunk: each chunk is
-    dequantized, updated and quantized alone, and a state file's chunks are read and written alone."""
-    if moment_dtype in BLOCK_SCALE_BYTES and chunk % QUANT_BLOCK:
-        raise SettingError("update_chunk", f"must be a multiple of {QUANT_BLOCK} with --moment-dtype {moment_dtype} "
-                                           f"(its quantization blocks), not {chunk}")
 
 
 def norm_first_allowed(fused: bool, grad_accum: int) -> bool:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memory_model.settings import Choice, Integer, SettingError, check_settings, setting
+from memory_model.settings import Choice, Integer, SettingError, branch, check_settings, setting
 from memory_model.tiers import RAM, TIERS, Tier, tier
+from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, Precision
 
 ACTIVATION_POLICIES = ("resident", "checkpoint", "offload")
 UPDATE_PLACES = ("device", "host")
@@ -95,8 +96,8 @@ class Placements(Choice):
 @dataclass(frozen=True)
 class StepConfig:
     """How one step is made: micro-batches, activations, the update's place, chunk and timing, the lookahead, the
-    data-parallel layout and where the store lives. The batch, its sequence length and the dtypes are the
-    planner's (`PlanConfig`) and the trainer's other branches'."""
+    data-parallel layout, where the store lives and its dtypes (`precision`, one `Precision`). The batch and its
+    sequence length are the planner's (`PlanConfig`) and the trainer's other branches'."""
 
     grad_accum: int = setting(1, "micro-batches the batch is split into", Integer())
     activations: str = setting(
@@ -133,12 +134,15 @@ class StepConfig:
            "gradient offloaded before the next loads (a divisor of the experts). 0: all of "
            "them where they fit (`streamer train`'s --budget, `streamer plan`'s device), else the most that fit "
            "(the fewest groups)", Integer(0), "N")
+    precision: Precision = branch(Precision, names={"compute": "dtype", "master": "master_dtype",
+                                                    "moments": "moment_dtype"})
     # A Placement from Python: a mixed one (compute weights in RAM, the state on disk) is priced and run too.
     store: Placement = setting(Placement(), "where the host store lives: ram, or disk (committed every step)",
                                Placements(), "TIER")
 
     def __post_init__(self) -> None:
         check_settings(self)
+        check_chunk_blocks(self.update_chunk, self.precision.moments)
 
     def fused(self, devices: int, frozen_base: bool) -> bool:
         """Whether AdamW runs inside backward: the one rule. The fused update is speculative (clip coefficient 1)
@@ -168,3 +172,11 @@ class StepConfig:
     def offloads_inputs(self) -> bool:
         """The kept block inputs wait for their backward in host memory."""
         return self.activations == "offload"
+
+
+def check_chunk_blocks(chunk: int, moment_dtype: str) -> None:
+    """Block-quantized moments are quantized in blocks that never straddle an update chunk: each chunk is
+    dequantized, updated and quantized alone, and a state file's chunks are read and written alone."""
+    if moment_dtype in BLOCK_SCALE_BYTES and chunk % QUANT_BLOCK:
+        raise SettingError("update_chunk", f"must be a multiple of {QUANT_BLOCK} with --moment-dtype {moment_dtype} "
+                                           f"(its quantization blocks), not {chunk}")

@@ -152,8 +152,8 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
 
 def _moments_s(resource: Resource, cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
     """A state chunk's int8 moments (de)quantized on the host, where that is measured (`local`); else none."""
-    costs = device.kernels.get(cfg.compute_dtype)
-    if costs is None or cfg.moment_dtype != "int8" or not isinstance(resource, StateChunk):
+    costs = device.kernels.get(cfg.precision.compute)
+    if costs is None or cfg.precision.moments != "int8" or not isinstance(resource, StateChunk):
         return 0.0
     return 2 * resource.count * getattr(costs, cost)
 
@@ -197,7 +197,7 @@ def _input_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Device
 
 
 def _compute(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec) -> float:
-    costs = device.kernels.get(cfg.compute_dtype)
+    costs = device.kernels.get(cfg.precision.compute)
     fixed = 0.0 if costs is None else costs.fixed_s(cfg.step.store.state)[0]
     return fixed + _kernels(event, shape, cfg, device, costs)
 
@@ -214,18 +214,18 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
         cast = 0.0
         if costs is not None and cfg.new_compute_bytes:
             cast = event.chunk.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
-        if costs is not None and cfg.master_dtype == "bf16":
+        if costs is not None and cfg.precision.master == "bf16":
             cast += event.chunk.count * costs.round_s  # the stochastic rounding of the bf16 master
         return cfg.update_touched_bytes(event.chunk.count) / bandwidth + cast
     unit = event.unit
-    rate = device.flops_for(cfg.compute_dtype) * device.matmul_efficiency
+    rate = device.flops_for(cfg.precision.compute) * device.matmul_efficiency
     matmuls = forward_flops(shape, unit, cfg.micro_batch, cfg.seq)
     # A backward's matmuls: the gradient w.r.t. the input and w.r.t. the weights; a frozen (LoRA) base makes
     # only the first (its adapters' matmuls are rank-sized, left out).
     passes = 1 if cfg.lora.enabled else 2
     attention = attention_flops(shape, cfg.micro_batch, cfg.seq) if unit.startswith("block.") else 0
     if costs is None:  # a preset: matmuls and attention at their achievable rates, the rest over HBM
-        attention_rate = device.flops_for(cfg.compute_dtype) * device.attention_efficiency
+        attention_rate = device.flops_for(cfg.precision.compute) * device.attention_efficiency
         forward = (matmuls - attention) / rate + attention / attention_rate
         backward = passes * forward + _beside_matmuls_s(event, shape, cfg, device, "backward")
         forward = max(forward + _beside_matmuls_s(event, shape, cfg, device, "forward"),
@@ -250,7 +250,7 @@ def _beside_matmuls_s(event: Event, shape: ModelConfig, cfg: PlanConfig, device:
 def _mfu_floor_s(flops: float, device: DeviceSpec, cfg: PlanConfig) -> float:
     """The least time `flops` of model FLOPs take: no step runs above the best published training MFU of its
     device class (DeviceSpec.training_mfu), whatever the shares of its single kernels."""
-    return flops / (device.flops_for(cfg.compute_dtype) * device.training_mfu)
+    return flops / (device.flops_for(cfg.precision.compute) * device.training_mfu)
 
 
 def folds_inline(cfg: PlanConfig, device: DeviceSpec) -> bool:
@@ -277,7 +277,7 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.borrowed(u).values())
     read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
     write = 0 if not disk else 4 * (own * (not (cfg.fused and last)) + borrowed)  # a fused update keeps its last
-    costs = device.kernels.get(cfg.compute_dtype)
+    costs = device.kernels.get(cfg.precision.compute)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw
     reduce_s = device.allreduce_time(4 * params, cfg.devices, cfg.ranks_per_node)
@@ -296,7 +296,7 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
 def _disk_s(cfg: PlanConfig, device: DeviceSpec, cost: str) -> float:
     """A disk-tier file's fixed cost, where it is measured (`local`); else none: `flush_s`, one flush of a commit
     (a file made durable), or `state_file_s`, a state file's cost beyond its bytes (opened, sealed, renamed)."""
-    costs = device.kernels.get(cfg.compute_dtype)
+    costs = device.kernels.get(cfg.precision.compute)
     return getattr(costs, cost) if costs is not None and cfg.step.store.state.crosses_link else 0.0
 
 
@@ -411,7 +411,7 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
             if event.unit == first_unit:
                 clock = max(clock, offload_done)
         in_flight.difference_update(releases(events, k))
-    costs = device.kernels.get(cfg.compute_dtype)
+    costs = device.kernels.get(cfg.precision.compute)
     # The step's own fixed cost (the loss, the commit).
     step_s = 0.0 if costs is None else costs.fixed_s(cfg.step.store.state if commits else RAM)[1]
     if commits:  # the trainer's thread waits for each flush

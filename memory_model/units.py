@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
+from memory_model.settings import Choice, check_settings, setting
+
 # Bytes per element of every dtype the runtime stores, computes or exports in, by the names users write.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 # Block-wise quantized dtypes (int8 Adam moments, as in Dettmers et al., "8-bit Optimizers via Block-wise
@@ -13,6 +15,9 @@ QUANT_BLOCK = 256
 BLOCK_SCALE_BYTES = {"int8": 4}
 # The dtypes a step computes in (fp16 only exports: its range needs loss scaling, which the runtime lacks).
 COMPUTE_DTYPES = ("bf16", "fp32")
+DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: the device's (streamer.runtime.hardware.resolve_compute_dtype)
+MOMENT_DTYPES = ("fp32", "bf16", "int8")
+MASTER_DTYPES = ("fp32", "bf16")
 
 
 def stored_bytes(dtype: str, numel: int) -> int:
@@ -25,12 +30,31 @@ def stored_bytes(dtype: str, numel: int) -> int:
 @dataclass(frozen=True)
 class Precision:
     """One run's dtypes, by the names users write: the compute weights', the master weights' and the Adam
-    moments'. The planner (`PlanConfig.precision`), the runtime and the store (`StoreSpec.precision`) each take it
-    whole, and ask it the one rule that depends on these dtypes alone."""
+    moments'. The step's settings nest it (`StepConfig.precision`, flags --dtype, --master-dtype and
+    --moment-dtype); the planner, the runtime, the optimizer and the store (`StoreSpec.precision`) each take it
+    whole, and ask it the one rule that depends on these dtypes alone. `compute` may be `auto` only as a setting:
+    what runs resolves it for its device first (`TrainerConfig.precision`)."""
 
-    compute: str
-    master: str = "fp32"
-    moments: str = "fp32"
+    compute: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
+                                   "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32",
+                           Choice(DTYPE_CHOICES), "DTYPE")
+    master: str = setting(
+        "fp32", "dtype of the master weights in the store: fp32 (exact AdamW), or bf16 (half the bytes; AdamW runs "
+                "on them widened to fp32 and each update is stochastically rounded back, so small updates are kept "
+                "on average; with --dtype bf16 the master is also the compute weights)", Choice(MASTER_DTYPES),
+        "DTYPE")
+    moments: str = setting(
+        "fp32", "dtype of the Adam moments in the store: fp32, bf16 (half the bytes), or int8 (block-wise quantized "
+                "as in 8-bit Adam: 1 byte each and an fp32 scale per 256; AdamW runs on them dequantized to fp32)",
+        Choice(MOMENT_DTYPES), "DTYPE")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @property
+    def resolved(self) -> bool:
+        """The compute dtype is a real one (not `auto`): a step can be laid out and priced in it."""
+        return self.compute in COMPUTE_DTYPES
 
     def compute_is_master(self, frozen: bool) -> bool:
         """The compute weights are the master weights themselves (one dtype): the store keeps no second copy. A

@@ -1,10 +1,10 @@
 """The trainer's settings (`TrainerConfig`): a tree of its owners' configs.
 
 Each branch is the config of the code that reads it: the step's (`memory_model.step.StepConfig`, the store's
-placement with it, which the planner takes too), the optimizer's and its learning-rate schedule
-(`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`), the objective's (`ObjectiveConfig`: sft or dpo) and
-the device's (`DeviceConfig`). The seed and the trace cadence are the trainer's own. Every setting keeps one flat
-name, its flag and TOML key
+placement and the dtypes, `Precision`, with it, which the planner takes too), the optimizer's and its
+learning-rate schedule (`OptimizerConfig`, `LRSchedule`), LoRA's (`LoraConfig`), the objective's
+(`ObjectiveConfig`: sft or dpo) and the device's (`DeviceConfig`). The seed and the trace cadence are the
+trainer's own. Every setting keeps one flat name, its flag and TOML key
 (memory_model.settings.branch). `TrainerConfig.of(lr=1e-3, store="disk")` builds the tree from them, and
 `to_dict`/`from_dict` write and read them in a store's manifest.
 """
@@ -23,12 +23,13 @@ from memory_model.devices import DeviceSpec
 from memory_model.lora import LoraConfig
 from memory_model.objective import ObjectiveConfig, with_method_defaults
 from memory_model.settings import Integer, SettingError, branch, build, check_settings, flatten, setting
-from memory_model.shapes import check_chunk_blocks, check_norm_first
+from memory_model.shapes import check_norm_first
 from memory_model.step import Placement, StepConfig
+from memory_model.units import Precision
 from streamer.errors import ConfigError
 from streamer.runtime.hardware import DeviceConfig, resolve_compute_dtype
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
-from streamer.store.layout import DTYPES, dtype_name
+from streamer.store.layout import DTYPES
 from streamer.store.spec import StoreSpec
 
 
@@ -57,7 +58,6 @@ class TrainerConfig:
         try:
             fused = self.step.fused(1, self.lora.enabled)
             check_norm_first(self.step.clipped_steps, fused, self.step.grad_accum)
-            check_chunk_blocks(self.step.update_chunk, self.optimizer.moment_dtype)
         except SettingError as exc:
             raise ConfigError.of(exc.key, exc.problem) from None
         if self.lora.quantized and self.step.data_parallel == "sharded":
@@ -75,25 +75,35 @@ class TrainerConfig:
         return build(type(self), with_method_defaults(flat, self.objective.method), self, ConfigError.of)
 
     @functools.cached_property
+    def precision(self) -> Precision:
+        """The run's dtypes (`StepConfig.precision`), --dtype `auto` resolved for the device (bf16 where it runs
+        natively): what the planner, the store and the runtime take."""
+        precision = self.step.precision
+        if precision.resolved:
+            return precision
+        return replace(precision, compute=resolve_compute_dtype(self.device.device).dtype)
+
+    @functools.cached_property
+    def resolved_step(self) -> StepConfig:
+        """The step's settings in the resolved precision: `step` itself where --dtype names one."""
+        return self.step if self.step.precision is self.precision else replace(self.step, precision=self.precision)
+
+    @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the run computes in: --dtype, `auto` resolved for the device (bf16 where it runs natively)."""
-        if self.device.dtype != "auto":
-            return DTYPES[self.device.dtype]
-        return DTYPES[resolve_compute_dtype(self.device.device).dtype]
+        """The torch dtype the run computes in (`precision`'s)."""
+        return DTYPES[self.precision.compute]
 
     def plan_config(self, batch: int, seq: int, devices: int = 1, packed: bool = False) -> PlanConfig:
         """The planner's view of a step of `batch` sequences of `seq` tokens with these settings, on `devices`
         data-parallel devices (`packed`: rows of packed examples), in the resolved compute dtype."""
-        return PlanConfig(batch, seq, self.step, dtype_name(self.compute_dtype), devices,
-                          moment_dtype=self.optimizer.moment_dtype, master_dtype=self.optimizer.master_dtype,
-                          packed=packed, lora=self.lora, objective=self.objective)
+        return PlanConfig(batch, seq, self.resolved_step, devices, packed=packed, lora=self.lora,
+                          objective=self.objective)
 
     def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`
         data-parallel processes (with the state sharded, each holds its slice)."""
-        return StoreSpec(model, dtype_name(self.compute_dtype), self.optimizer.moment_dtype, self.step.store,
-                         self.step.update_chunk, self.step.shards(processes), frozen=self.lora.enabled,
-                         master_dtype=self.optimizer.master_dtype,
+        return StoreSpec(model, self.precision, self.step.store, self.step.update_chunk, self.step.shards(processes),
+                         frozen=self.lora.enabled,
                          quant_type="gguf" if self.lora.gguf else
                          self.lora.bnb_4bit_quant_type if self.lora.load_in_4bit else "",
                          double_quant=self.lora.load_in_4bit and self.lora.bnb_4bit_use_double_quant,
@@ -110,7 +120,7 @@ class TrainerConfig:
     def to_dict(self) -> dict[str, Any]:
         """The settings by flat name as JSON values, the compute dtype resolved (a resumed run keeps it)."""
         out = flatten(self)
-        out.update(dtype=dtype_name(self.compute_dtype), store=self.step.store.to_dict(), betas=list(out["betas"]),
+        out.update(dtype=self.precision.compute, store=self.step.store.to_dict(), betas=list(out["betas"]),
                    set=list(out["set"]))
         if isinstance(out["budget"], DeviceSpec):
             out["budget"] = out["budget"].name

@@ -35,7 +35,7 @@ from layers import PRESETS, ModelConfig
 from memory_model import format_size
 from memory_model.host import HostBytes
 from memory_model.shapes import offloaded_inputs_bytes
-from memory_model.units import COMPUTE_DTYPES, DTYPE_BYTES
+from memory_model.units import DTYPE_BYTES
 from streamer.advice import planned_host
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
@@ -254,8 +254,8 @@ def _need(cfg: RunConfig, model_cfg: ModelConfig, on_disk: int, in_ram: int, off
     if alone.disk > free_disk or store_size(model_cfg, tc, on_disk)[0] * in_ram > free_ram:
         return alone, None
     try:
-        host = planned_host(model_cfg, cfg if tc.device.dtype in COMPUTE_DTYPES else cfg.replace(dtype="fp32"),
-                            on_disk)
+        resolved = tc.step.precision.resolved
+        host = planned_host(model_cfg, cfg if resolved else cfg.replace(dtype="fp32"), on_disk)
     except ValueError:
         return alone, None
     return HostNeed.of(model_cfg, tc, on_disk, in_ram, offloaded, kept, host), host
@@ -268,7 +268,7 @@ def _offloaded(cfg: RunConfig, model_cfg: ModelConfig, processes: int) -> int:
     if tc.step.activations != "offload":
         return 0
     micro = cfg.batch // (tc.step.grad_accum * processes)
-    return offloaded_inputs_bytes(model_cfg, micro, cfg.seq, DTYPE_BYTES.get(tc.device.dtype, 4))
+    return offloaded_inputs_bytes(model_cfg, micro, cfg.seq, DTYPE_BYTES.get(tc.step.precision.compute, 4))
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from layers import FAMILIES, PRESETS, ConfigError, ModelConfig
-from memory_model import COMPUTE_DTYPES, PlanConfig
+from memory_model import PlanConfig
 from memory_model.expert_groups import checked_group
 from memory_model.objective import with_method_defaults
 from memory_model.lora import check_targets
@@ -205,8 +205,8 @@ class RunConfig:
         """The planner's view of this run's step on `devices` data-parallel devices. --dtype must be resolved
         first (`cfg.replace(dtype=...)`): the step is laid out in a real dtype."""
         tc = self.trainer
-        if tc.device.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"resolve --dtype {tc.device.dtype} to bf16 or fp32 before planning the step")
+        if not tc.step.precision.resolved:
+            raise ValueError(f"resolve --dtype {tc.step.precision.compute} to bf16 or fp32 before planning the step")
         # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
         rows = self.batch * (2 if tc.objective.preference else 1)  # --batch counts DPO's pairs: two rows each
         return tc.plan_config(rows, self.seq, devices, packed=self.data.pack is not None)

@@ -271,7 +271,7 @@ class Session:
         cfg, last, trace = self.cfg, self.trainer.step_count, self.trainer.trace
         trace.meta.update(model=cfg.from_pretrained or cfg.model, run=str(self.run.root), batch=cfg.batch,
                           seq=cfg.seq, grad_accum=cfg.trainer.step.grad_accum, activations=cfg.trainer.step.activations,
-                          dtype=cfg.trainer.device.dtype, store=cfg.trainer.step.store.tier,
+                          dtype=cfg.trainer.step.precision.compute, store=cfg.trainer.step.store.tier,
                           steps=[last - trained + 1, last])
         top = trace.peak_step()  # the step `streamer trace` shows by default
         assert top is not None  # steps were trained
@@ -367,7 +367,7 @@ class Session:
 
     def peak_flops(self) -> tuple[float, str] | None:
         """(FLOP/s, what it is): one device's dense peak in the run's compute dtype that MFU is read against, the
-        run's target's (the --budget preset, else this cpu's matmul rate measured by its calibration); None where
+        run's target's (the --price-on preset, else this cpu's matmul rate measured by its calibration); None where
         none is known."""
         target = self.trainer.target()
         dtype = dtype_name(self.trainer.tc.compute_dtype)
@@ -683,7 +683,7 @@ def continue_run(run: RunDir, cfg: RunConfig, listener: Listener | None = None,
     run.refuse_links()
     parallel = _join(cfg, events)
     # The run's own dtype; say so where it is emulated.
-    dtype = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.device.dtype)
+    dtype = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.step.precision.compute)
     if dtype.emulated:
         events("note", dtype.reason)
     world = 1 if parallel is None else parallel.world
@@ -834,7 +834,7 @@ def _join(cfg: RunConfig, events: Events) -> DataParallel | None:
 def _compute_dtype(cfg: RunConfig, parallel: DataParallel | None, events: Events) -> str:
     """--dtype on this hardware (auto: bf16 where it is native and fast, else fp32), reported with its reason.
     Every process takes the lead's choice: their stores and gradient all-reduces must agree."""
-    choice = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.device.dtype)
+    choice = resolve_compute_dtype(cfg.trainer.device.device, cfg.trainer.step.precision.compute)
     events("note", choice.reason)
     return choice.dtype if parallel is None else parallel.gather(choice.dtype)[0]
 

@@ -46,7 +46,7 @@ class StepPolicy:
             raise ConfigError.of(exc.key, exc.problem) from None
         self._clipped_schedules: dict[tuple[int, int], str] = {}  # by (batch, seq), as `clipped_schedule` chose
         # This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
-        # target `clipped_schedule` prices a cpu run on when --budget names no device preset.
+        # target `clipped_schedule` prices a cpu run on when --price-on names no device preset.
         self.local_target: DeviceSpec | None = None
 
     def make(self, micro: list[MicroBatch], tokens: float, step: int, batch: int, seq: int) -> StepContext:
@@ -123,7 +123,7 @@ class StepPolicy:
     def clipped_schedule(self, batch: int, seq: int) -> str:
         """How a fused step of `batch` x `seq` that clips is made: "norm-first" or "after-backward".
         `--clipped-steps auto` takes the one the planner prices faster on the run's target: the --price-on
-        device preset (else a --budget one; with --set), else `local_target` on the cpu; with neither,
+        device preset (with --set; never the --budget's), else `local_target` on the cpu; with neither,
         after-backward."""
         key = (batch, seq)
         if key not in self._clipped_schedules:

@@ -41,7 +41,7 @@ class StreamingTrainer:
     def __init__(self, cfg: ModelConfig, tc: TrainerConfig | None = None, store_dir: str | Path | None = None,
                  *, _store: StoreReader | None = None, _initialize: bool = True) -> None:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
-        device, step = self.tc.device, self.tc.step
+        device, step = self.tc.device, self.tc.resolved_step
         check_runnable(step)
         if self.tc.lora.load_in_4bit:
             _check_bitsandbytes()
@@ -80,9 +80,8 @@ class StreamingTrainer:
         if self.tc.lora.enabled:
             self.adapters = Adapters(cfg, self.tc.lora, self.tc.optimizer, torch.device(device.device), self.tc.seed)
         # The one wiring every collaborator of a step reads, built here once.
-        self.runtime = Runtime(cfg, step, self.tc.optimizer, torch.device(device.device), self.tc.compute_dtype,
-                               self.store, self.writer, self.ledger, self.trace, self.layouts, self.data_parallel,
-                               self.adapters, self.tc.seed)
+        self.runtime = Runtime(cfg, step, self.tc.optimizer, torch.device(device.device), self.store, self.writer,
+                               self.ledger, self.trace, self.layouts, self.data_parallel, self.adapters, self.tc.seed)
         self.executor = Executor(self.runtime)
         self.persistence = Persistence(self.runtime, self.executor, self.tc)
         self.policy = StepPolicy(self.runtime, self.executor, self.tc, self.persistence)
@@ -355,7 +354,7 @@ class StreamingTrainer:
     @property
     def local_target(self) -> DeviceSpec | None:
         """This machine's calibrated DeviceSpec, which a caller may give (`streamer train` reads runs/' cache): the
-        target `clipped_schedule` prices a cpu run on when --budget names no device preset."""
+        target `clipped_schedule` prices a cpu run on when --price-on names no device preset."""
         return self.policy.local_target
 
     @local_target.setter

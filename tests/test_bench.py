@@ -23,6 +23,7 @@ from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model, raw_
 from benchmarks.report import Section
 from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
+from memory_model.units import Precision
 from streamer.advice import step_host
 from streamer.config import TrainerConfig
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
@@ -165,10 +166,10 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     four = ModelChoice("gptj-4b", GPTJConfig.preset("gptj-4b"))
     small = ModelChoice("gptj-2.7b", GPTJConfig.preset("gptj-2.7b"))
     # 12 B/param: fp32 master, two fp32 moments; no compute copy (loads cast the master), whatever the dtype.
-    assert four.store_bytes == 12 * four.params == ModelChoice("x", four.config, "fp32", "fp32").store_bytes
-    assert ModelChoice("x", four.config, "bf16").store_bytes == 8 * four.params
+    assert four.store_bytes == 12 * four.params == ModelChoice("x", four.config, Precision("fp32")).store_bytes
+    assert ModelChoice("x", four.config, Precision("bf16", moments="bf16")).store_bytes == 8 * four.params
     # A bf16 master and int8 moments: 2 + 2 x (1 + 4 / 256) B/param, from the store's own layout.
-    half = ModelChoice("x", four.config, "int8", master_dtype="bf16")
+    half = ModelChoice("x", four.config, Precision("bf16", "bf16", "int8"))
     assert 4 * four.params < half.store_bytes <= 4.04 * four.params
     # A fused step keeps the previous generation until it commits: twice the store at its largest.
     assert four.disk_bytes == 2 * four.store_bytes
@@ -188,7 +189,7 @@ def test_scale_pick_takes_the_largest_store_that_fits():
     # The width keeps the precisions it was fitted in: a bf16 master and int8 moments hold about 3x the layers.
     quarter = four.disk_bytes // 4
     thick, thin = fitted_width(four, quarter), fitted_width(half, quarter)
-    assert thick is not None and thin is not None and (thin.master_dtype, thin.moment_dtype) == ("bf16", "int8")
+    assert thick is not None and thin is not None and thin.precision == Precision("bf16", "bf16", "int8")
     assert four.config.n_layer > thin.config.n_layer > 2 * thick.config.n_layer and thin.disk_bytes <= quarter
 
 
@@ -209,7 +210,7 @@ def test_scale_run_takes_the_largest_preset_of_the_models_family(model, scale_mo
     pick = pick_scale_model(settings.scale_model, candidates, free=10**13, budget=budget)
     # Where the disk holds half the model, its width with int8 moments is the largest that fits.
     assert pick.chosen is not None and pick.chosen.name.startswith(f"{scale_model} width, ")
-    assert pick.chosen.moment_dtype == "int8" and pick.chosen.disk_bytes <= budget
+    assert pick.chosen.precision.moments == "int8" and pick.chosen.disk_bytes <= budget
 
 
 def test_scale_model_is_asked_for_and_quick_takes_its_familys_smallest(tmp_path):

@@ -14,7 +14,7 @@ from conftest import assert_same_tensors, debug_batches, strided_sequences, trai
 from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
 from memory_model.shapes import PlanConfig
-from memory_model.units import stored_bytes
+from memory_model.units import Precision, stored_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.runtime.optim import (CPU_ROUNDING_BLOCK, random_bits16, round_to_bf16_, rounding_key,
                                     stochastic_round_bf16_)
@@ -226,9 +226,9 @@ def test_the_store_size_is_what_it_writes_and_an_older_manifest_opens_as_fp32(tm
     del old["spec"]["master_dtype"], old["checksum"]  # as written before either was recorded
     path.write_text(json.dumps(old))
     with StreamingTrainer.open(tmp_path / "old") as trainer:
-        assert trainer.store.spec.master_dtype == "fp32" and trainer.step_count == 1
+        assert trainer.store.spec.precision.master == "fp32" and trainer.step_count == 1
         trainer.step(debug_batches(1)[0])
-    assert StoreSpec.from_dict(StoreSpec(CFG, master_dtype="bf16").to_dict()).master_dtype == "bf16"
+    assert StoreSpec.from_dict(StoreSpec(CFG, Precision("bf16", "bf16")).to_dict()).precision.master == "bf16"
 
 
 # --- data parallel ---------------------------------------------------------------------------------------------

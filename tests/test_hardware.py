@@ -99,7 +99,7 @@ def test_trainer_config_resolves_auto() -> None:
     assert TrainerConfig().compute_dtype == (torch.bfloat16 if cpu_probe().bf16_is_fast else torch.float32)
     assert TrainerConfig.of(device="meta").compute_dtype == torch.bfloat16
     assert TrainerConfig.of(dtype="fp32").compute_dtype == torch.float32
-    assert RunConfig().trainer.device.dtype == "auto"
+    assert RunConfig().trainer.step.precision.compute == "auto"
     with pytest.raises(RunError, match="--dtype must be one of auto, bf16, fp32"):
         RunConfig.of({"dtype": "fp16"})
 

@@ -13,7 +13,7 @@ from conftest import assert_same_tensors, strided_sequences, train_debug
 from layers import GPTJConfig
 from memory_model.planner import step_disk_bytes
 from memory_model.shapes import PlanConfig
-from memory_model.units import QUANT_BLOCK, stored_bytes
+from memory_model.units import QUANT_BLOCK, Precision, stored_bytes
 from streamer import StreamingTrainer, TrainerConfig
 from streamer.errors import ConfigError, StoreError
 from streamer.runtime.optim import OptimizerConfig, adamw_chunk
@@ -97,7 +97,7 @@ def test_the_codes_are_torchaos_and_its_adamw8bit_takes_the_same_steps(monkeypat
     param = torch.nn.Parameter(start.clone())
     reference = AdamW8bit([param], lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                         weight_decay=opt.weight_decay)
-    spec = StoreSpec(CFG, moment_dtype="int8", chunk=8192)
+    spec = StoreSpec(CFG, Precision("bf16", moments="int8"), chunk=8192)
     master = start.clone()
     moments = {k: stored(spec, k, torch.zeros(8192)) for k in ("exp_avg", "exp_avg_sq")}
     for step in range(1, 11):
@@ -199,7 +199,7 @@ def test_an_update_chunk_that_splits_a_block_is_refused_in_one_line():
                                                             r"--moment-dtype int8"):
             make()
     with pytest.raises(StoreError, match="multiple of 256"):
-        StoreSpec(CFG, moment_dtype="int8", chunk=5000)
+        StoreSpec(CFG, Precision("bf16", moments="int8"), chunk=5000)
 
 
 # --- data parallel ---------------------------------------------------------------------------------------------

@@ -69,24 +69,24 @@ def test_norm_first_where_it_cannot_run_is_one_line(settings, flag):
 
 
 def test_auto_takes_the_schedule_the_planner_prices_faster(tmp_path):
-    """On a --budget device preset, or the cpu's calibrated target (`local_target`, which `streamer train` reads
+    """On a --price-on device preset, or the cpu's calibrated target (`local_target`, which `streamer train` reads
     from runs/): the planner's choice for that target; with no target known, after-backward."""
-    for budget, local in (("h100-sxm", None), ("rtx4090", None), (None, None), (None, "a100-80g")):
-        tc = DISK.replace(budget=budget)
-        with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / f"{budget}{local}") as trainer:
+    for priced, local in (("h100-sxm", None), ("rtx4090", None), (None, None), (None, "a100-80g")):
+        tc = DISK.replace(price_on=priced)
+        with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / f"{priced}{local}") as trainer:
             trainer.local_target = None if local is None else device_spec(local)
             chosen = trainer.clipped_schedule(2, 16)
-        if budget is None and local is None:
+        if priced is None and local is None:
             assert chosen == "after-backward"
             continue
-        plans = clipped_steps(DEBUG_MODEL, device_spec(budget or local), tc.plan_config(2, 16))
+        plans = clipped_steps(DEBUG_MODEL, device_spec(priced or local), tc.plan_config(2, 16))
         assert chosen == min(plans.values(), key=lambda p: p.step_s).schedule
         assert chosen == clipped_schedule(plans, "auto").schedule
 
 
 def test_price_on_names_the_priced_device_apart_from_the_budget(tmp_path, capsys):
-    """--budget stays a memory limit; --price-on names the device `auto` is priced on (before the flag, a --budget
-    preset was both, and still is where --price-on is not given). A wrong name is one line naming the flag."""
+    """--budget stays a memory limit; --price-on names the device `auto` is priced on. A wrong name is one line
+    naming the flag."""
     from test_cli import fails
 
     tc = DISK.replace(budget="64MiB", price_on="rtx4090")
@@ -97,6 +97,30 @@ def test_price_on_names_the_priced_device_apart_from_the_budget(tmp_path, capsys
         assert trainer.clipped_schedule(2, 16) == clipped_schedule(plans, "auto").schedule
     assert "--price-on" in fails(capsys, "train", "--price-on", "h900", "--run-dir", tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_budget_preset_alone_prices_nothing(capsys, tmp_path, tiny_setup):
+    """--budget h100-sxm is a memory limit only: the run is priced as without it, on this cpu's calibrated device
+    where one is given, else on none (no MFU, and `auto` clips after the backward); --price-on h100-sxm prices it."""
+    from streamer.run_dir import RunDir
+    from test_cli import run_cli, tiny_args
+
+    tc = DISK.replace(budget="h100-sxm")
+    assert tc.device.budget_bytes() == device_spec("h100-sxm").memory_bytes - device_spec("h100-sxm").reserve_bytes
+    with StreamingTrainer(DEBUG_MODEL, tc, store_dir=tmp_path / "api") as trainer:
+        assert trainer.target() is None and trainer.clipped_schedule(2, 16) == "after-backward"
+        trainer.local_target = device_spec("a100-80g")
+        assert trainer.target() == device_spec("a100-80g")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)  # no runs/ calibration cache here
+        mfu = {}
+        for flag in ("--budget", "--price-on"):
+            args = tiny_args(tiny_setup, tmp_path / flag, 1, flag, "h100-sxm", "--store", "disk")
+            rc, out, err = run_cli(capsys, *args)
+            assert rc == 0, err
+            mfu[flag] = [m.get("mfu") for m in RunDir(tmp_path / flag).read_metrics() if "loss" in m]
+            assert ("no MFU: no peak FLOP/s is known for this device" in out) == (flag == "--budget")
+    assert mfu["--budget"] == [None] and mfu["--price-on"][0] > 0
 
 
 @pytest.mark.parametrize("kill", [Kill("backward", 3, step=3), Kill("update", 5, step=3), Kill("pwritev", 4, step=3)],

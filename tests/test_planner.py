@@ -547,7 +547,7 @@ def test_the_opt_in_precisions_pay_their_measured_elementwise_work() -> None:
     assert plan(shape, device, fp32).step_time_s < 1e-6  # nothing measured is spent by the fp32 state
     int8 = fp32.replace(moment_dtype="int8", update_chunk=4096)
     assert plan(shape, device, int8).step_time_s == pytest.approx(2 * params * (3e-9 + 2e-9), rel=1e-3)
-    bf16 = replace(fp32, master_dtype="bf16")
+    bf16 = fp32.replace(master_dtype="bf16")
     assert plan(shape, device, bf16).step_time_s == pytest.approx(params * 5e-9, rel=1e-3)
 
 
@@ -728,11 +728,11 @@ def test_a_host_update_overlapped_with_the_backward_hides_behind_it(store, timin
 def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> None:
     h100 = DEVICE_PRESETS["h100-sxm"]
     cfg = PlanConfig.of(batch=8, seq=2048, activations="checkpoint", update_on="host")
-    fp32, bf16 = plan(GPTJ_6B, h100, cfg), plan(GPTJ_6B, h100, replace(cfg, moment_dtype="bf16"))
+    fp32, bf16 = plan(GPTJ_6B, h100, cfg), plan(GPTJ_6B, h100, cfg.replace(moment_dtype="bf16"))
     assert fp32.host_store_bytes - bf16.host_store_bytes == 4 * GPTJ_6B.num_params()  # two moments, 2 B less each
     assert sum(r.update_s for r in bf16.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 20 / 28)
     # int8: a byte per moment and an fp32 scale per block of 256 (the store's own rule, units.stored_bytes).
-    int8 = plan(GPTJ_6B, h100, replace(cfg, moment_dtype="int8"))
+    int8 = plan(GPTJ_6B, h100, cfg.replace(moment_dtype="int8"))
     n = GPTJ_6B.num_params()
     assert fp32.host_store_bytes - int8.host_store_bytes == 2 * (4 * n - stored_bytes("int8", n))
     assert sum(r.optimizer_bytes for r in int8.rows) == sum(
@@ -740,7 +740,7 @@ def test_bf16_moments_the_reserve_and_per_rank_stores_in_the_accounting() -> Non
     assert sum(r.update_s for r in int8.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 16.0625 / 28,
                                                                rel=1e-3)
     # A bf16 master: 2 B less, and the bf16 compute weights are the master (no 2 B copy beside it).
-    master = plan(GPTJ_6B, h100, replace(cfg, master_dtype="bf16"))
+    master = plan(GPTJ_6B, h100, cfg.replace(master_dtype="bf16"))
     assert fp32.host_store_bytes - master.host_store_bytes == 4 * n
     assert sum(r.optimizer_bytes for r in master.rows) == 10 * n
     assert sum(r.update_s for r in master.rows) == pytest.approx(sum(r.update_s for r in fp32.rows) * 24 / 28)

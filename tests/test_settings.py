@@ -29,6 +29,7 @@ from streamer.reporting import ReportConfig
 from streamer.runtime.hardware import DeviceConfig
 from streamer.runtime.optim import LRSchedule, OptimizerConfig
 from memory_model.step import Placement, StepConfig
+from memory_model.units import Precision
 from streamer.io.tokenizer import MIN_VOCAB
 
 from tests.test_cli import fails, run_cli, tiny_args
@@ -81,12 +82,13 @@ def test_a_wrong_setting_in_a_file_is_one_line_naming_file_and_key(capsys, tmp_p
 
 
 # Each flag's owner: (owner, owner's name, flag).
-OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "moment_dtype", "nonfinite")
+OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "nonfinite")
 STEP = ("grad_accum", "activations", "prefetch", "update_on", "update_chunk", "update_timing", "clipped_steps",
         "data_parallel", "expert_group_size", "store")
 SHARED = [(StepConfig, name, name) for name in STEP] + \
     [(OptimizerConfig, name, name) for name in OPTIMIZER] + \
-    [(DeviceConfig, name, name) for name in ("dtype", "device", "budget", "set", "pin_memory")] + \
+    [(Precision, "compute", "dtype"), (Precision, "master", "master_dtype"), (Precision, "moments", "moment_dtype")] + \
+    [(DeviceConfig, name, name) for name in ("device", "budget", "set", "pin_memory")] + \
     [(DataConfig, name, name) for name in ("data", "tokenizer", "vocab_size", "pack", "eval_fraction")] + \
     [(TrainerConfig, name, name) for name in ("seed", "trace_steps", "trace_every")] + \
     [(LoraConfig, name, f"lora_{name}") for name in ("rank", "alpha", "dropout", "targets")] + \
@@ -104,8 +106,9 @@ def test_every_setting_is_declared_once_and_checked_alike_everywhere():
     for owner, name, flag in SHARED:  # the tree holds the owner's own declaration
         assert leaves[flag][1] is owner.__dataclass_fields__[name], flag
     planned = flat_fields(PlanConfig)
-    for name in STEP:  # the planner's step is the trainer's: one declaration
+    for name in (*STEP, "master_dtype", "moment_dtype"):  # the planner's step is the trainer's: one declaration
         assert planned[name][1] is leaves[name][1], name
+    assert planned["compute_dtype"][1] is leaves["dtype"][1]  # the same precision, by the planner's name
     assert leaves["batch"][1].metadata["check"] is planned["batch"][1].metadata["check"]
     run = RunConfig.of({"lr": 3e-4, "eps": 1e-6, "pack": "examples", "eval_fraction": 0.1, "budget": "64MiB"})
     assert run.data == DataConfig(pack="examples", eval_fraction=0.1)
@@ -136,10 +139,11 @@ def test_the_settings_tree_holds_each_owners_config_as_the_trainer_gets_it():
              "update_chunk": 4096, "budget": "64MiB", "pack": "examples", "max_grad_norm": 0}
     cfg = RunConfig.of(given)
     tc = cfg.trainer
-    assert tc.optimizer == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), moment_dtype="bf16", max_grad_norm=0)
+    assert tc.optimizer == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), max_grad_norm=0)
     assert tc.schedule == LRSchedule("cosine", 3, 9)  # it decays over --steps
-    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096) and tc.step.store == Placement.of("ram")
-    assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data == DataConfig(pack="examples")
+    assert tc.step == StepConfig(grad_accum=2, update_chunk=4096, precision=Precision("fp32", moments="bf16"))
+    assert tc.step.store == Placement.of("ram")
+    assert tc.device == DeviceConfig(budget="64MiB") and cfg.data == DataConfig(pack="examples")
     assert cfg.plan_config() == PlanConfig.of(batch=4, seq=128, grad_accum=2, compute_dtype="fp32", store="ram",
                                               update_chunk=4096, moment_dtype="bf16", packed=True)
     # every flag lands in its owner's config, and comes back by its flat name
@@ -194,10 +198,11 @@ def test_an_old_flat_config_toml_loads_into_the_nested_tree(tmp_path):
     cfg = RunDir(tmp_path).read_config()
     tc = cfg.trainer
     assert (cfg.model, cfg.steps, cfg.batch, cfg.seq) == ("gptj-debug", 6, 4, 32)
-    assert tc.step == StepConfig(grad_accum=2, activations="checkpoint", update_chunk=2**20, store=Placement.of("disk"))
+    assert tc.step == StepConfig(grad_accum=2, activations="checkpoint", update_chunk=2**20, store=Placement.of("disk"),
+                                 precision=Precision("fp32"))
     assert tc.optimizer == OptimizerConfig(lr=3e-3, max_grad_norm=0)
     assert tc.schedule == LRSchedule("cosine", 2, 6, 0.1) and tc.step.store == Placement.of("disk")
-    assert tc.device == DeviceConfig("fp32", budget="64MiB") and cfg.data.pack == "examples"
+    assert tc.device == DeviceConfig(budget="64MiB") and cfg.data.pack == "examples"
 
 
 def test_an_old_trainer_state_loads_into_the_nested_tree():
@@ -211,10 +216,10 @@ def test_an_old_trainer_state_loads_into_the_nested_tree():
            "nonfinite": "stop", "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0,
            "lora_targets": "q_proj,v_proj", "seed": 3, "trace_steps": 8, "trace_every": 0}
     tc = TrainerConfig.from_dict(old)
-    assert tc.optimizer.max_grad_norm == 0 and tc.device.dtype == "bf16" and tc.seed == 3
+    assert tc.optimizer.max_grad_norm == 0 and tc.step.precision.compute == "bf16" and tc.seed == 3
     assert tc.schedule == LRSchedule("linear", 1, 5) and tc.step.store == Placement("ram", "disk", "disk")
     assert tc.step == StepConfig(grad_accum=2, update_chunk=8192, update_timing="after-backward",
-                                 store=Placement("ram", "disk", "disk"))
+                                 store=Placement("ram", "disk", "disk"), precision=Precision("bf16"))
     assert TrainerConfig.from_dict(tc.to_dict()) == tc
 
 
@@ -259,7 +264,7 @@ def test_new_settings_reach_the_trainer_and_config_toml():
     cfg = RunConfig.of({"betas": [0.8, 0.99], "eps": 1e-6, "moment_dtype": "bf16", "nonfinite": "skip",
                         "trace_steps": 3})
     tc, opt = cfg.trainer, cfg.trainer.optimizer
-    assert (opt.betas, opt.eps, opt.moment_dtype, opt.nonfinite) == ((0.8, 0.99), 1e-6, "bf16", "skip")
+    assert (opt.betas, opt.eps, tc.step.precision.moments, opt.nonfinite) == ((0.8, 0.99), 1e-6, "bf16", "skip")
     assert tc.trace_steps == 3
     args = build_parser().parse_args(["train", "--betas", "0.8", "0.99", "--eps", "1e-6", "--moment-dtype", "bf16",
                                       "--nonfinite", "skip", "--trace-steps", "3"])

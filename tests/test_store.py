@@ -20,6 +20,7 @@ from streamer.store.slabfile import TRAILER_BYTES, Trailer
 from streamer.store.files import StateFiles
 from streamer.store.host import HostReader, HostStore
 from streamer.store.spec import StoreSpec
+from memory_model.units import Precision
 
 CFG = GPTJConfig.preset("gptj-debug")
 DISK = TrainerConfig.of(store="disk", dtype="bf16", update_chunk=8192, lr=3e-3)
@@ -548,5 +549,5 @@ def test_the_torch_dtypes_are_the_sized_dtypes() -> None:
     assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == {n: DTYPE_BYTES[n] for n in DTYPES}
     # int8 is a stored form only (block-quantized moments): the store keeps its bytes, one per element.
     assert set(DTYPE_BYTES) - set(DTYPES) == {"int8"}
-    int8 = StoreSpec(GPTJConfig.preset("gptj-debug"), moment_dtype="int8", chunk=256)
+    int8 = StoreSpec(GPTJConfig.preset("gptj-debug"), Precision("bf16", moments="int8"), chunk=256)
     assert int8.kind_dtype("exp_avg").itemsize == DTYPE_BYTES["int8"]

@@ -84,7 +84,7 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"{points} points in {time.perf_counter() - began:.1f} s: {table}, {png}")
         return 0
     model_cfg = cfg.model_config()
-    choice = plan_dtype(args.target, cfg.trainer.device.dtype)
+    choice = plan_dtype(args.target, cfg.trainer.step.precision.compute)
     dtype = choice.dtype
     device = with_sets(_device(args.target, model_cfg, dtype), cfg.trainer.device.set, SettingError)
     # Unless named, the update runs where the target runs it (MemoryX updates cs2's and cs3's weights): set before
@@ -138,9 +138,9 @@ def plan_command(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(choice.reason, markup=False, highlight=False)
     console.print(store, markup=False, highlight=False)
-    optimizer = cfg.trainer.optimizer
+    precision = cfg.trainer.step.precision
     console.print(f"host store per process: {format_size(store_ram)} of RAM, {format_size(store_disk)} of disk "
-                  f"(--master-dtype {optimizer.master_dtype} --moment-dtype {optimizer.moment_dtype}; at its largest, "
+                  f"(--master-dtype {precision.master} --moment-dtype {precision.moments}; at its largest, "
                   f"while a step commits)",
                   markup=False, highlight=False)
     host = result.host_peak
@@ -237,7 +237,7 @@ def _beside_16bit(quantized: Plan, sixteen: Plan) -> Table:
                    "step"):
         table.add_column(column, justify="left" if column == "base" else "right")
     link = _link(sixteen)
-    for label, p in ((f"{name} (this plan)", quantized), (f"16-bit ({quantized.config.compute_dtype})", sixteen)):
+    for label, p in ((f"{name} (this plan)", quantized), (f"16-bit ({quantized.config.precision.compute})", sixteen)):
         figures = _base_figures(p)
         table.add_row(label, format_size(p.peak_device_bytes), format_size(figures["host_peak_bytes"]),
                       format_size(p.host_store_bytes),

@@ -123,8 +123,8 @@ def _rerun(cfg: RunConfig, explicit: dict, config_file: str | None, printer: Pri
         ("steps",) if before["epochs"] is not None else ()
     same = resolve({**explicit, **{k: before[k] for k in RESUMABLE if k not in length}},
                    config_file).with_absolute_paths()
-    if same.trainer.device.dtype == "auto":  # the run recorded what auto chose when it started
-        same = same.replace(dtype=saved.trainer.device.dtype)
+    if same.trainer.step.precision.compute == "auto":  # the run recorded what auto chose when it started
+        same = same.replace(dtype=saved.trainer.step.precision.compute)
     now = same.flat()
     changed = [f"{flag(k)} {shown(before[k])} there, {shown(now[k])} here" for k in now
                if k not in RESUMABLE and now[k] != before[k]]

@@ -90,7 +90,8 @@ def describe(s: Session) -> str:
     return (f"{model} ({s.trainer.cfg.num_params():,} params), {data}: {train} train / "
             f"{len(s.held_out) if s.held_out else 0} held-out {rows} of {cfg.seq} tokens"
             f"{f' ({cfg.epochs} epochs: {cfg.steps} steps)' if cfg.epochs else ''}; batch {cfg.batch}"
-            f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, {tc.device.dtype}, "
+            f"{f' in {tc.step.grad_accum} micro-batches' if tc.step.grad_accum > 1 else ''}, "
+            f"{tc.step.precision.compute}, "
             f"{tc.step.activations} activations, {tc.step.store.tier} store, {budget} budget{lora}")
 
 

@@ -55,8 +55,8 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
         raise StreamerError(f"{run_dir} has {len(steps)} timed step(s); --compare needs 2 or more (the first "
                             "pays for warm-up): train it longer with --steps")
     shape, processes = cfg.model_config(), run.processes()
-    device = with_sets(local_spec(Path("runs"), shape, cfg.trainer.device.dtype), (*cfg.trainer.device.set, *sets),
-                       SettingError)
+    device = with_sets(local_spec(Path("runs"), shape, cfg.trainer.step.precision.compute),
+                       (*cfg.trainer.device.set, *sets), SettingError)
     # The peak of the schedule a clipped fused step runs; the largest batch and seq that fit are not needed.
     predicted = plan(shape, device, peak_plan_config(shape, cfg, processes), limits=False)
     predicted_step = statistics.median(replayed_steps(shape, device, cfg, steps, processes)[1:])

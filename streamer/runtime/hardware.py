@@ -19,7 +19,6 @@ from memory_model.settings import Choice, SettingError, Text, check_settings, se
 from streamer.errors import StreamerError
 from streamer.store.spec import PIN_MODES
 
-DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)  # auto: resolve_compute_dtype
 BF16_MIN_CAPABILITY = (8, 0)
 # 256^3 separates the cases by 2x either way (measured on AVX512-BF16, natively and capped to AVX2: bf16
 # 205 vs fp32 103 GFLOP/s, and 3.2 vs 103) and an emulated bf16 matmul of it still takes only ~10 ms.
@@ -142,13 +141,11 @@ def resolve_compute_dtype(device: str, requested: str = "auto") -> DtypeChoice:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where a run computes: the torch device, its compute dtype, its memory budget and the host memory pinned
-    for it (each a `streamer train` flag). Wrong values raise memory_model's SettingError, which the run reports
-    as its own. The device may be `meta` (a dry run); `streamer train` refuses it."""
+    """Where a run computes: the torch device, its memory budget, the device its choices are priced on and the
+    host memory pinned for it (each a `streamer train` flag; its compute dtype is `StepConfig.precision`'s).
+    Wrong values raise memory_model's SettingError, which the run reports as its own. The device may be `meta` (a
+    dry run); `streamer train` refuses it."""
 
-    dtype: str = setting("auto", "compute dtype: auto (bf16 where the hardware runs it natively and at least as "
-                                 "fast as fp32, else fp32; config.toml records the choice), bf16 or fp32 (master "
-                                 "weights and Adam state are fp32)", Choice(DTYPE_CHOICES), "DTYPE")
     device: str = setting("cpu", "torch device: cpu or cuda", Text(), "DEVICE")
     # The Python API also takes bytes or a DeviceSpec.
     budget: str | int | DeviceSpec | None = setting(None, "device memory budget, e.g. 64MiB or 3GB, or a device "
@@ -160,8 +157,8 @@ class DeviceConfig:
                                    FIGURE_SETS, "FIELD=NUMBER")
     price_on: str | None = setting(
         None, "the device preset the run's run-time choices are priced on (--clipped-steps auto) and its MFU is read "
-              "against (%s); default: the --budget preset where --budget names one, as before this flag, else this "
-              "cpu's calibrated device. --budget stays a memory limit" % ", ".join(DEVICE_PRESETS),
+              "against (%s); default: this cpu's calibrated device, never the --budget preset: --budget is a memory "
+              "limit only" % ", ".join(DEVICE_PRESETS),
         Choice(tuple(DEVICE_PRESETS)), "DEVICE")
     pin_memory: str = setting("staging", "host memory pinned for a CUDA device: all (the RAM store too), register "
                                          "(the RAM store too, locked where it lies), staging (a bounded pool of "
@@ -175,11 +172,11 @@ class DeviceConfig:
         return budget_bytes(self.budget, SettingError, self.set)
 
     def priced_on(self, error: Callable[[str, str], Exception] = SettingError) -> DeviceSpec | None:
-        """The device the run's run-time choices are priced on, with the --set figures: --price-on, else the
-        --budget preset (or DeviceSpec) where the budget names one; None where neither does."""
-        named = self.price_on if self.price_on is not None else self.budget
-        device = DEVICE_PRESETS.get(named, named) if isinstance(named, str) else named
-        return with_sets(device, self.set, error) if isinstance(device, DeviceSpec) else None
+        """The device --price-on names, with the --set figures; None where it names none. The --budget is a
+        memory limit only: its preset prices nothing."""
+        if self.price_on is None:
+            return None
+        return with_sets(DEVICE_PRESETS[self.price_on], self.set, error)
 
     def cuda_arch(self) -> str:
         """The compute capability ("sm90") of the CUDA device the ledger accounts as torch's caching allocator

@@ -9,8 +9,7 @@ import torch
 import xxhash
 from torch.optim.adam import adam
 
-from memory_model.shapes import PlanConfig
-from memory_model.settings import Choice, Integer, Number, Pair, check_settings, same_setting, setting
+from memory_model.settings import Choice, Integer, Number, Pair, check_settings, setting
 from streamer.compiled import kernel
 from streamer.errors import ConfigError
 
@@ -19,8 +18,8 @@ NONFINITE_POLICIES = ("stop", "skip")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, gradient clipping, the master's and the moments' dtypes in the store, and what a non-finite step
-    does."""
+    """AdamW, gradient clipping and what a non-finite step does. The master's and the moments' dtypes are the
+    step's (`StepConfig.precision`)."""
 
     lr: float = setting(1e-4, "peak learning rate", Number(0.0, low_open=True))
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW's moment decay rates, each in [0, 1): B1,B2 or B1 B2",
@@ -28,8 +27,6 @@ class OptimizerConfig:
     eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", Number(0.0, low_open=True))
     weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", Number(0.0))
     max_grad_norm: float = setting(1.0, "clip gradients to this global norm (0: no clipping)", Number(0.0))
-    moment_dtype: str = same_setting(PlanConfig, "moment_dtype")  # the planner prices the store's moments too
-    master_dtype: str = same_setting(PlanConfig, "master_dtype")
     nonfinite: str = setting("stop", "on a non-finite loss or gradient: stop the run, or skip the step "
                                      "(nothing is updated; the next batch follows)", Choice(NONFINITE_POLICIES),
                              "POLICY")

@@ -20,10 +20,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from memory_model import Ledger
 from streamer.store.interface import StoreReader
 from streamer.store.layout import fold_into
 from streamer.store.spec import STATE_KINDS
@@ -261,13 +262,24 @@ def _fill_or_copy(out: torch.Tensor, fill: Callable[[torch.Tensor], object] | No
         fill(out)
 
 
+class Wiring(Protocol):
+    """What a `Transport` reads of the runtime's wiring (`streamer.runtime.wiring.Runtime`, which builds it)."""
+
+    @property
+    def store(self) -> StoreReader | None: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def weights_dtype(self) -> torch.dtype: ...
+    @property
+    def ledger(self) -> Ledger: ...
+
+
 class Transport:
-    def __init__(self, store: StoreReader | None, device: torch.device, compute_dtype: torch.dtype,
-                 weights_dtype: torch.dtype | None = None, device_in_use: Callable[[], int] | None = None) -> None:
-        """`weights_dtype`: what a weights load holds, where not the compute dtype's elements (a 4-bit base's
-        bytes, uint8, read as they are stored). `device_in_use`: the device bytes the ledger holds now, which bounds
-        the free buffers kept where the device is the host (`BufferPool`)."""
-        self.store, self.device, self.compute_dtype = store, device, compute_dtype
+    def __init__(self, rt: Wiring) -> None:
+        self.store, self.device, self.compute_dtype = store, device, compute_dtype = rt.store, rt.device, rt.dtype
         self.mode = {"cpu": "shared", "cuda": "cuda", "meta": "meta"}[device.type]
         self.side_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         self.staging = None if store is None or self.mode != "cuda" else \
@@ -281,16 +293,14 @@ class Transport:
         # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
         self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
         # A half-precision master stored in the compute dtype is read straight into the weights' buffer, with no
-        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept.
-        self.master_is_weights = store is not None and \
-            store.spec.kind_dtype("master") == compute_dtype != torch.float32
-        self.weights_dtype = weights_dtype or compute_dtype
-        if weights_dtype is not None or (store is not None and store.spec.frozen):
-            # A frozen base on disk (4-bit bytes, or 16-bit weights): its files hold what a load sends, as it is.
-            self.master_is_weights = True
+        # fp32 pass between; an fp32 one is read as before, since the master it reads is the fp32 one kept. A frozen
+        # base on disk (4-bit bytes, `weights_dtype` uint8, or 16-bit weights) is read as its files hold it.
+        self.weights_dtype = rt.weights_dtype
+        self.master_is_weights = rt.weights_dtype != compute_dtype or (store is not None and (
+            store.spec.frozen or store.spec.kind_dtype("master") == compute_dtype != torch.float32))
         # Host buffers: the device's own where it is the host (cpu), else those a copy to the device goes through
         # when the store has no staging pool.
-        self.buffers = BufferPool(device_in_use if self.mode == "shared" else None)
+        self.buffers = BufferPool((lambda: rt.ledger.in_use) if self.mode == "shared" else None)
 
     def close(self) -> None:
         self.copier.close()

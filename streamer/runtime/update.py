@@ -18,7 +18,8 @@ class Updater:
 
     def __init__(self, rt: Runtime) -> None:
         self.step_cfg, self.optimizer, self.layouts, self.placement = rt.step, rt.optimizer, rt.layouts, rt.placement
-        self.dtype, self.compute_is_master, self.seed = rt.dtype, rt.compute_is_master, rt.seed
+        self.precision, self.dtype, self.compute_is_master, self.seed = rt.precision, rt.dtype, rt.compute_is_master, \
+            rt.seed
         self.transport, self.io, self.ledger, self.trace = rt.transport, rt.io, rt.ledger, rt.trace
         self.store, self.writer, self.data_parallel = rt.store, rt.writer, rt.data_parallel
         self.on_host = rt.step.update_on == "host"  # the update runs where the store lives
@@ -41,7 +42,7 @@ class Updater:
         start = chunk.start + (0 if self.shards == 1 or self.data_parallel is None  # (sharded only across ranks)
                                else self.data_parallel.slice_start(layout.numel))
         assert ctx.clip_coef is not None  # set by the step's first update, or before a fused one
-        rounding = None if self.optimizer.master_dtype == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
+        rounding = None if self.precision.master == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
         with torch.profiler.record_function(HOST_UPDATE if self.on_host else "ws: update"):
             adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
         if ctx.fused:

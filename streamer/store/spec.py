@@ -17,8 +17,7 @@ from layers.quant_gguf import QuantGGUF
 from memory_model.host import frozen_staging_bytes, staging_pool_bytes
 from memory_model.schedule import chunks, shard_numel
 from memory_model.settings import SettingError, Switch, check_settings, same_setting, setting
-from memory_model.shapes import PlanConfig, check_chunk_blocks
-from memory_model.step import Placement, StepConfig
+from memory_model.step import Placement, StepConfig, check_chunk_blocks
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK, Precision, stored_bytes
 from streamer.errors import StoreError
 from streamer.store.layout import DTYPES, UnitLayout, model_layouts
@@ -37,12 +36,11 @@ def _error(key: str, problem: str) -> StoreError:
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """What a store holds: its dtypes, placement and chunk are the step's settings (`PlanConfig`'s and
-    `StepConfig`'s declarations), as the trainer that creates it has them (`TrainerConfig.store_spec`)."""
+    """What a store holds: its dtypes (`precision`, the compute dtype resolved), placement and chunk are the step's
+    settings (`StepConfig`'s), as the trainer that creates it has them (`TrainerConfig.store_spec`)."""
 
     config: ModelConfig
-    compute_dtype: str = same_setting(PlanConfig, "compute_dtype")
-    moment_dtype: str = same_setting(PlanConfig, "moment_dtype")
+    precision: Precision = Precision("bf16")
     placement: Placement = same_setting(StepConfig, "store")
     # Also the interleave unit of state files.
     chunk: int = same_setting(StepConfig, "update_chunk")
@@ -51,7 +49,6 @@ class StoreSpec:
     # LoRA trains adapters beside a frozen base: the store then holds the base's compute weights alone, written
     # once (no master, no moments, no gradient), and a step only reads them.
     frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
-    master_dtype: str = same_setting(PlanConfig, "master_dtype")
     # A frozen base held 4-bit (QLoRA, layers/packed4.py): its compute weights are each unit's byte slab.
     quant_type: str = ""  # "" (16-bit), "nf4" or "fp4"; "gguf": a GGUF file's blocks (layers/packed_gguf.py)
     double_quant: bool = False
@@ -59,6 +56,8 @@ class StoreSpec:
 
     def __post_init__(self) -> None:
         check_settings(self, _error)
+        if not self.precision.resolved:
+            raise StoreError(f"a store holds its compute weights in bf16 or fp32, not {self.precision.compute}")
         if self.quant_type and not self.frozen:
             raise StoreError("a 4-bit base is frozen: a store holding one trains LoRA's adapters (--lora-rank)")
         if not self.placement.compute.zero_copy and not self.placement.state.durable:
@@ -67,7 +66,7 @@ class StoreSpec:
             raise StoreError("placement compute='disk' needs state='disk' (compute weights are read from the "
                              "state files' fp32 masters); use store='disk' or keep compute in RAM")
         try:
-            check_chunk_blocks(self.chunk, self.moment_dtype)
+            check_chunk_blocks(self.chunk, self.precision.moments)
         except SettingError as exc:
             raise StoreError(str(exc)) from None
 
@@ -76,18 +75,14 @@ class StoreSpec:
         return shard_numel(unit_numel, self.shards)
 
     @property
-    def precision(self) -> Precision:
-        return Precision(self.compute_dtype, self.master_dtype, self.moment_dtype)
-
-    @property
     def compute_is_master(self) -> bool:
         return self.precision.compute_is_master(self.frozen)
 
     def quant4(self) -> FrozenQuant | None:
         """How the base is held quantized (its 16-bit tensors in the compute dtype); None: it is not."""
         if self.quant_type == "gguf":
-            return QuantGGUF(GGUFBase(self.gguf_types), DTYPES[self.compute_dtype])
-        return Quant4(self.quant_type, self.double_quant, DTYPES[self.compute_dtype]) if self.quant_type else None
+            return QuantGGUF(GGUFBase(self.gguf_types), DTYPES[self.precision.compute])
+        return Quant4(self.quant_type, self.double_quant, DTYPES[self.precision.compute]) if self.quant_type else None
 
     def layouts(self) -> tuple[UnitLayout, ...]:
         """Every unit's layout in this store's slabs."""
@@ -97,8 +92,8 @@ class StoreSpec:
         if kind == "grad":
             return "fp32"
         if kind == "master":
-            return self.master_dtype
-        return self.compute_dtype if kind == "compute" else self.moment_dtype
+            return self.precision.master
+        return self.precision.compute if kind == "compute" else self.precision.moments
 
     def quantized(self, kind: str) -> bool:
         """The kind is stored block-wise quantized (streamer.store.quant): as bytes, not as its elements."""
@@ -220,9 +215,10 @@ class StoreSpec:
         quant = {"quant_type": self.quant_type, "double_quant": self.double_quant} if self.quant_type else {}
         if self.gguf_types:
             quant["gguf_types"] = [list(pair) for pair in self.gguf_types]
-        return {"config": self.config.to_dict(), "compute_dtype": self.compute_dtype,
-                "moment_dtype": self.moment_dtype, "placement": self.placement.to_dict(), "chunk": self.chunk,
-                **sharded, "frozen": self.frozen, "master_dtype": self.master_dtype, **quant}
+        precision = self.precision
+        return {"config": self.config.to_dict(), "compute_dtype": precision.compute,
+                "moment_dtype": precision.moments, "placement": self.placement.to_dict(), "chunk": self.chunk,
+                **sharded, "frozen": self.frozen, "master_dtype": precision.master, **quant}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "StoreSpec":
@@ -232,9 +228,10 @@ class StoreSpec:
             optional = {"shards", "frozen", "master_dtype", "quant_type", "double_quant", "gguf_types"}
             if set(raw) - optional != {"config", "compute_dtype", "moment_dtype", "placement", "chunk"}:
                 raise ValueError(f"fields {sorted(map(str, raw))}")
-            return cls(ModelConfig.from_dict(raw["config"]), raw["compute_dtype"], raw["moment_dtype"],
-                       Placement(**raw["placement"]), raw["chunk"], raw.get("shards", 1), raw.get("frozen", False),
-                       raw.get("master_dtype", "fp32"), raw.get("quant_type", ""), raw.get("double_quant", False),
+            precision = Precision(raw["compute_dtype"], raw.get("master_dtype", "fp32"), raw["moment_dtype"])
+            return cls(ModelConfig.from_dict(raw["config"]), precision, Placement(**raw["placement"]), raw["chunk"],
+                       raw.get("shards", 1), raw.get("frozen", False), raw.get("quant_type", ""),
+                       raw.get("double_quant", False),
                        tuple((str(key), str(kind)) for key, kind in raw.get("gguf_types", ())))
         except (ValueError, KeyError, TypeError) as exc:  # layers' ConfigError is a ValueError
             raise StoreError(f"store spec is malformed ({exc})") from None
