@@ -251,6 +251,33 @@ def test_the_planner_prices_a_grpo_step_as_the_ledger_charges_it() -> None:
                 assert head - [r.peak_bytes for r in sft.rows if r.unit == "head"][0] == 4 * 4 * ids.shape[1]
 
 
+def test_the_planner_prices_a_rollouts_generation_as_the_ledger_charges_it() -> None:
+    """A rollout's generation holds the KV cache of its prompt's rows at full length (every block's keys and
+    values) beside each pass's streamed units and hidden state: `rollout_plan`'s peak = the ledger's, to the byte,
+    LoRA or not, at two prefetch depths, for Llama and for Gemma 3 (its own head_dim and key/value heads)."""
+    from memory_model import device_spec
+    from memory_model.rollout import rollout_plan
+    from streamer import StreamingTrainer, TrainerConfig
+    from streamer.generate import Sampling
+    from streamer.grpo import rollout
+
+    for family, lora_rank, prefetch in (("llama", 0, 1), ("llama", 4, 2), ("gemma3_text", 4, 1)):
+        cfg = dataclasses.replace(FAMILIES[family].example(), max_position_embeddings=64)
+        tc = TrainerConfig.of(dtype="fp32", lora_rank=lora_rank, prefetch=prefetch, method="grpo", num_generations=4,
+                              max_completion_length=6)
+        with StreamingTrainer(cfg, tc) as trainer:
+            trainer.ledger.reset_peak()
+            completions = rollout(trainer, list(range(1, 11)), 4, Sampling(max_new_tokens=6, temperature=1.0), None)
+            real = trainer.ledger.peak, trainer.ledger.peak_breakdown
+        assert [len(c) for c in completions] == [6] * 4
+        planned = rollout_plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 16))  # 2 prompts of 10 + 6 tokens
+        assert (planned.peak_bytes, planned.peak_breakdown) == real
+        # 4 rows of 16 positions, keys and values of fp32 per block; a decode pass's hidden state is one position
+        cache = cfg.num_hidden_layers * 2 * 4 * cfg.num_key_value_heads * 16 * cfg.head_dim * 4
+        assert planned.kv_cache_bytes == cache == real[1]["activations"]
+        assert planned.peak_bytes - planned.decode_peak_bytes == 4 * 9 * cfg.hidden_size * 4
+
+
 def test_grpo_under_torchrun_or_a_kl_without_reference_is_refused_in_one_line(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each process would sample the same completions: a data-parallel GRPO run is refused before it starts; so is
