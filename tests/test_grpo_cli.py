@@ -344,7 +344,7 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
     are `plan`'s and `rollout_plan`'s."""
     import re
     from layers import ModelConfig
-    from memory_model import device_spec, plan
+    from memory_model import device_spec, format_size, plan
     from memory_model.rollout import rollout_plan
     from streamer.run import RunConfig
     from tests.test_cli import run_cli
@@ -370,3 +370,7 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
     # Each of the 2 x 255 decode passes streams the 8B base (16 GB of bf16) over the host link.
     assert rollout.decode_s > 2 * 255 * 16e9 / device.h2d.bandwidth_bytes_per_s
     assert rollout.scoring_s > 0 and rollout.prefill_s > 0
+    # A prompt's 8 rows of 512 positions: 32 blocks' keys and values of 8 heads of 128 in bf16, 512 MiB.
+    assert rollout.kv_cache_bytes == 32 * 2 * 8 * 8 * 512 * 128 * 2 == 512 * 2**20
+    assert (f"Generation's device peak {format_size(rollout.peak_bytes)}: a prompt's KV cache 512 MiB beside its "
+            f"prefill (") in " ".join(out.split())

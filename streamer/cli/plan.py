@@ -179,7 +179,9 @@ def _method_line(batch: int, cfg: PlanConfig, result: Plan, rollout: RolloutPlan
     return (f"a GRPO rollout ({batch // objective.num_generations} prompts of up to {rollout.prompt_tokens} tokens "
             f"x {objective.num_generations} completions of {objective.max_completion_length} tokens, every unit "
             f"streamed in each decode pass): {rollout.total_s:.3g} s (prefill {rollout.prefill_s:.3g} s, decode "
-            f"{rollout.decode_s:.3g} s, scoring {rollout.scoring_s:.3g} s); then its step {result.step_time_s:.3g} s")
+            f"{rollout.decode_s:.3g} s, scoring {rollout.scoring_s:.3g} s); then its step {result.step_time_s:.3g} s. "
+            f"Generation's device peak {format_size(rollout.peak_bytes)}: a prompt's KV cache "
+            f"{format_size(rollout.kv_cache_bytes)} beside its prefill ({breakdown(rollout.peak_breakdown)})")
 
 
 def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: str, params: int) -> str:
