@@ -81,6 +81,9 @@ class StepContext:
     training: bool = False  # dropout on (a training step) or off (evaluation, generation)
     # LoRA's adapters off: the frozen base alone, DPO's reference model (Adapters.for_unit).
     adapters_off: bool = False
+    # Generation with the weights resident: no unit leaves the device after its event, so the next pass finds it
+    # loaded (Executor.release_kept ends that).
+    keep_loaded: bool = False
     # (input, output); an offloaded block's input is on the host (`stashed`), and its output once the next unit has it
     graphs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
     # (block, micro) -> its input on the host (on CUDA with the event of its copy out)
