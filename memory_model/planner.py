@@ -299,6 +299,21 @@ def _device_numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig, batch
     return gathered_numel(shape.unit_device_parts(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
 
 
+def loaded_bytes(shape: ModelConfig, cfg: PlanConfig, resident: list[Resource], batch: int, seq: int
+                 ) -> dict[str, int]:
+    """Device bytes by category of LoRA's adapters (held for the whole run; none without LoRA) and of the
+    resources loaded or in flight (`resident`), as the executor charges them when it issues their loads."""
+    es = cfg.dtype_bytes
+    at = dict.fromkeys(CATEGORIES, 0)
+    if cfg.lora.enabled:
+        _add(at, adapter_charges(adapter_params(shape, cfg.lora)))
+    for r in resident:
+        four_bit = isinstance(r, Weights) and cfg.lora.quantized  # a quantized base's units: in bytes
+        numel = weights_bytes(shape, cfg.lora, r.unit, es) if four_bit else _device_numel(r, shape, cfg, batch, seq)
+        _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
+    return at
+
+
 def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resident: list[list[Resource]],
                  batch: int, seq: int) -> list[tuple[Event, tuple[int, ...]]]:
     """Device bytes by category (CATEGORIES order) at the highest moment of every event.
@@ -311,14 +326,8 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
     es = cfg.dtype_bytes
     held: dict[str, int] = {}
     moments = []
-    lora = adapter_charges(adapter_params(shape, cfg.lora))  # held for the whole run (none without LoRA)
     for index, (event, res) in enumerate(zip(events, resident, strict=True)):
-        at = dict.fromkeys(CATEGORIES, 0)
-        _add(at, lora if cfg.lora.enabled else ())
-        for r in res:  # the executor allocates these same charges when it issues the load
-            four_bit = isinstance(r, Weights) and cfg.lora.quantized  # a quantized base's units: in bytes
-            numel = weights_bytes(shape, cfg.lora, r.unit, es) if four_bit else _device_numel(r, shape, cfg, batch, seq)
-            _add(at, resource_charges(r, numel, 1 if four_bit else es, cfg.step.update_on))
+        at = loaded_bytes(shape, cfg, res, batch, seq)
         in_groups = grouped(shape, cfg, event.unit)
         if event.phase == "update":
             _add(at, update_charges(event.chunk, cfg.new_compute_bytes, cfg.step.update_on))

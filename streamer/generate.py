@@ -5,9 +5,13 @@ prefill, then one pass per new token) runs the executor's "infer" events: the un
 prefetch, in order, and the ledger charges their weights as in training. Each block's KV cache stays on
 the device between passes (charged as activations), so a new token costs one position of compute per
 block instead of the whole sequence; `use_cache=False` recomputes the whole sequence each time (the
-reference the cache is tested against). Where the sequence grows past the length at which the rotary tables of
-every position change (`ModelConfig.rotary_regime_change`: longrope's long factors), the cache is filled again
-from the whole sequence once, as transformers' `generate` does.
+reference the cache is tested against). `resident=True` keeps every unit on the device from its first load to
+the end of the generation: the prompt's prefill loads each unit once and every later pass computes with them
+(GRPO's rollout does so where the planner finds they fit beside the cache, memory_model.rollout).
+
+Where the sequence grows past the length at which the rotary tables of every position change
+(`ModelConfig.rotary_regime_change`: longrope's long factors), the cache is filled again from the whole sequence
+once, as transformers' `generate` does.
 """
 from __future__ import annotations
 
@@ -69,8 +73,9 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
 
 @torch.no_grad()
 def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampling = Sampling(),
-             stop_id: int | None = None) -> torch.Tensor:
-    """(B, T) prompt ids -> (B, T + n) with n <= max_new_tokens; stops early once every row emitted stop_id."""
+             stop_id: int | None = None, resident: bool = False) -> torch.Tensor:
+    """(B, T) prompt ids -> (B, T + n) with n <= max_new_tokens; stops early once every row emitted stop_id.
+    `resident`: the units stay on the device from their first load to the end (else each pass streams them)."""
     cfg, device, dtype = trainer.cfg, trainer.executor.device, trainer.tc.compute_dtype
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise StreamerError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
@@ -95,7 +100,7 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
         change = cfg.rotary_regime_change()
         stale_at = change if change is not None and prompt_len <= change else None
         for _ in range(sampling.max_new_tokens):
-            logits = _streamed_forward(trainer, step_input, start_pos, caches)
+            logits = _streamed_forward(trainer, step_input, start_pos, caches, resident)
             chosen = sample_next(logits, sampling, generator)
             if stop_id is not None:
                 chosen = chosen.masked_fill(finished, stop_id)  # a finished row only pads
@@ -110,13 +115,15 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
                 for cache in caches or ():
                     cache.length = 0
     finally:
+        if resident:
+            trainer.executor.release_kept()
         for handle in handles:
             trainer.ledger.free(handle)
     return tokens.cpu()
 
 
 def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: int,
-                      caches: list[KVCache] | None) -> torch.Tensor:
+                      caches: list[KVCache] | None, resident: bool = False) -> torch.Tensor:
     """One pass of every unit over `ids` (at positions start_pos...); the last position's logits (B, vocab)."""
     held: dict[str, Any] = {}
 
@@ -132,7 +139,8 @@ def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: i
             held["h"] = run(held["h"], start_pos, None if caches is None else caches[block])
 
     try:
-        trainer.executor.run(inference_events(trainer.units), StepContext([], trainer.step_count, 0.0, infer=infer))
+        trainer.executor.run(inference_events(trainer.units), StepContext([], trainer.step_count, 0.0, infer=infer,
+                                                                        keep_loaded=resident))
     finally:
         if "handle" in held:
             trainer.ledger.free(held["handle"])

@@ -16,6 +16,7 @@ import torch
 
 from layers import IGNORE_INDEX
 from memory_model.objective import ObjectiveConfig
+from memory_model.rollout import resident_decode
 from layers.grpo import GRPOLoss, GRPOObjective, TokenLogProbs, group_advantages
 from memory_model.schedule import step_events
 from streamer.errors import ConfigError, StreamerError
@@ -156,8 +157,14 @@ class GRPOSettings:
 def rollout(trainer: StreamingTrainer, prompt_ids: Sequence[int], num_generations: int, sampling: Sampling,
             stop_id: int | None) -> list[list[int]]:
     """`num_generations` completions of one prompt, sampled together (one batch, the KV cache on the device); each
-    ends at its first `stop_id`, kept (as TRL's completions keep end-of-text), or at max_new_tokens."""
-    out = generate(trainer, torch.tensor([list(prompt_ids)] * num_generations), sampling, stop_id=stop_id)
+    ends at its first `stop_id`, kept (as TRL's completions keep end-of-text), or at max_new_tokens. The units stay
+    on the device from the prefill on where the planner finds they fit the budget beside the cache
+    (`resident_decode`); else each pass streams them."""
+    positions = len(prompt_ids) + sampling.max_new_tokens
+    resident = resident_decode(trainer.cfg, trainer.tc.plan_config(num_generations, positions), num_generations,
+                               len(prompt_ids), positions, trainer.ledger.capacity)
+    out = generate(trainer, torch.tensor([list(prompt_ids)] * num_generations), sampling, stop_id=stop_id,
+                   resident=resident)
     completions = []
     for row in out[:, len(prompt_ids):].tolist():
         completions.append(row[:row.index(stop_id) + 1] if stop_id in row else row)

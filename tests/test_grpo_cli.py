@@ -251,6 +251,53 @@ def test_the_planner_prices_a_grpo_step_as_the_ledger_charges_it() -> None:
                 assert head - [r.peak_bytes for r in sft.rows if r.unit == "head"][0] == 4 * 4 * ids.shape[1]
 
 
+def test_the_planner_prices_a_rollouts_generation_as_the_ledger_charges_it() -> None:
+    """A rollout's generation holds the KV cache of its prompt's rows at full length (every block's keys and
+    values) beside each pass's units and hidden state: `rollout_plan`'s peak = the ledger's, to the byte, with the
+    units streamed in each pass and resident from the prefill on, LoRA or not, at two prefetch depths, for Llama
+    and for Gemma 3 (its own head_dim and key/value heads). Resident decoding samples the same completions bit for
+    bit; `rollout` decodes resident where that peak fits the budget, else streamed."""
+    from memory_model import device_spec
+    from memory_model.allocator import workspace_bytes
+    from memory_model.rollout import rollout_plan
+    from streamer import StreamingTrainer, TrainerConfig
+    from streamer.generate import Sampling, generate
+    from streamer.grpo import rollout
+
+    prompt, sampling = torch.tensor([list(range(1, 11))] * 4), Sampling(max_new_tokens=6, temperature=1.0)
+    for family, lora_rank, prefetch in (("llama", 0, 1), ("llama", 4, 2), ("gemma3_text", 4, 1)):
+        cfg = dataclasses.replace(FAMILIES[family].example(), max_position_embeddings=64)
+        tc = TrainerConfig.of(dtype="fp32", lora_rank=lora_rank, prefetch=prefetch, method="grpo", num_generations=4,
+                              max_completion_length=6)
+        planned = rollout_plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 16))  # 2 prompts of 10 + 6 tokens
+        with StreamingTrainer(cfg, tc) as trainer:
+            outputs = []
+            for resident, way in ((False, planned.streamed), (True, planned.resident)):
+                trainer.ledger.reset_peak()
+                outputs.append(generate(trainer, prompt, sampling, resident=resident))
+                assert (way.peak_bytes, way.peak_breakdown) == (trainer.ledger.peak, trainer.ledger.peak_breakdown)
+                assert trainer.ledger.live() == (3 if lora_rank else 0)  # (the adapters) nothing else is left
+            assert outputs[0].shape == (4, 16) and torch.equal(outputs[0], outputs[1])
+        # 4 rows of 16 positions, keys and values of fp32 per block; a decode pass's hidden state is one position
+        cache = cfg.num_hidden_layers * 2 * 4 * cfg.num_key_value_heads * 16 * cfg.head_dim * 4
+        assert planned.kv_cache_bytes == cache == planned.resident.peak_breakdown["activations"]
+        for way in (planned.streamed, planned.resident):
+            assert way.peak_bytes - way.decode_peak_bytes == 4 * 9 * cfg.hidden_size * 4
+        assert planned.resident.peak_bytes > planned.streamed.peak_bytes
+        assert planned.chose_resident and planned.resident.decode_s < planned.streamed.decode_s
+        # On a device with room for the streamed peak alone, the plan streams.
+        h100 = device_spec("h100-sxm")
+        small = dataclasses.replace(h100, memory_bytes=planned.streamed.peak_bytes + h100.reserve_bytes
+                                    + workspace_bytes(h100.cuda_arch))
+        assert not rollout_plan(cfg, small, tc.plan_config(8, 16)).chose_resident
+    # Without a budget the units stay; under one between the two peaks, they stream, and the ledger says so.
+    for budget, way in ((None, planned.resident), (planned.resident.peak_bytes - 1, planned.streamed)):
+        with StreamingTrainer(cfg, tc.replace(budget=budget)) as trainer:
+            trainer.ledger.reset_peak()
+            rollout(trainer, prompt[0].tolist(), 4, sampling, None)
+            assert trainer.ledger.peak == way.peak_bytes
+
+
 def test_grpo_under_torchrun_or_a_kl_without_reference_is_refused_in_one_line(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each process would sample the same completions: a data-parallel GRPO run is refused before it starts; so is
@@ -317,7 +364,7 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
     are `plan`'s and `rollout_plan`'s."""
     import re
     from layers import ModelConfig
-    from memory_model import device_spec, plan
+    from memory_model import device_spec, format_size, plan
     from memory_model.rollout import rollout_plan
     from streamer.run import RunConfig
     from tests.test_cli import run_cli
@@ -335,11 +382,22 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
     assert rc == 0, err
     cfg = RunConfig.of({**common, **grpo}).plan_config()
     rollout = rollout_plan(shape, device, cfg)
-    line = re.search(r"a GRPO rollout \(2 prompts of up to 256 tokens x 8 completions of 256 tokens, .*?\): "
-                     r"([\d.]+) s \(prefill ([\d.]+) s, decode ([\d.]+) s, scoring ([\d.]+) s\)", out)
+    line = re.search(r"a GRPO rollout \(2 prompts of up to 256 tokens x 8 completions of 256 tokens, the units "
+                     r"resident\): ([\d.]+) s \(prefill ([\d.]+) s, decode ([\d.]+) s, scoring ([\d.]+) s\)", out)
     assert line is not None, out
     assert [float(x) for x in line.groups()] == [float(f"{v:.3g}") for v in (
         rollout.total_s, rollout.prefill_s, rollout.decode_s, rollout.scoring_s)]
-    # Each of the 2 x 255 decode passes streams the 8B base (16 GB of bf16) over the host link.
-    assert rollout.decode_s > 2 * 255 * 16e9 / device.h2d.bandwidth_bytes_per_s
+    assert rollout.chose_resident and rollout.decode_s == rollout.resident.decode_s
+    # Streamed, each of the 2 x 255 decode passes loads the 8B base (16 GB of bf16) over the host link; resident,
+    # it reads it from the device's memory: the rollout takes minutes, or seconds.
+    assert rollout.streamed.decode_s > 2 * 255 * 16e9 / device.h2d.bandwidth_bytes_per_s
+    assert rollout.resident.decode_s > 2 * 255 * 16e9 / device.device_mem_bandwidth
+    assert rollout.total_s - rollout.decode_s + rollout.streamed.decode_s > 60 and rollout.total_s < 10
     assert rollout.scoring_s > 0 and rollout.prefill_s > 0
+    # A prompt's 8 rows of 512 positions: 32 blocks' keys and values of 8 heads of 128 in bf16, 512 MiB.
+    assert rollout.kv_cache_bytes == 32 * 2 * 8 * 8 * 512 * 128 * 2 == 512 * 2**20
+    flat = " ".join(out.split())
+    assert (f"Decoding with the units resident: {rollout.resident.decode_s:.3g} s, device peak "
+            f"{format_size(rollout.resident.peak_bytes)} (") in flat
+    assert (f"streamed in each pass: {rollout.streamed.decode_s:.3g} s, peak "
+            f"{format_size(rollout.streamed.peak_bytes)}; a prompt's KV cache is 512 MiB.") in flat

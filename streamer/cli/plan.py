@@ -183,11 +183,16 @@ def _method_line(batch: int, cfg: PlanConfig, result: Plan, rollout: RolloutPlan
         return f"a DPO step ({batch} pairs, {2 * batch} rows): {result.step_time_s:.3g} s"
     if rollout is None:
         return None
-    objective = cfg.objective
+    objective, resident, streamed = cfg.objective, rollout.resident, rollout.streamed
+    kept = "the units resident" if rollout.chose_resident else "every unit streamed in each decode pass"
     return (f"a GRPO rollout ({batch // objective.num_generations} prompts of up to {rollout.prompt_tokens} tokens "
-            f"x {objective.num_generations} completions of {objective.max_completion_length} tokens, every unit "
-            f"streamed in each decode pass): {rollout.total_s:.3g} s (prefill {rollout.prefill_s:.3g} s, decode "
-            f"{rollout.decode_s:.3g} s, scoring {rollout.scoring_s:.3g} s); then its step {result.step_time_s:.3g} s")
+            f"x {objective.num_generations} completions of {objective.max_completion_length} tokens, {kept}): "
+            f"{rollout.total_s:.3g} s (prefill {rollout.prefill_s:.3g} s, decode {rollout.decode_s:.3g} s, scoring "
+            f"{rollout.scoring_s:.3g} s); then its step {result.step_time_s:.3g} s. Decoding with the units resident: "
+            f"{resident.decode_s:.3g} s, device peak {format_size(resident.peak_bytes)} "
+            f"({breakdown(resident.peak_breakdown)}); streamed in each pass: {streamed.decode_s:.3g} s, peak "
+            f"{format_size(streamed.peak_bytes)}; a prompt's KV cache is {format_size(rollout.kv_cache_bytes)}. "
+            f"Resident where its peak fits the device.")
 
 
 def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: str, params: int) -> str:

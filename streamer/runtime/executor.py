@@ -68,7 +68,7 @@ class Executor:
                     ctx.infer(event.unit, partial(self.passes.call_plain, event.unit, ctx))
                 else:
                     self.updater.update(event.chunk, tensors, ctx, self.passes.grad_sq_norms)
-            for resource in releases(events, i):
+            for resource in () if ctx.keep_loaded else releases(events, i):
                 self.loader.release(resource, ctx)
         self.io.drain()
         write_backs, ctx.write_backs = ctx.write_backs, []
@@ -78,6 +78,11 @@ class Executor:
     def clear_graphs(self) -> None:
         """After a forward-only pass: drop the hidden states it kept and the activations it charged."""
         self.passes.clear_graphs(self.current)
+
+    def release_kept(self) -> None:
+        """After passes that kept their units loaded (`StepContext.keep_loaded`): every unit leaves the device."""
+        self.io.drain()
+        self.loader.release_all(self.current)
 
     def abort(self) -> None:
         """A step stopped part-way: wait for the I/O in flight, release everything, discard the new versions."""

@@ -84,6 +84,9 @@ class StepContext:
     # micro-batch -> the reference model's hidden state and its ledger charge, from the first block's forward to
     # the head's, where the micro-batch's objective computes its reference in the step (Objective.reference_in_step)
     references: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # Generation with the weights resident: no unit leaves the device after its event, so the next pass finds it
+    # loaded (Executor.release_kept ends that).
+    keep_loaded: bool = False
     # (input, output); an offloaded block's input is on the host (`stashed`), and its output once the next unit has it
     graphs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
     # (block, micro) -> its input on the host (on CUDA with the event of its copy out)
