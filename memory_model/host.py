@@ -8,9 +8,11 @@ beside device memory, and what `streamer train` checks against the machine's ava
   (`streamer.runtime.transport.BufferPool`);
 - `staging`: on an accelerator, the bounded pool of host buffers loads and offloads cross through
   (`staging_pool_bytes`; a frozen base's, `frozen_staging_bytes`);
-- `fold`: disk-tier gradients, folded in host memory into one fp32 buffer of the largest unit;
+- `fold`: disk-tier gradients, folded in host memory into one fp32 buffer of the largest unit folded whole (a
+  unit over twice the largest block is folded through its file in blocks of that buffer, `folded_by_chunk`);
 - `master`: where the device is the host, the fp32 master a fused update takes from its unit's weights load, kept
-  from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged);
+  from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged); a unit
+  folded by chunk loads each chunk's master with its state instead;
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
   `STAGES_IN_FLIGHT` being written), and one chunk's state in its stored form (a bf16 master, int8 moments);
 - `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
@@ -28,7 +30,7 @@ from typing import Iterable, Sequence
 from layers import ModelConfig
 from memory_model.ledger import CATEGORIES
 from memory_model.lora import base_unit_bytes
-from memory_model.schedule import Event, shard_numel
+from memory_model.schedule import Event, folded_by_chunk, shard_numel
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
 )
@@ -143,7 +145,7 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
             held["weights"] = 0
         if event.phase == "update":
             held["optimizer"] = held["optimizer"] * own_state // OPTIMIZER_BYTES_PER_PARAM
-            if store.grad.zero_copy or cfg.fused:
+            if store.grad.zero_copy or (cfg.fused and not event.chunk.grad):
                 held["gradients"] = 0
         peak = max(peak, sum(held.values()))
     return peak
@@ -155,6 +157,9 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     frozen, store, same_memory = cfg.lora.enabled, cfg.step.store, shared is not None
     store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier.zero_copy)
     largest = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names())
+    # The largest unit whose fold (and fused update's master) is whole: larger ones go chunk by chunk.
+    by_chunk = folded_by_chunk(shape, cfg.step, cfg.shards)
+    whole = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names() if u not in by_chunk)
     chunk = min(cfg.step.update_chunk, largest)
     pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
@@ -169,8 +174,8 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
         staging=0 if same_memory else pool,
-        fold=largest * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
-        master=4 * largest if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
+        fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
+        master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
         activations=offloaded_bytes(shape, cfg), write_backs=lagging,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and

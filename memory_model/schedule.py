@@ -42,6 +42,9 @@ class StateChunk:
     # False: the chunk's fp32 master is not loaded with its moments but taken from the unit's last weights load
     # (a fused update on a store whose weights loads read the master): one read serves backward and update.
     master: bool = True
+    # False: the chunk's fp32 gradient is not loaded with its state but taken from the accumulator the backward's
+    # fold left in host memory (a fused update); a unit folded by chunk (`folded_by_chunk`) loads it.
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,8 @@ class StepSpec:
     streamed base has no update and whose embedding has no backward. `master_from_weights`
     (`Placement.loads_read_master`): a fused update takes each unit's master from its backward's weights load.
     `offload_inputs`: each block's input waits for its backward in host memory (`--activations offload`).
+    `by_chunk`: the units whose gradient is folded a chunk at a time through its file (`folded_by_chunk`): a
+    fused update loads their chunks' gradient and master as an update after the backward does.
     `backward=False`: evaluation, forwards only. `update_units`: the units updated (None: all; a step rolled
     forward after a crash updates the pending ones, with no micro-batches left to run).
     """
@@ -196,6 +201,25 @@ class StepSpec:
     backward: bool = True
     update_units: tuple[str, ...] | None = None
     offload_inputs: bool = False
+    by_chunk: frozenset[str] = frozenset()
+
+
+# A unit is folded by chunk where it holds more than this many times the largest block's parameters.
+BY_CHUNK_BLOCKS = 2
+
+
+def folded_by_chunk(shape: ModelConfig, settings: StepConfig, shards: int = 1) -> frozenset[str]:
+    """The units much larger than every block (a large vocabulary's embedding, an untied head: over
+    `BY_CHUNK_BLOCKS` blocks) where the gradient accumulates in files: their gradient is folded through its file
+    in blocks of the largest block's size, and their fused update loads each chunk's gradient and master from
+    the store, so the host holds no fp32 copy of them (Llama-3.2-1B's tied embedding is 4.3 blocks: a GiB each
+    for its accumulator and its master). A unit under that bound is held whole: that costs less than a block
+    more, and reading its gradient and master back would cost disk time (GPT-J-6B's embedding is 1.03 blocks)."""
+    if settings.store.grad.zero_copy:
+        return frozenset()
+    numels = {u: shard_numel(shape.unit_params(u), shards) for u in shape.unit_names()}
+    largest_block = max((n for u, n in numels.items() if u.startswith("block.")), default=0)
+    return frozenset(u for u, n in numels.items() if largest_block and n > BY_CHUNK_BLOCKS * largest_block)
 
 
 def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool, devices: int = 1,
@@ -214,8 +238,8 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
                     {u: shard_numel(shape.unit_params(u), shards) for u in units}, settings.update_chunk,
                     fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
                     master_from_weights=settings.store.loads_read_master(compute_is_master) and not grouped,
-                    backward=backward,
-                    update_units=update_units, offload_inputs=settings.offloads_inputs)
+                    backward=backward, update_units=update_units, offload_inputs=settings.offloads_inputs,
+                    by_chunk=folded_by_chunk(shape, settings, shards))
 
 
 def norm_pass_spec(step: StepSpec) -> StepSpec:
@@ -250,17 +274,19 @@ def step_events(step: StepSpec) -> list[Event]:
         for u in reversed(backward_units):
             events.append(Event("backward", Weights(u), micro, stash(u, micro)))
             if step.fused and micro == step.micro_batches - 1 and u in update_units:
-                events += _update_events(step, [u], with_master=not step.master_from_weights)
+                loads = u in step.by_chunk
+                events += _update_events(step, [u], with_master=loads or not step.master_from_weights, with_grad=loads)
     if not step.fused:
         events += _update_events(step, update_units)
     return events
 
 
-def _update_events(step: StepSpec, units: Sequence[str], with_master: bool = True) -> list[Event]:
+def _update_events(step: StepSpec, units: Sequence[str], with_master: bool = True,
+                   with_grad: bool = True) -> list[Event]:
     events = []
     for unit in units:
         pieces = chunks(step.numels[unit], step.chunk)
-        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1, with_master))
+        events += [Event("update", StateChunk(unit, start, count, i == len(pieces) - 1, with_master, with_grad))
                    for i, (start, count) in enumerate(pieces)]
     return events
 
@@ -285,8 +311,10 @@ def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
     back from the host), then its lookahead.
 
     A fused update takes its gradient from the backward, not from the store, so its state chunks may be
-    fetched while the backward still runs; the update after the backward loads the gradient with them."""
-    last_backward = {} if is_fused(events) else {e.unit: k for k, e in enumerate(events) if e.phase == "backward"}
+    fetched while the backward still runs; the update after the backward, and a fused update of a unit folded by
+    chunk, load the gradient with them."""
+    loading = {e.unit for e in events if e.phase == "update" and e.chunk.grad}
+    last_backward = {e.unit: k for k, e in enumerate(events) if e.phase == "backward" and e.unit in loading}
     return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
 
 
@@ -390,17 +418,16 @@ def store_bytes(cfg: PlanConfig) -> StoreBytes:
                       grad=GRAD_ACCUM_BYTES_PER_PARAM if store.grad.crosses_link else 0)
 
 
-def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes, fused: bool) -> int:
+def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes) -> int:
     """Bytes one load reads from the store's files: a unit's weights (or a group of a block's experts), or a
-    chunk's moments with its fp32
-    master (unless taken from the weights load) and, after the backward, its fp32 gradient. A block input
-    comes from host memory on either tier: none."""
+    chunk's moments with its fp32 master (unless taken from the weights load) and its fp32 gradient (unless taken
+    from a fused backward's fold). A block input comes from host memory on either tier: none."""
     if isinstance(resource, BlockInput):
         return 0
     if isinstance(resource, (Weights, ExpertGroup)):
         return numel * sizes.weights
     master = sizes.master if resource.master else 0
-    return resource.count * (master + (0 if fused else sizes.grad)) + sizes.moments(resource.count)
+    return resource.count * (master + (sizes.grad if resource.grad else 0)) + sizes.moments(resource.count)
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,
@@ -410,7 +437,8 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     files' trailers and the checksums' read-back from the page cache aside).
 
     Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
-    write it, except that the last one of a fused step keeps it in memory for the update. Updates write the
+    write it, except that the last one of a fused step keeps it in memory for the update (but for a unit folded by
+    chunk, `folded_by_chunk`, whose update loads it). Updates write the
     master and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
     accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
     `norm_pass`: the events are a norm-first step's first pass (`norm_pass_spec`), which keeps the last
@@ -421,7 +449,9 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     borrowed = borrowed or {}
     owners = {owner for units in borrowed.values() for owner in units}
     fused = is_fused(events) or norm_pass
-    read = sum(load_disk_bytes(r, numels[r.unit] + sum(numels[o] for o in borrowed.get(r.unit, ())), sizes, fused)
+    # A fused update that loads its gradient (a unit folded by chunk) has it written by the last fold too.
+    loaded = {e.unit for e in events if e.phase == "update" and e.chunk.grad}
+    read = sum(load_disk_bytes(r, numels[r.unit] + sum(numels[o] for o in borrowed.get(r.unit, ())), sizes)
                for r in load_order(events, prefetch))
     written = 0
     for event in events:
@@ -429,7 +459,7 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
             read += (reread or {}).get(event.unit, 0) * sizes.weights
             grad = numels[event.unit] * sizes.grad
             read += grad if event.micro > 0 or event.unit in owners else 0
-            written += 0 if fused and event.micro == micro_batches - 1 else grad
+            written += 0 if fused and event.micro == micro_batches - 1 and event.unit not in loaded else grad
             for owner in borrowed.get(event.unit, ()):
                 shared = numels[owner] * sizes.grad
                 read, written = read + (shared if event.micro > 0 else 0), written + shared

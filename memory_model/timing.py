@@ -28,7 +28,7 @@ from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.tiers import RAM
 from memory_model.schedule import (
-    BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, load_disk_bytes, releases,
+    BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, folded_by_chunk, load_disk_bytes, releases,
     resource_charges, store_bytes, Weights,
 )
 
@@ -131,7 +131,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     if isinstance(resource, Weights) and cfg.lora.quantized:  # a quantized base's units: their packed bytes
         numel = nbytes = weights_bytes(shape, cfg.lora, resource.unit, cfg.dtype_bytes)
     store = cfg.step.store
-    disk = load_disk_bytes(resource, numel, store_bytes(cfg), cfg.fused)
+    disk = load_disk_bytes(resource, numel, store_bytes(cfg))
     if isinstance(resource, Weights) and cfg.lora.enabled:  # a frozen base: read as stored, where stored on disk
         disk = nbytes if store.compute.crosses_link else 0
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
@@ -276,7 +276,9 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     borrowed = params - own
     lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.borrowed(u).values())
     read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
-    write = 0 if not disk else 4 * (own * (not (cfg.fused and last)) + borrowed)  # a fused update keeps its last
+    # A fused update keeps its last, but for a unit folded by chunk, whose update reads it back chunk by chunk.
+    kept = cfg.fused and last and event.unit not in folded_by_chunk(shape, cfg.step, cfg.shards)
+    write = 0 if not disk else 4 * (own * (not kept) + borrowed)
     costs = device.kernels.get(cfg.precision.compute)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)
     disk_s = read / device.disk_read_bw + write / device.disk_write_bw

@@ -85,11 +85,11 @@ def poison_gradient(monkeypatch: pytest.MonkeyPatch, unit: str, value: float = f
     from streamer.store.host import HostStore
     original = HostStore.accumulate_grad
 
-    def poisoned(self, name, grads, first, scratch, persist=True):
+    def poisoned(self, name, grads, *args, **kwargs):
         if name == unit:
             grads = [g.clone() for g in grads]
             grads[0].view(-1)[0] = value
-        return original(self, name, grads, first, scratch, persist)
+        return original(self, name, grads, *args, **kwargs)
 
     monkeypatch.setattr(HostStore, "accumulate_grad", poisoned)
 

@@ -13,11 +13,16 @@ import json
 import pytest
 
 from conftest import assert_same_tensors, debug_batches, train_debug
-from layers import GPTJConfig
+from layers import GPTJConfig, LlamaConfig, ModelConfig
+from memory_model import device_spec, plan
 from memory_model.planner import step_disk_bytes
-from memory_model.schedule import StepSpec, Weights, load_order, loads_keeping_master, step_events
+from memory_model.schedule import (
+    StepSpec, Weights, folded_by_chunk, load_order, loads_keeping_master, step_events,
+)
 from memory_model.shapes import PlanConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
+from streamer.advice import step_host
+from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
 
 CFG = GPTJConfig.preset("gptj-debug")
@@ -148,3 +153,49 @@ def test_a_fused_update_takes_the_master_of_each_units_last_weights_load(master_
     kept = [r for r, keep in zip(load_order(events, 1), loads_keeping_master(events, 1), strict=True) if keep]
     # the head's load from its last forward (it stays into its backward), then each backward's load
     assert kept == ([Weights(u) for u in reversed(units)] if master_from_weights else [])
+
+
+# Embeddings over twice a block (gptj-debug's blocks hold 49,600 parameters), untied and tied: each is folded through
+# its gradient file a block at a time, and its fused update loads each chunk's gradient and master.
+WIDE = {"untied": GPTJConfig(vocab_size=2048, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+        "tied": LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                            tie_word_embeddings=True)}
+
+
+def _train(cfg: ModelConfig, root, tc: TrainerConfig) -> tuple[list[float], dict, tuple[int, int], list[float], int]:
+    with StreamingTrainer(cfg, tc, store_dir=root) as trainer:
+        norms = []
+        for ids in debug_batches(STEPS):
+            trainer.step(ids)
+            norms.append(sum(trainer.executor.grad_sq_norms.values()) ** 0.5)
+        return trainer.losses, trainer.state_dict(), trainer.step_bytes, norms, trainer.ledger.peak
+
+
+@pytest.mark.parametrize("model", WIDE)
+def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the_same_bits(tmp_path, model):
+    """No fp32 copy of a unit over twice a block: its gradient is folded through its file in blocks, and its fused
+    update loads each chunk's gradient and master. The bits are the RAM tier's (which holds it whole), and a step
+    that clips gives those of the update after the backward; the files move what the planner counts."""
+    cfg = WIDE[model]
+    by_chunk = folded_by_chunk(cfg, DISK.step)
+    assert "embed" in by_chunk and ("head" in by_chunk) == (model == "untied")
+    assert not folded_by_chunk(cfg, TrainerConfig.of(store="ram").step)
+    base = DISK.replace(max_grad_norm=0, dtype="fp32")
+    ram = _train(cfg, tmp_path / "ram", base.replace(store="ram"))
+    fused = _train(cfg, tmp_path / "fused", base.replace(update_timing="fused"))
+    assert ram[0] == fused[0]
+    assert_same_tensors(ram[1], fused[1])
+    tc = base.replace(update_timing="fused")
+    pc = tc.plan_config(2, 16)
+    assert fused[2] == step_disk_bytes(cfg, pc)
+    assert plan(cfg, device_spec("h100-sxm"), pc).peak_device_bytes == fused[4] == dry_run(cfg, tc, 2, 16).peak
+    # No host buffer of the embedding's size: the fold and the fused update's master are a block's.
+    host, block = step_host(cfg, tc, pc), cfg.unit_params("block.0")
+    assert host.fold == 4 * block and host.master == 4 * block
+    norms = sorted(fused[3])
+    limit = (norms[1] + norms[2]) / 2  # the early steps clip, the later ones do not (or the reverse)
+    after = _train(cfg, tmp_path / "after", base.replace(max_grad_norm=limit, update_timing="after-backward"))
+    clipped = _train(cfg, tmp_path / "clipped", base.replace(max_grad_norm=limit, update_timing="fused"))
+    assert after[0] == clipped[0] and 0 < sum(n > limit for n in after[3]) < STEPS
+    assert_same_tensors(after[1], clipped[1])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -221,44 +222,91 @@ def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, s
 
 
 # --- under a real memory limit -----------------------------------------------------------------------------------
-CGROUP2 = Path("/sys/fs/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 # 92M parameters: the RAM tier's store alone is 1.54 GiB; the disk tier's whole process is planned at 1.12 GiB.
 LIMITED = {**MODEL, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6, "num_attention_heads": 16,
            "head_dim": 64}
 
 
-@pytest.fixture
-def memory_cgroup() -> Iterator[Path]:
-    """A new cgroup v2 group beside this process's own, with the memory controller; skipped where there is none."""
-    if not (CGROUP2 / "cgroup.controllers").is_file():
-        pytest.skip(f"no cgroup v2 hierarchy at {CGROUP2} (cgroup v1, or none)")
-    own = next((line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                if line.startswith("0::")), None)
-    if own is None:
-        pytest.skip("this process is in no cgroup v2 group")
-    here = CGROUP2 / own.strip().lstrip("/")
-    parent = here if here == CGROUP2 else here.parent
-    try:
-        enabled = (parent / "cgroup.subtree_control").read_text().split()
-    except OSError as exc:
-        pytest.skip(f"cgroups are not readable here: {exc}")
-    if "memory" not in enabled:
-        pytest.skip(f"the memory controller is not enabled for the groups under {parent}")
+@dataclass(frozen=True)
+class MemoryGroup:
+    """A memory cgroup made for a test: v2's (memory.max) or v1's (memory.limit_in_bytes)."""
+
+    folder: Path
+    version: int
+
+    def limit(self, nbytes: int) -> None:
+        """Its memory limit, with no swap beyond it."""
+        if self.version == 2:
+            (self.folder / "memory.max").write_text(str(nbytes))
+            if (self.folder / "memory.swap.max").exists():
+                (self.folder / "memory.swap.max").write_text("0")
+            return
+        (self.folder / "memory.limit_in_bytes").write_text(str(nbytes))
+        if (self.folder / "memory.memsw.limit_in_bytes").exists():  # memory and swap together: no swap
+            (self.folder / "memory.memsw.limit_in_bytes").write_text(str(nbytes))
+
+    def join(self) -> None:
+        """Move the calling process into it (a child's preexec_fn)."""
+        (self.folder / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _own_group(version: int) -> Path | None:
+    """This process's group in the cgroup v2 hierarchy, or in v1's memory hierarchy; None where it is in none."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (version == 2 and controllers == "") or (version == 1 and "memory" in controllers.split(",")):
+            mount = CGROUP_ROOT if version == 2 else CGROUP_ROOT / "memory"
+            return mount / path.strip().lstrip("/")
+    return None
+
+
+def _new_group(version: int) -> tuple[Path | None, str]:
+    """A new memory cgroup beside (v2) or under (v1) this process's own: (its folder, or None and why not)."""
+    if version == 2 and not (CGROUP_ROOT / "cgroup.controllers").is_file():
+        return None, f"no cgroup v2 hierarchy at {CGROUP_ROOT}"
+    if version == 1 and not (CGROUP_ROOT / "memory" / "memory.limit_in_bytes").is_file():
+        return None, f"no cgroup v1 memory hierarchy at {CGROUP_ROOT / 'memory'}"
+    here = _own_group(version)
+    if here is None:
+        return None, f"this process is in no cgroup v{version} memory group"
+    parent = here
+    if version == 2:  # a v2 group with processes may have no children that take controllers: its parent's
+        parent = here if here == CGROUP_ROOT else here.parent
+        try:
+            if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+                return None, f"the memory controller is not enabled for the groups under {parent}"
+        except OSError as exc:
+            return None, f"cgroups are not readable here: {exc}"
     group = parent / f"streamer-test-{os.getpid()}"
     try:
         group.mkdir()
     except OSError as exc:
-        pytest.skip(f"cgroups are not writable here: {exc}")
-    try:
-        yield group
-    finally:
-        group.rmdir()  # its processes have exited
+        return None, f"cgroups are not writable here: {exc}"
+    return group, ""
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[MemoryGroup]:
+    """A new memory cgroup: v2's where the machine has its memory controller, else v1's; skipped where neither
+    can be made (not root, no hierarchy)."""
+    reasons = []
+    for version in (2, 1):
+        group, why = _new_group(version)
+        if group is not None:
+            try:
+                yield MemoryGroup(group, version)
+            finally:
+                group.rmdir()  # its processes have exited
+            return
+        reasons.append(why)
+    pytest.skip("; ".join(reasons))
 
 
 @pytest.mark.slow
 def test_a_run_over_its_cgroups_memory_limit_is_refused_before_writing_and_the_advice_fits(tmp_path, memory_cgroup):
-    """`streamer train` in a group whose memory.max the RAM tier's planned peak exceeds: one line naming the limit
-    and the disk tier, nothing written; the disk tier, as advised, trains in the same group."""
+    """`streamer train` in a group whose memory limit the RAM tier's planned peak exceeds: one line naming the
+    limit and the disk tier, nothing written; the disk tier, as advised, trains in the same group."""
     config = tmp_path / "model.json"
     config.write_text(json.dumps(LIMITED))
 
@@ -270,17 +318,14 @@ def test_a_run_over_its_cgroups_memory_limit_is_refused_before_writing_and_the_a
     # Room for the disk tier's peak and the process as it is when the check runs (torch loaded), not the RAM tier's.
     limit = disk + 600 * 2**20
     assert ram > limit - 250 * 2**20
-    (memory_cgroup / "memory.max").write_text(str(limit))
-    if (memory_cgroup / "memory.swap.max").exists():
-        (memory_cgroup / "memory.swap.max").write_text("0")
+    memory_cgroup.limit(limit)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
     def train(store: str, run: Path) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "streamer", "train", "--model", str(config), "--store", store,
                                "--dtype", "bf16", "--batch", "1", "--seq", "128", "--steps", "1", "--sample-tokens",
                                "0", "--eval-every", "0", "--run-dir", str(run)],
-                              preexec_fn=lambda: (memory_cgroup / "cgroup.procs").write_text("0"),
-                              capture_output=True, text=True, env=env, timeout=600)
+                              preexec_fn=memory_cgroup.join, capture_output=True, text=True, env=env, timeout=600)
 
     refused = train("ram", tmp_path / "ram")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]

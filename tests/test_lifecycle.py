@@ -274,11 +274,11 @@ step, accumulate = StreamingTrainer.step, HostStore.accumulate_grad
 def counted(self, *args, **kwargs):
     attempts[0] += 1
     return step(self, *args, **kwargs)
-def poison(self, unit, grads, *args):
+def poison(self, unit, grads, *args, **kwargs):
     if attempts[0] in poisoned and unit == "block.0":
         grads = [g.clone() for g in grads]
         grads[0].view(-1)[0] = float("inf")
-    return accumulate(self, unit, grads, *args)
+    return accumulate(self, unit, grads, *args, **kwargs)
 StreamingTrainer.step, HostStore.accumulate_grad = counted, poison
 sys.exit(main())
 """

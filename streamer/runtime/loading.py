@@ -86,7 +86,7 @@ class Loader:
                            borrowed)
         else:
             load = partial(self.transport.load_state, resource.unit, resource.start, resource.count,
-                           on_host=self.on_host, with_grad=not ctx.fused, with_master=resource.master)
+                           on_host=self.on_host, with_grad=resource.grad, with_master=resource.master)
         job = partial(self._traced, resource.unit, step, load)
         self._inflight[resource] = (self.io.reads.submit(job), handles)
 

@@ -17,7 +17,9 @@ from layers.loss import ReferenceOf, TokenMean
 from layers.model import family_units
 from layers.moe.units import Experts, sparse_mlp
 from layers.quant4 import quantize_linears
-from memory_model.schedule import Event, ExpertGroup, adapter_charges, gradient_charges, resource_charges
+from memory_model.schedule import (
+    Event, ExpertGroup, adapter_charges, folded_by_chunk, gradient_charges, resource_charges,
+)
 from memory_model.lora import dequantized_bytes
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
 from streamer.runtime.distributed import Reduction
@@ -78,6 +80,7 @@ class Passes:
         self.forward_calls: Counter[str] = Counter()  # tests check each block runs forward once per micro-batch
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self._scratch: torch.Tensor | None = None
+        self.by_chunk = folded_by_chunk(cfg, rt.step, rt.shards)  # units folded through their files by blocks
         # A grouped block's expert gradients on the host, by group, until the rest of its gradient joins them.
         self._expert_grads: dict[str, dict[int, list[torch.Tensor]]] = {}
 
@@ -318,7 +321,9 @@ class Passes:
         # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
         reductions = (None if self.data_parallel is None else
                       [(owner, self.data_parallel.start_reduce(pieces)) for owner, pieces in parts])
-        step, persist = ctx.step, not ((ctx.fused or ctx.norm_pass) and last)
+        # The last micro-batch's sum stays in memory for a fused update (which loads it, folded by chunk) or a norm.
+        kept = (ctx.fused and unit not in self.by_chunk) or ctx.norm_pass
+        step, persist = ctx.step, not (kept and last)
         job = partial(self._traced_offload, unit, step, parts, first, last, reductions, persist)
         ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
 
@@ -353,18 +358,20 @@ class Passes:
                 return 0.0, None
             assert self.writer is not None  # a store that takes gradients takes writes
             if not self.store.spec.placement.grad.zero_copy and self._scratch is None:
-                self._scratch = torch.empty(max(map(self.stored_numel, self.layouts)), dtype=torch.float32)
+                # Of the largest unit folded whole: those larger are folded through their files in blocks of it.
+                self._scratch = torch.empty(max(self.stored_numel(u) for u in self.layouts if u not in self.by_chunk),
+                                            dtype=torch.float32)
             # A borrowed part goes to its owner's accumulator, which the owner's own backward finishes. The unit's
-            # own part comes last: `total` ends as its accumulator.
+            # own part comes last: `total` ends as its accumulator (None where folded by chunk).
+            total, sq_norm = None, 0.0
             for owner, pieces in parts:
                 host = self.transport.pieces_to_host(pieces)
-                scratch = None if self._scratch is None else self._scratch[:self.stored_numel(owner)]
                 with torch.profiler.record_function(GRADIENT_FOLD):
-                    total = self.writer.accumulate_grad(owner, host, first, scratch, persist or owner != unit)
+                    total, sq_norm = self.writer.accumulate_grad(owner, host, first, self._scratch,
+                                                                 persist or owner != unit, norm=last and owner == unit)
                 if host is not pieces:
                     self.transport.give_back(host[0])
-            # fp32, as torch's clip_grad_norm_ computes per-tensor norms; a float64 copy costs 25x more.
-            return (float(torch.linalg.vector_norm(total)) ** 2, total) if last else (0.0, None)
+            return (sq_norm, total) if last else (0.0, None)
 
     def _finish_pending_offload(self, ctx: StepContext) -> None:
         pending, ctx.pending_offload = ctx.pending_offload, None

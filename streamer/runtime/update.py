@@ -45,7 +45,7 @@ class Updater:
         rounding = None if self.precision.master == "fp32" else rounding_key(self.seed, ctx.step, chunk.unit)
         with torch.profiler.record_function(HOST_UPDATE if self.on_host else "ws: update"):
             adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
-        if ctx.fused:
+        if ctx.fused and not chunk.grad:
             grad = tensors.pop("grad")
             if grad.device.type != "cpu":
                 self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
@@ -80,6 +80,8 @@ class Updater:
         total = ctx.final_grads[chunk.unit]
         if chunk.last:
             del ctx.final_grads[chunk.unit]
+        if chunk.grad:  # a unit folded by chunk: its gradient was loaded with the chunk's state
+            return tensors
         grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
         return {**tensors, "grad": grad}
 

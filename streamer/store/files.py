@@ -173,10 +173,10 @@ class StateFiles:
         pread_into(self.descriptor(path), out, start * 4, path)
         self.count_bytes(read=out.numel() * 4)
 
-    def write_grad(self, unit: str, values: torch.Tensor) -> None:
-        """The unit's whole fp32 gradient (the file is created on the first write)."""
+    def write_grad(self, unit: str, values: torch.Tensor, start: int = 0) -> None:
+        """fp32 gradient elements [start, start + values.numel()) (the file is created on the first write)."""
         path = self.grad_path(unit)
-        pwrite_from(self.descriptor(path, create=True), values, 0, path)
+        pwrite_from(self.descriptor(path, create=True), values, start * 4, path)
         self.count_bytes(written=values.numel() * 4)
 
     def grad_check(self, unit: str, checksum: int, step: int) -> Checksum:

@@ -34,7 +34,7 @@ from streamer.store.commit import (
 )
 from streamer.store.files import GenerationWriter, StateFiles
 from streamer.store.interface import SlabBackend, StateWriter, StoreReader, StoreWriter
-from streamer.store.layout import fold_into
+from streamer.store.layout import fold_into, squared_norm
 from streamer.store.quant import restored, stored
 from streamer.store.ram import RamSlabs
 from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
@@ -466,17 +466,32 @@ class HostStore(_HostSlabs, StoreWriter):
 
     # --- gradients -------------------------------------------------------------------------
     def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
-                        scratch: torch.Tensor | None, persist: bool = True) -> torch.Tensor:
+                        scratch: torch.Tensor | None, persist: bool = True,
+                        norm: bool = False) -> tuple[torch.Tensor | None, float]:
         self.check_consistent()  # an open commit may replay these gradients: never overwrite them
         if (ram := self._slabs.get(unit, "grad")) is not None:
-            return fold_into(ram, grads, first)
+            return fold_into(ram, grads, first), squared_norm(ram) if norm else 0.0
         assert scratch is not None, "disk-tier gradients need a scratch buffer"
-        if not first:
-            self._files.read_grad(unit, 0, scratch)
-        fold_into(scratch, grads, first)
-        if persist:
-            self._files.write_grad(unit, scratch)
-        return scratch
+        numel = self.numels[unit]
+        if scratch.numel() >= numel:
+            scratch = scratch[:numel]
+            if not first:
+                self._files.read_grad(unit, 0, scratch)
+            fold_into(scratch, grads, first)
+            if persist:
+                self._files.write_grad(unit, scratch)
+            return scratch, squared_norm(scratch) if norm else 0.0
+        # A unit larger than the scratch buffer: folded through its file a block of the buffer's size at a time.
+        sq_norm = 0.0
+        for start in range(0, numel, scratch.numel()):
+            block = scratch[:min(scratch.numel(), numel - start)]
+            if not first:
+                self._files.read_grad(unit, start, block)
+            fold_into(block, grads, first, start=start)
+            sq_norm += squared_norm(block) if norm else 0.0
+            if persist:
+                self._files.write_grad(unit, block, start)
+        return None, sq_norm
 
     def sync_grads(self) -> None:
         """Make this step's gradients durable, and checksum them: the journal may replay the update from them."""

@@ -187,11 +187,13 @@ class StoreWriter(StoreReader):
     # --- writes ----------------------------------------------------------------------------
     @abstractmethod
     def accumulate_grad(self, unit: str, grads: Sequence[torch.Tensor], first: bool,
-                        scratch: torch.Tensor | None, persist: bool = True) -> torch.Tensor:
+                        scratch: torch.Tensor | None, persist: bool = True,
+                        norm: bool = False) -> tuple[torch.Tensor | None, float]:
         """Copy (`first`) or add a host-side gradient (tensors laid end to end in layout order) into the
-        unit's fp32 accumulator; returns the accumulated values. `scratch`: an fp32 buffer of the unit's size,
-        needed where gradients are on disk. `persist=False`: the sum is only returned, not stored on disk
-        (a fused update's final gradient, which nothing reads back)."""
+        unit's fp32 accumulator; returns the accumulated values and (`norm`) their squared L2 norm. `scratch`: an
+        fp32 buffer, needed where gradients are on disk: of the unit's size, or shorter, and the unit is folded
+        through its file a block of that size at a time and no values are returned (None). `persist=False`: the
+        sum is not stored on disk (a fused update's final gradient, which nothing reads back; a norm pass's)."""
 
     @abstractmethod
     def check_consistent(self) -> None:

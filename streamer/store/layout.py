@@ -279,28 +279,39 @@ WIDENED_BLOCK = 2**20
 
 
 def fold_into(flat: torch.Tensor, pieces: Sequence[torch.Tensor], first: bool,
-              non_blocking: bool = False) -> torch.Tensor:
+              non_blocking: bool = False, start: int | None = None) -> torch.Tensor:
     """Copy (`first`) or add `pieces`, which laid end to end make one flat tensor, into `flat`; returns `flat`.
-    `non_blocking`: the copies are device-to-pinned-host transfers the caller synchronizes.
+    `non_blocking`: the copies are device-to-pinned-host transfers the caller synchronizes. `start`: `flat` holds
+    elements [start, start + flat.numel()) of that tensor (a block of a unit folded by chunk), else all of it.
 
     A unit's gradient arrives as one tensor per parameter: folding each into its place skips the cat that
     would gather them into one flat tensor first (one more copy of the unit's gradient, into fresh memory).
     """
-    offset = 0
+    block, start = start is not None, start or 0
+    end, offset = start + flat.numel(), 0
     for piece in pieces:
-        target = flat[offset:offset + piece.numel()].view(piece.shape)
-        if first:
-            target.copy_(piece, non_blocking=non_blocking)
-        elif piece.dtype == flat.dtype:
-            target.add_(piece)
-        else:  # torch widens an addend of another dtype whole before adding: a block at a time bounds that copy
-            whole, into = piece.reshape(-1), target.view(-1)
-            for start in range(0, whole.numel(), WIDENED_BLOCK):
-                into[start:start + WIDENED_BLOCK].add_(whole[start:start + WIDENED_BLOCK])
+        low, high = max(start, offset), min(end, offset + piece.numel())
+        if low < high:
+            source = piece if high - low == piece.numel() else piece.reshape(-1)[low - offset:high - offset]
+            target = flat[low - start:high - start].view(source.shape)
+            if first:
+                target.copy_(source, non_blocking=non_blocking)
+            elif source.dtype == flat.dtype:
+                target.add_(source)
+            else:  # torch widens an addend of another dtype whole before adding: a block at a time bounds that copy
+                whole, into = source.reshape(-1), target.view(-1)
+                for first_block in range(0, whole.numel(), WIDENED_BLOCK):
+                    into[first_block:first_block + WIDENED_BLOCK].add_(whole[first_block:first_block + WIDENED_BLOCK])
         offset += piece.numel()
-    if offset != flat.numel():
-        raise ValueError(f"gradient pieces hold {offset} elements, the flat tensor {flat.numel()}")
+    if offset < end or (not block and offset != end):
+        raise ValueError(f"gradient pieces hold {offset} elements, the flat tensor {flat.numel()} from {start}")
     return flat
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """A gradient's squared L2 norm, in fp32 as torch's clip_grad_norm_ computes per-tensor norms (a float64 copy
+    costs 25x more)."""
+    return float(torch.linalg.vector_norm(t)) ** 2
 
 
 def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -> dict[str, ExpertGroups]:
