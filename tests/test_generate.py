@@ -176,7 +176,7 @@ def chat_run(tmp_path_factory, tiny_setup):
                                   run, "--steps", 1, "--batch", 2, "--seq", 32, "--dtype", "fp32",
                                   "--sample-tokens", 0, "--eval-fraction", 0)]) == 0
     (root / "history.json").write_text(json.dumps(HISTORY))
-    return {"hf": hf, "run": run, "cfg": cfg, "history": root / "history.json"}
+    return {"hf": hf, "run": run, "cfg": cfg, "history": root / "history.json", "data": tiny_setup / "train.txt"}
 
 
 def test_a_chat_renders_as_transformers_and_generates_its_greedy_tokens(chat_run):
@@ -239,10 +239,16 @@ def test_chat_inputs_are_one_conversation_however_given(chat_run, capsys, tmp_pa
     assert len({out.splitlines()[0] for _, out, _ in outputs}) == 1  # the prompt and the reply
     assert "<|start_header_id|>assistant<|end_header_id|>" in outputs[0][1]
 
-    bare = tmp_path / "bare"
-    shutil.copytree(run, bare)
-    config = json.loads((bare / "tokenizer" / "tokenizer_config.json").read_text())
-    (bare / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    # A run of the same model whose tokenizer names no chat template (a run's own tokenizer files are checked,
+    # so it is trained from such a folder, not edited afterwards).
+    hf, bare = tmp_path / "hf-bare", tmp_path / "bare"
+    shutil.copytree(chat_run["hf"], hf)
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    rc, _, err = run_cli(capsys, "train", "--from-pretrained", hf, "--data", chat_run["data"], "--run-dir", bare,
+                         "--steps", 1, "--batch", 2, "--seq", 32, "--dtype", "fp32", "--sample-tokens", 0,
+                         "--eval-fraction", 0)
+    assert rc == 0, err
     assert "pass --chat-template FILE" in fails(capsys, "generate", bare, "--chat", QUESTION)
     (tmp_path / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
     rc, out, err = run_cli(capsys, "generate", bare, "--system", SYSTEM, "--chat", QUESTION,
