@@ -248,26 +248,31 @@ class Pair:
         return not isinstance(self.chosen, str)
 
 
-def read_pairs(path: str | Path) -> list[Pair]:
-    """The preference pairs a .jsonl file (or a table or datasets folder) holds: each record's `chosen` and
-    `rejected`, and its `prompt`, or without one the prompt both share (TRL's implicit prompt)."""
-    path = Path(path)
+def _json_records(path: Path, what: str) -> list[tuple[Any, str]]:
+    """(record, where it is) of each record of a .jsonl file (each line bounded as `_jsonl_lines` bounds it), a
+    table or a datasets folder; `what` the records are, for the line refusing another kind of file."""
     if path.is_dir() or path.suffix in TABLE_SUFFIXES:
         if not path.exists():
             raise DataError(f"{path} does not exist; pass an existing {path.suffix or 'datasets'} file")
-        records = list(_dataset_rows(path))
-    elif path.suffix == ".jsonl":
-        records = []
-        for number, line in enumerate(_read_text_file(path).split("\n"), start=1):
-            if line.strip():
-                try:
-                    records.append((json.loads(line), f"{path} line {number}"))
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
-                                    "write one JSON object per line") from None
-    else:
-        raise DataError(f"{path}: preference pairs are read from .jsonl, .parquet, .csv or a datasets folder, not "
+        return list(_dataset_rows(path))
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: {what} are read from .jsonl, .parquet, .csv or a datasets folder, not "
                         f"{path.suffix!r}")
+    records = []
+    for number, line in _jsonl_lines(path):
+        if line.strip():
+            try:
+                records.append((json.loads(line), f"{path} line {number}"))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                                "write one JSON object per line") from None
+    return records
+
+
+def read_pairs(path: str | Path) -> list[Pair]:
+    """The preference pairs a .jsonl file (or a table or datasets folder) holds: each record's `chosen` and
+    `rejected`, and its `prompt`, or without one the prompt both share (TRL's implicit prompt)."""
+    records = _json_records(Path(path), "preference pairs")
     pairs = [_pair(record, where) for record, where in records]
     if not pairs:
         raise DataError(f"{path} holds no pairs; add records with chosen and rejected")
@@ -309,22 +314,7 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """GRPO's records, TRL's prompt-only format: each a text `prompt` and any other columns, which the reward
     functions get by name; from a .jsonl file, a table or a datasets folder."""
     path = Path(path)
-    if path.is_dir() or path.suffix in TABLE_SUFFIXES:
-        if not path.exists():
-            raise DataError(f"{path} does not exist; pass an existing {path.suffix or 'datasets'} file")
-        rows = list(_dataset_rows(path))
-    elif path.suffix == ".jsonl":
-        rows = []
-        for number, line in _jsonl_lines(path):
-            if line.strip():
-                try:
-                    rows.append((json.loads(line), f"{path} line {number}"))
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
-                                    "write one JSON object per line") from None
-    else:
-        raise DataError(f"{path}: GRPO's prompts are read from .jsonl, .parquet, .csv or a datasets folder, not "
-                        f"{path.suffix!r}")
+    rows = _json_records(path, "GRPO's prompts")
     for record, where in rows:
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise DataError(f"{where} has no text 'prompt' field; each record must be an object like "
