@@ -201,7 +201,7 @@ def test_scale_run_takes_the_largest_preset_of_the_models_family(model, scale_mo
     every candidate, down to the width fitted to a small disk, is of that family, the model asked for first."""
     settings = bench.Settings.from_args(_parse(["--model", model] if model else []))
     assert settings.scale_model == scale_model
-    asked = ModelChoice(scale_model, PRESETS[scale_model], "int8", master_dtype="bf16")
+    asked = ModelChoice(scale_model, PRESETS[scale_model], Precision("bf16", "bf16", "int8"))
     budget = asked.disk_bytes // 2  # too small for the model in any state: only smaller ones fit
     candidates = bench._scale_candidates(settings, budget)
     assert {c.config.model_type for c in candidates} == {family}
@@ -244,7 +244,7 @@ def test_scale_targets_hold_the_model_asked_for_to_its_own_limits(model):
     from benchmarks.runs import merge
 
     limit_s, limit_rss = SCALE_TARGETS[model]
-    full = ModelChoice(model, PRESETS[model], "int8", master_dtype="bf16")
+    full = ModelChoice(model, PRESETS[model], Precision("bf16", "bf16", "int8"))
     width = fitted_width(full, full.disk_bytes // 2)
 
     def targets(chosen: ModelChoice, step_s: float, rss: int) -> list[str]:

@@ -62,6 +62,11 @@ def test_export_keeps_the_tokenizer_and_generates_what_streamer_generates(capsys
     assert {k: exported[k] for k in USERS_FIELDS} == USERS_FIELDS
     assert exported["architectures"] == ["GPTJForCausalLM"]  # transformers wrote it into the source
     assert transformers.AutoConfig.from_pretrained(out).my_project == USERS_FIELDS["my_project"]
+    kept = run / "source_config.json"  # checksummed: a changed digit is refused in one line naming the file
+    kept.write_text(kept.read_text().replace('"revision": 3', '"revision": 4'))
+    rc, _, err = run_cli(capsys, "export", run, tmp_path / "again")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith(f"error: {kept} is damaged"), err
+    assert not (tmp_path / "again").exists()
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tokenizer.chat_template == CHAT_TEMPLATE

@@ -128,7 +128,7 @@ def test_a_mixtures_experts_quantize_as_bitsandbytes_replace_parameter_4bit(tmp_
     cfg = FAMILIES["qwen3_moe"].example()
     hf = hf_model(cfg)
     hf.save_pretrained(tmp_path)
-    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.projections),
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.lora().projections),
                           load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant)
     with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
         layout = trainer.layouts["block.1"]
@@ -471,7 +471,7 @@ def test_a_mixture_folder_transformers_saved_4bit_trains_through_the_cli(tmp_pat
     for folder in folders.values():
         write_tokenizer(folder, "qwen")
     (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
-    qlora = ["--lora-rank", "4", "--lora-targets", ",".join(cfg.projections), "--load-in-4bit",
+    qlora = ["--lora-rank", "4", "--lora-targets", ",".join(cfg.lora().projections), "--load-in-4bit",
              "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant"]
 
     def train(folder: str, run: Path, *flags: str) -> int:
@@ -480,7 +480,7 @@ def test_a_mixture_folder_transformers_saved_4bit_trains_through_the_cli(tmp_pat
                      "--seq", "16", "--batch", "2", "--steps", "1", "--dtype", "fp32", "--eval-every", "0",
                      "--sample-tokens", "0", "--run-dir", str(run), *flags])
 
-    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.projections),
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_targets=",".join(cfg.lora().projections),
                           load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
     slabs = []
     for folder in ("16bit", "4bit"):
