@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,8 @@ import torch
 from streamer.cli.main import main
 from streamer.run_dir import RunDir
 from streamer.trainer import StreamingTrainer
-from test_lifecycle import ENV, assert_same_run, metric_lines, reference, small_disk, streamer, train_argv
+from test_lifecycle import (ENV, assert_same_run, fill_after_first_step, reference, small_disk,
+                            streamer, train_argv)
 
 __all__ = ["reference", "small_disk"]  # fixtures this module's tests request by name
 pytestmark = pytest.mark.xdist_group("faults")  # one worker makes the runs every case copies
@@ -167,17 +166,7 @@ def test_a_filesystem_that_fills_during_a_ram_tier_save_keeps_the_last_save(tiny
     argv = train_argv(tiny_setup, run, "--store", "ram", "--save-every", 2, tokenizer=False)
     proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    while metric_lines(run) < 1 and proc.poll() is None:
-        time.sleep(0.001)
-    proc.send_signal(signal.SIGSTOP)  # while the disk fills: a fast machine could reach the save first
-    with filler.open("wb") as out:
-        try:
-            while True:
-                out.write(b"\0" * 2**16)
-                out.flush()
-        except OSError:
-            pass
-    proc.send_signal(signal.SIGCONT)
+    fill_after_first_step(proc, run, filler)  # before the save at step 2
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and err.count("\n") == 1 and err.startswith("error: disk full while writing "), err
     assert f"{run} keeps its last committed step: free space and continue with `streamer train --resume {run}`" in err

@@ -330,24 +330,29 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+def fill_after_first_step(proc: subprocess.Popen, run: Path, filler: Path) -> None:
+    """Once `proc` (a run into `run`) logs its first step, fill the disk `filler` is on, every free byte, while the
+    run is stopped: otherwise a fast machine can reach its next writes first."""
+    while metric_lines(run) < 1 and proc.poll() is None:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGSTOP)
+    with filler.open("wb") as out:
+        try:
+            while True:
+                out.write(b"\0" * 2**16)
+                out.flush()
+        except OSError:
+            pass
+    proc.send_signal(signal.SIGCONT)
+
+
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_keeps_the_last_step_and_says_how_to_continue(tiny_setup, reference, small_disk):
     run, filler = small_disk / "run", small_disk / "filler"
     argv = train_argv(tiny_setup, run, tokenizer=False)
     proc = subprocess.Popen([sys.executable, "-m", "streamer", *argv], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    while metric_lines(run) < 1 and proc.poll() is None:
-        time.sleep(0.001)
-    # The run is stopped while the disk fills: otherwise a fast machine can finish the remaining steps first.
-    proc.send_signal(signal.SIGSTOP)
-    with filler.open("wb") as out:  # every free byte, before step 2's writes
-        try:
-            while True:
-                out.write(b"\0" * 2**20)
-                out.flush()
-        except OSError:
-            pass
-    proc.send_signal(signal.SIGCONT)
+    fill_after_first_step(proc, run, filler)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and err.count("\n") == 1, err
     assert f"free space and continue with `streamer train --resume {run}`" in err
