@@ -163,17 +163,27 @@ def _hf(spec: RunSpec) -> Contender:
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 
+    step = _adamw_step(model, params, optimizer, spec.max_grad_norm, autocast=spec.dtype == "bf16")
+    return Contender(step, sum(p.numel() for p in params), experts=experts)
+
+
+def _adamw_step(model: Any, params: list[Any], optimizer: Any, max_grad_norm: float,
+                autocast: bool = False) -> Callable[[Any], float]:
+    """A transformers user's training step: the loss of the batch (under bf16 autocast where asked), its backward,
+    clipping, the optimizer's step."""
+    import torch
+
     def step(ids: torch.Tensor) -> float:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.dtype == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=ids).loss
         loss.backward()
-        if spec.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
         return float(loss)
 
-    return Contender(step, sum(p.numel() for p in params), experts=experts)
+    return step
 
 
 def _hf_qlora(spec: RunSpec) -> Contender:
@@ -197,16 +207,7 @@ def _hf_qlora(spec: RunSpec) -> Contender:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
-    def step(ids: torch.Tensor) -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        if spec.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        optimizer.step()
-        return float(loss)
-
-    return Contender(step, _config(spec).num_params())
+    return Contender(_adamw_step(model, params, optimizer, spec.max_grad_norm), _config(spec).num_params())
 
 
 def _deepspeed(spec: RunSpec) -> Contender:
