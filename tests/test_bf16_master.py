@@ -174,6 +174,24 @@ def test_a_master_stored_in_the_compute_dtype_loads_straight_into_the_weights(tm
     assert ("master" in loaded) == keep and (not keep or torch.equal(loaded["master"], expected))
 
 
+@pytest.mark.parametrize("dtype,master,lora,straight", [
+    ("bf16", "bf16", 0, True),  # the compute weights are the master: read as stored
+    ("bf16", "fp32", 0, False),  # an fp32 master cast to bf16 weights
+    ("fp32", "fp32", 0, False),  # the master is the weights too, but read through the fp32 path: one buffer
+    ("fp32", "bf16", 0, False),  # a bf16 master widened to fp32 weights
+    ("bf16", "bf16", 4, True),  # a frozen base has no master: its weights are read as its files hold them
+    ("fp32", "fp32", 4, True)])
+def test_a_weights_load_reads_the_master_straight_where_compute_is_master_in_half_precision(
+        tmp_path, dtype, master, lora, straight):
+    """The transport's choice to read a master straight into the weights follows the one rule
+    (`Precision.compute_is_master`, which the store and the planner use), in bf16 only, or a frozen base."""
+    tc = BF16.replace(store="disk", dtype=dtype, master_dtype=master, lora_rank=lora)
+    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
+        one = trainer.store.spec.compute_is_master
+        assert one == trainer.runtime.compute_is_master == (dtype == master and not lora)
+        assert trainer.executor.transport.master_is_weights == straight
+
+
 def test_ram_compute_weights_are_rebuilt_from_a_bf16_master_on_disk(tmp_path):
     """Compute weights in RAM beside the state on disk (fp32 compute: a copy of the bf16 master) are rebuilt from
     the state files' bf16 masters when the store opens: the same weights, and the same next step."""
