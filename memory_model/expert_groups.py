@@ -8,8 +8,6 @@ Torch-free.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from layers.config import ModelConfig
 from memory_model.schedule import Charge, expert_charges, gradient_charges
 from memory_model.settings import SettingError
@@ -47,20 +45,6 @@ def group_sizes(shape: ModelConfig, cfg: PlanConfig) -> list[int]:
     if not experts or cfg.lora.enabled or cfg.devices > 1:
         return []
     return [g for g in range(experts, 0, -1) if experts % g == 0]
-
-
-def fewest_groups_within(shape: ModelConfig, cfg: PlanConfig, limit: int,
-                         needs: Callable[[PlanConfig], int]) -> int | None:
-    """The one search for the fewest groups that fit: the most experts a block can load at once, at most what
-    `cfg` loads (all of them where its `expert_group_size` is 0), for the step to need at most `limit` bytes by
-    the caller's measure `needs` (plan: its device's memory; train: its --budget). 0 where whole blocks fit;
-    None where nothing does."""
-    experts = shape.experts()
-    now = cfg.step.expert_group_size or experts
-    for size in (g for g in group_sizes(shape, cfg) if g <= now):
-        if needs(cfg.replace(expert_group_size=size)) <= limit:
-            return 0 if size == experts else size
-    return None
 
 
 def grouped(shape: ModelConfig, cfg: PlanConfig, unit: str) -> bool:

@@ -21,8 +21,7 @@ from layers.config import ModelConfig
 from memory_model.allocator import cuda_block_bytes, workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
-    backward_moment, expert_group, fewest_groups_within, forward_moment, grouped, grouped_block_numel, last_gradient,
-    reloaded,
+    backward_moment, expert_group, forward_moment, group_sizes, grouped, grouped_block_numel, last_gradient, reloaded,
 )
 from memory_model.host import HostBytes, host_bytes, offloaded_bytes, shared_peak, store_kinds
 from memory_model.ledger import CATEGORIES
@@ -45,6 +44,10 @@ BASELINE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master, exp_av
 # The time and throughput of a step, left out (null) where the step does not fit.
 _THROUGHPUT = ("step_time_s", "tokens_per_s", "utilisation", "step_s", "model_flops_per_s", "mfu")
 _MAX_BATCH_SEARCH = 2**24
+# The real step's ledger peak minus the planner's, measured on CPU (one step, budget off) for gptj-demo
+# (2x64, 8x128) and a 2-layer d64 model (2x16, 4x64) over resident/checkpoint x device/host update x
+# grad-accum 1/2 x fp32/bf16 (56 runs): equal in 50, 8 bytes over in 6 (grad-accum 2; ratio 1.000022 at most).
+PLAN_MARGIN_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -366,31 +369,62 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
     return moments
 
 
-def fewest_expert_groups(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> int:
+def made_as(cfg: PlanConfig, clips: bool) -> tuple[PlanConfig, ...]:
+    """The steps a run of `cfg` makes: its own, and where it is fused and clips (`clips`: a --max-grad-norm), the
+    after-backward step a fused step that clips is undone and made again as. A norm-first step is covered: its
+    norm pass is the after-backward step's forward and backward (`norm_pass_peak`), its fused pass `cfg`'s."""
+    return (cfg, cfg.replace(update_timing="after-backward")) if clips and cfg.fused else (cfg,)
+
+
+def step_needs(shape: ModelConfig, cfg: PlanConfig, arch: str = "", clips: bool = False) -> int:
+    """The bytes a run's step needs within a byte limit (a device's memory less its reserve; `streamer train`'s
+    --budget): the highest of the steps it makes (`made_as`), its peak as the device's allocator counts it
+    (`allocated_peak_bytes`: on a CUDA device, `arch`, its blocks rounded and cuBLAS's workspaces), and the margin
+    the runtime's ledger was measured to need beyond the plan. The one measure `streamer plan` and `streamer
+    train` hold a step against a limit with."""
+    def need(step: PlanConfig) -> int:
+        events = _events(shape, step)
+        moments = _memory_walk(shape, step, events, resident_sets(events, step.step.prefetch), step.micro_batch,
+                               step.seq)
+        return allocated_peak_bytes(moments, arch)
+
+    return max(map(need, made_as(cfg, clips))) + PLAN_MARGIN_BYTES
+
+
+def fewest_groups_within(shape: ModelConfig, cfg: PlanConfig, limit: int, arch: str = "",
+                         clips: bool = False) -> int | None:
+    """The one search for the fewest groups of experts that fit: the most experts a block can load at once, at
+    most what `cfg` loads (all of them where its `expert_group_size` is 0), for the step to need (`step_needs`) at
+    most `limit` bytes (plan: its device's memory less its reserve; train: its --budget). 0 where whole blocks
+    fit; None where nothing does."""
+    experts = shape.experts()
+    now = cfg.step.expert_group_size or experts
+    for size in (g for g in group_sizes(shape, cfg) if g <= now):
+        if step_needs(shape, cfg.replace(expert_group_size=size), arch, clips) <= limit:
+            return 0 if size == experts else size
+    return None
+
+
+def fewest_expert_groups(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, clips: bool = False) -> int:
     """The experts a block loads at once (`StepConfig.expert_group_size`): as `cfg` sets it, or where it is 0, in
-    the fewest groups with which the step fits `device`: all of them (0) where whole blocks fit, else the largest
-    divisor of the experts that fits, else 0 (nothing fits: the plan says why). Groups are for full fine-tuning
-    on one device (`expert_group`)."""
+    the fewest groups with which the step fits `device` (`fewest_groups_within` its memory less its reserve): all
+    of them (0) where whole blocks fit, else the largest divisor of the experts that fits, else 0 (nothing fits:
+    the plan says why). Groups are for full fine-tuning on one device (`expert_group`)."""
     if cfg.step.expert_group_size:
         return cfg.step.expert_group_size
-
-    def needs(trial: PlanConfig) -> int:
-        events = _events(shape, trial)
-        moments = _memory_walk(shape, trial, events, resident_sets(events, cfg.step.prefetch), cfg.micro_batch,
-                               cfg.seq)
-        return allocated_peak_bytes(moments, device) + device.reserve_bytes
-
-    return fewest_groups_within(shape, cfg, int(device.memory_bytes), needs) or 0
+    room = device.memory_bytes - device.reserve_bytes
+    return fewest_groups_within(shape, cfg, room, device.cuda_arch, clips) or 0
 
 
-def allocated_peak_bytes(moments: list[tuple[Event, tuple[int, ...]]], device: DeviceSpec) -> int:
-    """The walk's peak as torch's CUDA caching allocator would count it on `device`: each category's bytes at
-    each moment rounded as one block (the runtime's ledger rounds each allocation: more blocks, a few KiB more at
-    most per block), and cuBLAS's workspaces; the peak itself on a device without that allocator."""
-    if not device.cuda_arch:
+def allocated_peak_bytes(moments: list[tuple[Event, tuple[int, ...]]], arch: str) -> int:
+    """The walk's peak as torch's CUDA caching allocator would count it on a device of compute capability `arch`
+    (`DeviceSpec.cuda_arch`): each category's bytes at each moment rounded as one block (the runtime's ledger
+    rounds each allocation: more blocks, a few KiB more at most per block), and cuBLAS's workspaces; the peak
+    itself on a device without that allocator (arch "")."""
+    if not arch:
         return max(sum(b) for _, b in moments)
     rounded = max(sum(cuda_block_bytes(n) for n in b) for _, b in moments)
-    return rounded + workspace_bytes(device.cuda_arch)
+    return rounded + workspace_bytes(arch)
 
 
 def _offloading(events: list[Event], index: int, micro_batches: int) -> tuple[str, ...]:
@@ -504,7 +538,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     moments = _memory_walk(shape, cfg, events, resident, micro, seq)
     peak_event, peak_bytes = max(moments, key=lambda m: sum(m[1]))
     peak = sum(peak_bytes)
-    allocated = allocated_peak_bytes(moments, device)
+    allocated = allocated_peak_bytes(moments, device.cuda_arch)
     timeline = simulate(events, resident, shape, cfg, device, pin_memory=pin_memory)
 
     rows, frozen, group = [], cfg.lora.enabled, expert_group(shape, cfg)

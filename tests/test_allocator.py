@@ -86,7 +86,8 @@ def test_a_step_on_a_simulated_gpu_charges_what_the_planner_allocates(dtype: str
 def test_a_budget_check_on_a_gpu_counts_cublas_workspaces() -> None:
     """`streamer train`'s check before set-up: a GPU preset whose memory leaves the planned step 1 MiB more than
     it charges, but not the 66 MiB of workspaces its ledger keeps, is refused in one line with a budget that fits."""
-    from streamer.advice import PLAN_MARGIN_BYTES, check_fits, planned_peak
+    from memory_model.planner import PLAN_MARGIN_BYTES
+    from streamer.advice import check_fits, planned_peak
     from streamer.run import RunConfig, RunError
 
     settings = dict(model="gptj-debug", batch=2, seq=48, dtype="bf16")

@@ -13,11 +13,11 @@ from layers import FAMILIES, PRESETS, MixtralConfig, ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, plan
 from memory_model.devices import with_sets
 from memory_model.expert_groups import expert_group, grouped_block_numel
-from memory_model.planner import fewest_expert_groups, peak_device_bytes, step_disk_bytes
+from memory_model.planner import PLAN_MARGIN_BYTES, fewest_expert_groups, peak_device_bytes, step_disk_bytes
 from memory_model.settings import SettingError
 from memory_model.shapes import block_backward_transient_bytes
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.advice import PLAN_MARGIN_BYTES, alternatives, planned_peak
+from streamer.advice import alternatives, planned_peak
 from streamer.calibration.dryrun import dry_run
 from streamer.errors import ConfigError
 from streamer.generate import Sampling, generate
@@ -299,3 +299,33 @@ def test_resuming_with_groups_that_do_not_fit_names_the_flag(capsys, tmp_path: P
     refused = fails(capsys, "train", "--resume", run, "--steps", 2, "--expert-group-size", 3)
     assert refused == "error: --expert-group-size must divide a block's 8 experts (1, 2, 4, 8), not 3"
     assert RunDir.open(run).committed_step() == 1
+
+
+@pytest.mark.parametrize("device", ["cs2", "h100-sxm"])
+def test_plan_and_train_choose_the_same_groups_for_the_same_limit(capsys, tmp_path: Path, tiny_setup: Path,
+                                                                    device: str):
+    """One search against one measure (`planner.step_needs`): `streamer plan` on a device and `streamer train`
+    with that device as its --budget choose the same group size at every limit, on the edge of each size's need
+    too. The step is train's default (disk tier, fused, clipping on: a step that clips is made again after the
+    backward), and on a GPU its allocator's blocks and cuBLAS's workspaces count."""
+    from memory_model.planner import step_needs
+    from streamer.advice import fit_expert_groups
+
+    cfg = _wide("mixtral").resized(vocab_size=512, max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.adapter().to_hf()))
+    step = ["--model", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--dtype", "fp32",
+            "--activations", "checkpoint", "--update-chunk", "10000", "--update-on", "device"]
+    reserve = DEVICE_PRESETS[device].reserve_bytes
+    run_cfg = resolve({"model": str(tmp_path / "config.json"), "data": str(tiny_setup / "train.txt"), "batch": 2,
+                       "seq": 16, "dtype": "fp32", "activations": "checkpoint", "update_chunk": 10_000,
+                       "update_on": "device", "budget": device})
+    arch, pc = run_cfg.trainer.device.cuda_arch(), run_cfg.plan_config()
+    assert pc.fused and run_cfg.trainer.optimizer.max_grad_norm > 0 and bool(arch) == (device != "cs2")
+    needs = {size: step_needs(cfg, pc.replace(expert_group_size=size), arch, clips=True) for size in (0, 4, 2, 1)}
+    assert needs[0] > needs[4] > needs[2] > needs[1]
+    for limit, size in ((needs[0], 0), (needs[0] - 1, 4), (needs[4], 4), (needs[4] - 1, 2), (needs[2] - 1, 1)):
+        memory = f"memory_bytes={limit + reserve}"
+        trained, _ = fit_expert_groups(cfg, run_cfg.replace(set=(memory,)))
+        rc, out, err = run_cli(capsys, "plan", *step, "--target", device, "--set", memory, "--json")
+        assert rc == 0, err
+        assert trained.trainer.step.expert_group_size == json.loads(out)["config"]["expert_group_size"] == size

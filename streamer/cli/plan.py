@@ -94,7 +94,9 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan_cfg = replace(cfg.replace(dtype=dtype, update_on=update_on).plan_config(args.ranks),
                            ranks_per_node=args.ranks_per_node)
-        plan_cfg = plan_cfg.replace(expert_group_size=fewest_expert_groups(model_cfg, device, plan_cfg))
+        # The groups `streamer train` would choose for a --budget of this device's room (one search, one measure).
+        clips = cfg.trainer.optimizer.max_grad_norm > 0
+        plan_cfg = plan_cfg.replace(expert_group_size=fewest_expert_groups(model_cfg, device, plan_cfg, clips))
         result = plan(model_cfg, device, plan_cfg)
         scaling = None if result.does_not_fit else scaling_curve(model_cfg, device, plan_cfg)
         rollout = rollout_plan(model_cfg, device, plan_cfg) if plan_cfg.objective.grpo else None

@@ -292,11 +292,9 @@ class Transport:
         self.copier = HostCopier(staging_threads() if self.mode == "cuda" else 1)
         # Block inputs go out on a stream of their own: behind the loads on the side stream, d2h would wait for h2d.
         self.stash_stream = torch.cuda.Stream(device) if self.mode == "cuda" else None
-        # Where the compute weights are the master (`Precision.compute_is_master`, the one rule) in a half
-        # precision, a load reads the master straight into the weights' buffer, with no fp32 pass between. An fp32
-        # one takes the fp32 path, which already reads it uncast: there its read buffer is the weights themselves
-        # where the device is the host, and the master a fused update keeps too (one buffer, not a second copy).
-        # A frozen base on disk (4-bit bytes, `weights_dtype` uint8, or 16-bit weights) is read as its files hold it.
+        # Compute is master (`Precision.compute_is_master`) in bf16: a load reads it straight into the weights. In fp32
+        # the fp32 path reads it uncast, into the buffer a fused update keeps as its master (on a cpu, the weights). A
+        # frozen base on disk (4-bit bytes, `weights_dtype` uint8, or 16-bit weights) is read as its files hold it.
         self.weights_dtype = rt.weights_dtype
         self.master_is_weights = rt.weights_dtype != compute_dtype or (store is not None and (
             store.spec.frozen or store.spec.compute_is_master and compute_dtype != torch.float32))
