@@ -1,6 +1,7 @@
 """The structure docs/ARCHITECTURE.md describes, checked against the code: import directions (between the
 packages and between streamer's layers), no import cycles, no reaching into another module's private names,
-modules under the size limit, memory_model without torch, and the module table naming exactly the modules that exist."""
+modules under the size limit, memory_model without torch, the module table naming exactly the modules that exist,
+few `type: ignore` (each with a reason) and the runtime's collaborators wired through one object."""
 from __future__ import annotations
 
 import ast
@@ -191,3 +192,49 @@ def test_only_the_tier_module_compares_tier_names() -> None:
              if name != "memory_model.tiers"
              for n, line in enumerate(path.read_text().splitlines(), 1) if TIER_NAME_COMPARE.search(line)]
     assert not found, "\n".join(found)
+
+
+# A `type: ignore` names the error it silences and says why on its line.
+IGNORE_WITH_REASON = re.compile(r"# type: ignore\[[a-z-]+(, *[a-z-]+)*\]  # \S")
+MAX_IGNORES = 10
+
+
+def test_the_checked_code_ignores_few_type_errors_each_with_a_reason() -> None:
+    """The code mypy checks (pyproject.toml's [tool.mypy] files) holds at most 10 `type: ignore`, each with its
+    error code and a reason on its line."""
+    import tomllib
+
+    checked = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    ignores = [(f"{path.relative_to(ROOT)}:{n}", line) for folder in checked
+               for path in sorted((ROOT / folder).rglob("*.py"))
+               for n, line in enumerate(path.read_text().splitlines(), 1) if "type: ignore" in line]
+    assert len(ignores) <= MAX_IGNORES, [where for where, _ in ignores]
+    assert not [where for where, line in ignores if not IGNORE_WITH_REASON.search(line)]
+
+
+def _wiring_takers() -> dict[str, int]:
+    """Each class of streamer whose constructor takes the runtime's wiring (a first argument typed `Runtime`, or
+    the transport's `Wiring`): its constructor's arguments, self left out."""
+    out = {}
+    for name, path in MODULES.items():
+        if not name.startswith("streamer."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None) \
+                if isinstance(node, ast.ClassDef) else None
+            if init is None:
+                continue
+            args = init.args.posonlyargs + init.args.args + init.args.kwonlyargs
+            if len(args) > 1 and args[1].annotation is not None and ast.unparse(args[1].annotation) in ("Runtime",
+                                                                                                       "Wiring"):
+                out[f"{name}.{node.name}"] = len(args) - 1 + bool(init.args.vararg) + bool(init.args.kwarg)
+    return out
+
+
+def test_the_runtimes_collaborators_take_the_wiring_and_few_more() -> None:
+    """The runtime is wired once (`streamer.runtime.wiring.Runtime`); each collaborator takes it whole and at
+    most three other parts, instead of a dozen settings each."""
+    takers = _wiring_takers()
+    assert {"Executor", "Loader", "Passes", "Updater", "Transport", "StepPolicy", "Persistence"} <= \
+        {name.rsplit(".", 1)[1] for name in takers}
+    assert {name: n for name, n in takers.items() if n > 4} == {}
