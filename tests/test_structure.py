@@ -182,8 +182,9 @@ def test_every_package_is_installed() -> None:
     assert folders == listed, (sorted(folders - listed), sorted(listed - folders))
 
 
-# A comparison against a tier's name: `== "disk"`, `"ram" !=`, `in ("ram", ...)`.
-TIER_NAME_COMPARE = re.compile(r"""[=!]= *['"](ram|disk)['"]|['"](ram|disk)['"] *[=!]=|in [({]['"](ram|disk)""")
+# A comparison against a tier's name: `== "disk"`, `"ram" !=`, `in ("ram", ...)`, `in ["disk"]`, `"ram" in tiers`.
+TIER_NAME_COMPARE = re.compile(r"""[=!]= *['"](ram|disk)['"]|['"](ram|disk)['"] *[=!]=|in [({\[]['"](ram|disk)"""
+                               r"""|['"](ram|disk)['"] +(not +)?in\b""")
 
 
 def test_only_the_tier_module_compares_tier_names() -> None:
