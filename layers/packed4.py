@@ -62,7 +62,11 @@ def quantized_shapes(shape: ModelConfig, unit: str) -> list[tuple[int, int, int]
     if not unit.startswith("block."):
         return []
     facet = shape.lora()
-    return [(facet.experts(target)[0], *reversed(facet.shape(target))) for target in facet.projections]
+    shapes = []
+    for target in facet.projections:
+        fan_in, fan_out = facet.shape(target)
+        shapes.append((facet.experts(target)[0], fan_out, fan_in))
+    return shapes
 
 
 def quantized_numels(shape: ModelConfig, unit: str) -> list[int]:

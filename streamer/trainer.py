@@ -125,14 +125,15 @@ class StreamingTrainer:
         try:
             def tensors_of(unit: str) -> dict[str, Any]:
                 """A folder saved 4-bit or 8-bit gives each weight the run holds quantized as its pieces, as
-                saved; one it saved 16-bit (llm_int8_skip_modules) is refused rather than quantized here."""
+                saved. A Linear's weight it saved 16-bit (llm_int8_skip_modules) is refused rather than quantized
+                here; a mixture's fused expert tensors, which bitsandbytes leaves 16-bit, are quantized."""
                 layout = trainer.layouts[unit]
                 kept = layout.packed.quantized if layout.packed is not None else ()
                 tensors: dict[str, Any] = {}
                 for s in layout.slots:
                     pieces = checkpoint.read_4bit(s.hf_key) if s.key in kept else None
-                    if s.key in kept and pieces is None and isinstance(checkpoint, HFCheckpoint) \
-                            and checkpoint.quantized:
+                    if s.key in kept and pieces is None and s.key.endswith(".weight") \
+                            and isinstance(checkpoint, HFCheckpoint) and checkpoint.quantized:
                         raise CheckpointError(f"{hf_dir}: {s.hf_key} is saved in 16 bits (its llm_int8_skip_modules)"
                                               ", and a quantized base holds every block projection quantized: pass "
                                               "the 16-bit checkpoint it was made from")

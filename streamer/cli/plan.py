@@ -32,8 +32,8 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
                  "update_chunk", "moment_dtype", "master_dtype", "update_timing", "clipped_steps", "data_parallel",
-                 "expert_group_size", "lora_rank", "lora_targets", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
-                 "bnb_4bit_use_double_quant", "set", "pack", "method", "beta", "num_generations",
+                 "expert_group_size", "lora_rank", "lora_targets", "load_in_4bit", "bnb_4bit_quant_type",
+                 "bnb_4bit_use_double_quant", "load_in_8bit", "set", "pack", "method", "beta", "num_generations",
                  "max_completion_length", "num_iterations")
 EXAMPLES = """\
 examples:
