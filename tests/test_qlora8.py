@@ -49,6 +49,16 @@ def _bnb_model(folder: Path, attn: str, **quant: object) -> torch.nn.Module:
                                                              device_map="cpu", attn_implementation=attn).train()
 
 
+def write_bnb_8bit(hf_folder: Path, out: Path) -> Path:
+    """A hub 8-bit folder as transformers saves one: `hf_folder` loaded with load_in_8bit, saved with its
+    quantization_config, each weight's int8 codes and SCB; the tokenizer's files beside it."""
+    _bnb_model(hf_folder, "eager").save_pretrained(out)
+    for path in hf_folder.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            (out / path.name).write_bytes(path.read_bytes())
+    return out
+
+
 def _codes(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A Linear8bitLt's int8 codes and row absmax, wherever it keeps them (its weight, or its state after a call)."""
     weight = module.weight
