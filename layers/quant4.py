@@ -1,10 +1,15 @@
-"""A frozen 4-bit Linear (QLoRA's base), as bitsandbytes' Linear4bit computes it.
+"""A frozen 4-bit or 8-bit Linear (QLoRA's base), as bitsandbytes' Linear4bit and Linear8bitLt compute it.
 
 The weight is bitsandbytes' packed codes with their statistics (layers.packed4: the pieces and their
 bytes). Each call dequantizes it with `bitsandbytes.functional.dequantize_4bit` into the compute dtype, and the
 backward dequantizes it again for the input's gradient (bitsandbytes' MatMul4Bit), so autograd saves only the
 packed pieces: the runtime packs those as handles of the streamed unit, and no dequantized weight outlives its
 matmul. bitsandbytes is imported at the first call: only a 4-bit run needs it.
+
+An 8-bit weight (`Quant8`) is dequantized as bitsandbytes' Linear8bitLt does in training mode on the CPU
+(MatMul8bitFp): its int8 codes times each row's absmax / 127, then one matmul, forward and backward. bitsandbytes'
+CUDA kernel differs: it quantizes the activations too, and keeps their outlier columns (`llm_int8_threshold`)
+in 16 bits (docs/MODELS.md).
 """
 from __future__ import annotations
 
@@ -17,17 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE, weight_pieces
+from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE, int8_pieces, weight_pieces
 
-PIECE_DTYPES = {"uint8": torch.uint8, "fp32": torch.float32}
+PIECE_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "fp32": torch.float32}
 PieceSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one piece of a quantized weight
 
 
 class FrozenQuant(Protocol):
     """How a frozen base holds each block projection's weight: as pieces (`weight_pieces`), made from a 16-bit
     weight (`quantize`) and dequantized for each matmul (`dequantize`); `dtype`, the 16-bit dtype of the unit's
-    other tensors and of what dequantizing gives back. bitsandbytes' 4-bit (`Quant4`) and a GGUF file's blocks
-    (layers.quant_gguf.QuantGGUF)."""
+    other tensors and of what dequantizing gives back. bitsandbytes' 4-bit (`Quant4`) and 8-bit (`Quant8`), and a
+    GGUF file's blocks (layers.quant_gguf.QuantGGUF)."""
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -88,6 +93,32 @@ class Quant4:
                                quant_type=self.quant_type, dtype=self.dtype)
         values = bnb.dequantize_4bit(packed, state).view(-1)
         return values[first - b0 * BLOCKSIZE:end - b0 * BLOCKSIZE].view(count, columns)
+
+
+@dataclass(frozen=True)
+class Quant8:
+    """A base held 8-bit as bitsandbytes' Linear8bitLt holds it (has_fp16_weights=False): each weight's int8 codes
+    (`weight`) and each output row's absmax (`SCB`, fp32); `dtype`, the unit's other tensors' and what
+    dequantizing gives back (Linear8bitLt computes in its input's dtype, the run's)."""
+
+    dtype: torch.dtype
+
+    def weight_pieces(self, shape: tuple[int, int], hf_key: str | None = None) -> list[PieceSpec]:
+        return [(name, PIECE_DTYPES[dtype], shape if name == "weight" else (count,))
+                for name, dtype, count in int8_pieces(*shape)]
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """bitsandbytes' int8_vectorwise_quant of `weight` cast to float16 first, as Int8Params quantizes it (and
+        transformers' load_in_8bit with it)."""
+        import bitsandbytes.functional as bnb
+
+        codes, absmax, _ = bnb.int8_vectorwise_quant(weight.to(torch.float16))
+        return {"weight": codes, "SCB": absmax}
+
+    def dequantize(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        """The codes in `dtype` times each row's absmax / 127, in MatMul8bitFp's order (the scale made in fp32
+        first, the product rounded once to `dtype`)."""
+        return pieces["weight"].to(self.dtype).mul_(pieces["SCB"].unsqueeze(1).mul(1.0 / 127.0))
 
 
 def matrix(shape: Sequence[int]) -> tuple[int, int]:

@@ -44,12 +44,15 @@ class LoraConfig:
                                                      "again (8 bits, blocks of 256)", Switch())
     bnb_4bit_compute_dtype: str = setting("", "--load-in-4bit: dtype of the dequantized weights and their matmuls "
                                               "(default: the run's --dtype)", Choice(("", "fp32", "bf16")), "DTYPE")
+    load_in_8bit: bool = setting(False, "store, stream and hold the frozen base's block projections 8-bit as "
+                                        "bitsandbytes' Linear8bitLt does (LLM.int8's weights: int8 codes and an "
+                                        "fp32 absmax per output row), each dequantized for its matmuls", Switch())
     # A base read from a GGUF file (--from-pretrained FILE.gguf): each weight's type there, kept as its blocks.
     # Not a flag: the file says it.
     gguf: GGUFBase | None = None
 
     def __post_init__(self) -> None:
-        check_settings(self, lambda key, problem: SettingError(key if "4bit" in key else f"lora_{key}", problem))
+        check_settings(self, lambda key, problem: SettingError(key if "bit" in key else f"lora_{key}", problem))
         if self.load_in_4bit and not self.enabled:
             raise SettingError("lora_rank", "must be > 0 with --load-in-4bit: a 4-bit base is frozen and only LoRA's "
                                             "adapters train (full fine-tuning needs the 16-bit base: drop "
@@ -61,10 +64,25 @@ class LoraConfig:
         if self.gguf is not None and self.load_in_4bit:
             raise SettingError("load_in_4bit", "does not apply to a GGUF base, which keeps its file's own blocks: "
                                                "drop --load-in-4bit")
+        if self.load_in_8bit:
+            self._check_8bit()
         names = self.target_names
         if len(set(names)) != len(names) or any(n not in LORA_TARGETS for n in names):
             raise SettingError("lora_targets", f"must be distinct names among {','.join(LORA_TARGETS)}, "
                                                f"got {shown(self.targets)}")
+
+    def _check_8bit(self) -> None:
+        """An 8-bit base is frozen, alone of the quantized bases, and takes none of the 4-bit settings."""
+        if not self.enabled:
+            raise SettingError("lora_rank", "must be > 0 with --load-in-8bit: an 8-bit base is frozen and only LoRA's "
+                                            "adapters train (full fine-tuning needs the 16-bit base: drop "
+                                            "--load-in-8bit)")
+        if self.load_in_4bit or self.gguf is not None:
+            raise SettingError("load_in_8bit", "does not apply with --load-in-4bit or a GGUF base: choose one "
+                                               "quantized base")
+        if self.bnb_4bit_compute_dtype or self.bnb_4bit_use_double_quant:
+            raise SettingError("load_in_8bit", "takes no --bnb-4bit-* setting (an 8-bit base computes in --dtype "
+                                               "and has no double quantization): drop them")
 
     @property
     def enabled(self) -> bool:
@@ -72,8 +90,9 @@ class LoraConfig:
 
     @property
     def quantized(self) -> bool:
-        """The frozen base's units are byte slabs: 4-bit (--load-in-4bit) or a GGUF file's blocks."""
-        return self.load_in_4bit or self.gguf is not None
+        """The frozen base's units are byte slabs: 4-bit (--load-in-4bit), 8-bit (--load-in-8bit) or a GGUF file's
+        blocks."""
+        return self.load_in_4bit or self.load_in_8bit or self.gguf is not None
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -105,6 +124,11 @@ def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
     if missing:
         raise SettingError("lora_targets", f"{','.join(missing)} is not a projection of {shape.model_type}; choose "
                                            f"among {','.join(projections)}")
+    fused = [t for t in projections if t in shape.lora().parameters]
+    if lora.load_in_8bit and fused:
+        raise SettingError("load_in_8bit", f"does not hold {shape.model_type}'s fused expert tensors "
+                                           f"({','.join(fused)}; bitsandbytes' 8-bit quantizes Linear modules "
+                                           "alone): use --load-in-4bit")
     tensors = [t for t in targets if t in shape.lora().parameters]
     if tensors and lora.dropout > 0:
         raise SettingError("lora_dropout", f"must be 0 with adapters on {','.join(tensors)} (PEFT's LoRA on a weight "
@@ -140,8 +164,8 @@ def dequantized_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_b
 
 
 def base_unit_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes: int) -> int:
-    """Bytes of a quantized base's unit slab: 4-bit (layers/packed4.py) or a GGUF file's blocks
+    """Bytes of a quantized base's unit slab: 4-bit or 8-bit (layers/packed4.py) or a GGUF file's blocks
     (layers/packed_gguf.py)."""
     if lora.gguf is not None:
         return lora.gguf.unit_bytes(shape, unit, compute_bytes)
-    return unit_bytes(shape, unit, compute_bytes, lora.bnb_4bit_use_double_quant)
+    return unit_bytes(shape, unit, compute_bytes, lora.bnb_4bit_use_double_quant, lora.load_in_8bit)

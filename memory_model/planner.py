@@ -179,7 +179,7 @@ class Plan:
         experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
         lora = self.config.lora
         base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
-            lora.load_in_4bit + ", GGUF base" * (lora.gguf is not None)
+            lora.load_in_4bit + ", 8-bit base" * lora.load_in_8bit + ", GGUF base" * (lora.gguf is not None)
         table = Table(title=f"plan: {self.device.name}, batch {self.config.batch} x {self.config.seq}, "
                             f"{self.config.step.activations}, {self.config.precision.compute}{experts}{base}")
         for name in ("unit", "params", "weights", "grads", "activations", "workspace", "peak", "load ms",

@@ -40,9 +40,9 @@ class TrainerConfig:
     step: StepConfig = branch(StepConfig)
     optimizer: OptimizerConfig = branch(OptimizerConfig)
     schedule: LRSchedule = branch(LRSchedule, names={"kind": "schedule", "warmup_steps": "warmup"})
-    # rank 0: full fine-tuning; the 4-bit base's settings keep transformers' names (`--load-in-4bit`)
+    # rank 0: full fine-tuning; the quantized base's settings keep transformers' names (`--load-in-4bit`)
     lora: LoraConfig = branch(LoraConfig, prefix="lora_", names={k: k for k in (
-        "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")})
+        "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")})
     objective: ObjectiveConfig = branch(ObjectiveConfig)  # sft, or dpo and its beta, loss type, label smoothing
     device: DeviceConfig = branch(DeviceConfig)
     seed: int = setting(0, "seed of the initialisation, the data split and the data order", Integer(0))
@@ -62,8 +62,8 @@ class TrainerConfig:
             raise ConfigError.of(exc.key, exc.problem) from None
         if self.lora.quantized and self.step.data_parallel == "sharded":
             # A quantized unit is one byte slab of pieces: each process keeps it whole.
-            raise ConfigError.of("data_parallel", "must be replicated with --load-in-4bit or a GGUF base (each "
-                                                  "process holds the quantized base whole), got sharded")
+            raise ConfigError.of("data_parallel", "must be replicated with --load-in-4bit, --load-in-8bit or a GGUF "
+                                                  "base (each process holds the quantized base whole), got sharded")
 
     @classmethod
     def of(cls, **flat: Any) -> "TrainerConfig":
@@ -104,7 +104,7 @@ class TrainerConfig:
         data-parallel processes (with the state sharded, each holds its slice)."""
         return StoreSpec(model, self.precision, self.step.store, self.step.update_chunk, self.step.shards(processes),
                          frozen=self.lora.enabled,
-                         quant_type="gguf" if self.lora.gguf else
+                         quant_type="gguf" if self.lora.gguf else "int8" if self.lora.load_in_8bit else
                          self.lora.bnb_4bit_quant_type if self.lora.load_in_4bit else "",
                          double_quant=self.lora.load_in_4bit and self.lora.bnb_4bit_use_double_quant,
                          gguf_types=self.lora.gguf.types if self.lora.gguf else ())

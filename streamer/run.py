@@ -258,7 +258,7 @@ class RunConfig:
 FLAGS = ("model", "from_pretrained", "data", "tokenizer", "vocab_size", "run_dir", "steps", "epochs", "batch", "seq",
          "grad_accum", "lr", "schedule", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "betas", "eps",
          "moment_dtype", "master_dtype", "nonfinite", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-         "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+         "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "load_in_8bit",
          "method", "beta", "loss_type", "label_smoothing", "num_generations", "max_completion_length", "temperature",
          "top_p", "epsilon", "num_iterations", "reward_funcs", "reward_weights",
          "trace_steps", "trace_every", "dtype", "device", "budget", "price_on", "set", "pin_memory", "store",

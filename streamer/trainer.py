@@ -22,7 +22,7 @@ from memory_model.expert_groups import checked_group
 from memory_model.schedule import StepSpec, step_events
 from memory_model.settings import SettingError
 from streamer.config import TrainerConfig
-from streamer.errors import ConfigError, StoreError, StreamerError
+from streamer.errors import CheckpointError, ConfigError, StoreError, StreamerError
 from streamer.persistence import Persistence, create_store, open_store
 from streamer.runtime.distributed import DataParallel
 from streamer.runtime.executor import Executor
@@ -43,8 +43,8 @@ class StreamingTrainer:
         self.cfg, self.tc = cfg, tc or TrainerConfig()
         device, step = self.tc.device, self.tc.resolved_step
         check_runnable(step)
-        if self.tc.lora.load_in_4bit:
-            _check_bitsandbytes()
+        if self.tc.lora.load_in_4bit or self.tc.lora.load_in_8bit:
+            _check_bitsandbytes("--load-in-4bit" if self.tc.lora.load_in_4bit else "--load-in-8bit")
         if device.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device.device} but torch sees no CUDA GPU; use --device cpu")
         self.units = cfg.unit_names()
@@ -124,12 +124,19 @@ class StreamingTrainer:
         trainer = cls(checkpoint.config, tc, store_dir, _initialize=False)
         try:
             def tensors_of(unit: str) -> dict[str, Any]:
-                """A folder saved 4-bit gives each weight the run holds 4-bit as its pieces, as saved."""
+                """A folder saved 4-bit or 8-bit gives each weight the run holds quantized as its pieces, as
+                saved. A Linear's weight it saved 16-bit (llm_int8_skip_modules) is refused rather than quantized
+                here; a mixture's fused expert tensors, which bitsandbytes leaves 16-bit, are quantized."""
                 layout = trainer.layouts[unit]
                 kept = layout.packed.quantized if layout.packed is not None else ()
                 tensors: dict[str, Any] = {}
                 for s in layout.slots:
                     pieces = checkpoint.read_4bit(s.hf_key) if s.key in kept else None
+                    if s.key in kept and pieces is None and s.key.endswith(".weight") \
+                            and isinstance(checkpoint, HFCheckpoint) and checkpoint.quantized:
+                        raise CheckpointError(f"{hf_dir}: {s.hf_key} is saved in 16 bits (its llm_int8_skip_modules)"
+                                              ", and a quantized base holds every block projection quantized: pass "
+                                              "the 16-bit checkpoint it was made from")
                     tensors[s.key] = pieces if pieces is not None else checkpoint.read(s.hf_key)
                 return tensors
 
@@ -466,11 +473,10 @@ class StreamingTrainer:
         self.close()
 
 
-def _check_bitsandbytes() -> None:
-    """--load-in-4bit quantizes and dequantizes with bitsandbytes' own functions: it must be installed."""
+def _check_bitsandbytes(flag: str) -> None:
+    """--load-in-4bit and --load-in-8bit quantize with bitsandbytes' own functions: it must be installed."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError("--load-in-4bit needs the bitsandbytes package: pip install 'weight-streaming[qlora]'") \
-            from None
+        raise ConfigError(f"{flag} needs the bitsandbytes package: pip install 'weight-streaming[qlora]'") from None
 

@@ -95,12 +95,13 @@ def help_commands() -> list[tuple[str, str]]:
 # --- the stand-ins -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
-    """A trained run (3 steps), a Hugging Face folder and the same saved 4-bit, a GGUF file, prompt/completion data
+    """A trained run (3 steps), a Hugging Face folder and the same saved 4-bit and 8-bit, a GGUF file, prompt/completion data
     and a settings file."""
     from pydoc_data.topics import topics
 
     from streamer.io.tokenizer import load_tokenizer
     from tests.test_gguf import write_gguf
+    from tests.test_qlora8 import write_bnb_8bit
     from tests.test_qlora_targets import write_bnb_4bit
     root = tmp_path_factory.mktemp("documented")
     hf = root / "hf"
@@ -126,7 +127,8 @@ def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
     pairs.write_text("".join(json.dumps({"prompt": f"Topic {k}?", "chosen": " " + " ".join(topics[k].split()[:6]),
                                          "rejected": " I do not know."}) + "\n" for k in sorted(topics)[:8]))
     return {"root": root, "hf": hf, "data": data, "toml": root / "run.toml", "run": run, "pairs": pairs,
-            "gguf": write_gguf(root / "model.gguf"), "bnb4": write_bnb_4bit(hf, root / "bnb-4bit")}
+            "gguf": write_gguf(root / "model.gguf"), "bnb4": write_bnb_4bit(hf, root / "bnb-4bit"),
+            "bnb8": write_bnb_8bit(hf, root / "bnb-8bit")}
 
 
 def _env() -> dict[str, str]:
@@ -146,7 +148,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
         shutil.copytree(stand_ins["run"], run_copy)
     files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
              "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"], "pairs.jsonl": stand_ins["pairs"],
-             "BNB4_DIR": stand_ins["bnb4"]}
+             "BNB4_DIR": stand_ins["bnb4"], "BNB8_DIR": stand_ins["bnb8"]}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):

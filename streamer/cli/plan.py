@@ -14,6 +14,7 @@ from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
+from memory_model.lora import LoraConfig, check_targets
 from memory_model.planner import clipped_schedule, clipped_steps, fewest_expert_groups
 from memory_model.rollout import RolloutPlan, rollout_plan
 from memory_model.scaling import SCALING_ASSUMPTION, scaling_curve
@@ -32,7 +33,7 @@ from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 STEP_SETTINGS = ("model", "batch", "seq", "grad_accum", "dtype", "store", "activations", "update_on", "prefetch",
                  "update_chunk", "moment_dtype", "master_dtype", "update_timing", "clipped_steps", "data_parallel",
                  "expert_group_size", "lora_rank", "lora_targets", "load_in_4bit", "bnb_4bit_quant_type",
-                 "bnb_4bit_use_double_quant", "set", "pack", "method", "beta", "num_generations",
+                 "bnb_4bit_use_double_quant", "load_in_8bit", "set", "pack", "method", "beta", "num_generations",
                  "max_completion_length", "num_iterations")
 EXAMPLES = """\
 examples:
@@ -100,9 +101,15 @@ def plan_command(args: argparse.Namespace) -> int:
         result = plan(model_cfg, device, plan_cfg)
         scaling = None if result.does_not_fit else scaling_curve(model_cfg, device, plan_cfg)
         rollout = rollout_plan(model_cfg, device, plan_cfg) if plan_cfg.objective.grpo else None
-        # A quantized base is planned beside the same step on its 16-bit base (LoRA as before).
-        sixteen = plan(model_cfg, device, plan_cfg.replace(lora=replace(plan_cfg.lora, load_in_4bit=False, gguf=None)),
+        # A quantized base is planned beside the same step on its 16-bit base (LoRA as before); an 8-bit one
+        # beside QLoRA's 4-bit base too (nf4, double quant).
+        check_targets(model_cfg, plan_cfg.lora)
+        sixteen = plan(model_cfg, device, plan_cfg.replace(lora=replace(plan_cfg.lora, load_in_4bit=False,
+                                                                        load_in_8bit=False, gguf=None)),
                        limits=False) if plan_cfg.lora.quantized else None
+        four = plan(model_cfg, device, plan_cfg.replace(lora=replace(
+            plan_cfg.lora, load_in_8bit=False, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True)), limits=False) if plan_cfg.lora.load_in_8bit else None
     except ValueError as exc:
         raise StreamerError(f"cannot plan this step: {exc}") from None
     store = f"{store_choice(cfg, explicit, args.config)}, on {device.name}'s host"
@@ -115,6 +122,8 @@ def plan_command(args: argparse.Namespace) -> int:
     if sixteen is not None:
         out["base_16bit"] = {**_base_figures(sixteen), "does_not_fit": sixteen.does_not_fit,
                              "link_ratio": _link(result) / _link(sixteen)}
+    if four is not None:
+        out["base_4bit"] = {**_base_figures(four), "does_not_fit": four.does_not_fit}
     clipping = plan_cfg.fused and cfg.trainer.optimizer.max_grad_norm > 0
     if clipping:
         try:
@@ -157,7 +166,7 @@ def plan_command(args: argparse.Namespace) -> int:
                       markup=False, highlight=False)
     console.print(_alternatives(result, others))
     if sixteen is not None:
-        console.print(_beside_16bit(result, sixteen))
+        console.print(_beside_16bit(result, sixteen, four))
     if args.dry_run:
         measured = out["dry_run_peak_device_bytes"]
         console.print(f"dry run (the runtime's schedule and ledger on meta tensors): peak {format_size(measured)} "
@@ -234,17 +243,25 @@ def _base_figures(p: Plan) -> dict[str, Any]:
             "step_s": None if p.does_not_fit else p.step_time_s}
 
 
-def _beside_16bit(quantized: Plan, sixteen: Plan) -> Table:
-    """A quantized base's step beside the same LoRA step on the 16-bit base, and the 16 B/param baseline."""
-    lora = quantized.config.lora
-    name = "GGUF" if lora.gguf is not None else \
-        f"4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant}"
+def _base_name(lora: LoraConfig) -> str:
+    if lora.gguf is not None:
+        return "GGUF"
+    if lora.load_in_8bit:
+        return "8-bit (LLM.int8 weights)"
+    return f"4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant}"
+
+
+def _beside_16bit(quantized: Plan, sixteen: Plan, four: Plan | None) -> Table:
+    """A quantized base's step beside the same LoRA step on the 16-bit base (an 8-bit base's beside the 4-bit
+    one too), and the 16 B/param baseline."""
     table = Table(title="the quantized base beside a 16-bit one: the same LoRA step, model and target")
     for column in ("base", "device peak", "host RAM at its peak", "host store", "link a step", "disk read a step",
                    "step"):
         table.add_column(column, justify="left" if column == "base" else "right")
     link = _link(sixteen)
-    for label, p in ((f"{name} (this plan)", quantized), (f"16-bit ({quantized.config.precision.compute})", sixteen)):
+    rows = [(f"{_base_name(quantized.config.lora)} (this plan)", quantized)]
+    rows += [] if four is None else [(_base_name(four.config.lora), four)]
+    for label, p in (*rows, (f"16-bit ({quantized.config.precision.compute})", sixteen)):
         figures = _base_figures(p)
         table.add_row(label, format_size(p.peak_device_bytes), format_size(figures["host_peak_bytes"]),
                       format_size(p.host_store_bytes),

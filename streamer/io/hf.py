@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from layers import CheckpointMismatch, ConfigError, ModelConfig, check_state_dict, resident_model
 from layers.config import gguf_note
 from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE
-from layers.quant4 import Quant4, dequantize
+from layers.quant4 import Quant4, Quant8, dequantize
 from memory_model.lora import LoraConfig
 from streamer.errors import CheckpointError
 from streamer.store.layout import DTYPES
@@ -103,6 +103,7 @@ class HFCheckpoint:
         checkpoint._join_saved_parts()
         checkpoint._join_packed()
         checkpoint._join_4bit()
+        checkpoint._join_8bit()
         checkpoint._drop_tied_copies()
         return checkpoint
 
@@ -138,8 +139,31 @@ class HFCheckpoint:
                     self._part_entries[piece] = self._entries.pop(piece)
             self._quant4[key] = ({**state, "quant_type": quant_type}, pieces)
 
+    def _join_8bit(self) -> None:
+        """A weight transformers saved 8-bit (bitsandbytes' Linear8bitLt: W int8, its module's SCB and
+        weight_format) is listed as W in float16, the dtype Int8Params quantized it from: `read` dequantizes it,
+        `read_4bit` gives its pieces as saved (an 8-bit run's import keeps them)."""
+        for name in [n for n in self._entries if n.endswith(BNB_8BIT_SCALES)]:
+            module = name.removesuffix(BNB_8BIT_SCALES)
+            key = f"{module}.weight"
+            weight = self._entries.get(key)
+            if weight is None or weight.dtype != "int8" or len(weight.shape) != 2:
+                raise CheckpointError(f"{self.root}: {name} has no 2D int8 weight {key} beside it, as bitsandbytes' "
+                                      "Linear8bitLt saves one; re-save the checkpoint")
+            self._entries[key] = _Entry(weight.shard, weight.shape, "float16")
+            self._part_entries[key] = weight
+            for piece in (name, f"{module}{BNB_8BIT_FORMAT}"):
+                if piece in self._entries:
+                    self._part_entries[piece] = self._entries.pop(piece)
+            self._quant4[key] = ({"quant_type": "int8"}, {"weight": key, "SCB": name})
+
+    @property
+    def quantized(self) -> bool:
+        """Some weights are saved quantized by bitsandbytes (4-bit or 8-bit)."""
+        return bool(self._quant4)
+
     def read_4bit(self, key: str) -> dict[str, torch.Tensor] | None:
-        """A 4-bit saved weight's pieces as saved (layers.packed4's names); None: `key` is not one."""
+        """A 4-bit or 8-bit saved weight's pieces as saved (layers.packed4's names); None: `key` is not one."""
         if key not in self._quant4:
             return None
         state, names = self._quant4[key]
@@ -234,6 +258,10 @@ class HFCheckpoint:
         """One tensor as a fresh CPU tensor of `dtype` that the caller owns."""
         entry = self._entry(key)
         self.dtype(key)
+        if key in self._quant4 and self._quant4[key][0]["quant_type"] == "int8":
+            pieces = self.read_4bit(key)
+            assert pieces is not None  # a key in _quant4 has its pieces
+            return Quant8(dtype).dequantize(pieces, (entry.shape[0], entry.shape[1]))
         if key in self._quant4:
             state, _ = self._quant4[key]
             quant = Quant4(state["quant_type"], "nested_offset" in state, getattr(torch, state["dtype"]))
@@ -318,11 +346,13 @@ READ_QUANT_METHODS = ("mxfp4", "gguf", "bitsandbytes")
 BNB_PIECES = {"absmax": ".absmax", "nested_absmax": ".nested_absmax"}
 BNB_CONSTANTS = (".quant_map", ".nested_quant_map")  # the codes, bitsandbytes' own tables
 BNB_STATE = ".quant_state.bitsandbytes__"
+# What transformers saves beside a bitsandbytes 8-bit module's int8 weight: each row's absmax, and the layout's code.
+BNB_8BIT_SCALES, BNB_8BIT_FORMAT = ".SCB", ".weight_format"
 
 
 def check_quantization(path: Path, lora: LoraConfig | None = None) -> None:
-    """A folder whose weights another library quantized (GPTQ, AWQ, fp8, bitsandbytes' 8-bit) is refused in one
-    line naming its quant_method. One bitsandbytes saved 4-bit trains as saved: LoRA on its 4-bit base with its
+    """A folder whose weights another library quantized (GPTQ, AWQ, fp8) is refused in one line naming its
+    quant_method. One bitsandbytes saved 4-bit or 8-bit trains as saved: LoRA on its quantized base with its
     settings, which `lora` (the run's) must have."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -332,8 +362,9 @@ def check_quantization(path: Path, lora: LoraConfig | None = None) -> None:
     quant = quant if isinstance(quant, dict) else {}
     method = quant.get("quant_method")
     four_bit = method == "bitsandbytes" and quant.get("load_in_4bit", quant.get("_load_in_4bit"))
-    if method == "bitsandbytes" and not four_bit:
-        method = "bitsandbytes (8-bit)"
+    eight_bit = method == "bitsandbytes" and quant.get("load_in_8bit", quant.get("_load_in_8bit"))
+    if method == "bitsandbytes" and not four_bit and not eight_bit:
+        method = "bitsandbytes (neither 4-bit nor 8-bit)"
     if method is not None and method not in READ_QUANT_METHODS:
         raise CheckpointError(f"{path}: its weights are quantized by {method!r} (quantization_config), which is not "
                               "read; pass the 16-bit checkpoint it was made from (--load-in-4bit quantizes one "
@@ -345,6 +376,9 @@ def check_quantization(path: Path, lora: LoraConfig | None = None) -> None:
                 (" --bnb-4bit-use-double-quant" if saved[1] else "")
             raise CheckpointError(f"{path.parent} holds bitsandbytes 4-bit weights ({saved[0]}"
                                   f"{', double quant' if saved[1] else ''}): train it with {flags}")
+    if eight_bit and lora is not None and not lora.load_in_8bit:
+        raise CheckpointError(f"{path.parent} holds bitsandbytes 8-bit weights: train it with --lora-rank R "
+                              "--load-in-8bit")
 
 
 def _read_config(root: Path) -> ModelConfig:

@@ -12,7 +12,7 @@ import torch
 
 from layers import ModelConfig
 from layers.packed_gguf import GGUFBase
-from layers.quant4 import FrozenQuant, Quant4
+from layers.quant4 import FrozenQuant, Quant4, Quant8
 from layers.quant_gguf import QuantGGUF
 from memory_model.host import frozen_staging_bytes, staging_pool_bytes
 from memory_model.schedule import chunks, shard_numel
@@ -49,8 +49,8 @@ class StoreSpec:
     # LoRA trains adapters beside a frozen base: the store then holds the base's compute weights alone, written
     # once (no master, no moments, no gradient), and a step only reads them.
     frozen: bool = setting(False, "the base is frozen (LoRA): only its compute weights are stored", Switch())
-    # A frozen base held 4-bit (QLoRA, layers/packed4.py): its compute weights are each unit's byte slab.
-    quant_type: str = ""  # "" (16-bit), "nf4" or "fp4"; "gguf": a GGUF file's blocks (layers/packed_gguf.py)
+    # A frozen base held 4-bit or 8-bit (QLoRA, layers/packed4.py): its compute weights are each unit's byte slab.
+    quant_type: str = ""  # "" (16-bit), "nf4", "fp4" or "int8"; "gguf": a GGUF file's blocks (layers/packed_gguf.py)
     double_quant: bool = False
     gguf_types: tuple[tuple[str, str], ...] = ()  # a GGUF base's type of each weight (`GGUFBase.types`)
 
@@ -82,6 +82,8 @@ class StoreSpec:
         """How the base is held quantized (its 16-bit tensors in the compute dtype); None: it is not."""
         if self.quant_type == "gguf":
             return QuantGGUF(GGUFBase(self.gguf_types), DTYPES[self.precision.compute])
+        if self.quant_type == "int8":
+            return Quant8(DTYPES[self.precision.compute])
         return Quant4(self.quant_type, self.double_quant, DTYPES[self.precision.compute]) if self.quant_type else None
 
     def layouts(self) -> tuple[UnitLayout, ...]:
