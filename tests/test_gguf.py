@@ -421,9 +421,18 @@ def test_streamer_train_reads_a_mixture_gguf_file_with_lora_on_its_experts(tmp_p
 
 def test_an_unread_gguf_architecture_is_one_line(tmp_path: Path) -> None:
     """A file of an architecture the base does not read is one line naming it; so is a Mixtral file ("llama" with
-    experts), which transformers reads as a dense Llama."""
+    experts), which transformers reads as a dense Llama, and a Qwen3-MoE file whose experts' width is not the one
+    transformers takes (it reads none from the file)."""
     data = tmp_path / "data.txt"
     data.write_text("hello world\n" * 20)
+    config = ARCHITECTURES["qwen3moe"]()
+    config.moe_intermediate_size = 256
+    path = write_gguf(tmp_path / "narrow.gguf", config=config)
+    done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--run-dir",
+                tmp_path / "run", cwd=tmp_path)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "experts are 256 wide" in err[0] and "768" in err[0], err
+    assert not (tmp_path / "run").exists()
     for arch, expected in (("qwen2moe", "GGUF architecture 'qwen2moe' is not read"),
                            ("llama", "a GGUF 'llama' file with experts (a Mixtral) is not read")):
         path = tmp_path / f"{arch}.gguf"

@@ -85,6 +85,11 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{path}: a GGUF {arch!r} file with experts (a Mixtral) is not read: transformers "
                                   "reads it as a dense model; pass the Hugging Face folder it was made from")
         config = _config(path)
+        width = reader.fields.get(f"{arch}.expert_feed_forward_length")
+        if config.sparse_mlp is not None and width is not None and int(width.contents()) != config.sparse_mlp.width:
+            raise CheckpointError(f"{path}: its experts are {int(width.contents())} wide, but transformers reads no "
+                                  f"expert width from a GGUF file and takes {config.sparse_mlp.width}; pass the "
+                                  "Hugging Face folder it was made from")
         arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
         names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
         by_name = {t.name: t for t in reader.tensors}
