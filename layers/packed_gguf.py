@@ -47,8 +47,16 @@ class GGUFBase:
         rest = shape.unit_params(unit) - sum(quantized_numels(shape, unit))
         if not unit.startswith("block."):
             return padded(rest * compute_bytes)
-        weights = 0
-        for target, module in shape.lora().projections.items():
-            fan_in, fan_out = shape.lora().shape(target)
-            weights += self.weight_bytes(shape.adapter().key(unit, f"{module}.weight"), (fan_out, fan_in))
-        return padded(rest * compute_bytes) + weights
+        return padded(rest * compute_bytes) + sum(self.weight_bytes(key, rows) for key, rows in kept(shape, unit))
+
+
+def kept(shape: ModelConfig, unit: str) -> list[tuple[str, tuple[int, int]]]:
+    """The Hugging Face key and (rows, columns) of each weight of a block kept as the file's blocks: each
+    projection's Linear weight, and a mixture's fused expert tensors (E x out rows, the experts' one after
+    another)."""
+    lora, out = shape.lora(), []
+    for target, module in lora.projections.items():
+        fan_in, fan_out = lora.shape(target)
+        key = shape.adapter().key(unit, module if target in lora.parameters else f"{module}.weight")
+        out.append((key, (fan_out * lora.experts(target)[0], fan_in)))
+    return out

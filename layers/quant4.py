@@ -46,6 +46,12 @@ class FrozenQuant(Protocol):
 
     def dequantize(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor: ...
 
+    def dequantize_rows(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int], start: int,
+                        count: int) -> torch.Tensor:
+        """Rows start ... start + count - 1 of the (out, in) weight, as `dequantize` gives them (one expert of a
+        fused expert tensor)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Quant4:

@@ -46,6 +46,14 @@ class QuantGGUF:
         values = dequantize(blocks.cpu().numpy(), qtype).reshape(shape)
         return torch.from_numpy(values).to(device=blocks.device, dtype=self.dtype)
 
+    def dequantize_rows(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int], start: int,
+                        count: int) -> torch.Tensor:
+        """Rows start ... start + count - 1 of the (out, in) weight: only their blocks, dequantized (a GGUF row
+        is whole blocks; a fused expert tensor's pieces hold its rows' blocks one after another)."""
+        blocks = pieces["weight"].view(-1)
+        width = blocks.numel() // shape[0]  # bytes of a row
+        return self.dequantize({**pieces, "weight": blocks[start * width:(start + count) * width]}, (count, shape[1]))
+
     @staticmethod
     def pieces_of(blocks: torch.Tensor, type_name: str) -> dict[str, torch.Tensor]:
         """A weight's pieces from its rows of blocks (uint8, (out, row bytes)) of `type_name`."""

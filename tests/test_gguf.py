@@ -65,7 +65,7 @@ def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]]
         num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
         tie_word_embeddings=tied)
     state = transformers.AutoModelForCausalLM.from_config(config).state_dict()
-    arch = {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_block_count(config.num_hidden_layers)
@@ -76,9 +76,14 @@ def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]]
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if arch == "gemma3":
+    if arch in ("gemma3", "qwen3moe"):
         writer.add_key_length(config.head_dim)
+    if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     byte_symbols = bytes_to_unicode()
     # (transformers' byte-level tokenizer adds <|endoftext|> where the list lacks it)
@@ -101,8 +106,24 @@ def write_gguf(path: Path, tied: bool = False, types: dict[int, tuple[str, ...]]
         if config.tie_word_embeddings and key == "lm_head.weight":
             continue
         module, suffix = key.rsplit(".", 1)
-        name = f"{names.get_name(module)}.{suffix}"
         array = value.numpy()
+        if array.ndim == 3:  # a mixture's fused experts: llama.cpp's ffn_{gate,up,down}_exps, each (E, out, in)
+            layer = int(key.split(".")[2])
+            type_name = types[layer][seen.setdefault(layer, 0) % len(types[layer])]
+            seen[layer] += 1
+            parts = ("gate_proj", "up_proj") if suffix == "gate_up_proj" else (suffix,)
+            for part, piece in zip(parts, np.split(array, len(parts), axis=1), strict=True):
+                experts, rows, columns = piece.shape
+                if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+                    blocks = _k_blocks(experts * rows, columns, type_name, rng).reshape(experts, rows, -1)
+                else:
+                    blocks = gguf.quants.quantize(np.ascontiguousarray(piece, dtype=np.float32), T[type_name])
+                writer.add_tensor(f"{names.get_name(f'{module}.{part}')}.weight", blocks, raw_dtype=T[type_name])
+            continue
+        name = f"{names.get_name(module)}.{suffix}"
+        if ".mlp.gate." in key:  # a mixture's router, which llama.cpp keeps in float32
+            writer.add_tensor(name, array.astype(np.float32))
+            continue
         if arch == "llama" and "q_proj" in key:
             array = _permute(array, config.num_attention_heads)
         if arch == "llama" and "k_proj" in key:
@@ -326,6 +347,11 @@ ARCHITECTURES = {
     "gemma3": lambda: transformers.Gemma3TextConfig(
         vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS, head_dim=64, max_position_embeddings=128, sliding_window=8),
+    # (transformers reads no expert width from the file: its class default, 768, is the model's)
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=256, intermediate_size=512, moe_intermediate_size=768, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=64, max_position_embeddings=128, tie_word_embeddings=False),
 }
 
 
@@ -335,7 +361,7 @@ def test_each_architecture_equals_transformers_gguf_loading(tmp_path: Path, arch
     Gemma's norms less one); the loss within twice transformers' own eager-vs-sdpa difference; a LoRA step runs."""
     path = write_gguf(tmp_path / f"tiny-{arch}.gguf", config=ARCHITECTURES[arch]())
     checkpoint = GGUFCheckpoint.open(path)
-    assert checkpoint.config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
+    assert checkpoint.config.model_type == {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}.get(arch, arch)
     assert {t for _, t in checkpoint.base().types} >= {"Q4_0", "Q4_K", "Q8_0"}
     models = {attn: transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                       dtype=torch.float32, attn_implementation=attn)
@@ -364,3 +390,61 @@ def test_streamer_train_reads_a_phi3_gguf_file_with_its_tokenizer(tmp_path: Path
                 tmp_path / "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 1/1 loss" in done.stdout
+
+
+def test_streamer_train_reads_a_mixture_gguf_file_with_lora_on_its_experts(tmp_path: Path) -> None:
+    """A Qwen3-MoE file through the command line: its tokenizer, adapters on every projection (the experts' fused
+    tensors, kept as the file's blocks, too), a LoRA step; planner = ledger = dry run on it."""
+    from layers import FAMILIES
+
+    path = write_gguf(tmp_path / "tiny-qwen3moe.gguf", config=ARCHITECTURES["qwen3moe"]())
+    targets = ",".join(FAMILIES["qwen3_moe"].example().lora().projections)
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 40)
+    done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--lora-targets", targets,
+                "--steps", "1", "--seq", "16", "--batch", "2", "--sample-tokens", "0", "--eval-every", "0",
+                "--eval-fraction", "0", "--run-dir", tmp_path / "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1/1 loss" in done.stdout
+    checkpoint = GGUFCheckpoint.open(path)
+    assert {k.rsplit(".", 1)[-1] for k, _ in checkpoint.base().types} >= {"gate_up_proj", "down_proj"}
+    tc = _settings(lora_targets=targets, activations="checkpoint")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer.from_pretrained(path, tc, tmp_path / "planned") as trainer:
+        trainer.step(ids)
+        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
+        host, tc = trainer.store.spec.host_bytes()[0], trainer.tc
+    predicted = plan(checkpoint.config, device_spec("h100-sxm"), tc.plan_config(2, 16))
+    assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real
+    assert predicted.host_store_bytes == host
+
+
+def test_an_unread_gguf_architecture_is_one_line(tmp_path: Path) -> None:
+    """A file of an architecture the base does not read is one line naming it; so is a Mixtral file ("llama" with
+    experts), which transformers reads as a dense Llama, and a Qwen3-MoE file whose experts' width is not the one
+    transformers takes (it reads none from the file)."""
+    data = tmp_path / "data.txt"
+    data.write_text("hello world\n" * 20)
+    config = ARCHITECTURES["qwen3moe"]()
+    config.moe_intermediate_size = 256
+    path = write_gguf(tmp_path / "narrow.gguf", config=config)
+    done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--run-dir",
+                tmp_path / "run", cwd=tmp_path)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "experts are 256 wide" in err[0] and "768" in err[0], err
+    assert not (tmp_path / "run").exists()
+    for arch, expected in (("qwen2moe", "GGUF architecture 'qwen2moe' is not read"),
+                           ("llama", "a GGUF 'llama' file with experts (a Mixtral) is not read")):
+        path = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_block_count(2)
+        writer.add_expert_count(4)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        done = _cli("train", "--from-pretrained", path, "--data", data, "--lora-rank", "4", "--run-dir",
+                    tmp_path / "run", cwd=tmp_path)
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1 and expected in err[0], done.stderr[-2000:]
+        assert not (tmp_path / "run").exists()

@@ -95,6 +95,33 @@ def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, d
     return loss.item(), grads
 
 
+def peft_adamw_steps(model: torch.nn.Module, batches: list[torch.Tensor], tc: TrainerConfig,
+                     dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """PEFT's model trained as a streamed run of `tc` trains: each batch two micro-batches of the token-mean loss,
+    the gradient clipped to tc's norm, torch's AdamW; the losses and the adapters after, by our keys."""
+    model = model.to(dtype) if dtype == torch.float64 else model
+    leaves = [p for p in model.parameters() if p.requires_grad]
+    opt = tc.optimizer
+    adamw = torch.optim.AdamW(leaves, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    out = []
+    for ids in batches:
+        adamw.zero_grad()
+        tokens = ids[:, 1:].numel()
+        total = 0.0
+        for micro in ids.chunk(2):
+            logits = model(input_ids=micro).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), micro[:, 1:].flatten(),
+                                   reduction="sum") / tokens
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(leaves, opt.max_grad_norm)
+        adamw.step()
+        out.append(total)
+    state = {k.replace(".default", "").replace("base_model.model.", ""): p.detach().double()
+             for k, p in model.named_parameters() if p.requires_grad}
+    return out, state
+
+
 @pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
 def test_import_quantizes_as_bitsandbytes_byte_for_byte(checkpoint: Path, quant_type: str, double_quant: bool) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
@@ -223,34 +250,11 @@ def test_three_streamed_steps_equal_peft_on_the_4bit_model_with_adamw(checkpoint
         prefix = {f"block.{i}": f"model.layers.{i}." for i in range(CFG.num_hidden_layers)}
         ours = {k.replace("base_model.model.", ""): v.double()
                 for k, v in trainer.adapters.hf_state_dict(prefix).items()}
-
-    def train(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = model.to(dtype) if dtype == torch.float64 else model
-        leaves = [p for p in model.parameters() if p.requires_grad]
-        opt = tc.optimizer
-        adamw = torch.optim.AdamW(leaves, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-        out = []
-        for ids in batches:
-            adamw.zero_grad()
-            tokens = ids[:, 1:].numel()
-            total = 0.0
-            for micro in ids.chunk(2):
-                logits = model(input_ids=micro).logits
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), micro[:, 1:].flatten(),
-                                       reduction="sum") / tokens
-                loss.backward()
-                total += loss.item()
-            torch.nn.utils.clip_grad_norm_(leaves, opt.max_grad_norm)
-            adamw.step()
-            out.append(total)
-        state = {k.replace(".default", "").replace("base_model.model.", ""): p.detach().double()
-                 for k, p in model.named_parameters() if p.requires_grad}
-        return out, state
-
     exact_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
     exact_base.load_state_dict(_dequantized(_bnb_model(checkpoint, "fp4", False, "eager")))
-    exact = train(_peft(exact_base, {k: v.double() for k, v in start.items()}), torch.float64)
-    noisy = [train(_peft(_bnb_model(checkpoint, "fp4", False, attn), start), torch.float32)
+    exact = peft_adamw_steps(_peft(exact_base, {k: v.double() for k, v in start.items()}), batches, tc,
+                             torch.float64)
+    noisy = [peft_adamw_steps(_peft(_bnb_model(checkpoint, "fp4", False, attn), start), batches, tc, torch.float32)
              for attn in ("eager", "sdpa")]
     weights_noise = max((n[1][k] - exact[1][k]).abs().max().item() for n in noisy for k in exact[1])
     loss_noise = max(abs(a - b) for n in noisy for a, b in zip(n[0], exact[0], strict=True))

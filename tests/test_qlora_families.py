@@ -18,7 +18,7 @@ import torch
 from layers import FAMILIES
 from streamer import StreamingTrainer, TrainerConfig
 from tests.test_families import hf_model
-from tests.test_qlora import _bnb_model, _dequantized, _loss_and_grads
+from tests.test_qlora import _bnb_model, _dequantized, _loss_and_grads, peft_adamw_steps
 from tests.test_runtime import EAGER_EXPERTS
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -39,8 +39,9 @@ def _peft(base: torch.nn.Module, targets: list[str], tensors: tuple[str, ...],
     return model
 
 
-def _bitsandbytes_experts(model: torch.nn.Module, tensors: tuple[str, ...]) -> torch.nn.Module:
-    """`model`'s fused expert tensors as bitsandbytes quantizes (nf4, double quantization, blocks of 64) and
+def _bitsandbytes_experts(model: torch.nn.Module, tensors: tuple[str, ...], quant_type: str = "nf4",
+                          double_quant: bool = True) -> torch.nn.Module:
+    """`model`'s fused expert tensors as bitsandbytes quantizes (blocks of 64) and
     dequantizes them, in place. Dequantized flat, as ours are (layers.quant4.matrix: bitsandbytes 0.50's CPU
     kernel reads a 3D shape's blocks row by row, wrong where a row is not whole blocks of 64, as here)."""
     names = {t.rsplit(".", 1)[-1] for t in tensors}
@@ -48,8 +49,8 @@ def _bitsandbytes_experts(model: torch.nn.Module, tensors: tuple[str, ...]) -> t
         for module in model.modules():
             for name in names & set(dict(module.named_parameters(recurse=False))):
                 weight = getattr(module, name)
-                packed, state = bnb.functional.quantize_4bit(weight.data, blocksize=64, compress_statistics=True,
-                                                             quant_type="nf4")
+                packed, state = bnb.functional.quantize_4bit(weight.data, blocksize=64,
+                                                             compress_statistics=double_quant, quant_type=quant_type)
                 state.shape = torch.Size((1, weight.numel()))
                 weight.copy_(bnb.functional.dequantize_4bit(packed, state).view(weight.shape))
     return model
@@ -104,3 +105,112 @@ def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_
         assert grad.abs().max() > 0, key
         bound = max((n[1][key] - grad).abs().max().item() for n in noisy)
         assert (seen[key] - grad).abs().max().item() <= 2 * bound + 1e-7, key
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_three_streamed_steps_of_a_4bit_mixture_equal_peft_with_adamw(model_type: str, tmp_path: Path) -> None:
+    """Three steps (two micro-batches each, clipped, fp4 without double quantization) with adapters on every
+    projection, the experts' fused tensors too, against PEFT on the same 4-bit model with torch's AdamW, in
+    float64 on its dequantized weights: within twice the 4-bit model's own fp32 error (eager and sdpa) on them.
+    (The dense families' three steps: tests/test_qlora.py.)"""
+    cfg = FAMILIES[model_type].example()
+    hf_model(cfg).save_pretrained(tmp_path)
+    targets, tensors = list(cfg.lora().projections), cfg.lora().parameters
+    tc = TrainerConfig.of(dtype="fp32", store="ram", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets),
+                          load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False, lr=1e-2,
+                          max_grad_norm=0.5, weight_decay=0.1, grad_accum=2)
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 16), generator=g) for _ in range(3)]
+    prefix = {f"block.{i}": cfg.adapter().prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
+    with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
+        torch.manual_seed(5)
+        for params in trainer.adapters.params.values():
+            for t in params.values():
+                t.data.normal_(0, 0.1)
+        start = {k: v.clone() for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+        losses = [trainer.step(ids) for ids in batches]
+        ours = {k.replace("base_model.model.", ""): v.double()
+                for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+
+    def four_bit(attn: str) -> torch.nn.Module:
+        return _bitsandbytes_experts(_bnb_model(tmp_path, "fp4", False, attn), tensors, "fp4", False)
+
+    exact_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, **EAGER_EXPERTS)
+    exact_base.load_state_dict(_dequantized(four_bit("eager")), strict=False)
+    exact = peft_adamw_steps(_peft(exact_base, targets, tensors, {k: v.double() for k, v in start.items()}),
+                             batches, tc, torch.float64)
+    noisy = [peft_adamw_steps(_peft(four_bit(attn), targets, tensors, start), batches, tc, torch.float32)
+             for attn in ("eager", "sdpa")]
+    assert set(ours) == set(exact[1]) and len(ours) == 2 * len(targets) * cfg.num_hidden_layers
+    weights_noise = max((n[1][k] - exact[1][k]).abs().max().item() for n in noisy for k in exact[1])
+    loss_noise = max(abs(a - b) for n in noisy for a, b in zip(n[0], exact[0], strict=True))
+    assert max((ours[k] - exact[1][k]).abs().max().item() for k in exact[1]) <= 2 * weights_noise
+    assert max(abs(a - b) for a, b in zip(losses, exact[0], strict=True)) <= 2 * loss_noise + 1e-6
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_a_4bit_mixture_runs_exports_load_in_peft_and_merge_as_peft_merges(model_type: str, tmp_path: Path) -> None:
+    """A 4-bit mixture trained through the CLI (adapters on every projection, the experts' fused tensors too):
+    `streamer export --format peft` loads with peft.PeftModel.from_pretrained (target_parameters on the experts)
+    onto transformers' 4-bit model of the same folder, its experts as bitsandbytes quantizes a parameter, and gives
+    our loss within that model's own fp32 error (eager against sdpa) and fp32's rounding; the merged export, loaded
+    by transformers, is PEFT's merge_and_unload of the dequantized model, within twice PEFT's fp32 merge's error
+    against its float64 merge and fp32's rounding."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from streamer.cli.generate import open_trainer
+    from streamer.cli.main import main
+    from streamer.run_dir import RunDir
+    from tests.test_data_cli import write_tokenizer
+
+    cfg = dataclasses.replace(FAMILIES[model_type].example(), vocab_size=448)
+    folder, run = tmp_path / "16bit", tmp_path / "run"
+    hf_model(cfg).save_pretrained(folder)
+    write_tokenizer(folder, "qwen")
+    (tmp_path / "train.txt").write_text("a few words to train on\n" * 20)
+    targets, tensors = list(cfg.lora().projections), cfg.lora().parameters
+    assert main(["train", "--from-pretrained", str(folder), "--data", str(tmp_path / "train.txt"), "--lora-rank",
+                 str(RANK), "--lora-alpha", str(ALPHA), "--lora-targets", ",".join(targets), "--load-in-4bit",
+                 "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant", "--seq", "16", "--batch", "2",
+                 "--steps", "2", "--lr", "5e-2", "--dtype", "fp32", "--eval-every", "0", "--sample-tokens", "0",
+                 "--run-dir", str(run)]) == 0
+    assert main(["export", str(run), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert main(["export", str(run), str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with open_trainer(RunDir(run)) as trainer:
+        ours = trainer.evaluate(ids)
+
+    def four_bit(attn: str) -> torch.nn.Module:
+        return _bitsandbytes_experts(_bnb_model(folder, "nf4", True, attn), tensors)
+
+    def loss(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+
+    # (training mode, as _bnb_model: no dropout, and bitsandbytes keeps its weights as saved)
+    losses = [loss(peft.PeftModel.from_pretrained(four_bit(attn), tmp_path / "adapter").train())
+              for attn in ("eager", "sdpa")]
+    eps = torch.finfo(torch.float32).eps
+    tolerance = 2 * abs(losses[0] - losses[1]) + 4 * abs(ours) * eps
+    assert abs(ours - losses[0]) <= tolerance < abs(ours - loss(four_bit("eager"))) / 1000  # (the adapters matter)
+
+    dequantized = _dequantized(four_bit("eager"))
+    merges = []
+    for dtype in (torch.float32, torch.float64):
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **EAGER_EXPERTS)
+        base.load_state_dict(dequantized, strict=False)
+        merged = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()
+        merges.append({k: v.double() for k, v in merged.state_dict().items()})
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                                 **EAGER_EXPERTS).state_dict()
+    assert exported.keys() == merges[1].keys()
+    changed = 0
+    for key, exact in merges[1].items():
+        noise = (merges[0][key] - exact).abs().max().item()
+        error = (exported[key].double() - exact).abs().max().item()
+        assert error <= 2 * noise + 2 * eps * exact.abs().max().item(), key
+        changed += not torch.equal(exact, dequantized.get(key, exact))
+    assert changed == len(targets) * cfg.num_hidden_layers  # every target's weight merged

@@ -18,7 +18,7 @@ from torch import nn
 
 from layers.llama.units import Llama, LlamaBlock, LlamaEmbedding, LlamaHead
 from layers.lora import expert_factors, init_adapters
-from layers.quant4 import FrozenQuant, Quant4, matrix, piece_key
+from layers.quant4 import FrozenQuant, matrix, piece_key
 from layers.model import AuxiliaryLoss, FamilyUnits
 from layers.config import ModelConfig, SparseMlp
 
@@ -145,7 +145,7 @@ class GroupedLinear4bit(torch.autograd.Function):
     weights, packed as handles); the tensor takes no gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int] | None, quant: Quant4, shape: tuple[int, int, int],
+    def forward(ctx, x: torch.Tensor, sizes: list[int] | None, quant: FrozenQuant, shape: tuple[int, int, int],
                 names: tuple[str, ...], *pieces: torch.Tensor) -> torch.Tensor:
         ctx.sizes, ctx.quant, ctx.shape, ctx.names = sizes, quant, shape, names
         ctx.save_for_backward(*pieces)
@@ -205,15 +205,13 @@ class Experts(nn.Module):
         # A quantized base's tensors (`hold_quantized`): each one's (E, out, in) and piece names, and the dtype
         # its matmuls run in.
         self.quantized: dict[str, tuple[tuple[int, int, int], tuple[str, ...]]] = {}
-        self.quant: Quant4 | None = None
+        self.quant: FrozenQuant | None = None
         self.compute_dtype: torch.dtype | None = None
 
     def hold_quantized(self, name: str, quant: FrozenQuant, compute_dtype: torch.dtype) -> None:
         """Hold the fused tensor `name` as `quant`'s pieces, buffers by `layers.quant4.piece_key` (a shell of a
         4-bit base: the unit's pieces replace them at each call); each expert's weight is dequantized for its
         rows' matmuls (`GroupedLinear4bit`), in `compute_dtype` (bnb_4bit_compute_dtype)."""
-        if not isinstance(quant, Quant4):
-            raise TypeError(f"a mixture's experts are held 4-bit by bitsandbytes' code only, not {quant!r}")
         weight = getattr(self, name)
         experts, rows, columns = weight.shape
         delattr(self, name)

@@ -7,7 +7,9 @@ key map, its tokenizer converters). Tensor names are gguf's own map (`gguf.get_t
 `LlamaTensorProcessor` does to the dequantized weight. A row of a GGUF tensor is whole blocks, so moving rows of
 blocks is the same as moving the rows they dequantize to. Everything else is dequantized by
 `gguf.quants.dequantize` when read; a Gemma norm less the one llama.cpp's converter added (transformers'
-`Gemma2TensorProcessor`). gguf and transformers are imported only here (the `gguf` extra).
+`Gemma2TensorProcessor`). A mixture's fused expert tensors are kept as the file's blocks too: gate_up_proj is
+each expert's ffn_gate_exps rows, then its ffn_up_exps rows, as transformers' `Qwen2MoeTensorProcessor` joins
+them. gguf and transformers are imported only here (the `gguf` extra).
 """
 from __future__ import annotations
 
@@ -18,16 +20,20 @@ import numpy as np
 import torch
 
 from layers import ConfigError, ModelConfig
-from layers.packed_gguf import TYPE_SIZES, GGUFBase
+from layers.packed_gguf import TYPE_SIZES, GGUFBase, kept
 from layers.quant_gguf import QuantGGUF
 from streamer.errors import CheckpointError
 from streamer.io.tokenizer import Tokenizer
 
 # GGUF architectures read here: those transformers' GGUF loading reads whose family is registered here (a
-# Mistral file is "llama"; a mixture's experts are not kept as blocks yet). What transformers' TENSOR_PROCESSORS
-# undo of llama.cpp's converter: the q and k rows it permuted (interleaved RoPE), and the one it added to Gemma's
-# norm weights.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Mistral file is "llama"; so is a Mixtral file, with experts, which transformers reads as a dense Llama: refused),
+# and those of mixtures. What transformers' TENSOR_PROCESSORS undo of llama.cpp's converter: the q and k rows it
+# permuted (interleaved RoPE), and the one it added to Gemma's norm weights.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
+MIXTURES = ("qwen3moe",)
+# A fused expert tensor's parts as llama.cpp keeps them, by its last name (transformers' Qwen2MoeTensorProcessor
+# puts gate's rows, then up's, in each expert's gate_up_proj).
+FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 PERMUTED = {"llama": (".attn_q.", ".attn_k.")}
 NORMS_PLUS_ONE = ("gemma3",)
 
@@ -74,47 +80,65 @@ class GGUFCheckpoint:
         if arch not in ARCHITECTURES:
             raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not read yet (only "
                                   f"{', '.join(ARCHITECTURES)}); pass the Hugging Face folder it was made from")
+        experts = reader.fields.get(f"{arch}.expert_count")
+        if arch not in MIXTURES and experts is not None and int(experts.contents()) > 0:
+            raise CheckpointError(f"{path}: a GGUF {arch!r} file with experts (a Mixtral) is not read: transformers "
+                                  "reads it as a dense model; pass the Hugging Face folder it was made from")
         config = _config(path)
+        width = reader.fields.get(f"{arch}.expert_feed_forward_length")
+        if config.sparse_mlp is not None and width is not None and int(width.contents()) != config.sparse_mlp.width:
+            raise CheckpointError(f"{path}: its experts are {int(width.contents())} wide, but transformers reads no "
+                                  f"expert width from a GGUF file and takes {config.sparse_mlp.width}; pass the "
+                                  "Hugging Face folder it was made from")
         arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
         names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
         by_name = {t.name: t for t in reader.tensors}
         tensors, permuted, plus_one = {}, set(), set()
         for key, meta in expected_tensors(config).items():
-            module, suffix = key.rsplit(".", 1)
-            name = names.get_name(module)
-            tensor = by_name.get(f"{name}.{suffix}") if name is not None else None
-            if tensor is None:
-                raise CheckpointError(f"{path} holds no tensor for {key} (looked for {name}.{suffix}); the file is "
-                                      "not a whole model: download it again")
-            type_name = tensor.tensor_type.name
-            if type_name not in TYPE_SIZES:
-                raise CheckpointError(f"{path}: {tensor.name} is GGUF type {type_name}, which has no dequantizer "
-                                      f"here (read: {', '.join(TYPE_SIZES)}); pass a GGUF file of those types, "
-                                      "or the Hugging Face folder it was made from")
-            shape = tuple(int(d) for d in reversed(tensor.shape))
             wanted = tuple(meta.shape)
-            if shape != wanted:
-                raise CheckpointError(f"{path}: {tensor.name} is {shape}, but the file's config makes {key} "
-                                      f"{wanted}; the file is damaged: download it again")
-            tensors[key] = tensor
-            if any(part in tensor.name for part in PERMUTED.get(arch, ())):
+            if len(wanted) == 3:  # a fused expert tensor: the file's tensors of its parts, each (E, out, in)
+                parent, fused = key.rsplit(".", 1)
+                looked = [f"{names.get_name(f'{parent}.{part}')}.weight" for part in FUSED[fused]]
+            else:
+                module, suffix = key.rsplit(".", 1)
+                looked = [f"{names.get_name(module)}.{suffix}"]
+            if any(name not in by_name for name in looked):
+                raise CheckpointError(f"{path} holds no tensor for {key} (looked for {' and '.join(looked)}); the "
+                                      "file is not a whole model: download it again")
+            parts = tuple(by_name[name] for name in looked)
+            types = {t.tensor_type.name for t in parts}
+            unread = types - set(TYPE_SIZES)
+            if unread or len(types) > 1:
+                what = (f"is GGUF type {', '.join(sorted(unread))}, which has no dequantizer here (read: "
+                        f"{', '.join(TYPE_SIZES)})") if unread else f"mixes GGUF types {', '.join(sorted(types))}"
+                raise CheckpointError(f"{path}: {' and '.join(looked)} {what}; pass a GGUF file of those types, or "
+                                      "the Hugging Face folder it was made from")
+            shapes = [_shape((t,)) for t in parts]
+            if _shape(parts) != wanted or len({s[:1] + s[2:] for s in shapes}) > 1:
+                raise CheckpointError(f"{path}: {' and '.join(looked)} {' and '.join(map(str, shapes))}, but the "
+                                      f"file's config makes {key} {wanted}; the file is damaged: download it again")
+            tensors[key] = parts
+            if any(part in looked[0] for part in PERMUTED.get(arch, ())):
                 permuted.add(key)
-            if arch in NORMS_PLUS_ONE and "norm.weight" in tensor.name:
+            if arch in NORMS_PLUS_ONE and "norm.weight" in looked[0]:
                 plus_one.add(key)
         return cls(path, config, tensors, permuted, plus_one)
 
     def base(self) -> GGUFBase:
         """The type of each block projection's weight (those a run keeps as the file's blocks)."""
         cfg = self.config
-        keys = [cfg.adapter().key(unit, f"{module}.weight") for unit in cfg.unit_names() if unit.startswith("block.")
-                for module in cfg.lora().projections.values()]
-        return GGUFBase(tuple((key, self._tensors[key].tensor_type.name) for key in keys))
+        return GGUFBase(tuple((key, self._tensors[key][0].tensor_type.name) for unit in cfg.unit_names()
+                              if unit.startswith("block.") for key, _ in kept(cfg, unit)))
 
     def _blocks(self, key: str) -> np.ndarray:
-        """The tensor's rows as bytes (out, row bytes), Llama's q and k rows in Hugging Face's order."""
-        tensor = self._tensors[key]
-        rows = int(tensor.shape[-1])
-        data = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        """The tensor's rows as bytes (rows, row bytes), Llama's q and k rows in Hugging Face's order; a fused
+        expert tensor's each expert's rows of its parts one after another (transformers' gate_up_proj: gate's
+        rows, then up's)."""
+        parts = [np.ascontiguousarray(t.data).view(np.uint8) for t in self._tensors[key]]
+        experts = int(self._tensors[key][0].shape[2]) if len(self._tensors[key][0].shape) == 3 else 1
+        data = np.concatenate([p.reshape(experts, -1) for p in parts], axis=1)
+        rows = sum(int(np.prod(t.shape[1:])) for t in self._tensors[key])
+        data = data.reshape(rows, -1)
         if key in self._permuted:
             heads = self.config.num_key_value_heads if ".k_proj." in key else self.config.num_attention_heads
             data = data.reshape(heads, rows // heads // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1)
@@ -122,25 +146,31 @@ class GGUFCheckpoint:
 
     def read_4bit(self, key: str) -> dict[str, torch.Tensor]:
         """A block projection's pieces as the store keeps them (its blocks and type), as HFCheckpoint.read_4bit."""
-        return QuantGGUF.pieces_of(torch.from_numpy(self._blocks(key).copy()), self._tensors[key].tensor_type.name)
+        return QuantGGUF.pieces_of(torch.from_numpy(self._blocks(key).copy()), self._type(key))
+
+    def _type(self, key: str) -> str:
+        return str(self._tensors[key][0].tensor_type.name)
 
     def read(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One tensor dequantized by gguf (float32), then in `dtype`, as transformers loads it."""
         from gguf.quants import dequantize
 
-        tensor = self._tensors[key]
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        if len(shape) == 1:
-            values = dequantize(np.ascontiguousarray(tensor.data), tensor.tensor_type).reshape(shape)
-        else:
-            values = dequantize(self._blocks(key), tensor.tensor_type).reshape(shape)
-        values = np.array(values, dtype=np.float32)  # (a copy the caller owns)
+        parts = self._tensors[key]
+        data = np.ascontiguousarray(parts[0].data) if len(parts[0].shape) == 1 else self._blocks(key)
+        values = np.array(dequantize(data, parts[0].tensor_type).reshape(_shape(parts)), dtype=np.float32)  # (a copy)
         if key in self._plus_one:
             values -= 1
         return torch.from_numpy(values).to(dtype)
 
     def validate(self) -> None:
         """Names, shapes and types were checked at open."""
+
+
+def _shape(parts: tuple[Any, ...]) -> tuple[int, ...]:
+    """The shape of a tensor (Hugging Face's order) made of the file's `parts`: one, or a fused expert tensor's
+    parts (E, out, in) joined along each expert's rows."""
+    shapes = [tuple(int(d) for d in reversed(t.shape)) for t in parts]
+    return shapes[0] if len(shapes) == 1 else (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
 
 def _config(path: Path) -> ModelConfig:
