@@ -9,6 +9,7 @@ its family that the disk holds (GPT-J-6B by default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import shlex
 import shutil
@@ -26,7 +27,8 @@ from memory_model.units import Precision
 from memory_model.settings import check_settings, same_setting
 from streamer.calibration.calibrate import CalibrationSizes, local_spec
 from benchmarks.compare import (
-    DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SECOND, STREAM_DISK, STREAM_DISK_HALF, STREAM_RAM,
+    DP_1, DP_2, DS_CPU, DS_NVME, HF_BF16, HF_FP32, RESIDENT, SCALE, SCALE_FLOOR, SECOND, STREAM_DISK, STREAM_DISK_HALF,
+    STREAM_RAM,
     Context, Outcome, data_parallel, disk_tier, dtypes, gpu, half_the_bytes, host_memory, memory, overhead, planner,
     scale, update_speed, utilisation, versus_deepspeed, versus_hf, where_time_goes,
 )
@@ -35,9 +37,10 @@ from benchmarks.machine import (
     update_rates,
 )
 from benchmarks.lora import (
-    FULL, LORA, QLORA_MODEL, QLORA_OURS, QLORA_QUICK_MODEL, lora_pair, lora_versus_full, qlora_pair, qlora_versus_hf,
+    FULL, LORA, LORA_RANK, QLORA_MODEL, QLORA_OURS, QLORA_QUICK_MODEL, lora_pair, lora_versus_full, qlora_pair,
+    qlora_versus_hf,
 )
-from benchmarks.report import write_markdown
+from benchmarks.report import update_markdown, write_markdown
 from benchmarks.runs import Result, Runner
 from benchmarks.worker import RunSpec
 from streamer.cli.flags import add_run_flags
@@ -65,6 +68,7 @@ class Settings:
     deepspeed: bool
     scale: bool
     scale_model: str  # the scale run's preset or config.json (its candidates: `_scale_candidates`)
+    scale_qlora: bool = False  # the scale run trains LoRA adapters on the model's 4-bit base instead
     scale_warmup: int
     scale_steps: int
     data_parallel: bool
@@ -95,7 +99,7 @@ class Settings:
             return cls(model=model, second=_second(ModelConfig.named(model)), batch=1, seq=32,
                        max_grad_norm=args.max_grad_norm, rounds=1,
                        warmup=1, steps=2, deepspeed=False, scale=not args.no_scale,
-                       scale_model=_scale_model(args.scale_model, model, quick=True),
+                       scale_model=_scale_model(args.scale_model, model, quick=True), scale_qlora=args.scale_qlora,
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        update_params=2**20,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
@@ -107,7 +111,8 @@ class Settings:
         return cls(model=model, second=second, batch=args.batch, seq=args.seq,
                    max_grad_norm=args.max_grad_norm, rounds=args.rounds,
                    warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
-                   scale_model=_scale_model(args.scale_model, model, quick=False), scale_warmup=1,
+                   scale_model=_scale_model(args.scale_model, model, quick=False), scale_qlora=args.scale_qlora,
+                   scale_warmup=1,
                    scale_steps=args.scale_steps,
                    data_parallel=True, profile=True, matmul_n=2048, update_params=64 * 2**20,
                    disk_test_bytes=2 * GiB, disk_repeats=3,
@@ -168,6 +173,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Adam moments, its family's smaller presets, or its width with fewer layers (default: "
                              "the largest preset of --model's family, gptj-6b for gptj-350m; with --quick, the "
                              "smallest preset of its family)")
+    parser.add_argument("--scale-qlora", action="store_true",
+                        help=f"the scale run trains rank-{LORA_RANK} LoRA adapters on --scale-model's base held 4-bit "
+                             "(nf4, double quant), as `streamer train --lora-rank --load-in-4bit` does, instead of "
+                             "every weight")
     parser.add_argument("--only-scale", action="store_true",
                         help="run the scale run alone (--scale-model on the disk tier), to measure it on a quiet "
                              "machine; it writes no report unless --output names one")
@@ -207,6 +216,10 @@ def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
     before the one after the backward (which needs less disk); its family's smaller presets with the fp32 state;
     and its width with as many layers as the disk holds, in each of the three states, fused."""
     compute, cfg = s.compute.dtype, ModelConfig.named(s.scale_model)
+    if s.scale_qlora:  # the model asked for, else its width with as many layers as the disk holds
+        qlora = ModelChoice(s.scale_model, cfg, Precision(compute), qlora_rank=LORA_RANK)
+        width = None if s.quick else fitted_width(qlora, budget)
+        return [qlora, *([width] if width is not None and width.config != cfg else [])]
     if s.quick:
         return [ModelChoice(s.scale_model, cfg, Precision(compute))]
     full = [ModelChoice(s.scale_model, cfg, Precision(compute, master, moments), timing)
@@ -217,6 +230,23 @@ def _scale_candidates(s: Settings, budget: int) -> list[ModelChoice]:
     widths = [w for c in full if c.update_timing == "fused" for w in (fitted_width(c, budget),)
               if w is not None and w.config.num_hidden_layers < cfg.num_hidden_layers]
     return sorted(full + smaller + widths, key=lambda c: -c.params)  # stable: the preference order within a size
+
+
+# The compute floor's run: the scale model's width with this many blocks and this fraction of its vocabulary.
+FLOOR_BLOCKS, FLOOR_VOCAB_DIVISOR = 2, 8
+
+
+def _compute_floor_spec(scale_spec: RunSpec) -> RunSpec:
+    """The scale run's compute with no disk: its width, dtype, precisions, activations and update on the RAM tier,
+    small enough for this machine's RAM (an 8B's embedding and head alone are 1B parameters):
+    compare.compute_floor_s scales its median block to the model's blocks and its embedding and head, whose every
+    cost is linear in the vocabulary, to the model's vocabulary."""
+    cfg = ModelConfig.from_dict(scale_spec.model)
+    short = cfg.resized(num_hidden_layers=min(FLOOR_BLOCKS, cfg.num_hidden_layers),
+                        vocab_size=max(1, cfg.vocab_size // FLOOR_VOCAB_DIVISOR))
+    # The update's work is the same after the backward; fusing it needs the state on disk.
+    return dataclasses.replace(scale_spec, label=SCALE_FLOOR, tier="ram", model=short.to_dict(),
+                               update_timing="after-backward")
 
 
 def _plans(results: dict[str, Result], workdir: Path, quick: bool) -> dict:
@@ -311,10 +341,13 @@ def run(args: argparse.Namespace) -> int:
                              steps=s.scale_steps, moment_dtype=pick.chosen.precision.moments,
                              master_dtype=pick.chosen.precision.master,
                              dtype=pick.chosen.precision.compute, activations="checkpoint",
-                             update_timing=pick.chosen.update_timing)
+                             update_timing=pick.chosen.update_timing,
+                             **(dict(lora_rank=pick.chosen.qlora_rank, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                     bnb_4bit_use_double_quant=True) if pick.chosen.qlora_rank else {}))
+                results.update(runner.compare([_compute_floor_spec(spec)], 1))
                 results.update(runner.compare([spec], 1))
         else:
-            skipped[SCALE] = "--no-scale"
+            skipped[SCALE] = skipped[SCALE_FLOOR] = "--no-scale"
         peaks_last = matmul_peaks(s.matmul_n)
         peaks = Peaks(max(peaks_first.bf16_flops, peaks_last.bf16_flops),
                       max(peaks_first.fp32_flops, peaks_last.fp32_flops), s.matmul_n)
@@ -343,7 +376,14 @@ def run(args: argparse.Namespace) -> int:
             f"{s.warmup} warm-up + {s.steps} timed steps per block" + ("; --quick: harness check only, the "
                                                                      "numbers mean nothing" if s.quick else "")]
         output = _output(args)
-        if output is not None:
+        if output is not None and args.only_scale and output.exists():
+            # A report of a full run keeps its other sections: the scale run's own section and targets go in.
+            found = scale(ctx)
+            update_markdown(output, f"`{_command(args)}`: " + "; ".join(lines[:-1]) +  # not comparisons 1-5's model
+                            f"; wall time {(time.time() - started) / 60:.1f} min", list(found.targets),
+                            [found.section])
+            console.print(f"wrote its scale section into {output}")
+        elif output is not None:
             write_markdown(output, lines, _command(args), time.time() - started, targets,
                            [o.section for o in outcomes])
             console.print(f"wrote {output}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from layers import ModelConfig
@@ -24,6 +25,7 @@ SECOND = "ours streamed, RAM tier, second size"
 DP_1 = "ours streamed, 1 process"
 DP_2 = "ours streamed, 2 processes"
 SCALE = "ours streamed, disk tier, scale run"
+SCALE_FLOOR = "ours streamed, RAM tier, scale run's width (compute floor)"
 GiB = 2**30
 OTHERS = "others' load (cores)"
 SHARED_NOTE = ("others' load: mean CPU cores that processes outside the bench kept busy during that contender's "
@@ -191,6 +193,11 @@ def _per_param_cell(per_param: tuple[float | None, float | None]) -> str:
     return " / ".join("—" if b is None else f"{b:.2f}" for b in per_param)
 
 
+def _disk_floor_s(r: Result, raw: DiskBandwidth) -> float | None:
+    """The floor the disk sets: what reached it in a step, at the rate it moves bytes reading and writing at once."""
+    return _div(r.io.get("read_bytes", 0) + r.io.get("write_bytes", 0), raw.shared_bytes_per_s)
+
+
 def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source: str) -> tuple[tuple[str, ...], str]:
     r, raw = _get(ctx, label), ctx.disk.get(label)
     if r is None or raw is None:
@@ -213,9 +220,7 @@ def _disk_row(ctx: Context, label: str, compute_s: float | None, compute_source:
             cells.append(f"{rate(achieved)} ({percent(share)} of {rate(raw_rate)})")
     measured = [j for j in judged if j is not None]
     bw_met = None if not judged or len(measured) < len(judged) else min(measured) >= 0.8
-    # The floor the disk sets: what reached it in a step, at the rate it moves bytes reading and writing at once.
-    reached = r.io.get("read_bytes", 0) + r.io.get("write_bytes", 0)
-    floor_s = _div(reached, raw.shared_bytes_per_s)
+    floor_s = _disk_floor_s(r, raw)
     floor = f"{seconds(floor_s)} ({ratio(_div(r.median_s, floor_s))})"
     row = (f"{label} ({r.update_schedule})", *cells, _per_param_cell(_store_per_param(r)),
            f"{size(r.io.get('rchar'))} / {size(r.io.get('read_bytes'))}",
@@ -333,7 +338,25 @@ def utilisation(ctx: Context) -> Outcome:
 
 
 # The step time and peak RSS each scale model is held to on this 2-core box's disk tier, where one is stated.
-SCALE_TARGETS: dict[str, tuple[float, int]] = {"gptj-6b": (120.0, 8 * GiB), "llama-3.1-8b": (150.0, 10 * GiB)}
+SCALE_TARGETS: dict[str, tuple[float, int]] = {"gptj-6b": (120.0, 8 * GiB), "llama-3.1-8b": (150.0, 8 * GiB)}
+FLOOR_BOUND = 1.2  # the scale step against the higher of its two floors, measured in the same run
+QLORA_SCALE_RSS = 6 * GiB  # a QLoRA scale run's peak RSS on this box's disk tier
+
+
+def _qlora_rank(pick: ScalePick) -> int:
+    return max((c.qlora_rank for c, _ in pick.considered), default=0)
+
+
+def scale_key(pick: ScalePick) -> str:
+    """The scale run's name in its section's title and its targets: the model asked for, and QLoRA where the run
+    trains adapters on its 4-bit base (a report holds both, each written by its own run)."""
+    rank = _qlora_rank(pick)
+    return pick.model + (f", QLoRA r={rank}" if rank else "")
+
+
+def _run_peak(r: Result) -> int:
+    """The run's peak RSS: setup's or the steps', whichever is higher (an OOM kill comes at either)."""
+    return max(r.rss_peak_bytes, r.process_rss_peak_bytes)
 
 
 def _model_target(pick: ScalePick, r: Result | None, why: str) -> list[str]:
@@ -346,12 +369,62 @@ def _model_target(pick: ScalePick, r: Result | None, why: str) -> list[str]:
         return [_target(name, why, None)]
     if pick.chosen.name != pick.model:
         return [_target(name, f"{pick.chosen.name} ran instead: the disk does not hold {pick.model}", False)]
-    return [_target(name, f"{seconds(r.median_s)} at {size(r.rss_peak_bytes)}",
-                    r.median_s <= limit_s and r.rss_peak_bytes <= limit_rss)]
+    return [_target(name, f"{seconds(r.median_s)} at {size(_run_peak(r))}",
+                    r.median_s <= limit_s and _run_peak(r) <= limit_rss)]
+
+
+def compute_floor_s(floor: Result | None, model: ModelConfig) -> float | None:
+    """The scale model's compute with no disk, from the RAM-tier run of its width with fewer blocks and a smaller
+    vocabulary (forward, backward and update spans of the same dtype, precisions and checkpointing): its median
+    block times the model's blocks, and its embedding and head, whose matmuls, loss and update are linear in the
+    vocabulary, times the model's vocabulary over its own."""
+    if floor is None or not floor.unit_compute:
+        return None
+    blocks = [s for unit, s in floor.unit_compute.items() if unit.startswith("block.")]
+    if not blocks:
+        return None
+    rest = sum(s for unit, s in floor.unit_compute.items() if not unit.startswith("block."))
+    vocab = ModelConfig.from_dict(floor.spec.model).vocab_size
+    return rest * model.vocab_size / vocab + statistics.median(blocks) * model.num_hidden_layers
+
+
+def _floor_targets(pick: ScalePick, r: Result, ctx: Context) -> tuple[tuple[str, ...], list[str]]:
+    """(cells, targets): the step against max(I/O floor, compute floor) and the run's peak RSS against the plan,
+    both from this run; a target is met only by the model asked for itself."""
+    raw, chosen = ctx.disk.get(SCALE), pick.chosen
+    assert chosen is not None
+    io_floor = None if raw is None else _disk_floor_s(r, raw)
+    compute_floor = compute_floor_s(_get(ctx, SCALE_FLOOR), chosen.config)
+    bound = None if io_floor is None or compute_floor is None else max(io_floor, compute_floor)
+    step_ratio = _div(r.median_s, bound)
+    host = _div(_run_peak(r), r.planned_host_bytes)
+    cells = (seconds(io_floor), seconds(compute_floor), ratio(step_ratio), size(r.planned_host_bytes or None),
+             size(_run_peak(r)), ratio(host))
+    itself = chosen.name == pick.model
+    ran_instead = f"{chosen.name} ran instead: the disk does not hold {pick.model}"
+    floors = (f"{ratio(step_ratio)}: I/O floor {seconds(io_floor)}, compute floor {seconds(compute_floor)}"
+              if itself else ran_instead)
+    plan = f"{size(_run_peak(r))} measured, {size(r.planned_host_bytes or None)} planned" if itself else ran_instead
+    return cells, [
+        _target(f"6. {scale_key(pick)}: step <= {FLOOR_BOUND:g}x max(I/O floor, compute floor)", floors,
+                None if step_ratio is None else itself and step_ratio <= FLOOR_BOUND),
+        _target(f"6. {scale_key(pick)}: peak RSS within {HOST_TOLERANCE:.0%} of the plan", plan,
+                None if host is None else itself and abs(host - 1) <= HOST_TOLERANCE)]
+
+
+def _floor_shape(floor: Result | None) -> str:
+    if floor is None:
+        return "—"
+    cfg = ModelConfig.from_dict(floor.spec.model)
+    return f"{cfg.num_hidden_layers} blocks and a vocabulary of {cfg.vocab_size:,}"
+
+
+SCALE_TITLE = "6. Scale on this machine (disk tier)"
 
 
 def scale(ctx: Context) -> Outcome:
     pick, r = ctx.scale, _get(ctx, SCALE)
+    title = SCALE_TITLE if pick is None else f"{SCALE_TITLE}: {scale_key(pick)}"
     notes = []
     if pick is not None:
         notes.append(f"Free disk {size(pick.free_bytes)}; the run may use {size(pick.budget_bytes)} (the rest is "
@@ -359,33 +432,54 @@ def scale(ctx: Context) -> Outcome:
                          f"{c.describe()} store {size(c.store_bytes)} (at most {size(c.disk_bytes)} on disk, update "
                          f"{c.update_timing}) {'fits' if fits else 'does not fit'}"
                          for c, fits in pick.considered))
+    qlora = pick is not None and bool(_qlora_rank(pick))
+    # Full training: >= 3B at <= 8 GiB; QLoRA: the model asked for at <= 6 GiB.
+    three_b = (f"6. {scale_key(pick)}: peak RSS <= {size(QLORA_SCALE_RSS)}" if pick is not None and qlora else
+               f"6. {pick.model if pick else 'scale'}: >= 3B params at peak RSS <= 8 GiB")
     if r is None or pick is None or pick.chosen is None:
         why = _missing(ctx, SCALE) if pick is None or pick.chosen is not None else "no candidate fits the disk"
-        return Outcome(Section("6. Scale on this machine", ("model", "status"), (("—", why),), tuple(notes)),
-                       (_target("6. >= 3B params at peak RSS <= 8 GiB", why, None),
-                        *(_model_target(pick, None, why) if pick is not None else ())))
+        return Outcome(Section(title, ("model", "status"), (("—", why),), tuple(notes)),
+                       (_target(three_b, why, None),
+                        *(_model_target(pick, None, why) if pick is not None and not qlora else ())))
     chosen, p = pick.chosen, r.phases
     stretch = chosen.name == pick.model  # the model asked for itself; smaller Adam moments are acceptable for it
-    met = chosen.params >= 3e9 and (chosen.precision.moments == "fp32" or stretch) and r.rss_peak_bytes <= 8 * GiB
+    if qlora:
+        met = stretch and _run_peak(r) <= QLORA_SCALE_RSS
+    else:
+        met = chosen.params >= 3e9 and (chosen.precision.moments == "fp32" or stretch) and _run_peak(r) <= 8 * GiB
+    floor_cells, floor_targets = _floor_targets(pick, r, ctx)
     row = (chosen.describe(), size(chosen.store_bytes), r.steps_note, seconds(r.median_s),
-           f"{r.tokens_per_s:,.1f}", size(r.rss_peak_bytes),
+           f"{r.tokens_per_s:,.1f}", f"{r.others_cores:.1f}", *floor_cells, size(r.rss_peak_bytes),
            f"{seconds(p.get('load_busy'))} / {seconds(p.get('offload_busy'))} / {seconds(p.get('io_busy'))}",
            f"{seconds(p.get('forward'))} / {seconds(p.get('backward'))} / {seconds(p.get('update'))}",
            verdict(met), verdict(stretch))
     kept = " (block inputs kept, blocks recomputed in backward)" if r.spec.activations == "checkpoint" else ""
     notes.append(f"Activations: {r.spec.activations}{kept}, batch "
                  f"{r.spec.batch} x {r.spec.seq}, {r.spec.dtype} compute.")
+    floor = _get(ctx, SCALE_FLOOR)
+    notes.append("I/O floor: the bytes that reached the block device in a step (read + written) over the rate the "
+                 "disk moved them reading and writing at once, measured just before the run (section 4's disk "
+                 "floor). Compute floor: the same width, dtype, precisions and checkpointing on the RAM tier, in "
+                 f"this run, with {_floor_shape(floor)}: its median block's spans times the model's blocks, plus its "
+                 "embedding and head spans times the model's vocabulary over its own "
+                 f"({_missing(ctx, SCALE_FLOOR) if floor is None else floor.steps_note + ' timed steps'}).")
+    notes.append("Host peak: planned = memory_model.host's peak of one process for these settings (`streamer plan`); "
+                 "run = the process's VmHWM over setup and steps; steps = over the steps alone. "
+                 f"Highest RSS at a span's end in the timed steps: {r.rss_peak_at or '—'}.")
     notes.append("Where the time goes, per step: I/O = load / offload / either busy (wall time of the I/O spans); "
                  "compute = forward / backward / update spans. Fewer than 5 timed steps: each step moves the "
                  "whole store through the disk twice (stated, not hidden).")
-    section = Section("6. Scale on this machine (disk tier)",
-                      ("model", "store on disk", "timed steps", "step (median)", "tokens/s", "peak RSS (steps)",
-                       "I/O: load / offload / busy", "compute: fwd / bwd / update", ">= 3B at <= 8 GiB",
-                       f"stretch: {pick.model}"), (row,), tuple(notes))
-    return Outcome(section, (_target("6. >= 3B params at peak RSS <= 8 GiB",
-                                     f"{chosen.params / 1e9:.2f}B, {size(r.rss_peak_bytes)}", met),
-                             _target(f"6. stretch: {pick.model}", chosen.describe(), stretch),
-                             *_model_target(pick, r, "")))
+    notes.append(SHARED_NOTE)
+    section = Section(title,
+                      ("model", "store on disk", "timed steps", "step (median)", "tokens/s", OTHERS, "I/O floor",
+                       "compute floor", "step / max(floors)", "planned host peak", "peak RSS (run)",
+                       "run / planned", "peak RSS (steps)", "I/O: load / offload / busy", "compute: fwd / bwd / update",
+                       f"<= {size(QLORA_SCALE_RSS)}" if qlora else ">= 3B at <= 8 GiB", f"stretch: {pick.model}"),
+                      (row,), tuple(notes))
+    model_targets = () if qlora else (_target(f"6. stretch: {pick.model}", chosen.describe(), stretch),
+                                      *_model_target(pick, r, ""))
+    return Outcome(section, (_target(three_b, f"{chosen.params / 1e9:.2f}B, {size(_run_peak(r))}", met),
+                             *model_targets, *floor_targets))
 
 
 def memory(ctx: Context) -> Outcome:

@@ -194,13 +194,15 @@ class ModelChoice:
     config: ModelConfig
     precision: Precision = Precision("bf16")
     update_timing: str = "fused"
+    qlora_rank: int = 0  # QLoRA: adapters of this rank on the frozen base, stored 4-bit (nf4, double quant)
 
     @property
     def params(self) -> int:
         return self.config.num_params()
 
     def _spec(self) -> StoreSpec:
-        return StoreSpec(self.config, self.precision, Placement.of("disk"))
+        return StoreSpec(self.config, self.precision, Placement.of("disk"), frozen=bool(self.qlora_rank),
+                         quant_type="nf4" if self.qlora_rank else "", double_quant=bool(self.qlora_rank))
 
     @property
     def store_bytes(self) -> int:
@@ -213,17 +215,21 @@ class ModelChoice:
         """What the run needs on disk at its largest. Fused: every unit's next generation beside the previous
         one (its rollback, should clipping trigger) until the step commits; the scale run does not clip, so no
         step writes gradient files. After the backward: the gradient files and one unit's second generation
-        (`StoreSpec.host_bytes`)."""
+        (`StoreSpec.host_bytes`). A frozen base is only read."""
+        if self.qlora_rank:
+            return self.store_bytes
         if self.update_timing == "fused":
             return 2 * self.store_bytes
         return self._spec().host_bytes(every_unit_twice=False)[1]
 
     def describe(self) -> str:
         c = self.config
-        return (f"{self.name} ({params(self.params)} params: d_model {c.hidden_size}, {c.num_hidden_layers} layers, "
-                f"{c.num_attention_heads} heads; {self.precision.compute} compute, {self.precision.master} master, "
-                f"{self.precision.moments} Adam moments, update "
-                f"{self.update_timing})")
+        shape = (f"{self.name} ({params(self.params)} params: d_model {c.hidden_size}, {c.num_hidden_layers} layers, "
+                 f"{c.num_attention_heads} heads; {self.precision.compute} compute, ")
+        if self.qlora_rank:
+            return shape + f"QLoRA r={self.qlora_rank}: nf4 base, double quant)"
+        return shape + (f"{self.precision.master} master, {self.precision.moments} Adam moments, update "
+                        f"{self.update_timing})")
 
 
 def family_presets(cfg: ModelConfig) -> list[str]:

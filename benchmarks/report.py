@@ -1,6 +1,7 @@
 """`streamer bench` output: one table per comparison, printed with rich and written as BENCHMARKS.md."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,4 +89,44 @@ def write_markdown(path: Path, machine: list[str], command: str, duration_s: flo
     text = "\n".join(parts) + "\n" + "\n".join(section.markdown() for section in sections)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _target_name(line: str) -> str:
+    """A target line's name: the text before its verdict (`name: met (value)`)."""
+    match = re.match(r"- (.*?): (met|NOT met|unmeasured)\b", line)
+    return match.group(1) if match else line
+
+
+def update_markdown(path: Path, provenance: str, summary: list[str], sections: list[Section]) -> None:
+    """A partial run's sections written into a report of a full run, which keeps the rest: a section of the same
+    title is replaced, a new one goes after the last section of its number (or at the end); its target lines
+    replace those of the same name. `provenance` (the partial run's command, commit and date) is the sections'
+    first note and a line of the report's machine list, since the rest of the file describes another run."""
+    text = path.read_text()
+    blocks = re.split(r"(?m)^(?=## )", text)  # blocks[0]: the title and intro; each other starts with its heading
+    titles = [b.split("\n", 1)[0][3:] for b in blocks]
+    for section in sections:
+        new = Section(section.title, section.columns, section.rows, (provenance, *section.notes)).markdown() + "\n"
+        if section.title in titles:
+            blocks[titles.index(section.title)] = new
+            continue
+        number = section.title.split(" ", 1)[0]
+        same = [i for i, t in enumerate(titles) if t.split(" ", 1)[0] == number]
+        at = same[-1] + 1 if same else len(blocks)
+        blocks.insert(at, new)
+        titles.insert(at, section.title)
+    if "Targets" in titles:
+        i = titles.index("Targets")
+        names = {_target_name(f"- {t}") for t in summary}
+        kept = [line for line in blocks[i].splitlines()[1:]
+                if line.startswith("- ") and _target_name(line) not in names]
+        blocks[i] = "\n".join(["## Targets", "", *kept, *(f"- {t}" for t in summary)]) + "\n\n"
+    if "Machine and command" in titles:
+        i = titles.index("Machine and command")
+        wrote = "wrote " + ", ".join(f"\"{s.title}\"" for s in sections)
+        lines = [line for line in blocks[i].splitlines()[1:] if line.startswith("- ") and not line.endswith(wrote)]
+        blocks[i] = "\n".join(["## Machine and command", "", *lines, f"- {provenance}; {wrote}"]) + "\n\n"
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(blocks))
     tmp.replace(path)

@@ -46,6 +46,8 @@ class Result:
     planned_host_bytes: int  # ours streamed: the planner's host peak of one process; 0 for the others
     io: dict[str, float]
     phases: dict[str, float]
+    unit_compute: dict[str, float]  # ours: median seconds of each unit's compute spans per step
+    rss_peak_at: str  # ours: the span at the highest host RSS of the timed steps (of the block with the peak)
     ledger_peak_bytes: int
     ledger_peak_breakdown: dict[str, int]
     profile: tuple[tuple[str, float, int], ...]
@@ -98,6 +100,8 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         planned_host_bytes=max((b.planned_host_bytes for b in good), default=0),
         io=_median_by_key([row for b in good for row in b.io]),
         phases=_median_by_key([row for b in good for row in b.phases]),
+        unit_compute=_median_by_key([row for b in good for row in b.unit_compute]),
+        rss_peak_at=max(good, key=lambda b: b.step_rss_peak_bytes).rss_peak_at if good else "",
         ledger_peak_bytes=max((b.ledger_peak_bytes for b in good), default=0),
         ledger_peak_breakdown=max(good, key=lambda b: b.ledger_peak_bytes).ledger_peak_breakdown if good else {},
         profile=tuple((op, s, calls) for b in good for op, s, calls in b.profile),

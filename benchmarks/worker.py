@@ -101,6 +101,9 @@ class Measured:
     planned_host_bytes: int = 0  # ours streamed: the planner's peak host memory of one process (memory_model.host)
     io: list[dict[str, int]] = field(default_factory=list)  # /proc/self/io deltas per timed step
     phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step
+    # ours: seconds of forward, backward and update spans per unit ('embed', 'block.N', 'head'), per timed step
+    unit_compute: list[dict[str, float]] = field(default_factory=list)
+    rss_peak_at: str = ""  # ours: the span that ended with the highest host RSS over the timed steps
     ledger_peak_bytes: int = 0
     ledger_peak_breakdown: dict[str, int] = field(default_factory=dict)
     fused: bool = False  # ours: the update is fused into the backward where no clipping triggers
@@ -301,6 +304,22 @@ def _phases(trainer: Any, step: int) -> dict[str, float]:
     return out
 
 
+def _unit_compute(trainer: Any, step: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in trainer.trace.spans(step):
+        if s.phase in COMPUTE_PHASES:
+            out[s.layer] = out.get(s.layer, 0.0) + s.duration_s
+    return out
+
+
+def _rss_peak_at(trainer: Any, steps: range) -> str:
+    """Where the host RSS was highest among the timed steps' spans: the first place to look when it is over plan."""
+    spans = [s for step in steps for s in trainer.trace.spans(step)]
+    top = max(spans, key=lambda s: s.host_rss_bytes, default=None)
+    return "" if top is None else (f"{top.layer} {top.phase}, step {top.step}: "
+                                   f"{top.host_rss_bytes / 2**30:.2f} GiB")
+
+
 def _profile_step(step: Callable[[], float], rows: int = 15) -> list[tuple[str, float, int]]:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -342,6 +361,7 @@ def measure(spec: RunSpec) -> Measured:
         out.io.append({k: io_after[k] - io_before[k] for k in io_after})
         if contender.trainer is not None:
             out.phases.append(_phases(contender.trainer, contender.trainer.step_count))
+            out.unit_compute.append(_unit_compute(contender.trainer, contender.trainer.step_count))
             # what the store's files were asked for (data only), the figure the planner prices
             out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes, strict=True))
     out.step_rss_peak_bytes = _rss_peak()
@@ -349,6 +369,8 @@ def measure(spec: RunSpec) -> Measured:
     if trainer is not None:
         out.fused, out.redone_steps = trainer.fused, trainer.clipped_redos - redone_before
         out.ledger_peak_bytes = contender.trainer.ledger.peak
+        last = trainer.step_count
+        out.rss_peak_at = _rss_peak_at(trainer, range(last - spec.steps + 1, last + 1))
         out.ledger_peak_breakdown = contender.trainer.ledger.peak_breakdown
     if spec.profile:
         out.profile = _profile_step(one_step)

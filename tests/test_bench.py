@@ -69,6 +69,21 @@ def test_quick_run_writes_every_section(tmp_path):
     assert "not run: --quick" in text  # DeepSpeed and data parallel are skipped, and say why
     # Stores and logs are removed after each block: the scale run's store does not linger.
     assert not list((tmp_path / "work" / "runs").glob("*/store"))
+    # The scale run alone, QLoRA, into that report: its own section and targets go in, the other sections stay.
+    others = text.split("## 6. Scale")[0].split("## Targets")[1].split("\n## ", 1)[1]
+    done = subprocess.run([sys.executable, "-m", "streamer", "bench", "--quick", "--only-scale", "--scale-qlora",
+                           "--scale-model", "llama-3.1-8b", "--output", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    merged = out.read_text()
+    assert others in merged and "## 6. Scale on this machine (disk tier): gptj-debug" in merged
+    section = merged.split("## 6. Scale on this machine (disk tier): llama-debug, QLoRA r=8")[1].split("\n## ")[0]
+    assert "QLoRA r=8: nf4 base, double quant" in section and "compute floor" in section
+    assert re.search(r"^- `streamer bench --quick .*--only-scale.*`: CPU", section, re.M)
+    assert re.search(r"^- 6\. llama-debug, QLoRA r=8: step <= 1\.2x max\(I/O floor, compute floor\): (NOT )?met "
+                     r"\([\d.]+x: I/O floor [\d.]+", merged, re.M), merged
+    assert re.search(r"^- 6\. llama-debug, QLoRA r=8: peak RSS <= 6.00 GiB: (NOT )?met", merged, re.M)
+    assert "- 6. gptj-debug: peak RSS within 10% of the plan" in merged  # the full run's targets stay
 
 
 def test_worker_reports_a_failure_instead_of_numbers(tmp_path):
@@ -96,6 +111,9 @@ def test_worker_measures_our_streamed_trainer(tmp_path):
     tc = TrainerConfig.of(dtype=spec.dtype, store="disk")
     assert result.planned_host_bytes == step_host(cfg, tc, tc.plan_config(1, 16)).total
     assert result.process_rss_peak_bytes >= result.step_rss_peak_bytes
+    # Each unit's compute spans (the scale run's compute floor is built from them) and where the RSS peaked.
+    assert set(result.unit_compute) == set(cfg.unit_names()) and all(s > 0 for s in result.unit_compute.values())
+    assert re.match(r"(embed|block\.\d+|head) \w+, step \d+: [\d.]+ GiB$", result.rss_peak_at), result.rss_peak_at
 
 
 def test_the_host_section_sets_each_runs_measured_peak_beside_its_plan():
@@ -116,6 +134,87 @@ def test_the_host_section_sets_each_runs_measured_peak_beside_its_plan():
     assert outcome.targets == ("host peak RSS within 10% of the plan, our runs: met (1/1)",)
     far = {"ours": merge(ours, [dataclasses.replace(close, process_rss_peak_bytes=1200 * 2**20)])}
     assert "NOT met" in host_memory(dataclasses.replace(ctx, results=far)).targets[0]
+
+
+def _scale_context(model: str, chosen: ModelChoice, step_s: float, rss: int, planned: int,
+                   floor_units: dict[str, float]) -> Context:
+    """A scale run and its compute floor's run as the bench merges them, with a raw disk of 1 GB/s."""
+    from benchmarks.compare import SCALE, SCALE_FLOOR
+    from benchmarks.machine import DiskBandwidth, Peaks, ScalePick
+    spec = RunSpec(label=SCALE, contender="stream", model=chosen.config.to_dict(), batch=1, seq=512, tier="disk",
+                   moment_dtype="int8", master_dtype="bf16")
+    scale_run = dataclasses.replace(_measured(SCALE, [step_s, step_s], rss), planned_host_bytes=planned,
+                                    io=[{"read_bytes": 10**10, "write_bytes": 10**10}] * 2)
+    short = chosen.config.resized(num_hidden_layers=2, vocab_size=chosen.config.vocab_size // 8)
+    floor = dataclasses.replace(_measured(SCALE_FLOOR, [1.0, 1.0], rss), unit_compute=[floor_units] * 2)
+    floor_spec = dataclasses.replace(spec, label=SCALE_FLOOR, tier="ram", model=short.to_dict())
+    return Context(results={SCALE: merge(spec, [scale_run]), SCALE_FLOOR: merge(floor_spec, [floor])},
+                   peaks=Peaks(1e12, 1e11, 64), plans={}, compute=FP32,
+                   disk={SCALE: DiskBandwidth(where="x", nbytes=1, repeats=1, read_bytes_per_s=1e9,
+                                              write_bytes_per_s=1e9, shared_bytes_per_s=1e9)},
+                   scale=ScalePick(model, chosen, 10**12, 10**12, ((chosen, True),)))
+
+
+def test_scale_step_is_held_to_its_floors_and_its_rss_to_the_plan():
+    """Section 6: the I/O floor is what reached the disk over its rate; the compute floor scales the short RAM-tier
+    run's median block to the model's blocks and its embedding and head to the model's vocabulary; the step is
+    held to 1.2x the higher floor and the run's peak RSS to 10% of its plan, by the model asked for only."""
+    from benchmarks.compare import SCALE_FLOOR, compute_floor_s, scale
+    model = "llama-3.1-8b"
+    full = ModelChoice(model, PRESETS[model], Precision("bf16", "bf16", "int8"))
+    units = {"embed": 0.5, "block.0": 2.0, "block.1": 3.0, "head": 1.5}
+    ctx = _scale_context(model, full, 100.0, 7 * 2**30, int(7.2 * 2**30), units)
+    floor = compute_floor_s(ctx.results[SCALE_FLOOR], full.config)
+    assert floor == pytest.approx((0.5 + 1.5) * full.config.vocab_size / (full.config.vocab_size // 8)
+                                  + 2.5 * 32, rel=1e-3)  # compute-bound: 96 s against the disk's 20 s
+    targets = {t.split(": ")[1]: t for t in scale(ctx).targets}
+    assert targets["step <= 1.2x max(I/O floor, compute floor)"].split(": ")[2].startswith("met (1.04x")
+    assert targets["peak RSS within 10% of the plan"].split(": ")[2].startswith("met (7.00 GiB measured")
+    slow = {t.split(": ")[1]: t for t in scale(_scale_context(model, full, 130.0, 7 * 2**30, 6 * 2**30,
+                                                              units)).targets}
+    assert "NOT met (1.35x" in slow["step <= 1.2x max(I/O floor, compute floor)"]
+    assert "NOT met" in slow["peak RSS within 10% of the plan"]
+    width = fitted_width(full, full.disk_bytes // 2)
+    small = scale(_scale_context(model, width, 90.0, 2**30, 2**30, units)).targets
+    assert all("NOT met" in t for t in small if "floor" in t or "plan" in t)  # a width is not the model
+
+
+def test_a_qlora_scale_run_is_the_4bit_base_of_the_model_asked_for():
+    """--scale-qlora: the scale run's store is the model's frozen base in 4 bits, only read (the disk holds it once),
+    or its width where the disk does not; its section and targets carry QLoRA in their names, held to 6 GiB."""
+    from benchmarks.compare import scale
+    settings = bench.Settings.from_args(_parse(["--scale-qlora", "--scale-model", "llama-3.1-8b"]))
+    qlora = bench._scale_candidates(settings, 10**13)
+    assert [c.qlora_rank for c in qlora] == [8] and qlora[0].config == PRESETS["llama-3.1-8b"]
+    full = ModelChoice("llama-3.1-8b", PRESETS["llama-3.1-8b"], Precision("bf16", "bf16", "int8"))
+    assert qlora[0].disk_bytes == qlora[0].store_bytes < full.store_bytes / 3
+    assert "QLoRA r=8: nf4 base, double quant" in qlora[0].describe()
+    assert bench._scale_candidates(settings, qlora[0].disk_bytes // 2)[1].name.startswith("llama-3.1-8b width, ")
+    units = {"embed": 0.1, "block.0": 1.0, "block.1": 1.0, "head": 0.3}
+    outcome = scale(_scale_context("llama-3.1-8b", qlora[0], 60.0, 5 * 2**30, 5 * 2**30, units))
+    assert outcome.section.title == "6. Scale on this machine (disk tier): llama-3.1-8b, QLoRA r=8"
+    assert outcome.targets[0] == "6. llama-3.1-8b, QLoRA r=8: peak RSS <= 6.00 GiB: met (8.03B, 5.00 GiB)"
+    assert not any("stretch" in t or ">= 3B" in t for t in outcome.targets)
+
+
+def test_a_partial_run_replaces_only_its_own_sections_and_targets(tmp_path):
+    """`--only-scale --output` an existing report: a section of the same title and targets of the same name are
+    replaced, a new section goes after the last of its number, and the rest of the file stays as it was."""
+    from benchmarks.report import update_markdown, write_markdown
+    path = tmp_path / "B.md"
+    write_markdown(path, ["CPU: x"], "streamer bench", 60.0, ["5. a: met (1)", "6. old: NOT met (2)"],
+                   [Section("5. Five", ("a",), (("1",),)), Section("6. Scale: old", ("a",), (("2",),)),
+                    Section("7. Seven", ("a",), (("3",),))])
+    update_markdown(path, "`cmd` on x", ["6. new: met (4)"], [Section("6. Scale: new", ("a",), (("4",),))])
+    update_markdown(path, "`cmd2` on x", ["6. new: met (5)", "6. old: met (6)"],
+                    [Section("6. Scale: new", ("a",), (("5",),))])
+    text = path.read_text()
+    titles = re.findall(r"^## (.*)$", text, re.M)
+    assert titles == ["Machine and command", "Targets", "5. Five", "6. Scale: old", "6. Scale: new", "7. Seven"]
+    assert re.findall(r"^- (\d\. \w+: .*)$", text, re.M) == ["5. a: met (1)", "6. new: met (5)", "6. old: met (6)"]
+    assert "| 5 |" in text and "| 4 |" not in text and "| 2 |" in text and "| 3 |" in text
+    assert "- `cmd2` on x" in text.split("## 6. Scale: new")[1] and "`cmd` on x" not in text
+    assert "- command: `streamer bench`" in text
 
 
 class _Quiet:
