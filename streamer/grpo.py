@@ -126,7 +126,7 @@ def grpo_objectives(loss: GRPOLoss, labels: torch.Tensor, advantages: torch.Tens
         return list((t if parallel is None else parallel.shard(t)).chunk(micro_batches))
 
     def parts(t: torch.Tensor | None) -> list[torch.Tensor | None]:
-        return [None] * micro_batches if t is None else list(mine(t))
+        return [None] * micro_batches if t is None else [*mine(t)]
     return [GRPOObjective(loss, a, o, r, rows / processes, tokens / processes, micro_batches)
             for a, o, r in zip(mine(advantages), parts(old), parts(reference), strict=True)]
 
@@ -274,6 +274,11 @@ class GRPOLoop:
         if settings.beta and trainer.adapters is None and reference is None:
             raise ConfigError("beta > 0 needs the reference model: with LoRA the base with the adapters off; with full "
                               "fine-tuning pass reference=frozen_reference(...) (the initial weights)")
+        parallel, rows = trainer.data_parallel, settings.prompts_per_step * settings.num_generations
+        if parallel is not None and rows % (parallel.world * trainer.tc.step.grad_accum):
+            raise ConfigError(f"a step's {rows} completions do not split over {parallel.world} processes x "
+                              f"grad_accum {trainer.tc.step.grad_accum}; use a multiple of "
+                              f"{parallel.world * trainer.tc.step.grad_accum}")
         self.trainer, self.tokenizer, self.dataset, self.reference = trainer, tokenizer, dataset, reference
         self.rewards, self.settings, self.loss = rewards, settings, settings.loss()
         saved = trainer.extra_state.get("rollout")

@@ -304,6 +304,7 @@ def test_the_documented_toy_task_learns() -> None:
 def test_bad_grpo_settings_are_one_line() -> None:
     from streamer.grpo import GRPOSettings, train_grpo
     from streamer.io.tokenizer import train_bpe
+    from streamer.runtime.distributed import DataParallel
     with pytest.raises(ConfigError, match="num_generations must be >= 2"):
         GRPOSettings(num_generations=1)
     with pytest.raises(ConfigError, match="temperature must be > 0"):
@@ -322,6 +323,12 @@ def test_bad_grpo_settings_are_one_line() -> None:
         with pytest.raises(ConfigError, match="beta > 0 needs the reference model: with LoRA the base with the "):
             train_grpo(trainer, train_bpe(["some text"], 300), [{"prompt": "Hi"}], Rewards([length_reward]),
                        GRPOSettings(beta=0.1), 1)
+        # As a process of 3 under torchrun: a step's 2 x 8 completions do not split over them.
+        trainer.data_parallel = DataParallel(0, 3)
+        with pytest.raises(ConfigError, match="^a step's 16 completions do not split over 3 processes x grad_accum 2"):
+            train_grpo(trainer, train_bpe(["some text"], 300), [{"prompt": "Hi"}], Rewards([length_reward]),
+                       GRPOSettings(), 1)
+        trainer.data_parallel = None
 
 
 def test_rollouts_are_seeded_and_end_at_end_of_text() -> None:
