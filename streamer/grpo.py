@@ -4,7 +4,11 @@ the policy that sampled them and of the reference, and one step whose loss is la
 
 Rollouts are the runtime's own generation (`streamer.generate`: the units streamed, the KV cache on the device):
 `rollout` samples a prompt's completions. `train_grpo` is the loop: generate, score (`streamer.rewards`), the
-advantages, then the steps, logging each step's rewards, advantages and completions."""
+advantages, then the steps, logging each step's rewards, advantages and completions.
+
+Under torchrun (data parallel) each process samples and scores its share of a step's rows, as TRL's processes do;
+the rewards are gathered, so each group's advantages are computed over the whole group, and every process holds the
+step's rows, of which `StreamingTrainer.step` takes its share."""
 from __future__ import annotations
 
 import math
@@ -21,6 +25,7 @@ from layers.grpo import GRPOLoss, GRPOObjective, TokenLogProbs, group_advantages
 from memory_model.schedule import step_events
 from streamer.errors import ConfigError, StreamerError
 from streamer.generate import Sampling, generate
+from streamer.io.data import chat_prompt
 from streamer.rewards import Rewards
 from streamer.runtime.step import MicroBatch, StepContext
 from streamer.config import TrainerConfig
@@ -28,6 +33,27 @@ from streamer.trainer import StreamingTrainer
 
 if TYPE_CHECKING:
     from streamer.io.tokenizer import Tokenizer
+    from streamer.runtime.distributed import DataParallel
+
+Prompt = str | Sequence[Mapping[str, str]]  # a text, or a conversation: {"role", "content"} messages
+
+
+def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, where: str = "the prompt") -> list[int]:
+    """A GRPO prompt's ids as TRL's GRPOTrainer tokenizes it: a text with the tokens the tokenizer adds before one
+    (BOS); a conversation rendered by the chat template with the assistant's header after it and tokenized as it is
+    (apply_chat_template(add_generation_prompt=True, tokenize=True)). An empty prompt is end-of-text alone.
+    `where`: the record, named by a malformed message's error."""
+    if isinstance(prompt, str):
+        ids = tokenizer.prompt_ids(prompt)
+    else:
+        ids = tokenizer.encode(chat_prompt([dict(m) for m in prompt], tokenizer, where))
+    return ids or [tokenizer.eos_id]
+
+
+def reward_completion(prompt: Prompt, text: str) -> str | list[dict[str, str]]:
+    """A completion as TRL gives it to the reward functions: its text, or for a conversation's prompt the
+    assistant's message."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
 
 
 def completion_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -50,10 +76,14 @@ def token_logps(trainer: StreamingTrainer, input_ids: torch.Tensor, labels: torc
                 temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
     """(rows, T) fp32 on the host: each position's log-probability of its (shifted) label, 0 where it is -100, by
     forward passes only, one micro-batch's rows at a time. `reference`: the reference model's (with LoRA the base
-    with the adapters off; else the weights as they are now); else the policy's as it is now (GRPO's old policy)."""
+    with the adapters off; else the weights as they are now); else the policy's as it is now (GRPO's old policy).
+    Under data parallel each process computes its share of the rows and every process gets all of them."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise StreamerError(f"input_ids and labels must be (batch, seq) alike; got {tuple(input_ids.shape)} and "
                             f"{tuple(labels.shape)}")
+    parallel = trainer.data_parallel
+    if parallel is not None:
+        input_ids, labels = parallel.shard(input_ids), parallel.shard(labels)
     device = trainer.executor.device
     micro = max(1, input_ids.shape[0] // trainer.tc.step.grad_accum)
     out = []
@@ -66,12 +96,17 @@ def token_logps(trainer: StreamingTrainer, input_ids: torch.Tensor, labels: torc
         trainer.executor.clear_graphs()
         assert objective.tokens is not None
         out.append(objective.tokens.float().cpu())
-    return torch.cat(out)
+    local = torch.cat(out)
+    return local if parallel is None else torch.cat(parallel.gather(local))
 
 
 def grpo_objectives(loss: GRPOLoss, labels: torch.Tensor, advantages: torch.Tensor, micro_batches: int,
-                    old: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> list[GRPOObjective]:
-    """Each micro-batch's GRPO objective, the rows split in `micro_batches` parts in order (as `step` splits them)."""
+                    old: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+                    parallel: DataParallel | None = None) -> list[GRPOObjective]:
+    """Each micro-batch's GRPO objective, the rows split in `micro_batches` parts in order (as `step` splits them).
+    Under data parallel (`parallel`) the arguments are the whole step's and the objectives this process's: its
+    share of the rows, split in `micro_batches`; the rows and tokens the losses divide by are the step's over the
+    processes, whose gradients the all-reduce averages (TRL's dapo normalizer, num_items_in_batch / processes)."""
     rows = labels.shape[0]
     if advantages.shape != (rows,):
         raise StreamerError(f"GRPO needs one advantage per row ({rows}); got {tuple(advantages.shape)}")
@@ -81,21 +116,28 @@ def grpo_objectives(loss: GRPOLoss, labels: torch.Tensor, advantages: torch.Tens
                                 f"{tuple(labels.shape)}; got {tuple(t.shape)}")
     if loss.beta and reference is None:
         raise StreamerError("beta > 0 needs the reference's log-probabilities (token_logps(..., reference=True))")
-    if rows % micro_batches:
-        raise StreamerError(f"{rows} rows do not split into grad_accum={micro_batches} micro-batches")
+    processes = 1 if parallel is None else parallel.world
+    if rows % (micro_batches * processes):
+        raise StreamerError(f"{rows} rows do not split into grad_accum={micro_batches} micro-batches on each of "
+                            f"{processes} process(es)")
     tokens = float((labels[:, 1:] != IGNORE_INDEX).sum())
 
+    def mine(t: torch.Tensor) -> list[torch.Tensor]:
+        return list((t if parallel is None else parallel.shard(t)).chunk(micro_batches))
+
     def parts(t: torch.Tensor | None) -> list[torch.Tensor | None]:
-        return [None] * micro_batches if t is None else list(t.chunk(micro_batches))
-    return [GRPOObjective(loss, a, o, r, float(rows), tokens, micro_batches)
-            for a, o, r in zip(advantages.chunk(micro_batches), parts(old), parts(reference), strict=True)]
+        return [None] * micro_batches if t is None else [*mine(t)]
+    return [GRPOObjective(loss, a, o, r, rows / processes, tokens / processes, micro_batches)
+            for a, o, r in zip(mine(advantages), parts(old), parts(reference), strict=True)]
 
 
 def grpo_step(trainer: StreamingTrainer, loss: GRPOLoss, input_ids: torch.Tensor, labels: torch.Tensor,
               advantages: torch.Tensor, old: torch.Tensor | None = None,
               reference: torch.Tensor | None = None) -> float:
-    """One optimizer step of GRPO's loss over the rows (`completion_rows`); returns the loss (TRL's)."""
-    objectives = grpo_objectives(loss, labels, advantages, trainer.tc.step.grad_accum, old, reference)
+    """One optimizer step of GRPO's loss over the rows (`completion_rows`); returns the loss (TRL's). Under data
+    parallel every process passes the whole step's rows and takes its share."""
+    objectives = grpo_objectives(loss, labels, advantages, trainer.tc.step.grad_accum, old, reference,
+                                 trainer.data_parallel)
     return trainer.step(input_ids, labels, objectives=objectives)
 
 
@@ -176,7 +218,8 @@ class Rollout:
     """One batch of completions and what the `num_iterations` steps on it read. `index`: the rollout's number
     (0-based), which picks its prompts and seeds; per row (each prompt's group consecutive): its prompt's record
     number, its prompt and completion ids, the completion's text, its summed reward (None: unscorable) and each
-    function's; the advantages, and the old policy's and reference's log-probabilities where they are read."""
+    function's; the advantages, and the old policy's and reference's log-probabilities where they are read. Every
+    row of the step, in every process."""
 
     index: int
     records: list[int]
@@ -231,6 +274,11 @@ class GRPOLoop:
         if settings.beta and trainer.adapters is None and reference is None:
             raise ConfigError("beta > 0 needs the reference model: with LoRA the base with the adapters off; with full "
                               "fine-tuning pass reference=frozen_reference(...) (the initial weights)")
+        parallel, rows = trainer.data_parallel, settings.prompts_per_step * settings.num_generations
+        if parallel is not None and rows % (parallel.world * trainer.tc.step.grad_accum):
+            raise ConfigError(f"a step's {rows} completions do not split over {parallel.world} processes x "
+                              f"grad_accum {trainer.tc.step.grad_accum}; use a multiple of "
+                              f"{parallel.world * trainer.tc.step.grad_accum}")
         self.trainer, self.tokenizer, self.dataset, self.reference = trainer, tokenizer, dataset, reference
         self.rewards, self.settings, self.loss = rewards, settings, settings.loss()
         saved = trainer.extra_state.get("rollout")
@@ -244,18 +292,32 @@ class GRPOLoop:
         first = index * settings.prompts_per_step
         numbers = [(first + j) % len(self.dataset) for j in range(settings.prompts_per_step)]
         records = [self.dataset[n] for n in numbers]
-        prompt_ids: list[list[int]] = []
+        prompts = [prompt_tokens(tokenizer, row["prompt"], f"GRPO record {n + 1}")
+                   for n, row in zip(numbers, records, strict=True)]
+        # This process's rows [lo, hi) of the step's (all of them in one process). A prompt whose group it shares
+        # with another process is sampled whole by each (its seed: the same completions) and each keeps its rows.
+        parallel, rows = self.trainer.data_parallel, len(records) * group
+        share = rows if parallel is None else rows // parallel.world
+        lo = 0 if parallel is None else share * parallel.rank
+        hi = lo + share
         completion_ids: list[list[int]] = []
-        for j, row in enumerate(records):
-            prompt = tokenizer.prompt_ids(row["prompt"]) or [tokenizer.eos_id]
+        for j in range(lo // group, (hi - 1) // group + 1):
             seed = settings.seed * 1_000_003 + first + j  # a rollout of its own per prompt and rollout: resumable
-            completion_ids += rollout(self.trainer, prompt, group, settings.sampling(seed), tokenizer.eos_id)
-            prompt_ids += [prompt] * group
-        texts = [tokenizer.decode([t for t in c if t != tokenizer.eos_id]) for c in completion_ids]
-        columns = {key: [row[key] for row in records for _ in range(group)] for key in records[0] if key != "prompt"}
-        prompts = [row["prompt"] for row in records for _ in range(group)]
-        total, per_function = self.rewards.score(prompts, texts, columns)
+            group_ids = rollout(self.trainer, prompts[j], group, settings.sampling(seed), tokenizer.eos_id)
+            completion_ids += group_ids[max(lo - j * group, 0):hi - j * group]
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completion_ids]  # TRL's batch_decode
+        mine = [records[r // group] for r in range(lo, hi)]
+        columns = {key: [row[key] for row in mine] for key in records[0] if key != "prompt"}
+        total, per_function = self.rewards.score(
+            [row["prompt"] for row in mine],
+            [reward_completion(row["prompt"], text) for row, text in zip(mine, texts, strict=True)], columns)
+        if parallel is not None:  # every process's rows, in order: a group's advantages read its whole group (TRL)
+            gathered = parallel.gather((completion_ids, texts, total, per_function))
+            completion_ids = [c for part in gathered for c in part[0]]
+            texts = [t for part in gathered for t in part[1]]
+            total, per_function = torch.cat([p[2] for p in gathered]), torch.cat([p[3] for p in gathered])
         advantages = group_advantages(total, group, settings.scale_rewards)
+        prompt_ids = [prompt for prompt in prompts for _ in range(group)]
         ids, labels = completion_rows(prompt_ids, completion_ids, tokenizer.eos_id)
         loss = self.loss
         old = token_logps(self.trainer, ids, labels, loss.temperature) if settings.num_iterations > 1 else None

@@ -35,7 +35,7 @@ from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.generate import Sampling, complete
-from streamer.grpo import GRPOLoop, GRPOSettings, frozen_reference
+from streamer.grpo import GRPOLoop, GRPOSettings, frozen_reference, prompt_tokens
 from streamer.io.data import (BatchStream, DataConfig, Dataset, chat_prompt, demo_corpus, load_dataset,
                               long_examples_line, prompt_of, read_examples, tokenize)
 from streamer.io.preference import pair_rows, tokenize_pairs
@@ -995,7 +995,8 @@ def _sample_prompt(cfg: RunConfig, tokenizer: Tokenizer) -> str:
     if cfg.data.data is None:
         return DEFAULT_PROMPT
     if cfg.trainer.objective.grpo:
-        return read_prompts(cfg.data.data)[0]["prompt"]
+        prompt = read_prompts(cfg.data.data)[0]["prompt"]
+        return prompt if isinstance(prompt, str) else chat_prompt(prompt, tokenizer, "the first prompt")
     if cfg.trainer.objective.preference:
         pair = read_pairs(cfg.data.data)[0]
         return pair.prompt if isinstance(pair.prompt, str) else chat_prompt(list(pair.prompt), tokenizer, pair.where)
@@ -1019,8 +1020,10 @@ def _check_grpo(cfg: RunConfig) -> None:
             raise RunError(f"--method grpo samples its rows, so {flag(name)} does not apply; drop it")
     if cfg.data.eval_fraction:
         raise RunError("--method grpo has no held-out loss (its rows are sampled): pass --eval-fraction 0")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would sample the same rows: not split yet
-        raise RunError("--method grpo runs in one process for now; launch it without torchrun")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.trainer.step.data_parallel == "sharded":
+        # A sharded unit loads by an exchange, so every process would have to decode as many passes as the others.
+        raise RunError("--method grpo under torchrun samples each process's rows on its own, which --data-parallel "
+                       "sharded cannot (its units load by an exchange); use --data-parallel replicated")
     if objective.beta and not cfg.trainer.lora.enabled and cfg.from_pretrained is None:
         raise RunError("--beta > 0 needs the reference model: with LoRA the base with the adapters off, with full "
                        "fine-tuning the --from-pretrained checkpoint; pass --lora-rank, --from-pretrained or --beta 0")
@@ -1038,7 +1041,7 @@ def _check_prompts(cfg: RunConfig, tokenizer: Tokenizer) -> None:
     room = cfg.seq - cfg.trainer.objective.max_completion_length
     assert cfg.data.data is not None
     for number, record in enumerate(read_prompts(cfg.data.data), start=1):
-        length = len(tokenizer.prompt_ids(record["prompt"]) or [tokenizer.eos_id])
+        length = len(prompt_tokens(tokenizer, record["prompt"], f"{cfg.data.data} record {number}"))
         if length > room:
             raise RunError(f"{cfg.data.data} record {number}'s prompt is {length} tokens and --seq {cfg.seq} leaves "
                            f"{room} beside --max-completion-length {cfg.trainer.objective.max_completion_length}; "
@@ -1070,7 +1073,7 @@ def _grpo_loop(cfg: RunConfig, run: RunDir, trainer: StreamingTrainer, tokenizer
 def prompt_dataset(path: str, tokenizer: Tokenizer, seq: int) -> Dataset:
     """GRPO's prompts as rows of --seq tokens, nothing learned in them: what the run's common set-up (the split, the
     long-example notes) reads; the steps' rows are sampled (`_grpo_loop`)."""
-    prompts = [tokenizer.prompt_ids(record["prompt"])[:seq] for record in read_prompts(path)]
+    prompts = [prompt_tokens(tokenizer, record["prompt"])[:seq] for record in read_prompts(path)]
     ids = torch.full((len(prompts), seq), tokenizer.eos_id, dtype=torch.long)
     for i, prompt in enumerate(prompts):
         ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)

@@ -210,9 +210,9 @@ class StreamingTrainer:
                 batch.objective = DPOObjective(self.tc.objective, None if ref is None else ref.to(device), lengths,
                                                float(pairs))
         if objectives is not None:
-            if len(objectives) != len(micro) or self.data_parallel is not None:
-                raise StreamerError(f"step takes one objective per micro-batch of one process ({len(micro)}, "
-                                    f"grad_accum); got {len(objectives)} for {self.processes} processes")
+            if len(objectives) != len(micro):
+                raise StreamerError(f"step takes one objective per micro-batch of this process ({len(micro)}, "
+                                    f"grad_accum); got {len(objectives)}")
             for batch, objective in zip(micro, objectives, strict=True):
                 batch.objective = objective
         return micro, tokens
@@ -279,7 +279,8 @@ class StreamingTrainer:
         but on the completion, `reference` each row's `reference_logps` (with LoRA it may be None: the step's own
         forward computes it, each unit loaded once for the policy and the reference); it returns the pairs' mean
         DPO loss, and `metrics` TRL's logged metrics of the step. `objectives`: each micro-batch's loss (the rows
-        split in grad_accum parts, in order; one process), in place of the method's (GRPO's, streamer.grpo)."""
+        split in grad_accum parts, in order; under data parallel this process's share's), in place of the method's
+        (GRPO's, streamer.grpo)."""
         micro, tokens = self._micro_batches(input_ids, labels, positions, attention_mask, reference, objectives)
         if self.store is not None:
             self.persistence.writable().check_consistent()  # an update stopped part-way in this process: reopen it

@@ -36,6 +36,20 @@ def killing(prompts, completions, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return lowercase(prompts, completions)
 
+def rank_killing(prompts, completions, **kw):
+    """Under torchrun: SIGKILLs process 1 at its call the file `kill_at` names (counting in `calls.1`)."""
+    if os.environ.get("RANK") == "1":
+        calls = Path("calls.1")
+        n = int(calls.read_text()) + 1 if calls.exists() else 1
+        calls.write_text(str(n))
+        if Path("kill_at").exists() and n == int(Path("kill_at").read_text()):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return lowercase(prompts, completions)
+
+def chat_hits(prompts, completions, answer, **kw):
+    """Conversational completions: the assistant's message."""
+    return [float(a in c[0]["content"]) + len(c[0]["content"]) / 10 for c, a in zip(completions, answer)]
+
 def broken(prompts, completions, **kw):
     raise KeyError("answer")
 
@@ -114,6 +128,49 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
             record = loop.step()
             assert record["loss"] == r["loss"] and trainer.grad_norm == r["grad_norm"]
             assert all(record[k] == r[k] for k in ("completions", "advantages", "rewards", "reward"))
+
+
+def test_conversational_prompts_train_as_the_python_api(hf_folder: Path, work: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Prompts as conversations (TRL's conversational prompt-only format): each is rendered by the run's chat
+    template with the assistant's header, and the reward functions get the assistant's messages; the steps are the
+    Python API's bit for bit. A message without a role is one line naming the record and the field, and nothing is
+    written."""
+    from streamer import StreamingTrainer
+    from streamer.grpo import GRPOLoop, GRPOSettings
+    from streamer.io.records import read_prompts
+    from streamer.io.tokenizer import load_tokenizer
+    from streamer.rewards import Rewards
+    from streamer.run_dir import RunDir
+    from tests.test_cli import fails, run_cli
+
+    chats = [{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"]} for p in PROMPTS]
+    (work / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    run = work / "run"
+    argv = _argv(hf_folder, run, "--reward-funcs", "cli_rewards:chat_hits")
+    argv[argv.index("prompts.jsonl")] = "chats.jsonl"
+    argv[argv.index("--seq") + 1], argv[argv.index("--steps") + 1] = "40", "2"
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    logged = [r for r in _logged(run) if "loss" in r]
+    cfg = RunDir.open(run).read_config()
+    tokenizer = load_tokenizer(run / "tokenizer")
+    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer:
+        loop = GRPOLoop(trainer, tokenizer, read_prompts("chats.jsonl"), Rewards(["cli_rewards:chat_hits"]),
+                        GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed))
+        for r in logged:
+            record = loop.step()
+            assert record["loss"] == r["loss"] and record["rewards"] == r["rewards"]
+            assert record["completions"] == r["completions"]
+    assert loop.pending is not None
+    assert tokenizer.decode(loop.pending.prompt_ids[0]).endswith(
+        "Answer:<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+    (work / "bad.jsonl").write_text(json.dumps({"prompt": [{"content": "Hi"}]}) + "\n")
+    argv[argv.index("chats.jsonl")], argv[argv.index("--run-dir") + 1] = "bad.jsonl", str(work / "bad")
+    message = fails(capsys, *argv)
+    assert "bad.jsonl line 1: 'prompt': 'messages'[0] 'role' must be one of" in message and "Traceback" not in message
+    assert not (work / "bad").exists()
 
 
 def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, work: Path) -> None:
@@ -298,10 +355,11 @@ def test_the_planner_prices_a_rollouts_generation_as_the_ledger_charges_it() -> 
             assert trainer.ledger.peak == way.peak_bytes
 
 
-def test_grpo_under_torchrun_or_a_kl_without_reference_is_refused_in_one_line(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each process would sample the same completions: a data-parallel GRPO run is refused before it starts; so is
-    --beta with full fine-tuning of a model initialised here (the reference is a checkpoint's)."""
+def test_sharded_grpo_or_a_kl_without_reference_is_refused_in_one_line(work: Path, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    """Under torchrun each process samples its own rows, which a sharded store's exchanges at every unit load
+    cannot follow: --data-parallel sharded GRPO is refused before it starts (replicated starts); so is --beta with
+    full fine-tuning of a model initialised here (the reference is a checkpoint's)."""
     from streamer.run import RunConfig, RunError
     from streamer.session import check_startable
     cfg = RunConfig.of({"method": "grpo", "data": "prompts.jsonl", "reward_funcs": "cli_rewards:hits", "beta": 0.1})
@@ -309,8 +367,10 @@ def test_grpo_under_torchrun_or_a_kl_without_reference_is_refused_in_one_line(
                                        "off, with full fine-tuning the --from-pretrained checkpoint"):
         check_startable(cfg)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RunError, match="^--method grpo runs in one process for now; launch it without torchrun$"):
-        check_startable(cfg.replace(beta=0.0))
+    with pytest.raises(RunError, match="^--method grpo under torchrun samples each process's rows on its own, which "
+                                       "--data-parallel sharded cannot .*; use --data-parallel replicated$"):
+        check_startable(cfg.replace(beta=0.0, data_parallel="sharded"))
+    check_startable(cfg.replace(beta=0.0))
 
 
 def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Path, work: Path,
@@ -401,3 +461,55 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
             f"{format_size(rollout.resident.peak_bytes)} (") in flat
     assert (f"streamed in each pass: {rollout.streamed.decode_s:.3g} s, peak "
             f"{format_size(rollout.streamed.peak_bytes)}; a prompt's KV cache is 512 MiB.") in flat
+
+
+@pytest.mark.slow
+def test_grpo_under_torchrun_is_one_process_and_a_killed_run_resumes_bit_identically(hf_folder: Path,
+                                                                                      work: Path) -> None:
+    """`torchrun --nproc_per_node 2 -m streamer train --method grpo`, full fine-tuning with --beta (each process's
+    frozen reference store): a step's one prompt has 8 completions, and each process samples the group whole (its
+    seed: the same completions), keeps its 4, scores them, and gathers every reward, so the advantages read the
+    whole group. The steps are one process's with --grad-accum 2: the same completions, rewards and advantages, the
+    losses and weights to fp32 rounding of the all-reduce's order (measured equal on this CPU). Process 1
+    SIGKILLed while it scores step 2's completions: the same command finishes the run as an uninterrupted torchrun
+    run, bit for bit."""
+    import subprocess
+    import sys
+
+    from streamer.run_dir import RunDir
+    from streamer.session import open_trainer
+    from tests.test_lifecycle import ENV, streamer
+
+    def argv(run: str) -> list[str]:
+        out = _argv(hf_folder, work / run, "--reward-funcs", "cli_rewards:rank_killing", "--beta", 0.05)
+        out[out.index("--num-generations") + 1] = "8"
+        return out
+
+    def torchrun(run: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "-m", "streamer", *argv(run)], env=ENV, capture_output=True, text=True, timeout=300,
+                              cwd=work)
+
+    def steps(run: str) -> list[dict[str, Any]]:
+        return [r for r in _logged(work / run) if "loss" in r]
+
+    assert (done := torchrun("whole")).returncode == 0, done.stderr[-3000:]
+    assert (done := streamer(*argv("one"), "--grad-accum", "2")).returncode == 0, done.stderr[-3000:]
+    (work / "calls.1").unlink()
+    (work / "kill_at").write_text("2")
+    killed = torchrun("killed")
+    assert killed.returncode != 0 and [r["step"] for r in steps("killed")] == [1]
+    assert (done := torchrun("killed")).returncode == 0, done.stderr[-3000:]
+
+    assert [r["step"] for r in steps("whole")] == [1, 2, 3]
+    for parallel, one in zip(steps("whole"), steps("one"), strict=True):
+        assert all(parallel[k] == one[k] for k in ("completions", "rewards", "advantages"))
+        assert parallel["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert [(r["loss"], r["completions"]) for r in steps("killed")] == \
+        [(r["loss"], r["completions"]) for r in steps("whole")]
+    with open_trainer(RunDir(work / "whole")) as a, open_trainer(RunDir(work / "killed")) as b, \
+            open_trainer(RunDir(work / "one")) as c:
+        whole, resumed, alone = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    # A hundredth of the most three AdamW steps move a weight (3 x lr), as tests/test_dpo.py's ranks.
+    assert max((whole[k] - alone[k]).abs().max().item() for k in whole) <= 0.01 * 3e-3

@@ -311,14 +311,19 @@ def _implicit_prompt(chosen: str | Messages, rejected: str | Messages, where: st
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """GRPO's records, TRL's prompt-only format: each a text `prompt` and any other columns, which the reward
-    functions get by name; from a .jsonl file, a table or a datasets folder."""
+    """GRPO's records, TRL's prompt-only format: each a `prompt`, a text or a conversation (a list of {"role",
+    "content"} messages), and any other columns, which the reward functions get by name; from a .jsonl file, a
+    table or a datasets folder."""
     path = Path(path)
     rows = _json_records(path, "GRPO's prompts")
     for record, where in rows:
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise DataError(f"{where} has no text 'prompt' field; each record must be an object like "
-                            '{"prompt": "...", ...} (its other fields go to the reward functions)')
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if isinstance(prompt, list):
+            check_messages(prompt, f"{where}: 'prompt'")
+        elif not isinstance(prompt, str):
+            raise DataError(f"{where} has no 'prompt' field, a text or a list of messages; each record must be an "
+                            'object like {"prompt": "..."} or {"prompt": [{"role": "user", "content": "..."}]} '
+                            "(its other fields go to the reward functions)")
     if not rows:
         raise DataError(f"{path} holds no prompts; add records with a 'prompt' field")
     return [dict(record) for record, _ in rows]

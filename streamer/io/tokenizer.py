@@ -96,9 +96,9 @@ class Tokenizer:
         ids, before = self.encode(prompt), list(self.affixes[0])
         return ids if ids[:len(before)] == before else before + ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        # Keep the end-of-text token: a decoded sample should show where it ended.
-        return self.backend.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        # Keep the end-of-text token unless asked: a decoded sample should show where it ended.
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: str | Path) -> None:
         """A loaded tokenizer's own files, copied verbatim; a trained one's (or what a loaded one's lack)
