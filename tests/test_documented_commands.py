@@ -95,8 +95,8 @@ def help_commands() -> list[tuple[str, str]]:
 # --- the stand-ins -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny_setup, tiny_hf_model) -> dict[str, Path]:
-    """A trained run (3 steps), a Hugging Face folder and the same saved 4-bit and 8-bit, a GGUF file, prompt/completion data
-    and a settings file."""
+    """A trained run (3 steps), a Hugging Face folder and the same saved 4-bit and 8-bit, a GGUF file,
+    prompt/completion data and a settings file."""
     from pydoc_data.topics import topics
 
     from streamer.io.tokenizer import load_tokenizer
