@@ -126,6 +126,12 @@ class Quant8:
         first, the product rounded once to `dtype`)."""
         return pieces["weight"].to(self.dtype).mul_(pieces["SCB"].unsqueeze(1).mul(1.0 / 127.0))
 
+    def dequantize_rows(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int], start: int,
+                        count: int) -> torch.Tensor:
+        """Rows start ... start + count - 1, as `dequantize` gives them: each row has its own scale."""
+        rows = slice(start, start + count)
+        return self.dequantize({"weight": pieces["weight"][rows], "SCB": pieces["SCB"][rows]}, (count, shape[1]))
+
 
 def matrix(shape: Sequence[int]) -> tuple[int, int]:
     """The 2D shape a quantized weight is dequantized as: a Linear's (out, in), as bitsandbytes' Linear4bit

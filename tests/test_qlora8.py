@@ -98,6 +98,15 @@ def test_import_quantizes_as_bitsandbytes_int8_vectorwise_quant(checkpoint: Path
     assert unit_bytes(CFG, "block.1", 4, False, int8=True) < CFG.unit_params("block.1") * 4 * 0.4
 
 
+def test_rows_of_an_8bit_weight_are_its_dequantized_rows() -> None:
+    """`dequantize_rows`, which every frozen quantization answers, gives the rows `dequantize` gives."""
+    from layers.quant4 import Quant8
+
+    quant = Quant8(torch.bfloat16)
+    pieces = quant.quantize(torch.randn(12, 40, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(quant.dequantize_rows(pieces, (12, 40), 3, 5), quant.dequantize(pieces, (12, 40))[3:8])
+
+
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 def test_an_8bit_projection_computes_as_bitsandbytes_linear8bitlt(compute: torch.dtype) -> None:
     """Our projection against bitsandbytes' Linear8bitLt (training mode, the input in `compute`) on the same codes:
