@@ -10,6 +10,7 @@ from layers.config import ModelConfig
 from memory_model.allocator import workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
+from memory_model.lora import dequantized_bytes
 from memory_model.planner import loaded_bytes, planned_spec
 from memory_model.schedule import Resource, Weights, inference_events, resident_sets, step_events
 from memory_model.shapes import PlanConfig, block_input_numel
@@ -127,8 +128,8 @@ def generation_moments(shape: ModelConfig, cfg: PlanConfig, rows: int, tokens: i
     """Device bytes by category (CATEGORIES order) at each unit of one generation pass over `tokens` new positions
     of `rows` rows (the prefill: the prompt; a decode pass: 1), as the ledger charges them: the units loaded or in
     flight (the pass's own prefetch; `resident`: also every unit before, none released; `kept`: every unit, left
-    by the passes before), LoRA's adapters, the KV cache (activations) and the pass's hidden state (workspace, from
-    the embedding on)."""
+    by the passes before), LoRA's adapters, the KV cache (activations), the pass's hidden state (workspace, from
+    the embedding on) and a quantized base's dequantized weight (workspace, in its blocks)."""
     events = inference_events(shape.unit_names())
     hidden = block_input_numel(shape, rows, tokens) * cfg.dtype_bytes
     moments = []
@@ -137,6 +138,7 @@ def generation_moments(shape: ModelConfig, cfg: PlanConfig, rows: int, tokens: i
             [e.resource for e in events[:index]] if resident else []
         at = loaded_bytes(shape, cfg, list(dict.fromkeys([*before, *own])), rows, tokens)
         at["activations"] += cache_bytes
-        at["workspace"] += hidden
+        # (a quantized base's block: the weight each matmul dequantizes, as in a step's forward)
+        at["workspace"] += hidden + dequantized_bytes(shape, cfg.lora, events[index].unit, cfg.dtype_bytes)
         moments.append(tuple(at[c] for c in CATEGORIES))
     return moments
