@@ -206,7 +206,8 @@ def _method_line(batch: int, cfg: PlanConfig, result: Plan, rollout: RolloutPlan
             f"{resident.decode_s:.3g} s, device peak {format_size(resident.peak_bytes)} "
             f"({breakdown(resident.peak_breakdown)}); streamed in each pass: {streamed.decode_s:.3g} s, peak "
             f"{format_size(streamed.peak_bytes)}; a prompt's KV cache is {format_size(rollout.kv_cache_bytes)}. "
-            f"Resident where its peak fits the device.")
+            f"Resident where its peak fits the device."
+            + ("" if rollout.does_not_fit is None else f" The rollout does NOT fit: {rollout.does_not_fit}"))
 
 
 def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: str, params: int) -> str:
