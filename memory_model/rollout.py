@@ -5,14 +5,17 @@ unit, or keep them resident where they fit beside the cache (`resident_decode`) 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from layers.config import ModelConfig
 from memory_model.allocator import workspace_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.ledger import CATEGORIES
+from memory_model.lora import dequantized_bytes
 from memory_model.planner import loaded_bytes, planned_spec
 from memory_model.schedule import Resource, Weights, inference_events, resident_sets, step_events
 from memory_model.shapes import PlanConfig, block_input_numel
+from memory_model.units import format_size
 from memory_model.timing import simulate
 
 
@@ -49,6 +52,7 @@ class RolloutPlan:
     streamed: Generation
     resident: Generation
     chose_resident: bool
+    does_not_fit: str | None  # why no prompt's generation fits the device, even streamed, and what would
 
     @property
     def chosen(self) -> Generation:
@@ -100,9 +104,50 @@ def rollout_plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig) -> Rol
         ways[resident] = Generation(groups * decodes * decode_s, sum(prefill), dict(zip(CATEGORIES, prefill,
                                                                                      strict=True)), sum(decode))
     room = device.memory_bytes - device.reserve_bytes - workspace_bytes(device.cuda_arch)
+    why = None
+    if ways[False].peak_bytes > room:
+        fixes = generation_fixes(shape, cfg, lambda trial: generation_peak(shape, trial) <= room)
+        why = (f"a prompt's generation needs {format_size(ways[False].peak_bytes)} with its units streamed, over the "
+               f"{format_size(room)} {device.name} leaves to tensors; to fit: "
+               + ", or ".join([*fixes, "a --target with more memory"]))
     return RolloutPlan(prompt, groups * forward(group, prompt)[0], scorings * forward(cfg.batch, cfg.seq,
                                                                                       cfg.step.grad_accum)[0],
-                       cache, ways[False], ways[True], resident_decode(shape, cfg, group, prompt, cfg.seq, room))
+                       cache, ways[False], ways[True], resident_decode(shape, cfg, group, prompt, cfg.seq, room), why)
+
+
+def generation_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
+    """The least device bytes a prompt's generation in GRPO's rollout of `cfg` takes: its num_generations rows,
+    the longest prompt (--seq less --max-completion-length) and its KV cache at --seq, the units streamed in each
+    pass (the prefill's peak, the highest)."""
+    objective = cfg.objective
+    rows, prompt = objective.num_generations, cfg.seq - objective.max_completion_length
+    cache = kv_cache_bytes(shape, rows, cfg.seq, cfg.dtype_bytes)
+    return max(sum(m) for m in generation_moments(shape, cfg, rows, prompt, cache))
+
+
+def generation_fixes(shape: ModelConfig, cfg: PlanConfig, fits: Callable[[PlanConfig], bool]) -> list[str]:
+    """The settings with which a prompt's generation `fits` (each re-planned): the longest --seq (the KV cache
+    holds its positions), the most --num-generations that divide --batch, a shallower --prefetch, a 4-bit base."""
+    objective, out = cfg.objective, []
+    low, high = objective.max_completion_length, cfg.seq  # the longest that fits, by bisection: the peak grows
+    while high - low > 1:                                   # with --seq
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(cfg.replace(seq=middle)) else (low, middle)
+    if low > objective.max_completion_length:
+        out.append(f"--seq {low} (the KV cache holds --seq positions: the longest prompt and "
+                   f"--max-completion-length {objective.max_completion_length})")
+    fewer = [g for g in range(2, objective.num_generations) if not cfg.batch % g
+             and fits(replace(cfg, objective=replace(objective, num_generations=g)))]
+    if fewer:
+        out.append(f"--num-generations {fewer[-1]} (fewer rows a prompt)")
+    shallower = [p for p in range(cfg.step.prefetch) if fits(cfg.replace(prefetch=p))]
+    if shallower:
+        out.append(f"--prefetch {shallower[-1]}")
+    if not cfg.lora.quantized:
+        four_bit = replace(cfg.lora, rank=cfg.lora.rank or 16, load_in_4bit=True)
+        if fits(cfg.replace(lora=four_bit)):
+            out.append("--load-in-4bit" if cfg.lora.enabled else "--lora-rank 16 --load-in-4bit (QLoRA)")
+    return out
 
 
 def resident_decode(shape: ModelConfig, cfg: PlanConfig, rows: int, prompt: int, positions: int,
@@ -127,8 +172,8 @@ def generation_moments(shape: ModelConfig, cfg: PlanConfig, rows: int, tokens: i
     """Device bytes by category (CATEGORIES order) at each unit of one generation pass over `tokens` new positions
     of `rows` rows (the prefill: the prompt; a decode pass: 1), as the ledger charges them: the units loaded or in
     flight (the pass's own prefetch; `resident`: also every unit before, none released; `kept`: every unit, left
-    by the passes before), LoRA's adapters, the KV cache (activations) and the pass's hidden state (workspace, from
-    the embedding on)."""
+    by the passes before), LoRA's adapters, the KV cache (activations), the pass's hidden state (workspace, from
+    the embedding on) and a quantized base's dequantized weight (workspace, in its blocks)."""
     events = inference_events(shape.unit_names())
     hidden = block_input_numel(shape, rows, tokens) * cfg.dtype_bytes
     moments = []
@@ -137,6 +182,7 @@ def generation_moments(shape: ModelConfig, cfg: PlanConfig, rows: int, tokens: i
             [e.resource for e in events[:index]] if resident else []
         at = loaded_bytes(shape, cfg, list(dict.fromkeys([*before, *own])), rows, tokens)
         at["activations"] += cache_bytes
-        at["workspace"] += hidden
+        # (a quantized base's block: the weight each matmul dequantizes, as in a step's forward)
+        at["workspace"] += hidden + dequantized_bytes(shape, cfg.lora, events[index].unit, cfg.dtype_bytes)
         moments.append(tuple(at[c] for c in CATEGORIES))
     return moments

@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 from layers import ModelConfig
 from memory_model import DEVICE_PRESETS, PlanConfig, format_size, peak_device_bytes, plan
+from memory_model.allocator import workspace_bytes
 from memory_model.host import HostBytes, host_bytes
 from memory_model.ledger import round_up_size
 from memory_model.planner import fewest_groups_within, made_as, shared_peak_bytes, step_needs
+from memory_model.rollout import generation_fixes, generation_peak
 from streamer.config import TrainerConfig
 from streamer.run import RunConfig, RunError
 
@@ -115,12 +117,35 @@ def check_fits(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> None
     """RunError (one line: the planned peak by category and the alternatives that fit) when the run's step
     cannot fit its --budget; nothing when there is no budget or it fits."""
     budget, arch = cfg.budget_bytes(), cfg.trainer.device.cuda_arch()
-    if budget is None or step_needs(model_cfg, cfg.plan_config(devices), arch, _clips(cfg)) <= budget:
+    if budget is None:
         return
     pc = peak_plan_config(model_cfg, cfg, devices)
+    if step_needs(model_cfg, cfg.plan_config(devices), arch, _clips(cfg)) <= budget:
+        if pc.objective.grpo:
+            _check_generation_fits(model_cfg, cfg, pc, budget, arch)
+        return
     raise RunError(f"--budget {cfg.trainer.device.budget} ({format_size(budget)}) is too small: a step needs "
                    f"{_breakdown(model_cfg, pc)} by the planner. To fit, one of: "
                    f"{'; or '.join(alternatives(model_cfg, pc, budget, arch))}")
+
+
+def _check_generation_fits(shape: ModelConfig, cfg: RunConfig, pc: PlanConfig, budget: int, arch: str) -> None:
+    """RunError (one line: the planned peak and the settings that fit) when GRPO's rollout cannot generate within
+    --budget even with its units streamed in each pass."""
+    def needs(trial: PlanConfig) -> int:  # (the ledger charges a generation as planned, to the byte)
+        return generation_peak(shape, trial) + workspace_bytes(arch)
+
+    def fits(trial: PlanConfig) -> bool:  # the step of the changed settings too
+        return needs(trial) <= budget and step_needs(shape, trial, arch) <= budget
+    need = needs(pc)
+    if need <= budget:
+        return
+    objective = pc.objective
+    fixes = [f"--budget {round_up_size(need)}", *generation_fixes(shape, pc, fits)]
+    raise RunError(f"--budget {cfg.trainer.device.budget} ({format_size(budget)}) is too small for a GRPO rollout: "
+                   f"generating a prompt's {objective.num_generations} completions (a KV cache of --seq {pc.seq} "
+                   f"positions) needs {format_size(need)} by the planner, with the units streamed in each pass. To "
+                   f"fit, one of: {'; or '.join(fixes)}")
 
 
 def ledger_advice(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1

@@ -67,15 +67,19 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         # Drop a token when the tokens before it already reach top_p: the most likely token always stays.
         beyond = probs.cumsum(dim=-1) - probs >= sampling.top_p
         logits = torch.full_like(logits, -math.inf).scatter(-1, order, ordered.masked_fill(beyond, -math.inf))
-    probs = logits.softmax(dim=-1).cpu()
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+    probs = logits.softmax(dim=-1)
+    # The draw on the host, by the seeded generator; a dry run's meta tensors draw a token of the same shape and
+    # dtype there, values having none.
+    return torch.multinomial(probs if probs.is_meta else probs.cpu(), 1, generator=generator).squeeze(-1).to(
+        logits.device)
 
 
 @torch.no_grad()
 def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampling = Sampling(),
              stop_id: int | None = None, resident: bool = False) -> torch.Tensor:
     """(B, T) prompt ids -> (B, T + n) with n <= max_new_tokens; stops early once every row emitted stop_id.
-    `resident`: the units stay on the device from their first load to the end (else each pass streams them)."""
+    `resident`: the units stay on the device from their first load to the end (else each pass streams them). On a
+    meta trainer (the dry run), every pass runs and charges as a real one; the tokens are meta's, and stay there."""
     cfg, device, dtype = trainer.cfg, trainer.executor.device, trainer.tc.compute_dtype
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise StreamerError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
@@ -106,7 +110,7 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
                 chosen = chosen.masked_fill(finished, stop_id)  # a finished row only pads
                 finished |= chosen == stop_id
             tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-            if finished.all():
+            if stop_id is not None and finished.all():
                 break
             if caches is not None and tokens.shape[1] - 1 != stale_at:
                 step_input, start_pos = chosen[:, None], tokens.shape[1] - 1
@@ -119,7 +123,7 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
             trainer.executor.release_kept()
         for handle in handles:
             trainer.ledger.free(handle)
-    return tokens.cpu()
+    return tokens if tokens.is_meta else tokens.cpu()
 
 
 def _streamed_forward(trainer: StreamingTrainer, ids: torch.Tensor, start_pos: int,

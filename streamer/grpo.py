@@ -203,8 +203,9 @@ def rollout(trainer: StreamingTrainer, prompt_ids: Sequence[int], num_generation
     on the device from the prefill on where the planner finds they fit the budget beside the cache
     (`resident_decode`); else each pass streams them."""
     positions = len(prompt_ids) + sampling.max_new_tokens
-    resident = resident_decode(trainer.cfg, trainer.tc.plan_config(num_generations, positions), num_generations,
-                               len(prompt_ids), positions, trainer.ledger.capacity)
+    generation = trainer.tc.replace(grad_accum=1).plan_config(num_generations, positions)  # one pass, its rows whole
+    resident = resident_decode(trainer.cfg, generation, num_generations, len(prompt_ids), positions,
+                               trainer.ledger.capacity)
     out = generate(trainer, torch.tensor([list(prompt_ids)] * num_generations), sampling, stop_id=stop_id,
                    resident=resident)
     completions = []

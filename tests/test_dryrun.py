@@ -276,3 +276,52 @@ def test_plan_dry_run_of_a_step_that_clips_norm_first(capsys):
     assert planned["clipped_schedule"] == "norm-first"
     assert planned["dry_run_clipped_peak_device_bytes"] == planned["clipped_steps"]["norm-first"]["peak_bytes"]
     assert set(planned["clipped_steps"]) == {"norm-first", "after-backward"}
+
+
+@pytest.mark.parametrize("family,lora_rank,prefetch,dtype", [
+    ("llama", 0, 1, "fp32"), ("llama", 4, 2, "bf16"), ("gemma3_text", 4, 1, "fp32"), ("qwen2", 0, 2, "bf16"),
+])
+def test_a_rollouts_generation_plan_ledger_and_dry_run_agree_to_the_byte(family, lora_rank, prefetch, dtype):
+    """GRPO's generation of a prompt (its KV cache on the device, the units streamed in each pass or resident):
+    `rollout_plan`'s peak and makeup = the real generation's ledger = the dry run's on meta, to the byte, full
+    fine-tuning and LoRA, Llama, Gemma 3 and Qwen2."""
+    import dataclasses
+
+    from layers import FAMILIES
+    from memory_model.rollout import rollout_plan
+    from streamer.calibration.dryrun import dry_run_generation
+    from streamer.generate import Sampling, generate
+
+    cfg = dataclasses.replace(FAMILIES[family].example(), max_position_embeddings=64)
+    tc = TrainerConfig.of(dtype=dtype, lora_rank=lora_rank, prefetch=prefetch, method="grpo", num_generations=4,
+                          max_completion_length=6, top_p=0.9)
+    planned = rollout_plan(cfg, device_spec("h100-sxm"), tc.plan_config(8, 16))  # 2 prompts of 10 + 6 tokens
+    prompt = torch.randint(1, cfg.vocab_size, (4, 10), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer(cfg, tc) as trainer:
+        for resident, way in ((False, planned.streamed), (True, planned.resident)):
+            trainer.ledger.reset_peak()
+            generate(trainer, prompt, Sampling(max_new_tokens=6, temperature=1.0, top_p=0.9), resident=resident)
+            dry = dry_run_generation(cfg, tc, 4, 10, resident)
+            assert (way.peak_bytes, way.peak_breakdown) == (trainer.ledger.peak, trainer.ledger.peak_breakdown) \
+                == (dry.peak, dry.peak_breakdown)
+            assert dry.live() == trainer.ledger.live() == (3 if lora_rank else 0)  # the adapters alone are left
+    assert planned.resident.peak_bytes > planned.streamed.peak_bytes
+
+
+def test_plan_dry_run_walks_a_grpo_rollouts_generation_through_the_cli(capsys):
+    """`streamer plan --method grpo --dry-run` runs a prompt's generation on meta both ways and prints its peaks
+    beside the plan's, equal to the byte."""
+    from test_cli import run_cli
+
+    flags = ["plan", "--model", "llama-debug", "--target", "h100-sxm", "--method", "grpo", "--batch", 8,
+             "--num-generations", 4, "--max-completion-length", 6, "--seq", 16, "--dtype", "fp32", "--lora-rank", 4,
+             "--dry-run"]
+    rc, out, err = run_cli(capsys, *flags, "--json")
+    assert rc == 0 and err == "", err
+    planned = json.loads(out)
+    for way in ("streamed", "resident"):
+        assert planned["dry_run_generation"][way] == {"peak_device_bytes": planned["rollout"][way]["peak_bytes"],
+                                                      "peak_breakdown": planned["rollout"][way]["peak_breakdown"]}
+    rc, out, err = run_cli(capsys, *flags)
+    assert rc == 0, err
+    assert "dry run of a prompt's generation: streamed peak" in " ".join(out.split())

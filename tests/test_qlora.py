@@ -284,6 +284,36 @@ def test_planner_ledger_and_dry_run_agree_to_the_byte(tmp_path: Path, double_qua
     assert predicted.link_bytes["h2d"] >= loads
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_a_4bit_bases_generation_charges_its_dequantized_weights_as_planned(tmp_path: Path,
+                                                                             double_quant: bool) -> None:
+    """GRPO's generation on a 4-bit base dequantizes each block's projections for its matmuls, as a step's forward
+    does: the rollout plan's peak (units streamed, or resident) = the real generation's ledger = the dry run's, to
+    the byte, and a block's moment holds the largest projection in fp32 beside the hidden state."""
+    from memory_model.lora import dequantized_bytes
+    from memory_model.rollout import generation_moments, kv_cache_bytes, rollout_plan
+    from streamer.calibration.dryrun import dry_run_generation
+    from streamer.generate import Sampling, generate
+
+    tc = _settings("nf4", double_quant, method="grpo", num_generations=4, max_completion_length=6)
+    pc = tc.plan_config(4, 16)
+    planned = rollout_plan(CFG, device_spec("h100-sxm"), pc)  # a prompt of 10 tokens and 6 more
+    prompt = torch.randint(1, CFG.vocab_size, (4, 10), generator=torch.Generator().manual_seed(0))
+    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
+        for resident, way in ((False, planned.streamed), (True, planned.resident)):
+            trainer.ledger.reset_peak()
+            generate(trainer, prompt, Sampling(max_new_tokens=6, temperature=1.0), resident=resident)
+            dry = dry_run_generation(CFG, tc, 4, 10, resident)
+            assert (way.peak_bytes, way.peak_breakdown) == (trainer.ledger.peak, trainer.ledger.peak_breakdown) \
+                == (dry.peak, dry.peak_breakdown)
+    dequantized = dequantized_bytes(CFG, pc.lora, "block.0", 4)
+    facet = CFG.lora()
+    assert dequantized == 4 * max(i * o for i, o in map(facet.shape, facet.projections)) > 0
+    moments = generation_moments(CFG, pc, 4, 10, kv_cache_bytes(CFG, 4, 16, 4))
+    workspace = [m[-1] for m in moments]  # embed, the blocks, the head
+    assert workspace[1:-1] == [workspace[0] + dequantized] * CFG.num_hidden_layers
+
+
 def test_full_fine_tuning_on_a_4bit_base_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--model", "llama-debug", "--load-in-4bit"]) == 2
     err = capsys.readouterr().err.strip()

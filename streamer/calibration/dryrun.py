@@ -1,4 +1,5 @@
-"""The dry run: the real schedule and ledger on `meta` tensors — no memory, no I/O, seconds even for 6B."""
+"""The dry run: the real schedule and ledger on `meta` tensors — no memory, no I/O, seconds even for 6B: a training
+step (`dry_run`), and a prompt's generation in GRPO's rollout (`dry_run_generation`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from layers import ModelConfig
 from memory_model import Ledger
 from streamer.config import TrainerConfig
+from streamer.generate import Sampling, generate
 from streamer.trainer import StreamingTrainer
 
 
@@ -48,5 +50,20 @@ def dry_run(cfg: ModelConfig, tc: TrainerConfig, batch: int, seq: int, packed: b
     with FlashAttentionOnMeta():
         trainer.step(ids, positions=ids if packed else None,
                      reference=torch.zeros(batch, device="meta") if precomputed else None)
+    trainer.close()
+    return trainer.ledger
+
+
+def dry_run_generation(cfg: ModelConfig, tc: TrainerConfig, rows: int, prompt: int, resident: bool) -> Ledger:
+    """A prompt's generation in GRPO's rollout (streamer.grpo.rollout) on meta: `rows` completions of
+    --max-completion-length tokens after `prompt` tokens, sampled as the run samples (--temperature, --top-p), the
+    KV cache on the device, the units streamed in each pass or `resident`; returns its ledger. Every pass runs:
+    no completion ends early, as the planner prices it."""
+    objective = tc.objective
+    trainer = StreamingTrainer(cfg, tc.replace(device="meta", budget=None))
+    sampling = Sampling(max_new_tokens=objective.max_completion_length, temperature=objective.temperature,
+                        top_p=objective.top_p)
+    with FlashAttentionOnMeta():
+        generate(trainer, torch.zeros(rows, prompt, dtype=torch.long, device="meta"), sampling, resident=resident)
     trainer.close()
     return trainer.ledger

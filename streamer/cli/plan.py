@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from layers import ModelConfig
-from memory_model import DEVICE_PRESETS, DeviceSpec, Plan, PlanConfig, device_spec, format_size, plan
+from memory_model import DEVICE_PRESETS, DeviceSpec, Ledger, Plan, PlanConfig, device_spec, format_size, plan
 from memory_model.baselines import Baseline, baselines
 from memory_model.devices import with_sets
 from memory_model.lora import LoraConfig, check_targets
@@ -26,7 +26,7 @@ from streamer.errors import StreamerError
 from streamer.resources import store_size
 from streamer.run import SettingError, read_toml, resolve, store_choice
 from streamer.calibration.calibrate import local_spec
-from streamer.calibration.dryrun import dry_run
+from streamer.calibration.dryrun import dry_run, dry_run_generation
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
 # The step's settings, shared with `streamer train` (the same flags, run.toml keys, defaults and checks).
@@ -143,6 +143,10 @@ def plan_command(args: argparse.Namespace) -> int:
             clipped = dry_run(model_cfg, tc.replace(clipped_steps=chosen.schedule), plan_cfg.batch, cfg.seq,
                               packed=plan_cfg.packed, clipped=True)
             out["dry_run_clipped_peak_device_bytes"] = clipped.peak
+        if rollout is not None:  # a prompt's generation, each way of decoding
+            out["dry_run_generation"] = {way: _ledger_figures(dry_run_generation(
+                model_cfg, tc, plan_cfg.objective.num_generations, rollout.prompt_tokens, way == "resident"))
+                for way in ("streamed", "resident")}
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
@@ -176,6 +180,12 @@ def plan_command(args: argparse.Namespace) -> int:
             console.print(f"dry run of a step that clips ({chosen.schedule}): peak "
                           f"{format_size(out['dry_run_clipped_peak_device_bytes'])}; analytic "
                           f"{format_size(chosen.peak_bytes)}", markup=False, highlight=False)
+        if rollout is not None:
+            dry = out["dry_run_generation"]
+            console.print("dry run of a prompt's generation: " + "; ".join(
+                f"{way} peak {format_size(dry[way]['peak_device_bytes'])}, analytic {format_size(planned.peak_bytes)}"
+                for way, planned in (("streamed", rollout.streamed), ("resident", rollout.resident))),
+                markup=False, highlight=False)
     if scaling is not None and args.ranks > 1:
         machines = f", hierarchical over {plan_cfg.nodes} machines" if plan_cfg.nodes > 1 and device.reduce == "ring" \
             else ""
@@ -186,6 +196,10 @@ def plan_command(args: argparse.Namespace) -> int:
     for note in device.notes:
         console.print(f"[dim]note: {note}[/]")
     return 0
+
+
+def _ledger_figures(ledger: Ledger) -> dict[str, Any]:
+    return {"peak_device_bytes": ledger.peak, "peak_breakdown": dict(ledger.peak_breakdown)}
 
 
 def _method_line(batch: int, cfg: PlanConfig, result: Plan, rollout: RolloutPlan | None) -> str | None:
@@ -203,7 +217,8 @@ def _method_line(batch: int, cfg: PlanConfig, result: Plan, rollout: RolloutPlan
             f"{resident.decode_s:.3g} s, device peak {format_size(resident.peak_bytes)} "
             f"({breakdown(resident.peak_breakdown)}); streamed in each pass: {streamed.decode_s:.3g} s, peak "
             f"{format_size(streamed.peak_bytes)}; a prompt's KV cache is {format_size(rollout.kv_cache_bytes)}. "
-            f"Resident where its peak fits the device.")
+            f"Resident where its peak fits the device."
+            + ("" if rollout.does_not_fit is None else f" The rollout does NOT fit: {rollout.does_not_fit}"))
 
 
 def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: str, params: int) -> str:

@@ -8,8 +8,6 @@ and write-backs); the Executor owns the I/O threads and the step running, and di
 """
 from __future__ import annotations
 
-from functools import partial
-
 from memory_model.schedule import Event, fetched_input, is_fused, loads_keeping_master, releases, resident_sets
 from streamer.runtime.loading import Loader
 from streamer.runtime.passes import Passes
@@ -64,8 +62,7 @@ class Executor:
                 elif event.phase == "backward":
                     self.passes.backward(event, ctx)
                 elif event.phase == "infer":
-                    assert ctx.infer is not None  # an inference pass says what to do with each unit
-                    ctx.infer(event.unit, partial(self.passes.call_plain, event.unit, ctx))
+                    self.passes.infer(event.unit, ctx)
                 else:
                     self.updater.update(event.chunk, tensors, ctx, self.passes.grad_sq_norms)
             for resource in () if ctx.keep_loaded else releases(events, i):

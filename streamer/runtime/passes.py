@@ -130,6 +130,17 @@ class Passes:
         with torch.no_grad(), self._experts_from(unit, ctx):
             return functional_call(self.shells[unit].train(False), named, args)
 
+    def infer(self, unit: str, ctx: StepContext) -> None:
+        """An inference pass's unit (generation): what `ctx.infer` does with it, given the unit's call; a quantized
+        base's block charges its dequantized weight meanwhile, as a step's forward does."""
+        assert ctx.infer is not None  # an inference pass says what to do with each unit
+        dequantized = self._charge_dequantized(unit)
+        try:
+            ctx.infer(unit, partial(self.call_plain, unit, ctx))
+        finally:
+            if dequantized is not None:
+                self.ledger.free(dequantized)
+
     def forward(self, event: Event, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
         batch = ctx.micro_batches[micro]
