@@ -406,6 +406,16 @@ def test_streamer_train_reads_a_mixture_gguf_file_with_lora_on_its_experts(tmp_p
                 "--eval-fraction", "0", "--run-dir", tmp_path / "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 1/1 loss" in done.stdout
+    # The merged export is the model it trained: the file's experts dequantized, the adapters added.
+    done = _cli("export", tmp_path / "run", tmp_path / "merged", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from streamer.cli.generate import open_trainer
+    from streamer.run_dir import RunDir
+
+    with open_trainer(RunDir(tmp_path / "run")) as trainer:
+        expected = trainer.state_dict()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in merged)
     checkpoint = GGUFCheckpoint.open(path)
     assert {k.rsplit(".", 1)[-1] for k, _ in checkpoint.base().types} >= {"gate_up_proj", "down_proj"}
     tc = _settings(lora_targets=targets, activations="checkpoint")

@@ -214,3 +214,30 @@ def test_a_4bit_mixture_runs_exports_load_in_peft_and_merge_as_peft_merges(model
         assert error <= 2 * noise + 2 * eps * exact.abs().max().item(), key
         changed += not torch.equal(exact, dequantized.get(key, exact))
     assert changed == len(targets) * cfg.num_hidden_layers  # every target's weight merged
+
+
+def test_peft_does_not_take_a_mixtures_adapter_on_experts_bitsandbytes_holds_4bit() -> None:
+    """What docs/CLI.md says PEFT 0.21 does on experts bitsandbytes holds 4-bit itself (replace_parameter_4bit):
+    `target_parameters` as the export writes them (the tensors' last names) match nothing there; by whole names
+    they match, but the two tensors' wrappers nest the other way round than on 16-bit experts, so the saved keys
+    (gate_up_proj's under base_layer) are another tensor's."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    cfg = FAMILIES["qwen3_moe"].example()
+    tensors = list(cfg.lora().parameters)
+
+    def inner(model: torch.nn.Module, targets: list[str]) -> int:
+        """The in_features of the wrapper nearest layer 0's experts: which tensor PEFT wrapped first."""
+        peft_model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, target_modules=[], target_parameters=targets,
+                                                                lora_dropout=0.0))
+        return peft_model.base_model.model.model.layers[0].mlp.experts.base_layer.lora_A["default"].in_features
+
+    packed = hf_model(cfg)
+    for layer in packed.model.layers:
+        for name in ("gate_up_proj", "down_proj"):
+            replace_parameter_4bit(layer.mlp.experts, name, compress_statistics=True, quant_type="nf4", blocksize=64)
+    with pytest.raises(ValueError, match="target_parameters"):
+        inner(packed, tensors)
+    whole = [f"model.layers.{i}.mlp.{t}" for i in range(cfg.num_hidden_layers) for t in tensors]
+    assert inner(hf_model(cfg), tensors) == cfg.hidden_size  # gate_up_proj's A under base_layer, as exported
+    assert inner(packed, whole) == cfg.sparse_mlp.width  # down_proj's

@@ -59,7 +59,7 @@ class GGUFCheckpoint:
     def __init__(self, path: Path, config: ModelConfig, tensors: dict[str, Any], permuted: set[str],
                  plus_one: set[str]) -> None:
         self.path, self.config = path, config
-        self._tensors = tensors  # HF key -> gguf's ReaderTensor
+        self._tensors = tensors  # HF key -> gguf's ReaderTensors (a fused expert tensor's parts)
         self._permuted = permuted  # HF keys whose rows go back to Hugging Face's order
         self._plus_one = plus_one  # HF keys of norm weights stored plus one
 
@@ -127,13 +127,13 @@ class GGUFCheckpoint:
     def base(self) -> GGUFBase:
         """The type of each block projection's weight (those a run keeps as the file's blocks)."""
         cfg = self.config
-        return GGUFBase(tuple((key, self._tensors[key][0].tensor_type.name) for unit in cfg.unit_names()
-                              if unit.startswith("block.") for key, _ in kept(cfg, unit)))
+        return GGUFBase(tuple((key, self._type(key)) for unit in cfg.unit_names() if unit.startswith("block.")
+                              for key, _ in kept(cfg, unit)))
 
     def _blocks(self, key: str) -> np.ndarray:
-        """The tensor's rows as bytes (rows, row bytes), Llama's q and k rows in Hugging Face's order; a fused
-        expert tensor's each expert's rows of its parts one after another (transformers' gate_up_proj: gate's
-        rows, then up's)."""
+        """The tensor's rows as bytes (rows, row bytes), Llama's q and k rows in Hugging Face's order. A fused
+        expert tensor's rows are expert by expert, each expert's rows of its parts in turn (gate_up_proj: its
+        gate rows, then its up rows)."""
         parts = [np.ascontiguousarray(t.data).view(np.uint8) for t in self._tensors[key]]
         experts = int(self._tensors[key][0].shape[2]) if len(self._tensors[key][0].shape) == 3 else 1
         data = np.concatenate([p.reshape(experts, -1) for p in parts], axis=1)
@@ -149,6 +149,7 @@ class GGUFCheckpoint:
         return QuantGGUF.pieces_of(torch.from_numpy(self._blocks(key).copy()), self._type(key))
 
     def _type(self, key: str) -> str:
+        """The GGUF type of the tensor's blocks (one for all its parts)."""
         return str(self._tensors[key][0].tensor_type.name)
 
     def read(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
