@@ -62,5 +62,5 @@ def unit_bytes(shape: ModelConfig, unit: str, compute_bytes: int, double_quant: 
     """Bytes of a unit's slab in a 4-bit store (what it holds on the host, crosses the link and holds on the
     device): its other tensors in the compute dtype, padded to `ALIGN`, then each quantized weight."""
     quantized = quantized_numels(shape, unit)
-    rest = shape.unit_params(unit) - sum(quantized)
+    rest = shape.params().own(unit) - sum(quantized)
     return padded(rest * compute_bytes) + sum(weight_bytes(n, double_quant) for n in quantized)
