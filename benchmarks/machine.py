@@ -208,7 +208,7 @@ class ModelChoice:
     def store_bytes(self) -> int:
         """Data bytes of a disk-tier store of this model between steps (its state files), from the store's
         own layout."""
-        return sum(self._spec().state_bytes(self.config.unit_params(u)) for u in self.config.unit_names())
+        return sum(self._spec().state_bytes(self.config.params().own(u)) for u in self.config.unit_names())
 
     @property
     def disk_bytes(self) -> int:

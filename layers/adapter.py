@@ -68,7 +68,7 @@ class StateDictAdapter(abc.ABC):
         only the latter)."""
         cfg = self.cfg
         return {self.key(unit, key): self.key(owner, owner_key)
-                for unit in cfg.unit_names() for key, (owner, owner_key) in cfg.borrowed(unit).items()}
+                for unit in cfg.unit_names() for key, (owner, owner_key) in cfg.params().borrowed(unit).items()}
 
     def saved_name(self, key: str) -> str:
         """The name transformers saves the tensor its model names `key` under, where it saves it whole (Mixtral's

@@ -2,32 +2,36 @@
 
 A family is a folder, `layers/<family>/`, in torchtitan's manner: `config.py`, a frozen dataclass subclassing
 `ModelConfig` with transformers' own field names for its `model_type` (torch-free), and `units.py`, its torch
-modules as one `layers.model.FamilyUnits`. `ModelConfig` is an abstract base: what a family must define is
-abstract, so a class that leaves one out cannot be built, and nothing has a stub body. Registering the class
+modules as one `layers.model.FamilyUnits`. `ModelConfig` keeps sizes and structure; what differs by family is a
+facet it names or holds. It and its facets are abstract bases: what a family must define (`example()`, its units'
+counts) is abstract, so a class that leaves one out cannot be built, and nothing has a stub body. Registering the class
 (`@family`) puts it in `FAMILIES`, the one list the CLI, the docs' list of families and the parametrized tests
 (tests/test_families.py) read. Generic code reads only the common vocabulary below, never a family's own
 fields, so it never asks which family it holds:
 
 - sizes: `vocab_size`, `hidden_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
   `head_dim`, `intermediate_size`, `max_position_embeddings`, `rotary_dim` (the rotated dims of a head);
-- `rotary_regime_change()`: the length past which a KV cache's rotary tables are stale (longrope), if any;
-- `context()`: the longest sequence the model's attention covers, and the field that sets it;
-- parameter counts per unit (`embed_params`, `block_params`, `head_params`): the one count of the model;
-- `borrowed(unit)`: a unit's parameters another unit's state holds (a tied lm_head is the embedding's weight);
+- `num_params()` and `unit_names()`: the model's parameters, its streamed units;
+- `params()`: its parameters by unit, a `layers.params.UnitParams` beside its config (the counts of each unit,
+  `embed()`, `block()`, `head()`; what a unit borrows from another, `borrowed(unit)`: a tied lm_head is the
+  embedding's weight; what a unit's module uses on the device; and the experts that expert groups load,
+  `experts()`, `expert()`);
 - `adapter()`: how transformers names the model, a `layers.adapter.StateDictAdapter` in its family folder's
   adapter.py: its config.json read (`ModelConfig.from_hf` goes through it: the sizes it must name, `required`,
   transformers' defaults where ours differ, `defaults`, `config_fields`) and written (`to_hf()`), the checkpoint
   key of each unit's tensor (`key(unit, local_key)`, `prefix(unit)`), and how transformers saves the tensors (a
   name of their own, in parts, packed; the keys a tied checkpoint leaves out);
-- `layer_types()`: each block's kind of attention, as transformers' `layer_types` names it, and per kind its
-  window (`attention_window`) and what sets its RoPE tables (`rotary_table`);
+- `attention()`: its attention by layer, a `layers.attention.AttentionLayout` beside its config: each block's kind
+  of attention, as transformers' `layer_types` names it, and per kind its `window` and what sets its RoPE tables
+  (`rotary_table`); the longest sequence it attends over and the field that sets it (`context()`); the length
+  past which a KV cache's rotary tables are stale (longrope's, `regime_change()`), if any;
 - `example()`: a tiny model of the family with every variation it has, the one the tests run;
 - `lora()`: its block's projections that LoRA's adapters may target, their shapes, those targeted by default
   (PEFT's), and where a target's adapters are, a `layers.targets.LoraTargets` in its folder's targets.py;
 - `costs()`: its byte and FLOP inputs for memory_model, a facet in its folder's costs.py behind one protocol
   (`layers.costs.Costs`);
 - `sparse_mlp`: a block's sparse mixture-of-experts MLP, a facet a mixture's config holds (`SparseMlp`; None:
-  dense), and from it the experts that expert groups load (`experts()`, `expert_params()`);
+  dense);
 - `to_dict()`, our own fields, what a store's manifest records;
 - `resized(...)`: a copy with some common sizes changed (a probe or a smaller model of the same shape).
 
@@ -46,7 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Self
 
 from layers.adapter import StateDictAdapter
+from layers.attention import AttentionLayout
 from layers.costs import Costs
+from layers.params import UnitParams
 from layers.targets import LoraTargets
 
 
@@ -100,7 +106,7 @@ class SparseMlp:
     norm_topk_prob: bool
     output_router_logits: bool
     router_aux_loss_coef: float
-    # Whether expert groups may carry the experts (`ModelConfig.experts()`): gpt-oss's load whole.
+    # Whether expert groups may carry the experts (`UnitParams.experts()`): gpt-oss's load whole.
     grouped: bool = True
     # A block's tensors whose first dimension is its experts, in its module's keys.
     keys: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -149,6 +155,10 @@ class ModelConfig(abc.ABC):
     costs_class: ClassVar[type[Costs]]
     # How transformers names its model: config.json and the checkpoint's keys (its folder's adapter.py).
     adapter_class: ClassVar[type[StateDictAdapter]]
+    # Its parameters by unit (beside it, in its config.py).
+    params_class: ClassVar[type[UnitParams]]
+    # Its attention by layer: full causal attention on every block unless the family names its own.
+    attention_class: ClassVar[type[AttentionLayout]] = AttentionLayout
     vocab_size: int
     if TYPE_CHECKING:
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every family's config is a dataclass
@@ -186,56 +196,22 @@ class ModelConfig(abc.ABC):
     pad_token_id: int | None = None
 
     # --- what a family defines ---------------------------------------------------------------------
-    @abc.abstractmethod
-    def embed_params(self) -> int:
-        """The embedding unit's own parameters."""
-
-    @abc.abstractmethod
-    def block_params(self) -> int:
-        """One block's parameters."""
-
-    @abc.abstractmethod
-    def head_params(self) -> int:
-        """The head's own parameters (a borrowed lm_head is not its own)."""
-
-    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
-        """The unit's parameters that another unit's state holds: the unit's own key -> (that unit, its key
-        there), each the other unit's whole weights (a tied 'lm_head.weight' -> ('embed', 'embed_tokens.weight')).
-        Such a parameter has one master, one pair of moments and one update, in its owner, whose gradient sums
-        both uses. Empty: the unit holds all its own."""
-        return {}
-
     @classmethod
     @abc.abstractmethod
     def example(cls) -> "ModelConfig":
         """A tiny model of this model_type with every variation the family has (biases, norms, scalings, tied
         or not) at sizes that run in a test: what tests/test_families.py holds against transformers."""
 
-    def layer_types(self) -> tuple[str, ...]:
-        """Each block's attention, by transformers' names: 'full_attention' (causal over the whole sequence) or
-        'sliding_attention' (each query sees its `sliding_window` latest keys). A block's module is built for
-        its kind (`layers.model.FamilyUnits.block`)."""
-        return ("full_attention",) * self.num_hidden_layers
-
-    def attention_window(self, layer_type: str) -> int | None:
-        """The keys a query of a block of `layer_type` sees at most, itself included (a sliding window); None:
-        every key before it."""
-        return None
-
-    def rotary_table(self, layer_type: str) -> Any:
-        """What sets a block's RoPE tables (hashable): blocks whose values are equal share one cached table."""
-        return None
-
     # --- the same for every family ---------------------------------------------------------------------
-    def experts(self) -> int:
-        """The experts of a block's sparse MLP that may be loaded in groups (memory_model.step.StepConfig.
-        expert_group_size); 0: its MLP loads whole (a dense MLP, or experts the groups do not carry)."""
-        sparse = self.sparse_mlp
-        return sparse.num_experts if sparse is not None and sparse.grouped else 0
+    def params(self) -> UnitParams:
+        """Its parameters by streamed unit: each unit's own, what it borrows and uses on the device, the experts
+        expert groups load (`layers.params.UnitParams`)."""
+        return self.params_class(self)
 
-    def expert_params(self) -> int:
-        """One expert's parameters, of a block's `experts()`: its rows of the sparse MLP's `keys`."""
-        return 0 if self.sparse_mlp is None else self.sparse_mlp.expert_params(self.hidden_size)
+    def attention(self) -> AttentionLayout:
+        """Its attention by layer: each block's kind, its window and RoPE table, the context
+        (`layers.attention.AttentionLayout`)."""
+        return self.attention_class(self)
 
     def costs(self) -> Costs:
         """The family's byte and FLOP inputs for memory_model (`layers.costs.Costs`), read from this config."""
@@ -255,38 +231,13 @@ class ModelConfig(abc.ABC):
         """The width of all query heads together: q's, and SDPA's output's, features per token."""
         return self.num_attention_heads * self.head_dim
 
-    def context(self) -> tuple[int, str]:
-        """The longest sequence this model attends over, and the config field that sets it (for messages)."""
-        return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
-
-    def rotary_regime_change(self) -> int | None:
-        """The sequence length past which every position's rotary sin and cos change (longrope's
-        original_max_position_embeddings), so that a KV cache filled before it is stale; None: they never do."""
-        return None
-
     def num_params(self) -> int:
-        return self.embed_params() + self.num_hidden_layers * self.block_params() + self.head_params()
+        params = self.params()
+        return params.embed() + self.num_hidden_layers * params.block() + params.head()
 
     def unit_names(self) -> list[str]:
         """The streamed units in execution order: 'embed', 'block.0' … 'block.{L-1}', 'head'."""
         return ["embed", *(f"block.{i}" for i in range(self.num_hidden_layers)), "head"]
-
-    def unit_params(self, unit: str) -> int:
-        """The parameters the unit's own state holds (and its update walks); they add up to `num_params`."""
-        if unit == "embed":
-            return self.embed_params()
-        if unit == "head":
-            return self.head_params()
-        return self.block_params()
-
-    def unit_device_parts(self, unit: str) -> list[int]:
-        """The parameters the unit's module uses on the device, by the state that holds them: each unit it
-        borrows from, then its own (a tied head: the embedding's weight, then its norm)."""
-        return [self.unit_params(owner) for owner, _ in self.borrowed(unit).values()] + [self.unit_params(unit)]
-
-    def unit_device_params(self, unit: str) -> int:
-        """The parameters the unit's module uses on the device: its own and those it borrows."""
-        return sum(self.unit_device_parts(unit))
 
     def describe(self) -> str:
         """One line for traces and reports: the family and its main sizes."""
@@ -404,7 +355,7 @@ def check_size(cfg: ModelConfig) -> None:
     """Sizes no machine could train are refused in closed form, before anything is built per layer or per expert:
     16 bytes of training state per parameter beyond MAX_STATE_BYTES, more blocks than MAX_LAYERS or more experts
     than MAX_EXPERTS (the runtime and the planner keep records of each)."""
-    layers, experts = cfg.num_hidden_layers, cfg.experts()
+    layers, experts = cfg.num_hidden_layers, cfg.params().experts()
     if layers > MAX_LAYERS:
         raise ConfigError(f"num_hidden_layers {layers:,} is more than {MAX_LAYERS:,} (the deepest published "
                           "decoders have about 128); check the config's sizes")

@@ -50,7 +50,7 @@ def no_auxiliary_loss(cfg: ModelConfig, scale: float, device: torch.device,
 @dataclass(frozen=True)
 class FamilyUnits:
     """A family's torch side: the module of each kind of unit and the resident model. Each takes the family's
-    config; a block also its `ModelConfig.layer_types()` entry. `auxiliary(cfg, scale, device, attention_mask)`: a
+    config; a block also its `AttentionLayout.layer_types()` entry. `auxiliary(cfg, scale, device, attention_mask)`: a
     new forward call's auxiliary loss where cfg asks for one (None: the loss is the language model's alone), its
     term multiplied by `scale` beyond the family's coefficient, over the tokens transformers' attention mask
     (B, T) keeps (None: every token)."""
@@ -78,7 +78,7 @@ def unit_kind(cfg: ModelConfig, unit: str) -> str:
     of one kind share a module shell; only their weights differ."""
     kind, _, index = unit.partition(".")
     if kind == "block" and index.isdigit() and int(index) < cfg.num_hidden_layers:
-        return cfg.layer_types()[int(index)]
+        return cfg.attention().layer_types()[int(index)]
     if kind in ("embed", "head") and not index:
         return kind
     raise ValueError(f"unknown unit {unit!r}; units are 'embed', 'block.N' (N < {cfg.num_hidden_layers}), 'head'")

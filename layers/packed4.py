@@ -81,6 +81,6 @@ def unit_bytes(shape: ModelConfig, unit: str, compute_bytes: int, double_quant: 
     """Bytes of a unit's slab in a 4-bit (`int8`: 8-bit) store (what it holds on the host, crosses the link and
     holds on the device): its other tensors in the compute dtype, padded to `ALIGN`, then each quantized weight."""
     quantized = quantized_shapes(shape, unit)
-    rest = shape.unit_params(unit) - sum(quantized_numels(shape, unit))
+    rest = shape.params().own(unit) - sum(quantized_numels(shape, unit))
     return padded(rest * compute_bytes) + sum(weight_bytes(e * r * c, double_quant, e * r if int8 else None)
                                               for e, r, c in quantized)

@@ -44,7 +44,7 @@ class GGUFBase:
     def unit_bytes(self, shape: ModelConfig, unit: str, compute_bytes: int) -> int:
         """Bytes of a unit's slab in a GGUF store (held on the host, sent over the link and held on the device):
         its other tensors in the compute dtype, padded, then each projection's blocks."""
-        rest = shape.unit_params(unit) - sum(quantized_numels(shape, unit))
+        rest = shape.params().own(unit) - sum(quantized_numels(shape, unit))
         if not unit.startswith("block."):
             return padded(rest * compute_bytes)
         return padded(rest * compute_bytes) + sum(self.weight_bytes(key, rows) for key, rows in kept(shape, unit))

@@ -7,7 +7,7 @@ longrope (Phi-3's long-context models) has two sets of frequencies: the short fa
 than `original_max_position_embeddings`, the long factors' for a longer one, picked by the whole sequence's
 length as transformers picks them (its longest position + 1); both tables are scaled by the attention factor.
 A KV cache filled with the short set is stale once the sequence grows past that length
-(`ModelConfig.rotary_regime_change`): generation recomputes its cache there, as transformers' `generate` does."""
+(`AttentionLayout.regime_change`): generation recomputes its cache there, as transformers' `generate` does."""
 from __future__ import annotations
 
 import functools

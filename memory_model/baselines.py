@@ -23,7 +23,7 @@ class Baseline:
 
 def baselines(shape: ModelConfig, ranks: int, compute_bytes: int = 2) -> list[Baseline]:
     psi, n = shape.num_params(), ranks
-    largest = max(shape.unit_params(u) for u in shape.unit_names())
+    largest = max(shape.params().own(u) for u in shape.unit_names())
     zero_paper = "Rajbhandari et al., ZeRO (arXiv 1910.02054), sec. 3.1 and 5"
     return [
         Baseline("data parallel, mixed precision", 16 * psi, 0, 0, "(2 + 2 + 12) Psi",

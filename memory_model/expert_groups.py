@@ -23,7 +23,7 @@ def expert_group(shape: ModelConfig, cfg: PlanConfig) -> int:
 def checked_group(shape: ModelConfig, size: int, lora: bool, devices: int) -> int:
     """`expert_group` of --expert-group-size `size`, checked: a divisor of the experts, for full fine-tuning (not
     `lora`) on one device (a group's gradient is not all-reduced)."""
-    experts = shape.experts()
+    experts = shape.params().experts()
     if size in (0, experts):
         return 0
     if not experts:
@@ -41,7 +41,7 @@ def checked_group(shape: ModelConfig, size: int, lora: bool, devices: int) -> in
 def group_sizes(shape: ModelConfig, cfg: PlanConfig) -> list[int]:
     """The sizes `cfg`'s step may load a block's experts in, largest (all of them: whole blocks) first: the
     divisors of its experts, for full fine-tuning on one device (`checked_group`); none for a dense model."""
-    experts = shape.experts()
+    experts = shape.params().experts()
     if not experts or cfg.lora.enabled or cfg.devices > 1:
         return []
     return [g for g in range(experts, 0, -1) if experts % g == 0]
@@ -55,13 +55,15 @@ def grouped(shape: ModelConfig, cfg: PlanConfig, unit: str) -> bool:
 def grouped_block_numel(shape: ModelConfig, group: int) -> int:
     """A block's parameters its weights load holds where its experts load `group` at a time: all but the
     experts; the whole block where `group` is 0."""
-    return shape.block_params() - (shape.experts() * shape.expert_params() if group else 0)
+    params = shape.params()
+    return params.block() - (params.experts() * params.expert() if group else 0)
 
 
 def reloaded(shape: ModelConfig, cfg: PlanConfig) -> dict[str, int]:
     """The weights each unit's backward loads once more than its forward: a checkpointed grouped block's experts
     (its recompute loads them, and its backward again)."""
-    experts = shape.experts() * shape.expert_params()
+    params = shape.params()
+    experts = params.experts() * params.expert()
     return {u: experts for u in shape.unit_names() if cfg.step.recomputes and grouped(shape, cfg, u)}
 
 
@@ -69,7 +71,7 @@ def last_gradient(shape: ModelConfig, cfg: PlanConfig, unit: str) -> tuple[Charg
     """The last weight gradient a unit's backward offloads: its whole one, or a grouped block's all but its
     experts' (made after every group's, when its attention's backward is done)."""
     parts = ([grouped_block_numel(shape, expert_group(shape, cfg))] if grouped(shape, cfg, unit)
-             else shape.unit_device_parts(unit))
+             else shape.params().device_parts(unit))
     return gradient_charges(parts, cfg.dtype_bytes, cfg.devices, cfg.shards > 1)
 
 
@@ -82,7 +84,7 @@ def forward_moment(shape: ModelConfig, cfg: PlanConfig, batch: int, seq: int) ->
     last group on the device, before the experts' outputs are recombined (what that saves is not saved yet), or
     the forward's end (nothing), whichever holds more. A forward that saves nothing (recomputed in the
     backward) holds the most with a group on the device."""
-    group = expert_charges(expert_group(shape, cfg) * shape.expert_params(), cfg.dtype_bytes)
+    group = expert_charges(expert_group(shape, cfg) * shape.params().expert(), cfg.dtype_bytes)
     later = 0 if cfg.step.recomputes else batch * seq * shape.costs().experts_saved_after_per_token(cfg.dtype_bytes)
     return (group, later) if _total(group) > later else ((), 0)
 
@@ -93,7 +95,7 @@ def backward_moment(shape: ModelConfig, cfg: PlanConfig, previous: tuple[Charge,
     gradient (`previous`) still on its way to the host, each later one's with the group before's, and that of
     all but the experts, last, with the last group's (no group on the device then). A checkpointed block's
     recompute loads the groups once more before these, holding less: a group and no gradient of its own."""
-    size = expert_group(shape, cfg) * shape.expert_params()
+    size = expert_group(shape, cfg) * shape.params().expert()
     group = expert_charges(size, cfg.dtype_bytes)
     grad = gradient_charges([size], cfg.dtype_bytes, cfg.devices)
     rest = gradient_charges([grouped_block_numel(shape, expert_group(shape, cfg))], cfg.dtype_bytes, cfg.devices)

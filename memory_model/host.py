@@ -81,7 +81,7 @@ def frozen_slab_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
     compute dtype."""
     if cfg.lora.quantized:
         return base_unit_bytes(shape, cfg.lora, unit, cfg.dtype_bytes)
-    return shard_numel(shape.unit_params(unit), cfg.shards) * cfg.dtype_bytes
+    return shard_numel(shape.params().own(unit), cfg.shards) * cfg.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -156,10 +156,10 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     (`shared_peak`); None where the device has its own memory."""
     frozen, store, same_memory = cfg.lora.enabled, cfg.step.store, shared is not None
     store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier.zero_copy)
-    largest = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names())
+    largest = max(shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names())
     # The largest unit whose fold (and fused update's master) is whole: larger ones go chunk by chunk.
     by_chunk = folded_by_chunk(shape, cfg.step, cfg.shards)
-    whole = max(shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names() if u not in by_chunk)
+    whole = max(shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names() if u not in by_chunk)
     chunk = min(cfg.step.update_chunk, largest)
     pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))

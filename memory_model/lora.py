@@ -147,8 +147,8 @@ def weights_bytes(shape: ModelConfig, lora: LoraConfig, unit: str, compute_bytes
     the compute dtype, or on a quantized base the units' packed slabs (`base_unit_bytes`), as stored, sent and
     held on the device."""
     if not lora.quantized:
-        return shape.unit_device_params(unit) * compute_bytes
-    owners = [owner for owner, _ in shape.borrowed(unit).values()] + [unit]
+        return shape.params().device(unit) * compute_bytes
+    owners = [owner for owner, _ in shape.params().borrowed(unit).values()] + [unit]
     return sum(base_unit_bytes(shape, lora, owner, compute_bytes) for owner in owners)
 
 

@@ -176,7 +176,7 @@ class Plan:
     def table(self) -> Table:
         """Per unit: bytes on the device and time per phase; the caption holds the totals."""
         group = expert_group(self.shape, self.config)
-        experts = f", experts {group} of {self.shape.experts()} at a time" if group else ""
+        experts = f", experts {group} of {self.shape.params().experts()} at a time" if group else ""
         lora = self.config.lora
         base = f", 4-bit {lora.bnb_4bit_quant_type}{' (double quant)' * lora.bnb_4bit_use_double_quant} base" * \
             lora.load_in_4bit + ", 8-bit base" * lora.load_in_8bit + ", GGUF base" * (lora.gguf is not None)
@@ -261,10 +261,11 @@ def _unit_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int
 
 def _first_with_table(shape: ModelConfig, unit: str, rotates: Callable[[int], bool]) -> bool:
     """Whether the block is the first of those that save a rotary table (`rotates(i)`) with its own
-    (`ModelConfig.rotary_table` of its layer type): the one a shared table is charged to."""
-    kinds, index = shape.layer_types(), int(unit.split(".")[1])
-    table = shape.rotary_table(kinds[index])
-    return index == next(i for i, kind in enumerate(kinds) if rotates(i) and shape.rotary_table(kind) == table)
+    (`AttentionLayout.rotary_table` of its layer type): the one a shared table is charged to."""
+    attention, index = shape.attention(), int(unit.split(".")[1])
+    kinds = attention.layer_types()
+    table = attention.rotary_table(kinds[index])
+    return index == next(i for i, kind in enumerate(kinds) if rotates(i) and attention.rotary_table(kind) == table)
 
 
 def _frozen_block_activations(shape: ModelConfig, cfg: PlanConfig, unit: str, batch: int, seq: int) -> tuple[int, int]:
@@ -299,7 +300,7 @@ def _device_numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig, batch
         return block_input_numel(shape, batch, seq)
     if isinstance(resource, Weights) and grouped(shape, cfg, resource.unit):
         return grouped_block_numel(shape, expert_group(shape, cfg))
-    return gathered_numel(shape.unit_device_parts(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
+    return gathered_numel(shape.params().device_parts(resource.unit), cfg.shards)  # (a tied head: the embedding's too)
 
 
 def loaded_bytes(shape: ModelConfig, cfg: PlanConfig, resident: list[Resource], batch: int, seq: int
@@ -360,7 +361,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
                 if in_groups:
                     _add(at, backward_moment(shape, cfg, previous))
                 elif not cfg.lora.enabled:  # a frozen base has no weight gradient
-                    _add(at, gradient_charges(shape.unit_device_parts(event.unit), es, cfg.devices, cfg.shards > 1))
+                    _add(at, gradient_charges(shape.params().device_parts(event.unit), es, cfg.devices, cfg.shards > 1))
                     _add(at, previous)
                 at["workspace"] = backward_workspace_bytes(shape, event.unit, batch, seq, es, cfg.lora.enabled,
                                                            expert_group(shape, cfg) if in_groups else 0) + dequantized
@@ -397,7 +398,7 @@ def fewest_groups_within(shape: ModelConfig, cfg: PlanConfig, limit: int, arch: 
     most what `cfg` loads (all of them where its `expert_group_size` is 0), for the step to need (`step_needs`) at
     most `limit` bytes (plan: its device's memory less its reserve; train: its --budget). 0 where whole blocks
     fit; None where nothing does."""
-    experts = shape.experts()
+    experts = shape.params().experts()
     now = cfg.step.expert_group_size or experts
     for size in (g for g in group_sizes(shape, cfg) if g <= now):
         if step_needs(shape, cfg.replace(expert_group_size=size), arch, clips) <= limit:
@@ -465,8 +466,8 @@ def step_disk_bytes(shape: ModelConfig, cfg: PlanConfig) -> tuple[int, int]:
 def _disk_bytes_of(shape: ModelConfig, cfg: PlanConfig, events: list[Event], norm_pass: bool = False
                    ) -> tuple[int, int]:
     """`step_disk_bytes` of these events (the step's own, or a norm-first step's norm pass)."""
-    numels = {u: shard_numel(shape.unit_params(u), cfg.shards) for u in shape.unit_names()}  # per rank
-    borrowed = {u: [owner for owner, _ in shape.borrowed(u).values()] for u in shape.unit_names()}
+    numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}  # per rank
+    borrowed = {u: [owner for owner, _ in shape.params().borrowed(u).values()] for u in shape.unit_names()}
     return disk_bytes(events, cfg.step.prefetch, numels, store_bytes(cfg), cfg.step.grad_accum, borrowed, norm_pass,
                       reloaded(shape, cfg))
 
@@ -519,7 +520,7 @@ def _max_shapes(shape: ModelConfig, cfg: PlanConfig, capacity: int, update_peak:
     while bound < _MAX_BATCH_SEARCH and micro_fits(bound * 2):
         bound *= 2
     max_micro = _largest(micro_fits, 1, min(bound * 2, _MAX_BATCH_SEARCH))
-    max_seq = _largest(lambda t: _train_peak(shape, replace(cfg, seq=t)) <= capacity, 1, shape.context()[0])
+    max_seq = _largest(lambda t: _train_peak(shape, replace(cfg, seq=t)) <= capacity, 1, shape.attention().context()[0])
     return max_micro * group, max_seq
 
 
@@ -528,8 +529,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
     """Bytes, peak, fit, time and baselines of one training step of `shape` on `device` under `cfg`;
     `limits` also searches the largest batch and seq that fit (most of the cost of a plan). `pin_memory`: the
     run's --pin-memory on a CUDA device (timing.simulate prices the staging copies it makes)."""
-    if cfg.seq > shape.context()[0]:
-        raise ValueError(f"seq {cfg.seq} exceeds the model's context {shape.context()[1]}")
+    if cfg.seq > shape.attention().context()[0]:
+        raise ValueError(f"seq {cfg.seq} exceeds the model's context {shape.attention().context()[1]}")
     units = shape.unit_names()
     micro, seq, es = cfg.micro_batch, cfg.seq, cfg.dtype_bytes
 
@@ -543,9 +544,9 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
 
     rows, frozen, group = [], cfg.lora.enabled, expert_group(shape, cfg)
     for u in units:
-        params, on_device = shape.unit_params(u), shape.unit_device_params(u)  # (a tied head uses the embedding's)
+        params, on_device = shape.params().own(u), shape.params().device(u)  # (a tied head uses the embedding's)
         # A grouped block holds all but its experts and one group of them, and one of the two as a gradient.
-        pieces = (grouped_block_numel(shape, group), group * shape.expert_params()) if grouped(shape, cfg, u) \
+        pieces = (grouped_block_numel(shape, group), group * shape.params().expert()) if grouped(shape, cfg, u) \
             else (on_device, 0)
         kept, recompute = _activations(shape, cfg, u, micro, seq)
         fwd = forward_flops(shape, u, micro, seq) * cfg.step.grad_accum

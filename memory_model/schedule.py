@@ -162,7 +162,7 @@ def shard_numel(numel: int, shards: int) -> int:
 
 def gathered_numel(parts: Sequence[int], shards: int) -> int:
     """Elements of a unit's weights on the device when `shards` ranks each hold a slice of every unit's state:
-    `parts`, the unit's device parameters by the state that holds them (`ModelConfig.unit_device_parts`: a tied
+    `parts`, the unit's device parameters by the state that holds them (`UnitParams.device_parts`: a tied
     head's are the embedding's and its own), each part's slices all-gathered, its padding included (their sum
     for one shard)."""
     return sum(shard_numel(n, shards) * shards for n in parts)
@@ -217,7 +217,7 @@ def folded_by_chunk(shape: ModelConfig, settings: StepConfig, shards: int = 1) -
     more, and reading its gradient and master back would cost disk time (GPT-J-6B's embedding is 1.03 blocks)."""
     if settings.store.grad.zero_copy:
         return frozenset()
-    numels = {u: shard_numel(shape.unit_params(u), shards) for u in shape.unit_names()}
+    numels = {u: shard_numel(shape.params().own(u), shards) for u in shape.unit_names()}
     largest_block = max((n for u, n in numels.items() if u.startswith("block.")), default=0)
     return frozenset(u for u, n in numels.items() if largest_block and n > BY_CHUNK_BLOCKS * largest_block)
 
@@ -233,9 +233,9 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
     units = tuple(shape.unit_names())
     shards = settings.shards(devices)
     # A block whose experts load in groups loads them apart from its weights: its update reads its own master.
-    grouped = 0 < settings.expert_group_size < shape.experts()
+    grouped = 0 < settings.expert_group_size < shape.params().experts()
     return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
-                    {u: shard_numel(shape.unit_params(u), shards) for u in units}, settings.update_chunk,
+                    {u: shard_numel(shape.params().own(u), shards) for u in units}, settings.update_chunk,
                     fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
                     master_from_weights=settings.store.loads_read_master(compute_is_master) and not grouped,
                     backward=backward, update_units=update_units, offload_inputs=settings.offloads_inputs,

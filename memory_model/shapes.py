@@ -159,7 +159,7 @@ def rotary_bytes(shape: ModelConfig, es: int) -> int:
 
 
 def rotary_shared(shape: ModelConfig, es: int, packed: bool) -> bool:
-    """Whether blocks save the same sin/cos storages (fp32, unpacked): one per table (`ModelConfig.rotary_table`),
+    """Whether blocks save the same sin/cos storages (fp32, unpacked): one per table (`AttentionLayout.rotary_table`),
     charged once, to the first block that saves it."""
     return rotary_bytes(shape, es) == 4 and not packed
 
@@ -177,7 +177,7 @@ def rotary_table_bytes(shape: ModelConfig, seq: int, es: int, batch: int = 1, pa
 def mask_bytes(batch: int, seq: int, es: int, packed: bool, window: int | None = None) -> int:
     """A block's attention mask: SDPA turns a bool mask into a bias in the compute dtype and saves it for the
     backward, a storage of each block's own. Packed rows' is (B, 1, T, T); a sliding window shorter than the
-    sequence (`window`, `ModelConfig.attention_window`) needs one even unpacked, (T, T)."""
+    sequence (`window`, `AttentionLayout.window`) needs one even unpacked, (T, T)."""
     if packed:
         return batch * seq * seq * es
     return seq * seq * es if window is not None and seq > window else 0
@@ -193,12 +193,12 @@ def attention_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, pac
     if shape.attention_sinks:
         mask = (batch if packed else 1) * seq * seq if scores else 0
         return batch * heads * seq * (seq + 1) * es + mask
-    return 4 * batch * heads * seq + mask_bytes(batch, seq, es, packed, shape.attention_window(layer_type))
+    return 4 * batch * heads * seq + mask_bytes(batch, seq, es, packed, shape.attention().window(layer_type))
 
 
 def block_layer_type(shape: ModelConfig, unit: str) -> str:
     """The layer type of a block unit ('block.3')."""
-    return shape.layer_types()[int(unit.split(".")[1])]
+    return shape.attention().layer_types()[int(unit.split(".")[1])]
 
 
 def block_saved_bytes(shape: ModelConfig, batch: int, seq: int, es: int, rotary: bool = True,
@@ -313,9 +313,9 @@ def block_backward_transient_bytes(shape: ModelConfig, batch: int, seq: int, es:
     output = n * shape.hidden_size * es
     scored: tuple[tuple[int, int, int], ...]
     if group:  # the busiest moment is one group's backward, whose gradient is what is charged
-        peaks, scored, charged = costs.expert_group_backward_peaks(es, group), (), group * shape.expert_params()
+        peaks, scored, charged = costs.expert_group_backward_peaks(es, group), (), group * shape.params().expert()
     else:
-        peaks, scored, charged = costs.block_backward_peaks(es), costs.scores_backward_peaks(es), shape.block_params()
+        peaks, scored, charged = costs.block_backward_peaks(es), costs.scores_backward_peaks(es), shape.params().block()
     scores = 2 * batch * shape.num_attention_heads * seq * (seq + 1) * es  # softmax's two gradients, whole
     busiest = max([n * per_token + es * params + fixed for per_token, params, fixed in peaks]
                   + [n * per_token + es * params + fixed + scores for per_token, params, fixed in scored])

@@ -164,10 +164,10 @@ def _numel(resource: Resource, shape: ModelConfig, cfg: PlanConfig) -> int:
     if isinstance(resource, BlockInput):
         return block_input_numel(shape, cfg.micro_batch, cfg.seq)
     if isinstance(resource, ExpertGroup):
-        return expert_group(shape, cfg) * shape.expert_params()
+        return expert_group(shape, cfg) * shape.params().expert()
     if grouped(shape, cfg, resource.unit):
         return grouped_block_numel(shape, expert_group(shape, cfg))
-    return shape.unit_device_params(resource.unit)
+    return shape.params().device(resource.unit)
 
 
 def _group_loads(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSpec, times: UnitTimes,
@@ -178,7 +178,7 @@ def _group_loads(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Devi
     if event.phase not in ("forward", "backward") or not grouped(shape, cfg, event.unit):
         return start
     passes = 2 if event.phase == "backward" and cfg.step.recomputes else 1
-    groups = shape.experts() // expert_group(shape, cfg)
+    groups = shape.params().experts() // expert_group(shape, cfg)
     for g in [*range(groups)] * passes:
         start = _load(ExpertGroup(event.unit, g), shape, cfg, device, times, queues, start, staged)
     return start
@@ -263,7 +263,7 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
                   queues: _Queues, clock: float) -> tuple[float, float]:
     """Book a backward's gradient offload: (seconds on the compute thread, when the offload is done)."""
     es, disk = cfg.dtype_bytes, cfg.step.store.grad.crosses_link
-    params = shape.unit_device_params(event.unit)  # a tied head's gradient holds the embedding's part too
+    params = shape.params().device(event.unit)  # a tied head's gradient holds the embedding's part too
     grad = params * es
     first, last = event.micro == 0, event.micro == cfg.step.grad_accum - 1
     # The host folds the gradient into its fp32 accumulator (the first micro-batch writes it, later ones
@@ -272,9 +272,9 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     touched = params * (es + (4 if first else 8)) + (4 * params if last else 0)
     # A tied head folds the embedding's part into the embedding's accumulator, which keeps it for the
     # embedding's own backward, which then always reads it (schedule.disk_bytes).
-    own = shape.unit_params(event.unit)
+    own = shape.params().own(event.unit)
     borrowed = params - own
-    lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.borrowed(u).values())
+    lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.params().borrowed(u).values())
     read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
     # A fused update keeps its last, but for a unit folded by chunk, whose update reads it back chunk by chunk.
     kept = cfg.fused and last and event.unit not in folded_by_chunk(shape, cfg.step, cfg.shards)

@@ -82,8 +82,8 @@ def _fewest_expert_groups(shape: ModelConfig, pc: PlanConfig, budget: int, arch:
     """The most experts a block can load at once below what `pc` loads (one process, full fine-tuning) for the
     step to fit `budget` (`planner.fewest_groups_within`, `streamer plan`'s search), or None."""
     fitting = fewest_groups_within(shape, pc, budget, arch, clips)
-    now = pc.step.expert_group_size or shape.experts()
-    return fitting if fitting is not None and (fitting or shape.experts()) < now else None
+    now = pc.step.expert_group_size or shape.params().experts()
+    return fitting if fitting is not None and (fitting or shape.params().experts()) < now else None
 
 
 def fit_expert_groups(model_cfg: ModelConfig, cfg: RunConfig, devices: int = 1) -> tuple[RunConfig, str | None]:

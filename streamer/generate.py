@@ -10,7 +10,7 @@ the end of the generation: the prompt's prefill loads each unit once and every l
 (GRPO's rollout does so where the planner finds they fit beside the cache, memory_model.rollout).
 
 Where the sequence grows past the length at which the rotary tables of every position change
-(`ModelConfig.rotary_regime_change`: longrope's long factors), the cache is filled again from the whole sequence
+(`AttentionLayout.regime_change`: longrope's long factors), the cache is filled again from the whole sequence
 once, as transformers' `generate` does.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
         raise StreamerError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
     batch, prompt_len = input_ids.shape
     total = prompt_len + sampling.max_new_tokens
-    context, _ = cfg.context()
+    context, _ = cfg.attention().context()
     if total > context:
         raise StreamerError(f"the prompt ({prompt_len} tokens) plus {sampling.max_new_tokens} new tokens exceeds the "
                             f"model's context of {context}; shorten the prompt or lower --max-new-tokens")
@@ -101,7 +101,7 @@ def generate(trainer: StreamingTrainer, input_ids: torch.Tensor, sampling: Sampl
         step_input, start_pos = tokens, 0
         # A cache filled before the sequence grows past this length is recomputed there, as transformers'
         # generate does (longrope's long factors), unless the prompt is past it already.
-        change = cfg.rotary_regime_change()
+        change = cfg.attention().regime_change()
         stale_at = change if change is not None and prompt_len <= change else None
         for _ in range(sampling.max_new_tokens):
             logits = _streamed_forward(trainer, step_input, start_pos, caches, resident)

@@ -309,7 +309,7 @@ def resolve(explicit: dict[str, Any], config_file: str | Path | None = None) -> 
         values = {**(DEMO_DEFAULTS if demo else {}), **given}
         model = values.get("model")
         if "seq" not in given and isinstance(model, str) and model in PRESETS:  # the default fits every preset
-            values["seq"] = min(DEFAULTS.seq, PRESETS[model].context()[0])
+            values["seq"] = min(DEFAULTS.seq, PRESETS[model].attention().context()[0])
         steps = values.get("steps", DEFAULTS.steps)
         if demo and "warmup" not in given and type(steps) is int:  # a short demo (`--steps 3`) still decays
             values["warmup"] = min(DEMO_DEFAULTS["warmup"], steps // 10)

@@ -289,7 +289,7 @@ class Session:
             return None
         prompt = cfg.sample_prompt or ""  # start and resume set it
         prompt_ids = self.tokenizer.prompt_ids(prompt) or [self.tokenizer.eos_id]
-        new_tokens = min(cfg.sample_tokens, self.trainer.cfg.context()[0] - len(prompt_ids))
+        new_tokens = min(cfg.sample_tokens, self.trainer.cfg.attention().context()[0] - len(prompt_ids))
         if new_tokens <= 0:
             return None
         text = self.generate(prompt, Sampling(new_tokens, temperature=0.8, top_p=0.95,
@@ -880,7 +880,7 @@ def _discard(run: RunDir) -> None:
 
 
 def _check_seq(cfg: RunConfig, model_cfg: ModelConfig) -> None:
-    context, why = model_cfg.context()
+    context, why = model_cfg.attention().context()
     if cfg.seq > context:
         raise RunError(f"--seq {cfg.seq} exceeds the model's context ({why}); use --seq {context} or less")
 

@@ -177,7 +177,7 @@ class StreamingTrainer:
                                 f"shape; got {tuple(input_ids.shape)}, {tuple(labels.shape)}, "
                                 f"{None if positions is None else tuple(positions.shape)} and "
                                 f"{None if attention_mask is None else tuple(attention_mask.shape)}")
-        context, why = self.cfg.context()
+        context, why = self.cfg.attention().context()
         if input_ids.shape[1] > context:
             raise StreamerError(f"sequence length {input_ids.shape[1]} exceeds the model's context "
                                 f"{why}; use --seq <= {context}")

@@ -143,7 +143,7 @@ def test_the_ram_tier_keeps_one_copy_of_bf16_weights(tmp_path):
     assert fp32.host_bytes()[0] - BF16.replace(store="ram").store_spec(CFG).host_bytes()[0] == 4 * n
     # With int8 moments: 2 + 2 x (1 + 4/256) + 4 = 8.03 B/param (STORE.md).
     int8 = BF16.replace(store="ram", moment_dtype="int8", update_chunk=20 * 256).store_spec(CFG).host_bytes()[0]
-    assert int8 == sum(6 * m + 2 * stored_bytes("int8", m) for m in map(CFG.unit_params, CFG.unit_names()))
+    assert int8 == sum(6 * m + 2 * stored_bytes("int8", m) for m in map(CFG.params().own, CFG.unit_names()))
     assert round(int8 / n, 2) == 8.03
     with StreamingTrainer(CFG, BF16.replace(store="ram"), store_dir=tmp_path / "run") as trainer:
         trainer.step(debug_batches(1)[0])
@@ -158,7 +158,7 @@ def test_a_master_stored_in_the_compute_dtype_loads_straight_into_the_weights(tm
     fused update is widened once from them: the stored values, either way."""
     train_debug(tmp_path / "run", BF16.replace(store="disk"), steps=1)
     with StreamingTrainer.open(tmp_path / "run") as trainer:
-        store, numel = trainer.store, CFG.unit_params("block.0")
+        store, numel = trainer.store, CFG.params().own("block.0")
         expected = torch.empty(numel)
         store.read_master("block.0", expected)
         read_into, real = [], store.read_master
@@ -220,7 +220,7 @@ def test_the_store_moves_the_planners_bytes(tmp_path, timing, moments):
                          update_timing=timing, moment_dtype=moments, master_dtype="bf16")
     moved = train_debug(tmp_path / "run", tc, steps=2)[2]
     assert moved == step_disk_bytes(CFG, plan)
-    n, head = CFG.num_params(), CFG.unit_params("head")
+    n, head = CFG.num_params(), CFG.params().own("head")
     if timing == "fused" and moments == "fp32":
         assert moved == ((2 + 2 + 8) * n - 2 * head, (2 + 8) * n)
 

@@ -35,9 +35,9 @@ def _h100(memory: float):
 def test_a_grouped_block_holds_all_but_its_experts_and_one_group():
     cfg = PlanConfig.of(batch=1, seq=2048, activations="checkpoint", expert_group_size=2)
     block = next(r for r in plan(MIXTRAL, _h100(80e9), cfg, limits=False).rows if r.unit == "block.3")
-    rest, group = MIXTRAL.block_params() - 8 * MIXTRAL.expert_params(), 2 * MIXTRAL.expert_params()
+    rest, group = MIXTRAL.params().block() - 8 * MIXTRAL.params().expert(), 2 * MIXTRAL.params().expert()
     assert grouped_block_numel(MIXTRAL, 2) == rest and 3 * MIXTRAL.hidden_size * MIXTRAL.intermediate_size == \
-        MIXTRAL.expert_params()
+        MIXTRAL.params().expert()
     assert (block.weight_bytes, block.gradient_bytes) == (2 * (rest + group), 2 * max(rest, group))
 
 
@@ -54,7 +54,7 @@ def test_a_grouped_blocks_backward_peak_is_its_group_and_two_gradient_pieces(act
     grouped = whole.replace(expert_group_size=size)
     peaks = {cfg.step.expert_group_size: {r.unit: r.peak_bytes for r in plan(shape, _h100(80e9), cfg).rows}
              for cfg in (whole, grouped)}
-    rest, group, block = grouped_block_numel(shape, size), size * shape.expert_params(), shape.block_params()
+    rest, group, block = grouped_block_numel(shape, size), size * shape.params().expert(), shape.params().block()
     transients = [block_backward_transient_bytes(shape, 2, 8, es, g) for g in (size, 0)]
     # weights: the rest and a group; gradients: the group's and the rest's of the block after it, or two groups'
     expected = es * (rest + group + group + max(rest, group) - 3 * block) + transients[0] - transients[1]
@@ -75,7 +75,7 @@ def test_a_checkpointed_grouped_block_reads_its_experts_once_more_in_its_backwar
     plans = {(activations, size): plan(MIXTRAL, DEVICE_PRESETS["h100-sxm"], PlanConfig.of(
         batch=1, seq=2048, activations=activations, expert_group_size=size, store="disk"), limits=False)
         for activations in ("resident", "checkpoint") for size in (0, 2)}
-    experts = MIXTRAL.num_hidden_layers * MIXTRAL.experts() * MIXTRAL.expert_params()
+    experts = MIXTRAL.num_hidden_layers * MIXTRAL.params().experts() * MIXTRAL.params().expert()
     for activations in ("resident", "checkpoint"):
         assert plans[activations, 2].step_time_s > plans[activations, 0].step_time_s
     assert plans["resident", 2].link_bytes["h2d"] == plans["resident", 0].link_bytes["h2d"]
@@ -201,10 +201,10 @@ def test_a_grouped_blocks_forward_peaks_with_its_last_group_or_at_its_end(tmp_pa
             trainer.step(ids)
             peaks[group] = next(s.peak_bytes for s in trainer.trace.spans()
                                 if (s.layer, s.phase) == ("block.1", "forward"))
-    weights = size * cfg.expert_params() * es
+    weights = size * cfg.params().expert() * es
     later = 0 if activations != "resident" else batch * seq * 2 * (8 + es * cfg.hidden_size + es)
     assert (weights > later) == (size == 4 or activations != "resident")
-    experts = cfg.experts() * cfg.expert_params() * es
+    experts = cfg.params().experts() * cfg.params().expert() * es
     assert peaks[size] - peaks[0] == max(weights - later, 0) - experts
 
 
@@ -251,8 +251,9 @@ def test_the_runtime_checks_the_group_size(tmp_path: Path):
 
 def test_only_a_mixture_of_experts_has_experts():
     for shape in (PRESETS["llama-350m"], PRESETS["gptj-6b"]):
-        assert (shape.experts(), shape.expert_params(), shape.costs().experts_saved_after_per_token(2)) == (0, 0, 0)
-    assert isinstance(MIXTRAL, ModelConfig) and MIXTRAL.experts() == 8
+        params = shape.params()
+        assert (params.experts(), params.expert(), shape.costs().experts_saved_after_per_token(2)) == (0, 0, 0)
+    assert isinstance(MIXTRAL, ModelConfig) and MIXTRAL.params().experts() == 8
 
 
 def test_train_groups_the_experts_where_whole_blocks_exceed_its_budget(capsys, tmp_path: Path, tiny_setup: Path):

@@ -89,7 +89,7 @@ def test_the_family_is_its_transformers_class(model_type: str) -> None:
     cfg = example(model_type)
     assert type(cfg) is FAMILIES[model_type] and cfg.model_type == model_type
     assert isinstance(family_units(cfg), FamilyUnits)
-    assert len(cfg.layer_types()) == cfg.num_hidden_layers
+    assert len(cfg.attention().layer_types()) == cfg.num_hidden_layers
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
@@ -98,7 +98,7 @@ def test_the_family_is_its_transformers_class(model_type: str) -> None:
     assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
     for unit in cfg.unit_names():
         module = build_unit(cfg, unit)
-        assert sum(p.numel() for p in module.parameters()) == cfg.unit_device_params(unit), unit
+        assert sum(p.numel() for p in module.parameters()) == cfg.params().device(unit), unit
 
 
 @pytest.mark.parametrize("model_type", TYPES)

@@ -138,7 +138,7 @@ def test_fused_bytes_per_parameter_are_the_floor():
     whose load also gives the update its master; the head's once, as it stays from its forward into its
     backward) plus the moments; writes are master and moments. No compute copy, and the gradient never
     reaches the store."""
-    n, head = CFG.num_params(), CFG.unit_params("head")
+    n, head = CFG.num_params(), CFG.params().own("head")
     for moments, moment_bytes in (("bf16", 4), ("fp32", 8)):
         plan = PlanConfig.of(batch=2, seq=16, store="disk", update_timing="fused", moment_dtype=moments)
         assert step_disk_bytes(CFG, plan) == ((4 + 4 + moment_bytes) * n - 4 * head, (4 + moment_bytes) * n)
@@ -147,7 +147,7 @@ def test_fused_bytes_per_parameter_are_the_floor():
 @pytest.mark.parametrize("master_from_weights", [True, False])
 def test_a_fused_update_takes_the_master_of_each_units_last_weights_load(master_from_weights):
     units = CFG.unit_names()
-    numels = {u: CFG.unit_params(u) for u in units}
+    numels = {u: CFG.params().own(u) for u in units}
     events = step_events(StepSpec(tuple(units), 2, numels, 5000, fused=True, master_from_weights=master_from_weights))
     assert all(e.resource.master != master_from_weights for e in events if e.phase == "update")
     kept = [r for r, keep in zip(load_order(events, 1), loads_keeping_master(events, 1), strict=True) if keep]
@@ -191,7 +191,7 @@ def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the
     assert fused[2] == step_disk_bytes(cfg, pc)
     assert plan(cfg, device_spec("h100-sxm"), pc).peak_device_bytes == fused[4] == dry_run(cfg, tc, 2, 16).peak
     # No host buffer of the embedding's size: the fold and the fused update's master are a block's.
-    host, block = step_host(cfg, tc, pc), cfg.unit_params("block.0")
+    host, block = step_host(cfg, tc, pc), cfg.params().own("block.0")
     assert host.fold == 4 * block and host.master == 4 * block
     norms = sorted(fused[3])
     limit = (norms[1] + norms[2]) / 2  # the early steps clip, the later ones do not (or the reverse)

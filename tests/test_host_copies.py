@@ -101,4 +101,4 @@ def pinned_all_equals(a, b) -> bool:
 
 def gradient_bytes(shape, cfg) -> int:
     """The weight gradients a backward sends home: bf16, one per unit's device parameters."""
-    return sum(shape.unit_device_params(u) for u in shape.unit_names()) * cfg.dtype_bytes
+    return sum(shape.params().device(u) for u in shape.unit_names()) * cfg.dtype_bytes

@@ -60,7 +60,7 @@ def test_published_config_is_transformers_model(tmp_path, name):
              if k not in cfg.adapter().tied_keys() and not k.endswith(cfg.ignored_checkpoint_suffixes)}
     assert {k: tuple(v.shape) for k, v in expected_tensors(cfg).items()} == state
     count = sum(p.numel() for p in theirs.parameters())
-    seq = min(2048, cfg.context()[0])
+    seq = min(2048, cfg.attention().context()[0])
     assert plan(cfg, device_spec("h100-sxm"), PlanConfig.of(batch=1, seq=seq), limits=False).params == count
 
 
@@ -149,7 +149,7 @@ def test_a_qwen_window_is_on_where_transformers_puts_it(tmp_path, edit, window):
     theirs = sliding(transformers.AutoConfig.for_model(**raw))
     assert theirs[0] == window
     cfg = ModelConfig.from_hf(raw)
-    assert cfg.context()[0] == (window or raw["max_position_embeddings"])
+    assert cfg.attention().context()[0] == (window or raw["max_position_embeddings"])
     assert sliding(transformers.AutoConfig.for_model(**cfg.adapter().to_hf())) == theirs
 
 

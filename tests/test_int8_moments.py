@@ -166,10 +166,10 @@ def test_the_store_moves_the_planners_bytes_and_a_third_of_fp32s(tmp_path, timin
                          update_timing=timing, moment_dtype="int8")
     moved = train_debug(tmp_path / "run", tc, steps=2)[2]
     assert moved == step_disk_bytes(CFG, plan)
-    n, head = CFG.num_params(), CFG.unit_params("head")
+    n, head = CFG.num_params(), CFG.params().own("head")
     if timing == "fused":
         scales = sum(2 * 4 * -(-c // QUANT_BLOCK) for u in CFG.unit_names()
-                     for c in _chunk_counts(CFG.unit_params(u), tc.step.update_chunk))
+                     for c in _chunk_counts(CFG.params().own(u), tc.step.update_chunk))
         assert moved == ((4 + 4 + 2) * n - 4 * head + scales, (4 + 2) * n + scales)
 
 
@@ -187,7 +187,7 @@ def test_the_store_size_is_what_it_writes(tmp_path):
     states = sum(size for name, size in slabs.items() if name.endswith(".state"))
     assert ram == 0 and disk == sum(slabs.values()) + states
     in_ram = tc.replace(store="ram").store_spec(CFG)
-    numels = {u: CFG.unit_params(u) for u in CFG.unit_names()}
+    numels = {u: CFG.params().own(u) for u in CFG.unit_names()}
     expected = sum(4 * n + 4 * n + 2 * stored_bytes("int8", n) for n in numels.values())  # master, grad, moments
     assert in_ram.host_bytes()[0] == expected
 

@@ -301,8 +301,8 @@ def test_units_partition_the_state_dict(name: str) -> None:
             unit_shapes[hf_key] = tensor.shape
     assert unit_shapes == model_shapes
     for unit in ("embed", "block.0", "head"):  # (a tied head's module uses the embedding's weight too)
-        assert sum(p.numel() for p in build_unit(cfg, unit).parameters()) == cfg.unit_device_params(unit)
-    assert sum(map(cfg.unit_params, cfg.unit_names())) == cfg.num_params()
+        assert sum(p.numel() for p in build_unit(cfg, unit).parameters()) == cfg.params().device(unit)
+    assert sum(map(cfg.params().own, cfg.unit_names())) == cfg.num_params()
 
 
 # --- checkpoint loading ----------------------------------------------------------------

@@ -567,7 +567,7 @@ def test_auto_runs_the_update_after_the_backward_where_a_fused_steps_second_gene
     model_cfg = cfg.model_config()
     spec = cfg.trainer.store_spec(model_cfg)
     fused_disk, journaled_disk = spec.host_bytes()[1], spec.host_bytes(every_unit_twice=False)[1]
-    state = spec.state_bytes(model_cfg.unit_params("block.0"))
+    state = spec.state_bytes(model_cfg.params().own("block.0"))
     assert fused_disk - journaled_disk > 20 * state  # the second generation of every unit, not of one
     ram, between = 64 * 2**30, (fused_disk + journaled_disk) // 2
     assert fit_host_resources(cfg, model_cfg, ram, 2 * fused_disk, tmp_path) == (cfg, None)

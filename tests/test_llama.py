@@ -72,7 +72,7 @@ def test_unsupported_configs_get_one_line(raw, message):
 
 def test_a_sliding_window_shorter_than_the_sequence_is_refused():
     cfg = MistralConfig(**_TINY, sliding_window=16)
-    assert cfg.context() == (16, "sliding_window=16; attention over a sliding window is not supported")
+    assert cfg.attention().context() == (16, "sliding_window=16; attention over a sliding window is not supported")
     with StreamingTrainer(cfg, TrainerConfig.of(dtype="fp32", store="ram")) as trainer:
         with pytest.raises(Exception, match="sliding_window=16"):
             trainer.step(torch.zeros(1, 17, dtype=torch.int64), torch.zeros(1, 17, dtype=torch.int64))

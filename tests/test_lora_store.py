@@ -75,7 +75,7 @@ def test_lora_store_bytes_per_step_are_the_planners(tmp_path: Path, accum: int, 
     assert step_disk_bytes(CFG, config)[1] == 0
     # Each unit's weights are read for its forward and again for its backward, but the head's once (it stays
     # from its forward into its backward) and the embedding's once (no backward: its input is token ids).
-    once = CFG.unit_params("embed") + CFG.unit_params("head")
+    once = CFG.params().own("embed") + CFG.params().own("head")
     assert step_disk_bytes(CFG, config)[0] == ES[dtype] * accum * (2 * CFG.num_params() - once)
 
 

@@ -44,7 +44,7 @@ from tests.test_runtime import (
 )
 
 # Every registered mixture of experts: the families whose blocks have experts.
-MIXTURES = [model_type for model_type, cls in FAMILIES.items() if cls.example().experts()]
+MIXTURES = [model_type for model_type, cls in FAMILIES.items() if cls.example().params().experts()]
 
 
 def transformers_count(cfg: ModelConfig) -> int:
@@ -59,8 +59,9 @@ def test_presets_have_transformers_parameter_counts():
     Mixtral-8x7B: 46.7B; OLMoE-1B-7B: 6.9B."""
     cfg = PRESETS["qwen3-30b-a3b"]
     assert cfg.num_params() == transformers_count(cfg) == 30_532_122_624
-    active = cfg.embed_params() + cfg.head_params() + cfg.num_hidden_layers * (
-        cfg.block_params() - cfg.mlp_params() + cfg.costs().mlp.matmul_params())
+    params = cfg.params()
+    active = params.embed() + params.head() + cfg.num_hidden_layers * (
+        params.block() - params.mlp() + cfg.costs().mlp.matmul_params())
     assert 3.3e9 < active < 3.4e9
     assert PRESETS["mixtral-8x7b"].num_params() == transformers_count(PRESETS["mixtral-8x7b"]) == 46_702_792_704
     assert PRESETS["olmoe-1b-7b"].num_params() == transformers_count(PRESETS["olmoe-1b-7b"]) == 6_919_161_856

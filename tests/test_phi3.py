@@ -192,7 +192,7 @@ def test_presets_are_the_published_files_with_transformers_counts() -> None:
     assert {name: PRESETS[name].num_params() for name in ("phi-4", "phi-3-mini-4k")} == {
         "phi-4": 14_659_507_200, "phi-3-mini-4k": 3_821_079_552}
     # Phi-3-mini-4k's window of 2047 caps the sequences whose attention is the model's
-    assert PRESETS["phi-3-mini-4k"].context()[0] == 2047
+    assert PRESETS["phi-3-mini-4k"].attention().context()[0] == 2047
 
 
 def test_streamer_plan_takes_the_presets(capsys) -> None:

@@ -120,7 +120,7 @@ def test_saved_activation_formulas_match_the_layers(seed: int, dtype: str, famil
     h = torch.randn(batch, seq, cfg.hidden_size, dtype=DTYPES[dtype], requires_grad=True)
     measured = {}
     # The head's loss in vocabulary chunks, and in one chunk (it keeps its logits for the backward).
-    kind = cfg.layer_types()[0]
+    kind = cfg.attention().layer_types()[0]
     for name, run in (("embed", lambda: embed(ids)), ("block", lambda: block(h)),
                       ("head", lambda: head(h, ids, vocab_chunk=7)), ("one chunk", lambda: head(h, ids))):
         saved = SavedStorages([embed, block, head])
@@ -190,7 +190,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     charges (memory_model/schedule.py); the planner's moment-by-moment walk never sees this code."""
     ledger = Ledger(None)
     units = shape.unit_names()
-    events = step_events(StepSpec(tuple(units), cfg.step.grad_accum, {u: shape.unit_params(u) for u in units},
+    events = step_events(StepSpec(tuple(units), cfg.step.grad_accum, {u: shape.params().own(u) for u in units},
                                   cfg.step.update_chunk, offload_inputs=cfg.step.activations == "offload"))
     resident = resident_sets(events, cfg.step.prefetch)
     es, b, t = cfg.dtype_bytes, cfg.micro_batch, cfg.seq
@@ -200,7 +200,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
     for k, e in enumerate(events):
         for r in resident[k]:
             if r not in in_flight:
-                numel = block_input_numel(shape, b, t) if isinstance(r, BlockInput) else shape.unit_params(r.unit)
+                numel = block_input_numel(shape, b, t) if isinstance(r, BlockInput) else shape.params().own(r.unit)
                 in_flight[r] = [ledger.allocate(c.category, r.unit, c.nbytes)
                                 for c in resource_charges(r, numel, es, cfg.step.update_on)]
         kind = e.unit.split(".")[0]
@@ -224,7 +224,7 @@ def _replay(shape: GPTJConfig, cfg: PlanConfig) -> Ledger:
             if kind == "block" and cfg.step.activations != "resident":
                 extra.append(ledger.allocate("activations", e.unit, block_saved_bytes(shape, b, t, es)
                                              - checkpoint_input_bytes(shape, b, t, es)))
-            grad = ledger.allocate("gradients", e.unit, shape.unit_params(e.unit) * es)
+            grad = ledger.allocate("gradients", e.unit, shape.params().own(e.unit) * es)
             if offloading is not None:  # the previous unit's offload is waited for once this gradient exists
                 ledger.free(offloading)
             offloading = grad
@@ -267,7 +267,7 @@ def test_planned_peak_equals_a_ledger_replay(n_layer, d, vocab, micro, seq, accu
 # --- the bar: GPT-J-6B on a CS-2 ---------------------------------------------------------------------------------
 def test_gptj_6b_checkpoint_fits_in_3_gib_30x_below_the_baseline() -> None:
     assert GPTJ_6B.num_params() == 6_050_882_784 == PRESETS["gptj-6b"].num_params()
-    assert GPTJ_6B.block_params() == 201_355_264
+    assert GPTJ_6B.params().block() == 201_355_264
     cfg = PlanConfig.of(batch=1, seq=2048, activations="checkpoint", compute_dtype="bf16")
     p = plan(GPTJ_6B, CS2, cfg)
     assert p.baseline_bytes == 16 * 6_050_882_784 and round(p.baseline_bytes / GIB, 1) == 90.2
@@ -453,7 +453,7 @@ def test_kernel_costs_add_their_counted_seconds_to_the_matmuls() -> None:
     # The update casts each parameter's new master to bf16: 4 B read and 2 B written, at the measured rate.
     update_s = {r.unit: r for r in costed.rows}["block.0"].update_s
     assert update_s == pytest.approx({r.unit: r for r in base.rows}["block.0"].update_s
-                                     + shape.unit_params("block.0") * 6 / 1e9, rel=1e-12)
+                                     + shape.params().own("block.0") * 6 / 1e9, rel=1e-12)
     n, attn = 512, attention_flops(shape, 1, 512)
     block = {r.unit: r for r in costed.rows}["block.0"]
     mm = (block.forward_flops - attn) / 1e12
@@ -495,7 +495,7 @@ def test_fixed_costs_add_once_per_event_and_once_per_step() -> None:
     fixed = plan(shape, replace(free, kernels={"bf16": KernelCosts(**costs, event_s=1e-3, step_s=2e-3, disk_event_s=5.0,
                                                                     disk_step_s=7.0, **free_io)}), cfg)
     units = shape.unit_names()
-    events = step_events(StepSpec(tuple(units), 2, {u: shape.unit_params(u) for u in units}, cfg.step.update_chunk,
+    events = step_events(StepSpec(tuple(units), 2, {u: shape.params().own(u) for u in units}, cfg.step.update_chunk,
                                   fused=cfg.fused))
     assert len(events) > 2 * 2 * len(units)  # two micro-batches' forwards and backwards, and the updates
     assert fixed.step_time_s == pytest.approx(base.step_time_s + len(events) * 1e-3 + 2e-3, rel=1e-12)
@@ -523,7 +523,7 @@ def test_each_state_file_waits_on_the_disks_queue() -> None:
     shape, device = GPTJConfig.preset("gptj-debug"), replace(free, kernels={"fp32": costs})
     cfg = PlanConfig.of(batch=1, seq=64, compute_dtype="fp32", update_timing="after-backward", update_chunk=4096)
     disk = plan(shape, device, cfg.replace(store="disk"), limits=False)
-    assert max(shape.unit_params(u) for u in shape.unit_names()) > 4096  # units of several chunks, one file each
+    assert max(shape.params().own(u) for u in shape.unit_names()) > 4096  # units of several chunks, one file each
     assert disk.step_time_s == pytest.approx(len(shape.unit_names()), rel=1e-9)
     assert plan(shape, device, cfg.replace(store="ram"), limits=False).step_time_s < 1e-6
 
@@ -627,7 +627,7 @@ def test_plan_config_rejects(bad: dict) -> None:
 
 def test_unit_params_add_up_to_the_model_and_the_plan_checks_its_context() -> None:
     for cfg in PRESETS.values():
-        assert sum(cfg.unit_params(u) for u in cfg.unit_names()) == cfg.num_params()
+        assert sum(cfg.params().own(u) for u in cfg.unit_names()) == cfg.num_params()
     with pytest.raises(ValueError):
         plan(GPTJ_6B, CS2, PlanConfig.of(batch=1, seq=4096))
 

@@ -331,7 +331,7 @@ def test_streamer_plan_prints_the_4bit_plan(capsys: pytest.CaptureFixture[str]) 
     assert "4-bit nf4 base" in out
     cfg = PRESETS["llama-3.1-8b"]
     block = unit_bytes(cfg, "block.0", 2, False)
-    assert block < cfg.unit_params("block.0") * 2 // 3  # 4-bit projections, not 16-bit ones
+    assert block < cfg.params().own("block.0") * 2 // 3  # 4-bit projections, not 16-bit ones
     row = next(line for line in out.splitlines() if line.startswith("│ block.0 "))
     assert format_size(block) in row
 

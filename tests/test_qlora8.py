@@ -95,7 +95,7 @@ def test_import_quantizes_as_bitsandbytes_int8_vectorwise_quant(checkpoint: Path
         norm = next(s for s in layout.slots if s.key.endswith("layernorm.weight"))
         assert torch.equal(pieces[norm.key], hf[norm.hf_key])
     # One int8 byte a weight and an fp32 scale a row: about a quarter of fp32's bytes for a block.
-    assert unit_bytes(CFG, "block.1", 4, False, int8=True) < CFG.unit_params("block.1") * 4 * 0.4
+    assert unit_bytes(CFG, "block.1", 4, False, int8=True) < CFG.params().own("block.1") * 4 * 0.4
 
 
 def test_rows_of_an_8bit_weight_are_its_dequantized_rows() -> None:

@@ -279,7 +279,7 @@ def test_new_settings_reach_the_trainer_and_config_toml():
 def test_every_preset_gets_a_vocabulary_and_sequence_that_fit(preset):
     cfg = resolve({"model": preset})
     model = fit_vocabulary(cfg, cfg.model_config())
-    assert model.vocab_size >= MIN_VOCAB and cfg.seq <= model.context()[0]
+    assert model.vocab_size >= MIN_VOCAB and cfg.seq <= model.attention().context()[0]
     assert model.vocab_size == max(MIN_VOCAB, PRESETS[preset].vocab_size)  # only a too-small vocabulary grows
 
 

@@ -36,8 +36,8 @@ def test_the_preset_has_the_published_count_and_one_copy_of_the_tied_weight():
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.adapter().to_hf()))
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.lm_head.weight is hf.model.embed_tokens.weight
     assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 1_235_814_400
-    assert cfg.unit_params("head") == cfg.hidden_size  # its final norm: the embedding's state holds lm_head
-    assert cfg.unit_device_params("head") == cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
+    assert cfg.params().own("head") == cfg.hidden_size  # its final norm: the embedding's state holds lm_head
+    assert cfg.params().device("head") == cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
 
 
 @pytest.mark.parametrize("name", TIED)

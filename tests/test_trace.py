@@ -388,7 +388,7 @@ def test_every_place_names_the_same_peak_through_the_cli(tiny_setup, tmp_path, c
     # Each block's weights column is its own fp32 weights (it read 0 B: the device's makeup at the block's peak,
     # which falls in its fused update).
     from conftest import TINY_RUN_MODEL
-    weights = format_size(4 * TINY_RUN_MODEL.unit_device_params("block.0"))
+    weights = format_size(4 * TINY_RUN_MODEL.params().device("block.0"))
     for block in ("block.0", "block.1"):
         assert f"│ {block} │" in other and other.split(f"│ {block} │")[1].split("│")[2].strip() == weights, other
     # One step's plot goes to a file of its own, named where it is said; the peak step's plot stays.

@@ -13,10 +13,12 @@ from layers.config import (
     PRESETS, ConfigError, ModelConfig, check_heads, check_size, check_pad_token_id, check_rms_norm_eps,
     family, positive_ints,
 )
+from layers.attention import SlidingLayers
 from layers.llama.config import checked_rope
 from layers.gemma3.adapter import LAYER_TYPES, Gemma3Adapter, pattern_layers, rope_per_layer_type
 from layers.gemma3.costs import Gemma3Costs
 from layers.llama.targets import LlamaTargets
+from layers.params import UnitParams
 
 
 def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
@@ -27,10 +29,38 @@ def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
     return dataclasses.replace(cfg, num_hidden_layers=layers, attention_layers=kinds)
 
 
+class Gemma3Params(UnitParams):
+    def embed(self) -> int:
+        return self.cfg.vocab_size * self.cfg.hidden_size
+
+    def block(self) -> int:
+        cfg = self.cfg
+        d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.attention_width, cfg.kv_width
+        attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if cfg.attention_bias else 0)
+        return 4 * d + attention + 2 * cfg.head_dim + 3 * d * f  # four norms, q/k norms, GeGLU
+
+    def head(self) -> int:
+        cfg = self.cfg
+        return cfg.hidden_size + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
+        tied = unit == "head" and self.cfg.tie_word_embeddings
+        return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
+
+
+class Gemma3Attention(SlidingLayers):
+    """Each layer type with its own RoPE table."""
+
+    def rotary_table(self, layer_type: str) -> Any:
+        return self.cfg.rope(layer_type)
+
+
 @family
 @dataclass(frozen=True)
 class Gemma3TextConfig(ModelConfig):
     costs_class = Gemma3Costs
+    params_class = Gemma3Params
+    attention_class = Gemma3Attention
     model_type: ClassVar[str] = "gemma3_text"
     adapter_class = Gemma3Adapter  # Llama's checkpoint layout
     lora_class = LlamaTargets  # Llama's projections
@@ -54,7 +84,7 @@ class Gemma3TextConfig(ModelConfig):
     attention_bias: bool = False
     query_pre_attn_scalar: float = 256
     sliding_window: int | None = 4096
-    # transformers' layer_types (a method of every config reads it: layer_types()); None: every 6th global.
+    # transformers' layer_types (its attention facet gives them: `layer_types()`); None: every 6th global.
     attention_layers: tuple[str, ...] = None  # type: ignore[assignment]  # None until __post_init__ resolves it
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
@@ -112,33 +142,8 @@ class Gemma3TextConfig(ModelConfig):
     def rotary_dim(self) -> int:
         return self.head_dim
 
-    def layer_types(self) -> tuple[str, ...]:
-        return self.attention_layers
-
-    def attention_window(self, layer_type: str) -> int | None:
-        return self.sliding_window if layer_type == "sliding_attention" else None
-
     def rope(self, layer_type: str) -> tuple[tuple[str, Any], ...]:
         return dict(self.rope_parameters)[layer_type]
-
-    def rotary_table(self, layer_type: str) -> Any:
-        return self.rope(layer_type)
-
-    # --- parameters -------------------------------------------------------------------------------
-    def embed_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def block_params(self) -> int:
-        d, f, q, kv = self.hidden_size, self.intermediate_size, self.attention_width, self.kv_width
-        attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
-        return 4 * d + attention + 2 * self.head_dim + 3 * d * f  # four norms, q/k norms, GeGLU
-
-    def head_params(self) -> int:
-        return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
-
-    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
-        tied = unit == "head" and self.tie_word_embeddings
-        return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
 
     @property
     def kv_width(self) -> int:

@@ -36,7 +36,7 @@ class Gemma3Attention(nn.Module):
     def __init__(self, cfg: Gemma3TextConfig, layer_type: str) -> None:
         super().__init__()
         self.cfg, self.rope = cfg, cfg.rope(layer_type)
-        self.window = cfg.attention_window(layer_type)
+        self.window = cfg.attention().window(layer_type)
         d, q, kv = cfg.hidden_size, cfg.attention_width, cfg.num_key_value_heads * cfg.head_dim
         self.q_proj = nn.Linear(d, q, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, kv, bias=cfg.attention_bias)

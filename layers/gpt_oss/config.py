@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 from layers.config import PRESETS, ConfigError, SparseMlp
 from layers.gemma3.config import LAYER_TYPES, deepened
-from layers.llama.config import LlamaConfig
+from layers.attention import SlidingLayers
+from layers.llama.config import LlamaConfig, LlamaParams
 from layers.moe.config import holds
 from layers.gpt_oss.adapter import DEFAULT_ROPE, GptOssAdapter
 from layers.gpt_oss.costs import GptOssCosts, GptOssExpertsCosts
@@ -55,9 +56,28 @@ def alternating_layers(layers: int) -> tuple[str, ...]:
     return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
 
 
+class GptOssParams(LlamaParams):
+    def block(self) -> int:
+        return super().block() + self.cfg.num_attention_heads  # and each head's sink
+
+    def mlp(self) -> int:
+        d, f, experts = self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.num_local_experts
+        # the router and its bias; each expert's gate/up and down projections and their biases
+        return experts * (d + 1) + experts * (3 * d * f + 2 * f + d)
+
+
+class GptOssAttention(SlidingLayers):
+    """One RoPE table for every layer type; the context is max_position_embeddings whatever the window."""
+
+    def rotary_table(self, layer_type: str) -> Any:
+        return self.cfg.rope_parameters
+
+
 @dataclass(frozen=True)
 class GptOssConfig(LlamaConfig):
     costs_class = GptOssCosts
+    params_class = GptOssParams
+    attention_class = GptOssAttention
     mlp_costs = GptOssExpertsCosts
     adapter_class = GptOssAdapter  # the experts fused, as transformers holds them; published files pack them
     model_type: ClassVar[str] = "gpt_oss"
@@ -128,28 +148,6 @@ class GptOssConfig(LlamaConfig):
     def resized(self, **sizes: int) -> "GptOssConfig":
         """ModelConfig.resized; another depth repeats the layer types from the first layer on."""
         return LlamaConfig.resized(deepened(self, sizes), **sizes)
-
-    # --- the common vocabulary ------------------------------------------------------------------
-    def layer_types(self) -> tuple[str, ...]:
-        return self.attention_layers
-
-    def attention_window(self, layer_type: str) -> int | None:
-        return self.sliding_window if layer_type == "sliding_attention" else None
-
-    def rotary_table(self, layer_type: str) -> Any:
-        return self.rope_parameters
-
-    def context(self) -> tuple[int, str]:
-        return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
-
-    # --- parameters -------------------------------------------------------------------------------
-    def block_params(self) -> int:
-        return super().block_params() + self.num_attention_heads  # and each head's sink
-
-    def mlp_params(self) -> int:
-        d, f, experts = self.hidden_size, self.intermediate_size, self.num_local_experts
-        # the router and its bias; each expert's gate/up and down projections and their biases
-        return experts * (d + 1) + experts * (3 * d * f + 2 * f + d)
 
 
 def _gpt_oss(layers: int, experts: int) -> GptOssConfig:

@@ -53,7 +53,7 @@ class GptOssCosts(LlamaCosts):
         # gradient w.r.t. attention's output gone; every weight gradient but q/k/v_proj's, the sinks' and the
         # first norm's made.
         attention_in = d * q + q + 2 * (d * kv + kv) + self.cfg.num_attention_heads + d
-        return ((-(self.mlp.saved_per_token(es) + 8 * d + 4 + es * q), self.cfg.block_params() - attention_in, 0),)
+        return ((-(self.mlp.saved_per_token(es) + 8 * d + 4 + es * q), self.cfg.params().block() - attention_in, 0),)
 
     def head_saved_per_token(self, es: int, frozen: bool = False) -> int:
         # The final RMSNorm: its fp32 input, rstd, the fp32 normalised values (for its weight's gradient only),

@@ -23,7 +23,7 @@ class GptOssAttention(nn.Module):
 
     def __init__(self, cfg: GptOssConfig, layer_type: str) -> None:
         super().__init__()
-        self.cfg, self.window = cfg, cfg.attention_window(layer_type)
+        self.cfg, self.window = cfg, cfg.attention().window(layer_type)
         d, q, kv = cfg.hidden_size, cfg.attention_width, cfg.num_key_value_heads * cfg.head_dim
         self.q_proj = nn.Linear(d, q, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, kv, bias=cfg.attention_bias)

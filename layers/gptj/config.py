@@ -6,17 +6,39 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from layers.config import PRESETS, ConfigError, ModelConfig, check_size, family, positive_ints
+from layers.attention import AttentionLayout
 from layers.gptj.adapter import GPTJAdapter
 from layers.gptj.costs import GPTJCosts
 from layers.gptj.targets import GPTJTargets
+from layers.params import UnitParams
 
 _SUPPORTED_ACTIVATIONS = ("gelu_new",)
+
+
+class GPTJParams(UnitParams):
+    def embed(self) -> int:
+        return self.cfg.vocab_size * self.cfg.n_embd
+
+    def block(self) -> int:
+        d, f = self.cfg.n_embd, self.cfg.intermediate_size
+        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
+
+    def head(self) -> int:
+        d, vocab = self.cfg.n_embd, self.cfg.vocab_size
+        return 2 * d + vocab * d + vocab  # ln_f, lm_head
+
+
+class GPTJAttention(AttentionLayout):
+    def context(self) -> tuple[int, str]:
+        return self.cfg.n_positions, f"n_positions={self.cfg.n_positions}"
 
 
 @family
 @dataclass(frozen=True)
 class GPTJConfig(ModelConfig):
     costs_class = GPTJCosts
+    params_class = GPTJParams
+    attention_class = GPTJAttention
     model_type: ClassVar[str] = "gptj"
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("attn.bias", "attn.masked_bias")
     adapter_class = GPTJAdapter
@@ -97,20 +119,6 @@ class GPTJConfig(ModelConfig):
     @property
     def max_position_embeddings(self) -> int:
         return self.n_positions
-
-    def context(self) -> tuple[int, str]:
-        return self.n_positions, f"n_positions={self.n_positions}"
-
-    # --- parameters -------------------------------------------------------------------------------
-    def block_params(self) -> int:
-        d, f = self.n_embd, self.intermediate_size
-        return 2 * d + 4 * d * d + (d * f + f) + (f * d + d)  # ln_1, q/k/v/out, fc_in, fc_out
-
-    def embed_params(self) -> int:
-        return self.vocab_size * self.n_embd
-
-    def head_params(self) -> int:
-        return 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size  # ln_f, lm_head
 
 
 PRESETS.update({

@@ -18,10 +18,12 @@ from layers.config import (
     family, positive_ints,
 )
 from layers.adapter import StateDictAdapter
+from layers.attention import AttentionLayout
 from layers.costs import Costs
 from layers.llama.adapter import LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
 from layers.llama.costs import LlamaCosts, MlpCosts, SwiGLUCosts
 from layers.llama.targets import LlamaTargets
+from layers.params import UnitParams
 from layers.targets import LoraTargets
 
 # The sizes of each model_type's `example()`: two layers, four query heads on two key/value heads.
@@ -54,6 +56,53 @@ def checked_rope(rope: Any, name: str = "rope_parameters") -> tuple[tuple[str, A
     return tuple(sorted(params.items()))
 
 
+class LlamaParams(UnitParams):
+    """The Llama family's parameters by unit: a dense SwiGLU MLP, or the sparse MLP its config holds."""
+
+    def embed(self) -> int:
+        return self.cfg.vocab_size * self.cfg.hidden_size
+
+    def block(self) -> int:
+        cfg = self.cfg
+        d = cfg.hidden_size
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        attention = d * q + 2 * d * kv + q * d
+        attention += (q + 2 * kv) if cfg.attention_bias or cfg.qkv_bias else 0
+        attention += d if cfg.attention_bias else 0  # o_proj's bias
+        if cfg.qk_norm:
+            attention += (q + kv) if cfg.qk_norm_whole else 2 * cfg.head_dim
+        return 2 * d + attention + self.mlp()  # input_layernorm, post_attention_layernorm
+
+    def mlp(self) -> int:
+        """The parameters of a block's MLP: SwiGLU's three projections and their biases, or the sparse MLP's."""
+        cfg = self.cfg
+        if cfg.sparse_mlp is not None:
+            return cfg.sparse_mlp.params(cfg.hidden_size)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        return 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
+
+    def head(self) -> int:
+        # norm, lm_head (no bias); a tied lm_head is the embedding's weight, held by the embedding's state
+        cfg = self.cfg
+        return cfg.hidden_size + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
+        tied = unit == "head" and self.cfg.tie_word_embeddings
+        return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
+
+
+class LlamaAttention(AttentionLayout):
+    """Full attention on every block; a window is one on every block, which its context stops short of."""
+
+    def context(self) -> tuple[int, str]:
+        # Within the window every key of a causal sequence is visible: the window changes nothing there.
+        cfg = self.cfg
+        if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+            return cfg.sliding_window, (f"sliding_window={cfg.sliding_window}; attention over a sliding window "
+                                        "is not supported")
+        return cfg.max_position_embeddings, f"max_position_embeddings={cfg.max_position_embeddings}"
+
+
 @family
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
@@ -63,6 +112,8 @@ class LlamaConfig(ModelConfig):
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     adapter_class: ClassVar[type[StateDictAdapter]] = LlamaAdapter
     lora_class: ClassVar[type[LoraTargets]] = LlamaTargets
+    params_class: ClassVar[type[UnitParams]] = LlamaParams
+    attention_class: ClassVar[type[AttentionLayout]] = LlamaAttention
     architecture: ClassVar[str] = "LlamaForCausalLM"
     qkv_bias: ClassVar[bool] = False  # q/k/v biases whatever attention_bias says (qwen2)
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before RoPE (qwen3)
@@ -140,42 +191,6 @@ class LlamaConfig(ModelConfig):
     @property
     def rope(self) -> dict[str, Any]:
         return dict(self.rope_parameters)
-
-    def context(self) -> tuple[int, str]:
-        # Within the window every key of a causal sequence is visible: the window changes nothing there.
-        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
-            return self.sliding_window, (f"sliding_window={self.sliding_window}; attention over a sliding window "
-                                         "is not supported")
-        return self.max_position_embeddings, f"max_position_embeddings={self.max_position_embeddings}"
-
-    # --- parameters -------------------------------------------------------------------------------
-    def embed_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def block_params(self) -> int:
-        d = self.hidden_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attention = d * q + 2 * d * kv + q * d
-        attention += (q + 2 * kv) if self.attention_bias or self.qkv_bias else 0
-        attention += d if self.attention_bias else 0  # o_proj's bias
-        if self.qk_norm:
-            attention += (q + kv) if self.qk_norm_whole else 2 * self.head_dim
-        return 2 * d + attention + self.mlp_params()  # input_layernorm, post_attention_layernorm
-
-    def mlp_params(self) -> int:
-        """The parameters of a block's MLP: SwiGLU's three projections and their biases, or the sparse MLP's."""
-        if self.sparse_mlp is not None:
-            return self.sparse_mlp.params(self.hidden_size)
-        d, f = self.hidden_size, self.intermediate_size
-        return 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-
-    def head_params(self) -> int:
-        # norm, lm_head (no bias); a tied lm_head is the embedding's weight, held by the embedding's state
-        return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
-
-    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
-        tied = unit == "head" and self.tie_word_embeddings
-        return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
 
 
 @family

@@ -135,7 +135,7 @@ class _Model(nn.Module):
         table = units.embed(cfg).embed_tokens
         assert isinstance(table, nn.Embedding)  # every family's table
         self.embed_tokens = table
-        self.layers = nn.ModuleList(units.block(cfg, kind) for kind in cfg.layer_types())
+        self.layers = nn.ModuleList(units.block(cfg, kind) for kind in cfg.attention().layer_types())
         head = units.head
         assert isinstance(head, type) and issubclass(head, LlamaHead)  # a Llama-shaped family's
         self.norm = head.norm_type(cfg.hidden_size, cfg.rms_norm_eps)

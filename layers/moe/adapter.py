@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from layers.adapter import StateDictAdapter
 from layers.config import ConfigError, take_aliases
 from layers.llama.adapter import LlamaAdapter
 
@@ -19,8 +20,14 @@ def read_hf_experts(raw: dict[str, Any]) -> None:
         raw.pop("router_aux_loss_coef", None)
 
 
-class ExpertsAdapter(LlamaAdapter):
-    """The saved MLP module's name (`saved_mlp`) and each expert's saved projections (gate and up, then down)."""
+class ExpertsAdapter(StateDictAdapter):
+    """Llama's config.json and key map (a `LlamaAdapter`'s, composed), the saved MLP module's name (`saved_mlp`)
+    and each expert's saved projections (gate and up, then down)."""
+
+    body: ClassVar[str] = LlamaAdapter.body
+    blocks: ClassVar[str] = LlamaAdapter.blocks
+    final_norm: ClassVar[str] = LlamaAdapter.final_norm
+    required: ClassVar[tuple[str, ...]] = LlamaAdapter.required
 
     # The name transformers' config.json gives the number of experts besides the family's own field's.
     experts_alias: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
@@ -31,7 +38,10 @@ class ExpertsAdapter(LlamaAdapter):
     def config_fields(cls, config: type[Any], raw: dict[str, Any]) -> dict[str, Any]:
         take_aliases(raw, cls.experts_alias)
         read_hf_experts(raw)
-        return super().config_fields(config, raw)
+        return LlamaAdapter.config_fields(config, raw)
+
+    def to_hf(self) -> dict[str, Any]:
+        return LlamaAdapter(self.cfg).to_hf()
 
     def saved_name(self, key: str) -> str:
         return key.replace(".mlp.gate.", f".{self.saved_mlp}.gate.")

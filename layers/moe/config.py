@@ -1,6 +1,7 @@
 """The mixture-of-experts families' configurations (torch-free), transformers' field names: `qwen3_moe`, a Qwen3
-whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Their units are in
-layers/moe/units.py.
+whose MLP is a sparse mixture of experts, `mixtral`, a Mistral whose MLP is, and `olmoe`. Each is a Llama-family
+config that names its attention's variations (Qwen3's, Mistral's, OLMo's) rather than inheriting them. Their units
+are in layers/moe/units.py.
 
 A sparse MLP replaces the dense one of a Llama-family block: the config holds it as a facet, not as an ancestor
 class (`layers.config.SparseMlp`, `ModelConfig.sparse_mlp`), which its units, costs (`SparseMlpCosts`), LoRA targets
@@ -32,16 +33,20 @@ def holds(cfg: LlamaConfig, mlp: SparseMlp) -> None:
 
 @family
 @dataclass(frozen=True)
-class Qwen3MoeConfig(Qwen3Config):
-    """Qwen3's attention (RMSNorm on each head of q and k) and a sparse MLP in every layer. transformers' class
-    can make some layers dense (`decoder_sparse_step`, `mlp_only_layers`): published configs do not, and it is
-    refused here."""
+class Qwen3MoeConfig(LlamaConfig):
+    """Qwen3's attention (RMSNorm on each head of q and k, `Qwen3Config`'s variations) and a sparse MLP in every
+    layer. transformers' class can make some layers dense (`decoder_sparse_step`, `mlp_only_layers`): published
+    configs do not, and it is refused here."""
 
     model_type: ClassVar[str] = "qwen3_moe"
     adapter_class = Qwen3MoeAdapter
     mlp_costs = SparseMlpCosts
     lora_class = ExpertsTargets
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+    qk_norm: ClassVar[bool] = Qwen3Config.qk_norm
+    honoured_flags: ClassVar[tuple[str, ...]] = Qwen3Config.honoured_flags
+    slides: ClassVar[bool] = Qwen3Config.slides
+    switched_window: ClassVar[bool] = Qwen3Config.switched_window
 
     intermediate_size: int = 6144  # the dense MLP's width, which no layer has here
     num_experts: int = 128
@@ -73,17 +78,20 @@ class Qwen3MoeConfig(Qwen3Config):
 
 @family
 @dataclass(frozen=True)
-class MixtralConfig(MistralConfig):
-    """Mistral's attention and a sparse MLP of `num_local_experts` experts of width `intermediate_size`. The
-    router's chosen probabilities are always renormalised: a softmax over the chosen experts' logits, computed
-    as transformers does (softmax over all, top-k, divided by their sum). transformers keeps them in fp32 for
-    the weighting; here they are cast to the compute dtype first (the same in fp32, a rounding apart in bf16)."""
+class MixtralConfig(LlamaConfig):
+    """Mistral's attention (`MistralConfig`'s variations) and a sparse MLP of `num_local_experts` experts of width
+    `intermediate_size`. The router's chosen probabilities are always renormalised: a softmax over the chosen
+    experts' logits, computed as transformers does (softmax over all, top-k, divided by their sum). transformers
+    keeps them in fp32 for the weighting; here they are cast to the compute dtype first (the same in fp32, a
+    rounding apart in bf16)."""
 
     model_type: ClassVar[str] = "mixtral"
     architecture: ClassVar[str] = "MixtralForCausalLM"
     adapter_class = MixtralAdapter
     mlp_costs = SparseMlpCosts
     lora_class = ExpertsTargets
+    honoured_flags: ClassVar[tuple[str, ...]] = MistralConfig.honoured_flags
+    slides: ClassVar[bool] = MistralConfig.slides
 
     num_local_experts: int = 8
     num_experts_per_tok: int = 2

@@ -11,14 +11,25 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from layers.config import PRESETS, family
-from layers.llama.config import TINY, LlamaConfig
+from layers.llama.config import TINY, LlamaConfig, LlamaParams
 from layers.olmo2.costs import Olmo2Costs
+
+
+class Olmo2Params(LlamaParams):
+    def block(self) -> int:
+        cfg = self.cfg
+        d, q, f = cfg.hidden_size, cfg.attention_width, cfg.intermediate_size
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if cfg.attention_bias else 0)
+        attention += q + kv  # q_norm and k_norm, over the whole projections
+        return attention + 3 * d * f + 2 * d  # post_attention_layernorm, post_feedforward_layernorm
 
 
 @family
 @dataclass(frozen=True)
 class Olmo2Config(LlamaConfig):
     costs_class = Olmo2Costs
+    params_class = Olmo2Params
     model_type: ClassVar[str] = "olmo2"
     architecture: ClassVar[str] = "Olmo2ForCausalLM"
     honoured_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)  # its MLP has no biases
@@ -35,14 +46,6 @@ class Olmo2Config(LlamaConfig):
         width, k's its width), the attention biases, and a padding row."""
         return cls(**TINY, head_dim=16, attention_bias=True, rope_parameters=(("rope_theta", 500000.0),
                                                                               ("rope_type", "default")))
-
-    # --- parameters -------------------------------------------------------------------------------
-    def block_params(self) -> int:
-        d, q, f = self.hidden_size, self.attention_width, self.intermediate_size
-        kv = self.num_key_value_heads * self.head_dim
-        attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
-        attention += q + kv  # q_norm and k_norm, over the whole projections
-        return attention + 3 * d * f + 2 * d  # post_attention_layernorm, post_feedforward_layernorm
 
 
 PRESETS.update({

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from layers.config import PRESETS, ConfigError, family, positive_ints
-from layers.llama.config import TINY, LlamaConfig
+from layers.llama.config import TINY, LlamaAttention, LlamaConfig
 from layers.phi3.adapter import Phi3Adapter
 from layers.phi3.costs import Phi3Costs
 from layers.phi3.targets import Phi3Targets
@@ -20,9 +20,16 @@ from layers.phi3.targets import Phi3Targets
 ROPE_TYPES: dict[str, tuple[str, ...]] = {"default": (), "longrope": ("short_factor", "long_factor")}
 
 
+class Phi3Attention(LlamaAttention):
+    def regime_change(self) -> int | None:
+        cfg = self.cfg
+        return cfg.original_max_position_embeddings if cfg.rope["rope_type"] == "longrope" else None
+
+
 @family
 @dataclass(frozen=True)
 class Phi3Config(LlamaConfig):
+    attention_class = Phi3Attention
     costs_class = Phi3Costs
     adapter_class = Phi3Adapter
     model_type: ClassVar[str] = "phi3"
@@ -83,9 +90,6 @@ class Phi3Config(LlamaConfig):
     def rope(self) -> dict[str, Any]:
         """transformers' rope_parameters, its factors as lists (transformers' validation asks for lists)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_parameters}
-
-    def rotary_regime_change(self) -> int | None:
-        return self.original_max_position_embeddings if self.rope["rope_type"] == "longrope" else None
 
 
 PRESETS.update({

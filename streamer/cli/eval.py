@@ -62,7 +62,7 @@ def eval_command(args: argparse.Namespace) -> int:
     begin = time.perf_counter()
     # One micro-batch per call, of the run's micro-batch size unless --batch says otherwise: what its budget holds.
     with open_trainer(run, {**overrides, "grad_accum": 1}) as trainer:
-        context, why = trainer.cfg.context()
+        context, why = trainer.cfg.attention().context()
         if seq > context:
             raise RunError(f"--seq {seq} exceeds the model's context ({why}); use --seq {context} or less")
         dataset = load_dataset(args.data, tokenizer, seq, pack=data.pack, long_examples=data.long_examples)

@@ -113,7 +113,7 @@ def sweep(model: str, activations: str, out_dir: str) -> tuple[Path, Path, int]:
     rows = []
     for batch, seq, target, tier, update in itertools.product(SWEEP_BATCHES, SWEEP_SEQS, SWEEP_TARGETS,
                                                                tuple(TIERS), SWEEP_UPDATES):
-        if seq > shape.context()[0]:
+        if seq > shape.attention().context()[0]:
             continue
         device = device_spec(target)
         p = plan(shape, device, PlanConfig.of(batch=batch, seq=seq, activations=activations, store=tier,

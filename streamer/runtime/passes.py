@@ -304,7 +304,7 @@ class Passes:
         if not unit.startswith("block") or self.adapters is not None:
             return None
         groups = self.groups.get(unit)
-        group = 0 if groups is None else self.cfg.experts() // groups.count
+        group = 0 if groups is None else self.cfg.params().experts() // groups.count
         nbytes = block_backward_transient_bytes(self.cfg, x.shape[0], x.shape[1], self.dtype.itemsize, group)
         return self.ledger.allocate("workspace", unit, nbytes, "autograd's buffers in the block's backward")
 

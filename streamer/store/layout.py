@@ -159,7 +159,7 @@ class UnitLayout:
         with _ShapesOnly():
             module = build_unit(cfg, unit)
         params = list(module.named_parameters())
-        lent = cfg.borrowed(unit)
+        lent = cfg.params().borrowed(unit)
         borrowed, offset = [], 0
         for key, param in params:
             if key in lent:
@@ -201,7 +201,7 @@ class UnitLayout:
     @property
     def device_parts(self) -> list[tuple[str, int]]:
         """The unit's device weights by the state that holds them, in device order: (unit, elements) of each
-        owner it borrows from, then its own (`ModelConfig.unit_device_parts`); a 4-bit unit's in bytes."""
+        owner it borrows from, then its own (`UnitParams.device_parts`); a 4-bit unit's in bytes."""
         if self.packed is not None:
             return [(owner, n) for (_, owner), n in zip(self.borrowed, self.packed.borrowed_bytes, strict=True)] + \
                 [(self.name, self.numel)]
@@ -317,9 +317,10 @@ def squared_norm(t: torch.Tensor) -> float:
 def expert_groups(cfg: ModelConfig, size: int, layouts: dict[str, UnitLayout]) -> dict[str, ExpertGroups]:
     """The blocks whose experts load `size` at a time (memory_model.step.StepConfig.expert_group_size, checked by
     memory_model.expert_groups.expert_group), each as `ExpertGroups`: none where blocks load whole."""
-    if cfg.sparse_mlp is None or not 0 < size < cfg.experts():
+    experts = cfg.params().experts()
+    if cfg.sparse_mlp is None or not 0 < size < experts:
         return {}
-    return {u: ExpertGroups.of(layout, cfg.sparse_mlp.keys, cfg.experts() // size) for u, layout in layouts.items()
+    return {u: ExpertGroups.of(layout, cfg.sparse_mlp.keys, experts // size) for u, layout in layouts.items()
             if u.startswith("block.")}
 
 
