@@ -112,7 +112,8 @@ def test_worker_measures_our_streamed_trainer(tmp_path):
     assert result.planned_host_bytes == step_host(cfg, tc, tc.plan_config(1, 16)).total
     assert result.process_rss_peak_bytes >= result.step_rss_peak_bytes
     # Each unit's compute spans (the scale run's compute floor is built from them) and where the RSS peaked.
-    assert set(result.unit_compute) == set(cfg.unit_names()) and all(s > 0 for s in result.unit_compute.values())
+    units = result.unit_compute[-1]  # the last timed step
+    assert set(units) == set(cfg.unit_names()) and all(s > 0 for s in units.values())
     assert re.match(r"(embed|block\.\d+|head) \w+, step \d+: [\d.]+ GiB$", result.rss_peak_at), result.rss_peak_at
 
 
@@ -174,6 +175,10 @@ def test_scale_step_is_held_to_its_floors_and_its_rss_to_the_plan():
                                                               units)).targets}
     assert "NOT met (1.35x" in slow["step <= 1.2x max(I/O floor, compute floor)"]
     assert "NOT met" in slow["peak RSS within 10% of the plan"]
+    below = {t.split(": ")[1]: t for t in scale(_scale_context(model, full, 50.0, 7 * 2**30, 7 * 2**30,
+                                                               units)).targets}
+    assert "unmeasured (0.52x" in below["step <= 1.2x max(I/O floor, compute floor)"]  # 96 s floor, 50 s step
+    assert "no floor: not judged" in below["step <= 1.2x max(I/O floor, compute floor)"]
     width = fitted_width(full, full.disk_bytes // 2)
     small = scale(_scale_context(model, width, 90.0, 2**30, 2**30, units)).targets
     assert all("NOT met" in t for t in small if "floor" in t or "plan" in t)  # a width is not the model
