@@ -465,7 +465,8 @@ def scale(ctx: Context) -> Outcome:
                  "disk moved them reading and writing at once, measured just before the run (section 4's disk "
                  "floor). Compute floor: the same width, dtype, precisions and checkpointing on the RAM tier, in "
                  f"this run, with {_floor_shape(floor)}: its median block's spans times the model's blocks, plus its "
-                 "embedding and head spans times the model's vocabulary over its own "
+                 "embedding and head spans times the model's vocabulary over its own, in one block before the scale "
+                 "run and one after, pooled "
                  f"({_missing(ctx, SCALE_FLOOR) if floor is None else floor.steps_note + ' timed steps'}).")
     notes.append("Host peak: planned = memory_model.host's peak of one process for these settings (`streamer plan`); "
                  "run = the process's VmHWM over setup and steps; steps = over the steps alone. "
