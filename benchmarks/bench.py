@@ -344,8 +344,7 @@ def run(args: argparse.Namespace) -> int:
                              update_timing=pick.chosen.update_timing,
                              **(dict(lora_rank=pick.chosen.qlora_rank, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                      bnb_4bit_use_double_quant=True) if pick.chosen.qlora_rank else {}))
-                results.update(runner.compare([_compute_floor_spec(spec)], 1))
-                results.update(runner.compare([spec], 1))
+                results.update(runner.bracket(_compute_floor_spec(spec), spec))
         else:
             skipped[SCALE] = skipped[SCALE_FLOOR] = "--no-scale"
         peaks_last = matmul_peaks(s.matmul_n)

@@ -404,6 +404,10 @@ def _floor_targets(pick: ScalePick, r: Result, ctx: Context) -> tuple[tuple[str,
     ran_instead = f"{chosen.name} ran instead: the disk does not hold {pick.model}"
     floors = (f"{ratio(step_ratio)}: I/O floor {seconds(io_floor)}, compute floor {seconds(compute_floor)}"
               if itself else ran_instead)
+    # A floor above the step it bounds was not one (the short run, scaled up, cost more than the model's own
+    # compute): no verdict on it.
+    if step_ratio is not None and r.median_s is not None and max(io_floor or 0.0, compute_floor or 0.0) > r.median_s:
+        floors, step_ratio = floors + "; a floor above the step is no floor: not judged", None
     plan = f"{size(_run_peak(r))} measured, {size(r.planned_host_bytes or None)} planned" if itself else ran_instead
     return cells, [
         _target(f"6. {scale_key(pick)}: step <= {FLOOR_BOUND:g}x max(I/O floor, compute floor)", floors,
@@ -461,7 +465,8 @@ def scale(ctx: Context) -> Outcome:
                  "disk moved them reading and writing at once, measured just before the run (section 4's disk "
                  "floor). Compute floor: the same width, dtype, precisions and checkpointing on the RAM tier, in "
                  f"this run, with {_floor_shape(floor)}: its median block's spans times the model's blocks, plus its "
-                 "embedding and head spans times the model's vocabulary over its own "
+                 "embedding and head spans times the model's vocabulary over its own, in one block before the scale "
+                 "run and one after, pooled "
                  f"({_missing(ctx, SCALE_FLOOR) if floor is None else floor.steps_note + ' timed steps'}).")
     notes.append("Host peak: planned = memory_model.host's peak of one process for these settings (`streamer plan`); "
                  "run = the process's VmHWM over setup and steps; steps = over the steps alone. "

@@ -196,6 +196,22 @@ class Runner:
         tail = " | ".join(text.strip().splitlines()[-6:])
         return Measured(label, ok=False, error=f"exit status {proc.returncode} without a result: {tail}"[-2000:])
 
+    def _logged_block(self, spec: RunSpec, r: int, rounds: int) -> Measured:
+        self.console.print(f"[bold]{spec.label}[/]: round {r + 1}/{rounds} "
+                           f"({spec.warmup} warm-up + {spec.steps} timed steps) ...")
+        measured = self.block(spec, r)
+        if measured.ok:
+            planned = (f" (planned {measured.planned_host_bytes / 2**30:.2f} GiB)"
+                       if measured.planned_host_bytes else "")
+            self.console.print(f"  median {statistics.median(measured.step_s):.3g} s/step "
+                               f"(setup {measured.setup_s:.0f} s), "
+                               f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB over the steps, "
+                               f"{measured.process_rss_peak_bytes / 2**30:.2f} GiB over the run{planned}, "
+                               f"others' load {measured.others_cores:.1f} cores")
+        else:
+            self.console.print(f"  [red]failed[/]: {measured.error[:300]}")
+        return measured
+
     def compare(self, specs: list[RunSpec], rounds: int) -> dict[str, Result]:
         """Every spec in `rounds` blocks; odd rounds run the contenders in reverse order (ABBA)."""
         blocks: dict[str, list[Measured]] = {s.label: [] for s in specs}
@@ -203,18 +219,13 @@ class Runner:
             for spec in specs if r % 2 == 0 else list(reversed(specs)):
                 # One profiled step, in the last block only, so that the profiler never slows a timed step.
                 spec = dataclasses.replace(spec, profile=spec.profile and r == rounds - 1)
-                self.console.print(f"[bold]{spec.label}[/]: round {r + 1}/{rounds} "
-                                   f"({spec.warmup} warm-up + {spec.steps} timed steps) ...")
-                measured = self.block(spec, r)
-                blocks[spec.label].append(measured)
-                if measured.ok:
-                    planned = (f" (planned {measured.planned_host_bytes / 2**30:.2f} GiB)"
-                               if measured.planned_host_bytes else "")
-                    self.console.print(f"  median {statistics.median(measured.step_s):.3g} s/step "
-                                       f"(setup {measured.setup_s:.0f} s), "
-                                       f"peak RSS {measured.step_rss_peak_bytes / 2**30:.2f} GiB over the steps, "
-                                       f"{measured.process_rss_peak_bytes / 2**30:.2f} GiB over the run{planned}, "
-                                       f"others' load {measured.others_cores:.1f} cores")
-                else:
-                    self.console.print(f"  [red]failed[/]: {measured.error[:300]}")
+                blocks[spec.label].append(self._logged_block(spec, r, rounds))
         return {s.label: merge(s, blocks[s.label]) for s in specs}
+
+    def bracket(self, outer: RunSpec, inner: RunSpec) -> dict[str, Result]:
+        """`inner` in one block between two blocks of `outer`, pooled: a reference for a long run measured under
+        the load the machine had before and after it (on a shared machine the load drifts over minutes)."""
+        before = self._logged_block(outer, 0, 2)
+        middle = self._logged_block(inner, 0, 1)
+        after = self._logged_block(outer, 1, 2)
+        return {outer.label: merge(outer, [before, after]), inner.label: merge(inner, [middle])}
