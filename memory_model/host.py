@@ -19,6 +19,11 @@ beside device memory, and what `streamer train` checks against the machine's ava
   (`prefetch` of them at most, fp32 state and gradient): they outlive it only where the disk is slower than the
   next chunk's update, so a run on a fast disk may stay below the plan by these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
+- `quantizing`: a 4-bit base (`--load-in-4bit`): bitsandbytes' modules and its kernels' first calls, measured once
+  (`BITSANDBYTES_BYTES`); and, as the run starts, the base quantized a unit at a time: the largest unit as built
+  in fp32 (a fresh base's initialisation; an import reads it as saved, in as many bytes or fewer) and one chunk's
+  working set of the quantizer (layers.packed4's `QUANTIZE_CHUNK`), less the device's bytes, which a step holds
+  and the start does not;
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 from layers import ModelConfig
+from layers.packed4 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_CHUNK
 from memory_model.ledger import CATEGORIES
 from memory_model.lora import base_unit_bytes
 from memory_model.schedule import Event, folded_by_chunk, shard_numel
@@ -52,6 +58,9 @@ COMPILE_MIN_NUMEL = 2**20
 # 156 MiB once it had quantized, dequantized and rounded a chunk of COMPILE_MIN_NUMEL x 2 elements on this project's
 # box (inductor's modules and the loaded kernels; the compiler itself runs in processes of its own).
 COMPILED_BYTES = 160 * 2**20
+# What a 4-bit base's bitsandbytes adds: the resident set of a process that had made a 16-bit LoRA step grew by
+# 46 MiB once it had imported bitsandbytes, quantized a 1024 x 2048 weight and dequantized it, on this project's box.
+BITSANDBYTES_BYTES = 48 * 2**20
 # The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
 # their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
 # update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
@@ -97,6 +106,7 @@ class HostBytes:
     writes: int
     activations: int
     write_backs: int = 0
+    quantizing: int = 0
     compiled: int = 0
 
     @property
@@ -171,12 +181,16 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     stored_chunk = 2 * narrowed if state_on_disk else 0
     lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) \
         if state_on_disk and same_memory and cfg.step.update_on != "host" else 0
+    # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes.
+    quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.unit_params(u) for u in shape.unit_names())
+                                          + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0)) \
+        if cfg.lora.load_in_4bit else 0
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
         staging=0 if same_memory else pool,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
-        activations=offloaded_bytes(shape, cfg), write_backs=lagging,
+        activations=offloaded_bytes(shape, cfg), write_backs=lagging, quantizing=quantizing,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
         (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)

@@ -94,7 +94,9 @@ HIGH_WATER = ("import atexit, os, runpy, sys\n"
 
 
 def _flags(settings: dict) -> list[str]:
-    return [a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    """`settings` as flags; True's is a switch."""
+    return [a for k, v in settings.items()
+            for a in ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", str(v)))]
 
 
 def _high_waters(folder: Path, model: dict, store: str, steps: int, settings: dict | None = None,
@@ -203,6 +205,7 @@ MIXTURE_ABOVE = 0.30
     pytest.param(MODEL, "disk", HALF, 1, WITHIN, id="disk-bf16-master-int8-moments"),
     pytest.param(MODEL, "ram", HALF, 1, WITHIN, id="ram-bf16-master-int8-moments"),
     pytest.param(MODEL, "ram", {"lora_rank": 8}, 1, WITHIN, id="ram-lora"),
+    pytest.param(MODEL, "ram", {"lora_rank": 8, "load_in_4bit": True}, 1, WITHIN, id="ram-qlora"),
     pytest.param(MOE, "disk", {"expert_group_size": 2}, 1, MIXTURE_ABOVE, id="disk-moe-expert-groups"),
     pytest.param(MODEL, "disk", {}, 2, WITHIN, id="disk-two-ranks"),
 ])
