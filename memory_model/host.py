@@ -14,10 +14,12 @@ beside device memory, and what `streamer train` checks against the machine's ava
   from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged); a unit
   folded by chunk loads each chunk's master with its state instead;
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
-  `STAGES_IN_FLIGHT` being written), and one chunk's state in its stored form (a bf16 master, int8 moments);
+  `STAGES_IN_FLIGHT` being written), and a kind of one chunk's state in its stored form (a bf16 master, an int8
+  moment) as it is read and as it is written (where the write-backs lag, the one written is theirs);
 - `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
-  (`prefetch` of them at most, fp32 state and gradient): they outlive it only where the disk is slower than the
-  next chunk's update, so a run on a fast disk may stay below the plan by these bytes;
+  (`prefetch` of them at most: fp32 state and gradient, and a kind in its stored form): they outlive it only
+  where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
+  these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
 - `quantizing`: a 4-bit base (`--load-in-4bit`): bitsandbytes' modules and its kernels' first calls, measured once
   (`BITSANDBYTES_BYTES`); and, as the run starts, the base quantized a unit at a time: the largest unit as built
@@ -174,13 +176,13 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
     state_on_disk = not store.state.zero_copy and not frozen
-    # Kinds stored other than in fp32: read into a buffer of their own and widened (the read thread), and
-    # narrowed into one when written (the write thread).
-    narrowed = (chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0) + \
-        (cfg.moment_bytes(chunk) if cfg.precision.moments != "fp32" else 0)
-    stored_chunk = 2 * narrowed if state_on_disk else 0
-    lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) \
-        if state_on_disk and same_memory and cfg.step.update_on != "host" else 0
+    # Kinds stored other than in fp32, one kind of a chunk at a time: read into a buffer of their own and widened
+    # (the read thread), and narrowed into one when written (the write thread, with the write-backs).
+    narrowed = max(chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0,
+                   cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" else 0) if state_on_disk else 0
+    lags = state_on_disk and same_memory and cfg.step.update_on != "host"
+    lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
+        if lags else 0
     # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes.
     quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.unit_params(u) for u in shape.unit_names())
                                           + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0)) \
@@ -190,7 +192,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         staging=0 if same_memory else pool,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
-        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
+        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + narrowed * (1 if lags else 2),
         activations=offloaded_bytes(shape, cfg), write_backs=lagging, quantizing=quantizing,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
         (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)
