@@ -19,6 +19,10 @@ from __future__ import annotations
 from layers.config import ModelConfig
 
 BLOCKSIZE = 64  # bitsandbytes' default for 4-bit weights (transformers' BitsAndBytesConfig)
+# Elements of a weight quantized at once (whole blocks; layers/quant4.py), and the bytes bitsandbytes' kernel
+# holds per element while it works: the 16-bit input, an fp32 copy, the scaled values and their int32 codes.
+QUANTIZE_CHUNK = 2**20
+QUANTIZE_BYTES_PER_ELEMENT = 16
 NESTED_BLOCKSIZE = 256  # the double quantization of the absmax values
 ALIGN = 16  # every piece starts on 16 bytes: its fp32 views, and vector loads, need no unaligned access
 QUANT_TYPES = ("nf4", "fp4")

@@ -14,11 +14,18 @@ beside device memory, and what `streamer train` checks against the machine's ava
   from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged); a unit
   folded by chunk loads each chunk's master with its state instead;
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
-  `STAGES_IN_FLIGHT` being written), and one chunk's state in its stored form (a bf16 master, int8 moments);
+  `STAGES_IN_FLIGHT` being written), and a kind of one chunk's state in its stored form (a bf16 master, an int8
+  moment) as it is read and as it is written (where the write-backs lag, the one written is theirs);
 - `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
-  (`prefetch` of them at most, fp32 state and gradient): they outlive it only where the disk is slower than the
-  next chunk's update, so a run on a fast disk may stay below the plan by these bytes;
+  (`prefetch` of them at most: fp32 state and gradient, and a kind in its stored form): they outlive it only
+  where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
+  these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
+- `quantizing`: a 4-bit base (`--load-in-4bit`): bitsandbytes' modules and its kernels' first calls, measured once
+  (`BITSANDBYTES_BYTES`); and, as the run starts, the base quantized a unit at a time: the largest unit as built
+  in fp32 (a fresh base's initialisation; an import reads it as saved, in as many bytes or fewer) and one chunk's
+  working set of the quantizer (layers.packed4's `QUANTIZE_CHUNK`), less the device's bytes, which a step holds
+  and the start does not;
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
@@ -28,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 from layers import ModelConfig
+from layers.packed4 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_CHUNK
 from memory_model.ledger import CATEGORIES
 from memory_model.lora import base_unit_bytes
 from memory_model.schedule import Event, folded_by_chunk, shard_numel
@@ -52,6 +60,9 @@ COMPILE_MIN_NUMEL = 2**20
 # 156 MiB once it had quantized, dequantized and rounded a chunk of COMPILE_MIN_NUMEL x 2 elements on this project's
 # box (inductor's modules and the loaded kernels; the compiler itself runs in processes of its own).
 COMPILED_BYTES = 160 * 2**20
+# What a 4-bit base's bitsandbytes adds: the resident set of a process that had made a 16-bit LoRA step grew by
+# 46 MiB once it had imported bitsandbytes, quantized a 1024 x 2048 weight and dequantized it, on this project's box.
+BITSANDBYTES_BYTES = 48 * 2**20
 # The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
 # their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
 # update takes from its backward's load), plus a chunk of every state kind and the gradient, for the chunk
@@ -97,6 +108,7 @@ class HostBytes:
     writes: int
     activations: int
     write_backs: int = 0
+    quantizing: int = 0
     compiled: int = 0
 
     @property
@@ -164,19 +176,23 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
     state_on_disk = not store.state.zero_copy and not frozen
-    # Kinds stored other than in fp32: read into a buffer of their own and widened (the read thread), and
-    # narrowed into one when written (the write thread).
-    narrowed = (chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0) + \
-        (cfg.moment_bytes(chunk) if cfg.precision.moments != "fp32" else 0)
-    stored_chunk = 2 * narrowed if state_on_disk else 0
-    lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) \
-        if state_on_disk and same_memory and cfg.step.update_on != "host" else 0
+    # Kinds stored other than in fp32, one kind of a chunk at a time: read into a buffer of their own and widened
+    # (the read thread), and narrowed into one when written (the write thread, with the write-backs).
+    narrowed = max(chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0,
+                   cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" else 0) if state_on_disk else 0
+    lags = state_on_disk and same_memory and cfg.step.update_on != "host"
+    lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
+        if lags else 0
+    # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes.
+    quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.unit_params(u) for u in shape.unit_names())
+                                          + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0)) \
+        if cfg.lora.load_in_4bit else 0
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
         staging=0 if same_memory else pool,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
-        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + stored_chunk,
-        activations=offloaded_bytes(shape, cfg), write_backs=lagging,
+        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + narrowed * (1 if lags else 2),
+        activations=offloaded_bytes(shape, cfg), write_backs=lagging, quantizing=quantizing,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
         (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)

@@ -58,10 +58,15 @@ def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str,
             for start, count in chunks(slab.numel(), store.spec.chunk):
                 writer.write("compute", start, slab[start:start + count])
         return
-    master = torch.empty(layout.numel, dtype=torch.float32)
-    for slot in layout.slots:
-        master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
-    del tensors  # one copy of the unit (its flat master) while its state is written
+    first = tensors[layout.slots[0].key]
+    if len(layout.slots) == 1 and first.dtype == torch.float32 and first.is_contiguous():
+        # A unit of one fp32 tensor (an embedding) is its own flat master: a copy would hold it twice.
+        master = tensors.pop(layout.slots[0].key).view(-1)
+    else:
+        master = torch.empty(layout.numel, dtype=torch.float32)
+        for slot in layout.slots:
+            master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
+    del tensors, first  # one copy of the unit (its flat master) while its state is written
     if store.spec.shards > 1:
         assert data_parallel is not None  # a sharded store only across ranks
         master = data_parallel.own_slice(master)

@@ -33,10 +33,10 @@ MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 3072, "
 # The process alone: the same command on a model of a few hundred thousand parameters.
 BASE_MODEL = {**MODEL, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16}
-# The plan is an upper bound. Measured on this project's box (MiB of growth against the plan's): RAM tier 333 and
-# 339 against 366; disk tier 377 and 383 against 453, of which 132 are a chunk whose write-back outlives its
-# release, which it does for part of the next chunk's update only, as the disk's timing has it.
-MARGIN = 0.35
+# The plan is an upper bound. Measured on this project's box (MiB of growth against the plan's, less the
+# write-backs a disk faster than the update leaves no time to lag): RAM tier 325 against 366; disk tier 292 and
+# 303 against 321.
+MARGIN = 0.15
 # Above the plan: the two processes' own noise (the base run measured from 363 to 366 MiB, the RAM tier's growth
 # from 333 to 339 MiB), not a byte the plan leaves out.
 NOISE = 0.08
@@ -94,7 +94,9 @@ HIGH_WATER = ("import atexit, os, runpy, sys\n"
 
 
 def _flags(settings: dict) -> list[str]:
-    return [a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    """`settings` as flags; True's is a switch."""
+    return [a for k, v in settings.items()
+            for a in ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", str(v)))]
 
 
 def _high_waters(folder: Path, model: dict, store: str, steps: int, settings: dict | None = None,
@@ -132,12 +134,13 @@ def base_rss(tmp_path_factory: pytest.TempPathFactory) -> int:
 @pytest.mark.parametrize("store", ["ram", "disk"])
 def test_a_runs_host_peak_is_within_the_planned_one(tmp_path, base_rss, store):
     """Two steps, so that a pool growing with the steps would show; the growth over the bare process within
-    MARGIN under the plan's host figure, less its base."""
+    MARGIN under the plan's host figure, less its base and its write-backs."""
     grown = _max_rss(tmp_path, MODEL, store, steps=2) - base_rss
     (tmp_path / "model.json").write_text(json.dumps(MODEL))
     cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": 1, "seq": 128, "dtype": AUTO})
-    planned = planned_host(cfg.model_config(), cfg).total - BASE_BYTES
-    assert (1 - MARGIN) * planned <= grown <= (1 + NOISE) * planned, \
+    host = planned_host(cfg.model_config(), cfg)
+    planned = host.total - BASE_BYTES
+    assert (1 - MARGIN) * (planned - host.write_backs) <= grown <= (1 + NOISE) * planned, \
         f"{store}: {grown / 2**20:.0f} MiB against {planned / 2**20:.0f} (base {base_rss / 2**20:.0f} MiB)"
 
 
@@ -192,32 +195,27 @@ WITHIN = 0.10
 HALF = {"master_dtype": "bf16", "moment_dtype": "int8"}
 
 
-# A mixture's peak is above the 10% bar and not yet explained: measured 779-893 MiB against a 714 MiB plan (9-25%
-# above), with or without groups, varying with the box's load; the trace's RSS at each event stays within the plan
-# (706-758 MiB), so the bytes are transient or at the run's close. Its case holds the gap at most 30%, so it
-# cannot grow unseen.
-MIXTURE_ABOVE = 0.30
-
-
-@pytest.mark.parametrize("model, store, settings, ranks, above", [
-    pytest.param(MODEL, "disk", HALF, 1, WITHIN, id="disk-bf16-master-int8-moments"),
-    pytest.param(MODEL, "ram", HALF, 1, WITHIN, id="ram-bf16-master-int8-moments"),
-    pytest.param(MODEL, "ram", {"lora_rank": 8}, 1, WITHIN, id="ram-lora"),
-    pytest.param(MOE, "disk", {"expert_group_size": 2}, 1, MIXTURE_ABOVE, id="disk-moe-expert-groups"),
-    pytest.param(MODEL, "disk", {}, 2, WITHIN, id="disk-two-ranks"),
+@pytest.mark.parametrize("model, store, settings, ranks", [
+    pytest.param(MODEL, "disk", HALF, 1, id="disk-bf16-master-int8-moments"),
+    pytest.param(MODEL, "ram", HALF, 1, id="ram-bf16-master-int8-moments"),
+    pytest.param(MODEL, "ram", {"lora_rank": 8}, 1, id="ram-lora"),
+    pytest.param(MODEL, "ram", {"lora_rank": 8, "load_in_4bit": True}, 1, id="ram-qlora"),
+    pytest.param(MOE, "disk", {"expert_group_size": 2}, 1, id="disk-moe-expert-groups"),
+    pytest.param(MODEL, "disk", {}, 2, id="disk-two-ranks"),
 ])
-def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, store, settings, ranks, above):
+def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, store, settings, ranks):
     """The kernel's high-water mark of every process of the run against the plan's host figure for one process
     (with two data-parallel ranks, each its own store and its own half of the batch). Never more than 10% above
-    it (`above`; a mixture's gap is its own); and within 10% below it but for the write-backs a disk faster than
-    the update leaves no time to lag."""
+    it; and within 10% below it but for the write-backs a disk faster than the update leaves no time to lag.
+    (A mixture's run peaked 9-25% above its plan while glibc's malloc raised its mmap threshold as blocks were
+    freed, keeping freed buffers of a few MiB in its heaps; `streamer` fixes the threshold as it starts.)"""
     peaks = _high_waters(tmp_path, model, store, 2, settings, ranks)
     (tmp_path / "model.json").write_text(json.dumps(model))
     cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": ranks, "seq": 128, "dtype": AUTO,
                    **settings})
     planned = planned_host(cfg.model_config(), cfg, ranks)
     for peak in peaks:
-        assert (1 - WITHIN) * (planned.total - planned.write_backs) <= peak <= (1 + above) * planned.total, \
+        assert (1 - WITHIN) * (planned.total - planned.write_backs) <= peak <= (1 + WITHIN) * planned.total, \
             f"{peak / 2**20:.0f} MiB against {planned.total / 2**20:.0f} MiB planned ({planned.describe()})"
 
 
@@ -333,3 +331,41 @@ def test_a_run_over_its_cgroups_memory_limit_is_refused_before_writing_and_the_a
     assert not (tmp_path / "ram").exists()
     advised = train("disk", tmp_path / "disk")
     assert advised.returncode == 0, advised.stderr[-2000:]
+
+
+def test_a_fresh_unit_of_one_fp32_tensor_is_written_from_its_own_storage():
+    """An embedding initialised in fp32 is its own flat master: the fresh state is written from it, not from an
+    fp32 copy (Llama-3.2-1B's embedding is 1 GiB in fp32; the copy doubled the start's peak)."""
+    from contextlib import contextmanager
+
+    from layers import PRESETS
+    from memory_model.units import Precision
+    from streamer.store.layout import UnitLayout
+    from streamer.store.spec import StoreSpec
+    from streamer.weights import initial_unit, write_fresh_state
+
+    cfg = PRESETS["llama-debug"]
+    spec = StoreSpec(cfg, Precision("bf16"), chunk=4096)
+    written: list[torch.Tensor] = []
+
+    class Writer:
+        def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+            if kind == "master":
+                written.append(values)
+
+    class Store:
+        step = 0
+
+        def __init__(self) -> None:
+            self.spec = spec
+
+        @contextmanager
+        def unit_writer(self, unit: str, step: int) -> Iterator[Writer]:
+            yield Writer()
+
+    tensors = initial_unit(cfg, "embed", 0, seed=0)
+    (weight,) = tensors.values()
+    address, values = weight.untyped_storage().data_ptr(), weight.clone()
+    write_fresh_state(Store(), UnitLayout.of(cfg, "embed"), tensors, torch.bfloat16, None)  # type: ignore[arg-type]
+    assert all(piece.untyped_storage().data_ptr() == address for piece in written)
+    assert torch.equal(torch.cat(written), values.view(-1)) and not tensors

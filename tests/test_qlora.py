@@ -122,8 +122,14 @@ def peft_adamw_steps(model: torch.nn.Module, batches: list[torch.Tensor], tc: Tr
     return out, state
 
 
-@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
-def test_import_quantizes_as_bitsandbytes_byte_for_byte(checkpoint: Path, quant_type: str, double_quant: bool) -> None:
+@pytest.mark.parametrize("quant_type,double_quant,chunk", [("nf4", True, None), ("fp4", False, None),
+                                                             ("nf4", True, 3 * 64), ("fp4", False, 5 * 64)])
+def test_import_quantizes_as_bitsandbytes_byte_for_byte(checkpoint: Path, quant_type: str, double_quant: bool,
+                                                        chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each weight as bitsandbytes quantizes it whole; also where the import quantizes it a few blocks at a time
+    (`chunk`: as it does a weight of over QUANTIZE_CHUNK elements)."""
+    if chunk is not None:
+        monkeypatch.setattr("layers.quant4.QUANTIZE_CHUNK", chunk)
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
     with StreamingTrainer.from_pretrained(checkpoint, _settings(quant_type, double_quant)) as trainer:
         layout = trainer.layouts["block.1"]
