@@ -184,7 +184,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
         if lags else 0
     # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes.
-    quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.unit_params(u) for u in shape.unit_names())
+    quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.params().own(u) for u in shape.unit_names())
                                           + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0)) \
         if cfg.lora.load_in_4bit else 0
     return HostBytes(
