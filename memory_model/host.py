@@ -24,8 +24,8 @@ beside device memory, and what `streamer train` checks against the machine's ava
 - `quantizing`: a 4-bit base (`--load-in-4bit`): bitsandbytes' modules and its kernels' first calls, measured once
   (`BITSANDBYTES_BYTES`); and, as the run starts, the base quantized a unit at a time: the largest unit as built
   in fp32 (a fresh base's initialisation; an import reads it as saved, in as many bytes or fewer) and one chunk's
-  working set of the quantizer (layers.packed4's `QUANTIZE_CHUNK`), less the device's bytes, which a step holds
-  and the start does not;
+  working set of the quantizer (layers.packed4's `QUANTIZE_CHUNK`), less what a step holds and the start does
+  not: the device's bytes and the staging pool;
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
@@ -183,13 +183,15 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
     lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
         if lags else 0
-    # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes.
+    staging = 0 if same_memory else pool
+    # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes
+    # and the staging pool (empty until the first step's loads take its buffers).
     quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.params().own(u) for u in shape.unit_names())
-                                          + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0)) \
+                                          + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0) - staging) \
         if cfg.lora.load_in_4bit else 0
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
-        staging=0 if same_memory else pool,
+        staging=staging,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + narrowed * (1 if lags else 2),

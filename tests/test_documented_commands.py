@@ -148,7 +148,7 @@ def override(command: str, stand_ins: dict[str, Path], work: Path) -> list[str]:
         shutil.copytree(stand_ins["run"], run_copy)
     files = {"train.jsonl": stand_ins["data"], "summaries.jsonl": stand_ins["data"], "FILE": stand_ins["data"],
              "run.toml": stand_ins["toml"], "MODEL.gguf": stand_ins["gguf"], "pairs.jsonl": stand_ins["pairs"],
-             "BNB4_DIR": stand_ins["bnb4"], "BNB8_DIR": stand_ins["bnb8"]}
+             **{name: stand_ins[key] for name, key in (("BNB4_DIR", "bnb4"), ("BNB8_DIR", "bnb8")) if key in stand_ins}}
     writes_hf = args[:1] == ["export"]
     out = []
     for i, word in enumerate(args):
