@@ -1,4 +1,8 @@
-"""The benchmark's comparisons as tables: each turns measured results into a Section and its target verdicts."""
+"""The benchmark's comparisons as tables: each turns measured results into a Section and its target verdicts.
+
+Long because it is one concern, a function per table of BENCHMARKS.md (with its target lines), and the tables share
+their cells' helpers.
+"""
 from __future__ import annotations
 
 import math
