@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -214,11 +215,14 @@ def test_each_expert_dequantizes_as_bitsandbytes_dequantizes_the_whole_tensor() 
             assert torch.equal(quant.dequantize_rows(pieces, (experts * rows, columns), e * rows, rows), whole[e])
 
 
-def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(checkpoint: Path) -> None:
-    """The loss and every adapter's gradient against transformers' 4-bit model + PEFT, held against the same
-    dequantized model in float64: within twice the 4-bit model's own fp32 error (its eager and sdpa kernels)."""
+def assert_lora_gradients_within_noise(checkpoint: Path, tc: TrainerConfig,
+                                       quantized: Callable[[str], torch.nn.Module],
+                                       dequantized: Callable[[torch.nn.Module], dict[str, torch.Tensor]]) -> None:
+    """Our loss and every adapter's gradient on a step of `tc` against transformers' quantized model + PEFT
+    (`quantized(attention)`), held against the same dequantized model in float64: within twice the quantized
+    model's own fp32 error (its eager and sdpa kernels)."""
     ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True, max_grad_norm=0.0)) as trainer:
+    with StreamingTrainer.from_pretrained(checkpoint, tc) as trainer:
         adapters = _adapters(trainer)
         seen = {}
         original = trainer.adapters.step
@@ -231,10 +235,9 @@ def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(
 
         trainer.adapters.step = capture
         loss = trainer.step(ids)
-    noisy = [_loss_and_grads(_peft(_bnb_model(checkpoint, "nf4", True, attn), adapters), ids)
-             for attn in ("eager", "sdpa")]
+    noisy = [_loss_and_grads(_peft(quantized(attn), adapters), ids) for attn in ("eager", "sdpa")]
     exact_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
-    exact_base.load_state_dict(_dequantized(_bnb_model(checkpoint, "nf4", True, "eager")))
+    exact_base.load_state_dict(dequantized(quantized("eager")))
     exact = _loss_and_grads(_peft(exact_base, {k: v.double() for k, v in adapters.items()}), ids)
     assert set(seen) == set(exact[1]) and len(seen) == 2 * len(TARGETS) * CFG.num_hidden_layers
     assert abs(loss - exact[0]) <= 2 * max(abs(n[0] - exact[0]) for n in noisy) + 1e-6
@@ -242,6 +245,13 @@ def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(
         assert grad.abs().max() > 0
         bound = max((n[1][key] - grad).abs().max().item() for n in noisy)
         assert (seen[key] - grad).abs().max().item() <= 2 * bound, key
+
+
+def test_lora_gradients_equal_transformers_4bit_with_peft_within_its_fp32_noise(checkpoint: Path) -> None:
+    """The loss and every adapter's gradient against transformers' 4-bit model + PEFT, within twice its own fp32
+    error against the dequantized model in float64."""
+    assert_lora_gradients_within_noise(checkpoint, _settings("nf4", True, max_grad_norm=0.0),
+                                       lambda attn: _bnb_model(checkpoint, "nf4", True, attn), _dequantized)
 
 
 def test_three_streamed_steps_equal_peft_on_the_4bit_model_with_adamw(checkpoint: Path) -> None:

@@ -21,7 +21,7 @@ from streamer.calibration.dryrun import dry_run
 from streamer.cli.main import main
 from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
-from tests.test_qlora import ALPHA, CFG, RANK, TARGETS, _adapters, _loss_and_grads, _peft
+from tests.test_qlora import ALPHA, CFG, RANK, TARGETS, _adapters, assert_lora_gradients_within_noise
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -137,32 +137,10 @@ def test_an_8bit_projection_computes_as_bitsandbytes_linear8bitlt(compute: torch
 
 
 def test_lora_loss_and_gradients_equal_transformers_8bit_with_peft_within_its_fp32_noise(checkpoint: Path) -> None:
-    """The loss and every adapter's gradient against transformers' 8-bit model + PEFT, held against the
-    same dequantized model in float64: within twice the 8-bit model's own fp32 error (its eager and sdpa kernels)."""
-    ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with StreamingTrainer.from_pretrained(checkpoint, _settings(max_grad_norm=0.0)) as trainer:
-        adapters = _adapters(trainer)
-        seen = {}
-        original = trainer.adapters.step
-
-        def capture(lr: float, clip: float) -> None:
-            for unit, tensors in trainer.adapters.params.items():
-                for key, t in tensors.items():
-                    seen[f"model.layers.{unit.split('.')[1]}.{key}"] = t.grad.double().clone()
-            original(lr, clip)
-
-        trainer.adapters.step = capture
-        loss = trainer.step(ids)
-    noisy = [_loss_and_grads(_peft(_bnb_model(checkpoint, attn), adapters), ids) for attn in ("eager", "sdpa")]
-    exact_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
-    exact_base.load_state_dict(_dequantized(_bnb_model(checkpoint, "eager")))
-    exact = _loss_and_grads(_peft(exact_base, {k: v.double() for k, v in adapters.items()}), ids)
-    assert set(seen) == set(exact[1]) and len(seen) == 2 * len(TARGETS) * CFG.num_hidden_layers
-    assert abs(loss - exact[0]) <= 2 * max(abs(n[0] - exact[0]) for n in noisy) + 1e-6
-    for key, grad in exact[1].items():
-        assert grad.abs().max() > 0
-        bound = max((n[1][key] - grad).abs().max().item() for n in noisy)
-        assert (seen[key] - grad).abs().max().item() <= 2 * bound, key
+    """The loss and every adapter's gradient against transformers' 8-bit model + PEFT, within twice its own fp32
+    error against the dequantized model in float64."""
+    assert_lora_gradients_within_noise(checkpoint, _settings(max_grad_norm=0.0),
+                                       lambda attn: _bnb_model(checkpoint, attn), _dequantized)
 
 
 @pytest.mark.parametrize("store", ["ram", "disk"])
