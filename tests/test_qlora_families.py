@@ -56,6 +56,16 @@ def _bitsandbytes_experts(model: torch.nn.Module, tensors: tuple[str, ...], quan
     return model
 
 
+def _random_adapters(trainer: StreamingTrainer, prefix: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The trainer's adapters set to N(0, 0.1) draws (seed 5), so B is not zero and every gradient flows: a copy,
+    by PEFT's keys (each block's under `prefix`)."""
+    torch.manual_seed(5)
+    for params in trainer.adapters.params.values():
+        for t in params.values():
+            t.data.normal_(0, 0.1)
+    return {k: v.clone() for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+
+
 def test_the_families_are_held() -> None:
     assert {"gptj", "llama", "phi3", "gemma3_text"} < set(FAMILIES)
     assert {"qwen3_moe", "mixtral", "olmoe"} <= set(MIXTURES)
@@ -72,11 +82,7 @@ def test_qlora_gradients_equal_transformers_4bit_with_peft(model_type: str, tmp_
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     prefix = {f"block.{i}": cfg.adapter().prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
     with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
-        torch.manual_seed(5)
-        for params in trainer.adapters.params.values():
-            for t in params.values():
-                t.data.normal_(0, 0.1)
-        adapters = {k: v.clone() for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+        adapters = _random_adapters(trainer, prefix)
         seen = {}
         original = trainer.adapters.step
 
@@ -123,11 +129,7 @@ def test_three_streamed_steps_of_a_4bit_mixture_equal_peft_with_adamw(model_type
     batches = [torch.randint(0, cfg.vocab_size, (4, 16), generator=g) for _ in range(3)]
     prefix = {f"block.{i}": cfg.adapter().prefix(f"block.{i}") for i in range(cfg.num_hidden_layers)}
     with StreamingTrainer.from_pretrained(tmp_path, tc) as trainer:
-        torch.manual_seed(5)
-        for params in trainer.adapters.params.values():
-            for t in params.values():
-                t.data.normal_(0, 0.1)
-        start = {k: v.clone() for k, v in trainer.adapters.hf_state_dict(prefix).items()}
+        start = _random_adapters(trainer, prefix)
         losses = [trainer.step(ids) for ids in batches]
         ours = {k.replace("base_model.model.", ""): v.double()
                 for k, v in trainer.adapters.hf_state_dict(prefix).items()}
