@@ -1,6 +1,7 @@
 """Helpers shared by the test files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import pytest
 import torch
 
-from layers import GPTJConfig
+from layers import FAMILIES, GPTJConfig
 
 if TYPE_CHECKING:
     import transformers
@@ -49,6 +50,8 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 TINY_RUN_MODEL = GPTJConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
+# DPO's and GRPO's checkpoint (`llama_folder`): a vocabulary the Qwen-style test tokenizer fits.
+PREFERENCE_CFG = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=448, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +66,19 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "train.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts))
     train_bpe(texts, vocab_size=TINY_RUN_MODEL.vocab_size).save(root / "tok")
     return root
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama (`PREFERENCE_CFG`) as transformers saves it, with a Qwen-style tokenizer: the checkpoint DPO's
+    and GRPO's tests train and hold against TRL. Nothing writes into it."""
+    from tests.test_data_cli import write_tokenizer
+    from tests.test_families import hf_model
+
+    folder = tmp_path_factory.mktemp("preference") / "hf"
+    hf_model(PREFERENCE_CFG).save_pretrained(folder)
+    write_tokenizer(folder, "qwen")
+    return folder
 
 
 @pytest.fixture(scope="session")

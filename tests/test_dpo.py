@@ -30,12 +30,13 @@ from streamer.run_dir import RunDir
 from tests.test_cli import fails
 from tests.test_data_cli import write_tokenizer
 from tests.test_families import hf_model
+from tests.conftest import PREFERENCE_CFG
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
-CFG = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=448, max_position_embeddings=64)
+CFG = PREFERENCE_CFG
 PAIRS = [
     {"prompt": "Question: what is a list?", "chosen": " An ordered sequence.", "rejected": " A kind of fish."},
     {"prompt": "Question: what does import do?", "chosen": " It loads a module.", "rejected": " Nothing"},
@@ -45,14 +46,6 @@ PAIRS = [
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 TARGETS = ("q_proj", "v_proj", "down_proj")
-
-
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("dpo") / "hf"
-    hf_model(CFG).save_pretrained(folder)
-    write_tokenizer(folder, "qwen")
-    return folder
 
 
 def _trl(folder: Path, dtype: torch.dtype, loss_type: str, beta: float, label_smoothing: float = 0.0,
@@ -128,10 +121,10 @@ def _rows(folder: Path, max_length: int = 1024) -> tuple[torch.Tensor, torch.Ten
     return pair_rows(tokenize_pairs(pairs, tokenizer, max_length), tokenizer.eos_id, max_length)
 
 
-def test_truncated_rows_are_trls_collator(hf_folder: Path) -> None:
+def test_truncated_rows_are_trls_collator(llama_folder: Path) -> None:
     """--max-length cuts prompt and completion from the end (keep_start), as TRL's collator; a pair whose prompt
     fills it is dropped, as TRL drops it."""
-    tokenizer = load_tokenizer(hf_folder)
+    tokenizer = load_tokenizer(llama_folder)
     pairs = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, 1024)
     max_length = 9
     collated = trl.trainer.dpo_trainer.DataCollatorForPreference(tokenizer.eos_id, max_length)(
@@ -145,19 +138,19 @@ def test_truncated_rows_are_trls_collator(hf_folder: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
-def test_max_length_and_truncation_mode_are_trls(hf_folder: Path, tmp_path: Path, mode: str) -> None:
+def test_max_length_and_truncation_mode_are_trls(llama_folder: Path, tmp_path: Path, mode: str) -> None:
     """--max-length and --truncation-mode as TRL's DPOTrainer applies them: the pairs it keeps (keep_start drops
     one whose prompt fills max_length; keep_end none) and the rows its collator cuts. --max-prompt-length (TRL's
     before 1.0) under keep_end keeps a prompt's last tokens: TRL's collator over the prompts so cut."""
     import transformers
-    tokenizer = load_tokenizer(hf_folder)
+    tokenizer = load_tokenizer(llama_folder)
     whole = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, 1024)
     max_length = sorted(len(p.prompt) for p in whole)[2]  # the two longest prompts fill it
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_folder)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(llama_folder)
     hf_tokenizer.pad_token = hf_tokenizer.eos_token
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
                          max_length=max_length, truncation_mode=mode)
-    prepared = trl.DPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(hf_folder), args=args,
+    prepared = trl.DPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(llama_folder), args=args,
                               processing_class=hf_tokenizer,
                               train_dataset=datasets.Dataset.from_list(PAIRS)).train_dataset
     ours = tokenize_pairs([Pair(**pair) for pair in PAIRS], tokenizer, max_length, mode)
@@ -205,10 +198,10 @@ def test_conversational_pairs_tokenize_as_trls(tmp_path: Path, implicit: bool) -
     _assert_tokenized_as_trls(folder, tmp_path, records)
 
 
-def test_implicit_prompt_text_pairs_tokenize_as_trls(hf_folder: Path, tmp_path: Path) -> None:
+def test_implicit_prompt_text_pairs_tokenize_as_trls(llama_folder: Path, tmp_path: Path) -> None:
     """Plain-text pairs without a prompt (TRL's implicit prompt, the two texts' common start): the ids TRL's
     DPOTrainer prepares."""
-    _assert_tokenized_as_trls(hf_folder, tmp_path, [_implicit(pair) for pair in PAIRS])
+    _assert_tokenized_as_trls(llama_folder, tmp_path, [_implicit(pair) for pair in PAIRS])
 
 
 def _assert_tokenized_as_trls(folder: Path, tmp_path: Path, records: list[dict[str, Any]]) -> None:
@@ -303,16 +296,16 @@ def _assert_scalars(ours: dict[str, Any], fp32: dict[str, Any], fp64: dict[str, 
 
 @pytest.mark.parametrize("loss_type,beta,smoothing", [("sigmoid", 0.1, 0.0), ("ipo", 0.5, 0.0),
                                                       ("hinge", 0.3, 0.0), ("robust", 0.1, 0.2)])
-def test_a_lora_dpo_step_is_trls(hf_folder: Path, loss_type: str, beta: float, smoothing: float) -> None:
+def test_a_lora_dpo_step_is_trls(llama_folder: Path, loss_type: str, beta: float, smoothing: float) -> None:
     """LoRA: the reference is the base with the adapters off. The loss, TRL's metrics and every adapter's
     gradient (relative to its largest entry) within twice TRL's fp32-vs-float64 difference (the largest over
     the step's scalars, and over the adapters' gradients: measured 1.2e-6 to 2.5e-6 of a gradient's largest entry
     by loss type, ours 1.6e-6 to 2.1e-6, at most 1.3 times TRL's)."""
-    fp32 = _trl(hf_folder, torch.float32, loss_type, beta, smoothing)
-    fp64 = _trl(hf_folder, torch.float64, loss_type, beta, smoothing)
-    ours = _ours(hf_folder, fp32, loss_type, beta, smoothing, grad_accum=2)
+    fp32 = _trl(llama_folder, torch.float32, loss_type, beta, smoothing)
+    fp64 = _trl(llama_folder, torch.float64, loss_type, beta, smoothing)
+    ours = _ours(llama_folder, fp32, loss_type, beta, smoothing, grad_accum=2)
     _assert_scalars(ours, fp32, fp64)
-    ids, labels = _rows(hf_folder)  # the pairs tokenized and collated as TRL's were
+    ids, labels = _rows(llama_folder)  # the pairs tokenized and collated as TRL's were
     assert torch.equal(ids, fp32["batch"]["input_ids"])
     assert torch.equal(labels, fp32["batch"]["input_ids"].masked_fill(fp32["batch"]["completion_mask"] == 0,
                                                                       IGNORE_INDEX))
@@ -327,20 +320,20 @@ def test_a_lora_dpo_step_is_trls(hf_folder: Path, loss_type: str, beta: float, s
         assert relative(ours_grads, name) <= 2 * noise, name
 
 
-def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(hf_folder: Path) -> None:
+def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(llama_folder: Path) -> None:
     """Three steps of two micro-batches of two pairs each, clipped, against TRL with torch's AdamW (its default):
     each step's loss, and the adapters after the last step, within twice TRL's fp32-vs-float64 difference (of each
     adapter's change, relative to the change's largest entry: measured 4.8e-5, ours 4.5e-5; the losses 6.6e-7 and
     4.2e-7)."""
     config = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
               "max_grad_norm": 0.05, "lr_scheduler_type": "constant", "weight_decay": 0.0}
-    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, **config)
-    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, **config)
-    ids, labels = _rows(hf_folder)
+    fp32 = _trl(llama_folder, torch.float32, "sigmoid", 0.1, **config)
+    fp64 = _trl(llama_folder, torch.float64, "sigmoid", 0.1, **config)
+    ids, labels = _rows(llama_folder)
     tc = TrainerConfig.of(dtype="fp32", method="dpo", beta=0.1, lora_rank=4, lora_alpha=8.0,
                           lora_targets=",".join(TARGETS), max_grad_norm=0.05, lr=1e-3, betas=(0.9, 0.999),
                           weight_decay=0.0, grad_accum=2)
-    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, tc) as trainer:
         leaves = _set_adapters(trainer, fp32["initial"])
         losses = [trainer.step(ids, labels) for _ in range(3)]  # each step computing its reference
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
@@ -357,7 +350,7 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
         assert relative(final, name) <= 2 * weight_noise, name
 
 
-def test_three_full_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(hf_folder: Path) -> None:
+def test_three_full_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(llama_folder: Path) -> None:
     """Full fine-tuning: three steps of two micro-batches of two pairs each, clipped, the reference from a pass
     before step 1, against TRL (whose reference is a copy of the model before step 1) with torch's AdamW: each
     step's loss, and the weights' change over the three steps (the norm of its error over the weights, relative to
@@ -367,13 +360,13 @@ def test_three_full_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
     AdamW's normalisation turns rounding alone into their move."""
     config = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
               "max_grad_norm": 0.05, "lr_scheduler_type": "constant", "weight_decay": 0.0}
-    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False, **config)
-    sdpa = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False, attention="sdpa", **config)
-    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, lora=False, **config)
-    ids, labels = _rows(hf_folder)
+    fp32 = _trl(llama_folder, torch.float32, "sigmoid", 0.1, lora=False, **config)
+    sdpa = _trl(llama_folder, torch.float32, "sigmoid", 0.1, lora=False, attention="sdpa", **config)
+    fp64 = _trl(llama_folder, torch.float64, "sigmoid", 0.1, lora=False, **config)
+    ids, labels = _rows(llama_folder)
     tc = TrainerConfig.of(dtype="fp32", method="dpo", beta=0.1, max_grad_norm=0.05, lr=1e-3, betas=(0.9, 0.999),
                           weight_decay=0.0, grad_accum=2)
-    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, tc) as trainer:
         reference = trainer.reference_logps(ids, labels)
         losses = [trainer.step(ids, labels, reference=reference) for _ in range(3)]
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
@@ -416,7 +409,7 @@ def _dpo_steps(folder: Path, tc: TrainerConfig, store: Path) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 4])
-def test_two_data_parallel_ranks_train_dpo_as_one_process(hf_folder: Path, tmp_path: Path, lora_rank: int) -> None:
+def test_two_data_parallel_ranks_train_dpo_as_one_process(llama_folder: Path, tmp_path: Path, lora_rank: int) -> None:
     """Two gloo processes, each with two micro-batches of one pair, against one process with four: three clipped
     steps, full fine-tuning (the reference from the pass before step 1, each rank's rows gathered) and LoRA (the
     reference in each step). The losses and TRL's metrics agree to fp32 rounding of the all-reduce's order
@@ -428,9 +421,9 @@ def test_two_data_parallel_ranks_train_dpo_as_one_process(hf_folder: Path, tmp_p
     flat: dict[str, Any] = {"dtype": "fp32", "method": "dpo", "lr": 1e-3, "max_grad_norm": 0.05, "grad_accum": 2,
                             "lora_rank": lora_rank, "lora_targets": ",".join(TARGETS) if lora_rank else ""}
     out = str(tmp_path / "result")
-    mp.spawn(_dpo_rank, args=(2, _free_port(), str(hf_folder), out, flat), nprocs=2, join=True)
+    mp.spawn(_dpo_rank, args=(2, _free_port(), str(llama_folder), out, flat), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    one = _dpo_steps(hf_folder, TrainerConfig.of(**{**flat, "grad_accum": 4}), tmp_path / "one")
+    one = _dpo_steps(llama_folder, TrainerConfig.of(**{**flat, "grad_accum": 4}), tmp_path / "one")
     assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in one["state"])
     assert one["norm"] > 0.05  # clipped
     for rank in ranks:
@@ -442,7 +435,7 @@ def test_two_data_parallel_ranks_train_dpo_as_one_process(hf_folder: Path, tmp_p
     assert max((ranks[0]["state"][k] - one["state"][k]).abs().max().item() for k in one["state"]) <= 0.01 * 3e-3
 
 
-def test_a_lora_step_computes_its_reference_on_the_units_it_loads(hf_folder: Path) -> None:
+def test_a_lora_step_computes_its_reference_on_the_units_it_loads(llama_folder: Path) -> None:
     """With LoRA the step's forward runs each unit for the policy and, adapters off, for the reference, on one
     load: the step loads what a step given its reference loads (the trace's load spans, the schedule's loads), and
     its reference is the pass before training's (`reference_logps`) bit for bit, its loss too. The same rows in
@@ -450,10 +443,10 @@ def test_a_lora_step_computes_its_reference_on_the_units_it_loads(hf_folder: Pat
     which leaves each row's arithmetic as it is on this CPU."""
     from memory_model.schedule import load_order, step_events
 
-    ids, labels = _rows(hf_folder)
+    ids, labels = _rows(llama_folder)
     tc = TrainerConfig.of(dtype="fp32", method="dpo", lora_rank=4, lora_alpha=8.0, lora_targets=",".join(TARGETS),
                           lr=1e-3, grad_accum=2, activations="checkpoint")
-    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, tc) as trainer:
         generator = torch.Generator().manual_seed(1)
         for tensors in trainer.adapters.params.values():
             for t in tensors.values():
@@ -474,12 +467,12 @@ def test_a_lora_step_computes_its_reference_on_the_units_it_loads(hf_folder: Pat
     assert loss == pytest.approx(before, rel=1e-6)
 
 
-def test_a_full_dpo_step_is_trls(hf_folder: Path) -> None:
+def test_a_full_dpo_step_is_trls(llama_folder: Path) -> None:
     """Full fine-tuning: the reference log-probabilities computed by a forward pass before the first step (TRL's
     precompute_ref_log_probs gives the same as its reference copy). The loss, metrics and the gradient's norm."""
-    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False)
-    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, lora=False)
-    ours = _ours(hf_folder, fp32, "sigmoid", 0.1, lora_rank=0, lora_targets="")
+    fp32 = _trl(llama_folder, torch.float32, "sigmoid", 0.1, lora=False)
+    fp64 = _trl(llama_folder, torch.float64, "sigmoid", 0.1, lora=False)
+    ours = _ours(llama_folder, fp32, "sigmoid", 0.1, lora_rank=0, lora_targets="")
     _assert_scalars(ours, fp32, fp64)
     # The norm of TRL's fp32 gradient minus its float64 one bounds how far an fp32 norm may stray (measured 1.8e-6;
     # ours 4.4e-7 from TRL's float64 norm of 2.52).
@@ -553,9 +546,9 @@ def _pairs_file(folder: Path) -> Path:
     return data
 
 
-def _dpo_argv(hf_folder: Path, data: Path, run: Path, *extra: object) -> list[object]:
+def _dpo_argv(llama_folder: Path, data: Path, run: Path, *extra: object) -> list[object]:
     """Full fine-tuning on PAIRS, every pair in each step's batch, evaluated on them too."""
-    return ["train", "--method", "dpo", "--from-pretrained", hf_folder, "--data", data, "--eval-data", data,
+    return ["train", "--method", "dpo", "--from-pretrained", llama_folder, "--data", data, "--eval-data", data,
             "--run-dir", run, "--steps", 3, "--batch", len(PAIRS), "--seq", 48, "--dtype", "fp32", "--lr", 1e-3,
             "--max-grad-norm", 0, "--eval-every", 0, "--sample-tokens", 0, *extra]
 
@@ -564,7 +557,7 @@ def _logged(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(hf_folder: Path, tmp_path: Path,
+def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(llama_folder: Path, tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's steps are the Python API's, bit for bit (the same rows, the reference from one pass before step 1);
     step 1's loss and metrics are TRL's within twice its fp32 noise; the evaluations log TRL's eval_ names."""
@@ -573,7 +566,7 @@ def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(hf_fo
     from tests.test_cli import run_cli
 
     data, run = _pairs_file(tmp_path), tmp_path / "run"
-    rc, out, err = run_cli(capsys, *_dpo_argv(hf_folder, data, run))
+    rc, out, err = run_cli(capsys, *_dpo_argv(llama_folder, data, run))
     assert rc == 0, err
     steps = [r for r in _logged(run) if "loss" in r]
     evals = [r for r in _logged(run) if "eval_loss" in r]
@@ -586,12 +579,12 @@ def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(hf_fo
     assert planned_peak(cfg.model_config(), cfg) == measured
     assert f"the planner predicts {format_size(measured)}" in out
 
-    tokenizer = load_tokenizer(hf_folder)
+    tokenizer = load_tokenizer(llama_folder)
     pairs = pair_dataset(str(data), tokenizer, 48)
     everything = (pair_rows_of(pairs.input_ids), pair_rows_of(pairs.labels))
     stream = BatchStream(pairs, len(PAIRS), 0)
     tc = TrainerConfig.of(method="dpo", dtype="fp32", lr=1e-3, max_grad_norm=0.0)
-    with StreamingTrainer.from_pretrained(hf_folder, tc) as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, tc) as trainer:
         reference = trainer.reference_logps(*everything)  # the chosen rows, then the rejected, in file order
         by_row = {(ids.numpy().tobytes(), labels.numpy().tobytes()): i for i, (ids, labels)
                   in enumerate(zip(pairs.input_ids, pairs.labels, strict=True))}
@@ -603,20 +596,20 @@ def test_streamer_train_method_dpo_is_the_python_apis_steps_and_trls_first(hf_fo
                                 reference=torch.cat([reference[index], reference[index + len(PAIRS)]]))
             assert loss == logged["loss"] and all(trainer.metrics[k] == logged[k] for k in METRICS)
 
-    fp32 = _trl(hf_folder, torch.float32, "sigmoid", 0.1, lora=False)
-    fp64 = _trl(hf_folder, torch.float64, "sigmoid", 0.1, lora=False)
+    fp32 = _trl(llama_folder, torch.float32, "sigmoid", 0.1, lora=False)
+    fp64 = _trl(llama_folder, torch.float64, "sigmoid", 0.1, lora=False)
     _assert_scalars({"loss": steps[0]["loss"], "metrics": steps[0]}, fp32, fp64)
 
 
-def test_a_killed_dpo_run_resumes_bit_identically(hf_folder: Path, tmp_path: Path) -> None:
+def test_a_killed_dpo_run_resumes_bit_identically(llama_folder: Path, tmp_path: Path) -> None:
     """Killed once step 1 is logged: the same command keeps the reference log-probabilities the run folder holds
     and finishes the run as an uninterrupted one, bit for bit."""
     from tests.test_lifecycle import kill_when, streamer
 
     data = _pairs_file(tmp_path)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert streamer(*map(str, _dpo_argv(hf_folder, data, whole))).returncode == 0
-    argv = [str(a) for a in _dpo_argv(hf_folder, data, killed)]
+    assert streamer(*map(str, _dpo_argv(llama_folder, data, whole))).returncode == 0
+    argv = [str(a) for a in _dpo_argv(llama_folder, data, killed)]
     stopped = kill_when(argv, lambda: (killed / "metrics.jsonl").is_file())
     assert stopped.returncode == -signal.SIGKILL, stopped.stderr
     reference = (killed / "reference.json").read_bytes()
@@ -632,33 +625,33 @@ def test_a_killed_dpo_run_resumes_bit_identically(hf_folder: Path, tmp_path: Pat
     assert all(torch.equal(left[k], right[k]) for k in left)
 
 
-def test_a_pair_without_rejected_is_refused_in_one_line(hf_folder: Path, tmp_path: Path,
+def test_a_pair_without_rejected_is_refused_in_one_line(llama_folder: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "Hi.", "chosen": " Hello."}) + "\n")
-    line = fails(capsys, *_dpo_argv(hf_folder, data, tmp_path / "run"))
+    line = fails(capsys, *_dpo_argv(llama_folder, data, tmp_path / "run"))
     assert f"{data} line 2 has no 'rejected' field" in line
     assert not (tmp_path / "run").exists()
 
 
 def test_a_prompt_over_max_prompt_length_under_keep_start_is_refused_in_one_line(
-        hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """keep_start cuts no prompt, so one over --max-prompt-length is one line naming the flag and the record; so
     are a --max-length over --seq and the flags without --method dpo. Nothing is written."""
     data, run = _pairs_file(tmp_path), tmp_path / "run"
-    line = fails(capsys, *_dpo_argv(hf_folder, data, run, "--max-prompt-length", 4))
+    line = fails(capsys, *_dpo_argv(llama_folder, data, run, "--max-prompt-length", 4))
     assert f"{data} line 1: its prompt is" in line and "over --max-prompt-length 4" in line
     assert "--truncation-mode keep_end" in line
-    line = fails(capsys, *_dpo_argv(hf_folder, data, run, "--max-length", 64))
+    line = fails(capsys, *_dpo_argv(llama_folder, data, run, "--max-length", 64))
     assert "--max-length 64 is over --seq 48" in line
-    line = fails(capsys, "train", "--from-pretrained", hf_folder, "--data", data, "--run-dir", run, "--steps", 1,
+    line = fails(capsys, "train", "--from-pretrained", llama_folder, "--data", data, "--run-dir", run, "--steps", 1,
                  "--truncation-mode", "keep_end")
     assert "--truncation-mode cuts DPO's pairs, read with --method dpo only" in line
     assert not run.exists()
 
 
 def test_streamer_train_method_dpo_with_lora_computes_each_reference_in_its_step(
-        hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With LoRA there is no pass before step 1 and no RUN/reference.json: each step's forward computes its
     reference. The run's steps are the Python API's, bit for bit, and its device peak is the plan's, to the byte;
     the pairs are cut as --max-length and --truncation-mode keep_end say."""
@@ -669,18 +662,18 @@ def test_streamer_train_method_dpo_with_lora_computes_each_reference_in_its_step
     data, run = _pairs_file(tmp_path), tmp_path / "run"
     lora = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", ",".join(TARGETS), "--max-length", 12,
             "--truncation-mode", "keep_end", "--grad-accum", 2)
-    rc, out, err = run_cli(capsys, *_dpo_argv(hf_folder, data, run, *lora))
+    rc, out, err = run_cli(capsys, *_dpo_argv(llama_folder, data, run, *lora))
     assert rc == 0, err
     assert not (run / "reference.json").exists()
     steps = [r for r in _logged(run) if "loss" in r]
     cfg = RunDir.open(run).read_config()
     assert planned_peak(cfg.model_config(), cfg) == max(r["device_peak_bytes"] for r in steps)
 
-    pairs = pair_dataset(str(data), load_tokenizer(hf_folder), 48,
+    pairs = pair_dataset(str(data), load_tokenizer(llama_folder), 48,
                          DataConfig(max_length=12, truncation_mode="keep_end"))
     assert len(pairs) == len(PAIRS) and int((pairs.labels != IGNORE_INDEX).sum(dim=1).min()) > 0
     stream = BatchStream(pairs, len(PAIRS), 0)
-    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, tmp_path / "store") as trainer:  # the run's store
+    with StreamingTrainer.from_pretrained(llama_folder, cfg.trainer, tmp_path / "store") as trainer:  # the run's store
         for logged in steps:
             ids, labels, _, _ = next(stream)
             loss = trainer.step(pair_rows_of(ids), pair_rows_of(labels))

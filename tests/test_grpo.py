@@ -22,13 +22,13 @@ from streamer.weights import hf_state_dict
 from streamer.rewards import RewardError, Rewards
 from tests.test_data_cli import write_tokenizer
 from tests.test_dpo import _set_adapters, record_gradients
-from tests.test_families import hf_model
+from tests.conftest import PREFERENCE_CFG
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
-CFG = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=448, max_position_embeddings=64)
+CFG = PREFERENCE_CFG
 PROMPTS = ["Say a word:", "Name a color:"]  # of equal token counts, so TRL left-pads neither
 GENERATIONS = 4
 TARGETS = ("q_proj", "v_proj", "down_proj")
@@ -37,24 +37,16 @@ TEMPERATURE = 0.8
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("grpo") / "hf"
-    hf_model(CFG).save_pretrained(folder)
-    write_tokenizer(folder, "qwen")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tuned_folder(hf_folder: Path) -> Path:
-    """hf_folder's model with every weight moved (by 0.02 standard normals): a policy that full fine-tuning has
+def tuned_folder(llama_folder: Path) -> Path:
+    """llama_folder's model with every weight moved (by 0.02 standard normals): a policy that full fine-tuning has
     taken away from its reference, the checkpoint, so beta's KL and its gradient are not 0."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g))
-    folder = hf_folder.parent / "tuned"
+    folder = llama_folder.parent / "tuned"
     model.save_pretrained(folder)
     write_tokenizer(folder, "qwen")
     return folder
@@ -199,18 +191,18 @@ CASES = [{"loss_type": "grpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "dapo"},
          {"loss_type": "bnpo", "beta": 0.04, "scale_rewards": "batch"}]
 
 
-def _assert_within_trls_noise(hf_folder: Path, settings: dict[str, Any], lora: bool,
+def _assert_within_trls_noise(llama_folder: Path, settings: dict[str, Any], lora: bool,
                               policy: Path | None = None) -> None:
     """TRL in float32 and in float64, then ours from the same rows: the advantages equal TRL's, and the loss and
     every gradient (each relative to its largest entry) are within twice TRL's own fp32-vs-float64 difference, the
     largest over the parameters (a loss's noise at least one fp32 rounding of it). With beta, the policy is away
     from the reference (TRL's logged KL is not 0)."""
-    fp32 = _trl(hf_folder, torch.float32, settings, lora=lora, policy=policy)
-    fp64 = _trl(hf_folder, torch.float64, settings, lora=lora, policy=policy)
+    fp32 = _trl(llama_folder, torch.float32, settings, lora=lora, policy=policy)
+    fp64 = _trl(llama_folder, torch.float64, settings, lora=lora, policy=policy)
     assert fp32["rollouts"][0] == fp64["rollouts"][0]
     if settings.get("beta"):
         assert fp64["kl"] > 1e-3
-    ours = _ours(hf_folder, fp32, settings, lora=lora, policy=policy)
+    ours = _ours(llama_folder, fp32, settings, lora=lora, policy=policy)
     assert torch.allclose(ours["advantages"], fp32["advantages"].float(), atol=1e-6)
     loss_noise = max(abs(fp32["loss"] - fp64["loss"]), torch.finfo(torch.float32).eps * abs(fp64["loss"]))
     assert abs(ours["loss"] - fp64["loss"]) <= 2 * loss_noise
@@ -230,19 +222,19 @@ def _assert_within_trls_noise(hf_folder: Path, settings: dict[str, Any], lora: b
 
 
 @pytest.mark.parametrize("settings", CASES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-def test_a_lora_grpo_step_is_trls(hf_folder: Path, settings: dict[str, Any]) -> None:
+def test_a_lora_grpo_step_is_trls(llama_folder: Path, settings: dict[str, Any]) -> None:
     """LoRA (the reference is the base with the adapters off): measured TRL's noise 0.92e-6 to 1.28e-6 of a
     gradient's largest entry by case, ours 1.18e-6 to 1.56e-6: at most 1.46 times TRL's."""
-    _assert_within_trls_noise(hf_folder, settings, lora=True)
+    _assert_within_trls_noise(llama_folder, settings, lora=True)
 
 
 @pytest.mark.parametrize("settings", CASES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-def test_a_full_grpo_step_is_trls(hf_folder: Path, tuned_folder: Path, settings: dict[str, Any]) -> None:
+def test_a_full_grpo_step_is_trls(llama_folder: Path, tuned_folder: Path, settings: dict[str, Any]) -> None:
     """Full fine-tuning of a policy away from its reference: with beta the reference is the checkpoint frozen in
     its own store (`frozen_reference`, as `streamer train` keeps it), TRL's the checkpoint loaded again. Every
     parameter's gradient, as the host store folds the micro-batches': measured TRL's noise 1.14e-6 to 1.53e-6 of
     a gradient's largest entry by case, ours 1.40e-6 to 2.10e-6, at most 1.55 times TRL's (TRL's KL 0.30)."""
-    _assert_within_trls_noise(hf_folder, settings, lora=False, policy=tuned_folder)
+    _assert_within_trls_noise(llama_folder, settings, lora=False, policy=tuned_folder)
 
 
 def test_rewards_are_weighted_and_a_failing_function_is_one_line(tmp_path: Path,
@@ -353,7 +345,7 @@ CHATS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content"
          [{"role": "user", "content": "Name a color:"}]]
 
 
-def test_conversational_prompts_are_tokenized_and_scored_as_trls(hf_folder: Path) -> None:
+def test_conversational_prompts_are_tokenized_and_scored_as_trls(llama_folder: Path) -> None:
     """A prompt that is a conversation is rendered by the chat template with the assistant's header and tokenized
     as TRL's GRPOTrainer tokenizes it (transformers' apply_chat_template(add_generation_prompt=True), the text of
     TRL's maybe_apply_chat_template); the reward functions get the prompts, the completions (the assistant's
@@ -374,12 +366,12 @@ def test_conversational_prompts_are_tokenized_and_scored_as_trls(hf_folder: Path
         return reward
     data = [{"prompt": chat, "answer": answer} for chat, answer in zip(CHATS, ("a", "red"), strict=True)]
     settings = GRPOSettings(num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, prompts_per_step=2)
-    with StreamingTrainer.from_pretrained(hf_folder, TrainerConfig.of(dtype="fp32")) as trainer:
-        loop = GRPOLoop(trainer, load_tokenizer(hf_folder), data, Rewards([recorder("ours")]), settings)
+    with StreamingTrainer.from_pretrained(llama_folder, TrainerConfig.of(dtype="fp32")) as trainer:
+        loop = GRPOLoop(trainer, load_tokenizer(llama_folder), data, Rewards([recorder("ours")]), settings)
         loop.step()
     rollout = loop.pending
     assert rollout is not None
-    hf = transformers.AutoTokenizer.from_pretrained(hf_folder)
+    hf = transformers.AutoTokenizer.from_pretrained(llama_folder)
     hf.pad_token = hf.eos_token
     for chat, ids in zip(CHATS, rollout.prompt_ids[::GENERATIONS], strict=True):
         assert ids == hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
@@ -391,8 +383,8 @@ def test_conversational_prompts_are_tokenized_and_scored_as_trls(hf_folder: Path
         rows = [CHATS.index(p) * GENERATIONS + prompts[:i].count(p) % GENERATIONS for i, p in enumerate(prompts)]
         return {"prompt_ids": [rollout.prompt_ids[r] for r in rows],
                 "completion_ids": [rollout.completion_ids[r] for r in rows], "logprobs": None}
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
-    args = trl.GRPOConfig(output_dir=str(hf_folder.parent / "trl-chat"), report_to="none", use_cpu=True,
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder, dtype=torch.float32)
+    args = trl.GRPOConfig(output_dir=str(llama_folder.parent / "trl-chat"), report_to="none", use_cpu=True,
                           save_strategy="no", per_device_train_batch_size=len(CHATS) * GENERATIONS,
                           num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, max_steps=1,
                           bf16=False, fp16=False)

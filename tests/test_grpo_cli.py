@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from layers import FAMILIES
-from tests.test_data_cli import write_tokenizer
-from tests.test_families import hf_model
+from tests.conftest import PREFERENCE_CFG
 
-CFG = dataclasses.replace(FAMILIES["llama"].example(), vocab_size=448, max_position_embeddings=64)
+CFG = PREFERENCE_CFG
 PROMPTS = [{"prompt": "Say a word:", "answer": "a"}, {"prompt": "Name a color:", "answer": "red"},
            {"prompt": "Answer:", "answer": "yes"}]
 REWARDS = '''import os, signal
@@ -58,14 +57,6 @@ def short(prompts, completions, **kw):
 '''
 
 
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("grpo-cli") / "hf"
-    hf_model(CFG).save_pretrained(folder)
-    write_tokenizer(folder, "qwen")
-    return folder
-
-
 @pytest.fixture
 def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder holding the prompts and the reward module, the working directory (where `module:function` is
@@ -77,8 +68,8 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _argv(hf_folder: Path, run: Path, *extra: object) -> list[str]:
-    return [str(a) for a in ("train", "--method", "grpo", "--from-pretrained", hf_folder, "--data", "prompts.jsonl",
+def _argv(llama_folder: Path, run: Path, *extra: object) -> list[str]:
+    return [str(a) for a in ("train", "--method", "grpo", "--from-pretrained", llama_folder, "--data", "prompts.jsonl",
                              "--num-generations", 4, "--max-completion-length", 6, "--batch", 8, "--seq", 24,
                              "--dtype", "fp32", "--lr", 1e-3, "--steps", 3, "--run-dir", run, "--sample-tokens", 0,
                              *extra)]
@@ -88,7 +79,7 @@ def _logged(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, work: Path,
+def test_streamer_train_method_grpo_is_the_python_apis_steps(llama_folder: Path, work: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """LoRA with beta (the reference: the base with the adapters off), two iterations a rollout (the old policy's
     log-probabilities), two reward functions weighted, two micro-batches: each step's loss, rewards, advantages
@@ -102,7 +93,7 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
     from tests.test_cli import run_cli
 
     run = work / "run"
-    rc, out, err = run_cli(capsys, *_argv(hf_folder, run, "--lora-rank", 4, "--beta", 0.05, "--num-iterations", 2,
+    rc, out, err = run_cli(capsys, *_argv(llama_folder, run, "--lora-rank", 4, "--beta", 0.05, "--num-iterations", 2,
                                           "--grad-accum", 2, "--reward-funcs", "cli_rewards:lowercase,cli_rewards:hits",
                                           "--reward-weights", "1,0.5", "--loss-type", "grpo"))
     assert rc == 0, err
@@ -121,7 +112,7 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
     objective = cfg.trainer.objective
     assert (objective.loss_type, objective.beta, objective.num_iterations) == ("grpo", 0.05, 2)
     rewards = Rewards(["cli_rewards:lowercase", "cli_rewards:hits"], [1.0, 0.5])
-    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, cfg.trainer, work / "store") as trainer:
         loop = GRPOLoop(trainer, load_tokenizer(run / "tokenizer"), PROMPTS, rewards,
                         GRPOSettings.of(objective, cfg.batch, cfg.trainer.seed))
         for r in logged:
@@ -130,7 +121,7 @@ def test_streamer_train_method_grpo_is_the_python_apis_steps(hf_folder: Path, wo
             assert all(record[k] == r[k] for k in ("completions", "advantages", "rewards", "reward"))
 
 
-def test_conversational_prompts_train_as_the_python_api(hf_folder: Path, work: Path,
+def test_conversational_prompts_train_as_the_python_api(llama_folder: Path, work: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """Prompts as conversations (TRL's conversational prompt-only format): each is rendered by the run's chat
     template with the assistant's header, and the reward functions get the assistant's messages; the steps are the
@@ -147,7 +138,7 @@ def test_conversational_prompts_train_as_the_python_api(hf_folder: Path, work: P
     chats = [{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"]} for p in PROMPTS]
     (work / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     run = work / "run"
-    argv = _argv(hf_folder, run, "--reward-funcs", "cli_rewards:chat_hits")
+    argv = _argv(llama_folder, run, "--reward-funcs", "cli_rewards:chat_hits")
     argv[argv.index("prompts.jsonl")] = "chats.jsonl"
     argv[argv.index("--seq") + 1], argv[argv.index("--steps") + 1] = "40", "2"
     rc, _, err = run_cli(capsys, *argv)
@@ -155,7 +146,7 @@ def test_conversational_prompts_train_as_the_python_api(hf_folder: Path, work: P
     logged = [r for r in _logged(run) if "loss" in r]
     cfg = RunDir.open(run).read_config()
     tokenizer = load_tokenizer(run / "tokenizer")
-    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, cfg.trainer, work / "store") as trainer:
         loop = GRPOLoop(trainer, tokenizer, read_prompts("chats.jsonl"), Rewards(["cli_rewards:chat_hits"]),
                         GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed))
         for r in logged:
@@ -173,18 +164,18 @@ def test_conversational_prompts_train_as_the_python_api(hf_folder: Path, work: P
     assert not (work / "bad").exists()
 
 
-def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, work: Path) -> None:
+def test_a_run_killed_during_a_rollout_resumes_bit_identically(llama_folder: Path, work: Path) -> None:
     """SIGKILLed while step 2's completions are scored (its rollout under way): the same command finishes the run
     as an uninterrupted one, bit for bit (the logged steps and the final weights)."""
     from streamer.run_dir import RunDir
     from streamer.session import open_trainer
     from tests.test_lifecycle import streamer
 
-    argv = _argv(hf_folder, work / "whole", "--reward-funcs", "cli_rewards:killing")
+    argv = _argv(llama_folder, work / "whole", "--reward-funcs", "cli_rewards:killing")
     assert streamer(*argv).returncode == 0
     (work / "calls").unlink()
     (work / "kill_at").write_text("2")
-    argv = _argv(hf_folder, work / "killed", "--reward-funcs", "cli_rewards:killing")
+    argv = _argv(llama_folder, work / "killed", "--reward-funcs", "cli_rewards:killing")
     killed = streamer(*argv)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [r["step"] for r in _logged(work / "killed")] == [1]
@@ -200,7 +191,7 @@ def test_a_run_killed_during_a_rollout_resumes_bit_identically(hf_folder: Path, 
     assert all(torch.equal(left[k], right[k]) for k in left)
 
 
-def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: Path, work: Path) -> None:
+def test_a_rollouts_later_iterations_resume_from_the_committed_step(llama_folder: Path, work: Path) -> None:
     """With num_iterations 2, a trainer reopened from its store after step 1 steps on the same rollout (kept with
     the step) as one that went on: the same losses, bit for bit."""
     from streamer import StreamingTrainer, TrainerConfig
@@ -208,13 +199,13 @@ def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: P
     from streamer.io.tokenizer import load_tokenizer
     from streamer.rewards import Rewards
 
-    tokenizer, rewards = load_tokenizer(hf_folder), Rewards(["cli_rewards:lowercase"])
+    tokenizer, rewards = load_tokenizer(llama_folder), Rewards(["cli_rewards:lowercase"])
     settings = GRPOSettings(num_generations=4, max_completion_length=6, num_iterations=2, prompts_per_step=1)
     tc = TrainerConfig.of(dtype="fp32", lr=1e-3, store="disk")  # each step committed
-    with StreamingTrainer.from_pretrained(hf_folder, tc, work / "whole") as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, tc, work / "whole") as trainer:
         loop = GRPOLoop(trainer, tokenizer, PROMPTS, rewards, settings)
         whole = [loop.step()["loss"] for _ in range(3)]
-    with StreamingTrainer.from_pretrained(hf_folder, tc, work / "parted") as trainer:
+    with StreamingTrainer.from_pretrained(llama_folder, tc, work / "parted") as trainer:
         parted = [GRPOLoop(trainer, tokenizer, PROMPTS, rewards, settings).step()["loss"]]
     with StreamingTrainer.open(work / "parted") as trainer:
         assert trainer.extra_state["rollout"]["index"] == 0
@@ -238,13 +229,13 @@ def test_a_rollouts_later_iterations_resume_from_the_committed_step(hf_folder: P
     (("--reward-funcs", "cli_rewards:hits", "--loss-type", "sigmoid"),
      "--loss-type sigmoid is not one of GRPO's: dapo, grpo, dr_grpo, bnpo"),
 ], ids=["raises", "miscounts", "missing", "no-rewards", "weights", "groups", "long-prompt", "loss-type"])
-def test_bad_grpo_input_is_one_line(hf_folder: Path, work: Path, capsys: pytest.CaptureFixture[str],
+def test_bad_grpo_input_is_one_line(llama_folder: Path, work: Path, capsys: pytest.CaptureFixture[str],
                                     extra: tuple[str, ...], line: str) -> None:
     """A reward function that raises or miscounts stops the run at that step with one line naming it (the run
     keeps its committed steps); bad settings and data are refused before anything is written."""
     from tests.test_cli import fails
 
-    message = fails(capsys, *_argv(hf_folder, work / "run"), *extra)
+    message = fails(capsys, *_argv(llama_folder, work / "run"), *extra)
     assert line in message and "Traceback" not in message
     if extra[:2] not in (("--reward-funcs", "cli_rewards:broken"), ("--reward-funcs", "cli_rewards:short")):
         assert not (work / "run").exists()
@@ -373,7 +364,7 @@ def test_sharded_grpo_or_a_kl_without_reference_is_refused_in_one_line(work: Pat
     check_startable(cfg.replace(beta=0.0))
 
 
-def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Path, work: Path,
+def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(llama_folder: Path, work: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Full fine-tuning with --beta: the KL's reference is the checkpoint, frozen in RUN/reference-store. A step,
     then the same command to step 2 (the reference store opened again), are the Python API's two steps
@@ -387,7 +378,7 @@ def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Pa
     from tests.test_cli import run_cli
 
     run = work / "run"
-    argv = _argv(hf_folder, run, "--beta", 0.1, "--loss-type", "grpo", "--reward-funcs", "cli_rewards:lowercase")
+    argv = _argv(llama_folder, run, "--beta", 0.1, "--loss-type", "grpo", "--reward-funcs", "cli_rewards:lowercase")
     steps = argv.index("--steps") + 1
     argv[steps] = "1"
     assert run_cli(capsys, *argv)[0] == 0
@@ -400,9 +391,9 @@ def test_full_fine_tuning_grpo_with_beta_reads_the_initial_weights(hf_folder: Pa
 
     cfg = RunDir.open(run).read_config()
     tokenizer = load_tokenizer(run / "tokenizer")
-    with StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "store") as trainer, \
-            frozen_reference(hf_folder, cfg.trainer, work / "reference") as reference, \
-            StreamingTrainer.from_pretrained(hf_folder, cfg.trainer, work / "initial") as initial:
+    with StreamingTrainer.from_pretrained(llama_folder, cfg.trainer, work / "store") as trainer, \
+            frozen_reference(llama_folder, cfg.trainer, work / "reference") as reference, \
+            StreamingTrainer.from_pretrained(llama_folder, cfg.trainer, work / "initial") as initial:
         loop = GRPOLoop(trainer, tokenizer, PROMPTS, Rewards(["cli_rewards:lowercase"]),
                         GRPOSettings.of(cfg.trainer.objective, cfg.batch, cfg.trainer.seed), reference)
         for r in logged:
@@ -464,7 +455,7 @@ def test_streamer_plan_prints_a_dpo_step_and_a_grpo_rollout_of_an_8b_on_an_h100(
 
 
 @pytest.mark.slow
-def test_grpo_under_torchrun_is_one_process_and_a_killed_run_resumes_bit_identically(hf_folder: Path,
+def test_grpo_under_torchrun_is_one_process_and_a_killed_run_resumes_bit_identically(llama_folder: Path,
                                                                                       work: Path) -> None:
     """`torchrun --nproc_per_node 2 -m streamer train --method grpo`, full fine-tuning with --beta (each process's
     frozen reference store): a step's one prompt has 8 completions, and each process samples the group whole (its
@@ -481,7 +472,7 @@ def test_grpo_under_torchrun_is_one_process_and_a_killed_run_resumes_bit_identic
     from tests.test_lifecycle import ENV, streamer
 
     def argv(run: str) -> list[str]:
-        out = _argv(hf_folder, work / run, "--reward-funcs", "cli_rewards:rank_killing", "--beta", 0.05)
+        out = _argv(llama_folder, work / run, "--reward-funcs", "cli_rewards:rank_killing", "--beta", 0.05)
         out[out.index("--num-generations") + 1] = "8"
         return out
 
