@@ -14,11 +14,10 @@ from layers.config import (
     family, positive_ints,
 )
 from layers.attention import SlidingLayers
-from layers.llama.config import checked_rope
+from layers.llama.config import LlamaParams, checked_rope
 from layers.gemma3.adapter import LAYER_TYPES, Gemma3Adapter, pattern_layers, rope_per_layer_type
 from layers.gemma3.costs import Gemma3Costs
 from layers.llama.targets import LlamaTargets
-from layers.params import UnitParams
 
 
 def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
@@ -29,23 +28,14 @@ def deepened(cfg: Any, sizes: Mapping[str, int]) -> Any:
     return dataclasses.replace(cfg, num_hidden_layers=layers, attention_layers=kinds)
 
 
-class Gemma3Params(UnitParams):
-    def embed(self) -> int:
-        return self.cfg.vocab_size * self.cfg.hidden_size
+class Gemma3Params(LlamaParams):
+    """Llama's embedding and head (tied by default); a block of four norms, q/k norms and GeGLU."""
 
     def block(self) -> int:
         cfg = self.cfg
         d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.attention_width, cfg.kv_width
         attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if cfg.attention_bias else 0)
         return 4 * d + attention + 2 * cfg.head_dim + 3 * d * f  # four norms, q/k norms, GeGLU
-
-    def head(self) -> int:
-        cfg = self.cfg
-        return cfg.hidden_size + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-
-    def borrowed(self, unit: str) -> dict[str, tuple[str, str]]:
-        tied = unit == "head" and self.cfg.tie_word_embeddings
-        return {"lm_head.weight": ("embed", "embed_tokens.weight")} if tied else {}
 
 
 class Gemma3Attention(SlidingLayers):
