@@ -279,11 +279,10 @@ def test_three_streamed_steps_equal_peft_on_the_4bit_model_with_adamw(checkpoint
     assert max(abs(a - b) for a, b in zip(losses, exact[0], strict=True)) <= 2 * loss_noise + 1e-6
 
 
-@pytest.mark.parametrize("double_quant,store", [(False, "ram"), (True, "disk")])
-def test_planner_ledger_and_dry_run_agree_to_the_byte(tmp_path: Path, double_quant: bool, store: str) -> None:
-    """Device bytes at the peak, the host store and the bytes each step sends to the device: the planner's are
-    the real run's to the byte, and the dry run's peak too."""
-    tc = _settings("nf4", double_quant, grad_accum=2, activations="checkpoint", store=store)
+def assert_planned_to_the_byte(tmp_path: Path, tc: TrainerConfig, store: str, slab_bytes: Callable[[str], int]) -> None:
+    """Device bytes at the peak, the host store and the bytes each step sends to the device: the planner's are a
+    real step's of `tc` (on the `store` tier) to the byte, and the dry run's peak too; `slab_bytes(unit)`, a unit's
+    packed slab."""
     ids = torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
         trainer.step(ids)
@@ -292,12 +291,17 @@ def test_planner_ledger_and_dry_run_agree_to_the_byte(tmp_path: Path, double_qua
     predicted = plan(CFG, device_spec("h100-sxm"), tc.plan_config(4, 16))
     dry = dry_run(CFG, tc, 4, 16)
     assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real == (dry.peak, dict(dry.peak_breakdown))
-    units = sum(unit_bytes(CFG, u, 4, double_quant) for u in CFG.unit_names())
-    assert units < CFG.num_params() * 4 // 2  # the blocks' projections 4-bit
+    units = sum(slab_bytes(u) for u in CFG.unit_names())
+    assert units < CFG.num_params() * 4 // 2  # the blocks' projections quantized
     # (A state file's trailer follows each unit's data on disk; the planner counts the data.)
     assert predicted.host_store_bytes == units == (host[0] if store == "ram" else host[1] - 4 * TRAILER_BYTES)
-    loads = 2 * 2 * CFG.num_hidden_layers * unit_bytes(CFG, "block.0", 4, double_quant)
-    assert predicted.link_bytes["h2d"] >= loads
+    assert predicted.link_bytes["h2d"] >= 2 * 2 * CFG.num_hidden_layers * slab_bytes("block.0")
+
+
+@pytest.mark.parametrize("double_quant,store", [(False, "ram"), (True, "disk")])
+def test_planner_ledger_and_dry_run_agree_to_the_byte(tmp_path: Path, double_quant: bool, store: str) -> None:
+    tc = _settings("nf4", double_quant, grad_accum=2, activations="checkpoint", store=store)
+    assert_planned_to_the_byte(tmp_path, tc, store, lambda unit: unit_bytes(CFG, unit, 4, double_quant))
 
 
 @pytest.mark.parametrize("double_quant", [False, True])

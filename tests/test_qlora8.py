@@ -15,13 +15,11 @@ import torch.nn.functional as F
 
 from layers import PRESETS
 from layers.packed4 import unit_bytes
-from memory_model import device_spec, plan
 from streamer import StreamingTrainer, TrainerConfig
-from streamer.calibration.dryrun import dry_run
 from streamer.cli.main import main
-from streamer.store.slabfile import TRAILER_BYTES
 from tests.test_families import hf_model
-from tests.test_qlora import ALPHA, CFG, RANK, TARGETS, _adapters, assert_lora_gradients_within_noise
+from tests.test_qlora import ALPHA, CFG, RANK, TARGETS, _adapters, assert_lora_gradients_within_noise, \
+    assert_planned_to_the_byte
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -146,18 +144,7 @@ def test_lora_loss_and_gradients_equal_transformers_8bit_with_peft_within_its_fp
 @pytest.mark.parametrize("store", ["ram", "disk"])
 def test_planner_ledger_and_dry_run_agree_to_the_byte(tmp_path: Path, store: str) -> None:
     tc = _settings(grad_accum=2, activations="checkpoint", store=store)
-    ids = torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
-        trainer.step(ids)
-        real = trainer.ledger.peak, dict(trainer.ledger.peak_breakdown)
-        host = trainer.store.spec.host_bytes()
-    predicted = plan(CFG, device_spec("h100-sxm"), tc.plan_config(4, 16))
-    dry = dry_run(CFG, tc, 4, 16)
-    assert (predicted.peak_device_bytes, predicted.peak_breakdown) == real == (dry.peak, dict(dry.peak_breakdown))
-    units = sum(unit_bytes(CFG, u, 4, False, int8=True) for u in CFG.unit_names())
-    assert predicted.host_store_bytes == units == (host[0] if store == "ram" else host[1] - 4 * TRAILER_BYTES)
-    assert predicted.link_bytes["h2d"] >= 2 * 2 * CFG.num_hidden_layers * unit_bytes(CFG, "block.0", 4, False,
-                                                                                      int8=True)
+    assert_planned_to_the_byte(tmp_path, tc, store, lambda unit: unit_bytes(CFG, unit, 4, False, int8=True))
 
 
 def test_bad_8bit_settings_are_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
