@@ -462,6 +462,23 @@ def test_the_peft_export_loads_on_transformers_4bit_model_with_our_loss(tmp_path
     assert abs(ours - losses[0]) <= 2 * noise + 4 * abs(ours) * torch.finfo(torch.float32).eps
 
 
+def projection_errors(theirs: torch.nn.Module, ours: torch.nn.Module, named: dict[str, torch.Tensor],
+                      x: torch.Tensor, exact_weight: torch.Tensor, bias: torch.Tensor) -> list[tuple[float, float]]:
+    """bitsandbytes' projection `theirs` and ours (its tensors `named`) on `x`: for the output and the input's
+    gradient, (theirs' error, ours') against the product with `exact_weight` in float64."""
+    results = []
+    for run in (lambda t: theirs(t), lambda t: torch.func.functional_call(ours, named, (t,))):
+        t = x.clone().requires_grad_()
+        out = run(t)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().double(), t.grad.double()))
+    x64 = x.double().requires_grad_()
+    exact = x64 @ exact_weight.double().T + bias.double()
+    exact.backward(torch.ones_like(exact))
+    return [((reference - truth).abs().max().item(), (mine - truth).abs().max().item())
+            for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad), strict=True)]
+
+
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dtype) -> None:
     """Our Linear4bit against bitsandbytes' (bnb_4bit_compute_dtype `compute`) on the same packed weight: output and
@@ -477,18 +494,8 @@ def test_a_4bit_projection_computes_as_bitsandbytes_linear4bit(compute: torch.dt
     theirs.train()
     ours = Linear4bit(128, 96, True, Quant4("nf4", True, torch.float32), compute)
     named = {**quantize(weight, ours.quant), "bias": bias}
-    results = []
-    for run in (lambda t: theirs(t), lambda t: torch.func.functional_call(ours, named, (t,))):
-        t = x.clone().requires_grad_()
-        out = run(t)
-        out.backward(torch.ones_like(out))
-        results.append((out.detach().double(), t.grad.double()))
-    exact_weight = bnb.functional.dequantize_4bit(theirs.weight.data, theirs.weight.quant_state).double()
-    x64 = x.double().requires_grad_()
-    exact = x64 @ exact_weight.T + bias.double()
-    exact.backward(torch.ones_like(exact))
-    for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad), strict=True):
-        noise, error = (reference - truth).abs().max().item(), (mine - truth).abs().max().item()
+    exact_weight = bnb.functional.dequantize_4bit(theirs.weight.data, theirs.weight.quant_state)
+    for noise, error in projection_errors(theirs, ours, named, x, exact_weight, bias):
         assert 0 < noise and error <= 2 * noise
         # In bf16 ours carries bf16's rounding as theirs does (in fp32 it would be some 1e-4 of it).
         assert compute == torch.float32 or error >= noise / 8

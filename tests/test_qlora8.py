@@ -19,7 +19,7 @@ from streamer import StreamingTrainer, TrainerConfig
 from streamer.cli.main import main
 from tests.test_families import hf_model
 from tests.test_qlora import ALPHA, CFG, RANK, TARGETS, _adapters, assert_lora_gradients_within_noise, \
-    assert_planned_to_the_byte
+    assert_planned_to_the_byte, projection_errors
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -119,18 +119,8 @@ def test_an_8bit_projection_computes_as_bitsandbytes_linear8bitlt(compute: torch
     theirs = theirs.to("cpu").train()  # quantizes, as transformers' loading does
     ours = Linear4bit(128, 96, True, Quant8(compute), compute)
     named = {**ours.quant.quantize(weight), "bias": bias.to(compute)}
-    results = []
-    for run in (lambda t: theirs(t), lambda t: torch.func.functional_call(ours, named, (t,))):
-        t = x.clone().requires_grad_()
-        out = run(t)
-        out.backward(torch.ones_like(out))
-        results.append((out.detach().double(), t.grad.double()))
-    exact_weight = bnb.functional.int8_vectorwise_dequant(*_codes(theirs)).double()
-    x64 = x.double().requires_grad_()
-    exact = x64 @ exact_weight.T + bias.to(compute).double()
-    exact.backward(torch.ones_like(exact))
-    for mine, reference, truth in zip(results[1], results[0], (exact.detach(), x64.grad), strict=True):
-        noise, error = (reference - truth).abs().max().item(), (mine - truth).abs().max().item()
+    exact_weight = bnb.functional.int8_vectorwise_dequant(*_codes(theirs))
+    for noise, error in projection_errors(theirs, ours, named, x, exact_weight, bias.to(compute)):
         assert 0 < noise and error <= 2 * noise
 
 
