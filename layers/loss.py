@@ -177,18 +177,22 @@ class _ChunkedLMLoss(torch.autograd.Function):
         temperature = ctx.objective.temperature
         if temperature != 1.0:  # the chain rule through logits / temperature
             row_scale = row_scale / temperature
-        grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        grad_weight = torch.empty_like(weight)
-        grad_bias = None if bias is None else torch.empty_like(bias)
+        # A frozen head (LoRA's base) gets no weight gradient: autograd would drop it after it was made.
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if needs_x else None
+        grad_weight = torch.empty_like(weight) if needs_weight else None
+        grad_bias = torch.empty_like(bias) if bias is not None and needs_bias else None
         for lo, hi in _vocab_slices(weight.shape[0], ctx.vocab_chunk):
             logits = kept.pop() if kept else _chunk_logits(x, weight, bias, lo, hi, temperature)
             grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, fp32, in place of the logits
             inside, column = _in_chunk(targets, lo, hi)
             grad.scatter_add_(1, column, -inside.float().unsqueeze(1)).mul_(row_scale)
             grad = grad.to(x.dtype)  # the logits' gradient in the compute dtype, as the cast's backward gives it
-            grad_weight[lo:hi] = grad.t() @ x
+            if grad_weight is not None:  # into its rows: a product, then a copy, would be a second (chunk, d)
+                torch.mm(grad.t(), x, out=grad_weight[lo:hi])
             if grad_bias is not None:
                 grad_bias[lo:hi] = grad.sum(0)
-            grad_x += grad @ weight[lo:hi]
-            del grad
-        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None, None
+            if grad_x is not None:
+                grad_x += grad @ weight[lo:hi]
+            del grad, logits  # before the next chunk's logits exist
+        return None if grad_x is None else grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None, None

@@ -285,19 +285,26 @@ def offloaded_inputs_bytes(shape: ModelConfig, batch: int, seq: int, es: int) ->
     return shape.num_hidden_layers * checkpoint_input_bytes(shape, batch, seq, es)
 
 
+# The head's backward per position (layers.loss._ChunkedLMLoss.backward): the learned mask (bool), the rows'
+# scale (fp32), and a chunk's target mask (bool) and target column (int64).
+HEAD_BACKWARD_BYTES_PER_TOKEN = 1 + 4 + 1 + 8
+
+
 def backward_workspace_bytes(shape: ModelConfig, unit: str, batch: int, seq: int, es: int,
                              frozen: bool = False, group: int = 0) -> int:
-    """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient (unless it
-    is the kept logits, charged as activations) and its compute-dtype copy, and the fp32 sum of the gradient
-    w.r.t. its input over the chunks. A block or the embedding: the incoming gradient w.r.t. its output
-    (B, T, d); a trained block also autograd's buffers (`block_backward_transient_bytes`). The gradient w.r.t.
-    a unit's input is charged once its backward is done, when its activations are gone: never above this
-    moment. `frozen`: LoRA's base. `group`: a block's experts load `group` at a time (`expert_group`)."""
+    """Charged while a unit's backward runs. The head: one vocabulary chunk's fp32 logits gradient (unless it is the
+    kept logits, charged as activations) and its compute-dtype copy, the fp32 sum of the gradient w.r.t. its input
+    over the chunks, the chunk's share of it before it is added, and the positions' masks, target columns and scales
+    (`HEAD_BACKWARD_BYTES_PER_TOKEN`). A block or the embedding: the incoming gradient w.r.t. its output (B, T, d);
+    a trained block also autograd's buffers (`block_backward_transient_bytes`). The gradient w.r.t. a unit's input
+    is charged once its backward is done, when its activations are gone: never above this moment. `frozen`: LoRA's
+    base. `group`: a block's experts load `group` at a time (`expert_group`)."""
     n = batch * seq
     if unit == "head":
         chunk = loss_vocab_chunk(shape, n)
         cast = 0 if es == 4 else es  # in fp32 the cast to the compute dtype is the tensor itself
-        return (4 + cast) * n * chunk - _kept_logits_bytes(shape, n) + 4 * n * shape.hidden_size
+        return ((4 + cast) * n * chunk - _kept_logits_bytes(shape, n) + (4 + es) * n * shape.hidden_size
+                + HEAD_BACKWARD_BYTES_PER_TOKEN * n)
     transient = block_backward_transient_bytes(shape, batch, seq, es, group) if unit != "embed" and not frozen else 0
     return n * shape.hidden_size * es + transient
 

@@ -1,7 +1,7 @@
-"""What a block's backward holds beyond the ledger's charges, measured: every storage an op makes is tracked
-from its creation until its last reference dies, under a TorchDispatchMode, through a real block's forward
-(or checkpoint's recompute) and backward, in the runtime's order. The formula the ledger and the planner
-charge (memory_model.shapes.block_backward_transient_bytes) must equal it to the byte.
+"""What a block's (and the head's) backward holds beyond the ledger's charges, measured: every storage an op makes is
+tracked from its creation until its last reference dies, under a TorchDispatchMode, through a real block's forward
+(or checkpoint's recompute) and backward, in the runtime's order. The formula the ledger and the planner charge
+(memory_model.shapes.block_backward_transient_bytes) must equal it to the byte.
 
 What is measured above the backward's start: its recompute's saved tensors (checkpoint; charged as
 activations), the block's weight gradient (charged at the end as gradients), and the rest, which the formula
@@ -24,7 +24,8 @@ from layers.llama.config import LlamaConfig
 from layers.olmo2.config import Olmo2Config
 from layers.gpt_oss.config import GptOssConfig
 from layers.moe.config import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
-from memory_model.shapes import block_backward_transient_bytes
+from layers.loss import chunked_lm_loss
+from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
 
 
 class LiveStorages(TorchDispatchMode):
@@ -191,3 +192,38 @@ def test_gptj_6b_has_a_transient_at_64_x_2048_and_none_at_1_x_2048() -> None:
     six_b = GPTJConfig.preset("gptj-6b")
     assert block_backward_transient_bytes(six_b, 1, 2048, 2) == 0
     assert 4.5 * 2**30 < block_backward_transient_bytes(six_b, 64, 2048, 2) < 5 * 2**30
+
+
+def measured_head_backward(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, frozen: bool) -> int:
+    """The head loss's backward peak above its start, by storages ops make (the weight is not theirs)."""
+    torch.manual_seed(0)
+    weight = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype).requires_grad_(not frozen)
+    mode = LiveStorages([weight])
+    with mode:
+        x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype).requires_grad_()
+        labels = torch.randint(0, cfg.vocab_size, (batch, seq))
+        loss = chunked_lm_loss(x, weight, None, labels, loss_vocab_chunk(cfg, batch * seq))
+        start = mode.now
+        mode.reset_peak()
+        loss.backward()
+    return mode.peak - start
+
+
+# The whole vocabulary in one chunk (its logits kept from the forward), and in two chunks (the second smaller).
+HEAD_ONE_CHUNK = dataclasses.replace(LLAMA, vocab_size=1000)
+HEAD_TWO_CHUNKS = dataclasses.replace(LLAMA, vocab_size=50000, hidden_size=64)
+
+
+@pytest.mark.parametrize("cfg,batch,seq", [(HEAD_ONE_CHUNK, 2, 16), (HEAD_TWO_CHUNKS, 1, 700)],
+                         ids=["one-chunk", "two-chunks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_head_backward_holds_its_workspace_and_its_gradient_only(cfg: ModelConfig, batch: int, seq: int,
+                                                                 dtype: torch.dtype, frozen: bool) -> None:
+    """The head's backward holds what the planner charges it (`backward_workspace_bytes`) and, when trained, its
+    weight gradient, written into place: no second (vocabulary, d) product, and a frozen head (LoRA's base) makes
+    none. Not charged: the loss's own fp32 scalar (4 bytes)."""
+    es = torch.finfo(dtype).bits // 8
+    gradient = 0 if frozen else cfg.vocab_size * cfg.hidden_size * es
+    charged = backward_workspace_bytes(cfg, "head", batch, seq, es, frozen=frozen) + gradient
+    assert measured_head_backward(cfg, batch, seq, dtype, frozen) - charged == 4

@@ -18,6 +18,7 @@ from rich.console import Console
 from layers import FAMILIES, PRESETS, GPTJConfig, GptOssConfig, ModelConfig, build_unit
 from memory_model import (CATEGORIES, device_spec, DEVICE_PRESETS, DeviceSpec, Ledger, Link, PlanConfig,
                           peak_device_bytes, plan)
+from memory_model.allocator import workspace_bytes
 from memory_model.kernels import attention_flops, gpu_elementwise_bytes
 from memory_model.devices import tree_levels, with_sets
 from memory_model.units import stored_bytes
@@ -311,7 +312,8 @@ def test_does_not_fit_a_small_device_and_the_largest_batch_does() -> None:
     best, seq = p.max_batch_seq
     assert seq == 2048 and 1 <= best < 8
     assert plan(GPTJ_6B, DEVICE_PRESETS["rtx4090"], replace(cfg, batch=best)).fits
-    usable = DEVICE_PRESETS["rtx4090"].memory_bytes - DEVICE_PRESETS["rtx4090"].reserve_bytes  # less the CUDA context
+    rtx = DEVICE_PRESETS["rtx4090"]
+    usable = rtx.memory_bytes - rtx.reserve_bytes - workspace_bytes(rtx.cuda_arch)  # less the context and cuBLAS's
     assert peak_device_bytes(GPTJ_6B, replace(cfg, batch=best + 1)) > usable
     short = p.max_seq
     assert 0 < short < 2048
