@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import sys
 import time
 import traceback
@@ -23,6 +22,7 @@ from typing import Any, Callable
 from memory_model import PlanConfig
 from memory_model.step import StepConfig
 from memory_model.tiers import TIERS, tier
+from memory_model.trace import rss_high_water
 from memory_model.units import COMPUTE_DTYPES, Precision
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
@@ -275,16 +275,6 @@ def _reset_rss_peak() -> None:
         pass
 
 
-def _rss_peak() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _union_s(spans: list[Any]) -> float:
     """Wall seconds covered by at least one span (spans on several threads overlap)."""
     total, end = 0.0, float("-inf")
@@ -345,7 +335,7 @@ def measure(spec: RunSpec) -> Measured:
     def one_step() -> float:
         return contender.step(torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator))
 
-    setup_rss_peak = _rss_peak()
+    setup_rss_peak = rss_high_water()
     _reset_rss_peak()
     trainer = contender.trainer
     for _ in range(spec.warmup):
@@ -364,7 +354,7 @@ def measure(spec: RunSpec) -> Measured:
             out.unit_compute.append(_unit_compute(contender.trainer, contender.trainer.step_count))
             # what the store's files were asked for (data only), the figure the planner prices
             out.io[-1].update(zip(STORE_COUNTERS, contender.trainer.step_bytes, strict=True))
-    out.step_rss_peak_bytes = _rss_peak()
+    out.step_rss_peak_bytes = rss_high_water()
     out.process_rss_peak_bytes = max(setup_rss_peak, out.step_rss_peak_bytes)
     if trainer is not None:
         out.fused, out.redone_steps = trainer.fused, trainer.clipped_redos - redone_before

@@ -8,6 +8,7 @@ in docs/TRACE_SCHEMA.md.
 from __future__ import annotations
 
 import json
+import resource
 import threading
 import time
 from contextlib import contextmanager
@@ -27,6 +28,18 @@ if TYPE_CHECKING:
 PHASES = ("load", "forward", "backward", "offload", "update", "generate")  # what the executor emits
 SCHEMA = "weight-streaming.trace"
 SCHEMA_VERSION = 2  # 2 added each span's layer_bytes; a version 1 file reads with them empty
+
+
+def rss_high_water() -> int:
+    """This process's highest resident set so far: the kernel's high-water mark (VmHWM on Linux, else
+    getrusage's ru_maxrss). The RSS sampled at span ends misses a peak inside a span; this does not."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass(frozen=True)

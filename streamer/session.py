@@ -31,6 +31,7 @@ from layers import IGNORE_INDEX, ModelConfig, learned_tokens
 from layers.config import read_hf_json
 from memory_model.settings import flag, flatten
 from memory_model.shapes import step_model_flops
+from memory_model.trace import rss_high_water
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
@@ -235,7 +236,7 @@ class Session:
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
                       "tokens_per_s": tokens / elapsed, "step_s": elapsed,
                       **({} if peak is None else {"mfu": self.model_flops(*ids.shape) / elapsed / peak[0]}),
-                      "device_peak_bytes": step_peak, "host_rss_bytes": rss,
+                      "device_peak_bytes": step_peak, "host_rss_bytes": rss, "host_rss_peak_bytes": rss_high_water(),
                       **{k: v for k, v in rollout.items() if k != "step"}}
             self.log(record)
             if self.grpo is not None and self.lead and not skipped:  # a sample: the first prompt's completions

@@ -21,6 +21,7 @@ from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import checked_group
 from memory_model.schedule import StepSpec, step_events
 from memory_model.settings import SettingError
+from memory_model.trace import rss_high_water
 from streamer.config import TrainerConfig
 from streamer.errors import CheckpointError, ConfigError, StoreError, StreamerError
 from streamer.persistence import Persistence, create_store, open_store
@@ -301,6 +302,7 @@ class StreamingTrainer:
             # The allocator's own peak beside the ledger's (docs/MEMORY_MODEL.md: CUDA workspace allowance).
             self.trace.meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.executor.device)
             self.trace.meta["ledger_peak_bytes"] = self.ledger.peak
+        self.trace.meta["host_rss_high_water_bytes"] = rss_high_water()
         if self.store is not None:
             self.persistence.finish_step(step)
             (read, written), (read_before, written_before) = self.store.bytes_moved(), moved

@@ -19,6 +19,7 @@ from streamer.advice import planned_host
 from streamer.cli.main import main
 from streamer.resources import shortfall
 from streamer.run import resolve
+from streamer.run_dir import RunDir
 from streamer.store.layout import WIDENED_BLOCK
 from streamer.runtime.hardware import resolve_compute_dtype
 from streamer.runtime.transport import BufferPool
@@ -120,6 +121,10 @@ def _high_waters(folder: Path, model: dict, store: str, steps: int, settings: di
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     peaks = [int(mark.read_text()) * 1024 for mark in marks.iterdir()]
     assert len(peaks) == ranks, done.stderr[-2000:]
+    if ranks == 1:  # what the run logs as its high-water mark (`plan --compare` reads it): the kernel's so far,
+        # above the resident set at any step's end, below the exit's (the report after the steps adds to it)
+        logged = [m for m in RunDir(folder / f"run-{model['hidden_size']}-{store}").read_metrics() if "loss" in m]
+        assert max(m["host_rss_bytes"] for m in logged) <= logged[-1]["host_rss_peak_bytes"] <= peaks[0]
     return peaks
 
 

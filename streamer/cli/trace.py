@@ -115,8 +115,10 @@ def memory_lines(trace: Trace, step: int, planned: int | None = None, planned_ho
         baseline = meta["baseline_bytes"]
         lines.append(f"16 B/param baseline (all training state on the device): {meta['params']:,} params -> "
                      f"{format_size(baseline)}, {baseline / peak:.1f}x the streamed peak")
-    lines.append(f"host RSS peak {format_size(summary['host_rss_peak_bytes'])}"
-                 + (f"; the planner predicts {format_size(planned_host)}" if planned_host is not None else ""))
+    high_water = meta.get("host_rss_high_water_bytes")  # a trace written before it was recorded has none
+    rss = (f"host RSS peak {format_size(high_water)} (the process's high-water mark)" if high_water else
+           f"host RSS peak {format_size(summary['host_rss_peak_bytes'])} (at span ends)")
+    lines.append(rss + (f"; the planner predicts {format_size(planned_host)}" if planned_host is not None else ""))
     if meta.get("params") and meta.get("step_disk_read_bytes") is not None:
         read, written, params = meta["step_disk_read_bytes"], meta["step_disk_write_bytes"], meta["params"]
         if read or written:

@@ -62,8 +62,9 @@ def compare(run_dir: str, sets: tuple[str, ...]) -> dict[str, Any]:
     predicted_step = statistics.median(replayed_steps(shape, device, cfg, steps, processes)[1:])
     measured_step = statistics.median(r["step_s"] for r in steps[1:])
     measured_peak = max(r["device_peak_bytes"] for r in steps)
-    # The resident set at the end of each step (metrics.jsonl), against the process's planned peak.
-    measured_host = max(r.get("host_rss_bytes", 0) for r in steps)
+    # The process's high-water mark after each step (metrics.jsonl; a run logged before it was recorded: its
+    # resident set at each step's end), against the process's planned peak.
+    measured_host = max(r.get("host_rss_peak_bytes", r.get("host_rss_bytes", 0)) for r in steps)
     return {"run": str(run_dir), "predicted_step_s": predicted_step, "measured_step_s": measured_step,
             "step_error": predicted_step / measured_step - 1,
             "predicted_peak_bytes": predicted.peak_device_bytes, "measured_peak_bytes": measured_peak,
