@@ -3,6 +3,7 @@
 Every contender runs in its own process (clean peak RSS) in ABBA-ordered blocks; the tables and the
 BENCHMARKS.md this command writes hold only numbers measured in the run (see benchmarks/compare.py).
 `--quick` is a smoke run of the harness on a tiny model (the test suite runs it), not a measurement.
+`--only-scale` and `--only-qlora` run one part alone, on a quiet machine, and write its section into a report.
 `--model` and `--scale-model` take any family's preset or config.json; the scale run trains the largest model of
 its family that the disk holds (GPT-J-6B by default).
 """
