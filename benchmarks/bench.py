@@ -3,6 +3,7 @@
 Every contender runs in its own process (clean peak RSS) in ABBA-ordered blocks; the tables and the
 BENCHMARKS.md this command writes hold only numbers measured in the run (see benchmarks/compare.py).
 `--quick` is a smoke run of the harness on a tiny model (the test suite runs it), not a measurement.
+`--only-scale` and `--only-qlora` run one part alone, on a quiet machine, and write its section into a report.
 `--model` and `--scale-model` take any family's preset or config.json; the scale run trains the largest model of
 its family that the disk holds (GPT-J-6B by default).
 """
@@ -17,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 
@@ -37,8 +38,8 @@ from benchmarks.machine import (
     update_rates,
 )
 from benchmarks.lora import (
-    FULL, LORA, LORA_RANK, QLORA_MODEL, QLORA_OURS, QLORA_QUICK_MODEL, lora_pair, lora_versus_full, qlora_pair,
-    qlora_versus_hf,
+    FULL, LORA, LORA_RANK, QLORA_HF, QLORA_MODEL, QLORA_OURS, QLORA_QUICK_MODEL, lora_pair, lora_versus_full,
+    qlora_pair, qlora_versus_hf,
 )
 from benchmarks.report import update_markdown, write_markdown
 from benchmarks.runs import Result, Runner
@@ -81,6 +82,7 @@ class Settings:
     reserve_min_bytes: int
     quick: bool
     compute: DtypeChoice  # our contenders' compute dtype (--dtype resolved on this CPU) and why
+    alone: str | None = None  # the --only-... flag of the part that runs alone; None: the whole bench
     max_grad_norm: float = same_setting(OptimizerConfig, "max_grad_norm")
 
     def __post_init__(self) -> None:
@@ -88,8 +90,7 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
-        if args.only_scale and args.no_scale:
-            raise SystemExit("--only-scale and --no-scale exclude each other; pass one of them")
+        alone = _alone(args)
         for flag, value in (("--model", args.model), ("--scale-model", args.scale_model)):
             if value is not None:
                 _checked_model(flag, value)
@@ -98,25 +99,48 @@ class Settings:
             model = args.model or "gptj-debug"
             return cls(model=model, second=_second(ModelConfig.named(model)), batch=1, seq=32,
                        max_grad_norm=args.max_grad_norm, rounds=1,
-                       warmup=1, steps=2, deepspeed=False, scale=not args.no_scale,
+                       warmup=1, steps=2, deepspeed=False, scale=not args.no_scale and alone != ONLY_QLORA,
                        scale_model=_scale_model(args.scale_model, model, quick=True), scale_qlora=args.scale_qlora,
                        scale_warmup=0, scale_steps=1, data_parallel=False, profile=False, matmul_n=256,
                        update_params=2**20,
                        disk_test_bytes=16 * 2**20, disk_repeats=1, reserve_fraction=0.0, reserve_min_bytes=0,
-                       quick=True, compute=compute)
+                       quick=True, compute=compute, alone=alone)
         model = args.model or "gptj-350m"
         second = _second(ModelConfig.named(model))
         if args.steps * args.rounds < 5:
             raise SystemExit("the medians need at least 5 timed steps: --steps x --rounds >= 5")
         return cls(model=model, second=second, batch=args.batch, seq=args.seq,
                    max_grad_norm=args.max_grad_norm, rounds=args.rounds,
-                   warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed, scale=not args.no_scale,
+                   warmup=args.warmup, steps=args.steps, deepspeed=not args.no_deepspeed,
+                   scale=not args.no_scale and alone != ONLY_QLORA,
                    scale_model=_scale_model(args.scale_model, model, quick=False), scale_qlora=args.scale_qlora,
                    scale_warmup=1,
                    scale_steps=args.scale_steps,
                    data_parallel=True, profile=True, matmul_n=2048, update_params=64 * 2**20,
                    disk_test_bytes=2 * GiB, disk_repeats=3,
-                   reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute)
+                   reserve_fraction=0.12, reserve_min_bytes=8 * GiB, quick=False, compute=compute, alone=alone)
+
+
+ONLY_SCALE, ONLY_QLORA = "--only-scale", "--only-qlora"
+# The parts of the bench that run alone, to measure one on a quiet machine: the section each writes into an existing
+# report (which keeps the rest), and the flags it excludes, which skip or shape what it does not run.
+ALONE: dict[str, tuple[Callable[[Context], Outcome], tuple[str, ...]]] = {
+    ONLY_SCALE: (scale, ("--no-scale",)),
+    ONLY_QLORA: (qlora_versus_hf, (ONLY_SCALE, "--no-scale", "--no-deepspeed", "--scale-model", "--scale-qlora",
+                                   "--scale-steps")),
+}
+
+
+def _alone(args: argparse.Namespace) -> str | None:
+    """The flag of the part that runs alone, or None for the whole bench; a flag that part excludes is one line
+    naming both."""
+    given = _given(args)
+    for only, (_, excluded) in ALONE.items():
+        clash = [flag for flag in excluded if flag in given]
+        if only in given and clash:
+            raise SystemExit(f"{only} runs its part alone and excludes {', '.join(clash)}; drop "
+                             f"{'that flag' if len(clash) == 1 else 'those flags'} or {only}")
+    return next((only for only in ALONE if only in given), None)
 
 
 def _checked_model(flag: str, value: str) -> ModelConfig:
@@ -146,8 +170,8 @@ def _second(base: ModelConfig) -> ModelConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.add_argument("--quick", action="store_true", help="smoke run of the harness on a tiny model (< 60 s)")
-    parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick or "
-                        "--only-scale, none: a partial run must not replace the measured report)")
+    parser.add_argument("--output", type=Path, help="report to (re)write (default BENCHMARKS.md; with --quick, "
+                        f"{ONLY_SCALE} or {ONLY_QLORA}, none: a partial run must not replace the measured report)")
     # The flags shared with `streamer train`: its names, types and checks, with the comparison's own sizes.
     add_run_flags(parser, only=("model", "batch", "seq", "dtype", "max_grad_norm"),
                   defaults={"model": None, "batch": 1, "seq": 512, "dtype": "auto", "max_grad_norm": 0.0},
@@ -177,9 +201,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the scale run trains rank-{LORA_RANK} LoRA adapters on --scale-model's base held 4-bit "
                              "(nf4, double quant), as `streamer train --lora-rank --load-in-4bit` does, instead of "
                              "every weight")
-    parser.add_argument("--only-scale", action="store_true",
+    parser.add_argument(ONLY_SCALE, action="store_true",
                         help="run the scale run alone (--scale-model on the disk tier), to measure it on a quiet "
-                             "machine; it writes no report unless --output names one")
+                             "machine; it writes no report unless --output names one, and into an existing report "
+                             "only its own section and targets")
+    parser.add_argument(ONLY_QLORA, action="store_true",
+                        help=f"run the QLoRA pair alone (ours against transformers + bitsandbytes + PEFT on --model "
+                             f"where it is a Llama, else {QLORA_MODEL}), to measure it on a quiet machine; as "
+                             f"{ONLY_SCALE}, it writes no report unless --output names one")
     parser.add_argument("--workdir", type=Path, help="where stores and logs go (default: a temp dir, removed)")
     parser.add_argument("--child-timeout", type=float, default=4 * 3600, help="seconds one block may take")
 
@@ -276,7 +305,7 @@ def _compare_main(runner: Runner, specs: list[RunSpec], s: Settings, cores: int,
     results = runner.compare(specs, s.rounds)
     results.update(runner.compare([_spec(SECOND, "stream", s.second, s)], s.rounds))
     results.update(runner.compare(lora_pair(_spec(FULL, "stream", ModelConfig.named(s.model), s)), s.rounds))
-    results.update(runner.compare(qlora_pair(_spec(QLORA_OURS, "stream", _qlora_model(s), s)), s.rounds))
+    results.update(runner.compare(_qlora_specs(s), s.rounds))
     if s.data_parallel and importlib.util.find_spec("streamer.runtime.distributed") is not None:
         dp = [_spec(DP_1, "stream", s.second, s, batch=2 * s.batch),
               _spec(DP_2, "stream", s.second, s, batch=2 * s.batch, world=2, threads=max(1, max(1, cores) // 2))]
@@ -293,21 +322,29 @@ def _qlora_model(s: Settings) -> ModelConfig:
     return model if model.model_type == "llama" else ModelConfig.named(QLORA_QUICK_MODEL if s.quick else QLORA_MODEL)
 
 
+def _qlora_specs(s: Settings) -> list[RunSpec]:
+    return qlora_pair(_spec(QLORA_OURS, "stream", _qlora_model(s), s))
+
+
 def _output(args: argparse.Namespace) -> Path | None:
-    """BENCHMARKS.md holds a full measured run: a --quick smoke run or a scale run alone writes a report only
+    """BENCHMARKS.md holds a full measured run: a --quick smoke run or a part run alone writes a report only
     where it is told to."""
-    return args.output or (None if args.quick or args.only_scale else Path("BENCHMARKS.md"))
+    return args.output or (None if args.quick or _alone(args) else Path("BENCHMARKS.md"))
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The options that differ from their defaults, by flag: not always the option's name (--untimed-steps sets
+    `warmup`)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    names = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
+    return {names[k]: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (rebuilt from the options that differ from the defaults)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    defaults = vars(parser.parse_args([]))
-    # Each option by its flag, which is not always its name (--untimed-steps sets `warmup`).
-    names = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
-    flags = [names[k] + ("" if v is True else f" {shlex.quote(str(v))}")
-             for k, v in vars(args).items() if k in defaults and v != defaults[k]]
+    flags = [flag + ("" if v is True else f" {shlex.quote(str(v))}") for flag, v in _given(args).items()]
     return " ".join(["streamer bench", *flags])
 
 
@@ -323,14 +360,15 @@ def run(args: argparse.Namespace) -> int:
         console.print("[bold]machine[/]: " + "; ".join(machine.lines()))
         console.print(s.compute.reason, markup=False, highlight=False)
         peaks_first = matmul_peaks(s.matmul_n)
-        disk = {"start": raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)}
+        # The QLoRA pair alone runs on the RAM tier: no disk to measure.
+        disk = {} if s.alone == ONLY_QLORA else {"start": raw_disk(workdir, s.disk_test_bytes, s.disk_repeats)}
         runner = Runner(workdir, console, args.child_timeout)
         cfg = ModelConfig.named(s.model)
         specs, skipped = _main_specs(cfg, s)
-        results = {} if args.only_scale else _compare_main(runner, specs, s, machine.cores, skipped)
-        if args.only_scale:
-            skipped = dict.fromkeys((*(spec.label for spec in specs), *skipped, SECOND, FULL, LORA, DP_1, DP_2),
-                                    "--only-scale")
+        if s.alone is None:
+            results = _compare_main(runner, specs, s, machine.cores, skipped)
+        else:
+            results = runner.compare(_qlora_specs(s), s.rounds) if s.alone == ONLY_QLORA else {}
         pick = None
         if s.scale:
             free, budget = disk_budget(workdir, s.reserve_fraction, s.reserve_min_bytes)
@@ -347,23 +385,29 @@ def run(args: argparse.Namespace) -> int:
                 results.update(runner.bracket(_compute_floor_spec(spec), spec))
         else:
             skipped[SCALE] = skipped[SCALE_FLOOR] = "--no-scale"
+        if s.alone is not None:  # what the whole bench runs and this part did not
+            others = (*(spec.label for spec in specs), *skipped, SECOND, FULL, LORA, QLORA_OURS, QLORA_HF, DP_1, DP_2)
+            skipped = {label: s.alone for label in others if label not in results}
         peaks_last = matmul_peaks(s.matmul_n)
         peaks = Peaks(max(peaks_first.bf16_flops, peaks_last.bf16_flops),
                       max(peaks_first.fp32_flops, peaks_last.fp32_flops), s.matmul_n)
+        nearest = {STREAM_DISK: disk.get("start"), SCALE: disk.get("scale", disk.get("start"))}
         ctx = Context(results=results, peaks=peaks, plans=_plans(results, workdir, s.quick), scale=pick,
-                      skipped=skipped, disk={STREAM_DISK: disk["start"], SCALE: disk.get("scale", disk["start"])},
+                      skipped=skipped, disk={label: d for label, d in nearest.items() if d is not None},
                       compute=s.compute,
-                      update=update_rates(s.update_params, min(s.update_params, StepConfig().update_chunk)))
+                      update=None if s.alone else update_rates(s.update_params,
+                                                               min(s.update_params, StepConfig().update_chunk)))
         outcomes: list[Outcome] = [dtypes(ctx), overhead(ctx), versus_hf(ctx), versus_deepspeed(ctx), disk_tier(ctx),
                                    half_the_bytes(ctx), update_speed(ctx),
                                    utilisation(ctx), scale(ctx), memory(ctx), host_memory(ctx), planner(ctx),
                                    data_parallel(ctx),
                                    gpu(ctx, machine.gpu), lora_versus_full(ctx), qlora_versus_hf(ctx),
                                    *where_time_goes(ctx)]
-        for outcome in outcomes:
+        shown = outcomes if s.alone is None else [ALONE[s.alone][0](ctx)]  # a part alone: its own section
+        for outcome in shown:
             console.print(outcome.section.rich())
+        console.print("\n".join(t for o in shown for t in o.targets))
         targets = [t for o in outcomes for t in o.targets]
-        console.print("\n".join(targets))
         lines = machine.lines() + [
             f"matmul peak (best of {s.matmul_n}^3, start and end of the run): bf16 {peaks.bf16_flops / 1e9:,.0f} "
             f"GFLOP/s, fp32 {peaks.fp32_flops / 1e9:,.0f} GFLOP/s",
@@ -375,13 +419,14 @@ def run(args: argparse.Namespace) -> int:
             f"{s.warmup} warm-up + {s.steps} timed steps per block" + ("; --quick: harness check only, the "
                                                                      "numbers mean nothing" if s.quick else "")]
         output = _output(args)
-        if output is not None and args.only_scale and output.exists():
-            # A report of a full run keeps its other sections: the scale run's own section and targets go in.
-            found = scale(ctx)
+        if output is not None and s.alone and output.exists():
+            # A report of a full run keeps its other sections: the part's own section and targets go in, where a
+            # full run puts them.
+            part = shown[0]
             update_markdown(output, f"`{_command(args)}`: " + "; ".join(lines[:-1]) +  # not comparisons 1-5's model
-                            f"; wall time {(time.time() - started) / 60:.1f} min", list(found.targets),
-                            [found.section])
-            console.print(f"wrote its scale section into {output}")
+                            f"; wall time {(time.time() - started) / 60:.1f} min", list(part.targets),
+                            [part.section], [o.section.title for o in outcomes])
+            console.print(f"wrote \"{part.section.title}\" into {output}")
         elif output is not None:
             write_markdown(output, lines, _command(args), time.time() - started, targets,
                            [o.section for o in outcomes])

@@ -33,7 +33,8 @@ QLORA_MODEL, QLORA_QUICK_MODEL = "llama-350m", "llama-debug"
 QLORA_OURS = f"ours streamed, RAM tier, QLoRA r={LORA_RANK} (nf4, double quant)"
 QLORA_HF = f"transformers + bitsandbytes + PEFT, QLoRA r={LORA_RANK} (nf4, double quant)"
 QLORA_TARGET = 0.8  # our step at most this much of theirs
-QLORA_COLUMNS = ("run", "model", "step (median)", "host peak RSS", "source")
+QLORA_COLUMNS = ("run", "model", "step (median)", "peak RSS (steps)", "peak RSS (run)", "planned host peak",
+                 "run / planned", "source")
 
 
 def lora_pair(full: RunSpec) -> list[RunSpec]:
@@ -78,10 +79,11 @@ def planned_rows() -> tuple[tuple[str, ...], ...]:
     return tuple(rows)
 
 
-def _ratio(full: Result | None, lora: Result | None, of: Callable[[Result], float | None]) -> str:
-    if full is None or lora is None:
+def _ratio(reference: Result | None, run: Result | None, of: Callable[[Result], float | None]) -> str:
+    """`of(run) / of(reference)`, or "—" where either is missing."""
+    if reference is None or run is None:
         return ratio(None)
-    base, value = of(full), of(lora)
+    base, value = of(reference), of(run)
     return ratio(None if not base or value is None else value / base)
 
 
@@ -115,23 +117,30 @@ def qlora_versus_hf(ctx: Context) -> Outcome:
         if r is None:
             failed = ctx.results.get(label)
             why = f"failed: {failed.error}" if failed is not None else f"not run: {ctx.skipped.get(label, 'not asked')}"
-            rows.append((label, "—", why, "—", "measured"))
+            rows.append((label, "—", why, "—", "—", "—", "—", "measured"))
             continue
         shape = ModelConfig.from_dict(r.spec.model)
-        rows.append((label, f"{shape.model_type}, {params(shape.num_params())}, batch {r.spec.batch} x {r.spec.seq}",
-                     seconds(r.median_s), size(r.rss_peak_bytes), f"measured, {r.steps_note} steps"))
+        planned = r.planned_host_bytes or None
+        rows.append((label, f"{shape.model_type}, {params(shape.num_params())}, batch {r.spec.batch} x {r.spec.seq}, "
+                     f"{r.spec.dtype} compute",
+                     seconds(r.median_s), size(r.rss_peak_bytes), size(r.process_rss_peak_bytes),
+                     size(planned) if planned else "— (not ours: no plan)",
+                     ratio(None if planned is None else r.process_rss_peak_bytes / planned),
+                     f"measured, {r.steps_note} steps"))
     ours, theirs = results[QLORA_OURS], results[QLORA_HF]
     value = None if ours is None or theirs is None or not theirs.median_s or ours.median_s is None \
         else ours.median_s / theirs.median_s
-    rss = None if ours is None or theirs is None or not theirs.rss_peak_bytes \
-        else ours.rss_peak_bytes / theirs.rss_peak_bytes
-    rows.append(("ours / theirs", "", ratio(value), ratio(rss), "measured: the rows above, divided"))
+    rss = _ratio(theirs, ours, lambda r: r.rss_peak_bytes)
+    rows.append(("ours / theirs", "", ratio(value), rss, _ratio(theirs, ours, lambda r: r.process_rss_peak_bytes),
+                 "", "", "measured: the rows above, divided"))
     met = None if value is None else value <= QLORA_TARGET
     target = (f"QLoRA: our RAM-tier step <= {QLORA_TARGET}x transformers + bitsandbytes + PEFT's: {verdict(met)} "
-              f"({ratio(value)}; peak RSS {ratio(rss)})")
+              f"({ratio(value)}; peak RSS {rss})")
     notes = (f"Both: rank-{LORA_RANK} adapters on the default targets (PEFT's q_proj and v_proj), the base 4-bit as "
              "bitsandbytes quantizes it (nf4, double quant, blocks of 64), the same batch, compute dtype and random "
              "tokens; AdamW on the adapters.",
-             "host peak RSS: the process's high-water mark over the timed steps.")
+             "peak RSS: the process's high-water mark (VmHWM) over the timed steps, and over the whole run, setup "
+             "included; planned host peak: memory_model.host's peak of one process for our run's settings "
+             "(`streamer plan`'s \"host RAM per process at its peak\").")
     return Outcome(Section("QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory", QLORA_COLUMNS,
                            tuple(rows), notes), (target,))

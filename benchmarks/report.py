@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,11 +99,13 @@ def _target_name(line: str) -> str:
     return match.group(1) if match else line
 
 
-def update_markdown(path: Path, provenance: str, summary: list[str], sections: list[Section]) -> None:
+def update_markdown(path: Path, provenance: str, summary: list[str], sections: list[Section],
+                    order: Sequence[str] = ()) -> None:
     """A partial run's sections written into a report of a full run, which keeps the rest: a section of the same
-    title is replaced, a new one goes after the last section of its number (or at the end); its target lines
-    replace those of the same name. `provenance` (the partial run's command, commit and date) is the sections'
-    first note and a line of the report's machine list, since the rest of the file describes another run."""
+    title is replaced, a new one goes after the last section of its number, else after the last section that
+    comes before it in `order` (a full run's titles, in its order), else at the end; its target lines replace
+    those of the same name. `provenance` (the partial run's command, commit and date) is the sections' first note
+    and a line of the report's machine list, since the rest of the file describes another run."""
     text = path.read_text()
     blocks = re.split(r"(?m)^(?=## )", text)  # blocks[0]: the title and intro; each other starts with its heading
     titles = [b.split("\n", 1)[0][3:] for b in blocks]
@@ -112,7 +115,9 @@ def update_markdown(path: Path, provenance: str, summary: list[str], sections: l
             blocks[titles.index(section.title)] = new
             continue
         number = section.title.split(" ", 1)[0]
-        same = [i for i, t in enumerate(titles) if t.split(" ", 1)[0] == number]
+        earlier = set(order[:list(order).index(section.title)]) if section.title in order else set()
+        same = [i for i, t in enumerate(titles) if t.split(" ", 1)[0] == number] or \
+            [i for i, t in enumerate(titles) if t in earlier]
         at = same[-1] + 1 if same else len(blocks)
         blocks.insert(at, new)
         titles.insert(at, section.title)

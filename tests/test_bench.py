@@ -220,6 +220,12 @@ def test_a_partial_run_replaces_only_its_own_sections_and_targets(tmp_path):
     assert "| 5 |" in text and "| 4 |" not in text and "| 2 |" in text and "| 3 |" in text
     assert "- `cmd2` on x" in text.split("## 6. Scale: new")[1] and "`cmd` on x" not in text
     assert "- command: `streamer bench`" in text
+    # A new section without a number goes where a full run's order puts it: after the last one before it there.
+    update_markdown(path, "`cmd3` on x", [], [Section("QLoRA: new", ("a",), (("7",),))],
+                    order=["5. Five", "LoRA: absent", "QLoRA: new", "6. Scale: old", "7. Seven"])
+    update_markdown(path, "`cmd4` on x", [], [Section("Elsewhere", ("a",), (("8",),))], order=["5. Five"])
+    assert re.findall(r"^## (.*)$", path.read_text(), re.M)[2:] == [
+        "5. Five", "QLoRA: new", "6. Scale: old", "6. Scale: new", "7. Seven", "Elsewhere"]
 
 
 class _Quiet:
@@ -416,6 +422,26 @@ def test_quick_writes_no_report_unless_told_where():
     assert bench._output(_parse(["--quick"])) is None
     assert bench._output(_parse([])) == Path("BENCHMARKS.md")
     assert bench._output(_parse(["--quick", "--output", "x.md"])) == Path("x.md")
+    assert bench._output(_parse(["--only-qlora"])) is None and bench._output(_parse(["--only-scale"])) is None
+
+
+@pytest.mark.parametrize("flags", [["--only-qlora", "--only-scale"], ["--only-scale", "--no-scale"],
+                                   ["--only-qlora", "--no-deepspeed", "--scale-model", "llama-3.1-8b"]])
+def test_a_part_alone_with_a_flag_it_excludes_is_one_line_naming_both(flags):
+    with pytest.raises(SystemExit) as info:
+        bench.Settings.from_args(_parse(flags))
+    message = str(info.value)
+    assert "\n" not in message and all(flag in message for flag in flags if flag.startswith("--"))
+
+
+def test_the_qlora_pair_alone_runs_no_scale_run_and_keeps_the_pairs_flags():
+    """--only-qlora: the pair's model is --model where it is a Llama (else llama-350m), with the step flags given."""
+    s = bench.Settings.from_args(_parse(["--only-qlora", "--model", "llama-debug", "--rounds", "3",
+                                         "--steps", "2", "--untimed-steps", "1", "--seq", "64"]))
+    assert (s.alone, s.scale, s.rounds, s.steps, s.warmup) == ("--only-qlora", False, 3, 2, 1)
+    ours, theirs = bench._qlora_specs(s)
+    assert ours.model == theirs.model == PRESETS["llama-debug"].to_dict() and (ours.seq, ours.steps) == (64, 2)
+    assert bench._qlora_model(bench.Settings.from_args(_parse(["--only-qlora"]))) == PRESETS["llama-350m"]
 
 
 def test_every_section_renders_when_nothing_ran():

@@ -3,6 +3,12 @@ measured rows and prices GPT-J-6B both ways with the planner."""
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from layers import GPTJConfig
 from memory_model import device_spec, plan
@@ -15,6 +21,7 @@ from benchmarks.runs import Runner, merge
 from benchmarks.worker import Measured, RunSpec
 from streamer.runtime.hardware import DtypeChoice
 
+ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTJConfig.preset("gptj-debug")
 FP32 = DtypeChoice("fp32", "compute dtype fp32 (--dtype fp32)")
 
@@ -114,3 +121,59 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path) ->
     assert outcome.section.rows[2][2] == f"{ratio:.2f}x"
     assert outcome.targets[0].startswith("QLoRA: our RAM-tier step <= 0.8x") and \
         ("NOT met" in outcome.targets[0]) == (ratio > 0.8)
+
+
+@pytest.mark.slow
+def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) -> None:
+    """`streamer bench --only-qlora --output` a copy of the repository's report, holding a QLoRA section and target
+    from an earlier run: the pair's section, its target and a line naming the command change; every other byte
+    stays. A flag it excludes is one line naming both flags, before anything runs."""
+    from benchmarks.lora import QLORA_HF, QLORA_OURS
+    from streamer.runtime.hardware import resolve_compute_dtype
+
+    title = "QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory"
+    stale_target = "- QLoRA: our RAM-tier step <= 0.8x transformers + bitsandbytes + PEFT's: unmeasured (—; peak RSS —)"
+    report = (ROOT / "BENCHMARKS.md").read_text()
+    report = report.replace("## Targets\n\n", f"## Targets\n\n{stale_target}\n", 1).replace(
+        "## Where our step time goes", f"## {title}\n\n| run |\n|---|\n| stale |\n\n## Where our step time goes", 1)
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text(report)
+
+    def bench(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streamer", "bench", *flags], capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path)
+
+    refused = bench("--quick", "--only-qlora", "--only-scale", "--output", str(out))
+    assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "--only-qlora" in refused.stderr and "--only-scale" in refused.stderr and out.read_text() == report
+
+    done = bench("--quick", "--only-qlora", "--output", str(out))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    before, after = (dict(_blocks(text)) for text in (report, out.read_text()))
+    assert list(after) == list(before)  # no section added, none moved
+    changed = [name for name in before if after[name] != before[name]]
+    assert changed == ["Machine and command", "Targets", title]  # every other section is byte for byte the same
+    machine = after["Machine and command"].rstrip("\n").splitlines()
+    assert machine[:-1] == before["Machine and command"].rstrip("\n").splitlines()
+    assert re.fullmatch(rf"- `streamer bench --quick --output {re.escape(str(out))} --only-qlora`: CPU: .*; wrote "
+                        f'"{re.escape(title)}"', machine[-1])
+    targets = after["Targets"].rstrip("\n").splitlines()
+    assert [line for line in before["Targets"].rstrip("\n").splitlines() if line != stale_target] == targets[:-1]
+    assert re.fullmatch(r"- QLoRA: our RAM-tier step <= 0\.8x transformers \+ bitsandbytes \+ PEFT's: (NOT )?met "
+                        r"\(\d+\.\d\dx; peak RSS \d+\.\d\dx\)", targets[-1]), targets[-1]
+    section = after[title]
+    dtype = resolve_compute_dtype("cpu").dtype
+    assert "stale" not in section and "not run" not in section and "failed" not in section
+    assert re.search(r"^- `streamer bench --quick --output .* --only-qlora`: CPU", section, re.M)
+    for label in (QLORA_OURS, QLORA_HF):  # llama-debug, both measured: step, both peaks, and our plan
+        row = next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
+        assert f"| llama, 106,816, batch 1 x 32, {dtype} compute | " in row, row
+        assert re.search(r"\| [\d.]+ m?s \| [\d.]+ [MG]iB \| [\d.]+ [MG]iB \| ", row), row
+    ours = next(line for line in section.splitlines() if line.startswith(f"| {QLORA_OURS} |"))
+    assert re.search(r"\| [\d.]+ [MG]iB \| \d+\.\d\dx \| measured, 2 \(1x2, 1 warm-up each\) steps \|$", ours), ours
+
+
+def _blocks(text: str) -> list[tuple[str, str]]:
+    """A report's parts by heading: the text before the first `## ` and each section, as written."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    return [("", parts[0]), *((part.split("\n", 1)[0][3:], part) for part in parts[1:])]
