@@ -115,10 +115,16 @@ class Quant8:
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """bitsandbytes' int8_vectorwise_quant of `weight` cast to float16 first, as Int8Params quantizes it (and
-        transformers' load_in_8bit with it)."""
+        transformers' load_in_8bit with it). Each row is quantized by its own absmax, so it runs on whole rows of
+        about `QUANTIZE_CHUNK` elements at a time, its kernel's working set bounded as 4-bit's is."""
         import bitsandbytes.functional as bnb
 
-        codes, absmax, _ = bnb.int8_vectorwise_quant(weight.to(torch.float16))
+        rows = max(1, QUANTIZE_CHUNK // weight.shape[1])
+        codes = torch.empty(weight.shape, dtype=torch.int8)
+        absmax = torch.empty(weight.shape[0], dtype=torch.float32)
+        for start in range(0, weight.shape[0], rows):
+            part = slice(start, start + rows)
+            codes[part], absmax[part], _ = bnb.int8_vectorwise_quant(weight[part].to(torch.float16))
         return {"weight": codes, "SCB": absmax}
 
     def dequantize(self, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:

@@ -21,11 +21,12 @@ beside device memory, and what `streamer train` checks against the machine's ava
   where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
   these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
-- `quantizing`: a 4-bit base (`--load-in-4bit`): bitsandbytes' modules and its kernels' first calls, measured once
-  (`BITSANDBYTES_BYTES`); and, as the run starts, the base quantized a unit at a time: the largest unit as built
-  in fp32 (a fresh base's initialisation; an import reads it as saved, in as many bytes or fewer) and one chunk's
-  working set of the quantizer (layers.packed4's `QUANTIZE_CHUNK`), less what a step holds and the start does
-  not: the device's bytes and the staging pool;
+- `start`: a frozen base (LoRA), stored a unit at a time as the run starts (`start_unit_bytes`): the largest unit
+  as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's fp32, an import's
+  checkpoint dtype as saved, never widened), one chunk of its slab as it is written, and a 4-bit or 8-bit base's
+  quantizer's working set on one chunk (layers.packed4's `QUANTIZE_CHUNK`, or its largest weight where smaller),
+  less what a step holds and the start does not: the device's bytes and the staging pool; and bitsandbytes: its
+  modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 from layers import ModelConfig
-from layers.packed4 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_CHUNK
+from layers.packed4 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_CHUNK, quantized_numels
 from memory_model.ledger import CATEGORIES
 from memory_model.lora import base_unit_bytes
 from memory_model.schedule import Event, folded_by_chunk, shard_numel
@@ -43,7 +44,7 @@ from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
 )
 from memory_model.tiers import Tier
-from memory_model.units import format_size
+from memory_model.units import DTYPE_BYTES, format_size
 
 # ru_maxrss of `streamer train` on a 2-layer Llama of hidden size 64 and 512 tokens (batch 1 x 128, 2 steps) on
 # this project's box: 0.357 GiB on the RAM tier, 0.359 GiB on the disk tier; tests/test_host_memory.py
@@ -60,8 +61,10 @@ COMPILE_MIN_NUMEL = 2**20
 # 156 MiB once it had quantized, dequantized and rounded a chunk of COMPILE_MIN_NUMEL x 2 elements on this project's
 # box (inductor's modules and the loaded kernels; the compiler itself runs in processes of its own).
 COMPILED_BYTES = 160 * 2**20
-# What a 4-bit base's bitsandbytes adds: the resident set of a process that had made a 16-bit LoRA step grew by
-# 46 MiB once it had imported bitsandbytes, quantized a 1024 x 2048 weight and dequantized it, on this project's box.
+# What a 4-bit or 8-bit base's bitsandbytes adds: the resident set of a process that had made a 16-bit LoRA step grew
+# by 46 MiB once it had imported bitsandbytes, quantized a 1024 x 2048 weight and dequantized it, on this project's
+# box; an import of a checkpoint of a few hundred thousand parameters peaked 52 MiB (4-bit) and 49 MiB (8-bit) above
+# its 16-bit import (tests/test_host_memory.py's imports).
 BITSANDBYTES_BYTES = 48 * 2**20
 # The staging pool holds, at once, one unit's fp32 gradient on its way to the store and one unit's weights on
 # their way to the device (two whole units; a third where loads read the fp32 master, for the master a fused
@@ -95,6 +98,21 @@ def frozen_slab_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
     return shard_numel(shape.params().own(unit), cfg.shards) * cfg.dtype_bytes
 
 
+def start_unit_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
+    """What the start holds as it stores a frozen base's unit (streamer.weights.write_frozen): its tensors as
+    given (in `source_dtype`); one chunk of its slab as it is written, but for an embedding (one tensor) given in
+    the compute dtype, written from its own storage; and where bitsandbytes quantizes its weights, the quantizer
+    on one chunk."""
+    own = shape.params().own(unit)
+    slab = base_unit_bytes(shape, cfg.lora, unit, cfg.dtype_bytes) if cfg.lora.quantized else own * cfg.dtype_bytes
+    element = 1 if cfg.lora.quantized else cfg.dtype_bytes  # the slab's
+    assembled = unit != "embed" or cfg.source_dtype != cfg.precision.compute
+    bitsandbytes = cfg.lora.load_in_4bit or cfg.lora.load_in_8bit
+    quantized = max(quantized_numels(shape, unit), default=0) if bitsandbytes else 0
+    return DTYPE_BYTES[cfg.source_dtype] * own + (min(cfg.step.update_chunk * element, slab) if assembled else 0) \
+        + QUANTIZE_BYTES_PER_ELEMENT * min(QUANTIZE_CHUNK, quantized)
+
+
 @dataclass(frozen=True)
 class HostBytes:
     """One process's host memory at its peak, by part (the module's docstring says what each holds)."""
@@ -108,7 +126,7 @@ class HostBytes:
     writes: int
     activations: int
     write_backs: int = 0
-    quantizing: int = 0
+    start: int = 0
     compiled: int = 0
 
     @property
@@ -184,17 +202,16 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
         if lags else 0
     staging = 0 if same_memory else pool
-    # A 4-bit base's start: a unit as built in fp32 and the quantizer's chunk, where a step holds the device's bytes
-    # and the staging pool (empty until the first step's loads take its buffers).
-    quantizing = BITSANDBYTES_BYTES + max(0, 4 * max(shape.params().own(u) for u in shape.unit_names())
-                                          + QUANTIZE_BYTES_PER_ELEMENT * QUANTIZE_CHUNK - (shared or 0) - staging) \
-        if cfg.lora.load_in_4bit else 0
+    # A frozen base's start, where a step holds the device's bytes and the staging pool (empty until the first
+    # step's loads take its buffers).
+    start = max(0, max(start_unit_bytes(shape, cfg, u) for u in shape.unit_names()) - (shared or 0) - staging) \
+        + (BITSANDBYTES_BYTES if cfg.lora.load_in_4bit or cfg.lora.load_in_8bit else 0) if frozen else 0
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
         staging=staging,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + narrowed * (1 if lags else 2),
-        activations=offloaded_bytes(shape, cfg), write_backs=lagging, quantizing=quantizing,
+        activations=offloaded_bytes(shape, cfg), write_backs=lagging, start=start,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
         (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)

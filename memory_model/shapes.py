@@ -13,7 +13,7 @@ from typing import Any
 from layers.config import ModelConfig
 from memory_model.lora import LoraConfig, target_shape, targets_of
 from memory_model.objective import ObjectiveConfig
-from memory_model.settings import Integer, SettingError, Switch, branch, build, check_settings, setting
+from memory_model.settings import Choice, Integer, SettingError, Switch, branch, build, check_settings, setting
 from memory_model.step import StepConfig
 from memory_model.units import DTYPE_BYTES, Precision, stored_bytes
 
@@ -44,6 +44,9 @@ class PlanConfig:
     packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
                                   "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
+    source_dtype: str = setting("fp32", "the dtype of a frozen base's units as the run's start holds them before "
+                                        "storing them: fp32 for a fresh initialisation; an import's, its "
+                                        "checkpoint's widest", Choice(("fp32", "bf16", "fp16")), "DTYPE")
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # DPO: pairs of rows, and its loss's bytes
 
     def __post_init__(self) -> None:

@@ -93,11 +93,13 @@ class TrainerConfig:
         """The torch dtype the run computes in (`precision`'s)."""
         return DTYPES[self.precision.compute]
 
-    def plan_config(self, batch: int, seq: int, devices: int = 1, packed: bool = False) -> PlanConfig:
+    def plan_config(self, batch: int, seq: int, devices: int = 1, packed: bool = False,
+                    source_dtype: str = "fp32") -> PlanConfig:
         """The planner's view of a step of `batch` sequences of `seq` tokens with these settings, on `devices`
-        data-parallel devices (`packed`: rows of packed examples), in the resolved compute dtype."""
+        data-parallel devices (`packed`: rows of packed examples), in the resolved compute dtype; `source_dtype`:
+        the dtype of the weights the run starts from (PlanConfig's)."""
         return PlanConfig(batch, seq, self.resolved_step, devices, packed=packed, lora=self.lora,
-                          objective=self.objective)
+                          source_dtype=source_dtype, objective=self.objective)
 
     def store_spec(self, model: ModelConfig, processes: int = 1) -> StoreSpec:
         """The layout of the store a trainer with these settings creates for `model`, in each of `processes`

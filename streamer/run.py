@@ -209,7 +209,16 @@ class RunConfig:
             raise ValueError(f"resolve --dtype {tc.step.precision.compute} to bf16 or fp32 before planning the step")
         # Conservative where --pack packs nothing (plain text: each row one sequence, the unmasked path).
         rows = self.batch * (2 if tc.objective.preference else 1)  # --batch counts DPO's pairs: two rows each
-        return tc.plan_config(rows, self.seq, devices, packed=self.data.pack is not None)
+        return tc.plan_config(rows, self.seq, devices, packed=self.data.pack is not None,
+                              source_dtype=self._source_dtype())
+
+    def _source_dtype(self) -> str:
+        """The dtype of a frozen base's weights as the start holds them (PlanConfig.source_dtype): a fresh
+        unit's fp32, gguf's dequantized fp32, or an imported folder's widest as saved."""
+        if self.from_pretrained is None or not self.trainer.lora.enabled or is_gguf(self.from_pretrained):
+            return "fp32"
+        from streamer.io.hf import saved_dtype  # (the checkpoint reader loads only with a folder)
+        return saved_dtype(self.from_pretrained)
 
     def name(self) -> str:
         """A short name for the default run directory."""

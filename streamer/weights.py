@@ -10,7 +10,7 @@ from layers import CheckpointMismatch, ModelConfig, build_unit, check_state_dict
 from memory_model.schedule import chunks
 from streamer.runtime.distributed import DataParallel
 from streamer.store.interface import StoreReader, StoreWriter
-from streamer.store.layout import UnitLayout
+from streamer.store.layout import Placed, UnitLayout, slab_chunk
 
 
 def initial_unit(cfg: ModelConfig, unit: str, index: int, seed: int) -> dict[str, torch.Tensor]:
@@ -50,13 +50,10 @@ def _tied_keys(layouts: Iterable[UnitLayout]) -> list[tuple[str, str]]:
 def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
                       compute_dtype: torch.dtype, data_parallel: DataParallel | None) -> None:
     """A unit's weights (by slot key, taken out of `tensors`) as its master, moments zero, and compute copy (of
-    the master as stored: a bf16 master's values, in fp32 compute too). A 4-bit store's unit: its byte slab
-    (`Packed4.pack`), written once."""
-    if layout.packed is not None:
-        slab = layout.packed.pack({slot.key: tensors.pop(slot.key) for slot in layout.slots})
-        with store.unit_writer(layout.name, store.step) as writer:
-            for start, count in chunks(slab.numel(), store.spec.chunk):
-                writer.write("compute", start, slab[start:start + count])
+    the master as stored: a bf16 master's values, in fp32 compute too). A frozen base's unit: its compute weights
+    alone (`write_frozen`)."""
+    if store.spec.frozen:
+        write_frozen(store, layout, tensors, compute_dtype, data_parallel)
         return
     first = tensors[layout.slots[0].key]
     if len(layout.slots) == 1 and first.dtype == torch.float32 and first.is_contiguous():
@@ -73,14 +70,34 @@ def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str,
     with store.unit_writer(layout.name, store.step) as writer:
         for start, count in chunks(master.numel(), store.spec.chunk):
             piece = master[start:start + count]
-            zeros = None if store.spec.frozen else torch.zeros(count, dtype=torch.float32)  # LoRA: no moments
-            master_values = piece if store.spec.frozen else piece.to(store.spec.kind_dtype("master"))
+            zeros = torch.zeros(count, dtype=torch.float32)
             values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros,
-                      "compute": master_values.to(compute_dtype)}
+                      "compute": piece.to(store.spec.kind_dtype("master")).to(compute_dtype)}
             for kind in store.spec.stored_kinds():
-                value = values[kind]
-                assert value is not None  # a frozen base stores no moments
-                writer.write(kind, start, value)
+                writer.write(kind, start, values[kind])
+
+
+def write_frozen(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
+                 compute_dtype: torch.dtype, data_parallel: DataParallel | None) -> None:
+    """A frozen base's unit (LoRA) from its tensors as given (a checkpoint's in its own dtype; a fresh unit's in
+    fp32), chunk by chunk: each chunk cast to the compute dtype as it is written, so the unit is never held whole
+    in another dtype. A quantized store's unit: its byte slab, each quantized weight quantized whole first
+    (`Packed4.placed`)."""
+    if layout.packed is not None:  # (a quantized base is never sharded: TrainerConfig)
+        placed, dtype, numel = layout.packed.placed(tensors), torch.uint8, layout.packed.nbytes
+    else:
+        placed = [Placed(slot.offset * compute_dtype.itemsize, tensors.pop(slot.key).reshape(-1), compute_dtype)
+                  for slot in layout.slots]
+        dtype, numel = compute_dtype, layout.numel
+    stored, first = numel, 0
+    if store.spec.shards > 1:
+        assert data_parallel is not None  # a sharded store only across ranks
+        stored = data_parallel.stored_numel(numel)
+        first = data_parallel.rank * stored  # this rank's slice; past the unit's end, zeros
+    size = dtype.itemsize
+    with store.unit_writer(layout.name, store.step) as writer:
+        for start, count in chunks(stored, store.spec.chunk):
+            writer.write("compute", start, slab_chunk(placed, (first + start) * size, count * size).view(dtype))
 
 
 def read_master(store: StoreReader, layout: UnitLayout, stored: int,

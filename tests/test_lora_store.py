@@ -111,3 +111,38 @@ def test_from_pretrained_with_lora_stores_no_optimizer_state(tmp_path: Path, tin
     assert sum(_state_files(tmp_path / "run").values()) == CFG.num_params() * 2 + len(CFG.unit_names()) * TRAILER_BYTES
     expected = model.state_dict()
     assert all(torch.equal(v, expected[k].bfloat16().float()) for k, v in loaded.items())  # the base as trained on
+
+
+@pytest.mark.parametrize("saved, compute, store", [("bfloat16", "bf16", "disk"), ("float16", "bf16", "ram"),
+                                                   ("bfloat16", "fp32", "disk")])
+def test_a_16_bit_checkpoint_is_imported_exactly_without_widening(tmp_path: Path, tiny_hf_model, saved: str,
+                                                                   compute: str, store: str) -> None:
+    """A frozen base's import reads each tensor in the checkpoint's own dtype and casts it a chunk at a time
+    (chunks of 997 elements here, most across two tensors): the values of the fp32 route it replaced, where a
+    16-bit value widened is exact and then cast once."""
+    hf = tmp_path / "hf"
+    model = tiny_hf_model(CFG).to(getattr(torch, saved))
+    model.save_pretrained(hf)
+    tc = TrainerConfig.of(store=store, dtype=compute, lora_rank=4, update_chunk=997)
+    with StreamingTrainer.from_pretrained(hf, tc, store_dir=tmp_path / "run") as trainer:
+        loaded = trainer.state_dict(merged=False)
+    expected, dtype = model.state_dict(), {"bf16": torch.bfloat16, "fp32": torch.float32}[compute]
+    assert loaded.keys() <= expected.keys()
+    assert all(torch.equal(v, expected[k].float().to(dtype).float()) for k, v in loaded.items())
+
+
+def test_a_frozen_slab_written_in_chunks_of_any_size_is_its_pieces_bytes() -> None:
+    """A chunk of a frozen unit's slab casts only its own elements, an element cut by the chunk's edge too; the
+    bytes between pieces (their alignment) are zero."""
+    from streamer.store.layout import Placed, slab_chunk
+
+    generator = torch.Generator().manual_seed(0)
+    placed = [Placed(0, torch.randn(7, generator=generator), torch.bfloat16),
+              Placed(16, torch.randn(5, generator=generator).bfloat16(), torch.bfloat16),
+              Placed(32, torch.randint(0, 255, (9,), dtype=torch.uint8, generator=generator), torch.uint8),
+              Placed(48, torch.randn(3, generator=generator).double(), torch.float32)]
+    slab = torch.zeros(64, dtype=torch.uint8)
+    for p in placed:
+        slab[p.offset:p.end] = p.values.to(p.dtype).view(torch.uint8)
+    for size in (1, 3, 5, 16, 17, 64):
+        assert torch.equal(torch.cat([slab_chunk(placed, s, min(size, 64 - s)) for s in range(0, 64, size)]), slab)

@@ -152,6 +152,10 @@ class GGUFCheckpoint:
         """The GGUF type of the tensor's blocks (one for all its parts)."""
         return str(self._tensors[key][0].tensor_type.name)
 
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype gguf dequantizes every tensor into, whatever its type in the file."""
+        return torch.float32
+
     def read(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One tensor dequantized by gguf (float32), then in `dtype`, as transformers loads it."""
         from gguf.quants import dequantize

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -26,8 +27,9 @@ from layers.config import gguf_note
 from layers.packed4 import BLOCKSIZE, NESTED_BLOCKSIZE
 from layers.quant4 import Quant4, Quant8, dequantize
 from memory_model.lora import LoraConfig
-from streamer.errors import CheckpointError
-from streamer.store.layout import DTYPES
+from streamer.errors import CheckpointError, StoreError
+from streamer.store.layout import DTYPES, dtype_name
+from streamer.store.slabfile import pread_into
 from streamer.io.staging import StagedFolder
 
 SUPPORTED_DTYPES = tuple(DTYPES.values())
@@ -236,7 +238,10 @@ class HFCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Release the shard mappings; the checkpoint cannot be read afterwards."""
+        """Release the shards' files and mappings; the checkpoint cannot be read afterwards."""
+        for source in self._shards.values():
+            if isinstance(source, _Safetensors):
+                source.close()
         self._shards.clear()
 
     def keys(self) -> list[str]:
@@ -282,11 +287,13 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.root} was closed; open it again to read {key}")
         source = self._shards[entry.shard]
         try:
-            tensor = source[key] if isinstance(source, dict) else source.get_tensor(key)
-        except SafetensorError as exc:
+            if isinstance(source, _Safetensors):
+                return source.read(key, entry).to(dtype)  # (a tensor of its own: no copy in its own dtype)
+            tensor = source[key]
+        except (SafetensorError, StoreError) as exc:
             raise CheckpointError(f"cannot read {key} from {self.root / entry.shard} ({_brief(exc)}); "
                                   "the file is damaged: download or export it again") from None
-        # Both sources hand out views of a file mapping that later reads share,
+        # A pickle's tensors are views of a file mapping that later reads share,
         # so a caller writing into them would corrupt the checkpoint's next read.
         return tensor.to(dtype=dtype, copy=True)
 
@@ -348,6 +355,16 @@ BNB_CONSTANTS = (".quant_map", ".nested_quant_map")  # the codes, bitsandbytes' 
 BNB_STATE = ".quant_state.bitsandbytes__"
 # What transformers saves beside a bitsandbytes 8-bit module's int8 weight: each row's absmax, and the layout's code.
 BNB_8BIT_SCALES, BNB_8BIT_FORMAT = ".SCB", ".weight_format"
+
+
+def saved_dtype(directory: str | Path) -> str:
+    """A checkpoint's weights' dtype as saved, the widest where they differ ('bf16'): what a frozen base's import
+    reads each tensor in (a weight saved 4-bit or 8-bit, in the 16-bit dtype it was quantized from). A folder of
+    config.json alone (planned before its weights are there): fp32, the widest read."""
+    if not any((Path(directory) / name).is_file() for name in _WEIGHT_FILES):
+        return "fp32"
+    with HFCheckpoint.open(directory) as checkpoint:
+        return dtype_name(max({checkpoint.dtype(key) for key in checkpoint.keys()}, key=lambda d: d.itemsize))
 
 
 def check_quantization(path: Path, lora: LoraConfig | None = None) -> None:
@@ -430,6 +447,32 @@ def _inside(root: Path, shard: str, index: Path) -> Path:
     return resolved
 
 
+class _Safetensors:
+    """A safetensors shard whose tensors are read by positional reads into tensors the caller owns: no file
+    mapping, whose pages read would count in the process's resident set until the checkpoint closes (the whole
+    checkpoint by the end of an import), only the page cache. Its header is checked by safetensors (`handle`),
+    which reads the dtypes torch names otherwise (float8's) itself."""
+
+    def __init__(self, path: Path, handle: Any) -> None:
+        self.path, self.handle = path, handle
+        self.file = open(path, "rb", buffering=0)  # (closed with the checkpoint, or when it is let go)
+        size = struct.unpack("<Q", self.file.read(8))[0]
+        header = json.loads(self.file.read(size))
+        self.starts = {key: 8 + size + value["data_offsets"][0] for key, value in header.items()
+                       if key != "__metadata__"}
+
+    def read(self, key: str, entry: _Entry) -> torch.Tensor:
+        stored = getattr(torch, entry.dtype, None)
+        if not isinstance(stored, torch.dtype):
+            return self.handle.get_tensor(key).clone()  # (a view of safetensors' mapping otherwise)
+        out = torch.empty(entry.shape, dtype=stored)
+        pread_into(self.file.fileno(), out, self.starts[key], self.path)
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def _open_shard(root: Path, name: str) -> tuple[Any, dict[str, _Entry]]:
     path = root / name
     if name.endswith(".safetensors"):
@@ -444,7 +487,7 @@ def _open_shard(root: Path, name: str) -> tuple[Any, dict[str, _Entry]]:
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path} is not a readable safetensors file ({_brief(exc)}); "
                                   "download or export it again") from None
-        return handle, found
+        return _Safetensors(path, handle), found
     try:
         # weights_only: a pickle can run arbitrary code; torch's restricted
         # unpickler only rebuilds tensors and plain containers. mmap: the

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +69,49 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """One tensor's values in a slab of bytes: from byte `offset`, flat, in `dtype` as stored (they may be given
+    in another, cast as their chunks are written)."""
+
+    offset: int
+    values: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, piece: Piece, values: torch.Tensor, lent: int = 0) -> "Placed":
+        """`values` as `piece` of a packed unit whose pieces' offsets count `lent` bytes before its own slab."""
+        if values.numel() != math.prod(piece.shape):
+            raise StoreError(f"{piece.key} has {values.numel()} values where its unit holds {math.prod(piece.shape)}")
+        return cls(piece.offset - lent, values.reshape(-1), piece.dtype)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.values.numel() * self.dtype.itemsize
+
+
+def slab_chunk(placed: Sequence[Placed], start: int, count: int) -> torch.Tensor:
+    """Bytes [start, start + count) of a slab made of `placed` (zero where none lies): only these bytes' values
+    cast to their stored dtype, so no unit is ever held whole in a wider one; a view of the values themselves
+    where one tensor, already in its stored dtype, holds them all."""
+    end = start + count
+    for p in placed:
+        if p.offset <= start and end <= p.end and p.values.dtype == p.dtype:
+            return p.values.view(torch.uint8)[start - p.offset:end - p.offset]
+    out = torch.zeros(count, dtype=torch.uint8)
+    for p in placed:
+        low, high, size = max(start, p.offset), min(end, p.end), p.dtype.itemsize
+        if low >= high:
+            continue
+        first, skip = divmod(low - p.offset, size)  # the elements these bytes lie in
+        values = p.values[first:-(-(high - p.offset) // size)]
+        if skip == 0 and (low - start) % size == 0 and (high - low) % size == 0:  # whole elements: cast in place
+            out[low - start:high - start].view(p.dtype).copy_(values)
+        else:
+            out[low - start:high - start] = values.to(p.dtype).view(torch.uint8)[skip:skip + high - low]
+    return out
+
+
+@dataclass(frozen=True)
 class Packed4:
     """A unit of a quantized store (layers/packed4.py, a GGUF base's layers/packed_gguf.py): its slab is bytes,
     `pieces` in slab order (a tied head's borrowed embedding first), and `quantized` the slots of the weights held
@@ -113,19 +156,21 @@ class Packed4:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {p.key: flat[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.pieces}
 
-    def pack(self, tensors: dict[str, torch.Tensor | dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The unit's own slab from its tensors by slot key: the quantized ones by bitsandbytes' quantize_4bit, or
-        given as their pieces already (a folder transformers saved 4-bit)."""
-        whole = torch.zeros(sum(self.borrowed_bytes) + self.nbytes, dtype=torch.uint8)  # (pieces' offsets count
-        views = self.views(whole)                                                      # what a unit borrows)
+    def placed(self, tensors: dict[str, Any]) -> list[Placed]:
+        """The unit's own slab as its pieces' values where they lie, from its tensors by slot key (taken out of
+        `tensors`): the quantized ones by `quant`'s quantize, one weight at a time (its 16-bit tensor let go as
+        its pieces are made), or given as their pieces already (a folder transformers saved 4-bit); the others as
+        given, cast to `quant.dtype` a chunk at a time as the slab is written (`slab_chunk`)."""
+        lent, by_key = sum(self.borrowed_bytes), {p.key: p for p in self.pieces}  # (offsets count what is lent)
+        out = []
         for key in self.quantized:
             given = tensors.pop(key)
-            for name, piece in (given if isinstance(given, dict) else self.quant.quantize(given)).items():
-                views[piece_key(key, name)].copy_(piece.reshape(views[piece_key(key, name)].shape))
-        for key, value in tensors.items():
-            assert isinstance(value, torch.Tensor)  # only quantized weights come as pieces, popped above
-            views[key].copy_(value.reshape(views[key].shape))
-        return whole[sum(self.borrowed_bytes):]
+            for name, value in (given if isinstance(given, dict) else self.quant.quantize(given)).items():
+                out.append(Placed.of(by_key[piece_key(key, name)], value, lent))
+            del given
+        for key in list(tensors):
+            out.append(Placed.of(by_key[key], tensors.pop(key), lent))  # (only quantized weights come as pieces)
+        return out
 
     def unpack(self, slab: torch.Tensor, slots: Sequence[TensorSlot]) -> torch.Tensor:
         """The unit's own tensors in slot order, flat in fp32, the quantized ones dequantized."""
