@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from benchmarks.worker import RESULT_TAG, Measured, RunSpec
-from streamer.cli.launch import PROCESS_ENV
+from streamer.cli.launch import MALLOC_ENV, PROCESS_ENV
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -147,7 +147,7 @@ class Runner:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
         env["PYTHONUNBUFFERED"] = "1"
         if spec.contender in ("stream", "resident"):  # as the `streamer` command runs them
-            env.update({k: v for k, v in PROCESS_ENV.items() if k not in env})
+            env.update({k: v for k, v in {**PROCESS_ENV, **MALLOC_ENV}.items() if k not in env})
         if spec.contender == "deepspeed":
             env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; without it, it looks for CUDA
         if spec.world > 1:  # what torchrun would set for this rank

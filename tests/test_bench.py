@@ -25,6 +25,7 @@ from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
 from memory_model.units import Precision
 from streamer.advice import step_host
+from streamer.cli.launch import MALLOC_ENV, PROCESS_ENV
 from streamer.config import TrainerConfig
 from streamer.runtime.hardware import DtypeChoice, resolve_compute_dtype
 
@@ -84,6 +85,18 @@ def test_quick_run_writes_every_section(tmp_path):
                      r"(NOT met|met|unmeasured) \([\d.]+x: I/O floor [\d.]+", merged, re.M), merged  # tiny: either
     assert re.search(r"^- 6\. llama-debug, QLoRA r=8: peak RSS <= 6.00 GiB: (NOT )?met", merged, re.M)
     assert "- 6. gptj-debug: peak RSS within 10% of the plan" in merged  # the full run's targets stay
+
+
+def test_our_workers_run_with_the_streamer_commands_process_settings_and_the_peers_without(tmp_path, monkeypatch):
+    """Our contenders' processes get what `streamer` sets as it starts (glibc's mmap threshold among them: without
+    it a run keeps freed buffers the plan does not price); a peer's process runs as its users run it."""
+    for name in (*PROCESS_ENV, *MALLOC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    runner = Runner(tmp_path, console=_Quiet(), child_timeout_s=1)
+    ours = runner._env(RunSpec(label="ours", contender="stream", model={}, batch=1, seq=8), 0, 0)
+    theirs = runner._env(RunSpec(label="theirs", contender="hf-qlora", model={}, batch=1, seq=8), 0, 0)
+    assert ours["MALLOC_MMAP_THRESHOLD_"] == str(2**20) and ours["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert not {*PROCESS_ENV, *MALLOC_ENV} & set(theirs)
 
 
 def test_worker_reports_a_failure_instead_of_numbers(tmp_path):

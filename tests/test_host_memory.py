@@ -19,7 +19,7 @@ from memory_model.host import BASE_BYTES, host_bytes
 from streamer.config import TrainerConfig
 from streamer.io.hf import saved_dtype
 from streamer.advice import planned_host
-from streamer.cli.launch import MMAP_THRESHOLD
+from streamer.cli.launch import MALLOC_ENV
 from streamer.cli.main import main
 from streamer.resources import shortfall
 from streamer.run import resolve
@@ -269,8 +269,7 @@ IMPORT = ("import json, sys\n"
 
 def _import_high_water(folder: Path, checkpoint: Path, settings: dict) -> int:
     """The import's VmHWM, in bytes, with glibc's mmap threshold where `streamer` fixes it (streamer.cli.launch)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
-           "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **MALLOC_ENV}
     done = subprocess.run([sys.executable, "-c", IMPORT, str(checkpoint), str(folder / "store"), json.dumps(settings)],
                           capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -42,6 +42,8 @@ PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **_pinned_blocks_keep_their_size()}
 # planner prices it (memory_model.host). A user's MALLOC_MMAP_THRESHOLD_ wins.
 MMAP_THRESHOLD = 2**20
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+# The same for a process this one starts (glibc reads it as the process starts): `streamer bench`'s workers.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 
 
 def _fix_mmap_threshold() -> None:
