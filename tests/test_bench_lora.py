@@ -134,6 +134,10 @@ def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) ->
     title = "QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory"
     stale_target = "- QLoRA: our RAM-tier step <= 0.8x transformers + bitsandbytes + PEFT's: unmeasured (—; peak RSS —)"
     report = (ROOT / "BENCHMARKS.md").read_text()
+    # Whatever the repository's report holds of an earlier pair (its section, target and command line) goes first.
+    report = re.sub(rf"^- QLoRA: our RAM-tier step .*\n|^- `streamer bench .*wrote \"{re.escape(title)}\"\n", "",
+                    report, flags=re.M)
+    report = re.sub(rf"## {re.escape(title)}\n.*?\n(?=## )", "", report, flags=re.S)
     report = report.replace("## Targets\n\n", f"## Targets\n\n{stale_target}\n", 1).replace(
         "## Where our step time goes", f"## {title}\n\n| run |\n|---|\n| stale |\n\n## Where our step time goes", 1)
     out = tmp_path / "BENCHMARKS.md"
