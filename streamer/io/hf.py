@@ -10,6 +10,7 @@ under other names or in parts, MXFP4-packed experts and bitsandbytes' 4-bit piec
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -361,9 +362,17 @@ def saved_dtype(directory: str | Path) -> str:
     """A checkpoint's weights' dtype as saved, the widest where they differ ('bf16'): what a frozen base's import
     reads each tensor in (a weight saved 4-bit or 8-bit, in the 16-bit dtype it was quantized from). A folder of
     config.json alone (planned before its weights are there): fp32, the widest read."""
-    if not any((Path(directory) / name).is_file() for name in _WEIGHT_FILES):
+    root = Path(directory)
+    files = [root / name for name in _WEIGHT_FILES if (root / name).is_file()]
+    if not files:
         return "fp32"
-    with HFCheckpoint.open(directory) as checkpoint:
+    # A run plans its step several times; the folder is opened once while its weight files stay as they are.
+    return _saved_dtype(root.resolve(), tuple(f.stat().st_mtime_ns for f in files))
+
+
+@functools.cache
+def _saved_dtype(root: Path, _stamps: tuple[int, ...]) -> str:
+    with HFCheckpoint.open(root) as checkpoint:
         return dtype_name(max({checkpoint.dtype(key) for key in checkpoint.keys()}, key=lambda d: d.itemsize))
 
 
