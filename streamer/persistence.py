@@ -3,6 +3,7 @@ forward, the current step saved and kept. `Persistence` also holds what each com
 the losses so far and the caller's resumable state."""
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -35,13 +36,20 @@ def _pin_memory(device: str, pin_memory: str) -> str:
 
 def create_store(cfg: ModelConfig, tc: TrainerConfig, store_dir: Path | None, processes: int) -> HostStore:
     """A new store for `cfg` with `tc`'s settings in `store_dir` (None: a temporary folder, RAM tiers only)."""
-    step = tc.step
-    if store_dir is None:
-        if step.store.needs_folder:
-            raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
-        store_dir = Path(tempfile.mkdtemp(prefix="ws-store-")) / "store"
-    return HostStore.create(store_dir, tc.store_spec(cfg, processes),
-                            _pin_memory(tc.device.device, tc.device.pin_memory))
+    if store_dir is not None:
+        return HostStore.create(store_dir, tc.store_spec(cfg, processes),
+                                _pin_memory(tc.device.device, tc.device.pin_memory))
+    if tc.step.store.needs_folder:
+        raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
+    folder = Path(tempfile.mkdtemp(prefix="ws-store-"))
+    try:
+        store = HostStore.create(folder / "store", tc.store_spec(cfg, processes),
+                                 _pin_memory(tc.device.device, tc.device.pin_memory))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    store.remove_when_closed(folder)
+    return store
 
 
 def open_store(store_dir: str | Path, overrides: Mapping[str, Any] | None, read_only: bool,

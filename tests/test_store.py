@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import fcntl
 import json
 import os
@@ -103,6 +104,19 @@ def test_ram_tier_is_durable_only_after_save_and_resumes_identically(tmp_path):
         for ids in data:
             trainer.step(ids)
         assert same(resumed, trainer.state_dict())
+
+
+def test_a_ram_tier_store_made_without_a_folder_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the store's temporary folder goes
+    ram = DISK.replace(store="ram")
+    with StreamingTrainer(CFG, ram) as trainer:
+        trainer.step(batches(1)[0])
+        trainer.save()  # writes its state files into the temporary folder
+        assert [p.name for p in tmp_path.iterdir()][0].startswith("ws-store-")
+    assert not any(tmp_path.iterdir())  # closed: deleted
+    StreamingTrainer(CFG, ram).step(batches(1)[0])  # never closed: deleted once collected
+    gc.collect()
+    assert not any(tmp_path.iterdir())
 
 
 def test_compute_on_disk_with_state_in_ram_is_rejected(tmp_path):

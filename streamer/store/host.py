@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import weakref
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Self, Sequence
@@ -81,6 +83,7 @@ class _HostSlabs(StoreReader):
         self._to_step: int | None = None  # a writer's open goes back to this step (the torchrun processes' choice)
         # What checks the files a step commits beside the store's (a LoRA run's adapters), raising a StoreError
         self._companions: Companions | None = None
+        self._removal: weakref.finalize[..., Any] | None = None  # a temporary folder's, at close or exit
 
     def _allocate_ram(self) -> None:
         """The zero-copy tiers' slabs (RAM's). An opened store allocates them only after its files match its
@@ -137,6 +140,13 @@ class _HostSlabs(StoreReader):
         if self._lock >= 0:
             os.close(self._lock)  # releases the flock
             self._lock = -1
+        if self._removal is not None:
+            self._removal()
+
+    def remove_when_closed(self, folder: Path) -> None:
+        """Delete `folder` (a temporary one holding the store) when the store closes, or at the latest when it
+        is collected or the process exits: a RAM-tier store made without a run folder leaves nothing behind."""
+        self._removal = weakref.finalize(self, shutil.rmtree, folder, True)
 
     def _interrupted_step(self) -> dict[str, Any] | None:
         """The journaled step after the manifest's, whose update a crash may have interrupted (disk tier)."""
