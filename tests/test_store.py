@@ -119,6 +119,37 @@ def test_a_ram_tier_store_made_without_a_folder_leaves_nothing_behind(tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("timing", ["fused", "after-backward"])
+def test_a_step_drops_the_generation_it_replaces_from_the_page_cache(tmp_path, monkeypatch, timing):
+    """A state file's bytes leave the page cache as the next generation's same bytes are written: every byte of
+    every replaced generation this process read, and none of the generations the step writes."""
+    dropped: dict[str, list[tuple[int, int]]] = {}
+    fadvise = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_DONTNEED:
+            dropped.setdefault(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), []).append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    tc = DISK.replace(update_timing=timing)
+    with StreamingTrainer(CFG, tc, store_dir=tmp_path / "run") as trainer:
+        trainer.step(batches(1)[0])
+        before = dict(trainer.store.versions)
+        monkeypatch.setattr(os, "posix_fadvise", recording)
+        trainer.step(batches(2)[1])
+        after = dict(trainer.store.versions)
+        files = trainer.store._files
+        for unit, generation in before.items():
+            assert after[unit] != generation
+            ranges = sorted(dropped.pop(files.state_path(unit, generation).name))
+            covered = 0
+            for offset, length in ranges:  # contiguous, in order, from the first byte to the last
+                assert offset == covered
+                covered += length
+            assert covered == files.state_bytes(unit)
+    assert not dropped  # nothing else: not the new generations, nor the gradient files
+
+
 def test_compute_on_disk_with_state_in_ram_is_rejected(tmp_path):
     with pytest.raises(StoreError, match="compute='disk' needs state='disk'"):
         StreamingTrainer(CFG, DISK.replace(store=Placement("disk", "ram", "ram")), store_dir=tmp_path / "run")

@@ -116,9 +116,23 @@ class StateFiles:
         """The trailer of a state file whose size and trailer say it is that unit's generation."""
         return check_state_file(unit, self.state_path(unit, generation), generation, self.state_bytes(unit))
 
-    def new_generation(self, unit: str, generation: int) -> "GenerationWriter":
+    def new_generation(self, unit: str, generation: int, replaces: int | None) -> "GenerationWriter":
+        """A writer of the unit's `generation`, which replaces generation `replaces` (None: the unit has none)."""
         self.settle()  # the disk never holds a third generation, nor a name being deleted
-        return GenerationWriter(self, unit, generation)
+        return GenerationWriter(self, unit, generation, None if replaces is None else self.state_path(unit, replaces))
+
+    def forget(self, path: Path, offset: int, length: int) -> None:
+        """Drop `length` bytes of `path` at `offset` from the page cache, where this process reads the file.
+
+        A step reads each unit's state once more than it writes it: a range of the generation being replaced is
+        not read again once its new values are written. Left in the cache, a store larger than the free memory
+        fills it, and every later read first has the kernel reclaim pages: on this project's box, a buffered read
+        took 0.06-0.13 s of CPU per GB with room in the cache and up to 1.4 s per GB with none, CPU the read
+        worker takes from the compute."""
+        with self._fd_lock:
+            fd = self._fds.get(str(path))
+        if fd is not None and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def remove_strays(self, keep: set[str]) -> None:
         """Delete the store's units' state files not named in `keep` (the current generations and those of kept
@@ -202,8 +216,8 @@ class GenerationWriter:
     where the filesystem allows it, streamer.store.direct); `finish` seals it (flush, trailer, fsync) and
     renames it into place, `discard` deletes it."""
 
-    def __init__(self, files: StateFiles, unit: str, generation: int) -> None:
-        self.files, self.unit, self.generation = files, unit, generation
+    def __init__(self, files: StateFiles, unit: str, generation: int, replaced: Path | None) -> None:
+        self.files, self.unit, self.generation, self.replaced = files, unit, generation, replaced
         self.final = files.state_path(unit, generation)
         self.tmp = self.final.with_suffix(".state.tmp")
         self._next = 0
@@ -219,8 +233,11 @@ class GenerationWriter:
         if self._out is None:
             self._out = SequentialFile(self.tmp, self.files.staging)
         self._out.write(bytes_view(values))
-        self.files.count_bytes(written=values.numel() * values.element_size())
-        self._next = offset + values.numel() * values.element_size()
+        length = values.numel() * values.element_size()
+        self.files.count_bytes(written=length)
+        if self.replaced is not None:  # the same range of the generation this one replaces is read no more
+            self.files.forget(self.replaced, offset, length)
+        self._next = offset + length
 
     def finish(self) -> int:
         """Seal and rename the file; returns the checksum of its data."""

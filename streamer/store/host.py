@@ -554,7 +554,7 @@ class HostStore(_HostSlabs, StoreWriter):
         return self._writer(unit, self.commit, persist)
 
     def _writer(self, unit: str, commit: Commit, persist: bool) -> "UnitWriter":
-        file = self._files.new_generation(unit, commit.generation) if persist else None
+        file = self._files.new_generation(unit, commit.generation, self.versions.get(unit)) if persist else None
         return UnitWriter(unit, self.spec, self._slabs, file, lambda checksum: self._installed(unit, commit, checksum))
 
     def _installed(self, unit: str, commit: Commit, checksum: int) -> None:
