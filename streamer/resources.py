@@ -120,7 +120,11 @@ def available_ram() -> tuple[int, str]:
 def _cgroup_left() -> tuple[int, int] | None:
     """(bytes left, limit) of the tightest memory limit of this process's cgroups and their ancestors (v2's
     memory.max and memory.current, v1's memory.limit_in_bytes and memory.usage_in_bytes); None where none is set.
-    In a container the process's own group is often the mount's root, so both the path and the root are read."""
+    In a container the process's own group is often the mount's root, so both the path and the root are read.
+
+    A group's usage counts the page cache its processes read and wrote (a finished run's store files, say), which
+    the kernel reclaims before it refuses the group memory: left is the limit less the usage, plus that cache,
+    as the machine's available memory counts its own."""
     try:
         lines = PROC_CGROUP.read_text().splitlines()
     except OSError:
@@ -135,15 +139,26 @@ def _cgroup_left() -> tuple[int, int] | None:
             folders.update([here, *here.parents[:len(here.parents) - len(mount.parents)]])
     found = []
     for folder in folders:
-        for limit_file, usage_file in (("memory.max", "memory.current"), ("memory.limit_in_bytes",
-                                                                          "memory.usage_in_bytes")):
+        for limit_file, usage_file, cache in (("memory.max", "memory.current", ("active_file", "inactive_file")),
+                                              ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                               ("total_active_file", "total_inactive_file"))):
             try:
                 limit, usage = (folder / limit_file).read_text().strip(), int((folder / usage_file).read_text())
             except (OSError, ValueError):
                 continue
             if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's page-rounded 2**63: no limit
-                found.append((max(0, int(limit) - usage), int(limit)))
+                found.append((max(0, int(limit) - usage + _cgroup_stat(folder, cache)), int(limit)))
     return min(found) if found else None
+
+
+def _cgroup_stat(folder: Path, keys: tuple[str, ...]) -> int:
+    """The sum of `keys` in the group's memory.stat (0 where it has none)."""
+    try:
+        lines = (folder / "memory.stat").read_text().splitlines()
+    except OSError:
+        return 0
+    values = dict(line.split(maxsplit=1) for line in lines if " " in line)
+    return sum(int(values.get(key, "0")) for key in keys)
 
 
 def check_host_resources(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[RunConfig, str | None]:

@@ -200,7 +200,10 @@ def test_the_ram_check_counts_the_cgroup_memory_limit(tmp_path, capsys, monkeypa
     limit, usage = ("memory.limit_in_bytes", "memory.usage_in_bytes") if version == 1 else ("memory.max",
                                                                                           "memory.current")
     (group / limit).write_text(f"{4 * 2**30}\n")
-    (group / usage).write_text(f"{2**30}\n")
+    # 3 GiB used, 2 GiB of it page cache (a finished run's files) that the kernel reclaims: 3 GiB left
+    (group / usage).write_text(f"{3 * 2**30}\n")
+    cache = ("total_active_file", "total_inactive_file") if version == 1 else ("active_file", "inactive_file")
+    (group / "memory.stat").write_text(f"anon {2**30}\n{cache[0]} {2**30}\n{cache[1]} {2**30}\n")
     (group.parent / limit).write_text("max\n" if version == 2 else f"{2**63 - 4096}\n")  # no limit above it
     (group.parent / usage).write_text(f"{2**31}\n")
     proc.write_text("4:memory:/jobs/mine\n" if version == 1 else "0::/jobs/mine\n")
