@@ -14,8 +14,10 @@ beside device memory, and what `streamer train` checks against the machine's ava
   from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged); a unit
   folded by chunk loads each chunk's master with its state instead;
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
-  `STAGES_IN_FLIGHT` being written), and a kind of one chunk's state in its stored form (a bf16 master, an int8
-  moment) as it is read and as it is written (where the write-backs lag, the one written is theirs);
+  `STAGES_IN_FLIGHT` being written); a kind of one chunk's state in its stored form (a bf16 master, an int8
+  moment) in the buffer each thread that reads, quantizes or casts it keeps (the read thread, the update's thread
+  and the write thread; on the RAM tier, the update's thread quantizing int8 moments); and the block a gradient
+  file's checksum is read in (`CHECKSUM_BLOCK_BYTES`);
 - `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
   (`prefetch` of them at most: fp32 state and gradient, and a kind in its stored form): they outlive it only
   where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
@@ -54,6 +56,8 @@ BASE_BYTES = 368 * 2**20
 # (streamer.store.direct).
 STAGE_BYTES = 8 * 2**20
 STAGES_IN_FLIGHT = 2
+# A flushed file's checksum reads it back in blocks of this size (streamer.store.slabfile.file_checksum).
+CHECKSUM_BLOCK_BYTES = 4 * 2**20
 # The opt-in precisions' elementwise kernels (int8 moments' quantizing, a bf16 master's rounding) are compiled on
 # their first call of at least this many elements (streamer.compiled).
 COMPILE_MIN_NUMEL = 2**20
@@ -194,10 +198,16 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
     state_on_disk = not store.state.zero_copy and not frozen
-    # Kinds stored other than in fp32, one kind of a chunk at a time: read into a buffer of their own and widened
-    # (the read thread), and narrowed into one when written (the write thread, with the write-backs).
+    # Kinds stored other than in fp32, one kind of a chunk at a time, in a buffer each thread keeps
+    # (streamer.store.slabfile.Scratch): read into the read thread's and widened; narrowed into the update's
+    # thread's (int8 moments) and the write thread's (a cast) as written. On the RAM tier, int8 moments are
+    # quantized into the update's thread's.
     narrowed = max(chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0,
                    cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" else 0) if state_on_disk else 0
+    quantized = cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" and not frozen else 0
+    scratch = 3 * narrowed if state_on_disk else quantized
+    # Gradient files are checksummed as they are flushed, read back in blocks into the checksum thread's buffer.
+    checksummed = CHECKSUM_BLOCK_BYTES if not store.grad.zero_copy and store.grad.durable and not frozen else 0
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
     lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
         if lags else 0
@@ -211,7 +221,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         staging=staging,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
-        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + narrowed * (1 if lags else 2),
+        writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + scratch + checksummed,
         activations=offloaded_bytes(shape, cfg), write_backs=lagging, start=start,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
         (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)

@@ -21,8 +21,8 @@ from streamer.errors import StoreError
 from streamer.store.commit import grad_name, state_name
 from streamer.store.direct import SequentialFile, AlignedBuffers
 from streamer.store.slabfile import (
-    Checksum, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error, fsync_path,
-    open_for_writing, pread_into, pwrite_from,
+    Checksum, Scratch, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error,
+    fsync_path, open_for_writing, pread_into, pwrite_from,
 )
 from streamer.store.quant import stored
 from streamer.store.spec import StoreSpec
@@ -42,6 +42,8 @@ class StateFiles:
         self._removing: Future[None] | None = None  # the strays of the last commit, being deleted
         self.bytes_read = self.bytes_written = 0  # data bytes, for the step's I/O report
         self.staging = AlignedBuffers()  # for the state files' writers (one at a time, on the write worker)
+        # A chunk's state in its stored form, as it is read and as it is written (the RAM tier's quantized kinds too)
+        self.reads, self.writes = Scratch(), Scratch()
 
     def count_bytes(self, read: int = 0, written: int = 0) -> None:
         with self._fd_lock:  # the main thread and both I/O workers count bytes
@@ -226,7 +228,7 @@ class GenerationWriter:
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
         """`kind`'s piece of the chunk starting at element `start`, in its stored form (`quant.stored`)."""
         spec = self.files.spec
-        values = stored(spec, kind, values).contiguous()
+        values = stored(spec, kind, values, self.files.writes).contiguous()
         offset = spec.kind_offset(kind, start, self.files.chunk_count(self.unit, start))
         if offset != self._next:
             raise ValueError(f"state file writes must be sequential (got offset {offset}, expected {self._next})")

@@ -39,7 +39,7 @@ from streamer.store.interface import SlabBackend, StateWriter, StoreReader, Stor
 from streamer.store.layout import fold_into, squared_norm
 from streamer.store.quant import restored, stored
 from streamer.store.ram import RamSlabs
-from streamer.store.slabfile import Checksum, fsync_path, verify_checksums
+from streamer.store.slabfile import Checksum, Scratch, fsync_path, verify_checksums
 from streamer.store.spec import PIN_MODES, StoreSpec
 
 
@@ -264,7 +264,8 @@ class _HostSlabs(StoreReader):
             restored(self.spec, kind, self._raw(unit, kind, start, out.numel()), out)
             return
         dtype = self.spec.kind_dtype(kind)
-        target = out if out.dtype == dtype else torch.empty(self.spec.kind_range(kind, 0, out.numel())[1], dtype=dtype)
+        target = out if out.dtype == dtype else \
+            self._files.reads.take(self.spec.kind_range(kind, 0, out.numel())[1], dtype)
         if kind == "grad":
             self._files.read_grad(unit, start, target)
         else:
@@ -555,7 +556,8 @@ class HostStore(_HostSlabs, StoreWriter):
 
     def _writer(self, unit: str, commit: Commit, persist: bool) -> "UnitWriter":
         file = self._files.new_generation(unit, commit.generation, self.versions.get(unit)) if persist else None
-        return UnitWriter(unit, self.spec, self._slabs, file, lambda checksum: self._installed(unit, commit, checksum))
+        return UnitWriter(unit, self.spec, self._slabs, file, lambda checksum: self._installed(unit, commit, checksum),
+                          self._files.writes)
 
     def _installed(self, unit: str, commit: Commit, checksum: int) -> None:
         """A unit's new generation is in place. Within a journaled commit the old one is deleted at once (the
@@ -625,13 +627,15 @@ class UnitWriter(StateWriter):
     in order, to the unit's next state file, and closing installs it (`installed(checksum)`)."""
 
     def __init__(self, unit: str, spec: StoreSpec, slabs: SlabBackend, file: GenerationWriter | None,
-                 installed: Callable[[int], None]) -> None:
+                 installed: Callable[[int], None], scratch: Scratch) -> None:
         self.unit, self._spec, self._slabs, self._file, self._installed = unit, spec, slabs, file, installed
+        self._scratch = scratch
         self._file_kinds = spec.file_kinds()
 
     def write(self, kind: str, start: int, values: torch.Tensor) -> None:
         if self._spec.quantized(kind):
-            values = stored(self._spec, kind, values)  # once, for the slab and the file alike (others cast on copy)
+            # once, for the slab and the file alike (others cast on copy)
+            values = stored(self._spec, kind, values, self._scratch)
         self._slabs.write(self.unit, kind, start, values)
         if self._file is not None and kind in self._file_kinds:
             self._file.write(kind, start, values)

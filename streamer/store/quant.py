@@ -17,6 +17,7 @@ import torch
 
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK
 from streamer.compiled import kernel
+from streamer.store.slabfile import Scratch
 from streamer.store.spec import StoreSpec
 
 SCALE_BYTES = BLOCK_SCALE_BYTES["int8"]
@@ -111,16 +112,20 @@ def decode(raw: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stored(spec: StoreSpec, kind: str, values: torch.Tensor) -> torch.Tensor:
+def stored(spec: StoreSpec, kind: str, values: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     """`values` of `kind` as the store keeps them: cast to its dtype, or quantized (exp_avg signed, exp_avg_sq
-    unsigned). Values already in that form (a slab's own piece) pass through."""
+    unsigned), in `scratch` where given (host values: the result is valid until its thread's next take). Values
+    already in that form (a slab's own piece) pass through."""
     dtype = spec.kind_dtype(kind)
     if values.dtype == dtype:
         return values
-    if not spec.quantized(kind):
-        return values.to(dtype)
-    raw = torch.empty(spec.kind_bytes(kind, values.numel()), dtype=dtype, device=values.device)
-    return encode(values.float(), kind != "exp_avg_sq", raw)
+    quantized = spec.quantized(kind)
+    numel = spec.kind_bytes(kind, values.numel()) if quantized else values.numel()
+    out = scratch.take(numel, dtype) if scratch is not None and values.device.type == "cpu" else \
+        torch.empty(numel, dtype=dtype, device=values.device)
+    if not quantized:
+        return out.view(values.shape).copy_(values)
+    return encode(values.float(), kind != "exp_avg_sq", out)
 
 
 def restored(spec: StoreSpec, kind: str, raw: torch.Tensor, out: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 import xxhash
 
+from memory_model.host import CHECKSUM_BLOCK_BYTES
 from streamer.errors import StoreError
 
 _TRAILER = struct.Struct("<8s40sQQQ")  # magic, unit name, generation, data bytes, xxh3-64 checksum
@@ -98,6 +100,25 @@ def verify_checksums(checks: list[Checksum]) -> None:
                              "restore the run directory from a backup")
 
 
+class Scratch(threading.local):
+    """One byte buffer per thread, reused for a chunk's state in its stored form as it is read or written. A
+    fresh buffer per chunk is mapped by glibc (its mmap threshold is fixed, streamer.cli.launch) and faulted in
+    by the kernel page by page: on a Llama-350m disk-tier step, these and the checksums' blocks were a fifth of
+    the process's page faults and took the I/O workers' CPU from the compute. It grows to the largest piece its
+    thread asks for: one chunk of one kind, as the planner prices a read's and a write's."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `numel` elements of `dtype` over the thread's buffer, valid until its next `take`."""
+        nbytes = numel * dtype.itemsize
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one is made
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype)
+
+
 def bytes_view(t: torch.Tensor) -> memoryview:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("file I/O needs a contiguous CPU tensor")
@@ -141,14 +162,18 @@ def disk_error(exc: OSError, path: Path) -> StoreError:
     return StoreError(f"cannot write {path}: {exc.strerror or exc}")
 
 
-def file_checksum(path: Path, length: int, block: int = 1 << 24) -> int:
+_CHECKSUM_BLOCKS = Scratch()
+
+
+def file_checksum(path: Path, length: int, block: int = CHECKSUM_BLOCK_BYTES) -> int:
     """xxh3-64 of the first `length` bytes of `path`: several times faster than zlib's crc32, which kept a core
-    busy for as long as a step's writes took to flush."""
+    busy for as long as a step's writes took to flush. Read in blocks into one reused buffer per thread."""
     digest, left = xxhash.xxh3_64(), length
+    view = bytes_view(_CHECKSUM_BLOCKS.take(min(block, length), torch.uint8))
     with open(path, "rb", buffering=0) as f:
-        while left and (chunk := f.read(min(block, left))):
-            digest.update(chunk)
-            left -= len(chunk)
+        while left and (n := f.readinto(view[:min(len(view), left)])):
+            digest.update(view[:n])
+            left -= n
     return digest.intdigest()
 
 
