@@ -21,12 +21,14 @@ beside device memory, and what `streamer train` checks against the machine's ava
   where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
   these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
-- `start`: a frozen base (LoRA), stored a unit at a time as the run starts (`start_unit_bytes`): the largest unit
-  as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's fp32, an import's
-  checkpoint dtype as saved, never widened), one chunk of its slab as it is written, and a 4-bit or 8-bit base's
-  quantizer's working set on one chunk (layers.packed4's `QUANTIZE_CHUNK`, or its largest weight where smaller),
-  less what a step holds and the start does not: the device's bytes and the staging pool; and bitsandbytes: its
-  modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
+- `start`: the units stored a unit at a time as the run starts (`start_unit_bytes`), each chunk by chunk from its
+  tensors as given: the largest unit as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's
+  fp32, an import's checkpoint dtype as saved, never widened), and what one chunk holds as it is written: a frozen
+  base's (LoRA), one chunk of its slab and a 4-bit or 8-bit base's quantizer's working set on one chunk
+  (layers.packed4's `QUANTIZE_CHUNK`, or its largest weight where smaller); a trained unit's (full fine-tuning),
+  one chunk of its fp32 master, the moments' zeros and, where the store keeps a compute copy, the chunk cast to
+  it. Less what a step holds and the start does not: the device's bytes and the staging pool. And a 4-bit or
+  8-bit base's bitsandbytes: its modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
