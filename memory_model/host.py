@@ -27,7 +27,8 @@ beside device memory, and what `streamer train` checks against the machine's ava
   base's (LoRA), one chunk of its slab and a 4-bit or 8-bit base's quantizer's working set on one chunk
   (layers.packed4's `QUANTIZE_CHUNK`, or its largest weight where smaller); a trained unit's (full fine-tuning),
   one chunk of its fp32 master, the moments' zeros and, where the store keeps a compute copy, the chunk cast to
-  it. Less what a step holds and the start does not: the device's bytes and the staging pool. And a 4-bit or
+  it. Less what a step holds and the start does not: the device's bytes and the staging pool (not the part of
+  `base` a process adds once it steps, so a run may stay below the plan by these bytes). And a 4-bit or
   8-bit base's bitsandbytes: its modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).

@@ -152,13 +152,17 @@ def base_rss(tmp_path_factory: pytest.TempPathFactory) -> int:
 @pytest.mark.parametrize("store", ["ram", "disk"])
 def test_a_runs_host_peak_is_within_the_planned_one(tmp_path, base_rss, store):
     """Two steps, so that a pool growing with the steps would show; the growth over the bare process within
-    MARGIN under the plan's host figure, less its base and its write-backs."""
+    MARGIN under the plan's host figure, less its base, its write-backs and its start. The start's excess over a
+    step is charged over the whole base, which a process holds only once it steps (its kernels, autograd): a
+    fresh init of this model, in a process that had imported the trainer, peaked 115 MiB above its store (a block
+    in fp32 and one chunk's master, zeros and compute copy, as planned), 23 MiB under this run's high-water
+    mark."""
     grown = _max_rss(tmp_path, MODEL, store, steps=2) - base_rss
     (tmp_path / "model.json").write_text(json.dumps(MODEL))
     cfg = resolve({"model": str(tmp_path / "model.json"), "store": store, "batch": 1, "seq": 128, "dtype": AUTO})
     host = planned_host(cfg.model_config(), cfg)
     planned = host.total - BASE_BYTES
-    assert (1 - MARGIN) * (planned - host.write_backs) <= grown <= (1 + NOISE) * planned, \
+    assert (1 - MARGIN) * (planned - host.write_backs - host.start) <= grown <= (1 + NOISE) * planned, \
         f"{store}: {grown / 2**20:.0f} MiB against {planned / 2**20:.0f} (base {base_rss / 2**20:.0f} MiB)"
 
 
@@ -288,14 +292,18 @@ def _planned_start(checkpoint: Path, settings: dict) -> int:
     return host.store + host.start
 
 
-@pytest.mark.parametrize("settings", [{}, {"load_in_4bit": True}, {"load_in_8bit": True}],
-                         ids=["16-bit", "4-bit", "8-bit"])
-def test_a_frozen_bases_import_grows_as_planned(tmp_path, bf16_checkpoint, settings):
+@pytest.mark.parametrize("settings", [{}, {"load_in_4bit": True}, {"load_in_8bit": True},
+                                      {"lora_rank": 0, "update_chunk": 2**20}],
+                         ids=["16-bit", "4-bit", "8-bit", "full-fine-tuning"])
+def test_a_bf16_import_grows_as_planned(tmp_path, bf16_checkpoint, settings):
     """A bf16 checkpoint imported as a frozen base: each tensor read in bf16 (by positional reads: no file pages
     in the process) and written a chunk at a time, so the start holds its largest unit in bf16 as planned
     (`start`), not in fp32 (which grew 2.4 times this plan: the embedding widened, then copied into its slab,
     its file pages mapped). The growth over the import of a model of a few hundred thousand parameters: measured
-    within 6% under the plan, with AVX-512's kernels (bf16) and AVX2's (fp32)."""
+    within 6% under the plan, with AVX-512's kernels (bf16) and AVX2's (fp32). Full fine-tuning too: each unit
+    read in bf16 and its fp32 master made a chunk at a time, measured 0.1% above the plan (the embedding read
+    whole in fp32, its own master, grew 16% above it); chunks of 1 Mi parameters, so the embedding's start
+    exceeds its chunk's."""
     settings = {"lora_rank": 8, "store": "ram", "dtype": AUTO, **settings}
     small = tmp_path / "small"
     _save_bf16(small, BASE_MODEL)
