@@ -214,7 +214,8 @@ class RunConfig:
 
     def _source_dtype(self) -> str:
         """The dtype of a unit's weights as the start holds them (PlanConfig.source_dtype): a fresh unit's
-        fp32, gguf's dequantized fp32, or an imported folder's widest as saved."""
+        fp32, an imported folder's widest as saved, or for a GGUF file fp32, which bounds a bf16 run's tensors
+        dequantized into bf16 beside the file's bytes of them (16-bit or quantized)."""
         if self.from_pretrained is None or is_gguf(self.from_pretrained):
             return "fp32"
         from streamer.io.hf import saved_dtype  # (the checkpoint reader loads only with a folder)

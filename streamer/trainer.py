@@ -140,8 +140,10 @@ class StreamingTrainer:
                         raise CheckpointError(f"{hf_dir}: {s.hf_key} is saved in 16 bits (its llm_int8_skip_modules)"
                                               ", and a quantized base holds every block projection quantized: pass "
                                               "the 16-bit checkpoint it was made from")
-                    tensors[s.key] = pieces if pieces is not None \
-                        else checkpoint.read(s.hf_key, checkpoint.dtype(s.hf_key))
+                    # A GGUF base's dequantized tensors straight into the compute dtype it stores them in.
+                    dtype = trainer.tc.compute_dtype if isinstance(checkpoint, GGUFCheckpoint) \
+                        else checkpoint.dtype(s.hf_key)
+                    tensors[s.key] = pieces if pieces is not None else checkpoint.read(s.hf_key, dtype)
                 return tensors
 
             trainer.persistence.write_units(tensors_of)
