@@ -23,12 +23,15 @@ beside device memory, and what `streamer train` checks against the machine's ava
   where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
   these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
-- `start`: a frozen base (LoRA), stored a unit at a time as the run starts (`start_unit_bytes`): the largest unit
-  as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's fp32, an import's
-  checkpoint dtype as saved, never widened), one chunk of its slab as it is written, and a 4-bit or 8-bit base's
-  quantizer's working set on one chunk (layers.packed4's `QUANTIZE_CHUNK`, or its largest weight where smaller),
-  less what a step holds and the start does not: the device's bytes and the staging pool; and bitsandbytes: its
-  modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
+- `start`: the units stored a unit at a time as the run starts (`start_unit_bytes`), each chunk by chunk from its
+  tensors as given: the largest unit as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's
+  fp32, an import's checkpoint dtype as saved, never widened), and what one chunk holds as it is written: a frozen
+  base's (LoRA), one chunk of its slab and a 4-bit or 8-bit base's quantizer's working set on one chunk
+  (layers.packed4's `QUANTIZE_CHUNK`, or its largest weight where smaller); a trained unit's (full fine-tuning),
+  one chunk of its fp32 master, the moments' zeros and, where the store keeps a compute copy, the chunk cast to
+  it. Less what a step holds and the start does not: the device's bytes and the staging pool (not the part of
+  `base` a process adds once it steps, so a run may stay below the plan by these bytes). And a 4-bit or
+  8-bit base's bitsandbytes: its modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
 - `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
 """
@@ -103,17 +106,27 @@ def frozen_slab_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
 
 
 def start_unit_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
-    """What the start holds as it stores a frozen base's unit (streamer.weights.write_frozen): its tensors as
-    given (in `source_dtype`); one chunk of its slab as it is written, but for an embedding (one tensor) given in
-    the compute dtype, written from its own storage; and where bitsandbytes quantizes its weights, the quantizer
-    on one chunk."""
+    """What the start holds as it stores a unit (streamer.weights): its tensors as given (in `source_dtype`), and
+    what one chunk holds as it is written. A frozen base's (`write_frozen`): one chunk of its slab, but for an
+    embedding (one tensor) given in the compute dtype, written from its own storage; and where bitsandbytes
+    quantizes its weights, the quantizer on one chunk. A trained unit's (`write_fresh_state`): one chunk of its
+    fp32 master, but for an embedding given in fp32 and sliced whole, a view of it; the moments' zeros; and
+    where the store keeps a compute copy, the chunk cast to the master's dtype, then to the compute dtype."""
     own = shape.params().own(unit)
+    source = DTYPE_BYTES[cfg.source_dtype] * own
+    if not cfg.lora.enabled:
+        stored = shard_numel(own, cfg.shards)
+        viewed = unit == "embed" and cfg.source_dtype == "fp32" and stored * cfg.shards == own
+        narrowed = cfg.master_bytes if cfg.precision.master != "fp32" else 0
+        cast = cfg.dtype_bytes if cfg.precision.compute != cfg.precision.master else 0
+        compute = narrowed + cast if cfg.step.store.compute.zero_copy and not cfg.compute_is_master else 0
+        return source + min(cfg.step.update_chunk, stored) * ((0 if viewed else 4) + 4 + compute)
     slab = base_unit_bytes(shape, cfg.lora, unit, cfg.dtype_bytes) if cfg.lora.quantized else own * cfg.dtype_bytes
     element = 1 if cfg.lora.quantized else cfg.dtype_bytes  # the slab's
     assembled = unit != "embed" or cfg.source_dtype != cfg.precision.compute
     bitsandbytes = cfg.lora.load_in_4bit or cfg.lora.load_in_8bit
     quantized = max(quantized_numels(shape, unit), default=0) if bitsandbytes else 0
-    return DTYPE_BYTES[cfg.source_dtype] * own + (min(cfg.step.update_chunk * element, slab) if assembled else 0) \
+    return source + (min(cfg.step.update_chunk * element, slab) if assembled else 0) \
         + QUANTIZE_BYTES_PER_ELEMENT * min(QUANTIZE_CHUNK, quantized)
 
 
@@ -212,10 +225,10 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
         if lags else 0
     staging = 0 if same_memory else pool
-    # A frozen base's start, where a step holds the device's bytes and the staging pool (empty until the first
-    # step's loads take its buffers).
+    # The start's units, where a step holds the device's bytes and the staging pool (empty until the first step's
+    # loads take its buffers).
     start = max(0, max(start_unit_bytes(shape, cfg, u) for u in shape.unit_names()) - (shared or 0) - staging) \
-        + (BITSANDBYTES_BYTES if cfg.lora.load_in_4bit or cfg.lora.load_in_8bit else 0) if frozen else 0
+        + (BITSANDBYTES_BYTES if cfg.lora.load_in_4bit or cfg.lora.load_in_8bit else 0)
     return HostBytes(
         base=BASE_BYTES, store=store_ram, device=shared or 0,
         staging=staging,

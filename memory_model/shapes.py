@@ -44,7 +44,7 @@ class PlanConfig:
     packed: bool = setting(False, "rows of packed examples (streamer train --pack): each block also keeps its "
                                   "attention mask and its rows' rotary tables", Switch())
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
-    source_dtype: str = setting("fp32", "the dtype of a frozen base's units as the run's start holds them before "
+    source_dtype: str = setting("fp32", "the dtype of a model's units as the run's start holds them before "
                                         "storing them: fp32 for a fresh initialisation; an import's, its "
                                         "checkpoint's widest", Choice(("fp32", "bf16", "fp16")), "DTYPE")
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # DPO: pairs of rows, and its loss's bytes

@@ -213,9 +213,10 @@ class RunConfig:
                               source_dtype=self._source_dtype())
 
     def _source_dtype(self) -> str:
-        """The dtype of a frozen base's weights as the start holds them (PlanConfig.source_dtype): a fresh
-        unit's fp32, gguf's dequantized fp32, or an imported folder's widest as saved."""
-        if self.from_pretrained is None or not self.trainer.lora.enabled or is_gguf(self.from_pretrained):
+        """The dtype of a unit's weights as the start holds them (PlanConfig.source_dtype): a fresh unit's
+        fp32, an imported folder's widest as saved, or for a GGUF file fp32, which bounds a bf16 run's tensors
+        dequantized into bf16 beside the file's bytes of them (16-bit or quantized)."""
+        if self.from_pretrained is None or is_gguf(self.from_pretrained):
             return "fp32"
         from streamer.io.hf import saved_dtype  # (the checkpoint reader loads only with a folder)
         return saved_dtype(self.from_pretrained)

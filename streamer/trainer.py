@@ -127,9 +127,9 @@ class StreamingTrainer:
             def tensors_of(unit: str) -> dict[str, Any]:
                 """A folder saved 4-bit or 8-bit gives each weight the run holds quantized as its pieces, as
                 saved. A Linear's weight it saved 16-bit (llm_int8_skip_modules) is refused rather than quantized
-                here; a mixture's fused expert tensors, which bitsandbytes leaves 16-bit, are quantized. A frozen
-                base's tensors are read in the checkpoint's own dtype (exact: a 16-bit value's fp32 is the same
-                value), never widened whole; a trained unit's in fp32, its master."""
+                here; a mixture's fused expert tensors, which bitsandbytes leaves 16-bit, are quantized. Tensors
+                are read in the checkpoint's own dtype (exact: a 16-bit value's fp32 is the same value), never
+                widened whole: a chunk at a time as they are stored (streamer.weights)."""
                 layout = trainer.layouts[unit]
                 kept = layout.packed.quantized if layout.packed is not None else ()
                 tensors: dict[str, Any] = {}
@@ -140,7 +140,9 @@ class StreamingTrainer:
                         raise CheckpointError(f"{hf_dir}: {s.hf_key} is saved in 16 bits (its llm_int8_skip_modules)"
                                               ", and a quantized base holds every block projection quantized: pass "
                                               "the 16-bit checkpoint it was made from")
-                    dtype = checkpoint.dtype(s.hf_key) if trainer.tc.lora.enabled else torch.float32
+                    # A GGUF base's dequantized tensors straight into the compute dtype it stores them in.
+                    dtype = trainer.tc.compute_dtype if isinstance(checkpoint, GGUFCheckpoint) \
+                        else checkpoint.dtype(s.hf_key)
                     tensors[s.key] = pieces if pieces is not None else checkpoint.read(s.hf_key, dtype)
                 return tensors
 

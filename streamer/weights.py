@@ -49,32 +49,28 @@ def _tied_keys(layouts: Iterable[UnitLayout]) -> list[tuple[str, str]]:
 
 def write_fresh_state(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
                       compute_dtype: torch.dtype, data_parallel: DataParallel | None) -> None:
-    """A unit's weights (by slot key, taken out of `tensors`) as its master, moments zero, and compute copy (of
-    the master as stored: a bf16 master's values, in fp32 compute too). A frozen base's unit: its compute weights
-    alone (`write_frozen`)."""
+    """A unit's weights (by slot key, taken out of `tensors`, in any float dtype) as its master, moments zero, and
+    compute copy (of the master as stored: a bf16 master's values, in fp32 compute too), chunk by chunk as
+    `write_frozen` writes a frozen base's unit (its compute weights alone)."""
     if store.spec.frozen:
         write_frozen(store, layout, tensors, compute_dtype, data_parallel)
         return
-    first = tensors[layout.slots[0].key]
-    if len(layout.slots) == 1 and first.dtype == torch.float32 and first.is_contiguous():
-        # A unit of one fp32 tensor (an embedding) is its own flat master: a copy would hold it twice.
-        master = tensors.pop(layout.slots[0].key).view(-1)
-    else:
-        master = torch.empty(layout.numel, dtype=torch.float32)
-        for slot in layout.slots:
-            master[slot.offset:slot.offset + slot.numel].copy_(tensors.pop(slot.key).reshape(-1))
-    del tensors, first  # one copy of the unit (its flat master) while its state is written
-    if store.spec.shards > 1:
-        assert data_parallel is not None  # a sharded store only across ranks
-        master = data_parallel.own_slice(master)
+    # Each chunk of the fp32 master cast from the tensors' own slices as it is written (an fp32 tensor's are
+    # views of it): the unit is never held whole in fp32 beside them.
+    placed = [Placed(slot.offset * 4, tensors.pop(slot.key).reshape(-1), torch.float32) for slot in layout.slots]
+    stored, first = _rank_slice(store, layout.numel, data_parallel)
+    compute = "compute" in store.spec.stored_kinds()
+    # The moments' every chunk: writers copy (or quantize) what they are given, and keep no reference.
+    zeros = torch.zeros(min(store.spec.chunk, stored), dtype=torch.float32)
     with store.unit_writer(layout.name, store.step) as writer:
-        for start, count in chunks(master.numel(), store.spec.chunk):
-            piece = master[start:start + count]
-            zeros = torch.zeros(count, dtype=torch.float32)
-            values = {"master": piece, "exp_avg": zeros, "exp_avg_sq": zeros,
-                      "compute": piece.to(store.spec.kind_dtype("master")).to(compute_dtype)}
+        for start, count in chunks(stored, store.spec.chunk):
+            piece = slab_chunk(placed, (first + start) * 4, count * 4).view(torch.float32)
+            values = {"master": piece, "exp_avg": zeros[:count], "exp_avg_sq": zeros[:count]}
+            if compute:
+                values["compute"] = piece.to(store.spec.kind_dtype("master")).to(compute_dtype)
             for kind in store.spec.stored_kinds():
                 writer.write(kind, start, values[kind])
+            del piece, values  # before the next chunk's: one chunk held at a time
 
 
 def write_frozen(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torch.Tensor],
@@ -89,15 +85,21 @@ def write_frozen(store: StoreWriter, layout: UnitLayout, tensors: dict[str, torc
         placed = [Placed(slot.offset * compute_dtype.itemsize, tensors.pop(slot.key).reshape(-1), compute_dtype)
                   for slot in layout.slots]
         dtype, numel = compute_dtype, layout.numel
-    stored, first = numel, 0
-    if store.spec.shards > 1:
-        assert data_parallel is not None  # a sharded store only across ranks
-        stored = data_parallel.stored_numel(numel)
-        first = data_parallel.rank * stored  # this rank's slice; past the unit's end, zeros
+    stored, first = _rank_slice(store, numel, data_parallel)
     size = dtype.itemsize
     with store.unit_writer(layout.name, store.step) as writer:
         for start, count in chunks(stored, store.spec.chunk):
             writer.write("compute", start, slab_chunk(placed, (first + start) * size, count * size).view(dtype))
+
+
+def _rank_slice(store: StoreWriter, numel: int, data_parallel: DataParallel | None) -> tuple[int, int]:
+    """(elements this store holds of a unit of `numel`, the first of them in the unit): the whole unit, or this
+    rank's slice (past the unit's end, zeros)."""
+    if store.spec.shards == 1:
+        return numel, 0
+    assert data_parallel is not None  # a sharded store only across ranks
+    stored = data_parallel.stored_numel(numel)
+    return stored, data_parallel.rank * stored
 
 
 def read_master(store: StoreReader, layout: UnitLayout, stored: int,

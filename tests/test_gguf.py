@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -458,3 +459,32 @@ def test_an_unread_gguf_architecture_is_one_line(tmp_path: Path) -> None:
         err = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(err) == 1 and expected in err[0], done.stderr[-2000:]
         assert not (tmp_path / "run").exists()
+
+
+def test_a_tensor_read_into_bf16_is_dequantized_rows_at_a_time_bit_for_bit(
+        gguf_file: Path, reference: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor the base holds dequantized (the embedding, the head, the norms) is read into bf16 a few rows at a
+    time, each block cast as it comes: the values of gguf's float32 read whole, then cast, to the bit. A bf16 run
+    stores them so: transformers' values in bf16."""
+    import streamer.io.gguf as gguf_reader
+
+    checkpoint = GGUFCheckpoint.open(gguf_file)
+    keys = [key for key in checkpoint._tensors if not key.startswith("model.layers.") or key.endswith("norm.weight")]
+    whole = {key: checkpoint.read(key) for key in keys}
+    monkeypatch.setattr(gguf_reader, "DEQUANTIZE_NUMEL", 7 * 256)  # seven rows of 256 at a time, the last fewer
+    for key in keys:
+        read = checkpoint.read(key, torch.bfloat16)
+        assert read.dtype == torch.bfloat16 and torch.equal(read, whole[key].to(torch.bfloat16)), key
+    assert whole["model.embed_tokens.weight"].shape[0] % 7  # (a short last block)
+    # numpy's buffers (tracemalloc traces them): the tensor's bytes as the file holds them (its rows, a copy), and
+    # one block in float32 at a time, not the whole tensor in float32 too (which doubled this peak).
+    tracemalloc.start()
+    checkpoint.read("model.embed_tokens.weight", torch.bfloat16)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak <= checkpoint._blocks("model.embed_tokens.weight").nbytes + 2 * 7 * 256 * 4, peak
+    trainer = StreamingTrainer.from_pretrained(gguf_file, _settings(dtype="bf16"))
+    ours, theirs = trainer.state_dict(), reference.state_dict()
+    for key in keys:
+        assert torch.equal(ours[key], theirs[key].to(torch.bfloat16).float()), key
+    trainer.close()

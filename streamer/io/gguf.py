@@ -6,10 +6,11 @@ key map, its tokenizer converters). Tensor names are gguf's own map (`gguf.get_t
 (layers/packed_gguf.py); Llama's q and k rows are put back in Hugging Face's order, as transformers'
 `LlamaTensorProcessor` does to the dequantized weight. A row of a GGUF tensor is whole blocks, so moving rows of
 blocks is the same as moving the rows they dequantize to. Everything else is dequantized by
-`gguf.quants.dequantize` when read; a Gemma norm less the one llama.cpp's converter added (transformers'
-`Gemma2TensorProcessor`). A mixture's fused expert tensors are kept as the file's blocks too: gate_up_proj is
-each expert's ffn_gate_exps rows, then its ffn_up_exps rows, as transformers' `Qwen2MoeTensorProcessor` joins
-them. gguf and transformers are imported only here (the `gguf` extra).
+`gguf.quants.dequantize` when read (into the compute dtype, a bounded number of rows at a time); a Gemma norm
+less the one llama.cpp's converter added (transformers' `Gemma2TensorProcessor`). A mixture's fused expert
+tensors are kept as the file's blocks too: gate_up_proj is each expert's ffn_gate_exps rows, then its ffn_up_exps
+rows, as transformers' `Qwen2MoeTensorProcessor` joins them. gguf and transformers are imported only here (the
+`gguf` extra).
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ MIXTURES = ("qwen3moe",)
 FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 PERMUTED = {"llama": (".attn_q.", ".attn_k.")}
 NORMS_PLUS_ONE = ("gemma3",)
+# A tensor read into a dtype other than gguf's float32 is dequantized this many values at a time (whole rows), each
+# block cast as it comes: an embedding is never held whole in float32 beside its destination.
+DEQUANTIZE_NUMEL = 2**21
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -157,15 +161,30 @@ class GGUFCheckpoint:
         return torch.float32
 
     def read(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """One tensor dequantized by gguf (float32), then in `dtype`, as transformers loads it."""
+        """One tensor dequantized by gguf (float32), then in `dtype`, as transformers loads it: into another dtype,
+        `DEQUANTIZE_NUMEL` values at a time."""
+        parts = self._tensors[key]
+        if len(parts[0].shape) == 1:
+            return torch.from_numpy(self._dequantized(key, np.ascontiguousarray(parts[0].data))).to(dtype)
+        rows = self._blocks(key)
+        if dtype == torch.float32:
+            return torch.from_numpy(self._dequantized(key, rows).reshape(_shape(parts)))
+        out = torch.empty(_shape(parts), dtype=dtype)
+        flat = out.view(len(rows), -1)
+        step = max(1, DEQUANTIZE_NUMEL // flat.shape[1])
+        for first in range(0, len(rows), step):
+            flat[first:first + step].copy_(torch.from_numpy(self._dequantized(key, rows[first:first + step])))
+        return out
+
+    def _dequantized(self, key: str, data: np.ndarray) -> np.ndarray:
+        """Values of `key` from its data (whole rows) as gguf dequantizes them, in float32 (a copy); a Gemma norm
+        less the one llama.cpp's converter added."""
         from gguf.quants import dequantize
 
-        parts = self._tensors[key]
-        data = np.ascontiguousarray(parts[0].data) if len(parts[0].shape) == 1 else self._blocks(key)
-        values = np.array(dequantize(data, parts[0].tensor_type).reshape(_shape(parts)), dtype=np.float32)  # (a copy)
+        values = np.array(dequantize(data, self._tensors[key][0].tensor_type), dtype=np.float32)  # (a copy)
         if key in self._plus_one:
             values -= 1
-        return torch.from_numpy(values).to(dtype)
+        return values
 
     def validate(self) -> None:
         """Names, shapes and types were checked at open."""
