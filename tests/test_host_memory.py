@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -431,8 +432,6 @@ def test_a_run_over_its_cgroups_memory_limit_is_refused_before_writing_and_the_a
 def test_a_fresh_unit_of_one_fp32_tensor_is_written_from_its_own_storage():
     """An embedding initialised in fp32 is its own flat master: the fresh state is written from it, not from an
     fp32 copy (Llama-3.2-1B's embedding is 1 GiB in fp32; the copy doubled the start's peak)."""
-    from contextlib import contextmanager
-
     from layers import PRESETS
     from memory_model.units import Precision
     from streamer.store.layout import UnitLayout
@@ -440,30 +439,32 @@ def test_a_fresh_unit_of_one_fp32_tensor_is_written_from_its_own_storage():
     from streamer.weights import initial_unit, write_fresh_state
 
     cfg = PRESETS["llama-debug"]
-    spec = StoreSpec(cfg, Precision("bf16"), chunk=4096)
     written: list[torch.Tensor] = []
-
-    class Writer:
-        def write(self, kind: str, start: int, values: torch.Tensor) -> None:
-            if kind == "master":
-                written.append(values)
-
-    class Store:
-        step = 0
-
-        def __init__(self) -> None:
-            self.spec = spec
-
-        @contextmanager
-        def unit_writer(self, unit: str, step: int) -> Iterator[Writer]:
-            yield Writer()
-
+    store = _Recording(StoreSpec(cfg, Precision("bf16"), chunk=4096),
+                       lambda kind, values: written.append(values) if kind == "master" else None)
     tensors = initial_unit(cfg, "embed", 0, seed=0)
     (weight,) = tensors.values()
     address, values = weight.untyped_storage().data_ptr(), weight.clone()
-    write_fresh_state(Store(), UnitLayout.of(cfg, "embed"), tensors, torch.bfloat16, None)  # type: ignore[arg-type]
+    write_fresh_state(store, UnitLayout.of(cfg, "embed"), tensors, torch.bfloat16, None)  # type: ignore[arg-type]
     assert all(piece.untyped_storage().data_ptr() == address for piece in written)
     assert torch.equal(torch.cat(written), values.view(-1)) and not tensors
+
+
+class _Recording:
+    """A store's writing side for the start's tests: each piece written goes to `keep(kind, values)`; it holds
+    nothing."""
+
+    step = 0
+
+    def __init__(self, spec: Any, keep: Callable[[str, torch.Tensor], None]) -> None:
+        self.spec, self._keep = spec, keep
+
+    @contextmanager
+    def unit_writer(self, unit: str, step: int) -> Iterator["_Recording"]:
+        yield self
+
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        self._keep(kind, values)
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -500,8 +501,6 @@ def test_a_trained_units_start_holds_what_is_planned(source, master, pieces, ran
     are `start_unit_bytes`, to the byte; the writer (here one that keeps nothing) prices its own (`writes`). The
     values written are today's: the tensors in fp32 as the master, stored in its dtype, and the compute copy
     that master in the compute dtype, each rank its slice (zeros past the unit's end)."""
-    from contextlib import contextmanager
-
     from layers import PRESETS
     from memory_model.host import start_unit_bytes
     from memory_model.schedule import chunks
@@ -513,21 +512,10 @@ def test_a_trained_units_start_holds_what_is_planned(source, master, pieces, ran
     cfg = PRESETS["llama-debug"]
     written: dict[str, list[torch.Tensor]] = {}
 
-    class Writer:
-        def write(self, kind: str, start: int, values: torch.Tensor) -> None:
-            # As a store keeps them (bytes of its own), outside the count: what the writer holds is not the start's.
-            with no_dispatch():
-                written.setdefault(kind, []).append(values.to(spec.kind_dtype(kind)).clone())
-
-    class Store:
-        step = 0
-
-        def __init__(self) -> None:
-            self.spec = spec
-
-        @contextmanager
-        def unit_writer(self, unit: str, step: int) -> Iterator[Writer]:
-            yield Writer()
+    def keep(kind: str, values: torch.Tensor) -> None:
+        # As a store keeps them (bytes of its own), outside the count: what the writer holds is not the start's.
+        with no_dispatch():
+            written.setdefault(kind, []).append(values.to(spec.kind_dtype(kind)).clone())
 
     for unit in cfg.unit_names():
         layout = UnitLayout.of(cfg, unit)
@@ -545,7 +533,7 @@ def test_a_trained_units_start_holds_what_is_planned(source, master, pieces, ran
             assert given == DTYPE_BYTES[source] * layout.numel
             written.clear()
             with _LiveBytes(list(tensors.values())) as live:
-                write_fresh_state(Store(), layout, tensors, torch.bfloat16,
+                write_fresh_state(_Recording(spec, keep), layout, tensors, torch.bfloat16,  # type: ignore[arg-type]
                                   DataParallel(rank, ranks, sharded=True) if ranks > 1 else None)
             # Where every chunk lies within one fp32 tensor, each is a view of it; the plan, which knows a unit by
             # its size alone, charges a chunk of master for it but for an embedding (one tensor).
