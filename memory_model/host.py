@@ -220,7 +220,7 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     quantized = cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" and not frozen else 0
     scratch = 3 * narrowed if state_on_disk else quantized
     # Gradient files are checksummed as they are flushed, read back in blocks into the checksum thread's buffer.
-    checksummed = CHECKSUM_BLOCK_BYTES if not store.grad.zero_copy and store.grad.durable and not frozen else 0
+    checksummed = CHECKSUM_BLOCK_BYTES if store.grad.durable and not frozen else 0
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
     lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
         if lags else 0

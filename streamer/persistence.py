@@ -36,15 +36,14 @@ def _pin_memory(device: str, pin_memory: str) -> str:
 
 def create_store(cfg: ModelConfig, tc: TrainerConfig, store_dir: Path | None, processes: int) -> HostStore:
     """A new store for `cfg` with `tc`'s settings in `store_dir` (None: a temporary folder, RAM tiers only)."""
+    spec, pin_memory = tc.store_spec(cfg, processes), _pin_memory(tc.device.device, tc.device.pin_memory)
     if store_dir is not None:
-        return HostStore.create(store_dir, tc.store_spec(cfg, processes),
-                                _pin_memory(tc.device.device, tc.device.pin_memory))
+        return HostStore.create(store_dir, spec, pin_memory)
     if tc.step.store.needs_folder:
         raise StoreError("a disk-tier store needs store_dir (the run directory to write it in)")
     folder = Path(tempfile.mkdtemp(prefix="ws-store-"))
     try:
-        store = HostStore.create(folder / "store", tc.store_spec(cfg, processes),
-                                 _pin_memory(tc.device.device, tc.device.pin_memory))
+        store = HostStore.create(folder / "store", spec, pin_memory)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

@@ -128,9 +128,8 @@ class StateFiles:
 
         A step reads each unit's state once more than it writes it: a range of the generation being replaced is
         not read again once its new values are written. Left in the cache, a store larger than the free memory
-        fills it, and every later read first has the kernel reclaim pages: on this project's box, a buffered read
-        took 0.06-0.13 s of CPU per GB with room in the cache and up to 1.4 s per GB with none, CPU the read
-        worker takes from the compute."""
+        fills it, and every later read first has the kernel reclaim pages, on the read worker's CPU, which the
+        compute shares."""
         with self._fd_lock:
             fd = self._fds.get(str(path))
         if fd is not None and hasattr(os, "posix_fadvise"):

@@ -103,9 +103,8 @@ def verify_checksums(checks: list[Checksum]) -> None:
 class Scratch(threading.local):
     """One byte buffer per thread, reused for a chunk's state in its stored form as it is read or written. A
     fresh buffer per chunk is mapped by glibc (its mmap threshold is fixed, streamer.cli.launch) and faulted in
-    by the kernel page by page: on a Llama-350m disk-tier step, these and the checksums' blocks were a fifth of
-    the process's page faults and took the I/O workers' CPU from the compute. It grows to the largest piece its
-    thread asks for: one chunk of one kind, as the planner prices a read's and a write's."""
+    by the kernel page by page, in system time the I/O workers take from the compute. It grows to the largest
+    piece its thread asks for: one chunk of one kind (memory_model.host prices each thread's)."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
