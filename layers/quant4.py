@@ -13,10 +13,12 @@ in 16 bits (docs/MODELS.md).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -200,8 +202,10 @@ def _codes(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.T
     return bnb.get_4bit_type(quant_type, device=device), bnb.create_dynamic_map(signed=True).to(device)
 
 
-def dequantize(pieces: dict[str, torch.Tensor], shape: tuple[int, int], quant: Quant4) -> torch.Tensor:
-    """The (out, in) weight in `quant.dtype` from its pieces, by bitsandbytes' dequantize_4bit."""
+def dequantize(pieces: dict[str, torch.Tensor], shape: tuple[int, int], quant: Quant4,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The (out, in) weight in `quant.dtype` from its pieces, by bitsandbytes' dequantize_4bit; into `out` where
+    given (of that shape and dtype, on the pieces' device)."""
     weight = pieces["weight"]
     if weight.device.type == "meta":
         return torch.empty(shape, dtype=quant.dtype, device="meta")
@@ -215,7 +219,68 @@ def dequantize(pieces: dict[str, torch.Tensor], shape: tuple[int, int], quant: Q
     state = bnb.QuantState(absmax=pieces["absmax"], shape=torch.Size(shape), code=code, blocksize=BLOCKSIZE,
                            quant_type=quant.quant_type, dtype=quant.dtype,
                            offset=pieces.get("nested_offset"), state2=nested)
-    return bnb.dequantize_4bit(weight, state)
+    if out is None or (out.device.type == "cpu" and not _native_cpu_kernel(shape)):
+        values = bnb.dequantize_4bit(weight, state)
+        return values if out is None else out.copy_(values)
+    if out.device.type != "cpu":
+        return bnb.dequantize_4bit(weight, state, out=out)
+    absmax = pieces["absmax"]
+    if quant.double_quant:  # the blocks' absmax from their nested statistics, as dequantize_4bit makes them
+        absmax = bnb.dequantize_blockwise(absmax, nested)
+        absmax += pieces["nested_offset"]
+    _cpu_dequantize_4bit(weight, absmax.float(), quant.quant_type, out)
+    return out
+
+
+def _native_cpu_kernel(shape: tuple[int, int]) -> bool:
+    """Whether bitsandbytes' CPU dequantize_4bit runs its native kernel on a weight of `shape`: its library loaded
+    and an even row (its own fallback computes the rest in torch)."""
+    from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
+
+    return not isinstance(lib, ErrorHandlerMockBNBNativeLibrary) and shape[-1] % 2 == 0
+
+
+def _cpu_dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, out: torch.Tensor) -> None:
+    """bitsandbytes' native CPU kernel, as its dequantize_4bit calls it, writing into `out`: bitsandbytes 0.50
+    has no CPU kernel for dequantize_4bit's out= form, and each fresh weight it returns is mapped and faulted
+    in anew (the CLI fixes glibc's mmap threshold)."""
+    from bitsandbytes.cextension import lib
+
+    rows, columns = out.shape
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
+    kernel = getattr(lib, f"cdequantize_blockwise_cpu_{quant_type}_{name}")
+    kernel(ctypes.c_void_p(packed.contiguous().data_ptr()), ctypes.c_void_p(absmax.contiguous().data_ptr()),
+           ctypes.c_void_p(out.data_ptr()), ctypes.c_longlong(BLOCKSIZE), ctypes.c_longlong(rows),
+           ctypes.c_longlong(columns))
+
+
+# The buffer a block's pass dequantizes its 4-bit weights into (`dequantized_into`). A list, not a thread's own:
+# an accelerator's autograd runs the backward on a thread of its own.
+_IN_FLIGHT: list[torch.Tensor] = []
+
+
+@contextmanager
+def dequantized_into(buffer: torch.Tensor) -> Iterator[None]:
+    """While the context lasts, each 4-bit weight a matmul dequantizes is written into `buffer` (flat bytes, as
+    large as the largest), not into a fresh tensor: one weight is in flight at a time, its matmul done before the
+    next is dequantized (the forward and backward of `_Matmul4bit` keep none)."""
+    _IN_FLIGHT.append(buffer)
+    try:
+        yield
+    finally:
+        _IN_FLIGHT.pop()
+
+
+def _weight(quant: FrozenQuant, pieces: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """A matmul's weight, dequantized into the buffer in flight where there is one that holds it (4-bit)."""
+    buffer = _IN_FLIGHT[-1] if _IN_FLIGHT else None
+    device = pieces["weight"].device
+    if not isinstance(quant, Quant4) or buffer is None or buffer.device != device:
+        return quant.dequantize(pieces, shape)
+    nbytes = math.prod(shape) * quant.dtype.itemsize
+    if nbytes > buffer.numel():
+        return quant.dequantize(pieces, shape)
+    return dequantize(pieces, shape, quant, buffer[:nbytes].view(quant.dtype).view(shape))
 
 
 class _Matmul4bit(torch.autograd.Function):
@@ -226,7 +291,7 @@ class _Matmul4bit(torch.autograd.Function):
                 names: tuple[str, ...], *pieces: torch.Tensor) -> torch.Tensor:
         ctx.shape, ctx.quant, ctx.names = shape, quant, names
         ctx.save_for_backward(*pieces)
-        weight = quant.dequantize(dict(zip(names, pieces, strict=True)), shape).to(x.dtype)
+        weight = _weight(quant, dict(zip(names, pieces, strict=True)), shape).to(x.dtype)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -234,7 +299,7 @@ class _Matmul4bit(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             pieces = dict(zip(ctx.names, ctx.saved_tensors, strict=True))
-            weight = ctx.quant.dequantize(pieces, ctx.shape).to(grad.dtype)
+            weight = _weight(ctx.quant, pieces, ctx.shape).to(grad.dtype)
             grad_x = grad @ weight
         return (grad_x, None, None, None, None, *(None for _ in ctx.names))
 

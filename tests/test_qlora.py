@@ -3,6 +3,7 @@ adapter's gradient, and three streamed steps, against transformers' 4-bit model 
 LoRA, within twice that model's own fp32 error; the planner equal to the ledger and the dry run; the flags."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -263,6 +264,58 @@ def test_each_expert_dequantizes_as_bitsandbytes_dequantizes_the_whole_tensor() 
             assert torch.equal(module.weight, whole)  # (bitsandbytes' 3D dequantization, its parametrization's)
         for e in range(experts):
             assert torch.equal(quant.dequantize_rows(pieces, (experts * rows, columns), e * rows, rows), whole[e])
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
+def test_a_weight_dequantized_into_a_buffer_is_bitsandbytes_dequantize_4bit(quant_type: str,
+                                                                            double_quant: bool) -> None:
+    """Into a given buffer (the one a block's pass dequantizes each weight into), a weight is bit for bit
+    bitsandbytes' dequantize_4bit of its pieces, in each dtype, for a row of odd length too (its own fallback)."""
+    from layers.quant4 import Quant4, dequantize
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((96, 128), (40, 24), (7, 9)):
+            quant = Quant4(quant_type, double_quant, dtype)
+            pieces = quant.quantize(torch.randn(shape, generator=g).to(dtype))
+            out = torch.full(shape, float("nan"), dtype=dtype)
+            assert dequantize(pieces, shape, quant, out) is out
+            assert torch.equal(out, dequantize(pieces, shape, quant)), (dtype, shape)
+
+
+def test_a_4bit_step_dequantizes_every_weight_into_its_passs_buffer(checkpoint: Path) -> None:
+    """Every weight a 4-bit block's forward and backward dequantize goes into the buffer of its pass: none into a
+    tensor of its own (each of those a fresh mapping to fault in, on the host), and the step's loss and adapters'
+    gradients are those of dequantizing each into its own."""
+    from streamer.runtime import passes
+
+    ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    own = torch.ops.bitsandbytes.dequantize_4bit.default
+    runs = []
+    for into in (True, False):
+        calls: list[object] = []
+        with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True)) as trainer, \
+                pytest.MonkeyPatch.context() as mp:
+            _adapters(trainer)
+            if not into:
+                mp.setattr(passes, "dequantized_into", lambda buffer: contextlib.nullcontext())
+            mp.setattr(torch.ops.bitsandbytes.dequantize_4bit, "default",
+                       lambda *args: calls.append(args) or own(*args))
+            grads = {}
+            original = trainer.adapters.step
+
+            def capture(lr: float, clip: float) -> None:
+                grads.update({f"{unit}.{key}": t.grad.clone() for unit, tensors in trainer.adapters.params.items()
+                              for key, t in tensors.items()})
+                original(lr, clip)
+
+            mp.setattr(trainer.adapters, "step", capture)
+            loss = trainer.step(ids)
+        runs.append((loss, grads, len(calls)))
+    (loss, grads, into_own), (loss_own, grads_own, each_own) = runs
+    assert into_own == 0 and each_own > len(TARGETS) * CFG.num_hidden_layers  # (forward and backward)
+    assert loss == loss_own and grads.keys() == grads_own.keys() and grads
+    assert all(torch.equal(grads[k], grads_own[k]) for k in grads)
 
 
 def assert_lora_gradients_within_noise(checkpoint: Path, tc: TrainerConfig,

@@ -16,7 +16,7 @@ from layers.lora import add_adapters
 from layers.loss import ReferenceOf, TokenMean
 from layers.model import family_units
 from layers.moe.units import Experts, sparse_mlp
-from layers.quant4 import quantize_linears
+from layers.quant4 import dequantized_into, quantize_linears
 from memory_model.schedule import (
     Event, ExpertGroup, adapter_charges, folded_by_chunk, gradient_charges, resource_charges,
 )
@@ -134,12 +134,8 @@ class Passes:
         """An inference pass's unit (generation): what `ctx.infer` does with it, given the unit's call; a quantized
         base's block charges its dequantized weight meanwhile, as a step's forward does."""
         assert ctx.infer is not None  # an inference pass says what to do with each unit
-        dequantized = self._charge_dequantized(unit)
-        try:
+        with self._dequantizing(unit):
             ctx.infer(unit, partial(self.call_plain, unit, ctx))
-        finally:
-            if dequantized is not None:
-                self.ledger.free(dequantized)
 
     def forward(self, event: Event, ctx: StepContext) -> None:
         unit, micro = event.unit, event.micro
@@ -148,14 +144,10 @@ class Passes:
             with self.recorder.hooks(self.states[unit]):
                 ctx.graphs[unit] = (batch.input_ids, self._call_unit(unit, batch.input_ids, micro, ctx))
             return
-        dequantized = self._charge_dequantized(unit)
-        try:
+        with self._dequantizing(unit):
             if batch.objective is not None and batch.objective.reference_in_step:
                 self._reference(unit, event.micro, ctx)
             self._forward(event, batch, ctx)
-        finally:
-            if dequantized is not None:
-                self.ledger.free(dequantized)
 
     def _reference(self, unit: str, micro: int, ctx: StepContext) -> None:
         """The reference model's forward of the unit, before the policy's, on the weights loaded for both: LoRA's
@@ -261,19 +253,18 @@ class Passes:
             assert ctx.flowing_grad is not None  # the gradient from the unit after it
             incoming, incoming_handle = ctx.flowing_grad
             transient = self._charge_transient(unit, x)
-            dequantized = self._charge_dequantized(unit)
             try:
-                if unit.startswith("block") and self.step_cfg.activations != "resident":
-                    with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
-                        # recompute: the only second forward, by policy
-                        y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]),
-                                            recompute=True)
-                assert y is not None  # kept by the forward, or just recomputed
-                torch.autograd.backward(y, incoming)
+                with self._dequantizing(unit):
+                    if unit.startswith("block") and self.step_cfg.activations != "resident":
+                        with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
+                            # recompute: the only second forward, by policy
+                            y = self._call_unit(unit, x, micro, ctx, *_packed(ctx.micro_batches[micro]),
+                                                recompute=True)
+                    assert y is not None  # kept by the forward, or just recomputed
+                    torch.autograd.backward(y, incoming)
             finally:  # (a step stopped in this backward leaves nothing of it charged)
-                for handle in (transient, dequantized):
-                    if handle is not None:
-                        self.ledger.free(handle)
+                if transient is not None:
+                    self.ledger.free(transient)
             self.ledger.free(incoming_handle)
         del y
         self.recorder.release(unit)
@@ -290,13 +281,25 @@ class Passes:
             assert self.data_parallel is not None  # several shards only across ranks
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
 
-    def _charge_dequantized(self, unit: str) -> int | None:
-        """A quantized base's block (4-bit, GGUF): the weight each matmul dequantizes, one at a time, charged from
-        the start of its forward or backward to its end (memory_model.lora.dequantized_bytes)."""
+    @contextlib.contextmanager
+    def _dequantizing(self, unit: str) -> Iterator[None]:
+        """A quantized base's block (4-bit, 8-bit, GGUF): the weight each matmul dequantizes, one at a time, charged
+        from the start of its forward or backward to its end (memory_model.lora.dequantized_bytes). A 4-bit base's
+        are dequantized into one buffer of those bytes (layers.quant4.dequantized_into), not each into its own."""
         if self.adapters is None or self.layouts[unit].packed is None or not unit.startswith("block."):
-            return None
-        nbytes = dequantized_bytes(self.cfg, self.adapters.lora, unit, self.dtype.itemsize)
-        return self.ledger.allocate("workspace", unit, nbytes, "a projection's weight dequantized for its matmul")
+            yield
+            return
+        lora = self.adapters.lora
+        nbytes = dequantized_bytes(self.cfg, lora, unit, self.dtype.itemsize)
+        handle = self.ledger.allocate("workspace", unit, nbytes, "a projection's weight dequantized for its matmul")
+        try:
+            if lora.load_in_4bit:
+                with dequantized_into(torch.empty(nbytes, dtype=torch.uint8, device=self.device)):
+                    yield
+            else:
+                yield
+        finally:
+            self.ledger.free(handle)
 
     def _charge_transient(self, unit: str, x: torch.Tensor) -> int | None:
         """A trained block's backward: autograd's buffers beyond its charges, and its output (held until the
