@@ -5,7 +5,9 @@ The measured pair is our streamed trainer on the RAM tier, once training every w
 adapters on the frozen base, run in the same ABBA blocks. The planned pair prices GPT-J-6B's step both ways
 with the planner (memory_model.plan) on an H100: no run of it here. The QLoRA pair trains rank-8 adapters on a
 4-bit base (nf4, double quant) both ways, in the same ABBA blocks: ours streamed on the RAM tier, and the
-transformers model bitsandbytes loads 4-bit with PEFT's LoRA.
+transformers model bitsandbytes loads 4-bit with PEFT's LoRA; beside the step time, each step's page faults and
+CPU time split between user space and the kernel, where glibc's mmap threshold (ours fixed, theirs glibc's default)
+shows.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from layers import ModelConfig
 from memory_model import PlanConfig, device_spec, plan
 from memory_model.lora import LoraConfig
 from benchmarks.compare import Context, Outcome
-from benchmarks.report import Section, params, ratio, seconds, size, verdict
+from benchmarks.report import Section, count, params, ratio, seconds, size, verdict
 from benchmarks.runs import Result
 from benchmarks.worker import RunSpec
+from streamer.cli.launch import MALLOC_ENV, MMAP_THRESHOLD
 from streamer.config import TrainerConfig
 
 LORA_RANK = 8
@@ -33,8 +36,8 @@ QLORA_MODEL, QLORA_QUICK_MODEL = "llama-350m", "llama-debug"
 QLORA_OURS = f"ours streamed, RAM tier, QLoRA r={LORA_RANK} (nf4, double quant)"
 QLORA_HF = f"transformers + bitsandbytes + PEFT, QLoRA r={LORA_RANK} (nf4, double quant)"
 QLORA_TARGET = 0.8  # our step at most this much of theirs
-QLORA_COLUMNS = ("run", "model", "step (median)", "peak RSS (steps)", "peak RSS (run)", "planned host peak",
-                 "run / planned", "source")
+QLORA_COLUMNS = ("run", "model", "step (median)", "page faults / step", "user CPU / step", "system CPU / step",
+                 "peak RSS (steps)", "peak RSS (run)", "planned host peak", "run / planned", "source")
 
 
 def lora_pair(full: RunSpec) -> list[RunSpec]:
@@ -110,20 +113,36 @@ def qlora_pair(ours: RunSpec) -> list[RunSpec]:
             dataclasses.replace(four_bit, label=QLORA_HF, contender="hf-qlora")]
 
 
+def _mmap_threshold_note(runs: dict[str, Result | None]) -> tuple[str, ...]:
+    """How the runs' processes set glibc's mmap threshold: the page faults and system CPU follow from it."""
+    def how(r: Result) -> str:
+        if r.malloc_env == MALLOC_ENV:
+            return (f"fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it "
+                    f"({', '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}): every freed buffer of "
+                    f"{size(MMAP_THRESHOLD)} or more leaves the process, and the next is faulted in afresh")
+        if not r.malloc_env:
+            return "glibc's default (its threshold rises to the largest mapped block freed)"
+        return ", ".join(f"{k}={v}" for k, v in r.malloc_env.items()) + " from the environment"
+    told = [f"{who}: {how(r)}" for who, r in runs.items() if r is not None]
+    return (f"glibc's mmap threshold: {'; '.join(told)}.",) if told else ()
+
+
 def qlora_versus_hf(ctx: Context) -> Outcome:
-    """Our QLoRA step on the RAM tier against transformers + bitsandbytes + PEFT's, and both peak RSS."""
+    """Our QLoRA step on the RAM tier against transformers + bitsandbytes + PEFT's: its time, page faults and CPU
+    seconds (user, system), and both peak RSS."""
     rows, results = [], {label: _result(ctx, label) for label in (QLORA_OURS, QLORA_HF)}
     for label, r in results.items():
         if r is None:
             failed = ctx.results.get(label)
             why = f"failed: {failed.error}" if failed is not None else f"not run: {ctx.skipped.get(label, 'not asked')}"
-            rows.append((label, "—", why, "—", "—", "—", "—", "measured"))
+            rows.append((label, "—", why, "—", "—", "—", "—", "—", "—", "—", "measured"))
             continue
         shape = ModelConfig.from_dict(r.spec.model)
         planned = r.planned_host_bytes or None
         rows.append((label, f"{shape.model_type}, {params(shape.num_params())}, batch {r.spec.batch} x {r.spec.seq}, "
                      f"{r.spec.dtype} compute",
-                     seconds(r.median_s), size(r.rss_peak_bytes), size(r.process_rss_peak_bytes),
+                     seconds(r.median_s), count(r.rusage.get("faults")), seconds(r.rusage.get("user_s")),
+                     seconds(r.rusage.get("system_s")), size(r.rss_peak_bytes), size(r.process_rss_peak_bytes),
                      size(planned) if planned else "— (not ours: no plan)",
                      ratio(None if planned is None else r.process_rss_peak_bytes / planned),
                      f"measured, {r.steps_note} steps"))
@@ -131,8 +150,11 @@ def qlora_versus_hf(ctx: Context) -> Outcome:
     value = None if ours is None or theirs is None or not theirs.median_s or ours.median_s is None \
         else ours.median_s / theirs.median_s
     rss = _ratio(theirs, ours, lambda r: r.rss_peak_bytes)
-    rows.append(("ours / theirs", "", ratio(value), rss, _ratio(theirs, ours, lambda r: r.process_rss_peak_bytes),
-                 "", "", "measured: the rows above, divided"))
+
+    def per_step(key: str) -> str:
+        return _ratio(theirs, ours, lambda r: r.rusage.get(key))
+    rows.append(("ours / theirs", "", ratio(value), per_step("faults"), per_step("user_s"), per_step("system_s"), rss,
+                 _ratio(theirs, ours, lambda r: r.process_rss_peak_bytes), "", "", "measured: the rows above, divided"))
     met = None if value is None else value <= QLORA_TARGET
     target = (f"QLoRA: our RAM-tier step <= {QLORA_TARGET}x transformers + bitsandbytes + PEFT's: {verdict(met)} "
               f"({ratio(value)}; peak RSS {rss})")
@@ -141,6 +163,10 @@ def qlora_versus_hf(ctx: Context) -> Outcome:
              "tokens; AdamW on the adapters.",
              "peak RSS: the process's high-water mark (VmHWM) over the timed steps, and over the whole run, setup "
              "included; planned host peak: memory_model.host's peak of one process for our run's settings "
-             "(`streamer plan`'s \"host RAM per process at its peak\").")
+             "(`streamer plan`'s \"host RAM per process at its peak\").",
+             "page faults / step: the process's minor and major page faults in one timed step; user and system CPU / "
+             "step: the CPU seconds its threads spent in user space and in the kernel in that step (getrusage; "
+             "medians).",
+             *_mmap_threshold_note({"ours": ours, "transformers + bitsandbytes + PEFT": theirs}))
     return Outcome(Section("QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory", QLORA_COLUMNS,
                            tuple(rows), notes), (target,))

@@ -68,6 +68,15 @@ def params(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count:,}"
 
 
+def count(value: float | None) -> str:
+    """A count to 3 significant digits: 748k, 1.3M."""
+    if value is None:
+        return "—"
+    if value >= 999_500:
+        return f"{value / 1e6:.3g}M"
+    return f"{value / 1e3:.3g}k" if value >= 999.5 else f"{value:.0f}"
+
+
 def rate(bytes_per_s: float | None) -> str:
     return "—" if bytes_per_s is None else f"{bytes_per_s / 1e9:.2f} GB/s"
 

@@ -45,6 +45,10 @@ class Result:
     process_rss_peak_bytes: int
     planned_host_bytes: int  # ours streamed: the planner's host peak of one process; 0 for the others
     io: dict[str, float]
+    # median per timed step: page faults (minor_faults, major_faults, and faults, their sum) and CPU seconds of
+    # every thread of the process (user_s, system_s)
+    rusage: dict[str, float]
+    malloc_env: dict[str, str]  # the allocator settings of MALLOC_ENV its processes started with
     phases: dict[str, float]
     unit_compute: dict[str, float]  # ours: median seconds of each unit's compute spans per step
     rss_peak_at: str  # ours: the span at the highest host RSS of the timed steps (of the block with the peak)
@@ -99,6 +103,9 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         process_rss_peak_bytes=max((b.process_rss_peak_bytes for b in good), default=0),
         planned_host_bytes=max((b.planned_host_bytes for b in good), default=0),
         io=_median_by_key([row for b in good for row in b.io]),
+        rusage=_median_by_key([{**row, "faults": row["minor_faults"] + row["major_faults"]}
+                               for b in good for row in b.rusage]),
+        malloc_env=next((b.malloc_env for b in good), {}),
         phases=_median_by_key([row for b in good for row in b.phases]),
         unit_compute=_median_by_key([row for b in good for row in b.unit_compute]),
         rss_peak_at=max(good, key=lambda b: b.step_rss_peak_bytes).rss_peak_at if good else "",

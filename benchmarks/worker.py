@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -26,6 +27,7 @@ from memory_model.trace import rss_high_water
 from memory_model.units import COMPUTE_DTYPES, Precision
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
+from streamer.cli.launch import MALLOC_ENV
 from streamer.config import TrainerConfig
 from streamer.runtime.optim import OptimizerConfig
 
@@ -33,6 +35,7 @@ RESULT_TAG = "BENCH-RESULT "
 CONTENDERS = ("stream", "resident", "hf", "hf-qlora", "deepspeed")
 IO_COUNTERS = ("rchar", "wchar", "read_bytes", "write_bytes")
 STORE_COUNTERS = ("store_read", "store_written")
+RUSAGE_COUNTERS = ("minor_faults", "major_faults", "user_s", "system_s")
 IO_PHASES, COMPUTE_PHASES = ("load", "offload"), ("forward", "backward", "update")
 
 
@@ -100,6 +103,9 @@ class Measured:
     process_rss_peak_bytes: int = 0
     planned_host_bytes: int = 0  # ours streamed: the planner's peak host memory of one process (memory_model.host)
     io: list[dict[str, int]] = field(default_factory=list)  # /proc/self/io deltas per timed step
+    rusage: list[dict[str, float]] = field(default_factory=list)  # getrusage deltas per timed step (RUSAGE_COUNTERS)
+    # The allocator settings of MALLOC_ENV the process started with (glibc reads them at start); {}: glibc's defaults
+    malloc_env: dict[str, str] = field(default_factory=dict)
     phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step
     # ours: seconds of forward, backward and update spans per unit ('embed', 'block.N', 'head'), per timed step
     unit_compute: list[dict[str, float]] = field(default_factory=list)
@@ -268,6 +274,12 @@ def _io_counters() -> dict[str, int]:
     return {k: int(raw[k]) for k in IO_COUNTERS if k in raw}
 
 
+def _rusage() -> dict[str, float]:
+    """Page faults and CPU seconds of this process so far, every thread's (getrusage)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return dict(zip(RUSAGE_COUNTERS, (usage.ru_minflt, usage.ru_majflt, usage.ru_utime, usage.ru_stime), strict=True))
+
+
 def _reset_rss_peak() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
@@ -329,6 +341,7 @@ def measure(spec: RunSpec) -> Measured:
     contender = builder(spec)
     out.setup_s, out.params, out.experts = time.perf_counter() - start, contender.params, contender.experts
     out.planned_host_bytes = contender.planned_host_bytes
+    out.malloc_env = {k: os.environ[k] for k in MALLOC_ENV if k in os.environ}
     vocab = _config(spec).vocab_size
     generator = torch.Generator().manual_seed(spec.seed)
 
@@ -344,11 +357,12 @@ def measure(spec: RunSpec) -> Measured:
         out.warmup_s.append(time.perf_counter() - t0)
     redone_before = trainer.clipped_redos if trainer is not None else 0
     for _ in range(spec.steps):
-        io_before, t0 = _io_counters(), time.perf_counter()
+        io_before, usage_before, t0 = _io_counters(), _rusage(), time.perf_counter()
         out.losses.append(one_step())
         out.step_s.append(time.perf_counter() - t0)
-        io_after = _io_counters()
+        usage_after, io_after = _rusage(), _io_counters()
         out.io.append({k: io_after[k] - io_before[k] for k in io_after})
+        out.rusage.append({k: usage_after[k] - usage_before[k] for k in RUSAGE_COUNTERS})
         if contender.trainer is not None:
             out.phases.append(_phases(contender.trainer, contender.trainer.step_count))
             out.unit_compute.append(_unit_compute(contender.trainer, contender.trainer.step_count))

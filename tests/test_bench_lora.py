@@ -3,9 +3,12 @@ measured rows and prices GPT-J-6B both ways with the planner."""
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,11 @@ from memory_model.lora import LoraConfig
 from benchmarks.compare import STREAM_RAM, Context
 from benchmarks.lora import FULL, LORA, LORA_RANK, PLANNED, lora_pair, lora_versus_full, store_bytes
 from benchmarks.machine import Peaks
-from benchmarks.report import size
+from benchmarks.report import count, seconds, size
+from benchmarks.report import ratio as format_ratio
 from benchmarks.runs import Runner, merge
-from benchmarks.worker import Measured, RunSpec
+from benchmarks.worker import RUSAGE_COUNTERS, Measured, RunSpec
+from streamer.cli.launch import MALLOC_ENV, MMAP_THRESHOLD
 from streamer.runtime.hardware import DtypeChoice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,22 +108,61 @@ def test_the_qlora_pair_runs_ours_and_transformers_bitsandbytes_peft_on_one_llam
         (LORA_RANK, True, "nf4", True)
 
 
-def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path) -> None:
+def test_worker_counts_page_faults_and_cpu_seconds() -> None:
+    """The worker's per-step counters are the process's own: fresh anonymous pages fault in as they are touched, and
+    a busy loop is user CPU."""
+    from benchmarks.worker import _rusage
+
+    before = _rusage()
+    pages = mmap.mmap(-1, 8 * 2**20)
+    for offset in range(0, len(pages), mmap.PAGESIZE):
+        pages[offset] = 1
+    spin = time.process_time() + 0.05
+    while time.process_time() < spin:
+        pass
+    after = _rusage()
+    pages.close()
+    delta = {key: after[key] - before[key] for key in RUSAGE_COUNTERS}
+    assert delta["minor_faults"] >= 1 and delta["major_faults"] >= 0  # one per page, or per huge page
+    assert delta["user_s"] + delta["system_s"] >= 0.04 and delta["system_s"] >= 0
+
+
+def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, monkeypatch) -> None:
     """The bench path at a tiny size: both contenders train (ours with a packed 4-bit base on the device), and the
-    section holds our step against theirs to the target."""
+    section holds our step against theirs to the target, with each step's page faults and CPU seconds as measured."""
     from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_QUICK_MODEL, qlora_pair, qlora_versus_hf
     from layers import ModelConfig
 
+    for name in MALLOC_ENV:  # a user's own setting would reach both contenders
+        monkeypatch.delenv(name, raising=False)
     model = ModelConfig.named(QLORA_QUICK_MODEL)
     base = RunSpec(label="x", contender="stream", model=model.to_dict(), batch=1, seq=16, warmup=1,
                    steps=1, dtype="fp32")
     runner = Runner(tmp_path, console=_Quiet(), child_timeout_s=300)
-    results = {spec.label: merge(spec, [runner.block(spec, 0)]) for spec in qlora_pair(base)}
+    blocks = {spec.label: (spec, runner.block(spec, 0)) for spec in qlora_pair(base)}
+    results = {label: merge(spec, [block]) for label, (spec, block) in blocks.items()}
     assert all(r.ok for r in results.values()), {k: r.error for k, r in results.items()}
     assert results[QLORA_OURS].ledger_peak_bytes > 0 and results[QLORA_HF].rss_peak_bytes > 0
+    for _, block in blocks.values():  # each timed step's getrusage deltas, within what its threads could run
+        assert [sorted(row) for row in block.rusage] == [sorted(RUSAGE_COUNTERS)], block.rusage
+        step = block.rusage[0]
+        assert step["minor_faults"] >= 0 and step["major_faults"] >= 0 and step["system_s"] >= 0
+        busy = step["user_s"] + step["system_s"]  # no more than every core for the step's wall time, with margin
+        assert 0 < busy < 2 * (os.cpu_count() or 1) * block.step_s[0] + 0.05
+    # Ours start with glibc's mmap threshold fixed as `streamer` fixes it; theirs with glibc's defaults.
+    assert results[QLORA_OURS].malloc_env == MALLOC_ENV and results[QLORA_HF].malloc_env == {}
     outcome = qlora_versus_hf(_context(results))
     ratio = results[QLORA_OURS].median_s / results[QLORA_HF].median_s
     assert outcome.section.rows[2][2] == f"{ratio:.2f}x"
+    for row, label in zip(outcome.section.rows, (QLORA_OURS, QLORA_HF), strict=False):
+        usage = results[label].rusage
+        assert usage["faults"] == usage["minor_faults"] + usage["major_faults"]
+        assert row[3:6] == (count(usage["faults"]), seconds(usage["user_s"]), seconds(usage["system_s"]))
+    ours, theirs = (results[label].rusage["faults"] for label in (QLORA_OURS, QLORA_HF))
+    assert outcome.section.rows[2][3] == format_ratio(ours / theirs if theirs else None)  # a tiny step may fault 0
+    note = next(n for n in outcome.section.notes if n.startswith("glibc's mmap threshold: "))
+    assert f"ours: fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it (MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})" \
+        in note and "; transformers + bitsandbytes + PEFT: glibc's default" in note
     assert outcome.targets[0].startswith("QLoRA: our RAM-tier step <= 0.8x") and \
         ("NOT met" in outcome.targets[0]) == (ratio > 0.8)
 
@@ -172,7 +216,9 @@ def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) ->
     for label in (QLORA_OURS, QLORA_HF):  # llama-debug, both measured: step, both peaks, and our plan
         row = next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
         assert f"| llama, 106,816, batch 1 x 32, {dtype} compute | " in row, row
-        assert re.search(r"\| [\d.]+ m?s \| [\d.]+ [MG]iB \| [\d.]+ [MG]iB \| ", row), row
+        # step, page faults, user and system CPU per step, both peaks
+        cpu, rss = r"[\d.e-]+ s", r"[\d.]+ [MG]iB"
+        assert re.search(rf"\| [\d.]+ s \| [\d.]+[kM]? \| {cpu} \| {cpu} \| {rss} \| {rss} \| ", row), row
     ours = next(line for line in section.splitlines() if line.startswith(f"| {QLORA_OURS} |"))
     assert re.search(r"\| [\d.]+ [MG]iB \| \d+\.\d\dx \| measured, 2 \(1x2, 1 warm-up each\) steps \|$", ours), ours
 
