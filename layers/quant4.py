@@ -4,7 +4,8 @@ The weight is bitsandbytes' packed codes with their statistics (layers.packed4: 
 bytes). Each call dequantizes it with `bitsandbytes.functional.dequantize_4bit` into the compute dtype, and the
 backward dequantizes it again for the input's gradient (bitsandbytes' MatMul4Bit), so autograd saves only the
 packed pieces: the runtime packs those as handles of the streamed unit, and no dequantized weight outlives its
-matmul. bitsandbytes is imported at the first call: only a 4-bit run needs it.
+matmul. Within a block's pass each is dequantized into the pass's one buffer (`dequantized_into`), not a tensor of
+its own. bitsandbytes is imported at the first call: only a 4-bit run needs it.
 
 An 8-bit weight (`Quant8`) is dequantized as bitsandbytes' Linear8bitLt does in training mode on the CPU
 (MatMul8bitFp): its int8 codes times each row's absmax / 127, then one matmul, forward and backward. bitsandbytes'
