@@ -283,36 +283,40 @@ def test_a_weight_dequantized_into_a_buffer_is_bitsandbytes_dequantize_4bit(quan
             assert torch.equal(out, dequantize(pieces, shape, quant)), (dtype, shape)
 
 
+def _step_counting_dequantizations(checkpoint: Path, ids: torch.Tensor,
+                                   into: bool) -> tuple[float, dict[str, torch.Tensor], int]:
+    """A 4-bit step's loss, its adapters' gradients and the weights bitsandbytes dequantized into tensors of
+    their own; `into`: the passes' buffers as they are, else none."""
+    from streamer.runtime import passes
+
+    own = torch.ops.bitsandbytes.dequantize_4bit.default
+    calls: list[object] = []
+    grads: dict[str, torch.Tensor] = {}
+    with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True)) as trainer, \
+            pytest.MonkeyPatch.context() as mp:
+        _adapters(trainer)
+        if not into:
+            mp.setattr(passes, "dequantized_into", lambda buffer: contextlib.nullcontext())
+        mp.setattr(torch.ops.bitsandbytes.dequantize_4bit, "default", lambda *args: calls.append(args) or own(*args))
+        original = trainer.adapters.step
+
+        def capture(lr: float, clip: float) -> None:
+            grads.update({f"{unit}.{key}": t.grad.clone() for unit, tensors in trainer.adapters.params.items()
+                          for key, t in tensors.items()})
+            original(lr, clip)
+
+        mp.setattr(trainer.adapters, "step", capture)
+        loss = trainer.step(ids)
+    return loss, grads, len(calls)
+
+
 def test_a_4bit_step_dequantizes_every_weight_into_its_passs_buffer(checkpoint: Path) -> None:
     """Every weight a 4-bit block's forward and backward dequantize goes into the buffer of its pass: none into a
     tensor of its own (each of those a fresh mapping to fault in, on the host), and the step's loss and adapters'
     gradients are those of dequantizing each into its own."""
-    from streamer.runtime import passes
-
     ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    own = torch.ops.bitsandbytes.dequantize_4bit.default
-    runs = []
-    for into in (True, False):
-        calls: list[object] = []
-        with StreamingTrainer.from_pretrained(checkpoint, _settings("nf4", True)) as trainer, \
-                pytest.MonkeyPatch.context() as mp:
-            _adapters(trainer)
-            if not into:
-                mp.setattr(passes, "dequantized_into", lambda buffer: contextlib.nullcontext())
-            mp.setattr(torch.ops.bitsandbytes.dequantize_4bit, "default",
-                       lambda *args: calls.append(args) or own(*args))
-            grads = {}
-            original = trainer.adapters.step
-
-            def capture(lr: float, clip: float) -> None:
-                grads.update({f"{unit}.{key}": t.grad.clone() for unit, tensors in trainer.adapters.params.items()
-                              for key, t in tensors.items()})
-                original(lr, clip)
-
-            mp.setattr(trainer.adapters, "step", capture)
-            loss = trainer.step(ids)
-        runs.append((loss, grads, len(calls)))
-    (loss, grads, into_own), (loss_own, grads_own, each_own) = runs
+    loss, grads, into_own = _step_counting_dequantizations(checkpoint, ids, into=True)
+    loss_own, grads_own, each_own = _step_counting_dequantizations(checkpoint, ids, into=False)
     assert into_own == 0 and each_own > len(TARGETS) * CFG.num_hidden_layers  # (forward and backward)
     assert loss == loss_own and grads.keys() == grads_own.keys() and grads
     assert all(torch.equal(grads[k], grads_own[k]) for k in grads)
