@@ -19,9 +19,9 @@ beside device memory, and what `streamer train` checks against the machine's ava
   and the write thread; on the RAM tier, the update's thread quantizing int8 moments); and the block a gradient
   file's checksum is read in (`CHECKSUM_BLOCK_BYTES`);
 - `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
-  (`prefetch` of them at most: fp32 state and gradient, and a kind in its stored form): they outlive it only
-  where the disk is slower than the next chunk's update, so a run on a fast disk may stay below the plan by
-  these bytes;
+  (`prefetch` of them at most: fp32 state and gradient; a kind's stored form is narrowed as it is written, into
+  the write thread's buffer that `writes` prices): they outlive it only where the disk is slower than the next
+  chunk's update, so a run on a fast disk may stay below the plan by these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
 - `start`: the units stored a unit at a time as the run starts (`start_unit_bytes`), each chunk by chunk from its
   tensors as given: the largest unit as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's
@@ -222,8 +222,9 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     # Gradient files are checksummed as they are flushed, read back in blocks into the checksum thread's buffer.
     checksummed = CHECKSUM_BLOCK_BYTES if store.grad.durable and not frozen else 0
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
-    lagging = cfg.step.prefetch * (chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) + narrowed) \
-        if lags else 0
+    # A write-back waiting on the write queue holds its chunk's fp32 state and gradient alone: the write narrows
+    # each kind as it writes it, into the write thread's buffer (`scratch`).
+    lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) if lags else 0
     staging = 0 if same_memory else pool
     # The start's units, where a step holds the device's bytes and the staging pool (empty until the first step's
     # loads take its buffers).

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from layers import ModelConfig
 from memory_model.host import BASE_BYTES, host_bytes
+from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 from streamer.config import TrainerConfig
 from streamer.io.hf import saved_dtype
 from streamer.advice import planned_host
@@ -186,6 +187,26 @@ def test_train_refuses_a_run_whose_planned_host_peak_exceeds_the_available_ram(t
     assert shortfall(cfg, cfg.model_config(), planned.total, 2**40, tmp_path) is None
     refused = shortfall(cfg, cfg.model_config(), planned.total - 1, 2**40, tmp_path)
     assert f"at its peak as planned: {planned.describe()}" in refused and "what would fit: " in refused
+
+
+def test_a_lagging_write_back_holds_its_chunks_fp32_state_and_gradient_alone(tmp_path):
+    """On the cpu device's disk tier, a write-back still queued holds its chunk's fp32 master, moments and
+    gradient, whatever the store keeps them in: a bf16 master or int8 moment is narrowed as it is written, into
+    the write thread's buffer, which `writes` prices once (with the read thread's and the update thread's)."""
+    (tmp_path / "model.json").write_text(json.dumps(MODEL))
+
+    def planned(settings: dict) -> tuple[Any, Any]:
+        cfg = resolve({"model": str(tmp_path / "model.json"), "store": "disk", "batch": 1, "seq": 128, "dtype": AUTO,
+                       "update_chunk": 2**20, **settings})
+        return planned_host(cfg.model_config(), cfg), cfg.plan_config(1)
+
+    wide, _ = planned({})
+    half, pc = planned(HALF)
+    narrowed = 2**20 * pc.master_bytes  # a bf16 master's chunk: more than an int8 moment's, scales included
+    assert pc.step.update_chunk == 2**20 and narrowed >= pc.moment_bytes(2**20) // 2
+    assert half.write_backs == wide.write_backs == \
+        pc.step.prefetch * 2**20 * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+    assert half.writes - wide.writes == 3 * narrowed
 
 
 def test_folding_a_bf16_gradient_into_fp32_widens_a_block_at_a_time():
