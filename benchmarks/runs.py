@@ -155,6 +155,8 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         if spec.contender in ("stream", "resident"):  # as the `streamer` command runs them
             env.update({k: v for k, v in {**PROCESS_ENV, **MALLOC_ENV}.items() if k not in env})
+            if spec.mmap_threshold:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(spec.mmap_threshold)
         if spec.contender == "deepspeed":
             env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; without it, it looks for CUDA
         if spec.world > 1:  # what torchrun would set for this rank

@@ -72,6 +72,8 @@ class RunSpec:
     load_in_4bit: bool = same_setting(LoraConfig, "load_in_4bit")
     bnb_4bit_quant_type: str = same_setting(LoraConfig, "bnb_4bit_quant_type")
     bnb_4bit_use_double_quant: bool = same_setting(LoraConfig, "bnb_4bit_use_double_quant")
+    mmap_threshold: int = setting(0, "ours: glibc's mmap threshold in bytes (MALLOC_MMAP_THRESHOLD_); 0: as "
+                                  "`streamer` fixes it", Integer(0))
 
     def __post_init__(self) -> None:
         check_settings(self, lambda key, problem: ValueError(f"{key} {problem}"))

@@ -452,8 +452,9 @@ def test_the_qlora_pair_alone_runs_no_scale_run_and_keeps_the_pairs_flags():
     s = bench.Settings.from_args(_parse(["--only-qlora", "--model", "llama-debug", "--rounds", "3",
                                          "--steps", "2", "--untimed-steps", "1", "--seq", "64"]))
     assert (s.alone, s.scale, s.rounds, s.steps, s.warmup) == ("--only-qlora", False, 3, 2, 1)
-    ours, theirs = bench._qlora_specs(s)
-    assert ours.model == theirs.model == PRESETS["llama-debug"].to_dict() and (ours.seq, ours.steps) == (64, 2)
+    ours, theirs, largest = bench._qlora_specs(s)
+    assert ours.model == theirs.model == largest.model == PRESETS["llama-debug"].to_dict()
+    assert (ours.seq, ours.steps) == (largest.seq, largest.steps) == (64, 2)
     assert bench._qlora_model(bench.Settings.from_args(_parse(["--only-qlora"]))) == PRESETS["llama-350m"]
 
 

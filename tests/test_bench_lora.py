@@ -96,14 +96,19 @@ def test_a_row_without_timed_steps_has_no_ratio() -> None:
 
 
 def test_the_qlora_pair_runs_ours_and_transformers_bitsandbytes_peft_on_one_llama() -> None:
-    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_QUICK_MODEL, qlora_pair
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, qlora_pair
     from layers import ModelConfig
+    from streamer.cli.launch import GLIBC_LARGEST_MMAP_THRESHOLD
 
     model = ModelConfig.named(QLORA_QUICK_MODEL).to_dict()
-    ours, theirs = qlora_pair(RunSpec(label="x", contender="stream", model=model, batch=1, seq=16, tier="disk"))
+    ours, theirs, largest = qlora_pair(RunSpec(label="x", contender="stream", model=model, batch=1, seq=16,
+                                               tier="disk"))
     assert (ours.label, ours.contender, ours.tier, theirs.label, theirs.contender) == \
         (QLORA_OURS, "stream", "ram", QLORA_HF, "hf-qlora")
     assert dataclasses.replace(theirs, label=QLORA_OURS, contender="stream", tier="ram") == ours
+    assert ours.mmap_threshold == 0  # as `streamer` fixes it
+    assert dataclasses.replace(largest, label=QLORA_OURS, mmap_threshold=0) == ours
+    assert largest.label == QLORA_OURS_LARGEST and largest.mmap_threshold == GLIBC_LARGEST_MMAP_THRESHOLD
     assert (ours.lora_rank, ours.load_in_4bit, ours.bnb_4bit_quant_type, ours.bnb_4bit_use_double_quant) == \
         (LORA_RANK, True, "nf4", True)
 
@@ -130,8 +135,9 @@ def test_worker_counts_page_faults_and_cpu_seconds() -> None:
 def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, monkeypatch) -> None:
     """The bench path at a tiny size: both contenders train (ours with a packed 4-bit base on the device), and the
     section holds our step against theirs to the target, with each step's page faults and CPU seconds as measured."""
-    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_QUICK_MODEL, qlora_pair, qlora_versus_hf
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, qlora_pair, qlora_versus_hf
     from layers import ModelConfig
+    from streamer.cli.launch import GLIBC_LARGEST_MMAP_THRESHOLD
 
     for name in MALLOC_ENV:  # a user's own setting would reach both contenders
         monkeypatch.delenv(name, raising=False)
@@ -149,20 +155,28 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, mo
         assert step["minor_faults"] >= 0 and step["major_faults"] >= 0 and step["system_s"] >= 0
         busy = step["user_s"] + step["system_s"]  # no more than every core for the step's wall time, with margin
         assert 0 < busy < 2 * (os.cpu_count() or 1) * block.step_s[0] + 0.05
-    # Ours start with glibc's mmap threshold fixed as `streamer` fixes it; theirs with glibc's defaults.
+    # Ours start with glibc's mmap threshold fixed as `streamer` fixes it, or at glibc's largest; theirs with
+    # glibc's defaults.
     assert results[QLORA_OURS].malloc_env == MALLOC_ENV and results[QLORA_HF].malloc_env == {}
+    assert results[QLORA_OURS_LARGEST].malloc_env == {"MALLOC_MMAP_THRESHOLD_": str(GLIBC_LARGEST_MMAP_THRESHOLD)}
     outcome = qlora_versus_hf(_context(results))
-    ratio = results[QLORA_OURS].median_s / results[QLORA_HF].median_s
-    assert outcome.section.rows[2][2] == f"{ratio:.2f}x"
-    for row, label in zip(outcome.section.rows, (QLORA_OURS, QLORA_HF), strict=False):
+    labels = (QLORA_OURS, QLORA_OURS_LARGEST, QLORA_HF)
+    assert tuple(row[0] for row in outcome.section.rows[:3]) == labels
+    for row, label in zip(outcome.section.rows, labels, strict=False):
         usage = results[label].rusage
         assert usage["faults"] == usage["minor_faults"] + usage["major_faults"]
         assert row[3:6] == (count(usage["faults"]), seconds(usage["user_s"]), seconds(usage["system_s"]))
-    ours, theirs = (results[label].rusage["faults"] for label in (QLORA_OURS, QLORA_HF))
-    assert outcome.section.rows[2][3] == format_ratio(ours / theirs if theirs else None)  # a tiny step may fault 0
+    theirs = results[QLORA_HF]
+    ratio = results[QLORA_OURS].median_s / theirs.median_s
+    for row, label in zip(outcome.section.rows[3:], (QLORA_OURS, QLORA_OURS_LARGEST), strict=True):
+        ours = results[label]
+        assert row[2] == format_ratio(ours.median_s / theirs.median_s)
+        faults = theirs.rusage["faults"]  # a tiny step may fault 0
+        assert row[3] == format_ratio(ours.rusage["faults"] / faults if faults else None)
     note = next(n for n in outcome.section.notes if n.startswith("glibc's mmap threshold: "))
     assert f"ours: fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it (MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})" \
         in note and "; transformers + bitsandbytes + PEFT: glibc's default" in note
+    assert f"ours, largest threshold: MALLOC_MMAP_THRESHOLD_={GLIBC_LARGEST_MMAP_THRESHOLD}, glibc's largest" in note
     assert outcome.targets[0].startswith("QLoRA: our RAM-tier step <= 0.8x") and \
         ("NOT met" in outcome.targets[0]) == (ratio > 0.8)
 
@@ -172,7 +186,7 @@ def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) ->
     """`streamer bench --only-qlora --output` a copy of the repository's report, holding a QLoRA section and target
     from an earlier run: the pair's section, its target and a line naming the command change; every other byte
     stays. A flag it excludes is one line naming both flags, before anything runs."""
-    from benchmarks.lora import QLORA_HF, QLORA_OURS
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST
     from streamer.runtime.hardware import resolve_compute_dtype
 
     title = "QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory"
@@ -213,7 +227,7 @@ def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) ->
     dtype = resolve_compute_dtype("cpu").dtype
     assert "stale" not in section and "not run" not in section and "failed" not in section
     assert re.search(r"^- `streamer bench --quick --output .* --only-qlora`: CPU", section, re.M)
-    for label in (QLORA_OURS, QLORA_HF):  # llama-debug, both measured: step, both peaks, and our plan
+    for label in (QLORA_OURS, QLORA_OURS_LARGEST, QLORA_HF):  # llama-debug, each measured: step, both peaks
         row = next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
         assert f"| llama, 106,816, batch 1 x 32, {dtype} compute | " in row, row
         # step, page faults, user and system CPU per step, both peaks

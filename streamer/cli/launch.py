@@ -42,6 +42,9 @@ PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **_pinned_blocks_keep_their_size()}
 # planner prices it (memory_model.host). A user's MALLOC_MMAP_THRESHOLD_ wins.
 MMAP_THRESHOLD = 2**20
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+# Where glibc's own threshold stops rising on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX): a user who trades the
+# plan's host figure for step time sets MALLOC_MMAP_THRESHOLD_ to it (docs/CLI.md).
+GLIBC_LARGEST_MMAP_THRESHOLD = 32 * 2**20
 # The same for a process this one starts (glibc reads it as the process starts): `streamer bench`'s workers.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 
