@@ -323,7 +323,7 @@ def _qlora_model(s: Settings) -> ModelConfig:
 
 
 def _qlora_specs(s: Settings) -> list[RunSpec]:
-    return qlora_pair(_spec(QLORA_OURS, "stream", _qlora_model(s), s))
+    return qlora_pair(_spec(QLORA_OURS, "stream", _qlora_model(s), s, profile=s.profile))
 
 
 def _output(args: argparse.Namespace) -> Path | None:

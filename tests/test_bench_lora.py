@@ -135,7 +135,9 @@ def test_worker_counts_page_faults_and_cpu_seconds() -> None:
 def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, monkeypatch) -> None:
     """The bench path at a tiny size: both contenders train (ours with a packed 4-bit base on the device), and the
     section holds our step against theirs to the target, with each step's page faults and CPU seconds as measured."""
-    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, qlora_pair, qlora_versus_hf
+    from benchmarks.lora import (
+        QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, SHARED_KERNELS, qlora_pair, qlora_versus_hf,
+    )
     from layers import ModelConfig
     from streamer.cli.launch import GLIBC_LARGEST_MMAP_THRESHOLD
 
@@ -143,7 +145,7 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, mo
         monkeypatch.delenv(name, raising=False)
     model = ModelConfig.named(QLORA_QUICK_MODEL)
     base = RunSpec(label="x", contender="stream", model=model.to_dict(), batch=1, seq=16, warmup=1,
-                   steps=1, dtype="fp32")
+                   steps=1, dtype="fp32", profile=True)
     runner = Runner(tmp_path, console=_Quiet(), child_timeout_s=300)
     blocks = {spec.label: (spec, runner.block(spec, 0)) for spec in qlora_pair(base)}
     results = {label: merge(spec, [block]) for label, (spec, block) in blocks.items()}
@@ -177,6 +179,15 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, mo
     assert f"ours: fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it (MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})" \
         in note and "; transformers + bitsandbytes + PEFT: glibc's default" in note
     assert f"ours, largest threshold: MALLOC_MMAP_THRESHOLD_={GLIBC_LARGEST_MMAP_THRESHOLD}, glibc's largest" in note
+    # The kernels both sides share, from each run's profiled step, beside the step the target allows.
+    note = next(n for n in outcome.section.notes if n.startswith("matmuls and attention ("))
+    for who, label in (("ours", QLORA_OURS), ("ours, largest threshold", QLORA_OURS_LARGEST),
+                       ("transformers + bitsandbytes + PEFT", QLORA_HF)):
+        profile = results[label].profile
+        assert any(op == "aten::mm" for op, _, _ in profile), profile
+        shared = sum(s for op, s, _ in profile if op.startswith(SHARED_KERNELS))
+        assert f"{who} {seconds(shared)}" in note, note
+    assert note.endswith(f"; 0.8x their step is {seconds(0.8 * theirs.median_s)}."), note
     assert outcome.targets[0].startswith("QLoRA: our RAM-tier step <= 0.8x") and \
         ("NOT met" in outcome.targets[0]) == (ratio > 0.8)
 
