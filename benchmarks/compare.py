@@ -13,7 +13,7 @@ from layers import ModelConfig
 from memory_model import BASELINE_BYTES_PER_PARAM, Plan
 from memory_model.shapes import forward_flops
 from benchmarks.machine import DiskBandwidth, Peaks, ScalePick, UpdateRates
-from benchmarks.report import Section, params, percent, rate, ratio, seconds, size, verdict
+from benchmarks.report import Section, count, params, percent, rate, ratio, seconds, size, verdict
 from benchmarks.runs import Result
 from streamer.runtime.hardware import DtypeChoice
 
@@ -460,6 +460,8 @@ def scale(ctx: Context) -> Outcome:
            f"{r.tokens_per_s:,.1f}", f"{r.others_cores:.1f}", *floor_cells, size(r.rss_peak_bytes),
            f"{seconds(p.get('load_busy'))} / {seconds(p.get('offload_busy'))} / {seconds(p.get('io_busy'))}",
            f"{seconds(p.get('forward'))} / {seconds(p.get('backward'))} / {seconds(p.get('update'))}",
+           f"{seconds(r.rusage.get('user_s'))} / {seconds(r.rusage.get('system_s'))} / "
+           f"{count(r.rusage.get('faults'))}",
            verdict(met), verdict(stretch))
     kept = " (block inputs kept, blocks recomputed in backward)" if r.spec.activations == "checkpoint" else ""
     notes.append(f"Activations: {r.spec.activations}{kept}, batch "
@@ -478,11 +480,15 @@ def scale(ctx: Context) -> Outcome:
     notes.append("Where the time goes, per step: I/O = load / offload / either busy (wall time of the I/O spans); "
                  "compute = forward / backward / update spans. Fewer than 5 timed steps: each step moves the "
                  "whole store through the disk twice (stated, not hidden).")
+    notes.append("CPU per step: the process's user and system CPU seconds, every thread's, and its page faults in a "
+                 "timed step (getrusage; medians). The I/O threads' system time is CPU the compute does not get "
+                 "where the cores are few.")
     notes.append(SHARED_NOTE)
     section = Section(title,
                       ("model", "store on disk", "timed steps", "step (median)", "tokens/s", OTHERS, "I/O floor",
                        "compute floor", "step / max(floors)", "planned host peak", "peak RSS (run)",
                        "run / planned", "peak RSS (steps)", "I/O: load / offload / busy", "compute: fwd / bwd / update",
+                       "CPU: user / system / faults",
                        f"<= {size(QLORA_SCALE_RSS)}" if qlora else ">= 3B at <= 8 GiB", f"stretch: {pick.model}"),
                       (row,), tuple(notes))
     model_targets = () if qlora else (_target(f"6. stretch: {pick.model}", chosen.describe(), stretch),

@@ -157,8 +157,10 @@ def _scale_context(model: str, chosen: ModelChoice, step_s: float, rss: int, pla
     from benchmarks.machine import DiskBandwidth, Peaks, ScalePick
     spec = RunSpec(label=SCALE, contender="stream", model=chosen.config.to_dict(), batch=1, seq=512, tier="disk",
                    moment_dtype="int8", master_dtype="bf16")
+    usage = [{"minor_faults": 850_000, "major_faults": 12, "user_s": 90.0, "system_s": step_s / 4},
+             {"minor_faults": 870_000, "major_faults": 8, "user_s": 110.0, "system_s": step_s / 2}]
     scale_run = dataclasses.replace(_measured(SCALE, [step_s, step_s], rss), planned_host_bytes=planned,
-                                    io=[{"read_bytes": 10**10, "write_bytes": 10**10}] * 2)
+                                    io=[{"read_bytes": 10**10, "write_bytes": 10**10}] * 2, rusage=usage)
     short = chosen.config.resized(num_hidden_layers=2, vocab_size=chosen.config.vocab_size // 8)
     floor = dataclasses.replace(_measured(SCALE_FLOOR, [1.0, 1.0], rss), unit_compute=[floor_units] * 2)
     floor_spec = dataclasses.replace(spec, label=SCALE_FLOOR, tier="ram", model=short.to_dict())
@@ -181,7 +183,10 @@ def test_scale_step_is_held_to_its_floors_and_its_rss_to_the_plan():
     floor = compute_floor_s(ctx.results[SCALE_FLOOR], full.config)
     assert floor == pytest.approx((0.5 + 1.5) * full.config.vocab_size / (full.config.vocab_size // 8)
                                   + 2.5 * 32, rel=1e-3)  # compute-bound: 96 s against the disk's 20 s
-    targets = {t.split(": ")[1]: t for t in scale(ctx).targets}
+    outcome = scale(ctx)
+    row = dict(zip(outcome.section.columns, outcome.section.rows[0], strict=True))
+    assert row["CPU: user / system / faults"] == "100 s / 37.5 s / 860k"  # medians of the two timed steps
+    targets = {t.split(": ")[1]: t for t in outcome.targets}
     assert targets["step <= 1.2x max(I/O floor, compute floor)"].split(": ")[2].startswith("met (1.04x")
     assert targets["peak RSS within 10% of the plan"].split(": ")[2].startswith("met (7.00 GiB measured")
     slow = {t.split(": ")[1]: t for t in scale(_scale_context(model, full, 130.0, 7 * 2**30, 6 * 2**30,
