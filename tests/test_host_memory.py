@@ -85,6 +85,28 @@ def test_a_pool_keeps_no_more_than_the_device_has_held_at_once():
     assert pool.free_bytes + held[0] <= max(sizes)
 
 
+def test_a_loads_charge_keeps_the_free_buffer_its_load_will_take():
+    """A load is charged before it runs, and its buffer comes from the pool: that charge pushes out no free buffer,
+    which is the memory it stands for. Any other charge does."""
+    held = [0]  # the ledger's bytes in use
+    pool = BufferPool(lambda: held[0])
+    nbytes = 4 * 2**20
+    held[0] = nbytes
+    buffer = pool.take(nbytes // 4, torch.float32)  # the device's peak: one such buffer
+    address = buffer.data_ptr()
+    held[0] = 0
+    pool.give_back(buffer)
+    with pool.charging_loads():
+        held[0] = nbytes  # the next load's charge, made before it runs
+        pool.trim()  # (the ledger's listener)
+    assert pool.free_bytes == nbytes
+    buffer = pool.take(nbytes // 4, torch.float32)
+    assert buffer.data_ptr() == address  # the load reuses it: no fresh mapping
+    pool.give_back(buffer)  # the charge stays: another's (autograd's) now holds the device's peak
+    pool.trim()
+    assert pool.free_bytes == 0
+
+
 def test_a_piece_of_a_tensor_is_not_taken_in():
     pool, whole = BufferPool(), torch.empty(2**20)
     pool.give_back(whole[16:])

@@ -72,8 +72,9 @@ class Loader:
         elif isinstance(resource, Weights) and groups is not None:
             on_device = groups.rest.numel
         borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
-        handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
-                   for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
+        with self.transport.buffers.charging_loads():
+            handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)
+                       for c in resource_charges(resource, on_device, self.dtype.itemsize, self.step_cfg.update_on)]
         if isinstance(resource, Weights):
             self.states[resource.unit].residency = Residency.INFLIGHT
         if isinstance(resource, ExpertGroup) or (isinstance(resource, Weights) and groups is not None):

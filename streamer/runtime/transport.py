@@ -11,16 +11,20 @@ Three cases, one interface:
   block inputs go to pinned buffers of their own pool and back.
 - `meta`: shapes only, for the dry run (the real schedule and ledger, no memory, no I/O).
 The ledger is charged by the executor, not here, so its accounting does not depend on thread timing.
+
+Long because the three cases share one interface and its host buffers' pools (`StagingPool`, `BufferPool`): split
+by case, each would carry its own copy of the pooling that keeps the host to the plan.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -194,7 +198,8 @@ class BufferPool:
     while they are handed out, and a free one is kept only while the free ones and what the ledger holds stay
     within the most it has held (`in_use`, read after each charge: `trim`). So the pool never holds more than
     the device's peak, whatever sizes a step asks for and however many steps run; a buffer given back beyond
-    that is dropped (a large one is unmapped at once). Without `in_use` every free buffer is kept."""
+    that is dropped (a large one is unmapped at once). A load's own charge, made before it runs, pushes out no
+    free buffer (`charging_loads`): its buffer comes from here. Without `in_use` every free buffer is kept."""
 
     GRANULE = 2**21  # capacities rounded up to it: sizes a few elements apart share buffers
 
@@ -202,6 +207,7 @@ class BufferPool:
         self._in_use, self._ceiling = in_use, 0
         self._free: list[torch.Tensor] = []  # uint8 buffers
         self._lock = threading.Lock()
+        self._charging_loads = threading.local()  # set on a thread while it charges loads (`charging_loads`)
 
     @property
     def free_bytes(self) -> int:
@@ -231,9 +237,23 @@ class BufferPool:
 
     def trim(self) -> None:
         """Drop free buffers, largest first, until the free ones and the device's bytes in use are within the
-        most it has held: called as the ledger changes, so bytes autograd allocates push out idle buffers."""
+        most it has held: called as the ledger changes, so bytes autograd allocates push out idle buffers. Not
+        for the charges of loads (`charging_loads`)."""
+        if getattr(self._charging_loads, "on", False):
+            return
         with self._lock:
             self._trim()
+
+    @contextlib.contextmanager
+    def charging_loads(self) -> Iterator[None]:
+        """While this thread charges the loads it is about to issue. Their bytes are not allocated yet: their
+        buffers come from this pool when the loads run, and a free buffer kept for them is the memory those
+        charges stand for, so they push none out. A load that finds none fitting trims the pool first (`take`)."""
+        self._charging_loads.on = True
+        try:
+            yield
+        finally:
+            self._charging_loads.on = False
 
     def _trim(self) -> None:
         if self._in_use is None:
