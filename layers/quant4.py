@@ -220,11 +220,12 @@ def dequantize(pieces: dict[str, torch.Tensor], shape: tuple[int, int], quant: Q
     state = bnb.QuantState(absmax=pieces["absmax"], shape=torch.Size(shape), code=code, blocksize=BLOCKSIZE,
                            quant_type=quant.quant_type, dtype=quant.dtype,
                            offset=pieces.get("nested_offset"), state2=nested)
-    if out is None or (out.device.type == "cpu" and not _native_cpu_kernel(shape)):
-        values = bnb.dequantize_4bit(weight, state)
-        return values if out is None else out.copy_(values)
+    if out is None:
+        return bnb.dequantize_4bit(weight, state)
     if out.device.type != "cpu":
         return bnb.dequantize_4bit(weight, state, out=out)
+    if not _native_cpu_kernel(shape):
+        return out.copy_(bnb.dequantize_4bit(weight, state))
     absmax = pieces["absmax"]
     if quant.double_quant:  # the blocks' absmax from their nested statistics, as dequantize_4bit makes them
         absmax = bnb.dequantize_blockwise(absmax, nested)

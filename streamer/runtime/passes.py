@@ -292,11 +292,10 @@ class Passes:
         lora = self.adapters.lora
         nbytes = dequantized_bytes(self.cfg, lora, unit, self.dtype.itemsize)
         handle = self.ledger.allocate("workspace", unit, nbytes, "a projection's weight dequantized for its matmul")
+        into = dequantized_into(torch.empty(nbytes, dtype=torch.uint8, device=self.device)) if lora.load_in_4bit \
+            else contextlib.nullcontext()
         try:
-            if lora.load_in_4bit:
-                with dequantized_into(torch.empty(nbytes, dtype=torch.uint8, device=self.device)):
-                    yield
-            else:
+            with into:
                 yield
         finally:
             self.ledger.free(handle)
