@@ -38,7 +38,7 @@ from benchmarks.machine import (
     update_rates,
 )
 from benchmarks.lora import (
-    FULL, LORA, LORA_RANK, QLORA_HF, QLORA_MODEL, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, lora_pair,
+    FULL, LORA, LORA_RANK, QLORA_HF, QLORA_MODEL, QLORA_OURS, QLORA_OURS_UNCACHED, QLORA_QUICK_MODEL, lora_pair,
     lora_versus_full, qlora_pair, qlora_versus_hf,
 )
 from benchmarks.report import update_markdown, write_markdown
@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             skipped[SCALE] = skipped[SCALE_FLOOR] = "--no-scale"
         if s.alone is not None:  # what the whole bench runs and this part did not
-            others = (*(spec.label for spec in specs), *skipped, SECOND, FULL, LORA, QLORA_OURS, QLORA_OURS_LARGEST,
+            others = (*(spec.label for spec in specs), *skipped, SECOND, FULL, LORA, QLORA_OURS, QLORA_OURS_UNCACHED,
                       QLORA_HF, DP_1, DP_2)
             skipped = {label: s.alone for label in others if label not in results}
         peaks_last = matmul_peaks(s.matmul_n)

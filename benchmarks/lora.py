@@ -6,8 +6,8 @@ adapters on the frozen base, run in the same ABBA blocks. The planned pair price
 with the planner (memory_model.plan) on an H100: no run of it here. The QLoRA pair trains rank-8 adapters on a
 4-bit base (nf4, double quant) both ways, in the same ABBA blocks: ours streamed on the RAM tier, and the
 transformers model bitsandbytes loads 4-bit with PEFT's LoRA; beside the step time, each step's page faults and
-CPU time split between user space and the kernel, where glibc's mmap threshold (ours fixed, theirs glibc's default)
-shows.
+CPU time split between user space and the kernel, where how each process's allocator treats freed buffers shows.
+Ours runs twice: as `streamer` runs it, and with torch's own CPU allocator in place of its buffer cache.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from benchmarks.compare import Context, Outcome
 from benchmarks.report import Section, count, params, ratio, seconds, size, verdict
 from benchmarks.runs import Result
 from benchmarks.worker import RunSpec
-from streamer.cli.launch import GLIBC_LARGEST_MMAP_THRESHOLD, MALLOC_ENV, MMAP_THRESHOLD
+from streamer.cli.launch import MALLOC_ENV, MMAP_THRESHOLD
 from streamer.config import TrainerConfig
 
 LORA_RANK = 8
@@ -35,7 +35,7 @@ COLUMNS = ("run", "step (median)", "host peak RSS", "device peak (ledger)", "hos
 QLORA_MODEL, QLORA_QUICK_MODEL = "llama-350m", "llama-debug"
 QLORA_OURS = f"ours streamed, RAM tier, QLoRA r={LORA_RANK} (nf4, double quant)"
 QLORA_HF = f"transformers + bitsandbytes + PEFT, QLoRA r={LORA_RANK} (nf4, double quant)"
-QLORA_OURS_LARGEST = f"{QLORA_OURS}, glibc's largest mmap threshold"
+QLORA_OURS_UNCACHED = f"{QLORA_OURS}, torch's own CPU allocator"
 QLORA_TARGET = 0.8  # our step at most this much of theirs
 # The operators both sides' steps run alike, the same torch kernels on the same shapes: the matmuls and attention.
 SHARED_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
@@ -109,31 +109,32 @@ def lora_versus_full(ctx: Context) -> Outcome:
 
 def qlora_pair(ours: RunSpec) -> list[RunSpec]:
     """The QLoRA pair from our streamed RAM-tier spec of the pair's model: ours with a 4-bit base, and
-    transformers + bitsandbytes + PEFT on the same model, batch, rank and quantization. And ours again with glibc's
-    mmap threshold at its largest, as a user sets it to trade the plan's host figure for step time."""
+    transformers + bitsandbytes + PEFT on the same model, batch, rank and quantization. And ours again with torch's
+    own CPU allocator, without the buffer cache `streamer` installs: what the cache saves."""
     four_bit = dataclasses.replace(ours, lora_rank=LORA_RANK, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_use_double_quant=True)
     streamed = dataclasses.replace(four_bit, label=QLORA_OURS, contender="stream", tier="ram")
     return [streamed, dataclasses.replace(four_bit, label=QLORA_HF, contender="hf-qlora"),
-            dataclasses.replace(streamed, label=QLORA_OURS_LARGEST, mmap_threshold=GLIBC_LARGEST_MMAP_THRESHOLD)]
+            dataclasses.replace(streamed, label=QLORA_OURS_UNCACHED, cpu_cache=False)]
 
 
-def _mmap_threshold_note(runs: dict[str, Result | None]) -> tuple[str, ...]:
-    """How the runs' processes set glibc's mmap threshold: the page faults and system CPU follow from it."""
+def _allocator_note(runs: dict[str, Result | None]) -> tuple[str, ...]:
+    """What each run's process does with a freed buffer: its page faults and system CPU follow from it."""
     def how(r: Result) -> str:
         if r.malloc_env == MALLOC_ENV:
-            return (f"fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it "
-                    f"({', '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}): every freed buffer of "
-                    f"{size(MMAP_THRESHOLD)} or more leaves the process, and the next is faulted in afresh")
+            threshold = (f"glibc's mmap threshold fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it "
+                         f"({', '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())})")
+            if r.cpu_cache:
+                return (f"{threshold}, and torch's CPU allocator the buffer cache `streamer` installs "
+                        f"(streamer.cpu_cache): a freed buffer of {size(MMAP_THRESHOLD)} or more is kept for the next "
+                        "of its size while the kept and used bytes stay within their peak")
+            return (f"{threshold}, torch's own CPU allocator: every freed buffer of {size(MMAP_THRESHOLD)} or more "
+                    "leaves the process, and the next is faulted in afresh")
         if not r.malloc_env:
-            return "glibc's default (its threshold rises to the largest mapped block freed)"
-        if r.malloc_env == {"MALLOC_MMAP_THRESHOLD_": str(GLIBC_LARGEST_MMAP_THRESHOLD)}:
-            return (f"MALLOC_MMAP_THRESHOLD_={GLIBC_LARGEST_MMAP_THRESHOLD}, glibc's largest, as a user sets it to "
-                    f"trade the plan's host figure for step time (docs/CLI.md): a freed buffer under "
-                    f"{size(GLIBC_LARGEST_MMAP_THRESHOLD)} stays in the process for the next")
+            return "glibc's default (its threshold rises to the largest mapped block freed), torch's own allocator"
         return ", ".join(f"{k}={v}" for k, v in r.malloc_env.items()) + " from the environment"
     told = [f"{who}: {how(r)}" for who, r in runs.items() if r is not None]
-    return (f"glibc's mmap threshold: {'; '.join(told)}.",) if told else ()
+    return (f"freed buffers: {'; '.join(told)}.",) if told else ()
 
 
 def _shared_kernels_note(runs: dict[str, Result | None], theirs: Result | None) -> tuple[str, ...]:
@@ -160,7 +161,7 @@ def _divided(label: str, ours: Result | None, theirs: Result | None) -> tuple[st
 def qlora_versus_hf(ctx: Context) -> Outcome:
     """Our QLoRA step on the RAM tier against transformers + bitsandbytes + PEFT's: its time, page faults and CPU
     seconds (user, system), and both peak RSS."""
-    results = {label: _result(ctx, label) for label in (QLORA_OURS, QLORA_OURS_LARGEST, QLORA_HF)}
+    results = {label: _result(ctx, label) for label in (QLORA_OURS, QLORA_OURS_UNCACHED, QLORA_HF)}
     rows: list[tuple[str, ...]] = []
     for label, r in results.items():
         if r is None:
@@ -177,14 +178,14 @@ def qlora_versus_hf(ctx: Context) -> Outcome:
                      size(planned) if planned else "— (not ours: no plan)",
                      ratio(None if planned is None else r.process_rss_peak_bytes / planned),
                      f"measured, {r.steps_note} steps"))
-    ours, largest, theirs = results[QLORA_OURS], results[QLORA_OURS_LARGEST], results[QLORA_HF]
+    ours, uncached, theirs = results[QLORA_OURS], results[QLORA_OURS_UNCACHED], results[QLORA_HF]
     value = None if ours is None or theirs is None or not theirs.median_s or ours.median_s is None \
         else ours.median_s / theirs.median_s
     rss = _ratio(theirs, ours, lambda r: r.rss_peak_bytes)
     rows += [_divided(label, mine, theirs) for label, mine in (("ours / theirs", ours),
-                                                                ("ours, largest threshold / theirs", largest))]
+                                                                ("ours, torch's allocator / theirs", uncached))]
     met = None if value is None else value <= QLORA_TARGET
-    named = {"ours": ours, "ours, largest threshold": largest, "transformers + bitsandbytes + PEFT": theirs}
+    named = {"ours": ours, "ours, torch's allocator": uncached, "transformers + bitsandbytes + PEFT": theirs}
     target = (f"QLoRA: our RAM-tier step <= {QLORA_TARGET}x transformers + bitsandbytes + PEFT's: {verdict(met)} "
               f"({ratio(value)}; peak RSS {rss})")
     notes = (f"Both: rank-{LORA_RANK} adapters on the default targets (PEFT's q_proj and v_proj), the base 4-bit as "
@@ -196,7 +197,7 @@ def qlora_versus_hf(ctx: Context) -> Outcome:
              "page faults / step: the process's minor and major page faults in one timed step; user and system CPU / "
              "step: the CPU seconds its threads spent in user space and in the kernel in that step (getrusage; "
              "medians).",
-             *_mmap_threshold_note(named),
+             *_allocator_note(named),
              *_shared_kernels_note(named, theirs))
     return Outcome(Section("QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory", QLORA_COLUMNS,
                            tuple(rows), notes), (target,))

@@ -49,6 +49,7 @@ class Result:
     # every thread of the process (user_s, system_s)
     rusage: dict[str, float]
     malloc_env: dict[str, str]  # the allocator settings of MALLOC_ENV its processes started with
+    cpu_cache: bool  # its processes' torch CPU allocator was streamer.cpu_cache
     phases: dict[str, float]
     unit_compute: dict[str, float]  # ours: median seconds of each unit's compute spans per step
     rss_peak_at: str  # ours: the span at the highest host RSS of the timed steps (of the block with the peak)
@@ -106,6 +107,7 @@ def merge(spec: RunSpec, blocks: list[Measured]) -> Result:
         rusage=_median_by_key([{**row, "faults": row["minor_faults"] + row["major_faults"]}
                                for b in good for row in b.rusage]),
         malloc_env=next((b.malloc_env for b in good), {}),
+        cpu_cache=all(b.cpu_cache for b in good) and bool(good),
         phases=_median_by_key([row for b in good for row in b.phases]),
         unit_compute=_median_by_key([row for b in good for row in b.unit_compute]),
         rss_peak_at=max(good, key=lambda b: b.step_rss_peak_bytes).rss_peak_at if good else "",
@@ -155,8 +157,6 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         if spec.contender in ("stream", "resident"):  # as the `streamer` command runs them
             env.update({k: v for k, v in {**PROCESS_ENV, **MALLOC_ENV}.items() if k not in env})
-            if spec.mmap_threshold:
-                env["MALLOC_MMAP_THRESHOLD_"] = str(spec.mmap_threshold)
         if spec.contender == "deepspeed":
             env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; without it, it looks for CUDA
         if spec.world > 1:  # what torchrun would set for this rank

@@ -27,6 +27,7 @@ from memory_model.trace import rss_high_water
 from memory_model.units import COMPUTE_DTYPES, Precision
 from memory_model.lora import LoraConfig
 from memory_model.settings import Choice, Integer, Switch, Text, check_settings, same_setting, setting
+from streamer import cpu_cache
 from streamer.cli.launch import MALLOC_ENV
 from streamer.config import TrainerConfig
 from streamer.runtime.optim import OptimizerConfig
@@ -72,8 +73,8 @@ class RunSpec:
     load_in_4bit: bool = same_setting(LoraConfig, "load_in_4bit")
     bnb_4bit_quant_type: str = same_setting(LoraConfig, "bnb_4bit_quant_type")
     bnb_4bit_use_double_quant: bool = same_setting(LoraConfig, "bnb_4bit_use_double_quant")
-    mmap_threshold: int = setting(0, "ours: glibc's mmap threshold in bytes (MALLOC_MMAP_THRESHOLD_); 0: as "
-                                  "`streamer` fixes it", Integer(0))
+    cpu_cache: bool = setting(True, "ours: torch's CPU allocator keeps freed buffers, as `streamer` sets it up "
+                                    "(streamer.cpu_cache); off: torch's own allocator", Switch())
 
     def __post_init__(self) -> None:
         check_settings(self, lambda key, problem: ValueError(f"{key} {problem}"))
@@ -108,6 +109,7 @@ class Measured:
     rusage: list[dict[str, float]] = field(default_factory=list)  # getrusage deltas per timed step (RUSAGE_COUNTERS)
     # The allocator settings of MALLOC_ENV the process started with (glibc reads them at start); {}: glibc's defaults
     malloc_env: dict[str, str] = field(default_factory=dict)
+    cpu_cache: bool = False  # streamer.cpu_cache was torch's CPU allocator
     phases: list[dict[str, float]] = field(default_factory=list)  # ours: trace seconds per phase and step
     # ours: seconds of forward, backward and update spans per unit ('embed', 'block.N', 'head'), per timed step
     unit_compute: list[dict[str, float]] = field(default_factory=list)
@@ -337,6 +339,8 @@ def measure(spec: RunSpec) -> Measured:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     out = Measured(spec.label)
+    if spec.contender in ("stream", "resident") and spec.cpu_cache:  # as the `streamer` command starts
+        out.cpu_cache = cpu_cache.install()
     start = time.perf_counter()
     builder = {"stream": _ours, "resident": _ours, "hf": _hf, "hf-qlora": _hf_qlora,
                "deepspeed": _deepspeed}[spec.contender]
@@ -351,6 +355,7 @@ def measure(spec: RunSpec) -> Measured:
         return contender.step(torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator))
 
     setup_rss_peak = rss_high_water()
+    cpu_cache.trim()  # as a run's loop starts (streamer.session)
     _reset_rss_peak()
     trainer = contender.trainer
     for _ in range(spec.warmup):

@@ -33,6 +33,7 @@ from memory_model.settings import flag, flatten
 from memory_model.shapes import step_model_flops
 from memory_model.trace import rss_high_water
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
+from streamer import cpu_cache
 from streamer.calibration.calibrate import cached_local_spec
 from streamer.errors import ConfigError, StoreError, StreamerError
 from streamer.generate import Sampling, complete
@@ -197,6 +198,7 @@ class Session:
         if evaluation_due(cfg, first):  # step 0's: the baseline every later evaluation is read against
             self.evaluate()  # (or the committed step's, where a kill came before it was logged)
         self._keep_missed()
+        cpu_cache.trim()  # what set-up freed leaves the process: the steps' resident set is theirs
         self.stopping = False
         while trainer.step_count < cfg.steps and not self.stopping:
             # Committed with this step: the tokenizer's files (checked on resume) and where the data order is (GRPO's

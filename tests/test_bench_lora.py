@@ -96,19 +96,18 @@ def test_a_row_without_timed_steps_has_no_ratio() -> None:
 
 
 def test_the_qlora_pair_runs_ours_and_transformers_bitsandbytes_peft_on_one_llama() -> None:
-    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, qlora_pair
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_UNCACHED, QLORA_QUICK_MODEL, qlora_pair
     from layers import ModelConfig
-    from streamer.cli.launch import GLIBC_LARGEST_MMAP_THRESHOLD
 
     model = ModelConfig.named(QLORA_QUICK_MODEL).to_dict()
-    ours, theirs, largest = qlora_pair(RunSpec(label="x", contender="stream", model=model, batch=1, seq=16,
+    ours, theirs, uncached = qlora_pair(RunSpec(label="x", contender="stream", model=model, batch=1, seq=16,
                                                tier="disk"))
     assert (ours.label, ours.contender, ours.tier, theirs.label, theirs.contender) == \
         (QLORA_OURS, "stream", "ram", QLORA_HF, "hf-qlora")
     assert dataclasses.replace(theirs, label=QLORA_OURS, contender="stream", tier="ram") == ours
-    assert ours.mmap_threshold == 0  # as `streamer` fixes it
-    assert dataclasses.replace(largest, label=QLORA_OURS, mmap_threshold=0) == ours
-    assert largest.label == QLORA_OURS_LARGEST and largest.mmap_threshold == GLIBC_LARGEST_MMAP_THRESHOLD
+    assert ours.cpu_cache  # as `streamer` sets it up
+    assert dataclasses.replace(uncached, label=QLORA_OURS, cpu_cache=True) == ours
+    assert uncached.label == QLORA_OURS_UNCACHED and not uncached.cpu_cache
     assert (ours.lora_rank, ours.load_in_4bit, ours.bnb_4bit_quant_type, ours.bnb_4bit_use_double_quant) == \
         (LORA_RANK, True, "nf4", True)
 
@@ -136,10 +135,9 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, mo
     """The bench path at a tiny size: both contenders train (ours with a packed 4-bit base on the device), and the
     section holds our step against theirs to the target, with each step's page faults and CPU seconds as measured."""
     from benchmarks.lora import (
-        QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST, QLORA_QUICK_MODEL, SHARED_KERNELS, qlora_pair, qlora_versus_hf,
+        QLORA_HF, QLORA_OURS, QLORA_OURS_UNCACHED, QLORA_QUICK_MODEL, SHARED_KERNELS, qlora_pair, qlora_versus_hf,
     )
     from layers import ModelConfig
-    from streamer.cli.launch import GLIBC_LARGEST_MMAP_THRESHOLD
 
     for name in MALLOC_ENV:  # a user's own setting would reach both contenders
         monkeypatch.delenv(name, raising=False)
@@ -157,12 +155,14 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, mo
         assert step["minor_faults"] >= 0 and step["major_faults"] >= 0 and step["system_s"] >= 0
         busy = step["user_s"] + step["system_s"]  # no more than every core for the step's wall time, with margin
         assert 0 < busy < 2 * (os.cpu_count() or 1) * block.step_s[0] + 0.05
-    # Ours start with glibc's mmap threshold fixed as `streamer` fixes it, or at glibc's largest; theirs with
-    # glibc's defaults.
-    assert results[QLORA_OURS].malloc_env == MALLOC_ENV and results[QLORA_HF].malloc_env == {}
-    assert results[QLORA_OURS_LARGEST].malloc_env == {"MALLOC_MMAP_THRESHOLD_": str(GLIBC_LARGEST_MMAP_THRESHOLD)}
+    # Ours start with glibc's mmap threshold fixed as `streamer` fixes it, with or without its CPU buffer cache;
+    # theirs with glibc's defaults and torch's allocator.
+    assert results[QLORA_OURS].malloc_env == results[QLORA_OURS_UNCACHED].malloc_env == MALLOC_ENV
+    assert results[QLORA_HF].malloc_env == {}
+    assert results[QLORA_OURS].cpu_cache and not results[QLORA_OURS_UNCACHED].cpu_cache
+    assert not results[QLORA_HF].cpu_cache
     outcome = qlora_versus_hf(_context(results))
-    labels = (QLORA_OURS, QLORA_OURS_LARGEST, QLORA_HF)
+    labels = (QLORA_OURS, QLORA_OURS_UNCACHED, QLORA_HF)
     assert tuple(row[0] for row in outcome.section.rows[:3]) == labels
     for row, label in zip(outcome.section.rows, labels, strict=False):
         usage = results[label].rusage
@@ -170,18 +170,20 @@ def test_worker_trains_qlora_both_ways_and_the_section_divides_them(tmp_path, mo
         assert row[3:6] == (count(usage["faults"]), seconds(usage["user_s"]), seconds(usage["system_s"]))
     theirs = results[QLORA_HF]
     ratio = results[QLORA_OURS].median_s / theirs.median_s
-    for row, label in zip(outcome.section.rows[3:], (QLORA_OURS, QLORA_OURS_LARGEST), strict=True):
+    for row, label in zip(outcome.section.rows[3:], (QLORA_OURS, QLORA_OURS_UNCACHED), strict=True):
         ours = results[label]
         assert row[2] == format_ratio(ours.median_s / theirs.median_s)
         faults = theirs.rusage["faults"]  # a tiny step may fault 0
         assert row[3] == format_ratio(ours.rusage["faults"] / faults if faults else None)
-    note = next(n for n in outcome.section.notes if n.startswith("glibc's mmap threshold: "))
-    assert f"ours: fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it (MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})" \
-        in note and "; transformers + bitsandbytes + PEFT: glibc's default" in note
-    assert f"ours, largest threshold: MALLOC_MMAP_THRESHOLD_={GLIBC_LARGEST_MMAP_THRESHOLD}, glibc's largest" in note
+    note = next(n for n in outcome.section.notes if n.startswith("freed buffers: "))
+    fixed = f"glibc's mmap threshold fixed at {size(MMAP_THRESHOLD)} as `streamer` fixes it " \
+            f"(MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})"
+    assert f"ours: {fixed}, and torch's CPU allocator the buffer cache `streamer` installs" in note
+    assert f"ours, torch's allocator: {fixed}, torch's own CPU allocator: every freed buffer" in note
+    assert "; transformers + bitsandbytes + PEFT: glibc's default" in note
     # The kernels both sides share, from each run's profiled step, beside the step the target allows.
     note = next(n for n in outcome.section.notes if n.startswith("matmuls and attention ("))
-    for who, label in (("ours", QLORA_OURS), ("ours, largest threshold", QLORA_OURS_LARGEST),
+    for who, label in (("ours", QLORA_OURS), ("ours, torch's allocator", QLORA_OURS_UNCACHED),
                        ("transformers + bitsandbytes + PEFT", QLORA_HF)):
         profile = results[label].profile
         assert any(op == "aten::mm" for op, _, _ in profile), profile
@@ -197,7 +199,7 @@ def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) ->
     """`streamer bench --only-qlora --output` a copy of the repository's report, holding a QLoRA section and target
     from an earlier run: the pair's section, its target and a line naming the command change; every other byte
     stays. A flag it excludes is one line naming both flags, before anything runs."""
-    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_LARGEST
+    from benchmarks.lora import QLORA_HF, QLORA_OURS, QLORA_OURS_UNCACHED
     from streamer.runtime.hardware import resolve_compute_dtype
 
     title = "QLoRA vs transformers + bitsandbytes + PEFT: step time and host memory"
@@ -238,7 +240,7 @@ def test_the_qlora_pair_alone_rewrites_only_its_section_of_a_report(tmp_path) ->
     dtype = resolve_compute_dtype("cpu").dtype
     assert "stale" not in section and "not run" not in section and "failed" not in section
     assert re.search(r"^- `streamer bench --quick --output .* --only-qlora`: CPU", section, re.M)
-    for label in (QLORA_OURS, QLORA_OURS_LARGEST, QLORA_HF):  # llama-debug, each measured: step, both peaks
+    for label in (QLORA_OURS, QLORA_OURS_UNCACHED, QLORA_HF):  # llama-debug, each measured: step, both peaks
         row = next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
         assert f"| llama, 106,816, batch 1 x 32, {dtype} compute | " in row, row
         # step, page faults, user and system CPU per step, both peaks

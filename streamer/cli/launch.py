@@ -16,6 +16,8 @@ import sys
 from importlib.metadata import version
 from types import FrameType
 
+from streamer.cpu_cache import KEPT_FROM_BYTES
+
 
 def _pinned_blocks_keep_their_size() -> dict[str, str]:
     """torch's caching host allocator rounds a pinned block up to a power of two: GPT-J-6B's 805 MB fp32 slabs
@@ -39,12 +41,10 @@ PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **_pinned_blocks_keep_their_size()}
 # activations, an update chunk's temporaries) is served from the heaps, and the next step's differently placed
 # ones add to what the heaps keep: a 2-layer mixture's run peaked 12% above its planned host memory, and within
 # 1% with the threshold fixed. Fixed at 1 MiB, a freed buffer that size or larger leaves the process, as the
-# planner prices it (memory_model.host). A user's MALLOC_MMAP_THRESHOLD_ wins.
-MMAP_THRESHOLD = 2**20
+# planner prices it (memory_model.host). A user's MALLOC_MMAP_THRESHOLD_ wins. So that a step's buffers are not
+# each fresh memory to fault in, torch's CPU allocator keeps them instead, within the same peak (`cpu_cache`).
+MMAP_THRESHOLD = KEPT_FROM_BYTES
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
-# Where glibc's own threshold stops rising on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX): a user who trades the
-# plan's host figure for step time sets MALLOC_MMAP_THRESHOLD_ to it (docs/CLI.md).
-GLIBC_LARGEST_MMAP_THRESHOLD = 32 * 2**20
 # The same for a process this one starts (glibc reads it as the process starts): `streamer bench`'s workers.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 
@@ -66,6 +66,8 @@ def main() -> int:
     previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
     from streamer.cli.main import main as run_command
     signal.signal(signal.SIGINT, previous)
+    from streamer import cpu_cache
+    cpu_cache.install()
     status = run_command()
     if status and "torch.distributed" in sys.modules:  # loaded by a command that may have joined a torchrun group
         from streamer.runtime.distributed import leave_after_error
