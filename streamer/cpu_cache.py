@@ -1,10 +1,10 @@
 """torch's CPU allocator with the buffers a step frees kept for the next request of their size (`cpu_cache.cpp`).
 
 `streamer` fixes glibc's mmap threshold at 1 MiB, so a freed buffer that large leaves the process, as the planner
-prices host memory. On its own that makes every such buffer fresh memory the kernel maps and zeroes: a
-llama-350m QLoRA step on 2 cores took 750k page faults and 1.4 s of system time in a 2.5 s step. This allocator
-keeps those buffers while the bytes kept and in use stay within the most that were in use at once, so the resident
-set is the same and the step asks the kernel for almost nothing (40k faults, 0.15 s, a 1.7 s step).
+prices host memory. On its own that makes every such buffer fresh memory the kernel maps and zeroes, and system
+time a large share of a small model's step. This allocator keeps those buffers while the bytes kept and in use stay
+within the most that were in use at once, so the resident set peaks where it did and a step asks the kernel for
+little. BENCHMARKS.md's QLoRA section measures both allocators on the same run.
 
 The library is built on first use with the system's C++ compiler against torch's headers and kept in the user's
 cache folder. Where it cannot be built or loaded (no compiler, say), torch's own allocator stays, and a warning
