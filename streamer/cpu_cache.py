@@ -4,7 +4,9 @@
 prices host memory. On its own that makes every such buffer fresh memory the kernel maps and zeroes, and system
 time a large share of a small model's step. This allocator keeps those buffers while the bytes kept and in use stay
 within the most that were in use at once, so the resident set peaks where it did and a step asks the kernel for
-little. BENCHMARKS.md's QLoRA section measures both allocators on the same run.
+little. A request that finds no kept buffer of its size, where that peak leaves no room, takes over a kept buffer
+of another size (mremap), whose pages stay resident. BENCHMARKS.md's QLoRA section measures both allocators on the
+same run.
 
 The library is built on first use with the system's C++ compiler against torch's headers and kept in the user's
 cache folder. Where it cannot be built or loaded (no compiler, say), torch's own allocator stays, and a warning
@@ -41,7 +43,8 @@ class CacheStats:
     in_use_bytes: int  # buffers given out and not yet freed
     kept_bytes: int  # freed buffers kept for the next request of their size
     peak_bytes: int  # the most in use and kept at once, since the last trim: what kept + in use never exceed
-    released_bytes: int  # freed buffers given back to the C library (and so to the kernel), in all
+    released_bytes: int  # freed buffers unmapped (given back to the kernel), in all
+    remapped_bytes: int  # bytes of kept buffers a request of another size took over (mremap), in all
     hits: int  # requests served by a kept buffer
     misses: int  # requests that needed fresh memory
 
