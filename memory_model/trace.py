@@ -33,13 +33,18 @@ SCHEMA_VERSION = 2  # 2 added each span's layer_bytes; a version 1 file reads wi
 def rss_high_water() -> int:
     """This process's highest resident set so far: the kernel's high-water mark (VmHWM on Linux, else
     getrusage's ru_maxrss). The RSS sampled at span ends misses a peak inside a span; this does not."""
+    return resident_set()[1]
+
+
+def resident_set() -> tuple[int, int]:
+    """This process's resident set now and its high-water mark (`rss_high_water`), in bytes. On Linux both come
+    from one read of /proc/self/status, so the mark is never below the set; two reads (statm's per-CPU estimate,
+    say) can disagree by a few pages."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return psutil.Process().memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass(frozen=True)

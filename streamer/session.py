@@ -24,14 +24,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, TypeVar
 
-import psutil
 import torch
 
 from layers import IGNORE_INDEX, ModelConfig, learned_tokens
 from layers.config import read_hf_json
 from memory_model.settings import flag, flatten
 from memory_model.shapes import step_model_flops
-from memory_model.trace import rss_high_water
+from memory_model.trace import resident_set
 from streamer.advice import check_fits, fit_expert_groups, ledger_advice
 from streamer import cpu_cache
 from streamer.calibration.calibrate import cached_local_spec
@@ -191,8 +190,7 @@ class Session:
         step; then the run's trace is written to its folder. The closing evaluation and sample are `finish`'s."""
         cfg, trainer = self.cfg, self.trainer
         first = trainer.step_count
-        process = psutil.Process()
-        seconds, learned = 0.0, 0
+        seconds, learned, rss_peak = 0.0, 0, 0
         peak = self.peak_flops()
         attempts = 0  # consecutive skipped attempts at the same step
         if evaluation_due(cfg, first):  # step 0's: the baseline every later evaluation is read against
@@ -226,7 +224,10 @@ class Session:
                 step_peak = trainer.ledger.close_window(window).peak
             elapsed = time.perf_counter() - begin
             seconds += elapsed
-            rss = process.memory_info().rss
+            rss, mark = resident_set()
+            # The kernel's mark is its per-CPU estimate: where kept buffers hold the resident set at its peak, a
+            # later read can fall a few pages below an earlier one. The run's peak so far does not fall.
+            rss_peak = max(rss_peak, mark)
             skipped = trainer.step_count < step  # --nonfinite skip: nothing committed, the next batch tries step again
             # A skipped attempt is logged under the step it tried, without its non-finite loss (not valid JSON).
             outcome = {"skipped": True} if skipped else {"loss": loss, "grad_norm": trainer.grad_norm,
@@ -238,7 +239,7 @@ class Session:
                       "lr": trainer.tc.schedule.lr_at(step, trainer.tc.optimizer.lr),
                       "tokens_per_s": tokens / elapsed, "step_s": elapsed,
                       **({} if peak is None else {"mfu": self.model_flops(*ids.shape) / elapsed / peak[0]}),
-                      "device_peak_bytes": step_peak, "host_rss_bytes": rss, "host_rss_peak_bytes": rss_high_water(),
+                      "device_peak_bytes": step_peak, "host_rss_bytes": rss, "host_rss_peak_bytes": rss_peak,
                       **{k: v for k, v in rollout.items() if k != "step"}}
             self.log(record)
             if self.grpo is not None and self.lead and not skipped:  # a sample: the first prompt's completions
