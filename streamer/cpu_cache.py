@@ -46,7 +46,7 @@ class CacheStats:
     released_bytes: int  # freed buffers unmapped (given back to the kernel), in all
     remapped_bytes: int  # bytes of kept buffers a request of another size took over (mremap), in all
     hits: int  # requests served by a kept buffer
-    misses: int  # requests that needed fresh memory
+    misses: int  # requests no kept buffer of their size served: fresh memory, or a kept buffer taken over
 
 
 def install() -> bool:

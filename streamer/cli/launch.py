@@ -16,7 +16,7 @@ import sys
 from importlib.metadata import version
 from types import FrameType
 
-from streamer.cpu_cache import KEPT_FROM_BYTES
+from streamer import cpu_cache
 
 
 def _pinned_blocks_keep_their_size() -> dict[str, str]:
@@ -43,7 +43,7 @@ PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **_pinned_blocks_keep_their_size()}
 # 1% with the threshold fixed. Fixed at 1 MiB, a freed buffer that size or larger leaves the process, as the
 # planner prices it (memory_model.host). A user's MALLOC_MMAP_THRESHOLD_ wins. So that a step's buffers are not
 # each fresh memory to fault in, torch's CPU allocator keeps them instead, within the same peak (`cpu_cache`).
-MMAP_THRESHOLD = KEPT_FROM_BYTES
+MMAP_THRESHOLD = cpu_cache.KEPT_FROM_BYTES
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 # The same for a process this one starts (glibc reads it as the process starts): `streamer bench`'s workers.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
@@ -66,7 +66,6 @@ def main() -> int:
     previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
     from streamer.cli.main import main as run_command
     signal.signal(signal.SIGINT, previous)
-    from streamer import cpu_cache
     cpu_cache.install()
     status = run_command()
     if status and "torch.distributed" in sys.modules:  # loaded by a command that may have joined a torchrun group
