@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from layers import ModelConfig
 from memory_model.host import BASE_BYTES, host_bytes
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+from memory_model.units import format_size
 from streamer.config import TrainerConfig
 from streamer.io.hf import saved_dtype
 from streamer.advice import planned_host
@@ -199,6 +200,18 @@ def test_plan_prints_the_hosts_peak(capsys):
     assert main(["plan", "--model", "gptj-debug", "--store", "disk", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["host_peak_bytes"] == sum(out["host_peak"].values()) > BASE_BYTES
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_plans_own_row_among_the_alternatives_holds_its_host_peak_and_its_files(capsys, store):
+    assert main(["plan", "--model", "gptj-debug", "--store", store, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "gptj-debug", "--store", store]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "this plan's peak" in line)
+    cells = [cell.strip() for cell in row.split("│")]
+    assert cells[3] == format_size(out["host_peak_bytes"])
+    assert cells[4] == format_size(out["store_disk_bytes"])
+    assert (out["host_peak"]["store"] > 0) == (store == "ram")
 
 
 def test_train_refuses_a_run_whose_planned_host_peak_exceeds_the_available_ram(tmp_path):

@@ -168,7 +168,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if clipping:
         console.print(_clipped_line(out["clipped_steps"], chosen.schedule, plan_cfg.step.clipped_steps, result.params),
                       markup=False, highlight=False)
-    console.print(_alternatives(result, others))
+    console.print(_alternatives(result, others, store_disk))
     if sixteen is not None:
         console.print(_beside_16bit(result, sixteen, four))
     if args.dry_run:
@@ -233,13 +233,16 @@ def _clipped_line(schedules: dict[str, dict[str, Any]], chosen: str, setting: st
             + (f" (else {others})" if others else ""))
 
 
-def _alternatives(result: Plan, others: list[Baseline]) -> Table:
+def _alternatives(result: Plan, others: list[Baseline], store_disk: int) -> Table:
+    """Our row holds what the plan holds at its peak: every process's host RAM on one host (the RAM tier's store
+    included) and the store's files on disk, beside each scheme's model states."""
     table = Table(title=f"model-state memory of the alternatives, same model ({result.params:,} params), "
                         "activations extra in every row")
     for name in ("scheme", "device", "host RAM", "NVMe", "formula", "source"):
         table.add_column(name, justify="right" if name in ("device", "host RAM", "NVMe") else "left")
     table.add_row("weight streaming (this plan's peak)", format_size(result.peak_device_bytes),
-                  format_size(result.host_store_bytes * result.host_stores), "-", "planned", "memory_model.plan")
+                  format_size(result.host_peak.total * result.host_stores),
+                  format_size(store_disk * result.host_stores) if store_disk else "-", "planned", "memory_model.plan")
     for b in others:
         table.add_row(b.name, format_size(b.device_bytes), format_size(b.host_bytes) if b.host_bytes else "-",
                       format_size(b.nvme_bytes) if b.nvme_bytes else "-", b.formula, b.source)
