@@ -5,8 +5,9 @@
 // The buffers kept and those in use never exceed the most that were in use at once (since the last trim):
 // the process's resident set stays what it would be had every freed buffer left it, which is what the
 // planner prices. A request that finds no kept buffer of its size, where the peak leaves no room for a new one,
-// takes over a kept buffer of another size instead (mremap): its pages stay resident, and only the difference
-// is mapped or unmapped. Smaller requests go to c10's own allocation, as before.
+// is made of kept pages instead: the head of the smallest kept buffer that holds it (the rest stays kept), or
+// the kept buffers, largest first, moved into one range (mremap) with fresh pages for what they lack. The pages
+// stay resident, so only a rise of the peak maps memory afresh. Smaller requests go to c10's own allocation.
 //
 // Call order: ws_install once (torch loaded); ws_trim where a run's set-up ends; ws_stats at any time.
 #include <c10/core/CPUAllocator.h>
@@ -19,7 +20,6 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
-#include <list>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -28,14 +28,21 @@
 
 namespace {
 
-using Block = std::pair<void*, size_t>;  // address, bytes (a size class)
+// A buffer: one range of pages, made of pieces each within one of the kernel's mappings. A range moved as a
+// whole across mappings needs Linux 6.17, so each piece is moved on its own.
+struct Piece {
+  char* addr;
+  size_t bytes;
+};
+using Pieces = std::vector<Piece>;
+// A buffer made of more pieces than this is unmapped when freed, so the process's mappings stay few.
+constexpr size_t MAX_PIECES = 64;
 
 struct Cache final : c10::Allocator {
   size_t threshold = size_t(1) << 20;
   std::mutex mutex;
-  std::unordered_map<void*, size_t> in_use;  // block -> its bytes
-  std::list<Block> kept;                     // freed blocks, oldest first
-  std::map<size_t, std::vector<std::list<Block>::iterator>> kept_by_size;
+  std::unordered_map<void*, Pieces> in_use;  // buffer -> its pieces
+  std::multimap<size_t, Pieces> kept;        // freed buffers by bytes
   size_t in_use_bytes = 0, kept_bytes = 0, peak_bytes = 0;
   size_t hits = 0, misses = 0, released_bytes = 0, remapped_bytes = 0;
 
@@ -44,36 +51,53 @@ struct Cache final : c10::Allocator {
     return *cache;
   }
 
-  // Requests round up to a sixteenth of their power of two, so ragged batches' near sizes share blocks.
+  // Requests round up to a sixteenth of their power of two, so ragged batches' near sizes share buffers.
   static size_t size_class(size_t n) {
     size_t top = 63 - __builtin_clzll(n);
     size_t step = std::max<size_t>(size_t(1) << (top - 4), 4096);
     return (n + step - 1) / step * step;
   }
 
+  static size_t bytes_of(const Pieces& pieces) {
+    size_t n = 0;
+    for (const Piece& p : pieces) n += p.bytes;
+    return n;
+  }
+
   static void release(void* p) { instance().give_back(p); }
 
-  static void* map(size_t bytes) {
+  static char* map(size_t bytes) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "CPU buffer cache: cannot map ", bytes, " bytes");
-    return p;
+    return static_cast<char*>(p);
   }
 
-  // The kept block `node` out of the cache's lists (mutex held).
-  Block unkeep(std::list<Block>::iterator node) {
-    Block block = *node;
-    auto& same = kept_by_size[block.second];
-    same.erase(std::find(same.begin(), same.end(), node));
-    if (same.empty()) kept_by_size.erase(block.second);
-    kept.erase(node);
-    kept_bytes -= block.second;
-    return block;
+  // The first `bytes` of a buffer's pieces; the rest stay in `pieces`.
+  static Pieces split(Pieces& pieces, size_t bytes) {
+    Pieces head;
+    size_t i = 0;
+    for (; i < pieces.size() && bytes >= pieces[i].bytes; bytes -= pieces[i++].bytes) head.push_back(pieces[i]);
+    if (bytes > 0) {
+      head.push_back({pieces[i].addr, bytes});
+      pieces[i] = {pieces[i].addr + bytes, pieces[i].bytes - bytes};
+    }
+    pieces.erase(pieces.begin(), pieces.begin() + i);
+    return head;
   }
 
-  // A kept block of exactly `bytes`, or none (mutex held).
-  void* take(size_t bytes) {
-    auto same = kept_by_size.find(bytes);
-    return same == kept_by_size.end() ? nullptr : unkeep(same->second.back()).first;
+  // A kept buffer out of the cache (mutex held).
+  Pieces unkeep(std::multimap<size_t, Pieces>::iterator it) {
+    Pieces pieces = std::move(it->second);
+    kept_bytes -= it->first;
+    kept.erase(it);
+    return pieces;
+  }
+
+  void keep(Pieces pieces) {  // mutex held
+    size_t bytes = bytes_of(pieces);
+    if (bytes == 0) return;
+    kept.emplace(bytes, std::move(pieces));
+    kept_bytes += bytes;
   }
 
   // Whether `bytes` more in use would take kept and in use past the peak (mutex held).
@@ -81,26 +105,55 @@ struct Cache final : c10::Allocator {
     return in_use_bytes + kept_bytes + bytes > std::max(peak_bytes, in_use_bytes + bytes);
   }
 
-  // A kept block to become a new one of `bytes` where the peak has no room for it, or none: the smallest of at
-  // least that size (its tail unmapped), else the largest (grown). The oldest kept blocks after it are freed
-  // until the new block fits within the peak (mutex held).
-  Block donor_for(size_t bytes) {
-    if (kept.empty() || !over_peak(bytes)) return {nullptr, 0};
-    auto fit = kept_by_size.lower_bound(bytes);
-    if (fit == kept_by_size.end()) fit = std::prev(kept_by_size.end());
-    Block donor = unkeep(fit->second.back());
-    while (!kept.empty() && over_peak(bytes)) {
-      Block old = unkeep(kept.begin());
-      released_bytes += old.second;
-      munmap(old.first, old.second);
+  // Kept pages to make a buffer of `bytes` of, where the peak has no room for fresh ones (mutex held): the head of
+  // the smallest kept buffer that holds it, else the kept buffers, largest first, up to `bytes`.
+  std::vector<Pieces> donors_for(size_t bytes) {
+    std::vector<Pieces> donors;
+    if (kept.empty() || !over_peak(bytes)) return donors;
+    auto fit = kept.lower_bound(bytes);
+    size_t wanted = bytes;
+    while (wanted > 0 && !kept.empty()) {
+      if (fit == kept.end()) fit = std::prev(kept.end());
+      Pieces pieces = unkeep(fit);
+      Pieces head = split(pieces, std::min(wanted, bytes_of(pieces)));
+      keep(std::move(pieces));
+      wanted -= bytes_of(head);
+      remapped_bytes += bytes_of(head);
+      donors.push_back(std::move(head));
+      fit = kept.end();
     }
-    return donor;
+    return donors;
   }
 
-  void record(void* p, size_t bytes) {  // mutex held
-    in_use[p] = bytes;
-    in_use_bytes += bytes;
+  // A buffer of `bytes` from kept pages (mutex not held): one donor's pieces as they lie, or the donors' pieces
+  // moved into a fresh range, whose pages where they lack stay fresh. A piece that cannot move is unmapped.
+  Pieces assemble(std::vector<Pieces> donors, size_t bytes) {
+    if (donors.size() == 1 && bytes_of(donors[0]) == bytes) return std::move(donors[0]);
+    char* range = map(bytes);
+    Pieces pieces;
+    size_t at = 0;
+    for (const Pieces& donor : donors) {
+      for (const Piece& piece : donor) {
+        void* moved = mremap(piece.addr, piece.bytes, piece.bytes, MREMAP_MAYMOVE | MREMAP_FIXED, range + at);
+        if (moved == MAP_FAILED) {
+          munmap(piece.addr, piece.bytes);
+          std::lock_guard<std::mutex> guard(mutex);
+          released_bytes += piece.bytes;
+        }
+        pieces.push_back({range + at, piece.bytes});
+        at += piece.bytes;
+      }
+    }
+    if (at < bytes) pieces.push_back({range + at, bytes - at});
+    return pieces;
+  }
+
+  c10::DataPtr given(Pieces pieces) {  // mutex held
+    void* p = pieces.front().addr;
+    in_use_bytes += bytes_of(pieces);
+    in_use.emplace(p, std::move(pieces));
     peak_bytes = std::max(peak_bytes, in_use_bytes + kept_bytes);
+    return {p, p, &Cache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
   c10::DataPtr allocate(size_t n) override {
@@ -109,52 +162,46 @@ struct Cache final : c10::Allocator {
       return {p, p, &c10::free_cpu, c10::Device(c10::DeviceType::CPU)};
     }
     size_t c = size_class(n);
-    Block donor;
+    std::vector<Pieces> donors;
     {
       std::lock_guard<std::mutex> guard(mutex);
-      if (void* p = take(c)) {
+      auto same = kept.find(c);
+      if (same != kept.end()) {
         hits++;
-        record(p, c);
-        return {p, p, &Cache::release, c10::Device(c10::DeviceType::CPU)};
+        return given(unkeep(same));
       }
       misses++;
-      donor = donor_for(c);
+      donors = donors_for(c);
     }
-    void* p;
-    if (donor.first != nullptr) {
-      p = mremap(donor.first, donor.second, c, MREMAP_MAYMOVE);
-      TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "CPU buffer cache: cannot remap ", c, " bytes");
-    } else {
-      p = map(c);
-    }
+    Pieces pieces = donors.empty() ? Pieces{{map(c), c}} : assemble(std::move(donors), c);
     std::lock_guard<std::mutex> guard(mutex);
-    remapped_bytes += std::min(donor.second, c);
-    released_bytes += donor.second > c ? donor.second - c : 0;
-    record(p, c);
-    return {p, p, &Cache::release, c10::Device(c10::DeviceType::CPU)};
+    return given(std::move(pieces));
   }
 
   void give_back(void* p) {
     std::lock_guard<std::mutex> guard(mutex);
     auto it = in_use.find(p);
-    if (it == in_use.end()) {  // a small block, given out by raw_allocate
+    if (it == in_use.end()) {  // a small buffer, given out by raw_allocate
       c10::free_cpu(p);
       return;
     }
-    size_t bytes = it->second;
+    Pieces pieces = std::move(it->second);
     in_use.erase(it);
+    size_t bytes = bytes_of(pieces);
     in_use_bytes -= bytes;
-    kept.emplace_back(p, bytes);
-    kept_by_size[bytes].push_back(std::prev(kept.end()));
-    kept_bytes += bytes;
+    if (pieces.size() > MAX_PIECES) {
+      munmap(p, bytes);
+      released_bytes += bytes;
+      return;
+    }
+    keep(std::move(pieces));
   }
 
   void trim() {
     std::lock_guard<std::mutex> guard(mutex);
-    for (auto& [p, bytes] : kept) munmap(p, bytes);
+    for (auto& [bytes, pieces] : kept) munmap(pieces.front().addr, bytes);
     released_bytes += kept_bytes;
     kept.clear();
-    kept_by_size.clear();
     kept_bytes = 0;
     peak_bytes = in_use_bytes;
   }

@@ -4,8 +4,9 @@
 prices host memory. On its own that makes every such buffer fresh memory the kernel maps and zeroes, and system
 time a large share of a small model's step. This allocator keeps those buffers while the bytes kept and in use stay
 within the most that were in use at once, so the resident set peaks where it did and a step asks the kernel for
-little. A request that finds no kept buffer of its size, where that peak leaves no room, takes over a kept buffer
-of another size (mremap), whose pages stay resident. BENCHMARKS.md's QLoRA section measures both allocators on the
+little. A request that finds no kept buffer of its size, where that peak leaves no room, is made of kept pages:
+the head of a larger kept buffer, or kept buffers moved into one range (mremap), whose pages stay resident. So
+only a rise of the peak faults in fresh memory. BENCHMARKS.md's QLoRA section measures both allocators on the
 same run.
 
 The library is built on first use with the system's C++ compiler against torch's headers and kept in the user's
@@ -41,12 +42,12 @@ class CacheStats:
     """What the cache holds and has done since the process installed it. Bytes are size classes': a request rounds
     up to a sixteenth of its power of two."""
     in_use_bytes: int  # buffers given out and not yet freed
-    kept_bytes: int  # freed buffers kept for the next request of their size
+    kept_bytes: int  # freed buffers kept for the next request of their size, or to make others of
     peak_bytes: int  # the most in use and kept at once, since the last trim: what kept + in use never exceed
     released_bytes: int  # freed buffers unmapped (given back to the kernel), in all
-    remapped_bytes: int  # bytes of kept buffers a request of another size took over (mremap), in all
+    remapped_bytes: int  # kept bytes a request of another size was made of (a head, or moved by mremap), in all
     hits: int  # requests served by a kept buffer
-    misses: int  # requests no kept buffer of their size served: fresh memory, or a kept buffer taken over
+    misses: int  # requests no kept buffer of their size served: fresh memory, or made of kept pages
 
 
 def install() -> bool:

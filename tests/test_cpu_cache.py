@@ -21,15 +21,17 @@ def _run(code: str, **env: str) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "stderr": done.stderr}
 
 
-def test_a_freed_buffer_serves_the_next_request_of_its_size_within_the_peak() -> None:
+def test_a_freed_buffer_serves_the_next_request_of_its_size_and_others_are_made_of_kept_pages() -> None:
     out = _run("""
-        import dataclasses, json, torch
+        import dataclasses, json, resource, torch
         from streamer import cpu_cache
         assert cpu_cache.install() and cpu_cache.install()  # a second call changes nothing
         MiB = 2**20
-        rows = []
+        rows, seen = [], {}
         def note(what):
             rows.append((what, dataclasses.asdict(cpu_cache.stats())))
+        def sample(what, t, at):  # a few bytes: reading it all would allocate
+            seen[what] = [int(t[i * MiB]) for i in at]
         small = torch.empty(MiB // 2, dtype=torch.uint8)
         del small
         note("small")  # under a MiB: torch's own allocation, not counted
@@ -40,22 +42,37 @@ def test_a_freed_buffer_serves_the_next_request_of_its_size_within_the_peak() ->
         b = torch.empty(8 * MiB, dtype=torch.uint8)
         same = b.data_ptr() == a_ptr
         note("8 MiB again")
-        c = torch.empty(8 * MiB - 4096, dtype=torch.uint8)  # the same size class
+        c = torch.empty(8 * MiB - 4096, dtype=torch.uint8)  # the same size class; the peak has room for it
+        b.fill_(7), c.fill_(9)
         del b, c
         note("both freed")
-        d = torch.empty(32 * MiB, dtype=torch.uint8)  # above the peak: one kept buffer grows into it, one goes
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        d = torch.empty(32 * MiB, dtype=torch.uint8)  # above the peak: both kept buffers moved into it
+        sample("32 MiB", d, (0, 8, 16, 31))
         d.fill_(1)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         note("32 MiB")
         del d
-        e = torch.empty(4 * MiB, dtype=torch.uint8)  # the kept 32 MiB shrinks into it
+        e = torch.empty(4 * MiB, dtype=torch.uint8)  # the head of the kept 32 MiB; the rest stays kept
+        sample("4 MiB", e, (0, 3))
+        e.fill_(3)
         note("4 MiB")
-        written = int(e.fill_(3)[::2**16].sum()) == 3 * 64  # a sample: summing it all would allocate
         del e
+        f = torch.empty(64 * MiB, dtype=torch.uint8)  # the kept 28 MiB (three pieces) and 4 MiB moved into it
+        sample("64 MiB", f, (0, 27, 28, 31, 32, 63))
+        note("64 MiB")
+        del f
         cpu_cache.trim()
         note("trimmed")
-        print(json.dumps({"same": same, "written": written, "rows": rows}))
+        print(json.dumps({"same": same, "faults": faults, "seen": seen, "rows": rows}))
     """)
-    assert out["same"] and out["written"]
+    assert out["same"]
+    # What the moved pages held: an 8 MiB buffer's 7s and 9s, then fresh zeros; a head keeps its bytes.
+    assert sorted(out["seen"]["32 MiB"][:2]) == [7, 9] and out["seen"]["32 MiB"][2:] == [0, 0]
+    assert out["seen"]["4 MiB"] == [1, 1]
+    assert out["seen"]["64 MiB"] == [1, 1, 3, 3, 0, 0]
+    # Filling the 32 MiB faulted in its fresh half alone (4096 pages), not the moved one.
+    assert 4096 <= out["faults"] < 6144
     stats = dict(out["rows"])
     MiB = 2**20
     assert stats["small"] == dict(in_use_bytes=0, kept_bytes=0, peak_bytes=0, released_bytes=0, remapped_bytes=0,
@@ -64,14 +81,32 @@ def test_a_freed_buffer_serves_the_next_request_of_its_size_within_the_peak() ->
                                         remapped_bytes=0, hits=0, misses=1)
     assert (stats["8 MiB again"]["hits"], stats["8 MiB again"]["in_use_bytes"]) == (1, 8 * MiB)
     assert stats["both freed"]["kept_bytes"] == stats["both freed"]["peak_bytes"] == 16 * MiB
-    assert stats["32 MiB"] == dict(in_use_bytes=32 * MiB, kept_bytes=0, peak_bytes=32 * MiB,
-                                   released_bytes=8 * MiB, remapped_bytes=8 * MiB, hits=1, misses=3)
-    assert stats["4 MiB"] == dict(in_use_bytes=4 * MiB, kept_bytes=0, peak_bytes=32 * MiB, released_bytes=36 * MiB,
-                                  remapped_bytes=12 * MiB, hits=1, misses=4)
-    assert stats["trimmed"] == dict(in_use_bytes=0, kept_bytes=0, peak_bytes=0, released_bytes=40 * MiB,
-                                    remapped_bytes=12 * MiB, hits=1, misses=4)
+    assert stats["32 MiB"] == dict(in_use_bytes=32 * MiB, kept_bytes=0, peak_bytes=32 * MiB, released_bytes=0,
+                                   remapped_bytes=16 * MiB, hits=1, misses=3)
+    assert stats["4 MiB"] == dict(in_use_bytes=4 * MiB, kept_bytes=28 * MiB, peak_bytes=32 * MiB, released_bytes=0,
+                                  remapped_bytes=20 * MiB, hits=1, misses=4)
+    assert stats["64 MiB"] == dict(in_use_bytes=64 * MiB, kept_bytes=0, peak_bytes=64 * MiB, released_bytes=0,
+                                   remapped_bytes=52 * MiB, hits=1, misses=5)
+    assert stats["trimmed"] == dict(in_use_bytes=0, kept_bytes=0, peak_bytes=0, released_bytes=64 * MiB,
+                                    remapped_bytes=52 * MiB, hits=1, misses=5)
     for row in stats.values():  # never more kept and in use than at the peak
         assert row["in_use_bytes"] + row["kept_bytes"] <= row["peak_bytes"] or row["peak_bytes"] == 0
+
+
+def test_a_buffer_of_many_pieces_is_unmapped_when_freed() -> None:
+    out = _run("""
+        import dataclasses, json, torch
+        from streamer import cpu_cache
+        assert cpu_cache.install()
+        MiB = 2**20
+        pieces = [torch.empty(MiB, dtype=torch.uint8) for _ in range(70)]
+        del pieces
+        whole = torch.empty(80 * MiB, dtype=torch.uint8)  # 70 moved pieces and a fresh one: too many to keep
+        del whole
+        print(json.dumps(dataclasses.asdict(cpu_cache.stats())))
+    """)
+    MiB = 2**20
+    assert (out["remapped_bytes"], out["released_bytes"], out["kept_bytes"]) == (70 * MiB, 80 * MiB, 0)
 
 
 def test_steps_with_the_cache_are_bit_for_bit_those_without_and_reuse_their_buffers() -> None:
