@@ -5,9 +5,9 @@
 // The buffers kept and those in use never exceed the most that were in use at once (since the last trim):
 // the process's resident set stays what it would be had every freed buffer left it, which is what the
 // planner prices. A request that finds no kept buffer of its size, where the peak leaves no room for a new one,
-// is made of kept pages instead: the head of the smallest kept buffer that holds it (the rest stays kept), or
-// the kept buffers, largest first, moved into one range (mremap) with fresh pages for what they lack. The pages
-// stay resident, so only a rise of the peak maps memory afresh. Smaller requests go to c10's own allocation.
+// is made of kept pages instead: the head of the smallest kept buffer that holds it (the rest unmapped), or the
+// kept buffers, largest first, moved into one range (mremap) with fresh pages for what they lack. The pages it
+// takes stay resident. Smaller requests go to c10's own allocation.
 //
 // Call order: ws_install once (torch loaded); ws_trim where a run's set-up ends; ws_stats at any time.
 #include <c10/core/CPUAllocator.h>
@@ -106,17 +106,25 @@ struct Cache final : c10::Allocator {
   }
 
   // Kept pages to make a buffer of `bytes` of, where the peak has no room for fresh ones (mutex held): the head of
-  // the smallest kept buffer that holds it, else the kept buffers, largest first, up to `bytes`.
+  // the smallest kept buffer that holds it, its tail unmapped (kept, it would hold the resident set at the peak
+  // when the request is smaller), else the kept buffers, largest first, up to `bytes`.
   std::vector<Pieces> donors_for(size_t bytes) {
     std::vector<Pieces> donors;
     if (kept.empty() || !over_peak(bytes)) return donors;
     auto fit = kept.lower_bound(bytes);
     size_t wanted = bytes;
     while (wanted > 0 && !kept.empty()) {
-      if (fit == kept.end()) fit = std::prev(kept.end());
+      bool holds = fit != kept.end();
+      if (!holds) fit = std::prev(kept.end());
       Pieces pieces = unkeep(fit);
       Pieces head = split(pieces, std::min(wanted, bytes_of(pieces)));
-      keep(std::move(pieces));
+      if (holds && !pieces.empty()) {
+        size_t tail = bytes_of(pieces);
+        munmap(pieces.front().addr, tail);
+        released_bytes += tail;
+      } else {
+        keep(std::move(pieces));
+      }
       wanted -= bytes_of(head);
       remapped_bytes += bytes_of(head);
       donors.push_back(std::move(head));

@@ -5,9 +5,9 @@ prices host memory. On its own that makes every such buffer fresh memory the ker
 time a large share of a small model's step. This allocator keeps those buffers while the bytes kept and in use stay
 within the most that were in use at once, so the resident set peaks where it did and a step asks the kernel for
 little. A request that finds no kept buffer of its size, where that peak leaves no room, is made of kept pages:
-the head of a larger kept buffer, or kept buffers moved into one range (mremap), whose pages stay resident. So
-only a rise of the peak faults in fresh memory. BENCHMARKS.md's QLoRA section measures both allocators on the
-same run.
+the head of a larger kept buffer (its tail unmapped, so that the resident set falls with the request), or kept
+buffers moved into one range (mremap). The pages it takes stay resident. BENCHMARKS.md's QLoRA section measures
+both allocators on the same run.
 
 The library is built on first use with the system's C++ compiler against torch's headers and kept in the user's
 cache folder. Where it cannot be built or loaded (no compiler, say), torch's own allocator stays, and a warning
