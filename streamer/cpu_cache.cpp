@@ -112,23 +112,24 @@ struct Cache final : c10::Allocator {
     std::vector<Pieces> donors;
     if (kept.empty() || !over_peak(bytes)) return donors;
     auto fit = kept.lower_bound(bytes);
-    size_t wanted = bytes;
-    while (wanted > 0 && !kept.empty()) {
-      bool holds = fit != kept.end();
-      if (!holds) fit = std::prev(kept.end());
+    if (fit != kept.end()) {
       Pieces pieces = unkeep(fit);
-      Pieces head = split(pieces, std::min(wanted, bytes_of(pieces)));
-      if (holds && !pieces.empty()) {
+      donors.push_back(split(pieces, bytes));
+      if (!pieces.empty()) {
         size_t tail = bytes_of(pieces);
         munmap(pieces.front().addr, tail);
         released_bytes += tail;
-      } else {
-        keep(std::move(pieces));
       }
+      remapped_bytes += bytes;
+      return donors;
+    }
+    for (size_t wanted = bytes; wanted > 0 && !kept.empty();) {
+      Pieces pieces = unkeep(std::prev(kept.end()));
+      Pieces head = split(pieces, std::min(wanted, bytes_of(pieces)));
+      keep(std::move(pieces));  // the last one's rest, if any
       wanted -= bytes_of(head);
       remapped_bytes += bytes_of(head);
       donors.push_back(std::move(head));
-      fit = kept.end();
     }
     return donors;
   }
