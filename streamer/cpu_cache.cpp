@@ -107,7 +107,8 @@ struct Cache final : c10::Allocator {
 
   // Kept pages to make a buffer of `bytes` of, where the peak has no room for fresh ones (mutex held): the head of
   // the smallest kept buffer that holds it, its tail unmapped (kept, it would hold the resident set at the peak
-  // when the request is smaller), else the kept buffers, largest first, up to `bytes`.
+  // when the request is smaller), else the kept buffers, largest first, up to what the peak has no room for (the
+  // rest of the buffer is fresh pages): what stays kept serves later requests of its size.
   std::vector<Pieces> donors_for(size_t bytes) {
     std::vector<Pieces> donors;
     if (kept.empty() || !over_peak(bytes)) return donors;
@@ -123,7 +124,9 @@ struct Cache final : c10::Allocator {
       remapped_bytes += bytes;
       return donors;
     }
-    for (size_t wanted = bytes; wanted > 0 && !kept.empty();) {
+    // More than 0 (over the peak), and at most kept_bytes (the bound is at least in use plus the request).
+    size_t wanted = in_use_bytes + kept_bytes + bytes - std::max(peak_bytes, in_use_bytes + bytes);
+    while (wanted > 0 && !kept.empty()) {
       Pieces pieces = unkeep(std::prev(kept.end()));
       Pieces head = split(pieces, std::min(wanted, bytes_of(pieces)));
       keep(std::move(pieces));  // the last one's rest, if any
