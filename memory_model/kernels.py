@@ -53,7 +53,8 @@ class KernelCosts:
     disk_event_s: float
     disk_step_s: float
     # The host's cores moving a disk-tier byte through the page cache (written into it, read from it): on a
-    # cpu device the same cores compute, so a disk-tier step's bytes take this time from its compute.
+    # cpu device the same cores compute, so the bytes a disk-tier step writes, and the gradient files it reads
+    # back, take this time from its compute. Its state files are read past the page cache (no copy).
     page_cache_bytes_per_s: float
     # One flush (fsync) of a small file just written: what a commit pays per file it makes durable beyond the
     # flushes the disk tier's fixed costs hold (a journaled step's gradient files and journal, LoRA's adapters).

@@ -57,6 +57,9 @@ class UnitTimes:
     host_copy: int = 0
     disk_read: int = 0
     disk_write: int = 0
+    # Disk-tier bytes read through the page cache: the gradient files, just written through it. The state files
+    # are read past it (streamer.store.direct), straight into their buffers.
+    cached_read: int = 0
 
 
 @dataclass
@@ -130,8 +133,8 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     nbytes = sum(c.nbytes for c in resource_charges(resource, numel, cfg.dtype_bytes, "device"))
     if isinstance(resource, Weights) and cfg.lora.quantized:  # a quantized base's units: their packed bytes
         numel = nbytes = weights_bytes(shape, cfg.lora, resource.unit, cfg.dtype_bytes)
-    store = cfg.step.store
-    disk = load_disk_bytes(resource, numel, store_bytes(cfg))
+    store, sizes = cfg.step.store, store_bytes(cfg)
+    disk = load_disk_bytes(resource, numel, sizes)
     if isinstance(resource, Weights) and cfg.lora.enabled:  # a frozen base: read as stored, where stored on disk
         disk = nbytes if store.compute.crosses_link else 0
     # Weights come from the state files only where the loads read the master; else from the RAM copy.
@@ -147,6 +150,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     times.h2d += h2d
     times.host_copy += host_copy
     times.disk_read += disk
+    times.cached_read += resource.count * sizes.grad if isinstance(resource, StateChunk) and resource.grad else 0
     return queues.run("h2d", queues.run("host copy", queues.run("disk", issued, read_s), stage_s), copy_s)
 
 
@@ -286,6 +290,7 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     d2h_s = _link(grad, device, "d2h", cfg)
     times.d2h += grad
     times.disk_read += read
+    times.cached_read += read
     times.disk_write += write
     times.offload_s += reduce_s + d2h_s + fold_s + disk_s
     if folds_inline(cfg, device):
@@ -419,9 +424,10 @@ def simulate(events: list[Event], resident: list[list[Resource]], shape: ModelCo
     if commits:  # the trainer's thread waits for each flush
         step_s += unmeasured_flushes(shape, cfg) * _disk_s(cfg, device, "flush_s")
     if costs is not None and device.same_memory and cfg.step.store.state.crosses_link:
-        # The host's cores copy every disk-tier byte through the page cache; on a cpu device they are the
-        # cores that compute, so the copies take their time from the step.
-        moved = sum(t.disk_read + t.disk_write for t in per_unit.values())
+        # The host's cores copy what a disk-tier step writes (into the page cache, or a direct write's staging
+        # buffer) and what it reads through the page cache; on a cpu device they are the cores that compute, so
+        # the copies take their time from the step.
+        moved = sum(t.cached_read + t.disk_write for t in per_unit.values())
         step_s += moved / costs.page_cache_bytes_per_s
     queues.busy["device compute"] += step_s
     timeline.end_s = max(clock, offload_done, *ends, queues.last_end()) + step_s

@@ -530,6 +530,38 @@ def test_each_state_file_waits_on_the_disks_queue() -> None:
     assert plan(shape, device, cfg.replace(store="ram"), limits=False).step_time_s < 1e-6
 
 
+def test_a_cpu_disk_step_pays_the_page_cache_for_what_it_writes_and_its_gradient_files_alone() -> None:
+    """On a cpu device the cores that compute copy what a disk-tier step writes, and the gradient files it reads
+    back through the page cache; the state files are read past it (streamer.store.direct), with no copy. The
+    step takes those bytes at the page cache's rate on top of the same step's with free copies."""
+    from memory_model.kernels import KernelCosts
+    free = DeviceSpec(name="free-cpu", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
+                      flops={"fp32": 1e18}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
+                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18, same_memory=True)
+    costs = KernelCosts(attention_forward_flops=1e18, attention_backward_flops=1e18, elementwise_forward_s=0.0,
+                        elementwise_backward_s=0.0, logits_forward_s=0.0, logits_backward_s=0.0,
+                        embedding_backward_s=0.0, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e18,
+                        event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e9,
+                        flush_s=0.0)
+    shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig.of(batch=1, seq=64, compute_dtype="fp32", store="disk")
+    device = replace(free, kernels={"fp32": costs})
+    uncopied = replace(free, kernels={"fp32": replace(costs, page_cache_bytes_per_s=1e30)})
+
+    def copies_s(timing: str) -> tuple[float, dict[str, int]]:
+        """The step's seconds beyond those of the same step with free copies, and its disk bytes."""
+        step = cfg.replace(update_timing=timing)
+        planned = plan(shape, device, step, limits=False)
+        return planned.step_time_s - plan(shape, uncopied, step, limits=False).step_time_s, planned.link_bytes
+
+    fused_s, fused = copies_s("fused")
+    assert fused["disk_read"] > 0  # the state files are read, and cost no copy
+    assert fused_s == pytest.approx(fused["disk_write"] / 1e9, rel=1e-9)
+    after_s, after = copies_s("after-backward")
+    gradients = 4 * shape.num_params()  # each unit's fp32 gradient, written by its backward, read by its update
+    assert after_s == pytest.approx((after["disk_write"] + gradients) / 1e9, rel=1e-9)
+    assert after["disk_read"] > gradients
+
+
 def test_the_opt_in_precisions_pay_their_measured_elementwise_work() -> None:
     """Where measured, each int8 moment is dequantized at its chunk's load and quantized for its write-back on
     the I/O worker, and a bf16 master is rounded in the update: on a device whose compute and bytes are free

@@ -5,6 +5,7 @@ import errno
 import gc
 import fcntl
 import json
+import mmap
 import os
 import shutil
 import threading
@@ -203,6 +204,75 @@ def test_state_files_are_the_same_bytes_with_and_without_direct_writes(tmp_path,
         assert snapshot(tmp_path / run) == reference, run
         with StreamingTrainer.open(tmp_path / run) as trainer:  # verifies every checksum
             assert trainer.step_count == 2
+
+
+def _direct_reads_refused(monkeypatch) -> list[str]:
+    """O_DIRECT opens, but each direct read is EINVAL (a device block larger than the reads' alignment); the
+    names of the files refused."""
+    original, refused = os.preadv, []
+
+    def preadv(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return original(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return refused
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """Bytes at the start of a fresh mapping, as the buffer cache's and the staging pool's buffers are."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def test_state_files_are_read_past_the_page_cache_where_aligned(tmp_path, monkeypatch):
+    """A state file's piece whose buffer and offset are block aligned is read past the page cache (O_DIRECT), its
+    unaligned rest through it, with the file's bytes either way. Where the filesystem refuses a direct read, the
+    piece is read through the page cache, and so is the rest of that file."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(4096))
+    fd = direct.open_for_direct_reads(probe)
+    if fd is None:
+        pytest.skip(f"{tmp_path}'s filesystem has no O_DIRECT")
+    os.close(fd)
+    trained(tmp_path / "run", DISK.replace(update_chunk=3000))  # pieces of 12000 bytes: 2 blocks and a rest
+    reads: list[tuple[bool, int, int]] = []  # (direct, file offset, bytes)
+    original = os.preadv
+
+    def recording(fd: int, buffers: Any, offset: int) -> int:
+        n = original(fd, buffers, offset)
+        reads.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, n))
+        return n
+
+    def read_every_piece(files: StateFiles, versions: dict[str, int]) -> int:
+        """Read each kind of each chunk of every state file into a page-aligned buffer, and compare it with the
+        file's bytes; returns the pieces that start on a block."""
+        aligned = 0
+        for unit, numel in files.numels.items():
+            data = files.state_path(unit, versions[unit]).read_bytes()
+            for first in range(0, numel, files.spec.chunk):
+                count = files.chunk_count(unit, first)
+                for kind in files.spec.file_kinds():
+                    offset, nbytes = files.spec.kind_offset(kind, first, count), files.spec.kind_bytes(kind, count)
+                    out = _page_aligned(nbytes)
+                    files.read(unit, versions[unit], kind, first, out.view(files.spec.kind_dtype(kind)))
+                    assert bytes(out.numpy()) == data[offset:offset + nbytes]
+                    aligned += offset % 4096 == 0
+        return aligned
+
+    with StreamingTrainer.open(tmp_path / "run") as trainer, monkeypatch.context() as patch:
+        patch.setattr(os, "preadv", recording)
+        aligned = read_every_piece(trainer.store._files, trainer.store.versions)
+    direct_reads = [(offset, n) for through, offset, n in reads if through]
+    assert aligned and len(direct_reads) == aligned
+    assert all(offset % 4096 == 0 and n % 4096 == 0 and n > 0 for offset, n in direct_reads)
+    assert sum(n for *_, n in reads) == sum(len(p.read_bytes()) - TRAILER_BYTES
+                                             for p in (tmp_path / "run" / "slabs").glob("*.state"))
+    with StreamingTrainer.open(tmp_path / "run") as trainer, monkeypatch.context() as patch:
+        refused = _direct_reads_refused(patch)
+        read_every_piece(trainer.store._files, trainer.store.versions)
+    assert sorted(refused) == sorted(p.name for p in (tmp_path / "run" / "slabs").glob("*.state"))  # once each
 
 
 # --- commits without a journal ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 
 from streamer.errors import StoreError
 from streamer.store.commit import grad_name, state_name
-from streamer.store.direct import SequentialFile, AlignedBuffers
+from streamer.store.direct import AlignedBuffers, SequentialFile, direct_span, open_for_direct_reads, pread_direct
 from streamer.store.slabfile import (
     Checksum, Scratch, Trailer, bytes_view, check_size, check_state_file, checksum_while_syncing, disk_error,
     fsync_path, open_for_writing, pread_into, pwrite_from,
@@ -36,6 +36,10 @@ class StateFiles:
         self.folder, self.spec, self.numels = folder, spec, numels
         self._mode = os.O_RDONLY if read_only else os.O_RDWR  # a read-only store opens no file for writing
         self._fds: dict[str, int] = {}
+        # A state file's second descriptor, its reads past the page cache (streamer.store.direct); None where
+        # the filesystem has no direct reads, or refused one
+        self._direct_fds: dict[str, int | None] = {}
+        self._refused: list[int] = []
         self._fd_lock = threading.Lock()
         self._checksums: ThreadPoolExecutor | None = None
         self._cleanup: ThreadPoolExecutor | None = None
@@ -76,12 +80,30 @@ class StateFiles:
                     raise disk_error(exc, path) from None
             return self._fds[key]
 
-    def release(self, path: Path) -> None:
-        """Close the cached descriptor of `path`, if any (before it is renamed or deleted)."""
+    def direct_descriptor(self, path: Path) -> int | None:
+        """A cached O_DIRECT descriptor to read `path` with, or None where its filesystem reads none direct."""
+        key = str(path)
         with self._fd_lock:
-            fd = self._fds.pop(str(path), None)
-        if fd is not None:
-            os.close(fd)
+            if key not in self._direct_fds:
+                self._direct_fds[key] = open_for_direct_reads(path)
+            return self._direct_fds[key]
+
+    def _refuse_direct(self, path: Path) -> None:
+        """Read `path` through the page cache from now on. Its direct descriptor is closed with the others: another
+        thread may be reading through it."""
+        with self._fd_lock:
+            fd = self._direct_fds.get(str(path))
+            self._direct_fds[str(path)] = None
+            if fd is not None:
+                self._refused.append(fd)
+
+    def release(self, path: Path) -> None:
+        """Close the cached descriptors of `path`, if any (before it is renamed or deleted)."""
+        with self._fd_lock:
+            fds = (self._fds.pop(str(path), None), self._direct_fds.pop(str(path), None))
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def delete(self, path: Path) -> None:
         self.release(path)
@@ -97,7 +119,9 @@ class StateFiles:
                     pool.shutdown()
             self._checksums = self._cleanup = None
             with self._fd_lock:
-                fds, self._fds = list(self._fds.values()), {}
+                fds = [*self._fds.values(), *(fd for fd in self._direct_fds.values() if fd is not None),
+                       *self._refused]
+                self._fds, self._direct_fds, self._refused = {}, {}, []
             for fd in fds:
                 os.close(fd)
 
@@ -108,10 +132,17 @@ class StateFiles:
 
     def read(self, unit: str, generation: int, kind: str, start: int, out: torch.Tensor) -> None:
         """Elements [start, start + out.numel()) of `kind`, as stored (`StoreSpec.kind_dtype`), within one chunk:
-        a chunk's piece, or part of it (a group of a block's experts starts anywhere)."""
+        a chunk's piece, or part of it (a group of a block's experts starts anywhere). Its whole blocks are read
+        past the page cache where they are aligned and the filesystem allows it (streamer.store.direct)."""
         path, first = self.state_path(unit, generation), start - start % self.spec.chunk
-        offset = self.spec.kind_offset(kind, first, self.chunk_count(unit, first))
-        pread_into(self.descriptor(path), out, offset + self.spec.kind_bytes(kind, start - first), path)
+        offset = self.spec.kind_offset(kind, first, self.chunk_count(unit, first)) + \
+            self.spec.kind_bytes(kind, start - first)
+        fd = self.descriptor(path)
+        direct = self.direct_descriptor(path) if direct_span(out, offset) else None
+        if direct is None:
+            pread_into(fd, out, offset, path)
+        elif not pread_direct(direct, fd, out, offset, path):
+            self._refuse_direct(path)
         self.count_bytes(read=out.numel() * out.element_size())
 
     def check(self, unit: str, generation: int) -> Trailer:
