@@ -530,22 +530,29 @@ def test_each_state_file_waits_on_the_disks_queue() -> None:
     assert plan(shape, device, cfg.replace(store="ram"), limits=False).step_time_s < 1e-6
 
 
+def _free_cpu(**costs: float) -> DeviceSpec:
+    """A cpu device (host and device one memory) on which compute, bytes and fixed costs are free (1e30 a second,
+    0 s), but for `costs`, fields of its bf16 and fp32 KernelCosts."""
+    from memory_model.kernels import KernelCosts
+    free = 1e30
+    kernels = KernelCosts(**{"attention_forward_flops": free, "attention_backward_flops": free,
+                             "elementwise_forward_s": 0.0, "elementwise_backward_s": 0.0, "logits_forward_s": 0.0,
+                             "logits_backward_s": 0.0, "embedding_backward_s": 0.0,
+                             "gradient_fold_bytes_per_s": free, "compute_cast_bytes_per_s": free, "event_s": 0.0,
+                             "step_s": 0.0, "disk_event_s": 0.0, "disk_step_s": 0.0,
+                             "page_cache_bytes_per_s": free, "flush_s": 0.0, **costs})
+    return DeviceSpec(name="local", memory_bytes=10**12, h2d=Link(free), d2h=Link(free),
+                      flops={"bf16": free, "fp32": free}, device_mem_bandwidth=free, host_ram_bytes=10**13,
+                      disk_read_bw=free, disk_write_bw=free, host_update_bw=free, same_memory=True,
+                      kernels={"bf16": kernels, "fp32": kernels})
+
+
 def test_a_cpu_disk_step_pays_the_page_cache_for_what_it_writes_and_its_gradient_files_alone() -> None:
     """On a cpu device the cores that compute copy what a disk-tier step writes, and the gradient files it reads
     back through the page cache; the state files are read past it (streamer.store.direct), with no copy. The
     step takes those bytes at the page cache's rate on top of the same step's with free copies."""
-    from memory_model.kernels import KernelCosts
-    free = DeviceSpec(name="free-cpu", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
-                      flops={"fp32": 1e18}, device_mem_bandwidth=1e18, host_ram_bytes=10**13,
-                      disk_read_bw=1e18, disk_write_bw=1e18, host_update_bw=1e18, same_memory=True)
-    costs = KernelCosts(attention_forward_flops=1e18, attention_backward_flops=1e18, elementwise_forward_s=0.0,
-                        elementwise_backward_s=0.0, logits_forward_s=0.0, logits_backward_s=0.0,
-                        embedding_backward_s=0.0, gradient_fold_bytes_per_s=1e18, compute_cast_bytes_per_s=1e18,
-                        event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e9,
-                        flush_s=0.0)
     shape, cfg = GPTJConfig.preset("gptj-debug"), PlanConfig.of(batch=1, seq=64, compute_dtype="fp32", store="disk")
-    device = replace(free, kernels={"fp32": costs})
-    uncopied = replace(free, kernels={"fp32": replace(costs, page_cache_bytes_per_s=1e30)})
+    device, uncopied = _free_cpu(page_cache_bytes_per_s=1e9), _free_cpu()
 
     def copies_s(timing: str) -> tuple[float, dict[str, int]]:
         """The step's seconds beyond those of the same step with free copies, and its disk bytes."""
@@ -591,20 +598,11 @@ def test_a_disk_tier_commit_pays_each_flush_its_fixed_costs_do_not_hold(timing, 
     trainer's thread waits for the manifest's two: the disk tier's fixed costs, measured on a fused step, hold
     those. A journaled step also flushes its gradient files and its journal: on a device whose compute, bytes
     and fixed costs are free, the step is those flushes end to end."""
-    from memory_model.kernels import KernelCosts
     from memory_model.timing import commit_flushes, unmeasured_flushes
-    free = DeviceSpec(name="local", memory_bytes=10**12, h2d=Link(1e18), d2h=Link(1e18),
-                      flops={"bf16": 1e30}, device_mem_bandwidth=1e30, host_ram_bytes=10**13,
-                      disk_read_bw=1e30, disk_write_bw=1e30, host_update_bw=1e30, same_memory=True)
-    costs = KernelCosts(attention_forward_flops=1e30, attention_backward_flops=1e30, elementwise_forward_s=0.0,
-                        elementwise_backward_s=0.0, logits_forward_s=0.0, logits_backward_s=0.0,
-                        embedding_backward_s=0.0, gradient_fold_bytes_per_s=1e30, compute_cast_bytes_per_s=1e30,
-                        event_s=0.0, step_s=0.0, disk_event_s=0.0, disk_step_s=0.0, page_cache_bytes_per_s=1e30,
-                        flush_s=1e-3)
     shape = GPTJConfig.preset("gptj-debug")  # 4 units
     cfg = PlanConfig.of(batch=2, seq=64, store="disk", update_timing=timing)
     assert commit_flushes(shape, cfg) == flushes and unmeasured_flushes(shape, cfg) == flushes - 2
-    flushing = replace(free, kernels={"bf16": costs})
+    flushing = _free_cpu(flush_s=1e-3)
     assert plan(shape, flushing, cfg).step_time_s == pytest.approx((flushes - 2) * 1e-3, abs=1e-12)
     assert plan(shape, flushing, cfg.replace(store="ram", update_timing="auto")).step_time_s < 1e-9  # no files
 
