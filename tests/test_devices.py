@@ -167,6 +167,40 @@ def test_device_spec_is_frozen_validated_and_roundtrips() -> None:
 
 
 # --- local calibration -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("as_store", [True, False])
+def test_the_disk_is_read_as_the_store_reads_it(tmp_path, monkeypatch, as_store) -> None:
+    """`local`'s disk figures (`as_store`) read the file as the store reads a state file: its whole blocks past the
+    page cache where the filesystem allows (streamer.store.direct), the rest through it. The raw figures read it
+    through the page cache."""
+    import fcntl
+
+    from streamer.store.direct import open_for_direct_reads
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(4096))
+    fd = open_for_direct_reads(probe)
+    if fd is None:
+        pytest.skip(f"{tmp_path}'s filesystem has no O_DIRECT")
+    os.close(fd)
+    reads: list[tuple[bool, int, int]] = []  # (direct, offset, bytes)
+    original = os.preadv
+
+    def recording(fd: int, buffers, offset: int) -> int:
+        n = original(fd, buffers, offset)
+        reads.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", recording)
+    nbytes = 2 * 8 * 2**20 + 5000  # two whole pieces, and one of a block and a rest
+    read_bw, write_bw = calibrate.measure_disk(tmp_path / "disk", nbytes, as_store=as_store)
+    assert read_bw > 0 and write_bw > 0
+    piece = 8 * 2**20
+    if as_store:
+        assert reads == [(True, 0, piece), (True, piece, piece), (True, 2 * piece, 4096),
+                         (False, 2 * piece + 4096, 904)]
+    else:
+        assert reads == [(False, 0, piece), (False, piece, piece), (False, 2 * piece, 5000)]
+
+
 def test_attention_is_fitted_as_a_flop_rate_plus_a_cost_per_token_and_head(monkeypatch) -> None:
     """`local` times attention as one sequence and as short ones; the two times fit a FLOP rate and a cost per
     token and query head, so that a short sequence (a CPU's flash attention pays for whole blocks) is priced

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import platform
 import statistics
@@ -36,7 +37,8 @@ from memory_model.kernels import KernelCosts, attention_flops, elementwise_width
 from memory_model.shapes import UPDATE_TOUCHED_BYTES_PER_PARAM, forward_flops, loss_vocab_chunk
 from memory_model.units import format_size, stored_bytes
 from streamer.calibration.host_costs import HostCosts, measure_host_costs
-from streamer.store.direct import AlignedBuffers, SequentialFile
+from streamer.store.direct import AlignedBuffers, SequentialFile, open_for_direct_reads, pread_direct
+from streamer.store.slabfile import pread_into
 
 CACHE_NAME = "device-local.json"
 CACHE_VERSION = 17  # each entry: the spec and the load other processes put on the cores while it was measured
@@ -148,9 +150,10 @@ def measure_copy(nbytes: int, repeats: int) -> tuple[float, float]:
 
 def measure_disk(directory: Path, nbytes: int, as_store: bool = False) -> tuple[float, float]:
     """Sequential write then read of a new file of `nbytes` in `directory`, in 8 MiB pieces; the read with the
-    page cache dropped. The write is the disk's raw rate (buffered, one fsync) or, `as_store`, the store's own
-    for a state file (`SequentialFile`: past the page cache where the filesystem allows, checksummed as it
-    goes, one flush), which the planner prices: the raw write ran 1.3-1.5x the store's on this project's box."""
+    page cache dropped. Both are the disk's raw rates (buffered; the write with one fsync) or, `as_store`, the
+    store's own for a state file, which the planner prices: written by `SequentialFile` (past the page cache
+    where the filesystem allows, checksummed as it goes, one flush) and read past the page cache where the
+    filesystem allows (`store.direct.pread_direct`). The raw write ran 1.3-1.5x the store's on this project's box."""
     piece = min(nbytes, 8 * 2**20)
     buf = bytearray(os.urandom(1024) * (piece // 1024) + os.urandom(piece % 1024))
     directory.mkdir(parents=True, exist_ok=True)
@@ -162,19 +165,31 @@ def measure_disk(directory: Path, nbytes: int, as_store: bool = False) -> tuple[
         # Drop the file from the page cache (its pages are clean after the flush) so the read hits the disk.
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.lseek(fd, 0, os.SEEK_SET)
         start = time.perf_counter()
-        read = 0
-        while read < nbytes:
-            got = os.readv(fd, [memoryview(buf)[: min(piece, nbytes - read)]])
-            if got == 0:
-                break
-            read += got
-        read_bw = read / max(time.perf_counter() - start, 1e-9)
+        _read_file(fd, Path(name), nbytes, piece, as_store)
+        read_bw = nbytes / max(time.perf_counter() - start, 1e-9)
     finally:
         os.close(fd)
         os.unlink(name)
     return read_bw, write_bw
+
+
+def _read_file(fd: int, path: Path, nbytes: int, piece: int, as_store: bool) -> None:
+    """The file `fd` at `path`, front to back, in `piece`-byte reads into one page-aligned buffer: through the
+    page cache, or, `as_store`, past it where the filesystem allows, as the store reads a state file."""
+    buf = torch.frombuffer(mmap.mmap(-1, piece), dtype=torch.uint8)
+    direct = open_for_direct_reads(path) if as_store else None
+    try:
+        for offset in range(0, nbytes, piece):
+            out = buf[: min(piece, nbytes - offset)]
+            if direct is None:
+                pread_into(fd, out, offset, path)
+            elif not pread_direct(direct, fd, out, offset, path):
+                os.close(direct)
+                direct = None
+    finally:
+        if direct is not None:
+            os.close(direct)
 
 
 def _write_file(fd: int, path: Path, buf: bytearray, nbytes: int, as_store: bool) -> None:
