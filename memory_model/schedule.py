@@ -427,7 +427,13 @@ def load_disk_bytes(resource: Resource, numel: int, sizes: StoreBytes) -> int:
     if isinstance(resource, (Weights, ExpertGroup)):
         return numel * sizes.weights
     master = sizes.master if resource.master else 0
-    return resource.count * (master + (sizes.grad if resource.grad else 0)) + sizes.moments(resource.count)
+    return resource.count * master + load_gradient_bytes(resource, sizes) + sizes.moments(resource.count)
+
+
+def load_gradient_bytes(resource: Resource, sizes: StoreBytes) -> int:
+    """The part of `load_disk_bytes` read from the gradient files: a state chunk's fp32 gradient, unless taken from
+    a fused backward's fold."""
+    return resource.count * sizes.grad if isinstance(resource, StateChunk) and resource.grad else 0
 
 
 def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes: StoreBytes,

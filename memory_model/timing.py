@@ -28,8 +28,8 @@ from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.tiers import RAM
 from memory_model.schedule import (
-    BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, folded_by_chunk, load_disk_bytes, releases,
-    resource_charges, store_bytes, Weights,
+    BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, folded_by_chunk, load_disk_bytes,
+    load_gradient_bytes, releases, resource_charges, store_bytes, Weights,
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "host copy", "disk")
@@ -150,7 +150,7 @@ def _load(resource: Resource, shape: ModelConfig, cfg: PlanConfig, device: Devic
     times.h2d += h2d
     times.host_copy += host_copy
     times.disk_read += disk
-    times.cached_read += resource.count * sizes.grad if isinstance(resource, StateChunk) and resource.grad else 0
+    times.cached_read += load_gradient_bytes(resource, sizes)
     return queues.run("h2d", queues.run("host copy", queues.run("disk", issued, read_s), stage_s), copy_s)
 
 
