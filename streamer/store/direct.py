@@ -13,9 +13,8 @@ where the filesystem refuses O_DIRECT (tmpfs: EINVAL at open) or a direct write 
 `finish` flushes the file (fdatasync): a commit's only flush of its data.
 
 A read through the page cache costs the reading core a copy out of the cache, plus the cache's own upkeep:
-pages allocated, read ahead, then reclaimed. A read past it lands in the destination from the disk, at about
-a quarter of the CPU time (2 GiB read on this project's box: 0.11 s of CPU against 0.43 s; 1.3-1.6 GB/s
-against 1.6-1.8 GB/s buffered), and the compute that shares the cores keeps its caches. A read's whole
+pages allocated, read ahead, then reclaimed. A read past it lands in the destination from the disk with
+neither (nor read-ahead), and the compute that shares the cores keeps its caches. A read's whole
 blocks go direct where its buffer and file offset are block aligned (large buffers from the buffer cache,
 streamer.cpu_cache, and pinned ones are page aligned, and most pieces of a state file start on a block); the
 rest, and every read the filesystem refuses direct, goes through the page cache. The kernel writes back a
