@@ -32,8 +32,10 @@ beside device memory, and what `streamer train` checks against the machine's ava
   it. Less what a step holds and the start does not: the device's bytes and the staging pool (not the part of
   `base` a process adds once it steps, so a run may stay below the plan by these bytes). And a 4-bit or
   8-bit base's bitsandbytes: its modules and its kernels' first calls, measured once (`BITSANDBYTES_BYTES`);
-- `compiled`: where a bf16 master or int8 moments are updated in chunks that torch.compile compiles
+- `compiled`: where a bf16 master is rounded off the CPU (on a GPU) in chunks that torch.compile compiles
   (`COMPILE_MIN_NUMEL`, streamer.compiled), the compiler's modules and kernels, measured once (`COMPILED_BYTES`).
+  On the CPU, rounding and int8 moments' quantizing run in C++ of their own (streamer.native), which adds no
+  compiler.
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ STAGE_BYTES = 8 * 2**20
 STAGES_IN_FLIGHT = 2
 # A flushed file's checksum reads it back in blocks of this size (streamer.store.slabfile.file_checksum).
 CHECKSUM_BLOCK_BYTES = 4 * 2**20
-# The opt-in precisions' elementwise kernels (int8 moments' quantizing, a bf16 master's rounding) are compiled on
-# their first call of at least this many elements (streamer.compiled).
+# Off the CPU, a bf16 master's stochastic rounding is compiled on its first call of at least this many elements
+# (streamer.compiled); so are the CPU's kernels where their C++ cannot be built.
 COMPILE_MIN_NUMEL = 2**20
 # What compiling them adds to the process: the resident set of a process that has imported the trainer grew by
 # 156 MiB once it had quantized, dequantized and rounded a chunk of COMPILE_MIN_NUMEL x 2 elements on this project's
@@ -237,5 +239,5 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + scratch + checksummed,
         activations=offloaded_bytes(shape, cfg), write_backs=lagging, start=start,
-        compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and
-        (cfg.precision.master == "bf16" or cfg.precision.moments == "int8") else 0)
+        compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and cfg.precision.master == "bf16"
+        and not same_memory and cfg.step.update_on != "host" else 0)

@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
+
+from streamer import native
 
 SOURCE = Path(__file__).with_name("cpu_cache.cpp")
 # Requests below it go to torch's own allocation (glibc's heaps keep them): glibc's mmap threshold as `streamer`
 # fixes it.
 KEPT_FROM_BYTES = 2**20
-COMPILE_TIMEOUT_S = 300
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -57,13 +53,13 @@ def install() -> bool:
     with _lock:
         if _library is None and not _failed:
             try:
-                library = ctypes.CDLL(str(_built()))
+                library = ctypes.CDLL(str(native.built(SOURCE)))
                 library.ws_install(ctypes.c_size_t(KEPT_FROM_BYTES))
-            except (OSError, subprocess.SubprocessError) as exc:
+            except native.BUILD_ERRORS as exc:
                 _failed = True
-                reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-                warnings.warn(f"the CPU buffer cache could not be built ({reason}); torch's own allocator stays, "
-                              f"and steps fault in their freed buffers afresh (slower)", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"the CPU buffer cache could not be built ({native.failure(exc)}); torch's own "
+                              f"allocator stays, and steps fault in their freed buffers afresh (slower)",
+                              RuntimeWarning, stacklevel=2)
             else:
                 _library = library
     return _library is not None
@@ -83,46 +79,3 @@ def stats() -> CacheStats | None:
     values = (ctypes.c_size_t * len(dataclasses.fields(CacheStats)))()
     _library.ws_stats(values)
     return CacheStats(*values)
-
-
-def _built() -> Path:
-    """The cache's shared library for this torch and source, compiled into the user's cache folder if it is not
-    there yet (atomically: processes that start together each compile and the last rename wins)."""
-    import torch
-    include, lib = Path(torch.__file__).parent / "include", Path(torch.__file__).parent / "lib"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + str(lib).encode()).hexdigest()[:16]
-    folder = _cache_folder()
-    target = folder / f"cpu_cache-{key}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise OSError("no C++ compiler: install one (g++) or set CXX")
-    abi = int(torch.compiled_with_cxx11_abi())
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=target.stem, suffix=".so", delete=False) as out:
-        partial = Path(out.name)
-    try:
-        done = subprocess.run([compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                               f"-I{include}", str(SOURCE), f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}", "-o",
-                               str(partial)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        if done.returncode:
-            raise OSError(f"{compiler} failed: {done.stderr.strip() or done.returncode}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
-
-
-def _cache_folder() -> Path:
-    """$XDG_CACHE_HOME/weight-streaming (~/.cache by default), or the temporary folder where that is not
-    writable."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    for folder in (base / "weight-streaming", Path(tempfile.gettempdir()) / f"weight-streaming-{os.getuid()}"):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(folder, os.W_OK):
-            return folder
-    raise OSError("no writable folder for the CPU buffer cache's library (set XDG_CACHE_HOME)")

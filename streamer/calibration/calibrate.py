@@ -331,7 +331,7 @@ def measure_kernel_costs(dtype_name: str, matmul_flops: float, fold_params: int,
         cast_s = _best_time(lambda: grad.copy_(accumulator), repeats, max(0.0, deadline - time.perf_counter()))
         precision_work = _precision_work(fold_params)
         for run in precision_work:
-            run()  # compiles its kernel (`streamer.compiled`), seconds once per process: not its cost
+            run()  # builds or compiles its kernel (streamer.native, streamer.compiled), once per machine or process
         quantize_s, dequantize_s, round_s = (
             _best_time(run, repeats, max(0.0, deadline - time.perf_counter())) / fold_params
             for run in precision_work)

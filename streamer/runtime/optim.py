@@ -2,14 +2,17 @@
 of one chunk of a unit's flat state, with torch's own Adam kernels; a bf16 master's stochastic rounding."""
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import xxhash
 from torch.optim.adam import adam
 
 from memory_model.settings import Choice, Integer, Number, Pair, check_settings, setting
+from streamer import native
 from streamer.compiled import kernel
 from streamer.errors import ConfigError
 
@@ -118,7 +121,13 @@ CPU_ROUNDING_BLOCK = 2**15
 
 def stochastic_round_bf16_(master: torch.Tensor, key: int, start: int) -> None:
     """Round the fp32 `master`, elements [start, ...) of a unit, in place to bf16 values with the unit's random
-    bits (`rounding_key`, `random_bits16`), block by block when eager on a CPU."""
+    bits (`rounding_key`, `random_bits16`): on the CPU in one pass of C++ (`rounding.cpp`), elsewhere compiled,
+    and block by block where eager on a CPU."""
+    library = _ROUNDING.get() if master.device.type == "cpu" and master.is_contiguous() else None
+    if library is not None:
+        library.ws_round_bf16(master.data_ptr(), master.numel(), start & 0xFFFFFFFF, key & 0xFFFFFFFF,
+                              *_HASH_MULTIPLIERS, torch.get_num_threads())
+        return
     whole = master.device.type != "cpu" or _round_stochastically.compiles(master.numel())
     block = max(master.numel(), 1) if whole else CPU_ROUNDING_BLOCK
     for lo in range(0, master.numel(), block):
@@ -136,6 +145,11 @@ def _round_stochastically(values: torch.Tensor, start_and_key: torch.Tensor) -> 
 # lowbias32 (Chris Wellons' hash-prospector): a 32-bit integer hash under which every output bit flips with
 # probability close to 1/2 when any input bit does. Both multipliers are below 2^31.
 _HASH_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+_ROUNDING = native.Library(
+    Path(__file__).with_name("rounding.cpp"), native.KERNEL_FLAGS,
+    {"ws_round_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                       ctypes.c_uint32, ctypes.c_int]},
+    "the bf16 master's C++ rounding", "a compiled torch kernel rounds it instead")
 
 
 def rounding_key(seed: int, step: int, unit: str) -> int:

@@ -6,16 +6,22 @@ Each block of `QUANT_BLOCK` elements is scaled by its absolute maximum and every
 or [0, 1] (exp_avg_sq, unsigned), dense near zero, as bitsandbytes' `create_dynamic_map` builds it (without its
 zero padding, as torchao's). The stored bytes of a range are one record per block, its fp32 scale then its
 codes (a partial last block has fewer codes), so any range starting on a block is a contiguous piece of a
-slab or of a state file's chunk, and `memory_model.units.stored_bytes` gives its size. A large chunk is
-quantized by one compiled loop (`streamer.compiled`).
+slab or of a state file's chunk, and `memory_model.units.stored_bytes` gives its size.
+
+On the CPU one pass per block of C++ (`quant.cpp`, built for this CPU on first use: `streamer.native`) quantizes
+and dequantizes; elsewhere, and where that library cannot be built, a compiled loop (`streamer.compiled`) gives
+the same bits. tests/test_compiled.py holds the two equal.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
 from memory_model.units import BLOCK_SCALE_BYTES, QUANT_BLOCK
+from streamer import native
 from streamer.compiled import kernel
 from streamer.store.slabfile import Scratch
 from streamer.store.spec import StoreSpec
@@ -62,6 +68,33 @@ def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return qmap.to(device), below.to(torch.uint8).to(device), next_mid.to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _native_table(signed: bool) -> torch.Tensor:
+    """`_tables`' two look-ups in one (int32), as quant.cpp reads it: per 16-bit range of fp32 values, the code
+    below which it starts (bits 0-7), whether the next code's midpoint lies inside the range (bit 8), and that
+    midpoint's low 16 bits (bits 16-31)."""
+    _, below, next_mid = _tables(signed, torch.device("cpu"))
+    keys = torch.arange(-2**15, 2**15, dtype=torch.int32)
+    bits = next_mid.view(torch.int32)
+    inside = ((bits >> 16) == keys) & next_mid.isfinite()
+    return below.to(torch.int32) | (inside.to(torch.int32) << 8) | ((bits & 0xFFFF) << 16)
+
+
+_LIBRARY = native.Library(
+    Path(__file__).with_name("quant.cpp"), native.KERNEL_FLAGS,
+    {"ws_encode": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int],
+     "ws_decode": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]},
+    "the int8 moments' C++ kernels", "compiled torch kernels quantize them instead, about half as fast")
+
+
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """quant.cpp's library where every tensor is a contiguous CPU tensor, else None (the compiled kernels)."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    return _LIBRARY.get()
+
+
 def _blocks(raw: torch.Tensor, numel: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(first element, elements, codes, scales) of the full blocks of `raw` and of its partial last block, the
     codes (blocks, elements per block) uint8 and the scales (blocks,) fp32, both views of `raw`."""
@@ -97,6 +130,12 @@ def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor
 
 def encode(values: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Quantize fp32 `values` (starting on a block) into `out`, their stored bytes (uint8); returns `out`."""
+    library = _native(values, out)
+    if library is not None:
+        table = _native_table(signed)
+        library.ws_encode(values.data_ptr(), values.numel(), QUANT_BLOCK, MIN_SCALE, table.data_ptr(), out.data_ptr(),
+                          torch.get_num_threads())
+        return out
     _, below, next_mid = _tables(signed, values.device)
     for first, count, codes, scales in _blocks(out, values.numel()):
         # The scales are returned, not written: a compiled kernel cannot write two views of one buffer.
@@ -107,6 +146,11 @@ def encode(values: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tenso
 def decode(raw: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the stored bytes `raw` of `out.numel()` elements into `out` (fp32); returns `out`."""
     qmap, _, _ = _tables(signed, raw.device)
+    library = _native(raw, out)
+    if library is not None:
+        library.ws_decode(raw.data_ptr(), out.numel(), QUANT_BLOCK, qmap.data_ptr(), out.data_ptr(),
+                          torch.get_num_threads())
+        return out
     for first, count, codes, scales in _blocks(raw, out.numel()):
         _decode_blocks(count, codes, scales, qmap, out[first:first + count].view(codes.shape))
     return out
