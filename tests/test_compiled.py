@@ -38,7 +38,7 @@ def _encoded_in_pieces(values: torch.Tensor, signed: bool) -> torch.Tensor:
 @pytest.fixture
 def without_cpp(monkeypatch):
     """The int8 moments quantized by the compiled kernels, as where quant.cpp cannot be built."""
-    monkeypatch.setattr(quant, "_native", lambda *tensors: None)
+    monkeypatch.setattr(quant, "_native", lambda values, raw: None)
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -57,7 +57,7 @@ def test_compiled_int8_codes_equal_eager_ones(signed, without_cpp):
 
 def _compiled_encode(values: torch.Tensor, signed: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     with monkeypatch.context() as patch:
-        patch.setattr(quant, "_native", lambda *tensors: None)
+        patch.setattr(quant, "_native", lambda values, raw: None)
         return encode(values, signed, torch.empty(stored_bytes("int8", values.numel()), dtype=torch.uint8))
 
 
@@ -85,7 +85,7 @@ def test_the_cpp_int8_kernels_give_the_compiled_ones_bits(signed, monkeypatch):
         assert torch.equal(ours, _compiled_encode(chunk, signed, monkeypatch))
         back = decode(ours, signed, torch.empty(chunk.numel()))
         with monkeypatch.context() as patch:
-            patch.setattr(quant, "_native", lambda *tensors: None)
+            patch.setattr(quant, "_native", lambda values, raw: None)
             assert torch.equal(back, decode(ours, signed, torch.empty(chunk.numel())))
 
 

@@ -123,7 +123,8 @@ def stochastic_round_bf16_(master: torch.Tensor, key: int, start: int) -> None:
     """Round the fp32 `master`, elements [start, ...) of a unit, in place to bf16 values with the unit's random
     bits (`rounding_key`, `random_bits16`): on the CPU in one pass of C++ (`rounding.cpp`), elsewhere compiled,
     and block by block where eager on a CPU."""
-    library = _ROUNDING.get() if master.device.type == "cpu" and master.is_contiguous() else None
+    on_cpu = master.device.type == "cpu" and master.dtype == torch.float32 and master.is_contiguous()
+    library = _ROUNDING.get() if on_cpu else None
     if library is not None:
         library.ws_round_bf16(master.data_ptr(), master.numel(), start & 0xFFFFFFFF, key & 0xFFFFFFFF,
                               *_HASH_MULTIPLIERS, torch.get_num_threads())

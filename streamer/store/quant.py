@@ -88,9 +88,11 @@ _LIBRARY = native.Library(
     "the int8 moments' C++ kernels", "compiled torch kernels quantize them instead, about half as fast")
 
 
-def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """quant.cpp's library where every tensor is a contiguous CPU tensor, else None (the compiled kernels)."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+def _native(values: torch.Tensor, raw: torch.Tensor) -> ctypes.CDLL | None:
+    """quant.cpp's library for fp32 `values` and their stored bytes `raw`, both contiguous on the CPU; else None
+    (the compiled kernels)."""
+    if values.dtype != torch.float32 or raw.dtype != torch.uint8 or \
+            not all(t.device.type == "cpu" and t.is_contiguous() for t in (values, raw)):
         return None
     return _LIBRARY.get()
 
@@ -146,7 +148,7 @@ def encode(values: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tenso
 def decode(raw: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the stored bytes `raw` of `out.numel()` elements into `out` (fp32); returns `out`."""
     qmap, _, _ = _tables(signed, raw.device)
-    library = _native(raw, out)
+    library = _native(out, raw)
     if library is not None:
         library.ws_decode(raw.data_ptr(), out.numel(), QUANT_BLOCK, qmap.data_ptr(), out.data_ptr(),
                           torch.get_num_threads())
