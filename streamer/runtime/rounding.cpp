@@ -6,7 +6,6 @@
 //
 // Call order: none; each call is independent. `threads` OpenMP threads split a call's elements.
 #include <cstdint>
-#include <cstring>
 
 extern "C" {
 
