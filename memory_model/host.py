@@ -15,13 +15,17 @@ beside device memory, and what `streamer train` checks against the machine's ava
   folded by chunk loads each chunk's master with its state instead;
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
   `STAGES_IN_FLIGHT` being written); a kind of one chunk's state in its stored form (a bf16 master, an int8
-  moment) in the buffer each thread that reads, quantizes or casts it keeps (the read thread, the update's thread
-  and the write thread; on the RAM tier, the update's thread quantizing int8 moments); and the block a gradient
-  file's checksum is read in (`CHECKSUM_BLOCK_BYTES`);
-- `write_backs`: where the device is the host, the chunks whose write-back is still running after their release
-  (`prefetch` of them at most: fp32 state and gradient; a kind's stored form is narrowed as it is written, into
-  the write thread's buffer that `writes` prices): they outlive it only where the disk is slower than the next
-  chunk's update, so a run on a fast disk may stay below the plan by these bytes;
+  moment) in the buffer each thread that reads, quantizes or casts it keeps (the read thread; the main thread,
+  which narrows the units as the run starts; the write thread, where the update does not narrow them; on the RAM
+  tier, the update's thread quantizing int8 moments); and the block a gradient file's checksum is read in
+  (`CHECKSUM_BLOCK_BYTES`);
+- `write_backs`: where the device is the host, the chunks whose write-back is still running after their release.
+  Where a kind narrows (a bf16 master, int8 or bf16 moments), the update narrows each chunk's new state into a
+  buffer of the write-back's own and lets go of its fp32 state and gradient at once: `write_lag` chunks of that
+  state in its stored form (`narrowed_layout`), so one unit's writes run on while the next unit's backward
+  computes. Else `prefetch` chunks of fp32 state and gradient, narrowed as they are written. Either outlives its
+  update only where the write is slower than the next chunks' compute, so a run may stay below the plan by
+  these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
 - `start`: the units stored a unit at a time as the run starts (`start_unit_bytes`), each chunk by chunk from its
   tensors as given: the largest unit as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's
@@ -40,7 +44,7 @@ beside device memory, and what `streamer train` checks against the machine's ava
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from layers import ModelConfig
 from layers.packed4 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_CHUNK, quantized_numels
@@ -51,7 +55,8 @@ from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
 )
 from memory_model.tiers import Tier
-from memory_model.units import DTYPE_BYTES, format_size
+from memory_model.step import StepConfig
+from memory_model.units import DTYPE_BYTES, format_size, stored_bytes
 
 # ru_maxrss of `streamer train` on a 2-layer Llama of hidden size 64 and 512 tokens (batch 1 x 128, 2 steps) on
 # this project's box: 0.357 GiB on the RAM tier, 0.359 GiB on the disk tier; tests/test_host_memory.py
@@ -130,6 +135,38 @@ def start_unit_bytes(shape: ModelConfig, cfg: PlanConfig, unit: str) -> int:
     quantized = max(quantized_numels(shape, unit), default=0) if bitsandbytes else 0
     return source + (min(cfg.step.update_chunk * element, slab) if assembled else 0) \
         + QUANTIZE_BYTES_PER_ELEMENT * min(QUANTIZE_CHUNK, quantized)
+
+
+# Each kind's stored piece of a narrowed chunk starts on this many bytes of its buffer: an int8 moment's records
+# begin with fp32 scales.
+NARROWED_ALIGN = 64
+
+
+def narrows_write_backs(step: StepConfig, frozen: bool, same_memory: bool) -> bool:
+    """The update narrows each chunk's new state to its stored form before its write-back (`write_backs` in the
+    module's docstring): where a write-back can lag its update (the state on disk, trained, the device the host's
+    memory, the update on it) and a kind of the state narrows."""
+    narrows = step.precision.master != "fp32" or step.precision.moments != "fp32"
+    return not step.store.state.zero_copy and not frozen and same_memory and step.update_on != "host" and narrows
+
+
+def narrowed_layout(dtypes: Sequence[str], count: int) -> tuple[list[int], int]:
+    """Where each kind's stored piece of a `count`-element chunk starts in its narrowed write-back's buffer (the
+    kinds' dtypes in order), and the buffer's bytes."""
+    starts, at = [], 0
+    for dtype in dtypes:
+        starts.append(at)
+        at += -(-stored_bytes(dtype, count) // NARROWED_ALIGN) * NARROWED_ALIGN
+    return starts, at
+
+
+def write_lag(step: StepConfig, numels: Mapping[str, int]) -> int:
+    """Narrowed write-backs in flight at most: the chunks of the largest block (of the largest unit where there
+    is none; `numels`: each unit's elements), so a block's writes may run through the next block's backward, and
+    never fewer than a step holds unnarrowed. A larger embedding or head waits for its writes beyond that: its
+    update is the backward's first or last, where nothing computes beside it for long."""
+    blocks = [n for unit, n in numels.items() if unit.startswith("block.")] or list(numels.values())
+    return max(step.prefetch + 1, -(-max(blocks) // step.update_chunk))
 
 
 @dataclass(frozen=True)
@@ -214,19 +251,23 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
     state_on_disk = not store.state.zero_copy and not frozen
     # Kinds stored other than in fp32, one kind of a chunk at a time, in a buffer each thread keeps
-    # (streamer.store.slabfile.Scratch): read into the read thread's and widened; narrowed into the update's
-    # thread's (int8 moments) and the write thread's (a cast) as written. On the RAM tier, int8 moments are
-    # quantized into the update's thread's.
+    # (streamer.store.slabfile.Scratch): read into the read thread's and widened; narrowed into the main thread's
+    # as the run starts, and into the write thread's as a step writes them, unless the update narrowed them
+    # (`write_backs`). On the RAM tier, int8 moments are quantized into the update's thread's.
     narrowed = max(chunk * cfg.master_bytes if cfg.precision.master != "fp32" else 0,
                    cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" else 0) if state_on_disk else 0
     quantized = cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" and not frozen else 0
-    scratch = 3 * narrowed if state_on_disk else quantized
+    narrows = narrows_write_backs(cfg.step, frozen, same_memory)
+    scratch = (2 if narrows else 3) * narrowed if state_on_disk else quantized
     # Gradient files are checksummed as they are flushed, read back in blocks into the checksum thread's buffer.
     checksummed = CHECKSUM_BLOCK_BYTES if store.grad.durable and not frozen else 0
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
-    # A write-back waiting on the write queue holds its chunk's fp32 state and gradient alone: the write narrows
-    # each kind as it writes it, into the write thread's buffer (`scratch`).
-    lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) if lags else 0
+    if narrows:
+        numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}
+        lagging = write_lag(cfg.step, numels) * narrowed_layout(
+            (cfg.precision.master, cfg.precision.moments, cfg.precision.moments), chunk)[1]
+    else:  # the write narrows each kind as it writes it, into the write thread's buffer (`scratch`)
+        lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) if lags else 0
     staging = 0 if same_memory else pool
     # The start's units, where a step holds the device's bytes and the staging pool (empty until the first step's
     # loads take its buffers).

@@ -24,6 +24,7 @@ from layers.config import ModelConfig
 from memory_model.lora import weights_bytes
 from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import expert_group, grouped, grouped_block_numel
+from memory_model.host import narrows_write_backs
 from memory_model.shapes import PlanConfig, block_input_numel, forward_flops
 from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_bytes
 from memory_model.tiers import RAM
@@ -220,6 +221,8 @@ def _kernels(event: Event, shape: ModelConfig, cfg: PlanConfig, device: DeviceSp
             cast = event.chunk.count * (4 + cfg.new_compute_bytes) / costs.compute_cast_bytes_per_s
         if costs is not None and cfg.precision.master == "bf16":
             cast += event.chunk.count * costs.round_s  # the stochastic rounding of the bf16 master
+        if narrows_write_backs(cfg.step, cfg.lora.enabled, device.same_memory):  # for its write-back, here
+            cast += _moments_s(event.resource, cfg, device, "quantize_s")
         return cfg.update_touched_bytes(event.chunk.count) / bandwidth + cast
     unit = event.unit
     rate = device.flops_for(cfg.precision.compute) * device.matmul_efficiency
@@ -337,7 +340,9 @@ def _state_out(event: Event, cfg: PlanConfig, device: DeviceSpec, times: UnitTim
     write = out - to_ram
     host_copy = to_ram if d2h else 0
     d2h_s, copy_s = _link(d2h, device, "d2h", cfg), _host_copy_s(host_copy, device)
-    write_s = write / device.disk_write_bw + _moments_s(event.resource, cfg, device, "quantize_s")
+    write_s = write / device.disk_write_bw
+    if not narrows_write_backs(cfg.step, cfg.lora.enabled, device.same_memory):  # the update narrowed them
+        write_s += _moments_s(event.resource, cfg, device, "quantize_s")
     if event.chunk.last:
         write_s += _disk_s(cfg, device, "state_file_s")
     times.d2h += d2h

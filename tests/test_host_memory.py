@@ -20,7 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from layers import ModelConfig
-from memory_model.host import BASE_BYTES, host_bytes
+from memory_model.host import (
+    BASE_BYTES, NARROWED_ALIGN, host_bytes, narrowed_layout, narrows_write_backs, write_lag,
+)
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 from memory_model.units import format_size
 from streamer.config import TrainerConfig
@@ -227,10 +229,12 @@ def test_train_refuses_a_run_whose_planned_host_peak_exceeds_the_available_ram(t
     assert f"at its peak as planned: {planned.describe()}" in refused and "what would fit: " in refused
 
 
-def test_a_lagging_write_back_holds_its_chunks_fp32_state_and_gradient_alone(tmp_path):
-    """On the cpu device's disk tier, a write-back still queued holds its chunk's fp32 master, moments and
-    gradient, whatever the store keeps them in: a bf16 master or int8 moment is narrowed as it is written, into
-    the write thread's buffer, which `writes` prices once (with the read thread's and the update thread's)."""
+def test_a_lagging_write_back_holds_its_chunks_state_as_stored_where_a_kind_narrows(tmp_path):
+    """On the cpu device's disk tier, a write-back still queued holds its chunk's fp32 master, moments and gradient
+    where no kind narrows (`prefetch` of them); where one does (a bf16 master, int8 moments), the update narrows
+    the chunk into a buffer of the write-back's own and lets the fp32 go: `write_lag` chunks as stored, one unit's
+    chunks at most. The buffer for one narrowed kind that the read thread and the main thread each keep is priced
+    in `writes` (the write thread's too where the update does not narrow)."""
     (tmp_path / "model.json").write_text(json.dumps(MODEL))
 
     def planned(settings: dict) -> tuple[Any, Any]:
@@ -238,13 +242,42 @@ def test_a_lagging_write_back_holds_its_chunks_fp32_state_and_gradient_alone(tmp
                        "update_chunk": 2**20, **settings})
         return planned_host(cfg.model_config(), cfg), cfg.plan_config(1)
 
-    wide, _ = planned({})
+    wide, wide_pc = planned({})
     half, pc = planned(HALF)
     narrowed = 2**20 * pc.master_bytes  # a bf16 master's chunk: more than an int8 moment's, scales included
     assert pc.step.update_chunk == 2**20 and narrowed >= pc.moment_bytes(2**20) // 2
-    assert half.write_backs == wide.write_backs == \
-        pc.step.prefetch * 2**20 * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
-    assert half.writes - wide.writes == 3 * narrowed
+    assert not narrows_write_backs(wide_pc.step, frozen=False, same_memory=True)
+    assert wide.write_backs == pc.step.prefetch * 2**20 * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM)
+    assert narrows_write_backs(pc.step, frozen=False, same_memory=True)
+    stored = 2**20 * pc.master_bytes + pc.moment_bytes(2**20)
+    assert 0 <= narrowed_layout(("bf16", "int8", "int8"), 2**20)[1] - stored < 3 * NARROWED_ALIGN
+    shape = ModelConfig.from_dict(MODEL)
+    numels = {u: shape.params().own(u) for u in shape.unit_names()}
+    block = numels["block.0"]
+    assert write_lag(pc.step, numels) == -(-block // 2**20) > pc.step.prefetch + 1  # a block's chunks
+    assert write_lag(pc.step, {**numels, "head": 10 * block}) == write_lag(pc.step, numels)  # never a larger head's
+    assert write_lag(pc.step, {"embed": 10 * block}) == -(-10 * block // 2**20)  # the largest unit, without blocks
+    assert half.write_backs == write_lag(pc.step, numels) * narrowed_layout(("bf16", "int8", "int8"), 2**20)[1]
+    assert half.writes - wide.writes == 2 * narrowed
+    assert write_lag(pc.step, {"block.0": 2**20}) == pc.step.prefetch + 1  # never fewer than unnarrowed
+
+
+def test_narrowed_write_backs_reuse_at_most_write_lag_buffers(tmp_path):
+    """The update narrows each chunk's new state into a pooled buffer of its write-back's own, after waiting
+    until fewer than `write_lag` write-backs run: the pool never holds more than that many buffers, whatever
+    the steps, and the chunks' fp32 state goes back to the transport's pool as each is narrowed."""
+    from streamer import StreamingTrainer
+
+    cfg = ModelConfig.from_dict(BASE_MODEL)
+    tc = TrainerConfig.of(dtype="bf16", store="disk", master_dtype="bf16", moment_dtype="int8", update_chunk=4096)
+    trainer = StreamingTrainer(cfg, tc, store_dir=tmp_path / "store")
+    for _ in range(3):
+        trainer.step(torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)))
+    updater = trainer.executor.updater
+    assert updater.narrowed is not None
+    assert updater.lag == -(-cfg.params().own("block.0") // 4096) > tc.step.prefetch + 1
+    nbytes = narrowed_layout(("bf16", "int8", "int8"), 4096)[1]
+    assert nbytes <= updater.narrowed.free_bytes <= updater.lag * nbytes
 
 
 def test_folding_a_bf16_gradient_into_fp32_widens_a_block_at_a_time():

@@ -3,14 +3,18 @@ new state written back to the store on the write queue."""
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 
-from memory_model.schedule import StateChunk, update_charges
+from memory_model.host import narrowed_layout, narrows_write_backs, write_lag
+from memory_model.schedule import StateChunk, shard_numel, update_charges
 from streamer.runtime.optim import adamw_chunk, rounding_key
 from streamer.runtime.step import ClippingNeeded, StepContext, clip_coefficient
-from streamer.runtime.transport import HOST_UPDATE, WRITE_BACK
+from streamer.runtime.transport import HOST_UPDATE, WRITE_BACK, BufferPool
 from streamer.runtime.wiring import Runtime
+from streamer.store.quant import stored_into
+from streamer.store.spec import STATE_KINDS
 
 
 class Updater:
@@ -24,6 +28,12 @@ class Updater:
         self.store, self.writer, self.data_parallel = rt.store, rt.writer, rt.data_parallel
         self.on_host = rt.step.update_on == "host"  # the update runs where the store lives
         self.shards = rt.shards
+        frozen = self.store is None or self.store.spec.frozen
+        # Narrowed write-backs, each in a buffer of its own from this pool (at most `lag` of them).
+        self.narrowed = BufferPool() if narrows_write_backs(rt.step, frozen, self.transport.mode == "shared") \
+            else None
+        self.lag = 0 if self.narrowed is None else \
+            write_lag(rt.step, {unit: shard_numel(layout.numel, self.shards) for unit, layout in self.layouts.items()})
 
     def update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
                grad_sq_norms: dict[str, float]) -> None:
@@ -56,11 +66,31 @@ class Updater:
             handles = [self.ledger.allocate(c.category, chunk.unit, c.nbytes, c.what)
                        for c in update_charges(chunk, self.dtype.itemsize, self.step_cfg.update_on)]
             new_compute.copy_(tensors["master"])
-        job = partial(self._write_back, chunk, tensors, new_compute, ctx)
-        ctx.wait_for_writes(self.step_cfg.prefetch)
+        if self.narrowed is not None:
+            ctx.wait_for_writes(self.lag - 1)
+            job = partial(self._write_back, chunk, *self._narrow(chunk, tensors, ctx), new_compute, ctx)
+        else:
+            ctx.wait_for_writes(self.step_cfg.prefetch)
+            job = partial(self._write_back, chunk, tensors, partial(self._give_back, chunk, tensors, ctx),
+                          new_compute, ctx)
         ctx.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)
+
+    def _narrow(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
+                ctx: StepContext) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+        """The chunk's new state in its stored form, in a buffer of its write-back's own, and what gives that
+        buffer back once written. Its fp32 state and gradient go back now: a write-back that lags behind the
+        next updates holds a bf16 master and int8 moments (4 B a parameter), not 16."""
+        assert self.store is not None and self.narrowed is not None  # (narrows_write_backs)
+        spec = self.store.spec
+        dtypes = [spec.kind_dtype_name(kind) for kind in STATE_KINDS]
+        starts, nbytes = narrowed_layout(dtypes, chunk.count)
+        buffer = self.narrowed.take(nbytes, torch.uint8)
+        narrowed = {kind: stored_into(spec, kind, tensors[kind], buffer[at:at + spec.kind_bytes(kind, chunk.count)])
+                    for kind, at in zip(STATE_KINDS, starts, strict=True)}
+        self._give_back(chunk, tensors, ctx)
+        return narrowed, partial(self.narrowed.give_back, buffer)
 
     def _fused_inputs(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
                       grad_sq_norms: dict[str, float]) -> dict[str, torch.Tensor]:
@@ -90,8 +120,20 @@ class Updater:
         than the master's."""
         return not self.compute_is_master and self.placement.compute.zero_copy
 
-    def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
+    def _give_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext) -> None:
+        """The update's buffers, once its new state is written or narrowed: the chunk's, and after a unit's last
+        chunk the master its weights load kept (the chunks' masters were views of it)."""
+        kept = ctx.kept_masters.get(chunk.unit)
+        for kind, t in tensors.items():
+            borrowed = kind == "master" and kept is not None and t.device == kept.device  # a view
+            if not borrowed and self.transport.owns(t, chunk.unit, kind):
+                self.transport.give_back(t)
+        if chunk.last and kept is not None:
+            self.transport.give_back(ctx.kept_masters.pop(chunk.unit))
+
+    def _write_back(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], release: Callable[[], None],
                     new_compute: torch.Tensor | None, ctx: StepContext) -> None:
+        """Write the chunk's new state (`tensors`) and compute weights, then `release` what held them."""
         if self.store is None:
             return
         assert self.writer is not None  # a store that an update writes to takes writes
@@ -107,15 +149,11 @@ class Updater:
                     writer.write(kind, chunk.start, host)
                     if host is not value:
                         self.transport.give_back(host)
-            kept = ctx.kept_masters.get(chunk.unit)
-            for kind, t in values.items():
-                borrowed = kind == "master" and kept is not None and t is not None and t.device == kept.device  # a view
-                if t is not None and not borrowed and self.transport.owns(t, chunk.unit, kind):
-                    self.transport.give_back(t)
+            if new_compute is not None and self.transport.owns(new_compute, chunk.unit, "compute"):
+                self.transport.give_back(new_compute)
+            release()
             if chunk.last:
                 ctx.writers.pop(chunk.unit).close()
-                if kept is not None:
-                    self.transport.give_back(ctx.kept_masters.pop(chunk.unit))
 
     def abort(self, ctx: StepContext) -> None:
         """A step stopped part-way (its writes drained): discard the new versions and the update's inputs."""

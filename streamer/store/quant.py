@@ -162,16 +162,20 @@ def stored(spec: StoreSpec, kind: str, values: torch.Tensor, scratch: Scratch | 
     """`values` of `kind` as the store keeps them: cast to its dtype, or quantized (exp_avg signed, exp_avg_sq
     unsigned), in `scratch` where given (host values: the result is valid until its thread's next take). Values
     already in that form (a slab's own piece) pass through."""
-    dtype = spec.kind_dtype(kind)
-    if values.dtype == dtype:
+    if values.dtype == spec.kind_dtype(kind):
         return values
-    quantized = spec.quantized(kind)
-    numel = spec.kind_bytes(kind, values.numel()) if quantized else values.numel()
-    out = scratch.take(numel, dtype) if scratch is not None and values.device.type == "cpu" else \
-        torch.empty(numel, dtype=dtype, device=values.device)
-    if not quantized:
-        return out.view(values.shape).copy_(values)
-    return encode(values.float(), kind != "exp_avg_sq", out)
+    nbytes = spec.kind_bytes(kind, values.numel())
+    out = scratch.take(nbytes, torch.uint8) if scratch is not None and values.device.type == "cpu" else \
+        torch.empty(nbytes, dtype=torch.uint8, device=values.device)
+    return stored_into(spec, kind, values, out)
+
+
+def stored_into(spec: StoreSpec, kind: str, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`values` of `kind` in their stored form, written into the bytes `out` (`spec.kind_bytes` of them, uint8);
+    returns them as the store's dtype, a view of `out`."""
+    if spec.quantized(kind):
+        return encode(values.float(), kind != "exp_avg_sq", out)
+    return out.view(spec.kind_dtype(kind)).view(values.shape).copy_(values)
 
 
 def restored(spec: StoreSpec, kind: str, raw: torch.Tensor, out: torch.Tensor) -> None:
