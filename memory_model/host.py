@@ -22,10 +22,10 @@ beside device memory, and what `streamer train` checks against the machine's ava
 - `write_backs`: where the device is the host, the chunks whose write-back is still running after their release.
   Where a kind narrows (a bf16 master, int8 or bf16 moments), the update narrows each chunk's new state into a
   buffer of the write-back's own and lets go of its fp32 state and gradient at once: `write_lag` chunks of that
-  state in its stored form (`narrowed_layout`), so one unit's writes run on while the next unit's backward
-  computes. Else `prefetch` chunks of fp32 state and gradient, narrowed as they are written. Either outlives its
-  update only where the write is slower than the next chunks' compute, so a run may stay below the plan by
-  these bytes;
+  state in its stored form (`narrowed_layout`), the largest block's, so a block's writes run on while the next
+  block's backward computes. Else `prefetch` chunks of fp32 state and gradient, narrowed as they are written.
+  Either outlives its update only where the write is slower than the next chunks' compute, so a run may stay
+  below the plan by these bytes;
 - `activations`: offloaded block inputs (`--activations offload`);
 - `start`: the units stored a unit at a time as the run starts (`start_unit_bytes`), each chunk by chunk from its
   tensors as given: the largest unit as the start holds it (in `PlanConfig.source_dtype`: a fresh initialisation's

@@ -315,7 +315,9 @@ def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
     chunk, load the gradient with them."""
     loading = {e.unit for e in events if e.phase == "update" and e.chunk.grad}
     last_backward = {e.unit: k for k, e in enumerate(events) if e.phase == "backward" and e.unit in loading}
-    return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward)] for k, e in enumerate(events)]
+    fused = is_fused(events)
+    return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward, fused)]
+            for k, e in enumerate(events)]
 
 
 def fetched_input(event: Event) -> BlockInput | None:
@@ -328,9 +330,15 @@ def _fetched(event: Event) -> tuple[BlockInput, ...]:
     return () if fetched is None else (fetched,)
 
 
-def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[str, int]) -> list[Resource]:
+def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[str, int],
+               fused: bool) -> list[Resource]:
     """The next `depth` distinct resources after event `index`'s own, in order of first use, each backward's
     block input after the weights it comes with (the inputs do not count towards `depth`).
+
+    In a `fused` step with `depth` of two or more, a backward or update event gives its first slot to the next
+    backward's weights: the unit's update chunks, which come between, read and write its state, and the next
+    unit's backward would otherwise wait for its weights behind them. With one slot, the update's own next chunk
+    keeps it.
 
     A unit's optimizer state is not fetched while any of its backward events is still to run (its gradient
     is final only once the last micro-batch's backward has been offloaded), so the lookahead stops there.
@@ -339,8 +347,12 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
     """
     current = events[index].resource
     seen: list[Resource] = []
+    if fused and depth >= 2 and events[index].phase in ("backward", "update"):
+        upcoming = _next_backward(events, index)
+        if upcoming is not None and upcoming != current:
+            seen.append(upcoming)
     stashing = {events[index].stash}  # inputs whose forward is this event or still to come
-    count = 0
+    count = len(seen)
     for k in range(index + 1, len(events)):  # not a slice: that would copy the whole tail per event
         if count >= depth:
             break
@@ -355,6 +367,16 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
         elif event.stash is not None and event.stash not in stashing:
             seen.append(event.stash)
     return seen
+
+
+def _next_backward(events: list[Event], index: int) -> Resource | None:
+    """The resource of the first backward after event `index` in the same backward pass (None past its last)."""
+    for k in range(index + 1, len(events)):  # not a slice, as in `_lookahead`
+        if events[k].phase == "forward":
+            return None
+        if events[k].phase == "backward":
+            return events[k].resource
+    return None
 
 
 def released_after(events: list[Event], index: int) -> bool:

@@ -17,7 +17,7 @@ from layers import GPTJConfig, LlamaConfig, ModelConfig
 from memory_model import device_spec, plan
 from memory_model.planner import step_disk_bytes
 from memory_model.schedule import (
-    StepSpec, Weights, folded_by_chunk, load_order, loads_keeping_master, step_events,
+    StepSpec, Weights, folded_by_chunk, load_order, loads_keeping_master, resident_sets, step_events,
 )
 from memory_model.shapes import PlanConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
@@ -153,6 +153,27 @@ def test_a_fused_update_takes_the_master_of_each_units_last_weights_load(master_
     kept = [r for r, keep in zip(load_order(events, 1), loads_keeping_master(events, 1), strict=True) if keep]
     # the head's load from its last forward (it stays into its backward), then each backward's load
     assert kept == ([Weights(u) for u in reversed(units)] if master_from_weights else [])
+
+
+@pytest.mark.parametrize(("fused", "prefetch"), [(True, 2), (True, 1), (False, 2)])
+def test_a_fused_backward_and_its_updates_load_the_next_backwards_weights_first(fused, prefetch):
+    """Fused with two or more slots ahead, a unit's backward and each of its update chunks give the first slot to
+    the next backward's weights, ahead of the state chunks: the next unit's compute never waits behind this unit's
+    state. With one slot, or unfused, the lookahead keeps its order. Never more than `prefetch` resources ahead."""
+    units = CFG.unit_names()
+    numels = {u: CFG.params().own(u) for u in units}
+    events = step_events(StepSpec(tuple(units), 1, numels, 5000, fused=fused, master_from_weights=True))
+    resident = resident_sets(events, prefetch)
+    assert all(len(held) <= 1 + prefetch for k, held in enumerate(resident) if events[k].phase != "backward")
+    backward = [k for k, e in enumerate(events) if e.phase == "backward"]
+    if not fused:
+        assert all(e.phase == "backward" for e in events[backward[0]:backward[-1] + 1])
+        return
+    assert any(e.phase == "update" for e in events[backward[0]:backward[1]])
+    leads = [resident[k][1] == events[following].resource
+             for here, following in zip(backward, backward[1:], strict=False) for k in range(here, following)]
+    assert all(leads) if prefetch >= 2 else not all(leads)
+    assert all(len(resident[k]) == 1 + prefetch for k, e in enumerate(events) if e.phase == "forward")
 
 
 # Embeddings over twice a block (gptj-debug's blocks hold 49,600 parameters), untied and tied: each is folded through
