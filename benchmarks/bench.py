@@ -379,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
                              steps=s.scale_steps, moment_dtype=pick.chosen.precision.moments,
                              master_dtype=pick.chosen.precision.master,
                              dtype=pick.chosen.precision.compute, activations="checkpoint",
-                             update_timing=pick.chosen.update_timing,
+                             update_timing=pick.chosen.update_timing, prefetch=pick.chosen.prefetch,
                              **(dict(lora_rank=pick.chosen.qlora_rank, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                      bnb_4bit_use_double_quant=True) if pick.chosen.qlora_rank else {}))
                 results.update(runner.bracket(_compute_floor_spec(spec), spec))

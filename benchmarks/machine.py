@@ -194,6 +194,8 @@ class ModelChoice:
     config: ModelConfig
     precision: Precision = Precision("bf16")
     update_timing: str = "fused"
+    # Two units ahead: a fused step's backward then loads the next backward's weights before its own state chunks.
+    prefetch: int = 2
     qlora_rank: int = 0  # QLoRA: adapters of this rank on the frozen base, stored 4-bit (nf4, double quant)
 
     @property
@@ -227,9 +229,9 @@ class ModelChoice:
         shape = (f"{self.name} ({params(self.params)} params: d_model {c.hidden_size}, {c.num_hidden_layers} layers, "
                  f"{c.num_attention_heads} heads; {self.precision.compute} compute, ")
         if self.qlora_rank:
-            return shape + f"QLoRA r={self.qlora_rank}: nf4 base, double quant)"
+            return shape + f"QLoRA r={self.qlora_rank}: nf4 base, double quant, prefetch {self.prefetch})"
         return shape + (f"{self.precision.master} master, {self.precision.moments} Adam moments, update "
-                        f"{self.update_timing})")
+                        f"{self.update_timing}, prefetch {self.prefetch})")
 
 
 def family_presets(cfg: ModelConfig) -> list[str]:

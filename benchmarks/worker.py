@@ -61,6 +61,7 @@ class RunSpec:
     # fused update whose clipping triggers is made again after the backward: bench runs without, by default.
     max_grad_norm: float = same_setting(OptimizerConfig, "max_grad_norm")
     update_timing: str = same_setting(StepConfig, "update_timing")  # ours streamed only
+    prefetch: int = same_setting(StepConfig, "prefetch")  # ours streamed only; the scale run loads two ahead
     warmup: int = setting(2, "untimed steps first", Integer(0))
     steps: int = setting(5, "timed steps", Integer())
     world: int = setting(1, "data-parallel processes (ours only); the parent starts one child per rank", Integer())
@@ -145,7 +146,7 @@ def _ours(spec: RunSpec) -> Contender:
     tc = TrainerConfig.of(dtype=spec.dtype, store=spec.tier, activations=spec.activations,
                           moment_dtype=spec.moment_dtype, master_dtype=spec.master_dtype, seed=spec.seed,
                           max_grad_norm=spec.max_grad_norm,
-                          lora_rank=spec.lora_rank, update_timing=spec.update_timing,
+                          lora_rank=spec.lora_rank, update_timing=spec.update_timing, prefetch=spec.prefetch,
                           load_in_4bit=spec.load_in_4bit, bnb_4bit_quant_type=spec.bnb_4bit_quant_type,
                           bnb_4bit_use_double_quant=spec.bnb_4bit_use_double_quant)
     if spec.contender == "stream":
