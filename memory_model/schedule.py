@@ -315,8 +315,8 @@ def resident_sets(events: list[Event], prefetch: int) -> list[list[Resource]]:
     chunk, load the gradient with them."""
     loading = {e.unit for e in events if e.phase == "update" and e.chunk.grad}
     last_backward = {e.unit: k for k, e in enumerate(events) if e.phase == "backward" and e.unit in loading}
-    fused = is_fused(events)
-    return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward, fused)]
+    leads = _leads(events) if prefetch >= 2 and is_fused(events) else [None] * len(events)
+    return [[e.resource, *_fetched(e), *_lookahead(events, k, prefetch, last_backward, leads[k])]
             for k, e in enumerate(events)]
 
 
@@ -331,12 +331,12 @@ def _fetched(event: Event) -> tuple[BlockInput, ...]:
 
 
 def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[str, int],
-               fused: bool) -> list[Resource]:
+               lead: Resource | None) -> list[Resource]:
     """The next `depth` distinct resources after event `index`'s own, in order of first use, each backward's
     block input after the weights it comes with (the inputs do not count towards `depth`).
 
-    In a `fused` step with `depth` of two or more, a backward or update event gives its first slot to the next
-    backward's weights: the unit's update chunks, which come between, read and write its state, and the next
+    `lead` (`_leads`), where given, takes the first slot: in a fused step with two or more slots, the next
+    backward's weights. The unit's update chunks, which come between, read and write its state, and the next
     unit's backward would otherwise wait for its weights behind them. With one slot, the update's own next chunk
     keeps it.
 
@@ -346,11 +346,7 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
     A block input is not fetched before its forward has sent it to the host.
     """
     current = events[index].resource
-    seen: list[Resource] = []
-    if fused and depth >= 2 and events[index].phase in ("backward", "update"):
-        upcoming = _next_backward(events, index)
-        if upcoming is not None and upcoming != current:
-            seen.append(upcoming)
+    seen: list[Resource] = [] if lead is None else [lead]
     stashing = {events[index].stash}  # inputs whose forward is this event or still to come
     count = len(seen)
     for k in range(index + 1, len(events)):  # not a slice: that would copy the whole tail per event
@@ -369,14 +365,19 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
     return seen
 
 
-def _next_backward(events: list[Event], index: int) -> Resource | None:
-    """The resource of the first backward after event `index` in the same backward pass (None past its last)."""
-    for k in range(index + 1, len(events)):  # not a slice, as in `_lookahead`
-        if events[k].phase == "forward":
-            return None
-        if events[k].phase == "backward":
-            return events[k].resource
-    return None
+def _leads(events: list[Event]) -> list[Resource | None]:
+    """For each event, the weights it loads first: for a backward or update event, the next backward's in the same
+    backward pass (None past its last, and for any other event)."""
+    leads: list[Resource | None] = []
+    upcoming: Resource | None = None  # the nearest backward's weights after the event, with no forward between
+    for event in reversed(events):
+        own = event.phase in ("backward", "update") and upcoming != event.resource
+        leads.append(upcoming if own else None)
+        if event.phase == "backward":
+            upcoming = event.resource
+        elif event.phase == "forward":
+            upcoming = None
+    return leads[::-1]
 
 
 def released_after(events: list[Event], index: int) -> bool:
