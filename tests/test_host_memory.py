@@ -110,6 +110,28 @@ def test_a_loads_charge_keeps_the_free_buffer_its_load_will_take():
     assert pool.free_bytes == 0
 
 
+def test_a_gradient_autograd_is_about_to_make_pushes_out_free_buffers_first():
+    """A unit's backward makes its weight gradient before the ledger is handed it: while the backward runs the pool
+    counts those bytes as in use, so the free buffers and the gradient stay within the device's peak."""
+    held = [0]  # the ledger's bytes in use
+    pool = BufferPool(lambda: held[0])
+    weights, gradient = 6 * 2**20, 4 * 2**20
+    held[0] = weights + gradient  # the device's peak: a unit's weights and its gradient, charged
+    pool.trim()
+    held[0] = weights
+    buffer = pool.take(gradient // 4, torch.float32)  # say, the previous unit's gradient, now given back
+    held[0] = 0
+    pool.give_back(buffer)
+    held[0] = weights  # the next unit's weights
+    pool.trim()
+    assert pool.free_bytes == gradient  # within the peak: kept
+    with pool.reserving(gradient):
+        assert pool.free_bytes == 0  # the gradient autograd makes takes that room
+    with pool.reserving(0):
+        pool.give_back(pool.take(gradient // 4, torch.float32))
+        assert pool.free_bytes == gradient  # the reservation has ended: the room is the pool's again
+
+
 def test_a_piece_of_a_tensor_is_not_taken_in():
     pool, whole = BufferPool(), torch.empty(2**20)
     pool.give_back(whole[16:])
@@ -280,6 +302,36 @@ def test_narrowed_write_backs_reuse_at_most_write_lag_buffers(tmp_path):
     assert nbytes <= updater.narrowed.free_bytes <= updater.lag * nbytes
 
 
+def test_a_units_gradient_and_the_pools_free_buffers_stay_within_the_devices_peak(tmp_path):
+    """autograd makes a unit's weight gradient before the ledger is handed it. When it is handed over, the gradient,
+    what the ledger holds and the pool's free buffers are within the most the ledger has held: the free buffers
+    made room for it. (Llama-3.2-1B's disk tier peaked 0.45 GiB above its plan while the pool kept the update's
+    buffers through the head's backward.) The update goes in small chunks, so the head's backward is the peak."""
+    from streamer import StreamingTrainer
+
+    cfg = ModelConfig.from_dict(LARGE_VOCABULARY)
+    tc = TrainerConfig.of(dtype=AUTO, store="disk", update_chunk=2**20, **HALF)
+    trainer = StreamingTrainer(cfg, tc, store_dir=tmp_path / "store")
+    passes, pool, ledger = trainer.executor.passes, trainer.executor.transport.buffers, trainer.ledger
+    most, excess = [0], []
+    ledger.add_listener(lambda _: most.__setitem__(0, max(most[0], ledger.in_use)))
+    offload = passes._offload
+
+    def handed(unit: str, micro: int, grads: tuple[torch.Tensor, ...], ctx: Any) -> None:
+        made = sum(g.numel() * g.element_size() for g in grads)
+        if ctx.step > 1:  # the first step sets the peak: its first gradients are above any held before
+            excess.append(ledger.in_use + made + pool.free_bytes - most[0])
+        offload(unit, micro, grads, ctx)
+
+    passes._offload = handed
+    ids = torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        trainer.step(ids)
+    trainer.close()
+    assert len(excess) >= 2 * len(cfg.unit_names())  # every unit's, each step (and a step made again)
+    assert max(excess) <= 0, f"{max(excess) / 2**20:.1f} MiB above the device's peak"
+
+
 def test_folding_a_bf16_gradient_into_fp32_widens_a_block_at_a_time():
     """torch widens a whole addend of another dtype before adding it: a tied embedding's bf16 gradient added into
     its fp32 accumulator took a fp32 copy of the embedding, which no plan prices. Measured in a fresh process."""
@@ -305,6 +357,12 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "moe_intermediate_size": 1
        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 256,
        "tie_word_embeddings": True}
+# A Llama whose embedding (33.5M parameters, 64 MiB in bf16) is most of it, saved in bf16 as transformers saves it.
+LARGE_VOCABULARY = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 65536,
+                    "max_position_embeddings": 256, "tie_word_embeddings": True}
+
+
 # Each run's whole peak, the process included, against the plan's (the issue's bar: within 10%). Below it, a
 # little more: the process's own bytes depend on the CPU's kernel set (with AVX2 kernels, the disk tier's bf16
 # master and int8 moments peaked 777 MiB against 865 planned less write-backs: 10.2% under).
@@ -319,6 +377,7 @@ HALF = {"master_dtype": "bf16", "moment_dtype": "int8"}
     pytest.param(MODEL, "ram", {"lora_rank": 8}, 1, id="ram-lora"),
     pytest.param(MODEL, "ram", {"lora_rank": 8, "load_in_4bit": True}, 1, id="ram-qlora"),
     pytest.param(MOE, "disk", {"expert_group_size": 2}, 1, id="disk-moe-expert-groups"),
+    pytest.param(LARGE_VOCABULARY, "disk", HALF, 1, id="disk-large-vocabulary"),
     pytest.param(MODEL, "disk", {}, 2, id="disk-two-ranks"),
 ])
 def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, store, settings, ranks):
@@ -335,12 +394,6 @@ def test_each_processs_peak_is_within_ten_percent_of_the_plan(tmp_path, model, s
     for peak in peaks:
         assert (1 - BELOW) * (planned.total - planned.write_backs) <= peak <= (1 + WITHIN) * planned.total, \
             f"{peak / 2**20:.0f} MiB against {planned.total / 2**20:.0f} MiB planned ({planned.describe()})"
-
-
-# A Llama whose embedding (33.5M parameters, 64 MiB in bf16) is most of it, saved in bf16 as transformers saves it.
-LARGE_VOCABULARY = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
-                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 65536,
-                    "max_position_embeddings": 256, "tie_word_embeddings": True}
 
 
 def _save_bf16(folder: Path, model: dict) -> None:

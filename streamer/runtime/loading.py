@@ -45,6 +45,14 @@ class Loader:
         """Elements of `unit` the store holds and the update walks: the unit, or this rank's slice of it."""
         return shard_numel(self.layouts[unit].numel, self.shards)
 
+    def weights_numel(self, unit: str) -> int:
+        """Elements of `unit`'s compute weights on the device (sharded: every rank's slice, all-gathered); a block
+        whose experts load in groups: all but its experts."""
+        groups = self.groups.get(unit)
+        if groups is not None:
+            return groups.rest.numel
+        return gathered_numel([n for _, n in self.layouts[unit].device_parts], self.shards)
+
     def issue_ahead(self, resident: Sequence[Resource], ctx: StepContext, keeping_master: Iterator[bool]) -> None:
         """The prefetch: issue the load of every resource of the event's resident set not yet issued.
         `keeping_master` says, load by load in the order they are issued, whether it keeps the fp32 master."""
@@ -64,13 +72,11 @@ class Loader:
             return
         layout, groups = self.layouts[resource.unit], self.groups.get(resource.unit)
         stored = self.stored_numel(resource.unit)
-        # sharded: every rank's slice of each state the unit uses, all-gathered
-        on_device = gathered_numel([n for _, n in layout.device_parts], self.shards)
         if isinstance(resource, ExpertGroup):
             assert groups is not None  # a block loaded in groups
             on_device = groups.group.numel
-        elif isinstance(resource, Weights) and groups is not None:
-            on_device = groups.rest.numel
+        else:
+            on_device = self.weights_numel(resource.unit)
         borrowed = [(owner, self.stored_numel(owner)) for _, owner in layout.borrowed]  # (a tied head)
         with self.transport.buffers.charging_loads():
             handles = [self.ledger.allocate(c.category, resource.unit, c.nbytes, c.what)

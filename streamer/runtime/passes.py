@@ -247,14 +247,15 @@ class Passes:
             assert y is not None  # the loss
             nbytes = backward_workspace_bytes(self.cfg, unit, x.shape[0], x.shape[1], self.dtype.itemsize)
             logits_grad = self.ledger.allocate("workspace", unit, nbytes, "a vocabulary chunk's logits gradient")
-            y.backward()
+            with self._making_gradient(unit):
+                y.backward()
             self.ledger.free(logits_grad)
         else:
             assert ctx.flowing_grad is not None  # the gradient from the unit after it
             incoming, incoming_handle = ctx.flowing_grad
             transient = self._charge_transient(unit, x)
             try:
-                with self._dequantizing(unit):
+                with self._dequantizing(unit), self._making_gradient(unit):
                     if unit.startswith("block") and self.step_cfg.activations != "resident":
                         with torch.enable_grad(), self.recorder.hooks(self.states[unit]):
                             # recompute: the only second forward, by policy
@@ -280,6 +281,14 @@ class Passes:
         if unit == self.units[0] and micro == self.step_cfg.grad_accum - 1 and self.shards > 1:
             assert self.data_parallel is not None  # several shards only across ranks
             self.grad_sq_norms = self.data_parallel.sum_squares(self.grad_sq_norms)  # of the whole gradients
+
+    def _making_gradient(self, unit: str) -> contextlib.AbstractContextManager[None]:
+        """While `unit`'s backward runs: autograd makes its weight gradient before the sink charges it
+        (`_offload`), so the device's buffer pool makes room for it first (`BufferPool.reserving`). A frozen base
+        makes none."""
+        if self.adapters is not None:
+            return contextlib.nullcontext()
+        return self.transport.buffers.reserving(self.loader.weights_numel(unit) * self.dtype.itemsize)
 
     @contextlib.contextmanager
     def _dequantizing(self, unit: str) -> Iterator[None]:

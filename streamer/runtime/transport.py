@@ -199,12 +199,15 @@ class BufferPool:
     within the most it has held (`in_use`, read after each charge: `trim`). So the pool never holds more than
     the device's peak, whatever sizes a step asks for and however many steps run; a buffer given back beyond
     that is dropped (a large one is unmapped at once). A load's own charge, made before it runs, pushes out no
-    free buffer (`charging_loads`): its buffer comes from here. Without `in_use` every free buffer is kept."""
+    free buffer (`charging_loads`): its buffer comes from here. A unit's weight gradient, which autograd makes
+    before the ledger is handed it, is counted while its backward runs (`reserving`). Without `in_use` every free
+    buffer is kept."""
 
     GRANULE = 2**21  # capacities rounded up to it: sizes a few elements apart share buffers
 
     def __init__(self, in_use: Callable[[], int] | None = None) -> None:
         self._in_use, self._ceiling = in_use, 0
+        self._reserved = 0  # bytes about to be allocated outside the pool and the ledger (`reserving`)
         self._free: list[torch.Tensor] = []  # uint8 buffers
         self._lock = threading.Lock()
         self._charging_loads = threading.local()  # set on a thread while it charges loads (`charging_loads`)
@@ -255,11 +258,25 @@ class BufferPool:
         finally:
             self._charging_loads.on = False
 
+    @contextlib.contextmanager
+    def reserving(self, nbytes: int) -> Iterator[None]:
+        """While the context lasts, `nbytes` the device will hold before the ledger charges them count as in use:
+        free buffers make room for them first, so the device's bytes stay within the most the ledger has held."""
+        with self._lock:
+            self._reserved += nbytes
+            self._trim()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reserved -= nbytes
+
     def _trim(self) -> None:
         if self._in_use is None:
             return
         in_use = self._in_use()
         self._ceiling = max(self._ceiling, in_use)
+        in_use += self._reserved
         free = self.free_bytes
         self._free.sort(key=torch.Tensor.numel)
         while self._free and free + in_use > self._ceiling:
