@@ -258,7 +258,11 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
                    cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" else 0) if state_on_disk else 0
     quantized = cfg.moment_bytes(chunk) // 2 if cfg.precision.moments != "fp32" and not frozen else 0
     narrows = narrows_write_backs(cfg.step, frozen, same_memory)
-    scratch = (2 if narrows else 3) * narrowed if state_on_disk else quantized
+    # A weights load casts an fp32 master to the compute dtype as it reads it, a chunk at a time, through a buffer
+    # of the transport's pool: one the update's state chunks reuse, held apart at most while a load runs.
+    cast = 4 * chunk if state_on_disk and cfg.precision.master == "fp32" and not cfg.compute_is_master \
+        and store.loads_read_master(cfg.compute_is_master) else 0
+    scratch = (2 if narrows else 3) * narrowed + cast if state_on_disk else quantized
     # Gradient files are checksummed as they are flushed, read back in blocks into the checksum thread's buffer.
     checksummed = CHECKSUM_BLOCK_BYTES if store.grad.durable and not frozen else 0
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"

@@ -429,8 +429,8 @@ class Transport:
     def load_weights(self, unit: str, numel: int, from_master: bool, keep_master: bool = False,
                      borrowed: Sequence[tuple[str, int]] = ()) -> Loaded:
         """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its
-        master read and cast on the host (read as it is where stored in the compute dtype), so only
-        compute-dtype bytes cross the link and the ledger's charge is the cast weights. `keep_master`: the host
+        master read and cast on the host a store chunk at a time (read as it is where stored in the compute dtype),
+        so only compute-dtype bytes cross the link and the ledger's charge is the cast weights. `keep_master`: the host
         fp32 master comes back too ("master"), for the unit's fused update, which updates it in place
         (`host_chunk`); `give_back` it once written. `borrowed`: other units' whole weights (unit, numel) the
         unit uses, laid before its own in one device buffer."""
@@ -442,6 +442,9 @@ class Transport:
                 return {"weights": self._to_device(None, ram, count, self.weights_dtype, out)}
             if self.master_is_weights:
                 return master_as_weights(name, count, keep, out)
+            if not keep:  # cast as it is read, a store chunk at a time: no fp32 copy of the whole unit
+                return {"weights": self._to_device(partial(self._read_master, name, 0), None, count,
+                                                   self.compute_dtype, out)}
             if self.mode == "meta":
                 master = torch.empty(count, dtype=torch.float32, device="meta")
             else:
@@ -451,11 +454,7 @@ class Transport:
                 weights = master  # the master is the compute weights, in the device's own memory
             else:
                 weights = self._to_device(lambda host: host.copy_(master), None, count, self.compute_dtype, out)
-            if keep:
-                return {"weights": weights, "master": master}
-            if weights is not master:
-                self.give_back(master)
-            return {"weights": weights}
+            return {"weights": weights, "master": master}
 
         def master_as_weights(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
             master = self._take(count, torch.float32, "pinned") if keep else None
@@ -508,11 +507,22 @@ class Transport:
 
     def _read_master(self, unit: str, start: int, out: torch.Tensor) -> None:
         """Master elements [start, start + out.numel()) into `out`, converted to its dtype, read chunk by chunk (the
-        state files' interleaved chunks)."""
-        chunk, end = self.held_store.spec.chunk, start + out.numel()
+        state files' interleaved chunks). A chunk to convert is read into a pooled host buffer first, one the
+        update's state chunks reuse."""
+        store = self.held_store
+        # (a frozen base's weights are its compute weights, as `read_state` reads them)
+        stored = store.spec.kind_dtype("compute" if store.spec.frozen else "master")
+        chunk, end = store.spec.chunk, start + out.numel()
         for first in range(start - start % chunk, end, chunk):
             low, high = max(start, first), min(end, first + chunk)
-            self.held_store.read_state(unit, "master", low, out[low - start:high - start])
+            piece = out[low - start:high - start]
+            if piece.dtype == stored:
+                store.read_state(unit, "master", low, piece)
+                continue
+            raw = self.buffers.take(high - low, stored)
+            store.read_state(unit, "master", low, raw)
+            piece.copy_(raw)
+            self.buffers.give_back(raw)
 
     def load_state(self, unit: str, start: int, count: int, on_host: bool, with_grad: bool = True,
                    with_master: bool = True) -> Loaded:
