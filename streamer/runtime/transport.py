@@ -429,8 +429,9 @@ class Transport:
     def load_weights(self, unit: str, numel: int, from_master: bool, keep_master: bool = False,
                      borrowed: Sequence[tuple[str, int]] = ()) -> Loaded:
         """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its
-        master read and cast on the host a store chunk at a time (read as it is where stored in the compute dtype),
-        so only compute-dtype bytes cross the link and the ledger's charge is the cast weights. `keep_master`: the host
+        master read and cast on the host (read as it is where stored in the compute dtype; a store chunk at a time
+        where the master is not kept), so only compute-dtype bytes cross the link and the ledger's charge is the
+        cast weights. `keep_master`: the host
         fp32 master comes back too ("master"), for the unit's fused update, which updates it in place
         (`host_chunk`); `give_back` it once written. `borrowed`: other units' whole weights (unit, numel) the
         unit uses, laid before its own in one device buffer."""
@@ -510,8 +511,7 @@ class Transport:
         state files' interleaved chunks). A chunk to convert is read into a pooled host buffer first, one the
         update's state chunks reuse."""
         store = self.held_store
-        # (a frozen base's weights are its compute weights, as `read_state` reads them)
-        stored = store.spec.kind_dtype("compute" if store.spec.frozen else "master")
+        stored = store.spec.kind_dtype(store.spec.held_kind("master"))
         chunk, end = store.spec.chunk, start + out.numel()
         for first in range(start - start % chunk, end, chunk):
             low, high = max(start, first), min(end, first + chunk)

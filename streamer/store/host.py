@@ -258,8 +258,7 @@ class _HostSlabs(StoreReader):
             self.read_state(unit, "master", start, out[start:start + count])
 
     def read_state(self, unit: str, kind: str, start: int, out: torch.Tensor) -> None:
-        if kind == "master" and self.spec.frozen:
-            kind = "compute"  # a frozen base's weights are its compute weights
+        kind = self.spec.held_kind(kind)
         if self._slabs.get(unit, kind) is not None:
             restored(self.spec, kind, self._raw(unit, kind, start, out.numel()), out)
             return

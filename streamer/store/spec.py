@@ -101,6 +101,10 @@ class StoreSpec:
         """The kind is stored block-wise quantized (streamer.store.quant): as bytes, not as its elements."""
         return self.kind_dtype_name(kind) in BLOCK_SCALE_BYTES
 
+    def held_kind(self, kind: str) -> str:
+        """The kind a read of `kind` returns: a frozen base's "master" is its compute weights, the one kind it holds."""
+        return "compute" if kind == "master" and self.frozen else kind
+
     def kind_dtype(self, kind: str) -> torch.dtype:
         """The dtype of the kind's slab and file pieces: its elements', or bytes (uint8) where it is quantized (a
         4-bit base's compute weights: bytes, `UnitLayout.numel` of them)."""
