@@ -343,12 +343,18 @@ def test_a_weights_load_casts_an_fp32_master_a_chunk_at_a_time(tmp_path):
     tc = TrainerConfig.of(dtype="bf16", store="disk", update_chunk=2**20)
     trainer = StreamingTrainer(cfg, tc, store_dir=tmp_path / "store")
     pool = trainer.executor.transport.buffers
-    taken: list[int] = []
+    fp32_taken: list[int] = []  # the elements of each fp32 buffer taken
     take = pool.take
-    pool.take = lambda numel, dtype: taken.append(numel * (dtype == torch.float32)) or take(numel, dtype)
+
+    def taking(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.float32:
+            fp32_taken.append(numel)
+        return take(numel, dtype)
+
+    pool.take = taking
     trainer.step(torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0)))
     trainer.close()
-    assert max(taken) < cfg.params().own("embed")
+    assert fp32_taken and max(fp32_taken) < cfg.params().own("embed")
 
 
 def test_folding_a_bf16_gradient_into_fp32_widens_a_block_at_a_time():
