@@ -28,9 +28,13 @@ class _Adapters(nn.Module):
         self.scaling, self.dropout = scaling, dropout
 
     def _adapted(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """base + scaling * B A x. B's matmul scales its product and adds base itself (addmm), so neither the
+        forward nor the backward makes a (tokens, out) tensor for the product or its scaling."""
         x = F.dropout(x, self.dropout) if self.dropout > 0 and self.training else x
         # The adapters arrive in x's dtype (the runtime casts its fp32 adapters before the call).
-        return base + F.linear(F.linear(x, self.lora_A.weight), self.lora_B.weight) * self.scaling
+        h = F.linear(x, self.lora_A.weight)
+        out = torch.addmm(base.flatten(0, -2), h.flatten(0, -2), self.lora_B.weight.t(), alpha=self.scaling)
+        return out.view(base.shape)
 
 
 class LoraLinear(nn.Linear, _Adapters):
