@@ -46,6 +46,26 @@ def _reference(base: dict[str, torch.Tensor], adapters: Adapters) -> tuple[GPTJ,
     return model, leaves
 
 
+@pytest.mark.parametrize("leading", [(5,), (2, 3)])
+def test_a_lora_linear_is_its_base_plus_the_scaled_adapters_product_forward_and_backward(leading: tuple) -> None:
+    """x W^T + b + scaling B A x in float64, and the gradients of x, A and B as autograd takes them through that
+    sum written out, for a (tokens, in) and a (batch, seq, in) input."""
+    torch.manual_seed(0)
+    lora = add_adapters(torch.nn.Sequential(torch.nn.Linear(6, 4)), ("0",), rank=2, scaling=1.5, dropout=0.0)[0]
+    lora.double().requires_grad_(True)
+    torch.nn.init.normal_(lora.lora_B.weight)  # PEFT's B starts at zero, which would hide a wrong scaling
+    x = torch.randn(*leading, 6, dtype=torch.float64, requires_grad=True)
+    a, b = lora.lora_A.weight, lora.lora_B.weight
+    want = x @ lora.weight.T + lora.bias + 1.5 * (x @ a.T) @ b.T
+    got = lora(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(want)
+    expected = torch.autograd.grad(want, (x, a, b), grad)
+    for actual, reference in zip(torch.autograd.grad(got, (x, a, b), grad), expected, strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-12, atol=1e-12)
+
+
 def test_a_lora_step_equals_a_resident_reference_and_leaves_the_base_alone(tmp_path: Path) -> None:
     tc = TrainerConfig.of(dtype="fp32", grad_accum=2, lr=1e-2, lora_rank=4, lora_alpha=8.0,
                           lora_targets=TARGETS, activations="checkpoint", store="disk")
