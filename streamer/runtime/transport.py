@@ -431,10 +431,9 @@ class Transport:
         """A unit's compute weights on the device: the store's compute copy (RAM), or (`from_master`) its
         master read and cast on the host (read as it is where stored in the compute dtype; a store chunk at a time
         where the master is not kept), so only compute-dtype bytes cross the link and the ledger's charge is the
-        cast weights. `keep_master`: the host
-        fp32 master comes back too ("master"), for the unit's fused update, which updates it in place
-        (`host_chunk`); `give_back` it once written. `borrowed`: other units' whole weights (unit, numel) the
-        unit uses, laid before its own in one device buffer."""
+        cast weights. `keep_master`: the host fp32 master comes back too ("master"), for the unit's fused update,
+        which updates it in place (`host_chunk`); `give_back` it once written. `borrowed`: other units' whole
+        weights (unit, numel) the unit uses, laid before its own in one device buffer."""
         store = self.store
 
         def weights_of(name: str, count: int, keep: bool, out: torch.Tensor | None) -> dict[str, torch.Tensor]:
