@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -285,15 +286,27 @@ def test_a_lagging_write_back_holds_its_chunks_state_as_stored_where_a_kind_narr
     assert write_lag(pc.step, {"block.0": 2**20}) == pc.step.prefetch + 1  # never fewer than unnarrowed
 
 
-def test_narrowed_write_backs_reuse_at_most_write_lag_buffers(tmp_path):
+@pytest.mark.parametrize("write_delay", [0.0, 0.005])
+def test_narrowed_write_backs_reuse_at_most_write_lag_buffers(tmp_path, monkeypatch, write_delay):
     """The update narrows each chunk's new state into a pooled buffer of its write-back's own, after waiting
     until fewer than `write_lag` write-backs run: the pool never holds more than that many buffers, whatever
-    the steps, and the chunks' fp32 state goes back to the transport's pool as each is narrowed."""
+    the steps, and the chunks' fp32 state goes back to the transport's pool as each is narrowed. A slow disk
+    (`write_delay` a write) keeps every buffer out when a unit's last, shorter chunk comes: its buffer must
+    still fit the next full chunk."""
     from streamer import StreamingTrainer
+    from streamer.runtime.update import Updater
 
+    write_back = Updater._write_back
+
+    def slow(self: Updater, *args: Any) -> None:
+        time.sleep(write_delay)
+        write_back(self, *args)
+
+    monkeypatch.setattr(Updater, "_write_back", slow)
     cfg = ModelConfig.from_dict(BASE_MODEL)
     tc = TrainerConfig.of(dtype="bf16", store="disk", master_dtype="bf16", moment_dtype="int8", update_chunk=4096)
     trainer = StreamingTrainer(cfg, tc, store_dir=tmp_path / "store")
+    assert any(cfg.params().own(unit) % 4096 for unit in cfg.unit_names())  # some unit ends in a shorter chunk
     for _ in range(3):
         trainer.step(torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)))
     updater = trainer.executor.updater

@@ -32,8 +32,11 @@ class Updater:
         # Narrowed write-backs, each in a buffer of its own from this pool (at most `lag` of them).
         self.narrowed = BufferPool() if narrows_write_backs(rt.step, frozen, self.transport.mode == "shared") \
             else None
-        self.lag = 0 if self.narrowed is None else \
-            write_lag(rt.step, {unit: shard_numel(layout.numel, self.shards) for unit, layout in self.layouts.items()})
+        numels = {unit: shard_numel(layout.numel, self.shards) for unit, layout in self.layouts.items()}
+        self.lag = 0 if self.narrowed is None else write_lag(rt.step, numels)
+        # Every narrowed buffer holds the largest chunk: a unit's last, shorter chunk then never leaves a buffer
+        # the next full chunk cannot reuse, so the pool holds at most `lag` of them.
+        self.narrowed_chunk = min(rt.step.update_chunk, max(numels.values(), default=0))
 
     def update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
                grad_sq_norms: dict[str, float]) -> None:
@@ -85,8 +88,8 @@ class Updater:
         assert self.store is not None and self.narrowed is not None  # (narrows_write_backs)
         spec = self.store.spec
         dtypes = [spec.kind_dtype_name(kind) for kind in STATE_KINDS]
-        starts, nbytes = narrowed_layout(dtypes, chunk.count)
-        buffer = self.narrowed.take(nbytes, torch.uint8)
+        starts = narrowed_layout(dtypes, chunk.count)[0]
+        buffer = self.narrowed.take(narrowed_layout(dtypes, self.narrowed_chunk)[1], torch.uint8)
         narrowed = {kind: stored_into(spec, kind, tensors[kind], buffer[at:at + spec.kind_bytes(kind, chunk.count)])
                     for kind, at in zip(STATE_KINDS, starts, strict=True)}
         self._give_back(chunk, tensors, ctx)
