@@ -160,6 +160,12 @@ def narrowed_layout(dtypes: Sequence[str], count: int) -> tuple[list[int], int]:
     return starts, at
 
 
+def narrowed_buffer_bytes(dtypes: Sequence[str], step: StepConfig, numels: Mapping[str, int]) -> int:
+    """One narrowed write-back's buffer: the largest chunk's (`numels`: each unit's elements), so that a unit's
+    last, shorter chunk takes a buffer the next full chunk can reuse and the pool holds `write_lag` of them."""
+    return narrowed_layout(dtypes, min(step.update_chunk, max(numels.values(), default=0)))[1]
+
+
 def write_lag(step: StepConfig, numels: Mapping[str, int]) -> int:
     """Narrowed write-backs in flight at most: the chunks of the largest block (of the largest unit where there
     is none; `numels`: each unit's elements), so a block's writes may run through the next block's backward, and
@@ -268,8 +274,8 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
     if narrows:
         numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}
-        lagging = write_lag(cfg.step, numels) * narrowed_layout(
-            (cfg.precision.master, cfg.precision.moments, cfg.precision.moments), chunk)[1]
+        lagging = write_lag(cfg.step, numels) * narrowed_buffer_bytes(
+            (cfg.precision.master, cfg.precision.moments, cfg.precision.moments), cfg.step, numels)
     else:  # the write narrows each kind as it writes it, into the write thread's buffer (`scratch`)
         lagging = cfg.step.prefetch * chunk * (OPTIMIZER_BYTES_PER_PARAM + GRAD_ACCUM_BYTES_PER_PARAM) if lags else 0
     staging = 0 if same_memory else pool

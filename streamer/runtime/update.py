@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from memory_model.host import narrowed_layout, narrows_write_backs, write_lag
+from memory_model.host import narrowed_buffer_bytes, narrowed_layout, narrows_write_backs, write_lag
 from memory_model.schedule import StateChunk, shard_numel, update_charges
 from streamer.runtime.optim import adamw_chunk, rounding_key
 from streamer.runtime.step import ClippingNeeded, StepContext, clip_coefficient
@@ -34,9 +34,10 @@ class Updater:
             else None
         numels = {unit: shard_numel(layout.numel, self.shards) for unit, layout in self.layouts.items()}
         self.lag = 0 if self.narrowed is None else write_lag(rt.step, numels)
-        # Every narrowed buffer holds the largest chunk: a unit's last, shorter chunk then never leaves a buffer
-        # the next full chunk cannot reuse, so the pool holds at most `lag` of them.
-        self.narrowed_chunk = min(rt.step.update_chunk, max(numels.values(), default=0))
+        # The stored kinds' dtypes, and each narrowed buffer's bytes: the largest chunk's, as the plan charges.
+        self.stored_dtypes = [] if self.store is None else \
+            [self.store.spec.kind_dtype_name(kind) for kind in STATE_KINDS]
+        self.narrowed_bytes = 0 if self.narrowed is None else narrowed_buffer_bytes(self.stored_dtypes, rt.step, numels)
 
     def update(self, chunk: StateChunk, tensors: dict[str, torch.Tensor], ctx: StepContext,
                grad_sq_norms: dict[str, float]) -> None:
@@ -87,9 +88,8 @@ class Updater:
         next updates holds a bf16 master and int8 moments (4 B a parameter), not 16."""
         assert self.store is not None and self.narrowed is not None  # (narrows_write_backs)
         spec = self.store.spec
-        dtypes = [spec.kind_dtype_name(kind) for kind in STATE_KINDS]
-        starts = narrowed_layout(dtypes, chunk.count)[0]
-        buffer = self.narrowed.take(narrowed_layout(dtypes, self.narrowed_chunk)[1], torch.uint8)
+        starts = narrowed_layout(self.stored_dtypes, chunk.count)[0]
+        buffer = self.narrowed.take(self.narrowed_bytes, torch.uint8)
         narrowed = {kind: stored_into(spec, kind, tensors[kind], buffer[at:at + spec.kind_bytes(kind, chunk.count)])
                     for kind, at in zip(STATE_KINDS, starts, strict=True)}
         self._give_back(chunk, tensors, ctx)
