@@ -82,8 +82,13 @@ class Peaks:
     n: int
 
 
-def matmul_peaks(n: int, repeats: int = 5) -> Peaks:
-    return Peaks(measure_matmul_flops(torch.bfloat16, n, repeats), measure_matmul_flops(torch.float32, n, repeats), n)
+# Each dtype's repeats stop here: where bf16 is emulated (an AVX2-only CPU), one 2048^3 matmul takes half a minute.
+PEAK_SECONDS = 10.0
+
+
+def matmul_peaks(n: int, repeats: int = 5, seconds: float = PEAK_SECONDS) -> Peaks:
+    return Peaks(measure_matmul_flops(torch.bfloat16, n, repeats, seconds),
+                 measure_matmul_flops(torch.float32, n, repeats, seconds), n)
 
 
 @dataclass(frozen=True)

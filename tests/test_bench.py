@@ -542,3 +542,25 @@ def test_a_mixture_of_experts_is_compared_with_transformers_default_experts(tmp_
     rows = {row[0]: row for row in section.rows}
     assert rows[STREAM_RAM][5] == ratio(results[STREAM_RAM].median_s / results[HF_BF16].median_s)
     assert f"{HF_BF16}: `grouped_mm` (fp32 under the autocast)" in " ".join(section.notes)
+
+
+def test_matmul_peaks_stop_at_their_time_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a dtype is emulated one matmul takes half a minute: its repeats stop once the bound has passed, after
+    the first call, instead of running all of them."""
+    import time
+
+    import torch
+
+    from benchmarks.machine import matmul_peaks
+    from streamer.calibration import calibrate
+    calls: list[torch.dtype] = []
+
+    def slow_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        calls.append(a.dtype)
+        time.sleep(0.02)
+        return out
+
+    monkeypatch.setattr(calibrate.torch, "mm", slow_mm)
+    peaks = matmul_peaks(64, repeats=5, seconds=0.01)
+    assert calls == [torch.bfloat16, torch.float32]
+    assert 0 < peaks.bf16_flops < 2 * 64**3 / 0.02 and peaks.n == 64
