@@ -248,10 +248,11 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     (`shared_peak`); None where the device has its own memory."""
     frozen, store, same_memory = cfg.lora.enabled, cfg.step.store, shared is not None
     store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier.zero_copy)
-    largest = max(shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names())
+    numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}
+    largest = max(numels.values())
     # The largest unit whose fold (and fused update's master) is whole: larger ones go chunk by chunk.
     by_chunk = folded_by_chunk(shape, cfg.step, cfg.shards)
-    whole = max(shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names() if u not in by_chunk)
+    whole = max(n for u, n in numels.items() if u not in by_chunk)
     chunk = min(cfg.step.update_chunk, largest)
     pool = frozen_staging_bytes(frozen_slab_bytes(shape, cfg, u) for u in shape.unit_names()) if frozen else \
         staging_pool_bytes(largest, chunk, store.loads_read_master(cfg.compute_is_master))
@@ -273,7 +274,6 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     checksummed = CHECKSUM_BLOCK_BYTES if store.grad.durable and not frozen else 0
     lags = state_on_disk and same_memory and cfg.step.update_on != "host"
     if narrows:
-        numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}
         lagging = write_lag(cfg.step, numels) * narrowed_buffer_bytes(
             (cfg.precision.master, cfg.precision.moments, cfg.precision.moments), cfg.step, numels)
     else:  # the write narrows each kind as it writes it, into the write thread's buffer (`scratch`)

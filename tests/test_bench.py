@@ -11,15 +11,17 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from layers import PRESETS, ConfigError, GPTJConfig, ModelConfig
 from layers.moe.config import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from benchmarks import bench
 from benchmarks.compare import HF_FP32, STREAM_RAM, Context, host_memory
-from benchmarks.machine import ModelChoice, fitted_width, pick_scale_model, raw_disk
+from benchmarks.machine import ModelChoice, fitted_width, matmul_peaks, pick_scale_model, raw_disk
 from benchmarks.report import Section
 from benchmarks.runs import Runner, others_cores, merge
 from benchmarks.worker import Measured, RunSpec, _union_s
@@ -547,12 +549,6 @@ def test_a_mixture_of_experts_is_compared_with_transformers_default_experts(tmp_
 def test_matmul_peaks_stop_at_their_time_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a dtype is emulated one matmul takes half a minute: its repeats stop once the bound has passed, after
     the first call, instead of running all of them."""
-    import time
-
-    import torch
-
-    from benchmarks.machine import matmul_peaks
-    from streamer.calibration import calibrate
     calls: list[torch.dtype] = []
 
     def slow_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -560,7 +556,7 @@ def test_matmul_peaks_stop_at_their_time_bound(monkeypatch: pytest.MonkeyPatch) 
         time.sleep(0.02)
         return out
 
-    monkeypatch.setattr(calibrate.torch, "mm", slow_mm)
+    monkeypatch.setattr(torch, "mm", slow_mm)
     peaks = matmul_peaks(64, repeats=5, seconds=0.01)
     assert calls == [torch.bfloat16, torch.float32]
     assert 0 < peaks.bf16_flops < 2 * 64**3 / 0.02 and peaks.n == 64
