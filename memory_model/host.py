@@ -50,7 +50,7 @@ from layers import ModelConfig
 from layers.packed4 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_CHUNK, quantized_numels
 from memory_model.ledger import CATEGORIES
 from memory_model.lora import base_unit_bytes
-from memory_model.schedule import Event, folded_by_chunk, shard_numel
+from memory_model.schedule import Event, folded_by_chunk, shard_numel, updated_from_backward
 from memory_model.shapes import (
     GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, PlanConfig, offloaded_inputs_bytes,
 )
@@ -220,7 +220,7 @@ def offloaded_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     return offloaded_inputs_bytes(shape, cfg.micro_batch, cfg.seq, cfg.dtype_bytes) if cfg.step.offloads_inputs else 0
 
 
-def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfig) -> int:
+def shared_peak(shape: ModelConfig, moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfig) -> int:
     """The highest moment's device bytes less those that are the store's RAM slabs, handed to the compute as
     they lie where the device is the host: a weights load of the compute copy in RAM, an update's fp32 master and
     moments in RAM, and its gradient in the RAM accumulator, or in a fused step the one the fold left (priced
@@ -230,6 +230,8 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
     in_ram = store.state.zero_copy
     own_state = ((0 if in_ram and cfg.precision.master == "fp32" else 4)
                  + (0 if in_ram and cfg.precision.moments == "fp32" else 8))
+    # A fused update's chunks of a unit that takes them from the backward's gradient are copies of their own.
+    from_backward = updated_from_backward(shape, cfg.step, cfg.devices) if cfg.fused else frozenset()
     peak = 0
     for event, nbytes in moments:
         held = dict(zip(CATEGORIES, nbytes, strict=True))
@@ -237,7 +239,7 @@ def shared_peak(moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfi
             held["weights"] = 0
         if event.phase == "update":
             held["optimizer"] = held["optimizer"] * own_state // OPTIMIZER_BYTES_PER_PARAM
-            if store.grad.zero_copy or (cfg.fused and not event.chunk.grad):
+            if store.grad.zero_copy or (cfg.fused and not event.chunk.grad and event.unit not in from_backward):
                 held["gradients"] = 0
         peak = max(peak, sum(held.values()))
     return peak

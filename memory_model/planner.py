@@ -35,7 +35,7 @@ from memory_model.lora import adapter_params, dequantized_bytes, targets_of, wei
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, Weights, adapter_charges, disk_bytes, gathered_numel,
     gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges,
-    shard_numel, step_events, step_spec, store_bytes, update_charges,
+    shard_numel, step_events, step_spec, store_bytes, update_charges, updated_from_backward,
 )
 from memory_model.timing import RESOURCES, simulate
 from memory_model.units import format_size
@@ -328,6 +328,7 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
     being written.
     """
     es = cfg.dtype_bytes
+    from_backward = updated_from_backward(shape, cfg.step, cfg.devices) if cfg.fused else frozenset()
     held: dict[str, int] = {}
     moments = []
     for index, (event, res) in enumerate(zip(events, resident, strict=True)):
@@ -335,6 +336,8 @@ def _memory_walk(shape: ModelConfig, cfg: PlanConfig, events: list[Event], resid
         in_groups = grouped(shape, cfg, event.unit)
         if event.phase == "update":
             _add(at, update_charges(event.chunk, cfg.new_compute_bytes, cfg.step.update_on))
+            if event.unit in from_backward:  # the backward's gradient, which the unit's chunks are taken from
+                _add(at, gradient_charges(shape.params().device_parts(event.unit), es, cfg.devices))
             if cfg.fused:  # inside the backward: the units still to run keep their activations, and the
                 # gradient w.r.t. this unit's input waits for the next unit's backward
                 at["activations"] += sum(held.values())
@@ -484,7 +487,7 @@ def shared_peak_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     own (`memory_model.host`'s `device`)."""
     events = _events(shape, cfg)
     resident = resident_sets(events, cfg.step.prefetch)
-    return shared_peak(_memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq), cfg)
+    return shared_peak(shape, _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq), cfg)
 
 
 def _train_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -592,7 +595,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
         host_fits=(in_ram + host_acts) * stores <= device.host_ram_bytes,
-        host_peak=host_bytes(shape, cfg, shared_peak(moments, cfg) if device.same_memory else None),
+        host_peak=host_bytes(shape, cfg, shared_peak(shape, moments, cfg) if device.same_memory else None),
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.precision.compute),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),

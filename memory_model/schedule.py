@@ -43,7 +43,8 @@ class StateChunk:
     # (a fused update on a store whose weights loads read the master): one read serves backward and update.
     master: bool = True
     # False: the chunk's fp32 gradient is not loaded with its state but taken from the accumulator the backward's
-    # fold left in host memory (a fused update); a unit folded by chunk (`folded_by_chunk`) loads it.
+    # fold left in host memory (a fused update), or from the backward's gradient itself (`updated_from_backward`);
+    # a unit folded by chunk (`folded_by_chunk`) loads it otherwise.
     grad: bool = True
 
 
@@ -186,7 +187,9 @@ class StepSpec:
     (`Placement.loads_read_master`): a fused update takes each unit's master from its backward's weights load.
     `offload_inputs`: each block's input waits for its backward in host memory (`--activations offload`).
     `by_chunk`: the units whose gradient is folded a chunk at a time through its file (`folded_by_chunk`): a
-    fused update loads their chunks' gradient and master as an update after the backward does.
+    fused update loads their chunks' gradient and master as an update after the backward does, but for
+    `from_backward`, those whose fused update takes each chunk of the gradient from the backward's own
+    (`updated_from_backward`) and loads only the master.
     `backward=False`: evaluation, forwards only. `update_units`: the units updated (None: all; a step rolled
     forward after a crash updates the pending ones, with no micro-batches left to run).
     """
@@ -202,6 +205,7 @@ class StepSpec:
     update_units: tuple[str, ...] | None = None
     offload_inputs: bool = False
     by_chunk: frozenset[str] = frozenset()
+    from_backward: frozenset[str] = frozenset()
 
 
 # A unit is folded by chunk where it holds more than this many times the largest block's parameters.
@@ -222,6 +226,18 @@ def folded_by_chunk(shape: ModelConfig, settings: StepConfig, shards: int = 1) -
     return frozenset(u for u, n in numels.items() if largest_block and n > BY_CHUNK_BLOCKS * largest_block)
 
 
+def updated_from_backward(shape: ModelConfig, settings: StepConfig, devices: int = 1) -> frozenset[str]:
+    """The units folded by chunk (`folded_by_chunk`) whose fused update takes each chunk of its gradient from the
+    backward's own, which stays on the device until the unit's last chunk, instead of folding it through the
+    gradient file and reading it back: where one micro-batch makes the whole gradient (one of them, one process,
+    no other unit's backward adding to it, as a tied head adds to its embedding's) and the update runs on the
+    device. Llama-3.1-8B's embedding and head: 7.8 GiB less to write and read a step."""
+    lenders = {owner for u in shape.unit_names() for owner, _ in shape.params().borrowed(u).values()}
+    if settings.grad_accum != 1 or devices != 1 or settings.update_on == "host":
+        return frozenset()
+    return folded_by_chunk(shape, settings) - lenders
+
+
 def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool, devices: int = 1,
               frozen_base: bool = False, micro_batches: int | None = None, fused: bool | None = None,
               backward: bool = True, update_units: tuple[str, ...] | None = None) -> StepSpec:
@@ -234,12 +250,15 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
     shards = settings.shards(devices)
     # A block whose experts load in groups loads them apart from its weights: its update reads its own master.
     grouped = 0 < settings.expert_group_size < shape.params().experts()
-    return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
-                    {u: shard_numel(shape.params().own(u), shards) for u in units}, settings.update_chunk,
-                    fused=settings.fused(devices, frozen_base) if fused is None else fused, frozen_base=frozen_base,
+    micro_batches = settings.grad_accum if micro_batches is None else micro_batches
+    fused = settings.fused(devices, frozen_base) if fused is None else fused
+    return StepSpec(units, micro_batches, {u: shard_numel(shape.params().own(u), shards) for u in units},
+                    settings.update_chunk, fused=fused, frozen_base=frozen_base,
                     master_from_weights=settings.store.loads_read_master(compute_is_master) and not grouped,
                     backward=backward, update_units=update_units, offload_inputs=settings.offloads_inputs,
-                    by_chunk=folded_by_chunk(shape, settings, shards))
+                    by_chunk=folded_by_chunk(shape, settings, shards),
+                    from_backward=updated_from_backward(shape, settings, devices) if fused and micro_batches == 1
+                    else frozenset())
 
 
 def norm_pass_spec(step: StepSpec) -> StepSpec:
@@ -274,8 +293,9 @@ def step_events(step: StepSpec) -> list[Event]:
         for u in reversed(backward_units):
             events.append(Event("backward", Weights(u), micro, stash(u, micro)))
             if step.fused and micro == step.micro_batches - 1 and u in update_units:
-                loads = u in step.by_chunk
-                events += _update_events(step, [u], with_master=loads or not step.master_from_weights, with_grad=loads)
+                by_chunk = u in step.by_chunk
+                events += _update_events(step, [u], with_master=by_chunk or not step.master_from_weights,
+                                         with_grad=by_chunk and u not in step.from_backward)
     if not step.fused:
         events += _update_events(step, update_units)
     return events
@@ -466,9 +486,9 @@ def disk_bytes(events: list[Event], prefetch: int, numels: dict[str, int], sizes
     files' trailers and the checksums' read-back from the page cache aside).
 
     Loads: `load_disk_bytes`. The gradient accumulator: the first micro-batch writes it, later ones read and
-    write it, except that the last one of a fused step keeps it in memory for the update (but for a unit folded by
-    chunk, `folded_by_chunk`, whose update loads it). Updates write the
-    master and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
+    write it, except that the last one of a fused step keeps it in memory for the update (but for a unit whose
+    update loads it: folded by chunk, `folded_by_chunk`, unless `updated_from_backward`). Updates write the master
+    and the moments, as stored. `borrowed`: the units whose weights a unit's load reads too and into whose
     accumulator its backward folds (a tied head: the embedding's), which it persists for their own backward.
     `norm_pass`: the events are a norm-first step's first pass (`norm_pass_spec`), which keeps the last
     micro-batch's gradient in memory as a fused step does, only to take its norm. `reread`: the weights each

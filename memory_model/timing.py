@@ -30,7 +30,7 @@ from memory_model.kernels import KernelCosts, attention_flops, gpu_elementwise_b
 from memory_model.tiers import RAM
 from memory_model.schedule import (
     BlockInput, Event, ExpertGroup, Resource, StateChunk, fetched_input, folded_by_chunk, load_disk_bytes,
-    load_gradient_bytes, releases, resource_charges, store_bytes, Weights,
+    load_gradient_bytes, releases, resource_charges, store_bytes, updated_from_backward, Weights,
 )
 
 RESOURCES = ("device compute", "h2d", "d2h", "interconnect", "host compute", "host copy", "disk")
@@ -283,8 +283,10 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     borrowed = params - own
     lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.params().borrowed(u).values())
     read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
-    # A fused update keeps its last, but for a unit folded by chunk, whose update reads it back chunk by chunk.
-    kept = cfg.fused and last and event.unit not in folded_by_chunk(shape, cfg.step, cfg.shards)
+    # A fused update keeps its last, but for a unit folded by chunk, whose update reads it back chunk by chunk
+    # unless it takes it from the backward.
+    reread = folded_by_chunk(shape, cfg.step, cfg.shards) - updated_from_backward(shape, cfg.step, cfg.devices)
+    kept = cfg.fused and last and event.unit not in reread
     write = 0 if not disk else 4 * (own * (not kept) + borrowed)
     costs = device.kernels.get(cfg.precision.compute)
     fold_s = touched / (device.host_update_bw if costs is None else costs.gradient_fold_bytes_per_s)

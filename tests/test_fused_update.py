@@ -18,6 +18,7 @@ from memory_model import device_spec, plan
 from memory_model.planner import step_disk_bytes
 from memory_model.schedule import (
     StepSpec, Weights, folded_by_chunk, load_order, loads_keeping_master, resident_sets, step_events,
+    updated_from_backward,
 )
 from memory_model.shapes import PlanConfig
 from streamer import Placement, StreamingTrainer, TrainerConfig
@@ -195,13 +196,17 @@ def _train(cfg: ModelConfig, root, tc: TrainerConfig) -> tuple[list[float], dict
 
 @pytest.mark.parametrize("model", WIDE)
 def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the_same_bits(tmp_path, model):
-    """No fp32 copy of a unit over twice a block: its gradient is folded through its file in blocks, and its fused
-    update loads each chunk's gradient and master. The bits are the RAM tier's (which holds it whole), and a step
+    """No fp32 copy of a unit over twice a block. Untied, one micro-batch makes its whole gradient: the fused
+    update takes each chunk from the backward's gradient, and the fold only sums its norm. Tied, the head's
+    backward adds to the embedding's: its gradient is folded through its file in blocks, and its fused update
+    loads each chunk's gradient and master. The bits are the RAM tier's (which holds it whole), and a step
     that clips gives those of the update after the backward; the files move what the planner counts."""
     cfg = WIDE[model]
     by_chunk = folded_by_chunk(cfg, DISK.step)
     assert "embed" in by_chunk and ("head" in by_chunk) == (model == "untied")
     assert not folded_by_chunk(cfg, TrainerConfig.of(store="ram").step)
+    assert updated_from_backward(cfg, DISK.step) == (by_chunk if model == "untied" else frozenset())
+    assert not updated_from_backward(cfg, DISK.replace(grad_accum=2).step)
     base = DISK.replace(max_grad_norm=0, dtype="fp32")
     ram = _train(cfg, tmp_path / "ram", base.replace(store="ram"))
     fused = _train(cfg, tmp_path / "fused", base.replace(update_timing="fused"))
@@ -210,6 +215,8 @@ def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the
     tc = base.replace(update_timing="fused")
     pc = tc.plan_config(2, 16)
     assert fused[2] == step_disk_bytes(cfg, pc)
+    # Untied, no gradient file is written: only each unit's new master and moments (fp32: 12 B/param).
+    assert (fused[2][1] == 12 * cfg.num_params()) == (model == "untied")
     assert plan(cfg, device_spec("h100-sxm"), pc).peak_device_bytes == fused[4] == dry_run(cfg, tc, 2, 16).peak
     # No host buffer of the embedding's size: the fold and the fused update's master are a block's.
     host, block = step_host(cfg, tc, pc), cfg.params().own("block.0")
@@ -220,3 +227,17 @@ def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the
     clipped = _train(cfg, tmp_path / "clipped", base.replace(max_grad_norm=limit, update_timing="fused"))
     assert after[0] == clipped[0] and 0 < sum(n > limit for n in after[3]) < STEPS
     assert_same_tensors(after[1], clipped[1])
+
+
+def test_llama_8b_takes_its_embedding_and_head_gradients_from_the_backward():
+    """docs/MEMORY_MODEL.md: Llama-3.1-8B's fused disk-tier step (bf16 master, int8 moments, 1 x 512) moves 76.2 GiB,
+    not the 84.1 it would fold its untied embedding's and head's fp32 gradients through their files for."""
+    cfg = ModelConfig.preset("llama-3.1-8b")
+    tc = TrainerConfig.of(store="disk", dtype="bf16", master_dtype="bf16", moment_dtype="int8",
+                          activations="checkpoint")
+    pc = tc.plan_config(1, 512)
+    assert pc.fused and updated_from_backward(cfg, pc.step) == {"embed", "head"}
+    read, written = step_disk_bytes(cfg, pc)
+    folded = 4 * (cfg.params().own("embed") + cfg.params().own("head"))  # written once and read once
+    assert round((read + written) / 2**30, 1) == 76.2
+    assert round((read + written + 2 * folded) / 2**30, 1) == 84.1

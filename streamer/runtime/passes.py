@@ -18,14 +18,14 @@ from layers.model import family_units
 from layers.moe.units import Experts, sparse_mlp
 from layers.quant4 import dequantized_into, quantize_linears
 from memory_model.schedule import (
-    Event, ExpertGroup, adapter_charges, folded_by_chunk, gradient_charges, resource_charges,
+    Event, ExpertGroup, adapter_charges, folded_by_chunk, gradient_charges, resource_charges, updated_from_backward,
 )
 from memory_model.lora import dequantized_bytes
 from memory_model.shapes import backward_workspace_bytes, block_backward_transient_bytes, loss_vocab_chunk
 from streamer.runtime.distributed import Reduction
 from streamer.runtime.loading import Loader
 from streamer.runtime.residency import SavedTensorRecorder, StreamedWeights, UnitState
-from streamer.runtime.step import MicroBatch, PendingOffload, StepContext
+from streamer.runtime.step import BackwardGradient, MicroBatch, PendingOffload, StepContext
 from streamer.runtime.transport import GRADIENT_FOLD
 from streamer.runtime.wiring import Runtime
 from streamer.store.layout import DTYPES
@@ -81,6 +81,8 @@ class Passes:
         self.grad_sq_norms: dict[str, float] = {}  # per unit, of the step's final gradient, in backward order
         self._scratch: torch.Tensor | None = None
         self.by_chunk = folded_by_chunk(cfg, rt.step, rt.shards)  # units folded through their files by blocks
+        # Of those, the units whose fused update takes its gradient from the backward, not from their files.
+        self.from_backward = updated_from_backward(cfg, rt.step, self.processes)
         # A grouped block's expert gradients on the host, by group, until the rest of its gradient joins them.
         self._expert_grads: dict[str, dict[int, list[torch.Tensor]]] = {}
 
@@ -343,11 +345,14 @@ class Passes:
         # Each state's part apart: sharded, a rank's slice of the embedding's part is its slice of the embedding.
         reductions = (None if self.data_parallel is None else
                       [(owner, self.data_parallel.start_reduce(pieces)) for owner, pieces in parts])
-        # The last micro-batch's sum stays in memory for a fused update (which loads it, folded by chunk) or a norm.
-        kept = (ctx.fused and unit not in self.by_chunk) or ctx.norm_pass
+        # The last micro-batch's sum stays in memory for a fused update (which loads it, folded by chunk, unless it
+        # takes it from the backward's gradient, which is then folded only for its norm) or a norm.
+        direct = ctx.fused and last and unit in self.from_backward
+        kept = (ctx.fused and (unit not in self.by_chunk or direct)) or ctx.norm_pass
         step, persist = ctx.step, not (kept and last)
         job = partial(self._traced_offload, unit, step, parts, first, last, reductions, persist)
-        ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles)
+        ctx.pending_offload = PendingOffload(unit, last, self.io.folds.submit(job), handles,
+                                             tuple(grads) if direct else None)
 
     def _offload_group(self, group: ExpertGroup, grads: tuple[torch.Tensor, ...], ctx: StepContext) -> None:
         """A group's StreamedWeights' backward: its experts' gradient leaves for host memory while the next
@@ -400,8 +405,11 @@ class Passes:
         if pending is None:
             return
         sq_norm, total = pending.future.result()
-        for handle in pending.handles:
-            self.ledger.free(handle)
+        if pending.kept is None:
+            for handle in pending.handles:
+                self.ledger.free(handle)
+        else:  # freed by the unit's update, after its last chunk
+            ctx.backward_grads[pending.unit] = BackwardGradient(pending.kept, pending.handles)
         if pending.last:
             self.grad_sq_norms[pending.unit] = sq_norm
             if ctx.fused:

@@ -51,6 +51,17 @@ class PendingOffload:
     last: bool  # the step's last micro-batch: the accumulated gradient is final and its norm counts
     future: cf.Future[tuple[float, torch.Tensor | None]]  # (squared norm, accumulated gradient) when last
     handles: list[int]  # the ledger charges of the gradient on the device
+    # The gradient itself, where the unit's fused update takes its chunks from it (updated_from_backward).
+    kept: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class BackwardGradient:
+    """A unit's gradient as its backward made it (one tensor per parameter), held on the device with its ledger
+    charges until the unit's fused update has taken its last chunk (memory_model.schedule.updated_from_backward)."""
+
+    pieces: tuple[torch.Tensor, ...]
+    handles: list[int]
 
 
 @dataclass
@@ -98,6 +109,7 @@ class StepContext:
     flowing_grad: tuple[torch.Tensor, int] | None = None  # into the unit whose backward is next; its charge
     pending_offload: PendingOffload | None = None
     final_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # fused: awaiting their update
+    backward_grads: dict[str, BackwardGradient] = field(default_factory=dict)  # fused, taken from the backward
     # Fused, on a store whose loads cast the fp32 master: the master each unit's last weights load read, which
     # its update takes and updates in place (read once per step).
     kept_masters: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -560,6 +560,13 @@ class Transport:
         out.copy_(piece)  # synchronous: the next unit's fold reuses the host buffer
         return out
 
+    def backward_chunk(self, pieces: Sequence[torch.Tensor], start: int, count: int) -> torch.Tensor:
+        """A chunk of a unit's gradient as its backward made it on the device (one tensor per parameter, laid end
+        to end), in fp32, in a device buffer of its own: `give_back` it."""
+        if self.mode == "meta":
+            return torch.empty(count, dtype=torch.float32, device="meta")
+        return fold_into(self._take(count, torch.float32, "device"), pieces, first=True, start=start)
+
     def _to_host_buffer(self, fill: Callable[[torch.Tensor], object] | None, ram: torch.Tensor | None,
                         numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of `numel` elements for an update on the host: the RAM slab itself where it already has

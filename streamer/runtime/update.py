@@ -61,8 +61,8 @@ class Updater:
             adamw_chunk(tensors, start, layout.decay_numel, self.optimizer, ctx.step, ctx.lr, ctx.clip_coef, rounding)
         if ctx.fused and not chunk.grad:
             grad = tensors.pop("grad")
-            if grad.device.type != "cpu":
-                self.transport.give_back(grad)  # a device copy; on the host it is the accumulator itself
+            if grad.device.type != "cpu" or chunk.unit in ctx.backward_grads:
+                self.transport.give_back(grad)  # a copy; on the host, else, it is the accumulator itself
         new_compute, handles = None, []
         if self.store_keeps_compute():
             new_compute = self.transport.compute_target(chunk.unit, chunk.start, chunk.count,
@@ -80,6 +80,9 @@ class Updater:
         ctx.write_backs.append(self.io.writes.submit(job))
         for handle in handles:
             self.ledger.free(handle)
+        if chunk.last and chunk.unit in ctx.backward_grads:  # its gradient, every chunk taken
+            for handle in ctx.backward_grads.pop(chunk.unit).handles:
+                self.ledger.free(handle)
 
     def _narrow(self, chunk: StateChunk, tensors: dict[str, torch.Tensor],
                 ctx: StepContext) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
@@ -115,7 +118,11 @@ class Updater:
             del ctx.final_grads[chunk.unit]
         if chunk.grad:  # a unit folded by chunk: its gradient was loaded with the chunk's state
             return tensors
-        grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
+        made = ctx.backward_grads.get(chunk.unit)
+        if made is not None:  # the backward's own, on the device: the chunk in fp32, in a buffer of its own
+            grad = self.transport.backward_chunk(made.pieces, chunk.start, chunk.count)
+        else:
+            grad = self.transport.host_chunk(total, chunk.start, chunk.count, on_host=self.on_host)
         return {**tensors, "grad": grad}
 
     def store_keeps_compute(self) -> bool:
@@ -163,6 +170,10 @@ class Updater:
         ctx.discard_writers()
         ctx.write_backs.clear()  # their failures were reported; the next step must not raise them again
         ctx.final_grads.clear()
+        for made in ctx.backward_grads.values():
+            for handle in made.handles:
+                self.ledger.free(handle)
+        ctx.backward_grads.clear()
         for master in ctx.kept_masters.values():
             self.transport.give_back(master)
         ctx.kept_masters.clear()
