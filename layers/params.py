@@ -35,6 +35,10 @@ class UnitParams(abc.ABC):
         both uses. Empty: the unit holds all its own."""
         return {}
 
+    def lenders(self) -> frozenset[str]:
+        """The units whose weights another unit borrows (a tied head's embedding): their gradient sums both uses."""
+        return frozenset(owner for unit in self.cfg.unit_names() for owner, _ in self.borrowed(unit).values())
+
     def own(self, unit: str) -> int:
         """The parameters the unit's own state holds (and its update walks); they add up to
         `ModelConfig.num_params`."""

@@ -232,10 +232,9 @@ def updated_from_backward(shape: ModelConfig, settings: StepConfig, devices: int
     gradient file and reading it back: where one micro-batch makes the whole gradient (one of them, one process,
     no other unit's backward adding to it, as a tied head adds to its embedding's) and the update runs on the
     device. Llama-3.1-8B's embedding and head: 7.8 GiB less to write and read a step."""
-    lenders = {owner for u in shape.unit_names() for owner, _ in shape.params().borrowed(u).values()}
     if settings.grad_accum != 1 or devices != 1 or settings.update_on == "host":
         return frozenset()
-    return folded_by_chunk(shape, settings) - lenders
+    return folded_by_chunk(shape, settings) - shape.params().lenders()
 
 
 def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool, devices: int = 1,
@@ -250,15 +249,14 @@ def step_spec(shape: ModelConfig, settings: StepConfig, compute_is_master: bool,
     shards = settings.shards(devices)
     # A block whose experts load in groups loads them apart from its weights: its update reads its own master.
     grouped = 0 < settings.expert_group_size < shape.params().experts()
-    micro_batches = settings.grad_accum if micro_batches is None else micro_batches
     fused = settings.fused(devices, frozen_base) if fused is None else fused
-    return StepSpec(units, micro_batches, {u: shard_numel(shape.params().own(u), shards) for u in units},
-                    settings.update_chunk, fused=fused, frozen_base=frozen_base,
+    return StepSpec(units, settings.grad_accum if micro_batches is None else micro_batches,
+                    {u: shard_numel(shape.params().own(u), shards) for u in units}, settings.update_chunk,
+                    fused=fused, frozen_base=frozen_base,
                     master_from_weights=settings.store.loads_read_master(compute_is_master) and not grouped,
                     backward=backward, update_units=update_units, offload_inputs=settings.offloads_inputs,
                     by_chunk=folded_by_chunk(shape, settings, shards),
-                    from_backward=updated_from_backward(shape, settings, devices) if fused and micro_batches == 1
-                    else frozenset())
+                    from_backward=updated_from_backward(shape, settings, devices) if fused else frozenset())
 
 
 def norm_pass_spec(step: StepSpec) -> StepSpec:

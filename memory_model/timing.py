@@ -281,7 +281,7 @@ def _gradient_out(event: Event, shape: ModelConfig, cfg: PlanConfig, device: Dev
     # embedding's own backward, which then always reads it (schedule.disk_bytes).
     own = shape.params().own(event.unit)
     borrowed = params - own
-    lent = any(owner == event.unit for u in shape.unit_names() for owner, _ in shape.params().borrowed(u).values())
+    lent = event.unit in shape.params().lenders()
     read = 0 if not disk else 4 * (own * (not first or lent) + borrowed * (not first))
     # A fused update keeps its last, but for a unit folded by chunk, whose update reads it back chunk by chunk
     # unless it takes it from the backward.

@@ -47,7 +47,7 @@ class Passes:
         self.units = list(layouts)
         # Units whose weights another unit borrows (a tied head's embedding): that unit's backward, earlier in
         # each micro-batch, starts their accumulator, so their own backward always adds to it.
-        self.lent = {owner for layout in layouts.values() for _, owner in layout.borrowed}
+        self.lent = cfg.params().lenders()
         kinds: dict[str, nn.Module] = {}  # one module shell per kind of unit; only the weights differ
         for unit in self.units:
             if unit_kind(cfg, unit) not in kinds:
