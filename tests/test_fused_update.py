@@ -229,6 +229,19 @@ def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the
     assert_same_tensors(after[1], clipped[1])
 
 
+def test_a_bf16_gradient_taken_from_the_backward_gives_the_bits_of_the_update_after_it(tmp_path):
+    """The untied embedding and head in bf16 compute, bf16 master and int8 moments: each fused update chunk casts
+    the backward's bf16 gradient to fp32, as the fold after the backward does; the bits are the same, and the files
+    move what the planner counts, without the gradient files."""
+    tc = DISK.replace(max_grad_norm=0, dtype="bf16", master_dtype="bf16", moment_dtype="int8", update_chunk=4864)
+    cfg = WIDE["untied"]
+    after = _train(cfg, tmp_path / "after", tc.replace(update_timing="after-backward"))
+    fused = _train(cfg, tmp_path / "fused", tc.replace(update_timing="fused"))
+    assert after[0] == fused[0]
+    assert_same_tensors(after[1], fused[1])
+    assert fused[2] == step_disk_bytes(cfg, tc.replace(update_timing="fused").plan_config(2, 16))
+
+
 def test_llama_8b_takes_its_embedding_and_head_gradients_from_the_backward():
     """docs/MEMORY_MODEL.md: Llama-3.1-8B's fused disk-tier step (bf16 master, int8 moments, 1 x 512) moves 76.2 GiB,
     not the 84.1 it would fold its untied embedding's and head's fp32 gradients through their files for."""
