@@ -385,16 +385,22 @@ def _lookahead(events: list[Event], index: int, depth: int, last_backward: dict[
 
 def _leads(events: list[Event]) -> list[Resource | None]:
     """For each event, the weights it loads first: for a backward or update event, the next backward's in the same
-    backward pass (None past its last, and for any other event)."""
+    backward pass (None past its last, and for any other event). A forward that runs straight into its own
+    backward (the head's, at the turn) takes that backward's lead: what it fetches ahead is then what the backward
+    holds, and no chunk it fetched is pushed out of the backward's window yet still held through it."""
     leads: list[Resource | None] = []
     upcoming: Resource | None = None  # the nearest backward's weights after the event, with no forward between
+    following: Event | None = None
     for event in reversed(events):
         own = event.phase in ("backward", "update") and upcoming != event.resource
-        leads.append(upcoming if own else None)
+        turn = (event.phase == "forward" and following is not None and following.phase == "backward"
+                and following.resource == event.resource)
+        leads.append(leads[-1] if turn else upcoming if own else None)
         if event.phase == "backward":
             upcoming = event.resource
         elif event.phase == "forward":
             upcoming = None
+        following = event
     return leads[::-1]
 
 

@@ -17,7 +17,7 @@ from layers import GPTJConfig, LlamaConfig, ModelConfig
 from memory_model import device_spec, plan
 from memory_model.planner import step_disk_bytes
 from memory_model.schedule import (
-    StepSpec, Weights, folded_by_chunk, load_order, loads_keeping_master, resident_sets, step_events,
+    StepSpec, Weights, folded_by_chunk, load_order, loads_keeping_master, releases, resident_sets, step_events,
     updated_from_backward,
 )
 from memory_model.shapes import PlanConfig
@@ -177,6 +177,29 @@ def test_a_fused_backward_and_its_updates_load_the_next_backwards_weights_first(
     assert all(len(resident[k]) == 1 + prefetch for k, e in enumerate(events) if e.phase == "forward")
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("fused,micro_batches", [(False, 1), (False, 2), (True, 1), (True, 2)])
+@pytest.mark.parametrize("large", ["none", "folded", "from backward"])
+def test_whatever_a_step_has_loaded_is_in_the_resident_set_until_it_is_released(prefetch, fused, micro_batches, large):
+    """The planner prices each event's resident set, and the executor holds every load it issued until its release:
+    the two are the same only if no resident set leaves out a resource loaded earlier and not yet released. At the
+    turn, the head's forward fetches ahead what its backward keeps (its backward's lead, then its first chunks), not
+    chunks that the backward's lead would push out of the window while they stay on the device. Units over twice a
+    block, folded by chunk or updated from the backward's gradient, and several update chunks per unit."""
+    units = ("embed", "block.0", "block.1", "block.2", "head")
+    wide = frozenset() if large == "none" else frozenset({"embed", "head"})
+    spec = StepSpec(units, micro_batches, {u: 400 if u in wide else 100 for u in units}, 50, fused=fused,
+                    by_chunk=wide, from_backward=wide if large == "from backward" and fused and micro_batches == 1
+                    else frozenset())
+    events = step_events(spec)
+    held: set = set()
+    for k, resident in enumerate(resident_sets(events, prefetch)):
+        held |= set(resident)
+        assert held == set(resident), (k, events[k])
+        held -= set(releases(events, k))
+    assert not held
+
+
 # Embeddings over twice a block (gptj-debug's blocks hold 49,600 parameters), untied and tied: each is folded through
 # its gradient file a block at a time, and its fused update loads each chunk's gradient and master.
 WIDE = {"untied": GPTJConfig(vocab_size=2048, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
@@ -240,6 +263,11 @@ def test_a_bf16_gradient_taken_from_the_backward_gives_the_bits_of_the_update_af
     assert after[0] == fused[0]
     assert_same_tensors(after[1], fused[1])
     assert fused[2] == step_disk_bytes(cfg, tc.replace(update_timing="fused").plan_config(2, 16))
+    # Two slots ahead, as the scale runs load: the head's forward fetches what its backward holds, and the ledger's
+    # peak is the plan's to the byte.
+    ahead = tc.replace(update_timing="fused", prefetch=2)
+    assert _train(cfg, tmp_path / "ahead", ahead)[4] == plan(cfg, device_spec("h100-sxm"),
+                                                             ahead.plan_config(2, 16)).peak_device_bytes
 
 
 def test_llama_8b_takes_its_embedding_and_head_gradients_from_the_backward():
