@@ -33,7 +33,7 @@ class Updater:
         self.narrowed = BufferPool() if narrows_write_backs(rt.step, frozen, self.transport.mode == "shared") \
             else None
         numels = {unit: shard_numel(layout.numel, self.shards) for unit, layout in self.layouts.items()}
-        self.lag = 0 if self.narrowed is None else write_lag(rt.step, numels)
+        self.lag = 0 if self.narrowed is None else write_lag(rt.step)
         # The stored kinds' dtypes, and each narrowed buffer's bytes: the largest chunk's, as the plan charges.
         self.stored_dtypes = [] if self.store is None else \
             [self.store.spec.kind_dtype_name(kind) for kind in STATE_KINDS]
