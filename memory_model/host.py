@@ -10,9 +10,11 @@ beside device memory, and what `streamer train` checks against the machine's ava
   (`staging_pool_bytes`; a frozen base's, `frozen_staging_bytes`);
 - `fold`: disk-tier gradients, folded in host memory into one fp32 buffer of the largest unit folded whole (a
   unit over twice the largest block is folded through its file in blocks of that buffer, `folded_by_chunk`);
-- `master`: where the device is the host, the fp32 master a fused update takes from its unit's weights load, kept
-  from that load to the update (the ledger charges the weights cast from it; an accelerator's is staged); a unit
-  folded by chunk loads each chunk's master with its state instead;
+- `master`: where the device is the host, the fp32 masters fused updates take from their units' weights loads, each
+  kept from its load's issue to the unit's last update chunk (the ledger charges the weights cast from it; an
+  accelerator's is staged), as many as are held at once beside the device's bytes at their highest sum
+  (`shared_peak`): with two slots ahead, the next backward's beside this unit's update. A unit folded by chunk
+  loads each chunk's master with its state instead;
 - `writes`: the state files' writes: the stages a file is written through (`STAGE_BYTES`, one filling and
   `STAGES_IN_FLIGHT` being written); a kind of one chunk's state in its stored form (a bf16 master, an int8
   moment) in the buffer each thread that reads, quantizes or casts it keeps (the read thread; the main thread,
@@ -218,11 +220,22 @@ def offloaded_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     return offloaded_inputs_bytes(shape, cfg.micro_batch, cfg.seq, cfg.dtype_bytes) if cfg.step.offloads_inputs else 0
 
 
-def shared_peak(shape: ModelConfig, moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfig) -> int:
-    """The highest moment's device bytes less those that are the store's RAM slabs, handed to the compute as
-    they lie where the device is the host: a weights load of the compute copy in RAM, an update's fp32 master and
-    moments in RAM, and its gradient in the RAM accumulator, or in a fused step the one the fold left (priced
-    apart: `fold`). What is read from a file, widened or dequantized takes buffers of its own."""
+@dataclass(frozen=True)
+class SharedPeak:
+    """Where the device is the host: at the moment their sum is highest, the device's bytes that are host memory
+    of their own (`device`) and the fp32 masters fused updates keep from their units' weights loads (`master`)."""
+
+    device: int
+    master: int
+
+
+def shared_peak(shape: ModelConfig, moments: Sequence[tuple[Event, tuple[int, ...]]], cfg: PlanConfig,
+                masters: Sequence[frozenset[str]]) -> SharedPeak:
+    """Each moment's device bytes less those that are the store's RAM slabs, handed to the compute as they lie
+    where the device is the host: a weights load of the compute copy in RAM, an update's fp32 master and moments
+    in RAM, and its gradient in the RAM accumulator, or in a fused step the one the fold left (priced apart:
+    `fold`). What is read from a file, widened or dequantized takes buffers of its own. Beside them, the masters
+    kept at that moment (`masters`, per event: memory_model.schedule.kept_masters); the highest sum."""
     store = cfg.step.store
     weights_lie = store.compute.zero_copy and not store.loads_read_master(cfg.compute_is_master)
     in_ram = store.state.zero_copy
@@ -230,8 +243,9 @@ def shared_peak(shape: ModelConfig, moments: Sequence[tuple[Event, tuple[int, ..
                  + (0 if in_ram and cfg.precision.moments == "fp32" else 8))
     # A fused update's chunks of a unit that takes them from the backward's gradient are copies of their own.
     from_backward = updated_from_backward(shape, cfg.step, cfg.devices) if cfg.fused else frozenset()
-    peak = 0
-    for event, nbytes in moments:
+    numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}
+    peak = SharedPeak(0, 0)
+    for (event, nbytes), kept in zip(moments, masters, strict=True):
         held = dict(zip(CATEGORIES, nbytes, strict=True))
         if weights_lie:
             held["weights"] = 0
@@ -239,18 +253,19 @@ def shared_peak(shape: ModelConfig, moments: Sequence[tuple[Event, tuple[int, ..
             held["optimizer"] = held["optimizer"] * own_state // OPTIMIZER_BYTES_PER_PARAM
             if store.grad.zero_copy or (cfg.fused and not event.chunk.grad and event.unit not in from_backward):
                 held["gradients"] = 0
-        peak = max(peak, sum(held.values()))
+        here = SharedPeak(sum(held.values()), sum(4 * numels[u] for u in kept))
+        peak = max(peak, here, key=lambda p: p.device + p.master)
     return peak
 
 
-def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostBytes:
-    """`shared`: where the device is the host, the device bytes at its peak that are host memory of their own
-    (`shared_peak`); None where the device has its own memory."""
+def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: SharedPeak | None) -> HostBytes:
+    """`shared`: where the device is the host, the device bytes and kept masters at their peak (`shared_peak`);
+    None where the device has its own memory."""
     frozen, store, same_memory = cfg.lora.enabled, cfg.step.store, shared is not None
     store_ram = sum(nbytes for tier, nbytes in store_kinds(shape, cfg).values() if tier.zero_copy)
     numels = {u: shard_numel(shape.params().own(u), cfg.shards) for u in shape.unit_names()}
     largest = max(numels.values())
-    # The largest unit whose fold (and fused update's master) is whole: larger ones go chunk by chunk.
+    # The largest unit whose fold is whole: larger ones go chunk by chunk.
     by_chunk = folded_by_chunk(shape, cfg.step, cfg.shards)
     whole = max(n for u, n in numels.items() if u not in by_chunk)
     chunk = min(cfg.step.update_chunk, largest)
@@ -281,13 +296,14 @@ def host_bytes(shape: ModelConfig, cfg: PlanConfig, shared: int | None) -> HostB
     staging = 0 if same_memory else pool
     # The start's units, where a step holds the device's bytes and the staging pool (empty until the first step's
     # loads take its buffers).
-    start = max(0, max(start_unit_bytes(shape, cfg, u) for u in shape.unit_names()) - (shared or 0) - staging) \
+    held = 0 if shared is None else shared.device
+    start = max(0, max(start_unit_bytes(shape, cfg, u) for u in shape.unit_names()) - held - staging) \
         + (BITSANDBYTES_BYTES if cfg.lora.load_in_4bit or cfg.lora.load_in_8bit else 0)
     return HostBytes(
-        base=BASE_BYTES, store=store_ram, device=shared or 0,
+        base=BASE_BYTES, store=store_ram, device=held,
         staging=staging,
         fold=whole * GRAD_ACCUM_BYTES_PER_PARAM if not store.grad.zero_copy and not frozen else 0,
-        master=4 * whole if same_memory and cfg.fused and store.loads_read_master(cfg.compute_is_master) else 0,
+        master=0 if shared is None else shared.master,
         writes=(STAGES_IN_FLIGHT + 1) * STAGE_BYTES + scratch + checksummed,
         activations=offloaded_bytes(shape, cfg), write_backs=lagging, start=start,
         compiled=COMPILED_BYTES if not frozen and chunk >= COMPILE_MIN_NUMEL and cfg.precision.master == "bf16"

@@ -23,7 +23,7 @@ from memory_model.devices import DeviceSpec
 from memory_model.expert_groups import (
     backward_moment, expert_group, forward_moment, group_sizes, grouped, grouped_block_numel, last_gradient, reloaded,
 )
-from memory_model.host import HostBytes, host_bytes, offloaded_bytes, shared_peak, store_kinds
+from memory_model.host import HostBytes, SharedPeak, host_bytes, offloaded_bytes, shared_peak, store_kinds
 from memory_model.ledger import CATEGORIES
 from memory_model.settings import flatten
 from memory_model.shapes import (
@@ -34,7 +34,7 @@ from memory_model.shapes import (
 from memory_model.lora import adapter_params, dequantized_bytes, targets_of, weights_bytes
 from memory_model.schedule import (
     BlockInput, Charge, Event, Resource, StepSpec, Weights, adapter_charges, disk_bytes, gathered_numel,
-    gradient_charges, is_fused, load_order, norm_pass_spec, resident_sets, resource_charges,
+    gradient_charges, is_fused, kept_masters, load_order, norm_pass_spec, resident_sets, resource_charges,
     shard_numel, step_events, step_spec, store_bytes, update_charges, updated_from_backward,
 )
 from memory_model.timing import RESOURCES, simulate
@@ -482,12 +482,13 @@ def peak_device_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
     return max(sum(b) for _, b in _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq))
 
 
-def shared_peak_bytes(shape: ModelConfig, cfg: PlanConfig) -> int:
+def shared_peak_bytes(shape: ModelConfig, cfg: PlanConfig) -> SharedPeak:
     """Where the device is the host (the cpu): the step's peak of the device bytes that are host memory of their
-    own (`memory_model.host`'s `device`)."""
+    own and the masters kept beside them (`memory_model.host`'s `device` and `master`)."""
     events = _events(shape, cfg)
     resident = resident_sets(events, cfg.step.prefetch)
-    return shared_peak(shape, _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq), cfg)
+    return shared_peak(shape, _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq), cfg,
+                       kept_masters(events, cfg.step.prefetch))
 
 
 def _train_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -595,7 +596,8 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
         host_fits=(in_ram + host_acts) * stores <= device.host_ram_bytes,
-        host_peak=host_bytes(shape, cfg, shared_peak(shape, moments, cfg) if device.same_memory else None),
+        host_peak=host_bytes(shape, cfg, shared_peak(shape, moments, cfg, kept_masters(events, cfg.step.prefetch))
+                             if device.same_memory else None),
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.precision.compute),
         model_flops=model_flops, bottleneck=timeline.bottleneck(),

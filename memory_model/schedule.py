@@ -429,6 +429,25 @@ def load_order(events: list[Event], prefetch: int) -> list[Resource]:
     return order
 
 
+def kept_masters(events: list[Event], prefetch: int) -> list[frozenset[str]]:
+    """Per event, the units whose fp32 master, kept from their last weights load (`loads_keeping_master`), is held:
+    from the step issuing that load (it stays loaded from then into the unit's last backward) to the unit's last
+    update chunk, which gives it back. With two or more slots ahead, the next backward's load, and its master,
+    comes while this unit's update still holds its own."""
+    resident = resident_sets(events, prefetch)
+    spans: dict[str, list[int]] = {}
+    for k, event in enumerate(events):
+        if not isinstance(event.resource, StateChunk) or event.resource.master:
+            continue
+        if event.unit not in spans:
+            start = max(j for j in range(k) if events[j].phase == "backward" and events[j].unit == event.unit)
+            while start > 0 and Weights(event.unit) in resident[start - 1]:
+                start -= 1
+            spans[event.unit] = [start, k]
+        spans[event.unit][1] = k
+    return [frozenset(u for u, (first, last) in spans.items() if first <= k <= last) for k in range(len(events))]
+
+
 def loads_keeping_master(events: list[Event], prefetch: int) -> list[bool]:
     """Per load of `load_order`: whether it is a weights load whose fp32 master the unit's update takes (a
     chunk with `master=False`): the unit's last weights load in the step, the one its last backward uses."""

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from layers import ModelConfig
 from memory_model.host import (
-    BASE_BYTES, NARROWED_ALIGN, host_bytes, narrowed_layout, narrows_write_backs, write_lag,
+    BASE_BYTES, NARROWED_ALIGN, SharedPeak, host_bytes, narrowed_layout, narrows_write_backs, write_lag,
 )
 from memory_model.shapes import GRAD_ACCUM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 from memory_model.units import format_size
@@ -469,7 +469,8 @@ def _planned_start(checkpoint: Path, settings: dict) -> int:
     """The plan's host bytes of an import alone: the RAM store it fills and its `start`."""
     tc = TrainerConfig.of(**settings)
     source = saved_dtype(checkpoint)
-    host = host_bytes(ModelConfig.from_hf(checkpoint), tc.plan_config(1, 16, source_dtype=source), shared=0)
+    host = host_bytes(ModelConfig.from_hf(checkpoint), tc.plan_config(1, 16, source_dtype=source),
+                      shared=SharedPeak(0, 0))
     return host.store + host.start
 
 
