@@ -488,7 +488,7 @@ def shared_peak_bytes(shape: ModelConfig, cfg: PlanConfig) -> SharedPeak:
     events = _events(shape, cfg)
     resident = resident_sets(events, cfg.step.prefetch)
     return shared_peak(shape, _memory_walk(shape, cfg, events, resident, cfg.micro_batch, cfg.seq), cfg,
-                       kept_masters(events, cfg.step.prefetch))
+                       kept_masters(events, resident))
 
 
 def _train_peak(shape: ModelConfig, cfg: PlanConfig) -> int:
@@ -596,7 +596,7 @@ def plan(shape: ModelConfig, device: DeviceSpec, cfg: PlanConfig, limits: bool =
         fits=allocated + device.reserve_bytes <= device.memory_bytes,
         host_store_bytes=host_store, host_activation_bytes=host_acts, host_stores=stores,
         host_fits=(in_ram + host_acts) * stores <= device.host_ram_bytes,
-        host_peak=host_bytes(shape, cfg, shared_peak(shape, moments, cfg, kept_masters(events, cfg.step.prefetch))
+        host_peak=host_bytes(shape, cfg, shared_peak(shape, moments, cfg, kept_masters(events, resident))
                              if device.same_memory else None),
         step_time_s=step_s, tokens_per_s=cfg.batch * seq / step_s,
         utilisation=model_flops / step_s / device.flops_for(cfg.precision.compute),

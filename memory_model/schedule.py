@@ -429,12 +429,11 @@ def load_order(events: list[Event], prefetch: int) -> list[Resource]:
     return order
 
 
-def kept_masters(events: list[Event], prefetch: int) -> list[frozenset[str]]:
+def kept_masters(events: list[Event], resident: list[list[Resource]]) -> list[frozenset[str]]:
     """Per event, the units whose fp32 master, kept from their last weights load (`loads_keeping_master`), is held:
-    from the step issuing that load (it stays loaded from then into the unit's last backward) to the unit's last
-    update chunk, which gives it back. With two or more slots ahead, the next backward's load, and its master,
-    comes while this unit's update still holds its own."""
-    resident = resident_sets(events, prefetch)
+    from the event issuing that load (`resident`: the events' `resident_sets`; the weights stay loaded from then
+    into the unit's last backward) to the unit's last update chunk, which gives it back. With two or more slots
+    ahead, the next backward's load, and its master, comes while this unit's update still holds its own."""
     spans: dict[str, list[int]] = {}
     for k, event in enumerate(events):
         if not isinstance(event.resource, StateChunk) or event.resource.master:

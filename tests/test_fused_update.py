@@ -208,9 +208,9 @@ def test_a_kept_master_is_held_from_its_loads_issue_to_its_units_last_update_chu
     units = CFG.unit_names()
     events = step_events(StepSpec(tuple(units), 1, {u: CFG.params().own(u) for u in units}, 5000, fused=True,
                                   master_from_weights=True))
-    held = kept_masters(events, prefetch)
-    order, keeping = load_order(events, prefetch), loads_keeping_master(events, prefetch)
     resident = resident_sets(events, prefetch)
+    held = kept_masters(events, resident)
+    order, keeping = load_order(events, prefetch), loads_keeping_master(events, prefetch)
     for unit in units:
         spans = [k for k, kept in enumerate(held) if unit in kept]
         assert spans == list(range(spans[0], spans[-1] + 1))  # one span, unbroken
@@ -223,7 +223,8 @@ def test_a_kept_master_is_held_from_its_loads_issue_to_its_units_last_update_chu
     head_backward = next(k for k, e in enumerate(events) if e.phase == "backward")
     last = f"block.{CFG.num_hidden_layers - 1}"
     assert held[head_backward] == ({"head", last} if prefetch == 2 else {"head"})
-    assert not any(kept_masters(step_events(StepSpec(tuple(units), 1, {u: 100 for u in units}, 50, fused=False)), 2))
+    unfused = step_events(StepSpec(tuple(units), 1, {u: 100 for u in units}, 50, fused=False))
+    assert not any(kept_masters(unfused, resident_sets(unfused, 2)))
 
 
 # Embeddings over twice a block (gptj-debug's blocks hold 49,600 parameters), untied and tied: each is folded through
@@ -270,7 +271,8 @@ def test_a_unit_much_larger_than_a_block_is_folded_and_updated_by_chunk_with_the
     # No host buffer of the embedding's size: the fold is a block's, and no master but a block's is kept.
     host, block = step_host(cfg, tc, pc), cfg.params().own("block.0")
     assert host.fold == 4 * block and host.master <= 4 * block
-    kept = set().union(*kept_masters(step_events(planned_spec(cfg, pc)), pc.step.prefetch))
+    events = step_events(planned_spec(cfg, pc))
+    kept = set().union(*kept_masters(events, resident_sets(events, pc.step.prefetch)))
     assert "embed" not in kept and ("head" in kept) == (model == "tied")  # tied, the head owns its final norm
     norms = sorted(fused[3])
     limit = (norms[1] + norms[2]) / 2  # the early steps clip, the later ones do not (or the reverse)
